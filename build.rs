@@ -1,0 +1,21 @@
+//! Regenerates `include/refit.h` from `src/ffi` with cbindgen. The header is checked in; CI rebuilds
+//! it and fails when the checked-in copy differs (`git diff --exit-code include/refit.h`).
+
+use std::path::PathBuf;
+
+fn main() {
+    println!("cargo:rerun-if-changed=src");
+    println!("cargo:rerun-if-changed=cbindgen.toml");
+    let crate_dir =
+        PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("cbindgen.toml parses");
+    let bindings = match cbindgen::Builder::new().with_crate(&crate_dir).with_config(config).generate() {
+        Ok(bindings) => bindings,
+        Err(err) => {
+            // A syntax error elsewhere in the crate makes cbindgen fail too; let rustc report it.
+            println!("cargo:warning=cbindgen could not regenerate include/refit.h: {err}");
+            return;
+        }
+    };
+    bindings.write_to_file(crate_dir.join("include/refit.h"));
+}

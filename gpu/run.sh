@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# Runs on the GPU machine, from the repository root, over what gpu/stage.sh put in .gpu/:
+#   every GPU test (tests/gpu_*.rs, #[ignore]d elsewhere, run here with --ignored), the C/C++ tests,
+#   then every GPU bench (benches/gpu_*), the Python peer benches (benches/*_peer.py),
+#   and prints a short table last. Logs and JSON results go to $OUT.
+# Usage: gpu/run.sh [tests|benches|all] [filter]
+set -uo pipefail
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+export REFIT_NCCL_LIBRARY=${REFIT_NCCL_LIBRARY:-/usr/lib/x86_64-linux-gnu/libnccl.so.2}
+export REFIT_LIBRARY=$PWD/.gpu/lib/librefit.so
+export LD_LIBRARY_PATH=$PWD/.gpu/lib:${LD_LIBRARY_PATH:-}
+# Only 8 files come back from $OUT: work in $work, pack it into $OUT/gpu.tgz at the end.
+work=/tmp/refit-gpu
+rm -rf "$work" && mkdir -p "$work"
+export REFIT_BENCH_RESULTS=$work/results
+export PYTHONPATH=$PWD/python PYTHONUNBUFFERED=1
+mkdir -p "$REFIT_BENCH_RESULTS"
+what=${1:-all}
+filter=${2:-}
+log=$work/gpu.log
+summary=()
+
+nvidia-smi --query-gpu=index,name,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$log"
+nvidia-smi topo -m 2>&1 | head -5 | tee -a "$log"
+
+record() { summary+=("$(printf '%-34s %s' "$1" "$2")"); }
+
+if [ "$what" = all ] || [ "$what" = tests ]; then
+  for t in .gpu/tests/gpu_*; do
+    [ -e "$t" ] || continue
+    name=$(basename "$t")
+    [ -n "$filter" ] && [[ "$name" != *$filter* ]] && continue
+    echo "=== test $name" | tee -a "$log"
+    if timeout 300 "$t" --ignored --test-threads=1 >>"$log" 2>&1; then
+      record "$name" "$(grep -E '^test result' "$log" | tail -1)"
+    else
+      record "$name" "FAILED (see gpu.log)"
+    fi
+  done
+fi
+
+if [ "$what" = all ] || [ "$what" = benches ]; then
+  for b in .gpu/benches/gpu_*; do
+    [ -e "$b" ] || continue
+    name=$(basename "$b")
+    [ -n "$filter" ] && [[ "$name" != *$filter* ]] && continue
+    echo "=== bench $name" | tee -a "$log"
+    if timeout 300 "$b" 2>&1 | tee -a "$log" "$work/$name.txt" >/dev/null; then
+      record "$name" "ok"
+    else
+      record "$name" "FAILED"
+    fi
+  done
+  for p in benches/*_peer.py; do
+    [ -e "$p" ] || continue
+    name=$(basename "$p" .py)
+    [ -n "$filter" ] && [[ "$name" != *$filter* ]] && continue
+    echo "=== python $name" | tee -a "$log"
+    if timeout 300 python3 "$p" 2>&1 | tee -a "$log" "$work/$name.txt" >/dev/null; then
+      record "$name" "ok"
+    else
+      record "$name" "FAILED"
+    fi
+  done
+fi
+
+echo
+echo "=== summary"
+printf '%s\n' "${summary[@]}"
+for f in "$work"/gpu_*.txt "$work"/*_peer.txt; do
+  [ -e "$f" ] && { echo "--- $(basename "$f")"; grep -E '^\|' "$f" | tail -20; }
+done
+mkdir -p "${OUT:-/tmp/out}"
+cp "$log" "${OUT:-/tmp/out}/" && tar czf "${OUT:-/tmp/out}/gpu.tgz" -C "$work" .

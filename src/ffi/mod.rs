@@ -1,0 +1,103 @@
+//! The C ABI and nothing else: every export converts and checks its arguments, calls the Rust core,
+//! and writes outputs. Each export runs inside [`boundary`], which turns errors into a status plus a
+//! thread-local message and turns a panic into `REFIT_STATUS_INTERNAL_ERROR`.
+//!
+//! One file per area. Enums that C passes *in* are taken as integers and converted with a check, so
+//! an out-of-range value is an error, never undefined behaviour.
+
+#![allow(non_camel_case_types)]
+
+pub mod status;
+
+use crate::error::{set_last_error, Error, Result, Status};
+use std::panic::{catch_unwind, AssertUnwindSafe};
+
+/// Runs one export's body. `name` is the exported function's name, prefixed to the failure message.
+pub(crate) fn boundary(name: &str, body: impl FnOnce() -> Result<()>) -> Status {
+    crate::logging::init();
+    // Handles are only touched through &/&mut inside the body; a panic leaves them as Rust left them,
+    // and every handle's own state is kept consistent by its methods, so asserting unwind safety holds.
+    match catch_unwind(AssertUnwindSafe(body)) {
+        Ok(Ok(())) => Status::Success,
+        Ok(Err(err)) => {
+            log::debug!("{name} failed: {err}");
+            set_last_error(&format!("{name}: {}", err.message));
+            err.status
+        }
+        Err(panic) => {
+            let what = panic
+                .downcast_ref::<&str>()
+                .map(|s| s.to_string())
+                .or_else(|| panic.downcast_ref::<String>().cloned())
+                .unwrap_or_else(|| "unknown panic".to_string());
+            log::error!("{name}: internal error: {what}");
+            set_last_error(&format!("{name}: internal error (please report): {what}"));
+            Status::InternalError
+        }
+    }
+}
+
+/// A required input pointer, as a reference.
+///
+/// # Safety
+/// `ptr` must be NULL or point to a valid `T` for the duration of the call.
+pub(crate) unsafe fn arg<'a, T>(ptr: *const T, what: &str) -> Result<&'a T> {
+    ptr.as_ref().ok_or_else(|| Error::new(Status::NullArgument, format!("{what} is NULL")))
+}
+
+/// A required handle passed for mutation.
+///
+/// # Safety
+/// `ptr` must be NULL or point to a valid `T` that no other thread uses during the call.
+pub(crate) unsafe fn arg_mut<'a, T>(ptr: *mut T, what: &str) -> Result<&'a mut T> {
+    ptr.as_mut().ok_or_else(|| Error::new(Status::NullArgument, format!("{what} is NULL")))
+}
+
+/// A required output slot; checked before any work so that nothing is done for a call that cannot
+/// report its result.
+pub(crate) fn out<'a, T>(ptr: *mut T, what: &str) -> Result<&'a mut std::mem::MaybeUninit<T>> {
+    // SAFETY: a non-NULL output pointer is the caller's promise of a writable T.
+    unsafe { (ptr as *mut std::mem::MaybeUninit<T>).as_mut() }
+        .ok_or_else(|| Error::new(Status::NullArgument, format!("{what} is NULL")))
+}
+
+/// A caller array of `len` elements. NULL is accepted only when `len` is 0.
+///
+/// # Safety
+/// When `len > 0`, `ptr` must point to `len` valid, initialized `T`s for the duration of the call.
+pub(crate) unsafe fn slice<'a, T>(ptr: *const T, len: usize, what: &str) -> Result<&'a [T]> {
+    if len == 0 {
+        return Ok(&[]);
+    }
+    if ptr.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL but its length is {len}")));
+    }
+    if len.checked_mul(std::mem::size_of::<T>()).is_none_or(|bytes| bytes > isize::MAX as usize) {
+        return Err(Error::invalid_argument(format!("{what} length {len} is too large")));
+    }
+    Ok(std::slice::from_raw_parts(ptr, len))
+}
+
+/// A caller string (NUL-terminated UTF-8).
+///
+/// # Safety
+/// `ptr` must be NULL or point to a NUL-terminated string.
+pub(crate) unsafe fn c_str<'a>(ptr: *const std::ffi::c_char, what: &str) -> Result<&'a str> {
+    if ptr.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+    }
+    std::ffi::CStr::from_ptr(ptr)
+        .to_str()
+        .map_err(|_| Error::invalid_argument(format!("{what} is not valid UTF-8")))
+}
+
+/// Checks that an options struct's leading `size` field covers at least the fields of the first ABI
+/// version (`min`) and at most what this library knows (`max`).
+pub(crate) fn check_struct_size(size: usize, min: usize, max: usize, what: &str) -> Result<()> {
+    if size < min || size > max {
+        return Err(Error::invalid_argument(format!(
+            "{what}.size is {size}; expected between {min} and {max} (fill it with the *_init function)"
+        )));
+    }
+    Ok(())
+}

@@ -1,0 +1,60 @@
+//! Version, status names, the last error message, and logging hooks.
+
+use super::boundary;
+use crate::error::{last_error_ptr, Status};
+use crate::logging::{self, refit_log_callback};
+use std::ffi::{c_char, c_void};
+
+/// ABI version of this header and library. Bumped only when an existing declaration changes
+/// incompatibly; appending functions, statuses or option fields does not bump it.
+pub const REFIT_ABI_VERSION: u32 = 1;
+
+/// The library's version string ("MAJOR.MINOR.PATCH"), static and NUL-terminated.
+/// Thread-safe; never fails.
+#[no_mangle]
+pub extern "C" fn refit_version() -> *const c_char {
+    concat!(env!("CARGO_PKG_VERSION"), "\0").as_ptr().cast()
+}
+
+/// REFIT_ABI_VERSION of the loaded library. A caller built against another ABI version should not use
+/// it. Thread-safe; never fails.
+#[no_mangle]
+pub extern "C" fn refit_abi_version() -> u32 {
+    REFIT_ABI_VERSION
+}
+
+/// The name of a status code (e.g. "REFIT_STATUS_INVALID_ARGUMENT"), static and NUL-terminated;
+/// "REFIT_STATUS_UNKNOWN" for a value that is not a status. Thread-safe; never fails.
+#[no_mangle]
+pub extern "C" fn refit_status_string(status: i32) -> *const c_char {
+    match Status::from_code(status.into()) {
+        Some(status) => status.name().as_ptr(),
+        None => c"REFIT_STATUS_UNKNOWN".as_ptr(),
+    }
+}
+
+/// The message of the last call on this thread that failed, NUL-terminated; "" if none has failed.
+/// Successful calls leave it unchanged. The pointer stays valid until the next failing call on this
+/// thread. Thread-safe (each thread has its own message); never fails.
+#[no_mangle]
+pub extern "C" fn refit_last_error_message() -> *const c_char {
+    last_error_ptr()
+}
+
+/// Installs a log sink. `level` is the most verbose level delivered: 0 off, 1 error, 2 warn, 3 info,
+/// 4 debug, 5 trace. `callback(level, message, user_data)` receives each record with a NUL-terminated
+/// message valid only during the call; it may be called from any thread, including the group's rank
+/// threads, and must not call back into refit. NULL `callback` restores the default sink (stderr).
+///
+/// Without this call, logging goes to stderr at the level named by the environment variable
+/// REFIT_LOG (off, error, warn, info, debug, trace), warn by default.
+///
+/// Thread-safe. Errors: REFIT_STATUS_INVALID_ARGUMENT for a level above 5.
+#[no_mangle]
+pub extern "C" fn refit_set_log_callback(
+    level: u32,
+    callback: refit_log_callback,
+    user_data: *mut c_void,
+) -> Status {
+    boundary("refit_set_log_callback", || logging::set_callback(level, callback, user_data))
+}

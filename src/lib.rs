@@ -1,0 +1,14 @@
+//! refit moves tensors between GPUs for frameworks written in other languages, behind a stable C ABI
+//! (`include/refit.h`). It offers stream-scoped group execution, allgather (NCCL or peer copies), and
+//! a reshard plan/execute API over raw device pointers the caller owns.
+//!
+//! Layers, each knowing only the ones below it: `plan` is pure Rust and knows no CUDA; `backend` moves
+//! bytes and knows no plans; `ffi` converts and checks, and holds no logic.
+
+pub mod error;
+pub mod ffi;
+pub mod logging;
+pub mod segment;
+
+pub use error::{Error, Result, Status};
+pub use segment::Segment;

@@ -1,0 +1,93 @@
+//! Builds every C (C11) and C++ (C++17) program in `cpp_tests/` against `include/refit.h`, links it to
+//! the freshly built `librefit.so`, and runs it. `REFIT_CPP_TEST_WRAPPER` (e.g. "valgrind
+//! --error-exitcode=1") runs each program under a checker; CI sets it once.
+
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn target_profile_dir() -> PathBuf {
+    // This binary lives in target/<profile>/deps; the cdylib lives in target/<profile>.
+    let exe = std::env::current_exe().expect("test binary path");
+    exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf()
+}
+
+fn compile(source: &Path, output: &Path, lib_dir: &Path) {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let is_cpp = source.extension().is_some_and(|e| e == "cpp");
+    let (compiler, standard) = if is_cpp { ("g++", "-std=c++17") } else { ("cc", "-std=c11") };
+    let status = Command::new(compiler)
+        .args([standard, "-Wall", "-Wextra", "-Werror", "-pedantic", "-g", "-O1", "-pthread"])
+        .arg(format!("-I{}", root.join("include").display()))
+        .arg(format!("-I{}", root.join("cpp_tests").display()))
+        .arg(source)
+        .arg("-o")
+        .arg(output)
+        .arg(format!("-L{}", lib_dir.display()))
+        .arg(format!("-Wl,-rpath,{}", lib_dir.display()))
+        .arg("-lrefit")
+        .status()
+        .unwrap_or_else(|e| panic!("cannot run {compiler}: {e}"));
+    assert!(status.success(), "{} did not compile", source.display());
+}
+
+fn run(program: &Path) -> String {
+    let wrapper = std::env::var("REFIT_CPP_TEST_WRAPPER").unwrap_or_default();
+    let mut words = wrapper.split_whitespace();
+    let mut command = match words.next() {
+        Some(tool) => {
+            let mut c = Command::new(tool);
+            c.args(words).arg(program);
+            c
+        }
+        None => Command::new(program),
+    };
+    let output = command.output().unwrap_or_else(|e| panic!("cannot run {}: {e}", program.display()));
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "{} failed ({}):\n{stdout}\n{}",
+        program.display(),
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+#[test]
+fn header_compiles_on_its_own_as_c_and_cpp() {
+    let header = Path::new(env!("CARGO_MANIFEST_DIR")).join("include/refit.h");
+    for (compiler, language, standard) in [("cc", "c", "-std=c11"), ("g++", "c++", "-std=c++17")] {
+        let status = Command::new(compiler)
+            .args(["-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-pedantic", standard, "-x", language])
+            .arg(&header)
+            .status()
+            .expect("compiler runs");
+        assert!(status.success(), "include/refit.h does not compile as {language}");
+    }
+}
+
+#[test]
+fn c_and_cpp_programs_pass() {
+    let lib_dir = target_profile_dir();
+    assert!(
+        lib_dir.join("librefit.so").exists(),
+        "{} has no librefit.so; build the library first",
+        lib_dir.display()
+    );
+    let out_dir = lib_dir.join("cpp_tests");
+    std::fs::create_dir_all(&out_dir).unwrap();
+    let mut sources: Vec<PathBuf> =
+        std::fs::read_dir(Path::new(env!("CARGO_MANIFEST_DIR")).join("cpp_tests"))
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .filter(|p| p.extension().is_some_and(|e| e == "c" || e == "cpp"))
+            .collect();
+    sources.sort();
+    assert!(!sources.is_empty());
+    for source in &sources {
+        let program = out_dir.join(source.file_stem().unwrap());
+        compile(source, &program, &lib_dir);
+        let stdout = run(&program);
+        println!("{}: {}", source.display(), stdout.lines().last().unwrap_or(""));
+    }
+}
