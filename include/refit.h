@@ -33,6 +33,11 @@
 #define REFIT_ABI_VERSION 1
 
 /**
+ * Most dimensions a tensor may have.
+ */
+#define MAX_DIMS 8
+
+/**
  * Result of every fallible call. Values are part of the ABI: new codes are appended, never renumbered.
  */
 typedef enum {

@@ -1,0 +1,82 @@
+//! What planners are given: each rank's shard table (tensors it knows, offers it publishes, needs it
+//! receives). Plain data with addresses as integers; nothing here knows where memory lives.
+
+/// Most dimensions a tensor may have.
+pub const MAX_DIMS: usize = 8;
+
+/// Where a shard lives or lands: a process rank and a device ordinal within that process.
+/// Two endpoints with the same rank are in the same process; with the same rank and device, on the
+/// same GPU.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Endpoint {
+    pub rank: u32,
+    pub device: u32,
+}
+
+/// A named tensor's global description. Every table that names a tensor must agree on all of it.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct TensorSpec {
+    pub name: String,
+    /// Caller-defined dtype code, compared for consistency only.
+    pub dtype: u32,
+    /// Bytes per element.
+    pub elem_size: u32,
+    /// Global shape, at most [`MAX_DIMS`] dimensions.
+    pub shape: Vec<u64>,
+}
+
+/// A box of a tensor in global coordinates: per-dimension offset and extent.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Region {
+    pub offset: Vec<u64>,
+    pub extent: Vec<u64>,
+}
+
+/// What a publisher holds: one box of a tensor at `addr`, laid out with `strides` (in elements, one
+/// per tensor dimension; `None` means row-major contiguous over `region.extent`).
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Offer {
+    /// Index into the owning table's `tensors`.
+    pub tensor: u32,
+    pub owner: Endpoint,
+    pub addr: u64,
+    pub region: Region,
+    pub strides: Option<Vec<u64>>,
+    /// Optional digest of the box's bytes; replicas with differing digests are an error.
+    pub digest: Option<u64>,
+}
+
+/// What a receiver wants: `region` of a tensor (global coordinates), written at `addr` with
+/// destination element `strides`, one per destination dimension. Destination dimension `d` is tensor
+/// dimension `perm[d]` (`None` is the identity), so a transposed destination is a permutation.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct Need {
+    /// Index into the owning table's `tensors`.
+    pub tensor: u32,
+    pub receiver: Endpoint,
+    pub addr: u64,
+    pub region: Region,
+    pub perm: Option<Vec<u32>>,
+    pub strides: Vec<u64>,
+}
+
+/// One rank's contribution to a plan. Tables from every rank are merged by tensor name.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Table {
+    pub tensors: Vec<TensorSpec>,
+    pub offers: Vec<Offer>,
+    pub needs: Vec<Need>,
+}
+
+impl Table {
+    /// Index of the tensor named `name`, adding `spec` if the table does not know it yet.
+    pub fn tensor_index(&mut self, spec: &TensorSpec) -> u32 {
+        match self.tensors.iter().position(|t| t.name == spec.name) {
+            Some(i) => i as u32,
+            None => {
+                self.tensors.push(spec.clone());
+                (self.tensors.len() - 1) as u32
+            }
+        }
+    }
+}
