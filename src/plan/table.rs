@@ -67,16 +67,3 @@ pub struct Table {
     pub offers: Vec<Offer>,
     pub needs: Vec<Need>,
 }
-
-impl Table {
-    /// Index of the tensor named `name`, adding `spec` if the table does not know it yet.
-    pub fn tensor_index(&mut self, spec: &TensorSpec) -> u32 {
-        match self.tensors.iter().position(|t| t.name == spec.name) {
-            Some(i) => i as u32,
-            None => {
-                self.tensors.push(spec.clone());
-                (self.tensors.len() - 1) as u32
-            }
-        }
-    }
-}
