@@ -148,9 +148,16 @@ typedef enum {
 } refit_status;
 
 /**
+ * An opaque stream handle. 0 is the device's legacy default stream.
+ */
+typedef struct Stream Stream;
+
+/**
  * `callback(level, message, user_data)`: level 1 error .. 5 trace; `message` valid during the call.
  */
 typedef void (*refit_log_callback)(uint32_t level, const char *message, void *user_data);
+
+
 
 #ifdef __cplusplus
 extern "C" {
