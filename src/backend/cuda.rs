@@ -331,3 +331,23 @@ impl Backend for CudaBackend {
         check("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src, out.len()))
     }
 }
+
+/// Keeps the calling thread's current context and puts it back when dropped. Used around NCCL calls,
+/// which switch devices themselves.
+pub struct PreservedContext {
+    previous: CUcontext,
+}
+
+pub fn preserve_current_context() -> Result<PreservedContext> {
+    let mut previous: CUcontext = std::ptr::null_mut();
+    // SAFETY: valid out-pointer.
+    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut previous) })?;
+    Ok(PreservedContext { previous })
+}
+
+impl Drop for PreservedContext {
+    fn drop(&mut self) {
+        // SAFETY: restoring the context that was current (or NULL).
+        unsafe { sys::cuCtxSetCurrent(self.previous) };
+    }
+}
