@@ -32,8 +32,9 @@ use crate::segment::Segment;
 use std::sync::atomic::Ordering;
 
 /// Which algorithm moves the bytes. Values are part of the C ABI.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
 pub enum Algorithm {
+    #[default]
     Auto = 0,
     Nccl = 1,
     Peer = 2,
