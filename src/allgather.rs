@@ -7,9 +7,10 @@
 //! Algorithms:
 //! - `Peer`: every rank pulls every other block at once, with copy-engine copies queued on its own
 //!   stream (one `cuMemcpyAsync` per block; unified addressing routes it over NVLink). Ordering: each
-//!   rank records `ready` after its inputs, readers wait on it; each reader records `done`, and each
-//!   owner's stream waits on every reader's `done`, so that when an owner's stream has drained, nobody
-//!   reads its send buffer any more. On the host backend the same code runs on simulated streams.
+//!   rank records `ready` after its inputs and readers wait on it. That owners' streams also wait for
+//!   their readers is deferred to the next group call, run() or exit (one join per scope instead of
+//!   one per call, for host time); the per-rank variant joins at once with a second barrier. On the
+//!   host backend the same code runs on simulated streams.
 //! - `Nccl`: equal counts use `ncclAllGather` (byte type), uneven counts use `ncclSend`/`ncclRecv`
 //!   pairs inside one `ncclGroupStart/End` (no padding, so no extra bytes moved) plus a local copy of the
 //!   own block. Communicators are created on first use with `ncclCommInitAll` and kept on the group.
@@ -180,44 +181,32 @@ unsafe fn peer_all(group: &Group, send: &[u64], recv: &[u64], counts: &[usize], 
     let streams = group.streams();
     let state = &group.collective;
     let n = group.size();
+    // After an earlier peer collective, every stream must also wait for every other (its readers):
+    // the all-to-all ready waits below do that join.
+    let join_all = group.take_pending_join();
+    let orders = |p: usize| counts[p] > 0 || join_all;
     if n > 1 {
-        for r in 0..n {
-            if counts[r] > 0 {
-                backend.record(devices[r], state.ready[r], streams[r])?;
-            }
+        for r in (0..n).filter(|&r| orders(r)) {
+            backend.record(devices[r], state.ready[r], streams[r])?;
         }
     }
     let mut segments = Vec::with_capacity(n);
     for r in 0..n {
+        for p in (0..n).filter(|&p| p != r && orders(p)) {
+            backend.wait(devices[r], streams[r], state.ready[p])?;
+        }
         segments.clear();
-        for p in 0..n {
-            if counts[p] == 0 {
-                continue;
-            }
+        for p in (0..n).filter(|&p| counts[p] > 0) {
             let dst = recv[r] + layout.offsets[p];
-            if p != r {
-                backend.wait(devices[r], streams[r], state.ready[p])?;
-            }
             if send[p] != dst {
                 segments.push(Segment::contiguous(send[p], dst, counts[p] as u64));
             }
         }
         backend.copy_segments(devices[r], streams[r], &segments)?;
     }
-    if n > 1 {
-        for r in 0..n {
-            backend.record(devices[r], state.done[r], streams[r])?;
-        }
-        // An owner's stream drains only after every reader has read its block.
-        for p in 0..n {
-            if counts[p] == 0 {
-                continue;
-            }
-            for r in (0..n).filter(|&r| r != p) {
-                backend.wait(devices[p], streams[p], state.done[r])?;
-            }
-        }
-    }
+    // Rank p's stream does not wait here for the ranks reading its block: the next group call, run()
+    // or exit joins them (Group::join_if_pending), and a SYNC exit drains every stream anyway.
+    group.mark_pending_join();
     Ok(())
 }
 
@@ -239,6 +228,7 @@ fn equal_counts(counts: &[usize]) -> bool {
 }
 
 unsafe fn nccl_all(group: &Group, send: &[u64], recv: &[u64], counts: &[usize], layout: &Layout) -> Result<()> {
+    group.join_if_pending()?;
     let lib = nccl()?;
     let comms = communicators(group)?;
     let streams = group.streams();

@@ -278,3 +278,78 @@ fn ranks_that_disagree_on_counts_all_fail() {
     assert!(err.message.contains("same"), "{}", err.message);
     assert!(recv.iter().all(|&b| b == 0));
 }
+
+/// Queues on rank `rank`'s group stream a step that waits for `gate` (a slow reader).
+fn slow_down(group: &Group, rank: usize, gate: &Arc<AtomicBool>) {
+    let gate = Arc::clone(gate);
+    host_stream(group.stream(rank).unwrap())
+        .unwrap()
+        .enqueue(move || {
+            while !gate.load(Ordering::SeqCst) {
+                std::thread::sleep(Duration::from_millis(1));
+            }
+        })
+        .unwrap();
+}
+
+#[test]
+fn after_async_exit_an_owner_may_reuse_its_send_buffer_only_once_every_reader_is_done() {
+    let group = host(2);
+    let callers = [create_host_stream().unwrap(), create_host_stream().unwrap()];
+    let blocks: Vec<Vec<u8>> = (0..2).map(|r| block(r, 11, 64)).collect();
+    let mut sends = blocks.clone();
+    let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; 128]; 2];
+    let gate = Arc::new(AtomicBool::new(false));
+    group.enter(Some(&callers)).unwrap();
+    slow_down(&group, 1, &gate); // rank 1 reads rank 0's block late
+    let s: Vec<u64> = sends.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+    let r: Vec<u64> = recvs.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+    unsafe { allgather(&group, &s, &r, &[64, 64], Algorithm::Peer) }.unwrap();
+    group.exit(ExitMode::Async).unwrap();
+    // The owner's next work on its own stream overwrites its send buffer.
+    let send0 = s[0] as usize;
+    host_stream(callers[0]).unwrap().enqueue(move || unsafe { std::ptr::write_bytes(send0 as *mut u8, 0, 64) }).unwrap();
+    std::thread::sleep(Duration::from_millis(30));
+    gate.store(true, Ordering::SeqCst);
+    for c in callers {
+        host_stream(c).unwrap().synchronize().unwrap();
+    }
+    group.synchronize().unwrap();
+    assert!(recvs[1] == expected(&blocks), "rank 1 read rank 0's block after the owner overwrote it");
+    assert!(sends[0].iter().all(|&b| b == 0));
+    for c in callers {
+        destroy_host_stream(c).unwrap();
+    }
+}
+
+#[test]
+fn run_after_a_scoped_allgather_starts_only_after_every_reader_is_done() {
+    let group = host(2);
+    let blocks: Vec<Vec<u8>> = (0..2).map(|r| block(r, 12, 64)).collect();
+    let mut sends = blocks.clone();
+    let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; 128]; 2];
+    let gate = Arc::new(AtomicBool::new(false));
+    group.enter(None).unwrap();
+    slow_down(&group, 1, &gate);
+    let s: Vec<u64> = sends.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+    let r: Vec<u64> = recvs.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+    unsafe { allgather(&group, &s, &r, &[64, 64], Algorithm::Peer) }.unwrap();
+    let opener = Arc::clone(&gate);
+    std::thread::spawn(move || {
+        std::thread::sleep(Duration::from_millis(30));
+        opener.store(true, Ordering::SeqCst)
+    });
+    // Rank 0's callback queues an overwrite of its send buffer on its stream.
+    group
+        .run(&|rank, stream| {
+            if rank == 0 {
+                let send0 = s[0] as usize;
+                host_stream(stream).unwrap().enqueue(move || unsafe { std::ptr::write_bytes(send0 as *mut u8, 0, 64) })?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    group.exit(ExitMode::Sync).unwrap();
+    assert!(recvs[1] == expected(&blocks), "rank 1 read rank 0's block after the owner overwrote it");
+    assert!(sends[0].iter().all(|&b| b == 0));
+}

@@ -24,7 +24,7 @@ use crate::backend::{Backend, BackendKind, Event, Stream};
 use crate::bail;
 use crate::error::{Error, Result, Status};
 use barrier::AbortableBarrier;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
 use workers::{RankFn, RankWorkers};
 
@@ -97,6 +97,9 @@ pub struct Group {
     scope: Mutex<Option<Vec<Stream>>>,
     barrier: Arc<AbortableBarrier>,
     workers: Mutex<Option<RankWorkers>>,
+    /// A whole-group peer collective left ranks reading other ranks' buffers with no wait queued
+    /// on the owners' streams yet; the next group call, run() or exit joins them (see `join_if_pending`).
+    pending_join: AtomicBool,
     pub(crate) collective: CollectiveState,
 }
 
@@ -175,6 +178,7 @@ impl Group {
             scope: Mutex::new(None),
             barrier: Arc::new(AbortableBarrier::new(n)),
             workers: Mutex::new(None),
+            pending_join: AtomicBool::new(false),
             collective: CollectiveState {
                 ready: Vec::with_capacity(n),
                 done: Vec::with_capacity(n),
@@ -303,6 +307,7 @@ impl Group {
         match mode {
             ExitMode::Sync => self.synchronize(),
             ExitMode::Async => {
+                self.join_if_pending()?;
                 for r in 0..self.size() {
                     let device = self.devices[r];
                     let caller =
@@ -319,6 +324,39 @@ impl Group {
     pub fn synchronize(&self) -> Result<()> {
         for (r, &stream) in self.streams.iter().enumerate() {
             self.backend.sync_stream(self.devices[r], stream).map_err(|e| e.context(format!("rank {r}")))?;
+        }
+        self.pending_join.store(false, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Records that the last collective left cross-rank reads to be joined (see `join_if_pending`).
+    pub(crate) fn mark_pending_join(&self) {
+        if self.size() > 1 {
+            self.pending_join.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Whether a join is pending, clearing the mark: the caller takes over the joining (a peer
+    /// collective does it with its own all-to-all ready waits).
+    pub(crate) fn take_pending_join(&self) -> bool {
+        self.pending_join.swap(false, Ordering::Relaxed)
+    }
+
+    /// Makes every rank's stream wait for every other rank's stream, if a collective left reads of
+    /// other ranks' buffers unjoined. Deferring this join from the collective to the next call (or the
+    /// exit) saves G records and G(G-1) waits per call in a loop of collectives.
+    pub(crate) fn join_if_pending(&self) -> Result<()> {
+        if !self.take_pending_join() {
+            return Ok(());
+        }
+        let done = &self.collective.done;
+        for r in 0..self.size() {
+            self.backend.record(self.devices[r], done[r], self.streams[r])?;
+        }
+        for r in 0..self.size() {
+            for p in (0..self.size()).filter(|&p| p != r) {
+                self.backend.wait(self.devices[r], self.streams[r], done[p])?;
+            }
         }
         Ok(())
     }
@@ -346,6 +384,8 @@ impl Group {
             bail!(Status::InvalidState, "run cannot be called from inside a rank callback");
         }
         self.in_implicit_scope(|| {
+            // Callbacks may reuse any buffer on their stream: earlier collectives must be joined.
+            self.join_if_pending()?;
             let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
             if workers.is_none() {
                 *workers = Some(RankWorkers::start(
