@@ -9,6 +9,7 @@
 
 pub mod allgather;
 pub mod group;
+pub mod plan;
 pub mod status;
 
 use crate::error::{set_last_error, Error, Result, Status};
