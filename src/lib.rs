@@ -11,6 +11,7 @@ pub mod ffi;
 pub mod logging;
 pub mod plan;
 pub mod segment;
+pub mod workloads;
 
 pub use error::{Error, Result, Status};
 pub use segment::Segment;
