@@ -33,9 +33,20 @@
 #define REFIT_ABI_VERSION 1
 
 /**
+ * Buckets of the range-size histogram: bucket `i` counts segments whose payload is in
+ * `[2^i, 2^(i+1))` bytes (bucket 0 also holds 1-byte segments).
+ */
+#define SIZE_BUCKETS 64
+
+/**
  * Most dimensions a tensor may have.
  */
 #define MAX_DIMS 8
+
+/**
+ * The format version this library writes and reads.
+ */
+#define VERSION 1
 
 /**
  * Result of every fallible call. Values are part of the ABI: new codes are appended, never renumbered.

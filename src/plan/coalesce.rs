@@ -1,0 +1,187 @@
+//! Coalescing one route's segments: runs adjacent in memory on both sides join into one run, and
+//! segments of the same shape that repeat with constant source and destination strides (the same
+//! slice of consecutive experts, rows of consecutive tensors) join into one strided segment. Only
+//! exact rewrites: the coalesced segments move exactly the same bytes to the same places.
+
+use crate::segment::Segment;
+
+/// How many following candidates (in destination order) are tried as the second element of a
+/// progression. Progressions interleave when several tensors land in one fused buffer (gate and up
+/// of each expert alternate), so the immediate neighbour is not always the right partner.
+const CANDIDATES: usize = 16;
+
+/// Coalesces `segments` in place. The result is sorted by destination.
+pub(crate) fn coalesce(segments: &mut Vec<Segment>) {
+    segments.retain(|s| s.runs() > 0);
+    join_adjacent_runs(segments);
+    // Twice: the first pass turns runs into one-level segments that the second can stack again.
+    join_progressions(segments);
+    join_progressions(segments);
+    segments.sort_unstable_by_key(|s| (s.dst, s.src));
+}
+
+fn is_run(s: &Segment) -> bool {
+    s.count == [1, 1]
+}
+
+/// Joins plain runs that continue each other on both sides. Destinations never overlap, so in
+/// destination order a run's continuation is its immediate successor.
+fn join_adjacent_runs(segments: &mut Vec<Segment>) {
+    segments.sort_unstable_by_key(|s| (s.dst, s.src));
+    let mut out: Vec<Segment> = Vec::with_capacity(segments.len());
+    for s in segments.drain(..) {
+        if let Some(last) = out.last_mut() {
+            if is_run(last) && is_run(&s) && last.dst + last.len == s.dst && last.src + last.len == s.src {
+                last.len += s.len;
+                continue;
+            }
+        }
+        out.push(s);
+    }
+    *segments = out;
+}
+
+/// The shape of a segment: everything but its base addresses.
+fn shape_key(s: &Segment) -> (u64, [u64; 2], [u64; 2], [u64; 2]) {
+    (s.len, s.count, s.src_stride, s.dst_stride)
+}
+
+/// Joins segments of one shape whose bases advance by a constant (source, destination) step into
+/// one segment with one more level. Only segments with a free outer level take part.
+fn join_progressions(segments: &mut Vec<Segment>) {
+    segments.sort_unstable_by_key(|s| (shape_key(s), s.dst, s.src));
+    let mut out = Vec::with_capacity(segments.len());
+    let mut start = 0;
+    while start < segments.len() {
+        let key = shape_key(&segments[start]);
+        let end = start
+            + segments[start..].iter().position(|s| shape_key(s) != key).unwrap_or(segments.len() - start);
+        let group = &segments[start..end];
+        if group.len() == 1 || group[0].count[1] != 1 {
+            out.extend_from_slice(group);
+        } else {
+            join_group(group, &mut out);
+        }
+        start = end;
+    }
+    *segments = out;
+}
+
+/// `group`: segments of one shape with `count[1] == 1`, sorted by destination.
+fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
+    let mut used = vec![false; group.len()];
+    let find = |dst: u64| group.binary_search_by_key(&dst, |s| s.dst).ok();
+    for i in 0..group.len() {
+        if used[i] {
+            continue;
+        }
+        let first = group[i];
+        // The longest chain over a few candidate steps; ties go to the earliest candidate.
+        let mut best: Option<(u64, u64, usize)> = None;
+        let candidates = (i + 1..group.len()).filter(|&j| !used[j]).take(CANDIDATES);
+        for j in candidates {
+            let second = group[j];
+            if second.src < first.src {
+                continue;
+            }
+            let (step_src, step_dst) = (second.src - first.src, second.dst - first.dst);
+            let mut length = 1;
+            let (mut src, mut dst) = (first.src, first.dst);
+            loop {
+                let (Some(next_src), Some(next_dst)) = (src.checked_add(step_src), dst.checked_add(step_dst))
+                else {
+                    break;
+                };
+                match find(next_dst) {
+                    Some(k) if !used[k] && group[k].src == next_src => {
+                        length += 1;
+                        (src, dst) = (next_src, next_dst);
+                    }
+                    _ => break,
+                }
+            }
+            if length > 1 && best.is_none_or(|(_, _, l)| length > l) {
+                best = Some((step_src, step_dst, length));
+            }
+        }
+        let Some((step_src, step_dst, length)) = best else {
+            used[i] = true;
+            out.push(first);
+            continue;
+        };
+        for k in 0..length as u64 {
+            let at = find(first.dst + k * step_dst).expect("chain members were found above");
+            used[at] = true;
+        }
+        out.push(stack(first, step_src, step_dst, length as u64));
+    }
+}
+
+/// `first` repeated `n` times, `step_src`/`step_dst` bytes apart, as one segment.
+fn stack(first: Segment, step_src: u64, step_dst: u64, n: u64) -> Segment {
+    let mut s = first;
+    if is_run(&first) {
+        s.count = [n, 1];
+        s.src_stride = [step_src, 0];
+        s.dst_stride = [step_dst, 0];
+    } else if first.src_stride[0].checked_mul(first.count[0]) == Some(step_src)
+        && first.dst_stride[0].checked_mul(first.count[0]) == Some(step_dst)
+    {
+        // The repetition continues the inner level: one longer level instead of two.
+        s.count[0] = first.count[0] * n;
+    } else {
+        s.count[1] = n;
+        s.src_stride[1] = step_src;
+        s.dst_stride[1] = step_dst;
+    }
+    s
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn bytes_of(segments: &[Segment]) -> Vec<(u64, u64)> {
+        let mut map = Vec::new();
+        for s in segments {
+            s.for_each_run(|src, dst, len| map.extend((0..len).map(|b| (dst + b, src + b))));
+        }
+        map.sort_unstable();
+        map
+    }
+
+    #[test]
+    fn adjacent_runs_join_and_interleaved_progressions_are_found() {
+        // Two runs adjacent on both sides, then gate/up of 4 experts alternating in the destination.
+        let mut segments = vec![Segment::contiguous(0, 0, 10), Segment::contiguous(10, 10, 6)];
+        for e in 0..4u64 {
+            segments.push(Segment::contiguous(1000 + e * 100, 100 + e * 200, 50));
+            segments.push(Segment::contiguous(5000 + e * 100, 200 + e * 200, 50));
+        }
+        let before = bytes_of(&segments);
+        coalesce(&mut segments);
+        assert_eq!(bytes_of(&segments), before);
+        // Gate and up each form a progression over the experts; the two progressions then stack.
+        assert_eq!(segments.len(), 2, "{segments:?}");
+        assert_eq!(segments[0], Segment::contiguous(0, 0, 16));
+        assert_eq!(segments[1].count, [4, 2]);
+        assert_eq!((segments[1].src_stride, segments[1].dst_stride), ([100, 4000], [200, 100]));
+    }
+
+    #[test]
+    fn strided_segments_stack_into_two_levels_or_continue_their_level() {
+        let row =
+            |src, dst| Segment { src, dst, len: 8, count: [3, 1], src_stride: [16, 0], dst_stride: [8, 0] };
+        // Continuation: rows 0..3 then rows 3..6 of the same column split.
+        let mut segments = vec![row(0, 0), row(48, 24)];
+        coalesce(&mut segments);
+        assert_eq!(segments, vec![Segment { count: [6, 1], ..row(0, 0) }]);
+        // Consecutive experts: same slice shape, 1000 bytes apart in the source, 24 in the destination.
+        let mut segments: Vec<Segment> = (0..5).map(|e| row(4 + e * 1000, e * 24 + 2000)).collect();
+        segments.swap(0, 3);
+        let before = bytes_of(&segments);
+        coalesce(&mut segments);
+        assert_eq!(bytes_of(&segments), before);
+        assert_eq!(segments.len(), 1);
+    }
+}
