@@ -98,7 +98,17 @@ struct Case {
     seed: bool,
 }
 
-fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String>) {
+/// One line of the closing summary: the worst receiver of a case against the targets.
+struct Summary {
+    name: &'static str,
+    segments: u64,
+    flat_runs: u64,
+    target_ranges: Option<u64>,
+    exact: bool,
+    build_ms: f64,
+}
+
+fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String>) -> Summary {
     let workload = Workload::generate(&case.spec).expect("spec is valid");
     let tables = workload.tables(&workload.fake_bases()).expect("bases fit");
     let (plan, build_ms) = timed_build(&tables, samples);
@@ -115,6 +125,14 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
     );
     let _ = writeln!(out, "| --- | --- | ---: | ---: | ---: | ---: | ---: | --- |");
     let mut receivers_json = Vec::new();
+    let mut summary = Summary {
+        name: case.name,
+        segments: 0,
+        flat_runs: 0,
+        target_ranges: case.target_ranges,
+        exact: true,
+        build_ms,
+    };
     for receiver in plan.receivers() {
         let s = plan.receiver_stats(receiver);
         let exact = need_bytes[&receiver];
@@ -133,8 +151,7 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
         let (sr, sg) = seed(SEED_BEFORE_RANGES, SEED_BEFORE_GIB);
         let _ = writeln!(
             out,
-            "| {name} | every replica read | {} | {} | {} | {sr} | {sg} | |",
-            "-",
+            "| {name} | every replica read | - | {} | {} | {sr} | {sg} | |",
             s.ranges_all_replicas,
             gib(s.bytes_all_replicas)
         );
@@ -158,6 +175,9 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
             s.flat_runs_coalesced,
             gib(moved)
         );
+        summary.segments = summary.segments.max(s.ranges_coalesced);
+        summary.flat_runs = summary.flat_runs.max(s.flat_runs_coalesced);
+        summary.exact &= moved == exact && s.bytes_all_replicas >= exact;
         let _ = writeln!(out, "| {name} | largest size buckets | {} | | | | | |", dominant_sizes(&s));
         receivers_json.push(format!(
             "{{\"rank\": {}, \"device\": {}, \"exact_bytes\": {exact}, \"moved_bytes\": {moved}, \"stats\": {}}}",
@@ -179,6 +199,27 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
         json_stats(whole),
         receivers_json.join(", ")
     ));
+    summary
+}
+
+fn print_summary(rows: &[Summary]) {
+    println!("\n### Against the targets (worst receiver of each case)\n");
+    println!("| case | segments per receiver | target | flat runs | bytes read = bytes needed | build ms | target |");
+    println!("| --- | ---: | --- | ---: | --- | ---: | --- |");
+    for r in rows {
+        let ranges = r.target_ranges.map_or("-".to_string(), |t| {
+            format!("<= {t}: {}", if r.segments <= t { "met" } else { "MISSED" })
+        });
+        let build = if r.build_ms <= TARGET_BUILD_MS { "met" } else { "MISSED" };
+        println!(
+            "| {} | {} | {ranges} | {} | {} | {:.1} | <= {TARGET_BUILD_MS}: {build} |",
+            r.name,
+            r.segments,
+            r.flat_runs,
+            if r.exact { "yes" } else { "NO" },
+            r.build_ms
+        );
+    }
 }
 
 /// Least-squares line through (x, y): (slope, intercept, r^2).
@@ -239,7 +280,7 @@ fn sweep(samples: usize, out: &mut String) -> String {
 fn main() {
     // `cargo bench` passes --bench; a quick mode for smoke runs in debug builds.
     let quick = std::env::args().any(|a| a == "--quick") || cfg!(debug_assertions);
-    let samples = if quick { 1 } else { 9 };
+    let samples = if quick { 1 } else { 15 };
     let mut out = String::new();
     let _ = writeln!(out, "## plan_bench: reshard planner on realistic refits (single thread)");
     let llama = |layout| Spec::llama3_70b_tp8_to_tp2(layout, 1);
@@ -275,14 +316,25 @@ fn main() {
             seed: false,
         },
     ];
+    // Arguments that are not flags select cases by name ("sweep" for the sweep); none runs all.
+    let filters: Vec<String> =
+        std::env::args().skip(1).filter(|a| !a.starts_with('-')).map(|a| a.to_lowercase()).collect();
+    let selected =
+        |name: &str| filters.is_empty() || filters.iter().any(|f| name.to_lowercase().contains(f.as_str()));
     let mut json = Vec::new();
-    for case in &cases {
-        run_case(case, samples, &mut out, &mut json);
+    let mut summary = Vec::new();
+    for case in cases.iter().filter(|c| selected(c.name)) {
+        summary.push(run_case(case, samples, &mut out, &mut json));
         print!("{out}");
         out.clear();
     }
-    let sweep_json = sweep(samples, &mut out);
+    let sweep_json = if selected("size sweep") { sweep(samples, &mut out) } else { "null".into() };
     print!("{out}");
+    print_summary(&summary);
+    if !filters.is_empty() {
+        println!("\n(a selection: results not written)");
+        return;
+    }
 
     let dir = std::env::var("REFIT_BENCH_RESULTS").unwrap_or_else(|_| "benches/results".into());
     let path = std::path::Path::new(&dir).join("plan_bench.json");

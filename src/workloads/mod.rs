@@ -180,7 +180,7 @@ impl Workload {
             .iter()
             .enumerate()
             .map(|(i, b)| {
-                let gap = PAGE * (1 + (i as u64).wrapping_mul(2_654_435_761) % 61);
+                let gap = PAGE * (1 + mix(i as u64) % 61);
                 let base = (cursor + gap).next_multiple_of(PAGE);
                 cursor = base + b.bytes;
                 base
@@ -238,6 +238,15 @@ impl Workload {
         }
         Ok(by_rank.into_values().map(|t| t.table).collect())
     }
+}
+
+/// splitmix64's finalizer: successive inputs give unrelated outputs, so sums of consecutive gaps do not
+/// repeat (a linear congruence would make every layer's buffers sit at one constant stride).
+fn mix(x: u64) -> u64 {
+    let mut z = x.wrapping_add(0x9e37_79b9_7f4a_7c15);
+    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
+    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
+    z ^ (z >> 31)
 }
 
 /// Element strides of a row-major array of `extent`.
