@@ -72,6 +72,7 @@ fn all_specs() -> Vec<Spec> {
     let mut specs = Vec::new();
     for layout in [Layout::Separate, Layout::Packed] {
         specs.push(Spec::qwen3_ep8_to_tp2(layout));
+        specs.push(Spec::qwen3_ep8_to_tp2(layout).with_expert_weights());
         specs.push(Spec::llama3_70b_tp8_to_tp2(layout, 2).with_model(Model::llama3_70b().with_layers(4)));
         let mut colocated = Spec::qwen3_colocated_ep2_tp2(layout);
         colocated.receiver_layout = layout;
@@ -363,7 +364,7 @@ fn bad_specs_are_rejected_with_a_reason() {
     push(&qwen, &|s| s.model.moe = Some(Moe { experts: 12, ffn: 768 }), "12 experts do not split over ep 8");
     push(
         &llama,
-        &|s| s.publishers = Megatron { endpoints: ranks(16), tp: 16, ep: 1 },
+        &|s| s.publishers = Megatron { endpoints: ranks(16), tp: 16, ep: 1, grouped_experts: true },
         "8 query groups do not split over tp 16",
     );
     push(&llama, &|s| s.model.ffn = 28_676, "intermediate 28676 does not split over tp 8");
@@ -437,6 +438,15 @@ fn megatron_locate(m: &Model, t: u64, tp: u64, e: u64, ep: u64) -> Box<Locate> {
         let (layer, tail) = layer_of(name, "decoder.layers.");
         let hf = |s: &str| format!("model.layers.{}.{s}", layer.unwrap());
         let vocab_chunk = m.vocab.div_ceil(tp);
+        // A TEGroupedMLP expert weight `linear_fc1.weight{j}` is expert j's slice of the grouped one.
+        let (tail, i) = match tail.rsplit_once(".weight") {
+            Some((base, j)) if base.starts_with("mlp.experts.linear_fc") && !j.is_empty() => {
+                let j: u64 = j.parse().unwrap();
+                let per_expert = if base.ends_with("fc1") { 2 } else { 1 } * m.moe.unwrap().ffn * h;
+                (format!("{base}.weight"), i + j * per_expert)
+            }
+            _ => (tail, i),
+        };
         let (row, col) = (i / h, i % h);
         Some(match tail.as_str() {
             "embedding.word_embeddings.weight" | "output_layer.weight" => {
@@ -640,6 +650,7 @@ fn tiny_spec(model: Model, publishers: u32, tp: u64, ep: u64, receivers: u32) ->
             endpoints: (0..publishers).map(|rank| Endpoint { rank, device: 0 }).collect(),
             tp,
             ep,
+            grouped_experts: true,
         },
         publisher_layout: Layout::Separate,
         receivers: Vllm {
@@ -656,6 +667,8 @@ fn megatron_and_vllm_layouts_hold_the_right_elements() {
     check_tiny(&tiny_spec(tiny_moe(), 4, 2, 4, 2));
     check_tiny(&tiny_spec(tiny_moe(), 4, 1, 2, 8));
     check_tiny(&tiny_spec(tiny_moe(), 2, 2, 1, 4));
+    check_tiny(&tiny_spec(tiny_moe(), 4, 2, 4, 2).with_expert_weights());
+    check_tiny(&tiny_spec(tiny_moe(), 4, 1, 2, 2).with_expert_weights());
     // Dense: TP2 x DP2 publishers; TP4 receivers (uneven vocabulary split: 3, 3, 3, 2).
     check_tiny(&tiny_spec(tiny_dense(), 4, 2, 1, 4));
     check_tiny(&tiny_spec(tiny_dense(), 4, 4, 1, 2));
@@ -776,6 +789,7 @@ fn refits_on_host_install_every_element() {
         spec.publisher_layout = Layout::Packed;
         spec.digests = true;
     }
+    specs.push(tiny_spec(tiny_moe(), 4, 1, 2, 2).with_expert_weights());
     // Expert-data-parallel replicas too: 8 ranks, EP4.
     specs.push(tiny_spec(tiny_moe(), 8, 1, 4, 2));
     for spec in &specs {

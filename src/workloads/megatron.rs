@@ -7,8 +7,11 @@
 //!   separate boxes at strided addresses.
 //! - Experts are expert-parallel with expert-TP 1: each rank holds `experts / ep` whole experts in two
 //!   grouped weights, `linear_fc1 = [local experts][gate | up][ffn][hidden]` and
-//!   `linear_fc2 = [local experts][hidden][ffn]`, so consecutive experts sit at constant strides. The
-//!   non-expert weights are replicated on every rank of the expert-parallel group.
+//!   `linear_fc2 = [local experts][hidden][ffn]`, so consecutive experts sit at constant strides
+//!   (GroupedMLP). With `grouped_experts` off, each local expert has its own `linear_fc1.weight{j}`
+//!   (`[gate | up][ffn][hidden]`) and `linear_fc2.weight{j}` (TEGroupedMLP), so experts sit wherever
+//!   their allocations do. The non-expert weights are replicated on every rank of the expert-parallel
+//!   group.
 //! - Vocabulary rows are split over TP in chunks of `ceil(vocab / tp)` (the last rank holds padding).
 
 use super::model::{Catalog, MlpTensors, Model};
@@ -24,6 +27,8 @@ pub struct Megatron {
     pub endpoints: Vec<Endpoint>,
     pub tp: u64,
     pub ep: u64,
+    /// Local experts in two grouped weights per layer (true), or two weights per expert (false).
+    pub grouped_experts: bool,
 }
 
 impl Megatron {
@@ -58,8 +63,14 @@ impl Megatron {
         let mut params = Vec::new();
         for (i, &endpoint) in self.endpoints.iter().enumerate() {
             let i = i as u64;
-            let rank =
-                Rank { endpoint, tp: i % self.tp, tp_size: self.tp, ep: i % self.ep, ep_size: self.ep };
+            let rank = Rank {
+                endpoint,
+                tp: i % self.tp,
+                tp_size: self.tp,
+                ep: i % self.ep,
+                ep_size: self.ep,
+                grouped_experts: self.grouped_experts,
+            };
             rank.params(model, catalog, &mut params);
         }
         Ok(params)
@@ -72,6 +83,7 @@ struct Rank {
     tp_size: u64,
     ep: u64,
     ep_size: u64,
+    grouped_experts: bool,
 }
 
 impl Rank {
@@ -129,16 +141,32 @@ impl Rank {
                     r.rows_cols(*router, 0, (0, moe.experts), (0, h));
                     out.push(r);
                     let local = moe.experts / self.ep_size;
-                    let mut fc1 = new(format!("{p}.mlp.experts.linear_fc1.weight"), local * 2 * f * h);
-                    let mut fc2 = new(format!("{p}.mlp.experts.linear_fc2.weight"), local * h * f);
-                    for j in 0..local {
-                        let [gate, up, down] = experts[(self.ep * local + j) as usize];
-                        fc1.rows_cols(gate, j * 2 * f * h * es, (0, f), (0, h));
-                        fc1.rows_cols(up, (j * 2 + 1) * f * h * es, (0, f), (0, h));
-                        fc2.rows_cols(down, j * h * f * es, (0, h), (0, f));
+                    let expert = |j: u64| experts[(self.ep * local + j) as usize];
+                    if self.grouped_experts {
+                        let mut fc1 = new(format!("{p}.mlp.experts.linear_fc1.weight"), local * 2 * f * h);
+                        let mut fc2 = new(format!("{p}.mlp.experts.linear_fc2.weight"), local * h * f);
+                        for j in 0..local {
+                            let [gate, up, down] = expert(j);
+                            fc1.rows_cols(gate, j * 2 * f * h * es, (0, f), (0, h));
+                            fc1.rows_cols(up, (j * 2 + 1) * f * h * es, (0, f), (0, h));
+                            fc2.rows_cols(down, j * h * f * es, (0, h), (0, f));
+                        }
+                        out.push(fc1);
+                        out.push(fc2);
+                    } else {
+                        for j in 0..local {
+                            let [gate, up, down] = expert(j);
+                            let mut fc1 = new(format!("{p}.mlp.experts.linear_fc1.weight{j}"), 2 * f * h);
+                            fc1.rows_cols(gate, 0, (0, f), (0, h));
+                            fc1.rows_cols(up, f * h * es, (0, f), (0, h));
+                            out.push(fc1);
+                        }
+                        for j in 0..local {
+                            let mut fc2 = new(format!("{p}.mlp.experts.linear_fc2.weight{j}"), h * f);
+                            fc2.rows_cols(expert(j)[2], 0, (0, h), (0, f));
+                            out.push(fc2);
+                        }
                     }
-                    out.push(fc1);
-                    out.push(fc2);
                 }
                 MlpTensors::Dense { gate, up, down } => {
                     out.push(vector(format!("{p}.mlp.linear_fc1.layer_norm_weight"), t.post_norm, h));

@@ -91,7 +91,7 @@ impl Spec {
     pub fn qwen3_ep8_to_tp2(publisher_layout: Layout) -> Spec {
         Spec {
             model: Model::qwen3_30b_a3b(),
-            publishers: Megatron { endpoints: endpoints(0, 8), tp: 1, ep: 8 },
+            publishers: Megatron { endpoints: endpoints(0, 8), tp: 1, ep: 8, grouped_experts: true },
             publisher_layout,
             receivers: Vllm { endpoints: endpoints(8, 2) },
             receiver_layout: Layout::Separate,
@@ -104,7 +104,7 @@ impl Spec {
     pub fn llama3_70b_tp8_to_tp2(publisher_layout: Layout, dp: u32) -> Spec {
         Spec {
             model: Model::llama3_70b(),
-            publishers: Megatron { endpoints: endpoints(0, 8 * dp), tp: 8, ep: 1 },
+            publishers: Megatron { endpoints: endpoints(0, 8 * dp), tp: 8, ep: 1, grouped_experts: true },
             publisher_layout,
             receivers: Vllm { endpoints: endpoints(8 * dp, 2) },
             receiver_layout: Layout::Separate,
@@ -118,12 +118,19 @@ impl Spec {
         let devices: Vec<Endpoint> = (0..2).map(|device| Endpoint { rank: 0, device }).collect();
         Spec {
             model: Model::qwen3_30b_a3b(),
-            publishers: Megatron { endpoints: devices.clone(), tp: 1, ep: 2 },
+            publishers: Megatron { endpoints: devices.clone(), tp: 1, ep: 2, grouped_experts: true },
             publisher_layout,
             receivers: Vllm { endpoints: devices },
             receiver_layout: Layout::Separate,
             digests: false,
         }
+    }
+
+    /// The same spec with each Megatron expert in its own pair of weights (TEGroupedMLP) instead of
+    /// grouped weights.
+    pub fn with_expert_weights(mut self) -> Spec {
+        self.publishers.grouped_experts = false;
+        self
     }
 
     /// The same spec with `model` replaced (e.g. `spec.model.clone().with_layers(2)`).
