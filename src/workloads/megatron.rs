@@ -155,7 +155,7 @@ impl Rank {
                         out.push(fc2);
                     } else {
                         for j in 0..local {
-                            let [gate, up, down] = expert(j);
+                            let [gate, up, _] = expert(j);
                             let mut fc1 = new(format!("{p}.mlp.experts.linear_fc1.weight{j}"), 2 * f * h);
                             fc1.rows_cols(gate, 0, (0, f), (0, h));
                             fc1.rows_cols(up, f * h * es, (0, f), (0, h));
