@@ -709,14 +709,6 @@ fn plans_build_on_reduced_real_models() {
     }
 }
 
-/// The value a test writes for element `global` of tensor `tensor`.
-fn element_value(tensor: u32, global: u64) -> u16 {
-    let mut z = (u64::from(tensor) << 40 ^ global).wrapping_add(0x9e37_79b9_7f4a_7c15);
-    z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-    z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-    (z ^ (z >> 31)) as u16
-}
-
 /// Calls `f(element index in the buffer, global flat index in the tensor)` for every element of a box.
 fn for_each_element(w: &Workload, p: &Placed, mut f: impl FnMut(usize, u64)) {
     let shape = &w.catalog.tensors[p.tensor as usize].shape;
@@ -735,13 +727,10 @@ fn for_each_element(w: &Workload, p: &Placed, mut f: impl FnMut(usize, u64)) {
 
 /// Publishers' boxes filled with known values, receivers poisoned, the plan's runs copied on the host,
 /// then every needed element compared with the value of the tensor element it stands for.
-fn refit_on_host(spec: &Spec, options: &refit::plan::PlanOptions) -> Vec<Vec<u16>> {
+fn refit_on_host(spec: &Spec, options: &refit::plan::PlanOptions) -> Vec<Vec<u8>> {
     let w = Workload::generate(spec).unwrap();
-    let mut memory: Vec<Vec<u16>> = w.buffers.iter().map(|b| vec![0xdead; (b.bytes / 2) as usize]).collect();
-    for o in &w.offers {
-        let buffer = &mut memory[o.buffer as usize];
-        for_each_element(&w, o, |i, g| buffer[i] = element_value(o.tensor, g));
-    }
+    let mut memory: Vec<Vec<u8>> = w.buffers.iter().map(|b| vec![0xa5; b.bytes as usize]).collect();
+    w.fill_offers(&mut memory.iter_mut().map(|m| m.as_mut_slice()).collect::<Vec<_>>());
     let bases: Vec<u64> = memory.iter_mut().map(|m| m.as_mut_ptr() as u64).collect();
     let plan = refit::plan::build(&w.tables(&bases).unwrap(), options).unwrap();
     for route in plan.routes() {
@@ -753,13 +742,15 @@ fn refit_on_host(spec: &Spec, options: &refit::plan::PlanOptions) -> Vec<Vec<u16
             });
         }
     }
+    // Checked here with this file's own element walk, and with the library's check.
     let mut installed = 0;
     for n in &w.needs {
         let buffer = &memory[n.buffer as usize];
         for_each_element(&w, n, |i, g| {
+            let expected = (refit::workloads::element_value(n.tensor, g) as u16).to_le_bytes();
             assert_eq!(
-                buffer[i],
-                element_value(n.tensor, g),
+                buffer[2 * i..2 * i + 2],
+                expected,
                 "{} element {i}",
                 w.buffers[n.buffer as usize].name
             );
@@ -767,7 +758,39 @@ fn refit_on_host(spec: &Spec, options: &refit::plan::PlanOptions) -> Vec<Vec<u16
         });
     }
     assert_eq!(installed * 2, w.need_bytes().values().sum::<u64>());
+    let views: Vec<&[u8]> = memory.iter().map(|m| m.as_slice()).collect();
+    assert_eq!(w.check_needs(&views), Ok(installed));
     memory.into_iter().zip(&w.buffers).filter(|(_, b)| b.role == Role::Receiver).map(|(m, _)| m).collect()
+}
+
+#[test]
+fn check_needs_names_the_first_wrong_element() {
+    let spec = tiny_spec(tiny_moe(), 4, 2, 4, 2);
+    let w = Workload::generate(&spec).unwrap();
+    let mut memory: Vec<Vec<u8>> = w.buffers.iter().map(|b| vec![0; b.bytes as usize]).collect();
+    // Install the receivers' bytes directly from the expectation, then corrupt one element.
+    for n in &w.needs {
+        let buffer = &mut memory[n.buffer as usize];
+        for_each_element(&w, n, |i, g| {
+            buffer[2 * i..2 * i + 2]
+                .copy_from_slice(&(refit::workloads::element_value(n.tensor, g) as u16).to_le_bytes())
+        });
+    }
+    let views: Vec<&[u8]> = memory.iter().map(|m| m.as_slice()).collect();
+    let total: u64 = w.needs.iter().map(|n| volume(&n.region)).sum();
+    assert_eq!(w.check_needs(&views), Ok(total));
+    let victim = w
+        .needs
+        .iter()
+        .find(|n| w.catalog.tensors[n.tensor as usize].name.ends_with("experts.3.up_proj.weight"))
+        .unwrap();
+    let at = (victim.offset + 6) as usize;
+    memory[victim.buffer as usize][at] ^= 0x40;
+    let views: Vec<&[u8]> = memory.iter().map(|m| m.as_slice()).collect();
+    let err = w.check_needs(&views).unwrap_err();
+    let buffer = &w.buffers[victim.buffer as usize].name;
+    assert!(err.starts_with(&format!("{buffer} byte {at}: element ")), "{err}");
+    assert!(err.contains("experts.3.up_proj.weight"), "{err}");
 }
 
 #[test]

@@ -13,11 +13,13 @@
 mod megatron;
 mod model;
 mod param;
+mod pattern;
 mod vllm;
 
 pub use megatron::Megatron;
 pub use model::{Catalog, LayerTensors, MlpTensors, Model, Moe};
 pub use param::{Param, Piece};
+pub use pattern::element_value;
 pub use vllm::Vllm;
 
 use crate::error::{Error, Result};
