@@ -31,10 +31,7 @@ impl Workload {
         let mut at = p.offset;
         for _ in 0..rows {
             // Global index of the row's first element.
-            let mut row_start = 0;
-            for d in 0..n - 1 {
-                row_start = row_start * spec.shape[d] + p.region.offset[d] + coord[d];
-            }
+            let row_start = (0..n - 1).fold(0, |acc, d| acc * spec.shape[d] + p.region.offset[d] + coord[d]);
             let first = row_start * spec.shape[n - 1] + p.region.offset[n - 1];
             for k in 0..inner {
                 f(at, first + k);
