@@ -5,8 +5,9 @@
 //! Beside our figures: the seed's (modelexpress PR #635, same model and topology) and the targets of
 //! issue 3. Writes `plan_bench.json` under `$REFIT_BENCH_RESULTS` (default `benches/results/`).
 
-use refit::plan::{self, Plan, PlanOptions, PlanStats, Table};
+use refit::plan::{self, Endpoint, Plan, PlanOptions, PlanStats, Region, Table};
 use refit::workloads::{Layout, Model, Spec, Workload};
+use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::Instant;
 
@@ -69,7 +70,7 @@ fn json_stats(s: &PlanStats) -> String {
 }
 
 /// Payload bytes of the plan's segments landing on `receiver`, summed independently of the stats.
-fn moved_into(plan: &Plan, receiver: refit::plan::Endpoint) -> u64 {
+fn moved_into(plan: &Plan, receiver: Endpoint) -> u64 {
     plan.routes()
         .iter()
         .filter(|r| r.dst == receiver)
@@ -111,8 +112,29 @@ struct Summary {
     min_ms: f64,
 }
 
+/// Per receiver: (need, offer) pairs whose boxes intersect when every replica is read, i.e. the
+/// strided ranges before choosing owners (each such pair is at least one range). Counted from the
+/// workload, independently of the planner.
+fn replica_pairs(w: &Workload) -> BTreeMap<Endpoint, u64> {
+    let mut offers: HashMap<u32, Vec<&Region>> = HashMap::new();
+    for o in &w.offers {
+        offers.entry(o.tensor).or_default().push(&o.region);
+    }
+    let overlap = |a: &Region, b: &Region| {
+        (0..a.offset.len())
+            .all(|d| a.offset[d] < b.offset[d] + b.extent[d] && b.offset[d] < a.offset[d] + a.extent[d])
+    };
+    let mut pairs = BTreeMap::new();
+    for n in &w.needs {
+        let count = offers[&n.tensor].iter().filter(|o| overlap(o, &n.region)).count() as u64;
+        *pairs.entry(n.endpoint).or_insert(0) += count;
+    }
+    pairs
+}
+
 fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String>) -> Summary {
     let workload = Workload::generate(&case.spec).expect("spec is valid");
+    let pairs = replica_pairs(&workload);
     let tables = workload.tables(&workload.fake_bases()).expect("bases fit");
     let (plan, build_ms, min_ms) = timed_build(&tables, samples);
     let whole = plan.stats();
@@ -155,7 +177,8 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
         let (sr, sg) = seed(SEED_BEFORE_RANGES, SEED_BEFORE_GIB);
         let _ = writeln!(
             out,
-            "| {name} | every replica read | - | {} | {} | {sr} | {sg} | |",
+            "| {name} | every replica read | {} | {} | {} | {sr} | {sg} | |",
+            pairs[&receiver],
             s.ranges_all_replicas,
             gib(s.bytes_all_replicas)
         );
@@ -191,9 +214,11 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
         summary.exact &= moved == exact && s.bytes_all_replicas >= exact;
         let _ = writeln!(out, "| {name} | largest size buckets | {} | | | | | |", dominant_sizes(&s));
         receivers_json.push(format!(
-            "{{\"rank\": {}, \"device\": {}, \"exact_bytes\": {exact}, \"moved_bytes\": {moved}, \"stats\": {}}}",
+            "{{\"rank\": {}, \"device\": {}, \"exact_bytes\": {exact}, \"moved_bytes\": {moved}, \
+             \"segments_all_replicas\": {}, \"stats\": {}}}",
             receiver.rank,
             receiver.device,
+            pairs[&receiver],
             json_stats(&s)
         ));
     }
