@@ -13,6 +13,7 @@ pub mod group;
 pub mod logging;
 pub mod plan;
 pub mod segment;
+pub mod workloads;
 
 pub use error::{Error, Result, Status};
 pub use segment::Segment;
