@@ -1,8 +1,16 @@
-"""Loads librefit and turns statuses into exceptions."""
+"""The ctypes layer: loads librefit, mirrors include/refit.h (constants, structs, callback types,
+every function's argtypes/restype) and turns statuses into exceptions.
 
+Nothing here owns a handle; the wrappers in group.py and plan.py do. python/tests/test_header.py
+parses the header and fails when a declaration here differs from it or is missing.
+"""
+
+import atexit
 import ctypes
 import enum
 import os
+import traceback
+from ctypes import POINTER, c_bool, c_char_p, c_int32, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from pathlib import Path
 
 
@@ -30,17 +38,13 @@ def _load():
 lib = _load()
 
 
-class Status(enum.IntEnum):
-    """refit_status, read from the library so the two can never disagree."""
-
-    @classmethod
-    def _missing_(cls, value):
-        return None
+# --- statuses and errors ------------------------------------------------------------------------
 
 
 def _status_names():
-    lib.refit_status_string.restype = ctypes.c_char_p
-    lib.refit_status_string.argtypes = [ctypes.c_int32]
+    # Declared here, ahead of the table below, because Status is built from the library itself.
+    lib.refit_status_string.restype = c_char_p
+    lib.refit_status_string.argtypes = [c_int32]
     names = {}
     code = 0
     while True:
@@ -51,11 +55,13 @@ def _status_names():
         code += 1
 
 
-Status = enum.IntEnum("Status", _status_names())  # noqa: F811 (built from the library)
+# refit_status, read from the library so the two can never disagree.
+Status = enum.IntEnum("Status", _status_names())
 
 
 class RefitError(Exception):
-    """A call returned a status other than SUCCESS."""
+    """A call returned a status other than SUCCESS, or the binding refused an argument the library
+    would have refused the same way (the status says which)."""
 
     def __init__(self, status, message):
         self.status = Status(status)
@@ -63,25 +69,279 @@ class RefitError(Exception):
         super().__init__(f"{self.status.name}: {message}")
 
 
-lib.refit_last_error_message.restype = ctypes.c_char_p
-lib.refit_last_error_message.argtypes = []
+def last_error_message():
+    """The message of the last failing call on this thread ("" if none has failed)."""
+    return lib.refit_last_error_message().decode(errors="replace")
 
 
 def check(status):
-    """Raises RefitError unless `status` is SUCCESS."""
-    if status != 0:
-        raise RefitError(status, lib.refit_last_error_message().decode(errors="replace"))
+    """Raises RefitError (with this thread's last error message) unless `status` is SUCCESS."""
+    if status != Status.SUCCESS:
+        raise RefitError(status, last_error_message())
 
 
-lib.refit_version.restype = ctypes.c_char_p
-lib.refit_version.argtypes = []
-lib.refit_abi_version.restype = ctypes.c_uint32
-lib.refit_abi_version.argtypes = []
+def invalid_argument(message):
+    """The error the binding raises for an argument it cannot pass on safely (wrong length, range)."""
+    return RefitError(Status.INVALID_ARGUMENT, message)
+
+
+# --- constants (the header's #defines, grouped) ---------------------------------------------------
+
+
+class Backend(enum.IntEnum):
+    """REFIT_BACKEND_*."""
+
+    AUTO = 0
+    CUDA = 1
+    HOST = 2
+
+
+class Algorithm(enum.IntEnum):
+    """REFIT_ALLGATHER_*."""
+
+    AUTO = 0
+    NCCL = 1
+    PEER = 2
+    HOST = 3
+
+
+class ExitMode(enum.IntEnum):
+    """REFIT_EXIT_*: how refit_group_exit closes a scope."""
+
+    SYNC = 0
+    ASYNC = 1
+
+
+class Policy(enum.IntEnum):
+    """REFIT_POLICY_*: which replica serves each replica set."""
+
+    FIRST = 0
+    LOCAL = 1
+    BALANCED = 2
+
+
+class RouteKind(enum.IntEnum):
+    """REFIT_ROUTE_*."""
+
+    LOCAL = 0
+    PEER = 1
+    REMOTE = 2
+
+
+MAX_DIMS = 8
+PLAN_SIZE_BUCKETS = 64
+ABI_VERSION = 1
+
+
+# --- structs --------------------------------------------------------------------------------------
+
+
+class GroupOptions(ctypes.Structure):
+    """refit_group_options."""
+
+    _fields_ = [("size", c_size_t), ("backend", c_uint32), ("host_devices", c_uint32)]
+
+
+class PlanOptions(ctypes.Structure):
+    """refit_plan_options."""
+
+    _fields_ = [("size", c_size_t), ("policy", c_uint32), ("coalesce", c_bool)]
+
+
+class PlanStatsStruct(ctypes.Structure):
+    """refit_plan_stats."""
+
+    _fields_ = [("size", c_size_t)] + [
+        (name, c_uint64)
+        for name in (
+            "offers_in",
+            "offers_kept",
+            "replica_sets",
+            "needs",
+            "needed_bytes",
+            "ranges_all_replicas",
+            "bytes_all_replicas",
+            "duplicate_bytes_dropped",
+            "ranges_deduped",
+            "segments_deduped",
+            "ranges_coalesced",
+            "flat_runs_coalesced",
+            "bytes_local",
+            "bytes_peer",
+            "bytes_remote",
+            "routes",
+        )
+    ] + [("size_histogram", c_uint64 * PLAN_SIZE_BUCKETS), ("build_ns", c_uint64)]
+
+
+class SegmentStruct(ctypes.Structure):
+    """refit_segment."""
+
+    _fields_ = [
+        ("src", c_uint64),
+        ("dst", c_uint64),
+        ("len", c_uint64),
+        ("count", c_uint64 * 2),
+        ("src_stride", c_uint64 * 2),
+        ("dst_stride", c_uint64 * 2),
+    ]
+
+
+class RouteInfo(ctypes.Structure):
+    """refit_route_info."""
+
+    _fields_ = [
+        ("size", c_size_t),
+        ("src_rank", c_uint32),
+        ("src_device", c_uint32),
+        ("dst_rank", c_uint32),
+        ("dst_device", c_uint32),
+        ("kind", c_uint32),
+        ("segment_count", c_size_t),
+        ("segments", POINTER(SegmentStruct)),
+    ]
+
+
+# refit_rank_callback and refit_log_callback.
+RankCallback = ctypes.CFUNCTYPE(c_int32, c_uint32, c_void_p, c_void_p)
+LogCallback = ctypes.CFUNCTYPE(None, c_uint32, c_char_p, c_void_p)
+
+
+# --- functions ------------------------------------------------------------------------------------
+
+status_t = c_int32  # refit_status as a return type: compared with Status by check()
+_handle = c_void_p  # refit_group*, refit_table*, refit_plan*: opaque, kept as ints
+_u64p = POINTER(c_uint64)
+_u32p = POINTER(c_uint32)
+
+# name -> (restype, argtypes), in header order.
+FUNCTIONS = {
+    "refit_allgather": (status_t, [_handle, _u64p, _u64p, POINTER(c_size_t), c_uint32, _u32p]),
+    "refit_group_allgather_rank": (
+        status_t,
+        [_handle, c_uint32, c_uint64, c_uint64, POINTER(c_size_t), c_uint32, _u32p],
+    ),
+    "refit_group_options_init": (status_t, [POINTER(GroupOptions)]),
+    "refit_group_create": (
+        status_t,
+        [POINTER(c_int32), c_size_t, POINTER(GroupOptions), POINTER(_handle)],
+    ),
+    "refit_group_destroy": (None, [_handle]),
+    "refit_group_size": (status_t, [_handle, POINTER(c_size_t)]),
+    "refit_group_device": (status_t, [_handle, c_uint32, POINTER(c_int32)]),
+    "refit_group_stream": (status_t, [_handle, c_uint32, POINTER(c_void_p)]),
+    "refit_group_peer_access": (status_t, [_handle, c_uint32, c_uint32, POINTER(c_bool)]),
+    "refit_group_backend": (status_t, [_handle, _u32p]),
+    "refit_group_enter": (status_t, [_handle, POINTER(c_void_p)]),
+    "refit_group_exit": (status_t, [_handle, c_uint32]),
+    "refit_group_run": (status_t, [_handle, RankCallback, c_void_p]),
+    "refit_host_stream_create": (status_t, [POINTER(c_void_p)]),
+    "refit_host_stream_destroy": (status_t, [c_void_p]),
+    "refit_table_create": (status_t, [POINTER(_handle)]),
+    "refit_table_destroy": (None, [_handle]),
+    "refit_table_add_tensor": (status_t, [_handle, c_char_p, c_uint32, c_uint32, _u64p, c_size_t, _u32p]),
+    "refit_table_add_offer": (
+        status_t,
+        [_handle, c_uint32, c_uint32, c_uint32, c_uint64, _u64p, _u64p, _u64p, c_size_t, _u64p],
+    ),
+    "refit_table_add_need": (
+        status_t,
+        [_handle, c_uint32, c_uint32, c_uint32, c_uint64, _u64p, _u64p, _u32p, _u64p, c_size_t],
+    ),
+    "refit_table_encoded_size": (status_t, [_handle, POINTER(c_size_t)]),
+    "refit_table_encode": (status_t, [_handle, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
+    "refit_table_decode": (status_t, [POINTER(c_uint8), c_size_t, POINTER(_handle)]),
+    "refit_plan_options_init": (status_t, [POINTER(PlanOptions)]),
+    "refit_plan_build": (status_t, [POINTER(_handle), c_size_t, POINTER(PlanOptions), POINTER(_handle)]),
+    "refit_plan_destroy": (None, [_handle]),
+    "refit_plan_get_stats": (status_t, [_handle, POINTER(PlanStatsStruct)]),
+    "refit_plan_get_receiver_stats": (status_t, [_handle, c_uint32, c_uint32, POINTER(PlanStatsStruct)]),
+    "refit_plan_fingerprint": (status_t, [_handle, _u64p]),
+    "refit_plan_route_count": (status_t, [_handle, POINTER(c_size_t)]),
+    "refit_plan_route": (status_t, [_handle, c_size_t, POINTER(RouteInfo)]),
+    "refit_version": (c_char_p, []),
+    "refit_abi_version": (c_uint32, []),
+    "refit_status_string": (c_char_p, [c_int32]),
+    "refit_last_error_message": (c_char_p, []),
+    "refit_set_log_callback": (status_t, [c_uint32, LogCallback, c_void_p]),
+}
+
+
+def _declare():
+    missing = [name for name in FUNCTIONS if not hasattr(lib, name)]
+    if missing:
+        raise OSError(f"{lib._name} lacks {', '.join(missing)}: an older librefit than this binding")
+    for name, (restype, argtypes) in FUNCTIONS.items():
+        function = getattr(lib, name)
+        function.restype = restype
+        function.argtypes = argtypes
+
+
+_declare()
+
+
+# --- argument conversion --------------------------------------------------------------------------
+
+
+def u64_array(values, what):
+    """A c_uint64 array of `values`, each checked to fit (ctypes would silently wrap)."""
+    values = list(values)
+    for value in values:
+        check_range(value, 64, what)
+    return (c_uint64 * len(values))(*values)
+
+
+def check_range(value, bits, what):
+    """`value` as an int in [0, 2^bits), else INVALID_ARGUMENT naming `what`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            value = value.__index__()
+        except AttributeError:
+            raise invalid_argument(f"{what} must be an integer, not {type(value).__name__}") from None
+    if not 0 <= value < (1 << bits):
+        raise invalid_argument(f"{what} = {value} is outside [0, 2^{bits})")
+    return value
+
+
+# --- version and logging --------------------------------------------------------------------------
 
 
 def version():
+    """The library's "MAJOR.MINOR.PATCH"."""
     return lib.refit_version().decode()
 
 
 def abi_version():
+    """REFIT_ABI_VERSION of the loaded library."""
     return lib.refit_abi_version()
+
+
+# Every log callback ever installed: a record may still be in flight on a rank thread when the
+# sink is replaced, so an old callback is never freed.
+_log_callbacks = []
+
+
+def set_log_callback(callback, level=2):
+    """Sends the library's log records at `level` (0 off .. 5 trace) and below to
+    `callback(level, message)`, or back to stderr when `callback` is None.
+
+    The callback may run on any thread, including rank threads, and must not call into refit;
+    exceptions it raises are printed and dropped. Any thread may call this.
+    """
+    level = check_range(level, 32, "level")
+    if callback is None:
+        check(lib.refit_set_log_callback(level, LogCallback(), None))
+        return
+
+    def deliver(record_level, message, _user_data):
+        try:
+            callback(record_level, message.decode(errors="replace"))
+        except BaseException:  # an exception must not unwind into the library
+            traceback.print_exc()
+
+    wrapped = LogCallback(deliver)
+    check(lib.refit_set_log_callback(level, wrapped, None))
+    _log_callbacks.append(wrapped)
+    if len(_log_callbacks) == 1:
+        # Rank threads may outlive the interpreter's teardown: hand logging back to stderr first.
+        atexit.register(lambda: lib.refit_set_log_callback(2, LogCallback(), None))

@@ -1,0 +1,268 @@
+"""Shard tables (refit_table), their wire encoding, and reshard plans (refit_plan) read back as plain
+Python values."""
+
+import ctypes
+import dataclasses
+from ctypes import byref, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
+
+from ._handle import Handle
+from ._lib import (
+    PlanOptions,
+    PlanStatsStruct,
+    Policy,
+    RouteInfo,
+    RouteKind,
+    check,
+    check_range,
+    invalid_argument,
+    lib,
+    u64_array,
+)
+
+
+def _box(ndim, arrays):
+    """Checks that every given array has `ndim` entries (the C API reads exactly that many)."""
+    for what, values in arrays:
+        if values is not None and len(values) != ndim:
+            raise invalid_argument(f"{what} has {len(values)} entries; the box has {ndim} dimensions")
+
+
+class Table(Handle):
+    """One rank's shard table: tensors, offers (what it publishes), needs (what it receives).
+
+    Owns its refit_table; close() releases it (plans built from it are unaffected). Not for
+    concurrent use from several threads.
+    """
+
+    _what = "table"
+
+    def __init__(self, _pointer=None):
+        """An empty table (the argument is for Table.decode only)."""
+        if _pointer is None:
+            pointer = c_void_p()
+            check(lib.refit_table_create(byref(pointer)))
+            _pointer = pointer.value
+        super().__init__(_pointer)
+
+    def _release(self, pointer):
+        lib.refit_table_destroy(pointer)
+
+    def add_tensor(self, name, shape, elem_size, dtype=0):
+        """Adds tensor `name` of global `shape`, `elem_size` bytes per element and a caller-defined
+        `dtype` code; returns its index in this table (the same index when added again alike)."""
+        encoded = name.encode() if isinstance(name, str) else bytes(name)
+        if b"\0" in encoded:
+            raise invalid_argument("a tensor name must not contain NUL")
+        shape = u64_array(shape, "shape")
+        index = c_uint32()
+        check(
+            lib.refit_table_add_tensor(
+                self.handle,
+                encoded,
+                check_range(dtype, 32, "dtype"),
+                check_range(elem_size, 32, "elem_size"),
+                shape,
+                len(shape),
+                byref(index),
+            )
+        )
+        return index.value
+
+    def add_offer(self, tensor, rank, device, addr, offset, extent, strides=None, digest=None):
+        """Publishes the box `offset`/`extent` (global element coordinates) of tensor index
+        `tensor`, held by (`rank`, `device`) at address `addr` with element `strides` (None:
+        row-major over `extent`). Offers of one box are replicas; `digest` (an int) lets the
+        planner refuse replicas that differ."""
+        ndim = len(offset)
+        _box(ndim, [("extent", extent), ("strides", strides)])
+        digest_value = None if digest is None else byref(c_uint64(check_range(digest, 64, "digest")))
+        check(
+            lib.refit_table_add_offer(
+                self.handle,
+                check_range(tensor, 32, "tensor"),
+                check_range(rank, 32, "rank"),
+                check_range(device, 32, "device"),
+                check_range(addr, 64, "addr"),
+                u64_array(offset, "offset"),
+                u64_array(extent, "extent"),
+                None if strides is None else u64_array(strides, "strides"),
+                ndim,
+                digest_value,
+            )
+        )
+
+    def add_need(self, tensor, rank, device, addr, offset, extent, strides, perm=None):
+        """Asks for the box `offset`/`extent` of tensor index `tensor` on receiver (`rank`,
+        `device`), written at `addr` with destination element `strides`; destination dimension d
+        is tensor dimension `perm[d]` (None: the identity)."""
+        ndim = len(offset)
+        _box(ndim, [("extent", extent), ("strides", strides), ("perm", perm)])
+        perm_array = None
+        if perm is not None:
+            perm_array = (c_uint32 * ndim)(*[check_range(p, 32, "perm[i]") for p in perm])
+        check(
+            lib.refit_table_add_need(
+                self.handle,
+                check_range(tensor, 32, "tensor"),
+                check_range(rank, 32, "rank"),
+                check_range(device, 32, "device"),
+                check_range(addr, 64, "addr"),
+                u64_array(offset, "offset"),
+                u64_array(extent, "extent"),
+                perm_array,
+                u64_array(strides, "strides"),
+                ndim,
+            )
+        )
+
+    def encode(self):
+        """The table's versioned, checksummed wire encoding, as bytes."""
+        size = c_size_t()
+        check(lib.refit_table_encoded_size(self.handle, byref(size)))
+        buffer = (c_uint8 * size.value)()
+        written = c_size_t()
+        check(lib.refit_table_encode(self.handle, buffer, size.value, byref(written)))
+        return bytes(buffer[: written.value])
+
+    @classmethod
+    def decode(cls, data):
+        """A new table from bytes written by encode() on any rank. Untrusted input is safe:
+        corrupted bytes raise RefitError (DECODE_ERROR or VERSION_MISMATCH)."""
+        data = bytes(data)
+        buffer = (c_uint8 * len(data)).from_buffer_copy(data)
+        pointer = c_void_p()
+        check(lib.refit_table_decode(buffer, len(data), byref(pointer)))
+        return cls(pointer.value)
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """refit_segment as a value: `len` contiguous bytes, repeated count[0] times with strides
+    src_stride[0]/dst_stride[0], that pattern repeated count[1] times with the [1] strides."""
+
+    src: int
+    dst: int
+    len: int
+    count: tuple
+    src_stride: tuple
+    dst_stride: tuple
+
+    @property
+    def bytes(self):
+        """Payload bytes."""
+        return self.len * self.count[0] * self.count[1]
+
+    def runs(self):
+        """Every contiguous run as (src, dst, len), inner level fastest (Segment::for_each_run)."""
+        if self.len == 0:
+            return
+        for j in range(self.count[1]):
+            for i in range(self.count[0]):
+                yield (
+                    self.src + j * self.src_stride[1] + i * self.src_stride[0],
+                    self.dst + j * self.dst_stride[1] + i * self.dst_stride[0],
+                    self.len,
+                )
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    """Every segment from one source endpoint (rank, device) to one destination endpoint."""
+
+    src_rank: int
+    src_device: int
+    dst_rank: int
+    dst_device: int
+    kind: RouteKind
+    segments: tuple
+
+
+PlanStats = dataclasses.make_dataclass(
+    "PlanStats",
+    [(name, int) for name, _ in PlanStatsStruct._fields_ if name not in ("size", "size_histogram")]
+    + [("size_histogram", tuple)],
+    frozen=True,
+)
+PlanStats.__doc__ = """refit_plan_stats as a value (field meanings: include/refit.h)."""
+
+
+def _stats(fill):
+    raw = PlanStatsStruct()
+    raw.size = ctypes.sizeof(raw)
+    check(fill(byref(raw)))
+    values = {name: getattr(raw, name) for name, _ in PlanStatsStruct._fields_ if name != "size"}
+    values["size_histogram"] = tuple(raw.size_histogram)
+    return PlanStats(**values)
+
+
+class Plan(Handle):
+    """A built reshard plan (refit_plan): immutable, so any thread may read it. Owns the plan;
+    routes() copies segments out, so they outlive close()."""
+
+    _what = "plan"
+
+    @classmethod
+    def build(cls, tables, policy=Policy.LOCAL, coalesce=True):
+        """Plans moving every byte the tables' needs ask for exactly once (refit_plan_build);
+        `tables` is every rank's Table, in any order. Raises RefitError on a coverage gap,
+        overlapping writes, replica or tensor mismatch."""
+        tables = list(tables)
+        pointers = (c_void_p * len(tables))(*[table.handle for table in tables])
+        options = PlanOptions()
+        check(lib.refit_plan_options_init(byref(options)))
+        options.policy = check_range(policy, 32, "policy")
+        options.coalesce = bool(coalesce)
+        pointer = c_void_p()
+        check(lib.refit_plan_build(pointers, len(tables), byref(options), byref(pointer)))
+        return cls(pointer.value)
+
+    def _release(self, pointer):
+        lib.refit_plan_destroy(pointer)
+
+    @property
+    def stats(self):
+        """The whole plan's counts, a PlanStats."""
+        return _stats(lambda raw: lib.refit_plan_get_stats(self.handle, raw))
+
+    def receiver_stats(self, rank, device):
+        """The counts of receiver (`rank`, `device`)'s needs and routes, a PlanStats."""
+        rank, device = check_range(rank, 32, "rank"), check_range(device, 32, "device")
+        return _stats(lambda raw: lib.refit_plan_get_receiver_stats(self.handle, rank, device, raw))
+
+    @property
+    def fingerprint(self):
+        """Equal for the same tables in any order, in any process."""
+        value = c_uint64()
+        check(lib.refit_plan_fingerprint(self.handle, byref(value)))
+        return value.value
+
+    @property
+    def route_count(self):
+        """The number of routes."""
+        count = c_size_t()
+        check(lib.refit_plan_route_count(self.handle, byref(count)))
+        return count.value
+
+    def route(self, index):
+        """Route `index` as a Route (RefitError NOT_FOUND past the end)."""
+        info = RouteInfo()
+        info.size = ctypes.sizeof(info)
+        check(lib.refit_plan_route(self.handle, check_range(index, 64, "index"), byref(info)))
+        segments = tuple(
+            Segment(
+                s.src, s.dst, s.len, tuple(s.count), tuple(s.src_stride), tuple(s.dst_stride)
+            )
+            for s in (info.segments[: info.segment_count] if info.segment_count else ())
+        )
+        kind = RouteKind(info.kind)
+        return Route(info.src_rank, info.src_device, info.dst_rank, info.dst_device, kind, segments)
+
+    def routes(self):
+        """Every route, ordered by destination, then local/peer/remote, then source."""
+        return [self.route(index) for index in range(self.route_count)]
+
+    def __iter__(self):
+        return iter(self.routes())
+
+
+__all__ = ["Plan", "PlanStats", "Policy", "Route", "RouteKind", "Segment", "Table"]
