@@ -59,24 +59,25 @@ class StatusTest(unittest.TestCase):
         self.assertEqual(seen["error"].status, refit.Status.EMPTY_DEVICE_LIST)
         self.assertEqual(last_error_message(), mine)
 
-    def test_log_callback_receives_records_and_can_be_removed(self):
-        records = []
-        refit.set_log_callback(lambda level, message: records.append((level, message)), level=5)
-        try:
-            # Destroying a group with a scope left open logs a warning.
+    def test_log_callback_receives_records_and_can_be_replaced(self):
+        def open_scope_then_destroy():
+            # Destroying a group with a scope left open logs a warning (level 2).
             group = refit.Group([0], backend=refit.Backend.HOST)
             group.enter()
             group.close()
+
+        first, second = [], []
+        try:
+            refit.set_log_callback(lambda level, message: first.append((level, message)), level=5)
+            open_scope_then_destroy()
+            refit.set_log_callback(lambda level, message: second.append((level, message)), level=2)
+            open_scope_then_destroy()
         finally:
-            refit.set_log_callback(None, level=0)  # the default sink, silenced for the check below
-        self.assertTrue(any(level == 2 for level, _ in records), records)
-        self.assertTrue(all(isinstance(message, str) for _, message in records))
-        count = len(records)
-        group = refit.Group([0], backend=refit.Backend.HOST)
-        group.enter()
-        group.close()
-        refit.set_log_callback(None, level=2)
-        self.assertEqual(len(records), count)
+            refit.set_log_callback(None)
+        self.assertTrue(any(level == 2 and "scope" in message for level, message in first), first)
+        self.assertEqual(len(second), 1, second)
+        self.assertEqual(second[0][0], 2)
+        self.assertEqual(len([record for record in first if record[0] == 2]), 1, first)
 
 
 if __name__ == "__main__":
