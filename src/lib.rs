@@ -8,6 +8,7 @@
 pub mod backend;
 pub mod error;
 pub mod ffi;
+pub mod kernels;
 pub mod logging;
 pub mod plan;
 pub mod segment;
