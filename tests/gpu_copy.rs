@@ -18,6 +18,18 @@ use refit::{Segment, Status};
 
 const POISON: u8 = 0xCD;
 
+/// The kernel entry points with the test's promise kept: every segment names live buffers of this
+/// program and every stream is a live stream of the right device (or NULL).
+fn copy(device: i32, stream: sys::CUstream, segments: &[Segment], checked: bool) -> refit::Result<()> {
+    // SAFETY: see above.
+    unsafe { copy_segments(device, stream, segments, checked) }
+}
+
+fn launch(batch: &PreparedBatch, stream: sys::CUstream) -> refit::Result<()> {
+    // SAFETY: see above.
+    unsafe { batch.launch(stream) }
+}
+
 /// Buffers of one case: the source (random bytes) and the poisoned destination, on any devices.
 struct Case {
     batch: Batch,
@@ -70,7 +82,7 @@ fn one_copy(seed: u64, shape: Shape, devices: (i32, i32, i32), checked: bool) {
     let batch = random_batch(&mut rng, shape);
     let case = Case::new(&mut rng, batch, src_device, dst_device);
     let stream = Stream::new(kernel_device);
-    ok("copy_segments", copy_segments(kernel_device, stream.raw, &case.segments, checked));
+    ok("copy_segments", copy(kernel_device, stream.raw, &case.segments, checked));
     stream.sync();
     case.verify(&format!("seed {seed} {shape:?} devices {devices:?}"));
 }
@@ -156,7 +168,7 @@ fn every_size_class_at_every_skew() {
         let batch = Batch { segments, src_len: src_at as usize + 32, dst_len: cursor as usize };
         let case = Case::new(&mut rng, batch, 0, 0);
         let stream = Stream::new(0);
-        ok("copy_segments", copy_segments(0, stream.raw, &case.segments, true));
+        ok("copy_segments", copy(0, stream.raw, &case.segments, true));
         stream.sync();
         case.verify(&format!("skew {skew}"));
     }
@@ -175,10 +187,10 @@ fn zero_length_segments_and_empty_batches() {
     let case = Case::new(&mut rng, Batch { segments, src_len: 512, dst_len: 512 }, 0, 0);
     // Only the second segment carries bytes; the launch must skip the others (and write nothing else).
     let stream = Stream::new(0);
-    ok("copy_segments", copy_segments(0, stream.raw, &case.segments, true));
-    ok("empty batch", copy_segments(0, stream.raw, &[], true));
+    ok("copy_segments", copy(0, stream.raw, &case.segments, true));
+    ok("empty batch", copy(0, stream.raw, &[], true));
     let empty = ok("prepare empty", PreparedBatch::new(0, &[Segment::contiguous(0, 0, 0)], true));
-    ok("launch empty", empty.launch(stream.raw));
+    ok("launch empty", launch(&empty, stream.raw));
     stream.sync();
     case.verify("zero-length segments");
 }
@@ -207,7 +219,7 @@ fn tensor_parallel_column_split() {
         0,
     );
     let stream = Stream::new(0);
-    ok("copy_segments", copy_segments(0, stream.raw, &case.segments, true));
+    ok("copy_segments", copy(0, stream.raw, &case.segments, true));
     stream.sync();
     case.verify("column split");
     let gather = vec![
@@ -227,7 +239,7 @@ fn tensor_parallel_column_split() {
         0,
         0,
     );
-    ok("copy_segments", copy_segments(0, stream.raw, &case.segments, true));
+    ok("copy_segments", copy(0, stream.raw, &case.segments, true));
     stream.sync();
     case.verify("column gather");
 }
@@ -240,7 +252,7 @@ fn default_stream_is_accepted() {
         Shape { segments: 100, max_len: 65536, strided_percent: 30, misaligned: true, src_len: 1 << 20 };
     let batch = random_batch(&mut rng, shape);
     let case = Case::new(&mut rng, batch, 0, 0);
-    ok("copy_segments", copy_segments(0, std::ptr::null_mut(), &case.segments, false));
+    ok("copy_segments", copy(0, std::ptr::null_mut(), &case.segments, false));
     cuda::sync_device(0);
     case.verify("legacy default stream");
 }
@@ -256,12 +268,12 @@ fn prepared_batch_launched_100_times() {
     let prepared = ok("PreparedBatch::new", PreparedBatch::new(0, &case.segments, true));
     assert_eq!(prepared.bytes(), random_batch::payload(&case.segments));
     let stream = Stream::new(0);
-    for launch in 0..100 {
+    for round in 0..100 {
         // New bytes every launch: the batch must read the sources at launch time.
         case.refresh(&mut rng);
-        ok("launch", prepared.launch(stream.raw));
+        ok("launch", launch(&prepared, stream.raw));
         stream.sync();
-        case.verify(&format!("launch {launch}"));
+        case.verify(&format!("launch {round}"));
     }
 }
 
@@ -282,7 +294,7 @@ fn prepared_batch_in_a_cuda_graph() {
             "cuStreamBeginCapture",
             check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream.raw, mode) }),
         );
-        let launched = prepared.launch(stream.raw);
+        let launched = launch(&prepared, stream.raw);
         let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.raw, &mut graph) });
         ok("launch under capture", launched);
         ok("cuStreamEndCapture", ended);
@@ -314,12 +326,12 @@ fn one_shot_and_prepared_install_identical_bytes() {
     let batch = random_batch(&mut rng, shape);
     let case = Case::new(&mut rng, batch, 0, 0);
     let stream = Stream::new(0);
-    ok("copy_segments", copy_segments(0, stream.raw, &case.segments, true));
+    ok("copy_segments", copy(0, stream.raw, &case.segments, true));
     stream.sync();
     let one_shot = case.dst.download();
     case.dst.fill(POISON);
     let prepared = ok("PreparedBatch::new", PreparedBatch::new(0, &case.segments, true));
-    ok("launch", prepared.launch(stream.raw));
+    ok("launch", launch(&prepared, stream.raw));
     stream.sync();
     assert!(one_shot == case.dst.download(), "one-shot and prepared results differ");
     case.verify("prepared");
@@ -356,11 +368,11 @@ fn peer_destination_pushed_by_the_source_gpu() {
     let mut case = Case::new(&mut rng, batch, 1, 0);
     let prepared = ok("PreparedBatch::new", PreparedBatch::new(1, &case.segments, true));
     let stream = Stream::new(1);
-    for launch in 0..3 {
+    for round in 0..3 {
         case.refresh(&mut rng);
-        ok("launch", prepared.launch(stream.raw));
+        ok("launch", launch(&prepared, stream.raw));
         stream.sync();
-        case.verify(&format!("peer prepared launch {launch}"));
+        case.verify(&format!("peer prepared launch {round}"));
     }
 }
 
@@ -375,7 +387,7 @@ fn errors_are_statuses_and_copy_nothing() {
     };
     let case = Case::new(&mut rng, batch, 0, 0);
     let stream = Stream::new(0);
-    let err = copy_segments(0, stream.raw, &case.segments, true).unwrap_err();
+    let err = copy(0, stream.raw, &case.segments, true).unwrap_err();
     assert_eq!(err.status, Status::Overlap, "{err}");
     let err = PreparedBatch::new(0, &case.segments, true).err().expect("overlap");
     assert_eq!(err.status, Status::Overlap, "{err}");
@@ -383,10 +395,10 @@ fn errors_are_statuses_and_copy_nothing() {
     assert!(case.dst.download().iter().all(|&b| b == POISON), "a rejected batch copies nothing");
 
     let count = cuda::device_count();
-    let err = copy_segments(count, stream.raw, &case.segments[..1], false).unwrap_err();
+    let err = copy(count, stream.raw, &case.segments[..1], false).unwrap_err();
     assert_eq!(err.status, Status::InvalidDevice, "{err}");
     let err = PreparedBatch::new(-1, &case.segments[..1], false).err().expect("bad device");
     assert_eq!(err.status, Status::InvalidDevice, "{err}");
     let bad = Segment::contiguous(0, case.dst.ptr, 8);
-    assert_eq!(copy_segments(0, stream.raw, &[bad], false).unwrap_err().status, Status::InvalidArgument);
+    assert_eq!(copy(0, stream.raw, &[bad], false).unwrap_err().status, Status::InvalidArgument);
 }

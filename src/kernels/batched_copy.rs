@@ -67,7 +67,8 @@ impl BatchedCopy {
         let minor = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
         let sms = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let context = driver::primary_context(device)?;
-        let _current = CurrentContext::push(context)?;
+        // SAFETY: just retained.
+        let _current = unsafe { CurrentContext::push(context) }?;
         let context_msg = |e: Error| e.context(format!("loading the batched copy kernel on device {device}"));
 
         // Machine code for this exact architecture first; PTX for the driver to JIT if the CUBIN does
@@ -196,14 +197,25 @@ fn prepare(segments: &[Segment], checked: bool) -> Result<Layout> {
 /// Errors: InvalidArgument (a segment whose size or addresses overflow, or a zero address), Overlap,
 /// Unsupported (checked mode over too many interleaved runs), and those of [`BatchedCopy::for_device`];
 /// CudaError / OutOfMemory from the driver.
-pub fn copy_segments(device: i32, stream: sys::CUstream, segments: &[Segment], checked: bool) -> Result<()> {
+///
+/// # Safety
+/// `stream` must be NULL or a live stream of `device`'s primary context. Every run must lie in device
+/// memory (of `device`, or of a peer whose access is enabled) that stays allocated until the copy has
+/// run, with sources readable and destinations writable; no destination may overlap a source.
+pub unsafe fn copy_segments(
+    device: i32,
+    stream: sys::CUstream,
+    segments: &[Segment],
+    checked: bool,
+) -> Result<()> {
     let layout = prepare(segments, checked)?;
     if layout.tiles == 0 {
         return Ok(());
     }
     let kernel = BatchedCopy::for_device(device)?;
     let blocks = kernel.grid_for(layout.tiles)?;
-    let _current = CurrentContext::push(kernel.context)?;
+    // SAFETY: a retained primary context.
+    let _current = unsafe { CurrentContext::push(kernel.context) }?;
     let bytes = layout.as_bytes();
     let mut table: sys::CUdeviceptr = 0;
     // SAFETY: valid output slot; the stream belongs to the current context.
@@ -261,7 +273,8 @@ impl PreparedBatch {
             return Ok(batch);
         }
         batch.blocks = kernel.grid_for(layout.tiles)?;
-        let _current = CurrentContext::push(kernel.context)?;
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::push(kernel.context) }?;
         let bytes = layout.as_bytes();
         // SAFETY: valid output slot in the current context.
         check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut batch.descriptors, bytes.len()) })?;
@@ -275,9 +288,14 @@ impl PreparedBatch {
 
     /// Enqueues the batch on `stream` (a stream of this batch's device, NULL for its legacy default
     /// stream). Errors: CudaError when the launch fails (e.g. a stream of another device).
-    pub fn launch(&self, stream: sys::CUstream) -> Result<()> {
+    ///
+    /// # Safety
+    /// As for [`copy_segments`], at every launch: `stream` is NULL or a live stream of this device, and
+    /// the memory the segments name is still allocated and accessible when the launch runs.
+    pub unsafe fn launch(&self, stream: sys::CUstream) -> Result<()> {
         let Some(kernel) = &self.kernel else { return Ok(()) };
-        let _current = CurrentContext::push(kernel.context)?;
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::push(kernel.context) }?;
         kernel.enqueue(stream, self.descriptors, self.segments, self.tiles, self.blocks)
     }
 
@@ -300,7 +318,8 @@ impl PreparedBatch {
 impl Drop for PreparedBatch {
     fn drop(&mut self) {
         let Some(kernel) = &self.kernel else { return };
-        let freed = CurrentContext::push(kernel.context).and_then(|_current| {
+        // SAFETY: a retained primary context.
+        let freed = unsafe { CurrentContext::push(kernel.context) }.and_then(|_current| {
             // SAFETY: allocated by cuMemAlloc in this context, freed once.
             check("cuMemFree", unsafe { sys::cuMemFree_v2(self.descriptors) })
         });

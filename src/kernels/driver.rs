@@ -93,8 +93,10 @@ pub fn attribute(device: i32, attribute: sys::CUdevice_attribute) -> Result<i32>
 pub struct CurrentContext(std::marker::PhantomData<*const ()>);
 
 impl CurrentContext {
-    pub fn push(context: sys::CUcontext) -> Result<CurrentContext> {
-        // SAFETY: a retained context.
+    /// # Safety
+    /// `context` must be a live (e.g. retained primary) context.
+    pub unsafe fn push(context: sys::CUcontext) -> Result<CurrentContext> {
+        // SAFETY: the caller's promise.
         check("cuCtxPushCurrent", unsafe { sys::cuCtxPushCurrent_v2(context) })?;
         Ok(CurrentContext(std::marker::PhantomData))
     }

@@ -22,7 +22,8 @@ pub fn context(device: i32) -> sys::CUcontext {
 
 /// Runs `f` with `device`'s primary context current.
 pub fn on<T>(device: i32, f: impl FnOnce() -> T) -> T {
-    let _current = ok("cuCtxPushCurrent", CurrentContext::push(context(device)));
+    // SAFETY: a retained primary context.
+    let _current = ok("cuCtxPushCurrent", unsafe { CurrentContext::push(context(device)) });
     f()
 }
 
