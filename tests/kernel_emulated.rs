@@ -111,3 +111,41 @@ fn more_warps_than_tiles_and_one_warp_for_everything() {
     run(41, shape, 100); // most warps get no tile
     run(42, shape, 1);
 }
+
+#[test]
+fn aligned_rows_take_the_row_spread_path() {
+    // 16-byte aligned rows with 16-byte multiple lengths and strides: the column split and variants
+    // whose tiles cross an outer repetition (which must fall back to the row-by-row walk).
+    let mut rng = Rng::new(51);
+    let cases: [(u64, [u64; 2], [u64; 2], [u64; 2]); 5] = [
+        (768, [2048, 1], [1536, 0], [768, 0]),
+        (768, [5, 7], [1536, 1536 * 6], [768, 768 * 5 + 32]),
+        (16, [100, 3], [48, 4800], [16, 1600]),
+        (4096, [3, 2], [4096 + 64, 20000 * 16], [4096, 3 * 4096]),
+        (48, [33, 2], [0, 48], [48, 33 * 48]),
+    ];
+    for (len, count, src_stride, dst_stride) in cases {
+        let src_extent = random_batch::extent(len, count, src_stride);
+        let dst_extent = random_batch::extent(len, count, dst_stride);
+        let segment = Segment { src: 0, dst: 16, len, count, src_stride, dst_stride };
+        // u128 storage: 16-byte aligned bases, so the relative offsets keep their alignment.
+        let mut src_words = vec![0u128; (src_extent as usize).div_ceil(16) + 1];
+        let mut dst_words =
+            vec![0xCDCD_CDCD_CDCD_CDCD_CDCD_CDCD_CDCD_CDCDu128; (dst_extent as usize + 16).div_ceil(16)];
+        let src = as_bytes(&mut src_words);
+        rng.fill(src);
+        let mut want = vec![0xCDu8; dst_words.len() * 16];
+        reference(&[segment], src, &mut want);
+        let src_ptr = src.as_ptr() as u64;
+        let got = as_bytes(&mut dst_words);
+        emulate(&rebase(&[segment], src_ptr, got.as_mut_ptr() as u64), 3);
+        if let Some((at, g, w)) = first_difference(got, &want) {
+            panic!("{segment:?}: destination byte {at} is {g:#x}, expected {w:#x}");
+        }
+    }
+}
+
+fn as_bytes(words: &mut [u128]) -> &mut [u8] {
+    // SAFETY: u128 has no padding and every byte pattern is a valid u8.
+    unsafe { std::slice::from_raw_parts_mut(words.as_mut_ptr().cast::<u8>(), words.len() * 16) }
+}

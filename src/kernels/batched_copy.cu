@@ -93,6 +93,33 @@ __device__ __forceinline__ void copy_piece(u64 dst, u64 src, u32 n, u32 lane) {
     }
 }
 
+// Copies `rows` rows of `per_row` 16-byte vectors (rows * per_row <= one tile of vectors), each lane
+// taking vectors across row boundaries so that UNROLL loads per lane are in flight whatever the row
+// length. Every address is 16-byte aligned (checked by the caller).
+__device__ __forceinline__ void copy_rows16(u64 dst, u64 src, u32 per_row, u32 rows, u64 src_stride,
+                                            u64 dst_stride, u32 lane) {
+    const u32 total = per_row * rows;
+    for (u32 e = lane; e < total; e += UNROLL * WARP) {
+        V16 v[UNROLL];
+        u32 row[UNROLL];
+#pragma unroll
+        for (u32 k = 0; k < UNROLL; ++k) {
+            const u32 idx = e + k * WARP;
+            row[k] = idx / per_row;
+            if (idx < total) {
+                v[k] = *reinterpret_cast<const V16*>(src + row[k] * src_stride + (u64)(idx - row[k] * per_row) * 16);
+            }
+        }
+#pragma unroll
+        for (u32 k = 0; k < UNROLL; ++k) {
+            const u32 idx = e + k * WARP;
+            if (idx < total) {
+                *reinterpret_cast<V16*>(dst + row[k] * dst_stride + (u64)(idx - row[k] * per_row) * 16) = v[k];
+            }
+        }
+    }
+}
+
 // Copies tile `local` (the tile index within segment `d`). Every case is a list of pieces of equal
 // length: one piece for a tile of a long run, up to tile_runs whole runs otherwise. A single call site
 // of copy_piece keeps the kernel small (and its register count low).
@@ -127,6 +154,13 @@ __device__ __forceinline__ void copy_tile(const Desc* __restrict__ dp, u64 local
     }
     u64 src = d.src + j * d.src_stride1 + i * d.src_stride0 + off;
     u64 dst = d.dst + j * d.dst_stride1 + i * d.dst_stride0 + off;
+    if (pieces > 1 && i + pieces <= d.count0 &&
+        ((src | dst | d.len | d.src_stride0 | d.dst_stride0) & 15u) == 0) {
+        // Rows of whole 16-byte vectors within one outer repetition (the tensor-parallel column split):
+        // spread the lanes over all rows at once instead of one row after the other.
+        copy_rows16(dst, src, (u32)(d.len / 16), (u32)pieces, d.src_stride0, d.dst_stride0, lane);
+        return;
+    }
     for (u64 p = 0;;) {
         copy_piece(dst, src, (u32)n, lane);
         if (++p == pieces) break;
