@@ -27,6 +27,52 @@
 
 
 /**
+ * Choose by topology and size (see refit_allgather) and report the pick.
+ */
+#define REFIT_ALLGATHER_AUTO 0
+
+/**
+ * NCCL (ncclAllGather for equal counts, grouped ncclSend/ncclRecv for uneven ones). CUDA backend only.
+ */
+#define REFIT_ALLGATHER_NCCL 1
+
+/**
+ * Peer copies: every rank pulls every other block at once on its own stream (copy engine).
+ */
+#define REFIT_ALLGATHER_PEER 2
+
+/**
+ * Staged through host memory, synchronous: a reference path and last resort.
+ */
+#define REFIT_ALLGATHER_HOST 3
+
+/**
+ * Pick the CUDA backend when libcuda loads and has a device, else the host backend.
+ */
+#define REFIT_BACKEND_AUTO 0
+
+/**
+ * The CUDA backend (REFIT_STATUS_CUDA_UNAVAILABLE when libcuda or a device is missing).
+ */
+#define REFIT_BACKEND_CUDA 1
+
+/**
+ * The host backend: devices simulated with threads and host memory ("device pointers" are host
+ * addresses; NULL streams are each simulated device's default stream; see refit_host_stream_create).
+ */
+#define REFIT_BACKEND_HOST 2
+
+/**
+ * refit_group_exit: block the host until the group's work is done.
+ */
+#define REFIT_EXIT_SYNC 0
+
+/**
+ * refit_group_exit: make each caller stream wait for the group's work; return at once.
+ */
+#define REFIT_EXIT_ASYNC 1
+
+/**
  * ABI version of this header and library. Bumped only when an existing declaration changes
  * incompatibly; appending functions, statuses or option fields does not bump it.
  */
@@ -170,13 +216,222 @@ typedef enum {
 } refit_status;
 
 /**
+ * An opaque stream handle. 0 is the device's legacy default stream.
+ */
+typedef struct Stream Stream;
+
+/**
+ * A device group: one rank per device, each with its own non-blocking stream created once.
+ *
+ * Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
+ * rank callbacks may call refit_group_allgather_rank and the query functions concurrently.
+ */
+typedef struct refit_group refit_group;
+
+/**
+ * Options of refit_group_create. Fill with refit_group_options_init, then change fields.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_group_options) as the caller was compiled with (set by refit_group_options_init).
+   */
+  size_t size;
+  /**
+   * REFIT_BACKEND_AUTO (default), REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST.
+   */
+  uint32_t backend;
+  /**
+   * Host backend only: how many devices to simulate; 0 (default) = the largest listed device + 1.
+   */
+  uint32_t host_devices;
+} refit_group_options;
+
+/**
+ * `callback(rank, stream, user_data)`: runs once per rank on that rank's thread, with the rank's
+ * device current and `stream` the rank's stream. Returns 0 on success; any other value fails the run.
+ */
+typedef int32_t (*refit_rank_callback)(uint32_t rank, void *stream, void *user_data);
+
+/**
  * `callback(level, message, user_data)`: level 1 error .. 5 trace; `message` valid during the call.
  */
 typedef void (*refit_log_callback)(uint32_t level, const char *message, void *user_data);
 
+
+
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Gathers every rank's block into every rank's receive buffer, in rank order.
+ *
+ * `send`, `recv` and `counts` have refit_group_size() entries. Rank r contributes `counts[r]` bytes at
+ * device address `send[r]` (on its device); `recv[r]` is a buffer of sum(counts) bytes on rank r's
+ * device that receives rank p's block at offset counts[0] + ... + counts[p-1]. Counts may differ and may
+ * be 0. In place: `send[r] == recv[r] + offset of r`. `algo` is a REFIT_ALLGATHER_*; `picked`, if not
+ * NULL, receives the algorithm that ran.
+ *
+ * AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
+ * access (on 2 x H200, copy-engine peer copies move ~1.4x what NCCL's allgather moves at every size
+ * measured); otherwise NCCL when it loads, else PEER.
+ *
+ * Ordering: inside a scope (refit_group_enter) the work is queued on the group's streams and this
+ * returns without waiting; outside a scope it runs in an implicit scope on the legacy default streams
+ * and is complete when this returns (HOST is always complete on return).
+ *
+ * Thread-safety: as the group's; not from a rank callback (use refit_group_allgather_rank there).
+ *
+ * Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
+ * overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
+ * receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
+ * CUDA_ERROR, INVALID_STATE (called from a rank callback).
+ */
+refit_status refit_allgather(refit_group *group,
+                             const uint64_t *send,
+                             const uint64_t *recv,
+                             const size_t *counts,
+                             uint32_t algo,
+                             uint32_t *picked);
+
+/**
+ * The per-rank allgather, for refit_group_run callbacks: every rank's callback calls it with its own
+ * `rank`, `send` (counts[rank] bytes) and `recv` (sum(counts) bytes) and the same `counts` (all
+ * refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return).
+ * Ranks meet at an abortable barrier: if another rank's callback fails first, this returns ABORTED
+ * instead of waiting forever.
+ *
+ * Errors: as refit_allgather, plus INVALID_STATE (not called from this group's rank callback),
+ * INVALID_ARGUMENT (rank is not the calling callback's rank, or ranks passed different counts or
+ * algorithms: every rank then fails), ABORTED.
+ */
+refit_status refit_group_allgather_rank(refit_group *group,
+                                        uint32_t rank,
+                                        uint64_t send,
+                                        uint64_t recv,
+                                        const size_t *counts,
+                                        uint32_t algo,
+                                        uint32_t *picked);
+
+/**
+ * Fills `options` with the defaults (AUTO backend) and sets options->size.
+ *
+ * Errors: REFIT_STATUS_NULL_ARGUMENT when `options` is NULL.
+ */
+refit_status refit_group_options_init(refit_group_options *options);
+
+/**
+ * Creates a group where rank r is `devices[r]` (`n` devices). Enables peer access between every
+ * pair that supports it (a pair without it still works, slower; see refit_group_peer_access),
+ * creates one non-blocking stream per device and the events the group reuses. `options` may be NULL
+ * (defaults). Not ordered with any stream; blocking.
+ *
+ * Errors: NULL_ARGUMENT (`devices` with n > 0, or `group`), EMPTY_DEVICE_LIST (n == 0),
+ * INVALID_DEVICE (negative or not below the device count), DUPLICATE_DEVICE, INVALID_ARGUMENT (bad
+ * options), CUDA_UNAVAILABLE (CUDA backend asked for but missing), CUDA_ERROR.
+ */
+refit_status refit_group_create(const int32_t *devices,
+                                size_t n,
+                                const refit_group_options *options,
+                                refit_group **group);
+
+/**
+ * Destroys a group (NULL is ignored): drains its streams, stops its rank threads, releases its
+ * streams, events and NCCL communicators. A scope left open is drained, not ordered with the caller's
+ * streams (a warning is logged). Must not be called from a rank callback or while another thread uses
+ * the group.
+ */
+void refit_group_destroy(refit_group *group);
+
+/**
+ * The number of ranks. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_group_size(const refit_group *group, size_t *size);
+
+/**
+ * The device ordinal of `rank`. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank not below the size).
+ */
+refit_status refit_group_device(const refit_group *group, uint32_t rank, int32_t *device);
+
+/**
+ * The stream of `rank` (a CUstream on the CUDA backend, an opaque host-stream handle on the host
+ * backend): non-blocking, created with the group, the same for every call until refit_group_destroy.
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank).
+ */
+refit_status refit_group_stream(const refit_group *group,
+                                uint32_t rank,
+                                void **stream);
+
+/**
+ * Whether `rank` accesses `peer`'s memory directly (peer access enabled). false means copies between
+ * them take a slower, driver-staged path. A rank always reaches itself.
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (a rank not below the size).
+ */
+refit_status refit_group_peer_access(const refit_group *group,
+                                     uint32_t rank,
+                                     uint32_t peer,
+                                     bool *direct);
+
+/**
+ * The backend in use: REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST (never AUTO). Errors: NULL_ARGUMENT.
+ */
+refit_status refit_group_backend(const refit_group *group, uint32_t *backend);
+
+/**
+ * Opens a scope: each rank's stream waits (an event; the host does not block) for the work queued
+ * so far on `caller_streams[rank]`, a stream of that rank's device. `caller_streams` is an array of
+ * refit_group_size() streams, or NULL for every device's legacy default stream; NULL entries also mean
+ * the legacy default stream. Work the group queues inside the scope sees the caller's earlier work.
+ *
+ * Scopes do not nest. Whole-group calls made outside a scope run in an implicit scope on the legacy
+ * default streams and are complete on return.
+ *
+ * Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open), CUDA_ERROR, INVALID_ARGUMENT
+ * (a host-backend stream handle that is not a host stream).
+ */
+refit_status refit_group_enter(refit_group *group,
+                               void *const *caller_streams);
+
+/**
+ * Closes the open scope. REFIT_EXIT_SYNC blocks until all of the group's queued work is done.
+ * REFIT_EXIT_ASYNC makes each caller stream given to refit_group_enter wait for its rank's stream
+ * and returns without blocking: the caller's later work sees the group's results. The scope is
+ * closed even when an error is returned.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (mode), INVALID_STATE (no scope is open), CUDA_ERROR.
+ */
+refit_status refit_group_exit(refit_group *group, uint32_t mode);
+
+/**
+ * Calls `callback(rank, stream, user_data)` for every rank at once, each on the group's persistent
+ * thread for that rank, with the rank's device current and its stream passed in; returns when every
+ * callback has returned. Runs inside the open scope, or in an implicit one (legacy default streams,
+ * then synchronized) when none is open. Callbacks may call refit_group_allgather_rank and queries.
+ *
+ * The first callback to fail decides the result: REFIT_STATUS_CALLBACK_FAILED, with a message naming
+ * the rank, its return code and the last refit error on that rank's thread. Other ranks waiting in a
+ * collective are released (their calls return REFIT_STATUS_ABORTED) and nothing waits forever. The
+ * group stays usable.
+ *
+ * Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, INVALID_STATE (called from a callback),
+ * CUDA_ERROR.
+ */
+refit_status refit_group_run(refit_group *group,
+                             refit_rank_callback callback,
+                             void *user_data);
+
+/**
+ * Host backend only: creates a caller-side host stream (a FIFO queue with its own worker thread)
+ * usable as a caller stream of any host-backend group, e.g. to test scope ordering. Release it with
+ * refit_host_stream_destroy. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_host_stream_create(void **stream);
+
+/**
+ * Destroys a host stream after its queued work has run.
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not a host stream, or destroyed already).
+ */
+refit_status refit_host_stream_destroy(void *stream);
 
 /**
  * The library's version string ("MAJOR.MINOR.PATCH"), static and NUL-terminated.

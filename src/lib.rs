@@ -5,9 +5,11 @@
 //! Layers, each knowing only the ones below it: `plan` is pure Rust and knows no CUDA; `backend` moves
 //! bytes and knows no plans; `ffi` converts and checks, and holds no logic.
 
+pub mod allgather;
 pub mod backend;
 pub mod error;
 pub mod ffi;
+pub mod group;
 pub mod kernels;
 pub mod logging;
 pub mod plan;

@@ -7,6 +7,8 @@
 
 #![allow(non_camel_case_types)]
 
+pub mod allgather;
+pub mod group;
 pub mod status;
 
 use crate::error::{set_last_error, Error, Result, Status};

@@ -1,0 +1,469 @@
+//! Allgather over a group: every rank receives every rank's block, in rank order, in its own buffer.
+//!
+//! Layout: `recv[r]` holds `sum(counts)` bytes; rank p's block lands at `offset[p] = sum(counts[..p])`.
+//! Counts may differ (allgatherv) and may be 0. A rank is *in place* when `send[r] == recv[r] +
+//! offset[r]`; its own block is then not copied.
+//!
+//! Algorithms:
+//! - `Peer`: every rank pulls every other block at once, with copy-engine copies queued on its own
+//!   stream (one `cuMemcpyAsync` per block; unified addressing routes it over NVLink). Ordering: each
+//!   rank records `ready` after its inputs, readers wait on it; each reader records `done`, and each
+//!   owner's stream waits on every reader's `done`, so that when an owner's stream has drained, nobody
+//!   reads its send buffer any more. On the host backend the same code runs on simulated streams.
+//! - `Nccl`: equal counts use `ncclAllGather` (byte type), uneven counts use `ncclSend`/`ncclRecv`
+//!   pairs inside one `ncclGroupStart/End` (no padding, so no extra bytes moved) plus a local copy of the
+//!   own block. Communicators are created on first use with `ncclCommInitAll` and kept on the group.
+//! - `Host`: synchronous staging through host memory (drain, read every block, write it to every rank).
+//!   A reference path and a last resort; it blocks the host.
+//!
+//! `Auto` rule: the host backend, a single rank, or a group whose every pair has direct peer access
+//! picks `Peer` (CEILINGS.md, 2 x H200 NV18: copy-engine peer copies 195 GB/s at 1 MiB and 391-396 GB/s
+//! from 256 MiB, against NCCL allgather's 53 GB/s at 1 MiB and 245-271 GB/s at 128-512 MiB: peer wins
+//! at every measured size); otherwise `Nccl` when it loads (it routes around missing peer access better
+//! than driver-staged copies), else `Peer`. benches/gpu_allgather.rs re-measures the comparison.
+
+use crate::backend::cuda::preserve_current_context;
+use crate::backend::nccl::{nccl, Communicators};
+use crate::backend::BackendKind;
+use crate::bail;
+use crate::error::{Error, Result, Status};
+use crate::group::{Group, Published};
+use crate::segment::Segment;
+use std::sync::atomic::Ordering;
+
+/// Which algorithm moves the bytes. Values are part of the C ABI.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum Algorithm {
+    #[default]
+    Auto = 0,
+    Nccl = 1,
+    Peer = 2,
+    Host = 3,
+}
+
+impl Algorithm {
+    pub fn from_code(code: u32) -> Result<Algorithm> {
+        Ok(match code {
+            0 => Algorithm::Auto,
+            1 => Algorithm::Nccl,
+            2 => Algorithm::Peer,
+            3 => Algorithm::Host,
+            _ => bail!(Status::InvalidArgument, "algorithm {code} is not one of REFIT_ALLGATHER_* (0..=3)"),
+        })
+    }
+
+    pub fn code(self) -> u32 {
+        self as u32
+    }
+}
+
+/// The algorithm `requested` resolves to on this group (see the module docs for the `Auto` rule).
+/// `Unsupported` for NCCL on the host backend, `NcclUnavailable` when NCCL cannot be loaded.
+pub fn choose(group: &Group, requested: Algorithm) -> Result<Algorithm> {
+    let host_backend = group.backend_kind() == BackendKind::Host;
+    match requested {
+        Algorithm::Auto => Ok(if host_backend || group.size() == 1 || group.all_peers_direct() {
+            Algorithm::Peer
+        } else if nccl().is_ok() {
+            Algorithm::Nccl
+        } else {
+            Algorithm::Peer
+        }),
+        Algorithm::Nccl if host_backend => {
+            Err(Error::unsupported("the NCCL algorithm needs the CUDA backend (this group uses the host backend)"))
+        }
+        Algorithm::Nccl => nccl().map(|_| Algorithm::Nccl),
+        other => Ok(other),
+    }
+}
+
+/// Block offsets and total size, after checking every argument against the group.
+struct Layout {
+    offsets: Vec<u64>,
+    total: u64,
+}
+
+fn layout(counts: &[usize]) -> Result<Layout> {
+    let mut offsets = Vec::with_capacity(counts.len());
+    let mut total: u64 = 0;
+    for (p, &count) in counts.iter().enumerate() {
+        offsets.push(total);
+        total = total
+            .checked_add(count as u64)
+            .ok_or_else(|| Error::invalid_argument(format!("counts overflow at counts[{p}]")))?;
+    }
+    Ok(Layout { offsets, total })
+}
+
+fn ranges_overlap(a: u64, a_len: u64, b: u64, b_len: u64) -> bool {
+    a_len > 0 && b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len)
+}
+
+fn end_fits(start: u64, len: u64, what: &str) -> Result<()> {
+    start.checked_add(len).map(|_| ()).ok_or_else(|| Error::invalid_argument(format!("{what} + its size overflows")))
+}
+
+fn check_rank_buffers(rank: usize, send: u64, recv: u64, count: u64, layout: &Layout) -> Result<()> {
+    if count > 0 && send == 0 {
+        bail!(Status::NullArgument, "send[{rank}] is NULL but counts[{rank}] is {count}");
+    }
+    if layout.total > 0 && recv == 0 {
+        bail!(Status::NullArgument, "recv[{rank}] is NULL but the gathered size is {}", layout.total);
+    }
+    end_fits(send, count, &format!("send[{rank}]"))?;
+    end_fits(recv, layout.total, &format!("recv[{rank}]"))?;
+    let own_slot = recv + layout.offsets[rank];
+    if send != own_slot && ranges_overlap(send, count, recv, layout.total) {
+        bail!(
+            Status::Overlap,
+            "send[{rank}] overlaps recv[{rank}] but is not rank {rank}'s slot (recv[{rank}] + {}): \
+             in place means exactly that address",
+            layout.offsets[rank]
+        );
+    }
+    Ok(())
+}
+
+fn check_counts(group: &Group, counts: &[usize]) -> Result<Layout> {
+    if counts.len() != group.size() {
+        bail!(Status::InvalidArgument, "{} counts for a group of {}", counts.len(), group.size());
+    }
+    layout(counts)
+}
+
+/// Whole-group allgather: `send[r]`, `recv[r]` and `counts[r]` for every rank r. Queued on the group's
+/// streams inside the open scope, or complete on return when no scope is open. Returns the algorithm
+/// that ran.
+///
+/// # Safety
+/// Every address must be valid device memory of its rank (host memory on the host backend) for the
+/// sizes given, until the queued work has completed.
+pub unsafe fn allgather(
+    group: &Group,
+    send: &[u64],
+    recv: &[u64],
+    counts: &[usize],
+    requested: Algorithm,
+) -> Result<Algorithm> {
+    if crate::group::workers::inside_any_run() {
+        bail!(Status::InvalidState, "whole-group allgather called from a rank callback: use allgather_rank");
+    }
+    let n = group.size();
+    if send.len() != n || recv.len() != n {
+        bail!(Status::InvalidArgument, "{} send and {} recv buffers for a group of {n}", send.len(), recv.len());
+    }
+    let layout = check_counts(group, counts)?;
+    for r in 0..n {
+        check_rank_buffers(r, send[r], recv[r], counts[r] as u64, &layout)?;
+        for q in 0..r {
+            if ranges_overlap(recv[r], layout.total, recv[q], layout.total) {
+                bail!(Status::Overlap, "recv[{q}] and recv[{r}] overlap");
+            }
+        }
+    }
+    let algorithm = choose(group, requested)?;
+    if layout.total == 0 {
+        return Ok(algorithm);
+    }
+    group.in_implicit_scope(|| match algorithm {
+        Algorithm::Peer => peer_all(group, send, recv, counts, &layout),
+        Algorithm::Nccl => nccl_all(group, send, recv, counts, &layout),
+        Algorithm::Host => host_all(group, send, recv, counts, &layout),
+        Algorithm::Auto => unreachable!("choose resolves Auto"),
+    })?;
+    Ok(algorithm)
+}
+
+unsafe fn peer_all(group: &Group, send: &[u64], recv: &[u64], counts: &[usize], layout: &Layout) -> Result<()> {
+    let backend = group.backend();
+    let devices = group.devices();
+    let streams = group.streams();
+    let state = &group.collective;
+    let n = group.size();
+    if n > 1 {
+        for r in 0..n {
+            if counts[r] > 0 {
+                backend.record(devices[r], state.ready[r], streams[r])?;
+            }
+        }
+    }
+    let mut segments = Vec::with_capacity(n);
+    for r in 0..n {
+        segments.clear();
+        for p in 0..n {
+            if counts[p] == 0 {
+                continue;
+            }
+            let dst = recv[r] + layout.offsets[p];
+            if p != r {
+                backend.wait(devices[r], streams[r], state.ready[p])?;
+            }
+            if send[p] != dst {
+                segments.push(Segment::contiguous(send[p], dst, counts[p] as u64));
+            }
+        }
+        backend.copy_segments(devices[r], streams[r], &segments)?;
+    }
+    if n > 1 {
+        for r in 0..n {
+            backend.record(devices[r], state.done[r], streams[r])?;
+        }
+        // An owner's stream drains only after every reader has read its block.
+        for p in 0..n {
+            if counts[p] == 0 {
+                continue;
+            }
+            for r in (0..n).filter(|&r| r != p) {
+                backend.wait(devices[p], streams[p], state.done[r])?;
+            }
+        }
+    }
+    Ok(())
+}
+
+fn communicators(group: &Group) -> Result<&Communicators> {
+    group
+        .collective
+        .nccl
+        .get_or_init(|| {
+            let devices: Vec<i32> = group.devices().iter().map(|&d| d as i32).collect();
+            let _current = preserve_current_context()?;
+            Communicators::create(&devices)
+        })
+        .as_ref()
+        .map_err(Clone::clone)
+}
+
+fn equal_counts(counts: &[usize]) -> bool {
+    counts.windows(2).all(|w| w[0] == w[1])
+}
+
+unsafe fn nccl_all(group: &Group, send: &[u64], recv: &[u64], counts: &[usize], layout: &Layout) -> Result<()> {
+    let lib = nccl()?;
+    let comms = communicators(group)?;
+    let streams = group.streams();
+    let n = group.size();
+    let _current = preserve_current_context()?;
+    lib.group_start()?;
+    let mut issued = Ok(());
+    for r in 0..n {
+        issued = nccl_rank_calls(lib, comms, r, send[r], recv[r], counts, layout, streams[r].0);
+        if issued.is_err() {
+            break;
+        }
+    }
+    // Always close the NCCL group, even after a failed call, so NCCL's thread state stays balanced.
+    let ended = lib.group_end();
+    issued?;
+    ended?;
+    if !equal_counts(counts) {
+        for r in 0..n {
+            own_block_copy(group, r, send[r], recv[r], counts, layout)?;
+        }
+    }
+    Ok(())
+}
+
+/// The NCCL calls of one rank (inside an NCCL group when the caller drives several ranks).
+#[allow(clippy::too_many_arguments)]
+unsafe fn nccl_rank_calls(
+    lib: &crate::backend::nccl::Nccl,
+    comms: &Communicators,
+    rank: usize,
+    send: u64,
+    recv: u64,
+    counts: &[usize],
+    layout: &Layout,
+    stream: u64,
+) -> Result<()> {
+    let comm = comms.comms[rank];
+    if equal_counts(counts) {
+        return lib.all_gather(send, recv, counts[rank], comm, stream);
+    }
+    for p in (0..counts.len()).filter(|&p| p != rank) {
+        if counts[rank] > 0 {
+            lib.send(send, counts[rank], p, comm, stream)?;
+        }
+        if counts[p] > 0 {
+            lib.recv(recv + layout.offsets[p], counts[p], p, comm, stream)?;
+        }
+    }
+    Ok(())
+}
+
+unsafe fn own_block_copy(
+    group: &Group,
+    rank: usize,
+    send: u64,
+    recv: u64,
+    counts: &[usize],
+    layout: &Layout,
+) -> Result<()> {
+    let dst = recv + layout.offsets[rank];
+    if counts[rank] == 0 || send == dst {
+        return Ok(());
+    }
+    group.backend().copy_segments(
+        group.devices()[rank],
+        group.streams()[rank],
+        &[Segment::contiguous(send, dst, counts[rank] as u64)],
+    )
+}
+
+unsafe fn host_all(group: &Group, send: &[u64], recv: &[u64], counts: &[usize], layout: &Layout) -> Result<()> {
+    let backend = group.backend();
+    let devices = group.devices();
+    group.synchronize()?;
+    let mut staging = Vec::new();
+    for p in 0..group.size() {
+        if counts[p] == 0 {
+            continue;
+        }
+        staging.resize(counts[p], 0u8);
+        backend.read(devices[p], send[p], &mut staging)?;
+        for r in 0..group.size() {
+            let dst = recv[r] + layout.offsets[p];
+            if !(p == r && send[p] == dst) {
+                backend.write(devices[r], dst, &staging)?;
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Per-rank allgather, called by every rank's callback inside `Group::run` with the same `counts` and
+/// `requested`. Queued on the rank's stream (the `Host` algorithm completes before returning).
+/// Ranks meet at an abortable barrier: if another rank fails first, this returns `Aborted`.
+///
+/// # Safety
+/// As for [`allgather`], for this rank's buffers.
+pub unsafe fn allgather_rank(
+    group: &Group,
+    rank: usize,
+    send: u64,
+    recv: u64,
+    counts: &[usize],
+    requested: Algorithm,
+) -> Result<Algorithm> {
+    group.check_rank_thread(rank)?;
+    let layout = check_counts(group, counts)?;
+    check_rank_buffers(rank, send, recv, counts[rank] as u64, &layout)?;
+    let algorithm = choose(group, requested)?;
+    if algorithm == Algorithm::Nccl {
+        // Created before anyone publishes, so that a failure here is this rank's own error.
+        communicators(group)?;
+    }
+    let state = &group.collective;
+    let call = state.calls[rank].fetch_add(1, Ordering::Relaxed);
+    let slots = &state.slots[(call % 2) as usize];
+    {
+        let mut mine = slots[rank].lock().unwrap_or_else(|p| p.into_inner());
+        mine.send = send;
+        mine.recv = recv;
+        mine.counts.clear();
+        mine.counts.extend_from_slice(counts);
+        mine.algorithm = requested.code();
+    }
+    let backend = group.backend();
+    let device = group.devices()[rank];
+    let stream = group.streams()[rank];
+    match algorithm {
+        Algorithm::Peer => backend.record(device, state.ready[rank], stream)?,
+        Algorithm::Host => backend.sync_stream(device, stream)?,
+        _ => {}
+    }
+    group.barrier().wait()?;
+    let peers = published(group, slots, rank, counts, requested)?;
+    if layout.total == 0 {
+        return Ok(algorithm);
+    }
+    match algorithm {
+        Algorithm::Peer => {
+            let mut segments = Vec::with_capacity(peers.len());
+            for (p, peer) in peers.iter().enumerate() {
+                let dst = recv + layout.offsets[p];
+                if counts[p] == 0 {
+                    continue;
+                }
+                if p != rank {
+                    backend.wait(device, stream, state.ready[p])?;
+                }
+                if peer.send != dst {
+                    segments.push(Segment::contiguous(peer.send, dst, counts[p] as u64));
+                }
+            }
+            backend.copy_segments(device, stream, &segments)?;
+            backend.record(device, state.done[rank], stream)?;
+            group.barrier().wait()?;
+            if counts[rank] > 0 {
+                for p in (0..peers.len()).filter(|&p| p != rank) {
+                    backend.wait(device, stream, state.done[p])?;
+                }
+            }
+        }
+        Algorithm::Nccl => {
+            let lib = nccl()?;
+            let comms = communicators(group)?;
+            let _current = preserve_current_context()?;
+            let grouped = !equal_counts(counts);
+            if grouped {
+                lib.group_start()?;
+            }
+            let issued = nccl_rank_calls(lib, comms, rank, send, recv, counts, &layout, stream.0);
+            let ended = if grouped { lib.group_end() } else { Ok(()) };
+            issued?;
+            ended?;
+            if grouped {
+                own_block_copy(group, rank, send, recv, counts, &layout)?;
+            }
+        }
+        Algorithm::Host => {
+            let mut staging = Vec::new();
+            for (p, peer) in peers.iter().enumerate() {
+                let dst = recv + layout.offsets[p];
+                if counts[p] == 0 || peer.send == dst {
+                    continue;
+                }
+                staging.resize(counts[p], 0u8);
+                backend.read(group.devices()[p], peer.send, &mut staging)?;
+                backend.write(device, dst, &staging)?;
+            }
+            // Owners must not change their blocks until every rank has read them.
+            group.barrier().wait()?;
+        }
+        Algorithm::Auto => unreachable!("choose resolves Auto"),
+    }
+    Ok(algorithm)
+}
+
+/// Every rank's published arguments, checked to agree with ours (all ranks run the same check on the
+/// same data, so they all fail or all go on).
+fn published(
+    group: &Group,
+    slots: &[std::sync::Mutex<Published>],
+    rank: usize,
+    counts: &[usize],
+    requested: Algorithm,
+) -> Result<Vec<Published>> {
+    let peers: Vec<Published> = slots.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect();
+    for (p, peer) in peers.iter().enumerate() {
+        if peer.counts != counts || peer.algorithm != requested.code() {
+            bail!(
+                Status::InvalidArgument,
+                "rank {p} called allgather_rank with counts {:?} / algorithm {}, rank {rank} with {:?} / {} \
+                 (every rank must pass the same)",
+                peer.counts,
+                peer.algorithm,
+                counts,
+                requested.code()
+            );
+        }
+        if p != rank && group.size() > 1 {
+            let total: usize = counts.iter().sum();
+            if ranges_overlap(peer.recv, total as u64, peers[rank].recv, total as u64) {
+                bail!(Status::Overlap, "recv buffers of ranks {p} and {rank} overlap");
+            }
+        }
+    }
+    Ok(peers)
+}

@@ -1,0 +1,403 @@
+//! The host backend: N simulated devices made of threads and host memory, so that every API runs in CI.
+//!
+//! What is simulated for real:
+//! - A **stream** is a FIFO queue served by its own worker thread: work queued on it runs later, in
+//!   order, concurrently with the caller and with other streams. So a test that forgets an event wait
+//!   sees wrong bytes, exactly as on a GPU.
+//! - An **event** counts records: `record` queues a marker on the stream; `wait` queues, on the waiting
+//!   stream, a step that blocks until the marker of the latest record (as of the `wait` call) has run;
+//!   `sync_event` blocks the host for it.
+//! - **Device memory** is host memory: device pointers are host addresses, any host pointer works.
+//!
+//! Caller streams on this backend: NULL means the simulated device's own default stream (one worker per
+//! device, made with the backend). Other host streams come from [`create_host_stream`] (C:
+//! `refit_host_stream_create`); streams live in a process-wide registry, so one made for a test can be
+//! passed to any group that uses the host backend. Nothing here is needed on a machine with GPUs.
+
+use super::{copy_segments_on_host, Backend, BackendKind, Event, Stream};
+use crate::error::{Error, Result, Status};
+use crate::segment::Segment;
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::mpsc::{channel, Sender};
+use std::sync::{Arc, Condvar, Mutex, OnceLock};
+use std::thread::JoinHandle;
+
+type Work = Box<dyn FnOnce() + Send + 'static>;
+
+/// One FIFO queue and the thread that serves it.
+pub struct HostStream {
+    queue: Mutex<Option<Sender<Work>>>,
+    worker: Mutex<Option<JoinHandle<()>>>,
+}
+
+impl HostStream {
+    fn start(name: String) -> Result<Arc<HostStream>> {
+        let (sender, receiver) = channel::<Work>();
+        let worker = std::thread::Builder::new()
+            .name(name)
+            .spawn(move || {
+                while let Ok(work) = receiver.recv() {
+                    work();
+                }
+            })
+            .map_err(|e| Error::new(Status::OutOfMemory, format!("cannot start a host stream thread: {e}")))?;
+        Ok(Arc::new(HostStream { queue: Mutex::new(Some(sender)), worker: Mutex::new(Some(worker)) }))
+    }
+
+    /// Queues `work` to run after everything queued before it.
+    pub fn enqueue(&self, work: impl FnOnce() + Send + 'static) -> Result<()> {
+        let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        match queue.as_ref() {
+            Some(sender) => {
+                sender.send(Box::new(work)).map_err(|_| Error::invalid_state("host stream worker has stopped"))
+            }
+            None => Err(Error::invalid_state("host stream was destroyed")),
+        }
+    }
+
+    /// Blocks until everything queued so far has run.
+    pub fn synchronize(&self) -> Result<()> {
+        let marker = HostEvent::new();
+        marker.record_on(self)?;
+        marker.synchronize();
+        Ok(())
+    }
+
+    /// Stops accepting work, lets queued work finish, and joins the worker.
+    fn stop(&self) {
+        self.queue.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(worker) = worker {
+            if worker.thread().id() != std::thread::current().id() {
+                let _ = worker.join();
+            }
+        }
+    }
+}
+
+/// A marker that counts records and completions.
+pub struct HostEvent {
+    state: Mutex<EventState>,
+    changed: Condvar,
+}
+
+#[derive(Default)]
+struct EventState {
+    recorded: u64,
+    completed: u64,
+}
+
+impl HostEvent {
+    fn new() -> Arc<HostEvent> {
+        Arc::new(HostEvent { state: Mutex::new(EventState::default()), changed: Condvar::new() })
+    }
+
+    fn record_on(self: &Arc<Self>, stream: &HostStream) -> Result<()> {
+        let ticket = {
+            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            state.recorded += 1;
+            state.recorded
+        };
+        let event = Arc::clone(self);
+        stream.enqueue(move || {
+            let mut state = event.state.lock().unwrap_or_else(|p| p.into_inner());
+            state.completed = state.completed.max(ticket);
+            event.changed.notify_all();
+        })
+    }
+
+    fn latest_record(&self) -> u64 {
+        self.state.lock().unwrap_or_else(|p| p.into_inner()).recorded
+    }
+
+    fn wait_for(&self, ticket: u64) {
+        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        while state.completed < ticket {
+            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+
+    fn synchronize(&self) {
+        self.wait_for(self.latest_record());
+    }
+}
+
+/// Process-wide registry of host streams and events, keyed by the opaque handle value.
+struct Registry {
+    streams: Mutex<HashMap<u64, Arc<HostStream>>>,
+    events: Mutex<HashMap<u64, Arc<HostEvent>>>,
+    next_id: AtomicU64,
+}
+
+fn registry() -> &'static Registry {
+    static REGISTRY: OnceLock<Registry> = OnceLock::new();
+    REGISTRY.get_or_init(|| Registry {
+        streams: Mutex::new(HashMap::new()),
+        events: Mutex::new(HashMap::new()),
+        // Handles look like pointers to C; start well above 0 (NULL) and keep them even.
+        next_id: AtomicU64::new(0x1000),
+    })
+}
+
+fn new_id() -> u64 {
+    registry().next_id.fetch_add(16, Ordering::Relaxed)
+}
+
+fn register_stream(name: String) -> Result<Stream> {
+    let stream = HostStream::start(name)?;
+    let id = new_id();
+    registry().streams.lock().unwrap_or_else(|p| p.into_inner()).insert(id, stream);
+    Ok(Stream(id))
+}
+
+/// The host stream behind a handle.
+pub fn host_stream(stream: Stream) -> Result<Arc<HostStream>> {
+    registry()
+        .streams
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&stream.0)
+        .cloned()
+        .ok_or_else(|| Error::invalid_argument(format!("stream {:#x} is not a host stream", stream.0)))
+}
+
+fn host_event(event: Event) -> Result<Arc<HostEvent>> {
+    registry()
+        .events
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .get(&event.0)
+        .cloned()
+        .ok_or_else(|| Error::invalid_argument(format!("event {:#x} is not a host event", event.0)))
+}
+
+/// A new caller-side host stream (for tests and C programs that exercise stream ordering on the host
+/// backend). Release it with [`destroy_host_stream`].
+pub fn create_host_stream() -> Result<Stream> {
+    register_stream("refit-host-stream".to_string())
+}
+
+/// Destroys a stream from [`create_host_stream`] after its queued work has run.
+pub fn destroy_host_stream(stream: Stream) -> Result<()> {
+    let removed = registry().streams.lock().unwrap_or_else(|p| p.into_inner()).remove(&stream.0);
+    match removed {
+        Some(stream) => {
+            stream.stop();
+            Ok(())
+        }
+        None => Err(Error::invalid_argument(format!("stream {:#x} is not a host stream", stream.0))),
+    }
+}
+
+/// N simulated devices.
+pub struct HostBackend {
+    default_streams: Vec<Stream>,
+}
+
+impl HostBackend {
+    /// A backend simulating `devices` devices (at least 1).
+    pub fn new(devices: usize) -> Result<HostBackend> {
+        if devices == 0 {
+            return Err(Error::invalid_argument("the host backend needs at least one simulated device"));
+        }
+        let default_streams = (0..devices)
+            .map(|d| register_stream(format!("refit-host-dev{d}-default")))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(HostBackend { default_streams })
+    }
+
+    fn check_device(&self, device: usize) -> Result<()> {
+        if device >= self.default_streams.len() {
+            return Err(Error::new(
+                Status::InvalidDevice,
+                format!("device {device} is not below the {} simulated devices", self.default_streams.len()),
+            ));
+        }
+        Ok(())
+    }
+
+    /// NULL resolves to the device's default stream.
+    fn resolve(&self, device: usize, stream: Stream) -> Result<Arc<HostStream>> {
+        self.check_device(device)?;
+        host_stream(if stream == Stream::NULL { self.default_streams[device] } else { stream })
+    }
+}
+
+impl Drop for HostBackend {
+    fn drop(&mut self) {
+        for stream in &self.default_streams {
+            let _ = destroy_host_stream(*stream);
+        }
+    }
+}
+
+impl Backend for HostBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Host
+    }
+
+    fn device_count(&self) -> usize {
+        self.default_streams.len()
+    }
+
+    fn device_name(&self, device: usize) -> String {
+        format!("host device {device}")
+    }
+
+    fn bind(&self, device: usize) -> Result<()> {
+        self.check_device(device)
+    }
+
+    fn null_stream(&self, device: usize) -> Stream {
+        self.default_streams.get(device).copied().unwrap_or(Stream::NULL)
+    }
+
+    fn create_stream(&self, device: usize) -> Result<Stream> {
+        self.check_device(device)?;
+        register_stream(format!("refit-host-dev{device}"))
+    }
+
+    fn destroy_stream(&self, _device: usize, stream: Stream) {
+        let _ = destroy_host_stream(stream);
+    }
+
+    fn create_event(&self, device: usize) -> Result<Event> {
+        self.check_device(device)?;
+        let id = new_id();
+        registry().events.lock().unwrap_or_else(|p| p.into_inner()).insert(id, HostEvent::new());
+        Ok(Event(id))
+    }
+
+    fn destroy_event(&self, _device: usize, event: Event) {
+        registry().events.lock().unwrap_or_else(|p| p.into_inner()).remove(&event.0);
+    }
+
+    fn record(&self, device: usize, event: Event, stream: Stream) -> Result<()> {
+        host_event(event)?.record_on(&*self.resolve(device, stream)?)
+    }
+
+    fn wait(&self, device: usize, stream: Stream, event: Event) -> Result<()> {
+        let event = host_event(event)?;
+        let ticket = event.latest_record();
+        self.resolve(device, stream)?.enqueue(move || event.wait_for(ticket))
+    }
+
+    fn sync_event(&self, _device: usize, event: Event) -> Result<()> {
+        host_event(event)?.synchronize();
+        Ok(())
+    }
+
+    fn sync_stream(&self, device: usize, stream: Stream) -> Result<()> {
+        self.resolve(device, stream)?.synchronize()
+    }
+
+    fn can_access_peer(&self, device: usize, peer: usize) -> Result<bool> {
+        self.check_device(device)?;
+        self.check_device(peer)?;
+        Ok(true)
+    }
+
+    fn enable_peer_access(&self, device: usize, peer: usize) -> Result<()> {
+        self.check_device(device)?;
+        self.check_device(peer)
+    }
+
+    unsafe fn copy_segments(&self, device: usize, stream: Stream, segments: &[Segment]) -> Result<()> {
+        let stream = self.resolve(device, stream)?;
+        let segments = segments.to_vec();
+        // SAFETY: the caller promises the memory stays valid until the queued work has run.
+        stream.enqueue(move || unsafe { copy_segments_on_host(&segments) })
+    }
+
+    fn alloc(&self, device: usize, bytes: usize) -> Result<u64> {
+        self.check_device(device)?;
+        // SAFETY: plain allocation; at least one byte so that the pointer is unique and freeable.
+        let ptr = unsafe { libc::calloc(bytes.max(1), 1) };
+        if ptr.is_null() {
+            return Err(Error::new(Status::OutOfMemory, format!("cannot allocate {bytes} host bytes")));
+        }
+        Ok(ptr as usize as u64)
+    }
+
+    unsafe fn free(&self, device: usize, ptr: u64) -> Result<()> {
+        self.check_device(device)?;
+        libc::free(ptr as usize as *mut libc::c_void);
+        Ok(())
+    }
+
+    unsafe fn write(&self, device: usize, dst: u64, data: &[u8]) -> Result<()> {
+        self.sync_stream(device, Stream::NULL)?;
+        std::ptr::copy(data.as_ptr(), dst as usize as *mut u8, data.len());
+        Ok(())
+    }
+
+    unsafe fn read(&self, device: usize, src: u64, out: &mut [u8]) -> Result<()> {
+        self.sync_stream(device, Stream::NULL)?;
+        std::ptr::copy(src as usize as *const u8, out.as_mut_ptr(), out.len());
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn stream_runs_work_later_and_in_order() {
+        let stream = create_host_stream().unwrap();
+        let log = Arc::new(Mutex::new(Vec::new()));
+        for i in 0..5 {
+            let log = Arc::clone(&log);
+            host_stream(stream)
+                .unwrap()
+                .enqueue(move || {
+                    std::thread::sleep(Duration::from_millis(2));
+                    log.lock().unwrap().push(i)
+                })
+                .unwrap();
+        }
+        // Queued work has not all run yet: the worker sleeps.
+        assert!(log.lock().unwrap().len() < 5);
+        host_stream(stream).unwrap().synchronize().unwrap();
+        assert_eq!(*log.lock().unwrap(), vec![0, 1, 2, 3, 4]);
+        destroy_host_stream(stream).unwrap();
+        assert_eq!(destroy_host_stream(stream).unwrap_err().status, Status::InvalidArgument);
+    }
+
+    #[test]
+    fn event_wait_orders_one_stream_after_another() {
+        let backend = HostBackend::new(2).unwrap();
+        let slow = backend.create_stream(0).unwrap();
+        let fast = backend.create_stream(1).unwrap();
+        let event = backend.create_event(0).unwrap();
+        let value = Arc::new(AtomicU64::new(0));
+        let v = Arc::clone(&value);
+        host_stream(slow)
+            .unwrap()
+            .enqueue(move || {
+                std::thread::sleep(Duration::from_millis(30));
+                v.store(7, Ordering::SeqCst)
+            })
+            .unwrap();
+        backend.record(0, event, slow).unwrap();
+        backend.wait(1, fast, event).unwrap();
+        let seen = Arc::new(AtomicU64::new(99));
+        let (v, s) = (Arc::clone(&value), Arc::clone(&seen));
+        host_stream(fast).unwrap().enqueue(move || s.store(v.load(Ordering::SeqCst), Ordering::SeqCst)).unwrap();
+        backend.sync_stream(1, fast).unwrap();
+        assert_eq!(seen.load(Ordering::SeqCst), 7, "the wait let the fast stream run before the event");
+        backend.destroy_event(0, event);
+        backend.destroy_stream(0, slow);
+        backend.destroy_stream(1, fast);
+    }
+
+    #[test]
+    fn bad_devices_and_handles_are_errors() {
+        let backend = HostBackend::new(1).unwrap();
+        assert_eq!(backend.create_stream(1).unwrap_err().status, Status::InvalidDevice);
+        assert_eq!(backend.record(0, Event(3), Stream::NULL).unwrap_err().status, Status::InvalidArgument);
+        assert_eq!(HostBackend::new(0).err().unwrap().status, Status::InvalidArgument);
+    }
+}

@@ -1,0 +1,100 @@
+//! Allgather's C API.
+
+use super::{arg, boundary, slice};
+use crate::allgather::{allgather, allgather_rank, Algorithm};
+use crate::error::Status;
+use crate::ffi::group::refit_group;
+
+/// Choose by topology and size (see refit_allgather) and report the pick.
+pub const REFIT_ALLGATHER_AUTO: u32 = 0;
+/// NCCL (ncclAllGather for equal counts, grouped ncclSend/ncclRecv for uneven ones). CUDA backend only.
+pub const REFIT_ALLGATHER_NCCL: u32 = 1;
+/// Peer copies: every rank pulls every other block at once on its own stream (copy engine).
+pub const REFIT_ALLGATHER_PEER: u32 = 2;
+/// Staged through host memory, synchronous: a reference path and last resort.
+pub const REFIT_ALLGATHER_HOST: u32 = 3;
+
+fn write_pick(picked: *mut u32, algorithm: Algorithm) {
+    // SAFETY: NULL or a writable u32 (the caller's promise).
+    if let Some(slot) = unsafe { picked.as_mut() } {
+        *slot = algorithm.code();
+    }
+}
+
+/// Gathers every rank's block into every rank's receive buffer, in rank order.
+///
+/// `send`, `recv` and `counts` have refit_group_size() entries. Rank r contributes `counts[r]` bytes at
+/// device address `send[r]` (on its device); `recv[r]` is a buffer of sum(counts) bytes on rank r's
+/// device that receives rank p's block at offset counts[0] + ... + counts[p-1]. Counts may differ and may
+/// be 0. In place: `send[r] == recv[r] + offset of r`. `algo` is a REFIT_ALLGATHER_*; `picked`, if not
+/// NULL, receives the algorithm that ran.
+///
+/// AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
+/// access (on 2 x H200, copy-engine peer copies move ~1.4x what NCCL's allgather moves at every size
+/// measured); otherwise NCCL when it loads, else PEER.
+///
+/// Ordering: inside a scope (refit_group_enter) the work is queued on the group's streams and this
+/// returns without waiting; outside a scope it runs in an implicit scope on the legacy default streams
+/// and is complete when this returns (HOST is always complete on return).
+///
+/// Thread-safety: as the group's; not from a rank callback (use refit_group_allgather_rank there).
+///
+/// Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
+/// overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
+/// receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
+/// CUDA_ERROR, INVALID_STATE (called from a rank callback).
+#[no_mangle]
+pub extern "C" fn refit_allgather(
+    group: *mut refit_group,
+    send: *const u64,
+    recv: *const u64,
+    counts: *const usize,
+    algo: u32,
+    picked: *mut u32,
+) -> Status {
+    boundary("refit_allgather", || {
+        // SAFETY: a live handle.
+        let group = &unsafe { arg(group, "group") }?.group;
+        let n = group.size();
+        // SAFETY: arrays of refit_group_size() entries (the caller's promise).
+        let (send, recv, counts) =
+            unsafe { (slice(send, n, "send")?, slice(recv, n, "recv")?, slice(counts, n, "counts")?) };
+        let algorithm = Algorithm::from_code(algo)?;
+        // SAFETY: the caller promises valid device memory of the sizes given.
+        let ran = unsafe { allgather(group, send, recv, counts, algorithm) }?;
+        write_pick(picked, ran);
+        Ok(())
+    })
+}
+
+/// The per-rank allgather, for refit_group_run callbacks: every rank's callback calls it with its own
+/// `rank`, `send` (counts[rank] bytes) and `recv` (sum(counts) bytes) and the same `counts` (all
+/// refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return).
+/// Ranks meet at an abortable barrier: if another rank's callback fails first, this returns ABORTED
+/// instead of waiting forever.
+///
+/// Errors: as refit_allgather, plus INVALID_STATE (not called from this group's rank callback),
+/// INVALID_ARGUMENT (rank is not the calling callback's rank, or ranks passed different counts or
+/// algorithms: every rank then fails), ABORTED.
+#[no_mangle]
+pub extern "C" fn refit_group_allgather_rank(
+    group: *mut refit_group,
+    rank: u32,
+    send: u64,
+    recv: u64,
+    counts: *const usize,
+    algo: u32,
+    picked: *mut u32,
+) -> Status {
+    boundary("refit_group_allgather_rank", || {
+        // SAFETY: a live handle, shared by the rank threads.
+        let group = &unsafe { arg(group, "group") }?.group;
+        // SAFETY: refit_group_size() counts.
+        let counts = unsafe { slice(counts, group.size(), "counts") }?;
+        let algorithm = Algorithm::from_code(algo)?;
+        // SAFETY: the caller promises valid device memory of the sizes given.
+        let ran = unsafe { allgather_rank(group, rank as usize, send, recv, counts, algorithm) }?;
+        write_pick(picked, ran);
+        Ok(())
+    })
+}

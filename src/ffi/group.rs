@@ -1,0 +1,300 @@
+//! The device group's C API: create/destroy, queries, scopes, run-per-rank, host streams.
+
+use super::{arg, boundary, check_struct_size, out, slice};
+use crate::backend::host::{create_host_stream, destroy_host_stream};
+use crate::backend::{BackendKind, Stream};
+use crate::error::{last_error, set_last_error, Error, Result, Status};
+use crate::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use std::ffi::c_void;
+
+/// Pick the CUDA backend when libcuda loads and has a device, else the host backend.
+pub const REFIT_BACKEND_AUTO: u32 = 0;
+/// The CUDA backend (REFIT_STATUS_CUDA_UNAVAILABLE when libcuda or a device is missing).
+pub const REFIT_BACKEND_CUDA: u32 = 1;
+/// The host backend: devices simulated with threads and host memory ("device pointers" are host
+/// addresses; NULL streams are each simulated device's default stream; see refit_host_stream_create).
+pub const REFIT_BACKEND_HOST: u32 = 2;
+
+/// refit_group_exit: block the host until the group's work is done.
+pub const REFIT_EXIT_SYNC: u32 = 0;
+/// refit_group_exit: make each caller stream wait for the group's work; return at once.
+pub const REFIT_EXIT_ASYNC: u32 = 1;
+
+/// A device group: one rank per device, each with its own non-blocking stream created once.
+///
+/// Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
+/// rank callbacks may call refit_group_allgather_rank and the query functions concurrently.
+pub struct refit_group {
+    pub(crate) group: Group,
+}
+
+/// Options of refit_group_create. Fill with refit_group_options_init, then change fields.
+#[repr(C)]
+pub struct refit_group_options {
+    /// sizeof(refit_group_options) as the caller was compiled with (set by refit_group_options_init).
+    pub size: usize,
+    /// REFIT_BACKEND_AUTO (default), REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST.
+    pub backend: u32,
+    /// Host backend only: how many devices to simulate; 0 (default) = the largest listed device + 1.
+    pub host_devices: u32,
+}
+
+/// `callback(rank, stream, user_data)`: runs once per rank on that rank's thread, with the rank's
+/// device current and `stream` the rank's stream. Returns 0 on success; any other value fails the run.
+pub type refit_rank_callback =
+    Option<unsafe extern "C" fn(rank: u32, stream: *mut c_void, user_data: *mut c_void) -> i32>;
+
+/// Fills `options` with the defaults (AUTO backend) and sets options->size.
+///
+/// Errors: REFIT_STATUS_NULL_ARGUMENT when `options` is NULL.
+#[no_mangle]
+pub extern "C" fn refit_group_options_init(options: *mut refit_group_options) -> Status {
+    boundary("refit_group_options_init", || {
+        let slot = out(options, "options")?;
+        slot.write(refit_group_options {
+            size: std::mem::size_of::<refit_group_options>(),
+            backend: REFIT_BACKEND_AUTO,
+            host_devices: 0,
+        });
+        Ok(())
+    })
+}
+
+fn convert_options(options: *const refit_group_options) -> Result<GroupOptions> {
+    // SAFETY: NULL or a caller struct whose first field is its size; only `size` bytes are read.
+    let Some(first) = (unsafe { options.as_ref() }) else { return Ok(GroupOptions::default()) };
+    let full = std::mem::size_of::<refit_group_options>();
+    check_struct_size(first.size, full, full, "options")?;
+    let backend = match first.backend {
+        REFIT_BACKEND_AUTO => BackendChoice::Auto,
+        REFIT_BACKEND_CUDA => BackendChoice::Cuda,
+        REFIT_BACKEND_HOST => BackendChoice::Host,
+        other => return Err(Error::invalid_argument(format!("options.backend = {other} is not a REFIT_BACKEND_*"))),
+    };
+    Ok(GroupOptions { backend, host_devices: first.host_devices as usize })
+}
+
+/// Creates a group where rank r is `devices[r]` (`n` devices). Enables peer access between every
+/// pair that supports it (a pair without it still works, slower; see refit_group_peer_access),
+/// creates one non-blocking stream per device and the events the group reuses. `options` may be NULL
+/// (defaults). Not ordered with any stream; blocking.
+///
+/// Errors: NULL_ARGUMENT (`devices` with n > 0, or `group`), EMPTY_DEVICE_LIST (n == 0),
+/// INVALID_DEVICE (negative or not below the device count), DUPLICATE_DEVICE, INVALID_ARGUMENT (bad
+/// options), CUDA_UNAVAILABLE (CUDA backend asked for but missing), CUDA_ERROR.
+#[no_mangle]
+pub extern "C" fn refit_group_create(
+    devices: *const i32,
+    n: usize,
+    options: *const refit_group_options,
+    group: *mut *mut refit_group,
+) -> Status {
+    boundary("refit_group_create", || {
+        let slot = out(group, "group")?;
+        // SAFETY: `devices` points to `n` ints (the caller's promise).
+        let devices = unsafe { slice(devices, n, "devices") }?;
+        let options = convert_options(options)?;
+        let devices: Vec<i64> = devices.iter().map(|&d| d as i64).collect();
+        let created = Group::new(&devices, options)?;
+        slot.write(Box::into_raw(Box::new(refit_group { group: created })));
+        Ok(())
+    })
+}
+
+/// Destroys a group (NULL is ignored): drains its streams, stops its rank threads, releases its
+/// streams, events and NCCL communicators. A scope left open is drained, not ordered with the caller's
+/// streams (a warning is logged). Must not be called from a rank callback or while another thread uses
+/// the group.
+#[no_mangle]
+pub extern "C" fn refit_group_destroy(group: *mut refit_group) {
+    if group.is_null() {
+        return;
+    }
+    let _ = boundary("refit_group_destroy", || {
+        // SAFETY: a handle from refit_group_create, given back exactly once.
+        drop(unsafe { Box::from_raw(group) });
+        Ok(())
+    });
+}
+
+/// The number of ranks. Errors: NULL_ARGUMENT.
+#[no_mangle]
+pub extern "C" fn refit_group_size(group: *const refit_group, size: *mut usize) -> Status {
+    boundary("refit_group_size", || {
+        let slot = out(size, "size")?;
+        // SAFETY: a live handle.
+        slot.write(unsafe { arg(group, "group") }?.group.size());
+        Ok(())
+    })
+}
+
+/// The device ordinal of `rank`. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank not below the size).
+#[no_mangle]
+pub extern "C" fn refit_group_device(group: *const refit_group, rank: u32, device: *mut i32) -> Status {
+    boundary("refit_group_device", || {
+        let slot = out(device, "device")?;
+        // SAFETY: a live handle.
+        slot.write(unsafe { arg(group, "group") }?.group.device(rank as usize)? as i32);
+        Ok(())
+    })
+}
+
+/// The stream of `rank` (a CUstream on the CUDA backend, an opaque host-stream handle on the host
+/// backend): non-blocking, created with the group, the same for every call until refit_group_destroy.
+/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank).
+#[no_mangle]
+pub extern "C" fn refit_group_stream(group: *const refit_group, rank: u32, stream: *mut *mut c_void) -> Status {
+    boundary("refit_group_stream", || {
+        let slot = out(stream, "stream")?;
+        // SAFETY: a live handle.
+        slot.write(unsafe { arg(group, "group") }?.group.stream(rank as usize)?.as_ptr());
+        Ok(())
+    })
+}
+
+/// Whether `rank` accesses `peer`'s memory directly (peer access enabled). false means copies between
+/// them take a slower, driver-staged path. A rank always reaches itself.
+/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (a rank not below the size).
+#[no_mangle]
+pub extern "C" fn refit_group_peer_access(
+    group: *const refit_group,
+    rank: u32,
+    peer: u32,
+    direct: *mut bool,
+) -> Status {
+    boundary("refit_group_peer_access", || {
+        let slot = out(direct, "direct")?;
+        // SAFETY: a live handle.
+        slot.write(unsafe { arg(group, "group") }?.group.peer_access(rank as usize, peer as usize)?);
+        Ok(())
+    })
+}
+
+/// The backend in use: REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST (never AUTO). Errors: NULL_ARGUMENT.
+#[no_mangle]
+pub extern "C" fn refit_group_backend(group: *const refit_group, backend: *mut u32) -> Status {
+    boundary("refit_group_backend", || {
+        let slot = out(backend, "backend")?;
+        // SAFETY: a live handle.
+        slot.write(match unsafe { arg(group, "group") }?.group.backend_kind() {
+            BackendKind::Cuda => REFIT_BACKEND_CUDA,
+            BackendKind::Host => REFIT_BACKEND_HOST,
+        });
+        Ok(())
+    })
+}
+
+/// Opens a scope: each rank's stream waits (an event; the host does not block) for the work queued
+/// so far on `caller_streams[rank]`, a stream of that rank's device. `caller_streams` is an array of
+/// refit_group_size() streams, or NULL for every device's legacy default stream; NULL entries also mean
+/// the legacy default stream. Work the group queues inside the scope sees the caller's earlier work.
+///
+/// Scopes do not nest. Whole-group calls made outside a scope run in an implicit scope on the legacy
+/// default streams and are complete on return.
+///
+/// Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open), CUDA_ERROR, INVALID_ARGUMENT
+/// (a host-backend stream handle that is not a host stream).
+#[no_mangle]
+pub extern "C" fn refit_group_enter(group: *mut refit_group, caller_streams: *const *mut c_void) -> Status {
+    boundary("refit_group_enter", || {
+        // SAFETY: a live handle.
+        let group = &unsafe { arg(group, "group") }?.group;
+        if caller_streams.is_null() {
+            return group.enter(None);
+        }
+        // SAFETY: the caller passes one stream per rank.
+        let raw = unsafe { slice(caller_streams, group.size(), "caller_streams") }?;
+        let streams: Vec<Stream> = raw.iter().map(|&s| Stream::from_ptr(s)).collect();
+        group.enter(Some(&streams))
+    })
+}
+
+/// Closes the open scope. REFIT_EXIT_SYNC blocks until all of the group's queued work is done.
+/// REFIT_EXIT_ASYNC makes each caller stream given to refit_group_enter wait for its rank's stream
+/// and returns without blocking: the caller's later work sees the group's results. The scope is
+/// closed even when an error is returned.
+///
+/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (mode), INVALID_STATE (no scope is open), CUDA_ERROR.
+#[no_mangle]
+pub extern "C" fn refit_group_exit(group: *mut refit_group, mode: u32) -> Status {
+    boundary("refit_group_exit", || {
+        // SAFETY: a live handle.
+        let group = &unsafe { arg(group, "group") }?.group;
+        let mode = match mode {
+            REFIT_EXIT_SYNC => ExitMode::Sync,
+            REFIT_EXIT_ASYNC => ExitMode::Async,
+            other => return Err(Error::invalid_argument(format!("mode {other} is not a REFIT_EXIT_*"))),
+        };
+        group.exit(mode)
+    })
+}
+
+struct UserData(*mut c_void);
+// SAFETY: the caller passes user_data to run knowing every rank thread receives it at once.
+unsafe impl Sync for UserData {}
+
+/// Calls `callback(rank, stream, user_data)` for every rank at once, each on the group's persistent
+/// thread for that rank, with the rank's device current and its stream passed in; returns when every
+/// callback has returned. Runs inside the open scope, or in an implicit one (legacy default streams,
+/// then synchronized) when none is open. Callbacks may call refit_group_allgather_rank and queries.
+///
+/// The first callback to fail decides the result: REFIT_STATUS_CALLBACK_FAILED, with a message naming
+/// the rank, its return code and the last refit error on that rank's thread. Other ranks waiting in a
+/// collective are released (their calls return REFIT_STATUS_ABORTED) and nothing waits forever. The
+/// group stays usable.
+///
+/// Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, INVALID_STATE (called from a callback),
+/// CUDA_ERROR.
+#[no_mangle]
+pub extern "C" fn refit_group_run(
+    group: *mut refit_group,
+    callback: refit_rank_callback,
+    user_data: *mut c_void,
+) -> Status {
+    boundary("refit_group_run", || {
+        // SAFETY: a live handle.
+        let group = &unsafe { arg(group, "group") }?.group;
+        let callback = callback.ok_or_else(|| Error::new(Status::NullArgument, "callback is NULL"))?;
+        let user_data = UserData(user_data);
+        group.run(&|rank, stream| {
+            let user_data = &user_data;
+            set_last_error("");
+            // SAFETY: the caller's callback, called as documented.
+            let code = unsafe { callback(rank as u32, stream.as_ptr(), user_data.0) };
+            if code == 0 {
+                return Ok(());
+            }
+            let known = Status::from_code(code.into()).map(|s| format!(" ({})", s.name().to_string_lossy()));
+            let detail = last_error();
+            let detail = if detail.is_empty() { String::new() } else { format!("; last refit error: {detail}") };
+            Err(Error::new(
+                Status::CallbackFailed,
+                format!("rank {rank} callback returned {code}{}{detail}", known.unwrap_or_default()),
+            ))
+        })
+    })
+}
+
+/// Host backend only: creates a caller-side host stream (a FIFO queue with its own worker thread)
+/// usable as a caller stream of any host-backend group, e.g. to test scope ordering. Release it with
+/// refit_host_stream_destroy. Errors: NULL_ARGUMENT.
+#[no_mangle]
+pub extern "C" fn refit_host_stream_create(stream: *mut *mut c_void) -> Status {
+    boundary("refit_host_stream_create", || {
+        let slot = out(stream, "stream")?;
+        slot.write(create_host_stream()?.as_ptr());
+        Ok(())
+    })
+}
+
+/// Destroys a host stream after its queued work has run.
+/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not a host stream, or destroyed already).
+#[no_mangle]
+pub extern "C" fn refit_host_stream_destroy(stream: *mut c_void) -> Status {
+    boundary("refit_host_stream_destroy", || {
+        if stream.is_null() {
+            return Err(Error::new(Status::NullArgument, "stream is NULL"));
+        }
+        destroy_host_stream(Stream::from_ptr(stream))
+    })
+}

@@ -1,0 +1,280 @@
+//! Allgather on the host backend, byte-exact against an expectation built independently (the blocks
+//! concatenated in rank order by plain Vec operations), for every shape the API allows.
+
+use refit::allgather::{allgather, allgather_rank, Algorithm};
+use refit::backend::host::{create_host_stream, destroy_host_stream, host_stream};
+use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use refit::Status;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+const POISON: u8 = 0xAB;
+
+fn host(n: usize) -> Group {
+    let devices: Vec<i64> = (0..n as i64).collect();
+    Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
+}
+
+/// Deterministic, call- and rank-dependent bytes (never the poison pattern throughout).
+fn block(rank: usize, call: usize, len: usize) -> Vec<u8> {
+    let mut x = (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (call as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+fn expected(blocks: &[Vec<u8>]) -> Vec<u8> {
+    let mut all = Vec::new();
+    for b in blocks {
+        all.extend_from_slice(b);
+    }
+    all
+}
+
+/// Runs one whole-group allgather out of place and checks every rank's bytes.
+fn check_whole_group(group: &Group, counts: &[usize], algorithm: Algorithm, call: usize) -> Algorithm {
+    let n = group.size();
+    let sends: Vec<Vec<u8>> = (0..n).map(|r| block(r, call, counts[r])).collect();
+    let total: usize = counts.iter().sum();
+    let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; total]; n];
+    let send_ptrs: Vec<u64> = sends.iter().map(|s| s.as_ptr() as u64).collect();
+    let recv_ptrs: Vec<u64> = recvs.iter_mut().map(|r| r.as_mut_ptr() as u64).collect();
+    let ran = unsafe { allgather(group, &send_ptrs, &recv_ptrs, counts, algorithm) }.unwrap();
+    let want = expected(&sends);
+    for (r, got) in recvs.iter().enumerate() {
+        assert!(*got == want, "rank {r} received wrong bytes (counts {counts:?}, {algorithm:?}, call {call})");
+    }
+    ran
+}
+
+#[test]
+fn equal_uneven_zero_and_single_rank_byte_exact_for_peer_and_host() {
+    for algorithm in [Algorithm::Peer, Algorithm::Host, Algorithm::Auto] {
+        let group = host(4);
+        check_whole_group(&group, &[1000, 1000, 1000, 1000], algorithm, 0);
+        check_whole_group(&group, &[5, 0, 1234, 17], algorithm, 1);
+        check_whole_group(&group, &[0, 0, 0, 0], algorithm, 2);
+        check_whole_group(&group, &[0, 0, 0, 3], algorithm, 3);
+        let single = host(1);
+        check_whole_group(&single, &[777], algorithm, 4);
+    }
+}
+
+#[test]
+fn auto_picks_peer_on_the_host_backend_and_nccl_is_unsupported_there() {
+    let group = host(2);
+    assert_eq!(check_whole_group(&group, &[8, 8], Algorithm::Auto, 0), Algorithm::Peer);
+    let mut recv = vec![0u8; 16];
+    let send = [1u8; 8];
+    let r = recv.as_mut_ptr() as u64;
+    let err = unsafe { allgather(&group, &[send.as_ptr() as u64; 2], &[r, r + 16], &[8, 8], Algorithm::Nccl) };
+    assert_eq!(err.unwrap_err().status, Status::Unsupported);
+}
+
+#[test]
+fn in_place_ranks_keep_their_block_and_receive_the_others() {
+    for algorithm in [Algorithm::Peer, Algorithm::Host] {
+        let group = host(3);
+        let counts = [64usize, 10, 300];
+        let offsets = [0usize, 64, 74];
+        let total = 374;
+        let blocks: Vec<Vec<u8>> = (0..3).map(|r| block(r, 9, counts[r])).collect();
+        // Rank 0 and 2 in place (their block already sits in their slot), rank 1 out of place.
+        let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; total]; 3];
+        for r in [0, 2] {
+            recvs[r][offsets[r]..offsets[r] + counts[r]].copy_from_slice(&blocks[r]);
+        }
+        let recv_ptrs: Vec<u64> = recvs.iter_mut().map(|r| r.as_mut_ptr() as u64).collect();
+        let send_ptrs =
+            [recv_ptrs[0] + offsets[0] as u64, blocks[1].as_ptr() as u64, recv_ptrs[2] + offsets[2] as u64];
+        unsafe { allgather(&group, &send_ptrs, &recv_ptrs, &counts, algorithm) }.unwrap();
+        let want = expected(&blocks);
+        for (r, got) in recvs.iter().enumerate() {
+            assert!(*got == want, "rank {r} wrong ({algorithm:?})");
+        }
+    }
+}
+
+#[test]
+fn two_hundred_calls_in_a_row_inside_one_scope_and_outside() {
+    let group = host(3);
+    let counts = [33usize, 0, 129];
+    for call in 0..200 {
+        check_whole_group(&group, &counts, Algorithm::Peer, call);
+    }
+    // Inside one scope: each call is only queued; buffers must live until the exit.
+    let n = 3;
+    let total: usize = counts.iter().sum();
+    let sends: Vec<Vec<Vec<u8>>> = (0..200).map(|c| (0..n).map(|r| block(r, c, counts[r])).collect()).collect();
+    let mut recvs: Vec<Vec<Vec<u8>>> = (0..200).map(|_| vec![vec![POISON; total]; n]).collect();
+    group.enter(None).unwrap();
+    for call in 0..200 {
+        let s: Vec<u64> = sends[call].iter().map(|b| b.as_ptr() as u64).collect();
+        let r: Vec<u64> = recvs[call].iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+        unsafe { allgather(&group, &s, &r, &counts, Algorithm::Peer) }.unwrap();
+    }
+    group.exit(ExitMode::Sync).unwrap();
+    for call in 0..200 {
+        let want = expected(&sends[call]);
+        assert!(recvs[call].iter().all(|got| *got == want), "call {call} wrong");
+    }
+}
+
+#[test]
+fn inside_a_scope_the_allgather_sees_the_caller_stream_work_queued_before_enter() {
+    let group = host(2);
+    let callers = [create_host_stream().unwrap(), create_host_stream().unwrap()];
+    let counts = [256usize, 256];
+    let final_blocks: Vec<Vec<u8>> = (0..2).map(|r| block(r, 5, 256)).collect();
+    let mut sends: Vec<Vec<u8>> = vec![vec![0u8; 256]; 2];
+    let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; 512]; 2];
+    let gate = Arc::new(AtomicBool::new(false));
+    // The caller's streams produce the send blocks late (after the gate opens).
+    for r in 0..2 {
+        let (gate, dst, src) = (Arc::clone(&gate), sends[r].as_mut_ptr() as usize, final_blocks[r].clone());
+        host_stream(callers[r])
+            .unwrap()
+            .enqueue(move || {
+                while !gate.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                unsafe { std::ptr::copy_nonoverlapping(src.as_ptr(), dst as *mut u8, src.len()) };
+            })
+            .unwrap();
+    }
+    group.enter(Some(&callers)).unwrap();
+    let s: Vec<u64> = sends.iter().map(|b| b.as_ptr() as u64).collect();
+    let r: Vec<u64> = recvs.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+    unsafe { allgather(&group, &s, &r, &counts, Algorithm::Peer) }.unwrap();
+    std::thread::sleep(Duration::from_millis(20));
+    gate.store(true, Ordering::SeqCst);
+    group.exit(ExitMode::Async).unwrap();
+    for c in callers {
+        host_stream(c).unwrap().synchronize().unwrap();
+    }
+    let want = expected(&final_blocks);
+    assert!(recvs.iter().all(|got| *got == want), "the allgather read the send buffers before the caller wrote them");
+    for c in callers {
+        destroy_host_stream(c).unwrap();
+    }
+}
+
+fn per_rank(group: &Group, counts: &[usize], algorithm: Algorithm, calls: usize, in_place: bool) {
+    let n = group.size();
+    let total: usize = counts.iter().sum();
+    let offsets: Vec<usize> = (0..n).map(|r| counts[..r].iter().sum()).collect();
+    for call in 0..calls {
+        let blocks: Vec<Vec<u8>> = (0..n).map(|r| block(r, call, counts[r])).collect();
+        let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; total]; n];
+        if in_place {
+            for r in 0..n {
+                recvs[r][offsets[r]..offsets[r] + counts[r]].copy_from_slice(&blocks[r]);
+            }
+        }
+        let recv_ptrs: Vec<u64> = recvs.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+        let send_ptrs: Vec<u64> = (0..n)
+            .map(|r| if in_place { recv_ptrs[r] + offsets[r] as u64 } else { blocks[r].as_ptr() as u64 })
+            .collect();
+        group
+            .run(&|rank, _| unsafe {
+                let ran = allgather_rank(group, rank, send_ptrs[rank], recv_ptrs[rank], counts, algorithm)?;
+                assert_ne!(ran, Algorithm::Auto);
+                Ok(())
+            })
+            .unwrap();
+        let want = expected(&blocks);
+        for (r, got) in recvs.iter().enumerate() {
+            assert!(*got == want, "rank {r} wrong (counts {counts:?}, {algorithm:?}, call {call})");
+        }
+    }
+}
+
+#[test]
+fn per_rank_allgather_inside_run_byte_exact() {
+    for algorithm in [Algorithm::Peer, Algorithm::Host, Algorithm::Auto] {
+        let group = host(4);
+        per_rank(&group, &[100, 100, 100, 100], algorithm, 3, false);
+        per_rank(&group, &[7, 0, 513, 1], algorithm, 3, false);
+        per_rank(&group, &[7, 0, 513, 1], algorithm, 3, true);
+        per_rank(&group, &[0, 0, 0, 0], algorithm, 2, false);
+        per_rank(&host(1), &[99], algorithm, 2, false);
+    }
+}
+
+#[test]
+fn per_rank_allgather_two_hundred_collectives_in_one_run() {
+    let group = host(3);
+    let counts = [40usize, 3, 0];
+    let calls = 200;
+    let blocks: Vec<Vec<Vec<u8>>> = (0..calls).map(|c| (0..3).map(|r| block(r, c, counts[r])).collect()).collect();
+    let mut recvs: Vec<Vec<Vec<u8>>> = (0..calls).map(|_| vec![vec![POISON; 43]; 3]).collect();
+    let recv_ptrs: Vec<Vec<u64>> =
+        recvs.iter_mut().map(|per_call| per_call.iter_mut().map(|b| b.as_mut_ptr() as u64).collect()).collect();
+    group
+        .run(&|rank, _| {
+            for call in 0..calls {
+                let send = blocks[call][rank].as_ptr() as u64;
+                unsafe { allgather_rank(&group, rank, send, recv_ptrs[call][rank], &counts, Algorithm::Peer) }?;
+            }
+            Ok(())
+        })
+        .unwrap();
+    for call in 0..calls {
+        let want = expected(&blocks[call]);
+        assert!(recvs[call].iter().all(|got| *got == want), "collective {call} wrong");
+    }
+}
+
+#[test]
+fn every_bad_argument_has_its_own_status() {
+    let group = host(2);
+    let send = [1u8; 8];
+    let mut recv = vec![0u8; 32];
+    let s = send.as_ptr() as u64;
+    let r0 = recv.as_mut_ptr() as u64;
+    let r1 = r0 + 16;
+    let status = |send: &[u64], recv: &[u64], counts: &[usize]| unsafe {
+        allgather(&group, send, recv, counts, Algorithm::Peer).unwrap_err()
+    };
+    assert_eq!(status(&[s], &[r0, r1], &[8, 8]).status, Status::InvalidArgument);
+    assert_eq!(status(&[s, s], &[r0, r1], &[8]).status, Status::InvalidArgument);
+    let null_send = status(&[s, 0], &[r0, r1], &[8, 8]);
+    assert_eq!(null_send.status, Status::NullArgument);
+    assert!(null_send.message.contains("send[1]"), "{}", null_send.message);
+    assert_eq!(status(&[s, s], &[r0, 0], &[8, 8]).status, Status::NullArgument);
+    assert_eq!(status(&[s, s], &[r0, r0 + 8], &[8, 8]).status, Status::Overlap);
+    // Overlapping the own receive buffer other than exactly in place.
+    assert_eq!(status(&[r0 + 1, s], &[r0, r1], &[8, 8]).status, Status::Overlap);
+    assert_eq!(status(&[s, s], &[r0, r1], &[usize::MAX, 8]).status, Status::InvalidArgument);
+    assert_eq!(status(&[s, s], &[u64::MAX - 4, r1], &[8, 8]).status, Status::InvalidArgument);
+    assert_eq!(Algorithm::from_code(4).unwrap_err().status, Status::InvalidArgument);
+    // NULL buffers are fine where nothing is moved.
+    unsafe { allgather(&group, &[0, 0], &[0, 0], &[0, 0], Algorithm::Peer) }.unwrap();
+    // Nothing was written by any refused call.
+    assert!(recv.iter().all(|&b| b == 0));
+}
+
+#[test]
+fn ranks_that_disagree_on_counts_all_fail() {
+    let group = host(2);
+    let send = [3u8; 8];
+    let mut recv = vec![0u8; 32];
+    let r = recv.as_mut_ptr() as u64;
+    let err = group
+        .run(&|rank, _| unsafe {
+            let counts = if rank == 0 { [8usize, 8] } else { [8usize, 4] };
+            let total = 16;
+            allgather_rank(&group, rank, send.as_ptr() as u64, r + (rank * total) as u64, &counts, Algorithm::Peer)
+                .map(|_| ())
+        })
+        .unwrap_err();
+    assert_eq!(err.status, Status::InvalidArgument);
+    assert!(err.message.contains("same"), "{}", err.message);
+    assert!(recv.iter().all(|&b| b == 0));
+}

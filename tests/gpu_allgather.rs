@@ -1,0 +1,199 @@
+//! Allgather on real GPUs (run on the GPU machine: `gpu_allgather --ignored --test-threads=1`): every
+//! algorithm byte-exact with poisoned outputs, whole-group and per-rank, equal / uneven / zero / in
+//! place, 200 calls in a row, and ordering after the caller's slow producer. Handles 1 or 2 GPUs.
+
+mod gpu_common;
+
+use gpu_common::{caller_stream, cuda, group_sizes, pattern, DeviceBuffer, SpinKernel};
+use refit::allgather::{allgather, allgather_rank, Algorithm};
+use refit::backend::Backend;
+use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
+
+const ALGORITHMS: [Algorithm; 4] = [Algorithm::Peer, Algorithm::Nccl, Algorithm::Host, Algorithm::Auto];
+
+fn gpu_group(size: usize) -> Group {
+    let devices: Vec<i64> = (0..size as i64).collect();
+    Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 })
+        .unwrap_or_else(|e| panic!("group of {size} GPUs: {e}"))
+}
+
+/// Count shapes for a group size: equal (odd sizes on purpose), uneven, a zero block, all zero.
+fn shapes(size: usize) -> Vec<Vec<usize>> {
+    let mib = 1 << 20;
+    match size {
+        1 => vec![vec![mib + 3], vec![4099], vec![0]],
+        _ => {
+            let mut out = vec![vec![mib + 3; size]];
+            out.push((0..size).map(|r| if r == 0 { 5 } else { 3 * mib + r }).collect());
+            out.push((0..size).map(|r| if r == size - 1 { 0 } else { 1000 + r }).collect());
+            out.push(vec![0; size]);
+            out
+        }
+    }
+}
+
+struct Case {
+    counts: Vec<usize>,
+    offsets: Vec<usize>,
+    total: usize,
+    blocks: Vec<Vec<u8>>,
+    sends: Vec<DeviceBuffer>,
+    recvs: Vec<DeviceBuffer>,
+    in_place: bool,
+}
+
+impl Case {
+    fn new(counts: &[usize], call: usize, in_place: bool) -> Case {
+        let size = counts.len();
+        let offsets: Vec<usize> = (0..size).map(|r| counts[..r].iter().sum()).collect();
+        let total: usize = counts.iter().sum();
+        let blocks: Vec<Vec<u8>> = (0..size).map(|r| pattern(r, call, counts[r])).collect();
+        let sends: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, counts[r].max(1))).collect();
+        // One spare byte past the end catches writes beyond the gathered size.
+        let recvs: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, total + 1)).collect();
+        let case = Case { counts: counts.to_vec(), offsets, total, blocks, sends, recvs, in_place };
+        case.reset();
+        case
+    }
+
+    /// Poisons every receive buffer and puts each block where the rank's send pointer points.
+    fn reset(&self) {
+        for r in 0..self.counts.len() {
+            self.recvs[r].poison();
+            if self.in_place {
+                self.recvs[r].write(self.offsets[r], &self.blocks[r]);
+            } else {
+                self.sends[r].write(0, &self.blocks[r]);
+            }
+        }
+    }
+
+    fn send_ptr(&self, r: usize) -> u64 {
+        if self.in_place {
+            self.recvs[r].ptr + self.offsets[r] as u64
+        } else {
+            self.sends[r].ptr
+        }
+    }
+
+    fn check(&self, what: &str) {
+        let mut expected: Vec<u8> = self.blocks.concat();
+        expected.push(0xAB);
+        for (r, recv) in self.recvs.iter().enumerate() {
+            let got = recv.read();
+            if got != expected {
+                let first = got.iter().zip(&expected).position(|(a, b)| a != b).unwrap_or(0);
+                panic!(
+                    "{what}: rank {r} differs at byte {first} of {} (got {:#x}, want {:#x})",
+                    self.total + 1,
+                    got[first],
+                    expected[first]
+                );
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn whole_group_allgather_is_byte_exact_for_every_algorithm_and_shape() {
+    for size in group_sizes() {
+        let group = gpu_group(size);
+        for algorithm in ALGORITHMS {
+            for counts in shapes(size) {
+                for in_place in [false, true] {
+                    let case = Case::new(&counts, 1, in_place);
+                    let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
+                    let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
+                    let ran = unsafe { allgather(&group, &sends, &recvs, &counts, algorithm) }
+                        .unwrap_or_else(|e| panic!("G={size} {algorithm:?} {counts:?}: {e}"));
+                    if algorithm == Algorithm::Auto {
+                        assert_eq!(ran, if group.all_peers_direct() { Algorithm::Peer } else { Algorithm::Nccl });
+                    } else {
+                        assert_eq!(ran, algorithm);
+                    }
+                    case.check(&format!("G={size} {algorithm:?} counts {counts:?} in_place {in_place}"));
+                }
+            }
+            println!("G={size} {algorithm:?}: whole-group byte-exact");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn per_rank_allgather_inside_run_is_byte_exact_for_every_algorithm() {
+    for size in group_sizes() {
+        let group = gpu_group(size);
+        for algorithm in ALGORITHMS {
+            for counts in shapes(size) {
+                for in_place in [false, true] {
+                    let case = Case::new(&counts, 2, in_place);
+                    let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
+                    group
+                        .run(&|rank, _| unsafe {
+                            allgather_rank(&group, rank, sends[rank], case.recvs[rank].ptr, &counts, algorithm)
+                                .map(|_| ())
+                        })
+                        .unwrap_or_else(|e| panic!("G={size} {algorithm:?} {counts:?}: {e}"));
+                    case.check(&format!("per-rank G={size} {algorithm:?} counts {counts:?} in_place {in_place}"));
+                }
+            }
+            println!("G={size} {algorithm:?}: per-rank byte-exact");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn two_hundred_calls_in_a_row_stay_exact() {
+    for size in group_sizes() {
+        let group = gpu_group(size);
+        for algorithm in [Algorithm::Peer, Algorithm::Nccl] {
+            let counts: Vec<usize> = (0..size).map(|r| 65536 + 17 * r).collect();
+            let mut case = Case::new(&counts, 0, false);
+            for call in 0..200 {
+                case.blocks = (0..size).map(|r| pattern(r, call + 1000, counts[r])).collect();
+                case.reset();
+                let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
+                let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
+                unsafe { allgather(&group, &sends, &recvs, &counts, algorithm) }.unwrap();
+                case.check(&format!("G={size} {algorithm:?} call {call}"));
+            }
+            println!("G={size} {algorithm:?}: 200 calls exact");
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn inside_a_scope_the_allgather_sees_a_slow_producer_on_the_caller_stream() {
+    for size in group_sizes() {
+        let group = gpu_group(size);
+        let kernels: Vec<SpinKernel> = (0..size).map(SpinKernel::load).collect();
+        for algorithm in [Algorithm::Peer, Algorithm::Nccl] {
+            let counts = vec![4096usize; size];
+            let mut case = Case::new(&counts, 3, false);
+            let callers: Vec<_> = (0..size).map(caller_stream).collect();
+            for r in 0..size {
+                // The producer's last word lands after 200 ms of spinning.
+                let marker = 0xFEED0000u32 + r as u32;
+                case.blocks[r][..4].copy_from_slice(&marker.to_le_bytes());
+                kernels[r].launch(callers[r], 200, case.sends[r].ptr, marker);
+            }
+            group.enter(Some(&callers)).unwrap();
+            let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
+            let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
+            unsafe { allgather(&group, &sends, &recvs, &counts, algorithm) }.unwrap();
+            group.exit(ExitMode::Async).unwrap();
+            for (r, &s) in callers.iter().enumerate() {
+                cuda().sync_stream(r, s).unwrap();
+            }
+            case.check(&format!("scoped G={size} {algorithm:?}"));
+            for (r, &s) in callers.iter().enumerate() {
+                cuda().destroy_stream(r, s);
+            }
+            println!("G={size} {algorithm:?}: ordered after the caller's slow producer");
+        }
+    }
+}
