@@ -7,6 +7,7 @@
 
 pub mod allgather;
 pub mod backend;
+pub mod copy;
 pub mod error;
 pub mod ffi;
 pub mod group;

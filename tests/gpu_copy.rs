@@ -402,3 +402,35 @@ fn errors_are_statuses_and_copy_nothing() {
     let bad = Segment::contiguous(0, case.dst.ptr, 8);
     assert_eq!(copy(0, stream.raw, &[bad], false).unwrap_err().status, Status::InvalidArgument);
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn group_rank_copy_on_the_cuda_backend() {
+    use refit::copy::{copy_batch, PreparedCopy};
+    use refit::group::{BackendChoice, Group, GroupOptions};
+    let devices: Vec<i64> = if cuda::device_count() >= 2 { vec![0, 1] } else { vec![0] };
+    let group = ok(
+        "Group::new",
+        Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }),
+    );
+    let rank = devices.len() - 1;
+    let device = devices[rank] as i32;
+    let stream = ok("group stream", group.stream(rank));
+    let mut rng = Rng::new(17);
+    let shape =
+        Shape { segments: 400, max_len: 65536, strided_percent: 30, misaligned: true, src_len: 2 << 20 };
+    let batch = random_batch(&mut rng, shape);
+    let mut case = Case::new(&mut rng, batch, device, device);
+    // SAFETY: live buffers of this rank's device and the group's own stream.
+    ok("copy_batch", unsafe { copy_batch(&group, rank, stream, &case.segments, true) });
+    ok("sync", group.backend().sync_stream(device as usize, stream));
+    case.verify("group rank one-shot");
+    let prepared = ok("PreparedCopy::new", PreparedCopy::new(&group, rank, &case.segments, true));
+    for round in 0..3 {
+        case.refresh(&mut rng);
+        // SAFETY: as above.
+        ok("launch", unsafe { prepared.launch(stream) });
+        ok("sync", group.backend().sync_stream(device as usize, stream));
+        case.verify(&format!("group rank prepared launch {round}"));
+    }
+}

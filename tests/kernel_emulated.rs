@@ -112,12 +112,15 @@ fn more_warps_than_tiles_and_one_warp_for_everything() {
     run(42, shape, 1);
 }
 
+type Shape2 = (u64, [u64; 2], [u64; 2], [u64; 2]);
+
 #[test]
 fn aligned_rows_take_the_row_spread_path() {
     // 16-byte aligned rows with 16-byte multiple lengths and strides: the column split and variants
     // whose tiles cross an outer repetition (which must fall back to the row-by-row walk).
     let mut rng = Rng::new(51);
-    let cases: [(u64, [u64; 2], [u64; 2], [u64; 2]); 5] = [
+    // (len, count, src_stride, dst_stride)
+    let cases: [Shape2; 5] = [
         (768, [2048, 1], [1536, 0], [768, 0]),
         (768, [5, 7], [1536, 1536 * 6], [768, 768 * 5 + 32]),
         (16, [100, 3], [48, 4800], [16, 1600]),
