@@ -9,6 +9,7 @@ pub mod allgather;
 pub mod backend;
 pub mod copy;
 pub mod error;
+pub mod exec;
 pub mod ffi;
 pub mod group;
 pub mod kernels;
