@@ -156,7 +156,8 @@ impl DirectNccl {
         let lib = nccl().unwrap();
         lib.group_start().unwrap();
         for r in 0..self.streams.len() {
-            unsafe { lib.all_gather(sends[r], recvs[r], bytes, self.comms.comms[r], self.streams[r].0) }.unwrap();
+            unsafe { lib.all_gather(sends[r], recvs[r], bytes, self.comms.comms[r], self.streams[r].0) }
+                .unwrap();
         }
         lib.group_end().unwrap();
     }
@@ -187,7 +188,13 @@ struct ProbeRow {
 
 /// Per-GPU received rate when every GPU pulls every peer's block at once, each pair on its own
 /// non-blocking stream: the copy-engine ceiling for this topology.
-fn all_pull_ceiling(gates: &Gates, g: usize, size: usize, sends: &[DeviceBuffer], recvs: &[DeviceBuffer]) -> f64 {
+fn all_pull_ceiling(
+    gates: &Gates,
+    g: usize,
+    size: usize,
+    sends: &[DeviceBuffer],
+    recvs: &[DeviceBuffer],
+) -> f64 {
     let backend = cuda();
     let mut streams = Vec::new();
     for r in 0..g {
@@ -230,7 +237,12 @@ fn probe(gates: &Gates, size: usize, sends: &[DeviceBuffer], recvs: &[DeviceBuff
     });
     backend.destroy_stream(0, s0);
     backend.destroy_stream(1, s1);
-    ProbeRow { size, one_way: gbps(size, one), both_nonblocking: gbps(2 * size, both), both_null: gbps(2 * size, null) }
+    ProbeRow {
+        size,
+        one_way: gbps(size, one),
+        both_nonblocking: gbps(2 * size, both),
+        both_null: gbps(2 * size, null),
+    }
 }
 
 /// Host time of each call (not of the GPU work), tiny buffers, inside one scope; synchronized every
@@ -320,7 +332,8 @@ fn main() {
             let ours = |algorithm: Algorithm| {
                 group.enter(None).unwrap();
                 let t = time_per_call(&gates, &group_streams, iters, &mut || {
-                    let ran = unsafe { allgather(&group, &send_ptrs, &recv_ptrs, &counts, algorithm) }.unwrap();
+                    let ran =
+                        unsafe { allgather(&group, &send_ptrs, &recv_ptrs, &counts, algorithm) }.unwrap();
                     assert_eq!(ran, algorithm);
                 });
                 group.exit(ExitMode::Sync).unwrap();
@@ -328,10 +341,12 @@ fn main() {
             };
             let peer = ours(Algorithm::Peer);
             let ours_nccl = ours(Algorithm::Nccl);
-            let direct_nccl =
-                time_per_call(&gates, &direct_streams, iters, &mut || direct.issue(&send_ptrs, &recv_ptrs, size));
+            let direct_nccl = time_per_call(&gates, &direct_streams, iters, &mut || {
+                direct.issue(&send_ptrs, &recv_ptrs, size)
+            });
             let received = if g == 1 { size } else { (g - 1) * size };
-            let ceiling = (g > 1 && size >= 64 * MIB).then(|| all_pull_ceiling(&gates, g, size, &sends, &recvs));
+            let ceiling =
+                (g > 1 && size >= 64 * MIB).then(|| all_pull_ceiling(&gates, g, size, &sends, &recvs));
             rows.push(Row {
                 g,
                 size,

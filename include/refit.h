@@ -47,6 +47,13 @@
 #define REFIT_ALLGATHER_HOST 3
 
 /**
+ * refit_copy_batch* flag: before copying anything, check that no destination byte is written twice
+ * and fail with REFIT_STATUS_OVERLAP if one is. Without it, overlapping destinations are the caller's
+ * error (on a GPU which write lands is undefined).
+ */
+#define REFIT_COPY_CHECKED 1
+
+/**
  * Pick the CUDA backend when libcuda loads and has a device, else the host backend.
  */
 #define REFIT_BACKEND_AUTO 0
@@ -117,6 +124,28 @@
  * incompatibly; appending functions, statuses or option fields does not bump it.
  */
 #define REFIT_ABI_VERSION 1
+
+/**
+ * Destination runs expanded at most this many in total to decide overlap exactly, beyond which the
+ * checked mode refuses the batch (Unsupported) rather than spend unbounded time.
+ */
+#define MAX_EXPANDED_RUNS (1 << 26)
+
+/**
+ * log2 of the tile size in bytes (8 KiB): large enough to amortize finding the tile, small enough that
+ * a 1 GiB copy gives every warp of the grid dozens of tiles.
+ */
+#define TILE_SHIFT 13
+
+/**
+ * Tile size in bytes.
+ */
+#define TILE_BYTES (1 << TILE_SHIFT)
+
+/**
+ * Short runs are copied one after the other by a warp; this caps how many a single warp takes at once.
+ */
+#define MAX_RUNS_PER_TILE 32
 
 /**
  * Result of every fallible call. Values are part of the ABI: new codes are appended, never renumbered.
@@ -247,9 +276,52 @@ typedef struct refit_group refit_group;
 typedef struct refit_plan refit_plan;
 
 /**
+ * A batch of segments prepared for one device (refit_copy_batch_prepare): launched any number of times
+ * with no host work proportional to its size.
+ *
+ * Thread-safety: refit_copy_batch_launch may be called from several threads at once (on streams of
+ * the batch's device); refit_copy_batch_destroy must not race with a launch.
+ */
+typedef struct refit_prepared_copy refit_prepared_copy;
+
+/**
  * One rank's shard table: tensors, offers (what it publishes), needs (what it receives).
  */
 typedef struct refit_table refit_table;
+
+/**
+ * A strided box of bytes: a contiguous run of `len` bytes, repeated `count[0]` times with strides
+ * `src_stride[0]` / `dst_stride[0]`, and that whole pattern repeated `count[1]` times with strides
+ * `src_stride[1]` / `dst_stride[1]`. Byte `b` of repetition `(i, j)` is read from
+ * `src + j*src_stride[1] + i*src_stride[0] + b` and written to the matching destination address.
+ * A plain contiguous copy has `count = [1, 1]`. A count of 0 means no bytes.
+ */
+typedef struct {
+  /**
+   * Source address (device pointer, or host address on the host backend).
+   */
+  uint64_t src;
+  /**
+   * Destination address.
+   */
+  uint64_t dst;
+  /**
+   * Bytes in the innermost contiguous run.
+   */
+  uint64_t len;
+  /**
+   * Repetitions of the inner level, then of the outer level.
+   */
+  uint64_t count[2];
+  /**
+   * Source byte strides between repetitions, inner level first.
+   */
+  uint64_t src_stride[2];
+  /**
+   * Destination byte strides between repetitions, inner level first.
+   */
+  uint64_t dst_stride[2];
+} refit_segment;
 
 /**
  * Options of refit_group_create. Fill with refit_group_options_init, then change fields.
@@ -377,40 +449,6 @@ typedef struct {
 } refit_plan_stats;
 
 /**
- * A strided box of bytes: a contiguous run of `len` bytes, repeated `count[0]` times with strides
- * `src_stride[0]` / `dst_stride[0]`, and that whole pattern repeated `count[1]` times with strides
- * `src_stride[1]` / `dst_stride[1]`. Byte `b` of repetition `(i, j)` is read from
- * `src + j*src_stride[1] + i*src_stride[0] + b` and written to the matching destination address.
- * A plain contiguous copy has `count = [1, 1]`. A count of 0 means no bytes.
- */
-typedef struct {
-  /**
-   * Source address (device pointer, or host address on the host backend).
-   */
-  uint64_t src;
-  /**
-   * Destination address.
-   */
-  uint64_t dst;
-  /**
-   * Bytes in the innermost contiguous run.
-   */
-  uint64_t len;
-  /**
-   * Repetitions of the inner level, then of the outer level.
-   */
-  uint64_t count[2];
-  /**
-   * Source byte strides between repetitions, inner level first.
-   */
-  uint64_t src_stride[2];
-  /**
-   * Destination byte strides between repetitions, inner level first.
-   */
-  uint64_t dst_stride[2];
-} refit_segment;
-
-/**
  * One route of a plan: every segment from one source endpoint to one destination endpoint.
  * Before the call set `size` to sizeof(refit_route_info).
  */
@@ -497,6 +535,65 @@ refit_status refit_group_allgather_rank(refit_group *group,
                                         const size_t *counts,
                                         uint32_t algo,
                                         uint32_t *picked);
+
+/**
+ * Copies `n` segments (see refit_segment) on `stream`, a stream of `rank`'s device (NULL: its legacy
+ * default stream), in one kernel launch on the CUDA backend. Source and destination addresses are
+ * device pointers of that device or of a peer the rank's device accesses directly
+ * (refit_group_peer_access); any sizes and byte offsets, zero-length segments allowed. `flags`:
+ * 0 or REFIT_COPY_CHECKED.
+ *
+ * Stream ordering (CUDA): queued on `stream`; returns without waiting for the copy. The descriptors
+ * are uploaded stream-ordered (no host sync); this call must not be captured into a CUDA graph (use a
+ * prepared batch). Host backend: complete on return.
+ *
+ * Thread-safety: may be called from any thread, including rank callbacks, concurrently with other
+ * copies. No source may overlap a destination.
+ *
+ * Errors: NULL_ARGUMENT (group, or segments with n > 0), INVALID_ARGUMENT (rank not below the group
+ * size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
+ * address), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte), UNSUPPORTED (checked
+ * mode over more interleaved runs than it expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel
+ * could not be compiled or loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
+ */
+refit_status refit_copy_batch(const refit_group *group,
+                              uint32_t rank,
+                              void *stream,
+                              const refit_segment *segments,
+                              size_t n,
+                              uint32_t flags);
+
+/**
+ * Prepares `n` segments for repeated copies on `rank`'s device: checks them (as refit_copy_batch, with
+ * `flags`), lays them out and uploads the descriptors to device memory. Blocking; not ordered with any
+ * stream. The addresses are fixed from now on; the bytes are read at each launch. The batch does not
+ * keep the group alive but must be destroyed before the device's memory it names is freed.
+ *
+ * Errors: as refit_copy_batch (NULL_ARGUMENT also for `batch`).
+ */
+refit_status refit_copy_batch_prepare(const refit_group *group,
+                                      uint32_t rank,
+                                      const refit_segment *segments,
+                                      size_t n,
+                                      uint32_t flags,
+                                      refit_prepared_copy **batch);
+
+/**
+ * Queues a prepared batch on `stream`, a stream of the batch's device (NULL: its legacy default
+ * stream). CUDA backend: one kernel launch and nothing else (no allocation, no host-to-device copy,
+ * no synchronization, constant host time whatever the batch size), so it may be captured into a CUDA
+ * graph; returns without waiting. Host backend: complete on return.
+ *
+ * Errors: NULL_ARGUMENT (batch), CUDA_ERROR (e.g. a stream of another device).
+ */
+refit_status refit_copy_batch_launch(const refit_prepared_copy *batch,
+                                     void *stream);
+
+/**
+ * Releases a prepared batch (NULL is ignored). On CUDA the descriptor memory is freed at once: call it
+ * only when no launch of the batch (or a graph replaying one) can still run.
+ */
+void refit_copy_batch_destroy(refit_prepared_copy *batch);
 
 /**
  * Fills `options` with the defaults (AUTO backend) and sets options->size.

@@ -7,9 +7,12 @@
 
 pub mod allgather;
 pub mod backend;
+pub mod copy;
 pub mod error;
+pub mod exec;
 pub mod ffi;
 pub mod group;
+pub mod kernels;
 pub mod logging;
 pub mod plan;
 pub mod segment;

@@ -12,6 +12,7 @@
 pub mod cuda;
 pub mod dynlib;
 pub mod host;
+pub mod host_copy;
 pub mod nccl;
 
 use crate::error::Result;

@@ -71,7 +71,8 @@ impl Drop for DeviceBuffer {
 
 /// Deterministic bytes that depend on rank and call (xorshift).
 pub fn pattern(rank: usize, call: usize, len: usize) -> Vec<u8> {
-    let mut x = (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (call as u64 + 1).wrapping_mul(0xBF58_476D);
+    let mut x =
+        (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (call as u64 + 1).wrapping_mul(0xBF58_476D);
     (0..len)
         .map(|_| {
             x ^= x << 13;
@@ -130,7 +131,9 @@ impl SpinKernel {
         backend.bind(device).unwrap();
         let source = std::ffi::CString::new(SPIN_PTX).unwrap();
         let mut module: sys::CUmodule = std::ptr::null_mut();
-        ck("cuModuleLoadData(spin PTX)", unsafe { sys::cuModuleLoadData(&mut module, source.as_ptr().cast()) });
+        ck("cuModuleLoadData(spin PTX)", unsafe {
+            sys::cuModuleLoadData(&mut module, source.as_ptr().cast())
+        });
         let mut function: sys::CUfunction = std::ptr::null_mut();
         ck("cuModuleGetFunction(spin_then_store)", unsafe {
             sys::cuModuleGetFunction(&mut function, module, c"spin_then_store".as_ptr())
@@ -144,8 +147,11 @@ impl SpinKernel {
         let mut spin_ns: u64 = spin_ms * 1_000_000;
         let mut out = out;
         let mut value = value;
-        let mut params: [*mut std::ffi::c_void; 3] =
-            [(&mut spin_ns as *mut u64).cast(), (&mut out as *mut u64).cast(), (&mut value as *mut u32).cast()];
+        let mut params: [*mut std::ffi::c_void; 3] = [
+            (&mut spin_ns as *mut u64).cast(),
+            (&mut out as *mut u64).cast(),
+            (&mut value as *mut u32).cast(),
+        ];
         ck("cuLaunchKernel(spin_then_store)", unsafe {
             sys::cuLaunchKernel(
                 self.function,

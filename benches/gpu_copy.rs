@@ -1,0 +1,327 @@
+//! Batched copy bench (issue 4): payload GB/s of our kernel beside the alternatives, measured in the
+//! same run on the same buffers: `cuMemcpyBatchAsync`, one `cuMemcpyAsync` per segment, and one large
+//! device-to-device copy of the same total (the ceiling). Same GPU and GPU0 -> GPU1, segment sizes
+//! 256 B .. 16 MiB, and the tensor-parallel column split. Also the host time to launch a prepared
+//! batch of 1,000,000 segments. `torch._foreach_copy_` is measured by benches/copy_peer.py.
+//!
+//! Times are CUDA-event medians after warm-up. The two host-API columns are timed over the first
+//! `API_CAP` segments only (issuing millions of calls would take minutes) and reported as GB/s of
+//! the bytes they copied. Prints markdown tables; writes $REFIT_BENCH_RESULTS/gpu_copy.json.
+
+#[path = "../tests/common/cuda.rs"]
+mod cuda;
+#[path = "../tests/common/random_batch.rs"]
+mod random_batch;
+
+use cuda::{enable_peer, ok, on, Buffer, Stream, Timer};
+use cudarc::driver::sys;
+use random_batch::Rng;
+use refit::kernels::driver::check;
+use refit::kernels::{copy_segments, BatchedCopy, PreparedBatch};
+use refit::Segment;
+use std::time::Instant;
+
+const MIB: u64 = 1 << 20;
+const API_CAP: usize = 16384;
+
+/// The kernel entry points with the test's promise kept: every segment names live buffers of this
+/// program and every stream is a live stream of the right device (or NULL).
+fn copy(device: i32, stream: sys::CUstream, segments: &[Segment], checked: bool) -> refit::Result<()> {
+    // SAFETY: see above.
+    unsafe { copy_segments(device, stream, segments, checked) }
+}
+
+fn launch(batch: &PreparedBatch, stream: sys::CUstream) -> refit::Result<()> {
+    // SAFETY: see above.
+    unsafe { batch.launch(stream) }
+}
+
+struct Row {
+    case: String,
+    path: &'static str,
+    segments: usize,
+    bytes: u64,
+    ours: f64,
+    ours_one_shot: f64,
+    batch_api: f64,
+    per_segment: f64,
+    ceiling: f64,
+}
+
+fn median(mut v: Vec<f64>) -> f64 {
+    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+    v[v.len() / 2]
+}
+
+fn gbps(bytes: u64, ms: f64) -> f64 {
+    bytes as f64 / (ms * 1e-3) / 1e9
+}
+
+/// Median milliseconds of `reps` runs of `work` on `stream`, after `warm` unmeasured runs.
+fn time_ms(device: i32, stream: &Stream, warm: usize, reps: usize, mut work: impl FnMut()) -> f64 {
+    for _ in 0..warm {
+        work();
+    }
+    stream.sync();
+    let timer = Timer::new(device);
+    median(
+        (0..reps)
+            .map(|_| {
+                timer.start(stream);
+                work();
+                timer.stop(stream)
+            })
+            .collect(),
+    )
+}
+
+/// Fills `buffer` with non-zero random bytes (a 64 MiB random block repeated).
+fn randomize(buffer: &Buffer, rng: &mut Rng) {
+    let block = (64 * MIB as usize).min(buffer.len);
+    let mut bytes = vec![0u8; block];
+    rng.fill(&mut bytes);
+    let mut at = 0;
+    while at < buffer.len {
+        let n = block.min(buffer.len - at);
+        on(buffer.device, || {
+            ok(
+                "cuMemcpyHtoD",
+                check("cuMemcpyHtoD", unsafe {
+                    sys::cuMemcpyHtoD_v2(buffer.ptr + at as u64, bytes.as_ptr().cast(), n)
+                }),
+            )
+        });
+        at += n;
+    }
+}
+
+fn read(device: i32, address: u64, len: usize) -> Vec<u8> {
+    let mut bytes = vec![0u8; len];
+    on(device, || {
+        ok(
+            "cuMemcpyDtoH",
+            check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(bytes.as_mut_ptr().cast(), address, len) }),
+        )
+    });
+    bytes
+}
+
+/// Spot-checks that every sampled run of the destination equals its source run.
+fn verify(segments: &[Segment], src_device: i32, dst_device: i32, rng: &mut Rng) {
+    for k in 0..48 {
+        let s = &segments[if k == 0 { 0 } else { rng.range(0, segments.len() as u64 - 1) as usize }];
+        let run = rng.range(0, s.count[0] * s.count[1] - 1);
+        let (i, j) = (run % s.count[0], run / s.count[0]);
+        let src = s.src + j * s.src_stride[1] + i * s.src_stride[0];
+        let dst = s.dst + j * s.dst_stride[1] + i * s.dst_stride[0];
+        let n = s.len.min(MIB) as usize;
+        assert!(
+            read(src_device, src, n) == read(dst_device, dst, n),
+            "copy check failed at segment {s:?} run {run}"
+        );
+    }
+}
+
+/// `n` segments of `size` bytes: sources in order, destinations in a shuffled order.
+fn scattered(src: u64, dst: u64, size: u64, n: u64, rng: &mut Rng) -> Vec<Segment> {
+    let mut slots: Vec<u64> = (0..n).collect();
+    for i in (1..slots.len()).rev() {
+        slots.swap(i, rng.range(0, i as u64) as usize);
+    }
+    (0..n).map(|k| Segment::contiguous(src + k * size, dst + slots[k as usize] * size, size)).collect()
+}
+
+/// Every contiguous run (for the host-API columns), up to `cap`.
+fn runs(segments: &[Segment], cap: usize) -> Vec<(u64, u64, u64)> {
+    let mut list = Vec::new();
+    for s in segments {
+        s.for_each_run(|a, b, n| list.push((a, b, n)));
+        if list.len() >= cap {
+            break;
+        }
+    }
+    list.truncate(cap);
+    list
+}
+
+fn memcpy_batch(runs: &[(u64, u64, u64)], dst_device: i32, stream: &Stream) {
+    let mut srcs: Vec<u64> = runs.iter().map(|r| r.0).collect();
+    let mut dsts: Vec<u64> = runs.iter().map(|r| r.1).collect();
+    let mut sizes: Vec<usize> = runs.iter().map(|r| r.2 as usize).collect();
+    let location = |id| sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id };
+    let mut attrs = [sys::CUmemcpyAttributes {
+        srcAccessOrder: sys::CUmemcpySrcAccessOrder::CU_MEMCPY_SRC_ACCESS_ORDER_STREAM,
+        srcLocHint: location(stream.device),
+        dstLocHint: location(dst_device),
+        flags: 0,
+    }];
+    let mut index = [0usize];
+    ok(
+        "cuMemcpyBatchAsync",
+        check("cuMemcpyBatchAsync", unsafe {
+            sys::cuMemcpyBatchAsync_v2(
+                dsts.as_mut_ptr(),
+                srcs.as_mut_ptr(),
+                sizes.as_mut_ptr(),
+                runs.len(),
+                attrs.as_mut_ptr(),
+                index.as_mut_ptr(),
+                1,
+                stream.raw,
+            )
+        }),
+    );
+}
+
+fn memcpy_each(runs: &[(u64, u64, u64)], stream: &Stream) {
+    for &(src, dst, n) in runs {
+        ok(
+            "cuMemcpyAsync",
+            check("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, n as usize, stream.raw) }),
+        );
+    }
+}
+
+fn measure(
+    case: &str,
+    path: &'static str,
+    segments: &[Segment],
+    src: &Buffer,
+    dst: &Buffer,
+    rng: &mut Rng,
+) -> Row {
+    let device = src.device; // the kernel runs on the source GPU (pushes to a peer destination)
+    let stream = Stream::new(device);
+    let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap()).sum();
+    let prepared = ok("PreparedBatch::new", PreparedBatch::new(device, segments, false));
+    let reps = if bytes >= 512 * MIB { 10 } else { 20 };
+    let ours_ms = time_ms(device, &stream, 3, reps, || ok("launch", launch(&prepared, stream.raw)));
+    on(device, || ok("sync", check("sync", unsafe { sys::cuStreamSynchronize(stream.raw) })));
+    verify(segments, src.device, dst.device, rng);
+    let one_shot_ms =
+        time_ms(device, &stream, 1, 3, || ok("copy_segments", copy(device, stream.raw, segments, false)));
+    let api_runs = runs(segments, API_CAP);
+    let api_bytes: u64 = api_runs.iter().map(|r| r.2).sum();
+    let batch_ms =
+        on(device, || time_ms(device, &stream, 1, 3, || memcpy_batch(&api_runs, dst.device, &stream)));
+    let each_ms = on(device, || time_ms(device, &stream, 1, 3, || memcpy_each(&api_runs, &stream)));
+    let ceiling_ms = on(device, || {
+        time_ms(device, &stream, 2, reps, || {
+            ok(
+                "cuMemcpyAsync",
+                check("cuMemcpyAsync", unsafe {
+                    sys::cuMemcpyAsync(dst.ptr, src.ptr, bytes as usize, stream.raw)
+                }),
+            )
+        })
+    });
+    let row = Row {
+        case: case.to_string(),
+        path,
+        segments: segments.len(),
+        bytes,
+        ours: gbps(bytes, ours_ms),
+        ours_one_shot: gbps(bytes, one_shot_ms),
+        batch_api: gbps(api_bytes, batch_ms),
+        per_segment: gbps(api_bytes, each_ms),
+        ceiling: gbps(bytes, ceiling_ms),
+    };
+    println!(
+        "| {} | {} | {} | {} | {:.0} | {:.0} | {:.1} | {:.1} | {:.0} | {:.0}% |",
+        row.case,
+        row.path,
+        row.segments,
+        row.bytes / MIB,
+        row.ours,
+        row.ours_one_shot,
+        row.batch_api,
+        row.per_segment,
+        row.ceiling,
+        100.0 * row.ours / row.ceiling
+    );
+    row
+}
+
+fn main() {
+    let devices = cuda::device_count();
+    let kernel = ok("loading the kernel", BatchedCopy::for_device(0));
+    println!("batched copy kernel: {}", kernel.build);
+    let mut rng = Rng::new(2026);
+    let src = Buffer::new(0, (1 << 30) + (512 * MIB as usize));
+    randomize(&src, &mut rng);
+    let dst0 = Buffer::new(0, 1 << 30);
+    let dst1 = if devices >= 2 {
+        enable_peer(0, 1);
+        enable_peer(1, 0);
+        Some(Buffer::new(1, 1 << 30))
+    } else {
+        println!("one GPU: the GPU0 -> GPU1 rows are not measured");
+        None
+    };
+
+    println!("\n| case | path | segments | MiB | ours GB/s | ours one-shot GB/s | cuMemcpyBatchAsync GB/s | cuMemcpyAsync each GB/s | one large copy GB/s | ours / ceiling |");
+    println!("|---|---|---|---|---|---|---|---|---|---|");
+    let mut rows = Vec::new();
+    let sizes = [256u64, 512, 4096, 64 << 10, MIB, 16 * MIB];
+    for (dst, path) in [(Some(&dst0), "GPU0"), (dst1.as_ref(), "GPU0->GPU1")] {
+        let Some(dst) = dst else { continue };
+        for &size in &sizes {
+            let total = if size <= 512 { 256 * MIB } else { 1 << 30 };
+            let segments = scattered(src.ptr, dst.ptr, size, total / size, &mut rng);
+            rows.push(measure(&format!("{size} B"), path, &segments, &src, dst, &mut rng));
+        }
+        // TP column split: 2,048 rows of 768 B out of rows of 1,536 B, repeated over 256 MiB of payload.
+        let shard = 2048 * 1536u64;
+        let tensors = 256 * MIB / (2048 * 768);
+        let split: Vec<Segment> = (0..tensors)
+            .map(|t| Segment {
+                src: src.ptr + t * shard,
+                dst: dst.ptr + t * 2048 * 768,
+                len: 768,
+                count: [2048, 1],
+                src_stride: [1536, 0],
+                dst_stride: [768, 0],
+            })
+            .collect();
+        rows.push(measure("column split 2048x768 of 1536", path, &split, &src, dst, &mut rng));
+    }
+
+    // Host time to launch a prepared batch of 1,000,000 segments (256 B each).
+    let stream = Stream::new(0);
+    let million = scattered(src.ptr, dst0.ptr, 256, 1_000_000, &mut rng);
+    let prepared = ok("PreparedBatch::new", PreparedBatch::new(0, &million, false));
+    let mut host_us = Vec::new();
+    for _ in 0..60 {
+        let start = Instant::now();
+        ok("launch", launch(&prepared, stream.raw));
+        host_us.push(start.elapsed().as_secs_f64() * 1e6);
+    }
+    stream.sync();
+    let launch_us = median(host_us[10..].to_vec());
+    println!("\n| prepared batch | segments | host launch us (median) | target us |");
+    println!("|---|---|---|---|");
+    println!("| 256 B x 1,000,000 | {} | {launch_us:.2} | 10 |", prepared.segments());
+
+    let dir = std::env::var("REFIT_BENCH_RESULTS").unwrap_or_else(|_| "benches/results".to_string());
+    std::fs::create_dir_all(&dir).expect("results directory");
+    let mut json = String::from("{\n  \"bench\": \"gpu_copy\",\n");
+    json +=
+        &format!("  \"kernel\": \"{}\",\n  \"host_launch_us_1m_segments\": {launch_us:.3},\n", kernel.build);
+    json += "  \"units\": \"GB/s of payload (1e9 bytes/s)\",\n  \"rows\": [\n";
+    let items: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "    {{\"case\": \"{}\", \"path\": \"{}\", \"segments\": {}, \"bytes\": {}, \"ours\": {:.2}, \
+                 \"ours_one_shot\": {:.2}, \"cuMemcpyBatchAsync\": {:.3}, \"cuMemcpyAsync_each\": {:.3}, \
+                 \"one_large_copy\": {:.2}}}",
+                r.case, r.path, r.segments, r.bytes, r.ours, r.ours_one_shot, r.batch_api, r.per_segment, r.ceiling
+            )
+        })
+        .collect();
+    json += &items.join(",\n");
+    json += "\n  ]\n}\n";
+    let path = format!("{dir}/gpu_copy.json");
+    std::fs::write(&path, json).expect("writing results");
+    println!("\nwrote {path}");
+}

@@ -1,0 +1,296 @@
+//! The main job: plan and execute a colocated Qwen3-30B-A3B weight refit.
+//!
+//! Megatron-style publishers (expert parallel over the devices, every device holding a replica of the
+//! non-expert weights) refit vLLM-style tensor-parallel receivers on the same devices, one process.
+//! On GPUs when CUDA is present (two devices: the CEILINGS.md colocated case), else on the host
+//! backend with simulated devices. Every publisher byte is a known function of (tensor, element), so
+//! after each arm every received element is checked.
+//!
+//!     cargo run --release --example demo [-- --layers N --layout separate|packed --steps K --devices G]
+
+use refit::backend::Backend;
+use refit::exec::{Arm, Executor, StageTimes};
+use refit::group::{Group, GroupOptions};
+use refit::plan::{self, Endpoint, PlanOptions};
+use refit::workloads::{element_value, Layout, Megatron, Model, Role, Spec, Vllm, Workload};
+use std::sync::Arc;
+use std::time::Instant;
+
+struct Args {
+    layers: Option<u64>,
+    layout: Layout,
+    steps: usize,
+    devices: usize,
+}
+
+fn parse_args() -> Result<Args, String> {
+    let mut args = Args { layers: None, layout: Layout::Separate, steps: 5, devices: 2 };
+    let mut it = std::env::args().skip(1);
+    while let Some(flag) = it.next() {
+        let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        match flag.as_str() {
+            "--layers" => args.layers = Some(value()?.parse().map_err(|e| format!("--layers: {e}"))?),
+            "--steps" => args.steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
+            "--devices" => args.devices = value()?.parse().map_err(|e| format!("--devices: {e}"))?,
+            "--layout" => {
+                args.layout = match value()?.as_str() {
+                    "separate" => Layout::Separate,
+                    "packed" => Layout::Packed,
+                    other => return Err(format!("--layout: {other} is not separate or packed")),
+                }
+            }
+            other => return Err(format!("unknown argument {other}")),
+        }
+    }
+    Ok(args)
+}
+
+/// A raw pointer that worker threads may share: each writes or reads a disjoint part.
+#[derive(Clone, Copy)]
+struct SharedPtr(*mut u8);
+unsafe impl Send for SharedPtr {}
+unsafe impl Sync for SharedPtr {}
+
+fn threads() -> usize {
+    std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(32)
+}
+
+/// Writes the low `es` bytes of `value`, little-endian (BF16 and friends take the fast path).
+///
+/// # Safety
+/// `dst .. dst + es` must be writable.
+#[inline(always)]
+unsafe fn write_element(dst: *mut u8, value: u64, es: usize) {
+    match es {
+        2 => dst.cast::<u16>().write_unaligned(value as u16),
+        4 => dst.cast::<u32>().write_unaligned(value as u32),
+        _ => std::ptr::copy_nonoverlapping(value.to_le_bytes().as_ptr(), dst, es.min(8)),
+    }
+}
+
+/// The element at `bytes` (at most 8 bytes), little-endian.
+#[inline(always)]
+fn read_element(bytes: &[u8]) -> u64 {
+    match bytes.len() {
+        2 => u16::from_le_bytes([bytes[0], bytes[1]]) as u64,
+        _ => {
+            let mut value = [0u8; 8];
+            value[..bytes.len().min(8)].copy_from_slice(&bytes[..bytes.len().min(8)]);
+            u64::from_le_bytes(value)
+        }
+    }
+}
+
+/// For each buffer of `role`, the indices of the boxes (offers or needs) placed in it.
+fn boxes_by_buffer(workload: &Workload, role: Role) -> Vec<Vec<usize>> {
+    let mut by_buffer = vec![Vec::new(); workload.buffers.len()];
+    let placed = if role == Role::Publisher { &workload.offers } else { &workload.needs };
+    for (i, p) in placed.iter().enumerate() {
+        by_buffer[p.buffer as usize].push(i);
+    }
+    by_buffer
+}
+
+/// Fills every publisher buffer with its boxes' known values (or receivers with a poison byte).
+fn fill(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64], role: Role) -> Result<(), String> {
+    let by_buffer = boxes_by_buffer(workload, Role::Publisher);
+    for (b, buffer) in workload.buffers.iter().enumerate().filter(|(_, b)| b.role == role) {
+        let mut bytes = vec![0xa5u8; buffer.bytes as usize];
+        if role == Role::Publisher {
+            let ptr = SharedPtr(bytes.as_mut_ptr());
+            let offers = &by_buffer[b];
+            std::thread::scope(|s| {
+                for chunk in offers.chunks(offers.len().div_ceil(threads()).max(1)) {
+                    s.spawn(move || {
+                        let ptr = ptr;
+                        for &i in chunk {
+                            let o = &workload.offers[i];
+                            let es = workload.catalog.tensors[o.tensor as usize].elem_size as usize;
+                            workload.for_each_element(o, |at, g| {
+                                let value = element_value(o.tensor, g);
+                                // SAFETY: offers in one buffer are disjoint boxes inside it.
+                                unsafe { write_element(ptr.0.add(at as usize), value, es) };
+                            });
+                        }
+                    });
+                }
+            });
+        }
+        // SAFETY: bases[b] was allocated with buffer.bytes on this device.
+        unsafe { backend.write(buffer.endpoint.device as usize, bases[b], &bytes) }
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Reads every receiver buffer back and checks each needed element; returns the elements checked.
+fn verify(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64]) -> Result<u64, String> {
+    let by_buffer = boxes_by_buffer(workload, Role::Receiver);
+    let mut checked = 0u64;
+    for (b, buffer) in workload.buffers.iter().enumerate().filter(|(_, b)| b.role == Role::Receiver) {
+        let mut bytes = vec![0u8; buffer.bytes as usize];
+        // SAFETY: as in fill.
+        unsafe { backend.read(buffer.endpoint.device as usize, bases[b], &mut bytes) }
+            .map_err(|e| e.to_string())?;
+        let needs = &by_buffer[b];
+        let bytes = &bytes;
+        let results: Vec<Result<u64, String>> = std::thread::scope(|s| {
+            let handles: Vec<_> = needs
+                .chunks(needs.len().div_ceil(threads()).max(1))
+                .map(|chunk| {
+                    s.spawn(move || {
+                        let mut count = 0u64;
+                        for &i in chunk {
+                            let n = &workload.needs[i];
+                            let es = workload.catalog.tensors[n.tensor as usize].elem_size as usize;
+                            let mask = if es >= 8 { u64::MAX } else { (1u64 << (8 * es)) - 1 };
+                            let mut wrong = None;
+                            workload.for_each_element(n, |at, g| {
+                                let at = at as usize;
+                                if wrong.is_none()
+                                    && read_element(&bytes[at..at + es]) != element_value(n.tensor, g) & mask
+                                {
+                                    wrong = Some(g);
+                                }
+                                count += 1;
+                            });
+                            if let Some(g) = wrong {
+                                let name = &workload.catalog.tensors[n.tensor as usize].name;
+                                return Err(format!("{}: element {g} of {name} is wrong", buffer.name));
+                            }
+                        }
+                        Ok(count)
+                    })
+                })
+                .collect();
+            handles.into_iter().map(|h| h.join().expect("verifier thread")).collect()
+        });
+        for r in results {
+            checked += r?;
+        }
+    }
+    Ok(checked)
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
+
+fn main() {
+    if let Err(message) = run() {
+        eprintln!("demo failed: {message}");
+        std::process::exit(1);
+    }
+}
+
+fn run() -> Result<(), String> {
+    let args = parse_args()?;
+    let devices: Vec<i64> = (0..args.devices as i64).collect();
+    let group = Group::new(&devices, GroupOptions::default()).map_err(|e| e.to_string())?;
+    let backend = Arc::clone(group.backend());
+    let on_gpu = group.backend_kind() == refit::backend::BackendKind::Cuda;
+    // The host backend keeps every simulated device in this machine's memory: a few layers by default.
+    let layers = args.layers.unwrap_or(if on_gpu { 48 } else { 1 });
+    let endpoints: Vec<Endpoint> =
+        (0..args.devices as u32).map(|device| Endpoint { rank: 0, device }).collect();
+    let spec = Spec {
+        model: Model::qwen3_30b_a3b().with_layers(layers),
+        publishers: Megatron {
+            endpoints: endpoints.clone(),
+            tp: 1,
+            ep: args.devices as u64,
+            grouped_experts: true,
+        },
+        publisher_layout: args.layout,
+        receivers: Vllm { endpoints },
+        receiver_layout: Layout::Separate,
+        digests: true,
+    };
+    println!(
+        "refit demo: Qwen3-30B-A3B ({layers} of 48 layers, BF16), Megatron EP{g} publishers -> vLLM TP{g} \
+         receivers, colocated on {g} {} device(s) ({}), publisher layout {:?}",
+        if on_gpu { "CUDA" } else { "host-simulated" },
+        backend.device_name(0),
+        args.layout,
+        g = args.devices,
+    );
+
+    let workload = Workload::generate(&spec).map_err(|e| e.to_string())?;
+    let mut bases = Vec::with_capacity(workload.buffers.len());
+    for buffer in &workload.buffers {
+        bases.push(
+            backend
+                .alloc(buffer.endpoint.device as usize, buffer.bytes as usize)
+                .map_err(|e| e.to_string())?,
+        );
+    }
+    let t = Instant::now();
+    fill(&workload, &backend, &bases, Role::Publisher)?;
+    println!("filled {} publisher buffers in {:.1} s", workload.offers.len(), t.elapsed().as_secs_f64());
+
+    let tables = workload.tables(&bases).map_err(|e| e.to_string())?;
+    let plan = plan::build(&tables, &PlanOptions::default()).map_err(|e| e.to_string())?;
+    let s = plan.stats();
+    println!(
+        "plan: {} offers in, {} kept; {:.2} GiB needed; every replica read: {} ranges; one owner per replica: {} ranges; \
+         coalesced: {} strided segments ({} flat runs); built in {:.1} ms",
+        s.offers_in,
+        s.offers_kept,
+        gib(s.needed_bytes),
+        s.ranges_all_replicas,
+        s.ranges_deduped,
+        s.ranges_coalesced,
+        s.flat_runs_coalesced,
+        s.build_ns as f64 / 1e6
+    );
+    println!(
+        "bytes by route: same device {:.2} GiB, NVLink peer {:.2} GiB, other process {:.2} GiB",
+        gib(s.bytes_local),
+        gib(s.bytes_peer),
+        gib(s.bytes_remote)
+    );
+
+    let mut executor = Executor::new();
+    let mut rows = Vec::new();
+    for arm in [Arm::Batched, Arm::PerRun] {
+        fill(&workload, &backend, &bases, Role::Receiver)?; // poison
+        let mut steps: Vec<StageTimes> = Vec::new();
+        for _ in 0..args.steps.max(1) {
+            // SAFETY: every address in the plan is one of the buffers allocated above.
+            steps.push(unsafe { executor.execute(&group, &plan, 0, arm) }.map_err(|e| e.to_string())?);
+        }
+        let elements = verify(&workload, &backend, &bases)?;
+        let cold = steps[0];
+        let mut warm: Vec<f64> = steps.iter().skip(1).map(|t| t.total_s).collect();
+        warm.sort_by(f64::total_cmp);
+        let median = warm.get(warm.len() / 2).copied().unwrap_or(cold.total_s);
+        let last = *steps.last().expect("at least one step");
+        rows.push((arm, cold, median, last, elements));
+    }
+
+    println!();
+    println!("| arm | first step ms (descriptors ms) | warm step median ms | enqueue ms | wait ms | attributed | GB/s | elements checked |");
+    println!("|---|---|---|---|---|---|---|---|");
+    for (arm, cold, median, last, elements) in &rows {
+        println!(
+            "| {arm:?} | {:.1} ({:.1}) | {:.1} | {:.2} | {:.1} | {:.1}% | {:.0} | {elements} (all correct) |",
+            cold.total_s * 1e3,
+            cold.descriptors_s * 1e3,
+            median * 1e3,
+            last.enqueue_s * 1e3,
+            last.wait_s * 1e3,
+            100.0 * last.attributed_s() / last.total_s,
+            last.bytes as f64 / median / 1e9,
+        );
+    }
+    if on_gpu && s.bytes_peer > 0 {
+        // CEILINGS.md: copy-engine peer copies move ~391 GB/s each way when both directions run.
+        let per_direction = s.bytes_peer as f64 / args.devices as f64;
+        println!("floor (NVLink bytes per direction / 391 GB/s): {:.1} ms", per_direction / 391e9 * 1e3);
+    }
+    for (b, buffer) in workload.buffers.iter().enumerate() {
+        // SAFETY: allocated above, no work queued any more (execute returned after a synchronous exit).
+        unsafe { backend.free(buffer.endpoint.device as usize, bases[b]) }.map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}

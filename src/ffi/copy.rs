@@ -1,0 +1,137 @@
+//! The batched copy's C API: one-shot and prepared batches for one rank of a group.
+
+// Raw pointers are the C ABI: each is checked for NULL by `arg`/`slice`/`out` and its validity is the
+// caller's documented promise, so these safe `extern "C"` functions pass them on by design.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use super::{arg, boundary, out, slice};
+use crate::backend::Stream;
+use crate::copy::{copy_batch, PreparedCopy};
+use crate::error::{Error, Result};
+use crate::ffi::group::refit_group;
+use crate::segment::Segment;
+use std::ffi::c_void;
+
+/// refit_copy_batch* flag: before copying anything, check that no destination byte is written twice
+/// and fail with REFIT_STATUS_OVERLAP if one is. Without it, overlapping destinations are the caller's
+/// error (on a GPU which write lands is undefined).
+pub const REFIT_COPY_CHECKED: u32 = 1;
+
+/// A batch of segments prepared for one device (refit_copy_batch_prepare): launched any number of times
+/// with no host work proportional to its size.
+///
+/// Thread-safety: refit_copy_batch_launch may be called from several threads at once (on streams of
+/// the batch's device); refit_copy_batch_destroy must not race with a launch.
+pub struct refit_prepared_copy {
+    batch: PreparedCopy,
+}
+
+fn checked_flag(flags: u32) -> Result<bool> {
+    if flags & !REFIT_COPY_CHECKED != 0 {
+        return Err(Error::invalid_argument(format!(
+            "flags = {flags:#x} has bits other than REFIT_COPY_CHECKED"
+        )));
+    }
+    Ok(flags & REFIT_COPY_CHECKED != 0)
+}
+
+fn rank_index(rank: u32) -> usize {
+    rank as usize
+}
+
+/// Copies `n` segments (see refit_segment) on `stream`, a stream of `rank`'s device (NULL: its legacy
+/// default stream), in one kernel launch on the CUDA backend. Source and destination addresses are
+/// device pointers of that device or of a peer the rank's device accesses directly
+/// (refit_group_peer_access); any sizes and byte offsets, zero-length segments allowed. `flags`:
+/// 0 or REFIT_COPY_CHECKED.
+///
+/// Stream ordering (CUDA): queued on `stream`; returns without waiting for the copy. The descriptors
+/// are uploaded stream-ordered (no host sync); this call must not be captured into a CUDA graph (use a
+/// prepared batch). Host backend: complete on return.
+///
+/// Thread-safety: may be called from any thread, including rank callbacks, concurrently with other
+/// copies. No source may overlap a destination.
+///
+/// Errors: NULL_ARGUMENT (group, or segments with n > 0), INVALID_ARGUMENT (rank not below the group
+/// size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
+/// address), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte), UNSUPPORTED (checked
+/// mode over more interleaved runs than it expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel
+/// could not be compiled or loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
+#[no_mangle]
+pub extern "C" fn refit_copy_batch(
+    group: *const refit_group,
+    rank: u32,
+    stream: *mut c_void,
+    segments: *const Segment,
+    n: usize,
+    flags: u32,
+) -> crate::error::Status {
+    boundary("refit_copy_batch", || {
+        // SAFETY: NULL or a group from refit_group_create; NULL or n readable segments.
+        let group = unsafe { arg(group, "group") }?;
+        let segments = unsafe { slice(segments, n, "segments") }?;
+        let checked = checked_flag(flags)?;
+        // SAFETY: the caller's promise on addresses and stream, documented above.
+        unsafe { copy_batch(&group.group, rank_index(rank), Stream::from_ptr(stream), segments, checked) }
+    })
+}
+
+/// Prepares `n` segments for repeated copies on `rank`'s device: checks them (as refit_copy_batch, with
+/// `flags`), lays them out and uploads the descriptors to device memory. Blocking; not ordered with any
+/// stream. The addresses are fixed from now on; the bytes are read at each launch. The batch does not
+/// keep the group alive but must be destroyed before the device's memory it names is freed.
+///
+/// Errors: as refit_copy_batch (NULL_ARGUMENT also for `batch`).
+#[no_mangle]
+pub extern "C" fn refit_copy_batch_prepare(
+    group: *const refit_group,
+    rank: u32,
+    segments: *const Segment,
+    n: usize,
+    flags: u32,
+    batch: *mut *mut refit_prepared_copy,
+) -> crate::error::Status {
+    boundary("refit_copy_batch_prepare", || {
+        let slot = out(batch, "batch")?;
+        // SAFETY: as in refit_copy_batch.
+        let group = unsafe { arg(group, "group") }?;
+        let segments = unsafe { slice(segments, n, "segments") }?;
+        let checked = checked_flag(flags)?;
+        let prepared = PreparedCopy::new(&group.group, rank_index(rank), segments, checked)?;
+        slot.write(Box::into_raw(Box::new(refit_prepared_copy { batch: prepared })));
+        Ok(())
+    })
+}
+
+/// Queues a prepared batch on `stream`, a stream of the batch's device (NULL: its legacy default
+/// stream). CUDA backend: one kernel launch and nothing else (no allocation, no host-to-device copy,
+/// no synchronization, constant host time whatever the batch size), so it may be captured into a CUDA
+/// graph; returns without waiting. Host backend: complete on return.
+///
+/// Errors: NULL_ARGUMENT (batch), CUDA_ERROR (e.g. a stream of another device).
+#[no_mangle]
+pub extern "C" fn refit_copy_batch_launch(
+    batch: *const refit_prepared_copy,
+    stream: *mut c_void,
+) -> crate::error::Status {
+    boundary("refit_copy_batch_launch", || {
+        // SAFETY: NULL or a batch from refit_copy_batch_prepare, not destroyed.
+        let batch = unsafe { arg(batch, "batch") }?;
+        // SAFETY: the caller keeps the named memory valid and passes a stream of the batch's device.
+        unsafe { batch.batch.launch(Stream::from_ptr(stream)) }
+    })
+}
+
+/// Releases a prepared batch (NULL is ignored). On CUDA the descriptor memory is freed at once: call it
+/// only when no launch of the batch (or a graph replaying one) can still run.
+#[no_mangle]
+pub extern "C" fn refit_copy_batch_destroy(batch: *mut refit_prepared_copy) {
+    if batch.is_null() {
+        return;
+    }
+    let _ = boundary("refit_copy_batch_destroy", || {
+        // SAFETY: a pointer from refit_copy_batch_prepare, destroyed once.
+        drop(unsafe { Box::from_raw(batch) });
+        Ok(())
+    });
+}

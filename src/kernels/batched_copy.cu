@@ -1,0 +1,223 @@
+// refit's batched copy kernel: one launch copies any number of segments (see src/segment.rs).
+//
+// Compiled at run time by NVRTC for the exact device (src/kernels/nvrtc.rs); no headers, so it builds
+// with nothing but libnvrtc. The host side (src/kernels/layout.rs) turns each segment into a `Desc`
+// and splits its payload into tiles; this file must agree with that layout byte for byte.
+//
+// Work split: the batch is a sequence of tiles (each at most 2^tile_shift bytes, or a group of whole
+// short runs). Every warp of the persistent grid takes one contiguous range of tiles, finds the segment
+// of its first tile by binary search over `tile_first`, then walks forward. A warp copies one piece
+// (a contiguous byte range) at a time, all 32 lanes together, with several 16-byte loads in flight per
+// lane before the matching stores. There is no inter-block communication, no atomics and no state
+// kept between launches, so a launch can be replayed (CUDA graphs) as is.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+typedef unsigned char u8;
+
+// Must match `DeviceSegment` in src/kernels/layout.rs (12 x u64, 96 bytes, 16-byte aligned).
+struct __align__(16) Desc {
+    u64 src;
+    u64 dst;
+    u64 len;          // bytes per contiguous run (never 0 here: empty segments are dropped on the host)
+    u64 count0;       // runs per outer repetition
+    u64 src_stride0;
+    u64 dst_stride0;
+    u64 src_stride1;
+    u64 dst_stride1;
+    u64 runs;         // count0 * count1
+    u64 tile_first;   // index of this segment's first tile in the batch
+    u64 run_tiles;    // tiles per run when a run is longer than a tile, else 1
+    u64 tile_runs;    // whole runs per tile when runs are at most a tile long, else 1
+};
+
+struct __align__(16) V16 {
+    u64 lo;
+    u64 hi;
+};
+
+#define WARP 32u
+// 16-byte vectors in flight per lane before the first store: 2 KiB per warp per step.
+#define UNROLL 4u
+
+// Copies n elements of type V, lane-strided so that each warp access is coalesced. All loads of a step
+// are issued before any store of it (predicated, so a short piece still gets one round trip).
+// Pieces are at most one tile (8 KiB), so 32-bit indices suffice.
+template <typename V>
+__device__ __forceinline__ void copy_elements(u64 dst, u64 src, u32 n, u32 lane) {
+    V* d = reinterpret_cast<V*>(dst) + lane;
+    const V* s = reinterpret_cast<const V*>(src) + lane;
+    for (u32 i = lane; i < n; i += UNROLL * WARP) {
+        V v[UNROLL];
+#pragma unroll
+        for (u32 k = 0; k < UNROLL; ++k) {
+            if (i + k * WARP < n) v[k] = s[k * WARP];
+        }
+#pragma unroll
+        for (u32 k = 0; k < UNROLL; ++k) {
+            if (i + k * WARP < n) d[k * WARP] = v[k];
+        }
+        s += UNROLL * WARP;
+        d += UNROLL * WARP;
+    }
+}
+
+// Copies n bytes where src and dst agree modulo W: a byte head up to W-alignment of dst (< W <= 16
+// bytes, one lane each), a body of W-byte elements, a byte tail (< W bytes).
+template <typename V, u32 W>
+__device__ __forceinline__ void copy_coaligned(u64 dst, u64 src, u32 n, u32 lane) {
+    u32 head = (W - ((u32)dst & (W - 1))) & (W - 1);
+    if (head > n) head = n;
+    if (lane < head) reinterpret_cast<u8*>(dst)[lane] = reinterpret_cast<const u8*>(src)[lane];
+    const u32 body = (n - head) / W;
+    copy_elements<V>(dst + head, src + head, body, lane);
+    const u32 done = head + body * W;
+    if (lane < n - done) reinterpret_cast<u8*>(dst)[done + lane] = reinterpret_cast<const u8*>(src)[done + lane];
+}
+
+// One contiguous piece of at most one tile, copied by the whole warp with the widest access both
+// sides allow.
+__device__ __forceinline__ void copy_piece(u64 dst, u64 src, u32 n, u32 lane) {
+    const u32 skew = (u32)(dst ^ src);
+    if ((skew & 15u) == 0) {
+        copy_coaligned<V16, 16>(dst, src, n, lane);
+    } else if ((skew & 7u) == 0) {
+        copy_coaligned<u64, 8>(dst, src, n, lane);
+    } else if ((skew & 3u) == 0) {
+        copy_coaligned<u32, 4>(dst, src, n, lane);
+    } else if ((skew & 1u) == 0) {
+        copy_coaligned<u16, 2>(dst, src, n, lane);
+    } else {
+        copy_elements<u8>(dst, src, n, lane);
+    }
+}
+
+// Copies `rows` rows of `per_row` 16-byte vectors (rows * per_row <= one tile of vectors), each lane
+// taking vectors across row boundaries so that UNROLL loads per lane are in flight whatever the row
+// length. Every address is 16-byte aligned (checked by the caller).
+__device__ __forceinline__ void copy_rows16(u64 dst, u64 src, u32 per_row, u32 rows, u64 src_stride,
+                                            u64 dst_stride, u32 lane) {
+    const u32 total = per_row * rows;
+    for (u32 e = lane; e < total; e += UNROLL * WARP) {
+        V16 v[UNROLL];
+        u32 row[UNROLL];
+#pragma unroll
+        for (u32 k = 0; k < UNROLL; ++k) {
+            const u32 idx = e + k * WARP;
+            row[k] = idx / per_row;
+            if (idx < total) {
+                v[k] = *reinterpret_cast<const V16*>(src + row[k] * src_stride + (u64)(idx - row[k] * per_row) * 16);
+            }
+        }
+#pragma unroll
+        for (u32 k = 0; k < UNROLL; ++k) {
+            const u32 idx = e + k * WARP;
+            if (idx < total) {
+                *reinterpret_cast<V16*>(dst + row[k] * dst_stride + (u64)(idx - row[k] * per_row) * 16) = v[k];
+            }
+        }
+    }
+}
+
+// Copies tile `local` (the tile index within segment `d`). Every case is a list of pieces of equal
+// length: one piece for a tile of a long run, up to tile_runs whole runs otherwise. A single call site
+// of copy_piece keeps the kernel small (and its register count low).
+// `d` is read through L1 at each tile rather than held in registers across the loop: the kernel needs
+// its registers for loads in flight.
+__device__ __forceinline__ void copy_tile(const Desc* __restrict__ dp, u64 local, u32 tile_shift, u32 lane) {
+    const Desc& d = *dp;
+    u64 r;       // first run of the tile
+    u64 off;     // byte offset of the piece within its run
+    u64 n;       // bytes per piece
+    u64 pieces;  // pieces in this tile
+    if (d.run_tiles > 1 || d.runs == 1) {
+        // A run cut into tiles (a contiguous segment is one run): one piece.
+        const u64 per = d.run_tiles;
+        r = per == 1 ? 0 : local / per;
+        off = (local - r * per) << tile_shift;
+        const u64 rest = d.len - off;
+        const u64 tile = 1ull << tile_shift;
+        n = rest < tile ? rest : tile;
+        pieces = 1;
+    } else {
+        // Short runs: the tile is up to tile_runs whole runs.
+        r = local * d.tile_runs;
+        off = 0;
+        n = d.len;
+        pieces = (d.runs - r < d.tile_runs) ? d.runs - r : d.tile_runs;
+    }
+    u64 i = r, j = 0;
+    if (d.runs != 1) {
+        j = r / d.count0;
+        i = r - j * d.count0;
+    }
+    u64 src = d.src + j * d.src_stride1 + i * d.src_stride0 + off;
+    u64 dst = d.dst + j * d.dst_stride1 + i * d.dst_stride0 + off;
+    if (pieces > 1 && i + pieces <= d.count0 &&
+        ((src | dst | d.len | d.src_stride0 | d.dst_stride0) & 15u) == 0) {
+        // Rows of whole 16-byte vectors within one outer repetition (the tensor-parallel column split):
+        // spread the lanes over all rows at once instead of one row after the other.
+        copy_rows16(dst, src, (u32)(d.len / 16), (u32)pieces, d.src_stride0, d.dst_stride0, lane);
+        return;
+    }
+    for (u64 p = 0;;) {
+        copy_piece(dst, src, (u32)n, lane);
+        if (++p == pieces) break;
+        if (++i == d.count0) {
+            i = 0;
+            ++j;
+            src = d.src + j * d.src_stride1;
+            dst = d.dst + j * d.dst_stride1;
+        } else {
+            src += d.src_stride0;
+            dst += d.dst_stride0;
+        }
+    }
+}
+
+// Asks for a descriptor's cache lines ahead of use, so that moving to the next segment does not wait
+// a full memory round trip. No registers held, unlike loading it early.
+__device__ __forceinline__ void prefetch_desc(const Desc* d) {
+#if defined(__CUDA_ARCH__)  // absent when tests/kernel_emulated.rs builds this file as host C++
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(d));
+    asm volatile("prefetch.global.L1 [%0];" ::"l"(reinterpret_cast<const char*>(d) + 64));
+#else
+    (void)d;
+#endif
+}
+
+// descs: nseg descriptors followed by one sentinel whose tile_first is ntiles.
+// The host guarantees nseg >= 1, ntiles >= 1 and ntiles * (total warps) < 2^64.
+extern "C" __global__ void __launch_bounds__(256, 3) refit_batched_copy(const Desc* __restrict__ descs, u64 nseg,
+                                                                     u64 ntiles, u32 tile_shift) {
+    const u32 lane = threadIdx.x & (WARP - 1);
+    const u64 warps_per_block = blockDim.x / WARP;
+    const u64 nwarps = (u64)gridDim.x * warps_per_block;
+    const u64 warp = (u64)blockIdx.x * warps_per_block + threadIdx.x / WARP;
+    u64 t = ntiles * warp / nwarps;
+    const u64 t_end = ntiles * (warp + 1) / nwarps;
+    if (t >= t_end) return;
+
+    // The segment holding tile t: the last s with descs[s].tile_first <= t.
+    u64 lo = 0, hi = nseg - 1;
+    while (lo < hi) {
+        const u64 mid = lo + (hi - lo + 1) / 2;
+        if (descs[mid].tile_first <= t) lo = mid;
+        else hi = mid - 1;
+    }
+    u64 s = lo;
+    u64 seg_first = descs[s].tile_first;
+    u64 seg_end = descs[s + 1].tile_first;
+    prefetch_desc(descs + s + 1);
+    for (;;) {
+        copy_tile(descs + s, t - seg_first, tile_shift, lane);
+        if (++t >= t_end) break;
+        if (t >= seg_end) {
+            ++s;
+            seg_first = seg_end;
+            seg_end = descs[s + 1].tile_first;
+            prefetch_desc(descs + s + 1);
+        }
+    }
+}

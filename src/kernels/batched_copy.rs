@@ -1,0 +1,330 @@
+//! The batched copy on a CUDA device: the compiled kernel per device ([`BatchedCopy`]), a one-shot
+//! copy ([`copy_segments`]) and a batch uploaded once and launched many times ([`PreparedBatch`]).
+
+use super::check::{check_destinations, validate};
+use super::driver::{self, check, CurrentContext};
+use super::layout::{Layout, TILE_SHIFT};
+use super::nvrtc::{self, Output};
+use crate::error::{Error, Result, Status};
+use crate::segment::Segment;
+use cudarc::driver::sys;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// The CUDA C source of the kernel, compiled by NVRTC at first use on each device.
+pub const SOURCE: &str = include_str!("batched_copy.cu");
+const KERNEL_NAME: &std::ffi::CStr = c"refit_batched_copy";
+/// Threads per block; must match `__launch_bounds__` in the source.
+const BLOCK_THREADS: u32 = 256;
+const WARPS_PER_BLOCK: u64 = BLOCK_THREADS as u64 / 32;
+
+/// Compiles the kernel source for compute capability `major.minor` without touching a GPU (a dev aid
+/// and what [`BatchedCopy::for_device`] does first). `extra` NVRTC options are appended.
+pub fn compile_for(major: i32, minor: i32, output: Output, extra: &[&str]) -> Result<nvrtc::Compiled> {
+    nvrtc::compile(SOURCE, "batched_copy.cu", major, minor, output, extra)
+}
+
+/// The kernel loaded into one device's primary context, with its launch geometry. Loaded once per
+/// device and kept for the life of the process. `Send + Sync`: a CUfunction may be launched from any
+/// thread once its context is current.
+pub struct BatchedCopy {
+    device: i32,
+    context: sys::CUcontext,
+    function: sys::CUfunction,
+    /// Blocks that fit on the device at once (SMs x resident blocks per SM): the persistent grid.
+    max_blocks: u32,
+    /// How the kernel was built, for logs and bench output.
+    pub build: String,
+}
+
+// SAFETY: the context and function handles are process-wide driver objects, usable from any thread.
+unsafe impl Send for BatchedCopy {}
+unsafe impl Sync for BatchedCopy {}
+
+impl BatchedCopy {
+    /// The kernel on `device` (an ordinal), compiled and loaded at the first call for that device.
+    /// Errors: CudaUnavailable (no libcuda / driver), InvalidDevice, NvrtcUnavailable (no libnvrtc,
+    /// message lists the paths tried), KernelLoadFailed (with NVRTC's log or the driver's error).
+    /// A failure is not cached: a later call tries again.
+    pub fn for_device(device: i32) -> Result<Arc<BatchedCopy>> {
+        static CACHE: Mutex<Option<HashMap<i32, Arc<BatchedCopy>>>> = Mutex::new(None);
+        driver::device_handle(device)?;
+        // Holding the lock while compiling keeps two threads from compiling the same device twice.
+        let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let map = cache.get_or_insert_with(HashMap::new);
+        if let Some(kernel) = map.get(&device) {
+            return Ok(kernel.clone());
+        }
+        let kernel = Arc::new(BatchedCopy::load(device)?);
+        map.insert(device, kernel.clone());
+        Ok(kernel)
+    }
+
+    fn load(device: i32) -> Result<BatchedCopy> {
+        use sys::CUdevice_attribute as A;
+        let major = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+        let minor = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+        let sms = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
+        let context = driver::primary_context(device)?;
+        // SAFETY: just retained.
+        let _current = unsafe { CurrentContext::push(context) }?;
+        let context_msg = |e: Error| e.context(format!("loading the batched copy kernel on device {device}"));
+
+        // Machine code for this exact architecture first; PTX for the driver to JIT if the CUBIN does
+        // not load (an NVRTC newer than the driver).
+        let cubin = compile_for(major, minor, Output::Cubin, &[]).map_err(context_msg)?;
+        let (module, build) = match load_module(&cubin.image) {
+            Ok(module) => (module, format!("CUBIN sm_{major}{minor}")),
+            Err(cubin_err) => {
+                log::warn!("CUBIN for sm_{major}{minor} did not load ({}), trying PTX", cubin_err.message);
+                let ptx = compile_for(major, minor, Output::Ptx, &[]).map_err(context_msg)?;
+                let module = load_module(&ptx.image).map_err(|ptx_err| {
+                    Error::new(
+                        Status::KernelLoadFailed,
+                        format!(
+                            "device {device} (sm_{major}{minor}) loads neither the CUBIN ({}) nor the PTX ({})",
+                            cubin_err.message, ptx_err.message
+                        ),
+                    )
+                })?;
+                (module, format!("PTX compute_{major}{minor} (JIT)"))
+            }
+        };
+        let mut function = std::ptr::null_mut();
+        // SAFETY: live module, NUL-terminated name.
+        check("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut function, module, KERNEL_NAME.as_ptr())
+        })
+        .map_err(|e| Error::new(Status::KernelLoadFailed, e.message))?;
+        let mut per_sm = 0;
+        // SAFETY: live function.
+        check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, function, BLOCK_THREADS as i32, 0)
+        })?;
+        let max_blocks = (sms.max(1) as u32) * (per_sm.max(1) as u32);
+        let nvrtc = nvrtc::version().unwrap_or_default();
+        let build = format!("{build}, {nvrtc}, {sms} SMs x {per_sm} blocks of {BLOCK_THREADS}");
+        log::info!("batched copy kernel on device {device}: {build}");
+        Ok(BatchedCopy { device, context, function, max_blocks, build })
+    }
+
+    /// The device ordinal this kernel runs on.
+    pub fn device(&self) -> i32 {
+        self.device
+    }
+
+    /// Blocks for `tiles` tiles: the persistent grid, or fewer when there is less work than warps.
+    fn grid_for(&self, tiles: u64) -> Result<u32> {
+        let blocks = tiles.div_ceil(WARPS_PER_BLOCK).min(self.max_blocks as u64).max(1) as u32;
+        // The kernel computes tiles * warp / warps in 64 bits.
+        let warps = blocks as u64 * WARPS_PER_BLOCK;
+        if tiles.checked_mul(warps + 1).is_none() {
+            crate::bail!(Status::Unsupported, "a batch of {tiles} tiles is too large for one launch");
+        }
+        Ok(blocks)
+    }
+
+    /// Enqueues the kernel over `count` descriptors at `descriptors` (device memory) on `stream`.
+    /// The caller has this device's context current.
+    fn enqueue(
+        &self,
+        stream: sys::CUstream,
+        descriptors: u64,
+        count: u64,
+        tiles: u64,
+        blocks: u32,
+    ) -> Result<()> {
+        let mut descriptors = descriptors;
+        let mut count = count;
+        let mut tiles = tiles;
+        let mut shift: u32 = TILE_SHIFT;
+        let mut params: [*mut c_void; 4] = [
+            (&mut descriptors as *mut u64).cast(),
+            (&mut count as *mut u64).cast(),
+            (&mut tiles as *mut u64).cast(),
+            (&mut shift as *mut u32).cast(),
+        ];
+        // SAFETY: the parameter list matches the kernel's signature; the descriptors stay allocated
+        // until the launch completes (freed stream-ordered after it, or owned by a PreparedBatch).
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.function,
+                blocks,
+                1,
+                1,
+                BLOCK_THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+fn load_module(image: &[u8]) -> Result<sys::CUmodule> {
+    let mut module = std::ptr::null_mut();
+    // SAFETY: a CUBIN image or NUL-terminated PTX that outlives the call.
+    check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) })?;
+    Ok(module)
+}
+
+fn prepare(segments: &[Segment], checked: bool) -> Result<Layout> {
+    validate(segments)?;
+    if checked {
+        check_destinations(segments)?;
+    }
+    Layout::new(segments)
+}
+
+/// Copies every segment in one kernel launch on `stream` (a CUstream of `device`'s primary context,
+/// or NULL for its legacy default stream). Source and destination addresses may be on this device or,
+/// with peer access enabled from this device, on a peer (UVA). Asynchronous: returns once the work is
+/// enqueued; the bytes are copied when the stream reaches it.
+///
+/// Descriptors travel without a host sync: a stream-ordered allocation (`cuMemAllocAsync` from the
+/// device's default pool), an asynchronous upload from pageable memory (the driver stages it before
+/// returning, so nothing here must outlive the call), the launch, then `cuMemFreeAsync`. Because of the
+/// pageable upload, this call must not be captured into a CUDA graph: capture a [`PreparedBatch`].
+///
+/// `checked`: reject the batch with `Overlap` when two destination runs share a byte. Unchecked, such a
+/// batch is the caller's error: which write wins is undefined. Sources overlapping destinations are
+/// always the caller's error. An empty batch (or one of only empty segments) enqueues nothing.
+///
+/// Errors: InvalidArgument (a segment whose size or addresses overflow, or a zero address), Overlap,
+/// Unsupported (checked mode over too many interleaved runs), and those of [`BatchedCopy::for_device`];
+/// CudaError / OutOfMemory from the driver.
+///
+/// # Safety
+/// `stream` must be NULL or a live stream of `device`'s primary context. Every run must lie in device
+/// memory (of `device`, or of a peer whose access is enabled) that stays allocated until the copy has
+/// run, with sources readable and destinations writable; no destination may overlap a source.
+pub unsafe fn copy_segments(
+    device: i32,
+    stream: sys::CUstream,
+    segments: &[Segment],
+    checked: bool,
+) -> Result<()> {
+    let layout = prepare(segments, checked)?;
+    if layout.tiles == 0 {
+        return Ok(());
+    }
+    let kernel = BatchedCopy::for_device(device)?;
+    let blocks = kernel.grid_for(layout.tiles)?;
+    // SAFETY: a retained primary context.
+    let _current = unsafe { CurrentContext::push(kernel.context) }?;
+    let bytes = layout.as_bytes();
+    let mut table: sys::CUdeviceptr = 0;
+    // SAFETY: valid output slot; the stream belongs to the current context.
+    check("cuMemAllocAsync", unsafe { sys::cuMemAllocAsync(&mut table, bytes.len(), stream) })?;
+    // SAFETY: `bytes` is valid for its length; pageable memory is staged before the call returns.
+    let mut result = check("cuMemcpyHtoDAsync", unsafe {
+        sys::cuMemcpyHtoDAsync_v2(table, bytes.as_ptr().cast(), bytes.len(), stream)
+    });
+    if result.is_ok() {
+        result = kernel.enqueue(stream, table, layout.segments(), layout.tiles, blocks);
+    }
+    // SAFETY: allocated above on this stream; freed after the launch in stream order.
+    let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
+    result.and(freed)
+}
+
+/// A batch whose descriptors (and tile split) live in device memory, launched any number of times.
+///
+/// `launch` does no host work that grows with the batch (one `cuLaunchKernel`), allocates nothing,
+/// copies nothing from the host and never synchronizes, so it may be captured into a CUDA graph and
+/// replayed. The segments' addresses are fixed at preparation; the bytes they point to are read at
+/// each launch. `Send + Sync`: launch from any thread, on streams of the same device.
+///
+/// Drop frees the descriptor memory with `cuMemFree`; drop only once no launch (or graph replay)
+/// using it can still run.
+pub struct PreparedBatch {
+    kernel: Option<Arc<BatchedCopy>>,
+    descriptors: sys::CUdeviceptr,
+    segments: u64,
+    tiles: u64,
+    bytes: u64,
+    blocks: u32,
+}
+
+// SAFETY: only device memory owned by this value and process-wide driver handles.
+unsafe impl Send for PreparedBatch {}
+unsafe impl Sync for PreparedBatch {}
+
+impl PreparedBatch {
+    /// Validates (and with `checked`, checks for overlapping destinations, see [`copy_segments`]),
+    /// lays out and uploads the batch to `device`. Synchronous: returns once the descriptors are on the
+    /// device. Errors as for [`copy_segments`].
+    pub fn new(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
+        let layout = prepare(segments, checked)?;
+        let kernel = BatchedCopy::for_device(device)?;
+        let mut batch = PreparedBatch {
+            kernel: None,
+            descriptors: 0,
+            segments: layout.segments(),
+            tiles: layout.tiles,
+            bytes: layout.bytes,
+            blocks: 0,
+        };
+        if layout.tiles == 0 {
+            return Ok(batch);
+        }
+        batch.blocks = kernel.grid_for(layout.tiles)?;
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::push(kernel.context) }?;
+        let bytes = layout.as_bytes();
+        // SAFETY: valid output slot in the current context.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut batch.descriptors, bytes.len()) })?;
+        batch.kernel = Some(kernel); // from here on Drop frees the allocation
+                                     // SAFETY: the allocation holds bytes.len() bytes.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(batch.descriptors, bytes.as_ptr().cast(), bytes.len())
+        })?;
+        Ok(batch)
+    }
+
+    /// Enqueues the batch on `stream` (a stream of this batch's device, NULL for its legacy default
+    /// stream). Errors: CudaError when the launch fails (e.g. a stream of another device).
+    ///
+    /// # Safety
+    /// As for [`copy_segments`], at every launch: `stream` is NULL or a live stream of this device, and
+    /// the memory the segments name is still allocated and accessible when the launch runs.
+    pub unsafe fn launch(&self, stream: sys::CUstream) -> Result<()> {
+        let Some(kernel) = &self.kernel else { return Ok(()) };
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::push(kernel.context) }?;
+        kernel.enqueue(stream, self.descriptors, self.segments, self.tiles, self.blocks)
+    }
+
+    /// Non-empty segments in the batch.
+    pub fn segments(&self) -> u64 {
+        self.segments
+    }
+
+    /// Payload bytes one launch copies.
+    pub fn bytes(&self) -> u64 {
+        self.bytes
+    }
+
+    /// Tiles (warp work units) one launch runs, and the blocks it launches.
+    pub fn geometry(&self) -> (u64, u32) {
+        (self.tiles, self.blocks)
+    }
+}
+
+impl Drop for PreparedBatch {
+    fn drop(&mut self) {
+        let Some(kernel) = &self.kernel else { return };
+        // SAFETY: a retained primary context.
+        let freed = unsafe { CurrentContext::push(kernel.context) }.and_then(|_current| {
+            // SAFETY: allocated by cuMemAlloc in this context, freed once.
+            check("cuMemFree", unsafe { sys::cuMemFree_v2(self.descriptors) })
+        });
+        if let Err(err) = freed {
+            log::warn!("freeing a prepared batch's descriptors: {err}");
+        }
+    }
+}

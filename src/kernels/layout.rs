@@ -1,0 +1,223 @@
+//! The device-side form of a batch: one [`DeviceSegment`] per non-empty segment, each knowing where its
+//! tiles start, and the tiling rule the kernel relies on. Pure Rust (no CUDA), so it is tested in CI.
+//!
+//! Tiling: a run longer than a tile is cut into `ceil(len / TILE)` tiles; shorter runs are grouped,
+//! up to `TILE / len` (at most [`MAX_RUNS_PER_TILE`]) whole runs per tile. Every tile is one warp's
+//! unit of work, so no warp ever walks a large segment alone and tiny runs do not pile onto one warp.
+
+use crate::error::{Error, Result};
+use crate::segment::Segment;
+
+/// log2 of the tile size in bytes (8 KiB): large enough to amortize finding the tile, small enough that
+/// a 1 GiB copy gives every warp of the grid dozens of tiles.
+pub const TILE_SHIFT: u32 = 13;
+/// Tile size in bytes.
+pub const TILE_BYTES: u64 = 1 << TILE_SHIFT;
+/// Short runs are copied one after the other by a warp; this caps how many a single warp takes at once.
+pub const MAX_RUNS_PER_TILE: u64 = 32;
+
+/// One segment as the kernel reads it. Must match `struct Desc` in `batched_copy.cu`.
+#[repr(C, align(16))]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct DeviceSegment {
+    pub src: u64,
+    pub dst: u64,
+    pub len: u64,
+    pub count0: u64,
+    pub src_stride0: u64,
+    pub dst_stride0: u64,
+    pub src_stride1: u64,
+    pub dst_stride1: u64,
+    /// count0 * count1.
+    pub runs: u64,
+    /// Index of this segment's first tile in the batch.
+    pub tile_first: u64,
+    /// Tiles per run (runs longer than a tile), else 1.
+    pub run_tiles: u64,
+    /// Whole runs per tile (runs no longer than a tile), else 1.
+    pub tile_runs: u64,
+}
+
+const _: () = assert!(std::mem::size_of::<DeviceSegment>() == 96);
+
+/// A batch laid out for the kernel: the descriptors of the non-empty segments followed by a sentinel
+/// whose `tile_first` is the total tile count.
+#[derive(Clone, Debug, Default)]
+pub struct Layout {
+    pub descriptors: Vec<DeviceSegment>,
+    pub tiles: u64,
+    /// Payload bytes of the whole batch.
+    pub bytes: u64,
+}
+
+impl Layout {
+    /// Segments that carry bytes (the sentinel excluded).
+    pub fn segments(&self) -> u64 {
+        self.descriptors.len().saturating_sub(1) as u64
+    }
+
+    /// Lays out `segments` (already validated: see [`super::check::validate`]). Empty segments are
+    /// dropped. Fails only if the tile count overflows, which validated input cannot make happen.
+    pub fn new(segments: &[Segment]) -> Result<Layout> {
+        let mut descriptors = Vec::with_capacity(segments.len() + 1);
+        let mut tiles: u64 = 0;
+        let mut bytes: u64 = 0;
+        for segment in segments {
+            let runs = segment.runs();
+            if runs == 0 {
+                continue;
+            }
+            let len = segment.len;
+            let (run_tiles, tile_runs, segment_tiles) = if len > TILE_BYTES {
+                let run_tiles = len.div_ceil(TILE_BYTES);
+                (run_tiles, 1, runs.checked_mul(run_tiles))
+            } else {
+                let tile_runs = (TILE_BYTES / len).clamp(1, MAX_RUNS_PER_TILE);
+                (1, tile_runs, Some(runs.div_ceil(tile_runs)))
+            };
+            let tile_first = tiles;
+            tiles = segment_tiles
+                .and_then(|n| tiles.checked_add(n))
+                .ok_or_else(|| Error::invalid_argument("the batch has too many tiles to count"))?;
+            bytes = segment
+                .bytes()
+                .and_then(|b| bytes.checked_add(b))
+                .ok_or_else(|| Error::invalid_argument("the batch's payload bytes overflow 64 bits"))?;
+            descriptors.push(DeviceSegment {
+                src: segment.src,
+                dst: segment.dst,
+                len,
+                count0: segment.count[0],
+                src_stride0: segment.src_stride[0],
+                dst_stride0: segment.dst_stride[0],
+                src_stride1: segment.src_stride[1],
+                dst_stride1: segment.dst_stride[1],
+                runs,
+                tile_first,
+                run_tiles,
+                tile_runs,
+            });
+        }
+        descriptors.push(DeviceSegment { tile_first: tiles, ..DeviceSegment::default() });
+        Ok(Layout { descriptors, tiles, bytes })
+    }
+
+    /// The descriptors as raw bytes, for upload.
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: DeviceSegment is repr(C), 96 bytes of u64 fields with no padding.
+        unsafe {
+            std::slice::from_raw_parts(
+                self.descriptors.as_ptr().cast::<u8>(),
+                std::mem::size_of_val(self.descriptors.as_slice()),
+            )
+        }
+    }
+
+    /// Calls `f(src, dst, len)` for every piece of tile `tile`, exactly as the kernel splits it.
+    /// Used by tests to prove that the tiles cover every byte once; the kernel does the same walk.
+    pub fn for_each_piece_of_tile(&self, tile: u64, mut f: impl FnMut(u64, u64, u64)) {
+        let real = &self.descriptors[..self.descriptors.len() - 1];
+        let index = real.partition_point(|d| d.tile_first <= tile) - 1;
+        let d = &real[index];
+        let local = tile - d.tile_first;
+        let address = |base: u64, stride0: u64, stride1: u64, run: u64| {
+            base.wrapping_add((run / d.count0).wrapping_mul(stride1))
+                .wrapping_add((run % d.count0).wrapping_mul(stride0))
+        };
+        if d.run_tiles > 1 || d.runs == 1 {
+            let per = d.run_tiles;
+            let (run, part) = (local / per, local % per);
+            let offset = part << TILE_SHIFT;
+            let n = (d.len - offset).min(TILE_BYTES);
+            f(
+                address(d.src, d.src_stride0, d.src_stride1, run) + offset,
+                address(d.dst, d.dst_stride0, d.dst_stride1, run) + offset,
+                n,
+            );
+        } else {
+            let first = local * d.tile_runs;
+            let last = (first + d.tile_runs).min(d.runs);
+            for run in first..last {
+                f(
+                    address(d.src, d.src_stride0, d.src_stride1, run),
+                    address(d.dst, d.dst_stride0, d.dst_stride1, run),
+                    d.len,
+                );
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn strided(len: u64, count: [u64; 2], src_stride: [u64; 2], dst_stride: [u64; 2]) -> Segment {
+        Segment { src: 1 << 40, dst: 1 << 41, len, count, src_stride, dst_stride }
+    }
+
+    /// Every run's bytes, listed by walking the tiles, equals what Segment::for_each_run lists.
+    fn pieces_cover_runs(segments: &[Segment]) {
+        let layout = Layout::new(segments).unwrap();
+        let mut from_tiles = Vec::new();
+        for tile in 0..layout.tiles {
+            layout.for_each_piece_of_tile(tile, |s, d, n| {
+                assert!(n > 0 && n <= TILE_BYTES.max(segments.iter().map(|s| s.len).max().unwrap()));
+                for b in 0..n {
+                    from_tiles.push((s + b, d + b));
+                }
+            });
+        }
+        let mut from_runs = Vec::new();
+        for segment in segments {
+            segment.for_each_run(|s, d, n| {
+                for b in 0..n {
+                    from_runs.push((s + b, d + b));
+                }
+            });
+        }
+        assert_eq!(from_tiles, from_runs);
+    }
+
+    #[test]
+    fn tiles_cover_every_byte_once_in_order() {
+        pieces_cover_runs(&[Segment::contiguous(100, 5000, 3 * TILE_BYTES + 7)]);
+        pieces_cover_runs(&[Segment::contiguous(100, 5000, TILE_BYTES)]);
+        pieces_cover_runs(&[strided(768, [40, 1], [1536, 0], [768, 0])]);
+        pieces_cover_runs(&[strided(
+            TILE_BYTES + 1,
+            [3, 2],
+            [TILE_BYTES + 9, 100_000],
+            [TILE_BYTES + 1, 50_000],
+        )]);
+        pieces_cover_runs(&[strided(1, [70, 3], [2, 200], [1, 70])]);
+        pieces_cover_runs(&[
+            Segment::contiguous(1, 2, 0),
+            strided(5, [0, 3], [5, 5], [5, 5]),
+            Segment::contiguous(1, 2, 3),
+            strided(300, [7, 5], [300, 2100], [400, 2800]),
+        ]);
+    }
+
+    #[test]
+    fn empty_segments_are_dropped_and_sentinel_counts_tiles() {
+        let layout =
+            Layout::new(&[Segment::contiguous(1, 2, 0), Segment::contiguous(1, 2, 2 * TILE_BYTES)]).unwrap();
+        assert_eq!(layout.segments(), 1);
+        assert_eq!(layout.tiles, 2);
+        assert_eq!(layout.bytes, 2 * TILE_BYTES);
+        assert_eq!(layout.descriptors.last().unwrap().tile_first, 2);
+        assert_eq!(layout.as_bytes().len(), 2 * 96);
+        let empty = Layout::new(&[]).unwrap();
+        assert_eq!((empty.tiles, empty.segments()), (0, 0));
+    }
+
+    #[test]
+    fn short_runs_are_grouped_but_capped() {
+        let layout = Layout::new(&[strided(1, [1000, 1], [1, 0], [1, 0])]).unwrap();
+        assert_eq!(layout.descriptors[0].tile_runs, MAX_RUNS_PER_TILE);
+        assert_eq!(layout.tiles, 1000u64.div_ceil(MAX_RUNS_PER_TILE));
+        let rows = Layout::new(&[strided(768, [2048, 1], [1536, 0], [768, 0])]).unwrap();
+        assert_eq!(rows.descriptors[0].tile_runs, TILE_BYTES / 768);
+    }
+}

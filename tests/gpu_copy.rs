@@ -1,0 +1,436 @@
+//! The batched copy kernel on real GPUs (run on the GPU machine with `--ignored --test-threads=1`).
+//! Every case: random source bytes, a poisoned destination, one copy, and the whole destination
+//! buffer compared byte-exact with `reference` (a byte loop over the segment definition on the host),
+//! so bytes that must not be written are checked as well. Peer cases need 2 GPUs and fail otherwise
+//! (`--skip peer` on a one-GPU machine).
+
+#[path = "common/cuda.rs"]
+mod cuda;
+#[path = "common/random_batch.rs"]
+mod random_batch;
+
+use cuda::{enable_peer, ok, on, Buffer, Stream};
+use cudarc::driver::sys;
+use random_batch::{first_difference, random_batch, rebase, reference, Batch, Rng, Shape};
+use refit::kernels::driver::check;
+use refit::kernels::{copy_segments, PreparedBatch};
+use refit::{Segment, Status};
+
+const POISON: u8 = 0xCD;
+
+/// The kernel entry points with the test's promise kept: every segment names live buffers of this
+/// program and every stream is a live stream of the right device (or NULL).
+fn copy(device: i32, stream: sys::CUstream, segments: &[Segment], checked: bool) -> refit::Result<()> {
+    // SAFETY: see above.
+    unsafe { copy_segments(device, stream, segments, checked) }
+}
+
+fn launch(batch: &PreparedBatch, stream: sys::CUstream) -> refit::Result<()> {
+    // SAFETY: see above.
+    unsafe { batch.launch(stream) }
+}
+
+/// Buffers of one case: the source (random bytes) and the poisoned destination, on any devices.
+struct Case {
+    batch: Batch,
+    host_src: Vec<u8>,
+    src: Buffer,
+    dst: Buffer,
+    segments: Vec<Segment>,
+}
+
+impl Case {
+    fn new(rng: &mut Rng, batch: Batch, src_device: i32, dst_device: i32) -> Case {
+        let mut host_src = vec![0u8; batch.src_len];
+        rng.fill(&mut host_src);
+        let src = Buffer::new(src_device, batch.src_len);
+        src.upload(&host_src);
+        let dst = Buffer::new(dst_device, batch.dst_len);
+        dst.fill(POISON);
+        let segments = rebase(&batch.segments, src.ptr, dst.ptr);
+        Case { batch, host_src, src, dst, segments }
+    }
+
+    fn expected(&self) -> Vec<u8> {
+        let mut want = vec![POISON; self.batch.dst_len];
+        reference(&self.batch.segments, &self.host_src, &mut want);
+        want
+    }
+
+    /// New random source bytes and a fresh poison, for repeated launches.
+    fn refresh(&mut self, rng: &mut Rng) {
+        rng.fill(&mut self.host_src);
+        self.src.upload(&self.host_src);
+        self.dst.fill(POISON);
+    }
+
+    fn verify(&self, what: &str) {
+        let got = self.dst.download();
+        if let Some((at, g, w)) = first_difference(&got, &self.expected()) {
+            let owner = self.batch.segments.iter().position(|s| {
+                let end = s.dst + random_batch::extent(s.len, s.count, s.dst_stride);
+                (s.dst..end).contains(&(at as u64))
+            });
+            panic!("{what}: destination byte {at} is {g:#x}, expected {w:#x} (inside segment {owner:?})");
+        }
+    }
+}
+
+fn one_copy(seed: u64, shape: Shape, devices: (i32, i32, i32), checked: bool) {
+    let (kernel_device, src_device, dst_device) = devices;
+    let mut rng = Rng::new(seed);
+    let batch = random_batch(&mut rng, shape);
+    let case = Case::new(&mut rng, batch, src_device, dst_device);
+    let stream = Stream::new(kernel_device);
+    ok("copy_segments", copy(kernel_device, stream.raw, &case.segments, checked));
+    stream.sync();
+    case.verify(&format!("seed {seed} {shape:?} devices {devices:?}"));
+}
+
+fn shapes() -> Vec<Shape> {
+    let mut list = Vec::new();
+    for misaligned in [false, true] {
+        list.push(Shape {
+            segments: 60,
+            max_len: 1 << 20,
+            strided_percent: 30,
+            misaligned,
+            src_len: 3 << 20,
+        });
+        list.push(Shape { segments: 5000, max_len: 4096, strided_percent: 20, misaligned, src_len: 1 << 20 });
+        list.push(Shape {
+            segments: 300,
+            max_len: 65536,
+            strided_percent: 100,
+            misaligned,
+            src_len: 4 << 20,
+        });
+    }
+    list
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn random_batches_on_one_gpu() {
+    for (k, shape) in shapes().into_iter().enumerate() {
+        for seed in 0..3 {
+            one_copy(1000 * k as u64 + seed, shape, (0, 0, 0), seed % 2 == 0);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn every_size_class_at_every_skew() {
+    // Lengths around every boundary of the kernel (vector widths, warp width, tile size), with
+    // source/destination offsets 0..16 apart so every access width is taken.
+    let lengths = [
+        1u64,
+        2,
+        3,
+        7,
+        15,
+        16,
+        17,
+        31,
+        32,
+        33,
+        255,
+        256,
+        257,
+        511,
+        512,
+        513,
+        767,
+        768,
+        4095,
+        4096,
+        4097,
+        8191,
+        8192,
+        8193,
+        65536 + 3,
+        1 << 20,
+        (16 << 20) + 5,
+    ];
+    let mut rng = Rng::new(77);
+    for skew in 0..17u64 {
+        let mut segments = Vec::new();
+        let mut cursor = 0u64;
+        let mut src_at = 0u64;
+        for &len in &lengths {
+            let dst = cursor + (skew * 7) % 16;
+            let src = src_at + skew % 16;
+            segments.push(Segment::contiguous(src, dst, len));
+            cursor = dst + len + 32;
+            src_at = src + len + 16;
+        }
+        let batch = Batch { segments, src_len: src_at as usize + 32, dst_len: cursor as usize };
+        let case = Case::new(&mut rng, batch, 0, 0);
+        let stream = Stream::new(0);
+        ok("copy_segments", copy(0, stream.raw, &case.segments, true));
+        stream.sync();
+        case.verify(&format!("skew {skew}"));
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn zero_length_segments_and_empty_batches() {
+    let mut rng = Rng::new(5);
+    let segments = vec![
+        Segment::contiguous(0, 0, 0),
+        Segment::contiguous(16, 0, 100),
+        Segment { count: [0, 4], ..Segment::contiguous(200, 300, 9) },
+        Segment::contiguous(0, 0, 0),
+    ];
+    let case = Case::new(&mut rng, Batch { segments, src_len: 512, dst_len: 512 }, 0, 0);
+    // Only the second segment carries bytes; the launch must skip the others (and write nothing else).
+    let stream = Stream::new(0);
+    ok("copy_segments", copy(0, stream.raw, &case.segments, true));
+    ok("empty batch", copy(0, stream.raw, &[], true));
+    let empty = ok("prepare empty", PreparedBatch::new(0, &[Segment::contiguous(0, 0, 0)], true));
+    ok("launch empty", launch(&empty, stream.raw));
+    stream.sync();
+    case.verify("zero-length segments");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn tensor_parallel_column_split() {
+    // 2,048 rows of 1,536 bytes, split into two column halves of 768 bytes (and gathered back).
+    let mut rng = Rng::new(9);
+    let rows = 2048u64;
+    let split = vec![
+        Segment { src: 0, dst: 0, len: 768, count: [rows, 1], src_stride: [1536, 0], dst_stride: [768, 0] },
+        Segment {
+            src: 768,
+            dst: rows * 768,
+            len: 768,
+            count: [rows, 1],
+            src_stride: [1536, 0],
+            dst_stride: [768, 0],
+        },
+    ];
+    let case = Case::new(
+        &mut rng,
+        Batch { segments: split, src_len: (rows * 1536) as usize, dst_len: (rows * 1536) as usize },
+        0,
+        0,
+    );
+    let stream = Stream::new(0);
+    ok("copy_segments", copy(0, stream.raw, &case.segments, true));
+    stream.sync();
+    case.verify("column split");
+    let gather = vec![
+        Segment { src: 0, dst: 0, len: 768, count: [rows, 1], src_stride: [768, 0], dst_stride: [1536, 0] },
+        Segment {
+            src: rows * 768,
+            dst: 768,
+            len: 768,
+            count: [rows, 1],
+            src_stride: [768, 0],
+            dst_stride: [1536, 0],
+        },
+    ];
+    let case = Case::new(
+        &mut rng,
+        Batch { segments: gather, src_len: (rows * 1536) as usize, dst_len: (rows * 1536) as usize },
+        0,
+        0,
+    );
+    ok("copy_segments", copy(0, stream.raw, &case.segments, true));
+    stream.sync();
+    case.verify("column gather");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn default_stream_is_accepted() {
+    let mut rng = Rng::new(12);
+    let shape =
+        Shape { segments: 100, max_len: 65536, strided_percent: 30, misaligned: true, src_len: 1 << 20 };
+    let batch = random_batch(&mut rng, shape);
+    let case = Case::new(&mut rng, batch, 0, 0);
+    ok("copy_segments", copy(0, std::ptr::null_mut(), &case.segments, false));
+    cuda::sync_device(0);
+    case.verify("legacy default stream");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn prepared_batch_launched_100_times() {
+    let mut rng = Rng::new(13);
+    let shape =
+        Shape { segments: 2000, max_len: 65536, strided_percent: 30, misaligned: true, src_len: 2 << 20 };
+    let batch = random_batch(&mut rng, shape);
+    let mut case = Case::new(&mut rng, batch, 0, 0);
+    let prepared = ok("PreparedBatch::new", PreparedBatch::new(0, &case.segments, true));
+    assert_eq!(prepared.bytes(), random_batch::payload(&case.segments));
+    let stream = Stream::new(0);
+    for round in 0..100 {
+        // New bytes every launch: the batch must read the sources at launch time.
+        case.refresh(&mut rng);
+        ok("launch", launch(&prepared, stream.raw));
+        stream.sync();
+        case.verify(&format!("launch {round}"));
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn prepared_batch_in_a_cuda_graph() {
+    let mut rng = Rng::new(14);
+    let shape =
+        Shape { segments: 3000, max_len: 16384, strided_percent: 30, misaligned: true, src_len: 2 << 20 };
+    let batch = random_batch(&mut rng, shape);
+    let mut case = Case::new(&mut rng, batch, 0, 0);
+    let prepared = ok("PreparedBatch::new", PreparedBatch::new(0, &case.segments, false));
+    let stream = Stream::new(0);
+    let (mut graph, mut exec) = (std::ptr::null_mut(), std::ptr::null_mut());
+    on(0, || {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        ok(
+            "cuStreamBeginCapture",
+            check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream.raw, mode) }),
+        );
+        let launched = launch(&prepared, stream.raw);
+        let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.raw, &mut graph) });
+        ok("launch under capture", launched);
+        ok("cuStreamEndCapture", ended);
+        ok(
+            "cuGraphInstantiate",
+            check("cuGraphInstantiate", unsafe { sys::cuGraphInstantiateWithFlags(&mut exec, graph, 0) }),
+        );
+    });
+    for replay in 0..5 {
+        case.refresh(&mut rng);
+        on(0, || {
+            ok("cuGraphLaunch", check("cuGraphLaunch", unsafe { sys::cuGraphLaunch(exec, stream.raw) }))
+        });
+        stream.sync();
+        case.verify(&format!("graph replay {replay}"));
+    }
+    on(0, || unsafe {
+        ok("cuGraphExecDestroy", check("cuGraphExecDestroy", sys::cuGraphExecDestroy(exec)));
+        ok("cuGraphDestroy", check("cuGraphDestroy", sys::cuGraphDestroy(graph)));
+    });
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn one_shot_and_prepared_install_identical_bytes() {
+    let mut rng = Rng::new(15);
+    let shape =
+        Shape { segments: 500, max_len: 1 << 20, strided_percent: 40, misaligned: true, src_len: 3 << 20 };
+    let batch = random_batch(&mut rng, shape);
+    let case = Case::new(&mut rng, batch, 0, 0);
+    let stream = Stream::new(0);
+    ok("copy_segments", copy(0, stream.raw, &case.segments, true));
+    stream.sync();
+    let one_shot = case.dst.download();
+    case.dst.fill(POISON);
+    let prepared = ok("PreparedBatch::new", PreparedBatch::new(0, &case.segments, true));
+    ok("launch", launch(&prepared, stream.raw));
+    stream.sync();
+    assert!(one_shot == case.dst.download(), "one-shot and prepared results differ");
+    case.verify("prepared");
+}
+
+fn two_gpus() {
+    let n = cuda::device_count();
+    assert!(n >= 2, "peer tests need 2 GPUs, found {n} (run with --skip peer on a one-GPU machine)");
+    enable_peer(0, 1);
+    enable_peer(1, 0);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn peer_source_pulled_by_the_destination_gpu() {
+    two_gpus();
+    for (k, shape) in shapes().into_iter().enumerate() {
+        one_copy(5000 + k as u64, shape, (0, 1, 0), true);
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn peer_destination_pushed_by_the_source_gpu() {
+    two_gpus();
+    for (k, shape) in shapes().into_iter().enumerate() {
+        one_copy(6000 + k as u64, shape, (0, 0, 1), false);
+    }
+    // And a prepared batch on device 1 writing into device 0.
+    let mut rng = Rng::new(6100);
+    let shape =
+        Shape { segments: 1000, max_len: 65536, strided_percent: 30, misaligned: true, src_len: 2 << 20 };
+    let batch = random_batch(&mut rng, shape);
+    let mut case = Case::new(&mut rng, batch, 1, 0);
+    let prepared = ok("PreparedBatch::new", PreparedBatch::new(1, &case.segments, true));
+    let stream = Stream::new(1);
+    for round in 0..3 {
+        case.refresh(&mut rng);
+        ok("launch", launch(&prepared, stream.raw));
+        stream.sync();
+        case.verify(&format!("peer prepared launch {round}"));
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn errors_are_statuses_and_copy_nothing() {
+    let mut rng = Rng::new(16);
+    let batch = Batch {
+        segments: vec![Segment::contiguous(0, 0, 64), Segment::contiguous(64, 32, 64)],
+        src_len: 256,
+        dst_len: 256,
+    };
+    let case = Case::new(&mut rng, batch, 0, 0);
+    let stream = Stream::new(0);
+    let err = copy(0, stream.raw, &case.segments, true).unwrap_err();
+    assert_eq!(err.status, Status::Overlap, "{err}");
+    let err = PreparedBatch::new(0, &case.segments, true).err().expect("overlap");
+    assert_eq!(err.status, Status::Overlap, "{err}");
+    stream.sync();
+    assert!(case.dst.download().iter().all(|&b| b == POISON), "a rejected batch copies nothing");
+
+    let count = cuda::device_count();
+    let err = copy(count, stream.raw, &case.segments[..1], false).unwrap_err();
+    assert_eq!(err.status, Status::InvalidDevice, "{err}");
+    let err = PreparedBatch::new(-1, &case.segments[..1], false).err().expect("bad device");
+    assert_eq!(err.status, Status::InvalidDevice, "{err}");
+    let bad = Segment::contiguous(0, case.dst.ptr, 8);
+    assert_eq!(copy(0, stream.raw, &[bad], false).unwrap_err().status, Status::InvalidArgument);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn group_rank_copy_on_the_cuda_backend() {
+    use refit::copy::{copy_batch, PreparedCopy};
+    use refit::group::{BackendChoice, Group, GroupOptions};
+    let devices: Vec<i64> = if cuda::device_count() >= 2 { vec![0, 1] } else { vec![0] };
+    let group = ok(
+        "Group::new",
+        Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }),
+    );
+    let rank = devices.len() - 1;
+    let device = devices[rank] as i32;
+    let stream = ok("group stream", group.stream(rank));
+    let mut rng = Rng::new(17);
+    let shape =
+        Shape { segments: 400, max_len: 65536, strided_percent: 30, misaligned: true, src_len: 2 << 20 };
+    let batch = random_batch(&mut rng, shape);
+    let mut case = Case::new(&mut rng, batch, device, device);
+    // SAFETY: live buffers of this rank's device and the group's own stream.
+    ok("copy_batch", unsafe { copy_batch(&group, rank, stream, &case.segments, true) });
+    ok("sync", group.backend().sync_stream(device as usize, stream));
+    case.verify("group rank one-shot");
+    let prepared = ok("PreparedCopy::new", PreparedCopy::new(&group, rank, &case.segments, true));
+    for round in 0..3 {
+        case.refresh(&mut rng);
+        // SAFETY: as above.
+        ok("launch", unsafe { prepared.launch(stream) });
+        ok("sync", group.backend().sync_stream(device as usize, stream));
+        case.verify(&format!("group rank prepared launch {round}"));
+    }
+}

@@ -1,0 +1,20 @@
+//! Dev aid, not a CI test: compiles the batched copy kernel with NVRTC for sm_90 without a GPU and
+//! prints ptxas's resource report. Run with libnvrtc available, e.g.
+//! `REFIT_NVRTC_LIBRARY=/path/to/libnvrtc.so.13 cargo test --test kernel_compiles -- --ignored --nocapture`.
+
+use refit::kernels::batched_copy::compile_for;
+use refit::kernels::nvrtc::{self, Output};
+
+#[test]
+#[ignore = "needs libnvrtc (set REFIT_NVRTC_LIBRARY)"]
+fn kernel_source_compiles_for_hopper() {
+    println!("{}", nvrtc::version().expect("libnvrtc loads"));
+    let cubin = compile_for(9, 0, Output::Cubin, &["-Xptxas=-v"]).expect("CUBIN for sm_90");
+    println!("CUBIN {} bytes\n{}", cubin.image.len(), cubin.log);
+    assert!(cubin.image.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
+    let ptx = compile_for(9, 0, Output::Ptx, &[]).expect("PTX for compute_90");
+    let text = String::from_utf8_lossy(&ptx.image);
+    assert!(text.contains(".entry refit_batched_copy"), "PTX names the kernel");
+    // 16-byte accesses must be there for the co-aligned path.
+    assert!(text.contains("ld.global.v2.u64") || text.contains("ld.global.v4.u32"), "vector loads");
+}
