@@ -15,6 +15,7 @@ from ._lib import (
     PLAN_SIZE_BUCKETS,
     Algorithm,
     Backend,
+    CopyFlag,
     ExitMode,
     Policy,
     RefitError,
@@ -26,8 +27,10 @@ from ._lib import (
     set_log_callback,
     version,
 )
+from .copy import PreparedCopy
 from .group import Group, HostStream
-from .plan import Plan, PlanStats, Route, Segment, Table
+from .plan import Plan, PlanStats, Route, Table
+from .segment import Segment
 
 __all__ = [
     "ABI_VERSION",
@@ -35,11 +38,13 @@ __all__ = [
     "PLAN_SIZE_BUCKETS",
     "Algorithm",
     "Backend",
+    "CopyFlag",
     "ExitMode",
     "Group",
     "HostStream",
     "Plan",
     "PlanStats",
+    "PreparedCopy",
     "Policy",
     "RefitError",
     "Route",

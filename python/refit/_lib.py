@@ -88,6 +88,12 @@ def invalid_argument(message):
 # --- constants (the header's #defines, grouped) ---------------------------------------------------
 
 
+class CopyFlag(enum.IntFlag):
+    """REFIT_COPY_*: flags of refit_copy_batch*."""
+
+    CHECKED = 1
+
+
 class Backend(enum.IntEnum):
     """REFIT_BACKEND_*."""
 
@@ -210,7 +216,7 @@ LogCallback = ctypes.CFUNCTYPE(None, c_uint32, c_char_p, c_void_p)
 # --- functions ------------------------------------------------------------------------------------
 
 status_t = c_int32  # refit_status as a return type: compared with Status by check()
-_handle = c_void_p  # refit_group*, refit_table*, refit_plan*: opaque, kept as ints
+_handle = c_void_p  # refit_group*, refit_table*, refit_plan*, refit_prepared_copy*: opaque, ints
 _u64p = POINTER(c_uint64)
 _u32p = POINTER(c_uint32)
 
@@ -221,6 +227,16 @@ FUNCTIONS = {
         status_t,
         [_handle, c_uint32, c_uint64, c_uint64, POINTER(c_size_t), c_uint32, _u32p],
     ),
+    "refit_copy_batch": (
+        status_t,
+        [_handle, c_uint32, c_void_p, POINTER(SegmentStruct), c_size_t, c_uint32],
+    ),
+    "refit_copy_batch_prepare": (
+        status_t,
+        [_handle, c_uint32, POINTER(SegmentStruct), c_size_t, c_uint32, POINTER(_handle)],
+    ),
+    "refit_copy_batch_launch": (status_t, [_handle, c_void_p]),
+    "refit_copy_batch_destroy": (None, [_handle]),
     "refit_group_options_init": (status_t, [POINTER(GroupOptions)]),
     "refit_group_create": (
         status_t,
@@ -301,6 +317,20 @@ def check_range(value, bits, what):
     if not 0 <= value < (1 << bits):
         raise invalid_argument(f"{what} = {value} is outside [0, 2^{bits})")
     return value
+
+
+def stream_value(stream):
+    """A stream argument as the int the C API takes: None/0 (legacy default stream), an int, a
+    HostStream, or any object with an int `cuda_stream` (torch.cuda.Stream) or `handle`."""
+    if stream is None:
+        return 0
+    if isinstance(stream, int):
+        return check_range(stream, 64, "stream")
+    for attribute in ("cuda_stream", "handle"):
+        value = getattr(stream, attribute, None)
+        if isinstance(value, int):
+            return check_range(value, 64, "stream")
+    raise invalid_argument(f"cannot use a {type(stream).__name__} as a stream")
 
 
 # --- version and logging --------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import threading
 from ctypes import byref, c_bool, c_int32, c_size_t, c_uint32, c_void_p
 
 from ._handle import Handle
+from .copy import PreparedCopy, copy_batch
 from ._lib import (
     Algorithm,
     Backend,
@@ -19,22 +20,9 @@ from ._lib import (
     invalid_argument,
     last_error_message,
     lib,
+    stream_value,
     u64_array,
 )
-
-
-def stream_value(stream):
-    """A stream argument as the int the C API takes: None/0 (legacy default stream), an int, a
-    HostStream, or any object with an int `cuda_stream` (torch.cuda.Stream) or `handle`."""
-    if stream is None:
-        return 0
-    if isinstance(stream, int):
-        return check_range(stream, 64, "stream")
-    for attribute in ("cuda_stream", "handle"):
-        value = getattr(stream, attribute, None)
-        if isinstance(value, int):
-            return check_range(value, 64, "stream")
-    raise invalid_argument(f"cannot use a {type(stream).__name__} as a stream")
 
 
 class HostStream(Handle):
@@ -227,6 +215,22 @@ class Group(Handle):
             )
         )
         return Algorithm(picked.value)
+
+    # --- batched copies ---
+
+    def copy_batch(self, rank, segments, stream=None, checked=False):
+        """Copies `segments` (Segments, e.g. a plan Route's, or (src, dst, len) tuples) on `stream`,
+        a stream of `rank`'s device (None: its legacy default stream), in one kernel launch
+        (refit_copy_batch). Addresses are on that device or a peer it reaches directly. `checked`
+        refuses destinations written twice (RefitError OVERLAP, nothing copied). CUDA: queued on
+        the stream, returns without waiting; host backend: complete on return. Any thread, also
+        rank callbacks."""
+        copy_batch(self, rank, segments, stream, checked)
+
+    def prepare_copy(self, rank, segments, checked=False):
+        """A PreparedCopy of `segments` for `rank`'s device, to launch() many times. The caller owns
+        it (close it, or use `with`); it does not keep the group alive."""
+        return PreparedCopy(self, rank, segments, checked)
 
     def _counts(self, counts):
         counts = [check_range(count, 8 * ctypes.sizeof(c_size_t), "counts[i]") for count in counts]

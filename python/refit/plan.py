@@ -18,6 +18,7 @@ from ._lib import (
     lib,
     u64_array,
 )
+from .segment import Segment
 
 
 def _box(ndim, arrays):
@@ -136,36 +137,6 @@ class Table(Handle):
 
 
 @dataclasses.dataclass(frozen=True)
-class Segment:
-    """refit_segment as a value: `len` contiguous bytes, repeated count[0] times with strides
-    src_stride[0]/dst_stride[0], that pattern repeated count[1] times with the [1] strides."""
-
-    src: int
-    dst: int
-    len: int
-    count: tuple
-    src_stride: tuple
-    dst_stride: tuple
-
-    @property
-    def bytes(self):
-        """Payload bytes."""
-        return self.len * self.count[0] * self.count[1]
-
-    def runs(self):
-        """Every contiguous run as (src, dst, len), inner level fastest (Segment::for_each_run)."""
-        if self.len == 0:
-            return
-        for j in range(self.count[1]):
-            for i in range(self.count[0]):
-                yield (
-                    self.src + j * self.src_stride[1] + i * self.src_stride[0],
-                    self.dst + j * self.dst_stride[1] + i * self.dst_stride[0],
-                    self.len,
-                )
-
-
-@dataclasses.dataclass(frozen=True)
 class Route:
     """Every segment from one source endpoint (rank, device) to one destination endpoint."""
 
@@ -248,12 +219,8 @@ class Plan(Handle):
         info = RouteInfo()
         info.size = ctypes.sizeof(info)
         check(lib.refit_plan_route(self.handle, check_range(index, 64, "index"), byref(info)))
-        segments = tuple(
-            Segment(
-                s.src, s.dst, s.len, tuple(s.count), tuple(s.src_stride), tuple(s.dst_stride)
-            )
-            for s in (info.segments[: info.segment_count] if info.segment_count else ())
-        )
+        raw = info.segments[: info.segment_count] if info.segment_count else ()
+        segments = tuple(Segment.from_struct(segment) for segment in raw)
         kind = RouteKind(info.kind)
         return Route(info.src_rank, info.src_device, info.dst_rank, info.dst_device, kind, segments)
 

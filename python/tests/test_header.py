@@ -13,7 +13,7 @@ from refit import _lib
 HEADER = Path(__file__).resolve().parents[2] / "include" / "refit.h"
 
 # Handles are opaque to the binding: c_void_p whatever they point to.
-HANDLES = ("refit_group", "refit_table", "refit_plan")
+HANDLES = ("refit_group", "refit_table", "refit_plan", "refit_prepared_copy")
 STRUCTS = {
     "refit_group_options": _lib.GroupOptions,
     "refit_plan_options": _lib.PlanOptions,
@@ -37,6 +37,7 @@ SCALARS = {
 ENUMS = {
     "REFIT_ALLGATHER_": refit.Algorithm,
     "REFIT_BACKEND_": refit.Backend,
+    "REFIT_COPY_": refit.CopyFlag,
     "REFIT_EXIT_": refit.ExitMode,
     "REFIT_POLICY_": refit.Policy,
     "REFIT_ROUTE_": refit.RouteKind,

@@ -1,0 +1,62 @@
+"""refit_segment as a Python value, and arrays of them for the C API."""
+
+import collections.abc
+import dataclasses
+
+from ._lib import SegmentStruct, check_range, invalid_argument
+
+
+@dataclasses.dataclass(frozen=True)
+class Segment:
+    """A strided box of bytes (refit_segment): `len` contiguous bytes, repeated count[0] times with
+    strides src_stride[0]/dst_stride[0], that pattern repeated count[1] times with the [1] strides.
+    Segment(src, dst, len) is a plain contiguous copy."""
+
+    src: int
+    dst: int
+    len: int
+    count: tuple = (1, 1)
+    src_stride: tuple = (0, 0)
+    dst_stride: tuple = (0, 0)
+
+    @property
+    def bytes(self):
+        """Payload bytes."""
+        return self.len * self.count[0] * self.count[1]
+
+    def runs(self):
+        """Every contiguous run as (src, dst, len), inner level fastest (Segment::for_each_run)."""
+        if self.len == 0:
+            return
+        for j in range(self.count[1]):
+            for i in range(self.count[0]):
+                yield (
+                    self.src + j * self.src_stride[1] + i * self.src_stride[0],
+                    self.dst + j * self.dst_stride[1] + i * self.dst_stride[0],
+                    self.len,
+                )
+
+    @classmethod
+    def from_struct(cls, raw):
+        return cls(raw.src, raw.dst, raw.len, tuple(raw.count), tuple(raw.src_stride), tuple(raw.dst_stride))
+
+
+def _pair(values, what):
+    if not isinstance(values, collections.abc.Sequence) or len(values) != 2:
+        raise invalid_argument(f"{what} must have 2 entries")
+    return [check_range(value, 64, what) for value in values]
+
+
+def segment_array(segments):
+    """A ctypes array of refit_segment from Segments (or (src, dst, len) tuples), every field
+    range-checked; and its length."""
+    segments = [segment if isinstance(segment, Segment) else Segment(*segment) for segment in segments]
+    array = (SegmentStruct * len(segments))()
+    for raw, segment in zip(array, segments):
+        raw.src = check_range(segment.src, 64, "segment src")
+        raw.dst = check_range(segment.dst, 64, "segment dst")
+        raw.len = check_range(segment.len, 64, "segment len")
+        raw.count[:] = _pair(segment.count, "segment count")
+        raw.src_stride[:] = _pair(segment.src_stride, "segment src_stride")
+        raw.dst_stride[:] = _pair(segment.dst_stride, "segment dst_stride")
+    return array, len(segments)
