@@ -31,12 +31,17 @@ class Gather:
         self.expected = b"".join(block(rank, count) for rank, count in enumerate(self.counts))
         offsets = [sum(self.counts[:rank]) for rank in range(len(self.counts))]
         if in_place:
+            # Rank r's block already sits at its offset in its receive buffer.
             self.send = None
-            for rank, offset in enumerate(offsets):
-                ctypes.memmove(ctypes.addressof(self.recv[rank]) + offset, block(rank, self.counts[rank]), self.counts[rank])
-            self.send_ptrs = [ctypes.addressof(self.recv[rank]) + offsets[rank] for rank in range(len(self.counts))]
+            self.send_ptrs = []
+            for rank, (offset, count) in enumerate(zip(offsets, self.counts)):
+                ctypes.memmove(ctypes.addressof(self.recv[rank]) + offset, block(rank, count), count)
+                self.send_ptrs.append(ctypes.addressof(self.recv[rank]) + offset)
         else:
-            self.send = [ctypes.create_string_buffer(block(rank, count), max(count, 1)) for rank, count in enumerate(self.counts)]
+            self.send = [
+                ctypes.create_string_buffer(block(rank, count), max(count, 1))
+                for rank, count in enumerate(self.counts)
+            ]
             self.send_ptrs = [ctypes.addressof(buffer) for buffer in self.send]
         self.recv_ptrs = [ctypes.addressof(buffer) for buffer in self.recv]
 
@@ -146,7 +151,9 @@ class RunTest(unittest.TestCase):
             if rank == fail_rank:
                 raise ValueError(f"rank {rank} gives up")
             try:
-                picked = self.group.allgather_rank(rank, gather.send_ptrs[rank], gather.recv_ptrs[rank], gather.counts)
+                picked = self.group.allgather_rank(
+                    rank, gather.send_ptrs[rank], gather.recv_ptrs[rank], gather.counts
+                )
                 self.assertIs(picked, Algorithm.PEER)
             except RefitError as error:
                 if statuses is not None:
@@ -293,7 +300,11 @@ class AllgatherTest(unittest.TestCase):
 
     def test_equal_uneven_and_zero_sizes(self):
         for counts in ([16, 16, 16], [1, 300, 7], [0, 5, 0], [9, 0, 0], [0, 0, 0]):
-            for algorithm, pick in ((Algorithm.AUTO, Algorithm.PEER), (Algorithm.PEER, Algorithm.PEER), (Algorithm.HOST, Algorithm.HOST)):
+            for algorithm, pick in (
+                (Algorithm.AUTO, Algorithm.PEER),
+                (Algorithm.PEER, Algorithm.PEER),
+                (Algorithm.HOST, Algorithm.HOST),
+            ):
                 with self.subTest(counts=counts, algorithm=algorithm.name):
                     self.assert_gathers(counts, algorithm, pick)
 
@@ -312,16 +323,17 @@ class AllgatherTest(unittest.TestCase):
     def test_bad_arguments(self):
         gather = Gather([4, 4, 4])
         send, recv, counts = gather.send_ptrs, gather.recv_ptrs, gather.counts
+        gather_ = self.group.allgather
         cases = {
-            "algorithm": (Status.INVALID_ARGUMENT, lambda: self.group.allgather(send, recv, counts, 17)),
-            "nccl on host": (Status.UNSUPPORTED, lambda: self.group.allgather(send, recv, counts, Algorithm.NCCL)),
-            "short send": (Status.INVALID_ARGUMENT, lambda: self.group.allgather(send[:2], recv, counts)),
-            "long recv": (Status.INVALID_ARGUMENT, lambda: self.group.allgather(send, recv + [0], counts)),
-            "short counts": (Status.INVALID_ARGUMENT, lambda: self.group.allgather(send, recv, counts[:1])),
-            "negative count": (Status.INVALID_ARGUMENT, lambda: self.group.allgather(send, recv, [4, -4, 4])),
-            "negative pointer": (Status.INVALID_ARGUMENT, lambda: self.group.allgather([-1] + send[1:], recv, counts)),
-            "null buffer": (Status.NULL_ARGUMENT, lambda: self.group.allgather([0] + send[1:], recv, counts)),
-            "overlap": (Status.OVERLAP, lambda: self.group.allgather(send, [recv[0], recv[0] + 1, recv[2]], counts)),
+            "algorithm": (Status.INVALID_ARGUMENT, lambda: gather_(send, recv, counts, 17)),
+            "nccl on host": (Status.UNSUPPORTED, lambda: gather_(send, recv, counts, Algorithm.NCCL)),
+            "short send": (Status.INVALID_ARGUMENT, lambda: gather_(send[:2], recv, counts)),
+            "long recv": (Status.INVALID_ARGUMENT, lambda: gather_(send, recv + [0], counts)),
+            "short counts": (Status.INVALID_ARGUMENT, lambda: gather_(send, recv, counts[:1])),
+            "negative count": (Status.INVALID_ARGUMENT, lambda: gather_(send, recv, [4, -4, 4])),
+            "negative pointer": (Status.INVALID_ARGUMENT, lambda: gather_([-1] + send[1:], recv, counts)),
+            "null buffer": (Status.NULL_ARGUMENT, lambda: gather_([0] + send[1:], recv, counts)),
+            "overlap": (Status.OVERLAP, lambda: gather_(send, [recv[0], recv[0] + 1, recv[2]], counts)),
         }
         for name, (status, call) in cases.items():
             with self.subTest(case=name):

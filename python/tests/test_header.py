@@ -109,7 +109,8 @@ def declared_structs():
 
 
 def declared_defines():
-    return {name: int(value) for name, value in re.findall(r"#define (REFIT_\w+) (\d+)\b", HEADER.read_text())}
+    defines = re.findall(r"#define (REFIT_\w+) (\d+)\b", HEADER.read_text())
+    return {name: int(value) for name, value in defines}
 
 
 class HeaderTest(unittest.TestCase):
@@ -184,7 +185,7 @@ class HeaderTest(unittest.TestCase):
         defines = declared_defines()
         for prefix, enum_type in ENUMS.items():
             with self.subTest(group=prefix):
-                header = {name[len(prefix):]: value for name, value in defines.items() if name.startswith(prefix)}
+                header = {n[len(prefix):]: value for n, value in defines.items() if n.startswith(prefix)}
                 self.assertEqual(header, {member.name: member.value for member in enum_type})
         for name, value in SINGLE_CONSTANTS.items():
             self.assertEqual(defines[name], value, name)

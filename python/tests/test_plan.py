@@ -78,14 +78,17 @@ class Refit:
 
     def expected_half(self, rank):
         return b"".join(
-            element(self.w, row * COLS + rank * HALF + col, W_ELEM) for row in range(ROWS) for col in range(HALF)
+            element(self.w, row * COLS + rank * HALF + col, W_ELEM)
+            for row in range(ROWS)
+            for col in range(HALF)
         )
 
     def expected_bias_half(self, rank):
         return b"".join(element(self.b, rank * HALF + i, B_ELEM) for i in range(HALF))
 
     def expected_transposed(self):
-        return b"".join(element(self.w, row * COLS + col, W_ELEM) for col in range(COLS) for row in range(ROWS))
+        columns_first = (row * COLS + col for col in range(COLS) for row in range(ROWS))
+        return b"".join(element(self.w, index, W_ELEM) for index in columns_first)
 
     def needed_bytes(self):
         return 2 * (ROWS * HALF * W_ELEM + HALF * B_ELEM) + len(self.w)
@@ -106,7 +109,7 @@ class PlanTest(unittest.TestCase):
 
     def assert_received(self):
         for rank in range(2):
-            self.assertEqual(self.refit.halves[rank].bytes(), self.refit.expected_half(rank), f"w half {rank}")
+            self.assertEqual(self.refit.halves[rank].bytes(), self.refit.expected_half(rank), rank)
             self.assertEqual(self.refit.bias_halves[rank].bytes(), self.refit.expected_bias_half(rank))
         self.assertEqual(self.refit.transposed.bytes(), self.refit.expected_transposed())
 
@@ -304,35 +307,48 @@ class TableTest(unittest.TestCase):
             self.assertIn(text, caught.exception.message)
 
     def test_tensor_indices_and_mismatches(self):
-        self.assertEqual(self.table.add_tensor("w", [ROWS, COLS], W_ELEM, dtype=1), self.w)
-        self.assertEqual(self.table.add_tensor(b"other", [], 8), self.w + 1)
-        self.assert_fails(Status.TENSOR_MISMATCH, lambda: self.table.add_tensor("w", [ROWS, COLS + 1], W_ELEM, 1), "[4, 9]")
-        self.assert_fails(Status.TENSOR_MISMATCH, lambda: self.table.add_tensor("w", [ROWS, COLS], W_ELEM, 2))
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_tensor("", [1], 4))
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_tensor("a\0b", [1], 4), "NUL")
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_tensor(b"\xff", [1], 4))
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_tensor("z", [1], 0))
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_tensor("z", [1] * 9, 4))
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_tensor("z", [-1], 4), "shape")
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_tensor("z", [1], 4, dtype=1 << 32), "dtype")
+        add = self.table.add_tensor
+        self.assertEqual(add("w", [ROWS, COLS], W_ELEM, dtype=1), self.w)
+        self.assertEqual(add(b"other", [], 8), self.w + 1)
+        cases = [
+            (Status.TENSOR_MISMATCH, ("w", [ROWS, COLS + 1], W_ELEM, 1), "[4, 9]"),
+            (Status.TENSOR_MISMATCH, ("w", [ROWS, COLS], W_ELEM, 2), "dtype"),
+            (Status.INVALID_ARGUMENT, ("", [1], 4), "name"),
+            (Status.INVALID_ARGUMENT, ("a\0b", [1], 4), "NUL"),
+            (Status.INVALID_ARGUMENT, (b"\xff", [1], 4), "UTF-8"),
+            (Status.INVALID_ARGUMENT, ("z", [1], 0), "elem"),
+            (Status.INVALID_ARGUMENT, ("z", [1] * 9, 4), None),
+            (Status.INVALID_ARGUMENT, ("z", [-1], 4), "shape"),
+            (Status.INVALID_ARGUMENT, ("z", [1], 4, 1 << 32), "dtype"),
+        ]
+        for status, args, text in cases:
+            with self.subTest(args=args):
+                self.assert_fails(status, lambda: add(*args), text)
 
     def test_offer_and_need_arguments(self):
         whole = ([0, 0], [ROWS, COLS])
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_offer(5, 0, 0, 64, *whole))
-        self.assert_fails(Status.TENSOR_MISMATCH, lambda: self.table.add_offer(self.w, 0, 0, 64, [0, 0], [ROWS, COLS + 1]))
-        self.assert_fails(Status.TENSOR_MISMATCH, lambda: self.table.add_offer(self.w, 0, 0, 64, [0], [ROWS]))
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_offer(self.w, 0, 0, 64, [0, 0], [ROWS]), "extent")
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_offer(self.w, 0, 0, 64, *whole, strides=[1]))
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_offer(self.w, 0, 0, (1 << 64) - 8, *whole))
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_offer(self.w, 0, 0, 64, *whole, digest=-1))
-        self.table.add_offer(self.w, 0, 0, 64, *whole, strides=[COLS, 1], digest=3)
-
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_need(9, 1, 0, 64, *whole, [COLS, 1]))
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_need(self.w, 1, 0, 64, *whole, [COLS, 1], perm=[0, 0]), "permutation")
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_need(self.w, 1, 0, 64, *whole, [COLS, 1], perm=[0]), "perm")
-        self.assert_fails(Status.INVALID_ARGUMENT, lambda: self.table.add_need(self.w, 1, 0, 64, *whole, [1]), "strides")
-        self.assert_fails(Status.TENSOR_MISMATCH, lambda: self.table.add_need(self.w, 1, 0, 64, [1, 0], [ROWS, COLS], [COLS, 1]))
-        self.table.add_need(self.w, 1, 0, 4096, *whole, [ROWS, 1], perm=[1, 0])
+        offer, need, w = self.table.add_offer, self.table.add_need, self.w
+        offers = [
+            (Status.INVALID_ARGUMENT, lambda: offer(5, 0, 0, 64, *whole), "tensor"),
+            (Status.TENSOR_MISMATCH, lambda: offer(w, 0, 0, 64, [0, 0], [ROWS, COLS + 1]), None),
+            (Status.TENSOR_MISMATCH, lambda: offer(w, 0, 0, 64, [0], [ROWS]), None),
+            (Status.INVALID_ARGUMENT, lambda: offer(w, 0, 0, 64, [0, 0], [ROWS]), "extent"),
+            (Status.INVALID_ARGUMENT, lambda: offer(w, 0, 0, 64, *whole, strides=[1]), "strides"),
+            (Status.INVALID_ARGUMENT, lambda: offer(w, 0, 0, (1 << 64) - 8, *whole), None),
+            (Status.INVALID_ARGUMENT, lambda: offer(w, 0, 0, 64, *whole, digest=-1), "digest"),
+        ]
+        needs = [
+            (Status.INVALID_ARGUMENT, lambda: need(9, 1, 0, 64, *whole, [COLS, 1]), "tensor"),
+            (Status.INVALID_ARGUMENT, lambda: need(w, 1, 0, 64, *whole, [1, 1], perm=[0, 0]), "permutation"),
+            (Status.INVALID_ARGUMENT, lambda: need(w, 1, 0, 64, *whole, [1, 1], perm=[0]), "perm"),
+            (Status.INVALID_ARGUMENT, lambda: need(w, 1, 0, 64, *whole, [1]), "strides"),
+            (Status.TENSOR_MISMATCH, lambda: need(w, 1, 0, 64, [1, 0], [ROWS, COLS], [COLS, 1]), None),
+        ]
+        for number, (status, call, text) in enumerate(offers + needs):
+            with self.subTest(case=number):
+                self.assert_fails(status, call, text)
+        offer(w, 0, 0, 64, *whole, strides=[COLS, 1], digest=3)
+        need(w, 1, 0, 4096, *whole, [ROWS, 1], perm=[1, 0])
 
     def test_encode_decode_round_trip_and_hostile_bytes(self):
         self.table.add_offer(self.w, 0, 0, 64, [0, 0], [ROWS, COLS], digest=11)
