@@ -1,0 +1,96 @@
+"""Every handle type is released exactly once, whichever way it ends: close() (also twice), a `with`
+block, or garbage collection alone."""
+
+import ctypes
+import gc
+import unittest
+
+from refit import Backend, Group, HostStream, Plan, RefitError, Status, Table
+from refit._lib import check, lib
+
+
+def make_table():
+    return Table()
+
+
+def make_plan():
+    with Table() as table:
+        return Plan.build([table])
+
+
+def make_prepared_copy():
+    source = ctypes.create_string_buffer(8)
+    target = ctypes.create_string_buffer(8)
+    with Group([0], backend=Backend.HOST) as group:
+        return group.prepare_copy(0, [(ctypes.addressof(source), ctypes.addressof(target), 8)])
+
+
+def make_group():
+    return Group([0, 1], backend=Backend.HOST)
+
+
+# factory -> the C function that really releases what it makes
+FACTORIES = {
+    "table": (make_table, lambda p: lib.refit_table_destroy(p)),
+    "plan": (make_plan, lambda p: lib.refit_plan_destroy(p)),
+    "prepared copy": (make_prepared_copy, lambda p: lib.refit_copy_batch_destroy(p)),
+    "group": (make_group, lambda p: lib.refit_group_destroy(p)),
+    "host stream": (HostStream, lambda p: check(lib.refit_host_stream_destroy(p))),
+}
+
+
+def counted(factory, destroy):
+    """A new handle object whose releases are recorded (without a reference back to the object,
+    which would keep it from being collected)."""
+    obj = factory()
+    released = []
+    obj._release = lambda pointer: (released.append(pointer), destroy(pointer))
+    return obj, obj.handle, released
+
+
+class HandleTest(unittest.TestCase):
+    def test_close_twice_releases_once(self):
+        for name, (factory, destroy) in FACTORIES.items():
+            with self.subTest(handle=name):
+                obj, handle, released = counted(factory, destroy)
+                obj.close()
+                obj.close()
+                del obj
+                gc.collect()
+                self.assertEqual(released, [handle])
+
+    def test_with_block_releases_once(self):
+        for name, (factory, destroy) in FACTORIES.items():
+            with self.subTest(handle=name):
+                obj, handle, released = counted(factory, destroy)
+                with obj as entered:
+                    self.assertIs(entered, obj)
+                    self.assertEqual(released, [])
+                self.assertTrue(obj.closed)
+                del obj, entered
+                gc.collect()
+                self.assertEqual(released, [handle])
+
+    def test_garbage_collection_releases_once(self):
+        for name, (factory, destroy) in FACTORIES.items():
+            with self.subTest(handle=name):
+                obj, handle, released = counted(factory, destroy)
+                del obj
+                gc.collect()
+                self.assertEqual(released, [handle])
+
+    def test_a_closed_handle_is_refused(self):
+        for name, (factory, _) in FACTORIES.items():
+            with self.subTest(handle=name):
+                obj = factory()
+                obj.close()
+                with self.assertRaises(RefitError) as caught:
+                    obj.handle
+                self.assertIs(caught.exception.status, Status.INVALID_STATE)
+                with self.assertRaises(RefitError):
+                    with obj:
+                        pass
+
+
+if __name__ == "__main__":
+    unittest.main()
