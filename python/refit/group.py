@@ -6,7 +6,6 @@ import threading
 from ctypes import byref, c_bool, c_int32, c_size_t, c_uint32, c_void_p
 
 from ._handle import Handle
-from .copy import PreparedCopy, copy_batch
 from ._lib import (
     Algorithm,
     Backend,
@@ -23,6 +22,7 @@ from ._lib import (
     stream_value,
     u64_array,
 )
+from .copy import PreparedCopy, copy_batch
 
 
 class HostStream(Handle):
@@ -45,8 +45,9 @@ class Group(Handle):
     """One rank per device, each with its own stream and thread (refit_group).
 
     Owns the group: close() (or leaving a `with` block) destroys it, draining its streams. Use it
-    from one thread at a time; inside run(), the rank callbacks may call allgather_rank() and the
-    queries concurrently, but nothing else (not run, allgather, scopes or close).
+    from one thread at a time; inside run(), the rank callbacks may call allgather_rank(),
+    copy_batch() and the queries concurrently, but nothing else (not run, allgather, scopes or
+    close).
     """
 
     _what = "group"
