@@ -10,6 +10,8 @@
 //! stream's time per call; median of several batches after warm-up batches.
 //! "Received per GPU" is (G-1) x size / time (NCCL's bus bandwidth for allgather); for G = 1 it is the
 //! own block's copy, size / time.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 #[path = "../tests/gpu_common/mod.rs"]
 mod gpu_common;
@@ -156,7 +158,8 @@ impl DirectNccl {
         let lib = nccl().unwrap();
         lib.group_start().unwrap();
         for r in 0..self.streams.len() {
-            unsafe { lib.all_gather(sends[r], recvs[r], bytes, self.comms.comms[r], self.streams[r].0) }.unwrap();
+            unsafe { lib.all_gather(sends[r], recvs[r], bytes, self.comms.comms[r], self.streams[r].0) }
+                .unwrap();
         }
         lib.group_end().unwrap();
     }
@@ -187,7 +190,13 @@ struct ProbeRow {
 
 /// Per-GPU received rate when every GPU pulls every peer's block at once, each pair on its own
 /// non-blocking stream: the copy-engine ceiling for this topology.
-fn all_pull_ceiling(gates: &Gates, g: usize, size: usize, sends: &[DeviceBuffer], recvs: &[DeviceBuffer]) -> f64 {
+fn all_pull_ceiling(
+    gates: &Gates,
+    g: usize,
+    size: usize,
+    sends: &[DeviceBuffer],
+    recvs: &[DeviceBuffer],
+) -> f64 {
     let backend = cuda();
     let mut streams = Vec::new();
     for r in 0..g {
@@ -230,12 +239,17 @@ fn probe(gates: &Gates, size: usize, sends: &[DeviceBuffer], recvs: &[DeviceBuff
     });
     backend.destroy_stream(0, s0);
     backend.destroy_stream(1, s1);
-    ProbeRow { size, one_way: gbps(size, one), both_nonblocking: gbps(2 * size, both), both_null: gbps(2 * size, null) }
+    ProbeRow {
+        size,
+        one_way: gbps(size, one),
+        both_nonblocking: gbps(2 * size, both),
+        both_null: gbps(2 * size, null),
+    }
 }
 
 /// Host time of each call (not of the GPU work), tiny buffers, inside one scope; synchronized every
 /// 100 calls outside the timed region.
-fn host_time(group: &Group, issue: &mut dyn FnMut()) -> (f64, f64) {
+fn host_time(group: &Group, drain: &dyn Fn(), issue: &mut dyn FnMut()) -> (f64, f64) {
     let mut samples = Vec::with_capacity(HOST_CALLS);
     group.enter(None).unwrap();
     for call in 0..HOST_CALLS + 100 {
@@ -246,7 +260,7 @@ fn host_time(group: &Group, issue: &mut dyn FnMut()) -> (f64, f64) {
             samples.push(took);
         }
         if call % 100 == 99 {
-            group.synchronize().unwrap();
+            drain();
         }
     }
     group.exit(ExitMode::Sync).unwrap();
@@ -320,7 +334,8 @@ fn main() {
             let ours = |algorithm: Algorithm| {
                 group.enter(None).unwrap();
                 let t = time_per_call(&gates, &group_streams, iters, &mut || {
-                    let ran = unsafe { allgather(&group, &send_ptrs, &recv_ptrs, &counts, algorithm) }.unwrap();
+                    let ran =
+                        unsafe { allgather(&group, &send_ptrs, &recv_ptrs, &counts, algorithm) }.unwrap();
                     assert_eq!(ran, algorithm);
                 });
                 group.exit(ExitMode::Sync).unwrap();
@@ -328,10 +343,12 @@ fn main() {
             };
             let peer = ours(Algorithm::Peer);
             let ours_nccl = ours(Algorithm::Nccl);
-            let direct_nccl =
-                time_per_call(&gates, &direct_streams, iters, &mut || direct.issue(&send_ptrs, &recv_ptrs, size));
+            let direct_nccl = time_per_call(&gates, &direct_streams, iters, &mut || {
+                direct.issue(&send_ptrs, &recv_ptrs, size)
+            });
             let received = if g == 1 { size } else { (g - 1) * size };
-            let ceiling = (g > 1 && size >= 64 * MIB).then(|| all_pull_ceiling(&gates, g, size, &sends, &recvs));
+            let ceiling =
+                (g > 1 && size >= 64 * MIB).then(|| all_pull_ceiling(&gates, g, size, &sends, &recvs));
             rows.push(Row {
                 g,
                 size,
@@ -350,16 +367,20 @@ fn main() {
         let tiny = vec![TINY; g];
         let tiny_recv: Vec<u64> = recv_ptrs.clone();
         for (path, algorithm) in [("refit peer", Algorithm::Peer), ("refit nccl", Algorithm::Nccl)] {
-            let (median_us, p90_us) = host_time(&group, &mut || {
+            let drain = || group.synchronize().unwrap();
+            let (median_us, p90_us) = host_time(&group, &drain, &mut || {
                 unsafe { allgather(&group, &send_ptrs, &tiny_recv, &tiny, algorithm) }.unwrap();
             });
             host_rows.push(HostRow { g, path, median_us, p90_us });
         }
-        let (median_us, p90_us) = host_time(&group, &mut || direct.issue(&send_ptrs, &tiny_recv, TINY));
+        let drain_direct = || {
+            for (r, s) in direct.streams.iter().enumerate() {
+                backend.sync_stream(r, *s).unwrap();
+            }
+        };
+        let (median_us, p90_us) =
+            host_time(&group, &drain_direct, &mut || direct.issue(&send_ptrs, &tiny_recv, TINY));
         host_rows.push(HostRow { g, path: "direct ncclAllGather", median_us, p90_us });
-        for (r, s) in direct.streams.iter().enumerate() {
-            backend.sync_stream(r, *s).unwrap();
-        }
     }
 
     println!("\n## Allgather: GB/s received per GPU ((G-1) x size / time; G=1: own block copy)\n");

@@ -22,6 +22,8 @@
 //! from 256 MiB, against NCCL allgather's 53 GB/s at 1 MiB and 245-271 GB/s at 128-512 MiB: peer wins
 //! at every measured size); otherwise `Nccl` when it loads (it routes around missing peer access better
 //! than driver-staged copies), else `Peer`. benches/gpu_allgather.rs re-measures the comparison.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 use crate::backend::cuda::preserve_current_context;
 use crate::backend::nccl::{nccl, Communicators};
@@ -70,9 +72,9 @@ pub fn choose(group: &Group, requested: Algorithm) -> Result<Algorithm> {
         } else {
             Algorithm::Peer
         }),
-        Algorithm::Nccl if host_backend => {
-            Err(Error::unsupported("the NCCL algorithm needs the CUDA backend (this group uses the host backend)"))
-        }
+        Algorithm::Nccl if host_backend => Err(Error::unsupported(
+            "the NCCL algorithm needs the CUDA backend (this group uses the host backend)",
+        )),
         Algorithm::Nccl => nccl().map(|_| Algorithm::Nccl),
         other => Ok(other),
     }
@@ -101,7 +103,10 @@ fn ranges_overlap(a: u64, a_len: u64, b: u64, b_len: u64) -> bool {
 }
 
 fn end_fits(start: u64, len: u64, what: &str) -> Result<()> {
-    start.checked_add(len).map(|_| ()).ok_or_else(|| Error::invalid_argument(format!("{what} + its size overflows")))
+    start
+        .checked_add(len)
+        .map(|_| ())
+        .ok_or_else(|| Error::invalid_argument(format!("{what} + its size overflows")))
 }
 
 fn check_rank_buffers(rank: usize, send: u64, recv: u64, count: u64, layout: &Layout) -> Result<()> {
@@ -151,7 +156,12 @@ pub unsafe fn allgather(
     }
     let n = group.size();
     if send.len() != n || recv.len() != n {
-        bail!(Status::InvalidArgument, "{} send and {} recv buffers for a group of {n}", send.len(), recv.len());
+        bail!(
+            Status::InvalidArgument,
+            "{} send and {} recv buffers for a group of {n}",
+            send.len(),
+            recv.len()
+        );
     }
     let layout = check_counts(group, counts)?;
     for r in 0..n {
@@ -175,7 +185,13 @@ pub unsafe fn allgather(
     Ok(algorithm)
 }
 
-unsafe fn peer_all(group: &Group, send: &[u64], recv: &[u64], counts: &[usize], layout: &Layout) -> Result<()> {
+unsafe fn peer_all(
+    group: &Group,
+    send: &[u64],
+    recv: &[u64],
+    counts: &[usize],
+    layout: &Layout,
+) -> Result<()> {
     let backend = group.backend();
     let devices = group.devices();
     let streams = group.streams();
@@ -227,7 +243,13 @@ fn equal_counts(counts: &[usize]) -> bool {
     counts.windows(2).all(|w| w[0] == w[1])
 }
 
-unsafe fn nccl_all(group: &Group, send: &[u64], recv: &[u64], counts: &[usize], layout: &Layout) -> Result<()> {
+unsafe fn nccl_all(
+    group: &Group,
+    send: &[u64],
+    recv: &[u64],
+    counts: &[usize],
+    layout: &Layout,
+) -> Result<()> {
     group.join_if_pending()?;
     let lib = nccl()?;
     let comms = communicators(group)?;
@@ -300,7 +322,13 @@ unsafe fn own_block_copy(
     )
 }
 
-unsafe fn host_all(group: &Group, send: &[u64], recv: &[u64], counts: &[usize], layout: &Layout) -> Result<()> {
+unsafe fn host_all(
+    group: &Group,
+    send: &[u64],
+    recv: &[u64],
+    counts: &[usize],
+    layout: &Layout,
+) -> Result<()> {
     let backend = group.backend();
     let devices = group.devices();
     group.synchronize()?;
@@ -435,7 +463,8 @@ fn published(
     counts: &[usize],
     requested: Algorithm,
 ) -> Result<Vec<Published>> {
-    let peers: Vec<Published> = slots.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect();
+    let peers: Vec<Published> =
+        slots.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect();
     for (p, peer) in peers.iter().enumerate() {
         if peer.counts != counts || peer.algorithm != requested.code() {
             bail!(

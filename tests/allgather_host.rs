@@ -1,5 +1,7 @@
 //! Allgather on the host backend, byte-exact against an expectation built independently (the blocks
 //! concatenated in rank order by plain Vec operations), for every shape the API allows.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 use refit::allgather::{allgather, allgather_rank, Algorithm};
 use refit::backend::host::{create_host_stream, destroy_host_stream, host_stream};
@@ -18,7 +20,8 @@ fn host(n: usize) -> Group {
 
 /// Deterministic, call- and rank-dependent bytes (never the poison pattern throughout).
 fn block(rank: usize, call: usize, len: usize) -> Vec<u8> {
-    let mut x = (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (call as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
+    let mut x = (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
+        ^ (call as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
     (0..len)
         .map(|_| {
             x ^= x << 13;
@@ -48,7 +51,10 @@ fn check_whole_group(group: &Group, counts: &[usize], algorithm: Algorithm, call
     let ran = unsafe { allgather(group, &send_ptrs, &recv_ptrs, counts, algorithm) }.unwrap();
     let want = expected(&sends);
     for (r, got) in recvs.iter().enumerate() {
-        assert!(*got == want, "rank {r} received wrong bytes (counts {counts:?}, {algorithm:?}, call {call})");
+        assert!(
+            *got == want,
+            "rank {r} received wrong bytes (counts {counts:?}, {algorithm:?}, call {call})"
+        );
     }
     ran
 }
@@ -73,7 +79,8 @@ fn auto_picks_peer_on_the_host_backend_and_nccl_is_unsupported_there() {
     let mut recv = vec![0u8; 16];
     let send = [1u8; 8];
     let r = recv.as_mut_ptr() as u64;
-    let err = unsafe { allgather(&group, &[send.as_ptr() as u64; 2], &[r, r + 16], &[8, 8], Algorithm::Nccl) };
+    let err =
+        unsafe { allgather(&group, &[send.as_ptr() as u64; 2], &[r, r + 16], &[8, 8], Algorithm::Nccl) };
     assert_eq!(err.unwrap_err().status, Status::Unsupported);
 }
 
@@ -111,7 +118,8 @@ fn two_hundred_calls_in_a_row_inside_one_scope_and_outside() {
     // Inside one scope: each call is only queued; buffers must live until the exit.
     let n = 3;
     let total: usize = counts.iter().sum();
-    let sends: Vec<Vec<Vec<u8>>> = (0..200).map(|c| (0..n).map(|r| block(r, c, counts[r])).collect()).collect();
+    let sends: Vec<Vec<Vec<u8>>> =
+        (0..200).map(|c| (0..n).map(|r| block(r, c, counts[r])).collect()).collect();
     let mut recvs: Vec<Vec<Vec<u8>>> = (0..200).map(|_| vec![vec![POISON; total]; n]).collect();
     group.enter(None).unwrap();
     for call in 0..200 {
@@ -159,7 +167,10 @@ fn inside_a_scope_the_allgather_sees_the_caller_stream_work_queued_before_enter(
         host_stream(c).unwrap().synchronize().unwrap();
     }
     let want = expected(&final_blocks);
-    assert!(recvs.iter().all(|got| *got == want), "the allgather read the send buffers before the caller wrote them");
+    assert!(
+        recvs.iter().all(|got| *got == want),
+        "the allgather read the send buffers before the caller wrote them"
+    );
     for c in callers {
         destroy_host_stream(c).unwrap();
     }
@@ -212,15 +223,20 @@ fn per_rank_allgather_two_hundred_collectives_in_one_run() {
     let group = host(3);
     let counts = [40usize, 3, 0];
     let calls = 200;
-    let blocks: Vec<Vec<Vec<u8>>> = (0..calls).map(|c| (0..3).map(|r| block(r, c, counts[r])).collect()).collect();
+    let blocks: Vec<Vec<Vec<u8>>> =
+        (0..calls).map(|c| (0..3).map(|r| block(r, c, counts[r])).collect()).collect();
     let mut recvs: Vec<Vec<Vec<u8>>> = (0..calls).map(|_| vec![vec![POISON; 43]; 3]).collect();
-    let recv_ptrs: Vec<Vec<u64>> =
-        recvs.iter_mut().map(|per_call| per_call.iter_mut().map(|b| b.as_mut_ptr() as u64).collect()).collect();
+    let recv_ptrs: Vec<Vec<u64>> = recvs
+        .iter_mut()
+        .map(|per_call| per_call.iter_mut().map(|b| b.as_mut_ptr() as u64).collect())
+        .collect();
     group
         .run(&|rank, _| {
             for call in 0..calls {
                 let send = blocks[call][rank].as_ptr() as u64;
-                unsafe { allgather_rank(&group, rank, send, recv_ptrs[call][rank], &counts, Algorithm::Peer) }?;
+                unsafe {
+                    allgather_rank(&group, rank, send, recv_ptrs[call][rank], &counts, Algorithm::Peer)
+                }?;
             }
             Ok(())
         })
@@ -270,8 +286,15 @@ fn ranks_that_disagree_on_counts_all_fail() {
         .run(&|rank, _| unsafe {
             let counts = if rank == 0 { [8usize, 8] } else { [8usize, 4] };
             let total = 16;
-            allgather_rank(&group, rank, send.as_ptr() as u64, r + (rank * total) as u64, &counts, Algorithm::Peer)
-                .map(|_| ())
+            allgather_rank(
+                &group,
+                rank,
+                send.as_ptr() as u64,
+                r + (rank * total) as u64,
+                &counts,
+                Algorithm::Peer,
+            )
+            .map(|_| ())
         })
         .unwrap_err();
     assert_eq!(err.status, Status::InvalidArgument);
@@ -308,7 +331,10 @@ fn after_async_exit_an_owner_may_reuse_its_send_buffer_only_once_every_reader_is
     group.exit(ExitMode::Async).unwrap();
     // The owner's next work on its own stream overwrites its send buffer.
     let send0 = s[0] as usize;
-    host_stream(callers[0]).unwrap().enqueue(move || unsafe { std::ptr::write_bytes(send0 as *mut u8, 0, 64) }).unwrap();
+    host_stream(callers[0])
+        .unwrap()
+        .enqueue(move || unsafe { std::ptr::write_bytes(send0 as *mut u8, 0, 64) })
+        .unwrap();
     std::thread::sleep(Duration::from_millis(30));
     gate.store(true, Ordering::SeqCst);
     for c in callers {
@@ -344,7 +370,9 @@ fn run_after_a_scoped_allgather_starts_only_after_every_reader_is_done() {
         .run(&|rank, stream| {
             if rank == 0 {
                 let send0 = s[0] as usize;
-                host_stream(stream).unwrap().enqueue(move || unsafe { std::ptr::write_bytes(send0 as *mut u8, 0, 64) })?;
+                host_stream(stream)
+                    .unwrap()
+                    .enqueue(move || unsafe { std::ptr::write_bytes(send0 as *mut u8, 0, 64) })?;
             }
             Ok(())
         })

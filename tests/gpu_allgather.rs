@@ -1,6 +1,8 @@
 //! Allgather on real GPUs (run on the GPU machine: `gpu_allgather --ignored --test-threads=1`): every
 //! algorithm byte-exact with poisoned outputs, whole-group and per-rank, equal / uneven / zero / in
 //! place, 200 calls in a row, and ordering after the caller's slow producer. Handles 1 or 2 GPUs.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 mod gpu_common;
 
@@ -108,7 +110,10 @@ fn whole_group_allgather_is_byte_exact_for_every_algorithm_and_shape() {
                     let ran = unsafe { allgather(&group, &sends, &recvs, &counts, algorithm) }
                         .unwrap_or_else(|e| panic!("G={size} {algorithm:?} {counts:?}: {e}"));
                     if algorithm == Algorithm::Auto {
-                        assert_eq!(ran, if group.all_peers_direct() { Algorithm::Peer } else { Algorithm::Nccl });
+                        assert_eq!(
+                            ran,
+                            if group.all_peers_direct() { Algorithm::Peer } else { Algorithm::Nccl }
+                        );
                     } else {
                         assert_eq!(ran, algorithm);
                     }
@@ -132,11 +137,20 @@ fn per_rank_allgather_inside_run_is_byte_exact_for_every_algorithm() {
                     let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
                     group
                         .run(&|rank, _| unsafe {
-                            allgather_rank(&group, rank, sends[rank], case.recvs[rank].ptr, &counts, algorithm)
-                                .map(|_| ())
+                            allgather_rank(
+                                &group,
+                                rank,
+                                sends[rank],
+                                case.recvs[rank].ptr,
+                                &counts,
+                                algorithm,
+                            )
+                            .map(|_| ())
                         })
                         .unwrap_or_else(|e| panic!("G={size} {algorithm:?} {counts:?}: {e}"));
-                    case.check(&format!("per-rank G={size} {algorithm:?} counts {counts:?} in_place {in_place}"));
+                    case.check(&format!(
+                        "per-rank G={size} {algorithm:?} counts {counts:?} in_place {in_place}"
+                    ));
                 }
             }
             println!("G={size} {algorithm:?}: per-rank byte-exact");

@@ -2,6 +2,8 @@
 //! streams are non-blocking, not the null stream, per device and stable; work queued earlier on the
 //! caller's stream (a deliberately slow kernel) is seen after enter; ASYNC exit orders the caller's
 //! stream without a host sync; run() releases ranks when one fails. Handles 1 or 2 GPUs.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 mod gpu_common;
 
@@ -24,8 +26,14 @@ fn gpu_group(size: usize) -> Group {
 }
 
 fn copy_on(group: &Group, rank: usize, stream: Stream, from: u64, to: u64, len: usize) {
-    unsafe { group.backend().copy_segments(group.device(rank).unwrap(), stream, &[Segment::contiguous(from, to, len as u64)]) }
-        .unwrap();
+    unsafe {
+        group.backend().copy_segments(
+            group.device(rank).unwrap(),
+            stream,
+            &[Segment::contiguous(from, to, len as u64)],
+        )
+    }
+    .unwrap();
 }
 
 fn read_u32(buffer: &DeviceBuffer) -> u32 {
@@ -70,9 +78,13 @@ fn streams_are_non_blocking_per_device_not_null_and_the_same_across_calls() {
                 let mut device = -1;
                 ck("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut device) });
                 let mut expected = -1;
-                ck("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut expected, group.device(rank).unwrap() as i32) });
+                ck("cuDeviceGet", unsafe {
+                    sys::cuDeviceGet(&mut expected, group.device(rank).unwrap() as i32)
+                });
                 if device != expected {
-                    return Err(Error::invalid_state(format!("rank {rank} runs with device {device} current")));
+                    return Err(Error::invalid_state(format!(
+                        "rank {rank} runs with device {device} current"
+                    )));
                 }
                 seen.lock().unwrap()[rank] = stream;
                 Ok(())
@@ -128,7 +140,10 @@ fn work_queued_earlier_on_the_caller_stream_is_seen_after_enter() {
         kernels[0].launch(Stream::NULL, SPIN_MS, input.ptr, 0xBAD);
         copy_on(&group, 0, group.stream(0).unwrap(), input.ptr, output.ptr, 4);
         cuda().sync_stream(0, group.stream(0).unwrap()).unwrap();
-        assert!(!stream_idle(0, Stream::NULL), "the slow kernel should still be running");
+        assert!(
+            !stream_idle(0, Stream::NULL),
+            "the group's stream waited for the legacy stream's slow kernel: it is not non-blocking"
+        );
         assert_eq!(read_u32(&output), 7, "the group's stream waited for the legacy stream: it is blocking");
         println!("G={size}: enter orders after caller streams (null and non-blocking); control confirms");
     }
@@ -166,7 +181,11 @@ fn async_exit_orders_the_caller_stream_without_a_host_sync() {
         assert!(exit_time < Duration::from_millis(SPIN_MS / 2), "ASYNC exit blocked for {exit_time:?}");
         for r in 0..size {
             cuda().sync_stream(r, callers[r]).unwrap();
-            assert_eq!(read_u32(&copies[r]), 0xA5A50000 + r as u32, "G={size} rank {r}: caller stream not ordered");
+            assert_eq!(
+                read_u32(&copies[r]),
+                0xA5A50000 + r as u32,
+                "G={size} rank {r}: caller stream not ordered"
+            );
             cuda().destroy_stream(r, callers[r]);
         }
         println!("G={size}: ASYNC exit returned in {exit_time:?} and ordered the caller streams");
@@ -241,7 +260,9 @@ fn a_failing_rank_releases_the_others_and_the_group_stays_usable() {
                 std::thread::sleep(Duration::from_millis(20));
                 return Err(Error::new(Status::CallbackFailed, "deliberate failure"));
             }
-            let got = unsafe { allgather_rank(&group, rank, sends[rank].ptr, recvs[rank].ptr, &counts, Algorithm::Peer) };
+            let got = unsafe {
+                allgather_rank(&group, rank, sends[rank].ptr, recvs[rank].ptr, &counts, Algorithm::Peer)
+            };
             statuses.lock().unwrap().push(got.as_ref().err().map(|e| e.status));
             got.map(|_| ())
         })
@@ -250,7 +271,8 @@ fn a_failing_rank_releases_the_others_and_the_group_stays_usable() {
     assert!(statuses.into_inner().unwrap().iter().all(|s| *s == Some(Status::Aborted)));
     group
         .run(&|rank, _| unsafe {
-            allgather_rank(&group, rank, sends[rank].ptr, recvs[rank].ptr, &counts, Algorithm::Peer).map(|_| ())
+            allgather_rank(&group, rank, sends[rank].ptr, recvs[rank].ptr, &counts, Algorithm::Peer)
+                .map(|_| ())
         })
         .unwrap();
     let expected: Vec<u8> = blocks.concat();

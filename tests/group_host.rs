@@ -1,5 +1,7 @@
 //! The device group on the host backend: creation errors, queries, scope ordering (with streams that
 //! really run later), run() on persistent threads, error propagation and release.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 use refit::backend::host::{create_host_stream, destroy_host_stream, host_stream};
 use refit::backend::{BackendKind, Stream};
@@ -34,7 +36,10 @@ fn gated_store(stream: Stream, gate: &Arc<AtomicBool>, cell: &Arc<AtomicU8>, val
 /// Queues on `stream` a step that copies `from` into `to`.
 fn queued_copy(stream: Stream, from: &Arc<AtomicU8>, to: &Arc<AtomicU8>) {
     let (from, to) = (Arc::clone(from), Arc::clone(to));
-    host_stream(stream).unwrap().enqueue(move || to.store(from.load(Ordering::SeqCst), Ordering::SeqCst)).unwrap();
+    host_stream(stream)
+        .unwrap()
+        .enqueue(move || to.store(from.load(Ordering::SeqCst), Ordering::SeqCst))
+        .unwrap();
 }
 
 #[test]
@@ -60,7 +65,11 @@ fn queries_report_devices_streams_and_peers() {
     let streams: Vec<Stream> = (0..3).map(|r| group.stream(r).unwrap()).collect();
     for (r, s) in streams.iter().enumerate() {
         assert_ne!(*s, Stream::NULL, "rank {r} runs on the null stream");
-        assert_ne!(*s, group.backend().null_stream(group.device(r).unwrap()), "rank {r} runs on the default stream");
+        assert_ne!(
+            *s,
+            group.backend().null_stream(group.device(r).unwrap()),
+            "rank {r} runs on the default stream"
+        );
         assert!(streams[..r].iter().all(|o| o != s), "rank {r} shares a stream");
         assert_eq!(group.stream(r).unwrap(), *s, "stream changed between calls");
     }
@@ -215,7 +224,10 @@ fn the_first_failing_rank_wins_others_are_released_and_the_group_stays_usable() 
                     refit::allgather::Algorithm::Peer,
                 )
             };
-            outcomes.lock().unwrap().push((rank, got.as_ref().err().map(|e| e.status).unwrap_or(Status::Success)));
+            outcomes
+                .lock()
+                .unwrap()
+                .push((rank, got.as_ref().err().map(|e| e.status).unwrap_or(Status::Success)));
             got.map(|_| ())
         })
         .unwrap_err();

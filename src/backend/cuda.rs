@@ -233,7 +233,9 @@ impl Backend for CudaBackend {
         // The NULL stream means the legacy stream of the *current* context: make it the device's.
         let _current = self.enter(device)?;
         // SAFETY: handles from this backend (or the caller's stream on this device).
-        check("cuEventRecord", unsafe { sys::cuEventRecord(Self::raw_event(event), Self::raw_stream(stream)) })
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(Self::raw_event(event), Self::raw_stream(stream))
+        })
     }
 
     fn wait(&self, device: usize, stream: Stream, event: Event) -> Result<()> {
@@ -308,7 +310,10 @@ impl Backend for CudaBackend {
         // SAFETY: valid out-pointer, context current.
         let result = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) };
         if result == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
-            return Err(Error::new(Status::OutOfMemory, format!("cuMemAlloc of {bytes} bytes on device {device}")));
+            return Err(Error::new(
+                Status::OutOfMemory,
+                format!("cuMemAlloc of {bytes} bytes on device {device}"),
+            ));
         }
         check("cuMemAlloc", result)?;
         Ok(ptr)

@@ -41,7 +41,9 @@ impl HostStream {
                     work();
                 }
             })
-            .map_err(|e| Error::new(Status::OutOfMemory, format!("cannot start a host stream thread: {e}")))?;
+            .map_err(|e| {
+                Error::new(Status::OutOfMemory, format!("cannot start a host stream thread: {e}"))
+            })?;
         Ok(Arc::new(HostStream { queue: Mutex::new(Some(sender)), worker: Mutex::new(Some(worker)) }))
     }
 
@@ -49,9 +51,9 @@ impl HostStream {
     pub fn enqueue(&self, work: impl FnOnce() + Send + 'static) -> Result<()> {
         let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
         match queue.as_ref() {
-            Some(sender) => {
-                sender.send(Box::new(work)).map_err(|_| Error::invalid_state("host stream worker has stopped"))
-            }
+            Some(sender) => sender
+                .send(Box::new(work))
+                .map_err(|_| Error::invalid_state("host stream worker has stopped")),
             None => Err(Error::invalid_state("host stream was destroyed")),
         }
     }
@@ -385,7 +387,10 @@ mod tests {
         backend.wait(1, fast, event).unwrap();
         let seen = Arc::new(AtomicU64::new(99));
         let (v, s) = (Arc::clone(&value), Arc::clone(&seen));
-        host_stream(fast).unwrap().enqueue(move || s.store(v.load(Ordering::SeqCst), Ordering::SeqCst)).unwrap();
+        host_stream(fast)
+            .unwrap()
+            .enqueue(move || s.store(v.load(Ordering::SeqCst), Ordering::SeqCst))
+            .unwrap();
         backend.sync_stream(1, fast).unwrap();
         assert_eq!(seen.load(Ordering::SeqCst), 7, "the wait let the fast stream run before the event");
         backend.destroy_event(0, event);

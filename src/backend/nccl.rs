@@ -45,8 +45,11 @@ pub fn nccl() -> Result<&'static Nccl> {
 
 impl Nccl {
     fn load() -> Result<Nccl> {
-        let library =
-            Library::open_first("REFIT_NCCL_LIBRARY", &["libnccl.so.2", "libnccl.so"], Status::NcclUnavailable)?;
+        let library = Library::open_first(
+            "REFIT_NCCL_LIBRARY",
+            &["libnccl.so.2", "libnccl.so"],
+            Status::NcclUnavailable,
+        )?;
         let missing = Status::NcclUnavailable;
         // SAFETY: each type matches the function's declaration in nccl.h.
         unsafe {
@@ -114,7 +117,14 @@ impl Nccl {
     ///
     /// # Safety
     /// Valid device buffers on the communicator's device, `stream` on that device.
-    pub unsafe fn all_gather(&self, send: u64, recv: u64, bytes: usize, comm: NcclComm, stream: u64) -> Result<()> {
+    pub unsafe fn all_gather(
+        &self,
+        send: u64,
+        recv: u64,
+        bytes: usize,
+        comm: NcclComm,
+        stream: u64,
+    ) -> Result<()> {
         self.check(
             "ncclAllGather",
             (self.all_gather)(
@@ -130,7 +140,14 @@ impl Nccl {
 
     /// # Safety
     /// As for `all_gather`.
-    pub unsafe fn send(&self, buffer: u64, bytes: usize, peer: usize, comm: NcclComm, stream: u64) -> Result<()> {
+    pub unsafe fn send(
+        &self,
+        buffer: u64,
+        bytes: usize,
+        peer: usize,
+        comm: NcclComm,
+        stream: u64,
+    ) -> Result<()> {
         self.check(
             "ncclSend",
             (self.send)(
@@ -146,7 +163,14 @@ impl Nccl {
 
     /// # Safety
     /// As for `all_gather`.
-    pub unsafe fn recv(&self, buffer: u64, bytes: usize, peer: usize, comm: NcclComm, stream: u64) -> Result<()> {
+    pub unsafe fn recv(
+        &self,
+        buffer: u64,
+        bytes: usize,
+        peer: usize,
+        comm: NcclComm,
+        stream: u64,
+    ) -> Result<()> {
         self.check(
             "ncclRecv",
             (self.recv)(

@@ -1,4 +1,8 @@
 //! The device group's C API: create/destroy, queries, scopes, run-per-rank, host streams.
+//!
+//! Exports take raw pointers from C and are not `unsafe fn` (C cannot tell the difference); each
+//! pointer is checked by the argument helpers before use, inside the boundary.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::{arg, boundary, check_struct_size, out, slice};
 use crate::backend::host::{create_host_stream, destroy_host_stream};
@@ -69,7 +73,11 @@ fn convert_options(options: *const refit_group_options) -> Result<GroupOptions> 
         REFIT_BACKEND_AUTO => BackendChoice::Auto,
         REFIT_BACKEND_CUDA => BackendChoice::Cuda,
         REFIT_BACKEND_HOST => BackendChoice::Host,
-        other => return Err(Error::invalid_argument(format!("options.backend = {other} is not a REFIT_BACKEND_*"))),
+        other => {
+            return Err(Error::invalid_argument(format!(
+                "options.backend = {other} is not a REFIT_BACKEND_*"
+            )))
+        }
     };
     Ok(GroupOptions { backend, host_devices: first.host_devices as usize })
 }
@@ -143,7 +151,11 @@ pub extern "C" fn refit_group_device(group: *const refit_group, rank: u32, devic
 /// backend): non-blocking, created with the group, the same for every call until refit_group_destroy.
 /// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank).
 #[no_mangle]
-pub extern "C" fn refit_group_stream(group: *const refit_group, rank: u32, stream: *mut *mut c_void) -> Status {
+pub extern "C" fn refit_group_stream(
+    group: *const refit_group,
+    rank: u32,
+    stream: *mut *mut c_void,
+) -> Status {
     boundary("refit_group_stream", || {
         let slot = out(stream, "stream")?;
         // SAFETY: a live handle.
@@ -266,7 +278,8 @@ pub extern "C" fn refit_group_run(
             }
             let known = Status::from_code(code.into()).map(|s| format!(" ({})", s.name().to_string_lossy()));
             let detail = last_error();
-            let detail = if detail.is_empty() { String::new() } else { format!("; last refit error: {detail}") };
+            let detail =
+                if detail.is_empty() { String::new() } else { format!("; last refit error: {detail}") };
             Err(Error::new(
                 Status::CallbackFailed,
                 format!("rank {rank} callback returned {code}{}{detail}", known.unwrap_or_default()),

@@ -13,6 +13,8 @@
 //!   it is only queued on the group's streams.
 //! - A missing exit leaves the scope open: later calls keep queueing into it, and destroying the group
 //!   drains its streams first (the caller's streams are then not ordered; a warning is logged).
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 pub mod barrier;
 pub mod workers;
@@ -142,7 +144,10 @@ impl Group {
         let backend = backend_for(devices, &options)?;
         let count = backend.device_count();
         if let Some((i, &d)) = devices.iter().enumerate().find(|(_, &d)| d as u64 >= count as u64) {
-            bail!(Status::InvalidDevice, "devices[{i}] = {d} is not below the {count} devices of the backend");
+            bail!(
+                Status::InvalidDevice,
+                "devices[{i}] = {d} is not below the {count} devices of the backend"
+            );
         }
         let devices: Vec<usize> = devices.iter().map(|&d| d as usize).collect();
         let n = devices.len();
@@ -287,8 +292,11 @@ impl Group {
         };
         for r in 0..self.size() {
             let device = self.devices[r];
-            let caller = if callers[r] == Stream::NULL { self.backend.null_stream(device) } else { callers[r] };
-            self.backend.record(device, self.entry_events[r], caller).map_err(|e| e.context(format!("rank {r}")))?;
+            let caller =
+                if callers[r] == Stream::NULL { self.backend.null_stream(device) } else { callers[r] };
+            self.backend
+                .record(device, self.entry_events[r], caller)
+                .map_err(|e| e.context(format!("rank {r}")))?;
             self.backend.wait(device, self.streams[r], self.entry_events[r])?;
         }
         *scope = Some(callers);
@@ -310,8 +318,11 @@ impl Group {
                 self.join_if_pending()?;
                 for r in 0..self.size() {
                     let device = self.devices[r];
-                    let caller =
-                        if callers[r] == Stream::NULL { self.backend.null_stream(device) } else { callers[r] };
+                    let caller = if callers[r] == Stream::NULL {
+                        self.backend.null_stream(device)
+                    } else {
+                        callers[r]
+                    };
                     self.backend.record(device, self.exit_events[r], self.streams[r])?;
                     self.backend.wait(device, caller, self.exit_events[r])?;
                 }
@@ -411,7 +422,9 @@ impl Group {
         self.check_rank(rank)?;
         match workers::current_rank(self.id) {
             Some(current) if current == rank => Ok(()),
-            Some(current) => bail!(Status::InvalidArgument, "rank {rank} called from rank {current}'s callback"),
+            Some(current) => {
+                bail!(Status::InvalidArgument, "rank {rank} called from rank {current}'s callback")
+            }
             None => bail!(
                 Status::InvalidState,
                 "per-rank collectives are called from inside this group's run callbacks only"
@@ -427,7 +440,9 @@ impl Group {
 impl Drop for Group {
     fn drop(&mut self) {
         if self.in_scope() {
-            log::warn!("group destroyed with its scope open: draining its streams (caller streams not ordered)");
+            log::warn!(
+                "group destroyed with its scope open: draining its streams (caller streams not ordered)"
+            );
         }
         if let Err(err) = self.synchronize() {
             log::warn!("draining the group's streams: {err}");

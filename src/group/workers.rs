@@ -83,10 +83,15 @@ impl RankWorkers {
                                         .map(|s| s.to_string())
                                         .or_else(|| panic.downcast_ref::<String>().cloned())
                                         .unwrap_or_default();
-                                    Err(Error::new(Status::InternalError, format!("rank {rank} panicked: {what}")))
+                                    Err(Error::new(
+                                        Status::InternalError,
+                                        format!("rank {rank} panicked: {what}"),
+                                    ))
                                 })
                             }
-                            Err(err) => Err(err.clone().context(format!("rank {rank} could not bind device {device}"))),
+                            Err(err) => Err(err
+                                .clone()
+                                .context(format!("rank {rank} could not bind device {device}"))),
                         };
                         if let Err(err) = result {
                             let mut first = job.run.first_error.lock().unwrap_or_else(|p| p.into_inner());
@@ -105,7 +110,9 @@ impl RankWorkers {
                         }
                     }
                 })
-                .map_err(|e| Error::new(Status::OutOfMemory, format!("cannot start rank thread {rank}: {e}")))?;
+                .map_err(|e| {
+                    Error::new(Status::OutOfMemory, format!("cannot start rank thread {rank}: {e}"))
+                })?;
             senders.push(sender);
             threads.push(thread);
         }

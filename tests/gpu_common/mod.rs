@@ -46,6 +46,9 @@ impl DeviceBuffer {
 
     pub fn write(&self, offset: usize, bytes: &[u8]) {
         assert!(offset + bytes.len() <= self.len);
+        if bytes.is_empty() {
+            return;
+        }
         unsafe { cuda().write(self.device, self.ptr + offset as u64, bytes) }.unwrap();
     }
 
@@ -71,7 +74,8 @@ impl Drop for DeviceBuffer {
 
 /// Deterministic bytes that depend on rank and call (xorshift).
 pub fn pattern(rank: usize, call: usize, len: usize) -> Vec<u8> {
-    let mut x = (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (call as u64 + 1).wrapping_mul(0xBF58_476D);
+    let mut x =
+        (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (call as u64 + 1).wrapping_mul(0xBF58_476D);
     (0..len)
         .map(|_| {
             x ^= x << 13;
@@ -89,18 +93,18 @@ const SPIN_PTX: &str = r#"
 .address_size 64
 
 .visible .entry spin_then_store(
-    .param .u64 spin_ns,
-    .param .u64 out,
-    .param .u32 value
+    .param .u64 param_spin_ns,
+    .param .u64 param_out,
+    .param .u32 param_value
 )
 {
     .reg .pred %p<2>;
     .reg .b64 %rd<8>;
     .reg .b32 %r<2>;
 
-    ld.param.u64 %rd1, [spin_ns];
-    ld.param.u64 %rd2, [out];
-    ld.param.u32 %r1, [value];
+    ld.param.u64 %rd1, [param_spin_ns];
+    ld.param.u64 %rd2, [param_out];
+    ld.param.u32 %r1, [param_value];
     mov.u64 %rd3, %globaltimer;
 SPIN:
     mov.u64 %rd4, %globaltimer;
@@ -130,7 +134,9 @@ impl SpinKernel {
         backend.bind(device).unwrap();
         let source = std::ffi::CString::new(SPIN_PTX).unwrap();
         let mut module: sys::CUmodule = std::ptr::null_mut();
-        ck("cuModuleLoadData(spin PTX)", unsafe { sys::cuModuleLoadData(&mut module, source.as_ptr().cast()) });
+        ck("cuModuleLoadData(spin PTX)", unsafe {
+            sys::cuModuleLoadData(&mut module, source.as_ptr().cast())
+        });
         let mut function: sys::CUfunction = std::ptr::null_mut();
         ck("cuModuleGetFunction(spin_then_store)", unsafe {
             sys::cuModuleGetFunction(&mut function, module, c"spin_then_store".as_ptr())
@@ -144,8 +150,11 @@ impl SpinKernel {
         let mut spin_ns: u64 = spin_ms * 1_000_000;
         let mut out = out;
         let mut value = value;
-        let mut params: [*mut std::ffi::c_void; 3] =
-            [(&mut spin_ns as *mut u64).cast(), (&mut out as *mut u64).cast(), (&mut value as *mut u32).cast()];
+        let mut params: [*mut std::ffi::c_void; 3] = [
+            (&mut spin_ns as *mut u64).cast(),
+            (&mut out as *mut u64).cast(),
+            (&mut value as *mut u32).cast(),
+        ];
         ck("cuLaunchKernel(spin_then_store)", unsafe {
             sys::cuLaunchKernel(
                 self.function,
