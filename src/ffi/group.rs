@@ -149,7 +149,10 @@ pub extern "C" fn refit_group_device(group: *const refit_group, rank: u32, devic
 
 /// The stream of `rank` (a CUstream on the CUDA backend, an opaque host-stream handle on the host
 /// backend): non-blocking, created with the group, the same for every call until refit_group_destroy.
-/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank).
+/// Work you queue on it yourself inside a scope is ordered after the group's earlier work on this rank;
+/// after a PEER allgather, other ranks may still be reading this rank's buffers until the next group
+/// call, refit_group_run or refit_group_exit (which join them), so do not overwrite them from here
+/// before that. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank).
 #[no_mangle]
 pub extern "C" fn refit_group_stream(
     group: *const refit_group,
