@@ -79,6 +79,11 @@
 #define REFIT_ABI_VERSION 1
 
 /**
+ * The host backend runs a thread per simulated device: it simulates at most this many.
+ */
+#define MAX_HOST_DEVICES 64
+
+/**
  * Most dimensions a tensor may have.
  */
 #define MAX_DIMS 8

@@ -49,6 +49,9 @@ fn bad_device_lists_have_their_own_status() {
     let out_of_range = host_err(&[0, 2], 2);
     assert_eq!(out_of_range.status, Status::InvalidDevice);
     assert!(out_of_range.message.contains("devices[1] = 2"), "{}", out_of_range.message);
+    // The host backend simulates a bounded number of devices (a thread each): no runaway spawning.
+    assert_eq!(host_err(&[1_000_000_000], 0).status, Status::InvalidDevice);
+    assert_eq!(host_err(&[0], 1_000_000).status, Status::InvalidArgument);
     let duplicate = host_err(&[1, 0, 1], 0);
     assert_eq!(duplicate.status, Status::DuplicateDevice);
     assert!(duplicate.message.contains("devices[0] and devices[2]"), "{}", duplicate.message);

@@ -105,10 +105,26 @@ pub struct Group {
     pub(crate) collective: CollectiveState,
 }
 
+/// The host backend runs a thread per simulated device: it simulates at most this many.
+pub const MAX_HOST_DEVICES: usize = 64;
+
 fn backend_for(devices: &[i64], options: &GroupOptions) -> Result<Arc<dyn Backend>> {
     let host = || -> Result<Arc<dyn Backend>> {
-        let needed = devices.iter().copied().max().unwrap_or(0).max(0) as usize + 1;
-        let count = if options.host_devices == 0 { needed } else { options.host_devices };
+        if options.host_devices > MAX_HOST_DEVICES {
+            bail!(
+                Status::InvalidArgument,
+                "host_devices = {} is above the {MAX_HOST_DEVICES} devices the host backend simulates",
+                options.host_devices
+            );
+        }
+        let highest = devices.iter().copied().max().unwrap_or(0).max(0);
+        if options.host_devices == 0 && highest >= MAX_HOST_DEVICES as i64 {
+            bail!(
+                Status::InvalidDevice,
+                "device {highest} is not below the {MAX_HOST_DEVICES} devices the host backend simulates"
+            );
+        }
+        let count = if options.host_devices == 0 { highest as usize + 1 } else { options.host_devices };
         Ok(Arc::new(HostBackend::new(count)?))
     };
     match options.backend {
