@@ -79,11 +79,6 @@
 #define REFIT_ABI_VERSION 1
 
 /**
- * The host backend runs a thread per simulated device: it simulates at most this many.
- */
-#define MAX_HOST_DEVICES 64
-
-/**
  * Most dimensions a tensor may have.
  */
 #define MAX_DIMS 8
@@ -224,7 +219,8 @@ typedef struct {
    */
   uint32_t backend;
   /**
-   * Host backend only: how many devices to simulate; 0 (default) = the largest listed device + 1.
+   * Host backend only: how many devices to simulate (at most 64); 0 (default) = the largest listed
+   * device + 1.
    */
   uint32_t host_devices;
 } refit_group_options;

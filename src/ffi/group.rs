@@ -39,7 +39,8 @@ pub struct refit_group_options {
     pub size: usize,
     /// REFIT_BACKEND_AUTO (default), REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST.
     pub backend: u32,
-    /// Host backend only: how many devices to simulate; 0 (default) = the largest listed device + 1.
+    /// Host backend only: how many devices to simulate (at most 64); 0 (default) = the largest listed
+    /// device + 1.
     pub host_devices: u32,
 }
 

@@ -106,7 +106,7 @@ pub struct Group {
 }
 
 /// The host backend runs a thread per simulated device: it simulates at most this many.
-pub const MAX_HOST_DEVICES: usize = 64;
+const MAX_HOST_DEVICES: usize = 64;
 
 fn backend_for(devices: &[i64], options: &GroupOptions) -> Result<Arc<dyn Backend>> {
     let host = || -> Result<Arc<dyn Backend>> {
