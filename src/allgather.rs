@@ -192,14 +192,30 @@ unsafe fn peer_all(
     counts: &[usize],
     layout: &Layout,
 ) -> Result<()> {
+    // After an earlier peer collective, every stream must also wait for every other (its readers):
+    // the all-to-all ready waits below do that join.
+    let join_all = group.take_pending_join();
+    let issued = peer_issue(group, send, recv, counts, layout, join_all);
+    // Rank p's stream does not wait here for the ranks reading its block: the next group call, run()
+    // or exit joins them (Group::join_if_pending), and a SYNC exit drains every stream anyway. Marked
+    // on failure too, so that a partly issued call is still joined.
+    group.mark_pending_join();
+    issued
+}
+
+unsafe fn peer_issue(
+    group: &Group,
+    send: &[u64],
+    recv: &[u64],
+    counts: &[usize],
+    layout: &Layout,
+    join_all: bool,
+) -> Result<()> {
     let backend = group.backend();
     let devices = group.devices();
     let streams = group.streams();
     let state = &group.collective;
     let n = group.size();
-    // After an earlier peer collective, every stream must also wait for every other (its readers):
-    // the all-to-all ready waits below do that join.
-    let join_all = group.take_pending_join();
     let orders = |p: usize| counts[p] > 0 || join_all;
     if n > 1 {
         for r in (0..n).filter(|&r| orders(r)) {
@@ -220,9 +236,6 @@ unsafe fn peer_all(
         }
         backend.copy_segments(devices[r], streams[r], &segments)?;
     }
-    // Rank p's stream does not wait here for the ranks reading its block: the next group call, run()
-    // or exit joins them (Group::join_if_pending), and a SYNC exit drains every stream anyway.
-    group.mark_pending_join();
     Ok(())
 }
 
