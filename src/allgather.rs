@@ -228,7 +228,7 @@ unsafe fn peer_issue(
             backend.wait(devices[r], streams[r], state.ready[p])?;
         }
         segments.clear();
-        for p in (0..n).filter(|&p| counts[p] > 0) {
+        for p in pull_order(r, n).filter(|&p| counts[p] > 0) {
             let dst = recv[r] + layout.offsets[p];
             if send[p] != dst {
                 segments.push(Segment::contiguous(send[p], dst, counts[p] as u64));
@@ -237,6 +237,13 @@ unsafe fn peer_issue(
         backend.copy_segments(devices[r], streams[r], &segments)?;
     }
     Ok(())
+}
+
+/// The order in which `rank` pulls blocks: rank+1, rank+2, ... (wrapping), its own block last. Every
+/// step is then a permutation (each GPU is read by exactly one other GPU at a time) instead of every
+/// rank reading rank 0 first, then rank 1, ..., which would load one GPU's links at a time.
+fn pull_order(rank: usize, n: usize) -> impl Iterator<Item = usize> {
+    (1..=n).map(move |k| (rank + k) % n)
 }
 
 fn communicators(group: &Group) -> Result<&Communicators> {
@@ -411,16 +418,13 @@ pub unsafe fn allgather_rank(
     match algorithm {
         Algorithm::Peer => {
             let mut segments = Vec::with_capacity(peers.len());
-            for (p, peer) in peers.iter().enumerate() {
+            for p in (0..peers.len()).filter(|&p| p != rank && counts[p] > 0) {
+                backend.wait(device, stream, state.ready[p])?;
+            }
+            for p in pull_order(rank, peers.len()).filter(|&p| counts[p] > 0) {
                 let dst = recv + layout.offsets[p];
-                if counts[p] == 0 {
-                    continue;
-                }
-                if p != rank {
-                    backend.wait(device, stream, state.ready[p])?;
-                }
-                if peer.send != dst {
-                    segments.push(Segment::contiguous(peer.send, dst, counts[p] as u64));
+                if peers[p].send != dst {
+                    segments.push(Segment::contiguous(peers[p].send, dst, counts[p] as u64));
                 }
             }
             backend.copy_segments(device, stream, &segments)?;
