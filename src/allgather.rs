@@ -503,3 +503,37 @@ fn published(
     }
     Ok(peers)
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pull_order_is_a_rotation_ending_with_the_own_block() {
+        assert_eq!(pull_order(1, 3).collect::<Vec<_>>(), vec![2, 0, 1]);
+        assert_eq!(pull_order(0, 1).collect::<Vec<_>>(), vec![0]);
+        // At every step k, the ranks read distinct owners (a permutation).
+        for n in 2..9 {
+            for k in 0..n {
+                let mut owners: Vec<usize> = (0..n).map(|r| pull_order(r, n).nth(k).unwrap()).collect();
+                owners.sort_unstable();
+                assert_eq!(owners, (0..n).collect::<Vec<_>>(), "n={n} step {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn algorithm_codes_round_trip_and_reject_unknown_values() {
+        for a in [Algorithm::Auto, Algorithm::Nccl, Algorithm::Peer, Algorithm::Host] {
+            assert_eq!(Algorithm::from_code(a.code()).unwrap(), a);
+        }
+        assert_eq!(Algorithm::from_code(u32::MAX).unwrap_err().status, Status::InvalidArgument);
+    }
+
+    #[test]
+    fn layout_offsets_and_overflow() {
+        let l = layout(&[3, 0, 5]).unwrap();
+        assert_eq!((l.offsets, l.total), (vec![0, 3, 3], 8));
+        assert_eq!(layout(&[usize::MAX, 2]).err().unwrap().status, Status::InvalidArgument);
+    }
+}
