@@ -366,10 +366,17 @@ fn main() {
 
         let tiny = vec![TINY; g];
         let tiny_recv: Vec<u64> = recv_ptrs.clone();
-        for (path, algorithm) in [("refit peer", Algorithm::Peer), ("refit nccl", Algorithm::Nccl)] {
+        // In place: each rank's block already sits in its slot (no local copy to queue).
+        let in_place: Vec<u64> = (0..g).map(|r| recv_ptrs[r] + (r * TINY) as u64).collect();
+        let paths = [
+            ("refit peer", Algorithm::Peer, &send_ptrs),
+            ("refit peer, in place", Algorithm::Peer, &in_place),
+            ("refit nccl", Algorithm::Nccl, &send_ptrs),
+        ];
+        for (path, algorithm, sends_for_path) in paths {
             let drain = || group.synchronize().unwrap();
             let (median_us, p90_us) = host_time(&group, &drain, &mut || {
-                unsafe { allgather(&group, &send_ptrs, &tiny_recv, &tiny, algorithm) }.unwrap();
+                unsafe { allgather(&group, sends_for_path, &tiny_recv, &tiny, algorithm) }.unwrap();
             });
             host_rows.push(HostRow { g, path, median_us, p90_us });
         }
