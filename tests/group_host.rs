@@ -293,3 +293,11 @@ fn run_and_rank_collectives_are_refused_in_the_wrong_place() {
     assert_eq!(wrong.status, Status::InvalidArgument);
     assert!(wrong.message.contains("called from rank"), "{}", wrong.message);
 }
+
+#[test]
+fn auto_uses_cuda_when_it_works_and_the_host_backend_otherwise() {
+    let group = Group::new(&[0], GroupOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    let cuda_works = refit::backend::cuda::cuda_backend().is_ok();
+    let expected = if cuda_works { BackendKind::Cuda } else { BackendKind::Host };
+    assert_eq!(group.backend_kind(), expected);
+}
