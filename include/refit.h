@@ -79,6 +79,12 @@
 #define REFIT_ABI_VERSION 1
 
 /**
+ * Default of `CollectiveState::lanes_min_bytes`: lanes cost about 5 driver calls per block on the
+ * host, so they only pay where a block's transfer takes far longer than issuing it.
+ */
+#define PEER_LANES_MIN_BYTES (32 << 20)
+
+/**
  * Most dimensions a tensor may have.
  */
 #define MAX_DIMS 8

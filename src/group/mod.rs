@@ -83,6 +83,23 @@ pub(crate) struct CollectiveState {
     pub calls: Vec<AtomicU64>,
     /// NCCL communicators, created on first use from the group's devices.
     pub nccl: OnceLock<std::result::Result<Communicators, Error>>,
+    /// Extra per-rank streams for pulling several blocks at once (created on first use).
+    pub lanes: Mutex<Option<Lanes>>,
+    /// Smallest mean block size (bytes) for which a peer allgather of more than two ranks pulls
+    /// its blocks on parallel lanes instead of one after another on the rank's stream.
+    pub lanes_min_bytes: AtomicU64,
+}
+
+/// Default of `CollectiveState::lanes_min_bytes`: lanes cost about 5 driver calls per block on the
+/// host, so they only pay where a block's transfer takes far longer than issuing it.
+pub const PEER_LANES_MIN_BYTES: u64 = 32 << 20;
+
+/// `streams[rank][lane]` on the rank's device, `fork[rank]` (recorded on the rank's stream, waited by
+/// its lanes) and `joined[rank][lane]` (recorded on a lane, waited by the rank's stream).
+pub(crate) struct Lanes {
+    pub streams: Vec<Vec<Stream>>,
+    pub fork: Vec<Event>,
+    pub joined: Vec<Vec<Event>>,
 }
 
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
@@ -209,6 +226,8 @@ impl Group {
                 ],
                 calls: (0..n).map(|_| AtomicU64::new(0)).collect(),
                 nccl: OnceLock::new(),
+                lanes: Mutex::new(None),
+                lanes_min_bytes: AtomicU64::new(PEER_LANES_MIN_BYTES),
             },
         };
         // Pushed one by one so that Drop releases exactly what was created if a step fails.
@@ -433,6 +452,38 @@ impl Group {
         })
     }
 
+    /// Sets the smallest mean block size for which a whole-group peer allgather of more than two
+    /// ranks pulls blocks on parallel lanes (`u64::MAX`: never; 0: always). A tuning knob for
+    /// benchmarks and tests; the default is [`PEER_LANES_MIN_BYTES`].
+    pub fn set_peer_lanes_min_bytes(&self, bytes: u64) {
+        self.collective.lanes_min_bytes.store(bytes, Ordering::Relaxed);
+    }
+
+    /// The group's lanes, created on first use: `size - 1` extra streams per rank and their events.
+    pub(crate) fn lanes(&self) -> Result<std::sync::MutexGuard<'_, Option<Lanes>>> {
+        let mut lanes = self.collective.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        if lanes.is_none() {
+            let n = self.size();
+            let mut made = Lanes { streams: Vec::new(), fork: Vec::new(), joined: Vec::new() };
+            let created = (|| -> Result<()> {
+                for &device in &self.devices {
+                    made.fork.push(self.backend.create_event(device)?);
+                    made.streams.push(Vec::new());
+                    made.joined.push(Vec::new());
+                    for _ in 1..n {
+                        made.streams.last_mut().expect("pushed").push(self.backend.create_stream(device)?);
+                        made.joined.last_mut().expect("pushed").push(self.backend.create_event(device)?);
+                    }
+                }
+                Ok(())
+            })();
+            // Kept even when incomplete, so that Drop releases what was made; the error is returned.
+            *lanes = Some(made);
+            created?;
+        }
+        Ok(lanes)
+    }
+
     /// The rank the calling thread runs a body for, checked against `rank` (per-rank collectives).
     pub(crate) fn check_rank_thread(&self, rank: usize) -> Result<()> {
         self.check_rank(rank)?;
@@ -466,6 +517,21 @@ impl Drop for Group {
         self.workers.lock().unwrap_or_else(|p| p.into_inner()).take();
         // Communicators go before the streams they use.
         drop(self.collective.nccl.take());
+        if let Some(lanes) = self.collective.lanes.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            for (r, streams) in lanes.streams.iter().enumerate() {
+                for &stream in streams {
+                    self.backend.destroy_stream(self.devices[r], stream);
+                }
+            }
+            for (r, &event) in lanes.fork.iter().enumerate() {
+                self.backend.destroy_event(self.devices[r], event);
+            }
+            for (r, events) in lanes.joined.iter().enumerate() {
+                for &event in events {
+                    self.backend.destroy_event(self.devices[r], event);
+                }
+            }
+        }
         for r in 0..self.streams.len() {
             self.backend.destroy_stream(self.devices[r], self.streams[r]);
         }
