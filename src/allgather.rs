@@ -227,7 +227,7 @@ unsafe fn peer_issue(
             backend.record(devices[r], state.ready[r], streams[r])?;
         }
     }
-    let use_lanes = n > 2 && layout.total / n as u64 >= state.lanes_min_bytes.load(Ordering::Relaxed);
+    let use_lanes = group.peer_lanes_for(layout.total / n as u64);
     let lanes = if use_lanes { Some(group.lanes()?) } else { None };
     let mut segments = Vec::with_capacity(n);
     for r in 0..n {

@@ -139,7 +139,7 @@ fn two_hundred_calls_in_a_row_inside_one_scope_and_outside() {
 fn scoped_allgather_sees_late_producers(n: usize, lanes: bool) {
     let group = host(n);
     if lanes {
-        group.set_peer_lanes_min_bytes(0);
+        group.set_peer_lanes_min_bytes(Some(0));
     }
     let callers: Vec<_> = (0..n).map(|_| create_host_stream().unwrap()).collect();
     let counts = vec![256usize; n];
@@ -187,10 +187,11 @@ fn inside_a_scope_the_allgather_sees_the_caller_stream_work_queued_before_enter(
 
 #[test]
 fn lanes_pull_byte_exact_and_in_order() {
+    scoped_allgather_sees_late_producers(2, true);
     scoped_allgather_sees_late_producers(3, true);
     scoped_allgather_sees_late_producers(5, true);
     let group = host(4);
-    group.set_peer_lanes_min_bytes(0);
+    group.set_peer_lanes_min_bytes(Some(0));
     check_whole_group(&group, &[1000, 1000, 1000, 1000], Algorithm::Peer, 0);
     check_whole_group(&group, &[5, 0, 1234, 17], Algorithm::Peer, 1);
     for call in 0..50 {
@@ -425,7 +426,7 @@ fn async_exit_after_a_lane_allgather_orders_the_caller_after_every_lane() {
     let n = 3;
     let len = 8 << 20; // large enough that a lane's copy takes milliseconds
     let group = host(n);
-    group.set_peer_lanes_min_bytes(0);
+    group.set_peer_lanes_min_bytes(Some(0));
     let callers: Vec<_> = (0..n).map(|_| create_host_stream().unwrap()).collect();
     let blocks: Vec<Vec<u8>> = (0..n).map(|r| block(r, 21, len)).collect();
     let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; len * n]; n];

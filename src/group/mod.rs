@@ -85,9 +85,10 @@ pub(crate) struct CollectiveState {
     pub nccl: OnceLock<std::result::Result<Communicators, Error>>,
     /// Extra per-rank streams for pulling several blocks at once (created on first use).
     pub lanes: Mutex<Option<Lanes>>,
-    /// Smallest mean block size (bytes) for which a peer allgather of more than two ranks pulls
-    /// its blocks on parallel lanes instead of one after another on the rank's stream.
-    pub lanes_min_bytes: AtomicU64,
+    /// Smallest mean block size (bytes) for which a peer allgather pulls its blocks on parallel
+    /// lanes instead of one after another on the rank's stream. None: the default rule (more than two
+    /// ranks and at least [`PEER_LANES_MIN_BYTES`]); Some(t): any group of two or more ranks, from t.
+    pub lanes_min_bytes: Mutex<Option<u64>>,
 }
 
 /// Default of `CollectiveState::lanes_min_bytes`: lanes cost about 5 driver calls per block on the
@@ -227,7 +228,7 @@ impl Group {
                 calls: (0..n).map(|_| AtomicU64::new(0)).collect(),
                 nccl: OnceLock::new(),
                 lanes: Mutex::new(None),
-                lanes_min_bytes: AtomicU64::new(PEER_LANES_MIN_BYTES),
+                lanes_min_bytes: Mutex::new(None),
             },
         };
         // Pushed one by one so that Drop releases exactly what was created if a step fails.
@@ -452,11 +453,21 @@ impl Group {
         })
     }
 
-    /// Sets the smallest mean block size for which a whole-group peer allgather of more than two
-    /// ranks pulls blocks on parallel lanes (`u64::MAX`: never; 0: always). A tuning knob for
-    /// benchmarks and tests; the default is [`PEER_LANES_MIN_BYTES`].
-    pub fn set_peer_lanes_min_bytes(&self, bytes: u64) {
-        self.collective.lanes_min_bytes.store(bytes, Ordering::Relaxed);
+    /// Sets the smallest mean block size for which a whole-group peer allgather pulls blocks on
+    /// parallel lanes, for any group of two or more ranks (`Some(u64::MAX)`: never; `Some(0)`: always;
+    /// `None`: the default rule, more than two ranks and [`PEER_LANES_MIN_BYTES`]). A tuning knob for
+    /// benchmarks and tests.
+    pub fn set_peer_lanes_min_bytes(&self, bytes: Option<u64>) {
+        *self.collective.lanes_min_bytes.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
+    }
+
+    /// Whether a whole-group peer allgather with this mean block size uses lanes.
+    pub(crate) fn peer_lanes_for(&self, mean_block: u64) -> bool {
+        let n = self.size();
+        match *self.collective.lanes_min_bytes.lock().unwrap_or_else(|p| p.into_inner()) {
+            None => n > 2 && mean_block >= PEER_LANES_MIN_BYTES,
+            Some(min) => n > 1 && mean_block >= min,
+        }
     }
 
     /// The group's lanes, created on first use: `size - 1` extra streams per rank and their events.
@@ -541,5 +552,29 @@ impl Drop for Group {
                 self.backend.destroy_event(self.devices[r], event);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(n: i64) -> Group {
+        let devices: Vec<i64> = (0..n).collect();
+        Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
+    }
+
+    #[test]
+    fn lanes_by_default_only_for_more_than_two_ranks_and_large_blocks() {
+        let (one, two, three) = (host(1), host(2), host(3));
+        assert!(!two.peer_lanes_for(1 << 40));
+        assert!(three.peer_lanes_for(PEER_LANES_MIN_BYTES));
+        assert!(!three.peer_lanes_for(PEER_LANES_MIN_BYTES - 1));
+        two.set_peer_lanes_min_bytes(Some(0));
+        assert!(two.peer_lanes_for(0));
+        three.set_peer_lanes_min_bytes(Some(u64::MAX));
+        assert!(!three.peer_lanes_for(1 << 40));
+        one.set_peer_lanes_min_bytes(Some(0));
+        assert!(!one.peer_lanes_for(1 << 40), "one rank has no peer to pull from");
     }
 }
