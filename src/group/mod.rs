@@ -462,7 +462,7 @@ impl Group {
     }
 
     /// Whether a whole-group peer allgather with this mean block size uses lanes.
-    pub(crate) fn peer_lanes_for(&self, mean_block: u64) -> bool {
+    pub fn peer_lanes_for(&self, mean_block: u64) -> bool {
         let n = self.size();
         match *self.collective.lanes_min_bytes.lock().unwrap_or_else(|p| p.into_inner()) {
             None => n > 2 && mean_block >= PEER_LANES_MIN_BYTES,

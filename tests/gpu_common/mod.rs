@@ -21,15 +21,19 @@ pub fn cuda() -> Arc<CudaBackend> {
     cuda_backend().unwrap_or_else(|e| panic!("GPU test without a usable GPU: {e}"))
 }
 
-/// Group sizes to test: 1, and 2 when the machine has two GPUs.
+/// Group sizes to test: 1, 2 when the machine has two GPUs, and every GPU when it has more.
 pub fn group_sizes() -> Vec<usize> {
     let count = cuda().device_count();
+    let mut sizes = vec![1];
     if count >= 2 {
-        vec![1, 2]
+        sizes.push(2);
     } else {
-        println!("note: one GPU: two-GPU cases not run");
-        vec![1]
+        println!("note: one GPU: multi-GPU cases not run");
     }
+    if count > 2 {
+        sizes.push(count);
+    }
+    sizes
 }
 
 pub struct DeviceBuffer {
