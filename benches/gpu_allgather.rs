@@ -10,6 +10,8 @@
 //! stream's time per call; median of several batches after warm-up batches.
 //! "Received per GPU" is (G-1) x size / time (NCCL's bus bandwidth for allgather); for G = 1 it is the
 //! own block's copy, size / time.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 #[path = "../tests/gpu_common/mod.rs"]
 mod gpu_common;
@@ -167,6 +169,8 @@ struct Row {
     g: usize,
     size: usize,
     peer: f64,
+    one_stream: f64,
+    lanes: f64,
     ours_nccl: f64,
     direct_nccl: f64,
     ceiling: Option<f64>,
@@ -247,7 +251,7 @@ fn probe(gates: &Gates, size: usize, sends: &[DeviceBuffer], recvs: &[DeviceBuff
 
 /// Host time of each call (not of the GPU work), tiny buffers, inside one scope; synchronized every
 /// 100 calls outside the timed region.
-fn host_time(group: &Group, issue: &mut dyn FnMut()) -> (f64, f64) {
+fn host_time(group: &Group, drain: &dyn Fn(), issue: &mut dyn FnMut()) -> (f64, f64) {
     let mut samples = Vec::with_capacity(HOST_CALLS);
     group.enter(None).unwrap();
     for call in 0..HOST_CALLS + 100 {
@@ -258,7 +262,7 @@ fn host_time(group: &Group, issue: &mut dyn FnMut()) -> (f64, f64) {
             samples.push(took);
         }
         if call % 100 == 99 {
-            group.synchronize().unwrap();
+            drain();
         }
     }
     group.exit(ExitMode::Sync).unwrap();
@@ -339,7 +343,14 @@ fn main() {
                 group.exit(ExitMode::Sync).unwrap();
                 t
             };
-            let peer = ours(Algorithm::Peer);
+            // Peer pulls one after another on each rank's stream, and on parallel lanes (G >= 2);
+            // "refit peer" is what the default rule picks for this G and size.
+            group.set_peer_lanes_min_bytes(Some(u64::MAX));
+            let one_stream = ours(Algorithm::Peer);
+            group.set_peer_lanes_min_bytes(Some(0));
+            let lanes = if g >= 2 { ours(Algorithm::Peer) } else { one_stream };
+            group.set_peer_lanes_min_bytes(None);
+            let peer = if group.peer_lanes_for(size as u64) { lanes } else { one_stream };
             let ours_nccl = ours(Algorithm::Nccl);
             let direct_nccl = time_per_call(&gates, &direct_streams, iters, &mut || {
                 direct.issue(&send_ptrs, &recv_ptrs, size)
@@ -351,6 +362,8 @@ fn main() {
                 g,
                 size,
                 peer: gbps(received, peer),
+                one_stream: gbps(received, one_stream),
+                lanes: gbps(received, lanes),
                 ours_nccl: gbps(received, ours_nccl),
                 direct_nccl: gbps(received, direct_nccl),
                 ceiling,
@@ -364,29 +377,42 @@ fn main() {
 
         let tiny = vec![TINY; g];
         let tiny_recv: Vec<u64> = recv_ptrs.clone();
-        for (path, algorithm) in [("refit peer", Algorithm::Peer), ("refit nccl", Algorithm::Nccl)] {
-            let (median_us, p90_us) = host_time(&group, &mut || {
-                unsafe { allgather(&group, &send_ptrs, &tiny_recv, &tiny, algorithm) }.unwrap();
+        // In place: each rank's block already sits in its slot (no local copy to queue).
+        let in_place: Vec<u64> = (0..g).map(|r| recv_ptrs[r] + (r * TINY) as u64).collect();
+        let paths = [
+            ("refit peer", Algorithm::Peer, &send_ptrs),
+            ("refit peer, in place", Algorithm::Peer, &in_place),
+            ("refit nccl", Algorithm::Nccl, &send_ptrs),
+        ];
+        for (path, algorithm, sends_for_path) in paths {
+            let drain = || group.synchronize().unwrap();
+            let (median_us, p90_us) = host_time(&group, &drain, &mut || {
+                unsafe { allgather(&group, sends_for_path, &tiny_recv, &tiny, algorithm) }.unwrap();
             });
             host_rows.push(HostRow { g, path, median_us, p90_us });
         }
-        let (median_us, p90_us) = host_time(&group, &mut || direct.issue(&send_ptrs, &tiny_recv, TINY));
+        let drain_direct = || {
+            for (r, s) in direct.streams.iter().enumerate() {
+                backend.sync_stream(r, *s).unwrap();
+            }
+        };
+        let (median_us, p90_us) =
+            host_time(&group, &drain_direct, &mut || direct.issue(&send_ptrs, &tiny_recv, TINY));
         host_rows.push(HostRow { g, path: "direct ncclAllGather", median_us, p90_us });
-        for (r, s) in direct.streams.iter().enumerate() {
-            backend.sync_stream(r, *s).unwrap();
-        }
     }
 
     println!("\n## Allgather: GB/s received per GPU ((G-1) x size / time; G=1: own block copy)\n");
-    println!("| G | per-rank size | refit peer | refit NCCL | direct ncclAllGather | peer / NCCL | refit NCCL / direct | all-pull CE ceiling | best / ceiling |");
-    println!("|---|---|---|---|---|---|---|---|---|");
+    println!("| G | per-rank size | refit peer | (one stream | lanes) | refit NCCL | direct ncclAllGather | peer / NCCL | refit NCCL / direct | all-pull CE ceiling | best / ceiling |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let best = r.peer.max(r.ours_nccl);
         println!(
-            "| {} | {} MiB | {:.1} | {:.1} | {:.1} | {:.2}x | {:.3} | {} | {} |",
+            "| {} | {} MiB | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.3} | {} | {} |",
             r.g,
             r.size / MIB,
             r.peer,
+            r.one_stream,
+            r.lanes,
             r.ours_nccl,
             r.direct_nccl,
             r.peer / r.direct_nccl,
@@ -428,11 +454,13 @@ fn main() {
     for (i, r) in rows.iter().enumerate() {
         let _ = write!(
             json,
-            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling\":{}}}",
+            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_one_stream\":{:.3},\"peer_lanes\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling\":{}}}",
             if i > 0 { "," } else { "" },
             r.g,
             r.size,
             r.peer,
+            r.one_stream,
+            r.lanes,
             r.ours_nccl,
             r.direct_nccl,
             r.ceiling.map_or("null".to_string(), |c| format!("{c:.3}"))

@@ -3,7 +3,7 @@
 #   every GPU test (tests/gpu_*.rs, #[ignore]d elsewhere, run here with --ignored), the C/C++ tests,
 #   then every GPU bench (benches/gpu_*), the Python peer benches (benches/*_peer.py),
 #   and prints a short table last. Logs and JSON results go to $OUT.
-# Usage: gpu/run.sh [tests|benches|all] [filter]
+# Usage: gpu/run.sh [tests|benches|demo|all] [filter]   (DEMO_ARGS: arguments for the demo)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export REFIT_NCCL_LIBRARY=${REFIT_NCCL_LIBRARY:-/usr/lib/x86_64-linux-gnu/libnccl.so.2}
@@ -64,10 +64,19 @@ if [ "$what" = all ] || [ "$what" = benches ]; then
   done
 fi
 
+if [ "$what" = all ] || [ "$what" = demo ]; then
+  echo "=== demo ${DEMO_ARGS:-}" | tee -a "$log"
+  if timeout 400 .gpu/examples/demo ${DEMO_ARGS:-} 2>&1 | tee -a "$log" "$work/demo.txt"; then
+    record demo "ok"
+  else
+    record demo "FAILED"
+  fi
+fi
+
 echo
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
-for f in "$work"/gpu_*.txt "$work"/*_peer.txt; do
+for f in "$work"/gpu_*.txt "$work"/*_peer.txt "$work"/demo.txt; do
   [ -e "$f" ] && { echo "--- $(basename "$f")"; grep -E '^\|' "$f" | tail -20; }
 done
 mkdir -p "${OUT:-/tmp/out}"

@@ -15,7 +15,7 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and m["profile"]["test"]:
         kind = m["target"]["kind"][0]
         name = m["target"]["name"]
-        if kind == "test":
+        if kind == "test" and name.startswith("gpu_"):
             shutil.copy(m["executable"], ".gpu/tests/" + name)
 '
 cargo bench --no-run --message-format=json 2>/dev/null |
@@ -26,5 +26,9 @@ for line in sys.stdin:
     if m.get("reason") == "compiler-artifact" and m.get("executable") and "bench" in m["target"]["kind"]:
         shutil.copy(m["executable"], ".gpu/benches/" + m["target"]["name"])
 '
-ls -la .gpu/tests .gpu/benches
+cargo build --release --examples
+mkdir -p .gpu/examples && cp target/release/examples/demo .gpu/examples/
+# Only 64 MiB travel to the GPU machine: drop debug info.
+strip --strip-debug .gpu/lib/* .gpu/tests/* .gpu/benches/* .gpu/examples/*
+ls -la .gpu/tests .gpu/benches .gpu/examples
 du -sh .gpu

@@ -126,6 +126,12 @@
 #define REFIT_ABI_VERSION 1
 
 /**
+ * Default of `CollectiveState::lanes_min_bytes`: lanes cost about 5 driver calls per block on the
+ * host, so they only pay where a block's transfer takes far longer than issuing it.
+ */
+#define PEER_LANES_MIN_BYTES (32 << 20)
+
+/**
  * Destination runs expanded at most this many in total to decide overlap exactly, beyond which the
  * checked mode refuses the batch (Unsupported) rather than spend unbounded time.
  */
@@ -336,7 +342,8 @@ typedef struct {
    */
   uint32_t backend;
   /**
-   * Host backend only: how many devices to simulate; 0 (default) = the largest listed device + 1.
+   * Host backend only: how many devices to simulate (at most 64); 0 (default) = the largest listed
+   * device + 1.
    */
   uint32_t host_devices;
 } refit_group_options;
@@ -638,7 +645,10 @@ refit_status refit_group_device(const refit_group *group, uint32_t rank, int32_t
 /**
  * The stream of `rank` (a CUstream on the CUDA backend, an opaque host-stream handle on the host
  * backend): non-blocking, created with the group, the same for every call until refit_group_destroy.
- * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank).
+ * Work you queue on it yourself inside a scope is ordered after the group's earlier work on this rank;
+ * after a PEER allgather, other ranks may still be reading this rank's buffers until the next group
+ * call, refit_group_run or refit_group_exit (which join them), so do not overwrite them from here
+ * before that. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank).
  */
 refit_status refit_group_stream(const refit_group *group,
                                 uint32_t rank,

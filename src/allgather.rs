@@ -9,8 +9,13 @@
 //!   stream (one `cuMemcpyAsync` per block; unified addressing routes it over NVLink). Ordering: each
 //!   rank records `ready` after its inputs and readers wait on it. That owners' streams also wait for
 //!   their readers is deferred to the next group call, run() or exit (one join per scope instead of
-//!   one per call, for host time); the per-rank variant joins at once with a second barrier. On the
-//!   host backend the same code runs on simulated streams.
+//!   one per call, for host time); the per-rank variant joins at once with a second barrier. Blocks are
+//!   pulled in rotated order (rank r reads r+1, r+2, ...), so that at each step every GPU is read by
+//!   one other. With more than two ranks and large blocks (`PEER_LANES_MIN_BYTES`), each rank pulls its
+//!   peers' blocks at once on extra "lane" streams forked from and joined back into its stream. The
+//!   copy engine, not an SM kernel: CEILINGS.md measured CE peer copies at 396 GB/s one way and 782
+//!   both ways, an SM pull kernel at 374 / 673. On the host backend the same code runs on simulated
+//!   streams.
 //! - `Nccl`: equal counts use `ncclAllGather` (byte type), uneven counts use `ncclSend`/`ncclRecv`
 //!   pairs inside one `ncclGroupStart/End` (no padding, so no extra bytes moved) plus a local copy of the
 //!   own block. Communicators are created on first use with `ncclCommInitAll` and kept on the group.
@@ -22,6 +27,8 @@
 //! from 256 MiB, against NCCL allgather's 53 GB/s at 1 MiB and 245-271 GB/s at 128-512 MiB: peer wins
 //! at every measured size); otherwise `Nccl` when it loads (it routes around missing peer access better
 //! than driver-staged copies), else `Peer`. benches/gpu_allgather.rs re-measures the comparison.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 use crate::backend::cuda::preserve_current_context;
 use crate::backend::nccl::{nccl, Communicators};
@@ -190,38 +197,81 @@ unsafe fn peer_all(
     counts: &[usize],
     layout: &Layout,
 ) -> Result<()> {
+    // After an earlier peer collective, every stream must also wait for every other (its readers):
+    // the all-to-all ready waits below do that join.
+    let join_all = group.take_pending_join();
+    let issued = peer_issue(group, send, recv, counts, layout, join_all);
+    // Rank p's stream does not wait here for the ranks reading its block: the next group call, run()
+    // or exit joins them (Group::join_if_pending), and a SYNC exit drains every stream anyway. Marked
+    // on failure too, so that a partly issued call is still joined.
+    group.mark_pending_join();
+    issued
+}
+
+unsafe fn peer_issue(
+    group: &Group,
+    send: &[u64],
+    recv: &[u64],
+    counts: &[usize],
+    layout: &Layout,
+    join_all: bool,
+) -> Result<()> {
     let backend = group.backend();
     let devices = group.devices();
     let streams = group.streams();
     let state = &group.collective;
     let n = group.size();
-    // After an earlier peer collective, every stream must also wait for every other (its readers):
-    // the all-to-all ready waits below do that join.
-    let join_all = group.take_pending_join();
     let orders = |p: usize| counts[p] > 0 || join_all;
     if n > 1 {
         for r in (0..n).filter(|&r| orders(r)) {
             backend.record(devices[r], state.ready[r], streams[r])?;
         }
     }
+    let use_lanes = group.peer_lanes_for(layout.total / n as u64);
+    let lanes = if use_lanes { Some(group.lanes()?) } else { None };
     let mut segments = Vec::with_capacity(n);
     for r in 0..n {
         for p in (0..n).filter(|&p| p != r && orders(p)) {
             backend.wait(devices[r], streams[r], state.ready[p])?;
         }
         segments.clear();
-        for p in (0..n).filter(|&p| counts[p] > 0) {
+        let mut lane = 0;
+        for p in pull_order(r, n).filter(|&p| counts[p] > 0) {
             let dst = recv[r] + layout.offsets[p];
-            if send[p] != dst {
-                segments.push(Segment::contiguous(send[p], dst, counts[p] as u64));
+            if send[p] == dst {
+                continue;
+            }
+            let segment = Segment::contiguous(send[p], dst, counts[p] as u64);
+            match lanes.as_deref().and_then(Option::as_ref) {
+                // Each peer block on its own lane, forked from and joined back into the rank's stream.
+                Some(lanes) if p != r => {
+                    if lane == 0 {
+                        backend.record(devices[r], lanes.fork[r], streams[r])?;
+                    }
+                    let lane_stream = lanes.streams[r][lane];
+                    backend.wait(devices[r], lane_stream, lanes.fork[r])?;
+                    backend.copy_segments(devices[r], lane_stream, &[segment])?;
+                    backend.record(devices[r], lanes.joined[r][lane], lane_stream)?;
+                    lane += 1;
+                }
+                _ => segments.push(segment),
             }
         }
         backend.copy_segments(devices[r], streams[r], &segments)?;
+        if let Some(lanes) = lanes.as_deref().and_then(Option::as_ref) {
+            for joined in &lanes.joined[r][..lane] {
+                backend.wait(devices[r], streams[r], *joined)?;
+            }
+        }
     }
-    // Rank p's stream does not wait here for the ranks reading its block: the next group call, run()
-    // or exit joins them (Group::join_if_pending), and a SYNC exit drains every stream anyway.
-    group.mark_pending_join();
     Ok(())
+}
+
+/// The order in which `rank` pulls blocks: rank+1, rank+2, ... (wrapping), its own block last. Every
+/// step is then a permutation (each GPU is read by exactly one other GPU at a time) instead of every
+/// rank reading rank 0 first, then rank 1, ..., which would load one GPU's links at a time.
+fn pull_order(rank: usize, n: usize) -> impl Iterator<Item = usize> {
+    (1..=n).map(move |k| (rank + k) % n)
 }
 
 fn communicators(group: &Group) -> Result<&Communicators> {
@@ -396,16 +446,13 @@ pub unsafe fn allgather_rank(
     match algorithm {
         Algorithm::Peer => {
             let mut segments = Vec::with_capacity(peers.len());
-            for (p, peer) in peers.iter().enumerate() {
+            for p in (0..peers.len()).filter(|&p| p != rank && counts[p] > 0) {
+                backend.wait(device, stream, state.ready[p])?;
+            }
+            for p in pull_order(rank, peers.len()).filter(|&p| counts[p] > 0) {
                 let dst = recv + layout.offsets[p];
-                if counts[p] == 0 {
-                    continue;
-                }
-                if p != rank {
-                    backend.wait(device, stream, state.ready[p])?;
-                }
-                if peer.send != dst {
-                    segments.push(Segment::contiguous(peer.send, dst, counts[p] as u64));
+                if peers[p].send != dst {
+                    segments.push(Segment::contiguous(peers[p].send, dst, counts[p] as u64));
                 }
             }
             backend.copy_segments(device, stream, &segments)?;
@@ -483,4 +530,38 @@ fn published(
         }
     }
     Ok(peers)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn pull_order_is_a_rotation_ending_with_the_own_block() {
+        assert_eq!(pull_order(1, 3).collect::<Vec<_>>(), vec![2, 0, 1]);
+        assert_eq!(pull_order(0, 1).collect::<Vec<_>>(), vec![0]);
+        // At every step k, the ranks read distinct owners (a permutation).
+        for n in 2..9 {
+            for k in 0..n {
+                let mut owners: Vec<usize> = (0..n).map(|r| pull_order(r, n).nth(k).unwrap()).collect();
+                owners.sort_unstable();
+                assert_eq!(owners, (0..n).collect::<Vec<_>>(), "n={n} step {k}");
+            }
+        }
+    }
+
+    #[test]
+    fn algorithm_codes_round_trip_and_reject_unknown_values() {
+        for a in [Algorithm::Auto, Algorithm::Nccl, Algorithm::Peer, Algorithm::Host] {
+            assert_eq!(Algorithm::from_code(a.code()).unwrap(), a);
+        }
+        assert_eq!(Algorithm::from_code(u32::MAX).unwrap_err().status, Status::InvalidArgument);
+    }
+
+    #[test]
+    fn layout_offsets_and_overflow() {
+        let l = layout(&[3, 0, 5]).unwrap();
+        assert_eq!((l.offsets, l.total), (vec![0, 3, 3], 8));
+        assert_eq!(layout(&[usize::MAX, 2]).err().unwrap().status, Status::InvalidArgument);
+    }
 }

@@ -1,5 +1,7 @@
 //! Allgather on the host backend, byte-exact against an expectation built independently (the blocks
 //! concatenated in rank order by plain Vec operations), for every shape the API allows.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 use refit::allgather::{allgather, allgather_rank, Algorithm};
 use refit::backend::host::{create_host_stream, destroy_host_stream, host_stream};
@@ -132,17 +134,20 @@ fn two_hundred_calls_in_a_row_inside_one_scope_and_outside() {
     }
 }
 
-#[test]
-fn inside_a_scope_the_allgather_sees_the_caller_stream_work_queued_before_enter() {
-    let group = host(2);
-    let callers = [create_host_stream().unwrap(), create_host_stream().unwrap()];
-    let counts = [256usize, 256];
-    let final_blocks: Vec<Vec<u8>> = (0..2).map(|r| block(r, 5, 256)).collect();
-    let mut sends: Vec<Vec<u8>> = vec![vec![0u8; 256]; 2];
-    let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; 512]; 2];
+/// Callers produce the send blocks late (behind a gate) on their own streams; the allgather inside
+/// the scope must still read the final bytes.
+fn scoped_allgather_sees_late_producers(n: usize, lanes: bool) {
+    let group = host(n);
+    if lanes {
+        group.set_peer_lanes_min_bytes(Some(0));
+    }
+    let callers: Vec<_> = (0..n).map(|_| create_host_stream().unwrap()).collect();
+    let counts = vec![256usize; n];
+    let final_blocks: Vec<Vec<u8>> = (0..n).map(|r| block(r, 5, 256)).collect();
+    let mut sends: Vec<Vec<u8>> = vec![vec![0u8; 256]; n];
+    let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; 256 * n]; n];
     let gate = Arc::new(AtomicBool::new(false));
-    // The caller's streams produce the send blocks late (after the gate opens).
-    for r in 0..2 {
+    for r in 0..n {
         let (gate, dst, src) = (Arc::clone(&gate), sends[r].as_mut_ptr() as usize, final_blocks[r].clone());
         host_stream(callers[r])
             .unwrap()
@@ -161,16 +166,52 @@ fn inside_a_scope_the_allgather_sees_the_caller_stream_work_queued_before_enter(
     std::thread::sleep(Duration::from_millis(20));
     gate.store(true, Ordering::SeqCst);
     group.exit(ExitMode::Async).unwrap();
-    for c in callers {
+    for &c in &callers {
         host_stream(c).unwrap().synchronize().unwrap();
     }
     let want = expected(&final_blocks);
     assert!(
         recvs.iter().all(|got| *got == want),
-        "the allgather read the send buffers before the caller wrote them"
+        "n={n} lanes={lanes}: the allgather read the send buffers before the callers wrote them"
     );
     for c in callers {
         destroy_host_stream(c).unwrap();
+    }
+}
+
+#[test]
+fn inside_a_scope_the_allgather_sees_the_caller_stream_work_queued_before_enter() {
+    scoped_allgather_sees_late_producers(2, false);
+    scoped_allgather_sees_late_producers(4, false);
+}
+
+#[test]
+fn lanes_pull_byte_exact_and_in_order() {
+    scoped_allgather_sees_late_producers(2, true);
+    scoped_allgather_sees_late_producers(3, true);
+    scoped_allgather_sees_late_producers(5, true);
+    let group = host(4);
+    group.set_peer_lanes_min_bytes(Some(0));
+    check_whole_group(&group, &[1000, 1000, 1000, 1000], Algorithm::Peer, 0);
+    check_whole_group(&group, &[5, 0, 1234, 17], Algorithm::Peer, 1);
+    for call in 0..50 {
+        check_whole_group(&group, &[64, 3, 0, 129], Algorithm::Peer, call);
+    }
+    // Inside one scope, with buffers alive until the exit.
+    let counts = [40usize, 0, 7, 300];
+    let sends: Vec<Vec<Vec<u8>>> =
+        (0..50).map(|c| (0..4).map(|r| block(r, c, counts[r])).collect()).collect();
+    let mut recvs: Vec<Vec<Vec<u8>>> = (0..50).map(|_| vec![vec![POISON; 347]; 4]).collect();
+    group.enter(None).unwrap();
+    for call in 0..50 {
+        let s: Vec<u64> = sends[call].iter().map(|b| b.as_ptr() as u64).collect();
+        let r: Vec<u64> = recvs[call].iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+        unsafe { allgather(&group, &s, &r, &counts, Algorithm::Peer) }.unwrap();
+    }
+    group.exit(ExitMode::Sync).unwrap();
+    for call in 0..50 {
+        let want = expected(&sends[call]);
+        assert!(recvs[call].iter().all(|got| *got == want), "call {call} wrong");
     }
 }
 
@@ -378,4 +419,57 @@ fn run_after_a_scoped_allgather_starts_only_after_every_reader_is_done() {
     group.exit(ExitMode::Sync).unwrap();
     assert!(recvs[1] == expected(&blocks), "rank 1 read rank 0's block after the owner overwrote it");
     assert!(sends[0].iter().all(|&b| b == 0));
+}
+
+#[test]
+fn async_exit_after_a_lane_allgather_orders_the_caller_after_every_lane() {
+    let n = 3;
+    let len = 8 << 20; // large enough that a lane's copy takes milliseconds
+    let group = host(n);
+    group.set_peer_lanes_min_bytes(Some(0));
+    let callers: Vec<_> = (0..n).map(|_| create_host_stream().unwrap()).collect();
+    let blocks: Vec<Vec<u8>> = (0..n).map(|r| block(r, 21, len)).collect();
+    let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; len * n]; n];
+    let gate = Arc::new(AtomicBool::new(false));
+    // A gated step on every caller stream: the group (and so its lanes) starts only when it opens.
+    for &c in &callers {
+        let gate = Arc::clone(&gate);
+        host_stream(c)
+            .unwrap()
+            .enqueue(move || {
+                while !gate.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+            })
+            .unwrap();
+    }
+    group.enter(Some(&callers)).unwrap();
+    let s: Vec<u64> = blocks.iter().map(|b| b.as_ptr() as u64).collect();
+    let r: Vec<u64> = recvs.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+    unsafe { allgather(&group, &s, &r, &vec![len; n], Algorithm::Peer) }.unwrap();
+    group.exit(ExitMode::Async).unwrap();
+    // The caller's next work snapshots what it received.
+    let snapshots: Vec<Arc<std::sync::Mutex<Vec<u8>>>> =
+        (0..n).map(|_| Arc::new(std::sync::Mutex::new(Vec::new()))).collect();
+    for i in 0..n {
+        let (snap, src) = (Arc::clone(&snapshots[i]), r[i] as usize);
+        host_stream(callers[i])
+            .unwrap()
+            .enqueue(move || {
+                *snap.lock().unwrap() =
+                    unsafe { std::slice::from_raw_parts(src as *const u8, len * n) }.to_vec()
+            })
+            .unwrap();
+    }
+    gate.store(true, Ordering::SeqCst);
+    for &c in &callers {
+        host_stream(c).unwrap().synchronize().unwrap();
+    }
+    let want = expected(&blocks);
+    for (i, snap) in snapshots.iter().enumerate() {
+        assert!(*snap.lock().unwrap() == want, "caller {i} ran before the group's lanes finished");
+    }
+    for c in callers {
+        destroy_host_stream(c).unwrap();
+    }
 }

@@ -1,6 +1,8 @@
 //! Allgather on real GPUs (run on the GPU machine: `gpu_allgather --ignored --test-threads=1`): every
 //! algorithm byte-exact with poisoned outputs, whole-group and per-rank, equal / uneven / zero / in
 //! place, 200 calls in a row, and ordering after the caller's slow producer. Handles 1 or 2 GPUs.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 mod gpu_common;
 
@@ -207,5 +209,31 @@ fn inside_a_scope_the_allgather_sees_a_slow_producer_on_the_caller_stream() {
             }
             println!("G={size} {algorithm:?}: ordered after the caller's slow producer");
         }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn peer_lanes_are_byte_exact() {
+    for size in group_sizes() {
+        let group = gpu_group(size);
+        // Lanes for every size (the default rule uses them only above two ranks and 32 MiB blocks).
+        group.set_peer_lanes_min_bytes(Some(0));
+        let mib = 1 << 20;
+        let uneven: Vec<usize> = (0..size).map(|r| if r == 0 { 0 } else { 8 * mib + 13 * r }).collect();
+        for counts in [vec![8 * mib + 5; size], uneven] {
+            for in_place in [false, true] {
+                let case = Case::new(&counts, 4, in_place);
+                let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
+                let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
+                group.enter(None).unwrap();
+                for _ in 0..3 {
+                    unsafe { allgather(&group, &sends, &recvs, &counts, Algorithm::Peer) }.unwrap();
+                }
+                group.exit(ExitMode::Async).unwrap();
+                case.check(&format!("lanes G={size} counts {counts:?} in_place {in_place}"));
+            }
+        }
+        println!("G={size}: peer lanes byte-exact");
     }
 }

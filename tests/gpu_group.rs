@@ -2,6 +2,8 @@
 //! streams are non-blocking, not the null stream, per device and stable; work queued earlier on the
 //! caller's stream (a deliberately slow kernel) is seen after enter; ASYNC exit orders the caller's
 //! stream without a host sync; run() releases ranks when one fails. Handles 1 or 2 GPUs.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 mod gpu_common;
 
@@ -138,7 +140,10 @@ fn work_queued_earlier_on_the_caller_stream_is_seen_after_enter() {
         kernels[0].launch(Stream::NULL, SPIN_MS, input.ptr, 0xBAD);
         copy_on(&group, 0, group.stream(0).unwrap(), input.ptr, output.ptr, 4);
         cuda().sync_stream(0, group.stream(0).unwrap()).unwrap();
-        assert!(!stream_idle(0, Stream::NULL), "the slow kernel should still be running");
+        assert!(
+            !stream_idle(0, Stream::NULL),
+            "the group's stream waited for the legacy stream's slow kernel: it is not non-blocking"
+        );
         assert_eq!(read_u32(&output), 7, "the group's stream waited for the legacy stream: it is blocking");
         println!("G={size}: enter orders after caller streams (null and non-blocking); control confirms");
     }

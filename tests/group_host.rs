@@ -1,5 +1,7 @@
 //! The device group on the host backend: creation errors, queries, scope ordering (with streams that
 //! really run later), run() on persistent threads, error propagation and release.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 use refit::backend::host::{create_host_stream, destroy_host_stream, host_stream};
 use refit::backend::{BackendKind, Stream};
@@ -47,6 +49,9 @@ fn bad_device_lists_have_their_own_status() {
     let out_of_range = host_err(&[0, 2], 2);
     assert_eq!(out_of_range.status, Status::InvalidDevice);
     assert!(out_of_range.message.contains("devices[1] = 2"), "{}", out_of_range.message);
+    // The host backend simulates a bounded number of devices (a thread each): no runaway spawning.
+    assert_eq!(host_err(&[1_000_000_000], 0).status, Status::InvalidDevice);
+    assert_eq!(host_err(&[0], 1_000_000).status, Status::InvalidArgument);
     let duplicate = host_err(&[1, 0, 1], 0);
     assert_eq!(duplicate.status, Status::DuplicateDevice);
     assert!(duplicate.message.contains("devices[0] and devices[2]"), "{}", duplicate.message);
@@ -287,4 +292,12 @@ fn run_and_rank_collectives_are_refused_in_the_wrong_place() {
         .unwrap_err();
     assert_eq!(wrong.status, Status::InvalidArgument);
     assert!(wrong.message.contains("called from rank"), "{}", wrong.message);
+}
+
+#[test]
+fn auto_uses_cuda_when_it_works_and_the_host_backend_otherwise() {
+    let group = Group::new(&[0], GroupOptions::default()).unwrap_or_else(|e| panic!("{e}"));
+    let cuda_works = refit::backend::cuda::cuda_backend().is_ok();
+    let expected = if cuda_works { BackendKind::Cuda } else { BackendKind::Host };
+    assert_eq!(group.backend_kind(), expected);
 }

@@ -77,10 +77,13 @@ impl CudaBackend {
         // cudarc panics when a driver function is called without libcuda: ask first.
         // SAFETY: only tries to open the library.
         if !unsafe { sys::is_culib_present() } {
+            let tried = cudarc::get_lib_name_candidates("cuda");
             return Err(Error::new(
                 Status::CudaUnavailable,
-                "libcuda could not be loaded (tried libcuda.so, libcuda.so.1 and the other names cudarc \
-                 searches); is the NVIDIA driver installed?",
+                format!(
+                    "libcuda could not be loaded (tried {}); is the NVIDIA driver installed?",
+                    tried.join(", ")
+                ),
             ));
         }
         // SAFETY: plain driver calls with valid out-pointers.
@@ -354,5 +357,28 @@ impl Drop for PreservedContext {
     fn drop(&mut self) {
         // SAFETY: restoring the context that was current (or NULL).
         unsafe { sys::cuCtxSetCurrent(self.previous) };
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_libcuda_the_backend_is_a_status_listing_what_was_searched() {
+        // SAFETY: only tries to open the library.
+        if unsafe { sys::is_culib_present() } {
+            // With a driver: a backend with devices, or a clear status (e.g. no device), never a panic.
+            match cuda_backend() {
+                Ok(backend) => assert!(backend.device_count() > 0),
+                Err(err) => {
+                    assert!(matches!(err.status, Status::CudaUnavailable | Status::CudaError), "{err}")
+                }
+            }
+            return;
+        }
+        let err = cuda_backend().err().expect("no libcuda, no backend");
+        assert_eq!(err.status, Status::CudaUnavailable);
+        assert!(err.message.contains("libcuda.so"), "{}", err.message);
     }
 }

@@ -1,4 +1,8 @@
 //! The device group's C API: create/destroy, queries, scopes, run-per-rank, host streams.
+//!
+//! Exports take raw pointers from C and are not `unsafe fn` (C cannot tell the difference); each
+//! pointer is checked by the argument helpers before use, inside the boundary.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::{arg, boundary, check_struct_size, out, slice};
 use crate::backend::host::{create_host_stream, destroy_host_stream};
@@ -35,7 +39,8 @@ pub struct refit_group_options {
     pub size: usize,
     /// REFIT_BACKEND_AUTO (default), REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST.
     pub backend: u32,
-    /// Host backend only: how many devices to simulate; 0 (default) = the largest listed device + 1.
+    /// Host backend only: how many devices to simulate (at most 64); 0 (default) = the largest listed
+    /// device + 1.
     pub host_devices: u32,
 }
 
@@ -145,7 +150,10 @@ pub extern "C" fn refit_group_device(group: *const refit_group, rank: u32, devic
 
 /// The stream of `rank` (a CUstream on the CUDA backend, an opaque host-stream handle on the host
 /// backend): non-blocking, created with the group, the same for every call until refit_group_destroy.
-/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank).
+/// Work you queue on it yourself inside a scope is ordered after the group's earlier work on this rank;
+/// after a PEER allgather, other ranks may still be reading this rank's buffers until the next group
+/// call, refit_group_run or refit_group_exit (which join them), so do not overwrite them from here
+/// before that. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank).
 #[no_mangle]
 pub extern "C" fn refit_group_stream(
     group: *const refit_group,

@@ -13,6 +13,8 @@
 //!   it is only queued on the group's streams.
 //! - A missing exit leaves the scope open: later calls keep queueing into it, and destroying the group
 //!   drains its streams first (the caller's streams are then not ordered; a warning is logged).
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
 
 pub mod barrier;
 pub mod workers;
@@ -81,6 +83,24 @@ pub(crate) struct CollectiveState {
     pub calls: Vec<AtomicU64>,
     /// NCCL communicators, created on first use from the group's devices.
     pub nccl: OnceLock<std::result::Result<Communicators, Error>>,
+    /// Extra per-rank streams for pulling several blocks at once (created on first use).
+    pub lanes: Mutex<Option<Lanes>>,
+    /// Smallest mean block size (bytes) for which a peer allgather pulls its blocks on parallel
+    /// lanes instead of one after another on the rank's stream. None: the default rule (more than two
+    /// ranks and at least [`PEER_LANES_MIN_BYTES`]); Some(t): any group of two or more ranks, from t.
+    pub lanes_min_bytes: Mutex<Option<u64>>,
+}
+
+/// Default of `CollectiveState::lanes_min_bytes`: lanes cost about 5 driver calls per block on the
+/// host, so they only pay where a block's transfer takes far longer than issuing it.
+pub const PEER_LANES_MIN_BYTES: u64 = 32 << 20;
+
+/// `streams[rank][lane]` on the rank's device, `fork[rank]` (recorded on the rank's stream, waited by
+/// its lanes) and `joined[rank][lane]` (recorded on a lane, waited by the rank's stream).
+pub(crate) struct Lanes {
+    pub streams: Vec<Vec<Stream>>,
+    pub fork: Vec<Event>,
+    pub joined: Vec<Vec<Event>>,
 }
 
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
@@ -103,10 +123,26 @@ pub struct Group {
     pub(crate) collective: CollectiveState,
 }
 
+/// The host backend runs a thread per simulated device: it simulates at most this many.
+const MAX_HOST_DEVICES: usize = 64;
+
 fn backend_for(devices: &[i64], options: &GroupOptions) -> Result<Arc<dyn Backend>> {
     let host = || -> Result<Arc<dyn Backend>> {
-        let needed = devices.iter().copied().max().unwrap_or(0).max(0) as usize + 1;
-        let count = if options.host_devices == 0 { needed } else { options.host_devices };
+        if options.host_devices > MAX_HOST_DEVICES {
+            bail!(
+                Status::InvalidArgument,
+                "host_devices = {} is above the {MAX_HOST_DEVICES} devices the host backend simulates",
+                options.host_devices
+            );
+        }
+        let highest = devices.iter().copied().max().unwrap_or(0).max(0);
+        if options.host_devices == 0 && highest >= MAX_HOST_DEVICES as i64 {
+            bail!(
+                Status::InvalidDevice,
+                "device {highest} is not below the {MAX_HOST_DEVICES} devices the host backend simulates"
+            );
+        }
+        let count = if options.host_devices == 0 { highest as usize + 1 } else { options.host_devices };
         Ok(Arc::new(HostBackend::new(count)?))
     };
     match options.backend {
@@ -191,6 +227,8 @@ impl Group {
                 ],
                 calls: (0..n).map(|_| AtomicU64::new(0)).collect(),
                 nccl: OnceLock::new(),
+                lanes: Mutex::new(None),
+                lanes_min_bytes: Mutex::new(None),
             },
         };
         // Pushed one by one so that Drop releases exactly what was created if a step fails.
@@ -415,6 +453,48 @@ impl Group {
         })
     }
 
+    /// Sets the smallest mean block size for which a whole-group peer allgather pulls blocks on
+    /// parallel lanes, for any group of two or more ranks (`Some(u64::MAX)`: never; `Some(0)`: always;
+    /// `None`: the default rule, more than two ranks and [`PEER_LANES_MIN_BYTES`]). A tuning knob for
+    /// benchmarks and tests.
+    pub fn set_peer_lanes_min_bytes(&self, bytes: Option<u64>) {
+        *self.collective.lanes_min_bytes.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
+    }
+
+    /// Whether a whole-group peer allgather with this mean block size uses lanes.
+    pub fn peer_lanes_for(&self, mean_block: u64) -> bool {
+        let n = self.size();
+        match *self.collective.lanes_min_bytes.lock().unwrap_or_else(|p| p.into_inner()) {
+            None => n > 2 && mean_block >= PEER_LANES_MIN_BYTES,
+            Some(min) => n > 1 && mean_block >= min,
+        }
+    }
+
+    /// The group's lanes, created on first use: `size - 1` extra streams per rank and their events.
+    pub(crate) fn lanes(&self) -> Result<std::sync::MutexGuard<'_, Option<Lanes>>> {
+        let mut lanes = self.collective.lanes.lock().unwrap_or_else(|p| p.into_inner());
+        if lanes.is_none() {
+            let n = self.size();
+            let mut made = Lanes { streams: Vec::new(), fork: Vec::new(), joined: Vec::new() };
+            let created = (|| -> Result<()> {
+                for &device in &self.devices {
+                    made.fork.push(self.backend.create_event(device)?);
+                    made.streams.push(Vec::new());
+                    made.joined.push(Vec::new());
+                    for _ in 1..n {
+                        made.streams.last_mut().expect("pushed").push(self.backend.create_stream(device)?);
+                        made.joined.last_mut().expect("pushed").push(self.backend.create_event(device)?);
+                    }
+                }
+                Ok(())
+            })();
+            // Kept even when incomplete, so that Drop releases what was made; the error is returned.
+            *lanes = Some(made);
+            created?;
+        }
+        Ok(lanes)
+    }
+
     /// The rank the calling thread runs a body for, checked against `rank` (per-rank collectives).
     pub(crate) fn check_rank_thread(&self, rank: usize) -> Result<()> {
         self.check_rank(rank)?;
@@ -448,6 +528,21 @@ impl Drop for Group {
         self.workers.lock().unwrap_or_else(|p| p.into_inner()).take();
         // Communicators go before the streams they use.
         drop(self.collective.nccl.take());
+        if let Some(lanes) = self.collective.lanes.lock().unwrap_or_else(|p| p.into_inner()).take() {
+            for (r, streams) in lanes.streams.iter().enumerate() {
+                for &stream in streams {
+                    self.backend.destroy_stream(self.devices[r], stream);
+                }
+            }
+            for (r, &event) in lanes.fork.iter().enumerate() {
+                self.backend.destroy_event(self.devices[r], event);
+            }
+            for (r, events) in lanes.joined.iter().enumerate() {
+                for &event in events {
+                    self.backend.destroy_event(self.devices[r], event);
+                }
+            }
+        }
         for r in 0..self.streams.len() {
             self.backend.destroy_stream(self.devices[r], self.streams[r]);
         }
@@ -457,5 +552,29 @@ impl Drop for Group {
                 self.backend.destroy_event(self.devices[r], event);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn host(n: i64) -> Group {
+        let devices: Vec<i64> = (0..n).collect();
+        Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
+    }
+
+    #[test]
+    fn lanes_by_default_only_for_more_than_two_ranks_and_large_blocks() {
+        let (one, two, three) = (host(1), host(2), host(3));
+        assert!(!two.peer_lanes_for(1 << 40));
+        assert!(three.peer_lanes_for(PEER_LANES_MIN_BYTES));
+        assert!(!three.peer_lanes_for(PEER_LANES_MIN_BYTES - 1));
+        two.set_peer_lanes_min_bytes(Some(0));
+        assert!(two.peer_lanes_for(0));
+        three.set_peer_lanes_min_bytes(Some(u64::MAX));
+        assert!(!three.peer_lanes_for(1 << 40));
+        one.set_peer_lanes_min_bytes(Some(0));
+        assert!(!one.peer_lanes_for(1 << 40), "one rank has no peer to pull from");
     }
 }

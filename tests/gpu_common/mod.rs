@@ -21,15 +21,19 @@ pub fn cuda() -> Arc<CudaBackend> {
     cuda_backend().unwrap_or_else(|e| panic!("GPU test without a usable GPU: {e}"))
 }
 
-/// Group sizes to test: 1, and 2 when the machine has two GPUs.
+/// Group sizes to test: 1, 2 when the machine has two GPUs, and every GPU when it has more.
 pub fn group_sizes() -> Vec<usize> {
     let count = cuda().device_count();
+    let mut sizes = vec![1];
     if count >= 2 {
-        vec![1, 2]
+        sizes.push(2);
     } else {
-        println!("note: one GPU: two-GPU cases not run");
-        vec![1]
+        println!("note: one GPU: multi-GPU cases not run");
     }
+    if count > 2 {
+        sizes.push(count);
+    }
+    sizes
 }
 
 pub struct DeviceBuffer {
@@ -46,6 +50,9 @@ impl DeviceBuffer {
 
     pub fn write(&self, offset: usize, bytes: &[u8]) {
         assert!(offset + bytes.len() <= self.len);
+        if bytes.is_empty() {
+            return;
+        }
         unsafe { cuda().write(self.device, self.ptr + offset as u64, bytes) }.unwrap();
     }
 
@@ -90,18 +97,18 @@ const SPIN_PTX: &str = r#"
 .address_size 64
 
 .visible .entry spin_then_store(
-    .param .u64 spin_ns,
-    .param .u64 out,
-    .param .u32 value
+    .param .u64 param_spin_ns,
+    .param .u64 param_out,
+    .param .u32 param_value
 )
 {
     .reg .pred %p<2>;
     .reg .b64 %rd<8>;
     .reg .b32 %r<2>;
 
-    ld.param.u64 %rd1, [spin_ns];
-    ld.param.u64 %rd2, [out];
-    ld.param.u32 %r1, [value];
+    ld.param.u64 %rd1, [param_spin_ns];
+    ld.param.u64 %rd2, [param_out];
+    ld.param.u32 %r1, [param_value];
     mov.u64 %rd3, %globaltimer;
 SPIN:
     mov.u64 %rd4, %globaltimer;
