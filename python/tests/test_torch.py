@@ -1,8 +1,10 @@
 """refit.torch on CUDA: allgather and batched copies of torch tensors through a CUDA group, ordered
 with torch's streams, compared byte-exact with torch's own result. Skipped (reported as such, never
-as passing) where torch or a GPU is missing, as in CI; run on the GPU machine with
-`REFIT_LIBRARY=.gpu/lib/librefit.so PYTHONPATH=python python3 -m unittest -v test_torch` from
-python/tests."""
+as passing) where torch or a GPU is missing, as in CI. On the GPU machine, after gpu/stage.sh, from
+the repository root (this runs the host-backend tests too):
+    REFIT_LIBRARY=.gpu/lib/librefit.so PYTHONPATH=python NCCL_NVLS_ENABLE=0 \
+        python3 -m unittest discover -v -s python/tests
+"""
 
 import importlib.util
 import unittest
