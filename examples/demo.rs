@@ -6,7 +6,10 @@
 //! backend with simulated devices. Every publisher byte is a known function of (tensor, element), so
 //! after each arm every received element is checked.
 //!
-//!     cargo run --release --example demo [-- --layers N --layout separate|packed --steps K --devices G]
+//!     cargo run --release --example demo [-- --layers N --layout separate|packed --steps K --devices G --reference]
+//!
+//! `--reference` also runs the per-run arm (one copy call per contiguous run: the copy engine on CUDA),
+//! which must install the same bytes.
 
 use refit::backend::Backend;
 use refit::exec::{Arm, Executor, StageTimes};
@@ -21,10 +24,12 @@ struct Args {
     layout: Layout,
     steps: usize,
     devices: usize,
+    /// Also run the per-run reference arm (one copy call per contiguous run).
+    reference: bool,
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut args = Args { layers: None, layout: Layout::Separate, steps: 5, devices: 2 };
+    let mut args = Args { layers: None, layout: Layout::Separate, steps: 5, devices: 2, reference: false };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
@@ -32,6 +37,7 @@ fn parse_args() -> Result<Args, String> {
             "--layers" => args.layers = Some(value()?.parse().map_err(|e| format!("--layers: {e}"))?),
             "--steps" => args.steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
             "--devices" => args.devices = value()?.parse().map_err(|e| format!("--devices: {e}"))?,
+            "--reference" => args.reference = true,
             "--layout" => {
                 args.layout = match value()?.as_str() {
                     "separate" => Layout::Separate,
@@ -252,7 +258,8 @@ fn run() -> Result<(), String> {
 
     let mut executor = Executor::new();
     let mut rows = Vec::new();
-    for arm in [Arm::Batched, Arm::PerRun] {
+    let arms: &[Arm] = if args.reference { &[Arm::Batched, Arm::PerRun] } else { &[Arm::Batched] };
+    for &arm in arms {
         fill(&workload, &backend, &bases, Role::Receiver)?; // poison
         let mut steps: Vec<StageTimes> = Vec::new();
         for _ in 0..args.steps.max(1) {

@@ -126,34 +126,6 @@
 #define REFIT_ABI_VERSION 1
 
 /**
- * Default of `CollectiveState::lanes_min_bytes`: lanes cost about 5 driver calls per block on the
- * host, so they only pay where a block's transfer takes far longer than issuing it.
- */
-#define PEER_LANES_MIN_BYTES (32 << 20)
-
-/**
- * Destination runs expanded at most this many in total to decide overlap exactly, beyond which the
- * checked mode refuses the batch (Unsupported) rather than spend unbounded time.
- */
-#define MAX_EXPANDED_RUNS (1 << 26)
-
-/**
- * log2 of the tile size in bytes (8 KiB): large enough to amortize finding the tile, small enough that
- * a 1 GiB copy gives every warp of the grid dozens of tiles.
- */
-#define TILE_SHIFT 13
-
-/**
- * Tile size in bytes.
- */
-#define TILE_BYTES (1 << TILE_SHIFT)
-
-/**
- * Short runs are copied one after the other by a warp; this caps how many a single warp takes at once.
- */
-#define MAX_RUNS_PER_TILE 32
-
-/**
  * Result of every fallible call. Values are part of the ABI: new codes are appended, never renumbered.
  */
 typedef enum {
@@ -262,11 +234,6 @@ typedef enum {
    */
   REFIT_STATUS_NOT_FOUND = 25,
 } refit_status;
-
-/**
- * An opaque stream handle. 0 is the device's legacy default stream.
- */
-typedef struct Stream Stream;
 
 /**
  * A device group: one rank per device, each with its own non-blocking stream created once.
@@ -486,8 +453,6 @@ typedef struct {
  * `callback(level, message, user_data)`: level 1 error .. 5 trace; `message` valid during the call.
  */
 typedef void (*refit_log_callback)(uint32_t level, const char *message, void *user_data);
-
-
 
 #ifdef __cplusplus
 extern "C" {
@@ -724,6 +689,484 @@ refit_status refit_host_stream_create(void **stream);
  * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not a host stream, or destroyed already).
  */
 refit_status refit_host_stream_destroy(void *stream);
+
+/**
+ * Gathers every rank's block into every rank's receive buffer, in rank order.
+ *
+ * `send`, `recv` and `counts` have refit_group_size() entries. Rank r contributes `counts[r]` bytes at
+ * device address `send[r]` (on its device); `recv[r]` is a buffer of sum(counts) bytes on rank r's
+ * device that receives rank p's block at offset counts[0] + ... + counts[p-1]. Counts may differ and may
+ * be 0. In place: `send[r] == recv[r] + offset of r`. `algo` is a REFIT_ALLGATHER_*; `picked`, if not
+ * NULL, receives the algorithm that ran.
+ *
+ * AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
+ * access (on 2 x H200, copy-engine peer copies move ~1.4x what NCCL's allgather moves at every size
+ * measured); otherwise NCCL when it loads, else PEER.
+ *
+ * Ordering: inside a scope (refit_group_enter) the work is queued on the group's streams and this
+ * returns without waiting; outside a scope it runs in an implicit scope on the legacy default streams
+ * and is complete when this returns (HOST is always complete on return).
+ *
+ * Thread-safety: as the group's; not from a rank callback (use refit_group_allgather_rank there).
+ *
+ * Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
+ * overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
+ * receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
+ * CUDA_ERROR, INVALID_STATE (called from a rank callback).
+ */
+refit_status refit_allgather(refit_group *group,
+                             const uint64_t *send,
+                             const uint64_t *recv,
+                             const size_t *counts,
+                             uint32_t algo,
+                             uint32_t *picked);
+
+/**
+ * The per-rank allgather, for refit_group_run callbacks: every rank's callback calls it with its own
+ * `rank`, `send` (counts[rank] bytes) and `recv` (sum(counts) bytes) and the same `counts` (all
+ * refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return).
+ * Ranks meet at an abortable barrier: if another rank's callback fails first, this returns ABORTED
+ * instead of waiting forever.
+ *
+ * Errors: as refit_allgather, plus INVALID_STATE (not called from this group's rank callback),
+ * INVALID_ARGUMENT (rank is not the calling callback's rank, or ranks passed different counts or
+ * algorithms: every rank then fails), ABORTED.
+ */
+refit_status refit_group_allgather_rank(refit_group *group,
+                                        uint32_t rank,
+                                        uint64_t send,
+                                        uint64_t recv,
+                                        const size_t *counts,
+                                        uint32_t algo,
+                                        uint32_t *picked);
+
+/**
+ * Copies `n` segments (see refit_segment) on `stream`, a stream of `rank`'s device (NULL: its legacy
+ * default stream), in one kernel launch on the CUDA backend. Source and destination addresses are
+ * device pointers of that device or of a peer the rank's device accesses directly
+ * (refit_group_peer_access); any sizes and byte offsets, zero-length segments allowed. `flags`:
+ * 0 or REFIT_COPY_CHECKED.
+ *
+ * Stream ordering (CUDA): queued on `stream`; returns without waiting for the copy. The descriptors
+ * are uploaded stream-ordered (no host sync); this call must not be captured into a CUDA graph (use a
+ * prepared batch). Host backend: complete on return.
+ *
+ * Thread-safety: may be called from any thread, including rank callbacks, concurrently with other
+ * copies. No source may overlap a destination.
+ *
+ * Errors: NULL_ARGUMENT (group, or segments with n > 0), INVALID_ARGUMENT (rank not below the group
+ * size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
+ * address), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte), UNSUPPORTED (checked
+ * mode over more interleaved runs than it expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel
+ * could not be compiled or loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
+ */
+refit_status refit_copy_batch(const refit_group *group,
+                              uint32_t rank,
+                              void *stream,
+                              const refit_segment *segments,
+                              size_t n,
+                              uint32_t flags);
+
+/**
+ * Prepares `n` segments for repeated copies on `rank`'s device: checks them (as refit_copy_batch, with
+ * `flags`), lays them out and uploads the descriptors to device memory. Blocking; not ordered with any
+ * stream. The addresses are fixed from now on; the bytes are read at each launch. The batch does not
+ * keep the group alive but must be destroyed before the device's memory it names is freed.
+ *
+ * Errors: as refit_copy_batch (NULL_ARGUMENT also for `batch`).
+ */
+refit_status refit_copy_batch_prepare(const refit_group *group,
+                                      uint32_t rank,
+                                      const refit_segment *segments,
+                                      size_t n,
+                                      uint32_t flags,
+                                      refit_prepared_copy **batch);
+
+/**
+ * Queues a prepared batch on `stream`, a stream of the batch's device (NULL: its legacy default
+ * stream). CUDA backend: one kernel launch and nothing else (no allocation, no host-to-device copy,
+ * no synchronization, constant host time whatever the batch size), so it may be captured into a CUDA
+ * graph; returns without waiting. Host backend: complete on return.
+ *
+ * Errors: NULL_ARGUMENT (batch), CUDA_ERROR (e.g. a stream of another device).
+ */
+refit_status refit_copy_batch_launch(const refit_prepared_copy *batch,
+                                     void *stream);
+
+/**
+ * Releases a prepared batch (NULL is ignored). On CUDA the descriptor memory is freed at once: call it
+ * only when no launch of the batch (or a graph replaying one) can still run.
+ */
+void refit_copy_batch_destroy(refit_prepared_copy *batch);
+
+/**
+ * Fills `options` with the defaults (AUTO backend) and sets options->size.
+ *
+ * Errors: REFIT_STATUS_NULL_ARGUMENT when `options` is NULL.
+ */
+refit_status refit_group_options_init(refit_group_options *options);
+
+/**
+ * Creates a group where rank r is `devices[r]` (`n` devices). Enables peer access between every
+ * pair that supports it (a pair without it still works, slower; see refit_group_peer_access),
+ * creates one non-blocking stream per device and the events the group reuses. `options` may be NULL
+ * (defaults). Not ordered with any stream; blocking.
+ *
+ * Errors: NULL_ARGUMENT (`devices` with n > 0, or `group`), EMPTY_DEVICE_LIST (n == 0),
+ * INVALID_DEVICE (negative or not below the device count), DUPLICATE_DEVICE, INVALID_ARGUMENT (bad
+ * options), CUDA_UNAVAILABLE (CUDA backend asked for but missing), CUDA_ERROR.
+ */
+refit_status refit_group_create(const int32_t *devices,
+                                size_t n,
+                                const refit_group_options *options,
+                                refit_group **group);
+
+/**
+ * Destroys a group (NULL is ignored): drains its streams, stops its rank threads, releases its
+ * streams, events and NCCL communicators. A scope left open is drained, not ordered with the caller's
+ * streams (a warning is logged). Must not be called from a rank callback or while another thread uses
+ * the group.
+ */
+void refit_group_destroy(refit_group *group);
+
+/**
+ * The number of ranks. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_group_size(const refit_group *group, size_t *size);
+
+/**
+ * The device ordinal of `rank`. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank not below the size).
+ */
+refit_status refit_group_device(const refit_group *group, uint32_t rank, int32_t *device);
+
+/**
+ * The stream of `rank` (a CUstream on the CUDA backend, an opaque host-stream handle on the host
+ * backend): non-blocking, created with the group, the same for every call until refit_group_destroy.
+ * Work you queue on it yourself inside a scope is ordered after the group's earlier work on this rank;
+ * after a PEER allgather, other ranks may still be reading this rank's buffers until the next group
+ * call, refit_group_run or refit_group_exit (which join them), so do not overwrite them from here
+ * before that. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (rank).
+ */
+refit_status refit_group_stream(const refit_group *group,
+                                uint32_t rank,
+                                void **stream);
+
+/**
+ * Whether `rank` accesses `peer`'s memory directly (peer access enabled). false means copies between
+ * them take a slower, driver-staged path. A rank always reaches itself.
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (a rank not below the size).
+ */
+refit_status refit_group_peer_access(const refit_group *group,
+                                     uint32_t rank,
+                                     uint32_t peer,
+                                     bool *direct);
+
+/**
+ * The backend in use: REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST (never AUTO). Errors: NULL_ARGUMENT.
+ */
+refit_status refit_group_backend(const refit_group *group, uint32_t *backend);
+
+/**
+ * Opens a scope: each rank's stream waits (an event; the host does not block) for the work queued
+ * so far on `caller_streams[rank]`, a stream of that rank's device. `caller_streams` is an array of
+ * refit_group_size() streams, or NULL for every device's legacy default stream; NULL entries also mean
+ * the legacy default stream. Work the group queues inside the scope sees the caller's earlier work.
+ *
+ * Scopes do not nest. Whole-group calls made outside a scope run in an implicit scope on the legacy
+ * default streams and are complete on return.
+ *
+ * Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open), CUDA_ERROR, INVALID_ARGUMENT
+ * (a host-backend stream handle that is not a host stream).
+ */
+refit_status refit_group_enter(refit_group *group,
+                               void *const *caller_streams);
+
+/**
+ * Closes the open scope. REFIT_EXIT_SYNC blocks until all of the group's queued work is done.
+ * REFIT_EXIT_ASYNC makes each caller stream given to refit_group_enter wait for its rank's stream
+ * and returns without blocking: the caller's later work sees the group's results. The scope is
+ * closed even when an error is returned.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (mode), INVALID_STATE (no scope is open), CUDA_ERROR.
+ */
+refit_status refit_group_exit(refit_group *group, uint32_t mode);
+
+/**
+ * Calls `callback(rank, stream, user_data)` for every rank at once, each on the group's persistent
+ * thread for that rank, with the rank's device current and its stream passed in; returns when every
+ * callback has returned. Runs inside the open scope, or in an implicit one (legacy default streams,
+ * then synchronized) when none is open. Callbacks may call refit_group_allgather_rank and queries.
+ *
+ * The first callback to fail decides the result: REFIT_STATUS_CALLBACK_FAILED, with a message naming
+ * the rank, its return code and the last refit error on that rank's thread. Other ranks waiting in a
+ * collective are released (their calls return REFIT_STATUS_ABORTED) and nothing waits forever. The
+ * group stays usable.
+ *
+ * Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, INVALID_STATE (called from a callback),
+ * CUDA_ERROR.
+ */
+refit_status refit_group_run(refit_group *group,
+                             refit_rank_callback callback,
+                             void *user_data);
+
+/**
+ * Host backend only: creates a caller-side host stream (a FIFO queue with its own worker thread)
+ * usable as a caller stream of any host-backend group, e.g. to test scope ordering. Release it with
+ * refit_host_stream_destroy. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_host_stream_create(void **stream);
+
+/**
+ * Destroys a host stream after its queued work has run.
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not a host stream, or destroyed already).
+ */
+refit_status refit_host_stream_destroy(void *stream);
+
+/**
+ * Creates an empty table in `*table`. Errors: NULL_ARGUMENT when `table` is NULL.
+ */
+refit_status refit_table_create(refit_table **table);
+
+/**
+ * Releases a table. NULL is accepted. Plans built from it are unaffected.
+ *
+ * # Safety
+ * `table` is NULL or a live table from refit_table_create / refit_table_decode, not used afterwards.
+ */
+void refit_table_destroy(refit_table *table);
+
+/**
+ * Adds a tensor: `name` (NUL-terminated UTF-8), a caller-defined `dtype` code, `elem_size` bytes per
+ * element, and its global `shape` of `ndim` dimensions. Writes its index in this table to `*index`.
+ * Adding a name again returns the same index when the description agrees.
+ *
+ * Errors: NULL_ARGUMENT (table, name, index; shape when ndim > 0), INVALID_ARGUMENT (empty or
+ * non-UTF-8 name, elem_size 0, ndim > REFIT_MAX_DIMS, size over 2^64 bytes), TENSOR_MISMATCH (the
+ * name was added with another dtype, element size or shape; the message names both).
+ *
+ * # Safety
+ * `table` is a live table; `shape` points to `ndim` values.
+ */
+refit_status refit_table_add_tensor(refit_table *table,
+                                    const char *name,
+                                    uint32_t dtype,
+                                    uint32_t elem_size,
+                                    const uint64_t *shape,
+                                    size_t ndim,
+                                    uint32_t *index);
+
+/**
+ * Adds an offer: this rank (`rank`, `device`) holds the box `offset`/`extent` (`ndim` values each,
+ * global coordinates) of tensor `tensor` (an index from refit_table_add_tensor) at device address
+ * `addr`, laid out with element `strides` (NULL: row-major over `extent`), with an optional
+ * `digest` of its bytes (NULL: none). Offers of the same box are replicas.
+ *
+ * Errors: NULL_ARGUMENT (table; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown tensor
+ * index, ndim differing from the tensor's, addresses past 2^64), TENSOR_MISMATCH (box outside the
+ * tensor).
+ *
+ * # Safety
+ * `table` is a live table; non-NULL arrays hold `ndim` values; `digest` is NULL or readable.
+ */
+refit_status refit_table_add_offer(refit_table *table,
+                                   uint32_t tensor,
+                                   uint32_t rank,
+                                   uint32_t device,
+                                   uint64_t addr,
+                                   const uint64_t *offset,
+                                   const uint64_t *extent,
+                                   const uint64_t *strides,
+                                   size_t ndim,
+                                   const uint64_t *digest);
+
+/**
+ * Adds a need: receiver (`rank`, `device`) wants the box `offset`/`extent` (`ndim` values each,
+ * global coordinates) of tensor `tensor` written at device address `addr` with destination element
+ * `strides` (one per destination dimension). Destination dimension d is tensor dimension `perm[d]`
+ * (`perm` NULL: the identity), so a transposed destination is a permutation. Several needs may
+ * write disjoint parts of one buffer (fused parameters).
+ *
+ * Errors: NULL_ARGUMENT (table, strides; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown
+ * tensor index, ndim differing from the tensor's, perm not a permutation, addresses past 2^64),
+ * TENSOR_MISMATCH (box outside the tensor).
+ *
+ * # Safety
+ * `table` is a live table; non-NULL arrays hold `ndim` values.
+ */
+refit_status refit_table_add_need(refit_table *table,
+                                  uint32_t tensor,
+                                  uint32_t rank,
+                                  uint32_t device,
+                                  uint64_t addr,
+                                  const uint64_t *offset,
+                                  const uint64_t *extent,
+                                  const uint32_t *perm,
+                                  const uint64_t *strides,
+                                  size_t ndim);
+
+/**
+ * Writes to `*size` the bytes refit_table_encode needs for this table.
+ * Errors: NULL_ARGUMENT.
+ *
+ * # Safety
+ * `table` is a live table.
+ */
+refit_status refit_table_encoded_size(const refit_table *table, size_t *size);
+
+/**
+ * Encodes the table (versioned, checksummed; see refit_table_decode) into `buffer` of `capacity`
+ * bytes and writes the length used to `*written`. The encoding is the same on every platform.
+ *
+ * Errors: NULL_ARGUMENT (table, written; buffer when capacity > 0), BUFFER_TOO_SMALL (capacity
+ * below refit_table_encoded_size; the message gives the size).
+ *
+ * # Safety
+ * `table` is a live table; `buffer` is writable for `capacity` bytes.
+ */
+refit_status refit_table_encode(const refit_table *table,
+                                uint8_t *buffer,
+                                size_t capacity,
+                                size_t *written);
+
+/**
+ * Decodes `len` bytes written by refit_table_encode (on any rank) into a new table in `*table`.
+ * Untrusted bytes are safe: truncated, corrupted or hostile input returns a status.
+ *
+ * Errors: NULL_ARGUMENT (table; bytes when len > 0), DECODE_ERROR (not a table, checksum mismatch,
+ * truncated, malformed; the message says where), VERSION_MISMATCH (another format version).
+ *
+ * # Safety
+ * `bytes` is readable for `len` bytes.
+ */
+refit_status refit_table_decode(const uint8_t *bytes, size_t len, refit_table **table);
+
+/**
+ * Fills `*options` with the defaults: size set, policy REFIT_POLICY_LOCAL, coalescing on.
+ * Errors: NULL_ARGUMENT.
+ */
+refit_status refit_plan_options_init(refit_plan_options *options);
+
+/**
+ * Builds the plan that moves every byte the tables' needs ask for exactly once, from one owner per
+ * replica set, as the fewest strided segments; writes it to `*plan`. `tables` holds `count` tables
+ * (every rank's, in any order: the plan is the same). `options` NULL means the defaults. Runs on
+ * the calling thread; touches no device.
+ *
+ * Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_ARGUMENT (options.size
+ * or policy out of range; bad entries of decoded tables), TENSOR_MISMATCH (a tensor described
+ * differently by two tables: the message names it and both values), REPLICA_MISMATCH (replicas
+ * with different digests), COVERAGE_GAP (the message names the first region no offer covers),
+ * OVERLAP (two destination bytes written twice), OUT_OF_MEMORY / UNSUPPORTED (pathological tables
+ * beyond the planner's limits).
+ *
+ * # Safety
+ * `tables` points to `count` live tables not modified during the call.
+ */
+refit_status refit_plan_build(const refit_table *const *tables,
+                              size_t count,
+                              const refit_plan_options *options,
+                              refit_plan **plan);
+
+/**
+ * Releases a plan. NULL is accepted. Segment pointers read from it become invalid.
+ *
+ * # Safety
+ * `plan` is NULL or a live plan, not used afterwards by any thread.
+ */
+void refit_plan_destroy(refit_plan *plan);
+
+/**
+ * Writes the whole plan's counts to `*stats`; set stats->size to sizeof(refit_plan_stats) first.
+ * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
+ *
+ * # Safety
+ * `plan` is a live plan; `stats` is writable.
+ */
+refit_status refit_plan_get_stats(const refit_plan *plan, refit_plan_stats *stats);
+
+/**
+ * Writes the counts of receiver (`rank`, `device`)'s needs and the routes into it to `*stats` (zero
+ * but the shared input counts when that endpoint needs nothing); set stats->size first.
+ * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
+ *
+ * # Safety
+ * `plan` is a live plan; `stats` is writable.
+ */
+refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
+                                           uint32_t rank,
+                                           uint32_t device,
+                                           refit_plan_stats *stats);
+
+/**
+ * Writes the plan's fingerprint to `*fingerprint`: equal for the same tables in any order, in any
+ * process; ranks compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
+ *
+ * # Safety
+ * `plan` is a live plan.
+ */
+refit_status refit_plan_fingerprint(const refit_plan *plan, uint64_t *fingerprint);
+
+/**
+ * Writes the number of routes to `*count`. Routes are ordered by destination endpoint, then local,
+ * peer, remote, then source endpoint. Thread-safe. Errors: NULL_ARGUMENT.
+ *
+ * # Safety
+ * `plan` is a live plan.
+ */
+refit_status refit_plan_route_count(const refit_plan *plan, size_t *count);
+
+/**
+ * Writes route `index` (0 <= index < route count) to `*route`, including a pointer to its segments
+ * valid until the plan is destroyed; set route->size to sizeof(refit_route_info) first. A segment
+ * copies `len` bytes, repeated count[0] times then count[1] times with the given byte strides.
+ * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (route->size), NOT_FOUND (index out of range).
+ *
+ * # Safety
+ * `plan` is a live plan; `route` is writable.
+ */
+refit_status refit_plan_route(const refit_plan *plan,
+                              size_t index,
+                              refit_route_info *route);
+
+/**
+ * The library's version string ("MAJOR.MINOR.PATCH"), static and NUL-terminated.
+ * Thread-safe; never fails.
+ */
+const char *refit_version(void);
+
+/**
+ * REFIT_ABI_VERSION of the loaded library. A caller built against another ABI version should not use
+ * it. Thread-safe; never fails.
+ */
+uint32_t refit_abi_version(void);
+
+/**
+ * The name of a status code (e.g. "REFIT_STATUS_INVALID_ARGUMENT"), static and NUL-terminated;
+ * "REFIT_STATUS_UNKNOWN" for a value that is not a status. Thread-safe; never fails.
+ */
+const char *refit_status_string(int32_t status);
+
+/**
+ * The message of the last call on this thread that failed, NUL-terminated; "" if none has failed.
+ * Successful calls leave it unchanged. The pointer stays valid until the next failing call on this
+ * thread. Thread-safe (each thread has its own message); never fails.
+ */
+const char *refit_last_error_message(void);
+
+/**
+ * Installs a log sink. `level` is the most verbose level delivered: 0 off, 1 error, 2 warn, 3 info,
+ * 4 debug, 5 trace. `callback(level, message, user_data)` receives each record with a NUL-terminated
+ * message valid only during the call; it may be called from any thread, including the group's rank
+ * threads, and must not call back into refit. NULL `callback` restores the default sink (stderr).
+ *
+ * Without this call, logging goes to stderr at the level named by the environment variable
+ * REFIT_LOG (off, error, warn, info, debug, trace), warn by default.
+ *
+ * Thread-safe. Errors: REFIT_STATUS_INVALID_ARGUMENT for a level above 5.
+ */
+refit_status refit_set_log_callback(uint32_t level,
+                                    refit_log_callback callback,
+                                    void *user_data);
 
 /**
  * Creates an empty table in `*table`. Errors: NULL_ARGUMENT when `table` is NULL.

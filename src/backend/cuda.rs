@@ -300,7 +300,8 @@ impl Backend for CudaBackend {
                 }
                 // One copy-engine call per run: with unified addressing the driver routes a peer run
                 // over NVLink when peer access is on, or stages it when it is not.
-                result = check("cuMemcpyAsync", sys::cuMemcpyAsync(dst, src, len as usize, raw));
+                result = check("cuMemcpyAsync", sys::cuMemcpyAsync(dst, src, len as usize, raw))
+                    .map_err(|e| e.context(format!("run of {len} bytes from {src:#x} to {dst:#x}")));
             });
             result.clone()?;
         }
