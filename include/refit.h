@@ -92,13 +92,13 @@
 #define MAX_EXPANDED_RUNS (1 << 26)
 
 /**
- * log2 of the tile size in bytes (8 KiB): large enough to amortize finding the tile, small enough that
- * a 1 GiB copy gives every warp of the grid dozens of tiles.
+ * log2 of the default tile size in bytes (8 KiB): large enough to amortize finding the tile, small
+ * enough that a 1 GiB copy gives every warp of the grid dozens of tiles.
  */
 #define TILE_SHIFT 13
 
 /**
- * Tile size in bytes.
+ * Default tile size in bytes.
  */
 #define TILE_BYTES (1 << TILE_SHIFT)
 

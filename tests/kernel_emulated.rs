@@ -45,8 +45,12 @@ fn emulator() -> Launch {
 
 /// Lays out `segments` and runs the emulated kernel over them with `blocks` blocks of 256 threads.
 fn emulate(segments: &[Segment], blocks: u32) {
+    emulate_with_tile(segments, blocks, TILE_SHIFT);
+}
+
+fn emulate_with_tile(segments: &[Segment], blocks: u32, tile_shift: u32) {
     validate(segments).unwrap();
-    let layout = Layout::new(segments).unwrap();
+    let layout = Layout::with_tile_shift(segments, tile_shift).unwrap();
     if layout.tiles == 0 {
         return;
     }
@@ -56,7 +60,7 @@ fn emulate(segments: &[Segment], blocks: u32) {
             layout.descriptors.as_ptr().cast(),
             layout.segments(),
             layout.tiles,
-            TILE_SHIFT,
+            layout.tile_shift,
             blocks,
             256,
         )
@@ -64,6 +68,10 @@ fn emulate(segments: &[Segment], blocks: u32) {
 }
 
 fn run(seed: u64, shape: Shape, blocks: u32) {
+    run_with_tile(seed, shape, blocks, TILE_SHIFT);
+}
+
+fn run_with_tile(seed: u64, shape: Shape, blocks: u32, tile_shift: u32) {
     let mut rng = Rng::new(seed);
     let batch = random_batch(&mut rng, shape);
     let mut src = vec![0u8; batch.src_len];
@@ -72,9 +80,9 @@ fn run(seed: u64, shape: Shape, blocks: u32) {
     reference(&batch.segments, &src, &mut want);
     let mut got = vec![0xCDu8; batch.dst_len];
     let segments = rebase(&batch.segments, src.as_ptr() as u64, got.as_mut_ptr() as u64);
-    emulate(&segments, blocks);
+    emulate_with_tile(&segments, blocks, tile_shift);
     if let Some((at, g, w)) = first_difference(&got, &want) {
-        panic!("seed {seed}, {blocks} blocks, {shape:?}: destination byte {at} is {g:#x}, expected {w:#x}");
+        panic!("seed {seed}, {blocks} blocks, tile 2^{tile_shift}, {shape:?}: destination byte {at} is {g:#x}, expected {w:#x}");
     }
 }
 
@@ -86,6 +94,15 @@ fn random_batches_aligned_and_misaligned() {
                 Shape { segments: 50, max_len: 1 << 20, strided_percent: 30, misaligned, src_len: 3 << 20 };
             run(seed, shape, blocks);
         }
+    }
+}
+
+#[test]
+fn other_tile_sizes() {
+    for (seed, shift) in [(61, 10), (62, 12), (63, 16), (64, 20)] {
+        let shape =
+            Shape { segments: 40, max_len: 1 << 20, strided_percent: 40, misaligned: true, src_len: 3 << 20 };
+        run_with_tile(seed, shape, 11, shift);
     }
 }
 

@@ -133,12 +133,13 @@ impl BatchedCopy {
         descriptors: u64,
         count: u64,
         tiles: u64,
+        tile_shift: u32,
         blocks: u32,
     ) -> Result<()> {
         let mut descriptors = descriptors;
         let mut count = count;
         let mut tiles = tiles;
-        let mut shift: u32 = TILE_SHIFT;
+        let mut shift = tile_shift;
         let mut params: [*mut c_void; 4] = [
             (&mut descriptors as *mut u64).cast(),
             (&mut count as *mut u64).cast(),
@@ -172,12 +173,12 @@ fn load_module(image: &[u8]) -> Result<sys::CUmodule> {
     Ok(module)
 }
 
-fn prepare(segments: &[Segment], checked: bool) -> Result<Layout> {
+fn prepare(segments: &[Segment], checked: bool, tile_shift: u32) -> Result<Layout> {
     validate(segments)?;
     if checked {
         check_destinations(segments)?;
     }
-    Layout::new(segments)
+    Layout::with_tile_shift(segments, tile_shift)
 }
 
 /// Copies every segment in one kernel launch on `stream` (a CUstream of `device`'s primary context,
@@ -208,7 +209,7 @@ pub unsafe fn copy_segments(
     segments: &[Segment],
     checked: bool,
 ) -> Result<()> {
-    let layout = prepare(segments, checked)?;
+    let layout = prepare(segments, checked, TILE_SHIFT)?;
     if layout.tiles == 0 {
         return Ok(());
     }
@@ -225,7 +226,7 @@ pub unsafe fn copy_segments(
         sys::cuMemcpyHtoDAsync_v2(table, bytes.as_ptr().cast(), bytes.len(), stream)
     });
     if result.is_ok() {
-        result = kernel.enqueue(stream, table, layout.segments(), layout.tiles, blocks);
+        result = kernel.enqueue(stream, table, layout.segments(), layout.tiles, layout.tile_shift, blocks);
     }
     // SAFETY: allocated above on this stream; freed after the launch in stream order.
     let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
@@ -246,6 +247,7 @@ pub struct PreparedBatch {
     descriptors: sys::CUdeviceptr,
     segments: u64,
     tiles: u64,
+    tile_shift: u32,
     bytes: u64,
     blocks: u32,
 }
@@ -259,13 +261,25 @@ impl PreparedBatch {
     /// lays out and uploads the batch to `device`. Synchronous: returns once the descriptors are on the
     /// device. Errors as for [`copy_segments`].
     pub fn new(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
-        let layout = prepare(segments, checked)?;
+        PreparedBatch::with_tile_shift(device, segments, checked, TILE_SHIFT)
+    }
+
+    /// As [`PreparedBatch::new`] with tiles of `2^tile_shift` bytes instead of the default (a tuning
+    /// knob for benches; InvalidArgument outside `layout::TILE_SHIFTS`).
+    pub fn with_tile_shift(
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+        tile_shift: u32,
+    ) -> Result<PreparedBatch> {
+        let layout = prepare(segments, checked, tile_shift)?;
         let kernel = BatchedCopy::for_device(device)?;
         let mut batch = PreparedBatch {
             kernel: None,
             descriptors: 0,
             segments: layout.segments(),
             tiles: layout.tiles,
+            tile_shift: layout.tile_shift,
             bytes: layout.bytes,
             blocks: 0,
         };
@@ -296,7 +310,7 @@ impl PreparedBatch {
         let Some(kernel) = &self.kernel else { return Ok(()) };
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::push(kernel.context) }?;
-        kernel.enqueue(stream, self.descriptors, self.segments, self.tiles, self.blocks)
+        kernel.enqueue(stream, self.descriptors, self.segments, self.tiles, self.tile_shift, self.blocks)
     }
 
     /// Non-empty segments in the batch.

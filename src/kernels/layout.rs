@@ -8,10 +8,13 @@
 use crate::error::{Error, Result};
 use crate::segment::Segment;
 
-/// log2 of the tile size in bytes (8 KiB): large enough to amortize finding the tile, small enough that
-/// a 1 GiB copy gives every warp of the grid dozens of tiles.
+/// log2 of the default tile size in bytes (8 KiB): large enough to amortize finding the tile, small
+/// enough that a 1 GiB copy gives every warp of the grid dozens of tiles.
 pub const TILE_SHIFT: u32 = 13;
-/// Tile size in bytes.
+/// Tile sizes a layout accepts (log2 bytes): 1 KiB .. 1 MiB. Pieces stay below 2^32 bytes, which the
+/// kernel's 32-bit piece arithmetic relies on.
+pub const TILE_SHIFTS: std::ops::RangeInclusive<u32> = 10..=20;
+/// Default tile size in bytes.
 pub const TILE_BYTES: u64 = 1 << TILE_SHIFT;
 /// Short runs are copied one after the other by a warp; this caps how many a single warp takes at once.
 pub const MAX_RUNS_PER_TILE: u64 = 32;
@@ -48,6 +51,8 @@ pub struct Layout {
     pub tiles: u64,
     /// Payload bytes of the whole batch.
     pub bytes: u64,
+    /// log2 of this layout's tile size; the kernel is launched with it.
+    pub tile_shift: u32,
 }
 
 impl Layout {
@@ -56,9 +61,22 @@ impl Layout {
         self.descriptors.len().saturating_sub(1) as u64
     }
 
-    /// Lays out `segments` (already validated: see [`super::check::validate`]). Empty segments are
-    /// dropped. Fails only if the tile count overflows, which validated input cannot make happen.
+    /// Lays out `segments` (already validated: see [`super::check::validate`]) with the default tile
+    /// size. Empty segments are dropped. Fails only if the tile count overflows, which validated input
+    /// cannot make happen.
     pub fn new(segments: &[Segment]) -> Result<Layout> {
+        Layout::with_tile_shift(segments, TILE_SHIFT)
+    }
+
+    /// As [`Layout::new`] with tiles of `2^tile_shift` bytes (a tuning knob; InvalidArgument outside
+    /// [`TILE_SHIFTS`]).
+    pub fn with_tile_shift(segments: &[Segment], tile_shift: u32) -> Result<Layout> {
+        if !TILE_SHIFTS.contains(&tile_shift) {
+            return Err(Error::invalid_argument(format!(
+                "tile shift {tile_shift} is outside {TILE_SHIFTS:?}"
+            )));
+        }
+        let tile_bytes = 1u64 << tile_shift;
         let mut descriptors = Vec::with_capacity(segments.len() + 1);
         let mut tiles: u64 = 0;
         let mut bytes: u64 = 0;
@@ -68,11 +86,11 @@ impl Layout {
                 continue;
             }
             let len = segment.len;
-            let (run_tiles, tile_runs, segment_tiles) = if len > TILE_BYTES {
-                let run_tiles = len.div_ceil(TILE_BYTES);
+            let (run_tiles, tile_runs, segment_tiles) = if len > tile_bytes {
+                let run_tiles = len.div_ceil(tile_bytes);
                 (run_tiles, 1, runs.checked_mul(run_tiles))
             } else {
-                let tile_runs = (TILE_BYTES / len).clamp(1, MAX_RUNS_PER_TILE);
+                let tile_runs = (tile_bytes / len).clamp(1, MAX_RUNS_PER_TILE);
                 (1, tile_runs, Some(runs.div_ceil(tile_runs)))
             };
             let tile_first = tiles;
@@ -99,7 +117,7 @@ impl Layout {
             });
         }
         descriptors.push(DeviceSegment { tile_first: tiles, ..DeviceSegment::default() });
-        Ok(Layout { descriptors, tiles, bytes })
+        Ok(Layout { descriptors, tiles, bytes, tile_shift })
     }
 
     /// The descriptors as raw bytes, for upload.
@@ -127,8 +145,8 @@ impl Layout {
         if d.run_tiles > 1 || d.runs == 1 {
             let per = d.run_tiles;
             let (run, part) = (local / per, local % per);
-            let offset = part << TILE_SHIFT;
-            let n = (d.len - offset).min(TILE_BYTES);
+            let offset = part << self.tile_shift;
+            let n = (d.len - offset).min(1 << self.tile_shift);
             f(
                 address(d.src, d.src_stride0, d.src_stride1, run) + offset,
                 address(d.dst, d.dst_stride0, d.dst_stride1, run) + offset,
@@ -158,11 +176,17 @@ mod tests {
 
     /// Every run's bytes, listed by walking the tiles, equals what Segment::for_each_run lists.
     fn pieces_cover_runs(segments: &[Segment]) {
-        let layout = Layout::new(segments).unwrap();
+        for shift in [TILE_SHIFT, 10, 16] {
+            pieces_cover_runs_with(segments, shift);
+        }
+    }
+
+    fn pieces_cover_runs_with(segments: &[Segment], shift: u32) {
+        let layout = Layout::with_tile_shift(segments, shift).unwrap();
         let mut from_tiles = Vec::new();
         for tile in 0..layout.tiles {
             layout.for_each_piece_of_tile(tile, |s, d, n| {
-                assert!(n > 0 && n <= TILE_BYTES.max(segments.iter().map(|s| s.len).max().unwrap()));
+                assert!(n > 0 && n <= (1u64 << shift).max(segments.iter().map(|s| s.len).max().unwrap()));
                 for b in 0..n {
                     from_tiles.push((s + b, d + b));
                 }
@@ -210,6 +234,16 @@ mod tests {
         assert_eq!(layout.as_bytes().len(), 2 * 96);
         let empty = Layout::new(&[]).unwrap();
         assert_eq!((empty.tiles, empty.segments()), (0, 0));
+    }
+
+    #[test]
+    fn tile_sizes_outside_the_supported_range_are_refused() {
+        let one = [Segment::contiguous(1, 2, 3)];
+        for shift in [0, 9, 21, 64] {
+            let err = Layout::with_tile_shift(&one, shift).unwrap_err();
+            assert_eq!(err.status, crate::error::Status::InvalidArgument, "{shift}");
+        }
+        assert_eq!(Layout::with_tile_shift(&one, 20).unwrap().tile_shift, 20);
     }
 
     #[test]
