@@ -86,28 +86,6 @@
 #define REFIT_ABI_VERSION 1
 
 /**
- * Destination runs expanded at most this many in total to decide overlap exactly, beyond which the
- * checked mode refuses the batch (Unsupported) rather than spend unbounded time.
- */
-#define MAX_EXPANDED_RUNS (1 << 26)
-
-/**
- * log2 of the default tile size in bytes (8 KiB): large enough to amortize finding the tile, small
- * enough that a 1 GiB copy gives every warp of the grid dozens of tiles.
- */
-#define TILE_SHIFT 13
-
-/**
- * Default tile size in bytes.
- */
-#define TILE_BYTES (1 << TILE_SHIFT)
-
-/**
- * Short runs are copied one after the other by a warp; this caps how many a single warp takes at once.
- */
-#define MAX_RUNS_PER_TILE 32
-
-/**
  * Most dimensions a tensor may have.
  */
 #define MAX_DIMS 8

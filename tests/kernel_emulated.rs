@@ -10,7 +10,7 @@ mod random_batch;
 use random_batch::{first_difference, random_batch, rebase, reference, Rng, Shape};
 use refit::backend::dynlib::Library;
 use refit::kernels::check::validate;
-use refit::kernels::layout::{Layout, TILE_SHIFT};
+use refit::kernels::layout::Layout;
 use refit::{Segment, Status};
 use std::path::PathBuf;
 use std::process::Command;
@@ -45,7 +45,7 @@ fn emulator() -> Launch {
 
 /// Lays out `segments` and runs the emulated kernel over them with `blocks` blocks of 256 threads.
 fn emulate(segments: &[Segment], blocks: u32) {
-    emulate_with_tile(segments, blocks, TILE_SHIFT);
+    emulate_with_tile(segments, blocks, Layout::default_tile_shift());
 }
 
 fn emulate_with_tile(segments: &[Segment], blocks: u32, tile_shift: u32) {
@@ -68,7 +68,7 @@ fn emulate_with_tile(segments: &[Segment], blocks: u32, tile_shift: u32) {
 }
 
 fn run(seed: u64, shape: Shape, blocks: u32) {
-    run_with_tile(seed, shape, blocks, TILE_SHIFT);
+    run_with_tile(seed, shape, blocks, Layout::default_tile_shift());
 }
 
 fn run_with_tile(seed: u64, shape: Shape, blocks: u32, tile_shift: u32) {

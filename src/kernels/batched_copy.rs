@@ -3,7 +3,7 @@
 
 use super::check::{check_destinations, validate};
 use super::driver::{self, check, CurrentContext};
-use super::layout::{Layout, TILE_SHIFT};
+use super::layout::Layout;
 use super::nvrtc::{self, Output};
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
@@ -209,7 +209,7 @@ pub unsafe fn copy_segments(
     segments: &[Segment],
     checked: bool,
 ) -> Result<()> {
-    let layout = prepare(segments, checked, TILE_SHIFT)?;
+    let layout = prepare(segments, checked, Layout::DEFAULT_TILE_SHIFT)?;
     if layout.tiles == 0 {
         return Ok(());
     }
@@ -261,11 +261,11 @@ impl PreparedBatch {
     /// lays out and uploads the batch to `device`. Synchronous: returns once the descriptors are on the
     /// device. Errors as for [`copy_segments`].
     pub fn new(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
-        PreparedBatch::with_tile_shift(device, segments, checked, TILE_SHIFT)
+        PreparedBatch::with_tile_shift(device, segments, checked, Layout::DEFAULT_TILE_SHIFT)
     }
 
     /// As [`PreparedBatch::new`] with tiles of `2^tile_shift` bytes instead of the default (a tuning
-    /// knob for benches; InvalidArgument outside `layout::TILE_SHIFTS`).
+    /// knob for benches; InvalidArgument outside 10..=20).
     pub fn with_tile_shift(
         device: i32,
         segments: &[Segment],

@@ -2,22 +2,14 @@
 //! tiles start, and the tiling rule the kernel relies on. Pure Rust (no CUDA), so it is tested in CI.
 //!
 //! Tiling: a run longer than a tile is cut into `ceil(len / TILE)` tiles; shorter runs are grouped,
-//! up to `TILE / len` (at most [`MAX_RUNS_PER_TILE`]) whole runs per tile. Every tile is one warp's
+//! up to `TILE / len` (at most `Layout::MAX_RUNS_PER_TILE`) whole runs per tile. Every tile is one warp's
 //! unit of work, so no warp ever walks a large segment alone and tiny runs do not pile onto one warp.
 
 use crate::error::{Error, Result};
 use crate::segment::Segment;
 
-/// log2 of the default tile size in bytes (8 KiB): large enough to amortize finding the tile, small
-/// enough that a 1 GiB copy gives every warp of the grid dozens of tiles.
-pub const TILE_SHIFT: u32 = 13;
-/// Tile sizes a layout accepts (log2 bytes): 1 KiB .. 1 MiB. Pieces stay below 2^32 bytes, which the
-/// kernel's 32-bit piece arithmetic relies on.
-pub const TILE_SHIFTS: std::ops::RangeInclusive<u32> = 10..=20;
-/// Default tile size in bytes.
-pub const TILE_BYTES: u64 = 1 << TILE_SHIFT;
-/// Short runs are copied one after the other by a warp; this caps how many a single warp takes at once.
-pub const MAX_RUNS_PER_TILE: u64 = 32;
+// The tiling constants are associated with `Layout` rather than free `pub const`s: cbindgen would
+// otherwise copy them into the C header.
 
 /// One segment as the kernel reads it. Must match `struct Desc` in `batched_copy.cu`.
 #[repr(C, align(16))]
@@ -56,6 +48,20 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// log2 of the default tile size in bytes (8 KiB): large enough to amortize finding the tile, small
+    /// enough that a 1 GiB copy gives every warp of the grid dozens of tiles.
+    pub(crate) const DEFAULT_TILE_SHIFT: u32 = 13;
+    /// Tile sizes a layout accepts (log2 bytes): 1 KiB .. 1 MiB. Pieces stay below 2^32 bytes, which
+    /// the kernel's 32-bit piece arithmetic relies on.
+    pub(crate) const TILE_SHIFTS: std::ops::RangeInclusive<u32> = 10..=20;
+    /// Short runs are copied one after the other by a warp; this caps how many one tile takes.
+    pub(crate) const MAX_RUNS_PER_TILE: u64 = 32;
+
+    /// log2 of the default tile size (for tests and benches; `Layout::new` uses it).
+    pub const fn default_tile_shift() -> u32 {
+        Layout::DEFAULT_TILE_SHIFT
+    }
+
     /// Segments that carry bytes (the sentinel excluded).
     pub fn segments(&self) -> u64 {
         self.descriptors.len().saturating_sub(1) as u64
@@ -65,15 +71,16 @@ impl Layout {
     /// size. Empty segments are dropped. Fails only if the tile count overflows, which validated input
     /// cannot make happen.
     pub fn new(segments: &[Segment]) -> Result<Layout> {
-        Layout::with_tile_shift(segments, TILE_SHIFT)
+        Layout::with_tile_shift(segments, Layout::DEFAULT_TILE_SHIFT)
     }
 
     /// As [`Layout::new`] with tiles of `2^tile_shift` bytes (a tuning knob; InvalidArgument outside
-    /// [`TILE_SHIFTS`]).
+    /// 10..=20, i.e. 1 KiB to 1 MiB).
     pub fn with_tile_shift(segments: &[Segment], tile_shift: u32) -> Result<Layout> {
-        if !TILE_SHIFTS.contains(&tile_shift) {
+        if !Layout::TILE_SHIFTS.contains(&tile_shift) {
             return Err(Error::invalid_argument(format!(
-                "tile shift {tile_shift} is outside {TILE_SHIFTS:?}"
+                "tile shift {tile_shift} is outside {:?}",
+                Layout::TILE_SHIFTS
             )));
         }
         let tile_bytes = 1u64 << tile_shift;
@@ -90,7 +97,7 @@ impl Layout {
                 let run_tiles = len.div_ceil(tile_bytes);
                 (run_tiles, 1, runs.checked_mul(run_tiles))
             } else {
-                let tile_runs = (tile_bytes / len).clamp(1, MAX_RUNS_PER_TILE);
+                let tile_runs = (tile_bytes / len).clamp(1, Layout::MAX_RUNS_PER_TILE);
                 (1, tile_runs, Some(runs.div_ceil(tile_runs)))
             };
             let tile_first = tiles;
@@ -170,13 +177,15 @@ impl Layout {
 mod tests {
     use super::*;
 
+    const TILE: u64 = 1 << Layout::DEFAULT_TILE_SHIFT;
+
     fn strided(len: u64, count: [u64; 2], src_stride: [u64; 2], dst_stride: [u64; 2]) -> Segment {
         Segment { src: 1 << 40, dst: 1 << 41, len, count, src_stride, dst_stride }
     }
 
     /// Every run's bytes, listed by walking the tiles, equals what Segment::for_each_run lists.
     fn pieces_cover_runs(segments: &[Segment]) {
-        for shift in [TILE_SHIFT, 10, 16] {
+        for shift in [Layout::DEFAULT_TILE_SHIFT, 10, 16] {
             pieces_cover_runs_with(segments, shift);
         }
     }
@@ -205,15 +214,10 @@ mod tests {
 
     #[test]
     fn tiles_cover_every_byte_once_in_order() {
-        pieces_cover_runs(&[Segment::contiguous(100, 5000, 3 * TILE_BYTES + 7)]);
-        pieces_cover_runs(&[Segment::contiguous(100, 5000, TILE_BYTES)]);
+        pieces_cover_runs(&[Segment::contiguous(100, 5000, 3 * TILE + 7)]);
+        pieces_cover_runs(&[Segment::contiguous(100, 5000, TILE)]);
         pieces_cover_runs(&[strided(768, [40, 1], [1536, 0], [768, 0])]);
-        pieces_cover_runs(&[strided(
-            TILE_BYTES + 1,
-            [3, 2],
-            [TILE_BYTES + 9, 100_000],
-            [TILE_BYTES + 1, 50_000],
-        )]);
+        pieces_cover_runs(&[strided(TILE + 1, [3, 2], [TILE + 9, 100_000], [TILE + 1, 50_000])]);
         pieces_cover_runs(&[strided(1, [70, 3], [2, 200], [1, 70])]);
         pieces_cover_runs(&[
             Segment::contiguous(1, 2, 0),
@@ -226,10 +230,10 @@ mod tests {
     #[test]
     fn empty_segments_are_dropped_and_sentinel_counts_tiles() {
         let layout =
-            Layout::new(&[Segment::contiguous(1, 2, 0), Segment::contiguous(1, 2, 2 * TILE_BYTES)]).unwrap();
+            Layout::new(&[Segment::contiguous(1, 2, 0), Segment::contiguous(1, 2, 2 * TILE)]).unwrap();
         assert_eq!(layout.segments(), 1);
         assert_eq!(layout.tiles, 2);
-        assert_eq!(layout.bytes, 2 * TILE_BYTES);
+        assert_eq!(layout.bytes, 2 * TILE);
         assert_eq!(layout.descriptors.last().unwrap().tile_first, 2);
         assert_eq!(layout.as_bytes().len(), 2 * 96);
         let empty = Layout::new(&[]).unwrap();
@@ -249,9 +253,9 @@ mod tests {
     #[test]
     fn short_runs_are_grouped_but_capped() {
         let layout = Layout::new(&[strided(1, [1000, 1], [1, 0], [1, 0])]).unwrap();
-        assert_eq!(layout.descriptors[0].tile_runs, MAX_RUNS_PER_TILE);
-        assert_eq!(layout.tiles, 1000u64.div_ceil(MAX_RUNS_PER_TILE));
+        assert_eq!(layout.descriptors[0].tile_runs, Layout::MAX_RUNS_PER_TILE);
+        assert_eq!(layout.tiles, 1000u64.div_ceil(Layout::MAX_RUNS_PER_TILE));
         let rows = Layout::new(&[strided(768, [2048, 1], [1536, 0], [768, 0])]).unwrap();
-        assert_eq!(rows.descriptors[0].tile_runs, TILE_BYTES / 768);
+        assert_eq!(rows.descriptors[0].tile_runs, TILE / 768);
     }
 }
