@@ -17,6 +17,7 @@ use cuda::{enable_peer, ok, on, Buffer, Stream, Timer};
 use cudarc::driver::sys;
 use random_batch::Rng;
 use refit::kernels::driver::check;
+use refit::kernels::layout::Layout;
 use refit::kernels::{copy_segments, BatchedCopy, PreparedBatch};
 use refit::Segment;
 use std::time::Instant;
@@ -324,12 +325,39 @@ fn main() {
         let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap()).sum();
         let mut cells = Vec::new();
         for &shift in &shifts {
-            let prepared = ok("with_tile_shift", PreparedBatch::with_tile_shift(0, &segments, false, shift));
+            let prepared = ok("with_tile_shift", PreparedBatch::tuned(0, &segments, false, shift, 0));
             let ms = time_ms(0, &sweep_stream, 2, 10, || ok("launch", launch(&prepared, sweep_stream.raw)));
             cells.push(format!("{:.0}", gbps(bytes, ms)));
             sweep.push(format!(
                 "    {{\"case\": \"{name}\", \"tile_bytes\": {}, \"ours\": {:.2}}}",
                 1u64 << shift,
+                gbps(bytes, ms)
+            ));
+        }
+        println!("| {name} | {} |", cells.join(" | "));
+    }
+
+    // Lanes per tile (prediction: 8 or 16 lanes beat 32 for 256 B and 512 B segments, by up to 2x, since
+    // more round trips are in flight per warp; no difference from 4 KiB up).
+    println!("\n| lanes per tile, GPU0, GB/s | 8 | 16 | 32 | auto |");
+    println!("|---|---|---|---|---|");
+    for (name, segments) in [
+        ("256 B", scattered(src.ptr, dst0.ptr, 256, 256 * MIB / 256, &mut rng)),
+        ("512 B", scattered(src.ptr, dst0.ptr, 512, 256 * MIB / 512, &mut rng)),
+        ("4096 B", scattered(src.ptr, dst0.ptr, 4096, (1 << 30) / 4096, &mut rng)),
+        ("column split", column_split(src.ptr, dst0.ptr)),
+    ] {
+        let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap()).sum();
+        let mut cells = Vec::new();
+        for lanes in [8u32, 16, 32, 0] {
+            let shift = Layout::default_tile_shift();
+            let prepared = ok("tuned", PreparedBatch::tuned(0, &segments, false, shift, lanes));
+            let ms = time_ms(0, &sweep_stream, 2, 10, || ok("launch", launch(&prepared, sweep_stream.raw)));
+            cells.push(format!("{:.0}", gbps(bytes, ms)));
+            sweep.push(format!(
+                "    {{\"case\": \"{name}\", \"tile_bytes\": {}, \"lanes_per_tile\": {}, \"ours\": {:.2}}}",
+                1u64 << shift,
+                if lanes == 0 { prepared.geometry().2 } else { lanes },
                 gbps(bytes, ms)
             ));
         }

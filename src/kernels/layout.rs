@@ -45,6 +45,9 @@ pub struct Layout {
     pub bytes: u64,
     /// log2 of this layout's tile size; the kernel is launched with it.
     pub tile_shift: u32,
+    /// log2 of the lanes that copy one tile (3, 4 or 5: 8, 16 or 32 lanes), from the average tile
+    /// size (see [`Layout::lanes_shift_for`]); the kernel is launched with it.
+    pub group_shift: u32,
 }
 
 impl Layout {
@@ -56,6 +59,20 @@ impl Layout {
     pub(crate) const TILE_SHIFTS: std::ops::RangeInclusive<u32> = 10..=20;
     /// Short runs are copied one after the other by a warp; this caps how many one tile takes.
     pub(crate) const MAX_RUNS_PER_TILE: u64 = 32;
+
+    /// Lanes per tile for a batch of `tiles` tiles carrying `bytes`: small tiles are latency-bound, so
+    /// a warp copies several at once (8 lanes each up to 512 B on average, 16 up to 2 KiB), which puts
+    /// more memory round trips in flight; larger tiles use the whole warp.
+    pub fn lanes_shift_for(bytes: u64, tiles: u64) -> u32 {
+        let average = bytes / tiles.max(1);
+        if average <= 512 {
+            3
+        } else if average <= 2048 {
+            4
+        } else {
+            5
+        }
+    }
 
     /// log2 of the default tile size (for tests and benches; `Layout::new` uses it).
     pub const fn default_tile_shift() -> u32 {
@@ -124,7 +141,8 @@ impl Layout {
             });
         }
         descriptors.push(DeviceSegment { tile_first: tiles, ..DeviceSegment::default() });
-        Ok(Layout { descriptors, tiles, bytes, tile_shift })
+        let group_shift = Layout::lanes_shift_for(bytes, tiles);
+        Ok(Layout { descriptors, tiles, bytes, tile_shift, group_shift })
     }
 
     /// The descriptors as raw bytes, for upload.
@@ -248,6 +266,16 @@ mod tests {
             assert_eq!(err.status, crate::error::Status::InvalidArgument, "{shift}");
         }
         assert_eq!(Layout::with_tile_shift(&one, 20).unwrap().tile_shift, 20);
+    }
+
+    #[test]
+    fn small_tiles_get_narrow_lane_groups() {
+        assert_eq!(Layout::lanes_shift_for(256 << 20, 1 << 20), 3); // 256 B segments: 8 lanes
+        assert_eq!(Layout::lanes_shift_for(1 << 30, 1 << 20), 4); // 1 KiB average: 16 lanes
+        assert_eq!(Layout::lanes_shift_for(1 << 30, (1 << 30) / 4096), 5); // 4 KiB: the whole warp
+        assert_eq!(Layout::lanes_shift_for(0, 0), 3);
+        let layout = Layout::new(&[Segment::contiguous(1, 2, 1 << 20)]).unwrap();
+        assert_eq!(layout.group_shift, 5);
     }
 
     #[test]
