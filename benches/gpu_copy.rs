@@ -17,6 +17,7 @@ use cuda::{enable_peer, ok, on, Buffer, Stream, Timer};
 use cudarc::driver::sys;
 use random_batch::Rng;
 use refit::kernels::driver::check;
+use refit::kernels::layout::Layout;
 use refit::kernels::{copy_segments, BatchedCopy, PreparedBatch};
 use refit::Segment;
 use std::time::Instant;
@@ -131,6 +132,23 @@ fn scattered(src: u64, dst: u64, size: u64, n: u64, rng: &mut Rng) -> Vec<Segmen
     (0..n).map(|k| Segment::contiguous(src + k * size, dst + slots[k as usize] * size, size)).collect()
 }
 
+/// The tensor-parallel column split: 2,048 rows of 768 B out of rows of 1,536 B, one segment per
+/// tensor, repeated over 256 MiB of payload (sources 512 MiB).
+fn column_split(src: u64, dst: u64) -> Vec<Segment> {
+    let shard = 2048 * 1536u64;
+    let tensors = 256 * MIB / (2048 * 768);
+    (0..tensors)
+        .map(|t| Segment {
+            src: src + t * shard,
+            dst: dst + t * 2048 * 768,
+            len: 768,
+            count: [2048, 1],
+            src_stride: [1536, 0],
+            dst_stride: [768, 0],
+        })
+        .collect()
+}
+
 /// Every contiguous run (for the host-API columns), up to `cap`.
 fn runs(segments: &[Segment], cap: usize) -> Vec<(u64, u64, u64)> {
     let mut list = Vec::new();
@@ -144,7 +162,7 @@ fn runs(segments: &[Segment], cap: usize) -> Vec<(u64, u64, u64)> {
     list
 }
 
-fn memcpy_batch(runs: &[(u64, u64, u64)], dst_device: i32, stream: &Stream) {
+fn memcpy_batch(runs: &[(u64, u64, u64)], dst_device: i32, stream: &Stream) -> refit::Result<()> {
     let mut srcs: Vec<u64> = runs.iter().map(|r| r.0).collect();
     let mut dsts: Vec<u64> = runs.iter().map(|r| r.1).collect();
     let mut sizes: Vec<usize> = runs.iter().map(|r| r.2 as usize).collect();
@@ -156,30 +174,41 @@ fn memcpy_batch(runs: &[(u64, u64, u64)], dst_device: i32, stream: &Stream) {
         flags: 0,
     }];
     let mut index = [0usize];
-    ok(
-        "cuMemcpyBatchAsync",
-        check("cuMemcpyBatchAsync", unsafe {
-            sys::cuMemcpyBatchAsync_v2(
-                dsts.as_mut_ptr(),
-                srcs.as_mut_ptr(),
-                sizes.as_mut_ptr(),
-                runs.len(),
-                attrs.as_mut_ptr(),
-                index.as_mut_ptr(),
-                1,
-                stream.raw,
-            )
-        }),
-    );
+    check("cuMemcpyBatchAsync", unsafe {
+        sys::cuMemcpyBatchAsync_v2(
+            dsts.as_mut_ptr(),
+            srcs.as_mut_ptr(),
+            sizes.as_mut_ptr(),
+            runs.len(),
+            attrs.as_mut_ptr(),
+            index.as_mut_ptr(),
+            1,
+            stream.raw,
+        )
+    })
 }
 
-fn memcpy_each(runs: &[(u64, u64, u64)], stream: &Stream) {
+fn memcpy_each(runs: &[(u64, u64, u64)], stream: &Stream) -> refit::Result<()> {
     for &(src, dst, n) in runs {
-        ok(
-            "cuMemcpyAsync",
-            check("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, n as usize, stream.raw) }),
-        );
+        check("cuMemcpyAsync", unsafe { sys::cuMemcpyAsync(dst, src, n as usize, stream.raw) })?;
     }
+    Ok(())
+}
+
+/// Times a peer column, or reports NaN (printed, null in JSON) when its first call fails, so that one
+/// failing API does not lose the rest of the run.
+fn time_or_nan(
+    name: &str,
+    device: i32,
+    stream: &Stream,
+    reps: usize,
+    mut work: impl FnMut() -> refit::Result<()>,
+) -> f64 {
+    if let Err(err) = work() {
+        println!("{name} failed, column left empty: {err}");
+        return f64::NAN;
+    }
+    time_ms(device, stream, 0, reps, || ok(name, work()))
 }
 
 fn measure(
@@ -202,9 +231,11 @@ fn measure(
         time_ms(device, &stream, 1, 3, || ok("copy_segments", copy(device, stream.raw, segments, false)));
     let api_runs = runs(segments, API_CAP);
     let api_bytes: u64 = api_runs.iter().map(|r| r.2).sum();
-    let batch_ms =
-        on(device, || time_ms(device, &stream, 1, 3, || memcpy_batch(&api_runs, dst.device, &stream)));
-    let each_ms = on(device, || time_ms(device, &stream, 1, 3, || memcpy_each(&api_runs, &stream)));
+    let batch_ms = on(device, || {
+        time_or_nan("cuMemcpyBatchAsync", device, &stream, 3, || memcpy_batch(&api_runs, dst.device, &stream))
+    });
+    let each_ms =
+        on(device, || time_or_nan("cuMemcpyAsync", device, &stream, 3, || memcpy_each(&api_runs, &stream)));
     let ceiling_ms = on(device, || {
         time_ms(device, &stream, 2, reps, || {
             ok(
@@ -270,20 +301,67 @@ fn main() {
             let segments = scattered(src.ptr, dst.ptr, size, total / size, &mut rng);
             rows.push(measure(&format!("{size} B"), path, &segments, &src, dst, &mut rng));
         }
-        // TP column split: 2,048 rows of 768 B out of rows of 1,536 B, repeated over 256 MiB of payload.
-        let shard = 2048 * 1536u64;
-        let tensors = 256 * MIB / (2048 * 768);
-        let split: Vec<Segment> = (0..tensors)
-            .map(|t| Segment {
-                src: src.ptr + t * shard,
-                dst: dst.ptr + t * 2048 * 768,
-                len: 768,
-                count: [2048, 1],
-                src_stride: [1536, 0],
-                dst_stride: [768, 0],
-            })
-            .collect();
+        let split = column_split(src.ptr, dst.ptr);
         rows.push(measure("column split 2048x768 of 1536", path, &split, &src, dst, &mut rng));
+    }
+
+    // Tile-size sweep on one GPU (prediction: flat within noise from 8 KiB up for large segments;
+    // small tiles cost more per byte; the default is 8 KiB = 2^13).
+    let shifts = [11u32, 12, 13, 14, 15, 16];
+    println!(
+        "\n| tile sweep, GPU0, GB/s | {} |",
+        shifts.map(|s| format!("{} KiB", (1u64 << s) >> 10)).join(" | ")
+    );
+    println!("|---|{}", "---|".repeat(shifts.len()));
+    let mut sweep = Vec::new();
+    let sweep_stream = Stream::new(0);
+    for (name, segments) in [
+        ("512 B", scattered(src.ptr, dst0.ptr, 512, 256 * MIB / 512, &mut rng)),
+        ("4096 B", scattered(src.ptr, dst0.ptr, 4096, (1 << 30) / 4096, &mut rng)),
+        ("65536 B", scattered(src.ptr, dst0.ptr, 65536, (1 << 30) / 65536, &mut rng)),
+        ("1048576 B", scattered(src.ptr, dst0.ptr, MIB, 1024, &mut rng)),
+        ("column split", column_split(src.ptr, dst0.ptr)),
+    ] {
+        let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap()).sum();
+        let mut cells = Vec::new();
+        for &shift in &shifts {
+            let prepared = ok("with_tile_shift", PreparedBatch::tuned(0, &segments, false, shift, 0));
+            let ms = time_ms(0, &sweep_stream, 2, 10, || ok("launch", launch(&prepared, sweep_stream.raw)));
+            cells.push(format!("{:.0}", gbps(bytes, ms)));
+            sweep.push(format!(
+                "    {{\"case\": \"{name}\", \"tile_bytes\": {}, \"ours\": {:.2}}}",
+                1u64 << shift,
+                gbps(bytes, ms)
+            ));
+        }
+        println!("| {name} | {} |", cells.join(" | "));
+    }
+
+    // Lanes per tile (prediction: 8 or 16 lanes beat 32 for 256 B and 512 B segments, by up to 2x, since
+    // more round trips are in flight per warp; no difference from 4 KiB up).
+    println!("\n| lanes per tile, GPU0, GB/s | 8 | 16 | 32 | auto |");
+    println!("|---|---|---|---|---|");
+    for (name, segments) in [
+        ("256 B", scattered(src.ptr, dst0.ptr, 256, 256 * MIB / 256, &mut rng)),
+        ("512 B", scattered(src.ptr, dst0.ptr, 512, 256 * MIB / 512, &mut rng)),
+        ("4096 B", scattered(src.ptr, dst0.ptr, 4096, (1 << 30) / 4096, &mut rng)),
+        ("column split", column_split(src.ptr, dst0.ptr)),
+    ] {
+        let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap()).sum();
+        let mut cells = Vec::new();
+        for lanes in [8u32, 16, 32, 0] {
+            let shift = Layout::default_tile_shift();
+            let prepared = ok("tuned", PreparedBatch::tuned(0, &segments, false, shift, lanes));
+            let ms = time_ms(0, &sweep_stream, 2, 10, || ok("launch", launch(&prepared, sweep_stream.raw)));
+            cells.push(format!("{:.0}", gbps(bytes, ms)));
+            sweep.push(format!(
+                "    {{\"case\": \"{name}\", \"tile_bytes\": {}, \"lanes_per_tile\": {}, \"ours\": {:.2}}}",
+                1u64 << shift,
+                if lanes == 0 { prepared.geometry().2 } else { lanes },
+                gbps(bytes, ms)
+            ));
+        }
+        println!("| {name} | {} |", cells.join(" | "));
     }
 
     // Host time to launch a prepared batch of 1,000,000 segments (256 B each).
@@ -319,7 +397,9 @@ fn main() {
             )
         })
         .collect();
-    json += &items.join(",\n");
+    json += &items.join(",\n").replace("NaN", "null");
+    json += "\n  ],\n  \"tile_sweep\": [\n";
+    json += &sweep.join(",\n");
     json += "\n  ]\n}\n";
     let path = format!("{dir}/gpu_copy.json");
     std::fs::write(&path, json).expect("writing results");

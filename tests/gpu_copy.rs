@@ -279,6 +279,25 @@ fn prepared_batch_launched_100_times() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn every_lane_group_width_and_tile_size() {
+    let mut rng = Rng::new(18);
+    for (k, shape) in shapes().into_iter().enumerate() {
+        let batch = random_batch(&mut rng, shape);
+        let mut case = Case::new(&mut rng, batch, 0, 0);
+        let stream = Stream::new(0);
+        for (tile_shift, lanes) in [(13, 8), (13, 16), (13, 32), (10, 8), (16, 32), (12, 16)] {
+            let prepared =
+                ok("PreparedBatch::tuned", PreparedBatch::tuned(0, &case.segments, true, tile_shift, lanes));
+            case.refresh(&mut rng);
+            ok("launch", launch(&prepared, stream.raw));
+            stream.sync();
+            case.verify(&format!("shape {k}, tile 2^{tile_shift}, {lanes} lanes per tile"));
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn prepared_batch_in_a_cuda_graph() {
     let mut rng = Rng::new(14);
     let shape =

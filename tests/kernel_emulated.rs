@@ -10,13 +10,13 @@ mod random_batch;
 use random_batch::{first_difference, random_batch, rebase, reference, Rng, Shape};
 use refit::backend::dynlib::Library;
 use refit::kernels::check::validate;
-use refit::kernels::layout::{Layout, TILE_SHIFT};
+use refit::kernels::layout::Layout;
 use refit::{Segment, Status};
 use std::path::PathBuf;
 use std::process::Command;
 use std::sync::OnceLock;
 
-type Launch = unsafe extern "C" fn(*const std::ffi::c_void, u64, u64, u32, u32, u32);
+type Launch = unsafe extern "C" fn(*const std::ffi::c_void, u64, u64, u32, u32, u32, u32);
 
 fn emulator() -> Launch {
     static LAUNCH: OnceLock<Launch> = OnceLock::new();
@@ -43,10 +43,14 @@ fn emulator() -> Launch {
     })
 }
 
-/// Lays out `segments` and runs the emulated kernel over them with `blocks` blocks of 256 threads.
-fn emulate(segments: &[Segment], blocks: u32) {
+/// Every lane-group width the kernel supports (log2 lanes per tile: 8, 16, 32).
+const GROUP_SHIFTS: [u32; 3] = [3, 4, 5];
+
+/// Lays out `segments` with tiles of `2^tile_shift` bytes and runs the emulated kernel over them with
+/// `blocks` blocks of 256 threads and `2^group_shift` lanes per tile.
+fn emulate(segments: &[Segment], blocks: u32, tile_shift: u32, group_shift: u32) {
     validate(segments).unwrap();
-    let layout = Layout::new(segments).unwrap();
+    let layout = Layout::with_tile_shift(segments, tile_shift).unwrap();
     if layout.tiles == 0 {
         return;
     }
@@ -56,7 +60,8 @@ fn emulate(segments: &[Segment], blocks: u32) {
             layout.descriptors.as_ptr().cast(),
             layout.segments(),
             layout.tiles,
-            TILE_SHIFT,
+            layout.tile_shift,
+            group_shift,
             blocks,
             256,
         )
@@ -64,17 +69,26 @@ fn emulate(segments: &[Segment], blocks: u32) {
 }
 
 fn run(seed: u64, shape: Shape, blocks: u32) {
+    run_with_tile(seed, shape, blocks, Layout::default_tile_shift());
+}
+
+fn run_with_tile(seed: u64, shape: Shape, blocks: u32, tile_shift: u32) {
     let mut rng = Rng::new(seed);
     let batch = random_batch(&mut rng, shape);
     let mut src = vec![0u8; batch.src_len];
     rng.fill(&mut src);
     let mut want = vec![0xCDu8; batch.dst_len];
     reference(&batch.segments, &src, &mut want);
-    let mut got = vec![0xCDu8; batch.dst_len];
-    let segments = rebase(&batch.segments, src.as_ptr() as u64, got.as_mut_ptr() as u64);
-    emulate(&segments, blocks);
-    if let Some((at, g, w)) = first_difference(&got, &want) {
-        panic!("seed {seed}, {blocks} blocks, {shape:?}: destination byte {at} is {g:#x}, expected {w:#x}");
+    for group_shift in GROUP_SHIFTS {
+        let mut got = vec![0xCDu8; batch.dst_len];
+        let segments = rebase(&batch.segments, src.as_ptr() as u64, got.as_mut_ptr() as u64);
+        emulate(&segments, blocks, tile_shift, group_shift);
+        if let Some((at, g, w)) = first_difference(&got, &want) {
+            panic!(
+                "seed {seed}, {blocks} blocks, tile 2^{tile_shift}, 2^{group_shift} lanes per tile, {shape:?}: \
+                 destination byte {at} is {g:#x}, expected {w:#x}"
+            );
+        }
     }
 }
 
@@ -86,6 +100,15 @@ fn random_batches_aligned_and_misaligned() {
                 Shape { segments: 50, max_len: 1 << 20, strided_percent: 30, misaligned, src_len: 3 << 20 };
             run(seed, shape, blocks);
         }
+    }
+}
+
+#[test]
+fn other_tile_sizes() {
+    for (seed, shift) in [(61, 10), (62, 12), (63, 16), (64, 20)] {
+        let shape =
+            Shape { segments: 40, max_len: 1 << 20, strided_percent: 40, misaligned: true, src_len: 3 << 20 };
+        run_with_tile(seed, shape, 11, shift);
     }
 }
 
@@ -133,17 +156,22 @@ fn aligned_rows_take_the_row_spread_path() {
         let segment = Segment { src: 0, dst: 16, len, count, src_stride, dst_stride };
         // u128 storage: 16-byte aligned bases, so the relative offsets keep their alignment.
         let mut src_words = vec![0u128; (src_extent as usize).div_ceil(16) + 1];
-        let mut dst_words =
-            vec![0xCDCD_CDCD_CDCD_CDCD_CDCD_CDCD_CDCD_CDCDu128; (dst_extent as usize + 16).div_ceil(16)];
         let src = as_bytes(&mut src_words);
         rng.fill(src);
-        let mut want = vec![0xCDu8; dst_words.len() * 16];
+        let dst_words_len = (dst_extent as usize + 16).div_ceil(16);
+        let mut want = vec![0xCDu8; dst_words_len * 16];
         reference(&[segment], src, &mut want);
         let src_ptr = src.as_ptr() as u64;
-        let got = as_bytes(&mut dst_words);
-        emulate(&rebase(&[segment], src_ptr, got.as_mut_ptr() as u64), 3);
-        if let Some((at, g, w)) = first_difference(got, &want) {
-            panic!("{segment:?}: destination byte {at} is {g:#x}, expected {w:#x}");
+        for group_shift in GROUP_SHIFTS {
+            let mut dst_words = vec![0xCDCD_CDCD_CDCD_CDCD_CDCD_CDCD_CDCD_CDCDu128; dst_words_len];
+            let got = as_bytes(&mut dst_words);
+            let segments = rebase(&[segment], src_ptr, got.as_mut_ptr() as u64);
+            emulate(&segments, 3, Layout::default_tile_shift(), group_shift);
+            if let Some((at, g, w)) = first_difference(got, &want) {
+                panic!(
+                    "{segment:?}, 2^{group_shift} lanes: destination byte {at} is {g:#x}, expected {w:#x}"
+                );
+            }
         }
     }
 }

@@ -38,58 +38,68 @@ struct __align__(16) V16 {
 };
 
 #define WARP 32u
-// 16-byte vectors in flight per lane before the first store: 2 KiB per warp per step.
+// Vectors in flight per lane before the first store: 2 KiB per 32 lanes per step with 16-byte vectors.
 #define UNROLL 4u
 
-// Copies n elements of type V, lane-strided so that each warp access is coalesced. All loads of a step
-// are issued before any store of it (predicated, so a short piece still gets one round trip).
-// Pieces are at most one tile (8 KiB), so 32-bit indices suffice.
+// A tile is copied by a group of `width` lanes (32, 16 or 8; chosen per batch on the host): for small
+// tiles, several groups of one warp copy several tiles at once, so that more memory round trips are in
+// flight per warp. `lane` below is the lane's index within its group.
+
+// Copies n elements of type V, lane-strided so that each group access is coalesced. All loads of a
+// step are issued before any store of it (predicated, so a short piece still gets one round trip).
+// Pieces are at most one tile (<= 1 MiB), so 32-bit indices suffice.
 template <typename V>
-__device__ __forceinline__ void copy_elements(u64 dst, u64 src, u32 n, u32 lane) {
+__device__ __forceinline__ void copy_elements(u64 dst, u64 src, u32 n, u32 lane, u32 width) {
     V* d = reinterpret_cast<V*>(dst) + lane;
     const V* s = reinterpret_cast<const V*>(src) + lane;
-    for (u32 i = lane; i < n; i += UNROLL * WARP) {
+    for (u32 i = lane; i < n; i += UNROLL * width) {
         V v[UNROLL];
 #pragma unroll
         for (u32 k = 0; k < UNROLL; ++k) {
-            if (i + k * WARP < n) v[k] = s[k * WARP];
+            if (i + k * width < n) v[k] = s[k * width];
         }
 #pragma unroll
         for (u32 k = 0; k < UNROLL; ++k) {
-            if (i + k * WARP < n) d[k * WARP] = v[k];
+            if (i + k * width < n) d[k * width] = v[k];
         }
-        s += UNROLL * WARP;
-        d += UNROLL * WARP;
+        s += UNROLL * width;
+        d += UNROLL * width;
+    }
+}
+
+// Copies bytes [from, to) one per lane (heads and tails shorter than 16 bytes).
+__device__ __forceinline__ void copy_bytes(u64 dst, u64 src, u32 from, u32 to, u32 lane, u32 width) {
+    for (u32 b = from + lane; b < to; b += width) {
+        reinterpret_cast<u8*>(dst)[b] = reinterpret_cast<const u8*>(src)[b];
     }
 }
 
 // Copies n bytes where src and dst agree modulo W: a byte head up to W-alignment of dst (< W <= 16
-// bytes, one lane each), a body of W-byte elements, a byte tail (< W bytes).
+// bytes), a body of W-byte elements, a byte tail (< W bytes).
 template <typename V, u32 W>
-__device__ __forceinline__ void copy_coaligned(u64 dst, u64 src, u32 n, u32 lane) {
+__device__ __forceinline__ void copy_coaligned(u64 dst, u64 src, u32 n, u32 lane, u32 width) {
     u32 head = (W - ((u32)dst & (W - 1))) & (W - 1);
     if (head > n) head = n;
-    if (lane < head) reinterpret_cast<u8*>(dst)[lane] = reinterpret_cast<const u8*>(src)[lane];
+    copy_bytes(dst, src, 0, head, lane, width);
     const u32 body = (n - head) / W;
-    copy_elements<V>(dst + head, src + head, body, lane);
-    const u32 done = head + body * W;
-    if (lane < n - done) reinterpret_cast<u8*>(dst)[done + lane] = reinterpret_cast<const u8*>(src)[done + lane];
+    copy_elements<V>(dst + head, src + head, body, lane, width);
+    copy_bytes(dst, src, head + body * W, n, lane, width);
 }
 
-// One contiguous piece of at most one tile, copied by the whole warp with the widest access both
+// One contiguous piece of at most one tile, copied by the lane group with the widest access both
 // sides allow.
-__device__ __forceinline__ void copy_piece(u64 dst, u64 src, u32 n, u32 lane) {
+__device__ __forceinline__ void copy_piece(u64 dst, u64 src, u32 n, u32 lane, u32 width) {
     const u32 skew = (u32)(dst ^ src);
     if ((skew & 15u) == 0) {
-        copy_coaligned<V16, 16>(dst, src, n, lane);
+        copy_coaligned<V16, 16>(dst, src, n, lane, width);
     } else if ((skew & 7u) == 0) {
-        copy_coaligned<u64, 8>(dst, src, n, lane);
+        copy_coaligned<u64, 8>(dst, src, n, lane, width);
     } else if ((skew & 3u) == 0) {
-        copy_coaligned<u32, 4>(dst, src, n, lane);
+        copy_coaligned<u32, 4>(dst, src, n, lane, width);
     } else if ((skew & 1u) == 0) {
-        copy_coaligned<u16, 2>(dst, src, n, lane);
+        copy_coaligned<u16, 2>(dst, src, n, lane, width);
     } else {
-        copy_elements<u8>(dst, src, n, lane);
+        copy_elements<u8>(dst, src, n, lane, width);
     }
 }
 
@@ -97,14 +107,14 @@ __device__ __forceinline__ void copy_piece(u64 dst, u64 src, u32 n, u32 lane) {
 // taking vectors across row boundaries so that UNROLL loads per lane are in flight whatever the row
 // length. Every address is 16-byte aligned (checked by the caller).
 __device__ __forceinline__ void copy_rows16(u64 dst, u64 src, u32 per_row, u32 rows, u64 src_stride,
-                                            u64 dst_stride, u32 lane) {
+                                            u64 dst_stride, u32 lane, u32 width) {
     const u32 total = per_row * rows;
-    for (u32 e = lane; e < total; e += UNROLL * WARP) {
+    for (u32 e = lane; e < total; e += UNROLL * width) {
         V16 v[UNROLL];
         u32 row[UNROLL];
 #pragma unroll
         for (u32 k = 0; k < UNROLL; ++k) {
-            const u32 idx = e + k * WARP;
+            const u32 idx = e + k * width;
             row[k] = idx / per_row;
             if (idx < total) {
                 v[k] = *reinterpret_cast<const V16*>(src + row[k] * src_stride + (u64)(idx - row[k] * per_row) * 16);
@@ -112,7 +122,7 @@ __device__ __forceinline__ void copy_rows16(u64 dst, u64 src, u32 per_row, u32 r
         }
 #pragma unroll
         for (u32 k = 0; k < UNROLL; ++k) {
-            const u32 idx = e + k * WARP;
+            const u32 idx = e + k * width;
             if (idx < total) {
                 *reinterpret_cast<V16*>(dst + row[k] * dst_stride + (u64)(idx - row[k] * per_row) * 16) = v[k];
             }
@@ -125,7 +135,8 @@ __device__ __forceinline__ void copy_rows16(u64 dst, u64 src, u32 per_row, u32 r
 // of copy_piece keeps the kernel small (and its register count low).
 // `d` is read through L1 at each tile rather than held in registers across the loop: the kernel needs
 // its registers for loads in flight.
-__device__ __forceinline__ void copy_tile(const Desc* __restrict__ dp, u64 local, u32 tile_shift, u32 lane) {
+__device__ __forceinline__ void copy_tile(const Desc* __restrict__ dp, u64 local, u32 tile_shift, u32 lane,
+                                          u32 width) {
     const Desc& d = *dp;
     u64 r;       // first run of the tile
     u64 off;     // byte offset of the piece within its run
@@ -158,11 +169,11 @@ __device__ __forceinline__ void copy_tile(const Desc* __restrict__ dp, u64 local
         ((src | dst | d.len | d.src_stride0 | d.dst_stride0) & 15u) == 0) {
         // Rows of whole 16-byte vectors within one outer repetition (the tensor-parallel column split):
         // spread the lanes over all rows at once instead of one row after the other.
-        copy_rows16(dst, src, (u32)(d.len / 16), (u32)pieces, d.src_stride0, d.dst_stride0, lane);
+        copy_rows16(dst, src, (u32)(d.len / 16), (u32)pieces, d.src_stride0, d.dst_stride0, lane, width);
         return;
     }
     for (u64 p = 0;;) {
-        copy_piece(dst, src, (u32)n, lane);
+        copy_piece(dst, src, (u32)n, lane, width);
         if (++p == pieces) break;
         if (++i == d.count0) {
             i = 0;
@@ -187,16 +198,22 @@ __device__ __forceinline__ void prefetch_desc(const Desc* d) {
 #endif
 }
 
-// descs: nseg descriptors followed by one sentinel whose tile_first is ntiles.
-// The host guarantees nseg >= 1, ntiles >= 1 and ntiles * (total warps) < 2^64.
+// descs: nseg descriptors followed by one sentinel whose tile_first is ntiles. group_shift: log2 of
+// the lanes per tile (3, 4 or 5). The host guarantees nseg >= 1, ntiles >= 1 and
+// ntiles * (total warps + 1) < 2^64.
 extern "C" __global__ void __launch_bounds__(256, 3) refit_batched_copy(const Desc* __restrict__ descs, u64 nseg,
-                                                                     u64 ntiles, u32 tile_shift) {
-    const u32 lane = threadIdx.x & (WARP - 1);
+                                                                     u64 ntiles, u32 tile_shift, u32 group_shift) {
+    const u32 width = 1u << group_shift;
+    const u32 lane = threadIdx.x & (width - 1);
+    const u32 group = (threadIdx.x & (WARP - 1)) >> group_shift;
+    const u32 groups = WARP >> group_shift;
     const u64 warps_per_block = blockDim.x / WARP;
     const u64 nwarps = (u64)gridDim.x * warps_per_block;
     const u64 warp = (u64)blockIdx.x * warps_per_block + threadIdx.x / WARP;
-    u64 t = ntiles * warp / nwarps;
+    // The warp's tiles are [t_first, t_end); group g takes t_first + g, then every groups-th tile.
+    const u64 t_first = ntiles * warp / nwarps;
     const u64 t_end = ntiles * (warp + 1) / nwarps;
+    u64 t = t_first + group;
     if (t >= t_end) return;
 
     // The segment holding tile t: the last s with descs[s].tile_first <= t.
@@ -211,13 +228,16 @@ extern "C" __global__ void __launch_bounds__(256, 3) refit_batched_copy(const De
     u64 seg_end = descs[s + 1].tile_first;
     prefetch_desc(descs + s + 1);
     for (;;) {
-        copy_tile(descs + s, t - seg_first, tile_shift, lane);
-        if (++t >= t_end) break;
-        if (t >= seg_end) {
+        copy_tile(descs + s, t - seg_first, tile_shift, lane, width);
+        t += groups;
+        if (t >= t_end) break;
+        // With several groups a step can cross several (one-tile) segments; their descriptors are
+        // adjacent and shared with the warp's other groups, so these reads mostly hit L1.
+        while (t >= seg_end) {
             ++s;
             seg_first = seg_end;
             seg_end = descs[s + 1].tile_first;
-            prefetch_desc(descs + s + 1);
         }
+        prefetch_desc(descs + (s + groups <= nseg ? s + groups : nseg));
     }
 }

@@ -3,7 +3,7 @@
 
 use super::check::{check_destinations, validate};
 use super::driver::{self, check, CurrentContext};
-use super::layout::{Layout, TILE_SHIFT};
+use super::layout::Layout;
 use super::nvrtc::{self, Output};
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
@@ -125,25 +125,17 @@ impl BatchedCopy {
         Ok(blocks)
     }
 
-    /// Enqueues the kernel over `count` descriptors at `descriptors` (device memory) on `stream`.
-    /// The caller has this device's context current.
-    fn enqueue(
-        &self,
-        stream: sys::CUstream,
-        descriptors: u64,
-        count: u64,
-        tiles: u64,
-        blocks: u32,
-    ) -> Result<()> {
-        let mut descriptors = descriptors;
-        let mut count = count;
-        let mut tiles = tiles;
-        let mut shift: u32 = TILE_SHIFT;
-        let mut params: [*mut c_void; 4] = [
+    /// Enqueues the kernel described by `launch` on `stream`. The caller has this device's context
+    /// current.
+    fn enqueue(&self, stream: sys::CUstream, launch: &Launch) -> Result<()> {
+        let Launch { mut descriptors, mut segments, mut tiles, mut tile_shift, mut group_shift, blocks } =
+            *launch;
+        let mut params: [*mut c_void; 5] = [
             (&mut descriptors as *mut u64).cast(),
-            (&mut count as *mut u64).cast(),
+            (&mut segments as *mut u64).cast(),
             (&mut tiles as *mut u64).cast(),
-            (&mut shift as *mut u32).cast(),
+            (&mut tile_shift as *mut u32).cast(),
+            (&mut group_shift as *mut u32).cast(),
         ];
         // SAFETY: the parameter list matches the kernel's signature; the descriptors stay allocated
         // until the launch completes (freed stream-ordered after it, or owned by a PreparedBatch).
@@ -165,6 +157,31 @@ impl BatchedCopy {
     }
 }
 
+/// Everything one launch passes to the kernel: the descriptor table (device address, real segment
+/// count, tile count), the tiling, and the grid.
+#[derive(Clone, Copy, Debug, Default)]
+struct Launch {
+    descriptors: u64,
+    segments: u64,
+    tiles: u64,
+    tile_shift: u32,
+    group_shift: u32,
+    blocks: u32,
+}
+
+impl Launch {
+    fn new(layout: &Layout, descriptors: u64, blocks: u32) -> Launch {
+        Launch {
+            descriptors,
+            segments: layout.segments(),
+            tiles: layout.tiles,
+            tile_shift: layout.tile_shift,
+            group_shift: layout.group_shift,
+            blocks,
+        }
+    }
+}
+
 fn load_module(image: &[u8]) -> Result<sys::CUmodule> {
     let mut module = std::ptr::null_mut();
     // SAFETY: a CUBIN image or NUL-terminated PTX that outlives the call.
@@ -172,12 +189,12 @@ fn load_module(image: &[u8]) -> Result<sys::CUmodule> {
     Ok(module)
 }
 
-fn prepare(segments: &[Segment], checked: bool) -> Result<Layout> {
+fn prepare(segments: &[Segment], checked: bool, tile_shift: u32) -> Result<Layout> {
     validate(segments)?;
     if checked {
         check_destinations(segments)?;
     }
-    Layout::new(segments)
+    Layout::with_tile_shift(segments, tile_shift)
 }
 
 /// Copies every segment in one kernel launch on `stream` (a CUstream of `device`'s primary context,
@@ -208,7 +225,7 @@ pub unsafe fn copy_segments(
     segments: &[Segment],
     checked: bool,
 ) -> Result<()> {
-    let layout = prepare(segments, checked)?;
+    let layout = prepare(segments, checked, Layout::DEFAULT_TILE_SHIFT)?;
     if layout.tiles == 0 {
         return Ok(());
     }
@@ -225,7 +242,7 @@ pub unsafe fn copy_segments(
         sys::cuMemcpyHtoDAsync_v2(table, bytes.as_ptr().cast(), bytes.len(), stream)
     });
     if result.is_ok() {
-        result = kernel.enqueue(stream, table, layout.segments(), layout.tiles, blocks);
+        result = kernel.enqueue(stream, &Launch::new(&layout, table, blocks));
     }
     // SAFETY: allocated above on this stream; freed after the launch in stream order.
     let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
@@ -242,12 +259,10 @@ pub unsafe fn copy_segments(
 /// Drop frees the descriptor memory with `cuMemFree`; drop only once no launch (or graph replay)
 /// using it can still run.
 pub struct PreparedBatch {
+    /// Set once the descriptor memory is allocated (Drop frees it); None for an empty batch.
     kernel: Option<Arc<BatchedCopy>>,
-    descriptors: sys::CUdeviceptr,
-    segments: u64,
-    tiles: u64,
+    launch: Launch,
     bytes: u64,
-    blocks: u32,
 }
 
 // SAFETY: only device memory owned by this value and process-wide driver handles.
@@ -259,29 +274,46 @@ impl PreparedBatch {
     /// lays out and uploads the batch to `device`. Synchronous: returns once the descriptors are on the
     /// device. Errors as for [`copy_segments`].
     pub fn new(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
-        let layout = prepare(segments, checked)?;
-        let kernel = BatchedCopy::for_device(device)?;
-        let mut batch = PreparedBatch {
-            kernel: None,
-            descriptors: 0,
-            segments: layout.segments(),
-            tiles: layout.tiles,
-            bytes: layout.bytes,
-            blocks: 0,
+        PreparedBatch::tuned(device, segments, checked, Layout::DEFAULT_TILE_SHIFT, 0)
+    }
+
+    /// As [`PreparedBatch::new`] with tiles of `2^tile_shift` bytes instead of the default and, unless
+    /// `lanes_per_tile` is 0 (automatic), that many lanes (8, 16 or 32) copying each tile. A tuning
+    /// knob for benches; InvalidArgument for a tile shift outside 10..=20 or another lane count.
+    pub fn tuned(
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+        tile_shift: u32,
+        lanes_per_tile: u32,
+    ) -> Result<PreparedBatch> {
+        let mut layout = prepare(segments, checked, tile_shift)?;
+        layout.group_shift = match lanes_per_tile {
+            0 => layout.group_shift,
+            8 => 3,
+            16 => 4,
+            32 => 5,
+            other => {
+                crate::bail!(Status::InvalidArgument, "lanes_per_tile = {other}; expected 0, 8, 16 or 32")
+            }
         };
+        let kernel = BatchedCopy::for_device(device)?;
+        let mut batch =
+            PreparedBatch { kernel: None, launch: Launch::new(&layout, 0, 0), bytes: layout.bytes };
         if layout.tiles == 0 {
             return Ok(batch);
         }
-        batch.blocks = kernel.grid_for(layout.tiles)?;
+        batch.launch.blocks = kernel.grid_for(layout.tiles)?;
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::push(kernel.context) }?;
         let bytes = layout.as_bytes();
         // SAFETY: valid output slot in the current context.
-        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut batch.descriptors, bytes.len()) })?;
-        batch.kernel = Some(kernel); // from here on Drop frees the allocation
-                                     // SAFETY: the allocation holds bytes.len() bytes.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut batch.launch.descriptors, bytes.len()) })?;
+        // From here on Drop frees the allocation.
+        batch.kernel = Some(kernel);
+        // SAFETY: the allocation holds bytes.len() bytes.
         check("cuMemcpyHtoD", unsafe {
-            sys::cuMemcpyHtoD_v2(batch.descriptors, bytes.as_ptr().cast(), bytes.len())
+            sys::cuMemcpyHtoD_v2(batch.launch.descriptors, bytes.as_ptr().cast(), bytes.len())
         })?;
         Ok(batch)
     }
@@ -296,12 +328,12 @@ impl PreparedBatch {
         let Some(kernel) = &self.kernel else { return Ok(()) };
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::push(kernel.context) }?;
-        kernel.enqueue(stream, self.descriptors, self.segments, self.tiles, self.blocks)
+        kernel.enqueue(stream, &self.launch)
     }
 
     /// Non-empty segments in the batch.
     pub fn segments(&self) -> u64 {
-        self.segments
+        self.launch.segments
     }
 
     /// Payload bytes one launch copies.
@@ -309,9 +341,9 @@ impl PreparedBatch {
         self.bytes
     }
 
-    /// Tiles (warp work units) one launch runs, and the blocks it launches.
-    pub fn geometry(&self) -> (u64, u32) {
-        (self.tiles, self.blocks)
+    /// Tiles one launch runs, the blocks it launches, and the lanes copying each tile.
+    pub fn geometry(&self) -> (u64, u32, u32) {
+        (self.launch.tiles, self.launch.blocks, 1 << self.launch.group_shift)
     }
 }
 
@@ -321,7 +353,7 @@ impl Drop for PreparedBatch {
         // SAFETY: a retained primary context.
         let freed = unsafe { CurrentContext::push(kernel.context) }.and_then(|_current| {
             // SAFETY: allocated by cuMemAlloc in this context, freed once.
-            check("cuMemFree", unsafe { sys::cuMemFree_v2(self.descriptors) })
+            check("cuMemFree", unsafe { sys::cuMemFree_v2(self.launch.descriptors) })
         });
         if let Err(err) = freed {
             log::warn!("freeing a prepared batch's descriptors: {err}");

@@ -6,7 +6,7 @@ use crate::segment::Segment;
 
 /// Destination runs expanded at most this many in total to decide overlap exactly, beyond which the
 /// checked mode refuses the batch (Unsupported) rather than spend unbounded time.
-pub const MAX_EXPANDED_RUNS: u64 = 1 << 26;
+const MAX_EXPANDED_RUNS: u64 = 1 << 26;
 
 /// One past the last byte a strided box touches, from `base`, or None on overflow.
 fn extent_end(base: u64, segment: &Segment, stride: [u64; 2]) -> Option<u64> {

@@ -2,19 +2,14 @@
 //! tiles start, and the tiling rule the kernel relies on. Pure Rust (no CUDA), so it is tested in CI.
 //!
 //! Tiling: a run longer than a tile is cut into `ceil(len / TILE)` tiles; shorter runs are grouped,
-//! up to `TILE / len` (at most [`MAX_RUNS_PER_TILE`]) whole runs per tile. Every tile is one warp's
+//! up to `TILE / len` (at most `Layout::MAX_RUNS_PER_TILE`) whole runs per tile. Every tile is one warp's
 //! unit of work, so no warp ever walks a large segment alone and tiny runs do not pile onto one warp.
 
 use crate::error::{Error, Result};
 use crate::segment::Segment;
 
-/// log2 of the tile size in bytes (8 KiB): large enough to amortize finding the tile, small enough that
-/// a 1 GiB copy gives every warp of the grid dozens of tiles.
-pub const TILE_SHIFT: u32 = 13;
-/// Tile size in bytes.
-pub const TILE_BYTES: u64 = 1 << TILE_SHIFT;
-/// Short runs are copied one after the other by a warp; this caps how many a single warp takes at once.
-pub const MAX_RUNS_PER_TILE: u64 = 32;
+// The tiling constants are associated with `Layout` rather than free `pub const`s: cbindgen would
+// otherwise copy them into the C header.
 
 /// One segment as the kernel reads it. Must match `struct Desc` in `batched_copy.cu`.
 #[repr(C, align(16))]
@@ -48,17 +43,64 @@ pub struct Layout {
     pub tiles: u64,
     /// Payload bytes of the whole batch.
     pub bytes: u64,
+    /// log2 of this layout's tile size; the kernel is launched with it.
+    pub tile_shift: u32,
+    /// log2 of the lanes that copy one tile (3, 4 or 5: 8, 16 or 32 lanes), from the average tile
+    /// size (see [`Layout::lanes_shift_for`]); the kernel is launched with it.
+    pub group_shift: u32,
 }
 
 impl Layout {
+    /// log2 of the default tile size in bytes (8 KiB): large enough to amortize finding the tile, small
+    /// enough that a 1 GiB copy gives every warp of the grid dozens of tiles.
+    pub(crate) const DEFAULT_TILE_SHIFT: u32 = 13;
+    /// Tile sizes a layout accepts (log2 bytes): 1 KiB .. 1 MiB. Pieces stay below 2^32 bytes, which
+    /// the kernel's 32-bit piece arithmetic relies on.
+    pub(crate) const TILE_SHIFTS: std::ops::RangeInclusive<u32> = 10..=20;
+    /// Short runs are copied one after the other by a warp; this caps how many one tile takes.
+    pub(crate) const MAX_RUNS_PER_TILE: u64 = 32;
+
+    /// Lanes per tile for a batch of `tiles` tiles carrying `bytes`: small tiles are latency-bound, so
+    /// a warp copies several at once (8 lanes each up to 512 B on average, 16 up to 2 KiB), which puts
+    /// more memory round trips in flight; larger tiles use the whole warp.
+    pub fn lanes_shift_for(bytes: u64, tiles: u64) -> u32 {
+        let average = bytes / tiles.max(1);
+        if average <= 512 {
+            3
+        } else if average <= 2048 {
+            4
+        } else {
+            5
+        }
+    }
+
+    /// log2 of the default tile size (for tests and benches; `Layout::new` uses it).
+    pub const fn default_tile_shift() -> u32 {
+        Layout::DEFAULT_TILE_SHIFT
+    }
+
     /// Segments that carry bytes (the sentinel excluded).
     pub fn segments(&self) -> u64 {
         self.descriptors.len().saturating_sub(1) as u64
     }
 
-    /// Lays out `segments` (already validated: see [`super::check::validate`]). Empty segments are
-    /// dropped. Fails only if the tile count overflows, which validated input cannot make happen.
+    /// Lays out `segments` (already validated: see [`super::check::validate`]) with the default tile
+    /// size. Empty segments are dropped. Fails only if the tile count overflows, which validated input
+    /// cannot make happen.
     pub fn new(segments: &[Segment]) -> Result<Layout> {
+        Layout::with_tile_shift(segments, Layout::DEFAULT_TILE_SHIFT)
+    }
+
+    /// As [`Layout::new`] with tiles of `2^tile_shift` bytes (a tuning knob; InvalidArgument outside
+    /// 10..=20, i.e. 1 KiB to 1 MiB).
+    pub fn with_tile_shift(segments: &[Segment], tile_shift: u32) -> Result<Layout> {
+        if !Layout::TILE_SHIFTS.contains(&tile_shift) {
+            return Err(Error::invalid_argument(format!(
+                "tile shift {tile_shift} is outside {:?}",
+                Layout::TILE_SHIFTS
+            )));
+        }
+        let tile_bytes = 1u64 << tile_shift;
         let mut descriptors = Vec::with_capacity(segments.len() + 1);
         let mut tiles: u64 = 0;
         let mut bytes: u64 = 0;
@@ -68,11 +110,11 @@ impl Layout {
                 continue;
             }
             let len = segment.len;
-            let (run_tiles, tile_runs, segment_tiles) = if len > TILE_BYTES {
-                let run_tiles = len.div_ceil(TILE_BYTES);
+            let (run_tiles, tile_runs, segment_tiles) = if len > tile_bytes {
+                let run_tiles = len.div_ceil(tile_bytes);
                 (run_tiles, 1, runs.checked_mul(run_tiles))
             } else {
-                let tile_runs = (TILE_BYTES / len).clamp(1, MAX_RUNS_PER_TILE);
+                let tile_runs = (tile_bytes / len).clamp(1, Layout::MAX_RUNS_PER_TILE);
                 (1, tile_runs, Some(runs.div_ceil(tile_runs)))
             };
             let tile_first = tiles;
@@ -99,7 +141,8 @@ impl Layout {
             });
         }
         descriptors.push(DeviceSegment { tile_first: tiles, ..DeviceSegment::default() });
-        Ok(Layout { descriptors, tiles, bytes })
+        let group_shift = Layout::lanes_shift_for(bytes, tiles);
+        Ok(Layout { descriptors, tiles, bytes, tile_shift, group_shift })
     }
 
     /// The descriptors as raw bytes, for upload.
@@ -127,8 +170,8 @@ impl Layout {
         if d.run_tiles > 1 || d.runs == 1 {
             let per = d.run_tiles;
             let (run, part) = (local / per, local % per);
-            let offset = part << TILE_SHIFT;
-            let n = (d.len - offset).min(TILE_BYTES);
+            let offset = part << self.tile_shift;
+            let n = (d.len - offset).min(1 << self.tile_shift);
             f(
                 address(d.src, d.src_stride0, d.src_stride1, run) + offset,
                 address(d.dst, d.dst_stride0, d.dst_stride1, run) + offset,
@@ -152,17 +195,25 @@ impl Layout {
 mod tests {
     use super::*;
 
+    const TILE: u64 = 1 << Layout::DEFAULT_TILE_SHIFT;
+
     fn strided(len: u64, count: [u64; 2], src_stride: [u64; 2], dst_stride: [u64; 2]) -> Segment {
         Segment { src: 1 << 40, dst: 1 << 41, len, count, src_stride, dst_stride }
     }
 
     /// Every run's bytes, listed by walking the tiles, equals what Segment::for_each_run lists.
     fn pieces_cover_runs(segments: &[Segment]) {
-        let layout = Layout::new(segments).unwrap();
+        for shift in [Layout::DEFAULT_TILE_SHIFT, 10, 16] {
+            pieces_cover_runs_with(segments, shift);
+        }
+    }
+
+    fn pieces_cover_runs_with(segments: &[Segment], shift: u32) {
+        let layout = Layout::with_tile_shift(segments, shift).unwrap();
         let mut from_tiles = Vec::new();
         for tile in 0..layout.tiles {
             layout.for_each_piece_of_tile(tile, |s, d, n| {
-                assert!(n > 0 && n <= TILE_BYTES.max(segments.iter().map(|s| s.len).max().unwrap()));
+                assert!(n > 0 && n <= (1u64 << shift).max(segments.iter().map(|s| s.len).max().unwrap()));
                 for b in 0..n {
                     from_tiles.push((s + b, d + b));
                 }
@@ -181,15 +232,10 @@ mod tests {
 
     #[test]
     fn tiles_cover_every_byte_once_in_order() {
-        pieces_cover_runs(&[Segment::contiguous(100, 5000, 3 * TILE_BYTES + 7)]);
-        pieces_cover_runs(&[Segment::contiguous(100, 5000, TILE_BYTES)]);
+        pieces_cover_runs(&[Segment::contiguous(100, 5000, 3 * TILE + 7)]);
+        pieces_cover_runs(&[Segment::contiguous(100, 5000, TILE)]);
         pieces_cover_runs(&[strided(768, [40, 1], [1536, 0], [768, 0])]);
-        pieces_cover_runs(&[strided(
-            TILE_BYTES + 1,
-            [3, 2],
-            [TILE_BYTES + 9, 100_000],
-            [TILE_BYTES + 1, 50_000],
-        )]);
+        pieces_cover_runs(&[strided(TILE + 1, [3, 2], [TILE + 9, 100_000], [TILE + 1, 50_000])]);
         pieces_cover_runs(&[strided(1, [70, 3], [2, 200], [1, 70])]);
         pieces_cover_runs(&[
             Segment::contiguous(1, 2, 0),
@@ -202,10 +248,10 @@ mod tests {
     #[test]
     fn empty_segments_are_dropped_and_sentinel_counts_tiles() {
         let layout =
-            Layout::new(&[Segment::contiguous(1, 2, 0), Segment::contiguous(1, 2, 2 * TILE_BYTES)]).unwrap();
+            Layout::new(&[Segment::contiguous(1, 2, 0), Segment::contiguous(1, 2, 2 * TILE)]).unwrap();
         assert_eq!(layout.segments(), 1);
         assert_eq!(layout.tiles, 2);
-        assert_eq!(layout.bytes, 2 * TILE_BYTES);
+        assert_eq!(layout.bytes, 2 * TILE);
         assert_eq!(layout.descriptors.last().unwrap().tile_first, 2);
         assert_eq!(layout.as_bytes().len(), 2 * 96);
         let empty = Layout::new(&[]).unwrap();
@@ -213,11 +259,31 @@ mod tests {
     }
 
     #[test]
+    fn tile_sizes_outside_the_supported_range_are_refused() {
+        let one = [Segment::contiguous(1, 2, 3)];
+        for shift in [0, 9, 21, 64] {
+            let err = Layout::with_tile_shift(&one, shift).unwrap_err();
+            assert_eq!(err.status, crate::error::Status::InvalidArgument, "{shift}");
+        }
+        assert_eq!(Layout::with_tile_shift(&one, 20).unwrap().tile_shift, 20);
+    }
+
+    #[test]
+    fn small_tiles_get_narrow_lane_groups() {
+        assert_eq!(Layout::lanes_shift_for(256 << 20, 1 << 20), 3); // 256 B segments: 8 lanes
+        assert_eq!(Layout::lanes_shift_for(1 << 30, 1 << 20), 4); // 1 KiB average: 16 lanes
+        assert_eq!(Layout::lanes_shift_for(1 << 30, (1 << 30) / 4096), 5); // 4 KiB: the whole warp
+        assert_eq!(Layout::lanes_shift_for(0, 0), 3);
+        let layout = Layout::new(&[Segment::contiguous(1, 2, 1 << 20)]).unwrap();
+        assert_eq!(layout.group_shift, 5);
+    }
+
+    #[test]
     fn short_runs_are_grouped_but_capped() {
         let layout = Layout::new(&[strided(1, [1000, 1], [1, 0], [1, 0])]).unwrap();
-        assert_eq!(layout.descriptors[0].tile_runs, MAX_RUNS_PER_TILE);
-        assert_eq!(layout.tiles, 1000u64.div_ceil(MAX_RUNS_PER_TILE));
+        assert_eq!(layout.descriptors[0].tile_runs, Layout::MAX_RUNS_PER_TILE);
+        assert_eq!(layout.tiles, 1000u64.div_ceil(Layout::MAX_RUNS_PER_TILE));
         let rows = Layout::new(&[strided(768, [2048, 1], [1536, 0], [768, 0])]).unwrap();
-        assert_eq!(rows.descriptors[0].tile_runs, TILE_BYTES / 768);
+        assert_eq!(rows.descriptors[0].tile_runs, TILE / 768);
     }
 }

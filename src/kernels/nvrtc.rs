@@ -85,6 +85,39 @@ fn api() -> Result<&'static Api> {
     })
     .as_ref()
     .map_err(Clone::clone)
+    .inspect(|api| preload_builtins(api))
+}
+
+/// NVRTC dlopens `libnvrtc-builtins.so.MAJOR.MINOR` by name at compile time, which fails when NVRTC
+/// was found by full path outside the loader's search path (a CUDA or pip install not in
+/// LD_LIBRARY_PATH). Loading the builtins from NVRTC's own directory first makes that lookup succeed
+/// (the loader matches the already-loaded soname). Failure here is not an error: NVRTC may still find
+/// them itself, and if not, compiling reports it.
+fn preload_builtins(api: &Api) {
+    static ONCE: OnceLock<()> = OnceLock::new();
+    ONCE.get_or_init(|| {
+        let (mut major, mut minor) = (0, 0);
+        // SAFETY: two valid output slots.
+        unsafe { (api.version)(&mut major, &mut minor) };
+        let mut info: libc::Dl_info = unsafe { std::mem::zeroed() };
+        // SAFETY: any address inside the library; dladdr fills `info` or returns 0.
+        let found = unsafe { libc::dladdr(api.create as *const c_void, &mut info) };
+        if found == 0 || info.dli_fname.is_null() {
+            return;
+        }
+        // SAFETY: dli_fname is a NUL-terminated path owned by the loader.
+        let path = unsafe { CStr::from_ptr(info.dli_fname) }.to_string_lossy().into_owned();
+        let Some(dir) = std::path::Path::new(&path).parent() else { return };
+        let builtins = dir.join(format!("libnvrtc-builtins.so.{major}.{minor}"));
+        let Ok(c_path) = CString::new(builtins.to_string_lossy().into_owned()) else { return };
+        // SAFETY: dlopen of a path; the handle is kept for the life of the process.
+        let handle = unsafe { libc::dlopen(c_path.as_ptr(), libc::RTLD_NOW | libc::RTLD_GLOBAL) };
+        if handle.is_null() {
+            log::debug!("{} not preloaded", builtins.display());
+        } else {
+            log::info!("preloaded {}", builtins.display());
+        }
+    });
 }
 
 /// What to produce: machine code for `sm_XY`, or PTX for `compute_XY` (which the driver JIT-compiles).

@@ -19,15 +19,15 @@ static thread_local refit_dim3 threadIdx, blockIdx, blockDim, gridDim;
 
 #include "../../src/kernels/batched_copy.cu"
 
-extern "C" void refit_emulate_launch(const void* descs, u64 nseg, u64 ntiles, u32 tile_shift, u32 blocks,
-                                     u32 threads) {
+extern "C" void refit_emulate_launch(const void* descs, u64 nseg, u64 ntiles, u32 tile_shift,
+                                     u32 group_shift, u32 blocks, u32 threads) {
     gridDim = {blocks, 1, 1};
     blockDim = {threads, 1, 1};
     for (u32 b = 0; b < blocks; ++b) {
         for (u32 t = 0; t < threads; ++t) {
             blockIdx = {b, 0, 0};
             threadIdx = {t, 0, 0};
-            refit_batched_copy(static_cast<const Desc*>(descs), nseg, ntiles, tile_shift);
+            refit_batched_copy(static_cast<const Desc*>(descs), nseg, ntiles, tile_shift, group_shift);
         }
     }
 }
