@@ -76,7 +76,7 @@ def main():
                 reps = 1
                 warm = lambda: torch._foreach_copy_(dsts[:1000], srcs[:1000])  # noqa: E731
             ms = timed(lambda: torch._foreach_copy_(dsts, srcs), reps, devices, warm)
-            ok = all(torch.equal(dsts[k], srcs[k]) for k in (0, len(srcs) // 2, len(srcs) - 1))
+            ok = all(torch.equal(dsts[k], srcs[k].to(dsts[k].device)) for k in (0, len(srcs) // 2, len(srcs) - 1))
             rows.append({"case": name, "path": path, "segments": len(srcs), "bytes": total,
                          "foreach_copy": total / (ms * 1e-3) / 1e9, "ms": ms, "checked": ok})
             assert ok, f"_foreach_copy_ result differs for {name} {path}"

@@ -5,28 +5,30 @@
 //! offset[r]`; its own block is then not copied.
 //!
 //! Algorithms:
-//! - `Peer`: every rank pulls every other block at once, with copy-engine copies queued on its own
-//!   stream (one `cuMemcpyAsync` per block; unified addressing routes it over NVLink). Ordering: each
-//!   rank records `ready` after its inputs and readers wait on it. That owners' streams also wait for
-//!   their readers is deferred to the next group call, run() or exit (one join per scope instead of
-//!   one per call, for host time); the per-rank variant joins at once with a second barrier. Blocks are
-//!   pulled in rotated order (rank r reads r+1, r+2, ...), so that at each step every GPU is read by
-//!   one other. With more than two ranks and large blocks (`PEER_LANES_MIN_BYTES`), each rank pulls its
-//!   peers' blocks at once on extra "lane" streams forked from and joined back into its stream. The
-//!   copy engine, not an SM kernel: CEILINGS.md measured CE peer copies at 396 GB/s one way and 782
-//!   both ways, an SM pull kernel at 374 / 673. On the host backend the same code runs on simulated
-//!   streams.
+//! - `Peer`: every rank pulls every other block at once on its own stream. Ordering: each rank records
+//!   `ready` after its inputs and readers wait on it. That owners' streams also wait for their readers
+//!   is deferred to the next group call, run() or exit (one join per scope instead of one per call, for
+//!   host time); the per-rank variant joins at once with a second barrier. Blocks are pulled in
+//!   rotated order (rank r reads r+1, r+2, ...), so that at each step every GPU is read by one other.
+//!   From `PEER_LANES_MIN_BYTES` per block the pulls are copy-engine copies (one `cuMemcpyAsync` per
+//!   block; unified addressing routes it over NVLink), each peer block on an extra "lane" stream forked
+//!   from and joined back into the rank's stream, beside the own-block copy: CEILINGS.md measured CE
+//!   peer copies at 396 GB/s one way and 782 both ways, an SM pull kernel at 374 / 673. Below it, where
+//!   issuing copies costs more than moving them, each rank's pulls are one prepared batched-kernel
+//!   launch (`PreparedPulls`, kept while the buffers stay the same). On the host backend the same code
+//!   runs on simulated streams.
 //! - `Nccl`: equal counts use `ncclAllGather` (byte type), uneven counts use `ncclSend`/`ncclRecv`
 //!   pairs inside one `ncclGroupStart/End` (no padding, so no extra bytes moved) plus a local copy of the
 //!   own block. Communicators are created on first use with `ncclCommInitAll` and kept on the group.
 //! - `Host`: synchronous staging through host memory (drain, read every block, write it to every rank).
 //!   A reference path and a last resort; it blocks the host.
 //!
-//! `Auto` rule: the host backend, a single rank, or a group whose every pair has direct peer access
-//! picks `Peer` (CEILINGS.md, 2 x H200 NV18: copy-engine peer copies 195 GB/s at 1 MiB and 391-396 GB/s
-//! from 256 MiB, against NCCL allgather's 53 GB/s at 1 MiB and 245-271 GB/s at 128-512 MiB: peer wins
-//! at every measured size); otherwise `Nccl` when it loads (it routes around missing peer access better
-//! than driver-staged copies), else `Peer`. benches/gpu_allgather.rs re-measures the comparison.
+//! `Auto` rule: the host backend or a single rank picks `Peer`. A group whose every pair has direct
+//! peer access picks `Peer` from [`PEER_OVER_NCCL_MIN_BYTES`] per rank (2 MiB) and `Nccl` below it,
+//! where NCCL moved more bytes and spent less host time per call in the same run (see the constant);
+//! without NCCL it picks `Peer` at every size. Without peer access it picks `Nccl` when it loads (it
+//! routes around missing peer access better than driver-staged copies), else `Peer`.
+//! benches/gpu_allgather.rs re-measures the comparison.
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
@@ -34,6 +36,7 @@ use crate::backend::cuda::preserve_current_context;
 use crate::backend::nccl::{nccl, Communicators};
 use crate::backend::BackendKind;
 use crate::bail;
+use crate::copy::PreparedCopy;
 use crate::error::{Error, Result, Status};
 use crate::group::{Group, Published};
 use crate::segment::Segment;
@@ -67,10 +70,12 @@ impl Algorithm {
 
 /// The algorithm `requested` resolves to on this group (see the module docs for the `Auto` rule).
 /// `Unsupported` for NCCL on the host backend, `NcclUnavailable` when NCCL cannot be loaded.
-pub fn choose(group: &Group, requested: Algorithm) -> Result<Algorithm> {
+pub fn choose(group: &Group, requested: Algorithm, mean_block: u64) -> Result<Algorithm> {
     let host_backend = group.backend_kind() == BackendKind::Host;
     match requested {
-        Algorithm::Auto => Ok(if host_backend || group.size() == 1 || group.all_peers_direct() {
+        Algorithm::Auto => Ok(if host_backend || group.size() == 1 {
+            Algorithm::Peer
+        } else if group.all_peers_direct() && (mean_block >= PEER_OVER_NCCL_MIN_BYTES || nccl().is_err()) {
             Algorithm::Peer
         } else if nccl().is_ok() {
             Algorithm::Nccl
@@ -84,6 +89,12 @@ pub fn choose(group: &Group, requested: Algorithm) -> Result<Algorithm> {
         other => Ok(other),
     }
 }
+
+/// Smallest mean block per rank from which `Auto` prefers peer copies to NCCL when every pair has
+/// direct peer access. On 2 x H200 (run of 2026-11-30, benches/results/gpu_allgather.json) NCCL moved
+/// 61.9 GB/s per GPU at 1 MiB per rank against 48.7 for peer copies, and spent 12.4 against 18.7 us of
+/// host time per call on tiny blocks; from 4 MiB peer copies won (138 vs 117, and 387 vs 292 at 1 GiB).
+pub const PEER_OVER_NCCL_MIN_BYTES: u64 = 2 << 20;
 
 /// Block offsets and total size, after checking every argument against the group.
 struct Layout {
@@ -177,7 +188,7 @@ pub unsafe fn allgather(
             }
         }
     }
-    let algorithm = choose(group, requested)?;
+    let algorithm = choose(group, requested, layout.total / group.size() as u64)?;
     if layout.total == 0 {
         return Ok(algorithm);
     }
@@ -229,10 +240,18 @@ unsafe fn peer_issue(
     }
     let use_lanes = group.peer_lanes_for(layout.total / n as u64);
     let lanes = if use_lanes { Some(group.lanes()?) } else { None };
+    let kernel_pulls = !use_lanes && backend.kind() == BackendKind::Cuda && group.all_peers_direct();
+    let pulls = if kernel_pulls { Some(prepared_pulls(group, send, recv, counts, layout)?) } else { None };
     let mut segments = Vec::with_capacity(n);
     for r in 0..n {
         for p in (0..n).filter(|&p| p != r && orders(p)) {
             backend.wait(devices[r], streams[r], state.ready[p])?;
+        }
+        if let Some(pulls) = pulls.as_ref().and_then(|guard| guard.as_ref()) {
+            if let Some(batch) = &pulls.per_rank[r] {
+                batch.launch(streams[r])?;
+            }
+            continue;
         }
         segments.clear();
         let mut lane = 0;
@@ -265,6 +284,44 @@ unsafe fn peer_issue(
         }
     }
     Ok(())
+}
+
+/// Every rank's pulls of a small whole-group peer allgather as one prepared batched-kernel launch
+/// each, kept for the next call with the same buffers and counts (collectives in a loop). For small
+/// blocks the host time of issuing copies is the cost: one launch per rank replaces one copy-engine
+/// call per block (on 2 x H200 at 256 B per rank: 18.7 us per call with copy-engine calls).
+pub(crate) struct PreparedPulls {
+    key: (Vec<u64>, Vec<u64>, Vec<usize>),
+    pub per_rank: Vec<Option<PreparedCopy>>,
+}
+
+fn prepared_pulls<'g>(
+    group: &'g Group,
+    send: &[u64],
+    recv: &[u64],
+    counts: &[usize],
+    layout: &Layout,
+) -> Result<std::sync::MutexGuard<'g, Option<PreparedPulls>>> {
+    let mut cached = group.collective.pulls.lock().unwrap_or_else(|p| p.into_inner());
+    let fresh = cached.as_ref().is_some_and(|c| c.key.0 == send && c.key.1 == recv && c.key.2 == counts);
+    if !fresh {
+        *cached = None; // free the old descriptors first
+        let n = group.size();
+        let mut per_rank = Vec::with_capacity(n);
+        for r in 0..n {
+            let segments: Vec<Segment> = pull_order(r, n)
+                .filter(|&p| counts[p] > 0 && send[p] != recv[r] + layout.offsets[p])
+                .map(|p| Segment::contiguous(send[p], recv[r] + layout.offsets[p], counts[p] as u64))
+                .collect();
+            per_rank.push(if segments.is_empty() {
+                None
+            } else {
+                Some(PreparedCopy::new(group, r, &segments, false)?)
+            });
+        }
+        *cached = Some(PreparedPulls { key: (send.to_vec(), recv.to_vec(), counts.to_vec()), per_rank });
+    }
+    Ok(cached)
 }
 
 /// The order in which `rank` pulls blocks: rank+1, rank+2, ... (wrapping), its own block last. Every
@@ -414,7 +471,8 @@ pub unsafe fn allgather_rank(
     group.check_rank_thread(rank)?;
     let layout = check_counts(group, counts)?;
     check_rank_buffers(rank, send, recv, counts[rank] as u64, &layout)?;
-    let algorithm = choose(group, requested)?;
+    // Every rank passes the same counts, so every rank picks the same algorithm.
+    let algorithm = choose(group, requested, layout.total / group.size() as u64)?;
     if algorithm == Algorithm::Nccl {
         // Created before anyone publishes, so that a failure here is this rank's own error.
         communicators(group)?;

@@ -298,9 +298,7 @@ impl Backend for CudaBackend {
                 if result.is_err() || src == dst {
                     return;
                 }
-                // One copy-engine call per run: with unified addressing the driver routes a peer run
-                // over NVLink when peer access is on, or stages it when it is not.
-                result = check("cuMemcpyAsync", sys::cuMemcpyAsync(dst, src, len as usize, raw))
+                result = copy_run(src, dst, len, raw)
                     .map_err(|e| e.context(format!("run of {len} bytes from {src:#x} to {dst:#x}")));
             });
             result.clone()?;
@@ -339,6 +337,35 @@ impl Backend for CudaBackend {
         check("cuCtxSynchronize", sys::cuCtxSynchronize())?;
         check("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src, out.len()))
     }
+}
+
+/// Queues one copy-engine copy of a run: with unified addressing the driver routes a peer run over
+/// NVLink when peer access is on, or stages it when it is not. A run that spans two adjacent
+/// allocations (the planner coalesces by address, and separate allocations can be adjacent) is one
+/// range to a kernel but CUDA_ERROR_INVALID_VALUE to cuMemcpy: it is split where an allocation ends.
+///
+/// # Safety
+/// The run must be valid memory; the caller's context must be current.
+unsafe fn copy_run(src: u64, dst: u64, len: u64, stream: sys::CUstream) -> Result<()> {
+    let whole = sys::cuMemcpyAsync(dst, src, len as usize, stream);
+    if whole != CUresult::CUDA_ERROR_INVALID_VALUE {
+        return check("cuMemcpyAsync", whole);
+    }
+    let mut done = 0;
+    while done < len {
+        let piece = (len - done).min(allocation_left(src + done)?).min(allocation_left(dst + done)?);
+        check("cuMemcpyAsync", sys::cuMemcpyAsync(dst + done, src + done, piece as usize, stream))?;
+        done += piece;
+    }
+    Ok(())
+}
+
+/// Bytes from `ptr` to the end of the device allocation holding it.
+fn allocation_left(ptr: u64) -> Result<u64> {
+    let (mut base, mut size) = (0, 0);
+    // SAFETY: valid out-pointers; the driver only inspects the address.
+    check("cuMemGetAddressRange", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) })?;
+    Ok(base + size as u64 - ptr)
 }
 
 /// Keeps the calling thread's current context and puts it back when dropped. Used around NCCL calls,

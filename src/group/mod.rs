@@ -81,19 +81,25 @@ pub(crate) struct CollectiveState {
     pub slots: [Vec<Mutex<Published>>; 2],
     /// How many per-rank collectives each rank has started.
     pub calls: Vec<AtomicU64>,
+    /// The batched-kernel pulls of the last small whole-group peer allgather, reused while the
+    /// buffers and counts stay the same (see `allgather::PreparedPulls`).
+    pub pulls: Mutex<Option<crate::allgather::PreparedPulls>>,
     /// NCCL communicators, created on first use from the group's devices.
     pub nccl: OnceLock<std::result::Result<Communicators, Error>>,
     /// Extra per-rank streams for pulling several blocks at once (created on first use).
     pub lanes: Mutex<Option<Lanes>>,
     /// Smallest mean block size (bytes) for which a peer allgather pulls its blocks on parallel
-    /// lanes instead of one after another on the rank's stream. None: the default rule (more than two
+    /// lanes instead of one after another on the rank's stream. None: the default rule (two or more
     /// ranks and at least [`PEER_LANES_MIN_BYTES`]); Some(t): any group of two or more ranks, from t.
     pub lanes_min_bytes: Mutex<Option<u64>>,
 }
 
-/// Default of `CollectiveState::lanes_min_bytes`: lanes cost about 5 driver calls per block on the
-/// host, so they only pay where a block's transfer takes far longer than issuing it.
-pub const PEER_LANES_MIN_BYTES: u64 = 32 << 20;
+/// Default of `CollectiveState::lanes_min_bytes`. Lanes cost about 5 driver calls per block on the
+/// host, so they only pay where a block's transfer takes far longer than issuing it. With lanes a
+/// rank's own-block copy runs beside its NVLink pulls instead of after them: on 2 x H200 (run of
+/// 2026-11-30, benches/results/gpu_allgather.json) lanes moved 48.7 vs 40.4 GB/s per GPU at 1 MiB per
+/// rank, 340 vs 294 at 64 MiB and 387 vs 329 at 1 GiB.
+pub const PEER_LANES_MIN_BYTES: u64 = 1 << 20;
 
 /// `streams[rank][lane]` on the rank's device, `fork[rank]` (recorded on the rank's stream, waited by
 /// its lanes) and `joined[rank][lane]` (recorded on a lane, waited by the rank's stream).
@@ -226,6 +232,7 @@ impl Group {
                     (0..n).map(|_| Mutex::default()).collect(),
                 ],
                 calls: (0..n).map(|_| AtomicU64::new(0)).collect(),
+                pulls: Mutex::new(None),
                 nccl: OnceLock::new(),
                 lanes: Mutex::new(None),
                 lanes_min_bytes: Mutex::new(None),
@@ -455,7 +462,7 @@ impl Group {
 
     /// Sets the smallest mean block size for which a whole-group peer allgather pulls blocks on
     /// parallel lanes, for any group of two or more ranks (`Some(u64::MAX)`: never; `Some(0)`: always;
-    /// `None`: the default rule, more than two ranks and [`PEER_LANES_MIN_BYTES`]). A tuning knob for
+    /// `None`: the default rule, two or more ranks and [`PEER_LANES_MIN_BYTES`]). A tuning knob for
     /// benchmarks and tests.
     pub fn set_peer_lanes_min_bytes(&self, bytes: Option<u64>) {
         *self.collective.lanes_min_bytes.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
@@ -465,7 +472,7 @@ impl Group {
     pub fn peer_lanes_for(&self, mean_block: u64) -> bool {
         let n = self.size();
         match *self.collective.lanes_min_bytes.lock().unwrap_or_else(|p| p.into_inner()) {
-            None => n > 2 && mean_block >= PEER_LANES_MIN_BYTES,
+            None => n > 1 && mean_block >= PEER_LANES_MIN_BYTES,
             Some(min) => n > 1 && mean_block >= min,
         }
     }
@@ -565,11 +572,12 @@ mod tests {
     }
 
     #[test]
-    fn lanes_by_default_only_for_more_than_two_ranks_and_large_blocks() {
+    fn lanes_by_default_for_two_or_more_ranks_and_blocks_of_a_mebibyte() {
         let (one, two, three) = (host(1), host(2), host(3));
-        assert!(!two.peer_lanes_for(1 << 40));
-        assert!(three.peer_lanes_for(PEER_LANES_MIN_BYTES));
-        assert!(!three.peer_lanes_for(PEER_LANES_MIN_BYTES - 1));
+        assert!(two.peer_lanes_for(PEER_LANES_MIN_BYTES));
+        assert!(!two.peer_lanes_for(PEER_LANES_MIN_BYTES - 1));
+        assert!(three.peer_lanes_for(1 << 40));
+        assert!(!one.peer_lanes_for(1 << 40), "one rank has no peer to pull from");
         two.set_peer_lanes_min_bytes(Some(0));
         assert!(two.peer_lanes_for(0));
         three.set_peer_lanes_min_bytes(Some(u64::MAX));
