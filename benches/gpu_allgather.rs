@@ -169,7 +169,7 @@ struct Row {
     g: usize,
     size: usize,
     peer: f64,
-    one_stream: f64,
+    kernel_pulls: f64,
     lanes: f64,
     ours_nccl: f64,
     direct_nccl: f64,
@@ -343,14 +343,15 @@ fn main() {
                 group.exit(ExitMode::Sync).unwrap();
                 t
             };
-            // Peer pulls one after another on each rank's stream, and on parallel lanes (G >= 2);
+            // Peer pulls as one batched-kernel launch per rank (G >= 2), and as copy-engine copies on
+            // parallel lanes;
             // "refit peer" is what the default rule picks for this G and size.
             group.set_peer_lanes_min_bytes(Some(u64::MAX));
-            let one_stream = ours(Algorithm::Peer);
+            let kernel_pulls = ours(Algorithm::Peer);
             group.set_peer_lanes_min_bytes(Some(0));
-            let lanes = if g >= 2 { ours(Algorithm::Peer) } else { one_stream };
+            let lanes = if g >= 2 { ours(Algorithm::Peer) } else { kernel_pulls };
             group.set_peer_lanes_min_bytes(None);
-            let peer = if group.peer_lanes_for(size as u64) { lanes } else { one_stream };
+            let peer = if group.peer_lanes_for(size as u64) { lanes } else { kernel_pulls };
             let ours_nccl = ours(Algorithm::Nccl);
             let direct_nccl = time_per_call(&gates, &direct_streams, iters, &mut || {
                 direct.issue(&send_ptrs, &recv_ptrs, size)
@@ -362,7 +363,7 @@ fn main() {
                 g,
                 size,
                 peer: gbps(received, peer),
-                one_stream: gbps(received, one_stream),
+                kernel_pulls: gbps(received, kernel_pulls),
                 lanes: gbps(received, lanes),
                 ours_nccl: gbps(received, ours_nccl),
                 direct_nccl: gbps(received, direct_nccl),
@@ -402,7 +403,7 @@ fn main() {
     }
 
     println!("\n## Allgather: GB/s received per GPU ((G-1) x size / time; G=1: own block copy)\n");
-    println!("| G | per-rank size | refit peer | (one stream | lanes) | refit NCCL | direct ncclAllGather | peer / NCCL | refit NCCL / direct | all-pull CE ceiling | best / ceiling |");
+    println!("| G | per-rank size | refit peer | (kernel pulls | CE lanes) | refit NCCL | direct ncclAllGather | peer / NCCL | refit NCCL / direct | all-pull CE ceiling | best / ceiling |");
     println!("|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let best = r.peer.max(r.ours_nccl);
@@ -411,7 +412,7 @@ fn main() {
             r.g,
             r.size / MIB,
             r.peer,
-            r.one_stream,
+            r.kernel_pulls,
             r.lanes,
             r.ours_nccl,
             r.direct_nccl,
@@ -454,12 +455,12 @@ fn main() {
     for (i, r) in rows.iter().enumerate() {
         let _ = write!(
             json,
-            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_one_stream\":{:.3},\"peer_lanes\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling\":{}}}",
+            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_kernel_pulls\":{:.3},\"peer_lanes\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling\":{}}}",
             if i > 0 { "," } else { "" },
             r.g,
             r.size,
             r.peer,
-            r.one_stream,
+            r.kernel_pulls,
             r.lanes,
             r.ours_nccl,
             r.direct_nccl,

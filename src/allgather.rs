@@ -10,7 +10,7 @@
 //!   is deferred to the next group call, run() or exit (one join per scope instead of one per call, for
 //!   host time); the per-rank variant joins at once with a second barrier. Blocks are pulled in
 //!   rotated order (rank r reads r+1, r+2, ...), so that at each step every GPU is read by one other.
-//!   From `PEER_LANES_MIN_BYTES` per block the pulls are copy-engine copies (one `cuMemcpyAsync` per
+//!   From `PEER_LANES_MIN_BYTES` (16 MiB) per block the pulls are copy-engine copies (one `cuMemcpyAsync` per
 //!   block; unified addressing routes it over NVLink), each peer block on an extra "lane" stream forked
 //!   from and joined back into the rank's stream, beside the own-block copy: CEILINGS.md measured CE
 //!   peer copies at 396 GB/s one way and 782 both ways, an SM pull kernel at 374 / 673. Below it, where
@@ -23,12 +23,11 @@
 //! - `Host`: synchronous staging through host memory (drain, read every block, write it to every rank).
 //!   A reference path and a last resort; it blocks the host.
 //!
-//! `Auto` rule: the host backend or a single rank picks `Peer`. A group whose every pair has direct
-//! peer access picks `Peer` from [`PEER_OVER_NCCL_MIN_BYTES`] per rank (2 MiB) and `Nccl` below it,
-//! where NCCL moved more bytes and spent less host time per call in the same run (see the constant);
-//! without NCCL it picks `Peer` at every size. Without peer access it picks `Nccl` when it loads (it
-//! routes around missing peer access better than driver-staged copies), else `Peer`.
-//! benches/gpu_allgather.rs re-measures the comparison.
+//! `Auto` rule: the host backend, a single rank, or a group whose every pair has direct peer access
+//! picks `Peer`: on 2 x H200 (run of 2026-11-30, benches/results/gpu_allgather.json) it moved 1.3x
+//! NCCL's bytes at 1 MiB per rank, 1.35-1.46x from 16 MiB, and spent 9.3 against 12.5 us of host time
+//! per call on tiny blocks. Otherwise `Nccl` when it loads (it routes around missing peer access better
+//! than driver-staged copies), else `Peer`. benches/gpu_allgather.rs re-measures the comparison.
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
@@ -70,12 +69,10 @@ impl Algorithm {
 
 /// The algorithm `requested` resolves to on this group (see the module docs for the `Auto` rule).
 /// `Unsupported` for NCCL on the host backend, `NcclUnavailable` when NCCL cannot be loaded.
-pub fn choose(group: &Group, requested: Algorithm, mean_block: u64) -> Result<Algorithm> {
+pub fn choose(group: &Group, requested: Algorithm) -> Result<Algorithm> {
     let host_backend = group.backend_kind() == BackendKind::Host;
     match requested {
-        Algorithm::Auto => Ok(if host_backend || group.size() == 1 {
-            Algorithm::Peer
-        } else if group.all_peers_direct() && (mean_block >= PEER_OVER_NCCL_MIN_BYTES || nccl().is_err()) {
+        Algorithm::Auto => Ok(if host_backend || group.size() == 1 || group.all_peers_direct() {
             Algorithm::Peer
         } else if nccl().is_ok() {
             Algorithm::Nccl
@@ -89,12 +86,6 @@ pub fn choose(group: &Group, requested: Algorithm, mean_block: u64) -> Result<Al
         other => Ok(other),
     }
 }
-
-/// Smallest mean block per rank from which `Auto` prefers peer copies to NCCL when every pair has
-/// direct peer access. On 2 x H200 (run of 2026-11-30, benches/results/gpu_allgather.json) NCCL moved
-/// 61.9 GB/s per GPU at 1 MiB per rank against 48.7 for peer copies, and spent 12.4 against 18.7 us of
-/// host time per call on tiny blocks; from 4 MiB peer copies won (138 vs 117, and 387 vs 292 at 1 GiB).
-pub const PEER_OVER_NCCL_MIN_BYTES: u64 = 2 << 20;
 
 /// Block offsets and total size, after checking every argument against the group.
 struct Layout {
@@ -188,7 +179,7 @@ pub unsafe fn allgather(
             }
         }
     }
-    let algorithm = choose(group, requested, layout.total / group.size() as u64)?;
+    let algorithm = choose(group, requested)?;
     if layout.total == 0 {
         return Ok(algorithm);
     }
@@ -240,7 +231,7 @@ unsafe fn peer_issue(
     }
     let use_lanes = group.peer_lanes_for(layout.total / n as u64);
     let lanes = if use_lanes { Some(group.lanes()?) } else { None };
-    let kernel_pulls = !use_lanes && backend.kind() == BackendKind::Cuda && group.all_peers_direct();
+    let kernel_pulls = n > 1 && !use_lanes && backend.kind() == BackendKind::Cuda && group.all_peers_direct();
     let pulls = if kernel_pulls { Some(prepared_pulls(group, send, recv, counts, layout)?) } else { None };
     let mut segments = Vec::with_capacity(n);
     for r in 0..n {
@@ -471,8 +462,7 @@ pub unsafe fn allgather_rank(
     group.check_rank_thread(rank)?;
     let layout = check_counts(group, counts)?;
     check_rank_buffers(rank, send, recv, counts[rank] as u64, &layout)?;
-    // Every rank passes the same counts, so every rank picks the same algorithm.
-    let algorithm = choose(group, requested, layout.total / group.size() as u64)?;
+    let algorithm = choose(group, requested)?;
     if algorithm == Algorithm::Nccl {
         // Created before anyone publishes, so that a failure here is this rank's own error.
         communicators(group)?;

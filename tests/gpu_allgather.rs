@@ -110,11 +110,10 @@ fn whole_group_allgather_is_byte_exact_for_every_algorithm_and_shape() {
                     let ran = unsafe { allgather(&group, &sends, &recvs, &counts, algorithm) }
                         .unwrap_or_else(|e| panic!("G={size} {algorithm:?} {counts:?}: {e}"));
                     if algorithm == Algorithm::Auto {
-                        let mean = counts.iter().sum::<usize>() as u64 / size as u64;
-                        let peer = size == 1
-                            || (group.all_peers_direct()
-                                && mean >= refit::allgather::PEER_OVER_NCCL_MIN_BYTES);
-                        assert_eq!(ran, if peer { Algorithm::Peer } else { Algorithm::Nccl });
+                        assert_eq!(
+                            ran,
+                            if group.all_peers_direct() { Algorithm::Peer } else { Algorithm::Nccl }
+                        );
                     } else {
                         assert_eq!(ran, algorithm);
                     }

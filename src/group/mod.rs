@@ -94,12 +94,12 @@ pub(crate) struct CollectiveState {
     pub lanes_min_bytes: Mutex<Option<u64>>,
 }
 
-/// Default of `CollectiveState::lanes_min_bytes`. Lanes cost about 5 driver calls per block on the
-/// host, so they only pay where a block's transfer takes far longer than issuing it. With lanes a
-/// rank's own-block copy runs beside its NVLink pulls instead of after them: on 2 x H200 (run of
-/// 2026-11-30, benches/results/gpu_allgather.json) lanes moved 48.7 vs 40.4 GB/s per GPU at 1 MiB per
-/// rank, 340 vs 294 at 64 MiB and 387 vs 329 at 1 GiB.
-pub const PEER_LANES_MIN_BYTES: u64 = 1 << 20;
+/// Default of `CollectiveState::lanes_min_bytes`: from this mean block size a peer allgather pulls
+/// with copy-engine copies, each peer block on its own lane beside the own-block copy; below it, with
+/// one batched-kernel launch per rank (see `allgather`). On 2 x H200 (run of 2026-11-30,
+/// benches/results/gpu_allgather.json), per GPU: kernel pulls 81.9 / 185.9 / 257.0 / 306.6 GB/s at 1 /
+/// 4 / 16 / 64 MiB per rank, copy-engine lanes 47.6 / 138.3 / 257.5 / 339.5.
+pub const PEER_LANES_MIN_BYTES: u64 = 16 << 20;
 
 /// `streams[rank][lane]` on the rank's device, `fork[rank]` (recorded on the rank's stream, waited by
 /// its lanes) and `joined[rank][lane]` (recorded on a lane, waited by the rank's stream).
@@ -572,7 +572,7 @@ mod tests {
     }
 
     #[test]
-    fn lanes_by_default_for_two_or_more_ranks_and_blocks_of_a_mebibyte() {
+    fn lanes_by_default_for_two_or_more_ranks_and_large_blocks() {
         let (one, two, three) = (host(1), host(2), host(3));
         assert!(two.peer_lanes_for(PEER_LANES_MIN_BYTES));
         assert!(!two.peer_lanes_for(PEER_LANES_MIN_BYTES - 1));

@@ -51,7 +51,10 @@ impl Buffer {
                 check("cuMemcpyHtoD", unsafe {
                     sys::cuMemcpyHtoD_v2(self.ptr, bytes.as_ptr().cast(), bytes.len())
                 }),
-            )
+            );
+            // From pageable memory the call may return before the DMA lands, and on the legacy stream,
+            // which the non-blocking streams under test do not wait for: finish it here.
+            ok("cuCtxSynchronize", check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }));
         });
     }
 
@@ -70,7 +73,9 @@ impl Buffer {
 
     pub fn fill(&self, byte: u8) {
         on(self.device, || {
-            ok("cuMemsetD8", check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(self.ptr, byte, self.len) }))
+            ok("cuMemsetD8", check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(self.ptr, byte, self.len) }));
+            // cuMemsetD8 is asynchronous for device memory, on the legacy stream (see upload).
+            ok("cuCtxSynchronize", check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() }));
         });
     }
 }
