@@ -178,6 +178,47 @@ fn verify(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64]) -> Res
     Ok(checked)
 }
 
+/// The NVLink floor of the refit, measured: each rank pulls `bytes` from the next rank's device with
+/// one copy-engine copy on its group stream, all ranks at once (median of 5, after a warm-up).
+fn copy_engine_floor(group: &Group, bytes: u64) -> refit::Result<f64> {
+    let backend = group.backend();
+    let n = group.size();
+    let mut buffers = Vec::with_capacity(n);
+    for rank in 0..n {
+        let device = group.device(rank)?;
+        buffers.push((
+            device,
+            backend.alloc(device, bytes as usize)?,
+            backend.alloc(device, bytes as usize)?,
+        ));
+    }
+    let mut times = Vec::new();
+    for _ in 0..6 {
+        let start = Instant::now();
+        group.in_implicit_scope(|| {
+            for rank in 0..n {
+                let (device, _, dst) = buffers[rank];
+                let (_, src, _) = buffers[(rank + 1) % n];
+                let copy = refit::Segment::contiguous(src, dst, bytes);
+                // SAFETY: both buffers were allocated above with `bytes` bytes.
+                unsafe { backend.copy_segments(device, group.stream(rank)?, &[copy]) }?;
+            }
+            Ok(())
+        })?;
+        times.push(start.elapsed().as_secs_f64() * 1e3);
+    }
+    for (device, src, dst) in buffers {
+        // SAFETY: allocated above; the implicit scope's exit synchronized.
+        unsafe {
+            backend.free(device, src)?;
+            backend.free(device, dst)?;
+        }
+    }
+    let mut warm = times.split_off(1);
+    warm.sort_by(f64::total_cmp);
+    Ok(warm[warm.len() / 2])
+}
+
 fn gib(bytes: u64) -> f64 {
     bytes as f64 / (1u64 << 30) as f64
 }
@@ -291,9 +332,14 @@ fn run() -> Result<(), String> {
         );
     }
     if on_gpu && s.bytes_peer > 0 {
-        // CEILINGS.md: copy-engine peer copies move ~391 GB/s each way when both directions run.
-        let per_direction = s.bytes_peer as f64 / args.devices as f64;
-        println!("floor (NVLink bytes per direction / 391 GB/s): {:.1} ms", per_direction / 391e9 * 1e3);
+        let per_direction = s.bytes_peer / args.devices as u64;
+        let floor_ms = copy_engine_floor(&group, per_direction).map_err(|e| e.to_string())?;
+        println!(
+            "floor, measured in this run: every device pulls {:.2} GiB from the next over NVLink with one \
+             copy-engine copy each, all at once: {floor_ms:.1} ms (CEILINGS.md: {:.1} ms at 391 GB/s)",
+            gib(per_direction),
+            per_direction as f64 / 391e9 * 1e3
+        );
     }
     for (b, buffer) in workload.buffers.iter().enumerate() {
         // SAFETY: allocated above, no work queued any more (execute returned after a synchronous exit).
