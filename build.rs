@@ -10,18 +10,12 @@ fn main() {
     let crate_dir =
         PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
     let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("cbindgen.toml parses");
-    // Only the C ABI's own files: constants and types elsewhere in the crate never leak into the header.
+    // Only the C ABI's own files (src/ffi/mod.rs brings its submodules), plus the types the ABI shares
+    // with the core: statuses, segments, the log callback. Constants and types elsewhere in the crate
+    // never leak into the header.
     let mut builder = cbindgen::Builder::new().with_config(config);
-    let mut sources: Vec<PathBuf> = std::fs::read_dir(crate_dir.join("src/ffi"))
-        .expect("src/ffi exists")
-        .map(|entry| entry.expect("readable src/ffi").path())
-        .filter(|path| path.extension().is_some_and(|e| e == "rs"))
-        .collect();
-    // The types the ABI shares with the core: statuses, segments, the log callback.
-    sources.extend(["src/error.rs", "src/segment.rs", "src/logging.rs"].map(|f| crate_dir.join(f)));
-    sources.sort();
-    for source in sources {
-        builder = builder.with_src(source);
+    for source in ["src/ffi/mod.rs", "src/error.rs", "src/segment.rs", "src/logging.rs"] {
+        builder = builder.with_src(crate_dir.join(source));
     }
     let bindings = match builder.generate() {
         Ok(bindings) => bindings,
