@@ -16,7 +16,7 @@ mod random_batch;
 use cuda::{enable_peer, ok, on, Buffer, Stream, Timer};
 use cudarc::driver::sys;
 use random_batch::Rng;
-use refit::kernels::driver::check;
+use refit::backend::driver::check;
 use refit::kernels::layout::Layout;
 use refit::kernels::{copy_segments, BatchedCopy, PreparedBatch};
 use refit::Segment;

@@ -31,7 +31,7 @@
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
-use crate::backend::cuda::preserve_current_context;
+use crate::backend::driver::CurrentContext;
 use crate::backend::nccl::{nccl, Communicators};
 use crate::backend::BackendKind;
 use crate::bail;
@@ -328,7 +328,7 @@ fn communicators(group: &Group) -> Result<&Communicators> {
         .nccl
         .get_or_init(|| {
             let devices: Vec<i32> = group.devices().iter().map(|&d| d as i32).collect();
-            let _current = preserve_current_context()?;
+            let _current = CurrentContext::preserve()?;
             Communicators::create(&devices)
         })
         .as_ref()
@@ -351,7 +351,7 @@ unsafe fn nccl_all(
     let comms = communicators(group)?;
     let streams = group.streams();
     let n = group.size();
-    let _current = preserve_current_context()?;
+    let _current = CurrentContext::preserve()?;
     lib.group_start()?;
     let mut issued = Ok(());
     for r in 0..n {
@@ -515,7 +515,7 @@ pub unsafe fn allgather_rank(
         Algorithm::Nccl => {
             let lib = nccl()?;
             let comms = communicators(group)?;
-            let _current = preserve_current_context()?;
+            let _current = CurrentContext::preserve()?;
             let grouped = !equal_counts(counts);
             if grouped {
                 lib.group_start()?;

@@ -12,7 +12,7 @@ mod random_batch;
 use cuda::{enable_peer, ok, on, Buffer, Stream};
 use cudarc::driver::sys;
 use random_batch::{first_difference, random_batch, rebase, reference, Batch, Rng, Shape};
-use refit::kernels::driver::check;
+use refit::backend::driver::check;
 use refit::kernels::{copy_segments, PreparedBatch};
 use refit::{Segment, Status};
 

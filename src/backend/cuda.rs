@@ -10,33 +10,13 @@
 //! and restores the caller's current context before returning, so a caller's `cudaSetDevice` state is
 //! never disturbed; only [`Backend::bind`] leaves a context current (for our own rank threads).
 
+use super::driver::{self, check, error_name, CurrentContext};
 use super::{Backend, BackendKind, Event, Stream};
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
 use cudarc::driver::sys::{self, CUcontext, CUresult};
 use std::ffi::{c_char, CStr};
 use std::sync::{Arc, OnceLock};
-
-/// Turns a CUresult into our error, naming the call.
-pub fn check(call: &str, result: CUresult) -> Result<()> {
-    if result == CUresult::CUDA_SUCCESS {
-        return Ok(());
-    }
-    Err(Error::new(Status::CudaError, format!("{call} failed: {}", error_name(result))))
-}
-
-/// "CUDA_ERROR_X (code)" for a CUresult.
-pub fn error_name(result: CUresult) -> String {
-    let mut name: *const c_char = std::ptr::null();
-    // SAFETY: cuGetErrorName writes a static string pointer or leaves it NULL.
-    let known = unsafe { sys::cuGetErrorName(result, &mut name) } == CUresult::CUDA_SUCCESS;
-    if known && !name.is_null() {
-        // SAFETY: non-NULL static NUL-terminated string.
-        format!("{} ({})", unsafe { CStr::from_ptr(name) }.to_string_lossy(), result as i32)
-    } else {
-        format!("CUresult {}", result as i32)
-    }
-}
 
 /// The process-wide CUDA backend, initialized once. `CudaUnavailable` when libcuda cannot be loaded
 /// or has no device.
@@ -57,42 +37,11 @@ struct ContextHandle(CUcontext);
 unsafe impl Send for ContextHandle {}
 unsafe impl Sync for ContextHandle {}
 
-/// Restores the caller's current context when dropped.
-struct CurrentContext {
-    previous: CUcontext,
-    changed: bool,
-}
-
-impl Drop for CurrentContext {
-    fn drop(&mut self) {
-        if self.changed {
-            // SAFETY: restoring a context that was current before (or NULL).
-            unsafe { sys::cuCtxSetCurrent(self.previous) };
-        }
-    }
-}
-
 impl CudaBackend {
     fn init() -> Result<CudaBackend> {
-        // cudarc panics when a driver function is called without libcuda: ask first.
-        // SAFETY: only tries to open the library.
-        if !unsafe { sys::is_culib_present() } {
-            let tried = cudarc::get_lib_name_candidates("cuda");
-            return Err(Error::new(
-                Status::CudaUnavailable,
-                format!(
-                    "libcuda could not be loaded (tried {}); is the NVIDIA driver installed?",
-                    tried.join(", ")
-                ),
-            ));
-        }
-        // SAFETY: plain driver calls with valid out-pointers.
+        driver::init()?;
+        // SAFETY: plain driver calls with valid out-pointers, after cuInit.
         unsafe {
-            let init = sys::cuInit(0);
-            if init == CUresult::CUDA_ERROR_NO_DEVICE {
-                return Err(Error::new(Status::CudaUnavailable, "cuInit: no CUDA device is present"));
-            }
-            check("cuInit", init).map_err(|e| Error::new(Status::CudaUnavailable, e.message))?;
             let mut count = 0;
             check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut count))?;
             if count <= 0 {
@@ -138,15 +87,8 @@ impl CudaBackend {
     /// Makes the device's context current until the guard drops.
     fn enter(&self, device: usize) -> Result<CurrentContext> {
         let ctx = self.context(device)?;
-        let mut previous: CUcontext = std::ptr::null_mut();
-        // SAFETY: out-pointer is valid.
-        check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut previous) })?;
-        if previous == ctx {
-            return Ok(CurrentContext { previous, changed: false });
-        }
         // SAFETY: a retained primary context.
-        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })?;
-        Ok(CurrentContext { previous, changed: true })
+        unsafe { CurrentContext::enter(ctx) }
     }
 
     fn raw_stream(stream: Stream) -> sys::CUstream {
@@ -366,26 +308,6 @@ fn allocation_left(ptr: u64) -> Result<u64> {
     // SAFETY: valid out-pointers; the driver only inspects the address.
     check("cuMemGetAddressRange", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) })?;
     Ok(base + size as u64 - ptr)
-}
-
-/// Keeps the calling thread's current context and puts it back when dropped. Used around NCCL calls,
-/// which switch devices themselves.
-pub struct PreservedContext {
-    previous: CUcontext,
-}
-
-pub fn preserve_current_context() -> Result<PreservedContext> {
-    let mut previous: CUcontext = std::ptr::null_mut();
-    // SAFETY: valid out-pointer.
-    check("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut previous) })?;
-    Ok(PreservedContext { previous })
-}
-
-impl Drop for PreservedContext {
-    fn drop(&mut self) {
-        // SAFETY: restoring the context that was current (or NULL).
-        unsafe { sys::cuCtxSetCurrent(self.previous) };
-    }
 }
 
 #[cfg(test)]

@@ -10,6 +10,7 @@
 //! device's legacy default stream" (on the host backend: that simulated device's default stream).
 
 pub mod cuda;
+pub mod driver;
 pub mod dynlib;
 pub mod host;
 pub mod host_copy;

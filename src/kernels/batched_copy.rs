@@ -2,9 +2,9 @@
 //! copy ([`copy_segments`]) and a batch uploaded once and launched many times ([`PreparedBatch`]).
 
 use super::check::{check_destinations, validate};
-use super::driver::{self, check, CurrentContext};
 use super::layout::Layout;
 use super::nvrtc::{self, Output};
+use crate::backend::driver::{self, check, CurrentContext};
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
 use cudarc::driver::sys;
@@ -68,7 +68,7 @@ impl BatchedCopy {
         let sms = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
         let context = driver::primary_context(device)?;
         // SAFETY: just retained.
-        let _current = unsafe { CurrentContext::push(context) }?;
+        let _current = unsafe { CurrentContext::enter(context) }?;
         let context_msg = |e: Error| e.context(format!("loading the batched copy kernel on device {device}"));
 
         // Machine code for this exact architecture first; PTX for the driver to JIT if the CUBIN does
@@ -232,7 +232,7 @@ pub unsafe fn copy_segments(
     let kernel = BatchedCopy::for_device(device)?;
     let blocks = kernel.grid_for(layout.tiles)?;
     // SAFETY: a retained primary context.
-    let _current = unsafe { CurrentContext::push(kernel.context) }?;
+    let _current = unsafe { CurrentContext::enter(kernel.context) }?;
     let bytes = layout.as_bytes();
     let mut table: sys::CUdeviceptr = 0;
     // SAFETY: valid output slot; the stream belongs to the current context.
@@ -305,7 +305,7 @@ impl PreparedBatch {
         }
         batch.launch.blocks = kernel.grid_for(layout.tiles)?;
         // SAFETY: a retained primary context.
-        let _current = unsafe { CurrentContext::push(kernel.context) }?;
+        let _current = unsafe { CurrentContext::enter(kernel.context) }?;
         let bytes = layout.as_bytes();
         // SAFETY: valid output slot in the current context.
         check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut batch.launch.descriptors, bytes.len()) })?;
@@ -327,7 +327,7 @@ impl PreparedBatch {
     pub unsafe fn launch(&self, stream: sys::CUstream) -> Result<()> {
         let Some(kernel) = &self.kernel else { return Ok(()) };
         // SAFETY: a retained primary context.
-        let _current = unsafe { CurrentContext::push(kernel.context) }?;
+        let _current = unsafe { CurrentContext::enter(kernel.context) }?;
         kernel.enqueue(stream, &self.launch)
     }
 
@@ -351,7 +351,7 @@ impl Drop for PreparedBatch {
     fn drop(&mut self) {
         let Some(kernel) = &self.kernel else { return };
         // SAFETY: a retained primary context.
-        let freed = unsafe { CurrentContext::push(kernel.context) }.and_then(|_current| {
+        let freed = unsafe { CurrentContext::enter(kernel.context) }.and_then(|_current| {
             // SAFETY: allocated by cuMemAlloc in this context, freed once.
             check("cuMemFree", unsafe { sys::cuMemFree_v2(self.launch.descriptors) })
         });

@@ -9,7 +9,6 @@
 
 pub mod batched_copy;
 pub mod check;
-pub mod driver;
 pub mod layout;
 pub mod nvrtc;
 

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use cudarc::driver::sys;
-use refit::kernels::driver::{self, check, CurrentContext};
+use refit::backend::driver::{self, check, CurrentContext};
 
 /// Panics with a clear message on any error.
 pub fn ok<T>(what: &str, result: refit::Result<T>) -> T {
@@ -23,7 +23,7 @@ pub fn context(device: i32) -> sys::CUcontext {
 /// Runs `f` with `device`'s primary context current.
 pub fn on<T>(device: i32, f: impl FnOnce() -> T) -> T {
     // SAFETY: a retained primary context.
-    let _current = ok("cuCtxPushCurrent", unsafe { CurrentContext::push(context(device)) });
+    let _current = ok("cuCtxPushCurrent", unsafe { CurrentContext::enter(context(device)) });
     f()
 }
 

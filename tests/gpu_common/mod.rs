@@ -4,7 +4,8 @@
 #![allow(dead_code)]
 
 use cudarc::driver::sys::{self, CUresult};
-use refit::backend::cuda::{cuda_backend, error_name, CudaBackend};
+use refit::backend::cuda::{cuda_backend, CudaBackend};
+use refit::backend::driver::error_name;
 use refit::backend::{Backend, Stream};
 use std::sync::Arc;
 
