@@ -5,6 +5,7 @@ use super::boxes::Boxed;
 use super::layout::Shape;
 use super::merge::{byte_span, CanonNeed, Catalog};
 use super::owners::Piece;
+use super::table::Endpoint;
 use crate::bail;
 use crate::error::{Error, Result, Status};
 
@@ -40,9 +41,10 @@ pub(crate) fn gap_error(catalog: &Catalog, need: &CanonNeed, pieces: &[Piece]) -
     )
 }
 
-/// A byte range `[start, end)` written by need `need`.
+/// A byte range `[start, end)` of `receiver` written by need `need`.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Written {
+    receiver: Endpoint,
     start: u64,
     end: u64,
     need: usize,
@@ -62,13 +64,12 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
         if span == 0 {
             continue;
         }
-        spans.push(Written { start: need.addr, end: need.addr + span, need: i });
+        spans.push(Written { receiver: need.receiver, start: need.addr, end: need.addr + span, need: i });
         if !strides_nest(n, &need.ext, &need.strides) {
             suspects.push(i);
         }
     }
-    // Needs of one receiver are consecutive in the catalog; sort spans by (receiver, start).
-    spans.sort_unstable_by_key(|w| (catalog.needs[w.need].receiver, w.start, w.need));
+    spans.sort_unstable();
     let mut cluster_end = 0;
     for k in 0..spans.len() {
         let same_receiver =
@@ -106,14 +107,16 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
         budget -= runs;
         shape.emit(0, need.addr, &mut segments, &mut u64::MAX.clone())?;
         for s in &segments {
-            s.for_each_run(|_, dst, len| written.push(Written { start: dst, end: dst + len, need: i }));
+            s.for_each_run(|_, dst, len| {
+                written.push(Written { receiver: need.receiver, start: dst, end: dst + len, need: i })
+            });
         }
     }
-    written.sort_unstable_by_key(|w| (catalog.needs[w.need].receiver, w.start, w.end, w.need));
+    written.sort_unstable();
     for pair in written.windows(2) {
         let (a, b) = (&pair[0], &pair[1]);
         let (na, nb) = (&catalog.needs[a.need], &catalog.needs[b.need]);
-        if na.receiver == nb.receiver && b.start < a.end {
+        if a.receiver == b.receiver && b.start < a.end {
             bail!(
                 Status::Overlap,
                 "rank {} device {}: destination bytes {:#x}..{:#x} are written by tensor '{}' offset {:?} and by tensor '{}' offset {:?}",
@@ -134,10 +137,15 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
 /// True when the strides prove that distinct elements land at distinct addresses: ordered by
 /// stride, each stride exceeds the furthest offset reachable with the smaller ones.
 fn strides_nest(n: usize, ext: &super::merge::Dims, strides: &super::merge::Dims) -> bool {
-    let mut dims: Vec<usize> = (0..n).filter(|&d| ext[d] > 1).collect();
-    dims.sort_unstable_by_key(|&d| strides[d]);
+    let mut dims = [0usize; super::MAX_DIMS];
+    let mut count = 0;
+    for d in (0..n).filter(|&d| ext[d] > 1) {
+        dims[count] = d;
+        count += 1;
+    }
+    dims[..count].sort_unstable_by_key(|&d| strides[d]);
     let mut reach = 0u64;
-    for d in dims {
+    for &d in &dims[..count] {
         if strides[d] <= reach {
             return false;
         }

@@ -5,13 +5,14 @@
 use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 /// Per-dimension values of one box or layout; entries past the tensor's rank are zero.
 pub(crate) type Dims = [u64; MAX_DIMS];
 
 /// An offer resolved against the merged tensor list: strides explicit, in elements.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct CanonOffer {
     pub tensor: usize,
     pub lo: Dims,
@@ -23,7 +24,7 @@ pub(crate) struct CanonOffer {
 }
 
 /// A need resolved against the merged tensor list: destination strides indexed by tensor dimension.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct CanonNeed {
     pub receiver: Endpoint,
     pub tensor: usize,
@@ -33,69 +34,113 @@ pub(crate) struct CanonNeed {
     pub strides: Dims,
 }
 
-/// Every table merged: tensors sorted by name, offers sorted by (tensor, box, owner, ...), needs
+/// Every table merged: tensors sorted by (hash of the name, name), offers sorted by (tensor, box, owner, ...), needs
 /// sorted by (receiver, tensor, box, ...).
-pub(crate) struct Catalog {
-    pub tensors: Vec<TensorSpec>,
+pub(crate) struct Catalog<'a> {
+    pub tensors: Vec<&'a TensorSpec>,
     pub offers: Vec<CanonOffer>,
     /// `offers[offer_start[t]..offer_start[t + 1]]` are tensor `t`'s offers.
     pub offer_start: Vec<usize>,
     pub needs: Vec<CanonNeed>,
 }
 
-impl Catalog {
+impl Catalog<'_> {
     pub fn offers_of(&self, tensor: usize) -> &[CanonOffer] {
         &self.offers[self.offer_start[tensor]..self.offer_start[tensor + 1]]
     }
 }
 
-pub(crate) fn merge(tables: &[&Table]) -> Result<Catalog> {
-    // Tensors by name; the first description seen (in name order it does not matter which: all must agree).
-    let mut by_name: BTreeMap<&str, &TensorSpec> = BTreeMap::new();
+pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
+    // Distinct tensors in the order first seen, then ranked by name: the global index is the rank.
+    let mut seen: HashMap<&str, usize, BuildHasherDefault<Fnv>> = HashMap::default();
+    let mut distinct: Vec<&'a TensorSpec> = Vec::new();
+    let mut local_to_distinct: Vec<Vec<usize>> = Vec::with_capacity(tables.len());
     for (t, table) in tables.iter().enumerate() {
+        let mut map = Vec::with_capacity(table.tensors.len());
         for spec in &table.tensors {
             validate_spec(spec).map_err(|e| e.context(format!("table {t}")))?;
-            match by_name.get(spec.name.as_str()) {
-                None => {
-                    by_name.insert(&spec.name, spec);
-                }
-                Some(seen) => check_same(seen, spec)?,
-            }
+            let at = *seen.entry(&spec.name).or_insert_with(|| {
+                distinct.push(spec);
+                distinct.len() - 1
+            });
+            check_same(distinct[at], spec)?;
+            map.push(at);
         }
+        local_to_distinct.push(map);
     }
-    let tensors: Vec<TensorSpec> = by_name.values().map(|s| (*s).clone()).collect();
-    let index: BTreeMap<&str, usize> =
-        tensors.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+    // Ordered by a hash of the name, then the name: a content-only order (the same in every
+    // process) that rarely needs to compare the long shared prefixes of parameter names.
+    let keyed: Vec<u64> = distinct.iter().map(|s| name_hash(&s.name)).collect();
+    let mut by_name: Vec<usize> = (0..distinct.len()).collect();
+    by_name.sort_unstable_by(|&a, &b| {
+        keyed[a].cmp(&keyed[b]).then_with(|| distinct[a].name.cmp(&distinct[b].name))
+    });
+    let mut global = vec![0; distinct.len()];
+    for (g, &d) in by_name.iter().enumerate() {
+        global[d] = g;
+    }
+    let tensors: Vec<&'a TensorSpec> = by_name.iter().map(|&d| distinct[d]).collect();
 
-    let mut offers = Vec::new();
-    let mut needs = Vec::new();
+    // Every entry with its global tensor, in input order: (table, index, tensor).
+    let mut offer_refs: Vec<(usize, usize, usize)> =
+        Vec::with_capacity(tables.iter().map(|t| t.offers.len()).sum());
+    let mut need_refs: Vec<(usize, usize, usize)> =
+        Vec::with_capacity(tables.iter().map(|t| t.needs.len()).sum());
     for (t, table) in tables.iter().enumerate() {
         let global = |local: u32, what: &str, i: usize| -> Result<usize> {
-            let spec = table.tensors.get(local as usize).ok_or_else(|| {
+            let d = local_to_distinct[t].get(local as usize).ok_or_else(|| {
                 Error::invalid_argument(format!(
                     "table {t} {what} {i} names tensor index {local} but the table has {} tensors",
                     table.tensors.len()
                 ))
             })?;
-            Ok(index[spec.name.as_str()])
+            Ok(global[*d])
         };
         for (i, offer) in table.offers.iter().enumerate() {
-            let tensor = global(offer.tensor, "offer", i)?;
-            offers.push(
-                canon_offer(&tensors[tensor], tensor, offer)
-                    .map_err(|e| e.context(format!("table {t} offer {i}")))?,
-            );
+            offer_refs.push((t, i, global(offer.tensor, "offer", i)?));
         }
         for (i, need) in table.needs.iter().enumerate() {
-            let tensor = global(need.tensor, "need", i)?;
-            needs.push(
-                canon_need(&tensors[tensor], tensor, need)
-                    .map_err(|e| e.context(format!("table {t} need {i}")))?,
-            );
+            need_refs.push((t, i, global(need.tensor, "need", i)?));
         }
     }
-    offers.sort_unstable();
-    needs.sort_unstable();
+    if offer_refs.len() > u32::MAX as usize || need_refs.len() > u32::MAX as usize {
+        bail!(Status::Unsupported, "more than 2^32 offers or needs");
+    }
+    // Canonical order without comparing whole entries across tables: bucket by tensor (and
+    // receiver), then sort each small bucket fully. Entries are resolved once, in that order.
+    let order =
+        bucket_order((0..offer_refs.len() as u32).collect(), tensors.len(), |i| offer_refs[i as usize].2);
+    let offers = order
+        .iter()
+        .map(|&k| {
+            let (t, i, tensor) = offer_refs[k as usize];
+            canon_offer(tensors[tensor], tensor, &tables[t].offers[i])
+                .map_err(|e| e.context(format!("table {t} offer {i}")))
+        })
+        .collect::<Result<Vec<CanonOffer>>>()?;
+    let offers = sort_runs(offers, |a, b| a.tensor == b.tensor);
+    let need_receiver = |k: u32| {
+        let (t, i, _) = need_refs[k as usize];
+        tables[t].needs[i].receiver
+    };
+    let receivers: BTreeMap<Endpoint, usize> = (0..need_refs.len() as u32)
+        .map(|k| (need_receiver(k), 0))
+        .collect::<BTreeMap<_, _>>()
+        .into_keys()
+        .zip(0..)
+        .collect();
+    let order =
+        bucket_order((0..need_refs.len() as u32).collect(), tensors.len(), |k| need_refs[k as usize].2);
+    let order = bucket_order(order, receivers.len(), |k| receivers[&need_receiver(k)]);
+    let needs = order
+        .iter()
+        .map(|&k| {
+            let (t, i, tensor) = need_refs[k as usize];
+            canon_need(tensors[tensor], tensor, &tables[t].needs[i])
+                .map_err(|e| e.context(format!("table {t} need {i}")))
+        })
+        .collect::<Result<Vec<CanonNeed>>>()?;
+    let needs = sort_runs(needs, |a, b| (a.receiver, a.tensor) == (b.receiver, b.tensor));
     let mut offer_start = vec![0; tensors.len() + 1];
     for offer in &offers {
         offer_start[offer.tensor + 1] += 1;
@@ -104,6 +149,63 @@ pub(crate) fn merge(tables: &[&Table]) -> Result<Catalog> {
         offer_start[t + 1] += offer_start[t];
     }
     Ok(Catalog { tensors, offers, offer_start, needs })
+}
+
+/// `order` (indices) stably sorted by `key` (below `buckets`): a counting sort.
+fn bucket_order(order: Vec<u32>, buckets: usize, key: impl Fn(u32) -> usize) -> Vec<u32> {
+    let mut start = vec![0usize; buckets + 1];
+    for &i in &order {
+        start[key(i) + 1] += 1;
+    }
+    for b in 0..buckets {
+        start[b + 1] += start[b];
+    }
+    let mut out = vec![0u32; order.len()];
+    for &i in &order {
+        let k = key(i);
+        out[start[k]] = i;
+        start[k] += 1;
+    }
+    out
+}
+
+/// Sorts each maximal run of neighbours that `same` groups together.
+fn sort_runs<T: Ord>(mut items: Vec<T>, same: impl Fn(&T, &T) -> bool) -> Vec<T> {
+    let mut start = 0;
+    while start < items.len() {
+        let mut end = start + 1;
+        while end < items.len() && same(&items[start], &items[end]) {
+            end += 1;
+        }
+        if end - start > 1 {
+            items[start..end].sort_unstable();
+        }
+        start = end;
+    }
+    items
+}
+
+fn name_hash(name: &str) -> u64 {
+    let mut h = Fnv::default();
+    h.write(name.as_bytes());
+    h.finish()
+}
+
+/// FNV-1a for the name index: fast on short keys, and deterministic (nothing depends on its order).
+#[derive(Default)]
+pub(crate) struct Fnv(u64);
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut h = if self.0 == 0 { 0xcbf2_9ce4_8422_2325 } else { self.0 };
+        for &b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        self.0 = h;
+    }
 }
 
 /// Checks a tensor description on its own: a name, a positive element size, at most MAX_DIMS

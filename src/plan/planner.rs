@@ -56,8 +56,11 @@ pub fn build_with_limits(tables: &[Table], options: &PlanOptions, limits: &Limit
 pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> Result<Plan> {
     let started = Instant::now();
     let catalog = merge(tables)?;
+    let merged = started.elapsed();
     coverage::check_destinations(&catalog, limits.max_overlap_runs)?;
+    let checked = started.elapsed();
     let replicas = owners::replicas(&catalog, limits.max_pieces)?;
+    let grouped = started.elapsed();
 
     // Intersect every need with the pieces of its tensor; count what reading every replica would cost.
     let mut items: Vec<Item> = Vec::new();
@@ -98,6 +101,7 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
         stats.duplicate_bytes_dropped = stats.bytes_all_replicas - stats.needed_bytes;
     }
 
+    let intersected = started.elapsed();
     let demand = if options.policy == OwnerPolicy::Balanced { demand(&catalog, &items) } else { Vec::new() };
     let owners = Owners::choose(&catalog, &replicas.sets, options.policy, &demand);
 
@@ -131,6 +135,7 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
         shape.emit(src, dst, routes.entry((offer.owner, need.receiver)).or_default(), &mut budget)?;
     }
 
+    let laid_out = started.elapsed();
     let mut routes: Vec<Route> = routes
         .into_iter()
         .map(|((src, dst), mut segments)| {
@@ -143,6 +148,7 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
         .collect();
     routes.sort_by_key(|r| (r.dst, r.kind(), r.src));
 
+    let coalesced = started.elapsed();
     for route in &routes {
         let at =
             receivers.binary_search_by_key(&route.dst, |(e, _)| *e).expect("every route ends at a receiver");
@@ -178,6 +184,11 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     total.offers_kept = offers_kept.len() as u64;
 
     let fingerprint = super::fingerprint_of(&routes);
+    log::debug!(
+        "plan built in {:?}: merge {merged:?}, destinations checked {checked:?}, replicas {grouped:?}, \
+         intersected {intersected:?}, laid out {laid_out:?}, coalesced {coalesced:?} (cumulative)",
+        started.elapsed()
+    );
     let build_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
     total.build_ns = build_ns;
     for (_, stats) in &mut receivers {
