@@ -165,6 +165,9 @@ struct Case {
     needed_bytes: u64,
 }
 
+/// A need not yet placed: offset, extent, permutation, destination strides, bytes spanned.
+type Pending = (Vec<u64>, Vec<u64>, Vec<u32>, Vec<u64>, u64);
+
 fn endpoint(rng: &mut Rng) -> Endpoint {
     Endpoint { rank: rng.below(3) as u32, device: rng.below(2) as u32 }
 }
@@ -226,7 +229,7 @@ fn random_case(seed: u64) -> Case {
             }
             let n = spec.shape.len();
             let fused = rng.chance(50);
-            let mut pending: Vec<(Vec<u64>, Vec<u64>, Vec<u32>, Vec<u64>, u64)> = vec![];
+            let mut pending: Vec<Pending> = vec![];
             for (lo, ext) in grid(&mut rng, &spec.shape, 2) {
                 if rng.chance(20) {
                     continue;

@@ -71,7 +71,7 @@ impl Builder {
     }
 
     /// Receiver `r` wants `extent` of tensor `name` at `offset`, written row-major at `addr` with
-    /// destination row length `row` elements (a wider buffer for fused parameters).
+    /// destination row length `row` elements (a wider buffer for fused parameters): `dst = (addr, row)`.
     fn need(
         &mut self,
         r: u64,
@@ -79,8 +79,7 @@ impl Builder {
         shape: &[u64],
         offset: &[u64],
         extent: &[u64],
-        addr: u64,
-        row: u64,
+        (addr, row): (u64, u64),
     ) {
         let table = (EP + r) as usize;
         let tensor = self.tensor(table, name, shape);
@@ -141,10 +140,10 @@ fn qwen3(contiguous_publishers: bool) -> Vec<Table> {
         let vocab = VOCAB / TP;
         for name in ["embed", "lm_head"] {
             let at = b.arenas[(EP + r) as usize].take(vocab * HIDDEN * BF16);
-            b.need(r, name, &[VOCAB, HIDDEN], &[r * vocab, 0], &[vocab, HIDDEN], at, HIDDEN);
+            b.need(r, name, &[VOCAB, HIDDEN], &[r * vocab, 0], &[vocab, HIDDEN], (at, HIDDEN));
         }
         let at = b.arenas[(EP + r) as usize].take(HIDDEN * BF16);
-        b.need(r, "norm", &[HIDDEN], &[0], &[HIDDEN], at, 1);
+        b.need(r, "norm", &[HIDDEN], &[0], &[HIDDEN], (at, 1));
         for l in 0..LAYERS {
             let p = format!("layers.{l}.");
             let arena = (EP + r) as usize;
@@ -155,21 +154,35 @@ fn qwen3(contiguous_publishers: bool) -> Vec<Table> {
                 ("k_norm", HEAD),
             ] {
                 let at = b.arenas[arena].take(n * BF16);
-                b.need(r, &(p.clone() + name), &[n], &[0], &[n], at, 1);
+                b.need(r, &(p.clone() + name), &[n], &[0], &[n], (at, 1));
             }
             let at = b.arenas[arena].take(EXPERTS * HIDDEN * BF16);
-            b.need(r, &(p.clone() + "router"), &[EXPERTS, HIDDEN], &[0, 0], &[EXPERTS, HIDDEN], at, HIDDEN);
+            b.need(r, &(p.clone() + "router"), &[EXPERTS, HIDDEN], &[0, 0], &[EXPERTS, HIDDEN], (at, HIDDEN));
             // Fused qkv: this rank's q heads, then its k heads, then its v heads.
             let (q, kv) = (Q_HEADS * HEAD / TP, KV_HEADS * HEAD / TP);
             let qkv = b.arenas[arena].take((q + 2 * kv) * HIDDEN * BF16);
-            b.need(r, &(p.clone() + "q_proj"), &[2 * q, HIDDEN], &[r * q, 0], &[q, HIDDEN], qkv, HIDDEN);
+            b.need(r, &(p.clone() + "q_proj"), &[2 * q, HIDDEN], &[r * q, 0], &[q, HIDDEN], (qkv, HIDDEN));
             let k_at = qkv + q * HIDDEN * BF16;
-            b.need(r, &(p.clone() + "k_proj"), &[2 * kv, HIDDEN], &[r * kv, 0], &[kv, HIDDEN], k_at, HIDDEN);
+            b.need(
+                r,
+                &(p.clone() + "k_proj"),
+                &[2 * kv, HIDDEN],
+                &[r * kv, 0],
+                &[kv, HIDDEN],
+                (k_at, HIDDEN),
+            );
             let v_at = k_at + kv * HIDDEN * BF16;
-            b.need(r, &(p.clone() + "v_proj"), &[2 * kv, HIDDEN], &[r * kv, 0], &[kv, HIDDEN], v_at, HIDDEN);
+            b.need(
+                r,
+                &(p.clone() + "v_proj"),
+                &[2 * kv, HIDDEN],
+                &[r * kv, 0],
+                &[kv, HIDDEN],
+                (v_at, HIDDEN),
+            );
             // Row-parallel o_proj: a column slice.
             let o = b.arenas[arena].take(HIDDEN * q * BF16);
-            b.need(r, &(p.clone() + "o_proj"), &[HIDDEN, 2 * q], &[0, r * q], &[HIDDEN, q], o, q);
+            b.need(r, &(p.clone() + "o_proj"), &[HIDDEN, 2 * q], &[0, r * q], &[HIDDEN, q], (o, q));
             // Stacked experts: w13 [E, 2 * FFN / TP, HIDDEN] (gate half then up half), w2 [E, HIDDEN, FFN / TP].
             let f = FFN / TP;
             let w13 = b.arenas[arena].take(EXPERTS * 2 * f * HIDDEN * BF16);
@@ -183,13 +196,12 @@ fn qwen3(contiguous_publishers: bool) -> Vec<Table> {
                     &[FFN, HIDDEN],
                     &[r * f, 0],
                     &[f, HIDDEN],
-                    slot,
-                    HIDDEN,
+                    (slot, HIDDEN),
                 );
                 let up = slot + f * HIDDEN * BF16;
-                b.need(r, &(ep.clone() + "up_proj"), &[FFN, HIDDEN], &[r * f, 0], &[f, HIDDEN], up, HIDDEN);
+                b.need(r, &(ep.clone() + "up_proj"), &[FFN, HIDDEN], &[r * f, 0], &[f, HIDDEN], (up, HIDDEN));
                 let down = w2 + e * HIDDEN * f * BF16;
-                b.need(r, &(ep + "down_proj"), &[HIDDEN, FFN], &[0, r * f], &[HIDDEN, f], down, f);
+                b.need(r, &(ep + "down_proj"), &[HIDDEN, FFN], &[0, r * f], &[HIDDEN, f], (down, f));
             }
         }
     }

@@ -69,8 +69,8 @@ pub(crate) fn replicas(catalog: &Catalog, max_pieces: usize) -> Result<Replicas>
         for s in tensor_sets.clone() {
             let offer = &catalog.offers[sets[s].first];
             let mut parts = vec![Boxed::new(offer.lo, offer.ext)];
-            for earlier in tensor_sets.start..s {
-                let e = &catalog.offers[sets[earlier].first];
+            for earlier in &sets[tensor_sets.start..s] {
+                let e = &catalog.offers[earlier.first];
                 let cut = Boxed::new(e.lo, e.ext);
                 if !parts.iter().any(|p| p.intersect(&cut, n).is_some()) {
                     continue;
