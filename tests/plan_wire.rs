@@ -69,10 +69,15 @@ fn random_table(rng: &mut Rng) -> Table {
 
 #[test]
 fn random_tables_round_trip_exactly() {
+    // REFIT_WRITE_FUZZ_SEEDS=<dir> also keeps the first encodings there (the decode fuzzer's seeds).
+    let seeds = std::env::var_os("REFIT_WRITE_FUZZ_SEEDS");
     let mut rng = Rng(0x1234_5678_9abc_def1);
-    for _ in 0..500 {
+    for i in 0..500 {
         let table = random_table(&mut rng);
         let bytes = encode(&table);
+        if let (Some(dir), true) = (&seeds, i < 16) {
+            std::fs::write(std::path::Path::new(dir).join(format!("seed-{i:02}")), &bytes).unwrap();
+        }
         assert_eq!(&bytes[..4], b"RFTB");
         assert_eq!(bytes[4], VERSION);
         assert_eq!(decode(&bytes).unwrap(), table);

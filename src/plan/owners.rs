@@ -156,7 +156,8 @@ impl Owners {
                         (load.get(&owner).copied().unwrap_or(0), distance(owner, receiver), owner, i)
                     })
                     .expect("a replica set is never empty");
-                *load.entry(replicas[best].owner).or_insert(0) += bytes;
+                let served = load.entry(replicas[best].owner).or_insert(0);
+                *served = served.saturating_add(bytes);
                 chosen.insert((set, receiver), sets[set].first + best);
             }
         }

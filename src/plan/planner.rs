@@ -78,7 +78,7 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
             continue;
         }
         let volume = wanted.volume(n);
-        stats.needed_bytes += volume * elem;
+        stats.needed_bytes = stats.needed_bytes.saturating_add(volume * elem);
         let pieces = replicas.pieces_of(need.tensor);
         let mut covered = 0;
         for piece in pieces {
@@ -94,11 +94,11 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
         for offer in catalog.offers_of(need.tensor) {
             if let Some(bx) = Boxed::new(offer.lo, offer.ext).intersect(&wanted, n) {
                 let shape = Shape::of(n, &bx.ext, &byte_strides(&offer.strides, elem), &dst_bytes, elem);
-                stats.ranges_all_replicas += shape.runs();
-                stats.bytes_all_replicas += bx.volume(n) * elem;
+                stats.ranges_all_replicas = stats.ranges_all_replicas.saturating_add(shape.runs());
+                stats.bytes_all_replicas = stats.bytes_all_replicas.saturating_add(bx.volume(n) * elem);
             }
         }
-        stats.duplicate_bytes_dropped = stats.bytes_all_replicas - stats.needed_bytes;
+        stats.duplicate_bytes_dropped = stats.bytes_all_replicas.saturating_sub(stats.needed_bytes);
     }
 
     let intersected = started.elapsed();
@@ -128,8 +128,8 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
             elem,
         );
         let stats = &mut receivers[receiver].1;
-        stats.ranges_deduped += shape.runs();
-        stats.segments_deduped += shape.segments();
+        stats.ranges_deduped = stats.ranges_deduped.saturating_add(shape.runs());
+        stats.segments_deduped = stats.segments_deduped.saturating_add(shape.segments());
         let src = address(offer.addr, &item.bx.lo, &offer.lo, &offer.strides, n, elem);
         let dst = address(need.addr, &item.bx.lo, &need.lo, &need.strides, n, elem);
         shape.emit(src, dst, routes.entry((offer.owner, need.receiver)).or_default(), &mut budget)?;
@@ -154,11 +154,12 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
             receivers.binary_search_by_key(&route.dst, |(e, _)| *e).expect("every route ends at a receiver");
         let stats = &mut receivers[at].1;
         stats.routes += 1;
-        let bytes: u64 = route.segments.iter().map(|s| s.bytes().unwrap_or(u64::MAX)).sum();
+        let bytes =
+            route.segments.iter().fold(0u64, |acc, s| acc.saturating_add(s.bytes().unwrap_or(u64::MAX)));
         match route.kind() {
-            super::RouteKind::Local => stats.bytes_local += bytes,
-            super::RouteKind::Peer => stats.bytes_peer += bytes,
-            super::RouteKind::Remote => stats.bytes_remote += bytes,
+            super::RouteKind::Local => stats.bytes_local = stats.bytes_local.saturating_add(bytes),
+            super::RouteKind::Peer => stats.bytes_peer = stats.bytes_peer.saturating_add(bytes),
+            super::RouteKind::Remote => stats.bytes_remote = stats.bytes_remote.saturating_add(bytes),
         }
         for s in &route.segments {
             stats.add_segment(s);
@@ -211,7 +212,7 @@ fn demand(catalog: &Catalog, items: &[Item]) -> Vec<(usize, Endpoint, u64)> {
     demand.dedup_by(|later, earlier| {
         let same = (later.0, later.1) == (earlier.0, earlier.1);
         if same {
-            earlier.2 += later.2;
+            earlier.2 = earlier.2.saturating_add(later.2);
         }
         same
     });
