@@ -5,8 +5,10 @@
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
+use refit::plan::{
+    build_with_limits, Endpoint, Limits, Need, Offer, OwnerPolicy, PlanOptions, Region, Table, TensorSpec,
+};
 use refit::Status;
-use refit::plan::{build_with_limits, Endpoint, Limits, Need, Offer, OwnerPolicy, PlanOptions, Region, Table, TensorSpec};
 
 struct Bytes<'a>(&'a [u8]);
 
@@ -36,7 +38,7 @@ fn table(input: &mut Bytes) -> Table {
     let mut t = Table::default();
     for i in 0..1 + input.byte() % 3 {
         let ndim = (input.byte() % 4) as usize;
-        let shape = (0..ndim).map(|_| 1 + input.value(6)).collect();
+        let shape = (0..ndim).map(|_| input.value(6).saturating_add(1)).collect();
         let elem_size = [1, 2, 4, 3][(input.byte() % 4) as usize];
         t.tensors.push(TensorSpec { name: format!("t{i}"), dtype: 0, elem_size, shape });
     }
@@ -48,7 +50,7 @@ fn table(input: &mut Bytes) -> Table {
         let strides = (input.byte() % 3 == 0).then(|| input.list(n, 40));
         let digest = (input.byte() % 2 == 0).then(|| u64::from(input.byte() % 2));
         let owner = Endpoint { rank: u32::from(input.byte() % 3), device: u32::from(input.byte() % 2) };
-        let addr = 4096 * (1 + input.value(16));
+        let addr = input.value(16).saturating_add(1).saturating_mul(4096);
         t.offers.push(Offer { tensor, owner, addr, region, strides, digest });
     }
     for _ in 0..input.byte() % 8 {
@@ -61,7 +63,7 @@ fn table(input: &mut Bytes) -> Table {
             p
         });
         let receiver = Endpoint { rank: u32::from(input.byte() % 3), device: u32::from(input.byte() % 2) };
-        let addr = 4096 * (1 + input.value(16)) + input.value(64);
+        let addr = input.value(16).saturating_add(1).saturating_mul(4096).saturating_add(input.value(64));
         t.needs.push(Need { tensor, receiver, addr, region, perm, strides: input.list(n, 40) });
     }
     t
@@ -96,7 +98,10 @@ fuzz_target!(|data: &[u8]| {
                 assert_eq!(moved, u128::from(plan.stats().needed_bytes));
                 written.sort_unstable();
                 for pair in written.windows(2) {
-                    assert!(pair[0].0 != pair[1].0 || pair[0].1 + pair[0].2 <= pair[1].1, "a byte written twice");
+                    assert!(
+                        pair[0].0 != pair[1].0 || pair[0].1 + pair[0].2 <= pair[1].1,
+                        "a byte written twice"
+                    );
                 }
             }
         }

@@ -1,4 +1,4 @@
-//! Merging every rank's table into one canonical catalog: tensors by name, offers and needs resolved
+//! Merging every rank's table into one canonical catalog: tensors by name (hash, then name), offers and needs resolved
 //! to tensor dimensions, validated, and sorted by canonical keys so that the order in which tables or
 //! their entries arrive never changes the plan.
 
@@ -59,11 +59,16 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
         let mut map = Vec::with_capacity(table.tensors.len());
         for spec in &table.tensors {
             validate_spec(spec).map_err(|e| e.context(format!("table {t}")))?;
-            let at = *seen.entry(&spec.name).or_insert_with(|| {
-                distinct.push(spec);
-                distinct.len() - 1
-            });
-            check_same(distinct[at], spec)?;
+            let at = match seen.entry(&spec.name) {
+                std::collections::hash_map::Entry::Occupied(e) => {
+                    check_same(distinct[*e.get()], spec)?;
+                    *e.get()
+                }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    distinct.push(spec);
+                    *e.insert(distinct.len() - 1)
+                }
+            };
             map.push(at);
         }
         local_to_distinct.push(map);
