@@ -52,7 +52,9 @@ impl Catalog<'_> {
 
 pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     // Distinct tensors in the order first seen, then ranked by name: the global index is the rank.
-    let mut seen: HashMap<&str, usize, BuildHasherDefault<Fnv>> = HashMap::default();
+    let entries: usize = tables.iter().map(|t| t.tensors.len()).sum();
+    let mut seen: HashMap<&str, usize, BuildHasherDefault<Fnv>> =
+        HashMap::with_capacity_and_hasher(entries, BuildHasherDefault::default());
     let mut distinct: Vec<&'a TensorSpec> = Vec::new();
     let mut local_to_distinct: Vec<Vec<usize>> = Vec::with_capacity(tables.len());
     for (t, table) in tables.iter().enumerate() {
@@ -86,11 +88,10 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     }
     let tensors: Vec<&'a TensorSpec> = by_name.iter().map(|&d| distinct[d]).collect();
 
-    // Every entry with its global tensor, in input order: (table, index, tensor).
-    let mut offer_refs: Vec<(usize, usize, usize)> =
-        Vec::with_capacity(tables.iter().map(|t| t.offers.len()).sum());
-    let mut need_refs: Vec<(usize, usize, usize)> =
-        Vec::with_capacity(tables.iter().map(|t| t.needs.len()).sum());
+    // Resolve every entry in input order (the order its memory was written in, so reading the
+    // entries' vectors stays cache-friendly), then put the dense results in canonical order.
+    let mut offers = Vec::with_capacity(tables.iter().map(|t| t.offers.len()).sum());
+    let mut needs = Vec::with_capacity(tables.iter().map(|t| t.needs.len()).sum());
     for (t, table) in tables.iter().enumerate() {
         let global = |local: u32, what: &str, i: usize| -> Result<usize> {
             let d = local_to_distinct[t].get(local as usize).ok_or_else(|| {
@@ -102,50 +103,36 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
             Ok(global[*d])
         };
         for (i, offer) in table.offers.iter().enumerate() {
-            offer_refs.push((t, i, global(offer.tensor, "offer", i)?));
+            let tensor = global(offer.tensor, "offer", i)?;
+            offers.push(
+                canon_offer(tensors[tensor], tensor, offer)
+                    .map_err(|e| e.context(format!("table {t} offer {i}")))?,
+            );
         }
         for (i, need) in table.needs.iter().enumerate() {
-            need_refs.push((t, i, global(need.tensor, "need", i)?));
+            let tensor = global(need.tensor, "need", i)?;
+            needs.push(
+                canon_need(tensors[tensor], tensor, need)
+                    .map_err(|e| e.context(format!("table {t} need {i}")))?,
+            );
         }
     }
-    if offer_refs.len() > u32::MAX as usize || need_refs.len() > u32::MAX as usize {
+    if offers.len() > u32::MAX as usize || needs.len() > u32::MAX as usize {
         bail!(Status::Unsupported, "more than 2^32 offers or needs");
     }
     // Canonical order without comparing whole entries across tables: bucket by tensor (and
-    // receiver), then sort each small bucket fully. Entries are resolved once, in that order.
+    // receiver), then sort each small bucket fully.
     let order =
-        bucket_order((0..offer_refs.len() as u32).collect(), tensors.len(), |i| offer_refs[i as usize].2);
-    let offers = order
-        .iter()
-        .map(|&k| {
-            let (t, i, tensor) = offer_refs[k as usize];
-            canon_offer(tensors[tensor], tensor, &tables[t].offers[i])
-                .map_err(|e| e.context(format!("table {t} offer {i}")))
-        })
-        .collect::<Result<Vec<CanonOffer>>>()?;
-    let offers = sort_runs(offers, |a, b| a.tensor == b.tensor);
-    let need_receiver = |k: u32| {
-        let (t, i, _) = need_refs[k as usize];
-        tables[t].needs[i].receiver
-    };
-    let receivers: BTreeMap<Endpoint, usize> = (0..need_refs.len() as u32)
-        .map(|k| (need_receiver(k), 0))
-        .collect::<BTreeMap<_, _>>()
-        .into_keys()
-        .zip(0..)
-        .collect();
-    let order =
-        bucket_order((0..need_refs.len() as u32).collect(), tensors.len(), |k| need_refs[k as usize].2);
-    let order = bucket_order(order, receivers.len(), |k| receivers[&need_receiver(k)]);
-    let needs = order
-        .iter()
-        .map(|&k| {
-            let (t, i, tensor) = need_refs[k as usize];
-            canon_need(tensors[tensor], tensor, &tables[t].needs[i])
-                .map_err(|e| e.context(format!("table {t} need {i}")))
-        })
-        .collect::<Result<Vec<CanonNeed>>>()?;
-    let needs = sort_runs(needs, |a, b| (a.receiver, a.tensor) == (b.receiver, b.tensor));
+        bucket_order((0..offers.len() as u32).collect(), tensors.len(), |i| offers[i as usize].tensor);
+    let offers = sort_runs(order.iter().map(|&i| offers[i as usize]).collect(), |a, b| a.tensor == b.tensor);
+    let receivers: BTreeMap<Endpoint, usize> =
+        needs.iter().map(|n| (n.receiver, 0)).collect::<BTreeMap<_, _>>().into_keys().zip(0..).collect();
+    let receiver_of: Vec<usize> = needs.iter().map(|n| receivers[&n.receiver]).collect();
+    let order = bucket_order((0..needs.len() as u32).collect(), tensors.len(), |i| needs[i as usize].tensor);
+    let order = bucket_order(order, receivers.len(), |i| receiver_of[i as usize]);
+    let needs = sort_runs(order.iter().map(|&i| needs[i as usize]).collect(), |a, b| {
+        (a.receiver, a.tensor) == (b.receiver, b.tensor)
+    });
     let mut offer_start = vec![0; tensors.len() + 1];
     for offer in &offers {
         offer_start[offer.tensor + 1] += 1;
