@@ -57,10 +57,8 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
     let mut spans: Vec<Written> = Vec::with_capacity(catalog.needs.len());
     let mut suspects: Vec<usize> = Vec::new();
     for (i, need) in catalog.needs.iter().enumerate() {
-        let spec = &catalog.tensors[need.tensor];
-        let n = spec.shape.len();
-        let span =
-            byte_span(n, &need.ext, &need.strides, spec.elem_size.into()).expect("checked when merged");
+        let (n, elem) = catalog.layout[need.tensor];
+        let span = byte_span(n, &need.ext, &need.strides, elem).expect("checked when merged");
         if span == 0 {
             continue;
         }

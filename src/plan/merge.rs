@@ -38,6 +38,9 @@ pub(crate) struct CanonNeed {
 /// sorted by (receiver, tensor, box, ...).
 pub(crate) struct Catalog<'a> {
     pub tensors: Vec<&'a TensorSpec>,
+    /// (dimensions, element size) of each tensor: a dense copy of what hot loops read, so they do
+    /// not chase pointers into the callers' tables.
+    pub layout: Vec<(usize, u64)>,
     pub offers: Vec<CanonOffer>,
     /// `offers[offer_start[t]..offer_start[t + 1]]` are tensor `t`'s offers.
     pub offer_start: Vec<usize>,
@@ -56,6 +59,14 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     let mut seen: HashMap<&str, usize, BuildHasherDefault<Fnv>> =
         HashMap::with_capacity_and_hasher(entries, BuildHasherDefault::default());
     let mut distinct: Vec<&'a TensorSpec> = Vec::new();
+    // What later descriptions are compared with, kept dense (reading the first description again
+    // would be a cache miss into another table per entry).
+    let mut described: Vec<(u32, u32, usize, Dims)> = Vec::new();
+    let describe = |spec: &TensorSpec| {
+        let mut shape = [0; MAX_DIMS];
+        shape[..spec.shape.len()].copy_from_slice(&spec.shape);
+        (spec.dtype, spec.elem_size, spec.shape.len(), shape)
+    };
     let mut local_to_distinct: Vec<Vec<usize>> = Vec::with_capacity(tables.len());
     for (t, table) in tables.iter().enumerate() {
         let mut map = Vec::with_capacity(table.tensors.len());
@@ -63,11 +74,14 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
             validate_spec(spec).map_err(|e| e.context(format!("table {t}")))?;
             let at = match seen.entry(&spec.name) {
                 std::collections::hash_map::Entry::Occupied(e) => {
-                    check_same(distinct[*e.get()], spec)?;
+                    if described[*e.get()] != describe(spec) {
+                        check_same(distinct[*e.get()], spec)?;
+                    }
                     *e.get()
                 }
                 std::collections::hash_map::Entry::Vacant(e) => {
                     distinct.push(spec);
+                    described.push(describe(spec));
                     *e.insert(distinct.len() - 1)
                 }
             };
@@ -140,7 +154,8 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     for t in 0..tensors.len() {
         offer_start[t + 1] += offer_start[t];
     }
-    Ok(Catalog { tensors, offers, offer_start, needs })
+    let layout = tensors.iter().map(|s| (s.shape.len(), u64::from(s.elem_size))).collect();
+    Ok(Catalog { tensors, layout, offers, offer_start, needs })
 }
 
 /// `order` (indices) stably sorted by `key` (below `buckets`): a counting sort.

@@ -66,8 +66,7 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     let mut items: Vec<Item> = Vec::new();
     let mut receivers: Vec<(Endpoint, PlanStats)> = Vec::new();
     for (i, need) in catalog.needs.iter().enumerate() {
-        let spec = &catalog.tensors[need.tensor];
-        let (n, elem) = (spec.shape.len(), u64::from(spec.elem_size));
+        let (n, elem) = catalog.layout[need.tensor];
         if receivers.last().is_none_or(|(e, _)| *e != need.receiver) {
             receivers.push((need.receiver, PlanStats::default()));
         }
@@ -118,8 +117,7 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
         let offer_index = owners.owner(&catalog, &replicas.sets, item.set, need.receiver);
         let offer = &catalog.offers[offer_index];
         kept.push((need.receiver, offer_index));
-        let spec = &catalog.tensors[need.tensor];
-        let (n, elem) = (spec.shape.len(), u64::from(spec.elem_size));
+        let (n, elem) = catalog.layout[need.tensor];
         let shape = Shape::of(
             n,
             &item.bx.ext,
@@ -204,8 +202,8 @@ fn demand(catalog: &Catalog, items: &[Item]) -> Vec<(usize, Endpoint, u64)> {
         .iter()
         .map(|item| {
             let need = &catalog.needs[item.need];
-            let spec = &catalog.tensors[need.tensor];
-            (item.set, need.receiver, item.bx.volume(spec.shape.len()) * u64::from(spec.elem_size))
+            let (n, elem) = catalog.layout[need.tensor];
+            (item.set, need.receiver, item.bx.volume(n) * elem)
         })
         .collect();
     demand.sort_unstable_by_key(|&(set, receiver, _)| (set, receiver));
