@@ -171,8 +171,16 @@ fn interleaved_destinations_that_do_not_overlap_are_planned() {
     let p = plan(&[t.clone()]).unwrap();
     assert_eq!(p.stats().needed_bytes, 128);
     assert_eq!(p.stats().ranges_coalesced, 1, "{:?}", p.routes());
-    // Shifting the second half left by one element makes the halves collide.
+    // Shifting the second half left by one element makes the halves collide (another frame, so
+    // the planner expands both into runs to find it).
     t.needs[1].addr -= 4;
+    fails(&[t.clone()], Status::Overlap, &["'w'"]);
+    // The same frame with intersecting boxes is settled by box arithmetic.
+    t.needs[1] = need(0, 1, 0x8008, &[0, 2], &[4, 4], &[8, 1]);
+    fails(&[t.clone()], Status::Overlap, &["offset [0, 0]", "offset [0, 2]"]);
+    // A frame whose rows are too short for the boxes it holds aliases (row stride 6 < 8 columns).
+    t.needs =
+        vec![need(0, 1, 0x8000, &[0, 0], &[4, 4], &[6, 1]), need(0, 1, 0x8010, &[0, 4], &[4, 4], &[6, 1])];
     fails(&[t], Status::Overlap, &["'w'"]);
 }
 
@@ -240,10 +248,14 @@ fn limits_turn_pathological_tables_into_statuses() {
     let tight = Limits { max_segments: 1, ..Limits::default() };
     let err = build_with_limits(std::slice::from_ref(&t), &options, &tight).unwrap_err();
     assert_eq!(err.status, Status::OutOfMemory);
-    // Interleaved destinations need their runs expanded; too many is UNSUPPORTED, not a hang.
+    // Interleaved destinations of different frames need their runs expanded; too many is
+    // UNSUPPORTED, not a hang. (w's left half and all of v, 4 columns each, in rows of 8.)
     let mut halves = simple();
+    halves.tensors.push(spec("v", 4, &[4, 4]));
+    halves.offers.push(offer(1, 0, 0x3000, &[0, 0], &[4, 4]));
     halves.needs =
-        vec![need(0, 1, 0x8000, &[0, 0], &[4, 4], &[8, 1]), need(0, 1, 0x8010, &[0, 4], &[4, 4], &[8, 1])];
+        vec![need(0, 1, 0x8000, &[0, 0], &[4, 4], &[8, 1]), need(1, 1, 0x8010, &[0, 0], &[4, 4], &[8, 1])];
+    assert!(build_with_limits(std::slice::from_ref(&halves), &options, &Limits::default()).is_ok());
     let tight = Limits { max_overlap_runs: 3, ..Limits::default() };
     assert_eq!(build_with_limits(&[halves], &options, &tight).unwrap_err().status, Status::Unsupported);
     // Overlapping offers split into too many pieces.
