@@ -101,7 +101,9 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
         let first = group[i];
         // The longest chain over a few candidate steps; ties go to the earliest candidate.
         let mut best: Option<(u64, u64, usize)> = None;
-        let candidates = (i + 1..group.len()).filter(|&j| !used[j]).take(CANDIDATES);
+        // Scan a bounded window, so that long runs of already-joined members cannot make this quadratic.
+        let window = (i + 1..group.len()).take(4 * CANDIDATES);
+        let candidates = window.filter(|&j| !used[j]).take(CANDIDATES);
         for j in candidates {
             let second = group[j];
             if second.src < first.src {
