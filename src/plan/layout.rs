@@ -81,7 +81,7 @@ impl Shape {
     pub fn emit(&self, src: u64, dst: u64, out: &mut Vec<Segment>, budget: &mut u64) -> Result<()> {
         let wanted = self.segments();
         if wanted > *budget {
-            bail!(Status::OutOfMemory, "the plan would need more than its limit of segments");
+            bail!(Status::OutOfMemory, "the plan would need more segments than its limit");
         }
         *budget -= wanted;
         let inner = |k: usize| self.levels.get(k).filter(|_| k < self.nlevels).copied();

@@ -8,7 +8,8 @@ use super::owners::{self, Owners};
 use super::stats::PlanStats;
 use super::table::{Endpoint, Table};
 use super::{coalesce, coverage, OwnerPolicy, Plan, PlanOptions, Route};
-use crate::error::Result;
+use crate::bail;
+use crate::error::{Result, Status};
 use crate::segment::Segment;
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -17,7 +18,7 @@ use std::time::Instant;
 /// with OUT_OF_MEMORY (segments) or UNSUPPORTED (the others), never by exhausting the machine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// Most segments a plan may hold before coalescing.
+    /// Most segments a plan may hold before coalescing (also bounds the intersections kept).
     pub max_segments: u64,
     /// Most disjoint pieces overlapping offers may be cut into.
     pub max_pieces: usize,
@@ -27,7 +28,9 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Limits {
-        Limits { max_segments: 1 << 26, max_pieces: 1 << 24, max_overlap_runs: 1 << 26 }
+        // About 1 GB of segments, 150 MB of pieces, 350 MB of runs at most: far beyond real models
+        // (a Qwen3-30B-A3B refit has some 40,000 segments before coalescing and 22,000 pieces).
+        Limits { max_segments: 1 << 24, max_pieces: 1 << 20, max_overlap_runs: 1 << 23 }
     }
 }
 
@@ -85,6 +88,10 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
                 covered += bx.volume(n);
                 items.push(Item { need: i, set: piece.set, bx });
             }
+        }
+        // Every item becomes at least one segment: stop before holding more than the limit.
+        if items.len() as u64 > limits.max_segments {
+            bail!(Status::OutOfMemory, "the plan would need more than {} segments", limits.max_segments);
         }
         if covered != volume {
             return Err(coverage::gap_error(&catalog, need, pieces));
