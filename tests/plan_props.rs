@@ -165,6 +165,9 @@ struct Case {
     needed_bytes: u64,
 }
 
+/// A need not yet placed: offset, extent, permutation, destination strides, bytes spanned.
+type Pending = (Vec<u64>, Vec<u64>, Vec<u32>, Vec<u64>, u64);
+
 fn endpoint(rng: &mut Rng) -> Endpoint {
     Endpoint { rank: rng.below(3) as u32, device: rng.below(2) as u32 }
 }
@@ -225,10 +228,23 @@ fn random_case(seed: u64) -> Case {
                 continue;
             }
             let n = spec.shape.len();
-            let fused = rng.chance(50);
-            let mut pending: Vec<(Vec<u64>, Vec<u64>, Vec<u32>, Vec<u64>, u64)> = vec![];
+            // Three ways to lay destinations out: each box in its own allocation, boxes back to back
+            // in one fused buffer, or every box at its place in one buffer holding the whole tensor
+            // (so the boxes' bytes interleave).
+            let mode = rng.below(3);
+            let mut pending: Vec<Pending> = vec![];
+            let mut whole_perm: Vec<u32> = (0..n as u32).collect();
+            if rng.chance(30) {
+                rng.shuffle(&mut whole_perm);
+            }
+            let whole_shape: Vec<u64> = whole_perm.iter().map(|&p| spec.shape[p as usize]).collect();
+            let whole_strides = strides(&mut rng, &whole_shape, false);
             for (lo, ext) in grid(&mut rng, &spec.shape, 2) {
                 if rng.chance(20) {
+                    continue;
+                }
+                if mode == 2 {
+                    pending.push((lo, ext, whole_perm.clone(), whole_strides.clone(), 0));
                     continue;
                 }
                 let mut perm: Vec<u32> = (0..n as u32).collect();
@@ -240,17 +256,25 @@ fn random_case(seed: u64) -> Case {
                 let bytes = span(&dest_ext, &st) * spec.elem;
                 pending.push((lo, ext, perm, st, bytes));
             }
-            // A fused buffer holds the boxes back to back; otherwise each gets its own allocation.
             let total: u64 = pending.iter().map(|p| p.4).sum();
-            let mut next = if fused { Some(poisoned.alloc(receiver, total, POISON)) } else { None };
+            let mut next = match mode {
+                1 => Some(poisoned.alloc(receiver, total, POISON)),
+                _ => None,
+            };
+            let whole_base = (mode == 2)
+                .then(|| poisoned.alloc(receiver, span(&whole_shape, &whole_strides) * spec.elem, POISON));
             for (lo, ext, perm, st, bytes) in pending {
-                let addr = match next.as_mut() {
-                    Some(a) => {
+                let addr = match (next.as_mut(), whole_base) {
+                    (Some(a), _) => {
                         let at = *a;
                         *a += bytes;
                         at
                     }
-                    None => poisoned.alloc(receiver, bytes, POISON),
+                    (None, Some(base)) => {
+                        base + spec.elem
+                            * perm.iter().enumerate().map(|(d, &p)| lo[p as usize] * st[d]).sum::<u64>()
+                    }
+                    (None, None) => poisoned.alloc(receiver, bytes, POISON),
                 };
                 expected.0.entry(receiver).or_default().resize(poisoned.0[&receiver].len(), POISON);
                 for x in elements(&lo, &ext) {
@@ -367,7 +391,7 @@ fn shuffled(tables: &[Table], rng: &mut Rng) -> Vec<Table> {
 fn random_tables_match_the_per_element_reference() {
     let policies = [OwnerPolicy::First, OwnerPolicy::Local, OwnerPolicy::Balanced];
     let mut planned = 0;
-    for seed in 0..400u64 {
+    for seed in 0..1000u64 {
         let case = random_case(seed);
         let mut rng = Rng(seed + 77);
         let mut by_policy = vec![];
@@ -407,7 +431,7 @@ fn random_tables_match_the_per_element_reference() {
             "seed {seed}"
         );
     }
-    assert_eq!(planned, 400 * 6);
+    assert_eq!(planned, 1000 * 6);
 }
 
 #[test]

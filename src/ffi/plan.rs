@@ -140,7 +140,8 @@ pub unsafe extern "C" fn refit_table_destroy(table: *mut refit_table) {
 /// element, and its global `shape` of `ndim` dimensions. Writes its index in this table to `*index`.
 /// Adding a name again returns the same index when the description agrees.
 ///
-/// Errors: NULL_ARGUMENT (table, name, index; shape when ndim > 0), INVALID_ARGUMENT (empty or
+/// Not thread-safe for the same table. Errors: NULL_ARGUMENT (table, name, index; shape when
+/// ndim > 0), INVALID_ARGUMENT (empty or
 /// non-UTF-8 name, elem_size 0, ndim > REFIT_MAX_DIMS, size over 2^64 bytes), TENSOR_MISMATCH (the
 /// name was added with another dtype, element size or shape; the message names both).
 ///
@@ -172,9 +173,10 @@ pub unsafe extern "C" fn refit_table_add_tensor(
 /// `addr`, laid out with element `strides` (NULL: row-major over `extent`), with an optional
 /// `digest` of its bytes (NULL: none). Offers of the same box are replicas.
 ///
-/// Errors: NULL_ARGUMENT (table; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown tensor
-/// index, ndim differing from the tensor's, addresses past 2^64), TENSOR_MISMATCH (box outside the
-/// tensor).
+/// Not thread-safe for the same table. Errors: NULL_ARGUMENT (table; offset/extent when ndim > 0),
+/// INVALID_ARGUMENT (unknown tensor index, ndim above REFIT_MAX_DIMS, addresses past 2^64),
+/// TENSOR_MISMATCH (ndim differing from the tensor's, box outside
+/// the tensor).
 ///
 /// # Safety
 /// `table` is a live table; non-NULL arrays hold `ndim` values; `digest` is NULL or readable.
@@ -207,9 +209,10 @@ pub unsafe extern "C" fn refit_table_add_offer(
 /// (`perm` NULL: the identity), so a transposed destination is a permutation. Several needs may
 /// write disjoint parts of one buffer (fused parameters).
 ///
-/// Errors: NULL_ARGUMENT (table, strides; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown
-/// tensor index, ndim differing from the tensor's, perm not a permutation, addresses past 2^64),
-/// TENSOR_MISMATCH (box outside the tensor).
+/// Not thread-safe for the same table. Errors: NULL_ARGUMENT (table, strides; offset/extent when
+/// ndim > 0), INVALID_ARGUMENT (unknown tensor index, ndim above REFIT_MAX_DIMS, perm not a
+/// permutation, addresses past 2^64), TENSOR_MISMATCH (ndim differing from the tensor's, box outside
+/// the tensor). Overlapping destinations are found when the plan is built.
 ///
 /// # Safety
 /// `table` is a live table; non-NULL arrays hold `ndim` values.

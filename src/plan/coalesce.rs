@@ -10,14 +10,14 @@ use crate::segment::Segment;
 /// of each expert alternate), so the immediate neighbour is not always the right partner.
 const CANDIDATES: usize = 16;
 
-/// Coalesces `segments` in place. The result is sorted by destination.
+/// Coalesces `segments` in place, in no particular order.
 pub(crate) fn coalesce(segments: &mut Vec<Segment>) {
     segments.retain(|s| s.runs() > 0);
     join_adjacent_runs(segments);
     // Twice: the first pass turns runs into one-level segments that the second can stack again.
-    join_progressions(segments);
-    join_progressions(segments);
-    segments.sort_unstable_by_key(|s| (s.dst, s.src));
+    if join_progressions(segments) {
+        join_progressions(segments);
+    }
 }
 
 fn is_run(s: &Segment) -> bool {
@@ -41,30 +41,53 @@ fn join_adjacent_runs(segments: &mut Vec<Segment>) {
     *segments = out;
 }
 
-/// The shape of a segment: everything but its base addresses.
-fn shape_key(s: &Segment) -> (u64, [u64; 2], [u64; 2], [u64; 2]) {
-    (s.len, s.count, s.src_stride, s.dst_stride)
+fn same_shape(a: &Segment, b: &Segment) -> bool {
+    a.len == b.len && a.count == b.count && a.src_stride == b.src_stride && a.dst_stride == b.dst_stride
+}
+
+/// Orders by shape (everything but the base addresses), then destination, then source.
+fn by_shape_then_dst(a: &Segment, b: &Segment) -> std::cmp::Ordering {
+    a.len
+        .cmp(&b.len)
+        .then(a.count.cmp(&b.count))
+        .then(a.src_stride.cmp(&b.src_stride))
+        .then(a.dst_stride.cmp(&b.dst_stride))
+        .then(a.dst.cmp(&b.dst))
+        .then(a.src.cmp(&b.src))
 }
 
 /// Joins segments of one shape whose bases advance by a constant (source, destination) step into
-/// one segment with one more level. Only segments with a free outer level take part.
-fn join_progressions(segments: &mut Vec<Segment>) {
-    segments.sort_unstable_by_key(|s| (shape_key(s), s.dst, s.src));
-    let mut out = Vec::with_capacity(segments.len());
+/// one segment with one more level. Only segments with a free outer level take part. Returns
+/// whether anything was joined.
+fn join_progressions(segments: &mut Vec<Segment>) -> bool {
+    // Segments with both levels in use cannot stack further: keep them out of the sort.
+    let mut out: Vec<Segment> = Vec::with_capacity(segments.len());
+    segments.retain(|s| {
+        let free = s.count[1] == 1;
+        if !free {
+            out.push(*s);
+        }
+        free
+    });
+    segments.sort_unstable_by(by_shape_then_dst);
+    let before = segments.len() + out.len();
     let mut start = 0;
     while start < segments.len() {
-        let key = shape_key(&segments[start]);
         let end = start
-            + segments[start..].iter().position(|s| shape_key(s) != key).unwrap_or(segments.len() - start);
+            + segments[start..]
+                .iter()
+                .position(|s| !same_shape(s, &segments[start]))
+                .unwrap_or(segments.len() - start);
         let group = &segments[start..end];
-        if group.len() == 1 || group[0].count[1] != 1 {
-            out.extend_from_slice(group);
+        if group.len() == 1 {
+            out.push(group[0]);
         } else {
             join_group(group, &mut out);
         }
         start = end;
     }
     *segments = out;
+    segments.len() < before
 }
 
 /// `group`: segments of one shape with `count[1] == 1`, sorted by destination.
@@ -78,29 +101,32 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
         let first = group[i];
         // The longest chain over a few candidate steps; ties go to the earliest candidate.
         let mut best: Option<(u64, u64, usize)> = None;
-        let candidates = (i + 1..group.len()).filter(|&j| !used[j]).take(CANDIDATES);
+        // Scan a bounded window, so that long runs of already-joined members cannot make this quadratic.
+        let window = (i + 1..group.len()).take(4 * CANDIDATES);
+        let candidates = window.filter(|&j| !used[j]).take(CANDIDATES);
         for j in candidates {
             let second = group[j];
             if second.src < first.src {
                 continue;
             }
             let (step_src, step_dst) = (second.src - first.src, second.dst - first.dst);
-            let mut length = 1;
-            let (mut src, mut dst) = (first.src, first.dst);
-            loop {
-                let (Some(next_src), Some(next_dst)) = (src.checked_add(step_src), dst.checked_add(step_dst))
-                else {
-                    break;
-                };
-                match find(next_dst) {
-                    Some(k) if !used[k] && group[k].src == next_src => {
-                        length += 1;
-                        (src, dst) = (next_src, next_dst);
-                    }
-                    _ => break,
-                }
+            // Member k of the chain, if it is there and free.
+            let member = |k: u64| -> Option<usize> {
+                let src = first.src.checked_add(step_src.checked_mul(k)?)?;
+                let at = find(first.dst.checked_add(step_dst.checked_mul(k)?)?)?;
+                (!used[at] && group[at].src == src).then_some(at)
+            };
+            // A chain beats the best only if it reaches one member further: test that member first,
+            // so that most candidates cost one lookup.
+            let best_length = best.map_or(1, |(_, _, l)| l);
+            if member(best_length as u64).is_none() {
+                continue;
             }
-            if length > 1 && best.is_none_or(|(_, _, l)| length > l) {
+            let mut length = 2;
+            while member(length as u64).is_some() {
+                length += 1;
+            }
+            if length > best_length {
                 best = Some((step_src, step_dst, length));
             }
         }

@@ -5,6 +5,7 @@ use super::boxes::Boxed;
 use super::layout::Shape;
 use super::merge::{byte_span, CanonNeed, Catalog};
 use super::owners::Piece;
+use super::table::Endpoint;
 use crate::bail;
 use crate::error::{Error, Result, Status};
 
@@ -40,9 +41,10 @@ pub(crate) fn gap_error(catalog: &Catalog, need: &CanonNeed, pieces: &[Piece]) -
     )
 }
 
-/// A byte range `[start, end)` written by need `need`.
+/// A byte range `[start, end)` of `receiver` written by need `need`.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Written {
+    receiver: Endpoint,
     start: u64,
     end: u64,
     need: usize,
@@ -53,45 +55,38 @@ struct Written {
 /// their contiguous runs, at most `max_runs` in all (beyond that, UNSUPPORTED).
 pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()> {
     let mut spans: Vec<Written> = Vec::with_capacity(catalog.needs.len());
-    let mut suspects: Vec<usize> = Vec::new();
     for (i, need) in catalog.needs.iter().enumerate() {
-        let spec = &catalog.tensors[need.tensor];
-        let n = spec.shape.len();
-        let span =
-            byte_span(n, &need.ext, &need.strides, spec.elem_size.into()).expect("checked when merged");
-        if span == 0 {
-            continue;
-        }
-        spans.push(Written { start: need.addr, end: need.addr + span, need: i });
-        if !strides_nest(n, &need.ext, &need.strides) {
-            suspects.push(i);
+        let (n, elem) = catalog.layout[need.tensor];
+        let span = byte_span(n, &need.ext, &need.strides, elem).expect("checked when merged");
+        if span > 0 {
+            spans.push(Written { receiver: need.receiver, start: need.addr, end: need.addr + span, need: i });
         }
     }
-    // Needs of one receiver are consecutive in the catalog; sort spans by (receiver, start).
-    spans.sort_unstable_by_key(|w| (catalog.needs[w.need].receiver, w.start, w.need));
-    let mut cluster_end = 0;
-    for k in 0..spans.len() {
-        let same_receiver =
-            k > 0 && catalog.needs[spans[k - 1].need].receiver == catalog.needs[spans[k].need].receiver;
-        if same_receiver && spans[k].start < cluster_end {
-            suspects.push(spans[k - 1].need);
-            suspects.push(spans[k].need);
-            cluster_end = cluster_end.max(spans[k].end);
-        } else {
-            cluster_end = spans[k].end;
+    spans.sort_unstable();
+    // Clusters: spans of one receiver whose byte ranges chain into each other. Disjoint clusters
+    // cannot share a byte; inside a cluster, box arithmetic settles the usual cases and the rest
+    // are expanded into runs.
+    let mut expand: Vec<usize> = Vec::new();
+    let mut k = 0;
+    while k < spans.len() {
+        let (mut j, mut end) = (k + 1, spans[k].end);
+        while j < spans.len() && spans[j].receiver == spans[k].receiver && spans[j].start < end {
+            end = end.max(spans[j].end);
+            j += 1;
         }
+        if !cluster_disjoint(catalog, &spans[k..j])? {
+            expand.extend(spans[k..j].iter().map(|w| w.need));
+        }
+        k = j;
     }
-    if suspects.is_empty() {
+    if expand.is_empty() {
         return Ok(());
     }
-    suspects.sort_unstable();
-    suspects.dedup();
     let mut written = Vec::new();
     let mut budget = max_runs;
-    for &i in &suspects {
+    for &i in &expand {
         let need = &catalog.needs[i];
-        let spec = &catalog.tensors[need.tensor];
-        let (n, elem) = (spec.shape.len(), u64::from(spec.elem_size));
+        let (n, elem) = catalog.layout[need.tensor];
         let bytes: [u64; super::MAX_DIMS] = std::array::from_fn(|d| need.strides[d].saturating_mul(elem));
         let shape = Shape::of(n, &need.ext, &bytes, &bytes, elem);
         let mut segments = Vec::new();
@@ -100,44 +95,104 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
             bail!(
                 Status::Unsupported,
                 "cannot verify that the destinations of tensor '{}' do not overlap: too many runs",
-                spec.name
+                catalog.tensors[need.tensor].name
             );
         }
         budget -= runs;
         shape.emit(0, need.addr, &mut segments, &mut u64::MAX.clone())?;
         for s in &segments {
-            s.for_each_run(|_, dst, len| written.push(Written { start: dst, end: dst + len, need: i }));
+            s.for_each_run(|_, dst, len| {
+                written.push(Written { receiver: need.receiver, start: dst, end: dst + len, need: i })
+            });
         }
     }
-    written.sort_unstable_by_key(|w| (catalog.needs[w.need].receiver, w.start, w.end, w.need));
+    written.sort_unstable();
     for pair in written.windows(2) {
         let (a, b) = (&pair[0], &pair[1]);
-        let (na, nb) = (&catalog.needs[a.need], &catalog.needs[b.need]);
-        if na.receiver == nb.receiver && b.start < a.end {
-            bail!(
-                Status::Overlap,
-                "rank {} device {}: destination bytes {:#x}..{:#x} are written by tensor '{}' offset {:?} and by tensor '{}' offset {:?}",
-                na.receiver.rank,
-                na.receiver.device,
-                b.start,
-                a.end.min(b.end),
-                catalog.tensors[na.tensor].name,
-                &na.lo[..catalog.tensors[na.tensor].shape.len()],
-                catalog.tensors[nb.tensor].name,
-                &nb.lo[..catalog.tensors[nb.tensor].shape.len()]
-            );
+        if a.receiver == b.receiver && b.start < a.end {
+            return Err(overlap_error(catalog, a.need, b.need, b.start, a.end.min(b.end)));
         }
     }
     Ok(())
 }
 
+/// Most needs in one cluster compared pairwise by their boxes; larger clusters are expanded.
+const MAX_PAIRWISE: usize = 2048;
+
+/// Settles a cluster by box arithmetic when every member addresses one frame: the same element
+/// size, rank, element strides and origin (the address of index 0), with strides that keep
+/// distinct indices of the members' bounding box at distinct addresses. Then two members share a
+/// byte exactly when their boxes intersect (OVERLAP). Returns false when it cannot tell.
+fn cluster_disjoint(catalog: &Catalog, cluster: &[Written]) -> Result<bool> {
+    let first = &catalog.needs[cluster[0].need];
+    let (n, elem) = catalog.layout[first.tensor];
+    if cluster.len() > MAX_PAIRWISE {
+        return Ok(false);
+    }
+    let origin = |need: &super::merge::CanonNeed| -> i128 {
+        let index: i128 = (0..n).map(|d| i128::from(need.lo[d]) * i128::from(need.strides[d])).sum();
+        i128::from(need.addr) - index * i128::from(elem)
+    };
+    let frame = origin(first);
+    let (mut lo, mut hi) = ([u64::MAX; super::MAX_DIMS], [0u64; super::MAX_DIMS]);
+    for w in cluster {
+        let need = &catalog.needs[w.need];
+        if catalog.layout[need.tensor] != (n, elem)
+            || need.strides[..n] != first.strides[..n]
+            || origin(need) != frame
+        {
+            return Ok(false);
+        }
+        for d in 0..n {
+            lo[d] = lo[d].min(need.lo[d]);
+            hi[d] = hi[d].max(need.lo[d] + need.ext[d]);
+        }
+    }
+    let bounding: super::merge::Dims = std::array::from_fn(|d| if d < n { hi[d] - lo[d] } else { 0 });
+    if !strides_nest(n, &bounding, &first.strides) {
+        return Ok(false);
+    }
+    for (x, a) in cluster.iter().enumerate() {
+        let na = &catalog.needs[a.need];
+        for b in &cluster[x + 1..] {
+            let nb = &catalog.needs[b.need];
+            if Boxed::new(na.lo, na.ext).intersect(&Boxed::new(nb.lo, nb.ext), n).is_some() {
+                return Err(overlap_error(catalog, a.need, b.need, a.start.max(b.start), a.end.min(b.end)));
+            }
+        }
+    }
+    Ok(true)
+}
+
+fn overlap_error(catalog: &Catalog, a: usize, b: usize, start: u64, end: u64) -> Error {
+    let (na, nb) = (&catalog.needs[a], &catalog.needs[b]);
+    let (ta, tb) = (catalog.tensors[na.tensor], catalog.tensors[nb.tensor]);
+    Error::new(
+        Status::Overlap,
+        format!(
+            "rank {} device {}: destination bytes in {start:#x}..{end:#x} are written by tensor '{}' offset {:?} and by tensor '{}' offset {:?}",
+            na.receiver.rank,
+            na.receiver.device,
+            ta.name,
+            &na.lo[..ta.shape.len()],
+            tb.name,
+            &nb.lo[..tb.shape.len()]
+        ),
+    )
+}
+
 /// True when the strides prove that distinct elements land at distinct addresses: ordered by
 /// stride, each stride exceeds the furthest offset reachable with the smaller ones.
 fn strides_nest(n: usize, ext: &super::merge::Dims, strides: &super::merge::Dims) -> bool {
-    let mut dims: Vec<usize> = (0..n).filter(|&d| ext[d] > 1).collect();
-    dims.sort_unstable_by_key(|&d| strides[d]);
+    let mut dims = [0usize; super::MAX_DIMS];
+    let mut count = 0;
+    for d in (0..n).filter(|&d| ext[d] > 1) {
+        dims[count] = d;
+        count += 1;
+    }
+    dims[..count].sort_unstable_by_key(|&d| strides[d]);
     let mut reach = 0u64;
-    for d in dims {
+    for &d in &dims[..count] {
         if strides[d] <= reach {
             return false;
         }

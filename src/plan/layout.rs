@@ -23,6 +23,22 @@ pub(crate) struct Shape {
     nlevels: usize,
 }
 
+/// A pair (a, b) of levels where b repeats a's whole span on both sides, so that b folds into a.
+fn foldable(levels: &[Level]) -> Option<(usize, usize)> {
+    for (a, l) in levels.iter().enumerate() {
+        let (Some(span_src), Some(span_dst)) = (l.src.checked_mul(l.count), l.dst.checked_mul(l.count))
+        else {
+            continue;
+        };
+        if let Some(b) =
+            (0..levels.len()).find(|&b| b != a && levels[b].src == span_src && levels[b].dst == span_dst)
+        {
+            return Some((a, b));
+        }
+    }
+    None
+}
+
 impl Shape {
     /// Reduces a box of `ext` elements of `elem` bytes with byte strides `src` and `dst` (dimensions
     /// `< n`). The box must not be empty.
@@ -42,23 +58,10 @@ impl Shape {
             levels.copy_within(i + 1..nlevels, i);
             nlevels -= 1;
         }
-        // Fold level b into level a when b repeats a's whole span on both sides.
-        'fold: loop {
-            for a in 0..nlevels {
-                let (ca, sa, da) = (levels[a].count, levels[a].src, levels[a].dst);
-                let (Some(span_src), Some(span_dst)) = (sa.checked_mul(ca), da.checked_mul(ca)) else {
-                    continue;
-                };
-                if let Some(b) =
-                    (0..nlevels).find(|&b| b != a && levels[b].src == span_src && levels[b].dst == span_dst)
-                {
-                    levels[a].count = ca * levels[b].count;
-                    levels.copy_within(b + 1..nlevels, b);
-                    nlevels -= 1;
-                    continue 'fold;
-                }
-            }
-            break;
+        while let Some((a, b)) = foldable(&levels[..nlevels]) {
+            levels[a].count *= levels[b].count;
+            levels.copy_within(b + 1..nlevels, b);
+            nlevels -= 1;
         }
         levels[..nlevels].sort_unstable();
         Shape { len, levels, nlevels }
@@ -78,7 +81,7 @@ impl Shape {
     pub fn emit(&self, src: u64, dst: u64, out: &mut Vec<Segment>, budget: &mut u64) -> Result<()> {
         let wanted = self.segments();
         if wanted > *budget {
-            bail!(Status::OutOfMemory, "the plan would need more than its limit of segments");
+            bail!(Status::OutOfMemory, "the plan would need more segments than its limit");
         }
         *budget -= wanted;
         let inner = |k: usize| self.levels.get(k).filter(|_| k < self.nlevels).copied();

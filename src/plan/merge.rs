@@ -1,17 +1,18 @@
-//! Merging every rank's table into one canonical catalog: tensors by name, offers and needs resolved
+//! Merging every rank's table into one canonical catalog: tensors by name (hash, then name), offers and needs resolved
 //! to tensor dimensions, validated, and sorted by canonical keys so that the order in which tables or
 //! their entries arrive never changes the plan.
 
 use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
+use std::hash::{BuildHasherDefault, Hasher};
 
 /// Per-dimension values of one box or layout; entries past the tensor's rank are zero.
 pub(crate) type Dims = [u64; MAX_DIMS];
 
 /// An offer resolved against the merged tensor list: strides explicit, in elements.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct CanonOffer {
     pub tensor: usize,
     pub lo: Dims,
@@ -23,7 +24,7 @@ pub(crate) struct CanonOffer {
 }
 
 /// A need resolved against the merged tensor list: destination strides indexed by tensor dimension.
-#[derive(Clone, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct CanonNeed {
     pub receiver: Endpoint,
     pub tensor: usize,
@@ -33,69 +34,119 @@ pub(crate) struct CanonNeed {
     pub strides: Dims,
 }
 
-/// Every table merged: tensors sorted by name, offers sorted by (tensor, box, owner, ...), needs
+/// Every table merged: tensors sorted by (hash of the name, name), offers sorted by (tensor, box, owner, ...), needs
 /// sorted by (receiver, tensor, box, ...).
-pub(crate) struct Catalog {
-    pub tensors: Vec<TensorSpec>,
+pub(crate) struct Catalog<'a> {
+    pub tensors: Vec<&'a TensorSpec>,
+    /// (dimensions, element size) of each tensor: a dense copy of what hot loops read, so they do
+    /// not chase pointers into the callers' tables.
+    pub layout: Vec<(usize, u64)>,
     pub offers: Vec<CanonOffer>,
     /// `offers[offer_start[t]..offer_start[t + 1]]` are tensor `t`'s offers.
     pub offer_start: Vec<usize>,
     pub needs: Vec<CanonNeed>,
 }
 
-impl Catalog {
+impl Catalog<'_> {
     pub fn offers_of(&self, tensor: usize) -> &[CanonOffer] {
         &self.offers[self.offer_start[tensor]..self.offer_start[tensor + 1]]
     }
 }
 
-pub(crate) fn merge(tables: &[&Table]) -> Result<Catalog> {
-    // Tensors by name; the first description seen (in name order it does not matter which: all must agree).
-    let mut by_name: BTreeMap<&str, &TensorSpec> = BTreeMap::new();
+pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
+    // Distinct tensors in the order first seen, then ranked by name: the global index is the rank.
+    let entries: usize = tables.iter().map(|t| t.tensors.len()).sum();
+    let mut seen: HashMap<&str, usize, BuildHasherDefault<Fnv>> =
+        HashMap::with_capacity_and_hasher(entries, BuildHasherDefault::default());
+    let mut distinct: Vec<&'a TensorSpec> = Vec::new();
+    // What later descriptions are compared with, kept dense (reading the first description again
+    // would be a cache miss into another table per entry).
+    let mut described: Vec<(u32, u32, usize, Dims)> = Vec::new();
+    let describe = |spec: &TensorSpec| {
+        let mut shape = [0; MAX_DIMS];
+        shape[..spec.shape.len()].copy_from_slice(&spec.shape);
+        (spec.dtype, spec.elem_size, spec.shape.len(), shape)
+    };
+    let mut local_to_distinct: Vec<Vec<usize>> = Vec::with_capacity(tables.len());
     for (t, table) in tables.iter().enumerate() {
+        let mut map = Vec::with_capacity(table.tensors.len());
         for spec in &table.tensors {
             validate_spec(spec).map_err(|e| e.context(format!("table {t}")))?;
-            match by_name.get(spec.name.as_str()) {
-                None => {
-                    by_name.insert(&spec.name, spec);
+            let at = match seen.entry(&spec.name) {
+                std::collections::hash_map::Entry::Occupied(e) => {
+                    if described[*e.get()] != describe(spec) {
+                        check_same(distinct[*e.get()], spec)?;
+                    }
+                    *e.get()
                 }
-                Some(seen) => check_same(seen, spec)?,
-            }
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    distinct.push(spec);
+                    described.push(describe(spec));
+                    *e.insert(distinct.len() - 1)
+                }
+            };
+            map.push(at);
         }
+        local_to_distinct.push(map);
     }
-    let tensors: Vec<TensorSpec> = by_name.values().map(|s| (*s).clone()).collect();
-    let index: BTreeMap<&str, usize> =
-        tensors.iter().enumerate().map(|(i, s)| (s.name.as_str(), i)).collect();
+    // Ordered by a hash of the name, then the name: a content-only order (the same in every
+    // process) that rarely needs to compare the long shared prefixes of parameter names.
+    let keyed: Vec<u64> = distinct.iter().map(|s| name_hash(&s.name)).collect();
+    let mut by_name: Vec<usize> = (0..distinct.len()).collect();
+    by_name.sort_unstable_by(|&a, &b| {
+        keyed[a].cmp(&keyed[b]).then_with(|| distinct[a].name.cmp(&distinct[b].name))
+    });
+    let mut global = vec![0; distinct.len()];
+    for (g, &d) in by_name.iter().enumerate() {
+        global[d] = g;
+    }
+    let tensors: Vec<&'a TensorSpec> = by_name.iter().map(|&d| distinct[d]).collect();
 
-    let mut offers = Vec::new();
-    let mut needs = Vec::new();
+    // Resolve every entry in input order (the order its memory was written in, so reading the
+    // entries' vectors stays cache-friendly), then put the dense results in canonical order.
+    let mut offers = Vec::with_capacity(tables.iter().map(|t| t.offers.len()).sum());
+    let mut needs = Vec::with_capacity(tables.iter().map(|t| t.needs.len()).sum());
     for (t, table) in tables.iter().enumerate() {
         let global = |local: u32, what: &str, i: usize| -> Result<usize> {
-            let spec = table.tensors.get(local as usize).ok_or_else(|| {
+            let d = local_to_distinct[t].get(local as usize).ok_or_else(|| {
                 Error::invalid_argument(format!(
                     "table {t} {what} {i} names tensor index {local} but the table has {} tensors",
                     table.tensors.len()
                 ))
             })?;
-            Ok(index[spec.name.as_str()])
+            Ok(global[*d])
         };
         for (i, offer) in table.offers.iter().enumerate() {
             let tensor = global(offer.tensor, "offer", i)?;
             offers.push(
-                canon_offer(&tensors[tensor], tensor, offer)
+                canon_offer(tensors[tensor], tensor, offer)
                     .map_err(|e| e.context(format!("table {t} offer {i}")))?,
             );
         }
         for (i, need) in table.needs.iter().enumerate() {
             let tensor = global(need.tensor, "need", i)?;
             needs.push(
-                canon_need(&tensors[tensor], tensor, need)
+                canon_need(tensors[tensor], tensor, need)
                     .map_err(|e| e.context(format!("table {t} need {i}")))?,
             );
         }
     }
-    offers.sort_unstable();
-    needs.sort_unstable();
+    if offers.len() > u32::MAX as usize || needs.len() > u32::MAX as usize {
+        bail!(Status::Unsupported, "more than 2^32 offers or needs");
+    }
+    // Canonical order without comparing whole entries across tables: bucket by tensor (and
+    // receiver), then sort each small bucket fully.
+    let order =
+        bucket_order((0..offers.len() as u32).collect(), tensors.len(), |i| offers[i as usize].tensor);
+    let offers = sort_runs(order.iter().map(|&i| offers[i as usize]).collect(), |a, b| a.tensor == b.tensor);
+    let receivers: BTreeMap<Endpoint, usize> =
+        needs.iter().map(|n| (n.receiver, 0)).collect::<BTreeMap<_, _>>().into_keys().zip(0..).collect();
+    let receiver_of: Vec<usize> = needs.iter().map(|n| receivers[&n.receiver]).collect();
+    let order = bucket_order((0..needs.len() as u32).collect(), tensors.len(), |i| needs[i as usize].tensor);
+    let order = bucket_order(order, receivers.len(), |i| receiver_of[i as usize]);
+    let needs = sort_runs(order.iter().map(|&i| needs[i as usize]).collect(), |a, b| {
+        (a.receiver, a.tensor) == (b.receiver, b.tensor)
+    });
     let mut offer_start = vec![0; tensors.len() + 1];
     for offer in &offers {
         offer_start[offer.tensor + 1] += 1;
@@ -103,7 +154,65 @@ pub(crate) fn merge(tables: &[&Table]) -> Result<Catalog> {
     for t in 0..tensors.len() {
         offer_start[t + 1] += offer_start[t];
     }
-    Ok(Catalog { tensors, offers, offer_start, needs })
+    let layout = tensors.iter().map(|s| (s.shape.len(), u64::from(s.elem_size))).collect();
+    Ok(Catalog { tensors, layout, offers, offer_start, needs })
+}
+
+/// `order` (indices) stably sorted by `key` (below `buckets`): a counting sort.
+fn bucket_order(order: Vec<u32>, buckets: usize, key: impl Fn(u32) -> usize) -> Vec<u32> {
+    let mut start = vec![0usize; buckets + 1];
+    for &i in &order {
+        start[key(i) + 1] += 1;
+    }
+    for b in 0..buckets {
+        start[b + 1] += start[b];
+    }
+    let mut out = vec![0u32; order.len()];
+    for &i in &order {
+        let k = key(i);
+        out[start[k]] = i;
+        start[k] += 1;
+    }
+    out
+}
+
+/// Sorts each maximal run of neighbours that `same` groups together.
+fn sort_runs<T: Ord>(mut items: Vec<T>, same: impl Fn(&T, &T) -> bool) -> Vec<T> {
+    let mut start = 0;
+    while start < items.len() {
+        let mut end = start + 1;
+        while end < items.len() && same(&items[start], &items[end]) {
+            end += 1;
+        }
+        if end - start > 1 {
+            items[start..end].sort_unstable();
+        }
+        start = end;
+    }
+    items
+}
+
+fn name_hash(name: &str) -> u64 {
+    let mut h = Fnv::default();
+    h.write(name.as_bytes());
+    h.finish()
+}
+
+/// FNV-1a for the name index: fast on short keys, and deterministic (nothing depends on its order).
+#[derive(Default)]
+pub(crate) struct Fnv(u64);
+
+impl Hasher for Fnv {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        let mut h = if self.0 == 0 { 0xcbf2_9ce4_8422_2325 } else { self.0 };
+        for &b in bytes {
+            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
+        }
+        self.0 = h;
+    }
 }
 
 /// Checks a tensor description on its own: a name, a positive element size, at most MAX_DIMS

@@ -1,10 +1,11 @@
 //! Reshard planning: pure Rust, no CUDA. Merges every rank's shard table, keeps one owner per replica,
 //! intersects needs with offers, and emits the fewest, largest strided copies.
 //!
-//! Stages, one module each: [`merge`](self) (tables into a canonical, validated catalog), `owners`
-//! (replica sets, digests, disjoint pieces, owner policy), `coverage` (gaps and overlapping
-//! destinations), `layout` (a box into strided segments), `coalesce` (segments across boxes and
-//! tensors), `stats`, and [`wire`] (the binary table encoding).
+//! Stages, one module each, run in this order by `planner`: `merge` (tables into a canonical,
+//! validated catalog), `coverage` (destinations written twice; later, needed bytes nobody offers),
+//! `owners` (replica sets, digests, disjoint pieces of overlapping offers, owner policy), `boxes`
+//! (box arithmetic), `layout` (one box into strided segments), `coalesce` (segments across boxes and
+//! tensors), `stats`; and [`wire`], the binary encoding ranks exchange tables in.
 
 mod boxes;
 mod coalesce;

@@ -3,12 +3,16 @@
 //! into disjoint pieces, so that every byte is read from one replica set only.
 
 use super::boxes::Boxed;
+use super::merge::Fnv;
 use super::merge::{CanonOffer, Catalog};
 use super::table::Endpoint;
 use super::OwnerPolicy;
 use crate::bail;
 use crate::error::{Result, Status};
 use std::collections::HashMap;
+use std::hash::BuildHasherDefault;
+
+type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<Fnv>>;
 
 /// Offers `first..first + len` of the catalog, all with the same tensor and box.
 #[derive(Clone, Copy, Debug)]
@@ -65,8 +69,8 @@ pub(crate) fn replicas(catalog: &Catalog, max_pieces: usize) -> Result<Replicas>
         for s in tensor_sets.clone() {
             let offer = &catalog.offers[sets[s].first];
             let mut parts = vec![Boxed::new(offer.lo, offer.ext)];
-            for earlier in tensor_sets.start..s {
-                let e = &catalog.offers[sets[earlier].first];
+            for earlier in &sets[tensor_sets.start..s] {
+                let e = &catalog.offers[earlier.first];
                 let cut = Boxed::new(e.lo, e.ext);
                 if !parts.iter().any(|p| p.intersect(&cut, n).is_some()) {
                     continue;
@@ -125,7 +129,7 @@ pub(crate) fn distance(src: Endpoint, dst: Endpoint) -> u8 {
 
 /// Owner choices for every (replica set, receiver) pair that carries bytes.
 pub(crate) struct Owners {
-    chosen: HashMap<(usize, Endpoint), usize>,
+    chosen: FastMap<(usize, Endpoint), usize>,
     policy: OwnerPolicy,
 }
 
@@ -137,13 +141,13 @@ impl Owners {
         policy: OwnerPolicy,
         demand: &[(usize, Endpoint, u64)],
     ) -> Owners {
-        let mut chosen = HashMap::new();
+        let mut chosen = FastMap::default();
         if policy == OwnerPolicy::Balanced {
             // Largest demands first, each to the replica whose source has served the fewest bytes
             // so far; ties go to the closer, then lower, endpoint.
             let mut order: Vec<&(usize, Endpoint, u64)> = demand.iter().collect();
             order.sort_by_key(|&&(set, receiver, bytes)| (std::cmp::Reverse(bytes), set, receiver));
-            let mut load: HashMap<Endpoint, u64> = HashMap::new();
+            let mut load: FastMap<Endpoint, u64> = FastMap::default();
             for &(set, receiver, bytes) in order {
                 let replicas = &catalog.offers[sets[set].first..sets[set].first + sets[set].len];
                 let best = (0..replicas.len())
@@ -152,7 +156,8 @@ impl Owners {
                         (load.get(&owner).copied().unwrap_or(0), distance(owner, receiver), owner, i)
                     })
                     .expect("a replica set is never empty");
-                *load.entry(replicas[best].owner).or_insert(0) += bytes;
+                let served = load.entry(replicas[best].owner).or_insert(0);
+                *served = served.saturating_add(bytes);
                 chosen.insert((set, receiver), sets[set].first + best);
             }
         }

@@ -8,7 +8,8 @@ use super::owners::{self, Owners};
 use super::stats::PlanStats;
 use super::table::{Endpoint, Table};
 use super::{coalesce, coverage, OwnerPolicy, Plan, PlanOptions, Route};
-use crate::error::Result;
+use crate::bail;
+use crate::error::{Result, Status};
 use crate::segment::Segment;
 use std::collections::BTreeMap;
 use std::time::Instant;
@@ -17,7 +18,7 @@ use std::time::Instant;
 /// with OUT_OF_MEMORY (segments) or UNSUPPORTED (the others), never by exhausting the machine.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Limits {
-    /// Most segments a plan may hold before coalescing.
+    /// Most segments a plan may hold before coalescing (also bounds the intersections kept).
     pub max_segments: u64,
     /// Most disjoint pieces overlapping offers may be cut into.
     pub max_pieces: usize,
@@ -27,7 +28,9 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Limits {
-        Limits { max_segments: 1 << 26, max_pieces: 1 << 24, max_overlap_runs: 1 << 26 }
+        // About 1 GB of segments, 150 MB of pieces, 350 MB of runs at most: far beyond real models
+        // (a Qwen3-30B-A3B refit has some 40,000 segments before coalescing and 22,000 pieces).
+        Limits { max_segments: 1 << 24, max_pieces: 1 << 20, max_overlap_runs: 1 << 23 }
     }
 }
 
@@ -56,15 +59,17 @@ pub fn build_with_limits(tables: &[Table], options: &PlanOptions, limits: &Limit
 pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> Result<Plan> {
     let started = Instant::now();
     let catalog = merge(tables)?;
+    let merged = started.elapsed();
     coverage::check_destinations(&catalog, limits.max_overlap_runs)?;
+    let checked = started.elapsed();
     let replicas = owners::replicas(&catalog, limits.max_pieces)?;
+    let grouped = started.elapsed();
 
     // Intersect every need with the pieces of its tensor; count what reading every replica would cost.
     let mut items: Vec<Item> = Vec::new();
     let mut receivers: Vec<(Endpoint, PlanStats)> = Vec::new();
     for (i, need) in catalog.needs.iter().enumerate() {
-        let spec = &catalog.tensors[need.tensor];
-        let (n, elem) = (spec.shape.len(), u64::from(spec.elem_size));
+        let (n, elem) = catalog.layout[need.tensor];
         if receivers.last().is_none_or(|(e, _)| *e != need.receiver) {
             receivers.push((need.receiver, PlanStats::default()));
         }
@@ -75,7 +80,7 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
             continue;
         }
         let volume = wanted.volume(n);
-        stats.needed_bytes += volume * elem;
+        stats.needed_bytes = stats.needed_bytes.saturating_add(volume * elem);
         let pieces = replicas.pieces_of(need.tensor);
         let mut covered = 0;
         for piece in pieces {
@@ -84,6 +89,10 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
                 items.push(Item { need: i, set: piece.set, bx });
             }
         }
+        // Every item becomes at least one segment: stop before holding more than the limit.
+        if items.len() as u64 > limits.max_segments {
+            bail!(Status::OutOfMemory, "the plan would need more than {} segments", limits.max_segments);
+        }
         if covered != volume {
             return Err(coverage::gap_error(&catalog, need, pieces));
         }
@@ -91,13 +100,14 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
         for offer in catalog.offers_of(need.tensor) {
             if let Some(bx) = Boxed::new(offer.lo, offer.ext).intersect(&wanted, n) {
                 let shape = Shape::of(n, &bx.ext, &byte_strides(&offer.strides, elem), &dst_bytes, elem);
-                stats.ranges_all_replicas += shape.runs();
-                stats.bytes_all_replicas += bx.volume(n) * elem;
+                stats.ranges_all_replicas = stats.ranges_all_replicas.saturating_add(shape.runs());
+                stats.bytes_all_replicas = stats.bytes_all_replicas.saturating_add(bx.volume(n) * elem);
             }
         }
-        stats.duplicate_bytes_dropped = stats.bytes_all_replicas - stats.needed_bytes;
+        stats.duplicate_bytes_dropped = stats.bytes_all_replicas.saturating_sub(stats.needed_bytes);
     }
 
+    let intersected = started.elapsed();
     let demand = if options.policy == OwnerPolicy::Balanced { demand(&catalog, &items) } else { Vec::new() };
     let owners = Owners::choose(&catalog, &replicas.sets, options.policy, &demand);
 
@@ -114,8 +124,7 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
         let offer_index = owners.owner(&catalog, &replicas.sets, item.set, need.receiver);
         let offer = &catalog.offers[offer_index];
         kept.push((need.receiver, offer_index));
-        let spec = &catalog.tensors[need.tensor];
-        let (n, elem) = (spec.shape.len(), u64::from(spec.elem_size));
+        let (n, elem) = catalog.layout[need.tensor];
         let shape = Shape::of(
             n,
             &item.bx.ext,
@@ -124,13 +133,14 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
             elem,
         );
         let stats = &mut receivers[receiver].1;
-        stats.ranges_deduped += shape.runs();
-        stats.segments_deduped += shape.segments();
+        stats.ranges_deduped = stats.ranges_deduped.saturating_add(shape.runs());
+        stats.segments_deduped = stats.segments_deduped.saturating_add(shape.segments());
         let src = address(offer.addr, &item.bx.lo, &offer.lo, &offer.strides, n, elem);
         let dst = address(need.addr, &item.bx.lo, &need.lo, &need.strides, n, elem);
         shape.emit(src, dst, routes.entry((offer.owner, need.receiver)).or_default(), &mut budget)?;
     }
 
+    let laid_out = started.elapsed();
     let mut routes: Vec<Route> = routes
         .into_iter()
         .map(|((src, dst), mut segments)| {
@@ -143,16 +153,18 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
         .collect();
     routes.sort_by_key(|r| (r.dst, r.kind(), r.src));
 
+    let coalesced = started.elapsed();
     for route in &routes {
         let at =
             receivers.binary_search_by_key(&route.dst, |(e, _)| *e).expect("every route ends at a receiver");
         let stats = &mut receivers[at].1;
         stats.routes += 1;
-        let bytes: u64 = route.segments.iter().map(|s| s.bytes().unwrap_or(u64::MAX)).sum();
+        let bytes =
+            route.segments.iter().fold(0u64, |acc, s| acc.saturating_add(s.bytes().unwrap_or(u64::MAX)));
         match route.kind() {
-            super::RouteKind::Local => stats.bytes_local += bytes,
-            super::RouteKind::Peer => stats.bytes_peer += bytes,
-            super::RouteKind::Remote => stats.bytes_remote += bytes,
+            super::RouteKind::Local => stats.bytes_local = stats.bytes_local.saturating_add(bytes),
+            super::RouteKind::Peer => stats.bytes_peer = stats.bytes_peer.saturating_add(bytes),
+            super::RouteKind::Remote => stats.bytes_remote = stats.bytes_remote.saturating_add(bytes),
         }
         for s in &route.segments {
             stats.add_segment(s);
@@ -178,6 +190,11 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     total.offers_kept = offers_kept.len() as u64;
 
     let fingerprint = super::fingerprint_of(&routes);
+    log::debug!(
+        "plan built in {:?}: merge {merged:?}, destinations checked {checked:?}, replicas {grouped:?}, \
+         intersected {intersected:?}, laid out {laid_out:?}, coalesced {coalesced:?} (cumulative)",
+        started.elapsed()
+    );
     let build_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
     total.build_ns = build_ns;
     for (_, stats) in &mut receivers {
@@ -192,15 +209,15 @@ fn demand(catalog: &Catalog, items: &[Item]) -> Vec<(usize, Endpoint, u64)> {
         .iter()
         .map(|item| {
             let need = &catalog.needs[item.need];
-            let spec = &catalog.tensors[need.tensor];
-            (item.set, need.receiver, item.bx.volume(spec.shape.len()) * u64::from(spec.elem_size))
+            let (n, elem) = catalog.layout[need.tensor];
+            (item.set, need.receiver, item.bx.volume(n) * elem)
         })
         .collect();
     demand.sort_unstable_by_key(|&(set, receiver, _)| (set, receiver));
     demand.dedup_by(|later, earlier| {
         let same = (later.0, later.1) == (earlier.0, earlier.1);
         if same {
-            earlier.2 += later.2;
+            earlier.2 = earlier.2.saturating_add(later.2);
         }
         same
     });

@@ -86,27 +86,28 @@ impl PlanStats {
     pub(crate) fn add_segment(&mut self, s: &Segment) {
         let bytes = s.bytes().unwrap_or(u64::MAX);
         self.ranges_coalesced += 1;
-        self.flat_runs_coalesced += s.runs();
+        self.flat_runs_coalesced = self.flat_runs_coalesced.saturating_add(s.runs());
         self.size_histogram[Self::bucket(bytes)] += 1;
     }
 
     /// Adds the additive counts of `other` (everything but inputs and time).
     pub(crate) fn add(&mut self, other: &PlanStats) {
-        self.needs += other.needs;
-        self.needed_bytes += other.needed_bytes;
-        self.ranges_all_replicas += other.ranges_all_replicas;
-        self.bytes_all_replicas += other.bytes_all_replicas;
-        self.duplicate_bytes_dropped += other.duplicate_bytes_dropped;
-        self.ranges_deduped += other.ranges_deduped;
-        self.segments_deduped += other.segments_deduped;
-        self.ranges_coalesced += other.ranges_coalesced;
-        self.flat_runs_coalesced += other.flat_runs_coalesced;
-        self.bytes_local += other.bytes_local;
-        self.bytes_peer += other.bytes_peer;
-        self.bytes_remote += other.bytes_remote;
-        self.routes += other.routes;
+        self.needs = self.needs.saturating_add(other.needs);
+        self.needed_bytes = self.needed_bytes.saturating_add(other.needed_bytes);
+        self.ranges_all_replicas = self.ranges_all_replicas.saturating_add(other.ranges_all_replicas);
+        self.bytes_all_replicas = self.bytes_all_replicas.saturating_add(other.bytes_all_replicas);
+        self.duplicate_bytes_dropped =
+            self.duplicate_bytes_dropped.saturating_add(other.duplicate_bytes_dropped);
+        self.ranges_deduped = self.ranges_deduped.saturating_add(other.ranges_deduped);
+        self.segments_deduped = self.segments_deduped.saturating_add(other.segments_deduped);
+        self.ranges_coalesced = self.ranges_coalesced.saturating_add(other.ranges_coalesced);
+        self.flat_runs_coalesced = self.flat_runs_coalesced.saturating_add(other.flat_runs_coalesced);
+        self.bytes_local = self.bytes_local.saturating_add(other.bytes_local);
+        self.bytes_peer = self.bytes_peer.saturating_add(other.bytes_peer);
+        self.bytes_remote = self.bytes_remote.saturating_add(other.bytes_remote);
+        self.routes = self.routes.saturating_add(other.routes);
         for (a, b) in self.size_histogram.iter_mut().zip(&other.size_histogram) {
-            *a += b;
+            *a = a.saturating_add(*b);
         }
     }
 }
