@@ -14,8 +14,10 @@
 //! `refit_host_stream_create`); streams live in a process-wide registry, so one made for a test can be
 //! passed to any group that uses the host backend. Nothing here is needed on a machine with GPUs.
 
-use super::{copy_segments_on_host, Backend, BackendKind, Event, Stream};
+use super::host_copy::copy_runs;
+use super::{Backend, BackendKind, Event, Stream};
 use crate::error::{Error, Result, Status};
+use crate::kernels::check::validate;
 use crate::segment::Segment;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -307,9 +309,10 @@ impl Backend for HostBackend {
 
     unsafe fn copy_segments(&self, device: usize, stream: Stream, segments: &[Segment]) -> Result<()> {
         let stream = self.resolve(device, stream)?;
+        validate(segments)?;
         let segments = segments.to_vec();
         // SAFETY: the caller promises the memory stays valid until the queued work has run.
-        stream.enqueue(move || unsafe { copy_segments_on_host(&segments) })
+        stream.enqueue(move || unsafe { copy_runs(&segments) })
     }
 
     fn alloc(&self, device: usize, bytes: usize) -> Result<u64> {

@@ -21,11 +21,20 @@ pub unsafe fn copy_segments(segments: &[Segment], checked: bool) -> Result<()> {
     if checked {
         check_destinations(segments)?;
     }
+    copy_runs(segments);
+    Ok(())
+}
+
+/// The copy itself, for segments already validated (the host backend queues it on a stream).
+///
+/// # Safety
+/// As for [`copy_segments`], and every segment must have passed `validate`.
+pub(crate) unsafe fn copy_runs(segments: &[Segment]) {
     for segment in segments {
         segment.for_each_run(|src, dst, len| {
-            // SAFETY: the caller's promise above; memmove tolerates a run copied onto itself.
+            // SAFETY: the caller's promise; `copy` (memmove) so that a run copied onto itself or an
+            // overlapping one is still defined.
             unsafe { std::ptr::copy(src as usize as *const u8, dst as usize as *mut u8, len as usize) };
         });
     }
-    Ok(())
 }

@@ -124,20 +124,3 @@ pub trait Backend: Send + Sync {
     /// `src .. src + out.len()` must be valid device memory.
     unsafe fn read(&self, device: usize, src: u64, out: &mut [u8]) -> Result<()>;
 }
-
-/// Copies every run of `segments` with host memory operations (the host backend's executor; the
-/// batched host copier from `host_copy.rs` replaces this loop when it lands).
-///
-/// # Safety
-/// Every source and destination byte must be valid host memory.
-pub(crate) unsafe fn copy_segments_on_host(segments: &[Segment]) {
-    for segment in segments {
-        segment.for_each_run(|src, dst, len| {
-            if src != dst {
-                // `copy`, not `copy_nonoverlapping`: a caller may hand us overlapping ranges and the
-                // result must still be deterministic (memmove semantics), never UB.
-                std::ptr::copy(src as usize as *const u8, dst as usize as *mut u8, len as usize);
-            }
-        });
-    }
-}
