@@ -347,6 +347,12 @@ fn main() {
             seed: true,
         },
         Case {
+            name: "Qwen3-30B-A3B EP8 -> TP2, packed publishers and packed receivers",
+            spec: Spec { receiver_layout: Layout::Packed, ..Spec::qwen3_ep8_to_tp2(Layout::Packed) },
+            target_ranges: Some(TARGET_RANGES_PACKED),
+            seed: true,
+        },
+        Case {
             name: "Qwen3-30B-A3B EP8 -> TP2, separate allocations, one weight per expert (TEGroupedMLP)",
             spec: Spec::qwen3_ep8_to_tp2(Layout::Separate).with_expert_weights(),
             target_ranges: Some(TARGET_RANGES_SEPARATE),
