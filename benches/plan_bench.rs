@@ -1,9 +1,12 @@
 //! The reshard planner on realistic refits (CPU, one thread): Qwen3-30B-A3B from Megatron EP8 to vLLM
-//! TP2 with both publisher memory layouts, a dense Llama-3-70B TP8 -> TP2, the colocated 2-GPU layout
-//! the GPU runs use, and a size sweep of build time against the number of offers.
+//! TP2 with both publisher memory layouts (plus packed receivers, and one Megatron weight per expert),
+//! a dense Llama-3-70B TP8 -> TP2, the colocated 2-GPU layout the GPU runs use, and a size sweep of
+//! build time against the number of offers.
 //!
 //! Beside our figures: the seed's (modelexpress PR #635, same model and topology) and the targets of
-//! issue 3. Writes `plan_bench.json` under `$REFIT_BENCH_RESULTS` (default `benches/results/`).
+//! issue 3. Every case also checks that each receiver gets exactly the bytes it needs. Writes
+//! `plan_bench.json` under `$REFIT_BENCH_RESULTS` (default `benches/results/`; a debug build writes
+//! only where that variable points). Arguments that are not flags select cases by name.
 
 use refit::plan::{self, Endpoint, Plan, PlanOptions, PlanStats, Region, Table};
 use refit::workloads::{Layout, Model, Spec, Workload};
@@ -397,7 +400,15 @@ fn main() {
         return;
     }
 
-    let dir = std::env::var("REFIT_BENCH_RESULTS").unwrap_or_else(|_| "benches/results".into());
+    let dir = match std::env::var("REFIT_BENCH_RESULTS") {
+        Ok(dir) => dir,
+        // A debug build's timings would overwrite the release figures kept in the repository.
+        Err(_) if cfg!(debug_assertions) => {
+            println!("\n(debug build: results not written unless REFIT_BENCH_RESULTS is set)");
+            return;
+        }
+        Err(_) => "benches/results".into(),
+    };
     let path = std::path::Path::new(&dir).join("plan_bench.json");
     let body = format!(
         "{{\"bench\": \"plan_bench\", \"profile\": \"{}\", \"samples\": {samples}, \"cases\": [\n  {}\n], \"sweep\": {sweep_json}}}\n",
