@@ -27,26 +27,50 @@
 
 
 /**
+ * Most dimensions a tensor may have.
+ */
+#define REFIT_MAX_DIMS 8
+
+/**
+ * Owner policy: the replica of the lowest (rank, device) serves each replica set.
+ */
+#define REFIT_POLICY_FIRST 0
+
+/**
+ * Owner policy: a replica on the receiver's device, else in its process (NVLink peer), else the first.
+ */
+#define REFIT_POLICY_LOCAL 1
+
+/**
+ * Owner policy: spread bytes over replicas so that the busiest source serves as little as possible.
+ */
+#define REFIT_POLICY_BALANCED 2
+
+/**
+ * Route kind: source and destination on the same rank and device.
+ */
+#define REFIT_ROUTE_LOCAL 0
+
+/**
+ * Route kind: same rank, another device (a peer copy).
+ */
+#define REFIT_ROUTE_PEER 1
+
+/**
+ * Route kind: another rank.
+ */
+#define REFIT_ROUTE_REMOTE 2
+
+/**
+ * Buckets of refit_plan_stats.size_histogram.
+ */
+#define REFIT_PLAN_SIZE_BUCKETS 64
+
+/**
  * ABI version of this header and library. Bumped only when an existing declaration changes
  * incompatibly; appending functions, statuses or option fields does not bump it.
  */
 #define REFIT_ABI_VERSION 1
-
-/**
- * Buckets of the range-size histogram: bucket `i` counts segments whose payload is in
- * `[2^i, 2^(i+1))` bytes (bucket 0 also holds 1-byte segments).
- */
-#define SIZE_BUCKETS 64
-
-/**
- * Most dimensions a tensor may have.
- */
-#define MAX_DIMS 8
-
-/**
- * The format version this library writes and reads.
- */
-#define VERSION 1
 
 /**
  * Result of every fallible call. Values are part of the ABI: new codes are appended, never renumbered.
@@ -159,6 +183,178 @@ typedef enum {
 } refit_status;
 
 /**
+ * A built reshard plan. Immutable.
+ */
+typedef struct refit_plan refit_plan;
+
+/**
+ * One rank's shard table: tensors, offers (what it publishes), needs (what it receives).
+ */
+typedef struct refit_table refit_table;
+
+/**
+ * Options of refit_plan_build. Fill with refit_plan_options_init, then change fields.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_plan_options) as the caller knows it (set by refit_plan_options_init).
+   */
+  size_t size;
+  /**
+   * REFIT_POLICY_FIRST, REFIT_POLICY_LOCAL (default) or REFIT_POLICY_BALANCED.
+   */
+  uint32_t policy;
+  /**
+   * Join segments across boxes and tensors (default true; false only for A/B checks).
+   */
+  bool coalesce;
+} refit_plan_options;
+
+/**
+ * Counts of a plan or of one receiver's part of it. Before the call set `size` to
+ * sizeof(refit_plan_stats). "Ranges" are contiguous runs; "segments" are strided refit_segments.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_plan_stats) as the caller knows it.
+   */
+  size_t size;
+  /**
+   * Offers in all tables.
+   */
+  uint64_t offers_in;
+  /**
+   * Offers chosen to serve at least one range.
+   */
+  uint64_t offers_kept;
+  /**
+   * Distinct boxes offered (replica sets).
+   */
+  uint64_t replica_sets;
+  /**
+   * Needs planned.
+   */
+  uint64_t needs;
+  /**
+   * Bytes the needs ask for, which is also the bytes the plan moves.
+   */
+  uint64_t needed_bytes;
+  /**
+   * Contiguous runs if every replica offer overlapping a need were read.
+   */
+  uint64_t ranges_all_replicas;
+  /**
+   * Bytes read if every replica offer overlapping a need were read.
+   */
+  uint64_t bytes_all_replicas;
+  /**
+   * bytes_all_replicas - needed_bytes.
+   */
+  uint64_t duplicate_bytes_dropped;
+  /**
+   * Contiguous runs with one owner per replica set, before coalescing.
+   */
+  uint64_t ranges_deduped;
+  /**
+   * Strided segments with one owner per replica set, before coalescing.
+   */
+  uint64_t segments_deduped;
+  /**
+   * Strided segments in the plan.
+   */
+  uint64_t ranges_coalesced;
+  /**
+   * Contiguous runs the plan's segments stand for.
+   */
+  uint64_t flat_runs_coalesced;
+  /**
+   * Bytes whose source is the receiving device.
+   */
+  uint64_t bytes_local;
+  /**
+   * Bytes from another device of the same rank.
+   */
+  uint64_t bytes_peer;
+  /**
+   * Bytes from another rank.
+   */
+  uint64_t bytes_remote;
+  /**
+   * (source, destination) endpoint pairs.
+   */
+  uint64_t routes;
+  /**
+   * Segments by payload: bucket i counts payloads in [2^i, 2^(i+1)) bytes (bucket 0 also 1 byte).
+   */
+  uint64_t size_histogram[64];
+  /**
+   * Wall time of the build, nanoseconds.
+   */
+  uint64_t build_ns;
+} refit_plan_stats;
+
+/**
+ * A strided box of bytes: a contiguous run of `len` bytes, repeated `count[0]` times with strides
+ * `src_stride[0]` / `dst_stride[0]`, and that whole pattern repeated `count[1]` times with strides
+ * `src_stride[1]` / `dst_stride[1]`. Byte `b` of repetition `(i, j)` is read from
+ * `src + j*src_stride[1] + i*src_stride[0] + b` and written to the matching destination address.
+ * A plain contiguous copy has `count = [1, 1]`. A count of 0 means no bytes.
+ */
+typedef struct {
+  /**
+   * Source address (device pointer, or host address on the host backend).
+   */
+  uint64_t src;
+  /**
+   * Destination address.
+   */
+  uint64_t dst;
+  /**
+   * Bytes in the innermost contiguous run.
+   */
+  uint64_t len;
+  /**
+   * Repetitions of the inner level, then of the outer level.
+   */
+  uint64_t count[2];
+  /**
+   * Source byte strides between repetitions, inner level first.
+   */
+  uint64_t src_stride[2];
+  /**
+   * Destination byte strides between repetitions, inner level first.
+   */
+  uint64_t dst_stride[2];
+} refit_segment;
+
+/**
+ * One route of a plan: every segment from one source endpoint to one destination endpoint.
+ * Before the call set `size` to sizeof(refit_route_info).
+ */
+typedef struct {
+  /**
+   * sizeof(refit_route_info) as the caller knows it.
+   */
+  size_t size;
+  uint32_t src_rank;
+  uint32_t src_device;
+  uint32_t dst_rank;
+  uint32_t dst_device;
+  /**
+   * REFIT_ROUTE_LOCAL, REFIT_ROUTE_PEER or REFIT_ROUTE_REMOTE.
+   */
+  uint32_t kind;
+  /**
+   * Number of segments.
+   */
+  size_t segment_count;
+  /**
+   * The segments, sorted by source address; owned by the plan, valid until refit_plan_destroy.
+   */
+  const refit_segment *segments;
+} refit_route_info;
+
+/**
  * `callback(level, message, user_data)`: level 1 error .. 5 trace; `message` valid during the call.
  */
 typedef void (*refit_log_callback)(uint32_t level, const char *message, void *user_data);
@@ -166,6 +362,212 @@ typedef void (*refit_log_callback)(uint32_t level, const char *message, void *us
 #ifdef __cplusplus
 extern "C" {
 #endif // __cplusplus
+
+/**
+ * Creates an empty table in `*table`. Errors: NULL_ARGUMENT when `table` is NULL.
+ */
+refit_status refit_table_create(refit_table **table);
+
+/**
+ * Releases a table. NULL is accepted. Plans built from it are unaffected.
+ *
+ * # Safety
+ * `table` is NULL or a live table from refit_table_create / refit_table_decode, not used afterwards.
+ */
+void refit_table_destroy(refit_table *table);
+
+/**
+ * Adds a tensor: `name` (NUL-terminated UTF-8), a caller-defined `dtype` code, `elem_size` bytes per
+ * element, and its global `shape` of `ndim` dimensions. Writes its index in this table to `*index`.
+ * Adding a name again returns the same index when the description agrees.
+ *
+ * Errors: NULL_ARGUMENT (table, name, index; shape when ndim > 0), INVALID_ARGUMENT (empty or
+ * non-UTF-8 name, elem_size 0, ndim > REFIT_MAX_DIMS, size over 2^64 bytes), TENSOR_MISMATCH (the
+ * name was added with another dtype, element size or shape; the message names both).
+ *
+ * # Safety
+ * `table` is a live table; `shape` points to `ndim` values.
+ */
+refit_status refit_table_add_tensor(refit_table *table,
+                                    const char *name,
+                                    uint32_t dtype,
+                                    uint32_t elem_size,
+                                    const uint64_t *shape,
+                                    size_t ndim,
+                                    uint32_t *index);
+
+/**
+ * Adds an offer: this rank (`rank`, `device`) holds the box `offset`/`extent` (`ndim` values each,
+ * global coordinates) of tensor `tensor` (an index from refit_table_add_tensor) at device address
+ * `addr`, laid out with element `strides` (NULL: row-major over `extent`), with an optional
+ * `digest` of its bytes (NULL: none). Offers of the same box are replicas.
+ *
+ * Errors: NULL_ARGUMENT (table; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown tensor
+ * index, ndim differing from the tensor's, addresses past 2^64), TENSOR_MISMATCH (box outside the
+ * tensor).
+ *
+ * # Safety
+ * `table` is a live table; non-NULL arrays hold `ndim` values; `digest` is NULL or readable.
+ */
+refit_status refit_table_add_offer(refit_table *table,
+                                   uint32_t tensor,
+                                   uint32_t rank,
+                                   uint32_t device,
+                                   uint64_t addr,
+                                   const uint64_t *offset,
+                                   const uint64_t *extent,
+                                   const uint64_t *strides,
+                                   size_t ndim,
+                                   const uint64_t *digest);
+
+/**
+ * Adds a need: receiver (`rank`, `device`) wants the box `offset`/`extent` (`ndim` values each,
+ * global coordinates) of tensor `tensor` written at device address `addr` with destination element
+ * `strides` (one per destination dimension). Destination dimension d is tensor dimension `perm[d]`
+ * (`perm` NULL: the identity), so a transposed destination is a permutation. Several needs may
+ * write disjoint parts of one buffer (fused parameters).
+ *
+ * Errors: NULL_ARGUMENT (table, strides; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown
+ * tensor index, ndim differing from the tensor's, perm not a permutation, addresses past 2^64),
+ * TENSOR_MISMATCH (box outside the tensor).
+ *
+ * # Safety
+ * `table` is a live table; non-NULL arrays hold `ndim` values.
+ */
+refit_status refit_table_add_need(refit_table *table,
+                                  uint32_t tensor,
+                                  uint32_t rank,
+                                  uint32_t device,
+                                  uint64_t addr,
+                                  const uint64_t *offset,
+                                  const uint64_t *extent,
+                                  const uint32_t *perm,
+                                  const uint64_t *strides,
+                                  size_t ndim);
+
+/**
+ * Writes to `*size` the bytes refit_table_encode needs for this table.
+ * Errors: NULL_ARGUMENT.
+ *
+ * # Safety
+ * `table` is a live table.
+ */
+refit_status refit_table_encoded_size(const refit_table *table, size_t *size);
+
+/**
+ * Encodes the table (versioned, checksummed; see refit_table_decode) into `buffer` of `capacity`
+ * bytes and writes the length used to `*written`. The encoding is the same on every platform.
+ *
+ * Errors: NULL_ARGUMENT (table, written; buffer when capacity > 0), BUFFER_TOO_SMALL (capacity
+ * below refit_table_encoded_size; the message gives the size).
+ *
+ * # Safety
+ * `table` is a live table; `buffer` is writable for `capacity` bytes.
+ */
+refit_status refit_table_encode(const refit_table *table,
+                                uint8_t *buffer,
+                                size_t capacity,
+                                size_t *written);
+
+/**
+ * Decodes `len` bytes written by refit_table_encode (on any rank) into a new table in `*table`.
+ * Untrusted bytes are safe: truncated, corrupted or hostile input returns a status.
+ *
+ * Errors: NULL_ARGUMENT (table; bytes when len > 0), DECODE_ERROR (not a table, checksum mismatch,
+ * truncated, malformed; the message says where), VERSION_MISMATCH (another format version).
+ *
+ * # Safety
+ * `bytes` is readable for `len` bytes.
+ */
+refit_status refit_table_decode(const uint8_t *bytes, size_t len, refit_table **table);
+
+/**
+ * Fills `*options` with the defaults: size set, policy REFIT_POLICY_LOCAL, coalescing on.
+ * Errors: NULL_ARGUMENT.
+ */
+refit_status refit_plan_options_init(refit_plan_options *options);
+
+/**
+ * Builds the plan that moves every byte the tables' needs ask for exactly once, from one owner per
+ * replica set, as the fewest strided segments; writes it to `*plan`. `tables` holds `count` tables
+ * (every rank's, in any order: the plan is the same). `options` NULL means the defaults. Runs on
+ * the calling thread; touches no device.
+ *
+ * Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_ARGUMENT (options.size
+ * or policy out of range; bad entries of decoded tables), TENSOR_MISMATCH (a tensor described
+ * differently by two tables: the message names it and both values), REPLICA_MISMATCH (replicas
+ * with different digests), COVERAGE_GAP (the message names the first region no offer covers),
+ * OVERLAP (two destination bytes written twice), OUT_OF_MEMORY / UNSUPPORTED (pathological tables
+ * beyond the planner's limits).
+ *
+ * # Safety
+ * `tables` points to `count` live tables not modified during the call.
+ */
+refit_status refit_plan_build(const refit_table *const *tables,
+                              size_t count,
+                              const refit_plan_options *options,
+                              refit_plan **plan);
+
+/**
+ * Releases a plan. NULL is accepted. Segment pointers read from it become invalid.
+ *
+ * # Safety
+ * `plan` is NULL or a live plan, not used afterwards by any thread.
+ */
+void refit_plan_destroy(refit_plan *plan);
+
+/**
+ * Writes the whole plan's counts to `*stats`; set stats->size to sizeof(refit_plan_stats) first.
+ * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
+ *
+ * # Safety
+ * `plan` is a live plan; `stats` is writable.
+ */
+refit_status refit_plan_get_stats(const refit_plan *plan, refit_plan_stats *stats);
+
+/**
+ * Writes the counts of receiver (`rank`, `device`)'s needs and the routes into it to `*stats` (zero
+ * but the shared input counts when that endpoint needs nothing); set stats->size first.
+ * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
+ *
+ * # Safety
+ * `plan` is a live plan; `stats` is writable.
+ */
+refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
+                                           uint32_t rank,
+                                           uint32_t device,
+                                           refit_plan_stats *stats);
+
+/**
+ * Writes the plan's fingerprint to `*fingerprint`: equal for the same tables in any order, in any
+ * process; ranks compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
+ *
+ * # Safety
+ * `plan` is a live plan.
+ */
+refit_status refit_plan_fingerprint(const refit_plan *plan, uint64_t *fingerprint);
+
+/**
+ * Writes the number of routes to `*count`. Routes are ordered by destination endpoint, then local,
+ * peer, remote, then source endpoint. Thread-safe. Errors: NULL_ARGUMENT.
+ *
+ * # Safety
+ * `plan` is a live plan.
+ */
+refit_status refit_plan_route_count(const refit_plan *plan, size_t *count);
+
+/**
+ * Writes route `index` (0 <= index < route count) to `*route`, including a pointer to its segments
+ * valid until the plan is destroyed; set route->size to sizeof(refit_route_info) first. A segment
+ * copies `len` bytes, repeated count[0] times then count[1] times with the given byte strides.
+ * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (route->size), NOT_FOUND (index out of range).
+ *
+ * # Safety
+ * `plan` is a live plan; `route` is writable.
+ */
+refit_status refit_plan_route(const refit_plan *plan,
+                              size_t index,
+                              refit_route_info *route);
 
 /**
  * The library's version string ("MAJOR.MINOR.PATCH"), static and NUL-terminated.

@@ -7,6 +7,7 @@
 
 #![allow(non_camel_case_types)]
 
+pub mod plan;
 pub mod status;
 
 use crate::error::{set_last_error, Error, Result, Status};

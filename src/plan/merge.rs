@@ -49,7 +49,7 @@ impl Catalog {
     }
 }
 
-pub(crate) fn merge(tables: &[Table]) -> Result<Catalog> {
+pub(crate) fn merge(tables: &[&Table]) -> Result<Catalog> {
     // Tensors by name; the first description seen (in name order it does not matter which: all must agree).
     let mut by_name: BTreeMap<&str, &TensorSpec> = BTreeMap::new();
     for (t, table) in tables.iter().enumerate() {
@@ -129,7 +129,7 @@ pub(crate) fn validate_spec(spec: &TensorSpec) -> Result<()> {
     Ok(())
 }
 
-fn check_same(a: &TensorSpec, b: &TensorSpec) -> Result<()> {
+pub(crate) fn check_same(a: &TensorSpec, b: &TensorSpec) -> Result<()> {
     let name = &a.name;
     if a.elem_size != b.elem_size {
         bail!(
@@ -271,4 +271,14 @@ fn canon_need(spec: &TensorSpec, tensor: usize, need: &Need) -> Result<CanonNeed
     }
     check_addresses(spec, need.addr, &ext, &strides, "need")?;
     Ok(CanonNeed { receiver: need.receiver, tensor, lo, ext, addr: need.addr, strides })
+}
+
+/// Checks one offer against its tensor, as planning will (for callers that add entries one by one).
+pub(crate) fn check_offer(spec: &TensorSpec, offer: &Offer) -> Result<()> {
+    canon_offer(spec, 0, offer).map(|_| ())
+}
+
+/// Checks one need against its tensor, as planning will.
+pub(crate) fn check_need(spec: &TensorSpec, need: &Need) -> Result<()> {
+    canon_need(spec, 0, need).map(|_| ())
 }

@@ -17,7 +17,7 @@ mod stats;
 pub mod table;
 pub mod wire;
 
-pub use planner::{build, build_with_limits, Limits};
+pub use planner::{build, build_from, build_with_limits, Limits};
 pub use stats::{PlanStats, SIZE_BUCKETS};
 pub use table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
 

@@ -48,6 +48,12 @@ struct Item {
 /// INVALID_ARGUMENT (bad index, stride count, permutation, address overflow), REPLICA_MISMATCH,
 /// COVERAGE_GAP, OVERLAP, and OUT_OF_MEMORY / UNSUPPORTED beyond `limits`.
 pub fn build_with_limits(tables: &[Table], options: &PlanOptions, limits: &Limits) -> Result<Plan> {
+    let refs: Vec<&Table> = tables.iter().collect();
+    build_from(&refs, options, limits)
+}
+
+/// [`build_with_limits`] over borrowed tables (for callers that keep tables apart, such as the C API).
+pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> Result<Plan> {
     let started = Instant::now();
     let catalog = merge(tables)?;
     coverage::check_destinations(&catalog, limits.max_overlap_runs)?;

@@ -5,6 +5,8 @@ use crate::segment::Segment;
 
 /// Buckets of the range-size histogram: bucket `i` counts segments whose payload is in
 /// `[2^i, 2^(i+1))` bytes (bucket 0 also holds 1-byte segments).
+///
+/// cbindgen:ignore
 pub const SIZE_BUCKETS: usize = 64;
 
 /// Counts for a whole plan or one receiver's part of it. "Ranges" are contiguous runs unless named

@@ -1,7 +1,9 @@
 //! What planners are given: each rank's shard table (tensors it knows, offers it publishes, needs it
 //! receives). Plain data with addresses as integers; nothing here knows where memory lives.
 
-/// Most dimensions a tensor may have.
+/// Most dimensions a tensor may have (C callers: REFIT_MAX_DIMS).
+///
+/// cbindgen:ignore
 pub const MAX_DIMS: usize = 8;
 
 /// Where a shard lives or lands: a process rank and a device ordinal within that process.
@@ -66,4 +68,43 @@ pub struct Table {
     pub tensors: Vec<TensorSpec>,
     pub offers: Vec<Offer>,
     pub needs: Vec<Need>,
+}
+
+impl Table {
+    /// Adds a tensor description and returns its index. Adding a name again returns the index it
+    /// already has when the descriptions agree, and fails with TENSOR_MISMATCH when they do not.
+    pub fn add_tensor(&mut self, spec: TensorSpec) -> crate::Result<u32> {
+        super::merge::validate_spec(&spec)?;
+        if let Some(i) = self.tensors.iter().position(|t| t.name == spec.name) {
+            super::merge::check_same(&self.tensors[i], &spec)?;
+            return Ok(i as u32);
+        }
+        let index = u32::try_from(self.tensors.len())
+            .map_err(|_| crate::Error::invalid_argument("a table holds at most 2^32 tensors"))?;
+        self.tensors.push(spec);
+        Ok(index)
+    }
+
+    /// Adds an offer after checking it against its tensor (index, box, strides, address range).
+    pub fn add_offer(&mut self, offer: Offer) -> crate::Result<()> {
+        super::merge::check_offer(self.tensor(offer.tensor)?, &offer)?;
+        self.offers.push(offer);
+        Ok(())
+    }
+
+    /// Adds a need after checking it against its tensor (index, box, permutation, strides, address range).
+    pub fn add_need(&mut self, need: Need) -> crate::Result<()> {
+        super::merge::check_need(self.tensor(need.tensor)?, &need)?;
+        self.needs.push(need);
+        Ok(())
+    }
+
+    fn tensor(&self, index: u32) -> crate::Result<&TensorSpec> {
+        self.tensors.get(index as usize).ok_or_else(|| {
+            crate::Error::invalid_argument(format!(
+                "tensor index {index} but the table has {} tensors",
+                self.tensors.len()
+            ))
+        })
+    }
 }

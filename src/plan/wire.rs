@@ -20,6 +20,8 @@ use crate::error::{Error, Result, Status};
 
 const MAGIC: &[u8; 4] = b"RFTB";
 /// The format version this library writes and reads.
+///
+/// cbindgen:ignore
 pub const VERSION: u8 = 1;
 const HEADER: usize = 5;
 const CHECKSUM: usize = 8;
