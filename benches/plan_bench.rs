@@ -24,6 +24,14 @@ const TARGET_RANGES_SEPARATE: u64 = 13_000;
 const TARGET_RANGES_PACKED: u64 = 1_500;
 const TARGET_BUILD_MS: f64 = 50.0;
 
+/// The 1-minute load average, so that timings from a busy machine are read as such.
+fn load_average() -> String {
+    std::fs::read_to_string("/proc/loadavg")
+        .ok()
+        .and_then(|s| s.split_whitespace().next().map(str::to_string))
+        .unwrap_or_else(|| "unknown".into())
+}
+
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));
     let n = xs.len();
@@ -334,7 +342,12 @@ fn main() {
     let quick = std::env::args().any(|a| a == "--quick") || cfg!(debug_assertions);
     let samples = if quick { 1 } else { 15 };
     let mut out = String::new();
-    let _ = writeln!(out, "## plan_bench: reshard planner on realistic refits (single thread)");
+    let load_before = load_average();
+    let _ = writeln!(
+        out,
+        "## plan_bench: reshard planner on realistic refits (single thread; load average {load_before} on {} cores)",
+        std::thread::available_parallelism().map_or(0, |n| n.get())
+    );
     let llama = |layout| Spec::llama3_70b_tp8_to_tp2(layout, 1);
     let cases = [
         Case {
@@ -411,8 +424,11 @@ fn main() {
     };
     let path = std::path::Path::new(&dir).join("plan_bench.json");
     let body = format!(
-        "{{\"bench\": \"plan_bench\", \"profile\": \"{}\", \"samples\": {samples}, \"cases\": [\n  {}\n], \"sweep\": {sweep_json}}}\n",
+        "{{\"bench\": \"plan_bench\", \"profile\": \"{}\", \"samples\": {samples}, \
+         \"load_average_before\": \"{load_before}\", \"load_average_after\": \"{}\", \
+         \"cases\": [\n  {}\n], \"sweep\": {sweep_json}}}\n",
         if cfg!(debug_assertions) { "debug" } else { "release" },
+        load_average(),
         json.join(",\n  ")
     );
     std::fs::create_dir_all(&dir).and_then(|_| std::fs::write(&path, body)).expect("write results");
