@@ -41,13 +41,15 @@ pub(crate) fn gap_error(catalog: &Catalog, need: &CanonNeed, pieces: &[Piece]) -
     )
 }
 
-/// A byte range `[start, end)` of `receiver` written by need `need`.
+/// A byte range `[start, end)` of `receiver` written by need `need`; `nests` when the need's own
+/// strides keep its elements apart.
 #[derive(Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 struct Written {
     receiver: Endpoint,
     start: u64,
     end: u64,
     need: usize,
+    nests: bool,
 }
 
 /// Fails with OVERLAP when two destination bytes of one receiver are written twice. Needs whose
@@ -59,7 +61,14 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
         let (n, elem) = catalog.layout[need.tensor];
         let span = byte_span(n, &need.ext, &need.strides, elem).expect("checked when merged");
         if span > 0 {
-            spans.push(Written { receiver: need.receiver, start: need.addr, end: need.addr + span, need: i });
+            let nests = strides_nest(n, &need.ext, &need.strides);
+            spans.push(Written {
+                receiver: need.receiver,
+                start: need.addr,
+                end: need.addr + span,
+                need: i,
+                nests,
+            });
         }
     }
     spans.sort_unstable();
@@ -74,7 +83,9 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
             end = end.max(spans[j].end);
             j += 1;
         }
-        if !cluster_disjoint(catalog, &spans[k..j])? {
+        // A lone span is settled by its own strides, without reading the need again.
+        let settled = if j == k + 1 { spans[k].nests } else { cluster_disjoint(catalog, &spans[k..j])? };
+        if !settled {
             expand.extend(spans[k..j].iter().map(|w| w.need));
         }
         k = j;
@@ -102,7 +113,13 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
         shape.emit(0, need.addr, &mut segments, &mut u64::MAX.clone())?;
         for s in &segments {
             s.for_each_run(|_, dst, len| {
-                written.push(Written { receiver: need.receiver, start: dst, end: dst + len, need: i })
+                written.push(Written {
+                    receiver: need.receiver,
+                    start: dst,
+                    end: dst + len,
+                    need: i,
+                    nests: true,
+                })
             });
         }
     }

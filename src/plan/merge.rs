@@ -70,22 +70,28 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     let mut local_to_distinct: Vec<Vec<usize>> = Vec::with_capacity(tables.len());
     for (t, table) in tables.iter().enumerate() {
         let mut map = Vec::with_capacity(table.tensors.len());
+        // Tables tend to list tensors in the same order: try the successor of the previous match
+        // before hashing the name.
+        let mut guess = usize::MAX;
         for spec in &table.tensors {
             validate_spec(spec).map_err(|e| e.context(format!("table {t}")))?;
-            let at = match seen.entry(&spec.name) {
-                std::collections::hash_map::Entry::Occupied(e) => {
-                    if described[*e.get()] != describe(spec) {
-                        check_same(distinct[*e.get()], spec)?;
+            let known = distinct.get(guess).filter(|d| d.name == spec.name).map(|_| guess);
+            let at = match known {
+                Some(at) => at,
+                None => match seen.entry(&spec.name) {
+                    std::collections::hash_map::Entry::Occupied(e) => *e.get(),
+                    std::collections::hash_map::Entry::Vacant(e) => {
+                        distinct.push(spec);
+                        described.push(describe(spec));
+                        *e.insert(distinct.len() - 1)
                     }
-                    *e.get()
-                }
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    distinct.push(spec);
-                    described.push(describe(spec));
-                    *e.insert(distinct.len() - 1)
-                }
+                },
             };
+            if described[at] != describe(spec) {
+                check_same(distinct[at], spec)?;
+            }
             map.push(at);
+            guess = at + 1;
         }
         local_to_distinct.push(map);
     }

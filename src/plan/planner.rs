@@ -66,7 +66,7 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     let grouped = started.elapsed();
 
     // Intersect every need with the pieces of its tensor; count what reading every replica would cost.
-    let mut items: Vec<Item> = Vec::new();
+    let mut items: Vec<Item> = Vec::with_capacity(catalog.needs.len());
     let mut receivers: Vec<(Endpoint, PlanStats)> = Vec::new();
     for (i, need) in catalog.needs.iter().enumerate() {
         let (n, elem) = catalog.layout[need.tensor];
