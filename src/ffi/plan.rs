@@ -131,9 +131,13 @@ pub extern "C" fn refit_table_create(table: *mut *mut refit_table) -> crate::Sta
 /// `table` is NULL or a live table from refit_table_create / refit_table_decode, not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn refit_table_destroy(table: *mut refit_table) {
-    if !table.is_null() {
-        drop(Box::from_raw(table));
+    if table.is_null() {
+        return;
     }
+    let _ = boundary("refit_table_destroy", || {
+        drop(Box::from_raw(table));
+        Ok(())
+    });
 }
 
 /// Adds a tensor: `name` (NUL-terminated UTF-8), a caller-defined `dtype` code, `elem_size` bytes per
@@ -374,9 +378,13 @@ pub unsafe extern "C" fn refit_plan_build(
 /// `plan` is NULL or a live plan, not used afterwards by any thread.
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_destroy(plan: *mut refit_plan) {
-    if !plan.is_null() {
-        drop(Box::from_raw(plan));
+    if plan.is_null() {
+        return;
     }
+    let _ = boundary("refit_plan_destroy", || {
+        drop(Box::from_raw(plan));
+        Ok(())
+    });
 }
 
 /// Writes the whole plan's counts to `*stats`; set stats->size to sizeof(refit_plan_stats) first.
