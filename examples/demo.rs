@@ -97,33 +97,42 @@ fn boxes_by_buffer(workload: &Workload, role: Role) -> Vec<Vec<usize>> {
     by_buffer
 }
 
-/// Fills every publisher buffer with its boxes' known values (or receivers with a poison byte).
-fn fill(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64], role: Role) -> Result<(), String> {
+/// Fills every publisher buffer with its boxes' known values.
+fn fill_publishers(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64]) -> Result<(), String> {
     let by_buffer = boxes_by_buffer(workload, Role::Publisher);
-    for (b, buffer) in workload.buffers.iter().enumerate().filter(|(_, b)| b.role == role) {
-        let mut bytes = vec![0xa5u8; buffer.bytes as usize];
-        if role == Role::Publisher {
-            let ptr = SharedPtr(bytes.as_mut_ptr());
-            let offers = &by_buffer[b];
-            std::thread::scope(|s| {
-                for chunk in offers.chunks(offers.len().div_ceil(threads()).max(1)) {
-                    s.spawn(move || {
-                        let ptr = ptr;
-                        for &i in chunk {
-                            let o = &workload.offers[i];
-                            let es = workload.catalog.tensors[o.tensor as usize].elem_size as usize;
-                            workload.for_each_element(o, |at, g| {
-                                let value = element_value(o.tensor, g);
-                                // SAFETY: offers in one buffer are disjoint boxes inside it.
-                                unsafe { write_element(ptr.0.add(at as usize), value, es) };
-                            });
-                        }
-                    });
-                }
-            });
-        }
+    for (b, buffer) in workload.buffers.iter().enumerate().filter(|(_, b)| b.role == Role::Publisher) {
+        let mut bytes = vec![0u8; buffer.bytes as usize];
+        let ptr = SharedPtr(bytes.as_mut_ptr());
+        let offers = &by_buffer[b];
+        std::thread::scope(|s| {
+            for chunk in offers.chunks(offers.len().div_ceil(threads()).max(1)) {
+                s.spawn(move || {
+                    let ptr = ptr;
+                    for &i in chunk {
+                        let o = &workload.offers[i];
+                        let es = workload.catalog.tensors[o.tensor as usize].elem_size as usize;
+                        workload.for_each_element(o, |at, g| {
+                            let value = element_value(o.tensor, g);
+                            // SAFETY: offers in one buffer are disjoint boxes inside it.
+                            unsafe { write_element(ptr.0.add(at as usize), value, es) };
+                        });
+                    }
+                });
+            }
+        });
         // SAFETY: bases[b] was allocated with buffer.bytes on this device.
         unsafe { backend.write(buffer.endpoint.device as usize, bases[b], &bytes) }
+            .map_err(|e| e.to_string())?;
+    }
+    Ok(())
+}
+
+/// Overwrites every receiver buffer with a poison byte, so that a byte the refit misses is seen.
+fn poison_receivers(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64]) -> Result<(), String> {
+    for (b, buffer) in workload.buffers.iter().enumerate().filter(|(_, b)| b.role == Role::Receiver) {
+        let poison = vec![0xa5u8; buffer.bytes as usize];
+        // SAFETY: bases[b] was allocated with buffer.bytes on this device.
+        unsafe { backend.write(buffer.endpoint.device as usize, bases[b], &poison) }
             .map_err(|e| e.to_string())?;
     }
     Ok(())
@@ -272,7 +281,7 @@ fn run() -> Result<(), String> {
         );
     }
     let t = Instant::now();
-    fill(&workload, &backend, &bases, Role::Publisher)?;
+    fill_publishers(&workload, &backend, &bases)?;
     println!("filled {} publisher buffers in {:.1} s", workload.offers.len(), t.elapsed().as_secs_f64());
 
     let tables = workload.tables(&bases).map_err(|e| e.to_string())?;
@@ -301,7 +310,7 @@ fn run() -> Result<(), String> {
     let mut rows = Vec::new();
     let arms: &[Arm] = if args.reference { &[Arm::Batched, Arm::PerRun] } else { &[Arm::Batched] };
     for &arm in arms {
-        fill(&workload, &backend, &bases, Role::Receiver)?; // poison
+        poison_receivers(&workload, &backend, &bases)?;
         let mut steps: Vec<StageTimes> = Vec::new();
         for _ in 0..args.steps.max(1) {
             // SAFETY: every address in the plan is one of the buffers allocated above.

@@ -3,6 +3,7 @@
 //! refit step with no host work proportional to the number of segments.
 
 use super::Arm;
+use crate::backend::BackendKind;
 use crate::copy::PreparedCopy;
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
@@ -69,10 +70,15 @@ impl Descriptors {
         for (rank, list) in per_rank.into_iter().enumerate().filter(|(_, l)| !l.is_empty()) {
             segments += list.len() as u64;
             bytes += list.iter().map(|s| s.bytes().unwrap_or(0)).sum::<u64>();
-            let prepared = match arm {
+            let prepared = match (arm, group.backend_kind()) {
                 // The planner already proved destinations disjoint: no need for the checked mode.
-                Arm::Batched => RankWork::Batched(PreparedCopy::new(group, rank, &list, false)?),
-                Arm::PerRun => RankWork::PerRun(list),
+                (Arm::Batched, BackendKind::Cuda) => {
+                    RankWork::Batched(PreparedCopy::new(group, rank, &list, false)?)
+                }
+                // On the host backend both arms are the same memmove loop; queued on the rank's
+                // simulated stream it runs beside the other ranks' (a prepared host batch would
+                // complete on return, one rank after another).
+                (Arm::Batched, BackendKind::Host) | (Arm::PerRun, _) => RankWork::PerRun(list),
             };
             work.push((rank, prepared));
         }
