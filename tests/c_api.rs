@@ -2,14 +2,10 @@
 //! the freshly built `librefit.so`, and runs it. `REFIT_CPP_TEST_WRAPPER` (e.g. "valgrind
 //! --error-exitcode=1") runs each program under a checker; CI sets it once.
 
+mod cdylib;
+
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn target_profile_dir() -> PathBuf {
-    // This binary lives in target/<profile>/deps; the cdylib lives in target/<profile>.
-    let exe = std::env::current_exe().expect("test binary path");
-    exe.parent().and_then(Path::parent).expect("target/<profile>").to_path_buf()
-}
 
 fn compile(source: &Path, output: &Path, lib_dir: &Path) {
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
@@ -68,12 +64,7 @@ fn header_compiles_on_its_own_as_c_and_cpp() {
 
 #[test]
 fn c_and_cpp_programs_pass() {
-    let lib_dir = target_profile_dir();
-    assert!(
-        lib_dir.join("librefit.so").exists(),
-        "{} has no librefit.so; build the library first",
-        lib_dir.display()
-    );
+    let lib_dir = cdylib::librefit().parent().expect("library directory").to_path_buf();
     let out_dir = lib_dir.join("cpp_tests");
     std::fs::create_dir_all(&out_dir).unwrap();
     let mut sources: Vec<PathBuf> =

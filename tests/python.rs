@@ -1,14 +1,14 @@
 //! Runs the Python binding's tests (stdlib unittest, no extra packages) against the library this
 //! `cargo test` just built.
 
+mod cdylib;
+
 use std::path::Path;
 use std::process::Command;
 
 #[test]
 fn python_binding_tests_pass() {
-    let exe = std::env::current_exe().unwrap();
-    let lib = exe.parent().and_then(Path::parent).unwrap().join("librefit.so");
-    assert!(lib.exists(), "{} missing", lib.display());
+    let lib = cdylib::librefit();
     let root = Path::new(env!("CARGO_MANIFEST_DIR"));
     let output = Command::new("python3")
         .args(["-m", "unittest", "discover", "-v", "-s", "python/tests"])
