@@ -48,10 +48,13 @@ pub(crate) fn replicas(catalog: &Catalog, max_pieces: usize) -> Result<Replicas>
     let mut sets = Vec::new();
     let mut pieces = Vec::new();
     let mut piece_start = vec![0; catalog.tensors.len() + 1];
+    let mut scratch: Vec<CanonOffer> = Vec::new();
     for (t, spec) in catalog.tensors.iter().enumerate() {
         let n = spec.shape.len();
         let base = catalog.offer_start[t];
-        let offers = catalog.offers_of(t);
+        scratch.clear();
+        scratch.extend(catalog.offers_of(t));
+        let offers = &scratch[..];
         let first_set = sets.len();
         let mut i = 0;
         while i < offers.len() {
@@ -67,10 +70,10 @@ pub(crate) fn replicas(catalog: &Catalog, max_pieces: usize) -> Result<Replicas>
         // an overlapped part; the choice only changes which replica set serves those bytes).
         let tensor_sets = first_set..sets.len();
         for s in tensor_sets.clone() {
-            let offer = &catalog.offers[sets[s].first];
+            let offer = &offers[sets[s].first - base];
             let mut parts = vec![Boxed::new(offer.lo, offer.ext)];
             for earlier in &sets[tensor_sets.start..s] {
-                let e = &catalog.offers[earlier.first];
+                let e = &offers[earlier.first - base];
                 let cut = Boxed::new(e.lo, e.ext);
                 if !parts.iter().any(|p| p.intersect(&cut, n).is_some()) {
                     continue;

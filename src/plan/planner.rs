@@ -68,7 +68,8 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     // Intersect every need with the pieces of its tensor; count what reading every replica would cost.
     let mut items: Vec<Item> = Vec::with_capacity(catalog.needs.len());
     let mut receivers: Vec<(Endpoint, PlanStats)> = Vec::new();
-    for (i, need) in catalog.needs.iter().enumerate() {
+    for i in 0..catalog.needs.len() {
+        let need = &catalog.need(i);
         let (n, elem) = catalog.layout[need.tensor];
         if receivers.last().is_none_or(|(e, _)| *e != need.receiver) {
             receivers.push((need.receiver, PlanStats::default()));
@@ -97,9 +98,12 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
             return Err(coverage::gap_error(&catalog, need, pieces));
         }
         let dst_bytes = byte_strides(&need.strides, elem);
-        for offer in catalog.offers_of(need.tensor) {
-            if let Some(bx) = Boxed::new(offer.lo, offer.ext).intersect(&wanted, n) {
-                let shape = Shape::of(n, &bx.ext, &byte_strides(&offer.strides, elem), &dst_bytes, elem);
+        for o in catalog.offer_range(need.tensor) {
+            let (lo, ext, strides) = catalog.offer_parts(o);
+            if let Some(bx) = wanted.intersect_parts(lo, ext) {
+                let src_bytes: Dims =
+                    std::array::from_fn(|d| if d < n { strides[d].saturating_mul(elem) } else { 0 });
+                let shape = Shape::of(n, &bx.ext, &src_bytes, &dst_bytes, elem);
                 stats.ranges_all_replicas = stats.ranges_all_replicas.saturating_add(shape.runs());
                 stats.bytes_all_replicas = stats.bytes_all_replicas.saturating_add(bx.volume(n) * elem);
             }
@@ -117,12 +121,12 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     let mut budget = limits.max_segments;
     let mut receiver = 0;
     for item in &items {
-        let need = &catalog.needs[item.need];
+        let need = &catalog.need(item.need);
         while receivers[receiver].0 != need.receiver {
             receiver += 1;
         }
         let offer_index = owners.owner(&catalog, &replicas.sets, item.set, need.receiver);
-        let offer = &catalog.offers[offer_index];
+        let offer = &catalog.offer(offer_index);
         kept.push((need.receiver, offer_index));
         let (n, elem) = catalog.layout[need.tensor];
         let shape = Shape::of(
@@ -209,7 +213,7 @@ fn demand(catalog: &Catalog, items: &[Item]) -> Vec<(usize, Endpoint, u64)> {
         .iter()
         .map(|item| {
             let need = &catalog.needs[item.need];
-            let (n, elem) = catalog.layout[need.tensor];
+            let (n, elem) = catalog.layout[need.tensor as usize];
             (item.set, need.receiver, item.bx.volume(n) * elem)
         })
         .collect();
