@@ -15,6 +15,15 @@ impl Boxed {
         Boxed { lo, ext }
     }
 
+    /// The box with corner `lo` and extents `ext` (one value per dimension).
+    pub fn from_parts(lo: &[u64], ext: &[u64]) -> Boxed {
+        let n = lo.len();
+        Boxed {
+            lo: std::array::from_fn(|d| if d < n { lo[d] } else { 0 }),
+            ext: std::array::from_fn(|d| if d < n { ext[d] } else { 0 }),
+        }
+    }
+
     pub fn is_empty(&self, n: usize) -> bool {
         self.ext[..n].contains(&0)
     }

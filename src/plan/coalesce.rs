@@ -93,7 +93,6 @@ fn join_progressions(segments: &mut Vec<Segment>) -> bool {
 /// `group`: segments of one shape with `count[1] == 1`, sorted by destination.
 fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
     let mut used = vec![false; group.len()];
-    let find = |dst: u64| group.binary_search_by_key(&dst, |s| s.dst).ok();
     for i in 0..group.len() {
         if used[i] {
             continue;
@@ -113,7 +112,7 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
             // Member k of the chain, if it is there and free.
             let member = |k: u64| -> Option<usize> {
                 let src = first.src.checked_add(step_src.checked_mul(k)?)?;
-                let at = find(first.dst.checked_add(step_dst.checked_mul(k)?)?)?;
+                let at = find_from(group, j, first.dst.checked_add(step_dst.checked_mul(k)?)?)?;
                 (!used[at] && group[at].src == src).then_some(at)
             };
             // A chain beats the best only if it reaches one member further: test that member first,
@@ -136,11 +135,25 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
             continue;
         };
         for k in 0..length as u64 {
-            let at = find(first.dst + k * step_dst).expect("chain members were found above");
+            let at = find_from(group, i, first.dst + k * step_dst).expect("chain members were found above");
             used[at] = true;
         }
         out.push(stack(first, step_src, step_dst, length as u64));
     }
+}
+
+/// The index of the segment of `group` (sorted by destination; destinations are distinct) whose
+/// destination is `dst`, which is not below `group[from].dst`. Gallops forward from `from`: chain
+/// members lie a few places apart, so this reads a handful of neighbours where a binary search over
+/// the whole group would miss the cache at every step.
+fn find_from(group: &[Segment], from: usize, dst: u64) -> Option<usize> {
+    let rest = &group[from.min(group.len())..];
+    let mut bound = 1;
+    while bound < rest.len() && rest[bound].dst < dst {
+        bound *= 2;
+    }
+    let window = &rest[bound / 2..(bound + 1).min(rest.len())];
+    window.binary_search_by_key(&dst, |s| s.dst).ok().map(|k| from + bound / 2 + k)
 }
 
 /// `first` repeated `n` times, `step_src`/`step_dst` bytes apart, as one segment.

@@ -2,6 +2,7 @@
 //! to tensor dimensions, validated, and sorted by canonical keys so that the order in which tables or
 //! their entries arrive never changes the plan.
 
+use super::boxes::Boxed;
 use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
@@ -87,17 +88,18 @@ impl Catalog<'_> {
         self.offer_start[tensor]..self.offer_start[tensor + 1]
     }
 
-    /// Tensor `tensor`'s offers, expanded.
-    pub fn offers_of(&self, tensor: usize) -> impl Iterator<Item = CanonOffer> + '_ {
-        self.offer_range(tensor).map(|i| self.offer(i))
-    }
-
     /// Offset, extent and strides of offer `i`, one value per dimension of its tensor.
     pub fn offer_parts(&self, i: usize) -> (&[u64], &[u64], &[u64]) {
         let p = &self.offers[i];
         let n = self.layout[p.tensor as usize].0;
         let values = &self.offer_dims[p.dims..p.dims + 3 * n];
         (&values[..n], &values[n..2 * n], &values[2 * n..])
+    }
+
+    /// The box of offer `i`.
+    pub fn offer_box(&self, i: usize) -> Boxed {
+        let (lo, ext, _) = self.offer_parts(i);
+        Boxed::from_parts(lo, ext)
     }
 
     /// Offer `i`, expanded.
