@@ -6,8 +6,8 @@ use super::boxes::Boxed;
 use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::BTreeMap;
+use std::hash::Hasher;
 
 /// Per-dimension values of one box or layout; entries past the tensor's rank are zero.
 pub(crate) type Dims = [u64; MAX_DIMS];
@@ -122,8 +122,9 @@ impl Catalog<'_> {
 pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     // Distinct tensors in the order first seen, then ranked by name: the global index is the rank.
     let entries: usize = tables.iter().map(|t| t.tensors.len()).sum();
-    let mut seen: HashMap<&str, usize, BuildHasherDefault<Fnv>> =
-        HashMap::with_capacity_and_hasher(entries, BuildHasherDefault::default());
+    if entries > u32::MAX as usize {
+        bail!(Status::Unsupported, "more than 2^32 distinct tensors");
+    }
     let mut distinct: Vec<&'a TensorSpec> = Vec::new();
     // What later descriptions are compared with, kept dense (reading the first description again
     // would be a cache miss into another table per entry).
@@ -134,44 +135,70 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
         (spec.dtype, spec.elem_size, spec.shape.len(), shape)
     };
     // The names of distinct tensors, copied into one dense buffer as they are first seen, with
-    // their hashes: comparing a later table's name with the guessed match then reads this buffer
-    // front to back instead of chasing a pointer into another table (a cache miss per entry).
+    // their hashes: comparing a later table's name with a candidate then reads this buffer instead
+    // of chasing a pointer into another table (a cache miss per entry).
     let mut names: Vec<u8> = Vec::new();
     let mut name_at: Vec<std::ops::Range<usize>> = Vec::new();
     let mut keyed: Vec<u64> = Vec::new();
+    // The name index: open addressing with linear probing over distinct indices (`EMPTY` when
+    // free), at most half full. Keys are compared through `keyed` and `names`.
+    const EMPTY: u32 = u32::MAX;
+    let mut slots: Vec<u32> = vec![EMPTY; (2 * entries).next_power_of_two()];
+    let mask = slots.len() - 1;
+    // Tables tend to list tensors in the same order: the guess for an entry is the distinct tensor
+    // that followed the previous entry's tensor in the last table that listed it, tried before
+    // hashing the name.
+    let mut follows: Vec<usize> = Vec::new();
+    let mut first_of_last_table = usize::MAX;
     let mut local_to_distinct: Vec<Vec<usize>> = Vec::with_capacity(tables.len());
     for (t, table) in tables.iter().enumerate() {
         let mut map = Vec::with_capacity(table.tensors.len());
-        // Tables tend to list tensors in the same order: try the successor of the previous match
-        // before hashing the name.
-        let mut guess = usize::MAX;
+        let mut previous = usize::MAX;
         for (j, spec) in table.tensors.iter().enumerate() {
             if let Some(ahead) = table.tensors.get(j + PREFETCH_AHEAD) {
                 prefetch(ahead.name.as_ptr());
                 prefetch(ahead.shape.as_ptr());
             }
             validate_spec(spec).map_err(|e| e.context(format!("table {t}")))?;
-            let known =
-                name_at.get(guess).filter(|r| &names[(*r).clone()] == spec.name.as_bytes()).map(|_| guess);
+            let name = spec.name.as_bytes();
+            let guess = if previous == usize::MAX { first_of_last_table } else { follows[previous] };
+            let known = name_at.get(guess).filter(|r| names[(*r).clone()] == *name).map(|_| guess);
             let at = match known {
                 Some(at) => at,
-                None => match seen.entry(&spec.name) {
-                    std::collections::hash_map::Entry::Occupied(e) => *e.get(),
-                    std::collections::hash_map::Entry::Vacant(e) => {
-                        distinct.push(spec);
-                        described.push(describe(spec));
-                        names.extend_from_slice(spec.name.as_bytes());
-                        name_at.push(names.len() - spec.name.len()..names.len());
-                        keyed.push(name_hash(&spec.name));
-                        *e.insert(distinct.len() - 1)
+                None => {
+                    let hash = name_hash(&spec.name);
+                    let mut slot = hash as usize & mask;
+                    loop {
+                        let d = slots[slot];
+                        if d == EMPTY {
+                            let at = distinct.len();
+                            slots[slot] = at as u32;
+                            distinct.push(spec);
+                            described.push(describe(spec));
+                            names.extend_from_slice(name);
+                            name_at.push(names.len() - name.len()..names.len());
+                            keyed.push(hash);
+                            follows.push(usize::MAX);
+                            break at;
+                        }
+                        let d = d as usize;
+                        if keyed[d] == hash && names[name_at[d].clone()] == *name {
+                            break d;
+                        }
+                        slot = (slot + 1) & mask;
                     }
-                },
+                }
             };
             if described[at] != describe(spec) {
                 check_same(distinct[at], spec)?;
             }
             map.push(at);
-            guess = at + 1;
+            if previous == usize::MAX {
+                first_of_last_table = at;
+            } else {
+                follows[previous] = at;
+            }
+            previous = at;
         }
         local_to_distinct.push(map);
     }
@@ -312,7 +339,7 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
 
 /// How many entries ahead the merge asks for the small heap blocks (names, shapes, boxes, strides)
 /// of the caller's tables: far enough that the block arrives before it is read.
-const PREFETCH_AHEAD: usize = 8;
+const PREFETCH_AHEAD: usize = 24;
 
 /// Asks the processor to start loading the cache line at `p` (a hint: never faults, whatever `p` is).
 #[inline(always)]
