@@ -28,17 +28,21 @@ fn is_run(s: &Segment) -> bool {
 /// destination order a run's continuation is its immediate successor.
 fn join_adjacent_runs(segments: &mut Vec<Segment>) {
     segments.sort_unstable_by_key(|s| (s.dst, s.src));
-    let mut out: Vec<Segment> = Vec::with_capacity(segments.len());
-    for s in segments.drain(..) {
-        if let Some(last) = out.last_mut() {
+    // In place: the joined list is never longer than what has been read.
+    let mut kept = 0;
+    for i in 0..segments.len() {
+        let s = segments[i];
+        if kept > 0 {
+            let last = &mut segments[kept - 1];
             if is_run(last) && is_run(&s) && last.dst + last.len == s.dst && last.src + last.len == s.src {
                 last.len += s.len;
                 continue;
             }
         }
-        out.push(s);
+        segments[kept] = s;
+        kept += 1;
     }
-    *segments = out;
+    segments.truncate(kept);
 }
 
 fn same_shape(a: &Segment, b: &Segment) -> bool {

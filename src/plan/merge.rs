@@ -223,8 +223,13 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     // entries' vectors stays cache-friendly), then put the packed results in canonical order.
     let mut offers = Vec::with_capacity(tables.iter().map(|t| t.offers.len()).sum());
     let mut needs = Vec::with_capacity(tables.iter().map(|t| t.needs.len()).sum());
-    let mut offer_dims = Vec::new();
-    let mut need_dims = Vec::new();
+    // Sized from the boxes' lengths (what valid entries store), so that the pools never regrow.
+    let values = |offsets: usize| 3 * offsets.min(MAX_DIMS);
+    let mut offer_dims = Vec::with_capacity(
+        tables.iter().flat_map(|t| &t.offers).map(|o| values(o.region.offset.len())).sum(),
+    );
+    let mut need_dims =
+        Vec::with_capacity(tables.iter().flat_map(|t| &t.needs).map(|n| values(n.region.offset.len())).sum());
     for (t, table) in tables.iter().enumerate() {
         let global = |local: u32, what: &str, i: usize| -> Result<usize> {
             let d = local_to_distinct[t].get(local as usize).ok_or_else(|| {
