@@ -107,6 +107,10 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
         // Scan a bounded window, so that long runs of already-joined members cannot make this quadratic.
         let window = (i + 1..group.len()).take(4 * CANDIDATES);
         let candidates = window.filter(|&j| !used[j]).take(CANDIDATES);
+        // Where the member tested first for each candidate is looked up from: that member's
+        // destination grows with the candidate (and with the best length), so the lookups move
+        // forward through the group and each starts where the previous one ended.
+        let mut cursor = i + 1;
         for j in candidates {
             let second = group[j];
             if second.src < first.src {
@@ -122,7 +126,14 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
             // A chain beats the best only if it reaches one member further: test that member first,
             // so that most candidates cost one lookup.
             let best_length = best.map_or(1, |(_, _, l)| l);
-            if member(best_length as u64).is_none() {
+            let k = best_length as u64;
+            let Some(target) = step_dst.checked_mul(k).and_then(|d| first.dst.checked_add(d)) else {
+                continue;
+            };
+            cursor = lower_bound_from(group, cursor, target);
+            let src = step_src.checked_mul(k).and_then(|d| first.src.checked_add(d));
+            let found = group.get(cursor).is_some_and(|s| s.dst == target && Some(s.src) == src);
+            if !found || used[cursor] {
                 continue;
             }
             let mut length = 2;
@@ -158,6 +169,20 @@ fn find_from(group: &[Segment], from: usize, dst: u64) -> Option<usize> {
     }
     let window = &rest[bound / 2..(bound + 1).min(rest.len())];
     window.binary_search_by_key(&dst, |s| s.dst).ok().map(|k| from + bound / 2 + k)
+}
+
+/// The first index at or after `from` whose segment's destination is not below `dst`, in `group`
+/// sorted by destination, given that every segment before `from` lies below `dst`. Gallops
+/// forward, so a nearby answer costs a few reads.
+fn lower_bound_from(group: &[Segment], from: usize, dst: u64) -> usize {
+    let rest = &group[from.min(group.len())..];
+    let mut end = 1;
+    while end < rest.len() && rest[end - 1].dst < dst {
+        end *= 2;
+    }
+    let end = end.min(rest.len());
+    let start = end / 2;
+    from + start + rest[start..end].partition_point(|s| s.dst < dst)
 }
 
 /// `first` repeated `n` times, `step_src`/`step_dst` bytes apart, as one segment.
