@@ -122,8 +122,9 @@ impl Catalog<'_> {
 pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     // Distinct tensors in the order first seen, then ranked by name: the global index is the rank.
     let entries: usize = tables.iter().map(|t| t.tensors.len()).sum();
+    // The name index below holds distinct indices as u32; there are no more of them than entries.
     if entries > u32::MAX as usize {
-        bail!(Status::Unsupported, "more than 2^32 distinct tensors");
+        bail!(Status::Unsupported, "more than 2^32 tensor descriptions in all tables");
     }
     let mut distinct: Vec<&'a TensorSpec> = Vec::new();
     // What later descriptions are compared with, kept dense (reading the first description again
@@ -214,9 +215,6 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     }
     let tensors: Vec<&'a TensorSpec> = by_name.iter().map(|&d| distinct[d]).collect();
 
-    if tensors.len() > u32::MAX as usize {
-        bail!(Status::Unsupported, "more than 2^32 distinct tensors");
-    }
     let layout: Vec<(usize, u64)> = tensors.iter().map(|s| (s.shape.len(), u64::from(s.elem_size))).collect();
 
     // Resolve every entry in input order (the order its memory was written in, so reading the
