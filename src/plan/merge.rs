@@ -294,8 +294,12 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     let order = bucket_order((0..offers.len() as u32).collect(), tensors.len(), |i| {
         offers[i as usize].tensor as usize
     });
+    // Gathered in bucket order with their values copied into a pool in the same order: later
+    // stages walk entries in canonical order and read memory front to back (sorting inside a
+    // bucket only permutes neighbours).
+    let (offers, offer_dims) = gather(&offers, &offer_dims, &order, |o| layout[o.tensor as usize].0);
     let offers = sort_runs(
-        order.iter().map(|&i| offers[i as usize]).collect(),
+        offers,
         |a, b| a.tensor == b.tensor,
         |a, b| {
             let n = layout[a.tensor as usize].0;
@@ -314,8 +318,9 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     let order =
         bucket_order((0..needs.len() as u32).collect(), tensors.len(), |i| needs[i as usize].tensor as usize);
     let order = bucket_order(order, receivers.len(), |i| receiver_of[i as usize]);
+    let (needs, need_dims) = gather(&needs, &need_dims, &order, |o| layout[o.tensor as usize].0);
     let needs = sort_runs(
-        order.iter().map(|&i| needs[i as usize]).collect(),
+        needs,
         |a, b| (a.receiver, a.tensor) == (b.receiver, b.tensor),
         |a, b| {
             let n = layout[a.tensor as usize].0;
@@ -323,13 +328,6 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
             x[..2 * n].cmp(&y[..2 * n]).then(a.addr.cmp(&b.addr)).then_with(|| x[2 * n..].cmp(&y[2 * n..]))
         },
     );
-    // Later stages walk entries in canonical order: lay their values out in that order too, so
-    // that they read memory front to back instead of missing the cache on every entry.
-    let (mut offers, mut needs) = (offers, needs);
-    let offer_dims =
-        relayout(&offer_dims, offers.iter_mut().map(|o| (&mut o.dims, layout[o.tensor as usize].0)));
-    let need_dims =
-        relayout(&need_dims, needs.iter_mut().map(|o| (&mut o.dims, layout[o.tensor as usize].0)));
     let mut offer_start = vec![0; tensors.len() + 1];
     for offer in &offers {
         offer_start[offer.tensor as usize + 1] += 1;
@@ -357,16 +355,41 @@ fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
-/// Copies each entry's `3 n` values from `pool` into a new pool in the order the entries come,
-/// pointing each entry at its new place.
-fn relayout<'e>(pool: &[u64], entries: impl Iterator<Item = (&'e mut usize, usize)>) -> Vec<u64> {
-    let mut out = Vec::with_capacity(pool.len());
-    for (at, n) in entries {
-        let start = out.len();
-        out.extend_from_slice(&pool[*at..*at + 3 * n]);
-        *at = start;
+/// An entry whose `3 n` values live in a pool from `dims`.
+trait Pooled: Copy {
+    fn dims(&mut self) -> &mut usize;
+}
+
+impl Pooled for PackedOffer {
+    fn dims(&mut self) -> &mut usize {
+        &mut self.dims
     }
-    out
+}
+
+impl Pooled for PackedNeed {
+    fn dims(&mut self) -> &mut usize {
+        &mut self.dims
+    }
+}
+
+/// `entries` taken in `order`, with their values (`3 n` each, `n` from `rank`) copied from `pool`
+/// into a new pool in the same order.
+fn gather<T: Pooled>(
+    entries: &[T],
+    pool: &[u64],
+    order: &[u32],
+    rank: impl Fn(&T) -> usize,
+) -> (Vec<T>, Vec<u64>) {
+    let mut out = Vec::with_capacity(order.len());
+    let mut values = Vec::with_capacity(pool.len());
+    for &i in order {
+        let mut entry = entries[i as usize];
+        let at = *entry.dims();
+        values.extend_from_slice(&pool[at..at + 3 * rank(&entry)]);
+        *entry.dims() = values.len() - 3 * rank(&entry);
+        out.push(entry);
+    }
+    (out, values)
 }
 
 /// `order` (indices) stably sorted by `key` (below `buckets`): a counting sort.
