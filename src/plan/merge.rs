@@ -13,7 +13,7 @@ use std::hash::Hasher;
 pub(crate) type Dims = [u64; MAX_DIMS];
 
 /// An offer resolved against the merged tensor list: strides explicit, in elements. The catalog
-/// keeps offers packed (see [`PackedOffer`]) and expands one on demand.
+/// keeps offers packed (see [`PackedOffer`]) and reads their values in place.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct CanonOffer {
     pub tensor: usize,
@@ -76,10 +76,20 @@ pub(crate) struct Catalog<'a> {
 /// Offset, extent and strides of `n` dimensions stored from `at`, as full `Dims`.
 fn expand(pool: &[u64], at: usize, n: usize) -> (Dims, Dims, Dims) {
     let values = &pool[at..at + 3 * n];
+    let (mut lo, mut ext, mut strides) = ([0; MAX_DIMS], [0; MAX_DIMS], [0; MAX_DIMS]);
     // Element by element rather than `copy_from_slice`: a call to memcpy per short copy costs more
     // than the copy.
-    let part = |k: usize| -> Dims { std::array::from_fn(|d| if d < n { values[k * n + d] } else { 0 }) };
-    (part(0), part(1), part(2))
+    for d in 0..n.min(MAX_DIMS) {
+        lo[d] = values[d];
+        ext[d] = values[n + d];
+        strides[d] = values[2 * n + d];
+    }
+    (lo, ext, strides)
+}
+
+/// Whether two short value lists are equal, compared in place (slice equality calls memcmp).
+pub(crate) fn same_values(a: &[u64], b: &[u64]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
 }
 
 impl Catalog<'_> {
@@ -100,14 +110,6 @@ impl Catalog<'_> {
     pub fn offer_box(&self, i: usize) -> Boxed {
         let (lo, ext, _) = self.offer_parts(i);
         Boxed::from_parts(lo, ext)
-    }
-
-    /// Offer `i`, expanded.
-    pub fn offer(&self, i: usize) -> CanonOffer {
-        let p = &self.offers[i];
-        let tensor = p.tensor as usize;
-        let (lo, ext, strides) = expand(&self.offer_dims, p.dims, self.layout[tensor].0);
-        CanonOffer { tensor, lo, ext, owner: p.owner, addr: p.addr, strides, digest: p.digest }
     }
 
     /// Need `i`, expanded.
@@ -257,9 +259,9 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
                 digest: c.digest,
                 dims: offer_dims.len(),
             });
-            offer_dims.extend_from_slice(&c.lo[..n]);
-            offer_dims.extend_from_slice(&c.ext[..n]);
-            offer_dims.extend_from_slice(&c.strides[..n]);
+            push_values(&mut offer_dims, &c.lo[..n]);
+            push_values(&mut offer_dims, &c.ext[..n]);
+            push_values(&mut offer_dims, &c.strides[..n]);
         }
         for (i, need) in table.needs.iter().enumerate() {
             if let Some(ahead) = table.needs.get(i + PREFETCH_AHEAD) {
@@ -280,9 +282,9 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
                 addr: c.addr,
                 dims: need_dims.len(),
             });
-            need_dims.extend_from_slice(&c.lo[..n]);
-            need_dims.extend_from_slice(&c.ext[..n]);
-            need_dims.extend_from_slice(&c.strides[..n]);
+            push_values(&mut need_dims, &c.lo[..n]);
+            push_values(&mut need_dims, &c.ext[..n]);
+            push_values(&mut need_dims, &c.strides[..n]);
         }
     }
     if offers.len() > u32::MAX as usize || needs.len() > u32::MAX as usize {
@@ -355,6 +357,14 @@ fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// Appends a few values one by one: `extend_from_slice` calls memcpy, which costs more than
+/// copying a handful of values.
+fn push_values(pool: &mut Vec<u64>, values: &[u64]) {
+    for &v in values {
+        pool.push(v);
+    }
+}
+
 /// An entry whose `3 n` values live in a pool from `dims`.
 trait Pooled: Copy {
     fn dims(&mut self) -> &mut usize;
@@ -385,7 +395,7 @@ fn gather<T: Pooled>(
     for &i in order {
         let mut entry = entries[i as usize];
         let at = *entry.dims();
-        values.extend_from_slice(&pool[at..at + 3 * rank(&entry)]);
+        push_values(&mut values, &pool[at..at + 3 * rank(&entry)]);
         *entry.dims() = values.len() - 3 * rank(&entry);
         out.push(entry);
     }

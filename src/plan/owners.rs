@@ -4,7 +4,7 @@
 
 use super::boxes::Boxed;
 use super::merge::Fnv;
-use super::merge::{Catalog, PackedOffer};
+use super::merge::{same_values, Catalog, PackedOffer};
 use super::table::Endpoint;
 use super::OwnerPolicy;
 use crate::bail;
@@ -46,7 +46,8 @@ impl Replicas {
 /// `max_pieces` bounds the work hostile overlaps can cause.
 pub(crate) fn replicas(catalog: &Catalog, max_pieces: usize) -> Result<Replicas> {
     let mut sets = Vec::new();
-    let mut pieces = Vec::new();
+    // Every replica set is at least one piece: sized for one per offer, it rarely regrows.
+    let mut pieces = Vec::with_capacity(catalog.offers.len().min(max_pieces));
     let mut piece_start = vec![0; catalog.tensors.len() + 1];
     // Reused between sets: the parts of the box being cut, and the parts after the next cut.
     let (mut parts, mut next): (Vec<Boxed>, Vec<Boxed>) = (Vec::new(), Vec::new());
@@ -60,7 +61,7 @@ pub(crate) fn replicas(catalog: &Catalog, max_pieces: usize) -> Result<Replicas>
             let same = (i..offers.end)
                 .take_while(|&k| {
                     let (other_lo, other_ext, _) = catalog.offer_parts(k);
-                    other_lo == lo && other_ext == ext
+                    same_values(other_lo, lo) && same_values(other_ext, ext)
                 })
                 .count();
             check_digests(&catalog.offers[i..i + same], lo, ext, &spec.name)?;

@@ -152,20 +152,17 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
             receiver += 1;
         }
         let offer_index = owners.owner(&catalog, &replicas.sets, set, need.receiver);
-        let offer = &catalog.offer(offer_index);
+        let offer = &catalog.offers[offer_index];
+        let (offer_lo, _, offer_strides) = catalog.offer_parts(offer_index);
         kept.push((need.receiver, offer_index));
         let (n, elem) = catalog.layout[need.tensor];
-        let shape = Shape::of(
-            n,
-            &bx.ext,
-            &byte_strides(&offer.strides, elem),
-            &byte_strides(&need.strides, elem),
-            elem,
-        );
+        let src_bytes: Dims =
+            std::array::from_fn(|d| if d < n { offer_strides[d].saturating_mul(elem) } else { 0 });
+        let shape = Shape::of(n, &bx.ext, &src_bytes, &byte_strides(&need.strides, elem), elem);
         let stats = &mut receivers[receiver].1;
         stats.ranges_deduped = stats.ranges_deduped.saturating_add(shape.runs());
         stats.segments_deduped = stats.segments_deduped.saturating_add(shape.segments());
-        let src = address(offer.addr, &bx.lo, &offer.lo, &offer.strides, n, elem);
+        let src = address(offer.addr, &bx.lo, offer_lo, offer_strides, n, elem);
         let dst = address(need.addr, &bx.lo, &need.lo, &need.strides, n, elem);
         shape.emit(src, dst, routes.entry((offer.owner, need.receiver)).or_default(), &mut budget)?;
     }
@@ -261,7 +258,7 @@ fn byte_strides(strides: &Dims, elem: u64) -> Dims {
 }
 
 /// Address of element `at` of a box stored at `base` from its corner `corner` with `strides`.
-fn address(base: u64, at: &Dims, corner: &Dims, strides: &Dims, n: usize, elem: u64) -> u64 {
+fn address(base: u64, at: &[u64], corner: &[u64], strides: &[u64], n: usize, elem: u64) -> u64 {
     let mut elements = 0;
     for d in 0..n {
         elements += (at[d] - corner[d]) * strides[d];
