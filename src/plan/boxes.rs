@@ -15,6 +15,15 @@ impl Boxed {
         Boxed { lo, ext }
     }
 
+    /// The box with corner `lo` and extents `ext` (one value per dimension).
+    pub fn from_parts(lo: &[u64], ext: &[u64]) -> Boxed {
+        let n = lo.len();
+        Boxed {
+            lo: std::array::from_fn(|d| if d < n { lo[d] } else { 0 }),
+            ext: std::array::from_fn(|d| if d < n { ext[d] } else { 0 }),
+        }
+    }
+
     pub fn is_empty(&self, n: usize) -> bool {
         self.ext[..n].contains(&0)
     }
@@ -26,10 +35,17 @@ impl Boxed {
 
     /// The common part of two boxes, or None when they share no element.
     pub fn intersect(&self, other: &Boxed, n: usize) -> Option<Boxed> {
+        self.intersect_parts(&other.lo[..n], &other.ext[..n])
+    }
+
+    /// The common part of this box and the box with corner `lo` and extents `ext` (one value per
+    /// dimension), or None when they share no element.
+    pub fn intersect_parts(&self, lo: &[u64], ext: &[u64]) -> Option<Boxed> {
+        let n = lo.len();
         let mut out = Boxed { lo: [0; super::MAX_DIMS], ext: [0; super::MAX_DIMS] };
         for d in 0..n {
-            let lo = self.lo[d].max(other.lo[d]);
-            let hi = (self.lo[d] + self.ext[d]).min(other.lo[d] + other.ext[d]);
+            let hi = (self.lo[d] + self.ext[d]).min(lo[d] + ext[d]);
+            let lo = self.lo[d].max(lo[d]);
             if hi <= lo {
                 return None;
             }

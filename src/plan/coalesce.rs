@@ -28,17 +28,21 @@ fn is_run(s: &Segment) -> bool {
 /// destination order a run's continuation is its immediate successor.
 fn join_adjacent_runs(segments: &mut Vec<Segment>) {
     segments.sort_unstable_by_key(|s| (s.dst, s.src));
-    let mut out: Vec<Segment> = Vec::with_capacity(segments.len());
-    for s in segments.drain(..) {
-        if let Some(last) = out.last_mut() {
+    // In place: the joined list is never longer than what has been read.
+    let mut kept = 0;
+    for i in 0..segments.len() {
+        let s = segments[i];
+        if kept > 0 {
+            let last = &mut segments[kept - 1];
             if is_run(last) && is_run(&s) && last.dst + last.len == s.dst && last.src + last.len == s.src {
                 last.len += s.len;
                 continue;
             }
         }
-        out.push(s);
+        segments[kept] = s;
+        kept += 1;
     }
-    *segments = out;
+    segments.truncate(kept);
 }
 
 fn same_shape(a: &Segment, b: &Segment) -> bool {
@@ -93,7 +97,6 @@ fn join_progressions(segments: &mut Vec<Segment>) -> bool {
 /// `group`: segments of one shape with `count[1] == 1`, sorted by destination.
 fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
     let mut used = vec![false; group.len()];
-    let find = |dst: u64| group.binary_search_by_key(&dst, |s| s.dst).ok();
     for i in 0..group.len() {
         if used[i] {
             continue;
@@ -104,6 +107,10 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
         // Scan a bounded window, so that long runs of already-joined members cannot make this quadratic.
         let window = (i + 1..group.len()).take(4 * CANDIDATES);
         let candidates = window.filter(|&j| !used[j]).take(CANDIDATES);
+        // Where the member tested first for each candidate is looked up from: that member's
+        // destination grows with the candidate (and with the best length), so the lookups move
+        // forward through the group and each starts where the previous one ended.
+        let mut cursor = i + 1;
         for j in candidates {
             let second = group[j];
             if second.src < first.src {
@@ -113,13 +120,20 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
             // Member k of the chain, if it is there and free.
             let member = |k: u64| -> Option<usize> {
                 let src = first.src.checked_add(step_src.checked_mul(k)?)?;
-                let at = find(first.dst.checked_add(step_dst.checked_mul(k)?)?)?;
+                let at = find_from(group, j, first.dst.checked_add(step_dst.checked_mul(k)?)?)?;
                 (!used[at] && group[at].src == src).then_some(at)
             };
             // A chain beats the best only if it reaches one member further: test that member first,
             // so that most candidates cost one lookup.
             let best_length = best.map_or(1, |(_, _, l)| l);
-            if member(best_length as u64).is_none() {
+            let k = best_length as u64;
+            let Some(target) = step_dst.checked_mul(k).and_then(|d| first.dst.checked_add(d)) else {
+                continue;
+            };
+            cursor = lower_bound_from(group, cursor, target);
+            let src = step_src.checked_mul(k).and_then(|d| first.src.checked_add(d));
+            let found = group.get(cursor).is_some_and(|s| s.dst == target && Some(s.src) == src);
+            if !found || used[cursor] {
                 continue;
             }
             let mut length = 2;
@@ -136,11 +150,39 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
             continue;
         };
         for k in 0..length as u64 {
-            let at = find(first.dst + k * step_dst).expect("chain members were found above");
+            let at = find_from(group, i, first.dst + k * step_dst).expect("chain members were found above");
             used[at] = true;
         }
         out.push(stack(first, step_src, step_dst, length as u64));
     }
+}
+
+/// The index of the segment of `group` (sorted by destination; destinations are distinct) whose
+/// destination is `dst`, which is not below `group[from].dst`. Gallops forward from `from`: chain
+/// members lie a few places apart, so this reads a handful of neighbours where a binary search over
+/// the whole group would miss the cache at every step.
+fn find_from(group: &[Segment], from: usize, dst: u64) -> Option<usize> {
+    let rest = &group[from.min(group.len())..];
+    let mut bound = 1;
+    while bound < rest.len() && rest[bound].dst < dst {
+        bound *= 2;
+    }
+    let window = &rest[bound / 2..(bound + 1).min(rest.len())];
+    window.binary_search_by_key(&dst, |s| s.dst).ok().map(|k| from + bound / 2 + k)
+}
+
+/// The first index at or after `from` whose segment's destination is not below `dst`, in `group`
+/// sorted by destination, given that every segment before `from` lies below `dst`. Gallops
+/// forward, so a nearby answer costs a few reads.
+fn lower_bound_from(group: &[Segment], from: usize, dst: u64) -> usize {
+    let rest = &group[from.min(group.len())..];
+    let mut end = 1;
+    while end < rest.len() && rest[end - 1].dst < dst {
+        end *= 2;
+    }
+    let end = end.min(rest.len());
+    let start = end / 2;
+    from + start + rest[start..end].partition_point(|s| s.dst < dst)
 }
 
 /// `first` repeated `n` times, `step_src`/`step_dst` bytes apart, as one segment.

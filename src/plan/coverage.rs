@@ -57,7 +57,8 @@ struct Written {
 /// their contiguous runs, at most `max_runs` in all (beyond that, UNSUPPORTED).
 pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()> {
     let mut spans: Vec<Written> = Vec::with_capacity(catalog.needs.len());
-    for (i, need) in catalog.needs.iter().enumerate() {
+    for i in 0..catalog.needs.len() {
+        let need = &catalog.need(i);
         let (n, elem) = catalog.layout[need.tensor];
         let span = byte_span(n, &need.ext, &need.strides, elem).expect("checked when merged");
         if span > 0 {
@@ -96,7 +97,7 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
     let mut written = Vec::new();
     let mut budget = max_runs;
     for &i in &expand {
-        let need = &catalog.needs[i];
+        let need = &catalog.need(i);
         let (n, elem) = catalog.layout[need.tensor];
         let bytes: [u64; super::MAX_DIMS] = std::array::from_fn(|d| need.strides[d].saturating_mul(elem));
         let shape = Shape::of(n, &need.ext, &bytes, &bytes, elem);
@@ -141,7 +142,7 @@ const MAX_PAIRWISE: usize = 2048;
 /// distinct indices of the members' bounding box at distinct addresses. Then two members share a
 /// byte exactly when their boxes intersect (OVERLAP). Returns false when it cannot tell.
 fn cluster_disjoint(catalog: &Catalog, cluster: &[Written]) -> Result<bool> {
-    let first = &catalog.needs[cluster[0].need];
+    let first = &catalog.need(cluster[0].need);
     let (n, elem) = catalog.layout[first.tensor];
     if cluster.len() > MAX_PAIRWISE {
         return Ok(false);
@@ -153,7 +154,7 @@ fn cluster_disjoint(catalog: &Catalog, cluster: &[Written]) -> Result<bool> {
     let frame = origin(first);
     let (mut lo, mut hi) = ([u64::MAX; super::MAX_DIMS], [0u64; super::MAX_DIMS]);
     for w in cluster {
-        let need = &catalog.needs[w.need];
+        let need = &catalog.need(w.need);
         if catalog.layout[need.tensor] != (n, elem)
             || need.strides[..n] != first.strides[..n]
             || origin(need) != frame
@@ -170,9 +171,9 @@ fn cluster_disjoint(catalog: &Catalog, cluster: &[Written]) -> Result<bool> {
         return Ok(false);
     }
     for (x, a) in cluster.iter().enumerate() {
-        let na = &catalog.needs[a.need];
+        let na = &catalog.need(a.need);
         for b in &cluster[x + 1..] {
-            let nb = &catalog.needs[b.need];
+            let nb = &catalog.need(b.need);
             if Boxed::new(na.lo, na.ext).intersect(&Boxed::new(nb.lo, nb.ext), n).is_some() {
                 return Err(overlap_error(catalog, a.need, b.need, a.start.max(b.start), a.end.min(b.end)));
             }
@@ -182,7 +183,7 @@ fn cluster_disjoint(catalog: &Catalog, cluster: &[Written]) -> Result<bool> {
 }
 
 fn overlap_error(catalog: &Catalog, a: usize, b: usize, start: u64, end: u64) -> Error {
-    let (na, nb) = (&catalog.needs[a], &catalog.needs[b]);
+    let (na, nb) = (&catalog.need(a), &catalog.need(b));
     let (ta, tb) = (catalog.tensors[na.tensor], catalog.tensors[nb.tensor]);
     Error::new(
         Status::Overlap,

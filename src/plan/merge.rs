@@ -2,17 +2,19 @@
 //! to tensor dimensions, validated, and sorted by canonical keys so that the order in which tables or
 //! their entries arrive never changes the plan.
 
+use super::boxes::Boxed;
 use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
-use std::collections::{BTreeMap, HashMap};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::BTreeMap;
+use std::hash::Hasher;
 
 /// Per-dimension values of one box or layout; entries past the tensor's rank are zero.
 pub(crate) type Dims = [u64; MAX_DIMS];
 
-/// An offer resolved against the merged tensor list: strides explicit, in elements.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+/// An offer resolved against the merged tensor list: strides explicit, in elements. The catalog
+/// keeps offers packed (see [`PackedOffer`]) and reads their values in place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct CanonOffer {
     pub tensor: usize,
     pub lo: Dims,
@@ -24,7 +26,7 @@ pub(crate) struct CanonOffer {
 }
 
 /// A need resolved against the merged tensor list: destination strides indexed by tensor dimension.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(crate) struct CanonNeed {
     pub receiver: Endpoint,
     pub tensor: usize,
@@ -34,6 +36,28 @@ pub(crate) struct CanonNeed {
     pub strides: Dims,
 }
 
+/// An offer as the catalog stores it: the fixed fields, and where its box and strides start in
+/// [`Catalog::offer_dims`] (offset, extent and strides, `n` values each for a tensor of `n`
+/// dimensions). A few dozen bytes instead of three full `Dims`: sorting and copying tens of
+/// thousands of entries moves (and faults in) a fifth of the memory.
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PackedOffer {
+    pub tensor: u32,
+    pub owner: Endpoint,
+    pub addr: u64,
+    pub digest: Option<u64>,
+    dims: usize,
+}
+
+/// A need as the catalog stores it; its box and strides are in [`Catalog::need_dims`].
+#[derive(Clone, Copy, Debug)]
+pub(crate) struct PackedNeed {
+    pub receiver: Endpoint,
+    pub tensor: u32,
+    pub addr: u64,
+    dims: usize,
+}
+
 /// Every table merged: tensors sorted by (hash of the name, name), offers sorted by (tensor, box, owner, ...), needs
 /// sorted by (receiver, tensor, box, ...).
 pub(crate) struct Catalog<'a> {
@@ -41,23 +65,69 @@ pub(crate) struct Catalog<'a> {
     /// (dimensions, element size) of each tensor: a dense copy of what hot loops read, so they do
     /// not chase pointers into the callers' tables.
     pub layout: Vec<(usize, u64)>,
-    pub offers: Vec<CanonOffer>,
+    pub offers: Vec<PackedOffer>,
     /// `offers[offer_start[t]..offer_start[t + 1]]` are tensor `t`'s offers.
     pub offer_start: Vec<usize>,
-    pub needs: Vec<CanonNeed>,
+    pub needs: Vec<PackedNeed>,
+    offer_dims: Vec<u64>,
+    need_dims: Vec<u64>,
+}
+
+/// Offset, extent and strides of `n` dimensions stored from `at`, as full `Dims`.
+fn expand(pool: &[u64], at: usize, n: usize) -> (Dims, Dims, Dims) {
+    let values = &pool[at..at + 3 * n];
+    let (mut lo, mut ext, mut strides) = ([0; MAX_DIMS], [0; MAX_DIMS], [0; MAX_DIMS]);
+    // Element by element rather than `copy_from_slice`: a call to memcpy per short copy costs more
+    // than the copy.
+    for d in 0..n.min(MAX_DIMS) {
+        lo[d] = values[d];
+        ext[d] = values[n + d];
+        strides[d] = values[2 * n + d];
+    }
+    (lo, ext, strides)
+}
+
+/// Whether two short value lists are equal, compared in place (slice equality calls memcmp).
+pub(crate) fn same_values(a: &[u64], b: &[u64]) -> bool {
+    a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
 }
 
 impl Catalog<'_> {
-    pub fn offers_of(&self, tensor: usize) -> &[CanonOffer] {
-        &self.offers[self.offer_start[tensor]..self.offer_start[tensor + 1]]
+    /// Catalog indices of tensor `tensor`'s offers.
+    pub fn offer_range(&self, tensor: usize) -> std::ops::Range<usize> {
+        self.offer_start[tensor]..self.offer_start[tensor + 1]
+    }
+
+    /// Offset, extent and strides of offer `i`, one value per dimension of its tensor.
+    pub fn offer_parts(&self, i: usize) -> (&[u64], &[u64], &[u64]) {
+        let p = &self.offers[i];
+        let n = self.layout[p.tensor as usize].0;
+        let values = &self.offer_dims[p.dims..p.dims + 3 * n];
+        (&values[..n], &values[n..2 * n], &values[2 * n..])
+    }
+
+    /// The box of offer `i`.
+    pub fn offer_box(&self, i: usize) -> Boxed {
+        let (lo, ext, _) = self.offer_parts(i);
+        Boxed::from_parts(lo, ext)
+    }
+
+    /// Need `i`, expanded.
+    pub fn need(&self, i: usize) -> CanonNeed {
+        let p = &self.needs[i];
+        let tensor = p.tensor as usize;
+        let (lo, ext, strides) = expand(&self.need_dims, p.dims, self.layout[tensor].0);
+        CanonNeed { receiver: p.receiver, tensor, lo, ext, addr: p.addr, strides }
     }
 }
 
 pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     // Distinct tensors in the order first seen, then ranked by name: the global index is the rank.
     let entries: usize = tables.iter().map(|t| t.tensors.len()).sum();
-    let mut seen: HashMap<&str, usize, BuildHasherDefault<Fnv>> =
-        HashMap::with_capacity_and_hasher(entries, BuildHasherDefault::default());
+    // The name index below holds distinct indices as u32; there are no more of them than entries.
+    if entries > u32::MAX as usize {
+        bail!(Status::Unsupported, "more than 2^32 tensor descriptions in all tables");
+    }
     let mut distinct: Vec<&'a TensorSpec> = Vec::new();
     // What later descriptions are compared with, kept dense (reading the first description again
     // would be a cache miss into another table per entry).
@@ -67,40 +137,79 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
         shape[..spec.shape.len()].copy_from_slice(&spec.shape);
         (spec.dtype, spec.elem_size, spec.shape.len(), shape)
     };
+    // The names of distinct tensors, copied into one dense buffer as they are first seen, with
+    // their hashes: comparing a later table's name with a candidate then reads this buffer instead
+    // of chasing a pointer into another table (a cache miss per entry).
+    let mut names: Vec<u8> = Vec::new();
+    let mut name_at: Vec<std::ops::Range<usize>> = Vec::new();
+    let mut keyed: Vec<u64> = Vec::new();
+    // The name index: open addressing with linear probing over distinct indices (`EMPTY` when
+    // free), at most half full. Keys are compared through `keyed` and `names`.
+    const EMPTY: u32 = u32::MAX;
+    let mut slots: Vec<u32> = vec![EMPTY; (2 * entries).next_power_of_two()];
+    let mask = slots.len() - 1;
+    // Tables tend to list tensors in the same order: the guess for an entry is the distinct tensor
+    // that followed the previous entry's tensor in the last table that listed it, tried before
+    // hashing the name.
+    let mut follows: Vec<usize> = Vec::new();
+    let mut first_of_last_table = usize::MAX;
     let mut local_to_distinct: Vec<Vec<usize>> = Vec::with_capacity(tables.len());
     for (t, table) in tables.iter().enumerate() {
         let mut map = Vec::with_capacity(table.tensors.len());
-        // Tables tend to list tensors in the same order: try the successor of the previous match
-        // before hashing the name.
-        let mut guess = usize::MAX;
-        for spec in &table.tensors {
+        let mut previous = usize::MAX;
+        for (j, spec) in table.tensors.iter().enumerate() {
+            if let Some(ahead) = table.tensors.get(j + PREFETCH_AHEAD) {
+                prefetch(ahead.name.as_ptr());
+                prefetch(ahead.shape.as_ptr());
+            }
             validate_spec(spec).map_err(|e| e.context(format!("table {t}")))?;
-            let known = distinct.get(guess).filter(|d| d.name == spec.name).map(|_| guess);
+            let name = spec.name.as_bytes();
+            let guess = if previous == usize::MAX { first_of_last_table } else { follows[previous] };
+            let known = name_at.get(guess).filter(|r| names[(*r).clone()] == *name).map(|_| guess);
             let at = match known {
                 Some(at) => at,
-                None => match seen.entry(&spec.name) {
-                    std::collections::hash_map::Entry::Occupied(e) => *e.get(),
-                    std::collections::hash_map::Entry::Vacant(e) => {
-                        distinct.push(spec);
-                        described.push(describe(spec));
-                        *e.insert(distinct.len() - 1)
+                None => {
+                    let hash = name_hash(&spec.name);
+                    let mut slot = hash as usize & mask;
+                    loop {
+                        let d = slots[slot];
+                        if d == EMPTY {
+                            let at = distinct.len();
+                            slots[slot] = at as u32;
+                            distinct.push(spec);
+                            described.push(describe(spec));
+                            names.extend_from_slice(name);
+                            name_at.push(names.len() - name.len()..names.len());
+                            keyed.push(hash);
+                            follows.push(usize::MAX);
+                            break at;
+                        }
+                        let d = d as usize;
+                        if keyed[d] == hash && names[name_at[d].clone()] == *name {
+                            break d;
+                        }
+                        slot = (slot + 1) & mask;
                     }
-                },
+                }
             };
             if described[at] != describe(spec) {
                 check_same(distinct[at], spec)?;
             }
             map.push(at);
-            guess = at + 1;
+            if previous == usize::MAX {
+                first_of_last_table = at;
+            } else {
+                follows[previous] = at;
+            }
+            previous = at;
         }
         local_to_distinct.push(map);
     }
     // Ordered by a hash of the name, then the name: a content-only order (the same in every
     // process) that rarely needs to compare the long shared prefixes of parameter names.
-    let keyed: Vec<u64> = distinct.iter().map(|s| name_hash(&s.name)).collect();
     let mut by_name: Vec<usize> = (0..distinct.len()).collect();
     by_name.sort_unstable_by(|&a, &b| {
-        keyed[a].cmp(&keyed[b]).then_with(|| distinct[a].name.cmp(&distinct[b].name))
+        keyed[a].cmp(&keyed[b]).then_with(|| names[name_at[a].clone()].cmp(&names[name_at[b].clone()]))
     });
     let mut global = vec![0; distinct.len()];
     for (g, &d) in by_name.iter().enumerate() {
@@ -108,10 +217,19 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
     }
     let tensors: Vec<&'a TensorSpec> = by_name.iter().map(|&d| distinct[d]).collect();
 
+    let layout: Vec<(usize, u64)> = tensors.iter().map(|s| (s.shape.len(), u64::from(s.elem_size))).collect();
+
     // Resolve every entry in input order (the order its memory was written in, so reading the
-    // entries' vectors stays cache-friendly), then put the dense results in canonical order.
+    // entries' vectors stays cache-friendly), then put the packed results in canonical order.
     let mut offers = Vec::with_capacity(tables.iter().map(|t| t.offers.len()).sum());
     let mut needs = Vec::with_capacity(tables.iter().map(|t| t.needs.len()).sum());
+    // Sized from the boxes' lengths (what valid entries store), so that the pools never regrow.
+    let values = |offsets: usize| 3 * offsets.min(MAX_DIMS);
+    let mut offer_dims = Vec::with_capacity(
+        tables.iter().flat_map(|t| &t.offers).map(|o| values(o.region.offset.len())).sum(),
+    );
+    let mut need_dims =
+        Vec::with_capacity(tables.iter().flat_map(|t| &t.needs).map(|n| values(n.region.offset.len())).sum());
     for (t, table) in tables.iter().enumerate() {
         let global = |local: u32, what: &str, i: usize| -> Result<usize> {
             let d = local_to_distinct[t].get(local as usize).ok_or_else(|| {
@@ -123,45 +241,165 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
             Ok(global[*d])
         };
         for (i, offer) in table.offers.iter().enumerate() {
+            if let Some(ahead) = table.offers.get(i + PREFETCH_AHEAD) {
+                prefetch(ahead.region.offset.as_ptr());
+                prefetch(ahead.region.extent.as_ptr());
+                if let Some(strides) = &ahead.strides {
+                    prefetch(strides.as_ptr());
+                }
+            }
             let tensor = global(offer.tensor, "offer", i)?;
-            offers.push(
-                canon_offer(tensors[tensor], tensor, offer)
-                    .map_err(|e| e.context(format!("table {t} offer {i}")))?,
-            );
+            let c = canon_offer(tensors[tensor], tensor, offer)
+                .map_err(|e| e.context(format!("table {t} offer {i}")))?;
+            let n = layout[tensor].0;
+            offers.push(PackedOffer {
+                tensor: tensor as u32,
+                owner: c.owner,
+                addr: c.addr,
+                digest: c.digest,
+                dims: offer_dims.len(),
+            });
+            push_values(&mut offer_dims, &c.lo[..n]);
+            push_values(&mut offer_dims, &c.ext[..n]);
+            push_values(&mut offer_dims, &c.strides[..n]);
         }
         for (i, need) in table.needs.iter().enumerate() {
+            if let Some(ahead) = table.needs.get(i + PREFETCH_AHEAD) {
+                prefetch(ahead.region.offset.as_ptr());
+                prefetch(ahead.region.extent.as_ptr());
+                prefetch(ahead.strides.as_ptr());
+                if let Some(perm) = &ahead.perm {
+                    prefetch(perm.as_ptr());
+                }
+            }
             let tensor = global(need.tensor, "need", i)?;
-            needs.push(
-                canon_need(tensors[tensor], tensor, need)
-                    .map_err(|e| e.context(format!("table {t} need {i}")))?,
-            );
+            let c = canon_need(tensors[tensor], tensor, need)
+                .map_err(|e| e.context(format!("table {t} need {i}")))?;
+            let n = layout[tensor].0;
+            needs.push(PackedNeed {
+                receiver: c.receiver,
+                tensor: tensor as u32,
+                addr: c.addr,
+                dims: need_dims.len(),
+            });
+            push_values(&mut need_dims, &c.lo[..n]);
+            push_values(&mut need_dims, &c.ext[..n]);
+            push_values(&mut need_dims, &c.strides[..n]);
         }
     }
     if offers.len() > u32::MAX as usize || needs.len() > u32::MAX as usize {
         bail!(Status::Unsupported, "more than 2^32 offers or needs");
     }
     // Canonical order without comparing whole entries across tables: bucket by tensor (and
-    // receiver), then sort each small bucket fully.
-    let order =
-        bucket_order((0..offers.len() as u32).collect(), tensors.len(), |i| offers[i as usize].tensor);
-    let offers = sort_runs(order.iter().map(|&i| offers[i as usize]).collect(), |a, b| a.tensor == b.tensor);
+    // receiver), then sort each small bucket fully: offers by (tensor, offset, extent, owner,
+    // address, strides, digest), needs by (receiver, tensor, offset, extent, address, strides).
+    let order = bucket_order((0..offers.len() as u32).collect(), tensors.len(), |i| {
+        offers[i as usize].tensor as usize
+    });
+    // Gathered in bucket order with their values copied into a pool in the same order: later
+    // stages walk entries in canonical order and read memory front to back (sorting inside a
+    // bucket only permutes neighbours).
+    let (offers, offer_dims) = gather(&offers, &offer_dims, &order, |o| layout[o.tensor as usize].0);
+    let offers = sort_runs(
+        offers,
+        |a, b| a.tensor == b.tensor,
+        |a, b| {
+            let n = layout[a.tensor as usize].0;
+            let (x, y) = (&offer_dims[a.dims..a.dims + 3 * n], &offer_dims[b.dims..b.dims + 3 * n]);
+            x[..2 * n]
+                .cmp(&y[..2 * n])
+                .then(a.owner.cmp(&b.owner))
+                .then(a.addr.cmp(&b.addr))
+                .then_with(|| x[2 * n..].cmp(&y[2 * n..]))
+                .then(a.digest.cmp(&b.digest))
+        },
+    );
     let receivers: BTreeMap<Endpoint, usize> =
         needs.iter().map(|n| (n.receiver, 0)).collect::<BTreeMap<_, _>>().into_keys().zip(0..).collect();
     let receiver_of: Vec<usize> = needs.iter().map(|n| receivers[&n.receiver]).collect();
-    let order = bucket_order((0..needs.len() as u32).collect(), tensors.len(), |i| needs[i as usize].tensor);
+    let order =
+        bucket_order((0..needs.len() as u32).collect(), tensors.len(), |i| needs[i as usize].tensor as usize);
     let order = bucket_order(order, receivers.len(), |i| receiver_of[i as usize]);
-    let needs = sort_runs(order.iter().map(|&i| needs[i as usize]).collect(), |a, b| {
-        (a.receiver, a.tensor) == (b.receiver, b.tensor)
-    });
+    let (needs, need_dims) = gather(&needs, &need_dims, &order, |o| layout[o.tensor as usize].0);
+    let needs = sort_runs(
+        needs,
+        |a, b| (a.receiver, a.tensor) == (b.receiver, b.tensor),
+        |a, b| {
+            let n = layout[a.tensor as usize].0;
+            let (x, y) = (&need_dims[a.dims..a.dims + 3 * n], &need_dims[b.dims..b.dims + 3 * n]);
+            x[..2 * n].cmp(&y[..2 * n]).then(a.addr.cmp(&b.addr)).then_with(|| x[2 * n..].cmp(&y[2 * n..]))
+        },
+    );
     let mut offer_start = vec![0; tensors.len() + 1];
     for offer in &offers {
-        offer_start[offer.tensor + 1] += 1;
+        offer_start[offer.tensor as usize + 1] += 1;
     }
     for t in 0..tensors.len() {
         offer_start[t + 1] += offer_start[t];
     }
-    let layout = tensors.iter().map(|s| (s.shape.len(), u64::from(s.elem_size))).collect();
-    Ok(Catalog { tensors, layout, offers, offer_start, needs })
+    Ok(Catalog { tensors, layout, offers, offer_start, needs, offer_dims, need_dims })
+}
+
+/// How many entries ahead the merge asks for the small heap blocks (names, shapes, boxes, strides)
+/// of the caller's tables: far enough that the block arrives before it is read.
+const PREFETCH_AHEAD: usize = 24;
+
+/// Asks the processor to start loading the cache line at `p` (a hint: never faults, whatever `p` is).
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    // SAFETY: a prefetch reads nothing and cannot fault, whatever the address; SSE, which it
+    // needs, is part of every x86_64 target.
+    #[cfg(target_arch = "x86_64")]
+    unsafe {
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>())
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
+}
+
+/// Appends a few values one by one: `extend_from_slice` calls memcpy, which costs more than
+/// copying a handful of values.
+fn push_values(pool: &mut Vec<u64>, values: &[u64]) {
+    for &v in values {
+        pool.push(v);
+    }
+}
+
+/// An entry whose `3 n` values live in a pool from `dims`.
+trait Pooled: Copy {
+    fn dims(&mut self) -> &mut usize;
+}
+
+impl Pooled for PackedOffer {
+    fn dims(&mut self) -> &mut usize {
+        &mut self.dims
+    }
+}
+
+impl Pooled for PackedNeed {
+    fn dims(&mut self) -> &mut usize {
+        &mut self.dims
+    }
+}
+
+/// `entries` taken in `order`, with their values (`3 n` each, `n` from `rank`) copied from `pool`
+/// into a new pool in the same order.
+fn gather<T: Pooled>(
+    entries: &[T],
+    pool: &[u64],
+    order: &[u32],
+    rank: impl Fn(&T) -> usize,
+) -> (Vec<T>, Vec<u64>) {
+    let mut out = Vec::with_capacity(order.len());
+    let mut values = Vec::with_capacity(pool.len());
+    for &i in order {
+        let mut entry = entries[i as usize];
+        let at = *entry.dims();
+        push_values(&mut values, &pool[at..at + 3 * rank(&entry)]);
+        *entry.dims() = values.len() - 3 * rank(&entry);
+        out.push(entry);
+    }
+    (out, values)
 }
 
 /// `order` (indices) stably sorted by `key` (below `buckets`): a counting sort.
@@ -182,8 +420,12 @@ fn bucket_order(order: Vec<u32>, buckets: usize, key: impl Fn(u32) -> usize) -> 
     out
 }
 
-/// Sorts each maximal run of neighbours that `same` groups together.
-fn sort_runs<T: Ord>(mut items: Vec<T>, same: impl Fn(&T, &T) -> bool) -> Vec<T> {
+/// Sorts by `order` each maximal run of neighbours that `same` groups together.
+fn sort_runs<T>(
+    mut items: Vec<T>,
+    same: impl Fn(&T, &T) -> bool,
+    order: impl Fn(&T, &T) -> std::cmp::Ordering,
+) -> Vec<T> {
     let mut start = 0;
     while start < items.len() {
         let mut end = start + 1;
@@ -191,7 +433,7 @@ fn sort_runs<T: Ord>(mut items: Vec<T>, same: impl Fn(&T, &T) -> bool) -> Vec<T>
             end += 1;
         }
         if end - start > 1 {
-            items[start..end].sort_unstable();
+            items[start..end].sort_unstable_by(&order);
         }
         start = end;
     }

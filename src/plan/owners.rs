@@ -4,7 +4,7 @@
 
 use super::boxes::Boxed;
 use super::merge::Fnv;
-use super::merge::{CanonOffer, Catalog};
+use super::merge::{same_values, Catalog, PackedOffer};
 use super::table::Endpoint;
 use super::OwnerPolicy;
 use crate::bail;
@@ -46,20 +46,27 @@ impl Replicas {
 /// `max_pieces` bounds the work hostile overlaps can cause.
 pub(crate) fn replicas(catalog: &Catalog, max_pieces: usize) -> Result<Replicas> {
     let mut sets = Vec::new();
-    let mut pieces = Vec::new();
+    // Every replica set is at least one piece: sized for one per offer, it rarely regrows.
+    let mut pieces = Vec::with_capacity(catalog.offers.len().min(max_pieces));
     let mut piece_start = vec![0; catalog.tensors.len() + 1];
+    // Reused between sets: the parts of the box being cut, and the parts after the next cut.
+    let (mut parts, mut next): (Vec<Boxed>, Vec<Boxed>) = (Vec::new(), Vec::new());
     for (t, spec) in catalog.tensors.iter().enumerate() {
         let n = spec.shape.len();
-        let base = catalog.offer_start[t];
-        let offers = catalog.offers_of(t);
+        let offers = catalog.offer_range(t);
         let first_set = sets.len();
-        let mut i = 0;
-        while i < offers.len() {
-            let same =
-                offers[i..].iter().take_while(|o| o.lo == offers[i].lo && o.ext == offers[i].ext).count();
-            check_digests(&offers[i..i + same], &spec.name, n)?;
-            if !Boxed::new(offers[i].lo, offers[i].ext).is_empty(n) {
-                sets.push(ReplicaSet { first: base + i, len: same });
+        let mut i = offers.start;
+        while i < offers.end {
+            let (lo, ext, _) = catalog.offer_parts(i);
+            let same = (i..offers.end)
+                .take_while(|&k| {
+                    let (other_lo, other_ext, _) = catalog.offer_parts(k);
+                    same_values(other_lo, lo) && same_values(other_ext, ext)
+                })
+                .count();
+            check_digests(&catalog.offers[i..i + same], lo, ext, &spec.name)?;
+            if !ext.contains(&0) {
+                sets.push(ReplicaSet { first: i, len: same });
             }
             i += same;
         }
@@ -67,19 +74,19 @@ pub(crate) fn replicas(catalog: &Catalog, max_pieces: usize) -> Result<Replicas>
         // an overlapped part; the choice only changes which replica set serves those bytes).
         let tensor_sets = first_set..sets.len();
         for s in tensor_sets.clone() {
-            let offer = &catalog.offers[sets[s].first];
-            let mut parts = vec![Boxed::new(offer.lo, offer.ext)];
+            parts.clear();
+            parts.push(catalog.offer_box(sets[s].first));
             for earlier in &sets[tensor_sets.start..s] {
-                let e = &catalog.offers[earlier.first];
-                let cut = Boxed::new(e.lo, e.ext);
-                if !parts.iter().any(|p| p.intersect(&cut, n).is_some()) {
+                let (lo, ext, _) = catalog.offer_parts(earlier.first);
+                if !parts.iter().any(|p| p.intersect_parts(lo, ext).is_some()) {
                     continue;
                 }
-                let mut next = Vec::with_capacity(parts.len() + 2 * n);
+                let cut = catalog.offer_box(earlier.first);
+                next.clear();
                 for p in &parts {
                     p.subtract(&cut, n, &mut next);
                 }
-                parts = next;
+                std::mem::swap(&mut parts, &mut next);
                 if pieces.len() + parts.len() > max_pieces {
                     bail!(
                         Status::Unsupported,
@@ -88,14 +95,17 @@ pub(crate) fn replicas(catalog: &Catalog, max_pieces: usize) -> Result<Replicas>
                     );
                 }
             }
-            pieces.extend(parts.into_iter().map(|bx| Piece { set: s, bx }));
+            pieces.extend(parts.iter().map(|&bx| Piece { set: s, bx }));
         }
         piece_start[t + 1] = pieces.len();
+    }
+    if pieces.len() > u32::MAX as usize {
+        bail!(Status::Unsupported, "offers overlap in more than 2^32 pieces");
     }
     Ok(Replicas { sets, pieces, piece_start })
 }
 
-fn check_digests(replicas: &[CanonOffer], name: &str, n: usize) -> Result<()> {
+fn check_digests(replicas: &[PackedOffer], lo: &[u64], ext: &[u64], name: &str) -> Result<()> {
     let mut digests = replicas.iter().filter_map(|o| o.digest.map(|d| (d, o.owner)));
     let Some((first, first_owner)) = digests.next() else {
         return Ok(());
@@ -103,10 +113,8 @@ fn check_digests(replicas: &[CanonOffer], name: &str, n: usize) -> Result<()> {
     if let Some((other, owner)) = digests.find(|&(d, _)| d != first) {
         bail!(
             Status::ReplicaMismatch,
-            "replicas of tensor '{name}' box offset {:?} extent {:?} differ: digest {first:#018x} at rank {} device {} \
+            "replicas of tensor '{name}' box offset {lo:?} extent {ext:?} differ: digest {first:#018x} at rank {} device {} \
              but {other:#018x} at rank {} device {}",
-            &replicas[0].lo[..n],
-            &replicas[0].ext[..n],
             first_owner.rank,
             first_owner.device,
             owner.rank,

@@ -3,7 +3,7 @@
 
 use super::boxes::Boxed;
 use super::layout::Shape;
-use super::merge::{merge, Catalog, Dims};
+use super::merge::{merge, CanonNeed, Catalog, Dims};
 use super::owners::{self, Owners};
 use super::stats::PlanStats;
 use super::table::{Endpoint, Table};
@@ -39,11 +39,24 @@ pub fn build(tables: &[Table], options: &PlanOptions) -> Result<Plan> {
     build_with_limits(tables, options, &Limits::default())
 }
 
-/// One needed box served by one replica set.
+/// One needed box served by one replica set: need `need` intersected with piece `piece` (indices
+/// into the catalog and the replicas). The box itself is recomputed where it is used: storing it
+/// would make this a hundred and forty bytes instead of eight, for tens of thousands of items.
 struct Item {
-    need: usize,
-    set: usize,
-    bx: Boxed,
+    need: u32,
+    piece: u32,
+}
+
+impl Item {
+    /// The piece's replica set and the box this item moves.
+    fn resolve(&self, replicas: &owners::Replicas, need: &CanonNeed, n: usize) -> (usize, Boxed) {
+        let piece = &replicas.pieces[self.piece as usize];
+        let bx = piece
+            .bx
+            .intersect(&Boxed::new(need.lo, need.ext), n)
+            .expect("intersected when the item was made");
+        (piece.set, bx)
+    }
 }
 
 /// Builds a plan from every rank's table. Deterministic: tables and their entries in any order give
@@ -68,7 +81,8 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     // Intersect every need with the pieces of its tensor; count what reading every replica would cost.
     let mut items: Vec<Item> = Vec::with_capacity(catalog.needs.len());
     let mut receivers: Vec<(Endpoint, PlanStats)> = Vec::new();
-    for (i, need) in catalog.needs.iter().enumerate() {
+    for i in 0..catalog.needs.len() {
+        let need = &catalog.need(i);
         let (n, elem) = catalog.layout[need.tensor];
         if receivers.last().is_none_or(|(e, _)| *e != need.receiver) {
             receivers.push((need.receiver, PlanStats::default()));
@@ -82,11 +96,13 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
         let volume = wanted.volume(n);
         stats.needed_bytes = stats.needed_bytes.saturating_add(volume * elem);
         let pieces = replicas.pieces_of(need.tensor);
+        let first_piece = replicas.piece_start[need.tensor];
         let mut covered = 0;
-        for piece in pieces {
+        for (p, piece) in pieces.iter().enumerate() {
             if let Some(bx) = piece.bx.intersect(&wanted, n) {
                 covered += bx.volume(n);
-                items.push(Item { need: i, set: piece.set, bx });
+                // Both fit: merging and `owners::replicas` allow at most 2^32 needs and pieces.
+                items.push(Item { need: i as u32, piece: (first_piece + p) as u32 });
             }
         }
         // Every item becomes at least one segment: stop before holding more than the limit.
@@ -97,9 +113,12 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
             return Err(coverage::gap_error(&catalog, need, pieces));
         }
         let dst_bytes = byte_strides(&need.strides, elem);
-        for offer in catalog.offers_of(need.tensor) {
-            if let Some(bx) = Boxed::new(offer.lo, offer.ext).intersect(&wanted, n) {
-                let shape = Shape::of(n, &bx.ext, &byte_strides(&offer.strides, elem), &dst_bytes, elem);
+        for o in catalog.offer_range(need.tensor) {
+            let (lo, ext, strides) = catalog.offer_parts(o);
+            if let Some(bx) = wanted.intersect_parts(lo, ext) {
+                let src_bytes: Dims =
+                    std::array::from_fn(|d| if d < n { strides[d].saturating_mul(elem) } else { 0 });
+                let shape = Shape::of(n, &bx.ext, &src_bytes, &dst_bytes, elem);
                 stats.ranges_all_replicas = stats.ranges_all_replicas.saturating_add(shape.runs());
                 stats.bytes_all_replicas = stats.bytes_all_replicas.saturating_add(bx.volume(n) * elem);
             }
@@ -108,7 +127,11 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     }
 
     let intersected = started.elapsed();
-    let demand = if options.policy == OwnerPolicy::Balanced { demand(&catalog, &items) } else { Vec::new() };
+    let demand = if options.policy == OwnerPolicy::Balanced {
+        demand(&catalog, &replicas, &items)
+    } else {
+        Vec::new()
+    };
     let owners = Owners::choose(&catalog, &replicas.sets, options.policy, &demand);
 
     // Lay out each item's segments on its route.
@@ -116,27 +139,31 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     let mut kept: Vec<(Endpoint, usize)> = Vec::with_capacity(items.len());
     let mut budget = limits.max_segments;
     let mut receiver = 0;
+    // Items come grouped by need: expand each need once.
+    let mut cached: Option<(usize, CanonNeed)> = None;
     for item in &items {
-        let need = &catalog.needs[item.need];
+        let need_index = item.need as usize;
+        if cached.as_ref().is_none_or(|(i, _)| *i != need_index) {
+            cached = Some((need_index, catalog.need(need_index)));
+        }
+        let need = &cached.as_ref().expect("expanded above").1;
+        let (set, bx) = item.resolve(&replicas, need, catalog.layout[need.tensor].0);
         while receivers[receiver].0 != need.receiver {
             receiver += 1;
         }
-        let offer_index = owners.owner(&catalog, &replicas.sets, item.set, need.receiver);
+        let offer_index = owners.owner(&catalog, &replicas.sets, set, need.receiver);
         let offer = &catalog.offers[offer_index];
+        let (offer_lo, _, offer_strides) = catalog.offer_parts(offer_index);
         kept.push((need.receiver, offer_index));
         let (n, elem) = catalog.layout[need.tensor];
-        let shape = Shape::of(
-            n,
-            &item.bx.ext,
-            &byte_strides(&offer.strides, elem),
-            &byte_strides(&need.strides, elem),
-            elem,
-        );
+        let src_bytes: Dims =
+            std::array::from_fn(|d| if d < n { offer_strides[d].saturating_mul(elem) } else { 0 });
+        let shape = Shape::of(n, &bx.ext, &src_bytes, &byte_strides(&need.strides, elem), elem);
         let stats = &mut receivers[receiver].1;
         stats.ranges_deduped = stats.ranges_deduped.saturating_add(shape.runs());
         stats.segments_deduped = stats.segments_deduped.saturating_add(shape.segments());
-        let src = address(offer.addr, &item.bx.lo, &offer.lo, &offer.strides, n, elem);
-        let dst = address(need.addr, &item.bx.lo, &need.lo, &need.strides, n, elem);
+        let src = address(offer.addr, &bx.lo, offer_lo, offer_strides, n, elem);
+        let dst = address(need.addr, &bx.lo, &need.lo, &need.strides, n, elem);
         shape.emit(src, dst, routes.entry((offer.owner, need.receiver)).or_default(), &mut budget)?;
     }
 
@@ -204,13 +231,14 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
 }
 
 /// Bytes each (replica set, receiver) pair moves, sorted by (set, receiver).
-fn demand(catalog: &Catalog, items: &[Item]) -> Vec<(usize, Endpoint, u64)> {
+fn demand(catalog: &Catalog, replicas: &owners::Replicas, items: &[Item]) -> Vec<(usize, Endpoint, u64)> {
     let mut demand: Vec<(usize, Endpoint, u64)> = items
         .iter()
         .map(|item| {
-            let need = &catalog.needs[item.need];
+            let need = catalog.need(item.need as usize);
             let (n, elem) = catalog.layout[need.tensor];
-            (item.set, need.receiver, item.bx.volume(n) * elem)
+            let (set, bx) = item.resolve(replicas, &need, n);
+            (set, need.receiver, bx.volume(n) * elem)
         })
         .collect();
     demand.sort_unstable_by_key(|&(set, receiver, _)| (set, receiver));
@@ -230,7 +258,7 @@ fn byte_strides(strides: &Dims, elem: u64) -> Dims {
 }
 
 /// Address of element `at` of a box stored at `base` from its corner `corner` with `strides`.
-fn address(base: u64, at: &Dims, corner: &Dims, strides: &Dims, n: usize, elem: u64) -> u64 {
+fn address(base: u64, at: &[u64], corner: &[u64], strides: &[u64], n: usize, elem: u64) -> u64 {
     let mut elements = 0;
     for d in 0..n {
         elements += (at[d] - corner[d]) * strides[d];
