@@ -4,7 +4,7 @@
 // caller's documented promise, so these safe `extern "C"` functions pass them on by design.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use super::{arg, boundary, out, slice};
+use super::{arg, boundary, destroy, out, slice};
 use crate::backend::Stream;
 use crate::copy::{copy_batch, PreparedCopy};
 use crate::error::{Error, Result};
@@ -126,12 +126,6 @@ pub extern "C" fn refit_copy_batch_launch(
 /// only when no launch of the batch (or a graph replaying one) can still run.
 #[no_mangle]
 pub extern "C" fn refit_copy_batch_destroy(batch: *mut refit_prepared_copy) {
-    if batch.is_null() {
-        return;
-    }
-    let _ = boundary("refit_copy_batch_destroy", || {
-        // SAFETY: a pointer from refit_copy_batch_prepare, destroyed once.
-        drop(unsafe { Box::from_raw(batch) });
-        Ok(())
-    });
+    // SAFETY: the caller hands back a handle from this library, once.
+    unsafe { destroy(batch, "refit_copy_batch_destroy") }
 }

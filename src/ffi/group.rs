@@ -4,7 +4,7 @@
 //! pointer is checked by the argument helpers before use, inside the boundary.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use super::{arg, boundary, check_struct_size, out, slice};
+use super::{arg, boundary, check_struct_size, destroy, out, slice};
 use crate::backend::host::{create_host_stream, destroy_host_stream};
 use crate::backend::{BackendKind, Stream};
 use crate::error::{last_error, set_last_error, Error, Result, Status};
@@ -116,14 +116,8 @@ pub extern "C" fn refit_group_create(
 /// the group.
 #[no_mangle]
 pub extern "C" fn refit_group_destroy(group: *mut refit_group) {
-    if group.is_null() {
-        return;
-    }
-    let _ = boundary("refit_group_destroy", || {
-        // SAFETY: a handle from refit_group_create, given back exactly once.
-        drop(unsafe { Box::from_raw(group) });
-        Ok(())
-    });
+    // SAFETY: the caller hands back a handle from this library, once.
+    unsafe { destroy(group, "refit_group_destroy") }
 }
 
 /// The number of ranks. Errors: NULL_ARGUMENT.

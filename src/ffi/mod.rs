@@ -41,6 +41,21 @@ pub(crate) fn boundary(name: &str, body: impl FnOnce() -> Result<()>) -> Status 
     }
 }
 
+/// Releases a handle made with `Box::into_raw` (NULL is ignored), inside the boundary: every
+/// `*_destroy` export is this.
+///
+/// # Safety
+/// `handle` is NULL or a live handle of type `T`, not used afterwards by any thread.
+pub(crate) unsafe fn destroy<T>(handle: *mut T, name: &str) {
+    if handle.is_null() {
+        return;
+    }
+    let _ = boundary(name, || {
+        drop(Box::from_raw(handle));
+        Ok(())
+    });
+}
+
 /// A required input pointer, as a reference.
 ///
 /// # Safety

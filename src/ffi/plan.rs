@@ -5,7 +5,7 @@
 //! encode and plan build, may share it between threads when none modifies it). A `refit_plan` is
 //! immutable once built and may be read from any number of threads at once.
 
-use super::{arg, arg_mut, boundary, c_str, check_struct_size, out, slice};
+use super::{arg, arg_mut, boundary, c_str, check_struct_size, destroy, out, slice};
 use crate::bail;
 use crate::error::{Error, Result};
 use crate::plan::{self, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, Region, Table, TensorSpec};
@@ -131,13 +131,7 @@ pub extern "C" fn refit_table_create(table: *mut *mut refit_table) -> crate::Sta
 /// `table` is NULL or a live table from refit_table_create / refit_table_decode, not used afterwards.
 #[no_mangle]
 pub unsafe extern "C" fn refit_table_destroy(table: *mut refit_table) {
-    if table.is_null() {
-        return;
-    }
-    let _ = boundary("refit_table_destroy", || {
-        drop(Box::from_raw(table));
-        Ok(())
-    });
+    destroy(table, "refit_table_destroy")
 }
 
 /// Adds a tensor: `name` (NUL-terminated UTF-8), a caller-defined `dtype` code, `elem_size` bytes per
@@ -378,13 +372,7 @@ pub unsafe extern "C" fn refit_plan_build(
 /// `plan` is NULL or a live plan, not used afterwards by any thread.
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_destroy(plan: *mut refit_plan) {
-    if plan.is_null() {
-        return;
-    }
-    let _ = boundary("refit_plan_destroy", || {
-        drop(Box::from_raw(plan));
-        Ok(())
-    });
+    destroy(plan, "refit_plan_destroy")
 }
 
 /// Writes the whole plan's counts to `*stats`; set stats->size to sizeof(refit_plan_stats) first.
