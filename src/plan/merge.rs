@@ -392,7 +392,21 @@ fn gather<T: Pooled>(
 ) -> (Vec<T>, Vec<u64>) {
     let mut out = Vec::with_capacity(order.len());
     let mut values = Vec::with_capacity(pool.len());
-    for &i in order {
+    for (k, &i) in order.iter().enumerate() {
+        // `order` jumps between tables, so each entry and its values would be a cache miss waited
+        // for in turn: on large plans the pool has left the cache by now (the callers' tables
+        // streamed through it while it was written). Entries are asked for twice as far ahead as
+        // their values, whose place is read from the entry.
+        if let Some(&ahead) = order.get(k + 2 * PREFETCH_AHEAD) {
+            prefetch(entries.as_ptr().wrapping_add(ahead as usize));
+        }
+        if let Some(&ahead) = order.get(k + PREFETCH_AHEAD) {
+            let mut entry = entries[ahead as usize];
+            let at = *entry.dims();
+            // The values may straddle two cache lines: ask for the first and the last.
+            prefetch(pool.as_ptr().wrapping_add(at));
+            prefetch(pool.as_ptr().wrapping_add(at + (3 * rank(&entry)).saturating_sub(1)));
+        }
         let mut entry = entries[i as usize];
         let at = *entry.dims();
         push_values(&mut values, &pool[at..at + 3 * rank(&entry)]);
