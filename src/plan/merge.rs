@@ -241,7 +241,17 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
             Ok(global[*d])
         };
         for (i, offer) in table.offers.iter().enumerate() {
+            // The entry's tensor description lives in whichever table described it first: ask
+            // for it, then for its shape, as for the entry's own vectors.
+            if let Some(ahead) = table.offers.get(i + 2 * PREFETCH_AHEAD) {
+                if let Some(&d) = local_to_distinct[t].get(ahead.tensor as usize) {
+                    prefetch(distinct[d]);
+                }
+            }
             if let Some(ahead) = table.offers.get(i + PREFETCH_AHEAD) {
+                if let Some(&d) = local_to_distinct[t].get(ahead.tensor as usize) {
+                    prefetch(distinct[d].shape.as_ptr());
+                }
                 prefetch(ahead.region.offset.as_ptr());
                 prefetch(ahead.region.extent.as_ptr());
                 if let Some(strides) = &ahead.strides {
@@ -264,7 +274,17 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
             push_values(&mut offer_dims, &c.strides[..n]);
         }
         for (i, need) in table.needs.iter().enumerate() {
+            // The entry's tensor description lives in whichever table described it first: ask
+            // for it, then for its shape, as for the entry's own vectors.
+            if let Some(ahead) = table.needs.get(i + 2 * PREFETCH_AHEAD) {
+                if let Some(&d) = local_to_distinct[t].get(ahead.tensor as usize) {
+                    prefetch(distinct[d]);
+                }
+            }
             if let Some(ahead) = table.needs.get(i + PREFETCH_AHEAD) {
+                if let Some(&d) = local_to_distinct[t].get(ahead.tensor as usize) {
+                    prefetch(distinct[d].shape.as_ptr());
+                }
                 prefetch(ahead.region.offset.as_ptr());
                 prefetch(ahead.region.extent.as_ptr());
                 prefetch(ahead.strides.as_ptr());
