@@ -15,7 +15,7 @@
 //! - Vocabulary rows are split over TP in chunks of `ceil(vocab / tp)` (the last rank holds padding).
 
 use super::model::{Catalog, MlpTensors, Model};
-use super::param::{ceil_chunk, Param};
+use super::param::{replicated_vector, vocab_rows, Param};
 use crate::error::{Error, Result};
 use crate::plan::Endpoint;
 
@@ -91,21 +91,13 @@ impl Rank {
         let es = m.elem_size as u64;
         let h = m.hidden;
         let new = |name: String, elems: u64| Param::new(self.endpoint, name, elems * es);
-        let vector = |name: String, tensor: u32, len: u64| {
-            let mut p = new(name, len);
-            p.vector(tensor, 0, len);
-            p
-        };
-        let vocab_rows = |name: &str, tensor: u32| {
-            let (start, rows, chunk) = ceil_chunk(m.vocab, self.tp_size, self.tp);
-            let mut p = new(name.to_string(), chunk * h);
-            if rows > 0 {
-                p.rows_cols(tensor, 0, (start, rows), (0, h));
-            }
-            p
+        let vector =
+            |name: String, tensor: u32, len: u64| replicated_vector(self.endpoint, name, tensor, len, es);
+        let vocab_shard = |name: &str, tensor: u32| {
+            vocab_rows(self.endpoint, name.to_string(), tensor, (m.vocab, h), (self.tp, self.tp_size), es)
         };
 
-        out.push(vocab_rows("embedding.word_embeddings.weight", c.embed));
+        out.push(vocab_shard("embedding.word_embeddings.weight", c.embed));
         let groups = m.kv_heads / self.tp_size;
         let q_per_group = m.heads / m.kv_heads;
         let hd = m.head_dim;
@@ -182,6 +174,6 @@ impl Rank {
             }
         }
         out.push(vector("decoder.final_layernorm.weight".into(), c.final_norm, h));
-        out.push(vocab_rows("output_layer.weight", c.lm_head));
+        out.push(vocab_shard("output_layer.weight", c.lm_head));
     }
 }

@@ -50,6 +50,37 @@ impl Param {
     }
 }
 
+/// A replicated 1-D parameter (a norm, a bias) holding the whole tensor: `len` elements of `elem_size`.
+pub(crate) fn replicated_vector(
+    endpoint: Endpoint,
+    name: String,
+    tensor: u32,
+    len: u64,
+    elem_size: u64,
+) -> Param {
+    let mut p = Param::new(endpoint, name, len * elem_size);
+    p.vector(tensor, 0, len);
+    p
+}
+
+/// Rank `rank` of `ranks`' vocabulary-parallel shard of a `[vocab, hidden]` tensor (embedding or
+/// output layer): every shard is sized `ceil(vocab / ranks)` rows, the last one holding fewer (or none).
+pub(crate) fn vocab_rows(
+    endpoint: Endpoint,
+    name: String,
+    tensor: u32,
+    (vocab, hidden): (u64, u64),
+    (rank, ranks): (u64, u64),
+    elem_size: u64,
+) -> Param {
+    let (start, rows, chunk) = ceil_chunk(vocab, ranks, rank);
+    let mut p = Param::new(endpoint, name, chunk * hidden * elem_size);
+    if rows > 0 {
+        p.rows_cols(tensor, 0, (start, rows), (0, hidden));
+    }
+    p
+}
+
 /// The `i`-th of `parts` chunks of `total` rows when every chunk but the last is `ceil(total/parts)`
 /// (how both frameworks split a padded vocabulary): `(start, len, chunk)`, `len` possibly 0.
 pub(crate) fn ceil_chunk(total: u64, parts: u64, i: u64) -> (u64, u64, u64) {

@@ -12,7 +12,7 @@
 //! Several pieces of one parameter are disjoint parts of one destination buffer.
 
 use super::model::{Catalog, MlpTensors, Model};
-use super::param::{ceil_chunk, Param};
+use super::param::{replicated_vector, vocab_rows, Param};
 use crate::error::{Error, Result};
 use crate::plan::Endpoint;
 
@@ -82,21 +82,13 @@ impl Rank {
         let es = m.elem_size as u64;
         let h = m.hidden;
         let new = |name: String, elems: u64| Param::new(self.endpoint, name, elems * es);
-        let vector = |name: String, tensor: u32, len: u64| {
-            let mut p = new(name, len);
-            p.vector(tensor, 0, len);
-            p
-        };
-        let vocab_rows = |name: &str, tensor: u32| {
-            let (start, rows, chunk) = ceil_chunk(m.vocab, self.tp_size, self.tp);
-            let mut p = new(name.to_string(), chunk * h);
-            if rows > 0 {
-                p.rows_cols(tensor, 0, (start, rows), (0, h));
-            }
-            p
+        let vector =
+            |name: String, tensor: u32, len: u64| replicated_vector(self.endpoint, name, tensor, len, es);
+        let vocab_shard = |name: &str, tensor: u32| {
+            vocab_rows(self.endpoint, name.to_string(), tensor, (m.vocab, h), (self.tp, self.tp_size), es)
         };
 
-        out.push(vocab_rows("model.embed_tokens.weight", c.embed));
+        out.push(vocab_shard("model.embed_tokens.weight", c.embed));
         let hd = m.head_dim;
         let q_local = m.q_dim() / self.tp_size;
         let (kv_first, kv_n) = self.kv_heads(m);
@@ -149,6 +141,6 @@ impl Rank {
             }
         }
         out.push(vector("model.norm.weight".into(), c.final_norm, h));
-        out.push(vocab_rows("lm_head.weight", c.lm_head));
+        out.push(vocab_shard("lm_head.weight", c.lm_head));
     }
 }
