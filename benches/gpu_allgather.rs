@@ -1,8 +1,10 @@
 //! Allgather on every GPU count the machine has (G = 1..=devices; code for any G): bytes received per
-//! GPU per second for our PEER and NCCL algorithms and for `ncclAllGather` called directly in the same
-//! process and run, per-rank sizes 1 MiB .. 1 GiB; the copy-engine probe both ways at once on
-//! non-blocking streams versus the legacy null streams; the all-pull copy-engine ceiling of the
-//! topology for each G; host time per call for tiny buffers. Markdown tables on stdout, JSON in
+//! GPU per second for our PEER algorithm (each of its three methods forced, and the one the size rule
+//! picks), our NCCL algorithm and `ncclAllGather` called directly in the same process and run,
+//! per-rank sizes 64 KiB .. 1 GiB; the copy-engine ceiling of the topology for each G (every GPU
+//! pulling, and every GPU pushing, every peer block at once); the copy-engine probe both ways at once
+//! on non-blocking streams versus the legacy null streams; host time per call for tiny buffers and
+//! the host cost of each driver call that time is made of. Markdown tables on stdout, JSON in
 //! `$REFIT_BENCH_RESULTS/gpu_allgather.json` (default `benches/results/`).
 //!
 //! Timing: every measured stream first runs a short spin kernel (a gate), so that the host has queued
@@ -18,16 +20,19 @@ mod gpu_common;
 
 use cudarc::driver::sys;
 use gpu_common::{ck, cuda, DeviceBuffer, SpinKernel};
+use refit::allgather::peer::{method_for, peer_tile_shift, PeerMethod};
 use refit::allgather::{allgather, Algorithm};
 use refit::backend::nccl::{nccl, Communicators};
 use refit::backend::{Backend, Stream};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use refit::kernels::rendezvous::Rendezvous;
+use refit::kernels::PreparedBatch;
 use refit::segment::Segment;
 use std::fmt::Write as _;
 use std::time::Instant;
 
 const MIB: usize = 1 << 20;
-const SIZES: [usize; 6] = [MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, 1024 * MIB];
+const SIZES: [usize; 8] = [MIB / 16, MIB / 4, MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, 1024 * MIB];
 const PROBE_SIZES: [usize; 3] = [64 * MIB, 256 * MIB, 1024 * MIB];
 const GATE_MS: u64 = 10;
 const WARMUP: usize = 2;
@@ -169,11 +174,17 @@ struct Row {
     g: usize,
     size: usize,
     peer: f64,
-    kernel_pulls: f64,
-    lanes: f64,
+    /// The method the size rule picks, and every method's rate (PeerMethod::ALL order).
+    picked: PeerMethod,
+    methods: [f64; 2],
     ours_nccl: f64,
     direct_nccl: f64,
-    ceiling: Option<f64>,
+    /// The kernel pushes ordered by events instead of the rendezvous (an ablation).
+    event_pushes: f64,
+    /// Synchronized kernel launches pulling instead of pushing (an ablation).
+    synced_pulls: f64,
+    /// Copy-engine ceilings, all pulling and all pushing.
+    ceiling: Option<(f64, f64)>,
 }
 
 struct HostRow {
@@ -190,9 +201,65 @@ struct ProbeRow {
     both_null: f64,
 }
 
-/// Per-GPU received rate when every GPU pulls every peer's block at once, each pair on its own
-/// non-blocking stream: the copy-engine ceiling for this topology.
-fn all_pull_ceiling(
+/// Per-GPU received rate when every GPU pulls (or pushes) every peer's block at once, each pair on
+/// its own non-blocking stream of the issuing GPU: the copy-engine ceiling for this topology.
+fn copy_engine_ceiling(
+    gates: &Gates,
+    g: usize,
+    size: usize,
+    sends: &[DeviceBuffer],
+    recvs: &[DeviceBuffer],
+    push: bool,
+) -> f64 {
+    let backend = cuda();
+    // (issuing device, receiver, owner, stream)
+    let mut streams = Vec::new();
+    for r in 0..g {
+        for p in (0..g).filter(|&p| p != r) {
+            let issuer = if push { p } else { r };
+            streams.push((issuer, r, p, backend.create_stream(issuer).unwrap()));
+        }
+    }
+    let timed: Vec<(usize, Stream)> = streams.iter().map(|&(i, _, _, s)| (i, s)).collect();
+    let seconds = time_per_call(gates, &timed, 5, &mut || {
+        for &(issuer, r, p, s) in &streams {
+            let seg = Segment::contiguous(sends[p].ptr, recvs[r].ptr + (p * size) as u64, size as u64);
+            unsafe { backend.copy_segments(issuer, s, &[seg]) }.unwrap();
+        }
+    });
+    for (issuer, _, _, s) in streams {
+        backend.destroy_stream(issuer, s);
+    }
+    gbps((g - 1) * size, seconds)
+}
+
+/// Each rank's kernel copies for an ablation: pushes (its block into every rank's slot) or pulls
+/// (every block into its own buffer), own slot last, tiles as the library picks them.
+fn kernel_batches(
+    g: usize,
+    size: usize,
+    sends: &[DeviceBuffer],
+    recvs: &[DeviceBuffer],
+    push: bool,
+) -> Vec<PreparedBatch> {
+    (0..g)
+        .map(|me| {
+            let copies: Vec<Segment> = (1..=g)
+                .map(|k| (me + k) % g)
+                .map(|other| {
+                    let (from, to) = if push { (me, other) } else { (other, me) };
+                    Segment::contiguous(sends[from].ptr, recvs[to].ptr + (from * size) as u64, size as u64)
+                })
+                .collect();
+            PreparedBatch::tuned(me as i32, &copies, false, peer_tile_shift((g * size) as u64), 0).unwrap()
+        })
+        .collect()
+}
+
+/// Ablation of the kernel pushes' ordering: the same launches ordered by cross-GPU stream events
+/// instead of the on-GPU rendezvous, each rank waiting for every other's `ready` and the final join
+/// left out (one event hop per call: a lower bound for any event-ordered version).
+fn event_ordered_pushes(
     gates: &Gates,
     g: usize,
     size: usize,
@@ -200,21 +267,53 @@ fn all_pull_ceiling(
     recvs: &[DeviceBuffer],
 ) -> f64 {
     let backend = cuda();
-    let mut streams = Vec::new();
-    for r in 0..g {
-        for p in (0..g).filter(|&p| p != r) {
-            streams.push((r, p, backend.create_stream(r).unwrap()));
+    let streams: Vec<Stream> = (0..g).map(|r| backend.create_stream(r).unwrap()).collect();
+    let ready: Vec<_> = (0..g).map(|r| backend.create_event(r).unwrap()).collect();
+    let batches = kernel_batches(g, size, sends, recvs, true);
+    let timed: Vec<(usize, Stream)> = streams.iter().enumerate().map(|(r, &s)| (r, s)).collect();
+    let seconds = time_per_call(gates, &timed, iterations(g, size), &mut || {
+        for r in 0..g {
+            backend.record(r, ready[r], streams[r]).unwrap();
         }
-    }
-    let timed: Vec<(usize, Stream)> = streams.iter().map(|&(r, _, s)| (r, s)).collect();
-    let seconds = time_per_call(gates, &timed, 5, &mut || {
-        for &(r, p, s) in &streams {
-            let seg = Segment::contiguous(sends[p].ptr, recvs[r].ptr + (p * size) as u64, size as u64);
-            unsafe { backend.copy_segments(r, s, &[seg]) }.unwrap();
+        for r in 0..g {
+            for p in (0..g).filter(|&p| p != r) {
+                backend.wait(r, streams[r], ready[p]).unwrap();
+            }
+            unsafe { batches[r].launch(streams[r].as_ptr().cast()) }.unwrap();
         }
     });
-    for (r, _, s) in streams {
-        backend.destroy_stream(r, s);
+    for r in 0..g {
+        backend.sync_stream(r, streams[r]).unwrap();
+        backend.destroy_event(r, ready[r]);
+        backend.destroy_stream(r, streams[r]);
+    }
+    gbps((g - 1) * size, seconds)
+}
+
+/// Ablation of the kernel pushes' direction: the same rendezvous around pulls (remote reads).
+fn synced_kernel_pulls(
+    gates: &Gates,
+    g: usize,
+    size: usize,
+    sends: &[DeviceBuffer],
+    recvs: &[DeviceBuffer],
+) -> f64 {
+    let backend = cuda();
+    let streams: Vec<Stream> = (0..g).map(|r| backend.create_stream(r).unwrap()).collect();
+    let devices: Vec<i32> = (0..g as i32).collect();
+    let rendezvous = Rendezvous::new(&devices).unwrap();
+    let batches = kernel_batches(g, size, sends, recvs, false);
+    let timed: Vec<(usize, Stream)> = streams.iter().enumerate().map(|(r, &s)| (r, s)).collect();
+    let seconds = time_per_call(gates, &timed, iterations(g, size), &mut || {
+        let epoch = rendezvous.next_epoch();
+        for r in 0..g {
+            unsafe { batches[r].launch_synced(streams[r].as_ptr().cast(), rendezvous.rank(r), epoch) }
+                .unwrap();
+        }
+    });
+    for r in 0..g {
+        backend.sync_stream(r, streams[r]).unwrap();
+        backend.destroy_stream(r, streams[r]);
     }
     gbps((g - 1) * size, seconds)
 }
@@ -270,6 +369,96 @@ fn host_time(group: &Group, drain: &dyn Fn(), issue: &mut dyn FnMut()) -> (f64, 
     (samples[samples.len() / 2], samples[samples.len() * 9 / 10])
 }
 
+/// Host cost of each driver call the peer path issues, G = 2 (median us over HOST_CALLS calls):
+/// the budget a call's host time is spent from.
+fn driver_call_costs(group: &Group, sends: &[u64], recvs: &[u64]) -> Vec<(&'static str, f64)> {
+    let backend = cuda();
+    let streams = group.streams();
+    let events: Vec<sys::CUevent> = (0..2)
+        .map(|d| {
+            backend.bind(d).unwrap();
+            let mut e = std::ptr::null_mut();
+            ck("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, 2) }); // CU_EVENT_DISABLE_TIMING
+            e
+        })
+        .collect();
+    let raw = |s: Stream| s.0 as usize as sys::CUstream;
+    let ctx: Vec<sys::CUcontext> = (0..2)
+        .map(|d| {
+            backend.bind(d).unwrap();
+            let mut c = std::ptr::null_mut();
+            ck("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut c) });
+            c
+        })
+        .collect();
+    let tiny = Segment::contiguous(sends[1], recvs[0] + TINY as u64, TINY as u64);
+    let prepared = refit::copy::PreparedCopy::new(group, 0, &[tiny], false).unwrap();
+    let median_of = |f: &mut dyn FnMut()| {
+        let mut samples = Vec::with_capacity(HOST_CALLS);
+        for call in 0..HOST_CALLS + 100 {
+            let started = Instant::now();
+            f();
+            let took = started.elapsed().as_secs_f64() * 1e6;
+            if call >= 100 {
+                samples.push(took);
+            }
+            if call % 100 == 99 {
+                group.synchronize().unwrap();
+            }
+        }
+        median(samples)
+    };
+    let mut rows = Vec::new();
+    backend.bind(0).unwrap();
+    rows.push((
+        "cuCtxGetCurrent",
+        median_of(&mut || {
+            let mut c = std::ptr::null_mut();
+            ck("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut c) });
+        }),
+    ));
+    rows.push((
+        "cuCtxSetCurrent, switching 0 -> 1 -> 0 (two calls)",
+        median_of(&mut || {
+            ck("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx[1]) });
+            ck("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx[0]) });
+        }),
+    ));
+    rows.push((
+        "cuEventRecord",
+        median_of(&mut || {
+            ck("cuEventRecord", unsafe { sys::cuEventRecord(events[0], raw(streams[0])) });
+        }),
+    ));
+    rows.push((
+        "cuStreamWaitEvent, same device",
+        median_of(&mut || {
+            ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(raw(streams[0]), events[0], 0) });
+        }),
+    ));
+    backend.bind(1).unwrap();
+    ck("cuEventRecord", unsafe { sys::cuEventRecord(events[1], raw(streams[1])) });
+    backend.bind(0).unwrap();
+    rows.push((
+        "cuStreamWaitEvent, other device's event",
+        median_of(&mut || {
+            ck("cuStreamWaitEvent", unsafe { sys::cuStreamWaitEvent(raw(streams[0]), events[1], 0) });
+        }),
+    ));
+    rows.push((
+        "prepared batched-kernel launch (1 segment)",
+        median_of(&mut || {
+            unsafe { prepared.launch(streams[0]) }.unwrap();
+        }),
+    ));
+    group.synchronize().unwrap();
+    for (d, e) in events.into_iter().enumerate() {
+        backend.bind(d).unwrap();
+        unsafe { sys::cuEventDestroy_v2(e) };
+    }
+    rows
+}
+
 fn nvidia_smi_topology() -> String {
     std::process::Command::new("nvidia-smi")
         .args(["topo", "-m"])
@@ -309,6 +498,7 @@ fn main() {
     let mut host_rows = Vec::new();
     let mut probes = Vec::new();
     let mut peer_matrix = String::new();
+    let mut call_costs = Vec::new();
 
     for g in 1..=count {
         let devices: Vec<i64> = (0..g as i64).collect();
@@ -343,28 +533,38 @@ fn main() {
                 group.exit(ExitMode::Sync).unwrap();
                 t
             };
-            // Peer pulls as one batched-kernel launch per rank (G >= 2), and as copy-engine copies on
-            // parallel lanes;
-            // "refit peer" is what the default rule picks for this G and size.
-            group.set_peer_lanes_min_bytes(Some(u64::MAX));
-            let kernel_pulls = ours(Algorithm::Peer);
-            group.set_peer_lanes_min_bytes(Some(0));
-            let lanes = if g >= 2 { ours(Algorithm::Peer) } else { kernel_pulls };
-            group.set_peer_lanes_min_bytes(None);
-            let peer = if group.peer_lanes_for(size as u64) { lanes } else { kernel_pulls };
+            // Every peer method forced, then "refit peer" is the one the size rule picks.
+            let mut methods = [0.0; 2];
+            for (k, method) in PeerMethod::ALL.into_iter().enumerate() {
+                group.set_peer_method(Some(method));
+                methods[k] = ours(Algorithm::Peer);
+            }
+            group.set_peer_method(None);
+            let picked = method_for(&group, size as u64);
+            let peer = methods[PeerMethod::ALL.iter().position(|&m| m == picked).expect("one of ALL")];
+            // Ablations of the kernel method, up to the sizes it is used at.
+            let kernel_sizes = g > 1 && size <= 16 * MIB;
+            let event_pushes =
+                if kernel_sizes { event_ordered_pushes(&gates, g, size, &sends, &recvs) } else { 0.0 };
+            let synced_pulls =
+                if kernel_sizes { synced_kernel_pulls(&gates, g, size, &sends, &recvs) } else { 0.0 };
             let ours_nccl = ours(Algorithm::Nccl);
             let direct_nccl = time_per_call(&gates, &direct_streams, iters, &mut || {
                 direct.issue(&send_ptrs, &recv_ptrs, size)
             });
             let received = if g == 1 { size } else { (g - 1) * size };
-            let ceiling =
-                (g > 1 && size >= 64 * MIB).then(|| all_pull_ceiling(&gates, g, size, &sends, &recvs));
+            let ceiling = (g > 1 && size >= 16 * MIB).then(|| {
+                let pull = copy_engine_ceiling(&gates, g, size, &sends, &recvs, false);
+                (pull, copy_engine_ceiling(&gates, g, size, &sends, &recvs, true))
+            });
             rows.push(Row {
                 g,
                 size,
                 peer: gbps(received, peer),
-                kernel_pulls: gbps(received, kernel_pulls),
-                lanes: gbps(received, lanes),
+                picked,
+                methods: methods.map(|t| gbps(received, t)),
+                event_pushes,
+                synced_pulls,
                 ours_nccl: gbps(received, ours_nccl),
                 direct_nccl: gbps(received, direct_nccl),
                 ceiling,
@@ -400,26 +600,32 @@ fn main() {
         let (median_us, p90_us) =
             host_time(&group, &drain_direct, &mut || direct.issue(&send_ptrs, &tiny_recv, TINY));
         host_rows.push(HostRow { g, path: "direct ncclAllGather", median_us, p90_us });
+        if g == 2 {
+            call_costs = driver_call_costs(&group, &send_ptrs, &recv_ptrs);
+        }
     }
 
     println!("\n## Allgather: GB/s received per GPU ((G-1) x size / time; G=1: own block copy)\n");
-    println!("| G | per-rank size | refit peer | (kernel pulls | CE lanes) | refit NCCL | direct ncclAllGather | peer / NCCL | refit NCCL / direct | all-pull CE ceiling | best / ceiling |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| G | per-rank size | refit peer | (kernel pushes | CE push) | ablation: kernel pushes, event-ordered | ablation: kernel pulls, synced | refit NCCL | direct ncclAllGather | peer / NCCL | refit NCCL / direct | CE ceiling (all pull / all push) | best / ceiling |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let best = r.peer.max(r.ours_nccl);
         println!(
-            "| {} | {} MiB | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.3} | {} | {} |",
+            "| {} | {} KiB | {:.1} ({:?}) | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.3} | {} | {} |",
             r.g,
-            r.size / MIB,
+            r.size >> 10,
             r.peer,
-            r.kernel_pulls,
-            r.lanes,
+            r.picked,
+            r.methods[0],
+            r.methods[1],
+            r.event_pushes,
+            r.synced_pulls,
             r.ours_nccl,
             r.direct_nccl,
             r.peer / r.direct_nccl,
             r.ours_nccl / r.direct_nccl,
-            r.ceiling.map_or("-".to_string(), |c| format!("{c:.1}")),
-            r.ceiling.map_or("-".to_string(), |c| format!("{:.2}", best / c)),
+            r.ceiling.map_or("-".to_string(), |(pull, push)| format!("{pull:.1} / {push:.1}")),
+            r.ceiling.map_or("-".to_string(), |(pull, push)| format!("{:.2}", best / pull.max(push))),
         );
     }
     if !probes.is_empty() {
@@ -444,6 +650,15 @@ fn main() {
         println!("| {} | {} | {:.2} | {:.2} |", h.g, h.path, h.median_us, h.p90_us);
     }
 
+    if !call_costs.is_empty() {
+        println!("\n## Host cost of one driver call, G = 2 (median us)\n");
+        println!("| call | us |");
+        println!("|---|---|");
+        for (call, us) in &call_costs {
+            println!("| {call} | {us:.3} |");
+        }
+    }
+
     let mut json = String::new();
     let _ = write!(
         json,
@@ -455,16 +670,20 @@ fn main() {
     for (i, r) in rows.iter().enumerate() {
         let _ = write!(
             json,
-            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_kernel_pulls\":{:.3},\"peer_lanes\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling\":{}}}",
+            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_method\":\"{:?}\",\"peer_kernel_pushes\":{:.3},\"peer_copy_engine_push\":{:.3},\"ablation_event_ordered_kernel_pushes\":{:.3},\"ablation_synced_kernel_pulls\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling_pull\":{},\"ce_ceiling_push\":{}}}",
             if i > 0 { "," } else { "" },
             r.g,
             r.size,
             r.peer,
-            r.kernel_pulls,
-            r.lanes,
+            r.picked,
+            r.methods[0],
+            r.methods[1],
+            r.event_pushes,
+            r.synced_pulls,
             r.ours_nccl,
             r.direct_nccl,
-            r.ceiling.map_or("null".to_string(), |c| format!("{c:.3}"))
+            r.ceiling.map_or("null".to_string(), |c| format!("{:.3}", c.0)),
+            r.ceiling.map_or("null".to_string(), |c| format!("{:.3}", c.1))
         );
     }
     json.push_str("],\"copy_engine_probe\":[");
@@ -489,6 +708,15 @@ fn main() {
             json_string(h.path),
             h.median_us,
             h.p90_us
+        );
+    }
+    json.push_str("],\"driver_call_us\":[");
+    for (i, (call, us)) in call_costs.iter().enumerate() {
+        let _ = write!(
+            json,
+            "{}{{\"call\":{},\"median\":{us:.3}}}",
+            if i > 0 { "," } else { "" },
+            json_string(call)
         );
     }
     json.push_str("]}\n");

@@ -3,6 +3,7 @@
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
+use refit::allgather::peer::PeerMethod;
 use refit::allgather::{allgather, allgather_rank, Algorithm};
 use refit::backend::host::{create_host_stream, destroy_host_stream, host_stream};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
@@ -16,6 +17,16 @@ const POISON: u8 = 0xAB;
 fn host(n: usize) -> Group {
     let devices: Vec<i64> = (0..n as i64).collect();
     Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
+}
+
+/// The size rule (None) and every whole-group peer method forced at every size.
+const METHODS: [Option<PeerMethod>; 3] =
+    [None, Some(PeerMethod::KernelPushes), Some(PeerMethod::CopyEnginePush)];
+
+fn host_with(n: usize, method: Option<PeerMethod>) -> Group {
+    let group = host(n);
+    group.set_peer_method(method);
+    group
 }
 
 /// Deterministic, call- and rank-dependent bytes (never the poison pattern throughout).
@@ -61,13 +72,16 @@ fn check_whole_group(group: &Group, counts: &[usize], algorithm: Algorithm, call
 
 #[test]
 fn equal_uneven_zero_and_single_rank_byte_exact_for_peer_and_host() {
-    for algorithm in [Algorithm::Peer, Algorithm::Host, Algorithm::Auto] {
-        let group = host(4);
+    let cases = [Algorithm::Peer, Algorithm::Host, Algorithm::Auto]
+        .into_iter()
+        .flat_map(|algorithm| METHODS.map(|method| (algorithm, method)));
+    for (algorithm, method) in cases {
+        let group = host_with(4, method);
         check_whole_group(&group, &[1000, 1000, 1000, 1000], algorithm, 0);
         check_whole_group(&group, &[5, 0, 1234, 17], algorithm, 1);
         check_whole_group(&group, &[0, 0, 0, 0], algorithm, 2);
         check_whole_group(&group, &[0, 0, 0, 3], algorithm, 3);
-        let single = host(1);
+        let single = host_with(1, method);
         check_whole_group(&single, &[777], algorithm, 4);
     }
 }
@@ -86,8 +100,9 @@ fn auto_picks_peer_on_the_host_backend_and_nccl_is_unsupported_there() {
 
 #[test]
 fn in_place_ranks_keep_their_block_and_receive_the_others() {
-    for algorithm in [Algorithm::Peer, Algorithm::Host] {
-        let group = host(3);
+    let cases = [(Algorithm::Host, None)].into_iter().chain(METHODS.map(|method| (Algorithm::Peer, method)));
+    for (algorithm, method) in cases {
+        let group = host_with(3, method);
         let counts = [64usize, 10, 300];
         let offsets = [0usize, 64, 74];
         let total = 374;
@@ -103,7 +118,7 @@ fn in_place_ranks_keep_their_block_and_receive_the_others() {
         unsafe { allgather(&group, &send_ptrs, &recv_ptrs, &counts, algorithm) }.unwrap();
         let want = expected(&blocks);
         for (r, got) in recvs.iter().enumerate() {
-            assert!(*got == want, "rank {r} wrong ({algorithm:?})");
+            assert!(*got == want, "rank {r} wrong ({algorithm:?}, {method:?})");
         }
     }
 }
@@ -113,9 +128,11 @@ fn two_hundred_calls_in_a_row_inside_one_scope_and_outside() {
     let group = host(3);
     let counts = [33usize, 0, 129];
     for call in 0..200 {
+        group.set_peer_method(METHODS[call / 67]);
         check_whole_group(&group, &counts, Algorithm::Peer, call);
     }
-    // Inside one scope: each call is only queued; buffers must live until the exit.
+    // Inside one scope: each call is only queued; buffers must live until the exit. The method
+    // changes from call to call, so every hand-over between methods' orderings is crossed.
     let n = 3;
     let total: usize = counts.iter().sum();
     let sends: Vec<Vec<Vec<u8>>> =
@@ -123,6 +140,7 @@ fn two_hundred_calls_in_a_row_inside_one_scope_and_outside() {
     let mut recvs: Vec<Vec<Vec<u8>>> = (0..200).map(|_| vec![vec![POISON; total]; n]).collect();
     group.enter(None).unwrap();
     for call in 0..200 {
+        group.set_peer_method(METHODS[(call * 7 / 3) % 3]);
         let s: Vec<u64> = sends[call].iter().map(|b| b.as_ptr() as u64).collect();
         let r: Vec<u64> = recvs[call].iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
         unsafe { allgather(&group, &s, &r, &counts, Algorithm::Peer) }.unwrap();
@@ -136,11 +154,8 @@ fn two_hundred_calls_in_a_row_inside_one_scope_and_outside() {
 
 /// Callers produce the send blocks late (behind a gate) on their own streams; the allgather inside
 /// the scope must still read the final bytes.
-fn scoped_allgather_sees_late_producers(n: usize, lanes: bool) {
-    let group = host(n);
-    if lanes {
-        group.set_peer_lanes_min_bytes(Some(0));
-    }
+fn scoped_allgather_sees_late_producers(n: usize, method: Option<PeerMethod>) {
+    let group = host_with(n, method);
     let callers: Vec<_> = (0..n).map(|_| create_host_stream().unwrap()).collect();
     let counts = vec![256usize; n];
     let final_blocks: Vec<Vec<u8>> = (0..n).map(|r| block(r, 5, 256)).collect();
@@ -172,7 +187,7 @@ fn scoped_allgather_sees_late_producers(n: usize, lanes: bool) {
     let want = expected(&final_blocks);
     assert!(
         recvs.iter().all(|got| *got == want),
-        "n={n} lanes={lanes}: the allgather read the send buffers before the callers wrote them"
+        "n={n} {method:?}: the allgather read the send buffers before the callers wrote them"
     );
     for c in callers {
         destroy_host_stream(c).unwrap();
@@ -181,37 +196,38 @@ fn scoped_allgather_sees_late_producers(n: usize, lanes: bool) {
 
 #[test]
 fn inside_a_scope_the_allgather_sees_the_caller_stream_work_queued_before_enter() {
-    scoped_allgather_sees_late_producers(2, false);
-    scoped_allgather_sees_late_producers(4, false);
+    for method in METHODS {
+        for n in [2, 3, 5] {
+            scoped_allgather_sees_late_producers(n, method);
+        }
+    }
 }
 
 #[test]
-fn lanes_pull_byte_exact_and_in_order() {
-    scoped_allgather_sees_late_producers(2, true);
-    scoped_allgather_sees_late_producers(3, true);
-    scoped_allgather_sees_late_producers(5, true);
-    let group = host(4);
-    group.set_peer_lanes_min_bytes(Some(0));
-    check_whole_group(&group, &[1000, 1000, 1000, 1000], Algorithm::Peer, 0);
-    check_whole_group(&group, &[5, 0, 1234, 17], Algorithm::Peer, 1);
-    for call in 0..50 {
-        check_whole_group(&group, &[64, 3, 0, 129], Algorithm::Peer, call);
-    }
-    // Inside one scope, with buffers alive until the exit.
-    let counts = [40usize, 0, 7, 300];
-    let sends: Vec<Vec<Vec<u8>>> =
-        (0..50).map(|c| (0..4).map(|r| block(r, c, counts[r])).collect()).collect();
-    let mut recvs: Vec<Vec<Vec<u8>>> = (0..50).map(|_| vec![vec![POISON; 347]; 4]).collect();
-    group.enter(None).unwrap();
-    for call in 0..50 {
-        let s: Vec<u64> = sends[call].iter().map(|b| b.as_ptr() as u64).collect();
-        let r: Vec<u64> = recvs[call].iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
-        unsafe { allgather(&group, &s, &r, &counts, Algorithm::Peer) }.unwrap();
-    }
-    group.exit(ExitMode::Sync).unwrap();
-    for call in 0..50 {
-        let want = expected(&sends[call]);
-        assert!(recvs[call].iter().all(|got| *got == want), "call {call} wrong");
+fn every_peer_method_byte_exact_for_uneven_and_empty_blocks_call_after_call() {
+    for method in METHODS {
+        let group = host_with(4, method);
+        check_whole_group(&group, &[1000, 1000, 1000, 1000], Algorithm::Peer, 0);
+        check_whole_group(&group, &[5, 0, 1234, 17], Algorithm::Peer, 1);
+        for call in 0..50 {
+            check_whole_group(&group, &[64, 3, 0, 129], Algorithm::Peer, call);
+        }
+        // Inside one scope, with buffers alive until the exit.
+        let counts = [40usize, 0, 7, 300];
+        let sends: Vec<Vec<Vec<u8>>> =
+            (0..50).map(|c| (0..4).map(|r| block(r, c, counts[r])).collect()).collect();
+        let mut recvs: Vec<Vec<Vec<u8>>> = (0..50).map(|_| vec![vec![POISON; 347]; 4]).collect();
+        group.enter(None).unwrap();
+        for call in 0..50 {
+            let s: Vec<u64> = sends[call].iter().map(|b| b.as_ptr() as u64).collect();
+            let r: Vec<u64> = recvs[call].iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+            unsafe { allgather(&group, &s, &r, &counts, Algorithm::Peer) }.unwrap();
+        }
+        group.exit(ExitMode::Sync).unwrap();
+        for call in 0..50 {
+            let want = expected(&sends[call]);
+            assert!(recvs[call].iter().all(|got| *got == want), "{method:?} call {call} wrong");
+        }
     }
 }
 
@@ -356,7 +372,15 @@ fn slow_down(group: &Group, rank: usize, gate: &Arc<AtomicBool>) {
 
 #[test]
 fn after_async_exit_an_owner_may_reuse_its_send_buffer_only_once_every_reader_is_done() {
-    let group = host(2);
+    for method in METHODS {
+        after_async_exit_an_owner_may_reuse_its_send_buffer_only_once_every_reader_is_done_with(method);
+    }
+}
+
+fn after_async_exit_an_owner_may_reuse_its_send_buffer_only_once_every_reader_is_done_with(
+    method: Option<PeerMethod>,
+) {
+    let group = host_with(2, method);
     let callers = [create_host_stream().unwrap(), create_host_stream().unwrap()];
     let blocks: Vec<Vec<u8>> = (0..2).map(|r| block(r, 11, 64)).collect();
     let mut sends = blocks.clone();
@@ -380,7 +404,10 @@ fn after_async_exit_an_owner_may_reuse_its_send_buffer_only_once_every_reader_is
         host_stream(c).unwrap().synchronize().unwrap();
     }
     group.synchronize().unwrap();
-    assert!(recvs[1] == expected(&blocks), "rank 1 read rank 0's block after the owner overwrote it");
+    assert!(
+        recvs[1] == expected(&blocks),
+        "{method:?}: rank 1 read rank 0's block after the owner overwrote it"
+    );
     assert!(sends[0].iter().all(|&b| b == 0));
     for c in callers {
         destroy_host_stream(c).unwrap();
@@ -389,7 +416,13 @@ fn after_async_exit_an_owner_may_reuse_its_send_buffer_only_once_every_reader_is
 
 #[test]
 fn run_after_a_scoped_allgather_starts_only_after_every_reader_is_done() {
-    let group = host(2);
+    for method in METHODS {
+        run_after_a_scoped_allgather_starts_only_after_every_reader_is_done_with(method);
+    }
+}
+
+fn run_after_a_scoped_allgather_starts_only_after_every_reader_is_done_with(method: Option<PeerMethod>) {
+    let group = host_with(2, method);
     let blocks: Vec<Vec<u8>> = (0..2).map(|r| block(r, 12, 64)).collect();
     let mut sends = blocks.clone();
     let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; 128]; 2];
@@ -417,22 +450,31 @@ fn run_after_a_scoped_allgather_starts_only_after_every_reader_is_done() {
         })
         .unwrap();
     group.exit(ExitMode::Sync).unwrap();
-    assert!(recvs[1] == expected(&blocks), "rank 1 read rank 0's block after the owner overwrote it");
+    assert!(
+        recvs[1] == expected(&blocks),
+        "{method:?}: rank 1 read rank 0's block after the owner overwrote it"
+    );
     assert!(sends[0].iter().all(|&b| b == 0));
 }
 
 #[test]
-fn async_exit_after_a_lane_allgather_orders_the_caller_after_every_lane() {
+fn async_exit_after_a_peer_allgather_orders_the_caller_after_every_copy() {
+    for method in METHODS {
+        async_exit_after_a_peer_allgather_orders_the_caller_after_every_copy_with(method);
+    }
+}
+
+fn async_exit_after_a_peer_allgather_orders_the_caller_after_every_copy_with(method: Option<PeerMethod>) {
     let n = 3;
     let len = 8 << 20; // large enough that a lane's copy takes milliseconds
-    let group = host(n);
-    group.set_peer_lanes_min_bytes(Some(0));
+    let group = host_with(n, method);
     let callers: Vec<_> = (0..n).map(|_| create_host_stream().unwrap()).collect();
     let blocks: Vec<Vec<u8>> = (0..n).map(|r| block(r, 21, len)).collect();
     let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; len * n]; n];
     let gate = Arc::new(AtomicBool::new(false));
-    // A gated step on every caller stream: the group (and so its lanes) starts only when it opens.
-    for &c in &callers {
+    // A gated step on caller 0's stream only: rank 0's block moves late, while the other ranks' own
+    // work is done at once; their callers must still wait for rank 0's block to land.
+    for &c in &callers[..1] {
         let gate = Arc::clone(&gate);
         host_stream(c)
             .unwrap()
@@ -467,9 +509,83 @@ fn async_exit_after_a_lane_allgather_orders_the_caller_after_every_lane() {
     }
     let want = expected(&blocks);
     for (i, snap) in snapshots.iter().enumerate() {
-        assert!(*snap.lock().unwrap() == want, "caller {i} ran before the group's lanes finished");
+        assert!(
+            *snap.lock().unwrap() == want,
+            "{method:?}: caller {i} ran before the group's copies finished"
+        );
     }
     for c in callers {
         destroy_host_stream(c).unwrap();
+    }
+}
+
+#[test]
+fn copies_into_a_receiver_land_after_its_earlier_work_on_the_recv_buffer() {
+    for method in METHODS {
+        let n = 3;
+        let len = 4096;
+        let group = host_with(n, method);
+        let callers: Vec<_> = (0..n).map(|_| create_host_stream().unwrap()).collect();
+        let blocks: Vec<Vec<u8>> = (0..n).map(|r| block(r, 31, len)).collect();
+        let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; len * n]; n];
+        let r: Vec<u64> = recvs.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+        // Rank 1's caller still uses its recv buffer (clears it) behind a gate when the group enters.
+        let gate = Arc::new(AtomicBool::new(false));
+        let (opened, recv1) = (Arc::clone(&gate), r[1] as usize);
+        host_stream(callers[1])
+            .unwrap()
+            .enqueue(move || {
+                while !opened.load(Ordering::SeqCst) {
+                    std::thread::sleep(Duration::from_millis(1));
+                }
+                unsafe { std::ptr::write_bytes(recv1 as *mut u8, 0, len * n) };
+            })
+            .unwrap();
+        group.enter(Some(&callers)).unwrap();
+        let s: Vec<u64> = blocks.iter().map(|b| b.as_ptr() as u64).collect();
+        unsafe { allgather(&group, &s, &r, &vec![len; n], Algorithm::Peer) }.unwrap();
+        group.exit(ExitMode::Async).unwrap();
+        std::thread::sleep(Duration::from_millis(20));
+        gate.store(true, Ordering::SeqCst);
+        for &c in &callers {
+            host_stream(c).unwrap().synchronize().unwrap();
+        }
+        let want = expected(&blocks);
+        for (rank, got) in recvs.iter().enumerate() {
+            assert!(*got == want, "{method:?}: rank {rank}'s earlier work overwrote the gathered blocks");
+        }
+        for c in callers {
+            destroy_host_stream(c).unwrap();
+        }
+    }
+}
+
+#[test]
+fn an_owner_may_overwrite_its_send_buffer_on_its_stream_right_after_the_call() {
+    for method in METHODS {
+        let group = host_with(2, method);
+        let blocks: Vec<Vec<u8>> = (0..2).map(|r| block(r, 41, 64)).collect();
+        let mut sends = blocks.clone();
+        let mut recvs: Vec<Vec<u8>> = vec![vec![POISON; 128]; 2];
+        let gate = Arc::new(AtomicBool::new(false));
+        group.enter(None).unwrap();
+        slow_down(&group, 1, &gate); // rank 1 reads rank 0's block late
+        let s: Vec<u64> = sends.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+        let r: Vec<u64> = recvs.iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
+        unsafe { allgather(&group, &s, &r, &[64, 64], Algorithm::Peer) }.unwrap();
+        // Still inside the scope, no other group call: the owner's next step on its own stream.
+        let send0 = s[0] as usize;
+        host_stream(group.stream(0).unwrap())
+            .unwrap()
+            .enqueue(move || unsafe { std::ptr::write_bytes(send0 as *mut u8, 0, 64) })
+            .unwrap();
+        std::thread::sleep(Duration::from_millis(30));
+        gate.store(true, Ordering::SeqCst);
+        group.exit(ExitMode::Sync).unwrap();
+        assert!(
+            recvs[1] == expected(&blocks),
+            "{method:?}: rank 1 read rank 0's block after it was overwritten"
+        );
+        assert!(sends[0].iter().all(|&b| b == 0));
     }
 }

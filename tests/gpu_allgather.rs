@@ -7,6 +7,7 @@
 mod gpu_common;
 
 use gpu_common::{caller_stream, cuda, group_sizes, pattern, DeviceBuffer, SpinKernel};
+use refit::allgather::peer::PeerMethod;
 use refit::allgather::{allgather, allgather_rank, Algorithm};
 use refit::backend::Backend;
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
@@ -181,11 +182,13 @@ fn two_hundred_calls_in_a_row_stay_exact() {
 
 #[test]
 #[ignore = "needs a GPU"]
-fn inside_a_scope_the_allgather_sees_a_slow_producer_on_the_caller_stream() {
+fn inside_a_scope_the_allgather_comes_after_slow_producers_and_users_on_the_caller_streams() {
     for size in group_sizes() {
         let group = gpu_group(size);
         let kernels: Vec<SpinKernel> = (0..size).map(SpinKernel::load).collect();
-        for algorithm in [Algorithm::Peer, Algorithm::Nccl] {
+        let methods = PeerMethod::ALL.map(|m| (Algorithm::Peer, Some(m)));
+        for (algorithm, method) in methods.into_iter().chain([(Algorithm::Nccl, None)]) {
+            group.set_peer_method(method);
             let counts = vec![4096usize; size];
             let mut case = Case::new(&counts, 3, false);
             let callers: Vec<_> = (0..size).map(caller_stream).collect();
@@ -195,6 +198,10 @@ fn inside_a_scope_the_allgather_sees_a_slow_producer_on_the_caller_stream() {
                 case.blocks[r][..4].copy_from_slice(&marker.to_le_bytes());
                 kernels[r].launch(callers[r], 200, case.sends[r].ptr, marker);
             }
+            // The last rank's caller is still using its recv buffer: a stale word lands in block 0's
+            // slot after 300 ms, and the gathered block must land after it.
+            let last = size - 1;
+            kernels[last].launch(callers[last], 300, case.recvs[last].ptr, 0x57A1E);
             group.enter(Some(&callers)).unwrap();
             let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
             let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
@@ -203,37 +210,98 @@ fn inside_a_scope_the_allgather_sees_a_slow_producer_on_the_caller_stream() {
             for (r, &s) in callers.iter().enumerate() {
                 cuda().sync_stream(r, s).unwrap();
             }
-            case.check(&format!("scoped G={size} {algorithm:?}"));
+            case.check(&format!("scoped G={size} {algorithm:?} {method:?}"));
             for (r, &s) in callers.iter().enumerate() {
                 cuda().destroy_stream(r, s);
             }
-            println!("G={size} {algorithm:?}: ordered after the caller's slow producer");
+            println!("G={size} {algorithm:?} {method:?}: ordered after the callers' slow producer and user");
         }
+        group.set_peer_method(None);
     }
 }
 
 #[test]
 #[ignore = "needs a GPU"]
-fn peer_lanes_are_byte_exact() {
+fn every_peer_method_is_byte_exact() {
     for size in group_sizes() {
         let group = gpu_group(size);
-        // Lanes for every size (the default rule uses them only above two ranks and 32 MiB blocks).
-        group.set_peer_lanes_min_bytes(Some(0));
         let mib = 1 << 20;
         let uneven: Vec<usize> = (0..size).map(|r| if r == 0 { 0 } else { 8 * mib + 13 * r }).collect();
-        for counts in [vec![8 * mib + 5; size], uneven] {
-            for in_place in [false, true] {
-                let case = Case::new(&counts, 4, in_place);
-                let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
-                let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
-                group.enter(None).unwrap();
-                for _ in 0..3 {
-                    unsafe { allgather(&group, &sends, &recvs, &counts, Algorithm::Peer) }.unwrap();
+        for method in PeerMethod::ALL {
+            // Every method at a size the rule gives to another, and at odd sizes and alignments.
+            group.set_peer_method(Some(method));
+            for counts in [vec![8 * mib + 5; size], uneven.clone(), vec![777; size]] {
+                for in_place in [false, true] {
+                    let case = Case::new(&counts, 4, in_place);
+                    let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
+                    let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
+                    group.enter(None).unwrap();
+                    for _ in 0..3 {
+                        unsafe { allgather(&group, &sends, &recvs, &counts, Algorithm::Peer) }.unwrap();
+                    }
+                    group.exit(ExitMode::Async).unwrap();
+                    case.check(&format!("{method:?} G={size} counts {counts:?} in_place {in_place}"));
                 }
-                group.exit(ExitMode::Async).unwrap();
-                case.check(&format!("lanes G={size} counts {counts:?} in_place {in_place}"));
             }
+            println!("G={size} {method:?}: byte-exact");
         }
-        println!("G={size}: peer lanes byte-exact");
+        group.set_peer_method(None);
     }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn an_owner_may_overwrite_its_send_buffer_on_its_stream_right_after_the_call() {
+    if cuda().device_count() < 2 {
+        println!("note: one GPU: nothing to read late");
+        return;
+    }
+    let group = gpu_group(2);
+    let kernels: Vec<SpinKernel> = (0..2).map(SpinKernel::load).collect();
+    let scratch = DeviceBuffer::new(1, 4);
+    for method in PeerMethod::ALL {
+        group.set_peer_method(Some(method));
+        for count in [4096usize, 3 << 20] {
+            let counts = vec![count; 2];
+            let case = Case::new(&counts, 5, false);
+            let sends: Vec<u64> = (0..2).map(|r| case.send_ptr(r)).collect();
+            let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
+            group.enter(None).unwrap();
+            // Rank 1 is busy for 200 ms (it reads or receives late); rank 0 then overwrites the first
+            // word of its send block on its own stream right after the call, with no other group call.
+            kernels[1].launch(group.stream(1).unwrap(), 200, scratch.ptr, 1);
+            unsafe { allgather(&group, &sends, &recvs, &counts, Algorithm::Peer) }.unwrap();
+            kernels[0].launch(group.stream(0).unwrap(), 0, sends[0], 0xDEAD);
+            group.exit(ExitMode::Sync).unwrap();
+            case.check(&format!("{method:?} {count} B: owner overwrote its send block early"));
+        }
+        println!("{method:?}: the send buffer is free on the owner's stream after the call");
+    }
+    group.set_peer_method(None);
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn a_rank_whose_launch_failed_is_released_instead_of_waited_for_forever() {
+    use cudarc::driver::sys;
+    use refit::kernels::rendezvous::Rendezvous;
+    use refit::kernels::PreparedBatch;
+    if cuda().device_count() < 2 {
+        println!("note: one GPU: no rendezvous to release");
+        return;
+    }
+    let group = gpu_group(2); // enables peer access both ways
+    let rendezvous = Rendezvous::new(&[0, 1]).unwrap();
+    let empty = PreparedBatch::new(0, &[], false).unwrap();
+    let stream = group.stream(0).unwrap();
+    let epoch = rendezvous.next_epoch();
+    // Rank 0 launches; rank 1 never does.
+    unsafe { empty.launch_synced(stream.as_ptr().cast(), rendezvous.rank(0), epoch) }.unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(100));
+    cuda().bind(0).unwrap();
+    let waiting = unsafe { sys::cuStreamQuery(stream.as_ptr().cast()) };
+    assert_eq!(waiting, sys::CUresult::CUDA_ERROR_NOT_READY, "rank 0's launch did not wait for rank 1");
+    rendezvous.release(epoch, &[1]);
+    cuda().sync_stream(0, stream).unwrap();
+    println!("a launch waiting for a rank that never launched finished once released");
 }

@@ -14,7 +14,8 @@ fn kernel_source_compiles_for_hopper() {
     assert!(cubin.image.starts_with(b"\x7fELF"), "a CUBIN is an ELF image");
     let ptx = compile_for(9, 0, Output::Ptx, &[]).expect("PTX for compute_90");
     let text = String::from_utf8_lossy(&ptx.image);
-    assert!(text.contains(".entry refit_batched_copy"), "PTX names the kernel");
+    assert!(text.contains(".entry refit_batched_copy("), "PTX names the kernel");
+    assert!(text.contains(".entry refit_batched_copy_synced("), "PTX names the group-synchronized kernel");
     // 16-byte accesses must be there for the co-aligned path.
     assert!(text.contains("ld.global.v2.u64") || text.contains("ld.global.v4.u32"), "vector loads");
 }

@@ -13,7 +13,10 @@ use crate::ffi::group::refit_group;
 pub const REFIT_ALLGATHER_AUTO: u32 = 0;
 /// NCCL (ncclAllGather for equal counts, grouped ncclSend/ncclRecv for uneven ones). CUDA backend only.
 pub const REFIT_ALLGATHER_NCCL: u32 = 1;
-/// Peer copies: every rank pulls every other block at once on its own stream (copy engine).
+/// Peer copies between the GPUs: each rank writes its block into every rank's buffer, below 16 MiB
+/// per rank with one launch of refit's copy kernel (the ranks' launches meeting through flags in device
+/// memory), from 16 MiB with copy-engine copies on parallel streams. Groups without direct peer access
+/// always use copy-engine copies (staged by the driver).
 pub const REFIT_ALLGATHER_PEER: u32 = 2;
 /// Staged through host memory, synchronous: a reference path and last resort.
 pub const REFIT_ALLGATHER_HOST: u32 = 3;
@@ -34,12 +37,18 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// NULL, receives the algorithm that ran.
 ///
 /// AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
-/// access (on 2 x H200, peer pulls moved 1.3-1.46x what NCCL's allgather moved from 1 MiB to 1 GiB per
-/// rank, with less host time per call); otherwise NCCL when it loads, else PEER.
+/// access (on 2 x H200, PEER moved 1.2-1.5x what NCCL's allgather moved from 1 MiB to 1 GiB per rank
+/// and took half its host time per call; below 1 MiB NCCL's GPU time is shorter, see NOTES.md);
+/// otherwise NCCL when it loads, else PEER.
 ///
 /// Ordering: inside a scope (refit_group_enter) the work is queued on the group's streams and this
 /// returns without waiting; outside a scope it runs in an implicit scope on the legacy default streams
-/// and is complete when this returns (HOST is always complete on return).
+/// and is complete when this returns (HOST is always complete on return). Once the work queued on rank
+/// r's stream has run, recv[r] holds every block and no rank reads send[r] any more: work queued
+/// after the call on rank r's stream may read recv[r] and overwrite send[r]. PEER with kernels waits on
+/// the GPU for every rank's launch, like NCCL: a rank's stream must not depend on work that another
+/// rank's stream only reaches after this call. Not for CUDA graph capture (each call's launches carry
+/// a fresh rendezvous epoch).
 ///
 /// Thread-safety: as the group's; not from a rank callback (use refit_group_allgather_rank there).
 ///
@@ -73,7 +82,9 @@ pub extern "C" fn refit_allgather(
 
 /// The per-rank allgather, for refit_group_run callbacks: every rank's callback calls it with its own
 /// `rank`, `send` (counts[rank] bytes) and `recv` (sum(counts) bytes) and the same `counts` (all
-/// refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return).
+/// refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return);
+/// once that work has run, `recv` holds every block and `send` is no longer read. PEER pushes each
+/// rank's block into every rank's buffer with copy-engine copies.
 /// Ranks meet at an abortable barrier: if another rank's callback fails first, this returns ABORTED
 /// instead of waiting forever.
 ///

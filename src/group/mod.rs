@@ -19,12 +19,14 @@
 pub mod barrier;
 pub mod workers;
 
+use crate::allgather::peer::{PeerMethod, PreparedPushes};
 use crate::backend::cuda::cuda_backend;
 use crate::backend::host::HostBackend;
 use crate::backend::nccl::Communicators;
 use crate::backend::{Backend, BackendKind, Event, Stream};
 use crate::bail;
 use crate::error::{Error, Result, Status};
+use crate::kernels::rendezvous::Rendezvous;
 use barrier::AbortableBarrier;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
@@ -81,31 +83,24 @@ pub(crate) struct CollectiveState {
     pub slots: [Vec<Mutex<Published>>; 2],
     /// How many per-rank collectives each rank has started.
     pub calls: Vec<AtomicU64>,
-    /// The batched-kernel pulls of the last small whole-group peer allgather, reused while the
-    /// buffers and counts stay the same (see `allgather::PreparedPulls`).
-    pub pulls: Mutex<Option<crate::allgather::PreparedPulls>>,
+    /// The prepared kernel pushes of the last whole-group peer allgather that used them, reused while
+    /// its buffers and counts stay the same (see `allgather::peer`).
+    pub prepared_pushes: Mutex<Option<PreparedPushes>>,
+    /// The device flags of group-synchronized kernel launches (CUDA), created on first use.
+    pub rendezvous: OnceLock<std::result::Result<Rendezvous, Error>>,
     /// NCCL communicators, created on first use from the group's devices.
     pub nccl: OnceLock<std::result::Result<Communicators, Error>>,
-    /// Extra per-rank streams for pulling several blocks at once (created on first use).
+    /// Per-rank copy-engine streams for pushing to several ranks at once (created on first use).
     pub lanes: Mutex<Option<Lanes>>,
-    /// Smallest mean block size (bytes) for which a peer allgather pulls its blocks on parallel
-    /// lanes instead of one after another on the rank's stream. None: the default rule (two or more
-    /// ranks and at least [`PEER_LANES_MIN_BYTES`]); Some(t): any group of two or more ranks, from t.
-    pub lanes_min_bytes: Mutex<Option<u64>>,
+    /// The whole-group peer allgather method to use at every size, or None for the size rule
+    /// (`allgather::peer::method_for`).
+    pub peer_method: Mutex<Option<PeerMethod>>,
 }
 
-/// Default of `CollectiveState::lanes_min_bytes`: from this mean block size a peer allgather pulls
-/// with copy-engine copies, each peer block on its own lane beside the own-block copy; below it, with
-/// one batched-kernel launch per rank (see `allgather`). On 2 x H200 (run of 2026-11-30,
-/// benches/results/gpu_allgather.json), per GPU: kernel pulls 81.9 / 185.9 / 257.0 / 306.6 GB/s at 1 /
-/// 4 / 16 / 64 MiB per rank, copy-engine lanes 47.6 / 138.3 / 257.5 / 339.5.
-pub const PEER_LANES_MIN_BYTES: u64 = 16 << 20;
-
-/// `streams[rank][lane]` on the rank's device, `fork[rank]` (recorded on the rank's stream, waited by
-/// its lanes) and `joined[rank][lane]` (recorded on a lane, waited by the rank's stream).
+/// `streams[rank][lane]` on the rank's device and `joined[rank][lane]`, recorded on the lane when its
+/// copy is queued and waited by the streams that depend on it.
 pub(crate) struct Lanes {
     pub streams: Vec<Vec<Stream>>,
-    pub fork: Vec<Event>,
     pub joined: Vec<Vec<Event>>,
 }
 
@@ -232,10 +227,11 @@ impl Group {
                     (0..n).map(|_| Mutex::default()).collect(),
                 ],
                 calls: (0..n).map(|_| AtomicU64::new(0)).collect(),
-                pulls: Mutex::new(None),
+                prepared_pushes: Mutex::new(None),
+                rendezvous: OnceLock::new(),
                 nccl: OnceLock::new(),
                 lanes: Mutex::new(None),
-                lanes_min_bytes: Mutex::new(None),
+                peer_method: Mutex::new(None),
             },
         };
         // Pushed one by one so that Drop releases exactly what was created if a step fails.
@@ -460,21 +456,27 @@ impl Group {
         })
     }
 
-    /// Sets the smallest mean block size for which a whole-group peer allgather pulls blocks on
-    /// parallel lanes, for any group of two or more ranks (`Some(u64::MAX)`: never; `Some(0)`: always;
-    /// `None`: the default rule, two or more ranks and [`PEER_LANES_MIN_BYTES`]). A tuning knob for
-    /// benchmarks and tests.
-    pub fn set_peer_lanes_min_bytes(&self, bytes: Option<u64>) {
-        *self.collective.lanes_min_bytes.lock().unwrap_or_else(|p| p.into_inner()) = bytes;
+    /// Makes every whole-group peer allgather use `method` (`None`: pick by block size, see
+    /// `allgather::peer::method_for`). A knob for benchmarks and tests; a method this group cannot
+    /// run (kernels without direct peer access, or one rank) still falls back to the copy engine.
+    pub fn set_peer_method(&self, method: Option<PeerMethod>) {
+        *self.collective.peer_method.lock().unwrap_or_else(|p| p.into_inner()) = method;
     }
 
-    /// Whether a whole-group peer allgather with this mean block size uses lanes.
-    pub fn peer_lanes_for(&self, mean_block: u64) -> bool {
-        let n = self.size();
-        match *self.collective.lanes_min_bytes.lock().unwrap_or_else(|p| p.into_inner()) {
-            None => n > 1 && mean_block >= PEER_LANES_MIN_BYTES,
-            Some(min) => n > 1 && mean_block >= min,
-        }
+    /// The group's rendezvous flags, created on first use (CUDA backend only).
+    pub(crate) fn rendezvous(&self) -> Result<&Rendezvous> {
+        self.collective
+            .rendezvous
+            .get_or_init(|| {
+                let devices: Vec<i32> = self.devices.iter().map(|&d| d as i32).collect();
+                Rendezvous::new(&devices)
+            })
+            .as_ref()
+            .map_err(Clone::clone)
+    }
+
+    pub(crate) fn peer_method_override(&self) -> Option<PeerMethod> {
+        *self.collective.peer_method.lock().unwrap_or_else(|p| p.into_inner())
     }
 
     /// The group's lanes, created on first use: `size - 1` extra streams per rank and their events.
@@ -482,10 +484,9 @@ impl Group {
         let mut lanes = self.collective.lanes.lock().unwrap_or_else(|p| p.into_inner());
         if lanes.is_none() {
             let n = self.size();
-            let mut made = Lanes { streams: Vec::new(), fork: Vec::new(), joined: Vec::new() };
+            let mut made = Lanes { streams: Vec::new(), joined: Vec::new() };
             let created = (|| -> Result<()> {
                 for &device in &self.devices {
-                    made.fork.push(self.backend.create_event(device)?);
                     made.streams.push(Vec::new());
                     made.joined.push(Vec::new());
                     for _ in 1..n {
@@ -541,9 +542,6 @@ impl Drop for Group {
                     self.backend.destroy_stream(self.devices[r], stream);
                 }
             }
-            for (r, &event) in lanes.fork.iter().enumerate() {
-                self.backend.destroy_event(self.devices[r], event);
-            }
             for (r, events) in lanes.joined.iter().enumerate() {
                 for &event in events {
                     self.backend.destroy_event(self.devices[r], event);
@@ -559,30 +557,5 @@ impl Drop for Group {
                 self.backend.destroy_event(self.devices[r], event);
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn host(n: i64) -> Group {
-        let devices: Vec<i64> = (0..n).collect();
-        Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
-    }
-
-    #[test]
-    fn lanes_by_default_for_two_or_more_ranks_and_large_blocks() {
-        let (one, two, three) = (host(1), host(2), host(3));
-        assert!(two.peer_lanes_for(PEER_LANES_MIN_BYTES));
-        assert!(!two.peer_lanes_for(PEER_LANES_MIN_BYTES - 1));
-        assert!(three.peer_lanes_for(1 << 40));
-        assert!(!one.peer_lanes_for(1 << 40), "one rank has no peer to pull from");
-        two.set_peer_lanes_min_bytes(Some(0));
-        assert!(two.peer_lanes_for(0));
-        three.set_peer_lanes_min_bytes(Some(u64::MAX));
-        assert!(!three.peer_lanes_for(1 << 40));
-        one.set_peer_lanes_min_bytes(Some(0));
-        assert!(!one.peer_lanes_for(1 << 40), "one rank has no peer to pull from");
     }
 }

@@ -4,6 +4,7 @@
 use super::check::{check_destinations, validate};
 use super::layout::Layout;
 use super::nvrtc::{self, Output};
+use super::rendezvous::RankRendezvous;
 use crate::backend::driver::{self, check, CurrentContext};
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
@@ -15,6 +16,8 @@ use std::sync::{Arc, Mutex};
 /// The CUDA C source of the kernel, compiled by NVRTC at first use on each device.
 pub const SOURCE: &str = include_str!("batched_copy.cu");
 const KERNEL_NAME: &std::ffi::CStr = c"refit_batched_copy";
+/// The group-synchronized entry point (see [`super::rendezvous`]).
+const SYNCED_KERNEL_NAME: &std::ffi::CStr = c"refit_batched_copy_synced";
 /// Threads per block; must match `__launch_bounds__` in the source.
 const BLOCK_THREADS: u32 = 256;
 const WARPS_PER_BLOCK: u64 = BLOCK_THREADS as u64 / 32;
@@ -32,6 +35,7 @@ pub struct BatchedCopy {
     device: i32,
     context: sys::CUcontext,
     function: sys::CUfunction,
+    synced: sys::CUfunction,
     /// Blocks that fit on the device at once (SMs x resident blocks per SM): the persistent grid.
     max_blocks: u32,
     /// How the kernel was built, for logs and bench output.
@@ -91,12 +95,8 @@ impl BatchedCopy {
                 (module, format!("PTX compute_{major}{minor} (JIT)"))
             }
         };
-        let mut function = std::ptr::null_mut();
-        // SAFETY: live module, NUL-terminated name.
-        check("cuModuleGetFunction", unsafe {
-            sys::cuModuleGetFunction(&mut function, module, KERNEL_NAME.as_ptr())
-        })
-        .map_err(|e| Error::new(Status::KernelLoadFailed, e.message))?;
+        let function = get_function(module, KERNEL_NAME)?;
+        let synced = get_function(module, SYNCED_KERNEL_NAME)?;
         let mut per_sm = 0;
         // SAFETY: live function.
         check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
@@ -106,12 +106,17 @@ impl BatchedCopy {
         let nvrtc = nvrtc::version().unwrap_or_default();
         let build = format!("{build}, {nvrtc}, {sms} SMs x {per_sm} blocks of {BLOCK_THREADS}");
         log::info!("batched copy kernel on device {device}: {build}");
-        Ok(BatchedCopy { device, context, function, max_blocks, build })
+        Ok(BatchedCopy { device, context, function, synced, max_blocks, build })
     }
 
     /// The device ordinal this kernel runs on.
     pub fn device(&self) -> i32 {
         self.device
+    }
+
+    /// The device's primary context (retained for the life of the process).
+    pub(crate) fn context(&self) -> sys::CUcontext {
+        self.context
     }
 
     /// Blocks for `tiles` tiles: the persistent grid, or fewer when there is less work than warps.
@@ -128,20 +133,43 @@ impl BatchedCopy {
     /// Enqueues the kernel described by `launch` on `stream`. The caller has this device's context
     /// current.
     fn enqueue(&self, stream: sys::CUstream, launch: &Launch) -> Result<()> {
+        self.enqueue_entry(stream, launch, None)
+    }
+
+    /// Enqueues `launch` through the plain entry point, or through the group-synchronized one when
+    /// `synced` gives the rank's rendezvous and the call's epoch. The caller has this device's context
+    /// current.
+    fn enqueue_entry(
+        &self,
+        stream: sys::CUstream,
+        launch: &Launch,
+        synced: Option<(RankRendezvous, u64)>,
+    ) -> Result<()> {
         let Launch { mut descriptors, mut segments, mut tiles, mut tile_shift, mut group_shift, blocks } =
             *launch;
-        let mut params: [*mut c_void; 5] = [
+        let (mut table, mut rank, mut ranks, mut epoch) = match synced {
+            Some((r, epoch)) => (r.table, r.rank, r.ranks, epoch),
+            None => (0, 0, 0, 0),
+        };
+        let mut params: [*mut c_void; 9] = [
             (&mut descriptors as *mut u64).cast(),
             (&mut segments as *mut u64).cast(),
             (&mut tiles as *mut u64).cast(),
             (&mut tile_shift as *mut u32).cast(),
             (&mut group_shift as *mut u32).cast(),
+            (&mut table as *mut u64).cast(),
+            (&mut rank as *mut u32).cast(),
+            (&mut ranks as *mut u32).cast(),
+            (&mut epoch as *mut u64).cast(),
         ];
-        // SAFETY: the parameter list matches the kernel's signature; the descriptors stay allocated
-        // until the launch completes (freed stream-ordered after it, or owned by a PreparedBatch).
+        let function = if synced.is_some() { self.synced } else { self.function };
+        // SAFETY: the parameter list starts with the plain kernel's signature and is the synced one's
+        // (the driver reads only as many parameters as the function has); the descriptors stay
+        // allocated until the launch completes (freed stream-ordered after it, or owned by a
+        // PreparedBatch).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
-                self.function,
+                function,
                 blocks,
                 1,
                 1,
@@ -180,6 +208,14 @@ impl Launch {
             blocks,
         }
     }
+}
+
+fn get_function(module: sys::CUmodule, name: &std::ffi::CStr) -> Result<sys::CUfunction> {
+    let mut function = std::ptr::null_mut();
+    // SAFETY: live module, NUL-terminated name.
+    check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut function, module, name.as_ptr()) })
+        .map_err(|e| Error::new(Status::KernelLoadFailed, e.message))?;
+    Ok(function)
 }
 
 fn load_module(image: &[u8]) -> Result<sys::CUmodule> {
@@ -259,6 +295,7 @@ pub unsafe fn copy_segments(
 /// Drop frees the descriptor memory with `cuMemFree`; drop only once no launch (or graph replay)
 /// using it can still run.
 pub struct PreparedBatch {
+    device: i32,
     /// Set once the descriptor memory is allocated (Drop frees it); None for an empty batch.
     kernel: Option<Arc<BatchedCopy>>,
     launch: Launch,
@@ -299,7 +336,7 @@ impl PreparedBatch {
         };
         let kernel = BatchedCopy::for_device(device)?;
         let mut batch =
-            PreparedBatch { kernel: None, launch: Launch::new(&layout, 0, 0), bytes: layout.bytes };
+            PreparedBatch { device, kernel: None, launch: Launch::new(&layout, 0, 0), bytes: layout.bytes };
         if layout.tiles == 0 {
             return Ok(batch);
         }
@@ -329,6 +366,31 @@ impl PreparedBatch {
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(kernel.context) }?;
         kernel.enqueue(stream, &self.launch)
+    }
+
+    /// Enqueues the batch as one rank's part of a group-synchronized call (see [`super::rendezvous`]):
+    /// the launch waits on the GPU until every rank's launch of `epoch` has started, copies, and ends
+    /// once every rank has finished reading. Every rank of the rendezvous must launch with the same
+    /// `epoch`, an empty batch included (it then only takes part in the rendezvous), or the others
+    /// wait forever (see [`super::rendezvous::Rendezvous::release`]).
+    ///
+    /// # Safety
+    /// As for [`PreparedBatch::launch`]; `rendezvous` belongs to a live rendezvous of this device.
+    pub unsafe fn launch_synced(
+        &self,
+        stream: sys::CUstream,
+        rendezvous: RankRendezvous,
+        epoch: u64,
+    ) -> Result<()> {
+        let kernel = match &self.kernel {
+            Some(kernel) => kernel.clone(),
+            None => BatchedCopy::for_device(self.device)?,
+        };
+        let launch =
+            if self.kernel.is_some() { self.launch } else { Launch { blocks: 1, ..Launch::default() } };
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(kernel.context) }?;
+        kernel.enqueue_entry(stream, &launch, Some((rendezvous, epoch)))
     }
 
     /// Non-empty segments in the batch.

@@ -6,10 +6,12 @@
 //! - [`check`]: validation and the checked mode's destination-overlap test; pure Rust, shared with the
 //!   host backend (`backend::host_copy`).
 //! - [`batched_copy`]: the per-device kernel cache, one-shot [`copy_segments`] and [`PreparedBatch`].
+//! - [`rendezvous`]: the device-memory flags through which a group's synchronized launches meet.
 
 pub mod batched_copy;
 pub mod check;
 pub mod layout;
 pub mod nvrtc;
+pub mod rendezvous;
 
 pub use batched_copy::{copy_segments, BatchedCopy, PreparedBatch};

@@ -5,18 +5,12 @@
 //! offset[r]`; its own block is then not copied.
 //!
 //! Algorithms:
-//! - `Peer`: every rank pulls every other block at once on its own stream. Ordering: each rank records
-//!   `ready` after its inputs and readers wait on it. That owners' streams also wait for their readers
-//!   is deferred to the next group call, run() or exit (one join per scope instead of one per call, for
-//!   host time); the per-rank variant joins at once with a second barrier. Blocks are pulled in
-//!   rotated order (rank r reads r+1, r+2, ...), so that at each step every GPU is read by one other.
-//!   From `PEER_LANES_MIN_BYTES` (16 MiB) per block the pulls are copy-engine copies (one `cuMemcpyAsync` per
-//!   block; unified addressing routes it over NVLink), each peer block on an extra "lane" stream forked
-//!   from and joined back into the rank's stream, beside the own-block copy: CEILINGS.md measured CE
-//!   peer copies at 396 GB/s one way and 782 both ways, an SM pull kernel at 374 / 673. Below it, where
-//!   issuing copies costs more than moving them, each rank's pulls are one prepared batched-kernel
-//!   launch (`PreparedPulls`, kept while the buffers stay the same). On the host backend the same code
-//!   runs on simulated streams.
+//! - `Peer`: GPUs copy each other's blocks directly on the group's streams, ordered by events (a
+//!   rank's `ready` after its earlier work, waited by whoever reads or writes its buffers). The
+//!   whole-group call picks one of three methods by block size (`peer`: one launch for every block,
+//!   per-rank kernel pulls, copy-engine pushes on lanes). The per-rank call pushes its own block into
+//!   every rank's slot on its stream and meets the other ranks at two barriers (after `ready`, after
+//!   the pushes), then waits for every pusher.
 //! - `Nccl`: equal counts use `ncclAllGather` (byte type), uneven counts use `ncclSend`/`ncclRecv`
 //!   pairs inside one `ncclGroupStart/End` (no padding, so no extra bytes moved) plus a local copy of the
 //!   own block. Communicators are created on first use with `ncclCommInitAll` and kept on the group.
@@ -24,10 +18,9 @@
 //!   A reference path and a last resort; it blocks the host.
 //!
 //! `Auto` rule: the host backend, a single rank, or a group whose every pair has direct peer access
-//! picks `Peer`: on 2 x H200 (run of 2026-11-30, benches/results/gpu_allgather.json) it moved 1.3x
-//! NCCL's bytes at 1 MiB per rank, 1.35-1.46x from 16 MiB, and spent 9.3 against 12.5 us of host time
-//! per call on tiny blocks. Otherwise `Nccl` when it loads (it routes around missing peer access better
-//! than driver-staged copies), else `Peer`. benches/gpu_allgather.rs re-measures the comparison.
+//! picks `Peer`; otherwise `Nccl` when it loads (it routes around missing peer access better than
+//! driver-staged copies), else `Peer`. benches/gpu_allgather.rs measures peer against NCCL at every
+//! size; NOTES.md has the figures.
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
@@ -35,11 +28,12 @@ use crate::backend::driver::CurrentContext;
 use crate::backend::nccl::{nccl, Communicators};
 use crate::backend::BackendKind;
 use crate::bail;
-use crate::copy::PreparedCopy;
 use crate::error::{Error, Result, Status};
 use crate::group::{Group, Published};
 use crate::segment::Segment;
 use std::sync::atomic::Ordering;
+
+pub mod peer;
 
 /// Which algorithm moves the bytes. Values are part of the C ABI.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -91,6 +85,28 @@ pub fn choose(group: &Group, requested: Algorithm) -> Result<Algorithm> {
 struct Layout {
     offsets: Vec<u64>,
     total: u64,
+}
+
+/// One whole-group allgather's arguments, checked: every rank's buffers and where each block lands.
+pub(super) struct Gather<'a> {
+    send: &'a [u64],
+    recv: &'a [u64],
+    counts: &'a [usize],
+    layout: Layout,
+}
+
+impl Gather<'_> {
+    fn ranks(&self) -> usize {
+        self.counts.len()
+    }
+
+    /// Rank `owner`'s block copied into rank `receiver`'s slot for it; None when the block is empty
+    /// or already there (in place).
+    fn block_into(&self, owner: usize, receiver: usize) -> Option<Segment> {
+        let dst = self.recv[receiver] + self.layout.offsets[owner];
+        let len = self.counts[owner] as u64;
+        (len > 0 && self.send[owner] != dst).then(|| Segment::contiguous(self.send[owner], dst, len))
+    }
 }
 
 fn layout(counts: &[usize]) -> Result<Layout> {
@@ -183,143 +199,14 @@ pub unsafe fn allgather(
     if layout.total == 0 {
         return Ok(algorithm);
     }
+    let call = Gather { send, recv, counts, layout };
     group.in_implicit_scope(|| match algorithm {
-        Algorithm::Peer => peer_all(group, send, recv, counts, &layout),
-        Algorithm::Nccl => nccl_all(group, send, recv, counts, &layout),
-        Algorithm::Host => host_all(group, send, recv, counts, &layout),
+        Algorithm::Peer => peer::allgather(group, &call).map(|_| ()),
+        Algorithm::Nccl => nccl_all(group, &call),
+        Algorithm::Host => host_all(group, &call),
         Algorithm::Auto => unreachable!("choose resolves Auto"),
     })?;
     Ok(algorithm)
-}
-
-unsafe fn peer_all(
-    group: &Group,
-    send: &[u64],
-    recv: &[u64],
-    counts: &[usize],
-    layout: &Layout,
-) -> Result<()> {
-    // After an earlier peer collective, every stream must also wait for every other (its readers):
-    // the all-to-all ready waits below do that join.
-    let join_all = group.take_pending_join();
-    let issued = peer_issue(group, send, recv, counts, layout, join_all);
-    // Rank p's stream does not wait here for the ranks reading its block: the next group call, run()
-    // or exit joins them (Group::join_if_pending), and a SYNC exit drains every stream anyway. Marked
-    // on failure too, so that a partly issued call is still joined.
-    group.mark_pending_join();
-    issued
-}
-
-unsafe fn peer_issue(
-    group: &Group,
-    send: &[u64],
-    recv: &[u64],
-    counts: &[usize],
-    layout: &Layout,
-    join_all: bool,
-) -> Result<()> {
-    let backend = group.backend();
-    let devices = group.devices();
-    let streams = group.streams();
-    let state = &group.collective;
-    let n = group.size();
-    let orders = |p: usize| counts[p] > 0 || join_all;
-    if n > 1 {
-        for r in (0..n).filter(|&r| orders(r)) {
-            backend.record(devices[r], state.ready[r], streams[r])?;
-        }
-    }
-    let use_lanes = group.peer_lanes_for(layout.total / n as u64);
-    let lanes = if use_lanes { Some(group.lanes()?) } else { None };
-    let kernel_pulls = n > 1 && !use_lanes && backend.kind() == BackendKind::Cuda && group.all_peers_direct();
-    let pulls = if kernel_pulls { Some(prepared_pulls(group, send, recv, counts, layout)?) } else { None };
-    let mut segments = Vec::with_capacity(n);
-    for r in 0..n {
-        for p in (0..n).filter(|&p| p != r && orders(p)) {
-            backend.wait(devices[r], streams[r], state.ready[p])?;
-        }
-        if let Some(pulls) = pulls.as_ref().and_then(|guard| guard.as_ref()) {
-            if let Some(batch) = &pulls.per_rank[r] {
-                batch.launch(streams[r])?;
-            }
-            continue;
-        }
-        segments.clear();
-        let mut lane = 0;
-        for p in pull_order(r, n).filter(|&p| counts[p] > 0) {
-            let dst = recv[r] + layout.offsets[p];
-            if send[p] == dst {
-                continue;
-            }
-            let segment = Segment::contiguous(send[p], dst, counts[p] as u64);
-            match lanes.as_deref().and_then(Option::as_ref) {
-                // Each peer block on its own lane, forked from and joined back into the rank's stream.
-                Some(lanes) if p != r => {
-                    if lane == 0 {
-                        backend.record(devices[r], lanes.fork[r], streams[r])?;
-                    }
-                    let lane_stream = lanes.streams[r][lane];
-                    backend.wait(devices[r], lane_stream, lanes.fork[r])?;
-                    backend.copy_segments(devices[r], lane_stream, &[segment])?;
-                    backend.record(devices[r], lanes.joined[r][lane], lane_stream)?;
-                    lane += 1;
-                }
-                _ => segments.push(segment),
-            }
-        }
-        backend.copy_segments(devices[r], streams[r], &segments)?;
-        if let Some(lanes) = lanes.as_deref().and_then(Option::as_ref) {
-            for joined in &lanes.joined[r][..lane] {
-                backend.wait(devices[r], streams[r], *joined)?;
-            }
-        }
-    }
-    Ok(())
-}
-
-/// Every rank's pulls of a small whole-group peer allgather as one prepared batched-kernel launch
-/// each, kept for the next call with the same buffers and counts (collectives in a loop). For small
-/// blocks the host time of issuing copies is the cost: one launch per rank replaces one copy-engine
-/// call per block (on 2 x H200 at 256 B per rank: 18.7 us per call with copy-engine calls).
-pub(crate) struct PreparedPulls {
-    key: (Vec<u64>, Vec<u64>, Vec<usize>),
-    pub per_rank: Vec<Option<PreparedCopy>>,
-}
-
-fn prepared_pulls<'g>(
-    group: &'g Group,
-    send: &[u64],
-    recv: &[u64],
-    counts: &[usize],
-    layout: &Layout,
-) -> Result<std::sync::MutexGuard<'g, Option<PreparedPulls>>> {
-    let mut cached = group.collective.pulls.lock().unwrap_or_else(|p| p.into_inner());
-    let fresh = cached.as_ref().is_some_and(|c| c.key.0 == send && c.key.1 == recv && c.key.2 == counts);
-    if !fresh {
-        *cached = None; // free the old descriptors first
-        let n = group.size();
-        let mut per_rank = Vec::with_capacity(n);
-        for r in 0..n {
-            let segments: Vec<Segment> = pull_order(r, n)
-                .filter(|&p| counts[p] > 0 && send[p] != recv[r] + layout.offsets[p])
-                .map(|p| Segment::contiguous(send[p], recv[r] + layout.offsets[p], counts[p] as u64))
-                .collect();
-            per_rank.push(if segments.is_empty() {
-                None
-            } else {
-                Some(PreparedCopy::new(group, r, &segments, false)?)
-            });
-        }
-        *cached = Some(PreparedPulls { key: (send.to_vec(), recv.to_vec(), counts.to_vec()), per_rank });
-    }
-    Ok(cached)
-}
-
-/// The order in which `rank` pulls blocks: rank+1, rank+2, ... (wrapping), its own block last. Every
-/// step is then a permutation (each GPU is read by exactly one other GPU at a time) instead of every
-/// rank reading rank 0 first, then rank 1, ..., which would load one GPU's links at a time.
-fn pull_order(rank: usize, n: usize) -> impl Iterator<Item = usize> {
-    (1..=n).map(move |k| (rank + k) % n)
 }
 
 fn communicators(group: &Group) -> Result<&Communicators> {
@@ -339,13 +226,8 @@ fn equal_counts(counts: &[usize]) -> bool {
     counts.windows(2).all(|w| w[0] == w[1])
 }
 
-unsafe fn nccl_all(
-    group: &Group,
-    send: &[u64],
-    recv: &[u64],
-    counts: &[usize],
-    layout: &Layout,
-) -> Result<()> {
+unsafe fn nccl_all(group: &Group, call: &Gather) -> Result<()> {
+    let (send, recv, counts, layout) = (call.send, call.recv, call.counts, &call.layout);
     group.join_if_pending()?;
     let lib = nccl()?;
     let comms = communicators(group)?;
@@ -418,27 +300,16 @@ unsafe fn own_block_copy(
     )
 }
 
-unsafe fn host_all(
-    group: &Group,
-    send: &[u64],
-    recv: &[u64],
-    counts: &[usize],
-    layout: &Layout,
-) -> Result<()> {
-    let backend = group.backend();
-    let devices = group.devices();
+unsafe fn host_all(group: &Group, call: &Gather) -> Result<()> {
+    let (backend, devices) = (group.backend(), group.devices());
     group.synchronize()?;
     let mut staging = Vec::new();
-    for p in 0..group.size() {
-        if counts[p] == 0 {
-            continue;
-        }
-        staging.resize(counts[p], 0u8);
-        backend.read(devices[p], send[p], &mut staging)?;
-        for r in 0..group.size() {
-            let dst = recv[r] + layout.offsets[p];
-            if !(p == r && send[p] == dst) {
-                backend.write(devices[r], dst, &staging)?;
+    for p in (0..call.ranks()).filter(|&p| call.counts[p] > 0) {
+        staging.resize(call.counts[p], 0u8);
+        backend.read(devices[p], call.send[p], &mut staging)?;
+        for r in 0..call.ranks() {
+            if let Some(block) = call.block_into(p, r) {
+                backend.write(devices[r], block.dst, &staging)?;
             }
         }
     }
@@ -493,23 +364,27 @@ pub unsafe fn allgather_rank(
     }
     match algorithm {
         Algorithm::Peer => {
-            let mut segments = Vec::with_capacity(peers.len());
-            for p in (0..peers.len()).filter(|&p| p != rank && counts[p] > 0) {
-                backend.wait(device, stream, state.ready[p])?;
+            // Push: this rank's stream copies its block into every rank's slot, once each receiver's
+            // stream is ready (its earlier work on recv done); each receiver then waits for every
+            // pusher. The send buffer is read on its owner's stream only.
+            let n = peers.len();
+            if counts[rank] > 0 {
+                for r in (0..n).filter(|&r| r != rank) {
+                    backend.wait(device, stream, state.ready[r])?;
+                }
             }
-            for p in pull_order(rank, peers.len()).filter(|&p| counts[p] > 0) {
-                let dst = recv + layout.offsets[p];
-                if peers[p].send != dst {
-                    segments.push(Segment::contiguous(peers[p].send, dst, counts[p] as u64));
+            let mut segments = Vec::with_capacity(n);
+            for r in peer::push_order(rank, n).chain([rank]).filter(|_| counts[rank] > 0) {
+                let dst = peers[r].recv + layout.offsets[rank];
+                if send != dst {
+                    segments.push(Segment::contiguous(send, dst, counts[rank] as u64));
                 }
             }
             backend.copy_segments(device, stream, &segments)?;
             backend.record(device, state.done[rank], stream)?;
             group.barrier().wait()?;
-            if counts[rank] > 0 {
-                for p in (0..peers.len()).filter(|&p| p != rank) {
-                    backend.wait(device, stream, state.done[p])?;
-                }
+            for p in (0..n).filter(|&p| p != rank && counts[p] > 0) {
+                backend.wait(device, stream, state.done[p])?;
             }
         }
         Algorithm::Nccl => {
@@ -583,20 +458,6 @@ fn published(
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn pull_order_is_a_rotation_ending_with_the_own_block() {
-        assert_eq!(pull_order(1, 3).collect::<Vec<_>>(), vec![2, 0, 1]);
-        assert_eq!(pull_order(0, 1).collect::<Vec<_>>(), vec![0]);
-        // At every step k, the ranks read distinct owners (a permutation).
-        for n in 2..9 {
-            for k in 0..n {
-                let mut owners: Vec<usize> = (0..n).map(|r| pull_order(r, n).nth(k).unwrap()).collect();
-                owners.sort_unstable();
-                assert_eq!(owners, (0..n).collect::<Vec<_>>(), "n={n} step {k}");
-            }
-        }
-    }
 
     #[test]
     fn algorithm_codes_round_trip_and_reject_unknown_values() {

@@ -1,0 +1,144 @@
+"""Probe: does splitting one peer copy over several copy-engine streams ("lanes") beat one stream?
+
+For GPU0 <-> GPU1 at once (both directions, as in a 2-GPU allgather) and one direction alone, per
+block size: the block is cut into `lanes` equal chunks, each on its own non-blocking stream forked
+from and joined back into the issuing device's main stream every iteration (what the allgather does),
+pulled (issued by the receiver) or pushed (issued by the sender). GPU-timed with events on the main
+streams after a spin gate, so the host has queued every iteration before the copies start.
+Prints a markdown table of GB/s per direction; JSON to $REFIT_BENCH_RESULTS/ce_lanes_probe.json.
+"""
+
+import json
+import os
+import statistics
+
+import cupy as cp
+from cupy.cuda import runtime as rt
+
+MIB = 1 << 20
+SPIN = cp.RawKernel(
+    r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+""",
+    "spin",
+)
+
+
+class Side:
+    """One device's buffers, main stream and lanes."""
+
+    def __init__(self, device, size, max_lanes):
+        self.device = device
+        with cp.cuda.Device(device):
+            self.src = cp.random.randint(0, 256, size, dtype=cp.uint8)
+            self.dst = cp.zeros(size, dtype=cp.uint8)
+            self.main = cp.cuda.Stream(non_blocking=True)
+            self.lanes = [cp.cuda.Stream(non_blocking=True) for _ in range(max_lanes)]
+            self.fork = cp.cuda.Event(disable_timing=True)
+            self.joins = [cp.cuda.Event(disable_timing=True) for _ in range(max_lanes)]
+            self.start = cp.cuda.Event()
+            self.end = cp.cuda.Event()
+
+
+def enable_peers():
+    for d in (0, 1):
+        with cp.cuda.Device(d):
+            try:
+                rt.deviceEnablePeerAccess(1 - d)
+            except rt.CUDARuntimeError:
+                pass  # already enabled
+
+
+def issue(sides, directions, size, lanes, push):
+    """One iteration: every direction's block cut into `lanes` chunks on lane streams."""
+    chunk = size // lanes
+    for src, dst in directions:
+        issuer = sides[src] if push else sides[dst]
+        with cp.cuda.Device(issuer.device):
+            issuer.fork.record(issuer.main)
+            for i in range(lanes):
+                lane = issuer.lanes[i]
+                lane.wait_event(issuer.fork)
+                off = i * chunk
+                rt.memcpyPeerAsync(
+                    sides[dst].dst.data.ptr + off,
+                    dst,
+                    sides[src].src.data.ptr + off,
+                    src,
+                    chunk,
+                    lane.ptr,
+                )
+                issuer.joins[i].record(lane)
+            for i in range(lanes):
+                issuer.main.wait_event(issuer.joins[i])
+
+
+def measure(sides, directions, size, lanes, push, iters, reps=5):
+    issuers = {(s if push else d) for s, d in directions}
+    samples = []
+    for rep in range(reps + 1):
+        for dev in issuers:
+            with cp.cuda.Device(dev):
+                SPIN((1,), (1,), (cp.int64(40_000_000),), stream=sides[dev].main)
+                sides[dev].start.record(sides[dev].main)
+        for _ in range(iters):
+            issue(sides, directions, size, lanes, push)
+        for dev in issuers:
+            with cp.cuda.Device(dev):
+                sides[dev].end.record(sides[dev].main)
+        worst = 0.0
+        for dev in issuers:
+            sides[dev].end.synchronize()
+            worst = max(worst, cp.cuda.get_elapsed_time(sides[dev].start, sides[dev].end) / 1e3)
+        if rep:
+            samples.append(size * iters / worst / 1e9)
+    return statistics.median(samples)
+
+
+def main():
+    if cp.cuda.runtime.getDeviceCount() < 2:
+        print("ce_lanes_probe: needs two GPUs")
+        return
+    enable_peers()
+    top = 1024 * MIB
+    max_lanes = 8
+    sides = [Side(0, top, max_lanes), Side(1, top, max_lanes)]
+    rows = []
+    for both in (True, False):
+        directions = [(0, 1), (1, 0)] if both else [(0, 1)]
+        for size in (16 * MIB, 64 * MIB, 256 * MIB, 1024 * MIB):
+            iters = max(5, min(40, (4096 * MIB) // size))
+            for push in (False, True):
+                for lanes in (1, 2, 4, 8):
+                    gbps = measure(sides, directions, size, lanes, push, iters)
+                    rows.append(
+                        {
+                            "directions": "both" if both else "0->1",
+                            "size_mib": size // MIB,
+                            "mode": "push" if push else "pull",
+                            "lanes": lanes,
+                            "gbps_per_direction": round(gbps, 1),
+                        }
+                    )
+    # Correctness of the last copy (one direction, 8 lanes or whichever ran last): bytes match.
+    with cp.cuda.Device(1):
+        assert bool((sides[1].dst == cp.asarray(sides[0].src.get(), dtype=cp.uint8)).all()), "copy mismatch"
+    print("| directions | MiB | mode | lanes=1 | 2 | 4 | 8 |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    keyed = {}
+    for r in rows:
+        keyed.setdefault((r["directions"], r["size_mib"], r["mode"]), {})[r["lanes"]] = r["gbps_per_direction"]
+    for (dirs, mib, mode), by_lanes in keyed.items():
+        cells = " | ".join(f"{by_lanes[k]:.1f}" for k in (1, 2, 4, 8))
+        print(f"| {dirs} | {mib} | {mode} | {cells} |")
+    out = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "ce_lanes_probe.json"), "w") as f:
+        json.dump({"rows": rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,279 @@
+"""Probe: GPU-side latency of ordering one GPU's stream after another's, events against stream
+memory operations (cuStreamWriteValue64 into the waiter's memory, cuStreamWaitValue64 polling it).
+
+1. Ping-pong chains of 2,000 round trips between GPU0's and GPU1's streams (and, for reference,
+   between two streams of GPU0): time per round trip, GPU-timed after a spin gate.
+2. The 2-GPU copy-engine push allgather at 16 / 64 / 256 MiB per rank, with its cross-GPU orderings
+   made of events or of stream memory operations: GB/s received per GPU.
+Prints markdown; JSON to $REFIT_BENCH_RESULTS/cross_gpu_sync_probe.json.
+"""
+
+import ctypes
+import json
+import os
+import statistics
+
+import cupy as cp
+from cupy.cuda import runtime as rt
+
+MIB = 1 << 20
+cuda = ctypes.CDLL("libcuda.so.1")
+cuda.cuStreamWaitValue64_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+cuda.cuStreamWriteValue64_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
+SPIN = cp.RawKernel(
+    r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+""",
+    "spin",
+)
+
+
+def ck(code, what):
+    if code != 0:
+        raise RuntimeError(f"{what} failed: CUresult {code}")
+
+
+def write(stream, addr, value):
+    ck(cuda.cuStreamWriteValue64_v2(stream.ptr, addr, value, 0), "cuStreamWriteValue64")
+
+
+def wait(stream, addr, value):
+    ck(cuda.cuStreamWaitValue64_v2(stream.ptr, addr, value, 0), "cuStreamWaitValue64")  # GEQ
+
+
+class Counter:
+    value = 0
+
+    def next(self):
+        self.value += 1
+        return self.value
+
+
+def timed(streams, issue, reps=5):
+    """Median seconds of one `issue()` batch, the slowest stream's, after a gate on every stream."""
+    starts = [None] * len(streams)
+    ends = [None] * len(streams)
+    samples = []
+    for rep in range(reps + 1):
+        for k, (dev, s) in enumerate(streams):
+            with cp.cuda.Device(dev):
+                SPIN((1,), (1,), (cp.int64(300_000_000),), stream=s)
+                starts[k] = cp.cuda.Event()
+                starts[k].record(s)
+        issue()
+        for k, (dev, s) in enumerate(streams):
+            with cp.cuda.Device(dev):
+                ends[k] = cp.cuda.Event()
+                ends[k].record(s)
+        worst = 0.0
+        for k in range(len(streams)):
+            ends[k].synchronize()
+            worst = max(worst, cp.cuda.get_elapsed_time(starts[k], ends[k]) / 1e3)
+        if rep:
+            samples.append(worst)
+    return statistics.median(samples)
+
+
+def main():
+    if rt.getDeviceCount() < 2:
+        print("cross_gpu_sync_probe: needs two GPUs")
+        return
+    for d in (0, 1):
+        with cp.cuda.Device(d):
+            try:
+                rt.deviceEnablePeerAccess(1 - d)
+            except rt.CUDARuntimeError:
+                pass
+    streams, flags, events = [], [], []
+    for d in (0, 1):
+        with cp.cuda.Device(d):
+            streams.append(cp.cuda.Stream(non_blocking=True))
+            flags.append(cp.zeros(64, dtype=cp.uint64))
+            events.append(cp.cuda.Event(disable_timing=True))
+    with cp.cuda.Device(0):
+        s0b = cp.cuda.Stream(non_blocking=True)
+        e0b = cp.cuda.Event(disable_timing=True)
+    counter = Counter()
+    trips = 2000
+    rows = {}
+
+    def events_chain(a, ea, da, b, eb, db):
+        def issue():
+            for _ in range(trips):
+                with cp.cuda.Device(da):
+                    ea.record(a)
+                with cp.cuda.Device(db):
+                    b.wait_event(ea)
+                    eb.record(b)
+                with cp.cuda.Device(da):
+                    a.wait_event(eb)
+        return issue
+
+    def memops_chain():
+        def issue():
+            for _ in range(trips):
+                v = counter.next()
+                with cp.cuda.Device(0):
+                    write(streams[0], flags[1].data.ptr, v)  # into GPU1's memory
+                with cp.cuda.Device(1):
+                    wait(streams[1], flags[1].data.ptr, v)
+                    write(streams[1], flags[0].data.ptr, v)
+                with cp.cuda.Device(0):
+                    wait(streams[0], flags[0].data.ptr, v)
+        return issue
+
+    pair = [(0, streams[0]), (1, streams[1])]
+    rows["round trip GPU0<->GPU1, events (us)"] = (
+        timed(pair, events_chain(streams[0], events[0], 0, streams[1], events[1], 1)) / trips * 1e6
+    )
+    rows["round trip GPU0<->GPU1, stream memory ops (us)"] = timed(pair, memops_chain()) / trips * 1e6
+    rows["round trip GPU0 stream<->stream, events (us)"] = (
+        timed([(0, streams[0]), (0, s0b)], events_chain(streams[0], events[0], 0, s0b, e0b, 0)) / trips * 1e6
+    )
+
+    # The push allgather, G = 2: lane[p] pushes p's block into recv[r]; own block on the rank stream.
+    size_max = 256 * MIB
+    send, recv, lanes, lane_ev, ready_ev, fork_ev, flag = [], [], [], [], [], [], []
+    for d in (0, 1):
+        with cp.cuda.Device(d):
+            send.append(cp.random.randint(0, 256, size_max, dtype=cp.uint8))
+            recv.append(cp.zeros(2 * size_max, dtype=cp.uint8))
+            lanes.append(cp.cuda.Stream(non_blocking=True))
+            lane_ev.append(cp.cuda.Event(disable_timing=True))
+            ready_ev.append(cp.cuda.Event(disable_timing=True))
+            fork_ev.append(cp.cuda.Event(disable_timing=True))
+            # Flags live in the waiter's memory: flag[d][0] = "the peer's recv is ready for d's push"
+            # (written by the peer's stream), flag[d][1] = "the peer's push into recv[d] landed".
+            flag.append(cp.zeros(64, dtype=cp.uint64))
+
+    copy_kernel = cp.RawKernel(
+        r"""
+extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long n) {
+    for (unsigned long long i = blockIdx.x * (unsigned long long)blockDim.x + threadIdx.x; i < n;
+         i += (unsigned long long)gridDim.x * blockDim.x) dst[i] = src[i];
+}
+""",
+        "copy16",
+    )
+
+    def variant_call(size, own, ready_hop, join_hop):
+        """The push allgather with parts switched off, to see what each costs (not all are safe)."""
+        for r in (0, 1):
+            with cp.cuda.Device(r):
+                ready_ev[r].record(streams[r])
+        for p in (0, 1):
+            r = 1 - p
+            with cp.cuda.Device(p):
+                lanes[p].wait_event(ready_ev[p])
+                if ready_hop:
+                    lanes[p].wait_event(ready_ev[r])
+                rt.memcpyAsync(recv[r].data.ptr + p * size, send[p].data.ptr, size, 4, lanes[p].ptr)
+                lane_ev[p].record(lanes[p])
+                if own == "ce":
+                    rt.memcpyAsync(recv[p].data.ptr + p * size, send[p].data.ptr, size, 4, streams[p].ptr)
+                elif own == "sm":
+                    n16 = size // 16
+                    copy_kernel(
+                        (264,), (512,),
+                        (send[p].data.ptr, recv[p].data.ptr + p * size, cp.uint64(n16)),
+                        stream=streams[p],
+                    )
+                streams[p].wait_event(lane_ev[p])
+        for r in (0, 1):
+            p = 1 - r
+            with cp.cuda.Device(r):
+                if join_hop:
+                    streams[r].wait_event(lane_ev[p])
+
+    def pull_deferred_call(size):
+        """The old pull: each rank waits for the other's ready and pulls on a lane; no join back."""
+        for r in (0, 1):
+            with cp.cuda.Device(r):
+                ready_ev[r].record(streams[r])
+        for r in (0, 1):
+            p = 1 - r
+            with cp.cuda.Device(r):
+                streams[r].wait_event(ready_ev[p])
+                fork_ev[r].record(streams[r])
+                lanes[r].wait_event(fork_ev[r])
+                rt.memcpyAsync(recv[r].data.ptr + p * size, send[p].data.ptr, size, 4, lanes[r].ptr)
+                lane_ev[r].record(lanes[r])
+                rt.memcpyAsync(recv[r].data.ptr + r * size, send[r].data.ptr, size, 4, streams[r].ptr)
+                streams[r].wait_event(lane_ev[r])
+
+    def push_call(size, memops):
+        v = counter.next()
+        for r in (0, 1):
+            with cp.cuda.Device(r):
+                ready_ev[r].record(streams[r])
+                if memops:
+                    write(streams[r], flag[1 - r][0:1].data.ptr, v)  # tell the pusher: recv[r] ready
+        for p in (0, 1):
+            r = 1 - p
+            with cp.cuda.Device(p):
+                lanes[p].wait_event(ready_ev[p])
+                if memops:
+                    wait(lanes[p], flag[p][0:1].data.ptr, v)
+                else:
+                    lanes[p].wait_event(ready_ev[r])
+                rt.memcpyAsync(recv[r].data.ptr + p * size, send[p].data.ptr, size, 4, lanes[p].ptr)
+                lane_ev[p].record(lanes[p])
+                if memops:
+                    write(lanes[p], flag[r][1:2].data.ptr, v)  # tell the receiver: block landed
+                rt.memcpyAsync(recv[p].data.ptr + p * size, send[p].data.ptr, size, 4, streams[p].ptr)
+                streams[p].wait_event(lane_ev[p])
+        for r in (0, 1):
+            p = 1 - r
+            with cp.cuda.Device(r):
+                if memops:
+                    wait(streams[r], flag[r][1:2].data.ptr, v)
+                else:
+                    streams[r].wait_event(lane_ev[p])
+
+    push_rows = []
+    variants = {
+        "push, own CE (refit)": lambda size: variant_call(size, "ce", True, True),
+        "push, own SM kernel": lambda size: variant_call(size, "sm", True, True),
+        "push, no own copy": lambda size: variant_call(size, None, True, True),
+        "push, no own copy, no ready hop (unsafe)": lambda size: variant_call(size, None, False, True),
+        "push, no own copy, no hops (unsafe)": lambda size: variant_call(size, None, False, False),
+        "pull, deferred join (old)": pull_deferred_call,
+        "push, stream memory ops": lambda size: push_call(size, True),
+    }
+    for size in (16 * MIB, 64 * MIB, 256 * MIB):
+        iters = max(5, min(40, 2048 * MIB // size))
+        out = {"size_mib": size // MIB}
+        for name, call in variants.items():
+            t = timed(pair, lambda: [call(size) for _ in range(iters)]) / iters
+            out[name] = size / t / 1e9
+        push_rows.append(out)
+    # Correctness of the last call: both recv buffers hold both blocks.
+    for r in (0, 1):
+        with cp.cuda.Device(r):
+            streams[r].synchronize()
+    size = 256 * MIB
+    for r in (0, 1):
+        for p in (0, 1):
+            got = cp.asnumpy(recv[r][p * size : (p + 1) * size])
+            assert (got == cp.asnumpy(send[p][:size])).all(), f"recv[{r}] block {p} wrong"
+
+    print("| ordering | us |")
+    print("| --- | --- |")
+    for k, v in rows.items():
+        print(f"| {k} | {v:.2f} |")
+    print()
+    print("| 2-GPU allgather variant, GB/s per GPU | " + " | ".join(f"{r['size_mib']} MiB" for r in push_rows) + " |")
+    print("| --- |" + " --- |" * len(push_rows))
+    for name in variants:
+        print(f"| {name} | " + " | ".join(f"{r[name]:.1f}" for r in push_rows) + " |")
+    out = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, "cross_gpu_sync_probe.json"), "w") as f:
+        json.dump({"round_trips_us": rows, "push_allgather_gbps": push_rows}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

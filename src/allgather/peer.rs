@@ -1,0 +1,300 @@
+//! The whole-group `Peer` allgather: GPUs copy each other's blocks directly (kernels reading peer
+//! memory, or copy-engine copies) on the group's streams.
+//!
+//! Two methods, picked by the mean block size ([`method_for`]), each the faster at its sizes on
+//! 2 x H200 (benches/gpu_allgather.rs measures both at every size):
+//! - [`PeerMethod::KernelPushes`]: each rank writes its block into every rank's buffer with one launch
+//!   of the batched copy kernel on its own stream. On CUDA the launches meet on the GPUs through
+//!   flags in device memory (`kernels::rendezvous`): a launch starts copying once every rank's launch
+//!   has started (so every receiver is ready) and ends once every rank has finished writing, with no
+//!   stream events at all. A cross-GPU event wait costs about 5 us of GPU time
+//!   (benches/cross_gpu_sync_probe.py: 9.7 us per round trip) and 1.4 us of host time; for small
+//!   blocks that latency is the whole cost. Pushing (remote writes, posted) beat pulling (remote
+//!   reads) with the same rendezvous at every size measured, 64 KiB to 16 MiB per rank (the bench
+//!   keeps both).
+//! - [`PeerMethod::CopyEnginePush`]: each rank pushes its block to every peer with copy-engine
+//!   copies, one lane stream per destination, beside its own-block copy, ordered by events. Pushing
+//!   beats pulling here too: at 64 MiB per direction, both directions at once, 385 against 367 GB/s
+//!   per direction (benches/ce_lanes_probe.py, 2 x H200, 2026-11-30); splitting one block over
+//!   several lanes only lowers it (377 with 2, 360 with 4). Also the method of groups without direct
+//!   peer access, where the driver stages the copies.
+//!
+//! Either way the call leaves every stream joined: once the work queued on rank r's stream is done,
+//! r's receive buffer holds every block and no rank reads r's send buffer any more.
+//!
+//! Kernel descriptors are prepared once per (buffers, counts) and kept for the next call
+//! (collectives in a loop). On the host backend, kernel pushes are queued copies ordered by events.
+// Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
+#![allow(clippy::needless_range_loop)]
+
+use super::Gather;
+use crate::backend::BackendKind;
+use crate::error::Result;
+use crate::group::Group;
+use crate::kernels::PreparedBatch;
+use crate::segment::Segment;
+
+/// How a whole-group peer allgather moves its blocks (see the module docs).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum PeerMethod {
+    KernelPushes,
+    CopyEnginePush,
+}
+
+impl PeerMethod {
+    pub const ALL: [PeerMethod; 2] = [PeerMethod::KernelPushes, PeerMethod::CopyEnginePush];
+}
+
+/// From this mean block size, [`PeerMethod::CopyEnginePush`]; below it, kernel pushes.
+pub const COPY_ENGINE_FROM: u64 = 16 << 20;
+
+/// The method for a call with this mean block size: the group's override (`Group::set_peer_method`)
+/// when set, else the size rule. A single rank only copies its own block (copy engine); a CUDA group
+/// with a pair lacking direct peer access cannot run kernels on peer memory (copy engine).
+pub fn method_for(group: &Group, mean_block: u64) -> PeerMethod {
+    let kernels_possible =
+        group.size() > 1 && (group.backend_kind() == BackendKind::Host || group.all_peers_direct());
+    if !kernels_possible {
+        return PeerMethod::CopyEnginePush;
+    }
+    if let Some(method) = group.peer_method_override() {
+        return method;
+    }
+    if mean_block < COPY_ENGINE_FROM {
+        PeerMethod::KernelPushes
+    } else {
+        PeerMethod::CopyEnginePush
+    }
+}
+
+/// The whole-group peer allgather inside the open scope; returns the method that ran.
+///
+/// # Safety
+/// As for [`super::allgather`].
+pub(super) unsafe fn allgather(group: &Group, call: &Gather) -> Result<PeerMethod> {
+    let method = method_for(group, call.layout.total / group.size() as u64);
+    // A reshard execution may have left cross-rank reads unjoined (Group::join_if_pending).
+    group.join_if_pending()?;
+    match method {
+        PeerMethod::KernelPushes if group.backend_kind() == BackendKind::Cuda => {
+            synced_kernel_pushes(group, call)?
+        }
+        PeerMethod::KernelPushes => event_ordered_pushes(group, call)?,
+        PeerMethod::CopyEnginePush => copy_engine_push(group, call)?,
+    }
+    Ok(method)
+}
+
+/// Every rank's pushes as one group-synchronized launch on its stream (CUDA, direct peer access).
+unsafe fn synced_kernel_pushes(group: &Group, call: &Gather) -> Result<()> {
+    let rendezvous = group.rendezvous()?;
+    // Held until every rank has launched: one call's epoch and launches at a time.
+    let mut cached = group.collective.prepared_pushes.lock().unwrap_or_else(|p| p.into_inner());
+    if !cached.as_ref().is_some_and(|c| c.matches(call)) {
+        *cached = None; // free the old descriptors first
+        let mut per_rank = Vec::with_capacity(group.size());
+        for (p, segments) in pushes(call).into_iter().enumerate() {
+            let bytes = segments.iter().map(|s| s.len).sum();
+            let device = group.devices()[p] as i32;
+            per_rank.push(PreparedBatch::tuned(device, &segments, false, peer_tile_shift(bytes), 0)?);
+        }
+        *cached = Some(PreparedPushes {
+            send: call.send.to_vec(),
+            recv: call.recv.to_vec(),
+            counts: call.counts.to_vec(),
+            per_rank,
+        });
+    }
+    let prepared = cached.as_ref().expect("prepared above");
+    let epoch = rendezvous.next_epoch();
+    for (p, batch) in prepared.per_rank.iter().enumerate() {
+        let stream = group.streams()[p].as_ptr().cast();
+        if let Err(err) = batch.launch_synced(stream, rendezvous.rank(p), epoch) {
+            let missing: Vec<usize> = (p..group.size()).collect();
+            rendezvous.release(epoch, &missing);
+            return Err(err);
+        }
+    }
+    Ok(())
+}
+
+/// Kernel pushes with events in place of the rendezvous (the host backend): every rank records
+/// `ready` and waits for every other's (its receivers), pushes on its stream and records `done`;
+/// every rank then waits for every other's `done` (its pushers).
+unsafe fn event_ordered_pushes(group: &Group, call: &Gather) -> Result<()> {
+    let (backend, devices, streams, state) =
+        (group.backend(), group.devices(), group.streams(), &group.collective);
+    let n = group.size();
+    let others = |r: usize| (0..n).filter(move |&q| q != r);
+    for r in 0..n {
+        backend.record(devices[r], state.ready[r], streams[r])?;
+    }
+    for (p, segments) in pushes(call).into_iter().enumerate() {
+        for r in others(p) {
+            backend.wait(devices[p], streams[p], state.ready[r])?;
+        }
+        backend.copy_segments(devices[p], streams[p], &segments)?;
+        backend.record(devices[p], state.done[p], streams[p])?;
+    }
+    for r in 0..n {
+        for p in others(r) {
+            backend.wait(devices[r], streams[r], state.done[p])?;
+        }
+    }
+    Ok(())
+}
+
+/// Every rank records `ready`; rank p's lane k waits for p's and its destination's `ready`, copies
+/// p's block into rank (p + k + 1) mod G, and records `joined[p][k]`. Each rank's stream waits for its
+/// own lanes (they read its send buffer) and for the lanes that wrote into it: the call leaves every
+/// stream joined.
+unsafe fn copy_engine_push(group: &Group, call: &Gather) -> Result<()> {
+    let (backend, devices, streams, state) =
+        (group.backend(), group.devices(), group.streams(), &group.collective);
+    let n = group.size();
+    let own_block = |p: usize| {
+        call.block_into(p, p).map_or(Ok(()), |b| backend.copy_segments(devices[p], streams[p], &[b]))
+    };
+    if n == 1 {
+        return own_block(0);
+    }
+    for r in 0..n {
+        backend.record(devices[r], state.ready[r], streams[r])?;
+    }
+    let guard = group.lanes()?;
+    let lanes = guard.as_ref().expect("created by Group::lanes");
+    let pushers = |r: usize| (0..n).filter(move |&p| p != r && call.counts[p] > 0);
+    for p in (0..n).filter(|&p| call.counts[p] > 0) {
+        for (lane, r) in push_order(p, n).enumerate() {
+            let stream = lanes.streams[p][lane];
+            backend.wait(devices[p], stream, state.ready[p])?;
+            backend.wait(devices[p], stream, state.ready[r])?;
+            let block = call.block_into(p, r).expect("a non-empty block into another rank's buffer");
+            backend.copy_segments(devices[p], stream, &[block])?;
+            backend.record(devices[p], lanes.joined[p][lane], stream)?;
+        }
+        own_block(p)?;
+        for joined in &lanes.joined[p][..n - 1] {
+            backend.wait(devices[p], streams[p], *joined)?;
+        }
+    }
+    for r in 0..n {
+        for p in pushers(r) {
+            backend.wait(devices[r], streams[r], lanes.joined[p][push_lane(p, r, n)])?;
+        }
+    }
+    Ok(())
+}
+
+/// Every rank's prepared pushes of the last kernel-push allgather, reused while the buffers and
+/// counts stay the same.
+pub(crate) struct PreparedPushes {
+    send: Vec<u64>,
+    recv: Vec<u64>,
+    counts: Vec<usize>,
+    per_rank: Vec<PreparedBatch>,
+}
+
+impl PreparedPushes {
+    fn matches(&self, call: &Gather) -> bool {
+        self.send == call.send && self.recv == call.recv && self.counts == call.counts
+    }
+}
+
+/// Tile size (log2 bytes) for `bytes` of copies between GPUs: the kernel's default 8 KiB tiles, down
+/// to 1 KiB for small batches so that about a thousand tiles keep enough accesses in flight. An
+/// access to a peer's memory takes about three times as long as a local one, and with 8 KiB tiles a
+/// 64 KiB batch is a single block.
+pub fn peer_tile_shift(bytes: u64) -> u32 {
+    let per_tile = (bytes / 1024).max(1);
+    (63 - per_tile.leading_zeros()).clamp(10, 13)
+}
+
+/// What each rank pushes, indexed by the pushing rank: its block into every rank's slot, in
+/// [`push_order`] with its own slot last, unless the block is empty or already in place.
+fn pushes(call: &Gather) -> Vec<Vec<Segment>> {
+    let n = call.ranks();
+    (0..n).map(|p| push_order(p, n).chain([p]).filter_map(|r| call.block_into(p, r)).collect()).collect()
+}
+
+/// The ranks `rank` pushes its block to, lane by lane: rank+1, rank+2, ... (wrapping), itself left
+/// out. At each lane index every GPU receives from exactly one other.
+pub(super) fn push_order(rank: usize, n: usize) -> impl Iterator<Item = usize> {
+    (1..n).map(move |k| (rank + k) % n)
+}
+
+/// The lane on which `pusher` writes into `receiver` (the inverse of [`push_order`]).
+fn push_lane(pusher: usize, receiver: usize, n: usize) -> usize {
+    (receiver + n - pusher) % n - 1
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn push_lanes_are_permutations_and_push_lane_inverts_push_order() {
+        assert_eq!(push_order(1, 3).collect::<Vec<_>>(), vec![2, 0]);
+        assert_eq!(push_order(0, 1).count(), 0);
+        for n in 2..9 {
+            for lane in 0..n - 1 {
+                let mut receivers: Vec<usize> = (0..n).map(|p| push_order(p, n).nth(lane).unwrap()).collect();
+                receivers.sort_unstable();
+                assert_eq!(receivers, (0..n).collect::<Vec<_>>(), "n={n} lane {lane}");
+            }
+            for p in 0..n {
+                for (lane, r) in push_order(p, n).enumerate() {
+                    assert_ne!(r, p);
+                    assert_eq!(push_lane(p, r, n), lane, "n={n} p={p} r={r}");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pushes_cover_every_block_once_per_receiver_own_slot_last() {
+        // 3 ranks, rank 1 empty, rank 2 in place: every (receiver, owner) pair with bytes, once.
+        let counts = [10usize, 0, 5];
+        let layout = super::super::layout(&counts).unwrap();
+        let call =
+            Gather { send: &[100, 200, 3000 + 10], recv: &[1000, 2000, 3000], counts: &counts, layout };
+        let got: Vec<Vec<(u64, u64, u64)>> =
+            pushes(&call).iter().map(|rank| rank.iter().map(|s| (s.src, s.dst, s.len)).collect()).collect();
+        let want = vec![
+            vec![(100, 2000, 10), (100, 3000, 10), (100, 1000, 10)],
+            vec![],
+            vec![(3010, 1010, 5), (3010, 2010, 5)],
+        ];
+        assert_eq!(got, want);
+    }
+
+    #[test]
+    fn small_peer_batches_get_smaller_tiles() {
+        assert_eq!(peer_tile_shift(0), 10);
+        assert_eq!(peer_tile_shift(64 << 10), 10);
+        assert_eq!(peer_tile_shift(4 << 20), 12);
+        assert_eq!(peer_tile_shift(8 << 20), 13);
+        assert_eq!(peer_tile_shift(1 << 40), 13);
+    }
+
+    #[test]
+    fn method_by_block_size_unless_overridden_and_copy_engine_for_one_rank() {
+        use crate::group::{BackendChoice, GroupOptions};
+        let host = |n: i64| {
+            let devices: Vec<i64> = (0..n).collect();
+            Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
+        };
+        let (one, two) = (host(1), host(2));
+        assert_eq!(method_for(&two, 0), PeerMethod::KernelPushes);
+        assert_eq!(method_for(&two, COPY_ENGINE_FROM - 1), PeerMethod::KernelPushes);
+        assert_eq!(method_for(&two, COPY_ENGINE_FROM), PeerMethod::CopyEnginePush);
+        two.set_peer_method(Some(PeerMethod::KernelPushes));
+        assert_eq!(method_for(&two, 1 << 40), PeerMethod::KernelPushes);
+        two.set_peer_method(None);
+        assert_eq!(method_for(&two, 1 << 40), PeerMethod::CopyEnginePush);
+        for method in PeerMethod::ALL {
+            one.set_peer_method(Some(method));
+            assert_eq!(method_for(&one, 0), PeerMethod::CopyEnginePush, "one rank has no peer");
+        }
+    }
+}
