@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Runs on the GPU machine, from the repository root, over what gpu/stage.sh put in .gpu/:
-#   every GPU test (tests/gpu_*.rs, #[ignore]d elsewhere, run here with --ignored), the C/C++ tests,
+#   every GPU test (tests/gpu_*.rs, #[ignore]d elsewhere, run here with --ignored), the Python tests,
 #   then every GPU bench (benches/gpu_*), the Python peer benches (benches/*_peer.py),
 #   and prints a short table last. Logs and JSON results go to $OUT.
 # Usage: gpu/run.sh [tests|benches|demo|all] [filter]   (DEMO_ARGS: arguments for the demo)
@@ -37,6 +37,15 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
       record "$name" "FAILED (see gpu.log)"
     fi
   done
+  if [ -z "$filter" ] || [[ python == *$filter* ]]; then
+    # The Python binding's suite, its torch tests included (they need a GPU; skipped elsewhere).
+    echo "=== python tests" | tee -a "$log"
+    if timeout 300 python3 -m unittest discover -v -s python/tests >>"$log" 2>&1; then
+      record "python tests" "$(grep -E '^Ran [0-9]+ tests' "$log" | tail -1)"
+    else
+      record "python tests" "FAILED (see gpu.log)"
+    fi
+  fi
 fi
 
 if [ "$what" = all ] || [ "$what" = benches ]; then

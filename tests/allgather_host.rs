@@ -21,7 +21,7 @@ fn host(n: usize) -> Group {
 
 /// The size rule (None) and every whole-group peer method forced at every size.
 const METHODS: [Option<PeerMethod>; 3] =
-    [None, Some(PeerMethod::KernelPushes), Some(PeerMethod::CopyEnginePush)];
+    [None, Some(PeerMethod::KernelPushes), Some(PeerMethod::CopyEnginePushes)];
 
 fn host_with(n: usize, method: Option<PeerMethod>) -> Group {
     let group = host(n);

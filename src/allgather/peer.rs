@@ -1,5 +1,5 @@
-//! The whole-group `Peer` allgather: GPUs copy each other's blocks directly (kernels reading peer
-//! memory, or copy-engine copies) on the group's streams.
+//! The whole-group `Peer` allgather: GPUs copy their blocks into each other's buffers directly (kernels
+//! writing peer memory, or copy-engine copies) on the group's streams.
 //!
 //! Two methods, picked by the mean block size ([`method_for`]), each the faster at its sizes on
 //! 2 x H200 (benches/gpu_allgather.rs measures both at every size):
@@ -12,7 +12,7 @@
 //!   blocks that latency is the whole cost. Pushing (remote writes, posted) beat pulling (remote
 //!   reads) with the same rendezvous at every size measured, 64 KiB to 16 MiB per rank (the bench
 //!   keeps both).
-//! - [`PeerMethod::CopyEnginePush`]: each rank pushes its block to every peer with copy-engine
+//! - [`PeerMethod::CopyEnginePushes`]: each rank pushes its block to every peer with copy-engine
 //!   copies, one lane stream per destination, beside its own-block copy, ordered by events. Pushing
 //!   beats pulling here too: at 64 MiB per direction, both directions at once, 385 against 367 GB/s
 //!   per direction (benches/ce_lanes_probe.py, 2 x H200, 2026-11-30); splitting one block over
@@ -38,14 +38,14 @@ use crate::segment::Segment;
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum PeerMethod {
     KernelPushes,
-    CopyEnginePush,
+    CopyEnginePushes,
 }
 
 impl PeerMethod {
-    pub const ALL: [PeerMethod; 2] = [PeerMethod::KernelPushes, PeerMethod::CopyEnginePush];
+    pub const ALL: [PeerMethod; 2] = [PeerMethod::KernelPushes, PeerMethod::CopyEnginePushes];
 }
 
-/// From this mean block size, [`PeerMethod::CopyEnginePush`]; below it, kernel pushes.
+/// From this mean block size, [`PeerMethod::CopyEnginePushes`]; below it, kernel pushes.
 pub const COPY_ENGINE_FROM: u64 = 16 << 20;
 
 /// The method for a call with this mean block size: the group's override (`Group::set_peer_method`)
@@ -55,7 +55,7 @@ pub fn method_for(group: &Group, mean_block: u64) -> PeerMethod {
     let kernels_possible =
         group.size() > 1 && (group.backend_kind() == BackendKind::Host || group.all_peers_direct());
     if !kernels_possible {
-        return PeerMethod::CopyEnginePush;
+        return PeerMethod::CopyEnginePushes;
     }
     if let Some(method) = group.peer_method_override() {
         return method;
@@ -63,7 +63,7 @@ pub fn method_for(group: &Group, mean_block: u64) -> PeerMethod {
     if mean_block < COPY_ENGINE_FROM {
         PeerMethod::KernelPushes
     } else {
-        PeerMethod::CopyEnginePush
+        PeerMethod::CopyEnginePushes
     }
 }
 
@@ -80,7 +80,7 @@ pub(super) unsafe fn allgather(group: &Group, call: &Gather) -> Result<PeerMetho
             synced_kernel_pushes(group, call)?
         }
         PeerMethod::KernelPushes => event_ordered_pushes(group, call)?,
-        PeerMethod::CopyEnginePush => copy_engine_push(group, call)?,
+        PeerMethod::CopyEnginePushes => copy_engine_push(group, call)?,
     }
     Ok(method)
 }
@@ -287,14 +287,14 @@ mod tests {
         let (one, two) = (host(1), host(2));
         assert_eq!(method_for(&two, 0), PeerMethod::KernelPushes);
         assert_eq!(method_for(&two, COPY_ENGINE_FROM - 1), PeerMethod::KernelPushes);
-        assert_eq!(method_for(&two, COPY_ENGINE_FROM), PeerMethod::CopyEnginePush);
+        assert_eq!(method_for(&two, COPY_ENGINE_FROM), PeerMethod::CopyEnginePushes);
         two.set_peer_method(Some(PeerMethod::KernelPushes));
         assert_eq!(method_for(&two, 1 << 40), PeerMethod::KernelPushes);
         two.set_peer_method(None);
-        assert_eq!(method_for(&two, 1 << 40), PeerMethod::CopyEnginePush);
+        assert_eq!(method_for(&two, 1 << 40), PeerMethod::CopyEnginePushes);
         for method in PeerMethod::ALL {
             one.set_peer_method(Some(method));
-            assert_eq!(method_for(&one, 0), PeerMethod::CopyEnginePush, "one rank has no peer");
+            assert_eq!(method_for(&one, 0), PeerMethod::CopyEnginePushes, "one rank has no peer");
         }
     }
 }
