@@ -187,7 +187,7 @@ fn verify(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64]) -> Res
     Ok(checked)
 }
 
-/// The NVLink floor of the refit, measured: each rank pulls `bytes` from the next rank's device with
+/// The NVLink floor of the refit, measured: each rank pushes `bytes` into the next rank's device with
 /// one copy-engine copy on its group stream, all ranks at once (median of 5, after a warm-up).
 fn copy_engine_floor(group: &Group, bytes: u64) -> refit::Result<f64> {
     let backend = group.backend();
@@ -206,8 +206,8 @@ fn copy_engine_floor(group: &Group, bytes: u64) -> refit::Result<f64> {
         let start = Instant::now();
         group.in_implicit_scope(|| {
             for rank in 0..n {
-                let (device, _, dst) = buffers[rank];
-                let (_, src, _) = buffers[(rank + 1) % n];
+                let (device, src, _) = buffers[rank];
+                let (_, _, dst) = buffers[(rank + 1) % n];
                 let copy = refit::Segment::contiguous(src, dst, bytes);
                 // SAFETY: both buffers were allocated above with `bytes` bytes.
                 unsafe { backend.copy_segments(device, group.stream(rank)?, &[copy]) }?;
@@ -344,7 +344,7 @@ fn run() -> Result<(), String> {
         let per_direction = s.bytes_peer / args.devices as u64;
         let floor_ms = copy_engine_floor(&group, per_direction).map_err(|e| e.to_string())?;
         println!(
-            "floor, measured in this run: every device pulls {:.2} GiB from the next over NVLink with one \
+            "floor, measured in this run: every device pushes {:.2} GiB into the next over NVLink with one \
              copy-engine copy each, all at once: {floor_ms:.1} ms (CEILINGS.md: {:.1} ms at 391 GB/s)",
             gib(per_direction),
             per_direction as f64 / 391e9 * 1e3

@@ -2,10 +2,10 @@
 //! moved on the group's streams (same device and NVLink peers), every stage timed.
 //!
 //! Ordering: the refit runs inside the group's open scope, or an implicit one (legacy default streams,
-//! synchronous exit). Because a destination rank reads other ranks' memory, every rank's stream first
-//! waits for every other rank's (so each source is read only after its caller's earlier work), and
-//! the sources' streams are joined again before the scope closes (so the caller may overwrite the
-//! training weights as soon as its streams are ordered after the scope).
+//! synchronous exit). Because a rank writes into other ranks' memory, every rank's stream first waits
+//! for every other rank's (so each destination is written only after its caller's earlier work), and
+//! every stream is joined again before the scope closes (so the caller may read the new weights, and
+//! overwrite the training weights, as soon as its streams are ordered after the scope).
 
 mod descriptors;
 
@@ -18,7 +18,7 @@ use std::time::Instant;
 /// How bytes are moved. Both arms install identical bytes; the per-run arm is the reference.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Arm {
-    /// One batched copy launch per destination device (local and NVLink-peer segments together).
+    /// One batched copy launch per source device (its local and NVLink-peer segments together).
     Batched,
     /// One backend copy per contiguous run (copy engine on CUDA).
     PerRun,
