@@ -5,12 +5,12 @@
 //! offset[r]`; its own block is then not copied.
 //!
 //! Algorithms:
-//! - `Peer`: GPUs copy each other's blocks directly on the group's streams, ordered by events (a
-//!   rank's `ready` after its earlier work, waited by whoever reads or writes its buffers). The
-//!   whole-group call picks one of three methods by block size (`peer`: one launch for every block,
-//!   per-rank kernel pulls, copy-engine pushes on lanes). The per-rank call pushes its own block into
-//!   every rank's slot on its stream and meets the other ranks at two barriers (after `ready`, after
-//!   the pushes), then waits for every pusher.
+//! - `Peer`: each GPU copies its block into every rank's buffer directly. The whole-group call picks
+//!   one of two methods by block size (`peer`): kernel pushes whose launches meet through flags in
+//!   device memory, or copy-engine pushes on lanes ordered by events. The per-rank call pushes its
+//!   own block into every rank's slot on its stream: it records `ready` (its earlier work done),
+//!   meets the other ranks at a barrier, waits for their `ready`, pushes, records `done`, meets them
+//!   again and waits for every pusher's `done`.
 //! - `Nccl`: equal counts use `ncclAllGather` (byte type), uneven counts use `ncclSend`/`ncclRecv`
 //!   pairs inside one `ncclGroupStart/End` (no padding, so no extra bytes moved) plus a local copy of the
 //!   own block. Communicators are created on first use with `ncclCommInitAll` and kept on the group.
@@ -88,7 +88,7 @@ struct Layout {
 }
 
 /// One whole-group allgather's arguments, checked: every rank's buffers and where each block lands.
-pub(super) struct Gather<'a> {
+struct Gather<'a> {
     send: &'a [u64],
     recv: &'a [u64],
     counts: &'a [usize],

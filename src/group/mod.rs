@@ -74,9 +74,10 @@ pub(crate) struct Published {
 
 /// Per-rank events and slots that collectives reuse call after call (no per-call creation).
 pub(crate) struct CollectiveState {
-    /// Recorded on rank r's stream when its send block is ready to be read.
+    /// Recorded on rank r's stream before a collective touches its buffers: its earlier work is done,
+    /// so peers may read its send buffer and write its receive buffer.
     pub ready: Vec<Event>,
-    /// Recorded on rank r's stream when it has finished reading its peers' blocks.
+    /// Recorded on rank r's stream after its copies into or out of its peers' buffers.
     pub done: Vec<Event>,
     /// `slots[parity][rank]`: alternating by call so a rank one call ahead never overwrites what a
     /// slower rank is still reading.
@@ -118,8 +119,8 @@ pub struct Group {
     scope: Mutex<Option<Vec<Stream>>>,
     barrier: Arc<AbortableBarrier>,
     workers: Mutex<Option<RankWorkers>>,
-    /// A whole-group peer collective left ranks reading other ranks' buffers with no wait queued
-    /// on the owners' streams yet; the next group call, run() or exit joins them (see `join_if_pending`).
+    /// A reshard execution left copies between ranks with no wait queued on the other ranks'
+    /// streams yet; the next group call, run() or exit joins them (see `join_if_pending`).
     pending_join: AtomicBool,
     pub(crate) collective: CollectiveState,
 }
@@ -379,24 +380,18 @@ impl Group {
         Ok(())
     }
 
-    /// Records that the last collective left cross-rank reads to be joined (see `join_if_pending`).
+    /// Records that the last call left copies between ranks to be joined (see `join_if_pending`).
     pub(crate) fn mark_pending_join(&self) {
         if self.size() > 1 {
             self.pending_join.store(true, Ordering::Relaxed);
         }
     }
 
-    /// Whether a join is pending, clearing the mark: the caller takes over the joining (a peer
-    /// collective does it with its own all-to-all ready waits).
-    pub(crate) fn take_pending_join(&self) -> bool {
-        self.pending_join.swap(false, Ordering::Relaxed)
-    }
-
-    /// Makes every rank's stream wait for every other rank's stream, if a collective left reads of
-    /// other ranks' buffers unjoined. Deferring this join from the collective to the next call (or the
-    /// exit) saves G records and G(G-1) waits per call in a loop of collectives.
+    /// Makes every rank's stream wait for every other rank's stream, if a reshard execution left its
+    /// copies between ranks unjoined. Deferring this join to the next group call (or the exit) keeps
+    /// G records and G(G-1) cross-GPU waits out of every execution in a loop of refits.
     pub(crate) fn join_if_pending(&self) -> Result<()> {
-        if !self.take_pending_join() {
+        if !self.pending_join.swap(false, Ordering::Relaxed) {
             return Ok(());
         }
         let done = &self.collective.done;
