@@ -305,3 +305,34 @@ fn a_rank_whose_launch_failed_is_released_instead_of_waited_for_forever() {
     cuda().sync_stream(0, stream).unwrap();
     println!("a launch waiting for a rank that never launched finished once released");
 }
+
+#[test]
+#[ignore = "needs a GPU"]
+fn a_hundred_calls_in_one_scope_switching_methods_buffers_and_sizes() {
+    for size in group_sizes().into_iter().filter(|&g| g > 1) {
+        let group = gpu_group(size);
+        // Distinct buffers and data for every call, so that a call reading or writing too early or
+        // too late shows in its own bytes; sizes on both sides of the method threshold.
+        let cases: Vec<Case> = (0..100)
+            .map(|call| {
+                let bytes = [4096 + 16 * call, 3 << 20, 17 << 20][call % 3];
+                Case::new(&vec![bytes; size], call + 7000, call % 4 == 3)
+            })
+            .collect();
+        group.enter(None).unwrap();
+        for (call, case) in cases.iter().enumerate() {
+            group.set_peer_method(
+                [None, Some(PeerMethod::KernelPushes), Some(PeerMethod::CopyEnginePushes)][(call / 3) % 3],
+            );
+            let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
+            let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
+            unsafe { allgather(&group, &sends, &recvs, &case.counts, Algorithm::Peer) }.unwrap();
+        }
+        group.exit(ExitMode::Sync).unwrap();
+        group.set_peer_method(None);
+        for (call, case) in cases.iter().enumerate() {
+            case.check(&format!("G={size} call {call}"));
+        }
+        println!("G={size}: 100 calls in one scope, methods and buffers switching, all exact");
+    }
+}
