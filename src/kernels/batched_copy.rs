@@ -295,9 +295,9 @@ pub unsafe fn copy_segments(
 /// Drop frees the descriptor memory with `cuMemFree`; drop only once no launch (or graph replay)
 /// using it can still run.
 pub struct PreparedBatch {
-    device: i32,
-    /// Set once the descriptor memory is allocated (Drop frees it); None for an empty batch.
-    kernel: Option<Arc<BatchedCopy>>,
+    kernel: Arc<BatchedCopy>,
+    /// `launch.descriptors` is 0 until the descriptor memory is allocated (Drop frees it), and stays 0
+    /// for an empty batch.
     launch: Launch,
     bytes: u64,
 }
@@ -335,19 +335,18 @@ impl PreparedBatch {
             }
         };
         let kernel = BatchedCopy::for_device(device)?;
+        // An empty batch still launches one block when it takes part in a group-synchronized call.
+        let blocks = if layout.tiles == 0 { 1 } else { kernel.grid_for(layout.tiles)? };
         let mut batch =
-            PreparedBatch { device, kernel: None, launch: Launch::new(&layout, 0, 0), bytes: layout.bytes };
+            PreparedBatch { kernel, launch: Launch::new(&layout, 0, blocks), bytes: layout.bytes };
         if layout.tiles == 0 {
             return Ok(batch);
         }
-        batch.launch.blocks = kernel.grid_for(layout.tiles)?;
         // SAFETY: a retained primary context.
-        let _current = unsafe { CurrentContext::enter(kernel.context) }?;
+        let _current = unsafe { CurrentContext::enter(batch.kernel.context) }?;
         let bytes = layout.as_bytes();
-        // SAFETY: valid output slot in the current context.
+        // SAFETY: valid output slot in the current context. Once set, Drop frees the allocation.
         check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut batch.launch.descriptors, bytes.len()) })?;
-        // From here on Drop frees the allocation.
-        batch.kernel = Some(kernel);
         // SAFETY: the allocation holds bytes.len() bytes.
         check("cuMemcpyHtoD", unsafe {
             sys::cuMemcpyHtoD_v2(batch.launch.descriptors, bytes.as_ptr().cast(), bytes.len())
@@ -362,10 +361,12 @@ impl PreparedBatch {
     /// As for [`copy_segments`], at every launch: `stream` is NULL or a live stream of this device, and
     /// the memory the segments name is still allocated and accessible when the launch runs.
     pub unsafe fn launch(&self, stream: sys::CUstream) -> Result<()> {
-        let Some(kernel) = &self.kernel else { return Ok(()) };
+        if self.launch.tiles == 0 {
+            return Ok(());
+        }
         // SAFETY: a retained primary context.
-        let _current = unsafe { CurrentContext::enter(kernel.context) }?;
-        kernel.enqueue(stream, &self.launch)
+        let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
+        self.kernel.enqueue(stream, &self.launch)
     }
 
     /// Enqueues the batch as one rank's part of a group-synchronized call (see [`super::rendezvous`]):
@@ -382,15 +383,9 @@ impl PreparedBatch {
         rendezvous: RankRendezvous,
         epoch: u64,
     ) -> Result<()> {
-        let kernel = match &self.kernel {
-            Some(kernel) => kernel.clone(),
-            None => BatchedCopy::for_device(self.device)?,
-        };
-        let launch =
-            if self.kernel.is_some() { self.launch } else { Launch { blocks: 1, ..Launch::default() } };
         // SAFETY: a retained primary context.
-        let _current = unsafe { CurrentContext::enter(kernel.context) }?;
-        kernel.enqueue_entry(stream, &launch, Some((rendezvous, epoch)))
+        let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
+        self.kernel.enqueue_entry(stream, &self.launch, Some((rendezvous, epoch)))
     }
 
     /// Non-empty segments in the batch.
@@ -411,9 +406,11 @@ impl PreparedBatch {
 
 impl Drop for PreparedBatch {
     fn drop(&mut self) {
-        let Some(kernel) = &self.kernel else { return };
+        if self.launch.descriptors == 0 {
+            return;
+        }
         // SAFETY: a retained primary context.
-        let freed = unsafe { CurrentContext::enter(kernel.context) }.and_then(|_current| {
+        let freed = unsafe { CurrentContext::enter(self.kernel.context) }.and_then(|_current| {
             // SAFETY: allocated by cuMemAlloc in this context, freed once.
             check("cuMemFree", unsafe { sys::cuMemFree_v2(self.launch.descriptors) })
         });
