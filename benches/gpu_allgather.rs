@@ -233,6 +233,32 @@ fn copy_engine_ceiling(
     gbps((g - 1) * size, seconds)
 }
 
+/// One fresh non-blocking stream per device 0..g for an ablation, drained and destroyed on drop.
+struct RankStreams(Vec<Stream>);
+
+impl RankStreams {
+    fn new(g: usize) -> RankStreams {
+        RankStreams((0..g).map(|r| cuda().create_stream(r).unwrap()).collect())
+    }
+
+    fn timed(&self) -> Vec<(usize, Stream)> {
+        self.0.iter().copied().enumerate().collect()
+    }
+
+    fn raw(&self, rank: usize) -> cudarc::driver::sys::CUstream {
+        self.0[rank].as_ptr().cast()
+    }
+}
+
+impl Drop for RankStreams {
+    fn drop(&mut self) {
+        for (r, &s) in self.0.iter().enumerate() {
+            cuda().sync_stream(r, s).unwrap();
+            cuda().destroy_stream(r, s);
+        }
+    }
+}
+
 /// Each rank's kernel copies for an ablation: pushes (its block into every rank's slot) or pulls
 /// (every block into its own buffer), own slot last, tiles as the library picks them.
 fn kernel_batches(
@@ -267,25 +293,23 @@ fn event_ordered_pushes(
     recvs: &[DeviceBuffer],
 ) -> f64 {
     let backend = cuda();
-    let streams: Vec<Stream> = (0..g).map(|r| backend.create_stream(r).unwrap()).collect();
+    let streams = RankStreams::new(g);
     let ready: Vec<_> = (0..g).map(|r| backend.create_event(r).unwrap()).collect();
     let batches = kernel_batches(g, size, sends, recvs, true);
-    let timed: Vec<(usize, Stream)> = streams.iter().enumerate().map(|(r, &s)| (r, s)).collect();
-    let seconds = time_per_call(gates, &timed, iterations(g, size), &mut || {
+    let seconds = time_per_call(gates, &streams.timed(), iterations(g, size), &mut || {
         for r in 0..g {
-            backend.record(r, ready[r], streams[r]).unwrap();
+            backend.record(r, ready[r], streams.0[r]).unwrap();
         }
         for r in 0..g {
             for p in (0..g).filter(|&p| p != r) {
-                backend.wait(r, streams[r], ready[p]).unwrap();
+                backend.wait(r, streams.0[r], ready[p]).unwrap();
             }
-            unsafe { batches[r].launch(streams[r].as_ptr().cast()) }.unwrap();
+            unsafe { batches[r].launch(streams.raw(r)) }.unwrap();
         }
     });
-    for r in 0..g {
-        backend.sync_stream(r, streams[r]).unwrap();
-        backend.destroy_event(r, ready[r]);
-        backend.destroy_stream(r, streams[r]);
+    drop(streams);
+    for (r, event) in ready.into_iter().enumerate() {
+        backend.destroy_event(r, event);
     }
     gbps((g - 1) * size, seconds)
 }
@@ -298,23 +322,17 @@ fn synced_kernel_pulls(
     sends: &[DeviceBuffer],
     recvs: &[DeviceBuffer],
 ) -> f64 {
-    let backend = cuda();
-    let streams: Vec<Stream> = (0..g).map(|r| backend.create_stream(r).unwrap()).collect();
+    let streams = RankStreams::new(g);
     let devices: Vec<i32> = (0..g as i32).collect();
     let rendezvous = Rendezvous::new(&devices).unwrap();
     let batches = kernel_batches(g, size, sends, recvs, false);
-    let timed: Vec<(usize, Stream)> = streams.iter().enumerate().map(|(r, &s)| (r, s)).collect();
-    let seconds = time_per_call(gates, &timed, iterations(g, size), &mut || {
+    let seconds = time_per_call(gates, &streams.timed(), iterations(g, size), &mut || {
         let epoch = rendezvous.next_epoch();
         for r in 0..g {
-            unsafe { batches[r].launch_synced(streams[r].as_ptr().cast(), rendezvous.rank(r), epoch) }
-                .unwrap();
+            unsafe { batches[r].launch_synced(streams.raw(r), rendezvous.rank(r), epoch) }.unwrap();
         }
     });
-    for r in 0..g {
-        backend.sync_stream(r, streams[r]).unwrap();
-        backend.destroy_stream(r, streams[r]);
-    }
+    drop(streams); // drained before the flags and descriptors are freed
     gbps((g - 1) * size, seconds)
 }
 
