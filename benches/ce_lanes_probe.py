@@ -3,7 +3,8 @@
 For GPU0 <-> GPU1 at once (both directions, as in a 2-GPU allgather) and one direction alone, per
 block size: the block is cut into `lanes` equal chunks, each on its own non-blocking stream forked
 from and joined back into the issuing device's main stream every iteration (what the allgather does),
-pulled (issued by the receiver) or pushed (issued by the sender). GPU-timed with events on the main
+pulled (issued by the receiver), pushed (issued by the sender), or mixed (even chunks pushed, odd
+chunks pulled: both GPUs' copy engines on each direction). GPU-timed with events on the main
 streams after a spin gate, so the host has queued every iteration before the copies start.
 Prints a markdown table of GB/s per direction; JSON to $REFIT_BENCH_RESULTS/ce_lanes_probe.json.
 """
@@ -52,15 +53,29 @@ def enable_peers():
                 pass  # already enabled
 
 
-def issue(sides, directions, size, lanes, push):
-    """One iteration: every direction's block cut into `lanes` chunks on lane streams."""
+def issuer_of(src, dst, chunk, mode):
+    if mode == "mixed":
+        return src if chunk % 2 == 0 else dst
+    return src if mode == "push" else dst
+
+
+def issue(sides, directions, size, lanes, mode):
+    """One iteration: every direction's block cut into `lanes` chunks on lane streams. Every issuer
+    forks once before any copy and joins once after all of them, so that directions never wait on
+    each other."""
     chunk = size // lanes
+    issuers = sorted({issuer_of(s, d, i, mode) for s, d in directions for i in range(lanes)})
+    for device in issuers:
+        with cp.cuda.Device(device):
+            sides[device].fork.record(sides[device].main)
+    joins = []
     for src, dst in directions:
-        issuer = sides[src] if push else sides[dst]
-        with cp.cuda.Device(issuer.device):
-            issuer.fork.record(issuer.main)
-            for i in range(lanes):
-                lane = issuer.lanes[i]
+        for i in range(lanes):
+            issuer = sides[issuer_of(src, dst, i, mode)]
+            # Lane index i of direction (src, dst): no two copies of one issuer share a lane.
+            k = i if (src, dst) == directions[0] else lanes + i
+            with cp.cuda.Device(issuer.device):
+                lane = issuer.lanes[k]
                 lane.wait_event(issuer.fork)
                 off = i * chunk
                 rt.memcpyPeerAsync(
@@ -71,13 +86,15 @@ def issue(sides, directions, size, lanes, push):
                     chunk,
                     lane.ptr,
                 )
-                issuer.joins[i].record(lane)
-            for i in range(lanes):
-                issuer.main.wait_event(issuer.joins[i])
+                issuer.joins[k].record(lane)
+                joins.append((issuer, k))
+    for issuer, k in joins:
+        with cp.cuda.Device(issuer.device):
+            issuer.main.wait_event(issuer.joins[k])
 
 
-def measure(sides, directions, size, lanes, push, iters, reps=5):
-    issuers = {(s if push else d) for s, d in directions}
+def measure(sides, directions, size, lanes, mode, iters, reps=5):
+    issuers = {issuer_of(s, d, i, mode) for s, d in directions for i in range(lanes)}
     samples = []
     for rep in range(reps + 1):
         for dev in issuers:
@@ -85,7 +102,7 @@ def measure(sides, directions, size, lanes, push, iters, reps=5):
                 SPIN((1,), (1,), (cp.int64(40_000_000),), stream=sides[dev].main)
                 sides[dev].start.record(sides[dev].main)
         for _ in range(iters):
-            issue(sides, directions, size, lanes, push)
+            issue(sides, directions, size, lanes, mode)
         for dev in issuers:
             with cp.cuda.Device(dev):
                 sides[dev].end.record(sides[dev].main)
@@ -105,20 +122,22 @@ def main():
     enable_peers()
     top = 1024 * MIB
     max_lanes = 8
-    sides = [Side(0, top, max_lanes), Side(1, top, max_lanes)]
+    sides = [Side(0, top, 2 * max_lanes), Side(1, top, 2 * max_lanes)]
     rows = []
     for both in (True, False):
         directions = [(0, 1), (1, 0)] if both else [(0, 1)]
         for size in (16 * MIB, 64 * MIB, 256 * MIB, 1024 * MIB):
             iters = max(5, min(40, (4096 * MIB) // size))
-            for push in (False, True):
+            for mode in ("pull", "push", "mixed"):
                 for lanes in (1, 2, 4, 8):
-                    gbps = measure(sides, directions, size, lanes, push, iters)
+                    if mode == "mixed" and lanes == 1:
+                        continue
+                    gbps = measure(sides, directions, size, lanes, mode, iters)
                     rows.append(
                         {
                             "directions": "both" if both else "0->1",
                             "size_mib": size // MIB,
-                            "mode": "push" if push else "pull",
+                            "mode": mode,
                             "lanes": lanes,
                             "gbps_per_direction": round(gbps, 1),
                         }
@@ -132,7 +151,7 @@ def main():
     for r in rows:
         keyed.setdefault((r["directions"], r["size_mib"], r["mode"]), {})[r["lanes"]] = r["gbps_per_direction"]
     for (dirs, mib, mode), by_lanes in keyed.items():
-        cells = " | ".join(f"{by_lanes[k]:.1f}" for k in (1, 2, 4, 8))
+        cells = " | ".join(f"{by_lanes[k]:.1f}" if k in by_lanes else "-" for k in (1, 2, 4, 8))
         print(f"| {dirs} | {mib} | {mode} | {cells} |")
     out = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
     os.makedirs(out, exist_ok=True)

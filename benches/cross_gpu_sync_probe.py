@@ -4,7 +4,9 @@ memory operations (cuStreamWriteValue64 into the waiter's memory, cuStreamWaitVa
 1. Ping-pong chains of 2,000 round trips between GPU0's and GPU1's streams (and, for reference,
    between two streams of GPU0): time per round trip, GPU-timed after a spin gate.
 2. The 2-GPU copy-engine push allgather at 16 / 64 / 256 MiB per rank, with its cross-GPU orderings
-   made of events or of stream memory operations: GB/s received per GPU.
+   made of events, of stream memory operations, or of flags that one-thread kernels on the rank
+   streams poll (the ready hop a kernel that writes the peer's flag and polls its own, the landed
+   hop a memory-op or kernel write after the copy): GB/s received per GPU.
 Prints markdown; JSON to $REFIT_BENCH_RESULTS/cross_gpu_sync_probe.json.
 """
 
@@ -28,6 +30,23 @@ extern "C" __global__ void spin(long long cycles) {
 }
 """,
     "spin",
+)
+# One thread. Writes `epoch` into the peer's word (if any), then polls its own until it reaches
+# `epoch`; gives up after about two seconds and leaves 1 in `failed` (a probe must not hang).
+FLAG_KERNELS = cp.RawModule(
+    code=r"""
+extern "C" __global__ void signal_then_wait(unsigned long long* peer_word, const unsigned long long* own_word,
+                                            unsigned long long epoch, unsigned int* failed) {
+    if (peer_word) asm volatile("st.release.sys.global.u64 [%0], %1;" :: "l"(peer_word), "l"(epoch) : "memory");
+    if (!own_word) return;
+    long long start = clock64();
+    unsigned long long seen;
+    do {
+        asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(seen) : "l"(own_word) : "memory");
+        if (clock64() - start > 4000000000LL) { *failed = 1; return; }
+    } while (seen < epoch);
+}
+""",
 )
 
 
@@ -159,7 +178,7 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
         "copy16",
     )
 
-    def variant_call(size, own, ready_hop, join_hop):
+    def variant_call(size, own, ready_hop, join_hop, own_blocks=264):
         """The push allgather with parts switched off, to see what each costs (not all are safe)."""
         for r in (0, 1):
             with cp.cuda.Device(r):
@@ -177,7 +196,7 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
                 elif own == "sm":
                     n16 = size // 16
                     copy_kernel(
-                        (264,), (512,),
+                        (own_blocks,), (512,),
                         (send[p].data.ptr, recv[p].data.ptr + p * size, cp.uint64(n16)),
                         stream=streams[p],
                     )
@@ -233,6 +252,46 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
                 else:
                     streams[r].wait_event(lane_ev[p])
 
+    signal_then_wait = [None, None]
+    failed = []
+    for d in (0, 1):
+        with cp.cuda.Device(d):
+            signal_then_wait[d] = FLAG_KERNELS.get_function("signal_then_wait")
+            failed.append(cp.zeros(1, dtype=cp.uint32))
+
+    def flag_call(size, landed_by_kernel):
+        """Every cross-GPU hop a flag: rank r's stream runs a kernel that tells its pusher "recv[r] is
+        ready" and waits to hear the same from it; the lane, after that kernel (a local event),
+        pushes and then writes "landed" into the receiver's flag (a memory op or a kernel); the
+        rank's stream, after its own copy and its lane, runs a kernel that waits for "landed"."""
+        v = counter.next()
+        null = cp.uint64(0)
+        for r in (0, 1):
+            p = 1 - r
+            with cp.cuda.Device(r):
+                signal_then_wait[r](
+                    (1,), (1,), (flag[p][2:3].data.ptr, flag[r][2:3].data.ptr, cp.uint64(v), failed[r].data.ptr),
+                    stream=streams[r],
+                )
+                ready_ev[r].record(streams[r])
+        for p in (0, 1):
+            r = 1 - p
+            with cp.cuda.Device(p):
+                lanes[p].wait_event(ready_ev[p])
+                rt.memcpyAsync(recv[r].data.ptr + p * size, send[p].data.ptr, size, 4, lanes[p].ptr)
+                if landed_by_kernel:
+                    signal_then_wait[p](
+                        (1,), (1,), (flag[r][3:4].data.ptr, null, cp.uint64(v), failed[p].data.ptr), stream=lanes[p]
+                    )
+                else:
+                    write(lanes[p], flag[r][3:4].data.ptr, v)
+                lane_ev[p].record(lanes[p])
+                rt.memcpyAsync(recv[p].data.ptr + p * size, send[p].data.ptr, size, 4, streams[p].ptr)
+                streams[p].wait_event(lane_ev[p])
+                signal_then_wait[p](
+                    (1,), (1,), (null, flag[p][3:4].data.ptr, cp.uint64(v), failed[p].data.ptr), stream=streams[p]
+                )
+
     push_rows = []
     variants = {
         "push, own CE (refit)": lambda size: variant_call(size, "ce", True, True),
@@ -242,6 +301,12 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
         "push, no own copy, no hops (unsafe)": lambda size: variant_call(size, None, False, False),
         "pull, deferred join (old)": pull_deferred_call,
         "push, stream memory ops": lambda size: push_call(size, True),
+        "push, flag kernels, landed by memory op": lambda size: flag_call(size, False),
+        "push, flag kernels, landed by kernel": lambda size: flag_call(size, True),
+        "push, own CE, no hops (unsafe)": lambda size: variant_call(size, "ce", False, False),
+        "push, own SM kernel, 8 blocks": lambda size: variant_call(size, "sm", True, True, 8),
+        "push, own SM kernel, 16 blocks": lambda size: variant_call(size, "sm", True, True, 16),
+        "push, own SM kernel, 32 blocks": lambda size: variant_call(size, "sm", True, True, 32),
     }
     for size in (16 * MIB, 64 * MIB, 256 * MIB):
         iters = max(5, min(40, 2048 * MIB // size))
@@ -254,6 +319,7 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
     for r in (0, 1):
         with cp.cuda.Device(r):
             streams[r].synchronize()
+    assert all(int(f.get()[0]) == 0 for f in failed), "a flag kernel gave up waiting"
     size = 256 * MIB
     for r in (0, 1):
         for p in (0, 1):

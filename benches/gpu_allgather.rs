@@ -1,6 +1,6 @@
 //! Allgather on every GPU count the machine has (G = 1..=devices; code for any G): bytes received per
-//! GPU per second for our PEER algorithm (each of its three methods forced, and the one the size rule
-//! picks), our NCCL algorithm and `ncclAllGather` called directly in the same process and run,
+//! GPU per second for our PEER algorithm (each of its two methods forced, the one the size rule
+//! picks, and that one again with every block in place, so with no own-block copy), our NCCL algorithm and `ncclAllGather` called directly in the same process and run,
 //! per-rank sizes 64 KiB .. 1 GiB; the copy-engine ceiling of the topology for each G (every GPU
 //! pulling, and every GPU pushing, every peer block at once); the copy-engine probe both ways at once
 //! on non-blocking streams versus the legacy null streams; host time per call for tiny buffers and
@@ -177,6 +177,8 @@ struct Row {
     /// The method the size rule picks, and every method's rate (PeerMethod::ALL order).
     picked: PeerMethod,
     methods: [f64; 2],
+    /// The picked method with every block already in place (no own-block copy; G > 1).
+    peer_in_place: Option<f64>,
     ours_nccl: f64,
     direct_nccl: f64,
     /// The kernel pushes ordered by events instead of the rendezvous (an ablation).
@@ -541,16 +543,18 @@ fn main() {
         for &size in &SIZES {
             let counts = vec![size; g];
             let iters = iterations(g, size);
-            let ours = |algorithm: Algorithm| {
+            // In place: each rank's block already sits in its slot of its receive buffer.
+            let in_place: Vec<u64> = (0..g).map(|r| recv_ptrs[r] + (r * size) as u64).collect();
+            let ours_from = |sends: &[u64], algorithm: Algorithm| {
                 group.enter(None).unwrap();
                 let t = time_per_call(&gates, &group_streams, iters, &mut || {
-                    let ran =
-                        unsafe { allgather(&group, &send_ptrs, &recv_ptrs, &counts, algorithm) }.unwrap();
+                    let ran = unsafe { allgather(&group, sends, &recv_ptrs, &counts, algorithm) }.unwrap();
                     assert_eq!(ran, algorithm);
                 });
                 group.exit(ExitMode::Sync).unwrap();
                 t
             };
+            let ours = |algorithm: Algorithm| ours_from(&send_ptrs, algorithm);
             // Every peer method forced, then "refit peer" is the one the size rule picks.
             let mut methods = [0.0; 2];
             for (k, method) in PeerMethod::ALL.into_iter().enumerate() {
@@ -560,6 +564,8 @@ fn main() {
             group.set_peer_method(None);
             let picked = method_for(&group, size as u64);
             let peer = methods[PeerMethod::ALL.iter().position(|&m| m == picked).expect("one of ALL")];
+            let received = if g == 1 { size } else { (g - 1) * size };
+            let peer_in_place = (g > 1).then(|| gbps(received, ours_from(&in_place, Algorithm::Peer)));
             // Ablations of the kernel method, up to the sizes it is used at.
             let kernel_sizes = g > 1 && size <= 16 * MIB;
             let event_pushes =
@@ -570,7 +576,6 @@ fn main() {
             let direct_nccl = time_per_call(&gates, &direct_streams, iters, &mut || {
                 direct.issue(&send_ptrs, &recv_ptrs, size)
             });
-            let received = if g == 1 { size } else { (g - 1) * size };
             let ceiling = (g > 1 && size >= 16 * MIB).then(|| {
                 let pull = copy_engine_ceiling(&gates, g, size, &sends, &recvs, false);
                 (pull, copy_engine_ceiling(&gates, g, size, &sends, &recvs, true))
@@ -581,6 +586,7 @@ fn main() {
                 peer: gbps(received, peer),
                 picked,
                 methods: methods.map(|t| gbps(received, t)),
+                peer_in_place,
                 event_pushes,
                 synced_pulls,
                 ours_nccl: gbps(received, ours_nccl),
@@ -624,18 +630,19 @@ fn main() {
     }
 
     println!("\n## Allgather: GB/s received per GPU ((G-1) x size / time; G=1: own block copy)\n");
-    println!("| G | per-rank size | refit peer | (kernel pushes | CE push) | ablation: kernel pushes, event-ordered | ablation: kernel pulls, synced | refit NCCL | direct ncclAllGather | peer / NCCL | refit NCCL / direct | CE ceiling (all pull / all push) | best / ceiling |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| G | per-rank size | refit peer | (kernel pushes | CE push) | refit peer, in place | ablation: kernel pushes, event-ordered | ablation: kernel pulls, synced | refit NCCL | direct ncclAllGather | peer / NCCL | refit NCCL / direct | CE ceiling (all pull / all push) | best / ceiling |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let best = r.peer.max(r.ours_nccl);
         println!(
-            "| {} | {} KiB | {:.1} ({:?}) | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.3} | {} | {} |",
+            "| {} | {} KiB | {:.1} ({:?}) | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.2}x | {:.3} | {} | {} |",
             r.g,
             r.size >> 10,
             r.peer,
             r.picked,
             r.methods[0],
             r.methods[1],
+            r.peer_in_place.map_or("-".to_string(), |v| format!("{v:.1}")),
             r.event_pushes,
             r.synced_pulls,
             r.ours_nccl,
@@ -688,7 +695,7 @@ fn main() {
     for (i, r) in rows.iter().enumerate() {
         let _ = write!(
             json,
-            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_method\":\"{:?}\",\"peer_kernel_pushes\":{:.3},\"peer_copy_engine_push\":{:.3},\"ablation_event_ordered_kernel_pushes\":{:.3},\"ablation_synced_kernel_pulls\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling_pull\":{},\"ce_ceiling_push\":{}}}",
+            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_method\":\"{:?}\",\"peer_kernel_pushes\":{:.3},\"peer_copy_engine_push\":{:.3},\"refit_peer_in_place\":{},\"ablation_event_ordered_kernel_pushes\":{:.3},\"ablation_synced_kernel_pulls\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling_pull\":{},\"ce_ceiling_push\":{}}}",
             if i > 0 { "," } else { "" },
             r.g,
             r.size,
@@ -696,6 +703,7 @@ fn main() {
             r.picked,
             r.methods[0],
             r.methods[1],
+            r.peer_in_place.map_or("null".to_string(), |v| format!("{v:.3}")),
             r.event_pushes,
             r.synced_pulls,
             r.ours_nccl,

@@ -298,6 +298,31 @@ fn every_lane_group_width_and_tile_size() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn batches_limited_to_few_blocks_copy_everything() {
+    let mut rng = Rng::new(23);
+    for (k, shape) in shapes().into_iter().enumerate() {
+        let batch = random_batch(&mut rng, shape);
+        let mut case = Case::new(&mut rng, batch, 0, 0);
+        let stream = Stream::new(0);
+        for blocks in [1, 3, 48] {
+            let mut prepared = ok("PreparedBatch::new", PreparedBatch::new(0, &case.segments, true));
+            let (_, full_grid, _) = prepared.geometry();
+            prepared.limit_blocks(blocks);
+            assert_eq!(
+                prepared.geometry().1,
+                full_grid.min(blocks),
+                "shape {k}: grid after limit_blocks({blocks})"
+            );
+            case.refresh(&mut rng);
+            ok("launch", launch(&prepared, stream.raw));
+            stream.sync();
+            case.verify(&format!("shape {k}, limited to {blocks} blocks"));
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn prepared_batch_in_a_cuda_graph() {
     let mut rng = Rng::new(14);
     let shape =

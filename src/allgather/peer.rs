@@ -13,16 +13,17 @@
 //!   reads) with the same rendezvous at every size measured, 64 KiB to 16 MiB per rank (the bench
 //!   keeps both).
 //! - [`PeerMethod::CopyEnginePushes`]: each rank pushes its block to every peer with copy-engine
-//!   copies, one lane stream per destination, beside its own-block copy, ordered by events. Pushing
-//!   beats pulling here too: at 64 MiB per direction, both directions at once, 385 against 367 GB/s
-//!   per direction (benches/ce_lanes_probe.py, 2 x H200, 2026-11-30); splitting one block over
-//!   several lanes only lowers it (377 with 2, 360 with 4). Also the method of groups without direct
-//!   peer access, where the driver stages the copies.
+//!   copies, one lane stream per destination, ordered by events, while a kernel on a few blocks
+//!   copies its own block ([`OwnBlockCopies`]). Pushing beats pulling here too: at 64 MiB per
+//!   direction, both directions at once, 385 against 367 GB/s per direction
+//!   (benches/ce_lanes_probe.py, 2 x H200, 2026-11-30); splitting one block over several lanes only
+//!   lowers it (377 with 2, 360 with 4). Also the method of groups without direct peer access, where
+//!   the driver stages the copies.
 //!
 //! Either way the call leaves every stream joined: once the work queued on rank r's stream is done,
 //! r's receive buffer holds every block and no rank reads r's send buffer any more.
 //!
-//! Kernel descriptors are prepared once per (buffers, counts) and kept for the next call
+//! Kernel descriptors are prepared once per (method, buffers, counts) and kept for the next call
 //! (collectives in a loop). On the host backend, kernel pushes are queued copies ordered by events.
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
@@ -33,6 +34,7 @@ use crate::error::Result;
 use crate::group::Group;
 use crate::kernels::PreparedBatch;
 use crate::segment::Segment;
+use std::sync::MutexGuard;
 
 /// How a whole-group peer allgather moves its blocks (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -44,6 +46,14 @@ pub enum PeerMethod {
 impl PeerMethod {
     pub const ALL: [PeerMethod; 2] = [PeerMethod::KernelPushes, PeerMethod::CopyEnginePushes];
 }
+
+/// Blocks for a rank's own-block copy beside its copy-engine pushes (see [`OwnBlockCopies`]): about
+/// 1 TB/s on an H200 (some 20 GB/s per block), two and a half times what the pushes move per GPU, so
+/// it ends well before them without crowding them. At 64 MiB per rank on 2 x H200 the allgather
+/// reached 354.4 GB/s per GPU this way, 355.3 with every block in place (no own copy at all), and
+/// 344.6 when the copy engine copied the own block (benches/gpu_allgather.rs; NOTES.md has the
+/// sweep over block counts).
+const OWN_COPY_BLOCKS: u32 = 48;
 
 /// From this mean block size, [`PeerMethod::CopyEnginePushes`]; below it, kernel pushes.
 pub const COPY_ENGINE_FROM: u64 = 16 << 20;
@@ -89,25 +99,14 @@ pub(super) unsafe fn allgather(group: &Group, call: &Gather) -> Result<PeerMetho
 unsafe fn synced_kernel_pushes(group: &Group, call: &Gather) -> Result<()> {
     let rendezvous = group.rendezvous()?;
     // Held until every rank has launched: one call's epoch and launches at a time.
-    let mut cached = group.collective.prepared_pushes.lock().unwrap_or_else(|p| p.into_inner());
-    if !cached.as_ref().is_some_and(|c| c.matches(call)) {
-        *cached = None; // free the old descriptors first
-        let mut per_rank = Vec::with_capacity(group.size());
-        for (p, segments) in pushes(call).into_iter().enumerate() {
-            let bytes = segments.iter().map(|s| s.len).sum();
-            let device = group.devices()[p] as i32;
-            per_rank.push(PreparedBatch::tuned(device, &segments, false, peer_tile_shift(bytes), 0)?);
-        }
-        *cached = Some(PreparedPushes {
-            send: call.send.to_vec(),
-            recv: call.recv.to_vec(),
-            counts: call.counts.to_vec(),
-            per_rank,
-        });
-    }
-    let prepared = cached.as_ref().expect("prepared above");
+    let prepared = prepared(group, call, PeerMethod::KernelPushes, |p| {
+        let segments = rank_pushes(call, p);
+        let bytes = segments.iter().map(|s| s.len).sum();
+        PreparedBatch::tuned(group.devices()[p] as i32, &segments, false, peer_tile_shift(bytes), 0)
+    })?;
+    let per_rank = &prepared.as_ref().expect("prepared").per_rank;
     let epoch = rendezvous.next_epoch();
-    for (p, batch) in prepared.per_rank.iter().enumerate() {
+    for (p, batch) in per_rank.iter().enumerate() {
         let stream = group.streams()[p].as_ptr().cast();
         if let Err(err) = batch.launch_synced(stream, rendezvous.rank(p), epoch) {
             let missing: Vec<usize> = (p..group.size()).collect();
@@ -145,19 +144,17 @@ unsafe fn event_ordered_pushes(group: &Group, call: &Gather) -> Result<()> {
 }
 
 /// Every rank records `ready`; rank p's lane k waits for p's and its destination's `ready`, copies
-/// p's block into rank (p + k + 1) mod G, and records `joined[p][k]`. Each rank's stream waits for its
-/// own lanes (they read its send buffer) and for the lanes that wrote into it: the call leaves every
-/// stream joined.
+/// p's block into rank (p + k + 1) mod G, and records `joined[p][k]`. Each rank's stream copies its
+/// own block meanwhile, then waits for its own lanes (they read its send buffer) and for the lanes
+/// that wrote into it: the call leaves every stream joined.
 unsafe fn copy_engine_push(group: &Group, call: &Gather) -> Result<()> {
     let (backend, devices, streams, state) =
         (group.backend(), group.devices(), group.streams(), &group.collective);
     let n = group.size();
-    let own_block = |p: usize| {
-        call.block_into(p, p).map_or(Ok(()), |b| backend.copy_segments(devices[p], streams[p], &[b]))
-    };
     if n == 1 {
-        return own_block(0);
+        return call.block_into(0, 0).map_or(Ok(()), |b| backend.copy_segments(devices[0], streams[0], &[b]));
     }
+    let own_copies = OwnBlockCopies::new(group, call)?;
     for r in 0..n {
         backend.record(devices[r], state.ready[r], streams[r])?;
     }
@@ -173,7 +170,7 @@ unsafe fn copy_engine_push(group: &Group, call: &Gather) -> Result<()> {
             backend.copy_segments(devices[p], stream, &[block])?;
             backend.record(devices[p], lanes.joined[p][lane], stream)?;
         }
-        own_block(p)?;
+        own_copies.enqueue(call, p)?;
         for joined in &lanes.joined[p][..n - 1] {
             backend.wait(devices[p], streams[p], *joined)?;
         }
@@ -186,19 +183,85 @@ unsafe fn copy_engine_push(group: &Group, call: &Gather) -> Result<()> {
     Ok(())
 }
 
-/// Every rank's prepared pushes of the last kernel-push allgather, reused while the buffers and
-/// counts stay the same.
-pub(crate) struct PreparedPushes {
+/// Each rank's copy of its own block into its own buffer, beside its copy-engine pushes.
+///
+/// On CUDA a kernel on a few blocks: at full speed a local copy (about 2 TB/s on an H200) takes a
+/// fifth of the time the pushes take over NVLink, and saturates the GPU's memory while it runs, which
+/// slows the pushes' reads and the peers' writes; throttled to [`OWN_COPY_BLOCKS`] blocks it runs
+/// alongside the pushes for most of their time instead. Elsewhere a plain copy.
+struct OwnBlockCopies<'g> {
+    group: &'g Group,
+    /// CUDA: every rank's throttled copy, prepared; None on the host backend.
+    kernels: Option<MutexGuard<'g, Option<PreparedCall>>>,
+}
+
+impl<'g> OwnBlockCopies<'g> {
+    fn new(group: &'g Group, call: &Gather) -> Result<OwnBlockCopies<'g>> {
+        let kernels = (group.backend_kind() == BackendKind::Cuda)
+            .then(|| {
+                prepared(group, call, PeerMethod::CopyEnginePushes, |p| {
+                    let own: Vec<Segment> = call.block_into(p, p).into_iter().collect();
+                    let mut batch = PreparedBatch::new(group.devices()[p] as i32, &own, false)?;
+                    batch.limit_blocks(OWN_COPY_BLOCKS);
+                    Ok(batch)
+                })
+            })
+            .transpose()?;
+        Ok(OwnBlockCopies { group, kernels })
+    }
+
+    /// Queues rank `p`'s own-block copy on its stream (nothing when the block is empty or in place).
+    unsafe fn enqueue(&self, call: &Gather, p: usize) -> Result<()> {
+        let (backend, device, stream) =
+            (self.group.backend(), self.group.devices()[p], self.group.streams()[p]);
+        match &self.kernels {
+            Some(prepared) => prepared.as_ref().expect("prepared").per_rank[p].launch(stream.as_ptr().cast()),
+            None => call.block_into(p, p).map_or(Ok(()), |b| backend.copy_segments(device, stream, &[b])),
+        }
+    }
+}
+
+/// Every rank's prepared kernel batch for the last peer call of one method (kernel pushes: its
+/// pushes; copy-engine pushes: its own-block copy), reused while the buffers and counts stay the
+/// same (collectives in a loop).
+pub(crate) struct PreparedCall {
+    method: PeerMethod,
     send: Vec<u64>,
     recv: Vec<u64>,
     counts: Vec<usize>,
     per_rank: Vec<PreparedBatch>,
 }
 
-impl PreparedPushes {
-    fn matches(&self, call: &Gather) -> bool {
-        self.send == call.send && self.recv == call.recv && self.counts == call.counts
+impl PreparedCall {
+    fn matches(&self, method: PeerMethod, call: &Gather) -> bool {
+        self.method == method
+            && self.send == call.send
+            && self.recv == call.recv
+            && self.counts == call.counts
     }
+}
+
+/// The group's prepared batches for `call` under `method`: the last call's when they match, else
+/// `build(rank)` for every rank. The guard serializes the calls that launch them.
+fn prepared<'g>(
+    group: &'g Group,
+    call: &Gather,
+    method: PeerMethod,
+    build: impl Fn(usize) -> Result<PreparedBatch>,
+) -> Result<MutexGuard<'g, Option<PreparedCall>>> {
+    let mut cached = group.collective.prepared.lock().unwrap_or_else(|p| p.into_inner());
+    if !cached.as_ref().is_some_and(|c| c.matches(method, call)) {
+        *cached = None; // free the old descriptors first
+        let per_rank = (0..group.size()).map(build).collect::<Result<Vec<_>>>()?;
+        *cached = Some(PreparedCall {
+            method,
+            send: call.send.to_vec(),
+            recv: call.recv.to_vec(),
+            counts: call.counts.to_vec(),
+            per_rank,
+        });
+    }
+    Ok(cached)
 }
 
 /// Tile size (log2 bytes) for `bytes` of copies between GPUs: the kernel's default 8 KiB tiles, down
@@ -213,8 +276,12 @@ pub fn peer_tile_shift(bytes: u64) -> u32 {
 /// What each rank pushes, indexed by the pushing rank: its block into every rank's slot, in
 /// [`push_order`] with its own slot last, unless the block is empty or already in place.
 fn pushes(call: &Gather) -> Vec<Vec<Segment>> {
-    let n = call.ranks();
-    (0..n).map(|p| push_order(p, n).chain([p]).filter_map(|r| call.block_into(p, r)).collect()).collect()
+    (0..call.ranks()).map(|p| rank_pushes(call, p)).collect()
+}
+
+/// What rank `p` pushes (see [`pushes`]).
+fn rank_pushes(call: &Gather, p: usize) -> Vec<Segment> {
+    push_order(p, call.ranks()).chain([p]).filter_map(|r| call.block_into(p, r)).collect()
 }
 
 /// The ranks `rank` pushes its block to, lane by lane: rank+1, rank+2, ... (wrapping), itself left

@@ -19,7 +19,7 @@
 pub mod barrier;
 pub mod workers;
 
-use crate::allgather::peer::{PeerMethod, PreparedPushes};
+use crate::allgather::peer::{PeerMethod, PreparedCall};
 use crate::backend::cuda::cuda_backend;
 use crate::backend::host::HostBackend;
 use crate::backend::nccl::Communicators;
@@ -84,9 +84,9 @@ pub(crate) struct CollectiveState {
     pub slots: [Vec<Mutex<Published>>; 2],
     /// How many per-rank collectives each rank has started.
     pub calls: Vec<AtomicU64>,
-    /// The prepared kernel pushes of the last whole-group peer allgather that used them, reused while
-    /// its buffers and counts stay the same (see `allgather::peer`).
-    pub prepared_pushes: Mutex<Option<PreparedPushes>>,
+    /// The prepared per-rank kernel batches of the last whole-group peer allgather, reused while its
+    /// method, buffers and counts stay the same (see `allgather::peer`).
+    pub prepared: Mutex<Option<PreparedCall>>,
     /// The device flags of group-synchronized kernel launches (CUDA), created on first use.
     pub rendezvous: OnceLock<std::result::Result<Rendezvous, Error>>,
     /// NCCL communicators, created on first use from the group's devices.
@@ -228,7 +228,7 @@ impl Group {
                     (0..n).map(|_| Mutex::default()).collect(),
                 ],
                 calls: (0..n).map(|_| AtomicU64::new(0)).collect(),
-                prepared_pushes: Mutex::new(None),
+                prepared: Mutex::new(None),
                 rendezvous: OnceLock::new(),
                 nccl: OnceLock::new(),
                 lanes: Mutex::new(None),

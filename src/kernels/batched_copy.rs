@@ -388,6 +388,13 @@ impl PreparedBatch {
         self.kernel.enqueue_entry(stream, &self.launch, Some((rendezvous, epoch)))
     }
 
+    /// Launches this batch on at most `blocks` blocks (at least one) from now on. Fewer blocks copy
+    /// more slowly and leave the rest of the GPU's memory bandwidth to concurrent work: for a copy
+    /// that runs beside a longer one and should not slow it.
+    pub fn limit_blocks(&mut self, blocks: u32) {
+        self.launch.blocks = self.launch.blocks.min(blocks).max(1);
+    }
+
     /// Non-empty segments in the batch.
     pub fn segments(&self) -> u64 {
         self.launch.segments
