@@ -40,7 +40,8 @@
  * Peer copies between the GPUs: each rank writes its block into every rank's buffer, below 16 MiB
  * per rank with one launch of refit's copy kernel (the ranks' launches meeting through flags in device
  * memory), from 16 MiB with copy-engine copies on parallel streams. Groups without direct peer access
- * always use copy-engine copies (staged by the driver).
+ * always use copy-engine copies (staged by the driver), and so does every group when the kernel cannot
+ * be built (no libnvrtc; logged once per group as a warning).
  */
 #define REFIT_ALLGATHER_PEER 2
 

@@ -32,7 +32,7 @@ use super::Gather;
 use crate::backend::BackendKind;
 use crate::error::Result;
 use crate::group::Group;
-use crate::kernels::PreparedBatch;
+use crate::kernels::{BatchedCopy, PreparedBatch};
 use crate::segment::Segment;
 use std::sync::MutexGuard;
 
@@ -60,10 +60,11 @@ pub const COPY_ENGINE_FROM: u64 = 16 << 20;
 
 /// The method for a call with this mean block size: the group's override (`Group::set_peer_method`)
 /// when set, else the size rule. A single rank only copies its own block (copy engine); a CUDA group
-/// with a pair lacking direct peer access cannot run kernels on peer memory (copy engine).
+/// with a pair lacking direct peer access cannot run kernels on peer memory, and one whose devices
+/// cannot run the kernel has none (copy engine).
 pub fn method_for(group: &Group, mean_block: u64) -> PeerMethod {
-    let kernels_possible =
-        group.size() > 1 && (group.backend_kind() == BackendKind::Host || group.all_peers_direct());
+    let kernels_possible = group.size() > 1
+        && (group.backend_kind() == BackendKind::Host || (group.all_peers_direct() && kernels_run(group)));
     if !kernels_possible {
         return PeerMethod::CopyEnginePushes;
     }
@@ -75,6 +76,23 @@ pub fn method_for(group: &Group, mean_block: u64) -> PeerMethod {
     } else {
         PeerMethod::CopyEnginePushes
     }
+}
+
+/// Whether refit's copy kernel runs on every device of the group: always on the host backend (whose
+/// "kernels" are host copies); on CUDA when the kernel builds and loads on every device, which needs
+/// libnvrtc. Decided at the first call and kept: without the kernel, every block moves with the copy
+/// engine, and the reason is logged once.
+pub fn kernels_run(group: &Group) -> bool {
+    *group.collective.kernels_run.get_or_init(|| {
+        if group.backend_kind() != BackendKind::Cuda {
+            return true;
+        }
+        let loaded = group.devices().iter().try_for_each(|&d| BatchedCopy::for_device(d as i32).map(drop));
+        if let Err(err) = &loaded {
+            log::warn!("peer allgather: refit's copy kernel is unavailable ({err}); the copy engine moves every block");
+        }
+        loaded.is_ok()
+    })
 }
 
 /// The whole-group peer allgather inside the open scope; returns the method that ran.
@@ -185,7 +203,7 @@ unsafe fn copy_engine_push(group: &Group, call: &Gather) -> Result<()> {
 
 /// Each rank's copy of its own block into its own buffer, beside its copy-engine pushes.
 ///
-/// On CUDA a kernel on a few blocks: at full speed a local copy (about 2 TB/s on an H200) takes a
+/// On CUDA (when the kernel runs) a kernel on a few blocks: at full speed a local copy (about 2 TB/s on an H200) takes a
 /// fifth of the time the pushes take over NVLink, and saturates the GPU's memory while it runs, which
 /// slows the pushes' reads and the peers' writes; throttled to [`OWN_COPY_BLOCKS`] blocks it runs
 /// alongside the pushes for most of their time instead. Elsewhere a plain copy.
@@ -197,7 +215,7 @@ struct OwnBlockCopies<'g> {
 
 impl<'g> OwnBlockCopies<'g> {
     fn new(group: &'g Group, call: &Gather) -> Result<OwnBlockCopies<'g>> {
-        let kernels = (group.backend_kind() == BackendKind::Cuda)
+        let kernels = (group.backend_kind() == BackendKind::Cuda && kernels_run(group))
             .then(|| {
                 prepared(group, call, PeerMethod::CopyEnginePushes, |p| {
                     let own: Vec<Segment> = call.block_into(p, p).into_iter().collect();

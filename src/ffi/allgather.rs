@@ -16,7 +16,8 @@ pub const REFIT_ALLGATHER_NCCL: u32 = 1;
 /// Peer copies between the GPUs: each rank writes its block into every rank's buffer, below 16 MiB
 /// per rank with one launch of refit's copy kernel (the ranks' launches meeting through flags in device
 /// memory), from 16 MiB with copy-engine copies on parallel streams. Groups without direct peer access
-/// always use copy-engine copies (staged by the driver).
+/// always use copy-engine copies (staged by the driver), and so does every group when the kernel cannot
+/// be built (no libnvrtc; logged once per group as a warning).
 pub const REFIT_ALLGATHER_PEER: u32 = 2;
 /// Staged through host memory, synchronous: a reference path and last resort.
 pub const REFIT_ALLGATHER_HOST: u32 = 3;

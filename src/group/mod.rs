@@ -93,6 +93,9 @@ pub(crate) struct CollectiveState {
     pub nccl: OnceLock<std::result::Result<Communicators, Error>>,
     /// Per-rank copy-engine streams for pushing to several ranks at once (created on first use).
     pub lanes: Mutex<Option<Lanes>>,
+    /// Whether refit's copy kernel runs on every rank's device, decided at the first peer allgather
+    /// (see `allgather::peer::kernels_run`).
+    pub kernels_run: OnceLock<bool>,
     /// The whole-group peer allgather method to use at every size, or None for the size rule
     /// (`allgather::peer::method_for`).
     pub peer_method: Mutex<Option<PeerMethod>>,
@@ -232,6 +235,7 @@ impl Group {
                 rendezvous: OnceLock::new(),
                 nccl: OnceLock::new(),
                 lanes: Mutex::new(None),
+                kernels_run: OnceLock::new(),
                 peer_method: Mutex::new(None),
             },
         };
@@ -453,7 +457,8 @@ impl Group {
 
     /// Makes every whole-group peer allgather use `method` (`None`: pick by block size, see
     /// `allgather::peer::method_for`). A knob for benchmarks and tests; a method this group cannot
-    /// run (kernels without direct peer access, or one rank) still falls back to the copy engine.
+    /// run (kernels without direct peer access or without libnvrtc, or one rank) still falls back to
+    /// the copy engine.
     pub fn set_peer_method(&self, method: Option<PeerMethod>) {
         *self.collective.peer_method.lock().unwrap_or_else(|p| p.into_inner()) = method;
     }
