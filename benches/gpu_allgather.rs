@@ -1,10 +1,11 @@
 //! Allgather on every GPU count the machine has (G = 1..=devices; code for any G): bytes received per
 //! GPU per second for our PEER algorithm (each of its two methods forced, the one the size rule
-//! picks, and that one again with every block in place, so with no own-block copy), our NCCL algorithm and `ncclAllGather` called directly in the same process and run,
-//! per-rank sizes 64 KiB .. 1 GiB; the copy-engine ceiling of the topology for each G (every GPU
-//! pulling, and every GPU pushing, every peer block at once); the copy-engine probe both ways at once
-//! on non-blocking streams versus the legacy null streams; host time per call for tiny buffers and
-//! the host cost of each driver call that time is made of. Markdown tables on stdout, JSON in
+//! picks, and that one again with every block in place, so with no own-block copy), our NCCL
+//! algorithm and `ncclAllGather` called directly in the same process and run, per-rank sizes
+//! 64 KiB .. 1 GiB; the copy-engine ceiling of the topology for each G (every GPU pulling, and every
+//! GPU pushing, every peer block at once); the copy-engine probe both ways at once on non-blocking
+//! streams versus the legacy null streams; host time per call for tiny buffers and the host cost of
+//! each driver call that time is made of. Markdown tables on stdout, JSON in
 //! `$REFIT_BENCH_RESULTS/gpu_allgather.json` (default `benches/results/`).
 //!
 //! Timing: every measured stream first runs a short spin kernel (a gate), so that the host has queued

@@ -89,7 +89,7 @@ pub fn kernels_run(group: &Group) -> bool {
         }
         let loaded = group.devices().iter().try_for_each(|&d| BatchedCopy::for_device(d as i32).map(drop));
         if let Err(err) = &loaded {
-            log::warn!("peer allgather: refit's copy kernel is unavailable ({err}); the copy engine moves every block");
+            log::warn!("peer allgather: copy engine only, refit's kernel is unavailable: {err}");
         }
         loaded.is_ok()
     })
@@ -203,10 +203,11 @@ unsafe fn copy_engine_push(group: &Group, call: &Gather) -> Result<()> {
 
 /// Each rank's copy of its own block into its own buffer, beside its copy-engine pushes.
 ///
-/// On CUDA (when the kernel runs) a kernel on a few blocks: at full speed a local copy (about 2 TB/s on an H200) takes a
-/// fifth of the time the pushes take over NVLink, and saturates the GPU's memory while it runs, which
-/// slows the pushes' reads and the peers' writes; throttled to [`OWN_COPY_BLOCKS`] blocks it runs
-/// alongside the pushes for most of their time instead. Elsewhere a plain copy.
+/// On CUDA, when the kernel runs, a kernel on a few blocks: at full speed a local copy (about 2 TB/s
+/// on an H200) takes a fifth of the time the pushes take over NVLink and saturates the GPU's memory
+/// while it runs, which slows the pushes' reads and the peers' writes; throttled to
+/// [`OWN_COPY_BLOCKS`] blocks it runs alongside the pushes for most of their time instead. Elsewhere
+/// a plain copy.
 struct OwnBlockCopies<'g> {
     group: &'g Group,
     /// CUDA: every rank's throttled copy, prepared; None on the host backend.

@@ -38,8 +38,8 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// NULL, receives the algorithm that ran.
 ///
 /// AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
-/// access (on 2 x H200, PEER moved 1.2-1.5x what NCCL's allgather moved from 1 MiB to 1 GiB per rank
-/// and took half its host time per call; below 1 MiB NCCL's GPU time is shorter, see NOTES.md);
+/// access (on 2 x H200, PEER moved 1.25-1.6x what NCCL's allgather moved from 1 MiB to 1 GiB per
+/// rank and took 60% of its host time per call; below 1 MiB NCCL's GPU time is shorter, see NOTES.md);
 /// otherwise NCCL when it loads, else PEER.
 ///
 /// Ordering: inside a scope (refit_group_enter) the work is queued on the group's streams and this
