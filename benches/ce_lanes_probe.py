@@ -11,21 +11,10 @@ Prints a markdown table of GB/s per direction; JSON to $REFIT_BENCH_RESULTS/ce_l
 
 import json
 import os
-import statistics
 
 import cupy as cp
 from cupy.cuda import runtime as rt
-
-MIB = 1 << 20
-SPIN = cp.RawKernel(
-    r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) {}
-}
-""",
-    "spin",
-)
+from probe_util import MIB, enable_peers, timed
 
 
 class Side:
@@ -40,17 +29,6 @@ class Side:
             self.lanes = [cp.cuda.Stream(non_blocking=True) for _ in range(max_lanes)]
             self.fork = cp.cuda.Event(disable_timing=True)
             self.joins = [cp.cuda.Event(disable_timing=True) for _ in range(max_lanes)]
-            self.start = cp.cuda.Event()
-            self.end = cp.cuda.Event()
-
-
-def enable_peers():
-    for d in (0, 1):
-        with cp.cuda.Device(d):
-            try:
-                rt.deviceEnablePeerAccess(1 - d)
-            except rt.CUDARuntimeError:
-                pass  # already enabled
 
 
 def issuer_of(src, dst, chunk, mode):
@@ -93,26 +71,12 @@ def issue(sides, directions, size, lanes, mode):
             issuer.main.wait_event(issuer.joins[k])
 
 
-def measure(sides, directions, size, lanes, mode, iters, reps=5):
-    issuers = {issuer_of(s, d, i, mode) for s, d in directions for i in range(lanes)}
-    samples = []
-    for rep in range(reps + 1):
-        for dev in issuers:
-            with cp.cuda.Device(dev):
-                SPIN((1,), (1,), (cp.int64(40_000_000),), stream=sides[dev].main)
-                sides[dev].start.record(sides[dev].main)
-        for _ in range(iters):
-            issue(sides, directions, size, lanes, mode)
-        for dev in issuers:
-            with cp.cuda.Device(dev):
-                sides[dev].end.record(sides[dev].main)
-        worst = 0.0
-        for dev in issuers:
-            sides[dev].end.synchronize()
-            worst = max(worst, cp.cuda.get_elapsed_time(sides[dev].start, sides[dev].end) / 1e3)
-        if rep:
-            samples.append(size * iters / worst / 1e9)
-    return statistics.median(samples)
+def measure(sides, directions, size, lanes, mode, iters):
+    """GB/s per direction of `iters` iterations back to back, timed on the issuers' main streams."""
+    issuers = sorted({issuer_of(s, d, i, mode) for s, d in directions for i in range(lanes)})
+    streams = [(dev, sides[dev].main) for dev in issuers]
+    seconds = timed(streams, lambda: [issue(sides, directions, size, lanes, mode) for _ in range(iters)])
+    return size * iters / seconds / 1e9
 
 
 def main():

@@ -13,24 +13,16 @@ Prints markdown; JSON to $REFIT_BENCH_RESULTS/cross_gpu_sync_probe.json.
 import ctypes
 import json
 import os
-import statistics
 
 import cupy as cp
 from cupy.cuda import runtime as rt
+from probe_util import MIB, enable_peers, timed
 
-MIB = 1 << 20
+# The chains queue thousands of operations from Python: a long gate lets the host finish first.
+GATE = 300_000_000
 cuda = ctypes.CDLL("libcuda.so.1")
 cuda.cuStreamWaitValue64_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
 cuda.cuStreamWriteValue64_v2.argtypes = [ctypes.c_void_p, ctypes.c_uint64, ctypes.c_uint64, ctypes.c_uint]
-SPIN = cp.RawKernel(
-    r"""
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) {}
-}
-""",
-    "spin",
-)
 # One thread. Writes `epoch` into the peer's word (if any), then polls its own until it reaches
 # `epoch`; gives up after about two seconds and leaves 1 in `failed` (a probe must not hang).
 FLAG_KERNELS = cp.RawModule(
@@ -71,41 +63,11 @@ class Counter:
         return self.value
 
 
-def timed(streams, issue, reps=5):
-    """Median seconds of one `issue()` batch, the slowest stream's, after a gate on every stream."""
-    starts = [None] * len(streams)
-    ends = [None] * len(streams)
-    samples = []
-    for rep in range(reps + 1):
-        for k, (dev, s) in enumerate(streams):
-            with cp.cuda.Device(dev):
-                SPIN((1,), (1,), (cp.int64(300_000_000),), stream=s)
-                starts[k] = cp.cuda.Event()
-                starts[k].record(s)
-        issue()
-        for k, (dev, s) in enumerate(streams):
-            with cp.cuda.Device(dev):
-                ends[k] = cp.cuda.Event()
-                ends[k].record(s)
-        worst = 0.0
-        for k in range(len(streams)):
-            ends[k].synchronize()
-            worst = max(worst, cp.cuda.get_elapsed_time(starts[k], ends[k]) / 1e3)
-        if rep:
-            samples.append(worst)
-    return statistics.median(samples)
-
-
 def main():
     if rt.getDeviceCount() < 2:
         print("cross_gpu_sync_probe: needs two GPUs")
         return
-    for d in (0, 1):
-        with cp.cuda.Device(d):
-            try:
-                rt.deviceEnablePeerAccess(1 - d)
-            except rt.CUDARuntimeError:
-                pass
+    enable_peers()
     streams, flags, events = [], [], []
     for d in (0, 1):
         with cp.cuda.Device(d):
@@ -145,12 +107,16 @@ def main():
         return issue
 
     pair = [(0, streams[0]), (1, streams[1])]
-    rows["round trip GPU0<->GPU1, events (us)"] = (
-        timed(pair, events_chain(streams[0], events[0], 0, streams[1], events[1], 1)) / trips * 1e6
+
+    def per_trip_us(streams_timed, chain):
+        return timed(streams_timed, chain, gate_cycles=GATE) / trips * 1e6
+
+    rows["round trip GPU0<->GPU1, events (us)"] = per_trip_us(
+        pair, events_chain(streams[0], events[0], 0, streams[1], events[1], 1)
     )
-    rows["round trip GPU0<->GPU1, stream memory ops (us)"] = timed(pair, memops_chain()) / trips * 1e6
-    rows["round trip GPU0 stream<->stream, events (us)"] = (
-        timed([(0, streams[0]), (0, s0b)], events_chain(streams[0], events[0], 0, s0b, e0b, 0)) / trips * 1e6
+    rows["round trip GPU0<->GPU1, stream memory ops (us)"] = per_trip_us(pair, memops_chain())
+    rows["round trip GPU0 stream<->stream, events (us)"] = per_trip_us(
+        [(0, streams[0]), (0, s0b)], events_chain(streams[0], events[0], 0, s0b, e0b, 0)
     )
 
     # The push allgather, G = 2: lane[p] pushes p's block into recv[r]; own block on the rank stream.
@@ -312,7 +278,7 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
         iters = max(5, min(40, 2048 * MIB // size))
         out = {"size_mib": size // MIB}
         for name, call in variants.items():
-            t = timed(pair, lambda: [call(size) for _ in range(iters)]) / iters
+            t = timed(pair, lambda: [call(size) for _ in range(iters)], gate_cycles=GATE) / iters
             out[name] = size / t / 1e9
         push_rows.append(out)
     # Correctness of the last call: both recv buffers hold both blocks.

@@ -369,11 +369,18 @@ fn probe(gates: &Gates, size: usize, sends: &[DeviceBuffer], recvs: &[DeviceBuff
     }
 }
 
-/// Host time of each call (not of the GPU work), tiny buffers, inside one scope; synchronized every
-/// 100 calls outside the timed region.
+/// Host time of each call (not of the GPU work), tiny buffers, inside one scope: (median, p90) us.
 fn host_time(group: &Group, drain: &dyn Fn(), issue: &mut dyn FnMut()) -> (f64, f64) {
-    let mut samples = Vec::with_capacity(HOST_CALLS);
     group.enter(None).unwrap();
+    let samples = host_samples(drain, issue);
+    group.exit(ExitMode::Sync).unwrap();
+    (samples[samples.len() / 2], samples[samples.len() * 9 / 10])
+}
+
+/// HOST_CALLS timings of `issue` in us, ascending, after 100 untimed calls; `drain` runs every 100
+/// calls outside the timed region so that queues never fill.
+fn host_samples(drain: &dyn Fn(), issue: &mut dyn FnMut()) -> Vec<f64> {
+    let mut samples = Vec::with_capacity(HOST_CALLS);
     for call in 0..HOST_CALLS + 100 {
         let started = Instant::now();
         issue();
@@ -385,9 +392,8 @@ fn host_time(group: &Group, drain: &dyn Fn(), issue: &mut dyn FnMut()) -> (f64, 
             drain();
         }
     }
-    group.exit(ExitMode::Sync).unwrap();
     samples.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    (samples[samples.len() / 2], samples[samples.len() * 9 / 10])
+    samples
 }
 
 /// Host cost of each driver call the peer path issues, G = 2 (median us over HOST_CALLS calls):
@@ -414,21 +420,8 @@ fn driver_call_costs(group: &Group, sends: &[u64], recvs: &[u64]) -> Vec<(&'stat
         .collect();
     let tiny = Segment::contiguous(sends[1], recvs[0] + TINY as u64, TINY as u64);
     let prepared = refit::copy::PreparedCopy::new(group, 0, &[tiny], false).unwrap();
-    let median_of = |f: &mut dyn FnMut()| {
-        let mut samples = Vec::with_capacity(HOST_CALLS);
-        for call in 0..HOST_CALLS + 100 {
-            let started = Instant::now();
-            f();
-            let took = started.elapsed().as_secs_f64() * 1e6;
-            if call >= 100 {
-                samples.push(took);
-            }
-            if call % 100 == 99 {
-                group.synchronize().unwrap();
-            }
-        }
-        median(samples)
-    };
+    let drain = || group.synchronize().unwrap();
+    let median_of = |f: &mut dyn FnMut()| median(host_samples(&drain, f));
     let mut rows = Vec::new();
     backend.bind(0).unwrap();
     rows.push((

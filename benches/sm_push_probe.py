@@ -14,20 +14,14 @@ direction; JSON to $REFIT_BENCH_RESULTS/sm_push_probe.json.
 
 import json
 import os
-import statistics
 
 import cupy as cp
 from cupy.cuda import runtime as rt
+from probe_util import MIB, enable_peers, timed
 
-MIB = 1 << 20
 SOURCE = r"""
 typedef unsigned long long u64;
 typedef unsigned int u32;
-
-extern "C" __global__ void spin(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) {}
-}
 
 template <int UNROLL>
 __device__ void push_words(const int4* __restrict__ src, int4* __restrict__ dst, u64 words) {
@@ -98,15 +92,6 @@ extern "C" __global__ void push_bulk(const char* src, char* dst, u64 bytes, u32 
 """
 
 
-def enable_peers():
-    for d in (0, 1):
-        with cp.cuda.Device(d):
-            try:
-                rt.deviceEnablePeerAccess(1 - d)
-            except rt.CUDARuntimeError:
-                pass
-
-
 class Side:
     def __init__(self, device, size):
         self.device = device
@@ -115,8 +100,6 @@ class Side:
             self.src = cp.random.randint(0, 256, size, dtype=cp.uint8)
             self.dst = cp.zeros(size, dtype=cp.uint8)
             self.stream = cp.cuda.Stream(non_blocking=True)
-            self.start = cp.cuda.Event()
-            self.end = cp.cuda.Event()
             self.sms = cp.cuda.Device(device).attributes["MultiProcessorCount"]
 
     def fn(self, name):
@@ -147,27 +130,16 @@ def issue(sides, src, dst, size, variant):
             )
 
 
-def measure(sides, directions, size, variant, iters, reps=5):
-    senders = sorted({s for s, _ in directions})
-    samples = []
-    for rep in range(reps + 1):
-        for d in senders:
-            with cp.cuda.Device(d):
-                sides[d].fn("spin")((1,), (1,), (cp.int64(40_000_000),), stream=sides[d].stream)
-                sides[d].start.record(sides[d].stream)
+def measure(sides, directions, size, variant, iters):
+    """GB/s per direction of `iters` iterations back to back, timed on the senders' streams."""
+    streams = [(s, sides[s].stream) for s in sorted({s for s, _ in directions})]
+
+    def batch():
         for _ in range(iters):
             for s, t in directions:
                 issue(sides, s, t, size, variant)
-        for d in senders:
-            with cp.cuda.Device(d):
-                sides[d].end.record(sides[d].stream)
-        worst = 0.0
-        for d in senders:
-            sides[d].end.synchronize()
-            worst = max(worst, cp.cuda.get_elapsed_time(sides[d].start, sides[d].end) / 1e3)
-        if rep:
-            samples.append(size * iters / worst / 1e9)
-    return statistics.median(samples)
+
+    return size * iters / timed(streams, batch) / 1e9
 
 
 def name(variant):

@@ -15,7 +15,7 @@
 //! - Vocabulary rows are split over TP in chunks of `ceil(vocab / tp)` (the last rank holds padding).
 
 use super::model::{Catalog, MlpTensors, Model};
-use super::param::{replicated_vector, vocab_rows, Param};
+use super::param::{Param, RankParams};
 use crate::error::{Error, Result};
 use crate::plan::Endpoint;
 
@@ -64,9 +64,7 @@ impl Megatron {
         for (i, &endpoint) in self.endpoints.iter().enumerate() {
             let i = i as u64;
             let rank = Rank {
-                endpoint,
-                tp: i % self.tp,
-                tp_size: self.tp,
+                shard: RankParams::new(endpoint, (i % self.tp, self.tp), model),
                 ep: i % self.ep,
                 ep_size: self.ep,
                 grouped_experts: self.grouped_experts,
@@ -78,9 +76,7 @@ impl Megatron {
 }
 
 struct Rank {
-    endpoint: Endpoint,
-    tp: u64,
-    tp_size: u64,
+    shard: RankParams,
     ep: u64,
     ep_size: u64,
     grouped_experts: bool,
@@ -88,28 +84,21 @@ struct Rank {
 
 impl Rank {
     fn params(&self, m: &Model, c: &Catalog, out: &mut Vec<Param>) {
-        let es = m.elem_size as u64;
-        let h = m.hidden;
-        let new = |name: String, elems: u64| Param::new(self.endpoint, name, elems * es);
-        let vector =
-            |name: String, tensor: u32, len: u64| replicated_vector(self.endpoint, name, tensor, len, es);
-        let vocab_shard = |name: &str, tensor: u32| {
-            vocab_rows(self.endpoint, name.to_string(), tensor, (m.vocab, h), (self.tp, self.tp_size), es)
-        };
-
-        out.push(vocab_shard("embedding.word_embeddings.weight", c.embed));
-        let groups = m.kv_heads / self.tp_size;
+        let s = &self.shard;
+        let (es, h) = (s.es, s.hidden);
+        out.push(s.vocab_shard("embedding.word_embeddings.weight", c.embed));
+        let groups = m.kv_heads / s.tp_size;
         let q_per_group = m.heads / m.kv_heads;
         let hd = m.head_dim;
-        let q_local = m.q_dim() / self.tp_size;
+        let q_local = m.q_dim() / s.tp_size;
         for (l, t) in c.layers.iter().enumerate() {
             let p = format!("decoder.layers.{l}");
-            out.push(vector(format!("{p}.self_attention.linear_qkv.layer_norm_weight"), t.input_norm, h));
+            out.push(s.vector(format!("{p}.self_attention.linear_qkv.layer_norm_weight"), t.input_norm, h));
 
             let group_rows = (q_per_group + 2) * hd;
-            let mut qkv = new(format!("{p}.self_attention.linear_qkv.weight"), groups * group_rows * h);
+            let mut qkv = s.param(format!("{p}.self_attention.linear_qkv.weight"), groups * group_rows * h);
             for local in 0..groups {
-                let g = self.tp * groups + local;
+                let g = s.tp * groups + local;
                 let base = local * group_rows * h * es;
                 qkv.rows_cols(t.q, base, (g * q_per_group * hd, q_per_group * hd), (0, h));
                 qkv.rows_cols(t.k, base + q_per_group * hd * h * es, (g * hd, hd), (0, h));
@@ -117,30 +106,31 @@ impl Rank {
             }
             out.push(qkv);
             if let Some((qn, kn)) = t.qk_norm {
-                out.push(vector(format!("{p}.self_attention.q_layernorm.weight"), qn, hd));
-                out.push(vector(format!("{p}.self_attention.k_layernorm.weight"), kn, hd));
+                out.push(s.vector(format!("{p}.self_attention.q_layernorm.weight"), qn, hd));
+                out.push(s.vector(format!("{p}.self_attention.k_layernorm.weight"), kn, hd));
             }
-            let mut proj = new(format!("{p}.self_attention.linear_proj.weight"), h * q_local);
-            proj.rows_cols(t.o, 0, (0, h), (self.tp * q_local, q_local));
+            let mut proj = s.param(format!("{p}.self_attention.linear_proj.weight"), h * q_local);
+            proj.rows_cols(t.o, 0, (0, h), s.tp_rows(q_local));
             out.push(proj);
 
             match &t.mlp {
                 MlpTensors::Moe { router, experts } => {
                     let moe = m.moe.expect("MoE tensors come from a MoE model");
                     let f = moe.ffn;
-                    out.push(vector(format!("{p}.pre_mlp_layernorm.weight"), t.post_norm, h));
-                    let mut r = new(format!("{p}.mlp.router.weight"), moe.experts * h);
+                    out.push(s.vector(format!("{p}.pre_mlp_layernorm.weight"), t.post_norm, h));
+                    let mut r = s.param(format!("{p}.mlp.router.weight"), moe.experts * h);
                     r.rows_cols(*router, 0, (0, moe.experts), (0, h));
                     out.push(r);
+                    // Expert-TP 1: every local expert whole.
                     let local = moe.experts / self.ep_size;
                     let expert = |j: u64| experts[(self.ep * local + j) as usize];
                     if self.grouped_experts {
-                        let mut fc1 = new(format!("{p}.mlp.experts.linear_fc1.weight"), local * 2 * f * h);
-                        let mut fc2 = new(format!("{p}.mlp.experts.linear_fc2.weight"), local * h * f);
+                        let mut fc1 =
+                            s.param(format!("{p}.mlp.experts.linear_fc1.weight"), local * 2 * f * h);
+                        let mut fc2 = s.param(format!("{p}.mlp.experts.linear_fc2.weight"), local * h * f);
                         for j in 0..local {
                             let [gate, up, down] = expert(j);
-                            fc1.rows_cols(gate, j * 2 * f * h * es, (0, f), (0, h));
-                            fc1.rows_cols(up, (j * 2 + 1) * f * h * es, (0, f), (0, h));
+                            fc1.gate_up_rows([gate, up], j * 2 * f * h * es, (0, f), (h, es));
                             fc2.rows_cols(down, j * h * f * es, (0, h), (0, f));
                         }
                         out.push(fc1);
@@ -148,32 +138,30 @@ impl Rank {
                     } else {
                         for j in 0..local {
                             let [gate, up, _] = expert(j);
-                            let mut fc1 = new(format!("{p}.mlp.experts.linear_fc1.weight{j}"), 2 * f * h);
-                            fc1.rows_cols(gate, 0, (0, f), (0, h));
-                            fc1.rows_cols(up, f * h * es, (0, f), (0, h));
+                            let mut fc1 = s.param(format!("{p}.mlp.experts.linear_fc1.weight{j}"), 2 * f * h);
+                            fc1.gate_up_rows([gate, up], 0, (0, f), (h, es));
                             out.push(fc1);
                         }
                         for j in 0..local {
-                            let mut fc2 = new(format!("{p}.mlp.experts.linear_fc2.weight{j}"), h * f);
+                            let mut fc2 = s.param(format!("{p}.mlp.experts.linear_fc2.weight{j}"), h * f);
                             fc2.rows_cols(expert(j)[2], 0, (0, h), (0, f));
                             out.push(fc2);
                         }
                     }
                 }
                 MlpTensors::Dense { gate, up, down } => {
-                    out.push(vector(format!("{p}.mlp.linear_fc1.layer_norm_weight"), t.post_norm, h));
-                    let f = m.ffn / self.tp_size;
-                    let mut fc1 = new(format!("{p}.mlp.linear_fc1.weight"), 2 * f * h);
-                    fc1.rows_cols(*gate, 0, (self.tp * f, f), (0, h));
-                    fc1.rows_cols(*up, f * h * es, (self.tp * f, f), (0, h));
+                    out.push(s.vector(format!("{p}.mlp.linear_fc1.layer_norm_weight"), t.post_norm, h));
+                    let f = m.ffn / s.tp_size;
+                    let mut fc1 = s.param(format!("{p}.mlp.linear_fc1.weight"), 2 * f * h);
+                    fc1.gate_up_rows([*gate, *up], 0, s.tp_rows(f), (h, es));
                     out.push(fc1);
-                    let mut fc2 = new(format!("{p}.mlp.linear_fc2.weight"), h * f);
-                    fc2.rows_cols(*down, 0, (0, h), (self.tp * f, f));
+                    let mut fc2 = s.param(format!("{p}.mlp.linear_fc2.weight"), h * f);
+                    fc2.rows_cols(*down, 0, (0, h), s.tp_rows(f));
                     out.push(fc2);
                 }
             }
         }
-        out.push(vector("decoder.final_layernorm.weight".into(), c.final_norm, h));
-        out.push(vocab_shard("output_layer.weight", c.lm_head));
+        out.push(s.vector("decoder.final_layernorm.weight".into(), c.final_norm, h));
+        out.push(s.vocab_shard("output_layer.weight", c.lm_head));
     }
 }
