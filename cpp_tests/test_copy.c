@@ -76,6 +76,11 @@ int main(void) {
     CHECK_OK(refit_copy_batch_launch(batch, stream));
     CHECK(memcmp(full, want, sizeof full) == 0);
   }
+  /* On the host backend a stream handle must be a host stream. */
+  void *not_a_stream = (void *)(uintptr_t)0x3039;
+  CHECK_STATUS(refit_copy_batch_launch(batch, not_a_stream), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "not a host stream") != NULL);
+  CHECK_STATUS(refit_copy_batch(group, 1, not_a_stream, segments, 4, 0), REFIT_STATUS_INVALID_ARGUMENT);
   refit_copy_batch_destroy(batch);
   refit_copy_batch_destroy(NULL);
 
@@ -106,6 +111,7 @@ int main(void) {
   CHECK_STATUS(refit_copy_batch(group, 0, NULL, &wraps, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(refit_copy_batch_prepare(group, 0, overlap, 1, 0, NULL), REFIT_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(refit_copy_batch_prepare(NULL, 0, overlap, 1, 0, &batch), REFIT_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(refit_copy_batch_prepare(group, 0, NULL, 3, 0, &batch), REFIT_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(refit_copy_batch_prepare(group, 5, overlap, 1, 0, &batch), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(refit_copy_batch_prepare(group, 0, overlap, 1, 2, &batch), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(refit_copy_batch_launch(NULL, NULL), REFIT_STATUS_NULL_ARGUMENT);

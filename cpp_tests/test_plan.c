@@ -166,11 +166,18 @@ static void test_plan_moves_the_right_bytes(void) {
   CHECK(strstr(refit_last_error_message(), "stats.size") != NULL);
   CHECK_STATUS(refit_plan_get_stats(plan, NULL), REFIT_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(refit_plan_get_stats(NULL, &stats), REFIT_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(refit_plan_get_receiver_stats(plan, 0, 0, &stats), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "stats.size") != NULL);
+  CHECK_STATUS(refit_plan_get_receiver_stats(plan, 0, 0, NULL), REFIT_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(refit_plan_get_receiver_stats(NULL, 0, 0, &stats), REFIT_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(refit_plan_fingerprint(plan, NULL), REFIT_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(refit_plan_route_count(plan, NULL), REFIT_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(refit_table_encoded_size(NULL, &size), REFIT_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(refit_table_encoded_size(recv, NULL), REFIT_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(refit_table_encode(recv, NULL, 0, &written), REFIT_STATUS_BUFFER_TOO_SMALL);
+  uint8_t one_byte;
+  CHECK_STATUS(refit_table_encode(NULL, &one_byte, 1, &written), REFIT_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(refit_table_encode(recv, &one_byte, 1, NULL), REFIT_STATUS_NULL_ARGUMENT);
 
   /* Building: bad options and table lists. */
   const refit_table *tables[3] = {pub0, pub1, recv};
@@ -281,6 +288,8 @@ static void test_table_bad_arguments(void) {
   CHECK_STATUS(refit_table_add_tensor(table, "w", 1, 0, shape, 2, &t), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(refit_table_add_tensor(table, "w", 1, 4, big, 9, &t), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(refit_table_add_tensor(table, "\xff", 1, 4, shape, 2, &t), REFIT_STATUS_INVALID_ARGUMENT);
+  const uint64_t huge[2] = {UINT64_MAX / 2, 3};
+  CHECK_STATUS(refit_table_add_tensor(table, "w", 1, 4, huge, 2, &t), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(t == 7);
   CHECK_OK(refit_table_add_tensor(table, "w", 1, 4, shape, 2, &t));
   CHECK_OK(refit_table_add_tensor(table, "w", 1, 4, shape, 2, &t));

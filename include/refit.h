@@ -248,7 +248,7 @@ typedef enum {
 typedef struct refit_group refit_group;
 
 /**
- * A built reshard plan. Immutable.
+ * A built reshard plan. Immutable: every reader may be called from any number of threads at once.
  */
 typedef struct refit_plan refit_plan;
 
@@ -262,7 +262,12 @@ typedef struct refit_plan refit_plan;
 typedef struct refit_prepared_copy refit_prepared_copy;
 
 /**
- * One rank's shard table: tensors, offers (what it publishes), needs (what it receives).
+ * One rank's shard table: tensors, offers (what it publishes), needs (what it receives). Host memory
+ * only; no table call touches a device or a stream.
+ *
+ * Thread-safety: calls that change a table (refit_table_add_*) need it to themselves; calls that only
+ * read it (refit_table_encoded_size, refit_table_encode, refit_plan_build) may share it between
+ * threads while nothing changes it. Different tables are independent.
  */
 typedef struct refit_table refit_table;
 
@@ -536,7 +541,7 @@ refit_status refit_group_allgather_rank(refit_group *group,
  *
  * Errors: NULL_ARGUMENT (group, or segments with n > 0), INVALID_ARGUMENT (rank not below the group
  * size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
- * address), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte), UNSUPPORTED (checked
+ * address, on the host backend a stream that is not a host stream), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte), UNSUPPORTED (checked
  * mode over more interleaved runs than it expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel
  * could not be compiled or loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
  */
@@ -552,6 +557,7 @@ refit_status refit_copy_batch(const refit_group *group,
  * `flags`), lays them out and uploads the descriptors to device memory. Blocking; not ordered with any
  * stream. The addresses are fixed from now on; the bytes are read at each launch. The batch does not
  * keep the group alive but must be destroyed before the device's memory it names is freed.
+ * Thread-safety: as refit_copy_batch.
  *
  * Errors: as refit_copy_batch (NULL_ARGUMENT also for `batch`).
  */
@@ -568,7 +574,8 @@ refit_status refit_copy_batch_prepare(const refit_group *group,
  * no synchronization, constant host time whatever the batch size), so it may be captured into a CUDA
  * graph; returns without waiting. Host backend: complete on return.
  *
- * Errors: NULL_ARGUMENT (batch), CUDA_ERROR (e.g. a stream of another device).
+ * Errors: NULL_ARGUMENT (batch), INVALID_ARGUMENT (on the host backend, a stream that is not a host
+ * stream), CUDA_ERROR (e.g. a stream of another device).
  */
 refit_status refit_copy_batch_launch(const refit_prepared_copy *batch,
                                      void *stream);
@@ -703,7 +710,7 @@ refit_status refit_host_stream_create(void **stream);
 refit_status refit_host_stream_destroy(void *stream);
 
 /**
- * Creates an empty table in `*table`. Errors: NULL_ARGUMENT when `table` is NULL.
+ * Creates an empty table in `*table`. Thread-safe. Errors: NULL_ARGUMENT when `table` is NULL.
  */
 refit_status refit_table_create(refit_table **table);
 
@@ -788,8 +795,8 @@ refit_status refit_table_add_need(refit_table *table,
                                   size_t ndim);
 
 /**
- * Writes to `*size` the bytes refit_table_encode needs for this table.
- * Errors: NULL_ARGUMENT.
+ * Writes to `*size` the bytes refit_table_encode needs for this table. Reads the table (see
+ * refit_table for sharing it between threads). Errors: NULL_ARGUMENT (table, size).
  *
  * # Safety
  * `table` is a live table.
@@ -798,7 +805,8 @@ refit_status refit_table_encoded_size(const refit_table *table, size_t *size);
 
 /**
  * Encodes the table (versioned, checksummed; see refit_table_decode) into `buffer` of `capacity`
- * bytes and writes the length used to `*written`. The encoding is the same on every platform.
+ * bytes and writes the length used to `*written`. The encoding is the same on every platform. Reads
+ * the table (see refit_table for sharing it between threads).
  *
  * Errors: NULL_ARGUMENT (table, written; buffer when capacity > 0), BUFFER_TOO_SMALL (capacity
  * below refit_table_encoded_size; the message gives the size).
@@ -813,7 +821,7 @@ refit_status refit_table_encode(const refit_table *table,
 
 /**
  * Decodes `len` bytes written by refit_table_encode (on any rank) into a new table in `*table`.
- * Untrusted bytes are safe: truncated, corrupted or hostile input returns a status.
+ * Untrusted bytes are safe: truncated, corrupted or hostile input returns a status. Thread-safe.
  *
  * Errors: NULL_ARGUMENT (table; bytes when len > 0), DECODE_ERROR (not a table, checksum mismatch,
  * truncated, malformed; the message says where), VERSION_MISMATCH (another format version).
@@ -825,7 +833,7 @@ refit_status refit_table_decode(const uint8_t *bytes, size_t len, refit_table **
 
 /**
  * Fills `*options` with the defaults: size set, policy REFIT_POLICY_LOCAL, coalescing on.
- * Errors: NULL_ARGUMENT.
+ * Thread-safe. Errors: NULL_ARGUMENT.
  */
 refit_status refit_plan_options_init(refit_plan_options *options);
 

@@ -94,6 +94,8 @@ class CopyTest(unittest.TestCase):
             "negative len": lambda: self.group.copy_batch(0, [(addr(source), addr(target), -4)]),
             "three counts": lambda: self.group.copy_batch(0, [Segment(*ok, count=(1, 1, 1))]),
             "stream": lambda: self.group.copy_batch(0, [ok], stream="default"),
+            "not a host stream": lambda: self.group.copy_batch(0, [ok], stream=0x3039),
+            "prepared, not a host stream": lambda: self.group.prepare_copy(0, [ok]).launch(stream=0x3039),
         }
         for name, call in cases.items():
             with self.subTest(case=name):

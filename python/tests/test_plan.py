@@ -225,13 +225,26 @@ class PlanTest(unittest.TestCase):
         with self.assertRaises(RefitError) as caught:
             plan.route(-1)
         self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
+        for rank, device in [(-1, 0), (0, 1 << 32)]:
+            with self.assertRaises(RefitError) as caught:
+                plan.receiver_stats(rank, device)
+            self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
         route = plan.route(0)
         plan.close()
         plan.close()
         self.assertGreater(route.segments[0].len, 0)  # copied out: still readable
-        with self.assertRaises(RefitError) as caught:
-            plan.stats
-        self.assertIs(caught.exception.status, Status.INVALID_STATE)
+        readers = {
+            "stats": lambda: plan.stats,
+            "receiver_stats": lambda: plan.receiver_stats(0, 0),
+            "fingerprint": lambda: plan.fingerprint,
+            "route_count": lambda: plan.route_count,
+            "route": lambda: plan.route(0),
+        }
+        for name, read in readers.items():
+            with self.subTest(reader=name):
+                with self.assertRaises(RefitError) as caught:
+                    read()
+                self.assertIs(caught.exception.status, Status.INVALID_STATE)
 
     def test_tables_without_needs_make_an_empty_plan(self):
         table = Table()

@@ -35,10 +35,6 @@ fn checked_flag(flags: u32) -> Result<bool> {
     Ok(flags & REFIT_COPY_CHECKED != 0)
 }
 
-fn rank_index(rank: u32) -> usize {
-    rank as usize
-}
-
 /// Copies `n` segments (see refit_segment) on `stream`, a stream of `rank`'s device (NULL: its legacy
 /// default stream), in one kernel launch on the CUDA backend. Source and destination addresses are
 /// device pointers of that device or of a peer the rank's device accesses directly
@@ -54,7 +50,7 @@ fn rank_index(rank: u32) -> usize {
 ///
 /// Errors: NULL_ARGUMENT (group, or segments with n > 0), INVALID_ARGUMENT (rank not below the group
 /// size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
-/// address), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte), UNSUPPORTED (checked
+/// address, on the host backend a stream that is not a host stream), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte), UNSUPPORTED (checked
 /// mode over more interleaved runs than it expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel
 /// could not be compiled or loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
 #[no_mangle]
@@ -72,7 +68,7 @@ pub extern "C" fn refit_copy_batch(
         let segments = unsafe { slice(segments, n, "segments") }?;
         let checked = checked_flag(flags)?;
         // SAFETY: the caller's promise on addresses and stream, documented above.
-        unsafe { copy_batch(&group.group, rank_index(rank), Stream::from_ptr(stream), segments, checked) }
+        unsafe { copy_batch(&group.group, rank as usize, Stream::from_ptr(stream), segments, checked) }
     })
 }
 
@@ -80,6 +76,7 @@ pub extern "C" fn refit_copy_batch(
 /// `flags`), lays them out and uploads the descriptors to device memory. Blocking; not ordered with any
 /// stream. The addresses are fixed from now on; the bytes are read at each launch. The batch does not
 /// keep the group alive but must be destroyed before the device's memory it names is freed.
+/// Thread-safety: as refit_copy_batch.
 ///
 /// Errors: as refit_copy_batch (NULL_ARGUMENT also for `batch`).
 #[no_mangle]
@@ -97,7 +94,7 @@ pub extern "C" fn refit_copy_batch_prepare(
         let group = unsafe { arg(group, "group") }?;
         let segments = unsafe { slice(segments, n, "segments") }?;
         let checked = checked_flag(flags)?;
-        let prepared = PreparedCopy::new(&group.group, rank_index(rank), segments, checked)?;
+        let prepared = PreparedCopy::new(&group.group, rank as usize, segments, checked)?;
         slot.write(Box::into_raw(Box::new(refit_prepared_copy { batch: prepared })));
         Ok(())
     })
@@ -108,7 +105,8 @@ pub extern "C" fn refit_copy_batch_prepare(
 /// no synchronization, constant host time whatever the batch size), so it may be captured into a CUDA
 /// graph; returns without waiting. Host backend: complete on return.
 ///
-/// Errors: NULL_ARGUMENT (batch), CUDA_ERROR (e.g. a stream of another device).
+/// Errors: NULL_ARGUMENT (batch), INVALID_ARGUMENT (on the host backend, a stream that is not a host
+/// stream), CUDA_ERROR (e.g. a stream of another device).
 #[no_mangle]
 pub extern "C" fn refit_copy_batch_launch(
     batch: *const refit_prepared_copy,

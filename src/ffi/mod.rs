@@ -80,6 +80,23 @@ pub(crate) fn out<'a, T>(ptr: *mut T, what: &str) -> Result<&'a mut std::mem::Ma
         .ok_or_else(|| Error::new(Status::NullArgument, format!("{what} is NULL")))
 }
 
+/// A required output struct whose leading `size` field the caller sets to sizeof(T) before the call
+/// (refit_plan_stats, refit_route_info): checked before any work, like [`out`].
+///
+/// # Safety
+/// A non-NULL `ptr` points to a writable T whose first field, a `usize`, is initialized.
+pub(crate) unsafe fn sized_out<'a, T>(ptr: *mut T, what: &str) -> Result<&'a mut std::mem::MaybeUninit<T>> {
+    let slot = out(ptr, what)?;
+    let size = std::ptr::read(slot.as_ptr() as *const usize);
+    let full = std::mem::size_of::<T>();
+    if size != full {
+        return Err(Error::invalid_argument(format!(
+            "{what}.size is {size}; set it to sizeof the struct ({full}) before the call"
+        )));
+    }
+    Ok(slot)
+}
+
 /// A caller array of `len` elements. NULL is accepted only when `len` is 0.
 ///
 /// # Safety

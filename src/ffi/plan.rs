@@ -5,7 +5,7 @@
 //! encode and plan build, may share it between threads when none modifies it). A `refit_plan` is
 //! immutable once built and may be read from any number of threads at once.
 
-use super::{arg, arg_mut, boundary, c_str, check_struct_size, destroy, out, slice};
+use super::{arg, arg_mut, boundary, c_str, check_struct_size, destroy, out, sized_out, slice};
 use crate::bail;
 use crate::error::{Error, Result};
 use crate::plan::{self, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, Region, Table, TensorSpec};
@@ -29,12 +29,17 @@ pub const REFIT_ROUTE_REMOTE: u32 = 2;
 /// Buckets of refit_plan_stats.size_histogram.
 pub const REFIT_PLAN_SIZE_BUCKETS: u32 = 64;
 
-/// One rank's shard table: tensors, offers (what it publishes), needs (what it receives).
+/// One rank's shard table: tensors, offers (what it publishes), needs (what it receives). Host memory
+/// only; no table call touches a device or a stream.
+///
+/// Thread-safety: calls that change a table (refit_table_add_*) need it to themselves; calls that only
+/// read it (refit_table_encoded_size, refit_table_encode, refit_plan_build) may share it between
+/// threads while nothing changes it. Different tables are independent.
 pub struct refit_table {
     table: Table,
 }
 
-/// A built reshard plan. Immutable.
+/// A built reshard plan. Immutable: every reader may be called from any number of threads at once.
 pub struct refit_plan {
     plan: Plan,
 }
@@ -115,7 +120,7 @@ pub struct refit_route_info {
     pub segments: *const Segment,
 }
 
-/// Creates an empty table in `*table`. Errors: NULL_ARGUMENT when `table` is NULL.
+/// Creates an empty table in `*table`. Thread-safe. Errors: NULL_ARGUMENT when `table` is NULL.
 #[no_mangle]
 pub extern "C" fn refit_table_create(table: *mut *mut refit_table) -> crate::Status {
     boundary("refit_table_create", || {
@@ -240,8 +245,8 @@ pub unsafe extern "C" fn refit_table_add_need(
     })
 }
 
-/// Writes to `*size` the bytes refit_table_encode needs for this table.
-/// Errors: NULL_ARGUMENT.
+/// Writes to `*size` the bytes refit_table_encode needs for this table. Reads the table (see
+/// refit_table for sharing it between threads). Errors: NULL_ARGUMENT (table, size).
 ///
 /// # Safety
 /// `table` is a live table.
@@ -259,7 +264,8 @@ pub unsafe extern "C" fn refit_table_encoded_size(
 }
 
 /// Encodes the table (versioned, checksummed; see refit_table_decode) into `buffer` of `capacity`
-/// bytes and writes the length used to `*written`. The encoding is the same on every platform.
+/// bytes and writes the length used to `*written`. The encoding is the same on every platform. Reads
+/// the table (see refit_table for sharing it between threads).
 ///
 /// Errors: NULL_ARGUMENT (table, written; buffer when capacity > 0), BUFFER_TOO_SMALL (capacity
 /// below refit_table_encoded_size; the message gives the size).
@@ -294,7 +300,7 @@ pub unsafe extern "C" fn refit_table_encode(
 }
 
 /// Decodes `len` bytes written by refit_table_encode (on any rank) into a new table in `*table`.
-/// Untrusted bytes are safe: truncated, corrupted or hostile input returns a status.
+/// Untrusted bytes are safe: truncated, corrupted or hostile input returns a status. Thread-safe.
 ///
 /// Errors: NULL_ARGUMENT (table; bytes when len > 0), DECODE_ERROR (not a table, checksum mismatch,
 /// truncated, malformed; the message says where), VERSION_MISMATCH (another format version).
@@ -317,7 +323,7 @@ pub unsafe extern "C" fn refit_table_decode(
 }
 
 /// Fills `*options` with the defaults: size set, policy REFIT_POLICY_LOCAL, coalescing on.
-/// Errors: NULL_ARGUMENT.
+/// Thread-safe. Errors: NULL_ARGUMENT.
 #[no_mangle]
 pub extern "C" fn refit_plan_options_init(options: *mut refit_plan_options) -> crate::Status {
     boundary("refit_plan_options_init", || {
@@ -456,11 +462,7 @@ pub unsafe extern "C" fn refit_plan_route(
 ) -> crate::Status {
     boundary("refit_plan_route", || {
         let plan = arg(plan, "plan")?;
-        let slot = out(route, "route")?;
-        // SAFETY: a non-NULL output points to at least the size field, which the caller sets.
-        let size = std::ptr::read(slot.as_ptr() as *const usize);
-        let full = std::mem::size_of::<refit_route_info>();
-        check_struct_size(size, full, full, "route")?;
+        let slot = sized_out(route, "route")?;
         let routes = plan.plan.routes();
         let r = routes.get(index).ok_or_else(|| {
             Error::new(
@@ -469,7 +471,7 @@ pub unsafe extern "C" fn refit_plan_route(
             )
         })?;
         slot.write(refit_route_info {
-            size: full,
+            size: std::mem::size_of::<refit_route_info>(),
             src_rank: r.src.rank,
             src_device: r.src.device,
             dst_rank: r.dst.rank,
@@ -509,13 +511,9 @@ unsafe fn plan_options(options: *const refit_plan_options) -> Result<PlanOptions
 }
 
 unsafe fn write_stats(s: &plan::PlanStats, stats: *mut refit_plan_stats) -> Result<()> {
-    let slot = out(stats, "stats")?;
-    // SAFETY: a non-NULL output points to at least the size field, which the caller sets.
-    let size = std::ptr::read(slot.as_ptr() as *const usize);
-    let full = std::mem::size_of::<refit_plan_stats>();
-    check_struct_size(size, full, full, "stats")?;
+    let slot = sized_out(stats, "stats")?;
     slot.write(refit_plan_stats {
-        size: full,
+        size: std::mem::size_of::<refit_plan_stats>(),
         offers_in: s.offers_in,
         offers_kept: s.offers_kept,
         replica_sets: s.replica_sets,
