@@ -10,9 +10,10 @@
 // Prediction: host time 3 + 0.9 (G - 1) us; GPU time per call higher than the rendezvous's, by the
 // latency of a memory-operation wait (the memops round trip in cross_gpu_sync_probe is 12.3 us against
 // 9.6 for events), and much higher from about 1 MiB per rank, where one GPU's SMs move every block.
-// Result (2 x H200, NOTES.md): host 4.33 against 6.75 us; GPU 10.97 against 7.56 us at 256 B and
-// 19.27 against 11.40 at 1 MiB. The rendezvous variants that read addresses from device memory, as
-// refit's kernel does, price those reads: 0.2-0.45 us per call.
+// Result (2 x H200, NOTES.md): host 4.72 against 7.26 us; GPU 10.70 against 7.53 us at 256 B and
+// 19.00 against 11.44 at 1 MiB. The rendezvous variants that read addresses from device memory, as
+// refit's kernel did, price those reads at 0.1-0.5 us per call; the variant that counts departures
+// per block took 1.3-1.7 us off every size, and refit's kernel now departs that way.
 //
 // Build and run on the GPU machine (2 or more GPUs with peer access):
 //   nvcc -O2 -arch=sm_90 -o /tmp/leader benches/leader_launch_probe.cu -lcuda && /tmp/leader OUT.json
@@ -43,9 +44,17 @@ typedef unsigned int u32;
 
 static const int MAX_RANKS = 8;
 
-// Flag words in each rank's memory: arrived[p] at word p, done at word MAX_RANKS + 0 (leader -> rank),
-// rendezvous departures at MAX_RANKS + p, the finished-block counter at word 3 * MAX_RANKS.
-enum { ARRIVED = 0, DEPARTED = MAX_RANKS, DONE = 2 * MAX_RANKS, COUNTER = 3 * MAX_RANKS, FLAG_WORDS = 4 * MAX_RANKS };
+// Flag words in each rank's memory: arrived[p] at word p, rendezvous departures at MAX_RANKS + p,
+// done (leader -> rank) at 2 * MAX_RANKS, the finished-block counter at 3 * MAX_RANKS, and for the
+// counted departure two counters per peer (by epoch parity) from 4 * MAX_RANKS.
+enum {
+    ARRIVED = 0,
+    DEPARTED = MAX_RANKS,
+    DONE = 2 * MAX_RANKS,
+    COUNTER = 3 * MAX_RANKS,
+    COUNTS = 4 * MAX_RANKS,
+    FLAG_WORDS = 6 * MAX_RANKS
+};
 
 struct Ranks {
     u32 n;
@@ -117,6 +126,38 @@ __global__ void rendezvous_push(Ranks g, const Ranks* __restrict__ dev, u32 rank
         if (p != rank) wait_at_least(mine + 8 * (DEPARTED + p), epoch);
 }
 
+// The same meeting with a cheaper departure: every block, once its copies are issued, adds one to a
+// counter in every peer's memory with release semantics (its writes are visible before the count);
+// block 0 of each rank waits until every peer's count reaches that peer's grid size. This drops the
+// local counter, the second fence and the last block's extra hop of the departure above.
+__global__ void rendezvous_push_counted(Ranks g, u32 rank, u64 epoch) {
+    const u64 mine = g.flags[rank];
+    if (threadIdx.x == 0) {
+        for (u32 p = 0; p < g.n; ++p)
+            if (p != rank) store_release(g.flags[p] + 8 * (ARRIVED + rank), epoch);
+        for (u32 p = 0; p < g.n; ++p)
+            if (p != rank) wait_at_least(mine + 8 * (ARRIVED + p), epoch);
+    }
+    __syncthreads();
+    for (u32 r = 0; r < g.n; ++r) grid_copy(g.recv[r] + rank * g.bytes, g.send[rank], g.bytes);
+    __syncthreads();
+    if (threadIdx.x != 0) return;
+    const u32 parity = (u32)(epoch & 1);
+    for (u32 p = 0; p < g.n; ++p)
+        if (p != rank)
+            asm volatile("red.release.sys.global.add.u64 [%0], 1;" ::"l"(g.flags[p] + 8 * (COUNTS + 2 * rank + parity))
+                         : "memory");
+    if (blockIdx.x != 0) return;
+    for (u32 p = 0; p < g.n; ++p) {
+        if (p == rank) continue;
+        // Every rank launches the same grid here. The slot is next added to at epoch + 2, after this
+        // rank has arrived there, so it is free to reset now.
+        const u64 count = mine + 8 * (COUNTS + 2 * p + parity);
+        wait_at_least(count, gridDim.x);
+        asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(count), "l"(0ull) : "memory");
+    }
+}
+
 // The leader design: rank 0's launch waits for every rank's memory-operation "arrived", copies every
 // block, and writes "done" into every other rank's flags, which their memory-operation waits poll.
 __global__ void leader_copy(Ranks g, u64 epoch) {
@@ -152,6 +193,16 @@ static void rendezvous_call(Group& g) {
     for (int r = 0; r < g.n; ++r) {
         CK(cuCtxSetCurrent(g.ctx[r]));
         rendezvous_push<FROM><<<blocks, 256, 0, g.streams[r]>>>(g.ranks, g.tables[r], r, g.epoch);
+    }
+    CK(cuCtxSetCurrent(g.ctx[0]));
+}
+
+static void counted_call(Group& g) {
+    ++g.epoch;
+    u32 blocks = blocks_for(g.ranks.bytes * g.n);
+    for (int r = 0; r < g.n; ++r) {
+        CK(cuCtxSetCurrent(g.ctx[r]));
+        rendezvous_push_counted<<<blocks, 256, 0, g.streams[r]>>>(g.ranks, r, g.epoch);
     }
     CK(cuCtxSetCurrent(g.ctx[0]));
 }
@@ -308,6 +359,7 @@ int main(int argc, char** argv) {
     } designs[] = {{"rendezvous (every rank launches)", rendezvous_call<0>},
                    {"rendezvous, flag addresses from device memory", rendezvous_call<1>},
                    {"rendezvous, every address from device memory", rendezvous_call<2>},
+                   {"rendezvous, departures counted in the receiver's memory", counted_call},
                    {"leader (one launch, memops)", leader_call}};
     const u64 sizes[] = {256, 64 << 10, 256 << 10, 1 << 20, 4 << 20};
     FILE* json = argc > 1 ? std::fopen(argv[1], "w") : nullptr;

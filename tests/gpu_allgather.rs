@@ -282,8 +282,7 @@ fn an_owner_may_overwrite_its_send_buffer_on_its_stream_right_after_the_call() {
 
 #[test]
 #[ignore = "needs a GPU"]
-fn a_rank_whose_launch_failed_is_released_instead_of_waited_for_forever() {
-    use cudarc::driver::sys;
+fn a_rank_whose_launch_failed_is_released_where_its_stream_reaches_the_call() {
     use refit::kernels::rendezvous::Rendezvous;
     use refit::kernels::PreparedBatch;
     if cuda().device_count() < 2 {
@@ -293,17 +292,35 @@ fn a_rank_whose_launch_failed_is_released_instead_of_waited_for_forever() {
     let group = gpu_group(2); // enables peer access both ways
     let rendezvous = Rendezvous::new(&[0, 1]).unwrap();
     let empty = PreparedBatch::new(0, &[], false).unwrap();
-    let stream = group.stream(0).unwrap();
+    let streams = [group.stream(0).unwrap(), group.stream(1).unwrap()];
+    let scratch = DeviceBuffer::new(1, 4);
+    let spin = SpinKernel::load(1);
+    let busy = |device: usize| !gpu_common::stream_idle(device, streams[device]);
+    // Twice: the second call checks that the first left the departure counts where the kernel
+    // expects them for the next epoch.
+    for _ in 0..2 {
+        let epoch = rendezvous.next_epoch();
+        // Rank 0 launches; rank 1's launch "fails" while its stream is still busy with earlier work.
+        spin.launch(streams[1], 400, scratch.ptr, 1);
+        unsafe { empty.launch_synced(streams[0].as_ptr().cast(), rendezvous.rank(0), epoch) }.unwrap();
+        rendezvous.release(epoch, &[(1, streams[1].as_ptr().cast())]);
+        std::thread::sleep(std::time::Duration::from_millis(100));
+        assert!(busy(1), "rank 1's earlier work ended too soon for this test");
+        assert!(busy(0), "rank 0's launch was released before rank 1's stream reached the call");
+        cuda().sync_stream(1, streams[1]).unwrap();
+        cuda().sync_stream(0, streams[0]).unwrap();
+    }
+    // Then a call that both ranks launch meets and departs as usual: the counts the releases wrote
+    // are where rank 1's own launches continue them.
+    let batches = [empty, PreparedBatch::new(1, &[], false).unwrap()];
     let epoch = rendezvous.next_epoch();
-    // Rank 0 launches; rank 1 never does.
-    unsafe { empty.launch_synced(stream.as_ptr().cast(), rendezvous.rank(0), epoch) }.unwrap();
-    std::thread::sleep(std::time::Duration::from_millis(100));
-    cuda().bind(0).unwrap();
-    let waiting = unsafe { sys::cuStreamQuery(stream.as_ptr().cast()) };
-    assert_eq!(waiting, sys::CUresult::CUDA_ERROR_NOT_READY, "rank 0's launch did not wait for rank 1");
-    rendezvous.release(epoch, &[1]);
-    cuda().sync_stream(0, stream).unwrap();
-    println!("a launch waiting for a rank that never launched finished once released");
+    for (rank, batch) in batches.iter().enumerate() {
+        unsafe { batch.launch_synced(streams[rank].as_ptr().cast(), rendezvous.rank(rank), epoch) }.unwrap();
+    }
+    for (rank, stream) in streams.iter().enumerate() {
+        cuda().sync_stream(rank, *stream).unwrap();
+    }
+    println!("a launch waiting for a rank that never launched finished once that rank's stream got there");
 }
 
 #[test]

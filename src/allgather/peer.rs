@@ -127,7 +127,8 @@ unsafe fn synced_kernel_pushes(group: &Group, call: &Gather) -> Result<()> {
     for (p, batch) in per_rank.iter().enumerate() {
         let stream = group.streams()[p].as_ptr().cast();
         if let Err(err) = batch.launch_synced(stream, rendezvous.rank(p), epoch) {
-            let missing: Vec<usize> = (p..group.size()).collect();
+            let missing: Vec<_> =
+                (p..group.size()).map(|q| (q, group.streams()[q].as_ptr().cast())).collect();
             rendezvous.release(epoch, &missing);
             return Err(err);
         }

@@ -38,9 +38,9 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// NULL, receives the algorithm that ran.
 ///
 /// AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
-/// access (on 2 x H200, PEER moved 1.25-1.6x what NCCL's allgather moved from 1 MiB to 1 GiB per
-/// rank and took 60% of its host time per call; below 1 MiB NCCL's GPU time is shorter, see NOTES.md);
-/// otherwise NCCL when it loads, else PEER.
+/// access (on 2 x H200, PEER moved 1.34-1.69x what NCCL's allgather moved from 1 MiB to 1 GiB per
+/// rank and took at most 60% of its host time per call; below 1 MiB NCCL's GPU time is up to 12%
+/// shorter, see NOTES.md); otherwise NCCL when it loads, else PEER.
 ///
 /// Ordering: inside a scope (refit_group_enter) the work is queued on the group's streams and this
 /// returns without waiting; outside a scope it runs in an implicit scope on the legacy default streams
@@ -48,8 +48,9 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// r's stream has run, recv[r] holds every block and no rank reads send[r] any more: work queued
 /// after the call on rank r's stream may read recv[r] and overwrite send[r]. PEER with kernels waits on
 /// the GPU for every rank's launch, like NCCL: a rank's stream must not depend on work that another
-/// rank's stream only reaches after this call. Not for CUDA graph capture (each call's launches carry
-/// a fresh rendezvous epoch).
+/// rank's stream only reaches after this call. If one rank's launch fails, the call returns its error
+/// and the ranks that launched are released once the failed rank's stream reaches the call; recv is
+/// then undefined. Not for CUDA graph capture (each call's launches carry a fresh rendezvous epoch).
 ///
 /// Thread-safety: as the group's; not from a rank callback (use refit_group_allgather_rank there).
 ///

@@ -383,6 +383,13 @@ impl PreparedBatch {
         rendezvous: RankRendezvous,
         epoch: u64,
     ) -> Result<()> {
+        if u64::from(self.launch.blocks) >= super::rendezvous::DEPARTURE_UNITS {
+            crate::bail!(
+                Status::Unsupported,
+                "{} blocks are too many for a synchronized launch",
+                self.launch.blocks
+            );
+        }
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
         self.kernel.enqueue_entry(stream, &self.launch, Some((rendezvous, epoch)))

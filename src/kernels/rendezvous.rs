@@ -2,9 +2,9 @@
 //! `refit_batched_copy_synced` in batched_copy.cu): one flag block per rank in that rank's memory,
 //! written by its peers over NVLink, and an epoch that grows by one per synchronized call.
 //!
-//! Rank r's block is `2n + 1` u64 words: arrived[p] (word p), done[p] (word n + p), and the counter of
-//! the launch's finished blocks (word 2n). Each rank's device also holds the table of every rank's
-//! block address, which its kernel reads.
+//! Rank r's block is `2n` u64 words: arrived[p] (word p), the epoch of p's latest arrival, and
+//! departed[p] (word n + p), which each of p's launches raises by [`DEPARTURE_UNITS`]. Each rank's
+//! device also holds the table of every rank's block address, which its kernel reads.
 
 use super::batched_copy::BatchedCopy;
 use crate::backend::driver::{check, CurrentContext};
@@ -42,8 +42,12 @@ unsafe impl Send for Rendezvous {}
 unsafe impl Sync for Rendezvous {}
 
 fn words(ranks: usize) -> usize {
-    2 * ranks + 1
+    2 * ranks
 }
+
+/// What one launch adds to its departure count in every peer's block, split over its blocks; more
+/// than any grid has blocks. Must match `DEPARTURE_UNITS` in batched_copy.cu.
+pub const DEPARTURE_UNITS: u64 = 1 << 16;
 
 impl Rendezvous {
     /// Allocates and zeroes a flag block and a table on every device (`devices[r]` for rank r).
@@ -96,27 +100,75 @@ impl Rendezvous {
         RankRendezvous { table: self.ranks[rank].table, rank: rank as u32, ranks: self.ranks.len() as u32 }
     }
 
-    /// After a call of `epoch` failed to launch on the ranks in `missing`, lets the ranks that did
-    /// launch finish instead of waiting for them forever: writes `epoch` into the missing ranks'
-    /// arrived and done flags in every rank's block (synchronous copies, on no stream of the group).
-    /// What those launches copied from the missing ranks is undefined; the call reports its error.
-    pub fn release(&self, epoch: u64, missing: &[usize]) {
+    /// After a call of `epoch` failed to launch on the ranks in `missing` (each with its stream), lets
+    /// the ranks that did launch finish instead of waiting for them forever: each missing rank's stream
+    /// writes, in every other rank's block, the arrival and the departure count its launch would have
+    /// left. Stream-ordered, so the missing rank is released where its launch would have run, after
+    /// its earlier launches have added their own counts; where the stream takes no memory operation
+    /// (a broken context), the words are written from the host instead, at once. What the other
+    /// launches copied from the missing ranks is undefined; the call reports its error.
+    pub fn release(&self, epoch: u64, missing: &[(usize, sys::CUstream)]) {
         let n = self.ranks.len();
-        for rank in &self.ranks {
-            // SAFETY: a retained primary context.
-            let Ok(_current) = (unsafe { CurrentContext::enter(rank.kernel.context()) }) else { continue };
-            for &p in missing {
-                for word in [p, n + p] {
-                    let address = rank.block + 8 * word as u64;
-                    // SAFETY: a word of the block; `epoch` lives across the synchronous call.
-                    let result = unsafe { sys::cuMemcpyHtoD_v2(address, (&epoch as *const u64).cast(), 8) };
-                    if result != sys::CUresult::CUDA_SUCCESS {
-                        log::warn!("releasing a rendezvous flag failed: {result:?}");
-                    }
-                }
+        for &(p, stream) in missing {
+            // (owner of the block, address, value)
+            let words: Vec<(usize, u64, u64)> = (0..n)
+                .filter(|&q| q != p)
+                .flat_map(|q| {
+                    let block = self.ranks[q].block;
+                    [
+                        (q, block + 8 * p as u64, epoch),
+                        (q, block + 8 * (n + p) as u64, epoch * DEPARTURE_UNITS),
+                    ]
+                })
+                .collect();
+            // SAFETY: a retained primary context; every address is a word of a live flag block.
+            let queued = unsafe { CurrentContext::enter(self.ranks[p].kernel.context()) }
+                .and_then(|_current| unsafe { write_on_stream(stream, &words) });
+            if let Err(err) = queued {
+                log::warn!(
+                    "releasing rank {p} on its stream failed ({err}); writing its flags from the host"
+                );
+                self.write_from_host(&words);
             }
         }
     }
+
+    fn write_from_host(&self, words: &[(usize, u64, u64)]) {
+        for &(owner, address, value) in words {
+            // SAFETY: a retained primary context.
+            let Ok(_current) = (unsafe { CurrentContext::enter(self.ranks[owner].kernel.context()) }) else {
+                continue;
+            };
+            // SAFETY: a word of the owner's live flag block; `value` lives across the synchronous copy.
+            let result = unsafe { sys::cuMemcpyHtoD_v2(address, (&value as *const u64).cast(), 8) };
+            if result != sys::CUresult::CUDA_SUCCESS {
+                log::warn!("releasing a rendezvous flag failed: {result:?}");
+            }
+        }
+    }
+}
+
+/// Queues one write of `value` at each `address` on `stream`, in one batch of stream memory operations
+/// (each with the default memory barrier: the stream's earlier writes are visible first).
+///
+/// # Safety
+/// `stream` belongs to the current context; every address is device memory it may write.
+unsafe fn write_on_stream(stream: sys::CUstream, words: &[(usize, u64, u64)]) -> Result<()> {
+    let mut ops: Vec<sys::CUstreamBatchMemOpParams> = words
+        .iter()
+        .map(|&(_, address, value)| {
+            // SAFETY: a plain C union of plain data; zero is a valid value of every member.
+            let mut op: sys::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
+            op.writeValue.operation = sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64;
+            op.writeValue.address = address;
+            op.writeValue.__bindgen_anon_1.value64 = value;
+            op
+        })
+        .collect();
+    // SAFETY: the caller's promise; `ops` lives across the call, which copies it.
+    check("cuStreamBatchMemOp(rendezvous release)", unsafe {
+        sys::cuStreamBatchMemOp_v2(stream, ops.len() as u32, ops.as_mut_ptr(), 0)
+    })
 }
 
 impl Drop for Rendezvous {
@@ -133,5 +185,16 @@ impl Drop for Rendezvous {
                 log::warn!("freeing rendezvous flags: {err}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_counts_departures_in_the_same_units() {
+        let define = format!("#define DEPARTURE_UNITS {DEPARTURE_UNITS}ull");
+        assert!(super::super::batched_copy::SOURCE.contains(&define), "batched_copy.cu lacks `{define}`");
     }
 }
