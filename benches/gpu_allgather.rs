@@ -5,7 +5,9 @@
 //! 64 KiB .. 1 GiB; the copy-engine ceiling of the topology for each G (every GPU pulling, and every
 //! GPU pushing, every peer block at once); the copy-engine probe both ways at once on non-blocking
 //! streams versus the legacy null streams; host time per call for tiny buffers and the host cost of
-//! each driver call that time is made of. Markdown tables on stdout, JSON in
+//! each driver call that time is made of; and a loop of calls timed by the wall clock (host issue and
+//! GPU time together) for the whole-group PEER call, the per-rank call inside `Group::run` (PEER and
+//! NCCL) and direct NCCL. Markdown tables on stdout, JSON in
 //! `$REFIT_BENCH_RESULTS/gpu_allgather.json` (default `benches/results/`).
 //!
 //! Timing: every measured stream first runs a short spin kernel (a gate), so that the host has queued
@@ -22,7 +24,7 @@ mod gpu_common;
 use cudarc::driver::sys;
 use gpu_common::{ck, cuda, DeviceBuffer, SpinKernel};
 use refit::allgather::peer::{method_for, peer_tile_shift, PeerMethod};
-use refit::allgather::{allgather, Algorithm};
+use refit::allgather::{allgather, allgather_rank, Algorithm};
 use refit::backend::nccl::{nccl, Communicators};
 use refit::backend::{Backend, Stream};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
@@ -40,6 +42,8 @@ const WARMUP: usize = 2;
 const REPS: usize = 5;
 const TINY: usize = 256;
 const HOST_CALLS: usize = 2000;
+/// Per-rank sizes at which the per-rank collective (inside `Group::run`) is timed against the rest.
+const PER_RANK_SIZES: [usize; 5] = [TINY, MIB / 16, MIB, 16 * MIB, 64 * MIB];
 
 /// A timing event pair on one stream.
 struct Timer {
@@ -188,6 +192,55 @@ struct Row {
     synced_pulls: f64,
     /// Copy-engine ceilings, all pulling and all pushing.
     ceiling: Option<(f64, f64)>,
+}
+
+/// Wall-clock us per call, G ranks, one size: what a host-driven loop of calls costs (host issue and
+/// GPU time together).
+struct LoopRow {
+    g: usize,
+    size: usize,
+    whole_group_peer: f64,
+    per_rank_peer: f64,
+    per_rank_nccl: f64,
+    direct_nccl: f64,
+}
+
+/// Median over REPS of the wall-clock us per call of `calls` calls, each rep after a warm-up call:
+/// `issue(calls)` queues them and `drain` waits for the GPUs.
+fn loop_us(calls: usize, drain: &dyn Fn(), issue: &mut dyn FnMut(usize)) -> f64 {
+    let mut samples = Vec::with_capacity(REPS);
+    for _ in 0..REPS {
+        issue(1);
+        drain();
+        let started = Instant::now();
+        issue(calls);
+        drain();
+        samples.push(started.elapsed().as_secs_f64() * 1e6 / calls as f64);
+    }
+    median(samples)
+}
+
+/// The per-rank collective in a loop: one `Group::run` whose every rank's callback makes `calls`
+/// calls of `allgather_rank`, as a rank-threaded framework would (the seed's
+/// `DeviceGroup.allgather(rank, local)`).
+fn per_rank_loop(
+    group: &Group,
+    sends: &[u64],
+    recvs: &[u64],
+    counts: &[usize],
+    algorithm: Algorithm,
+    calls: usize,
+) {
+    group
+        .run(&|rank, _stream| {
+            for _ in 0..calls {
+                let ran =
+                    unsafe { allgather_rank(group, rank, sends[rank], recvs[rank], counts, algorithm) }?;
+                assert_eq!(ran, algorithm);
+            }
+            Ok(())
+        })
+        .unwrap();
 }
 
 struct HostRow {
@@ -510,6 +563,7 @@ fn main() {
     let gates = Gates::new(count);
     let mut rows = Vec::new();
     let mut host_rows = Vec::new();
+    let mut loop_rows = Vec::new();
     let mut probes = Vec::new();
     let mut peer_matrix = String::new();
     let mut call_costs = Vec::new();
@@ -621,6 +675,35 @@ fn main() {
         if g == 2 {
             call_costs = driver_call_costs(&group, &send_ptrs, &recv_ptrs);
         }
+        for &size in &PER_RANK_SIZES {
+            let counts = vec![size; g];
+            let calls = (256 * MIB / (g * size)).clamp(10, 1000);
+            let drain = || group.synchronize().unwrap();
+            let whole_group_peer = loop_us(calls, &drain, &mut |k| {
+                group.enter(None).unwrap();
+                for _ in 0..k {
+                    unsafe { allgather(&group, &send_ptrs, &recv_ptrs, &counts, Algorithm::Peer) }.unwrap();
+                }
+                group.exit(ExitMode::Async).unwrap();
+            });
+            let per_rank = |algorithm| {
+                loop_us(calls, &drain, &mut |k| {
+                    per_rank_loop(&group, &send_ptrs, &recv_ptrs, &counts, algorithm, k)
+                })
+            };
+            let (per_rank_peer, per_rank_nccl) = (per_rank(Algorithm::Peer), per_rank(Algorithm::Nccl));
+            let drain_direct = || {
+                for (r, s) in direct.streams.iter().enumerate() {
+                    backend.sync_stream(r, *s).unwrap();
+                }
+            };
+            let direct_nccl = loop_us(calls, &drain_direct, &mut |k| {
+                for _ in 0..k {
+                    direct.issue(&send_ptrs, &recv_ptrs, size);
+                }
+            });
+            loop_rows.push(LoopRow { g, size, whole_group_peer, per_rank_peer, per_rank_nccl, direct_nccl });
+        }
     }
 
     println!("\n## Allgather: GB/s received per GPU ((G-1) x size / time; G=1: own block copy)\n");
@@ -667,6 +750,16 @@ fn main() {
     println!("|---|---|---|---|");
     for h in &host_rows {
         println!("| {} | {} | {:.2} | {:.2} |", h.g, h.path, h.median_us, h.p90_us);
+    }
+
+    println!("\n## A loop of calls, wall clock (us per call: host issue and GPU time together)\n");
+    println!("| G | per-rank size | refit peer, whole group | refit peer, per rank (group_run) | refit NCCL, per rank (group_run) | direct ncclAllGather |");
+    println!("|---|---|---|---|---|---|");
+    for l in &loop_rows {
+        println!(
+            "| {} | {} B | {:.2} | {:.2} | {:.2} | {:.2} |",
+            l.g, l.size, l.whole_group_peer, l.per_rank_peer, l.per_rank_nccl, l.direct_nccl
+        );
     }
 
     if !call_costs.is_empty() {
@@ -728,6 +821,20 @@ fn main() {
             json_string(h.path),
             h.median_us,
             h.p90_us
+        );
+    }
+    json.push_str("],\"loop_us_per_call\":[");
+    for (i, l) in loop_rows.iter().enumerate() {
+        let _ = write!(
+            json,
+            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer_whole_group\":{:.3},\"refit_peer_per_rank\":{:.3},\"refit_nccl_per_rank\":{:.3},\"direct_nccl\":{:.3}}}",
+            if i > 0 { "," } else { "" },
+            l.g,
+            l.size,
+            l.whole_group_peer,
+            l.per_rank_peer,
+            l.per_rank_nccl,
+            l.direct_nccl
         );
     }
     json.push_str("],\"driver_call_us\":[");

@@ -241,9 +241,25 @@ fn every_peer_method_is_byte_exact() {
                     }
                     group.exit(ExitMode::Async).unwrap();
                     case.check(&format!("{method:?} G={size} counts {counts:?} in_place {in_place}"));
+                    // The per-rank call, each rank's share of the same method.
+                    let case = Case::new(&counts, 5, in_place);
+                    group
+                        .run(&|rank, _| {
+                            for _ in 0..3 {
+                                let (send, recv) = (case.send_ptr(rank), case.recvs[rank].ptr);
+                                unsafe {
+                                    allgather_rank(&group, rank, send, recv, &counts, Algorithm::Peer)
+                                }?;
+                            }
+                            Ok(())
+                        })
+                        .unwrap();
+                    case.check(&format!(
+                        "per-rank {method:?} G={size} counts {counts:?} in_place {in_place}"
+                    ));
                 }
             }
-            println!("G={size} {method:?}: byte-exact");
+            println!("G={size} {method:?}: byte-exact, whole-group and per-rank");
         }
         group.set_peer_method(None);
     }
@@ -351,5 +367,34 @@ fn a_hundred_calls_in_one_scope_switching_methods_buffers_and_sizes() {
             case.check(&format!("G={size} call {call}"));
         }
         println!("G={size}: 100 calls in one scope, methods and buffers switching, all exact");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn a_hundred_per_rank_calls_in_one_run_switching_buffers_and_sizes() {
+    for size in group_sizes().into_iter().filter(|&g| g > 1) {
+        let group = gpu_group(size);
+        // As above, for the per-rank call: sizes on both sides of the method threshold, so that
+        // rendezvous epochs and event-ordered calls alternate within one run.
+        let cases: Vec<Case> = (0..100)
+            .map(|call| {
+                let bytes = [4096 + 16 * call, 3 << 20, 17 << 20][call % 3];
+                Case::new(&vec![bytes; size], call + 8000, call % 4 == 3)
+            })
+            .collect();
+        group
+            .run(&|rank, _| {
+                for case in &cases {
+                    let (send, recv) = (case.send_ptr(rank), case.recvs[rank].ptr);
+                    unsafe { allgather_rank(&group, rank, send, recv, &case.counts, Algorithm::Peer) }?;
+                }
+                Ok(())
+            })
+            .unwrap();
+        for (call, case) in cases.iter().enumerate() {
+            case.check(&format!("per-rank G={size} call {call}"));
+        }
+        println!("G={size}: 100 per-rank calls in one run, buffers and sizes switching, all exact");
     }
 }

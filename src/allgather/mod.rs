@@ -7,10 +7,11 @@
 //! Algorithms:
 //! - `Peer`: each GPU copies its block into every rank's buffer directly. The whole-group call picks
 //!   one of two methods by block size (`peer`): kernel pushes whose launches meet through flags in
-//!   device memory, or copy-engine pushes on lanes ordered by events. The per-rank call pushes its
-//!   own block into every rank's slot on its stream: it records `ready` (its earlier work done),
-//!   meets the other ranks at a barrier, waits for their `ready`, pushes, records `done`, meets them
-//!   again and waits for every pusher's `done`.
+//!   device memory, or copy-engine pushes on lanes ordered by events. The per-rank call is each
+//!   rank's share of the same: the ranks meet once on the host to learn each other's buffers (and,
+//!   for kernel pushes, to agree on the call's rendezvous epoch), then each launches its own kernel
+//!   or queues its own lanes; the event-ordered methods meet once more so that every event waited
+//!   on has been recorded.
 //! - `Nccl`: equal counts use `ncclAllGather` (byte type), uneven counts use `ncclSend`/`ncclRecv`
 //!   pairs inside one `ncclGroupStart/End` (no padding, so no extra bytes moved) plus a local copy of the
 //!   own block. Communicators are created on first use with `ncclCommInitAll` and kept on the group.
@@ -352,40 +353,37 @@ pub unsafe fn allgather_rank(
     let backend = group.backend();
     let device = group.devices()[rank];
     let stream = group.streams()[rank];
-    match algorithm {
-        Algorithm::Peer => backend.record(device, state.ready[rank], stream)?,
-        Algorithm::Host => backend.sync_stream(device, stream)?,
+    let n = group.size();
+    let peer_method =
+        (algorithm == Algorithm::Peer).then(|| peer::method_for(group, layout.total / n as u64));
+    match (algorithm, peer_method) {
+        (Algorithm::Peer, Some(method)) => peer::before_meeting(group, rank, method)?,
+        (Algorithm::Host, _) => backend.sync_stream(device, stream)?,
         _ => {}
     }
-    group.barrier().wait()?;
-    let peers = published(group, slots, rank, counts, requested)?;
+    // Kernel pushes on the GPUs need one rendezvous epoch for the call, the same on every rank; every
+    // rank then launches for it or releases it (peer::rank_share), so no epoch is skipped.
+    let meets_on_gpu = layout.total > 0 && peer_method.is_some_and(|m| peer::meets_on_gpu(group, m));
+    let epoch = group.barrier().wait_then(|| match (meets_on_gpu, group.rendezvous()) {
+        (true, Ok(rendezvous)) => rendezvous.next_epoch(),
+        _ => 0,
+    })?;
+    let release_epoch = || {
+        if let (true, Ok(rendezvous)) = (meets_on_gpu && epoch > 0, group.rendezvous()) {
+            rendezvous.release(epoch, &[(rank, stream.as_ptr().cast())]);
+        }
+    };
+    let peers = published(group, slots, rank, counts, requested).inspect_err(|_| release_epoch())?;
     if layout.total == 0 {
         return Ok(algorithm);
     }
     match algorithm {
         Algorithm::Peer => {
-            // Push: this rank's stream copies its block into every rank's slot, once each receiver's
-            // stream is ready (its earlier work on recv done); each receiver then waits for every
-            // pusher. The send buffer is read on its owner's stream only.
-            let n = peers.len();
-            if counts[rank] > 0 {
-                for r in (0..n).filter(|&r| r != rank) {
-                    backend.wait(device, stream, state.ready[r])?;
-                }
-            }
-            let mut segments = Vec::with_capacity(n);
-            for r in peer::push_order(rank, n).chain([rank]).filter(|_| counts[rank] > 0) {
-                let dst = peers[r].recv + layout.offsets[rank];
-                if send != dst {
-                    segments.push(Segment::contiguous(send, dst, counts[rank] as u64));
-                }
-            }
-            backend.copy_segments(device, stream, &segments)?;
-            backend.record(device, state.done[rank], stream)?;
-            group.barrier().wait()?;
-            for p in (0..n).filter(|&p| p != rank && counts[p] > 0) {
-                backend.wait(device, stream, state.done[p])?;
-            }
+            let send: Vec<u64> = peers.iter().map(|p| p.send).collect();
+            let recv: Vec<u64> = peers.iter().map(|p| p.recv).collect();
+            let call = Gather { send: &send, recv: &recv, counts, layout };
+            let method = peer_method.expect("decided for Peer");
+            peer::rank_share(group, &call, rank, method, epoch)?;
         }
         Algorithm::Nccl => {
             let lib = nccl()?;

@@ -34,7 +34,7 @@ use crate::error::Result;
 use crate::group::Group;
 use crate::kernels::{BatchedCopy, PreparedBatch};
 use crate::segment::Segment;
-use std::sync::MutexGuard;
+use std::sync::Arc;
 
 /// How a whole-group peer allgather moves its blocks (see the module docs).
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -103,28 +103,96 @@ pub(super) unsafe fn allgather(group: &Group, call: &Gather) -> Result<PeerMetho
     let method = method_for(group, call.layout.total / group.size() as u64);
     // A reshard execution may have left cross-rank reads unjoined (Group::join_if_pending).
     group.join_if_pending()?;
+    let (backend, devices, streams, state) =
+        (group.backend(), group.devices(), group.streams(), &group.collective);
+    let ranks = 0..group.size();
+    if meets_on_gpu(group, method) {
+        synced_kernel_pushes(group, call)?;
+        return Ok(method);
+    }
+    for r in ranks.clone().filter(|_| group.size() > 1) {
+        backend.record(devices[r], state.ready[r], streams[r])?;
+    }
     match method {
-        PeerMethod::KernelPushes if group.backend_kind() == BackendKind::Cuda => {
-            synced_kernel_pushes(group, call)?
+        PeerMethod::KernelPushes => {
+            for p in ranks.clone() {
+                event_ordered_push(group, call, p)?;
+            }
+            for r in ranks {
+                wait_for_event_ordered_pushers(group, r)?;
+            }
         }
-        PeerMethod::KernelPushes => event_ordered_pushes(group, call)?,
-        PeerMethod::CopyEnginePushes => copy_engine_push(group, call)?,
+        PeerMethod::CopyEnginePushes => {
+            let own = own_block_batches(group, call)?;
+            for p in ranks.clone() {
+                lane_pushes(group, call, p, own.as_deref())?;
+            }
+            for r in ranks {
+                wait_for_lane_pushers(group, call, r)?;
+            }
+        }
     }
     Ok(method)
+}
+
+/// Whether `method`'s pushes meet on the GPUs through the rendezvous (kernel pushes on CUDA) rather
+/// than through stream events (everything else).
+pub(super) fn meets_on_gpu(group: &Group, method: PeerMethod) -> bool {
+    method == PeerMethod::KernelPushes && group.backend_kind() == BackendKind::Cuda
+}
+
+/// A per-rank peer allgather's first step, before the ranks meet on the host: when the pushes are
+/// ordered by events, rank `rank` records `ready` (its earlier work done) for its pushers to wait on.
+///
+/// # Safety
+/// The group's streams and events are live (always, for a live group).
+pub(super) unsafe fn before_meeting(group: &Group, rank: usize, method: PeerMethod) -> Result<()> {
+    if meets_on_gpu(group, method) || group.size() == 1 {
+        return Ok(());
+    }
+    let state = &group.collective;
+    group.backend().record(group.devices()[rank], state.ready[rank], group.streams()[rank])
+}
+
+/// Rank `rank`'s share of a per-rank peer allgather, once every rank has published its buffers
+/// (`call`) and recorded what [`before_meeting`] records. `epoch`: the call's rendezvous epoch when
+/// [`meets_on_gpu`], agreed on by every rank; if this rank cannot launch for it, it releases the
+/// others on its stream. The event-ordered methods meet the other ranks once more on the host
+/// (their events must be recorded before anyone waits on them).
+///
+/// # Safety
+/// As for [`super::allgather_rank`].
+pub(super) unsafe fn rank_share(
+    group: &Group,
+    call: &Gather,
+    rank: usize,
+    method: PeerMethod,
+    epoch: u64,
+) -> Result<()> {
+    match method {
+        PeerMethod::KernelPushes if meets_on_gpu(group, method) => {
+            launch_synced_pushes(group, call, rank, epoch)
+        }
+        PeerMethod::KernelPushes => {
+            event_ordered_push(group, call, rank)?;
+            group.barrier().wait()?;
+            wait_for_event_ordered_pushers(group, rank)
+        }
+        PeerMethod::CopyEnginePushes => {
+            let own = own_block_batches(group, call)?;
+            lane_pushes(group, call, rank, own.as_deref())?;
+            group.barrier().wait()?;
+            wait_for_lane_pushers(group, call, rank)
+        }
+    }
 }
 
 /// Every rank's pushes as one group-synchronized launch on its stream (CUDA, direct peer access).
 unsafe fn synced_kernel_pushes(group: &Group, call: &Gather) -> Result<()> {
     let rendezvous = group.rendezvous()?;
-    // Held until every rank has launched: one call's epoch and launches at a time.
-    let prepared = prepared(group, call, PeerMethod::KernelPushes, |p| {
-        let segments = rank_pushes(call, p);
-        let bytes = segments.iter().map(|s| s.len).sum();
-        PreparedBatch::tuned(group.devices()[p] as i32, &segments, false, peer_tile_shift(bytes), 0)
-    })?;
-    let per_rank = &prepared.as_ref().expect("prepared").per_rank;
+    let batches = prepared(group, call, PeerMethod::KernelPushes, |p| push_batch(group, call, p))?;
     let epoch = rendezvous.next_epoch();
-    for (p, batch) in per_rank.iter().enumerate() {
+    for (p, batch) in batches.iter().enumerate() {
         let stream = group.streams()[p].as_ptr().cast();
         if let Err(err) = batch.launch_synced(stream, rendezvous.rank(p), epoch) {
             let missing: Vec<_> =
@@ -136,109 +204,125 @@ unsafe fn synced_kernel_pushes(group: &Group, call: &Gather) -> Result<()> {
     Ok(())
 }
 
-/// Kernel pushes with events in place of the rendezvous (the host backend): every rank records
-/// `ready` and waits for every other's (its receivers), pushes on its stream and records `done`;
-/// every rank then waits for every other's `done` (its pushers).
-unsafe fn event_ordered_pushes(group: &Group, call: &Gather) -> Result<()> {
-    let (backend, devices, streams, state) =
-        (group.backend(), group.devices(), group.streams(), &group.collective);
-    let n = group.size();
-    let others = |r: usize| (0..n).filter(move |&q| q != r);
-    for r in 0..n {
-        backend.record(devices[r], state.ready[r], streams[r])?;
-    }
-    for (p, segments) in pushes(call).into_iter().enumerate() {
-        for r in others(p) {
-            backend.wait(devices[p], streams[p], state.ready[r])?;
+/// Rank `rank`'s pushes as its part of the group-synchronized launch of `epoch`. Any failure releases
+/// the other ranks' launches on this rank's stream, so that none waits for this one forever.
+unsafe fn launch_synced_pushes(group: &Group, call: &Gather, rank: usize, epoch: u64) -> Result<()> {
+    let stream = group.streams()[rank].as_ptr().cast();
+    let launched = group.rendezvous().and_then(|rendezvous| {
+        let batches = prepared(group, call, PeerMethod::KernelPushes, |p| push_batch(group, call, p))?;
+        batches[rank].launch_synced(stream, rendezvous.rank(rank), epoch)
+    });
+    if launched.is_err() {
+        if let Ok(rendezvous) = group.rendezvous() {
+            rendezvous.release(epoch, &[(rank, stream)]);
         }
-        backend.copy_segments(devices[p], streams[p], &segments)?;
-        backend.record(devices[p], state.done[p], streams[p])?;
     }
-    for r in 0..n {
-        for p in others(r) {
-            backend.wait(devices[r], streams[r], state.done[p])?;
+    launched
+}
+
+/// Rank `p`'s pushes for the batched kernel, tiled for a copy between GPUs.
+fn push_batch(group: &Group, call: &Gather, p: usize) -> Result<PreparedBatch> {
+    let segments = rank_pushes(call, p);
+    let bytes = segments.iter().map(|s| s.len).sum();
+    PreparedBatch::tuned(group.devices()[p] as i32, &segments, false, peer_tile_shift(bytes), 0)
+}
+
+/// Rank `p`'s kernel pushes ordered by events (the host backend, whose "kernels" are queued copies):
+/// on its stream, it waits for every other rank's `ready` (its receivers), pushes, and records `done`.
+unsafe fn event_ordered_push(group: &Group, call: &Gather, p: usize) -> Result<()> {
+    let (backend, device, stream, state) =
+        (group.backend(), group.devices()[p], group.streams()[p], &group.collective);
+    for r in (0..group.size()).filter(|&r| r != p) {
+        backend.wait(device, stream, state.ready[r])?;
+    }
+    backend.copy_segments(device, stream, &rank_pushes(call, p))?;
+    backend.record(device, state.done[p], stream)
+}
+
+/// Rank `r`'s stream waits for every other rank's `done` (its pushers, see [`event_ordered_push`]).
+unsafe fn wait_for_event_ordered_pushers(group: &Group, r: usize) -> Result<()> {
+    let state = &group.collective;
+    for p in (0..group.size()).filter(|&p| p != r) {
+        group.backend().wait(group.devices()[r], group.streams()[r], state.done[p])?;
+    }
+    Ok(())
+}
+
+/// Rank `p`'s copy-engine pushes, once every rank has recorded `ready`: its lane k waits for p's and
+/// its destination's `ready`, copies p's block into rank (p + k + 1) mod G, and records
+/// `joined[p][k]`. p's stream copies its own block meanwhile (`own`: see [`own_block_batches`]), then
+/// waits for its lanes (they read its send buffer). A single rank only copies its own block.
+unsafe fn lane_pushes(
+    group: &Group,
+    call: &Gather,
+    p: usize,
+    own: Option<&[Arc<PreparedBatch>]>,
+) -> Result<()> {
+    let (backend, device, stream, state) =
+        (group.backend(), group.devices()[p], group.streams()[p], &group.collective);
+    let n = group.size();
+    if call.counts[p] == 0 {
+        return Ok(());
+    }
+    if n > 1 {
+        let guard = group.lanes()?;
+        let lanes = guard.as_ref().expect("created by Group::lanes");
+        for (lane, r) in push_order(p, n).enumerate() {
+            let lane_stream = lanes.streams[p][lane];
+            backend.wait(device, lane_stream, state.ready[p])?;
+            backend.wait(device, lane_stream, state.ready[r])?;
+            let block = call.block_into(p, r).expect("a non-empty block into another rank's buffer");
+            backend.copy_segments(device, lane_stream, &[block])?;
+            backend.record(device, lanes.joined[p][lane], lane_stream)?;
+        }
+    }
+    match own {
+        Some(batches) => batches[p].launch(stream.as_ptr().cast())?,
+        None => call.block_into(p, p).map_or(Ok(()), |b| backend.copy_segments(device, stream, &[b]))?,
+    }
+    if n > 1 {
+        let guard = group.lanes()?;
+        let lanes = guard.as_ref().expect("created by Group::lanes");
+        for joined in &lanes.joined[p][..n - 1] {
+            backend.wait(device, stream, *joined)?;
         }
     }
     Ok(())
 }
 
-/// Every rank records `ready`; rank p's lane k waits for p's and its destination's `ready`, copies
-/// p's block into rank (p + k + 1) mod G, and records `joined[p][k]`. Each rank's stream copies its
-/// own block meanwhile, then waits for its own lanes (they read its send buffer) and for the lanes
-/// that wrote into it: the call leaves every stream joined.
-unsafe fn copy_engine_push(group: &Group, call: &Gather) -> Result<()> {
-    let (backend, devices, streams, state) =
-        (group.backend(), group.devices(), group.streams(), &group.collective);
+/// Rank `r`'s stream waits for the lanes that wrote into its buffer (see [`lane_pushes`]).
+unsafe fn wait_for_lane_pushers(group: &Group, call: &Gather, r: usize) -> Result<()> {
     let n = group.size();
     if n == 1 {
-        return call.block_into(0, 0).map_or(Ok(()), |b| backend.copy_segments(devices[0], streams[0], &[b]));
-    }
-    let own_copies = OwnBlockCopies::new(group, call)?;
-    for r in 0..n {
-        backend.record(devices[r], state.ready[r], streams[r])?;
+        return Ok(());
     }
     let guard = group.lanes()?;
     let lanes = guard.as_ref().expect("created by Group::lanes");
-    let pushers = |r: usize| (0..n).filter(move |&p| p != r && call.counts[p] > 0);
-    for p in (0..n).filter(|&p| call.counts[p] > 0) {
-        for (lane, r) in push_order(p, n).enumerate() {
-            let stream = lanes.streams[p][lane];
-            backend.wait(devices[p], stream, state.ready[p])?;
-            backend.wait(devices[p], stream, state.ready[r])?;
-            let block = call.block_into(p, r).expect("a non-empty block into another rank's buffer");
-            backend.copy_segments(devices[p], stream, &[block])?;
-            backend.record(devices[p], lanes.joined[p][lane], stream)?;
-        }
-        own_copies.enqueue(call, p)?;
-        for joined in &lanes.joined[p][..n - 1] {
-            backend.wait(devices[p], streams[p], *joined)?;
-        }
-    }
-    for r in 0..n {
-        for p in pushers(r) {
-            backend.wait(devices[r], streams[r], lanes.joined[p][push_lane(p, r, n)])?;
-        }
+    for p in (0..n).filter(|&p| p != r && call.counts[p] > 0) {
+        group.backend().wait(group.devices()[r], group.streams()[r], lanes.joined[p][push_lane(p, r, n)])?;
     }
     Ok(())
 }
 
-/// Each rank's copy of its own block into its own buffer, beside its copy-engine pushes.
+/// Every rank's copy of its own block into its own buffer beside its copy-engine pushes, as kernels
+/// on a few blocks; None where the copy engine copies it (the host backend, or no kernel, or a single
+/// rank, which has no pushes to stay out of the way of).
 ///
-/// On CUDA, when the kernel runs, a kernel on a few blocks: at full speed a local copy (about 2 TB/s
-/// on an H200) takes a fifth of the time the pushes take over NVLink and saturates the GPU's memory
-/// while it runs, which slows the pushes' reads and the peers' writes; throttled to
-/// [`OWN_COPY_BLOCKS`] blocks it runs alongside the pushes for most of their time instead. Elsewhere
-/// a plain copy.
-struct OwnBlockCopies<'g> {
-    group: &'g Group,
-    /// CUDA: every rank's throttled copy, prepared; None on the host backend.
-    kernels: Option<MutexGuard<'g, Option<PreparedCall>>>,
-}
-
-impl<'g> OwnBlockCopies<'g> {
-    fn new(group: &'g Group, call: &Gather) -> Result<OwnBlockCopies<'g>> {
-        let kernels = (group.backend_kind() == BackendKind::Cuda && kernels_run(group))
-            .then(|| {
-                prepared(group, call, PeerMethod::CopyEnginePushes, |p| {
-                    let own: Vec<Segment> = call.block_into(p, p).into_iter().collect();
-                    let mut batch = PreparedBatch::new(group.devices()[p] as i32, &own, false)?;
-                    batch.limit_blocks(OWN_COPY_BLOCKS);
-                    Ok(batch)
-                })
-            })
-            .transpose()?;
-        Ok(OwnBlockCopies { group, kernels })
+/// At full speed a local copy (about 2 TB/s on an H200) takes a fifth of the time the pushes take
+/// over NVLink and saturates the GPU's memory while it runs, which slows the pushes' reads and the
+/// peers' writes; throttled to [`OWN_COPY_BLOCKS`] blocks it runs alongside the pushes for most of
+/// their time instead.
+fn own_block_batches(group: &Group, call: &Gather) -> Result<Option<Vec<Arc<PreparedBatch>>>> {
+    if group.size() == 1 || group.backend_kind() != BackendKind::Cuda || !kernels_run(group) {
+        return Ok(None);
     }
-
-    /// Queues rank `p`'s own-block copy on its stream (nothing when the block is empty or in place).
-    unsafe fn enqueue(&self, call: &Gather, p: usize) -> Result<()> {
-        let (backend, device, stream) =
-            (self.group.backend(), self.group.devices()[p], self.group.streams()[p]);
-        match &self.kernels {
-            Some(prepared) => prepared.as_ref().expect("prepared").per_rank[p].launch(stream.as_ptr().cast()),
-            None => call.block_into(p, p).map_or(Ok(()), |b| backend.copy_segments(device, stream, &[b])),
-        }
-    }
+    prepared(group, call, PeerMethod::CopyEnginePushes, |p| {
+        let own: Vec<Segment> = call.block_into(p, p).into_iter().collect();
+        let mut batch = PreparedBatch::new(group.devices()[p] as i32, &own, false)?;
+        batch.limit_blocks(OWN_COPY_BLOCKS);
+        Ok(batch)
+    })
+    .map(Some)
 }
 
 /// Every rank's prepared kernel batch for the last peer call of one method (kernel pushes: its
@@ -249,7 +333,7 @@ pub(crate) struct PreparedCall {
     send: Vec<u64>,
     recv: Vec<u64>,
     counts: Vec<usize>,
-    per_rank: Vec<PreparedBatch>,
+    per_rank: Vec<Arc<PreparedBatch>>,
 }
 
 impl PreparedCall {
@@ -261,27 +345,29 @@ impl PreparedCall {
     }
 }
 
-/// The group's prepared batches for `call` under `method`: the last call's when they match, else
-/// `build(rank)` for every rank. The guard serializes the calls that launch them.
-fn prepared<'g>(
-    group: &'g Group,
+/// The group's prepared batches for `call` under `method`, one per rank: the last call's when they
+/// match, else `build(rank)` for every rank. Shared, so that a rank thread may launch its batch after
+/// another has replaced the cache (a batch frees its descriptors when its last holder drops it).
+fn prepared(
+    group: &Group,
     call: &Gather,
     method: PeerMethod,
     build: impl Fn(usize) -> Result<PreparedBatch>,
-) -> Result<MutexGuard<'g, Option<PreparedCall>>> {
+) -> Result<Vec<Arc<PreparedBatch>>> {
     let mut cached = group.collective.prepared.lock().unwrap_or_else(|p| p.into_inner());
-    if !cached.as_ref().is_some_and(|c| c.matches(method, call)) {
-        *cached = None; // free the old descriptors first
-        let per_rank = (0..group.size()).map(build).collect::<Result<Vec<_>>>()?;
-        *cached = Some(PreparedCall {
-            method,
-            send: call.send.to_vec(),
-            recv: call.recv.to_vec(),
-            counts: call.counts.to_vec(),
-            per_rank,
-        });
+    if let Some(hit) = cached.as_ref().filter(|c| c.matches(method, call)) {
+        return Ok(hit.per_rank.clone());
     }
-    Ok(cached)
+    *cached = None; // free the old descriptors first
+    let per_rank = (0..group.size()).map(|p| build(p).map(Arc::new)).collect::<Result<Vec<_>>>()?;
+    *cached = Some(PreparedCall {
+        method,
+        send: call.send.to_vec(),
+        recv: call.recv.to_vec(),
+        counts: call.counts.to_vec(),
+        per_rank: per_rank.clone(),
+    });
+    Ok(per_rank)
 }
 
 /// Tile size (log2 bytes) for `bytes` of copies between GPUs: the kernel's default 8 KiB tiles, down
@@ -293,13 +379,8 @@ pub fn peer_tile_shift(bytes: u64) -> u32 {
     (63 - per_tile.leading_zeros()).clamp(10, 13)
 }
 
-/// What each rank pushes, indexed by the pushing rank: its block into every rank's slot, in
-/// [`push_order`] with its own slot last, unless the block is empty or already in place.
-fn pushes(call: &Gather) -> Vec<Vec<Segment>> {
-    (0..call.ranks()).map(|p| rank_pushes(call, p)).collect()
-}
-
-/// What rank `p` pushes (see [`pushes`]).
+/// What rank `p` pushes: its block into every rank's slot, in [`push_order`] with its own slot last,
+/// unless the block is empty or already in place.
 fn rank_pushes(call: &Gather, p: usize) -> Vec<Segment> {
     push_order(p, call.ranks()).chain([p]).filter_map(|r| call.block_into(p, r)).collect()
 }
@@ -346,7 +427,7 @@ mod tests {
         let call =
             Gather { send: &[100, 200, 3000 + 10], recv: &[1000, 2000, 3000], counts: &counts, layout };
         let got: Vec<Vec<(u64, u64, u64)>> =
-            pushes(&call).iter().map(|rank| rank.iter().map(|s| (s.src, s.dst, s.len)).collect()).collect();
+            (0..3).map(|p| rank_pushes(&call, p).iter().map(|s| (s.src, s.dst, s.len)).collect()).collect();
         let want = vec![
             vec![(100, 2000, 10), (100, 3000, 10), (100, 1000, 10)],
             vec![],

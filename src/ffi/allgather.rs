@@ -85,10 +85,11 @@ pub extern "C" fn refit_allgather(
 /// The per-rank allgather, for refit_group_run callbacks: every rank's callback calls it with its own
 /// `rank`, `send` (counts[rank] bytes) and `recv` (sum(counts) bytes) and the same `counts` (all
 /// refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return);
-/// once that work has run, `recv` holds every block and `send` is no longer read. PEER pushes each
-/// rank's block into every rank's buffer with copy-engine copies.
-/// Ranks meet at an abortable barrier: if another rank's callback fails first, this returns ABORTED
-/// instead of waiting forever.
+/// once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
+/// share of refit_allgather's PEER, with the same methods: in a loop on 2 x H200 a call cost 7.3 us
+/// at 256 B per rank and 195 us at 64 MiB, against 10.1 and 311 us for NCCL called per rank.
+/// Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
+/// fails first, this returns ABORTED instead of waiting forever.
 ///
 /// Errors: as refit_allgather, plus INVALID_STATE (not called from this group's rank callback),
 /// INVALID_ARGUMENT (rank is not the calling callback's rank, or ranks passed different counts or
