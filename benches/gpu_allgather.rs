@@ -35,7 +35,8 @@ use std::fmt::Write as _;
 use std::time::Instant;
 
 const MIB: usize = 1 << 20;
-const SIZES: [usize; 8] = [MIB / 16, MIB / 4, MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB, 1024 * MIB];
+const SIZES: [usize; 9] =
+    [MIB / 16, MIB / 4, MIB, 4 * MIB, 16 * MIB, 32 * MIB, 64 * MIB, 256 * MIB, 1024 * MIB];
 const PROBE_SIZES: [usize; 3] = [64 * MIB, 256 * MIB, 1024 * MIB];
 const GATE_MS: u64 = 10;
 const WARMUP: usize = 2;
@@ -615,7 +616,7 @@ fn main() {
             let received = if g == 1 { size } else { (g - 1) * size };
             let peer_in_place = (g > 1).then(|| gbps(received, ours_from(&in_place, Algorithm::Peer)));
             // Ablations of the kernel method, up to the sizes it is used at.
-            let kernel_sizes = g > 1 && size <= 16 * MIB;
+            let kernel_sizes = g > 1 && size <= 32 * MIB;
             let event_pushes =
                 if kernel_sizes { event_ordered_pushes(&gates, g, size, &sends, &recvs) } else { 0.0 };
             let synced_pulls =

@@ -348,7 +348,7 @@ fn a_hundred_calls_in_one_scope_switching_methods_buffers_and_sizes() {
         // too late shows in its own bytes; sizes on both sides of the method threshold.
         let cases: Vec<Case> = (0..100)
             .map(|call| {
-                let bytes = [4096 + 16 * call, 3 << 20, 17 << 20][call % 3];
+                let bytes = [4096 + 16 * call, 3 << 20, 33 << 20][call % 3];
                 Case::new(&vec![bytes; size], call + 7000, call % 4 == 3)
             })
             .collect();
@@ -379,7 +379,7 @@ fn a_hundred_per_rank_calls_in_one_run_switching_buffers_and_sizes() {
         // rendezvous epochs and event-ordered calls alternate within one run.
         let cases: Vec<Case> = (0..100)
             .map(|call| {
-                let bytes = [4096 + 16 * call, 3 << 20, 17 << 20][call % 3];
+                let bytes = [4096 + 16 * call, 3 << 20, 33 << 20][call % 3];
                 Case::new(&vec![bytes; size], call + 8000, call % 4 == 3)
             })
             .collect();

@@ -11,10 +11,12 @@
 //!   (benches/cross_gpu_sync_probe.py: 9.7 us per round trip) and 1.4 us of host time; for small
 //!   blocks that latency is the whole cost. Pushing (remote writes, posted) beat pulling (remote
 //!   reads) with the same rendezvous at every size measured, 64 KiB to 16 MiB per rank (the bench
-//!   keeps both).
+//!   keeps both). Used below [`COPY_ENGINE_FROM`]: with tiles sized by [`peer_tile_shift`] the
+//!   kernel beat the copy engine at 16 MiB per rank (292 against 276 GB/s per GPU) and lost at
+//!   64 MiB (330-340 against 355).
 //! - [`PeerMethod::CopyEnginePushes`]: each rank pushes its block to every peer with copy-engine
 //!   copies, one lane stream per destination, ordered by events, while a kernel on a few blocks
-//!   copies its own block ([`OwnBlockCopies`]). Pushing beats pulling here too: at 64 MiB per
+//!   copies its own block ([`own_block_batches`]). Pushing beats pulling here too: at 64 MiB per
 //!   direction, both directions at once, 385 against 367 GB/s per direction
 //!   (benches/ce_lanes_probe.py, 2 x H200, 2026-11-30); splitting one block over several lanes only
 //!   lowers it (377 with 2, 360 with 4). Also the method of groups without direct peer access, where
@@ -56,7 +58,7 @@ impl PeerMethod {
 const OWN_COPY_BLOCKS: u32 = 48;
 
 /// From this mean block size, [`PeerMethod::CopyEnginePushes`]; below it, kernel pushes.
-pub const COPY_ENGINE_FROM: u64 = 16 << 20;
+pub const COPY_ENGINE_FROM: u64 = 32 << 20;
 
 /// The method for a call with this mean block size: the group's override (`Group::set_peer_method`)
 /// when set, else the size rule. A single rank only copies its own block (copy engine); a CUDA group
@@ -370,13 +372,17 @@ fn prepared(
     Ok(per_rank)
 }
 
-/// Tile size (log2 bytes) for `bytes` of copies between GPUs: the kernel's default 8 KiB tiles, down
-/// to 1 KiB for small batches so that about a thousand tiles keep enough accesses in flight. An
-/// access to a peer's memory takes about three times as long as a local one, and with 8 KiB tiles a
-/// 64 KiB batch is a single block.
+/// Tile size (log2 bytes) for a batch of `bytes` pushed between GPUs: about 128 tiles, from 1 KiB to
+/// 32 KiB. Writes into a peer's memory are posted, so a warp with a larger tile keeps more of them
+/// in flight, until the batch has too few tiles to spread over the SMs. A sweep of kernel pushes on
+/// 2 x H200 (G = 2, so a batch is twice the block; GB/s per GPU at tile shifts 10 / 11 / 12 / 13 /
+/// 14 / 15 / 16): 64 KiB blocks 8.1 / 8.1 / 7.7 / 7.0 / 6.4 / - / -, 256 KiB 27.1 / 29.4 / 29.8 /
+/// 27.7 / 24.2 / - / -, 1 MiB 72.3 / 84.1 / 92.1 / 95.4 / 93.4 / 72.8 / 52.4, 4 MiB 170.5 / 171.3 /
+/// 180.1 / 198.3 / 202.4 / 199.7 / 201.9, 16 MiB 270.4 / 272.8 / 273.5 / 274.1 / 287.9 / 292.1 /
+/// 292.3 (NOTES.md).
 pub fn peer_tile_shift(bytes: u64) -> u32 {
-    let per_tile = (bytes / 1024).max(1);
-    (63 - per_tile.leading_zeros()).clamp(10, 13)
+    let per_tile = (bytes / 128).max(1);
+    (63 - per_tile.leading_zeros()).clamp(10, 15)
 }
 
 /// What rank `p` pushes: its block into every rank's slot, in [`push_order`] with its own slot last,
@@ -437,12 +443,13 @@ mod tests {
     }
 
     #[test]
-    fn small_peer_batches_get_smaller_tiles() {
+    fn peer_batches_get_about_128_tiles_of_1_to_32_kib() {
         assert_eq!(peer_tile_shift(0), 10);
-        assert_eq!(peer_tile_shift(64 << 10), 10);
-        assert_eq!(peer_tile_shift(4 << 20), 12);
-        assert_eq!(peer_tile_shift(8 << 20), 13);
-        assert_eq!(peer_tile_shift(1 << 40), 13);
+        assert_eq!(peer_tile_shift(128 << 10), 10);
+        assert_eq!(peer_tile_shift(512 << 10), 12);
+        assert_eq!(peer_tile_shift(2 << 20), 14);
+        assert_eq!(peer_tile_shift(4 << 20), 15);
+        assert_eq!(peer_tile_shift(1 << 40), 15);
     }
 
     #[test]

@@ -13,9 +13,9 @@ use crate::ffi::group::refit_group;
 pub const REFIT_ALLGATHER_AUTO: u32 = 0;
 /// NCCL (ncclAllGather for equal counts, grouped ncclSend/ncclRecv for uneven ones). CUDA backend only.
 pub const REFIT_ALLGATHER_NCCL: u32 = 1;
-/// Peer copies between the GPUs: each rank writes its block into every rank's buffer, below 16 MiB
+/// Peer copies between the GPUs: each rank writes its block into every rank's buffer, below 32 MiB
 /// per rank with one launch of refit's copy kernel (the ranks' launches meeting through flags in device
-/// memory), from 16 MiB with copy-engine copies on parallel streams. Groups without direct peer access
+/// memory), from 32 MiB with copy-engine copies on parallel streams. Groups without direct peer access
 /// always use copy-engine copies (staged by the driver), and so does every group when the kernel cannot
 /// be built (no libnvrtc; logged once per group as a warning).
 pub const REFIT_ALLGATHER_PEER: u32 = 2;
@@ -38,8 +38,8 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// NULL, receives the algorithm that ran.
 ///
 /// AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
-/// access (on 2 x H200, PEER moved 1.34-1.69x what NCCL's allgather moved from 1 MiB to 1 GiB per
-/// rank and took at most 60% of its host time per call; below 1 MiB NCCL's GPU time is up to 12%
+/// access (on 2 x H200, PEER moved 1.37-1.69x what NCCL's allgather moved from 1 MiB to 1 GiB per
+/// rank and took at most 60% of its host time per call; below 1 MiB NCCL's GPU time is up to 13%
 /// shorter, see NOTES.md); otherwise NCCL when it loads, else PEER.
 ///
 /// Ordering: inside a scope (refit_group_enter) the work is queued on the group's streams and this
@@ -86,8 +86,8 @@ pub extern "C" fn refit_allgather(
 /// `rank`, `send` (counts[rank] bytes) and `recv` (sum(counts) bytes) and the same `counts` (all
 /// refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return);
 /// once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
-/// share of refit_allgather's PEER, with the same methods: in a loop on 2 x H200 a call cost 7.3 us
-/// at 256 B per rank and 195 us at 64 MiB, against 10.1 and 311 us for NCCL called per rank.
+/// share of refit_allgather's PEER, with the same methods: in a loop on 2 x H200 a call cost 7.6 us
+/// at 256 B per rank and 195 us at 64 MiB, against 12.6 and 294 us for NCCL called per rank.
 /// Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
 /// fails first, this returns ABORTED instead of waiting forever.
 ///
