@@ -372,6 +372,49 @@ fn a_hundred_calls_in_one_scope_switching_methods_buffers_and_sizes() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn per_rank_calls_that_disagree_fail_on_every_rank_and_the_next_call_works() {
+    for size in group_sizes().into_iter().filter(|&g| g > 1) {
+        let group = gpu_group(size);
+        let case = Case::new(&vec![4096; size], 9, false);
+        // Rank 0 disagrees about the other ranks' blocks: a few bytes more (the same method), or big
+        // enough for the copy engine (another method). Its own block and buffers stay valid (a
+        // receive buffer wide enough for its view), so only the ranks' disagreement fails the call:
+        // on every rank, after they met. Whatever the order in which they met, the next call must
+        // not wait for an epoch that nobody launched.
+        let wide = DeviceBuffer::new(0, (64 << 20) * size + 4096);
+        for (others, repeats) in [(4096 + 16, 3), (64 << 20, 10)] {
+            let disagreeing: Vec<usize> = (0..size).map(|r| if r == 0 { 4096 } else { others }).collect();
+            for _ in 0..repeats {
+                let err = group
+                    .run(&|rank, _| {
+                        let (counts, recv) = match rank {
+                            0 => (&disagreeing, wide.ptr),
+                            _ => (&case.counts, case.recvs[rank].ptr),
+                        };
+                        unsafe {
+                            allgather_rank(&group, rank, case.send_ptr(rank), recv, counts, Algorithm::Peer)
+                        }
+                        .map(drop)
+                    })
+                    .unwrap_err();
+                assert_eq!(err.status, refit::Status::InvalidArgument, "{err}");
+                case.reset();
+                group
+                    .run(&|rank, _| {
+                        let (send, recv) = (case.send_ptr(rank), case.recvs[rank].ptr);
+                        unsafe { allgather_rank(&group, rank, send, recv, &case.counts, Algorithm::Peer) }
+                            .map(drop)
+                    })
+                    .unwrap();
+                case.check(&format!("G={size}: the call after a disagreement ({others} B blocks)"));
+            }
+        }
+        println!("G={size}: disagreeing per-rank calls fail everywhere; the next call is exact");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn a_hundred_per_rank_calls_in_one_run_switching_buffers_and_sizes() {
     for size in group_sizes().into_iter().filter(|&g| g > 1) {
         let group = gpu_group(size);

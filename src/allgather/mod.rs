@@ -368,8 +368,10 @@ pub unsafe fn allgather_rank(
         (true, Ok(rendezvous)) => rendezvous.next_epoch(),
         _ => 0,
     })?;
+    // An epoch was taken whenever the last rank to arrive saw kernel pushes, even if this rank's own
+    // arguments (which then disagree, and fail below) gave another method: release it all the same.
     let release_epoch = || {
-        if let (true, Ok(rendezvous)) = (meets_on_gpu && epoch > 0, group.rendezvous()) {
+        if let (true, Ok(rendezvous)) = (epoch > 0, group.rendezvous()) {
             rendezvous.release(epoch, &[(rank, stream.as_ptr().cast())]);
         }
     };
