@@ -9,12 +9,10 @@ streams after a spin gate, so the host has queued every iteration before the cop
 Prints a markdown table of GB/s per direction; JSON to $REFIT_BENCH_RESULTS/ce_lanes_probe.json.
 """
 
-import json
-import os
 
 import cupy as cp
 from cupy.cuda import runtime as rt
-from probe_util import MIB, enable_peers, timed
+from probe_util import MIB, enable_peers, timed, write_results
 
 
 class Side:
@@ -117,10 +115,7 @@ def main():
     for (dirs, mib, mode), by_lanes in keyed.items():
         cells = " | ".join(f"{by_lanes[k]:.1f}" if k in by_lanes else "-" for k in (1, 2, 4, 8))
         print(f"| {dirs} | {mib} | {mode} | {cells} |")
-    out = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "ce_lanes_probe.json"), "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
+    write_results("ce_lanes_probe", {"rows": rows})
 
 
 if __name__ == "__main__":

@@ -11,12 +11,10 @@ Prints markdown; JSON to $REFIT_BENCH_RESULTS/cross_gpu_sync_probe.json.
 """
 
 import ctypes
-import json
-import os
 
 import cupy as cp
 from cupy.cuda import runtime as rt
-from probe_util import MIB, enable_peers, timed
+from probe_util import MIB, enable_peers, timed, write_results
 
 # The chains queue thousands of operations from Python: a long gate lets the host finish first.
 GATE = 300_000_000
@@ -301,10 +299,7 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
     print("| --- |" + " --- |" * len(push_rows))
     for name in variants:
         print(f"| {name} | " + " | ".join(f"{r[name]:.1f}" for r in push_rows) + " |")
-    out = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "cross_gpu_sync_probe.json"), "w") as f:
-        json.dump({"round_trips_us": rows, "push_allgather_gbps": push_rows}, f, indent=1)
+    write_results("cross_gpu_sync_probe", {"round_trips_us": rows, "push_allgather_gbps": push_rows})
 
 
 if __name__ == "__main__":

@@ -537,6 +537,16 @@ fn nvidia_smi_topology() -> String {
         .unwrap_or_else(|| "nvidia-smi topo -m unavailable".to_string())
 }
 
+/// The JSON objects `object` makes of `items`, comma-separated (the inside of an array).
+fn json_list<T>(items: &[T], object: impl Fn(&T) -> String) -> String {
+    items.iter().map(object).collect::<Vec<_>>().join(",")
+}
+
+/// A number with three decimals, or null.
+fn json_number(value: Option<f64>) -> String {
+    value.map_or("null".to_string(), |v| format!("{v:.3}"))
+}
+
 fn json_string(s: &str) -> String {
     let mut out = String::from("\"");
     for c in s.chars() {
@@ -772,82 +782,55 @@ fn main() {
         }
     }
 
-    let mut json = String::new();
-    let _ = write!(
-        json,
-        "{{\"bench\":\"gpu_allgather\",\"machine\":{{\"gpu\":{},\"count\":{count},\"peer_access\":[{peer_matrix}],\"nccl_version\":{nccl_version},\"topology\":{}}},",
+    let machine = format!(
+        "{{\"gpu\":{},\"count\":{count},\"peer_access\":[{peer_matrix}],\"nccl_version\":{nccl_version},\"topology\":{}}}",
         json_string(&gpu_name),
         json_string(&nvidia_smi_topology())
     );
-    json.push_str("\"unit\":\"GB/s received per GPU\",\"allgather\":[");
-    for (i, r) in rows.iter().enumerate() {
-        let _ = write!(
-            json,
-            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_method\":\"{:?}\",\"peer_kernel_pushes\":{:.3},\"peer_copy_engine_push\":{:.3},\"refit_peer_in_place\":{},\"ablation_event_ordered_kernel_pushes\":{:.3},\"ablation_synced_kernel_pulls\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling_pull\":{},\"ce_ceiling_push\":{}}}",
-            if i > 0 { "," } else { "" },
+    let allgather = json_list(&rows, |r| {
+        format!(
+            "{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_method\":\"{:?}\",\"peer_kernel_pushes\":{:.3},\"peer_copy_engine_push\":{:.3},\"refit_peer_in_place\":{},\"ablation_event_ordered_kernel_pushes\":{:.3},\"ablation_synced_kernel_pulls\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling_pull\":{},\"ce_ceiling_push\":{}}}",
             r.g,
             r.size,
             r.peer,
             r.picked,
             r.methods[0],
             r.methods[1],
-            r.peer_in_place.map_or("null".to_string(), |v| format!("{v:.3}")),
+            json_number(r.peer_in_place),
             r.event_pushes,
             r.synced_pulls,
             r.ours_nccl,
             r.direct_nccl,
-            r.ceiling.map_or("null".to_string(), |c| format!("{:.3}", c.0)),
-            r.ceiling.map_or("null".to_string(), |c| format!("{:.3}", c.1))
-        );
-    }
-    json.push_str("],\"copy_engine_probe\":[");
-    for (i, p) in probes.iter().enumerate() {
-        let _ = write!(
-            json,
-            "{}{{\"bytes\":{},\"one_way\":{:.3},\"both_nonblocking\":{:.3},\"both_null\":{:.3}}}",
-            if i > 0 { "," } else { "" },
-            p.size,
-            p.one_way,
-            p.both_nonblocking,
-            p.both_null
-        );
-    }
-    json.push_str("],\"host_time_us\":[");
-    for (i, h) in host_rows.iter().enumerate() {
-        let _ = write!(
-            json,
-            "{}{{\"g\":{},\"path\":{},\"bytes_per_rank\":{TINY},\"median\":{:.3},\"p90\":{:.3}}}",
-            if i > 0 { "," } else { "" },
+            json_number(r.ceiling.map(|c| c.0)),
+            json_number(r.ceiling.map(|c| c.1))
+        )
+    });
+    let copy_engine_probe = json_list(&probes, |p| {
+        format!(
+            "{{\"bytes\":{},\"one_way\":{:.3},\"both_nonblocking\":{:.3},\"both_null\":{:.3}}}",
+            p.size, p.one_way, p.both_nonblocking, p.both_null
+        )
+    });
+    let host_time = json_list(&host_rows, |h| {
+        format!(
+            "{{\"g\":{},\"path\":{},\"bytes_per_rank\":{TINY},\"median\":{:.3},\"p90\":{:.3}}}",
             h.g,
             json_string(h.path),
             h.median_us,
             h.p90_us
-        );
-    }
-    json.push_str("],\"loop_us_per_call\":[");
-    for (i, l) in loop_rows.iter().enumerate() {
-        let _ = write!(
-            json,
-            "{}{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer_whole_group\":{:.3},\"refit_peer_per_rank\":{:.3},\"refit_nccl_per_rank\":{:.3},\"direct_nccl\":{:.3}}}",
-            if i > 0 { "," } else { "" },
-            l.g,
-            l.size,
-            l.whole_group_peer,
-            l.per_rank_peer,
-            l.per_rank_nccl,
-            l.direct_nccl
-        );
-    }
-    json.push_str("],\"driver_call_us\":[");
-    for (i, (call, us)) in call_costs.iter().enumerate() {
-        let _ = write!(
-            json,
-            "{}{{\"call\":{},\"median\":{us:.3}}}",
-            if i > 0 { "," } else { "" },
-            json_string(call)
-        );
-    }
-    json.push_str("]}\n");
+        )
+    });
+    let loops = json_list(&loop_rows, |l| {
+        format!(
+            "{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer_whole_group\":{:.3},\"refit_peer_per_rank\":{:.3},\"refit_nccl_per_rank\":{:.3},\"direct_nccl\":{:.3}}}",
+            l.g, l.size, l.whole_group_peer, l.per_rank_peer, l.per_rank_nccl, l.direct_nccl
+        )
+    });
+    let driver_calls =
+        json_list(&call_costs, |(call, us)| format!("{{\"call\":{},\"median\":{us:.3}}}", json_string(call)));
+    let json = format!(
+        "{{\"bench\":\"gpu_allgather\",\"machine\":{machine},\"unit\":\"GB/s received per GPU\",\"allgather\":[{allgather}],\"copy_engine_probe\":[{copy_engine_probe}],\"host_time_us\":[{host_time}],\"loop_us_per_call\":[{loops}],\"driver_call_us\":[{driver_calls}]}}\n"
+    );
     let dir = std::env::var("REFIT_BENCH_RESULTS").unwrap_or_else(|_| "benches/results".to_string());
     std::fs::create_dir_all(&dir).unwrap();
     let path = std::path::Path::new(&dir).join("gpu_allgather.json");

@@ -1,5 +1,8 @@
-"""What the cupy probes in benches/ share: peer access, a spin kernel to gate streams, and timing."""
+"""What the cupy probes in benches/ share: peer access, a spin kernel to gate streams, timing, and
+writing results."""
 
+import json
+import os
 import statistics
 
 import cupy as cp
@@ -52,3 +55,11 @@ def timed(streams, issue, reps=5, gate_cycles=40_000_000):
         if rep:
             samples.append(worst)
     return statistics.median(samples)
+
+
+def write_results(name, results):
+    """Writes `results` as $REFIT_BENCH_RESULTS/<name>.json (default benches/results/)."""
+    out = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(results, f, indent=1)

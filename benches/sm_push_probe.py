@@ -12,12 +12,10 @@ Every variant's destination is checked byte for byte. Prints a markdown table of
 direction; JSON to $REFIT_BENCH_RESULTS/sm_push_probe.json.
 """
 
-import json
-import os
 
 import cupy as cp
 from cupy.cuda import runtime as rt
-from probe_util import MIB, enable_peers, timed
+from probe_util import MIB, enable_peers, timed, write_results
 
 SOURCE = r"""
 typedef unsigned long long u64;
@@ -188,10 +186,7 @@ def main():
     print("| --- | --- | --- | --- | --- |")
     for v, by in keyed.items():
         print(f"| {v} | " + " | ".join(f"{by[c]:.1f}" for c in cols) + " |")
-    out = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
-    os.makedirs(out, exist_ok=True)
-    with open(os.path.join(out, "sm_push_probe.json"), "w") as f:
-        json.dump({"rows": rows}, f, indent=1)
+    write_results("sm_push_probe", {"rows": rows})
 
 
 if __name__ == "__main__":

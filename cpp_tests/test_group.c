@@ -20,7 +20,9 @@ struct job {
   uint8_t send[N][16];
   uint8_t recv[N][3 * 16];
   size_t counts[N];
-  int32_t failing_rank; /* -1: none */
+  size_t other_counts[N]; /* what disagreeing_rank passes instead of counts */
+  int32_t failing_rank;     /* -1: none */
+  int32_t disagreeing_rank; /* -1: none */
   refit_status rank_status[N];
 };
 
@@ -29,8 +31,9 @@ static int32_t rank_body(uint32_t rank, void *stream, void *user_data) {
   if (stream == NULL) return 100;
   if ((int32_t)rank == job->failing_rank) return 42;
   uint32_t picked = 99;
+  const size_t *counts = (int32_t)rank == job->disagreeing_rank ? job->other_counts : job->counts;
   refit_status s = refit_group_allgather_rank(job->group, rank, (uint64_t)(uintptr_t)job->send[rank],
-                                              (uint64_t)(uintptr_t)job->recv[rank], job->counts,
+                                              (uint64_t)(uintptr_t)job->recv[rank], counts,
                                               REFIT_ALLGATHER_AUTO, &picked);
   job->rank_status[rank] = s;
   if (s == REFIT_STATUS_SUCCESS && picked != REFIT_ALLGATHER_PEER) return 101;
@@ -40,6 +43,7 @@ static int32_t rank_body(uint32_t rank, void *stream, void *user_data) {
 static void fill(struct job *job) {
   for (int r = 0; r < N; r++) {
     job->counts[r] = (size_t)(5 + 4 * r); /* 5, 9, 13: uneven */
+    job->other_counts[r] = job->counts[r] - (r == N - 1); /* the last block one byte short */
     for (int i = 0; i < 16; i++) job->send[r][i] = (uint8_t)(r * 50 + i + 1);
     memset(job->recv[r], 0xAB, sizeof job->recv[r]);
     job->rank_status[r] = REFIT_STATUS_SUCCESS;
@@ -128,6 +132,7 @@ int main(void) {
   static struct job job;
   job.group = group;
   job.failing_rank = -1;
+  job.disagreeing_rank = -1;
   fill(&job);
   CHECK_OK(refit_group_run(group, rank_body, &job));
   CHECK(gathered_ok(&job));
@@ -141,6 +146,17 @@ int main(void) {
   /* ...and the group is usable afterwards. */
   fill(&job);
   job.failing_rank = -1;
+  CHECK_OK(refit_group_run(group, rank_body, &job));
+  CHECK(gathered_ok(&job));
+  /* Rank 0 passes other counts: every rank's call fails with INVALID_ARGUMENT, nothing is copied,
+     and the next call works. */
+  fill(&job);
+  job.disagreeing_rank = 0;
+  CHECK_STATUS(refit_group_run(group, rank_body, &job), REFIT_STATUS_CALLBACK_FAILED);
+  for (int r = 0; r < N; r++) CHECK(job.rank_status[r] == REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(job.recv[1][0] == 0xAB);
+  fill(&job);
+  job.disagreeing_rank = -1;
   CHECK_OK(refit_group_run(group, rank_body, &job));
   CHECK(gathered_ok(&job));
   CHECK_STATUS(refit_group_run(group, NULL, &job), REFIT_STATUS_NULL_ARGUMENT);

@@ -79,6 +79,12 @@ impl Case {
         }
     }
 
+    /// Rank `rank`'s share of this case's per-rank allgather (from its `Group::run` callback).
+    fn gather_rank(&self, group: &Group, rank: usize, algorithm: Algorithm) -> refit::Result<Algorithm> {
+        let (send, recv) = (self.send_ptr(rank), self.recvs[rank].ptr);
+        unsafe { allgather_rank(group, rank, send, recv, &self.counts, algorithm) }
+    }
+
     fn check(&self, what: &str) {
         let mut expected: Vec<u8> = self.blocks.concat();
         expected.push(0xAB);
@@ -95,6 +101,18 @@ impl Case {
             }
         }
     }
+}
+
+/// A hundred calls' cases, each with its own buffers and data, so that a call reading or writing too
+/// early or too late shows in its own bytes; sizes on both sides of the peer method threshold, every
+/// fourth in place.
+fn hundred_cases(size: usize, first_call: usize) -> Vec<Case> {
+    (0..100)
+        .map(|call| {
+            let bytes = [4096 + 16 * call, 3 << 20, 33 << 20][call % 3];
+            Case::new(&vec![bytes; size], first_call + call, call % 4 == 3)
+        })
+        .collect()
 }
 
 #[test]
@@ -135,19 +153,8 @@ fn per_rank_allgather_inside_run_is_byte_exact_for_every_algorithm() {
             for counts in shapes(size) {
                 for in_place in [false, true] {
                     let case = Case::new(&counts, 2, in_place);
-                    let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
                     group
-                        .run(&|rank, _| unsafe {
-                            allgather_rank(
-                                &group,
-                                rank,
-                                sends[rank],
-                                case.recvs[rank].ptr,
-                                &counts,
-                                algorithm,
-                            )
-                            .map(|_| ())
-                        })
+                        .run(&|rank, _| case.gather_rank(&group, rank, algorithm).map(drop))
                         .unwrap_or_else(|e| panic!("G={size} {algorithm:?} {counts:?}: {e}"));
                     case.check(&format!(
                         "per-rank G={size} {algorithm:?} counts {counts:?} in_place {in_place}"
@@ -245,13 +252,7 @@ fn every_peer_method_is_byte_exact() {
                     let case = Case::new(&counts, 5, in_place);
                     group
                         .run(&|rank, _| {
-                            for _ in 0..3 {
-                                let (send, recv) = (case.send_ptr(rank), case.recvs[rank].ptr);
-                                unsafe {
-                                    allgather_rank(&group, rank, send, recv, &counts, Algorithm::Peer)
-                                }?;
-                            }
-                            Ok(())
+                            (0..3).try_for_each(|_| case.gather_rank(&group, rank, Algorithm::Peer).map(drop))
                         })
                         .unwrap();
                     case.check(&format!(
@@ -344,14 +345,7 @@ fn a_rank_whose_launch_failed_is_released_where_its_stream_reaches_the_call() {
 fn a_hundred_calls_in_one_scope_switching_methods_buffers_and_sizes() {
     for size in group_sizes().into_iter().filter(|&g| g > 1) {
         let group = gpu_group(size);
-        // Distinct buffers and data for every call, so that a call reading or writing too early or
-        // too late shows in its own bytes; sizes on both sides of the method threshold.
-        let cases: Vec<Case> = (0..100)
-            .map(|call| {
-                let bytes = [4096 + 16 * call, 3 << 20, 33 << 20][call % 3];
-                Case::new(&vec![bytes; size], call + 7000, call % 4 == 3)
-            })
-            .collect();
+        let cases = hundred_cases(size, 7000);
         group.enter(None).unwrap();
         for (call, case) in cases.iter().enumerate() {
             group.set_peer_method(
@@ -399,13 +393,7 @@ fn per_rank_calls_that_disagree_fail_on_every_rank_and_the_next_call_works() {
                     .unwrap_err();
                 assert_eq!(err.status, refit::Status::InvalidArgument, "{err}");
                 case.reset();
-                group
-                    .run(&|rank, _| {
-                        let (send, recv) = (case.send_ptr(rank), case.recvs[rank].ptr);
-                        unsafe { allgather_rank(&group, rank, send, recv, &case.counts, Algorithm::Peer) }
-                            .map(drop)
-                    })
-                    .unwrap();
+                group.run(&|rank, _| case.gather_rank(&group, rank, Algorithm::Peer).map(drop)).unwrap();
                 case.check(&format!("G={size}: the call after a disagreement ({others} B blocks)"));
             }
         }
@@ -418,21 +406,12 @@ fn per_rank_calls_that_disagree_fail_on_every_rank_and_the_next_call_works() {
 fn a_hundred_per_rank_calls_in_one_run_switching_buffers_and_sizes() {
     for size in group_sizes().into_iter().filter(|&g| g > 1) {
         let group = gpu_group(size);
-        // As above, for the per-rank call: sizes on both sides of the method threshold, so that
-        // rendezvous epochs and event-ordered calls alternate within one run.
-        let cases: Vec<Case> = (0..100)
-            .map(|call| {
-                let bytes = [4096 + 16 * call, 3 << 20, 33 << 20][call % 3];
-                Case::new(&vec![bytes; size], call + 8000, call % 4 == 3)
-            })
-            .collect();
+        // Sizes on both sides of the method threshold: rendezvous epochs and event-ordered calls
+        // alternate within one run.
+        let cases = hundred_cases(size, 8000);
         group
             .run(&|rank, _| {
-                for case in &cases {
-                    let (send, recv) = (case.send_ptr(rank), case.recvs[rank].ptr);
-                    unsafe { allgather_rank(&group, rank, send, recv, &case.counts, Algorithm::Peer) }?;
-                }
-                Ok(())
+                cases.iter().try_for_each(|case| case.gather_rank(&group, rank, Algorithm::Peer).map(drop))
             })
             .unwrap();
         for (call, case) in cases.iter().enumerate() {

@@ -201,7 +201,9 @@ class Group(Handle):
 
     def allgather_rank(self, rank, send_ptr, recv_ptr, counts, algorithm=Algorithm.AUTO):
         """The per-rank allgather, only from a run() callback: every rank calls it with its own
-        rank, buffers, and the same counts and algorithm. Returns the Algorithm that ran."""
+        rank, buffers, and the same counts and algorithm (refit_group_allgather_rank). Returns the
+        Algorithm that ran. Ranks that disagree all raise RefitError(INVALID_ARGUMENT) and copy
+        nothing; the next call works."""
         sizes = self._counts(counts)
         picked = c_uint32()
         check(

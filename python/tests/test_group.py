@@ -175,6 +175,28 @@ class RunTest(unittest.TestCase):
         for rank in range(3):
             self.assertEqual(gather.received(rank), gather.expected)
 
+    def test_ranks_that_disagree_on_counts_all_fail_and_the_group_stays_usable(self):
+        gather = Gather([5, 9, 13])
+        statuses = {}
+
+        def body(rank, _stream):
+            counts = [5, 9, 12] if rank == 0 else gather.counts
+            try:
+                self.group.allgather_rank(rank, gather.send_ptrs[rank], gather.recv_ptrs[rank], counts)
+            except RefitError as error:
+                statuses[rank] = error.status
+                raise
+
+        with self.assertRaises(RefitError) as caught:
+            self.group.run(body)
+        self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
+        self.assertIn("every rank must pass the same", caught.exception.message)
+        self.assertEqual(statuses, {rank: Status.INVALID_ARGUMENT for rank in range(3)})
+
+        self.gather_in_run(gather)
+        for rank in range(3):
+            self.assertEqual(gather.received(rank), gather.expected)
+
     def test_a_refit_error_in_a_rank_names_its_status(self):
         def body(rank, _stream):
             if rank == 2:

@@ -112,8 +112,10 @@ pub(super) unsafe fn allgather(group: &Group, call: &Gather) -> Result<PeerMetho
         synced_kernel_pushes(group, call)?;
         return Ok(method);
     }
-    for r in ranks.clone().filter(|_| group.size() > 1) {
-        backend.record(devices[r], state.ready[r], streams[r])?;
+    if group.size() > 1 {
+        for r in ranks.clone() {
+            backend.record(devices[r], state.ready[r], streams[r])?;
+        }
     }
     match method {
         PeerMethod::KernelPushes => {
