@@ -4,7 +4,8 @@
 //! algorithm and `ncclAllGather` called directly in the same process and run, per-rank sizes
 //! 64 KiB .. 1 GiB; the copy-engine ceiling of the topology for each G (every GPU pulling, and every
 //! GPU pushing, every peer block at once); the copy-engine probe both ways at once on non-blocking
-//! streams versus the legacy null streams; host time per call for tiny buffers and the host cost of
+//! streams versus the legacy null streams; host time per call for tiny buffers (back to back, and
+//! isolated calls after the group's rank threads have gone to sleep) and the host cost of
 //! each driver call that time is made of; and a loop of calls timed by the wall clock (host issue and
 //! GPU time together) for the whole-group PEER call, the per-rank call inside `Group::run` (PEER and
 //! NCCL) and direct NCCL. Markdown tables on stdout, JSON in
@@ -32,7 +33,7 @@ use refit::kernels::rendezvous::Rendezvous;
 use refit::kernels::PreparedBatch;
 use refit::segment::Segment;
 use std::fmt::Write as _;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 
 const MIB: usize = 1 << 20;
 const SIZES: [usize; 9] =
@@ -43,6 +44,8 @@ const WARMUP: usize = 2;
 const REPS: usize = 5;
 const TINY: usize = 256;
 const HOST_CALLS: usize = 2000;
+/// Idle time before each "isolated" call: longer than the rank threads spin (50 us) after a call.
+const ISOLATED_REST_US: u64 = 300;
 /// Per-rank sizes at which the per-rank collective (inside `Group::run`) is timed against the rest.
 const PER_RANK_SIZES: [usize; 5] = [TINY, MIB / 16, MIB, 16 * MIB, 64 * MIB];
 
@@ -424,18 +427,23 @@ fn probe(gates: &Gates, size: usize, sends: &[DeviceBuffer], recvs: &[DeviceBuff
 }
 
 /// Host time of each call (not of the GPU work), tiny buffers, inside one scope: (median, p90) us.
-fn host_time(group: &Group, drain: &dyn Fn(), issue: &mut dyn FnMut()) -> (f64, f64) {
+/// `rest`: idle time before each call, outside the timed region (an isolated call: the group's rank
+/// threads have stopped spinning and sleep), or zero (calls back to back).
+fn host_time(group: &Group, drain: &dyn Fn(), rest: Duration, issue: &mut dyn FnMut()) -> (f64, f64) {
     group.enter(None).unwrap();
-    let samples = host_samples(drain, issue);
+    let samples = host_samples(drain, rest, issue);
     group.exit(ExitMode::Sync).unwrap();
     (samples[samples.len() / 2], samples[samples.len() * 9 / 10])
 }
 
 /// HOST_CALLS timings of `issue` in us, ascending, after 100 untimed calls; `drain` runs every 100
-/// calls outside the timed region so that queues never fill.
-fn host_samples(drain: &dyn Fn(), issue: &mut dyn FnMut()) -> Vec<f64> {
+/// calls outside the timed region so that queues never fill, and `rest` is slept before each call.
+fn host_samples(drain: &dyn Fn(), rest: Duration, issue: &mut dyn FnMut()) -> Vec<f64> {
     let mut samples = Vec::with_capacity(HOST_CALLS);
     for call in 0..HOST_CALLS + 100 {
+        if !rest.is_zero() {
+            std::thread::sleep(rest);
+        }
         let started = Instant::now();
         issue();
         let took = started.elapsed().as_secs_f64() * 1e6;
@@ -475,7 +483,7 @@ fn driver_call_costs(group: &Group, sends: &[u64], recvs: &[u64]) -> Vec<(&'stat
     let tiny = Segment::contiguous(sends[1], recvs[0] + TINY as u64, TINY as u64);
     let prepared = refit::copy::PreparedCopy::new(group, 0, &[tiny], false).unwrap();
     let drain = || group.synchronize().unwrap();
-    let median_of = |f: &mut dyn FnMut()| median(host_samples(&drain, f));
+    let median_of = |f: &mut dyn FnMut()| median(host_samples(&drain, Duration::ZERO, f));
     let mut rows = Vec::new();
     backend.bind(0).unwrap();
     rows.push((
@@ -663,14 +671,16 @@ fn main() {
         let tiny_recv: Vec<u64> = recv_ptrs.clone();
         // In place: each rank's block already sits in its slot (no local copy to queue).
         let in_place: Vec<u64> = (0..g).map(|r| recv_ptrs[r] + (r * TINY) as u64).collect();
+        let isolated = Duration::from_micros(ISOLATED_REST_US);
         let paths = [
-            ("refit peer", Algorithm::Peer, &send_ptrs),
-            ("refit peer, in place", Algorithm::Peer, &in_place),
-            ("refit nccl", Algorithm::Nccl, &send_ptrs),
+            ("refit peer", Algorithm::Peer, &send_ptrs, Duration::ZERO),
+            ("refit peer, in place", Algorithm::Peer, &in_place, Duration::ZERO),
+            ("refit peer, isolated calls", Algorithm::Peer, &send_ptrs, isolated),
+            ("refit nccl", Algorithm::Nccl, &send_ptrs, Duration::ZERO),
         ];
-        for (path, algorithm, sends_for_path) in paths {
+        for (path, algorithm, sends_for_path, rest) in paths {
             let drain = || group.synchronize().unwrap();
-            let (median_us, p90_us) = host_time(&group, &drain, &mut || {
+            let (median_us, p90_us) = host_time(&group, &drain, rest, &mut || {
                 unsafe { allgather(&group, sends_for_path, &tiny_recv, &tiny, algorithm) }.unwrap();
             });
             host_rows.push(HostRow { g, path, median_us, p90_us });
@@ -680,9 +690,13 @@ fn main() {
                 backend.sync_stream(r, *s).unwrap();
             }
         };
-        let (median_us, p90_us) =
-            host_time(&group, &drain_direct, &mut || direct.issue(&send_ptrs, &tiny_recv, TINY));
-        host_rows.push(HostRow { g, path: "direct ncclAllGather", median_us, p90_us });
+        for (path, rest) in
+            [("direct ncclAllGather", Duration::ZERO), ("direct ncclAllGather, isolated calls", isolated)]
+        {
+            let (median_us, p90_us) =
+                host_time(&group, &drain_direct, rest, &mut || direct.issue(&send_ptrs, &tiny_recv, TINY));
+            host_rows.push(HostRow { g, path, median_us, p90_us });
+        }
         if g == 2 {
             call_costs = driver_call_costs(&group, &send_ptrs, &recv_ptrs);
         }

@@ -8,18 +8,22 @@
 // Prediction: an empty kernel costs within 10% of ours; parameters and spills do not matter.
 // Result (2 x H200, NOTES.md): empty 2.96 us, nine parameters 3.16, local memory 3.11, ours 2.72 in
 // the bench on the same machine; a write + wait memory-operation batch 0.89.
+// Second question: do two launches on two GPUs cost one launch when two threads issue them at once
+// (the driver could serialize them on a lock of its own)? Prediction: 3.5-4 us against about 6.
 //
-// Build and run on the GPU machine: nvcc -O2 -o /tmp/launch_cost benches/launch_cost_probe.cu -lcuda
+// Build and run on the GPU machine: nvcc -O2 -std=c++17 -o /tmp/launch_cost benches/launch_cost_probe.cu -lcuda -lpthread
 // && /tmp/launch_cost OUT.json. Prints a table and writes the medians as JSON.
 #include <cuda.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <functional>
 #include <string>
+#include <thread>
 #include <utility>
 #include <vector>
 
@@ -157,6 +161,31 @@ int main(int argc, char** argv) {
             CK(cuCtxSetCurrent(ctx0));
         };
         rows.push_back({"empty kernel on GPU 0 then GPU 1 (two launches, two switches)", time_calls(both_devices, drain2)});
+
+        // The same two launches issued at once: GPU 1's by a helper thread with its context bound,
+        // which spins on a counter for the next call (the hand-over a group's rank threads do).
+        std::atomic<u64> posted{0}, launched{0};
+        std::atomic<bool> stop{false};
+        std::thread helper([&] {
+            CK(cuCtxSetCurrent(ctx1));
+            u64 seen = 0;
+            while (!stop.load(std::memory_order_acquire)) {
+                if (posted.load(std::memory_order_acquire) == seen) continue;
+                ++seen;
+                launch(empty1, 1, stream1, nullptr);
+                launched.store(seen, std::memory_order_release);
+            }
+        });
+        u64 calls = 0;
+        auto both_at_once = [&] {
+            posted.store(++calls, std::memory_order_release);
+            launch(empty, 1, nonblocking, nullptr);
+            while (launched.load(std::memory_order_acquire) != calls) {
+            }
+        };
+        rows.push_back({"empty kernel on GPU 0 and, at once, on GPU 1 from a spinning thread", time_calls(both_at_once, drain2)});
+        stop.store(true, std::memory_order_release);
+        helper.join();
     }
 
     std::printf("| call | median us | p90 us |\n|---|---|---|\n");

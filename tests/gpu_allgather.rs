@@ -366,6 +366,42 @@ fn a_hundred_calls_in_one_scope_switching_methods_buffers_and_sizes() {
 
 #[test]
 #[ignore = "needs a GPU"]
+fn kernel_pushes_launched_by_awake_or_sleeping_rank_threads_are_exact_and_keep_the_callers_context() {
+    use cudarc::driver::sys;
+    let current_context = || {
+        let mut context = std::ptr::null_mut();
+        gpu_common::ck("cuCtxGetCurrent", unsafe { sys::cuCtxGetCurrent(&mut context) });
+        context
+    };
+    for size in group_sizes().into_iter().filter(|&g| g > 1) {
+        let group = gpu_group(size);
+        group.set_peer_method(Some(PeerMethod::KernelPushes));
+        let cases = hundred_cases(size, 9000);
+        // The caller works on the last rank's device; the calling thread launches rank 0's kernel.
+        cuda().bind(size - 1).unwrap();
+        let callers = current_context();
+        group.enter(None).unwrap();
+        for (call, case) in cases.iter().enumerate() {
+            if call % 10 == 0 {
+                // Long enough for the rank threads to stop spinning and sleep: the calling thread
+                // then launches their kernels too.
+                std::thread::sleep(std::time::Duration::from_millis(1));
+            }
+            let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
+            let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
+            unsafe { allgather(&group, &sends, &recvs, &case.counts, Algorithm::Peer) }.unwrap();
+            assert_eq!(current_context(), callers, "call {call} changed the caller's current context");
+        }
+        group.exit(ExitMode::Sync).unwrap();
+        for (call, case) in cases.iter().enumerate() {
+            case.check(&format!("G={size} call {call}"));
+        }
+        println!("G={size}: 100 kernel-push calls, rank threads awake and asleep, all exact");
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
 fn per_rank_calls_that_disagree_fail_on_every_rank_and_the_next_call_works() {
     for size in group_sizes().into_iter().filter(|&g| g > 1) {
         let group = gpu_group(size);

@@ -34,8 +34,10 @@ use super::Gather;
 use crate::backend::BackendKind;
 use crate::error::Result;
 use crate::group::Group;
+use crate::kernels::rendezvous::Rendezvous;
 use crate::kernels::{BatchedCopy, PreparedBatch};
 use crate::segment::Segment;
+use cudarc::driver::sys::CUstream;
 use std::sync::Arc;
 
 /// How a whole-group peer allgather moves its blocks (see the module docs).
@@ -191,35 +193,45 @@ pub(super) unsafe fn rank_share(
     }
 }
 
-/// Every rank's pushes as one group-synchronized launch on its stream (CUDA, direct peer access).
+/// Every rank's pushes as one group-synchronized launch on its stream (CUDA, direct peer access),
+/// issued from the rank threads at once: the call costs the host about one launch, not one per rank
+/// (NOTES.md, host time).
 unsafe fn synced_kernel_pushes(group: &Group, call: &Gather) -> Result<()> {
     let rendezvous = group.rendezvous()?;
     let batches = prepared(group, call, PeerMethod::KernelPushes, |p| push_batch(group, call, p))?;
     let epoch = rendezvous.next_epoch();
-    for (p, batch) in batches.iter().enumerate() {
-        let stream = group.streams()[p].as_ptr().cast();
-        if let Err(err) = batch.launch_synced(stream, rendezvous.rank(p), epoch) {
-            let missing: Vec<_> =
-                (p..group.size()).map(|q| (q, group.streams()[q].as_ptr().cast())).collect();
-            rendezvous.release(epoch, &missing);
-            return Err(err);
-        }
-    }
-    Ok(())
+    // SAFETY: as for this function, on every rank's stream.
+    group.fan_out(&|rank, stream| unsafe {
+        launch_or_release(rendezvous, &batches[rank], rank, stream.as_ptr().cast(), epoch)
+    })
 }
 
 /// Rank `rank`'s pushes as its part of the group-synchronized launch of `epoch`. Any failure releases
 /// the other ranks' launches on this rank's stream, so that none waits for this one forever.
 unsafe fn launch_synced_pushes(group: &Group, call: &Gather, rank: usize, epoch: u64) -> Result<()> {
     let stream = group.streams()[rank].as_ptr().cast();
-    let launched = group.rendezvous().and_then(|rendezvous| {
-        let batches = prepared(group, call, PeerMethod::KernelPushes, |p| push_batch(group, call, p))?;
-        batches[rank].launch_synced(stream, rendezvous.rank(rank), epoch)
-    });
-    if launched.is_err() {
-        if let Ok(rendezvous) = group.rendezvous() {
+    let rendezvous = group.rendezvous()?;
+    match prepared(group, call, PeerMethod::KernelPushes, |p| push_batch(group, call, p)) {
+        Ok(batches) => launch_or_release(rendezvous, &batches[rank], rank, stream, epoch),
+        Err(err) => {
             rendezvous.release(epoch, &[(rank, stream)]);
+            Err(err)
         }
+    }
+}
+
+/// Launches rank `rank`'s `batch` for `epoch`, or, when that fails, releases the other ranks'
+/// launches of `epoch` on `stream` (see `Rendezvous::release`).
+unsafe fn launch_or_release(
+    rendezvous: &Rendezvous,
+    batch: &PreparedBatch,
+    rank: usize,
+    stream: CUstream,
+    epoch: u64,
+) -> Result<()> {
+    let launched = batch.launch_synced(stream, rendezvous.rank(rank), epoch);
+    if launched.is_err() {
+        rendezvous.release(epoch, &[(rank, stream)]);
     }
     launched
 }

@@ -38,9 +38,14 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// NULL, receives the algorithm that ran.
 ///
 /// AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
-/// access (on 2 x H200, PEER moved 1.37-1.69x what NCCL's allgather moved from 1 MiB to 1 GiB per
-/// rank and took at most 60% of its host time per call; below 1 MiB NCCL's GPU time is up to 13%
+/// access (on 2 x H200, PEER moved 1.39-1.71x what NCCL's allgather moved from 1 MiB to 1 GiB per
+/// rank and took at most half its host time per call; below 1 MiB NCCL's GPU time is up to 13%
 /// shorter, see NOTES.md); otherwise NCCL when it loads, else PEER.
+///
+/// PEER with kernels launches every rank's kernel at once: the calling thread launches rank 0's, and
+/// each other rank's is launched by that rank's thread when it is awake (within 50 us of the group's
+/// previous call), else by the calling thread too. The calling thread's current CUDA context is left
+/// as it was.
 ///
 /// Ordering: inside a scope (refit_group_enter) the work is queued on the group's streams and this
 /// returns without waiting; outside a scope it runs in an implicit scope on the legacy default streams

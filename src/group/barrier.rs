@@ -1,17 +1,13 @@
 //! A barrier that can be broken: when one rank fails, every rank waiting (or arriving later) returns
 //! `Status::Aborted` instead of waiting forever for the rank that will never come.
 //!
-//! The ranks of a collective usually arrive within microseconds of each other, and waking a thread
-//! blocked on a condition variable costs several microseconds on its own: a waiter spins for a short
-//! while first, and blocks only when the others are late.
+//! The ranks of a collective usually arrive within microseconds of each other: a waiter spins
+//! briefly before it blocks (see `spin`).
 
+use super::spin::spin_while;
 use crate::error::{Error, Result, Status};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
-use std::time::{Duration, Instant};
-
-/// How long a waiter spins before it blocks.
-const SPIN: Duration = Duration::from_micros(50);
 
 pub struct AbortableBarrier {
     parties: usize,
@@ -25,6 +21,9 @@ pub struct AbortableBarrier {
 #[derive(Default)]
 struct BarrierState {
     arrived: usize,
+    /// Parties blocked on `changed` (the rest spin): the last arrival wakes them only when there are
+    /// any, since a wake-up is a system call on the path of every party.
+    blocked: usize,
     generation: u64,
     aborted: bool,
     /// What the last party of the latest crossing computed for everyone (see `wait_then`).
@@ -60,22 +59,22 @@ impl AbortableBarrier {
             state.value = last();
             state.generation += 1;
             self.generation.store(state.generation, Ordering::Release);
-            self.changed.notify_all();
+            if state.blocked > 0 {
+                self.changed.notify_all();
+            }
             return Ok(state.value);
         }
         let generation = state.generation;
         drop(state);
-        let started = Instant::now();
-        while self.generation.load(Ordering::Acquire) == generation
-            && !self.aborted.load(Ordering::Acquire)
-            && started.elapsed() < SPIN
-        {
-            std::hint::spin_loop();
-        }
+        spin_while(|| {
+            self.generation.load(Ordering::Acquire) == generation && !self.aborted.load(Ordering::Acquire)
+        });
         let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        state.blocked += 1;
         while state.generation == generation && !state.aborted {
             state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
         }
+        state.blocked -= 1;
         if state.generation == generation {
             return Err(aborted());
         }
@@ -137,6 +136,23 @@ mod tests {
         let want: Vec<u64> = (1..=200).collect();
         assert!(seen.iter().all(|s| *s == want), "every party sees 1, 2, ... in order");
         assert_eq!(computed.load(Ordering::Relaxed), 200, "once per crossing");
+    }
+
+    #[test]
+    fn parties_that_stopped_spinning_and_blocked_are_woken_by_the_last() {
+        let barrier = Arc::new(AbortableBarrier::new(3));
+        let (passed, passes) = std::sync::mpsc::channel();
+        for _ in 0..2 {
+            let (b, passed) = (Arc::clone(&barrier), passed.clone());
+            std::thread::spawn(move || passed.send(b.wait_then(|| 0).unwrap()).unwrap());
+        }
+        // Well past the spin: both waiters are blocked on the condition variable by now.
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        assert_eq!(barrier.wait_then(|| 42).unwrap(), 42);
+        for _ in 0..2 {
+            let value = passes.recv_timeout(std::time::Duration::from_secs(10));
+            assert_eq!(value, Ok(42), "a blocked waiter was not woken");
+        }
     }
 
     #[test]

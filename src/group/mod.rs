@@ -17,6 +17,7 @@
 #![allow(clippy::needless_range_loop)]
 
 pub mod barrier;
+mod spin;
 pub mod workers;
 
 use crate::allgather::peer::{PeerMethod, PreparedCall};
@@ -435,17 +436,8 @@ impl Group {
         self.in_implicit_scope(|| {
             // Callbacks may reuse any buffer on their stream: earlier collectives must be joined.
             self.join_if_pending()?;
-            let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
-            if workers.is_none() {
-                *workers = Some(RankWorkers::start(
-                    self.id,
-                    Arc::clone(&self.backend),
-                    &self.devices,
-                    &self.streams,
-                    Arc::clone(&self.barrier),
-                )?);
-            }
-            let result = workers.as_ref().expect("started above").run(body);
+            let workers = self.workers()?;
+            let result = workers.as_ref().expect("started by workers()").run(body);
             // No rank is inside a collective now. After a failure ranks may have started different
             // numbers of collectives; restart every count so the next run's ranks agree on slots.
             for calls in &self.collective.calls {
@@ -453,6 +445,42 @@ impl Group {
             }
             result
         })
+    }
+
+    /// Calls `body(rank, stream)` once for every rank, at once where the rank threads can take
+    /// their bodies right away, else on the calling thread (see `RankWorkers::fan_out`); returns the
+    /// first error. For a whole-group call's per-rank launches: bodies that may run on any thread,
+    /// switch to their device themselves, and never wait for each other. Every body runs, even
+    /// when the rank threads cannot be started.
+    pub(crate) fn fan_out(&self, body: &RankFn<'_>) -> Result<()> {
+        match self.workers() {
+            Ok(workers) => workers.as_ref().expect("started by workers()").fan_out(body),
+            Err(err) => {
+                log::warn!("rank threads unavailable, launching from the calling thread: {err}");
+                let mut first_error = None;
+                for rank in 0..self.size() {
+                    if let Err(err) = body(rank, self.streams[rank]) {
+                        first_error.get_or_insert(err);
+                    }
+                }
+                first_error.map_or(Ok(()), Err)
+            }
+        }
+    }
+
+    /// The rank threads, started on first use.
+    fn workers(&self) -> Result<std::sync::MutexGuard<'_, Option<RankWorkers>>> {
+        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        if workers.is_none() {
+            *workers = Some(RankWorkers::start(
+                self.id,
+                Arc::clone(&self.backend),
+                &self.devices,
+                &self.streams,
+                Arc::clone(&self.barrier),
+            )?);
+        }
+        Ok(workers)
     }
 
     /// Makes every whole-group peer allgather use `method` (`None`: pick by block size, see

@@ -1,12 +1,14 @@
 //! Persistent per-rank threads: started once per group, each with its device bound, so that
-//! `run` costs two channel hops per rank instead of a thread spawn.
+//! handing every rank a body costs a channel hop per rank instead of a thread spawn.
 
 use super::barrier::AbortableBarrier;
+use super::spin::spin_while;
 use crate::backend::{Backend, Stream};
 use crate::error::{Error, Result, Status};
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
-use std::sync::mpsc::{channel, Sender};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::sync::mpsc::{channel, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Condvar, Mutex};
 use std::thread::JoinHandle;
 
@@ -29,29 +31,117 @@ pub fn inside_any_run() -> bool {
 }
 
 struct Job {
-    /// Lifetime-erased pointer to the caller's closure; `RankWorkers::run` waits for every rank to
-    /// finish with it before returning, so it never dangles.
+    /// Lifetime-erased pointer to the caller's closure. The dispatching call waits until every body
+    /// it handed out has returned, and a thread dereferences it only after claiming its rank, so it
+    /// never dangles.
     body: *const RankFn<'static>,
     run: Arc<RunState>,
 }
 
-// SAFETY: the closure is Sync and outlives the job (see `body`).
+// SAFETY: the closure is Sync and outlives every use of the pointer (see `body`).
 unsafe impl Send for Job {}
 
+/// One dispatch: who has taken each rank's body, how many are still running, the first error.
 struct RunState {
+    /// Set by whoever runs rank r's body: its thread, or (`fan_out`) the calling thread.
+    claimed: Vec<AtomicBool>,
+    /// Bodies not finished yet, claimed or not.
+    remaining: AtomicUsize,
     first_error: Mutex<Option<Error>>,
-    remaining: Mutex<usize>,
+    /// Set by a caller that stopped spinning on `remaining` and is about to block on `finished`:
+    /// only then does the last body to finish pay for a wake-up (a system call).
+    caller_blocked: AtomicBool,
+    finish_lock: Mutex<()>,
     finished: Condvar,
+}
+
+impl RunState {
+    fn new(ranks: usize) -> RunState {
+        RunState {
+            claimed: (0..ranks).map(|_| AtomicBool::new(false)).collect(),
+            remaining: AtomicUsize::new(ranks),
+            first_error: Mutex::new(None),
+            caller_blocked: AtomicBool::new(false),
+            finish_lock: Mutex::new(()),
+            finished: Condvar::new(),
+        }
+    }
+
+    /// Takes rank `rank`'s body; false when someone else already has.
+    fn claim(&self, rank: usize) -> bool {
+        !self.claimed[rank].swap(true, Ordering::AcqRel)
+    }
+
+    /// Records one claimed body's outcome. A failure is recorded first, then the barrier is broken,
+    /// so that a rank failing because of the abort never wins over the rank that caused it.
+    fn finish(&self, result: Result<()>, barrier: &AbortableBarrier) {
+        if let Err(err) = result {
+            let mut first = self.first_error.lock().unwrap_or_else(|p| p.into_inner());
+            if first.is_none() {
+                *first = Some(err);
+            }
+            drop(first);
+            barrier.abort();
+        }
+        // SeqCst here and in `wait_until_finished`: either the caller sees the count reach zero, or
+        // this sees the caller blocked.
+        if self.remaining.fetch_sub(1, Ordering::SeqCst) == 1 && self.caller_blocked.load(Ordering::SeqCst) {
+            // Under the lock: a caller between its last check and its wait cannot miss this.
+            let _guard = self.finish_lock.lock().unwrap_or_else(|p| p.into_inner());
+            self.finished.notify_all();
+        }
+    }
+
+    /// Returns once every body has finished (spinning first: they usually take microseconds).
+    fn wait_until_finished(&self) {
+        if !spin_while(|| self.remaining.load(Ordering::Acquire) > 0) {
+            return;
+        }
+        let mut guard = self.finish_lock.lock().unwrap_or_else(|p| p.into_inner());
+        self.caller_blocked.store(true, Ordering::SeqCst);
+        while self.remaining.load(Ordering::SeqCst) > 0 {
+            guard = self.finished.wait(guard).unwrap_or_else(|p| p.into_inner());
+        }
+    }
+}
+
+/// Runs a claimed body, turning a panic into an error (it must not unwind past the dispatcher while
+/// other threads still hold the body).
+fn run_body(body: &RankFn<'_>, rank: usize, stream: Stream) -> Result<()> {
+    catch_unwind(AssertUnwindSafe(|| body(rank, stream))).unwrap_or_else(|panic| {
+        let what = panic
+            .downcast_ref::<&str>()
+            .map(|s| s.to_string())
+            .or_else(|| panic.downcast_ref::<String>().cloned())
+            .unwrap_or_default();
+        Err(Error::new(Status::InternalError, format!("rank {rank} panicked: {what}")))
+    })
+}
+
+/// The next job for a rank thread: spins briefly on the queue (a loop of collectives hands over the
+/// next job within microseconds), then blocks. None once the group is dropped.
+fn next_job(receiver: &Receiver<Job>) -> Option<Job> {
+    let mut job = None;
+    spin_while(|| match receiver.try_recv() {
+        Ok(received) => {
+            job = Some(received);
+            false
+        }
+        Err(TryRecvError::Empty) => true,
+        Err(TryRecvError::Disconnected) => false,
+    });
+    job.or_else(|| receiver.recv().ok())
 }
 
 pub struct RankWorkers {
     senders: Vec<Sender<Job>>,
+    streams: Vec<Stream>,
     threads: Vec<JoinHandle<()>>,
     barrier: Arc<AbortableBarrier>,
 }
 
 impl RankWorkers {
-    /// One thread per rank; rank r binds `devices[r]` and passes `streams[r]` to each callback.
+    /// One thread per rank; rank r binds `devices[r]` and passes `streams[r]` to each body.
     pub fn start(
         group_id: u64,
         backend: Arc<dyn Backend>,
@@ -59,98 +149,99 @@ impl RankWorkers {
         streams: &[Stream],
         barrier: Arc<AbortableBarrier>,
     ) -> Result<RankWorkers> {
-        let mut senders = Vec::with_capacity(devices.len());
-        let mut threads = Vec::with_capacity(devices.len());
+        let mut workers = RankWorkers {
+            senders: Vec::with_capacity(devices.len()),
+            streams: streams.to_vec(),
+            threads: Vec::with_capacity(devices.len()),
+            barrier,
+        };
         for (rank, (&device, &stream)) in devices.iter().zip(streams).enumerate() {
             let (sender, receiver) = channel::<Job>();
             let backend = Arc::clone(&backend);
-            let barrier = Arc::clone(&barrier);
+            let barrier = Arc::clone(&workers.barrier);
             let thread = std::thread::Builder::new()
                 .name(format!("refit-rank{rank}"))
                 .spawn(move || {
                     let bound = backend.bind(device);
-                    while let Ok(job) = receiver.recv() {
+                    while let Some(job) = next_job(&receiver) {
+                        if !job.run.claim(rank) {
+                            continue; // the caller of fan_out ran it
+                        }
                         let result = match &bound {
                             Ok(()) => {
                                 CURRENT_RANK.with(|c| c.set(Some((group_id, rank))));
-                                // SAFETY: see Job::body.
-                                let body = unsafe { &*job.body };
-                                let outcome = catch_unwind(AssertUnwindSafe(|| body(rank, stream)));
+                                // SAFETY: claimed above (see Job::body).
+                                let result = run_body(unsafe { &*job.body }, rank, stream);
                                 CURRENT_RANK.with(|c| c.set(None));
-                                outcome.unwrap_or_else(|panic| {
-                                    let what = panic
-                                        .downcast_ref::<&str>()
-                                        .map(|s| s.to_string())
-                                        .or_else(|| panic.downcast_ref::<String>().cloned())
-                                        .unwrap_or_default();
-                                    Err(Error::new(
-                                        Status::InternalError,
-                                        format!("rank {rank} panicked: {what}"),
-                                    ))
-                                })
+                                result
                             }
                             Err(err) => Err(err
                                 .clone()
                                 .context(format!("rank {rank} could not bind device {device}"))),
                         };
-                        if let Err(err) = result {
-                            let mut first = job.run.first_error.lock().unwrap_or_else(|p| p.into_inner());
-                            if first.is_none() {
-                                *first = Some(err);
-                            }
-                            drop(first);
-                            // Recorded first, then released: a rank that fails because of the abort
-                            // never wins over the rank that caused it.
-                            barrier.abort();
-                        }
-                        let mut remaining = job.run.remaining.lock().unwrap_or_else(|p| p.into_inner());
-                        *remaining -= 1;
-                        if *remaining == 0 {
-                            job.run.finished.notify_all();
-                        }
+                        job.run.finish(result, &barrier);
                     }
                 })
                 .map_err(|e| {
                     Error::new(Status::OutOfMemory, format!("cannot start rank thread {rank}: {e}"))
                 })?;
-            senders.push(sender);
-            threads.push(thread);
+            workers.senders.push(sender);
+            workers.threads.push(thread);
         }
-        Ok(RankWorkers { senders, threads, barrier })
+        Ok(workers)
     }
 
     /// Runs `body` on every rank thread at once and waits for all of them. Returns the first error
     /// (in time); the barrier is aborted on the first error and reset before returning.
     pub fn run(&self, body: &RankFn<'_>) -> Result<()> {
-        let run = Arc::new(RunState {
-            first_error: Mutex::new(None),
-            remaining: Mutex::new(self.senders.len()),
-            finished: Condvar::new(),
-        });
-        // SAFETY: only erases the lifetime; we wait below until no rank uses the pointer.
-        let body: *const RankFn<'static> = unsafe { std::mem::transmute(body as *const RankFn<'_>) };
-        let mut sent = 0;
-        for sender in &self.senders {
-            if sender.send(Job { body, run: Arc::clone(&run) }).is_err() {
-                break;
-            }
-            sent += 1;
+        let (run, stopped) = self.hand_out(body, 0);
+        for &rank in &stopped {
+            // Its thread will never take it: count it as finished, and release the ranks that
+            // wait for it.
+            run.claim(rank);
+            run.finish(Ok(()), &self.barrier);
+            self.barrier.abort();
         }
-        {
-            let mut remaining = run.remaining.lock().unwrap_or_else(|p| p.into_inner());
-            *remaining -= self.senders.len() - sent;
-            if sent < self.senders.len() {
-                self.barrier.abort();
-            }
-            while *remaining > 0 {
-                remaining = run.finished.wait(remaining).unwrap_or_else(|p| p.into_inner());
-            }
-        }
-        let error = run.first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
-        self.barrier.reset();
-        if sent < self.senders.len() {
+        let finished = self.finish(run);
+        if !stopped.is_empty() {
             return Err(Error::new(Status::InternalError, "a rank thread has stopped"));
         }
+        finished
+    }
+
+    /// Runs `body` for every rank, at once where the rank threads are awake: the calling thread
+    /// runs rank 0's body, then every body its rank thread has not taken yet (a blocked thread takes
+    /// several microseconds to wake), so the call never costs much more than running the bodies one
+    /// after another on the calling thread. For bodies that may run on any thread and never wait for
+    /// each other (no barrier). Returns the first error (in time).
+    pub fn fan_out(&self, body: &RankFn<'_>) -> Result<()> {
+        let (run, _) = self.hand_out(body, 1);
+        for rank in 0..self.senders.len() {
+            if run.claim(rank) {
+                let result = run_body(body, rank, self.streams[rank]);
+                run.finish(result, &self.barrier);
+            }
+        }
+        self.finish(run)
+    }
+
+    /// Queues `body` for the rank threads from `first` on; returns the dispatch and the ranks whose
+    /// thread has stopped (it dropped its queue, so it will never take the body).
+    fn hand_out(&self, body: &RankFn<'_>, first: usize) -> (Arc<RunState>, Vec<usize>) {
+        let run = Arc::new(RunState::new(self.senders.len()));
+        // SAFETY: only erases the lifetime; `finish` waits until no thread uses the pointer.
+        let body: *const RankFn<'static> = unsafe { std::mem::transmute(body as *const RankFn<'_>) };
+        let stopped = (first..self.senders.len())
+            .filter(|&rank| self.senders[rank].send(Job { body, run: Arc::clone(&run) }).is_err())
+            .collect();
+        (run, stopped)
+    }
+
+    /// Waits for every body of `run`, resets the barrier, and returns the first error.
+    fn finish(&self, run: Arc<RunState>) -> Result<()> {
+        run.wait_until_finished();
+        let error = run.first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+        self.barrier.reset();
         error.map_or(Ok(()), Err)
     }
 }
@@ -161,5 +252,126 @@ impl Drop for RankWorkers {
         for thread in self.threads.drain(..) {
             let _ = thread.join();
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::backend::host::HostBackend;
+    use std::sync::mpsc::sync_channel;
+    use std::thread::ThreadId;
+
+    fn count(ran: &AtomicUsize) -> Result<()> {
+        ran.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn workers(ranks: usize) -> RankWorkers {
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(ranks).unwrap());
+        let devices: Vec<usize> = (0..ranks).collect();
+        let streams: Vec<Stream> = (0..ranks as u64).map(|r| Stream(100 + r)).collect();
+        RankWorkers::start(7, backend, &devices, &streams, Arc::new(AbortableBarrier::new(ranks))).unwrap()
+    }
+
+    #[test]
+    fn fan_out_runs_every_body_once_with_its_stream_whether_threads_are_awake_or_asleep() {
+        let workers = workers(4);
+        let runs: Vec<AtomicUsize> = (0..4).map(|_| AtomicUsize::new(0)).collect();
+        for call in 0..300 {
+            if call % 50 == 0 {
+                // Past the spin: the rank threads are blocked, and the caller takes their bodies.
+                std::thread::sleep(std::time::Duration::from_millis(2));
+            }
+            workers
+                .fan_out(&|rank, stream| {
+                    assert_eq!(stream, Stream(100 + rank as u64));
+                    runs[rank].fetch_add(1, Ordering::Relaxed);
+                    Ok(())
+                })
+                .unwrap();
+            let counts: Vec<usize> = runs.iter().map(|r| r.load(Ordering::Relaxed)).collect();
+            assert_eq!(counts, vec![call + 1; 4], "after call {call}");
+        }
+    }
+
+    #[test]
+    fn a_caller_that_stopped_spinning_is_woken_when_the_last_body_finishes() {
+        let workers = workers(2);
+        let (done, finished) = channel();
+        std::thread::spawn(move || {
+            let slow = |_, _| {
+                // Well past the caller's spin: it blocks, and the last body to finish must wake it.
+                std::thread::sleep(std::time::Duration::from_millis(5));
+                Ok(())
+            };
+            for _ in 0..3 {
+                done.send((workers.run(&slow), workers.fan_out(&slow))).unwrap();
+            }
+        });
+        for _ in 0..3 {
+            let outcome = finished.recv_timeout(std::time::Duration::from_secs(10));
+            assert!(matches!(outcome, Ok((Ok(()), Ok(())))), "a blocked caller was not woken");
+        }
+    }
+
+    #[test]
+    fn fan_out_runs_on_the_calling_thread_what_busy_rank_threads_cannot_take() {
+        let workers = Arc::new(workers(3));
+        // Hold every rank thread inside a run() body until released.
+        let (entered, entered_rx) = sync_channel::<()>(3);
+        let (release, release_rx) = channel::<()>();
+        let release_rx = Mutex::new(release_rx);
+        let held = {
+            let workers = Arc::clone(&workers);
+            std::thread::spawn(move || {
+                workers.run(&|_, _| {
+                    entered.send(()).unwrap();
+                    let _ = release_rx.lock().unwrap().recv();
+                    Ok(())
+                })
+            })
+        };
+        for _ in 0..3 {
+            entered_rx.recv().unwrap();
+        }
+        let ran_on: Mutex<Vec<(usize, ThreadId)>> = Mutex::new(Vec::new());
+        workers
+            .fan_out(&|rank, _| {
+                ran_on.lock().unwrap().push((rank, std::thread::current().id()));
+                Ok(())
+            })
+            .unwrap();
+        let me = std::thread::current().id();
+        assert_eq!(ran_on.into_inner().unwrap(), vec![(0, me), (1, me), (2, me)]);
+        for _ in 0..3 {
+            release.send(()).unwrap();
+        }
+        held.join().unwrap().unwrap();
+        // The rank threads found the fan-out's bodies taken and skipped them; both kinds still work.
+        let ran = AtomicUsize::new(0);
+        workers.run(&|_, _| count(&ran)).unwrap();
+        workers.fan_out(&|_, _| count(&ran)).unwrap();
+        assert_eq!(ran.load(Ordering::Relaxed), 6);
+    }
+
+    #[test]
+    fn fan_out_returns_a_failing_or_panicking_body_as_an_error_and_stays_usable() {
+        let workers = workers(3);
+        let failed = workers
+            .fan_out(&|rank, _| match rank {
+                1 => Err(Error::invalid_argument("rank 1 refuses")),
+                _ => Ok(()),
+            })
+            .unwrap_err();
+        assert_eq!((failed.status, failed.message.as_str()), (Status::InvalidArgument, "rank 1 refuses"));
+        let panicked =
+            workers.fan_out(&|rank, _| if rank == 2 { panic!("rank 2 breaks") } else { Ok(()) }).unwrap_err();
+        assert_eq!(panicked.status, Status::InternalError);
+        assert!(panicked.message.contains("rank 2 breaks"), "{}", panicked.message);
+        let ran = AtomicUsize::new(0);
+        workers.fan_out(&|_, _| count(&ran)).unwrap();
+        workers.run(&|_, _| count(&ran)).unwrap();
+        assert_eq!(ran.load(Ordering::Relaxed), 6);
     }
 }
