@@ -242,7 +242,7 @@ typedef enum {
 /**
  * A device group: one rank per device, each with its own non-blocking stream created once, and one
  * persistent thread per rank, started at the first call that needs them (refit_group_run, a PEER
- * allgather with kernels). After each such call a rank thread spins for up to 50 us waiting for the
+ * allgather). After each such call a rank thread spins for up to 50 us waiting for the
  * next before it sleeps: a loop of calls then costs no thread wake-ups (several microseconds each).
  *
  * Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
@@ -480,12 +480,12 @@ extern "C" {
  * NULL, receives the algorithm that ran.
  *
  * AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
- * access (on 2 x H200, PEER moved 1.39-1.71x what NCCL's allgather moved from 1 MiB to 1 GiB per
+ * access (on 2 x H200, PEER moved 1.34-1.73x what NCCL's allgather moved from 1 MiB to 1 GiB per
  * rank and took at most half its host time per call; below 1 MiB NCCL's GPU time is up to 13%
  * shorter, see NOTES.md); otherwise NCCL when it loads, else PEER.
  *
- * PEER with kernels launches every rank's kernel at once: the calling thread launches rank 0's, and
- * each other rank's is launched by that rank's thread when it is awake (within 50 us of the group's
+ * PEER issues every rank's launches and copies at once: the calling thread issues rank 0's, and each
+ * other rank's are issued by that rank's thread when it is awake (within 50 us of the group's
  * previous call), else by the calling thread too. The calling thread's current CUDA context is left
  * as it was.
  *

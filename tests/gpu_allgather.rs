@@ -79,6 +79,13 @@ impl Case {
         }
     }
 
+    /// This case's whole-group allgather.
+    fn gather(&self, group: &Group, algorithm: Algorithm) -> refit::Result<Algorithm> {
+        let sends: Vec<u64> = (0..self.counts.len()).map(|r| self.send_ptr(r)).collect();
+        let recvs: Vec<u64> = self.recvs.iter().map(|b| b.ptr).collect();
+        unsafe { allgather(group, &sends, &recvs, &self.counts, algorithm) }
+    }
+
     /// Rank `rank`'s share of this case's per-rank allgather (from its `Group::run` callback).
     fn gather_rank(&self, group: &Group, rank: usize, algorithm: Algorithm) -> refit::Result<Algorithm> {
         let (send, recv) = (self.send_ptr(rank), self.recvs[rank].ptr);
@@ -103,6 +110,13 @@ impl Case {
     }
 }
 
+/// Checks every case, named by `what` and its call index.
+fn check_each(cases: &[Case], what: &str) {
+    for (call, case) in cases.iter().enumerate() {
+        case.check(&format!("{what} call {call}"));
+    }
+}
+
 /// A hundred calls' cases, each with its own buffers and data, so that a call reading or writing too
 /// early or too late shows in its own bytes; sizes on both sides of the peer method threshold, every
 /// fourth in place.
@@ -124,9 +138,8 @@ fn whole_group_allgather_is_byte_exact_for_every_algorithm_and_shape() {
             for counts in shapes(size) {
                 for in_place in [false, true] {
                     let case = Case::new(&counts, 1, in_place);
-                    let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
-                    let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
-                    let ran = unsafe { allgather(&group, &sends, &recvs, &counts, algorithm) }
+                    let ran = case
+                        .gather(&group, algorithm)
                         .unwrap_or_else(|e| panic!("G={size} {algorithm:?} {counts:?}: {e}"));
                     if algorithm == Algorithm::Auto {
                         assert_eq!(
@@ -177,9 +190,7 @@ fn two_hundred_calls_in_a_row_stay_exact() {
             for call in 0..200 {
                 case.blocks = (0..size).map(|r| pattern(r, call + 1000, counts[r])).collect();
                 case.reset();
-                let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
-                let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
-                unsafe { allgather(&group, &sends, &recvs, &counts, algorithm) }.unwrap();
+                case.gather(&group, algorithm).unwrap();
                 case.check(&format!("G={size} {algorithm:?} call {call}"));
             }
             println!("G={size} {algorithm:?}: 200 calls exact");
@@ -210,9 +221,7 @@ fn inside_a_scope_the_allgather_comes_after_slow_producers_and_users_on_the_call
             let last = size - 1;
             kernels[last].launch(callers[last], 300, case.recvs[last].ptr, 0x57A1E);
             group.enter(Some(&callers)).unwrap();
-            let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
-            let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
-            unsafe { allgather(&group, &sends, &recvs, &counts, algorithm) }.unwrap();
+            case.gather(&group, algorithm).unwrap();
             group.exit(ExitMode::Async).unwrap();
             for (r, &s) in callers.iter().enumerate() {
                 cuda().sync_stream(r, s).unwrap();
@@ -240,11 +249,9 @@ fn every_peer_method_is_byte_exact() {
             for counts in [vec![8 * mib + 5; size], uneven.clone(), vec![777; size]] {
                 for in_place in [false, true] {
                     let case = Case::new(&counts, 4, in_place);
-                    let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
-                    let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
                     group.enter(None).unwrap();
                     for _ in 0..3 {
-                        unsafe { allgather(&group, &sends, &recvs, &counts, Algorithm::Peer) }.unwrap();
+                        case.gather(&group, Algorithm::Peer).unwrap();
                     }
                     group.exit(ExitMode::Async).unwrap();
                     case.check(&format!("{method:?} G={size} counts {counts:?} in_place {in_place}"));
@@ -281,14 +288,12 @@ fn an_owner_may_overwrite_its_send_buffer_on_its_stream_right_after_the_call() {
         for count in [4096usize, 3 << 20] {
             let counts = vec![count; 2];
             let case = Case::new(&counts, 5, false);
-            let sends: Vec<u64> = (0..2).map(|r| case.send_ptr(r)).collect();
-            let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
             group.enter(None).unwrap();
             // Rank 1 is busy for 200 ms (it reads or receives late); rank 0 then overwrites the first
             // word of its send block on its own stream right after the call, with no other group call.
             kernels[1].launch(group.stream(1).unwrap(), 200, scratch.ptr, 1);
-            unsafe { allgather(&group, &sends, &recvs, &counts, Algorithm::Peer) }.unwrap();
-            kernels[0].launch(group.stream(0).unwrap(), 0, sends[0], 0xDEAD);
+            case.gather(&group, Algorithm::Peer).unwrap();
+            kernels[0].launch(group.stream(0).unwrap(), 0, case.send_ptr(0), 0xDEAD);
             group.exit(ExitMode::Sync).unwrap();
             case.check(&format!("{method:?} {count} B: owner overwrote its send block early"));
         }
@@ -351,15 +356,11 @@ fn a_hundred_calls_in_one_scope_switching_methods_buffers_and_sizes() {
             group.set_peer_method(
                 [None, Some(PeerMethod::KernelPushes), Some(PeerMethod::CopyEnginePushes)][(call / 3) % 3],
             );
-            let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
-            let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
-            unsafe { allgather(&group, &sends, &recvs, &case.counts, Algorithm::Peer) }.unwrap();
+            case.gather(&group, Algorithm::Peer).unwrap();
         }
         group.exit(ExitMode::Sync).unwrap();
         group.set_peer_method(None);
-        for (call, case) in cases.iter().enumerate() {
-            case.check(&format!("G={size} call {call}"));
-        }
+        check_each(&cases, &format!("G={size}"));
         println!("G={size}: 100 calls in one scope, methods and buffers switching, all exact");
     }
 }
@@ -387,15 +388,11 @@ fn kernel_pushes_launched_by_awake_or_sleeping_rank_threads_are_exact_and_keep_t
                 // then launches their kernels too.
                 std::thread::sleep(std::time::Duration::from_millis(1));
             }
-            let sends: Vec<u64> = (0..size).map(|r| case.send_ptr(r)).collect();
-            let recvs: Vec<u64> = case.recvs.iter().map(|b| b.ptr).collect();
-            unsafe { allgather(&group, &sends, &recvs, &case.counts, Algorithm::Peer) }.unwrap();
+            case.gather(&group, Algorithm::Peer).unwrap();
             assert_eq!(current_context(), callers, "call {call} changed the caller's current context");
         }
         group.exit(ExitMode::Sync).unwrap();
-        for (call, case) in cases.iter().enumerate() {
-            case.check(&format!("G={size} call {call}"));
-        }
+        check_each(&cases, &format!("G={size}"));
         println!("G={size}: 100 kernel-push calls, rank threads awake and asleep, all exact");
     }
 }
@@ -450,9 +447,7 @@ fn a_hundred_per_rank_calls_in_one_run_switching_buffers_and_sizes() {
                 cases.iter().try_for_each(|case| case.gather_rank(&group, rank, Algorithm::Peer).map(drop))
             })
             .unwrap();
-        for (call, case) in cases.iter().enumerate() {
-            case.check(&format!("per-rank G={size} call {call}"));
-        }
+        check_each(&cases, &format!("per-rank G={size}"));
         println!("G={size}: 100 per-rank calls in one run, buffers and sizes switching, all exact");
     }
 }

@@ -22,6 +22,9 @@
 //!   lowers it (377 with 2, 360 with 4). Also the method of groups without direct peer access, where
 //!   the driver stages the copies.
 //!
+//! Each rank's part is issued from that rank's thread where it is awake (`Group::fan_out`), so the
+//! call's host time is about one rank's, not the sum over ranks.
+//!
 //! Either way the call leaves every stream joined: once the work queued on rank r's stream is done,
 //! r's receive buffer holds every block and no rank reads r's send buffer any more.
 //!
@@ -107,35 +110,25 @@ pub(super) unsafe fn allgather(group: &Group, call: &Gather) -> Result<PeerMetho
     let method = method_for(group, call.layout.total / group.size() as u64);
     // A reshard execution may have left cross-rank reads unjoined (Group::join_if_pending).
     group.join_if_pending()?;
-    let (backend, devices, streams, state) =
-        (group.backend(), group.devices(), group.streams(), &group.collective);
-    let ranks = 0..group.size();
     if meets_on_gpu(group, method) {
         synced_kernel_pushes(group, call)?;
         return Ok(method);
     }
-    if group.size() > 1 {
-        for r in ranks.clone() {
-            backend.record(devices[r], state.ready[r], streams[r])?;
-        }
+    // The per-rank call's steps, each issued for every rank at once (`Group::fan_out`): every
+    // event a step waits on was recorded by an earlier step, which has returned on every rank.
+    for rank in 0..group.size() {
+        before_meeting(group, rank, method)?;
     }
+    // SAFETY (closures): as for this function, on every rank's stream.
     match method {
         PeerMethod::KernelPushes => {
-            for p in ranks.clone() {
-                event_ordered_push(group, call, p)?;
-            }
-            for r in ranks {
-                wait_for_event_ordered_pushers(group, r)?;
-            }
+            group.fan_out(&|p, _| unsafe { event_ordered_push(group, call, p) })?;
+            group.fan_out(&|r, _| unsafe { wait_for_event_ordered_pushers(group, r) })?;
         }
         PeerMethod::CopyEnginePushes => {
             let own = own_block_batches(group, call)?;
-            for p in ranks.clone() {
-                lane_pushes(group, call, p, own.as_deref())?;
-            }
-            for r in ranks {
-                wait_for_lane_pushers(group, call, r)?;
-            }
+            group.fan_out(&|p, _| unsafe { lane_pushes(group, call, p, own.as_deref()) })?;
+            group.fan_out(&|r, _| unsafe { wait_for_lane_pushers(group, call, r) })?;
         }
     }
     Ok(method)
@@ -194,8 +187,7 @@ pub(super) unsafe fn rank_share(
 }
 
 /// Every rank's pushes as one group-synchronized launch on its stream (CUDA, direct peer access),
-/// issued from the rank threads at once: the call costs the host about one launch, not one per rank
-/// (NOTES.md, host time).
+/// issued at once: the call costs the host about one launch, not one per rank (NOTES.md, host time).
 unsafe fn synced_kernel_pushes(group: &Group, call: &Gather) -> Result<()> {
     let rendezvous = group.rendezvous()?;
     let batches = prepared(group, call, PeerMethod::KernelPushes, |p| push_batch(group, call, p))?;

@@ -26,7 +26,7 @@ pub const REFIT_EXIT_ASYNC: u32 = 1;
 
 /// A device group: one rank per device, each with its own non-blocking stream created once, and one
 /// persistent thread per rank, started at the first call that needs them (refit_group_run, a PEER
-/// allgather with kernels). After each such call a rank thread spins for up to 50 us waiting for the
+/// allgather). After each such call a rank thread spins for up to 50 us waiting for the
 /// next before it sleeps: a loop of calls then costs no thread wake-ups (several microseconds each).
 ///
 /// Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
