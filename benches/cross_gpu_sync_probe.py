@@ -6,7 +6,10 @@ memory operations (cuStreamWriteValue64 into the waiter's memory, cuStreamWaitVa
 2. The 2-GPU copy-engine push allgather at 16 / 64 / 256 MiB per rank, with its cross-GPU orderings
    made of events, of stream memory operations, or of flags that one-thread kernels on the rank
    streams poll (the ready hop a kernel that writes the peer's flag and polls its own, the landed
-   hop a memory-op or kernel write after the copy): GB/s received per GPU.
+   hop a memory-op or kernel write after the copy): GB/s received per GPU. Also the copies alone
+   (no ordering) and a staged push (the peer writes a staging buffer without waiting, the receiver
+   copies each landed piece into place: one cross-GPU hop per call instead of two, for twice the
+   block's memory). benches/gpu_allgather.rs prints the bound the hops set on an in-place call.
 Prints markdown; JSON to $REFIT_BENCH_RESULTS/cross_gpu_sync_probe.json.
 """
 
@@ -256,8 +259,73 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
                     (1,), (1,), (null, flag[p][3:4].data.ptr, cp.uint64(v), failed[p].data.ptr), stream=streams[p]
                 )
 
+    # Staging: rank p pushes into a second buffer on r (two slots, alternating calls) without
+    # waiting for r; r's stream waits for each piece to land and copies it into recv[r] with a
+    # kernel. One cross-GPU hop per call instead of two, for an extra 2 x block of memory per peer.
+    stage, piece_ev, free_ev = [], [], []
+    for d in (0, 1):
+        with cp.cuda.Device(d):
+            stage.append(cp.zeros(2 * size_max, dtype=cp.uint8))
+            piece_ev.append([cp.cuda.Event(disable_timing=True) for _ in range(8)])
+            free_ev.append([cp.cuda.Event(disable_timing=True) for _ in range(2)])
+    slot_used = [False, False]
+    staged_calls = Counter()
+
+    def staged_call(size, pieces, copy_out_blocks=132):
+        slot = staged_calls.next() % 2
+        piece = size // pieces
+        for r in (0, 1):
+            with cp.cuda.Device(r):
+                ready_ev[r].record(streams[r])
+        for p in (0, 1):
+            r = 1 - p
+            with cp.cuda.Device(p):
+                lanes[p].wait_event(ready_ev[p])
+                if slot_used[slot]:
+                    lanes[p].wait_event(free_ev[r][slot])  # r copied this slot out two calls ago
+                for i in range(pieces):
+                    dst = stage[r].data.ptr + slot * size_max + i * piece
+                    rt.memcpyAsync(dst, send[p].data.ptr + i * piece, piece, 4, lanes[p].ptr)
+                    piece_ev[p][i].record(lanes[p])
+                streams[p].wait_event(piece_ev[p][pieces - 1])  # send[p] free
+        for r in (0, 1):
+            p = 1 - r
+            with cp.cuda.Device(r):
+                for i in range(pieces):
+                    streams[r].wait_event(piece_ev[p][i])
+                    src = stage[r].data.ptr + slot * size_max + i * piece
+                    copy_kernel(
+                        (copy_out_blocks,), (512,),
+                        (src, recv[r].data.ptr + p * size + i * piece, cp.uint64(piece // 16)),
+                        stream=streams[r],
+                    )
+                free_ev[r][slot].record(streams[r])
+        slot_used[slot] = True
+
+    def copies_only_call(size):
+        """Both pushes on their lanes back to back, nothing between them (the copy engines'
+        ceiling): the lanes wait for the gate once per batch (batch), not per call."""
+        for p in (0, 1):
+            with cp.cuda.Device(p):
+                rt.memcpyAsync(recv[1 - p].data.ptr + p * size, send[p].data.ptr, size, 4, lanes[p].ptr)
+
+    def batch(call, size, iters):
+        """`iters` calls, the lanes forked from the rank streams (after the gate) before the first
+        and joined back after the last, so the timing covers them."""
+        for p in (0, 1):
+            with cp.cuda.Device(p):
+                fork_ev[p].record(streams[p])
+                lanes[p].wait_event(fork_ev[p])
+        for _ in range(iters):
+            call(size)
+        for p in (0, 1):
+            with cp.cuda.Device(p):
+                lane_ev[p].record(lanes[p])
+                streams[p].wait_event(lane_ev[p])
+
     push_rows = []
     variants = {
+        "copies only, no events (unsafe)": copies_only_call,
         "push, own CE (refit)": lambda size: variant_call(size, "ce", True, True),
         "push, own SM kernel": lambda size: variant_call(size, "sm", True, True),
         "push, no own copy": lambda size: variant_call(size, None, True, True),
@@ -271,24 +339,46 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
         "push, own SM kernel, 8 blocks": lambda size: variant_call(size, "sm", True, True, 8),
         "push, own SM kernel, 16 blocks": lambda size: variant_call(size, "sm", True, True, 16),
         "push, own SM kernel, 32 blocks": lambda size: variant_call(size, "sm", True, True, 32),
+        "staged push, 1 piece (one hop)": lambda size: staged_call(size, 1),
+        "staged push, 2 pieces (one hop)": lambda size: staged_call(size, 2),
+        "staged push, 4 pieces (one hop)": lambda size: staged_call(size, 4),
+        "staged push, 8 pieces (one hop)": lambda size: staged_call(size, 8),
     }
+    # Every variant moves the right bytes (ordering aside): poisoned recv, one call, compared.
+    size = 16 * MIB
+    for name, call in variants.items():
+        if name.startswith("copies only"):
+            continue  # moves the peer's block only
+        for r in (0, 1):
+            with cp.cuda.Device(r):
+                recv[r].fill(0xA5)
+                cp.cuda.Device(r).synchronize()
+        call(size)
+        for r in (0, 1):
+            with cp.cuda.Device(r):
+                streams[r].synchronize()
+                lanes[r].synchronize()
+        for r in (0, 1):
+            p = 1 - r
+            got = cp.asnumpy(recv[r][p * size : (p + 1) * size])
+            assert (got == cp.asnumpy(send[p][:size])).all(), f"{name}: recv[{r}] block {p} wrong"
     for size in (16 * MIB, 64 * MIB, 256 * MIB):
         iters = max(5, min(40, 2048 * MIB // size))
         out = {"size_mib": size // MIB}
         for name, call in variants.items():
-            t = timed(pair, lambda: [call(size) for _ in range(iters)], gate_cycles=GATE) / iters
+            t = timed(pair, lambda: batch(call, size, iters), gate_cycles=GATE) / iters
             out[name] = size / t / 1e9
         push_rows.append(out)
-    # Correctness of the last call: both recv buffers hold both blocks.
+    # Correctness of the last call: both recv buffers hold the peer's block.
     for r in (0, 1):
         with cp.cuda.Device(r):
             streams[r].synchronize()
     assert all(int(f.get()[0]) == 0 for f in failed), "a flag kernel gave up waiting"
     size = 256 * MIB
     for r in (0, 1):
-        for p in (0, 1):
-            got = cp.asnumpy(recv[r][p * size : (p + 1) * size])
-            assert (got == cp.asnumpy(send[p][:size])).all(), f"recv[{r}] block {p} wrong"
+        p = 1 - r
+        got = cp.asnumpy(recv[r][p * size : (p + 1) * size])
+        assert (got == cp.asnumpy(send[p][:size])).all(), f"recv[{r}] block {p} wrong"
 
     print("| ordering | us |")
     print("| --- | --- |")

@@ -3,7 +3,9 @@
 //! picks, and that one again with every block in place, so with no own-block copy), our NCCL
 //! algorithm and `ncclAllGather` called directly in the same process and run, per-rank sizes
 //! 64 KiB .. 1 GiB; the copy-engine ceiling of the topology for each G (every GPU pulling, and every
-//! GPU pushing, every peer block at once); the copy-engine probe both ways at once on non-blocking
+//! GPU pushing, every peer block at once) and the bound it sets on an in-place call made of those
+//! copies (the ceiling's copies plus one cross-GPU event round trip, measured here too); the
+//! copy-engine probe both ways at once on non-blocking
 //! streams versus the legacy null streams; host time per call for tiny buffers (back to back, and
 //! isolated calls after the group's rank threads have gone to sleep) and the host cost of
 //! each driver call that time is made of; and a loop of calls timed by the wall clock (host issue and
@@ -46,6 +48,8 @@ const TINY: usize = 256;
 const HOST_CALLS: usize = 2000;
 /// Idle time before each "isolated" call: longer than the rank threads spin (50 us) after a call.
 const ISOLATED_REST_US: u64 = 300;
+/// Round trips GPU0 -> GPU1 -> GPU0 in one timed chain (the host queues them behind the gate).
+const ROUND_TRIPS: usize = 1000;
 /// Per-rank sizes at which the per-rank collective (inside `Group::run`) is timed against the rest.
 const PER_RANK_SIZES: [usize; 5] = [TINY, MIB / 16, MIB, 16 * MIB, 64 * MIB];
 
@@ -196,6 +200,8 @@ struct Row {
     synced_pulls: f64,
     /// Copy-engine ceilings, all pulling and all pushing.
     ceiling: Option<(f64, f64)>,
+    /// What no call that writes the caller's buffers in place can beat (in_place_bound).
+    bound: Option<f64>,
 }
 
 /// Wall-clock us per call, G ranks, one size: what a host-driven loop of calls costs (host issue and
@@ -291,6 +297,38 @@ fn copy_engine_ceiling(
         backend.destroy_stream(issuer, s);
     }
     gbps((g - 1) * size, seconds)
+}
+
+/// GPU time of one cross-GPU event round trip: GPU0's stream records, GPU1's waits and records,
+/// GPU0's waits (fresh non-blocking streams).
+fn event_round_trip(gates: &Gates) -> f64 {
+    let backend = cuda();
+    let streams = RankStreams::new(2);
+    let events: Vec<_> = (0..2).map(|d| backend.create_event(d).unwrap()).collect();
+    let chain = time_per_call(gates, &streams.timed(), 1, &mut || {
+        for _ in 0..ROUND_TRIPS {
+            backend.record(0, events[0], streams.0[0]).unwrap();
+            backend.wait(1, streams.0[1], events[0]).unwrap();
+            backend.record(1, events[1], streams.0[1]).unwrap();
+            backend.wait(0, streams.0[0], events[1]).unwrap();
+        }
+    });
+    drop(streams);
+    for (d, event) in events.into_iter().enumerate() {
+        backend.destroy_event(d, event);
+    }
+    chain / ROUND_TRIPS as f64
+}
+
+/// GB/s per GPU that no correct call writing the caller's buffers in place with copy-engine copies
+/// can beat. Rank r's work after a call reads bytes copied into recv[r], and the next call's copies
+/// into recv[r] must wait for that work: between the last byte of one call landing and the first
+/// byte of the next leaving, r's stream must hear from the copying GPU and the copying GPU from r.
+/// A copy can only wait on a stream dependency, and events are the fastest, so that is one event
+/// round trip (any G: every pair's trip runs at once), and a call takes at least the ceiling's
+/// copies plus a trip. (Kernels can wait on flags instead, which are cheaper; they move less.)
+fn in_place_bound(received: usize, ceiling_gbps: f64, round_trip_s: f64) -> f64 {
+    gbps(received, received as f64 / (ceiling_gbps * 1e9) + round_trip_s)
 }
 
 /// One fresh non-blocking stream per device 0..g for an ablation, drained and destroyed on drop.
@@ -580,6 +618,7 @@ fn main() {
     let nccl_version = nccl().map(|n| n.version()).unwrap_or_else(|e| panic!("NCCL is needed: {e}"));
     println!("# gpu_allgather: {count} x {gpu_name}, NCCL {nccl_version}");
     let gates = Gates::new(count);
+    let round_trip = (count > 1).then(|| event_round_trip(&gates));
     let mut rows = Vec::new();
     let mut host_rows = Vec::new();
     let mut loop_rows = Vec::new();
@@ -647,6 +686,9 @@ fn main() {
                 let pull = copy_engine_ceiling(&gates, g, size, &sends, &recvs, false);
                 (pull, copy_engine_ceiling(&gates, g, size, &sends, &recvs, true))
             });
+            let bound = ceiling
+                .zip(round_trip)
+                .map(|((pull, push), trip)| in_place_bound(received, pull.max(push), trip));
             rows.push(Row {
                 g,
                 size,
@@ -659,6 +701,7 @@ fn main() {
                 ours_nccl: gbps(received, ours_nccl),
                 direct_nccl: gbps(received, direct_nccl),
                 ceiling,
+                bound,
             });
         }
         if g == 2 {
@@ -732,12 +775,12 @@ fn main() {
     }
 
     println!("\n## Allgather: GB/s received per GPU ((G-1) x size / time; G=1: own block copy)\n");
-    println!("| G | per-rank size | refit peer | (kernel pushes | CE push) | refit peer, in place | ablation: kernel pushes, event-ordered | ablation: kernel pulls, synced | refit NCCL | direct ncclAllGather | peer / NCCL | refit NCCL / direct | CE ceiling (all pull / all push) | best / ceiling |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
+    println!("| G | per-rank size | refit peer | (kernel pushes | CE push) | refit peer, in place | ablation: kernel pushes, event-ordered | ablation: kernel pulls, synced | refit NCCL | direct ncclAllGather | peer / NCCL | refit NCCL / direct | CE ceiling (all pull / all push) | best / ceiling | in-place bound | peer / bound |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|");
     for r in &rows {
         let best = r.peer.max(r.ours_nccl);
         println!(
-            "| {} | {} KiB | {:.1} ({:?}) | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3}x | {:.3} | {} | {} |",
+            "| {} | {} KiB | {:.1} ({:?}) | {:.1} | {:.1} | {} | {:.1} | {:.1} | {:.1} | {:.1} | {:.3}x | {:.3} | {} | {} | {} | {} |",
             r.g,
             r.size >> 10,
             r.peer,
@@ -753,7 +796,12 @@ fn main() {
             r.ours_nccl / r.direct_nccl,
             r.ceiling.map_or("-".to_string(), |(pull, push)| format!("{pull:.1} / {push:.1}")),
             r.ceiling.map_or("-".to_string(), |(pull, push)| format!("{:.2}", best / pull.max(push))),
+            r.bound.map_or("-".to_string(), |b| format!("{b:.1}")),
+            r.bound.map_or("-".to_string(), |b| format!("{:.3}", r.peer / b)),
         );
+    }
+    if let Some(trip) = round_trip {
+        println!("\nEvent round trip GPU0 -> GPU1 -> GPU0 (GPU time): {:.2} us", trip * 1e6);
     }
     if !probes.is_empty() {
         println!("\n## Copy-engine probe GPU0 <-> GPU1 (GB/s, totals over directions)\n");
@@ -803,7 +851,7 @@ fn main() {
     );
     let allgather = json_list(&rows, |r| {
         format!(
-            "{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_method\":\"{:?}\",\"peer_kernel_pushes\":{:.3},\"peer_copy_engine_push\":{:.3},\"refit_peer_in_place\":{},\"ablation_event_ordered_kernel_pushes\":{:.3},\"ablation_synced_kernel_pulls\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling_pull\":{},\"ce_ceiling_push\":{}}}",
+            "{{\"g\":{},\"bytes_per_rank\":{},\"refit_peer\":{:.3},\"peer_method\":\"{:?}\",\"peer_kernel_pushes\":{:.3},\"peer_copy_engine_push\":{:.3},\"refit_peer_in_place\":{},\"ablation_event_ordered_kernel_pushes\":{:.3},\"ablation_synced_kernel_pulls\":{:.3},\"refit_nccl\":{:.3},\"direct_nccl\":{:.3},\"ce_ceiling_pull\":{},\"ce_ceiling_push\":{},\"in_place_bound\":{}}}",
             r.g,
             r.size,
             r.peer,
@@ -816,7 +864,8 @@ fn main() {
             r.ours_nccl,
             r.direct_nccl,
             json_number(r.ceiling.map(|c| c.0)),
-            json_number(r.ceiling.map(|c| c.1))
+            json_number(r.ceiling.map(|c| c.1)),
+            json_number(r.bound)
         )
     });
     let copy_engine_probe = json_list(&probes, |p| {
@@ -843,7 +892,8 @@ fn main() {
     let driver_calls =
         json_list(&call_costs, |(call, us)| format!("{{\"call\":{},\"median\":{us:.3}}}", json_string(call)));
     let json = format!(
-        "{{\"bench\":\"gpu_allgather\",\"machine\":{machine},\"unit\":\"GB/s received per GPU\",\"allgather\":[{allgather}],\"copy_engine_probe\":[{copy_engine_probe}],\"host_time_us\":[{host_time}],\"loop_us_per_call\":[{loops}],\"driver_call_us\":[{driver_calls}]}}\n"
+        "{{\"bench\":\"gpu_allgather\",\"machine\":{machine},\"unit\":\"GB/s received per GPU\",\"event_round_trip_us\":{},\"allgather\":[{allgather}],\"copy_engine_probe\":[{copy_engine_probe}],\"host_time_us\":[{host_time}],\"loop_us_per_call\":[{loops}],\"driver_call_us\":[{driver_calls}]}}\n",
+        json_number(round_trip.map(|t| t * 1e6))
     );
     let dir = std::env::var("REFIT_BENCH_RESULTS").unwrap_or_else(|_| "benches/results".to_string());
     std::fs::create_dir_all(&dir).unwrap();
