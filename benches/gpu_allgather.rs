@@ -5,13 +5,12 @@
 //! 64 KiB .. 1 GiB; the copy-engine ceiling of the topology for each G (every GPU pulling, and every
 //! GPU pushing, every peer block at once) and the bound it sets on an in-place call made of those
 //! copies (the ceiling's copies plus one cross-GPU event round trip, measured here too); the
-//! copy-engine probe both ways at once on non-blocking
-//! streams versus the legacy null streams; host time per call for tiny buffers (back to back, and
-//! isolated calls after the group's rank threads have gone to sleep) and the host cost of
-//! each driver call that time is made of; and a loop of calls timed by the wall clock (host issue and
-//! GPU time together) for the whole-group PEER call, the per-rank call inside `Group::run` (PEER and
-//! NCCL) and direct NCCL. Markdown tables on stdout, JSON in
-//! `$REFIT_BENCH_RESULTS/gpu_allgather.json` (default `benches/results/`).
+//! copy-engine probe both ways at once on non-blocking streams versus the legacy null streams; host
+//! time per call for tiny buffers (back to back, and isolated calls after the group's rank threads
+//! have gone to sleep) and the host cost of each driver call that time is made of; and a loop of
+//! calls timed by the wall clock (host issue and GPU time together) for the whole-group PEER call,
+//! the per-rank call inside `Group::run` (PEER and NCCL) and direct NCCL. Markdown tables on stdout,
+//! JSON in `$REFIT_BENCH_RESULTS/gpu_allgather.json` (default `benches/results/`).
 //!
 //! Timing: every measured stream first runs a short spin kernel (a gate), so that the host has queued
 //! a whole batch before the GPU starts; CUDA events around the batch on every stream; the slowest
@@ -200,7 +199,7 @@ struct Row {
     synced_pulls: f64,
     /// Copy-engine ceilings, all pulling and all pushing.
     ceiling: Option<(f64, f64)>,
-    /// What no call that writes the caller's buffers in place can beat (in_place_bound).
+    /// What no copy-engine call writing the caller's buffers in place can beat (in_place_bound).
     bound: Option<f64>,
 }
 
