@@ -145,11 +145,15 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
         "copy16",
     )
 
-    def variant_call(size, own, ready_hop, join_hop, own_blocks=264):
-        """The push allgather with parts switched off, to see what each costs (not all are safe)."""
+    def record_ready():
+        """Each rank stream records `ready`: its earlier work is done, its buffers free for the call."""
         for r in (0, 1):
             with cp.cuda.Device(r):
                 ready_ev[r].record(streams[r])
+
+    def variant_call(size, own, ready_hop, join_hop, own_blocks=264):
+        """The push allgather with parts switched off, to see what each costs (not all are safe)."""
+        record_ready()
         for p in (0, 1):
             r = 1 - p
             with cp.cuda.Device(p):
@@ -176,9 +180,7 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
 
     def pull_deferred_call(size):
         """The old pull: each rank waits for the other's ready and pulls on a lane; no join back."""
-        for r in (0, 1):
-            with cp.cuda.Device(r):
-                ready_ev[r].record(streams[r])
+        record_ready()
         for r in (0, 1):
             p = 1 - r
             with cp.cuda.Device(r):
@@ -274,9 +276,7 @@ extern "C" __global__ void copy16(const int4* src, int4* dst, unsigned long long
     def staged_call(size, pieces, copy_out_blocks=132):
         slot = staged_calls.next() % 2
         piece = size // pieces
-        for r in (0, 1):
-            with cp.cuda.Device(r):
-                ready_ev[r].record(streams[r])
+        record_ready()
         for p in (0, 1):
             r = 1 - p
             with cp.cuda.Device(p):

@@ -28,7 +28,7 @@ use gpu_common::{ck, cuda, DeviceBuffer, SpinKernel};
 use refit::allgather::peer::{method_for, peer_tile_shift, PeerMethod};
 use refit::allgather::{allgather, allgather_rank, Algorithm};
 use refit::backend::nccl::{nccl, Communicators};
-use refit::backend::{Backend, Stream};
+use refit::backend::{Backend, Event, Stream};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::kernels::rendezvous::Rendezvous;
 use refit::kernels::PreparedBatch;
@@ -302,20 +302,17 @@ fn copy_engine_ceiling(
 /// GPU0's waits (fresh non-blocking streams).
 fn event_round_trip(gates: &Gates) -> f64 {
     let backend = cuda();
-    let streams = RankStreams::new(2);
-    let events: Vec<_> = (0..2).map(|d| backend.create_event(d).unwrap()).collect();
+    let events = RankEvents::new(2);
+    let streams = RankStreams::new(2); // dropped (drained) first
+    let (e, s) = (&events.0, &streams.0);
     let chain = time_per_call(gates, &streams.timed(), 1, &mut || {
         for _ in 0..ROUND_TRIPS {
-            backend.record(0, events[0], streams.0[0]).unwrap();
-            backend.wait(1, streams.0[1], events[0]).unwrap();
-            backend.record(1, events[1], streams.0[1]).unwrap();
-            backend.wait(0, streams.0[0], events[1]).unwrap();
+            backend.record(0, e[0], s[0]).unwrap();
+            backend.wait(1, s[1], e[0]).unwrap();
+            backend.record(1, e[1], s[1]).unwrap();
+            backend.wait(0, s[0], e[1]).unwrap();
         }
     });
-    drop(streams);
-    for (d, event) in events.into_iter().enumerate() {
-        backend.destroy_event(d, event);
-    }
     chain / ROUND_TRIPS as f64
 }
 
@@ -356,6 +353,24 @@ impl Drop for RankStreams {
     }
 }
 
+/// One event per device 0..g for an ablation, destroyed on drop (after the streams that use it:
+/// declare it before them).
+struct RankEvents(Vec<Event>);
+
+impl RankEvents {
+    fn new(g: usize) -> RankEvents {
+        RankEvents((0..g).map(|r| cuda().create_event(r).unwrap()).collect())
+    }
+}
+
+impl Drop for RankEvents {
+    fn drop(&mut self) {
+        for (r, &event) in self.0.iter().enumerate() {
+            cuda().destroy_event(r, event);
+        }
+    }
+}
+
 /// Each rank's kernel copies for an ablation: pushes (its block into every rank's slot) or pulls
 /// (every block into its own buffer), own slot last, tiles as the library picks them.
 fn kernel_batches(
@@ -390,24 +405,21 @@ fn event_ordered_pushes(
     recvs: &[DeviceBuffer],
 ) -> f64 {
     let backend = cuda();
+    let ready = RankEvents::new(g);
     let streams = RankStreams::new(g);
-    let ready: Vec<_> = (0..g).map(|r| backend.create_event(r).unwrap()).collect();
     let batches = kernel_batches(g, size, sends, recvs, true);
     let seconds = time_per_call(gates, &streams.timed(), iterations(g, size), &mut || {
         for r in 0..g {
-            backend.record(r, ready[r], streams.0[r]).unwrap();
+            backend.record(r, ready.0[r], streams.0[r]).unwrap();
         }
         for r in 0..g {
             for p in (0..g).filter(|&p| p != r) {
-                backend.wait(r, streams.0[r], ready[p]).unwrap();
+                backend.wait(r, streams.0[r], ready.0[p]).unwrap();
             }
             unsafe { batches[r].launch(streams.raw(r)) }.unwrap();
         }
     });
-    drop(streams);
-    for (r, event) in ready.into_iter().enumerate() {
-        backend.destroy_event(r, event);
-    }
+    drop(streams); // drained before the descriptors and events are freed
     gbps((g - 1) * size, seconds)
 }
 

@@ -268,32 +268,24 @@ unsafe fn lane_pushes(
 ) -> Result<()> {
     let (backend, device, stream, state) =
         (group.backend(), group.devices()[p], group.streams()[p], &group.collective);
-    let n = group.size();
     if call.counts[p] == 0 {
         return Ok(());
     }
-    if n > 1 {
-        let guard = group.lanes()?;
-        let lanes = guard.as_ref().expect("created by Group::lanes");
-        for (lane, r) in push_order(p, n).enumerate() {
-            let lane_stream = lanes.streams[p][lane];
-            backend.wait(device, lane_stream, state.ready[p])?;
-            backend.wait(device, lane_stream, state.ready[r])?;
-            let block = call.block_into(p, r).expect("a non-empty block into another rank's buffer");
-            backend.copy_segments(device, lane_stream, &[block])?;
-            backend.record(device, lanes.joined[p][lane], lane_stream)?;
-        }
+    let lanes = group.lanes()?;
+    for (lane, r) in push_order(p, group.size()).enumerate() {
+        let lane_stream = lanes.streams[p][lane];
+        backend.wait(device, lane_stream, state.ready[p])?;
+        backend.wait(device, lane_stream, state.ready[r])?;
+        let block = call.block_into(p, r).expect("a non-empty block into another rank's buffer");
+        backend.copy_segments(device, lane_stream, &[block])?;
+        backend.record(device, lanes.joined[p][lane], lane_stream)?;
     }
     match own {
         Some(batches) => batches[p].launch(stream.as_ptr().cast())?,
         None => call.block_into(p, p).map_or(Ok(()), |b| backend.copy_segments(device, stream, &[b]))?,
     }
-    if n > 1 {
-        let guard = group.lanes()?;
-        let lanes = guard.as_ref().expect("created by Group::lanes");
-        for joined in &lanes.joined[p][..n - 1] {
-            backend.wait(device, stream, *joined)?;
-        }
+    for &joined in &lanes.joined[p] {
+        backend.wait(device, stream, joined)?;
     }
     Ok(())
 }
@@ -301,11 +293,7 @@ unsafe fn lane_pushes(
 /// Rank `r`'s stream waits for the lanes that wrote into its buffer (see [`lane_pushes`]).
 unsafe fn wait_for_lane_pushers(group: &Group, call: &Gather, r: usize) -> Result<()> {
     let n = group.size();
-    if n == 1 {
-        return Ok(());
-    }
-    let guard = group.lanes()?;
-    let lanes = guard.as_ref().expect("created by Group::lanes");
+    let lanes = group.lanes()?;
     for p in (0..n).filter(|&p| p != r && call.counts[p] > 0) {
         group.backend().wait(group.devices()[r], group.streams()[r], lanes.joined[p][push_lane(p, r, n)])?;
     }

@@ -93,7 +93,7 @@ pub(crate) struct CollectiveState {
     /// NCCL communicators, created on first use from the group's devices.
     pub nccl: OnceLock<std::result::Result<Communicators, Error>>,
     /// Per-rank copy-engine streams for pushing to several ranks at once (created on first use).
-    pub lanes: Mutex<Option<Lanes>>,
+    pub lanes: OnceLock<std::result::Result<Lanes, Error>>,
     /// Whether refit's copy kernel runs on every rank's device, decided at the first peer allgather
     /// (see `allgather::peer::kernels_run`).
     pub kernels_run: OnceLock<bool>,
@@ -107,6 +107,44 @@ pub(crate) struct CollectiveState {
 pub(crate) struct Lanes {
     pub streams: Vec<Vec<Stream>>,
     pub joined: Vec<Vec<Event>>,
+}
+
+impl Lanes {
+    /// `size - 1` lanes per device, each with its event; on failure, what was made is destroyed.
+    fn create(backend: &dyn Backend, devices: &[usize]) -> Result<Lanes> {
+        let mut made = Lanes { streams: Vec::new(), joined: Vec::new() };
+        let created = (|| -> Result<()> {
+            for &device in devices {
+                made.streams.push(Vec::new());
+                made.joined.push(Vec::new());
+                for _ in 1..devices.len() {
+                    made.streams.last_mut().expect("pushed").push(backend.create_stream(device)?);
+                    made.joined.last_mut().expect("pushed").push(backend.create_event(device)?);
+                }
+            }
+            Ok(())
+        })();
+        match created {
+            Ok(()) => Ok(made),
+            Err(err) => {
+                made.destroy(backend, devices);
+                Err(err)
+            }
+        }
+    }
+
+    fn destroy(&self, backend: &dyn Backend, devices: &[usize]) {
+        for (r, streams) in self.streams.iter().enumerate() {
+            for &stream in streams {
+                backend.destroy_stream(devices[r], stream);
+            }
+        }
+        for (r, events) in self.joined.iter().enumerate() {
+            for &event in events {
+                backend.destroy_event(devices[r], event);
+            }
+        }
+    }
 }
 
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
@@ -235,7 +273,7 @@ impl Group {
                 prepared: Mutex::new(None),
                 rendezvous: OnceLock::new(),
                 nccl: OnceLock::new(),
-                lanes: Mutex::new(None),
+                lanes: OnceLock::new(),
                 kernels_run: OnceLock::new(),
                 peer_method: Mutex::new(None),
             },
@@ -507,28 +545,15 @@ impl Group {
         *self.collective.peer_method.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The group's lanes, created on first use: `size - 1` extra streams per rank and their events.
-    pub(crate) fn lanes(&self) -> Result<std::sync::MutexGuard<'_, Option<Lanes>>> {
-        let mut lanes = self.collective.lanes.lock().unwrap_or_else(|p| p.into_inner());
-        if lanes.is_none() {
-            let n = self.size();
-            let mut made = Lanes { streams: Vec::new(), joined: Vec::new() };
-            let created = (|| -> Result<()> {
-                for &device in &self.devices {
-                    made.streams.push(Vec::new());
-                    made.joined.push(Vec::new());
-                    for _ in 1..n {
-                        made.streams.last_mut().expect("pushed").push(self.backend.create_stream(device)?);
-                        made.joined.last_mut().expect("pushed").push(self.backend.create_event(device)?);
-                    }
-                }
-                Ok(())
-            })();
-            // Kept even when incomplete, so that Drop releases what was made; the error is returned.
-            *lanes = Some(made);
-            created?;
-        }
-        Ok(lanes)
+    /// The group's lanes, created on first use: `size - 1` extra streams per rank (none for a single
+    /// rank) and their events. Rank threads issuing a call's pushes at once share them without a lock;
+    /// a failed creation is kept and returned by every later call, as for the rendezvous and NCCL.
+    pub(crate) fn lanes(&self) -> Result<&Lanes> {
+        self.collective
+            .lanes
+            .get_or_init(|| Lanes::create(self.backend.as_ref(), &self.devices))
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// The rank the calling thread runs a body for, checked against `rank` (per-rank collectives).
@@ -564,17 +589,8 @@ impl Drop for Group {
         self.workers.lock().unwrap_or_else(|p| p.into_inner()).take();
         // Communicators go before the streams they use.
         drop(self.collective.nccl.take());
-        if let Some(lanes) = self.collective.lanes.lock().unwrap_or_else(|p| p.into_inner()).take() {
-            for (r, streams) in lanes.streams.iter().enumerate() {
-                for &stream in streams {
-                    self.backend.destroy_stream(self.devices[r], stream);
-                }
-            }
-            for (r, events) in lanes.joined.iter().enumerate() {
-                for &event in events {
-                    self.backend.destroy_event(self.devices[r], event);
-                }
-            }
+        if let Some(Ok(lanes)) = self.collective.lanes.take() {
+            lanes.destroy(self.backend.as_ref(), &self.devices);
         }
         for r in 0..self.streams.len() {
             self.backend.destroy_stream(self.devices[r], self.streams[r]);
