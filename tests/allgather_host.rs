@@ -5,8 +5,8 @@
 
 use refit::allgather::peer::PeerMethod;
 use refit::allgather::{allgather, allgather_rank, Algorithm};
-use refit::backend::host::{create_host_stream, destroy_host_stream, host_stream};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use refit::transport::host::{create_host_stream, destroy_host_stream, host_stream};
 use refit::Status;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;

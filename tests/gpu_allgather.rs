@@ -9,8 +9,8 @@ mod gpu_common;
 use gpu_common::{caller_stream, cuda, group_sizes, pattern, DeviceBuffer, SpinKernel};
 use refit::allgather::peer::PeerMethod;
 use refit::allgather::{allgather, allgather_rank, Algorithm};
-use refit::backend::Backend;
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use refit::transport::Backend;
 
 const ALGORITHMS: [Algorithm; 4] = [Algorithm::Peer, Algorithm::Nccl, Algorithm::Host, Algorithm::Auto];
 

@@ -3,9 +3,9 @@
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
-use refit::backend::host::{create_host_stream, destroy_host_stream, host_stream};
-use refit::backend::{BackendKind, Stream};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use refit::transport::host::{create_host_stream, destroy_host_stream, host_stream};
+use refit::transport::{BackendKind, Stream};
 use refit::{Error, Status};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
@@ -297,7 +297,7 @@ fn run_and_rank_collectives_are_refused_in_the_wrong_place() {
 #[test]
 fn auto_uses_cuda_when_it_works_and_the_host_backend_otherwise() {
     let group = Group::new(&[0], GroupOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-    let cuda_works = refit::backend::cuda::cuda_backend().is_ok();
+    let cuda_works = refit::transport::cuda::cuda_backend().is_ok();
     let expected = if cuda_works { BackendKind::Cuda } else { BackendKind::Host };
     assert_eq!(group.backend_kind(), expected);
 }

@@ -25,13 +25,13 @@
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
-use crate::backend::driver::CurrentContext;
-use crate::backend::nccl::{nccl, Communicators};
-use crate::backend::BackendKind;
 use crate::bail;
 use crate::error::{Error, Result, Status};
 use crate::group::{Group, Published};
 use crate::segment::Segment;
+use crate::transport::driver::CurrentContext;
+use crate::transport::nccl::{nccl, Communicators};
+use crate::transport::{BackendKind, Stream};
 use std::sync::atomic::Ordering;
 
 pub mod peer;
@@ -216,7 +216,6 @@ fn communicators(group: &Group) -> Result<&Communicators> {
         .nccl
         .get_or_init(|| {
             let devices: Vec<i32> = group.devices().iter().map(|&d| d as i32).collect();
-            let _current = CurrentContext::preserve()?;
             Communicators::create(&devices)
         })
         .as_ref()
@@ -230,53 +229,41 @@ fn equal_counts(counts: &[usize]) -> bool {
 unsafe fn nccl_all(group: &Group, call: &Gather) -> Result<()> {
     let (send, recv, counts, layout) = (call.send, call.recv, call.counts, &call.layout);
     group.join_if_pending()?;
-    let lib = nccl()?;
     let comms = communicators(group)?;
     let streams = group.streams();
-    let n = group.size();
-    let _current = CurrentContext::preserve()?;
-    lib.group_start()?;
-    let mut issued = Ok(());
-    for r in 0..n {
-        issued = nccl_rank_calls(lib, comms, r, send[r], recv[r], counts, layout, streams[r].0);
-        if issued.is_err() {
-            break;
-        }
-    }
-    // Always close the NCCL group, even after a failed call, so NCCL's thread state stays balanced.
-    let ended = lib.group_end();
-    issued?;
-    ended?;
+    // One thread drives every rank: all their calls go in one NCCL group.
+    comms.grouped(|| {
+        (0..group.size())
+            .try_for_each(|r| nccl_rank_calls(comms, r, send[r], recv[r], counts, layout, streams[r]))
+    })?;
     if !equal_counts(counts) {
-        for r in 0..n {
+        for r in 0..group.size() {
             own_block_copy(group, r, send[r], recv[r], counts, layout)?;
         }
     }
     Ok(())
 }
 
-/// The NCCL calls of one rank (inside an NCCL group when the caller drives several ranks).
-#[allow(clippy::too_many_arguments)]
+/// The NCCL calls of one rank: `ncclAllGather` for equal counts, else a send of its block to and a
+/// receive of their block from every other rank (inside an NCCL group, which the caller opens).
 unsafe fn nccl_rank_calls(
-    lib: &crate::backend::nccl::Nccl,
     comms: &Communicators,
     rank: usize,
     send: u64,
     recv: u64,
     counts: &[usize],
     layout: &Layout,
-    stream: u64,
+    stream: Stream,
 ) -> Result<()> {
-    let comm = comms.comms[rank];
     if equal_counts(counts) {
-        return lib.all_gather(send, recv, counts[rank], comm, stream);
+        return comms.all_gather(rank, send, recv, counts[rank], stream);
     }
     for p in (0..counts.len()).filter(|&p| p != rank) {
         if counts[rank] > 0 {
-            lib.send(send, counts[rank], p, comm, stream)?;
+            comms.send(rank, p, send, counts[rank], stream)?;
         }
         if counts[p] > 0 {
-            lib.recv(recv + layout.offsets[p], counts[p], p, comm, stream)?;
+            comms.recv(rank, p, recv + layout.offsets[p], counts[p], stream)?;
         }
     }
     Ok(())
@@ -388,18 +375,14 @@ pub unsafe fn allgather_rank(
             peer::rank_share(group, &call, rank, method, epoch)?;
         }
         Algorithm::Nccl => {
-            let lib = nccl()?;
             let comms = communicators(group)?;
-            let _current = CurrentContext::preserve()?;
-            let grouped = !equal_counts(counts);
-            if grouped {
-                lib.group_start()?;
-            }
-            let issued = nccl_rank_calls(lib, comms, rank, send, recv, counts, &layout, stream.0);
-            let ended = if grouped { lib.group_end() } else { Ok(()) };
-            issued?;
-            ended?;
-            if grouped {
+            let calls = || nccl_rank_calls(comms, rank, send, recv, counts, &layout, stream);
+            if equal_counts(counts) {
+                let _current = CurrentContext::preserve()?;
+                calls()?;
+            } else {
+                // A rank's sends and receives go in one NCCL group, or the first send could wait forever.
+                comms.grouped(calls)?;
                 own_block_copy(group, rank, send, recv, counts, &layout)?;
             }
         }

@@ -34,12 +34,12 @@
 #![allow(clippy::needless_range_loop)]
 
 use super::Gather;
-use crate::backend::BackendKind;
 use crate::error::Result;
 use crate::group::Group;
 use crate::kernels::rendezvous::Rendezvous;
 use crate::kernels::{BatchedCopy, PreparedBatch};
 use crate::segment::Segment;
+use crate::transport::BackendKind;
 use cudarc::driver::sys::CUstream;
 use std::sync::Arc;
 

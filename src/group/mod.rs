@@ -21,13 +21,13 @@ mod spin;
 pub mod workers;
 
 use crate::allgather::peer::{PeerMethod, PreparedCall};
-use crate::backend::cuda::cuda_backend;
-use crate::backend::host::HostBackend;
-use crate::backend::nccl::Communicators;
-use crate::backend::{Backend, BackendKind, Event, Stream};
 use crate::bail;
 use crate::error::{Error, Result, Status};
 use crate::kernels::rendezvous::Rendezvous;
+use crate::transport::cuda::cuda_backend;
+use crate::transport::host::HostBackend;
+use crate::transport::nccl::Communicators;
+use crate::transport::{Backend, BackendKind, Event, Stream};
 use barrier::AbortableBarrier;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};

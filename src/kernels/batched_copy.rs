@@ -1,13 +1,13 @@
 //! The batched copy on a CUDA device: the compiled kernel per device ([`BatchedCopy`]), a one-shot
 //! copy ([`copy_segments`]) and a batch uploaded once and launched many times ([`PreparedBatch`]).
 
-use super::check::{check_destinations, validate};
 use super::layout::Layout;
-use super::nvrtc::{self, Output};
 use super::rendezvous::RankRendezvous;
-use crate::backend::driver::{self, check, CurrentContext};
 use crate::error::{Error, Result, Status};
+use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
+use crate::transport::driver::{self, check, CurrentContext};
+use crate::transport::nvrtc::{self, Output};
 use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::c_void;

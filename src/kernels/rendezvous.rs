@@ -7,8 +7,8 @@
 //! device also holds the table of every rank's block address, which its kernel reads.
 
 use super::batched_copy::BatchedCopy;
-use crate::backend::driver::{check, CurrentContext};
 use crate::error::Result;
+use crate::transport::driver::{check, CurrentContext};
 use cudarc::driver::sys;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
