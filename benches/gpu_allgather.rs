@@ -25,7 +25,7 @@ mod gpu_common;
 
 use cudarc::driver::sys;
 use gpu_common::{ck, cuda, DeviceBuffer, SpinKernel};
-use refit::allgather::peer::{method_for, peer_tile_shift, PeerMethod};
+use refit::allgather::peer::{method_for, peer_tile_shift, set_method, PeerMethod};
 use refit::allgather::{allgather, allgather_rank, Algorithm};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::kernels::rendezvous::Rendezvous;
@@ -675,11 +675,11 @@ fn main() {
             // Every peer method forced, then "refit peer" is the one the size rule picks.
             let mut methods = [0.0; 2];
             for (k, method) in PeerMethod::ALL.into_iter().enumerate() {
-                group.set_peer_method(Some(method));
+                set_method(&group, Some(method)).unwrap();
                 methods[k] = ours(Algorithm::Peer);
             }
-            group.set_peer_method(None);
-            let picked = method_for(&group, size as u64);
+            set_method(&group, None).unwrap();
+            let picked = method_for(&group, size as u64).unwrap();
             let peer = methods[PeerMethod::ALL.iter().position(|&m| m == picked).expect("one of ALL")];
             let received = if g == 1 { size } else { (g - 1) * size };
             let peer_in_place = (g > 1).then(|| gbps(received, ours_from(&in_place, Algorithm::Peer)));

@@ -114,11 +114,6 @@ impl BatchedCopy {
         self.device
     }
 
-    /// The device's primary context (retained for the life of the process).
-    pub(crate) fn context(&self) -> sys::CUcontext {
-        self.context
-    }
-
     /// Blocks for `tiles` tiles: the persistent grid, or fewer when there is less work than warps.
     fn grid_for(&self, tiles: u64) -> Result<u32> {
         let blocks = tiles.div_ceil(WARPS_PER_BLOCK).min(self.max_blocks as u64).max(1) as u32;
@@ -431,5 +426,16 @@ impl Drop for PreparedBatch {
         if let Err(err) = freed {
             log::warn!("freeing a prepared batch's descriptors: {err}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_counts_departures_in_the_same_units_as_the_rendezvous() {
+        let define = format!("#define DEPARTURE_UNITS {}ull", super::super::rendezvous::DEPARTURE_UNITS);
+        assert!(SOURCE.contains(&define), "batched_copy.cu lacks `{define}`");
     }
 }
