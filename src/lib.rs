@@ -16,7 +16,6 @@ pub mod kernels;
 pub mod logging;
 pub mod plan;
 pub mod segment;
-pub mod workloads;
 
 pub use error::{Error, Result, Status};
 pub use segment::Segment;
