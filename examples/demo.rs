@@ -15,7 +15,7 @@ use refit::exec::{Arm, Executor, StageTimes};
 use refit::group::{Group, GroupOptions};
 use refit::plan::{self, Endpoint, PlanOptions};
 use refit::transport::Backend;
-use refit::workloads::{element_value, Layout, Megatron, Model, Role, Spec, Vllm, Workload};
+use refit_workloads::{element_value, Layout, Megatron, Model, Role, Spec, Vllm, Workload};
 use std::sync::Arc;
 use std::time::Instant;
 

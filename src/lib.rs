@@ -15,7 +15,6 @@ pub mod logging;
 pub mod plan;
 pub mod segment;
 pub mod transport;
-pub mod workloads;
 
 pub use error::{Error, Result, Status};
 pub use segment::Segment;

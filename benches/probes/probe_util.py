@@ -1,4 +1,4 @@
-"""What the cupy probes in benches/ share: peer access, a spin kernel to gate streams, timing, and
+"""What the cupy probes in benches/probes/ share: peer access, a spin kernel to gate streams, timing, and
 writing results."""
 
 import json

@@ -1,8 +1,8 @@
 //! The framework-neutral shape of a generated layout: parameters (one tensor as a framework allocates
 //! it) made of pieces (one box of one Hugging Face tensor at a byte offset inside the parameter).
 
-use super::model::Model;
-use crate::plan::{Endpoint, Region};
+use crate::model::Model;
+use refit::plan::{Endpoint, Region};
 
 /// One box of a Hugging Face tensor stored row-major over its extent at `offset` bytes into a
 /// parameter. Every piece a framework layout produces is contiguous: fused parameters are

@@ -6,13 +6,13 @@
 // parameters, 80 registers with a spill, a non-blocking stream)? And what do the cheaper stream
 // operations cost (a stream memory operation pair, which could order a rank that launches nothing)?
 // Prediction: an empty kernel costs within 10% of ours; parameters and spills do not matter.
-// Result (2 x H200, NOTES.md): empty 2.96 us, nine parameters 3.16, local memory 3.11, ours 2.72 in
-// the bench on the same machine; a write + wait memory-operation batch 0.89.
+// Result: docs/measurements.md (this probe's section); what it decided: docs/decisions.md.
 // Second question: do two launches on two GPUs cost one launch when two threads issue them at once
 // (the driver could serialize them on a lock of its own)? Prediction: 3.5-4 us against about 6.
 //
-// Build and run on the GPU machine: nvcc -O2 -std=c++17 -o /tmp/launch_cost benches/launch_cost_probe.cu -lcuda -lpthread
-// && /tmp/launch_cost OUT.json. Prints a table and writes the medians as JSON.
+// Build and run on the GPU machine: `gpu/run.sh probes launch_cost` (nvcc -O2 -std=c++17 -arch=native
+// benches/probes/launch_cost_probe.cu -lcuda -lpthread, then the program with OUT.json). Prints a
+// table and writes the medians as JSON.
 #include <cuda.h>
 #include <cuda_runtime.h>
 

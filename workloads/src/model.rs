@@ -1,8 +1,8 @@
 //! Model configurations and the Hugging Face tensors they define: the names and global shapes that
 //! vLLM's `load_weights` sees, which are the tensors both sides of a refit agree on.
 
-use crate::error::{Error, Result};
-use crate::plan::TensorSpec;
+use refit::plan::TensorSpec;
+use refit::{Error, Result};
 
 /// A mixture-of-experts block: `experts` SwiGLU experts of intermediate size `ffn` and a router of
 /// `[experts, hidden]`. No shared experts (as in Qwen3 MoE).

@@ -9,6 +9,9 @@
 //! Tensors are the Hugging Face checkpoint tensors (`model.layers.{i}.self_attn.q_proj.weight`, one
 //! tensor per expert weight), which is what vLLM's `load_weights` consumes: both sides describe their
 //! parameters as boxes of those tensors.
+//!
+//! This is a development crate (`publish = false`): refit's demo, benches and integration tests use it;
+//! the library does not ship it.
 
 mod megatron;
 mod model;
@@ -22,8 +25,8 @@ pub use param::{Param, Piece};
 pub use pattern::element_value;
 pub use vllm::Vllm;
 
-use crate::error::{Error, Result};
-use crate::plan::{Endpoint, Need, Offer, Region, Table};
+use refit::plan::{Endpoint, Need, Offer, Region, Table};
+use refit::{Error, Result};
 use std::collections::BTreeMap;
 
 /// How one side's parameters sit in memory.

@@ -2,7 +2,7 @@
 //! (tensor, element index), publishers' boxes are filled with it, and after the refit every receiver
 //! box is compared with it. Works for any element size: the value's low bytes are written.
 
-use super::{Placed, Role, Workload};
+use crate::{Placed, Role, Workload};
 
 /// The bytes of element `global` (row-major index in the whole tensor) of tensor `tensor`, as a
 /// little-endian u64 of which the low `elem_size` bytes are used. splitmix64, so neighbouring

@@ -14,10 +14,10 @@
 //!   group.
 //! - Vocabulary rows are split over TP in chunks of `ceil(vocab / tp)` (the last rank holds padding).
 
-use super::model::{Catalog, MlpTensors, Model};
-use super::param::{Param, RankParams};
-use crate::error::{Error, Result};
-use crate::plan::Endpoint;
+use crate::model::{Catalog, MlpTensors, Model};
+use crate::param::{Param, RankParams};
+use refit::plan::Endpoint;
+use refit::{Error, Result};
 
 /// How the publishers are parallelized. Publisher `i` (position in `endpoints`) has tensor-parallel
 /// rank `i % tp` and expert-parallel rank `i % ep`; `endpoints.len() / tp` is the number of

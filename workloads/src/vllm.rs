@@ -11,10 +11,10 @@
 //!
 //! Several pieces of one parameter are disjoint parts of one destination buffer.
 
-use super::model::{Catalog, MlpTensors, Model};
-use super::param::{Param, RankParams};
-use crate::error::{Error, Result};
-use crate::plan::Endpoint;
+use crate::model::{Catalog, MlpTensors, Model};
+use crate::param::{Param, RankParams};
+use refit::plan::Endpoint;
+use refit::{Error, Result};
 
 /// Tensor-parallel receivers: receiver `i` (position in `endpoints`) has TP rank `i`.
 #[derive(Clone, Debug, PartialEq, Eq)]

@@ -3,8 +3,8 @@
 //! independent memory-to-tensor formulas.
 
 use refit::plan::{Endpoint, Region};
-use refit::workloads::{Layout, Megatron, Model, Moe, Placed, Role, Spec, Vllm, Workload};
 use refit::Status;
+use refit_workloads::{Layout, Megatron, Model, Moe, Placed, Role, Spec, Vllm, Workload};
 use std::collections::{BTreeMap, HashMap};
 
 /// Parameter count straight from a model's config (not from the generator's tensor list).
@@ -747,7 +747,7 @@ fn refit_on_host(spec: &Spec, options: &refit::plan::PlanOptions) -> Vec<Vec<u8>
     for n in &w.needs {
         let buffer = &memory[n.buffer as usize];
         for_each_element(&w, n, |i, g| {
-            let expected = (refit::workloads::element_value(n.tensor, g) as u16).to_le_bytes();
+            let expected = (refit_workloads::element_value(n.tensor, g) as u16).to_le_bytes();
             assert_eq!(
                 buffer[2 * i..2 * i + 2],
                 expected,
@@ -773,7 +773,7 @@ fn check_needs_names_the_first_wrong_element() {
         let buffer = &mut memory[n.buffer as usize];
         for_each_element(&w, n, |i, g| {
             buffer[2 * i..2 * i + 2]
-                .copy_from_slice(&(refit::workloads::element_value(n.tensor, g) as u16).to_le_bytes())
+                .copy_from_slice(&(refit_workloads::element_value(n.tensor, g) as u16).to_le_bytes())
         });
     }
     let views: Vec<&[u8]> = memory.iter().map(|m| m.as_slice()).collect();

@@ -2,7 +2,7 @@
 //
 // Today (refit's KernelPushes) every rank launches the group-synchronized copy kernel on its stream:
 // the launches meet through flags, each pushes its block, and they meet again. Host time is one launch
-// per GPU (about 3 us each: benches/launch_cost_probe.cu), so 6 us at G = 2 and some 24 us at G = 8.
+// per GPU (about 3 us each: benches/probes/launch_cost_probe.cu), so 6 us at G = 2 and some 24 us at G = 8.
 // The alternative measured here, "leader": only rank 0 launches a kernel; every other rank enqueues one
 // stream memory-operation batch (0.9 us of host time): "arrived" written into rank 0's memory, then a
 // wait until rank 0's kernel writes "done" into its own. Rank 0's kernel waits for every arrival,
@@ -10,13 +10,13 @@
 // Prediction: host time 3 + 0.9 (G - 1) us; GPU time per call higher than the rendezvous's, by the
 // latency of a memory-operation wait (the memops round trip in cross_gpu_sync_probe is 12.3 us against
 // 9.6 for events), and much higher from about 1 MiB per rank, where one GPU's SMs move every block.
-// Result (2 x H200, NOTES.md): host 4.72 against 7.26 us; GPU 10.70 against 7.53 us at 256 B and
-// 19.00 against 11.44 at 1 MiB. The rendezvous variants that read addresses from device memory, as
-// refit's kernel did, price those reads at 0.1-0.5 us per call; the variant that counts departures
-// per block took 1.3-1.7 us off every size, and refit's kernel now departs that way.
+// Result: docs/measurements.md (this probe's section). The leader saves host time but costs GPU time,
+// so refit keeps one launch per GPU; the variant that counts departures per block was faster at every
+// size, and refit's kernel now departs that way (docs/decisions.md).
 //
 // Build and run on the GPU machine (2 or more GPUs with peer access):
-//   nvcc -O2 -arch=sm_90 -o /tmp/leader benches/leader_launch_probe.cu -lcuda && /tmp/leader OUT.json
+//   gpu/run.sh probes leader (nvcc -O2 -std=c++17 -arch=native benches/probes/leader_launch_probe.cu
+//   -lcuda -lpthread, then the program with OUT.json)
 // Every variant is checked byte for byte before it is timed.
 #include <cuda.h>
 #include <cuda_runtime.h>
