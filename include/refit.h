@@ -951,7 +951,12 @@ const char *refit_status_string(int32_t status);
 /**
  * The message of the last call on this thread that failed, NUL-terminated; "" if none has failed.
  * Successful calls leave it unchanged. The pointer stays valid until the next failing call on this
- * thread. Thread-safe (each thread has its own message); never fails.
+ * thread or the thread's exit. Thread-safe (each thread has its own message); never fails.
+ *
+ * Every refit function may be called while a thread or the process exits (from a thread-key
+ * destructor or an atexit handler). Once the exiting thread's message storage has been released,
+ * the message of a call that fails then is its status name (e.g. "REFIT_STATUS_NULL_ARGUMENT"), and
+ * before any such failure a fixed text saying the message was released.
  */
 const char *refit_last_error_message(void);
 

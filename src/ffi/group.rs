@@ -7,7 +7,7 @@
 use super::{arg, boundary, check_struct_size, destroy, out, slice};
 use crate::backend::host::{create_host_stream, destroy_host_stream};
 use crate::backend::{BackendKind, Stream};
-use crate::error::{last_error, set_last_error, Error, Result, Status};
+use crate::error::{clear_last_error, last_error, Error, Result, Status};
 use crate::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use std::ffi::c_void;
 
@@ -271,7 +271,7 @@ pub extern "C" fn refit_group_run(
         let user_data = UserData(user_data);
         group.run(&|rank, stream| {
             let user_data = &user_data;
-            set_last_error("");
+            clear_last_error();
             // SAFETY: the caller's callback, called as documented.
             let code = unsafe { callback(rank as u32, stream.as_ptr(), user_data.0) };
             if code == 0 {

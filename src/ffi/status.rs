@@ -4,6 +4,7 @@ use super::boundary;
 use crate::error::{last_error_ptr, Status};
 use crate::logging::{self, refit_log_callback};
 use std::ffi::{c_char, c_void};
+use std::panic::catch_unwind;
 
 /// ABI version of this header and library. Bumped only when an existing declaration changes
 /// incompatibly; appending functions, statuses or option fields does not bump it.
@@ -35,10 +36,16 @@ pub extern "C" fn refit_status_string(status: i32) -> *const c_char {
 
 /// The message of the last call on this thread that failed, NUL-terminated; "" if none has failed.
 /// Successful calls leave it unchanged. The pointer stays valid until the next failing call on this
-/// thread. Thread-safe (each thread has its own message); never fails.
+/// thread or the thread's exit. Thread-safe (each thread has its own message); never fails.
+///
+/// Every refit function may be called while a thread or the process exits (from a thread-key
+/// destructor or an atexit handler). Once the exiting thread's message storage has been released,
+/// the message of a call that fails then is its status name (e.g. "REFIT_STATUS_NULL_ARGUMENT"), and
+/// before any such failure a fixed text saying the message was released.
 #[no_mangle]
 pub extern "C" fn refit_last_error_message() -> *const c_char {
-    last_error_ptr()
+    // last_error_ptr never panics; the guard keeps that promise for any future change too.
+    catch_unwind(last_error_ptr).unwrap_or(c"(the last error message could not be read)".as_ptr())
 }
 
 /// Installs a log sink. `level` is the most verbose level delivered: 0 off, 1 error, 2 warn, 3 info,
