@@ -710,13 +710,18 @@ refit_status refit_group_run(refit_group *group,
 /**
  * Host backend only: creates a caller-side host stream (a FIFO queue with its own worker thread)
  * usable as a caller stream of any host-backend group, e.g. to test scope ordering. Release it with
- * refit_host_stream_destroy. Errors: NULL_ARGUMENT.
+ * refit_host_stream_destroy. Thread-safe. Errors: NULL_ARGUMENT, OUT_OF_MEMORY (no thread could be
+ * started).
  */
 refit_status refit_host_stream_create(void **stream);
 
 /**
- * Destroys a host stream after its queued work has run.
- * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not a host stream, or destroyed already).
+ * Destroys a host stream made by refit_host_stream_create, after its queued work has run. Only those
+ * streams: a group's streams (refit_group_stream) and a simulated device's default stream are
+ * released by refit_group_destroy, and any other value is refused without effect. Handle values are
+ * not sequential, so a guessed value names no stream. Thread-safe.
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not made by refit_host_stream_create, destroyed already,
+ * or a group's stream).
  */
 refit_status refit_host_stream_destroy(void *stream);
 
