@@ -15,7 +15,7 @@ use std::time::Duration;
 const POISON: u8 = 0xAB;
 
 fn host(n: usize) -> Group {
-    let devices: Vec<i64> = (0..n as i64).collect();
+    let devices: Vec<i32> = (0..n as i32).collect();
     Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
 }
 

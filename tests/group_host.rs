@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-fn host(devices: &[i64]) -> Group {
+fn host(devices: &[i32]) -> Group {
     Group::new(devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
 }
 
-fn host_err(devices: &[i64], simulated: usize) -> Error {
+fn host_err(devices: &[i32], simulated: usize) -> Error {
     Group::new(devices, GroupOptions { backend: BackendChoice::Host, host_devices: simulated }).err().unwrap()
 }
 

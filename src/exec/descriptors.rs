@@ -17,7 +17,7 @@ pub(crate) enum RankWork {
     PerRun(Vec<Segment>),
 }
 
-/// Every rank's work for one (plan, group, process rank, arm).
+/// Every rank's work for one (plan, group, process, arm).
 pub(crate) struct Descriptors {
     /// `(group rank, work)`, ranks ascending, only ranks that send bytes.
     pub work: Vec<(usize, RankWork)>,
@@ -27,7 +27,7 @@ pub(crate) struct Descriptors {
 
 /// The group rank whose device is `endpoint.device`.
 fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
-    group.devices().iter().position(|&d| d == endpoint.device as usize).ok_or_else(|| {
+    group.devices().iter().position(|&d| u32::try_from(d) == Ok(endpoint.device)).ok_or_else(|| {
         Error::new(
             Status::NotFound,
             format!(
@@ -51,7 +51,7 @@ impl Descriptors {
         for route in plan.routes().iter().filter(|r| r.dst.rank == process) {
             if route.kind() == RouteKind::Remote {
                 return Err(Error::unsupported(format!(
-                    "route from rank {} device {} to rank {} device {} crosses processes; this executor \
+                    "route from process {} device {} to process {} device {} crosses processes; this executor \
                      moves bytes within one process only",
                     route.src.rank, route.src.device, route.dst.rank, route.dst.device
                 )));
