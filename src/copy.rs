@@ -5,7 +5,7 @@
 //! waits for that stream, so it is complete on return (as every host-backend operation).
 
 use crate::backend::{Backend, BackendKind, Stream};
-use crate::error::Result;
+use crate::error::{try_to_vec, Result};
 use crate::group::Group;
 use crate::kernels::check::{check_destinations, validate};
 use crate::kernels::{self, PreparedBatch};
@@ -80,7 +80,7 @@ impl PreparedCopy {
                 Ok(PreparedCopy::Host {
                     backend: Arc::clone(group.backend()),
                     device,
-                    segments: segments.to_vec(),
+                    segments: try_to_vec(segments, "the prepared batch's segments")?,
                 })
             }
         }

@@ -120,6 +120,32 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// An empty vector with room for `capacity` elements, or OUT_OF_MEMORY instead of an abort. Every
+/// allocation whose size a caller chooses (an array length, a count, a byte size) goes through this or
+/// [`try_reserve`]: under a memory limit the call fails with a status and the process lives on.
+pub fn try_vec<T>(capacity: usize, what: &str) -> Result<Vec<T>> {
+    let mut vec = Vec::new();
+    try_reserve(&mut vec, capacity, what)?;
+    Ok(vec)
+}
+
+/// Room for `additional` more elements in `vec`, or OUT_OF_MEMORY (see [`try_vec`]).
+pub fn try_reserve<T>(vec: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
+    vec.try_reserve_exact(additional).map_err(|_| {
+        Error::new(
+            Status::OutOfMemory,
+            format!("cannot allocate {what}: {additional} x {} bytes", std::mem::size_of::<T>()),
+        )
+    })
+}
+
+/// A copy of `items`, or OUT_OF_MEMORY (see [`try_vec`]).
+pub fn try_to_vec<T: Clone>(items: &[T], what: &str) -> Result<Vec<T>> {
+    let mut vec = try_vec(items.len(), what)?;
+    vec.extend_from_slice(items);
+    Ok(vec)
+}
+
 /// Shorthand for `Err(Error::new(status, format!(...)))`.
 #[macro_export]
 macro_rules! bail {

@@ -18,7 +18,7 @@
 
 use super::host_copy::copy_runs;
 use super::{Backend, BackendKind, Event, Stream};
-use crate::error::{Error, Result, Status};
+use crate::error::{try_to_vec, Error, Result, Status};
 use crate::kernels::check::validate;
 use crate::segment::Segment;
 use std::collections::hash_map::RandomState;
@@ -189,11 +189,13 @@ fn unregister_stream(stream: Stream, owner: Owner) -> Result<()> {
         let mut streams = lock_streams();
         match streams.get(&stream.0) {
             Some((_, registered)) if *registered == owner => streams.remove(&stream.0),
-            Some(_) => return Err(Error::invalid_argument(format!(
+            Some(_) => {
+                return Err(Error::invalid_argument(format!(
                 "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not by \
                      refit_host_stream_destroy",
                 stream.0
-            ))),
+            )))
+            }
             None => None,
         }
     };
@@ -354,7 +356,7 @@ impl Backend for HostBackend {
     unsafe fn copy_segments(&self, device: usize, stream: Stream, segments: &[Segment]) -> Result<()> {
         let stream = self.resolve(device, stream)?;
         validate(segments)?;
-        let segments = segments.to_vec();
+        let segments = try_to_vec(segments, "the queued batch's segments")?;
         // SAFETY: the caller promises the memory stays valid until the queued work has run.
         stream.enqueue(move || unsafe { copy_runs(&segments) })
     }

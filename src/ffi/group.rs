@@ -7,7 +7,7 @@
 use super::{arg, boundary, check_struct_size, destroy, out, slice};
 use crate::backend::host::{create_host_stream, destroy_host_stream};
 use crate::backend::{BackendKind, Stream};
-use crate::error::{clear_last_error, last_error, Error, Result, Status};
+use crate::error::{clear_last_error, last_error, try_vec, Error, Result, Status};
 use crate::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use std::ffi::c_void;
 
@@ -106,8 +106,9 @@ pub extern "C" fn refit_group_create(
         // SAFETY: `devices` points to `n` ints (the caller's promise).
         let devices = unsafe { slice(devices, n, "devices") }?;
         let options = convert_options(options)?;
-        let devices: Vec<i64> = devices.iter().map(|&d| d as i64).collect();
-        let created = Group::new(&devices, options)?;
+        let mut widened = try_vec(devices.len(), "the device list")?;
+        widened.extend(devices.iter().map(|&d| i64::from(d)));
+        let created = Group::new(&widened, options)?;
         slot.write(Box::into_raw(Box::new(refit_group { group: created })));
         Ok(())
     })
