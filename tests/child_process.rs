@@ -3,11 +3,12 @@
 //! exits. Each test runs its body in a child process (this test binary run again, filtered to the
 //! one test), so an abort fails that test alone.
 
-use refit::ffi::allgather::refit_allgather;
+use refit::ffi::allgather::{refit_allgather, refit_group_allgather_rank, REFIT_ALLGATHER_AUTO};
 use refit::ffi::copy::{refit_copy_batch, REFIT_COPY_CHECKED};
 use refit::ffi::group::{
-    refit_group, refit_group_create, refit_group_destroy, refit_group_options, refit_group_options_init,
-    refit_group_size, REFIT_BACKEND_HOST,
+    refit_group, refit_group_create, refit_group_destroy, refit_group_enter, refit_group_exit,
+    refit_group_options, refit_group_options_init, refit_group_run, refit_group_size,
+    refit_host_stream_create, refit_host_stream_destroy, REFIT_BACKEND_HOST, REFIT_EXIT_ASYNC,
 };
 use refit::ffi::status::refit_last_error_message;
 use refit::{Segment, Status};
@@ -16,9 +17,26 @@ use std::process::Command;
 
 const CHILD: &str = "REFIT_TEST_CHILD";
 
-/// Runs `body` in a child process: this binary again, with only the test `name`, which calls
-/// `in_child` once more and, seeing CHILD set, runs the body. The parent checks that the child
-/// exited successfully and finished the body.
+/// Runs this binary again with only the test `name` and CHILD set; returns its stdout after checking
+/// that it exited successfully.
+fn run_child(name: &str) -> String {
+    let output = Command::new(std::env::current_exe().expect("test binary path"))
+        .args([name, "--exact", "--nocapture", "--test-threads=1"])
+        .env(CHILD, "1")
+        .output()
+        .expect("the test binary runs again");
+    let stdout = String::from_utf8_lossy(&output.stdout).into_owned();
+    assert!(
+        output.status.success(),
+        "child running {name} failed ({}):\n{stdout}\n{}",
+        output.status,
+        String::from_utf8_lossy(&output.stderr)
+    );
+    stdout
+}
+
+/// Runs `body` in a child process: the test `name` runs again there, calls `in_child` once more and,
+/// seeing CHILD set, runs the body. The parent checks that the child finished the body.
 fn in_child(name: &str, body: impl FnOnce()) {
     let finished = format!("child finished: {name}");
     if std::env::var_os(CHILD).is_some() {
@@ -26,18 +44,8 @@ fn in_child(name: &str, body: impl FnOnce()) {
         println!("{finished}");
         return;
     }
-    let output = Command::new(std::env::current_exe().expect("test binary path"))
-        .args([name, "--exact", "--nocapture", "--test-threads=1"])
-        .env(CHILD, "1")
-        .output()
-        .expect("the test binary runs again");
-    let stdout = String::from_utf8_lossy(&output.stdout);
-    assert!(
-        output.status.success() && stdout.contains(&finished),
-        "child running {name} failed ({}):\n{stdout}\n{}",
-        output.status,
-        String::from_utf8_lossy(&output.stderr)
-    );
+    let stdout = run_child(name);
+    assert!(stdout.contains(&finished), "child running {name} did not finish:\n{stdout}");
 }
 
 /// This process's address space now, in bytes (VmSize).
@@ -158,32 +166,120 @@ fn a_batch_larger_than_the_memory_left_is_out_of_memory() {
     });
 }
 
-static KEY_DESTRUCTOR_STATUS: std::sync::Mutex<Option<(Status, String)>> = std::sync::Mutex::new(None);
+/// Each rank of a two-rank group gathers one byte from every rank.
+struct Gather {
+    group: *mut refit_group,
+    send: [u8; 2],
+    recv: [[u8; 2]; 2],
+}
 
-extern "C" fn calls_refit_at_thread_exit(_value: *mut c_void) {
+unsafe extern "C" fn gather_rank(rank: u32, _stream: *mut c_void, user_data: *mut c_void) -> i32 {
+    // SAFETY: run with a live Gather; each rank writes only its own receive buffer.
+    let gather = unsafe { &mut *(user_data as *mut Gather) };
+    let (send, recv) = (&gather.send[rank as usize] as *const u8, gather.recv[rank as usize].as_mut_ptr());
+    let mut picked = 0;
+    let counts = [1usize, 1];
+    let status = refit_group_allgather_rank(
+        gather.group,
+        rank,
+        send as u64,
+        recv as u64,
+        counts.as_ptr(),
+        REFIT_ALLGATHER_AUTO,
+        &mut picked,
+    );
+    status as i32
+}
+
+/// A host group's whole life: a failing call, creation (its threads start), a per-rank allgather, a
+/// scope ordered after a caller stream, release. The first step that goes wrong, if any.
+fn group_life() -> Result<(), &'static str> {
     let mut size = 0usize;
-    let status = refit_group_size(std::ptr::null(), &mut size);
-    let message = last_error();
-    *KEY_DESTRUCTOR_STATUS.lock().unwrap_or_else(|p| p.into_inner()) = Some((status, message));
+    if refit_group_size(std::ptr::null(), &mut size) != Status::NullArgument {
+        return Err("a NULL group was not NULL_ARGUMENT");
+    }
+    if last_error().is_empty() {
+        return Err("no message after a failing call");
+    }
+    let group = host_group(2);
+    let mut gather = Gather { group, send: [0x11, 0x22], recv: [[0; 2]; 2] };
+    if refit_group_run(group, Some(gather_rank), &mut gather as *mut Gather as *mut c_void) != Status::Success
+    {
+        return Err("refit_group_run failed");
+    }
+    if gather.recv != [[0x11, 0x22]; 2] {
+        return Err("the allgather delivered wrong bytes");
+    }
+    let mut callers = [std::ptr::null_mut(); 2];
+    let ordered = refit_host_stream_create(&mut callers[0]) == Status::Success
+        && refit_group_enter(group, callers.as_ptr()) == Status::Success
+        && refit_group_exit(group, REFIT_EXIT_ASYNC) == Status::Success
+        && refit_host_stream_destroy(callers[0]) == Status::Success;
+    if !ordered {
+        return Err("a scope with a caller stream failed");
+    }
+    refit_group_destroy(group);
+    Ok(())
+}
+
+/// Runs `group_life` where nothing may panic (a thread-exit destructor, an atexit handler): reports
+/// with raw writes, ends the process with `code` on failure.
+fn group_life_or_exit(place: &str, code: i32) {
+    let line = match group_life() {
+        Ok(()) => format!("group life survived in {place}\n"),
+        Err(step) => format!("{place}: {step}\n"),
+    };
+    // SAFETY: writes a valid buffer to the standard streams, which outlive every Rust object.
+    unsafe {
+        libc::write(1, line.as_ptr().cast(), line.len());
+        if !line.starts_with("group life survived") {
+            libc::_exit(code);
+        }
+    }
+}
+
+/// Where a thread's key destructor runs: the thread made a failing call before it exited, or the
+/// destructor makes its first refit call (its storage is then made after the thread's other
+/// thread-locals were destroyed).
+static AFTER_A_FAILURE: &str = "a key destructor after a failing call";
+static FIRST_CALL: &str = "a key destructor making the first call";
+
+extern "C" fn group_life_at_thread_exit(place: *mut c_void) {
+    // SAFETY: the test sets the key to one of the two statics above.
+    group_life_or_exit(unsafe { *(place as *const &str) }, 20);
+}
+
+extern "C" fn group_life_at_exit() {
+    group_life_or_exit("an atexit handler", 21);
 }
 
 #[test]
-fn a_threads_first_refit_call_from_its_key_destructor() {
-    in_child("a_threads_first_refit_call_from_its_key_destructor", || {
-        // cpp_tests/test_teardown.c covers a thread that failed a call before it exits; here the key
-        // destructor makes the thread's first call, after its Rust thread-locals were destroyed.
+fn a_group_lives_and_dies_in_exit_handlers() {
+    let name = "a_group_lives_and_dies_in_exit_handlers";
+    if std::env::var_os(CHILD).is_some() {
         let mut key: libc::pthread_key_t = 0;
-        // SAFETY: plain pthread calls with a destructor that lives as long as the process.
-        assert_eq!(unsafe { libc::pthread_key_create(&mut key, Some(calls_refit_at_thread_exit)) }, 0);
-        std::thread::spawn(move || {
-            // SAFETY: any non-NULL value makes the destructor run at this thread's exit.
-            assert_eq!(unsafe { libc::pthread_setspecific(key, std::ptr::dangling::<c_void>()) }, 0);
-        })
-        .join()
-        .unwrap();
-        let seen = KEY_DESTRUCTOR_STATUS.lock().unwrap().clone();
-        let (status, message) = seen.expect("the key destructor ran");
-        assert_eq!(status, Status::NullArgument);
-        assert!(message.contains("group is NULL") || message == "REFIT_STATUS_NULL_ARGUMENT", "{message}");
-    });
+        // SAFETY: plain libc calls with handlers that live as long as the process.
+        unsafe {
+            assert_eq!(libc::pthread_key_create(&mut key, Some(group_life_at_thread_exit)), 0);
+            assert_eq!(libc::atexit(group_life_at_exit), 0);
+        }
+        for place in [&AFTER_A_FAILURE, &FIRST_CALL] {
+            let place = place as *const &str as usize;
+            std::thread::spawn(move || {
+                if place == &AFTER_A_FAILURE as *const &str as usize {
+                    let mut size = 0usize;
+                    assert_eq!(refit_group_size(std::ptr::null(), &mut size), Status::NullArgument);
+                }
+                // SAFETY: the destructor runs at this thread's exit with this non-NULL value.
+                assert_eq!(unsafe { libc::pthread_setspecific(key, place as *const c_void) }, 0);
+            })
+            .join()
+            .unwrap();
+        }
+        return;
+    }
+    let stdout = run_child(name);
+    for place in [AFTER_A_FAILURE, FIRST_CALL, "an atexit handler"] {
+        assert!(stdout.contains(&format!("group life survived in {place}")), "in {place}:\n{stdout}");
+    }
 }
