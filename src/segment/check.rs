@@ -9,7 +9,7 @@ use std::collections::BinaryHeap;
 
 /// Destination runs visited at most this many in total to decide overlap exactly, beyond which the
 /// checked mode refuses the batch (Unsupported) rather than spend unbounded time.
-const MAX_EXPANDED_RUNS: u64 = 1 << 26;
+const MAX_VISITED_RUNS: u64 = 1 << 26;
 
 /// One past the last byte a strided box touches, from `base`, or None on overflow.
 fn extent_end(base: u64, segment: &Segment, stride: [u64; 2]) -> Option<u64> {
@@ -124,7 +124,7 @@ impl Cursor {
 /// naming the two segments (or one segment with itself). Segments must have passed [`validate`].
 ///
 /// Cost: a sort of the segments' destination extents. Runs are visited only for the segments whose
-/// extents intersect another's or whose own runs might overlap (at most [`MAX_EXPANDED_RUNS`] runs),
+/// extents intersect another's or whose own runs might overlap (at most [`MAX_VISITED_RUNS`] runs),
 /// cluster by cluster of intersecting extents, in address order by merging cursors that each walk
 /// runs already in order. Memory grows with the number of segments, never with their runs: one
 /// extent per segment, and one cursor per segment or, for a segment whose runs interleave, per index
@@ -167,11 +167,11 @@ pub fn check_destinations(segments: &[Segment]) -> Result<()> {
         .flat_map(|cluster| &extents[cluster.clone()])
         .map(|&(_, _, index)| segments[index].runs())
         .fold(0, u64::saturating_add);
-    if total > MAX_EXPANDED_RUNS {
+    if total > MAX_VISITED_RUNS {
         return Err(Error::new(
             Status::Unsupported,
             format!(
-                "checked mode: {total} destination runs with interleaved extents exceed the {MAX_EXPANDED_RUNS} \
+                "checked mode: {total} destination runs with interleaved extents exceed the {MAX_VISITED_RUNS} \
                  this check visits; check the batch yourself and use the unchecked mode"
             ),
         ));
@@ -368,8 +368,8 @@ mod tests {
 
     #[test]
     fn interleaved_segments_are_walked_not_expanded() {
-        // Two segments writing alternate bytes (the out-of-memory report's shape, smaller: the full
-        // size runs under an address-space limit in tests/child_process.rs), then a third segment
+        // Two segments writing alternate bytes (the out-of-memory report's shape, smaller: a larger
+        // one runs under an address-space limit in tests/child_process.rs), then a third segment
         // writing into the middle of them.
         let a = strided(0x1000, 1, [1 << 20, 1], [2, 0]);
         let b = strided(0x1001, 1, [1 << 20, 1], [2, 0]);

@@ -190,11 +190,12 @@ fn unregister_stream(stream: Stream, owner: Owner) -> Result<()> {
         match streams.get(&stream.0) {
             Some((_, registered)) if *registered == owner => streams.remove(&stream.0),
             Some(_) => {
-                return Err(Error::invalid_argument(format!(
-                "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not by \
-                     refit_host_stream_destroy",
-                stream.0
-            )))
+                let message = format!(
+                    "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not \
+                     by refit_host_stream_destroy",
+                    stream.0
+                );
+                return Err(Error::invalid_argument(message));
             }
             None => None,
         }
