@@ -8,7 +8,8 @@
  *  - Outputs are written only on success. On failure a message describing the cause is kept per thread
  *    and read with refit_last_error_message(); successful calls leave it unchanged.
  *  - NULL for a required pointer argument returns REFIT_STATUS_NULL_ARGUMENT. No input crashes the process:
- *    a bug inside the library (a Rust panic) returns REFIT_STATUS_INTERNAL_ERROR instead.
+ *    a bug inside the library (a Rust panic) returns REFIT_STATUS_INTERNAL_ERROR instead, and memory
+ *    the library cannot allocate for the caller's arguments returns REFIT_STATUS_OUT_OF_MEMORY.
  *  - Streams are CUstream / cudaStream_t passed as void*; NULL means the legacy default stream of the
  *    device concerned. Device pointers are uint64_t; the library never owns caller memory.
  *  - Handles (refit_group*, refit_plan*, ...) are released by their *_destroy, which accepts NULL.
