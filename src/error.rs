@@ -129,9 +129,10 @@ pub fn try_vec<T>(capacity: usize, what: &str) -> Result<Vec<T>> {
     Ok(vec)
 }
 
-/// Room for `additional` more elements in `vec`, or OUT_OF_MEMORY (see [`try_vec`]).
+/// Room for `additional` more elements in `vec`, or OUT_OF_MEMORY (see [`try_vec`]). Grows the
+/// capacity geometrically, as `push` does, so reserving before each append stays linear.
 pub fn try_reserve<T>(vec: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
-    vec.try_reserve_exact(additional).map_err(|_| {
+    vec.try_reserve(additional).map_err(|_| {
         Error::new(
             Status::OutOfMemory,
             format!("cannot allocate {what}: {additional} x {} bytes", std::mem::size_of::<T>()),
@@ -232,6 +233,24 @@ mod tests {
         }
         assert_eq!(Status::from_code(Status::ALL.len() as i64), None);
         assert_eq!(Status::from_code(-1), None);
+    }
+
+    #[test]
+    fn allocations_too_large_are_out_of_memory() {
+        let err = try_vec::<u64>(usize::MAX / 4, "a test list").unwrap_err();
+        assert_eq!(err.status, Status::OutOfMemory);
+        assert_eq!(err.message, format!("cannot allocate a test list: {} x 8 bytes", usize::MAX / 4));
+        assert_eq!(try_to_vec(&[1u8, 2, 3], "bytes").unwrap(), [1, 2, 3]);
+        // Reserving before each append grows geometrically, not one element at a time.
+        let mut list = Vec::new();
+        let mut reallocations = 0;
+        for i in 0..10_000u32 {
+            let capacity = list.capacity();
+            try_reserve(&mut list, 1, "a test list").unwrap();
+            reallocations += usize::from(list.capacity() != capacity);
+            list.push(i);
+        }
+        assert!(reallocations < 20, "{reallocations} reallocations for 10,000 appends");
     }
 
     #[test]
