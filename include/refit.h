@@ -8,7 +8,8 @@
  *  - Outputs are written only on success. On failure a message describing the cause is kept per thread
  *    and read with refit_last_error_message(); successful calls leave it unchanged.
  *  - NULL for a required pointer argument returns REFIT_STATUS_NULL_ARGUMENT. No input crashes the process:
- *    a bug inside the library (a Rust panic) returns REFIT_STATUS_INTERNAL_ERROR instead.
+ *    a bug inside the library (a Rust panic) returns REFIT_STATUS_INTERNAL_ERROR instead, and memory
+ *    the library cannot allocate for the caller's arguments returns REFIT_STATUS_OUT_OF_MEMORY.
  *  - Streams are CUstream / cudaStream_t passed as void*; NULL means the legacy default stream of the
  *    device concerned. Device pointers are uint64_t; the library never owns caller memory.
  *  - Handles (refit_group*, refit_plan*, ...) are released by their *_destroy, which accepts NULL.
@@ -46,7 +47,8 @@
 #define REFIT_ALLGATHER_PEER 2
 
 /**
- * Staged through host memory, synchronous: a reference path and last resort.
+ * Staged through host memory (in parts of at most 8 MiB, whatever the counts), synchronous: a
+ * reference path and last resort.
  */
 #define REFIT_ALLGATHER_HOST 3
 
@@ -504,7 +506,7 @@ extern "C" {
  * Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
  * overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
  * receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
- * CUDA_ERROR, INVALID_STATE (called from a rank callback).
+ * CUDA_ERROR, INVALID_STATE (called from a rank callback), OUT_OF_MEMORY.
  */
 refit_status refit_allgather(refit_group *group,
                              const uint64_t *send,
@@ -553,7 +555,7 @@ refit_status refit_group_allgather_rank(refit_group *group,
  * size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
  * address, on the host backend a stream that is not a host stream), OVERLAP (REFIT_COPY_CHECKED and
  * two destination runs share a byte), UNSUPPORTED (checked mode over more interleaved runs than it
- * expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
+ * visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
  * first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
  */
 refit_status refit_copy_batch(const refit_group *group,

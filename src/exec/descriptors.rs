@@ -3,7 +3,7 @@
 //! refit step with no host work proportional to the number of segments.
 
 use super::Arm;
-use crate::error::{Error, Result, Status};
+use crate::error::{try_reserve, Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Endpoint, Plan, RouteKind};
 use crate::segment::Segment;
@@ -63,6 +63,7 @@ impl Descriptors {
                     "rank {src} cannot write rank {dst}'s memory directly (no peer access); use the per-run arm"
                 )));
             }
+            try_reserve(&mut per_rank[src], route.segments.len(), "the executor's segments")?;
             per_rank[src].extend_from_slice(&route.segments);
         }
         let mut segments = 0u64;

@@ -7,7 +7,7 @@
 
 use super::{arg, arg_mut, boundary, c_str, check_struct_size, destroy, out, sized_out, slice};
 use crate::bail;
-use crate::error::{Error, Result};
+use crate::error::{try_vec, Error, Result};
 use crate::plan::{self, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, Region, Table, TensorSpec};
 use crate::segment::Segment;
 use std::ffi::c_char;
@@ -362,7 +362,7 @@ pub unsafe extern "C" fn refit_plan_build(
         let slot = out(plan, "plan")?;
         let options = plan_options(options)?;
         let pointers = slice(tables, count, "tables")?;
-        let mut borrowed = Vec::with_capacity(pointers.len());
+        let mut borrowed = try_vec(pointers.len(), "the table list")?;
         for (i, &t) in pointers.iter().enumerate() {
             borrowed.push(&arg(t, &format!("tables[{i}]"))?.table);
         }

@@ -18,7 +18,7 @@
 
 use super::host_copy::copy_runs;
 use super::{device_index, Backend, BackendKind, Event, PreparedCopy, Stream};
-use crate::error::{Error, Result, Status};
+use crate::error::{try_to_vec, Error, Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
 use std::collections::hash_map::RandomState;
@@ -189,11 +189,14 @@ fn unregister_stream(stream: Stream, owner: Owner) -> Result<()> {
         let mut streams = lock_streams();
         match streams.get(&stream.0) {
             Some((_, registered)) if *registered == owner => streams.remove(&stream.0),
-            Some(_) => return Err(Error::invalid_argument(format!(
-                "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not by \
-                     refit_host_stream_destroy",
-                stream.0
-            ))),
+            Some(_) => {
+                let message = format!(
+                    "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not \
+                     by refit_host_stream_destroy",
+                    stream.0
+                );
+                return Err(Error::invalid_argument(message));
+            }
             None => None,
         }
     };
@@ -353,7 +356,7 @@ impl Backend for HostBackend {
     unsafe fn copy_segments(&self, device: i32, stream: Stream, segments: &[Segment]) -> Result<()> {
         let stream = self.resolve(device, stream)?;
         validate(segments)?;
-        let segments = segments.to_vec();
+        let segments = try_to_vec(segments, "the queued batch's segments")?;
         // SAFETY: the caller promises the memory stays valid until the queued work has run.
         stream.enqueue(move || unsafe { copy_runs(&segments) })
     }
@@ -380,7 +383,8 @@ impl Backend for HostBackend {
         if checked {
             check_destinations(segments)?;
         }
-        Ok(Box::new(HostBatch { default_stream: self.default_streams[index], segments: segments.into() }))
+        let segments = Arc::new(try_to_vec(segments, "the batch's segments")?);
+        Ok(Box::new(HostBatch { default_stream: self.default_streams[index], segments }))
     }
 
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
@@ -416,7 +420,7 @@ impl Backend for HostBackend {
 struct HostBatch {
     /// What a NULL stream stands for: the prepared device's default stream.
     default_stream: Stream,
-    segments: Arc<[Segment]>,
+    segments: Arc<Vec<Segment>>,
 }
 
 impl PreparedCopy for HostBatch {
