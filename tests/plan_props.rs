@@ -169,7 +169,7 @@ struct Case {
 type Pending = (Vec<u64>, Vec<u64>, Vec<u32>, Vec<u64>, u64);
 
 fn endpoint(rng: &mut Rng) -> Endpoint {
-    Endpoint { rank: rng.below(3) as u32, device: rng.below(2) as u32 }
+    Endpoint { process: rng.below(3) as u32, device: rng.below(2) as u32 }
 }
 
 fn random_case(seed: u64) -> Case {
@@ -420,7 +420,7 @@ fn random_tables_match_the_per_element_reference() {
                 let again = build(&shuffled(&case.tables, &mut rng), &options).unwrap();
                 assert_eq!(again.routes(), plan.routes(), "seed {seed} {options:?}: order changed the plan");
                 assert_eq!(again.fingerprint(), plan.fingerprint());
-                by_policy.push((policy, stats.clone()));
+                by_policy.push((policy, *stats));
                 planned += 1;
             }
         }
@@ -443,7 +443,7 @@ fn balanced_policy_spreads_replicated_bytes() {
         for rank in 0..2u32 {
             table.offers.push(Offer {
                 tensor: 0,
-                owner: Endpoint { rank, device: 0 },
+                owner: Endpoint { process: rank, device: 0 },
                 addr: 0x10000 * (u64::from(rank) + 1) + row * 64,
                 region: Region { offset: vec![row, 0], extent: vec![1, 16] },
                 strides: None,
@@ -451,7 +451,7 @@ fn balanced_policy_spreads_replicated_bytes() {
             });
         }
     }
-    let receiver = Endpoint { rank: 5, device: 0 };
+    let receiver = Endpoint { process: 5, device: 0 };
     table.needs.push(Need {
         tensor: 0,
         receiver,
@@ -463,7 +463,7 @@ fn balanced_policy_spreads_replicated_bytes() {
     let bytes_from = |plan: &Plan, rank: u32| -> u64 {
         plan.routes()
             .iter()
-            .filter(|r| r.src.rank == rank)
+            .filter(|r| r.src.process == rank)
             .flat_map(|r| &r.segments)
             .map(|s| s.bytes().unwrap())
             .sum()
@@ -478,4 +478,42 @@ fn balanced_policy_spreads_replicated_bytes() {
     assert_eq!(balanced.stats().offers_kept, 8);
     assert_eq!(balanced.stats().offers_in, 16);
     assert_eq!(balanced.stats().duplicate_bytes_dropped, 512);
+}
+
+#[test]
+fn balanced_serves_single_replica_demand_first() {
+    // Issue 14 item 9: `a` offered by (0,0) and (1,0), `b` only by (1,0); receiver (1,0) needs both.
+    // The busiest source must serve 8 bytes, whatever the tensors are called.
+    for (a, b) in [("a", "b"), ("b", "a"), ("zz", "aa")] {
+        let spec = |name: &str| TensorSpec { name: name.into(), dtype: 0, elem_size: 1, shape: vec![8] };
+        let whole = Region { offset: vec![0], extent: vec![8] };
+        let at = |rank| Endpoint { process: rank, device: 0 };
+        let offer = |tensor, rank, addr| Offer {
+            tensor,
+            owner: at(rank),
+            addr,
+            region: whole.clone(),
+            strides: None,
+            digest: None,
+        };
+        let need = |tensor, addr| Need {
+            tensor,
+            receiver: at(1),
+            addr,
+            region: whole.clone(),
+            perm: None,
+            strides: vec![1],
+        };
+        let table = Table {
+            tensors: vec![spec(a), spec(b)],
+            offers: vec![offer(0, 0, 0x100), offer(0, 1, 0x200), offer(1, 1, 0x300)],
+            needs: vec![need(0, 0x1000), need(1, 0x2000)],
+        };
+        let plan = build(&[table], &PlanOptions { policy: OwnerPolicy::Balanced, coalesce: true }).unwrap();
+        let mut served = BTreeMap::new();
+        for r in plan.routes() {
+            *served.entry(r.src).or_insert(0) += r.segments.iter().map(|s| s.bytes().unwrap()).sum::<u64>();
+        }
+        assert_eq!(served.into_iter().collect::<Vec<_>>(), vec![(at(0), 8), (at(1), 8)], "names {a}, {b}");
+    }
 }
