@@ -517,3 +517,107 @@ fn balanced_serves_single_replica_demand_first() {
         assert_eq!(served.into_iter().collect::<Vec<_>>(), vec![(at(0), 8), (at(1), 8)], "names {a}, {b}");
     }
 }
+
+/// A random owner-balancing problem: tensors of 1..64 bytes, each offered whole by a random set of
+/// processes 0..4, needed whole by some of processes 10..12. Returns the table (tensor `t` named
+/// `names[t]`, need of tensor `t` by process `10 + r` at `0x10000 * (t + 1) + 0x100 * r`), each
+/// tensor's bytes and owners.
+fn balancing_case(rng: &mut Rng, names: &[String]) -> (Table, Vec<u64>, Vec<Vec<Endpoint>>) {
+    let mut table = Table::default();
+    let (mut sizes, mut owners) = (vec![], vec![]);
+    for (t, name) in names.iter().enumerate() {
+        let bytes = 1 + rng.below(64);
+        table.tensors.push(TensorSpec { name: name.clone(), dtype: 0, elem_size: 1, shape: vec![bytes] });
+        let whole = Region { offset: vec![0], extent: vec![bytes] };
+        let mut held: Vec<Endpoint> =
+            (0..4).filter(|_| rng.chance(50)).map(|p| Endpoint { process: p, device: 0 }).collect();
+        if held.is_empty() {
+            held.push(Endpoint { process: rng.below(4) as u32, device: 0 });
+        }
+        for owner in &held {
+            let addr = 0x100_0000 * (u64::from(owner.process) + 1) + 0x1000 * t as u64;
+            table.offers.push(Offer {
+                tensor: t as u32,
+                owner: *owner,
+                addr,
+                region: whole.clone(),
+                strides: None,
+                digest: None,
+            });
+        }
+        for r in 0..3u64 {
+            if rng.chance(60) {
+                table.needs.push(Need {
+                    tensor: t as u32,
+                    receiver: Endpoint { process: 10 + r as u32, device: 0 },
+                    addr: 0x10000 * (t as u64 + 1) + 0x100 * r,
+                    region: whole.clone(),
+                    perm: None,
+                    strides: vec![1],
+                });
+            }
+        }
+        sizes.push(bytes);
+        owners.push(held);
+    }
+    (table, sizes, owners)
+}
+
+/// Bytes each source serves, and the source serving each (tensor, receiver process) need.
+fn served(plan: &Plan) -> (BTreeMap<Endpoint, u64>, BTreeMap<(u64, u32), Endpoint>) {
+    let (mut load, mut by_need) = (BTreeMap::new(), BTreeMap::new());
+    for r in plan.routes() {
+        for s in &r.segments {
+            *load.entry(r.src).or_insert(0) += s.bytes().unwrap();
+            s.for_each_run(|_, dst, _| {
+                by_need.insert((dst / 0x10000 - 1, r.dst.process), r.src);
+            });
+        }
+    }
+    (load, by_need)
+}
+
+#[test]
+fn balanced_leaves_no_move_that_relieves_the_busiest_source_and_ignores_names() {
+    for seed in 0..400u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let count = 1 + rng.below(8) as usize;
+        let names: Vec<String> = (0..count).map(|t| format!("t{t}")).collect();
+        let (table, sizes, owners) = balancing_case(&mut Rng(rng.next() | 1), &names);
+        let balanced = PlanOptions { policy: OwnerPolicy::Balanced, coalesce: false };
+        let plan = build(std::slice::from_ref(&table), &balanced).unwrap();
+        let (load, by_need) = served(&plan);
+        let busiest = load.values().copied().max().unwrap_or(0);
+        for (&(t, _), &source) in &by_need {
+            let t = t as usize;
+            // Demand only one source holds is served by it.
+            if owners[t].len() == 1 {
+                assert_eq!(source, owners[t][0], "seed {seed}");
+            }
+            if load[&source] < busiest {
+                continue;
+            }
+            // No single need on a busiest source can move to another replica and stay below it.
+            for other in owners[t].iter().filter(|&&o| o != source) {
+                let after = load.get(other).copied().unwrap_or(0) + sizes[t];
+                assert!(
+                    after >= busiest,
+                    "seed {seed}: moving tensor {t} from {source:?} to {other:?} relieves it"
+                );
+            }
+        }
+        // Renamed tensors (another canonical order) and another table order: the same loads.
+        let renamed: Vec<String> = (0..count).map(|t| format!("z{}.{}", rng.next(), t)).collect();
+        let mut table2 = table.clone();
+        for (t, spec) in table2.tensors.iter_mut().enumerate() {
+            spec.name = renamed[t].clone();
+        }
+        let shuffled_tables = shuffled(&[table2], &mut rng);
+        let other = build(&shuffled_tables, &balanced).unwrap();
+        let mut a: Vec<u64> = load.values().copied().collect();
+        let mut b: Vec<u64> = served(&other).0.values().copied().collect();
+        a.sort_unstable();
+        b.sort_unstable();
+        assert_eq!(a, b, "seed {seed}: names or order changed the loads");
+    }
+}

@@ -67,6 +67,10 @@ impl Owners {
     }
 }
 
+/// Moves per replicated demand after which BALANCED stops improving (each move is a search over
+/// the busiest sources' demands; the bound keeps hostile tables from making that quadratic).
+const MOVES_PER_DEMAND: usize = 4;
+
 /// Chooses an offer for each demand so that the busiest source serves as little as possible.
 ///
 /// 1. Demand that only one source can serve (every replica on one endpoint) is assigned first:
@@ -74,10 +78,10 @@ impl Owners {
 /// 2. Replicated demand follows, largest first, each to the replica whose source has the least
 ///    load so far (ties: nearer to the receiver, then the lower endpoint). The order depends on
 ///    bytes, receivers and the replicas' endpoints, never on tensor names.
-/// 3. Then, while a demand on the busiest source can move to another of its replicas whose
-///    source stays below that load, the move that leaves the lowest load is made. This stops
-///    after as many moves as there are replicated demands; on anything smaller than a hostile
-///    table it stops earlier, at a point where no single move lowers the busiest source.
+/// 3. Then, while a demand on a busiest source can move to another of its replicas whose source
+///    stays below that load, the move that evens the two sources best is made. This stops after
+///    [`MOVES_PER_DEMAND`] moves per replicated demand; short of hostile tables it stops earlier,
+///    where no single move relieves a busiest source.
 fn balance(merged: &Merged, sets: &[ReplicaSet], demand: &[Demand], work: &mut Budget) -> Result<Vec<u32>> {
     let mut sources: Vec<Endpoint> =
         memory::collect(merged.offers.len(), merged.offers.iter().map(|o| o.owner), "sources")?;
@@ -127,36 +131,39 @@ fn balance(merged: &Merged, sets: &[ReplicaSet], demand: &[Demand], work: &mut B
         load[s] = load[s].saturating_add(d.bytes);
         memory::push(&mut assigned[s], i, "owner choices")?;
     }
-    for _ in 0..replicated.len() {
-        // The busiest source, the lowest endpoint among equals.
-        let busiest = (0..sources.len()).max_by_key(|&s| (load[s], std::cmp::Reverse(s))).unwrap_or(0);
-        let ceiling = load[busiest];
-        let mut best: Option<(u64, u8, Endpoint, usize, u32)> = None;
-        for &i in &assigned[busiest] {
-            let d = &demand[i as usize];
-            work.spend(replicas(d).len() as u64)?;
-            for o in replicas(d) {
-                let s = source_of(o);
-                let after = load[s].saturating_add(d.bytes);
-                if s == busiest || after >= ceiling {
-                    continue;
-                }
-                let owner = merged.offers[o].owner;
-                let key = (after, owner.distance(d.receiver), owner, o, i);
-                if best.is_none_or(|b| key < b) {
-                    best = Some(key);
+    for _ in 0..MOVES_PER_DEMAND * replicated.len() {
+        // Among the moves off any of the busiest sources (several may share the highest load),
+        // the one whose higher new load of the two sources is lowest: it evens the pair best.
+        let ceiling = load.iter().copied().max().unwrap_or(0);
+        let mut best: Option<(u64, u64, u8, Endpoint, usize, u32, usize)> = None;
+        for from in (0..sources.len()).filter(|&s| load[s] == ceiling) {
+            for &i in &assigned[from] {
+                let d = &demand[i as usize];
+                work.spend(replicas(d).len() as u64)?;
+                for o in replicas(d) {
+                    let to = source_of(o);
+                    let after = load[to].saturating_add(d.bytes);
+                    if to == from || after >= ceiling {
+                        continue;
+                    }
+                    let owner = merged.offers[o].owner;
+                    let key =
+                        (after.max(ceiling - d.bytes), after, owner.distance(d.receiver), owner, o, i, from);
+                    if best.is_none_or(|b| key < b) {
+                        best = Some(key);
+                    }
                 }
             }
         }
-        let Some((_, _, _, o, i)) = best else { break };
-        let at = assigned[busiest].iter().position(|&x| x == i).expect("the demand is on the busiest source");
-        assigned[busiest].swap_remove(at);
+        let Some((_, _, _, _, o, i, from)) = best else { break };
+        let at = assigned[from].iter().position(|&x| x == i).expect("the demand is on its source");
+        assigned[from].swap_remove(at);
         let bytes = demand[i as usize].bytes;
-        let s = source_of(o);
-        load[busiest] -= bytes;
-        load[s] = load[s].saturating_add(bytes);
+        let to = source_of(o);
+        load[from] -= bytes;
+        load[to] = load[to].saturating_add(bytes);
         chosen[i as usize] = o as u32;
-        memory::push(&mut assigned[s], i, "owner choices")?;
+        memory::push(&mut assigned[to], i, "owner choices")?;
     }
     Ok(chosen)
 }

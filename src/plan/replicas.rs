@@ -10,6 +10,7 @@ use super::merge::{same_values, Merged, PackedOffer};
 use super::options::{Budget, Limits};
 use crate::bail;
 use crate::error::{Result, Status};
+use std::ops::Range;
 
 /// Offers `first..first + len` of the merged tables, all with the same tensor and box.
 #[derive(Clone, Copy, Debug)]
@@ -37,9 +38,9 @@ pub(crate) struct Replicas {
     pub piece_index: BoxForest,
 }
 
-/// Groups replicas, checks their digests, and cuts overlapping boxes into disjoint pieces. The
-/// pieces (`max_pieces`) and the box tests (`work`) are bounded, so that hostile overlaps end
-/// with UNSUPPORTED.
+/// Groups replicas, checks their digests, and cuts overlapping boxes into disjoint pieces, tensor
+/// by tensor. The pieces (`max_pieces`) and the box tests (`work`) are bounded, so that hostile
+/// overlaps end with UNSUPPORTED naming the tensor and the limit.
 pub(crate) fn replicas(merged: &Merged, limits: &Limits, work: &mut Budget) -> Result<Replicas> {
     let mut out = Replicas {
         sets: Vec::new(),
@@ -49,69 +50,100 @@ pub(crate) fn replicas(merged: &Merged, limits: &Limits, work: &mut Budget) -> R
         set_index: BoxForest::new(),
         piece_index: BoxForest::new(),
     };
-    let pieces = Budget::pieces(limits);
-    // Reused between tensors: (set, box) of the tensor's sets and pieces, the parts of the box
-    // being cut, the parts after the next cut, and the earlier sets meeting a box.
-    let mut boxes: Vec<(u32, Boxed)> = Vec::new();
-    let (mut parts, mut next): (Vec<Boxed>, Vec<Boxed>) = (Vec::new(), Vec::new());
-    let mut earlier: Vec<u32> = Vec::new();
+    let mut scratch = Scratch::default();
     for (t, spec) in merged.tensors.iter().enumerate() {
-        let n = spec.shape.len();
         let first_set = out.sets.len();
         group_sets(merged, t, &mut out.sets)?;
-        let tensor_sets = first_set..out.sets.len();
-        boxes.clear();
-        for s in tensor_sets.clone() {
-            memory::push(&mut boxes, (s as u32, merged.offer_box(out.sets[s].first)), "replica sets")?;
-        }
-        let tree = out.set_index.add_tree(n, &boxes)?;
-        debug_assert_eq!(tree, t);
-        // Each box minus every earlier box of the same tensor that meets it (canonical order
-        // decides who keeps an overlapped part; the choice only changes which replica set serves
-        // those bytes).
-        let first_piece = out.pieces.len();
-        for s in tensor_sets.clone() {
-            let own = merged.offer_box(out.sets[s].first);
-            earlier.clear();
-            out.set_index.for_each_meeting(t, &own, work, |e| {
-                if (e as usize) < s {
-                    memory::push(&mut earlier, e, "replica sets")?;
-                }
-                Ok(())
-            })?;
-            earlier.sort_unstable();
-            parts.clear();
-            parts.push(own);
-            for &e in &earlier {
-                let cut = merged.offer_box(out.sets[e as usize].first);
-                work.spend(parts.len() as u64)?;
-                if !parts.iter().any(|p| p.intersect(&cut, n).is_some()) {
-                    continue;
-                }
-                next.clear();
-                for p in &parts {
-                    memory::reserve(&mut next, 2 * n + 1, "pieces")?;
-                    p.subtract(&cut, n, &mut next);
-                }
-                std::mem::swap(&mut parts, &mut next);
-                pieces
-                    .check_total((out.pieces.len() + parts.len()) as u64)
-                    .map_err(|e| e.context(format!("offers of tensor '{}'", spec.name)))?;
-            }
-            memory::reserve(&mut out.pieces, parts.len(), "pieces")?;
-            out.pieces.extend(parts.iter().map(|&bx| Piece { set: s, bx }));
-        }
-        boxes.clear();
-        for (p, piece) in out.pieces[first_piece..].iter().enumerate() {
-            memory::push(&mut boxes, ((first_piece + p) as u32, piece.bx), "pieces")?;
-        }
-        out.piece_index.add_tree(n, &boxes)?;
+        let sets = first_set..out.sets.len();
+        index_sets(merged, t, sets.clone(), &mut out, &mut scratch)?;
+        cut_pieces(merged, t, sets, limits, &mut out, &mut scratch, work)
+            .map_err(|e| e.context(format!("offers of tensor '{}'", spec.name)))?;
         out.piece_start[t + 1] = out.pieces.len();
     }
     if out.pieces.len() > u32::MAX as usize {
         bail!(Status::Unsupported, "offers overlap in more than 2^32 pieces");
     }
     Ok(out)
+}
+
+/// Buffers reused from tensor to tensor: (id, box) entries of an index being built, the parts of a
+/// box being cut, the parts after the next cut, and the earlier sets meeting a box.
+#[derive(Default)]
+struct Scratch {
+    boxes: Vec<(u32, Boxed)>,
+    parts: Vec<Boxed>,
+    next: Vec<Boxed>,
+    earlier: Vec<u32>,
+}
+
+/// Adds tensor `t`'s tree of replica sets (`sets`) to the set index.
+fn index_sets(
+    merged: &Merged,
+    t: usize,
+    sets: Range<usize>,
+    out: &mut Replicas,
+    scratch: &mut Scratch,
+) -> Result<()> {
+    scratch.boxes.clear();
+    for s in sets {
+        memory::push(&mut scratch.boxes, (s as u32, merged.offer_box(out.sets[s].first)), "replica sets")?;
+    }
+    let tree = out.set_index.add_tree(merged.geometry[t].0, &scratch.boxes)?;
+    debug_assert_eq!(tree, t, "one tree per tensor, in order");
+    Ok(())
+}
+
+/// Appends tensor `t`'s pieces: each replica set's box minus every earlier box of the tensor that
+/// meets it (canonical order decides who keeps an overlapped part; the choice only changes which
+/// replica set serves those bytes), and adds their tree to the piece index.
+fn cut_pieces(
+    merged: &Merged,
+    t: usize,
+    sets: Range<usize>,
+    limits: &Limits,
+    out: &mut Replicas,
+    scratch: &mut Scratch,
+    work: &mut Budget,
+) -> Result<()> {
+    let n = merged.geometry[t].0;
+    let pieces = Budget::pieces(limits);
+    let first_piece = out.pieces.len();
+    let Scratch { boxes, parts, next, earlier } = scratch;
+    for s in sets {
+        let own = merged.offer_box(out.sets[s].first);
+        earlier.clear();
+        out.set_index.for_each_meeting(t, &own, work, |e| {
+            if (e as usize) < s {
+                memory::push(earlier, e, "replica sets")?;
+            }
+            Ok(())
+        })?;
+        earlier.sort_unstable();
+        parts.clear();
+        parts.push(own);
+        for &e in earlier.iter() {
+            let cut = merged.offer_box(out.sets[e as usize].first);
+            work.spend(parts.len() as u64)?;
+            if !parts.iter().any(|p| p.intersect(&cut, n).is_some()) {
+                continue;
+            }
+            next.clear();
+            for p in parts.iter() {
+                memory::reserve(next, 2 * n + 1, "pieces")?;
+                p.subtract(&cut, n, next);
+            }
+            std::mem::swap(parts, next);
+            pieces.check_total((out.pieces.len() + parts.len()) as u64)?;
+        }
+        memory::reserve(&mut out.pieces, parts.len(), "pieces")?;
+        out.pieces.extend(parts.iter().map(|&bx| Piece { set: s, bx }));
+    }
+    boxes.clear();
+    for (p, piece) in out.pieces[first_piece..].iter().enumerate() {
+        memory::push(boxes, ((first_piece + p) as u32, piece.bx), "pieces")?;
+    }
+    out.piece_index.add_tree(n, boxes)?;
+    Ok(())
 }
 
 /// Appends tensor `t`'s replica sets (runs of offers with the same box, nonempty boxes only),
