@@ -2,8 +2,8 @@
 //! cases that must not fail (overlapping offers, interleaved destinations, empty boxes).
 
 use refit::plan::{
-    build, build_with_limits, Endpoint, Limits, Need, Offer, OwnerPolicy, Plan, PlanOptions, Region, Table,
-    TableBuilder, TensorSpec,
+    build, build_share, build_with_limits, Endpoint, Limits, Need, Offer, OwnerPolicy, Plan, PlanOptions,
+    Region, Table, TableBuilder, TensorSpec,
 };
 use refit::{Error, Status};
 
@@ -297,4 +297,29 @@ fn needs_whose_bounding_box_overflows_the_address_space_still_overlap() {
         ],
     };
     fails(&[t], Status::Overlap, &["0x9000", "'w'"]);
+}
+
+#[test]
+fn a_share_checks_its_own_needs_and_every_table_entry() {
+    // Process 1 needs rows nobody offers; process 2's needs are covered.
+    let mut t = simple();
+    t.offers = vec![offer(0, 0, 0x1000, &[0, 0], &[2, 8])];
+    t.needs =
+        vec![need(0, 1, 0x8000, &[0, 0], &[4, 8], &[8, 1]), need(0, 2, 0x8000, &[0, 0], &[2, 8], &[8, 1])];
+    let (options, limits) = (PlanOptions::default(), Limits::default());
+    let share = |t: &Table, p: u32| build_share(&[t], p, &options, &limits);
+    assert_eq!(share(&t, 1).unwrap_err().status, Status::CoverageGap);
+    let p2 = share(&t, 2).unwrap();
+    assert_eq!(p2.stats().needed_bytes, 64);
+    // Process 0 publishes to both: its share holds both routes, though process 1's need is not
+    // covered (process 1 reports that).
+    let p0 = share(&t, 0).unwrap();
+    assert_eq!(p0.routes().len(), 2);
+    assert_eq!(p0.receivers().count(), 0);
+    // Entries are checked in every share, whoever they belong to: every process fails alike.
+    let mut bad = t.clone();
+    bad.needs[1].perm = Some(vec![0, 0]);
+    for p in 0..3 {
+        assert_eq!(share(&bad, p).unwrap_err().status, Status::InvalidArgument, "process {p}");
+    }
 }

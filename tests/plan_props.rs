@@ -7,7 +7,10 @@
 //! simulated publisher memory (holes filled with garbage, so reading an unneeded byte shows), and
 //! both memories must match exactly, with every needed byte written once.
 
-use refit::plan::{build, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, Region, Table, TensorSpec};
+use refit::plan::{
+    build, build_share, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, PlanStats, Region, Route,
+    Table, TensorSpec,
+};
 use std::collections::BTreeMap;
 
 /// xorshift64*: small, seeded, good enough to explore layouts.
@@ -620,4 +623,54 @@ fn balanced_leaves_no_move_that_relieves_the_busiest_source_and_ignores_names() 
         b.sort_unstable();
         assert_eq!(a, b, "seed {seed}: names or order changed the loads");
     }
+}
+
+#[test]
+fn each_process_share_is_the_whole_plan_restricted_to_that_process() {
+    let policies = [OwnerPolicy::First, OwnerPolicy::Local, OwnerPolicy::Balanced];
+    let limits = refit::plan::Limits::default();
+    for seed in 0..300u64 {
+        let case = random_case(seed);
+        let tables: Vec<&Table> = case.tables.iter().collect();
+        for policy in policies {
+            let options = PlanOptions { policy, coalesce: seed % 2 == 0 };
+            let whole = build(&case.tables, &options).unwrap();
+            for process in 0..4u32 {
+                let share = build_share(&tables, process, &options, &limits).unwrap();
+                let expected: Vec<&Route> = whole
+                    .routes()
+                    .iter()
+                    .filter(|r| r.src.process == process || r.dst.process == process)
+                    .collect();
+                let got: Vec<&Route> = share.routes().iter().collect();
+                assert_eq!(got, expected, "seed {seed} {options:?} process {process}");
+                assert_eq!(share.inputs_fingerprint(), whole.inputs_fingerprint());
+                let receivers: Vec<Endpoint> = whole.receivers().filter(|e| e.process == process).collect();
+                assert_eq!(share.receivers().collect::<Vec<_>>(), receivers);
+                for e in receivers {
+                    let (a, b) = (share.receiver_stats(e), whole.receiver_stats(e));
+                    assert_eq!(PlanStats { build_ns: 0, ..a }, PlanStats { build_ns: 0, ..b }, "seed {seed}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_inputs_fingerprint_follows_content_not_order() {
+    let case = random_case(7);
+    let options = PlanOptions::default();
+    let plan = build(&case.tables, &options).unwrap();
+    let mut rng = Rng(99);
+    assert_eq!(
+        build(&shuffled(&case.tables, &mut rng), &options).unwrap().inputs_fingerprint(),
+        plan.inputs_fingerprint()
+    );
+    let coalesce_off = PlanOptions { coalesce: false, ..options.clone() };
+    assert_ne!(build(&case.tables, &coalesce_off).unwrap().inputs_fingerprint(), plan.inputs_fingerprint());
+    // Any entry changed: another fingerprint (an offer's address, a need's receiver device).
+    let mut moved = case.tables.clone();
+    let t = moved.iter().position(|t| !t.offers.is_empty()).unwrap();
+    moved[t].offers[0].addr += 1;
+    assert_ne!(build(&moved, &options).unwrap().inputs_fingerprint(), plan.inputs_fingerprint());
 }

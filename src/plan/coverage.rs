@@ -11,6 +11,7 @@ use super::replicas::Piece;
 use super::shape::Shape;
 use super::table::Endpoint;
 use crate::error::{Error, Result, Status};
+use std::ops::Range;
 
 /// Most boxes kept while working out which part of a need is uncovered (error path only).
 const MAX_GAP_BOXES: usize = 1 << 16;
@@ -64,9 +65,16 @@ struct Written {
 /// byte spans are disjoint are cleared without looking inside them; clusters of needs whose spans
 /// chain into each other are settled by box arithmetic where they share one frame, and the rest
 /// are expanded into their contiguous runs (at most `max_overlap_runs` in all).
-pub(crate) fn check_destinations(merged: &Merged, limits: &Limits, work: &mut Budget) -> Result<()> {
-    let mut spans: Vec<Written> = memory::with_capacity(merged.needs.len(), "destination spans")?;
-    for i in 0..merged.needs.len() {
+///
+/// `needs`: the merged needs to check (those of one process's receivers, or all).
+pub(crate) fn check_destinations(
+    merged: &Merged,
+    needs: Range<usize>,
+    limits: &Limits,
+    work: &mut Budget,
+) -> Result<()> {
+    let mut spans: Vec<Written> = memory::with_capacity(needs.len(), "destination spans")?;
+    for i in needs {
         let need = &merged.need(i);
         let (n, elem) = merged.geometry[need.tensor];
         // Checked when merged: the span and its end fit in 64 bits.

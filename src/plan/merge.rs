@@ -7,12 +7,13 @@
 //! [`sort_needs`] (canonical order).
 
 use super::boxes::{Boxed, Dims};
+use super::digest::{fnv1a, Fnv1a};
 use super::memory;
 use super::table::{Endpoint, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
 use std::collections::BTreeMap;
-use std::hash::{BuildHasher, Hasher};
+use std::hash::BuildHasher;
 
 /// A need resolved against the merged tensor list: destination strides indexed by tensor dimension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -110,6 +111,43 @@ impl Merged<'_> {
     }
 }
 
+impl Merged<'_> {
+    /// A 64-bit digest (FNV-1a over little-endian fields) of everything planning reads, in
+    /// canonical order: equal for the same tables in any order, with their entries in any order,
+    /// in any process; different when any description, offer or need differs.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = Fnv1a::new();
+        h.u64(self.tensors.len() as u64);
+        for spec in &self.tensors {
+            h.u64(spec.name.len() as u64);
+            h.bytes(spec.name.as_bytes());
+            h.u64(spec.dtype.into());
+            h.u64(spec.elem_size.into());
+            h.u64(spec.shape.len() as u64);
+            spec.shape.iter().for_each(|&d| h.u64(d));
+        }
+        h.u64(self.offers.len() as u64);
+        for (i, o) in self.offers.iter().enumerate() {
+            for v in [o.tensor.into(), o.owner.process.into(), o.owner.device.into(), o.addr] {
+                h.u64(v);
+            }
+            h.u64(o.digest.map_or(0, |_| 1));
+            h.u64(o.digest.unwrap_or(0));
+            let (lo, ext, strides) = self.offer_parts(i);
+            lo.iter().chain(ext).chain(strides).for_each(|&v| h.u64(v));
+        }
+        h.u64(self.needs.len() as u64);
+        for n in &self.needs {
+            for v in [n.tensor.into(), n.receiver.process.into(), n.receiver.device.into(), n.addr] {
+                h.u64(v);
+            }
+            let dims = self.geometry[n.tensor as usize].0;
+            self.need_dims[n.dims..n.dims + 3 * dims].iter().for_each(|&v| h.u64(v));
+        }
+        h.finish()
+    }
+}
+
 /// Merges `tables` (see the module documentation for the stages).
 pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Merged<'a>> {
     let index = index_tensors(tables)?;
@@ -203,7 +241,7 @@ fn index_tensors<'a>(tables: &[&'a Table]) -> Result<TensorIndex<'a>> {
             let at = match known {
                 Some(at) => at,
                 None => {
-                    let hash = name_hash(&spec.name);
+                    let hash = fnv1a(name);
                     let mut slot = slot_hash.hash_one(name) as usize & mask;
                     loop {
                         let d = slots[slot];
@@ -543,27 +581,4 @@ fn sort_runs<T>(
         start = end;
     }
     items
-}
-
-fn name_hash(name: &str) -> u64 {
-    let mut h = Fnv::default();
-    h.write(name.as_bytes());
-    h.finish()
-}
-
-/// FNV-1a for the name index: fast on short keys, and deterministic (nothing depends on its order).
-#[derive(Default)]
-pub(crate) struct Fnv(u64);
-
-impl Hasher for Fnv {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        let mut h = if self.0 == 0 { 0xcbf2_9ce4_8422_2325 } else { self.0 };
-        for &b in bytes {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        self.0 = h;
-    }
 }

@@ -1,15 +1,17 @@
-//! The planning pipeline, one function per stage: [`merge`], [`coverage::check_destinations`],
-//! [`replicas::replicas`], [`intersect`] (needs with the disjoint pieces, checking coverage),
-//! [`Owners::choose`], [`lay_out`] (segments per route), [`finish_routes`] (coalesce and order),
-//! [`tally`] (counts).
+//! The planning pipeline, one function per stage: [`merge`], [`Scope`] (the whole plan or one
+//! process's share), [`coverage::check_destinations`], [`replicas::replicas`], [`intersect`]
+//! (needs with the disjoint pieces, checking coverage), [`Owners::choose`], [`lay_out`] (segments
+//! per route), [`finish_routes`] (coalesce and order), [`tally`] (counts).
 
 use super::boxes::{Boxed, Dims};
+use super::digest::Fnv1a;
 use super::memory;
 use super::merge::{merge, CanonNeed, Merged};
 use super::options::{Budget, Limits, OwnerPolicy, PlanOptions};
 use super::owners::{Demand, Owners};
 use super::replicas::{self, Replicas};
 use super::routes::{fingerprint_of, Plan, Route, RouteKind};
+use super::scope::Scope;
 use super::shape::Shape;
 use super::stats::PlanStats;
 use super::table::{Endpoint, Table};
@@ -36,15 +38,42 @@ pub fn build_with_limits(tables: &[Table], options: &PlanOptions, limits: &Limit
 
 /// [`build_with_limits`] over borrowed tables (for callers that keep tables apart, such as the C API).
 pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> Result<Plan> {
+    build_part(tables, None, options, limits)
+}
+
+/// The share of the plan that process `process` takes part in, from every process's table: each
+/// route from or to one of its endpoints, exactly as [`build_from`] would make it (owners are a
+/// function of all tables and the options, so every process agrees on them), and the counts of
+/// its own receivers. Every table is read, but the work beyond reading them grows with this
+/// process's own needs and offers (with BALANCED, with every need: it weighs all demand). Errors
+/// as [`build_from`], except that coverage and overlaps are checked for this process's needs only:
+/// each process checks its own, and callers compare [`Plan::inputs_fingerprint`] and statuses
+/// across processes before any byte moves.
+pub fn build_share(tables: &[&Table], process: u32, options: &PlanOptions, limits: &Limits) -> Result<Plan> {
+    build_part(tables, Some(process), options, limits)
+}
+
+/// The whole plan (`process` None) or one process's share.
+fn build_part(
+    tables: &[&Table],
+    process: Option<u32>,
+    options: &PlanOptions,
+    limits: &Limits,
+) -> Result<Plan> {
     let started = Instant::now();
     let mut work = Budget::box_tests(limits);
     let merged = merge(tables)?;
+    let inputs = inputs_fingerprint(&merged, options, limits);
+    let scope = match process {
+        None => Scope::whole(&merged)?,
+        Some(p) => Scope::process(&merged, p, options.policy)?,
+    };
     let after_merge = started.elapsed();
-    coverage::check_destinations(&merged, limits, &mut work)?;
+    coverage::check_destinations(&merged, scope.own(), limits, &mut work)?;
     let after_check = started.elapsed();
-    let replicas = replicas::replicas(&merged, limits, &mut work)?;
+    let replicas = replicas::replicas(&merged, &scope.tensors, limits, &mut work)?;
     let after_replicas = started.elapsed();
-    let Intersections { items, mut receivers } = intersect(&merged, &replicas, limits, &mut work)?;
+    let Intersections { items, mut receivers } = intersect(&merged, &replicas, &scope, limits, &mut work)?;
     let after_intersect = started.elapsed();
     let demand = match options.policy {
         OwnerPolicy::Balanced => demand(&merged, &replicas, &items)?,
@@ -52,11 +81,11 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     };
     let owners = Owners::choose(&merged, &replicas.sets, options.policy, &demand, &mut work)?;
     let after_owners = started.elapsed();
-    let laid_out = lay_out(&merged, &replicas, &items, &owners, &mut receivers, limits)?;
+    let laid_out = lay_out(&merged, &replicas, &items, &owners, &scope, &mut receivers, limits)?;
     let after_lay_out = started.elapsed();
     let routes = finish_routes(laid_out.routes, options)?;
     let after_finish = started.elapsed();
-    let mut stats = tally(&routes, &mut receivers, laid_out.kept, &merged, &replicas);
+    let (mut stats, mut receivers) = tally(&routes, receivers, laid_out.kept, &merged, &replicas, &scope);
     let fingerprint = fingerprint_of(&routes);
     log::debug!(
         "plan built in {:?}: merge {after_merge:?}, destinations checked {after_check:?}, replicas \
@@ -69,7 +98,20 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     for (_, s) in &mut receivers {
         s.build_ns = build_ns;
     }
-    Ok(Plan { routes, stats, receivers, fingerprint })
+    Ok(Plan { routes, stats, receivers, fingerprint, inputs })
+}
+
+/// The inputs' fingerprint: the merged tables' and everything that decides the plan from them.
+fn inputs_fingerprint(merged: &Merged, options: &PlanOptions, limits: &Limits) -> u64 {
+    let mut h = Fnv1a::new();
+    h.u64(merged.fingerprint());
+    h.u64(options.policy as u64);
+    h.u64(options.coalesce.into());
+    let Limits { max_segments, max_pieces, max_overlap_runs, max_box_tests } = limits;
+    for v in [max_segments, max_pieces, max_overlap_runs, max_box_tests] {
+        h.u64(*v);
+    }
+    h.finish()
 }
 
 /// One needed box served by one replica set: need `need` intersected with piece `piece` (indices
@@ -99,33 +141,39 @@ struct Intersections {
     receivers: Vec<(Endpoint, PlanStats)>,
 }
 
-/// Intersects every need with the pieces of its tensor that meet it, failing with COVERAGE_GAP
-/// when they do not cover it; counts what reading every replica would cost.
+/// Intersects the scope's needs with the pieces of their tensors that meet them. Its own needs
+/// must be covered (COVERAGE_GAP otherwise) and are counted, with what reading every replica would
+/// cost.
 fn intersect(
     merged: &Merged,
     replicas: &Replicas,
+    scope: &Scope,
     limits: &Limits,
     work: &mut Budget,
 ) -> Result<Intersections> {
-    let mut items: Vec<Item> = memory::with_capacity(merged.needs.len(), "intersections")?;
+    let mut items: Vec<Item> = memory::with_capacity(scope.needs.len(), "intersections")?;
     let mut receivers: Vec<(Endpoint, PlanStats)> = Vec::new();
     // Every item becomes at least one segment: stop before holding more than the limit.
     let mut segments = Budget::segments(limits);
     let mut hits: Vec<u32> = Vec::new();
-    for i in 0..merged.needs.len() {
+    for &i in &scope.needs {
+        let i = i as usize;
         let need = &merged.need(i);
         let (n, elem) = merged.geometry[need.tensor];
         if receivers.last().is_none_or(|(e, _)| *e != need.receiver) {
             memory::push(&mut receivers, (need.receiver, PlanStats::default()), "receivers")?;
         }
+        let own = scope.is_own(i);
         let stats = &mut receivers.last_mut().expect("pushed above").1;
-        stats.needs += 1;
+        stats.needs += u64::from(own);
         let wanted = Boxed::new(need.lo, need.ext);
         if wanted.is_empty(n) {
             continue;
         }
         let volume = wanted.volume(n);
-        stats.needed_bytes = stats.needed_bytes.saturating_add(volume * elem);
+        if own {
+            stats.needed_bytes = stats.needed_bytes.saturating_add(volume * elem);
+        }
         hits.clear();
         replicas
             .piece_index
@@ -141,6 +189,9 @@ fn intersect(
             covered += bx.volume(n);
             // Both fit: merging and `replicas::replicas` allow at most 2^32 needs and pieces.
             items.push(Item { need: i as u32, piece: p });
+        }
+        if !own {
+            continue;
         }
         if covered != volume {
             return Err(coverage::gap_error(
@@ -217,13 +268,14 @@ struct LaidOut {
     kept: Vec<(Endpoint, usize)>,
 }
 
-/// Lays out each item's segments on the route from its owner to its receiver, counting the
-/// deduplicated ranges per receiver.
+/// Lays out each item's segments on the route from its owner to its receiver (for the routes the
+/// scope keeps), counting the deduplicated ranges per receiver.
 fn lay_out(
     merged: &Merged,
     replicas: &Replicas,
     items: &[Item],
     owners: &Owners,
+    scope: &Scope,
     receivers: &mut [(Endpoint, PlanStats)],
     limits: &Limits,
 ) -> Result<LaidOut> {
@@ -246,6 +298,9 @@ fn lay_out(
         }
         let offer_index = owners.owner(merged, &replicas.sets, set, need.receiver);
         let offer = &merged.offers[offer_index];
+        if !scope.keeps(offer.owner, need.receiver) {
+            continue;
+        }
         let (offer_lo, _, offer_strides) = merged.offer_parts(offer_index);
         out.kept.push((need.receiver, offer_index));
         let src_bytes: Dims =
@@ -279,14 +334,16 @@ fn finish_routes(
     Ok(out)
 }
 
-/// Completes each receiver's counts from its routes and sums them into the whole plan's.
+/// Completes each receiver's counts from its routes and sums the scope's receivers' into the
+/// plan's. Returns them and the scope's receivers' counts, ascending.
 fn tally(
     routes: &[Route],
-    receivers: &mut [(Endpoint, PlanStats)],
+    mut receivers: Vec<(Endpoint, PlanStats)>,
     mut kept: Vec<(Endpoint, usize)>,
     merged: &Merged,
     replicas: &Replicas,
-) -> PlanStats {
+    scope: &Scope,
+) -> (PlanStats, Vec<(Endpoint, PlanStats)>) {
     for route in routes {
         let at =
             receivers.binary_search_by_key(&route.dst, |(e, _)| *e).expect("every route ends at a receiver");
@@ -320,14 +377,17 @@ fn tally(
         while pairs.next_if(|(e, _)| e == endpoint).is_some() {
             stats.offers_kept += 1;
         }
+    }
+    receivers.retain(|(e, _)| scope.counts(*e));
+    for (_, stats) in &receivers {
         total.add(stats);
     }
-    // Distinct offers over all receivers: reuse the pairs' memory for their offers.
+    // Distinct offers over the routes: reuse the pairs' memory for their offers.
     let mut offers: Vec<usize> = kept.into_iter().map(|(_, o)| o).collect();
     offers.sort_unstable();
     offers.dedup();
     total.offers_kept = offers.len() as u64;
-    total
+    (total, receivers)
 }
 
 fn byte_strides(strides: &Dims, elem: u64) -> Dims {

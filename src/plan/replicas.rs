@@ -41,7 +41,15 @@ pub(crate) struct Replicas {
 /// Groups replicas, checks their digests, and cuts overlapping boxes into disjoint pieces, tensor
 /// by tensor. The pieces (`max_pieces`) and the box tests (`work`) are bounded, so that hostile
 /// overlaps end with UNSUPPORTED naming the tensor and the limit.
-pub(crate) fn replicas(merged: &Merged, limits: &Limits, work: &mut Budget) -> Result<Replicas> {
+///
+/// Every tensor's sets are grouped (and their digests checked); only tensors marked in `cut` are
+/// cut into pieces and indexed (the others get empty trees, so that tree `t` is still tensor `t`).
+pub(crate) fn replicas(
+    merged: &Merged,
+    cut: &[bool],
+    limits: &Limits,
+    work: &mut Budget,
+) -> Result<Replicas> {
     let mut out = Replicas {
         sets: Vec::new(),
         // Every replica set is at least one piece: sized for one per offer, it rarely regrows.
@@ -54,7 +62,7 @@ pub(crate) fn replicas(merged: &Merged, limits: &Limits, work: &mut Budget) -> R
     for (t, spec) in merged.tensors.iter().enumerate() {
         let first_set = out.sets.len();
         group_sets(merged, t, &mut out.sets)?;
-        let sets = first_set..out.sets.len();
+        let sets = if cut[t] { first_set..out.sets.len() } else { first_set..first_set };
         index_sets(merged, t, sets.clone(), &mut out, &mut scratch)?;
         cut_pieces(merged, t, sets, limits, &mut out, &mut scratch, work)
             .map_err(|e| e.context(format!("offers of tensor '{}'", spec.name)))?;

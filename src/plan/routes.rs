@@ -1,5 +1,6 @@
 //! What planning returns: routes of segments between endpoints, counts, and a fingerprint.
 
+use super::digest::Fnv1a;
 use super::stats::PlanStats;
 use super::table::Endpoint;
 use crate::segment::Segment;
@@ -34,7 +35,7 @@ impl Route {
     }
 }
 
-/// A built plan: immutable, shareable between threads.
+/// A built plan, or one process's share of one: immutable, shareable between threads.
 #[derive(Clone, Debug)]
 pub struct Plan {
     pub(crate) routes: Vec<Route>,
@@ -42,6 +43,7 @@ pub struct Plan {
     /// Sorted by endpoint.
     pub(crate) receivers: Vec<(Endpoint, PlanStats)>,
     pub(crate) fingerprint: u64,
+    pub(crate) inputs: u64,
 }
 
 impl Plan {
@@ -51,7 +53,8 @@ impl Plan {
         &self.routes
     }
 
-    /// Counts for the whole plan.
+    /// Counts for the whole plan (a share: for its process's receivers, and the offers kept by
+    /// its routes).
     pub fn stats(&self) -> &PlanStats {
         &self.stats
     }
@@ -70,40 +73,42 @@ impl Plan {
         }
     }
 
-    /// Endpoints that receive something, ascending.
+    /// Endpoints that receive something, ascending (a share: its process's).
     pub fn receivers(&self) -> impl Iterator<Item = Endpoint> + '_ {
         self.receivers.iter().map(|(e, _)| *e)
     }
 
     /// A 64-bit digest of the routes and their segments (FNV-1a over little-endian fields): equal
-    /// for the same inputs in any order, in any process, on any build of this version.
+    /// for the same inputs in any order, in any process, on any build of this version. A share's
+    /// covers its own routes.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+
+    /// A 64-bit digest of everything the plan was built from: every table's content (in any order),
+    /// the options and the limits. Equal in every process that planned (a share or the whole plan)
+    /// from the same inputs: processes compare it before any byte moves.
+    pub fn inputs_fingerprint(&self) -> u64 {
+        self.inputs
     }
 }
 
 /// FNV-1a over the routes, field by field.
 pub(crate) fn fingerprint_of(routes: &[Route]) -> u64 {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    let mut eat = |v: u64| {
-        for b in v.to_le_bytes() {
-            h ^= u64::from(b);
-            h = h.wrapping_mul(0x0000_0100_0000_01b3);
-        }
-    };
-    eat(routes.len() as u64);
+    let mut h = Fnv1a::new();
+    h.u64(routes.len() as u64);
     for r in routes {
         for v in [r.src.process, r.src.device, r.dst.process, r.dst.device] {
-            eat(v.into());
+            h.u64(v.into());
         }
-        eat(r.segments.len() as u64);
+        h.u64(r.segments.len() as u64);
         for s in &r.segments {
             for v in [s.src, s.dst, s.len, s.count[0], s.count[1], s.src_stride[0], s.src_stride[1]] {
-                eat(v);
+                h.u64(v);
             }
-            eat(s.dst_stride[0]);
-            eat(s.dst_stride[1]);
+            h.u64(s.dst_stride[0]);
+            h.u64(s.dst_stride[1]);
         }
     }
-    h
+    h.finish()
 }

@@ -14,6 +14,7 @@
 //! Each list is preceded by its length. Decoding checks every length against the bytes that are
 //! left before allocating, so hostile input costs at most memory proportional to its own size.
 
+use super::digest::fnv1a;
 use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
@@ -162,9 +163,7 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
 }
 
 fn checksum(bytes: &[u8]) -> u64 {
-    bytes
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+    fnv1a(bytes)
 }
 
 fn put(out: &mut Vec<u8>, mut v: u64) {
