@@ -188,7 +188,7 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
                 ("-".into(), "-".into())
             }
         };
-        let name = format!("{}:{}", receiver.rank, receiver.device);
+        let name = format!("{}:{}", receiver.process, receiver.device);
         let (sr, sg) = seed(SEED_BEFORE_RANGES, SEED_BEFORE_GIB);
         let _ = writeln!(
             out,
@@ -231,7 +231,7 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
         receivers_json.push(format!(
             "{{\"rank\": {}, \"device\": {}, \"exact_bytes\": {exact}, \"moved_bytes\": {moved}, \
              \"segments_all_replicas\": {}, \"stats\": {}}}",
-            receiver.rank,
+            receiver.process,
             receiver.device,
             pairs[&receiver],
             json_stats(&s)

@@ -48,7 +48,7 @@ fn check(layout: Packing, ranges_target: u64) {
             s.flat_runs_coalesced,
         );
         for r in 0..TP as u32 {
-            let rs = plan.receiver_stats(Endpoint { rank: FIRST_RECEIVER + r, device: 0 });
+            let rs = plan.receiver_stats(Endpoint { process: FIRST_RECEIVER + r, device: 0 });
             assert_eq!(rs.needed_bytes, needed_bytes_per_receiver());
             assert_eq!(rs.bytes_remote, rs.needed_bytes, "exactly the needed bytes move");
             assert!(rs.bytes_all_replicas > rs.needed_bytes);

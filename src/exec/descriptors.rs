@@ -48,12 +48,12 @@ impl Descriptors {
     /// transport between processes, which this executor does not have yet: they are `Unsupported`.
     pub fn build(group: &Group, plan: &Plan, process: u32, arm: Arm) -> Result<Descriptors> {
         let mut per_rank: Vec<Vec<Segment>> = vec![Vec::new(); group.size()];
-        for route in plan.routes().iter().filter(|r| r.dst.rank == process) {
+        for route in plan.routes().iter().filter(|r| r.dst.process == process) {
             if route.kind() == RouteKind::Remote {
                 return Err(Error::unsupported(format!(
                     "route from process {} device {} to process {} device {} crosses processes; this executor \
                      moves bytes within one process only",
-                    route.src.rank, route.src.device, route.dst.rank, route.dst.device
+                    route.src.process, route.src.device, route.dst.process, route.dst.device
                 )));
             }
             let dst = rank_of(group, route.dst)?;

@@ -86,7 +86,7 @@ pub struct Spec {
 }
 
 fn endpoints(rank0: u32, ranks: u32) -> Vec<Endpoint> {
-    (0..ranks).map(|r| Endpoint { rank: rank0 + r, device: 0 }).collect()
+    (0..ranks).map(|r| Endpoint { process: rank0 + r, device: 0 }).collect()
 }
 
 impl Spec {
@@ -120,7 +120,7 @@ impl Spec {
     /// Qwen3-30B-A3B colocated on one process with two GPUs: EP2 publishers (64 experts each, replicated
     /// non-expert weights) and TP2 receivers on the same devices 0 and 1 of rank 0.
     pub fn qwen3_colocated_ep2_tp2(publisher_layout: Packing) -> Spec {
-        let devices: Vec<Endpoint> = (0..2).map(|device| Endpoint { rank: 0, device }).collect();
+        let devices: Vec<Endpoint> = (0..2).map(|device| Endpoint { process: 0, device }).collect();
         Spec {
             model: Model::qwen3_30b_a3b(),
             publishers: Megatron { endpoints: devices.clone(), tp: 1, ep: 2, grouped_experts: true },
@@ -223,7 +223,7 @@ impl Workload {
         };
         let mut by_rank: BTreeMap<u32, RankTable> = BTreeMap::new();
         for o in &self.offers {
-            let table = by_rank.entry(o.endpoint.rank).or_default();
+            let table = by_rank.entry(o.endpoint.process).or_default();
             let tensor = table.tensor(o.tensor, &self.catalog);
             let digest =
                 self.spec.digests.then(|| digest(&self.catalog.tensors[o.tensor as usize].name, &o.region));
@@ -237,7 +237,7 @@ impl Workload {
             });
         }
         for n in &self.needs {
-            let table = by_rank.entry(n.endpoint.rank).or_default();
+            let table = by_rank.entry(n.endpoint.process).or_default();
             let tensor = table.tensor(n.tensor, &self.catalog);
             table.table.needs.push(Need {
                 tensor,
@@ -353,7 +353,7 @@ fn place(params: Vec<Param>, layout: Packing, role: Role, buffers: &mut Vec<Buff
                     Role::Publisher => "param_buffer",
                     Role::Receiver => "weights",
                 };
-                let name = format!("rank{}.device{}.{side}", endpoint.rank, endpoint.device);
+                let name = format!("rank{}.device{}.{side}", endpoint.process, endpoint.device);
                 buffers.push(Buffer { endpoint, role, bytes: cursor, name });
             }
         }

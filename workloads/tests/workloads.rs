@@ -244,15 +244,19 @@ fn packed_publishers_use_one_buffer_per_rank_in_reverse_parameter_order() {
     let packed = Workload::generate(&packed_spec).unwrap();
     let publisher_buffers: Vec<_> = packed.buffers.iter().filter(|b| b.role == Role::Publisher).collect();
     assert_eq!(publisher_buffers.len(), 8);
-    let separate_bytes: u64 =
-        w.buffers.iter().filter(|b| b.role == Role::Publisher && b.endpoint.rank == 0).map(|b| b.bytes).sum();
+    let separate_bytes: u64 = w
+        .buffers
+        .iter()
+        .filter(|b| b.role == Role::Publisher && b.endpoint.process == 0)
+        .map(|b| b.bytes)
+        .sum();
     assert_eq!(publisher_buffers[0].bytes, separate_bytes, "BF16 parameters here are all 256-byte multiples");
     // The output layer (last parameter) sits at the start of the packed buffer.
     let lm_head = packed.catalog.lm_head;
-    let first = packed.offers.iter().find(|o| o.tensor == lm_head && o.endpoint.rank == 0).unwrap();
+    let first = packed.offers.iter().find(|o| o.tensor == lm_head && o.endpoint.process == 0).unwrap();
     assert_eq!(first.offset, 0);
     let embed =
-        packed.offers.iter().find(|o| o.tensor == packed.catalog.embed && o.endpoint.rank == 0).unwrap();
+        packed.offers.iter().find(|o| o.tensor == packed.catalog.embed && o.endpoint.process == 0).unwrap();
     assert_eq!(embed.offset + packed.bytes(embed), separate_bytes);
 }
 
@@ -273,11 +277,11 @@ fn tables_rebase_every_address_and_group_by_rank() {
     assert_eq!((offers, needs), (w.offers.len(), w.needs.len()));
     for (rank, table) in tables.iter().enumerate() {
         for o in &table.offers {
-            assert_eq!(o.owner.rank as usize, rank);
+            assert_eq!(o.owner.process as usize, rank);
             assert!(o.strides.is_none() && o.digest.is_none());
         }
         for n in &table.needs {
-            assert_eq!(n.receiver.rank as usize, rank);
+            assert_eq!(n.receiver.process as usize, rank);
             let spec = &table.tensors[n.tensor as usize];
             assert_eq!(n.strides.len(), spec.shape.len());
             assert_eq!(*n.strides.last().unwrap(), 1);
@@ -287,7 +291,7 @@ fn tables_rebase_every_address_and_group_by_rank() {
     let expected: Vec<u64> = w
         .offers
         .iter()
-        .filter(|o| o.endpoint.rank == 3)
+        .filter(|o| o.endpoint.process == 3)
         .map(|o| bases[o.buffer as usize] + o.offset)
         .collect();
     let got: Vec<u64> = tables[3].offers.iter().map(|o| o.addr).collect();
@@ -295,7 +299,7 @@ fn tables_rebase_every_address_and_group_by_rank() {
     let expected: Vec<u64> = w
         .needs
         .iter()
-        .filter(|n| n.endpoint.rank == 9)
+        .filter(|n| n.endpoint.process == 9)
         .map(|n| bases[n.buffer as usize] + n.offset)
         .collect();
     let got: Vec<u64> = tables[9].needs.iter().map(|n| n.addr).collect();
@@ -343,7 +347,7 @@ fn bad_bases_are_rejected() {
 
 #[test]
 fn bad_specs_are_rejected_with_a_reason() {
-    let ranks = |n: u32| (0..n).map(|rank| Endpoint { rank, device: 0 }).collect::<Vec<_>>();
+    let ranks = |n: u32| (0..n).map(|rank| Endpoint { process: rank, device: 0 }).collect::<Vec<_>>();
     let qwen = Spec::qwen3_ep8_to_tp2(Packing::Separate);
     let llama = Spec::llama3_70b_tp8_to_tp2(Packing::Separate, 1);
     let mut cases: Vec<(Spec, &str)> = Vec::new();
@@ -648,14 +652,16 @@ fn tiny_spec(model: Model, publishers: u32, tp: u64, ep: u64, receivers: u32) ->
     Spec {
         model,
         publishers: Megatron {
-            endpoints: (0..publishers).map(|rank| Endpoint { rank, device: 0 }).collect(),
+            endpoints: (0..publishers).map(|rank| Endpoint { process: rank, device: 0 }).collect(),
             tp,
             ep,
             grouped_experts: true,
         },
         publisher_layout: Packing::Separate,
         receivers: Vllm {
-            endpoints: (0..receivers).map(|rank| Endpoint { rank: publishers + rank, device: 0 }).collect(),
+            endpoints: (0..receivers)
+                .map(|rank| Endpoint { process: publishers + rank, device: 0 })
+                .collect(),
         },
         receiver_layout: Packing::Separate,
         digests: false,
