@@ -1,19 +1,23 @@
-//! The batched copy kernel: any number of [`Segment`](crate::segment::Segment)s copied in one launch,
-//! near memory bandwidth for every segment size.
+//! The library's CUDA kernels and what they need on the host: the batched copy (any number of
+//! [`Segment`](crate::segment::Segment)s copied in one launch, near memory bandwidth for every segment
+//! size) and the digest (a CRC-style 64-bit digest of device memory at memory speed).
 //!
 //! - `batched_copy.cu`: the CUDA C source, compiled at first use per device by NVRTC ([`nvrtc`]).
 //! - [`layout`]: how a batch is laid out for the kernel (descriptors, tiles); pure Rust.
 //! - [`check`]: validation and the checked mode's destination-overlap test; pure Rust, shared with the
 //!   host backend (`backend::host_copy`).
 //! - [`batched_copy`]: the per-device kernel cache, one-shot [`copy_segments`] and [`PreparedBatch`].
+//! - `digest.cu` and [`digest`]: the digest kernel and its launch.
 //! - [`gf64`]: the refit digest in pure Rust (its definition, the host implementation, the
 //!   digest kernel's constants).
 //! - [`rendezvous`]: the device-memory flags through which a group's synchronized launches meet.
 
 pub mod batched_copy;
 pub mod check;
+pub mod digest;
 pub mod gf64;
 pub mod layout;
+pub(crate) mod module;
 pub mod nvrtc;
 pub mod rendezvous;
 
