@@ -8,6 +8,7 @@
 pub mod allgather;
 pub mod backend;
 pub mod copy;
+pub mod digest;
 pub mod error;
 pub mod exec;
 pub mod ffi;
