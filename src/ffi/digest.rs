@@ -1,5 +1,9 @@
 //! The digest of device memory (`refit_digest`).
 
+// Pointers from C are checked for NULL and dereferenced inside the boundary: the exported functions are
+// `extern "C"` entry points, not Rust APIs to mark unsafe.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
 use super::{arg, boundary, out};
 use crate::backend::Stream;
 use crate::ffi::group::refit_group;
