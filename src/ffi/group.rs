@@ -5,10 +5,10 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::{arg, boundary, check_struct_size, destroy, out, slice};
-use crate::backend::host::{create_host_stream, destroy_host_stream};
-use crate::backend::{BackendKind, Stream};
 use crate::error::{last_error, set_last_error, Error, Result, Status};
 use crate::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use crate::transport::host::{create_host_stream, destroy_host_stream};
+use crate::transport::{BackendKind, Stream};
 use std::ffi::c_void;
 
 /// Pick the CUDA backend when libcuda loads and has a device, else the host backend.

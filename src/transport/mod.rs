@@ -1,9 +1,18 @@
-//! Where bytes move. Backends know devices, streams, events and copies; they know nothing of plans.
+//! The transport: every way bytes cross devices and processes. It knows devices, streams, events,
+//! copies and communicators; it knows nothing of groups, collectives or plans.
 //!
-//! [`Backend`] is the one interface the group, allgather and the executors use. Two implementations:
-//! [`cuda::CudaBackend`] (cudarc's driver layer: primary contexts, non-blocking streams, copy-engine
-//! copies) and [`host::HostBackend`] (N simulated devices: host memory, one worker thread per stream
-//! so that stream order and event waits are real and testable in CI).
+//! - [`Backend`] is the one interface the group, allgather and the executors use for devices, streams,
+//!   events and copies, the batched copy included ([`Backend::copy_batch`], [`Backend::prepare_batch`]).
+//!   Two implementations: [`cuda::CudaBackend`] (cudarc's driver layer: primary contexts, non-blocking
+//!   streams, copy-engine copies, refit's batched copy kernel from `kernels`) and [`host::HostBackend`]
+//!   (N simulated devices: host memory, one worker thread per stream so that stream order and event
+//!   waits are real and testable in CI; [`host_copy`] is its batched copy).
+//! - [`nccl`]: NCCL communicators and the calls issued on them (collectives, grouped send/recv).
+//! - The run-time loaders, side by side: [`driver`] (libcuda, through cudarc, and the driver calls
+//!   shared with the kernels), [`nccl`] (libnccl), [`nvrtc`] (libnvrtc), over [`dynlib`] (dlopen).
+//!
+//! Imports point one way: the backends use `kernels` (the batched copy's launch), and `kernels` uses
+//! only the driver and loader files here, which import nothing else of the crate but `error`.
 //!
 //! Streams and events cross this interface as opaque [`Stream`] / [`Event`] handles: a `CUstream` /
 //! `CUevent` value on CUDA, a registry id on the host backend. `Stream::NULL` always means "the
@@ -15,6 +24,7 @@ pub mod dynlib;
 pub mod host;
 pub mod host_copy;
 pub mod nccl;
+pub mod nvrtc;
 
 use crate::error::Result;
 use crate::segment::Segment;
@@ -97,11 +107,39 @@ pub trait Backend: Send + Sync {
     /// Lets `device` access `peer`'s memory. Already enabled counts as success.
     fn enable_peer_access(&self, device: usize, peer: usize) -> Result<()>;
 
-    /// Queues the copy of every segment on `stream` (which belongs to `device`), in order.
+    /// Queues the copy of every segment on `stream` (which belongs to `device`), in order, one copy
+    /// per contiguous run (the copy engine on CUDA). The reference for [`Backend::copy_batch`].
     ///
     /// # Safety
     /// Every source and destination byte must be valid memory for the duration of the queued work.
     unsafe fn copy_segments(&self, device: usize, stream: Stream, segments: &[Segment]) -> Result<()>;
+
+    /// The batched copy: every segment copied on `stream` (a stream of `device`; `Stream::NULL` for
+    /// its legacy default stream) in one launch of refit's copy kernel on CUDA, queued and not waited
+    /// for; on the host backend, complete on return. Segments are checked first
+    /// (`segment::check::validate`); `checked` also fails the batch with `Overlap`, copying nothing,
+    /// when two destination runs share a byte (unchecked, which write lands is undefined).
+    ///
+    /// # Safety
+    /// Every run must name memory that stays valid until the copy has run (device memory reachable
+    /// from `device` on CUDA, host memory on the host backend), and `stream` must be a live stream of
+    /// `device`.
+    unsafe fn copy_batch(
+        &self,
+        device: usize,
+        stream: Stream,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<()>;
+
+    /// Checks `segments` as [`Backend::copy_batch`] does and prepares them for repeated batched copies
+    /// on `device`: descriptors uploaded once on CUDA, a kept copy of the list on the host backend.
+    fn prepare_batch(
+        &self,
+        device: usize,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>>;
 
     /// Allocates `bytes` of device memory (tests and benches; the library never owns caller memory).
     fn alloc(&self, device: usize, bytes: usize) -> Result<u64>;
@@ -123,4 +161,15 @@ pub trait Backend: Send + Sync {
     /// # Safety
     /// `src .. src + out.len()` must be valid device memory.
     unsafe fn read(&self, device: usize, src: u64, out: &mut [u8]) -> Result<()>;
+}
+
+/// A batch made by [`Backend::prepare_batch`], launched any number of times. It holds no reference to
+/// a group; on the host backend, launching after the backend is gone is an error, not a crash.
+pub trait PreparedCopy: Send + Sync {
+    /// Queues the batch on `stream` (a stream of the prepared device). On CUDA: one kernel launch and
+    /// nothing else, so it may be captured into a graph. On the host backend: complete on return.
+    ///
+    /// # Safety
+    /// As for [`Backend::copy_batch`], at every launch.
+    unsafe fn launch(&self, stream: Stream) -> Result<()>;
 }

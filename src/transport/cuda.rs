@@ -1,5 +1,5 @@
 //! The CUDA backend: cudarc's driver layer (`sys`), primary contexts, non-blocking streams, events
-//! without timing, and copy-engine copies.
+//! without timing, copy-engine copies, and the batched copy kernel (`kernels`) for batched copies.
 //!
 //! Why the raw layer: cudarc's safe layer owns the memory it copies and (CEILINGS.md) its `memcpy_dtod`
 //! between two contexts ran at a tenth of the copy engine. `cuMemcpyAsync` with unified addressing on
@@ -11,8 +11,9 @@
 //! never disturbed; only [`Backend::bind`] leaves a context current (for our own rank threads).
 
 use super::driver::{self, check, error_name, CurrentContext};
-use super::{Backend, BackendKind, Event, Stream};
+use super::{Backend, BackendKind, Event, PreparedCopy, Stream};
 use crate::error::{Error, Result, Status};
+use crate::kernels::{self, PreparedBatch};
 use crate::segment::Segment;
 use cudarc::driver::sys::{self, CUcontext, CUresult};
 use std::ffi::{c_char, CStr};
@@ -248,6 +249,27 @@ impl Backend for CudaBackend {
         result
     }
 
+    unsafe fn copy_batch(
+        &self,
+        device: usize,
+        stream: Stream,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<()> {
+        self.check_device(device)?;
+        kernels::copy_segments(device as i32, Self::raw_stream(stream), segments, checked)
+    }
+
+    fn prepare_batch(
+        &self,
+        device: usize,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>> {
+        self.check_device(device)?;
+        Ok(Box::new(PreparedBatch::new(device as i32, segments, checked)?))
+    }
+
     fn alloc(&self, device: usize, bytes: usize) -> Result<u64> {
         let _current = self.enter(device)?;
         let mut ptr = 0;
@@ -278,6 +300,12 @@ impl Backend for CudaBackend {
         let _current = self.enter(device)?;
         check("cuCtxSynchronize", sys::cuCtxSynchronize())?;
         check("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src, out.len()))
+    }
+}
+
+impl PreparedCopy for PreparedBatch {
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        PreparedBatch::launch(self, CudaBackend::raw_stream(stream))
     }
 }
 

@@ -1,8 +1,15 @@
-//! Our own NCCL loader: libnccl is opened at run time (`REFIT_NCCL_LIBRARY`, else `libnccl.so.2`, else
-//! `libnccl.so`), and only the handful of calls we use are declared here, from nccl.h's documented
-//! ABI (ncclComm_t is an opaque pointer, ncclResult_t and ncclDataType_t are C ints).
+//! NCCL: our own loader and the communicators every NCCL transfer goes through.
+//!
+//! - [`nccl`]: libnccl is opened at run time (`REFIT_NCCL_LIBRARY`, else `libnccl.so.2`, else
+//!   `libnccl.so`), and only the handful of calls we use are declared here, from nccl.h's documented
+//!   ABI (ncclComm_t is an opaque pointer, ncclResult_t and ncclDataType_t are C ints).
+//! - [`Communicators`]: one communicator per rank, and the calls a rank issues on its own (allgather,
+//!   send, receive), alone or grouped between ncclGroupStart and ncclGroupEnd. Collectives decide what
+//!   to send; this is how it is sent.
 
+use super::driver::CurrentContext;
 use super::dynlib::Library;
+use super::Stream;
 use crate::error::{Error, Result, Status};
 use std::ffi::{c_char, c_int, c_void, CStr};
 use std::sync::OnceLock;
@@ -195,19 +202,89 @@ impl Nccl {
     }
 }
 
-/// Communicators for a set of devices, destroyed on drop.
+/// One NCCL communicator per rank, all in this process, destroyed on drop. Every call is made by
+/// rank `rank` on `stream`, a stream of that rank's device, and is queued there (nothing waits).
 pub struct Communicators {
-    pub comms: Vec<NcclComm>,
+    comms: Vec<NcclComm>,
 }
 
 // SAFETY: NCCL communicators may be used from any thread, one thread at a time per communicator,
-// which the group guarantees (each rank uses only its own).
+// which callers guarantee (each rank uses only its own).
 unsafe impl Send for Communicators {}
 unsafe impl Sync for Communicators {}
 
 impl Communicators {
+    /// Communicators for `devices` (rank r on `devices[r]`). NcclUnavailable when NCCL cannot be
+    /// loaded. The calling thread's current CUDA context is left as it was.
     pub fn create(devices: &[i32]) -> Result<Communicators> {
+        let _current = CurrentContext::preserve()?;
         Ok(Communicators { comms: nccl()?.comm_init_all(devices)? })
+    }
+
+    pub fn ranks(&self) -> usize {
+        self.comms.len()
+    }
+
+    /// Runs `calls` (calls on these communicators) between ncclGroupStart and ncclGroupEnd, so that
+    /// NCCL issues them together: what one thread must do when it drives several ranks, or when a rank
+    /// both sends and receives. The group is ended even after a failed call, so NCCL's per-thread
+    /// state stays balanced; the first error is returned. The current CUDA context is left as it was
+    /// (NCCL switches devices).
+    pub fn grouped(&self, calls: impl FnOnce() -> Result<()>) -> Result<()> {
+        let lib = nccl()?;
+        let _current = CurrentContext::preserve()?;
+        lib.group_start()?;
+        let issued = calls();
+        let ended = lib.group_end();
+        issued.and(ended)
+    }
+
+    /// ncclAllGather of `bytes` per rank, rank `rank`'s part. Every rank must make the same call
+    /// (in one [`Communicators::grouped`] when one thread drives several ranks). NCCL may change the
+    /// current CUDA context (see [`Communicators::grouped`]).
+    ///
+    /// # Safety
+    /// `send` (`bytes`) and `recv` (`bytes` times the rank count) are device memory of the rank's
+    /// device; `stream` is a live stream of that device.
+    pub unsafe fn all_gather(
+        &self,
+        rank: usize,
+        send: u64,
+        recv: u64,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        nccl()?.all_gather(send, recv, bytes, self.comms[rank], stream.0)
+    }
+
+    /// Rank `rank` sends `bytes` at `buffer` to rank `peer`, which must post the matching receive.
+    ///
+    /// # Safety
+    /// As for [`Communicators::all_gather`], for `buffer`.
+    pub unsafe fn send(
+        &self,
+        rank: usize,
+        peer: usize,
+        buffer: u64,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        nccl()?.send(buffer, bytes, peer, self.comms[rank], stream.0)
+    }
+
+    /// Rank `rank` receives `bytes` from rank `peer` into `buffer`.
+    ///
+    /// # Safety
+    /// As for [`Communicators::all_gather`], for `buffer`.
+    pub unsafe fn recv(
+        &self,
+        rank: usize,
+        peer: usize,
+        buffer: u64,
+        bytes: usize,
+        stream: Stream,
+    ) -> Result<()> {
+        nccl()?.recv(buffer, bytes, peer, self.comms[rank], stream.0)
     }
 }
 

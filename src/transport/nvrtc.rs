@@ -2,7 +2,7 @@
 //! Compiling needs no GPU (the architecture is a parameter), so the kernel source can be checked on a
 //! machine with only libnvrtc.
 
-use crate::backend::dynlib::Library;
+use super::dynlib::Library;
 use crate::error::{Error, Result, Status};
 use std::ffi::{c_char, c_int, c_void, CStr, CString};
 use std::sync::OnceLock;

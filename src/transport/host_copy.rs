@@ -2,7 +2,7 @@
 //! (`kernels::copy_segments`), with host addresses and `memmove` per contiguous run.
 
 use crate::error::Result;
-use crate::kernels::check::{check_destinations, validate};
+use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
 
 /// Copies every run of every segment, inner level fastest, segments in order.

@@ -15,9 +15,9 @@
 //! passed to any group that uses the host backend. Nothing here is needed on a machine with GPUs.
 
 use super::host_copy::copy_runs;
-use super::{Backend, BackendKind, Event, Stream};
+use super::{Backend, BackendKind, Event, PreparedCopy, Stream};
 use crate::error::{Error, Result, Status};
-use crate::kernels::check::validate;
+use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -315,6 +315,31 @@ impl Backend for HostBackend {
         stream.enqueue(move || unsafe { copy_runs(&segments) })
     }
 
+    unsafe fn copy_batch(
+        &self,
+        device: usize,
+        stream: Stream,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<()> {
+        let prepared = self.prepare_batch(device, segments, checked)?;
+        prepared.launch(stream)
+    }
+
+    fn prepare_batch(
+        &self,
+        device: usize,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>> {
+        self.check_device(device)?;
+        validate(segments)?;
+        if checked {
+            check_destinations(segments)?;
+        }
+        Ok(Box::new(HostBatch { default_stream: self.default_streams[device], segments: segments.into() }))
+    }
+
     fn alloc(&self, device: usize, bytes: usize) -> Result<u64> {
         self.check_device(device)?;
         // SAFETY: plain allocation; at least one byte so that the pointer is unique and freeable.
@@ -341,6 +366,25 @@ impl Backend for HostBackend {
         self.sync_stream(device, Stream::NULL)?;
         std::ptr::copy(src as usize as *const u8, out.as_mut_ptr(), out.len());
         Ok(())
+    }
+}
+
+/// A host backend's prepared batch: the checked list, copied by the stream's worker at each launch.
+struct HostBatch {
+    /// What a NULL stream stands for: the prepared device's default stream.
+    default_stream: Stream,
+    segments: Arc<[Segment]>,
+}
+
+impl PreparedCopy for HostBatch {
+    /// Queued on the stream like any other host-backend work, then waited for: complete on return, as
+    /// every host-backend copy the C API offers.
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        let stream = host_stream(if stream == Stream::NULL { self.default_stream } else { stream })?;
+        let segments = Arc::clone(&self.segments);
+        // SAFETY: the caller promises the memory stays valid until the queued work has run.
+        stream.enqueue(move || unsafe { copy_runs(&segments) })?;
+        stream.synchronize()
     }
 }
 
