@@ -12,14 +12,18 @@
 //! Caller streams on this backend: NULL means the simulated device's own default stream (one worker per
 //! device, made with the backend). Other host streams come from [`create_host_stream`] (C:
 //! `refit_host_stream_create`); streams live in a process-wide registry, so one made for a test can be
-//! passed to any group that uses the host backend. Nothing here is needed on a machine with GPUs.
+//! passed to any group that uses the host backend. The registry remembers who made each stream: the
+//! caller destroys only the streams it created, a backend's own streams go with the backend.
+//! Nothing here is needed on a machine with GPUs.
 
 use super::host_copy::copy_runs;
 use super::{Backend, BackendKind, Event, PreparedCopy, Stream};
 use crate::error::{Error, Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -127,11 +131,23 @@ impl HostEvent {
     }
 }
 
+/// Who may destroy a registered stream.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Owner {
+    /// Made by [`create_host_stream`] (C: `refit_host_stream_create`): the caller destroys it.
+    Caller,
+    /// A simulated device's default stream or a group's stream: only its backend destroys it.
+    Backend,
+}
+
 /// Process-wide registry of host streams and events, keyed by the opaque handle value.
 struct Registry {
-    streams: Mutex<HashMap<u64, Arc<HostStream>>>,
+    streams: Mutex<HashMap<u64, (Arc<HostStream>, Owner)>>,
     events: Mutex<HashMap<u64, Arc<HostEvent>>>,
-    next_id: AtomicU64,
+    /// Handle values are keyed hashes of a counter: unique, and not guessable from one another, so a
+    /// value the library never issued (a small integer, a neighbour of a real handle) names nothing.
+    keys: RandomState,
+    counter: AtomicU64,
 }
 
 fn registry() -> &'static Registry {
@@ -139,30 +155,65 @@ fn registry() -> &'static Registry {
     REGISTRY.get_or_init(|| Registry {
         streams: Mutex::new(HashMap::new()),
         events: Mutex::new(HashMap::new()),
-        // Handles look like pointers to C; start well above 0 (NULL) and keep them even.
-        next_id: AtomicU64::new(0x1000),
+        keys: RandomState::new(),
+        counter: AtomicU64::new(0),
     })
 }
 
-fn new_id() -> u64 {
-    registry().next_id.fetch_add(16, Ordering::Relaxed)
+/// Inserts `value` under a new handle value: non-zero and 16-byte aligned below 2^47, like a user-space
+/// pointer, and not already in `map`.
+fn insert_new<T>(map: &mut HashMap<u64, T>, value: T) -> u64 {
+    let registry = registry();
+    loop {
+        let n = registry.counter.fetch_add(1, Ordering::Relaxed);
+        let id = registry.keys.hash_one(n) & 0x7fff_ffff_fff0;
+        if id != 0 && !map.contains_key(&id) {
+            map.insert(id, value);
+            return id;
+        }
+    }
 }
 
-fn register_stream(name: String) -> Result<Stream> {
+fn lock_streams() -> std::sync::MutexGuard<'static, HashMap<u64, (Arc<HostStream>, Owner)>> {
+    registry().streams.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn register_stream(name: String, owner: Owner) -> Result<Stream> {
     let stream = HostStream::start(name)?;
-    let id = new_id();
-    registry().streams.lock().unwrap_or_else(|p| p.into_inner()).insert(id, stream);
-    Ok(Stream(id))
+    Ok(Stream(insert_new(&mut lock_streams(), (stream, owner))))
+}
+
+/// Removes a stream registered by `owner` and stops it after its queued work has run.
+fn unregister_stream(stream: Stream, owner: Owner) -> Result<()> {
+    let removed = {
+        let mut streams = lock_streams();
+        match streams.get(&stream.0) {
+            Some((_, registered)) if *registered == owner => streams.remove(&stream.0),
+            Some(_) => return Err(Error::invalid_argument(format!(
+                "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not by \
+                     refit_host_stream_destroy",
+                stream.0
+            ))),
+            None => None,
+        }
+    };
+    match removed {
+        Some((stream, _)) => {
+            stream.stop();
+            Ok(())
+        }
+        None => Err(Error::invalid_argument(format!(
+            "stream {:#x} was not made by refit_host_stream_create, or was destroyed already",
+            stream.0
+        ))),
+    }
 }
 
 /// The host stream behind a handle.
 pub fn host_stream(stream: Stream) -> Result<Arc<HostStream>> {
-    registry()
-        .streams
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    lock_streams()
         .get(&stream.0)
-        .cloned()
+        .map(|(stream, _)| Arc::clone(stream))
         .ok_or_else(|| Error::invalid_argument(format!("stream {:#x} is not a host stream", stream.0)))
 }
 
@@ -179,19 +230,13 @@ fn host_event(event: Event) -> Result<Arc<HostEvent>> {
 /// A new caller-side host stream (for tests and C programs that exercise stream ordering on the host
 /// backend). Release it with [`destroy_host_stream`].
 pub fn create_host_stream() -> Result<Stream> {
-    register_stream("refit-host-stream".to_string())
+    register_stream("refit-host-stream".to_string(), Owner::Caller)
 }
 
-/// Destroys a stream from [`create_host_stream`] after its queued work has run.
+/// Destroys a stream from [`create_host_stream`] after its queued work has run. Any other value,
+/// including the stream of a group or of a simulated device, is InvalidArgument and changes nothing.
 pub fn destroy_host_stream(stream: Stream) -> Result<()> {
-    let removed = registry().streams.lock().unwrap_or_else(|p| p.into_inner()).remove(&stream.0);
-    match removed {
-        Some(stream) => {
-            stream.stop();
-            Ok(())
-        }
-        None => Err(Error::invalid_argument(format!("stream {:#x} is not a host stream", stream.0))),
-    }
+    unregister_stream(stream, Owner::Caller)
 }
 
 /// N simulated devices.
@@ -206,7 +251,7 @@ impl HostBackend {
             return Err(Error::invalid_argument("the host backend needs at least one simulated device"));
         }
         let default_streams = (0..devices)
-            .map(|d| register_stream(format!("refit-host-dev{d}-default")))
+            .map(|d| register_stream(format!("refit-host-dev{d}-default"), Owner::Backend))
             .collect::<Result<Vec<_>>>()?;
         Ok(HostBackend { default_streams })
     }
@@ -231,7 +276,7 @@ impl HostBackend {
 impl Drop for HostBackend {
     fn drop(&mut self) {
         for stream in &self.default_streams {
-            let _ = destroy_host_stream(*stream);
+            let _ = unregister_stream(*stream, Owner::Backend);
         }
     }
 }
@@ -259,18 +304,17 @@ impl Backend for HostBackend {
 
     fn create_stream(&self, device: usize) -> Result<Stream> {
         self.check_device(device)?;
-        register_stream(format!("refit-host-dev{device}"))
+        register_stream(format!("refit-host-dev{device}"), Owner::Backend)
     }
 
     fn destroy_stream(&self, _device: usize, stream: Stream) {
-        let _ = destroy_host_stream(stream);
+        let _ = unregister_stream(stream, Owner::Backend);
     }
 
     fn create_event(&self, device: usize) -> Result<Event> {
         self.check_device(device)?;
-        let id = new_id();
-        registry().events.lock().unwrap_or_else(|p| p.into_inner()).insert(id, HostEvent::new());
-        Ok(Event(id))
+        let mut events = registry().events.lock().unwrap_or_else(|p| p.into_inner());
+        Ok(Event(insert_new(&mut events, HostEvent::new())))
     }
 
     fn destroy_event(&self, _device: usize, event: Event) {
@@ -443,6 +487,35 @@ mod tests {
         backend.destroy_event(0, event);
         backend.destroy_stream(0, slow);
         backend.destroy_stream(1, fast);
+    }
+
+    #[test]
+    fn only_caller_streams_can_be_destroyed_by_the_caller() {
+        let backend = HostBackend::new(2).unwrap();
+        let internal = [backend.null_stream(0), backend.null_stream(1), backend.create_stream(1).unwrap()];
+        let mine = create_host_stream().unwrap();
+        for stream in internal {
+            let err = destroy_host_stream(stream).unwrap_err();
+            assert_eq!(err.status, Status::InvalidArgument);
+            assert!(err.message.contains("belongs to a group"), "{}", err.message);
+        }
+        // Values near a real handle, and the small sequential values handles used to be, name nothing.
+        let guesses =
+            (0..4096u64).map(|i| 0x1000 + 16 * i).chain((1..=64).flat_map(|d| [mine.0 + d, mine.0 - d]));
+        for guess in guesses {
+            assert!(destroy_host_stream(Stream(guess)).is_err(), "{guess:#x} was destroyed");
+        }
+        // Every internal stream still runs work.
+        for (device, stream) in [(0, internal[0]), (1, internal[1]), (1, internal[2])] {
+            let ran = Arc::new(AtomicU64::new(0));
+            let r = Arc::clone(&ran);
+            host_stream(stream).unwrap().enqueue(move || r.store(1, Ordering::SeqCst)).unwrap();
+            backend.sync_stream(device, stream).unwrap();
+            assert_eq!(ran.load(Ordering::SeqCst), 1);
+        }
+        destroy_host_stream(mine).unwrap();
+        backend.destroy_stream(1, internal[2]);
+        assert!(host_stream(internal[2]).is_err(), "the backend destroys its own streams");
     }
 
     #[test]
