@@ -1,0 +1,1 @@
+"""Framework integrations (filled in below)."""
