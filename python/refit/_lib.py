@@ -108,7 +108,7 @@ class RefitError(Exception):
 
 def last_error_message() -> str:
     """The message of the last failing call on this thread ("" if none has failed)."""
-    return lib.refit_last_error_message().decode(errors="replace")
+    return str(lib.refit_last_error_message().decode(errors="replace"))
 
 
 def check(status: int) -> None:
@@ -194,7 +194,7 @@ class PlanOptions(ctypes.Structure):
 class PlanStatsStruct(ctypes.Structure):
     """refit_plan_stats."""
 
-    _fields_ = [("size", c_size_t)] + [
+    _fields_ = [("size", c_size_t)] + [  # type: ignore[assignment]
         (name, c_uint64)
         for name in (
             "offers_in",
@@ -406,12 +406,12 @@ def stream_value(stream: object = None, device: Optional[int] = None, host: bool
 
 def version() -> str:
     """The library's "MAJOR.MINOR.PATCH"."""
-    return lib.refit_version().decode()
+    return str(lib.refit_version().decode())
 
 
 def abi_version() -> int:
     """REFIT_ABI_VERSION of the loaded library."""
-    return lib.refit_abi_version()
+    return int(lib.refit_abi_version())
 
 
 # Every log callback ever installed: a record may still be in flight on a rank thread when the

@@ -6,7 +6,7 @@ import contextlib
 import ctypes
 import threading
 from ctypes import byref, c_bool, c_int32, c_size_t, c_uint32, c_void_p
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Sized
 
 from ._handle import Handle
 from ._lib import (
@@ -260,7 +260,7 @@ class Group(Handle):
         self._check_per_rank(counts, "counts")
         return (c_size_t * len(counts))(*counts)
 
-    def _check_per_rank(self, values: Sequence[object], what: str) -> None:
+    def _check_per_rank(self, values: Sized, what: str) -> None:
         # The C API reads exactly size() entries: a shorter list would be read past its end.
         if len(values) != self._size:
             raise invalid_argument(f"{what} has {len(values)} entries; the group has {self._size} ranks")

@@ -173,7 +173,7 @@ class Route:
 
 PlanStats = dataclasses.make_dataclass(
     "PlanStats",
-    [(name, int) for name, _ in PlanStatsStruct._fields_ if name not in ("size", "size_histogram")]
+    [(field[0], int) for field in PlanStatsStruct._fields_ if field[0] not in ("size", "size_histogram")]
     + [("size_histogram", tuple)],
     frozen=True,
 )
@@ -184,7 +184,7 @@ def _stats(fill: Callable[[Any], int]) -> Any:
     raw = PlanStatsStruct()
     raw.size = ctypes.sizeof(raw)
     check(fill(byref(raw)))
-    values = {name: getattr(raw, name) for name, _ in PlanStatsStruct._fields_ if name != "size"}
+    values = {field[0]: getattr(raw, field[0]) for field in PlanStatsStruct._fields_ if field[0] != "size"}
     values["size_histogram"] = tuple(raw.size_histogram)
     return PlanStats(**values)
 

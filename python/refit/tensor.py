@@ -7,7 +7,9 @@ tests describe host memory as tensors. refit.torch re-exports these for torch us
 
 from __future__ import annotations
 
-from typing import Any, Optional, Protocol, Sequence
+from typing import Any, Optional, Protocol, Sequence, Tuple
+
+Shape = Tuple[int, ...]
 
 from ._lib import invalid_argument
 from .plan import Table
@@ -77,7 +79,7 @@ def device_index(tensor: TensorLike, device: Optional[int] = None) -> int:
     return device
 
 
-def _box(tensor: TensorLike, shape: Optional[Sequence[int]], offset: Optional[Sequence[int]]) -> tuple:
+def _box(tensor: TensorLike, shape: Optional[Sequence[int]], offset: Optional[Sequence[int]]) -> Tuple[Shape, Shape, Shape]:
     extent = tuple(int(n) for n in tensor.shape)
     full = extent if shape is None else tuple(int(n) for n in shape)
     at = (0,) * len(full) if offset is None else tuple(int(n) for n in offset)

@@ -39,7 +39,7 @@ def nbytes(tensor: torch.Tensor) -> int:
     one block, so one pointer and a size would misdescribe it)."""
     if not tensor.is_contiguous():
         raise invalid_argument("tensor is not contiguous")
-    return tensor.numel() * tensor.element_size()
+    return int(tensor.numel() * tensor.element_size())
 
 
 def current_stream(device: int) -> int:

@@ -315,7 +315,8 @@ class RefitWorkerExtension:
             state["executor"] = plan.executor(state["group"], process, **(options or {}))  # type: ignore[attr-defined]
             state["key"] = key
         stats = state["executor"].run()
-        result = dataclasses.asdict(stats) if dataclasses.is_dataclass(stats) else dict(vars(stats))
+        is_dataclass = dataclasses.is_dataclass(stats) and not isinstance(stats, type)
+        result = dataclasses.asdict(stats) if is_dataclass else dict(vars(stats))
         result["fingerprint"] = state["plan"].fingerprint
         return result
 
