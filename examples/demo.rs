@@ -11,11 +11,11 @@
 //! `--reference` also runs the per-run arm (one copy call per contiguous run: the copy engine on CUDA),
 //! which must install the same bytes.
 
-use refit::backend::Backend;
 use refit::exec::{Arm, Executor, StageTimes};
 use refit::group::{Group, GroupOptions};
 use refit::plan::{self, Endpoint, PlanOptions};
-use refit::workloads::{element_value, Layout, Megatron, Model, Role, Spec, Vllm, Workload};
+use refit::transport::Backend;
+use refit_workloads::{element_value, Layout, Megatron, Model, Role, Spec, Vllm, Workload};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -244,7 +244,7 @@ fn run() -> Result<(), String> {
     let devices: Vec<i64> = (0..args.devices as i64).collect();
     let group = Group::new(&devices, GroupOptions::default()).map_err(|e| e.to_string())?;
     let backend = Arc::clone(group.backend());
-    let on_gpu = group.backend_kind() == refit::backend::BackendKind::Cuda;
+    let on_gpu = group.backend_kind() == refit::transport::BackendKind::Cuda;
     // The host backend keeps every simulated device in this machine's memory: a few layers by default.
     let layers = args.layers.unwrap_or(if on_gpu { 48 } else { 1 });
     let endpoints: Vec<Endpoint> =

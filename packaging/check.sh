@@ -23,7 +23,7 @@ fi
 
 scratch=$(mktemp -d)
 trap 'rm -rf "$scratch"' EXIT
-cargo build --lib --quiet
+cargo build --package refit --lib --quiet
 abi=$(sed -n 's/^#define REFIT_ABI_VERSION \([0-9]*\)$/\1/p' include/refit.h)
 
 echo "--- install (staged under a destdir, then used from where it was moved)"

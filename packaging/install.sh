@@ -53,7 +53,7 @@ if [ -z "$version" ] || [ -z "$abi" ]; then
 fi
 
 if [ -z "$library" ]; then
-  (cd "$root" && cargo build --release --lib)
+  (cd "$root" && cargo build --package refit --release --lib)
   library=${CARGO_TARGET_DIR:-$root/target}/release/librefit.so
 fi
 if [ ! -f "$library" ]; then

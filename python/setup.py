@@ -53,7 +53,7 @@ def build_library() -> Path:
             "Rust sources: install Rust (https://rustup.rs, or your distribution's cargo; the crate needs "
             "the rust-version in Cargo.toml or newer) and run pip again."
         )
-    command = [cargo, "build", "--lib", "--manifest-path", str(CRATE / "Cargo.toml")]
+    command = [cargo, "build", "--package", "refit", "--lib", "--manifest-path", str(CRATE / "Cargo.toml")]
     if profile == "release":
         command.append("--release")
     print("refit-gpu: " + " ".join(command), flush=True)

@@ -1,4 +1,4 @@
-//! The Python layout rules (python/refit/integrations) and the Rust generator (src/workloads) describe
+//! The Python layout rules (python/refit/integrations) and the Rust generator (workloads/src) describe
 //! the same Megatron and vLLM parameters: for small Qwen3-MoE and Llama shapes, every parameter's name,
 //! size and pieces (tensor, byte offset, box) from `Megatron::params` / `Vllm::params` are printed as
 //! JSON lines and compared with `megatron_layouts` / `vllm_layouts` by python/tests/compare_workloads.py.
@@ -8,7 +8,7 @@
 mod cdylib;
 
 use refit::plan::Endpoint;
-use refit::workloads::{Catalog, Megatron, Model, Moe, Param, Vllm};
+use refit_workloads::{Catalog, Megatron, Model, Moe, Param, Vllm};
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};

@@ -16,7 +16,7 @@ MOE = ModelShape(
 )
 DENSE = ModelShape(layers=2, hidden=16, heads=4, kv_heads=2, head_dim=4, vocab=512, ffn=24, name="llama")
 # case -> (model, Megatron (tp, ep, grouped)); publisher i has TP rank i % tp and EP rank i % ep
-# (expert TP 1), as src/workloads/megatron.rs numbers them; vLLM receiver i has TP rank i.
+# (expert TP 1), as workloads/src/megatron.rs numbers them; vLLM receiver i has TP rank i.
 CASES = {
     "moe_tp1_ep4_grouped": (MOE, 1, 4, True),
     "moe_tp2_ep2": (MOE, 2, 2, False),

@@ -3,17 +3,16 @@
 //! refit step with no host work proportional to the number of segments.
 
 use super::Arm;
-use crate::backend::BackendKind;
-use crate::copy::PreparedCopy;
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Endpoint, Plan, RouteKind};
 use crate::segment::Segment;
+use crate::transport::{BackendKind, PreparedCopy};
 
 /// What one rank's stream does at each step.
 pub(crate) enum RankWork {
     /// One batched launch (the batched copy kernel on CUDA).
-    Batched(PreparedCopy),
+    Batched(Box<dyn PreparedCopy>),
     /// The backend's per-run copies (copy engine on CUDA), the reference arm.
     PerRun(Vec<Segment>),
 }
@@ -75,7 +74,7 @@ impl Descriptors {
             let prepared = match (arm, group.backend_kind()) {
                 // The planner already proved destinations disjoint: no need for the checked mode.
                 (Arm::Batched, BackendKind::Cuda) => {
-                    RankWork::Batched(PreparedCopy::new(group, rank, &list, false)?)
+                    RankWork::Batched(group.backend().prepare_batch(group.device(rank)?, &list, false)?)
                 }
                 // On the host backend both arms are the same memmove loop; queued on the rank's
                 // simulated stream it runs beside the other ranks' (a prepared host batch would

@@ -3,7 +3,7 @@ Hugging Face names and shapes that vLLM's `load_weights` consumes), and each fra
 as pieces of those tensors. Plain values, no torch: the layout rules in megatron.py and vllm.py
 produce them, `add_params` binds them to real parameters (addresses) in a Table.
 
-This mirrors the Rust generator in src/workloads (model.rs, param.rs), which builds the same pieces
+This mirrors the Rust generator in workloads/src (model.rs, param.rs), which builds the same pieces
 for synthetic tables.
 """
 
@@ -104,7 +104,7 @@ class ModelShape:
         )
 
     def checkpoint_tensors(self) -> Dict[str, Shape]:
-        """Every checkpoint tensor's name and global shape, in checkpoint order (src/workloads/model.rs
+        """Every checkpoint tensor's name and global shape, in checkpoint order (workloads/src/model.rs
         Catalog)."""
         h = self.hidden
         out: Dict[str, Shape] = {"model.embed_tokens.weight": (self.vocab, h)}
@@ -155,7 +155,7 @@ class Piece:
     """The box `offset`/`extent` (element coordinates) of checkpoint tensor `tensor`, stored
     row-major over `extent` from element `at` of a parameter. Every piece the rules produce is
     contiguous: fused parameters concatenate whole row blocks, and a column split is a parameter of
-    its own (src/workloads/param.rs, Piece)."""
+    its own (workloads/src/param.rs, Piece)."""
 
     tensor: str
     offset: Shape

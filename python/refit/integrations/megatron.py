@@ -2,7 +2,7 @@
 model on one rank, turned into offers of the checkpoint tensors.
 
 Layout rules, each with the Megatron-LM source it follows (Megatron Core 0.20, NVIDIA/Megatron-LM
-main as of 2026-08; the same rules hold since Core 0.9). src/workloads/megatron.rs generates the
+main as of 2026-08; the same rules hold since Core 0.9). workloads/src/megatron.rs generates the
 same pieces for synthetic tables.
 
 - Names: `embedding.word_embeddings.weight`, `decoder.layers.{i}.…`, `decoder.final_layernorm.weight`,

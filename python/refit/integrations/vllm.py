@@ -2,7 +2,7 @@
 turned into needs of the checkpoint tensors; and a worker extension that receives a refit.
 
 Layout rules, each with the vLLM source it follows (vLLM 0.8 to 0.11 and main as of 2026-08, V1
-engine; vllm-project/vllm). src/workloads/vllm.rs generates the same pieces for synthetic tables.
+engine; vllm-project/vllm). workloads/src/vllm.rs generates the same pieces for synthetic tables.
 
 - Names are the model's `named_parameters()`: `model.embed_tokens.weight`, `model.layers.{i}.…` with
   `i` the global layer index on every pipeline stage, `model.norm.weight`, `lm_head.weight`
