@@ -189,11 +189,13 @@ fn unregister_stream(stream: Stream, owner: Owner) -> Result<()> {
         let mut streams = lock_streams();
         match streams.get(&stream.0) {
             Some((_, registered)) if *registered == owner => streams.remove(&stream.0),
-            Some(_) => return Err(Error::invalid_argument(format!(
+            Some(_) => {
+                return Err(Error::invalid_argument(format!(
                 "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not by \
                      refit_host_stream_destroy",
                 stream.0
-            ))),
+            )))
+            }
             None => None,
         }
     };

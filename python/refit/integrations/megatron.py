@@ -1,9 +1,9 @@
 """Publishers: the parameters of a Megatron-LM (Megatron Core, Transformer Engine layer specs) GPT
 model on one rank, turned into offers of the checkpoint tensors.
 
-Layout rules, each with the Megatron-LM source it follows (Megatron Core 0.20, NVIDIA/Megatron-LM
-main as of 2026-08; the same rules hold since Core 0.9). workloads/src/megatron.rs generates the
-same pieces for synthetic tables.
+Layout rules, each with the Megatron-LM source file it follows, as read in Megatron Core 0.20
+(NVIDIA/Megatron-LM main at commit d98e8a6, 2026-08-22), paths under megatron/core unless given.
+workloads/src/megatron.rs generates the same pieces for synthetic tables.
 
 - Names: `embedding.word_embeddings.weight`, `decoder.layers.{i}.…`, `decoder.final_layernorm.weight`,
   `output_layer.weight` (models/gpt/gpt_model.py, models/gpt/gpt_layer_specs.py); `i` is the layer's

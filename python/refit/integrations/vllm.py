@@ -1,8 +1,10 @@
 """Receivers: the parameters of a vLLM model (Llama, Qwen2/3, Qwen3-MoE families) on one worker,
 turned into needs of the checkpoint tensors; and a worker extension that receives a refit.
 
-Layout rules, each with the vLLM source it follows (vLLM 0.8 to 0.11 and main as of 2026-08, V1
-engine; vllm-project/vllm). workloads/src/vllm.rs generates the same pieces for synthetic tables.
+Layout rules, each with the vLLM source file it follows (vllm-project/vllm, paths under vllm/), as
+read on its main branch in 2026-12 (V1 engine); the rules below read the same in the older versions
+of those files we compared (the weight loaders' narrow/copy logic has not changed in substance).
+workloads/src/vllm.rs generates the same pieces for synthetic tables.
 
 - Names are the model's `named_parameters()`: `model.embed_tokens.weight`, `model.layers.{i}.…` with
   `i` the global layer index on every pipeline stage, `model.norm.weight`, `lm_head.weight`
