@@ -106,6 +106,10 @@ void plan_executes_on_host_backend() {
   prepared.launch();
   for (uint32_t i = 0; i < 24; i++) CHECK(dest[i] == source[(i + 12) % 24]);
   expect_error([&] { group.enter({nullptr}); }, REFIT_STATUS_INVALID_ARGUMENT);
+  auto scope = group.scope();
+  scope.close();
+  expect_error([&] { scope.close(); }, REFIT_STATUS_INVALID_STATE);
+  expect_error([&] { group.exit(); }, REFIT_STATUS_INVALID_STATE);  // no scope is open any more
 }
 
 void run_rethrows_the_rank_exception_and_gathers() {
@@ -119,6 +123,11 @@ void run_rethrows_the_rank_exception_and_gathers() {
     caught = std::string(e.what()) == "rank 1 failed";
   }
   CHECK(caught);
+  // A named (lvalue) callable works as well as a temporary one.
+  std::vector<int> ranks_seen(2, 0);
+  auto record = [&](uint32_t rank, void *) { ranks_seen[rank]++; };
+  group.run(record);
+  CHECK(ranks_seen[0] == 1 && ranks_seen[1] == 1);
   // The group stays usable: a per-rank allgather of 8 bytes from each rank.
   std::vector<uint64_t> send = {0x1111111111111111ull, 0x2222222222222222ull};
   std::vector<uint64_t> recv(4, 0);

@@ -25,6 +25,7 @@
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -212,8 +213,11 @@ class Group {
     ~Scope() {
       if (group_) (void)refit_group_exit(group_->get(), mode_);
     }
-    /// Exits now, throwing what refit_group_exit returned.
-    void close() { std::exchange(group_, nullptr)->exit(mode_); }
+    /// Exits now, throwing what refit_group_exit returned (INVALID_STATE when already closed).
+    void close() {
+      if (!group_) throw Error(REFIT_STATUS_INVALID_STATE, "this scope is already closed");
+      std::exchange(group_, nullptr)->exit(mode_);
+    }
 
    private:
     Group *group_;
@@ -229,7 +233,7 @@ class Group {
   template <typename Fn>
   void run(Fn &&fn) {
     struct Context {
-      Fn *fn;
+      std::remove_reference_t<Fn> *fn;
       std::mutex lock;
       std::exception_ptr first;
     } context{&fn, {}, nullptr};
