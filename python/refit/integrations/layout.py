@@ -10,7 +10,7 @@ for synthetic tables.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .._lib import invalid_argument
 from ..plan import Table
@@ -348,8 +348,3 @@ def _check_param(layout: ParamLayout, tensor: TensorLike, elem_size: int, dtype:
             raise invalid_argument(f"{layout.name} is not contiguous (strides {list(tensor.stride())})")
         expected *= size
 
-
-def iter_pieces(layouts: Iterable[ParamLayout]) -> Iterator[Tuple[ParamLayout, Piece]]:
-    for layout in layouts:
-        for piece in layout.pieces:
-            yield layout, piece
