@@ -14,6 +14,7 @@ pub mod kernels;
 pub mod logging;
 pub mod plan;
 pub mod segment;
+mod sync;
 pub mod transport;
 pub mod workloads;
 

@@ -39,6 +39,7 @@ use crate::group::Group;
 use crate::kernels::rendezvous::Rendezvous;
 use crate::kernels::{BatchedCopy, PreparedBatch};
 use crate::segment::Segment;
+use crate::sync::lock;
 use crate::transport::{Backend, BackendKind, Event, Stream};
 use cudarc::driver::sys::CUstream;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -196,7 +197,7 @@ impl Lanes {
 /// direct peer access or without libnvrtc, or one rank) still falls back to the copy engine.
 /// Errors: those of creating the group's allgather state (its events).
 pub fn set_method(group: &Group, method: Option<PeerMethod>) -> Result<()> {
-    *state(group)?.method.lock().unwrap_or_else(|p| p.into_inner()) = method;
+    *lock(&state(group)?.method) = method;
     Ok(())
 }
 
@@ -217,7 +218,7 @@ pub(super) fn method_for_state(group: &Group, state: &PeerState, mean_block: u64
     if !kernels_possible {
         return PeerMethod::CopyEnginePushes;
     }
-    if let Some(method) = *state.method.lock().unwrap_or_else(|p| p.into_inner()) {
+    if let Some(method) = *lock(&state.method) {
         return method;
     }
     if mean_block < COPY_ENGINE_FROM {
@@ -511,7 +512,7 @@ fn prepared(
     method: PeerMethod,
     build: impl Fn(usize) -> Result<PreparedBatch>,
 ) -> Result<Vec<Arc<PreparedBatch>>> {
-    let mut cached = state.prepared.lock().unwrap_or_else(|p| p.into_inner());
+    let mut cached = lock(&state.prepared);
     if let Some(hit) = cached.as_ref().filter(|c| c.matches(method, call)) {
         return Ok(hit.per_rank.clone());
     }

@@ -19,6 +19,7 @@ use super::{device_index, Backend, BackendKind, Event, PreparedCopy, Stream};
 use crate::error::{Error, Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
+use crate::sync::{lock, wait};
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
@@ -51,7 +52,7 @@ impl HostStream {
 
     /// Queues `work` to run after everything queued before it.
     pub fn enqueue(&self, work: impl FnOnce() + Send + 'static) -> Result<()> {
-        let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let queue = lock(&self.queue);
         match queue.as_ref() {
             Some(sender) => sender
                 .send(Box::new(work))
@@ -70,8 +71,8 @@ impl HostStream {
 
     /// Stops accepting work, lets queued work finish, and joins the worker.
     fn stop(&self) {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        lock(&self.queue).take();
+        let worker = lock(&self.worker).take();
         if let Some(worker) = worker {
             if worker.thread().id() != std::thread::current().id() {
                 let _ = worker.join();
@@ -99,26 +100,26 @@ impl HostEvent {
 
     fn record_on(self: &Arc<Self>, stream: &HostStream) -> Result<()> {
         let ticket = {
-            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut state = lock(&self.state);
             state.recorded += 1;
             state.recorded
         };
         let event = Arc::clone(self);
         stream.enqueue(move || {
-            let mut state = event.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut state = lock(&event.state);
             state.completed = state.completed.max(ticket);
             event.changed.notify_all();
         })
     }
 
     fn latest_record(&self) -> u64 {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).recorded
+        lock(&self.state).recorded
     }
 
     fn wait_for(&self, ticket: u64) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         while state.completed < ticket {
-            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+            state = wait(&self.changed, state);
         }
     }
 
@@ -151,26 +152,20 @@ fn new_id() -> u64 {
 fn register_stream(name: String) -> Result<Stream> {
     let stream = HostStream::start(name)?;
     let id = new_id();
-    registry().streams.lock().unwrap_or_else(|p| p.into_inner()).insert(id, stream);
+    lock(&registry().streams).insert(id, stream);
     Ok(Stream(id))
 }
 
 /// The host stream behind a handle.
 pub fn host_stream(stream: Stream) -> Result<Arc<HostStream>> {
-    registry()
-        .streams
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    lock(&registry().streams)
         .get(&stream.0)
         .cloned()
         .ok_or_else(|| Error::invalid_argument(format!("stream {:#x} is not a host stream", stream.0)))
 }
 
 fn host_event(event: Event) -> Result<Arc<HostEvent>> {
-    registry()
-        .events
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    lock(&registry().events)
         .get(&event.0)
         .cloned()
         .ok_or_else(|| Error::invalid_argument(format!("event {:#x} is not a host event", event.0)))
@@ -184,7 +179,7 @@ pub fn create_host_stream() -> Result<Stream> {
 
 /// Destroys a stream from [`create_host_stream`] after its queued work has run.
 pub fn destroy_host_stream(stream: Stream) -> Result<()> {
-    let removed = registry().streams.lock().unwrap_or_else(|p| p.into_inner()).remove(&stream.0);
+    let removed = lock(&registry().streams).remove(&stream.0);
     match removed {
         Some(stream) => {
             stream.stop();
@@ -268,12 +263,12 @@ impl Backend for HostBackend {
     fn create_event(&self, device: i32) -> Result<Event> {
         self.check_device(device)?;
         let id = new_id();
-        registry().events.lock().unwrap_or_else(|p| p.into_inner()).insert(id, HostEvent::new());
+        lock(&registry().events).insert(id, HostEvent::new());
         Ok(Event(id))
     }
 
     fn destroy_event(&self, _device: i32, event: Event) {
-        registry().events.lock().unwrap_or_else(|p| p.into_inner()).remove(&event.0);
+        lock(&registry().events).remove(&event.0);
     }
 
     fn record(&self, device: i32, event: Event, stream: Stream) -> Result<()> {
