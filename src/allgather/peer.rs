@@ -201,7 +201,8 @@ pub fn set_method(group: &Group, method: Option<PeerMethod>) -> Result<()> {
     Ok(())
 }
 
-/// The method for a call with this mean block size on `group`, as [`method_for_state`].
+/// The method for a call with this mean block size on `group`: the override ([`set_method`]) when
+/// set, else the size rule (see the module docs). Errors: those of creating the peer state.
 pub fn method_for(group: &Group, mean_block: u64) -> Result<PeerMethod> {
     let state = state(group)?;
     Ok(method_for_state(group, &state, mean_block))
