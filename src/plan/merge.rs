@@ -7,7 +7,7 @@
 //! [`sort_needs`] (canonical order).
 
 use super::boxes::{Boxed, Dims};
-use super::digest::{fnv1a, Fnv1a};
+use super::digest::{fnv1a, Words};
 use super::memory;
 use super::table::{Endpoint, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
@@ -112,14 +112,13 @@ impl Merged<'_> {
 }
 
 impl Merged<'_> {
-    /// A 64-bit digest (FNV-1a over little-endian fields) of everything planning reads, in
+    /// A 64-bit digest (see [`Words`]) of everything planning reads, in
     /// canonical order: equal for the same tables in any order, with their entries in any order,
     /// in any process; different when any description, offer or need differs.
     pub fn fingerprint(&self) -> u64 {
-        let mut h = Fnv1a::new();
+        let mut h = Words::new();
         h.u64(self.tensors.len() as u64);
         for spec in &self.tensors {
-            h.u64(spec.name.len() as u64);
             h.bytes(spec.name.as_bytes());
             h.u64(spec.dtype.into());
             h.u64(spec.elem_size.into());
