@@ -13,12 +13,15 @@ use refit::workloads::{
 use refit::workloads::{Spec, Vllm, Workload};
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::fmt::Write as _;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Instant;
 
-/// The system allocator, counting the bytes live and the most live since the last reset.
+/// The system allocator, counting the bytes live and the most live since the last reset while
+/// counting is on (off, it adds one relaxed load per call: the other sections' timings stay
+/// comparable with runs without it).
 pub struct Counting;
 
+static COUNTING: AtomicBool = AtomicBool::new(false);
 static LIVE: AtomicUsize = AtomicUsize::new(0);
 static PEAK: AtomicUsize = AtomicUsize::new(0);
 
@@ -26,7 +29,7 @@ static PEAK: AtomicUsize = AtomicUsize::new(0);
 unsafe impl GlobalAlloc for Counting {
     unsafe fn alloc(&self, layout: AllocLayout) -> *mut u8 {
         let p = System.alloc(layout);
-        if !p.is_null() {
+        if !p.is_null() && COUNTING.load(Ordering::Relaxed) {
             let live = LIVE.fetch_add(layout.size(), Ordering::Relaxed) + layout.size();
             PEAK.fetch_max(live, Ordering::Relaxed);
         }
@@ -34,11 +37,13 @@ unsafe impl GlobalAlloc for Counting {
     }
     unsafe fn dealloc(&self, p: *mut u8, layout: AllocLayout) {
         System.dealloc(p, layout);
-        LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        if COUNTING.load(Ordering::Relaxed) {
+            LIVE.fetch_sub(layout.size(), Ordering::Relaxed);
+        }
     }
     unsafe fn realloc(&self, p: *mut u8, layout: AllocLayout, new_size: usize) -> *mut u8 {
         let q = System.realloc(p, layout, new_size);
-        if !q.is_null() {
+        if !q.is_null() && COUNTING.load(Ordering::Relaxed) {
             if new_size >= layout.size() {
                 let live =
                     LIVE.fetch_add(new_size - layout.size(), Ordering::Relaxed) + new_size - layout.size();
@@ -51,12 +56,16 @@ unsafe impl GlobalAlloc for Counting {
     }
 }
 
-/// Runs `f` and returns its result and the most heap it held at once beyond what was live before.
+/// Runs `f` and returns its result and the most heap it held at once. Everything `f` allocates
+/// must be freed when it returns (frees of older blocks are not counted; they would make the
+/// count go below zero).
 fn peak_heap<T>(f: impl FnOnce() -> T) -> (T, usize) {
-    let before = LIVE.load(Ordering::Relaxed);
-    PEAK.store(before, Ordering::Relaxed);
+    LIVE.store(0, Ordering::Relaxed);
+    PEAK.store(0, Ordering::Relaxed);
+    COUNTING.store(true, Ordering::Relaxed);
     let out = f();
-    (out, PEAK.load(Ordering::Relaxed) - before)
+    COUNTING.store(false, Ordering::Relaxed);
+    (out, PEAK.load(Ordering::Relaxed))
 }
 
 /// Kimi-K2's shape as far as this refit goes: 61 layers of hidden 7168, 384 experts of
