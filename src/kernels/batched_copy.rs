@@ -285,6 +285,14 @@ pub unsafe fn copy_segments(
     result.and(freed)
 }
 
+/// What a verify of a prepared batch shares with it (see [`PreparedBatch::parts`]).
+pub(crate) struct BatchParts<'a> {
+    pub kernel: &'a Arc<BatchedCopy>,
+    pub launch: Launch,
+    pub descriptors: Option<&'a Arc<DeviceMemory>>,
+    pub tile_digests: Option<&'a Arc<DeviceMemory>>,
+}
+
 /// A batch whose descriptors (and tile split) live in device memory, launched any number of times.
 ///
 /// `launch` does no host work that grows with the batch (one `cuLaunchKernel`), allocates nothing,
@@ -364,10 +372,13 @@ impl PreparedBatch {
     }
 
     /// The batch's kernel, launch and device memory, for verifying it (`super::verify`).
-    pub(crate) fn parts(
-        &self,
-    ) -> (&Arc<BatchedCopy>, Launch, Option<&Arc<DeviceMemory>>, Option<&Arc<DeviceMemory>>) {
-        (&self.kernel, self.launch, self.descriptors.as_ref(), self.tile_digests.as_ref())
+    pub(crate) fn parts(&self) -> BatchParts<'_> {
+        BatchParts {
+            kernel: &self.kernel,
+            launch: self.launch,
+            descriptors: self.descriptors.as_ref(),
+            tile_digests: self.tile_digests.as_ref(),
+        }
     }
 
     /// Enqueues the batch on `stream` (a stream of this batch's device, NULL for its legacy default

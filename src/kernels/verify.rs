@@ -69,17 +69,17 @@ impl VerifyBatch {
     /// are the batch's segments (for the indices it reports). InvalidArgument when the batch does not
     /// record digests.
     pub fn check(batch: &PreparedBatch, segments: &[Segment]) -> Result<VerifyBatch> {
-        let (kernel, launch, descriptors, tile_digests) = batch.parts();
-        if launch.tiles > 0 && tile_digests.is_none() {
+        let parts = batch.parts();
+        if parts.launch.tiles > 0 && parts.tile_digests.is_none() {
             return Err(Error::invalid_argument(
                 "the batch does not record source digests (prepare it with record_source_digests)",
             ));
         }
         VerifyBatch::with_parts(
-            Arc::clone(kernel),
-            launch,
-            descriptors.cloned(),
-            tile_digests.cloned(),
+            Arc::clone(parts.kernel),
+            parts.launch,
+            parts.descriptors.cloned(),
+            parts.tile_digests.cloned(),
             segment_indices(segments),
         )
     }
