@@ -55,11 +55,12 @@ impl VerifyBatch {
     /// Errors as for [`PreparedBatch::new`].
     pub fn compare(device: i32, segments: &[Segment]) -> Result<VerifyBatch> {
         let batch = PreparedBatch::new(device, segments, false)?;
-        let (kernel, launch, descriptors, _) = batch.parts();
+        let parts = batch.parts();
+        let descriptors = parts.descriptors.cloned();
         VerifyBatch::with_parts(
-            Arc::clone(kernel),
-            launch,
-            descriptors.cloned(),
+            Arc::clone(parts.kernel),
+            parts.launch,
+            descriptors,
             None,
             segment_indices(segments),
         )
