@@ -17,6 +17,7 @@ pub mod kernels;
 pub mod logging;
 pub mod plan;
 pub mod segment;
+pub mod verify;
 pub mod workloads;
 
 pub use error::{Error, Result, Status};

@@ -291,6 +291,7 @@ pub(crate) struct BatchParts<'a> {
     pub launch: Launch,
     pub descriptors: Option<&'a Arc<DeviceMemory>>,
     pub tile_digests: Option<&'a Arc<DeviceMemory>>,
+    pub segment_of: Option<&'a Arc<Vec<usize>>>,
 }
 
 /// A batch whose descriptors (and tile split) live in device memory, launched any number of times.
@@ -308,8 +309,10 @@ pub struct PreparedBatch {
     launch: Launch,
     descriptors: Option<Arc<DeviceMemory>>,
     /// One word per tile: the digests of the source bytes each launch read (see
-    /// [`PreparedBatch::record_source_digests`]).
+    /// [`PreparedBatch::recording_digests`]).
     tile_digests: Option<Arc<DeviceMemory>>,
+    /// With `tile_digests`: the caller's index of each descriptor, when empty segments shift them.
+    segment_of: Option<Arc<Vec<usize>>>,
     bytes: u64,
 }
 
@@ -353,22 +356,31 @@ impl PreparedBatch {
             _ => Some(Arc::new(DeviceMemory::upload(kernel.context, layout.as_bytes())?)),
         };
         let launch = Launch::new(&layout, descriptors.as_ref().map_or(0, |d| d.ptr), blocks);
-        Ok(PreparedBatch { kernel, launch, descriptors, tile_digests: None, bytes: layout.bytes })
+        Ok(PreparedBatch {
+            kernel,
+            launch,
+            descriptors,
+            tile_digests: None,
+            segment_of: None,
+            bytes: layout.bytes,
+        })
     }
 
-    /// From now on every launch also records, for each tile (a piece of the batch of at most a few
-    /// KiB, see `layout`), a digest of the source bytes it read, in device memory owned by the batch
-    /// (8 bytes per tile): what [`super::verify::VerifyBatch::check`] compares the destinations with,
-    /// without reading the sources again. The digests come from the elements the copy holds in
-    /// registers, so they cost no extra memory traffic; the copy does more arithmetic per element
-    /// (benches/gpu_digest.rs measures what that costs).
-    pub fn record_source_digests(&mut self) -> Result<()> {
-        if self.tile_digests.is_none() && self.launch.tiles > 0 {
-            let bytes = usize::try_from(self.launch.tiles.saturating_mul(8))
+    /// As [`PreparedBatch::new`], and every launch also records, for each tile (a piece of the batch
+    /// of at most a few KiB, see `layout`), a digest of the source bytes it read, in device memory
+    /// owned by the batch (8 bytes per tile): what [`super::verify::VerifyBatch::check`] compares the
+    /// destinations with, without reading the sources again. The digests come from the elements the
+    /// copy holds in registers, so they cost no extra memory traffic, only arithmetic
+    /// (benches/gpu_digest.rs measures what that costs the copy).
+    pub fn recording_digests(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
+        let mut batch = PreparedBatch::new(device, segments, checked)?;
+        if batch.launch.tiles > 0 {
+            let bytes = usize::try_from(batch.launch.tiles.saturating_mul(8))
                 .map_err(|_| crate::error::Error::invalid_argument("too many tiles to record digests for"))?;
-            self.tile_digests = Some(Arc::new(DeviceMemory::alloc(self.kernel.context, bytes)?));
+            batch.tile_digests = Some(Arc::new(DeviceMemory::alloc(batch.kernel.context, bytes)?));
         }
-        Ok(())
+        batch.segment_of = super::verify::segment_indices(segments).map(Arc::new);
+        Ok(batch)
     }
 
     /// The batch's kernel, launch and device memory, for verifying it (`super::verify`).
@@ -378,6 +390,7 @@ impl PreparedBatch {
             launch: self.launch,
             descriptors: self.descriptors.as_ref(),
             tile_digests: self.tile_digests.as_ref(),
+            segment_of: self.segment_of.as_ref(),
         }
     }
 

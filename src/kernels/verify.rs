@@ -6,7 +6,7 @@
 //! - [`VerifyBatch::compare`]: read every source and destination byte and compare them. Exact; reads
 //!   twice what the copy reads.
 //! - [`VerifyBatch::check`]: for a [`PreparedBatch`] that records the digests of the source tiles it
-//!   reads ([`PreparedBatch::record_source_digests`]), read only the destinations, digest each tile
+//!   reads ([`PreparedBatch::recording_digests`]), read only the destinations, digest each tile
 //!   the same way, compare with the recorded digests. Reads half what `compare` reads; a difference is
 //!   missed only if it leaves a tile digest unchanged, which one changed element never does (chance
 //!   about 2^-64 otherwise).
@@ -38,11 +38,11 @@ pub struct VerifyBatch {
     first_bad: DeviceMemory,
     result: PinnedWord,
     /// The caller's segment index of each descriptor, when empty segments (which have none) shift them.
-    segment_of: Option<Vec<usize>>,
+    segment_of: Option<Arc<Vec<usize>>>,
 }
 
 /// The caller's index of each non-empty segment, or None when no segment is empty (indices agree).
-fn segment_indices(segments: &[Segment]) -> Option<Vec<usize>> {
+pub(crate) fn segment_indices(segments: &[Segment]) -> Option<Vec<usize>> {
     if segments.iter().all(|s| s.runs() > 0) {
         return None;
     }
@@ -62,18 +62,17 @@ impl VerifyBatch {
             parts.launch,
             descriptors,
             None,
-            segment_indices(segments),
+            segment_indices(segments).map(Arc::new),
         )
     }
 
-    /// A verify of `batch`'s destinations against the source digests its launches record. `segments`
-    /// are the batch's segments (for the indices it reports). InvalidArgument when the batch does not
-    /// record digests.
-    pub fn check(batch: &PreparedBatch, segments: &[Segment]) -> Result<VerifyBatch> {
+    /// A verify of `batch`'s destinations against the source digests its launches record (launch it
+    /// after each launch of the batch). InvalidArgument when the batch does not record digests.
+    pub fn check(batch: &PreparedBatch) -> Result<VerifyBatch> {
         let parts = batch.parts();
         if parts.launch.tiles > 0 && parts.tile_digests.is_none() {
             return Err(Error::invalid_argument(
-                "the batch does not record source digests (prepare it with record_source_digests)",
+                "the batch does not record source digests (prepare it with PreparedBatch::recording_digests)",
             ));
         }
         VerifyBatch::with_parts(
@@ -81,7 +80,7 @@ impl VerifyBatch {
             parts.launch,
             parts.descriptors.cloned(),
             parts.tile_digests.cloned(),
-            segment_indices(segments),
+            parts.segment_of.cloned(),
         )
     }
 
@@ -90,7 +89,7 @@ impl VerifyBatch {
         launch: Launch,
         descriptors: Option<Arc<DeviceMemory>>,
         tile_digests: Option<Arc<DeviceMemory>>,
-        segment_of: Option<Vec<usize>>,
+        segment_of: Option<Arc<Vec<usize>>>,
     ) -> Result<VerifyBatch> {
         let first_bad = DeviceMemory::alloc(kernel.context(), 8)?;
         let result = PinnedWord::new(kernel.context(), NO_RESULT)?;
