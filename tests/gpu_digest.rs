@@ -12,12 +12,11 @@ mod random_batch;
 use cuda::{ok, on, Buffer, Stream};
 use cudarc::driver::sys;
 use random_batch::{first_difference, random_batch, rebase, reference, Rng, Shape};
-use refit::backend::driver::check;
-use refit::copy::PreparedCopy;
 use refit::group::{BackendChoice, Group, GroupOptions};
 use refit::kernels::digest::DigestKernel;
 use refit::kernels::gf64;
-use refit::verify::PreparedVerify;
+use refit::transport::driver::check;
+use refit::transport::verify::PreparedVerify;
 
 const POISON: u8 = 0xCD;
 
@@ -72,12 +71,13 @@ fn a_group_digest_changes_with_one_device_byte() {
     let buffer = Buffer::new(0, host.len());
     buffer.upload(&host);
     let stream = group.stream(0).unwrap();
-    let digest = |addr, len| ok("digest", unsafe { refit::digest::digest(&group, 0, stream, addr, len) });
+    let digest =
+        |addr, len| ok("digest", unsafe { refit::transport::digest::digest(&group, 0, stream, addr, len) });
     let before = digest(buffer.ptr + 3, 1_000_000);
     assert_eq!(before, gf64::digest(&host[3..1_000_003]));
     poke(0, buffer.ptr + 500_000, host[500_000] ^ 1);
     assert_ne!(digest(buffer.ptr + 3, 1_000_000), before, "a flipped device bit went unnoticed");
-    let err = unsafe { refit::digest::digest(&group, 0, stream, 0, 8) }.unwrap_err();
+    let err = unsafe { refit::transport::digest::digest(&group, 0, stream, 0, 8) }.unwrap_err();
     assert_eq!(err.status, refit::Status::InvalidArgument);
 }
 
@@ -97,8 +97,8 @@ fn verify_case(seed: u64, shape: Shape) {
     let stream = group.stream(0).unwrap();
     let sync = || group.backend().sync_stream(0, stream).unwrap();
 
-    let copy = ok("prepare copy", PreparedCopy::recording_digests(&group, 0, &segments, true));
-    let check_verify = ok("verify for the copy", PreparedVerify::for_copy(&copy));
+    let copy = ok("prepare copy", group.backend().prepare_recording_batch(0, &segments, true));
+    let check_verify = ok("verify for the copy", PreparedVerify::for_copy(copy.as_ref()));
     let compare_verify = ok("verify by compare", PreparedVerify::new(&group, 0, &segments));
     ok("copy", unsafe { copy.launch(stream) });
     ok("check", unsafe { check_verify.launch(stream) });

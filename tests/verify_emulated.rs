@@ -10,7 +10,7 @@ mod emulator;
 mod random_batch;
 
 use random_batch::{first_difference, random_batch, rebase, reference, Rng, Shape};
-use refit::kernels::layout::Layout;
+use refit::kernels::layout::BatchLayout;
 use refit::Segment;
 use std::sync::OnceLock;
 
@@ -27,7 +27,7 @@ fn emulator() -> Verify {
 }
 
 /// Runs `mode` over `layout` on `blocks` blocks; returns the kernel's first bad descriptor index.
-fn run(mode: u32, layout: &Layout, group_shift: u32, blocks: u32, digests: &mut [u64]) -> u64 {
+fn run(mode: u32, layout: &BatchLayout, group_shift: u32, blocks: u32, digests: &mut [u64]) -> u64 {
     let mut first_bad = 0u64;
     // SAFETY: descriptors hold host addresses of live buffers; `digests` has one word per tile.
     unsafe {
@@ -66,7 +66,7 @@ fn verify_case(seed: u64, shape: Shape) {
     for group_shift in [3u32, 4, 5] {
         let mut dst = vec![0xCDu8; batch.dst_len];
         let segments = rebase(&batch.segments, src.as_ptr() as u64, dst.as_mut_ptr() as u64);
-        let layout = Layout::new(&segments).unwrap();
+        let layout = BatchLayout::new(&segments).unwrap();
         if layout.tiles == 0 {
             continue;
         }

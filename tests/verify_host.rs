@@ -3,12 +3,11 @@
 //! order (queued, not complete on return), resets after each outcome; `digest::digest` agrees with
 //! `gf64::digest`; bad inputs get their status.
 
-use refit::backend::host::host_stream;
-use refit::backend::Stream;
-use refit::copy::PreparedCopy;
 use refit::group::{BackendChoice, Group, GroupOptions};
 use refit::kernels::gf64;
-use refit::verify::PreparedVerify;
+use refit::transport::host::host_stream;
+use refit::transport::verify::PreparedVerify;
+use refit::transport::Stream;
 use refit::{Segment, Status};
 use std::time::Duration;
 
@@ -61,7 +60,7 @@ fn synced_outcome(group: &Group, verify: &PreparedVerify) -> Option<usize> {
 fn compare_finds_a_corrupted_byte_at_its_segment() {
     let group = group();
     let mut case = Case::new();
-    let copy = PreparedCopy::new(&group, 0, &case.segments, true).unwrap();
+    let copy = group.backend().prepare_batch(0, &case.segments, true).unwrap();
     let stream = group.stream(0).unwrap();
     unsafe { copy.launch(stream) }.unwrap();
     let verify = PreparedVerify::new(&group, 0, &case.segments).unwrap();
@@ -85,8 +84,8 @@ fn check_against_the_copys_digests_finds_a_corrupted_byte() {
     let group = group();
     let mut case = Case::new();
     let stream = group.stream(1).unwrap();
-    let copy = PreparedCopy::recording_digests(&group, 1, &case.segments, false).unwrap();
-    let verify = PreparedVerify::for_copy(&copy).unwrap();
+    let copy = group.backend().prepare_recording_batch(1, &case.segments, false).unwrap();
+    let verify = PreparedVerify::for_copy(copy.as_ref()).unwrap();
     unsafe { copy.launch(stream) }.unwrap();
     unsafe { verify.launch(stream) }.unwrap();
     group.backend().sync_stream(1, stream).unwrap();
@@ -96,10 +95,10 @@ fn check_against_the_copys_digests_finds_a_corrupted_byte() {
     group.backend().sync_stream(1, stream).unwrap();
     assert_eq!(verify.outcome().unwrap(), Some(3));
     // A copy that records nothing cannot be checked.
-    let plain = PreparedCopy::new(&group, 1, &case.segments, false).unwrap();
-    let err = PreparedVerify::for_copy(&plain).err().unwrap();
+    let plain = group.backend().prepare_batch(1, &case.segments, false).unwrap();
+    let err = PreparedVerify::for_copy(plain.as_ref()).err().unwrap();
     assert_eq!(err.status, Status::InvalidArgument);
-    assert!(err.message.contains("recording_digests"), "{}", err.message);
+    assert!(err.message.contains("prepare_recording_batch"), "{}", err.message);
 }
 
 #[test]
@@ -107,7 +106,7 @@ fn the_launch_is_queued_in_stream_order_and_the_outcome_resets() {
     let group = group();
     let mut case = Case::new();
     let stream = group.stream(0).unwrap();
-    unsafe { PreparedCopy::new(&group, 0, &case.segments, false).unwrap().launch(stream) }.unwrap();
+    unsafe { group.backend().prepare_batch(0, &case.segments, false).unwrap().launch(stream) }.unwrap();
     let verify = PreparedVerify::new(&group, 0, &case.segments).unwrap();
     assert_eq!(verify.outcome().unwrap_err().status, Status::InvalidState, "no launch yet");
     // Work queued before the verify corrupts a byte after a while: the verify must run after it.
@@ -148,9 +147,10 @@ fn digest_on_the_host_backend_is_the_reference_digest() {
     let bytes: Vec<u8> = (0..1000u32).map(|i| (i * 13 + 1) as u8).collect();
     for (offset, len) in [(0usize, 0usize), (0, 1000), (3, 500), (9, 17)] {
         let addr = bytes.as_ptr() as u64 + offset as u64;
-        let got = unsafe { refit::digest::digest(&group, 1, Stream::NULL, addr, len as u64) }.unwrap();
+        let got =
+            unsafe { refit::transport::digest::digest(&group, 1, Stream::NULL, addr, len as u64) }.unwrap();
         assert_eq!(got, gf64::digest(&bytes[offset..offset + len]));
     }
-    let err = unsafe { refit::digest::digest(&group, 0, Stream::NULL, 0, 4) }.unwrap_err();
+    let err = unsafe { refit::transport::digest::digest(&group, 0, Stream::NULL, 0, 4) }.unwrap_err();
     assert_eq!(err.status, Status::InvalidArgument);
 }

@@ -5,8 +5,8 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::{arg, boundary, out};
-use crate::backend::Stream;
 use crate::ffi::group::refit_group;
+use crate::transport::Stream;
 use std::ffi::c_void;
 
 /// Computes the refit digest of the `len` bytes at device address `addr` on `rank`'s device, on
@@ -52,7 +52,8 @@ pub extern "C" fn refit_digest(
         let group = unsafe { arg(group, "group") }?;
         // SAFETY: the caller's promise on the range and the stream, documented above.
         let stream = Stream::from_ptr(stream);
-        let value = unsafe { crate::digest::digest(&group.group, rank as usize, stream, addr, len) }?;
+        let value =
+            unsafe { crate::transport::digest::digest(&group.group, rank as usize, stream, addr, len) }?;
         slot.write(value);
         Ok(())
     })

@@ -3,8 +3,8 @@
 
 use super::barrier::AbortableBarrier;
 use super::spin::spin_while;
-use crate::backend::{Backend, Stream};
 use crate::error::{Error, Result, Status};
+use crate::transport::{Backend, Stream};
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -145,7 +145,7 @@ impl RankWorkers {
     pub fn start(
         group_id: u64,
         backend: Arc<dyn Backend>,
-        devices: &[usize],
+        devices: &[i32],
         streams: &[Stream],
         barrier: Arc<AbortableBarrier>,
     ) -> Result<RankWorkers> {
@@ -258,7 +258,7 @@ impl Drop for RankWorkers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::host::HostBackend;
+    use crate::transport::host::HostBackend;
     use std::sync::mpsc::sync_channel;
     use std::thread::ThreadId;
 
@@ -269,7 +269,7 @@ mod tests {
 
     fn workers(ranks: usize) -> RankWorkers {
         let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(ranks).unwrap());
-        let devices: Vec<usize> = (0..ranks).collect();
+        let devices: Vec<i32> = (0..ranks as i32).collect();
         let streams: Vec<Stream> = (0..ranks as u64).map(|r| Stream(100 + r)).collect();
         RankWorkers::start(7, backend, &devices, &streams, Arc::new(AbortableBarrier::new(ranks))).unwrap()
     }

@@ -1,15 +1,15 @@
 //! The batched copy on a CUDA device: the compiled kernel per device ([`BatchedCopy`]), a one-shot
 //! copy ([`copy_segments`]) and a batch uploaded once and launched many times ([`PreparedBatch`]).
 
-use super::check::{check_destinations, validate};
 use super::device_memory::DeviceMemory;
-use super::layout::Layout;
+use super::layout::BatchLayout;
 use super::module;
-use super::nvrtc::{self, Output};
 use super::rendezvous::RankRendezvous;
-use crate::backend::driver::{self, check, CurrentContext};
 use crate::error::{Result, Status};
+use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
+use crate::transport::driver::{self, check, CurrentContext};
+use crate::transport::nvrtc::{self, Output};
 use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -213,7 +213,7 @@ pub(crate) struct Launch {
 }
 
 impl Launch {
-    fn new(layout: &Layout, descriptors: u64, blocks: u32) -> Launch {
+    fn new(layout: &BatchLayout, descriptors: u64, blocks: u32) -> Launch {
         Launch {
             descriptors,
             segments: layout.segments(),
@@ -225,12 +225,12 @@ impl Launch {
     }
 }
 
-fn prepare(segments: &[Segment], checked: bool, tile_shift: u32) -> Result<Layout> {
+fn prepare(segments: &[Segment], checked: bool, tile_shift: u32) -> Result<BatchLayout> {
     validate(segments)?;
     if checked {
         check_destinations(segments)?;
     }
-    Layout::with_tile_shift(segments, tile_shift)
+    BatchLayout::with_tile_shift(segments, tile_shift)
 }
 
 /// Copies every segment in one kernel launch on `stream` (a CUstream of `device`'s primary context,
@@ -261,7 +261,7 @@ pub unsafe fn copy_segments(
     segments: &[Segment],
     checked: bool,
 ) -> Result<()> {
-    let layout = prepare(segments, checked, Layout::DEFAULT_TILE_SHIFT)?;
+    let layout = prepare(segments, checked, BatchLayout::DEFAULT_TILE_SHIFT)?;
     if layout.tiles == 0 {
         return Ok(());
     }
@@ -325,7 +325,7 @@ impl PreparedBatch {
     /// lays out and uploads the batch to `device`. Synchronous: returns once the descriptors are on the
     /// device. Errors as for [`copy_segments`].
     pub fn new(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
-        PreparedBatch::tuned(device, segments, checked, Layout::DEFAULT_TILE_SHIFT, 0)
+        PreparedBatch::tuned(device, segments, checked, BatchLayout::DEFAULT_TILE_SHIFT, 0)
     }
 
     /// As [`PreparedBatch::new`] with tiles of `2^tile_shift` bytes instead of the default and, unless
@@ -459,5 +459,16 @@ impl PreparedBatch {
     /// Tiles one launch runs, the blocks it launches, and the lanes copying each tile.
     pub fn geometry(&self) -> (u64, u32, u32) {
         (self.launch.tiles, self.launch.blocks, 1 << self.launch.group_shift)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_counts_departures_in_the_same_units_as_the_rendezvous() {
+        let define = format!("#define DEPARTURE_UNITS {}ull", super::super::rendezvous::DEPARTURE_UNITS);
+        assert!(SOURCE.contains(&define), "batched_copy.cu lacks `{define}`");
     }
 }

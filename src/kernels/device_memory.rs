@@ -1,8 +1,8 @@
 //! Memory the kernels' host code owns: device allocations freed on drop ([`DeviceMemory`]) and one
 //! page-locked host word that a stream copies a result into ([`PinnedWord`]).
 
-use crate::backend::driver::{check, CurrentContext};
 use crate::error::Result;
+use crate::transport::driver::{check, CurrentContext};
 use cudarc::driver::sys;
 
 /// `bytes` of device memory in `context`, freed with `cuMemFree` on drop: drop only once no queued

@@ -3,8 +3,8 @@
 
 use super::gf64;
 use super::module;
-use crate::backend::driver::{check, CurrentContext};
 use crate::error::{Error, Result};
+use crate::transport::driver::{check, CurrentContext};
 use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::c_void;

@@ -1,9 +1,9 @@
 //! Compiling a kernel source for one device and loading it into the device's primary context: shared
 //! by every kernel of the library (the batched copy, the digest).
 
-use super::nvrtc::{self, Output};
-use crate::backend::driver::{self, check, CurrentContext};
 use crate::error::{Error, Result, Status};
+use crate::transport::driver::{self, check, CurrentContext};
+use crate::transport::nvrtc::{self, Output};
 use cudarc::driver::sys;
 
 /// A module loaded into a device's primary context (retained for the life of the process, like the

@@ -14,9 +14,9 @@
 use super::batched_copy::{BatchedCopy, Entry, Launch};
 use super::device_memory::{DeviceMemory, PinnedWord};
 use super::PreparedBatch;
-use crate::backend::driver::{check, CurrentContext};
 use crate::error::{Error, Result};
 use crate::segment::Segment;
+use crate::transport::driver::{check, CurrentContext};
 use cudarc::driver::sys;
 use std::sync::Arc;
 

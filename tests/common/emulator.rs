@@ -3,7 +3,7 @@
 
 #![allow(dead_code)]
 
-use refit::backend::dynlib::Library;
+use refit::transport::dynlib::Library;
 use refit::Status;
 use std::path::PathBuf;
 use std::process::Command;
