@@ -508,7 +508,7 @@ pub unsafe extern "C" fn refit_plan_route(
 /// `tables` points to `count` pointers, each NULL or a live table.
 unsafe fn table_list<'a>(tables: *const *const refit_table, count: usize) -> Result<Vec<&'a plan::Table>> {
     let pointers = slice(tables, count, "tables")?;
-    let mut borrowed = Vec::with_capacity(pointers.len());
+    let mut borrowed = try_vec(pointers.len(), "the table list")?;
     for (i, &t) in pointers.iter().enumerate() {
         borrowed.push(arg(t, &format!("tables[{i}]"))?.table.table());
     }
