@@ -8,7 +8,8 @@
  *  - Outputs are written only on success. On failure a message describing the cause is kept per thread
  *    and read with refit_last_error_message(); successful calls leave it unchanged.
  *  - NULL for a required pointer argument returns REFIT_STATUS_NULL_ARGUMENT. No input crashes the process:
- *    a bug inside the library (a Rust panic) returns REFIT_STATUS_INTERNAL_ERROR instead.
+ *    a bug inside the library (a Rust panic) returns REFIT_STATUS_INTERNAL_ERROR instead, and memory
+ *    the library cannot allocate for the caller's arguments returns REFIT_STATUS_OUT_OF_MEMORY.
  *  - Streams are CUstream / cudaStream_t passed as void*; NULL means the legacy default stream of the
  *    device concerned. Device pointers are uint64_t; the library never owns caller memory.
  *  - Handles (refit_group*, refit_plan*, ...) are released by their *_destroy, which accepts NULL.
@@ -46,7 +47,8 @@
 #define REFIT_ALLGATHER_PEER 2
 
 /**
- * Staged through host memory, synchronous: a reference path and last resort.
+ * Staged through host memory (in parts of at most 8 MiB, whatever the counts), synchronous: a
+ * reference path and last resort.
  */
 #define REFIT_ALLGATHER_HOST 3
 
@@ -89,7 +91,7 @@
 #define REFIT_MAX_DIMS 8
 
 /**
- * Owner policy: the replica of the lowest (rank, device) serves each replica set.
+ * Owner policy: the replica of the lowest (process, device) serves each replica set.
  */
 #define REFIT_POLICY_FIRST 0
 
@@ -104,17 +106,17 @@
 #define REFIT_POLICY_BALANCED 2
 
 /**
- * Route kind: source and destination on the same rank and device.
+ * Route kind: source and destination in the same process, on the same device.
  */
 #define REFIT_ROUTE_LOCAL 0
 
 /**
- * Route kind: same rank, another device (a peer copy).
+ * Route kind: same process, another device (a peer copy).
  */
 #define REFIT_ROUTE_PEER 1
 
 /**
- * Route kind: another rank.
+ * Route kind: another process.
  */
 #define REFIT_ROUTE_REMOTE 2
 
@@ -265,8 +267,10 @@ typedef struct refit_plan refit_plan;
 typedef struct refit_prepared_copy refit_prepared_copy;
 
 /**
- * One rank's shard table: tensors, offers (what it publishes), needs (what it receives). Host memory
- * only; no table call touches a device or a stream.
+ * One process's shard table: tensors, offers (what it publishes), needs (what it receives). Host
+ * memory only; no table call touches a device or a stream. Wherever the plan API takes or gives a
+ * `rank`, it is a *process* index: a number the caller gives each OS process taking part in a
+ * refit (not a device, and not a member of a group); `device` is a CUDA ordinal in that process.
  *
  * Thread-safety: calls that change a table (refit_table_add_*) need it to themselves; calls that only
  * read it (refit_table_encoded_size, refit_table_encode, refit_plan_build) may share it between
@@ -346,26 +350,28 @@ typedef struct {
    */
   uint32_t policy;
   /**
-   * Join segments across boxes and tensors (default true; false only for A/B checks).
+   * 1: join segments across boxes and tensors (default); 0: do not (only for A/B checks). Any
+   * other value is INVALID_ARGUMENT.
    */
-  bool coalesce;
+  uint8_t coalesce;
 } refit_plan_options;
 
 /**
- * Counts of a plan or of one receiver's part of it. Before the call set `size` to
- * sizeof(refit_plan_stats). "Ranges" are contiguous runs; "segments" are strided refit_segments.
+ * Counts of a plan or of one receiver's part of it. Before a call that fills it, C callers set
+ * `size` to sizeof(refit_plan_stats). "Ranges" are contiguous runs; "segments" are strided
+ * refit_segments (what executors move).
  */
 typedef struct {
   /**
-   * sizeof(refit_plan_stats) as the caller knows it.
+   * sizeof(refit_plan_stats) as the caller knows it (Rust: always the full size).
    */
   size_t size;
   /**
-   * Offers in all tables.
+   * Offers in all tables (for a receiver: the same, the input is shared).
    */
   uint64_t offers_in;
   /**
-   * Offers chosen to serve at least one range.
+   * Offers chosen to serve at least one range (for a receiver: one of its ranges).
    */
   uint64_t offers_kept;
   /**
@@ -389,7 +395,7 @@ typedef struct {
    */
   uint64_t bytes_all_replicas;
   /**
-   * bytes_all_replicas - needed_bytes.
+   * bytes_all_replicas - needed_bytes: bytes that one owner per replica saves.
    */
   uint64_t duplicate_bytes_dropped;
   /**
@@ -401,7 +407,7 @@ typedef struct {
    */
   uint64_t segments_deduped;
   /**
-   * Strided segments in the plan.
+   * Strided segments in the plan (after coalescing, when enabled).
    */
   uint64_t ranges_coalesced;
   /**
@@ -413,11 +419,11 @@ typedef struct {
    */
   uint64_t bytes_local;
   /**
-   * Bytes from another device of the same rank.
+   * Bytes from another device of the same process (NVLink peer copies).
    */
   uint64_t bytes_peer;
   /**
-   * Bytes from another rank.
+   * Bytes from another process.
    */
   uint64_t bytes_remote;
   /**
@@ -429,7 +435,7 @@ typedef struct {
    */
   uint64_t size_histogram[64];
   /**
-   * Wall time of the build, nanoseconds.
+   * Wall time of the build, nanoseconds (a receiver's stats carry the whole build's time).
    */
   uint64_t build_ns;
 } refit_plan_stats;
@@ -443,9 +449,21 @@ typedef struct {
    * sizeof(refit_route_info) as the caller knows it.
    */
   size_t size;
+  /**
+   * Source process index (as passed to refit_table_add_offer's `rank`).
+   */
   uint32_t src_rank;
+  /**
+   * Source device ordinal within that process.
+   */
   uint32_t src_device;
+  /**
+   * Destination process index (as passed to refit_table_add_need's `rank`).
+   */
   uint32_t dst_rank;
+  /**
+   * Destination device ordinal within that process.
+   */
   uint32_t dst_device;
   /**
    * REFIT_ROUTE_LOCAL, REFIT_ROUTE_PEER or REFIT_ROUTE_REMOTE.
@@ -504,7 +522,7 @@ extern "C" {
  * Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
  * overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
  * receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
- * CUDA_ERROR, INVALID_STATE (called from a rank callback).
+ * CUDA_ERROR, INVALID_STATE (called from a rank callback), OUT_OF_MEMORY.
  */
 refit_status refit_allgather(refit_group *group,
                              const uint64_t *send,
@@ -553,7 +571,7 @@ refit_status refit_group_allgather_rank(refit_group *group,
  * size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
  * address, on the host backend a stream that is not a host stream), OVERLAP (REFIT_COPY_CHECKED and
  * two destination runs share a byte), UNSUPPORTED (checked mode over more interleaved runs than it
- * expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
+ * visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
  * first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
  */
 refit_status refit_copy_batch(const refit_group *group,
@@ -741,7 +759,8 @@ void refit_table_destroy(refit_table *table);
 /**
  * Adds a tensor: `name` (NUL-terminated UTF-8), a caller-defined `dtype` code, `elem_size` bytes per
  * element, and its global `shape` of `ndim` dimensions. Writes its index in this table to `*index`.
- * Adding a name again returns the same index when the description agrees.
+ * Adding a name again returns the same index when the description agrees. Names are found by
+ * hashing: adding n tensors costs O(n).
  *
  * Not thread-safe for the same table. Errors: NULL_ARGUMENT (table, name, index; shape when
  * ndim > 0), INVALID_ARGUMENT (empty or
@@ -760,7 +779,7 @@ refit_status refit_table_add_tensor(refit_table *table,
                                     uint32_t *index);
 
 /**
- * Adds an offer: this rank (`rank`, `device`) holds the box `offset`/`extent` (`ndim` values each,
+ * Adds an offer: process `rank`'s device `device` holds the box `offset`/`extent` (`ndim` values each,
  * global coordinates) of tensor `tensor` (an index from refit_table_add_tensor) at device address
  * `addr`, laid out with element `strides` (NULL: row-major over `extent`), with an optional
  * `digest` of its bytes (NULL: none). Offers of the same box are replicas.
@@ -785,7 +804,7 @@ refit_status refit_table_add_offer(refit_table *table,
                                    const uint64_t *digest);
 
 /**
- * Adds a need: receiver (`rank`, `device`) wants the box `offset`/`extent` (`ndim` values each,
+ * Adds a need: process `rank`'s device `device` wants the box `offset`/`extent` (`ndim` values each,
  * global coordinates) of tensor `tensor` written at device address `addr` with destination element
  * `strides` (one per destination dimension). Destination dimension d is tensor dimension `perm[d]`
  * (`perm` NULL: the identity), so a transposed destination is a permutation. Several needs may
@@ -836,7 +855,7 @@ refit_status refit_table_encode(const refit_table *table,
                                 size_t *written);
 
 /**
- * Decodes `len` bytes written by refit_table_encode (on any rank) into a new table in `*table`.
+ * Decodes `len` bytes written by refit_table_encode (in any process) into a new table in `*table`.
  * Untrusted bytes are safe: truncated, corrupted or hostile input returns a status. Thread-safe.
  *
  * Errors: NULL_ARGUMENT (table; bytes when len > 0), DECODE_ERROR (not a table, checksum mismatch,
@@ -856,15 +875,18 @@ refit_status refit_plan_options_init(refit_plan_options *options);
 /**
  * Builds the plan that moves every byte the tables' needs ask for exactly once, from one owner per
  * replica set, as the fewest strided segments; writes it to `*plan`. `tables` holds `count` tables
- * (every rank's, in any order: the plan is the same). `options` NULL means the defaults. Runs on
+ * (every process's, in any order: the plan is the same). `options` NULL means the defaults. Runs on
  * the calling thread; touches no device.
  *
- * Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_ARGUMENT (options.size
- * or policy out of range; bad entries of decoded tables), TENSOR_MISMATCH (a tensor described
+ * Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_ARGUMENT (options.size,
+ * policy or coalesce out of range; bad entries of decoded tables), TENSOR_MISMATCH (a tensor described
  * differently by two tables: the message names it and both values), REPLICA_MISMATCH (replicas
  * with different digests), COVERAGE_GAP (the message names the first region no offer covers),
- * OVERLAP (two destination bytes written twice), OUT_OF_MEMORY / UNSUPPORTED (pathological tables
- * beyond the planner's limits).
+ * OVERLAP (two destination bytes written twice), OUT_OF_MEMORY (the plan does not fit in memory,
+ * or needs more segments than the planner's limit), UNSUPPORTED (pathological tables beyond the
+ * planner's other limits: pieces of overlapping offers, runs compared for overlaps, box tests; the
+ * message names the limit). Planning costs O(n log n) in the entries of the tables plus the
+ * segments it produces.
  *
  * # Safety
  * `tables` points to `count` live tables not modified during the call.
@@ -892,7 +914,7 @@ void refit_plan_destroy(refit_plan *plan);
 refit_status refit_plan_get_stats(const refit_plan *plan, refit_plan_stats *stats);
 
 /**
- * Writes the counts of receiver (`rank`, `device`)'s needs and the routes into it to `*stats` (zero
+ * Writes the counts of receiver (process `rank`, `device`)'s needs and the routes into it to `*stats` (zero
  * but the shared input counts when that endpoint needs nothing); set stats->size first.
  * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
  *
@@ -906,7 +928,7 @@ refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
 
 /**
  * Writes the plan's fingerprint to `*fingerprint`: equal for the same tables in any order, in any
- * process; ranks compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
+ * process; processes compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
  *
  * # Safety
  * `plan` is a live plan.

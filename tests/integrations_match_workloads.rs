@@ -8,7 +8,7 @@
 mod cdylib;
 
 use refit::plan::Endpoint;
-use refit_workloads::{Catalog, Megatron, Model, Moe, Param, Vllm};
+use refit_workloads::{CheckpointTensors, Megatron, Model, Moe, Param, Vllm};
 use std::io::Write;
 use std::path::Path;
 use std::process::{Command, Stdio};
@@ -32,10 +32,10 @@ fn model(moe: bool) -> Model {
 }
 
 fn endpoints(n: u32) -> Vec<Endpoint> {
-    (0..n).map(|rank| Endpoint { rank, device: 0 }).collect()
+    (0..n).map(|process| Endpoint { process, device: 0 }).collect()
 }
 
-fn json_line(side: &str, case: &str, catalog: &Catalog, m: &Model, p: &Param) -> String {
+fn json_line(side: &str, case: &str, catalog: &CheckpointTensors, m: &Model, p: &Param) -> String {
     let pieces: Vec<String> = p
         .pieces
         .iter()
@@ -51,7 +51,7 @@ fn json_line(side: &str, case: &str, catalog: &Catalog, m: &Model, p: &Param) ->
         .collect();
     format!(
         "{{\"case\":\"{case}\",\"side\":\"{side}\",\"rank\":{},\"name\":\"{}\",\"bytes\":{},\"elem_size\":{},\"pieces\":[{}]}}",
-        p.endpoint.rank,
+        p.endpoint.process,
         p.name,
         p.bytes,
         m.elem_size,
@@ -69,7 +69,7 @@ fn python_layouts_match_the_rust_generator() {
     let dense = [("dense_tp2_dp2", false, 4, 2, 1, true, 2), ("dense_tp1", false, 1, 1, 1, true, 1)];
     for (case, moe, ranks, tp, ep, grouped, vllm_tp) in cases.into_iter().chain(dense) {
         let m = model(moe);
-        let catalog = Catalog::new(&m);
+        let catalog = CheckpointTensors::new(&m);
         let publishers = Megatron { endpoints: endpoints(ranks), tp, ep, grouped_experts: grouped };
         for p in publishers.params(&m, &catalog).expect("valid Megatron spec") {
             lines.push(json_line("megatron", case, &catalog, &m, &p));

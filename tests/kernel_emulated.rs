@@ -8,7 +8,7 @@
 mod random_batch;
 
 use random_batch::{first_difference, random_batch, rebase, reference, Rng, Shape};
-use refit::kernels::layout::Layout;
+use refit::kernels::layout::BatchLayout;
 use refit::segment::check::validate;
 use refit::transport::dynlib::Library;
 use refit::{Segment, Status};
@@ -50,7 +50,7 @@ const GROUP_SHIFTS: [u32; 3] = [3, 4, 5];
 /// `blocks` blocks of 256 threads and `2^group_shift` lanes per tile.
 fn emulate(segments: &[Segment], blocks: u32, tile_shift: u32, group_shift: u32) {
     validate(segments).unwrap();
-    let layout = Layout::with_tile_shift(segments, tile_shift).unwrap();
+    let layout = BatchLayout::with_tile_shift(segments, tile_shift).unwrap();
     if layout.tiles == 0 {
         return;
     }
@@ -69,7 +69,7 @@ fn emulate(segments: &[Segment], blocks: u32, tile_shift: u32, group_shift: u32)
 }
 
 fn run(seed: u64, shape: Shape, blocks: u32) {
-    run_with_tile(seed, shape, blocks, Layout::default_tile_shift());
+    run_with_tile(seed, shape, blocks, BatchLayout::default_tile_shift());
 }
 
 fn run_with_tile(seed: u64, shape: Shape, blocks: u32, tile_shift: u32) {
@@ -166,7 +166,7 @@ fn aligned_rows_take_the_row_spread_path() {
             let mut dst_words = vec![0xCDCD_CDCD_CDCD_CDCD_CDCD_CDCD_CDCD_CDCDu128; dst_words_len];
             let got = as_bytes(&mut dst_words);
             let segments = rebase(&[segment], src_ptr, got.as_mut_ptr() as u64);
-            emulate(&segments, 3, Layout::default_tile_shift(), group_shift);
+            emulate(&segments, 3, BatchLayout::default_tile_shift(), group_shift);
             if let Some((at, g, w)) = first_difference(got, &want) {
                 panic!(
                     "{segment:?}, 2^{group_shift} lanes: destination byte {at} is {g:#x}, expected {w:#x}"

@@ -188,7 +188,7 @@ class GroupOptions(ctypes.Structure):
 class PlanOptions(ctypes.Structure):
     """refit_plan_options."""
 
-    _fields_ = [("size", c_size_t), ("policy", c_uint32), ("coalesce", c_bool)]
+    _fields_ = [("size", c_size_t), ("policy", c_uint32), ("coalesce", c_uint8)]
 
 
 class PlanStatsStruct(ctypes.Structure):

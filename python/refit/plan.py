@@ -205,7 +205,7 @@ class Plan(Handle):
         options = PlanOptions()
         check(lib.refit_plan_options_init(byref(options)))
         options.policy = check_range(policy, 32, "policy")
-        options.coalesce = bool(coalesce)
+        options.coalesce = 1 if coalesce else 0
         pointer = c_void_p()
         check(lib.refit_plan_build(pointers, len(handles), byref(options), byref(pointer)))
         return cls(pointer.value)

@@ -70,7 +70,7 @@ pub const COPY_ENGINE_FROM: u64 = 32 << 20;
 /// the group after its streams have drained.
 pub(super) struct PeerState {
     backend: Arc<dyn Backend>,
-    devices: Vec<usize>,
+    devices: Vec<i32>,
     /// Recorded on rank r's stream before an allgather touches its buffers: its earlier work is done,
     /// so peers may read its send buffer and write its receive buffer.
     ready: Vec<Event>,
@@ -119,13 +119,7 @@ impl PeerState {
 
     /// The rendezvous flags, created on first use (CUDA backend only).
     pub(super) fn rendezvous(&self) -> Result<&Rendezvous> {
-        self.rendezvous
-            .get_or_init(|| {
-                let devices: Vec<i32> = self.devices.iter().map(|&d| d as i32).collect();
-                Rendezvous::new(&devices)
-            })
-            .as_ref()
-            .map_err(Clone::clone)
+        self.rendezvous.get_or_init(|| Rendezvous::new(&self.devices)).as_ref().map_err(Clone::clone)
     }
 
     /// The lanes, created on first use: `size - 1` extra streams per rank (none for a single rank) and
@@ -161,7 +155,7 @@ struct Lanes {
 
 impl Lanes {
     /// `size - 1` lanes per device, each with its event; on failure, what was made is destroyed.
-    fn create(backend: &dyn Backend, devices: &[usize]) -> Result<Lanes> {
+    fn create(backend: &dyn Backend, devices: &[i32]) -> Result<Lanes> {
         let mut made = Lanes { streams: Vec::new(), joined: Vec::new() };
         let created = (|| -> Result<()> {
             for &device in devices {
@@ -183,7 +177,7 @@ impl Lanes {
         }
     }
 
-    fn destroy(&self, backend: &dyn Backend, devices: &[usize]) {
+    fn destroy(&self, backend: &dyn Backend, devices: &[i32]) {
         for (r, streams) in self.streams.iter().enumerate() {
             for &stream in streams {
                 backend.destroy_stream(devices[r], stream);
@@ -247,7 +241,7 @@ fn kernels_run_state(group: &Group, state: &PeerState) -> bool {
         if group.backend_kind() != BackendKind::Cuda {
             return true;
         }
-        let loaded = group.devices().iter().try_for_each(|&d| BatchedCopy::for_device(d as i32).map(drop));
+        let loaded = group.devices().iter().try_for_each(|&d| BatchedCopy::for_device(d).map(drop));
         if let Err(err) = &loaded {
             log::warn!("peer allgather: copy engine only, refit's kernel is unavailable: {err}");
         }
@@ -396,7 +390,7 @@ unsafe fn launch_or_release(
 fn push_batch(group: &Group, call: &Gather, p: usize) -> Result<PreparedBatch> {
     let segments = rank_pushes(call, p);
     let bytes = segments.iter().map(|s| s.len).sum();
-    PreparedBatch::tuned(group.devices()[p] as i32, &segments, false, peer_tile_shift(bytes), 0)
+    PreparedBatch::tuned(group.devices()[p], &segments, false, peer_tile_shift(bytes), 0)
 }
 
 /// Rank `p`'s kernel pushes ordered by events (the host backend, whose "kernels" are queued copies):
@@ -480,7 +474,7 @@ fn own_block_batches(
     }
     prepared(group, state, call, PeerMethod::CopyEnginePushes, |p| {
         let own: Vec<Segment> = call.block_into(p, p).into_iter().collect();
-        let mut batch = PreparedBatch::new(group.devices()[p] as i32, &own, false)?;
+        let mut batch = PreparedBatch::new(group.devices()[p], &own, false)?;
         batch.limit_blocks(OWN_COPY_BLOCKS);
         Ok(batch)
     })
@@ -616,8 +610,8 @@ mod tests {
     #[test]
     fn method_by_block_size_unless_overridden_and_copy_engine_for_one_rank() {
         use crate::group::{BackendChoice, GroupOptions};
-        let host = |n: i64| {
-            let devices: Vec<i64> = (0..n).collect();
+        let host = |n: i32| {
+            let devices: Vec<i32> = (0..n).collect();
             Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
         };
         let (one, two) = (host(1), host(2));

@@ -19,7 +19,8 @@ pub const REFIT_ALLGATHER_NCCL: u32 = 1;
 /// always use copy-engine copies (staged by the driver), and so does every group when the kernel cannot
 /// be built (no libnvrtc; logged once per group as a warning).
 pub const REFIT_ALLGATHER_PEER: u32 = 2;
-/// Staged through host memory, synchronous: a reference path and last resort.
+/// Staged through host memory (in parts of at most 8 MiB, whatever the counts), synchronous: a
+/// reference path and last resort.
 pub const REFIT_ALLGATHER_HOST: u32 = 3;
 
 fn write_pick(picked: *mut u32, algorithm: Algorithm) {
@@ -62,7 +63,7 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
 /// overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
 /// receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
-/// CUDA_ERROR, INVALID_STATE (called from a rank callback).
+/// CUDA_ERROR, INVALID_STATE (called from a rank callback), OUT_OF_MEMORY.
 #[no_mangle]
 pub extern "C" fn refit_allgather(
     group: *mut refit_group,

@@ -106,8 +106,7 @@ pub extern "C" fn refit_group_create(
         // SAFETY: `devices` points to `n` ints (the caller's promise).
         let devices = unsafe { slice(devices, n, "devices") }?;
         let options = convert_options(options)?;
-        let devices: Vec<i64> = devices.iter().map(|&d| d as i64).collect();
-        let created = Group::new(&devices, options)?;
+        let created = Group::new(devices, options)?;
         slot.write(Box::into_raw(Box::new(refit_group { group: created })));
         Ok(())
     })
@@ -140,7 +139,7 @@ pub extern "C" fn refit_group_device(group: *const refit_group, rank: u32, devic
     boundary("refit_group_device", || {
         let slot = out(device, "device")?;
         // SAFETY: a live handle.
-        slot.write(unsafe { arg(group, "group") }?.group.device(rank as usize)? as i32);
+        slot.write(unsafe { arg(group, "group") }?.group.device(rank as usize)?);
         Ok(())
     })
 }

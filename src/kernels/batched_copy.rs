@@ -1,7 +1,7 @@
 //! The batched copy on a CUDA device: the compiled kernel per device ([`BatchedCopy`]), a one-shot
 //! copy ([`copy_segments`]) and a batch uploaded once and launched many times ([`PreparedBatch`]).
 
-use super::layout::Layout;
+use super::layout::BatchLayout;
 use super::rendezvous::RankRendezvous;
 use crate::error::{Error, Result, Status};
 use crate::segment::check::{check_destinations, validate};
@@ -193,7 +193,7 @@ struct Launch {
 }
 
 impl Launch {
-    fn new(layout: &Layout, descriptors: u64, blocks: u32) -> Launch {
+    fn new(layout: &BatchLayout, descriptors: u64, blocks: u32) -> Launch {
         Launch {
             descriptors,
             segments: layout.segments(),
@@ -220,12 +220,12 @@ fn load_module(image: &[u8]) -> Result<sys::CUmodule> {
     Ok(module)
 }
 
-fn prepare(segments: &[Segment], checked: bool, tile_shift: u32) -> Result<Layout> {
+fn prepare(segments: &[Segment], checked: bool, tile_shift: u32) -> Result<BatchLayout> {
     validate(segments)?;
     if checked {
         check_destinations(segments)?;
     }
-    Layout::with_tile_shift(segments, tile_shift)
+    BatchLayout::with_tile_shift(segments, tile_shift)
 }
 
 /// Copies every segment in one kernel launch on `stream` (a CUstream of `device`'s primary context,
@@ -256,7 +256,7 @@ pub unsafe fn copy_segments(
     segments: &[Segment],
     checked: bool,
 ) -> Result<()> {
-    let layout = prepare(segments, checked, Layout::DEFAULT_TILE_SHIFT)?;
+    let layout = prepare(segments, checked, BatchLayout::DEFAULT_TILE_SHIFT)?;
     if layout.tiles == 0 {
         return Ok(());
     }
@@ -306,7 +306,7 @@ impl PreparedBatch {
     /// lays out and uploads the batch to `device`. Synchronous: returns once the descriptors are on the
     /// device. Errors as for [`copy_segments`].
     pub fn new(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
-        PreparedBatch::tuned(device, segments, checked, Layout::DEFAULT_TILE_SHIFT, 0)
+        PreparedBatch::tuned(device, segments, checked, BatchLayout::DEFAULT_TILE_SHIFT, 0)
     }
 
     /// As [`PreparedBatch::new`] with tiles of `2^tile_shift` bytes instead of the default and, unless
