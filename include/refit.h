@@ -245,7 +245,8 @@ typedef enum {
  * A device group: one rank per device, each with its own non-blocking stream created once, and one
  * persistent thread per rank, started at the first call that needs them (refit_group_run, a PEER
  * allgather). After each such call a rank thread spins for up to 50 us waiting for the
- * next before it sleeps: a loop of calls then costs no thread wake-ups (several microseconds each).
+ * next before it sleeps: a loop of calls then costs no thread wake-ups (each a system call and a
+ * context switch).
  *
  * Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
  * rank callbacks may call refit_group_allgather_rank and the query functions concurrently.
@@ -498,9 +499,10 @@ extern "C" {
  * NULL, receives the algorithm that ran.
  *
  * AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
- * access (on 2 x H200, PEER moved 1.34-1.73x what NCCL's allgather moved from 1 MiB to 1 GiB per
- * rank and took at most half its host time per call; below 1 MiB NCCL's GPU time is up to 13%
- * shorter, see NOTES.md); otherwise NCCL when it loads, else PEER.
+ * access (there PEER moves more than NCCL's allgather from 1 MiB per rank and takes less host time
+ * per call; below 1 MiB NCCL's GPU time is shorter, but a call in a loop costs the larger of its
+ * host and GPU times: benches/gpu_allgather.rs, figures in docs/measurements.md); otherwise NCCL
+ * when it loads, else PEER.
  *
  * PEER issues every rank's launches and copies at once: the calling thread issues rank 0's, and each
  * other rank's are issued by that rank's thread when it is awake (within 50 us of the group's
@@ -536,8 +538,8 @@ refit_status refit_allgather(refit_group *group,
  * `rank`, `send` (counts[rank] bytes) and `recv` (sum(counts) bytes) and the same `counts` (all
  * refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return);
  * once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
- * share of refit_allgather's PEER, with the same methods: in a loop on 2 x H200 a call cost 7.6 us
- * at 256 B per rank and 195 us at 64 MiB, against 12.6 and 294 us for NCCL called per rank.
+ * share of refit_allgather's PEER, with the same methods, and costs what a whole-group call costs
+ * (benches/gpu_allgather.rs, loop of calls, against NCCL called per rank).
  * Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
  * fails first, this returns ABORTED instead of waiting forever.
  *
@@ -614,6 +616,43 @@ refit_status refit_copy_batch_launch(const refit_prepared_copy *batch,
  * only when no launch of the batch (or a graph replaying one) can still run.
  */
 void refit_copy_batch_destroy(refit_prepared_copy *batch);
+
+/**
+ * Computes the refit digest of the `len` bytes at device address `addr` on `rank`'s device, on
+ * `stream` (a stream of that device; NULL: its legacy default stream), and writes it to `*digest`.
+ * Publishers pass it to refit_table_add_offer, so that replicas of a box are compared without
+ * reading weights back to the host.
+ *
+ * The digest: read the bytes as a polynomial over GF(2) whose coefficient of x^k is bit k%8 of byte
+ * k/8, add x^(8 len) (a 1 bit just past the last byte), and reduce modulo
+ * g(x) = x^64 + 0x41aa24523c3d140f (bit i: x^i); bit i of the result is the coefficient of x^i. It is
+ * a CRC with a primitive polynomial: the same bytes give the same digest at any address and
+ * alignment, and of two buffers of the same length, the digests always differ when they differ by a
+ * single flipped bit, by two flipped bits, by any change within 64 consecutive bits (one 8-byte word
+ * at any offset), or by two swapped 8-byte words that differ, at any offsets; and when one has extra
+ * trailing zero bytes. Any other difference goes unnoticed only if g divides it: about one chance in
+ * 2^64 for corruption. It is not cryptographic: digests can be forged on purpose. The digest of 0
+ * bytes is 1.
+ *
+ * Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
+ * stream to reach it (CUDA: one kernel, one 8-byte copy, cuStreamSynchronize) and then returns, so the
+ * bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass;
+ * the first call on a device compiles the kernel.
+ *
+ * Thread-safety: may be called from any thread, concurrently with other calls.
+ *
+ * Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size, addr 0 with
+ * len > 0, a range running past the end of the 64-bit address space, on the host backend a stream
+ * that is not a host stream), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be
+ * compiled or loaded at first use on the device), CUDA_ERROR (e.g. a stream of another device, an
+ * address the device cannot read). `*digest` is written only on success.
+ */
+refit_status refit_digest(const refit_group *group,
+                          uint32_t rank,
+                          uint64_t addr,
+                          uint64_t len,
+                          void *stream,
+                          uint64_t *digest);
 
 /**
  * Fills `options` with the defaults (AUTO backend) and sets options->size.

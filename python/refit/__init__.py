@@ -32,6 +32,7 @@ from ._lib import (
     version,
 )
 from .copy import PreparedCopy
+from .digest import digest
 from .group import Group, HostStream
 from .plan import Plan, PlanStats, Route, Table
 from .segment import Segment
@@ -57,6 +58,7 @@ __all__ = [
     "Status",
     "Table",
     "abi_version",
+    "digest",
     "last_error_message",
     "lib",
     "set_log_callback",

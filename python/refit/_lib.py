@@ -274,6 +274,7 @@ FUNCTIONS = {
     ),
     "refit_copy_batch_launch": (status_t, [_handle, c_void_p]),
     "refit_copy_batch_destroy": (None, [_handle]),
+    "refit_digest": (status_t, [_handle, c_uint32, c_uint64, c_uint64, c_void_p, _u64p]),
     "refit_group_options_init": (status_t, [POINTER(GroupOptions)]),
     "refit_group_create": (
         status_t,

@@ -28,6 +28,7 @@ from ._lib import (
     u64_array,
 )
 from .copy import PreparedCopy, copy_batch
+from .digest import digest
 from .segment import SegmentLike
 
 
@@ -254,6 +255,15 @@ class Group(Handle):
         """A PreparedCopy of `segments` for `rank`'s device, to launch() many times. The caller owns
         it (close it, or use `with`); it does not keep the group alive."""
         return PreparedCopy(self, rank, segments, checked)
+
+    # --- digests ---
+
+    def digest(self, rank: int, addr: int, length: int, stream: object = None) -> int:
+        """The refit digest (an int, 64 bits) of the `length` bytes at `addr` on `rank`'s device,
+        computed on `stream` (None: the device's legacy default stream) after the work queued there;
+        waits for it (refit_digest: the header defines the digest and what it detects). The value to
+        pass as refit_table_add_offer's digest. Any thread."""
+        return digest(self, rank, addr, length, stream)
 
     def _counts(self, counts: Sequence[int]) -> ctypes.Array[c_size_t]:
         counts = [check_range(count, 8 * ctypes.sizeof(c_size_t), "counts[i]") for count in counts]

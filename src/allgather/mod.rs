@@ -22,7 +22,7 @@
 //! `Auto` rule: the host backend, a single rank, or a group whose every pair has direct peer access
 //! picks `Peer`; otherwise `Nccl` when it loads (it routes around missing peer access better than
 //! driver-staged copies), else `Peer`. benches/gpu_allgather.rs measures peer against NCCL at every
-//! size; NOTES.md has the figures.
+//! size; docs/measurements.md has the figures.
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 

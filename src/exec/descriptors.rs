@@ -42,10 +42,11 @@ fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
 impl Descriptors {
     /// Regroups the routes of `plan` that `process` executes (both ends in this process) by source
     /// rank: each rank's stream moves, in one launch, what it copies within its own device and what it
-    /// writes into its NVLink peers' memory. Writing to a peer beats reading from it over NVLink
-    /// (benches/gpu_allgather.rs, 2 x H200, 1 GiB per rank: batched kernel 358.9 GB/s pushing
-    /// against 332.1 pulling; copy engine 392.1 against 390.8). Routes from other processes need a
-    /// transport between processes, which this executor does not have yet: they are `Unsupported`.
+    /// writes into its NVLink peers' memory. Writing to a peer beats reading from it over NVLink:
+    /// writes are posted, reads wait a round trip (benches/gpu_allgather.rs measures kernel pulls
+    /// against pushes, benches/probes/ce_lanes_probe.py the copy engine's). Routes from other
+    /// processes need a transport between processes, which this executor does not have yet: they are
+    /// `Unsupported`.
     pub fn build(group: &Group, plan: &Plan, process: u32, arm: Arm) -> Result<Descriptors> {
         let mut per_rank: Vec<Vec<Segment>> = vec![Vec::new(); group.size()];
         for route in plan.routes().iter().filter(|r| r.dst.process == process) {

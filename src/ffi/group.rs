@@ -27,7 +27,8 @@ pub const REFIT_EXIT_ASYNC: u32 = 1;
 /// A device group: one rank per device, each with its own non-blocking stream created once, and one
 /// persistent thread per rank, started at the first call that needs them (refit_group_run, a PEER
 /// allgather). After each such call a rank thread spins for up to 50 us waiting for the
-/// next before it sleeps: a loop of calls then costs no thread wake-ups (several microseconds each).
+/// next before it sleeps: a loop of calls then costs no thread wake-ups (each a system call and a
+/// context switch).
 ///
 /// Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
 /// rank callbacks may call refit_group_allgather_rank and the query functions concurrently.
