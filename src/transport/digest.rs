@@ -25,9 +25,7 @@ pub unsafe fn digest(group: &Group, rank: usize, stream: Stream, addr: u64, len:
     let device = group.device(rank)?;
     check_range(addr, len)?;
     match group.backend_kind() {
-        BackendKind::Cuda => {
-            DigestKernel::for_device(device as i32)?.digest(stream.as_ptr().cast(), addr, len)
-        }
+        BackendKind::Cuda => DigestKernel::for_device(device)?.digest(stream.as_ptr().cast(), addr, len),
         BackendKind::Host => {
             if len > isize::MAX as u64 {
                 return Err(Error::invalid_argument(format!("{len} bytes do not fit in host memory")));
