@@ -163,10 +163,9 @@ impl BatchedCopy {
             params[5] = (&mut digests as *mut u64).cast();
             params[6] = (&mut first_bad as *mut u64).cast();
         }
-        // SAFETY: `params` starts with the chosen entry point's parameters (the driver reads only as many
-        // as the function has); the descriptors (and the digest
-        // and result words) stay allocated until the launch completes (freed stream-ordered after it,
-        // or owned by a prepared batch or verify).
+        // SAFETY: `params` starts with the chosen entry point's parameters (the driver reads only as
+        // many as the function has); the descriptors, digest and result words stay allocated until the
+        // launch completes (freed stream-ordered after it, or owned by a prepared batch or verify).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 function,
