@@ -72,7 +72,12 @@ fn table(input: &mut Bytes) -> Table {
 fuzz_target!(|data: &[u8]| {
     let mut input = Bytes(data);
     let tables = vec![table(&mut input), table(&mut input)];
-    let limits = Limits { max_segments: 1 << 16, max_pieces: 1 << 12, max_overlap_runs: 1 << 16, max_box_tests: 1 << 20 };
+    let limits = Limits {
+        max_segments: 1 << 16,
+        max_pieces: 1 << 12,
+        max_overlap_runs: 1 << 16,
+        max_box_tests: 1 << 20,
+    };
     // Whether a table is valid never depends on the options; only the segment limit may.
     let mut first: Option<Result<(), Status>> = None;
     for policy in [OwnerPolicy::First, OwnerPolicy::Local, OwnerPolicy::Balanced] {
