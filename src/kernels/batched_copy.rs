@@ -44,6 +44,8 @@ pub struct BatchedCopy {
     compare: sys::CUfunction,
     /// Blocks that fit on the device at once (SMs x resident blocks per SM): the persistent grid.
     max_blocks: u32,
+    /// The same for the compare entry point, which has fewer resident blocks per SM.
+    compare_max_blocks: u32,
     /// How the kernel was built, for logs and bench output.
     pub build: String,
 }
@@ -80,6 +82,7 @@ impl BatchedCopy {
         let compare = module::function(loaded.module, c"refit_batched_compare")?;
         let per_sm = module::blocks_per_sm(function, BLOCK_THREADS)?;
         let max_blocks = loaded.sms * per_sm;
+        let compare_max_blocks = loaded.sms * module::blocks_per_sm(compare, BLOCK_THREADS)?;
         let build = format!("{} x {per_sm} blocks of {BLOCK_THREADS}", loaded.build);
         log::info!("batched copy kernel on device {device}: {build}");
         Ok(BatchedCopy {
@@ -91,6 +94,7 @@ impl BatchedCopy {
             check,
             compare,
             max_blocks,
+            compare_max_blocks,
             build,
         })
     }
@@ -103,6 +107,12 @@ impl BatchedCopy {
     /// The device's primary context (retained for the life of the process).
     pub(crate) fn context(&self) -> sys::CUcontext {
         self.context
+    }
+
+    /// `launch` on a grid the compare entry point keeps resident (any grid walks every tile).
+    pub(crate) fn for_compare(&self, mut launch: Launch) -> Launch {
+        launch.blocks = launch.blocks.min(self.compare_max_blocks).max(1);
+        launch
     }
 
     /// Blocks for `tiles` tiles: the persistent grid, or fewer when there is less work than warps.
@@ -164,10 +174,9 @@ impl BatchedCopy {
             params[5] = (&mut digests as *mut u64).cast();
             params[6] = (&mut first_bad as *mut u64).cast();
         }
-        // SAFETY: `params` starts with the chosen entry point's parameters (the driver reads only as many
-        // as the function has); the descriptors (and the digest
-        // and result words) stay allocated until the launch completes (freed stream-ordered after it,
-        // or owned by a prepared batch or verify).
+        // SAFETY: `params` starts with the chosen entry point's parameters (the driver reads only as
+        // many as the function has); the descriptors, digest and result words stay allocated until the
+        // launch completes (freed stream-ordered after it, or owned by a prepared batch or verify).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 function,
