@@ -63,11 +63,17 @@ pub enum Status {
     BufferTooSmall = 24,
     /// An index, rank or name is not present.
     NotFound = 25,
+    /// Installed bytes differ from their sources (an executor's verify stage); the message names the
+    /// tensor, box and element.
+    VerifyMismatch = 26,
+    /// The memory a plan was built for changed in a way its executor cannot follow (e.g. a rebind that
+    /// cuts through a buffer the plan reads or writes): build a new plan.
+    PlanStale = 27,
 }
 
 impl Status {
     /// Every status, in code order. Used to validate codes coming back from callers.
-    const ALL: [Status; 26] = [
+    const ALL: [Status; 28] = [
         Status::Success,
         Status::InvalidArgument,
         Status::NullArgument,
@@ -94,6 +100,8 @@ impl Status {
         Status::Unsupported,
         Status::BufferTooSmall,
         Status::NotFound,
+        Status::VerifyMismatch,
+        Status::PlanStale,
     ];
 
     /// The status with this code, if there is one.
@@ -130,6 +138,8 @@ impl Status {
             Status::Unsupported => c"REFIT_STATUS_UNSUPPORTED",
             Status::BufferTooSmall => c"REFIT_STATUS_BUFFER_TOO_SMALL",
             Status::NotFound => c"REFIT_STATUS_NOT_FOUND",
+            Status::VerifyMismatch => c"REFIT_STATUS_VERIFY_MISMATCH",
+            Status::PlanStale => c"REFIT_STATUS_PLAN_STALE",
         }
     }
 }

@@ -14,7 +14,9 @@ from ._lib import (
     MAX_DIMS,
     PLAN_SIZE_BUCKETS,
     Algorithm,
+    Arm,
     Backend,
+    Commit,
     CopyFlag,
     ExitMode,
     Policy,
@@ -28,6 +30,7 @@ from ._lib import (
     version,
 )
 from .copy import PreparedCopy
+from .executor import Executor, RunStats
 from .group import Group, HostStream
 from .plan import Plan, PlanStats, Route, Table
 from .segment import Segment
@@ -37,8 +40,11 @@ __all__ = [
     "MAX_DIMS",
     "PLAN_SIZE_BUCKETS",
     "Algorithm",
+    "Arm",
     "Backend",
+    "Commit",
     "CopyFlag",
+    "Executor",
     "ExitMode",
     "Group",
     "HostStream",
@@ -49,6 +55,7 @@ __all__ = [
     "RefitError",
     "Route",
     "RouteKind",
+    "RunStats",
     "Segment",
     "Status",
     "Table",

@@ -7,6 +7,8 @@ from ctypes import byref, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 
 from ._handle import Handle
 from ._lib import (
+    Arm,
+    Commit,
     PlanOptions,
     PlanStatsStruct,
     Policy,
@@ -18,6 +20,7 @@ from ._lib import (
     lib,
     u64_array,
 )
+from .executor import Executor
 from .segment import Segment
 
 
@@ -230,6 +233,26 @@ class Plan(Handle):
 
     def __iter__(self):
         return iter(self.routes())
+
+    def executor(
+        self,
+        group,
+        process,
+        arm=Arm.AUTO,
+        sm_budget=0,
+        verify=False,
+        commit=Commit.DIRECT,
+        staging_limit=0,
+    ):
+        """An Executor of process rank `process`'s share of this plan on `group` (whose device
+        ordinals the plan's endpoints name): descriptors built and uploaded now, then run() at every
+        step (refit_executor_create).
+
+        arm: Arm.AUTO (by size), KERNEL or COPY_ENGINE (no SMs). sm_budget: at most this many SMs
+        for the kernel's copies (0: no cap). verify: compare every copied byte with its source.
+        commit: Commit.DIRECT (run installs) or STAGED (run stages, commit() installs all at once).
+        staging_limit: STAGED only, staging bytes per receiving device (0: the whole step)."""
+        return Executor(self, group, process, arm, sm_budget, verify, commit, staging_limit)
 
 
 __all__ = ["Plan", "PlanStats", "Policy", "Route", "RouteKind", "Segment", "Table"]

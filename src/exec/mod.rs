@@ -1,116 +1,945 @@
-//! Executing a reshard plan within one process: descriptors built once per plan and cached, bytes
-//! moved on the group's streams (same device and NVLink peers), every stage timed.
+//! Executing a reshard plan: an [`Executor`] for one (plan, group, process) prepares every stage once
+//! (descriptors built and uploaded at creation), then each [`Executor::run`] queues the step on the
+//! group's streams with no host work per segment, and each stage is stamped on the device.
 //!
-//! Ordering: the refit runs inside the group's open scope, or an implicit one (legacy default streams,
-//! synchronous exit). Because a rank writes into other ranks' memory, every rank's stream first waits
-//! for every other rank's (so each destination is written only after its caller's earlier work), and
-//! every stream is joined again before the scope closes (so the caller may read the new weights, and
-//! overwrite the training weights, as soon as its streams are ordered after the scope).
+//! Stages of a step, per slice (one slice unless a staged step exceeds the staging limit):
+//! 1. Copy: each source rank copies its local segments on its group stream and pushes its NVLink-peer
+//!    segments on a stream of its own (`peer_streams`), side by side, joined back into the group
+//!    stream. Into the live buffers (direct commit) or the receivers' staging (staged commit).
+//! 2. Verify (optional): each receiving rank compares every byte copied into it with its source.
+//! 3. Install (staged): each receiving rank copies its staging into its live buffers in one batched
+//!    launch; the last slice's install is [`Executor::commit`].
+//!
+//! Ordering follows the group's scope rules: inside the caller's scope the step is only queued;
+//! outside one, an implicit scope makes it complete on return. Because a rank writes other ranks'
+//! memory, every rank's stream first waits for every other rank's (each destination is written only
+//! after its caller's earlier work), and receivers wait for the ranks pushing into them before
+//! verifying or installing. An executor keeps no reference to the group: each call is passed it and
+//! checks it is the one the executor was made for.
 
-mod descriptors;
+mod batch;
+mod compare;
+mod flows;
+mod options;
+mod rebind;
+mod staging;
+mod stats;
+mod timing;
+mod verify;
 
-use crate::error::Result;
+pub use flows::{KindTotals, KINDS};
+pub use options::{Arm, CommitMode, ExecOptions, Hook, Method, Stage};
+pub use stats::RunStats;
+
+use crate::backend::{Backend, Event, Stream};
+use crate::error::{Error, Result, Status};
 use crate::group::Group;
-use crate::plan::Plan;
-use descriptors::Descriptors;
+use crate::plan::{Destinations, Endpoint, Plan, RouteKind};
+use crate::segment::Segment;
+use batch::{Batch, Side};
+use flows::Flow;
+use rebind::{AddressBook, Registrar, Target};
+use staging::{staged_pair, Packer};
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
+use timing::Mark;
+use verify::VerifyBatch;
 
-/// How bytes are moved. Both arms install identical bytes; the per-run arm is the reference.
+/// The stages that are stamped on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Arm {
-    /// One batched copy launch per source device (its local and NVLink-peer segments together).
-    Batched,
-    /// One backend copy per contiguous run (copy engine on CUDA).
-    PerRun,
+enum Timed {
+    Local,
+    Peer,
+    Verify,
+    Install,
 }
 
-/// Where one `execute` spent its time. `attributed_s() / total_s` is at least 0.95 when the stages
-/// account for the step.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct StageTimes {
-    /// Whether the descriptors came from the cache.
-    pub cached: bool,
-    /// Building (and uploading) descriptors; 0 on a cache hit.
-    pub descriptors_s: f64,
-    /// Ordering the group's streams and queueing every launch.
-    pub enqueue_s: f64,
-    /// Waiting for the device work (0 inside a caller's scope, where the call does not wait).
-    pub wait_s: f64,
-    /// The whole call.
-    pub total_s: f64,
-    pub segments: u64,
-    pub bytes: u64,
+/// One stamped launch: stage `timed` of slice `slice` on rank `rank`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Slot {
+    slice: usize,
+    timed: Timed,
+    rank: usize,
 }
 
-impl StageTimes {
-    pub fn attributed_s(&self) -> f64 {
-        self.descriptors_s + self.enqueue_s + self.wait_s
+/// What one source rank copies in one slice.
+#[derive(Debug, Default)]
+struct RankCopies {
+    rank: usize,
+    /// Batch indices.
+    local: Option<usize>,
+    peer: Option<usize>,
+    /// Whether other ranks wait for these copies (it pushes into them).
+    pushes: bool,
+}
+
+/// What one receiving rank does after the copies into it.
+#[derive(Debug, Default)]
+struct Receiving {
+    rank: usize,
+    /// Other ranks copying into this one, which it waits for before verify or install.
+    sources: Vec<usize>,
+    verify: Option<usize>,
+    install: Option<usize>,
+}
+
+#[derive(Debug, Default)]
+struct Slice {
+    copies: Vec<RankCopies>,
+    receiving: Vec<Receiving>,
+}
+
+/// Where a staged executor stands between calls.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum State {
+    Idle,
+    /// The last run staged its last slice; `checked`: its verify outcome was read (or not asked).
+    Staged {
+        checked: bool,
+    },
+    /// The last run or commit failed: nothing may be committed until a run succeeds.
+    Failed(String),
+}
+
+/// Ordering events of one rank (no timing).
+struct RankEvents {
+    /// Recorded on the group stream where the peer stream forks from it.
+    forked: Event,
+    /// Recorded on the peer stream after its pushes; the group stream waits for it.
+    peer_done: Event,
+    /// Recorded on the group stream after the rank's copies; ranks it pushed into wait for it.
+    pushed: Event,
+    /// Recorded on the group stream at the end of every call; waited for before descriptors change
+    /// and before anything the executor owns is freed.
+    done: Event,
+}
+
+/// Host-side bookkeeping of one call.
+#[derive(Default)]
+struct CallLog {
+    recorded: Vec<Slot>,
+    wait_ns: u64,
+}
+
+impl CallLog {
+    /// Runs `wait` (a host wait for the device) and counts its time as waiting.
+    fn waiting<T>(&mut self, wait: impl FnOnce() -> Result<T>) -> Result<T> {
+        let start = Instant::now();
+        let result = wait();
+        self.wait_ns += start.elapsed().as_nanos() as u64;
+        result
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-struct CacheKey {
-    group: u64,
-    fingerprint: u64,
+/// Moves one process's share of a plan over a group's devices, step after step.
+///
+/// Thread-safety: one thread at a time (with its group).
+pub struct Executor {
+    group_id: u64,
     process: u32,
-    arm: Arm,
+    backend: Arc<dyn Backend>,
+    devices: Vec<usize>,
+    options: ExecOptions,
+    totals: KindTotals,
+    methods: [Option<Method>; 3],
+    batches: Vec<Batch>,
+    verifies: Vec<VerifyBatch>,
+    slices: Vec<Slice>,
+    peer_streams: Vec<Option<Stream>>,
+    events: Vec<RankEvents>,
+    marks: HashMap<Slot, (Mark, Mark)>,
+    /// Ranks whose group stream the executor queues on; their `done` events were recorded by the
+    /// last call when `done_recorded`.
+    ranks: Vec<usize>,
+    done_recorded: bool,
+    /// (device, allocation) of each receiving rank's staging buffer.
+    staging: Vec<(usize, u64)>,
+    book: AddressBook,
+    destinations: Destinations,
+    state: State,
+    last: Option<(RunStats, Vec<Slot>)>,
+    /// Set when descriptors could not follow a rebind: every later call fails with it.
+    broken: Option<Error>,
 }
 
-/// Executes plans on a group, keeping the descriptors of the last (plan, group, arm) it ran: a rebuilt
-/// plan (another fingerprint), another group or another arm invalidates them.
+/// A segment's first and one-past-last byte on one side.
+fn extent(segment: &Segment, side: Side) -> (u64, u64) {
+    let (base, stride) = match side {
+        Side::Src => (segment.src, segment.src_stride),
+        Side::Dst => (segment.dst, segment.dst_stride),
+    };
+    let last = (segment.count[0] - 1) * stride[0] + (segment.count[1] - 1) * stride[1];
+    (base, base + last + segment.len)
+}
+
+/// The method for `segments` of `kind` under `arm`. `direct`: every pair has peer access.
+fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool) -> Result<Method> {
+    if kind == RouteKind::Peer && !direct {
+        return match arm {
+            Arm::Kernel => Err(Error::unsupported(
+                "a rank cannot write a peer's memory directly (no peer access): the kernel arm cannot \
+                 push there; use REFIT_ARM_AUTO or REFIT_ARM_COPY_ENGINE",
+            )),
+            _ => Ok(Method::CopyEngine),
+        };
+    }
+    Ok(match arm {
+        Arm::Kernel => Method::Kernel,
+        Arm::CopyEngine => Method::CopyEngine,
+        Arm::Auto => {
+            let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
+            let runs: u64 = segments.iter().map(|s| s.runs()).sum();
+            if runs > 0 && bytes / runs >= Arm::COPY_ENGINE_MIN_RUN {
+                Method::CopyEngine
+            } else {
+                Method::Kernel
+            }
+        }
+    })
+}
+
+/// Segments of one slice before they become batches.
 #[derive(Default)]
-pub struct Executor {
-    cached: Option<(CacheKey, Descriptors)>,
+struct SliceLists {
+    /// Per source rank: (segment, receiving rank) for local and for peer copies.
+    local: HashMap<usize, Vec<(Segment, usize)>>,
+    peer: HashMap<usize, Vec<(Segment, usize)>>,
+    /// Per receiving rank: (what verify compares, the segment as planned, its source rank) and
+    /// installs.
+    checks: HashMap<usize, Vec<(Segment, Segment, usize)>>,
+    installs: HashMap<usize, Vec<Segment>>,
+}
+
+impl SliceLists {
+    fn copy(&mut self, flow: &Flow, segment: Segment) {
+        let lists = if flow.kind == RouteKind::Local { &mut self.local } else { &mut self.peer };
+        lists.entry(flow.src).or_default().push((segment, flow.dst));
+    }
 }
 
 impl Executor {
-    pub fn new() -> Executor {
-        Executor::default()
+    /// Prepares `process`'s share of `plan` (routes whose endpoints are in that process; endpoint
+    /// devices are the group's device ordinals) for `group`: batches for every stage built and
+    /// uploaded, staging allocated. Errors: InvalidArgument (options), NotFound (a plan device not
+    /// in the group), Unsupported (a route to or from another process; the kernel arm without
+    /// peer access; verify on a backend without the verify primitive), InvalidArgument (a segment
+    /// the batched copy refuses), and the driver's and compiler's errors.
+    pub fn new(group: &Group, plan: &Plan, process: u32, options: ExecOptions) -> Result<Executor> {
+        options.check()?;
+        let flows = flows::flows(group, plan, process)?;
+        match Executor::build(group, plan, process, &options, &flows, true) {
+            Err(err)
+                if options.arm == Arm::Auto
+                    && matches!(err.status, Status::NvrtcUnavailable | Status::KernelLoadFailed) =>
+            {
+                log::warn!(
+                    "the batched copy kernel is unavailable ({err}); the executor uses the copy engine"
+                );
+                Executor::build(group, plan, process, &options, &flows, false)
+            }
+            built => built,
+        }
     }
 
-    /// Moves every byte that `plan` routes into process `process` over `group`'s devices (plan
-    /// endpoints' devices are the group's device ordinals).
-    ///
-    /// # Safety
-    /// Every source and destination address in the plan must be live memory of the device it names
-    /// until the work is done (on return outside a scope; after the scope's exit inside one).
-    pub unsafe fn execute(
-        &mut self,
+    /// Builds everything; `kernel` false makes every stage use the copy engine.
+    fn build(
         group: &Group,
         plan: &Plan,
         process: u32,
-        arm: Arm,
-    ) -> Result<StageTimes> {
-        let start = Instant::now();
-        let key = CacheKey { group: group.id(), fingerprint: plan.fingerprint(), process, arm };
-        let mut times = StageTimes { cached: true, ..StageTimes::default() };
-        if self.cached.as_ref().map(|(k, _)| *k) != Some(key) {
-            self.cached = None; // free the old descriptors (device memory) before building new ones
-            let descriptors = Descriptors::build(group, plan, process, arm)?;
-            self.cached = Some((key, descriptors));
-            times.cached = false;
-            times.descriptors_s = start.elapsed().as_secs_f64();
+        options: &ExecOptions,
+        flows: &[Flow],
+        kernel: bool,
+    ) -> Result<Executor> {
+        let direct = group.all_peers_direct();
+        let arm = if kernel { options.arm } else { Arm::CopyEngine };
+        let mut methods = [None; 3];
+        for kind in [RouteKind::Local, RouteKind::Peer] {
+            let segments: Vec<&Segment> =
+                flows.iter().filter(|f| f.kind == kind).flat_map(|f| &f.segments).collect();
+            if !segments.is_empty() {
+                methods[kind as usize] = Some(resolve(arm, kind, &segments, direct)?);
+            }
         }
-        let descriptors = &self.cached.as_ref().expect("built above").1;
-        times.segments = descriptors.segments;
-        times.bytes = descriptors.bytes;
+        let backend = Arc::clone(group.backend());
+        let mut executor = Executor {
+            group_id: group.id(),
+            process,
+            backend: Arc::clone(&backend),
+            devices: group.devices().to_vec(),
+            options: ExecOptions { arm, ..options.clone() },
+            totals: KindTotals::of(flows),
+            methods,
+            batches: Vec::new(),
+            verifies: Vec::new(),
+            slices: Vec::new(),
+            peer_streams: vec![None; group.size()],
+            events: Vec::new(),
+            marks: HashMap::new(),
+            ranks: Vec::new(),
+            done_recorded: false,
+            staging: Vec::new(),
+            book: AddressBook::default(),
+            destinations: plan.destinations().of_rank(process),
+            state: State::Idle,
+            last: None,
+            broken: None,
+        };
+        let lists = match options.commit {
+            CommitMode::Direct => vec![executor.direct_lists(flows)],
+            CommitMode::Staged => executor.staged_lists(flows)?,
+        };
+        let mut registrar = Registrar::default();
+        for (k, lists) in lists.into_iter().enumerate() {
+            let slice = executor.prepare_slice(group, k, lists, &mut registrar)?;
+            executor.slices.push(slice);
+        }
+        executor.book = registrar.build();
+        let mut ranks: Vec<usize> = Vec::new();
+        for slice in &executor.slices {
+            ranks.extend(slice.copies.iter().map(|c| c.rank));
+            ranks.extend(slice.receiving.iter().map(|r| r.rank));
+        }
+        ranks.sort_unstable();
+        ranks.dedup();
+        executor.ranks = ranks;
+        for rank in 0..group.size() {
+            let device = executor.devices[rank];
+            executor.events.push(RankEvents {
+                forked: backend.create_event(device)?,
+                peer_done: backend.create_event(device)?,
+                pushed: backend.create_event(device)?,
+                done: backend.create_event(device)?,
+            });
+        }
+        Ok(executor)
+    }
+
+    /// The one slice of a direct step: copies straight into the live buffers.
+    fn direct_lists(&self, flows: &[Flow]) -> SliceLists {
+        let mut lists = SliceLists::default();
+        for flow in flows {
+            for segment in &flow.segments {
+                lists.copy(flow, *segment);
+                if self.options.verify {
+                    lists.checks.entry(flow.dst).or_default().push((*segment, *segment, flow.src));
+                }
+            }
+        }
+        lists
+    }
+
+    /// The slices of a staged step: every segment placed in its receiver's staging (cut where it
+    /// exceeds the limit), staging allocated, copies into staging and installs out of it.
+    fn staged_lists(&mut self, flows: &[Flow]) -> Result<Vec<SliceLists>> {
+        let limit = if self.options.staging_limit == 0 { u64::MAX } else { self.options.staging_limit };
+        let mut receivers: Vec<usize> = flows.iter().map(|f| f.dst).collect();
+        receivers.sort_unstable();
+        receivers.dedup();
+        let mut slices: Vec<SliceLists> = Vec::new();
+        for rank in receivers {
+            let mut packer = Packer::new(limit);
+            let mut placed = Vec::new();
+            let mut pieces = Vec::new();
+            for (f, flow) in flows.iter().enumerate().filter(|(_, f)| f.dst == rank) {
+                for segment in &flow.segments {
+                    pieces.clear();
+                    staging::split(segment, packer.cap(), &mut pieces);
+                    for piece in &pieces {
+                        placed.push((f, *piece, packer.place(piece)));
+                    }
+                }
+            }
+            let device = self.devices[rank];
+            let size = usize::try_from(packer.size + 16)
+                .map_err(|_| Error::new(Status::OutOfMemory, "staging larger than the address space"))?;
+            let allocation = self.backend.alloc(device, size).map_err(|e| {
+                e.context(format!(
+                    "allocating {size} bytes of staging on device {device} (see staging_limit)"
+                ))
+            })?;
+            self.staging.push((device, allocation));
+            let base = allocation.next_multiple_of(16);
+            if slices.len() < packer.slices() {
+                slices.resize_with(packer.slices(), SliceLists::default);
+            }
+            for (f, piece, placement) in placed {
+                let (into, out) = staged_pair(&piece, base, &placement);
+                let lists = &mut slices[placement.slice];
+                lists.copy(&flows[f], into);
+                if self.options.verify {
+                    lists.checks.entry(rank).or_default().push((into, piece, flows[f].src));
+                }
+                lists.installs.entry(rank).or_default().push(out);
+            }
+        }
+        Ok(slices)
+    }
+
+    /// Builds slice `k`'s batches, stamps and peer streams, and registers every address it
+    /// reads or writes in caller memory.
+    fn prepare_slice(
+        &mut self,
+        group: &Group,
+        k: usize,
+        lists: SliceLists,
+        registrar: &mut Registrar,
+    ) -> Result<Slice> {
+        let staged = self.options.commit == CommitMode::Staged;
+        let budget = self.options.sm_budget;
+        let mut slice = Slice::default();
+        let mut sources: HashMap<usize, Vec<usize>> = HashMap::new();
+        let mut copy_ranks: Vec<usize> = lists.local.keys().chain(lists.peer.keys()).copied().collect();
+        copy_ranks.sort_unstable();
+        copy_ranks.dedup();
+        for rank in copy_ranks {
+            let mut copies = RankCopies { rank, ..RankCopies::default() };
+            for (kind, list) in
+                [(RouteKind::Local, lists.local.get(&rank)), (RouteKind::Peer, lists.peer.get(&rank))]
+            {
+                let Some(list) = list else { continue };
+                let index = self.batches.len();
+                for (i, (segment, receiver)) in list.iter().enumerate() {
+                    let (lo, hi) = extent(segment, Side::Src);
+                    registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Src);
+                    if !staged {
+                        let (lo, hi) = extent(segment, Side::Dst);
+                        registrar.add(
+                            self.devices[*receiver],
+                            lo,
+                            hi,
+                            Target::Copy(index as u32),
+                            i,
+                            Side::Dst,
+                        );
+                    }
+                    if *receiver != rank {
+                        copies.pushes = true;
+                        let into = sources.entry(*receiver).or_default();
+                        if !into.contains(&rank) {
+                            into.push(rank);
+                        }
+                    }
+                }
+                let method = self.methods[kind as usize].expect("a method for every kind with segments");
+                let segments = list.iter().map(|(s, _)| *s).collect();
+                self.batches.push(Batch::new(group, rank, segments, method, budget)?);
+                let timed = if kind == RouteKind::Local {
+                    copies.local = Some(index);
+                    Timed::Local
+                } else {
+                    copies.peer = Some(index);
+                    if self.peer_streams[rank].is_none() {
+                        self.peer_streams[rank] = Some(self.backend.create_stream(self.devices[rank])?);
+                    }
+                    Timed::Peer
+                };
+                self.add_marks(Slot { slice: k, timed, rank })?;
+            }
+            slice.copies.push(copies);
+        }
+        let mut receiving_ranks: Vec<usize> =
+            lists.checks.keys().chain(lists.installs.keys()).copied().collect();
+        receiving_ranks.sort_unstable();
+        receiving_ranks.dedup();
+        for rank in receiving_ranks {
+            let mut receiving =
+                Receiving { rank, sources: sources.remove(&rank).unwrap_or_default(), ..Default::default() };
+            if let Some(checks) = lists.checks.get(&rank) {
+                let index = self.verifies.len();
+                for (i, (segment, _, source)) in checks.iter().enumerate() {
+                    let (lo, hi) = extent(segment, Side::Src);
+                    registrar.add(self.devices[*source], lo, hi, Target::Verify(index as u32), i, Side::Src);
+                    if !staged {
+                        let (lo, hi) = extent(segment, Side::Dst);
+                        registrar.add(self.devices[rank], lo, hi, Target::Verify(index as u32), i, Side::Dst);
+                    }
+                }
+                let (segments, origins) = checks.iter().map(|&(s, o, _)| (s, o)).unzip();
+                self.verifies.push(VerifyBatch::new(group, rank, segments, origins)?);
+                receiving.verify = Some(index);
+                self.add_marks(Slot { slice: k, timed: Timed::Verify, rank })?;
+            }
+            if let Some(installs) = lists.installs.get(&rank) {
+                let index = self.batches.len();
+                for (i, segment) in installs.iter().enumerate() {
+                    let (lo, hi) = extent(segment, Side::Dst);
+                    registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Dst);
+                }
+                let refs: Vec<&Segment> = installs.iter().collect();
+                let method = resolve(self.options.arm, RouteKind::Local, &refs, true)?;
+                self.batches.push(Batch::new(group, rank, installs.clone(), method, 0)?);
+                receiving.install = Some(index);
+                self.add_marks(Slot { slice: k, timed: Timed::Install, rank })?;
+            }
+            slice.receiving.push(receiving);
+        }
+        Ok(slice)
+    }
+
+    fn add_marks(&mut self, slot: Slot) -> Result<()> {
+        let device = self.devices[slot.rank];
+        let pair = (Mark::new(self.backend.as_ref(), device)?, Mark::new(self.backend.as_ref(), device)?);
+        self.marks.insert(slot, pair);
+        Ok(())
+    }
+}
+
+impl Executor {
+    /// The plan share's payload bytes and segments per route kind.
+    pub fn totals(&self) -> KindTotals {
+        self.totals
+    }
+
+    /// How each route kind's copies from the sources are moved (None: no route of that kind).
+    pub fn methods(&self) -> [Option<Method>; 3] {
+        self.methods
+    }
+
+    /// Slices a step runs in.
+    pub fn slices(&self) -> usize {
+        self.slices.len()
+    }
+
+    pub fn options(&self) -> &ExecOptions {
+        &self.options
+    }
+
+    fn check_call(&self, group: &Group) -> Result<()> {
+        if group.id() != self.group_id {
+            return Err(Error::invalid_argument("this executor was made for another group"));
+        }
+        match &self.broken {
+            Some(err) => Err(Error::new(
+                Status::InvalidState,
+                format!("the executor is unusable since a rebind failed ({}): build a new one", err.message),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Queues one step: the copies, verify when asked and, when staged, the install of every slice
+    /// but the last (see [`CommitMode::Staged`]). Inside the group's scope it is queued after the
+    /// callers' streams; outside one it is complete on return. It waits for the device anyway when
+    /// it must read a verify outcome first: after the copies of a direct step, and before each
+    /// install of a sliced one. A staged step not yet committed is replaced.
+    ///
+    /// Errors: InvalidArgument (another group), InvalidState (a rebind failed earlier),
+    /// VerifyMismatch (naming tensor, box and element), PlanStale (rebinds left buffers
+    /// overlapping), the driver's errors. After an error nothing may be committed until a run
+    /// succeeds; in a direct step, live buffers may hold some of the new bytes.
+    ///
+    /// # Safety
+    /// Every address of the plan (as rebound) must be live memory of the device it names until the
+    /// work is done (on return outside a scope; after the scope's exit inside one).
+    pub unsafe fn run(&mut self, group: &Group) -> Result<RunStats> {
+        let started = Instant::now();
+        self.check_call(group)?;
+        let mut stats = RunStats { descriptors_reused: true, ..RunStats::default() };
+        if self.book.has_moved() {
+            self.book.settle().inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+        }
+        for verify in &mut self.verifies {
+            if verify.refresh(group)? {
+                stats.descriptors_reused = false;
+            }
+        }
+        let prepared = Instant::now();
         let implicit = !group.in_scope();
-        let enqueue_start = Instant::now();
-        let mut wait_start = enqueue_start;
-        group.in_implicit_scope(|| {
+        let staged = self.options.commit == CommitMode::Staged;
+        let mut log = CallLog::default();
+        self.state = State::Failed("the last run did not finish".into());
+        let queued = group.in_implicit_scope(|| {
+            let queued = self.queue_run(group, &mut log);
+            let done = self.record_done(group);
+            queued.and(done)?;
+            // The exit of an implicit scope waits from here on.
+            Ok(Instant::now())
+        });
+        let exited = Instant::now();
+        let enqueued = match queued {
+            Ok(at) => at,
+            Err(err) => {
+                self.state = State::Failed(err.message.clone());
+                return Err(err);
+            }
+        };
+        if implicit {
+            log.wait_ns += (exited - enqueued).as_nanos() as u64;
+        }
+        let last = self.slices.len().saturating_sub(1);
+        let mut checked = !self.options.verify;
+        if self.options.verify && (!staged || implicit) {
+            // Direct steps were checked slice by slice; an implicit scope has finished the last.
+            if staged {
+                self.check_slice(last, &mut log)
+                    .inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+            }
+            checked = true;
+        }
+        self.state = if staged { State::Staged { checked } } else { State::Idle };
+
+        stats.slices = self.slices.len() as u32;
+        stats.methods = self.methods;
+        stats.bytes = self.totals.bytes;
+        stats.segments = self.totals.segments;
+        stats.verified = self.options.verify && checked;
+        stats.verified_bytes =
+            if self.options.verify { self.verifies.iter().map(|v| v.bytes()).sum() } else { 0 };
+        stats.installed_bytes =
+            if staged { self.installed_bytes(0..last) } else { self.totals.bytes.iter().sum() };
+        self.finish(stats, started, prepared, log, implicit)
+    }
+
+    /// Queues every slice of a run (inside the scope).
+    fn queue_run(&self, group: &Group, log: &mut CallLog) -> Result<()> {
+        let staged = self.options.commit == CommitMode::Staged;
+        let last = self.slices.len().saturating_sub(1);
+        for (k, slice) in self.slices.iter().enumerate() {
+            // Every rank waits for every other: destinations are written after their callers' earlier
+            // work, and a slice's staging after the previous slice's installs have read it.
             group.mark_pending_join();
             group.join_if_pending()?;
-            descriptors.launch(group)?;
-            group.mark_pending_join();
-            wait_start = Instant::now();
-            Ok(())
-        })?;
-        let end = Instant::now();
-        times.enqueue_s = (wait_start - enqueue_start).as_secs_f64();
-        if implicit {
-            times.wait_s = (end - wait_start).as_secs_f64();
+            self.options.call_hook(Stage::Copy { slice: k }, group)?;
+            for copies in &slice.copies {
+                self.queue_copies(group, k, copies, log)?;
+            }
+            if staged || self.options.verify {
+                for receiving in &slice.receiving {
+                    let device = self.devices[receiving.rank];
+                    let stream = group.stream(receiving.rank)?;
+                    for &source in &receiving.sources {
+                        self.backend.wait(device, stream, self.events[source].pushed)?;
+                    }
+                }
+            }
+            if self.options.verify {
+                self.options.call_hook(Stage::Verify { slice: k }, group)?;
+                for receiving in &slice.receiving {
+                    if let Some(v) = receiving.verify {
+                        let stream = group.stream(receiving.rank)?;
+                        let slot = Slot { slice: k, timed: Timed::Verify, rank: receiving.rank };
+                        // SAFETY: the caller's promise on the plan's memory; staging is ours.
+                        self.stamped(slot, stream, log, || unsafe { self.verifies[v].launch(stream) })?;
+                    }
+                }
+                if !staged || k < last {
+                    self.check_slice(k, log)?;
+                }
+            }
+            if staged && k < last {
+                self.queue_installs(group, k, log)?;
+            }
         }
-        times.total_s = (end - start).as_secs_f64();
-        Ok(times)
+        group.mark_pending_join();
+        Ok(())
+    }
+
+    /// Queues one source rank's copies of slice `k`: local ones on its group stream, peer pushes on
+    /// its peer stream forked from and joined back into the group stream.
+    fn queue_copies(&self, group: &Group, k: usize, copies: &RankCopies, log: &mut CallLog) -> Result<()> {
+        let rank = copies.rank;
+        let device = self.devices[rank];
+        let stream = group.stream(rank)?;
+        let events = &self.events[rank];
+        let peer = copies.peer.map(|b| (b, self.peer_streams[rank].expect("made with the peer batch")));
+        if let Some((_, lane)) = peer {
+            self.backend.record(device, events.forked, stream)?;
+            self.backend.wait(device, lane, events.forked)?;
+        }
+        let mut result = Ok(());
+        if let Some(b) = copies.local {
+            let slot = Slot { slice: k, timed: Timed::Local, rank };
+            // SAFETY: the caller's promise on the plan's memory; staging is ours.
+            result = self.stamped(slot, stream, log, || unsafe { self.batches[b].launch(stream) });
+        }
+        if let Some((b, lane)) = peer {
+            if result.is_ok() {
+                let slot = Slot { slice: k, timed: Timed::Peer, rank };
+                // SAFETY: as above.
+                result = self.stamped(slot, lane, log, || unsafe { self.batches[b].launch(lane) });
+            }
+            // Joined back even after a failure, so that the group stream covers whatever was queued.
+            let joined = self
+                .backend
+                .record(device, events.peer_done, lane)
+                .and_then(|()| self.backend.wait(device, stream, events.peer_done));
+            result = result.and(joined);
+        }
+        result?;
+        if copies.pushes {
+            self.backend.record(device, events.pushed, stream)?;
+        }
+        Ok(())
+    }
+
+    /// Queues slice `k`'s installs from staging into the live buffers.
+    fn queue_installs(&self, group: &Group, k: usize, log: &mut CallLog) -> Result<()> {
+        self.options.call_hook(Stage::Install { slice: k }, group)?;
+        for receiving in &self.slices[k].receiving {
+            if let Some(b) = receiving.install {
+                let stream = group.stream(receiving.rank)?;
+                let slot = Slot { slice: k, timed: Timed::Install, rank: receiving.rank };
+                // SAFETY: staging is ours; the caller's promise covers the live buffers.
+                self.stamped(slot, stream, log, || unsafe { self.batches[b].launch(stream) })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `launch` between the two stamps of `slot` on `stream`.
+    fn stamped(
+        &self,
+        slot: Slot,
+        stream: Stream,
+        log: &mut CallLog,
+        launch: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let (start, end) = &self.marks[&slot];
+        start.record(stream)?;
+        launch()?;
+        end.record(stream)?;
+        log.recorded.push(slot);
+        Ok(())
+    }
+
+    /// Waits for slice `k`'s verify stage and reads its outcomes.
+    fn check_slice(&self, k: usize, log: &mut CallLog) -> Result<()> {
+        for receiving in &self.slices[k].receiving {
+            let Some(v) = receiving.verify else { continue };
+            let slot = Slot { slice: k, timed: Timed::Verify, rank: receiving.rank };
+            log.waiting(|| self.marks[&slot].1.wait())?;
+            let device = self.devices[receiving.rank];
+            let receiver = Endpoint { rank: self.process, device: device as u32 };
+            self.verifies[v].check(self.backend.as_ref(), device, receiver, &self.destinations)?;
+        }
+        Ok(())
+    }
+
+    /// Records every used rank's `done` event on its group stream.
+    fn record_done(&mut self, group: &Group) -> Result<()> {
+        let mut result = Ok(());
+        for &rank in &self.ranks {
+            let stream = group.stream(rank)?;
+            result = result.and(self.backend.record(self.devices[rank], self.events[rank].done, stream));
+        }
+        self.done_recorded = true;
+        result
+    }
+
+    fn installed_bytes(&self, slices: std::ops::Range<usize>) -> u64 {
+        self.slices[slices]
+            .iter()
+            .flat_map(|s| &s.receiving)
+            .filter_map(|r| r.install)
+            .map(|b| self.batches[b].bytes())
+            .sum()
+    }
+
+    /// Installs the staged step's last slice into the live buffers with one batched launch per
+    /// receiving rank, after reading its verify outcome if the run did not (the host then waits for
+    /// the verify stage). Queued like `run`: inside the scope after the callers' streams, else
+    /// complete on return.
+    ///
+    /// Errors: InvalidArgument (another group), InvalidState (direct commit; nothing staged; the
+    /// last run failed), VerifyMismatch (nothing installed), the driver's errors. After an error
+    /// nothing may be committed until a run succeeds.
+    ///
+    /// # Safety
+    /// As for [`Executor::run`].
+    pub unsafe fn commit(&mut self, group: &Group) -> Result<RunStats> {
+        let started = Instant::now();
+        self.check_call(group)?;
+        if self.options.commit == CommitMode::Direct {
+            return Err(Error::invalid_state(
+                "this executor commits directly (REFIT_COMMIT_DIRECT): run installs every byte; there is nothing \
+                 to commit",
+            ));
+        }
+        let checked = match &self.state {
+            State::Staged { checked } => *checked,
+            State::Idle => return Err(Error::invalid_state("nothing is staged: run first")),
+            State::Failed(why) => {
+                return Err(Error::invalid_state(format!(
+                    "the last call failed ({why}): run again before committing"
+                )))
+            }
+        };
+        let prepared = Instant::now();
+        let implicit = !group.in_scope();
+        let last = self.slices.len().saturating_sub(1);
+        let mut log = CallLog::default();
+        self.state = State::Failed("the last commit did not finish".into());
+        if !checked {
+            self.check_slice(last, &mut log)
+                .inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+        }
+        let queued = group.in_implicit_scope(|| {
+            let queued =
+                if self.slices.is_empty() { Ok(()) } else { self.queue_installs(group, last, &mut log) };
+            let done = self.record_done(group);
+            queued.and(done)?;
+            Ok(Instant::now())
+        });
+        let exited = Instant::now();
+        let enqueued = queued.inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+        if implicit {
+            log.wait_ns += (exited - enqueued).as_nanos() as u64;
+        }
+        self.state = State::Idle;
+        let stats = RunStats {
+            descriptors_reused: true,
+            verified: self.options.verify,
+            installed_bytes: if self.slices.is_empty() { 0 } else { self.installed_bytes(last..last + 1) },
+            ..RunStats::default()
+        };
+        self.finish(stats, started, prepared, log, implicit)
+    }
+
+    /// Fills the host times (and device times when the call waited for the device), logs the call,
+    /// keeps it for [`Executor::stats`].
+    fn finish(
+        &mut self,
+        mut stats: RunStats,
+        started: Instant,
+        prepared: Instant,
+        log: CallLog,
+        waited: bool,
+    ) -> Result<RunStats> {
+        let ended = Instant::now();
+        stats.wall_ns = (ended - started).as_nanos() as u64;
+        stats.prepare_ns = (prepared - started).as_nanos() as u64;
+        stats.wait_ns = log.wait_ns;
+        stats.enqueue_ns = ((ended - prepared).as_nanos() as u64).saturating_sub(log.wait_ns);
+        if waited {
+            self.device_times(&mut stats, &log.recorded)?;
+        }
+        let call = if stats.slices == 0 { "commit" } else { "run" };
+        log::info!("{}", stats.summary(call));
+        self.last = Some((stats, log.recorded));
+        Ok(stats)
+    }
+
+    /// Device time per stage and span from the stamps of `recorded` (waits for them).
+    fn device_times(&self, stats: &mut RunStats, recorded: &[Slot]) -> Result<()> {
+        let mut longest: HashMap<(usize, Timed), u64> = HashMap::new();
+        let mut spans: HashMap<usize, (Slot, Slot)> = HashMap::new();
+        for &slot in recorded {
+            let (start, end) = &self.marks[&slot];
+            let ns = end.since(start)?;
+            let entry = longest.entry((slot.slice, slot.timed)).or_default();
+            *entry = (*entry).max(ns);
+            let span = spans.entry(slot.rank).or_insert((slot, slot));
+            if slot.timed != Timed::Peer {
+                span.1 = slot; // the group stream's last stage ends after the peer stream joined it
+            }
+        }
+        for ((_, timed), ns) in longest {
+            match timed {
+                Timed::Local => stats.local_ns += ns,
+                Timed::Peer => stats.peer_ns += ns,
+                Timed::Verify => stats.verify_ns += ns,
+                Timed::Install => stats.commit_ns += ns,
+            }
+        }
+        for (first, last) in spans.into_values() {
+            stats.device_ns = stats.device_ns.max(self.marks[&last].1.since(&self.marks[&first].0)?);
+        }
+        stats.device_timed = true;
+        Ok(())
+    }
+
+    /// The stats of the last run or commit, with device times: waits for its device work first.
+    /// InvalidState before any call.
+    pub fn stats(&mut self) -> Result<RunStats> {
+        let Some((mut stats, recorded)) = self.last.clone() else {
+            return Err(Error::invalid_state("no run or commit has completed yet"));
+        };
+        if !stats.device_timed {
+            self.device_times(&mut stats, &recorded)?;
+            self.last = Some((stats, recorded));
+        }
+        Ok(stats)
+    }
+
+    /// Blocks until the work of the last call has run.
+    fn wait_outstanding(&self) -> Result<()> {
+        if !self.done_recorded {
+            return Ok(());
+        }
+        for &rank in &self.ranks {
+            self.backend.sync_event(self.devices[rank], self.events[rank].done)?;
+        }
+        Ok(())
+    }
+
+    /// Tells the executor that the caller's memory `[old_base, old_base + length)` on `device` now
+    /// lives at `new_base`: the next call reads and writes the new place, with nothing planned
+    /// again. Waits for the executor's queued work, then rewrites the prepared addresses in that
+    /// range (the host work is proportional to the segments that touch it; verify descriptors are
+    /// rebuilt at the next run). See `rebind` for how buffers are named.
+    ///
+    /// Errors (nothing changed): InvalidDevice (not a device of the group), InvalidArgument (empty
+    /// or overflowing range, ambiguous or clashing moves), NotFound (the plan uses no byte there),
+    /// PlanStale (the range cuts through bytes the plan moves together: build a new plan).
+    pub fn rebind(&mut self, device: usize, old_base: u64, new_base: u64, length: u64) -> Result<()> {
+        if let Some(err) = &self.broken {
+            return Err(Error::invalid_state(format!("a rebind failed earlier ({})", err.message)));
+        }
+        if !self.devices.contains(&device) {
+            crate::bail!(
+                Status::InvalidDevice,
+                "device {device} is not one of the group's {:?}",
+                self.devices
+            );
+        }
+        self.wait_outstanding()?;
+        let (refs, delta) = self.book.rebind(device, old_base, new_base, length)?;
+        let mut touched = Vec::new();
+        for r in refs {
+            match r.target {
+                Target::Copy(b) => {
+                    self.batches[b as usize].relocate(r.index as usize, r.side, delta);
+                    touched.push(b as usize);
+                }
+                Target::Verify(v) => self.verifies[v as usize].relocate(r.index as usize, r.side, delta),
+            }
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        for b in touched {
+            // SAFETY: the executor's work has drained (waited above); nothing launches it meanwhile.
+            if let Err(err) = unsafe { self.batches[b].flush() } {
+                self.broken = Some(err.clone());
+                return Err(err);
+            }
+        }
+        log::debug!("rebind on device {device}: [{old_base:#x}, +{length:#x}) -> {new_base:#x}");
+        Ok(())
+    }
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        if let Err(err) = self.wait_outstanding() {
+            log::warn!("waiting for an executor's work before releasing it: {err}");
+        }
+        for (rank, stream) in self.peer_streams.iter().enumerate() {
+            if let Some(stream) = stream {
+                let _ = self.backend.sync_stream(self.devices[rank], *stream);
+                self.backend.destroy_stream(self.devices[rank], *stream);
+            }
+        }
+        for (rank, events) in self.events.iter().enumerate() {
+            for event in [events.forked, events.peer_done, events.pushed, events.done] {
+                self.backend.destroy_event(self.devices[rank], event);
+            }
+        }
+        for &(device, allocation) in &self.staging {
+            // SAFETY: allocated by this executor; its work has drained.
+            if let Err(err) = unsafe { self.backend.free(device, allocation) } {
+                log::warn!("freeing staging on device {device}: {err}");
+            }
+        }
     }
 }

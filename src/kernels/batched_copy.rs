@@ -2,7 +2,7 @@
 //! copy ([`copy_segments`]) and a batch uploaded once and launched many times ([`PreparedBatch`]).
 
 use super::check::{check_destinations, validate};
-use super::layout::Layout;
+use super::layout::{DeviceSegment, Layout};
 use super::nvrtc::{self, Output};
 use super::rendezvous::RankRendezvous;
 use crate::backend::driver::{self, check, CurrentContext};
@@ -334,11 +334,17 @@ impl PreparedBatch {
                 crate::bail!(Status::InvalidArgument, "lanes_per_tile = {other}; expected 0, 8, 16 or 32")
             }
         };
+        PreparedBatch::from_layout(device, &layout)
+    }
+
+    /// A batch of `layout` (made by [`Layout`] from segments that passed
+    /// [`super::check::validate`]), uploaded to `device`. For callers that keep the layout to
+    /// [`PreparedBatch::rewrite`] descriptors later. Errors as for [`copy_segments`].
+    pub fn from_layout(device: i32, layout: &Layout) -> Result<PreparedBatch> {
         let kernel = BatchedCopy::for_device(device)?;
         // An empty batch still launches one block when it takes part in a group-synchronized call.
         let blocks = if layout.tiles == 0 { 1 } else { kernel.grid_for(layout.tiles)? };
-        let mut batch =
-            PreparedBatch { kernel, launch: Launch::new(&layout, 0, blocks), bytes: layout.bytes };
+        let mut batch = PreparedBatch { kernel, launch: Launch::new(layout, 0, blocks), bytes: layout.bytes };
         if layout.tiles == 0 {
             return Ok(batch);
         }
@@ -352,6 +358,35 @@ impl PreparedBatch {
             sys::cuMemcpyHtoD_v2(batch.launch.descriptors, bytes.as_ptr().cast(), bytes.len())
         })?;
         Ok(batch)
+    }
+
+    /// Overwrites descriptors `first..first + descriptors.len()` on the device with `descriptors`,
+    /// synchronously: for a caller whose segments moved (same sizes and strides, new addresses), so
+    /// that the next launch copies from and to the new places with nothing else rebuilt. Each
+    /// descriptor must be the layout's own with only `src` and `dst` changed (the tiling stays).
+    /// InvalidArgument when the range is not within the batch.
+    ///
+    /// # Safety
+    /// No launch of this batch may be running or queued to run during the call.
+    pub unsafe fn rewrite(&self, first: usize, descriptors: &[DeviceSegment]) -> Result<()> {
+        let end = first.checked_add(descriptors.len());
+        if end.is_none_or(|end| end as u64 > self.launch.segments) {
+            crate::bail!(
+                Status::InvalidArgument,
+                "descriptors {first}..{} are not within the batch's {}",
+                first.saturating_add(descriptors.len()),
+                self.launch.segments
+            );
+        }
+        if descriptors.is_empty() {
+            return Ok(());
+        }
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
+        let size = std::mem::size_of_val(descriptors);
+        let at = self.launch.descriptors + (first * std::mem::size_of::<DeviceSegment>()) as u64;
+        // SAFETY: within the allocation (checked above); the caller's promise that nothing reads it.
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(at, descriptors.as_ptr().cast(), size) })
     }
 
     /// Enqueues the batch on `stream` (a stream of this batch's device, NULL for its legacy default

@@ -10,6 +10,7 @@
 mod boxes;
 mod coalesce;
 mod coverage;
+mod destinations;
 mod layout;
 mod merge;
 mod owners;
@@ -18,6 +19,7 @@ mod stats;
 pub mod table;
 pub mod wire;
 
+pub use destinations::{Destinations, Located};
 pub use planner::{build, build_from, build_with_limits, Limits};
 pub use stats::{PlanStats, SIZE_BUCKETS};
 pub use table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
@@ -89,6 +91,7 @@ pub struct Plan {
     stats: PlanStats,
     receivers: Vec<(Endpoint, PlanStats)>,
     fingerprint: u64,
+    destinations: Destinations,
 }
 
 impl Plan {
@@ -126,6 +129,11 @@ impl Plan {
     /// for the same inputs in any order, in any process, on any build of this version.
     pub fn fingerprint(&self) -> u64 {
         self.fingerprint
+    }
+
+    /// Where every need lands: names the tensor, box and element of a destination byte.
+    pub fn destinations(&self) -> &Destinations {
+        &self.destinations
     }
 }
 

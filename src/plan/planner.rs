@@ -2,6 +2,7 @@
 //! disjoint pieces (checking coverage), choose owners, lay out segments, coalesce, count.
 
 use super::boxes::Boxed;
+use super::destinations::Destinations;
 use super::layout::Shape;
 use super::merge::{merge, CanonNeed, Catalog, Dims};
 use super::owners::{self, Owners};
@@ -227,7 +228,8 @@ pub fn build_from(tables: &[&Table], options: &PlanOptions, limits: &Limits) -> 
     for (_, stats) in &mut receivers {
         stats.build_ns = build_ns;
     }
-    Ok(Plan { routes, stats: total, receivers, fingerprint })
+    let destinations = Destinations::new(&catalog);
+    Ok(Plan { routes, stats: total, receivers, fingerprint, destinations })
 }
 
 /// Bytes each (replica set, receiver) pair moves, sorted by (set, receiver).
