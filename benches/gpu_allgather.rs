@@ -25,14 +25,14 @@ mod gpu_common;
 
 use cudarc::driver::sys;
 use gpu_common::{ck, cuda, DeviceBuffer, SpinKernel};
-use refit::allgather::peer::{method_for, peer_tile_shift, PeerMethod};
+use refit::allgather::peer::{method_for, peer_tile_shift, set_method, PeerMethod};
 use refit::allgather::{allgather, allgather_rank, Algorithm};
-use refit::backend::nccl::{nccl, Communicators};
-use refit::backend::{Backend, Event, Stream};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::kernels::rendezvous::Rendezvous;
 use refit::kernels::PreparedBatch;
 use refit::segment::Segment;
+use refit::transport::nccl::{nccl, Communicators};
+use refit::transport::{Backend, Event, Stream};
 use std::fmt::Write as _;
 use std::time::{Duration, Instant};
 
@@ -172,13 +172,13 @@ impl DirectNccl {
     }
 
     fn issue(&self, sends: &[u64], recvs: &[u64], bytes: usize) {
-        let lib = nccl().unwrap();
-        lib.group_start().unwrap();
-        for r in 0..self.streams.len() {
-            unsafe { lib.all_gather(sends[r], recvs[r], bytes, self.comms.comms[r], self.streams[r].0) }
-                .unwrap();
-        }
-        lib.group_end().unwrap();
+        self.comms
+            .grouped(|| {
+                (0..self.streams.len()).try_for_each(|r| unsafe {
+                    self.comms.all_gather(r, sends[r], recvs[r], bytes, self.streams[r])
+                })
+            })
+            .unwrap();
     }
 }
 
@@ -530,7 +530,7 @@ fn driver_call_costs(group: &Group, sends: &[u64], recvs: &[u64]) -> Vec<(&'stat
         })
         .collect();
     let tiny = Segment::contiguous(sends[1], recvs[0] + TINY as u64, TINY as u64);
-    let prepared = refit::copy::PreparedCopy::new(group, 0, &[tiny], false).unwrap();
+    let prepared = backend.prepare_batch(group.device(0).unwrap(), &[tiny], false).unwrap();
     let drain = || group.synchronize().unwrap();
     let median_of = |f: &mut dyn FnMut()| median(host_samples(&drain, Duration::ZERO, f));
     let mut rows = Vec::new();
@@ -675,11 +675,11 @@ fn main() {
             // Every peer method forced, then "refit peer" is the one the size rule picks.
             let mut methods = [0.0; 2];
             for (k, method) in PeerMethod::ALL.into_iter().enumerate() {
-                group.set_peer_method(Some(method));
+                set_method(&group, Some(method)).unwrap();
                 methods[k] = ours(Algorithm::Peer);
             }
-            group.set_peer_method(None);
-            let picked = method_for(&group, size as u64);
+            set_method(&group, None).unwrap();
+            let picked = method_for(&group, size as u64).unwrap();
             let peer = methods[PeerMethod::ALL.iter().position(|&m| m == picked).expect("one of ALL")];
             let received = if g == 1 { size } else { (g - 1) * size };
             let peer_in_place = (g > 1).then(|| gbps(received, ours_from(&in_place, Algorithm::Peer)));

@@ -16,9 +16,9 @@ mod random_batch;
 use cuda::{enable_peer, ok, on, Buffer, Stream, Timer};
 use cudarc::driver::sys;
 use random_batch::Rng;
-use refit::backend::driver::check;
 use refit::kernels::layout::Layout;
 use refit::kernels::{copy_segments, BatchedCopy, PreparedBatch};
+use refit::transport::driver::check;
 use refit::Segment;
 use std::time::Instant;
 

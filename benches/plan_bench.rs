@@ -9,7 +9,7 @@
 //! only where that variable points). Arguments that are not flags select cases by name.
 
 use refit::plan::{self, Endpoint, Plan, PlanOptions, PlanStats, Region, Table};
-use refit::workloads::{Layout, Model, Spec, Workload};
+use refit_workloads::{Layout, Model, Spec, Workload};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::Instant;

@@ -17,16 +17,16 @@
 //! verified step: the run lands everything in staging and compares it with the sources, the live
 //! buffers stay untouched until the commit installs it.
 
-use refit::backend::cuda::cuda_backend;
-use refit::backend::host::HostBackend;
-use refit::backend::Backend;
 use refit::ffi::exec::*;
 use refit::ffi::group::*;
 use refit::ffi::plan::*;
 use refit::ffi::status::refit_last_error_message;
 use refit::plan::{wire, Endpoint};
-use refit::workloads::{element_value, Layout, Megatron, Model, Placed, Role, Spec, Vllm, Workload};
+use refit::transport::cuda::cuda_backend;
+use refit::transport::host::HostBackend;
+use refit::transport::Backend;
 use refit::Status;
+use refit_workloads::{element_value, Layout, Megatron, Model, Placed, Role, Spec, Vllm, Workload};
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;

@@ -1007,13 +1007,18 @@ refit_status refit_group_run(refit_group *group,
 /**
  * Host backend only: creates a caller-side host stream (a FIFO queue with its own worker thread)
  * usable as a caller stream of any host-backend group, e.g. to test scope ordering. Release it with
- * refit_host_stream_destroy. Errors: NULL_ARGUMENT.
+ * refit_host_stream_destroy. Thread-safe. Errors: NULL_ARGUMENT, OUT_OF_MEMORY (no thread could be
+ * started).
  */
 refit_status refit_host_stream_create(void **stream);
 
 /**
- * Destroys a host stream after its queued work has run.
- * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not a host stream, or destroyed already).
+ * Destroys a host stream made by refit_host_stream_create, after its queued work has run. Only those
+ * streams: a group's streams (refit_group_stream) and a simulated device's default stream are
+ * released by refit_group_destroy, and any other value is refused without effect. Handle values are
+ * not sequential, so a guessed value names no stream. Thread-safe.
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not made by refit_host_stream_create, destroyed already,
+ * or a group's stream).
  */
 refit_status refit_host_stream_destroy(void *stream);
 
@@ -1248,7 +1253,12 @@ const char *refit_status_string(int32_t status);
 /**
  * The message of the last call on this thread that failed, NUL-terminated; "" if none has failed.
  * Successful calls leave it unchanged. The pointer stays valid until the next failing call on this
- * thread. Thread-safe (each thread has its own message); never fails.
+ * thread or the thread's exit. Thread-safe (each thread has its own message); never fails.
+ *
+ * Every refit function may be called while a thread or the process exits (from a thread-key
+ * destructor or an atexit handler). Once the exiting thread's message storage has been released,
+ * the message of a call that fails then is its status name (e.g. "REFIT_STATUS_NULL_ARGUMENT"), and
+ * before any such failure a fixed text saying the message was released.
  */
 const char *refit_last_error_message(void);
 
@@ -1256,12 +1266,22 @@ const char *refit_last_error_message(void);
  * Installs a log sink. `level` is the most verbose level delivered: 0 off, 1 error, 2 warn, 3 info,
  * 4 debug, 5 trace. `callback(level, message, user_data)` receives each record with a NUL-terminated
  * message valid only during the call; it may be called from any thread, including the group's rank
- * threads, and must not call back into refit. NULL `callback` restores the default sink (stderr).
+ * threads, and from several threads at once. NULL `callback` restores the default sink: stderr at the
+ * level named by the environment variable REFIT_LOG (off, error, warn, info, debug, trace), warn by
+ * default, which is also the sink before any call.
  *
- * Without this call, logging goes to stderr at the level named by the environment variable
- * REFIT_LOG (off, error, warn, info, debug, trace), warn by default.
+ * Once this call returns, the callback it replaced is never entered again and has returned on every
+ * thread, so its user_data may be freed. To keep that promise the call waits for calls of the old
+ * callback running on other threads: a callback must not wait for the thread that calls this
+ * function. The callback and the level change together: every record goes to the sink installed
+ * with its level, never to one sink at another's level.
  *
- * Thread-safe. Errors: REFIT_STATUS_INVALID_ARGUMENT for a level above 5.
+ * A callback may call refit functions. Records those calls emit on the callback's thread while it is
+ * inside the callback are dropped (so a failing call does not call the callback again).
+ *
+ * Thread-safe; concurrent calls take effect one after the other. Errors: REFIT_STATUS_INVALID_ARGUMENT
+ * for a level above 5; REFIT_STATUS_INVALID_STATE when called from inside the log callback (nothing
+ * is changed).
  */
 refit_status refit_set_log_callback(uint32_t level,
                                     refit_log_callback callback,

@@ -2,12 +2,10 @@
 //! (`include/refit.h`). It offers stream-scoped group execution, allgather (NCCL or peer copies), and
 //! a reshard plan/execute API over raw device pointers the caller owns.
 //!
-//! Layers, each knowing only the ones below it: `plan` is pure Rust and knows no CUDA; `backend` moves
+//! Layers, each knowing only the ones below it: `plan` is pure Rust and knows no CUDA; `transport` moves
 //! bytes and knows no plans; `ffi` converts and checks, and holds no logic.
 
 pub mod allgather;
-pub mod backend;
-pub mod copy;
 pub mod error;
 pub mod exec;
 pub mod ffi;
@@ -16,7 +14,7 @@ pub mod kernels;
 pub mod logging;
 pub mod plan;
 pub mod segment;
-pub mod workloads;
+pub mod transport;
 
 pub use error::{Error, Result, Status};
 pub use segment::Segment;

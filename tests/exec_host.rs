@@ -6,8 +6,8 @@
 use refit::exec::{Arm, CommitMode, ExecOptions, Executor, Method, RunStats, Stage};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::plan::{self, Endpoint, Plan, PlanOptions};
-use refit::workloads::{element_value, Layout, Model, Moe, Role, Spec, Workload};
 use refit::{Error, Status};
+use refit_workloads::{element_value, Layout, Model, Moe, Role, Spec, Workload};
 use std::sync::Arc;
 
 const POISON: u8 = 0xa5;
@@ -260,7 +260,7 @@ fn a_failure_before_commit_leaves_every_live_byte_unchanged() {
 fn corrupting(address: u64) -> refit::exec::Hook {
     Arc::new(move |stage, group: &Group| {
         if stage == (Stage::Verify { slice: 0 }) {
-            let stream = refit::backend::host::host_stream(group.stream(1)?)?;
+            let stream = refit::transport::host::host_stream(group.stream(1)?)?;
             // SAFETY: the address is a byte of the test's memory, alive for the whole test.
             stream.enqueue(move || unsafe { *(address as usize as *mut u8) ^= 0x10 })?;
         }

@@ -7,10 +7,10 @@
 mod gpu_common;
 
 use gpu_common::{caller_stream, cuda, group_sizes, pattern, DeviceBuffer, SpinKernel};
-use refit::allgather::peer::PeerMethod;
+use refit::allgather::peer::{set_method, PeerMethod};
 use refit::allgather::{allgather, allgather_rank, Algorithm};
-use refit::backend::Backend;
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use refit::transport::Backend;
 
 const ALGORITHMS: [Algorithm; 4] = [Algorithm::Peer, Algorithm::Nccl, Algorithm::Host, Algorithm::Auto];
 
@@ -206,7 +206,7 @@ fn inside_a_scope_the_allgather_comes_after_slow_producers_and_users_on_the_call
         let kernels: Vec<SpinKernel> = (0..size).map(SpinKernel::load).collect();
         let methods = PeerMethod::ALL.map(|m| (Algorithm::Peer, Some(m)));
         for (algorithm, method) in methods.into_iter().chain([(Algorithm::Nccl, None)]) {
-            group.set_peer_method(method);
+            set_method(&group, method).unwrap();
             let counts = vec![4096usize; size];
             let mut case = Case::new(&counts, 3, false);
             let callers: Vec<_> = (0..size).map(caller_stream).collect();
@@ -232,7 +232,7 @@ fn inside_a_scope_the_allgather_comes_after_slow_producers_and_users_on_the_call
             }
             println!("G={size} {algorithm:?} {method:?}: ordered after the callers' slow producer and user");
         }
-        group.set_peer_method(None);
+        set_method(&group, None).unwrap();
     }
 }
 
@@ -245,7 +245,7 @@ fn every_peer_method_is_byte_exact() {
         let uneven: Vec<usize> = (0..size).map(|r| if r == 0 { 0 } else { 8 * mib + 13 * r }).collect();
         for method in PeerMethod::ALL {
             // Every method at a size the rule gives to another, and at odd sizes and alignments.
-            group.set_peer_method(Some(method));
+            set_method(&group, Some(method)).unwrap();
             for counts in [vec![8 * mib + 5; size], uneven.clone(), vec![777; size]] {
                 for in_place in [false, true] {
                     let case = Case::new(&counts, 4, in_place);
@@ -269,7 +269,7 @@ fn every_peer_method_is_byte_exact() {
             }
             println!("G={size} {method:?}: byte-exact, whole-group and per-rank");
         }
-        group.set_peer_method(None);
+        set_method(&group, None).unwrap();
     }
 }
 
@@ -284,7 +284,7 @@ fn an_owner_may_overwrite_its_send_buffer_on_its_stream_right_after_the_call() {
     let kernels: Vec<SpinKernel> = (0..2).map(SpinKernel::load).collect();
     let scratch = DeviceBuffer::new(1, 4);
     for method in PeerMethod::ALL {
-        group.set_peer_method(Some(method));
+        set_method(&group, Some(method)).unwrap();
         for count in [4096usize, 3 << 20] {
             let counts = vec![count; 2];
             let case = Case::new(&counts, 5, false);
@@ -299,7 +299,7 @@ fn an_owner_may_overwrite_its_send_buffer_on_its_stream_right_after_the_call() {
         }
         println!("{method:?}: the send buffer is free on the owner's stream after the call");
     }
-    group.set_peer_method(None);
+    set_method(&group, None).unwrap();
 }
 
 #[test]
@@ -353,13 +353,15 @@ fn a_hundred_calls_in_one_scope_switching_methods_buffers_and_sizes() {
         let cases = hundred_cases(size, 7000);
         group.enter(None).unwrap();
         for (call, case) in cases.iter().enumerate() {
-            group.set_peer_method(
+            set_method(
+                &group,
                 [None, Some(PeerMethod::KernelPushes), Some(PeerMethod::CopyEnginePushes)][(call / 3) % 3],
-            );
+            )
+            .unwrap();
             case.gather(&group, Algorithm::Peer).unwrap();
         }
         group.exit(ExitMode::Sync).unwrap();
-        group.set_peer_method(None);
+        set_method(&group, None).unwrap();
         check_each(&cases, &format!("G={size}"));
         println!("G={size}: 100 calls in one scope, methods and buffers switching, all exact");
     }
@@ -376,7 +378,7 @@ fn kernel_pushes_launched_by_awake_or_sleeping_rank_threads_are_exact_and_keep_t
     };
     for size in group_sizes().into_iter().filter(|&g| g > 1) {
         let group = gpu_group(size);
-        group.set_peer_method(Some(PeerMethod::KernelPushes));
+        set_method(&group, Some(PeerMethod::KernelPushes)).unwrap();
         let cases = hundred_cases(size, 9000);
         // The caller works on the last rank's device; the calling thread launches rank 0's kernel.
         cuda().bind(size - 1).unwrap();

@@ -12,8 +12,8 @@ mod random_batch;
 use cuda::{enable_peer, ok, on, Buffer, Stream};
 use cudarc::driver::sys;
 use random_batch::{first_difference, random_batch, rebase, reference, Batch, Rng, Shape};
-use refit::backend::driver::check;
 use refit::kernels::{copy_segments, PreparedBatch};
+use refit::transport::driver::check;
 use refit::{Segment, Status};
 
 const POISON: u8 = 0xCD;
@@ -450,7 +450,6 @@ fn errors_are_statuses_and_copy_nothing() {
 #[test]
 #[ignore = "needs a GPU"]
 fn group_rank_copy_on_the_cuda_backend() {
-    use refit::copy::{copy_batch, PreparedCopy};
     use refit::group::{BackendChoice, Group, GroupOptions};
     let devices: Vec<i64> = if cuda::device_count() >= 2 { vec![0, 1] } else { vec![0] };
     let group = ok(
@@ -466,10 +465,12 @@ fn group_rank_copy_on_the_cuda_backend() {
     let batch = random_batch(&mut rng, shape);
     let mut case = Case::new(&mut rng, batch, device, device);
     // SAFETY: live buffers of this rank's device and the group's own stream.
-    ok("copy_batch", unsafe { copy_batch(&group, rank, stream, &case.segments, true) });
+    let backend = group.backend();
+    let ordinal = ok("group device", group.device(rank));
+    ok("copy_batch", unsafe { backend.copy_batch(ordinal, stream, &case.segments, true) });
     ok("sync", group.backend().sync_stream(device as usize, stream));
     case.verify("group rank one-shot");
-    let prepared = ok("PreparedCopy::new", PreparedCopy::new(&group, rank, &case.segments, true));
+    let prepared = ok("prepare_batch", backend.prepare_batch(ordinal, &case.segments, true));
     for round in 0..3 {
         case.refresh(&mut rng);
         // SAFETY: as above.

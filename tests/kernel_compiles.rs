@@ -3,7 +3,7 @@
 //! `REFIT_NVRTC_LIBRARY=/path/to/libnvrtc.so.13 cargo test --test kernel_compiles -- --ignored --nocapture`.
 
 use refit::kernels::batched_copy::compile_for;
-use refit::kernels::nvrtc::{self, Output};
+use refit::transport::nvrtc::{self, Output};
 
 #[test]
 #[ignore = "needs libnvrtc (set REFIT_NVRTC_LIBRARY)"]

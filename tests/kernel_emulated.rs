@@ -8,9 +8,9 @@
 mod random_batch;
 
 use random_batch::{first_difference, random_batch, rebase, reference, Rng, Shape};
-use refit::backend::dynlib::Library;
-use refit::kernels::check::validate;
 use refit::kernels::layout::Layout;
+use refit::segment::check::validate;
+use refit::transport::dynlib::Library;
 use refit::{Segment, Status};
 use std::path::PathBuf;
 use std::process::Command;

@@ -1,10 +1,10 @@
 //! The planner on a Qwen3-30B-A3B refit at full scale (Megatron EP8 publishers with data-parallel
 //! replicas of the dense weights -> vLLM TP2 receivers with fused qkv / gate_up and stacked experts,
-//! laid out by `refit::workloads`): exact bytes, replica deduplication, and coalescing that reaches
-//! the range-count targets. Counts only: build time is measured by the planner benchmark.
+//! laid out by the `refit-workloads` development crate): exact bytes, replica deduplication, and
+//! coalescing that reaches the range-count targets. Counts only: build time is measured by the planner benchmark.
 
 use refit::plan::{build, Endpoint, OwnerPolicy, PlanOptions};
-use refit::workloads::{Layout, Spec, Workload};
+use refit_workloads::{Layout, Spec, Workload};
 
 const LAYERS: u64 = 48;
 const HIDDEN: u64 = 2048;

@@ -3,14 +3,14 @@
 //! reads or writes moves (see `rebind`).
 
 use super::options::Method;
-use crate::backend::host::host_stream;
-use crate::backend::host_copy::copy_runs;
-use crate::backend::{Backend, BackendKind, Stream};
 use crate::error::Result;
 use crate::group::Group;
 use crate::kernels::layout::Layout;
 use crate::kernels::PreparedBatch;
 use crate::segment::Segment;
+use crate::transport::host::host_stream;
+use crate::transport::host_copy::copy_runs;
+use crate::transport::{Backend, BackendKind, Stream};
 use std::sync::Arc;
 
 /// Which address of a segment a reference names.

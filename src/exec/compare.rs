@@ -3,11 +3,11 @@
 //! the stream has passed it. This one compares on the host backend only; on CUDA it is Unsupported
 //! until the device primitive replaces it (the executor uses nothing else of it).
 
-use crate::backend::host::host_stream;
-use crate::backend::{BackendKind, Stream};
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::segment::Segment;
+use crate::transport::host::host_stream;
+use crate::transport::{BackendKind, Stream};
 use std::sync::{Arc, Mutex};
 
 /// `None` until a launch has run; then the index of the first segment whose destination differs

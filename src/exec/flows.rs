@@ -5,8 +5,8 @@
 
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
-use crate::kernels::check::validate;
 use crate::plan::{Endpoint, Plan, RouteKind};
+use crate::segment::check::validate;
 use crate::segment::Segment;
 
 /// Route kinds, in `RouteKind` order (the stats' arrays are indexed by `kind as usize`).

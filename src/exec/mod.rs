@@ -31,11 +31,11 @@ pub use flows::{KindTotals, KINDS};
 pub use options::{Arm, CommitMode, ExecOptions, Hook, Method, Stage};
 pub use stats::RunStats;
 
-use crate::backend::{Backend, Event, Stream};
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Destinations, Endpoint, Plan, RouteKind};
 use crate::segment::Segment;
+use crate::transport::{Backend, Event, Stream};
 use batch::{Batch, Side};
 use flows::Flow;
 use rebind::{AddressBook, Registrar, Target};

@@ -2,10 +2,10 @@
 //! and on the host backend a stamp taken by the stream's worker when it reaches the mark (the same
 //! meaning: when the stream got there). Marks are reused call after call.
 
-use crate::backend::driver::{check, primary_context, CurrentContext};
-use crate::backend::host::host_stream;
-use crate::backend::{Backend, BackendKind, Stream};
 use crate::error::Result;
+use crate::transport::driver::{check, primary_context, CurrentContext};
+use crate::transport::host::host_stream;
+use crate::transport::{Backend, BackendKind, Stream};
 use cudarc::driver::sys;
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Instant;

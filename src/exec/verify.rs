@@ -4,11 +4,11 @@
 
 use super::batch::Side;
 use super::compare::PreparedVerify;
-use crate::backend::{Backend, Stream};
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Destinations, Endpoint};
 use crate::segment::Segment;
+use crate::transport::{Backend, Stream};
 
 /// Runs read back, at most, to find the first differing byte of a mismatched segment.
 const MAX_RUNS_READ: u64 = 1 << 16;

@@ -41,6 +41,12 @@ impl AbortableBarrier {
         }
     }
 
+    /// How many times all parties have crossed so far. A party that is not waiting reads the same
+    /// count as every other such party, up to the next crossing (which needs every party).
+    pub fn crossings(&self) -> u64 {
+        self.generation.load(Ordering::Acquire)
+    }
+
     /// Waits until all parties have arrived, or fails once the barrier is aborted.
     pub fn wait(&self) -> Result<()> {
         self.wait_then(|| 0).map(drop)

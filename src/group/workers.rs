@@ -3,8 +3,8 @@
 
 use super::barrier::AbortableBarrier;
 use super::spin::spin_while;
-use crate::backend::{Backend, Stream};
 use crate::error::{Error, Result, Status};
+use crate::transport::{Backend, Stream};
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -258,7 +258,7 @@ impl Drop for RankWorkers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::host::HostBackend;
+    use crate::transport::host::HostBackend;
     use std::sync::mpsc::sync_channel;
     use std::thread::ThreadId;
 

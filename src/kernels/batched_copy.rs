@@ -1,13 +1,13 @@
 //! The batched copy on a CUDA device: the compiled kernel per device ([`BatchedCopy`]), a one-shot
 //! copy ([`copy_segments`]) and a batch uploaded once and launched many times ([`PreparedBatch`]).
 
-use super::check::{check_destinations, validate};
 use super::layout::{DeviceSegment, Layout};
-use super::nvrtc::{self, Output};
 use super::rendezvous::RankRendezvous;
-use crate::backend::driver::{self, check, CurrentContext};
 use crate::error::{Error, Result, Status};
+use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
+use crate::transport::driver::{self, check, CurrentContext};
+use crate::transport::nvrtc::{self, Output};
 use cudarc::driver::sys;
 use std::collections::HashMap;
 use std::ffi::c_void;
@@ -112,11 +112,6 @@ impl BatchedCopy {
     /// The device ordinal this kernel runs on.
     pub fn device(&self) -> i32 {
         self.device
-    }
-
-    /// The device's primary context (retained for the life of the process).
-    pub(crate) fn context(&self) -> sys::CUcontext {
-        self.context
     }
 
     /// Blocks for `tiles` tiles: the persistent grid, or fewer when there is less work than warps.
@@ -466,5 +461,16 @@ impl Drop for PreparedBatch {
         if let Err(err) = freed {
             log::warn!("freeing a prepared batch's descriptors: {err}");
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_kernel_counts_departures_in_the_same_units_as_the_rendezvous() {
+        let define = format!("#define DEPARTURE_UNITS {}ull", super::super::rendezvous::DEPARTURE_UNITS);
+        assert!(SOURCE.contains(&define), "batched_copy.cu lacks `{define}`");
     }
 }

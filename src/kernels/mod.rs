@@ -1,17 +1,19 @@
 //! The batched copy kernel: any number of [`Segment`](crate::segment::Segment)s copied in one launch,
 //! near memory bandwidth for every segment size.
 //!
-//! - `batched_copy.cu`: the CUDA C source, compiled at first use per device by NVRTC ([`nvrtc`]).
-//! - [`layout`]: how a batch is laid out for the kernel (descriptors, tiles); pure Rust.
-//! - [`check`]: validation and the checked mode's destination-overlap test; pure Rust, shared with the
-//!   host backend (`backend::host_copy`).
+//! - `batched_copy.cu`: the CUDA C source, compiled at first use per device by NVRTC
+//!   (`transport::nvrtc`).
+//! - [`layout`]: how a batch is laid out for the kernel (descriptors, tiles); pure Rust. Segments are
+//!   checked before (`segment::check`, shared with the host backend's copy).
 //! - [`batched_copy`]: the per-device kernel cache, one-shot [`copy_segments`] and [`PreparedBatch`].
 //! - [`rendezvous`]: the device-memory flags through which a group's synchronized launches meet.
 
+//!
+//! The transport's backends launch these; the kernels use only the transport's driver and loader
+//! files (`transport::driver`, `transport::nvrtc`), never the backends.
+
 pub mod batched_copy;
-pub mod check;
 pub mod layout;
-pub mod nvrtc;
 pub mod rendezvous;
 
 pub use batched_copy::{copy_segments, BatchedCopy, PreparedBatch};

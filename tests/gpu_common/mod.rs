@@ -4,9 +4,9 @@
 #![allow(dead_code)]
 
 use cudarc::driver::sys::{self, CUresult};
-use refit::backend::cuda::{cuda_backend, CudaBackend};
-use refit::backend::driver::error_name;
-use refit::backend::{Backend, Stream};
+use refit::transport::cuda::{cuda_backend, CudaBackend};
+use refit::transport::driver::error_name;
+use refit::transport::{Backend, Stream};
 use std::sync::Arc;
 
 pub fn ck(call: &str, result: CUresult) {
