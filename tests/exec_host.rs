@@ -404,9 +404,12 @@ fn bad_rebinds_and_calls_get_their_status() {
         assert!(err.message.contains(what), "{}", err.message);
     }
     // A process with no routes has nothing to do, and does it.
-    let mut idle = Executor::new(&group, &refit.plan, 7, ExecOptions::default()).unwrap();
-    let stats = step(&mut idle, &group).unwrap();
-    assert_eq!(stats.bytes, [0, 0, 0]);
+    for commit in [CommitMode::Direct, CommitMode::Staged] {
+        let options = ExecOptions { commit, verify: true, ..ExecOptions::default() };
+        let mut idle = Executor::new(&group, &refit.plan, 7, options).unwrap();
+        let stats = step(&mut idle, &group).unwrap();
+        assert_eq!((stats.bytes, stats.installed_bytes), ([0, 0, 0], 0));
+    }
     // The plan names device 1; a group without it cannot run it.
     let lonely = Group::new(&[0], GroupOptions { backend: BackendChoice::Host, host_devices: 2 }).unwrap();
     assert_eq!(

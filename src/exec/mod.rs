@@ -588,7 +588,7 @@ impl Executor {
             if self.options.verify { self.verifies.iter().map(|v| v.bytes()).sum() } else { 0 };
         stats.installed_bytes =
             if staged { self.installed_bytes(0..last) } else { self.totals.bytes.iter().sum() };
-        self.finish(stats, started, prepared, log, implicit)
+        self.finish("run", stats, started, prepared, log, implicit)
     }
 
     /// Queues every slice of a run (inside the scope).
@@ -705,7 +705,8 @@ impl Executor {
 
     /// Waits for slice `k`'s verify stage and reads its outcomes.
     fn check_slice(&self, k: usize, log: &mut CallLog) -> Result<()> {
-        for receiving in &self.slices[k].receiving {
+        let Some(slice) = self.slices.get(k) else { return Ok(()) };
+        for receiving in &slice.receiving {
             let Some(v) = receiving.verify else { continue };
             let slot = Slot { slice: k, timed: Timed::Verify, rank: receiving.rank };
             log.waiting(|| self.marks[&slot].1.wait())?;
@@ -793,13 +794,14 @@ impl Executor {
             installed_bytes: if self.slices.is_empty() { 0 } else { self.installed_bytes(last..last + 1) },
             ..RunStats::default()
         };
-        self.finish(stats, started, prepared, log, implicit)
+        self.finish("commit", stats, started, prepared, log, implicit)
     }
 
     /// Fills the host times (and device times when the call waited for the device), logs the call,
     /// keeps it for [`Executor::stats`].
     fn finish(
         &mut self,
+        call: &str,
         mut stats: RunStats,
         started: Instant,
         prepared: Instant,
@@ -814,7 +816,6 @@ impl Executor {
         if waited {
             self.device_times(&mut stats, &log.recorded)?;
         }
-        let call = if stats.slices == 0 { "commit" } else { "run" };
         log::info!("{}", stats.summary(call));
         self.last = Some((stats, log.recorded));
         Ok(stats)
