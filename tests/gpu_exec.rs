@@ -251,17 +251,19 @@ fn a_failure_before_commit_leaves_every_live_byte_unchanged() {
     refit.assert_poisoned("after failures before commit");
 }
 
-/// A hook that, just before the verify stage, flips one byte at `address` on rank `rank`'s stream
-/// (after the copies, before the comparison).
-fn corrupting(rank: usize, address: u64) -> Hook {
+/// A hook that, just before the verify stage, changes one byte at `address` (after the copies,
+/// before the comparison): it waits for every device of the group (whichever stream copied the
+/// byte), then writes it.
+fn corrupting(address: u64) -> Hook {
     Arc::new(move |stage, group: &Group| {
         if stage == (Stage::Verify { slice: 0 }) {
-            let stream = group.stream(rank)?;
-            cuda().bind(group.device(rank)?)?;
-            // SAFETY: a byte of a live DeviceBuffer, on a live stream of its device.
-            ck("cuMemsetD8Async", unsafe {
-                sys::cuMemsetD8Async(address, 0x5A, 1, stream.0 as usize as sys::CUstream)
-            });
+            for rank in 0..group.size() {
+                cuda().bind(group.device(rank)?)?;
+                ck("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
+            }
+            // SAFETY: a byte of a live DeviceBuffer; synchronous on the legacy stream, then waited.
+            ck("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(address, 0x5A, 1) });
+            ck("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
         }
         Ok(())
     })
@@ -280,12 +282,12 @@ fn verify_catches_a_byte_corrupted_between_copy_and_verify() {
     let stats = step(&mut clean, &group).unwrap();
     assert!(stats.verified && stats.verify_ns > 0);
     refit.assert_installed("verified");
-    // Direct: a receiver byte changed after the copy.
-    let b = refit.receivers()[refit.receivers().len() / 2];
-    let rank = refit.w.buffers[b].endpoint.device as usize;
+    // Direct: a receiver byte changed after the copy (an unfused parameter, whose buffer is named
+    // as its tensor).
+    let b = *refit.receivers().iter().rev().find(|&&b| refit.w.buffers[b].name.contains("o_proj")).unwrap();
     let options = ExecOptions {
         verify: true,
-        hook: Some(corrupting(rank, refit.buffers[b].ptr + 3)),
+        hook: Some(corrupting(refit.buffers[b].ptr + 3)),
         ..ExecOptions::default()
     };
     let mut corrupted = Executor::new(&group, &refit.plan, 0, options).unwrap();
@@ -295,11 +297,10 @@ fn verify_catches_a_byte_corrupted_between_copy_and_verify() {
     // Staged: a source changed after the copy into staging; nothing is installed.
     refit.poison();
     let source = refit.plan.routes()[0].segments[0].src;
-    let source_rank = refit.plan.routes()[0].src.device as usize;
     let options = ExecOptions {
         verify: true,
         commit: CommitMode::Staged,
-        hook: Some(corrupting(source_rank, source)),
+        hook: Some(corrupting(source)),
         ..ExecOptions::default()
     };
     let mut staged = Executor::new(&group, &refit.plan, 0, options).unwrap();

@@ -4,11 +4,13 @@
 //!
 //! Stages of a step, per slice (one slice unless a staged step exceeds the staging limit):
 //! 1. Copy: each source rank copies its local segments on its group stream and pushes its NVLink-peer
-//!    segments on a stream of its own (`peer_streams`), side by side, joined back into the group
-//!    stream. Into the live buffers (direct commit) or the receivers' staging (staged commit).
-//! 2. Verify (optional): each receiving rank compares every byte copied into it with its source.
-//! 3. Install (staged): each receiving rank copies its staging into its live buffers in one batched
-//!    launch; the last slice's install is [`Executor::commit`].
+//!    segments on a stream of its own (`peer_streams`), side by side. Into the live buffers (direct
+//!    commit) or the receivers' staging (staged commit).
+//! 2. Verify (optional): each copy batch is checked on its own stream right after it (what it wrote
+//!    against what it read); then the peer streams are joined back into the group streams.
+//! 3. Install (staged): each receiving rank, once every rank pushing into it is done, copies its
+//!    staging into its live buffers in one batched launch; the last slice's install is
+//!    [`Executor::commit`].
 //!
 //! Ordering follows the group's scope rules: inside the caller's scope the step is only queued;
 //! outside one, an implicit scope makes it complete on return. Because a rank writes other ranks'
@@ -33,7 +35,7 @@ pub use stats::RunStats;
 
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
-use crate::plan::{Destinations, Endpoint, Plan, RouteKind};
+use crate::plan::{Destinations, Plan, RouteKind};
 use crate::segment::Segment;
 use crate::transport::{Backend, Event, Stream};
 use batch::{Batch, Side};
@@ -51,7 +53,8 @@ use verify::VerifyBatch;
 enum Timed {
     Local,
     Peer,
-    Verify,
+    VerifyLocal,
+    VerifyPeer,
     Install,
 }
 
@@ -63,24 +66,31 @@ struct Slot {
     rank: usize,
 }
 
+/// One copy batch of a rank and the verify that checks it (indices into the executor's lists).
+#[derive(Clone, Copy, Debug)]
+struct CopyStage {
+    batch: usize,
+    verify: Option<usize>,
+}
+
 /// What one source rank copies in one slice.
 #[derive(Debug, Default)]
 struct RankCopies {
     rank: usize,
-    /// Batch indices.
-    local: Option<usize>,
-    peer: Option<usize>,
+    /// On the group stream.
+    local: Option<CopyStage>,
+    /// On the rank's peer stream.
+    peer: Option<CopyStage>,
     /// Whether other ranks wait for these copies (it pushes into them).
     pushes: bool,
 }
 
-/// What one receiving rank does after the copies into it.
+/// What one receiving rank does after the copies into it (staged).
 #[derive(Debug, Default)]
 struct Receiving {
     rank: usize,
-    /// Other ranks copying into this one, which it waits for before verify or install.
+    /// Other ranks copying into this one, which it waits for before installing.
     sources: Vec<usize>,
-    verify: Option<usize>,
     install: Option<usize>,
 }
 
@@ -199,22 +209,29 @@ fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool) -> Re
     })
 }
 
+/// One segment a copy batch moves: as copied (into the live buffer, or into staging), as planned
+/// (what a verify mismatch is reported against), and the rank receiving it.
+#[derive(Clone, Copy, Debug)]
+struct Copied {
+    segment: Segment,
+    planned: Segment,
+    receiver: usize,
+}
+
 /// Segments of one slice before they become batches.
 #[derive(Default)]
 struct SliceLists {
-    /// Per source rank: (segment, receiving rank) for local and for peer copies.
-    local: HashMap<usize, Vec<(Segment, usize)>>,
-    peer: HashMap<usize, Vec<(Segment, usize)>>,
-    /// Per receiving rank: (what verify compares, the segment as planned, its source rank) and
-    /// installs.
-    checks: HashMap<usize, Vec<(Segment, Segment, usize)>>,
+    /// Per source rank: its local and its peer copies.
+    local: HashMap<usize, Vec<Copied>>,
+    peer: HashMap<usize, Vec<Copied>>,
+    /// Per receiving rank: the installs from its staging.
     installs: HashMap<usize, Vec<Segment>>,
 }
 
 impl SliceLists {
-    fn copy(&mut self, flow: &Flow, segment: Segment) {
+    fn copy(&mut self, flow: &Flow, segment: Segment, planned: Segment) {
         let lists = if flow.kind == RouteKind::Local { &mut self.local } else { &mut self.peer };
-        lists.entry(flow.src).or_default().push((segment, flow.dst));
+        lists.entry(flow.src).or_default().push(Copied { segment, planned, receiver: flow.dst });
     }
 }
 
@@ -320,10 +337,7 @@ impl Executor {
         let mut lists = SliceLists::default();
         for flow in flows {
             for segment in &flow.segments {
-                lists.copy(flow, *segment);
-                if self.options.verify {
-                    lists.checks.entry(flow.dst).or_default().push((*segment, *segment, flow.src));
-                }
+                lists.copy(flow, *segment, *segment);
             }
         }
         lists
@@ -366,18 +380,15 @@ impl Executor {
             for (f, piece, placement) in placed {
                 let (into, out) = staged_pair(&piece, base, &placement);
                 let lists = &mut slices[placement.slice];
-                lists.copy(&flows[f], into);
-                if self.options.verify {
-                    lists.checks.entry(rank).or_default().push((into, piece, flows[f].src));
-                }
+                lists.copy(&flows[f], into, piece);
                 lists.installs.entry(rank).or_default().push(out);
             }
         }
         Ok(slices)
     }
 
-    /// Builds slice `k`'s batches, stamps and peer streams, and registers every address it
-    /// reads or writes in caller memory.
+    /// Builds slice `k`'s batches (with their verifies), stamps and peer streams, and registers every
+    /// address it reads or writes in caller memory.
     fn prepare_slice(
         &mut self,
         group: &Group,
@@ -385,8 +396,6 @@ impl Executor {
         lists: SliceLists,
         registrar: &mut Registrar,
     ) -> Result<Slice> {
-        let staged = self.options.commit == CommitMode::Staged;
-        let budget = self.options.sm_budget;
         let mut slice = Slice::default();
         let mut sources: HashMap<usize, Vec<usize>> = HashMap::new();
         let mut copy_ranks: Vec<usize> = lists.local.keys().chain(lists.peer.keys()).copied().collect();
@@ -398,83 +407,84 @@ impl Executor {
                 [(RouteKind::Local, lists.local.get(&rank)), (RouteKind::Peer, lists.peer.get(&rank))]
             {
                 let Some(list) = list else { continue };
-                let index = self.batches.len();
-                for (i, (segment, receiver)) in list.iter().enumerate() {
-                    let (lo, hi) = extent(segment, Side::Src);
-                    registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Src);
-                    if !staged {
-                        let (lo, hi) = extent(segment, Side::Dst);
-                        registrar.add(
-                            self.devices[*receiver],
-                            lo,
-                            hi,
-                            Target::Copy(index as u32),
-                            i,
-                            Side::Dst,
-                        );
-                    }
-                    if *receiver != rank {
-                        copies.pushes = true;
-                        let into = sources.entry(*receiver).or_default();
-                        if !into.contains(&rank) {
-                            into.push(rank);
-                        }
+                for copied in list.iter().filter(|c| c.receiver != rank) {
+                    copies.pushes = true;
+                    let into = sources.entry(copied.receiver).or_default();
+                    if !into.contains(&rank) {
+                        into.push(rank);
                     }
                 }
-                let method = self.methods[kind as usize].expect("a method for every kind with segments");
-                let segments = list.iter().map(|(s, _)| *s).collect();
-                self.batches.push(Batch::new(group, rank, segments, method, budget)?);
-                let timed = if kind == RouteKind::Local {
-                    copies.local = Some(index);
-                    Timed::Local
+                let stage = self.prepare_copy(group, k, rank, kind, list, registrar)?;
+                if kind == RouteKind::Local {
+                    copies.local = Some(stage);
                 } else {
-                    copies.peer = Some(index);
+                    copies.peer = Some(stage);
                     if self.peer_streams[rank].is_none() {
                         self.peer_streams[rank] = Some(self.backend.create_stream(self.devices[rank])?);
                     }
-                    Timed::Peer
-                };
-                self.add_marks(Slot { slice: k, timed, rank })?;
+                }
             }
             slice.copies.push(copies);
         }
-        let mut receiving_ranks: Vec<usize> =
-            lists.checks.keys().chain(lists.installs.keys()).copied().collect();
+        let mut receiving_ranks: Vec<usize> = lists.installs.keys().copied().collect();
         receiving_ranks.sort_unstable();
-        receiving_ranks.dedup();
         for rank in receiving_ranks {
-            let mut receiving =
-                Receiving { rank, sources: sources.remove(&rank).unwrap_or_default(), ..Default::default() };
-            if let Some(checks) = lists.checks.get(&rank) {
-                let index = self.verifies.len();
-                for (i, (segment, _, source)) in checks.iter().enumerate() {
-                    let (lo, hi) = extent(segment, Side::Src);
-                    registrar.add(self.devices[*source], lo, hi, Target::Verify(index as u32), i, Side::Src);
-                    if !staged {
-                        let (lo, hi) = extent(segment, Side::Dst);
-                        registrar.add(self.devices[rank], lo, hi, Target::Verify(index as u32), i, Side::Dst);
-                    }
-                }
-                let (segments, origins) = checks.iter().map(|&(s, o, _)| (s, o)).unzip();
-                self.verifies.push(VerifyBatch::new(group, rank, segments, origins)?);
-                receiving.verify = Some(index);
-                self.add_marks(Slot { slice: k, timed: Timed::Verify, rank })?;
+            let installs = &lists.installs[&rank];
+            let index = self.batches.len();
+            for (i, segment) in installs.iter().enumerate() {
+                let (lo, hi) = extent(segment, Side::Dst);
+                registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Dst);
             }
-            if let Some(installs) = lists.installs.get(&rank) {
-                let index = self.batches.len();
-                for (i, segment) in installs.iter().enumerate() {
-                    let (lo, hi) = extent(segment, Side::Dst);
-                    registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Dst);
-                }
-                let refs: Vec<&Segment> = installs.iter().collect();
-                let method = resolve(self.options.arm, RouteKind::Local, &refs, true)?;
-                self.batches.push(Batch::new(group, rank, installs.clone(), method, 0)?);
-                receiving.install = Some(index);
-                self.add_marks(Slot { slice: k, timed: Timed::Install, rank })?;
-            }
-            slice.receiving.push(receiving);
+            let refs: Vec<&Segment> = installs.iter().collect();
+            let method = resolve(self.options.arm, RouteKind::Local, &refs, true)?;
+            self.batches.push(Batch::new(group, rank, installs.clone(), method, 0)?);
+            self.add_marks(Slot { slice: k, timed: Timed::Install, rank })?;
+            let sources = sources.remove(&rank).unwrap_or_default();
+            slice.receiving.push(Receiving { rank, sources, install: Some(index) });
         }
         Ok(slice)
+    }
+
+    /// One copy batch of `rank` for route kind `kind` in slice `k`, and its verify when asked.
+    fn prepare_copy(
+        &mut self,
+        group: &Group,
+        k: usize,
+        rank: usize,
+        kind: RouteKind,
+        list: &[Copied],
+        registrar: &mut Registrar,
+    ) -> Result<CopyStage> {
+        // Staged copies write staging, which is the executor's own: only live addresses move.
+        let live_destinations = self.options.commit == CommitMode::Direct;
+        let batch = self.batches.len();
+        let verify = self.options.verify.then_some(self.verifies.len());
+        for (i, copied) in list.iter().enumerate() {
+            let targets = [Some(Target::Copy(batch as u32)), verify.map(|v| Target::Verify(v as u32))];
+            for target in targets.into_iter().flatten() {
+                let (lo, hi) = extent(&copied.segment, Side::Src);
+                registrar.add(self.devices[rank], lo, hi, target, i, Side::Src);
+                if live_destinations {
+                    let (lo, hi) = extent(&copied.segment, Side::Dst);
+                    registrar.add(self.devices[copied.receiver], lo, hi, target, i, Side::Dst);
+                }
+            }
+        }
+        let method = self.methods[kind as usize].expect("a method for every kind with segments");
+        let segments: Vec<Segment> = list.iter().map(|c| c.segment).collect();
+        self.batches.push(Batch::new(group, rank, segments.clone(), method, self.options.sm_budget)?);
+        let (copy, check) = if kind == RouteKind::Local {
+            (Timed::Local, Timed::VerifyLocal)
+        } else {
+            (Timed::Peer, Timed::VerifyPeer)
+        };
+        self.add_marks(Slot { slice: k, timed: copy, rank })?;
+        if self.options.verify {
+            let planned = list.iter().map(|c| (c.planned, c.receiver)).collect();
+            self.verifies.push(VerifyBatch::new(group, rank, segments, planned)?);
+            self.add_marks(Slot { slice: k, timed: check, rank })?;
+        }
+        Ok(CopyStage { batch, verify })
     }
 
     fn add_marks(&mut self, slot: Slot) -> Result<()> {
@@ -601,10 +611,8 @@ impl Executor {
             group.mark_pending_join();
             group.join_if_pending()?;
             self.options.call_hook(Stage::Copy { slice: k }, group)?;
-            for copies in &slice.copies {
-                self.queue_copies(group, k, copies, log)?;
-            }
-            if staged || self.options.verify {
+            self.queue_copies(group, k, log)?;
+            if staged {
                 for receiving in &slice.receiving {
                     let device = self.devices[receiving.rank];
                     let stream = group.stream(receiving.rank)?;
@@ -613,19 +621,8 @@ impl Executor {
                     }
                 }
             }
-            if self.options.verify {
-                self.options.call_hook(Stage::Verify { slice: k }, group)?;
-                for receiving in &slice.receiving {
-                    if let Some(v) = receiving.verify {
-                        let stream = group.stream(receiving.rank)?;
-                        let slot = Slot { slice: k, timed: Timed::Verify, rank: receiving.rank };
-                        // SAFETY: the caller's promise on the plan's memory; staging is ours.
-                        self.stamped(slot, stream, log, || unsafe { self.verifies[v].launch(stream) })?;
-                    }
-                }
-                if !staged || k < last {
-                    self.check_slice(k, log)?;
-                }
+            if self.options.verify && (!staged || k < last) {
+                self.check_slice(k, log)?;
             }
             if staged && k < last {
                 self.queue_installs(group, k, log)?;
@@ -635,42 +632,71 @@ impl Executor {
         Ok(())
     }
 
-    /// Queues one source rank's copies of slice `k`: local ones on its group stream, peer pushes on
-    /// its peer stream forked from and joined back into the group stream.
-    fn queue_copies(&self, group: &Group, k: usize, copies: &RankCopies, log: &mut CallLog) -> Result<()> {
-        let rank = copies.rank;
-        let device = self.devices[rank];
-        let stream = group.stream(rank)?;
-        let events = &self.events[rank];
-        let peer = copies.peer.map(|b| (b, self.peer_streams[rank].expect("made with the peer batch")));
-        if let Some((_, lane)) = peer {
-            self.backend.record(device, events.forked, stream)?;
-            self.backend.wait(device, lane, events.forked)?;
-        }
-        let mut result = Ok(());
-        if let Some(b) = copies.local {
-            let slot = Slot { slice: k, timed: Timed::Local, rank };
-            // SAFETY: the caller's promise on the plan's memory; staging is ours.
-            result = self.stamped(slot, stream, log, || unsafe { self.batches[b].launch(stream) });
-        }
-        if let Some((b, lane)) = peer {
-            if result.is_ok() {
-                let slot = Slot { slice: k, timed: Timed::Peer, rank };
-                // SAFETY: as above.
-                result = self.stamped(slot, lane, log, || unsafe { self.batches[b].launch(lane) });
+    /// Queues slice `k`'s copies, then (when asked) each copy's verify after it on the same stream:
+    /// local batches on each rank's group stream, peer pushes on its peer stream, forked from the
+    /// group stream before and joined back into it after (also when queueing fails, so that the
+    /// group stream covers whatever was queued). Then each pushing rank records `pushed`.
+    fn queue_copies(&self, group: &Group, k: usize, log: &mut CallLog) -> Result<()> {
+        let copies = &self.slices[k].copies;
+        let mut forked = Vec::new();
+        let mut result = (|| {
+            for c in copies.iter().filter(|c| c.peer.is_some()) {
+                let (device, stream, lane) = self.streams_of(group, c.rank)?;
+                self.backend.record(device, self.events[c.rank].forked, stream)?;
+                self.backend.wait(device, lane, self.events[c.rank].forked)?;
+                forked.push(c.rank);
             }
-            // Joined back even after a failure, so that the group stream covers whatever was queued.
-            let joined = self
-                .backend
-                .record(device, events.peer_done, lane)
-                .and_then(|()| self.backend.wait(device, stream, events.peer_done));
+            for c in copies {
+                for (stage, timed, lane) in self.stages_of(group, c)? {
+                    let slot = Slot { slice: k, timed, rank: c.rank };
+                    let batch = &self.batches[stage.batch];
+                    // SAFETY: the caller's promise on the plan's memory; staging is ours.
+                    self.stamped(slot, lane, log, || unsafe { batch.launch(lane) })?;
+                }
+            }
+            if self.options.verify {
+                self.options.call_hook(Stage::Verify { slice: k }, group)?;
+                for c in copies {
+                    for (stage, timed, lane) in self.stages_of(group, c)? {
+                        let timed =
+                            if timed == Timed::Local { Timed::VerifyLocal } else { Timed::VerifyPeer };
+                        let slot = Slot { slice: k, timed, rank: c.rank };
+                        let verify =
+                            &self.verifies[stage.verify.expect("a verify for every copy when asked")];
+                        // SAFETY: as above.
+                        self.stamped(slot, lane, log, || unsafe { verify.launch(lane) })?;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        for &rank in &forked {
+            let joined = self.streams_of(group, rank).and_then(|(device, stream, lane)| {
+                self.backend.record(device, self.events[rank].peer_done, lane)?;
+                self.backend.wait(device, stream, self.events[rank].peer_done)
+            });
             result = result.and(joined);
         }
         result?;
-        if copies.pushes {
-            self.backend.record(device, events.pushed, stream)?;
+        for c in copies.iter().filter(|c| c.pushes) {
+            let (device, stream, _) = self.streams_of(group, c.rank)?;
+            self.backend.record(device, self.events[c.rank].pushed, stream)?;
         }
         Ok(())
+    }
+
+    /// A rank's device, group stream and peer stream (the group stream when it has none).
+    fn streams_of(&self, group: &Group, rank: usize) -> Result<(usize, Stream, Stream)> {
+        let stream = group.stream(rank)?;
+        Ok((self.devices[rank], stream, self.peer_streams[rank].unwrap_or(stream)))
+    }
+
+    /// A rank's copy stages with what they are stamped as and the stream each runs on.
+    fn stages_of(&self, group: &Group, copies: &RankCopies) -> Result<Vec<(CopyStage, Timed, Stream)>> {
+        let (_, stream, lane) = self.streams_of(group, copies.rank)?;
+        let local = copies.local.map(|stage| (stage, Timed::Local, stream));
+        let peer = copies.peer.map(|stage| (stage, Timed::Peer, lane));
+        Ok(local.into_iter().chain(peer).collect())
     }
 
     /// Queues slice `k`'s installs from staging into the live buffers.
@@ -703,16 +729,20 @@ impl Executor {
         Ok(())
     }
 
-    /// Waits for slice `k`'s verify stage and reads its outcomes.
+    /// Waits for slice `k`'s verifies and reads their outcomes.
     fn check_slice(&self, k: usize, log: &mut CallLog) -> Result<()> {
         let Some(slice) = self.slices.get(k) else { return Ok(()) };
-        for receiving in &slice.receiving {
-            let Some(v) = receiving.verify else { continue };
-            let slot = Slot { slice: k, timed: Timed::Verify, rank: receiving.rank };
-            log.waiting(|| self.marks[&slot].1.wait())?;
-            let device = self.devices[receiving.rank];
-            let receiver = Endpoint { rank: self.process, device: device as u32 };
-            self.verifies[v].check(self.backend.as_ref(), device, receiver, &self.destinations)?;
+        for copies in &slice.copies {
+            for (stage, timed) in [(copies.local, Timed::VerifyLocal), (copies.peer, Timed::VerifyPeer)] {
+                let Some(v) = stage.and_then(|s| s.verify) else { continue };
+                log.waiting(|| self.marks[&Slot { slice: k, timed, rank: copies.rank }].1.wait())?;
+                self.verifies[v].check(
+                    self.backend.as_ref(),
+                    &self.devices,
+                    self.process,
+                    &self.destinations,
+                )?;
+            }
         }
         Ok(())
     }
@@ -823,28 +853,26 @@ impl Executor {
 
     /// Device time per stage and span from the stamps of `recorded` (waits for them).
     fn device_times(&self, stats: &mut RunStats, recorded: &[Slot]) -> Result<()> {
+        // The longest rank's time per (slice, stage); a rank's local and peer verifies are one stage.
         let mut longest: HashMap<(usize, Timed), u64> = HashMap::new();
-        let mut spans: HashMap<usize, (Slot, Slot)> = HashMap::new();
+        let mut first: HashMap<usize, Slot> = HashMap::new();
         for &slot in recorded {
             let (start, end) = &self.marks[&slot];
             let ns = end.since(start)?;
-            let entry = longest.entry((slot.slice, slot.timed)).or_default();
+            let stage = if slot.timed == Timed::VerifyPeer { Timed::VerifyLocal } else { slot.timed };
+            let entry = longest.entry((slot.slice, stage)).or_default();
             *entry = (*entry).max(ns);
-            let span = spans.entry(slot.rank).or_insert((slot, slot));
-            if slot.timed != Timed::Peer {
-                span.1 = slot; // the group stream's last stage ends after the peer stream joined it
-            }
+            let first = first.entry(slot.rank).or_insert(slot);
+            stats.device_ns = stats.device_ns.max(end.since(&self.marks[first].0)?);
         }
         for ((_, timed), ns) in longest {
-            match timed {
-                Timed::Local => stats.local_ns += ns,
-                Timed::Peer => stats.peer_ns += ns,
-                Timed::Verify => stats.verify_ns += ns,
-                Timed::Install => stats.commit_ns += ns,
-            }
-        }
-        for (first, last) in spans.into_values() {
-            stats.device_ns = stats.device_ns.max(self.marks[&last].1.since(&self.marks[&first].0)?);
+            let total = match timed {
+                Timed::Local => &mut stats.local_ns,
+                Timed::Peer => &mut stats.peer_ns,
+                Timed::VerifyLocal | Timed::VerifyPeer => &mut stats.verify_ns,
+                Timed::Install => &mut stats.commit_ns,
+            };
+            *total += ns;
         }
         stats.device_timed = true;
         Ok(())

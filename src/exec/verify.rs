@@ -1,5 +1,5 @@
-//! The verify stage of one receiving rank: every segment copied into it (into its live buffers, or
-//! into its staging) compared with its source on the device, and a mismatch turned into a status
+//! The verify of one copy batch: after the batch, on its stream, every segment it copied (into live
+//! buffers, or into staging) compared with its source on the device; a mismatch becomes a status
 //! naming the tensor, box and element, found by reading the first differing segment back.
 
 use super::batch::Side;
@@ -14,12 +14,13 @@ use crate::transport::{Backend, Stream};
 const MAX_RUNS_READ: u64 = 1 << 16;
 
 pub(crate) struct VerifyBatch {
-    pub rank: usize,
+    /// The rank whose stream runs the copy and its verify.
+    rank: usize,
     /// What is compared: each segment's source with its destination, at current addresses.
     segments: Vec<Segment>,
-    /// The same segments as planned (destination in the live buffer, before any rebind): what a
-    /// mismatch is reported against.
-    origins: Vec<Segment>,
+    /// The same segments as planned (destination in the live buffer, before any rebind), with the
+    /// rank receiving each: what a mismatch is reported against.
+    planned: Vec<(Segment, usize)>,
     bytes: u64,
     /// Prepared for the addresses of the last refresh; its outcome is the last launch's.
     prepared: PreparedVerify,
@@ -32,11 +33,11 @@ impl VerifyBatch {
         group: &Group,
         rank: usize,
         segments: Vec<Segment>,
-        origins: Vec<Segment>,
+        planned: Vec<(Segment, usize)>,
     ) -> Result<VerifyBatch> {
         let prepared = PreparedVerify::new(group, rank, &segments)?;
         let bytes = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
-        Ok(VerifyBatch { rank, segments, origins, bytes, prepared, stale: false })
+        Ok(VerifyBatch { rank, segments, planned, bytes, prepared, stale: false })
     }
 
     pub fn bytes(&self) -> u64 {
@@ -65,7 +66,7 @@ impl VerifyBatch {
         Ok(true)
     }
 
-    /// Queues the comparison on `stream` (the receiving rank's).
+    /// Queues the comparison on `stream` (the copy's).
     ///
     /// # Safety
     /// Every segment's memory must stay valid until the comparison has run.
@@ -77,36 +78,38 @@ impl VerifyBatch {
     }
 
     /// After the stream has passed the launch: Ok when every byte matched, else VerifyMismatch naming
-    /// what differs. `receiver` is this rank's plan endpoint; reads go through `backend` on `device`.
+    /// what differs. `devices` maps ranks to devices; receivers are endpoints of process `process`.
     pub fn check(
         &self,
         backend: &dyn Backend,
-        device: usize,
-        receiver: Endpoint,
+        devices: &[usize],
+        process: u32,
         destinations: &Destinations,
     ) -> Result<()> {
         let Some(index) = self.prepared.outcome()? else { return Ok(()) };
-        let (segment, origin) = (&self.segments[index], &self.origins[index]);
-        let Some((run, byte)) = first_difference(backend, device, segment)? else {
+        let segment = &self.segments[index];
+        let (planned, receiver) = self.planned[index];
+        let receiver = Endpoint { rank: process, device: devices[receiver] as u32 };
+        let Some((run, byte)) = first_difference(backend, devices[self.rank], segment)? else {
             return Err(Error::new(
                 Status::VerifyMismatch,
                 format!(
                     "{} bytes into device {} at {:#x} differed from their source when verified (they match \
                      now: source or destination changed during the step)",
-                    origin.bytes().unwrap_or(0),
+                    planned.bytes().unwrap_or(0),
                     receiver.device,
-                    origin.dst
+                    planned.dst
                 ),
             ));
         };
-        let (i, j) = (run % origin.count[0], run / origin.count[0]);
-        let at = origin.dst + j * origin.dst_stride[1] + i * origin.dst_stride[0] + byte;
+        let (i, j) = (run % planned.count[0], run / planned.count[0]);
+        let at = planned.dst + j * planned.dst_stride[1] + i * planned.dst_stride[0] + byte;
         let what = match destinations.locate(receiver, at) {
             Some(found) => format!(
                 "tensor '{}' box offset {:?} extent {:?}: element {:?}",
                 found.tensor, found.offset, found.extent, found.element
             ),
-            None => format!("the segment into {:#x}", origin.dst),
+            None => format!("the segment into {:#x}", planned.dst),
         };
         Err(Error::new(
             Status::VerifyMismatch,
