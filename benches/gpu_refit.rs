@@ -24,12 +24,13 @@ use refit::ffi::exec::*;
 use refit::ffi::group::*;
 use refit::ffi::plan::*;
 use refit::ffi::status::refit_last_error_message;
+use refit::plan::builder::TableBuilder;
 use refit::plan::{wire, Endpoint, Need, Offer, Region, Table, TensorSpec};
 use refit::transport::cuda::cuda_backend;
 use refit::transport::host::HostBackend;
 use refit::transport::{Backend, Stream};
 use refit::{Segment, Status};
-use refit_workloads::{Layout, Megatron, Model, Role, Spec, Vllm, Workload};
+use refit_workloads::{Megatron, Model, Packing, Role, Spec, Vllm, Workload};
 use std::ffi::{c_void, CStr};
 use std::sync::Arc;
 use std::time::Instant;
@@ -190,7 +191,7 @@ fn plan_of(tables: &[Table], coalesce: bool) -> *mut refit_plan {
     // SAFETY: all-zero then init.
     let mut options: refit_plan_options = unsafe { std::mem::zeroed() };
     ok(refit_plan_options_init(&mut options), "refit_plan_options_init");
-    options.coalesce = coalesce;
+    options.coalesce = coalesce.into();
     let mut plan = std::ptr::null_mut();
     // SAFETY: live tables.
     ok(unsafe { refit_plan_build(decoded.as_ptr(), decoded.len(), &options, &mut plan) }, "refit_plan_build");
@@ -252,13 +253,13 @@ struct Arenas {
 
 impl Arenas {
     fn new(layers: u64) -> Arenas {
-        let endpoints = vec![Endpoint { rank: 0, device: 0 }];
+        let endpoints = vec![Endpoint { process: 0, device: 0 }];
         let spec = Spec {
             model: Model::qwen3_30b_a3b().with_layers(layers),
             publishers: Megatron { endpoints: endpoints.clone(), tp: 1, ep: 1, grouped_experts: true },
-            publisher_layout: Layout::Separate,
+            publisher_layout: Packing::Separate,
             receivers: Vllm { endpoints },
-            receiver_layout: Layout::Separate,
+            receiver_layout: Packing::Separate,
             digests: true,
         };
         let workload = Workload::generate(&spec).expect("workload");
@@ -290,11 +291,11 @@ impl Arenas {
 /// A plan of `n` segments of 128 bytes: row i of a [n, 64] BF16 tensor to every other 128-byte slot
 /// of a destination, uncoalesced (`src`, `dst`: 128n and 256n bytes).
 fn synthetic_tables(n: u64, src: u64, dst: u64) -> Vec<Table> {
-    let mut table = Table::default();
+    let mut table = TableBuilder::new();
     let t = table
         .add_tensor(TensorSpec { name: "rows".into(), dtype: 2, elem_size: 2, shape: vec![n, 64] })
         .expect("tensor");
-    let owner = Endpoint { rank: 0, device: 0 };
+    let owner = Endpoint { process: 0, device: 0 };
     let region = Region { offset: vec![0, 0], extent: vec![n, 64] };
     table
         .add_offer(Offer { tensor: t, owner, addr: src, region, strides: None, digest: None })
@@ -311,7 +312,7 @@ fn synthetic_tables(n: u64, src: u64, dst: u64) -> Vec<Table> {
         };
         table.add_need(need).expect("need");
     }
-    vec![table]
+    vec![table.into_table()]
 }
 
 /// Host time of repeated runs of an `n`-segment plan queued in a scope: (median enqueue us, p90

@@ -26,7 +26,7 @@ use refit::transport::cuda::cuda_backend;
 use refit::transport::host::HostBackend;
 use refit::transport::Backend;
 use refit::Status;
-use refit_workloads::{element_value, Layout, Megatron, Model, Placed, Role, Spec, Vllm, Workload};
+use refit_workloads::{element_value, Megatron, Model, Packing, Placed, Role, Spec, Vllm, Workload};
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -34,7 +34,7 @@ use std::time::{Duration, Instant};
 
 struct Args {
     layers: Option<u64>,
-    layout: Layout,
+    layout: Packing,
     steps: usize,
     devices: Option<usize>,
     arm: u32,
@@ -45,7 +45,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         layers: None,
-        layout: Layout::Separate,
+        layout: Packing::Separate,
         steps: 5,
         devices: None,
         arm: REFIT_ARM_AUTO,
@@ -72,8 +72,8 @@ fn parse_args() -> Result<Args, String> {
             }
             "--layout" => {
                 args.layout = match value()?.as_str() {
-                    "separate" => Layout::Separate,
-                    "packed" => Layout::Packed,
+                    "separate" => Packing::Separate,
+                    "packed" => Packing::Packed,
                     other => return Err(format!("--layout: {other} is not separate or packed")),
                 }
             }
@@ -252,7 +252,7 @@ impl Memory {
         let mut bytes = vec![0u8; len];
         if read {
             // SAFETY: bases[b] was allocated with this many bytes on this device.
-            unsafe { self.backend.read(w.buffers[b].endpoint.device as usize, self.bases[b], &mut bytes) }
+            unsafe { self.backend.read(w.buffers[b].endpoint.device as i32, self.bases[b], &mut bytes) }
                 .map_err(|e| e.to_string())?;
         }
         Ok(bytes)
@@ -289,7 +289,7 @@ fn fill_publishers(w: &Workload, memory: &Memory) -> Result<(), String> {
             })?;
             if memory.on_gpu {
                 // SAFETY: bases[b] was allocated with buffer.bytes on this device.
-                unsafe { memory.backend.write(buffer.endpoint.device as usize, memory.bases[b], &image) }
+                unsafe { memory.backend.write(buffer.endpoint.device as i32, memory.bases[b], &image) }
                     .map_err(|e| e.to_string())?;
             }
         }
@@ -302,7 +302,7 @@ fn poison_receivers(w: &Workload, memory: &Memory) -> Result<(), String> {
     for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver) {
         let poison = vec![0xa5u8; buffer.bytes as usize];
         // SAFETY: bases[b] was allocated with buffer.bytes on this device.
-        unsafe { memory.backend.write(buffer.endpoint.device as usize, memory.bases[b], &poison) }
+        unsafe { memory.backend.write(buffer.endpoint.device as i32, memory.bases[b], &poison) }
             .map_err(|e| e.to_string())?;
     }
     Ok(())
@@ -313,7 +313,7 @@ fn receivers_poisoned(w: &Workload, memory: &Memory) -> Result<bool, String> {
     for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver) {
         let mut bytes = vec![0u8; buffer.bytes as usize];
         // SAFETY: as in poison_receivers.
-        unsafe { memory.backend.read(buffer.endpoint.device as usize, memory.bases[b], &mut bytes) }
+        unsafe { memory.backend.read(buffer.endpoint.device as i32, memory.bases[b], &mut bytes) }
             .map_err(|e| e.to_string())?;
         if bytes.iter().any(|&x| x != 0xa5) {
             return Ok(false);
@@ -434,7 +434,8 @@ fn run() -> Result<(), String> {
     let mut group = std::ptr::null_mut();
     ok(refit_group_create(ordinals.as_ptr(), ordinals.len(), &options, &mut group), "refit_group_create")?;
 
-    let endpoints: Vec<Endpoint> = (0..devices as u32).map(|device| Endpoint { rank: 0, device }).collect();
+    let endpoints: Vec<Endpoint> =
+        (0..devices as u32).map(|device| Endpoint { process: 0, device }).collect();
     let spec = Spec {
         model: Model::qwen3_30b_a3b().with_layers(layers),
         publishers: Megatron {
@@ -445,7 +446,7 @@ fn run() -> Result<(), String> {
         },
         publisher_layout: args.layout,
         receivers: Vllm { endpoints },
-        receiver_layout: Layout::Separate,
+        receiver_layout: Packing::Separate,
         digests: true,
     };
     let between = if on_gpu {
@@ -467,9 +468,7 @@ fn run() -> Result<(), String> {
     let mut bases = Vec::with_capacity(workload.buffers.len());
     for buffer in &workload.buffers {
         bases.push(
-            backend
-                .alloc(buffer.endpoint.device as usize, buffer.bytes as usize)
-                .map_err(|e| e.to_string())?,
+            backend.alloc(buffer.endpoint.device as i32, buffer.bytes as usize).map_err(|e| e.to_string())?,
         );
     }
     let memory = Memory { backend: Arc::clone(&backend), bases: bases.clone(), on_gpu };
@@ -478,8 +477,8 @@ fn run() -> Result<(), String> {
 
     println!("[3/5] planning through the C API (tables encoded, decoded, planned)");
     let plan = plan_through_c(&workload, &bases)?;
-    let mut s = unsafe { std::mem::zeroed::<refit_plan_stats>() };
-    s.size = std::mem::size_of::<refit_plan_stats>();
+    let mut s = unsafe { std::mem::zeroed::<refit::plan::PlanStats>() };
+    s.size = std::mem::size_of::<refit::plan::PlanStats>();
     // SAFETY: a live plan; `s` has its size set.
     ok(unsafe { refit_plan_get_stats(plan, &mut s) }, "refit_plan_get_stats")?;
     println!(
@@ -599,7 +598,7 @@ fn run() -> Result<(), String> {
     refit_group_destroy(group);
     for (b, buffer) in workload.buffers.iter().enumerate() {
         // SAFETY: allocated above; nothing queued uses it any more (the group is destroyed).
-        unsafe { backend.free(buffer.endpoint.device as usize, bases[b]) }.map_err(|e| e.to_string())?;
+        unsafe { backend.free(buffer.endpoint.device as i32, bases[b]) }.map_err(|e| e.to_string())?;
     }
     println!("done in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())

@@ -7,7 +7,7 @@ use refit::exec::{Arm, CommitMode, ExecOptions, Executor, Method, RunStats, Stag
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::plan::{self, Endpoint, Plan, PlanOptions};
 use refit::{Error, Status};
-use refit_workloads::{element_value, Layout, Model, Moe, Role, Spec, Workload};
+use refit_workloads::{element_value, Model, Moe, Packing, Role, Spec, Workload};
 use std::sync::Arc;
 
 const POISON: u8 = 0xa5;
@@ -43,13 +43,13 @@ struct Refit {
 }
 
 impl Refit {
-    fn new(layout: Layout) -> Refit {
+    fn new(layout: Packing) -> Refit {
         Refit::with(layout, true)
     }
 
     /// `coalesce` false keeps every buffer's bytes in segments of their own (rebinds move buffers
     /// one by one; a coalesced plan may join buffers at regular distances into one segment).
-    fn with(layout: Layout, coalesce: bool) -> Refit {
+    fn with(layout: Packing, coalesce: bool) -> Refit {
         let spec = Spec::qwen3_colocated_ep2_tp2(layout).with_model(small_moe());
         let w = Workload::generate(&spec).unwrap();
         let mut memory: Vec<Vec<u8>> = w.buffers.iter().map(|b| vec![POISON; b.bytes as usize]).collect();
@@ -98,8 +98,8 @@ impl Refit {
     }
 
     fn needed_bytes(&self) -> u64 {
-        self.plan.receiver_stats(Endpoint { rank: 0, device: 0 }).needed_bytes
-            + self.plan.receiver_stats(Endpoint { rank: 0, device: 1 }).needed_bytes
+        self.plan.receiver_stats(Endpoint { process: 0, device: 0 }).needed_bytes
+            + self.plan.receiver_stats(Endpoint { process: 0, device: 1 }).needed_bytes
     }
 }
 
@@ -120,7 +120,7 @@ fn step(executor: &mut Executor, group: &Group) -> refit::Result<RunStats> {
 
 #[test]
 fn every_arm_installs_every_element_in_both_publisher_layouts() {
-    for layout in [Layout::Separate, Layout::Packed] {
+    for layout in [Packing::Separate, Packing::Packed] {
         let mut results = Vec::new();
         for (arm, scoped) in [(Arm::Kernel, false), (Arm::CopyEngine, true), (Arm::Auto, false)] {
             let mut refit = Refit::new(layout);
@@ -154,7 +154,7 @@ fn every_arm_installs_every_element_in_both_publisher_layouts() {
 
 #[test]
 fn stats_count_the_plan_and_attribute_the_wall_time() {
-    let refit = Refit::new(Layout::Separate);
+    let refit = Refit::new(Packing::Separate);
     let group = host_group();
     let mut executor = executor(&group, &refit, ExecOptions::default());
     let stats = step(&mut executor, &group).unwrap();
@@ -173,7 +173,7 @@ fn stats_count_the_plan_and_attribute_the_wall_time() {
 #[test]
 fn staged_runs_leave_live_buffers_alone_until_commit() {
     for (limit, verify) in [(0, false), (0, true), (4096, true), (64 << 10, false)] {
-        let mut refit = Refit::new(Layout::Separate);
+        let mut refit = Refit::new(Packing::Separate);
         let group = host_group();
         let options = ExecOptions {
             commit: CommitMode::Staged,
@@ -231,7 +231,7 @@ fn a_failure_before_commit_leaves_every_live_byte_unchanged() {
     let group = host_group();
 
     // A driver error while verifying: the run fails, nothing may be committed, nothing was written.
-    let refit = Refit::new(Layout::Separate);
+    let refit = Refit::new(Packing::Separate);
     let mut failing = executor(&group, &refit, staged(Some(failing_at(Stage::Verify { slice: 0 }))));
     // SAFETY: as in `step`.
     assert_eq!(unsafe { failing.run(&group) }.unwrap_err().status, Status::CudaError);
@@ -272,7 +272,7 @@ fn corrupting(address: u64) -> refit::exec::Hook {
 fn verify_names_the_tensor_of_a_corrupted_byte() {
     let group = host_group();
     // Direct: one byte of a receiver buffer on device 1 flipped between copy and verify.
-    let mut refit = Refit::new(Layout::Separate);
+    let mut refit = Refit::new(Packing::Separate);
     let (b, buffer) = refit
         .w
         .buffers
@@ -301,7 +301,7 @@ fn verify_names_the_tensor_of_a_corrupted_byte() {
 
     // Staged: a publisher byte (a source replica) changed after the copy into staging; commit is
     // refused and the live buffers keep what they had.
-    let refit = Refit::new(Layout::Separate);
+    let refit = Refit::new(Packing::Separate);
     let source = refit.plan.routes().iter().find(|r| r.dst.device == 1).unwrap().segments[0].src;
     let options = ExecOptions {
         verify: true,
@@ -323,7 +323,7 @@ fn verify_names_the_tensor_of_a_corrupted_byte() {
 #[test]
 fn rebound_buffers_receive_at_their_new_place() {
     for commit in [CommitMode::Direct, CommitMode::Staged] {
-        let mut refit = Refit::with(Layout::Separate, false);
+        let mut refit = Refit::with(Packing::Separate, false);
         let group = host_group();
         let options = ExecOptions { commit, verify: true, ..ExecOptions::default() };
         let mut executor = executor(&group, &refit, options);
@@ -341,7 +341,7 @@ fn rebound_buffers_receive_at_their_new_place() {
                 vec![POISON; refit.memory[b].len()]
             };
             std::mem::swap(&mut refit.memory[b], &mut fresh);
-            let device = refit.w.buffers[b].endpoint.device as usize;
+            let device = refit.w.buffers[b].endpoint.device as i32;
             let (old, new) = (fresh.as_ptr() as u64, refit.memory[b].as_ptr() as u64);
             executor.rebind(device, old, new, fresh.len() as u64).unwrap();
             fresh.fill(POISON);
@@ -358,11 +358,11 @@ fn rebound_buffers_receive_at_their_new_place() {
 
 #[test]
 fn bad_rebinds_and_calls_get_their_status() {
-    let mut refit = Refit::with(Layout::Separate, false);
+    let mut refit = Refit::with(Packing::Separate, false);
     let group = host_group();
     let mut executor = executor(&group, &refit, ExecOptions::default());
     let b = refit.receivers().next().unwrap();
-    let device = refit.w.buffers[b].endpoint.device as usize;
+    let device = refit.w.buffers[b].endpoint.device as i32;
     let (base, len) = (refit.memory[b].as_mut_ptr() as u64, refit.memory[b].len() as u64);
     let cut = executor.rebind(device, base, 0x1000, len / 2).unwrap_err();
     assert_eq!(cut.status, Status::PlanStale, "{}", cut.message);

@@ -15,7 +15,7 @@ use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::plan::{self, Endpoint, Plan, PlanOptions};
 use refit::transport::{Backend, Stream};
 use refit::{Error, Status};
-use refit_workloads::{Layout, Megatron, Model, Moe, Role, Spec, Vllm, Workload};
+use refit_workloads::{Megatron, Model, Moe, Packing, Role, Spec, Vllm, Workload};
 use std::sync::Arc;
 
 const POISON: u8 = 0xAB;
@@ -38,7 +38,7 @@ fn small_moe() -> Model {
 }
 
 fn gpu_group(size: usize) -> Group {
-    let devices: Vec<i64> = (0..size as i64).collect();
+    let devices: Vec<i32> = (0..size as i32).collect();
     Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }).unwrap()
 }
 
@@ -51,7 +51,8 @@ struct Refit {
 
 impl Refit {
     fn new(size: usize, coalesce: bool) -> Refit {
-        let endpoints: Vec<Endpoint> = (0..size as u32).map(|device| Endpoint { rank: 0, device }).collect();
+        let endpoints: Vec<Endpoint> =
+            (0..size as u32).map(|device| Endpoint { process: 0, device }).collect();
         let spec = Spec {
             model: small_moe(),
             publishers: Megatron {
@@ -60,17 +61,14 @@ impl Refit {
                 ep: size as u64,
                 grouped_experts: true,
             },
-            publisher_layout: Layout::Separate,
+            publisher_layout: Packing::Separate,
             receivers: Vllm { endpoints },
-            receiver_layout: Layout::Separate,
+            receiver_layout: Packing::Separate,
             digests: true,
         };
         let w = Workload::generate(&spec).unwrap();
-        let buffers: Vec<DeviceBuffer> = w
-            .buffers
-            .iter()
-            .map(|b| DeviceBuffer::new(b.endpoint.device as usize, b.bytes as usize))
-            .collect();
+        let buffers: Vec<DeviceBuffer> =
+            w.buffers.iter().map(|b| DeviceBuffer::new(b.endpoint.device as i32, b.bytes as usize)).collect();
         let mut host: Vec<Vec<u8>> = w.buffers.iter().map(|b| vec![0u8; b.bytes as usize]).collect();
         w.fill_offers(&mut host.iter_mut().map(|m| m.as_mut_slice()).collect::<Vec<_>>());
         for (b, buffer) in w.buffers.iter().enumerate() {
@@ -167,7 +165,7 @@ fn a_run_on_caller_streams_is_ordered_and_does_not_wait() {
         let refit = Refit::new(size, true);
         let group = gpu_group(size);
         let mut executor = Executor::new(&group, &refit.plan, 0, ExecOptions::default()).unwrap();
-        let callers: Vec<Stream> = (0..size).map(caller_stream).collect();
+        let callers: Vec<Stream> = (0..size as i32).map(caller_stream).collect();
         for round in 0..3 {
             refit.poison();
             group.enter(Some(&callers)).unwrap();
@@ -176,13 +174,13 @@ fn a_run_on_caller_streams_is_ordered_and_does_not_wait() {
             assert!(!queued.device_timed);
             group.exit(ExitMode::Async).unwrap();
             for (rank, &stream) in callers.iter().enumerate() {
-                cuda().sync_stream(rank, stream).unwrap();
+                cuda().sync_stream(rank as i32, stream).unwrap();
             }
             refit.assert_installed(&format!("{size} GPU(s) on caller streams, round {round}"));
             assert!(executor.stats().unwrap().device_timed);
         }
         for (rank, stream) in callers.into_iter().enumerate() {
-            cuda().destroy_stream(rank, stream);
+            cuda().destroy_stream(rank as i32, stream);
         }
     }
 }

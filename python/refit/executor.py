@@ -1,9 +1,12 @@
 """Executors (refit_executor): one process's share of a plan prepared once for a group, run step
 after step, optionally verified and committed all or nothing, rebound when buffers move."""
 
+from __future__ import annotations
+
 import ctypes
 import dataclasses
 from ctypes import byref, c_void_p
+from typing import TYPE_CHECKING, Any, Callable, List, Sequence, Union
 
 from ._handle import Handle
 from ._lib import (
@@ -18,6 +21,10 @@ from ._lib import (
     invalid_argument,
     lib,
 )
+
+if TYPE_CHECKING:
+    from .group import Group
+    from .plan import Plan
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,14 +54,14 @@ class RunStats:
     device_ns: int
 
     @classmethod
-    def from_struct(cls, raw):
+    def from_struct(cls, raw: RunStatsStruct) -> RunStats:
         values = {name: getattr(raw, name) for name, _ in RunStatsStruct._fields_ if name != "size"}
         values["arm"] = tuple(Arm(code) for code in raw.arm)
         values["bytes"] = tuple(raw.bytes)
         values["segments"] = tuple(raw.segments)
         return cls(**values)
 
-    def bytes_of(self, kind):
+    def bytes_of(self, kind: int) -> int:
         """Payload bytes of route kind `kind` (a RouteKind) this call copied."""
         return self.bytes[RouteKind(kind)]
 
@@ -72,15 +79,15 @@ class Executor(Handle):
 
     def __init__(
         self,
-        plan,
-        group,
-        process,
-        arm=Arm.AUTO,
-        sm_budget=0,
-        verify=False,
-        commit=Commit.DIRECT,
-        staging_limit=0,
-    ):
+        plan: Plan,
+        group: Group,
+        process: int,
+        arm: int = Arm.AUTO,
+        sm_budget: int = 0,
+        verify: bool = False,
+        commit: int = Commit.DIRECT,
+        staging_limit: int = 0,
+    ) -> None:
         """Prepares `process`'s share of `plan` for `group` (refit_executor_create; see
         Plan.executor for the options)."""
         options = ExecutorOptions()
@@ -99,10 +106,10 @@ class Executor(Handle):
         super().__init__(pointer.value)
         self._group = group
 
-    def _release(self, pointer):
+    def _release(self, pointer: int) -> None:
         lib.refit_executor_destroy(pointer)
 
-    def run(self, stream=None):
+    def run(self, stream: Union[object, Sequence[object], None] = None) -> RunStats:
         """Runs one step (refit_executor_run) and returns its RunStats.
 
         stream None: inside the group's open scope if there is one, else complete on return.
@@ -113,20 +120,20 @@ class Executor(Handle):
         Raises RefitError: VERIFY_MISMATCH names the tensor, box and element that differ."""
         return self._call(lib.refit_executor_run, stream)
 
-    def commit(self, stream=None):
+    def commit(self, stream: Union[object, Sequence[object], None] = None) -> RunStats:
         """Installs a staged step into the live buffers (refit_executor_commit), ordered by
         `stream` as run() is; returns its RunStats. RefitError INVALID_STATE when nothing is
         staged or the executor commits directly; VERIFY_MISMATCH installs nothing."""
         return self._call(lib.refit_executor_commit, stream)
 
-    def stats(self):
+    def stats(self) -> RunStats:
         """The RunStats of the last run or commit with device times (waits for its device work)."""
         raw = RunStatsStruct()
         raw.size = ctypes.sizeof(raw)
         check(lib.refit_executor_stats(self.handle, byref(raw)))
         return RunStats.from_struct(raw)
 
-    def rebind(self, device, old_base, new_base, length):
+    def rebind(self, device: int, old_base: int, new_base: int, length: int) -> None:
         """Tells the executor that the `length` bytes at `old_base` on `device` now live at
         `new_base` (refit_executor_rebind): later runs use the new place with no planning.
         RefitError PLAN_STALE when the range cuts through bytes the plan moves together (build a
@@ -141,7 +148,7 @@ class Executor(Handle):
             )
         )
 
-    def _call(self, function, stream):
+    def _call(self, function: Callable[..., Any], stream: Union[object, Sequence[object], None]) -> RunStats:
         raw = RunStatsStruct()
         raw.size = ctypes.sizeof(raw)
         handle = self.handle  # refuses a closed executor before the group is touched
@@ -152,7 +159,7 @@ class Executor(Handle):
                 check(function(handle, self._group.handle, byref(raw)))
         return RunStats.from_struct(raw)
 
-    def _per_rank(self, stream):
+    def _per_rank(self, stream: Union[object, Sequence[object]]) -> List[object]:
         streams = list(stream) if isinstance(stream, (list, tuple)) else [stream]
         if len(streams) != self._group.size:
             raise invalid_argument(
@@ -160,7 +167,7 @@ class Executor(Handle):
             )
         return streams
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         return "<refit.Executor closed>" if self.closed else f"<refit.Executor on {self._group!r}>"
 
 

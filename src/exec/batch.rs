@@ -5,7 +5,7 @@
 use super::options::Method;
 use crate::error::Result;
 use crate::group::Group;
-use crate::kernels::layout::Layout;
+use crate::kernels::layout::BatchLayout;
 use crate::kernels::PreparedBatch;
 use crate::segment::Segment;
 use crate::transport::host::host_stream;
@@ -23,13 +23,13 @@ pub(crate) enum Side {
 /// The kernel's form of a batch: the host copy of its layout (rewritten in place on relocation) and
 /// the uploaded descriptors.
 struct KernelBatch {
-    layout: Layout,
+    layout: BatchLayout,
     prepared: PreparedBatch,
 }
 
 pub(crate) struct Batch {
     backend: Arc<dyn Backend>,
-    device: usize,
+    device: i32,
     /// Non-empty, validated segments; shared with host-backend work still queued.
     segments: Arc<Vec<Segment>>,
     bytes: u64,
@@ -53,8 +53,8 @@ impl Batch {
         let bytes = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
         let kernel = match (group.backend_kind(), method) {
             (BackendKind::Cuda, Method::Kernel) => {
-                let layout = Layout::new(&segments)?;
-                let mut prepared = PreparedBatch::from_layout(device as i32, &layout)?;
+                let layout = BatchLayout::new(&segments)?;
+                let mut prepared = PreparedBatch::from_layout(device, &layout)?;
                 if max_blocks > 0 {
                     prepared.limit_blocks(max_blocks);
                 }

@@ -43,7 +43,7 @@ impl KindTotals {
 
 /// The group rank whose device is `endpoint.device`.
 pub(crate) fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
-    group.devices().iter().position(|&d| d == endpoint.device as usize).ok_or_else(|| {
+    group.devices().iter().position(|&d| i64::from(d) == i64::from(endpoint.device)).ok_or_else(|| {
         Error::new(
             Status::NotFound,
             format!(
@@ -61,22 +61,22 @@ pub(crate) fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
 /// refuses (a zero address, an extent past 2^64).
 pub(crate) fn flows(group: &Group, plan: &Plan, process: u32) -> Result<Vec<Flow>> {
     let mut flows = Vec::new();
-    for route in plan.routes().iter().filter(|r| r.src.rank == process || r.dst.rank == process) {
+    for route in plan.routes().iter().filter(|r| r.src.process == process || r.dst.process == process) {
         let kind = route.kind();
         match kind {
             RouteKind::Local | RouteKind::Peer => {}
             RouteKind::Remote => {
                 return Err(Error::unsupported(format!(
-                    "route from rank {} device {} to rank {} device {} crosses processes; this executor \
+                "route from process {} device {} to process {} device {} crosses processes; this executor \
                      moves bytes within one process only",
-                    route.src.rank, route.src.device, route.dst.rank, route.dst.device
-                )))
+                route.src.process, route.src.device, route.dst.process, route.dst.device
+            )))
             }
         }
         let (src, dst) = (rank_of(group, route.src)?, rank_of(group, route.dst)?);
         validate(&route.segments).map_err(|e| {
             e.context(format!(
-                "route from device {} to device {} of rank {process}",
+                "route from device {} to device {} of process {process}",
                 route.src.device, route.dst.device
             ))
         })?;

@@ -149,7 +149,7 @@ pub struct Executor {
     group_id: u64,
     process: u32,
     backend: Arc<dyn Backend>,
-    devices: Vec<usize>,
+    devices: Vec<i32>,
     options: ExecOptions,
     totals: KindTotals,
     methods: [Option<Method>; 3],
@@ -164,7 +164,7 @@ pub struct Executor {
     ranks: Vec<usize>,
     done_recorded: bool,
     /// (device, allocation) of each receiving rank's staging buffer.
-    staging: Vec<(usize, u64)>,
+    staging: Vec<(i32, u64)>,
     book: AddressBook,
     destinations: Destinations,
     state: State,
@@ -297,7 +297,7 @@ impl Executor {
             done_recorded: false,
             staging: Vec::new(),
             book: AddressBook::default(),
-            destinations: plan.destinations().of_rank(process),
+            destinations: plan.destinations().of_process(process),
             state: State::Idle,
             last: None,
             broken: None,
@@ -686,7 +686,7 @@ impl Executor {
     }
 
     /// A rank's device, group stream and peer stream (the group stream when it has none).
-    fn streams_of(&self, group: &Group, rank: usize) -> Result<(usize, Stream, Stream)> {
+    fn streams_of(&self, group: &Group, rank: usize) -> Result<(i32, Stream, Stream)> {
         let stream = group.stream(rank)?;
         Ok((self.devices[rank], stream, self.peer_streams[rank].unwrap_or(stream)))
     }
@@ -911,7 +911,7 @@ impl Executor {
     /// Errors (nothing changed): InvalidDevice (not a device of the group), InvalidArgument (empty
     /// or overflowing range, ambiguous or clashing moves), NotFound (the plan uses no byte there),
     /// PlanStale (the range cuts through bytes the plan moves together: build a new plan).
-    pub fn rebind(&mut self, device: usize, old_base: u64, new_base: u64, length: u64) -> Result<()> {
+    pub fn rebind(&mut self, device: i32, old_base: u64, new_base: u64, length: u64) -> Result<()> {
         if let Some(err) = &self.broken {
             return Err(Error::invalid_state(format!("a rebind failed earlier ({})", err.message)));
         }

@@ -57,18 +57,18 @@ fn intersecting(map: &BTreeMap<u64, usize>, spans: &[Span], lo: u64, hi: u64) ->
 
 #[derive(Debug, Default)]
 pub(crate) struct AddressBook {
-    devices: HashMap<usize, Device>,
+    devices: HashMap<i32, Device>,
 }
 
 /// Registers extents before the book is built.
 #[derive(Default)]
 pub(crate) struct Registrar {
-    extents: HashMap<usize, Vec<(u64, u64, Ref)>>,
+    extents: HashMap<i32, Vec<(u64, u64, Ref)>>,
 }
 
 impl Registrar {
     /// Registers `side` of segment `index` of `target`, whose extent on `device` is `[lo, hi)`.
-    pub fn add(&mut self, device: usize, lo: u64, hi: u64, target: Target, index: usize, side: Side) {
+    pub fn add(&mut self, device: i32, lo: u64, hi: u64, target: Target, index: usize, side: Side) {
         let reference = Ref { target, index: index as u32, side };
         self.extents.entry(device).or_default().push((lo, hi, reference));
     }
@@ -101,7 +101,7 @@ impl AddressBook {
     /// overflowing range, a range that is both a moved and an unmoved buffer, a destination
     /// overlapping another moved buffer), NotFound (no registered byte there: nothing to rebind),
     /// PlanStale (the range cuts through a span).
-    pub fn rebind(&mut self, device: usize, old: u64, new: u64, len: u64) -> Result<(Vec<Ref>, u64)> {
+    pub fn rebind(&mut self, device: i32, old: u64, new: u64, len: u64) -> Result<(Vec<Ref>, u64)> {
         let (Some(old_end), Some(new_end)) = (old.checked_add(len), new.checked_add(len)) else {
             crate::bail!(Status::InvalidArgument, "the range of {len} bytes runs past 2^64");
         };
@@ -198,7 +198,7 @@ impl AddressBook {
 mod tests {
     use super::*;
 
-    fn book(extents: &[(usize, u64, u64)]) -> AddressBook {
+    fn book(extents: &[(i32, u64, u64)]) -> AddressBook {
         let mut registrar = Registrar::default();
         for (i, &(device, lo, hi)) in extents.iter().enumerate() {
             registrar.add(device, lo, hi, Target::Copy(0), i, Side::Dst);

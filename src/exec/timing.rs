@@ -28,10 +28,10 @@ unsafe impl Sync for Mark {}
 
 impl Mark {
     /// A mark on `device`.
-    pub fn new(backend: &dyn Backend, device: usize) -> Result<Mark> {
+    pub fn new(backend: &dyn Backend, device: i32) -> Result<Mark> {
         match backend.kind() {
             BackendKind::Cuda => {
-                let context = primary_context(device as i32)?;
+                let context = primary_context(device)?;
                 // SAFETY: a retained primary context.
                 let _current = unsafe { CurrentContext::enter(context) }?;
                 let mut event = std::ptr::null_mut();

@@ -82,14 +82,14 @@ impl VerifyBatch {
     pub fn check(
         &self,
         backend: &dyn Backend,
-        devices: &[usize],
+        devices: &[i32],
         process: u32,
         destinations: &Destinations,
     ) -> Result<()> {
         let Some(index) = self.prepared.outcome()? else { return Ok(()) };
         let segment = &self.segments[index];
         let (planned, receiver) = self.planned[index];
-        let receiver = Endpoint { rank: process, device: devices[receiver] as u32 };
+        let receiver = Endpoint { process, device: devices[receiver] as u32 };
         let Some((run, byte)) = first_difference(backend, devices[self.rank], segment)? else {
             return Err(Error::new(
                 Status::VerifyMismatch,
@@ -123,7 +123,7 @@ impl VerifyBatch {
 
 /// The first run (in the segment's run order) and byte where destination and source differ, read
 /// back through `backend`; None when none does within the first [`MAX_RUNS_READ`] runs.
-fn first_difference(backend: &dyn Backend, device: usize, segment: &Segment) -> Result<Option<(u64, u64)>> {
+fn first_difference(backend: &dyn Backend, device: i32, segment: &Segment) -> Result<Option<(u64, u64)>> {
     let mut found = None;
     let mut failed = None;
     let mut run = 0u64;

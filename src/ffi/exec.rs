@@ -371,7 +371,10 @@ pub extern "C" fn refit_executor_rebind(
     boundary("refit_executor_rebind", || {
         // SAFETY: NULL or a live handle.
         let executor = unsafe { arg_mut(executor, "executor") }?;
-        executor.executor.rebind(device as usize, old_base, new_base, length)
+        let device = i32::try_from(device).map_err(|_| {
+            Error::new(Status::InvalidDevice, format!("device {device} is not a device ordinal"))
+        })?;
+        executor.executor.rebind(device, old_base, new_base, length)
     })
 }
 

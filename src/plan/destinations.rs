@@ -2,7 +2,7 @@
 //! and element a destination byte belongs to (a verify mismatch reports them) after the tables are
 //! gone. Compact: the needs' fixed fields and one pool of their dimensions, as the catalog holds them.
 
-use super::merge::Catalog;
+use super::merge::Merged;
 use super::table::Endpoint;
 
 /// One need as kept: its tensor (an index into the names), where it lands and its dimensions'
@@ -36,18 +36,19 @@ pub struct Located<'a> {
 }
 
 impl Destinations {
-    pub(crate) fn new(catalog: &Catalog) -> Destinations {
-        let tensors = catalog
+    /// The needs `needs` (indices of `merged`'s, which are sorted by receiver).
+    pub(crate) fn new(merged: &Merged, needs: std::ops::Range<usize>) -> Destinations {
+        let tensors = merged
             .tensors
             .iter()
-            .zip(&catalog.layout)
+            .zip(&merged.geometry)
             .map(|(spec, &(n, elem))| (spec.name.clone(), n, elem))
             .collect();
-        let mut landings = Vec::with_capacity(catalog.needs.len());
+        let mut landings = Vec::with_capacity(needs.len());
         let mut pool = Vec::new();
-        for i in 0..catalog.needs.len() {
-            let need = catalog.need(i);
-            let n = catalog.layout[need.tensor].0;
+        for i in needs {
+            let need = merged.need(i);
+            let n = merged.geometry[need.tensor].0;
             landings.push(Landing {
                 receiver: need.receiver,
                 tensor: need.tensor as u32,
@@ -61,10 +62,10 @@ impl Destinations {
         Destinations { landings, pool, tensors }
     }
 
-    /// The needs of process `rank`'s receivers only.
-    pub fn of_rank(&self, rank: u32) -> Destinations {
+    /// The needs of process `process`'s receivers only.
+    pub fn of_process(&self, process: u32) -> Destinations {
         let landings: Vec<Landing> =
-            self.landings.iter().filter(|l| l.receiver.rank == rank).copied().collect();
+            self.landings.iter().filter(|l| l.receiver.process == process).copied().collect();
         let mut pool = Vec::new();
         let landings = landings
             .into_iter()
