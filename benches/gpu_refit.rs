@@ -12,7 +12,7 @@
 //! (`refit_bench_tables.bin`, `refit_bench_layout.json`) for benches/refit_peer.py, which runs torch's
 //! per-slice `copy_` and `_foreach_copy_` on the same slices and the GEMM overlap curve.
 //!
-//! Device times are the executor's own stamps (refit_run_stats), medians after warm-up; the ceiling
+//! Device times are the executor's own stamps (RunStats), medians after warm-up; the ceiling
 //! is CUDA-event timed. Prints markdown tables; writes $REFIT_BENCH_RESULTS/gpu_refit.json.
 //! REFIT_BENCH_LAYERS (default 48) and REFIT_BENCH_HOST=1 (the host backend, for a smoke run without
 //! a GPU) shrink or move it.
@@ -20,6 +20,7 @@
 #[path = "../tests/common/cuda.rs"]
 mod cuda;
 
+use refit::exec::RunStats;
 use refit::ffi::exec::*;
 use refit::ffi::group::*;
 use refit::ffi::plan::*;
@@ -60,11 +61,8 @@ fn gbps(bytes: u64, ns: f64) -> f64 {
     bytes as f64 / ns
 }
 
-fn stats() -> refit_run_stats {
-    // SAFETY: integers and bools; all-zero is valid.
-    let mut s: refit_run_stats = unsafe { std::mem::zeroed() };
-    s.size = std::mem::size_of::<refit_run_stats>();
-    s
+fn stats() -> RunStats {
+    RunStats::default()
 }
 
 /// The bench's device: memory through the transport, the group through the C ABI.
@@ -228,7 +226,7 @@ fn runs(
     commit: bool,
     warm: usize,
     reps: usize,
-) -> Vec<(refit_run_stats, refit_run_stats)> {
+) -> Vec<(RunStats, RunStats)> {
     (0..warm + reps)
         .map(|_| {
             let (mut ran, mut committed) = (stats(), stats());

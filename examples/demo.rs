@@ -17,6 +17,7 @@
 //! verified step: the run lands everything in staging and compares it with the sources, the live
 //! buffers stay untouched until the commit installs it.
 
+use refit::exec::RunStats;
 use refit::ffi::exec::*;
 use refit::ffi::group::*;
 use refit::ffi::plan::*;
@@ -387,11 +388,8 @@ fn plan_through_c(w: &Workload, bases: &[u64]) -> Result<*mut refit_plan, String
     built.map(|()| plan)
 }
 
-fn empty_stats() -> refit_run_stats {
-    // SAFETY: a plain struct of integers and bools, all-zero valid.
-    let mut stats: refit_run_stats = unsafe { std::mem::zeroed() };
-    stats.size = std::mem::size_of::<refit_run_stats>();
-    stats
+fn empty_stats() -> RunStats {
+    RunStats::default()
 }
 
 fn arm_name(code: u32) -> &'static str {
@@ -579,7 +577,7 @@ fn run() -> Result<(), String> {
         );
     }
     println!(
-        "\nColumns (refit_run_stats): wall: the whole call on the host; host enqueue: queueing the work (constant \
+        "\nColumns (RunStats): wall: the whole call on the host; host enqueue: queueing the work (constant \
          whatever the segment count); host wait: blocked on the device (these calls run outside a scope, so they \
          return complete); device: the step's span on the device; local / peer: the copies within a device and \
          {between}, which run side by side; verify: comparing every copied byte with its source; commit: \

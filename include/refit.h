@@ -402,22 +402,23 @@ typedef struct {
 } refit_executor_options;
 
 /**
- * What one run or commit did, and where its time went. Before the call set `size` to
- * sizeof(refit_run_stats). Arrays are indexed by REFIT_ROUTE_LOCAL, _PEER, _REMOTE.
+ * What one run or commit did, and where its time went. Before a call that fills it, C callers set
+ * `size` to sizeof(refit_run_stats). Arrays are indexed by REFIT_ROUTE_LOCAL, _PEER, _REMOTE.
  *
- * Host time: prepare_ns + enqueue_ns + wait_ns account for wall_ns. Device time per stage comes from
- * stamps on the streams: the longest rank's, summed over slices. A rank's local and peer copies run
- * side by side, so device_ns (the longest rank's span from its first stage's start to its last
- * stage's end) is what the stages amount to on the device. Device times are filled only when the
- * call waited for the device (device_timed); refit_executor_stats waits and fills them.
+ * Host time: prepare_ns + enqueue_ns + wait_ns account for wall_ns (the rest is the call's own
+ * bookkeeping). Device time per stage comes from stamps on the streams: the longest rank's, summed
+ * over slices. A rank's local and peer copies run side by side, so device_ns (the longest rank's span
+ * from its first stage's start to its last stage's end) is what the stages amount to on the device.
+ * Device times are filled only when the call waited for the device (device_timed);
+ * refit_executor_stats waits and fills them.
  */
 typedef struct {
   /**
-   * sizeof(refit_run_stats) as the caller knows it.
+   * sizeof(refit_run_stats) as the caller knows it (Rust: always the full size).
    */
   size_t size;
   /**
-   * No descriptor was rebuilt for this call (false after a rebind touched the verify stage's).
+   * No descriptor was rebuilt for this call (false after a rebind touched a verify's).
    */
   bool descriptors_reused;
   /**
@@ -433,7 +434,8 @@ typedef struct {
    */
   uint32_t slices;
   /**
-   * How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE or _NONE.
+   * How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, or _NONE (this call
+   * moved none of that kind).
    */
   uint32_t arm[3];
   /**

@@ -12,7 +12,7 @@ use cudarc::driver::sys;
 use gpu_common::{caller_stream, ck, cuda, group_sizes, DeviceBuffer};
 use refit::exec::{Arm, CommitMode, ExecOptions, Executor, Hook, Method, Stage};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
-use refit::plan::{self, Endpoint, Plan, PlanOptions};
+use refit::plan::{self, Endpoint, Plan, PlanOptions, RouteKind};
 use refit::transport::{Backend, Stream};
 use refit::{Error, Status};
 use refit_workloads::{Megatron, Model, Moe, Packing, Role, Spec, Vllm, Workload};
@@ -152,7 +152,7 @@ fn every_arm_installs_every_element() {
                 assert!(stats.device_timed && stats.device_ns > 0 && stats.local_ns > 0);
                 assert_eq!(stats.peer_ns > 0, size > 1);
                 let want = if arm == Arm::CopyEngine { Method::CopyEngine } else { Method::Kernel };
-                assert_eq!(stats.methods[0], Some(want));
+                assert_eq!(stats.method(RouteKind::Local), Some(want));
             }
         }
     }

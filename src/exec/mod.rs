@@ -590,7 +590,7 @@ impl Executor {
         self.state = if staged { State::Staged { checked } } else { State::Idle };
 
         stats.slices = self.slices.len() as u32;
-        stats.methods = self.methods;
+        stats.arm = self.methods.map(Method::code);
         stats.bytes = self.totals.bytes;
         stats.segments = self.totals.segments;
         stats.verified = self.options.verify && checked;

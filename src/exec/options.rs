@@ -26,11 +26,30 @@ impl Arm {
     pub const COPY_ENGINE_MIN_RUN: u64 = 16 << 20;
 }
 
-/// What actually moves a batch (an [`Arm`] resolved).
+/// What actually moves a batch (an [`Arm`] resolved). Its codes in [`super::RunStats::arm`] are
+/// the C API's REFIT_ARM_KERNEL and REFIT_ARM_COPY_ENGINE, and REFIT_ARM_NONE for no method.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Method {
-    Kernel,
-    CopyEngine,
+    Kernel = 1,
+    CopyEngine = 2,
+}
+
+impl Method {
+    /// REFIT_ARM_NONE: the code of no method.
+    const NONE: u32 = 3;
+
+    /// The method's code in the stats (REFIT_ARM_NONE for None).
+    pub const fn code(method: Option<Method>) -> u32 {
+        match method {
+            Some(method) => method as u32,
+            None => Method::NONE,
+        }
+    }
+
+    /// The method of a stats code (None for REFIT_ARM_NONE or an unknown code).
+    pub fn from_code(code: u32) -> Option<Method> {
+        [Method::Kernel, Method::CopyEngine].into_iter().find(|&m| m as u32 == code)
+    }
 }
 
 /// How bytes reach the live buffers.

@@ -12,7 +12,7 @@ use super::group::refit_group;
 use super::plan::refit_plan;
 use super::{arg, arg_mut, boundary, check_struct_size, destroy, out, sized_out};
 use crate::error::{Error, Result, Status};
-use crate::exec::{Arm, CommitMode, ExecOptions, Executor, Method, RunStats};
+use crate::exec::{Arm, CommitMode, ExecOptions, Executor, RunStats};
 
 /// Executor arm: per route kind, the copy engine where the average contiguous run is at least
 /// 16 MiB (or where the kernel cannot run: no direct peer access, no libnvrtc), the batched kernel
@@ -61,89 +61,6 @@ pub struct refit_executor_options {
     /// REFIT_COMMIT_STAGED only: the most staging bytes per receiving device, at least 4096; 0 (the
     /// default) stages the whole step at once.
     pub staging_limit: u64,
-}
-
-/// What one run or commit did, and where its time went. Before the call set `size` to
-/// sizeof(refit_run_stats). Arrays are indexed by REFIT_ROUTE_LOCAL, _PEER, _REMOTE.
-///
-/// Host time: prepare_ns + enqueue_ns + wait_ns account for wall_ns. Device time per stage comes from
-/// stamps on the streams: the longest rank's, summed over slices. A rank's local and peer copies run
-/// side by side, so device_ns (the longest rank's span from its first stage's start to its last
-/// stage's end) is what the stages amount to on the device. Device times are filled only when the
-/// call waited for the device (device_timed); refit_executor_stats waits and fills them.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct refit_run_stats {
-    /// sizeof(refit_run_stats) as the caller knows it.
-    pub size: usize,
-    /// No descriptor was rebuilt for this call (false after a rebind touched the verify stage's).
-    pub descriptors_reused: bool,
-    /// The device times below are filled.
-    pub device_timed: bool,
-    /// This call checked the copied bytes against their sources, and all matched.
-    pub verified: bool,
-    /// Slices the step ran in (1 unless staged above staging_limit); 0 for a commit.
-    pub slices: u32,
-    /// How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE or _NONE.
-    pub arm: [u32; 3],
-    /// Payload bytes copied from the sources by this call, per route kind.
-    pub bytes: [u64; 3],
-    /// Segments copied from the sources by this call, per route kind.
-    pub segments: [u64; 3],
-    /// Bytes this call wrote into live buffers (a direct run: all; staged: what it installed).
-    pub installed_bytes: u64,
-    /// Bytes this call compared with their sources.
-    pub verified_bytes: u64,
-    /// The whole call, on the host.
-    pub wall_ns: u64,
-    /// Host time rebuilding descriptors (0 when reused).
-    pub prepare_ns: u64,
-    /// Host time ordering the streams and queueing every stage.
-    pub enqueue_ns: u64,
-    /// Host time blocked on the device (outside a scope; verify outcomes; slices).
-    pub wait_ns: u64,
-    /// Device time of the copies within a device.
-    pub local_ns: u64,
-    /// Device time of the copies between devices (NVLink).
-    pub peer_ns: u64,
-    /// Device time of the verify stage.
-    pub verify_ns: u64,
-    /// Device time of the installs from staging into the live buffers.
-    pub commit_ns: u64,
-    /// Device time of the whole call (see above).
-    pub device_ns: u64,
-}
-
-fn arm_code(method: Option<Method>) -> u32 {
-    match method {
-        Some(Method::Kernel) => REFIT_ARM_KERNEL,
-        Some(Method::CopyEngine) => REFIT_ARM_COPY_ENGINE,
-        None => REFIT_ARM_NONE,
-    }
-}
-
-fn c_stats(s: &RunStats) -> refit_run_stats {
-    refit_run_stats {
-        size: std::mem::size_of::<refit_run_stats>(),
-        descriptors_reused: s.descriptors_reused,
-        device_timed: s.device_timed,
-        verified: s.verified,
-        slices: s.slices,
-        arm: s.methods.map(arm_code),
-        bytes: s.bytes,
-        segments: s.segments,
-        installed_bytes: s.installed_bytes,
-        verified_bytes: s.verified_bytes,
-        wall_ns: s.wall_ns,
-        prepare_ns: s.prepare_ns,
-        enqueue_ns: s.enqueue_ns,
-        wait_ns: s.wait_ns,
-        local_ns: s.local_ns,
-        peer_ns: s.peer_ns,
-        verify_ns: s.verify_ns,
-        commit_ns: s.commit_ns,
-        device_ns: s.device_ns,
-    }
 }
 
 fn defaults() -> refit_executor_options {
@@ -240,9 +157,7 @@ pub extern "C" fn refit_executor_create(
 }
 
 /// Checks a stats output before any work (NULL is allowed: no stats wanted).
-unsafe fn stats_slot<'a>(
-    stats: *mut refit_run_stats,
-) -> Result<Option<&'a mut std::mem::MaybeUninit<refit_run_stats>>> {
+unsafe fn stats_slot<'a>(stats: *mut RunStats) -> Result<Option<&'a mut std::mem::MaybeUninit<RunStats>>> {
     if stats.is_null() {
         return Ok(None);
     }
@@ -275,7 +190,7 @@ unsafe fn stats_slot<'a>(
 pub extern "C" fn refit_executor_run(
     executor: *mut refit_executor,
     group: *mut refit_group,
-    stats: *mut refit_run_stats,
+    stats: *mut RunStats,
 ) -> Status {
     boundary("refit_executor_run", || {
         // SAFETY: NULL or live handles; stats NULL or writable.
@@ -285,7 +200,7 @@ pub extern "C" fn refit_executor_run(
         // SAFETY: the caller's documented promise on the plan's memory.
         let ran = unsafe { executor.executor.run(&group.group) }?;
         if let Some(slot) = slot {
-            slot.write(c_stats(&ran));
+            slot.write(ran);
         }
         Ok(())
     })
@@ -308,7 +223,7 @@ pub extern "C" fn refit_executor_run(
 pub extern "C" fn refit_executor_commit(
     executor: *mut refit_executor,
     group: *mut refit_group,
-    stats: *mut refit_run_stats,
+    stats: *mut RunStats,
 ) -> Status {
     boundary("refit_executor_commit", || {
         // SAFETY: as in refit_executor_run.
@@ -318,7 +233,7 @@ pub extern "C" fn refit_executor_commit(
         // SAFETY: as in refit_executor_run.
         let committed = unsafe { executor.executor.commit(&group.group) }?;
         if let Some(slot) = slot {
-            slot.write(c_stats(&committed));
+            slot.write(committed);
         }
         Ok(())
     })
@@ -330,12 +245,12 @@ pub extern "C" fn refit_executor_commit(
 /// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size), INVALID_STATE (no call has succeeded yet),
 /// CUDA_ERROR.
 #[no_mangle]
-pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mut refit_run_stats) -> Status {
+pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mut RunStats) -> Status {
     boundary("refit_executor_stats", || {
         // SAFETY: NULL or a live handle; stats NULL or writable.
         let executor = unsafe { arg_mut(executor, "executor") }?;
         let slot = unsafe { sized_out(stats, "stats") }?;
-        slot.write(c_stats(&executor.executor.stats()?));
+        slot.write(executor.executor.stats()?);
         Ok(())
     })
 }
@@ -384,4 +299,23 @@ pub extern "C" fn refit_executor_rebind(
 pub extern "C" fn refit_executor_destroy(executor: *mut refit_executor) {
     // SAFETY: the caller hands back a handle from this library, once.
     unsafe { destroy(executor, "refit_executor_destroy") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exec::Method;
+
+    #[test]
+    fn arm_codes_are_the_stats_codes() {
+        assert_eq!(Method::code(Some(Method::Kernel)), REFIT_ARM_KERNEL);
+        assert_eq!(Method::code(Some(Method::CopyEngine)), REFIT_ARM_COPY_ENGINE);
+        assert_eq!(Method::code(None), REFIT_ARM_NONE);
+        for code in [REFIT_ARM_KERNEL, REFIT_ARM_COPY_ENGINE, REFIT_ARM_NONE, REFIT_ARM_AUTO] {
+            assert_eq!(
+                Method::from_code(code).map(|m| Method::code(Some(m))),
+                Some(code).filter(|&c| c == 1 || c == 2)
+            );
+        }
+    }
 }
