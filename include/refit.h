@@ -386,8 +386,11 @@ typedef struct {
    */
   uint32_t sm_budget;
   /**
-   * After the copies, compare every copied byte with its source on the device; a mismatch is
-   * REFIT_STATUS_VERIFY_MISMATCH naming the tensor, box and element (default false).
+   * After each copy, check on the device, on the copy's stream, every byte it wrote: the kernel's
+   * destinations against digests it recorded of the sources it read (reads the destinations only;
+   * detects any changed element, and other changes but for a 2^-64 chance), the copy engine's
+   * byte by byte against the sources. A mismatch is REFIT_STATUS_VERIFY_MISMATCH naming the
+   * tensor, box and element (default false).
    */
   bool verify;
   /**
@@ -853,8 +856,7 @@ refit_status refit_executor_options_init(refit_executor_options *options);
  * commit, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit with REFIT_COMMIT_DIRECT or below
  * 4096, a segment with a zero address), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a
  * route between this process and another: this executor moves bytes within one process; the kernel
- * arm where a rank has no direct access to its peer; verify on a backend without the verify
- * primitive), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only:
+ * arm where a rank has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only:
  * AUTO falls back to the copy engine), CUDA_ERROR.
  */
 refit_status refit_executor_create(const refit_plan *plan,
@@ -924,8 +926,8 @@ refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *sta
  * ordinal of the group) now lives at [new_base, new_base + length) (an engine freed and reallocated
  * its weights): later calls read and write the new place, with no planning and no host work per
  * segment. Blocks until the executor's queued work has run, then rewrites the prepared addresses in
- * that range (host work proportional to the segments touching it; verify descriptors are rebuilt at
- * the next run).
+ * that range (host work proportional to the segments touching it; the copy engine's verify, which
+ * compares both sides, is rebuilt at the next run).
  *
  * The range must hold whole buffers as the plan sees them: bytes that one segment reads or writes
  * together move together. A coalesced plan may join buffers that lie at regular distances into one
@@ -1235,6 +1237,31 @@ refit_status refit_plan_build(const refit_table *const *tables,
                               refit_plan **plan);
 
 /**
+ * Builds the share of the plan that process `process` takes part in, from every process's table
+ * (`tables` holds `count` tables, in any order): every route from or to one of its endpoints,
+ * exactly the routes refit_plan_build would give it, and the counts of its own receivers. Every
+ * process that builds its share from the same tables and options gets routes that fit together
+ * into one plan (owners are a function of all tables and the options). Every table is read, but
+ * the work beyond reading them grows with this process's own needs and offers (with
+ * REFIT_POLICY_BALANCED, with every need). Writes the share to `*plan`; read it with the plan
+ * calls (refit_plan_get_stats counts this process's receivers; refit_plan_fingerprint digests
+ * this share's routes; refit_plan_inputs_fingerprint is equal in every process given the same
+ * tables and options: compare it before any byte moves). Runs on the calling thread; touches no
+ * device.
+ *
+ * Errors: as refit_plan_build, except that COVERAGE_GAP and OVERLAP are reported for this
+ * process's needs only (each process checks its own; a failure on any process must stop all).
+ *
+ * # Safety
+ * `tables` points to `count` live tables not modified during the call.
+ */
+refit_status refit_plan_build_share(const refit_table *const *tables,
+                                    size_t count,
+                                    uint32_t process,
+                                    const refit_plan_options *options,
+                                    refit_plan **plan);
+
+/**
  * Releases a plan. NULL is accepted. Segment pointers read from it become invalid.
  *
  * # Safety
@@ -1272,6 +1299,17 @@ refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
  * `plan` is a live plan.
  */
 refit_status refit_plan_fingerprint(const refit_plan *plan, uint64_t *fingerprint);
+
+/**
+ * Writes to `*fingerprint` a digest of everything the plan was built from: every table's content
+ * (in any order, entries in any order), the options and the planner's limits. Equal for a plan
+ * and every process's share built from the same inputs, in any process; processes compare it to
+ * agree on their inputs. Thread-safe. Errors: NULL_ARGUMENT.
+ *
+ * # Safety
+ * `plan` is a live plan.
+ */
+refit_status refit_plan_inputs_fingerprint(const refit_plan *plan, uint64_t *fingerprint);
 
 /**
  * Writes the number of routes to `*count`. Routes are ordered by destination endpoint, then local,

@@ -273,17 +273,20 @@ fn verify_catches_a_byte_corrupted_between_copy_and_verify() {
     let size = group_sizes().into_iter().filter(|&s| s <= 2).max().unwrap();
     let refit = Refit::new(size, true);
     let group = gpu_group(size);
-    // Clean: verified.
-    let mut clean =
-        Executor::new(&group, &refit.plan, 0, ExecOptions { verify: true, ..ExecOptions::default() })
-            .unwrap();
-    let stats = step(&mut clean, &group).unwrap();
-    assert!(stats.verified && stats.verify_ns > 0);
-    refit.assert_installed("verified");
-    // Direct: a receiver byte changed after the copy (an unfused parameter, whose buffer is named
-    // as its tensor).
+    // Clean, with the kernel (digests recorded by the copy) and the copy engine (both sides compared).
+    for arm in [Arm::Kernel, Arm::CopyEngine] {
+        let options = ExecOptions { arm, verify: true, ..ExecOptions::default() };
+        let mut clean = Executor::new(&group, &refit.plan, 0, options).unwrap();
+        refit.poison();
+        let stats = step(&mut clean, &group).unwrap();
+        assert!(stats.verified && stats.verify_ns > 0, "{arm:?}");
+        refit.assert_installed("verified");
+    }
+    // Direct, the kernel: a receiver byte changed after the copy (an unfused parameter, whose
+    // buffer is named as its tensor).
     let b = *refit.receivers().iter().rev().find(|&&b| refit.w.buffers[b].name.contains("o_proj")).unwrap();
     let options = ExecOptions {
+        arm: Arm::Kernel,
         verify: true,
         hook: Some(corrupting(refit.buffers[b].ptr + 3)),
         ..ExecOptions::default()
@@ -292,10 +295,13 @@ fn verify_catches_a_byte_corrupted_between_copy_and_verify() {
     let err = step(&mut corrupted, &group).unwrap_err();
     assert_eq!(err.status, Status::VerifyMismatch, "{}", err.message);
     assert!(err.message.contains(&format!("tensor '{}'", refit.w.buffers[b].name)), "{}", err.message);
-    // Staged: a source changed after the copy into staging; nothing is installed.
+    // Staged: a source changed after the copy into staging; nothing is installed. The kernel's
+    // verify checks what the copy wrote against what it read (a source changed afterwards is no
+    // copy error); the copy engine's compares both sides again, and finds it.
     refit.poison();
     let source = refit.plan.routes()[0].segments[0].src;
     let options = ExecOptions {
+        arm: Arm::CopyEngine,
         verify: true,
         commit: CommitMode::Staged,
         hook: Some(corrupting(source)),

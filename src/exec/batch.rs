@@ -10,6 +10,7 @@ use crate::kernels::PreparedBatch;
 use crate::segment::Segment;
 use crate::transport::host::host_stream;
 use crate::transport::host_copy::copy_runs;
+use crate::transport::verify::PreparedVerify;
 use crate::transport::{Backend, BackendKind, Stream};
 use std::sync::Arc;
 
@@ -41,20 +42,22 @@ pub(crate) struct Batch {
 
 impl Batch {
     /// Prepares `segments` (non-empty, validated) for `rank`'s device. The kernel method uploads the
-    /// descriptors now; `max_blocks` (0: no cap) limits the blocks of its launches.
+    /// descriptors now, and with `record_digests` records digests of what it reads for
+    /// [`Batch::verify`]; `max_blocks` (0: no cap) limits the blocks of its launches.
     pub fn new(
         group: &Group,
         rank: usize,
         segments: Vec<Segment>,
         method: Method,
         max_blocks: u32,
+        record_digests: bool,
     ) -> Result<Batch> {
         let device = group.device(rank)?;
         let bytes = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
         let kernel = match (group.backend_kind(), method) {
             (BackendKind::Cuda, Method::Kernel) => {
                 let layout = BatchLayout::new(&segments)?;
-                let mut prepared = PreparedBatch::from_layout(device, &layout)?;
+                let mut prepared = PreparedBatch::from_layout(device, &layout, record_digests)?;
                 if max_blocks > 0 {
                     prepared.limit_blocks(max_blocks);
                 }
@@ -76,6 +79,21 @@ impl Batch {
 
     pub fn bytes(&self) -> u64 {
         self.bytes
+    }
+
+    pub fn segments(&self) -> &[Segment] {
+        &self.segments
+    }
+
+    /// The verify of what this batch wrote: against the source digests its launches record (a
+    /// kernel batch made with `record_digests`: reads only the destinations, shares the
+    /// descriptors, so it follows [`Batch::relocate`]), else comparing both sides (`None`: the
+    /// caller builds that one, it needs the group).
+    pub fn recorded_verify(&self) -> Result<Option<PreparedVerify>> {
+        match &self.kernel {
+            Some(kernel) => PreparedVerify::for_copy(&kernel.prepared).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Queues the batch on `stream`, a stream of its device. CUDA kernel: one launch, no host work

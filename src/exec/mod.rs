@@ -20,7 +20,6 @@
 //! checks it is the one the executor was made for.
 
 mod batch;
-mod compare;
 mod flows;
 mod options;
 mod rebind;
@@ -240,8 +239,8 @@ impl Executor {
     /// devices are the group's device ordinals) for `group`: batches for every stage built and
     /// uploaded, staging allocated. Errors: InvalidArgument (options), NotFound (a plan device not
     /// in the group), Unsupported (a route to or from another process; the kernel arm without
-    /// peer access; verify on a backend without the verify primitive), InvalidArgument (a segment
-    /// the batched copy refuses), and the driver's and compiler's errors.
+    /// peer access), InvalidArgument (a segment the batched copy refuses), and the driver's and
+    /// compiler's errors.
     pub fn new(group: &Group, plan: &Plan, process: u32, options: ExecOptions) -> Result<Executor> {
         options.check()?;
         let flows = flows::flows(group, plan, process)?;
@@ -437,7 +436,7 @@ impl Executor {
             }
             let refs: Vec<&Segment> = installs.iter().collect();
             let method = resolve(self.options.arm, RouteKind::Local, &refs, true)?;
-            self.batches.push(Batch::new(group, rank, installs.clone(), method, 0)?);
+            self.batches.push(Batch::new(group, rank, installs.clone(), method, 0, false)?);
             self.add_marks(Slot { slice: k, timed: Timed::Install, rank })?;
             let sources = sources.remove(&rank).unwrap_or_default();
             slice.receiving.push(Receiving { rank, sources, install: Some(index) });
@@ -472,7 +471,8 @@ impl Executor {
         }
         let method = self.methods[kind as usize].expect("a method for every kind with segments");
         let segments: Vec<Segment> = list.iter().map(|c| c.segment).collect();
-        self.batches.push(Batch::new(group, rank, segments.clone(), method, self.options.sm_budget)?);
+        let (budget, verify_on) = (self.options.sm_budget, self.options.verify);
+        self.batches.push(Batch::new(group, rank, segments, method, budget, verify_on)?);
         let (copy, check) = if kind == RouteKind::Local {
             (Timed::Local, Timed::VerifyLocal)
         } else {
@@ -481,7 +481,7 @@ impl Executor {
         self.add_marks(Slot { slice: k, timed: copy, rank })?;
         if self.options.verify {
             let planned = list.iter().map(|c| (c.planned, c.receiver)).collect();
-            self.verifies.push(VerifyBatch::new(group, rank, segments, planned)?);
+            self.verifies.push(VerifyBatch::new(group, rank, &self.batches[batch], planned)?);
             self.add_marks(Slot { slice: k, timed: check, rank })?;
         }
         Ok(CopyStage { batch, verify })
@@ -905,8 +905,8 @@ impl Executor {
     /// Tells the executor that the caller's memory `[old_base, old_base + length)` on `device` now
     /// lives at `new_base`: the next call reads and writes the new place, with nothing planned
     /// again. Waits for the executor's queued work, then rewrites the prepared addresses in that
-    /// range (the host work is proportional to the segments that touch it; verify descriptors are
-    /// rebuilt at the next run). See `rebind` for how buffers are named.
+    /// range (the host work is proportional to the segments that touch it; a verify comparing both
+    /// sides is rebuilt at the next run). See `rebind` for how buffers are named.
     ///
     /// Errors (nothing changed): InvalidDevice (not a device of the group), InvalidArgument (empty
     /// or overflowing range, ambiguous or clashing moves), NotFound (the plan uses no byte there),

@@ -88,7 +88,8 @@ pub struct ExecOptions {
     /// the sources; 0 for no cap. Verify and the staged install are not capped: a server stalls for
     /// the install, and runs it at full speed.
     pub sm_budget: u32,
-    /// Compare every copied byte with its source on the device after the copies.
+    /// Check every copied byte on the device after its copy: a kernel batch's destinations against
+    /// digests it recorded of the sources it read, a copy-engine batch's against the sources.
     pub verify: bool,
     pub commit: CommitMode,
     /// Staged only: the most staging bytes per receiving device (0: the whole step). A step above it

@@ -1,13 +1,15 @@
 //! The verify of one copy batch: after the batch, on its stream, every segment it copied (into live
-//! buffers, or into staging) compared with its source on the device; a mismatch becomes a status
-//! naming the tensor, box and element, found by reading the first differing segment back.
+//! buffers, or into staging) checked on the device (`transport::verify`): a kernel batch's
+//! destinations against the digests it recorded of the sources it read, a copy-engine batch's (and
+//! the host backend's) byte by byte against the sources. A mismatch becomes a status naming the
+//! tensor, box and element, found by reading the first differing segment back.
 
-use super::batch::Side;
-use super::compare::PreparedVerify;
+use super::batch::{Batch, Side};
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Destinations, Endpoint};
 use crate::segment::Segment;
+use crate::transport::verify::PreparedVerify;
 use crate::transport::{Backend, Stream};
 
 /// Runs read back, at most, to find the first differing byte of a mismatched segment.
@@ -22,22 +24,30 @@ pub(crate) struct VerifyBatch {
     /// rank receiving each: what a mismatch is reported against.
     planned: Vec<(Segment, usize)>,
     bytes: u64,
-    /// Prepared for the addresses of the last refresh; its outcome is the last launch's.
+    /// Its outcome is the last launch's.
     prepared: PreparedVerify,
-    /// Segments were relocated since `prepared` was made.
+    /// `prepared` shares the copy batch's descriptors (and follows its relocations); otherwise it
+    /// has its own, rebuilt after a relocation.
+    shared: bool,
+    /// Segments were relocated since `prepared` was made (never when shared).
     stale: bool,
 }
 
 impl VerifyBatch {
+    /// The verify of `batch`, a batch of `rank`; `planned` gives each of its segments as planned and
+    /// the rank receiving it.
     pub fn new(
         group: &Group,
         rank: usize,
-        segments: Vec<Segment>,
+        batch: &Batch,
         planned: Vec<(Segment, usize)>,
     ) -> Result<VerifyBatch> {
-        let prepared = PreparedVerify::new(group, rank, &segments)?;
-        let bytes = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
-        Ok(VerifyBatch { rank, segments, planned, bytes, prepared, stale: false })
+        let segments = batch.segments().to_vec();
+        let (prepared, shared) = match batch.recorded_verify()? {
+            Some(recorded) => (recorded, true),
+            None => (PreparedVerify::new(group, rank, &segments)?, false),
+        };
+        Ok(VerifyBatch { rank, segments, planned, bytes: batch.bytes(), prepared, shared, stale: false })
     }
 
     pub fn bytes(&self) -> u64 {
@@ -53,7 +63,7 @@ impl VerifyBatch {
             Side::Dst => &mut segment.dst,
         };
         *address = address.wrapping_add(delta);
-        self.stale = true;
+        self.stale = !self.shared;
     }
 
     /// Rebuilds the prepared form after relocations; returns whether it had to.

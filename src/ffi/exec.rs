@@ -53,8 +53,11 @@ pub struct refit_executor_options {
     /// leaving the rest to work beside the refit (0, the default: no cap). Not with
     /// REFIT_ARM_COPY_ENGINE. The verify stage and the staged install are not capped.
     pub sm_budget: u32,
-    /// After the copies, compare every copied byte with its source on the device; a mismatch is
-    /// REFIT_STATUS_VERIFY_MISMATCH naming the tensor, box and element (default false).
+    /// After each copy, check on the device, on the copy's stream, every byte it wrote: the kernel's
+    /// destinations against digests it recorded of the sources it read (reads the destinations only;
+    /// detects any changed element, and other changes but for a 2^-64 chance), the copy engine's
+    /// byte by byte against the sources. A mismatch is REFIT_STATUS_VERIFY_MISMATCH naming the
+    /// tensor, box and element (default false).
     pub verify: bool,
     /// REFIT_COMMIT_DIRECT (default) or REFIT_COMMIT_STAGED.
     pub commit: u32,
@@ -133,8 +136,7 @@ pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_optio
 /// commit, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit with REFIT_COMMIT_DIRECT or below
 /// 4096, a segment with a zero address), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a
 /// route between this process and another: this executor moves bytes within one process; the kernel
-/// arm where a rank has no direct access to its peer; verify on a backend without the verify
-/// primitive), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only:
+/// arm where a rank has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only:
 /// AUTO falls back to the copy engine), CUDA_ERROR.
 #[no_mangle]
 pub extern "C" fn refit_executor_create(
@@ -259,8 +261,8 @@ pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mu
 /// ordinal of the group) now lives at [new_base, new_base + length) (an engine freed and reallocated
 /// its weights): later calls read and write the new place, with no planning and no host work per
 /// segment. Blocks until the executor's queued work has run, then rewrites the prepared addresses in
-/// that range (host work proportional to the segments touching it; verify descriptors are rebuilt at
-/// the next run).
+/// that range (host work proportional to the segments touching it; the copy engine's verify, which
+/// compares both sides, is rebuilt at the next run).
 ///
 /// The range must hold whole buffers as the plan sees them: bytes that one segment reads or writes
 /// together move together. A coalesced plan may join buffers that lie at regular distances into one

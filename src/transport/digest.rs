@@ -42,10 +42,10 @@ pub unsafe fn digest(group: &Group, rank: usize, stream: Stream, addr: u64, len:
                     0 => &[][..],
                     _ => unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) },
                 };
-                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(gf64::digest(bytes));
+                *crate::sync::lock(&slot) = Some(gf64::digest(bytes));
             })?;
             queue.synchronize()?;
-            let value = result.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let value = crate::sync::lock(&result).take();
             value.ok_or_else(|| Error::invalid_state("the host stream stopped before it ran the digest"))
         }
     }

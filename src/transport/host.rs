@@ -17,10 +17,12 @@
 //! Nothing here is needed on a machine with GPUs.
 
 use super::host_copy::copy_runs;
-use super::{device_index, Backend, BackendKind, Event, PreparedCopy, Stream};
+use super::host_verify::{segment_digest, HostCheck, Reference, Side};
+use super::{device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, Stream};
 use crate::error::{try_to_vec, Error, Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
+use crate::sync::{lock, wait};
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -55,7 +57,7 @@ impl HostStream {
 
     /// Queues `work` to run after everything queued before it.
     pub fn enqueue(&self, work: impl FnOnce() + Send + 'static) -> Result<()> {
-        let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let queue = lock(&self.queue);
         match queue.as_ref() {
             Some(sender) => sender
                 .send(Box::new(work))
@@ -74,8 +76,8 @@ impl HostStream {
 
     /// Stops accepting work, lets queued work finish, and joins the worker.
     fn stop(&self) {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        lock(&self.queue).take();
+        let worker = lock(&self.worker).take();
         if let Some(worker) = worker {
             if worker.thread().id() != std::thread::current().id() {
                 let _ = worker.join();
@@ -103,26 +105,26 @@ impl HostEvent {
 
     fn record_on(self: &Arc<Self>, stream: &HostStream) -> Result<()> {
         let ticket = {
-            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut state = lock(&self.state);
             state.recorded += 1;
             state.recorded
         };
         let event = Arc::clone(self);
         stream.enqueue(move || {
-            let mut state = event.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut state = lock(&event.state);
             state.completed = state.completed.max(ticket);
             event.changed.notify_all();
         })
     }
 
     fn latest_record(&self) -> u64 {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).recorded
+        lock(&self.state).recorded
     }
 
     fn wait_for(&self, ticket: u64) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         while state.completed < ticket {
-            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+            state = wait(&self.changed, state);
         }
     }
 
@@ -175,7 +177,7 @@ fn insert_new<T>(map: &mut HashMap<u64, T>, value: T) -> u64 {
 }
 
 fn lock_streams() -> std::sync::MutexGuard<'static, HashMap<u64, (Arc<HostStream>, Owner)>> {
-    registry().streams.lock().unwrap_or_else(|p| p.into_inner())
+    lock(&registry().streams)
 }
 
 fn register_stream(name: String, owner: Owner) -> Result<Stream> {
@@ -221,10 +223,7 @@ pub fn host_stream(stream: Stream) -> Result<Arc<HostStream>> {
 }
 
 fn host_event(event: Event) -> Result<Arc<HostEvent>> {
-    registry()
-        .events
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    lock(&registry().events)
         .get(&event.0)
         .cloned()
         .ok_or_else(|| Error::invalid_argument(format!("event {:#x} is not a host event", event.0)))
@@ -315,12 +314,12 @@ impl Backend for HostBackend {
 
     fn create_event(&self, device: i32) -> Result<Event> {
         self.check_device(device)?;
-        let mut events = registry().events.lock().unwrap_or_else(|p| p.into_inner());
+        let mut events = lock(&registry().events);
         Ok(Event(insert_new(&mut events, HostEvent::new())))
     }
 
     fn destroy_event(&self, _device: i32, event: Event) {
-        registry().events.lock().unwrap_or_else(|p| p.into_inner()).remove(&event.0);
+        lock(&registry().events).remove(&event.0);
     }
 
     fn record(&self, device: i32, event: Event, stream: Stream) -> Result<()> {
@@ -378,13 +377,27 @@ impl Backend for HostBackend {
         segments: &[Segment],
         checked: bool,
     ) -> Result<Box<dyn PreparedCopy>> {
+        Ok(Box::new(self.host_batch(device, segments, checked, false)?))
+    }
+
+    fn prepare_recording_batch(
+        &self,
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>> {
+        Ok(Box::new(self.host_batch(device, segments, checked, true)?))
+    }
+
+    fn prepare_compare(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedCheck>> {
         let index = self.index(device)?;
         validate(segments)?;
-        if checked {
-            check_destinations(segments)?;
-        }
-        let segments = Arc::new(try_to_vec(segments, "the batch's segments")?);
-        Ok(Box::new(HostBatch { default_stream: self.default_streams[index], segments }))
+        Ok(Box::new(HostCheck {
+            default_stream: self.default_streams[index],
+            segments: Arc::new(try_to_vec(segments, "the verify's segments")?),
+            reference: Reference::Sources,
+            result: Arc::new(Mutex::new(None)),
+        }))
     }
 
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
@@ -416,11 +429,32 @@ impl Backend for HostBackend {
     }
 }
 
+impl HostBackend {
+    fn host_batch(
+        &self,
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+        recording: bool,
+    ) -> Result<HostBatch> {
+        let index = self.index(device)?;
+        validate(segments)?;
+        if checked {
+            check_destinations(segments)?;
+        }
+        let segments = Arc::new(try_to_vec(segments, "the batch's segments")?);
+        let source_digests = recording.then(|| Arc::new(Mutex::new(Vec::new())));
+        Ok(HostBatch { default_stream: self.default_streams[index], segments, source_digests })
+    }
+}
+
 /// A host backend's prepared batch: the checked list, copied by the stream's worker at each launch.
 struct HostBatch {
     /// What a NULL stream stands for: the prepared device's default stream.
     default_stream: Stream,
     segments: Arc<Vec<Segment>>,
+    /// For a recording batch: one digest per segment of the source bytes the last launch read.
+    source_digests: Option<Arc<Mutex<Vec<u64>>>>,
 }
 
 impl PreparedCopy for HostBatch {
@@ -429,9 +463,31 @@ impl PreparedCopy for HostBatch {
     unsafe fn launch(&self, stream: Stream) -> Result<()> {
         let stream = host_stream(if stream == Stream::NULL { self.default_stream } else { stream })?;
         let segments = Arc::clone(&self.segments);
+        let record = self.source_digests.clone();
         // SAFETY: the caller promises the memory stays valid until the queued work has run.
-        stream.enqueue(move || unsafe { copy_runs(&segments) })?;
+        stream.enqueue(move || unsafe {
+            if let Some(record) = record {
+                // Digests of what this copy reads, taken just before it reads it.
+                let digests = segments.iter().map(|s| segment_digest(s, Side::Source)).collect();
+                *record.lock().unwrap_or_else(|p| p.into_inner()) = digests;
+            }
+            copy_runs(&segments)
+        })?;
         stream.synchronize()
+    }
+
+    fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>> {
+        let recorded = self.source_digests.as_ref().ok_or_else(|| {
+            Error::invalid_argument(
+                "the batch does not record source digests (prepare it with prepare_recording_batch)",
+            )
+        })?;
+        Ok(Box::new(HostCheck {
+            default_stream: self.default_stream,
+            segments: Arc::clone(&self.segments),
+            reference: Reference::Recorded(Arc::clone(recorded)),
+            result: Arc::new(Mutex::new(None)),
+        }))
     }
 }
 
