@@ -33,7 +33,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
     name=$(basename "$t")
     [ -n "$filter" ] && [[ "$name" != *$filter* ]] && continue
     echo "=== test $name" | tee -a "$log"
-    if timeout 300 "$t" --ignored --test-threads=1 >>"$log" 2>&1; then
+    if timeout ${REFIT_GPU_TIMEOUT:-300} "$t" --ignored --test-threads=1 >>"$log" 2>&1; then
       record "$name" "$(grep -E '^test result' "$log" | tail -1)"
     else
       record "$name" "FAILED (see gpu.log)"
@@ -42,7 +42,7 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
   if [ -z "$filter" ] || [[ python == *$filter* ]]; then
     # The Python binding's suite, its torch tests included (they need a GPU; skipped elsewhere).
     echo "=== python tests" | tee -a "$log"
-    if timeout 300 python3 -m unittest discover -v -s python/tests >>"$log" 2>&1; then
+    if timeout ${REFIT_GPU_TIMEOUT:-300} python3 -m unittest discover -v -s python/tests >>"$log" 2>&1; then
       record "python tests" "$(grep -E '^Ran [0-9]+ tests' "$log" | tail -1)"
     else
       record "python tests" "FAILED (see gpu.log)"
@@ -56,7 +56,7 @@ if [ "$what" = all ] || [ "$what" = benches ]; then
     name=$(basename "$b")
     [ -n "$filter" ] && [[ "$name" != *$filter* ]] && continue
     echo "=== bench $name" | tee -a "$log"
-    if timeout 300 "$b" 2>&1 | tee -a "$log" "$work/$name.txt" >/dev/null; then
+    if timeout ${REFIT_GPU_TIMEOUT:-300} "$b" 2>&1 | tee -a "$log" "$work/$name.txt" >/dev/null; then
       record "$name" "ok"
     else
       record "$name" "FAILED"
@@ -67,7 +67,7 @@ if [ "$what" = all ] || [ "$what" = benches ]; then
     name=$(basename "$p" .py)
     [ -n "$filter" ] && [[ "$name" != *$filter* ]] && continue
     echo "=== python $name" | tee -a "$log"
-    if timeout 300 python3 "$p" 2>&1 | tee -a "$log" "$work/$name.txt" >/dev/null; then
+    if timeout ${REFIT_GPU_TIMEOUT:-300} python3 "$p" 2>&1 | tee -a "$log" "$work/$name.txt" >/dev/null; then
       record "$name" "ok"
     else
       record "$name" "FAILED"
@@ -88,7 +88,7 @@ if [ "$what" = probes ]; then
               { record "$name" "FAILED to build (see gpu.log)"; continue; } ;;
       *) run=(python3 "$p") ;;
     esac
-    if timeout 300 "${run[@]}" 2>&1 | tee -a "$log" "$work/$name.txt" >/dev/null; then
+    if timeout ${REFIT_GPU_TIMEOUT:-300} "${run[@]}" 2>&1 | tee -a "$log" "$work/$name.txt" >/dev/null; then
       record "$name" "ok"
     else
       record "$name" "FAILED"

@@ -95,7 +95,14 @@ class TorchModuleRefitTest(unittest.TestCase):
             self.assertEqual(set(params), set(expected))
             for name, tensor in params.items():
                 want = bf16(expected[name], tensor.shape, tensor.device)
-                self.assertTrue(torch.equal(tensor.view(torch.int16), want.view(torch.int16)), f"{ranks} {name}")
+                got_bits, want_bits = tensor.view(torch.int16).flatten(), want.view(torch.int16).flatten()
+                wrong = (got_bits != want_bits).nonzero().flatten().tolist()
+                self.assertEqual(
+                    wrong,
+                    [],
+                    f"{ranks} {name}: {len(wrong)} of {tensor.numel()} elements differ; first at "
+                    f"{wrong[:1]}: got {got_bits[wrong[:1]].tolist()}, want {want_bits[wrong[:1]].tolist()}",
+                )
 
     def test_qwen3_moe_megatron_tp2_ep2_to_vllm_tp2(self):
         trainer = [MegatronRanks(tp=2, tp_rank=r % 2, ep=2, ep_rank=r % 2, etp=1, etp_rank=0, dp=2, dp_rank=r // 2) for r in range(4)]

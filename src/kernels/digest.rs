@@ -94,7 +94,7 @@ impl DigestKernel {
     fn load(device: i32) -> Result<DigestKernel> {
         let loaded = module::load(device, SOURCE, "digest.cu")?;
         let function = module::function(loaded.module, KERNEL_NAME)?;
-        let per_sm = module::blocks_per_sm(function, THREADS)?;
+        let per_sm = loaded.blocks_per_sm(function, THREADS)?;
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(loaded.context) }?;
         let words = gf64::kernel_constants();
