@@ -10,7 +10,7 @@
 //! for the sizes of issue 14 item 10, "scale" for planning across processes at Kimi-K2 scale).
 
 use refit::plan::{self, Endpoint, Plan, PlanOptions, PlanStats, Region, Table};
-use refit::workloads::{Layout, Model, Spec, Workload};
+use refit_workloads::{Model, Packing, Spec, Workload};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -335,7 +335,7 @@ fn sweep(samples: usize, out: &mut String, label: &str) -> String {
     for (layers, experts) in shapes {
         let model = Model::qwen3_30b_a3b().with_layers(layers).with_experts(experts);
         let workload =
-            Workload::generate(&Spec::qwen3_ep8_to_tp2(Layout::Separate).with_model(model)).unwrap();
+            Workload::generate(&Spec::qwen3_ep8_to_tp2(Packing::Separate).with_model(model)).unwrap();
         let tables = workload.tables(&workload.fake_bases()).unwrap();
         let (plan, ms, min_ms) = timed_build(&tables, samples);
         let s = plan.stats();
@@ -390,43 +390,43 @@ fn main() {
     let cases = [
         Case {
             name: "Qwen3-30B-A3B EP8 -> TP2, separate allocations",
-            spec: Spec::qwen3_ep8_to_tp2(Layout::Separate),
+            spec: Spec::qwen3_ep8_to_tp2(Packing::Separate),
             target_ranges: Some(TARGET_RANGES_SEPARATE),
             seed: true,
         },
         Case {
             name: "Qwen3-30B-A3B EP8 -> TP2, packed publisher buffers",
-            spec: Spec::qwen3_ep8_to_tp2(Layout::Packed),
+            spec: Spec::qwen3_ep8_to_tp2(Packing::Packed),
             target_ranges: Some(TARGET_RANGES_PACKED),
             seed: true,
         },
         Case {
             name: "Qwen3-30B-A3B EP8 -> TP2, packed publishers and packed receivers",
-            spec: Spec { receiver_layout: Layout::Packed, ..Spec::qwen3_ep8_to_tp2(Layout::Packed) },
+            spec: Spec { receiver_layout: Packing::Packed, ..Spec::qwen3_ep8_to_tp2(Packing::Packed) },
             target_ranges: Some(TARGET_RANGES_PACKED),
             seed: true,
         },
         Case {
             name: "Qwen3-30B-A3B EP8 -> TP2, separate allocations, one weight per expert (TEGroupedMLP)",
-            spec: Spec::qwen3_ep8_to_tp2(Layout::Separate).with_expert_weights(),
+            spec: Spec::qwen3_ep8_to_tp2(Packing::Separate).with_expert_weights(),
             target_ranges: Some(TARGET_RANGES_SEPARATE),
             seed: true,
         },
         Case {
             name: "Llama-3-70B TP8 -> TP2, separate allocations",
-            spec: llama(Layout::Separate),
+            spec: llama(Packing::Separate),
             target_ranges: None,
             seed: false,
         },
         Case {
             name: "Llama-3-70B TP8 x DP2 -> TP2, packed publisher buffers",
-            spec: Spec::llama3_70b_tp8_to_tp2(Layout::Packed, 2),
+            spec: Spec::llama3_70b_tp8_to_tp2(Packing::Packed, 2),
             target_ranges: None,
             seed: false,
         },
         Case {
             name: "Qwen3-30B-A3B colocated EP2 + TP2 on 2 GPUs, separate allocations",
-            spec: Spec::qwen3_colocated_ep2_tp2(Layout::Separate),
+            spec: Spec::qwen3_colocated_ep2_tp2(Packing::Separate),
             target_ranges: None,
             seed: false,
         },

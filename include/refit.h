@@ -8,7 +8,8 @@
  *  - Outputs are written only on success. On failure a message describing the cause is kept per thread
  *    and read with refit_last_error_message(); successful calls leave it unchanged.
  *  - NULL for a required pointer argument returns REFIT_STATUS_NULL_ARGUMENT. No input crashes the process:
- *    a bug inside the library (a Rust panic) returns REFIT_STATUS_INTERNAL_ERROR instead.
+ *    a bug inside the library (a Rust panic) returns REFIT_STATUS_INTERNAL_ERROR instead, and memory
+ *    the library cannot allocate for the caller's arguments returns REFIT_STATUS_OUT_OF_MEMORY.
  *  - Streams are CUstream / cudaStream_t passed as void*; NULL means the legacy default stream of the
  *    device concerned. Device pointers are uint64_t; the library never owns caller memory.
  *  - Handles (refit_group*, refit_plan*, ...) are released by their *_destroy, which accepts NULL.
@@ -46,7 +47,8 @@
 #define REFIT_ALLGATHER_PEER 2
 
 /**
- * Staged through host memory, synchronous: a reference path and last resort.
+ * Staged through host memory (in parts of at most 8 MiB, whatever the counts), synchronous: a
+ * reference path and last resort.
  */
 #define REFIT_ALLGATHER_HOST 3
 
@@ -243,7 +245,8 @@ typedef enum {
  * A device group: one rank per device, each with its own non-blocking stream created once, and one
  * persistent thread per rank, started at the first call that needs them (refit_group_run, a PEER
  * allgather). After each such call a rank thread spins for up to 50 us waiting for the
- * next before it sleeps: a loop of calls then costs no thread wake-ups (several microseconds each).
+ * next before it sleeps: a loop of calls then costs no thread wake-ups (each a system call and a
+ * context switch).
  *
  * Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
  * rank callbacks may call refit_group_allgather_rank and the query functions concurrently.
@@ -496,9 +499,10 @@ extern "C" {
  * NULL, receives the algorithm that ran.
  *
  * AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
- * access (on 2 x H200, PEER moved 1.34-1.73x what NCCL's allgather moved from 1 MiB to 1 GiB per
- * rank and took at most half its host time per call; below 1 MiB NCCL's GPU time is up to 13%
- * shorter, see NOTES.md); otherwise NCCL when it loads, else PEER.
+ * access (there PEER moves more than NCCL's allgather from 1 MiB per rank and takes less host time
+ * per call; below 1 MiB NCCL's GPU time is shorter, but a call in a loop costs the larger of its
+ * host and GPU times: benches/gpu_allgather.rs, figures in docs/measurements.md); otherwise NCCL
+ * when it loads, else PEER.
  *
  * PEER issues every rank's launches and copies at once: the calling thread issues rank 0's, and each
  * other rank's are issued by that rank's thread when it is awake (within 50 us of the group's
@@ -520,7 +524,7 @@ extern "C" {
  * Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
  * overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
  * receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
- * CUDA_ERROR, INVALID_STATE (called from a rank callback).
+ * CUDA_ERROR, INVALID_STATE (called from a rank callback), OUT_OF_MEMORY.
  */
 refit_status refit_allgather(refit_group *group,
                              const uint64_t *send,
@@ -534,8 +538,8 @@ refit_status refit_allgather(refit_group *group,
  * `rank`, `send` (counts[rank] bytes) and `recv` (sum(counts) bytes) and the same `counts` (all
  * refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return);
  * once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
- * share of refit_allgather's PEER, with the same methods: in a loop on 2 x H200 a call cost 7.6 us
- * at 256 B per rank and 195 us at 64 MiB, against 12.6 and 294 us for NCCL called per rank.
+ * share of refit_allgather's PEER, with the same methods, and costs what a whole-group call costs
+ * (benches/gpu_allgather.rs, loop of calls, against NCCL called per rank).
  * Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
  * fails first, this returns ABORTED instead of waiting forever.
  *
@@ -569,7 +573,7 @@ refit_status refit_group_allgather_rank(refit_group *group,
  * size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
  * address, on the host backend a stream that is not a host stream), OVERLAP (REFIT_COPY_CHECKED and
  * two destination runs share a byte), UNSUPPORTED (checked mode over more interleaved runs than it
- * expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
+ * visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
  * first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
  */
 refit_status refit_copy_batch(const refit_group *group,
@@ -612,6 +616,43 @@ refit_status refit_copy_batch_launch(const refit_prepared_copy *batch,
  * only when no launch of the batch (or a graph replaying one) can still run.
  */
 void refit_copy_batch_destroy(refit_prepared_copy *batch);
+
+/**
+ * Computes the refit digest of the `len` bytes at device address `addr` on `rank`'s device, on
+ * `stream` (a stream of that device; NULL: its legacy default stream), and writes it to `*digest`.
+ * Publishers pass it to refit_table_add_offer, so that replicas of a box are compared without
+ * reading weights back to the host.
+ *
+ * The digest: read the bytes as a polynomial over GF(2) whose coefficient of x^k is bit k%8 of byte
+ * k/8, add x^(8 len) (a 1 bit just past the last byte), and reduce modulo
+ * g(x) = x^64 + 0x41aa24523c3d140f (bit i: x^i); bit i of the result is the coefficient of x^i. It is
+ * a CRC with a primitive polynomial: the same bytes give the same digest at any address and
+ * alignment, and of two buffers of the same length, the digests always differ when they differ by a
+ * single flipped bit, by two flipped bits, by any change within 64 consecutive bits (one 8-byte word
+ * at any offset), or by two swapped 8-byte words that differ, at any offsets; and when one has extra
+ * trailing zero bytes. Any other difference goes unnoticed only if g divides it: about one chance in
+ * 2^64 for corruption. It is not cryptographic: digests can be forged on purpose. The digest of 0
+ * bytes is 1.
+ *
+ * Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
+ * stream to reach it (CUDA: one kernel, one 8-byte copy, cuStreamSynchronize) and then returns, so the
+ * bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass;
+ * the first call on a device compiles the kernel.
+ *
+ * Thread-safety: may be called from any thread, concurrently with other calls.
+ *
+ * Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size, addr 0 with
+ * len > 0, a range running past the end of the 64-bit address space, on the host backend a stream
+ * that is not a host stream), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be
+ * compiled or loaded at first use on the device), CUDA_ERROR (e.g. a stream of another device, an
+ * address the device cannot read). `*digest` is written only on success.
+ */
+refit_status refit_digest(const refit_group *group,
+                          uint32_t rank,
+                          uint64_t addr,
+                          uint64_t len,
+                          void *stream,
+                          uint64_t *digest);
 
 /**
  * Fills `options` with the defaults (AUTO backend) and sets options->size.
@@ -726,13 +767,18 @@ refit_status refit_group_run(refit_group *group,
 /**
  * Host backend only: creates a caller-side host stream (a FIFO queue with its own worker thread)
  * usable as a caller stream of any host-backend group, e.g. to test scope ordering. Release it with
- * refit_host_stream_destroy. Errors: NULL_ARGUMENT.
+ * refit_host_stream_destroy. Thread-safe. Errors: NULL_ARGUMENT, OUT_OF_MEMORY (no thread could be
+ * started).
  */
 refit_status refit_host_stream_create(void **stream);
 
 /**
- * Destroys a host stream after its queued work has run.
- * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not a host stream, or destroyed already).
+ * Destroys a host stream made by refit_host_stream_create, after its queued work has run. Only those
+ * streams: a group's streams (refit_group_stream) and a simulated device's default stream are
+ * released by refit_group_destroy, and any other value is refused without effect. Handle values are
+ * not sequential, so a guessed value names no stream. Thread-safe.
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not made by refit_host_stream_create, destroyed already,
+ * or a group's stream).
  */
 refit_status refit_host_stream_destroy(void *stream);
 
@@ -1010,7 +1056,12 @@ const char *refit_status_string(int32_t status);
 /**
  * The message of the last call on this thread that failed, NUL-terminated; "" if none has failed.
  * Successful calls leave it unchanged. The pointer stays valid until the next failing call on this
- * thread. Thread-safe (each thread has its own message); never fails.
+ * thread or the thread's exit. Thread-safe (each thread has its own message); never fails.
+ *
+ * Every refit function may be called while a thread or the process exits (from a thread-key
+ * destructor or an atexit handler). Once the exiting thread's message storage has been released,
+ * the message of a call that fails then is its status name (e.g. "REFIT_STATUS_NULL_ARGUMENT"), and
+ * before any such failure a fixed text saying the message was released.
  */
 const char *refit_last_error_message(void);
 
@@ -1018,12 +1069,22 @@ const char *refit_last_error_message(void);
  * Installs a log sink. `level` is the most verbose level delivered: 0 off, 1 error, 2 warn, 3 info,
  * 4 debug, 5 trace. `callback(level, message, user_data)` receives each record with a NUL-terminated
  * message valid only during the call; it may be called from any thread, including the group's rank
- * threads, and must not call back into refit. NULL `callback` restores the default sink (stderr).
+ * threads, and from several threads at once. NULL `callback` restores the default sink: stderr at the
+ * level named by the environment variable REFIT_LOG (off, error, warn, info, debug, trace), warn by
+ * default, which is also the sink before any call.
  *
- * Without this call, logging goes to stderr at the level named by the environment variable
- * REFIT_LOG (off, error, warn, info, debug, trace), warn by default.
+ * Once this call returns, the callback it replaced is never entered again and has returned on every
+ * thread, so its user_data may be freed. To keep that promise the call waits for calls of the old
+ * callback running on other threads: a callback must not wait for the thread that calls this
+ * function. The callback and the level change together: every record goes to the sink installed
+ * with its level, never to one sink at another's level.
  *
- * Thread-safe. Errors: REFIT_STATUS_INVALID_ARGUMENT for a level above 5.
+ * A callback may call refit functions. Records those calls emit on the callback's thread while it is
+ * inside the callback are dropped (so a failing call does not call the callback again).
+ *
+ * Thread-safe; concurrent calls take effect one after the other. Errors: REFIT_STATUS_INVALID_ARGUMENT
+ * for a level above 5; REFIT_STATUS_INVALID_STATE when called from inside the log callback (nothing
+ * is changed).
  */
 refit_status refit_set_log_callback(uint32_t level,
                                     refit_log_callback callback,

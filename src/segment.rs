@@ -1,5 +1,8 @@
 //! The unit of copying shared by the planner (which emits it), the executors and the batched copy
 //! kernel (which move it). Plain addresses and byte counts: nothing here knows where memory lives.
+//! [`check`] holds the checks every batched copy applies to a list of segments.
+
+pub mod check;
 
 /// A strided box of bytes: a contiguous run of `len` bytes, repeated `count[0]` times with strides
 /// `src_stride[0]` / `dst_stride[0]`, and that whole pattern repeated `count[1]` times with strides

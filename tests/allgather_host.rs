@@ -3,10 +3,10 @@
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
-use refit::allgather::peer::PeerMethod;
+use refit::allgather::peer::{set_method, PeerMethod};
 use refit::allgather::{allgather, allgather_rank, Algorithm};
-use refit::backend::host::{create_host_stream, destroy_host_stream, host_stream};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use refit::transport::host::{create_host_stream, destroy_host_stream, host_stream};
 use refit::Status;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
@@ -15,7 +15,7 @@ use std::time::Duration;
 const POISON: u8 = 0xAB;
 
 fn host(n: usize) -> Group {
-    let devices: Vec<i64> = (0..n as i64).collect();
+    let devices: Vec<i32> = (0..n as i32).collect();
     Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
 }
 
@@ -25,7 +25,7 @@ const METHODS: [Option<PeerMethod>; 3] =
 
 fn host_with(n: usize, method: Option<PeerMethod>) -> Group {
     let group = host(n);
-    group.set_peer_method(method);
+    set_method(&group, method).unwrap();
     group
 }
 
@@ -128,7 +128,7 @@ fn two_hundred_calls_in_a_row_inside_one_scope_and_outside() {
     let group = host(3);
     let counts = [33usize, 0, 129];
     for call in 0..200 {
-        group.set_peer_method(METHODS[call / 67]);
+        set_method(&group, METHODS[call / 67]).unwrap();
         check_whole_group(&group, &counts, Algorithm::Peer, call);
     }
     // Inside one scope: each call is only queued; buffers must live until the exit. The method
@@ -140,7 +140,7 @@ fn two_hundred_calls_in_a_row_inside_one_scope_and_outside() {
     let mut recvs: Vec<Vec<Vec<u8>>> = (0..200).map(|_| vec![vec![POISON; total]; n]).collect();
     group.enter(None).unwrap();
     for call in 0..200 {
-        group.set_peer_method(METHODS[(call * 7 / 3) % 3]);
+        set_method(&group, METHODS[(call * 7 / 3) % 3]).unwrap();
         let s: Vec<u64> = sends[call].iter().map(|b| b.as_ptr() as u64).collect();
         let r: Vec<u64> = recvs[call].iter_mut().map(|b| b.as_mut_ptr() as u64).collect();
         unsafe { allgather(&group, &s, &r, &counts, Algorithm::Peer) }.unwrap();
@@ -271,6 +271,16 @@ fn per_rank_allgather_inside_run_byte_exact() {
         per_rank(&group, &[0, 0, 0, 0], algorithm, 2, false);
         per_rank(&host(1), &[99], algorithm, 2, false);
     }
+}
+
+#[test]
+fn host_staging_moves_blocks_larger_than_its_buffer_in_parts() {
+    // The Host algorithm stages 8 MiB at a time: blocks of two parts and a bit, one part and a byte,
+    // and a short one, whole-group and per rank.
+    const PART: usize = 8 << 20;
+    let counts = [2 * PART + 3, 5, PART + 1];
+    check_whole_group(&host(3), &counts, Algorithm::Host, 0);
+    per_rank(&host(3), &counts, Algorithm::Host, 1, false);
 }
 
 #[test]

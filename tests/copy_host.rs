@@ -1,4 +1,4 @@
-//! The host backend's batched copy (`backend::host_copy::copy_segments`) against an independent
+//! The host backend's batched copy (`transport::host_copy::copy_segments`) against an independent
 //! byte-by-byte reference: random batches of every size class from 0 to 1 MiB, misaligned on both
 //! sides, strided levels, thousands of segments; the checked mode's overlap rejection; bad arguments.
 
@@ -6,7 +6,7 @@
 mod random_batch;
 
 use random_batch::{first_difference, random_batch, rebase, reference, Rng, Shape};
-use refit::backend::host_copy::copy_segments;
+use refit::transport::host_copy::copy_segments;
 use refit::{Segment, Status};
 
 const POISON: u8 = 0xCD;

@@ -12,8 +12,8 @@ mod random_batch;
 use cuda::{enable_peer, ok, on, Buffer, Stream};
 use cudarc::driver::sys;
 use random_batch::{first_difference, random_batch, rebase, reference, Batch, Rng, Shape};
-use refit::backend::driver::check;
 use refit::kernels::{copy_segments, PreparedBatch};
+use refit::transport::driver::check;
 use refit::{Segment, Status};
 
 const POISON: u8 = 0xCD;
@@ -450,15 +450,14 @@ fn errors_are_statuses_and_copy_nothing() {
 #[test]
 #[ignore = "needs a GPU"]
 fn group_rank_copy_on_the_cuda_backend() {
-    use refit::copy::{copy_batch, PreparedCopy};
     use refit::group::{BackendChoice, Group, GroupOptions};
-    let devices: Vec<i64> = if cuda::device_count() >= 2 { vec![0, 1] } else { vec![0] };
+    let devices: Vec<i32> = if cuda::device_count() >= 2 { vec![0, 1] } else { vec![0] };
     let group = ok(
         "Group::new",
         Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }),
     );
     let rank = devices.len() - 1;
-    let device = devices[rank] as i32;
+    let device = devices[rank];
     let stream = ok("group stream", group.stream(rank));
     let mut rng = Rng::new(17);
     let shape =
@@ -466,15 +465,16 @@ fn group_rank_copy_on_the_cuda_backend() {
     let batch = random_batch(&mut rng, shape);
     let mut case = Case::new(&mut rng, batch, device, device);
     // SAFETY: live buffers of this rank's device and the group's own stream.
-    ok("copy_batch", unsafe { copy_batch(&group, rank, stream, &case.segments, true) });
-    ok("sync", group.backend().sync_stream(device as usize, stream));
+    let backend = group.backend();
+    ok("copy_batch", unsafe { backend.copy_batch(device, stream, &case.segments, true) });
+    ok("sync", group.backend().sync_stream(device, stream));
     case.verify("group rank one-shot");
-    let prepared = ok("PreparedCopy::new", PreparedCopy::new(&group, rank, &case.segments, true));
+    let prepared = ok("prepare_batch", backend.prepare_batch(device, &case.segments, true));
     for round in 0..3 {
         case.refresh(&mut rng);
         // SAFETY: as above.
         ok("launch", unsafe { prepared.launch(stream) });
-        ok("sync", group.backend().sync_stream(device as usize, stream));
+        ok("sync", group.backend().sync_stream(device, stream));
         case.verify(&format!("group rank prepared launch {round}"));
     }
 }

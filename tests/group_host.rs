@@ -3,19 +3,19 @@
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
-use refit::backend::host::{create_host_stream, destroy_host_stream, host_stream};
-use refit::backend::{BackendKind, Stream};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use refit::transport::host::{create_host_stream, destroy_host_stream, host_stream};
+use refit::transport::{BackendKind, Stream};
 use refit::{Error, Status};
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-fn host(devices: &[i64]) -> Group {
+fn host(devices: &[i32]) -> Group {
     Group::new(devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
 }
 
-fn host_err(devices: &[i64], simulated: usize) -> Error {
+fn host_err(devices: &[i32], simulated: usize) -> Error {
     Group::new(devices, GroupOptions { backend: BackendChoice::Host, host_devices: simulated }).err().unwrap()
 }
 
@@ -55,6 +55,15 @@ fn bad_device_lists_have_their_own_status() {
     let duplicate = host_err(&[1, 0, 1], 0);
     assert_eq!(duplicate.status, Status::DuplicateDevice);
     assert!(duplicate.message.contains("devices[0] and devices[2]"), "{}", duplicate.message);
+    // Long lists are refused in time that grows with their length, not with its square (the search
+    // for repeats ran first, over every pair).
+    let distinct: Vec<i32> = (0..1 << 20).collect();
+    assert_eq!(host_err(&distinct, 0).status, Status::InvalidDevice);
+    let mut repeated = vec![3i32; 1 << 20];
+    repeated[0] = 2;
+    let repeat = host_err(&repeated, 0);
+    assert_eq!(repeat.status, Status::DuplicateDevice);
+    assert!(repeat.message.contains("devices[1] and devices[2]"), "{}", repeat.message);
 }
 
 #[test]
@@ -297,7 +306,43 @@ fn run_and_rank_collectives_are_refused_in_the_wrong_place() {
 #[test]
 fn auto_uses_cuda_when_it_works_and_the_host_backend_otherwise() {
     let group = Group::new(&[0], GroupOptions::default()).unwrap_or_else(|e| panic!("{e}"));
-    let cuda_works = refit::backend::cuda::cuda_backend().is_ok();
+    let cuda_works = refit::transport::cuda::cuda_backend().is_ok();
     let expected = if cuda_works { BackendKind::Cuda } else { BackendKind::Host };
     assert_eq!(group.backend_kind(), expected);
+}
+
+#[test]
+fn extensions_are_made_once_per_type_shared_and_dropped_with_the_group_before_its_streams() {
+    // A layer's per-group value that records, when dropped, whether the group's streams still ran.
+    struct Kept {
+        made: usize,
+        stream: Stream,
+        dropped: Arc<Mutex<Option<bool>>>,
+    }
+    impl Drop for Kept {
+        fn drop(&mut self) {
+            *self.dropped.lock().unwrap() = Some(host_stream(self.stream).is_ok());
+        }
+    }
+    struct Other(u32);
+
+    let group = host(&[0, 1]);
+    let dropped = Arc::new(Mutex::new(None));
+    let made = AtomicU8::new(0);
+    let make = |g: &Group| -> refit::Result<Kept> {
+        made.fetch_add(1, Ordering::SeqCst);
+        Ok(Kept { made: 1, stream: g.stream(1)?, dropped: Arc::clone(&dropped) })
+    };
+    let first = group.extension(make).unwrap();
+    let again = group.extension(make).unwrap();
+    assert!(Arc::ptr_eq(&first, &again), "one value per type");
+    assert_eq!((made.load(Ordering::SeqCst), first.made), (1, 1), "made once");
+    assert_eq!(group.extension(|_| Ok(Other(7))).unwrap().0, 7, "another type, another value");
+    let failed = group.extension::<u64>(|_| Err(Error::invalid_state("cannot make it"))).unwrap_err();
+    assert_eq!(failed.status, Status::InvalidState);
+    assert_eq!(*group.extension(|_| Ok(5u64)).unwrap(), 5, "a failed creation is tried again");
+    drop((first, again));
+    assert_eq!(*dropped.lock().unwrap(), None, "kept while the group lives");
+    drop(group);
+    assert_eq!(*dropped.lock().unwrap(), Some(true), "dropped with the group, before its streams");
 }

@@ -3,7 +3,7 @@
 //! `REFIT_NVRTC_LIBRARY=/path/to/libnvrtc.so.13 cargo test --test kernel_compiles -- --ignored --nocapture`.
 
 use refit::kernels::batched_copy::compile_for;
-use refit::kernels::nvrtc::{self, Output};
+use refit::transport::nvrtc::{self, Output};
 
 #[test]
 #[ignore = "needs libnvrtc (set REFIT_NVRTC_LIBRARY)"]
@@ -16,6 +16,22 @@ fn kernel_source_compiles_for_hopper() {
     let text = String::from_utf8_lossy(&ptx.image);
     assert!(text.contains(".entry refit_batched_copy("), "PTX names the kernel");
     assert!(text.contains(".entry refit_batched_copy_synced("), "PTX names the group-synchronized kernel");
+    for entry in ["refit_batched_copy_digest", "refit_batched_check", "refit_batched_compare"] {
+        assert!(text.contains(&format!(".entry {entry}(")), "PTX names {entry}");
+    }
     // 16-byte accesses must be there for the co-aligned path.
     assert!(text.contains("ld.global.v2.u64") || text.contains("ld.global.v4.u32"), "vector loads");
+}
+
+#[test]
+#[ignore = "needs libnvrtc (set REFIT_NVRTC_LIBRARY)"]
+fn digest_kernel_compiles_for_hopper() {
+    let source = refit::kernels::digest::SOURCE;
+    let cubin =
+        nvrtc::compile(source, "digest.cu", 9, 0, Output::Cubin, &["-Xptxas=-v"]).expect("CUBIN for sm_90");
+    println!("CUBIN {} bytes\n{}", cubin.image.len(), cubin.log);
+    let ptx = nvrtc::compile(source, "digest.cu", 9, 0, Output::Ptx, &[]).expect("PTX for compute_90");
+    let text = String::from_utf8_lossy(&ptx.image);
+    assert!(text.contains(".entry refit_digest("), "PTX names the kernel");
+    assert!(text.contains("ld.global.v2.u64") || text.contains("ld.global.nc.v2.u64"), "16-byte loads");
 }

@@ -1,10 +1,10 @@
 //! The planner on a Qwen3-30B-A3B refit at full scale (Megatron EP8 publishers with data-parallel
 //! replicas of the dense weights -> vLLM TP2 receivers with fused qkv / gate_up and stacked experts,
-//! laid out by `refit::workloads`): exact bytes, replica deduplication, and coalescing that reaches
-//! the range-count targets. Counts only: build time is measured by the planner benchmark.
+//! laid out by the `refit-workloads` development crate): exact bytes, replica deduplication, and
+//! coalescing that reaches the range-count targets. Counts only: build time is measured by the planner benchmark.
 
 use refit::plan::{build, Endpoint, OwnerPolicy, PlanOptions};
-use refit::workloads::{Layout, Spec, Workload};
+use refit_workloads::{Packing, Spec, Workload};
 
 const LAYERS: u64 = 48;
 const HIDDEN: u64 = 2048;
@@ -30,7 +30,7 @@ fn needed_bytes_per_receiver() -> u64 {
     (2 * VOCAB * HIDDEN / TP + HIDDEN + LAYERS * (dense + experts)) * BF16
 }
 
-fn check(layout: Layout, ranges_target: u64) {
+fn check(layout: Packing, ranges_target: u64) {
     let workload = Workload::generate(&Spec::qwen3_ep8_to_tp2(layout)).unwrap();
     let tables = workload.tables(&workload.fake_bases()).unwrap();
     for policy in [OwnerPolicy::First, OwnerPolicy::Balanced] {
@@ -63,10 +63,10 @@ fn check(layout: Layout, ranges_target: u64) {
 
 #[test]
 fn qwen3_separate_allocations_meet_the_range_target() {
-    check(Layout::Separate, 13_000);
+    check(Packing::Separate, 13_000);
 }
 
 #[test]
 fn qwen3_packed_publisher_buffers_meet_the_range_target() {
-    check(Layout::Packed, 1_500);
+    check(Packing::Packed, 1_500);
 }

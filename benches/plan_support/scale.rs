@@ -7,10 +7,10 @@
 
 use refit::plan::Region;
 use refit::plan::{self, wire, Endpoint, Limits, OwnerPolicy, PlanOptions, Table};
-use refit::workloads::{
-    Buffer, Catalog, Layout, Megatron, MlpTensors, Model, Moe, Param, Piece, Placed, Role,
+use refit_workloads::{
+    Buffer, CheckpointTensors, Megatron, MlpTensors, Model, Moe, Packing, Param, Piece, Placed, Role,
 };
-use refit::workloads::{Spec, Vllm, Workload};
+use refit_workloads::{Spec, Vllm, Workload};
 use std::alloc::{GlobalAlloc, Layout as AllocLayout, System};
 use std::fmt::Write as _;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -109,7 +109,7 @@ fn param(endpoint: Endpoint, name: String, elems: u64, boxes: &[(u32, u64, [u64;
 /// attention group (vocabulary, q/k/v, o split as vLLM's TP layout does; norms and router
 /// replicated) and holds experts `3i..3i + 3` of every layer whole in `w13 = [3][gate | up][ffn][h]`
 /// and `w2 = [3][h][ffn]`.
-fn receivers(model: &Model, catalog: &Catalog, first: u32) -> Vec<Param> {
+fn receivers(model: &Model, catalog: &CheckpointTensors, first: u32) -> Vec<Param> {
     let (h, hd) = (model.hidden, model.head_dim);
     let moe = model.moe.expect("a MoE model");
     let local = moe.experts / u64::from(RECEIVERS);
@@ -191,7 +191,7 @@ fn place(params: Vec<Param>, role: Role, buffers: &mut Vec<Buffer>) -> Vec<Place
 /// receivers: one table per process.
 fn tables(publishers: u32) -> Vec<Table> {
     let model = kimi_k2();
-    let catalog = Catalog::new(&model);
+    let catalog = CheckpointTensors::new(&model);
     let megatron = Megatron {
         endpoints: (0..publishers).map(|process| Endpoint { process, device: 0 }).collect(),
         tp: TP,
@@ -205,9 +205,9 @@ fn tables(publishers: u32) -> Vec<Table> {
     let spec = Spec {
         model: model.clone(),
         publishers: megatron,
-        publisher_layout: Layout::Separate,
+        publisher_layout: Packing::Separate,
         receivers: Vllm { endpoints: Vec::new() },
-        receiver_layout: Layout::Separate,
+        receiver_layout: Packing::Separate,
         digests: false,
     };
     let workload = Workload { spec, catalog, buffers, offers, needs };

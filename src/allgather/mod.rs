@@ -1,6 +1,6 @@
 //! Allgather over a group: every rank receives every rank's block, in rank order, in its own buffer.
 //!
-//! Layout: `recv[r]` holds `sum(counts)` bytes; rank p's block lands at `offset[p] = sum(counts[..p])`.
+//! BlockLayout: `recv[r]` holds `sum(counts)` bytes; rank p's block lands at `offset[p] = sum(counts[..p])`.
 //! Counts may differ (allgatherv) and may be 0. A rank is *in place* when `send[r] == recv[r] +
 //! offset[r]`; its own block is then not copied.
 //!
@@ -14,27 +14,34 @@
 //!   on has been recorded.
 //! - `Nccl`: equal counts use `ncclAllGather` (byte type), uneven counts use `ncclSend`/`ncclRecv`
 //!   pairs inside one `ncclGroupStart/End` (no padding, so no extra bytes moved) plus a local copy of the
-//!   own block. Communicators are created on first use with `ncclCommInitAll` and kept on the group.
+//!   own block. Communicators are created on first use with `ncclCommInitAll` and kept with the
+//!   group (`state`).
 //! - `Host`: synchronous staging through host memory (drain, read every block, write it to every rank).
 //!   A reference path and a last resort; it blocks the host.
 //!
 //! `Auto` rule: the host backend, a single rank, or a group whose every pair has direct peer access
 //! picks `Peer`; otherwise `Nccl` when it loads (it routes around missing peer access better than
 //! driver-staged copies), else `Peer`. benches/gpu_allgather.rs measures peer against NCCL at every
-//! size; NOTES.md has the figures.
+//! size; docs/measurements.md has the figures.
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
-use crate::backend::driver::CurrentContext;
-use crate::backend::nccl::{nccl, Communicators};
-use crate::backend::BackendKind;
 use crate::bail;
-use crate::error::{Error, Result, Status};
-use crate::group::{Group, Published};
+use crate::error::{try_reserve, try_vec, Error, Result, Status};
+use crate::group::Group;
 use crate::segment::Segment;
-use std::sync::atomic::Ordering;
+use crate::sync::lock;
+use crate::transport::driver::CurrentContext;
+use crate::transport::nccl::{nccl, Communicators};
+use crate::transport::{Backend, BackendKind, Stream};
 
+mod call;
 pub mod peer;
+mod state;
+
+use call::{check_counts, check_rank_buffers, ranges_overlap, BlockLayout, Gather};
+
+use state::{AllgatherState, Published};
 
 /// Which algorithm moves the bytes. Values are part of the C ABI.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -82,85 +89,6 @@ pub fn choose(group: &Group, requested: Algorithm) -> Result<Algorithm> {
     }
 }
 
-/// Block offsets and total size, after checking every argument against the group.
-struct Layout {
-    offsets: Vec<u64>,
-    total: u64,
-}
-
-/// One whole-group allgather's arguments, checked: every rank's buffers and where each block lands.
-struct Gather<'a> {
-    send: &'a [u64],
-    recv: &'a [u64],
-    counts: &'a [usize],
-    layout: Layout,
-}
-
-impl Gather<'_> {
-    fn ranks(&self) -> usize {
-        self.counts.len()
-    }
-
-    /// Rank `owner`'s block copied into rank `receiver`'s slot for it; None when the block is empty
-    /// or already there (in place).
-    fn block_into(&self, owner: usize, receiver: usize) -> Option<Segment> {
-        let dst = self.recv[receiver] + self.layout.offsets[owner];
-        let len = self.counts[owner] as u64;
-        (len > 0 && self.send[owner] != dst).then(|| Segment::contiguous(self.send[owner], dst, len))
-    }
-}
-
-fn layout(counts: &[usize]) -> Result<Layout> {
-    let mut offsets = Vec::with_capacity(counts.len());
-    let mut total: u64 = 0;
-    for (p, &count) in counts.iter().enumerate() {
-        offsets.push(total);
-        total = total
-            .checked_add(count as u64)
-            .ok_or_else(|| Error::invalid_argument(format!("counts overflow at counts[{p}]")))?;
-    }
-    Ok(Layout { offsets, total })
-}
-
-fn ranges_overlap(a: u64, a_len: u64, b: u64, b_len: u64) -> bool {
-    a_len > 0 && b_len > 0 && a < b.saturating_add(b_len) && b < a.saturating_add(a_len)
-}
-
-fn end_fits(start: u64, len: u64, what: &str) -> Result<()> {
-    start
-        .checked_add(len)
-        .map(|_| ())
-        .ok_or_else(|| Error::invalid_argument(format!("{what} + its size overflows")))
-}
-
-fn check_rank_buffers(rank: usize, send: u64, recv: u64, count: u64, layout: &Layout) -> Result<()> {
-    if count > 0 && send == 0 {
-        bail!(Status::NullArgument, "send[{rank}] is NULL but counts[{rank}] is {count}");
-    }
-    if layout.total > 0 && recv == 0 {
-        bail!(Status::NullArgument, "recv[{rank}] is NULL but the gathered size is {}", layout.total);
-    }
-    end_fits(send, count, &format!("send[{rank}]"))?;
-    end_fits(recv, layout.total, &format!("recv[{rank}]"))?;
-    let own_slot = recv + layout.offsets[rank];
-    if send != own_slot && ranges_overlap(send, count, recv, layout.total) {
-        bail!(
-            Status::Overlap,
-            "send[{rank}] overlaps recv[{rank}] but is not rank {rank}'s slot (recv[{rank}] + {}): \
-             in place means exactly that address",
-            layout.offsets[rank]
-        );
-    }
-    Ok(())
-}
-
-fn check_counts(group: &Group, counts: &[usize]) -> Result<Layout> {
-    if counts.len() != group.size() {
-        bail!(Status::InvalidArgument, "{} counts for a group of {}", counts.len(), group.size());
-    }
-    layout(counts)
-}
-
 /// Whole-group allgather: `send[r]`, `recv[r]` and `counts[r]` for every rank r. Queued on the group's
 /// streams inside the open scope, or complete on return when no scope is open. Returns the algorithm
 /// that ran.
@@ -202,81 +130,56 @@ pub unsafe fn allgather(
     }
     let call = Gather { send, recv, counts, layout };
     group.in_implicit_scope(|| match algorithm {
-        Algorithm::Peer => peer::allgather(group, &call).map(|_| ()),
-        Algorithm::Nccl => nccl_all(group, &call),
+        Algorithm::Peer => peer::allgather(group, &*peer::state(group)?, &call).map(|_| ()),
+        Algorithm::Nccl => nccl_all(group, &*state::state(group)?, &call),
         Algorithm::Host => host_all(group, &call),
         Algorithm::Auto => unreachable!("choose resolves Auto"),
     })?;
     Ok(algorithm)
 }
 
-fn communicators(group: &Group) -> Result<&Communicators> {
-    group
-        .collective
-        .nccl
-        .get_or_init(|| {
-            let devices: Vec<i32> = group.devices().iter().map(|&d| d as i32).collect();
-            let _current = CurrentContext::preserve()?;
-            Communicators::create(&devices)
-        })
-        .as_ref()
-        .map_err(Clone::clone)
-}
-
 fn equal_counts(counts: &[usize]) -> bool {
     counts.windows(2).all(|w| w[0] == w[1])
 }
 
-unsafe fn nccl_all(group: &Group, call: &Gather) -> Result<()> {
+unsafe fn nccl_all(group: &Group, state: &AllgatherState, call: &Gather) -> Result<()> {
     let (send, recv, counts, layout) = (call.send, call.recv, call.counts, &call.layout);
     group.join_if_pending()?;
-    let lib = nccl()?;
-    let comms = communicators(group)?;
+    let comms = state.communicators()?;
     let streams = group.streams();
-    let n = group.size();
-    let _current = CurrentContext::preserve()?;
-    lib.group_start()?;
-    let mut issued = Ok(());
-    for r in 0..n {
-        issued = nccl_rank_calls(lib, comms, r, send[r], recv[r], counts, layout, streams[r].0);
-        if issued.is_err() {
-            break;
-        }
-    }
-    // Always close the NCCL group, even after a failed call, so NCCL's thread state stays balanced.
-    let ended = lib.group_end();
-    issued?;
-    ended?;
+    // One thread drives every rank: all their calls go in one NCCL group.
+    comms.grouped(|| {
+        (0..group.size())
+            .try_for_each(|r| nccl_rank_calls(comms, r, send[r], recv[r], counts, layout, streams[r]))
+    })?;
     if !equal_counts(counts) {
-        for r in 0..n {
+        for r in 0..group.size() {
             own_block_copy(group, r, send[r], recv[r], counts, layout)?;
         }
     }
     Ok(())
 }
 
-/// The NCCL calls of one rank (inside an NCCL group when the caller drives several ranks).
-#[allow(clippy::too_many_arguments)]
+/// The NCCL calls of one rank: `ncclAllGather` for equal counts, else a send of its block to and a
+/// receive of their block from every other rank (inside an NCCL group, which the caller opens).
 unsafe fn nccl_rank_calls(
-    lib: &crate::backend::nccl::Nccl,
     comms: &Communicators,
     rank: usize,
     send: u64,
     recv: u64,
     counts: &[usize],
-    layout: &Layout,
-    stream: u64,
+    layout: &BlockLayout,
+    stream: Stream,
 ) -> Result<()> {
-    let comm = comms.comms[rank];
     if equal_counts(counts) {
-        return lib.all_gather(send, recv, counts[rank], comm, stream);
+        return comms.all_gather(rank, send, recv, counts[rank], stream);
     }
     for p in (0..counts.len()).filter(|&p| p != rank) {
         if counts[rank] > 0 {
-            lib.send(send, counts[rank], p, comm, stream)?;
+            comms.send(rank, p, send, counts[rank], stream)?;
         }
         if counts[p] > 0 {
-            lib.recv(recv + layout.offsets[p], counts[p], p, comm, stream)?;
+            comms.recv(rank, p, recv + layout.offsets[p], counts[p], stream)?;
         }
     }
     Ok(())
@@ -288,7 +191,7 @@ unsafe fn own_block_copy(
     send: u64,
     recv: u64,
     counts: &[usize],
-    layout: &Layout,
+    layout: &BlockLayout,
 ) -> Result<()> {
     let dst = recv + layout.offsets[rank];
     if counts[rank] == 0 || send == dst {
@@ -301,18 +204,47 @@ unsafe fn own_block_copy(
     )
 }
 
+/// The `Host` algorithm moves a block through host memory this many bytes at a time, so that its
+/// buffer does not grow with the caller's counts.
+const HOST_STAGING_BYTES: usize = 8 << 20;
+
+/// Copies `len` bytes from `src` on device `from` to every `(device, dst)` of `to`, through `staging`
+/// (grown to at most HOST_STAGING_BYTES), one chunk at a time.
+///
+/// # Safety
+/// The source and every destination range must be valid for `len` bytes on their devices.
+unsafe fn stage_block(
+    backend: &dyn Backend,
+    staging: &mut Vec<u8>,
+    (from, src): (i32, u64),
+    to: &[(i32, u64)],
+    len: usize,
+) -> Result<()> {
+    let chunk = len.min(HOST_STAGING_BYTES);
+    if staging.len() < chunk {
+        try_reserve(staging, chunk - staging.len(), "the host staging buffer")?;
+        staging.resize(chunk, 0);
+    }
+    for offset in (0..len).step_by(HOST_STAGING_BYTES) {
+        let part = &mut staging[..chunk.min(len - offset)];
+        backend.read(from, src + offset as u64, part)?;
+        for &(device, dst) in to {
+            backend.write(device, dst + offset as u64, part)?;
+        }
+    }
+    Ok(())
+}
+
 unsafe fn host_all(group: &Group, call: &Gather) -> Result<()> {
     let (backend, devices) = (group.backend(), group.devices());
     group.synchronize()?;
     let mut staging = Vec::new();
+    let mut receivers = try_vec(call.ranks(), "the allgather's receivers")?;
     for p in (0..call.ranks()).filter(|&p| call.counts[p] > 0) {
-        staging.resize(call.counts[p], 0u8);
-        backend.read(devices[p], call.send[p], &mut staging)?;
-        for r in 0..call.ranks() {
-            if let Some(block) = call.block_into(p, r) {
-                backend.write(devices[r], block.dst, &staging)?;
-            }
-        }
+        receivers.clear();
+        receivers
+            .extend((0..call.ranks()).filter_map(|r| call.block_into(p, r).map(|b| (devices[r], b.dst))));
+        stage_block(backend.as_ref(), &mut staging, (devices[p], call.send[p]), &receivers, call.counts[p])?;
     }
     Ok(())
 }
@@ -335,15 +267,16 @@ pub unsafe fn allgather_rank(
     let layout = check_counts(group, counts)?;
     check_rank_buffers(rank, send, recv, counts[rank] as u64, &layout)?;
     let algorithm = choose(group, requested)?;
+    let state = state::state(group)?;
     if algorithm == Algorithm::Nccl {
         // Created before anyone publishes, so that a failure here is this rank's own error.
-        communicators(group)?;
+        state.communicators()?;
     }
-    let state = &group.collective;
-    let call = state.calls[rank].fetch_add(1, Ordering::Relaxed);
-    let slots = &state.slots[(call % 2) as usize];
+    // Slots alternate by barrier crossing: every rank reads the same count here, since the next
+    // crossing needs every rank, and a rank one call ahead writes the other parity.
+    let slots = &state.slots[(group.barrier().crossings() % 2) as usize];
     {
-        let mut mine = slots[rank].lock().unwrap_or_else(|p| p.into_inner());
+        let mut mine = lock(&slots[rank]);
         mine.send = send;
         mine.recv = recv;
         mine.counts.clear();
@@ -354,24 +287,25 @@ pub unsafe fn allgather_rank(
     let device = group.devices()[rank];
     let stream = group.streams()[rank];
     let n = group.size();
-    let peer_method =
-        (algorithm == Algorithm::Peer).then(|| peer::method_for(group, layout.total / n as u64));
+    let peer_state = peer::state(group)?;
+    let peer_method = (algorithm == Algorithm::Peer)
+        .then(|| peer::method_for_state(group, &peer_state, layout.total / n as u64));
     match (algorithm, peer_method) {
-        (Algorithm::Peer, Some(method)) => peer::before_meeting(group, rank, method)?,
+        (Algorithm::Peer, Some(method)) => peer::before_meeting(group, &peer_state, rank, method)?,
         (Algorithm::Host, _) => backend.sync_stream(device, stream)?,
         _ => {}
     }
     // Kernel pushes on the GPUs need one rendezvous epoch for the call, the same on every rank; every
     // rank then launches for it or releases it (peer::rank_share), so no epoch is skipped.
     let meets_on_gpu = layout.total > 0 && peer_method.is_some_and(|m| peer::meets_on_gpu(group, m));
-    let epoch = group.barrier().wait_then(|| match (meets_on_gpu, group.rendezvous()) {
+    let epoch = group.barrier().wait_then(|| match (meets_on_gpu, peer_state.rendezvous()) {
         (true, Ok(rendezvous)) => rendezvous.next_epoch(),
         _ => 0,
     })?;
     // An epoch was taken whenever the last rank to arrive saw kernel pushes, even if this rank's own
     // arguments (which then disagree, and fail below) gave another method: release it all the same.
     let release_epoch = || {
-        if let (true, Ok(rendezvous)) = (epoch > 0, group.rendezvous()) {
+        if let (true, Ok(rendezvous)) = (epoch > 0, peer_state.rendezvous()) {
             rendezvous.release(epoch, &[(rank, stream.as_ptr().cast())]);
         }
     };
@@ -385,21 +319,17 @@ pub unsafe fn allgather_rank(
             let recv: Vec<u64> = peers.iter().map(|p| p.recv).collect();
             let call = Gather { send: &send, recv: &recv, counts, layout };
             let method = peer_method.expect("decided for Peer");
-            peer::rank_share(group, &call, rank, method, epoch)?;
+            peer::rank_share(group, &peer_state, &call, rank, method, epoch)?;
         }
         Algorithm::Nccl => {
-            let lib = nccl()?;
-            let comms = communicators(group)?;
-            let _current = CurrentContext::preserve()?;
-            let grouped = !equal_counts(counts);
-            if grouped {
-                lib.group_start()?;
-            }
-            let issued = nccl_rank_calls(lib, comms, rank, send, recv, counts, &layout, stream.0);
-            let ended = if grouped { lib.group_end() } else { Ok(()) };
-            issued?;
-            ended?;
-            if grouped {
+            let comms = state.communicators()?;
+            let calls = || nccl_rank_calls(comms, rank, send, recv, counts, &layout, stream);
+            if equal_counts(counts) {
+                let _current = CurrentContext::preserve()?;
+                calls()?;
+            } else {
+                // A rank's sends and receives go in one NCCL group, or the first send could wait forever.
+                comms.grouped(calls)?;
                 own_block_copy(group, rank, send, recv, counts, &layout)?;
             }
         }
@@ -410,9 +340,8 @@ pub unsafe fn allgather_rank(
                 if counts[p] == 0 || peer.send == dst {
                     continue;
                 }
-                staging.resize(counts[p], 0u8);
-                backend.read(group.devices()[p], peer.send, &mut staging)?;
-                backend.write(device, dst, &staging)?;
+                let from = (group.devices()[p], peer.send);
+                stage_block(backend.as_ref(), &mut staging, from, &[(device, dst)], counts[p])?;
             }
             // Owners must not change their blocks until every rank has read them.
             group.barrier().wait()?;
@@ -431,8 +360,7 @@ fn published(
     counts: &[usize],
     requested: Algorithm,
 ) -> Result<Vec<Published>> {
-    let peers: Vec<Published> =
-        slots.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect();
+    let peers: Vec<Published> = slots.iter().map(|s| lock(s).clone()).collect();
     for (p, peer) in peers.iter().enumerate() {
         if peer.counts != counts || peer.algorithm != requested.code() {
             bail!(
@@ -465,12 +393,5 @@ mod tests {
             assert_eq!(Algorithm::from_code(a.code()).unwrap(), a);
         }
         assert_eq!(Algorithm::from_code(u32::MAX).unwrap_err().status, Status::InvalidArgument);
-    }
-
-    #[test]
-    fn layout_offsets_and_overflow() {
-        let l = layout(&[3, 0, 5]).unwrap();
-        assert_eq!((l.offsets, l.total), (vec![0, 3, 3], 8));
-        assert_eq!(layout(&[usize::MAX, 2]).err().unwrap().status, Status::InvalidArgument);
     }
 }

@@ -5,11 +5,10 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::{arg, boundary, destroy, out, slice};
-use crate::backend::Stream;
-use crate::copy::{copy_batch, PreparedCopy};
 use crate::error::{Error, Result};
 use crate::ffi::group::refit_group;
 use crate::segment::Segment;
+use crate::transport::{PreparedCopy, Stream};
 use std::ffi::c_void;
 
 /// refit_copy_batch* flag: before copying anything, check that no destination byte is written twice
@@ -23,7 +22,7 @@ pub const REFIT_COPY_CHECKED: u32 = 1;
 /// Thread-safety: refit_copy_batch_launch may be called from several threads at once (on streams of
 /// the batch's device); refit_copy_batch_destroy must not race with a launch.
 pub struct refit_prepared_copy {
-    batch: PreparedCopy,
+    batch: Box<dyn PreparedCopy>,
 }
 
 fn checked_flag(flags: u32) -> Result<bool> {
@@ -52,7 +51,7 @@ fn checked_flag(flags: u32) -> Result<bool> {
 /// size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
 /// address, on the host backend a stream that is not a host stream), OVERLAP (REFIT_COPY_CHECKED and
 /// two destination runs share a byte), UNSUPPORTED (checked mode over more interleaved runs than it
-/// expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
+/// visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
 /// first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
 #[no_mangle]
 pub extern "C" fn refit_copy_batch(
@@ -65,11 +64,12 @@ pub extern "C" fn refit_copy_batch(
 ) -> crate::error::Status {
     boundary("refit_copy_batch", || {
         // SAFETY: NULL or a group from refit_group_create; NULL or n readable segments.
-        let group = unsafe { arg(group, "group") }?;
+        let group = &unsafe { arg(group, "group") }?.group;
         let segments = unsafe { slice(segments, n, "segments") }?;
         let checked = checked_flag(flags)?;
+        let device = group.device(rank as usize)?;
         // SAFETY: the caller's promise on addresses and stream, documented above.
-        unsafe { copy_batch(&group.group, rank as usize, Stream::from_ptr(stream), segments, checked) }
+        unsafe { group.backend().copy_batch(device, Stream::from_ptr(stream), segments, checked) }
     })
 }
 
@@ -92,10 +92,10 @@ pub extern "C" fn refit_copy_batch_prepare(
     boundary("refit_copy_batch_prepare", || {
         let slot = out(batch, "batch")?;
         // SAFETY: as in refit_copy_batch.
-        let group = unsafe { arg(group, "group") }?;
+        let group = &unsafe { arg(group, "group") }?.group;
         let segments = unsafe { slice(segments, n, "segments") }?;
         let checked = checked_flag(flags)?;
-        let prepared = PreparedCopy::new(&group.group, rank as usize, segments, checked)?;
+        let prepared = group.backend().prepare_batch(group.device(rank as usize)?, segments, checked)?;
         slot.write(Box::into_raw(Box::new(refit_prepared_copy { batch: prepared })));
         Ok(())
     })

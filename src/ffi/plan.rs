@@ -7,7 +7,7 @@
 
 use super::{arg, arg_mut, boundary, c_str, check_struct_size, destroy, out, sized_out, slice};
 use crate::bail;
-use crate::error::{Error, Result};
+use crate::error::{try_vec, Error, Result};
 use crate::plan::{
     self, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, PlanStats, Region, TableBuilder, TensorSpec,
 };
@@ -511,7 +511,7 @@ pub unsafe extern "C" fn refit_plan_route(
 /// `tables` points to `count` pointers, each NULL or a live table.
 unsafe fn table_list<'a>(tables: *const *const refit_table, count: usize) -> Result<Vec<&'a plan::Table>> {
     let pointers = slice(tables, count, "tables")?;
-    let mut borrowed = Vec::with_capacity(pointers.len());
+    let mut borrowed = try_vec(pointers.len(), "the table list")?;
     for (i, &t) in pointers.iter().enumerate() {
         borrowed.push(arg(t, &format!("tables[{i}]"))?.table.table());
     }

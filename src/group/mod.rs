@@ -13,6 +13,12 @@
 //!   it is only queued on the group's streams.
 //! - A missing exit leaves the scope open: later calls keep queueing into it, and destroying the group
 //!   drains its streams first (the caller's streams are then not ordered; a warning is logged).
+//! - A call that leaves copies between ranks in flight may defer joining the ranks' streams to the
+//!   next whole-group call, `run` or exit (`mark_pending_join` / `join_if_pending`).
+//!
+//! The group knows no collective and no plan: the layers above (allgather, exec) keep what they reuse
+//! per group in its extension slot ([`Group::extension`]), and meet their ranks through its barrier
+//! and rank threads.
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
@@ -20,17 +26,16 @@ pub mod barrier;
 mod spin;
 pub mod workers;
 
-use crate::allgather::peer::{PeerMethod, PreparedCall};
-use crate::backend::cuda::cuda_backend;
-use crate::backend::host::HostBackend;
-use crate::backend::nccl::Communicators;
-use crate::backend::{Backend, BackendKind, Event, Stream};
 use crate::bail;
 use crate::error::{Error, Result, Status};
-use crate::kernels::rendezvous::Rendezvous;
+use crate::sync::{lock, read, write};
+use crate::transport::cuda::cuda_backend;
+use crate::transport::host::HostBackend;
+use crate::transport::{Backend, BackendKind, Event, Stream};
 use barrier::AbortableBarrier;
+use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, RwLock};
 use workers::{RankFn, RankWorkers};
 
 /// Which backend a group should use.
@@ -64,95 +69,12 @@ pub enum ExitMode {
     Async,
 }
 
-/// What one rank published for the per-rank collective in flight (see `allgather`).
-#[derive(Clone, Debug, Default)]
-pub(crate) struct Published {
-    pub send: u64,
-    pub recv: u64,
-    pub counts: Vec<usize>,
-    pub algorithm: u32,
-}
-
-/// Per-rank events and slots that collectives reuse call after call (no per-call creation).
-pub(crate) struct CollectiveState {
-    /// Recorded on rank r's stream before a collective touches its buffers: its earlier work is done,
-    /// so peers may read its send buffer and write its receive buffer.
-    pub ready: Vec<Event>,
-    /// Recorded on rank r's stream after its copies into or out of its peers' buffers.
-    pub done: Vec<Event>,
-    /// `slots[parity][rank]`: alternating by call so a rank one call ahead never overwrites what a
-    /// slower rank is still reading.
-    pub slots: [Vec<Mutex<Published>>; 2],
-    /// How many per-rank collectives each rank has started.
-    pub calls: Vec<AtomicU64>,
-    /// The prepared per-rank kernel batches of the last whole-group peer allgather, reused while its
-    /// method, buffers and counts stay the same (see `allgather::peer`).
-    pub prepared: Mutex<Option<PreparedCall>>,
-    /// The device flags of group-synchronized kernel launches (CUDA), created on first use.
-    pub rendezvous: OnceLock<std::result::Result<Rendezvous, Error>>,
-    /// NCCL communicators, created on first use from the group's devices.
-    pub nccl: OnceLock<std::result::Result<Communicators, Error>>,
-    /// Per-rank copy-engine streams for pushing to several ranks at once (created on first use).
-    pub lanes: OnceLock<std::result::Result<Lanes, Error>>,
-    /// Whether refit's copy kernel runs on every rank's device, decided at the first peer allgather
-    /// (see `allgather::peer::kernels_run`).
-    pub kernels_run: OnceLock<bool>,
-    /// The whole-group peer allgather method to use at every size, or None for the size rule
-    /// (`allgather::peer::method_for`).
-    pub peer_method: Mutex<Option<PeerMethod>>,
-}
-
-/// `streams[rank][lane]` on the rank's device and `joined[rank][lane]`, recorded on the lane when its
-/// copy is queued and waited by the streams that depend on it.
-pub(crate) struct Lanes {
-    pub streams: Vec<Vec<Stream>>,
-    pub joined: Vec<Vec<Event>>,
-}
-
-impl Lanes {
-    /// `size - 1` lanes per device, each with its event; on failure, what was made is destroyed.
-    fn create(backend: &dyn Backend, devices: &[usize]) -> Result<Lanes> {
-        let mut made = Lanes { streams: Vec::new(), joined: Vec::new() };
-        let created = (|| -> Result<()> {
-            for &device in devices {
-                made.streams.push(Vec::new());
-                made.joined.push(Vec::new());
-                for _ in 1..devices.len() {
-                    made.streams.last_mut().expect("pushed").push(backend.create_stream(device)?);
-                    made.joined.last_mut().expect("pushed").push(backend.create_event(device)?);
-                }
-            }
-            Ok(())
-        })();
-        match created {
-            Ok(()) => Ok(made),
-            Err(err) => {
-                made.destroy(backend, devices);
-                Err(err)
-            }
-        }
-    }
-
-    fn destroy(&self, backend: &dyn Backend, devices: &[usize]) {
-        for (r, streams) in self.streams.iter().enumerate() {
-            for &stream in streams {
-                backend.destroy_stream(devices[r], stream);
-            }
-        }
-        for (r, events) in self.joined.iter().enumerate() {
-            for &event in events {
-                backend.destroy_event(devices[r], event);
-            }
-        }
-    }
-}
-
 static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
 
 pub struct Group {
     id: u64,
     backend: Arc<dyn Backend>,
-    devices: Vec<usize>,
+    devices: Vec<i32>,
     streams: Vec<Stream>,
     peer: Vec<Vec<bool>>,
     entry_events: Vec<Event>,
@@ -161,16 +83,19 @@ pub struct Group {
     scope: Mutex<Option<Vec<Stream>>>,
     barrier: Arc<AbortableBarrier>,
     workers: Mutex<Option<RankWorkers>>,
-    /// A reshard execution left copies between ranks with no wait queued on the other ranks'
-    /// streams yet; the next group call, run() or exit joins them (see `join_if_pending`).
+    /// A call left copies between ranks with no wait queued on the other ranks' streams yet; the
+    /// next group call, run() or exit joins them (see `join_if_pending`).
     pending_join: AtomicBool,
-    pub(crate) collective: CollectiveState,
+    /// Recorded on rank r's stream by a join, for the other ranks' streams to wait on.
+    join_events: Vec<Event>,
+    /// What the layers above keep per group, one value per type (see `extension`).
+    extensions: RwLock<Vec<Arc<dyn Any + Send + Sync>>>,
 }
 
 /// The host backend runs a thread per simulated device: it simulates at most this many.
 const MAX_HOST_DEVICES: usize = 64;
 
-fn backend_for(devices: &[i64], options: &GroupOptions) -> Result<Arc<dyn Backend>> {
+fn backend_for(devices: &[i32], options: &GroupOptions) -> Result<Arc<dyn Backend>> {
     let host = || -> Result<Arc<dyn Backend>> {
         if options.host_devices > MAX_HOST_DEVICES {
             bail!(
@@ -179,14 +104,16 @@ fn backend_for(devices: &[i64], options: &GroupOptions) -> Result<Arc<dyn Backen
                 options.host_devices
             );
         }
-        let highest = devices.iter().copied().max().unwrap_or(0).max(0);
-        if options.host_devices == 0 && highest >= MAX_HOST_DEVICES as i64 {
+        // Devices are checked non-negative before, so the highest is a valid index.
+        let needed = devices.iter().map(|&d| usize::try_from(d).unwrap_or(0) + 1).max().unwrap_or(1);
+        if options.host_devices == 0 && needed > MAX_HOST_DEVICES {
             bail!(
                 Status::InvalidDevice,
-                "device {highest} is not below the {MAX_HOST_DEVICES} devices the host backend simulates"
+                "device {} is not below the {MAX_HOST_DEVICES} devices the host backend simulates",
+                needed - 1
             );
         }
-        let count = if options.host_devices == 0 { highest as usize + 1 } else { options.host_devices };
+        let count = if options.host_devices == 0 { needed } else { options.host_devices };
         Ok(Arc::new(HostBackend::new(count)?))
     };
     match options.backend {
@@ -207,27 +134,31 @@ impl Group {
     /// A group where rank r is `devices[r]`. Rejects an empty list (`EmptyDeviceList`), a device out
     /// of range (`InvalidDevice`) and a repeated device (`DuplicateDevice`). Enables peer access for
     /// every pair that supports it and creates each rank's stream and events.
-    pub fn new(devices: &[i64], options: GroupOptions) -> Result<Group> {
+    pub fn new(devices: &[i32], options: GroupOptions) -> Result<Group> {
         if devices.is_empty() {
             return Err(Error::new(Status::EmptyDeviceList, "the device list is empty"));
         }
-        for (i, &d) in devices.iter().enumerate() {
-            if d < 0 {
-                bail!(Status::InvalidDevice, "devices[{i}] = {d} is negative");
-            }
-            if let Some(j) = devices[..i].iter().position(|&e| e == d) {
-                bail!(Status::DuplicateDevice, "device {d} appears twice (devices[{j}] and devices[{i}])");
-            }
+        if let Some((i, &d)) = devices.iter().enumerate().find(|(_, &d)| d < 0) {
+            bail!(Status::InvalidDevice, "devices[{i}] = {d} is negative");
         }
         let backend = backend_for(devices, &options)?;
         let count = backend.device_count();
-        if let Some((i, &d)) = devices.iter().enumerate().find(|(_, &d)| d as u64 >= count as u64) {
+        if let Some((i, &d)) =
+            devices.iter().enumerate().find(|(_, &d)| usize::try_from(d).map_or(true, |d| d >= count))
+        {
             bail!(
                 Status::InvalidDevice,
                 "devices[{i}] = {d} is not below the {count} devices of the backend"
             );
         }
-        let devices: Vec<usize> = devices.iter().map(|&d| d as usize).collect();
+        // After the range check, so that a repeat turns up within the first `count + 1` entries: the
+        // search costs devices x count, however long the caller's list.
+        for (i, &d) in devices.iter().enumerate() {
+            if let Some(j) = devices[..i].iter().position(|&e| e == d) {
+                bail!(Status::DuplicateDevice, "device {d} appears twice (devices[{j}] and devices[{i}])");
+            }
+        }
+        let devices = crate::error::try_to_vec(devices, "the device list")?;
         let n = devices.len();
 
         let mut peer = vec![vec![false; n]; n];
@@ -262,21 +193,8 @@ impl Group {
             barrier: Arc::new(AbortableBarrier::new(n)),
             workers: Mutex::new(None),
             pending_join: AtomicBool::new(false),
-            collective: CollectiveState {
-                ready: Vec::with_capacity(n),
-                done: Vec::with_capacity(n),
-                slots: [
-                    (0..n).map(|_| Mutex::default()).collect(),
-                    (0..n).map(|_| Mutex::default()).collect(),
-                ],
-                calls: (0..n).map(|_| AtomicU64::new(0)).collect(),
-                prepared: Mutex::new(None),
-                rendezvous: OnceLock::new(),
-                nccl: OnceLock::new(),
-                lanes: OnceLock::new(),
-                kernels_run: OnceLock::new(),
-                peer_method: Mutex::new(None),
-            },
+            join_events: Vec::with_capacity(n),
+            extensions: RwLock::new(Vec::new()),
         };
         // Pushed one by one so that Drop releases exactly what was created if a step fails.
         for r in 0..n {
@@ -284,8 +202,7 @@ impl Group {
             group.streams.push(backend.create_stream(device)?);
             group.entry_events.push(backend.create_event(device)?);
             group.exit_events.push(backend.create_event(device)?);
-            group.collective.ready.push(backend.create_event(device)?);
-            group.collective.done.push(backend.create_event(device)?);
+            group.join_events.push(backend.create_event(device)?);
         }
         log::debug!("group {} on devices {:?} ({:?} backend)", group.id, group.devices, backend.kind());
         Ok(group)
@@ -307,7 +224,7 @@ impl Group {
         self.backend.kind()
     }
 
-    pub fn devices(&self) -> &[usize] {
+    pub fn devices(&self) -> &[i32] {
         &self.devices
     }
 
@@ -319,7 +236,7 @@ impl Group {
     }
 
     /// The device of a rank.
-    pub fn device(&self, rank: usize) -> Result<usize> {
+    pub fn device(&self, rank: usize) -> Result<i32> {
         self.check_rank(rank)?;
         Ok(self.devices[rank])
     }
@@ -349,7 +266,7 @@ impl Group {
 
     /// Whether a scope is open.
     pub fn in_scope(&self) -> bool {
-        self.scope.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+        lock(&self.scope).is_some()
     }
 
     /// Opens a scope: rank r's stream waits for the work queued so far on `caller_streams[r]` (all
@@ -365,7 +282,7 @@ impl Group {
                 );
             }
         }
-        let mut scope = self.scope.lock().unwrap_or_else(|p| p.into_inner());
+        let mut scope = lock(&self.scope);
         if scope.is_some() {
             bail!(Status::InvalidState, "a scope is already open (scopes do not nest; exit it first)");
         }
@@ -389,10 +306,7 @@ impl Group {
     /// Closes the open scope (`InvalidState` when none is open). The scope is closed even when
     /// ordering fails; the error is returned.
     pub fn exit(&self, mode: ExitMode) -> Result<()> {
-        let callers = self
-            .scope
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        let callers = lock(&self.scope)
             .take()
             .ok_or_else(|| Error::invalid_state("no scope is open (exit without enter)"))?;
         match mode {
@@ -423,27 +337,28 @@ impl Group {
         Ok(())
     }
 
-    /// Records that the last call left copies between ranks to be joined (see `join_if_pending`).
+    /// Records that the last call left copies between ranks to be joined (see `join_if_pending`): a
+    /// whole-group call that writes into other ranks' memory (a reshard execution) defers its join.
     pub(crate) fn mark_pending_join(&self) {
         if self.size() > 1 {
             self.pending_join.store(true, Ordering::Relaxed);
         }
     }
 
-    /// Makes every rank's stream wait for every other rank's stream, if a reshard execution left its
-    /// copies between ranks unjoined. Deferring this join to the next group call (or the exit) keeps
-    /// G records and G(G-1) cross-GPU waits out of every execution in a loop of refits.
+    /// Makes every rank's stream wait for every other rank's stream, if a call left its copies
+    /// between ranks unjoined. Deferring this join to the next group call (or the exit) keeps G
+    /// records and G(G-1) cross-GPU waits out of every call in a loop of refits. Every whole-group
+    /// call, `run` and an async exit call this before touching the streams.
     pub(crate) fn join_if_pending(&self) -> Result<()> {
         if !self.pending_join.swap(false, Ordering::Relaxed) {
             return Ok(());
         }
-        let done = &self.collective.done;
         for r in 0..self.size() {
-            self.backend.record(self.devices[r], done[r], self.streams[r])?;
+            self.backend.record(self.devices[r], self.join_events[r], self.streams[r])?;
         }
         for r in 0..self.size() {
             for p in (0..self.size()).filter(|&p| p != r) {
-                self.backend.wait(self.devices[r], self.streams[r], done[p])?;
+                self.backend.wait(self.devices[r], self.streams[r], self.join_events[p])?;
             }
         }
         Ok(())
@@ -475,13 +390,7 @@ impl Group {
             // Callbacks may reuse any buffer on their stream: earlier collectives must be joined.
             self.join_if_pending()?;
             let workers = self.workers()?;
-            let result = workers.as_ref().expect("started by workers()").run(body);
-            // No rank is inside a collective now. After a failure ranks may have started different
-            // numbers of collectives; restart every count so the next run's ranks agree on slots.
-            for calls in &self.collective.calls {
-                calls.store(0, Ordering::Relaxed);
-            }
-            result
+            workers.as_ref().expect("started by workers()").run(body)
         })
     }
 
@@ -508,7 +417,7 @@ impl Group {
 
     /// The rank threads, started on first use.
     fn workers(&self) -> Result<std::sync::MutexGuard<'_, Option<RankWorkers>>> {
-        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut workers = lock(&self.workers);
         if workers.is_none() {
             *workers = Some(RankWorkers::start(
                 self.id,
@@ -519,41 +428,6 @@ impl Group {
             )?);
         }
         Ok(workers)
-    }
-
-    /// Makes every whole-group peer allgather use `method` (`None`: pick by block size, see
-    /// `allgather::peer::method_for`). A knob for benchmarks and tests; a method this group cannot
-    /// run (kernels without direct peer access or without libnvrtc, or one rank) still falls back to
-    /// the copy engine.
-    pub fn set_peer_method(&self, method: Option<PeerMethod>) {
-        *self.collective.peer_method.lock().unwrap_or_else(|p| p.into_inner()) = method;
-    }
-
-    /// The group's rendezvous flags, created on first use (CUDA backend only).
-    pub(crate) fn rendezvous(&self) -> Result<&Rendezvous> {
-        self.collective
-            .rendezvous
-            .get_or_init(|| {
-                let devices: Vec<i32> = self.devices.iter().map(|&d| d as i32).collect();
-                Rendezvous::new(&devices)
-            })
-            .as_ref()
-            .map_err(Clone::clone)
-    }
-
-    pub(crate) fn peer_method_override(&self) -> Option<PeerMethod> {
-        *self.collective.peer_method.lock().unwrap_or_else(|p| p.into_inner())
-    }
-
-    /// The group's lanes, created on first use: `size - 1` extra streams per rank (none for a single
-    /// rank) and their events. Rank threads issuing a call's pushes at once share them without a lock;
-    /// a failed creation is kept and returned by every later call, as for the rendezvous and NCCL.
-    pub(crate) fn lanes(&self) -> Result<&Lanes> {
-        self.collective
-            .lanes
-            .get_or_init(|| Lanes::create(self.backend.as_ref(), &self.devices))
-            .as_ref()
-            .map_err(Clone::clone)
     }
 
     /// The rank the calling thread runs a body for, checked against `rank` (per-rank collectives).
@@ -574,6 +448,31 @@ impl Group {
     pub(crate) fn barrier(&self) -> &AbortableBarrier {
         &self.barrier
     }
+
+    /// The value of type `T` that a layer above keeps for this group (a collective's events,
+    /// communicators, prepared calls), made by `create` at the first call. One value per type; the
+    /// group never looks inside. Values are dropped with the group, after its streams have drained
+    /// and its rank threads have stopped, before its own streams are destroyed. Two threads asking at
+    /// once for a value not made yet may both run `create`; one result is kept, the other dropped.
+    pub fn extension<T: Any + Send + Sync>(
+        &self,
+        create: impl FnOnce(&Group) -> Result<T>,
+    ) -> Result<Arc<T>> {
+        let find = |extensions: &[Arc<dyn Any + Send + Sync>]| {
+            extensions.iter().find_map(|value| Arc::clone(value).downcast::<T>().ok())
+        };
+        if let Some(found) = find(&read(&self.extensions)) {
+            return Ok(found);
+        }
+        // Made outside the lock: `create` may use the group.
+        let made = Arc::new(create(self)?);
+        let mut extensions = write(&self.extensions);
+        if let Some(found) = find(&extensions) {
+            return Ok(found);
+        }
+        extensions.push(Arc::clone(&made) as Arc<dyn Any + Send + Sync>);
+        Ok(made)
+    }
 }
 
 impl Drop for Group {
@@ -586,16 +485,13 @@ impl Drop for Group {
         if let Err(err) = self.synchronize() {
             log::warn!("draining the group's streams: {err}");
         }
-        self.workers.lock().unwrap_or_else(|p| p.into_inner()).take();
-        // Communicators go before the streams they use.
-        drop(self.collective.nccl.take());
-        if let Some(Ok(lanes)) = self.collective.lanes.take() {
-            lanes.destroy(self.backend.as_ref(), &self.devices);
-        }
+        lock(&self.workers).take();
+        // The layers' values (communicators, their own streams and events) go before the streams.
+        write(&self.extensions).clear();
         for r in 0..self.streams.len() {
             self.backend.destroy_stream(self.devices[r], self.streams[r]);
         }
-        let events = [&self.entry_events, &self.exit_events, &self.collective.ready, &self.collective.done];
+        let events = [&self.entry_events, &self.exit_events, &self.join_events];
         for list in events {
             for (r, &event) in list.iter().enumerate() {
                 self.backend.destroy_event(self.devices[r], event);

@@ -3,8 +3,9 @@
 
 use super::barrier::AbortableBarrier;
 use super::spin::spin_while;
-use crate::backend::{Backend, Stream};
 use crate::error::{Error, Result, Status};
+use crate::sync::{lock, wait};
+use crate::transport::{Backend, Stream};
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
@@ -76,7 +77,7 @@ impl RunState {
     /// so that a rank failing because of the abort never wins over the rank that caused it.
     fn finish(&self, result: Result<()>, barrier: &AbortableBarrier) {
         if let Err(err) = result {
-            let mut first = self.first_error.lock().unwrap_or_else(|p| p.into_inner());
+            let mut first = lock(&self.first_error);
             if first.is_none() {
                 *first = Some(err);
             }
@@ -87,7 +88,7 @@ impl RunState {
         // this sees the caller blocked.
         if self.remaining.fetch_sub(1, Ordering::SeqCst) == 1 && self.caller_blocked.load(Ordering::SeqCst) {
             // Under the lock: a caller between its last check and its wait cannot miss this.
-            let _guard = self.finish_lock.lock().unwrap_or_else(|p| p.into_inner());
+            let _guard = lock(&self.finish_lock);
             self.finished.notify_all();
         }
     }
@@ -97,10 +98,10 @@ impl RunState {
         if !spin_while(|| self.remaining.load(Ordering::Acquire) > 0) {
             return;
         }
-        let mut guard = self.finish_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = lock(&self.finish_lock);
         self.caller_blocked.store(true, Ordering::SeqCst);
         while self.remaining.load(Ordering::SeqCst) > 0 {
-            guard = self.finished.wait(guard).unwrap_or_else(|p| p.into_inner());
+            guard = wait(&self.finished, guard);
         }
     }
 }
@@ -145,7 +146,7 @@ impl RankWorkers {
     pub fn start(
         group_id: u64,
         backend: Arc<dyn Backend>,
-        devices: &[usize],
+        devices: &[i32],
         streams: &[Stream],
         barrier: Arc<AbortableBarrier>,
     ) -> Result<RankWorkers> {
@@ -240,7 +241,7 @@ impl RankWorkers {
     /// Waits for every body of `run`, resets the barrier, and returns the first error.
     fn finish(&self, run: Arc<RunState>) -> Result<()> {
         run.wait_until_finished();
-        let error = run.first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let error = lock(&run.first_error).take();
         self.barrier.reset();
         error.map_or(Ok(()), Err)
     }
@@ -258,7 +259,7 @@ impl Drop for RankWorkers {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::backend::host::HostBackend;
+    use crate::transport::host::HostBackend;
     use std::sync::mpsc::sync_channel;
     use std::thread::ThreadId;
 
@@ -269,7 +270,7 @@ mod tests {
 
     fn workers(ranks: usize) -> RankWorkers {
         let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(ranks).unwrap());
-        let devices: Vec<usize> = (0..ranks).collect();
+        let devices: Vec<i32> = (0..ranks as i32).collect();
         let streams: Vec<Stream> = (0..ranks as u64).map(|r| Stream(100 + r)).collect();
         RankWorkers::start(7, backend, &devices, &streams, Arc::new(AbortableBarrier::new(ranks))).unwrap()
     }

@@ -1,17 +1,30 @@
-//! The batched copy kernel: any number of [`Segment`](crate::segment::Segment)s copied in one launch,
-//! near memory bandwidth for every segment size.
+//! The library's CUDA kernels and what they need on the host: the batched copy (any number of
+//! [`Segment`](crate::segment::Segment)s copied in one launch, near memory bandwidth for every segment
+//! size) and the digest (a CRC-style 64-bit digest of device memory at memory speed).
 //!
-//! - `batched_copy.cu`: the CUDA C source, compiled at first use per device by NVRTC ([`nvrtc`]).
-//! - [`layout`]: how a batch is laid out for the kernel (descriptors, tiles); pure Rust.
-//! - [`check`]: validation and the checked mode's destination-overlap test; pure Rust, shared with the
-//!   host backend (`backend::host_copy`).
+//! - `batched_copy.cu`: the CUDA C source, compiled at first use per device by NVRTC
+//!   (`transport::nvrtc`).
+//! - [`layout`]: how a batch is laid out for the kernel (descriptors, tiles); pure Rust. Segments are
+//!   checked before (`segment::check`, shared with the host backend's copy).
 //! - [`batched_copy`]: the per-device kernel cache, one-shot [`copy_segments`] and [`PreparedBatch`].
+//! - `digest.cu` and [`digest`]: the digest kernel and its launch.
+//! - [`gf64`]: the refit digest in pure Rust (its definition, the host implementation, the
+//!   digest kernel's constants).
+//! - [`verify`]: verifying copies (compare both sides, or check destinations against the source digests a
+//!   prepared batch records).
 //! - [`rendezvous`]: the device-memory flags through which a group's synchronized launches meet.
+//! - `device_memory`: device allocations and a page-locked result word owned by the kernels' host code.
+//!
+//! The transport's backends launch these; the kernels use only the transport's driver and loader
+//! files (`transport::driver`, `transport::nvrtc`), never the backends.
 
 pub mod batched_copy;
-pub mod check;
+pub(crate) mod device_memory;
+pub mod digest;
+pub mod gf64;
 pub mod layout;
-pub mod nvrtc;
+pub(crate) mod module;
 pub mod rendezvous;
+pub mod verify;
 
 pub use batched_copy::{copy_segments, BatchedCopy, PreparedBatch};

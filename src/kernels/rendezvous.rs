@@ -5,13 +5,14 @@
 //! Rank r's block is `2n` u64 words: arrived[p] (word p), the epoch of p's latest arrival, and
 //! departed[p] (word n + p), which each of p's launches raises by [`DEPARTURE_UNITS`]. Each rank's
 //! device also holds the table of every rank's block address, which its kernel reads.
+//!
+//! The batched copy kernel (`batched_copy`) takes part in a rendezvous; this file knows only the
+//! driver, not the kernel.
 
-use super::batched_copy::BatchedCopy;
-use crate::backend::driver::{check, CurrentContext};
 use crate::error::Result;
+use crate::transport::driver::{self, check, CurrentContext};
 use cudarc::driver::sys;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::Arc;
 
 /// Where one rank's kernel finds the rendezvous: its rank, the group size and the device address of
 /// the table of flag blocks (on its own device).
@@ -23,7 +24,8 @@ pub struct RankRendezvous {
 }
 
 struct RankFlags {
-    kernel: Arc<BatchedCopy>,
+    /// The rank's device's primary context (retained for the life of the process).
+    context: sys::CUcontext,
     /// This rank's flag block.
     block: u64,
     /// The table of every rank's block address, on this rank's device.
@@ -51,14 +53,14 @@ pub const DEPARTURE_UNITS: u64 = 1 << 16;
 
 impl Rendezvous {
     /// Allocates and zeroes a flag block and a table on every device (`devices[r]` for rank r).
-    /// Synchronous. Errors: those of loading the kernel, and the driver's (OutOfMemory, CudaError).
+    /// Synchronous. Errors: the driver's (InvalidDevice, OutOfMemory, CudaError).
     pub fn new(devices: &[i32]) -> Result<Rendezvous> {
         let n = devices.len();
         let mut rendezvous = Rendezvous { ranks: Vec::with_capacity(n), last_epoch: AtomicU64::new(0) };
         for &device in devices {
-            let kernel = BatchedCopy::for_device(device)?;
+            let context = driver::primary_context(device)?;
             // SAFETY: a retained primary context.
-            let _current = unsafe { CurrentContext::enter(kernel.context()) }?;
+            let _current = unsafe { CurrentContext::enter(context) }?;
             let mut block = 0;
             // SAFETY: valid output slot in the current context.
             check("cuMemAlloc(rendezvous flags)", unsafe { sys::cuMemAlloc_v2(&mut block, 8 * words(n)) })?;
@@ -72,14 +74,14 @@ impl Rendezvous {
                 return Err(err);
             }
             // From here on Drop frees both.
-            rendezvous.ranks.push(RankFlags { kernel, block, table });
+            rendezvous.ranks.push(RankFlags { context, block, table });
             // SAFETY: the block holds words(n) u64.
             check("cuMemsetD8(rendezvous flags)", unsafe { sys::cuMemsetD8_v2(block, 0, 8 * words(n)) })?;
         }
         let blocks: Vec<u64> = rendezvous.ranks.iter().map(|r| r.block).collect();
         for rank in &rendezvous.ranks {
             // SAFETY: a retained primary context.
-            let _current = unsafe { CurrentContext::enter(rank.kernel.context()) }?;
+            let _current = unsafe { CurrentContext::enter(rank.context) }?;
             // SAFETY: the table holds n u64; `blocks` is n u64 on the host.
             check("cuMemcpyHtoD(rendezvous table)", unsafe {
                 sys::cuMemcpyHtoD_v2(rank.table, blocks.as_ptr().cast(), 8 * n)
@@ -122,7 +124,7 @@ impl Rendezvous {
                 })
                 .collect();
             // SAFETY: a retained primary context; every address is a word of a live flag block.
-            let queued = unsafe { CurrentContext::enter(self.ranks[p].kernel.context()) }
+            let queued = unsafe { CurrentContext::enter(self.ranks[p].context) }
                 .and_then(|_current| unsafe { write_on_stream(stream, &words) });
             if let Err(err) = queued {
                 log::warn!(
@@ -136,7 +138,7 @@ impl Rendezvous {
     fn write_from_host(&self, words: &[(usize, u64, u64)]) {
         for &(owner, address, value) in words {
             // SAFETY: a retained primary context.
-            let Ok(_current) = (unsafe { CurrentContext::enter(self.ranks[owner].kernel.context()) }) else {
+            let Ok(_current) = (unsafe { CurrentContext::enter(self.ranks[owner].context) }) else {
                 continue;
             };
             // SAFETY: a word of the owner's live flag block; `value` lives across the synchronous copy.
@@ -175,7 +177,7 @@ impl Drop for Rendezvous {
     fn drop(&mut self) {
         for rank in &self.ranks {
             // SAFETY: a retained primary context.
-            let freed = unsafe { CurrentContext::enter(rank.kernel.context()) }.and_then(|_current| {
+            let freed = unsafe { CurrentContext::enter(rank.context) }.and_then(|_current| {
                 // SAFETY: allocated by cuMemAlloc in this context; no launch uses them any more (the
                 // group drains its streams before dropping its collective state).
                 check("cuMemFree", unsafe { sys::cuMemFree_v2(rank.block) })?;
@@ -185,16 +187,5 @@ impl Drop for Rendezvous {
                 log::warn!("freeing rendezvous flags: {err}");
             }
         }
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn the_kernel_counts_departures_in_the_same_units() {
-        let define = format!("#define DEPARTURE_UNITS {DEPARTURE_UNITS}ull");
-        assert!(super::super::batched_copy::SOURCE.contains(&define), "batched_copy.cu lacks `{define}`");
     }
 }

@@ -5,7 +5,7 @@
 #![allow(dead_code)]
 
 use cudarc::driver::sys;
-use refit::backend::driver::{self, check, CurrentContext};
+use refit::transport::driver::{self, check, CurrentContext};
 
 /// Panics with a clear message on any error.
 pub fn ok<T>(what: &str, result: refit::Result<T>) -> T {

@@ -1,0 +1,387 @@
+//! The CUDA backend: cudarc's driver layer (`sys`), primary contexts, non-blocking streams, events
+//! without timing, copy-engine copies, and the batched copy kernel (`kernels`) for batched copies.
+//!
+//! Why the raw layer: cudarc's safe layer owns the memory it copies, and its `memcpy_dtod` between two
+//! contexts runs far below the copy engine, which `cuMemcpyAsync` with unified addressing on a
+//! non-blocking stream reaches (benches/gpu_allgather.rs, copy-engine probe).
+//!
+//! Contexts: each device's primary context (the one the CUDA runtime, torch and NCCL use) is retained
+//! on first use and kept for the life of the process. Every method makes the context it needs current
+//! and restores the caller's current context before returning, so a caller's `cudaSetDevice` state is
+//! never disturbed; only [`Backend::bind`] leaves a context current (for our own rank threads).
+
+use super::driver::{self, check, error_name, CurrentContext};
+use super::{device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, Stream};
+use crate::error::{Error, Result, Status};
+use crate::kernels::verify::VerifyBatch;
+use crate::kernels::{self, PreparedBatch};
+use crate::segment::Segment;
+use cudarc::driver::sys::{self, CUcontext, CUresult};
+use std::ffi::{c_char, CStr};
+use std::sync::{Arc, OnceLock};
+
+/// The process-wide CUDA backend, initialized once. `CudaUnavailable` when libcuda cannot be loaded
+/// or has no device.
+pub fn cuda_backend() -> Result<Arc<CudaBackend>> {
+    static BACKEND: OnceLock<std::result::Result<Arc<CudaBackend>, Error>> = OnceLock::new();
+    BACKEND.get_or_init(|| CudaBackend::init().map(Arc::new)).clone()
+}
+
+/// Devices of the machine, each with its primary context (retained on first use).
+pub struct CudaBackend {
+    devices: Vec<sys::CUdevice>,
+    contexts: Vec<OnceLock<std::result::Result<ContextHandle, Error>>>,
+}
+
+#[derive(Clone, Copy)]
+struct ContextHandle(CUcontext);
+// SAFETY: a CUcontext is a driver handle usable from any thread.
+unsafe impl Send for ContextHandle {}
+unsafe impl Sync for ContextHandle {}
+
+impl CudaBackend {
+    fn init() -> Result<CudaBackend> {
+        driver::init()?;
+        // SAFETY: plain driver calls with valid out-pointers, after cuInit.
+        unsafe {
+            let mut count = 0;
+            check("cuDeviceGetCount", sys::cuDeviceGetCount(&mut count))?;
+            if count <= 0 {
+                return Err(Error::new(Status::CudaUnavailable, "no CUDA device is present"));
+            }
+            let mut devices = Vec::with_capacity(count as usize);
+            for ordinal in 0..count {
+                let mut device = 0;
+                check("cuDeviceGet", sys::cuDeviceGet(&mut device, ordinal))?;
+                devices.push(device);
+            }
+            let contexts = (0..devices.len()).map(|_| OnceLock::new()).collect();
+            Ok(CudaBackend { devices, contexts })
+        }
+    }
+
+    /// The index of `device` in this backend's tables, or `InvalidDevice`.
+    fn index(&self, device: i32) -> Result<usize> {
+        device_index(device, self.devices.len(), "CUDA devices")
+    }
+
+    /// The device's primary context, retained on first use.
+    pub fn context(&self, device: i32) -> Result<CUcontext> {
+        let index = self.index(device)?;
+        self.contexts[index]
+            .get_or_init(|| {
+                let mut ctx: CUcontext = std::ptr::null_mut();
+                // SAFETY: valid device handle and out-pointer.
+                check("cuDevicePrimaryCtxRetain", unsafe {
+                    sys::cuDevicePrimaryCtxRetain(&mut ctx, self.devices[index])
+                })
+                .map(|()| ContextHandle(ctx))
+            })
+            .clone()
+            .map(|handle| handle.0)
+    }
+
+    /// Makes the device's context current until the guard drops.
+    fn enter(&self, device: i32) -> Result<CurrentContext> {
+        let ctx = self.context(device)?;
+        // SAFETY: a retained primary context.
+        unsafe { CurrentContext::enter(ctx) }
+    }
+
+    fn raw_stream(stream: Stream) -> sys::CUstream {
+        stream.0 as usize as sys::CUstream
+    }
+
+    fn raw_event(event: Event) -> sys::CUevent {
+        event.0 as usize as sys::CUevent
+    }
+}
+
+impl Backend for CudaBackend {
+    fn kind(&self) -> BackendKind {
+        BackendKind::Cuda
+    }
+
+    fn device_count(&self) -> usize {
+        self.devices.len()
+    }
+
+    fn device_name(&self, device: i32) -> String {
+        let Ok(index) = self.index(device) else { return format!("no device {device}") };
+        let handle = self.devices[index];
+        let mut name = [0 as c_char; 128];
+        // SAFETY: buffer of the length we pass.
+        let result = unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, handle) };
+        if result != CUresult::CUDA_SUCCESS {
+            return format!("CUDA device {device}");
+        }
+        // SAFETY: the driver NUL-terminates within the buffer.
+        unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned()
+    }
+
+    fn bind(&self, device: i32) -> Result<()> {
+        let ctx = self.context(device)?;
+        // SAFETY: a retained primary context.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
+    }
+
+    fn null_stream(&self, _device: i32) -> Stream {
+        Stream::NULL
+    }
+
+    fn create_stream(&self, device: i32) -> Result<Stream> {
+        let _current = self.enter(device)?;
+        let mut stream: sys::CUstream = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, context current.
+        check("cuStreamCreate(CU_STREAM_NON_BLOCKING)", unsafe {
+            sys::cuStreamCreate(&mut stream, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+        })?;
+        Ok(Stream(stream as usize as u64))
+    }
+
+    fn destroy_stream(&self, device: i32, stream: Stream) {
+        if stream == Stream::NULL {
+            return;
+        }
+        if let Ok(_current) = self.enter(device) {
+            // SAFETY: a stream we created; queued work still completes.
+            let result = unsafe { sys::cuStreamDestroy_v2(Self::raw_stream(stream)) };
+            if result != CUresult::CUDA_SUCCESS {
+                log::warn!("cuStreamDestroy on device {device}: {}", error_name(result));
+            }
+        }
+    }
+
+    fn create_event(&self, device: i32) -> Result<Event> {
+        let _current = self.enter(device)?;
+        let mut event: sys::CUevent = std::ptr::null_mut();
+        // SAFETY: valid out-pointer, context current.
+        check("cuEventCreate(CU_EVENT_DISABLE_TIMING)", unsafe {
+            sys::cuEventCreate(&mut event, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+        })?;
+        Ok(Event(event as usize as u64))
+    }
+
+    fn destroy_event(&self, device: i32, event: Event) {
+        if let Ok(_current) = self.enter(device) {
+            // SAFETY: an event we created.
+            let result = unsafe { sys::cuEventDestroy_v2(Self::raw_event(event)) };
+            if result != CUresult::CUDA_SUCCESS {
+                log::warn!("cuEventDestroy on device {device}: {}", error_name(result));
+            }
+        }
+    }
+
+    fn record(&self, device: i32, event: Event, stream: Stream) -> Result<()> {
+        // The NULL stream means the legacy stream of the *current* context: make it the device's.
+        let _current = self.enter(device)?;
+        // SAFETY: handles from this backend (or the caller's stream on this device).
+        check("cuEventRecord", unsafe {
+            sys::cuEventRecord(Self::raw_event(event), Self::raw_stream(stream))
+        })
+    }
+
+    fn wait(&self, device: i32, stream: Stream, event: Event) -> Result<()> {
+        let _current = self.enter(device)?;
+        // SAFETY: as for record.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(Self::raw_stream(stream), Self::raw_event(event), 0)
+        })
+    }
+
+    fn sync_event(&self, device: i32, event: Event) -> Result<()> {
+        let _current = self.enter(device)?;
+        // SAFETY: an event from this backend.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(Self::raw_event(event)) })
+    }
+
+    fn sync_stream(&self, device: i32, stream: Stream) -> Result<()> {
+        let _current = self.enter(device)?;
+        // SAFETY: a stream on this device.
+        check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(Self::raw_stream(stream)) })
+    }
+
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool> {
+        let (index, peer_index) = (self.index(device)?, self.index(peer)?);
+        if device == peer {
+            return Ok(true);
+        }
+        let mut can = 0;
+        // SAFETY: valid device handles and out-pointer.
+        check("cuDeviceCanAccessPeer", unsafe {
+            sys::cuDeviceCanAccessPeer(&mut can, self.devices[index], self.devices[peer_index])
+        })?;
+        Ok(can != 0)
+    }
+
+    fn enable_peer_access(&self, device: i32, peer: i32) -> Result<()> {
+        if device == peer {
+            return self.index(device).map(drop);
+        }
+        let peer_ctx = self.context(peer)?;
+        let _current = self.enter(device)?;
+        // SAFETY: current context is the device's; the peer's is retained.
+        let result = unsafe { sys::cuCtxEnablePeerAccess(peer_ctx, 0) };
+        if result == CUresult::CUDA_ERROR_PEER_ACCESS_ALREADY_ENABLED {
+            return Ok(());
+        }
+        check(&format!("cuCtxEnablePeerAccess({device} -> {peer})"), result)
+    }
+
+    unsafe fn copy_segments(&self, device: i32, stream: Stream, segments: &[Segment]) -> Result<()> {
+        let _current = self.enter(device)?;
+        let raw = Self::raw_stream(stream);
+        let mut result = Ok(());
+        for segment in segments {
+            segment.for_each_run(|src, dst, len| {
+                if result.is_err() || src == dst {
+                    return;
+                }
+                result = copy_run(src, dst, len, raw)
+                    .map_err(|e| e.context(format!("run of {len} bytes from {src:#x} to {dst:#x}")));
+            });
+            result.clone()?;
+        }
+        result
+    }
+
+    unsafe fn copy_batch(
+        &self,
+        device: i32,
+        stream: Stream,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<()> {
+        self.index(device)?;
+        kernels::copy_segments(device, Self::raw_stream(stream), segments, checked)
+    }
+
+    fn prepare_batch(
+        &self,
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>> {
+        self.index(device)?;
+        Ok(Box::new(PreparedBatch::new(device, segments, checked)?))
+    }
+
+    fn prepare_recording_batch(
+        &self,
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>> {
+        self.index(device)?;
+        Ok(Box::new(PreparedBatch::recording_digests(device, segments, checked)?))
+    }
+
+    fn prepare_compare(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedCheck>> {
+        self.index(device)?;
+        Ok(Box::new(VerifyBatch::compare(device, segments)?))
+    }
+
+    fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
+        let _current = self.enter(device)?;
+        let mut ptr = 0;
+        // SAFETY: valid out-pointer, context current.
+        let result = unsafe { sys::cuMemAlloc_v2(&mut ptr, bytes.max(1)) };
+        if result == CUresult::CUDA_ERROR_OUT_OF_MEMORY {
+            return Err(Error::new(
+                Status::OutOfMemory,
+                format!("cuMemAlloc of {bytes} bytes on device {device}"),
+            ));
+        }
+        check("cuMemAlloc", result)?;
+        Ok(ptr)
+    }
+
+    unsafe fn free(&self, device: i32, ptr: u64) -> Result<()> {
+        let _current = self.enter(device)?;
+        check("cuMemFree", sys::cuMemFree_v2(ptr))
+    }
+
+    unsafe fn write(&self, device: i32, dst: u64, data: &[u8]) -> Result<()> {
+        let _current = self.enter(device)?;
+        check("cuCtxSynchronize", sys::cuCtxSynchronize())?;
+        check("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(dst, data.as_ptr().cast(), data.len()))
+    }
+
+    unsafe fn read(&self, device: i32, src: u64, out: &mut [u8]) -> Result<()> {
+        let _current = self.enter(device)?;
+        check("cuCtxSynchronize", sys::cuCtxSynchronize())?;
+        check("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src, out.len()))
+    }
+}
+
+impl PreparedCopy for PreparedBatch {
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        PreparedBatch::launch(self, CudaBackend::raw_stream(stream))
+    }
+
+    fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>> {
+        Ok(Box::new(VerifyBatch::check(self)?))
+    }
+}
+
+impl PreparedCheck for VerifyBatch {
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        VerifyBatch::launch(self, CudaBackend::raw_stream(stream))
+    }
+
+    fn outcome(&self) -> Result<Option<usize>> {
+        VerifyBatch::outcome(self)
+    }
+}
+
+/// Queues one copy-engine copy of a run: with unified addressing the driver routes a peer run over
+/// NVLink when peer access is on, or stages it when it is not. A run that spans two adjacent
+/// allocations (the planner coalesces by address, and separate allocations can be adjacent) is one
+/// range to a kernel but CUDA_ERROR_INVALID_VALUE to cuMemcpy: it is split where an allocation ends.
+///
+/// # Safety
+/// The run must be valid memory; the caller's context must be current.
+unsafe fn copy_run(src: u64, dst: u64, len: u64, stream: sys::CUstream) -> Result<()> {
+    let whole = sys::cuMemcpyAsync(dst, src, len as usize, stream);
+    if whole != CUresult::CUDA_ERROR_INVALID_VALUE {
+        return check("cuMemcpyAsync", whole);
+    }
+    let mut done = 0;
+    while done < len {
+        let piece = (len - done).min(allocation_left(src + done)?).min(allocation_left(dst + done)?);
+        check("cuMemcpyAsync", sys::cuMemcpyAsync(dst + done, src + done, piece as usize, stream))?;
+        done += piece;
+    }
+    Ok(())
+}
+
+/// Bytes from `ptr` to the end of the device allocation holding it.
+fn allocation_left(ptr: u64) -> Result<u64> {
+    let (mut base, mut size) = (0, 0);
+    // SAFETY: valid out-pointers; the driver only inspects the address.
+    check("cuMemGetAddressRange", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) })?;
+    Ok(base + size as u64 - ptr)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn without_libcuda_the_backend_is_a_status_listing_what_was_searched() {
+        // SAFETY: only tries to open the library.
+        if unsafe { sys::is_culib_present() } {
+            // With a driver: a backend with devices, or a clear status (e.g. no device), never a panic.
+            match cuda_backend() {
+                Ok(backend) => assert!(backend.device_count() > 0),
+                Err(err) => {
+                    assert!(matches!(err.status, Status::CudaUnavailable | Status::CudaError), "{err}")
+                }
+            }
+            return;
+        }
+        let err = cuda_backend().err().expect("no libcuda, no backend");
+        assert_eq!(err.status, Status::CudaUnavailable);
+        assert!(err.message.contains("libcuda.so"), "{}", err.message);
+    }
+}

@@ -1,0 +1,224 @@
+//! The transport: every way bytes cross devices and processes. It knows devices, streams, events,
+//! copies and communicators; it knows nothing of groups, collectives or plans.
+//!
+//! - [`Backend`] is the one interface the group, allgather and the executors use for devices, streams,
+//!   events and copies, the batched copy included ([`Backend::copy_batch`], [`Backend::prepare_batch`]).
+//!   Two implementations: [`cuda::CudaBackend`] (cudarc's driver layer: primary contexts, non-blocking
+//!   streams, copy-engine copies, refit's batched copy kernel from `kernels`) and [`host::HostBackend`]
+//!   (N simulated devices: host memory, one worker thread per stream so that stream order and event
+//!   waits are real and testable in CI; [`host_copy`] is its batched copy, [`host_verify`] its verify).
+//! - Integrity for a group's rank: [`digest`] (the digest of device memory) and [`verify`] (checking
+//!   copied bytes on the device), both on every backend.
+//! - [`nccl`]: NCCL communicators and the calls issued on them (collectives, grouped send/recv).
+//! - The run-time loaders, side by side: [`driver`] (libcuda, through cudarc, and the driver calls
+//!   shared with the kernels), [`nccl`] (libnccl), [`nvrtc`] (libnvrtc), over [`dynlib`] (dlopen).
+//!
+//! Imports point one way: the backends use `kernels` (the batched copy's launch), and `kernels` uses
+//! only the driver and loader files here, which import nothing else of the crate but `error`.
+//!
+//! Streams and events cross this interface as opaque [`Stream`] / [`Event`] handles: a `CUstream` /
+//! `CUevent` value on CUDA, a registry id on the host backend. `Stream::NULL` always means "the
+//! device's legacy default stream" (on the host backend: that simulated device's default stream).
+
+pub mod cuda;
+pub mod digest;
+pub mod driver;
+pub mod dynlib;
+pub mod host;
+pub mod host_copy;
+pub mod host_verify;
+pub mod nccl;
+pub mod nvrtc;
+pub mod verify;
+
+use crate::error::{Error, Result, Status};
+use crate::segment::Segment;
+
+/// The index of ordinal `device` among the `count` devices of a backend (`what` names them in the
+/// message), or `InvalidDevice`.
+pub(crate) fn device_index(device: i32, count: usize, what: &str) -> Result<usize> {
+    usize::try_from(device).ok().filter(|&index| index < count).ok_or_else(|| {
+        Error::new(Status::InvalidDevice, format!("device {device} is not one of the {count} {what}"))
+    })
+}
+
+/// Which implementation a backend is.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum BackendKind {
+    Cuda,
+    Host,
+}
+
+/// An opaque stream handle. 0 is the device's legacy default stream.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub struct Stream(pub u64);
+
+impl Stream {
+    pub const NULL: Stream = Stream(0);
+
+    /// The handle as C sees it (`void*`).
+    pub fn as_ptr(self) -> *mut std::ffi::c_void {
+        self.0 as usize as *mut std::ffi::c_void
+    }
+
+    pub fn from_ptr(ptr: *mut std::ffi::c_void) -> Stream {
+        Stream(ptr as usize as u64)
+    }
+}
+
+/// An opaque event handle, used only for ordering (no timing).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Event(pub u64);
+
+/// Devices, streams, events, peer access and copies. `device` arguments are the backend's device
+/// ordinals (`i32`, as CUDA's), never group ranks; one out of range is `InvalidDevice`. Every method may be called from any thread; methods that need a device
+/// context make it current for the duration of the call and restore the caller's afterwards, except
+/// [`Backend::bind`], whose purpose is to leave it current.
+pub trait Backend: Send + Sync {
+    fn kind(&self) -> BackendKind;
+
+    /// Number of devices this backend can use.
+    fn device_count(&self) -> usize;
+
+    /// A human-readable name of the device (GPU model, or "host device N").
+    fn device_name(&self, device: i32) -> String;
+
+    /// Makes `device` current on the calling thread and leaves it so (for threads that work for one
+    /// device only, such as the group's rank threads).
+    fn bind(&self, device: i32) -> Result<()>;
+
+    /// The stream a NULL caller stream stands for on `device`.
+    fn null_stream(&self, device: i32) -> Stream;
+
+    /// A new stream on `device` that does not synchronize with the legacy default stream.
+    fn create_stream(&self, device: i32) -> Result<Stream>;
+
+    /// Destroys a stream made by [`Backend::create_stream`]; work already queued still completes.
+    fn destroy_stream(&self, device: i32, stream: Stream);
+
+    /// A new event on `device`, for ordering only.
+    fn create_event(&self, device: i32) -> Result<Event>;
+
+    fn destroy_event(&self, device: i32, event: Event);
+
+    /// Captures the work queued on `stream` so far into `event`.
+    fn record(&self, device: i32, event: Event, stream: Stream) -> Result<()>;
+
+    /// Makes work queued later on `stream` wait until the work captured by `event`'s latest record
+    /// has completed. Does not block the host.
+    fn wait(&self, device: i32, stream: Stream, event: Event) -> Result<()>;
+
+    /// Blocks the host until the work captured by `event` has completed.
+    fn sync_event(&self, device: i32, event: Event) -> Result<()>;
+
+    /// Blocks the host until everything queued on `stream` has completed.
+    fn sync_stream(&self, device: i32, stream: Stream) -> Result<()>;
+
+    /// Whether `device` can read and write `peer`'s memory directly.
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool>;
+
+    /// Lets `device` access `peer`'s memory. Already enabled counts as success.
+    fn enable_peer_access(&self, device: i32, peer: i32) -> Result<()>;
+
+    /// Queues the copy of every segment on `stream` (which belongs to `device`), in order, one copy
+    /// per contiguous run (the copy engine on CUDA). The reference for [`Backend::copy_batch`].
+    ///
+    /// # Safety
+    /// Every source and destination byte must be valid memory for the duration of the queued work.
+    unsafe fn copy_segments(&self, device: i32, stream: Stream, segments: &[Segment]) -> Result<()>;
+
+    /// The batched copy: every segment copied on `stream` (a stream of `device`; `Stream::NULL` for
+    /// its legacy default stream) in one launch of refit's copy kernel on CUDA, queued and not waited
+    /// for; on the host backend, complete on return. Segments are checked first
+    /// (`segment::check::validate`); `checked` also fails the batch with `Overlap`, copying nothing,
+    /// when two destination runs share a byte (unchecked, which write lands is undefined).
+    ///
+    /// # Safety
+    /// Every run must name memory that stays valid until the copy has run (device memory reachable
+    /// from `device` on CUDA, host memory on the host backend), and `stream` must be a live stream of
+    /// `device`.
+    unsafe fn copy_batch(
+        &self,
+        device: i32,
+        stream: Stream,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<()>;
+
+    /// Checks `segments` as [`Backend::copy_batch`] does and prepares them for repeated batched copies
+    /// on `device`: descriptors uploaded once on CUDA, a kept copy of the list on the host backend.
+    fn prepare_batch(
+        &self,
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>>;
+
+    /// As [`Backend::prepare_batch`], and every launch also records digests of the source bytes it
+    /// reads, against which [`PreparedCopy::verify_destinations`] checks the destinations without
+    /// reading the sources again (on CUDA: one per tile of the copy kernel, computed from the elements
+    /// it holds in registers, so no extra memory traffic).
+    fn prepare_recording_batch(
+        &self,
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>>;
+
+    /// A verify comparing the destination of every segment with its source on `device` (addresses as
+    /// for [`Backend::copy_batch`]); segments are checked as `copy_batch` does.
+    fn prepare_compare(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedCheck>>;
+
+    /// Allocates `bytes` of device memory (tests and benches; the library never owns caller memory).
+    fn alloc(&self, device: i32, bytes: usize) -> Result<u64>;
+
+    /// Frees memory from [`Backend::alloc`].
+    ///
+    /// # Safety
+    /// `ptr` must come from `alloc` on this backend and device, with no work using it still queued.
+    unsafe fn free(&self, device: i32, ptr: u64) -> Result<()>;
+
+    /// Copies host bytes to device memory, synchronously (after all work on the device has finished).
+    ///
+    /// # Safety
+    /// `dst .. dst + data.len()` must be valid device memory.
+    unsafe fn write(&self, device: i32, dst: u64, data: &[u8]) -> Result<()>;
+
+    /// Copies device memory to host bytes, synchronously.
+    ///
+    /// # Safety
+    /// `src .. src + out.len()` must be valid device memory.
+    unsafe fn read(&self, device: i32, src: u64, out: &mut [u8]) -> Result<()>;
+}
+
+/// A batch made by [`Backend::prepare_batch`], launched any number of times. It holds no reference to
+/// a group; on the host backend, launching after the backend is gone is an error, not a crash.
+pub trait PreparedCopy: Send + Sync {
+    /// Queues the batch on `stream` (a stream of the prepared device). On CUDA: one kernel launch and
+    /// nothing else, so it may be captured into a graph. On the host backend: complete on return.
+    ///
+    /// # Safety
+    /// As for [`Backend::copy_batch`], at every launch.
+    unsafe fn launch(&self, stream: Stream) -> Result<()>;
+
+    /// A verify of this batch's destinations against the digests of the sources its launches read:
+    /// launch it after each launch of the batch. InvalidArgument unless the batch was prepared by
+    /// [`Backend::prepare_recording_batch`].
+    fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>>;
+}
+
+/// A verify prepared for one device (see `verify::PreparedVerify`, which wraps it for a group's rank):
+/// launched on a stream after the copies it checks, its outcome read once that stream has been
+/// synchronized. Launches of one verify must not overlap in time (they share the outcome).
+pub trait PreparedCheck: Send + Sync {
+    /// Queues the verify on `stream` (a stream of the prepared device; NULL: its legacy default
+    /// stream); returns without waiting, with host work that does not depend on the segment count.
+    ///
+    /// # Safety
+    /// Every segment's source (for a compare) and destination is readable until the verify has run.
+    unsafe fn launch(&self, stream: Stream) -> Result<()>;
+
+    /// The index of the first segment found different by the last launch, None when all matched;
+    /// resets for the next launch. InvalidState when no launch has completed since the last outcome.
+    fn outcome(&self) -> Result<Option<usize>>;
+}
