@@ -9,7 +9,7 @@
 //! only where that variable points). Arguments that are not flags select cases by name.
 
 use refit::plan::{self, Endpoint, Plan, PlanOptions, PlanStats, Region, Table};
-use refit::workloads::{Model, Packing, Spec, Workload};
+use refit_workloads::{Model, Packing, Spec, Workload};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -188,7 +188,7 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
                 ("-".into(), "-".into())
             }
         };
-        let name = format!("{}:{}", receiver.rank, receiver.device);
+        let name = format!("{}:{}", receiver.process, receiver.device);
         let (sr, sg) = seed(SEED_BEFORE_RANGES, SEED_BEFORE_GIB);
         let _ = writeln!(
             out,
@@ -231,7 +231,7 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
         receivers_json.push(format!(
             "{{\"rank\": {}, \"device\": {}, \"exact_bytes\": {exact}, \"moved_bytes\": {moved}, \
              \"segments_all_replicas\": {}, \"stats\": {}}}",
-            receiver.rank,
+            receiver.process,
             receiver.device,
             pairs[&receiver],
             json_stats(&s)

@@ -127,6 +127,13 @@ int main(void) {
   CHECK_OK(refit_host_stream_destroy(callers[1]));
   CHECK_STATUS(refit_host_stream_destroy(callers[1]), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(refit_host_stream_destroy(NULL), REFIT_STATUS_NULL_ARGUMENT);
+  /* Only streams made by refit_host_stream_create can be destroyed: not a group's own, not a guessed
+   * value (handles were once small sequential integers). The group still works below. */
+  CHECK_STATUS(refit_host_stream_destroy(s0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "belongs to a group") != NULL);
+  for (uintptr_t guess = 0x1000; guess < 0x1000 + 16 * 1024; guess += 16) {
+    CHECK_STATUS(refit_host_stream_destroy((void *)guess), REFIT_STATUS_INVALID_ARGUMENT);
+  }
 
   /* run + per-rank allgather, uneven sizes. */
   static struct job job;

@@ -15,7 +15,7 @@ use refit::exec::{Arm, Executor, StageTimes};
 use refit::group::{Group, GroupOptions};
 use refit::plan::{self, Endpoint, PlanOptions};
 use refit::transport::Backend;
-use refit::workloads::{element_value, Megatron, Model, Packing, Role, Spec, Vllm, Workload};
+use refit_workloads::{element_value, Megatron, Model, Packing, Role, Spec, Vllm, Workload};
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -253,7 +253,7 @@ fn run() -> Result<(), String> {
     // The host backend keeps every simulated device in this machine's memory: a few layers by default.
     let layers = args.layers.unwrap_or(if on_gpu { 48 } else { 1 });
     let endpoints: Vec<Endpoint> =
-        (0..args.devices as u32).map(|device| Endpoint { rank: 0, device }).collect();
+        (0..args.devices as u32).map(|device| Endpoint { process: 0, device }).collect();
     let spec = Spec {
         model: Model::qwen3_30b_a3b().with_layers(layers),
         publishers: Megatron {

@@ -3,7 +3,9 @@
 #   every GPU test (tests/gpu_*.rs, #[ignore]d elsewhere, run here with --ignored), the Python tests,
 #   then every GPU bench (benches/gpu_*), the Python peer benches (benches/*_peer.py),
 #   and prints a short table last. Logs and JSON results go to $OUT.
-# Usage: gpu/run.sh [tests|benches|demo|all] [filter]   (DEMO_ARGS: arguments for the demo)
+#   `probes` (not part of `all`) builds and runs the probes in benches/probes/ instead: each answered
+#   one design question (benches/probes/README.md) and is rerun when that question is reopened.
+# Usage: gpu/run.sh [tests|benches|demo|probes|all] [filter]   (DEMO_ARGS: arguments for the demo)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export REFIT_NCCL_LIBRARY=${REFIT_NCCL_LIBRARY:-/usr/lib/x86_64-linux-gnu/libnccl.so.2}
@@ -73,6 +75,27 @@ if [ "$what" = all ] || [ "$what" = benches ]; then
   done
 fi
 
+if [ "$what" = probes ]; then
+  # The CUDA C++ probes are built here (nvcc is on the GPU machine); the Python ones need cupy.
+  for p in benches/probes/*_probe.cu benches/probes/*_probe.py; do
+    [ -e "$p" ] || continue
+    name=$(basename "${p%.*}")
+    [ -n "$filter" ] && [[ "$name" != *$filter* ]] && continue
+    echo "=== probe $name" | tee -a "$log"
+    case "$p" in
+      *.cu) run=("/tmp/refit-probe-$name" "$REFIT_BENCH_RESULTS/$name.json")
+            nvcc -O2 -std=c++17 -arch=native -o "/tmp/refit-probe-$name" "$p" -lcuda -lpthread >>"$log" 2>&1 ||
+              { record "$name" "FAILED to build (see gpu.log)"; continue; } ;;
+      *) run=(python3 "$p") ;;
+    esac
+    if timeout 300 "${run[@]}" 2>&1 | tee -a "$log" "$work/$name.txt" >/dev/null; then
+      record "$name" "ok"
+    else
+      record "$name" "FAILED"
+    fi
+  done
+fi
+
 if [ "$what" = all ] || [ "$what" = demo ]; then
   echo "=== demo ${DEMO_ARGS:-}" | tee -a "$log"
   if timeout 400 .gpu/examples/demo ${DEMO_ARGS:-} 2>&1 | tee -a "$log" "$work/demo.txt"; then
@@ -85,7 +108,7 @@ fi
 echo
 echo "=== summary"
 printf '%s\n' "${summary[@]}"
-for f in "$work"/gpu_*.txt "$work"/*_peer.txt "$work"/demo.txt; do
+for f in "$work"/gpu_*.txt "$work"/*_peer.txt "$work"/*_probe.txt "$work"/demo.txt; do
   [ -e "$f" ] && { echo "--- $(basename "$f")"; grep -E '^\|' "$f" | tail -20; }
 done
 mkdir -p "${OUT:-/tmp/out}"

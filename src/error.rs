@@ -3,10 +3,12 @@
 //! An [`Error`] is a [`Status`] plus a message. Inside the crate errors are values (`Result<T>`); at the
 //! boundary the status is returned and the message is kept per thread for `refit_last_error_message()`.
 
-use std::cell::RefCell;
-use std::ffi::CString;
+use std::cell::{Cell, RefCell};
+use std::ffi::{c_char, CStr, CString};
 use std::fmt;
 
+// The one list of statuses: the header's `refit_status` (cbindgen) and, through build.rs, `Status::ALL`
+// and the C names are made from this enum. Keep one `Variant = code,` per line, codes 0, 1, 2, ...
 /// Result of every fallible call. Values are part of the ABI: new codes are appended, never renumbered.
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -65,72 +67,14 @@ pub enum Status {
     NotFound = 25,
 }
 
-impl Status {
-    /// Every status, in code order. Used to validate codes coming back from callers.
-    const ALL: [Status; 26] = [
-        Status::Success,
-        Status::InvalidArgument,
-        Status::NullArgument,
-        Status::InternalError,
-        Status::CudaUnavailable,
-        Status::NcclUnavailable,
-        Status::NvrtcUnavailable,
-        Status::CudaError,
-        Status::NcclError,
-        Status::InvalidDevice,
-        Status::DuplicateDevice,
-        Status::EmptyDeviceList,
-        Status::InvalidState,
-        Status::CallbackFailed,
-        Status::Aborted,
-        Status::TensorMismatch,
-        Status::ReplicaMismatch,
-        Status::CoverageGap,
-        Status::Overlap,
-        Status::DecodeError,
-        Status::VersionMismatch,
-        Status::OutOfMemory,
-        Status::KernelLoadFailed,
-        Status::Unsupported,
-        Status::BufferTooSmall,
-        Status::NotFound,
-    ];
+// `Status::ALL` and `Status::name`, derived from the enum above by build.rs: adding a status means
+// adding its variant, nothing else.
+include!(concat!(env!("OUT_DIR"), "/status_table.rs"));
 
+impl Status {
     /// The status with this code, if there is one.
     pub fn from_code(code: i64) -> Option<Status> {
         usize::try_from(code).ok().and_then(|i| Status::ALL.get(i).copied())
-    }
-
-    /// The name C callers see, as a NUL-terminated static string.
-    pub fn name(self) -> &'static std::ffi::CStr {
-        match self {
-            Status::Success => c"REFIT_STATUS_SUCCESS",
-            Status::InvalidArgument => c"REFIT_STATUS_INVALID_ARGUMENT",
-            Status::NullArgument => c"REFIT_STATUS_NULL_ARGUMENT",
-            Status::InternalError => c"REFIT_STATUS_INTERNAL_ERROR",
-            Status::CudaUnavailable => c"REFIT_STATUS_CUDA_UNAVAILABLE",
-            Status::NcclUnavailable => c"REFIT_STATUS_NCCL_UNAVAILABLE",
-            Status::NvrtcUnavailable => c"REFIT_STATUS_NVRTC_UNAVAILABLE",
-            Status::CudaError => c"REFIT_STATUS_CUDA_ERROR",
-            Status::NcclError => c"REFIT_STATUS_NCCL_ERROR",
-            Status::InvalidDevice => c"REFIT_STATUS_INVALID_DEVICE",
-            Status::DuplicateDevice => c"REFIT_STATUS_DUPLICATE_DEVICE",
-            Status::EmptyDeviceList => c"REFIT_STATUS_EMPTY_DEVICE_LIST",
-            Status::InvalidState => c"REFIT_STATUS_INVALID_STATE",
-            Status::CallbackFailed => c"REFIT_STATUS_CALLBACK_FAILED",
-            Status::Aborted => c"REFIT_STATUS_ABORTED",
-            Status::TensorMismatch => c"REFIT_STATUS_TENSOR_MISMATCH",
-            Status::ReplicaMismatch => c"REFIT_STATUS_REPLICA_MISMATCH",
-            Status::CoverageGap => c"REFIT_STATUS_COVERAGE_GAP",
-            Status::Overlap => c"REFIT_STATUS_OVERLAP",
-            Status::DecodeError => c"REFIT_STATUS_DECODE_ERROR",
-            Status::VersionMismatch => c"REFIT_STATUS_VERSION_MISMATCH",
-            Status::OutOfMemory => c"REFIT_STATUS_OUT_OF_MEMORY",
-            Status::KernelLoadFailed => c"REFIT_STATUS_KERNEL_LOAD_FAILED",
-            Status::Unsupported => c"REFIT_STATUS_UNSUPPORTED",
-            Status::BufferTooSmall => c"REFIT_STATUS_BUFFER_TOO_SMALL",
-            Status::NotFound => c"REFIT_STATUS_NOT_FOUND",
-        }
     }
 }
 
@@ -176,6 +120,33 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// An empty vector with room for `capacity` elements, or OUT_OF_MEMORY instead of an abort. Every
+/// allocation whose size a caller chooses (an array length, a count, a byte size) goes through this or
+/// [`try_reserve`]: under a memory limit the call fails with a status and the process lives on.
+pub fn try_vec<T>(capacity: usize, what: &str) -> Result<Vec<T>> {
+    let mut vec = Vec::new();
+    try_reserve(&mut vec, capacity, what)?;
+    Ok(vec)
+}
+
+/// Room for `additional` more elements in `vec`, or OUT_OF_MEMORY (see [`try_vec`]). Grows the
+/// capacity geometrically, as `push` does, so reserving before each append stays linear.
+pub fn try_reserve<T>(vec: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
+    vec.try_reserve(additional).map_err(|_| {
+        Error::new(
+            Status::OutOfMemory,
+            format!("cannot allocate {what}: {additional} x {} bytes", std::mem::size_of::<T>()),
+        )
+    })
+}
+
+/// A copy of `items`, or OUT_OF_MEMORY (see [`try_vec`]).
+pub fn try_to_vec<T: Clone>(items: &[T], what: &str) -> Result<Vec<T>> {
+    let mut vec = try_vec(items.len(), what)?;
+    vec.extend_from_slice(items);
+    Ok(vec)
+}
+
 /// Shorthand for `Err(Error::new(status, format!(...)))`.
 #[macro_export]
 macro_rules! bail {
@@ -185,21 +156,116 @@ macro_rules! bail {
 }
 
 thread_local! {
+    /// This thread's last error message.
     static LAST_ERROR: RefCell<CString> = RefCell::new(CString::default());
+    /// The status of this thread's latest failure after LAST_ERROR was destroyed (a call made from a
+    /// thread-exit destructor or an atexit handler). It has no destructor, so it is never destroyed.
+    static FAILED_AFTER_EXIT: Cell<Option<Status>> = const { Cell::new(None) };
 }
 
-/// Keeps `message` as this thread's last error message (interior NULs are replaced).
-pub fn set_last_error(message: &str) {
+/// Keeps `message` as this thread's last error message (interior NULs are replaced). During thread
+/// exit, once the message storage is gone, only `status` is kept: its name becomes the message.
+pub fn set_last_error(status: Status, message: &str) {
     let text = CString::new(message.replace('\0', "\\0")).unwrap_or_default();
-    LAST_ERROR.with(|slot| *slot.borrow_mut() = text);
+    let kept = LAST_ERROR.try_with(|slot| slot.try_borrow_mut().map(|mut kept| *kept = text).is_ok());
+    if kept != Ok(true) {
+        let _ = FAILED_AFTER_EXIT.try_with(|failed| failed.set(Some(status)));
+    }
 }
 
-/// Pointer to this thread's last error message; valid until the next failing call on this thread.
-pub fn last_error_ptr() -> *const std::ffi::c_char {
-    LAST_ERROR.with(|slot| slot.borrow().as_ptr())
+/// Empties this thread's last error message.
+pub fn clear_last_error() {
+    let _ = LAST_ERROR.try_with(|slot| slot.try_borrow_mut().map(|mut kept| *kept = CString::default()));
+    let _ = FAILED_AFTER_EXIT.try_with(|failed| failed.set(None));
+}
+
+/// What the last error message reads once this thread's message storage is gone.
+fn message_after_exit() -> &'static CStr {
+    match FAILED_AFTER_EXIT.try_with(Cell::get) {
+        Ok(Some(status)) => status.name(),
+        _ => c"(this thread is exiting: its last error message was released)",
+    }
+}
+
+/// Pointer to this thread's last error message; valid until the next failing call on this thread or
+/// the thread's exit. Never panics, also during thread exit.
+pub fn last_error_ptr() -> *const c_char {
+    LAST_ERROR
+        .try_with(|slot| slot.try_borrow().map(|kept| kept.as_ptr()).ok())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| message_after_exit().as_ptr())
 }
 
 /// This thread's last error message, copied (for Rust callers and tests).
 pub fn last_error() -> String {
-    LAST_ERROR.with(|slot| slot.borrow().to_string_lossy().into_owned())
+    LAST_ERROR
+        .try_with(|slot| slot.try_borrow().map(|kept| kept.to_string_lossy().into_owned()).ok())
+        .ok()
+        .flatten()
+        .unwrap_or_else(|| message_after_exit().to_string_lossy().into_owned())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Every `REFIT_STATUS_X = n` enumerator of the checked-in header, as (name, code).
+    fn header_statuses() -> Vec<(String, i64)> {
+        let header =
+            std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/include/refit.h")).unwrap();
+        header
+            .lines()
+            .filter_map(|line| line.trim().strip_suffix(',')?.split_once(" = "))
+            .filter(|(name, _)| name.starts_with("REFIT_STATUS_"))
+            .map(|(name, code)| (name.to_string(), code.parse().unwrap()))
+            .collect()
+    }
+
+    #[test]
+    fn names_and_codes_match_the_header() {
+        let header = header_statuses();
+        assert_eq!(header.len(), Status::ALL.len(), "{header:?}");
+        for (name, code) in header {
+            let status = Status::from_code(code).unwrap_or_else(|| panic!("{name} = {code} has no Status"));
+            assert_eq!(status as i64, code);
+            assert_eq!(status.name().to_str().unwrap(), name);
+        }
+        assert_eq!(Status::from_code(Status::ALL.len() as i64), None);
+        assert_eq!(Status::from_code(-1), None);
+    }
+
+    #[test]
+    fn allocations_too_large_are_out_of_memory() {
+        let err = try_vec::<u64>(usize::MAX / 4, "a test list").unwrap_err();
+        assert_eq!(err.status, Status::OutOfMemory);
+        assert_eq!(err.message, format!("cannot allocate a test list: {} x 8 bytes", usize::MAX / 4));
+        assert_eq!(try_to_vec(&[1u8, 2, 3], "bytes").unwrap(), [1, 2, 3]);
+        // Reserving before each append grows geometrically, not one element at a time.
+        let mut list = Vec::new();
+        let mut reallocations = 0;
+        for i in 0..10_000u32 {
+            let capacity = list.capacity();
+            try_reserve(&mut list, 1, "a test list").unwrap();
+            reallocations += usize::from(list.capacity() != capacity);
+            list.push(i);
+        }
+        assert!(reallocations < 20, "{reallocations} reallocations for 10,000 appends");
+    }
+
+    #[test]
+    fn last_error_is_per_thread_and_cleared() {
+        set_last_error(Status::Overlap, "first\0second");
+        assert_eq!(last_error(), "first\\0second");
+        let other = std::thread::spawn(|| {
+            let before = last_error();
+            set_last_error(Status::NotFound, "elsewhere");
+            (before, last_error())
+        });
+        assert_eq!(other.join().unwrap(), (String::new(), "elsewhere".to_string()));
+        // SAFETY: the pointer is this thread's message, valid until the next failing call.
+        assert_eq!(unsafe { CStr::from_ptr(last_error_ptr()) }.to_str().unwrap(), "first\\0second");
+        clear_last_error();
+        assert_eq!(last_error(), "");
+    }
 }

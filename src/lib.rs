@@ -42,7 +42,6 @@ pub mod plan;
 pub mod segment;
 mod sync;
 pub mod transport;
-pub mod workloads;
 
 pub use error::{Error, Result, Status};
 pub use segment::Segment;

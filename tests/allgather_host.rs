@@ -274,6 +274,16 @@ fn per_rank_allgather_inside_run_byte_exact() {
 }
 
 #[test]
+fn host_staging_moves_blocks_larger_than_its_buffer_in_parts() {
+    // The Host algorithm stages 8 MiB at a time: blocks of two parts and a bit, one part and a byte,
+    // and a short one, whole-group and per rank.
+    const PART: usize = 8 << 20;
+    let counts = [2 * PART + 3, 5, PART + 1];
+    check_whole_group(&host(3), &counts, Algorithm::Host, 0);
+    per_rank(&host(3), &counts, Algorithm::Host, 1, false);
+}
+
+#[test]
 fn per_rank_allgather_two_hundred_collectives_in_one_run() {
     let group = host(3);
     let counts = [40usize, 3, 0];

@@ -5,7 +5,7 @@
 use refit::exec::{Arm, Executor};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::plan::{self, PlanOptions};
-use refit::workloads::{element_value, Model, Moe, Packing, Role, Spec, Workload};
+use refit_workloads::{element_value, Model, Moe, Packing, Role, Spec, Workload};
 
 const POISON: u8 = 0xa5;
 

@@ -1,10 +1,10 @@
 //! The planner on a Qwen3-30B-A3B refit at full scale (Megatron EP8 publishers with data-parallel
 //! replicas of the dense weights -> vLLM TP2 receivers with fused qkv / gate_up and stacked experts,
-//! laid out by `refit::workloads`): exact bytes, replica deduplication, and coalescing that reaches
-//! the range-count targets. Counts only: build time is measured by the planner benchmark.
+//! laid out by the `refit-workloads` development crate): exact bytes, replica deduplication, and
+//! coalescing that reaches the range-count targets. Counts only: build time is measured by the planner benchmark.
 
 use refit::plan::{build, Endpoint, OwnerPolicy, PlanOptions};
-use refit::workloads::{Packing, Spec, Workload};
+use refit_workloads::{Packing, Spec, Workload};
 
 const LAYERS: u64 = 48;
 const HIDDEN: u64 = 2048;
@@ -48,7 +48,7 @@ fn check(layout: Packing, ranges_target: u64) {
             s.flat_runs_coalesced,
         );
         for r in 0..TP as u32 {
-            let rs = plan.receiver_stats(Endpoint { rank: FIRST_RECEIVER + r, device: 0 });
+            let rs = plan.receiver_stats(Endpoint { process: FIRST_RECEIVER + r, device: 0 });
             assert_eq!(rs.needed_bytes, needed_bytes_per_receiver());
             assert_eq!(rs.bytes_remote, rs.needed_bytes, "exactly the needed bytes move");
             assert!(rs.bytes_all_replicas > rs.needed_bytes);

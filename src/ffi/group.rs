@@ -5,7 +5,7 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::{arg, boundary, check_struct_size, destroy, out, slice};
-use crate::error::{last_error, set_last_error, Error, Result, Status};
+use crate::error::{clear_last_error, last_error, Error, Result, Status};
 use crate::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use crate::transport::host::{create_host_stream, destroy_host_stream};
 use crate::transport::{BackendKind, Stream};
@@ -27,7 +27,8 @@ pub const REFIT_EXIT_ASYNC: u32 = 1;
 /// A device group: one rank per device, each with its own non-blocking stream created once, and one
 /// persistent thread per rank, started at the first call that needs them (refit_group_run, a PEER
 /// allgather). After each such call a rank thread spins for up to 50 us waiting for the
-/// next before it sleeps: a loop of calls then costs no thread wake-ups (several microseconds each).
+/// next before it sleeps: a loop of calls then costs no thread wake-ups (each a system call and a
+/// context switch).
 ///
 /// Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
 /// rank callbacks may call refit_group_allgather_rank and the query functions concurrently.
@@ -270,7 +271,7 @@ pub extern "C" fn refit_group_run(
         let user_data = UserData(user_data);
         group.run(&|rank, stream| {
             let user_data = &user_data;
-            set_last_error("");
+            clear_last_error();
             // SAFETY: the caller's callback, called as documented.
             let code = unsafe { callback(rank as u32, stream.as_ptr(), user_data.0) };
             if code == 0 {
@@ -290,7 +291,8 @@ pub extern "C" fn refit_group_run(
 
 /// Host backend only: creates a caller-side host stream (a FIFO queue with its own worker thread)
 /// usable as a caller stream of any host-backend group, e.g. to test scope ordering. Release it with
-/// refit_host_stream_destroy. Errors: NULL_ARGUMENT.
+/// refit_host_stream_destroy. Thread-safe. Errors: NULL_ARGUMENT, OUT_OF_MEMORY (no thread could be
+/// started).
 #[no_mangle]
 pub extern "C" fn refit_host_stream_create(stream: *mut *mut c_void) -> Status {
     boundary("refit_host_stream_create", || {
@@ -300,8 +302,12 @@ pub extern "C" fn refit_host_stream_create(stream: *mut *mut c_void) -> Status {
     })
 }
 
-/// Destroys a host stream after its queued work has run.
-/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not a host stream, or destroyed already).
+/// Destroys a host stream made by refit_host_stream_create, after its queued work has run. Only those
+/// streams: a group's streams (refit_group_stream) and a simulated device's default stream are
+/// released by refit_group_destroy, and any other value is refused without effect. Handle values are
+/// not sequential, so a guessed value names no stream. Thread-safe.
+/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (not made by refit_host_stream_create, destroyed already,
+/// or a group's stream).
 #[no_mangle]
 pub extern "C" fn refit_host_stream_destroy(stream: *mut c_void) -> Status {
     boundary("refit_host_stream_destroy", || {

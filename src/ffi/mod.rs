@@ -9,6 +9,7 @@
 
 pub mod allgather;
 pub mod copy;
+pub mod digest;
 pub mod group;
 pub mod plan;
 pub mod status;
@@ -17,28 +18,39 @@ use crate::error::{set_last_error, Error, Result, Status};
 use std::panic::{catch_unwind, AssertUnwindSafe};
 
 /// Runs one export's body. `name` is the exported function's name, prefixed to the failure message.
+///
+/// Never panics and never unwinds into C, also when called during thread or process exit (from a
+/// thread-key destructor or an atexit handler): the body runs under `catch_unwind`, and recording the
+/// failure (a log record, the thread's last error message) is panic-free by construction and guarded
+/// once more, so the status is returned whatever happens there.
 pub(crate) fn boundary(name: &str, body: impl FnOnce() -> Result<()>) -> Status {
-    crate::logging::init();
     // Handles are only touched through &/&mut inside the body; a panic leaves them as Rust left them,
     // and every handle's own state is kept consistent by its methods, so asserting unwind safety holds.
-    match catch_unwind(AssertUnwindSafe(body)) {
-        Ok(Ok(())) => Status::Success,
-        Ok(Err(err)) => {
-            log::debug!("{name} failed: {err}");
-            set_last_error(&format!("{name}: {}", err.message));
-            err.status
-        }
+    let outcome = catch_unwind(AssertUnwindSafe(|| {
+        crate::logging::init();
+        body()
+    }));
+    let (status, message) = match outcome {
+        Ok(Ok(())) => return Status::Success,
+        Ok(Err(err)) => (err.status, err.message),
         Err(panic) => {
             let what = panic
                 .downcast_ref::<&str>()
                 .map(|s| s.to_string())
                 .or_else(|| panic.downcast_ref::<String>().cloned())
                 .unwrap_or_else(|| "unknown panic".to_string());
-            log::error!("{name}: internal error: {what}");
-            set_last_error(&format!("{name}: internal error (please report): {what}"));
-            Status::InternalError
+            (Status::InternalError, format!("internal error (please report): {what}"))
         }
-    }
+    };
+    let _ = catch_unwind(AssertUnwindSafe(|| {
+        if status == Status::InternalError {
+            log::error!("{name}: {message}");
+        } else {
+            log::debug!("{name} failed: {}: {message}", status.name().to_string_lossy());
+        }
+        set_last_error(status, &format!("{name}: {message}"));
+    }));
+    status
 }
 
 /// Releases a handle made with `Box::into_raw` (NULL is ignored), inside the boundary: every

@@ -138,13 +138,8 @@ impl Group {
         if devices.is_empty() {
             return Err(Error::new(Status::EmptyDeviceList, "the device list is empty"));
         }
-        for (i, &d) in devices.iter().enumerate() {
-            if d < 0 {
-                bail!(Status::InvalidDevice, "devices[{i}] = {d} is negative");
-            }
-            if let Some(j) = devices[..i].iter().position(|&e| e == d) {
-                bail!(Status::DuplicateDevice, "device {d} appears twice (devices[{j}] and devices[{i}])");
-            }
+        if let Some((i, &d)) = devices.iter().enumerate().find(|(_, &d)| d < 0) {
+            bail!(Status::InvalidDevice, "devices[{i}] = {d} is negative");
         }
         let backend = backend_for(devices, &options)?;
         let count = backend.device_count();
@@ -156,7 +151,14 @@ impl Group {
                 "devices[{i}] = {d} is not below the {count} devices of the backend"
             );
         }
-        let devices = devices.to_vec();
+        // After the range check, so that a repeat turns up within the first `count + 1` entries: the
+        // search costs devices x count, however long the caller's list.
+        for (i, &d) in devices.iter().enumerate() {
+            if let Some(j) = devices[..i].iter().position(|&e| e == d) {
+                bail!(Status::DuplicateDevice, "device {d} appears twice (devices[{j}] and devices[{i}])");
+            }
+        }
+        let devices = crate::error::try_to_vec(devices, "the device list")?;
         let n = devices.len();
 
         let mut peer = vec![vec![false; n]; n];

@@ -5,7 +5,7 @@
 //! up to `TILE / len` (at most `BatchLayout::MAX_RUNS_PER_TILE`) whole runs per tile. Every tile is one warp's
 //! unit of work, so no warp ever walks a large segment alone and tiny runs do not pile onto one warp.
 
-use crate::error::{Error, Result};
+use crate::error::{try_vec, Error, Result};
 use crate::segment::Segment;
 
 // The tiling constants are associated with `BatchLayout` rather than free `pub const`s: cbindgen would
@@ -101,7 +101,7 @@ impl BatchLayout {
             )));
         }
         let tile_bytes = 1u64 << tile_shift;
-        let mut descriptors = Vec::with_capacity(segments.len() + 1);
+        let mut descriptors = try_vec(segments.len().saturating_add(1), "the batch's descriptors")?;
         let mut tiles: u64 = 0;
         let mut bytes: u64 = 0;
         for segment in segments {

@@ -1,9 +1,9 @@
 //! The CUDA backend: cudarc's driver layer (`sys`), primary contexts, non-blocking streams, events
 //! without timing, copy-engine copies, and the batched copy kernel (`kernels`) for batched copies.
 //!
-//! Why the raw layer: cudarc's safe layer owns the memory it copies and (CEILINGS.md) its `memcpy_dtod`
-//! between two contexts ran at a tenth of the copy engine. `cuMemcpyAsync` with unified addressing on
-//! a non-blocking stream reaches the copy engine's ~396 GB/s between two H200s.
+//! Why the raw layer: cudarc's safe layer owns the memory it copies, and its `memcpy_dtod` between two
+//! contexts runs far below the copy engine, which `cuMemcpyAsync` with unified addressing on a
+//! non-blocking stream reaches (benches/gpu_allgather.rs, copy-engine probe).
 //!
 //! Contexts: each device's primary context (the one the CUDA runtime, torch and NCCL use) is retained
 //! on first use and kept for the life of the process. Every method makes the context it needs current

@@ -12,15 +12,19 @@
 //! Caller streams on this backend: NULL means the simulated device's own default stream (one worker per
 //! device, made with the backend). Other host streams come from [`create_host_stream`] (C:
 //! `refit_host_stream_create`); streams live in a process-wide registry, so one made for a test can be
-//! passed to any group that uses the host backend. Nothing here is needed on a machine with GPUs.
+//! passed to any group that uses the host backend. The registry remembers who made each stream: the
+//! caller destroys only the streams it created, a backend's own streams go with the backend.
+//! Nothing here is needed on a machine with GPUs.
 
 use super::host_copy::copy_runs;
 use super::{device_index, Backend, BackendKind, Event, PreparedCopy, Stream};
-use crate::error::{Error, Result, Status};
+use crate::error::{try_to_vec, Error, Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
 use crate::sync::{lock, wait};
+use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
@@ -128,11 +132,23 @@ impl HostEvent {
     }
 }
 
+/// Who may destroy a registered stream.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum Owner {
+    /// Made by [`create_host_stream`] (C: `refit_host_stream_create`): the caller destroys it.
+    Caller,
+    /// A simulated device's default stream or a group's stream: only its backend destroys it.
+    Backend,
+}
+
 /// Process-wide registry of host streams and events, keyed by the opaque handle value.
 struct Registry {
-    streams: Mutex<HashMap<u64, Arc<HostStream>>>,
+    streams: Mutex<HashMap<u64, (Arc<HostStream>, Owner)>>,
     events: Mutex<HashMap<u64, Arc<HostEvent>>>,
-    next_id: AtomicU64,
+    /// Handle values are keyed hashes of a counter: unique, and not guessable from one another, so a
+    /// value the library never issued (a small integer, a neighbour of a real handle) names nothing.
+    keys: RandomState,
+    counter: AtomicU64,
 }
 
 fn registry() -> &'static Registry {
@@ -140,27 +156,68 @@ fn registry() -> &'static Registry {
     REGISTRY.get_or_init(|| Registry {
         streams: Mutex::new(HashMap::new()),
         events: Mutex::new(HashMap::new()),
-        // Handles look like pointers to C; start well above 0 (NULL) and keep them even.
-        next_id: AtomicU64::new(0x1000),
+        keys: RandomState::new(),
+        counter: AtomicU64::new(0),
     })
 }
 
-fn new_id() -> u64 {
-    registry().next_id.fetch_add(16, Ordering::Relaxed)
+/// Inserts `value` under a new handle value: non-zero and 16-byte aligned below 2^47, like a user-space
+/// pointer, and not already in `map`.
+fn insert_new<T>(map: &mut HashMap<u64, T>, value: T) -> u64 {
+    let registry = registry();
+    loop {
+        let n = registry.counter.fetch_add(1, Ordering::Relaxed);
+        let id = registry.keys.hash_one(n) & 0x7fff_ffff_fff0;
+        if id != 0 && !map.contains_key(&id) {
+            map.insert(id, value);
+            return id;
+        }
+    }
 }
 
-fn register_stream(name: String) -> Result<Stream> {
+fn lock_streams() -> std::sync::MutexGuard<'static, HashMap<u64, (Arc<HostStream>, Owner)>> {
+    lock(&registry().streams)
+}
+
+fn register_stream(name: String, owner: Owner) -> Result<Stream> {
     let stream = HostStream::start(name)?;
-    let id = new_id();
-    lock(&registry().streams).insert(id, stream);
-    Ok(Stream(id))
+    Ok(Stream(insert_new(&mut lock_streams(), (stream, owner))))
+}
+
+/// Removes a stream registered by `owner` and stops it after its queued work has run.
+fn unregister_stream(stream: Stream, owner: Owner) -> Result<()> {
+    let removed = {
+        let mut streams = lock_streams();
+        match streams.get(&stream.0) {
+            Some((_, registered)) if *registered == owner => streams.remove(&stream.0),
+            Some(_) => {
+                let message = format!(
+                    "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not \
+                     by refit_host_stream_destroy",
+                    stream.0
+                );
+                return Err(Error::invalid_argument(message));
+            }
+            None => None,
+        }
+    };
+    match removed {
+        Some((stream, _)) => {
+            stream.stop();
+            Ok(())
+        }
+        None => Err(Error::invalid_argument(format!(
+            "stream {:#x} was not made by refit_host_stream_create, or was destroyed already",
+            stream.0
+        ))),
+    }
 }
 
 /// The host stream behind a handle.
 pub fn host_stream(stream: Stream) -> Result<Arc<HostStream>> {
-    lock(&registry().streams)
+    lock_streams()
         .get(&stream.0)
-        .cloned()
+        .map(|(stream, _)| Arc::clone(stream))
         .ok_or_else(|| Error::invalid_argument(format!("stream {:#x} is not a host stream", stream.0)))
 }
 
@@ -174,19 +231,13 @@ fn host_event(event: Event) -> Result<Arc<HostEvent>> {
 /// A new caller-side host stream (for tests and C programs that exercise stream ordering on the host
 /// backend). Release it with [`destroy_host_stream`].
 pub fn create_host_stream() -> Result<Stream> {
-    register_stream("refit-host-stream".to_string())
+    register_stream("refit-host-stream".to_string(), Owner::Caller)
 }
 
-/// Destroys a stream from [`create_host_stream`] after its queued work has run.
+/// Destroys a stream from [`create_host_stream`] after its queued work has run. Any other value,
+/// including the stream of a group or of a simulated device, is InvalidArgument and changes nothing.
 pub fn destroy_host_stream(stream: Stream) -> Result<()> {
-    let removed = lock(&registry().streams).remove(&stream.0);
-    match removed {
-        Some(stream) => {
-            stream.stop();
-            Ok(())
-        }
-        None => Err(Error::invalid_argument(format!("stream {:#x} is not a host stream", stream.0))),
-    }
+    unregister_stream(stream, Owner::Caller)
 }
 
 /// N simulated devices.
@@ -201,7 +252,7 @@ impl HostBackend {
             return Err(Error::invalid_argument("the host backend needs at least one simulated device"));
         }
         let default_streams = (0..devices)
-            .map(|d| register_stream(format!("refit-host-dev{d}-default")))
+            .map(|d| register_stream(format!("refit-host-dev{d}-default"), Owner::Backend))
             .collect::<Result<Vec<_>>>()?;
         Ok(HostBackend { default_streams })
     }
@@ -225,7 +276,7 @@ impl HostBackend {
 impl Drop for HostBackend {
     fn drop(&mut self) {
         for stream in &self.default_streams {
-            let _ = destroy_host_stream(*stream);
+            let _ = unregister_stream(*stream, Owner::Backend);
         }
     }
 }
@@ -253,18 +304,17 @@ impl Backend for HostBackend {
 
     fn create_stream(&self, device: i32) -> Result<Stream> {
         self.check_device(device)?;
-        register_stream(format!("refit-host-dev{device}"))
+        register_stream(format!("refit-host-dev{device}"), Owner::Backend)
     }
 
     fn destroy_stream(&self, _device: i32, stream: Stream) {
-        let _ = destroy_host_stream(stream);
+        let _ = unregister_stream(stream, Owner::Backend);
     }
 
     fn create_event(&self, device: i32) -> Result<Event> {
         self.check_device(device)?;
-        let id = new_id();
-        lock(&registry().events).insert(id, HostEvent::new());
-        Ok(Event(id))
+        let mut events = lock(&registry().events);
+        Ok(Event(insert_new(&mut events, HostEvent::new())))
     }
 
     fn destroy_event(&self, _device: i32, event: Event) {
@@ -304,7 +354,7 @@ impl Backend for HostBackend {
     unsafe fn copy_segments(&self, device: i32, stream: Stream, segments: &[Segment]) -> Result<()> {
         let stream = self.resolve(device, stream)?;
         validate(segments)?;
-        let segments = segments.to_vec();
+        let segments = try_to_vec(segments, "the queued batch's segments")?;
         // SAFETY: the caller promises the memory stays valid until the queued work has run.
         stream.enqueue(move || unsafe { copy_runs(&segments) })
     }
@@ -331,7 +381,8 @@ impl Backend for HostBackend {
         if checked {
             check_destinations(segments)?;
         }
-        Ok(Box::new(HostBatch { default_stream: self.default_streams[index], segments: segments.into() }))
+        let segments = Arc::new(try_to_vec(segments, "the batch's segments")?);
+        Ok(Box::new(HostBatch { default_stream: self.default_streams[index], segments }))
     }
 
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
@@ -367,7 +418,7 @@ impl Backend for HostBackend {
 struct HostBatch {
     /// What a NULL stream stands for: the prepared device's default stream.
     default_stream: Stream,
-    segments: Arc<[Segment]>,
+    segments: Arc<Vec<Segment>>,
 }
 
 impl PreparedCopy for HostBatch {
@@ -437,6 +488,35 @@ mod tests {
         backend.destroy_event(0, event);
         backend.destroy_stream(0, slow);
         backend.destroy_stream(1, fast);
+    }
+
+    #[test]
+    fn only_caller_streams_can_be_destroyed_by_the_caller() {
+        let backend = HostBackend::new(2).unwrap();
+        let internal = [backend.null_stream(0), backend.null_stream(1), backend.create_stream(1).unwrap()];
+        let mine = create_host_stream().unwrap();
+        for stream in internal {
+            let err = destroy_host_stream(stream).unwrap_err();
+            assert_eq!(err.status, Status::InvalidArgument);
+            assert!(err.message.contains("belongs to a group"), "{}", err.message);
+        }
+        // Values near a real handle, and the small sequential values handles used to be, name nothing.
+        let guesses =
+            (0..4096u64).map(|i| 0x1000 + 16 * i).chain((1..=64).flat_map(|d| [mine.0 + d, mine.0 - d]));
+        for guess in guesses {
+            assert!(destroy_host_stream(Stream(guess)).is_err(), "{guess:#x} was destroyed");
+        }
+        // Every internal stream still runs work.
+        for (device, stream) in [(0, internal[0]), (1, internal[1]), (1, internal[2])] {
+            let ran = Arc::new(AtomicU64::new(0));
+            let r = Arc::clone(&ran);
+            host_stream(stream).unwrap().enqueue(move || r.store(1, Ordering::SeqCst)).unwrap();
+            backend.sync_stream(device, stream).unwrap();
+            assert_eq!(ran.load(Ordering::SeqCst), 1);
+        }
+        destroy_host_stream(mine).unwrap();
+        backend.destroy_stream(1, internal[2]);
+        assert!(host_stream(internal[2]).is_err(), "the backend destroys its own streams");
     }
 
     #[test]

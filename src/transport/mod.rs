@@ -19,6 +19,7 @@
 //! device's legacy default stream" (on the host backend: that simulated device's default stream).
 
 pub mod cuda;
+pub mod digest;
 pub mod driver;
 pub mod dynlib;
 pub mod host;

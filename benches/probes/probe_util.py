@@ -1,0 +1,65 @@
+"""What the cupy probes in benches/probes/ share: peer access, a spin kernel to gate streams, timing, and
+writing results."""
+
+import json
+import os
+import statistics
+
+import cupy as cp
+from cupy.cuda import runtime as rt
+
+MIB = 1 << 20
+SPIN = cp.RawKernel(
+    r"""
+extern "C" __global__ void spin(long long cycles) {
+    long long start = clock64();
+    while (clock64() - start < cycles) {}
+}
+""",
+    "spin",
+)
+
+
+def enable_peers():
+    """Peer access both ways between GPU0 and GPU1 (already enabled is fine)."""
+    for d in (0, 1):
+        with cp.cuda.Device(d):
+            try:
+                rt.deviceEnablePeerAccess(1 - d)
+            except rt.CUDARuntimeError:
+                pass
+
+
+def timed(streams, issue, reps=5, gate_cycles=40_000_000):
+    """Median seconds of one `issue()` batch, the slowest of `streams` ((device, stream) pairs):
+    each stream first runs a spin kernel of `gate_cycles`, so that the host has queued the whole
+    batch before the GPUs start; CUDA events around the batch; one warm-up batch."""
+    starts = [None] * len(streams)
+    ends = [None] * len(streams)
+    samples = []
+    for rep in range(reps + 1):
+        for k, (dev, s) in enumerate(streams):
+            with cp.cuda.Device(dev):
+                SPIN((1,), (1,), (cp.int64(gate_cycles),), stream=s)
+                starts[k] = cp.cuda.Event()
+                starts[k].record(s)
+        issue()
+        for k, (dev, s) in enumerate(streams):
+            with cp.cuda.Device(dev):
+                ends[k] = cp.cuda.Event()
+                ends[k].record(s)
+        worst = 0.0
+        for k in range(len(streams)):
+            ends[k].synchronize()
+            worst = max(worst, cp.cuda.get_elapsed_time(starts[k], ends[k]) / 1e3)
+        if rep:
+            samples.append(worst)
+    return statistics.median(samples)
+
+
+def write_results(name, results):
+    """Writes `results` as $REFIT_BENCH_RESULTS/<name>.json (default benches/results/)."""
+    out = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
+    os.makedirs(out, exist_ok=True)
+    with open(os.path.join(out, f"{name}.json"), "w") as f:
+        json.dump(results, f, indent=1)
