@@ -13,6 +13,7 @@
 use super::driver::{self, check, error_name, CurrentContext};
 use super::{device_index, Backend, BackendKind, Event, PreparedCopy, Stream};
 use crate::error::{Error, Result, Status};
+use crate::kernels::digest::{check_range, DigestKernel};
 use crate::kernels::{self, PreparedBatch};
 use crate::segment::Segment;
 use cudarc::driver::sys::{self, CUcontext, CUresult};
@@ -263,6 +264,12 @@ impl Backend for CudaBackend {
     ) -> Result<Box<dyn PreparedCopy>> {
         self.index(device)?;
         Ok(Box::new(PreparedBatch::new(device, segments, checked)?))
+    }
+
+    unsafe fn digest(&self, device: i32, stream: Stream, addr: u64, len: u64) -> Result<u64> {
+        self.index(device)?;
+        check_range(addr, len)?;
+        DigestKernel::for_device(device)?.digest(Self::raw_stream(stream), addr, len)
     }
 
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {

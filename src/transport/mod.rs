@@ -2,7 +2,8 @@
 //! copies and communicators; it knows nothing of groups, collectives or plans.
 //!
 //! - [`Backend`] is the one interface the group, allgather and the executors use for devices, streams,
-//!   events and copies, the batched copy included ([`Backend::copy_batch`], [`Backend::prepare_batch`]).
+//!   events and copies, the batched copy included ([`Backend::copy_batch`], [`Backend::prepare_batch`]),
+//!   and for the digest of device memory ([`Backend::digest`]).
 //!   Two implementations: [`cuda::CudaBackend`] (cudarc's driver layer: primary contexts, non-blocking
 //!   streams, copy-engine copies, refit's batched copy kernel from `kernels`) and [`host::HostBackend`]
 //!   (N simulated devices: host memory, one worker thread per stream so that stream order and event
@@ -19,7 +20,6 @@
 //! device's legacy default stream" (on the host backend: that simulated device's default stream).
 
 pub mod cuda;
-pub mod digest;
 pub mod driver;
 pub mod dynlib;
 pub mod host;
@@ -149,6 +149,18 @@ pub trait Backend: Send + Sync {
         segments: &[Segment],
         checked: bool,
     ) -> Result<Box<dyn PreparedCopy>>;
+
+    /// The refit digest (`kernels::gf64`) of the `len` bytes at `addr`, computed on `stream` (a stream
+    /// of `device`; `Stream::NULL` for its legacy default stream) after the work queued on it before,
+    /// and returned once the stream has reached it: the call waits for the stream. On CUDA, the digest
+    /// kernel; on the host backend, the same digest computed by the stream's worker.
+    /// InvalidArgument for a zero address with a nonzero length or a range past the end of the
+    /// address space.
+    ///
+    /// # Safety
+    /// `addr .. addr + len` is memory of `device` (host memory on the host backend) that stays
+    /// readable until the call returns, and `stream` a live stream of that device.
+    unsafe fn digest(&self, device: i32, stream: Stream, addr: u64, len: u64) -> Result<u64>;
 
     /// Allocates `bytes` of device memory (tests and benches; the library never owns caller memory).
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64>;
