@@ -955,6 +955,31 @@ refit_status refit_plan_build(const refit_table *const *tables,
                               refit_plan **plan);
 
 /**
+ * Builds the share of the plan that process `process` takes part in, from every process's table
+ * (`tables` holds `count` tables, in any order): every route from or to one of its endpoints,
+ * exactly the routes refit_plan_build would give it, and the counts of its own receivers. Every
+ * process that builds its share from the same tables and options gets routes that fit together
+ * into one plan (owners are a function of all tables and the options). Every table is read, but
+ * the work beyond reading them grows with this process's own needs and offers (with
+ * REFIT_POLICY_BALANCED, with every need). Writes the share to `*plan`; read it with the plan
+ * calls (refit_plan_get_stats counts this process's receivers; refit_plan_fingerprint digests
+ * this share's routes; refit_plan_inputs_fingerprint is equal in every process given the same
+ * tables and options: compare it before any byte moves). Runs on the calling thread; touches no
+ * device.
+ *
+ * Errors: as refit_plan_build, except that COVERAGE_GAP and OVERLAP are reported for this
+ * process's needs only (each process checks its own; a failure on any process must stop all).
+ *
+ * # Safety
+ * `tables` points to `count` live tables not modified during the call.
+ */
+refit_status refit_plan_build_share(const refit_table *const *tables,
+                                    size_t count,
+                                    uint32_t process,
+                                    const refit_plan_options *options,
+                                    refit_plan **plan);
+
+/**
  * Releases a plan. NULL is accepted. Segment pointers read from it become invalid.
  *
  * # Safety
@@ -992,6 +1017,17 @@ refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
  * `plan` is a live plan.
  */
 refit_status refit_plan_fingerprint(const refit_plan *plan, uint64_t *fingerprint);
+
+/**
+ * Writes to `*fingerprint` a digest of everything the plan was built from: every table's content
+ * (in any order, entries in any order), the options and the planner's limits. Equal for a plan
+ * and every process's share built from the same inputs, in any process; processes compare it to
+ * agree on their inputs. Thread-safe. Errors: NULL_ARGUMENT.
+ *
+ * # Safety
+ * `plan` is a live plan.
+ */
+refit_status refit_plan_inputs_fingerprint(const refit_plan *plan, uint64_t *fingerprint);
 
 /**
  * Writes the number of routes to `*count`. Routes are ordered by destination endpoint, then local,

@@ -180,6 +180,19 @@ PlanStats = dataclasses.make_dataclass(
 PlanStats.__doc__ = """refit_plan_stats as a value (field meanings: include/refit.h)."""
 
 
+def _build_arguments(
+    tables: Iterable[Table], policy: int, coalesce: bool
+) -> tuple[Any, int, PlanOptions]:
+    """(table pointer array, count, refit_plan_options) for the build calls."""
+    handles = [table.handle for table in tables]
+    pointers = (c_void_p * len(handles))(*handles)
+    options = PlanOptions()
+    check(lib.refit_plan_options_init(byref(options)))
+    options.policy = check_range(policy, 32, "policy")
+    options.coalesce = 1 if coalesce else 0
+    return pointers, len(handles), options
+
+
 def _stats(fill: Callable[[Any], int]) -> Any:
     raw = PlanStatsStruct()
     raw.size = ctypes.sizeof(raw)
@@ -200,14 +213,22 @@ class Plan(Handle):
         """Plans moving every byte the tables' needs ask for exactly once (refit_plan_build);
         `tables` is every rank's Table, in any order. Raises RefitError on a coverage gap,
         overlapping writes, replica or tensor mismatch."""
-        handles = [table.handle for table in tables]
-        pointers = (c_void_p * len(handles))(*handles)
-        options = PlanOptions()
-        check(lib.refit_plan_options_init(byref(options)))
-        options.policy = check_range(policy, 32, "policy")
-        options.coalesce = 1 if coalesce else 0
+        pointers, count, options = _build_arguments(tables, policy, coalesce)
         pointer = c_void_p()
-        check(lib.refit_plan_build(pointers, len(handles), byref(options), byref(pointer)))
+        check(lib.refit_plan_build(pointers, count, byref(options), byref(pointer)))
+        return cls(pointer.value)
+
+    @classmethod
+    def build_share(
+        cls, tables: Iterable[Table], process: int, policy: int = Policy.LOCAL, coalesce: bool = True
+    ) -> Plan:
+        """The share of the plan process `process` takes part in (refit_plan_build_share): the
+        routes from or to its endpoints, exactly as Plan.build gives them; coverage and overlaps
+        are checked for its own needs only."""
+        pointers, count, options = _build_arguments(tables, policy, coalesce)
+        process = check_range(process, 32, "process")
+        pointer = c_void_p()
+        check(lib.refit_plan_build_share(pointers, count, process, byref(options), byref(pointer)))
         return cls(pointer.value)
 
     def _release(self, pointer: int) -> None:
@@ -228,6 +249,13 @@ class Plan(Handle):
         """Equal for the same tables in any order, in any process."""
         value = c_uint64()
         check(lib.refit_plan_fingerprint(self.handle, byref(value)))
+        return value.value
+
+    @property
+    def inputs_fingerprint(self) -> int:
+        """Equal for every plan and share built from the same tables (in any order) and options."""
+        value = c_uint64()
+        check(lib.refit_plan_inputs_fingerprint(self.handle, byref(value)))
         return value.value
 
     @property

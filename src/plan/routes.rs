@@ -44,6 +44,8 @@ pub struct Plan {
     pub(crate) receivers: Vec<(Endpoint, PlanStats)>,
     pub(crate) fingerprint: u64,
     pub(crate) inputs: u64,
+    /// Wall time of each planning stage, nanoseconds, in order.
+    pub(crate) stages: Vec<(&'static str, u64)>,
 }
 
 impl Plan {
@@ -90,6 +92,13 @@ impl Plan {
     /// from the same inputs: processes compare it before any byte moves.
     pub fn inputs_fingerprint(&self) -> u64 {
         self.inputs
+    }
+
+    /// Wall time of each planning stage in nanoseconds, in the order they ran ("merge", "scope",
+    /// "destinations", "replicas", "intersect", "owners", "lay out", "coalesce", "tally"); they
+    /// add up to `stats().build_ns`.
+    pub fn stage_ns(&self) -> &[(&'static str, u64)] {
+        &self.stages
     }
 }
 
