@@ -319,7 +319,7 @@ pub unsafe fn allgather_rank(
             let recv: Vec<u64> = peers.iter().map(|p| p.recv).collect();
             let call = Gather { send: &send, recv: &recv, counts, layout };
             let method = peer_method.expect("decided for Peer");
-            peer::rank_share(group, &peer_state, &call, rank, method, (&mut entered, epoch))?;
+            peer::rank_share(group, &peer_state, &call, rank, method, &mut entered, epoch)?;
         }
         Algorithm::Nccl => {
             let comms = state.communicators()?;

@@ -318,7 +318,8 @@ pub(super) unsafe fn rank_share(
     call: &Gather,
     rank: usize,
     method: PeerMethod,
-    (entered, epoch): (&mut Entered, u64),
+    entered: &mut Entered,
+    epoch: u64,
 ) -> Result<()> {
     match method {
         PeerMethod::KernelPushes if meets_on_gpu(group, method) => {

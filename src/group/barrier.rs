@@ -128,11 +128,12 @@ impl AbortableBarrier {
         Ok((Entered { met_at }, value))
     }
 
-    /// Meets the other parties of `call` again. `Aborted` when another party left the call and
-    /// entered a new one (before or while this one waits), or when the barrier is aborted.
-    pub fn meet(&self, call: &mut Entered) -> Result<()> {
-        let (_, met_at) = self.arrive(Ticket::Meet(call.met_at), || 0)?;
-        call.met_at = met_at;
+    /// Meets the other parties of the call this party `entered` again. `Aborted` when another party
+    /// left the call and entered a new one (before or while this one waits), or when the barrier is
+    /// aborted.
+    pub fn meet(&self, entered: &mut Entered) -> Result<()> {
+        let (_, met_at) = self.arrive(Ticket::Meet(entered.met_at), || 0)?;
+        entered.met_at = met_at;
         Ok(())
     }
 
