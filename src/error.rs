@@ -65,6 +65,12 @@ pub enum Status {
     BufferTooSmall = 24,
     /// An index, rank or name is not present.
     NotFound = 25,
+    /// Installed bytes differ from their sources (an executor's verify stage); the message names the
+    /// tensor, box and element.
+    VerifyMismatch = 26,
+    /// The memory a plan was built for changed in a way its executor cannot follow (e.g. a rebind that
+    /// cuts through a buffer the plan reads or writes): build a new plan.
+    PlanStale = 27,
 }
 
 // `Status::ALL` and `Status::name`, derived from the enum above by build.rs: adding a status means

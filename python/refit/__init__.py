@@ -18,7 +18,9 @@ from ._lib import (
     MAX_DIMS,
     PLAN_SIZE_BUCKETS,
     Algorithm,
+    Arm,
     Backend,
+    Commit,
     CopyFlag,
     ExitMode,
     Policy,
@@ -33,6 +35,7 @@ from ._lib import (
 )
 from .copy import PreparedCopy
 from .digest import digest
+from .executor import Executor, RunStats
 from .group import Group, HostStream
 from .plan import Plan, PlanStats, Route, Table
 from .segment import Segment
@@ -42,8 +45,11 @@ __all__ = [
     "MAX_DIMS",
     "PLAN_SIZE_BUCKETS",
     "Algorithm",
+    "Arm",
     "Backend",
+    "Commit",
     "CopyFlag",
+    "Executor",
     "ExitMode",
     "Group",
     "HostStream",
@@ -54,6 +60,7 @@ __all__ = [
     "RefitError",
     "Route",
     "RouteKind",
+    "RunStats",
     "Segment",
     "Status",
     "Table",

@@ -45,7 +45,7 @@ pub struct refit_table {
 
 /// A built reshard plan. Immutable: every reader may be called from any number of threads at once.
 pub struct refit_plan {
-    plan: Plan,
+    pub(crate) plan: Plan,
 }
 
 /// Options of refit_plan_build. Fill with refit_plan_options_init, then change fields.

@@ -191,7 +191,8 @@ fn split(
     }
     node_corners.extend(bounds[..dims].iter().map(|b| b.0));
     node_corners.extend(bounds[..dims].iter().map(|b| b.1));
-    if len > LEAF {
+    // Boxes of a scalar tensor (no dimensions) all meet one another: there is nothing to split along.
+    if len > LEAF && dims > 0 {
         let centre = |i: usize, d: usize| {
             let c = corners_of(i);
             c[d] + (c[dims + d] - c[d]) / 2
@@ -268,5 +269,24 @@ mod tests {
         let err = forest.for_each_meeting(tree, &b2([0, 0], [120, 150]), &mut small, |_| Ok(())).unwrap_err();
         assert_eq!(err.status, crate::Status::Unsupported);
         assert!(err.message.contains("max_box_tests"), "{err}");
+    }
+
+    /// A scalar tensor's boxes have no dimension to split along: more of them than fit in a leaf
+    /// make one leaf, and every query meets them all.
+    #[test]
+    fn scalar_boxes_make_one_leaf() {
+        let mut forest = BoxForest::new();
+        let boxes = (0..(3 * LEAF) as u32).map(|id| (id, Boxed::from_parts(&[], &[])));
+        let tree = forest.add_tree(0, boxes).unwrap();
+        let mut hits = Vec::new();
+        let mut work = Budget::unlimited("box tests");
+        forest
+            .for_each_meeting(tree, &Boxed::from_parts(&[], &[]), &mut work, |id| {
+                hits.push(id);
+                Ok(())
+            })
+            .unwrap();
+        hits.sort_unstable();
+        assert_eq!(hits, (0..(3 * LEAF) as u32).collect::<Vec<_>>());
     }
 }

@@ -493,7 +493,7 @@ impl PreparedCopy for HostBatch {
             if let Some(record) = record {
                 // Digests of what this copy reads, taken just before it reads it.
                 let digests = segments.iter().map(|s| segment_digest(s, Side::Source)).collect();
-                *record.lock().unwrap_or_else(|p| p.into_inner()) = digests;
+                *lock(&record) = digests;
             }
             copy_runs(&segments)
         })?;
