@@ -722,12 +722,19 @@ refit_status refit_allgather(refit_group *group,
  * once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
  * share of refit_allgather's PEER, with the same methods, and costs what a whole-group call costs
  * (benches/gpu_allgather.rs, loop of calls, against NCCL called per rank).
- * Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
- * fails first, this returns ABORTED instead of waiting forever.
+ * Ranks meet at an abortable barrier (spinning briefly, then blocking), and each call is a call of
+ * its own: a rank meets only the other ranks' same call, never the next one. Instead of waiting
+ * forever, or returning with blocks missing, it returns ABORTED when another rank's callback failed
+ * first; when another rank's callback returned without making this call; or when another rank left
+ * this call after failing in it (its own error) and made a new call. Calls that fail for their
+ * arguments fail on every rank alike (different counts or algorithms, overlapping receive buffers),
+ * so a retry on every rank works; after ABORTED, recv is undefined and calling again on every rank
+ * works too.
  *
  * Errors: as refit_allgather, plus INVALID_STATE (not called from this group's rank callback),
  * INVALID_ARGUMENT (rank is not the calling callback's rank, or ranks passed different counts or
- * algorithms: every rank then fails), ABORTED.
+ * algorithms: every rank then fails), OVERLAP (also when two ranks' receive buffers overlap: every
+ * rank then fails), ABORTED.
  */
 refit_status refit_group_allgather_rank(refit_group *group,
                                         uint32_t rank,
@@ -1030,10 +1037,12 @@ refit_status refit_group_backend(const refit_group *group, uint32_t *backend);
  * the legacy default stream. Work the group queues inside the scope sees the caller's earlier work.
  *
  * Scopes do not nest. Whole-group calls made outside a scope run in an implicit scope on the legacy
- * default streams and are complete on return.
+ * default streams and are complete on return. Scopes are opened and closed by the thread that drives
+ * the group, never from a rank callback (refit_group_run).
  *
- * Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open), CUDA_ERROR, INVALID_ARGUMENT
- * (a host-backend stream handle that is not a host stream).
+ * Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open, or called from a rank
+ * callback of any group: nothing is done), CUDA_ERROR, INVALID_ARGUMENT (a host-backend stream handle
+ * that is not a host stream).
  */
 refit_status refit_group_enter(refit_group *group,
                                void *const *caller_streams);
@@ -1041,10 +1050,15 @@ refit_status refit_group_enter(refit_group *group,
 /**
  * Closes the open scope. REFIT_EXIT_SYNC blocks until all of the group's queued work is done.
  * REFIT_EXIT_ASYNC makes each caller stream given to refit_group_enter wait for its rank's stream
- * and returns without blocking: the caller's later work sees the group's results. The scope is
- * closed even when an error is returned.
+ * and returns without blocking: the caller's later work sees the group's results.
  *
- * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (mode), INVALID_STATE (no scope is open), CUDA_ERROR.
+ * A call refused for its arguments or state does nothing and leaves the scope open: NULL group,
+ * INVALID_ARGUMENT (mode is not a REFIT_EXIT_*), INVALID_STATE (no scope is open, or called from a
+ * rank callback of any group). Once those checks pass, the scope is closed even when ordering the
+ * streams fails: CUDA_ERROR (or INVALID_ARGUMENT for a caller stream that stopped being a host
+ * stream) is returned with the scope closed.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT, INVALID_STATE, CUDA_ERROR, as above.
  */
 refit_status refit_group_exit(refit_group *group, uint32_t mode);
 
@@ -1059,8 +1073,13 @@ refit_status refit_group_exit(refit_group *group, uint32_t mode);
  * collective are released (their calls return REFIT_STATUS_ABORTED) and nothing waits forever. The
  * group stays usable.
  *
- * Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, INVALID_STATE (called from a callback),
- * CUDA_ERROR.
+ * Every rank's callback must make the same per-rank collective calls. A callback that returns
+ * (0 or not) while other ranks wait for it in one, or before they start one it never makes, releases
+ * them: their calls return REFIT_STATUS_ABORTED, naming the rank. If every callback then returns 0,
+ * refit_group_run returns REFIT_STATUS_ABORTED naming that rank.
+ *
+ * Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, ABORTED (all callbacks returned 0 but
+ * one returned while others waited for it), INVALID_STATE (called from a callback), CUDA_ERROR.
  */
 refit_status refit_group_run(refit_group *group,
                              refit_rank_callback callback,
