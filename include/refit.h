@@ -292,6 +292,10 @@ typedef enum {
  * An executor: one process's share of a plan prepared for a group (descriptors built and uploaded
  * once), run step after step. Keeps no reference to the plan or the group: each call is passed the
  * group it was created with.
+ *
+ * Thread-safety: an executor is used by one thread at a time, the thread driving its group (its
+ * calls queue work on the group's streams, so no other call on the group may run meanwhile).
+ * Different executors of one group are called one after the other from that thread.
  */
 typedef struct refit_executor refit_executor;
 
@@ -894,8 +898,8 @@ refit_status refit_executor_create(const refit_plan *plan,
  * can be committed until a run succeeds; in a direct step live buffers may hold part of the new
  * bytes.
  *
- * Every address of the plan (as rebound) must stay valid memory of its device until the step has
- * run.
+ * Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
+ * of its device until the step has run.
  */
 refit_status refit_executor_run(refit_executor *executor,
                                 refit_group *group,
@@ -914,7 +918,7 @@ refit_status refit_executor_run(refit_executor *executor,
  * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (another group, stats->size), INVALID_STATE (a direct
  * executor; nothing staged since the last commit; the last run or commit failed: the message says
  * why; run again), VERIFY_MISMATCH (nothing installed), CUDA_ERROR. After an error, run again before
- * committing.
+ * committing. Thread-safety: see refit_executor.
  */
 refit_status refit_executor_commit(refit_executor *executor,
                                    refit_group *group,
@@ -925,7 +929,7 @@ refit_status refit_executor_commit(refit_executor *executor,
  * device times included: blocks the host until that call's work has run on the device.
  *
  * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size), INVALID_STATE (no call has succeeded yet),
- * CUDA_ERROR.
+ * CUDA_ERROR. Thread-safety: see refit_executor.
  */
 refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *stats);
 
@@ -949,7 +953,8 @@ refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *sta
  * overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
  * range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
  * a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),
- * CUDA_ERROR.
+ * CUDA_ERROR. Thread-safety: see refit_executor; not ordered with any stream (it waits for the
+ * executor's own queued work first).
  */
 refit_status refit_executor_rebind(refit_executor *executor,
                                    uint32_t device,
@@ -960,6 +965,7 @@ refit_status refit_executor_rebind(refit_executor *executor,
 /**
  * Releases an executor (NULL is ignored): waits for its queued work, then frees its descriptors,
  * streams and staging. A staged step not committed is dropped; the live buffers keep what they had.
+ * Safe after its group was destroyed. Must not race with another call on the same executor.
  */
 void refit_executor_destroy(refit_executor *executor);
 

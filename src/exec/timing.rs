@@ -97,8 +97,10 @@ impl Mark {
                 Ok((f64::from(ms.max(0.0)) * 1e6) as u64)
             }
             (Mark::Host { stamp, .. }, Mark::Host { stamp: first, .. }) => {
-                let end = lock(&stamp.at).expect("waited above");
-                let begin = lock(&first.at).expect("waited above");
+                // Set by the waits above unless another record came between (one thread uses a mark).
+                let unset = || crate::error::Error::invalid_state("a stamp was recorded again while read");
+                let end = lock(&stamp.at).ok_or_else(unset)?;
+                let begin = lock(&first.at).ok_or_else(unset)?;
                 Ok(end.saturating_duration_since(begin).as_nanos() as u64)
             }
             _ => Err(crate::error::Error::invalid_state("marks of different backends")),
