@@ -190,7 +190,8 @@ typedef enum {
    */
   REFIT_STATUS_CALLBACK_FAILED = 13,
   /**
-   * This rank stopped because another rank of the same operation failed first.
+   * This rank stopped because another rank of the same operation failed first, or because a peer
+   * process of a communicator exited or aborted it (message names the rank).
    */
   REFIT_STATUS_ABORTED = 14,
   /**
@@ -237,6 +238,11 @@ typedef enum {
    * An index, rank or name is not present.
    */
   REFIT_STATUS_NOT_FOUND = 25,
+  /**
+   * A peer did not take part in a communicator's call within the communicator's timeout; the
+   * communicator is aborted (message names the call and the timeout).
+   */
+  REFIT_STATUS_TIMEOUT = 26,
 } refit_status;
 
 /**

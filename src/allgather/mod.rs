@@ -35,6 +35,7 @@ use crate::transport::nccl::{nccl, Communicators};
 use crate::transport::{BackendKind, Stream};
 
 mod call;
+pub mod comm;
 pub mod peer;
 mod state;
 

@@ -8,6 +8,8 @@
 //!   (N simulated devices: host memory, one worker thread per stream so that stream order and event
 //!   waits are real and testable in CI; [`host_copy`] is its batched copy).
 //! - [`nccl`]: NCCL communicators and the calls issued on them (collectives, grouped send/recv).
+//! - [`comm`]: communicators between processes (NCCL, or the host backend's simulation of it over
+//!   [`mesh`], Unix sockets between the processes of one machine).
 //! - The run-time loaders, side by side: [`driver`] (libcuda, through cudarc, and the driver calls
 //!   shared with the kernels), [`nccl`] (libnccl), [`nvrtc`] (libnvrtc), over [`dynlib`] (dlopen).
 //!
@@ -18,11 +20,13 @@
 //! `CUevent` value on CUDA, a registry id on the host backend. `Stream::NULL` always means "the
 //! device's legacy default stream" (on the host backend: that simulated device's default stream).
 
+pub mod comm;
 pub mod cuda;
 pub mod driver;
 pub mod dynlib;
 pub mod host;
 pub mod host_copy;
+pub mod mesh;
 pub mod nccl;
 pub mod nvrtc;
 
