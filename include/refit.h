@@ -51,6 +51,11 @@
 #define REFIT_ALLGATHER_HOST 3
 
 /**
+ * Bytes of a refit_comm_id.
+ */
+#define REFIT_COMM_ID_BYTES 136
+
+/**
  * refit_copy_batch* flag: before copying anything, check that no destination byte is written twice
  * and fail with REFIT_STATUS_OVERLAP if one is. Without it, overlapping destinations are the caller's
  * error (on a GPU which write lands is undefined).
@@ -246,6 +251,16 @@ typedef enum {
 } refit_status;
 
 /**
+ * One rank of a communicator between processes (a process and one of its devices).
+ *
+ * Thread-safety: calls on one communicator are made by one thread at a time, in the same order on
+ * every rank (as NCCL requires); refit_comm_abort may be called from any thread at any time, also
+ * while another thread is inside a call on the same communicator. Different communicators are
+ * independent.
+ */
+typedef struct refit_comm refit_comm;
+
+/**
  * A device group: one rank per device, each with its own non-blocking stream created once, and one
  * persistent thread per rank, started at the first call that needs them (refit_group_run, a PEER
  * allgather). After each such call a rank thread spins for up to 50 us waiting for the
@@ -279,6 +294,55 @@ typedef struct refit_prepared_copy refit_prepared_copy;
  * threads while nothing changes it. Different tables are independent.
  */
 typedef struct refit_table refit_table;
+
+/**
+ * Options of refit_comm_create and refit_comm_adopt. Fill with refit_comm_options_init, then change
+ * fields.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_comm_options) as the caller was compiled with (set by refit_comm_options_init).
+   */
+  size_t size;
+  /**
+   * No call waits for peers longer than this many milliseconds (default 600000, ten minutes; at
+   * least 1). Past it the communicator is aborted and every rank's call fails with
+   * REFIT_STATUS_TIMEOUT (or REFIT_STATUS_ABORTED once a peer has aborted).
+   */
+  uint64_t timeout_ms;
+  /**
+   * Bytes of staging each process may use for transfers that pack strided data (default 256 MiB;
+   * at least 1 MiB).
+   */
+  uint64_t staging_bytes;
+} refit_comm_options;
+
+/**
+ * The id every rank of one communicator is created from. One process makes it
+ * (refit_comm_get_unique_id) and the caller hands it to the others by its own means (a TCP store,
+ * MPI, a file, an environment variable); it is plain bytes, copied freely.
+ */
+typedef struct {
+  uint8_t internal[136];
+} refit_comm_id;
+
+/**
+ * Options of refit_plan_build. Fill with refit_plan_options_init, then change fields.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_plan_options) as the caller knows it (set by refit_plan_options_init).
+   */
+  size_t size;
+  /**
+   * REFIT_POLICY_FIRST, REFIT_POLICY_LOCAL (default) or REFIT_POLICY_BALANCED.
+   */
+  uint32_t policy;
+  /**
+   * Join segments across boxes and tensors (default true; false only for A/B checks).
+   */
+  bool coalesce;
+} refit_plan_options;
 
 /**
  * A strided box of bytes: a contiguous run of `len` bytes, repeated `count[0]` times with strides
@@ -338,24 +402,6 @@ typedef struct {
  * device current and `stream` the rank's stream. Returns 0 on success; any other value fails the run.
  */
 typedef int32_t (*refit_rank_callback)(uint32_t rank, void *stream, void *user_data);
-
-/**
- * Options of refit_plan_build. Fill with refit_plan_options_init, then change fields.
- */
-typedef struct {
-  /**
-   * sizeof(refit_plan_options) as the caller knows it (set by refit_plan_options_init).
-   */
-  size_t size;
-  /**
-   * REFIT_POLICY_FIRST, REFIT_POLICY_LOCAL (default) or REFIT_POLICY_BALANCED.
-   */
-  uint32_t policy;
-  /**
-   * Join segments across boxes and tensors (default true; false only for A/B checks).
-   */
-  bool coalesce;
-} refit_plan_options;
 
 /**
  * Counts of a plan or of one receiver's part of it. Before the call set `size` to
@@ -540,6 +586,167 @@ refit_status refit_group_allgather_rank(refit_group *group,
                                         const size_t *counts,
                                         uint32_t algo,
                                         uint32_t *picked);
+
+/**
+ * Fills `options` with the defaults and sets options->size. Thread-safe.
+ * Errors: REFIT_STATUS_NULL_ARGUMENT.
+ */
+refit_status refit_comm_options_init(refit_comm_options *options);
+
+/**
+ * Writes a new id to `*id`. `backend` picks what the communicator moves: REFIT_BACKEND_CUDA (device
+ * memory, through NCCL: the id is an ncclUniqueId, and NCCL's bootstrap root runs in this process,
+ * which must live until every rank has joined), REFIT_BACKEND_HOST (host memory, through Unix
+ * sockets between the processes of one machine: a test-only simulation of NCCL for machines without
+ * GPUs), or REFIT_BACKEND_AUTO (CUDA when libcuda loads and has a device, else HOST). Every rank
+ * passes the same id to refit_comm_create. Thread-safe; blocking; not ordered with any stream.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (backend), CUDA_UNAVAILABLE (CUDA asked for), NCCL_UNAVAILABLE
+ * (libnccl missing, or older than 2.14), NCCL_ERROR.
+ */
+refit_status refit_comm_get_unique_id(uint32_t backend,
+                                      refit_comm_id *id);
+
+/**
+ * Joins the communicator `id` as rank `rank` of `nranks`, on CUDA device `device` (on the host
+ * backend `device` is recorded only), and writes the handle to `*comm`. Every rank calls it with the
+ * same id and nranks, each with its own rank; the call blocks until every rank has joined, at most
+ * options->timeout_ms. `options` may be NULL (defaults). On the CUDA backend the NCCL communicator is
+ * created nonblocking, so that refit bounds every wait by the timeout. Not ordered with any stream;
+ * the calling thread's current CUDA context is left as it was.
+ *
+ * Errors: NULL_ARGUMENT (id, comm), INVALID_ARGUMENT (an id not made by refit_comm_get_unique_id,
+ * nranks 0, rank not below nranks, bad options, a rank taken by another process, ranks that pass
+ * different nranks), INVALID_DEVICE, TIMEOUT (a rank did not join in time), ABORTED,
+ * NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, CUDA_ERROR.
+ */
+refit_status refit_comm_create(const refit_comm_id *id,
+                               uint32_t nranks,
+                               uint32_t rank,
+                               int32_t device,
+                               const refit_comm_options *options,
+                               refit_comm **comm);
+
+/**
+ * Wraps `nccl_comm`, an ncclComm_t the caller already holds (a framework's process group), in a
+ * handle written to `*comm`; rank, size and device are NCCL's. The caller keeps owning it:
+ * refit_comm_destroy does not destroy it, and it must outlive the handle. `nccl_comm` must come from
+ * the same libnccl that refit loads (the one already loaded in the process under the name
+ * libnccl.so.2, else REFIT_NCCL_LIBRARY): a communicator of another copy of NCCL is undefined
+ * behaviour. When a call times out, or on refit_comm_abort, refit revokes the communicator
+ * (ncclCommRevoke, NCCL 2.28 and later; with an older NCCL its pending work is not stopped and a
+ * warning says so): its owner must then destroy it. refit bounds its waits by the timeout only when
+ * the communicator was created nonblocking (ncclConfig_t.blocking = 0); with a blocking one, NCCL
+ * itself may block a call while it connects to peers. Not ordered with any stream.
+ *
+ * Errors: NULL_ARGUMENT (nccl_comm, comm), INVALID_ARGUMENT (bad options; NCCL reports an
+ * impossible rank), NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, INVALID_DEVICE.
+ */
+refit_status refit_comm_adopt(void *nccl_comm,
+                              const refit_comm_options *options,
+                              refit_comm **comm);
+
+/**
+ * Destroys the handle (NULL is ignored). Waits, at most the timeout, for this rank's queued calls to
+ * complete, then frees the communicator (a communicator of refit_comm_adopt is left to its owner).
+ * If they do not complete in time, or the communicator failed, it is aborted instead, so destroy
+ * never hangs. Peers still waiting for this rank fail (ABORTED on the host backend at once; TIMEOUT
+ * on NCCL at their timeout). Must not be called while another thread uses the handle.
+ */
+void refit_comm_destroy(refit_comm *comm);
+
+/**
+ * Aborts this rank's part of the communicator: its pending work stops (NCCL: ncclCommAbort, or
+ * ncclCommRevoke for an adopted communicator), and every later call on the handle returns
+ * REFIT_STATUS_ABORTED; only refit_comm_destroy remains to do. Peers waiting for this rank fail too
+ * (ABORTED on the host backend at once; on NCCL at their timeout, or at once where NCCL reports the
+ * peer's failure). Any thread, at any time, also during another thread's call on this handle.
+ * Aborting twice is harmless. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_abort(refit_comm *comm);
+
+/**
+ * This rank's index in the communicator. Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_rank(const refit_comm *comm, uint32_t *rank);
+
+/**
+ * The number of ranks. Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_size(const refit_comm *comm, uint32_t *size);
+
+/**
+ * The CUDA device of this rank (as passed to refit_comm_create, or NCCL's for an adopted
+ * communicator). Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_device(const refit_comm *comm, int32_t *device);
+
+/**
+ * The backend whose memory the communicator moves: REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST.
+ * Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_backend(const refit_comm *comm, uint32_t *backend);
+
+/**
+ * This rank's part of an allgather over the communicator, with refit_allgather's semantics: rank r
+ * contributes `counts[r]` bytes, and `recv` (sum(counts) bytes) receives rank p's block at offset
+ * counts[0] + ... + counts[p-1], in rank order. `counts` has refit_comm_size() entries, the same on
+ * every rank; counts may differ (uneven: grouped ncclSend/ncclRecv of exactly each block, no padding)
+ * and may be 0. In place: `send == recv + offset of this rank`. `send` and `recv` are memory of the
+ * communicator's device (host memory on the host backend).
+ *
+ * Ordering: stream-ordered like ncclAllGather. The work is queued on `stream` (a CUstream of the
+ * communicator's device; NULL for its legacy default stream; on the host backend a host stream from
+ * refit_host_stream_create, NULL for the communicator's own) and this returns without waiting. Once
+ * that work has run, `recv` holds every block and `send` is no longer read. Every rank must make its
+ * calls on the communicator in the same order; they run in that order on every rank.
+ *
+ * A peer that does not take part within the timeout (or exits, or aborts) fails the communicator:
+ * the queued work ends (recv is then undefined) and this call, a later one, or
+ * refit_comm_synchronize returns REFIT_STATUS_TIMEOUT or REFIT_STATUS_ABORTED.
+ *
+ * Thread-safety: as the communicator's. Errors: NULL_ARGUMENT (comm, counts, a NULL buffer with bytes
+ * to move), INVALID_ARGUMENT (overflowing sizes; on the host backend, a peer that passed other
+ * counts), OVERLAP (send overlapping recv other than in place), TIMEOUT, ABORTED, NCCL_ERROR,
+ * CUDA_ERROR.
+ */
+refit_status refit_comm_allgather(refit_comm *comm,
+                                  uint64_t send,
+                                  uint64_t recv,
+                                  const size_t *counts,
+                                  void *stream);
+
+/**
+ * Blocks until the work queued on `stream` (a stream of the communicator's device; NULL as for
+ * refit_comm_allgather) has run, then returns the communicator's failure, if any: how a caller
+ * learns that a queued call failed. Bounded: every call of the communicator completes or is aborted
+ * within the timeout (other work on the stream is waited for as it is). Thread-safety: as the
+ * communicator's.
+ *
+ * Errors: NULL_ARGUMENT, TIMEOUT, ABORTED, NCCL_ERROR (the communicator failed), CUDA_ERROR,
+ * INVALID_ARGUMENT (on the host backend, a stream that is not a host stream).
+ */
+refit_status refit_comm_synchronize(refit_comm *comm, void *stream);
+
+/**
+ * Builds one plan over the communicator from every rank's `table` (each process adds only its own
+ * offers and needs; process indices in the tables are communicator ranks) and writes it to `*plan`.
+ * The encoded tables are gathered (their sizes first, then the bytes), every rank builds the plan,
+ * and the ranks compare fingerprints of the gathered tables, the options, the plan and the library
+ * version before returning: every rank gets the same plan, or every rank gets a status. Every rank
+ * calls it with its table and the same options (NULL: defaults); blocks until all have, each step at
+ * most the timeout. Host memory only; not ordered with any stream.
+ *
+ * Errors (on every rank): the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP, OVERLAP,
+ * ...), returned by each rank that failed, while the others get ABORTED naming the first such rank;
+ * INVALID_ARGUMENT (bad options; ranks that passed different options or run another refit version:
+ * the message names both); DECODE_ERROR (a table's bytes changed on the way), TIMEOUT, ABORTED,
+ * NULL_ARGUMENT (comm, table, plan).
+ */
+refit_status refit_plan_build_across(refit_comm *comm,
+                                     const refit_table *table,
+                                     const refit_plan_options *options,
+                                     refit_plan **plan);
 
 /**
  * Copies `n` segments (see refit_segment) on `stream`, a stream of `rank`'s device (NULL: its legacy

@@ -3,8 +3,11 @@
 //! a reshard plan/execute API over raw device pointers the caller owns.
 //!
 //! Layers, each knowing only the ones below it: `plan` is pure Rust and knows no CUDA; `transport` moves
-//! bytes and knows no plans; `ffi` converts and checks, and holds no logic.
+//! bytes and knows no plans; `across` builds one plan over a communicator between processes (the
+//! planner's tables exchanged over the transport's communicators); `ffi` converts and checks, and holds
+//! no logic.
 
+pub mod across;
 pub mod allgather;
 pub mod error;
 pub mod exec;

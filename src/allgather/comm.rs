@@ -52,5 +52,9 @@ pub unsafe fn allgather(
     let own = recv + layout.offsets[rank];
     let local: Vec<Segment> =
         if mine == 0 || send == own { Vec::new() } else { vec![Segment::contiguous(send, own, mine)] };
-    comm.transfer(&sends, &recvs, &local, stream)
+    // Ranks that passed other counts make the host backend's messages disagree on this tag.
+    let tag = counts
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &c| (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    comm.transfer(&sends, &recvs, &local, tag, stream)
 }

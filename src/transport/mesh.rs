@@ -11,9 +11,10 @@
 //! Transfers: [`Mesh::transfer`] moves any number of messages to and from any peers at once over
 //! nonblocking sockets and `poll`, so two ranks sending to each other never both wait on full socket
 //! buffers (what `ncclGroupStart`/`ncclGroupEnd` give NCCL's sends and receives). Messages between a
-//! pair are matched in the order they were issued, and each carries its length first: a receiver that
-//! expects another length fails with a status naming both lengths instead of reading the next
-//! message's bytes, and shuts that connection down (its bytes are out of step from then on).
+//! pair are matched in the order they were issued, and each carries its length and its call's tag
+//! first: a receiver that expects another length, or is in a call with another tag (the ranks passed
+//! different arguments), fails with a status naming both instead of reading the message's bytes as
+//! something else, and shuts that connection down (its bytes are out of step from then on).
 //!
 //! Failures: a peer that exits closes its sockets, and the others fail with ABORTED as soon as they
 //! next talk to it; a peer that stops answering fails them with TIMEOUT at the deadline;
@@ -225,23 +226,30 @@ impl Mesh {
 
     /// Sends and receives every message, all at once, until all are done or `deadline`. Messages to
     /// one peer go in the order given, and so are those from one peer matched. Zero-length messages
-    /// are sent too (they still carry their length).
+    /// are sent too (they still carry their header). `tag` names the call: every rank's matching call
+    /// passes the same (a digest of its arguments), and each message carries it.
     ///
-    /// Errors: INVALID_ARGUMENT (a peer that is not another rank; a received length other than the one
-    /// expected), ABORTED (a peer closed its connection), TIMEOUT.
+    /// Errors: INVALID_ARGUMENT (a peer that is not another rank; a received length or tag other than
+    /// the one expected), ABORTED (a peer closed its connection), TIMEOUT.
     ///
     /// # Safety
     /// Every send's `len` bytes at `addr` are readable, and every receive's writable, host memory until
     /// this returns; no receive overlaps another message.
-    pub unsafe fn transfer(&self, sends: &[Message], recvs: &[Message], deadline: Deadline) -> Result<()> {
+    pub unsafe fn transfer(
+        &self,
+        sends: &[Message],
+        recvs: &[Message],
+        tag: u64,
+        deadline: Deadline,
+    ) -> Result<()> {
         let mut lanes: Vec<Lane> = (0..self.size).map(|_| Lane::default()).collect();
         for m in sends {
             self.peer(m.peer)?;
-            lanes[m.peer].sends.push_back(Progress::new(*m));
+            lanes[m.peer].sends.push_back(Progress::new(*m, tag));
         }
         for m in recvs {
             self.peer(m.peer)?;
-            lanes[m.peer].recvs.push_back(Progress::new(*m));
+            lanes[m.peer].recvs.push_back(Progress::new(*m, tag));
         }
         loop {
             let mut fds = Vec::new();
@@ -340,20 +348,29 @@ struct Lane {
     recvs: VecDeque<Progress>,
 }
 
-/// One message: its 8-byte length header, then its payload; `done` counts both.
+/// Bytes before each message's payload: its length, then its call's tag (little-endian).
+const HEADER: u64 = 16;
+
+/// One message: its header, then its payload; `done` counts both.
 struct Progress {
     message: Message,
-    header: [u8; 8],
+    /// The call's tag this side expects.
+    tag: u64,
+    /// The header sent, or the one being received.
+    header: [u8; HEADER as usize],
     done: u64,
 }
 
 impl Progress {
-    fn new(message: Message) -> Progress {
-        Progress { message, header: message.len.to_le_bytes(), done: 0 }
+    fn new(message: Message, tag: u64) -> Progress {
+        let mut header = [0u8; HEADER as usize];
+        header[..8].copy_from_slice(&message.len.to_le_bytes());
+        header[8..].copy_from_slice(&tag.to_le_bytes());
+        Progress { message, tag, header, done: 0 }
     }
 
     fn total(&self) -> u64 {
-        8 + self.message.len
+        HEADER + self.message.len
     }
 }
 
@@ -361,10 +378,10 @@ impl Lane {
     /// Writes what the socket takes now.
     fn send_some(&mut self, stream: &UnixStream, peer: usize) -> Result<()> {
         while let Some(front) = self.sends.front_mut() {
-            let (ptr, len) = if front.done < 8 {
-                (front.header[front.done as usize..].as_ptr(), 8 - front.done as usize)
+            let (ptr, len) = if front.done < HEADER {
+                (front.header[front.done as usize..].as_ptr(), (HEADER - front.done) as usize)
             } else {
-                let at = front.done - 8;
+                let at = front.done - HEADER;
                 ((front.message.addr + at) as usize as *const u8, (front.message.len - at) as usize)
             };
             if len > 0 {
@@ -392,10 +409,10 @@ impl Lane {
     /// Reads what the socket holds now, never past the current message.
     fn receive_some(&mut self, stream: &UnixStream, peer: usize) -> Result<()> {
         while let Some(front) = self.recvs.front_mut() {
-            let (ptr, len) = if front.done < 8 {
-                (front.header[front.done as usize..].as_mut_ptr(), 8 - front.done as usize)
+            let (ptr, len) = if front.done < HEADER {
+                (front.header[front.done as usize..].as_mut_ptr(), (HEADER - front.done) as usize)
             } else {
-                let at = front.done - 8;
+                let at = front.done - HEADER;
                 ((front.message.addr + at) as usize as *mut u8, (front.message.len - at) as usize)
             };
             if len > 0 {
@@ -413,8 +430,18 @@ impl Lane {
                     return Err(peer_gone(peer, &"end of stream"));
                 }
                 front.done += got as u64;
-                if front.done == 8 {
-                    let sent = u64::from_le_bytes(front.header);
+                if front.done == HEADER {
+                    let (sent, tag) = front.header.split_at(8);
+                    let sent = u64::from_le_bytes(sent.try_into().expect("8 bytes"));
+                    let tag = u64::from_le_bytes(tag.try_into().expect("8 bytes"));
+                    if tag != front.tag {
+                        bail!(
+                            Status::InvalidArgument,
+                            "rank {peer} is in call {tag:#x} where this rank is in call {:#x}: the ranks \
+                             made different calls (other arguments, or another order)",
+                            front.tag
+                        );
+                    }
                     if sent != front.message.len {
                         bail!(
                             Status::InvalidArgument,
@@ -709,7 +736,7 @@ mod tests {
                         .map(|p| Message { peer: p, addr: incoming[p].as_mut_ptr() as u64, len: len as u64 })
                         .collect();
                     // SAFETY: the buffers live until transfer returns.
-                    unsafe { mesh.transfer(&sends, &recvs, deadline()) }.unwrap();
+                    unsafe { mesh.transfer(&sends, &recvs, 1, deadline()) }.unwrap();
                     for p in (0..3).filter(|&p| p != me) {
                         assert!(incoming[p] == block(p, me), "rank {me} got wrong bytes from {p}");
                     }
@@ -732,22 +759,22 @@ mod tests {
             let m = Message { peer: 1, addr: data.as_ptr() as u64, len: 10 };
             // The receiver may close before every byte is out: either outcome is fine here.
             // SAFETY: `data` lives for the call.
-            let _ = unsafe { first.transfer(&[m], &[], deadline()) };
+            let _ = unsafe { first.transfer(&[m], &[], 5, deadline()) };
         });
         let m = Message { peer: 0, addr: into.as_mut_ptr() as u64, len: 12 };
         // SAFETY: `into` lives for the call.
-        let err = unsafe { second.transfer(&[], &[m], deadline()) }.unwrap_err();
+        let err = unsafe { second.transfer(&[], &[m], 5, deadline()) }.unwrap_err();
         assert_eq!(err.status, Status::InvalidArgument, "{err}");
         assert!(err.message.contains("sent 10 bytes where 12 were expected"), "{err}");
         sender.join().unwrap();
         // SAFETY: as above.
-        let err = unsafe { second.transfer(&[], &[m], deadline()) }.unwrap_err();
+        let err = unsafe { second.transfer(&[], &[m], 5, deadline()) }.unwrap_err();
         assert_eq!(err.status, Status::Aborted, "the connection is out of step: {err}");
 
         let mut meshes = mesh(2);
         drop(meshes.remove(0));
         // SAFETY: as above.
-        let err = unsafe { meshes[0].transfer(&[], &[Message { peer: 0, ..m }], deadline()) }.unwrap_err();
+        let err = unsafe { meshes[0].transfer(&[], &[Message { peer: 0, ..m }], 5, deadline()) }.unwrap_err();
         assert_eq!(err.status, Status::Aborted, "{err}");
         assert!(err.message.contains("rank 0 closed its connection"), "{err}");
     }
@@ -759,13 +786,13 @@ mod tests {
         let m = Message { peer: 1, addr: into.as_mut_ptr() as u64, len: 4 };
         let started = Instant::now();
         // SAFETY: `into` lives for the call.
-        let err = unsafe { meshes[0].transfer(&[], &[m], Deadline::after(Duration::from_millis(200))) }
+        let err = unsafe { meshes[0].transfer(&[], &[m], 0, Deadline::after(Duration::from_millis(200))) }
             .unwrap_err();
         assert_eq!(err.status, Status::Timeout, "{err}");
         assert!(started.elapsed() >= Duration::from_millis(200));
         meshes[1].shutdown();
         // SAFETY: as above.
-        let err = unsafe { meshes[0].transfer(&[], &[m], deadline()) }.unwrap_err();
+        let err = unsafe { meshes[0].transfer(&[], &[m], 0, deadline()) }.unwrap_err();
         assert_eq!(err.status, Status::Aborted, "{err}");
     }
 

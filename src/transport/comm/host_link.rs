@@ -64,9 +64,9 @@ impl Shared {
     ///
     /// # Safety
     /// As for `Communicator::transfer`.
-    unsafe fn step(&self, sends: &[Message], recvs: &[Message], local: &[Segment]) -> Result<()> {
+    unsafe fn step(&self, sends: &[Message], recvs: &[Message], local: &[Segment], tag: u64) -> Result<()> {
         self.health.check()?;
-        let moved = self.mesh.transfer(sends, recvs, Deadline::after(self.timeout));
+        let moved = self.mesh.transfer(sends, recvs, tag, Deadline::after(self.timeout));
         let result = moved.and_then(|()| {
             validate(local)?;
             copy_runs(local);
@@ -126,6 +126,7 @@ impl HostLink {
         sends: &[Message],
         recvs: &[Message],
         local: &[Segment],
+        tag: u64,
         stream: Stream,
     ) -> Result<()> {
         self.shared.health.check()?;
@@ -136,7 +137,7 @@ impl HostLink {
         let (sends, recvs, local) = (sends.to_vec(), recvs.to_vec(), local.to_vec());
         let queued = worker.enqueue(move || {
             // SAFETY: the caller promised the memory stays valid until the queued step has run.
-            let _ = shared.sequencer.run(ticket, || unsafe { shared.step(&sends, &recvs, &local) });
+            let _ = shared.sequencer.run(ticket, || unsafe { shared.step(&sends, &recvs, &local, tag) });
         });
         if let Err(err) = queued {
             // The ticket must still be taken, or every later step would wait for it forever.
@@ -156,9 +157,9 @@ impl HostLink {
         let ticket = self.shared.sequencer.issue();
         let shared = &self.shared;
         shared.sequencer.run(ticket, || {
-            lengths_then_bytes(shared.mesh.rank(), shared.mesh.size(), mine, |sends, recvs| {
+            lengths_then_bytes(shared.mesh.rank(), shared.mesh.size(), mine, |sends, recvs, tag| {
                 // SAFETY: host buffers owned by lengths_then_bytes for the length of the call.
-                unsafe { shared.step(sends, recvs, &[]) }
+                unsafe { shared.step(sends, recvs, &[], tag) }
             })
         })
     }

@@ -31,6 +31,12 @@ use nccl_link::NcclLink;
 use std::sync::Mutex;
 use std::time::Duration;
 
+/// Tags of the host link's own steps (see [`Communicator::transfer`]), apart from any digest of
+/// arguments callers use.
+const ALL_GATHER_TAG: u64 = 0x6167_0000_0000_0000;
+const LENGTHS_TAG: u64 = 0x6c65_6e67_7468_7300;
+const BYTES_TAG: u64 = 0x6279_7465_7300_0000;
+
 /// Bytes of a communicator id (C: REFIT_COMM_ID_BYTES).
 pub const ID_BYTES: usize = 136;
 const ID_MAGIC: &[u8; 4] = b"RFCM";
@@ -260,8 +266,11 @@ impl Communicator {
     /// Queues on `stream` (a stream of this rank's device; NULL for its legacy default stream) one
     /// grouped step: every send of `sends` to its peer, every receive of `recvs` from its peer, and
     /// the contiguous copies `local` within this rank. The peers queue the matching step; messages
-    /// between a pair match in order and must agree on their lengths. Returns once queued; a failure
-    /// while it runs fails the communicator (see [`Communicator::synchronize`]).
+    /// between a pair match in order and must agree on their lengths. `tag` is a digest of the call's
+    /// arguments that every rank's matching step passes alike: the host link checks it (and the
+    /// lengths) on every message and fails the step on both sides when they differ; NCCL ignores it.
+    /// Returns once queued; a failure while it runs fails the communicator (see
+    /// [`Communicator::synchronize`]).
     ///
     /// # Safety
     /// Every address is device memory of this rank's device (host memory on the host backend), valid
@@ -271,6 +280,7 @@ impl Communicator {
         sends: &[Message],
         recvs: &[Message],
         local: &[Segment],
+        tag: u64,
         stream: Stream,
     ) -> Result<()> {
         self.check_peers(sends)?;
@@ -279,7 +289,7 @@ impl Communicator {
             bail!(Status::InvalidArgument, "a communicator's local copy must be contiguous, not {s:?}");
         }
         match &self.link {
-            Link::Host(link) => link.transfer(sends, recvs, local, stream),
+            Link::Host(link) => link.transfer(sends, recvs, local, tag, stream),
             Link::Nccl(link) => link.transfer(sends, recvs, local, stream),
         }
     }
@@ -305,7 +315,7 @@ impl Communicator {
                 let own = recv + self.rank as u64 * bytes;
                 let local: Vec<Segment> =
                     if own == send { vec![] } else { vec![Segment::contiguous(send, own, bytes)] };
-                self.transfer(&sends, &recvs, &local, stream)
+                self.transfer(&sends, &recvs, &local, ALL_GATHER_TAG ^ bytes, stream)
             }
         }
     }
@@ -370,12 +380,12 @@ fn check_options(options: &CommOptions) -> Result<()> {
 }
 
 /// Every rank's bytes from an allgather of their lengths and an uneven allgather of the bytes, both
-/// through `gather(sends, recvs)` over host buffers: shared by both links' `allgather_bytes`.
+/// through `gather(sends, recvs, tag)` over host buffers: shared by both links' `allgather_bytes`.
 pub(crate) fn lengths_then_bytes(
     rank: usize,
     size: usize,
     mine: &[u8],
-    mut gather: impl FnMut(&[Message], &[Message]) -> Result<()>,
+    mut gather: impl FnMut(&[Message], &[Message], u64) -> Result<()>,
 ) -> Result<Vec<Vec<u8>>> {
     let my_len = (mine.len() as u64).to_le_bytes();
     let mut lengths = vec![[0u8; 8]; size];
@@ -385,7 +395,7 @@ pub(crate) fn lengths_then_bytes(
         others().map(|p| Message { peer: p, addr: my_len.as_ptr() as u64, len: 8 }).collect();
     let recvs: Vec<Message> =
         others().map(|p| Message { peer: p, addr: lengths[p].as_mut_ptr() as u64, len: 8 }).collect();
-    gather(&sends, &recvs)?;
+    gather(&sends, &recvs, LENGTHS_TAG)?;
     let mut out: Vec<Vec<u8>> = Vec::with_capacity(size);
     for (p, len) in lengths.iter().enumerate() {
         let len = u64::from_le_bytes(*len);
@@ -409,7 +419,7 @@ pub(crate) fn lengths_then_bytes(
     let recvs: Vec<Message> = others()
         .map(|p| Message { peer: p, addr: out[p].as_mut_ptr() as u64, len: out[p].len() as u64 })
         .collect();
-    gather(&sends, &recvs)?;
+    gather(&sends, &recvs, BYTES_TAG)?;
     Ok(out)
 }
 

@@ -254,7 +254,7 @@ impl NcclLink {
     pub fn allgather_bytes(&self, mine: &[u8], rank: usize, size: usize) -> Result<Vec<Vec<u8>>> {
         self.shared.health.check()?;
         let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
-        lengths_then_bytes(rank, size, mine, |sends, recvs| self.host_step(&mut staging, sends, recvs))
+        lengths_then_bytes(rank, size, mine, |sends, recvs, _tag| self.host_step(&mut staging, sends, recvs))
     }
 
     /// One grouped step over host buffers: staged to the device, sent and received on the internal

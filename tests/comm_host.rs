@@ -1,0 +1,397 @@
+//! Communicators between OS processes on the host backend (CI has no GPU): each test runs its body
+//! in several processes (this test binary run again, filtered to the one test, with the rank and the
+//! communicator id in its environment), and the parent checks how each process ended.
+//!
+//! Byte-exact checks compare with expectations every process computes on its own (the blocks are a
+//! function of rank and call). Failure tests check that every rank gets a status, within the timeout,
+//! when a peer never arrives, exits, is killed or aborts.
+
+use refit::across::build_plan;
+use refit::allgather::comm::allgather;
+use refit::plan::{self, Endpoint, Need, Offer, OwnerPolicy, PlanOptions, Region, Table, TensorSpec};
+use refit::transport::comm::{CommId, CommOptions, Communicator};
+use refit::transport::host::{create_host_stream, destroy_host_stream};
+use refit::transport::{BackendKind, Stream};
+use refit::Status;
+use std::process::{Command, ExitStatus};
+use std::time::{Duration, Instant};
+
+const RANK: &str = "REFIT_COMM_TEST_RANK";
+const SIZE: &str = "REFIT_COMM_TEST_SIZE";
+const ID: &str = "REFIT_COMM_TEST_ID";
+const POISON: u8 = 0xAB;
+
+/// How a process is expected to end.
+#[derive(Clone, Copy, PartialEq, Eq, Debug)]
+enum End {
+    /// The body returned (its checks held).
+    Done,
+    /// Killed by SIGKILL (the body kills itself to simulate a crash).
+    Killed,
+}
+
+/// Runs `body(rank, size, id)` in `size` processes and checks that each ends as `ends[rank]`.
+/// In a child (the environment names its rank), runs the body instead.
+fn in_processes(test: &str, ends: &[End], body: fn(usize, usize, &CommId)) {
+    if let (Ok(rank), Ok(size), Ok(id)) = (std::env::var(RANK), std::env::var(SIZE), std::env::var(ID)) {
+        let id = CommId(decode_hex(&id).try_into().expect("an id's bytes"));
+        body(rank.parse().unwrap(), size.parse().unwrap(), &id);
+        println!("rank {rank} done");
+        return;
+    }
+    let id = Communicator::unique_id(BackendKind::Host).unwrap();
+    let children: Vec<_> = (0..ends.len())
+        .map(|rank| {
+            Command::new(std::env::current_exe().unwrap())
+                .args([test, "--exact", "--nocapture", "--test-threads=1"])
+                .env(RANK, rank.to_string())
+                .env(SIZE, ends.len().to_string())
+                .env(ID, encode_hex(&id.0))
+                .stdout(std::process::Stdio::piped())
+                .stderr(std::process::Stdio::piped())
+                .spawn()
+                .unwrap()
+        })
+        .collect();
+    let deadline = Instant::now() + Duration::from_secs(120);
+    for (rank, mut child) in children.into_iter().enumerate() {
+        while child.try_wait().unwrap().is_none() {
+            if Instant::now() > deadline {
+                let _ = child.kill();
+                panic!("rank {rank} of {test} hung");
+            }
+            std::thread::sleep(Duration::from_millis(10));
+        }
+        let output = child.wait_with_output().unwrap();
+        let text = format!(
+            "rank {rank} of {test}: {}\n{}\n{}",
+            output.status,
+            String::from_utf8_lossy(&output.stdout),
+            String::from_utf8_lossy(&output.stderr)
+        );
+        match ends[rank] {
+            End::Done => {
+                assert!(output.status.success() && text.contains(&format!("rank {rank} done")), "{text}")
+            }
+            End::Killed => assert_eq!(signal(output.status), Some(libc::SIGKILL), "{text}"),
+        }
+    }
+}
+
+fn signal(status: ExitStatus) -> Option<i32> {
+    use std::os::unix::process::ExitStatusExt;
+    status.signal()
+}
+
+fn encode_hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn decode_hex(text: &str) -> Vec<u8> {
+    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap()).collect()
+}
+
+fn options(timeout_ms: u64) -> CommOptions {
+    CommOptions { timeout: Duration::from_millis(timeout_ms), ..CommOptions::default() }
+}
+
+fn join(rank: usize, size: usize, id: &CommId, timeout_ms: u64) -> Communicator {
+    Communicator::create(id, size, rank, 0, options(timeout_ms)).unwrap()
+}
+
+/// Deterministic bytes of rank `rank`'s block in call `call`.
+fn block(rank: usize, call: usize, len: usize) -> Vec<u8> {
+    let mut x = (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (call as u64 + 7);
+    (0..len)
+        .map(|_| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x as u8
+        })
+        .collect()
+}
+
+/// One allgather of `counts` (in place or not) on `stream`, checked against the blocks concatenated.
+fn gather_and_check(comm: &Communicator, counts: &[usize], call: usize, in_place: bool, stream: Stream) {
+    let rank = comm.rank();
+    let total: usize = counts.iter().sum();
+    let offset: usize = counts[..rank].iter().sum();
+    let mine = block(rank, call, counts[rank]);
+    let mut recv = vec![POISON; total];
+    let send = if in_place {
+        recv[offset..offset + mine.len()].copy_from_slice(&mine);
+        recv.as_ptr() as u64 + offset as u64
+    } else {
+        mine.as_ptr() as u64
+    };
+    // SAFETY: both buffers live until synchronize returns below.
+    unsafe { allgather(comm, send, recv.as_mut_ptr() as u64, counts, stream) }.unwrap();
+    comm.synchronize(stream).unwrap();
+    let expected: Vec<u8> = (0..counts.len()).flat_map(|p| block(p, call, counts[p])).collect();
+    assert!(
+        recv == expected,
+        "rank {rank}: call {call} ({counts:?}, in place {in_place}) gathered wrong bytes"
+    );
+}
+
+#[test]
+fn allgather_equal_uneven_and_in_place_across_processes() {
+    in_processes(
+        "allgather_equal_uneven_and_in_place_across_processes",
+        &[End::Done; 3],
+        |rank, size, id| {
+            let comm = join(rank, size, id, 20_000);
+            assert_eq!((comm.rank(), comm.size(), comm.kind()), (rank, 3, BackendKind::Host));
+            let stream = create_host_stream().unwrap();
+            let cases: [&[usize]; 5] =
+                [&[64, 64, 64], &[5, 0, 3_000_001], &[0, 0, 0], &[1, 1 << 20, 17], &[4096, 4096, 4096]];
+            for (call, counts) in cases.iter().enumerate() {
+                for in_place in [false, true] {
+                    for s in [Stream::NULL, stream] {
+                        gather_and_check(&comm, counts, call, in_place, s);
+                    }
+                }
+            }
+            // Host bytes of any length, as plan tables travel.
+            let mine = block(rank, 99, 1000 * rank + 3);
+            let all = comm.allgather_bytes(&mine).unwrap();
+            for (p, bytes) in all.iter().enumerate() {
+                assert_eq!(*bytes, block(p, 99, 1000 * p + 3), "rank {rank}: bytes of rank {p}");
+            }
+            destroy_host_stream(stream).unwrap();
+        },
+    );
+}
+
+#[test]
+fn bad_allgather_arguments_fail_before_anything_moves() {
+    in_processes("bad_allgather_arguments_fail_before_anything_moves", &[End::Done; 2], |rank, size, id| {
+        let comm = join(rank, size, id, 20_000);
+        let mut recv = [0u8; 8];
+        let recv_at = recv.as_mut_ptr() as u64;
+        let status = |send: u64, recv: u64, counts: &[usize]| {
+            // SAFETY: every call below is refused before it touches memory.
+            unsafe { allgather(&comm, send, recv, counts, Stream::NULL) }.unwrap_err().status
+        };
+        assert_eq!(status(recv_at, recv_at, &[4]), Status::InvalidArgument, "one count for two ranks");
+        assert_eq!(status(0, recv_at, &[4, 4]), Status::NullArgument);
+        assert_eq!(status(recv_at + 4, 0, &[4, 4]), Status::NullArgument);
+        assert_eq!(status(recv_at + 1, recv_at, &[4, 4]), Status::Overlap, "send straddles two slots");
+        assert_eq!(status(recv_at, recv_at, &[usize::MAX, 4]), Status::InvalidArgument);
+        // The communicator still works afterwards.
+        gather_and_check(&comm, &[3, 5], 1, false, Stream::NULL);
+    });
+}
+
+#[test]
+fn ranks_that_pass_other_counts_fail_instead_of_reading_wrong_bytes() {
+    in_processes(
+        "ranks_that_pass_other_counts_fail_instead_of_reading_wrong_bytes",
+        &[End::Done; 2],
+        |rank, size, id| {
+            let comm = join(rank, size, id, 20_000);
+            let counts: &[usize] = if rank == 0 { &[4, 6] } else { &[4, 7] };
+            let send = block(rank, 0, counts[rank]);
+            let mut recv = vec![0u8; counts.iter().sum()];
+            let offset = if rank == 0 { 0 } else { 4 };
+            let _ = offset;
+            // SAFETY: buffers live until synchronize.
+            unsafe { allgather(&comm, send.as_ptr() as u64, recv.as_mut_ptr() as u64, counts, Stream::NULL) }
+                .unwrap();
+            let err = comm.synchronize(Stream::NULL).unwrap_err();
+            assert!(matches!(err.status, Status::InvalidArgument | Status::Aborted), "{err}");
+            // The communicator keeps its failure.
+            assert_eq!(comm.allgather_bytes(b"x").unwrap_err().status, err.status);
+        },
+    );
+}
+
+#[test]
+fn a_rank_that_never_calls_times_out_every_other_rank() {
+    in_processes("a_rank_that_never_calls_times_out_every_other_rank", &[End::Done; 3], |rank, size, id| {
+        let comm = join(rank, size, id, 1_000);
+        if rank == 2 {
+            // Joins, then does not take part in the allgather; waits past the others' timeout.
+            std::thread::sleep(Duration::from_millis(2_500));
+            return;
+        }
+        let started = Instant::now();
+        let err = comm.allgather_bytes(b"hello").unwrap_err();
+        let waited = started.elapsed();
+        assert!(matches!(err.status, Status::Timeout | Status::Aborted), "rank {rank}: {err}");
+        assert!(waited < Duration::from_millis(2_000), "rank {rank} waited {waited:?}");
+        assert_eq!(comm.check().unwrap_err().status, err.status, "the failure is kept");
+    });
+}
+
+#[test]
+fn a_killed_process_fails_the_others_at_once() {
+    let ends = [End::Done, End::Killed, End::Done];
+    in_processes("a_killed_process_fails_the_others_at_once", &ends, |rank, size, id| {
+        // A long timeout: the others must not need it to notice the crash.
+        let comm = join(rank, size, id, 60_000);
+        if rank == 1 {
+            // SAFETY: plain system calls; this process ends here.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let started = Instant::now();
+        let mut recv = vec![0u8; 3 * 1024];
+        let send = block(rank, 0, 1024);
+        // SAFETY: buffers live until synchronize.
+        unsafe { allgather(&comm, send.as_ptr() as u64, recv.as_mut_ptr() as u64, &[1024; 3], Stream::NULL) }
+            .unwrap();
+        let err = comm.synchronize(Stream::NULL).unwrap_err();
+        assert_eq!(err.status, Status::Aborted, "rank {rank}: {err}");
+        assert!(started.elapsed() < Duration::from_secs(10), "rank {rank} waited {:?}", started.elapsed());
+    });
+}
+
+#[test]
+fn an_abort_ends_the_peers_calls() {
+    in_processes("an_abort_ends_the_peers_calls", &[End::Done; 2], |rank, size, id| {
+        let comm = join(rank, size, id, 60_000);
+        if rank == 1 {
+            comm.abort();
+            comm.abort(); // harmless twice
+            assert_eq!(comm.allgather_bytes(b"late").unwrap_err().status, Status::Aborted);
+            return;
+        }
+        let started = Instant::now();
+        let err = comm.allgather_bytes(b"waits").unwrap_err();
+        assert_eq!(err.status, Status::Aborted, "{err}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+    });
+}
+
+#[test]
+fn ranks_created_with_other_sizes_are_refused() {
+    in_processes("ranks_created_with_other_sizes_are_refused", &[End::Done; 2], |rank, _size, id| {
+        let size = if rank == 0 { 2 } else { 3 };
+        let err = Communicator::create(id, size, rank, 0, options(5_000)).err().unwrap();
+        assert_eq!(err.status, Status::InvalidArgument, "rank {rank}: {err}");
+        assert!(err.message.contains("nranks"), "{err}");
+    });
+}
+
+/// Rank `rank`'s table of a small refit: ranks 0 and 1 publish replicas of `w` (8 x 16, 4-byte
+/// elements) and `b` (16), rank 2 receives `w`'s column halves into two buffers and all of `b`, rank
+/// 0 receives `b`. Addresses are numbers only: planning reads no memory.
+fn table_of(rank: u32) -> Table {
+    let tensors = vec![
+        TensorSpec { name: "w".into(), dtype: 1, elem_size: 4, shape: vec![8, 16] },
+        TensorSpec { name: "b".into(), dtype: 1, elem_size: 4, shape: vec![16] },
+    ];
+    let region = |offset: Vec<u64>, extent: Vec<u64>| Region { offset, extent };
+    let base = 0x10_0000 * (u64::from(rank) + 1);
+    let mut table = Table { tensors, offers: vec![], needs: vec![] };
+    if rank < 2 {
+        let owner = Endpoint { rank, device: 0 };
+        table.offers.push(Offer {
+            tensor: 0,
+            owner,
+            addr: base,
+            region: region(vec![0, 0], vec![8, 16]),
+            strides: None,
+            digest: None,
+        });
+        table.offers.push(Offer {
+            tensor: 1,
+            owner,
+            addr: base + 4096,
+            region: region(vec![0], vec![16]),
+            strides: None,
+            digest: None,
+        });
+    }
+    let receiver = Endpoint { rank, device: 0 };
+    if rank == 2 {
+        for half in 0..2u64 {
+            table.needs.push(Need {
+                tensor: 0,
+                receiver,
+                addr: base + half * 1024,
+                region: region(vec![0, 8 * half], vec![8, 8]),
+                perm: None,
+                strides: vec![8, 1],
+            });
+        }
+    }
+    if rank == 2 || rank == 0 {
+        table.needs.push(Need {
+            tensor: 1,
+            receiver,
+            addr: base + 8192,
+            region: region(vec![0], vec![16]),
+            perm: None,
+            strides: vec![1],
+        });
+    }
+    table
+}
+
+#[test]
+fn plans_built_across_processes_equal_the_single_process_plan() {
+    in_processes(
+        "plans_built_across_processes_equal_the_single_process_plan",
+        &[End::Done; 3],
+        |rank, size, id| {
+            let comm = join(rank, size, id, 20_000);
+            let all: Vec<Table> = (0..3).map(table_of).collect();
+            for policy in [OwnerPolicy::First, OwnerPolicy::Local, OwnerPolicy::Balanced] {
+                let options = PlanOptions { policy, coalesce: true };
+                let across = build_plan(&comm, &table_of(rank as u32), &options).unwrap();
+                let alone = plan::build(&all, &options).unwrap();
+                assert_eq!(across.fingerprint(), alone.fingerprint(), "rank {rank}, {policy:?}");
+                assert_eq!(across.routes(), alone.routes(), "rank {rank}, {policy:?}");
+                assert!(
+                    across.routes().iter().any(|r| r.src.rank != r.dst.rank),
+                    "remote routes are planned"
+                );
+            }
+        },
+    );
+}
+
+#[test]
+fn ranks_with_other_options_fail_on_every_rank_and_can_try_again() {
+    in_processes(
+        "ranks_with_other_options_fail_on_every_rank_and_can_try_again",
+        &[End::Done; 3],
+        |rank, size, id| {
+            let comm = join(rank, size, id, 20_000);
+            let local = PlanOptions { policy: OwnerPolicy::Local, coalesce: true };
+            let first = PlanOptions { policy: OwnerPolicy::First, coalesce: true };
+            let mine = if rank == 2 { first.clone() } else { local.clone() };
+            let err = build_plan(&comm, &table_of(rank as u32), &mine).unwrap_err();
+            assert_eq!(err.status, Status::InvalidArgument, "rank {rank}: {err}");
+            assert!(err.message.contains("ranks 0 and 2 have different plan options"), "rank {rank}: {err}");
+            // A coverage gap is every rank's own error: rank 2 also needs a tensor nobody offers.
+            let mut table = table_of(rank as u32);
+            if rank == 2 {
+                table.tensors.push(TensorSpec {
+                    name: "orphan".into(),
+                    dtype: 1,
+                    elem_size: 2,
+                    shape: vec![4],
+                });
+                table.needs.push(Need {
+                    tensor: 2,
+                    receiver: Endpoint { rank: 2, device: 0 },
+                    addr: 0x9000_0000,
+                    region: Region { offset: vec![0], extent: vec![4] },
+                    perm: None,
+                    strides: vec![1],
+                });
+            }
+            let err = build_plan(&comm, &table, &local).unwrap_err();
+            assert_eq!(err.status, Status::CoverageGap, "rank {rank}: {err}");
+            // Agreement restored: the communicator is still usable.
+            let plan = build_plan(&comm, &table_of(rank as u32), &local).unwrap();
+            assert_eq!(
+                plan.fingerprint(),
+                plan::build(&(0..3).map(table_of).collect::<Vec<_>>(), &local).unwrap().fingerprint()
+            );
+        },
+    );
+}
