@@ -11,6 +11,7 @@ refit.torch (importable only where torch is) adds tensor pointer and stream help
 
 from ._lib import (
     ABI_VERSION,
+    COMM_ID_BYTES,
     MAX_DIMS,
     PLAN_SIZE_BUCKETS,
     Algorithm,
@@ -27,6 +28,7 @@ from ._lib import (
     set_log_callback,
     version,
 )
+from .comm import Communicator, unique_id
 from .copy import PreparedCopy
 from .group import Group, HostStream
 from .plan import Plan, PlanStats, Route, Table
@@ -34,6 +36,8 @@ from .segment import Segment
 
 __all__ = [
     "ABI_VERSION",
+    "COMM_ID_BYTES",
+    "Communicator",
     "MAX_DIMS",
     "PLAN_SIZE_BUCKETS",
     "Algorithm",
@@ -56,5 +60,6 @@ __all__ = [
     "last_error_message",
     "lib",
     "set_log_callback",
+    "unique_id",
     "version",
 ]
