@@ -1,6 +1,10 @@
 //! Regenerates `include/refit.h` from `src/ffi` (plus the shared status, segment and log types) with
 //! cbindgen. The header is checked in; CI rebuilds
 //! it and fails when the checked-in copy differs (`git diff --exit-code include/refit.h`).
+//!
+//! Also gives the shared library its SONAME, `librefit.so.<REFIT_ABI_VERSION>`, so programs linked
+//! against it record the ABI they were built for (as `libnccl.so.2` does) and an incompatible ABI is a
+//! different file; `packaging/install.sh` installs the symlinks that name resolves through.
 
 use std::path::{Path, PathBuf};
 
@@ -9,14 +13,16 @@ fn main() {
     println!("cargo:rerun-if-changed=cbindgen.toml");
     let crate_dir =
         PathBuf::from(std::env::var("CARGO_MANIFEST_DIR").expect("cargo sets CARGO_MANIFEST_DIR"));
+    set_soname(&crate_dir);
     let out_dir = PathBuf::from(std::env::var("OUT_DIR").expect("cargo sets OUT_DIR"));
     write_status_table(&crate_dir, &out_dir);
     let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("cbindgen.toml parses");
     // Only the C ABI's own files (src/ffi/mod.rs brings its submodules), plus the types the ABI shares
-    // with the core: statuses, segments, the log callback. Constants and types elsewhere in the crate
-    // never leak into the header.
+    // with the core: statuses, segments, plan stats, the log callback. Constants and types elsewhere
+    // in the crate never leak into the header.
     let mut builder = cbindgen::Builder::new().with_config(config);
-    for source in ["src/ffi/mod.rs", "src/error.rs", "src/segment.rs", "src/logging.rs"] {
+    for source in ["src/ffi/mod.rs", "src/error.rs", "src/segment.rs", "src/plan/stats.rs", "src/logging.rs"]
+    {
         builder = builder.with_src(crate_dir.join(source));
     }
     let bindings = match builder.generate() {
@@ -28,6 +34,36 @@ fn main() {
         }
     };
     bindings.write_to_file(crate_dir.join("include/refit.h"));
+}
+
+/// `-Wl,-soname,librefit.so.<abi>` for the cdylib on ELF targets, with the ABI version read from the one
+/// place it is defined (`REFIT_ABI_VERSION` in src/ffi), so the two cannot disagree.
+fn set_soname(crate_dir: &Path) {
+    let os = std::env::var("CARGO_CFG_TARGET_OS").unwrap_or_default();
+    if !matches!(os.as_str(), "linux" | "android" | "freebsd" | "netbsd" | "openbsd" | "dragonfly") {
+        return;
+    }
+    let abi = abi_version(&crate_dir.join("src/ffi"))
+        .unwrap_or_else(|| panic!("build.rs: no `pub const REFIT_ABI_VERSION: u32 = N;` under src/ffi"));
+    println!("cargo:rustc-cdylib-link-arg=-Wl,-soname,librefit.so.{abi}");
+    println!("cargo:rustc-env=REFIT_SONAME=librefit.so.{abi}");
+}
+
+/// The value of `pub const REFIT_ABI_VERSION: u32 = N;` in any file under `dir`.
+fn abi_version(dir: &Path) -> Option<u32> {
+    let mut entries: Vec<PathBuf> =
+        std::fs::read_dir(dir).ok()?.filter_map(|e| Some(e.ok()?.path())).collect();
+    entries.sort();
+    entries.into_iter().find_map(|path| {
+        if path.is_dir() {
+            return abi_version(&path);
+        }
+        let text = std::fs::read_to_string(&path).ok()?;
+        text.lines().find_map(|line| {
+            let value = line.trim().strip_prefix("pub const REFIT_ABI_VERSION: u32 =")?;
+            value.trim().strip_suffix(';')?.trim().parse().ok()
+        })
+    })
 }
 
 /// The `Status` enum in src/error.rs is the one list of statuses: cbindgen reads it for the header,

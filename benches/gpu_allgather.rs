@@ -52,6 +52,11 @@ const ROUND_TRIPS: usize = 1000;
 /// Per-rank sizes at which the per-rank collective (inside `Group::run`) is timed against the rest.
 const PER_RANK_SIZES: [usize; 5] = [TINY, MIB / 16, MIB, 16 * MIB, 64 * MIB];
 
+/// The CUDA ordinal of device index `index` (the bench uses devices 0..g, indexing its tables by them).
+fn ordinal(index: usize) -> i32 {
+    i32::try_from(index).expect("a device index of this machine")
+}
+
 /// A timing event pair on one stream.
 struct Timer {
     device: usize,
@@ -62,7 +67,7 @@ struct Timer {
 
 impl Timer {
     fn new(device: usize, stream: Stream) -> Timer {
-        cuda().bind(device).unwrap();
+        cuda().bind(ordinal(device)).unwrap();
         let mut start = std::ptr::null_mut();
         let mut end = std::ptr::null_mut();
         ck("cuEventCreate", unsafe { sys::cuEventCreate(&mut start, 0) });
@@ -75,17 +80,17 @@ impl Timer {
     }
 
     fn record_start(&self) {
-        cuda().bind(self.device).unwrap();
+        cuda().bind(ordinal(self.device)).unwrap();
         ck("cuEventRecord(start)", unsafe { sys::cuEventRecord(self.start, self.raw()) });
     }
 
     fn record_end(&self) {
-        cuda().bind(self.device).unwrap();
+        cuda().bind(ordinal(self.device)).unwrap();
         ck("cuEventRecord(end)", unsafe { sys::cuEventRecord(self.end, self.raw()) });
     }
 
     fn seconds(&self) -> f64 {
-        cuda().bind(self.device).unwrap();
+        cuda().bind(ordinal(self.device)).unwrap();
         ck("cuEventSynchronize", unsafe { sys::cuEventSynchronize(self.end) });
         let mut ms = 0f32;
         ck("cuEventElapsedTime", unsafe { sys::cuEventElapsedTime_v2(&mut ms, self.start, self.end) });
@@ -111,8 +116,8 @@ struct Gates {
 impl Gates {
     fn new(devices: usize) -> Gates {
         Gates {
-            kernels: (0..devices).map(SpinKernel::load).collect(),
-            scratch: (0..devices).map(|d| DeviceBuffer::new(d, 4)).collect(),
+            kernels: (0..devices).map(|d| SpinKernel::load(ordinal(d))).collect(),
+            scratch: (0..devices).map(|d| DeviceBuffer::new(ordinal(d), 4)).collect(),
         }
     }
 
@@ -167,7 +172,7 @@ impl DirectNccl {
     fn new(g: usize) -> DirectNccl {
         let devices: Vec<i32> = (0..g as i32).collect();
         let comms = Communicators::create(&devices).unwrap_or_else(|e| panic!("direct NCCL init: {e}"));
-        let streams = (0..g).map(|d| cuda().create_stream(d).unwrap()).collect();
+        let streams = (0..g).map(|d| cuda().create_stream(ordinal(d)).unwrap()).collect();
         DirectNccl { comms, streams }
     }
 
@@ -282,18 +287,18 @@ fn copy_engine_ceiling(
     for r in 0..g {
         for p in (0..g).filter(|&p| p != r) {
             let issuer = if push { p } else { r };
-            streams.push((issuer, r, p, backend.create_stream(issuer).unwrap()));
+            streams.push((issuer, r, p, backend.create_stream(ordinal(issuer)).unwrap()));
         }
     }
     let timed: Vec<(usize, Stream)> = streams.iter().map(|&(i, _, _, s)| (i, s)).collect();
     let seconds = time_per_call(gates, &timed, 5, &mut || {
         for &(issuer, r, p, s) in &streams {
             let seg = Segment::contiguous(sends[p].ptr, recvs[r].ptr + (p * size) as u64, size as u64);
-            unsafe { backend.copy_segments(issuer, s, &[seg]) }.unwrap();
+            unsafe { backend.copy_segments(ordinal(issuer), s, &[seg]) }.unwrap();
         }
     });
     for (issuer, _, _, s) in streams {
-        backend.destroy_stream(issuer, s);
+        backend.destroy_stream(ordinal(issuer), s);
     }
     gbps((g - 1) * size, seconds)
 }
@@ -332,7 +337,7 @@ struct RankStreams(Vec<Stream>);
 
 impl RankStreams {
     fn new(g: usize) -> RankStreams {
-        RankStreams((0..g).map(|r| cuda().create_stream(r).unwrap()).collect())
+        RankStreams((0..g).map(|r| cuda().create_stream(ordinal(r)).unwrap()).collect())
     }
 
     fn timed(&self) -> Vec<(usize, Stream)> {
@@ -347,8 +352,8 @@ impl RankStreams {
 impl Drop for RankStreams {
     fn drop(&mut self) {
         for (r, &s) in self.0.iter().enumerate() {
-            cuda().sync_stream(r, s).unwrap();
-            cuda().destroy_stream(r, s);
+            cuda().sync_stream(ordinal(r), s).unwrap();
+            cuda().destroy_stream(ordinal(r), s);
         }
     }
 }
@@ -359,14 +364,14 @@ struct RankEvents(Vec<Event>);
 
 impl RankEvents {
     fn new(g: usize) -> RankEvents {
-        RankEvents((0..g).map(|r| cuda().create_event(r).unwrap()).collect())
+        RankEvents((0..g).map(|r| cuda().create_event(ordinal(r)).unwrap()).collect())
     }
 }
 
 impl Drop for RankEvents {
     fn drop(&mut self) {
         for (r, &event) in self.0.iter().enumerate() {
-            cuda().destroy_event(r, event);
+            cuda().destroy_event(ordinal(r), event);
         }
     }
 }
@@ -410,11 +415,11 @@ fn event_ordered_pushes(
     let batches = kernel_batches(g, size, sends, recvs, true);
     let seconds = time_per_call(gates, &streams.timed(), iterations(g, size), &mut || {
         for r in 0..g {
-            backend.record(r, ready.0[r], streams.0[r]).unwrap();
+            backend.record(ordinal(r), ready.0[r], streams.0[r]).unwrap();
         }
         for r in 0..g {
             for p in (0..g).filter(|&p| p != r) {
-                backend.wait(r, streams.0[r], ready.0[p]).unwrap();
+                backend.wait(ordinal(r), streams.0[r], ready.0[p]).unwrap();
             }
             unsafe { batches[r].launch(streams.raw(r)) }.unwrap();
         }
@@ -451,7 +456,7 @@ fn probe(gates: &Gates, size: usize, sends: &[DeviceBuffer], recvs: &[DeviceBuff
     let backend = cuda();
     let pull = |to: usize, from: usize, s: Stream| {
         let seg = Segment::contiguous(sends[from].ptr, recvs[to].ptr + (from * size) as u64, size as u64);
-        unsafe { backend.copy_segments(to, s, &[seg]) }.unwrap();
+        unsafe { backend.copy_segments(ordinal(to), s, &[seg]) }.unwrap();
     };
     let s0 = backend.create_stream(0).unwrap();
     let s1 = backend.create_stream(1).unwrap();
@@ -578,7 +583,7 @@ fn driver_call_costs(group: &Group, sends: &[u64], recvs: &[u64]) -> Vec<(&'stat
     ));
     group.synchronize().unwrap();
     for (d, e) in events.into_iter().enumerate() {
-        backend.bind(d).unwrap();
+        backend.bind(ordinal(d)).unwrap();
         unsafe { sys::cuEventDestroy_v2(e) };
     }
     rows
@@ -638,7 +643,7 @@ fn main() {
     let mut call_costs = Vec::new();
 
     for g in 1..=count {
-        let devices: Vec<i64> = (0..g as i64).collect();
+        let devices: Vec<i32> = (0..g as i32).collect();
         let group = Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 })
             .unwrap_or_else(|e| panic!("group of {g}: {e}"));
         if g == count {
@@ -649,8 +654,8 @@ fn main() {
             }
         }
         let max = *SIZES.last().unwrap();
-        let sends: Vec<DeviceBuffer> = (0..g).map(|r| DeviceBuffer::new(r, max)).collect();
-        let recvs: Vec<DeviceBuffer> = (0..g).map(|r| DeviceBuffer::new(r, max * g)).collect();
+        let sends: Vec<DeviceBuffer> = (0..g).map(|r| DeviceBuffer::new(ordinal(r), max)).collect();
+        let recvs: Vec<DeviceBuffer> = (0..g).map(|r| DeviceBuffer::new(ordinal(r), max * g)).collect();
         let send_ptrs: Vec<u64> = sends.iter().map(|b| b.ptr).collect();
         let recv_ptrs: Vec<u64> = recvs.iter().map(|b| b.ptr).collect();
         let direct = DirectNccl::new(g);
@@ -741,7 +746,7 @@ fn main() {
         }
         let drain_direct = || {
             for (r, s) in direct.streams.iter().enumerate() {
-                backend.sync_stream(r, *s).unwrap();
+                backend.sync_stream(ordinal(r), *s).unwrap();
             }
         };
         for (path, rest) in
@@ -773,7 +778,7 @@ fn main() {
             let (per_rank_peer, per_rank_nccl) = (per_rank(Algorithm::Peer), per_rank(Algorithm::Nccl));
             let drain_direct = || {
                 for (r, s) in direct.streams.iter().enumerate() {
-                    backend.sync_stream(r, *s).unwrap();
+                    backend.sync_stream(ordinal(r), *s).unwrap();
                 }
             };
             let direct_nccl = loop_us(calls, &drain_direct, &mut |k| {

@@ -16,7 +16,7 @@ mod random_batch;
 use cuda::{enable_peer, ok, on, Buffer, Stream, Timer};
 use cudarc::driver::sys;
 use random_batch::Rng;
-use refit::kernels::layout::Layout;
+use refit::kernels::layout::BatchLayout;
 use refit::kernels::{copy_segments, BatchedCopy, PreparedBatch};
 use refit::transport::driver::check;
 use refit::Segment;
@@ -350,7 +350,7 @@ fn main() {
         let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap()).sum();
         let mut cells = Vec::new();
         for lanes in [8u32, 16, 32, 0] {
-            let shift = Layout::default_tile_shift();
+            let shift = BatchLayout::default_tile_shift();
             let prepared = ok("tuned", PreparedBatch::tuned(0, &segments, false, shift, lanes));
             let ms = time_ms(0, &sweep_stream, 2, 10, || ok("launch", launch(&prepared, sweep_stream.raw)));
             cells.push(format!("{:.0}", gbps(bytes, ms)));

@@ -9,7 +9,7 @@
 //! only where that variable points). Arguments that are not flags select cases by name.
 
 use refit::plan::{self, Endpoint, Plan, PlanOptions, PlanStats, Region, Table};
-use refit_workloads::{Layout, Model, Spec, Workload};
+use refit_workloads::{Model, Packing, Spec, Workload};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::Instant;
@@ -188,7 +188,7 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
                 ("-".into(), "-".into())
             }
         };
-        let name = format!("{}:{}", receiver.rank, receiver.device);
+        let name = format!("{}:{}", receiver.process, receiver.device);
         let (sr, sg) = seed(SEED_BEFORE_RANGES, SEED_BEFORE_GIB);
         let _ = writeln!(
             out,
@@ -231,7 +231,7 @@ fn run_case(case: &Case, samples: usize, out: &mut String, json: &mut Vec<String
         receivers_json.push(format!(
             "{{\"rank\": {}, \"device\": {}, \"exact_bytes\": {exact}, \"moved_bytes\": {moved}, \
              \"segments_all_replicas\": {}, \"stats\": {}}}",
-            receiver.rank,
+            receiver.process,
             receiver.device,
             pairs[&receiver],
             json_stats(&s)
@@ -325,7 +325,7 @@ fn sweep(samples: usize, out: &mut String, label: &str) -> String {
     for (layers, experts) in shapes {
         let model = Model::qwen3_30b_a3b().with_layers(layers).with_experts(experts);
         let workload =
-            Workload::generate(&Spec::qwen3_ep8_to_tp2(Layout::Separate).with_model(model)).unwrap();
+            Workload::generate(&Spec::qwen3_ep8_to_tp2(Packing::Separate).with_model(model)).unwrap();
         let tables = workload.tables(&workload.fake_bases()).unwrap();
         let (plan, ms, min_ms) = timed_build(&tables, samples);
         let s = plan.stats();
@@ -380,43 +380,43 @@ fn main() {
     let cases = [
         Case {
             name: "Qwen3-30B-A3B EP8 -> TP2, separate allocations",
-            spec: Spec::qwen3_ep8_to_tp2(Layout::Separate),
+            spec: Spec::qwen3_ep8_to_tp2(Packing::Separate),
             target_ranges: Some(TARGET_RANGES_SEPARATE),
             seed: true,
         },
         Case {
             name: "Qwen3-30B-A3B EP8 -> TP2, packed publisher buffers",
-            spec: Spec::qwen3_ep8_to_tp2(Layout::Packed),
+            spec: Spec::qwen3_ep8_to_tp2(Packing::Packed),
             target_ranges: Some(TARGET_RANGES_PACKED),
             seed: true,
         },
         Case {
             name: "Qwen3-30B-A3B EP8 -> TP2, packed publishers and packed receivers",
-            spec: Spec { receiver_layout: Layout::Packed, ..Spec::qwen3_ep8_to_tp2(Layout::Packed) },
+            spec: Spec { receiver_layout: Packing::Packed, ..Spec::qwen3_ep8_to_tp2(Packing::Packed) },
             target_ranges: Some(TARGET_RANGES_PACKED),
             seed: true,
         },
         Case {
             name: "Qwen3-30B-A3B EP8 -> TP2, separate allocations, one weight per expert (TEGroupedMLP)",
-            spec: Spec::qwen3_ep8_to_tp2(Layout::Separate).with_expert_weights(),
+            spec: Spec::qwen3_ep8_to_tp2(Packing::Separate).with_expert_weights(),
             target_ranges: Some(TARGET_RANGES_SEPARATE),
             seed: true,
         },
         Case {
             name: "Llama-3-70B TP8 -> TP2, separate allocations",
-            spec: llama(Layout::Separate),
+            spec: llama(Packing::Separate),
             target_ranges: None,
             seed: false,
         },
         Case {
             name: "Llama-3-70B TP8 x DP2 -> TP2, packed publisher buffers",
-            spec: Spec::llama3_70b_tp8_to_tp2(Layout::Packed, 2),
+            spec: Spec::llama3_70b_tp8_to_tp2(Packing::Packed, 2),
             target_ranges: None,
             seed: false,
         },
         Case {
             name: "Qwen3-30B-A3B colocated EP2 + TP2 on 2 GPUs, separate allocations",
-            spec: Spec::qwen3_colocated_ep2_tp2(Layout::Separate),
+            spec: Spec::qwen3_colocated_ep2_tp2(Packing::Separate),
             target_ranges: None,
             seed: false,
         },

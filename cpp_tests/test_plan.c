@@ -1,6 +1,7 @@
 /* The reshard plan API from C11: tables built entry by entry and from bytes, a plan executed on host
  * memory (addresses are host pointers) and compared with the expected bytes, stats, routes,
  * fingerprints, and every bad-argument status. */
+#include <stddef.h>
 #include <stdint.h>
 
 #include "check.h"
@@ -187,6 +188,16 @@ static void test_plan_moves_the_right_bytes(void) {
   options.policy = 3;
   CHECK_STATUS(refit_plan_build(tables, 3, &options, &none), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(refit_last_error_message(), "policy") != NULL);
+  /* coalesce is a byte that must be 0 or 1 (written through the bytes, as a caller with another
+   * idea of the field would). */
+  CHECK_OK(refit_plan_options_init(&options));
+  ((unsigned char *)&options)[offsetof(refit_plan_options, coalesce)] = 0x7f;
+  CHECK_STATUS(refit_plan_build(tables, 3, &options, &none), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "coalesce") != NULL);
+  ((unsigned char *)&options)[offsetof(refit_plan_options, coalesce)] = 0;
+  CHECK_OK(refit_plan_build(tables, 3, &options, &none));
+  refit_plan_destroy(none);
+  none = NULL;
   CHECK_OK(refit_plan_options_init(&options));
   options.size = 1;
   CHECK_STATUS(refit_plan_build(tables, 3, &options, &none), REFIT_STATUS_INVALID_ARGUMENT);

@@ -55,8 +55,8 @@ static void key_destructor(void *value) {
 
 /* A failing call first, so that the thread's error storage exists and is destroyed (before the key
  * destructor runs) when the thread exits. A thread whose first refit call is made from a key
- * destructor is tested in tests/child_process.rs: its storage, made after the thread's destructors
- * ran, is never freed, which valgrind would report. */
+ * destructor is tested in tests/child_process.rs (a_group_lives_and_dies_in_exit_handlers): its
+ * storage, made after the thread's destructors ran, is never freed, which valgrind would report. */
 static void *thread_main(void *arg) {
   (void)arg;
   size_t size = 0;

@@ -15,13 +15,13 @@ use refit::exec::{Arm, Executor, StageTimes};
 use refit::group::{Group, GroupOptions};
 use refit::plan::{self, Endpoint, PlanOptions};
 use refit::transport::Backend;
-use refit_workloads::{element_value, Layout, Megatron, Model, Role, Spec, Vllm, Workload};
+use refit_workloads::{element_value, Megatron, Model, Packing, Role, Spec, Vllm, Workload};
 use std::sync::Arc;
 use std::time::Instant;
 
 struct Args {
     layers: Option<u64>,
-    layout: Layout,
+    layout: Packing,
     steps: usize,
     devices: usize,
     /// Also run the per-run reference arm (one copy call per contiguous run).
@@ -29,7 +29,7 @@ struct Args {
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut args = Args { layers: None, layout: Layout::Separate, steps: 5, devices: 2, reference: false };
+    let mut args = Args { layers: None, layout: Packing::Separate, steps: 5, devices: 2, reference: false };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
@@ -40,8 +40,8 @@ fn parse_args() -> Result<Args, String> {
             "--reference" => args.reference = true,
             "--layout" => {
                 args.layout = match value()?.as_str() {
-                    "separate" => Layout::Separate,
-                    "packed" => Layout::Packed,
+                    "separate" => Packing::Separate,
+                    "packed" => Packing::Packed,
                     other => return Err(format!("--layout: {other} is not separate or packed")),
                 }
             }
@@ -76,6 +76,11 @@ unsafe fn write_element(dst: *mut u8, value: u64, es: usize) {
 
 /// The element at `bytes` (at most 8 bytes), little-endian.
 #[inline(always)]
+/// The CUDA ordinal of a plan endpoint's device.
+fn ordinal(device: u32) -> i32 {
+    i32::try_from(device).expect("a plan device is a CUDA ordinal")
+}
+
 fn read_element(bytes: &[u8]) -> u64 {
     match bytes.len() {
         2 => u16::from_le_bytes([bytes[0], bytes[1]]) as u64,
@@ -121,7 +126,7 @@ fn fill_publishers(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64
             }
         });
         // SAFETY: bases[b] was allocated with buffer.bytes on this device.
-        unsafe { backend.write(buffer.endpoint.device as usize, bases[b], &bytes) }
+        unsafe { backend.write(ordinal(buffer.endpoint.device), bases[b], &bytes) }
             .map_err(|e| e.to_string())?;
     }
     Ok(())
@@ -132,7 +137,7 @@ fn poison_receivers(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u6
     for (b, buffer) in workload.buffers.iter().enumerate().filter(|(_, b)| b.role == Role::Receiver) {
         let poison = vec![0xa5u8; buffer.bytes as usize];
         // SAFETY: bases[b] was allocated with buffer.bytes on this device.
-        unsafe { backend.write(buffer.endpoint.device as usize, bases[b], &poison) }
+        unsafe { backend.write(ordinal(buffer.endpoint.device), bases[b], &poison) }
             .map_err(|e| e.to_string())?;
     }
     Ok(())
@@ -145,7 +150,7 @@ fn verify(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64]) -> Res
     for (b, buffer) in workload.buffers.iter().enumerate().filter(|(_, b)| b.role == Role::Receiver) {
         let mut bytes = vec![0u8; buffer.bytes as usize];
         // SAFETY: as in fill.
-        unsafe { backend.read(buffer.endpoint.device as usize, bases[b], &mut bytes) }
+        unsafe { backend.read(ordinal(buffer.endpoint.device), bases[b], &mut bytes) }
             .map_err(|e| e.to_string())?;
         let needs = &by_buffer[b];
         let bytes = &bytes;
@@ -241,14 +246,14 @@ fn main() {
 
 fn run() -> Result<(), String> {
     let args = parse_args()?;
-    let devices: Vec<i64> = (0..args.devices as i64).collect();
+    let devices: Vec<i32> = (0..args.devices as i32).collect();
     let group = Group::new(&devices, GroupOptions::default()).map_err(|e| e.to_string())?;
     let backend = Arc::clone(group.backend());
     let on_gpu = group.backend_kind() == refit::transport::BackendKind::Cuda;
     // The host backend keeps every simulated device in this machine's memory: a few layers by default.
     let layers = args.layers.unwrap_or(if on_gpu { 48 } else { 1 });
     let endpoints: Vec<Endpoint> =
-        (0..args.devices as u32).map(|device| Endpoint { rank: 0, device }).collect();
+        (0..args.devices as u32).map(|device| Endpoint { process: 0, device }).collect();
     let spec = Spec {
         model: Model::qwen3_30b_a3b().with_layers(layers),
         publishers: Megatron {
@@ -259,7 +264,7 @@ fn run() -> Result<(), String> {
         },
         publisher_layout: args.layout,
         receivers: Vllm { endpoints },
-        receiver_layout: Layout::Separate,
+        receiver_layout: Packing::Separate,
         digests: true,
     };
     println!(
@@ -276,7 +281,7 @@ fn run() -> Result<(), String> {
     for buffer in &workload.buffers {
         bases.push(
             backend
-                .alloc(buffer.endpoint.device as usize, buffer.bytes as usize)
+                .alloc(ordinal(buffer.endpoint.device), buffer.bytes as usize)
                 .map_err(|e| e.to_string())?,
         );
     }
@@ -352,7 +357,7 @@ fn run() -> Result<(), String> {
     }
     for (b, buffer) in workload.buffers.iter().enumerate() {
         // SAFETY: allocated above, no work queued any more (execute returned after a synchronous exit).
-        unsafe { backend.free(buffer.endpoint.device as usize, bases[b]) }.map_err(|e| e.to_string())?;
+        unsafe { backend.free(ordinal(buffer.endpoint.device), bases[b]) }.map_err(|e| e.to_string())?;
     }
     Ok(())
 }

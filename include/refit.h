@@ -8,7 +8,8 @@
  *  - Outputs are written only on success. On failure a message describing the cause is kept per thread
  *    and read with refit_last_error_message(); successful calls leave it unchanged.
  *  - NULL for a required pointer argument returns REFIT_STATUS_NULL_ARGUMENT. No input crashes the process:
- *    a bug inside the library (a Rust panic) returns REFIT_STATUS_INTERNAL_ERROR instead.
+ *    a bug inside the library (a Rust panic) returns REFIT_STATUS_INTERNAL_ERROR instead, and memory
+ *    the library cannot allocate for the caller's arguments returns REFIT_STATUS_OUT_OF_MEMORY.
  *  - Streams are CUstream / cudaStream_t passed as void*; NULL means the legacy default stream of the
  *    device concerned. Device pointers are uint64_t; the library never owns caller memory.
  *  - Handles (refit_group*, refit_plan*, ...) are released by their *_destroy, which accepts NULL.
@@ -46,7 +47,8 @@
 #define REFIT_ALLGATHER_PEER 2
 
 /**
- * Staged through host memory, synchronous: a reference path and last resort.
+ * Staged through host memory (in parts of at most 8 MiB, whatever the counts), synchronous: a
+ * reference path and last resort.
  */
 #define REFIT_ALLGATHER_HOST 3
 
@@ -94,7 +96,7 @@
 #define REFIT_MAX_DIMS 8
 
 /**
- * Owner policy: the replica of the lowest (rank, device) serves each replica set.
+ * Owner policy: the replica of the lowest (process, device) serves each replica set.
  */
 #define REFIT_POLICY_FIRST 0
 
@@ -109,17 +111,17 @@
 #define REFIT_POLICY_BALANCED 2
 
 /**
- * Route kind: source and destination on the same rank and device.
+ * Route kind: source and destination in the same process, on the same device.
  */
 #define REFIT_ROUTE_LOCAL 0
 
 /**
- * Route kind: same rank, another device (a peer copy).
+ * Route kind: same process, another device (a peer copy).
  */
 #define REFIT_ROUTE_PEER 1
 
 /**
- * Route kind: another rank.
+ * Route kind: another process.
  */
 #define REFIT_ROUTE_REMOTE 2
 
@@ -264,7 +266,8 @@ typedef struct refit_comm refit_comm;
  * A device group: one rank per device, each with its own non-blocking stream created once, and one
  * persistent thread per rank, started at the first call that needs them (refit_group_run, a PEER
  * allgather). After each such call a rank thread spins for up to 50 us waiting for the
- * next before it sleeps: a loop of calls then costs no thread wake-ups (several microseconds each).
+ * next before it sleeps: a loop of calls then costs no thread wake-ups (each a system call and a
+ * context switch).
  *
  * Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
  * rank callbacks may call refit_group_allgather_rank and the query functions concurrently.
@@ -286,8 +289,10 @@ typedef struct refit_plan refit_plan;
 typedef struct refit_prepared_copy refit_prepared_copy;
 
 /**
- * One rank's shard table: tensors, offers (what it publishes), needs (what it receives). Host memory
- * only; no table call touches a device or a stream.
+ * One process's shard table: tensors, offers (what it publishes), needs (what it receives). Host
+ * memory only; no table call touches a device or a stream. Wherever the plan API takes or gives a
+ * `rank`, it is a *process* index: a number the caller gives each OS process taking part in a
+ * refit (not a device, and not a member of a group); `device` is a CUDA ordinal in that process.
  *
  * Thread-safety: calls that change a table (refit_table_add_*) need it to themselves; calls that only
  * read it (refit_table_encoded_size, refit_table_encode, refit_plan_build) may share it between
@@ -339,9 +344,10 @@ typedef struct {
    */
   uint32_t policy;
   /**
-   * Join segments across boxes and tensors (default true; false only for A/B checks).
+   * 1: join segments across boxes and tensors (default); 0: do not (only for A/B checks). Any
+   * other value is INVALID_ARGUMENT.
    */
-  bool coalesce;
+  uint8_t coalesce;
 } refit_plan_options;
 
 /**
@@ -404,20 +410,21 @@ typedef struct {
 typedef int32_t (*refit_rank_callback)(uint32_t rank, void *stream, void *user_data);
 
 /**
- * Counts of a plan or of one receiver's part of it. Before the call set `size` to
- * sizeof(refit_plan_stats). "Ranges" are contiguous runs; "segments" are strided refit_segments.
+ * Counts of a plan or of one receiver's part of it. Before a call that fills it, C callers set
+ * `size` to sizeof(refit_plan_stats). "Ranges" are contiguous runs; "segments" are strided
+ * refit_segments (what executors move).
  */
 typedef struct {
   /**
-   * sizeof(refit_plan_stats) as the caller knows it.
+   * sizeof(refit_plan_stats) as the caller knows it (Rust: always the full size).
    */
   size_t size;
   /**
-   * Offers in all tables.
+   * Offers in all tables (for a receiver: the same, the input is shared).
    */
   uint64_t offers_in;
   /**
-   * Offers chosen to serve at least one range.
+   * Offers chosen to serve at least one range (for a receiver: one of its ranges).
    */
   uint64_t offers_kept;
   /**
@@ -441,7 +448,7 @@ typedef struct {
    */
   uint64_t bytes_all_replicas;
   /**
-   * bytes_all_replicas - needed_bytes.
+   * bytes_all_replicas - needed_bytes: bytes that one owner per replica saves.
    */
   uint64_t duplicate_bytes_dropped;
   /**
@@ -453,7 +460,7 @@ typedef struct {
    */
   uint64_t segments_deduped;
   /**
-   * Strided segments in the plan.
+   * Strided segments in the plan (after coalescing, when enabled).
    */
   uint64_t ranges_coalesced;
   /**
@@ -465,11 +472,11 @@ typedef struct {
    */
   uint64_t bytes_local;
   /**
-   * Bytes from another device of the same rank.
+   * Bytes from another device of the same process (NVLink peer copies).
    */
   uint64_t bytes_peer;
   /**
-   * Bytes from another rank.
+   * Bytes from another process.
    */
   uint64_t bytes_remote;
   /**
@@ -481,7 +488,7 @@ typedef struct {
    */
   uint64_t size_histogram[64];
   /**
-   * Wall time of the build, nanoseconds.
+   * Wall time of the build, nanoseconds (a receiver's stats carry the whole build's time).
    */
   uint64_t build_ns;
 } refit_plan_stats;
@@ -495,9 +502,21 @@ typedef struct {
    * sizeof(refit_route_info) as the caller knows it.
    */
   size_t size;
+  /**
+   * Source process index (as passed to refit_table_add_offer's `rank`).
+   */
   uint32_t src_rank;
+  /**
+   * Source device ordinal within that process.
+   */
   uint32_t src_device;
+  /**
+   * Destination process index (as passed to refit_table_add_need's `rank`).
+   */
   uint32_t dst_rank;
+  /**
+   * Destination device ordinal within that process.
+   */
   uint32_t dst_device;
   /**
    * REFIT_ROUTE_LOCAL, REFIT_ROUTE_PEER or REFIT_ROUTE_REMOTE.
@@ -532,9 +551,10 @@ extern "C" {
  * NULL, receives the algorithm that ran.
  *
  * AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
- * access (on 2 x H200, PEER moved 1.34-1.73x what NCCL's allgather moved from 1 MiB to 1 GiB per
- * rank and took at most half its host time per call; below 1 MiB NCCL's GPU time is up to 13%
- * shorter, see NOTES.md); otherwise NCCL when it loads, else PEER.
+ * access (there PEER moves more than NCCL's allgather from 1 MiB per rank and takes less host time
+ * per call; below 1 MiB NCCL's GPU time is shorter, but a call in a loop costs the larger of its
+ * host and GPU times: benches/gpu_allgather.rs, figures in docs/measurements.md); otherwise NCCL
+ * when it loads, else PEER.
  *
  * PEER issues every rank's launches and copies at once: the calling thread issues rank 0's, and each
  * other rank's are issued by that rank's thread when it is awake (within 50 us of the group's
@@ -556,7 +576,7 @@ extern "C" {
  * Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
  * overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
  * receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
- * CUDA_ERROR, INVALID_STATE (called from a rank callback).
+ * CUDA_ERROR, INVALID_STATE (called from a rank callback), OUT_OF_MEMORY.
  */
 refit_status refit_allgather(refit_group *group,
                              const uint64_t *send,
@@ -570,8 +590,8 @@ refit_status refit_allgather(refit_group *group,
  * `rank`, `send` (counts[rank] bytes) and `recv` (sum(counts) bytes) and the same `counts` (all
  * refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return);
  * once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
- * share of refit_allgather's PEER, with the same methods: in a loop on 2 x H200 a call cost 7.6 us
- * at 256 B per rank and 195 us at 64 MiB, against 12.6 and 294 us for NCCL called per rank.
+ * share of refit_allgather's PEER, with the same methods, and costs what a whole-group call costs
+ * (benches/gpu_allgather.rs, loop of calls, against NCCL called per rank).
  * Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
  * fails first, this returns ABORTED instead of waiting forever.
  *
@@ -729,19 +749,23 @@ refit_status refit_comm_allgather(refit_comm *comm,
 refit_status refit_comm_synchronize(refit_comm *comm, void *stream);
 
 /**
- * Builds one plan over the communicator from every rank's `table` (each process adds only its own
- * offers and needs; process indices in the tables are communicator ranks) and writes it to `*plan`.
- * The encoded tables are gathered (their sizes first, then the bytes), every rank builds the plan,
- * and the ranks compare fingerprints of the gathered tables, the options, the plan and the library
- * version before returning: every rank gets the same plan, or every rank gets a status. Every rank
- * calls it with its table and the same options (NULL: defaults); blocks until all have, each step at
- * most the timeout. Host memory only; not ordered with any stream.
+ * Builds this rank's share of one plan over the communicator and writes it to `*plan`. Every rank
+ * passes its own `table` (each process adds only its own offers and needs; the process index of
+ * its entries is its communicator rank) and the same `options` (NULL: defaults). The encoded tables
+ * are gathered (their sizes first, then the bytes); every rank builds its share: each route from or
+ * to one of its own endpoints, exactly as refit_plan_build of all tables would make it (owners are
+ * a deterministic function of all tables and the options), with the work beyond reading the tables
+ * growing with its own entries; then the ranks compare the fingerprints of the planner's inputs
+ * (tables, options, limits) and the library version before returning. Every rank gets its share,
+ * or every rank gets a status. The share's stats count its own receivers; refit_plan_fingerprint
+ * covers its own routes. Blocks until every rank has called it, each step at most the timeout. Host
+ * memory only; not ordered with any stream.
  *
- * Errors (on every rank): the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP, OVERLAP,
- * ...), returned by each rank that failed, while the others get ABORTED naming the first such rank;
+ * Errors: the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP or OVERLAP in a rank's own
+ * needs, ...) on each rank that failed, while the others get ABORTED naming the first such rank;
  * INVALID_ARGUMENT (bad options; ranks that passed different options or run another refit version:
- * the message names both); DECODE_ERROR (a table's bytes changed on the way), TIMEOUT, ABORTED,
- * NULL_ARGUMENT (comm, table, plan).
+ * the message names both) on every rank; DECODE_ERROR (a table's bytes changed on the way),
+ * TIMEOUT, ABORTED, NULL_ARGUMENT (comm, table, plan).
  */
 refit_status refit_plan_build_across(refit_comm *comm,
                                      const refit_table *table,
@@ -766,7 +790,7 @@ refit_status refit_plan_build_across(refit_comm *comm,
  * size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
  * address, on the host backend a stream that is not a host stream), OVERLAP (REFIT_COPY_CHECKED and
  * two destination runs share a byte), UNSUPPORTED (checked mode over more interleaved runs than it
- * expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
+ * visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
  * first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
  */
 refit_status refit_copy_batch(const refit_group *group,
@@ -809,6 +833,43 @@ refit_status refit_copy_batch_launch(const refit_prepared_copy *batch,
  * only when no launch of the batch (or a graph replaying one) can still run.
  */
 void refit_copy_batch_destroy(refit_prepared_copy *batch);
+
+/**
+ * Computes the refit digest of the `len` bytes at device address `addr` on `rank`'s device, on
+ * `stream` (a stream of that device; NULL: its legacy default stream), and writes it to `*digest`.
+ * Publishers pass it to refit_table_add_offer, so that replicas of a box are compared without
+ * reading weights back to the host.
+ *
+ * The digest: read the bytes as a polynomial over GF(2) whose coefficient of x^k is bit k%8 of byte
+ * k/8, add x^(8 len) (a 1 bit just past the last byte), and reduce modulo
+ * g(x) = x^64 + 0x41aa24523c3d140f (bit i: x^i); bit i of the result is the coefficient of x^i. It is
+ * a CRC with a primitive polynomial: the same bytes give the same digest at any address and
+ * alignment, and of two buffers of the same length, the digests always differ when they differ by a
+ * single flipped bit, by two flipped bits, by any change within 64 consecutive bits (one 8-byte word
+ * at any offset), or by two swapped 8-byte words that differ, at any offsets; and when one has extra
+ * trailing zero bytes. Any other difference goes unnoticed only if g divides it: about one chance in
+ * 2^64 for corruption. It is not cryptographic: digests can be forged on purpose. The digest of 0
+ * bytes is 1.
+ *
+ * Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
+ * stream to reach it (CUDA: one kernel, one 8-byte copy, cuStreamSynchronize) and then returns, so the
+ * bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass;
+ * the first call on a device compiles the kernel.
+ *
+ * Thread-safety: may be called from any thread, concurrently with other calls.
+ *
+ * Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size, addr 0 with
+ * len > 0, a range running past the end of the 64-bit address space, on the host backend a stream
+ * that is not a host stream), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be
+ * compiled or loaded at first use on the device), CUDA_ERROR (e.g. a stream of another device, an
+ * address the device cannot read). `*digest` is written only on success.
+ */
+refit_status refit_digest(const refit_group *group,
+                          uint32_t rank,
+                          uint64_t addr,
+                          uint64_t len,
+                          void *stream,
+                          uint64_t *digest);
 
 /**
  * Fills `options` with the defaults (AUTO backend) and sets options->size.
@@ -954,7 +1015,8 @@ void refit_table_destroy(refit_table *table);
 /**
  * Adds a tensor: `name` (NUL-terminated UTF-8), a caller-defined `dtype` code, `elem_size` bytes per
  * element, and its global `shape` of `ndim` dimensions. Writes its index in this table to `*index`.
- * Adding a name again returns the same index when the description agrees.
+ * Adding a name again returns the same index when the description agrees. Names are found by
+ * hashing: adding n tensors costs O(n).
  *
  * Not thread-safe for the same table. Errors: NULL_ARGUMENT (table, name, index; shape when
  * ndim > 0), INVALID_ARGUMENT (empty or
@@ -973,7 +1035,7 @@ refit_status refit_table_add_tensor(refit_table *table,
                                     uint32_t *index);
 
 /**
- * Adds an offer: this rank (`rank`, `device`) holds the box `offset`/`extent` (`ndim` values each,
+ * Adds an offer: process `rank`'s device `device` holds the box `offset`/`extent` (`ndim` values each,
  * global coordinates) of tensor `tensor` (an index from refit_table_add_tensor) at device address
  * `addr`, laid out with element `strides` (NULL: row-major over `extent`), with an optional
  * `digest` of its bytes (NULL: none). Offers of the same box are replicas.
@@ -998,7 +1060,7 @@ refit_status refit_table_add_offer(refit_table *table,
                                    const uint64_t *digest);
 
 /**
- * Adds a need: receiver (`rank`, `device`) wants the box `offset`/`extent` (`ndim` values each,
+ * Adds a need: process `rank`'s device `device` wants the box `offset`/`extent` (`ndim` values each,
  * global coordinates) of tensor `tensor` written at device address `addr` with destination element
  * `strides` (one per destination dimension). Destination dimension d is tensor dimension `perm[d]`
  * (`perm` NULL: the identity), so a transposed destination is a permutation. Several needs may
@@ -1049,7 +1111,7 @@ refit_status refit_table_encode(const refit_table *table,
                                 size_t *written);
 
 /**
- * Decodes `len` bytes written by refit_table_encode (on any rank) into a new table in `*table`.
+ * Decodes `len` bytes written by refit_table_encode (in any process) into a new table in `*table`.
  * Untrusted bytes are safe: truncated, corrupted or hostile input returns a status. Thread-safe.
  *
  * Errors: NULL_ARGUMENT (table; bytes when len > 0), DECODE_ERROR (not a table, checksum mismatch,
@@ -1069,15 +1131,18 @@ refit_status refit_plan_options_init(refit_plan_options *options);
 /**
  * Builds the plan that moves every byte the tables' needs ask for exactly once, from one owner per
  * replica set, as the fewest strided segments; writes it to `*plan`. `tables` holds `count` tables
- * (every rank's, in any order: the plan is the same). `options` NULL means the defaults. Runs on
+ * (every process's, in any order: the plan is the same). `options` NULL means the defaults. Runs on
  * the calling thread; touches no device.
  *
- * Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_ARGUMENT (options.size
- * or policy out of range; bad entries of decoded tables), TENSOR_MISMATCH (a tensor described
+ * Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_ARGUMENT (options.size,
+ * policy or coalesce out of range; bad entries of decoded tables), TENSOR_MISMATCH (a tensor described
  * differently by two tables: the message names it and both values), REPLICA_MISMATCH (replicas
  * with different digests), COVERAGE_GAP (the message names the first region no offer covers),
- * OVERLAP (two destination bytes written twice), OUT_OF_MEMORY / UNSUPPORTED (pathological tables
- * beyond the planner's limits).
+ * OVERLAP (two destination bytes written twice), OUT_OF_MEMORY (the plan does not fit in memory,
+ * or needs more segments than the planner's limit), UNSUPPORTED (pathological tables beyond the
+ * planner's other limits: pieces of overlapping offers, runs compared for overlaps, box tests; the
+ * message names the limit). Planning costs O(n log n) in the entries of the tables plus the
+ * segments it produces.
  *
  * # Safety
  * `tables` points to `count` live tables not modified during the call.
@@ -1105,7 +1170,7 @@ void refit_plan_destroy(refit_plan *plan);
 refit_status refit_plan_get_stats(const refit_plan *plan, refit_plan_stats *stats);
 
 /**
- * Writes the counts of receiver (`rank`, `device`)'s needs and the routes into it to `*stats` (zero
+ * Writes the counts of receiver (process `rank`, `device`)'s needs and the routes into it to `*stats` (zero
  * but the shared input counts when that endpoint needs nothing); set stats->size first.
  * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
  *
@@ -1119,7 +1184,7 @@ refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
 
 /**
  * Writes the plan's fingerprint to `*fingerprint`: equal for the same tables in any order, in any
- * process; ranks compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
+ * process; processes compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
  *
  * # Safety
  * `plan` is a live plan.

@@ -1,13 +1,15 @@
 //! Plans across processes: each process adds only its own table, the encoded tables are gathered
-//! over a communicator, every process builds the same plan (the planner is a deterministic function
-//! of all tables and the options), and the processes agree on it before any byte moves.
+//! over a communicator, every process builds its share of one plan (`plan::build_share`: the routes
+//! from or to its own endpoints, with owners chosen as a deterministic function of all tables and the
+//! options, so the shares fit together), and the processes agree before any byte moves.
 //!
 //! Agreement: every rank sends the others a short record (its build's status and message, and
-//! fingerprints of the gathered tables, the options, the plan and the library version). Every rank
-//! then decides the same way from the same records: a rank whose build failed returns its own error
-//! and the others ABORTED naming it; any fingerprint that differs between ranks (options passed
-//! differently, another library version) is INVALID_ARGUMENT on every rank, naming both sides. So a
-//! disagreement is a status everywhere, never a hang and never a plan installed on some ranks only.
+//! fingerprints of the gathered tables, the planner's inputs (tables, options, limits) and the
+//! library version). Every rank then decides the same way from the same records: a rank whose build
+//! failed returns its own error and the others ABORTED naming it; any fingerprint that differs
+//! between ranks (options passed differently, another library version) is INVALID_ARGUMENT on every
+//! rank, naming both sides. So a disagreement is a status everywhere, never a hang and never a plan
+//! installed on some ranks only.
 
 use crate::bail;
 use crate::error::{Error, Result, Status};
@@ -24,7 +26,8 @@ struct Record {
     /// FNV-1a of every gathered table, in rank order: the same on every rank unless bytes changed.
     tables: u64,
     options: u64,
-    fingerprint: u64,
+    /// The planner's fingerprint of everything it planned from (`Plan::inputs_fingerprint`).
+    inputs: u64,
     version: u64,
 }
 
@@ -32,7 +35,7 @@ impl Record {
     fn encode(&self) -> Vec<u8> {
         let mut out = Vec::with_capacity(40 + self.text.len());
         out.extend_from_slice(&self.status.to_le_bytes());
-        for v in [self.tables, self.options, self.fingerprint, self.version] {
+        for v in [self.tables, self.options, self.inputs, self.version] {
             out.extend_from_slice(&v.to_le_bytes());
         }
         out.extend_from_slice(self.text.as_bytes());
@@ -48,7 +51,7 @@ impl Record {
             status: u32::from_le_bytes(bytes[..4].try_into().expect("4 bytes")),
             tables: word(0),
             options: word(1),
-            fingerprint: word(2),
+            inputs: word(2),
             version: word(3),
             text: String::from_utf8_lossy(&bytes[36..]).into_owned(),
         })
@@ -61,28 +64,33 @@ fn fnv(h: u64, bytes: &[u8]) -> u64 {
 
 const FNV_START: u64 = 0xcbf2_9ce4_8422_2325;
 
-/// Builds the plan of every rank's table, `own` being this rank's, over `comm`. Returns the same plan
-/// on every rank, or an error on every rank (see the module docs). Blocks until every rank has
-/// called it, each step bounded by the communicator's timeout.
+/// This rank's share of the plan of every rank's table, `own` being this rank's, over `comm`: every
+/// route from or to this rank's endpoints (the plan's process index is the communicator rank), or
+/// an error on every rank (see the module docs). Blocks until every rank has called it, each step
+/// bounded by the communicator's timeout.
 ///
-/// Errors: those of the planner (on every rank alike, the tables being the same), DECODE_ERROR (a
-/// table's bytes changed on the way), INVALID_ARGUMENT (ranks disagree), ABORTED (another rank's
-/// build failed, or a peer went away), TIMEOUT.
+/// Errors: those of the planner (a coverage gap or overlap in a rank's own needs on that rank, the
+/// others ABORTED), DECODE_ERROR (a table's bytes changed on the way), INVALID_ARGUMENT (ranks
+/// disagree), ABORTED (another rank's build failed, or a peer went away), TIMEOUT.
 pub fn build_plan(comm: &Communicator, own: &Table, options: &PlanOptions) -> Result<Plan> {
     let tables = comm.allgather_bytes(&plan::wire::encode(own))?;
+    let process = u32::try_from(comm.rank()).expect("communicator ranks fit in 32 bits");
     let built = tables
         .iter()
         .enumerate()
         .map(|(rank, bytes)| plan::wire::decode(bytes).map_err(|e| e.context(format!("rank {rank}'s table"))))
         .collect::<Result<Vec<Table>>>()
-        .and_then(|tables| plan::build(&tables, options));
+        .and_then(|tables| {
+            let borrowed: Vec<&Table> = tables.iter().collect();
+            plan::build_share(&borrowed, process, options, &plan::Limits::default())
+        });
     let options_text = format!("{options:?}");
     let mut record = Record {
         status: 0,
         text: options_text.clone(),
         tables: tables.iter().fold(FNV_START, |h, t| fnv(fnv(h, &(t.len() as u64).to_le_bytes()), t)),
         options: fnv(FNV_START, options_text.as_bytes()),
-        fingerprint: built.as_ref().map_or(0, Plan::fingerprint),
+        inputs: built.as_ref().map_or(0, Plan::inputs_fingerprint),
         version: fnv(FNV_START, env!("CARGO_PKG_VERSION").as_bytes()),
     };
     if let Err(err) = &built {
@@ -113,15 +121,15 @@ fn agree(records: &[Record], rank: usize) -> Result<()> {
             "plan options"
         } else if record.tables != first.tables {
             "gathered tables"
-        } else if record.fingerprint != first.fingerprint {
-            "plans"
+        } else if record.inputs != first.inputs {
+            "planner inputs"
         } else {
             continue;
         };
         return Err(Error::invalid_argument(format!(
-            "ranks 0 and {other} have different {what} (rank 0: {}, fingerprint {:#018x}; rank {other}: {}, \
-             fingerprint {:#018x}): every rank must pass the same options; nothing was planned on rank {rank}",
-            first.text, first.fingerprint, record.text, record.fingerprint
+            "ranks 0 and {other} have different {what} (rank 0: {}, inputs {:#018x}; rank {other}: {}, inputs \
+             {:#018x}): every rank must pass the same options; nothing was planned on rank {rank}",
+            first.text, first.inputs, record.text, record.inputs
         )));
     }
     Ok(())
@@ -131,8 +139,8 @@ fn agree(records: &[Record], rank: usize) -> Result<()> {
 mod tests {
     use super::*;
 
-    fn record(status: u32, options: u64, fingerprint: u64) -> Record {
-        Record { status, text: format!("options {options}"), tables: 7, options, fingerprint, version: 1 }
+    fn record(status: u32, options: u64, inputs: u64) -> Record {
+        Record { status, text: format!("options {options}"), tables: 7, options, inputs, version: 1 }
     }
 
     #[test]
@@ -158,6 +166,6 @@ mod tests {
         assert_eq!(err.status, Status::InvalidArgument);
         assert!(err.message.contains("ranks 0 and 2 have different plan options"), "{err}");
         let err = agree(&[record(0, 1, 9), record(0, 1, 8)], 0).unwrap_err();
-        assert!(err.message.contains("different plans"), "{err}");
+        assert!(err.message.contains("different planner inputs"), "{err}");
     }
 }

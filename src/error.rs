@@ -124,6 +124,33 @@ impl fmt::Display for Error {
 
 impl std::error::Error for Error {}
 
+/// An empty vector with room for `capacity` elements, or OUT_OF_MEMORY instead of an abort. Every
+/// allocation whose size a caller chooses (an array length, a count, a byte size) goes through this or
+/// [`try_reserve`]: under a memory limit the call fails with a status and the process lives on.
+pub fn try_vec<T>(capacity: usize, what: &str) -> Result<Vec<T>> {
+    let mut vec = Vec::new();
+    try_reserve(&mut vec, capacity, what)?;
+    Ok(vec)
+}
+
+/// Room for `additional` more elements in `vec`, or OUT_OF_MEMORY (see [`try_vec`]). Grows the
+/// capacity geometrically, as `push` does, so reserving before each append stays linear.
+pub fn try_reserve<T>(vec: &mut Vec<T>, additional: usize, what: &str) -> Result<()> {
+    vec.try_reserve(additional).map_err(|_| {
+        Error::new(
+            Status::OutOfMemory,
+            format!("cannot allocate {what}: {additional} x {} bytes", std::mem::size_of::<T>()),
+        )
+    })
+}
+
+/// A copy of `items`, or OUT_OF_MEMORY (see [`try_vec`]).
+pub fn try_to_vec<T: Clone>(items: &[T], what: &str) -> Result<Vec<T>> {
+    let mut vec = try_vec(items.len(), what)?;
+    vec.extend_from_slice(items);
+    Ok(vec)
+}
+
 /// Shorthand for `Err(Error::new(status, format!(...)))`.
 #[macro_export]
 macro_rules! bail {
@@ -210,6 +237,24 @@ mod tests {
         }
         assert_eq!(Status::from_code(Status::ALL.len() as i64), None);
         assert_eq!(Status::from_code(-1), None);
+    }
+
+    #[test]
+    fn allocations_too_large_are_out_of_memory() {
+        let err = try_vec::<u64>(usize::MAX / 4, "a test list").unwrap_err();
+        assert_eq!(err.status, Status::OutOfMemory);
+        assert_eq!(err.message, format!("cannot allocate a test list: {} x 8 bytes", usize::MAX / 4));
+        assert_eq!(try_to_vec(&[1u8, 2, 3], "bytes").unwrap(), [1, 2, 3]);
+        // Reserving before each append grows geometrically, not one element at a time.
+        let mut list = Vec::new();
+        let mut reallocations = 0;
+        for i in 0..10_000u32 {
+            let capacity = list.capacity();
+            try_reserve(&mut list, 1, "a test list").unwrap();
+            reallocations += usize::from(list.capacity() != capacity);
+            list.push(i);
+        }
+        assert!(reallocations < 20, "{reallocations} reallocations for 10,000 appends");
     }
 
     #[test]

@@ -15,7 +15,7 @@ use std::time::Duration;
 const POISON: u8 = 0xAB;
 
 fn host(n: usize) -> Group {
-    let devices: Vec<i64> = (0..n as i64).collect();
+    let devices: Vec<i32> = (0..n as i32).collect();
     Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
 }
 
@@ -271,6 +271,16 @@ fn per_rank_allgather_inside_run_byte_exact() {
         per_rank(&group, &[0, 0, 0, 0], algorithm, 2, false);
         per_rank(&host(1), &[99], algorithm, 2, false);
     }
+}
+
+#[test]
+fn host_staging_moves_blocks_larger_than_its_buffer_in_parts() {
+    // The Host algorithm stages 8 MiB at a time: blocks of two parts and a bit, one part and a byte,
+    // and a short one, whole-group and per rank.
+    const PART: usize = 8 << 20;
+    let counts = [2 * PART + 3, 5, PART + 1];
+    check_whole_group(&host(3), &counts, Algorithm::Host, 0);
+    per_rank(&host(3), &counts, Algorithm::Host, 1, false);
 }
 
 #[test]

@@ -50,7 +50,7 @@ fn run(program: &Path) -> String {
 }
 
 #[test]
-fn header_compiles_on_its_own_as_c_and_cpp() {
+fn headers_compile_on_their_own() {
     let header = Path::new(env!("CARGO_MANIFEST_DIR")).join("include/refit.h");
     for (compiler, language, standard) in [("cc", "c", "-std=c11"), ("g++", "c++", "-std=c++17")] {
         let status = Command::new(compiler)
@@ -60,6 +60,21 @@ fn header_compiles_on_its_own_as_c_and_cpp() {
             .expect("compiler runs");
         assert!(status.success(), "include/refit.h does not compile as {language}");
     }
+    let wrapper = Path::new(env!("CARGO_MANIFEST_DIR")).join("include/refit.hpp");
+    let status = Command::new("g++")
+        .args(["-fsyntax-only", "-Wall", "-Wextra", "-Werror", "-pedantic", "-std=c++17", "-x", "c++"])
+        .arg(&wrapper)
+        .status()
+        .expect("compiler runs");
+    assert!(status.success(), "include/refit.hpp does not compile on its own as C++17");
+    // Before C++17 it stops with its own message rather than a cascade of errors.
+    let output = Command::new("g++")
+        .args(["-fsyntax-only", "-std=c++14", "-x", "c++"])
+        .arg(&wrapper)
+        .output()
+        .expect("compiler runs");
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(!output.status.success() && stderr.contains("refit.hpp needs C++17"), "{stderr}");
 }
 
 #[test]

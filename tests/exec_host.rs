@@ -5,7 +5,7 @@
 use refit::exec::{Arm, Executor};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::plan::{self, PlanOptions};
-use refit_workloads::{element_value, Layout, Model, Moe, Role, Spec, Workload};
+use refit_workloads::{element_value, Model, Moe, Packing, Role, Spec, Workload};
 
 const POISON: u8 = 0xa5;
 
@@ -48,7 +48,7 @@ fn wrong_elements(w: &Workload, memory: &[Vec<u8>]) -> Vec<String> {
     wrong
 }
 
-fn refit_with(layout: Layout, arm: Arm, scoped: bool) -> Vec<Vec<u8>> {
+fn refit_with(layout: Packing, arm: Arm, scoped: bool) -> Vec<Vec<u8>> {
     let spec = Spec::qwen3_colocated_ep2_tp2(layout).with_model(small_moe());
     let w = Workload::generate(&spec).unwrap();
     let mut memory: Vec<Vec<u8>> = w.buffers.iter().map(|b| vec![POISON; b.bytes as usize]).collect();
@@ -87,7 +87,7 @@ fn refit_with(layout: Layout, arm: Arm, scoped: bool) -> Vec<Vec<u8>> {
 
 #[test]
 fn both_arms_install_every_element_in_both_publisher_layouts() {
-    for layout in [Layout::Separate, Layout::Packed] {
+    for layout in [Packing::Separate, Packing::Packed] {
         let batched = refit_with(layout, Arm::Batched, false);
         let per_run = refit_with(layout, Arm::PerRun, true);
         // Receivers hold identical bytes (publisher buffers too: nothing writes them).

@@ -6,7 +6,7 @@
 
 mod gpu_common;
 
-use gpu_common::{caller_stream, cuda, group_sizes, pattern, DeviceBuffer, SpinKernel};
+use gpu_common::{caller_stream, cuda, device_of, group_sizes, pattern, DeviceBuffer, SpinKernel};
 use refit::allgather::peer::{set_method, PeerMethod};
 use refit::allgather::{allgather, allgather_rank, Algorithm};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
@@ -15,7 +15,7 @@ use refit::transport::Backend;
 const ALGORITHMS: [Algorithm; 4] = [Algorithm::Peer, Algorithm::Nccl, Algorithm::Host, Algorithm::Auto];
 
 fn gpu_group(size: usize) -> Group {
-    let devices: Vec<i64> = (0..size as i64).collect();
+    let devices: Vec<i32> = (0..size as i32).collect();
     Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 })
         .unwrap_or_else(|e| panic!("group of {size} GPUs: {e}"))
 }
@@ -51,9 +51,11 @@ impl Case {
         let offsets: Vec<usize> = (0..size).map(|r| counts[..r].iter().sum()).collect();
         let total: usize = counts.iter().sum();
         let blocks: Vec<Vec<u8>> = (0..size).map(|r| pattern(r, call, counts[r])).collect();
-        let sends: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, counts[r].max(1))).collect();
+        let sends: Vec<DeviceBuffer> =
+            (0..size).map(|r| DeviceBuffer::new(device_of(r), counts[r].max(1))).collect();
         // One spare byte past the end catches writes beyond the gathered size.
-        let recvs: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, total + 1)).collect();
+        let recvs: Vec<DeviceBuffer> =
+            (0..size).map(|r| DeviceBuffer::new(device_of(r), total + 1)).collect();
         let case = Case { counts: counts.to_vec(), offsets, total, blocks, sends, recvs, in_place };
         case.reset();
         case
@@ -203,13 +205,13 @@ fn two_hundred_calls_in_a_row_stay_exact() {
 fn inside_a_scope_the_allgather_comes_after_slow_producers_and_users_on_the_caller_streams() {
     for size in group_sizes() {
         let group = gpu_group(size);
-        let kernels: Vec<SpinKernel> = (0..size).map(SpinKernel::load).collect();
+        let kernels: Vec<SpinKernel> = (0..size).map(|r| SpinKernel::load(device_of(r))).collect();
         let methods = PeerMethod::ALL.map(|m| (Algorithm::Peer, Some(m)));
         for (algorithm, method) in methods.into_iter().chain([(Algorithm::Nccl, None)]) {
             set_method(&group, method).unwrap();
             let counts = vec![4096usize; size];
             let mut case = Case::new(&counts, 3, false);
-            let callers: Vec<_> = (0..size).map(caller_stream).collect();
+            let callers: Vec<_> = (0..size).map(|r| caller_stream(device_of(r))).collect();
             for r in 0..size {
                 // The producer's last word lands after 200 ms of spinning.
                 let marker = 0xFEED0000u32 + r as u32;
@@ -224,11 +226,11 @@ fn inside_a_scope_the_allgather_comes_after_slow_producers_and_users_on_the_call
             case.gather(&group, algorithm).unwrap();
             group.exit(ExitMode::Async).unwrap();
             for (r, &s) in callers.iter().enumerate() {
-                cuda().sync_stream(r, s).unwrap();
+                cuda().sync_stream(device_of(r), s).unwrap();
             }
             case.check(&format!("scoped G={size} {algorithm:?} {method:?}"));
             for (r, &s) in callers.iter().enumerate() {
-                cuda().destroy_stream(r, s);
+                cuda().destroy_stream(device_of(r), s);
             }
             println!("G={size} {algorithm:?} {method:?}: ordered after the callers' slow producer and user");
         }
@@ -317,7 +319,7 @@ fn a_rank_whose_launch_failed_is_released_where_its_stream_reaches_the_call() {
     let streams = [group.stream(0).unwrap(), group.stream(1).unwrap()];
     let scratch = DeviceBuffer::new(1, 4);
     let spin = SpinKernel::load(1);
-    let busy = |device: usize| !gpu_common::stream_idle(device, streams[device]);
+    let busy = |rank: usize| !gpu_common::stream_idle(device_of(rank), streams[rank]);
     // Twice: the second call checks that the first left the departure counts where the kernel
     // expects them for the next epoch.
     for _ in 0..2 {
@@ -340,7 +342,7 @@ fn a_rank_whose_launch_failed_is_released_where_its_stream_reaches_the_call() {
         unsafe { batch.launch_synced(streams[rank].as_ptr().cast(), rendezvous.rank(rank), epoch) }.unwrap();
     }
     for (rank, stream) in streams.iter().enumerate() {
-        cuda().sync_stream(rank, *stream).unwrap();
+        cuda().sync_stream(device_of(rank), *stream).unwrap();
     }
     println!("a launch waiting for a rank that never launched finished once that rank's stream got there");
 }
@@ -381,7 +383,7 @@ fn kernel_pushes_launched_by_awake_or_sleeping_rank_threads_are_exact_and_keep_t
         set_method(&group, Some(PeerMethod::KernelPushes)).unwrap();
         let cases = hundred_cases(size, 9000);
         // The caller works on the last rank's device; the calling thread launches rank 0's kernel.
-        cuda().bind(size - 1).unwrap();
+        cuda().bind(device_of(size - 1)).unwrap();
         let callers = current_context();
         group.enter(None).unwrap();
         for (call, case) in cases.iter().enumerate() {

@@ -6,7 +6,7 @@
 
 mod gpu_common;
 
-use gpu_common::{cuda, group_sizes, pattern, DeviceBuffer};
+use gpu_common::{cuda, device_of, group_sizes, pattern, DeviceBuffer};
 use refit::allgather::peer::{kernels_run, method_for, PeerMethod};
 use refit::allgather::{allgather, Algorithm};
 use refit::error::Status;
@@ -22,7 +22,7 @@ fn peer_allgather_without_the_kernel_uses_the_copy_engine() {
     assert_eq!(err.status, Status::NvrtcUnavailable, "{err}");
 
     for size in group_sizes() {
-        let devices: Vec<i64> = (0..size as i64).collect();
+        let devices: Vec<i32> = (0..size as i32).collect();
         let group = Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 })
             .unwrap_or_else(|e| panic!("group of {size} GPUs: {e}"));
         assert!(!kernels_run(&group).unwrap(), "G={size}: the kernel reported as running");
@@ -31,9 +31,10 @@ fn peer_allgather_without_the_kernel_uses_the_copy_engine() {
             assert_eq!(method_for(&group, block as u64).unwrap(), PeerMethod::CopyEnginePushes, "G={size}");
             for in_place in [false, true] {
                 let blocks: Vec<Vec<u8>> = (0..size).map(|r| pattern(r, block, block)).collect();
-                let sends: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, block)).collect();
+                let sends: Vec<DeviceBuffer> =
+                    (0..size).map(|r| DeviceBuffer::new(device_of(r), block)).collect();
                 let recvs: Vec<DeviceBuffer> =
-                    (0..size).map(|r| DeviceBuffer::new(r, size * block)).collect();
+                    (0..size).map(|r| DeviceBuffer::new(device_of(r), size * block)).collect();
                 let mut send_ptrs = Vec::new();
                 for r in 0..size {
                     recvs[r].poison();

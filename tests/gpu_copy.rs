@@ -451,13 +451,13 @@ fn errors_are_statuses_and_copy_nothing() {
 #[ignore = "needs a GPU"]
 fn group_rank_copy_on_the_cuda_backend() {
     use refit::group::{BackendChoice, Group, GroupOptions};
-    let devices: Vec<i64> = if cuda::device_count() >= 2 { vec![0, 1] } else { vec![0] };
+    let devices: Vec<i32> = if cuda::device_count() >= 2 { vec![0, 1] } else { vec![0] };
     let group = ok(
         "Group::new",
         Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }),
     );
     let rank = devices.len() - 1;
-    let device = devices[rank] as i32;
+    let device = devices[rank];
     let stream = ok("group stream", group.stream(rank));
     let mut rng = Rng::new(17);
     let shape =
@@ -466,16 +466,15 @@ fn group_rank_copy_on_the_cuda_backend() {
     let mut case = Case::new(&mut rng, batch, device, device);
     // SAFETY: live buffers of this rank's device and the group's own stream.
     let backend = group.backend();
-    let ordinal = ok("group device", group.device(rank));
-    ok("copy_batch", unsafe { backend.copy_batch(ordinal, stream, &case.segments, true) });
-    ok("sync", group.backend().sync_stream(device as usize, stream));
+    ok("copy_batch", unsafe { backend.copy_batch(device, stream, &case.segments, true) });
+    ok("sync", group.backend().sync_stream(device, stream));
     case.verify("group rank one-shot");
-    let prepared = ok("prepare_batch", backend.prepare_batch(ordinal, &case.segments, true));
+    let prepared = ok("prepare_batch", backend.prepare_batch(device, &case.segments, true));
     for round in 0..3 {
         case.refresh(&mut rng);
         // SAFETY: as above.
         ok("launch", unsafe { prepared.launch(stream) });
-        ok("sync", group.backend().sync_stream(device as usize, stream));
+        ok("sync", group.backend().sync_stream(device, stream));
         case.verify(&format!("group rank prepared launch {round}"));
     }
 }

@@ -8,7 +8,7 @@
 mod gpu_common;
 
 use cudarc::driver::sys;
-use gpu_common::{caller_stream, ck, cuda, group_sizes, stream_idle, DeviceBuffer, SpinKernel};
+use gpu_common::{caller_stream, ck, cuda, device_of, group_sizes, stream_idle, DeviceBuffer, SpinKernel};
 use refit::allgather::{allgather_rank, Algorithm};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::segment::Segment;
@@ -20,7 +20,7 @@ use std::time::{Duration, Instant};
 const SPIN_MS: u64 = 300;
 
 fn gpu_group(size: usize) -> Group {
-    let devices: Vec<i64> = (0..size as i64).collect();
+    let devices: Vec<i32> = (0..size as i32).collect();
     Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 })
         .unwrap_or_else(|e| panic!("group of {size} GPUs: {e}"))
 }
@@ -60,7 +60,7 @@ fn streams_are_non_blocking_per_device_not_null_and_the_same_across_calls() {
             let mut device = -1;
             ck("cuStreamGetDevice", unsafe { sys::cuStreamGetDevice(raw, &mut device) });
             let mut expected = -1;
-            ck("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut expected, group.device(rank).unwrap() as i32) });
+            ck("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut expected, group.device(rank).unwrap()) });
             assert_eq!(device, expected, "rank {rank}'s stream is not on its device");
             let mut ctx: sys::CUcontext = std::ptr::null_mut();
             ck("cuStreamGetCtx", unsafe { sys::cuStreamGetCtx(raw, &mut ctx) });
@@ -78,9 +78,7 @@ fn streams_are_non_blocking_per_device_not_null_and_the_same_across_calls() {
                 let mut device = -1;
                 ck("cuCtxGetDevice", unsafe { sys::cuCtxGetDevice(&mut device) });
                 let mut expected = -1;
-                ck("cuDeviceGet", unsafe {
-                    sys::cuDeviceGet(&mut expected, group.device(rank).unwrap() as i32)
-                });
+                ck("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut expected, group.device(rank).unwrap()) });
                 if device != expected {
                     return Err(Error::invalid_state(format!(
                         "rank {rank} runs with device {device} current"
@@ -101,12 +99,13 @@ fn streams_are_non_blocking_per_device_not_null_and_the_same_across_calls() {
 fn work_queued_earlier_on_the_caller_stream_is_seen_after_enter() {
     for size in group_sizes() {
         let group = gpu_group(size);
-        let kernels: Vec<SpinKernel> = (0..size).map(SpinKernel::load).collect();
+        let kernels: Vec<SpinKernel> = (0..size).map(|r| SpinKernel::load(device_of(r))).collect();
         for use_null in [true, false] {
-            let callers: Vec<Stream> =
-                (0..size).map(|r| if use_null { Stream::NULL } else { caller_stream(r) }).collect();
-            let inputs: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, 4)).collect();
-            let outputs: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, 4)).collect();
+            let callers: Vec<Stream> = (0..size)
+                .map(|r| if use_null { Stream::NULL } else { caller_stream(device_of(r)) })
+                .collect();
+            let inputs: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(device_of(r), 4)).collect();
+            let outputs: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(device_of(r), 4)).collect();
             for r in 0..size {
                 inputs[r].write(0, &0u32.to_le_bytes());
                 outputs[r].poison();
@@ -128,7 +127,7 @@ fn work_queued_earlier_on_the_caller_stream_is_seen_after_enter() {
             }
             if !use_null {
                 for (r, s) in callers.iter().enumerate() {
-                    cuda().destroy_stream(r, *s);
+                    cuda().destroy_stream(device_of(r), *s);
                 }
             }
         }
@@ -154,10 +153,10 @@ fn work_queued_earlier_on_the_caller_stream_is_seen_after_enter() {
 fn async_exit_orders_the_caller_stream_without_a_host_sync() {
     for size in group_sizes() {
         let group = gpu_group(size);
-        let kernels: Vec<SpinKernel> = (0..size).map(SpinKernel::load).collect();
-        let callers: Vec<Stream> = (0..size).map(caller_stream).collect();
-        let results: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, 4)).collect();
-        let copies: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, 4)).collect();
+        let kernels: Vec<SpinKernel> = (0..size).map(|r| SpinKernel::load(device_of(r))).collect();
+        let callers: Vec<Stream> = (0..size).map(|r| caller_stream(device_of(r))).collect();
+        let results: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(device_of(r), 4)).collect();
+        let copies: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(device_of(r), 4)).collect();
         for r in 0..size {
             results[r].write(0, &0u32.to_le_bytes());
             copies[r].poison();
@@ -170,23 +169,30 @@ fn async_exit_orders_the_caller_stream_without_a_host_sync() {
         group.exit(ExitMode::Async).unwrap();
         let exit_time = started.elapsed();
         for r in 0..size {
-            assert!(!stream_idle(r, group.stream(r).unwrap()), "G={size}: exit waited for rank {r}'s work");
+            assert!(
+                !stream_idle(device_of(r), group.stream(r).unwrap()),
+                "G={size}: exit waited for rank {r}'s work"
+            );
             // The caller's next work: must see the group's result although nobody synchronized.
             unsafe {
                 cuda()
-                    .copy_segments(r, callers[r], &[Segment::contiguous(results[r].ptr, copies[r].ptr, 4)])
+                    .copy_segments(
+                        device_of(r),
+                        callers[r],
+                        &[Segment::contiguous(results[r].ptr, copies[r].ptr, 4)],
+                    )
                     .unwrap()
             };
         }
         assert!(exit_time < Duration::from_millis(SPIN_MS / 2), "ASYNC exit blocked for {exit_time:?}");
         for r in 0..size {
-            cuda().sync_stream(r, callers[r]).unwrap();
+            cuda().sync_stream(device_of(r), callers[r]).unwrap();
             assert_eq!(
                 read_u32(&copies[r]),
                 0xA5A50000 + r as u32,
                 "G={size} rank {r}: caller stream not ordered"
             );
-            cuda().destroy_stream(r, callers[r]);
+            cuda().destroy_stream(device_of(r), callers[r]);
         }
         println!("G={size}: ASYNC exit returned in {exit_time:?} and ordered the caller streams");
     }
@@ -202,8 +208,8 @@ fn each_gpu_runs_its_work_on_its_own_stream_concurrently() {
         return;
     }
     let group = gpu_group(size);
-    let kernels: Vec<SpinKernel> = (0..size).map(SpinKernel::load).collect();
-    let marks: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, 4)).collect();
+    let kernels: Vec<SpinKernel> = (0..size).map(|r| SpinKernel::load(device_of(r))).collect();
+    let marks: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(device_of(r), 4)).collect();
     let started = Instant::now();
     group
         .run(&|rank, stream| {
@@ -230,7 +236,7 @@ fn peer_access_is_reported_for_every_pair() {
         let group = gpu_group(size);
         for a in 0..size {
             for b in 0..size {
-                let expected = a == b || cuda().can_access_peer(a, b).unwrap();
+                let expected = a == b || cuda().can_access_peer(device_of(a), device_of(b)).unwrap();
                 assert_eq!(group.peer_access(a, b).unwrap(), expected, "pair {a},{b}");
             }
         }
@@ -244,8 +250,8 @@ fn a_failing_rank_releases_the_others_and_the_group_stays_usable() {
     let size = *group_sizes().last().unwrap();
     let group = gpu_group(size);
     let len = 1 << 16;
-    let sends: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, len)).collect();
-    let recvs: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(r, len * size)).collect();
+    let sends: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(device_of(r), len)).collect();
+    let recvs: Vec<DeviceBuffer> = (0..size).map(|r| DeviceBuffer::new(device_of(r), len * size)).collect();
     let blocks: Vec<Vec<u8>> = (0..size).map(|r| gpu_common::pattern(r, 0, len)).collect();
     for r in 0..size {
         sends[r].write(0, &blocks[r]);

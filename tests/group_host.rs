@@ -11,11 +11,11 @@ use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-fn host(devices: &[i64]) -> Group {
+fn host(devices: &[i32]) -> Group {
     Group::new(devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
 }
 
-fn host_err(devices: &[i64], simulated: usize) -> Error {
+fn host_err(devices: &[i32], simulated: usize) -> Error {
     Group::new(devices, GroupOptions { backend: BackendChoice::Host, host_devices: simulated }).err().unwrap()
 }
 
@@ -55,6 +55,15 @@ fn bad_device_lists_have_their_own_status() {
     let duplicate = host_err(&[1, 0, 1], 0);
     assert_eq!(duplicate.status, Status::DuplicateDevice);
     assert!(duplicate.message.contains("devices[0] and devices[2]"), "{}", duplicate.message);
+    // Long lists are refused in time that grows with their length, not with its square (the search
+    // for repeats ran first, over every pair).
+    let distinct: Vec<i32> = (0..1 << 20).collect();
+    assert_eq!(host_err(&distinct, 0).status, Status::InvalidDevice);
+    let mut repeated = vec![3i32; 1 << 20];
+    repeated[0] = 2;
+    let repeat = host_err(&repeated, 0);
+    assert_eq!(repeat.status, Status::DuplicateDevice);
+    assert!(repeat.message.contains("devices[1] and devices[2]"), "{}", repeat.message);
 }
 
 #[test]

@@ -19,3 +19,16 @@ fn kernel_source_compiles_for_hopper() {
     // 16-byte accesses must be there for the co-aligned path.
     assert!(text.contains("ld.global.v2.u64") || text.contains("ld.global.v4.u32"), "vector loads");
 }
+
+#[test]
+#[ignore = "needs libnvrtc (set REFIT_NVRTC_LIBRARY)"]
+fn digest_kernel_compiles_for_hopper() {
+    let source = refit::kernels::digest::SOURCE;
+    let cubin =
+        nvrtc::compile(source, "digest.cu", 9, 0, Output::Cubin, &["-Xptxas=-v"]).expect("CUBIN for sm_90");
+    println!("CUBIN {} bytes\n{}", cubin.image.len(), cubin.log);
+    let ptx = nvrtc::compile(source, "digest.cu", 9, 0, Output::Ptx, &[]).expect("PTX for compute_90");
+    let text = String::from_utf8_lossy(&ptx.image);
+    assert!(text.contains(".entry refit_digest("), "PTX names the kernel");
+    assert!(text.contains("ld.global.v2.u64") || text.contains("ld.global.nc.v2.u64"), "16-byte loads");
+}

@@ -1,46 +1,26 @@
 //! The CUDA kernel's own source (`src/kernels/batched_copy.cu`), built as host C++ by
-//! `tests/emulate/host_kernel.cpp` and run thread by thread on the CPU over descriptors laid out by
+//! `tests/emulate/host_kernel.cpp` and run on the CPU (tests/emulate/runtime.hpp) over descriptors laid out by
 //! `kernels::layout` (exactly what the GPU receives, with host addresses). This tests the kernel's
 //! tile split, segment search, strided walk and alignment paths in CI, where there is no GPU; the GPU
 //! tests (tests/gpu_copy.rs) then only need to confirm the device behaves like this.
 
+#[path = "common/emulator.rs"]
+mod emulator;
 #[path = "common/random_batch.rs"]
 mod random_batch;
 
 use random_batch::{first_difference, random_batch, rebase, reference, Rng, Shape};
-use refit::kernels::layout::Layout;
+use refit::kernels::layout::BatchLayout;
 use refit::segment::check::validate;
-use refit::transport::dynlib::Library;
-use refit::{Segment, Status};
-use std::path::PathBuf;
-use std::process::Command;
+use refit::Segment;
 use std::sync::OnceLock;
 
 type Launch = unsafe extern "C" fn(*const std::ffi::c_void, u64, u64, u32, u32, u32, u32);
 
 fn emulator() -> Launch {
     static LAUNCH: OnceLock<Launch> = OnceLock::new();
-    *LAUNCH.get_or_init(|| {
-        let root = PathBuf::from(env!("CARGO_MANIFEST_DIR"));
-        let exe = std::env::current_exe().expect("test binary path");
-        let out = exe.parent().expect("deps dir").join("refit_emulated_kernel.so");
-        let status = Command::new("g++")
-            .args(["-std=c++17", "-O2", "-fno-strict-aliasing", "-Wall", "-Wextra", "-Werror"])
-            .args(["-Wno-unknown-pragmas", "-fPIC", "-shared"])
-            .arg(root.join("tests/emulate/host_kernel.cpp"))
-            .arg("-o")
-            .arg(&out)
-            .status()
-            .expect("cannot run g++");
-        assert!(status.success(), "the kernel source does not build as host C++");
-        let path = out.to_str().expect("UTF-8 path");
-        let library = Library::open_first("REFIT_TEST_UNSET_VARIABLE", &[path], Status::Unsupported).unwrap();
-        // SAFETY: matches refit_emulate_launch in host_kernel.cpp.
-        let launch =
-            unsafe { library.symbol::<Launch>(c"refit_emulate_launch", Status::Unsupported) }.unwrap();
-        std::mem::forget(library); // the handle is never closed anyway
-        launch
-    })
+    // SAFETY: matches refit_emulate_launch in host_kernel.cpp.
+    *LAUNCH.get_or_init(|| unsafe { emulator::load::<Launch>("host_kernel", c"refit_emulate_launch") })
 }
 
 /// Every lane-group width the kernel supports (log2 lanes per tile: 8, 16, 32).
@@ -50,7 +30,7 @@ const GROUP_SHIFTS: [u32; 3] = [3, 4, 5];
 /// `blocks` blocks of 256 threads and `2^group_shift` lanes per tile.
 fn emulate(segments: &[Segment], blocks: u32, tile_shift: u32, group_shift: u32) {
     validate(segments).unwrap();
-    let layout = Layout::with_tile_shift(segments, tile_shift).unwrap();
+    let layout = BatchLayout::with_tile_shift(segments, tile_shift).unwrap();
     if layout.tiles == 0 {
         return;
     }
@@ -69,7 +49,7 @@ fn emulate(segments: &[Segment], blocks: u32, tile_shift: u32, group_shift: u32)
 }
 
 fn run(seed: u64, shape: Shape, blocks: u32) {
-    run_with_tile(seed, shape, blocks, Layout::default_tile_shift());
+    run_with_tile(seed, shape, blocks, BatchLayout::default_tile_shift());
 }
 
 fn run_with_tile(seed: u64, shape: Shape, blocks: u32, tile_shift: u32) {
@@ -166,7 +146,7 @@ fn aligned_rows_take_the_row_spread_path() {
             let mut dst_words = vec![0xCDCD_CDCD_CDCD_CDCD_CDCD_CDCD_CDCD_CDCDu128; dst_words_len];
             let got = as_bytes(&mut dst_words);
             let segments = rebase(&[segment], src_ptr, got.as_mut_ptr() as u64);
-            emulate(&segments, 3, Layout::default_tile_shift(), group_shift);
+            emulate(&segments, 3, BatchLayout::default_tile_shift(), group_shift);
             if let Some((at, g, w)) = first_difference(got, &want) {
                 panic!(
                     "{segment:?}, 2^{group_shift} lanes: destination byte {at} is {g:#x}, expected {w:#x}"

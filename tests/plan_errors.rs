@@ -2,8 +2,8 @@
 //! cases that must not fail (overlapping offers, interleaved destinations, empty boxes).
 
 use refit::plan::{
-    build, build_with_limits, Endpoint, Limits, Need, Offer, OwnerPolicy, Plan, PlanOptions, Region, Table,
-    TensorSpec,
+    build, build_share, build_with_limits, Endpoint, Limits, Need, Offer, OwnerPolicy, Plan, PlanOptions,
+    Region, Table, TableBuilder, TensorSpec,
 };
 use refit::{Error, Status};
 
@@ -12,7 +12,7 @@ fn spec(name: &str, elem_size: u32, shape: &[u64]) -> TensorSpec {
 }
 
 fn at(rank: u32) -> Endpoint {
-    Endpoint { rank, device: 0 }
+    Endpoint { process: rank, device: 0 }
 }
 
 fn region(offset: &[u64], extent: &[u64]) -> Region {
@@ -123,7 +123,7 @@ fn replicas_with_different_digests_fail_and_name_the_box() {
     let mut t = simple();
     t.offers[0].digest = Some(1);
     t.offers.push(Offer { owner: at(2), addr: 0x5000, digest: Some(2), ..t.offers[0].clone() });
-    fails(&[t.clone()], Status::ReplicaMismatch, &["'w'", "offset [0, 0]", "rank 0", "rank 2"]);
+    fails(&[t.clone()], Status::ReplicaMismatch, &["'w'", "offset [0, 0]", "process 0", "process 2"]);
     // A replica without a digest is not a mismatch; equal digests are not either.
     t.offers[1].digest = None;
     assert!(plan(&[t.clone()]).is_ok());
@@ -137,7 +137,7 @@ fn uncovered_bytes_are_a_coverage_gap_naming_the_first_uncovered_region() {
     let mut t = simple();
     // Rows 0..2 and the left half of rows 2..4 are offered; the right half of rows 2..4 is not.
     t.offers = vec![offer(0, 0, 0x1000, &[0, 0], &[2, 8]), offer(0, 0, 0x2000, &[2, 0], &[2, 4])];
-    fails(&[t.clone()], Status::CoverageGap, &["'w'", "rank 1 device 0", "offset [2, 4] extent [2, 4]"]);
+    fails(&[t.clone()], Status::CoverageGap, &["'w'", "process 1 device 0", "offset [2, 4] extent [2, 4]"]);
     t.offers.clear();
     fails(&[t], Status::CoverageGap, &["offset [0, 0] extent [4, 8]"]);
 }
@@ -149,7 +149,7 @@ fn needs_writing_the_same_bytes_overlap() {
     t.tensors.push(spec("v", 4, &[8]));
     t.offers.push(offer(1, 0, 0x3000, &[0], &[8]));
     t.needs.push(need(1, 1, 0x8000 + 120, &[0], &[8], &[1]));
-    fails(&[t.clone()], Status::Overlap, &["rank 1 device 0", "'w'", "'v'"]);
+    fails(&[t.clone()], Status::Overlap, &["process 1 device 0", "'w'", "'v'"]);
     // The same addresses on another receiver are another memory: no overlap.
     t.needs[1].receiver = at(2);
     assert!(plan(&[t]).is_ok());
@@ -197,7 +197,7 @@ fn overlapping_offers_are_read_once() {
         let mut runs = vec![];
         for r in p.routes() {
             for s in &r.segments {
-                s.for_each_run(|src, dst, len| runs.push((dst, src, len, r.src.rank)));
+                s.for_each_run(|src, dst, len| runs.push((dst, src, len, r.src.process)));
             }
         }
         runs.sort_unstable();
@@ -267,7 +267,7 @@ fn limits_turn_pathological_tables_into_statuses() {
 
 #[test]
 fn table_builders_check_entries_as_they_are_added() {
-    let mut t = Table::default();
+    let mut t = TableBuilder::new();
     let w = t.add_tensor(spec("w", 4, &[4, 8])).unwrap();
     assert_eq!(t.add_tensor(spec("w", 4, &[4, 8])).unwrap(), w);
     assert_eq!(t.add_tensor(spec("w", 2, &[4, 8])).unwrap_err().status, Status::TensorMismatch);
@@ -278,6 +278,48 @@ fn table_builders_check_entries_as_they_are_added() {
     let bad_perm = Need { perm: Some(vec![0]), ..need(w, 1, 0x900, &[0, 0], &[4, 8], &[8, 1]) };
     assert_eq!(t.add_need(bad_perm).unwrap_err().status, Status::InvalidArgument);
     t.add_need(need(w, 1, 0x900, &[0, 0], &[4, 8], &[8, 1])).unwrap();
+    let t = t.into_table();
     assert_eq!((t.tensors.len(), t.offers.len(), t.needs.len()), (1, 1, 1));
     assert_eq!(plan(&[t]).unwrap().stats().needed_bytes, 128);
+}
+
+#[test]
+fn needs_whose_bounding_box_overflows_the_address_space_still_overlap() {
+    // Issue 14 item 1: two one-element needs at the same address, boxes {0,4} and {4,0}, strides
+    // 2^62. Each need alone fits; the bounding box of the pair does not, and the proof that its
+    // strides keep elements apart overflowed and said "disjoint".
+    let t = Table {
+        tensors: vec![spec("w", 2, &[8, 8])],
+        offers: vec![offer(0, 0, 0x1000, &[0, 0], &[8, 8])],
+        needs: vec![
+            need(0, 1, 0x9000, &[0, 4], &[1, 1], &[1 << 62, 1 << 62]),
+            need(0, 1, 0x9000, &[4, 0], &[1, 1], &[1 << 62, 1 << 62]),
+        ],
+    };
+    fails(&[t], Status::Overlap, &["0x9000", "'w'"]);
+}
+
+#[test]
+fn a_share_checks_its_own_needs_and_every_table_entry() {
+    // Process 1 needs rows nobody offers; process 2's needs are covered.
+    let mut t = simple();
+    t.offers = vec![offer(0, 0, 0x1000, &[0, 0], &[2, 8])];
+    t.needs =
+        vec![need(0, 1, 0x8000, &[0, 0], &[4, 8], &[8, 1]), need(0, 2, 0x8000, &[0, 0], &[2, 8], &[8, 1])];
+    let (options, limits) = (PlanOptions::default(), Limits::default());
+    let share = |t: &Table, p: u32| build_share(&[t], p, &options, &limits);
+    assert_eq!(share(&t, 1).unwrap_err().status, Status::CoverageGap);
+    let p2 = share(&t, 2).unwrap();
+    assert_eq!(p2.stats().needed_bytes, 64);
+    // Process 0 publishes to both: its share holds both routes, though process 1's need is not
+    // covered (process 1 reports that).
+    let p0 = share(&t, 0).unwrap();
+    assert_eq!(p0.routes().len(), 2);
+    assert_eq!(p0.receivers().count(), 0);
+    // Entries are checked in every share, whoever they belong to: every process fails alike.
+    let mut bad = t.clone();
+    bad.needs[1].perm = Some(vec![0, 0]);
+    for p in 0..3 {
+        assert_eq!(share(&bad, p).unwrap_err().status, Status::InvalidArgument, "process {p}");
+    }
 }

@@ -7,7 +7,10 @@
 //! simulated publisher memory (holes filled with garbage, so reading an unneeded byte shows), and
 //! both memories must match exactly, with every needed byte written once.
 
-use refit::plan::{build, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, Region, Table, TensorSpec};
+use refit::plan::{
+    build, build_share, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, PlanStats, Region, Route,
+    Table, TensorSpec,
+};
 use std::collections::BTreeMap;
 
 /// xorshift64*: small, seeded, good enough to explore layouts.
@@ -169,7 +172,7 @@ struct Case {
 type Pending = (Vec<u64>, Vec<u64>, Vec<u32>, Vec<u64>, u64);
 
 fn endpoint(rng: &mut Rng) -> Endpoint {
-    Endpoint { rank: rng.below(3) as u32, device: rng.below(2) as u32 }
+    Endpoint { process: rng.below(3) as u32, device: rng.below(2) as u32 }
 }
 
 fn random_case(seed: u64) -> Case {
@@ -420,7 +423,7 @@ fn random_tables_match_the_per_element_reference() {
                 let again = build(&shuffled(&case.tables, &mut rng), &options).unwrap();
                 assert_eq!(again.routes(), plan.routes(), "seed {seed} {options:?}: order changed the plan");
                 assert_eq!(again.fingerprint(), plan.fingerprint());
-                by_policy.push((policy, stats.clone()));
+                by_policy.push((policy, *stats));
                 planned += 1;
             }
         }
@@ -443,7 +446,7 @@ fn balanced_policy_spreads_replicated_bytes() {
         for rank in 0..2u32 {
             table.offers.push(Offer {
                 tensor: 0,
-                owner: Endpoint { rank, device: 0 },
+                owner: Endpoint { process: rank, device: 0 },
                 addr: 0x10000 * (u64::from(rank) + 1) + row * 64,
                 region: Region { offset: vec![row, 0], extent: vec![1, 16] },
                 strides: None,
@@ -451,7 +454,7 @@ fn balanced_policy_spreads_replicated_bytes() {
             });
         }
     }
-    let receiver = Endpoint { rank: 5, device: 0 };
+    let receiver = Endpoint { process: 5, device: 0 };
     table.needs.push(Need {
         tensor: 0,
         receiver,
@@ -463,7 +466,7 @@ fn balanced_policy_spreads_replicated_bytes() {
     let bytes_from = |plan: &Plan, rank: u32| -> u64 {
         plan.routes()
             .iter()
-            .filter(|r| r.src.rank == rank)
+            .filter(|r| r.src.process == rank)
             .flat_map(|r| &r.segments)
             .map(|s| s.bytes().unwrap())
             .sum()
@@ -478,4 +481,196 @@ fn balanced_policy_spreads_replicated_bytes() {
     assert_eq!(balanced.stats().offers_kept, 8);
     assert_eq!(balanced.stats().offers_in, 16);
     assert_eq!(balanced.stats().duplicate_bytes_dropped, 512);
+}
+
+#[test]
+fn balanced_serves_single_replica_demand_first() {
+    // Issue 14 item 9: `a` offered by (0,0) and (1,0), `b` only by (1,0); receiver (1,0) needs both.
+    // The busiest source must serve 8 bytes, whatever the tensors are called.
+    for (a, b) in [("a", "b"), ("b", "a"), ("zz", "aa")] {
+        let spec = |name: &str| TensorSpec { name: name.into(), dtype: 0, elem_size: 1, shape: vec![8] };
+        let whole = Region { offset: vec![0], extent: vec![8] };
+        let at = |rank| Endpoint { process: rank, device: 0 };
+        let offer = |tensor, rank, addr| Offer {
+            tensor,
+            owner: at(rank),
+            addr,
+            region: whole.clone(),
+            strides: None,
+            digest: None,
+        };
+        let need = |tensor, addr| Need {
+            tensor,
+            receiver: at(1),
+            addr,
+            region: whole.clone(),
+            perm: None,
+            strides: vec![1],
+        };
+        let table = Table {
+            tensors: vec![spec(a), spec(b)],
+            offers: vec![offer(0, 0, 0x100), offer(0, 1, 0x200), offer(1, 1, 0x300)],
+            needs: vec![need(0, 0x1000), need(1, 0x2000)],
+        };
+        let plan = build(&[table], &PlanOptions { policy: OwnerPolicy::Balanced, coalesce: true }).unwrap();
+        let mut served = BTreeMap::new();
+        for r in plan.routes() {
+            *served.entry(r.src).or_insert(0) += r.segments.iter().map(|s| s.bytes().unwrap()).sum::<u64>();
+        }
+        assert_eq!(served.into_iter().collect::<Vec<_>>(), vec![(at(0), 8), (at(1), 8)], "names {a}, {b}");
+    }
+}
+
+/// A random owner-balancing problem: tensors of 1..64 bytes, each offered whole by a random set of
+/// processes 0..4, needed whole by some of processes 10..12. Returns the table (tensor `t` named
+/// `names[t]`, need of tensor `t` by process `10 + r` at `0x10000 * (t + 1) + 0x100 * r`), each
+/// tensor's bytes and owners.
+fn balancing_case(rng: &mut Rng, names: &[String]) -> (Table, Vec<u64>, Vec<Vec<Endpoint>>) {
+    let mut table = Table::default();
+    let (mut sizes, mut owners) = (vec![], vec![]);
+    for (t, name) in names.iter().enumerate() {
+        let bytes = 1 + rng.below(64);
+        table.tensors.push(TensorSpec { name: name.clone(), dtype: 0, elem_size: 1, shape: vec![bytes] });
+        let whole = Region { offset: vec![0], extent: vec![bytes] };
+        let mut held: Vec<Endpoint> =
+            (0..4).filter(|_| rng.chance(50)).map(|p| Endpoint { process: p, device: 0 }).collect();
+        if held.is_empty() {
+            held.push(Endpoint { process: rng.below(4) as u32, device: 0 });
+        }
+        for owner in &held {
+            let addr = 0x100_0000 * (u64::from(owner.process) + 1) + 0x1000 * t as u64;
+            table.offers.push(Offer {
+                tensor: t as u32,
+                owner: *owner,
+                addr,
+                region: whole.clone(),
+                strides: None,
+                digest: None,
+            });
+        }
+        for r in 0..3u64 {
+            if rng.chance(60) {
+                table.needs.push(Need {
+                    tensor: t as u32,
+                    receiver: Endpoint { process: 10 + r as u32, device: 0 },
+                    addr: 0x10000 * (t as u64 + 1) + 0x100 * r,
+                    region: whole.clone(),
+                    perm: None,
+                    strides: vec![1],
+                });
+            }
+        }
+        sizes.push(bytes);
+        owners.push(held);
+    }
+    (table, sizes, owners)
+}
+
+/// Bytes each source serves, and the source serving each (tensor, receiver process) need.
+fn served(plan: &Plan) -> (BTreeMap<Endpoint, u64>, BTreeMap<(u64, u32), Endpoint>) {
+    let (mut load, mut by_need) = (BTreeMap::new(), BTreeMap::new());
+    for r in plan.routes() {
+        for s in &r.segments {
+            *load.entry(r.src).or_insert(0) += s.bytes().unwrap();
+            s.for_each_run(|_, dst, _| {
+                by_need.insert((dst / 0x10000 - 1, r.dst.process), r.src);
+            });
+        }
+    }
+    (load, by_need)
+}
+
+#[test]
+fn balanced_leaves_no_move_that_relieves_the_busiest_source_and_ignores_names() {
+    for seed in 0..400u64 {
+        let mut rng = Rng(seed.wrapping_mul(0x9e37_79b9_7f4a_7c15) | 1);
+        let count = 1 + rng.below(8) as usize;
+        let names: Vec<String> = (0..count).map(|t| format!("t{t}")).collect();
+        let (table, sizes, owners) = balancing_case(&mut Rng(rng.next() | 1), &names);
+        let balanced = PlanOptions { policy: OwnerPolicy::Balanced, coalesce: false };
+        let plan = build(std::slice::from_ref(&table), &balanced).unwrap();
+        let (load, by_need) = served(&plan);
+        let busiest = load.values().copied().max().unwrap_or(0);
+        for (&(t, _), &source) in &by_need {
+            let t = t as usize;
+            // Demand only one source holds is served by it.
+            if owners[t].len() == 1 {
+                assert_eq!(source, owners[t][0], "seed {seed}");
+            }
+            if load[&source] < busiest {
+                continue;
+            }
+            // No single need on a busiest source can move to another replica and stay below it.
+            for other in owners[t].iter().filter(|&&o| o != source) {
+                let after = load.get(other).copied().unwrap_or(0) + sizes[t];
+                assert!(
+                    after >= busiest,
+                    "seed {seed}: moving tensor {t} from {source:?} to {other:?} relieves it"
+                );
+            }
+        }
+        // Renamed tensors (another canonical order) and another table order: the same loads.
+        let renamed: Vec<String> = (0..count).map(|t| format!("z{}.{}", rng.next(), t)).collect();
+        let mut table2 = table.clone();
+        for (t, spec) in table2.tensors.iter_mut().enumerate() {
+            spec.name = renamed[t].clone();
+        }
+        let shuffled_tables = shuffled(&[table2], &mut rng);
+        let other = build(&shuffled_tables, &balanced).unwrap();
+        let mut a: Vec<u64> = load.values().copied().collect();
+        let mut b: Vec<u64> = served(&other).0.values().copied().collect();
+        a.sort_unstable();
+        b.sort_unstable();
+        assert_eq!(a, b, "seed {seed}: names or order changed the loads");
+    }
+}
+
+#[test]
+fn each_process_share_is_the_whole_plan_restricted_to_that_process() {
+    let policies = [OwnerPolicy::First, OwnerPolicy::Local, OwnerPolicy::Balanced];
+    let limits = refit::plan::Limits::default();
+    for seed in 0..300u64 {
+        let case = random_case(seed);
+        let tables: Vec<&Table> = case.tables.iter().collect();
+        for policy in policies {
+            let options = PlanOptions { policy, coalesce: seed % 2 == 0 };
+            let whole = build(&case.tables, &options).unwrap();
+            for process in 0..4u32 {
+                let share = build_share(&tables, process, &options, &limits).unwrap();
+                let expected: Vec<&Route> = whole
+                    .routes()
+                    .iter()
+                    .filter(|r| r.src.process == process || r.dst.process == process)
+                    .collect();
+                let got: Vec<&Route> = share.routes().iter().collect();
+                assert_eq!(got, expected, "seed {seed} {options:?} process {process}");
+                assert_eq!(share.inputs_fingerprint(), whole.inputs_fingerprint());
+                let receivers: Vec<Endpoint> = whole.receivers().filter(|e| e.process == process).collect();
+                assert_eq!(share.receivers().collect::<Vec<_>>(), receivers);
+                for e in receivers {
+                    let (a, b) = (share.receiver_stats(e), whole.receiver_stats(e));
+                    assert_eq!(PlanStats { build_ns: 0, ..a }, PlanStats { build_ns: 0, ..b }, "seed {seed}");
+                }
+            }
+        }
+    }
+}
+
+#[test]
+fn the_inputs_fingerprint_follows_content_not_order() {
+    let case = random_case(7);
+    let options = PlanOptions::default();
+    let plan = build(&case.tables, &options).unwrap();
+    let mut rng = Rng(99);
+    assert_eq!(
+        build(&shuffled(&case.tables, &mut rng), &options).unwrap().inputs_fingerprint(),
+        plan.inputs_fingerprint()
+    );
+    let coalesce_off = PlanOptions { coalesce: false, ..options.clone() };
+    assert_ne!(build(&case.tables, &coalesce_off).unwrap().inputs_fingerprint(), plan.inputs_fingerprint());
+    // Any entry changed: another fingerprint (an offer's address, a need's receiver device).
+    let mut moved = case.tables.clone();
+    let t = moved.iter().position(|t| !t.offers.is_empty()).unwrap();
+    moved[t].offers[0].addr += 1;
+    assert_ne!(build(&moved, &options).unwrap().inputs_fingerprint(), plan.inputs_fingerprint());
 }

@@ -4,7 +4,7 @@
 //! coalescing that reaches the range-count targets. Counts only: build time is measured by the planner benchmark.
 
 use refit::plan::{build, Endpoint, OwnerPolicy, PlanOptions};
-use refit_workloads::{Layout, Spec, Workload};
+use refit_workloads::{Packing, Spec, Workload};
 
 const LAYERS: u64 = 48;
 const HIDDEN: u64 = 2048;
@@ -30,7 +30,7 @@ fn needed_bytes_per_receiver() -> u64 {
     (2 * VOCAB * HIDDEN / TP + HIDDEN + LAYERS * (dense + experts)) * BF16
 }
 
-fn check(layout: Layout, ranges_target: u64) {
+fn check(layout: Packing, ranges_target: u64) {
     let workload = Workload::generate(&Spec::qwen3_ep8_to_tp2(layout)).unwrap();
     let tables = workload.tables(&workload.fake_bases()).unwrap();
     for policy in [OwnerPolicy::First, OwnerPolicy::Balanced] {
@@ -48,7 +48,7 @@ fn check(layout: Layout, ranges_target: u64) {
             s.flat_runs_coalesced,
         );
         for r in 0..TP as u32 {
-            let rs = plan.receiver_stats(Endpoint { rank: FIRST_RECEIVER + r, device: 0 });
+            let rs = plan.receiver_stats(Endpoint { process: FIRST_RECEIVER + r, device: 0 });
             assert_eq!(rs.needed_bytes, needed_bytes_per_receiver());
             assert_eq!(rs.bytes_remote, rs.needed_bytes, "exactly the needed bytes move");
             assert!(rs.bytes_all_replicas > rs.needed_bytes);
@@ -63,10 +63,10 @@ fn check(layout: Layout, ranges_target: u64) {
 
 #[test]
 fn qwen3_separate_allocations_meet_the_range_target() {
-    check(Layout::Separate, 13_000);
+    check(Packing::Separate, 13_000);
 }
 
 #[test]
 fn qwen3_packed_publisher_buffers_meet_the_range_target() {
-    check(Layout::Packed, 1_500);
+    check(Packing::Packed, 1_500);
 }

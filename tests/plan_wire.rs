@@ -41,7 +41,7 @@ fn random_table(rng: &mut Rng) -> Table {
         return table;
     }
     let dims = |rng: &mut Rng, n: usize| (0..n).map(|_| rng.wide()).collect::<Vec<u64>>();
-    let endpoint = |rng: &mut Rng| Endpoint { rank: rng.wide() as u32, device: rng.wide() as u32 };
+    let endpoint = |rng: &mut Rng| Endpoint { process: rng.wide() as u32, device: rng.wide() as u32 };
     for _ in 0..rng.below(6) {
         let tensor = rng.below(ntensors) as u32;
         let n = table.tensors[tensor as usize].shape.len();

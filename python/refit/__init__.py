@@ -1,12 +1,16 @@
 """ctypes binding for librefit (see include/refit.h for the C API it wraps).
 
-The library is found at $REFIT_LIBRARY, else next to this package, else in the repository's
-target/release or target/debug. Every failing call raises RefitError carrying the status and the
-library's message. Pointers are ints: device addresses, or host addresses on the host backend
-(ctypes.addressof of a ctypes buffer). Handle objects own their handle and release it exactly once:
-close(), the end of a `with` block, or garbage collection as a fallback.
+Installed with `pip install ./python` (distribution refit-gpu), the library sits inside this package.
+It is otherwise found at $REFIT_LIBRARY, or in the repository's target/release or target/debug.
+Every failing call raises RefitError carrying the status and the library's message. Pointers are
+ints: device addresses, or host addresses on the host backend (ctypes.addressof of a ctypes
+buffer). Streams are ints, torch or CuPy streams, objects with __cuda_stream__, or HostStreams;
+None is torch's current stream once torch uses CUDA. Handle objects own their handle and release it
+exactly once: close(), the end of a `with` block, or garbage collection as a fallback.
 
-refit.torch (importable only where torch is) adds tensor pointer and stream helpers.
+refit.tensor turns tensors (torch's or look-alikes) into offers and needs; refit.torch (importable
+only where torch is) adds torch stream helpers; refit.integrations maps Megatron and vLLM
+parameters onto tables.
 """
 
 from ._lib import (
@@ -30,6 +34,7 @@ from ._lib import (
 )
 from .comm import Communicator, unique_id
 from .copy import PreparedCopy
+from .digest import digest
 from .group import Group, HostStream
 from .plan import Plan, PlanStats, Route, Table
 from .segment import Segment
@@ -57,6 +62,7 @@ __all__ = [
     "Status",
     "Table",
     "abi_version",
+    "digest",
     "last_error_message",
     "lib",
     "set_log_callback",

@@ -5,16 +5,29 @@ Nothing here owns a handle; the wrappers in group.py and plan.py do. python/test
 parses the header and fails when a declaration here differs from it or is missing.
 """
 
+from __future__ import annotations
+
 import atexit
 import ctypes
 import enum
 import os
+import sys
 import traceback
 from ctypes import POINTER, c_bool, c_char_p, c_int32, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from pathlib import Path
+from typing import Any, Callable, Iterable, Iterator, Optional
 
 
-def _candidates():
+_FIX = (
+    "Install the package with `pip install ./python` from a clone of the refit repository (it builds "
+    "librefit.so into the package), or build it there with `cargo build --release` and run with "
+    "PYTHONPATH=<clone>/python, or set REFIT_LIBRARY to the path of a librefit.so."
+)
+
+
+def _candidates() -> Iterator[Path]:
+    """Where librefit.so may be, in order: $REFIT_LIBRARY alone when set; else inside this package
+    (an installed wheel), then the repository's target/release and target/debug (a clone)."""
     explicit = os.environ.get("REFIT_LIBRARY")
     if explicit:
         yield Path(explicit)
@@ -26,13 +39,17 @@ def _candidates():
         yield root / "target" / profile / "librefit.so"
 
 
-def _load():
+def _load() -> ctypes.CDLL:
     tried = []
     for path in _candidates():
-        tried.append(str(path))
         if path.exists():
-            return ctypes.CDLL(str(path))
-    raise OSError("librefit.so not found; searched: " + ", ".join(tried) + " (set REFIT_LIBRARY)")
+            try:
+                return ctypes.CDLL(str(path))
+            except OSError as error:  # present but not loadable: say which file and why
+                raise OSError(f"refit: {path} exists but cannot be loaded ({error}). {_FIX}") from None
+        tried.append(str(path))
+    where = "REFIT_LIBRARY" if os.environ.get("REFIT_LIBRARY") else "the package and the repository"
+    raise OSError(f"refit: librefit.so not found in {where}; looked at {', '.join(tried)}. {_FIX}")
 
 
 lib = _load()
@@ -41,46 +58,67 @@ lib = _load()
 # --- statuses and errors ------------------------------------------------------------------------
 
 
-def _status_names():
-    # Declared here, ahead of the table below, because Status is built from the library itself.
-    lib.refit_status_string.restype = c_char_p
-    lib.refit_status_string.argtypes = [c_int32]
-    names = {}
-    code = 0
-    while True:
-        name = lib.refit_status_string(code).decode()
-        if name == "REFIT_STATUS_UNKNOWN":
-            return names
-        names[name[len("REFIT_STATUS_"):]] = code
-        code += 1
+class Status(enum.IntEnum):
+    """refit_status. python/tests/test_header.py checks these against the header and the library."""
 
-
-# refit_status, read from the library so the two can never disagree.
-Status = enum.IntEnum("Status", _status_names())
+    SUCCESS = 0
+    INVALID_ARGUMENT = 1
+    NULL_ARGUMENT = 2
+    INTERNAL_ERROR = 3
+    CUDA_UNAVAILABLE = 4
+    NCCL_UNAVAILABLE = 5
+    NVRTC_UNAVAILABLE = 6
+    CUDA_ERROR = 7
+    NCCL_ERROR = 8
+    INVALID_DEVICE = 9
+    DUPLICATE_DEVICE = 10
+    EMPTY_DEVICE_LIST = 11
+    INVALID_STATE = 12
+    CALLBACK_FAILED = 13
+    ABORTED = 14
+    TENSOR_MISMATCH = 15
+    REPLICA_MISMATCH = 16
+    COVERAGE_GAP = 17
+    OVERLAP = 18
+    DECODE_ERROR = 19
+    VERSION_MISMATCH = 20
+    OUT_OF_MEMORY = 21
+    KERNEL_LOAD_FAILED = 22
+    UNSUPPORTED = 23
+    BUFFER_TOO_SMALL = 24
+    NOT_FOUND = 25
+    TIMEOUT = 26
 
 
 class RefitError(Exception):
     """A call returned a status other than SUCCESS, or the binding refused an argument the library
-    would have refused the same way (the status says which)."""
+    would have refused the same way (the status says which). `status` is a Status, or the plain int
+    of a status newer than this binding."""
 
-    def __init__(self, status, message):
-        self.status = Status(status)
+    def __init__(self, status: int, message: str) -> None:
+        self.status: Status | int
+        try:
+            self.status = Status(status)
+            name = self.status.name
+        except ValueError:
+            self.status = int(status)
+            name = lib.refit_status_string(self.status).decode()
         self.message = message
-        super().__init__(f"{self.status.name}: {message}")
+        super().__init__(f"{name}: {message}")
 
 
-def last_error_message():
+def last_error_message() -> str:
     """The message of the last failing call on this thread ("" if none has failed)."""
-    return lib.refit_last_error_message().decode(errors="replace")
+    return str(lib.refit_last_error_message().decode(errors="replace"))
 
 
-def check(status):
+def check(status: int) -> None:
     """Raises RefitError (with this thread's last error message) unless `status` is SUCCESS."""
     if status != Status.SUCCESS:
         raise RefitError(status, last_error_message())
 
 
-def invalid_argument(message):
+def invalid_argument(message: str) -> RefitError:
     """The error the binding raises for an argument it cannot pass on safely (wrong length, range)."""
     return RefitError(Status.INVALID_ARGUMENT, message)
 
@@ -164,13 +202,13 @@ class GroupOptions(ctypes.Structure):
 class PlanOptions(ctypes.Structure):
     """refit_plan_options."""
 
-    _fields_ = [("size", c_size_t), ("policy", c_uint32), ("coalesce", c_bool)]
+    _fields_ = [("size", c_size_t), ("policy", c_uint32), ("coalesce", c_uint8)]
 
 
 class PlanStatsStruct(ctypes.Structure):
     """refit_plan_stats."""
 
-    _fields_ = [("size", c_size_t)] + [
+    _fields_ = [("size", c_size_t)] + [  # type: ignore[assignment]
         (name, c_uint64)
         for name in (
             "offers_in",
@@ -269,6 +307,7 @@ FUNCTIONS = {
     ),
     "refit_copy_batch_launch": (status_t, [_handle, c_void_p]),
     "refit_copy_batch_destroy": (None, [_handle]),
+    "refit_digest": (status_t, [_handle, c_uint32, c_uint64, c_uint64, c_void_p, _u64p]),
     "refit_group_options_init": (status_t, [POINTER(GroupOptions)]),
     "refit_group_create": (
         status_t,
@@ -315,7 +354,7 @@ FUNCTIONS = {
 }
 
 
-def _declare():
+def _declare() -> None:
     missing = [name for name in FUNCTIONS if not hasattr(lib, name)]
     if missing:
         raise OSError(f"{lib._name} lacks {', '.join(missing)}: an older librefit than this binding")
@@ -331,15 +370,13 @@ _declare()
 # --- argument conversion --------------------------------------------------------------------------
 
 
-def u64_array(values, what):
+def u64_array(values: Iterable[int], what: str) -> ctypes.Array[c_uint64]:
     """A c_uint64 array of `values`, each checked to fit (ctypes would silently wrap)."""
-    values = list(values)
-    for value in values:
-        check_range(value, 64, what)
-    return (c_uint64 * len(values))(*values)
+    checked = [check_range(value, 64, what) for value in values]
+    return (c_uint64 * len(checked))(*checked)
 
 
-def check_range(value, bits, what):
+def check_range(value: Any, bits: int, what: str) -> int:
     """`value` as an int in [0, 2^bits), else INVALID_ARGUMENT naming `what`."""
     if isinstance(value, bool) or not isinstance(value, int):
         try:
@@ -348,42 +385,75 @@ def check_range(value, bits, what):
             raise invalid_argument(f"{what} must be an integer, not {type(value).__name__}") from None
     if not 0 <= value < (1 << bits):
         raise invalid_argument(f"{what} = {value} is outside [0, 2^{bits})")
-    return value
+    return int(value)
 
 
-def stream_value(stream):
-    """A stream argument as the int the C API takes: None/0 (legacy default stream), an int, a
-    HostStream, or any object with an int `cuda_stream` (torch.cuda.Stream) or `handle`."""
+def torch_cuda_in_use() -> bool:
+    """Whether torch is imported and has initialized CUDA (without importing or initializing it)."""
+    torch = sys.modules.get("torch")
+    cuda = getattr(torch, "cuda", None)
+    return cuda is not None and bool(cuda.is_initialized())
+
+
+def torch_current_stream(device: Optional[int] = None) -> int:
+    """torch's current CUDA stream on `device` (None: torch's current device) as an int."""
+    return int(sys.modules["torch"].cuda.current_stream(device).cuda_stream)
+
+
+def stream_value(stream: object = None, device: Optional[int] = None, host: bool = False) -> int:
+    """A stream argument as the CUstream int the C API takes. Accepted:
+
+    - an int: a CUstream / cudaStream_t handle (0 is the legacy default stream);
+    - an object with `__cuda_stream__`, the CUDA stream protocol: a method (or attribute) giving
+      (version, handle) with version 0 (cuda.core streams, recent torch and CuPy streams);
+    - a torch.cuda.Stream or ExternalStream (`cuda_stream`), a CuPy stream (`ptr`), a HostStream;
+    - None: torch's current stream of `device` (None: torch's current device) when torch is imported
+      and has initialized CUDA, else 0. `host=True` (the call goes to a host-backend group) keeps
+      None as 0, the simulated device's default stream.
+
+    Anything else raises RefitError(INVALID_ARGUMENT).
+    """
     if stream is None:
-        return 0
-    if isinstance(stream, int):
+        return torch_current_stream(device) if not host and torch_cuda_in_use() else 0
+    if isinstance(stream, int) and not isinstance(stream, bool):
         return check_range(stream, 64, "stream")
-    for attribute in ("cuda_stream", "handle"):
+    protocol = getattr(stream, "__cuda_stream__", None)
+    if protocol is not None:
+        value = protocol() if callable(protocol) else protocol
+        if not (isinstance(value, tuple) and len(value) == 2 and value[0] == 0):
+            raise invalid_argument(
+                f"{type(stream).__name__}.__cuda_stream__ gave {value!r}, not (0, handle)"
+            )
+        return check_range(value[1], 64, "__cuda_stream__ handle")
+    for attribute in ("cuda_stream", "ptr", "handle"):  # torch, CuPy, HostStream
         value = getattr(stream, attribute, None)
-        if isinstance(value, int):
-            return check_range(value, 64, "stream")
-    raise invalid_argument(f"cannot use a {type(stream).__name__} as a stream")
+        if isinstance(value, int) and not isinstance(value, bool):
+            return check_range(value, 64, f"stream.{attribute}")
+    raise invalid_argument(
+        f"cannot use a {type(stream).__name__} as a stream: pass an int (CUstream), a torch or CuPy "
+        "stream, an object with __cuda_stream__, a HostStream, or None"
+    )
 
 
 # --- version and logging --------------------------------------------------------------------------
 
 
-def version():
+def version() -> str:
     """The library's "MAJOR.MINOR.PATCH"."""
-    return lib.refit_version().decode()
+    return str(lib.refit_version().decode())
 
 
-def abi_version():
+def abi_version() -> int:
     """REFIT_ABI_VERSION of the loaded library."""
-    return lib.refit_abi_version()
+    return int(lib.refit_abi_version())
 
 
 # Every log callback ever installed: a record may still be in flight on a rank thread when the
 # sink is replaced, so an old callback is never freed.
-_log_callbacks = []
+_log_callbacks: list[Any] = []
 
 
-def set_log_callback(callback, level=2):
+def set_log_callback(callback: Optional[Callable[[int, str], object]], level: int = 2) -> None:
     """Sends the library's log records at `level` (0 off .. 5 trace) and below to
     `callback(level, message)`, or back to stderr when `callback` is None.
 
@@ -395,7 +465,7 @@ def set_log_callback(callback, level=2):
         check(lib.refit_set_log_callback(level, LogCallback(), None))
         return
 
-    def deliver(record_level, message, _user_data):
+    def deliver(record_level: int, message: bytes, _user_data: object) -> None:
         try:
             callback(record_level, message.decode(errors="replace"))
         except BaseException:  # an exception must not unwind into the library

@@ -1,25 +1,31 @@
 """Batched copies of segments on one rank's device: one-shot (Group.copy_batch) or prepared once and
 launched many times (PreparedCopy)."""
 
+from __future__ import annotations
+
 from ctypes import byref, c_void_p
+from typing import TYPE_CHECKING, Iterable
 
 from ._handle import Handle
-from ._lib import CopyFlag, check, check_range, lib, stream_value
-from .segment import segment_array
+from ._lib import Backend, CopyFlag, check, check_range, lib, stream_value
+from .segment import SegmentLike, segment_array
+
+if TYPE_CHECKING:
+    from .group import Group
 
 
-def _flags(checked):
+def _flags(checked: bool) -> int:
     return int(CopyFlag.CHECKED) if checked else 0
 
 
-def copy_batch(group, rank, segments, stream=None, checked=False):
+def copy_batch(
+    group: Group, rank: int, segments: Iterable[SegmentLike], stream: object = None, checked: bool = False
+) -> None:
     """refit_copy_batch: see Group.copy_batch."""
     array, n = segment_array(segments)
-    check(
-        lib.refit_copy_batch(
-            group.handle, check_range(rank, 32, "rank"), stream_value(stream), array, n, _flags(checked)
-        )
-    )
+    rank = check_range(rank, 32, "rank")
+    stream_handle = stream_value(stream, group.device(rank), host=group.backend == Backend.HOST)
+    check(lib.refit_copy_batch(group.handle, rank, stream_handle, array, n, _flags(checked)))
 
 
 class PreparedCopy(Handle):
@@ -33,21 +39,21 @@ class PreparedCopy(Handle):
 
     _what = "prepared copy"
 
-    def __init__(self, group, rank, segments, checked=False):
+    def __init__(self, group: Group, rank: int, segments: Iterable[SegmentLike], checked: bool = False) -> None:
         """Prepares `segments` for `rank` of `group` (blocking; see Group.prepare_copy)."""
         array, n = segment_array(segments)
+        rank = check_range(rank, 32, "rank")
         pointer = c_void_p()
-        check(
-            lib.refit_copy_batch_prepare(
-                group.handle, check_range(rank, 32, "rank"), array, n, _flags(checked), byref(pointer)
-            )
-        )
+        check(lib.refit_copy_batch_prepare(group.handle, rank, array, n, _flags(checked), byref(pointer)))
         super().__init__(pointer.value)
+        self._device = group.device(rank)
+        self._host = group.backend == Backend.HOST
 
-    def _release(self, pointer):
+    def _release(self, pointer: int) -> None:
         lib.refit_copy_batch_destroy(pointer)
 
-    def launch(self, stream=None):
-        """Queues the batch on `stream`, a stream of the batch's device (None: its legacy default
-        stream); the sources are read at each launch. Host backend: complete on return."""
-        check(lib.refit_copy_batch_launch(self.handle, stream_value(stream)))
+    def launch(self, stream: object = None) -> None:
+        """Queues the batch on `stream`, a stream of the batch's device (any form refit takes; None:
+        torch's current stream of that device when torch uses CUDA, else its legacy default stream);
+        the sources are read at each launch. Host backend: complete on return."""
+        check(lib.refit_copy_batch_launch(self.handle, stream_value(stream, self._device, host=self._host)))

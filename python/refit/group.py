@@ -1,9 +1,12 @@
 """Device groups (refit_group), their scopes, per-rank runs and allgather; host streams."""
 
+from __future__ import annotations
+
 import contextlib
 import ctypes
 import threading
 from ctypes import byref, c_bool, c_int32, c_size_t, c_uint32, c_void_p
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Sized
 
 from ._handle import Handle
 from ._lib import (
@@ -20,9 +23,13 @@ from ._lib import (
     last_error_message,
     lib,
     stream_value,
+    torch_cuda_in_use,
+    torch_current_stream,
     u64_array,
 )
 from .copy import PreparedCopy, copy_batch
+from .digest import digest
+from .segment import SegmentLike
 
 
 class HostStream(Handle):
@@ -32,12 +39,12 @@ class HostStream(Handle):
 
     _what = "host stream"
 
-    def __init__(self):
+    def __init__(self) -> None:
         pointer = c_void_p()
         check(lib.refit_host_stream_create(byref(pointer)))
         super().__init__(pointer.value)
 
-    def _release(self, pointer):
+    def _release(self, pointer: int) -> None:
         check(lib.refit_host_stream_destroy(pointer))
 
 
@@ -52,7 +59,7 @@ class Group(Handle):
 
     _what = "group"
 
-    def __init__(self, devices, backend=Backend.AUTO, host_devices=0):
+    def __init__(self, devices: Iterable[int], backend: int = Backend.AUTO, host_devices: int = 0) -> None:
         """Creates a group whose rank r is `devices[r]`. `backend` is a Backend; `host_devices` is
         how many devices the host backend simulates (0: the largest listed + 1)."""
         devices = [int(device) for device in devices]
@@ -68,40 +75,43 @@ class Group(Handle):
         check(lib.refit_group_create(array, len(devices), byref(options), byref(pointer)))
         super().__init__(pointer.value)
         self._size = len(devices)
+        chosen = c_uint32()
+        check(lib.refit_group_backend(self.handle, byref(chosen)))
+        self._backend = Backend(chosen.value)
 
-    def _release(self, pointer):
+    def _release(self, pointer: int) -> None:
         lib.refit_group_destroy(pointer)
 
     # --- queries (any thread, including rank callbacks) ---
 
     @property
-    def size(self):
+    def size(self) -> int:
         """The number of ranks."""
         size = c_size_t()
         check(lib.refit_group_size(self.handle, byref(size)))
         return size.value
 
-    def __len__(self):
+    def __len__(self) -> int:
         return self.size
 
-    def device(self, rank):
+    def device(self, rank: int) -> int:
         """The device ordinal of `rank`."""
         device = c_int32()
         check(lib.refit_group_device(self.handle, check_range(rank, 32, "rank"), byref(device)))
         return device.value
 
     @property
-    def devices(self):
+    def devices(self) -> list[int]:
         """Every rank's device, in rank order."""
         return [self.device(rank) for rank in range(self.size)]
 
-    def stream(self, rank):
+    def stream(self, rank: int) -> int:
         """The group's own stream of `rank` as an int (CUstream, or host-stream handle)."""
         stream = c_void_p()
         check(lib.refit_group_stream(self.handle, check_range(rank, 32, "rank"), byref(stream)))
         return stream.value or 0
 
-    def peer_access(self, rank, peer):
+    def peer_access(self, rank: int, peer: int) -> bool:
         """Whether `rank` reaches `peer`'s memory directly."""
         direct = c_bool()
         check(
@@ -112,32 +122,36 @@ class Group(Handle):
         return direct.value
 
     @property
-    def backend(self):
+    def backend(self) -> Backend:
         """Backend.CUDA or Backend.HOST (never AUTO)."""
-        backend = c_uint32()
-        check(lib.refit_group_backend(self.handle, byref(backend)))
-        return Backend(backend.value)
+        self.handle  # refuses a closed group
+        return self._backend
 
     # --- scopes ---
 
-    def enter(self, caller_streams=None):
+    def enter(self, caller_streams: Optional[Sequence[object]] = None) -> None:
         """Opens a scope (refit_group_enter): each rank's stream waits for the work queued so far
-        on `caller_streams[rank]` (None: every device's legacy default stream)."""
+        on `caller_streams[rank]`, each a stream in any form refit takes (see stream_value).
+        None: torch's current stream of every rank's device when torch uses CUDA (and the group is
+        a CUDA group), else every device's legacy default stream."""
         if caller_streams is None:
-            check(lib.refit_group_enter(self.handle, None))
-            return
-        streams = [stream_value(stream) for stream in caller_streams]
-        self._check_per_rank(streams, "caller_streams")
+            if self._backend == Backend.HOST or not torch_cuda_in_use():
+                check(lib.refit_group_enter(self.handle, None))
+                return
+            caller_streams = [torch_current_stream(device) for device in self.devices]
+        self._check_per_rank(caller_streams, "caller_streams")
+        host = self._backend == Backend.HOST
+        streams = [stream_value(stream, device, host=host) for stream, device in zip(caller_streams, self.devices)]
         check(lib.refit_group_enter(self.handle, (c_void_p * len(streams))(*streams)))
 
-    def exit(self, mode=ExitMode.SYNC):
+    def exit(self, mode: int = ExitMode.SYNC) -> None:
         """Closes the open scope (refit_group_exit); ExitMode.SYNC blocks until the group's work is
         done, ExitMode.ASYNC makes the caller streams wait for it instead. The scope is closed even
         when this raises."""
         check(lib.refit_group_exit(self.handle, check_range(mode, 32, "mode")))
 
     @contextlib.contextmanager
-    def scope(self, caller_streams=None, mode=ExitMode.SYNC):
+    def scope(self, caller_streams: Optional[Sequence[object]] = None, mode: int = ExitMode.SYNC) -> Iterator[Group]:
         """`with group.scope(...)`: enter() on the way in, exit(mode) on the way out, also when the
         body raises (then the body's exception wins over an exit error)."""
         self.enter(caller_streams)
@@ -151,7 +165,7 @@ class Group(Handle):
 
     # --- work ---
 
-    def run(self, fn):
+    def run(self, fn: Callable[[int, int], object]) -> None:
         """Calls `fn(rank, stream)` for every rank at once, each on the group's thread for that rank
         with its device current; returns when all have returned (refit_group_run).
 
@@ -159,10 +173,10 @@ class Group(Handle):
         released with RefitError(ABORTED)); once every rank has returned, the first exception
         raised is re-raised here. The group stays usable.
         """
-        raised = []
+        raised: list[BaseException] = []
         lock = threading.Lock()
 
-        def body(rank, stream, _user_data):
+        def body(rank: int, stream: Optional[int], _user_data: object) -> int:
             try:
                 fn(rank, stream or 0)
                 return 0
@@ -181,7 +195,9 @@ class Group(Handle):
             raise raised[0] from message
         raise message
 
-    def allgather(self, send_ptrs, recv_ptrs, counts, algorithm=Algorithm.AUTO):
+    def allgather(
+        self, send_ptrs: Sequence[int], recv_ptrs: Sequence[int], counts: Sequence[int], algorithm: int = Algorithm.AUTO
+    ) -> Algorithm:
         """Gathers every rank's block into every rank's receive buffer in rank order
         (refit_allgather): rank r sends `counts[r]` bytes at `send_ptrs[r]`; `recv_ptrs[r]` holds
         sum(counts) bytes. Pointers are ints (host addresses on the host backend). Queued in the
@@ -199,7 +215,9 @@ class Group(Handle):
         )
         return Algorithm(picked.value)
 
-    def allgather_rank(self, rank, send_ptr, recv_ptr, counts, algorithm=Algorithm.AUTO):
+    def allgather_rank(
+        self, rank: int, send_ptr: int, recv_ptr: int, counts: Sequence[int], algorithm: int = Algorithm.AUTO
+    ) -> Algorithm:
         """The per-rank allgather, only from a run() callback: every rank calls it with its own
         rank, buffers, and the same counts and algorithm (refit_group_allgather_rank). Returns the
         Algorithm that ran. Ranks that disagree all raise RefitError(INVALID_ARGUMENT) and copy
@@ -221,31 +239,43 @@ class Group(Handle):
 
     # --- batched copies ---
 
-    def copy_batch(self, rank, segments, stream=None, checked=False):
+    def copy_batch(
+        self, rank: int, segments: Iterable[SegmentLike], stream: object = None, checked: bool = False
+    ) -> None:
         """Copies `segments` (Segments, e.g. a plan Route's, or (src, dst, len) tuples) on `stream`,
-        a stream of `rank`'s device (None: its legacy default stream), in one kernel launch
+        a stream of `rank`'s device in any form refit takes (None: torch's current stream of that
+        device when torch uses CUDA, else its legacy default stream), in one kernel launch
         (refit_copy_batch). Addresses are on that device or a peer it reaches directly. `checked`
         refuses destinations written twice (RefitError OVERLAP, nothing copied). CUDA: queued on
         the stream, returns without waiting; host backend: complete on return. Any thread, also
         rank callbacks."""
         copy_batch(self, rank, segments, stream, checked)
 
-    def prepare_copy(self, rank, segments, checked=False):
+    def prepare_copy(self, rank: int, segments: Iterable[SegmentLike], checked: bool = False) -> PreparedCopy:
         """A PreparedCopy of `segments` for `rank`'s device, to launch() many times. The caller owns
         it (close it, or use `with`); it does not keep the group alive."""
         return PreparedCopy(self, rank, segments, checked)
 
-    def _counts(self, counts):
+    # --- digests ---
+
+    def digest(self, rank: int, addr: int, length: int, stream: object = None) -> int:
+        """The refit digest (an int, 64 bits) of the `length` bytes at `addr` on `rank`'s device,
+        computed on `stream` (None: the device's legacy default stream) after the work queued there;
+        waits for it (refit_digest: the header defines the digest and what it detects). The value to
+        pass as refit_table_add_offer's digest. Any thread."""
+        return digest(self, rank, addr, length, stream)
+
+    def _counts(self, counts: Sequence[int]) -> ctypes.Array[c_size_t]:
         counts = [check_range(count, 8 * ctypes.sizeof(c_size_t), "counts[i]") for count in counts]
         self._check_per_rank(counts, "counts")
         return (c_size_t * len(counts))(*counts)
 
-    def _check_per_rank(self, values, what):
+    def _check_per_rank(self, values: Sized, what: str) -> None:
         # The C API reads exactly size() entries: a shorter list would be read past its end.
         if len(values) != self._size:
             raise invalid_argument(f"{what} has {len(values)} entries; the group has {self._size} ranks")
 
-    def __repr__(self):
+    def __repr__(self) -> str:
         if self.closed:
             return "<refit.Group closed>"
         return f"<refit.Group {self.backend.name} devices={self.devices}>"

@@ -1,9 +1,12 @@
 """Shard tables (refit_table), their wire encoding, and reshard plans (refit_plan) read back as plain
 Python values."""
 
+from __future__ import annotations
+
 import ctypes
 import dataclasses
 from ctypes import byref, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
+from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 from ._handle import Handle
 from ._lib import (
@@ -21,7 +24,7 @@ from ._lib import (
 from .segment import Segment
 
 
-def _box(ndim, arrays):
+def _box(ndim: int, arrays: Iterable[Tuple[str, Optional[Sequence[int]]]]) -> None:
     """Checks that every given array has `ndim` entries (the C API reads exactly that many)."""
     for what, values in arrays:
         if values is not None and len(values) != ndim:
@@ -37,7 +40,7 @@ class Table(Handle):
 
     _what = "table"
 
-    def __init__(self, _pointer=None):
+    def __init__(self, _pointer: Optional[int] = None) -> None:
         """An empty table (the argument is for Table.decode only)."""
         if _pointer is None:
             pointer = c_void_p()
@@ -45,16 +48,16 @@ class Table(Handle):
             _pointer = pointer.value
         super().__init__(_pointer)
 
-    def _release(self, pointer):
+    def _release(self, pointer: int) -> None:
         lib.refit_table_destroy(pointer)
 
-    def add_tensor(self, name, shape, elem_size, dtype=0):
+    def add_tensor(self, name: Union[str, bytes], shape: Sequence[int], elem_size: int, dtype: int = 0) -> int:
         """Adds tensor `name` of global `shape`, `elem_size` bytes per element and a caller-defined
         `dtype` code; returns its index in this table (the same index when added again alike)."""
         encoded = name.encode() if isinstance(name, str) else bytes(name)
         if b"\0" in encoded:
             raise invalid_argument("a tensor name must not contain NUL")
-        shape = u64_array(shape, "shape")
+        dims = u64_array(shape, "shape")
         index = c_uint32()
         check(
             lib.refit_table_add_tensor(
@@ -62,14 +65,24 @@ class Table(Handle):
                 encoded,
                 check_range(dtype, 32, "dtype"),
                 check_range(elem_size, 32, "elem_size"),
-                shape,
-                len(shape),
+                dims,
+                len(dims),
                 byref(index),
             )
         )
         return index.value
 
-    def add_offer(self, tensor, rank, device, addr, offset, extent, strides=None, digest=None):
+    def add_offer(
+        self,
+        tensor: int,
+        rank: int,
+        device: int,
+        addr: int,
+        offset: Sequence[int],
+        extent: Sequence[int],
+        strides: Optional[Sequence[int]] = None,
+        digest: Optional[int] = None,
+    ) -> None:
         """Publishes the box `offset`/`extent` (global element coordinates) of tensor index
         `tensor`, held by (`rank`, `device`) at address `addr` with element `strides` (None:
         row-major over `extent`). Offers of one box are replicas; `digest` (an int) lets the
@@ -92,7 +105,17 @@ class Table(Handle):
             )
         )
 
-    def add_need(self, tensor, rank, device, addr, offset, extent, strides, perm=None):
+    def add_need(
+        self,
+        tensor: int,
+        rank: int,
+        device: int,
+        addr: int,
+        offset: Sequence[int],
+        extent: Sequence[int],
+        strides: Sequence[int],
+        perm: Optional[Sequence[int]] = None,
+    ) -> None:
         """Asks for the box `offset`/`extent` of tensor index `tensor` on receiver (`rank`,
         `device`), written at `addr` with destination element `strides`; destination dimension d
         is tensor dimension `perm[d]` (None: the identity)."""
@@ -116,7 +139,7 @@ class Table(Handle):
             )
         )
 
-    def encode(self):
+    def encode(self) -> bytes:
         """The table's versioned, checksummed wire encoding, as bytes."""
         size = c_size_t()
         check(lib.refit_table_encoded_size(self.handle, byref(size)))
@@ -126,7 +149,7 @@ class Table(Handle):
         return bytes(buffer[: written.value])
 
     @classmethod
-    def decode(cls, data):
+    def decode(cls, data: Union[bytes, bytearray, memoryview]) -> Table:
         """A new table from bytes written by encode() on any rank. Untrusted input is safe:
         corrupted bytes raise RefitError (DECODE_ERROR or VERSION_MISMATCH)."""
         data = bytes(data)
@@ -145,23 +168,23 @@ class Route:
     dst_rank: int
     dst_device: int
     kind: RouteKind
-    segments: tuple
+    segments: Tuple[Segment, ...]
 
 
 PlanStats = dataclasses.make_dataclass(
     "PlanStats",
-    [(name, int) for name, _ in PlanStatsStruct._fields_ if name not in ("size", "size_histogram")]
+    [(field[0], int) for field in PlanStatsStruct._fields_ if field[0] not in ("size", "size_histogram")]
     + [("size_histogram", tuple)],
     frozen=True,
 )
 PlanStats.__doc__ = """refit_plan_stats as a value (field meanings: include/refit.h)."""
 
 
-def _stats(fill):
+def _stats(fill: Callable[[Any], int]) -> Any:
     raw = PlanStatsStruct()
     raw.size = ctypes.sizeof(raw)
     check(fill(byref(raw)))
-    values = {name: getattr(raw, name) for name, _ in PlanStatsStruct._fields_ if name != "size"}
+    values = {field[0]: getattr(raw, field[0]) for field in PlanStatsStruct._fields_ if field[0] != "size"}
     values["size_histogram"] = tuple(raw.size_histogram)
     return PlanStats(**values)
 
@@ -173,48 +196,48 @@ class Plan(Handle):
     _what = "plan"
 
     @classmethod
-    def build(cls, tables, policy=Policy.LOCAL, coalesce=True):
+    def build(cls, tables: Iterable[Table], policy: int = Policy.LOCAL, coalesce: bool = True) -> Plan:
         """Plans moving every byte the tables' needs ask for exactly once (refit_plan_build);
         `tables` is every rank's Table, in any order. Raises RefitError on a coverage gap,
         overlapping writes, replica or tensor mismatch."""
-        tables = list(tables)
-        pointers = (c_void_p * len(tables))(*[table.handle for table in tables])
+        handles = [table.handle for table in tables]
+        pointers = (c_void_p * len(handles))(*handles)
         options = PlanOptions()
         check(lib.refit_plan_options_init(byref(options)))
         options.policy = check_range(policy, 32, "policy")
-        options.coalesce = bool(coalesce)
+        options.coalesce = 1 if coalesce else 0
         pointer = c_void_p()
-        check(lib.refit_plan_build(pointers, len(tables), byref(options), byref(pointer)))
+        check(lib.refit_plan_build(pointers, len(handles), byref(options), byref(pointer)))
         return cls(pointer.value)
 
-    def _release(self, pointer):
+    def _release(self, pointer: int) -> None:
         lib.refit_plan_destroy(pointer)
 
     @property
-    def stats(self):
+    def stats(self) -> Any:
         """The whole plan's counts, a PlanStats."""
         return _stats(lambda raw: lib.refit_plan_get_stats(self.handle, raw))
 
-    def receiver_stats(self, rank, device):
+    def receiver_stats(self, rank: int, device: int) -> Any:
         """The counts of receiver (`rank`, `device`)'s needs and routes, a PlanStats."""
         rank, device = check_range(rank, 32, "rank"), check_range(device, 32, "device")
         return _stats(lambda raw: lib.refit_plan_get_receiver_stats(self.handle, rank, device, raw))
 
     @property
-    def fingerprint(self):
+    def fingerprint(self) -> int:
         """Equal for the same tables in any order, in any process."""
         value = c_uint64()
         check(lib.refit_plan_fingerprint(self.handle, byref(value)))
         return value.value
 
     @property
-    def route_count(self):
+    def route_count(self) -> int:
         """The number of routes."""
         count = c_size_t()
         check(lib.refit_plan_route_count(self.handle, byref(count)))
         return count.value
 
-    def route(self, index):
+    def route(self, index: int) -> Route:
         """Route `index` as a Route (RefitError NOT_FOUND past the end)."""
         info = RouteInfo()
         info.size = ctypes.sizeof(info)
@@ -224,11 +247,11 @@ class Plan(Handle):
         kind = RouteKind(info.kind)
         return Route(info.src_rank, info.src_device, info.dst_rank, info.dst_device, kind, segments)
 
-    def routes(self):
+    def routes(self) -> list[Route]:
         """Every route, ordered by destination, then local/peer/remote, then source."""
         return [self.route(index) for index in range(self.route_count)]
 
-    def __iter__(self):
+    def __iter__(self) -> Iterator[Route]:
         return iter(self.routes())
 
 

@@ -1,7 +1,11 @@
 """refit_segment as a Python value, and arrays of them for the C API."""
 
+from __future__ import annotations
+
 import collections.abc
+import ctypes
 import dataclasses
+from typing import Iterable, Iterator, Tuple, Union
 
 from ._lib import SegmentStruct, check_range, invalid_argument
 
@@ -15,16 +19,16 @@ class Segment:
     src: int
     dst: int
     len: int
-    count: tuple = (1, 1)
-    src_stride: tuple = (0, 0)
-    dst_stride: tuple = (0, 0)
+    count: Tuple[int, int] = (1, 1)
+    src_stride: Tuple[int, int] = (0, 0)
+    dst_stride: Tuple[int, int] = (0, 0)
 
     @property
-    def bytes(self):
+    def bytes(self) -> int:
         """Payload bytes."""
         return self.len * self.count[0] * self.count[1]
 
-    def runs(self):
+    def runs(self) -> Iterator[Tuple[int, int, int]]:
         """Every contiguous run as (src, dst, len), inner level fastest (Segment::for_each_run)."""
         if self.len == 0:
             return
@@ -37,26 +41,29 @@ class Segment:
                 )
 
     @classmethod
-    def from_struct(cls, raw):
+    def from_struct(cls, raw: SegmentStruct) -> Segment:
         return cls(raw.src, raw.dst, raw.len, tuple(raw.count), tuple(raw.src_stride), tuple(raw.dst_stride))
 
 
-def _pair(values, what):
+SegmentLike = Union[Segment, Tuple[int, int, int]]
+
+
+def _pair(values: object, what: str) -> list[int]:
     if not isinstance(values, collections.abc.Sequence) or len(values) != 2:
         raise invalid_argument(f"{what} must have 2 entries")
     return [check_range(value, 64, what) for value in values]
 
 
-def segment_array(segments):
+def segment_array(segments: Iterable[SegmentLike]) -> tuple[ctypes.Array[SegmentStruct], int]:
     """A ctypes array of refit_segment from Segments (or (src, dst, len) tuples), every field
     range-checked; and its length."""
-    segments = [segment if isinstance(segment, Segment) else Segment(*segment) for segment in segments]
-    array = (SegmentStruct * len(segments))()
-    for raw, segment in zip(array, segments):
+    values = [segment if isinstance(segment, Segment) else Segment(*segment) for segment in segments]
+    array = (SegmentStruct * len(values))()
+    for raw, segment in zip(array, values):
         raw.src = check_range(segment.src, 64, "segment src")
         raw.dst = check_range(segment.dst, 64, "segment dst")
         raw.len = check_range(segment.len, 64, "segment len")
         raw.count[:] = _pair(segment.count, "segment count")
         raw.src_stride[:] = _pair(segment.src_stride, "segment src_stride")
         raw.dst_stride[:] = _pair(segment.dst_stride, "segment dst_stride")
-    return array, len(segments)
+    return array, len(values)

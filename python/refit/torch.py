@@ -1,39 +1,59 @@
-"""Helpers for torch users: tensor addresses and CUDA streams as the ints refit takes.
+"""Helpers for torch users: tensors as offers and needs, tensor addresses, and CUDA streams.
 
 Importable only where torch is (`import refit.torch` raises ImportError otherwise); nothing else in
-the binding needs torch. Any thread may call these.
+the binding needs torch. Streams need no helper: every refit call taking a stream accepts a
+torch.cuda.Stream and defaults to torch's current stream once torch uses CUDA. Any thread may call
+these.
 """
+
+from __future__ import annotations
 
 import torch
 
 from ._lib import invalid_argument
+from .group import Group
+from .tensor import DTYPE_CODES, add_tensor_need, add_tensor_offer, device_index, dtype_code, dtype_name
+
+__all__ = [
+    "DTYPE_CODES",
+    "add_tensor_need",
+    "add_tensor_offer",
+    "current_stream",
+    "current_streams",
+    "data_ptr",
+    "device_index",
+    "dtype_code",
+    "dtype_name",
+    "nbytes",
+    "rank_stream",
+]
 
 
-def data_ptr(tensor):
+def data_ptr(tensor: torch.Tensor) -> int:
     """The address of `tensor`'s first element as an int (a device pointer for a CUDA tensor)."""
-    return tensor.data_ptr()
+    return int(tensor.data_ptr())
 
 
-def nbytes(tensor):
+def nbytes(tensor: torch.Tensor) -> int:
     """Bytes `tensor` spans when contiguous; refuses a non-contiguous tensor (its bytes are not
     one block, so one pointer and a size would misdescribe it)."""
     if not tensor.is_contiguous():
         raise invalid_argument("tensor is not contiguous")
-    return tensor.numel() * tensor.element_size()
+    return int(tensor.numel() * tensor.element_size())
 
 
-def current_stream(device):
+def current_stream(device: int) -> int:
     """torch's current CUDA stream of `device` as an int CUstream (0 is the legacy default)."""
-    return torch.cuda.current_stream(device).cuda_stream
+    return int(torch.cuda.current_stream(device).cuda_stream)
 
 
-def current_streams(group):
-    """torch's current stream of every rank's device, in rank order: the `caller_streams` that make a
-    group.scope() wait for, and (with ExitMode.ASYNC) be waited for by, torch's work."""
+def current_streams(group: Group) -> list[int]:
+    """torch's current stream of every rank's device, in rank order: what group.scope() waits for
+    (and, with ExitMode.ASYNC, makes wait) by default once torch uses CUDA."""
     return [current_stream(device) for device in group.devices]
 
 
-def rank_stream(group, rank):
+def rank_stream(group: Group, rank: int) -> torch.cuda.ExternalStream:
     """The group's stream of `rank` as a torch.cuda.ExternalStream, to queue torch work on it inside
     group.run(); owned by the group (valid until it closes)."""
     return torch.cuda.ExternalStream(group.stream(rank), device=torch.device("cuda", group.device(rank)))

@@ -6,7 +6,7 @@ element in Python."""
 import ctypes
 import unittest
 
-from refit import Plan, PlanStats, Policy, RefitError, Route, RouteKind, Segment, Status, Table
+from refit import Plan, PlanStats, Policy, RefitError, Route, RouteKind, Segment, Status, Table, _lib
 
 ROWS, COLS, HALF = 4, 8, 4
 W_ELEM, B_ELEM = 4, 2  # bytes per element of the weight and the bias
@@ -299,6 +299,18 @@ class PlanErrorTest(unittest.TestCase):
     def test_bad_options_and_closed_tables(self):
         refit = Refit()
         self.assert_build_fails(Status.INVALID_ARGUMENT, refit.tables, "policy", policy=3)
+        # coalesce is a byte that must be 0 or 1; the binding only writes those, so the C call is
+        # made directly.
+        options = _lib.PlanOptions()
+        self.assertEqual(_lib.lib.refit_plan_options_init(ctypes.byref(options)), Status.SUCCESS)
+        pointers = (ctypes.c_void_p * len(refit.tables))(*[table.handle for table in refit.tables])
+        plan = ctypes.c_void_p()
+        for byte, status in ((0x7F, Status.INVALID_ARGUMENT), (2, Status.INVALID_ARGUMENT), (0, Status.SUCCESS)):
+            options.coalesce = byte
+            got = _lib.lib.refit_plan_build(pointers, len(refit.tables), ctypes.byref(options), ctypes.byref(plan))
+            self.assertEqual(got, status, byte)
+        self.assertIn(b"coalesce", _lib.lib.refit_last_error_message())
+        _lib.lib.refit_plan_destroy(plan)
         refit.tables[1].close()
         self.assert_build_fails(Status.INVALID_STATE, refit.tables, "closed")
         refit.close()

@@ -22,17 +22,17 @@
 //! `Auto` rule: the host backend, a single rank, or a group whose every pair has direct peer access
 //! picks `Peer`; otherwise `Nccl` when it loads (it routes around missing peer access better than
 //! driver-staged copies), else `Peer`. benches/gpu_allgather.rs measures peer against NCCL at every
-//! size; NOTES.md has the figures.
+//! size; docs/measurements.md has the figures.
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
 use crate::bail;
-use crate::error::{Error, Result, Status};
+use crate::error::{try_reserve, try_vec, Error, Result, Status};
 use crate::group::Group;
 use crate::segment::Segment;
 use crate::transport::driver::CurrentContext;
 use crate::transport::nccl::{nccl, Communicators};
-use crate::transport::{BackendKind, Stream};
+use crate::transport::{Backend, BackendKind, Stream};
 
 mod call;
 pub mod comm;
@@ -204,18 +204,47 @@ unsafe fn own_block_copy(
     )
 }
 
+/// The `Host` algorithm moves a block through host memory this many bytes at a time, so that its
+/// buffer does not grow with the caller's counts.
+const HOST_STAGING_BYTES: usize = 8 << 20;
+
+/// Copies `len` bytes from `src` on device `from` to every `(device, dst)` of `to`, through `staging`
+/// (grown to at most HOST_STAGING_BYTES), one chunk at a time.
+///
+/// # Safety
+/// The source and every destination range must be valid for `len` bytes on their devices.
+unsafe fn stage_block(
+    backend: &dyn Backend,
+    staging: &mut Vec<u8>,
+    (from, src): (i32, u64),
+    to: &[(i32, u64)],
+    len: usize,
+) -> Result<()> {
+    let chunk = len.min(HOST_STAGING_BYTES);
+    if staging.len() < chunk {
+        try_reserve(staging, chunk - staging.len(), "the host staging buffer")?;
+        staging.resize(chunk, 0);
+    }
+    for offset in (0..len).step_by(HOST_STAGING_BYTES) {
+        let part = &mut staging[..chunk.min(len - offset)];
+        backend.read(from, src + offset as u64, part)?;
+        for &(device, dst) in to {
+            backend.write(device, dst + offset as u64, part)?;
+        }
+    }
+    Ok(())
+}
+
 unsafe fn host_all(group: &Group, call: &Gather) -> Result<()> {
     let (backend, devices) = (group.backend(), group.devices());
     group.synchronize()?;
     let mut staging = Vec::new();
+    let mut receivers = try_vec(call.ranks(), "the allgather's receivers")?;
     for p in (0..call.ranks()).filter(|&p| call.counts[p] > 0) {
-        staging.resize(call.counts[p], 0u8);
-        backend.read(devices[p], call.send[p], &mut staging)?;
-        for r in 0..call.ranks() {
-            if let Some(block) = call.block_into(p, r) {
-                backend.write(devices[r], block.dst, &staging)?;
-            }
-        }
+        receivers.clear();
+        receivers
+            .extend((0..call.ranks()).filter_map(|r| call.block_into(p, r).map(|b| (devices[r], b.dst))));
+        stage_block(backend.as_ref(), &mut staging, (devices[p], call.send[p]), &receivers, call.counts[p])?;
     }
     Ok(())
 }
@@ -311,9 +340,8 @@ pub unsafe fn allgather_rank(
                 if counts[p] == 0 || peer.send == dst {
                     continue;
                 }
-                staging.resize(counts[p], 0u8);
-                backend.read(group.devices()[p], peer.send, &mut staging)?;
-                backend.write(device, dst, &staging)?;
+                let from = (group.devices()[p], peer.send);
+                stage_block(backend.as_ref(), &mut staging, from, &[(device, dst)], counts[p])?;
             }
             // Owners must not change their blocks until every rank has read them.
             group.barrier().wait()?;

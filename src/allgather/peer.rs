@@ -1,26 +1,24 @@
 //! The whole-group `Peer` allgather: GPUs copy their blocks into each other's buffers directly (kernels
 //! writing peer memory, or copy-engine copies) on the group's streams.
 //!
-//! Two methods, picked by the mean block size ([`method_for`]), each the faster at its sizes on
-//! 2 x H200 (benches/gpu_allgather.rs measures both at every size):
+//! Two methods, picked by the mean block size ([`method_for`]), each the faster at its sizes
+//! (benches/gpu_allgather.rs measures both at every size):
 //! - [`PeerMethod::KernelPushes`]: each rank writes its block into every rank's buffer with one launch
 //!   of the batched copy kernel on its own stream. On CUDA the launches meet on the GPUs through
 //!   flags in device memory (`kernels::rendezvous`): a launch starts copying once every rank's launch
 //!   has started (so every receiver is ready) and ends once every rank has finished writing, with no
-//!   stream events at all. A cross-GPU event wait costs about 5 us of GPU time
-//!   (benches/cross_gpu_sync_probe.py: 9.7 us per round trip) and 1.4 us of host time; for small
-//!   blocks that latency is the whole cost. Pushing (remote writes, posted) beat pulling (remote
-//!   reads) with the same rendezvous at every size measured, 64 KiB to 16 MiB per rank (the bench
-//!   keeps both). Used below [`COPY_ENGINE_FROM`]: with tiles sized by [`peer_tile_shift`] the
-//!   kernel beat the copy engine at 16 MiB per rank (292 against 276 GB/s per GPU) and lost at
-//!   64 MiB (330-340 against 355).
+//!   stream events at all. A cross-GPU event wait costs GPU time on both GPUs and a driver call on
+//!   the host (benches/probes/cross_gpu_sync_probe.py prices the round trip); for small blocks that
+//!   latency is the whole cost. Pushing (remote writes, posted) beats pulling (remote reads) with
+//!   the same rendezvous at every size this method serves (the bench keeps pulls as an ablation).
+//!   Used below [`COPY_ENGINE_FROM`]: with tiles sized by [`peer_tile_shift`] the kernel beats the
+//!   copy engine up to 16 MiB per rank and loses from 32 MiB, where SM writes into a peer fall
+//!   behind the copy engine (benches/probes/sm_push_probe.py).
 //! - [`PeerMethod::CopyEnginePushes`]: each rank pushes its block to every peer with copy-engine
 //!   copies, one lane stream per destination, ordered by events, while a kernel on a few blocks
-//!   copies its own block ([`own_block_batches`]). Pushing beats pulling here too: at 64 MiB per
-//!   direction, both directions at once, 385 against 367 GB/s per direction
-//!   (benches/ce_lanes_probe.py, 2 x H200, 2026-11-30); splitting one block over several lanes only
-//!   lowers it (377 with 2, 360 with 4). Also the method of groups without direct peer access, where
-//!   the driver stages the copies.
+//!   copies its own block ([`own_block_batches`]). Pushing beats pulling here too, and splitting one
+//!   block over several lanes only lowers the rate (benches/probes/ce_lanes_probe.py). Also the
+//!   method of groups without direct peer access, where the driver stages the copies.
 //!
 //! Each rank's part is issued from that rank's thread where it is awake (`Group::fan_out`), so the
 //! call's host time is about one rank's, not the sum over ranks.
@@ -54,12 +52,11 @@ impl PeerMethod {
     pub const ALL: [PeerMethod; 2] = [PeerMethod::KernelPushes, PeerMethod::CopyEnginePushes];
 }
 
-/// Blocks for a rank's own-block copy beside its copy-engine pushes (see [`OwnBlockCopies`]): about
-/// 1 TB/s on an H200 (some 20 GB/s per block), two and a half times what the pushes move per GPU, so
-/// it ends well before them without crowding them. At 64 MiB per rank on 2 x H200 the allgather
-/// reached 354.4 GB/s per GPU this way, 355.3 with every block in place (no own copy at all), and
-/// 344.6 when the copy engine copied the own block (benches/gpu_allgather.rs; NOTES.md has the
-/// sweep over block counts).
+/// Blocks for a rank's own-block copy beside its copy-engine pushes (see [`OwnBlockCopies`]): enough
+/// that the copy ends well before the pushes, few enough not to crowd them. With far fewer blocks the
+/// own copy outlasts the pushes; the full grid, or the copy engine, slows them (the sweep over block
+/// counts: docs/decisions.md; benches/gpu_allgather.rs measures the call against its in-place
+/// variant, which copies no own block).
 const OWN_COPY_BLOCKS: u32 = 48;
 
 /// From this mean block size, [`PeerMethod::CopyEnginePushes`]; below it, kernel pushes.
@@ -70,7 +67,7 @@ pub const COPY_ENGINE_FROM: u64 = 32 << 20;
 /// the group after its streams have drained.
 pub(super) struct PeerState {
     backend: Arc<dyn Backend>,
-    devices: Vec<usize>,
+    devices: Vec<i32>,
     /// Recorded on rank r's stream before an allgather touches its buffers: its earlier work is done,
     /// so peers may read its send buffer and write its receive buffer.
     ready: Vec<Event>,
@@ -119,13 +116,7 @@ impl PeerState {
 
     /// The rendezvous flags, created on first use (CUDA backend only).
     pub(super) fn rendezvous(&self) -> Result<&Rendezvous> {
-        self.rendezvous
-            .get_or_init(|| {
-                let devices: Vec<i32> = self.devices.iter().map(|&d| d as i32).collect();
-                Rendezvous::new(&devices)
-            })
-            .as_ref()
-            .map_err(Clone::clone)
+        self.rendezvous.get_or_init(|| Rendezvous::new(&self.devices)).as_ref().map_err(Clone::clone)
     }
 
     /// The lanes, created on first use: `size - 1` extra streams per rank (none for a single rank) and
@@ -161,7 +152,7 @@ struct Lanes {
 
 impl Lanes {
     /// `size - 1` lanes per device, each with its event; on failure, what was made is destroyed.
-    fn create(backend: &dyn Backend, devices: &[usize]) -> Result<Lanes> {
+    fn create(backend: &dyn Backend, devices: &[i32]) -> Result<Lanes> {
         let mut made = Lanes { streams: Vec::new(), joined: Vec::new() };
         let created = (|| -> Result<()> {
             for &device in devices {
@@ -183,7 +174,7 @@ impl Lanes {
         }
     }
 
-    fn destroy(&self, backend: &dyn Backend, devices: &[usize]) {
+    fn destroy(&self, backend: &dyn Backend, devices: &[i32]) {
         for (r, streams) in self.streams.iter().enumerate() {
             for &stream in streams {
                 backend.destroy_stream(devices[r], stream);
@@ -247,7 +238,7 @@ fn kernels_run_state(group: &Group, state: &PeerState) -> bool {
         if group.backend_kind() != BackendKind::Cuda {
             return true;
         }
-        let loaded = group.devices().iter().try_for_each(|&d| BatchedCopy::for_device(d as i32).map(drop));
+        let loaded = group.devices().iter().try_for_each(|&d| BatchedCopy::for_device(d).map(drop));
         if let Err(err) = &loaded {
             log::warn!("peer allgather: copy engine only, refit's kernel is unavailable: {err}");
         }
@@ -345,7 +336,8 @@ pub(super) unsafe fn rank_share(
 }
 
 /// Every rank's pushes as one group-synchronized launch on its stream (CUDA, direct peer access),
-/// issued at once: the call costs the host about one launch, not one per rank (NOTES.md, host time).
+/// issued at once: the call costs the host about one launch, not one per rank (benches/gpu_allgather.rs,
+/// host time per call; benches/probes/launch_cost_probe.cu prices launches from one and two threads).
 unsafe fn synced_kernel_pushes(group: &Group, state: &PeerState, call: &Gather) -> Result<()> {
     let rendezvous = state.rendezvous()?;
     let batches = prepared(group, state, call, PeerMethod::KernelPushes, |p| push_batch(group, call, p))?;
@@ -396,7 +388,7 @@ unsafe fn launch_or_release(
 fn push_batch(group: &Group, call: &Gather, p: usize) -> Result<PreparedBatch> {
     let segments = rank_pushes(call, p);
     let bytes = segments.iter().map(|s| s.len).sum();
-    PreparedBatch::tuned(group.devices()[p] as i32, &segments, false, peer_tile_shift(bytes), 0)
+    PreparedBatch::tuned(group.devices()[p], &segments, false, peer_tile_shift(bytes), 0)
 }
 
 /// Rank `p`'s kernel pushes ordered by events (the host backend, whose "kernels" are queued copies):
@@ -466,10 +458,9 @@ unsafe fn wait_for_lane_pushers(group: &Group, state: &PeerState, call: &Gather,
 /// on a few blocks; None where the copy engine copies it (the host backend, or no kernel, or a single
 /// rank, which has no pushes to stay out of the way of).
 ///
-/// At full speed a local copy (about 2 TB/s on an H200) takes a fifth of the time the pushes take
-/// over NVLink and saturates the GPU's memory while it runs, which slows the pushes' reads and the
-/// peers' writes; throttled to [`OWN_COPY_BLOCKS`] blocks it runs alongside the pushes for most of
-/// their time instead.
+/// At full speed a local copy finishes long before the pushes over NVLink and saturates the GPU's
+/// memory while it runs, which slows the pushes' reads and the peers' writes; throttled to
+/// [`OWN_COPY_BLOCKS`] blocks it runs alongside the pushes for most of their time instead.
 fn own_block_batches(
     group: &Group,
     state: &PeerState,
@@ -480,7 +471,7 @@ fn own_block_batches(
     }
     prepared(group, state, call, PeerMethod::CopyEnginePushes, |p| {
         let own: Vec<Segment> = call.block_into(p, p).into_iter().collect();
-        let mut batch = PreparedBatch::new(group.devices()[p] as i32, &own, false)?;
+        let mut batch = PreparedBatch::new(group.devices()[p], &own, false)?;
         batch.limit_blocks(OWN_COPY_BLOCKS);
         Ok(batch)
     })
@@ -535,12 +526,9 @@ fn prepared(
 
 /// Tile size (log2 bytes) for a batch of `bytes` pushed between GPUs: about 128 tiles, from 1 KiB to
 /// 32 KiB. Writes into a peer's memory are posted, so a warp with a larger tile keeps more of them
-/// in flight, until the batch has too few tiles to spread over the SMs. A sweep of kernel pushes on
-/// 2 x H200 (G = 2, so a batch is twice the block; GB/s per GPU at tile shifts 10 / 11 / 12 / 13 /
-/// 14 / 15 / 16): 64 KiB blocks 8.1 / 8.1 / 7.7 / 7.0 / 6.4 / - / -, 256 KiB 27.1 / 29.4 / 29.8 /
-/// 27.7 / 24.2 / - / -, 1 MiB 72.3 / 84.1 / 92.1 / 95.4 / 93.4 / 72.8 / 52.4, 4 MiB 170.5 / 171.3 /
-/// 180.1 / 198.3 / 202.4 / 199.7 / 201.9, 16 MiB 270.4 / 272.8 / 273.5 / 274.1 / 287.9 / 292.1 /
-/// 292.3 (NOTES.md).
+/// in flight, until the batch has too few tiles to spread over the SMs. A sweep of tile sizes put
+/// the best tile near a fixed count of tiles per batch at every block size (docs/decisions.md;
+/// benches/gpu_allgather.rs measures the kernel pushes at every size).
 pub fn peer_tile_shift(bytes: u64) -> u32 {
     let per_tile = (bytes / 128).max(1);
     (63 - per_tile.leading_zeros()).clamp(10, 15)
@@ -616,8 +604,8 @@ mod tests {
     #[test]
     fn method_by_block_size_unless_overridden_and_copy_engine_for_one_rank() {
         use crate::group::{BackendChoice, GroupOptions};
-        let host = |n: i64| {
-            let devices: Vec<i64> = (0..n).collect();
+        let host = |n: i32| {
+            let devices: Vec<i32> = (0..n).collect();
             Group::new(&devices, GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
         };
         let (one, two) = (host(1), host(2));

@@ -32,7 +32,7 @@ pub(crate) fn state(group: &Group) -> Result<Arc<AllgatherState>> {
     group.extension(|group| {
         let n = group.size();
         Ok(AllgatherState {
-            devices: group.devices().iter().map(|&d| d as i32).collect(),
+            devices: group.devices().to_vec(),
             slots: [(0..n).map(|_| Mutex::default()).collect(), (0..n).map(|_| Mutex::default()).collect()],
             nccl: OnceLock::new(),
         })

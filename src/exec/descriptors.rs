@@ -3,7 +3,7 @@
 //! refit step with no host work proportional to the number of segments.
 
 use super::Arm;
-use crate::error::{Error, Result, Status};
+use crate::error::{try_reserve, Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Endpoint, Plan, RouteKind};
 use crate::segment::Segment;
@@ -17,7 +17,7 @@ pub(crate) enum RankWork {
     PerRun(Vec<Segment>),
 }
 
-/// Every rank's work for one (plan, group, process rank, arm).
+/// Every rank's work for one (plan, group, process, arm).
 pub(crate) struct Descriptors {
     /// `(group rank, work)`, ranks ascending, only ranks that send bytes.
     pub work: Vec<(usize, RankWork)>,
@@ -27,7 +27,7 @@ pub(crate) struct Descriptors {
 
 /// The group rank whose device is `endpoint.device`.
 fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
-    group.devices().iter().position(|&d| d == endpoint.device as usize).ok_or_else(|| {
+    group.devices().iter().position(|&d| u32::try_from(d) == Ok(endpoint.device)).ok_or_else(|| {
         Error::new(
             Status::NotFound,
             format!(
@@ -42,18 +42,19 @@ fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
 impl Descriptors {
     /// Regroups the routes of `plan` that `process` executes (both ends in this process) by source
     /// rank: each rank's stream moves, in one launch, what it copies within its own device and what it
-    /// writes into its NVLink peers' memory. Writing to a peer beats reading from it over NVLink
-    /// (benches/gpu_allgather.rs, 2 x H200, 1 GiB per rank: batched kernel 358.9 GB/s pushing
-    /// against 332.1 pulling; copy engine 392.1 against 390.8). Routes from other processes need a
-    /// transport between processes, which this executor does not have yet: they are `Unsupported`.
+    /// writes into its NVLink peers' memory. Writing to a peer beats reading from it over NVLink:
+    /// writes are posted, reads wait a round trip (benches/gpu_allgather.rs measures kernel pulls
+    /// against pushes, benches/probes/ce_lanes_probe.py the copy engine's). Routes from other
+    /// processes need a transport between processes, which this executor does not have yet: they are
+    /// `Unsupported`.
     pub fn build(group: &Group, plan: &Plan, process: u32, arm: Arm) -> Result<Descriptors> {
         let mut per_rank: Vec<Vec<Segment>> = vec![Vec::new(); group.size()];
-        for route in plan.routes().iter().filter(|r| r.dst.rank == process) {
+        for route in plan.routes().iter().filter(|r| r.dst.process == process) {
             if route.kind() == RouteKind::Remote {
                 return Err(Error::unsupported(format!(
-                    "route from rank {} device {} to rank {} device {} crosses processes; this executor \
+                    "route from process {} device {} to process {} device {} crosses processes; this executor \
                      moves bytes within one process only",
-                    route.src.rank, route.src.device, route.dst.rank, route.dst.device
+                    route.src.process, route.src.device, route.dst.process, route.dst.device
                 )));
             }
             let dst = rank_of(group, route.dst)?;
@@ -63,6 +64,7 @@ impl Descriptors {
                     "rank {src} cannot write rank {dst}'s memory directly (no peer access); use the per-run arm"
                 )));
             }
+            try_reserve(&mut per_rank[src], route.segments.len(), "the executor's segments")?;
             per_rank[src].extend_from_slice(&route.segments);
         }
         let mut segments = 0u64;

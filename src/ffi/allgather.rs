@@ -19,7 +19,8 @@ pub const REFIT_ALLGATHER_NCCL: u32 = 1;
 /// always use copy-engine copies (staged by the driver), and so does every group when the kernel cannot
 /// be built (no libnvrtc; logged once per group as a warning).
 pub const REFIT_ALLGATHER_PEER: u32 = 2;
-/// Staged through host memory, synchronous: a reference path and last resort.
+/// Staged through host memory (in parts of at most 8 MiB, whatever the counts), synchronous: a
+/// reference path and last resort.
 pub const REFIT_ALLGATHER_HOST: u32 = 3;
 
 fn write_pick(picked: *mut u32, algorithm: Algorithm) {
@@ -38,9 +39,10 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// NULL, receives the algorithm that ran.
 ///
 /// AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
-/// access (on 2 x H200, PEER moved 1.34-1.73x what NCCL's allgather moved from 1 MiB to 1 GiB per
-/// rank and took at most half its host time per call; below 1 MiB NCCL's GPU time is up to 13%
-/// shorter, see NOTES.md); otherwise NCCL when it loads, else PEER.
+/// access (there PEER moves more than NCCL's allgather from 1 MiB per rank and takes less host time
+/// per call; below 1 MiB NCCL's GPU time is shorter, but a call in a loop costs the larger of its
+/// host and GPU times: benches/gpu_allgather.rs, figures in docs/measurements.md); otherwise NCCL
+/// when it loads, else PEER.
 ///
 /// PEER issues every rank's launches and copies at once: the calling thread issues rank 0's, and each
 /// other rank's are issued by that rank's thread when it is awake (within 50 us of the group's
@@ -62,7 +64,7 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
 /// overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
 /// receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
-/// CUDA_ERROR, INVALID_STATE (called from a rank callback).
+/// CUDA_ERROR, INVALID_STATE (called from a rank callback), OUT_OF_MEMORY.
 #[no_mangle]
 pub extern "C" fn refit_allgather(
     group: *mut refit_group,
@@ -91,8 +93,8 @@ pub extern "C" fn refit_allgather(
 /// `rank`, `send` (counts[rank] bytes) and `recv` (sum(counts) bytes) and the same `counts` (all
 /// refit_group_size() of them) and `algo`. Queued on the rank's stream (HOST completes on return);
 /// once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
-/// share of refit_allgather's PEER, with the same methods: in a loop on 2 x H200 a call cost 7.6 us
-/// at 256 B per rank and 195 us at 64 MiB, against 12.6 and 294 us for NCCL called per rank.
+/// share of refit_allgather's PEER, with the same methods, and costs what a whole-group call costs
+/// (benches/gpu_allgather.rs, loop of calls, against NCCL called per rank).
 /// Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
 /// fails first, this returns ABORTED instead of waiting forever.
 ///

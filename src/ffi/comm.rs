@@ -301,19 +301,23 @@ pub extern "C" fn refit_comm_synchronize(comm: *mut refit_comm, stream: *mut c_v
     })
 }
 
-/// Builds one plan over the communicator from every rank's `table` (each process adds only its own
-/// offers and needs; process indices in the tables are communicator ranks) and writes it to `*plan`.
-/// The encoded tables are gathered (their sizes first, then the bytes), every rank builds the plan,
-/// and the ranks compare fingerprints of the gathered tables, the options, the plan and the library
-/// version before returning: every rank gets the same plan, or every rank gets a status. Every rank
-/// calls it with its table and the same options (NULL: defaults); blocks until all have, each step at
-/// most the timeout. Host memory only; not ordered with any stream.
+/// Builds this rank's share of one plan over the communicator and writes it to `*plan`. Every rank
+/// passes its own `table` (each process adds only its own offers and needs; the process index of
+/// its entries is its communicator rank) and the same `options` (NULL: defaults). The encoded tables
+/// are gathered (their sizes first, then the bytes); every rank builds its share: each route from or
+/// to one of its own endpoints, exactly as refit_plan_build of all tables would make it (owners are
+/// a deterministic function of all tables and the options), with the work beyond reading the tables
+/// growing with its own entries; then the ranks compare the fingerprints of the planner's inputs
+/// (tables, options, limits) and the library version before returning. Every rank gets its share,
+/// or every rank gets a status. The share's stats count its own receivers; refit_plan_fingerprint
+/// covers its own routes. Blocks until every rank has called it, each step at most the timeout. Host
+/// memory only; not ordered with any stream.
 ///
-/// Errors (on every rank): the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP, OVERLAP,
-/// ...), returned by each rank that failed, while the others get ABORTED naming the first such rank;
+/// Errors: the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP or OVERLAP in a rank's own
+/// needs, ...) on each rank that failed, while the others get ABORTED naming the first such rank;
 /// INVALID_ARGUMENT (bad options; ranks that passed different options or run another refit version:
-/// the message names both); DECODE_ERROR (a table's bytes changed on the way), TIMEOUT, ABORTED,
-/// NULL_ARGUMENT (comm, table, plan).
+/// the message names both) on every rank; DECODE_ERROR (a table's bytes changed on the way),
+/// TIMEOUT, ABORTED, NULL_ARGUMENT (comm, table, plan).
 #[no_mangle]
 pub extern "C" fn refit_plan_build_across(
     comm: *mut refit_comm,

@@ -51,7 +51,7 @@ fn checked_flag(flags: u32) -> Result<bool> {
 /// size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
 /// address, on the host backend a stream that is not a host stream), OVERLAP (REFIT_COPY_CHECKED and
 /// two destination runs share a byte), UNSUPPORTED (checked mode over more interleaved runs than it
-/// expands), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
+/// visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
 /// first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
 #[no_mangle]
 pub extern "C" fn refit_copy_batch(

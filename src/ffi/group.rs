@@ -27,7 +27,8 @@ pub const REFIT_EXIT_ASYNC: u32 = 1;
 /// A device group: one rank per device, each with its own non-blocking stream created once, and one
 /// persistent thread per rank, started at the first call that needs them (refit_group_run, a PEER
 /// allgather). After each such call a rank thread spins for up to 50 us waiting for the
-/// next before it sleeps: a loop of calls then costs no thread wake-ups (several microseconds each).
+/// next before it sleeps: a loop of calls then costs no thread wake-ups (each a system call and a
+/// context switch).
 ///
 /// Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
 /// rank callbacks may call refit_group_allgather_rank and the query functions concurrently.
@@ -106,8 +107,7 @@ pub extern "C" fn refit_group_create(
         // SAFETY: `devices` points to `n` ints (the caller's promise).
         let devices = unsafe { slice(devices, n, "devices") }?;
         let options = convert_options(options)?;
-        let devices: Vec<i64> = devices.iter().map(|&d| d as i64).collect();
-        let created = Group::new(&devices, options)?;
+        let created = Group::new(devices, options)?;
         slot.write(Box::into_raw(Box::new(refit_group { group: created })));
         Ok(())
     })
@@ -140,7 +140,7 @@ pub extern "C" fn refit_group_device(group: *const refit_group, rank: u32, devic
     boundary("refit_group_device", || {
         let slot = out(device, "device")?;
         // SAFETY: a live handle.
-        slot.write(unsafe { arg(group, "group") }?.group.device(rank as usize)? as i32);
+        slot.write(unsafe { arg(group, "group") }?.group.device(rank as usize)?);
         Ok(())
     })
 }

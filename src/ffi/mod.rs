@@ -10,6 +10,7 @@
 pub mod allgather;
 pub mod comm;
 pub mod copy;
+pub mod digest;
 pub mod group;
 pub mod plan;
 pub mod status;

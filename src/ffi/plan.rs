@@ -7,36 +7,40 @@
 
 use super::{arg, arg_mut, boundary, c_str, check_struct_size, destroy, out, sized_out, slice};
 use crate::bail;
-use crate::error::{Error, Result};
-use crate::plan::{self, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, Region, Table, TensorSpec};
+use crate::error::{try_vec, Error, Result};
+use crate::plan::{
+    self, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, PlanStats, Region, TableBuilder, TensorSpec,
+};
 use crate::segment::Segment;
 use std::ffi::c_char;
 
 /// Most dimensions a tensor may have.
 pub const REFIT_MAX_DIMS: u32 = 8;
-/// Owner policy: the replica of the lowest (rank, device) serves each replica set.
+/// Owner policy: the replica of the lowest (process, device) serves each replica set.
 pub const REFIT_POLICY_FIRST: u32 = 0;
 /// Owner policy: a replica on the receiver's device, else in its process (NVLink peer), else the first.
 pub const REFIT_POLICY_LOCAL: u32 = 1;
 /// Owner policy: spread bytes over replicas so that the busiest source serves as little as possible.
 pub const REFIT_POLICY_BALANCED: u32 = 2;
-/// Route kind: source and destination on the same rank and device.
+/// Route kind: source and destination in the same process, on the same device.
 pub const REFIT_ROUTE_LOCAL: u32 = 0;
-/// Route kind: same rank, another device (a peer copy).
+/// Route kind: same process, another device (a peer copy).
 pub const REFIT_ROUTE_PEER: u32 = 1;
-/// Route kind: another rank.
+/// Route kind: another process.
 pub const REFIT_ROUTE_REMOTE: u32 = 2;
 /// Buckets of refit_plan_stats.size_histogram.
 pub const REFIT_PLAN_SIZE_BUCKETS: u32 = 64;
 
-/// One rank's shard table: tensors, offers (what it publishes), needs (what it receives). Host memory
-/// only; no table call touches a device or a stream.
+/// One process's shard table: tensors, offers (what it publishes), needs (what it receives). Host
+/// memory only; no table call touches a device or a stream. Wherever the plan API takes or gives a
+/// `rank`, it is a *process* index: a number the caller gives each OS process taking part in a
+/// refit (not a device, and not a member of a group); `device` is a CUDA ordinal in that process.
 ///
 /// Thread-safety: calls that change a table (refit_table_add_*) need it to themselves; calls that only
 /// read it (refit_table_encoded_size, refit_table_encode, refit_plan_build) may share it between
 /// threads while nothing changes it. Different tables are independent.
 pub struct refit_table {
-    table: Table,
+    table: TableBuilder,
 }
 
 /// A built reshard plan. Immutable: every reader may be called from any number of threads at once.
@@ -46,8 +50,8 @@ pub struct refit_plan {
 
 impl refit_table {
     /// The table, for exports of other areas that read one (src/ffi/comm.rs).
-    pub(crate) fn table(&self) -> &Table {
-        &self.table
+    pub(crate) fn table(&self) -> &plan::Table {
+        self.table.table()
     }
 }
 
@@ -66,53 +70,9 @@ pub struct refit_plan_options {
     pub size: usize,
     /// REFIT_POLICY_FIRST, REFIT_POLICY_LOCAL (default) or REFIT_POLICY_BALANCED.
     pub policy: u32,
-    /// Join segments across boxes and tensors (default true; false only for A/B checks).
-    pub coalesce: bool,
-}
-
-/// Counts of a plan or of one receiver's part of it. Before the call set `size` to
-/// sizeof(refit_plan_stats). "Ranges" are contiguous runs; "segments" are strided refit_segments.
-#[repr(C)]
-#[derive(Clone, Copy, Debug)]
-pub struct refit_plan_stats {
-    /// sizeof(refit_plan_stats) as the caller knows it.
-    pub size: usize,
-    /// Offers in all tables.
-    pub offers_in: u64,
-    /// Offers chosen to serve at least one range.
-    pub offers_kept: u64,
-    /// Distinct boxes offered (replica sets).
-    pub replica_sets: u64,
-    /// Needs planned.
-    pub needs: u64,
-    /// Bytes the needs ask for, which is also the bytes the plan moves.
-    pub needed_bytes: u64,
-    /// Contiguous runs if every replica offer overlapping a need were read.
-    pub ranges_all_replicas: u64,
-    /// Bytes read if every replica offer overlapping a need were read.
-    pub bytes_all_replicas: u64,
-    /// bytes_all_replicas - needed_bytes.
-    pub duplicate_bytes_dropped: u64,
-    /// Contiguous runs with one owner per replica set, before coalescing.
-    pub ranges_deduped: u64,
-    /// Strided segments with one owner per replica set, before coalescing.
-    pub segments_deduped: u64,
-    /// Strided segments in the plan.
-    pub ranges_coalesced: u64,
-    /// Contiguous runs the plan's segments stand for.
-    pub flat_runs_coalesced: u64,
-    /// Bytes whose source is the receiving device.
-    pub bytes_local: u64,
-    /// Bytes from another device of the same rank.
-    pub bytes_peer: u64,
-    /// Bytes from another rank.
-    pub bytes_remote: u64,
-    /// (source, destination) endpoint pairs.
-    pub routes: u64,
-    /// Segments by payload: bucket i counts payloads in [2^i, 2^(i+1)) bytes (bucket 0 also 1 byte).
-    pub size_histogram: [u64; 64],
-    /// Wall time of the build, nanoseconds.
-    pub build_ns: u64,
+    /// 1: join segments across boxes and tensors (default); 0: do not (only for A/B checks). Any
+    /// other value is INVALID_ARGUMENT.
+    pub coalesce: u8,
 }
 
 /// One route of a plan: every segment from one source endpoint to one destination endpoint.
@@ -122,9 +82,13 @@ pub struct refit_plan_stats {
 pub struct refit_route_info {
     /// sizeof(refit_route_info) as the caller knows it.
     pub size: usize,
+    /// Source process index (as passed to refit_table_add_offer's `rank`).
     pub src_rank: u32,
+    /// Source device ordinal within that process.
     pub src_device: u32,
+    /// Destination process index (as passed to refit_table_add_need's `rank`).
     pub dst_rank: u32,
+    /// Destination device ordinal within that process.
     pub dst_device: u32,
     /// REFIT_ROUTE_LOCAL, REFIT_ROUTE_PEER or REFIT_ROUTE_REMOTE.
     pub kind: u32,
@@ -139,7 +103,7 @@ pub struct refit_route_info {
 pub extern "C" fn refit_table_create(table: *mut *mut refit_table) -> crate::Status {
     boundary("refit_table_create", || {
         let slot = out(table, "table")?;
-        slot.write(Box::into_raw(Box::new(refit_table { table: Table::default() })));
+        slot.write(Box::into_raw(Box::new(refit_table { table: TableBuilder::new() })));
         Ok(())
     })
 }
@@ -155,7 +119,8 @@ pub unsafe extern "C" fn refit_table_destroy(table: *mut refit_table) {
 
 /// Adds a tensor: `name` (NUL-terminated UTF-8), a caller-defined `dtype` code, `elem_size` bytes per
 /// element, and its global `shape` of `ndim` dimensions. Writes its index in this table to `*index`.
-/// Adding a name again returns the same index when the description agrees.
+/// Adding a name again returns the same index when the description agrees. Names are found by
+/// hashing: adding n tensors costs O(n).
 ///
 /// Not thread-safe for the same table. Errors: NULL_ARGUMENT (table, name, index; shape when
 /// ndim > 0), INVALID_ARGUMENT (empty or
@@ -185,7 +150,7 @@ pub unsafe extern "C" fn refit_table_add_tensor(
     })
 }
 
-/// Adds an offer: this rank (`rank`, `device`) holds the box `offset`/`extent` (`ndim` values each,
+/// Adds an offer: process `rank`'s device `device` holds the box `offset`/`extent` (`ndim` values each,
 /// global coordinates) of tensor `tensor` (an index from refit_table_add_tensor) at device address
 /// `addr`, laid out with element `strides` (NULL: row-major over `extent`), with an optional
 /// `digest` of its bytes (NULL: none). Offers of the same box are replicas.
@@ -215,12 +180,12 @@ pub unsafe extern "C" fn refit_table_add_offer(
         let region = Region { offset: dims(offset, ndim, "offset")?, extent: dims(extent, ndim, "extent")? };
         let strides = if strides.is_null() { None } else { Some(dims(strides, ndim, "strides")?) };
         let digest = digest.as_ref().copied();
-        let owner = Endpoint { rank, device };
+        let owner = Endpoint { process: rank, device };
         table.table.add_offer(Offer { tensor, owner, addr, region, strides, digest })
     })
 }
 
-/// Adds a need: receiver (`rank`, `device`) wants the box `offset`/`extent` (`ndim` values each,
+/// Adds a need: process `rank`'s device `device` wants the box `offset`/`extent` (`ndim` values each,
 /// global coordinates) of tensor `tensor` written at device address `addr` with destination element
 /// `strides` (one per destination dimension). Destination dimension d is tensor dimension `perm[d]`
 /// (`perm` NULL: the identity), so a transposed destination is a permutation. Several needs may
@@ -254,7 +219,7 @@ pub unsafe extern "C" fn refit_table_add_need(
         let region = Region { offset: dims(offset, ndim, "offset")?, extent: dims(extent, ndim, "extent")? };
         let strides = dims(strides, ndim, "strides")?;
         let perm = if perm.is_null() { None } else { Some(slice(perm, ndim, "perm")?.to_vec()) };
-        let receiver = Endpoint { rank, device };
+        let receiver = Endpoint { process: rank, device };
         table.table.add_need(Need { tensor, receiver, addr, region, perm, strides })
     })
 }
@@ -272,7 +237,7 @@ pub unsafe extern "C" fn refit_table_encoded_size(
     boundary("refit_table_encoded_size", || {
         let table = arg(table, "table")?;
         let slot = out(size, "size")?;
-        slot.write(plan::wire::encode(&table.table).len());
+        slot.write(plan::wire::encode(table.table.table()).len());
         Ok(())
     })
 }
@@ -296,7 +261,7 @@ pub unsafe extern "C" fn refit_table_encode(
     boundary("refit_table_encode", || {
         let table = arg(table, "table")?;
         let slot = out(written, "written")?;
-        let bytes = plan::wire::encode(&table.table);
+        let bytes = plan::wire::encode(table.table.table());
         if capacity < bytes.len() {
             bail!(
                 crate::Status::BufferTooSmall,
@@ -313,7 +278,7 @@ pub unsafe extern "C" fn refit_table_encode(
     })
 }
 
-/// Decodes `len` bytes written by refit_table_encode (on any rank) into a new table in `*table`.
+/// Decodes `len` bytes written by refit_table_encode (in any process) into a new table in `*table`.
 /// Untrusted bytes are safe: truncated, corrupted or hostile input returns a status. Thread-safe.
 ///
 /// Errors: NULL_ARGUMENT (table; bytes when len > 0), DECODE_ERROR (not a table, checksum mismatch,
@@ -331,7 +296,7 @@ pub unsafe extern "C" fn refit_table_decode(
         let slot = out(table, "table")?;
         let bytes = slice(bytes, len, "bytes")?;
         let decoded = plan::wire::decode(bytes)?;
-        slot.write(Box::into_raw(Box::new(refit_table { table: decoded })));
+        slot.write(Box::into_raw(Box::new(refit_table { table: TableBuilder::from(decoded) })));
         Ok(())
     })
 }
@@ -345,7 +310,7 @@ pub extern "C" fn refit_plan_options_init(options: *mut refit_plan_options) -> c
         slot.write(refit_plan_options {
             size: std::mem::size_of::<refit_plan_options>(),
             policy: REFIT_POLICY_LOCAL,
-            coalesce: true,
+            coalesce: 1,
         });
         Ok(())
     })
@@ -353,15 +318,18 @@ pub extern "C" fn refit_plan_options_init(options: *mut refit_plan_options) -> c
 
 /// Builds the plan that moves every byte the tables' needs ask for exactly once, from one owner per
 /// replica set, as the fewest strided segments; writes it to `*plan`. `tables` holds `count` tables
-/// (every rank's, in any order: the plan is the same). `options` NULL means the defaults. Runs on
+/// (every process's, in any order: the plan is the same). `options` NULL means the defaults. Runs on
 /// the calling thread; touches no device.
 ///
-/// Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_ARGUMENT (options.size
-/// or policy out of range; bad entries of decoded tables), TENSOR_MISMATCH (a tensor described
+/// Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_ARGUMENT (options.size,
+/// policy or coalesce out of range; bad entries of decoded tables), TENSOR_MISMATCH (a tensor described
 /// differently by two tables: the message names it and both values), REPLICA_MISMATCH (replicas
 /// with different digests), COVERAGE_GAP (the message names the first region no offer covers),
-/// OVERLAP (two destination bytes written twice), OUT_OF_MEMORY / UNSUPPORTED (pathological tables
-/// beyond the planner's limits).
+/// OVERLAP (two destination bytes written twice), OUT_OF_MEMORY (the plan does not fit in memory,
+/// or needs more segments than the planner's limit), UNSUPPORTED (pathological tables beyond the
+/// planner's other limits: pieces of overlapping offers, runs compared for overlaps, box tests; the
+/// message names the limit). Planning costs O(n log n) in the entries of the tables plus the
+/// segments it produces.
 ///
 /// # Safety
 /// `tables` points to `count` live tables not modified during the call.
@@ -376,9 +344,9 @@ pub unsafe extern "C" fn refit_plan_build(
         let slot = out(plan, "plan")?;
         let options = plan_options(options)?;
         let pointers = slice(tables, count, "tables")?;
-        let mut borrowed = Vec::with_capacity(pointers.len());
+        let mut borrowed = try_vec(pointers.len(), "the table list")?;
         for (i, &t) in pointers.iter().enumerate() {
-            borrowed.push(&arg(t, &format!("tables[{i}]"))?.table);
+            borrowed.push(arg(t, &format!("tables[{i}]"))?.table.table());
         }
         let built = plan::build_from(&borrowed, &options, &plan::Limits::default())?;
         slot.write(Box::into_raw(Box::new(refit_plan { plan: built })));
@@ -403,7 +371,7 @@ pub unsafe extern "C" fn refit_plan_destroy(plan: *mut refit_plan) {
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_get_stats(
     plan: *const refit_plan,
-    stats: *mut refit_plan_stats,
+    stats: *mut PlanStats,
 ) -> crate::Status {
     boundary("refit_plan_get_stats", || {
         let plan = arg(plan, "plan")?;
@@ -411,7 +379,7 @@ pub unsafe extern "C" fn refit_plan_get_stats(
     })
 }
 
-/// Writes the counts of receiver (`rank`, `device`)'s needs and the routes into it to `*stats` (zero
+/// Writes the counts of receiver (process `rank`, `device`)'s needs and the routes into it to `*stats` (zero
 /// but the shared input counts when that endpoint needs nothing); set stats->size first.
 /// Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
 ///
@@ -422,16 +390,16 @@ pub unsafe extern "C" fn refit_plan_get_receiver_stats(
     plan: *const refit_plan,
     rank: u32,
     device: u32,
-    stats: *mut refit_plan_stats,
+    stats: *mut PlanStats,
 ) -> crate::Status {
     boundary("refit_plan_get_receiver_stats", || {
         let plan = arg(plan, "plan")?;
-        write_stats(&plan.plan.receiver_stats(Endpoint { rank, device }), stats)
+        write_stats(&plan.plan.receiver_stats(Endpoint { process: rank, device }), stats)
     })
 }
 
 /// Writes the plan's fingerprint to `*fingerprint`: equal for the same tables in any order, in any
-/// process; ranks compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
+/// process; processes compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
 ///
 /// # Safety
 /// `plan` is a live plan.
@@ -486,9 +454,9 @@ pub unsafe extern "C" fn refit_plan_route(
         })?;
         slot.write(refit_route_info {
             size: std::mem::size_of::<refit_route_info>(),
-            src_rank: r.src.rank,
+            src_rank: r.src.process,
             src_device: r.src.device,
-            dst_rank: r.dst.rank,
+            dst_rank: r.dst.process,
             dst_device: r.dst.device,
             kind: r.kind() as u32,
             segment_count: r.segments.len(),
@@ -521,31 +489,15 @@ pub(crate) unsafe fn plan_options(options: *const refit_plan_options) -> Result<
             "options.policy is {other}; expected REFIT_POLICY_FIRST, _LOCAL or _BALANCED"
         ),
     };
-    Ok(PlanOptions { policy, coalesce: options.coalesce })
+    let coalesce = match options.coalesce {
+        0 => false,
+        1 => true,
+        other => bail!(crate::Status::InvalidArgument, "options.coalesce is {other}; expected 0 or 1"),
+    };
+    Ok(PlanOptions { policy, coalesce })
 }
 
-unsafe fn write_stats(s: &plan::PlanStats, stats: *mut refit_plan_stats) -> Result<()> {
-    let slot = sized_out(stats, "stats")?;
-    slot.write(refit_plan_stats {
-        size: std::mem::size_of::<refit_plan_stats>(),
-        offers_in: s.offers_in,
-        offers_kept: s.offers_kept,
-        replica_sets: s.replica_sets,
-        needs: s.needs,
-        needed_bytes: s.needed_bytes,
-        ranges_all_replicas: s.ranges_all_replicas,
-        bytes_all_replicas: s.bytes_all_replicas,
-        duplicate_bytes_dropped: s.duplicate_bytes_dropped,
-        ranges_deduped: s.ranges_deduped,
-        segments_deduped: s.segments_deduped,
-        ranges_coalesced: s.ranges_coalesced,
-        flat_runs_coalesced: s.flat_runs_coalesced,
-        bytes_local: s.bytes_local,
-        bytes_peer: s.bytes_peer,
-        bytes_remote: s.bytes_remote,
-        routes: s.routes,
-        size_histogram: s.size_histogram,
-        build_ns: s.build_ns,
-    });
+unsafe fn write_stats(s: &PlanStats, stats: *mut PlanStats) -> Result<()> {
+    sized_out(stats, "stats")?.write(PlanStats { size: std::mem::size_of::<PlanStats>(), ..*s });
     Ok(())
 }

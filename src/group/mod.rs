@@ -73,7 +73,7 @@ static NEXT_GROUP_ID: AtomicU64 = AtomicU64::new(1);
 pub struct Group {
     id: u64,
     backend: Arc<dyn Backend>,
-    devices: Vec<usize>,
+    devices: Vec<i32>,
     streams: Vec<Stream>,
     peer: Vec<Vec<bool>>,
     entry_events: Vec<Event>,
@@ -94,7 +94,7 @@ pub struct Group {
 /// The host backend runs a thread per simulated device: it simulates at most this many.
 const MAX_HOST_DEVICES: usize = 64;
 
-fn backend_for(devices: &[i64], options: &GroupOptions) -> Result<Arc<dyn Backend>> {
+fn backend_for(devices: &[i32], options: &GroupOptions) -> Result<Arc<dyn Backend>> {
     let host = || -> Result<Arc<dyn Backend>> {
         if options.host_devices > MAX_HOST_DEVICES {
             bail!(
@@ -103,14 +103,16 @@ fn backend_for(devices: &[i64], options: &GroupOptions) -> Result<Arc<dyn Backen
                 options.host_devices
             );
         }
-        let highest = devices.iter().copied().max().unwrap_or(0).max(0);
-        if options.host_devices == 0 && highest >= MAX_HOST_DEVICES as i64 {
+        // Devices are checked non-negative before, so the highest is a valid index.
+        let needed = devices.iter().map(|&d| usize::try_from(d).unwrap_or(0) + 1).max().unwrap_or(1);
+        if options.host_devices == 0 && needed > MAX_HOST_DEVICES {
             bail!(
                 Status::InvalidDevice,
-                "device {highest} is not below the {MAX_HOST_DEVICES} devices the host backend simulates"
+                "device {} is not below the {MAX_HOST_DEVICES} devices the host backend simulates",
+                needed - 1
             );
         }
-        let count = if options.host_devices == 0 { highest as usize + 1 } else { options.host_devices };
+        let count = if options.host_devices == 0 { needed } else { options.host_devices };
         Ok(Arc::new(HostBackend::new(count)?))
     };
     match options.backend {
@@ -131,27 +133,31 @@ impl Group {
     /// A group where rank r is `devices[r]`. Rejects an empty list (`EmptyDeviceList`), a device out
     /// of range (`InvalidDevice`) and a repeated device (`DuplicateDevice`). Enables peer access for
     /// every pair that supports it and creates each rank's stream and events.
-    pub fn new(devices: &[i64], options: GroupOptions) -> Result<Group> {
+    pub fn new(devices: &[i32], options: GroupOptions) -> Result<Group> {
         if devices.is_empty() {
             return Err(Error::new(Status::EmptyDeviceList, "the device list is empty"));
         }
-        for (i, &d) in devices.iter().enumerate() {
-            if d < 0 {
-                bail!(Status::InvalidDevice, "devices[{i}] = {d} is negative");
-            }
-            if let Some(j) = devices[..i].iter().position(|&e| e == d) {
-                bail!(Status::DuplicateDevice, "device {d} appears twice (devices[{j}] and devices[{i}])");
-            }
+        if let Some((i, &d)) = devices.iter().enumerate().find(|(_, &d)| d < 0) {
+            bail!(Status::InvalidDevice, "devices[{i}] = {d} is negative");
         }
         let backend = backend_for(devices, &options)?;
         let count = backend.device_count();
-        if let Some((i, &d)) = devices.iter().enumerate().find(|(_, &d)| d as u64 >= count as u64) {
+        if let Some((i, &d)) =
+            devices.iter().enumerate().find(|(_, &d)| usize::try_from(d).map_or(true, |d| d >= count))
+        {
             bail!(
                 Status::InvalidDevice,
                 "devices[{i}] = {d} is not below the {count} devices of the backend"
             );
         }
-        let devices: Vec<usize> = devices.iter().map(|&d| d as usize).collect();
+        // After the range check, so that a repeat turns up within the first `count + 1` entries: the
+        // search costs devices x count, however long the caller's list.
+        for (i, &d) in devices.iter().enumerate() {
+            if let Some(j) = devices[..i].iter().position(|&e| e == d) {
+                bail!(Status::DuplicateDevice, "device {d} appears twice (devices[{j}] and devices[{i}])");
+            }
+        }
+        let devices = crate::error::try_to_vec(devices, "the device list")?;
         let n = devices.len();
 
         let mut peer = vec![vec![false; n]; n];
@@ -217,7 +223,7 @@ impl Group {
         self.backend.kind()
     }
 
-    pub fn devices(&self) -> &[usize] {
+    pub fn devices(&self) -> &[i32] {
         &self.devices
     }
 
@@ -229,7 +235,7 @@ impl Group {
     }
 
     /// The device of a rank.
-    pub fn device(&self, rank: usize) -> Result<usize> {
+    pub fn device(&self, rank: usize) -> Result<i32> {
         self.check_rank(rank)?;
         Ok(self.devices[rank])
     }

@@ -145,7 +145,7 @@ impl RankWorkers {
     pub fn start(
         group_id: u64,
         backend: Arc<dyn Backend>,
-        devices: &[usize],
+        devices: &[i32],
         streams: &[Stream],
         barrier: Arc<AbortableBarrier>,
     ) -> Result<RankWorkers> {
@@ -269,7 +269,7 @@ mod tests {
 
     fn workers(ranks: usize) -> RankWorkers {
         let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(ranks).unwrap());
-        let devices: Vec<usize> = (0..ranks).collect();
+        let devices: Vec<i32> = (0..ranks as i32).collect();
         let streams: Vec<Stream> = (0..ranks as u64).map(|r| Stream(100 + r)).collect();
         RankWorkers::start(7, backend, &devices, &streams, Arc::new(AbortableBarrier::new(ranks))).unwrap()
     }

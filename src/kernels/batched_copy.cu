@@ -251,7 +251,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) refit_batched_copy(const De
 #if defined(__CUDA_ARCH__)
 // The group-synchronized launch: every rank of a device group launches it at once on its own stream
 // (a whole-group peer allgather's pushes), and the launches meet through flags in device memory
-// instead of cross-GPU stream events, which cost about 5 us of GPU time each way on 2 x H200.
+// instead of cross-GPU stream events, whose GPU-side latency is the whole cost of a small call
+// (benches/probes/cross_gpu_sync_probe.py prices an event round trip).
 //
 // Rank r's flag block (u64 words in r's memory, written by its peers over NVLink, zeroed at creation;
 // must match src/kernels/rendezvous.rs): arrived[p] at word p, the epoch of p's latest arrival, and
@@ -271,7 +272,8 @@ extern "C" __global__ void __launch_bounds__(256, 3) refit_batched_copy(const De
 //    from every peer. The launch therefore ends only when every copy into or out of this rank's
 //    memory is over: work queued after it on the stream may read what arrived and reuse what was
 //    sent. Counting per block, rather than finding the grid's last block with a local counter and a
-//    second fence, took 1.3-1.7 us off every call (benches/leader_launch_probe.cu).
+//    second fence, shortens every call (benches/probes/leader_launch_probe.cu measured both;
+//    benches/gpu_allgather.rs measures the call).
 #define DEPARTURE_UNITS 65536ull
 
 __device__ __forceinline__ void store_release(u64 addr, u64 value) {

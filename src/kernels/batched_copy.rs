@@ -1,9 +1,10 @@
 //! The batched copy on a CUDA device: the compiled kernel per device ([`BatchedCopy`]), a one-shot
 //! copy ([`copy_segments`]) and a batch uploaded once and launched many times ([`PreparedBatch`]).
 
-use super::layout::Layout;
+use super::layout::BatchLayout;
+use super::module;
 use super::rendezvous::RankRendezvous;
-use crate::error::{Error, Result, Status};
+use crate::error::{Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
 use crate::transport::driver::{self, check, CurrentContext};
@@ -66,47 +67,14 @@ impl BatchedCopy {
     }
 
     fn load(device: i32) -> Result<BatchedCopy> {
-        use sys::CUdevice_attribute as A;
-        let major = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
-        let minor = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
-        let sms = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?;
-        let context = driver::primary_context(device)?;
-        // SAFETY: just retained.
-        let _current = unsafe { CurrentContext::enter(context) }?;
-        let context_msg = |e: Error| e.context(format!("loading the batched copy kernel on device {device}"));
-
-        // Machine code for this exact architecture first; PTX for the driver to JIT if the CUBIN does
-        // not load (an NVRTC newer than the driver).
-        let cubin = compile_for(major, minor, Output::Cubin, &[]).map_err(context_msg)?;
-        let (module, build) = match load_module(&cubin.image) {
-            Ok(module) => (module, format!("CUBIN sm_{major}{minor}")),
-            Err(cubin_err) => {
-                log::warn!("CUBIN for sm_{major}{minor} did not load ({}), trying PTX", cubin_err.message);
-                let ptx = compile_for(major, minor, Output::Ptx, &[]).map_err(context_msg)?;
-                let module = load_module(&ptx.image).map_err(|ptx_err| {
-                    Error::new(
-                        Status::KernelLoadFailed,
-                        format!(
-                            "device {device} (sm_{major}{minor}) loads neither the CUBIN ({}) nor the PTX ({})",
-                            cubin_err.message, ptx_err.message
-                        ),
-                    )
-                })?;
-                (module, format!("PTX compute_{major}{minor} (JIT)"))
-            }
-        };
-        let function = get_function(module, KERNEL_NAME)?;
-        let synced = get_function(module, SYNCED_KERNEL_NAME)?;
-        let mut per_sm = 0;
-        // SAFETY: live function.
-        check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
-            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, function, BLOCK_THREADS as i32, 0)
-        })?;
-        let max_blocks = (sms.max(1) as u32) * (per_sm.max(1) as u32);
-        let nvrtc = nvrtc::version().unwrap_or_default();
-        let build = format!("{build}, {nvrtc}, {sms} SMs x {per_sm} blocks of {BLOCK_THREADS}");
+        let loaded = module::load(device, SOURCE, "batched_copy.cu")?;
+        let function = module::function(loaded.module, KERNEL_NAME)?;
+        let synced = module::function(loaded.module, SYNCED_KERNEL_NAME)?;
+        let per_sm = module::blocks_per_sm(function, BLOCK_THREADS)?;
+        let max_blocks = loaded.sms * per_sm;
+        let build = format!("{} x {per_sm} blocks of {BLOCK_THREADS}", loaded.build);
         log::info!("batched copy kernel on device {device}: {build}");
-        Ok(BatchedCopy { device, context, function, synced, max_blocks, build })
+        Ok(BatchedCopy { device, context: loaded.context, function, synced, max_blocks, build })
     }
 
     /// The device ordinal this kernel runs on.
@@ -193,7 +161,7 @@ struct Launch {
 }
 
 impl Launch {
-    fn new(layout: &Layout, descriptors: u64, blocks: u32) -> Launch {
+    fn new(layout: &BatchLayout, descriptors: u64, blocks: u32) -> Launch {
         Launch {
             descriptors,
             segments: layout.segments(),
@@ -205,27 +173,12 @@ impl Launch {
     }
 }
 
-fn get_function(module: sys::CUmodule, name: &std::ffi::CStr) -> Result<sys::CUfunction> {
-    let mut function = std::ptr::null_mut();
-    // SAFETY: live module, NUL-terminated name.
-    check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut function, module, name.as_ptr()) })
-        .map_err(|e| Error::new(Status::KernelLoadFailed, e.message))?;
-    Ok(function)
-}
-
-fn load_module(image: &[u8]) -> Result<sys::CUmodule> {
-    let mut module = std::ptr::null_mut();
-    // SAFETY: a CUBIN image or NUL-terminated PTX that outlives the call.
-    check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) })?;
-    Ok(module)
-}
-
-fn prepare(segments: &[Segment], checked: bool, tile_shift: u32) -> Result<Layout> {
+fn prepare(segments: &[Segment], checked: bool, tile_shift: u32) -> Result<BatchLayout> {
     validate(segments)?;
     if checked {
         check_destinations(segments)?;
     }
-    Layout::with_tile_shift(segments, tile_shift)
+    BatchLayout::with_tile_shift(segments, tile_shift)
 }
 
 /// Copies every segment in one kernel launch on `stream` (a CUstream of `device`'s primary context,
@@ -256,7 +209,7 @@ pub unsafe fn copy_segments(
     segments: &[Segment],
     checked: bool,
 ) -> Result<()> {
-    let layout = prepare(segments, checked, Layout::DEFAULT_TILE_SHIFT)?;
+    let layout = prepare(segments, checked, BatchLayout::DEFAULT_TILE_SHIFT)?;
     if layout.tiles == 0 {
         return Ok(());
     }
@@ -306,7 +259,7 @@ impl PreparedBatch {
     /// lays out and uploads the batch to `device`. Synchronous: returns once the descriptors are on the
     /// device. Errors as for [`copy_segments`].
     pub fn new(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
-        PreparedBatch::tuned(device, segments, checked, Layout::DEFAULT_TILE_SHIFT, 0)
+        PreparedBatch::tuned(device, segments, checked, BatchLayout::DEFAULT_TILE_SHIFT, 0)
     }
 
     /// As [`PreparedBatch::new`] with tiles of `2^tile_shift` bytes instead of the default and, unless

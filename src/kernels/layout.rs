@@ -2,13 +2,13 @@
 //! tiles start, and the tiling rule the kernel relies on. Pure Rust (no CUDA), so it is tested in CI.
 //!
 //! Tiling: a run longer than a tile is cut into `ceil(len / TILE)` tiles; shorter runs are grouped,
-//! up to `TILE / len` (at most `Layout::MAX_RUNS_PER_TILE`) whole runs per tile. Every tile is one warp's
+//! up to `TILE / len` (at most `BatchLayout::MAX_RUNS_PER_TILE`) whole runs per tile. Every tile is one warp's
 //! unit of work, so no warp ever walks a large segment alone and tiny runs do not pile onto one warp.
 
-use crate::error::{Error, Result};
+use crate::error::{try_vec, Error, Result};
 use crate::segment::Segment;
 
-// The tiling constants are associated with `Layout` rather than free `pub const`s: cbindgen would
+// The tiling constants are associated with `BatchLayout` rather than free `pub const`s: cbindgen would
 // otherwise copy them into the C header.
 
 /// One segment as the kernel reads it. Must match `struct Desc` in `batched_copy.cu`.
@@ -38,7 +38,7 @@ const _: () = assert!(std::mem::size_of::<DeviceSegment>() == 96);
 /// A batch laid out for the kernel: the descriptors of the non-empty segments followed by a sentinel
 /// whose `tile_first` is the total tile count.
 #[derive(Clone, Debug, Default)]
-pub struct Layout {
+pub struct BatchLayout {
     pub descriptors: Vec<DeviceSegment>,
     pub tiles: u64,
     /// Payload bytes of the whole batch.
@@ -46,11 +46,11 @@ pub struct Layout {
     /// log2 of this layout's tile size; the kernel is launched with it.
     pub tile_shift: u32,
     /// log2 of the lanes that copy one tile (3, 4 or 5: 8, 16 or 32 lanes), from the average tile
-    /// size (see [`Layout::lanes_shift_for`]); the kernel is launched with it.
+    /// size (see [`BatchLayout::lanes_shift_for`]); the kernel is launched with it.
     pub group_shift: u32,
 }
 
-impl Layout {
+impl BatchLayout {
     /// log2 of the default tile size in bytes (8 KiB): large enough to amortize finding the tile, small
     /// enough that a 1 GiB copy gives every warp of the grid dozens of tiles.
     pub(crate) const DEFAULT_TILE_SHIFT: u32 = 13;
@@ -74,9 +74,9 @@ impl Layout {
         }
     }
 
-    /// log2 of the default tile size (for tests and benches; `Layout::new` uses it).
+    /// log2 of the default tile size (for tests and benches; `BatchLayout::new` uses it).
     pub const fn default_tile_shift() -> u32 {
-        Layout::DEFAULT_TILE_SHIFT
+        BatchLayout::DEFAULT_TILE_SHIFT
     }
 
     /// Segments that carry bytes (the sentinel excluded).
@@ -87,21 +87,21 @@ impl Layout {
     /// Lays out `segments` (already validated: see [`super::check::validate`]) with the default tile
     /// size. Empty segments are dropped. Fails only if the tile count overflows, which validated input
     /// cannot make happen.
-    pub fn new(segments: &[Segment]) -> Result<Layout> {
-        Layout::with_tile_shift(segments, Layout::DEFAULT_TILE_SHIFT)
+    pub fn new(segments: &[Segment]) -> Result<BatchLayout> {
+        BatchLayout::with_tile_shift(segments, BatchLayout::DEFAULT_TILE_SHIFT)
     }
 
-    /// As [`Layout::new`] with tiles of `2^tile_shift` bytes (a tuning knob; InvalidArgument outside
+    /// As [`BatchLayout::new`] with tiles of `2^tile_shift` bytes (a tuning knob; InvalidArgument outside
     /// 10..=20, i.e. 1 KiB to 1 MiB).
-    pub fn with_tile_shift(segments: &[Segment], tile_shift: u32) -> Result<Layout> {
-        if !Layout::TILE_SHIFTS.contains(&tile_shift) {
+    pub fn with_tile_shift(segments: &[Segment], tile_shift: u32) -> Result<BatchLayout> {
+        if !BatchLayout::TILE_SHIFTS.contains(&tile_shift) {
             return Err(Error::invalid_argument(format!(
                 "tile shift {tile_shift} is outside {:?}",
-                Layout::TILE_SHIFTS
+                BatchLayout::TILE_SHIFTS
             )));
         }
         let tile_bytes = 1u64 << tile_shift;
-        let mut descriptors = Vec::with_capacity(segments.len() + 1);
+        let mut descriptors = try_vec(segments.len().saturating_add(1), "the batch's descriptors")?;
         let mut tiles: u64 = 0;
         let mut bytes: u64 = 0;
         for segment in segments {
@@ -114,7 +114,7 @@ impl Layout {
                 let run_tiles = len.div_ceil(tile_bytes);
                 (run_tiles, 1, runs.checked_mul(run_tiles))
             } else {
-                let tile_runs = (tile_bytes / len).clamp(1, Layout::MAX_RUNS_PER_TILE);
+                let tile_runs = (tile_bytes / len).clamp(1, BatchLayout::MAX_RUNS_PER_TILE);
                 (1, tile_runs, Some(runs.div_ceil(tile_runs)))
             };
             let tile_first = tiles;
@@ -141,8 +141,8 @@ impl Layout {
             });
         }
         descriptors.push(DeviceSegment { tile_first: tiles, ..DeviceSegment::default() });
-        let group_shift = Layout::lanes_shift_for(bytes, tiles);
-        Ok(Layout { descriptors, tiles, bytes, tile_shift, group_shift })
+        let group_shift = BatchLayout::lanes_shift_for(bytes, tiles);
+        Ok(BatchLayout { descriptors, tiles, bytes, tile_shift, group_shift })
     }
 
     /// The descriptors as raw bytes, for upload.
@@ -195,7 +195,7 @@ impl Layout {
 mod tests {
     use super::*;
 
-    const TILE: u64 = 1 << Layout::DEFAULT_TILE_SHIFT;
+    const TILE: u64 = 1 << BatchLayout::DEFAULT_TILE_SHIFT;
 
     fn strided(len: u64, count: [u64; 2], src_stride: [u64; 2], dst_stride: [u64; 2]) -> Segment {
         Segment { src: 1 << 40, dst: 1 << 41, len, count, src_stride, dst_stride }
@@ -203,13 +203,13 @@ mod tests {
 
     /// Every run's bytes, listed by walking the tiles, equals what Segment::for_each_run lists.
     fn pieces_cover_runs(segments: &[Segment]) {
-        for shift in [Layout::DEFAULT_TILE_SHIFT, 10, 16] {
+        for shift in [BatchLayout::DEFAULT_TILE_SHIFT, 10, 16] {
             pieces_cover_runs_with(segments, shift);
         }
     }
 
     fn pieces_cover_runs_with(segments: &[Segment], shift: u32) {
-        let layout = Layout::with_tile_shift(segments, shift).unwrap();
+        let layout = BatchLayout::with_tile_shift(segments, shift).unwrap();
         let mut from_tiles = Vec::new();
         for tile in 0..layout.tiles {
             layout.for_each_piece_of_tile(tile, |s, d, n| {
@@ -248,13 +248,13 @@ mod tests {
     #[test]
     fn empty_segments_are_dropped_and_sentinel_counts_tiles() {
         let layout =
-            Layout::new(&[Segment::contiguous(1, 2, 0), Segment::contiguous(1, 2, 2 * TILE)]).unwrap();
+            BatchLayout::new(&[Segment::contiguous(1, 2, 0), Segment::contiguous(1, 2, 2 * TILE)]).unwrap();
         assert_eq!(layout.segments(), 1);
         assert_eq!(layout.tiles, 2);
         assert_eq!(layout.bytes, 2 * TILE);
         assert_eq!(layout.descriptors.last().unwrap().tile_first, 2);
         assert_eq!(layout.as_bytes().len(), 2 * 96);
-        let empty = Layout::new(&[]).unwrap();
+        let empty = BatchLayout::new(&[]).unwrap();
         assert_eq!((empty.tiles, empty.segments()), (0, 0));
     }
 
@@ -262,28 +262,28 @@ mod tests {
     fn tile_sizes_outside_the_supported_range_are_refused() {
         let one = [Segment::contiguous(1, 2, 3)];
         for shift in [0, 9, 21, 64] {
-            let err = Layout::with_tile_shift(&one, shift).unwrap_err();
+            let err = BatchLayout::with_tile_shift(&one, shift).unwrap_err();
             assert_eq!(err.status, crate::error::Status::InvalidArgument, "{shift}");
         }
-        assert_eq!(Layout::with_tile_shift(&one, 20).unwrap().tile_shift, 20);
+        assert_eq!(BatchLayout::with_tile_shift(&one, 20).unwrap().tile_shift, 20);
     }
 
     #[test]
     fn small_tiles_get_narrow_lane_groups() {
-        assert_eq!(Layout::lanes_shift_for(256 << 20, 1 << 20), 3); // 256 B segments: 8 lanes
-        assert_eq!(Layout::lanes_shift_for(1 << 30, 1 << 20), 4); // 1 KiB average: 16 lanes
-        assert_eq!(Layout::lanes_shift_for(1 << 30, (1 << 30) / 4096), 5); // 4 KiB: the whole warp
-        assert_eq!(Layout::lanes_shift_for(0, 0), 3);
-        let layout = Layout::new(&[Segment::contiguous(1, 2, 1 << 20)]).unwrap();
+        assert_eq!(BatchLayout::lanes_shift_for(256 << 20, 1 << 20), 3); // 256 B segments: 8 lanes
+        assert_eq!(BatchLayout::lanes_shift_for(1 << 30, 1 << 20), 4); // 1 KiB average: 16 lanes
+        assert_eq!(BatchLayout::lanes_shift_for(1 << 30, (1 << 30) / 4096), 5); // 4 KiB: the whole warp
+        assert_eq!(BatchLayout::lanes_shift_for(0, 0), 3);
+        let layout = BatchLayout::new(&[Segment::contiguous(1, 2, 1 << 20)]).unwrap();
         assert_eq!(layout.group_shift, 5);
     }
 
     #[test]
     fn short_runs_are_grouped_but_capped() {
-        let layout = Layout::new(&[strided(1, [1000, 1], [1, 0], [1, 0])]).unwrap();
-        assert_eq!(layout.descriptors[0].tile_runs, Layout::MAX_RUNS_PER_TILE);
-        assert_eq!(layout.tiles, 1000u64.div_ceil(Layout::MAX_RUNS_PER_TILE));
-        let rows = Layout::new(&[strided(768, [2048, 1], [1536, 0], [768, 0])]).unwrap();
+        let layout = BatchLayout::new(&[strided(1, [1000, 1], [1, 0], [1, 0])]).unwrap();
+        assert_eq!(layout.descriptors[0].tile_runs, BatchLayout::MAX_RUNS_PER_TILE);
+        assert_eq!(layout.tiles, 1000u64.div_ceil(BatchLayout::MAX_RUNS_PER_TILE));
+        let rows = BatchLayout::new(&[strided(768, [2048, 1], [1536, 0], [768, 0])]).unwrap();
         assert_eq!(rows.descriptors[0].tile_runs, TILE / 768);
     }
 }

@@ -1,11 +1,15 @@
-//! The batched copy kernel: any number of [`Segment`](crate::segment::Segment)s copied in one launch,
-//! near memory bandwidth for every segment size.
+//! The library's CUDA kernels and what they need on the host: the batched copy (any number of
+//! [`Segment`](crate::segment::Segment)s copied in one launch, near memory bandwidth for every segment
+//! size) and the digest (a CRC-style 64-bit digest of device memory at memory speed).
 //!
 //! - `batched_copy.cu`: the CUDA C source, compiled at first use per device by NVRTC
 //!   (`transport::nvrtc`).
 //! - [`layout`]: how a batch is laid out for the kernel (descriptors, tiles); pure Rust. Segments are
 //!   checked before (`segment::check`, shared with the host backend's copy).
 //! - [`batched_copy`]: the per-device kernel cache, one-shot [`copy_segments`] and [`PreparedBatch`].
+//! - `digest.cu` and [`digest`]: the digest kernel and its launch.
+//! - [`gf64`]: the refit digest in pure Rust (its definition, the host implementation, the
+//!   digest kernel's constants).
 //! - [`rendezvous`]: the device-memory flags through which a group's synchronized launches meet.
 
 //!
@@ -13,7 +17,10 @@
 //! files (`transport::driver`, `transport::nvrtc`), never the backends.
 
 pub mod batched_copy;
+pub mod digest;
+pub mod gf64;
 pub mod layout;
+pub(crate) mod module;
 pub mod rendezvous;
 
 pub use batched_copy::{copy_segments, BatchedCopy, PreparedBatch};

@@ -1,9 +1,30 @@
 //! Box arithmetic in global tensor coordinates: intersection, difference and volume, computed from
-//! the corners only (never per element).
+//! the corners only (never per element); and the bytes a strided box spans.
 
-use super::merge::Dims;
+/// Most dimensions a tensor may have (C callers: REFIT_MAX_DIMS).
+///
+/// cbindgen:ignore
+pub const MAX_DIMS: usize = 8;
 
-/// A box of an `n`-dimensional tensor: `lo[d] .. lo[d] + ext[d]` in every dimension `d < n`.
+/// Per-dimension values of one box or layout; entries past the tensor's dimensions are zero.
+pub(crate) type Dims = [u64; MAX_DIMS];
+
+/// The byte span `[addr, addr + span)` touched by a strided box, or None when it does not fit in
+/// 64 bits.
+pub(crate) fn byte_span(n: usize, ext: &Dims, strides: &Dims, elem: u64) -> Option<u64> {
+    if ext[..n].contains(&0) {
+        return Some(0);
+    }
+    let mut last = 0u64;
+    for d in 0..n {
+        last = last.checked_add((ext[d] - 1).checked_mul(strides[d])?)?;
+    }
+    last.checked_add(1)?.checked_mul(elem)
+}
+
+/// A box of an `n`-dimensional tensor: `lo[d] .. lo[d] + ext[d]` in every dimension `d < n`. Boxes
+/// lie inside their tensor's shape (checked when tables are merged), so `lo + ext` never overflows
+/// and the volume times the element size fits in 64 bits.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
 pub(crate) struct Boxed {
     pub lo: Dims,
@@ -42,7 +63,7 @@ impl Boxed {
     /// dimension), or None when they share no element.
     pub fn intersect_parts(&self, lo: &[u64], ext: &[u64]) -> Option<Boxed> {
         let n = lo.len();
-        let mut out = Boxed { lo: [0; super::MAX_DIMS], ext: [0; super::MAX_DIMS] };
+        let mut out = Boxed { lo: [0; MAX_DIMS], ext: [0; MAX_DIMS] };
         for d in 0..n {
             let hi = (self.lo[d] + self.ext[d]).min(lo[d] + ext[d]);
             let lo = self.lo[d].max(lo[d]);

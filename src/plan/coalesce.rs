@@ -3,6 +3,8 @@
 //! slice of consecutive experts, rows of consecutive tensors) join into one strided segment. Only
 //! exact rewrites: the coalesced segments move exactly the same bytes to the same places.
 
+use super::memory;
+use crate::error::Result;
 use crate::segment::Segment;
 
 /// How many following candidates (in destination order) are tried as the second element of a
@@ -10,14 +12,15 @@ use crate::segment::Segment;
 /// of each expert alternate), so the immediate neighbour is not always the right partner.
 const CANDIDATES: usize = 16;
 
-/// Coalesces `segments` in place, in no particular order.
-pub(crate) fn coalesce(segments: &mut Vec<Segment>) {
+/// Coalesces `segments` in place, in no particular order. Fails only with OUT_OF_MEMORY.
+pub(crate) fn coalesce(segments: &mut Vec<Segment>) -> Result<()> {
     segments.retain(|s| s.runs() > 0);
     join_adjacent_runs(segments);
     // Twice: the first pass turns runs into one-level segments that the second can stack again.
-    if join_progressions(segments) {
-        join_progressions(segments);
+    if join_progressions(segments)? {
+        join_progressions(segments)?;
     }
+    Ok(())
 }
 
 fn is_run(s: &Segment) -> bool {
@@ -34,8 +37,12 @@ fn join_adjacent_runs(segments: &mut Vec<Segment>) {
         let s = segments[i];
         if kept > 0 {
             let last = &mut segments[kept - 1];
-            if is_run(last) && is_run(&s) && last.dst + last.len == s.dst && last.src + last.len == s.src {
-                last.len += s.len;
+            let continues = is_run(last)
+                && is_run(&s)
+                && last.dst.checked_add(last.len) == Some(s.dst)
+                && last.src.checked_add(last.len) == Some(s.src);
+            if let Some(len) = last.len.checked_add(s.len).filter(|_| continues) {
+                last.len = len;
                 continue;
             }
         }
@@ -63,9 +70,9 @@ fn by_shape_then_dst(a: &Segment, b: &Segment) -> std::cmp::Ordering {
 /// Joins segments of one shape whose bases advance by a constant (source, destination) step into
 /// one segment with one more level. Only segments with a free outer level take part. Returns
 /// whether anything was joined.
-fn join_progressions(segments: &mut Vec<Segment>) -> bool {
+fn join_progressions(segments: &mut Vec<Segment>) -> Result<bool> {
     // Segments with both levels in use cannot stack further: keep them out of the sort.
-    let mut out: Vec<Segment> = Vec::with_capacity(segments.len());
+    let mut out: Vec<Segment> = memory::with_capacity(segments.len(), "segments")?;
     segments.retain(|s| {
         let free = s.count[1] == 1;
         if !free {
@@ -86,17 +93,18 @@ fn join_progressions(segments: &mut Vec<Segment>) -> bool {
         if group.len() == 1 {
             out.push(group[0]);
         } else {
-            join_group(group, &mut out);
+            join_group(group, &mut out)?;
         }
         start = end;
     }
     *segments = out;
-    segments.len() < before
+    Ok(segments.len() < before)
 }
 
-/// `group`: segments of one shape with `count[1] == 1`, sorted by destination.
-fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
-    let mut used = vec![false; group.len()];
+/// `group`: segments of one shape with `count[1] == 1`, sorted by destination. Appends at most
+/// one segment per member to `out`, which has room for them.
+fn join_group(group: &[Segment], out: &mut Vec<Segment>) -> Result<()> {
+    let mut used = memory::filled(false, group.len(), "segments")?;
     for i in 0..group.len() {
         if used[i] {
             continue;
@@ -144,17 +152,22 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) {
                 best = Some((step_src, step_dst, length));
             }
         }
-        let Some((step_src, step_dst, length)) = best else {
+        let stacked = best.and_then(|(step_src, step_dst, length)| {
+            Some((step_dst, length, stack(first, step_src, step_dst, length as u64)?))
+        });
+        let Some((step_dst, length, joined)) = stacked else {
             used[i] = true;
             out.push(first);
             continue;
         };
         for k in 0..length as u64 {
+            // Found above with checked arithmetic: the address fits.
             let at = find_from(group, i, first.dst + k * step_dst).expect("chain members were found above");
             used[at] = true;
         }
-        out.push(stack(first, step_src, step_dst, length as u64));
+        out.push(joined);
     }
+    Ok(())
 }
 
 /// The index of the segment of `group` (sorted by destination; destinations are distinct) whose
@@ -185,8 +198,9 @@ fn lower_bound_from(group: &[Segment], from: usize, dst: u64) -> usize {
     from + start + rest[start..end].partition_point(|s| s.dst < dst)
 }
 
-/// `first` repeated `n` times, `step_src`/`step_dst` bytes apart, as one segment.
-fn stack(first: Segment, step_src: u64, step_dst: u64, n: u64) -> Segment {
+/// `first` repeated `n` times, `step_src`/`step_dst` bytes apart, as one segment (None when its
+/// counts would pass 2^64: the members then stay apart).
+fn stack(first: Segment, step_src: u64, step_dst: u64, n: u64) -> Option<Segment> {
     let mut s = first;
     if is_run(&first) {
         s.count = [n, 1];
@@ -196,13 +210,13 @@ fn stack(first: Segment, step_src: u64, step_dst: u64, n: u64) -> Segment {
         && first.dst_stride[0].checked_mul(first.count[0]) == Some(step_dst)
     {
         // The repetition continues the inner level: one longer level instead of two.
-        s.count[0] = first.count[0] * n;
+        s.count[0] = first.count[0].checked_mul(n)?;
     } else {
         s.count[1] = n;
         s.src_stride[1] = step_src;
         s.dst_stride[1] = step_dst;
     }
-    s
+    s.bytes().map(|_| s)
 }
 
 #[cfg(test)]
@@ -227,7 +241,7 @@ mod tests {
             segments.push(Segment::contiguous(5000 + e * 100, 200 + e * 200, 50));
         }
         let before = bytes_of(&segments);
-        coalesce(&mut segments);
+        coalesce(&mut segments).unwrap();
         assert_eq!(bytes_of(&segments), before);
         // Gate and up each form a progression over the experts; the two progressions then stack.
         assert_eq!(segments.len(), 2, "{segments:?}");
@@ -242,13 +256,13 @@ mod tests {
             |src, dst| Segment { src, dst, len: 8, count: [3, 1], src_stride: [16, 0], dst_stride: [8, 0] };
         // Continuation: rows 0..3 then rows 3..6 of the same column split.
         let mut segments = vec![row(0, 0), row(48, 24)];
-        coalesce(&mut segments);
+        coalesce(&mut segments).unwrap();
         assert_eq!(segments, vec![Segment { count: [6, 1], ..row(0, 0) }]);
         // Consecutive experts: same slice shape, 1000 bytes apart in the source, 24 in the destination.
         let mut segments: Vec<Segment> = (0..5).map(|e| row(4 + e * 1000, e * 24 + 2000)).collect();
         segments.swap(0, 3);
         let before = bytes_of(&segments);
-        coalesce(&mut segments);
+        coalesce(&mut segments).unwrap();
         assert_eq!(bytes_of(&segments), before);
         assert_eq!(segments.len(), 1);
     }

@@ -1,20 +1,29 @@
 //! Coverage and overlap: every needed byte has exactly one source, and no two destination bytes of
 //! a receiver are written twice (by two needs, or by one need whose strides alias).
 
-use super::boxes::Boxed;
-use super::layout::Shape;
-use super::merge::{byte_span, CanonNeed, Catalog};
-use super::owners::Piece;
+use super::box_index::BoxForest;
+use super::boxes::MAX_DIMS;
+use super::boxes::{byte_span, Boxed, Dims};
+use super::memory;
+use super::merge::{CanonNeed, Merged};
+use super::options::{Budget, Limits};
+use super::replicas::Piece;
+use super::shape::Shape;
 use super::table::Endpoint;
-use crate::bail;
 use crate::error::{Error, Result, Status};
+use std::ops::Range;
 
 /// Most boxes kept while working out which part of a need is uncovered (error path only).
 const MAX_GAP_BOXES: usize = 1 << 16;
 
-/// The error for a need that the pieces do not cover: names the first uncovered region.
-pub(crate) fn gap_error(catalog: &Catalog, need: &CanonNeed, pieces: &[Piece]) -> Error {
-    let spec = &catalog.tensors[need.tensor];
+/// The error for a need that `pieces` (those meeting it) do not cover: names the first uncovered
+/// region.
+pub(crate) fn gap_error<'p>(
+    merged: &Merged,
+    need: &CanonNeed,
+    pieces: impl Iterator<Item = &'p Piece>,
+) -> Error {
+    let spec = &merged.tensors[need.tensor];
     let n = spec.shape.len();
     let mut left = vec![Boxed::new(need.lo, need.ext)];
     for piece in pieces {
@@ -31,9 +40,9 @@ pub(crate) fn gap_error(catalog: &Catalog, need: &CanonNeed, pieces: &[Piece]) -
     Error::new(
         Status::CoverageGap,
         format!(
-            "tensor '{}' needed by rank {} device {}: offset {:?} extent {:?} is offered by no publisher",
+            "tensor '{}' needed by process {} device {}: offset {:?} extent {:?} is offered by no publisher",
             spec.name,
-            need.receiver.rank,
+            need.receiver.process,
             need.receiver.device,
             &first.lo[..n],
             &first.ext[..n]
@@ -53,13 +62,22 @@ struct Written {
 }
 
 /// Fails with OVERLAP when two destination bytes of one receiver are written twice. Needs whose
-/// byte spans are disjoint are cleared without looking inside them; the rest are expanded into
-/// their contiguous runs, at most `max_runs` in all (beyond that, UNSUPPORTED).
-pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()> {
-    let mut spans: Vec<Written> = Vec::with_capacity(catalog.needs.len());
-    for i in 0..catalog.needs.len() {
-        let need = &catalog.need(i);
-        let (n, elem) = catalog.layout[need.tensor];
+/// byte spans are disjoint are cleared without looking inside them; clusters of needs whose spans
+/// chain into each other are settled by box arithmetic where they share one frame, and the rest
+/// are expanded into their contiguous runs (at most `max_overlap_runs` in all).
+///
+/// `needs`: the merged needs to check (those of one process's receivers, or all).
+pub(crate) fn check_destinations(
+    merged: &Merged,
+    needs: Range<usize>,
+    limits: &Limits,
+    work: &mut Budget,
+) -> Result<()> {
+    let mut spans: Vec<Written> = memory::with_capacity(needs.len(), "destination spans")?;
+    for i in needs {
+        let need = &merged.need(i);
+        let (n, elem) = merged.geometry[need.tensor];
+        // Checked when merged: the span and its end fit in 64 bits.
         let span = byte_span(n, &need.ext, &need.strides, elem).expect("checked when merged");
         if span > 0 {
             let nests = strides_nest(n, &need.ext, &need.strides);
@@ -73,9 +91,6 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
         }
     }
     spans.sort_unstable();
-    // Clusters: spans of one receiver whose byte ranges chain into each other. Disjoint clusters
-    // cannot share a byte; inside a cluster, box arithmetic settles the usual cases and the rest
-    // are expanded into runs.
     let mut expand: Vec<usize> = Vec::new();
     let mut k = 0;
     while k < spans.len() {
@@ -85,8 +100,9 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
             j += 1;
         }
         // A lone span is settled by its own strides, without reading the need again.
-        let settled = if j == k + 1 { spans[k].nests } else { cluster_disjoint(catalog, &spans[k..j])? };
+        let settled = if j == k + 1 { spans[k].nests } else { cluster_disjoint(merged, &spans[k..j], work)? };
         if !settled {
+            memory::reserve(&mut expand, j - k, "destination spans")?;
             expand.extend(spans[k..j].iter().map(|w| w.need));
         }
         k = j;
@@ -94,25 +110,29 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
     if expand.is_empty() {
         return Ok(());
     }
-    let mut written = Vec::new();
-    let mut budget = max_runs;
+    let mut runs_left = Budget::overlap_runs(limits);
+    let mut written: Vec<Written> = Vec::new();
+    let mut segments = Vec::new();
     for &i in &expand {
-        let need = &catalog.need(i);
-        let (n, elem) = catalog.layout[need.tensor];
-        let bytes: [u64; super::MAX_DIMS] = std::array::from_fn(|d| need.strides[d].saturating_mul(elem));
+        let need = &merged.need(i);
+        let (n, elem) = merged.geometry[need.tensor];
+        let bytes: Dims = std::array::from_fn(|d| need.strides[d].saturating_mul(elem));
         let shape = Shape::of(n, &need.ext, &bytes, &bytes, elem);
-        let mut segments = Vec::new();
-        let runs = shape.runs();
-        if runs > budget {
-            bail!(
-                Status::Unsupported,
-                "cannot verify that the destinations of tensor '{}' do not overlap: too many runs",
-                catalog.tensors[need.tensor].name
-            );
-        }
-        budget -= runs;
-        shape.emit(0, need.addr, &mut segments, &mut u64::MAX.clone())?;
+        runs_left.spend(shape.runs()).map_err(|e| {
+            e.context(format!(
+                "cannot verify that the destinations of tensor '{}' do not overlap",
+                merged.tensors[need.tensor].name
+            ))
+        })?;
+        segments.clear();
+        shape.emit(0, need.addr, &mut segments, &mut Budget::unlimited("segments"))?;
         for s in &segments {
+            memory::reserve(
+                &mut written,
+                usize::try_from(s.runs()).unwrap_or(usize::MAX),
+                "destination runs",
+            )?;
+            // Runs of a need whose span was checked: every end fits in 64 bits.
             s.for_each_run(|_, dst, len| {
                 written.push(Written {
                     receiver: need.receiver,
@@ -128,36 +148,38 @@ pub(crate) fn check_destinations(catalog: &Catalog, max_runs: u64) -> Result<()>
     for pair in written.windows(2) {
         let (a, b) = (&pair[0], &pair[1]);
         if a.receiver == b.receiver && b.start < a.end {
-            return Err(overlap_error(catalog, a.need, b.need, b.start, a.end.min(b.end)));
+            return Err(overlap_error(merged, a.need, b.need, b.start, a.end.min(b.end)));
         }
     }
     Ok(())
 }
 
-/// Most needs in one cluster compared pairwise by their boxes; larger clusters are expanded.
-const MAX_PAIRWISE: usize = 2048;
-
 /// Settles a cluster by box arithmetic when every member addresses one frame: the same element
-/// size, rank, element strides and origin (the address of index 0), with strides that keep
+/// size, dimensions, element strides and origin (the address of index 0), with strides that keep
 /// distinct indices of the members' bounding box at distinct addresses. Then two members share a
-/// byte exactly when their boxes intersect (OVERLAP). Returns false when it cannot tell.
-fn cluster_disjoint(catalog: &Catalog, cluster: &[Written]) -> Result<bool> {
-    let first = &catalog.need(cluster[0].need);
-    let (n, elem) = catalog.layout[first.tensor];
-    if cluster.len() > MAX_PAIRWISE {
-        return Ok(false);
-    }
-    let origin = |need: &super::merge::CanonNeed| -> i128 {
-        let index: i128 = (0..n).map(|d| i128::from(need.lo[d]) * i128::from(need.strides[d])).sum();
-        i128::from(need.addr) - index * i128::from(elem)
+/// byte exactly when their boxes intersect (OVERLAP), which an index over the boxes finds in
+/// `n log n`. Returns false when it cannot tell.
+fn cluster_disjoint(merged: &Merged, cluster: &[Written], work: &mut Budget) -> Result<bool> {
+    let first = &merged.need(cluster[0].need);
+    let (n, elem) = merged.geometry[first.tensor];
+    // The address of index 0 (None when it is beyond 128 bits: no frame can be shown then).
+    let origin = |need: &CanonNeed| -> Option<i128> {
+        let mut index = 0i128;
+        for d in 0..n {
+            index = index.checked_add(i128::from(need.lo[d]).checked_mul(i128::from(need.strides[d]))?)?;
+        }
+        i128::from(need.addr).checked_sub(index.checked_mul(i128::from(elem))?)
     };
-    let frame = origin(first);
-    let (mut lo, mut hi) = ([u64::MAX; super::MAX_DIMS], [0u64; super::MAX_DIMS]);
-    for w in cluster {
-        let need = &catalog.need(w.need);
-        if catalog.layout[need.tensor] != (n, elem)
+    let Some(frame) = origin(first) else {
+        return Ok(false);
+    };
+    let (mut lo, mut hi) = ([u64::MAX; MAX_DIMS], [0u64; MAX_DIMS]);
+    let mut boxes: Vec<(u32, Boxed)> = memory::with_capacity(cluster.len(), "destination boxes")?;
+    for (k, w) in cluster.iter().enumerate() {
+        let need = &merged.need(w.need);
+        if merged.geometry[need.tensor] != (n, elem)
             || need.strides[..n] != first.strides[..n]
-            || origin(need) != frame
+            || origin(need) != Some(frame)
         {
             return Ok(false);
         }
@@ -165,31 +187,38 @@ fn cluster_disjoint(catalog: &Catalog, cluster: &[Written]) -> Result<bool> {
             lo[d] = lo[d].min(need.lo[d]);
             hi[d] = hi[d].max(need.lo[d] + need.ext[d]);
         }
+        boxes.push((k as u32, Boxed::new(need.lo, need.ext)));
     }
-    let bounding: super::merge::Dims = std::array::from_fn(|d| if d < n { hi[d] - lo[d] } else { 0 });
+    let bounding: Dims = std::array::from_fn(|d| if d < n { hi[d] - lo[d] } else { 0 });
     if !strides_nest(n, &bounding, &first.strides) {
         return Ok(false);
     }
-    for (x, a) in cluster.iter().enumerate() {
-        let na = &catalog.need(a.need);
-        for b in &cluster[x + 1..] {
-            let nb = &catalog.need(b.need);
-            if Boxed::new(na.lo, na.ext).intersect(&Boxed::new(nb.lo, nb.ext), n).is_some() {
-                return Err(overlap_error(catalog, a.need, b.need, a.start.max(b.start), a.end.min(b.end)));
+    let mut index = BoxForest::new();
+    let tree = index.add_tree(n, &boxes)?;
+    for (k, (_, bx)) in boxes.iter().enumerate() {
+        let mut other = None;
+        index.for_each_meeting(tree, bx, work, |j| {
+            if j as usize != k {
+                other = Some(j as usize);
             }
+            Ok(())
+        })?;
+        if let Some(j) = other {
+            let (a, b) = (&cluster[k], &cluster[j]);
+            return Err(overlap_error(merged, a.need, b.need, a.start.max(b.start), a.end.min(b.end)));
         }
     }
     Ok(true)
 }
 
-fn overlap_error(catalog: &Catalog, a: usize, b: usize, start: u64, end: u64) -> Error {
-    let (na, nb) = (&catalog.need(a), &catalog.need(b));
-    let (ta, tb) = (catalog.tensors[na.tensor], catalog.tensors[nb.tensor]);
+fn overlap_error(merged: &Merged, a: usize, b: usize, start: u64, end: u64) -> Error {
+    let (na, nb) = (&merged.need(a), &merged.need(b));
+    let (ta, tb) = (merged.tensors[na.tensor], merged.tensors[nb.tensor]);
     Error::new(
         Status::Overlap,
         format!(
-            "rank {} device {}: destination bytes in {start:#x}..{end:#x} are written by tensor '{}' offset {:?} and by tensor '{}' offset {:?}",
-            na.receiver.rank,
+            "process {} device {}: destination bytes in {start:#x}..{end:#x} are written by tensor '{}' offset {:?} and by tensor '{}' offset {:?}",
+            na.receiver.process,
             na.receiver.device,
             ta.name,
             &na.lo[..ta.shape.len()],
@@ -200,9 +229,10 @@ fn overlap_error(catalog: &Catalog, a: usize, b: usize, start: u64, end: u64) ->
 }
 
 /// True when the strides prove that distinct elements land at distinct addresses: ordered by
-/// stride, each stride exceeds the furthest offset reachable with the smaller ones.
-fn strides_nest(n: usize, ext: &super::merge::Dims, strides: &super::merge::Dims) -> bool {
-    let mut dims = [0usize; super::MAX_DIMS];
+/// stride, each stride exceeds the furthest offset reachable with the smaller ones. An offset past
+/// 2^64 proves nothing (false): the box may wrap onto itself.
+fn strides_nest(n: usize, ext: &Dims, strides: &Dims) -> bool {
+    let mut dims = [0usize; MAX_DIMS];
     let mut count = 0;
     for d in (0..n).filter(|&d| ext[d] > 1) {
         dims[count] = d;
@@ -214,7 +244,10 @@ fn strides_nest(n: usize, ext: &super::merge::Dims, strides: &super::merge::Dims
         if strides[d] <= reach {
             return false;
         }
-        reach += strides[d] * (ext[d] - 1);
+        match strides[d].checked_mul(ext[d] - 1).and_then(|r| reach.checked_add(r)) {
+            Some(r) => reach = r,
+            None => return false,
+        }
     }
     true
 }

@@ -1,29 +1,19 @@
-//! Merging every rank's table into one canonical catalog: tensors by name (hash, then name), offers and needs resolved
-//! to tensor dimensions, validated, and sorted by canonical keys so that the order in which tables or
-//! their entries arrive never changes the plan.
+//! Merging every process's table into one canonical form: tensors by name (ordered by a hash of the
+//! name, then the name), offers and needs checked and resolved to tensor dimensions, and sorted by
+//! canonical keys, so that the order in which tables or their entries arrive never changes the plan.
+//!
+//! Stages: [`index_tensors`] (distinct names, descriptions compared), [`canonical_tensors`] (their
+//! order), [`resolve_entries`] (offers and needs checked and packed), [`sort_offers`] and
+//! [`sort_needs`] (canonical order).
 
-use super::boxes::Boxed;
-use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
+use super::boxes::{Boxed, Dims};
+use super::digest::{fnv1a, Fnv1a};
+use super::memory;
+use super::table::{Endpoint, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
 use std::collections::BTreeMap;
-use std::hash::Hasher;
-
-/// Per-dimension values of one box or layout; entries past the tensor's rank are zero.
-pub(crate) type Dims = [u64; MAX_DIMS];
-
-/// An offer resolved against the merged tensor list: strides explicit, in elements. The catalog
-/// keeps offers packed (see [`PackedOffer`]) and reads their values in place.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub(crate) struct CanonOffer {
-    pub tensor: usize,
-    pub lo: Dims,
-    pub ext: Dims,
-    pub owner: Endpoint,
-    pub addr: u64,
-    pub strides: Dims,
-    pub digest: Option<u64>,
-}
+use std::hash::BuildHasher;
 
 /// A need resolved against the merged tensor list: destination strides indexed by tensor dimension.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -36,8 +26,8 @@ pub(crate) struct CanonNeed {
     pub strides: Dims,
 }
 
-/// An offer as the catalog stores it: the fixed fields, and where its box and strides start in
-/// [`Catalog::offer_dims`] (offset, extent and strides, `n` values each for a tensor of `n`
+/// An offer as the merged tables store it: the fixed fields, and where its box and strides start in
+/// [`Merged::offer_dims`] (offset, extent and strides, `n` values each for a tensor of `n`
 /// dimensions). A few dozen bytes instead of three full `Dims`: sorting and copying tens of
 /// thousands of entries moves (and faults in) a fifth of the memory.
 #[derive(Clone, Copy, Debug)]
@@ -49,7 +39,7 @@ pub(crate) struct PackedOffer {
     dims: usize,
 }
 
-/// A need as the catalog stores it; its box and strides are in [`Catalog::need_dims`].
+/// A need as the merged tables store it; its box and strides are in [`Merged::need_dims`].
 #[derive(Clone, Copy, Debug)]
 pub(crate) struct PackedNeed {
     pub receiver: Endpoint,
@@ -58,13 +48,13 @@ pub(crate) struct PackedNeed {
     dims: usize,
 }
 
-/// Every table merged: tensors sorted by (hash of the name, name), offers sorted by (tensor, box, owner, ...), needs
-/// sorted by (receiver, tensor, box, ...).
-pub(crate) struct Catalog<'a> {
+/// Every table merged: tensors sorted by (hash of the name, name), offers sorted by (tensor, box,
+/// owner, ...), needs sorted by (receiver, tensor, box, ...).
+pub(crate) struct Merged<'a> {
     pub tensors: Vec<&'a TensorSpec>,
     /// (dimensions, element size) of each tensor: a dense copy of what hot loops read, so they do
     /// not chase pointers into the callers' tables.
-    pub layout: Vec<(usize, u64)>,
+    pub geometry: Vec<(usize, u64)>,
     pub offers: Vec<PackedOffer>,
     /// `offers[offer_start[t]..offer_start[t + 1]]` are tensor `t`'s offers.
     pub offer_start: Vec<usize>,
@@ -92,8 +82,8 @@ pub(crate) fn same_values(a: &[u64], b: &[u64]) -> bool {
     a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x == y)
 }
 
-impl Catalog<'_> {
-    /// Catalog indices of tensor `tensor`'s offers.
+impl Merged<'_> {
+    /// Indices of tensor `tensor`'s offers.
     pub fn offer_range(&self, tensor: usize) -> std::ops::Range<usize> {
         self.offer_start[tensor]..self.offer_start[tensor + 1]
     }
@@ -101,7 +91,7 @@ impl Catalog<'_> {
     /// Offset, extent and strides of offer `i`, one value per dimension of its tensor.
     pub fn offer_parts(&self, i: usize) -> (&[u64], &[u64], &[u64]) {
         let p = &self.offers[i];
-        let n = self.layout[p.tensor as usize].0;
+        let n = self.geometry[p.tensor as usize].0;
         let values = &self.offer_dims[p.dims..p.dims + 3 * n];
         (&values[..n], &values[n..2 * n], &values[2 * n..])
     }
@@ -116,19 +106,105 @@ impl Catalog<'_> {
     pub fn need(&self, i: usize) -> CanonNeed {
         let p = &self.needs[i];
         let tensor = p.tensor as usize;
-        let (lo, ext, strides) = expand(&self.need_dims, p.dims, self.layout[tensor].0);
+        let (lo, ext, strides) = expand(&self.need_dims, p.dims, self.geometry[tensor].0);
         CanonNeed { receiver: p.receiver, tensor, lo, ext, addr: p.addr, strides }
     }
 }
 
-pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
-    // Distinct tensors in the order first seen, then ranked by name: the global index is the rank.
+impl Merged<'_> {
+    /// A 64-bit digest (FNV-1a over little-endian fields) of everything planning reads, in
+    /// canonical order: equal for the same tables in any order, with their entries in any order,
+    /// in any process; different when any description, offer or need differs.
+    pub fn fingerprint(&self) -> u64 {
+        let mut h = Fnv1a::new();
+        h.u64(self.tensors.len() as u64);
+        for spec in &self.tensors {
+            h.u64(spec.name.len() as u64);
+            h.bytes(spec.name.as_bytes());
+            h.u64(spec.dtype.into());
+            h.u64(spec.elem_size.into());
+            h.u64(spec.shape.len() as u64);
+            spec.shape.iter().for_each(|&d| h.u64(d));
+        }
+        h.u64(self.offers.len() as u64);
+        for (i, o) in self.offers.iter().enumerate() {
+            for v in [o.tensor.into(), o.owner.process.into(), o.owner.device.into(), o.addr] {
+                h.u64(v);
+            }
+            h.u64(o.digest.map_or(0, |_| 1));
+            h.u64(o.digest.unwrap_or(0));
+            let (lo, ext, strides) = self.offer_parts(i);
+            lo.iter().chain(ext).chain(strides).for_each(|&v| h.u64(v));
+        }
+        h.u64(self.needs.len() as u64);
+        for n in &self.needs {
+            for v in [n.tensor.into(), n.receiver.process.into(), n.receiver.device.into(), n.addr] {
+                h.u64(v);
+            }
+            let dims = self.geometry[n.tensor as usize].0;
+            self.need_dims[n.dims..n.dims + 3 * dims].iter().for_each(|&v| h.u64(v));
+        }
+        h.finish()
+    }
+}
+
+/// Merges `tables` (see the module documentation for the stages).
+pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Merged<'a>> {
+    let index = index_tensors(tables)?;
+    let (tensors, global) = canonical_tensors(&index)?;
+    let geometry: Vec<(usize, u64)> = memory::collect(
+        tensors.len(),
+        tensors.iter().map(|s| (s.shape.len(), u64::from(s.elem_size))),
+        "tensors",
+    )?;
+    let local: Vec<Vec<usize>> =
+        index.local_to_distinct.iter().map(|map| map.iter().map(|&d| global[d]).collect()).collect();
+    let entries = resolve_entries(tables, &local, &tensors, &geometry)?;
+    let (offers, offer_dims) = sort_offers(entries.offers, &entries.offer_dims, &geometry)?;
+    let (needs, need_dims) = sort_needs(entries.needs, &entries.need_dims, &geometry)?;
+    let mut offer_start = memory::filled(0, tensors.len() + 1, "tensors")?;
+    for offer in &offers {
+        offer_start[offer.tensor as usize + 1] += 1;
+    }
+    for t in 0..tensors.len() {
+        offer_start[t + 1] += offer_start[t];
+    }
+    Ok(Merged { tensors, geometry, offers, offer_start, needs, offer_dims, need_dims })
+}
+
+/// The distinct tensors of all tables, in the order first seen.
+struct TensorIndex<'a> {
+    distinct: Vec<&'a TensorSpec>,
+    /// Hash of each distinct tensor's name.
+    keyed: Vec<u64>,
+    /// The names of distinct tensors in one dense buffer, and where each one is.
+    names: Vec<u8>,
+    name_at: Vec<std::ops::Range<usize>>,
+    /// For each table, the distinct index of each of its tensors.
+    local_to_distinct: Vec<Vec<usize>>,
+}
+
+impl TensorIndex<'_> {
+    fn name(&self, d: usize) -> &[u8] {
+        &self.names[self.name_at[d].clone()]
+    }
+}
+
+/// Finds the distinct tensors of all tables by name, checking every description of a name against
+/// the first (TENSOR_MISMATCH) and each on its own (INVALID_ARGUMENT).
+fn index_tensors<'a>(tables: &[&'a Table]) -> Result<TensorIndex<'a>> {
     let entries: usize = tables.iter().map(|t| t.tensors.len()).sum();
     // The name index below holds distinct indices as u32; there are no more of them than entries.
     if entries > u32::MAX as usize {
         bail!(Status::Unsupported, "more than 2^32 tensor descriptions in all tables");
     }
-    let mut distinct: Vec<&'a TensorSpec> = Vec::new();
+    let mut index = TensorIndex {
+        distinct: Vec::new(),
+        keyed: Vec::new(),
+        names: Vec::new(),
+        name_at: Vec::new(),
+        local_to_distinct: Vec::with_capacity(tables.len()),
+    };
     // What later descriptions are compared with, kept dense (reading the first description again
     // would be a cache miss into another table per entry).
     let mut described: Vec<(u32, u32, usize, Dims)> = Vec::new();
@@ -137,55 +213,51 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
         shape[..spec.shape.len()].copy_from_slice(&spec.shape);
         (spec.dtype, spec.elem_size, spec.shape.len(), shape)
     };
-    // The names of distinct tensors, copied into one dense buffer as they are first seen, with
-    // their hashes: comparing a later table's name with a candidate then reads this buffer instead
-    // of chasing a pointer into another table (a cache miss per entry).
-    let mut names: Vec<u8> = Vec::new();
-    let mut name_at: Vec<std::ops::Range<usize>> = Vec::new();
-    let mut keyed: Vec<u64> = Vec::new();
-    // The name index: open addressing with linear probing over distinct indices (`EMPTY` when
-    // free), at most half full. Keys are compared through `keyed` and `names`.
+    // Open addressing with linear probing over distinct indices (`EMPTY` when free), at most half
+    // full. Keys are compared through `keyed` and `names`. Slots are chosen by a hash keyed per
+    // build: names chosen to collide in the ordering hash (FNV, which every process must share)
+    // would otherwise make probing quadratic.
     const EMPTY: u32 = u32::MAX;
-    let mut slots: Vec<u32> = vec![EMPTY; (2 * entries).next_power_of_two()];
+    let slot_hash = std::collections::hash_map::RandomState::new();
+    let mut slots: Vec<u32> = memory::filled(EMPTY, (2 * entries).next_power_of_two(), "tensor names")?;
     let mask = slots.len() - 1;
     // Tables tend to list tensors in the same order: the guess for an entry is the distinct tensor
     // that followed the previous entry's tensor in the last table that listed it, tried before
     // hashing the name.
     let mut follows: Vec<usize> = Vec::new();
     let mut first_of_last_table = usize::MAX;
-    let mut local_to_distinct: Vec<Vec<usize>> = Vec::with_capacity(tables.len());
     for (t, table) in tables.iter().enumerate() {
-        let mut map = Vec::with_capacity(table.tensors.len());
+        let mut map = memory::with_capacity(table.tensors.len(), "tensors")?;
         let mut previous = usize::MAX;
         for (j, spec) in table.tensors.iter().enumerate() {
             if let Some(ahead) = table.tensors.get(j + PREFETCH_AHEAD) {
                 prefetch(ahead.name.as_ptr());
                 prefetch(ahead.shape.as_ptr());
             }
-            validate_spec(spec).map_err(|e| e.context(format!("table {t}")))?;
+            spec.validate().map_err(|e| e.context(format!("table {t}")))?;
             let name = spec.name.as_bytes();
             let guess = if previous == usize::MAX { first_of_last_table } else { follows[previous] };
-            let known = name_at.get(guess).filter(|r| names[(*r).clone()] == *name).map(|_| guess);
+            let known = (guess < index.distinct.len() && index.name(guess) == name).then_some(guess);
             let at = match known {
                 Some(at) => at,
                 None => {
-                    let hash = name_hash(&spec.name);
-                    let mut slot = hash as usize & mask;
+                    let hash = fnv1a(name);
+                    let mut slot = slot_hash.hash_one(name) as usize & mask;
                     loop {
                         let d = slots[slot];
                         if d == EMPTY {
-                            let at = distinct.len();
+                            let at = index.distinct.len();
                             slots[slot] = at as u32;
-                            distinct.push(spec);
+                            index.distinct.push(spec);
                             described.push(describe(spec));
-                            names.extend_from_slice(name);
-                            name_at.push(names.len() - name.len()..names.len());
-                            keyed.push(hash);
+                            index.names.extend_from_slice(name);
+                            index.name_at.push(index.names.len() - name.len()..index.names.len());
+                            index.keyed.push(hash);
                             follows.push(usize::MAX);
                             break at;
                         }
                         let d = d as usize;
-                        if keyed[d] == hash && names[name_at[d].clone()] == *name {
+                        if index.keyed[d] == hash && index.name(d) == name {
                             break d;
                         }
                         slot = (slot + 1) & mask;
@@ -193,7 +265,7 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
                 }
             };
             if described[at] != describe(spec) {
-                check_same(distinct[at], spec)?;
+                index.distinct[at].check_same(spec)?;
             }
             map.push(at);
             if previous == usize::MAX {
@@ -203,54 +275,80 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
             }
             previous = at;
         }
-        local_to_distinct.push(map);
+        index.local_to_distinct.push(map);
     }
-    // Ordered by a hash of the name, then the name: a content-only order (the same in every
-    // process) that rarely needs to compare the long shared prefixes of parameter names.
-    let mut by_name: Vec<usize> = (0..distinct.len()).collect();
+    Ok(index)
+}
+
+/// The distinct tensors ordered by a hash of the name, then the name: a content-only order (the
+/// same in every process) that rarely needs to compare the long shared prefixes of parameter
+/// names. Returns them and, for each distinct index, its place in that order.
+fn canonical_tensors<'a>(index: &TensorIndex<'a>) -> Result<(Vec<&'a TensorSpec>, Vec<usize>)> {
+    let count = index.distinct.len();
+    let mut by_name: Vec<usize> = memory::collect(count, 0..count, "tensors")?;
     by_name.sort_unstable_by(|&a, &b| {
-        keyed[a].cmp(&keyed[b]).then_with(|| names[name_at[a].clone()].cmp(&names[name_at[b].clone()]))
+        index.keyed[a].cmp(&index.keyed[b]).then_with(|| index.name(a).cmp(index.name(b)))
     });
-    let mut global = vec![0; distinct.len()];
+    let mut global = memory::filled(0, count, "tensors")?;
     for (g, &d) in by_name.iter().enumerate() {
         global[d] = g;
     }
-    let tensors: Vec<&'a TensorSpec> = by_name.iter().map(|&d| distinct[d]).collect();
+    let tensors = memory::collect(count, by_name.iter().map(|&d| index.distinct[d]), "tensors")?;
+    Ok((tensors, global))
+}
 
-    let layout: Vec<(usize, u64)> = tensors.iter().map(|s| (s.shape.len(), u64::from(s.elem_size))).collect();
+/// Offers and needs of all tables, checked and packed in input order, with their values pooled.
+struct Entries {
+    offers: Vec<PackedOffer>,
+    needs: Vec<PackedNeed>,
+    offer_dims: Vec<u64>,
+    need_dims: Vec<u64>,
+}
 
-    // Resolve every entry in input order (the order its memory was written in, so reading the
-    // entries' vectors stays cache-friendly), then put the packed results in canonical order.
-    let mut offers = Vec::with_capacity(tables.iter().map(|t| t.offers.len()).sum());
-    let mut needs = Vec::with_capacity(tables.iter().map(|t| t.needs.len()).sum());
+/// Checks every offer and need against its tensor (`local[t][i]` is the canonical index of table
+/// `t`'s tensor `i`) and packs it. Entries are read in input order (the order their memory was
+/// written in, so reading the entries' vectors stays cache-friendly).
+fn resolve_entries(
+    tables: &[&Table],
+    local: &[Vec<usize>],
+    tensors: &[&TensorSpec],
+    geometry: &[(usize, u64)],
+) -> Result<Entries> {
+    let total_offers: usize = tables.iter().map(|t| t.offers.len()).sum();
+    let total_needs: usize = tables.iter().map(|t| t.needs.len()).sum();
+    if total_offers > u32::MAX as usize || total_needs > u32::MAX as usize {
+        bail!(Status::Unsupported, "more than 2^32 offers or needs");
+    }
     // Sized from the boxes' lengths (what valid entries store), so that the pools never regrow.
     let values = |offsets: usize| 3 * offsets.min(MAX_DIMS);
-    let mut offer_dims = Vec::with_capacity(
-        tables.iter().flat_map(|t| &t.offers).map(|o| values(o.region.offset.len())).sum(),
-    );
-    let mut need_dims =
-        Vec::with_capacity(tables.iter().flat_map(|t| &t.needs).map(|n| values(n.region.offset.len())).sum());
+    let offer_values = tables.iter().flat_map(|t| &t.offers).map(|o| values(o.region.offset.len())).sum();
+    let need_values = tables.iter().flat_map(|t| &t.needs).map(|n| values(n.region.offset.len())).sum();
+    let mut out = Entries {
+        offers: memory::with_capacity(total_offers, "offers")?,
+        needs: memory::with_capacity(total_needs, "needs")?,
+        offer_dims: memory::with_capacity(offer_values, "offer dimensions")?,
+        need_dims: memory::with_capacity(need_values, "need dimensions")?,
+    };
     for (t, table) in tables.iter().enumerate() {
-        let global = |local: u32, what: &str, i: usize| -> Result<usize> {
-            let d = local_to_distinct[t].get(local as usize).ok_or_else(|| {
+        let canonical = |i: u32, what: &str, entry: usize| -> Result<usize> {
+            local[t].get(i as usize).copied().ok_or_else(|| {
                 Error::invalid_argument(format!(
-                    "table {t} {what} {i} names tensor index {local} but the table has {} tensors",
+                    "table {t} {what} {entry} names tensor index {i} but the table has {} tensors",
                     table.tensors.len()
                 ))
-            })?;
-            Ok(global[*d])
+            })
         };
         for (i, offer) in table.offers.iter().enumerate() {
             // The entry's tensor description lives in whichever table described it first: ask
             // for it, then for its shape, as for the entry's own vectors.
             if let Some(ahead) = table.offers.get(i + 2 * PREFETCH_AHEAD) {
-                if let Some(&d) = local_to_distinct[t].get(ahead.tensor as usize) {
-                    prefetch(distinct[d]);
+                if let Some(&g) = local[t].get(ahead.tensor as usize) {
+                    prefetch(tensors[g]);
                 }
             }
             if let Some(ahead) = table.offers.get(i + PREFETCH_AHEAD) {
-                if let Some(&d) = local_to_distinct[t].get(ahead.tensor as usize) {
-                    prefetch(distinct[d].shape.as_ptr());
+                if let Some(&g) = local[t].get(ahead.tensor as usize) {
+                    prefetch(tensors[g].shape.as_ptr());
                 }
                 prefetch(ahead.region.offset.as_ptr());
                 prefetch(ahead.region.extent.as_ptr());
@@ -258,32 +356,29 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
                     prefetch(strides.as_ptr());
                 }
             }
-            let tensor = global(offer.tensor, "offer", i)?;
-            let c = canon_offer(tensors[tensor], tensor, offer)
-                .map_err(|e| e.context(format!("table {t} offer {i}")))?;
-            let n = layout[tensor].0;
-            offers.push(PackedOffer {
+            let tensor = canonical(offer.tensor, "offer", i)?;
+            let r = offer.resolve(tensors[tensor]).map_err(|e| e.context(format!("table {t} offer {i}")))?;
+            let n = geometry[tensor].0;
+            out.offers.push(PackedOffer {
                 tensor: tensor as u32,
-                owner: c.owner,
-                addr: c.addr,
-                digest: c.digest,
-                dims: offer_dims.len(),
+                owner: offer.owner,
+                addr: offer.addr,
+                digest: offer.digest,
+                dims: out.offer_dims.len(),
             });
-            push_values(&mut offer_dims, &c.lo[..n]);
-            push_values(&mut offer_dims, &c.ext[..n]);
-            push_values(&mut offer_dims, &c.strides[..n]);
+            push_values(&mut out.offer_dims, &r.lo[..n], "offer dimensions")?;
+            push_values(&mut out.offer_dims, &r.ext[..n], "offer dimensions")?;
+            push_values(&mut out.offer_dims, &r.strides[..n], "offer dimensions")?;
         }
         for (i, need) in table.needs.iter().enumerate() {
-            // The entry's tensor description lives in whichever table described it first: ask
-            // for it, then for its shape, as for the entry's own vectors.
             if let Some(ahead) = table.needs.get(i + 2 * PREFETCH_AHEAD) {
-                if let Some(&d) = local_to_distinct[t].get(ahead.tensor as usize) {
-                    prefetch(distinct[d]);
+                if let Some(&g) = local[t].get(ahead.tensor as usize) {
+                    prefetch(tensors[g]);
                 }
             }
             if let Some(ahead) = table.needs.get(i + PREFETCH_AHEAD) {
-                if let Some(&d) = local_to_distinct[t].get(ahead.tensor as usize) {
-                    prefetch(distinct[d].shape.as_ptr());
+                if let Some(&g) = local[t].get(ahead.tensor as usize) {
+                    prefetch(tensors[g].shape.as_ptr());
                 }
                 prefetch(ahead.region.offset.as_ptr());
                 prefetch(ahead.region.extent.as_ptr());
@@ -292,40 +387,42 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
                     prefetch(perm.as_ptr());
                 }
             }
-            let tensor = global(need.tensor, "need", i)?;
-            let c = canon_need(tensors[tensor], tensor, need)
-                .map_err(|e| e.context(format!("table {t} need {i}")))?;
-            let n = layout[tensor].0;
-            needs.push(PackedNeed {
-                receiver: c.receiver,
+            let tensor = canonical(need.tensor, "need", i)?;
+            let r = need.resolve(tensors[tensor]).map_err(|e| e.context(format!("table {t} need {i}")))?;
+            let n = geometry[tensor].0;
+            out.needs.push(PackedNeed {
+                receiver: need.receiver,
                 tensor: tensor as u32,
-                addr: c.addr,
-                dims: need_dims.len(),
+                addr: need.addr,
+                dims: out.need_dims.len(),
             });
-            push_values(&mut need_dims, &c.lo[..n]);
-            push_values(&mut need_dims, &c.ext[..n]);
-            push_values(&mut need_dims, &c.strides[..n]);
+            push_values(&mut out.need_dims, &r.lo[..n], "need dimensions")?;
+            push_values(&mut out.need_dims, &r.ext[..n], "need dimensions")?;
+            push_values(&mut out.need_dims, &r.strides[..n], "need dimensions")?;
         }
     }
-    if offers.len() > u32::MAX as usize || needs.len() > u32::MAX as usize {
-        bail!(Status::Unsupported, "more than 2^32 offers or needs");
-    }
-    // Canonical order without comparing whole entries across tables: bucket by tensor (and
-    // receiver), then sort each small bucket fully: offers by (tensor, offset, extent, owner,
-    // address, strides, digest), needs by (receiver, tensor, offset, extent, address, strides).
-    let order = bucket_order((0..offers.len() as u32).collect(), tensors.len(), |i| {
-        offers[i as usize].tensor as usize
-    });
+    Ok(out)
+}
+
+/// Offers in canonical order: by tensor (a counting sort), then each tensor's offers fully by
+/// (offset, extent, owner, address, strides, digest).
+fn sort_offers(
+    offers: Vec<PackedOffer>,
+    pool: &[u64],
+    geometry: &[(usize, u64)],
+) -> Result<(Vec<PackedOffer>, Vec<u64>)> {
+    let order = memory::collect(offers.len(), 0..offers.len() as u32, "offers")?;
+    let order = bucket_order(order, geometry.len(), |i| offers[i as usize].tensor as usize)?;
     // Gathered in bucket order with their values copied into a pool in the same order: later
     // stages walk entries in canonical order and read memory front to back (sorting inside a
     // bucket only permutes neighbours).
-    let (offers, offer_dims) = gather(&offers, &offer_dims, &order, |o| layout[o.tensor as usize].0);
+    let (offers, pool) = gather(&offers, pool, &order, |o| geometry[o.tensor as usize].0)?;
     let offers = sort_runs(
         offers,
         |a, b| a.tensor == b.tensor,
         |a, b| {
-            let n = layout[a.tensor as usize].0;
-            let (x, y) = (&offer_dims[a.dims..a.dims + 3 * n], &offer_dims[b.dims..b.dims + 3 * n]);
+            let n = geometry[a.tensor as usize].0;
+            let (x, y) = (&pool[a.dims..a.dims + 3 * n], &pool[b.dims..b.dims + 3 * n]);
             x[..2 * n]
                 .cmp(&y[..2 * n])
                 .then(a.owner.cmp(&b.owner))
@@ -334,30 +431,33 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Catalog<'a>> {
                 .then(a.digest.cmp(&b.digest))
         },
     );
+    Ok((offers, pool))
+}
+
+/// Needs in canonical order: by receiver, then tensor (counting sorts), then fully by (offset,
+/// extent, address, strides).
+fn sort_needs(
+    needs: Vec<PackedNeed>,
+    pool: &[u64],
+    geometry: &[(usize, u64)],
+) -> Result<(Vec<PackedNeed>, Vec<u64>)> {
     let receivers: BTreeMap<Endpoint, usize> =
         needs.iter().map(|n| (n.receiver, 0)).collect::<BTreeMap<_, _>>().into_keys().zip(0..).collect();
-    let receiver_of: Vec<usize> = needs.iter().map(|n| receivers[&n.receiver]).collect();
-    let order =
-        bucket_order((0..needs.len() as u32).collect(), tensors.len(), |i| needs[i as usize].tensor as usize);
-    let order = bucket_order(order, receivers.len(), |i| receiver_of[i as usize]);
-    let (needs, need_dims) = gather(&needs, &need_dims, &order, |o| layout[o.tensor as usize].0);
+    let receiver_of = memory::collect(needs.len(), needs.iter().map(|n| receivers[&n.receiver]), "needs")?;
+    let order = memory::collect(needs.len(), 0..needs.len() as u32, "needs")?;
+    let order = bucket_order(order, geometry.len(), |i| needs[i as usize].tensor as usize)?;
+    let order = bucket_order(order, receivers.len(), |i| receiver_of[i as usize])?;
+    let (needs, pool) = gather(&needs, pool, &order, |o| geometry[o.tensor as usize].0)?;
     let needs = sort_runs(
         needs,
         |a, b| (a.receiver, a.tensor) == (b.receiver, b.tensor),
         |a, b| {
-            let n = layout[a.tensor as usize].0;
-            let (x, y) = (&need_dims[a.dims..a.dims + 3 * n], &need_dims[b.dims..b.dims + 3 * n]);
+            let n = geometry[a.tensor as usize].0;
+            let (x, y) = (&pool[a.dims..a.dims + 3 * n], &pool[b.dims..b.dims + 3 * n]);
             x[..2 * n].cmp(&y[..2 * n]).then(a.addr.cmp(&b.addr)).then_with(|| x[2 * n..].cmp(&y[2 * n..]))
         },
     );
-    let mut offer_start = vec![0; tensors.len() + 1];
-    for offer in &offers {
-        offer_start[offer.tensor as usize + 1] += 1;
-    }
-    for t in 0..tensors.len() {
-        offer_start[t + 1] += offer_start[t];
-    }
-    Ok(Catalog { tensors, layout, offers, offer_start, needs, offer_dims, need_dims })
+    Ok((needs, pool))
 }
 
 /// How many entries ahead the merge asks for the small heap blocks (names, shapes, boxes, strides)
@@ -378,11 +478,17 @@ fn prefetch<T>(p: *const T) {
 }
 
 /// Appends a few values one by one: `extend_from_slice` calls memcpy, which costs more than
-/// copying a handful of values.
-fn push_values(pool: &mut Vec<u64>, values: &[u64]) {
+/// copying a handful of values. The pools are sized up front; this only grows them for entries
+/// longer than their tensor, which fail validation before they are pushed.
+#[inline]
+fn push_values(pool: &mut Vec<u64>, values: &[u64], what: &str) -> Result<()> {
+    if pool.capacity() - pool.len() < values.len() {
+        memory::reserve(pool, values.len(), what)?;
+    }
     for &v in values {
         pool.push(v);
     }
+    Ok(())
 }
 
 /// An entry whose `3 n` values live in a pool from `dims`.
@@ -402,16 +508,16 @@ impl Pooled for PackedNeed {
     }
 }
 
-/// `entries` taken in `order`, with their values (`3 n` each, `n` from `rank`) copied from `pool`
-/// into a new pool in the same order.
+/// `entries` taken in `order`, with their values (`3 n` each, `n` from `dims_of`) copied from
+/// `pool` into a new pool in the same order.
 fn gather<T: Pooled>(
     entries: &[T],
     pool: &[u64],
     order: &[u32],
-    rank: impl Fn(&T) -> usize,
-) -> (Vec<T>, Vec<u64>) {
-    let mut out = Vec::with_capacity(order.len());
-    let mut values = Vec::with_capacity(pool.len());
+    dims_of: impl Fn(&T) -> usize,
+) -> Result<(Vec<T>, Vec<u64>)> {
+    let mut out = memory::with_capacity(order.len(), "entries")?;
+    let mut values = memory::with_capacity(pool.len(), "entry dimensions")?;
     for (k, &i) in order.iter().enumerate() {
         // `order` jumps between tables, so each entry and its values would be a cache miss waited
         // for in turn: on large plans the pool has left the cache by now (the callers' tables
@@ -425,33 +531,36 @@ fn gather<T: Pooled>(
             let at = *entry.dims();
             // The values may straddle two cache lines: ask for the first and the last.
             prefetch(pool.as_ptr().wrapping_add(at));
-            prefetch(pool.as_ptr().wrapping_add(at + (3 * rank(&entry)).saturating_sub(1)));
+            prefetch(pool.as_ptr().wrapping_add(at + (3 * dims_of(&entry)).saturating_sub(1)));
         }
         let mut entry = entries[i as usize];
         let at = *entry.dims();
-        push_values(&mut values, &pool[at..at + 3 * rank(&entry)]);
-        *entry.dims() = values.len() - 3 * rank(&entry);
+        let n = 3 * dims_of(&entry);
+        for &v in &pool[at..at + n] {
+            values.push(v);
+        }
+        *entry.dims() = values.len() - n;
         out.push(entry);
     }
-    (out, values)
+    Ok((out, values))
 }
 
 /// `order` (indices) stably sorted by `key` (below `buckets`): a counting sort.
-fn bucket_order(order: Vec<u32>, buckets: usize, key: impl Fn(u32) -> usize) -> Vec<u32> {
-    let mut start = vec![0usize; buckets + 1];
+fn bucket_order(order: Vec<u32>, buckets: usize, key: impl Fn(u32) -> usize) -> Result<Vec<u32>> {
+    let mut start = memory::filled(0usize, buckets + 1, "buckets")?;
     for &i in &order {
         start[key(i) + 1] += 1;
     }
     for b in 0..buckets {
         start[b + 1] += start[b];
     }
-    let mut out = vec![0u32; order.len()];
+    let mut out = memory::filled(0u32, order.len(), "entries")?;
     for &i in &order {
         let k = key(i);
         out[start[k]] = i;
         start[k] += 1;
     }
-    out
+    Ok(out)
 }
 
 /// Sorts by `order` each maximal run of neighbours that `same` groups together.
@@ -472,204 +581,4 @@ fn sort_runs<T>(
         start = end;
     }
     items
-}
-
-fn name_hash(name: &str) -> u64 {
-    let mut h = Fnv::default();
-    h.write(name.as_bytes());
-    h.finish()
-}
-
-/// FNV-1a for the name index: fast on short keys, and deterministic (nothing depends on its order).
-#[derive(Default)]
-pub(crate) struct Fnv(u64);
-
-impl Hasher for Fnv {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        let mut h = if self.0 == 0 { 0xcbf2_9ce4_8422_2325 } else { self.0 };
-        for &b in bytes {
-            h = (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3);
-        }
-        self.0 = h;
-    }
-}
-
-/// Checks a tensor description on its own: a name, a positive element size, at most MAX_DIMS
-/// dimensions, and a byte size that fits in 64 bits.
-pub(crate) fn validate_spec(spec: &TensorSpec) -> Result<()> {
-    if spec.name.is_empty() {
-        return Err(Error::invalid_argument("a tensor has an empty name"));
-    }
-    if spec.elem_size == 0 {
-        return Err(Error::invalid_argument(format!("tensor '{}' has element size 0", spec.name)));
-    }
-    if spec.shape.len() > MAX_DIMS {
-        return Err(Error::invalid_argument(format!(
-            "tensor '{}' has {} dimensions; at most {MAX_DIMS} are supported",
-            spec.name,
-            spec.shape.len()
-        )));
-    }
-    let elems = spec.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
-    if elems.and_then(|e| e.checked_mul(spec.elem_size.into())).is_none() {
-        return Err(Error::invalid_argument(format!("tensor '{}' has more than 2^64 bytes", spec.name)));
-    }
-    Ok(())
-}
-
-pub(crate) fn check_same(a: &TensorSpec, b: &TensorSpec) -> Result<()> {
-    let name = &a.name;
-    if a.elem_size != b.elem_size {
-        bail!(
-            Status::TensorMismatch,
-            "tensor '{name}' has element size {} in one table and {} in another",
-            a.elem_size,
-            b.elem_size
-        );
-    }
-    if a.shape != b.shape {
-        bail!(
-            Status::TensorMismatch,
-            "tensor '{name}' has shape {:?} in one table and {:?} in another",
-            a.shape,
-            b.shape
-        );
-    }
-    if a.dtype != b.dtype {
-        bail!(
-            Status::TensorMismatch,
-            "tensor '{name}' has dtype {} in one table and {} in another",
-            a.dtype,
-            b.dtype
-        );
-    }
-    Ok(())
-}
-
-/// Checks a box against the tensor's shape and returns its (offset, extent).
-fn resolve_region(spec: &TensorSpec, region: &Region) -> Result<(Dims, Dims)> {
-    let n = spec.shape.len();
-    if region.offset.len() != n || region.extent.len() != n {
-        bail!(
-            Status::TensorMismatch,
-            "box of tensor '{}' has {} offsets and {} extents; the tensor has {n} dimensions",
-            spec.name,
-            region.offset.len(),
-            region.extent.len()
-        );
-    }
-    let (mut lo, mut ext) = ([0; MAX_DIMS], [0; MAX_DIMS]);
-    for d in 0..n {
-        let end = region.offset[d].checked_add(region.extent[d]);
-        if end.is_none_or(|end| end > spec.shape[d]) {
-            bail!(
-                Status::TensorMismatch,
-                "box offset {:?} extent {:?} is outside tensor '{}' of shape {:?}",
-                region.offset,
-                region.extent,
-                spec.name,
-                spec.shape
-            );
-        }
-        lo[d] = region.offset[d];
-        ext[d] = region.extent[d];
-    }
-    Ok((lo, ext))
-}
-
-/// The byte span `[addr, addr + span)` touched by a strided box, or None when it does not fit in 64 bits.
-pub(crate) fn byte_span(n: usize, ext: &Dims, strides: &Dims, elem: u64) -> Option<u64> {
-    if ext[..n].contains(&0) {
-        return Some(0);
-    }
-    let mut last = 0u64;
-    for d in 0..n {
-        last = last.checked_add((ext[d] - 1).checked_mul(strides[d])?)?;
-    }
-    last.checked_add(1)?.checked_mul(elem)
-}
-
-fn check_addresses(spec: &TensorSpec, addr: u64, ext: &Dims, strides: &Dims, what: &str) -> Result<()> {
-    let n = spec.shape.len();
-    let span = byte_span(n, ext, strides, spec.elem_size.into());
-    if span.and_then(|s| addr.checked_add(s)).is_none() {
-        return Err(Error::invalid_argument(format!(
-            "{what} of tensor '{}' at {addr:#x} with strides {:?} runs past the end of the address space",
-            spec.name,
-            &strides[..n]
-        )));
-    }
-    Ok(())
-}
-
-fn canon_offer(spec: &TensorSpec, tensor: usize, offer: &Offer) -> Result<CanonOffer> {
-    let n = spec.shape.len();
-    let (lo, ext) = resolve_region(spec, &offer.region)?;
-    let mut strides = [0; MAX_DIMS];
-    match &offer.strides {
-        Some(given) => {
-            if given.len() != n {
-                return Err(Error::invalid_argument(format!(
-                    "offer of tensor '{}' has {} strides; the tensor has {n} dimensions",
-                    spec.name,
-                    given.len()
-                )));
-            }
-            strides[..n].copy_from_slice(given);
-        }
-        None => {
-            let mut step = 1u64;
-            for d in (0..n).rev() {
-                strides[d] = step;
-                step = step.saturating_mul(ext[d]);
-            }
-        }
-    }
-    check_addresses(spec, offer.addr, &ext, &strides, "offer")?;
-    Ok(CanonOffer { tensor, lo, ext, owner: offer.owner, addr: offer.addr, strides, digest: offer.digest })
-}
-
-fn canon_need(spec: &TensorSpec, tensor: usize, need: &Need) -> Result<CanonNeed> {
-    let n = spec.shape.len();
-    let (lo, ext) = resolve_region(spec, &need.region)?;
-    if need.strides.len() != n {
-        return Err(Error::invalid_argument(format!(
-            "need of tensor '{}' has {} destination strides; the tensor has {n} dimensions",
-            spec.name,
-            need.strides.len()
-        )));
-    }
-    let mut strides = [0; MAX_DIMS];
-    match &need.perm {
-        None => strides[..n].copy_from_slice(&need.strides),
-        Some(perm) => {
-            let mut seen = [false; MAX_DIMS];
-            let valid = perm.len() == n
-                && perm.iter().all(|&p| (p as usize) < n && !std::mem::replace(&mut seen[p as usize], true));
-            if !valid {
-                return Err(Error::invalid_argument(format!(
-                    "need of tensor '{}' has permutation {perm:?}, which is not a permutation of 0..{n}",
-                    spec.name
-                )));
-            }
-            for (d, &p) in perm.iter().enumerate() {
-                strides[p as usize] = need.strides[d];
-            }
-        }
-    }
-    check_addresses(spec, need.addr, &ext, &strides, "need")?;
-    Ok(CanonNeed { receiver: need.receiver, tensor, lo, ext, addr: need.addr, strides })
-}
-
-/// Checks one offer against its tensor, as planning will (for callers that add entries one by one).
-pub(crate) fn check_offer(spec: &TensorSpec, offer: &Offer) -> Result<()> {
-    canon_offer(spec, 0, offer).map(|_| ())
-}
-
-/// Checks one need against its tensor, as planning will.
-pub(crate) fn check_need(spec: &TensorSpec, need: &Need) -> Result<()> {
-    canon_need(spec, 0, need).map(|_| ())
 }

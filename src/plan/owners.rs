@@ -1,187 +1,169 @@
-//! Replica sets and their owners. Offers of one tensor with the same box are replicas; one of them
-//! serves each (replica set, receiver) pair, chosen by policy. Distinct boxes that overlap are cut
-//! into disjoint pieces, so that every byte is read from one replica set only.
+//! Which replica serves each (replica set, receiver) pair, by policy. FIRST and LOCAL decide each
+//! pair on its own; BALANCED weighs every pair's bytes against every source's load.
 
-use super::boxes::Boxed;
-use super::merge::Fnv;
-use super::merge::{same_values, Catalog, PackedOffer};
+use super::memory;
+use super::merge::Merged;
+use super::options::{Budget, OwnerPolicy};
+use super::replicas::ReplicaSet;
 use super::table::Endpoint;
-use super::OwnerPolicy;
-use crate::bail;
-use crate::error::{Result, Status};
-use std::collections::HashMap;
-use std::hash::BuildHasherDefault;
+use crate::error::Result;
 
-type FastMap<K, V> = HashMap<K, V, BuildHasherDefault<Fnv>>;
-
-/// Offers `first..first + len` of the catalog, all with the same tensor and box.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct ReplicaSet {
-    pub first: usize,
-    pub len: usize,
-}
-
-/// A disjoint part of one replica set's box.
-#[derive(Clone, Copy, Debug)]
-pub(crate) struct Piece {
-    pub set: usize,
-    pub bx: Boxed,
-}
-
-/// Replica sets of every tensor and the disjoint pieces they serve.
-pub(crate) struct Replicas {
-    pub sets: Vec<ReplicaSet>,
-    pub pieces: Vec<Piece>,
-    /// `pieces[piece_start[t]..piece_start[t + 1]]` belong to tensor `t`.
-    pub piece_start: Vec<usize>,
-}
-
-impl Replicas {
-    pub fn pieces_of(&self, tensor: usize) -> &[Piece] {
-        &self.pieces[self.piece_start[tensor]..self.piece_start[tensor + 1]]
-    }
-}
-
-/// Groups replicas, checks their digests, and cuts overlapping boxes into disjoint pieces.
-/// `max_pieces` bounds the work hostile overlaps can cause.
-pub(crate) fn replicas(catalog: &Catalog, max_pieces: usize) -> Result<Replicas> {
-    let mut sets = Vec::new();
-    // Every replica set is at least one piece: sized for one per offer, it rarely regrows.
-    let mut pieces = Vec::with_capacity(catalog.offers.len().min(max_pieces));
-    let mut piece_start = vec![0; catalog.tensors.len() + 1];
-    // Reused between sets: the parts of the box being cut, and the parts after the next cut.
-    let (mut parts, mut next): (Vec<Boxed>, Vec<Boxed>) = (Vec::new(), Vec::new());
-    for (t, spec) in catalog.tensors.iter().enumerate() {
-        let n = spec.shape.len();
-        let offers = catalog.offer_range(t);
-        let first_set = sets.len();
-        let mut i = offers.start;
-        while i < offers.end {
-            let (lo, ext, _) = catalog.offer_parts(i);
-            let same = (i..offers.end)
-                .take_while(|&k| {
-                    let (other_lo, other_ext, _) = catalog.offer_parts(k);
-                    same_values(other_lo, lo) && same_values(other_ext, ext)
-                })
-                .count();
-            check_digests(&catalog.offers[i..i + same], lo, ext, &spec.name)?;
-            if !ext.contains(&0) {
-                sets.push(ReplicaSet { first: i, len: same });
-            }
-            i += same;
-        }
-        // Each box minus every earlier box of the same tensor (canonical order decides who keeps
-        // an overlapped part; the choice only changes which replica set serves those bytes).
-        let tensor_sets = first_set..sets.len();
-        for s in tensor_sets.clone() {
-            parts.clear();
-            parts.push(catalog.offer_box(sets[s].first));
-            for earlier in &sets[tensor_sets.start..s] {
-                let (lo, ext, _) = catalog.offer_parts(earlier.first);
-                if !parts.iter().any(|p| p.intersect_parts(lo, ext).is_some()) {
-                    continue;
-                }
-                let cut = catalog.offer_box(earlier.first);
-                next.clear();
-                for p in &parts {
-                    p.subtract(&cut, n, &mut next);
-                }
-                std::mem::swap(&mut parts, &mut next);
-                if pieces.len() + parts.len() > max_pieces {
-                    bail!(
-                        Status::Unsupported,
-                        "offers of tensor '{}' overlap in too many ways to split",
-                        spec.name
-                    );
-                }
-            }
-            pieces.extend(parts.iter().map(|&bx| Piece { set: s, bx }));
-        }
-        piece_start[t + 1] = pieces.len();
-    }
-    if pieces.len() > u32::MAX as usize {
-        bail!(Status::Unsupported, "offers overlap in more than 2^32 pieces");
-    }
-    Ok(Replicas { sets, pieces, piece_start })
-}
-
-fn check_digests(replicas: &[PackedOffer], lo: &[u64], ext: &[u64], name: &str) -> Result<()> {
-    let mut digests = replicas.iter().filter_map(|o| o.digest.map(|d| (d, o.owner)));
-    let Some((first, first_owner)) = digests.next() else {
-        return Ok(());
-    };
-    if let Some((other, owner)) = digests.find(|&(d, _)| d != first) {
-        bail!(
-            Status::ReplicaMismatch,
-            "replicas of tensor '{name}' box offset {lo:?} extent {ext:?} differ: digest {first:#018x} at rank {} device {} \
-             but {other:#018x} at rank {} device {}",
-            first_owner.rank,
-            first_owner.device,
-            owner.rank,
-            owner.device
-        );
-    }
-    Ok(())
-}
-
-/// How close a source is to a receiver: 0 same device, 1 same process, 2 another process.
-pub(crate) fn distance(src: Endpoint, dst: Endpoint) -> u8 {
-    if src.rank != dst.rank {
-        2
-    } else if src.device != dst.device {
-        1
-    } else {
-        0
-    }
+/// Bytes one replica set sends one receiver.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Demand {
+    pub set: u32,
+    pub receiver: Endpoint,
+    pub bytes: u64,
 }
 
 /// Owner choices for every (replica set, receiver) pair that carries bytes.
 pub(crate) struct Owners {
-    chosen: FastMap<(usize, Endpoint), usize>,
     policy: OwnerPolicy,
+    /// BALANCED: (set, receiver, chosen offer), sorted by (set, receiver).
+    balanced: Vec<(u32, Endpoint, u32)>,
 }
 
 impl Owners {
-    /// `demand`: bytes each (replica set, receiver) pair must move, sorted by (set, receiver).
+    /// `demand`: bytes each (replica set, receiver) pair moves, sorted by (set, receiver), each
+    /// pair once. Only BALANCED reads it; `work` meters its search.
     pub fn choose(
-        catalog: &Catalog,
+        merged: &Merged,
         sets: &[ReplicaSet],
         policy: OwnerPolicy,
-        demand: &[(usize, Endpoint, u64)],
-    ) -> Owners {
-        let mut chosen = FastMap::default();
-        if policy == OwnerPolicy::Balanced {
-            // Largest demands first, each to the replica whose source has served the fewest bytes
-            // so far; ties go to the closer, then lower, endpoint.
-            let mut order: Vec<&(usize, Endpoint, u64)> = demand.iter().collect();
-            order.sort_by_key(|&&(set, receiver, bytes)| (std::cmp::Reverse(bytes), set, receiver));
-            let mut load: FastMap<Endpoint, u64> = FastMap::default();
-            for &(set, receiver, bytes) in order {
-                let replicas = &catalog.offers[sets[set].first..sets[set].first + sets[set].len];
-                let best = (0..replicas.len())
-                    .min_by_key(|&i| {
-                        let owner = replicas[i].owner;
-                        (load.get(&owner).copied().unwrap_or(0), distance(owner, receiver), owner, i)
-                    })
-                    .expect("a replica set is never empty");
-                let served = load.entry(replicas[best].owner).or_insert(0);
-                *served = served.saturating_add(bytes);
-                chosen.insert((set, receiver), sets[set].first + best);
+        demand: &[Demand],
+        work: &mut Budget,
+    ) -> Result<Owners> {
+        let balanced = match policy {
+            OwnerPolicy::Balanced => {
+                let offers = balance(merged, sets, demand, work)?;
+                memory::collect(
+                    demand.len(),
+                    demand.iter().zip(offers).map(|(d, o)| (d.set, d.receiver, o)),
+                    "owner choices",
+                )?
             }
-        }
-        Owners { chosen, policy }
+            _ => Vec::new(),
+        };
+        Ok(Owners { policy, balanced })
     }
 
-    /// The offer (catalog index) that serves `set` to `receiver`.
-    pub fn owner(&self, catalog: &Catalog, sets: &[ReplicaSet], set: usize, receiver: Endpoint) -> usize {
+    /// The offer (index into the merged offers) that serves `set` to `receiver`.
+    pub fn owner(&self, merged: &Merged, sets: &[ReplicaSet], set: usize, receiver: Endpoint) -> usize {
         let s = sets[set];
         match self.policy {
-            // Offers within a set are sorted by owner: the first is the lowest rank.
+            // Offers within a set are sorted by owner: the first is the lowest endpoint.
             OwnerPolicy::First => s.first,
             OwnerPolicy::Local => (s.first..s.first + s.len)
-                .min_by_key(|&i| (distance(catalog.offers[i].owner, receiver), i))
+                .min_by_key(|&i| (merged.offers[i].owner.distance(receiver), i))
                 .expect("a replica set is never empty"),
-            OwnerPolicy::Balanced => self.chosen[&(set, receiver)],
+            OwnerPolicy::Balanced => {
+                let at = self
+                    .balanced
+                    .binary_search_by_key(&(set as u32, receiver), |&(s, r, _)| (s, r))
+                    .expect("every (set, receiver) pair that carries bytes has a demand");
+                self.balanced[at].2 as usize
+            }
         }
     }
+}
+
+/// Moves per replicated demand after which BALANCED stops improving (each move is a search over
+/// the busiest sources' demands; the bound keeps hostile tables from making that quadratic).
+const MOVES_PER_DEMAND: usize = 4;
+
+/// Chooses an offer for each demand so that the busiest source serves as little as possible.
+///
+/// 1. Demand that only one source can serve (every replica on one endpoint) is assigned first:
+///    it loads that source whatever else is decided.
+/// 2. Replicated demand follows, largest first, each to the replica whose source has the least
+///    load so far (ties: nearer to the receiver, then the lower endpoint). The order depends on
+///    bytes, receivers and the replicas' endpoints, never on tensor names.
+/// 3. Then, while a demand on a busiest source can move to another of its replicas whose source
+///    stays below that load, the move that evens the two sources best is made. This stops after
+///    [`MOVES_PER_DEMAND`] moves per replicated demand; short of hostile tables it stops earlier,
+///    where no single move relieves a busiest source.
+fn balance(merged: &Merged, sets: &[ReplicaSet], demand: &[Demand], work: &mut Budget) -> Result<Vec<u32>> {
+    let mut sources: Vec<Endpoint> =
+        memory::collect(merged.offers.len(), merged.offers.iter().map(|o| o.owner), "sources")?;
+    sources.sort_unstable();
+    sources.dedup();
+    let source_of =
+        |offer: usize| sources.binary_search(&merged.offers[offer].owner).expect("every owner is a source");
+    let replicas = |d: &Demand| {
+        let s = sets[d.set as usize];
+        s.first..s.first + s.len
+    };
+    let mut load = memory::filled(0u64, sources.len(), "sources")?;
+    let mut chosen = memory::filled(0u32, demand.len(), "owner choices")?;
+    let mut replicated: Vec<u32> = Vec::new();
+    for (i, d) in demand.iter().enumerate() {
+        let offers = replicas(d);
+        let first = merged.offers[offers.start].owner;
+        if merged.offers[offers.clone()].iter().all(|o| o.owner == first) {
+            chosen[i] = offers.start as u32;
+            let s = source_of(offers.start);
+            load[s] = load[s].saturating_add(d.bytes);
+        } else {
+            memory::push(&mut replicated, i as u32, "owner choices")?;
+        }
+    }
+    replicated.sort_unstable_by(|&a, &b| {
+        let (x, y) = (&demand[a as usize], &demand[b as usize]);
+        let owners = |d: &Demand| merged.offers[replicas(d)].iter().map(|o| o.owner);
+        y.bytes
+            .cmp(&x.bytes)
+            .then(x.receiver.cmp(&y.receiver))
+            .then_with(|| owners(x).cmp(owners(y)))
+            .then(a.cmp(&b))
+    });
+    let mut assigned: Vec<Vec<u32>> = memory::filled(Vec::new(), sources.len(), "sources")?;
+    for &i in &replicated {
+        let d = &demand[i as usize];
+        work.spend(replicas(d).len() as u64)?;
+        let best = replicas(d)
+            .min_by_key(|&o| {
+                let owner = merged.offers[o].owner;
+                (load[source_of(o)], owner.distance(d.receiver), owner, o)
+            })
+            .expect("a replica set is never empty");
+        chosen[i as usize] = best as u32;
+        let s = source_of(best);
+        load[s] = load[s].saturating_add(d.bytes);
+        memory::push(&mut assigned[s], i, "owner choices")?;
+    }
+    for _ in 0..MOVES_PER_DEMAND * replicated.len() {
+        // Among the moves off any of the busiest sources (several may share the highest load),
+        // the one whose higher new load of the two sources is lowest: it evens the pair best.
+        let ceiling = load.iter().copied().max().unwrap_or(0);
+        let mut best: Option<(u64, u64, u8, Endpoint, usize, u32, usize)> = None;
+        for from in (0..sources.len()).filter(|&s| load[s] == ceiling) {
+            for &i in &assigned[from] {
+                let d = &demand[i as usize];
+                work.spend(replicas(d).len() as u64)?;
+                for o in replicas(d) {
+                    let to = source_of(o);
+                    let after = load[to].saturating_add(d.bytes);
+                    if to == from || after >= ceiling {
+                        continue;
+                    }
+                    let owner = merged.offers[o].owner;
+                    let key =
+                        (after.max(ceiling - d.bytes), after, owner.distance(d.receiver), owner, o, i, from);
+                    if best.is_none_or(|b| key < b) {
+                        best = Some(key);
+                    }
+                }
+            }
+        }
+        let Some((_, _, _, _, o, i, from)) = best else { break };
+        let at = assigned[from].iter().position(|&x| x == i).expect("the demand is on its source");
+        assigned[from].swap_remove(at);
+        let bytes = demand[i as usize].bytes;
+        let to = source_of(o);
+        load[from] -= bytes;
+        load[to] = load[to].saturating_add(bytes);
+        chosen[i as usize] = o as u32;
+        memory::push(&mut assigned[to], i, "owner choices")?;
+    }
+    Ok(chosen)
 }

@@ -1,18 +1,33 @@
-//! What planners are given: each rank's shard table (tensors it knows, offers it publishes, needs it
-//! receives). Plain data with addresses as integers; nothing here knows where memory lives.
+//! What planners are given: each process's shard table (tensors it knows, offers it publishes, needs
+//! it receives), and the checks of each entry against its tensor. Plain data with addresses as
+//! integers; nothing here knows where memory lives.
 
-/// Most dimensions a tensor may have (C callers: REFIT_MAX_DIMS).
-///
-/// cbindgen:ignore
-pub const MAX_DIMS: usize = 8;
+pub use super::boxes::MAX_DIMS;
+use super::boxes::{byte_span, Dims};
+use crate::bail;
+use crate::error::{Error, Result, Status};
 
-/// Where a shard lives or lands: a process rank and a device ordinal within that process.
-/// Two endpoints with the same rank are in the same process; with the same rank and device, on the
-/// same GPU.
+/// Where a shard lives or lands: a process (an index the caller assigns to each OS process taking
+/// part in a refit) and a device ordinal within that process. Two endpoints with the same process
+/// share memory through NVLink peers; with the same process and device, they are on one GPU.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub struct Endpoint {
-    pub rank: u32,
+    pub process: u32,
     pub device: u32,
+}
+
+impl Endpoint {
+    /// How far bytes travel from `self` to `other`: 0 the same device, 1 another device of the
+    /// same process, 2 another process.
+    pub fn distance(self, other: Endpoint) -> u8 {
+        if self.process != other.process {
+            2
+        } else if self.device != other.device {
+            1
+        } else {
+            0
+        }
+    }
 }
 
 /// A named tensor's global description. Every table that names a tensor must agree on all of it.
@@ -62,7 +77,8 @@ pub struct Need {
     pub strides: Vec<u64>,
 }
 
-/// One rank's contribution to a plan. Tables from every rank are merged by tensor name.
+/// One process's contribution to a plan. Tables from every process are merged by tensor name.
+/// Build one entry by entry with [`super::TableBuilder`], which checks each entry as it comes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Table {
     pub tensors: Vec<TensorSpec>,
@@ -70,41 +86,181 @@ pub struct Table {
     pub needs: Vec<Need>,
 }
 
-impl Table {
-    /// Adds a tensor description and returns its index. Adding a name again returns the index it
-    /// already has when the descriptions agree, and fails with TENSOR_MISMATCH when they do not.
-    pub fn add_tensor(&mut self, spec: TensorSpec) -> crate::Result<u32> {
-        super::merge::validate_spec(&spec)?;
-        if let Some(i) = self.tensors.iter().position(|t| t.name == spec.name) {
-            super::merge::check_same(&self.tensors[i], &spec)?;
-            return Ok(i as u32);
+/// A box and its element strides, resolved against the tensor: one value per tensor dimension
+/// (destination strides of a need are reindexed by tensor dimension).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) struct Resolved {
+    pub lo: Dims,
+    pub ext: Dims,
+    pub strides: Dims,
+}
+
+impl TensorSpec {
+    /// Checks the description on its own: a name, a positive element size, at most MAX_DIMS
+    /// dimensions, and a byte size that fits in 64 bits.
+    pub(crate) fn validate(&self) -> Result<()> {
+        if self.name.is_empty() {
+            return Err(Error::invalid_argument("a tensor has an empty name"));
         }
-        let index = u32::try_from(self.tensors.len())
-            .map_err(|_| crate::Error::invalid_argument("a table holds at most 2^32 tensors"))?;
-        self.tensors.push(spec);
-        Ok(index)
-    }
-
-    /// Adds an offer after checking it against its tensor (index, box, strides, address range).
-    pub fn add_offer(&mut self, offer: Offer) -> crate::Result<()> {
-        super::merge::check_offer(self.tensor(offer.tensor)?, &offer)?;
-        self.offers.push(offer);
+        if self.elem_size == 0 {
+            return Err(Error::invalid_argument(format!("tensor '{}' has element size 0", self.name)));
+        }
+        if self.shape.len() > MAX_DIMS {
+            return Err(Error::invalid_argument(format!(
+                "tensor '{}' has {} dimensions; at most {MAX_DIMS} are supported",
+                self.name,
+                self.shape.len()
+            )));
+        }
+        let elems = self.shape.iter().try_fold(1u64, |acc, &d| acc.checked_mul(d));
+        if elems.and_then(|e| e.checked_mul(self.elem_size.into())).is_none() {
+            return Err(Error::invalid_argument(format!("tensor '{}' has more than 2^64 bytes", self.name)));
+        }
         Ok(())
     }
 
-    /// Adds a need after checking it against its tensor (index, box, permutation, strides, address range).
-    pub fn add_need(&mut self, need: Need) -> crate::Result<()> {
-        super::merge::check_need(self.tensor(need.tensor)?, &need)?;
-        self.needs.push(need);
+    /// Fails with TENSOR_MISMATCH, naming both values, unless `other` describes the same tensor.
+    pub(crate) fn check_same(&self, other: &TensorSpec) -> Result<()> {
+        let name = &self.name;
+        if self.elem_size != other.elem_size {
+            bail!(
+                Status::TensorMismatch,
+                "tensor '{name}' has element size {} in one table and {} in another",
+                self.elem_size,
+                other.elem_size
+            );
+        }
+        if self.shape != other.shape {
+            bail!(
+                Status::TensorMismatch,
+                "tensor '{name}' has shape {:?} in one table and {:?} in another",
+                self.shape,
+                other.shape
+            );
+        }
+        if self.dtype != other.dtype {
+            bail!(
+                Status::TensorMismatch,
+                "tensor '{name}' has dtype {} in one table and {} in another",
+                self.dtype,
+                other.dtype
+            );
+        }
         Ok(())
     }
 
-    fn tensor(&self, index: u32) -> crate::Result<&TensorSpec> {
-        self.tensors.get(index as usize).ok_or_else(|| {
-            crate::Error::invalid_argument(format!(
-                "tensor index {index} but the table has {} tensors",
-                self.tensors.len()
-            ))
-        })
+    /// Checks a box against the shape and returns its (offset, extent).
+    fn resolve_region(&self, region: &Region) -> Result<(Dims, Dims)> {
+        let n = self.shape.len();
+        if region.offset.len() != n || region.extent.len() != n {
+            bail!(
+                Status::TensorMismatch,
+                "box of tensor '{}' has {} offsets and {} extents; the tensor has {n} dimensions",
+                self.name,
+                region.offset.len(),
+                region.extent.len()
+            );
+        }
+        let (mut lo, mut ext) = ([0; MAX_DIMS], [0; MAX_DIMS]);
+        for d in 0..n {
+            let end = region.offset[d].checked_add(region.extent[d]);
+            if end.is_none_or(|end| end > self.shape[d]) {
+                bail!(
+                    Status::TensorMismatch,
+                    "box offset {:?} extent {:?} is outside tensor '{}' of shape {:?}",
+                    region.offset,
+                    region.extent,
+                    self.name,
+                    self.shape
+                );
+            }
+            lo[d] = region.offset[d];
+            ext[d] = region.extent[d];
+        }
+        Ok((lo, ext))
+    }
+
+    /// Fails with INVALID_ARGUMENT when the bytes of a box at `addr` with `strides` run past 2^64.
+    fn check_addresses(&self, addr: u64, ext: &Dims, strides: &Dims, what: &str) -> Result<()> {
+        let n = self.shape.len();
+        let span = byte_span(n, ext, strides, self.elem_size.into());
+        if span.and_then(|s| addr.checked_add(s)).is_none() {
+            return Err(Error::invalid_argument(format!(
+                "{what} of tensor '{}' at {addr:#x} with strides {:?} runs past the end of the address space",
+                self.name,
+                &strides[..n]
+            )));
+        }
+        Ok(())
+    }
+}
+
+impl Offer {
+    /// Checks the offer against its tensor (box, strides, address range) and resolves its strides.
+    pub(crate) fn resolve(&self, spec: &TensorSpec) -> Result<Resolved> {
+        let n = spec.shape.len();
+        let (lo, ext) = spec.resolve_region(&self.region)?;
+        let mut strides = [0; MAX_DIMS];
+        match &self.strides {
+            Some(given) => {
+                if given.len() != n {
+                    return Err(Error::invalid_argument(format!(
+                        "offer of tensor '{}' has {} strides; the tensor has {n} dimensions",
+                        spec.name,
+                        given.len()
+                    )));
+                }
+                strides[..n].copy_from_slice(given);
+            }
+            None => {
+                // Saturating: a stride past 2^64 is only reachable through dimensions of extent
+                // 0 or 1, which never multiply it (the span check below decides).
+                let mut step = 1u64;
+                for d in (0..n).rev() {
+                    strides[d] = step;
+                    step = step.saturating_mul(ext[d]);
+                }
+            }
+        }
+        spec.check_addresses(self.addr, &ext, &strides, "offer")?;
+        Ok(Resolved { lo, ext, strides })
+    }
+}
+
+impl Need {
+    /// Checks the need against its tensor (box, permutation, strides, address range) and resolves
+    /// its destination strides by tensor dimension.
+    pub(crate) fn resolve(&self, spec: &TensorSpec) -> Result<Resolved> {
+        let n = spec.shape.len();
+        let (lo, ext) = spec.resolve_region(&self.region)?;
+        if self.strides.len() != n {
+            return Err(Error::invalid_argument(format!(
+                "need of tensor '{}' has {} destination strides; the tensor has {n} dimensions",
+                spec.name,
+                self.strides.len()
+            )));
+        }
+        let mut strides = [0; MAX_DIMS];
+        match &self.perm {
+            None => strides[..n].copy_from_slice(&self.strides),
+            Some(perm) => {
+                let mut seen = [false; MAX_DIMS];
+                let valid = perm.len() == n
+                    && perm
+                        .iter()
+                        .all(|&p| (p as usize) < n && !std::mem::replace(&mut seen[p as usize], true));
+                if !valid {
+                    return Err(Error::invalid_argument(format!(
+                        "need of tensor '{}' has permutation {perm:?}, which is not a permutation of 0..{n}",
+                        spec.name
+                    )));
+                }
+                for (d, &p) in perm.iter().enumerate() {
+                    strides[p as usize] = self.strides[d];
+                }
+            }
+        }
+        spec.check_addresses(self.addr, &ext, &strides, "need")?;
+        Ok(Resolved { lo, ext, strides })
     }
 }

@@ -1,19 +1,20 @@
-//! The wire format of one rank's table, so that ranks can exchange tables by their own means and
-//! each build the same plan.
+//! The wire format of one process's table, so that processes can exchange tables by their own
+//! means and each build the same plan.
 //!
 //! Layout (version 1): the magic `RFTB`, a version byte, the tensors, offers and needs, then an
 //! FNV-1a 64 checksum (little-endian) of every byte before it. Integers are LEB128 varints; a digest
 //! is 8 bytes little-endian.
 //!
-//! - tensor: name length, name (UTF-8), dtype, element size, rank `n`, `n` dimensions
-//! - offer: tensor index, owner rank, owner device, address, `n`, `n` offsets, `n` extents, flags
+//! - tensor: name length, name (UTF-8), dtype, element size, dimension count `n`, `n` dimensions
+//! - offer: tensor index, owner process, owner device, address, `n`, `n` offsets, `n` extents, flags
 //!   (bit 0: strides follow, bit 1: digest follows), [`n` strides], [digest]
-//! - need: tensor index, receiver rank, receiver device, address, `n`, `n` offsets, `n` extents,
+//! - need: tensor index, receiver process, receiver device, address, `n`, `n` offsets, `n` extents,
 //!   flags (bit 0: permutation follows), [`n` permutation entries], `n` destination strides
 //!
 //! Each list is preceded by its length. Decoding checks every length against the bytes that are
 //! left before allocating, so hostile input costs at most memory proportional to its own size.
 
+use super::digest::fnv1a;
 use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
@@ -162,9 +163,7 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
 }
 
 fn checksum(bytes: &[u8]) -> u64 {
-    bytes
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x0000_0100_0000_01b3))
+    fnv1a(bytes)
 }
 
 fn put(out: &mut Vec<u8>, mut v: u64) {
@@ -183,7 +182,7 @@ fn put_list(out: &mut Vec<u8>, values: &[u64]) {
 }
 
 fn put_endpoint(out: &mut Vec<u8>, e: Endpoint) {
-    put(out, e.rank.into());
+    put(out, e.process.into());
     put(out, e.device.into());
 }
 
@@ -261,7 +260,7 @@ impl Reader<'_> {
     }
 
     fn endpoint(&mut self) -> Result<Endpoint> {
-        Ok(Endpoint { rank: self.u32("rank")?, device: self.u32("device")? })
+        Ok(Endpoint { process: self.u32("process")?, device: self.u32("device")? })
     }
 
     fn region(&mut self) -> Result<Region> {

@@ -1,9 +1,9 @@
 //! The CUDA backend: cudarc's driver layer (`sys`), primary contexts, non-blocking streams, events
 //! without timing, copy-engine copies, and the batched copy kernel (`kernels`) for batched copies.
 //!
-//! Why the raw layer: cudarc's safe layer owns the memory it copies and (CEILINGS.md) its `memcpy_dtod`
-//! between two contexts ran at a tenth of the copy engine. `cuMemcpyAsync` with unified addressing on
-//! a non-blocking stream reaches the copy engine's ~396 GB/s between two H200s.
+//! Why the raw layer: cudarc's safe layer owns the memory it copies, and its `memcpy_dtod` between two
+//! contexts runs far below the copy engine, which `cuMemcpyAsync` with unified addressing on a
+//! non-blocking stream reaches (benches/gpu_allgather.rs, copy-engine probe).
 //!
 //! Contexts: each device's primary context (the one the CUDA runtime, torch and NCCL use) is retained
 //! on first use and kept for the life of the process. Every method makes the context it needs current
@@ -11,7 +11,7 @@
 //! never disturbed; only [`Backend::bind`] leaves a context current (for our own rank threads).
 
 use super::driver::{self, check, error_name, CurrentContext};
-use super::{Backend, BackendKind, Event, PreparedCopy, Stream};
+use super::{device_index, Backend, BackendKind, Event, PreparedCopy, Stream};
 use crate::error::{Error, Result, Status};
 use crate::kernels::{self, PreparedBatch};
 use crate::segment::Segment;
@@ -59,25 +59,20 @@ impl CudaBackend {
         }
     }
 
-    fn check_device(&self, device: usize) -> Result<()> {
-        if device >= self.devices.len() {
-            return Err(Error::new(
-                Status::InvalidDevice,
-                format!("device {device} is not below the {} CUDA devices", self.devices.len()),
-            ));
-        }
-        Ok(())
+    /// The index of `device` in this backend's tables, or `InvalidDevice`.
+    fn index(&self, device: i32) -> Result<usize> {
+        device_index(device, self.devices.len(), "CUDA devices")
     }
 
     /// The device's primary context, retained on first use.
-    pub fn context(&self, device: usize) -> Result<CUcontext> {
-        self.check_device(device)?;
-        self.contexts[device]
+    pub fn context(&self, device: i32) -> Result<CUcontext> {
+        let index = self.index(device)?;
+        self.contexts[index]
             .get_or_init(|| {
                 let mut ctx: CUcontext = std::ptr::null_mut();
                 // SAFETY: valid device handle and out-pointer.
                 check("cuDevicePrimaryCtxRetain", unsafe {
-                    sys::cuDevicePrimaryCtxRetain(&mut ctx, self.devices[device])
+                    sys::cuDevicePrimaryCtxRetain(&mut ctx, self.devices[index])
                 })
                 .map(|()| ContextHandle(ctx))
             })
@@ -86,7 +81,7 @@ impl CudaBackend {
     }
 
     /// Makes the device's context current until the guard drops.
-    fn enter(&self, device: usize) -> Result<CurrentContext> {
+    fn enter(&self, device: i32) -> Result<CurrentContext> {
         let ctx = self.context(device)?;
         // SAFETY: a retained primary context.
         unsafe { CurrentContext::enter(ctx) }
@@ -110,8 +105,9 @@ impl Backend for CudaBackend {
         self.devices.len()
     }
 
-    fn device_name(&self, device: usize) -> String {
-        let Some(&handle) = self.devices.get(device) else { return format!("no device {device}") };
+    fn device_name(&self, device: i32) -> String {
+        let Ok(index) = self.index(device) else { return format!("no device {device}") };
+        let handle = self.devices[index];
         let mut name = [0 as c_char; 128];
         // SAFETY: buffer of the length we pass.
         let result = unsafe { sys::cuDeviceGetName(name.as_mut_ptr(), name.len() as i32, handle) };
@@ -122,17 +118,17 @@ impl Backend for CudaBackend {
         unsafe { CStr::from_ptr(name.as_ptr()) }.to_string_lossy().into_owned()
     }
 
-    fn bind(&self, device: usize) -> Result<()> {
+    fn bind(&self, device: i32) -> Result<()> {
         let ctx = self.context(device)?;
         // SAFETY: a retained primary context.
         check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
     }
 
-    fn null_stream(&self, _device: usize) -> Stream {
+    fn null_stream(&self, _device: i32) -> Stream {
         Stream::NULL
     }
 
-    fn create_stream(&self, device: usize) -> Result<Stream> {
+    fn create_stream(&self, device: i32) -> Result<Stream> {
         let _current = self.enter(device)?;
         let mut stream: sys::CUstream = std::ptr::null_mut();
         // SAFETY: valid out-pointer, context current.
@@ -142,7 +138,7 @@ impl Backend for CudaBackend {
         Ok(Stream(stream as usize as u64))
     }
 
-    fn destroy_stream(&self, device: usize, stream: Stream) {
+    fn destroy_stream(&self, device: i32, stream: Stream) {
         if stream == Stream::NULL {
             return;
         }
@@ -155,7 +151,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn create_event(&self, device: usize) -> Result<Event> {
+    fn create_event(&self, device: i32) -> Result<Event> {
         let _current = self.enter(device)?;
         let mut event: sys::CUevent = std::ptr::null_mut();
         // SAFETY: valid out-pointer, context current.
@@ -165,7 +161,7 @@ impl Backend for CudaBackend {
         Ok(Event(event as usize as u64))
     }
 
-    fn destroy_event(&self, device: usize, event: Event) {
+    fn destroy_event(&self, device: i32, event: Event) {
         if let Ok(_current) = self.enter(device) {
             // SAFETY: an event we created.
             let result = unsafe { sys::cuEventDestroy_v2(Self::raw_event(event)) };
@@ -175,7 +171,7 @@ impl Backend for CudaBackend {
         }
     }
 
-    fn record(&self, device: usize, event: Event, stream: Stream) -> Result<()> {
+    fn record(&self, device: i32, event: Event, stream: Stream) -> Result<()> {
         // The NULL stream means the legacy stream of the *current* context: make it the device's.
         let _current = self.enter(device)?;
         // SAFETY: handles from this backend (or the caller's stream on this device).
@@ -184,7 +180,7 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn wait(&self, device: usize, stream: Stream, event: Event) -> Result<()> {
+    fn wait(&self, device: i32, stream: Stream, event: Event) -> Result<()> {
         let _current = self.enter(device)?;
         // SAFETY: as for record.
         check("cuStreamWaitEvent", unsafe {
@@ -192,35 +188,34 @@ impl Backend for CudaBackend {
         })
     }
 
-    fn sync_event(&self, device: usize, event: Event) -> Result<()> {
+    fn sync_event(&self, device: i32, event: Event) -> Result<()> {
         let _current = self.enter(device)?;
         // SAFETY: an event from this backend.
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(Self::raw_event(event)) })
     }
 
-    fn sync_stream(&self, device: usize, stream: Stream) -> Result<()> {
+    fn sync_stream(&self, device: i32, stream: Stream) -> Result<()> {
         let _current = self.enter(device)?;
         // SAFETY: a stream on this device.
         check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(Self::raw_stream(stream)) })
     }
 
-    fn can_access_peer(&self, device: usize, peer: usize) -> Result<bool> {
-        self.check_device(device)?;
-        self.check_device(peer)?;
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool> {
+        let (index, peer_index) = (self.index(device)?, self.index(peer)?);
         if device == peer {
             return Ok(true);
         }
         let mut can = 0;
         // SAFETY: valid device handles and out-pointer.
         check("cuDeviceCanAccessPeer", unsafe {
-            sys::cuDeviceCanAccessPeer(&mut can, self.devices[device], self.devices[peer])
+            sys::cuDeviceCanAccessPeer(&mut can, self.devices[index], self.devices[peer_index])
         })?;
         Ok(can != 0)
     }
 
-    fn enable_peer_access(&self, device: usize, peer: usize) -> Result<()> {
+    fn enable_peer_access(&self, device: i32, peer: i32) -> Result<()> {
         if device == peer {
-            return self.check_device(device);
+            return self.index(device).map(drop);
         }
         let peer_ctx = self.context(peer)?;
         let _current = self.enter(device)?;
@@ -232,7 +227,7 @@ impl Backend for CudaBackend {
         check(&format!("cuCtxEnablePeerAccess({device} -> {peer})"), result)
     }
 
-    unsafe fn copy_segments(&self, device: usize, stream: Stream, segments: &[Segment]) -> Result<()> {
+    unsafe fn copy_segments(&self, device: i32, stream: Stream, segments: &[Segment]) -> Result<()> {
         let _current = self.enter(device)?;
         let raw = Self::raw_stream(stream);
         let mut result = Ok(());
@@ -251,26 +246,26 @@ impl Backend for CudaBackend {
 
     unsafe fn copy_batch(
         &self,
-        device: usize,
+        device: i32,
         stream: Stream,
         segments: &[Segment],
         checked: bool,
     ) -> Result<()> {
-        self.check_device(device)?;
-        kernels::copy_segments(device as i32, Self::raw_stream(stream), segments, checked)
+        self.index(device)?;
+        kernels::copy_segments(device, Self::raw_stream(stream), segments, checked)
     }
 
     fn prepare_batch(
         &self,
-        device: usize,
+        device: i32,
         segments: &[Segment],
         checked: bool,
     ) -> Result<Box<dyn PreparedCopy>> {
-        self.check_device(device)?;
-        Ok(Box::new(PreparedBatch::new(device as i32, segments, checked)?))
+        self.index(device)?;
+        Ok(Box::new(PreparedBatch::new(device, segments, checked)?))
     }
 
-    fn alloc(&self, device: usize, bytes: usize) -> Result<u64> {
+    fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
         let _current = self.enter(device)?;
         let mut ptr = 0;
         // SAFETY: valid out-pointer, context current.
@@ -285,18 +280,18 @@ impl Backend for CudaBackend {
         Ok(ptr)
     }
 
-    unsafe fn free(&self, device: usize, ptr: u64) -> Result<()> {
+    unsafe fn free(&self, device: i32, ptr: u64) -> Result<()> {
         let _current = self.enter(device)?;
         check("cuMemFree", sys::cuMemFree_v2(ptr))
     }
 
-    unsafe fn write(&self, device: usize, dst: u64, data: &[u8]) -> Result<()> {
+    unsafe fn write(&self, device: i32, dst: u64, data: &[u8]) -> Result<()> {
         let _current = self.enter(device)?;
         check("cuCtxSynchronize", sys::cuCtxSynchronize())?;
         check("cuMemcpyHtoD", sys::cuMemcpyHtoD_v2(dst, data.as_ptr().cast(), data.len()))
     }
 
-    unsafe fn read(&self, device: usize, src: u64, out: &mut [u8]) -> Result<()> {
+    unsafe fn read(&self, device: i32, src: u64, out: &mut [u8]) -> Result<()> {
         let _current = self.enter(device)?;
         check("cuCtxSynchronize", sys::cuCtxSynchronize())?;
         check("cuMemcpyDtoH", sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), src, out.len()))

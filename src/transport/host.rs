@@ -17,8 +17,8 @@
 //! Nothing here is needed on a machine with GPUs.
 
 use super::host_copy::copy_runs;
-use super::{Backend, BackendKind, Event, PreparedCopy, Stream};
-use crate::error::{Error, Result, Status};
+use super::{device_index, Backend, BackendKind, Event, PreparedCopy, Stream};
+use crate::error::{try_to_vec, Error, Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
 use std::collections::hash_map::RandomState;
@@ -189,11 +189,14 @@ fn unregister_stream(stream: Stream, owner: Owner) -> Result<()> {
         let mut streams = lock_streams();
         match streams.get(&stream.0) {
             Some((_, registered)) if *registered == owner => streams.remove(&stream.0),
-            Some(_) => return Err(Error::invalid_argument(format!(
-                "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not by \
-                     refit_host_stream_destroy",
-                stream.0
-            ))),
+            Some(_) => {
+                let message = format!(
+                    "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not \
+                     by refit_host_stream_destroy",
+                    stream.0
+                );
+                return Err(Error::invalid_argument(message));
+            }
             None => None,
         }
     };
@@ -256,20 +259,19 @@ impl HostBackend {
         Ok(HostBackend { default_streams })
     }
 
-    fn check_device(&self, device: usize) -> Result<()> {
-        if device >= self.default_streams.len() {
-            return Err(Error::new(
-                Status::InvalidDevice,
-                format!("device {device} is not below the {} simulated devices", self.default_streams.len()),
-            ));
-        }
-        Ok(())
+    /// The index of `device` in this backend's tables, or `InvalidDevice`.
+    fn index(&self, device: i32) -> Result<usize> {
+        device_index(device, self.default_streams.len(), "simulated devices")
+    }
+
+    fn check_device(&self, device: i32) -> Result<()> {
+        self.index(device).map(drop)
     }
 
     /// NULL resolves to the device's default stream.
-    fn resolve(&self, device: usize, stream: Stream) -> Result<Arc<HostStream>> {
-        self.check_device(device)?;
-        host_stream(if stream == Stream::NULL { self.default_streams[device] } else { stream })
+    fn resolve(&self, device: i32, stream: Stream) -> Result<Arc<HostStream>> {
+        let index = self.index(device)?;
+        host_stream(if stream == Stream::NULL { self.default_streams[index] } else { stream })
     }
 }
 
@@ -290,78 +292,78 @@ impl Backend for HostBackend {
         self.default_streams.len()
     }
 
-    fn device_name(&self, device: usize) -> String {
+    fn device_name(&self, device: i32) -> String {
         format!("host device {device}")
     }
 
-    fn bind(&self, device: usize) -> Result<()> {
+    fn bind(&self, device: i32) -> Result<()> {
         self.check_device(device)
     }
 
-    fn null_stream(&self, device: usize) -> Stream {
-        self.default_streams.get(device).copied().unwrap_or(Stream::NULL)
+    fn null_stream(&self, device: i32) -> Stream {
+        self.index(device).map_or(Stream::NULL, |index| self.default_streams[index])
     }
 
-    fn create_stream(&self, device: usize) -> Result<Stream> {
+    fn create_stream(&self, device: i32) -> Result<Stream> {
         self.check_device(device)?;
         register_stream(format!("refit-host-dev{device}"), Owner::Backend)
     }
 
-    fn destroy_stream(&self, _device: usize, stream: Stream) {
+    fn destroy_stream(&self, _device: i32, stream: Stream) {
         let _ = unregister_stream(stream, Owner::Backend);
     }
 
-    fn create_event(&self, device: usize) -> Result<Event> {
+    fn create_event(&self, device: i32) -> Result<Event> {
         self.check_device(device)?;
         let mut events = registry().events.lock().unwrap_or_else(|p| p.into_inner());
         Ok(Event(insert_new(&mut events, HostEvent::new())))
     }
 
-    fn destroy_event(&self, _device: usize, event: Event) {
+    fn destroy_event(&self, _device: i32, event: Event) {
         registry().events.lock().unwrap_or_else(|p| p.into_inner()).remove(&event.0);
     }
 
-    fn record(&self, device: usize, event: Event, stream: Stream) -> Result<()> {
+    fn record(&self, device: i32, event: Event, stream: Stream) -> Result<()> {
         host_event(event)?.record_on(&*self.resolve(device, stream)?)
     }
 
-    fn wait(&self, device: usize, stream: Stream, event: Event) -> Result<()> {
+    fn wait(&self, device: i32, stream: Stream, event: Event) -> Result<()> {
         let event = host_event(event)?;
         let ticket = event.latest_record();
         self.resolve(device, stream)?.enqueue(move || event.wait_for(ticket))
     }
 
-    fn sync_event(&self, _device: usize, event: Event) -> Result<()> {
+    fn sync_event(&self, _device: i32, event: Event) -> Result<()> {
         host_event(event)?.synchronize();
         Ok(())
     }
 
-    fn sync_stream(&self, device: usize, stream: Stream) -> Result<()> {
+    fn sync_stream(&self, device: i32, stream: Stream) -> Result<()> {
         self.resolve(device, stream)?.synchronize()
     }
 
-    fn can_access_peer(&self, device: usize, peer: usize) -> Result<bool> {
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool> {
         self.check_device(device)?;
         self.check_device(peer)?;
         Ok(true)
     }
 
-    fn enable_peer_access(&self, device: usize, peer: usize) -> Result<()> {
+    fn enable_peer_access(&self, device: i32, peer: i32) -> Result<()> {
         self.check_device(device)?;
         self.check_device(peer)
     }
 
-    unsafe fn copy_segments(&self, device: usize, stream: Stream, segments: &[Segment]) -> Result<()> {
+    unsafe fn copy_segments(&self, device: i32, stream: Stream, segments: &[Segment]) -> Result<()> {
         let stream = self.resolve(device, stream)?;
         validate(segments)?;
-        let segments = segments.to_vec();
+        let segments = try_to_vec(segments, "the queued batch's segments")?;
         // SAFETY: the caller promises the memory stays valid until the queued work has run.
         stream.enqueue(move || unsafe { copy_runs(&segments) })
     }
 
     unsafe fn copy_batch(
         &self,
-        device: usize,
+        device: i32,
         stream: Stream,
         segments: &[Segment],
         checked: bool,
@@ -372,19 +374,20 @@ impl Backend for HostBackend {
 
     fn prepare_batch(
         &self,
-        device: usize,
+        device: i32,
         segments: &[Segment],
         checked: bool,
     ) -> Result<Box<dyn PreparedCopy>> {
-        self.check_device(device)?;
+        let index = self.index(device)?;
         validate(segments)?;
         if checked {
             check_destinations(segments)?;
         }
-        Ok(Box::new(HostBatch { default_stream: self.default_streams[device], segments: segments.into() }))
+        let segments = Arc::new(try_to_vec(segments, "the batch's segments")?);
+        Ok(Box::new(HostBatch { default_stream: self.default_streams[index], segments }))
     }
 
-    fn alloc(&self, device: usize, bytes: usize) -> Result<u64> {
+    fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
         self.check_device(device)?;
         // SAFETY: plain allocation; at least one byte so that the pointer is unique and freeable.
         let ptr = unsafe { libc::calloc(bytes.max(1), 1) };
@@ -394,19 +397,19 @@ impl Backend for HostBackend {
         Ok(ptr as usize as u64)
     }
 
-    unsafe fn free(&self, device: usize, ptr: u64) -> Result<()> {
+    unsafe fn free(&self, device: i32, ptr: u64) -> Result<()> {
         self.check_device(device)?;
         libc::free(ptr as usize as *mut libc::c_void);
         Ok(())
     }
 
-    unsafe fn write(&self, device: usize, dst: u64, data: &[u8]) -> Result<()> {
+    unsafe fn write(&self, device: i32, dst: u64, data: &[u8]) -> Result<()> {
         self.sync_stream(device, Stream::NULL)?;
         std::ptr::copy(data.as_ptr(), dst as usize as *mut u8, data.len());
         Ok(())
     }
 
-    unsafe fn read(&self, device: usize, src: u64, out: &mut [u8]) -> Result<()> {
+    unsafe fn read(&self, device: i32, src: u64, out: &mut [u8]) -> Result<()> {
         self.sync_stream(device, Stream::NULL)?;
         std::ptr::copy(src as usize as *const u8, out.as_mut_ptr(), out.len());
         Ok(())
@@ -417,7 +420,7 @@ impl Backend for HostBackend {
 struct HostBatch {
     /// What a NULL stream stands for: the prepared device's default stream.
     default_stream: Stream,
-    segments: Arc<[Segment]>,
+    segments: Arc<Vec<Segment>>,
 }
 
 impl PreparedCopy for HostBatch {

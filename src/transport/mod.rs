@@ -22,6 +22,7 @@
 
 pub mod comm;
 pub mod cuda;
+pub mod digest;
 pub mod driver;
 pub mod dynlib;
 pub mod host;
@@ -30,8 +31,16 @@ pub mod mesh;
 pub mod nccl;
 pub mod nvrtc;
 
-use crate::error::Result;
+use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
+
+/// The index of ordinal `device` among the `count` devices of a backend (`what` names them in the
+/// message), or `InvalidDevice`.
+pub(crate) fn device_index(device: i32, count: usize, what: &str) -> Result<usize> {
+    usize::try_from(device).ok().filter(|&index| index < count).ok_or_else(|| {
+        Error::new(Status::InvalidDevice, format!("device {device} is not one of the {count} {what}"))
+    })
+}
 
 /// Which implementation a backend is.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -62,7 +71,7 @@ impl Stream {
 pub struct Event(pub u64);
 
 /// Devices, streams, events, peer access and copies. `device` arguments are the backend's device
-/// ordinals (not group ranks). Every method may be called from any thread; methods that need a device
+/// ordinals (`i32`, as CUDA's), never group ranks; one out of range is `InvalidDevice`. Every method may be called from any thread; methods that need a device
 /// context make it current for the duration of the call and restore the caller's afterwards, except
 /// [`Backend::bind`], whose purpose is to leave it current.
 pub trait Backend: Send + Sync {
@@ -72,51 +81,51 @@ pub trait Backend: Send + Sync {
     fn device_count(&self) -> usize;
 
     /// A human-readable name of the device (GPU model, or "host device N").
-    fn device_name(&self, device: usize) -> String;
+    fn device_name(&self, device: i32) -> String;
 
     /// Makes `device` current on the calling thread and leaves it so (for threads that work for one
     /// device only, such as the group's rank threads).
-    fn bind(&self, device: usize) -> Result<()>;
+    fn bind(&self, device: i32) -> Result<()>;
 
     /// The stream a NULL caller stream stands for on `device`.
-    fn null_stream(&self, device: usize) -> Stream;
+    fn null_stream(&self, device: i32) -> Stream;
 
     /// A new stream on `device` that does not synchronize with the legacy default stream.
-    fn create_stream(&self, device: usize) -> Result<Stream>;
+    fn create_stream(&self, device: i32) -> Result<Stream>;
 
     /// Destroys a stream made by [`Backend::create_stream`]; work already queued still completes.
-    fn destroy_stream(&self, device: usize, stream: Stream);
+    fn destroy_stream(&self, device: i32, stream: Stream);
 
     /// A new event on `device`, for ordering only.
-    fn create_event(&self, device: usize) -> Result<Event>;
+    fn create_event(&self, device: i32) -> Result<Event>;
 
-    fn destroy_event(&self, device: usize, event: Event);
+    fn destroy_event(&self, device: i32, event: Event);
 
     /// Captures the work queued on `stream` so far into `event`.
-    fn record(&self, device: usize, event: Event, stream: Stream) -> Result<()>;
+    fn record(&self, device: i32, event: Event, stream: Stream) -> Result<()>;
 
     /// Makes work queued later on `stream` wait until the work captured by `event`'s latest record
     /// has completed. Does not block the host.
-    fn wait(&self, device: usize, stream: Stream, event: Event) -> Result<()>;
+    fn wait(&self, device: i32, stream: Stream, event: Event) -> Result<()>;
 
     /// Blocks the host until the work captured by `event` has completed.
-    fn sync_event(&self, device: usize, event: Event) -> Result<()>;
+    fn sync_event(&self, device: i32, event: Event) -> Result<()>;
 
     /// Blocks the host until everything queued on `stream` has completed.
-    fn sync_stream(&self, device: usize, stream: Stream) -> Result<()>;
+    fn sync_stream(&self, device: i32, stream: Stream) -> Result<()>;
 
     /// Whether `device` can read and write `peer`'s memory directly.
-    fn can_access_peer(&self, device: usize, peer: usize) -> Result<bool>;
+    fn can_access_peer(&self, device: i32, peer: i32) -> Result<bool>;
 
     /// Lets `device` access `peer`'s memory. Already enabled counts as success.
-    fn enable_peer_access(&self, device: usize, peer: usize) -> Result<()>;
+    fn enable_peer_access(&self, device: i32, peer: i32) -> Result<()>;
 
     /// Queues the copy of every segment on `stream` (which belongs to `device`), in order, one copy
     /// per contiguous run (the copy engine on CUDA). The reference for [`Backend::copy_batch`].
     ///
     /// # Safety
     /// Every source and destination byte must be valid memory for the duration of the queued work.
-    unsafe fn copy_segments(&self, device: usize, stream: Stream, segments: &[Segment]) -> Result<()>;
+    unsafe fn copy_segments(&self, device: i32, stream: Stream, segments: &[Segment]) -> Result<()>;
 
     /// The batched copy: every segment copied on `stream` (a stream of `device`; `Stream::NULL` for
     /// its legacy default stream) in one launch of refit's copy kernel on CUDA, queued and not waited
@@ -130,7 +139,7 @@ pub trait Backend: Send + Sync {
     /// `device`.
     unsafe fn copy_batch(
         &self,
-        device: usize,
+        device: i32,
         stream: Stream,
         segments: &[Segment],
         checked: bool,
@@ -140,31 +149,31 @@ pub trait Backend: Send + Sync {
     /// on `device`: descriptors uploaded once on CUDA, a kept copy of the list on the host backend.
     fn prepare_batch(
         &self,
-        device: usize,
+        device: i32,
         segments: &[Segment],
         checked: bool,
     ) -> Result<Box<dyn PreparedCopy>>;
 
     /// Allocates `bytes` of device memory (tests and benches; the library never owns caller memory).
-    fn alloc(&self, device: usize, bytes: usize) -> Result<u64>;
+    fn alloc(&self, device: i32, bytes: usize) -> Result<u64>;
 
     /// Frees memory from [`Backend::alloc`].
     ///
     /// # Safety
     /// `ptr` must come from `alloc` on this backend and device, with no work using it still queued.
-    unsafe fn free(&self, device: usize, ptr: u64) -> Result<()>;
+    unsafe fn free(&self, device: i32, ptr: u64) -> Result<()>;
 
     /// Copies host bytes to device memory, synchronously (after all work on the device has finished).
     ///
     /// # Safety
     /// `dst .. dst + data.len()` must be valid device memory.
-    unsafe fn write(&self, device: usize, dst: u64, data: &[u8]) -> Result<()>;
+    unsafe fn write(&self, device: i32, dst: u64, data: &[u8]) -> Result<()>;
 
     /// Copies device memory to host bytes, synchronously.
     ///
     /// # Safety
     /// `src .. src + out.len()` must be valid device memory.
-    unsafe fn read(&self, device: usize, src: u64, out: &mut [u8]) -> Result<()>;
+    unsafe fn read(&self, device: i32, src: u64, out: &mut [u8]) -> Result<()>;
 }
 
 /// A batch made by [`Backend::prepare_batch`], launched any number of times. It holds no reference to

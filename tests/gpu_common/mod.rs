@@ -38,13 +38,13 @@ pub fn group_sizes() -> Vec<usize> {
 }
 
 pub struct DeviceBuffer {
-    pub device: usize,
+    pub device: i32,
     pub ptr: u64,
     pub len: usize,
 }
 
 impl DeviceBuffer {
-    pub fn new(device: usize, len: usize) -> DeviceBuffer {
+    pub fn new(device: i32, len: usize) -> DeviceBuffer {
         let ptr = cuda().alloc(device, len).unwrap_or_else(|e| panic!("alloc {len} on {device}: {e}"));
         DeviceBuffer { device, ptr, len }
     }
@@ -124,7 +124,7 @@ SPIN:
 "#;
 
 pub struct SpinKernel {
-    device: usize,
+    device: i32,
     function: sys::CUfunction,
 }
 
@@ -134,7 +134,7 @@ unsafe impl Sync for SpinKernel {}
 
 impl SpinKernel {
     /// Loads the kernel into `device`'s primary context (binds it on this thread).
-    pub fn load(device: usize) -> SpinKernel {
+    pub fn load(device: i32) -> SpinKernel {
         let backend = cuda();
         backend.bind(device).unwrap();
         let source = std::ffi::CString::new(SPIN_PTX).unwrap();
@@ -179,7 +179,7 @@ impl SpinKernel {
 }
 
 /// cuStreamQuery: true when all work on the stream has finished.
-pub fn stream_idle(device: usize, stream: Stream) -> bool {
+pub fn stream_idle(device: i32, stream: Stream) -> bool {
     cuda().bind(device).unwrap();
     let result = unsafe { sys::cuStreamQuery(stream.0 as usize as sys::CUstream) };
     if result == CUresult::CUDA_ERROR_NOT_READY {
@@ -190,6 +190,11 @@ pub fn stream_idle(device: usize, stream: Stream) -> bool {
 }
 
 /// A caller-side non-blocking stream on `device`.
-pub fn caller_stream(device: usize) -> Stream {
+pub fn caller_stream(device: i32) -> Stream {
     cuda().create_stream(device).unwrap()
+}
+
+/// The device of `rank` in the groups the GPU tests build, which put rank r on device r.
+pub fn device_of(rank: usize) -> i32 {
+    i32::try_from(rank).expect("a rank of a group on this machine's devices")
 }

@@ -20,7 +20,7 @@ mod pattern;
 mod vllm;
 
 pub use megatron::Megatron;
-pub use model::{Catalog, LayerTensors, MlpTensors, Model, Moe};
+pub use model::{CheckpointTensors, LayerTensors, MlpTensors, Model, Moe};
 pub use param::{Param, Piece};
 pub use pattern::element_value;
 pub use vllm::Vllm;
@@ -31,7 +31,7 @@ use std::collections::BTreeMap;
 
 /// How one side's parameters sit in memory.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Layout {
+pub enum Packing {
     /// Every parameter is its own allocation (its own [`Buffer`]).
     Separate,
     /// Each endpoint's parameters are packed back to back in one buffer, aligned to 256
@@ -40,7 +40,7 @@ pub enum Layout {
     Packed,
 }
 
-impl Layout {
+impl Packing {
     /// Alignment of each parameter inside a packed buffer.
     pub(crate) const PACK_ALIGN: u64 = 256;
 }
@@ -78,55 +78,55 @@ pub struct Placed {
 pub struct Spec {
     pub model: Model,
     pub publishers: Megatron,
-    pub publisher_layout: Layout,
+    pub publisher_layout: Packing,
     pub receivers: Vllm,
-    pub receiver_layout: Layout,
+    pub receiver_layout: Packing,
     /// Give every offer a digest of its box (equal for replicas), so the planner's replica check runs.
     pub digests: bool,
 }
 
 fn endpoints(rank0: u32, ranks: u32) -> Vec<Endpoint> {
-    (0..ranks).map(|r| Endpoint { rank: rank0 + r, device: 0 }).collect()
+    (0..ranks).map(|r| Endpoint { process: rank0 + r, device: 0 }).collect()
 }
 
 impl Spec {
     /// Qwen3-30B-A3B: Megatron EP8 publishers on ranks 0..8 (one GPU each) holding 16 experts each and
     /// a full replica of the non-expert weights, to vLLM TP2 receivers on ranks 8 and 9. Receivers'
     /// parameters are separate allocations.
-    pub fn qwen3_ep8_to_tp2(publisher_layout: Layout) -> Spec {
+    pub fn qwen3_ep8_to_tp2(publisher_layout: Packing) -> Spec {
         Spec {
             model: Model::qwen3_30b_a3b(),
             publishers: Megatron { endpoints: endpoints(0, 8), tp: 1, ep: 8, grouped_experts: true },
             publisher_layout,
             receivers: Vllm { endpoints: endpoints(8, 2) },
-            receiver_layout: Layout::Separate,
+            receiver_layout: Packing::Separate,
             digests: false,
         }
     }
 
     /// Llama-3-70B: Megatron TP8 publishers on ranks `0..8 * dp` (`dp` data-parallel replicas) to vLLM
     /// TP2 receivers on the next two ranks.
-    pub fn llama3_70b_tp8_to_tp2(publisher_layout: Layout, dp: u32) -> Spec {
+    pub fn llama3_70b_tp8_to_tp2(publisher_layout: Packing, dp: u32) -> Spec {
         Spec {
             model: Model::llama3_70b(),
             publishers: Megatron { endpoints: endpoints(0, 8 * dp), tp: 8, ep: 1, grouped_experts: true },
             publisher_layout,
             receivers: Vllm { endpoints: endpoints(8 * dp, 2) },
-            receiver_layout: Layout::Separate,
+            receiver_layout: Packing::Separate,
             digests: false,
         }
     }
 
     /// Qwen3-30B-A3B colocated on one process with two GPUs: EP2 publishers (64 experts each, replicated
     /// non-expert weights) and TP2 receivers on the same devices 0 and 1 of rank 0.
-    pub fn qwen3_colocated_ep2_tp2(publisher_layout: Layout) -> Spec {
-        let devices: Vec<Endpoint> = (0..2).map(|device| Endpoint { rank: 0, device }).collect();
+    pub fn qwen3_colocated_ep2_tp2(publisher_layout: Packing) -> Spec {
+        let devices: Vec<Endpoint> = (0..2).map(|device| Endpoint { process: 0, device }).collect();
         Spec {
             model: Model::qwen3_30b_a3b(),
             publishers: Megatron { endpoints: devices.clone(), tp: 1, ep: 2, grouped_experts: true },
             publisher_layout,
             receivers: Vllm { endpoints: devices },
-            receiver_layout: Layout::Separate,
+            receiver_layout: Packing::Separate,
             digests: false,
         }
     }
@@ -149,7 +149,7 @@ impl Spec {
 #[derive(Clone, Debug)]
 pub struct Workload {
     pub spec: Spec,
-    pub catalog: Catalog,
+    pub catalog: CheckpointTensors,
     pub buffers: Vec<Buffer>,
     pub offers: Vec<Placed>,
     pub needs: Vec<Placed>,
@@ -159,7 +159,7 @@ impl Workload {
     /// Generates the workload of `spec`. Fails with `INVALID_ARGUMENT` when the model or a
     /// parallelism does not divide evenly the way the framework requires.
     pub fn generate(spec: &Spec) -> Result<Workload> {
-        let catalog = Catalog::new(&spec.model);
+        let catalog = CheckpointTensors::new(&spec.model);
         let publishers = spec.publishers.params(&spec.model, &catalog)?;
         let receivers = spec.receivers.params(&spec.model, &catalog)?;
         let mut buffers = Vec::new();
@@ -223,7 +223,7 @@ impl Workload {
         };
         let mut by_rank: BTreeMap<u32, RankTable> = BTreeMap::new();
         for o in &self.offers {
-            let table = by_rank.entry(o.endpoint.rank).or_default();
+            let table = by_rank.entry(o.endpoint.process).or_default();
             let tensor = table.tensor(o.tensor, &self.catalog);
             let digest =
                 self.spec.digests.then(|| digest(&self.catalog.tensors[o.tensor as usize].name, &o.region));
@@ -237,7 +237,7 @@ impl Workload {
             });
         }
         for n in &self.needs {
-            let table = by_rank.entry(n.endpoint.rank).or_default();
+            let table = by_rank.entry(n.endpoint.process).or_default();
             let tensor = table.tensor(n.tensor, &self.catalog);
             table.table.needs.push(Need {
                 tensor,
@@ -294,7 +294,7 @@ struct RankTable {
 }
 
 impl RankTable {
-    fn tensor(&mut self, t: u32, catalog: &Catalog) -> u32 {
+    fn tensor(&mut self, t: u32, catalog: &CheckpointTensors) -> u32 {
         if self.index.is_empty() {
             self.index = vec![u32::MAX; catalog.tensors.len()];
         }
@@ -309,7 +309,7 @@ impl RankTable {
 
 /// Gives every parameter a buffer (its own, or a slot in its endpoint's packed buffer) and returns its
 /// pieces placed there.
-fn place(params: Vec<Param>, layout: Layout, role: Role, buffers: &mut Vec<Buffer>) -> Vec<Placed> {
+fn place(params: Vec<Param>, layout: Packing, role: Role, buffers: &mut Vec<Buffer>) -> Vec<Placed> {
     let mut placed = Vec::new();
     let mut put = |param: &Param, buffer: usize, base: u64| {
         for piece in &param.pieces {
@@ -323,7 +323,7 @@ fn place(params: Vec<Param>, layout: Layout, role: Role, buffers: &mut Vec<Buffe
         }
     };
     match layout {
-        Layout::Separate => {
+        Packing::Separate => {
             for param in &params {
                 buffers.push(Buffer {
                     endpoint: param.endpoint,
@@ -334,7 +334,7 @@ fn place(params: Vec<Param>, layout: Layout, role: Role, buffers: &mut Vec<Buffe
                 put(param, buffers.len() - 1, 0);
             }
         }
-        Layout::Packed => {
+        Packing::Packed => {
             let mut packed: BTreeMap<Endpoint, Vec<&Param>> = BTreeMap::new();
             for param in &params {
                 packed.entry(param.endpoint).or_default().push(param);
@@ -347,13 +347,13 @@ fn place(params: Vec<Param>, layout: Layout, role: Role, buffers: &mut Vec<Buffe
                 let mut cursor = 0u64;
                 for param in list {
                     put(param, index, cursor);
-                    cursor = (cursor + param.bytes).next_multiple_of(Layout::PACK_ALIGN);
+                    cursor = (cursor + param.bytes).next_multiple_of(Packing::PACK_ALIGN);
                 }
                 let side = match role {
                     Role::Publisher => "param_buffer",
                     Role::Receiver => "weights",
                 };
-                let name = format!("rank{}.device{}.{side}", endpoint.rank, endpoint.device);
+                let name = format!("rank{}.device{}.{side}", endpoint.process, endpoint.device);
                 buffers.push(Buffer { endpoint, role, bytes: cursor, name });
             }
         }

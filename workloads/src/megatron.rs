@@ -14,7 +14,7 @@
 //!   group.
 //! - Vocabulary rows are split over TP in chunks of `ceil(vocab / tp)` (the last rank holds padding).
 
-use crate::model::{Catalog, MlpTensors, Model};
+use crate::model::{CheckpointTensors, MlpTensors, Model};
 use crate::param::{Param, RankParams};
 use refit::plan::Endpoint;
 use refit::{Error, Result};
@@ -57,7 +57,7 @@ impl Megatron {
     }
 
     /// Every parameter of every publisher, in each rank's `model.parameters()` order.
-    pub fn params(&self, model: &Model, catalog: &Catalog) -> Result<Vec<Param>> {
+    pub fn params(&self, model: &Model, catalog: &CheckpointTensors) -> Result<Vec<Param>> {
         model.validate()?;
         self.validate(model)?;
         let mut params = Vec::new();
@@ -83,7 +83,7 @@ struct Rank {
 }
 
 impl Rank {
-    fn params(&self, m: &Model, c: &Catalog, out: &mut Vec<Param>) {
+    fn params(&self, m: &Model, c: &CheckpointTensors, out: &mut Vec<Param>) {
         let s = &self.shard;
         let (es, h) = (s.es, s.hidden);
         out.push(s.vocab_shard("embedding.word_embeddings.weight", c.embed));

@@ -130,7 +130,7 @@ impl Model {
     }
 }
 
-/// Indices (into [`Catalog::tensors`]) of one decoder layer's tensors.
+/// Indices (into [`CheckpointTensors::tensors`]) of one decoder layer's tensors.
 #[derive(Clone, Debug)]
 pub struct LayerTensors {
     pub input_norm: u32,
@@ -162,7 +162,7 @@ pub enum MlpTensors {
 /// Every Hugging Face tensor of a model in checkpoint order, with per-layer indices so the publisher
 /// and receiver layouts can name tensors without string lookups.
 #[derive(Clone, Debug)]
-pub struct Catalog {
+pub struct CheckpointTensors {
     pub tensors: Vec<TensorSpec>,
     pub embed: u32,
     pub layers: Vec<LayerTensors>,
@@ -170,8 +170,8 @@ pub struct Catalog {
     pub lm_head: u32,
 }
 
-impl Catalog {
-    pub fn new(model: &Model) -> Catalog {
+impl CheckpointTensors {
+    pub fn new(model: &Model) -> CheckpointTensors {
         let mut tensors = Vec::new();
         let mut add = |name: String, shape: Vec<u64>| -> u32 {
             tensors.push(TensorSpec { name, dtype: model.dtype, elem_size: model.elem_size, shape });
@@ -217,7 +217,7 @@ impl Catalog {
         }
         let final_norm = add("model.norm.weight".into(), vec![h]);
         let lm_head = add("lm_head.weight".into(), vec![model.vocab, h]);
-        Catalog { tensors, embed, layers, final_norm, lm_head }
+        CheckpointTensors { tensors, embed, layers, final_norm, lm_head }
     }
 
     /// Elements of tensor `t`.

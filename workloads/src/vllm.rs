@@ -11,7 +11,7 @@
 //!
 //! Several pieces of one parameter are disjoint parts of one destination buffer.
 
-use crate::model::{Catalog, MlpTensors, Model};
+use crate::model::{CheckpointTensors, MlpTensors, Model};
 use crate::param::{Param, RankParams};
 use refit::plan::Endpoint;
 use refit::{Error, Result};
@@ -50,7 +50,7 @@ impl Vllm {
     }
 
     /// Every parameter of every receiver, in `model.named_parameters()` order.
-    pub fn params(&self, model: &Model, catalog: &Catalog) -> Result<Vec<Param>> {
+    pub fn params(&self, model: &Model, catalog: &CheckpointTensors) -> Result<Vec<Param>> {
         model.validate()?;
         self.validate(model)?;
         let mut params = Vec::new();
@@ -78,7 +78,7 @@ impl Rank {
         }
     }
 
-    fn params(&self, m: &Model, c: &Catalog, out: &mut Vec<Param>) {
+    fn params(&self, m: &Model, c: &CheckpointTensors, out: &mut Vec<Param>) {
         let s = &self.shard;
         let (es, h) = (s.es, s.hidden);
         out.push(s.vocab_shard("model.embed_tokens.weight", c.embed));

@@ -4,7 +4,7 @@
 
 use refit::plan::{Endpoint, Region};
 use refit::Status;
-use refit_workloads::{Layout, Megatron, Model, Moe, Placed, Role, Spec, Vllm, Workload};
+use refit_workloads::{Megatron, Model, Moe, Packing, Placed, Role, Spec, Vllm, Workload};
 use std::collections::{BTreeMap, HashMap};
 
 /// Parameter count straight from a model's config (not from the generator's tensor list).
@@ -39,7 +39,7 @@ fn boxes_overlap(a: &Region, b: &Region) -> bool {
 }
 
 fn qwen_small(layers: u64) -> Spec {
-    Spec::qwen3_ep8_to_tp2(Layout::Separate).with_model(Model::qwen3_30b_a3b().with_layers(layers))
+    Spec::qwen3_ep8_to_tp2(Packing::Separate).with_model(Model::qwen3_30b_a3b().with_layers(layers))
 }
 
 #[test]
@@ -48,13 +48,14 @@ fn published_parameter_counts() {
     let llama = Model::llama3_70b();
     assert_eq!(parameter_count(&qwen), 30_532_122_624);
     assert_eq!(parameter_count(&llama), 70_553_706_496);
-    for spec in [Spec::qwen3_ep8_to_tp2(Layout::Separate), Spec::llama3_70b_tp8_to_tp2(Layout::Separate, 1)] {
+    for spec in [Spec::qwen3_ep8_to_tp2(Packing::Separate), Spec::llama3_70b_tp8_to_tp2(Packing::Separate, 1)]
+    {
         let w = Workload::generate(&spec).unwrap();
         let generated: u64 = (0..w.catalog.tensors.len() as u32).map(|t| w.catalog.elements(t)).sum();
         assert_eq!(generated, parameter_count(&spec.model), "{}", spec.model.name);
         assert!(w.catalog.tensors.iter().all(|t| t.elem_size == 2));
     }
-    let qwen = Workload::generate(&Spec::qwen3_ep8_to_tp2(Layout::Separate)).unwrap();
+    let qwen = Workload::generate(&Spec::qwen3_ep8_to_tp2(Packing::Separate)).unwrap();
     let names: HashMap<&str, &Vec<u64>> =
         qwen.catalog.tensors.iter().map(|t| (t.name.as_str(), &t.shape)).collect();
     assert_eq!(names.len(), qwen.catalog.tensors.len(), "tensor names are unique");
@@ -70,7 +71,7 @@ fn published_parameter_counts() {
 
 fn all_specs() -> Vec<Spec> {
     let mut specs = Vec::new();
-    for layout in [Layout::Separate, Layout::Packed] {
+    for layout in [Packing::Separate, Packing::Packed] {
         specs.push(Spec::qwen3_ep8_to_tp2(layout));
         specs.push(Spec::qwen3_ep8_to_tp2(layout).with_expert_weights());
         specs.push(Spec::llama3_70b_tp8_to_tp2(layout, 2).with_model(Model::llama3_70b().with_layers(4)));
@@ -102,7 +103,7 @@ fn each_receiver_needs_exactly_its_tp_share() {
 /// tensors, without the replicated norms and router (those are 241 slices and 24.4 MiB more).
 #[test]
 fn qwen_receiver_needs_match_the_measured_baseline() {
-    let w = Workload::generate(&Spec::qwen3_colocated_ep2_tp2(Layout::Separate)).unwrap();
+    let w = Workload::generate(&Spec::qwen3_colocated_ep2_tp2(Packing::Separate)).unwrap();
     for receiver in &w.spec.receivers.endpoints {
         let split: Vec<&Placed> = w
             .needs
@@ -166,7 +167,7 @@ fn offers_tile_every_tensor_with_the_expected_replicas() {
 
 #[test]
 fn qwen_ep8_offer_counts() {
-    let w = Workload::generate(&Spec::qwen3_ep8_to_tp2(Layout::Separate)).unwrap();
+    let w = Workload::generate(&Spec::qwen3_ep8_to_tp2(Packing::Separate)).unwrap();
     // Per rank and layer: 2 norms, q/k/v of 4 groups, 2 q/k norms, o, router, 16 experts x 3; plus
     // embed, final norm, lm_head.
     let per_rank = 48 * (2 + 12 + 2 + 1 + 1 + 16 * 3) + 3;
@@ -207,7 +208,7 @@ fn boxes_lie_inside_their_buffers_without_overlapping() {
                         || buffer.name.contains("emb")
                         || buffer.name.contains("output")
                         || buffer.name.contains("lm_head")
-                        || spec.publisher_layout == Layout::Packed,
+                        || spec.publisher_layout == Packing::Packed,
                     "{} slack {slack}",
                     buffer.name
                 );
@@ -219,7 +220,7 @@ fn boxes_lie_inside_their_buffers_without_overlapping() {
 #[test]
 fn each_receivers_needs_are_disjoint_boxes_of_each_tensor() {
     let w = Workload::generate(
-        &Spec::qwen3_ep8_to_tp2(Layout::Separate).with_model(Model::qwen3_30b_a3b().with_layers(2)),
+        &Spec::qwen3_ep8_to_tp2(Packing::Separate).with_model(Model::qwen3_30b_a3b().with_layers(2)),
     )
     .unwrap();
     let mut by_key: BTreeMap<(Endpoint, u32), Vec<&Region>> = BTreeMap::new();
@@ -239,19 +240,23 @@ fn each_receivers_needs_are_disjoint_boxes_of_each_tensor() {
 fn packed_publishers_use_one_buffer_per_rank_in_reverse_parameter_order() {
     let w = Workload::generate(&qwen_small(2).clone()).unwrap();
     let mut packed_spec = qwen_small(2);
-    packed_spec.publisher_layout = Layout::Packed;
+    packed_spec.publisher_layout = Packing::Packed;
     let packed = Workload::generate(&packed_spec).unwrap();
     let publisher_buffers: Vec<_> = packed.buffers.iter().filter(|b| b.role == Role::Publisher).collect();
     assert_eq!(publisher_buffers.len(), 8);
-    let separate_bytes: u64 =
-        w.buffers.iter().filter(|b| b.role == Role::Publisher && b.endpoint.rank == 0).map(|b| b.bytes).sum();
+    let separate_bytes: u64 = w
+        .buffers
+        .iter()
+        .filter(|b| b.role == Role::Publisher && b.endpoint.process == 0)
+        .map(|b| b.bytes)
+        .sum();
     assert_eq!(publisher_buffers[0].bytes, separate_bytes, "BF16 parameters here are all 256-byte multiples");
     // The output layer (last parameter) sits at the start of the packed buffer.
     let lm_head = packed.catalog.lm_head;
-    let first = packed.offers.iter().find(|o| o.tensor == lm_head && o.endpoint.rank == 0).unwrap();
+    let first = packed.offers.iter().find(|o| o.tensor == lm_head && o.endpoint.process == 0).unwrap();
     assert_eq!(first.offset, 0);
     let embed =
-        packed.offers.iter().find(|o| o.tensor == packed.catalog.embed && o.endpoint.rank == 0).unwrap();
+        packed.offers.iter().find(|o| o.tensor == packed.catalog.embed && o.endpoint.process == 0).unwrap();
     assert_eq!(embed.offset + packed.bytes(embed), separate_bytes);
 }
 
@@ -272,11 +277,11 @@ fn tables_rebase_every_address_and_group_by_rank() {
     assert_eq!((offers, needs), (w.offers.len(), w.needs.len()));
     for (rank, table) in tables.iter().enumerate() {
         for o in &table.offers {
-            assert_eq!(o.owner.rank as usize, rank);
+            assert_eq!(o.owner.process as usize, rank);
             assert!(o.strides.is_none() && o.digest.is_none());
         }
         for n in &table.needs {
-            assert_eq!(n.receiver.rank as usize, rank);
+            assert_eq!(n.receiver.process as usize, rank);
             let spec = &table.tensors[n.tensor as usize];
             assert_eq!(n.strides.len(), spec.shape.len());
             assert_eq!(*n.strides.last().unwrap(), 1);
@@ -286,7 +291,7 @@ fn tables_rebase_every_address_and_group_by_rank() {
     let expected: Vec<u64> = w
         .offers
         .iter()
-        .filter(|o| o.endpoint.rank == 3)
+        .filter(|o| o.endpoint.process == 3)
         .map(|o| bases[o.buffer as usize] + o.offset)
         .collect();
     let got: Vec<u64> = tables[3].offers.iter().map(|o| o.addr).collect();
@@ -294,7 +299,7 @@ fn tables_rebase_every_address_and_group_by_rank() {
     let expected: Vec<u64> = w
         .needs
         .iter()
-        .filter(|n| n.endpoint.rank == 9)
+        .filter(|n| n.endpoint.process == 9)
         .map(|n| bases[n.buffer as usize] + n.offset)
         .collect();
     let got: Vec<u64> = tables[9].needs.iter().map(|n| n.addr).collect();
@@ -342,9 +347,9 @@ fn bad_bases_are_rejected() {
 
 #[test]
 fn bad_specs_are_rejected_with_a_reason() {
-    let ranks = |n: u32| (0..n).map(|rank| Endpoint { rank, device: 0 }).collect::<Vec<_>>();
-    let qwen = Spec::qwen3_ep8_to_tp2(Layout::Separate);
-    let llama = Spec::llama3_70b_tp8_to_tp2(Layout::Separate, 1);
+    let ranks = |n: u32| (0..n).map(|rank| Endpoint { process: rank, device: 0 }).collect::<Vec<_>>();
+    let qwen = Spec::qwen3_ep8_to_tp2(Packing::Separate);
+    let llama = Spec::llama3_70b_tp8_to_tp2(Packing::Separate, 1);
     let mut cases: Vec<(Spec, &str)> = Vec::new();
     let mut push = |base: &Spec, edit: &dyn Fn(&mut Spec), why: &'static str| {
         let mut s = base.clone();
@@ -647,16 +652,18 @@ fn tiny_spec(model: Model, publishers: u32, tp: u64, ep: u64, receivers: u32) ->
     Spec {
         model,
         publishers: Megatron {
-            endpoints: (0..publishers).map(|rank| Endpoint { rank, device: 0 }).collect(),
+            endpoints: (0..publishers).map(|rank| Endpoint { process: rank, device: 0 }).collect(),
             tp,
             ep,
             grouped_experts: true,
         },
-        publisher_layout: Layout::Separate,
+        publisher_layout: Packing::Separate,
         receivers: Vllm {
-            endpoints: (0..receivers).map(|rank| Endpoint { rank: publishers + rank, device: 0 }).collect(),
+            endpoints: (0..receivers)
+                .map(|rank| Endpoint { process: publishers + rank, device: 0 })
+                .collect(),
         },
-        receiver_layout: Layout::Separate,
+        receiver_layout: Packing::Separate,
         digests: false,
     }
 }
@@ -681,11 +688,11 @@ fn megatron_and_vllm_layouts_hold_the_right_elements() {
 fn plans_build_on_reduced_real_models() {
     let mut specs = vec![
         qwen_small(2),
-        Spec::llama3_70b_tp8_to_tp2(Layout::Packed, 2).with_model(Model::llama3_70b().with_layers(2)),
-        Spec::qwen3_colocated_ep2_tp2(Layout::Packed).with_model(Model::qwen3_30b_a3b().with_layers(2)),
+        Spec::llama3_70b_tp8_to_tp2(Packing::Packed, 2).with_model(Model::llama3_70b().with_layers(2)),
+        Spec::qwen3_colocated_ep2_tp2(Packing::Packed).with_model(Model::qwen3_30b_a3b().with_layers(2)),
     ];
     let mut packed = qwen_small(2);
-    packed.publisher_layout = Layout::Packed;
+    packed.publisher_layout = Packing::Packed;
     packed.digests = true;
     specs.push(packed);
     for spec in specs {
@@ -796,7 +803,7 @@ fn check_needs_names_the_first_wrong_element() {
 #[test]
 fn refits_on_host_install_every_element() {
     use refit::plan::{OwnerPolicy, PlanOptions};
-    let colocated = |model: Model, layout: Layout| {
+    let colocated = |model: Model, layout: Packing| {
         let mut s = Spec::qwen3_colocated_ep2_tp2(layout).with_model(model);
         s.receiver_layout = layout;
         s
@@ -805,11 +812,11 @@ fn refits_on_host_install_every_element() {
         tiny_spec(tiny_moe(), 4, 2, 4, 2),
         tiny_spec(tiny_moe(), 4, 1, 2, 8),
         tiny_spec(tiny_dense(), 4, 2, 1, 4),
-        colocated(tiny_moe(), Layout::Packed),
-        colocated(tiny_moe(), Layout::Separate),
+        colocated(tiny_moe(), Packing::Packed),
+        colocated(tiny_moe(), Packing::Separate),
     ];
     for spec in specs.iter_mut().take(3) {
-        spec.publisher_layout = Layout::Packed;
+        spec.publisher_layout = Packing::Packed;
         spec.digests = true;
     }
     specs.push(tiny_spec(tiny_moe(), 4, 1, 2, 2).with_expert_weights());

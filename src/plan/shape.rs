@@ -2,9 +2,10 @@
 //! dimensions contiguous on both sides fold into one run, dimensions that continue each other fold
 //! into one level, and what is left becomes at most two repetition levels per segment.
 
-use super::merge::Dims;
-use crate::bail;
-use crate::error::{Result, Status};
+use super::boxes::{Dims, MAX_DIMS};
+use super::memory;
+use super::options::Budget;
+use crate::error::{Error, Result};
 use crate::segment::Segment;
 
 /// One repetition level: `count` repetitions, `src`/`dst` bytes apart.
@@ -19,7 +20,7 @@ struct Level {
 /// destination stride) first.
 pub(crate) struct Shape {
     pub len: u64,
-    levels: [Level; super::MAX_DIMS],
+    levels: [Level; MAX_DIMS],
     nlevels: usize,
 }
 
@@ -43,7 +44,7 @@ impl Shape {
     /// Reduces a box of `ext` elements of `elem` bytes with byte strides `src` and `dst` (dimensions
     /// `< n`). The box must not be empty.
     pub fn of(n: usize, ext: &Dims, src: &Dims, dst: &Dims, elem: u64) -> Shape {
-        let mut levels = [Level { dst: 0, src: 0, count: 0 }; super::MAX_DIMS];
+        let mut levels = [Level { dst: 0, src: 0, count: 0 }; MAX_DIMS];
         let mut nlevels = 0;
         for d in 0..n {
             if ext[d] > 1 {
@@ -51,15 +52,17 @@ impl Shape {
                 nlevels += 1;
             }
         }
-        // Fold every level that continues the run on both sides into the run.
+        // Fold every level that continues the run on both sides into the run. The products stay
+        // inside the box's byte span and element count, which were checked to fit in 64 bits;
+        // saturating keeps that true of boxes that were not.
         let mut len = elem;
         while let Some(i) = levels[..nlevels].iter().position(|l| l.src == len && l.dst == len) {
-            len *= levels[i].count;
+            len = len.saturating_mul(levels[i].count);
             levels.copy_within(i + 1..nlevels, i);
             nlevels -= 1;
         }
         while let Some((a, b)) = foldable(&levels[..nlevels]) {
-            levels[a].count *= levels[b].count;
+            levels[a].count = levels[a].count.saturating_mul(levels[b].count);
             levels.copy_within(b + 1..nlevels, b);
             nlevels -= 1;
         }
@@ -77,13 +80,13 @@ impl Shape {
         self.levels[..self.nlevels].iter().skip(2).fold(1u64, |acc, l| acc.saturating_mul(l.count))
     }
 
-    /// Appends this box's segments, the base addresses being `src` and `dst`.
-    pub fn emit(&self, src: u64, dst: u64, out: &mut Vec<Segment>, budget: &mut u64) -> Result<()> {
+    /// Appends this box's segments, the base addresses being `src` and `dst`, counting them
+    /// against `budget`. Fails with INVALID_ARGUMENT when an address passes 2^64 (never for boxes
+    /// inside checked offers and needs) and OUT_OF_MEMORY when the segments do not fit.
+    pub fn emit(&self, src: u64, dst: u64, out: &mut Vec<Segment>, budget: &mut Budget) -> Result<()> {
         let wanted = self.segments();
-        if wanted > *budget {
-            bail!(Status::OutOfMemory, "the plan would need more segments than its limit");
-        }
-        *budget -= wanted;
+        budget.spend(wanted)?;
+        memory::reserve(out, usize::try_from(wanted).unwrap_or(usize::MAX), "segments")?;
         let inner = |k: usize| self.levels.get(k).filter(|_| k < self.nlevels).copied();
         let mut seg = Segment::contiguous(src, dst, self.len);
         for k in 0..2 {
@@ -99,12 +102,12 @@ impl Shape {
             return Ok(());
         }
         // Odometer over the outer levels, outermost slowest.
-        let mut index = [0u64; super::MAX_DIMS];
+        let mut index = [0u64; MAX_DIMS];
         loop {
             let (mut s, mut d) = (src, dst);
             for (l, &i) in outer.iter().zip(&index) {
-                s += i * l.src;
-                d += i * l.dst;
+                s = offset(s, i, l.src)?;
+                d = offset(d, i, l.dst)?;
             }
             out.push(Segment { src: s, dst: d, ..seg });
             let mut k = 0;
@@ -121,6 +124,15 @@ impl Shape {
             }
         }
     }
+}
+
+/// `base + i * stride`, or INVALID_ARGUMENT when it passes 2^64.
+fn offset(base: u64, i: u64, stride: u64) -> Result<u64> {
+    i.checked_mul(stride).and_then(|o| base.checked_add(o)).ok_or_else(|| {
+        Error::invalid_argument(format!(
+            "address {base:#x} + {i} * {stride} runs past the end of the address space"
+        ))
+    })
 }
 
 #[cfg(test)]
@@ -140,7 +152,7 @@ mod tests {
         assert_eq!(shape.len, 768);
         assert_eq!(shape.runs(), 2048);
         let mut out = Vec::new();
-        shape.emit(1000, 0, &mut out, &mut u64::MAX.clone()).unwrap();
+        shape.emit(1000, 0, &mut out, &mut Budget::unlimited("segments")).unwrap();
         assert_eq!(
             out,
             vec![Segment {
@@ -162,10 +174,14 @@ mod tests {
         let shape = Shape::of(3, &dims(&[2, 3, 4]), &dims(&[12, 4, 1]), &dims(&[1, 2, 6]), 1);
         assert_eq!((shape.len, shape.runs(), shape.segments()), (1, 24, 4));
         let mut out = Vec::new();
-        let mut budget = 4;
+        let mut budget = Budget::segments(&crate::plan::Limits { max_segments: 4, ..Default::default() });
         shape.emit(0, 0, &mut out, &mut budget).unwrap();
         assert_eq!(out.len(), 4);
-        assert_eq!(budget, 0);
-        assert_eq!(shape.emit(0, 0, &mut out, &mut budget).unwrap_err().status, Status::OutOfMemory);
+        let err = shape.emit(0, 0, &mut out, &mut budget).unwrap_err();
+        assert_eq!(err.status, crate::Status::OutOfMemory);
+        assert!(err.message.contains("max_segments"), "{err}");
+        // Addresses past 2^64 are an error, never a wrapped address.
+        let err = shape.emit(0, u64::MAX - 2, &mut out, &mut Budget::unlimited("segments")).unwrap_err();
+        assert_eq!(err.status, crate::Status::InvalidArgument);
     }
 }

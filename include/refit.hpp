@@ -1,0 +1,455 @@
+/*
+ * refit.hpp: a header-only C++17 wrapper over the C API in refit.h.
+ *
+ * - Every handle (refit::Group, Table, Plan, PreparedCopy, HostStream) owns what it wraps: it is
+ *   move-only, releases the handle in its destructor, and a moved-from object holds nothing
+ *   (get() == nullptr; any call on it throws refit::Error with REFIT_STATUS_INVALID_STATE).
+ * - A failing call throws refit::Error, carrying the refit_status and the library's message
+ *   (refit_last_error_message() of the calling thread). Arguments the C API cannot check (the lengths
+ *   of the vectors passed in) are checked here and throw REFIT_STATUS_INVALID_ARGUMENT.
+ * - Thread-safety and stream ordering are those of the C functions each method names (refit.h).
+ *
+ * Link with librefit (pkg-config refit, or CMake's refit::refit) and compile as C++17 or later.
+ */
+#ifndef REFIT_HPP
+#define REFIT_HPP
+
+#if !defined(__cplusplus) || __cplusplus < 201703L
+#error "refit.hpp needs C++17 or later; from C, include refit.h"
+#endif
+
+#include <cstddef>
+#include <cstdint>
+#include <exception>
+#include <mutex>
+#include <optional>
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#include "refit.h"
+
+namespace refit {
+
+/// A refit call failed: status() is the refit_status it returned, message() the library's reason.
+class Error : public std::runtime_error {
+ public:
+  Error(refit_status status, std::string message)
+      : std::runtime_error(std::string(refit_status_string(status)) + ": " + message),
+        status_(status),
+        message_(std::move(message)) {}
+
+  refit_status status() const noexcept { return status_; }
+  const std::string &message() const noexcept { return message_; }
+
+ private:
+  refit_status status_;
+  std::string message_;
+};
+
+/// Throws refit::Error (with this thread's last error message) unless `status` is SUCCESS.
+inline void check(refit_status status) {
+  if (status != REFIT_STATUS_SUCCESS) {
+    const char *message = refit_last_error_message();
+    throw Error(status, message ? message : "");
+  }
+}
+
+/// refit_version(): the library's "MAJOR.MINOR.PATCH".
+inline std::string version() { return refit_version(); }
+
+/// refit_abi_version() of the loaded library; REFIT_ABI_VERSION is the header's.
+inline uint32_t abi_version() noexcept { return refit_abi_version(); }
+
+namespace detail {
+
+/// Unique ownership of a C handle released by `Destroy` (which accepts NULL).
+template <typename T, void (*Destroy)(T *)>
+class Owned {
+ public:
+  Owned() noexcept = default;
+  explicit Owned(T *raw) noexcept : raw_(raw) {}
+  Owned(const Owned &) = delete;
+  Owned &operator=(const Owned &) = delete;
+  Owned(Owned &&other) noexcept : raw_(std::exchange(other.raw_, nullptr)) {}
+  Owned &operator=(Owned &&other) noexcept {
+    if (this != &other) {
+      Destroy(raw_);
+      raw_ = std::exchange(other.raw_, nullptr);
+    }
+    return *this;
+  }
+  ~Owned() { Destroy(raw_); }
+
+  /// The raw handle, still owned by this object (nullptr once moved from).
+  T *get() const noexcept { return raw_; }
+  /// Gives up ownership: the caller destroys the returned handle.
+  T *release() noexcept { return std::exchange(raw_, nullptr); }
+  explicit operator bool() const noexcept { return raw_ != nullptr; }
+
+  /// The handle, or INVALID_STATE when this object was moved from.
+  T *live(const char *what) const {
+    if (!raw_) throw Error(REFIT_STATUS_INVALID_STATE, std::string("this ") + what + " was moved from");
+    return raw_;
+  }
+
+ private:
+  T *raw_ = nullptr;
+};
+
+inline void destroy_host_stream(void *stream) {
+  // Only a live host stream is ever stored, so this cannot fail; a destructor could not report it.
+  if (stream) (void)refit_host_stream_destroy(stream);
+}
+
+inline void same_length(std::size_t a, std::size_t b, const char *what) {
+  if (a != b) {
+    throw Error(REFIT_STATUS_INVALID_ARGUMENT, std::string(what) + " has " + std::to_string(b) +
+                                                   " entries; the box has " + std::to_string(a) + " dimensions");
+  }
+}
+
+}  // namespace detail
+
+/// A caller-side stream of the host backend (refit_host_stream_create). Destroying it waits for the
+/// work queued on it.
+class HostStream {
+ public:
+  HostStream() {
+    void *raw = nullptr;
+    check(refit_host_stream_create(&raw));
+    handle_ = Handle(raw);
+  }
+  /// The stream, to pass where a CUstream is taken.
+  void *get() const noexcept { return handle_.get(); }
+
+ private:
+  using Handle = detail::Owned<void, detail::destroy_host_stream>;
+  Handle handle_;
+};
+
+/// A batch of segments prepared once for one rank's device (refit_copy_batch_prepare).
+class PreparedCopy {
+ public:
+  explicit PreparedCopy(refit_prepared_copy *raw) noexcept : handle_(raw) {}
+  /// refit_copy_batch_launch: queues the batch on `stream` (nullptr: the device's legacy default).
+  void launch(void *stream = nullptr) const { check(refit_copy_batch_launch(handle_.live("prepared copy"), stream)); }
+  refit_prepared_copy *get() const noexcept { return handle_.get(); }
+
+ private:
+  detail::Owned<refit_prepared_copy, refit_copy_batch_destroy> handle_;
+};
+
+/// One rank per device, each with its own stream and thread (refit_group). Use from one thread at a
+/// time, except as refit.h says for calls from run() callbacks.
+class Group {
+ public:
+  /// refit_group_create: rank r is `devices[r]`; `backend` is a REFIT_BACKEND_*; `host_devices` is
+  /// how many devices the host backend simulates (0: the largest listed + 1).
+  explicit Group(const std::vector<int32_t> &devices, uint32_t backend = REFIT_BACKEND_AUTO,
+                 uint32_t host_devices = 0) {
+    refit_group_options options;
+    check(refit_group_options_init(&options));
+    options.backend = backend;
+    options.host_devices = host_devices;
+    refit_group *raw = nullptr;
+    check(refit_group_create(devices.data(), devices.size(), &options, &raw));
+    handle_ = Handle(raw);
+  }
+
+  std::size_t size() const {
+    std::size_t n = 0;
+    check(refit_group_size(live(), &n));
+    return n;
+  }
+  int32_t device(uint32_t rank) const {
+    int32_t d = 0;
+    check(refit_group_device(live(), rank, &d));
+    return d;
+  }
+  /// The group's own stream of `rank` (owned by the group).
+  void *stream(uint32_t rank) const {
+    void *s = nullptr;
+    check(refit_group_stream(live(), rank, &s));
+    return s;
+  }
+  bool peer_access(uint32_t rank, uint32_t peer) const {
+    bool direct = false;
+    check(refit_group_peer_access(live(), rank, peer, &direct));
+    return direct;
+  }
+  /// REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST.
+  uint32_t backend() const {
+    uint32_t b = 0;
+    check(refit_group_backend(live(), &b));
+    return b;
+  }
+
+  /// refit_group_enter: each rank's stream waits for `caller_streams[rank]` (empty: every device's
+  /// legacy default stream).
+  void enter(const std::vector<void *> &caller_streams = {}) {
+    if (caller_streams.empty()) {
+      check(refit_group_enter(live(), nullptr));
+      return;
+    }
+    detail::same_length(size(), caller_streams.size(), "caller_streams (per rank)");
+    check(refit_group_enter(live(), caller_streams.data()));
+  }
+  /// refit_group_exit with REFIT_EXIT_SYNC or REFIT_EXIT_ASYNC.
+  void exit(uint32_t mode = REFIT_EXIT_SYNC) { check(refit_group_exit(live(), mode)); }
+
+  /// A scope that exit()s when it ends (errors there are dropped: call close() to see them).
+  class Scope {
+   public:
+    Scope(Group &group, const std::vector<void *> &caller_streams, uint32_t mode) : group_(&group), mode_(mode) {
+      group.enter(caller_streams);
+    }
+    Scope(const Scope &) = delete;
+    Scope &operator=(const Scope &) = delete;
+    Scope(Scope &&other) noexcept : group_(std::exchange(other.group_, nullptr)), mode_(other.mode_) {}
+    Scope &operator=(Scope &&) = delete;
+    ~Scope() {
+      if (group_) (void)refit_group_exit(group_->get(), mode_);
+    }
+    /// Exits now, throwing what refit_group_exit returned (INVALID_STATE when already closed).
+    void close() {
+      if (!group_) throw Error(REFIT_STATUS_INVALID_STATE, "this scope is already closed");
+      std::exchange(group_, nullptr)->exit(mode_);
+    }
+
+   private:
+    Group *group_;
+    uint32_t mode_;
+  };
+  Scope scope(const std::vector<void *> &caller_streams = {}, uint32_t mode = REFIT_EXIT_SYNC) {
+    return Scope(*this, caller_streams, mode);
+  }
+
+  /// refit_group_run: calls `fn(rank, stream)` once per rank on the rank threads and returns when all
+  /// have. An exception thrown by `fn` fails its rank (ranks waiting in allgather_rank are released);
+  /// the first one thrown is rethrown here, else a failed run throws refit::Error.
+  template <typename Fn>
+  void run(Fn &&fn) {
+    struct Context {
+      std::remove_reference_t<Fn> *fn;
+      std::mutex lock;
+      std::exception_ptr first;
+    } context{&fn, {}, nullptr};
+    auto trampoline = [](uint32_t rank, void *stream, void *user_data) -> int32_t {
+      auto *c = static_cast<Context *>(user_data);
+      try {
+        (*c->fn)(rank, stream);
+        return REFIT_STATUS_SUCCESS;
+      } catch (...) {  // nothing may unwind into the library
+        std::lock_guard<std::mutex> guard(c->lock);
+        if (!c->first) c->first = std::current_exception();
+        return REFIT_STATUS_CALLBACK_FAILED;
+      }
+    };
+    refit_status status = refit_group_run(live(), trampoline, &context);
+    if (context.first) std::rethrow_exception(context.first);
+    check(status);
+  }
+
+  /// refit_allgather: rank r sends counts[r] bytes from send[r]; recv[r] receives every block.
+  /// Returns the REFIT_ALLGATHER_* that ran.
+  uint32_t allgather(const std::vector<uint64_t> &send, const std::vector<uint64_t> &recv,
+                     const std::vector<std::size_t> &counts, uint32_t algorithm = REFIT_ALLGATHER_AUTO) {
+    std::size_t n = size();
+    detail::same_length(n, send.size(), "send (per rank)");
+    detail::same_length(n, recv.size(), "recv (per rank)");
+    detail::same_length(n, counts.size(), "counts (per rank)");
+    uint32_t picked = 0;
+    check(refit_allgather(live(), send.data(), recv.data(), counts.data(), algorithm, &picked));
+    return picked;
+  }
+
+  /// refit_group_allgather_rank, from a run() callback only.
+  uint32_t allgather_rank(uint32_t rank, uint64_t send, uint64_t recv, const std::vector<std::size_t> &counts,
+                          uint32_t algorithm = REFIT_ALLGATHER_AUTO) {
+    detail::same_length(size(), counts.size(), "counts (per rank)");
+    uint32_t picked = 0;
+    check(refit_group_allgather_rank(live(), rank, send, recv, counts.data(), algorithm, &picked));
+    return picked;
+  }
+
+  /// refit_copy_batch: `segments` in one launch on `stream` of `rank`'s device.
+  void copy_batch(uint32_t rank, const std::vector<refit_segment> &segments, void *stream = nullptr,
+                  uint32_t flags = 0) const {
+    check(refit_copy_batch(live(), rank, stream, segments.data(), segments.size(), flags));
+  }
+
+  /// refit_copy_batch_prepare.
+  PreparedCopy prepare_copy(uint32_t rank, const std::vector<refit_segment> &segments, uint32_t flags = 0) const {
+    refit_prepared_copy *raw = nullptr;
+    check(refit_copy_batch_prepare(live(), rank, segments.data(), segments.size(), flags, &raw));
+    return PreparedCopy(raw);
+  }
+
+  refit_group *get() const noexcept { return handle_.get(); }
+
+ private:
+  using Handle = detail::Owned<refit_group, refit_group_destroy>;
+  refit_group *live() const { return handle_.live("group"); }
+  Handle handle_;
+};
+
+/// One rank's shard table (refit_table). Not for concurrent use from several threads.
+class Table {
+ public:
+  Table() {
+    refit_table *raw = nullptr;
+    check(refit_table_create(&raw));
+    handle_ = Handle(raw);
+  }
+  /// Takes ownership of `raw` (from refit_table_create or refit_table_decode).
+  explicit Table(refit_table *raw) noexcept : handle_(raw) {}
+
+  /// refit_table_decode: a table from bytes encode() wrote, in any process.
+  static Table decode(const uint8_t *bytes, std::size_t len) {
+    refit_table *raw = nullptr;
+    check(refit_table_decode(bytes, len, &raw));
+    return Table(raw);
+  }
+  static Table decode(const std::vector<uint8_t> &bytes) { return decode(bytes.data(), bytes.size()); }
+
+  /// refit_table_add_tensor: returns the tensor's index in this table.
+  uint32_t add_tensor(const std::string &name, const std::vector<uint64_t> &shape, uint32_t elem_size,
+                      uint32_t dtype = 0) {
+    uint32_t index = 0;
+    check(refit_table_add_tensor(live(), name.c_str(), dtype, elem_size, shape.data(), shape.size(), &index));
+    return index;
+  }
+
+  /// refit_table_add_offer: the box `offset`/`extent` of tensor `tensor` held by (`rank`, `device`) at
+  /// `addr` with element `strides` (empty: row-major over `extent`).
+  void add_offer(uint32_t tensor, uint32_t rank, uint32_t device, uint64_t addr, const std::vector<uint64_t> &offset,
+                 const std::vector<uint64_t> &extent, const std::vector<uint64_t> &strides = {},
+                 std::optional<uint64_t> digest = std::nullopt) {
+    detail::same_length(offset.size(), extent.size(), "extent");
+    if (!strides.empty()) detail::same_length(offset.size(), strides.size(), "strides");
+    check(refit_table_add_offer(live(), tensor, rank, device, addr, offset.data(), extent.data(),
+                                strides.empty() ? nullptr : strides.data(), offset.size(),
+                                digest ? &*digest : nullptr));
+  }
+
+  /// refit_table_add_need: the box `offset`/`extent` written at `addr` with destination element
+  /// `strides`; destination dimension d is tensor dimension perm[d] (empty: the identity).
+  void add_need(uint32_t tensor, uint32_t rank, uint32_t device, uint64_t addr, const std::vector<uint64_t> &offset,
+                const std::vector<uint64_t> &extent, const std::vector<uint64_t> &strides,
+                const std::vector<uint32_t> &perm = {}) {
+    detail::same_length(offset.size(), extent.size(), "extent");
+    detail::same_length(offset.size(), strides.size(), "strides");
+    if (!perm.empty()) detail::same_length(offset.size(), perm.size(), "perm");
+    check(refit_table_add_need(live(), tensor, rank, device, addr, offset.data(), extent.data(),
+                               perm.empty() ? nullptr : perm.data(), strides.data(), offset.size()));
+  }
+
+  /// refit_table_encode: the table's versioned wire encoding.
+  std::vector<uint8_t> encode() const {
+    std::size_t size = 0;
+    check(refit_table_encoded_size(live(), &size));
+    std::vector<uint8_t> bytes(size);
+    std::size_t written = 0;
+    check(refit_table_encode(live(), bytes.data(), bytes.size(), &written));
+    bytes.resize(written);
+    return bytes;
+  }
+
+  refit_table *get() const noexcept { return handle_.get(); }
+
+ private:
+  using Handle = detail::Owned<refit_table, refit_table_destroy>;
+  refit_table *live() const { return handle_.live("table"); }
+  Handle handle_;
+};
+
+/// Every segment from one source endpoint to one destination endpoint of a plan, copied out of it.
+struct Route {
+  uint32_t src_rank = 0, src_device = 0, dst_rank = 0, dst_device = 0;
+  uint32_t kind = REFIT_ROUTE_LOCAL;  // REFIT_ROUTE_*
+  std::vector<refit_segment> segments;
+};
+
+/// A built reshard plan (refit_plan): immutable, so any thread may read it.
+class Plan {
+ public:
+  explicit Plan(refit_plan *raw) noexcept : handle_(raw) {}
+
+  /// refit_plan_build over every rank's table, in any order.
+  static Plan build(const std::vector<const Table *> &tables, uint32_t policy = REFIT_POLICY_LOCAL,
+                    bool coalesce = true) {
+    std::vector<const refit_table *> raw;
+    raw.reserve(tables.size());
+    for (const Table *table : tables) {
+      if (!table || !table->get()) throw Error(REFIT_STATUS_NULL_ARGUMENT, "a table is null or was moved from");
+      raw.push_back(table->get());
+    }
+    refit_plan_options options;
+    check(refit_plan_options_init(&options));
+    options.policy = policy;
+    options.coalesce = coalesce;
+    refit_plan *plan = nullptr;
+    check(refit_plan_build(raw.data(), raw.size(), &options, &plan));
+    return Plan(plan);
+  }
+
+  /// refit_plan_get_stats.
+  refit_plan_stats stats() const {
+    refit_plan_stats s{};
+    s.size = sizeof(s);
+    check(refit_plan_get_stats(live(), &s));
+    return s;
+  }
+  /// refit_plan_get_receiver_stats.
+  refit_plan_stats receiver_stats(uint32_t rank, uint32_t device) const {
+    refit_plan_stats s{};
+    s.size = sizeof(s);
+    check(refit_plan_get_receiver_stats(live(), rank, device, &s));
+    return s;
+  }
+  uint64_t fingerprint() const {
+    uint64_t f = 0;
+    check(refit_plan_fingerprint(live(), &f));
+    return f;
+  }
+  std::size_t route_count() const {
+    std::size_t n = 0;
+    check(refit_plan_route_count(live(), &n));
+    return n;
+  }
+  /// refit_plan_route, with its segments copied so they outlive the plan.
+  Route route(std::size_t index) const {
+    refit_route_info info{};
+    info.size = sizeof(info);
+    check(refit_plan_route(live(), index, &info));
+    Route r;
+    r.src_rank = info.src_rank;
+    r.src_device = info.src_device;
+    r.dst_rank = info.dst_rank;
+    r.dst_device = info.dst_device;
+    r.kind = info.kind;
+    r.segments.assign(info.segments, info.segments + info.segment_count);
+    return r;
+  }
+  std::vector<Route> routes() const {
+    std::vector<Route> all;
+    std::size_t n = route_count();
+    all.reserve(n);
+    for (std::size_t i = 0; i < n; i++) all.push_back(route(i));
+    return all;
+  }
+
+  refit_plan *get() const noexcept { return handle_.get(); }
+
+ private:
+  using Handle = detail::Owned<refit_plan, refit_plan_destroy>;
+  refit_plan *live() const { return handle_.live("plan"); }
+  Handle handle_;
+};
+
+}  // namespace refit
+
+#endif /* REFIT_HPP */

@@ -1,0 +1,60 @@
+//! The digest of device memory (`refit_digest`).
+
+// Pointers from C are checked for NULL and dereferenced inside the boundary: the exported functions are
+// `extern "C"` entry points, not Rust APIs to mark unsafe.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use super::{arg, boundary, out};
+use crate::ffi::group::refit_group;
+use crate::transport::Stream;
+use std::ffi::c_void;
+
+/// Computes the refit digest of the `len` bytes at device address `addr` on `rank`'s device, on
+/// `stream` (a stream of that device; NULL: its legacy default stream), and writes it to `*digest`.
+/// Publishers pass it to refit_table_add_offer, so that replicas of a box are compared without
+/// reading weights back to the host.
+///
+/// The digest: read the bytes as a polynomial over GF(2) whose coefficient of x^k is bit k%8 of byte
+/// k/8, add x^(8 len) (a 1 bit just past the last byte), and reduce modulo
+/// g(x) = x^64 + 0x41aa24523c3d140f (bit i: x^i); bit i of the result is the coefficient of x^i. It is
+/// a CRC with a primitive polynomial: the same bytes give the same digest at any address and
+/// alignment, and of two buffers of the same length, the digests always differ when they differ by a
+/// single flipped bit, by two flipped bits, by any change within 64 consecutive bits (one 8-byte word
+/// at any offset), or by two swapped 8-byte words that differ, at any offsets; and when one has extra
+/// trailing zero bytes. Any other difference goes unnoticed only if g divides it: about one chance in
+/// 2^64 for corruption. It is not cryptographic: digests can be forged on purpose. The digest of 0
+/// bytes is 1.
+///
+/// Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
+/// stream to reach it (CUDA: one kernel, one 8-byte copy, cuStreamSynchronize) and then returns, so the
+/// bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass;
+/// the first call on a device compiles the kernel.
+///
+/// Thread-safety: may be called from any thread, concurrently with other calls.
+///
+/// Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size, addr 0 with
+/// len > 0, a range running past the end of the 64-bit address space, on the host backend a stream
+/// that is not a host stream), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be
+/// compiled or loaded at first use on the device), CUDA_ERROR (e.g. a stream of another device, an
+/// address the device cannot read). `*digest` is written only on success.
+#[no_mangle]
+pub extern "C" fn refit_digest(
+    group: *const refit_group,
+    rank: u32,
+    addr: u64,
+    len: u64,
+    stream: *mut c_void,
+    digest: *mut u64,
+) -> crate::error::Status {
+    boundary("refit_digest", || {
+        let slot = out(digest, "digest")?;
+        // SAFETY: NULL or a group from refit_group_create.
+        let group = unsafe { arg(group, "group") }?;
+        // SAFETY: the caller's promise on the range and the stream, documented above.
+        let stream = Stream::from_ptr(stream);
+        let value =
+            unsafe { crate::transport::digest::digest(&group.group, rank as usize, stream, addr, len) }?;
+        slot.write(value);
+        Ok(())
+    })
+}

@@ -1,0 +1,219 @@
+//! The digest kernel (`digest.cu`) on a CUDA device: the digest of [`super::gf64`] over a byte range of
+//! device memory, computed on the GPU in one pass.
+
+use super::gf64;
+use super::module;
+use crate::error::{Error, Result};
+use crate::transport::driver::{check, CurrentContext};
+use cudarc::driver::sys;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// The CUDA C source of the kernel, compiled by NVRTC at first use on each device.
+pub const SOURCE: &str = include_str!("digest.cu");
+const KERNEL_NAME: &std::ffi::CStr = c"refit_digest";
+/// Threads per block; must match DIGEST_THREADS in the source.
+pub const THREADS: u32 = 256;
+const WARPS_PER_BLOCK: u64 = THREADS as u64 / 32;
+/// Bytes per chunk: one 16-byte vector per lane of a warp.
+const CHUNK_BYTES: u64 = 512;
+/// Fewest chunks a warp takes (log2): each warp ends with a few multiplications in GF(2^64), which a
+/// warp with less than 2 KiB to read would spend more time on than on reading.
+const MIN_SPAN_SHIFT: u32 = 2;
+/// The kernel takes the warp index's bits from 15 lanes.
+const MAX_WARPS: u64 = 1 << 15;
+
+/// How one digest is launched: each warp takes `2^span_shift` chunks of 512 bytes; `blocks` blocks of
+/// [`THREADS`] threads.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Geometry {
+    pub span_shift: u32,
+    pub blocks: u32,
+}
+
+/// The launch for `len` bytes at `addr` when at most `max_warps` warps should run (the device's
+/// resident warps): the fewest chunks per warp, a power of two, that keeps within `max_warps`.
+pub fn geometry(addr: u64, len: u64, max_warps: u64) -> Geometry {
+    let end = (addr & 15) + len;
+    let chunks = ((end >> 4) + 1).div_ceil(CHUNK_BYTES / 16);
+    let max_warps = max_warps.clamp(1, MAX_WARPS);
+    let mut span_shift = MIN_SPAN_SHIFT;
+    while chunks.div_ceil(1 << span_shift) > max_warps {
+        span_shift += 1;
+    }
+    let warps = chunks.div_ceil(1 << span_shift);
+    Geometry { span_shift, blocks: warps.div_ceil(WARPS_PER_BLOCK) as u32 }
+}
+
+/// Checks a digest's range: a zero address with bytes to read, or a range past the end of the 64-bit
+/// address space, is InvalidArgument.
+pub fn check_range(addr: u64, len: u64) -> Result<()> {
+    if addr == 0 && len > 0 {
+        return Err(Error::invalid_argument(format!("address is 0 with length {len}")));
+    }
+    if addr.checked_add(len).is_none_or(|end| end > u64::MAX - 16) {
+        return Err(Error::invalid_argument(format!(
+            "range of {len} bytes at {addr:#x} runs past the end of the address space"
+        )));
+    }
+    Ok(())
+}
+
+/// The kernel loaded into one device's primary context, with its constant tables in device memory.
+/// Loaded once per device and kept for the life of the process.
+pub struct DigestKernel {
+    context: sys::CUcontext,
+    function: sys::CUfunction,
+    /// [`gf64::kernel_constants`] in device memory (never freed, like the module).
+    constants: sys::CUdeviceptr,
+    max_warps: u64,
+    /// How the kernel was built, for logs and bench output.
+    pub build: String,
+}
+
+// SAFETY: process-wide driver handles and device memory owned for the life of the process.
+unsafe impl Send for DigestKernel {}
+unsafe impl Sync for DigestKernel {}
+
+impl DigestKernel {
+    /// The kernel on `device`, compiled and loaded at the first call for that device (errors as for
+    /// [`super::BatchedCopy::for_device`]; a failure is not cached).
+    pub fn for_device(device: i32) -> Result<Arc<DigestKernel>> {
+        static CACHE: Mutex<Option<HashMap<i32, Arc<DigestKernel>>>> = Mutex::new(None);
+        let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let map = cache.get_or_insert_with(HashMap::new);
+        if let Some(kernel) = map.get(&device) {
+            return Ok(kernel.clone());
+        }
+        let kernel = Arc::new(DigestKernel::load(device)?);
+        map.insert(device, kernel.clone());
+        Ok(kernel)
+    }
+
+    fn load(device: i32) -> Result<DigestKernel> {
+        let loaded = module::load(device, SOURCE, "digest.cu")?;
+        let function = module::function(loaded.module, KERNEL_NAME)?;
+        let per_sm = module::blocks_per_sm(function, THREADS)?;
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(loaded.context) }?;
+        let words = gf64::kernel_constants();
+        let bytes = std::mem::size_of_val(words.as_slice());
+        let mut constants = 0;
+        // SAFETY: valid output slot in the current context; the upload is synchronous.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut constants, bytes) })?;
+        // SAFETY: `constants` holds `bytes` bytes.
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(constants, words.as_ptr().cast(), bytes) })?;
+        let max_warps = u64::from(loaded.sms * per_sm) * WARPS_PER_BLOCK;
+        let build = format!("{} x {per_sm} blocks of {THREADS}", loaded.build);
+        log::info!("digest kernel on device {device}: {build}");
+        Ok(DigestKernel { context: loaded.context, function, constants, max_warps, build })
+    }
+
+    /// The launch this kernel uses for `len` bytes at `addr`.
+    pub fn geometry(&self, addr: u64, len: u64) -> Geometry {
+        geometry(addr, len, self.max_warps)
+    }
+
+    /// Queues, on `stream`, the digest of `len` bytes at `addr` into the device word `out`: a memset
+    /// of `out` then one kernel launch. Asynchronous; `out` holds the digest once the stream gets
+    /// there. Errors: InvalidArgument (see [`check_range`]), CudaError.
+    ///
+    /// # Safety
+    /// `stream` is NULL or a live stream of this kernel's device; `addr .. addr + len` is device memory
+    /// readable from it and `out` an 8-byte device word writable by it, both until the work has run.
+    pub unsafe fn enqueue(
+        &self,
+        stream: sys::CUstream,
+        addr: u64,
+        len: u64,
+        out: sys::CUdeviceptr,
+    ) -> Result<()> {
+        check_range(addr, len)?;
+        let Geometry { mut span_shift, blocks } = self.geometry(addr, len);
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(self.context) }?;
+        check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(out, 0, 2, stream) })?;
+        let (mut addr, mut len, mut constants, mut out) = (addr, len, self.constants, out);
+        let mut params: [*mut c_void; 5] = [
+            (&mut addr as *mut u64).cast(),
+            (&mut len as *mut u64).cast(),
+            (&mut span_shift as *mut u32).cast(),
+            (&mut constants as *mut u64).cast(),
+            (&mut out as *mut u64).cast(),
+        ];
+        // SAFETY: the parameter list matches refit_digest's signature; the caller's promises cover the
+        // memory read and written.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.function,
+                blocks,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
+    /// The digest of `len` bytes at `addr`, computed on `stream`: queues the kernel, waits for the
+    /// stream, and returns the value. Errors as for [`DigestKernel::enqueue`].
+    ///
+    /// # Safety
+    /// As for [`DigestKernel::enqueue`] (without `out`).
+    pub unsafe fn digest(&self, stream: sys::CUstream, addr: u64, len: u64) -> Result<u64> {
+        check_range(addr, len)?;
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(self.context) }?;
+        let mut out: sys::CUdeviceptr = 0;
+        // SAFETY: valid output slot; the stream belongs to the current context (the caller's promise).
+        check("cuMemAllocAsync", unsafe { sys::cuMemAllocAsync(&mut out, 8, stream) })?;
+        let mut value = 0u64;
+        let mut result = self.enqueue(stream, addr, len, out);
+        if result.is_ok() {
+            // SAFETY: 8 bytes from the device word into `value`, which outlives the synchronization below.
+            result = check("cuMemcpyDtoHAsync", unsafe {
+                sys::cuMemcpyDtoHAsync_v2((&mut value as *mut u64).cast(), out, 8, stream)
+            });
+        }
+        // SAFETY: allocated above on this stream, freed after its last use in stream order.
+        let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(out, stream) });
+        let synced = check("cuStreamSynchronize", unsafe { sys::cuStreamSynchronize(stream) });
+        result.and(freed).and(synced)?;
+        Ok(value)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn geometry_keeps_warps_within_the_limit_and_spans_a_power_of_two() {
+        // 1 MiB, 16-byte aligned: 65537 vectors with the marker's, 2049 chunks, 4 per warp: 513 warps.
+        assert_eq!(geometry(1 << 20, 1 << 20, 1000), Geometry { span_shift: 2, blocks: 65 });
+        // 1 GiB on 1000 warps: 2^21 + 1 chunks need 4096 per warp (2^12): 513 warps.
+        assert_eq!(geometry(1 << 20, 1 << 30, 1000), Geometry { span_shift: 12, blocks: 65 });
+        assert_eq!(geometry(16, 0, 1000), Geometry { span_shift: 2, blocks: 1 });
+        for (addr, len) in [(1u64, 12345u64), (4096, 1 << 33), (7, 1 << 40)] {
+            let g = geometry(addr, len, 2000);
+            let chunks = (((addr & 15) + len) / 16 + 1).div_ceil(32);
+            let warps = chunks.div_ceil(1 << g.span_shift);
+            assert!(warps <= 2000 && u64::from(g.blocks) * 8 >= warps, "{addr} {len} {g:?}");
+            assert!(g.span_shift == MIN_SPAN_SHIFT || chunks.div_ceil(1 << (g.span_shift - 1)) > 2000);
+        }
+    }
+
+    #[test]
+    fn ranges_that_cannot_be_read_are_refused() {
+        assert!(check_range(0, 0).is_ok());
+        assert!(check_range(0, 1).unwrap_err().message.contains("address is 0"));
+        assert!(check_range(u64::MAX - 100, 200).unwrap_err().message.contains("past the end"));
+        assert!(check_range(8, u64::MAX - 8).is_err());
+    }
+}

@@ -1,0 +1,83 @@
+//! Compiling a kernel source for one device and loading it into the device's primary context: shared
+//! by every kernel of the library (the batched copy, the digest).
+
+use crate::error::{Error, Result, Status};
+use crate::transport::driver::{self, check, CurrentContext};
+use crate::transport::nvrtc::{self, Output};
+use cudarc::driver::sys;
+
+/// A module loaded into a device's primary context (retained for the life of the process, like the
+/// module: kernels are loaded once per device and kept).
+pub(crate) struct Loaded {
+    pub context: sys::CUcontext,
+    pub module: sys::CUmodule,
+    /// Streaming multiprocessors on the device.
+    pub sms: u32,
+    /// How the module was built, for logs and bench output.
+    pub build: String,
+}
+
+/// Compiles `source` (named `file` in compiler messages) for `device`'s exact architecture and loads
+/// it: the CUBIN first, the PTX for the driver to JIT when the CUBIN does not load (an NVRTC newer
+/// than the driver). Errors: CudaUnavailable, InvalidDevice, NvrtcUnavailable, KernelLoadFailed (with
+/// NVRTC's log or the driver's errors), CudaError.
+pub(crate) fn load(device: i32, source: &str, file: &str) -> Result<Loaded> {
+    use sys::CUdevice_attribute as A;
+    driver::device_handle(device)?;
+    let major = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?;
+    let minor = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?;
+    let sms = driver::attribute(device, A::CU_DEVICE_ATTRIBUTE_MULTIPROCESSOR_COUNT)?.max(1) as u32;
+    let context = driver::primary_context(device)?;
+    // SAFETY: just retained.
+    let _current = unsafe { CurrentContext::enter(context) }?;
+    let context_msg = |e: Error| e.context(format!("loading {file} on device {device}"));
+    let cubin = nvrtc::compile(source, file, major, minor, Output::Cubin, &[]).map_err(context_msg)?;
+    let (module, build) = match load_image(&cubin.image) {
+        Ok(module) => (module, format!("CUBIN sm_{major}{minor}")),
+        Err(cubin_err) => {
+            log::warn!(
+                "{file}: CUBIN for sm_{major}{minor} did not load ({}), trying PTX",
+                cubin_err.message
+            );
+            let ptx = nvrtc::compile(source, file, major, minor, Output::Ptx, &[]).map_err(context_msg)?;
+            let module = load_image(&ptx.image).map_err(|ptx_err| {
+                Error::new(
+                    Status::KernelLoadFailed,
+                    format!(
+                        "{file}: device {device} (sm_{major}{minor}) loads neither the CUBIN ({}) nor the PTX ({})",
+                        cubin_err.message, ptx_err.message
+                    ),
+                )
+            })?;
+            (module, format!("PTX compute_{major}{minor} (JIT)"))
+        }
+    };
+    let nvrtc = nvrtc::version().unwrap_or_default();
+    Ok(Loaded { context, module, sms, build: format!("{build}, {nvrtc}, {sms} SMs") })
+}
+
+/// A kernel of a loaded module, by name.
+pub(crate) fn function(module: sys::CUmodule, name: &std::ffi::CStr) -> Result<sys::CUfunction> {
+    let mut function = std::ptr::null_mut();
+    // SAFETY: live module, NUL-terminated name.
+    check("cuModuleGetFunction", unsafe { sys::cuModuleGetFunction(&mut function, module, name.as_ptr()) })
+        .map_err(|e| Error::new(Status::KernelLoadFailed, e.message))?;
+    Ok(function)
+}
+
+/// Blocks of `threads` threads of `function` that fit on one SM at once.
+pub(crate) fn blocks_per_sm(function: sys::CUfunction, threads: u32) -> Result<u32> {
+    let mut per_sm = 0;
+    // SAFETY: live function.
+    check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, function, threads as i32, 0)
+    })?;
+    Ok(per_sm.max(1) as u32)
+}
+
+fn load_image(image: &[u8]) -> Result<sys::CUmodule> {
+    let mut module = std::ptr::null_mut();
+    // SAFETY: a CUBIN image or NUL-terminated PTX that outlives the call.
+    check("cuModuleLoadData", unsafe { sys::cuModuleLoadData(&mut module, image.as_ptr().cast()) })?;
+    Ok(module)
+}

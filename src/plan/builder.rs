@@ -1,0 +1,87 @@
+//! Building a table entry by entry, checking each entry as it is added: tensors are found by name
+//! through a hash map, so adding `n` tensors costs `O(n)`, not `O(n^2)`.
+
+use super::table::{Need, Offer, Table, TensorSpec};
+use crate::error::{Error, Result};
+use std::collections::HashMap;
+
+/// A [`Table`] being filled, with an index of its tensors by name.
+#[derive(Clone, Debug, Default)]
+pub struct TableBuilder {
+    table: Table,
+    /// Index in `table.tensors` of the first description of each name.
+    by_name: HashMap<String, u32>,
+}
+
+impl TableBuilder {
+    pub fn new() -> TableBuilder {
+        TableBuilder::default()
+    }
+
+    /// The table built so far.
+    pub fn table(&self) -> &Table {
+        &self.table
+    }
+
+    pub fn into_table(self) -> Table {
+        self.table
+    }
+
+    /// Adds a tensor description and returns its index. Adding a name again returns the index it
+    /// already has when the descriptions agree, and fails with TENSOR_MISMATCH when they do not.
+    pub fn add_tensor(&mut self, spec: TensorSpec) -> Result<u32> {
+        spec.validate()?;
+        if let Some(&i) = self.by_name.get(&spec.name) {
+            self.table.tensors[i as usize].check_same(&spec)?;
+            return Ok(i);
+        }
+        let index = u32::try_from(self.table.tensors.len())
+            .map_err(|_| Error::invalid_argument("a table holds at most 2^32 tensors"))?;
+        self.table.tensors.try_reserve(1).map_err(|_| out_of_memory("tensor"))?;
+        self.by_name.try_reserve(1).map_err(|_| out_of_memory("tensor"))?;
+        self.by_name.insert(spec.name.clone(), index);
+        self.table.tensors.push(spec);
+        Ok(index)
+    }
+
+    /// Adds an offer after checking it against its tensor (index, box, strides, address range).
+    pub fn add_offer(&mut self, offer: Offer) -> Result<()> {
+        offer.resolve(self.tensor(offer.tensor)?)?;
+        self.table.offers.try_reserve(1).map_err(|_| out_of_memory("offer"))?;
+        self.table.offers.push(offer);
+        Ok(())
+    }
+
+    /// Adds a need after checking it against its tensor (index, box, permutation, strides, address
+    /// range).
+    pub fn add_need(&mut self, need: Need) -> Result<()> {
+        need.resolve(self.tensor(need.tensor)?)?;
+        self.table.needs.try_reserve(1).map_err(|_| out_of_memory("need"))?;
+        self.table.needs.push(need);
+        Ok(())
+    }
+
+    fn tensor(&self, index: u32) -> Result<&TensorSpec> {
+        self.table.tensors.get(index as usize).ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "tensor index {index} but the table has {} tensors",
+                self.table.tensors.len()
+            ))
+        })
+    }
+}
+
+impl From<Table> for TableBuilder {
+    /// Continues a table (one decoded from bytes, say): later names are found among its tensors.
+    fn from(table: Table) -> TableBuilder {
+        let mut by_name = HashMap::with_capacity(table.tensors.len());
+        for (i, spec) in table.tensors.iter().enumerate() {
+            by_name.entry(spec.name.clone()).or_insert(i as u32);
+        }
+        TableBuilder { table, by_name }
+    }
+}
+
+fn out_of_memory(what: &str) -> Error {
+    Error::new(crate::Status::OutOfMemory, format!("no memory to add one more {what} to the table"))
+}

@@ -1,0 +1,114 @@
+//! What planning returns: routes of segments between endpoints, counts, and a fingerprint.
+
+use super::digest::Fnv1a;
+use super::stats::PlanStats;
+use super::table::Endpoint;
+use crate::segment::Segment;
+
+/// How far a route's bytes travel.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord, Hash)]
+pub enum RouteKind {
+    /// Same process and device.
+    Local = 0,
+    /// Same process, another device.
+    Peer = 1,
+    /// Another process.
+    Remote = 2,
+}
+
+/// Every segment from one source endpoint to one destination endpoint.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Route {
+    pub src: Endpoint,
+    pub dst: Endpoint,
+    /// Sorted by source address, then destination address.
+    pub segments: Vec<Segment>,
+}
+
+impl Route {
+    pub fn kind(&self) -> RouteKind {
+        match self.src.distance(self.dst) {
+            0 => RouteKind::Local,
+            1 => RouteKind::Peer,
+            _ => RouteKind::Remote,
+        }
+    }
+}
+
+/// A built plan, or one process's share of one: immutable, shareable between threads.
+#[derive(Clone, Debug)]
+pub struct Plan {
+    pub(crate) routes: Vec<Route>,
+    pub(crate) stats: PlanStats,
+    /// Sorted by endpoint.
+    pub(crate) receivers: Vec<(Endpoint, PlanStats)>,
+    pub(crate) fingerprint: u64,
+    pub(crate) inputs: u64,
+}
+
+impl Plan {
+    /// Routes ordered by destination endpoint, then nearest source first (local, peer, remote),
+    /// then source endpoint.
+    pub fn routes(&self) -> &[Route] {
+        &self.routes
+    }
+
+    /// Counts for the whole plan (a share: for its process's receivers, and the offers kept by
+    /// its routes).
+    pub fn stats(&self) -> &PlanStats {
+        &self.stats
+    }
+
+    /// Counts for one receiver's needs and the routes into it (all zero except the shared inputs
+    /// for an endpoint that needs nothing).
+    pub fn receiver_stats(&self, receiver: Endpoint) -> PlanStats {
+        match self.receivers.binary_search_by_key(&receiver, |(e, _)| *e) {
+            Ok(i) => self.receivers[i].1,
+            Err(_) => PlanStats {
+                offers_in: self.stats.offers_in,
+                replica_sets: self.stats.replica_sets,
+                build_ns: self.stats.build_ns,
+                ..PlanStats::default()
+            },
+        }
+    }
+
+    /// Endpoints that receive something, ascending (a share: its process's).
+    pub fn receivers(&self) -> impl Iterator<Item = Endpoint> + '_ {
+        self.receivers.iter().map(|(e, _)| *e)
+    }
+
+    /// A 64-bit digest of the routes and their segments (FNV-1a over little-endian fields): equal
+    /// for the same inputs in any order, in any process, on any build of this version. A share's
+    /// covers its own routes.
+    pub fn fingerprint(&self) -> u64 {
+        self.fingerprint
+    }
+
+    /// A 64-bit digest of everything the plan was built from: every table's content (in any order),
+    /// the options and the limits. Equal in every process that planned (a share or the whole plan)
+    /// from the same inputs: processes compare it before any byte moves.
+    pub fn inputs_fingerprint(&self) -> u64 {
+        self.inputs
+    }
+}
+
+/// FNV-1a over the routes, field by field.
+pub(crate) fn fingerprint_of(routes: &[Route]) -> u64 {
+    let mut h = Fnv1a::new();
+    h.u64(routes.len() as u64);
+    for r in routes {
+        for v in [r.src.process, r.src.device, r.dst.process, r.dst.device] {
+            h.u64(v.into());
+        }
+        h.u64(r.segments.len() as u64);
+        for s in &r.segments {
+            for v in [s.src, s.dst, s.len, s.count[0], s.count[1], s.src_stride[0], s.src_stride[1]] {
+                h.u64(v);
+            }
+            h.u64(s.dst_stride[0]);
+            h.u64(s.dst_stride[1]);
+        }
+    }
+    h.finish()
+}

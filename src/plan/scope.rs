@@ -1,0 +1,83 @@
+//! Which part of a plan one build produces, and so what each stage must look at: the whole plan,
+//! or the share of one process (every route from or to one of its endpoints), which is exactly
+//! the whole plan's routes restricted to that process, built at a cost that grows with that
+//! process's own needs and offers rather than with every process's.
+
+use super::memory;
+use super::merge::Merged;
+use super::options::OwnerPolicy;
+use super::table::Endpoint;
+use crate::error::Result;
+use std::ops::Range;
+
+/// What a build covers.
+pub(crate) struct Scope {
+    /// `None`: the whole plan; `Some(p)`: the share of process `p`.
+    process: Option<u32>,
+    /// Per tensor: whether its replica sets are cut into pieces and indexed.
+    pub tensors: Vec<bool>,
+    /// The needs to intersect with pieces (indices into the merged needs, ascending).
+    pub needs: Vec<u32>,
+    /// The merged needs this build checks for coverage and counts: the share's own receivers'.
+    own: Range<usize>,
+}
+
+impl Scope {
+    /// The whole plan: every tensor, every need.
+    pub fn whole(merged: &Merged) -> Result<Scope> {
+        Ok(Scope {
+            process: None,
+            tensors: memory::filled(true, merged.tensors.len(), "tensors")?,
+            needs: memory::collect(merged.needs.len(), 0..merged.needs.len() as u32, "needs")?,
+            own: 0..merged.needs.len(),
+        })
+    }
+
+    /// The share of process `process`: its own needs (the merged needs are sorted by receiver, so
+    /// they are one range), and the needs of other processes for tensors it offers, which its
+    /// offers may serve. BALANCED weighs every receiver's demand against every source's load, so
+    /// its shares intersect every need (but lay out only their own routes).
+    pub fn process(merged: &Merged, process: u32, policy: OwnerPolicy) -> Result<Scope> {
+        let start = merged.needs.partition_point(|n| n.receiver.process < process);
+        let end = merged.needs.partition_point(|n| n.receiver.process <= process);
+        if policy == OwnerPolicy::Balanced {
+            let whole = Scope::whole(merged)?;
+            return Ok(Scope { process: Some(process), own: start..end, ..whole });
+        }
+        let mut offered = memory::filled(false, merged.tensors.len(), "tensors")?;
+        for offer in merged.offers.iter().filter(|o| o.owner.process == process) {
+            offered[offer.tensor as usize] = true;
+        }
+        let mut tensors = offered.clone();
+        for need in &merged.needs[start..end] {
+            tensors[need.tensor as usize] = true;
+        }
+        let mut needs = Vec::new();
+        for (i, need) in merged.needs.iter().enumerate() {
+            if (start..end).contains(&i) || offered[need.tensor as usize] {
+                memory::push(&mut needs, i as u32, "needs")?;
+            }
+        }
+        Ok(Scope { process: Some(process), tensors, needs, own: start..end })
+    }
+
+    /// The merged needs this build checks for coverage and overlaps, and counts.
+    pub fn own(&self) -> Range<usize> {
+        self.own.clone()
+    }
+
+    /// Whether need `i` (an index into the merged needs) is one this build checks and counts.
+    pub fn is_own(&self, need: usize) -> bool {
+        self.own.contains(&need)
+    }
+
+    /// Whether the route from `src` to `dst` belongs to this build.
+    pub fn keeps(&self, src: Endpoint, dst: Endpoint) -> bool {
+        self.process.is_none_or(|p| src.process == p || dst.process == p)
+    }
+
+    /// Whether `receiver`'s counts belong to this build.
+    pub fn counts(&self, receiver: Endpoint) -> bool {
+        self.process.is_none_or(|p| receiver.process == p)
+    }
+}
