@@ -10,10 +10,13 @@ use refit::across::build_plan;
 use refit::allgather::comm::allgather;
 use refit::plan::{self, Endpoint, Need, Offer, OwnerPolicy, PlanOptions, Region, Table, TensorSpec};
 use refit::transport::comm::{CommId, CommOptions, Communicator};
-use refit::transport::host::{create_host_stream, destroy_host_stream};
-use refit::transport::{BackendKind, Stream};
-use refit::Status;
+use refit::transport::host::{create_host_stream, destroy_host_stream, HostBackend};
+use refit::transport::ipc;
+use refit::transport::staged::{Flow, StagedExchange};
+use refit::transport::{Backend, BackendKind, Stream};
+use refit::{Segment, Status};
 use std::process::{Command, ExitStatus};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const RANK: &str = "REFIT_COMM_TEST_RANK";
@@ -404,4 +407,243 @@ fn ranks_with_other_options_fail_on_every_rank_and_can_try_again() {
             assert_eq!(plan.routes(), share_of(&whole, rank));
         },
     );
+}
+
+// --- a refit across processes through the transports between processes (host simulations) -------
+
+const ROWS: u64 = 512;
+const COLS: u64 = 384;
+
+/// The value of element (i, j) of "w" and element j of "b": what every process expects, computed
+/// without the plan.
+fn w_value(i: u64, j: u64) -> u32 {
+    (i * 1000 + j) as u32 ^ 0x5a5a_0000
+}
+
+fn b_value(j: u64) -> u32 {
+    (j * 7 + 3) as u32 | 0x0100_0000
+}
+
+/// One process's memory and table: rank 0 publishes rows [0, 256) of "w" and needs columns [192, 384)
+/// of rows [128, 384) (partly its own rows); rank 1 publishes rows [256, 512) and a replica of rows
+/// [0, 256), and needs all of "b"; rank 2 publishes "b" and needs columns [0, 192) of every row.
+struct Process {
+    table: Table,
+    /// Buffers this process owns (u32 elements), kept alive while the test runs.
+    buffers: Vec<Vec<u32>>,
+    /// (buffer index, expected content) for every need.
+    expected: Vec<(usize, Vec<u32>)>,
+}
+
+fn process_of(rank: u32) -> Process {
+    let tensors = vec![
+        TensorSpec { name: "w".into(), dtype: 1, elem_size: 4, shape: vec![ROWS, COLS] },
+        TensorSpec { name: "b".into(), dtype: 1, elem_size: 4, shape: vec![COLS] },
+    ];
+    let mut p = Process {
+        table: Table { tensors, offers: vec![], needs: vec![] },
+        buffers: vec![],
+        expected: vec![],
+    };
+    let here = Endpoint { process: rank, device: 0 };
+    let offer_rows = |p: &mut Process, rows: std::ops::Range<u64>| {
+        let data: Vec<u32> = rows.clone().flat_map(|i| (0..COLS).map(move |j| w_value(i, j))).collect();
+        p.buffers.push(data);
+        let addr = p.buffers.last().unwrap().as_ptr() as u64;
+        let region = Region { offset: vec![rows.start, 0], extent: vec![rows.end - rows.start, COLS] };
+        p.table.offers.push(Offer { tensor: 0, owner: here, addr, region, strides: None, digest: None });
+    };
+    let need_box = |p: &mut Process, rows: std::ops::Range<u64>, cols: std::ops::Range<u64>| {
+        let expected: Vec<u32> =
+            rows.clone().flat_map(|i| cols.clone().map(move |j| w_value(i, j))).collect();
+        p.buffers.push(vec![0xDEAD_BEEF; expected.len()]);
+        p.expected.push((p.buffers.len() - 1, expected));
+        let addr = p.buffers.last().unwrap().as_ptr() as u64;
+        let width = cols.end - cols.start;
+        let region =
+            Region { offset: vec![rows.start, cols.start], extent: vec![rows.end - rows.start, width] };
+        p.table.needs.push(Need {
+            tensor: 0,
+            receiver: here,
+            addr,
+            region,
+            perm: None,
+            strides: vec![width, 1],
+        });
+    };
+    match rank {
+        0 => {
+            offer_rows(&mut p, 0..256);
+            need_box(&mut p, 128..384, 192..384);
+        }
+        1 => {
+            offer_rows(&mut p, 256..512);
+            offer_rows(&mut p, 0..256);
+            p.buffers.push(vec![0xDEAD_BEEF; COLS as usize]);
+            p.expected.push((p.buffers.len() - 1, (0..COLS).map(b_value).collect()));
+            let addr = p.buffers.last().unwrap().as_ptr() as u64;
+            let region = Region { offset: vec![0], extent: vec![COLS] };
+            p.table.needs.push(Need {
+                tensor: 1,
+                receiver: here,
+                addr,
+                region,
+                perm: None,
+                strides: vec![1],
+            });
+        }
+        _ => {
+            p.buffers.push((0..COLS).map(b_value).collect());
+            let addr = p.buffers.last().unwrap().as_ptr() as u64;
+            let region = Region { offset: vec![0], extent: vec![COLS] };
+            p.table.offers.push(Offer { tensor: 1, owner: here, addr, region, strides: None, digest: None });
+            need_box(&mut p, 0..512, 0..192);
+        }
+    }
+    p
+}
+
+/// The flows of a share between this process and the others, and its routes within the process.
+fn flows_of(share: &plan::Plan, rank: u32) -> (Vec<Flow>, Vec<Flow>, Vec<Segment>) {
+    let (mut sends, mut recvs, mut local): (Vec<Flow>, Vec<Flow>, Vec<Segment>) = Default::default();
+    let add = |flows: &mut Vec<Flow>, peer: u32, segments: &[Segment]| match flows
+        .iter_mut()
+        .find(|f| f.peer == peer as usize)
+    {
+        Some(flow) => flow.segments.extend_from_slice(segments),
+        None => flows.push(Flow { peer: peer as usize, segments: segments.to_vec() }),
+    };
+    for route in share.routes() {
+        match (route.src.process == rank, route.dst.process == rank) {
+            (true, true) => local.extend_from_slice(&route.segments),
+            (true, false) => add(&mut sends, route.dst.process, &route.segments),
+            (false, true) => add(&mut recvs, route.src.process, &route.segments),
+            (false, false) => panic!("a share holds a route between two other processes"),
+        }
+    }
+    (sends, recvs, local)
+}
+
+fn check_received(p: &Process, rank: usize, how: &str) {
+    for (buffer, expected) in &p.expected {
+        assert!(p.buffers[*buffer] == *expected, "rank {rank} ({how}): a need received wrong bytes");
+    }
+}
+
+/// Plans across the processes, then moves the remote routes through staging over the communicator
+/// (the NCCL route's simulation) with a small staging budget (several chunks per flow, each staging slot reused), runs the
+/// local routes, and checks every need against values computed without the plan; twice, so that a
+/// prepared exchange runs again. Wire bytes equal the plan's remote bytes.
+#[test]
+fn a_refit_across_processes_through_staging_is_byte_exact() {
+    in_processes(
+        "a_refit_across_processes_through_staging_is_byte_exact",
+        &[End::Done; 3],
+        |rank, size, id| {
+            let comm = join(rank, size, id, 30_000);
+            let mut p = process_of(rank as u32);
+            let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
+            let (sends, recvs, local) = flows_of(&share, rank as u32);
+            let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(1).unwrap());
+            let exchange =
+                StagedExchange::prepare(&comm, Arc::clone(&backend), 0, &sends, &recvs, 512 << 10).unwrap();
+            let stats = exchange.stats();
+            assert_eq!(
+                stats.bytes_received,
+                share.stats().bytes_remote,
+                "rank {rank}: wire bytes are the plan's"
+            );
+            assert!(stats.staging_bytes <= 512 << 10, "rank {rank}: staging {}", stats.staging_bytes);
+            if rank == 2 {
+                assert!(stats.steps >= 3, "rank 2 reuses each staging slot: {stats:?}");
+            }
+            let stream = create_host_stream().unwrap();
+            for run in 0..2 {
+                for (buffer, _) in &p.expected {
+                    p.buffers[*buffer].fill(0xDEAD_BEEF);
+                }
+                comm.allgather_bytes(b"poisoned").unwrap(); // no peer writes before this rank poisoned
+                                                            // SAFETY: every buffer lives until synchronize returns.
+                unsafe {
+                    exchange.run(&comm, stream).unwrap();
+                    backend.copy_segments(0, stream, &local).unwrap();
+                }
+                comm.synchronize(stream).unwrap();
+                check_received(&p, rank, &format!("staged run {run}"));
+            }
+            comm.allgather_bytes(b"done").unwrap(); // every peer has sent everything it reads from us
+            destroy_host_stream(stream).unwrap();
+            drop(exchange);
+        },
+    );
+}
+
+/// The same refit with the remote routes written straight into the receivers' memory (the IPC
+/// route's simulation): receivers share their need buffers, senders open them and write.
+#[test]
+fn a_refit_across_processes_through_ipc_is_byte_exact() {
+    in_processes("a_refit_across_processes_through_ipc_is_byte_exact", &[End::Done; 3], |rank, size, id| {
+        let comm = join(rank, size, id, 30_000);
+        let p = process_of(rank as u32);
+        let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
+        let (sends, _recvs, local) = flows_of(&share, rank as u32);
+        let ranges: Vec<(u64, u64)> = p
+            .expected
+            .iter()
+            .map(|(b, _)| (p.buffers[*b].as_ptr() as u64, 4 * p.buffers[*b].len() as u64))
+            .collect();
+        let exported = ipc::export_host(&ranges).unwrap();
+        let all = comm.allgather_bytes(&ipc::encode(&exported.shares)).unwrap();
+        let stream = create_host_stream().unwrap();
+        for flow in &sends {
+            let shares = ipc::decode(&all[flow.peer]).unwrap();
+            let opened = match ipc::Opened::open(0, &shares, Vec::new()) {
+                Ok(opened) => Arc::new(opened),
+                Err(err) => {
+                    // A kernel that forbids cross-process access: the route would fall back to NCCL.
+                    assert_eq!(err.status, Status::Unsupported, "{err}");
+                    println!("rank {rank}: IPC unavailable here ({err}); not checked");
+                    comm.allgather_bytes(b"written").unwrap();
+                    return;
+                }
+            };
+            let writes = opened.prepare_writes(&flow.segments).unwrap();
+            // SAFETY: the sources live until the launch returns (host writes complete on return).
+            unsafe { writes.launch(stream) }.unwrap();
+        }
+        // SAFETY: local buffers live until the stream is synchronized below.
+        unsafe { HostBackend::new(1).unwrap().copy_segments(0, stream, &local).unwrap() };
+        refit::transport::host::host_stream(stream).unwrap().synchronize().unwrap();
+        comm.allgather_bytes(b"written").unwrap(); // every writer is done
+        check_received(&p, rank, "ipc");
+        destroy_host_stream(stream).unwrap();
+    });
+}
+
+/// A process killed between preparing and running an exchange: the others' runs fail with ABORTED,
+/// well within the timeout.
+#[test]
+fn a_process_killed_mid_refit_fails_the_others() {
+    let ends = [End::Done, End::Killed, End::Done];
+    in_processes("a_process_killed_mid_refit_fails_the_others", &ends, |rank, size, id| {
+        let comm = join(rank, size, id, 60_000);
+        let p = process_of(rank as u32);
+        let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
+        let (sends, recvs, _) = flows_of(&share, rank as u32);
+        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(1).unwrap());
+        let exchange = StagedExchange::prepare(&comm, backend, 0, &sends, &recvs, 1 << 20).unwrap();
+        if rank == 1 {
+            // SAFETY: plain system calls; this process ends here.
+            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+        }
+        let started = Instant::now();
+        let stream = create_host_stream().unwrap();
+        // SAFETY: buffers live until synchronize returns.
+        let queued = unsafe { exchange.run(&comm, stream) };
+        let err = queued.and_then(|()| comm.synchronize(stream)).unwrap_err();
+        assert_eq!(err.status, Status::Aborted, "rank {rank}: {err}");
+        assert!(started.elapsed() < Duration::from_secs(10));
+        drop(exchange);
+        destroy_host_stream(stream).unwrap();
+    });
 }

@@ -27,9 +27,11 @@ pub mod driver;
 pub mod dynlib;
 pub mod host;
 pub mod host_copy;
+pub mod ipc;
 pub mod mesh;
 pub mod nccl;
 pub mod nvrtc;
+pub mod staged;
 
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
