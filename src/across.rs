@@ -127,8 +127,8 @@ fn agree(records: &[Record], rank: usize) -> Result<()> {
             continue;
         };
         return Err(Error::invalid_argument(format!(
-            "ranks 0 and {other} have different {what} (rank 0: {}, inputs {:#018x}; rank {other}: {}, inputs \
-             {:#018x}): every rank must pass the same options; nothing was planned on rank {rank}",
+            "ranks 0 and {other} have different {what} (rank 0: {}, inputs {:#018x}; rank {other}: {}, \
+             inputs {:#018x}): every rank must pass the same options; nothing was planned on rank {rank}",
             first.text, first.inputs, record.text, record.inputs
         )));
     }

@@ -6,6 +6,10 @@
 //! function of rank and call). Failure tests check that every rank gets a status, within the timeout,
 //! when a peer never arrives, exits, is killed or aborts.
 
+#[path = "common/processes.rs"]
+mod processes;
+
+use processes::{in_processes, End};
 use refit::across::build_plan;
 use refit::allgather::comm::allgather;
 use refit::plan::{self, Endpoint, Need, Offer, OwnerPolicy, PlanOptions, Region, Table, TensorSpec};
@@ -15,85 +19,15 @@ use refit::transport::ipc;
 use refit::transport::staged::{Flow, StagedExchange};
 use refit::transport::{Backend, BackendKind, Stream};
 use refit::{Segment, Status};
-use std::process::{Command, ExitStatus};
+use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const RANK: &str = "REFIT_COMM_TEST_RANK";
-const SIZE: &str = "REFIT_COMM_TEST_SIZE";
-const ID: &str = "REFIT_COMM_TEST_ID";
 const POISON: u8 = 0xAB;
 
-/// How a process is expected to end.
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-enum End {
-    /// The body returned (its checks held).
-    Done,
-    /// Killed by SIGKILL (the body kills itself to simulate a crash).
-    Killed,
-}
-
-/// Runs `body(rank, size, id)` in `size` processes and checks that each ends as `ends[rank]`.
-/// In a child (the environment names its rank), runs the body instead.
-fn in_processes(test: &str, ends: &[End], body: fn(usize, usize, &CommId)) {
-    if let (Ok(rank), Ok(size), Ok(id)) = (std::env::var(RANK), std::env::var(SIZE), std::env::var(ID)) {
-        let id = CommId(decode_hex(&id).try_into().expect("an id's bytes"));
-        body(rank.parse().unwrap(), size.parse().unwrap(), &id);
-        println!("rank {rank} done");
-        return;
-    }
-    let id = Communicator::unique_id(BackendKind::Host).unwrap();
-    let children: Vec<_> = (0..ends.len())
-        .map(|rank| {
-            Command::new(std::env::current_exe().unwrap())
-                .args([test, "--exact", "--nocapture", "--test-threads=1"])
-                .env(RANK, rank.to_string())
-                .env(SIZE, ends.len().to_string())
-                .env(ID, encode_hex(&id.0))
-                .stdout(std::process::Stdio::piped())
-                .stderr(std::process::Stdio::piped())
-                .spawn()
-                .unwrap()
-        })
-        .collect();
-    let deadline = Instant::now() + Duration::from_secs(120);
-    let mut failures = Vec::new();
-    for (rank, mut child) in children.into_iter().enumerate() {
-        while child.try_wait().unwrap().is_none() {
-            if Instant::now() > deadline {
-                let _ = child.kill();
-            }
-            std::thread::sleep(Duration::from_millis(10));
-        }
-        let output = child.wait_with_output().unwrap();
-        let text = format!(
-            "rank {rank} of {test}: {}\n{}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
-        let ended_as_expected = match ends[rank] {
-            End::Done => output.status.success() && text.contains(&format!("rank {rank} done")),
-            End::Killed => signal(output.status) == Some(libc::SIGKILL),
-        };
-        if !ended_as_expected {
-            failures.push(text);
-        }
-    }
-    assert!(failures.is_empty(), "{}", failures.join("\n"));
-}
-
-fn signal(status: ExitStatus) -> Option<i32> {
-    use std::os::unix::process::ExitStatusExt;
-    status.signal()
-}
-
-fn encode_hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
-}
-
-fn decode_hex(text: &str) -> Vec<u8> {
-    (0..text.len()).step_by(2).map(|i| u8::from_str_radix(&text[i..i + 2], 16).unwrap()).collect()
+/// Runs `body` in processes joined by a host-backend communicator (see `processes::in_processes`).
+fn on_host(test: &str, ends: &[End], body: fn(usize, usize, &CommId)) {
+    in_processes(test, BackendKind::Host, ends, body)
 }
 
 fn options(timeout_ms: u64) -> CommOptions {
@@ -144,6 +78,7 @@ fn gather_and_check(comm: &Communicator, counts: &[usize], call: usize, in_place
 fn allgather_equal_uneven_and_in_place_across_processes() {
     in_processes(
         "allgather_equal_uneven_and_in_place_across_processes",
+        BackendKind::Host,
         &[End::Done; 3],
         |rank, size, id| {
             let comm = join(rank, size, id, 20_000);
@@ -171,28 +106,34 @@ fn allgather_equal_uneven_and_in_place_across_processes() {
 
 #[test]
 fn bad_allgather_arguments_fail_before_anything_moves() {
-    in_processes("bad_allgather_arguments_fail_before_anything_moves", &[End::Done; 2], |rank, size, id| {
-        let comm = join(rank, size, id, 20_000);
-        let mut recv = [0u8; 8];
-        let recv_at = recv.as_mut_ptr() as u64;
-        let status = |send: u64, recv: u64, counts: &[usize]| {
-            // SAFETY: every call below is refused before it touches memory.
-            unsafe { allgather(&comm, send, recv, counts, Stream::NULL) }.unwrap_err().status
-        };
-        assert_eq!(status(recv_at, recv_at, &[4]), Status::InvalidArgument, "one count for two ranks");
-        assert_eq!(status(0, recv_at, &[4, 4]), Status::NullArgument);
-        assert_eq!(status(recv_at + 4, 0, &[4, 4]), Status::NullArgument);
-        assert_eq!(status(recv_at + 1, recv_at, &[4, 4]), Status::Overlap, "send straddles two slots");
-        assert_eq!(status(recv_at, recv_at, &[usize::MAX, 4]), Status::InvalidArgument);
-        // The communicator still works afterwards.
-        gather_and_check(&comm, &[3, 5], 1, false, Stream::NULL);
-    });
+    in_processes(
+        "bad_allgather_arguments_fail_before_anything_moves",
+        BackendKind::Host,
+        &[End::Done; 2],
+        |rank, size, id| {
+            let comm = join(rank, size, id, 20_000);
+            let mut recv = [0u8; 8];
+            let recv_at = recv.as_mut_ptr() as u64;
+            let status = |send: u64, recv: u64, counts: &[usize]| {
+                // SAFETY: every call below is refused before it touches memory.
+                unsafe { allgather(&comm, send, recv, counts, Stream::NULL) }.unwrap_err().status
+            };
+            assert_eq!(status(recv_at, recv_at, &[4]), Status::InvalidArgument, "one count for two ranks");
+            assert_eq!(status(0, recv_at, &[4, 4]), Status::NullArgument);
+            assert_eq!(status(recv_at + 4, 0, &[4, 4]), Status::NullArgument);
+            assert_eq!(status(recv_at + 1, recv_at, &[4, 4]), Status::Overlap, "send straddles two slots");
+            assert_eq!(status(recv_at, recv_at, &[usize::MAX, 4]), Status::InvalidArgument);
+            // The communicator still works afterwards.
+            gather_and_check(&comm, &[3, 5], 1, false, Stream::NULL);
+        },
+    );
 }
 
 #[test]
 fn ranks_that_pass_other_counts_fail_instead_of_reading_wrong_bytes() {
     in_processes(
         "ranks_that_pass_other_counts_fail_instead_of_reading_wrong_bytes",
+        BackendKind::Host,
         &[End::Done; 2],
         |rank, size, id| {
             let comm = join(rank, size, id, 20_000);
@@ -214,26 +155,31 @@ fn ranks_that_pass_other_counts_fail_instead_of_reading_wrong_bytes() {
 
 #[test]
 fn a_rank_that_never_calls_times_out_every_other_rank() {
-    in_processes("a_rank_that_never_calls_times_out_every_other_rank", &[End::Done; 3], |rank, size, id| {
-        let comm = join(rank, size, id, 1_000);
-        if rank == 2 {
-            // Joins, then does not take part in the allgather; waits past the others' timeout.
-            std::thread::sleep(Duration::from_millis(2_500));
-            return;
-        }
-        let started = Instant::now();
-        let err = comm.allgather_bytes(b"hello").unwrap_err();
-        let waited = started.elapsed();
-        assert!(matches!(err.status, Status::Timeout | Status::Aborted), "rank {rank}: {err}");
-        assert!(waited < Duration::from_millis(2_000), "rank {rank} waited {waited:?}");
-        assert_eq!(comm.check().unwrap_err().status, err.status, "the failure is kept");
-    });
+    in_processes(
+        "a_rank_that_never_calls_times_out_every_other_rank",
+        BackendKind::Host,
+        &[End::Done; 3],
+        |rank, size, id| {
+            let comm = join(rank, size, id, 1_000);
+            if rank == 2 {
+                // Joins, then does not take part in the allgather; waits past the others' timeout.
+                std::thread::sleep(Duration::from_millis(2_500));
+                return;
+            }
+            let started = Instant::now();
+            let err = comm.allgather_bytes(b"hello").unwrap_err();
+            let waited = started.elapsed();
+            assert!(matches!(err.status, Status::Timeout | Status::Aborted), "rank {rank}: {err}");
+            assert!(waited < Duration::from_millis(2_000), "rank {rank} waited {waited:?}");
+            assert_eq!(comm.check().unwrap_err().status, err.status, "the failure is kept");
+        },
+    );
 }
 
 #[test]
 fn a_killed_process_fails_the_others_at_once() {
     let ends = [End::Done, End::Killed, End::Done];
-    in_processes("a_killed_process_fails_the_others_at_once", &ends, |rank, size, id| {
+    on_host("a_killed_process_fails_the_others_at_once", &ends, |rank, size, id| {
         // A long timeout: the others must not need it to notice the crash.
         let comm = join(rank, size, id, 60_000);
         if rank == 1 {
@@ -254,7 +200,7 @@ fn a_killed_process_fails_the_others_at_once() {
 
 #[test]
 fn an_abort_ends_the_peers_calls() {
-    in_processes("an_abort_ends_the_peers_calls", &[End::Done; 2], |rank, size, id| {
+    on_host("an_abort_ends_the_peers_calls", &[End::Done; 2], |rank, size, id| {
         let comm = join(rank, size, id, 60_000);
         if rank == 1 {
             comm.abort();
@@ -271,12 +217,17 @@ fn an_abort_ends_the_peers_calls() {
 
 #[test]
 fn ranks_created_with_other_sizes_are_refused() {
-    in_processes("ranks_created_with_other_sizes_are_refused", &[End::Done; 2], |rank, _size, id| {
-        let size = if rank == 0 { 2 } else { 3 };
-        let err = Communicator::create(id, size, rank, 0, options(5_000)).err().unwrap();
-        assert_eq!(err.status, Status::InvalidArgument, "rank {rank}: {err}");
-        assert!(err.message.contains("nranks"), "{err}");
-    });
+    in_processes(
+        "ranks_created_with_other_sizes_are_refused",
+        BackendKind::Host,
+        &[End::Done; 2],
+        |rank, _size, id| {
+            let size = if rank == 0 { 2 } else { 3 };
+            let err = Communicator::create(id, size, rank, 0, options(5_000)).err().unwrap();
+            assert_eq!(err.status, Status::InvalidArgument, "rank {rank}: {err}");
+            assert!(err.message.contains("nranks"), "{err}");
+        },
+    );
 }
 
 /// Rank `rank`'s table of a small refit: ranks 0 and 1 publish replicas of `w` (8 x 16, 4-byte
@@ -344,7 +295,7 @@ fn share_of(whole: &plan::Plan, rank: usize) -> Vec<plan::Route> {
 #[test]
 fn plans_built_across_processes_are_shares_of_the_single_process_plan() {
     let test = "plans_built_across_processes_are_shares_of_the_single_process_plan";
-    in_processes(test, &[End::Done; 3], |rank, size, id| {
+    on_host(test, &[End::Done; 3], |rank, size, id| {
         let comm = join(rank, size, id, 20_000);
         let all: Vec<Table> = (0..3).map(table_of).collect();
         for policy in [OwnerPolicy::First, OwnerPolicy::Local, OwnerPolicy::Balanced] {
@@ -364,6 +315,7 @@ fn plans_built_across_processes_are_shares_of_the_single_process_plan() {
 fn ranks_with_other_options_fail_on_every_rank_and_can_try_again() {
     in_processes(
         "ranks_with_other_options_fail_on_every_rank_and_can_try_again",
+        BackendKind::Host,
         &[End::Done; 3],
         |rank, size, id| {
             let comm = join(rank, size, id, 20_000);
@@ -531,13 +483,14 @@ fn check_received(p: &Process, rank: usize, how: &str) {
 }
 
 /// Plans across the processes, then moves the remote routes through staging over the communicator
-/// (the NCCL route's simulation) with a small staging budget (several chunks per flow, each staging slot reused), runs the
-/// local routes, and checks every need against values computed without the plan; twice, so that a
-/// prepared exchange runs again. Wire bytes equal the plan's remote bytes.
+/// (the NCCL route's simulation) with a small staging budget (several chunks per flow, each staging
+/// slot reused), runs the local routes, and checks every need against values computed without the
+/// plan; twice, so that a prepared exchange runs again. Wire bytes equal the plan's remote bytes.
 #[test]
 fn a_refit_across_processes_through_staging_is_byte_exact() {
     in_processes(
         "a_refit_across_processes_through_staging_is_byte_exact",
+        BackendKind::Host,
         &[End::Done; 3],
         |rank, size, id| {
             let comm = join(rank, size, id, 30_000);
@@ -562,8 +515,9 @@ fn a_refit_across_processes_through_staging_is_byte_exact() {
                 for (buffer, _) in &p.expected {
                     p.buffers[*buffer].fill(0xDEAD_BEEF);
                 }
-                comm.allgather_bytes(b"poisoned").unwrap(); // no peer writes before this rank poisoned
-                                                            // SAFETY: every buffer lives until synchronize returns.
+                // No peer writes before this rank poisoned.
+                comm.allgather_bytes(b"poisoned").unwrap();
+                // SAFETY: every buffer lives until synchronize returns.
                 unsafe {
                     exchange.run(&comm, stream).unwrap();
                     backend.copy_segments(0, stream, &local).unwrap();
@@ -579,45 +533,61 @@ fn a_refit_across_processes_through_staging_is_byte_exact() {
 }
 
 /// The same refit with the remote routes written straight into the receivers' memory (the IPC
-/// route's simulation): receivers share their need buffers, senders open them and write.
+/// route's simulation): receivers share their need buffers with their writers (`ipc::connect`),
+/// writers open them and write; every rank learns which pairs use IPC.
 #[test]
 fn a_refit_across_processes_through_ipc_is_byte_exact() {
-    in_processes("a_refit_across_processes_through_ipc_is_byte_exact", &[End::Done; 3], |rank, size, id| {
-        let comm = join(rank, size, id, 30_000);
-        let p = process_of(rank as u32);
-        let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
-        let (sends, _recvs, local) = flows_of(&share, rank as u32);
-        let ranges: Vec<(u64, u64)> = p
-            .expected
-            .iter()
-            .map(|(b, _)| (p.buffers[*b].as_ptr() as u64, 4 * p.buffers[*b].len() as u64))
-            .collect();
-        let exported = ipc::export_host(&ranges).unwrap();
-        let all = comm.allgather_bytes(&ipc::encode(&exported.shares)).unwrap();
-        let stream = create_host_stream().unwrap();
-        for flow in &sends {
-            let shares = ipc::decode(&all[flow.peer]).unwrap();
-            let opened = match ipc::Opened::open(0, &shares, Vec::new()) {
-                Ok(opened) => Arc::new(opened),
-                Err(err) => {
-                    // A kernel that forbids cross-process access: the route would fall back to NCCL.
-                    assert_eq!(err.status, Status::Unsupported, "{err}");
-                    println!("rank {rank}: IPC unavailable here ({err}); not checked");
-                    comm.allgather_bytes(b"written").unwrap();
-                    return;
-                }
-            };
-            let writes = opened.prepare_writes(&flow.segments).unwrap();
-            // SAFETY: the sources live until the launch returns (host writes complete on return).
-            unsafe { writes.launch(stream) }.unwrap();
-        }
-        // SAFETY: local buffers live until the stream is synchronized below.
-        unsafe { HostBackend::new(1).unwrap().copy_segments(0, stream, &local).unwrap() };
-        refit::transport::host::host_stream(stream).unwrap().synchronize().unwrap();
-        comm.allgather_bytes(b"written").unwrap(); // every writer is done
-        check_received(&p, rank, "ipc");
-        destroy_host_stream(stream).unwrap();
-    });
+    in_processes(
+        "a_refit_across_processes_through_ipc_is_byte_exact",
+        BackendKind::Host,
+        &[End::Done; 3],
+        |rank, size, id| {
+            let comm = join(rank, size, id, 30_000);
+            let p = process_of(rank as u32);
+            let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
+            let (sends, recvs, local) = flows_of(&share, rank as u32);
+            let ranges: Vec<(u64, u64)> = p
+                .expected
+                .iter()
+                .map(|(b, _)| (p.buffers[*b].as_ptr() as u64, 4 * p.buffers[*b].len() as u64))
+                .collect();
+            let writers: Vec<usize> = recvs.iter().map(|f| f.peer).collect();
+            let owners: Vec<usize> = sends.iter().map(|f| f.peer).collect();
+            let peers = ipc::connect(&comm, BackendKind::Host, 0, &ranges, &writers, &owners).unwrap();
+            if peers.opened.is_empty() && peers.writers.is_empty() {
+                // A kernel that forbids cross-process access: every pair falls back to staging.
+                println!("rank {rank}: IPC unavailable here; not checked");
+                return;
+            }
+            assert_eq!(
+                peers.opened.keys().copied().collect::<HashSet<_>>(),
+                owners.iter().copied().collect()
+            );
+            assert_eq!(
+                peers.writers,
+                writers.iter().copied().collect(),
+                "rank {rank} knows who writes into it"
+            );
+            let stream = create_host_stream().unwrap();
+            for flow in &sends {
+                let writes = peers.opened[&flow.peer].prepare_writes(&flow.segments).unwrap();
+                // SAFETY: the sources live until the launch returns (host writes complete on return).
+                unsafe { writes.launch(stream) }.unwrap();
+            }
+            // SAFETY: local buffers live until the stream is synchronized below.
+            unsafe { HostBackend::new(1).unwrap().copy_segments(0, stream, &local).unwrap() };
+            refit::transport::host::host_stream(stream).unwrap().synchronize().unwrap();
+            comm.allgather_bytes(b"written").unwrap(); // every writer is done
+            check_received(&p, rank, "ipc");
+            destroy_host_stream(stream).unwrap();
+            // A write outside what the owner shared is refused before anything moves.
+            if let Some(flow) = sends.first() {
+                let stray = Segment { dst: 8, ..flow.segments[0] };
+                let err = peers.opened[&flow.peer].prepare_writes(&[stray]).err().unwrap();
+                assert_eq!(err.status, Status::NotFound, "{err}");
+            }
+        },
+    );
 }
 
 /// A process killed between preparing and running an exchange: the others' runs fail with ABORTED,
@@ -625,25 +595,67 @@ fn a_refit_across_processes_through_ipc_is_byte_exact() {
 #[test]
 fn a_process_killed_mid_refit_fails_the_others() {
     let ends = [End::Done, End::Killed, End::Done];
-    in_processes("a_process_killed_mid_refit_fails_the_others", &ends, |rank, size, id| {
-        let comm = join(rank, size, id, 60_000);
-        let p = process_of(rank as u32);
-        let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
-        let (sends, recvs, _) = flows_of(&share, rank as u32);
-        let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(1).unwrap());
-        let exchange = StagedExchange::prepare(&comm, backend, 0, &sends, &recvs, 1 << 20).unwrap();
-        if rank == 1 {
-            // SAFETY: plain system calls; this process ends here.
-            unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
-        }
-        let started = Instant::now();
-        let stream = create_host_stream().unwrap();
-        // SAFETY: buffers live until synchronize returns.
-        let queued = unsafe { exchange.run(&comm, stream) };
-        let err = queued.and_then(|()| comm.synchronize(stream)).unwrap_err();
-        assert_eq!(err.status, Status::Aborted, "rank {rank}: {err}");
-        assert!(started.elapsed() < Duration::from_secs(10));
-        drop(exchange);
-        destroy_host_stream(stream).unwrap();
-    });
+    in_processes(
+        "a_process_killed_mid_refit_fails_the_others",
+        BackendKind::Host,
+        &ends,
+        |rank, size, id| {
+            let comm = join(rank, size, id, 60_000);
+            let p = process_of(rank as u32);
+            let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
+            let (sends, recvs, _) = flows_of(&share, rank as u32);
+            let backend: Arc<dyn Backend> = Arc::new(HostBackend::new(1).unwrap());
+            let exchange = StagedExchange::prepare(&comm, backend, 0, &sends, &recvs, 1 << 20).unwrap();
+            if rank == 1 {
+                // SAFETY: plain system calls; this process ends here.
+                unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+            }
+            let started = Instant::now();
+            let stream = create_host_stream().unwrap();
+            // SAFETY: buffers live until synchronize returns.
+            let queued = unsafe { exchange.run(&comm, stream) };
+            let err = queued.and_then(|()| comm.synchronize(stream)).unwrap_err();
+            assert_eq!(err.status, Status::Aborted, "rank {rank}: {err}");
+            assert!(started.elapsed() < Duration::from_secs(10));
+            drop(exchange);
+            destroy_host_stream(stream).unwrap();
+        },
+    );
+}
+
+/// The ranks on one machine find each other and pass file descriptors (how VMM memory is shared):
+/// rank 0 passes a memfd holding a message to rank 2, which reads it.
+#[test]
+fn descriptors_pass_between_processes_on_one_machine() {
+    in_processes(
+        "descriptors_pass_between_processes_on_one_machine",
+        BackendKind::Host,
+        &[End::Done; 3],
+        |rank, size, id| {
+            use std::io::{Read, Seek, SeekFrom, Write};
+            use std::os::fd::{AsRawFd, FromRawFd};
+            let comm = join(rank, size, id, 20_000);
+            let node = comm.node_mesh().unwrap();
+            assert_eq!(node.ranks(), &[0, 1, 2]);
+            assert!(Arc::ptr_eq(&node, &comm.node_mesh().unwrap()), "made once");
+            let timeout = Duration::from_secs(20);
+            if rank == 0 {
+                // SAFETY: memfd_create with a valid name; the descriptor is owned by the File.
+                let mut file =
+                    unsafe { std::fs::File::from_raw_fd(libc::memfd_create(c"refit-test".as_ptr(), 0)) };
+                file.write_all(b"from rank 0").unwrap();
+                node.send_fds(2, &[file.as_raw_fd()], timeout).unwrap();
+            }
+            if rank == 2 {
+                let fds = node.recv_fds(0, timeout).unwrap();
+                let mut file = std::fs::File::from(fds.into_iter().next().unwrap());
+                file.seek(SeekFrom::Start(0)).unwrap();
+                let mut text = String::new();
+                file.read_to_string(&mut text).unwrap();
+                assert_eq!(text, "from rank 0");
+            }
+            assert_eq!(node.send_fds(5, &[], timeout).unwrap_err().status, Status::InvalidArgument);
+            comm.allgather_bytes(b"done").unwrap();
+        },
+    );
 }

@@ -21,14 +21,15 @@
 //! the writer copies with `process_vm_writev` (where the kernel lets one process of the same user
 //! write another's memory; where it does not, opening fails like an IPC handle that cannot be opened).
 
+use super::comm::Communicator;
 use super::driver::{check, primary_context, CurrentContext};
-use super::{PreparedCopy, Stream};
+use super::{BackendKind, PreparedCopy, Stream};
 use crate::bail;
 use crate::error::{Error, Result, Status};
 use crate::segment::check::validate;
 use crate::segment::Segment;
 use cudarc::driver::sys::{self, CUresult};
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd};
 use std::sync::Arc;
 
@@ -606,6 +607,109 @@ unsafe fn write_host_runs(pid: u32, segments: &[Segment]) -> Result<()> {
 /// The raw descriptors of `exported`, for [`super::mesh::Mesh::send_fds`].
 pub fn raw_fds(exported: &Exported) -> Vec<i32> {
     exported.fds.iter().map(|fd| fd.as_raw_fd()).collect()
+}
+
+/// Which pairs write through IPC, as every rank agreed in [`connect`]; the others take staging.
+pub struct Peers {
+    /// The memory of each owner this rank writes into through IPC.
+    pub opened: HashMap<usize, Arc<Opened>>,
+    /// The ranks that write into this rank's memory through IPC.
+    pub writers: HashSet<usize>,
+}
+
+/// Sets up IPC between the ranks of `comm` (a collective call: every rank makes it): each rank shares
+/// `mine` (the ranges of its memory that `writers` write into; device memory of `device`, or host
+/// memory when `kind` is the host backend) with its writers on this machine, and opens the shares
+/// of `owners` (the ranks it writes into) that are on this machine. Then every rank learns which
+/// pairs succeeded: a pair uses IPC only when the writer opened the owner's shares. A pair that could
+/// not (another machine, memory that cannot be shared or opened) is left to staging, and the first
+/// such pair is logged once as a warning with the reason.
+///
+/// Errors: the communicator's (TIMEOUT, ABORTED), DECODE_ERROR (a peer's bytes), CUDA_ERROR.
+pub fn connect(
+    comm: &Communicator,
+    kind: BackendKind,
+    device: i32,
+    mine: &[(u64, u64)],
+    writers: &[usize],
+    owners: &[usize],
+) -> Result<Peers> {
+    let node = comm.node_mesh()?;
+    let local_writers: Vec<usize> =
+        writers.iter().copied().filter(|&w| node.holds(w) && w != comm.rank()).collect();
+    // A rank with nothing to share (or whose memory cannot be shared) still takes part.
+    let exported = if local_writers.is_empty() || mine.is_empty() {
+        Ok(Exported { shares: Vec::new(), fds: Vec::new() })
+    } else if kind == BackendKind::Host {
+        export_host(mine)
+    } else {
+        export(device, mine)
+    };
+    let (shares, why_not) = match exported {
+        Ok(exported) => (exported, None),
+        Err(err) => (Exported { shares: Vec::new(), fds: Vec::new() }, Some(err)),
+    };
+    let mut record = vec![u8::from(why_not.is_none())];
+    record.extend_from_slice(&encode(&shares.shares));
+    let all = comm.allgather_bytes(&record)?;
+    let timeout = comm.options().timeout;
+    for &writer in &local_writers {
+        node.send_fds(writer, &raw_fds(&shares), timeout)?;
+    }
+    let mut opened = HashMap::new();
+    let mut failures = Vec::new();
+    for &owner in owners.iter().filter(|&&o| o != comm.rank()) {
+        if !node.holds(owner) {
+            failures.push(format!("rank {owner} is on another machine"));
+            continue;
+        }
+        let fds = node.recv_fds(owner, timeout)?;
+        let record = &all[owner];
+        if record.first() != Some(&1) {
+            failures.push(format!("rank {owner} could not share its memory"));
+            continue;
+        }
+        match decode(&record[1..]).and_then(|shares| Opened::open(device, &shares, fds)) {
+            Ok(o) => {
+                opened.insert(owner, Arc::new(o));
+            }
+            Err(err) if err.status == Status::DecodeError => return Err(err),
+            Err(err) => failures.push(format!("rank {owner}'s memory cannot be opened: {}", err.message)),
+        }
+    }
+    if let Some(err) = why_not {
+        failures.push(format!("this rank's memory cannot be shared: {}", err.message));
+    }
+    // Every rank learns which of its writers opened its memory.
+    let mut opened_owners: Vec<u8> = Vec::new();
+    for owner in opened.keys() {
+        opened_owners.extend_from_slice(&(*owner as u64).to_le_bytes());
+    }
+    let verdicts = comm.allgather_bytes(&opened_owners)?;
+    let mut ipc_writers = HashSet::new();
+    for (writer, bytes) in verdicts.iter().enumerate() {
+        if bytes
+            .chunks_exact(8)
+            .any(|b| u64::from_le_bytes(b.try_into().expect("8 bytes")) == comm.rank() as u64)
+        {
+            ipc_writers.insert(writer);
+        }
+    }
+    if let Some(first) = failures.first() {
+        warn_once(&format!(
+            "rank {}: {} of its routes between processes take NCCL (staging) instead of CUDA IPC; first \
+             reason: {first}",
+            comm.rank(),
+            failures.len()
+        ));
+    }
+    Ok(Peers { opened, writers: ipc_writers })
+}
+
+/// Logs `message` as a warning the first time this process falls back from IPC.
+fn warn_once(message: &str) {
+    static WARNED: std::sync::Once = std::sync::Once::new();
+    WARNED.call_once(|| log::warn!("{message}"));
 }
 
 #[cfg(test)]

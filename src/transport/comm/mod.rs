@@ -19,6 +19,7 @@
 
 mod host_link;
 mod nccl_link;
+mod node;
 
 use super::mesh::{self, Message};
 use super::nccl::{nccl, NcclComm, NcclUniqueId};
@@ -28,7 +29,8 @@ use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
 use host_link::HostLink;
 use nccl_link::NcclLink;
-use std::sync::Mutex;
+pub use node::NodeMesh;
+use std::sync::{Arc, Mutex, OnceLock};
 use std::time::Duration;
 
 /// Tags of the host link's own steps (see [`Communicator::transfer`]), apart from any digest of
@@ -155,6 +157,8 @@ pub struct Communicator {
     device: i32,
     options: CommOptions,
     link: Link,
+    /// The ranks on this machine, joined on first use (see [`Communicator::node_mesh`]).
+    node: OnceLock<std::result::Result<Arc<NodeMesh>, Error>>,
 }
 
 impl Communicator {
@@ -201,7 +205,7 @@ impl Communicator {
                 Link::Nccl(NcclLink::create(id.nccl_id(), rank, size, device, options.timeout)?)
             }
         };
-        Ok(Communicator { rank, size, device, options, link })
+        Ok(Communicator { rank, size, device, options, link, node: OnceLock::new() })
     }
 
     /// Wraps `comm`, an NCCL communicator the caller holds and keeps owning: rank, size and device
@@ -218,7 +222,7 @@ impl Communicator {
         check_options(&options)?;
         let (rank, size, device) = nccl()?.comm_query(comm)?;
         let link = Link::Nccl(NcclLink::adopt(comm, device, options.timeout)?);
-        Ok(Communicator { rank, size, device, options, link })
+        Ok(Communicator { rank, size, device, options, link, node: OnceLock::new() })
     }
 
     pub fn rank(&self) -> usize {
@@ -261,6 +265,19 @@ impl Communicator {
             Link::Host(link) => link.abort(why),
             Link::Nccl(link) => link.abort(why),
         }
+        if let Some(Ok(node)) = self.node.get() {
+            node.shutdown();
+        }
+    }
+
+    /// The ranks of this communicator on this machine, joined by a mesh of Unix sockets that passes
+    /// file descriptors (CUDA IPC of VMM memory). Made by the first call, a collective one: every
+    /// rank makes it at the same point of its calls; later calls return the same mesh (or failure).
+    pub fn node_mesh(&self) -> Result<Arc<NodeMesh>> {
+        self.node
+            .get_or_init(|| NodeMesh::join(self, self.options.timeout).map(Arc::new))
+            .clone()
+            .map_err(|e| e.context("joining the ranks on this machine"))
     }
 
     /// Queues on `stream` (a stream of this rank's device; NULL for its legacy default stream) one
