@@ -300,8 +300,13 @@ struct Mapping {
 #[derive(Debug)]
 enum MappingKind {
     Legacy,
-    Vmm { handles: Vec<sys::CUmemGenericAllocationHandle> },
-    Host { pid: u32 },
+    /// Each chunk's (offset in the mapping, bytes, imported handle), in order.
+    Vmm {
+        chunks: Vec<(u64, u64, sys::CUmemGenericAllocationHandle)>,
+    },
+    Host {
+        pid: u32,
+    },
 }
 
 /// Another process's shares, opened in this one on CUDA device `device` (or the host backend):
@@ -434,30 +439,21 @@ fn open_vmm(device: i32, base: u64, chunks: &[u64], fds: Vec<OwnedFd>) -> Result
     // SAFETY: valid output slot.
     check("cuMemAddressReserve", unsafe { sys::cuMemAddressReserve(&mut local, total as usize, 0, 0, 0) })?;
     let mut mapping =
-        Mapping { remote: base, size: total, local, kind: MappingKind::Vmm { handles: Vec::new() } };
+        Mapping { remote: base, size: total, local, kind: MappingKind::Vmm { chunks: Vec::new() } };
     let mut offset = 0;
-    for (chunk, fd) in chunks.iter().zip(fds) {
-        let mut handle: sys::CUmemGenericAllocationHandle = 0;
-        let raw = fd.into_raw_fd();
-        // SAFETY: the descriptor the owner passed; the driver takes what it needs from it.
-        let imported = check("cuMemImportFromShareableHandle", unsafe {
-            sys::cuMemImportFromShareableHandle(
-                &mut handle,
-                raw as usize as *mut std::ffi::c_void,
-                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
-            )
-        });
-        // SAFETY: ours; the imported handle holds its own reference to the memory.
-        unsafe { libc::close(raw) };
-        imported.map_err(|e| {
-            Error::new(Status::Unsupported, format!("cannot import the peer's memory: {}", e.message))
-        })?;
-        if let MappingKind::Vmm { handles } = &mut mapping.kind {
-            handles.push(handle);
+    for (&chunk, fd) in chunks.iter().zip(fds) {
+        match map_chunk(fd, local + offset, chunk) {
+            Ok(handle) => {
+                if let MappingKind::Vmm { chunks } = &mut mapping.kind {
+                    chunks.push((offset, chunk, handle));
+                }
+                offset += chunk;
+            }
+            Err(err) => {
+                release(&mapping);
+                return Err(err);
+            }
         }
-        // SAFETY: inside the reservation; the handle covers `chunk` bytes from its start.
-        check("cuMemMap", unsafe { sys::cuMemMap(local + offset, *chunk as usize, 0, handle, 0) })?;
-        offset += chunk;
     }
     let access = sys::CUmemAccessDesc {
         location: sys::CUmemLocation {
@@ -467,8 +463,40 @@ fn open_vmm(device: i32, base: u64, chunks: &[u64], fds: Vec<OwnedFd>) -> Result
         flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
     };
     // SAFETY: the whole range is mapped.
-    check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(local, total as usize, &access, 1) })?;
+    if let Err(err) =
+        check("cuMemSetAccess", unsafe { sys::cuMemSetAccess(local, total as usize, &access, 1) })
+    {
+        release(&mapping);
+        return Err(err);
+    }
     Ok(mapping)
+}
+
+/// Imports the chunk `fd` names and maps its `bytes` at `at` (inside a reservation); its handle.
+fn map_chunk(fd: OwnedFd, at: u64, bytes: u64) -> Result<sys::CUmemGenericAllocationHandle> {
+    let mut handle: sys::CUmemGenericAllocationHandle = 0;
+    let raw = fd.into_raw_fd();
+    // SAFETY: the descriptor the owner passed; the driver takes what it needs from it.
+    let imported = check("cuMemImportFromShareableHandle", unsafe {
+        sys::cuMemImportFromShareableHandle(
+            &mut handle,
+            raw as usize as *mut std::ffi::c_void,
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+        )
+    });
+    // SAFETY: ours; the imported handle holds its own reference to the memory.
+    unsafe { libc::close(raw) };
+    imported.map_err(|e| {
+        Error::new(Status::Unsupported, format!("cannot import the peer's memory: {}", e.message))
+    })?;
+    // SAFETY: inside the caller's reservation; the handle covers `bytes` from its start.
+    let mapped = check("cuMemMap", unsafe { sys::cuMemMap(at, bytes as usize, 0, handle, 0) });
+    if let Err(err) = mapped {
+        // SAFETY: imported above, mapped nowhere.
+        unsafe { sys::cuMemRelease(handle) };
+        return Err(err);
+    }
+    Ok(handle)
 }
 
 /// Checks that this process may read and write process `pid`'s memory (one byte read at `base`).
@@ -488,33 +516,38 @@ fn open_host(pid: u32, base: u64, size: u64) -> Result<Mapping> {
     Ok(Mapping { remote: base, size, local: base, kind: MappingKind::Host { pid } })
 }
 
+/// Closes what one `open_*` made: the legacy handle, or every mapped chunk, its handle and the
+/// reservation. The caller has the device's context current.
+fn release(mapping: &Mapping) {
+    // SAFETY: what open_* made, used no more.
+    let results = unsafe {
+        match &mapping.kind {
+            MappingKind::Legacy => vec![sys::cuIpcCloseMemHandle(mapping.local)],
+            MappingKind::Vmm { chunks } => {
+                let mut results: Vec<CUresult> = chunks
+                    .iter()
+                    .flat_map(|&(offset, bytes, handle)| {
+                        [sys::cuMemUnmap(mapping.local + offset, bytes as usize), sys::cuMemRelease(handle)]
+                    })
+                    .collect();
+                results.push(sys::cuMemAddressFree(mapping.local, mapping.size as usize));
+                results
+            }
+            MappingKind::Host { .. } => Vec::new(),
+        }
+    };
+    if let Some(&failed) = results.iter().find(|&&r| r != CUresult::CUDA_SUCCESS) {
+        log::warn!("closing a peer's memory at {:#x}: {}", mapping.local, super::driver::error_name(failed));
+    }
+}
+
 impl Drop for Opened {
     fn drop(&mut self) {
         // SAFETY: a retained primary context, when any share was a device one.
         let _current =
             (self.context != 0).then(|| unsafe { CurrentContext::enter(self.context as sys::CUcontext) });
         for mapping in &self.mappings {
-            // SAFETY: what open_* made, used no more.
-            let result = unsafe {
-                match &mapping.kind {
-                    MappingKind::Legacy => sys::cuIpcCloseMemHandle(mapping.local),
-                    MappingKind::Vmm { handles } => {
-                        sys::cuMemUnmap(mapping.local, mapping.size as usize);
-                        for &h in handles {
-                            sys::cuMemRelease(h);
-                        }
-                        sys::cuMemAddressFree(mapping.local, mapping.size as usize)
-                    }
-                    MappingKind::Host { .. } => CUresult::CUDA_SUCCESS,
-                }
-            };
-            if result != CUresult::CUDA_SUCCESS {
-                log::warn!(
-                    "closing a peer's memory at {:#x}: {}",
-                    mapping.local,
-                    super::driver::error_name(result)
-                );
-            }
+            release(mapping);
         }
     }
 }
