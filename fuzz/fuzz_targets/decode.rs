@@ -25,6 +25,11 @@ fuzz_target!(|data: &[u8]| {
     };
     let again = encode(&table);
     assert_eq!(decode(&again).expect("re-encoded table decodes"), table);
-    let limits = Limits { max_segments: 1 << 16, max_pieces: 1 << 12, max_overlap_runs: 1 << 16 };
+    let limits = Limits {
+        max_segments: 1 << 16,
+        max_pieces: 1 << 12,
+        max_overlap_runs: 1 << 16,
+        max_box_tests: 1 << 20,
+    };
     let _ = build_with_limits(&[table], &PlanOptions::default(), &limits);
 });

@@ -49,7 +49,7 @@ fn table(input: &mut Bytes) -> Table {
         let region = Region { offset: input.list(n, 4), extent: input.list(n, 6) };
         let strides = (input.byte() % 3 == 0).then(|| input.list(n, 40));
         let digest = (input.byte() % 2 == 0).then(|| u64::from(input.byte() % 2));
-        let owner = Endpoint { rank: u32::from(input.byte() % 3), device: u32::from(input.byte() % 2) };
+        let owner = Endpoint { process: u32::from(input.byte() % 3), device: u32::from(input.byte() % 2) };
         let addr = input.value(16).saturating_add(1).saturating_mul(4096);
         t.offers.push(Offer { tensor, owner, addr, region, strides, digest });
     }
@@ -62,7 +62,7 @@ fn table(input: &mut Bytes) -> Table {
             p.rotate_left(n.min(1));
             p
         });
-        let receiver = Endpoint { rank: u32::from(input.byte() % 3), device: u32::from(input.byte() % 2) };
+        let receiver = Endpoint { process: u32::from(input.byte() % 3), device: u32::from(input.byte() % 2) };
         let addr = input.value(16).saturating_add(1).saturating_mul(4096).saturating_add(input.value(64));
         t.needs.push(Need { tensor, receiver, addr, region, perm, strides: input.list(n, 40) });
     }
@@ -72,7 +72,12 @@ fn table(input: &mut Bytes) -> Table {
 fuzz_target!(|data: &[u8]| {
     let mut input = Bytes(data);
     let tables = vec![table(&mut input), table(&mut input)];
-    let limits = Limits { max_segments: 1 << 16, max_pieces: 1 << 12, max_overlap_runs: 1 << 16 };
+    let limits = Limits {
+        max_segments: 1 << 16,
+        max_pieces: 1 << 12,
+        max_overlap_runs: 1 << 16,
+        max_box_tests: 1 << 20,
+    };
     // Whether a table is valid never depends on the options; only the segment limit may.
     let mut first: Option<Result<(), Status>> = None;
     for policy in [OwnerPolicy::First, OwnerPolicy::Local, OwnerPolicy::Balanced] {

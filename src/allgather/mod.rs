@@ -30,6 +30,7 @@ use crate::bail;
 use crate::error::{try_reserve, try_vec, Error, Result, Status};
 use crate::group::Group;
 use crate::segment::Segment;
+use crate::sync::lock;
 use crate::transport::driver::CurrentContext;
 use crate::transport::nccl::{nccl, Communicators};
 use crate::transport::{Backend, BackendKind, Stream};
@@ -276,7 +277,7 @@ pub unsafe fn allgather_rank(
     // crossing needs every rank, and a rank one call ahead writes the other parity.
     let slots = &state.slots[(group.barrier().crossings() % 2) as usize];
     {
-        let mut mine = slots[rank].lock().unwrap_or_else(|p| p.into_inner());
+        let mut mine = lock(&slots[rank]);
         mine.send = send;
         mine.recv = recv;
         mine.counts.clear();
@@ -360,8 +361,7 @@ fn published(
     counts: &[usize],
     requested: Algorithm,
 ) -> Result<Vec<Published>> {
-    let peers: Vec<Published> =
-        slots.iter().map(|s| s.lock().unwrap_or_else(|p| p.into_inner()).clone()).collect();
+    let peers: Vec<Published> = slots.iter().map(|s| lock(s).clone()).collect();
     for (p, peer) in peers.iter().enumerate() {
         if peer.counts != counts || peer.algorithm != requested.code() {
             bail!(

@@ -37,6 +37,7 @@ use crate::group::Group;
 use crate::kernels::rendezvous::Rendezvous;
 use crate::kernels::{BatchedCopy, PreparedBatch};
 use crate::segment::Segment;
+use crate::sync::lock;
 use crate::transport::{Backend, BackendKind, Event, Stream};
 use cudarc::driver::sys::CUstream;
 use std::sync::{Arc, Mutex, OnceLock};
@@ -193,11 +194,12 @@ impl Lanes {
 /// direct peer access or without libnvrtc, or one rank) still falls back to the copy engine.
 /// Errors: those of creating the group's allgather state (its events).
 pub fn set_method(group: &Group, method: Option<PeerMethod>) -> Result<()> {
-    *state(group)?.method.lock().unwrap_or_else(|p| p.into_inner()) = method;
+    *lock(&state(group)?.method) = method;
     Ok(())
 }
 
-/// The method for a call with this mean block size on `group`, as [`method_for_state`].
+/// The method for a call with this mean block size on `group`: the override ([`set_method`]) when
+/// set, else the size rule (see the module docs). Errors: those of creating the peer state.
 pub fn method_for(group: &Group, mean_block: u64) -> Result<PeerMethod> {
     let state = state(group)?;
     Ok(method_for_state(group, &state, mean_block))
@@ -214,7 +216,7 @@ pub(super) fn method_for_state(group: &Group, state: &PeerState, mean_block: u64
     if !kernels_possible {
         return PeerMethod::CopyEnginePushes;
     }
-    if let Some(method) = *state.method.lock().unwrap_or_else(|p| p.into_inner()) {
+    if let Some(method) = *lock(&state.method) {
         return method;
     }
     if mean_block < COPY_ENGINE_FROM {
@@ -508,7 +510,7 @@ fn prepared(
     method: PeerMethod,
     build: impl Fn(usize) -> Result<PreparedBatch>,
 ) -> Result<Vec<Arc<PreparedBatch>>> {
-    let mut cached = state.prepared.lock().unwrap_or_else(|p| p.into_inner());
+    let mut cached = lock(&state.prepared);
     if let Some(hit) = cached.as_ref().filter(|c| c.matches(method, call)) {
         return Ok(hit.per_rank.clone());
     }

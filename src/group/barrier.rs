@@ -6,6 +6,7 @@
 
 use super::spin::spin_while;
 use crate::error::{Error, Result, Status};
+use crate::sync::{lock, wait};
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Condvar, Mutex};
 
@@ -55,7 +56,7 @@ impl AbortableBarrier {
     /// As [`AbortableBarrier::wait`]; the last party to arrive also runs `last` before releasing the
     /// others, and every party returns its result: one value agreed on by all (a call's epoch).
     pub fn wait_then(&self, last: impl FnOnce() -> u64) -> Result<u64> {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         if state.aborted {
             return Err(aborted());
         }
@@ -75,10 +76,10 @@ impl AbortableBarrier {
         spin_while(|| {
             self.generation.load(Ordering::Acquire) == generation && !self.aborted.load(Ordering::Acquire)
         });
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         state.blocked += 1;
         while state.generation == generation && !state.aborted {
-            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+            state = wait(&self.changed, state);
         }
         state.blocked -= 1;
         if state.generation == generation {
@@ -90,7 +91,7 @@ impl AbortableBarrier {
 
     /// Releases every waiter with `Aborted`; later waits fail too until [`AbortableBarrier::reset`].
     pub fn abort(&self) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         state.aborted = true;
         self.aborted.store(true, Ordering::Release);
         self.changed.notify_all();
@@ -98,7 +99,7 @@ impl AbortableBarrier {
 
     /// Makes the barrier usable again. Only call when no party is inside `wait`.
     pub fn reset(&self) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         state.aborted = false;
         self.aborted.store(false, Ordering::Release);
         state.arrived = 0;

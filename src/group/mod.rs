@@ -28,6 +28,7 @@ pub mod workers;
 
 use crate::bail;
 use crate::error::{Error, Result, Status};
+use crate::sync::{lock, read, write};
 use crate::transport::cuda::cuda_backend;
 use crate::transport::host::HostBackend;
 use crate::transport::{Backend, BackendKind, Event, Stream};
@@ -265,7 +266,7 @@ impl Group {
 
     /// Whether a scope is open.
     pub fn in_scope(&self) -> bool {
-        self.scope.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+        lock(&self.scope).is_some()
     }
 
     /// Opens a scope: rank r's stream waits for the work queued so far on `caller_streams[r]` (all
@@ -281,7 +282,7 @@ impl Group {
                 );
             }
         }
-        let mut scope = self.scope.lock().unwrap_or_else(|p| p.into_inner());
+        let mut scope = lock(&self.scope);
         if scope.is_some() {
             bail!(Status::InvalidState, "a scope is already open (scopes do not nest; exit it first)");
         }
@@ -305,10 +306,7 @@ impl Group {
     /// Closes the open scope (`InvalidState` when none is open). The scope is closed even when
     /// ordering fails; the error is returned.
     pub fn exit(&self, mode: ExitMode) -> Result<()> {
-        let callers = self
-            .scope
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
+        let callers = lock(&self.scope)
             .take()
             .ok_or_else(|| Error::invalid_state("no scope is open (exit without enter)"))?;
         match mode {
@@ -419,7 +417,7 @@ impl Group {
 
     /// The rank threads, started on first use.
     fn workers(&self) -> Result<std::sync::MutexGuard<'_, Option<RankWorkers>>> {
-        let mut workers = self.workers.lock().unwrap_or_else(|p| p.into_inner());
+        let mut workers = lock(&self.workers);
         if workers.is_none() {
             *workers = Some(RankWorkers::start(
                 self.id,
@@ -463,12 +461,12 @@ impl Group {
         let find = |extensions: &[Arc<dyn Any + Send + Sync>]| {
             extensions.iter().find_map(|value| Arc::clone(value).downcast::<T>().ok())
         };
-        if let Some(found) = find(&self.extensions.read().unwrap_or_else(|p| p.into_inner())) {
+        if let Some(found) = find(&read(&self.extensions)) {
             return Ok(found);
         }
         // Made outside the lock: `create` may use the group.
         let made = Arc::new(create(self)?);
-        let mut extensions = self.extensions.write().unwrap_or_else(|p| p.into_inner());
+        let mut extensions = write(&self.extensions);
         if let Some(found) = find(&extensions) {
             return Ok(found);
         }
@@ -487,9 +485,9 @@ impl Drop for Group {
         if let Err(err) = self.synchronize() {
             log::warn!("draining the group's streams: {err}");
         }
-        self.workers.lock().unwrap_or_else(|p| p.into_inner()).take();
+        lock(&self.workers).take();
         // The layers' values (communicators, their own streams and events) go before the streams.
-        self.extensions.get_mut().unwrap_or_else(|p| p.into_inner()).clear();
+        write(&self.extensions).clear();
         for r in 0..self.streams.len() {
             self.backend.destroy_stream(self.devices[r], self.streams[r]);
         }

@@ -4,6 +4,7 @@
 use super::barrier::AbortableBarrier;
 use super::spin::spin_while;
 use crate::error::{Error, Result, Status};
+use crate::sync::{lock, wait};
 use crate::transport::{Backend, Stream};
 use std::cell::Cell;
 use std::panic::{catch_unwind, AssertUnwindSafe};
@@ -76,7 +77,7 @@ impl RunState {
     /// so that a rank failing because of the abort never wins over the rank that caused it.
     fn finish(&self, result: Result<()>, barrier: &AbortableBarrier) {
         if let Err(err) = result {
-            let mut first = self.first_error.lock().unwrap_or_else(|p| p.into_inner());
+            let mut first = lock(&self.first_error);
             if first.is_none() {
                 *first = Some(err);
             }
@@ -87,7 +88,7 @@ impl RunState {
         // this sees the caller blocked.
         if self.remaining.fetch_sub(1, Ordering::SeqCst) == 1 && self.caller_blocked.load(Ordering::SeqCst) {
             // Under the lock: a caller between its last check and its wait cannot miss this.
-            let _guard = self.finish_lock.lock().unwrap_or_else(|p| p.into_inner());
+            let _guard = lock(&self.finish_lock);
             self.finished.notify_all();
         }
     }
@@ -97,10 +98,10 @@ impl RunState {
         if !spin_while(|| self.remaining.load(Ordering::Acquire) > 0) {
             return;
         }
-        let mut guard = self.finish_lock.lock().unwrap_or_else(|p| p.into_inner());
+        let mut guard = lock(&self.finish_lock);
         self.caller_blocked.store(true, Ordering::SeqCst);
         while self.remaining.load(Ordering::SeqCst) > 0 {
-            guard = self.finished.wait(guard).unwrap_or_else(|p| p.into_inner());
+            guard = wait(&self.finished, guard);
         }
     }
 }
@@ -240,7 +241,7 @@ impl RankWorkers {
     /// Waits for every body of `run`, resets the barrier, and returns the first error.
     fn finish(&self, run: Arc<RunState>) -> Result<()> {
         run.wait_until_finished();
-        let error = run.first_error.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let error = lock(&run.first_error).take();
         self.barrier.reset();
         error.map_or(Ok(()), Err)
     }

@@ -7,6 +7,7 @@ use super::rendezvous::RankRendezvous;
 use crate::error::{Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
+use crate::sync::lock;
 use crate::transport::driver::{self, check, CurrentContext};
 use crate::transport::nvrtc::{self, Output};
 use cudarc::driver::sys;
@@ -56,7 +57,7 @@ impl BatchedCopy {
         static CACHE: Mutex<Option<HashMap<i32, Arc<BatchedCopy>>>> = Mutex::new(None);
         driver::device_handle(device)?;
         // Holding the lock while compiling keeps two threads from compiling the same device twice.
-        let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut cache = lock(&CACHE);
         let map = cache.get_or_insert_with(HashMap::new);
         if let Some(kernel) = map.get(&device) {
             return Ok(kernel.clone());

@@ -81,7 +81,7 @@ impl DigestKernel {
     /// [`super::BatchedCopy::for_device`]; a failure is not cached).
     pub fn for_device(device: i32) -> Result<Arc<DigestKernel>> {
         static CACHE: Mutex<Option<HashMap<i32, Arc<DigestKernel>>>> = Mutex::new(None);
-        let mut cache = CACHE.lock().unwrap_or_else(|poisoned| poisoned.into_inner());
+        let mut cache = crate::sync::lock(&CACHE);
         let map = cache.get_or_insert_with(HashMap::new);
         if let Some(kernel) = map.get(&device) {
             return Ok(kernel.clone());

@@ -25,9 +25,7 @@ pub unsafe fn digest(group: &Group, rank: usize, stream: Stream, addr: u64, len:
     let device = group.device(rank)?;
     check_range(addr, len)?;
     match group.backend_kind() {
-        BackendKind::Cuda => {
-            DigestKernel::for_device(device as i32)?.digest(stream.as_ptr().cast(), addr, len)
-        }
+        BackendKind::Cuda => DigestKernel::for_device(device)?.digest(stream.as_ptr().cast(), addr, len),
         BackendKind::Host => {
             if len > isize::MAX as u64 {
                 return Err(Error::invalid_argument(format!("{len} bytes do not fit in host memory")));
@@ -44,10 +42,10 @@ pub unsafe fn digest(group: &Group, rank: usize, stream: Stream, addr: u64, len:
                     0 => &[][..],
                     _ => unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) },
                 };
-                *slot.lock().unwrap_or_else(|p| p.into_inner()) = Some(gf64::digest(bytes));
+                *crate::sync::lock(&slot) = Some(gf64::digest(bytes));
             })?;
             queue.synchronize()?;
-            let value = result.lock().unwrap_or_else(|p| p.into_inner()).take();
+            let value = crate::sync::lock(&result).take();
             value.ok_or_else(|| Error::invalid_state("the host stream stopped before it ran the digest"))
         }
     }

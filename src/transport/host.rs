@@ -21,6 +21,7 @@ use super::{device_index, Backend, BackendKind, Event, PreparedCopy, Stream};
 use crate::error::{try_to_vec, Error, Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
+use crate::sync::{lock, wait};
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
 use std::hash::BuildHasher;
@@ -55,7 +56,7 @@ impl HostStream {
 
     /// Queues `work` to run after everything queued before it.
     pub fn enqueue(&self, work: impl FnOnce() + Send + 'static) -> Result<()> {
-        let queue = self.queue.lock().unwrap_or_else(|p| p.into_inner());
+        let queue = lock(&self.queue);
         match queue.as_ref() {
             Some(sender) => sender
                 .send(Box::new(work))
@@ -74,8 +75,8 @@ impl HostStream {
 
     /// Stops accepting work, lets queued work finish, and joins the worker.
     fn stop(&self) {
-        self.queue.lock().unwrap_or_else(|p| p.into_inner()).take();
-        let worker = self.worker.lock().unwrap_or_else(|p| p.into_inner()).take();
+        lock(&self.queue).take();
+        let worker = lock(&self.worker).take();
         if let Some(worker) = worker {
             if worker.thread().id() != std::thread::current().id() {
                 let _ = worker.join();
@@ -103,26 +104,26 @@ impl HostEvent {
 
     fn record_on(self: &Arc<Self>, stream: &HostStream) -> Result<()> {
         let ticket = {
-            let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut state = lock(&self.state);
             state.recorded += 1;
             state.recorded
         };
         let event = Arc::clone(self);
         stream.enqueue(move || {
-            let mut state = event.state.lock().unwrap_or_else(|p| p.into_inner());
+            let mut state = lock(&event.state);
             state.completed = state.completed.max(ticket);
             event.changed.notify_all();
         })
     }
 
     fn latest_record(&self) -> u64 {
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).recorded
+        lock(&self.state).recorded
     }
 
     fn wait_for(&self, ticket: u64) {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         while state.completed < ticket {
-            state = self.changed.wait(state).unwrap_or_else(|p| p.into_inner());
+            state = wait(&self.changed, state);
         }
     }
 
@@ -175,7 +176,7 @@ fn insert_new<T>(map: &mut HashMap<u64, T>, value: T) -> u64 {
 }
 
 fn lock_streams() -> std::sync::MutexGuard<'static, HashMap<u64, (Arc<HostStream>, Owner)>> {
-    registry().streams.lock().unwrap_or_else(|p| p.into_inner())
+    lock(&registry().streams)
 }
 
 fn register_stream(name: String, owner: Owner) -> Result<Stream> {
@@ -221,10 +222,7 @@ pub fn host_stream(stream: Stream) -> Result<Arc<HostStream>> {
 }
 
 fn host_event(event: Event) -> Result<Arc<HostEvent>> {
-    registry()
-        .events
-        .lock()
-        .unwrap_or_else(|p| p.into_inner())
+    lock(&registry().events)
         .get(&event.0)
         .cloned()
         .ok_or_else(|| Error::invalid_argument(format!("event {:#x} is not a host event", event.0)))
@@ -315,12 +313,12 @@ impl Backend for HostBackend {
 
     fn create_event(&self, device: i32) -> Result<Event> {
         self.check_device(device)?;
-        let mut events = registry().events.lock().unwrap_or_else(|p| p.into_inner());
+        let mut events = lock(&registry().events);
         Ok(Event(insert_new(&mut events, HostEvent::new())))
     }
 
     fn destroy_event(&self, _device: i32, event: Event) {
-        registry().events.lock().unwrap_or_else(|p| p.into_inner()).remove(&event.0);
+        lock(&registry().events).remove(&event.0);
     }
 
     fn record(&self, device: i32, event: Event, stream: Stream) -> Result<()> {

@@ -17,6 +17,7 @@ use super::{lengths_then_bytes, Health};
 use crate::error::{Error, Result};
 use crate::segment::check::validate;
 use crate::segment::Segment;
+use crate::sync::{lock, wait};
 use std::sync::{Arc, Condvar, Mutex};
 use std::time::Duration;
 
@@ -31,7 +32,7 @@ struct Sequencer {
 impl Sequencer {
     /// The next step's ticket (in issue order).
     fn issue(&self) -> u64 {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         state.0 += 1;
         state.0
     }
@@ -39,13 +40,13 @@ impl Sequencer {
     /// Waits until every step issued before `ticket` has run, runs `step`, and lets the next one go
     /// (also when `step` fails, so that no later step waits forever).
     fn run<T>(&self, ticket: u64, step: impl FnOnce() -> T) -> T {
-        let mut state = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let mut state = lock(&self.state);
         while state.1 + 1 != ticket {
-            state = self.turn.wait(state).unwrap_or_else(|p| p.into_inner());
+            state = wait(&self.turn, state);
         }
         drop(state);
         let result = step();
-        self.state.lock().unwrap_or_else(|p| p.into_inner()).1 = ticket;
+        lock(&self.state).1 = ticket;
         self.turn.notify_all();
         result
     }

@@ -27,6 +27,7 @@ use super::{BackendKind, Stream};
 use crate::bail;
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
+use crate::sync::lock;
 use host_link::HostLink;
 use nccl_link::NcclLink;
 pub use node::NodeMesh;
@@ -121,7 +122,7 @@ pub(crate) struct Health {
 impl Health {
     /// Keeps `error` unless a failure is kept already; returns the kept one.
     pub fn fail(&self, error: Error) -> Error {
-        let mut kept = self.failure.lock().unwrap_or_else(|p| p.into_inner());
+        let mut kept = lock(&self.failure);
         if kept.is_none() {
             log::warn!("communicator failed: {error}");
             *kept = Some(error);
@@ -131,14 +132,14 @@ impl Health {
 
     /// `Err` (the kept failure) once the communicator has failed.
     pub fn check(&self) -> Result<()> {
-        match &*self.failure.lock().unwrap_or_else(|p| p.into_inner()) {
+        match &*lock(&self.failure) {
             None => Ok(()),
             Some(error) => Err(error.clone().context("the communicator failed earlier")),
         }
     }
 
     pub fn failed(&self) -> bool {
-        self.failure.lock().unwrap_or_else(|p| p.into_inner()).is_some()
+        lock(&self.failure).is_some()
     }
 }
 

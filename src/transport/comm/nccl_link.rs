@@ -21,6 +21,7 @@ use super::{lengths_then_bytes, Health};
 use crate::bail;
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
+use crate::sync::lock;
 use cudarc::driver::sys::{self, CUresult};
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -166,11 +167,7 @@ impl NcclLink {
         let recorded = done.and_then(|()| record(stream));
         match recorded {
             Ok(event) => {
-                shared
-                    .pending
-                    .lock()
-                    .unwrap_or_else(|p| p.into_inner())
-                    .push_back(Pending { event, queued: Instant::now() });
+                lock(&shared.pending).push_back(Pending { event, queued: Instant::now() });
                 shared.wake.notify_all();
                 Ok(())
             }
@@ -253,7 +250,7 @@ impl NcclLink {
 
     pub fn allgather_bytes(&self, mine: &[u8], rank: usize, size: usize) -> Result<Vec<Vec<u8>>> {
         self.shared.health.check()?;
-        let mut staging = self.staging.lock().unwrap_or_else(|p| p.into_inner());
+        let mut staging = lock(&self.staging);
         lengths_then_bytes(rank, size, mine, |sends, recvs, _tag| self.host_step(&mut staging, sends, recvs))
     }
 
@@ -327,7 +324,7 @@ impl NcclLink {
 
 impl Shared {
     fn lock_slot(&self) -> MutexGuard<'_, Slot> {
-        self.slot.lock().unwrap_or_else(|p| p.into_inner())
+        lock(&self.slot)
     }
 
     /// The communicator, unless it was stopped (then the kept failure).
@@ -373,7 +370,7 @@ impl Shared {
     }
 
     fn drop_pending(&self) {
-        for pending in self.pending.lock().unwrap_or_else(|p| p.into_inner()).drain(..) {
+        for pending in lock(&self.pending).drain(..) {
             // SAFETY: ours; the driver releases it once it has completed.
             unsafe { sys::cuEventDestroy_v2(pending.event) };
         }
@@ -399,7 +396,7 @@ impl Shared {
 
     /// Drops the completed pending calls; a TIMEOUT error when the oldest one left is overdue.
     fn overdue(&self) -> Option<Error> {
-        let mut pending = self.pending.lock().unwrap_or_else(|p| p.into_inner());
+        let mut pending = lock(&self.pending);
         while let Some(front) = pending.front() {
             // SAFETY: a live event of ours.
             match unsafe { sys::cuEventQuery(front.event) } {
@@ -436,9 +433,10 @@ fn watch(shared: &Shared) {
         log::warn!("watchdog: {err}");
     }
     loop {
-        let busy = !shared.pending.lock().unwrap_or_else(|p| p.into_inner()).is_empty();
+        let busy = !lock(&shared.pending).is_empty();
         let pause = if busy { Duration::from_millis(1) } else { Duration::from_millis(50) };
-        let stop = shared.stop.lock().unwrap_or_else(|p| p.into_inner());
+        let stop = lock(&shared.stop);
+        // A poisoned lock holds a valid flag (crate::sync explains why): wait on.
         let (stop, _) = shared.wake.wait_timeout(stop, pause).unwrap_or_else(|p| p.into_inner());
         if *stop {
             return;
@@ -495,7 +493,7 @@ fn record(stream: Stream) -> Result<sys::CUevent> {
 
 impl Drop for NcclLink {
     fn drop(&mut self) {
-        *self.shared.stop.lock().unwrap_or_else(|p| p.into_inner()) = true;
+        *lock(&self.shared.stop) = true;
         self.shared.wake.notify_all();
         if let Some(watchdog) = self.watchdog.take() {
             let _ = watchdog.join();
@@ -508,7 +506,7 @@ impl Drop for NcclLink {
             close_owned(shared, &mut slot);
         }
         shared.drop_pending();
-        if let Some(staging) = self.staging.lock().unwrap_or_else(|p| p.into_inner()).take() {
+        if let Some(staging) = lock(&self.staging).take() {
             // SAFETY: ours; the communicator is gone, so nothing uses them any more.
             unsafe {
                 if staging.buffer != 0 {
@@ -529,7 +527,7 @@ fn close_owned(shared: &Shared, slot: &mut Slot) {
     let quiet = loop {
         match shared.overdue() {
             Some(_) => break false,
-            None if shared.pending.lock().unwrap_or_else(|p| p.into_inner()).is_empty() => break true,
+            None if lock(&shared.pending).is_empty() => break true,
             None if deadline.expired() => break false,
             None => backoff.pause(&deadline),
         }
