@@ -151,7 +151,7 @@ fn child(rank: usize, id: &CommId, layers: u64, steps: usize) {
     let peers = ipc::connect(&comm, BackendKind::Cuda, 0, &receivers, writers, owners).unwrap();
     if rank == 0 {
         let opened = peers.opened.get(&1).expect("process 1's memory opened through IPC");
-        let writes = opened.prepare_writes(&segments).unwrap();
+        let writes = opened.prepare_writes(&segments, false).unwrap();
         let stream = backend.create_stream(0).unwrap();
         let mut times = Vec::new();
         for step in 0..=steps {

@@ -6,13 +6,23 @@
 //! Beside our figures: the seed's (modelexpress PR #635, same model and topology) and the targets of
 //! issue 3. Every case also checks that each receiver gets exactly the bytes it needs. Writes
 //! `plan_bench.json` under `$REFIT_BENCH_RESULTS` (default `benches/results/`; a debug build writes
-//! only where that variable points). Arguments that are not flags select cases by name.
+//! only where that variable points). Arguments that are not flags select cases by name ("hostile"
+//! for the sizes of issue 14 item 10, "scale" for planning across processes at Kimi-K2 scale).
 
 use refit::plan::{self, Endpoint, Plan, PlanOptions, PlanStats, Region, Table};
 use refit_workloads::{Model, Packing, Spec, Workload};
 use std::collections::{BTreeMap, HashMap};
 use std::fmt::Write as _;
 use std::time::Instant;
+
+#[path = "plan_support/hostile.rs"]
+mod hostile;
+#[path = "plan_support/scale.rs"]
+mod scale;
+
+/// Counts heap bytes, so that the scale section can report what one process holds.
+#[global_allocator]
+static HEAP: scale::Counting = scale::Counting;
 
 const GIB: f64 = (1u64 << 30) as f64;
 /// The seed's per-rank figures: every replica read, and after one owner per replica (whole shards).
@@ -436,6 +446,13 @@ fn main() {
     let sweep_json = if selected("size sweep") { sweep(samples, &mut out, "") } else { "null".into() };
     print!("{out}");
     out.clear();
+    let hostile_json =
+        if selected("hostile") { hostile::run(samples.min(5), &mut out) } else { "null".into() };
+    print!("{out}");
+    out.clear();
+    let scale_json = if selected("scale") { scale::run(samples.min(3), &mut out) } else { "null".into() };
+    print!("{out}");
+    out.clear();
 
     // A/B: the same builds with the allocator keeping freed memory.
     let mut retained_sweep_json = String::from("null");
@@ -475,7 +492,7 @@ fn main() {
     let body = format!(
         "{{\"bench\": \"plan_bench\", \"profile\": \"{}\", \"samples\": {samples}, \
          \"load_average_before\": \"{load_before}\", \"load_average_after\": \"{}\", \
-         \"cases\": [\n  {}\n], \"sweep\": {sweep_json}, \
+                  \"cases\": [\n  {}\n], \"sweep\": {sweep_json}, \"hostile\": {hostile_json}, \"scale\": {scale_json}, \
          \"allocator_keeps_freed_memory\": {{\"cases\": [{}], \"sweep\": {retained_sweep_json}}}}}\n",
         if cfg!(debug_assertions) { "debug" } else { "release" },
         load_average(),

@@ -116,6 +116,45 @@ static void test_plan_moves_the_right_bytes(void) {
   CHECK_OK(refit_plan_get_receiver_stats(plan, 9, 9, &stats));
   CHECK(stats.needed_bytes == 0 && stats.offers_in == 2);
 
+    /* Each process's share: the routes from or to it, as in the whole plan; the inputs agree. */
+  {
+    const refit_table *all[3] = {pub0, pub1, recv};
+    refit_plan_options first;
+    CHECK_OK(refit_plan_options_init(&first));
+    first.policy = REFIT_POLICY_FIRST;
+    uint64_t whole_inputs = 0, share_inputs = 1;
+    CHECK_OK(refit_plan_inputs_fingerprint(plan, &whole_inputs));
+    const size_t expected_routes[4] = {2, 0, 1, 1}; /* process 0 serves both receivers */
+    for (uint32_t process = 0; process < 4; process++) {
+      refit_plan *share = NULL;
+      CHECK_OK(refit_plan_build_share(all, 3, process, &first, &share));
+      size_t count = 99;
+      CHECK_OK(refit_plan_route_count(share, &count));
+      CHECK(count == expected_routes[process]);
+      for (size_t r = 0; r < count; r++) {
+        refit_route_info mine, whole;
+        mine.size = whole.size = sizeof(mine);
+        CHECK_OK(refit_plan_route(share, r, &mine));
+        /* The whole plan's routes are ordered by destination: receiver 2's, then 3's. */
+        CHECK_OK(refit_plan_route(plan, process == 3 ? 1 : process == 2 ? 0 : r, &whole));
+        CHECK(mine.src_rank == whole.src_rank && mine.dst_rank == whole.dst_rank);
+        CHECK(mine.segment_count == whole.segment_count);
+        CHECK(memcmp(mine.segments, whole.segments, mine.segment_count * sizeof(refit_segment)) == 0);
+      }
+      CHECK_OK(refit_plan_inputs_fingerprint(share, &share_inputs));
+      CHECK(share_inputs == whole_inputs);
+      refit_plan_destroy(share);
+    }
+    refit_plan *none = NULL;
+    CHECK_STATUS(refit_plan_build_share(all, 3, 0, &first, NULL), REFIT_STATUS_NULL_ARGUMENT);
+    CHECK_STATUS(refit_plan_build_share(NULL, 3, 0, &first, &none), REFIT_STATUS_NULL_ARGUMENT);
+    first.policy = 7;
+    CHECK_STATUS(refit_plan_build_share(all, 3, 0, &first, &none), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(none == NULL);
+    CHECK_STATUS(refit_plan_inputs_fingerprint(plan, NULL), REFIT_STATUS_NULL_ARGUMENT);
+    CHECK_STATUS(refit_plan_inputs_fingerprint(NULL, &share_inputs), REFIT_STATUS_NULL_ARGUMENT);
+  }
+
   /* BALANCED spreads the two halves over the two replicas. */
   refit_plan *balanced = build3(pub0, pub1, recv, REFIT_POLICY_BALANCED, REFIT_STATUS_SUCCESS);
   CHECK_OK(refit_plan_get_stats(balanced, &stats));

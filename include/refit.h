@@ -65,6 +65,43 @@
 #define REFIT_COPY_CHECKED 1
 
 /**
+ * Executor arm: per route kind, the copy engine where the average contiguous run is at least
+ * 16 MiB (or where the kernel cannot run: no direct peer access, no libnvrtc), the batched kernel
+ * otherwise. refit_run_stats.arm says which ran.
+ */
+#define REFIT_ARM_AUTO 0
+
+/**
+ * Executor arm: the batched copy kernel (one launch per rank and stage; any segment size near
+ * memory bandwidth; capped by sm_budget).
+ */
+#define REFIT_ARM_KERNEL 1
+
+/**
+ * Executor arm: one copy-engine copy per contiguous run. Uses no SMs (NVLink peer copies overlap
+ * compute freely); host time grows with the number of runs.
+ */
+#define REFIT_ARM_COPY_ENGINE 2
+
+/**
+ * refit_run_stats.arm only: the call moved no bytes of that route kind.
+ */
+#define REFIT_ARM_NONE 3
+
+/**
+ * Executor commit: refit_executor_run copies straight into the live buffers.
+ */
+#define REFIT_COMMIT_DIRECT 0
+
+/**
+ * Executor commit, all or nothing: refit_executor_run lands every byte in staging on the receiving
+ * device (verified there when asked), refit_executor_commit copies it into the live buffers with one
+ * batched launch per receiving device. A step larger than staging_limit runs in slices: run installs
+ * every slice but the last, commit the last, and the guarantee then holds per slice.
+ */
+#define REFIT_COMMIT_STAGED 1
+
+/**
  * Pick the CUDA backend when libcuda loads and has a device, else the host backend.
  */
 #define REFIT_BACKEND_AUTO 0
@@ -246,10 +283,20 @@ typedef enum {
    */
   REFIT_STATUS_NOT_FOUND = 25,
   /**
+   * Installed bytes differ from their sources (an executor's verify stage); the message names the
+   * tensor, box and element.
+   */
+  REFIT_STATUS_VERIFY_MISMATCH = 26,
+  /**
+   * The memory a plan was built for changed in a way its executor cannot follow (e.g. a rebind that
+   * cuts through a buffer the plan reads or writes): build a new plan.
+   */
+  REFIT_STATUS_PLAN_STALE = 27,
+  /**
    * A peer did not take part in a communicator's call within the communicator's timeout; the
    * communicator is aborted (message names the call and the timeout).
    */
-  REFIT_STATUS_TIMEOUT = 26,
+  REFIT_STATUS_TIMEOUT = 28,
 } refit_status;
 
 /**
@@ -261,6 +308,13 @@ typedef enum {
  * independent.
  */
 typedef struct refit_comm refit_comm;
+
+/**
+ * An executor: one process's share of a plan prepared for a group (descriptors built and uploaded
+ * once), run step after step. Keeps no reference to the plan or the group: each call is passed the
+ * group it was created with.
+ */
+typedef struct refit_executor refit_executor;
 
 /**
  * A device group: one rank per device, each with its own non-blocking stream created once, and one
@@ -383,6 +437,134 @@ typedef struct {
    */
   uint64_t dst_stride[2];
 } refit_segment;
+
+/**
+ * Options of refit_executor_create. Fill with refit_executor_options_init, then change fields.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_executor_options) as the caller knows it (set by refit_executor_options_init).
+   */
+  size_t size;
+  /**
+   * REFIT_ARM_AUTO (default), REFIT_ARM_KERNEL or REFIT_ARM_COPY_ENGINE.
+   */
+  uint32_t arm;
+  /**
+   * Kernel copies from the sources use at most this many thread blocks, so at most this many SMs,
+   * leaving the rest to work beside the refit (0, the default: no cap). Not with
+   * REFIT_ARM_COPY_ENGINE. The verify stage and the staged install are not capped.
+   */
+  uint32_t sm_budget;
+  /**
+   * After each copy, check on the device, on the copy's stream, every byte it wrote: the kernel's
+   * destinations against digests it recorded of the sources it read (reads the destinations only;
+   * detects any changed element, and other changes but for a 2^-64 chance), the copy engine's
+   * byte by byte against the sources. A mismatch is REFIT_STATUS_VERIFY_MISMATCH naming the
+   * tensor, box and element (default false).
+   */
+  bool verify;
+  /**
+   * REFIT_COMMIT_DIRECT (default) or REFIT_COMMIT_STAGED.
+   */
+  uint32_t commit;
+  /**
+   * REFIT_COMMIT_STAGED only: the most staging bytes per receiving device, at least 4096; 0 (the
+   * default) stages the whole step at once.
+   */
+  uint64_t staging_limit;
+} refit_executor_options;
+
+/**
+ * What one run or commit did, and where its time went. Before a call that fills it, C callers set
+ * `size` to sizeof(refit_run_stats). Arrays are indexed by REFIT_ROUTE_LOCAL, _PEER, _REMOTE.
+ *
+ * Host time: prepare_ns + enqueue_ns + wait_ns account for wall_ns (the rest is the call's own
+ * bookkeeping). Device time per stage comes from stamps on the streams: the longest rank's, summed
+ * over slices. A rank's local and peer copies run side by side, so device_ns (the longest rank's span
+ * from its first stage's start to its last stage's end) is what the stages amount to on the device.
+ * Device times are filled only when the call waited for the device (device_timed);
+ * refit_executor_stats waits and fills them.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_run_stats) as the caller knows it (Rust: always the full size).
+   */
+  size_t size;
+  /**
+   * No descriptor was rebuilt for this call (false after a rebind touched a verify's).
+   */
+  bool descriptors_reused;
+  /**
+   * The device times below are filled.
+   */
+  bool device_timed;
+  /**
+   * This call checked the copied bytes against their sources, and all matched.
+   */
+  bool verified;
+  /**
+   * Slices the step ran in (1 unless staged above staging_limit); 0 for a commit.
+   */
+  uint32_t slices;
+  /**
+   * How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, or _NONE (this call
+   * moved none of that kind).
+   */
+  uint32_t arm[3];
+  /**
+   * Payload bytes copied from the sources by this call, per route kind.
+   */
+  uint64_t bytes[3];
+  /**
+   * Segments copied from the sources by this call, per route kind.
+   */
+  uint64_t segments[3];
+  /**
+   * Bytes this call wrote into live buffers (a direct run: all; staged: what it installed).
+   */
+  uint64_t installed_bytes;
+  /**
+   * Bytes this call compared with their sources.
+   */
+  uint64_t verified_bytes;
+  /**
+   * The whole call, on the host.
+   */
+  uint64_t wall_ns;
+  /**
+   * Host time rebuilding descriptors (0 when reused).
+   */
+  uint64_t prepare_ns;
+  /**
+   * Host time ordering the streams and queueing every stage.
+   */
+  uint64_t enqueue_ns;
+  /**
+   * Host time blocked on the device (outside a scope; verify outcomes; slices).
+   */
+  uint64_t wait_ns;
+  /**
+   * Device time of the copies within a device.
+   */
+  uint64_t local_ns;
+  /**
+   * Device time of the copies between devices (NVLink).
+   */
+  uint64_t peer_ns;
+  /**
+   * Device time of the verify stage.
+   */
+  uint64_t verify_ns;
+  /**
+   * Device time of the installs from staging into the live buffers.
+   */
+  uint64_t commit_ns;
+  /**
+   * Device time of the whole call (see above).
+   */
+  uint64_t device_ns;
+} refit_run_stats;
 
 /**
  * Options of refit_group_create. Fill with refit_group_options_init, then change fields.
@@ -853,8 +1035,9 @@ void refit_copy_batch_destroy(refit_prepared_copy *batch);
  *
  * Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
  * stream to reach it (CUDA: one kernel, one 8-byte copy, cuStreamSynchronize) and then returns, so the
- * bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass;
- * the first call on a device compiles the kernel.
+ * bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass of
+ * aligned 16-byte loads (so up to 15 bytes around the range, in the 16-byte blocks that hold its
+ * first and last bytes, are read and ignored); the first call on a device compiles the kernel.
  *
  * Thread-safety: may be called from any thread, concurrently with other calls.
  *
@@ -870,6 +1053,125 @@ refit_status refit_digest(const refit_group *group,
                           uint64_t len,
                           void *stream,
                           uint64_t *digest);
+
+/**
+ * Fills `*options` with the defaults: size set, REFIT_ARM_AUTO, no SM cap, no verify,
+ * REFIT_COMMIT_DIRECT, staging_limit 0. Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_executor_options_init(refit_executor_options *options);
+
+/**
+ * Prepares process `process`'s share of `plan` (every route whose source and destination are on
+ * that process rank; endpoint devices are `group`'s device ordinals) for `group`, with `options`
+ * (NULL: the defaults), and writes the executor to `*executor`. Builds and uploads every stage's
+ * descriptors and allocates staging now (blocking; not ordered with any stream); the first use of
+ * the kernel on a device compiles it. The executor keeps nothing of `plan` that its destruction
+ * would invalidate.
+ *
+ * Thread-safety: as the group's calls (the thread driving the group); the plan may be shared.
+ *
+ * Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
+ * commit, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit with REFIT_COMMIT_DIRECT or below
+ * 4096, a segment with a zero address), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a
+ * route between this process and another: this executor moves bytes within one process; the kernel
+ * arm where a rank has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only:
+ * AUTO falls back to the copy engine), CUDA_ERROR.
+ */
+refit_status refit_executor_create(const refit_plan *plan,
+                                   const refit_group *group,
+                                   uint32_t process,
+                                   const refit_executor_options *options,
+                                   refit_executor **executor);
+
+/**
+ * Runs one step of the executor on `group` (the group it was created with): the copies from the
+ * sources (into the live buffers, or into staging with REFIT_COMMIT_STAGED), the verify stage when
+ * asked, and for a sliced staged step the install of every slice but the last. `stats` (NULL: not
+ * wanted) receives what the call did; set stats->size first.
+ *
+ * Stream ordering, as the group's scope rules: inside the group's scope the step is queued on the
+ * group's streams after the work the scope's entry ordered them after (the callers' streams), and
+ * the call returns without waiting, except when it must read a verify outcome first (after the
+ * copies of a direct step; before each install of a sliced staged step): then the host blocks
+ * until the verify stage has run. Outside a scope the step runs in an implicit scope on the legacy
+ * default streams and is complete on return. Every rank's stream first waits for every other
+ * rank's (a rank writes into others' memory). A staged step not yet committed is replaced.
+ *
+ * Errors: NULL_ARGUMENT (executor, group), INVALID_ARGUMENT (another group than the executor's,
+ * stats->size), INVALID_STATE (a rebind failed earlier), VERIFY_MISMATCH (the message names the
+ * tensor, box and element that differ; with REFIT_COMMIT_STAGED nothing of that slice was
+ * installed), PLAN_STALE (rebinds left two buffers overlapping), CUDA_ERROR. After an error nothing
+ * can be committed until a run succeeds; in a direct step live buffers may hold part of the new
+ * bytes.
+ *
+ * Every address of the plan (as rebound) must stay valid memory of its device until the step has
+ * run.
+ */
+refit_status refit_executor_run(refit_executor *executor,
+                                refit_group *group,
+                                refit_run_stats *stats);
+
+/**
+ * Installs a staged step (REFIT_COMMIT_STAGED): copies the staging of its last slice into the live
+ * buffers, one batched launch per receiving device on that device's group stream. When the run
+ * was asked to verify and has not read the outcome (it ran inside a scope), the host first waits
+ * for the verify stage and reads it; a mismatch installs nothing. `stats` as for
+ * refit_executor_run.
+ *
+ * Stream ordering as refit_executor_run: inside a scope, queued after the callers' streams (a
+ * server stalls its own stream only for this copy); outside one, complete on return.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (another group, stats->size), INVALID_STATE (a direct
+ * executor; nothing staged since the last commit; the last run or commit failed: the message says
+ * why; run again), VERIFY_MISMATCH (nothing installed), CUDA_ERROR. After an error, run again before
+ * committing.
+ */
+refit_status refit_executor_commit(refit_executor *executor,
+                                   refit_group *group,
+                                   refit_run_stats *stats);
+
+/**
+ * Writes the stats of the executor's last run or commit to `*stats` (set stats->size first),
+ * device times included: blocks the host until that call's work has run on the device.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size), INVALID_STATE (no call has succeeded yet),
+ * CUDA_ERROR.
+ */
+refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *stats);
+
+/**
+ * Tells the executor that the caller's memory [old_base, old_base + length) on `device` (a device
+ * ordinal of the group) now lives at [new_base, new_base + length) (an engine freed and reallocated
+ * its weights): later calls read and write the new place, with no planning and no host work per
+ * segment. Blocks until the executor's queued work has run, then rewrites the prepared addresses in
+ * that range (host work proportional to the segments touching it; the copy engine's verify, which
+ * compares both sides, is rebuilt at the next run).
+ *
+ * The range must hold whole buffers as the plan sees them: bytes that one segment reads or writes
+ * together move together. A coalesced plan may join buffers that lie at regular distances into one
+ * strided segment; a plan built with coalescing off keeps every buffer in segments of its own. A
+ * buffer is named by where it is for the executor: where the last run had it, or where a rebind
+ * since put it; a range holding both a moved and an unmoved buffer is refused (trade places through
+ * a third address).
+ *
+ * Errors (nothing changed): NULL_ARGUMENT, INVALID_DEVICE (not a device of the group),
+ * INVALID_ARGUMENT (length 0, new_base 0, a range past 2^64, an ambiguous range, a new range
+ * overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
+ * range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
+ * a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),
+ * CUDA_ERROR.
+ */
+refit_status refit_executor_rebind(refit_executor *executor,
+                                   uint32_t device,
+                                   uint64_t old_base,
+                                   uint64_t new_base,
+                                   uint64_t length);
+
+/**
+ * Releases an executor (NULL is ignored): waits for its queued work, then frees its descriptors,
+ * streams and staging. A staged step not committed is dropped; the live buffers keep what they had.
+ */
+void refit_executor_destroy(refit_executor *executor);
 
 /**
  * Fills `options` with the defaults (AUTO backend) and sets options->size.
@@ -1153,6 +1455,31 @@ refit_status refit_plan_build(const refit_table *const *tables,
                               refit_plan **plan);
 
 /**
+ * Builds the share of the plan that process `process` takes part in, from every process's table
+ * (`tables` holds `count` tables, in any order): every route from or to one of its endpoints,
+ * exactly the routes refit_plan_build would give it, and the counts of its own receivers. Every
+ * process that builds its share from the same tables and options gets routes that fit together
+ * into one plan (owners are a function of all tables and the options). Every table is read, but
+ * the work beyond reading them grows with this process's own needs and offers (with
+ * REFIT_POLICY_BALANCED, with every need). Writes the share to `*plan`; read it with the plan
+ * calls (refit_plan_get_stats counts this process's receivers; refit_plan_fingerprint digests
+ * this share's routes; refit_plan_inputs_fingerprint is equal in every process given the same
+ * tables and options: compare it before any byte moves). Runs on the calling thread; touches no
+ * device.
+ *
+ * Errors: as refit_plan_build, except that COVERAGE_GAP and OVERLAP are reported for this
+ * process's needs only (each process checks its own; a failure on any process must stop all).
+ *
+ * # Safety
+ * `tables` points to `count` live tables not modified during the call.
+ */
+refit_status refit_plan_build_share(const refit_table *const *tables,
+                                    size_t count,
+                                    uint32_t process,
+                                    const refit_plan_options *options,
+                                    refit_plan **plan);
+
+/**
  * Releases a plan. NULL is accepted. Segment pointers read from it become invalid.
  *
  * # Safety
@@ -1190,6 +1517,17 @@ refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
  * `plan` is a live plan.
  */
 refit_status refit_plan_fingerprint(const refit_plan *plan, uint64_t *fingerprint);
+
+/**
+ * Writes to `*fingerprint` a digest of everything the plan was built from: every table's content
+ * (in any order, entries in any order), the options and the planner's limits. Equal for a plan
+ * and every process's share built from the same inputs, in any process; processes compare it to
+ * agree on their inputs. Thread-safe. Errors: NULL_ARGUMENT.
+ *
+ * # Safety
+ * `plan` is a live plan.
+ */
+refit_status refit_plan_inputs_fingerprint(const refit_plan *plan, uint64_t *fingerprint);
 
 /**
  * Writes the number of routes to `*count`. Routes are ordered by destination endpoint, then local,

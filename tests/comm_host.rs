@@ -476,6 +476,13 @@ fn flows_of(share: &plan::Plan, rank: u32) -> (Vec<Flow>, Vec<Flow>, Vec<Segment
     (sends, recvs, local)
 }
 
+/// Whether `segment` writes the byte at `addr`.
+fn writes_byte(segment: &Segment, addr: u64) -> bool {
+    let mut hit = false;
+    segment.for_each_run(|_, dst, len| hit |= (dst..dst + len).contains(&addr));
+    hit
+}
+
 fn check_received(p: &Process, rank: usize, how: &str) {
     for (buffer, expected) in &p.expected {
         assert!(p.buffers[*buffer] == *expected, "rank {rank} ({how}): a need received wrong bytes");
@@ -569,21 +576,43 @@ fn a_refit_across_processes_through_ipc_is_byte_exact() {
                 "rank {rank} knows who writes into it"
             );
             let stream = create_host_stream().unwrap();
+            let mut checks = Vec::new();
             for flow in &sends {
-                let writes = peers.opened[&flow.peer].prepare_writes(&flow.segments).unwrap();
+                let writes = peers.opened[&flow.peer].prepare_writes(&flow.segments, true).unwrap();
+                checks.push(writes.verify_destinations().unwrap());
                 // SAFETY: the sources live until the launch returns (host writes complete on return).
                 unsafe { writes.launch(stream) }.unwrap();
             }
             // SAFETY: local buffers live until the stream is synchronized below.
             unsafe { HostBackend::new(1).unwrap().copy_segments(0, stream, &local).unwrap() };
-            refit::transport::host::host_stream(stream).unwrap().synchronize().unwrap();
+            let verify = |checks: &[Box<dyn refit::transport::PreparedCheck>]| -> Vec<Option<usize>> {
+                for check in checks {
+                    // SAFETY: the sources live until the stream is synchronized below.
+                    unsafe { check.launch(stream) }.unwrap();
+                }
+                refit::transport::host::host_stream(stream).unwrap().synchronize().unwrap();
+                checks.iter().map(|c| c.outcome().unwrap()).collect()
+            };
+            assert!(verify(&checks).iter().all(Option::is_none), "rank {rank}: its writes verify");
             comm.allgather_bytes(b"written").unwrap(); // every writer is done
             check_received(&p, rank, "ipc");
+            // A receiver's byte changed after the writes: the writer's verify finds the segment that
+            // wrote it (every rank changes the first byte of its first need and says where).
+            let mut p = p;
+            let (buffer, _) = p.expected[0];
+            p.buffers[buffer][0] ^= 1;
+            let changed = comm.allgather_bytes(&(p.buffers[buffer].as_ptr() as u64).to_le_bytes()).unwrap();
+            for (flow, found) in sends.iter().zip(verify(&checks)) {
+                let at = u64::from_le_bytes(changed[flow.peer].as_slice().try_into().unwrap());
+                let expected = flow.segments.iter().position(|s| writes_byte(s, at));
+                assert_eq!(found, expected, "rank {rank}: verify of its writes into rank {}", flow.peer);
+            }
+            comm.allgather_bytes(b"verified").unwrap();
             destroy_host_stream(stream).unwrap();
             // A write outside what the owner shared is refused before anything moves.
             if let Some(flow) = sends.first() {
                 let stray = Segment { dst: 8, ..flow.segments[0] };
-                let err = peers.opened[&flow.peer].prepare_writes(&[stray]).err().unwrap();
+                let err = peers.opened[&flow.peer].prepare_writes(&[stray], false).err().unwrap();
                 assert_eq!(err.status, Status::NotFound, "{err}");
             }
         },

@@ -165,7 +165,8 @@ fn writes(src: u64, legacy: u64, vmm: u64, vmm_len: u64) -> Vec<Segment> {
 }
 
 /// Two processes on GPU 0: rank 1 writes into rank 0's cuMemAlloc and cuMemCreate memory through
-/// CUDA IPC with the batched kernel; rank 0 checks every byte of both buffers.
+/// CUDA IPC with the batched kernel (recording source digests) and verifies the destinations
+/// through the opened memory; rank 0 checks every byte of both buffers.
 #[test]
 #[ignore = "needs a GPU"]
 fn ipc_between_two_processes_on_one_gpu_is_byte_exact() {
@@ -199,11 +200,16 @@ fn ipc_between_two_processes_on_one_gpu_is_byte_exact() {
             let owner = words(&all[0]);
             let peers = ipc::connect(&comm, BackendKind::Cuda, 0, &[], &[], &[0]).unwrap();
             let opened = peers.opened.get(&0).unwrap_or_else(|| panic!("rank 0's memory did not open"));
-            let batch = opened.prepare_writes(&writes(src.ptr, owner[0], owner[1], owner[2])).unwrap();
+            let batch = opened.prepare_writes(&writes(src.ptr, owner[0], owner[1], owner[2]), true).unwrap();
+            let check = batch.verify_destinations().unwrap();
             let stream = Stream::new(0);
             // SAFETY: the source and the opened memory live until the stream is synchronized.
-            unsafe { batch.launch(RefitStream(stream.raw as usize as u64)) }.unwrap();
+            unsafe {
+                batch.launch(RefitStream(stream.raw as usize as u64)).unwrap();
+                check.launch(RefitStream(stream.raw as usize as u64)).unwrap();
+            }
             stream.sync();
+            assert_eq!(check.outcome().unwrap(), None, "the writes verify through the opened memory");
             comm.allgather_bytes(b"written").unwrap();
         }
     });

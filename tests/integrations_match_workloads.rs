@@ -32,7 +32,7 @@ fn model(moe: bool) -> Model {
 }
 
 fn endpoints(n: u32) -> Vec<Endpoint> {
-    (0..n).map(|rank| Endpoint { process: rank, device: 0 }).collect()
+    (0..n).map(|process| Endpoint { process, device: 0 }).collect()
 }
 
 fn json_line(side: &str, case: &str, catalog: &CheckpointTensors, m: &Model, p: &Param) -> String {

@@ -16,6 +16,9 @@ fn kernel_source_compiles_for_hopper() {
     let text = String::from_utf8_lossy(&ptx.image);
     assert!(text.contains(".entry refit_batched_copy("), "PTX names the kernel");
     assert!(text.contains(".entry refit_batched_copy_synced("), "PTX names the group-synchronized kernel");
+    for entry in ["refit_batched_copy_digest", "refit_batched_check", "refit_batched_compare"] {
+        assert!(text.contains(&format!(".entry {entry}(")), "PTX names {entry}");
+    }
     // 16-byte accesses must be there for the co-aligned path.
     assert!(text.contains("ld.global.v2.u64") || text.contains("ld.global.v4.u32"), "vector loads");
 }

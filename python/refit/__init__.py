@@ -19,7 +19,9 @@ from ._lib import (
     MAX_DIMS,
     PLAN_SIZE_BUCKETS,
     Algorithm,
+    Arm,
     Backend,
+    Commit,
     CopyFlag,
     ExitMode,
     Policy,
@@ -35,6 +37,7 @@ from ._lib import (
 from .comm import Communicator, unique_id
 from .copy import PreparedCopy
 from .digest import digest
+from .executor import Executor, RunStats
 from .group import Group, HostStream
 from .plan import Plan, PlanStats, Route, Table
 from .segment import Segment
@@ -46,8 +49,11 @@ __all__ = [
     "MAX_DIMS",
     "PLAN_SIZE_BUCKETS",
     "Algorithm",
+    "Arm",
     "Backend",
+    "Commit",
     "CopyFlag",
+    "Executor",
     "ExitMode",
     "Group",
     "HostStream",
@@ -58,6 +64,7 @@ __all__ = [
     "RefitError",
     "Route",
     "RouteKind",
+    "RunStats",
     "Segment",
     "Status",
     "Table",

@@ -87,7 +87,9 @@ class Status(enum.IntEnum):
     UNSUPPORTED = 23
     BUFFER_TOO_SMALL = 24
     NOT_FOUND = 25
-    TIMEOUT = 26
+    VERIFY_MISMATCH = 26
+    PLAN_STALE = 27
+    TIMEOUT = 28
 
 
 class RefitError(Exception):
@@ -170,6 +172,22 @@ class RouteKind(enum.IntEnum):
     LOCAL = 0
     PEER = 1
     REMOTE = 2
+
+
+class Arm(enum.IntEnum):
+    """REFIT_ARM_*: how an executor moves bytes (NONE appears in run stats only)."""
+
+    AUTO = 0
+    KERNEL = 1
+    COPY_ENGINE = 2
+    NONE = 3
+
+
+class Commit(enum.IntEnum):
+    """REFIT_COMMIT_*: how an executor's bytes reach the live buffers."""
+
+    DIRECT = 0
+    STAGED = 1
 
 
 MAX_DIMS = 8
@@ -259,6 +277,49 @@ class RouteInfo(ctypes.Structure):
     ]
 
 
+class ExecutorOptions(ctypes.Structure):
+    """refit_executor_options."""
+
+    _fields_ = [
+        ("size", c_size_t),
+        ("arm", c_uint32),
+        ("sm_budget", c_uint32),
+        ("verify", c_bool),
+        ("commit", c_uint32),
+        ("staging_limit", c_uint64),
+    ]
+
+
+class RunStatsStruct(ctypes.Structure):
+    """refit_run_stats."""
+
+    _fields_ = [
+        ("size", c_size_t),
+        ("descriptors_reused", c_bool),
+        ("device_timed", c_bool),
+        ("verified", c_bool),
+        ("slices", c_uint32),
+        ("arm", c_uint32 * 3),
+        ("bytes", c_uint64 * 3),
+        ("segments", c_uint64 * 3),
+    ] + [
+        (name, c_uint64)
+        for name in (
+            "installed_bytes",
+            "verified_bytes",
+            "wall_ns",
+            "prepare_ns",
+            "enqueue_ns",
+            "wait_ns",
+            "local_ns",
+            "peer_ns",
+            "verify_ns",
+            "commit_ns",
+            "device_ns",
+        )
+    ]
+
+
 # refit_rank_callback and refit_log_callback.
 RankCallback = ctypes.CFUNCTYPE(c_int32, c_uint32, c_void_p, c_void_p)
 LogCallback = ctypes.CFUNCTYPE(None, c_uint32, c_char_p, c_void_p)
@@ -267,7 +328,7 @@ LogCallback = ctypes.CFUNCTYPE(None, c_uint32, c_char_p, c_void_p)
 # --- functions ------------------------------------------------------------------------------------
 
 status_t = c_int32  # refit_status as a return type: compared with Status by check()
-_handle = c_void_p  # refit_group*, refit_table*, refit_plan*, refit_comm*, ...: opaque, ints
+_handle = c_void_p  # refit_group*, refit_table*, refit_plan*, refit_comm*, refit_executor*, ...: opaque
 _u64p = POINTER(c_uint64)
 _u32p = POINTER(c_uint32)
 
@@ -308,6 +369,16 @@ FUNCTIONS = {
     "refit_copy_batch_launch": (status_t, [_handle, c_void_p]),
     "refit_copy_batch_destroy": (None, [_handle]),
     "refit_digest": (status_t, [_handle, c_uint32, c_uint64, c_uint64, c_void_p, _u64p]),
+    "refit_executor_options_init": (status_t, [POINTER(ExecutorOptions)]),
+    "refit_executor_create": (
+        status_t,
+        [_handle, _handle, c_uint32, POINTER(ExecutorOptions), POINTER(_handle)],
+    ),
+    "refit_executor_run": (status_t, [_handle, _handle, POINTER(RunStatsStruct)]),
+    "refit_executor_commit": (status_t, [_handle, _handle, POINTER(RunStatsStruct)]),
+    "refit_executor_stats": (status_t, [_handle, POINTER(RunStatsStruct)]),
+    "refit_executor_rebind": (status_t, [_handle, c_uint32, c_uint64, c_uint64, c_uint64]),
+    "refit_executor_destroy": (None, [_handle]),
     "refit_group_options_init": (status_t, [POINTER(GroupOptions)]),
     "refit_group_create": (
         status_t,
@@ -339,11 +410,16 @@ FUNCTIONS = {
     "refit_table_encode": (status_t, [_handle, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
     "refit_table_decode": (status_t, [POINTER(c_uint8), c_size_t, POINTER(_handle)]),
     "refit_plan_options_init": (status_t, [POINTER(PlanOptions)]),
-    "refit_plan_build": (status_t, [POINTER(_handle), c_size_t, POINTER(PlanOptions), POINTER(_handle)]),
+        "refit_plan_build": (status_t, [POINTER(_handle), c_size_t, POINTER(PlanOptions), POINTER(_handle)]),
+    "refit_plan_build_share": (
+        status_t,
+        [POINTER(_handle), c_size_t, c_uint32, POINTER(PlanOptions), POINTER(_handle)],
+    ),
     "refit_plan_destroy": (None, [_handle]),
     "refit_plan_get_stats": (status_t, [_handle, POINTER(PlanStatsStruct)]),
     "refit_plan_get_receiver_stats": (status_t, [_handle, c_uint32, c_uint32, POINTER(PlanStatsStruct)]),
-    "refit_plan_fingerprint": (status_t, [_handle, _u64p]),
+        "refit_plan_fingerprint": (status_t, [_handle, _u64p]),
+    "refit_plan_inputs_fingerprint": (status_t, [_handle, _u64p]),
     "refit_plan_route_count": (status_t, [_handle, POINTER(c_size_t)]),
     "refit_plan_route": (status_t, [_handle, c_size_t, POINTER(RouteInfo)]),
     "refit_version": (c_char_p, []),

@@ -6,10 +6,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from ctypes import byref, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 from ._handle import Handle
 from ._lib import (
+    Arm,
+    Commit,
     PlanOptions,
     PlanStatsStruct,
     Policy,
@@ -21,7 +23,11 @@ from ._lib import (
     lib,
     u64_array,
 )
+from .executor import Executor
 from .segment import Segment
+
+if TYPE_CHECKING:
+    from .group import Group
 
 
 def _box(ndim: int, arrays: Iterable[Tuple[str, Optional[Sequence[int]]]]) -> None:
@@ -180,6 +186,19 @@ PlanStats = dataclasses.make_dataclass(
 PlanStats.__doc__ = """refit_plan_stats as a value (field meanings: include/refit.h)."""
 
 
+def _build_arguments(
+    tables: Iterable[Table], policy: int, coalesce: bool
+) -> tuple[Any, int, PlanOptions]:
+    """(table pointer array, count, refit_plan_options) for the build calls."""
+    handles = [table.handle for table in tables]
+    pointers = (c_void_p * len(handles))(*handles)
+    options = PlanOptions()
+    check(lib.refit_plan_options_init(byref(options)))
+    options.policy = check_range(policy, 32, "policy")
+    options.coalesce = 1 if coalesce else 0
+    return pointers, len(handles), options
+
+
 def _stats(fill: Callable[[Any], int]) -> Any:
     raw = PlanStatsStruct()
     raw.size = ctypes.sizeof(raw)
@@ -200,14 +219,22 @@ class Plan(Handle):
         """Plans moving every byte the tables' needs ask for exactly once (refit_plan_build);
         `tables` is every rank's Table, in any order. Raises RefitError on a coverage gap,
         overlapping writes, replica or tensor mismatch."""
-        handles = [table.handle for table in tables]
-        pointers = (c_void_p * len(handles))(*handles)
-        options = PlanOptions()
-        check(lib.refit_plan_options_init(byref(options)))
-        options.policy = check_range(policy, 32, "policy")
-        options.coalesce = 1 if coalesce else 0
+        pointers, count, options = _build_arguments(tables, policy, coalesce)
         pointer = c_void_p()
-        check(lib.refit_plan_build(pointers, len(handles), byref(options), byref(pointer)))
+        check(lib.refit_plan_build(pointers, count, byref(options), byref(pointer)))
+        return cls(pointer.value)
+
+    @classmethod
+    def build_share(
+        cls, tables: Iterable[Table], process: int, policy: int = Policy.LOCAL, coalesce: bool = True
+    ) -> Plan:
+        """The share of the plan process `process` takes part in (refit_plan_build_share): the
+        routes from or to its endpoints, exactly as Plan.build gives them; coverage and overlaps
+        are checked for its own needs only."""
+        pointers, count, options = _build_arguments(tables, policy, coalesce)
+        process = check_range(process, 32, "process")
+        pointer = c_void_p()
+        check(lib.refit_plan_build_share(pointers, count, process, byref(options), byref(pointer)))
         return cls(pointer.value)
 
     def _release(self, pointer: int) -> None:
@@ -228,6 +255,13 @@ class Plan(Handle):
         """Equal for the same tables in any order, in any process."""
         value = c_uint64()
         check(lib.refit_plan_fingerprint(self.handle, byref(value)))
+        return value.value
+
+    @property
+    def inputs_fingerprint(self) -> int:
+        """Equal for every plan and share built from the same tables (in any order) and options."""
+        value = c_uint64()
+        check(lib.refit_plan_inputs_fingerprint(self.handle, byref(value)))
         return value.value
 
     @property
@@ -253,6 +287,26 @@ class Plan(Handle):
 
     def __iter__(self) -> Iterator[Route]:
         return iter(self.routes())
+
+    def executor(
+        self,
+        group: Group,
+        process: int,
+        arm: int = Arm.AUTO,
+        sm_budget: int = 0,
+        verify: bool = False,
+        commit: int = Commit.DIRECT,
+        staging_limit: int = 0,
+    ) -> Executor:
+        """An Executor of process rank `process`'s share of this plan on `group` (whose device
+        ordinals the plan's endpoints name): descriptors built and uploaded now, then run() at every
+        step (refit_executor_create).
+
+        arm: Arm.AUTO (by size), KERNEL or COPY_ENGINE (no SMs). sm_budget: at most this many SMs
+        for the kernel's copies (0: no cap). verify: compare every copied byte with its source.
+        commit: Commit.DIRECT (run installs) or STAGED (run stages, commit() installs all at once).
+        staging_limit: STAGED only, staging bytes per receiving device (0: the whole step)."""
+        return Executor(self, group, process, arm, sm_budget, verify, commit, staging_limit)
 
 
 __all__ = ["Plan", "PlanStats", "Policy", "Route", "RouteKind", "Segment", "Table"]

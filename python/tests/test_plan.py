@@ -216,6 +216,21 @@ class PlanTest(unittest.TestCase):
         for table in decoded:
             table.close()
 
+    def test_each_process_share_holds_its_routes_of_the_whole_plan(self):
+        with Plan.build(self.refit.tables, policy=Policy.FIRST) as whole:
+            routes, inputs = whole.routes(), whole.inputs_fingerprint
+            for process in range(4):
+                with self.subTest(process=process):
+                    with Plan.build_share(self.refit.tables, process, policy=Policy.FIRST) as share:
+                        mine = [r for r in routes if process in (r.src_rank, r.dst_rank)]
+                        self.assertEqual(share.routes(), mine)
+                        self.assertEqual(share.inputs_fingerprint, inputs)
+        with Plan.build(self.refit.tables, policy=Policy.LOCAL) as local:
+            self.assertNotEqual(local.inputs_fingerprint, inputs)
+        with self.assertRaises(RefitError) as caught:
+            Plan.build_share(self.refit.tables, 0, policy=5)
+        self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
+
     def test_reading_a_plan(self):
         plan = Plan.build(self.refit.tables)
         self.assertEqual(plan.route_count, 2)

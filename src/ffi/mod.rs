@@ -11,6 +11,7 @@ pub mod allgather;
 pub mod comm;
 pub mod copy;
 pub mod digest;
+pub mod exec;
 pub mod group;
 pub mod plan;
 pub mod status;

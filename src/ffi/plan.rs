@@ -45,7 +45,7 @@ pub struct refit_table {
 
 /// A built reshard plan. Immutable: every reader may be called from any number of threads at once.
 pub struct refit_plan {
-    plan: Plan,
+    pub(crate) plan: Plan,
 }
 
 impl refit_table {
@@ -343,12 +343,43 @@ pub unsafe extern "C" fn refit_plan_build(
     boundary("refit_plan_build", || {
         let slot = out(plan, "plan")?;
         let options = plan_options(options)?;
-        let pointers = slice(tables, count, "tables")?;
-        let mut borrowed = try_vec(pointers.len(), "the table list")?;
-        for (i, &t) in pointers.iter().enumerate() {
-            borrowed.push(arg(t, &format!("tables[{i}]"))?.table.table());
-        }
+        let borrowed = table_list(tables, count)?;
         let built = plan::build_from(&borrowed, &options, &plan::Limits::default())?;
+        slot.write(Box::into_raw(Box::new(refit_plan { plan: built })));
+        Ok(())
+    })
+}
+
+/// Builds the share of the plan that process `process` takes part in, from every process's table
+/// (`tables` holds `count` tables, in any order): every route from or to one of its endpoints,
+/// exactly the routes refit_plan_build would give it, and the counts of its own receivers. Every
+/// process that builds its share from the same tables and options gets routes that fit together
+/// into one plan (owners are a function of all tables and the options). Every table is read, but
+/// the work beyond reading them grows with this process's own needs and offers (with
+/// REFIT_POLICY_BALANCED, with every need). Writes the share to `*plan`; read it with the plan
+/// calls (refit_plan_get_stats counts this process's receivers; refit_plan_fingerprint digests
+/// this share's routes; refit_plan_inputs_fingerprint is equal in every process given the same
+/// tables and options: compare it before any byte moves). Runs on the calling thread; touches no
+/// device.
+///
+/// Errors: as refit_plan_build, except that COVERAGE_GAP and OVERLAP are reported for this
+/// process's needs only (each process checks its own; a failure on any process must stop all).
+///
+/// # Safety
+/// `tables` points to `count` live tables not modified during the call.
+#[no_mangle]
+pub unsafe extern "C" fn refit_plan_build_share(
+    tables: *const *const refit_table,
+    count: usize,
+    process: u32,
+    options: *const refit_plan_options,
+    plan: *mut *mut refit_plan,
+) -> crate::Status {
+    boundary("refit_plan_build_share", || {
+        let slot = out(plan, "plan")?;
+        let options = plan_options(options)?;
+        let borrowed = table_list(tables, count)?;
+        let built = plan::build_share(&borrowed, process, &options, &plan::Limits::default())?;
         slot.write(Box::into_raw(Box::new(refit_plan { plan: built })));
         Ok(())
     })
@@ -415,6 +446,25 @@ pub unsafe extern "C" fn refit_plan_fingerprint(
     })
 }
 
+/// Writes to `*fingerprint` a digest of everything the plan was built from: every table's content
+/// (in any order, entries in any order), the options and the planner's limits. Equal for a plan
+/// and every process's share built from the same inputs, in any process; processes compare it to
+/// agree on their inputs. Thread-safe. Errors: NULL_ARGUMENT.
+///
+/// # Safety
+/// `plan` is a live plan.
+#[no_mangle]
+pub unsafe extern "C" fn refit_plan_inputs_fingerprint(
+    plan: *const refit_plan,
+    fingerprint: *mut u64,
+) -> crate::Status {
+    boundary("refit_plan_inputs_fingerprint", || {
+        let plan = arg(plan, "plan")?;
+        out(fingerprint, "fingerprint")?.write(plan.plan.inputs_fingerprint());
+        Ok(())
+    })
+}
+
 /// Writes the number of routes to `*count`. Routes are ordered by destination endpoint, then local,
 /// peer, remote, then source endpoint. Thread-safe. Errors: NULL_ARGUMENT.
 ///
@@ -464,6 +514,19 @@ pub unsafe extern "C" fn refit_plan_route(
         });
         Ok(())
     })
+}
+
+/// The tables of a caller's array of `count` table pointers.
+///
+/// # Safety
+/// `tables` points to `count` pointers, each NULL or a live table.
+unsafe fn table_list<'a>(tables: *const *const refit_table, count: usize) -> Result<Vec<&'a plan::Table>> {
+    let pointers = slice(tables, count, "tables")?;
+    let mut borrowed = try_vec(pointers.len(), "the table list")?;
+    for (i, &t) in pointers.iter().enumerate() {
+        borrowed.push(arg(t, &format!("tables[{i}]"))?.table.table());
+    }
+    Ok(borrowed)
 }
 
 /// A caller array of dimensions, at most REFIT_MAX_DIMS long.

@@ -38,9 +38,68 @@ struct __align__(16) V16 {
     u64 hi;
 };
 
+// The type an element is hashed and compared as: 16-byte vectors as they are, narrower ones as u64.
+template <typename V>
+struct Wide {
+    typedef u64 type;
+};
+template <>
+struct Wide<V16> {
+    typedef V16 type;
+};
+
 #define WARP 32u
 // Vectors in flight per lane before the first store: 2 KiB per 32 lanes per step with 16-byte vectors.
 #define UNROLL 4u
+
+// What a walk over the tiles does with each element (a template parameter, so the plain copy compiles
+// exactly as if the others did not exist). The other modes exist for verifying a copy: they take the
+// same walk, so every element is handled by the same lane, in the same order, as in the copy.
+#define MODE_COPY 0u         // read the source, write the destination
+#define MODE_COPY_DIGEST 1u  // the same, and record a digest of each tile's source bytes as read
+#define MODE_CHECK 2u        // read the destination, digest each tile, compare with the recorded digest
+#define MODE_COMPARE 3u      // read the source and the destination, note any difference
+
+// A lane's view of the tile it is walking: a hash of the elements it read (MODE_COPY_DIGEST, MODE_CHECK)
+// and the OR of all differences it saw (MODE_COMPARE).
+struct Probe {
+    u64 hash;
+    u64 diff;
+};
+
+// A bijection of 64-bit words (an odd multiplier, then an xorshift): hash = mix(hash ^ element) changes
+// whenever one element changes, so a tile digest (the sum of its lanes' hashes) always changes with a
+// single changed element. Other differences are found with a chance of about 1 - 2^-64.
+__device__ __forceinline__ u64 mix(u64 x) {
+    x *= 0x9E3779B97F4A7C15ull;
+    return x ^ (x >> 29);
+}
+
+__device__ __forceinline__ void absorb(Probe& p, u64 x) { p.hash = mix(p.hash ^ x); }
+__device__ __forceinline__ void absorb(Probe& p, V16 v) {
+    absorb(p, v.lo);
+    absorb(p, v.hi);
+}
+__device__ __forceinline__ u64 difference(u64 a, u64 b) { return a ^ b; }
+__device__ __forceinline__ u64 difference(V16 a, V16 b) { return (a.lo ^ b.lo) | (a.hi ^ b.hi); }
+
+// One element at index k of the lane's run: read what the mode reads, then write, hash or compare.
+template <u32 MODE, typename V>
+__device__ __forceinline__ void load_element(V& v, V& w, const V* s, const V* d, u32 k) {
+    if (MODE == MODE_CHECK) {
+        v = d[k];
+    } else {
+        v = s[k];
+        if (MODE == MODE_COMPARE) w = d[k];
+    }
+}
+
+template <u32 MODE, typename V>
+__device__ __forceinline__ void use_element(const V& v, const V& w, V* d, u32 k, Probe& p) {
+    if (MODE == MODE_COPY || MODE == MODE_COPY_DIGEST) d[k] = v;
+    if (MODE == MODE_COPY_DIGEST || MODE == MODE_CHECK) absorb(p, (typename Wide<V>::type)v);
+    if (MODE == MODE_COMPARE) p.diff |= difference((typename Wide<V>::type)v, (typename Wide<V>::type)w);
+}
 
 // A tile is copied by a group of `width` lanes (32, 16 or 8; chosen per batch on the host): for small
 // tiles, several groups of one warp copy several tiles at once, so that more memory round trips are in
@@ -49,19 +108,20 @@ struct __align__(16) V16 {
 // Copies n elements of type V, lane-strided so that each group access is coalesced. All loads of a
 // step are issued before any store of it (predicated, so a short piece still gets one round trip).
 // Pieces are at most one tile (<= 1 MiB), so 32-bit indices suffice.
-template <typename V>
-__device__ __forceinline__ void copy_elements(u64 dst, u64 src, u32 n, u32 lane, u32 width) {
+template <u32 MODE, typename V>
+__device__ __forceinline__ void copy_elements(u64 dst, u64 src, u32 n, u32 lane, u32 width, Probe& p) {
     V* d = reinterpret_cast<V*>(dst) + lane;
     const V* s = reinterpret_cast<const V*>(src) + lane;
     for (u32 i = lane; i < n; i += UNROLL * width) {
         V v[UNROLL];
+        V w[MODE == MODE_COMPARE ? UNROLL : 1];
 #pragma unroll
         for (u32 k = 0; k < UNROLL; ++k) {
-            if (i + k * width < n) v[k] = s[k * width];
+            if (i + k * width < n) load_element<MODE>(v[k], w[MODE == MODE_COMPARE ? k : 0], s, d, k * width);
         }
 #pragma unroll
         for (u32 k = 0; k < UNROLL; ++k) {
-            if (i + k * width < n) d[k * width] = v[k];
+            if (i + k * width < n) use_element<MODE>(v[k], w[MODE == MODE_COMPARE ? k : 0], d, k * width, p);
         }
         s += UNROLL * width;
         d += UNROLL * width;
@@ -69,63 +129,74 @@ __device__ __forceinline__ void copy_elements(u64 dst, u64 src, u32 n, u32 lane,
 }
 
 // Copies bytes [from, to) one per lane (heads and tails shorter than 16 bytes).
-__device__ __forceinline__ void copy_bytes(u64 dst, u64 src, u32 from, u32 to, u32 lane, u32 width) {
+template <u32 MODE>
+__device__ __forceinline__ void copy_bytes(u64 dst, u64 src, u32 from, u32 to, u32 lane, u32 width, Probe& p) {
     for (u32 b = from + lane; b < to; b += width) {
-        reinterpret_cast<u8*>(dst)[b] = reinterpret_cast<const u8*>(src)[b];
+        u8 v, w;
+        load_element<MODE>(v, w, reinterpret_cast<const u8*>(src), reinterpret_cast<const u8*>(dst), b);
+        use_element<MODE>(v, w, reinterpret_cast<u8*>(dst), b, p);
     }
 }
 
 // Copies n bytes where src and dst agree modulo W: a byte head up to W-alignment of dst (< W <= 16
 // bytes), a body of W-byte elements, a byte tail (< W bytes).
-template <typename V, u32 W>
-__device__ __forceinline__ void copy_coaligned(u64 dst, u64 src, u32 n, u32 lane, u32 width) {
+template <u32 MODE, typename V, u32 W>
+__device__ __forceinline__ void copy_coaligned(u64 dst, u64 src, u32 n, u32 lane, u32 width, Probe& p) {
     u32 head = (W - ((u32)dst & (W - 1))) & (W - 1);
     if (head > n) head = n;
-    copy_bytes(dst, src, 0, head, lane, width);
+    copy_bytes<MODE>(dst, src, 0, head, lane, width, p);
     const u32 body = (n - head) / W;
-    copy_elements<V>(dst + head, src + head, body, lane, width);
-    copy_bytes(dst, src, head + body * W, n, lane, width);
+    copy_elements<MODE, V>(dst + head, src + head, body, lane, width, p);
+    copy_bytes<MODE>(dst, src, head + body * W, n, lane, width, p);
 }
 
 // One contiguous piece of at most one tile, copied by the lane group with the widest access both
 // sides allow.
-__device__ __forceinline__ void copy_piece(u64 dst, u64 src, u32 n, u32 lane, u32 width) {
+template <u32 MODE>
+__device__ __forceinline__ void copy_piece(u64 dst, u64 src, u32 n, u32 lane, u32 width, Probe& p) {
     const u32 skew = (u32)(dst ^ src);
     if ((skew & 15u) == 0) {
-        copy_coaligned<V16, 16>(dst, src, n, lane, width);
+        copy_coaligned<MODE, V16, 16>(dst, src, n, lane, width, p);
     } else if ((skew & 7u) == 0) {
-        copy_coaligned<u64, 8>(dst, src, n, lane, width);
+        copy_coaligned<MODE, u64, 8>(dst, src, n, lane, width, p);
     } else if ((skew & 3u) == 0) {
-        copy_coaligned<u32, 4>(dst, src, n, lane, width);
+        copy_coaligned<MODE, u32, 4>(dst, src, n, lane, width, p);
     } else if ((skew & 1u) == 0) {
-        copy_coaligned<u16, 2>(dst, src, n, lane, width);
+        copy_coaligned<MODE, u16, 2>(dst, src, n, lane, width, p);
     } else {
-        copy_elements<u8>(dst, src, n, lane, width);
+        copy_elements<MODE, u8>(dst, src, n, lane, width, p);
     }
 }
 
 // Copies `rows` rows of `per_row` 16-byte vectors (rows * per_row <= one tile of vectors), each lane
 // taking vectors across row boundaries so that UNROLL loads per lane are in flight whatever the row
 // length. Every address is 16-byte aligned (checked by the caller).
+template <u32 MODE>
 __device__ __forceinline__ void copy_rows16(u64 dst, u64 src, u32 per_row, u32 rows, u64 src_stride,
-                                            u64 dst_stride, u32 lane, u32 width) {
+                                            u64 dst_stride, u32 lane, u32 width, Probe& p) {
     const u32 total = per_row * rows;
     for (u32 e = lane; e < total; e += UNROLL * width) {
         V16 v[UNROLL];
+        V16 w[MODE == MODE_COMPARE ? UNROLL : 1];
         u32 row[UNROLL];
 #pragma unroll
         for (u32 k = 0; k < UNROLL; ++k) {
             const u32 idx = e + k * width;
             row[k] = idx / per_row;
             if (idx < total) {
-                v[k] = *reinterpret_cast<const V16*>(src + row[k] * src_stride + (u64)(idx - row[k] * per_row) * 16);
+                load_element<MODE>(
+                    v[k], w[MODE == MODE_COMPARE ? k : 0],
+                    reinterpret_cast<const V16*>(src + row[k] * src_stride + (u64)(idx - row[k] * per_row) * 16),
+                    reinterpret_cast<const V16*>(dst + row[k] * dst_stride + (u64)(idx - row[k] * per_row) * 16), 0);
             }
         }
 #pragma unroll
         for (u32 k = 0; k < UNROLL; ++k) {
             const u32 idx = e + k * width;
             if (idx < total) {
-                *reinterpret_cast<V16*>(dst + row[k] * dst_stride + (u64)(idx - row[k] * per_row) * 16) = v[k];
+                use_element<MODE>(
+                    v[k], w[MODE == MODE_COMPARE ? k : 0],
+                    reinterpret_cast<V16*>(dst + row[k] * dst_stride + (u64)(idx - row[k] * per_row) * 16), 0, p);
             }
         }
     }
@@ -136,8 +207,9 @@ __device__ __forceinline__ void copy_rows16(u64 dst, u64 src, u32 per_row, u32 r
 // of copy_piece keeps the kernel small (and its register count low).
 // `d` is read through L1 at each tile rather than held in registers across the loop: the kernel needs
 // its registers for loads in flight.
+template <u32 MODE>
 __device__ __forceinline__ void copy_tile(const Desc* __restrict__ dp, u64 local, u32 tile_shift, u32 lane,
-                                          u32 width) {
+                                          u32 width, Probe& probe) {
     const Desc& d = *dp;
     u64 r;       // first run of the tile
     u64 off;     // byte offset of the piece within its run
@@ -170,11 +242,12 @@ __device__ __forceinline__ void copy_tile(const Desc* __restrict__ dp, u64 local
         ((src | dst | d.len | d.src_stride0 | d.dst_stride0) & 15u) == 0) {
         // Rows of whole 16-byte vectors within one outer repetition (the tensor-parallel column split):
         // spread the lanes over all rows at once instead of one row after the other.
-        copy_rows16(dst, src, (u32)(d.len / 16), (u32)pieces, d.src_stride0, d.dst_stride0, lane, width);
+        copy_rows16<MODE>(dst, src, (u32)(d.len / 16), (u32)pieces, d.src_stride0, d.dst_stride0, lane, width,
+                          probe);
         return;
     }
     for (u64 p = 0;;) {
-        copy_piece(dst, src, (u32)n, lane, width);
+        copy_piece<MODE>(dst, src, (u32)n, lane, width, probe);
         if (++p == pieces) break;
         if (++i == d.count0) {
             i = 0;
@@ -199,11 +272,34 @@ __device__ __forceinline__ void prefetch_desc(const Desc* d) {
 #endif
 }
 
+// The end of one tile in the verifying modes. MODE_COPY_DIGEST and MODE_CHECK add the lanes' hashes
+// (seeded with the lane's index, so that the same values in other lanes give another sum) over the
+// tile's lane group; its first lane records the sum in digests[t] or compares it with what is recorded
+// there. A difference lowers *first_bad to the tile's segment index s.
+template <u32 MODE>
+__device__ __forceinline__ void finish_tile(const Probe& p, u64 t, u64 s, u32 lane, u32 width, u64* digests,
+                                            u64* first_bad) {
+    if (MODE == MODE_COMPARE) {
+        if (p.diff != 0) atomicMin(first_bad, s);
+    } else if (MODE == MODE_COPY_DIGEST || MODE == MODE_CHECK) {
+        const u32 in_warp = threadIdx.x & (WARP - 1);
+        const u32 mask = width == WARP ? 0xffffffffu : ((1u << width) - 1) << (in_warp & ~(width - 1));
+        u64 sum = p.hash;
+        for (u32 offset = width / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(mask, sum, offset, width);
+        if (lane == 0) {
+            if (MODE == MODE_COPY_DIGEST) digests[t] = sum;
+            else if (digests[t] != sum) atomicMin(first_bad, s);
+        }
+    }
+}
+
 // This thread's share of a launch. descs: nseg descriptors followed by one sentinel whose tile_first
 // is ntiles. group_shift: log2 of the lanes per tile (3, 4 or 5). The host guarantees nseg >= 1,
-// ntiles >= 1 and ntiles * (total warps + 1) < 2^64.
+// ntiles >= 1 and ntiles * (total warps + 1) < 2^64. `digests` (one word per tile) and `first_bad`
+// are used by the verifying modes only.
+template <u32 MODE>
 __device__ __forceinline__ void copy_tiles(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift,
-                                           u32 group_shift) {
+                                           u32 group_shift, u64* digests, u64* first_bad) {
     const u32 width = 1u << group_shift;
     const u32 lane = threadIdx.x & (width - 1);
     const u32 group = (threadIdx.x & (WARP - 1)) >> group_shift;
@@ -229,7 +325,9 @@ __device__ __forceinline__ void copy_tiles(const Desc* __restrict__ descs, u64 n
     u64 seg_end = descs[s + 1].tile_first;
     prefetch_desc(descs + s + 1);
     for (;;) {
-        copy_tile(descs + s, t - seg_first, tile_shift, lane, width);
+        Probe probe = {lane + 1ull, 0};
+        copy_tile<MODE>(descs + s, t - seg_first, tile_shift, lane, width, probe);
+        finish_tile<MODE>(probe, t, s, lane, width, digests, first_bad);
         t += groups;
         if (t >= t_end) break;
         // With several groups a step can cross several (one-tile) segments; their descriptors are
@@ -245,7 +343,33 @@ __device__ __forceinline__ void copy_tiles(const Desc* __restrict__ descs, u64 n
 
 extern "C" __global__ void __launch_bounds__(256, 3) refit_batched_copy(const Desc* __restrict__ descs, u64 nseg,
                                                                      u64 ntiles, u32 tile_shift, u32 group_shift) {
-    copy_tiles(descs, nseg, ntiles, tile_shift, group_shift);
+    copy_tiles<MODE_COPY>(descs, nseg, ntiles, tile_shift, group_shift, nullptr, nullptr);
+}
+
+// The copy, also recording in digests[t] a digest of the source bytes that tile t read (one word per
+// tile), for refit_batched_check to verify the destinations against without reading the sources again.
+extern "C" __global__ void __launch_bounds__(256, 3)
+    refit_batched_copy_digest(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift,
+                              u32 group_shift, u64* digests) {
+    copy_tiles<MODE_COPY_DIGEST>(descs, nseg, ntiles, tile_shift, group_shift, digests, nullptr);
+}
+
+// Verifies a refit_batched_copy_digest launch of the same batch: digests every tile's destination
+// bytes with the same walk and lowers *first_bad to the index of the first descriptor whose tile
+// digests differ (the host sets it to ~0 before).
+extern "C" __global__ void __launch_bounds__(256, 3)
+    refit_batched_check(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift, u32 group_shift,
+                        u64* digests, u64* first_bad) {
+    copy_tiles<MODE_CHECK>(descs, nseg, ntiles, tile_shift, group_shift, digests, first_bad);
+}
+
+// Compares every destination byte with its source byte and lowers *first_bad to the index of the first
+// descriptor with a difference (the host sets it to ~0 before). Exact, but reads both sides. Two blocks
+// per SM rather than three: it holds twice the loads in flight, which spill at the 80-register cap.
+extern "C" __global__ void __launch_bounds__(256, 2)
+    refit_batched_compare(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift, u32 group_shift,
+                          u64* digests, u64* first_bad) {
+    copy_tiles<MODE_COMPARE>(descs, nseg, ntiles, tile_shift, group_shift, digests, first_bad);
 }
 
 #if defined(__CUDA_ARCH__)
@@ -307,7 +431,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         }
     }
     __syncthreads();
-    if (ntiles > 0) copy_tiles(descs, nseg, ntiles, tile_shift, group_shift);
+    if (ntiles > 0) copy_tiles<MODE_COPY>(descs, nseg, ntiles, tile_shift, group_shift, nullptr, nullptr);
     // Every thread of this block has issued its accesses; thread 0's release covers them.
     __syncthreads();
     if (threadIdx.x != 0) return;

@@ -1,7 +1,8 @@
 //! The batched copy on a CUDA device: the compiled kernel per device ([`BatchedCopy`]), a one-shot
 //! copy ([`copy_segments`]) and a batch uploaded once and launched many times ([`PreparedBatch`]).
 
-use super::layout::BatchLayout;
+use super::device_memory::DeviceMemory;
+use super::layout::{BatchLayout, DeviceSegment};
 use super::module;
 use super::rendezvous::RankRendezvous;
 use crate::error::{Result, Status};
@@ -38,8 +39,13 @@ pub struct BatchedCopy {
     context: sys::CUcontext,
     function: sys::CUfunction,
     synced: sys::CUfunction,
+    copy_digest: sys::CUfunction,
+    check: sys::CUfunction,
+    compare: sys::CUfunction,
     /// Blocks that fit on the device at once (SMs x resident blocks per SM): the persistent grid.
     max_blocks: u32,
+    /// The same for the compare entry point, which has fewer resident blocks per SM.
+    compare_max_blocks: u32,
     /// How the kernel was built, for logs and bench output.
     pub build: String,
 }
@@ -71,16 +77,42 @@ impl BatchedCopy {
         let loaded = module::load(device, SOURCE, "batched_copy.cu")?;
         let function = module::function(loaded.module, KERNEL_NAME)?;
         let synced = module::function(loaded.module, SYNCED_KERNEL_NAME)?;
+        let copy_digest = module::function(loaded.module, c"refit_batched_copy_digest")?;
+        let check = module::function(loaded.module, c"refit_batched_check")?;
+        let compare = module::function(loaded.module, c"refit_batched_compare")?;
         let per_sm = module::blocks_per_sm(function, BLOCK_THREADS)?;
         let max_blocks = loaded.sms * per_sm;
+        let compare_max_blocks = loaded.sms * module::blocks_per_sm(compare, BLOCK_THREADS)?;
         let build = format!("{} x {per_sm} blocks of {BLOCK_THREADS}", loaded.build);
         log::info!("batched copy kernel on device {device}: {build}");
-        Ok(BatchedCopy { device, context: loaded.context, function, synced, max_blocks, build })
+        Ok(BatchedCopy {
+            device,
+            context: loaded.context,
+            function,
+            synced,
+            copy_digest,
+            check,
+            compare,
+            max_blocks,
+            compare_max_blocks,
+            build,
+        })
     }
 
     /// The device ordinal this kernel runs on.
     pub fn device(&self) -> i32 {
         self.device
+    }
+
+    /// The device's primary context (retained for the life of the process).
+    pub(crate) fn context(&self) -> sys::CUcontext {
+        self.context
+    }
+
+    /// `launch` on a grid the compare entry point keeps resident (any grid walks every tile).
+    pub(crate) fn for_compare(&self, mut launch: Launch) -> Launch {
+        launch.blocks = launch.blocks.min(self.compare_max_blocks).max(1);
+        launch
     }
 
     /// Blocks for `tiles` tiles: the persistent grid, or fewer when there is less work than warps.
@@ -97,23 +129,35 @@ impl BatchedCopy {
     /// Enqueues the kernel described by `launch` on `stream`. The caller has this device's context
     /// current.
     fn enqueue(&self, stream: sys::CUstream, launch: &Launch) -> Result<()> {
-        self.enqueue_entry(stream, launch, None)
+        self.enqueue_entry(stream, launch, Entry::Copy)
     }
 
-    /// Enqueues `launch` through the plain entry point, or through the group-synchronized one when
-    /// `synced` gives the rank's rendezvous and the call's epoch. The caller has this device's context
-    /// current.
-    fn enqueue_entry(
-        &self,
-        stream: sys::CUstream,
-        launch: &Launch,
-        synced: Option<(RankRendezvous, u64)>,
-    ) -> Result<()> {
+    /// Enqueues `launch` through `entry`'s entry point. The caller has this device's context current.
+    pub(crate) fn enqueue_entry(&self, stream: sys::CUstream, launch: &Launch, entry: Entry) -> Result<()> {
         let Launch { mut descriptors, mut segments, mut tiles, mut tile_shift, mut group_shift, blocks } =
             *launch;
-        let (mut table, mut rank, mut ranks, mut epoch) = match synced {
-            Some((r, epoch)) => (r.table, r.rank, r.ranks, epoch),
-            None => (0, 0, 0, 0),
+        // The parameters after the common five: (table, rank, ranks, epoch) for the synced entry,
+        // (digests, first_bad) for the verifying ones.
+        let (mut word5, mut rank, mut ranks, mut word8) = (0u64, 0u32, 0u32, 0u64);
+        let (mut digests, mut first_bad) = (0u64, 0u64);
+        let function = match entry {
+            Entry::Copy => self.function,
+            Entry::Synced(r, epoch) => {
+                (word5, rank, ranks, word8) = (r.table, r.rank, r.ranks, epoch);
+                self.synced
+            }
+            Entry::CopyDigest { digests: d } => {
+                digests = d;
+                self.copy_digest
+            }
+            Entry::Check { digests: d, first_bad: f } => {
+                (digests, first_bad) = (d, f);
+                self.check
+            }
+            Entry::Compare { first_bad: f } => {
+                first_bad = f;
+                self.compare
+            }
         };
         let mut params: [*mut c_void; 9] = [
             (&mut descriptors as *mut u64).cast(),
@@ -121,16 +165,18 @@ impl BatchedCopy {
             (&mut tiles as *mut u64).cast(),
             (&mut tile_shift as *mut u32).cast(),
             (&mut group_shift as *mut u32).cast(),
-            (&mut table as *mut u64).cast(),
+            (&mut word5 as *mut u64).cast(),
             (&mut rank as *mut u32).cast(),
             (&mut ranks as *mut u32).cast(),
-            (&mut epoch as *mut u64).cast(),
+            (&mut word8 as *mut u64).cast(),
         ];
-        let function = if synced.is_some() { self.synced } else { self.function };
-        // SAFETY: the parameter list starts with the plain kernel's signature and is the synced one's
-        // (the driver reads only as many parameters as the function has); the descriptors stay
-        // allocated until the launch completes (freed stream-ordered after it, or owned by a
-        // PreparedBatch).
+        if !matches!(entry, Entry::Copy | Entry::Synced(..)) {
+            params[5] = (&mut digests as *mut u64).cast();
+            params[6] = (&mut first_bad as *mut u64).cast();
+        }
+        // SAFETY: `params` starts with the chosen entry point's parameters (the driver reads only as
+        // many as the function has); the descriptors, digest and result words stay allocated until the
+        // launch completes (freed stream-ordered after it, or owned by a prepared batch or verify).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 function,
@@ -149,13 +195,28 @@ impl BatchedCopy {
     }
 }
 
+/// Which entry point of `batched_copy.cu` a launch goes through, with its extra parameters.
+#[derive(Clone, Copy, Debug)]
+pub(crate) enum Entry {
+    /// refit_batched_copy.
+    Copy,
+    /// refit_batched_copy_synced: the rank's rendezvous and the call's epoch.
+    Synced(RankRendezvous, u64),
+    /// refit_batched_copy_digest: one device word per tile for the source digests.
+    CopyDigest { digests: u64 },
+    /// refit_batched_check: the recorded tile digests and the result word.
+    Check { digests: u64, first_bad: u64 },
+    /// refit_batched_compare: the result word.
+    Compare { first_bad: u64 },
+}
+
 /// Everything one launch passes to the kernel: the descriptor table (device address, real segment
 /// count, tile count), the tiling, and the grid.
 #[derive(Clone, Copy, Debug, Default)]
-struct Launch {
+pub(crate) struct Launch {
     descriptors: u64,
     segments: u64,
-    tiles: u64,
+    pub(crate) tiles: u64,
     tile_shift: u32,
     group_shift: u32,
     blocks: u32,
@@ -234,6 +295,15 @@ pub unsafe fn copy_segments(
     result.and(freed)
 }
 
+/// What a verify of a prepared batch shares with it (see [`PreparedBatch::parts`]).
+pub(crate) struct BatchParts<'a> {
+    pub kernel: &'a Arc<BatchedCopy>,
+    pub launch: Launch,
+    pub descriptors: Option<&'a Arc<DeviceMemory>>,
+    pub tile_digests: Option<&'a Arc<DeviceMemory>>,
+    pub segment_of: Option<&'a Arc<Vec<usize>>>,
+}
+
 /// A batch whose descriptors (and tile split) live in device memory, launched any number of times.
 ///
 /// `launch` does no host work that grows with the batch (one `cuLaunchKernel`), allocates nothing,
@@ -241,13 +311,18 @@ pub unsafe fn copy_segments(
 /// replayed. The segments' addresses are fixed at preparation; the bytes they point to are read at
 /// each launch. `Send + Sync`: launch from any thread, on streams of the same device.
 ///
-/// Drop frees the descriptor memory with `cuMemFree`; drop only once no launch (or graph replay)
-/// using it can still run.
+/// Drop frees the descriptor memory with `cuMemFree` (once no verify made from the batch holds it);
+/// drop only once no launch (or graph replay) using it can still run.
 pub struct PreparedBatch {
     kernel: Arc<BatchedCopy>,
-    /// `launch.descriptors` is 0 until the descriptor memory is allocated (Drop frees it), and stays 0
-    /// for an empty batch.
+    /// `launch.descriptors` is `descriptors`' address, 0 for an empty batch.
     launch: Launch,
+    descriptors: Option<Arc<DeviceMemory>>,
+    /// One word per tile: the digests of the source bytes each launch read (see
+    /// [`PreparedBatch::recording_digests`]).
+    tile_digests: Option<Arc<DeviceMemory>>,
+    /// With `tile_digests`: the caller's index of each descriptor, when empty segments shift them.
+    segment_of: Option<Arc<Vec<usize>>>,
     bytes: u64,
 }
 
@@ -283,24 +358,100 @@ impl PreparedBatch {
                 crate::bail!(Status::InvalidArgument, "lanes_per_tile = {other}; expected 0, 8, 16 or 32")
             }
         };
+        PreparedBatch::from_layout(device, &layout, false)
+    }
+
+    /// A batch of `layout` uploaded to `device`, recording source digests as
+    /// [`PreparedBatch::recording_digests`] does when `record_digests`. For callers that keep the
+    /// layout to [`PreparedBatch::rewrite`] its descriptors later. The layout must come from segments
+    /// that passed [`crate::segment::check::validate`] and are all non-empty (so that descriptor and
+    /// segment indices agree). Errors as for [`copy_segments`].
+    pub fn from_layout(device: i32, layout: &BatchLayout, record_digests: bool) -> Result<PreparedBatch> {
         let kernel = BatchedCopy::for_device(device)?;
         // An empty batch still launches one block when it takes part in a group-synchronized call.
         let blocks = if layout.tiles == 0 { 1 } else { kernel.grid_for(layout.tiles)? };
-        let mut batch =
-            PreparedBatch { kernel, launch: Launch::new(&layout, 0, blocks), bytes: layout.bytes };
-        if layout.tiles == 0 {
-            return Ok(batch);
+        let descriptors = match layout.tiles {
+            0 => None,
+            _ => Some(Arc::new(DeviceMemory::upload(kernel.context, layout.as_bytes())?)),
+        };
+        let launch = Launch::new(layout, descriptors.as_ref().map_or(0, |d| d.ptr), blocks);
+        let mut batch = PreparedBatch {
+            kernel,
+            launch,
+            descriptors,
+            tile_digests: None,
+            segment_of: None,
+            bytes: layout.bytes,
+        };
+        if record_digests {
+            batch.record_digests()?;
         }
-        // SAFETY: a retained primary context.
-        let _current = unsafe { CurrentContext::enter(batch.kernel.context) }?;
-        let bytes = layout.as_bytes();
-        // SAFETY: valid output slot in the current context. Once set, Drop frees the allocation.
-        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut batch.launch.descriptors, bytes.len()) })?;
-        // SAFETY: the allocation holds bytes.len() bytes.
-        check("cuMemcpyHtoD", unsafe {
-            sys::cuMemcpyHtoD_v2(batch.launch.descriptors, bytes.as_ptr().cast(), bytes.len())
-        })?;
         Ok(batch)
+    }
+
+    /// Allocates the per-tile digest words every launch records from now on.
+    fn record_digests(&mut self) -> Result<()> {
+        if self.launch.tiles > 0 {
+            let bytes = usize::try_from(self.launch.tiles.saturating_mul(8))
+                .map_err(|_| crate::error::Error::invalid_argument("too many tiles to record digests for"))?;
+            self.tile_digests = Some(Arc::new(DeviceMemory::alloc(self.kernel.context, bytes)?));
+        }
+        Ok(())
+    }
+
+    /// Overwrites descriptors `first..first + descriptors.len()` on the device with `descriptors`,
+    /// synchronously: for a caller whose segments moved (same sizes and strides, new addresses), so
+    /// that the next launch copies from and to the new places with nothing else rebuilt (a verify
+    /// made by `super::verify::VerifyBatch::check` shares them, and follows). Each descriptor must be
+    /// the layout's own with only `src` and `dst` changed (the tiling stays). InvalidArgument when
+    /// the range is not within the batch.
+    ///
+    /// # Safety
+    /// No launch of this batch (or of a verify sharing its descriptors) may be running or queued to
+    /// run during the call.
+    pub unsafe fn rewrite(&self, first: usize, descriptors: &[DeviceSegment]) -> Result<()> {
+        let end = first.checked_add(descriptors.len());
+        if end.is_none_or(|end| end as u64 > self.launch.segments) {
+            crate::bail!(
+                Status::InvalidArgument,
+                "descriptors {first}..{} are not within the batch's {}",
+                first.saturating_add(descriptors.len()),
+                self.launch.segments
+            );
+        }
+        let Some(memory) = self.descriptors.as_ref().filter(|_| !descriptors.is_empty()) else {
+            return Ok(());
+        };
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
+        let size = std::mem::size_of_val(descriptors);
+        let at = memory.ptr + (first * std::mem::size_of::<DeviceSegment>()) as u64;
+        // SAFETY: within the allocation (checked above); the caller's promise that nothing reads it.
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(at, descriptors.as_ptr().cast(), size) })
+    }
+
+    /// As [`PreparedBatch::new`], and every launch also records, for each tile (a piece of the batch
+    /// of at most a few KiB, see `layout`), a digest of the source bytes it read, in device memory
+    /// owned by the batch (8 bytes per tile): what [`super::verify::VerifyBatch::check`] compares the
+    /// destinations with, without reading the sources again. The digests come from the elements the
+    /// copy holds in registers, so they cost no extra memory traffic, only arithmetic
+    /// (benches/gpu_digest.rs measures what that costs the copy).
+    pub fn recording_digests(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
+        let mut batch = PreparedBatch::new(device, segments, checked)?;
+        batch.record_digests()?;
+        batch.segment_of = super::verify::segment_indices(segments).map(Arc::new);
+        Ok(batch)
+    }
+
+    /// The batch's kernel, launch and device memory, for verifying it (`super::verify`).
+    pub(crate) fn parts(&self) -> BatchParts<'_> {
+        BatchParts {
+            kernel: &self.kernel,
+            launch: self.launch,
+            descriptors: self.descriptors.as_ref(),
+            tile_digests: self.tile_digests.as_ref(),
+            segment_of: self.segment_of.as_ref(),
+        }
     }
 
     /// Enqueues the batch on `stream` (a stream of this batch's device, NULL for its legacy default
@@ -315,7 +466,11 @@ impl PreparedBatch {
         }
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
-        self.kernel.enqueue(stream, &self.launch)
+        let entry = match &self.tile_digests {
+            Some(digests) => Entry::CopyDigest { digests: digests.ptr },
+            None => Entry::Copy,
+        };
+        self.kernel.enqueue_entry(stream, &self.launch, entry)
     }
 
     /// Enqueues the batch as one rank's part of a group-synchronized call (see [`super::rendezvous`]):
@@ -341,7 +496,7 @@ impl PreparedBatch {
         }
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
-        self.kernel.enqueue_entry(stream, &self.launch, Some((rendezvous, epoch)))
+        self.kernel.enqueue_entry(stream, &self.launch, Entry::Synced(rendezvous, epoch))
     }
 
     /// Launches this batch on at most `blocks` blocks (at least one) from now on. Fewer blocks copy
@@ -364,22 +519,6 @@ impl PreparedBatch {
     /// Tiles one launch runs, the blocks it launches, and the lanes copying each tile.
     pub fn geometry(&self) -> (u64, u32, u32) {
         (self.launch.tiles, self.launch.blocks, 1 << self.launch.group_shift)
-    }
-}
-
-impl Drop for PreparedBatch {
-    fn drop(&mut self) {
-        if self.launch.descriptors == 0 {
-            return;
-        }
-        // SAFETY: a retained primary context.
-        let freed = unsafe { CurrentContext::enter(self.kernel.context) }.and_then(|_current| {
-            // SAFETY: allocated by cuMemAlloc in this context, freed once.
-            check("cuMemFree", unsafe { sys::cuMemFree_v2(self.launch.descriptors) })
-        });
-        if let Err(err) = freed {
-            log::warn!("freeing a prepared batch's descriptors: {err}");
-        }
     }
 }
 

@@ -10,17 +10,21 @@
 //! - `digest.cu` and [`digest`]: the digest kernel and its launch.
 //! - [`gf64`]: the refit digest in pure Rust (its definition, the host implementation, the
 //!   digest kernel's constants).
+//! - [`verify`]: verifying copies (compare both sides, or check destinations against the source digests a
+//!   prepared batch records).
 //! - [`rendezvous`]: the device-memory flags through which a group's synchronized launches meet.
-
+//! - `device_memory`: device allocations and a page-locked result word owned by the kernels' host code.
 //!
 //! The transport's backends launch these; the kernels use only the transport's driver and loader
 //! files (`transport::driver`, `transport::nvrtc`), never the backends.
 
 pub mod batched_copy;
+pub(crate) mod device_memory;
 pub mod digest;
 pub mod gf64;
 pub mod layout;
 pub(crate) mod module;
 pub mod rendezvous;
+pub mod verify;
 
 pub use batched_copy::{copy_segments, BatchedCopy, PreparedBatch};

@@ -63,22 +63,44 @@ impl BoxForest {
 
     /// Adds a tree over `boxes` (caller id, box) of `dims` dimensions; returns its index, which
     /// counts up from 0 in the order trees are added.
-    pub fn add_tree(&mut self, dims: usize, boxes: &[(u32, Boxed)]) -> Result<usize> {
+    pub fn add_tree(
+        &mut self,
+        dims: usize,
+        boxes: impl ExactSizeIterator<Item = (u32, Boxed)>,
+    ) -> Result<usize> {
         let what = "box index entries";
-        let mut order: Vec<u32> = memory::collect(boxes.len(), 0..boxes.len() as u32, what)?;
-        let node_start = self.nodes.len();
-        let node_corner_base = self.node_corners.len();
-        self.split(dims, boxes, &mut order, 0)?;
-        let first_entry = self.ids.len();
-        let corner_base = self.corners.len();
-        memory::reserve(&mut self.ids, boxes.len(), what)?;
-        memory::reserve(&mut self.corners, 2 * dims * boxes.len(), what)?;
-        for &i in &order {
-            let (id, bx) = &boxes[i as usize];
-            self.ids.push(*id);
-            self.corners.extend_from_slice(&bx.lo[..dims]);
+        let count = boxes.len();
+        let (first_entry, corner_base) = (self.ids.len(), self.corners.len());
+        memory::reserve(&mut self.ids, count, what)?;
+        memory::reserve(&mut self.corners, 2 * dims * count, what)?;
+        for (id, bx) in boxes {
+            self.ids.push(id);
+            // Value by value: a call to memcpy per short copy costs more than the copy.
+            for d in 0..dims {
+                self.corners.push(bx.lo[d]);
+            }
             // Inside the tensor's shape: the end never overflows.
-            self.corners.extend((0..dims).map(|d| bx.lo[d] + bx.ext[d]));
+            for d in 0..dims {
+                self.corners.push(bx.lo[d] + bx.ext[d]);
+            }
+        }
+        let (node_start, node_corner_base) = (self.nodes.len(), self.node_corners.len());
+        let entries = &mut self.corners[corner_base..];
+        if count <= LEAF {
+            // Most tensors have a handful of boxes: one leaf, nothing to order.
+            split(entries, dims, &mut [], 0, count, &mut self.nodes, &mut self.node_corners)?;
+        } else {
+            let mut order: Vec<u32> = memory::collect(count, 0..count as u32, what)?;
+            split(entries, dims, &mut order, 0, count, &mut self.nodes, &mut self.node_corners)?;
+            // Entries in tree order, so that each leaf's boxes are contiguous.
+            let old_corners = memory::collect(entries.len(), entries.iter().copied(), what)?;
+            let old_ids = memory::collect(count, self.ids[first_entry..].iter().copied(), what)?;
+            let w = 2 * dims;
+            for (k, &i) in order.iter().enumerate() {
+                let i = i as usize;
+                entries[k * w..(k + 1) * w].copy_from_slice(&old_corners[i * w..(i + 1) * w]);
+                self.ids[first_entry + k] = old_ids[i];
+            }
         }
         memory::push(
             &mut self.trees,
@@ -86,46 +108,6 @@ impl BoxForest {
             what,
         )?;
         Ok(self.trees.len() - 1)
-    }
-
-    /// Builds the subtree over `order` (entries from `offset` in the tree), splitting at the median
-    /// of the box centres along the dimension where they spread most.
-    fn split(&mut self, dims: usize, boxes: &[(u32, Boxed)], order: &mut [u32], offset: usize) -> Result<()> {
-        let what = "box index nodes";
-        let at = self.nodes.len();
-        let (start, end) = (offset as u32, (offset + order.len()) as u32);
-        memory::push(&mut self.nodes, Node { start, end, next: 0 }, what)?;
-        memory::reserve(&mut self.node_corners, 2 * dims, what)?;
-        let bounds = |d: usize| {
-            order
-                .iter()
-                .map(|&i| &boxes[i as usize].1)
-                .fold((u64::MAX, 0), |(lo, hi), b| (lo.min(b.lo[d]), hi.max(b.lo[d] + b.ext[d])))
-        };
-        let spans: [(u64, u64); MAX_DIMS] =
-            std::array::from_fn(|d| if d < dims { bounds(d) } else { (0, 0) });
-        self.node_corners.extend(spans[..dims].iter().map(|s| s.0));
-        self.node_corners.extend(spans[..dims].iter().map(|s| s.1));
-        if order.len() > LEAF {
-            let centre = |i: u32, d: usize| {
-                let b = &boxes[i as usize].1;
-                b.lo[d] + b.ext[d] / 2
-            };
-            let spread = |d: usize| {
-                let (lo, hi) = order
-                    .iter()
-                    .fold((u64::MAX, 0), |(lo, hi), &i| (lo.min(centre(i, d)), hi.max(centre(i, d))));
-                hi.saturating_sub(lo)
-            };
-            let d = (0..dims).max_by_key(|&d| (spread(d), std::cmp::Reverse(d))).unwrap_or(0);
-            let mid = order.len() / 2;
-            order.select_nth_unstable_by_key(mid, |&i| centre(i, d));
-            let (left, right) = order.split_at_mut(mid);
-            self.split(dims, boxes, left, offset)?;
-            self.split(dims, boxes, right, offset + mid)?;
-        }
-        self.nodes[at].next = self.nodes.len() as u32;
-        Ok(())
     }
 
     /// Calls `hit` with the id of every box of tree `tree` that meets `query`, in no particular
@@ -137,36 +119,100 @@ impl BoxForest {
         work: &mut Budget,
         mut hit: impl FnMut(u32) -> Result<()>,
     ) -> Result<()> {
-        let t = self.trees[tree];
+        let t = &self.trees[tree];
         let dims = t.dims;
-        let (qlo, qhi): (&[u64], [u64; MAX_DIMS]) = (
-            &query.lo[..dims],
-            std::array::from_fn(|d| if d < dims { query.lo[d] + query.ext[d] } else { 0 }),
-        );
+        let qlo = &query.lo[..dims];
+        let mut qhi = [0u64; MAX_DIMS];
+        for (hi, (lo, ext)) in qhi.iter_mut().zip(qlo.iter().zip(&query.ext)) {
+            *hi = lo + ext;
+        }
+        let entries = &self.corners[t.corner_base..];
+        let mut leaf = |node: &Node, work: &mut Budget| -> Result<()> {
+            work.spend(u64::from(node.end - node.start))?;
+            for e in node.start as usize..node.end as usize {
+                if meets(&entries[2 * dims * e..2 * dims * (e + 1)], dims, qlo, &qhi) {
+                    hit(self.ids[t.first_entry + e])?;
+                }
+            }
+            Ok(())
+        };
+        // Most tensors have a handful of boxes: one leaf, whose bounds need no test.
+        if t.nodes.1 - t.nodes.0 == 1 {
+            return leaf(&self.nodes[t.nodes.0], work);
+        }
         let mut i = t.nodes.0;
         while i < t.nodes.1 {
             work.spend(1)?;
-            let node = self.nodes[i];
+            let node = &self.nodes[i];
             let bounds = &self.node_corners[t.node_corner_base + 2 * dims * (i - t.nodes.0)..][..2 * dims];
             if !meets(bounds, dims, qlo, &qhi) {
                 i = node.next as usize;
                 continue;
             }
-            if node.next as usize != i + 1 {
-                i += 1;
-                continue;
-            }
-            work.spend(u64::from(node.end - node.start))?;
-            for e in node.start as usize..node.end as usize {
-                let corners = &self.corners[t.corner_base + 2 * dims * e..][..2 * dims];
-                if meets(corners, dims, qlo, &qhi) {
-                    hit(self.ids[t.first_entry + e])?;
-                }
+            if node.next as usize == i + 1 {
+                leaf(node, work)?;
             }
             i += 1;
         }
         Ok(())
     }
+}
+
+/// Builds the subtree over entries `offset..offset + len` of a tree (their corners in `corners`,
+/// `2 * dims` values each, taken in `order` when it is not empty), splitting at the median of the
+/// box centres along the dimension where they spread most; `order` ends in tree order.
+fn split(
+    corners: &[u64],
+    dims: usize,
+    order: &mut [u32],
+    offset: usize,
+    len: usize,
+    nodes: &mut Vec<Node>,
+    node_corners: &mut Vec<u64>,
+) -> Result<()> {
+    let what = "box index nodes";
+    let at = nodes.len();
+    memory::push(nodes, Node { start: offset as u32, end: (offset + len) as u32, next: 0 }, what)?;
+    memory::reserve(node_corners, 2 * dims, what)?;
+    let entry = |order: &[u32], k: usize| -> usize {
+        if order.is_empty() {
+            offset + k
+        } else {
+            order[k] as usize
+        }
+    };
+    let corners_of = |i: usize| &corners[2 * dims * i..2 * dims * (i + 1)];
+    let mut bounds = [(u64::MAX, 0u64); MAX_DIMS];
+    for k in 0..len {
+        let c = corners_of(entry(order, k));
+        for d in 0..dims {
+            bounds[d] = (bounds[d].0.min(c[d]), bounds[d].1.max(c[dims + d]));
+        }
+    }
+    node_corners.extend(bounds[..dims].iter().map(|b| b.0));
+    node_corners.extend(bounds[..dims].iter().map(|b| b.1));
+    // Boxes of a scalar tensor (no dimensions) all meet one another: there is nothing to split along.
+    if len > LEAF && dims > 0 {
+        let centre = |i: usize, d: usize| {
+            let c = corners_of(i);
+            c[d] + (c[dims + d] - c[d]) / 2
+        };
+        let spread = |d: usize| {
+            let (lo, hi) = (0..len).fold((u64::MAX, 0), |(lo, hi), k| {
+                let x = centre(entry(order, k), d);
+                (lo.min(x), hi.max(x))
+            });
+            hi.saturating_sub(lo)
+        };
+        let d = (0..dims).max_by_key(|&d| (spread(d), std::cmp::Reverse(d))).unwrap_or(0);
+        let mid = len / 2;
+        order.select_nth_unstable_by_key(mid, |&i| centre(i as usize, d));
+        let (left, right) = order.split_at_mut(mid);
+        split(corners, dims, left, offset, mid, nodes, node_corners)?;
+        split(corners, dims, right, offset + mid, len - mid, nodes, node_corners)?;
+    }
+    nodes[at].next = nodes.len() as u32;
+    Ok(())
 }
 
 #[cfg(test)]
@@ -190,8 +236,8 @@ mod tests {
         boxes.push((5000, b2([7, 0], [1, 150])));
         boxes.push((5001, b2([0, 0], [0, 4])));
         let mut forest = BoxForest::new();
-        assert_eq!(forest.add_tree(1, &[(9, Boxed::from_parts(&[2], &[3]))]).unwrap(), 0);
-        let tree = forest.add_tree(2, &boxes).unwrap();
+        assert_eq!(forest.add_tree(1, [(9, Boxed::from_parts(&[2], &[3]))].into_iter()).unwrap(), 0);
+        let tree = forest.add_tree(2, boxes.iter().copied()).unwrap();
         let mut work = Budget::unlimited("box tests");
         for (qlo, qext) in [([0, 0], [120, 150]), ([4, 6], [1, 1]), ([5, 9], [7, 13]), ([119, 149], [5, 5])] {
             let query = b2(qlo, qext);
@@ -223,5 +269,24 @@ mod tests {
         let err = forest.for_each_meeting(tree, &b2([0, 0], [120, 150]), &mut small, |_| Ok(())).unwrap_err();
         assert_eq!(err.status, crate::Status::Unsupported);
         assert!(err.message.contains("max_box_tests"), "{err}");
+    }
+
+    /// A scalar tensor's boxes have no dimension to split along: more of them than fit in a leaf
+    /// make one leaf, and every query meets them all.
+    #[test]
+    fn scalar_boxes_make_one_leaf() {
+        let mut forest = BoxForest::new();
+        let boxes = (0..(3 * LEAF) as u32).map(|id| (id, Boxed::from_parts(&[], &[])));
+        let tree = forest.add_tree(0, boxes).unwrap();
+        let mut hits = Vec::new();
+        let mut work = Budget::unlimited("box tests");
+        forest
+            .for_each_meeting(tree, &Boxed::from_parts(&[], &[]), &mut work, |id| {
+                hits.push(id);
+                Ok(())
+            })
+            .unwrap();
+        hits.sort_unstable();
+        assert_eq!(hits, (0..(3 * LEAF) as u32).collect::<Vec<_>>());
     }
 }

@@ -194,7 +194,7 @@ fn cluster_disjoint(merged: &Merged, cluster: &[Written], work: &mut Budget) -> 
         return Ok(false);
     }
     let mut index = BoxForest::new();
-    let tree = index.add_tree(n, &boxes)?;
+    let tree = index.add_tree(n, boxes.iter().copied())?;
     for (k, (_, bx)) in boxes.iter().enumerate() {
         let mut other = None;
         index.for_each_meeting(tree, bx, work, |j| {

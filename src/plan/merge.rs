@@ -7,7 +7,7 @@
 //! [`sort_needs`] (canonical order).
 
 use super::boxes::{Boxed, Dims};
-use super::digest::{fnv1a, Fnv1a};
+use super::digest::{fnv1a, Words};
 use super::memory;
 use super::table::{Endpoint, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
@@ -61,6 +61,8 @@ pub(crate) struct Merged<'a> {
     pub needs: Vec<PackedNeed>,
     offer_dims: Vec<u64>,
     need_dims: Vec<u64>,
+    /// Digest of the tensor descriptions in canonical order (part of [`Merged::fingerprint`]).
+    tensor_digest: u64,
 }
 
 /// Offset, extent and strides of `n` dimensions stored from `at`, as full `Dims`.
@@ -112,20 +114,12 @@ impl Merged<'_> {
 }
 
 impl Merged<'_> {
-    /// A 64-bit digest (FNV-1a over little-endian fields) of everything planning reads, in
+    /// A 64-bit digest (see [`Words`]) of everything planning reads, in
     /// canonical order: equal for the same tables in any order, with their entries in any order,
     /// in any process; different when any description, offer or need differs.
     pub fn fingerprint(&self) -> u64 {
-        let mut h = Fnv1a::new();
-        h.u64(self.tensors.len() as u64);
-        for spec in &self.tensors {
-            h.u64(spec.name.len() as u64);
-            h.bytes(spec.name.as_bytes());
-            h.u64(spec.dtype.into());
-            h.u64(spec.elem_size.into());
-            h.u64(spec.shape.len() as u64);
-            spec.shape.iter().for_each(|&d| h.u64(d));
-        }
+        let mut h = Words::new();
+        h.u64(self.tensor_digest);
         h.u64(self.offers.len() as u64);
         for (i, o) in self.offers.iter().enumerate() {
             for v in [o.tensor.into(), o.owner.process.into(), o.owner.device.into(), o.addr] {
@@ -151,7 +145,7 @@ impl Merged<'_> {
 /// Merges `tables` (see the module documentation for the stages).
 pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Merged<'a>> {
     let index = index_tensors(tables)?;
-    let (tensors, global) = canonical_tensors(&index)?;
+    let (tensors, global, tensor_digest) = canonical_tensors(&index)?;
     let geometry: Vec<(usize, u64)> = memory::collect(
         tensors.len(),
         tensors.iter().map(|s| (s.shape.len(), u64::from(s.elem_size))),
@@ -169,7 +163,7 @@ pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Merged<'a>> {
     for t in 0..tensors.len() {
         offer_start[t + 1] += offer_start[t];
     }
-    Ok(Merged { tensors, geometry, offers, offer_start, needs, offer_dims, need_dims })
+    Ok(Merged { tensors, geometry, offers, offer_start, needs, offer_dims, need_dims, tensor_digest })
 }
 
 /// The distinct tensors of all tables, in the order first seen.
@@ -177,6 +171,10 @@ struct TensorIndex<'a> {
     distinct: Vec<&'a TensorSpec>,
     /// Hash of each distinct tensor's name.
     keyed: Vec<u64>,
+    /// (dtype, element size, dimensions, shape) of each distinct tensor, kept dense: what later
+    /// descriptions are compared with (reading the first description again would be a cache miss
+    /// into another table per entry).
+    described: Vec<(u32, u32, usize, Dims)>,
     /// The names of distinct tensors in one dense buffer, and where each one is.
     names: Vec<u8>,
     name_at: Vec<std::ops::Range<usize>>,
@@ -200,14 +198,12 @@ fn index_tensors<'a>(tables: &[&'a Table]) -> Result<TensorIndex<'a>> {
     }
     let mut index = TensorIndex {
         distinct: Vec::new(),
+        described: Vec::new(),
         keyed: Vec::new(),
         names: Vec::new(),
         name_at: Vec::new(),
         local_to_distinct: Vec::with_capacity(tables.len()),
     };
-    // What later descriptions are compared with, kept dense (reading the first description again
-    // would be a cache miss into another table per entry).
-    let mut described: Vec<(u32, u32, usize, Dims)> = Vec::new();
     let describe = |spec: &TensorSpec| {
         let mut shape = [0; MAX_DIMS];
         shape[..spec.shape.len()].copy_from_slice(&spec.shape);
@@ -249,7 +245,7 @@ fn index_tensors<'a>(tables: &[&'a Table]) -> Result<TensorIndex<'a>> {
                             let at = index.distinct.len();
                             slots[slot] = at as u32;
                             index.distinct.push(spec);
-                            described.push(describe(spec));
+                            index.described.push(describe(spec));
                             index.names.extend_from_slice(name);
                             index.name_at.push(index.names.len() - name.len()..index.names.len());
                             index.keyed.push(hash);
@@ -264,7 +260,7 @@ fn index_tensors<'a>(tables: &[&'a Table]) -> Result<TensorIndex<'a>> {
                     }
                 }
             };
-            if described[at] != describe(spec) {
+            if index.described[at] != describe(spec) {
                 index.distinct[at].check_same(spec)?;
             }
             map.push(at);
@@ -282,8 +278,9 @@ fn index_tensors<'a>(tables: &[&'a Table]) -> Result<TensorIndex<'a>> {
 
 /// The distinct tensors ordered by a hash of the name, then the name: a content-only order (the
 /// same in every process) that rarely needs to compare the long shared prefixes of parameter
-/// names. Returns them and, for each distinct index, its place in that order.
-fn canonical_tensors<'a>(index: &TensorIndex<'a>) -> Result<(Vec<&'a TensorSpec>, Vec<usize>)> {
+/// names. Returns them, for each distinct index its place in that order, and a digest of the
+/// descriptions in that order (read from the index's dense copies, not the callers' tables).
+fn canonical_tensors<'a>(index: &TensorIndex<'a>) -> Result<(Vec<&'a TensorSpec>, Vec<usize>, u64)> {
     let count = index.distinct.len();
     let mut by_name: Vec<usize> = memory::collect(count, 0..count, "tensors")?;
     by_name.sort_unstable_by(|&a, &b| {
@@ -294,7 +291,17 @@ fn canonical_tensors<'a>(index: &TensorIndex<'a>) -> Result<(Vec<&'a TensorSpec>
         global[d] = g;
     }
     let tensors = memory::collect(count, by_name.iter().map(|&d| index.distinct[d]), "tensors")?;
-    Ok((tensors, global))
+    let mut digest = Words::new();
+    digest.u64(count as u64);
+    for &d in &by_name {
+        let (dtype, elem_size, dims, shape) = &index.described[d];
+        digest.bytes(index.name(d));
+        for v in [u64::from(*dtype), u64::from(*elem_size), *dims as u64] {
+            digest.u64(v);
+        }
+        shape[..*dims].iter().for_each(|&x| digest.u64(x));
+    }
+    Ok((tensors, global, digest.finish()))
 }
 
 /// Offers and needs of all tables, checked and packed in input order, with their values pooled.

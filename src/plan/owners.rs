@@ -53,9 +53,20 @@ impl Owners {
         match self.policy {
             // Offers within a set are sorted by owner: the first is the lowest endpoint.
             OwnerPolicy::First => s.first,
-            OwnerPolicy::Local => (s.first..s.first + s.len)
-                .min_by_key(|&i| (merged.offers[i].owner.distance(receiver), i))
-                .expect("a replica set is never empty"),
+            // The nearest replica, the lowest among equals: sorted by owner, the replicas of the
+            // receiver's process are one run, starting with its lowest device.
+            OwnerPolicy::Local => {
+                let offers = &merged.offers[s.first..s.first + s.len];
+                let process = offers.partition_point(|o| o.owner.process < receiver.process);
+                let device = offers.partition_point(|o| o.owner < receiver);
+                if offers.get(device).is_some_and(|o| o.owner == receiver) {
+                    s.first + device
+                } else if offers.get(process).is_some_and(|o| o.owner.process == receiver.process) {
+                    s.first + process
+                } else {
+                    s.first
+                }
+            }
             OwnerPolicy::Balanced => {
                 let at = self
                     .balanced

@@ -4,7 +4,8 @@
 //! per route), [`finish_routes`] (coalesce and order), [`tally`] (counts).
 
 use super::boxes::{Boxed, Dims};
-use super::digest::Fnv1a;
+use super::destinations::Destinations;
+use super::digest::Words;
 use super::memory;
 use super::merge::{merge, CanonNeed, Merged};
 use super::options::{Budget, Limits, OwnerPolicy, PlanOptions};
@@ -60,50 +61,68 @@ fn build_part(
     options: &PlanOptions,
     limits: &Limits,
 ) -> Result<Plan> {
-    let started = Instant::now();
+    let mut clock = StageClock::start();
     let mut work = Budget::box_tests(limits);
     let merged = merge(tables)?;
     let inputs = inputs_fingerprint(&merged, options, limits);
+    clock.mark("merge");
     let scope = match process {
         None => Scope::whole(&merged)?,
         Some(p) => Scope::process(&merged, p, options.policy)?,
     };
-    let after_merge = started.elapsed();
+    clock.mark("scope");
     coverage::check_destinations(&merged, scope.own(), limits, &mut work)?;
-    let after_check = started.elapsed();
+    clock.mark("destinations");
     let replicas = replicas::replicas(&merged, &scope.tensors, limits, &mut work)?;
-    let after_replicas = started.elapsed();
+    clock.mark("replicas");
     let Intersections { items, mut receivers } = intersect(&merged, &replicas, &scope, limits, &mut work)?;
-    let after_intersect = started.elapsed();
+    clock.mark("intersect");
     let demand = match options.policy {
         OwnerPolicy::Balanced => demand(&merged, &replicas, &items)?,
         _ => Vec::new(),
     };
     let owners = Owners::choose(&merged, &replicas.sets, options.policy, &demand, &mut work)?;
-    let after_owners = started.elapsed();
+    clock.mark("owners");
     let laid_out = lay_out(&merged, &replicas, &items, &owners, &scope, &mut receivers, limits)?;
-    let after_lay_out = started.elapsed();
+    clock.mark("lay out");
     let routes = finish_routes(laid_out.routes, options)?;
-    let after_finish = started.elapsed();
+    clock.mark("coalesce");
     let (mut stats, mut receivers) = tally(&routes, receivers, laid_out.kept, &merged, &replicas, &scope);
     let fingerprint = fingerprint_of(&routes);
-    log::debug!(
-        "plan built in {:?}: merge {after_merge:?}, destinations checked {after_check:?}, replicas \
-         {after_replicas:?}, intersected {after_intersect:?}, owners {after_owners:?}, laid out \
-         {after_lay_out:?}, coalesced {after_finish:?} (cumulative)",
-        started.elapsed()
-    );
-    let build_ns = u64::try_from(started.elapsed().as_nanos()).unwrap_or(u64::MAX);
+    clock.mark("tally");
+    log::debug!("plan built: {:?}", clock.stages);
+    let build_ns = clock.stages.iter().map(|(_, ns)| ns).sum();
     stats.build_ns = build_ns;
     for (_, s) in &mut receivers {
         s.build_ns = build_ns;
     }
-    Ok(Plan { routes, stats, receivers, fingerprint, inputs })
+    let destinations = Destinations::new(&merged, scope.own());
+    Ok(Plan { routes, stats, receivers, fingerprint, inputs, stages: clock.stages, destinations })
+}
+
+/// Wall time of each stage of one build.
+struct StageClock {
+    last: Instant,
+    stages: Vec<(&'static str, u64)>,
+}
+
+impl StageClock {
+    fn start() -> StageClock {
+        StageClock { last: Instant::now(), stages: Vec::with_capacity(10) }
+    }
+
+    /// Ends stage `name` now.
+    fn mark(&mut self, name: &'static str) {
+        let now = Instant::now();
+        let ns = u64::try_from((now - self.last).as_nanos()).unwrap_or(u64::MAX);
+        self.stages.push((name, ns));
+        self.last = now;
+    }
 }
 
 /// The inputs' fingerprint: the merged tables' and everything that decides the plan from them.
 fn inputs_fingerprint(merged: &Merged, options: &PlanOptions, limits: &Limits) -> u64 {
-    let mut h = Fnv1a::new();
+    let mut h = Words::new();
     h.u64(merged.fingerprint());
     h.u64(options.policy as u64);
     h.u64(options.coalesce.into());
@@ -178,6 +197,13 @@ fn intersect(
         replicas
             .piece_index
             .for_each_meeting(need.tensor, &wanted, work, |p| memory::push(&mut hits, p, "pieces"))?;
+        if !own {
+            // Another process's need: only what this process may serve.
+            hits.retain(|&p| {
+                let set = replicas.sets[replicas.pieces[p as usize].set];
+                scope.may_serve(&merged.offers[set.first..set.first + set.len])
+            });
+        }
         hits.sort_unstable();
         segments.spend(hits.len() as u64)?;
         memory::reserve(&mut items, hits.len(), "intersections")?;

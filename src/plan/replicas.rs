@@ -63,7 +63,7 @@ pub(crate) fn replicas(
         let first_set = out.sets.len();
         group_sets(merged, t, &mut out.sets)?;
         let sets = if cut[t] { first_set..out.sets.len() } else { first_set..first_set };
-        index_sets(merged, t, sets.clone(), &mut out, &mut scratch)?;
+        index_sets(merged, t, sets.clone(), &mut out)?;
         cut_pieces(merged, t, sets, limits, &mut out, &mut scratch, work)
             .map_err(|e| e.context(format!("offers of tensor '{}'", spec.name)))?;
         out.piece_start[t + 1] = out.pieces.len();
@@ -74,29 +74,19 @@ pub(crate) fn replicas(
     Ok(out)
 }
 
-/// Buffers reused from tensor to tensor: (id, box) entries of an index being built, the parts of a
-/// box being cut, the parts after the next cut, and the earlier sets meeting a box.
+/// Buffers reused from tensor to tensor: the parts of a box being cut, the parts after the next
+/// cut, and the earlier sets meeting a box.
 #[derive(Default)]
 struct Scratch {
-    boxes: Vec<(u32, Boxed)>,
     parts: Vec<Boxed>,
     next: Vec<Boxed>,
     earlier: Vec<u32>,
 }
 
 /// Adds tensor `t`'s tree of replica sets (`sets`) to the set index.
-fn index_sets(
-    merged: &Merged,
-    t: usize,
-    sets: Range<usize>,
-    out: &mut Replicas,
-    scratch: &mut Scratch,
-) -> Result<()> {
-    scratch.boxes.clear();
-    for s in sets {
-        memory::push(&mut scratch.boxes, (s as u32, merged.offer_box(out.sets[s].first)), "replica sets")?;
-    }
-    let tree = out.set_index.add_tree(merged.geometry[t].0, &scratch.boxes)?;
+fn index_sets(merged: &Merged, t: usize, sets: Range<usize>, out: &mut Replicas) -> Result<()> {
+    let boxes = sets.map(|s| (s as u32, merged.offer_box(out.sets[s].first)));
+    let tree = out.set_index.add_tree(merged.geometry[t].0, boxes)?;
     debug_assert_eq!(tree, t, "one tree per tensor, in order");
     Ok(())
 }
@@ -116,16 +106,19 @@ fn cut_pieces(
     let n = merged.geometry[t].0;
     let pieces = Budget::pieces(limits);
     let first_piece = out.pieces.len();
-    let Scratch { boxes, parts, next, earlier } = scratch;
-    for s in sets {
+    let Scratch { parts, next, earlier } = scratch;
+    for s in sets.clone() {
         let own = merged.offer_box(out.sets[s].first);
         earlier.clear();
-        out.set_index.for_each_meeting(t, &own, work, |e| {
-            if (e as usize) < s {
-                memory::push(earlier, e, "replica sets")?;
-            }
-            Ok(())
-        })?;
+        // The first set has no earlier set to be cut by (and most tensors have one set).
+        if s > sets.start {
+            out.set_index.for_each_meeting(t, &own, work, |e| {
+                if (e as usize) < s {
+                    memory::push(earlier, e, "replica sets")?;
+                }
+                Ok(())
+            })?;
+        }
         earlier.sort_unstable();
         parts.clear();
         parts.push(own);
@@ -146,11 +139,9 @@ fn cut_pieces(
         memory::reserve(&mut out.pieces, parts.len(), "pieces")?;
         out.pieces.extend(parts.iter().map(|&bx| Piece { set: s, bx }));
     }
-    boxes.clear();
-    for (p, piece) in out.pieces[first_piece..].iter().enumerate() {
-        memory::push(boxes, ((first_piece + p) as u32, piece.bx), "pieces")?;
-    }
-    out.piece_index.add_tree(n, boxes)?;
+    let pieces =
+        out.pieces[first_piece..].iter().enumerate().map(|(p, piece)| ((first_piece + p) as u32, piece.bx));
+    out.piece_index.add_tree(n, pieces)?;
     Ok(())
 }
 

@@ -3,8 +3,9 @@
 //! the whole plan's routes restricted to that process, built at a cost that grows with that
 //! process's own needs and offers rather than with every process's.
 
+use super::boxes::Boxed;
 use super::memory;
-use super::merge::Merged;
+use super::merge::{CanonNeed, Merged, PackedOffer};
 use super::options::OwnerPolicy;
 use super::table::Endpoint;
 use crate::error::Result;
@@ -20,6 +21,9 @@ pub(crate) struct Scope {
     pub needs: Vec<u32>,
     /// The merged needs this build checks for coverage and counts: the share's own receivers'.
     own: Range<usize>,
+    /// Whether intersections of other processes' needs are kept only where this process holds a
+    /// replica (false when every intersection counts: the whole plan, and BALANCED's demand).
+    only_held: bool,
 }
 
 impl Scope {
@@ -30,35 +34,50 @@ impl Scope {
             tensors: memory::filled(true, merged.tensors.len(), "tensors")?,
             needs: memory::collect(merged.needs.len(), 0..merged.needs.len() as u32, "needs")?,
             own: 0..merged.needs.len(),
+            only_held: false,
         })
     }
 
     /// The share of process `process`: its own needs (the merged needs are sorted by receiver, so
-    /// they are one range), and the needs of other processes for tensors it offers, which its
-    /// offers may serve. BALANCED weighs every receiver's demand against every source's load, so
-    /// its shares intersect every need (but lay out only their own routes).
+    /// they are one range), and the needs of other processes that meet one of its offers, which
+    /// it may serve. BALANCED weighs every receiver's demand against every source's load, so its
+    /// shares intersect every need (but lay out only their own routes).
     pub fn process(merged: &Merged, process: u32, policy: OwnerPolicy) -> Result<Scope> {
         let start = merged.needs.partition_point(|n| n.receiver.process < process);
         let end = merged.needs.partition_point(|n| n.receiver.process <= process);
         if policy == OwnerPolicy::Balanced {
             let whole = Scope::whole(merged)?;
-            return Ok(Scope { process: Some(process), own: start..end, ..whole });
+            return Ok(Scope { process: Some(process), own: start..end, only_held: false, ..whole });
         }
-        let mut offered = memory::filled(false, merged.tensors.len(), "tensors")?;
-        for offer in merged.offers.iter().filter(|o| o.owner.process == process) {
-            offered[offer.tensor as usize] = true;
+        // This process's offers, as (tensor, box), in tensor order (as the merged offers are).
+        let mut held: Vec<(u32, Boxed)> = Vec::new();
+        for (i, offer) in merged.offers.iter().enumerate().filter(|(_, o)| o.owner.process == process) {
+            memory::push(&mut held, (offer.tensor, merged.offer_box(i)), "offers")?;
         }
-        let mut tensors = offered.clone();
+        let mut tensors = memory::filled(false, merged.tensors.len(), "tensors")?;
+        for &(t, _) in &held {
+            tensors[t as usize] = true;
+        }
         for need in &merged.needs[start..end] {
             tensors[need.tensor as usize] = true;
         }
         let mut needs = Vec::new();
-        for (i, need) in merged.needs.iter().enumerate() {
-            if (start..end).contains(&i) || offered[need.tensor as usize] {
+        for (i, packed) in merged.needs.iter().enumerate() {
+            let mine = (start..end).contains(&i);
+            let first = held.partition_point(|&(t, _)| t < packed.tensor);
+            let meets = |need: &CanonNeed| {
+                let n = merged.geometry[need.tensor].0;
+                let wanted = Boxed::new(need.lo, need.ext);
+                held[first..]
+                    .iter()
+                    .take_while(|&&(t, _)| t == packed.tensor)
+                    .any(|(_, b)| b.intersect(&wanted, n).is_some())
+            };
+            if mine || (held.get(first).is_some_and(|&(t, _)| t == packed.tensor) && meets(&merged.need(i))) {
                 memory::push(&mut needs, i as u32, "needs")?;
             }
         }
-        Ok(Scope { process: Some(process), tensors, needs, own: start..end })
+        Ok(Scope { process: Some(process), tensors, needs, own: start..end, only_held: true })
     }
 
     /// The merged needs this build checks for coverage and overlaps, and counts.
@@ -69,6 +88,18 @@ impl Scope {
     /// Whether need `i` (an index into the merged needs) is one this build checks and counts.
     pub fn is_own(&self, need: usize) -> bool {
         self.own.contains(&need)
+    }
+
+    /// Whether an intersection of another process's need with a piece of the replica set of
+    /// `replicas` (offers sorted by owner) can matter to this build.
+    pub fn may_serve(&self, replicas: &[PackedOffer]) -> bool {
+        match self.process {
+            Some(p) if self.only_held => {
+                let at = replicas.partition_point(|o| o.owner.process < p);
+                replicas.get(at).is_some_and(|o| o.owner.process == p)
+            }
+            _ => true,
+        }
     }
 
     /// Whether the route from `src` to `dst` belongs to this build.

@@ -210,7 +210,9 @@ impl Offer {
                         given.len()
                     )));
                 }
-                strides[..n].copy_from_slice(given);
+                for (d, &stride) in given.iter().enumerate() {
+                    strides[d] = stride;
+                }
             }
             None => {
                 // Saturating: a stride past 2^64 is only reachable through dimensions of extent
@@ -242,7 +244,11 @@ impl Need {
         }
         let mut strides = [0; MAX_DIMS];
         match &self.perm {
-            None => strides[..n].copy_from_slice(&self.strides),
+            None => {
+                for (d, &stride) in self.strides.iter().enumerate() {
+                    strides[d] = stride;
+                }
+            }
             Some(perm) => {
                 let mut seen = [false; MAX_DIMS];
                 let valid = perm.len() == n

@@ -11,8 +11,9 @@
 //! never disturbed; only [`Backend::bind`] leaves a context current (for our own rank threads).
 
 use super::driver::{self, check, error_name, CurrentContext};
-use super::{device_index, Backend, BackendKind, Event, PreparedCopy, Stream};
+use super::{device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, Stream};
 use crate::error::{Error, Result, Status};
+use crate::kernels::verify::VerifyBatch;
 use crate::kernels::{self, PreparedBatch};
 use crate::segment::Segment;
 use cudarc::driver::sys::{self, CUcontext, CUresult};
@@ -265,6 +266,21 @@ impl Backend for CudaBackend {
         Ok(Box::new(PreparedBatch::new(device, segments, checked)?))
     }
 
+    fn prepare_recording_batch(
+        &self,
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>> {
+        self.index(device)?;
+        Ok(Box::new(PreparedBatch::recording_digests(device, segments, checked)?))
+    }
+
+    fn prepare_compare(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedCheck>> {
+        self.index(device)?;
+        Ok(Box::new(VerifyBatch::compare(device, segments)?))
+    }
+
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
         let _current = self.enter(device)?;
         let mut ptr = 0;
@@ -301,6 +317,20 @@ impl Backend for CudaBackend {
 impl PreparedCopy for PreparedBatch {
     unsafe fn launch(&self, stream: Stream) -> Result<()> {
         PreparedBatch::launch(self, CudaBackend::raw_stream(stream))
+    }
+
+    fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>> {
+        Ok(Box::new(VerifyBatch::check(self)?))
+    }
+}
+
+impl PreparedCheck for VerifyBatch {
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        VerifyBatch::launch(self, CudaBackend::raw_stream(stream))
+    }
+
+    fn outcome(&self) -> Result<Option<usize>> {
+        VerifyBatch::outcome(self)
     }
 }
 

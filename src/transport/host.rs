@@ -17,7 +17,8 @@
 //! Nothing here is needed on a machine with GPUs.
 
 use super::host_copy::copy_runs;
-use super::{device_index, Backend, BackendKind, Event, PreparedCopy, Stream};
+use super::host_verify::{segment_digest, HostCheck, Reference, Side};
+use super::{device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, Stream};
 use crate::error::{try_to_vec, Error, Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
@@ -376,13 +377,27 @@ impl Backend for HostBackend {
         segments: &[Segment],
         checked: bool,
     ) -> Result<Box<dyn PreparedCopy>> {
+        Ok(Box::new(self.host_batch(device, segments, checked, false)?))
+    }
+
+    fn prepare_recording_batch(
+        &self,
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>> {
+        Ok(Box::new(self.host_batch(device, segments, checked, true)?))
+    }
+
+    fn prepare_compare(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedCheck>> {
         let index = self.index(device)?;
         validate(segments)?;
-        if checked {
-            check_destinations(segments)?;
-        }
-        let segments = Arc::new(try_to_vec(segments, "the batch's segments")?);
-        Ok(Box::new(HostBatch { default_stream: self.default_streams[index], segments }))
+        Ok(Box::new(HostCheck {
+            default_stream: self.default_streams[index],
+            segments: Arc::new(try_to_vec(segments, "the verify's segments")?),
+            reference: Reference::Sources,
+            result: Arc::new(Mutex::new(None)),
+        }))
     }
 
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
@@ -414,11 +429,32 @@ impl Backend for HostBackend {
     }
 }
 
+impl HostBackend {
+    fn host_batch(
+        &self,
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+        recording: bool,
+    ) -> Result<HostBatch> {
+        let index = self.index(device)?;
+        validate(segments)?;
+        if checked {
+            check_destinations(segments)?;
+        }
+        let segments = Arc::new(try_to_vec(segments, "the batch's segments")?);
+        let source_digests = recording.then(|| Arc::new(Mutex::new(Vec::new())));
+        Ok(HostBatch { default_stream: self.default_streams[index], segments, source_digests })
+    }
+}
+
 /// A host backend's prepared batch: the checked list, copied by the stream's worker at each launch.
 struct HostBatch {
     /// What a NULL stream stands for: the prepared device's default stream.
     default_stream: Stream,
     segments: Arc<Vec<Segment>>,
+    /// For a recording batch: one digest per segment of the source bytes the last launch read.
+    source_digests: Option<Arc<Mutex<Vec<u64>>>>,
 }
 
 impl PreparedCopy for HostBatch {
@@ -427,9 +463,31 @@ impl PreparedCopy for HostBatch {
     unsafe fn launch(&self, stream: Stream) -> Result<()> {
         let stream = host_stream(if stream == Stream::NULL { self.default_stream } else { stream })?;
         let segments = Arc::clone(&self.segments);
+        let record = self.source_digests.clone();
         // SAFETY: the caller promises the memory stays valid until the queued work has run.
-        stream.enqueue(move || unsafe { copy_runs(&segments) })?;
+        stream.enqueue(move || unsafe {
+            if let Some(record) = record {
+                // Digests of what this copy reads, taken just before it reads it.
+                let digests = segments.iter().map(|s| segment_digest(s, Side::Source)).collect();
+                *lock(&record) = digests;
+            }
+            copy_runs(&segments)
+        })?;
         stream.synchronize()
+    }
+
+    fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>> {
+        let recorded = self.source_digests.as_ref().ok_or_else(|| {
+            Error::invalid_argument(
+                "the batch does not record source digests (prepare it with prepare_recording_batch)",
+            )
+        })?;
+        Ok(Box::new(HostCheck {
+            default_stream: self.default_stream,
+            segments: Arc::clone(&self.segments),
+            reference: Reference::Recorded(Arc::clone(recorded)),
+            result: Arc::new(Mutex::new(None)),
+        }))
     }
 }
 

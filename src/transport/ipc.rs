@@ -23,15 +23,17 @@
 
 use super::comm::Communicator;
 use super::driver::{check, primary_context, CurrentContext};
-use super::{BackendKind, PreparedCopy, Stream};
+use super::{BackendKind, PreparedCheck, PreparedCopy, Stream};
 use crate::bail;
 use crate::error::{Error, Result, Status};
+use crate::kernels::verify::VerifyBatch;
 use crate::segment::check::validate;
 use crate::segment::Segment;
+use crate::sync::lock;
 use cudarc::driver::sys::{self, CUresult};
 use std::collections::{HashMap, HashSet};
 use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 
 /// One range of the owner's address space that a peer can open.
 #[derive(Clone, Debug, PartialEq, Eq)]
@@ -379,8 +381,15 @@ impl Opened {
     }
 
     /// A batch writing `segments` (sources in this process, destinations in the owner's address
-    /// space), launched on streams of this process's device (host backend: host streams).
-    pub fn prepare_writes(self: &Arc<Self>, segments: &[Segment]) -> Result<Box<dyn PreparedCopy>> {
+    /// space), launched on streams of this process's device (host backend: host streams). With
+    /// `recording`, its launches also record digests of the sources they read, so that
+    /// [`PreparedCopy::verify_destinations`] checks the destinations (through the opened memory)
+    /// without reading the sources again; on the host backend that check compares both sides.
+    pub fn prepare_writes(
+        self: &Arc<Self>,
+        segments: &[Segment],
+        recording: bool,
+    ) -> Result<Box<dyn PreparedCopy>> {
         validate(segments)?;
         if let Some(pid) = self.host_pid() {
             for s in segments {
@@ -390,7 +399,11 @@ impl Opened {
         }
         let translated =
             segments.iter().map(|s| self.translate_destination(s)).collect::<Result<Vec<_>>>()?;
-        let batch = crate::kernels::PreparedBatch::new(self.device, &translated, false)?;
+        let batch = if recording {
+            crate::kernels::PreparedBatch::recording_digests(self.device, &translated, false)?
+        } else {
+            crate::kernels::PreparedBatch::new(self.device, &translated, false)?
+        };
         Ok(Box::new(DeviceWrites { _opened: Arc::clone(self), batch }))
     }
 
@@ -562,6 +575,29 @@ impl PreparedCopy for DeviceWrites {
     unsafe fn launch(&self, stream: Stream) -> Result<()> {
         self.batch.launch(stream.0 as usize as sys::CUstream)
     }
+
+    fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>> {
+        Ok(Box::new(DeviceCheck {
+            _opened: Arc::clone(&self._opened),
+            check: VerifyBatch::check(&self.batch)?,
+        }))
+    }
+}
+
+/// The verify of device writes into opened memory (holding the memory open while it may run).
+struct DeviceCheck {
+    _opened: Arc<Opened>,
+    check: VerifyBatch,
+}
+
+impl PreparedCheck for DeviceCheck {
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        self.check.launch(stream.0 as usize as sys::CUstream)
+    }
+
+    fn outcome(&self) -> Result<Option<usize>> {
+        self.check.outcome()
+    }
 }
 
 /// Writes into another process's host memory, queued on a host stream (the host backend's IPC).
@@ -584,6 +620,85 @@ impl PreparedCopy for HostWrites {
         worker.synchronize()?;
         done.recv().unwrap_or_else(|_| Err(Error::new(Status::InternalError, "a host write was dropped")))
     }
+
+    fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>> {
+        Ok(Box::new(HostWritesCheck {
+            opened: Arc::clone(&self.opened),
+            pid: self.pid,
+            segments: Arc::clone(&self.segments),
+            outcome: Arc::new(Mutex::new(None)),
+        }))
+    }
+}
+
+/// Compares what [`HostWrites`] wrote into another process with the sources, byte by byte, reading
+/// the destinations back with `process_vm_readv`.
+struct HostWritesCheck {
+    opened: Arc<Opened>,
+    pid: u32,
+    segments: Arc<[Segment]>,
+    /// The last launch's outcome: Ok(first differing segment), taken by `outcome`.
+    outcome: Arc<Mutex<Option<Result<Option<usize>>>>>,
+}
+
+impl PreparedCheck for HostWritesCheck {
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        let worker = super::host::host_stream(stream)?;
+        let (pid, segments, opened, outcome) =
+            (self.pid, Arc::clone(&self.segments), Arc::clone(&self.opened), Arc::clone(&self.outcome));
+        worker.enqueue(move || {
+            let _keep = opened;
+            // SAFETY: the caller promises the sources stay readable until the queued work has run.
+            let found = unsafe { compare_host_runs(pid, &segments) };
+            *lock(&outcome) = Some(found);
+        })
+    }
+
+    fn outcome(&self) -> Result<Option<usize>> {
+        lock(&self.outcome)
+            .take()
+            .unwrap_or_else(|| Err(Error::invalid_state("no verify launch has completed")))
+    }
+}
+
+/// The first segment whose bytes in process `pid` differ from the local sources.
+///
+/// # Safety
+/// Every source run is readable memory of this process.
+unsafe fn compare_host_runs(pid: u32, segments: &[Segment]) -> Result<Option<usize>> {
+    let mut theirs = Vec::new();
+    for (index, s) in segments.iter().enumerate() {
+        let mut failed = None;
+        let mut differs = false;
+        s.for_each_run(|src, dst, len| {
+            if failed.is_some() || differs {
+                return;
+            }
+            theirs.resize(len as usize, 0u8);
+            let local = libc::iovec { iov_base: theirs.as_mut_ptr().cast(), iov_len: len as usize };
+            let remote = libc::iovec { iov_base: dst as usize as *mut libc::c_void, iov_len: len as usize };
+            // SAFETY: reads into `theirs`, which holds `len` bytes.
+            let read = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
+            if read < 0 || read as u64 != len {
+                let err = std::io::Error::last_os_error();
+                failed = Some(Error::new(
+                    Status::Aborted,
+                    format!("reading process {pid}'s memory failed ({err})"),
+                ));
+                return;
+            }
+            // SAFETY: the caller's promise on the sources.
+            let ours = unsafe { std::slice::from_raw_parts(src as usize as *const u8, len as usize) };
+            differs = ours != theirs.as_slice();
+        });
+        if let Some(err) = failed {
+            return Err(err);
+        }
+        if differs {
+            return Ok(Some(index));
+        }
+    }
+    Ok(None)
 }
 
 /// Every run of `segments` written into process `pid` with `process_vm_writev`, batched.

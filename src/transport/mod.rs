@@ -6,7 +6,9 @@
 //!   Two implementations: [`cuda::CudaBackend`] (cudarc's driver layer: primary contexts, non-blocking
 //!   streams, copy-engine copies, refit's batched copy kernel from `kernels`) and [`host::HostBackend`]
 //!   (N simulated devices: host memory, one worker thread per stream so that stream order and event
-//!   waits are real and testable in CI; [`host_copy`] is its batched copy).
+//!   waits are real and testable in CI; [`host_copy`] is its batched copy, [`host_verify`] its verify).
+//! - Integrity for a group's rank: [`digest`] (the digest of device memory) and [`verify`] (checking
+//!   copied bytes on the device), both on every backend.
 //! - [`nccl`]: NCCL communicators and the calls issued on them (collectives, grouped send/recv).
 //! - [`comm`]: communicators between processes (NCCL, or the host backend's simulation of it over
 //!   [`mesh`], Unix sockets between the processes of one machine).
@@ -27,11 +29,13 @@ pub mod driver;
 pub mod dynlib;
 pub mod host;
 pub mod host_copy;
+pub mod host_verify;
 pub mod ipc;
 pub mod mesh;
 pub mod nccl;
 pub mod nvrtc;
 pub mod staged;
+pub mod verify;
 
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
@@ -156,6 +160,21 @@ pub trait Backend: Send + Sync {
         checked: bool,
     ) -> Result<Box<dyn PreparedCopy>>;
 
+    /// As [`Backend::prepare_batch`], and every launch also records digests of the source bytes it
+    /// reads, against which [`PreparedCopy::verify_destinations`] checks the destinations without
+    /// reading the sources again (on CUDA: one per tile of the copy kernel, computed from the elements
+    /// it holds in registers, so no extra memory traffic).
+    fn prepare_recording_batch(
+        &self,
+        device: i32,
+        segments: &[Segment],
+        checked: bool,
+    ) -> Result<Box<dyn PreparedCopy>>;
+
+    /// A verify comparing the destination of every segment with its source on `device` (addresses as
+    /// for [`Backend::copy_batch`]); segments are checked as `copy_batch` does.
+    fn prepare_compare(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedCheck>>;
+
     /// Allocates `bytes` of device memory (tests and benches; the library never owns caller memory).
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64>;
 
@@ -187,4 +206,25 @@ pub trait PreparedCopy: Send + Sync {
     /// # Safety
     /// As for [`Backend::copy_batch`], at every launch.
     unsafe fn launch(&self, stream: Stream) -> Result<()>;
+
+    /// A verify of this batch's destinations against the digests of the sources its launches read:
+    /// launch it after each launch of the batch. InvalidArgument unless the batch was prepared by
+    /// [`Backend::prepare_recording_batch`].
+    fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>>;
+}
+
+/// A verify prepared for one device (see `verify::PreparedVerify`, which wraps it for a group's rank):
+/// launched on a stream after the copies it checks, its outcome read once that stream has been
+/// synchronized. Launches of one verify must not overlap in time (they share the outcome).
+pub trait PreparedCheck: Send + Sync {
+    /// Queues the verify on `stream` (a stream of the prepared device; NULL: its legacy default
+    /// stream); returns without waiting, with host work that does not depend on the segment count.
+    ///
+    /// # Safety
+    /// Every segment's source (for a compare) and destination is readable until the verify has run.
+    unsafe fn launch(&self, stream: Stream) -> Result<()>;
+
+    /// The index of the first segment found different by the last launch, None when all matched;
+    /// resets for the next launch. InvalidState when no launch has completed since the last outcome.
+    fn outcome(&self) -> Result<Option<usize>>;
 }

@@ -126,12 +126,13 @@ inline void wait_for_lanes(uint32_t mask, uint64_t n) {
         for (unsigned lane = 0; lane < 32; ++lane) {
             if (!((mask >> lane) & 1)) continue;
             Thread& other = thread_at(warp_base + lane);
+            auto it = other.syncs.find(mask);
+            if (it != other.syncs.end() && it->second >= n) continue;
             if (other.done) {
                 fprintf(stderr, "emulated launch: lane %u exited before a warp sync with mask %#x\n", lane, mask);
                 abort();
             }
-            auto it = other.syncs.find(mask);
-            if (it == other.syncs.end() || it->second < n) all = false;
+            all = false;
         }
         if (all) return;
         yield();
