@@ -374,6 +374,12 @@ typedef struct {
    * at least 1 MiB).
    */
   uint64_t staging_bytes;
+  /**
+   * Executors across processes (refit_executor_create_across) write straight into the memory of
+   * processes on the same machine through CUDA IPC (default true); false sends every pair's
+   * bytes through staging over the communicator.
+   */
+  bool ipc;
 } refit_comm_options;
 
 /**
@@ -564,6 +570,25 @@ typedef struct {
    * Device time of the whole call (see above).
    */
   uint64_t device_ns;
+  /**
+   * Payload bytes this process received from other processes (an executor made with a
+   * communicator; bytes[REFIT_ROUTE_REMOTE] counts those it sent).
+   */
+  uint64_t remote_received_bytes;
+  /**
+   * Of the bytes sent to other processes: written straight into their memory through CUDA IPC.
+   */
+  uint64_t remote_ipc_bytes;
+  /**
+   * Of the bytes sent to other processes: packed and sent through staging over the communicator
+   * (NCCL), the bytes on the wire.
+   */
+  uint64_t remote_wire_bytes;
+  /**
+   * Other processes this one exchanges bytes with through CUDA IPC, and through staging.
+   */
+  uint32_t remote_ipc_peers;
+  uint32_t remote_staged_peers;
 } refit_run_stats;
 
 /**
@@ -850,7 +875,8 @@ refit_status refit_comm_adopt(void *nccl_comm,
 
 /**
  * Destroys the handle (NULL is ignored). Waits, at most the timeout, for this rank's queued calls to
- * complete, then frees the communicator (a communicator of refit_comm_adopt is left to its owner).
+ * complete, then frees the communicator (a communicator of refit_comm_adopt is left to its owner);
+ * an executor made with it (refit_executor_create_across) keeps it until that executor is destroyed.
  * If they do not complete in time, or the communicator failed, it is aborted instead, so destroy
  * never hangs. Peers still waiting for this rank fail (ABORTED on the host backend at once; TIMEOUT
  * on NCCL at their timeout). Must not be called while another thread uses the handle.
@@ -1082,6 +1108,38 @@ refit_status refit_executor_create(const refit_plan *plan,
                                    uint32_t process,
                                    const refit_executor_options *options,
                                    refit_executor **executor);
+
+/**
+ * As refit_executor_create, for the process whose communicator rank is `comm`'s, with the routes
+ * between it and the other processes of `comm` as well (REFIT_ROUTE_REMOTE): `plan` is typically
+ * this process's share from refit_plan_build_across. A collective call: every process of the
+ * communicator makes it. Routes between processes must start or end on the communicator's device,
+ * which must be a device of `group`. Per pair of processes, the bytes move through CUDA IPC where
+ * both share a machine and the receiver's memory opens in the sender (the sender's batched kernel
+ * writes straight into the receiver's buffers; cudaMalloc and cuMemCreate memory with POSIX
+ * descriptors requested both share), else through bounded staging over the communicator (pack
+ * with the batched kernel, NCCL send/recv, unpack; at most the communicator's staging_bytes per
+ * process; exactly the segments' bytes on the wire); the first pair falling back from IPC is
+ * logged once. refit_run_stats reports the bytes and peers of each way.
+ *
+ * With REFIT_COMMIT_STAGED, bytes from other processes land in device memory of this process (as
+ * many bytes as it receives, beside staging_limit) and are installed by the commit, which first
+ * waits for them and refuses (INVALID_STATE) when a peer failed meanwhile: live buffers are then
+ * unchanged. verify checks the bytes written through IPC (by the writer, through the opened
+ * memory); bytes through staging are not verified yet. An executor with routes between processes
+ * cannot rebind (UNSUPPORTED). When any pair uses IPC, every run meets the other processes twice on
+ * the host (its streams first reach the step: a run inside a scope then blocks); every process
+ * must run and commit its executor alike. The executor keeps `comm` alive.
+ *
+ * Errors: as refit_executor_create, plus NULL_ARGUMENT (comm), INVALID_ARGUMENT (a plan process
+ * that is not a communicator rank), UNSUPPORTED (a route between processes on another device),
+ * TIMEOUT, ABORTED.
+ */
+refit_status refit_executor_create_across(const refit_plan *plan,
+                                          const refit_group *group,
+                                          const refit_comm *comm,
+                                          const refit_executor_options *options,
+                                          refit_executor **executor);
 
 /**
  * Runs one step of the executor on `group` (the group it was created with): the copies from the

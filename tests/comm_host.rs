@@ -12,7 +12,11 @@ mod processes;
 use processes::{in_processes, End};
 use refit::across::build_plan;
 use refit::allgather::comm::allgather;
-use refit::plan::{self, Endpoint, Need, Offer, OwnerPolicy, PlanOptions, Region, Table, TensorSpec};
+use refit::exec::{CommitMode, ExecOptions, Executor};
+use refit::group::{BackendChoice, Group, GroupOptions};
+use refit::plan::{
+    self, Endpoint, Need, Offer, OwnerPolicy, PlanOptions, Region, RouteKind, Table, TensorSpec,
+};
 use refit::transport::comm::{CommId, CommOptions, Communicator};
 use refit::transport::host::{create_host_stream, destroy_host_stream, HostBackend};
 use refit::transport::ipc;
@@ -687,4 +691,127 @@ fn descriptors_pass_between_processes_on_one_machine() {
             comm.allgather_bytes(b"done").unwrap();
         },
     );
+}
+
+// --- the executor across processes (C ABI's refit_executor_create_across) --------------------------
+
+/// A host-backend group of one device (device 0) and a communicator with IPC on or off.
+fn executor_setup(rank: usize, size: usize, id: &CommId, ipc: bool) -> (Group, Arc<Communicator>) {
+    let group = Group::new(&[0], GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap();
+    let options = CommOptions { timeout: Duration::from_secs(30), ipc, ..CommOptions::default() };
+    (group, Arc::new(Communicator::create(id, size, rank, 0, options).unwrap()))
+}
+
+fn poison_needs(p: &mut Process) {
+    for (buffer, _) in &p.expected {
+        p.buffers[*buffer].fill(0xDEAD_BEEF);
+    }
+}
+
+/// Every need still holds the poison.
+fn untouched(p: &Process) -> bool {
+    p.expected.iter().all(|(b, _)| p.buffers[*b].iter().all(|&v| v == 0xDEAD_BEEF))
+}
+
+/// One refit across three processes through the executor, for every (way, commit, verify): byte
+/// exact against values computed without the plan, twice (descriptors reused), the route choice
+/// and the bytes each way in the stats; staged, nothing is live before the commit.
+fn executor_refit(rank: usize, size: usize, id: &CommId, ipc: bool) {
+    let (group, comm) = executor_setup(rank, size, id, ipc);
+    let mut p = process_of(rank as u32);
+    let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
+    for (commit, verify) in
+        [(CommitMode::Direct, false), (CommitMode::Staged, true), (CommitMode::Direct, true)]
+    {
+        let options = ExecOptions { commit, verify, ..ExecOptions::default() };
+        let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
+        for step in 0..2 {
+            poison_needs(&mut p);
+            comm.allgather_bytes(b"poisoned").unwrap(); // no peer writes before this rank poisoned
+                                                        // SAFETY: every buffer of the plan lives until the run (outside a scope) returns.
+            let stats = unsafe { executor.run(&group) }.unwrap();
+            let how = format!("ipc {ipc}, {commit:?}, verify {verify}, step {step}");
+            if commit == CommitMode::Staged {
+                comm.allgather_bytes(b"staged").unwrap(); // every peer has staged its step
+                assert!(untouched(&p), "rank {rank} ({how}): live bytes changed before the commit");
+                // SAFETY: as above.
+                unsafe { executor.commit(&group) }.unwrap();
+            }
+            comm.allgather_bytes(b"installed").unwrap(); // every peer is done writing into us
+            check_received(&p, rank, &how);
+            let remote = RouteKind::Remote as usize;
+            assert_eq!(stats.remote_received_bytes, share.stats().bytes_remote, "rank {rank} ({how})");
+            assert_eq!(stats.remote_ipc_bytes + stats.remote_wire_bytes, stats.bytes[remote], "rank {rank}");
+            if ipc {
+                assert_eq!(stats.remote_wire_bytes, 0, "rank {rank} ({how}): every pair shares a machine");
+            } else {
+                assert_eq!(stats.remote_ipc_bytes, 0, "rank {rank} ({how}): IPC is off");
+            }
+            assert_eq!(
+                stats.remote_ipc_peers > 0,
+                ipc && stats.bytes[remote] + stats.remote_received_bytes > 0
+            );
+        }
+        assert_eq!(executor.rebind(0, 4096, 8192, 16).unwrap_err().status, Status::Unsupported);
+        comm.allgather_bytes(b"next").unwrap();
+    }
+}
+
+#[test]
+fn an_executor_across_processes_through_ipc_is_byte_exact() {
+    on_host("an_executor_across_processes_through_ipc_is_byte_exact", &[End::Done; 3], |rank, size, id| {
+        executor_refit(rank, size, id, true)
+    });
+}
+
+#[test]
+fn an_executor_across_processes_through_staging_is_byte_exact() {
+    on_host(
+        "an_executor_across_processes_through_staging_is_byte_exact",
+        &[End::Done; 3],
+        |rank, size, id| executor_refit(rank, size, id, false),
+    );
+}
+
+/// A process killed after the executors were made: the others' runs fail within the timeout, their
+/// commits are refused, and with all-or-nothing commit their live weights are unchanged; through
+/// IPC (the meeting before the writes fails) and through staging (the exchange fails).
+fn killed_mid_refit(rank: usize, size: usize, id: &CommId, ipc: bool) {
+    let (group, comm) = executor_setup(rank, size, id, ipc);
+    let mut p = process_of(rank as u32);
+    let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
+    let options = ExecOptions { commit: CommitMode::Staged, ..ExecOptions::default() };
+    let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
+    poison_needs(&mut p);
+    comm.allgather_bytes(b"ready").unwrap();
+    if rank == 1 {
+        // SAFETY: plain system calls; this process ends here.
+        unsafe { libc::kill(libc::getpid(), libc::SIGKILL) };
+    }
+    let started = Instant::now();
+    // SAFETY: every buffer of the plan lives until the calls return.
+    let ran = unsafe { executor.run(&group) };
+    let committed = ran.clone().and_then(|_| unsafe { executor.commit(&group) });
+    let err = committed.unwrap_err();
+    assert!(matches!(err.status, Status::Aborted | Status::InvalidState), "rank {rank}: {err}");
+    assert!(started.elapsed() < Duration::from_secs(20), "rank {rank} waited {:?}", started.elapsed());
+    // SAFETY: as above.
+    let again = unsafe { executor.commit(&group) }.unwrap_err();
+    assert_eq!(again.status, Status::InvalidState, "rank {rank}: nothing to commit after a failure");
+    assert!(untouched(&p), "rank {rank}: live weights changed although the step failed");
+}
+
+#[test]
+fn a_process_killed_mid_refit_leaves_committed_weights_unchanged() {
+    let ends = [End::Done, End::Killed, End::Done];
+    on_host("a_process_killed_mid_refit_leaves_committed_weights_unchanged", &ends, |rank, size, id| {
+        killed_mid_refit(rank, size, id, false)
+    });
+}
+
+#[test]
+fn a_process_killed_mid_refit_through_ipc_leaves_committed_weights_unchanged() {
+    let ends = [End::Done, End::Killed, End::Done];
+    let test = "a_process_killed_mid_refit_through_ipc_leaves_committed_weights_unchanged";
+    on_host(test, &ends, |rank, size, id| killed_mid_refit(rank, size, id, true));
 }

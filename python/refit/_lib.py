@@ -202,7 +202,7 @@ COMM_ID_BYTES = 136
 class CommOptions(ctypes.Structure):
     """refit_comm_options."""
 
-    _fields_ = [("size", c_size_t), ("timeout_ms", c_uint64), ("staging_bytes", c_uint64)]
+    _fields_ = [("size", c_size_t), ("timeout_ms", c_uint64), ("staging_bytes", c_uint64), ("ipc", c_bool)]
 
 
 class CommId(ctypes.Structure):
@@ -316,8 +316,11 @@ class RunStatsStruct(ctypes.Structure):
             "verify_ns",
             "commit_ns",
             "device_ns",
+            "remote_received_bytes",
+            "remote_ipc_bytes",
+            "remote_wire_bytes",
         )
-    ]
+    ] + [("remote_ipc_peers", c_uint32), ("remote_staged_peers", c_uint32)]
 
 
 # refit_rank_callback and refit_log_callback.
@@ -373,6 +376,10 @@ FUNCTIONS = {
     "refit_executor_create": (
         status_t,
         [_handle, _handle, c_uint32, POINTER(ExecutorOptions), POINTER(_handle)],
+    ),
+    "refit_executor_create_across": (
+        status_t,
+        [_handle, _handle, _handle, POINTER(ExecutorOptions), POINTER(_handle)],
     ),
     "refit_executor_run": (status_t, [_handle, _handle, POINTER(RunStatsStruct)]),
     "refit_executor_commit": (status_t, [_handle, _handle, POINTER(RunStatsStruct)]),

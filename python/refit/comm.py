@@ -37,13 +37,14 @@ def unique_id(backend=Backend.AUTO):
     return bytes(raw.internal)
 
 
-def _options(timeout_ms, staging_bytes):
+def _options(timeout_ms, staging_bytes, ipc=True):
     options = CommOptions()
     check(lib.refit_comm_options_init(byref(options)))
     if timeout_ms is not None:
         options.timeout_ms = check_range(timeout_ms, 64, "timeout_ms")
     if staging_bytes is not None:
         options.staging_bytes = check_range(staging_bytes, 64, "staging_bytes")
+    options.ipc = bool(ipc)
     return options
 
 
@@ -54,9 +55,13 @@ class Communicator(Handle):
 
     _what = "communicator"
 
-    def __init__(self, comm_id, nranks, rank, device=0, timeout_ms=None, staging_bytes=None, _pointer=None):
+    def __init__(
+        self, comm_id, nranks, rank, device=0, timeout_ms=None, staging_bytes=None, ipc=True, _pointer=None
+    ):
         """Joins communicator `comm_id` (bytes from unique_id) as `rank` of `nranks` on CUDA device
-        `device`; blocks until every rank has joined (at most `timeout_ms`, default ten minutes)."""
+        `device`; blocks until every rank has joined (at most `timeout_ms`, default ten minutes).
+        `staging_bytes` bounds the staging of executors across processes; `ipc` False sends every
+        pair's bytes through staging instead of CUDA IPC."""
         if _pointer is None:
             comm_id = bytes(comm_id)
             if len(comm_id) != COMM_ID_BYTES:
@@ -66,7 +71,7 @@ class Communicator(Handle):
             device = int(device)
             if not -(1 << 31) <= device < (1 << 31):
                 raise invalid_argument(f"device {device} is not a 32-bit ordinal")
-            options = _options(timeout_ms, staging_bytes)
+            options = _options(timeout_ms, staging_bytes, ipc)
             pointer = c_void_p()
             check(
                 lib.refit_comm_create(

@@ -15,6 +15,7 @@ use crate::error::{Result, Status};
 use crate::transport::comm::{CommId, CommOptions, Communicator, ID_BYTES};
 use crate::transport::{driver, BackendKind, Stream};
 use std::ffi::c_void;
+use std::sync::Arc;
 use std::time::Duration;
 
 /// Bytes of a refit_comm_id.
@@ -37,7 +38,14 @@ pub struct refit_comm_id {
 /// while another thread is inside a call on the same communicator. Different communicators are
 /// independent.
 pub struct refit_comm {
-    comm: Communicator,
+    comm: Arc<Communicator>,
+}
+
+impl refit_comm {
+    /// The communicator, for exports of other areas that keep it (executors across processes).
+    pub(crate) fn shared(&self) -> &Arc<Communicator> {
+        &self.comm
+    }
 }
 
 /// Options of refit_comm_create and refit_comm_adopt. Fill with refit_comm_options_init, then change
@@ -54,6 +62,10 @@ pub struct refit_comm_options {
     /// Bytes of staging each process may use for transfers that pack strided data (default 256 MiB;
     /// at least 1 MiB).
     pub staging_bytes: u64,
+    /// Executors across processes (refit_executor_create_across) write straight into the memory of
+    /// processes on the same machine through CUDA IPC (default true); false sends every pair's
+    /// bytes through staging over the communicator.
+    pub ipc: bool,
 }
 
 /// Fills `options` with the defaults and sets options->size. Thread-safe.
@@ -65,6 +77,7 @@ pub extern "C" fn refit_comm_options_init(options: *mut refit_comm_options) -> S
             size: std::mem::size_of::<refit_comm_options>(),
             timeout_ms: CommOptions::DEFAULT_TIMEOUT.as_millis() as u64,
             staging_bytes: CommOptions::DEFAULT_STAGING_BYTES,
+            ipc: true,
         });
         Ok(())
     })
@@ -81,6 +94,7 @@ fn convert_options(options: *const refit_comm_options) -> Result<CommOptions> {
     Ok(CommOptions {
         timeout: Duration::from_millis(options.timeout_ms),
         staging_bytes: options.staging_bytes,
+        ipc: options.ipc,
     })
 }
 
@@ -137,7 +151,7 @@ pub extern "C" fn refit_comm_create(
         let id = CommId(unsafe { arg(id, "id") }?.internal);
         let options = convert_options(options)?;
         let created = Communicator::create(&id, nranks as usize, rank as usize, device, options)?;
-        slot.write(Box::into_raw(Box::new(refit_comm { comm: created })));
+        slot.write(Box::into_raw(Box::new(refit_comm { comm: Arc::new(created) })));
         Ok(())
     })
 }
@@ -166,13 +180,14 @@ pub extern "C" fn refit_comm_adopt(
         let options = convert_options(options)?;
         // SAFETY: the caller's promise: a live communicator of the loaded libnccl.
         let adopted = unsafe { Communicator::adopt(nccl_comm, options) }?;
-        slot.write(Box::into_raw(Box::new(refit_comm { comm: adopted })));
+        slot.write(Box::into_raw(Box::new(refit_comm { comm: Arc::new(adopted) })));
         Ok(())
     })
 }
 
 /// Destroys the handle (NULL is ignored). Waits, at most the timeout, for this rank's queued calls to
-/// complete, then frees the communicator (a communicator of refit_comm_adopt is left to its owner).
+/// complete, then frees the communicator (a communicator of refit_comm_adopt is left to its owner);
+/// an executor made with it (refit_executor_create_across) keeps it until that executor is destroyed.
 /// If they do not complete in time, or the communicator failed, it is aborted instead, so destroy
 /// never hangs. Peers still waiting for this rank fail (ABORTED on the host backend at once; TIMEOUT
 /// on NCCL at their timeout). Must not be called while another thread uses the handle.

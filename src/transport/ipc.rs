@@ -785,8 +785,12 @@ pub fn connect(
     let node = comm.node_mesh()?;
     let local_writers: Vec<usize> =
         writers.iter().copied().filter(|&w| node.holds(w) && w != comm.rank()).collect();
-    // A rank with nothing to share (or whose memory cannot be shared) still takes part.
-    let exported = if local_writers.is_empty() || mine.is_empty() {
+    let enabled = comm.options().ipc;
+    // A rank with nothing to share (or whose memory cannot be shared, or with IPC disabled) still
+    // takes part in every exchange below.
+    let exported = if !enabled {
+        Err(Error::unsupported("CUDA IPC is disabled by the communicator's options"))
+    } else if local_writers.is_empty() || mine.is_empty() {
         Ok(Exported { shares: Vec::new(), fds: Vec::new() })
     } else if kind == BackendKind::Host {
         export_host(mine)
@@ -813,6 +817,10 @@ pub fn connect(
         }
         let fds = node.recv_fds(owner, timeout)?;
         let record = &all[owner];
+        if !enabled {
+            failures.push("CUDA IPC is disabled by this process's communicator options".to_string());
+            continue;
+        }
         if record.first() != Some(&1) {
             failures.push(format!("rank {owner} could not share its memory"));
             continue;

@@ -97,6 +97,9 @@ pub struct CommOptions {
     pub timeout: Duration,
     /// Staging each process may use for transfers that pack strided bytes (NCCL routes).
     pub staging_bytes: u64,
+    /// Let processes on one machine write into each other's memory through CUDA IPC (else every
+    /// pair takes staging).
+    pub ipc: bool,
 }
 
 impl CommOptions {
@@ -109,6 +112,7 @@ impl Default for CommOptions {
         CommOptions {
             timeout: CommOptions::DEFAULT_TIMEOUT,
             staging_bytes: CommOptions::DEFAULT_STAGING_BYTES,
+            ipc: true,
         }
     }
 }
