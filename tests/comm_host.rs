@@ -727,8 +727,9 @@ fn executor_refit(rank: usize, size: usize, id: &CommId, ipc: bool) {
         let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
         for step in 0..2 {
             poison_needs(&mut p);
-            comm.allgather_bytes(b"poisoned").unwrap(); // no peer writes before this rank poisoned
-                                                        // SAFETY: every buffer of the plan lives until the run (outside a scope) returns.
+            // No peer writes before this rank poisoned.
+            comm.allgather_bytes(b"poisoned").unwrap();
+            // SAFETY: every buffer of the plan lives until the run (outside a scope) returns.
             let stats = unsafe { executor.run(&group) }.unwrap();
             let how = format!("ipc {ipc}, {commit:?}, verify {verify}, step {step}");
             if commit == CommitMode::Staged {

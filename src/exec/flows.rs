@@ -69,10 +69,10 @@ pub(crate) fn flows(group: &Group, plan: &Plan, process: u32, across: bool) -> R
             RouteKind::Remote if across => continue,
             RouteKind::Remote => {
                 return Err(Error::unsupported(format!(
-                "route from process {} device {} to process {} device {} crosses processes; an executor \
+                    "route from process {} device {} to process {} device {} crosses processes; an executor \
                      made without a communicator moves bytes within one process only",
-                route.src.process, route.src.device, route.dst.process, route.dst.device
-            )))
+                    route.src.process, route.src.device, route.dst.process, route.dst.device
+                )))
             }
         }
         let (src, dst) = (rank_of(group, route.src)?, rank_of(group, route.dst)?);

@@ -265,7 +265,12 @@ impl Executor {
     /// [`Executor::new`], InvalidArgument (a plan process that is not a communicator rank),
     /// Unsupported (a route between processes on another device), the communicator's (TIMEOUT,
     /// ABORTED).
-    pub fn new_across(group: &Group, plan: &Plan, comm: Arc<Communicator>, options: ExecOptions) -> Result<Executor> {
+    pub fn new_across(
+        group: &Group,
+        plan: &Plan,
+        comm: Arc<Communicator>,
+        options: ExecOptions,
+    ) -> Result<Executor> {
         options.check()?;
         let process = u32::try_from(comm.rank()).map_err(|_| Error::invalid_argument("a rank above 2^32"))?;
         let flows = flows::flows(group, plan, process, true)?;

@@ -31,7 +31,7 @@ use crate::segment::Segment;
 use crate::transport::comm::Communicator;
 use crate::transport::ipc;
 use crate::transport::staged::{Flow, StagedExchange};
-use crate::transport::{Backend, PreparedCheck, PreparedCopy};
+use crate::transport::{Backend, BackendKind, PreparedCheck, PreparedCopy};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
@@ -161,12 +161,22 @@ impl Remote {
                 );
             }
             if peer as usize >= comm.size() {
-                bail!(Status::InvalidArgument, "a route names process {peer}; the communicator has {}", comm.size());
+                bail!(
+                    Status::InvalidArgument,
+                    "a route names process {peer}; the communicator has {}",
+                    comm.size()
+                );
             }
             validate(&route.segments)?;
             into.entry(peer as usize).or_default().extend(route.segments.iter().filter(|s| s.runs() > 0));
         }
         let backend = Arc::clone(group.backend());
+        if comm.kind() == BackendKind::Cuda && backend.kind() == BackendKind::Host {
+            bail!(
+                Status::InvalidArgument,
+                "an NCCL communicator moves device memory, and this group's backend is the host's"
+            );
+        }
         let staged_commit = options.commit == CommitMode::Staged;
         // Where each sender's bytes land here: the live buffers (direct), or its region of the
         // landing buffer (staged commit). Senders learn their region's address.
@@ -250,12 +260,43 @@ impl Remote {
             staged_sends.iter().chain(&staged_recvs).map(|f| f.peer).collect();
         totals.ipc_peers = ipc_with.len() as u32;
         totals.staged_peers = staged_with.len() as u32;
-        let staging = comm.options().staging_bytes;
-        let exchange =
-            StagedExchange::prepare(&comm, Arc::clone(&backend), device, &staged_sends, &staged_recvs, staging)?;
+        // A host-backend communicator can coordinate IPC between GPU processes, but its transfers
+        // move host memory: device bytes cannot take staging over it. Every rank learns whether any
+        // pair would have to, and all fail alike (a failure on some ranks only would leave the
+        // others waiting for them).
+        let host_comm_for_devices = comm.kind() == BackendKind::Host && backend.kind() == BackendKind::Cuda;
+        let cannot_stage = host_comm_for_devices && !(staged_sends.is_empty() && staged_recvs.is_empty());
         let uses_ipc = !ipc_with.is_empty();
-        let handshake = comm.allgather_bytes(&[u8::from(uses_ipc)])?.iter().any(|b| b.first() == Some(&1));
-        Ok(Remote { comm, backend, rank, device, writes, exchange, _landing: landing, installs, handshake, totals })
+        let flags = comm.allgather_bytes(&[u8::from(uses_ipc), u8::from(cannot_stage)])?;
+        if let Some(rank) = flags.iter().position(|f| f.get(1) == Some(&1)) {
+            bail!(
+                Status::Unsupported,
+                "process {rank} has bytes for another process that cannot go through CUDA IPC, and a \
+                 host-backend communicator cannot carry device memory: use an NCCL communicator"
+            );
+        }
+        let handshake = flags.iter().any(|f| f.first() == Some(&1));
+        let staging = comm.options().staging_bytes;
+        let exchange = StagedExchange::prepare(
+            &comm,
+            Arc::clone(&backend),
+            device,
+            &staged_sends,
+            &staged_recvs,
+            staging,
+        )?;
+        Ok(Remote {
+            comm,
+            backend,
+            rank,
+            device,
+            writes,
+            exchange,
+            _landing: landing,
+            installs,
+            handshake,
+            totals,
+        })
     }
 
     /// The group rank every route between processes runs on.
@@ -339,7 +380,8 @@ mod tests {
 
     #[test]
     fn landing_packs_each_segment_and_installs_it_back() {
-        let s = Segment { src: 100, dst: 5000, len: 3, count: [2, 2], src_stride: [4, 10], dst_stride: [7, 30] };
+        let s =
+            Segment { src: 100, dst: 5000, len: 3, count: [2, 2], src_stride: [4, 10], dst_stride: [7, 30] };
         let t = Segment::contiguous(200, 9000, 5);
         let (into, out) = landed(&[s, t], 1 << 20);
         assert_eq!(into[0], Segment { dst: 1 << 20, dst_stride: [3, 6], ..s });
