@@ -2,27 +2,27 @@
 //! the same GPU in the same run (issue 16's target: at most 1.05x its time).
 //!
 //! The demo's tables: Qwen3-30B-A3B (REFIT_BENCH_LAYERS layers, default 24), Megatron publishers and
-//! vLLM receivers, one endpoint each on GPU 0, BF16. Twice:
-//! - one process: publishers and receivers in it; `exec::Executor` (the batched kernel) on a group of
-//!   GPU 0 moves every byte (same-device routes);
+//! vLLM receivers, one endpoint each on GPU 0, BF16. Twice, through the executor C callers get:
+//! - one process: publishers and receivers in it; `Executor::new` on a group of GPU 0 moves every
+//!   byte (same-device routes, the batched kernel);
 //! - two processes (this binary run again): publishers in process 0, receivers in process 1; the plan
-//!   is built across them (each its share), process 1 shares its receiver buffers through CUDA IPC
-//!   (`ipc::connect`), and process 0 writes every remote segment straight into them with the
-//!   batched kernel. The control plane is a host-backend communicator (NCCL puts no two ranks on one
-//!   GPU).
+//!   is built across them (each its share) and `Executor::new_across` moves the routes between them
+//!   through CUDA IPC: process 0's batched kernel writes straight into process 1's buffers. The
+//!   communicator is a host-backend one (NCCL puts no two ranks on one GPU), which coordinates the
+//!   IPC handles and the two meetings per step.
 //!
-//! Each side: a warm-up step, then REFIT_BENCH_STEPS timed steps (default 10), wall time from the
-//! launch to the stream's completion, median; after the last step every received element is checked
+//! Each side: a warm-up step, then REFIT_BENCH_STEPS timed steps (default 10) outside a scope (each
+//! complete on return), wall time, median; after the last step every received element is checked
 //! against its known value. Prints a markdown table; writes `$REFIT_BENCH_RESULTS/gpu_comm.json`
 //! (default `benches/results/`).
 
 use refit::across::build_plan;
-use refit::exec::{Arm, Executor};
+use refit::exec::{ExecOptions, Executor};
 use refit::group::{Group, GroupOptions};
 use refit::plan::{self, Endpoint, PlanOptions};
 use refit::transport::comm::{CommId, CommOptions, Communicator};
 use refit::transport::cuda::cuda_backend;
-use refit::transport::{ipc, Backend, BackendKind};
+use refit::transport::{Backend, BackendKind};
 use refit_workloads::{Megatron, Model, Packing, Role, Spec, Vllm, Workload};
 use std::process::Command;
 use std::sync::Arc;
@@ -111,17 +111,18 @@ fn one_process(layers: u64, steps: usize) -> (f64, u64) {
     let backend = Arc::clone(group.backend());
     let bases = allocate(&workload, &backend, 0);
     let plan = plan::build(&workload.tables(&bases).unwrap(), &PlanOptions::default()).unwrap();
-    let mut executor = Executor::new();
+    let mut executor = Executor::new(&group, &plan, 0, ExecOptions::default()).unwrap();
     let mut times = Vec::new();
     for step in 0..=steps {
         let start = Instant::now();
         // SAFETY: every address in the plan is a buffer allocated above.
-        unsafe { executor.execute(&group, &plan, 0, Arm::Batched) }.unwrap();
+        unsafe { executor.run(&group) }.unwrap();
         if step > 0 {
             times.push(start.elapsed().as_secs_f64() * 1e3);
         }
     }
     check(&workload, &backend, &bases, 0);
+    drop(executor);
     for &ptr in &bases {
         // SAFETY: ours, idle.
         unsafe { backend.free(0, ptr) }.unwrap();
@@ -129,53 +130,42 @@ fn one_process(layers: u64, steps: usize) -> (f64, u64) {
     (median(times), plan.stats().needed_bytes)
 }
 
-/// One of the two processes: 0 publishes and writes through IPC, 1 receives and checks.
+/// One of the two processes: 0 publishes, 1 receives and checks; both run the executor across.
 fn child(rank: usize, id: &CommId, layers: u64, steps: usize) {
     let options = CommOptions { timeout: Duration::from_secs(120), ..CommOptions::default() };
-    let comm = Communicator::create(id, 2, rank, 0, options).unwrap();
+    let comm = Arc::new(Communicator::create(id, 2, rank, 0, options).unwrap());
     let workload = Workload::generate(&spec(layers, 0, 1)).expect("workload");
-    let backend: Arc<dyn Backend> = cuda_backend().unwrap();
+    let group = Group::new(&[0], GroupOptions::default()).expect("a group of GPU 0");
+    let backend = Arc::clone(group.backend());
     let bases = allocate(&workload, &backend, rank as u32);
     let tables = workload.tables(&bases).unwrap();
     let share = build_plan(&comm, &tables[rank], &PlanOptions::default()).unwrap();
-    let segments: Vec<refit::Segment> =
-        share.routes().iter().filter(|r| r.src.process == 0).flat_map(|r| r.segments.clone()).collect();
-    let receivers: Vec<(u64, u64)> = workload
-        .buffers
-        .iter()
-        .zip(&bases)
-        .filter(|(b, _)| b.endpoint.process == 1 && b.role == Role::Receiver)
-        .map(|(b, &ptr)| (ptr, b.bytes))
-        .collect();
-    let (writers, owners): (&[usize], &[usize]) = if rank == 0 { (&[], &[1]) } else { (&[0], &[]) };
-    let peers = ipc::connect(&comm, BackendKind::Cuda, 0, &receivers, writers, owners).unwrap();
+    let mut executor =
+        Executor::new_across(&group, &share, Arc::clone(&comm), ExecOptions::default()).unwrap();
+    let mut times = Vec::new();
+    let mut last = None;
+    for step in 0..=steps {
+        let start = Instant::now();
+        // SAFETY: every address of the share is a buffer of this process, or opened from the peer.
+        last = Some(unsafe { executor.run(&group) }.unwrap());
+        if step > 0 {
+            times.push(start.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    let stats = last.expect("a run");
     if rank == 0 {
-        let opened = peers.opened.get(&1).expect("process 1's memory opened through IPC");
-        let writes = opened.prepare_writes(&segments, false).unwrap();
-        let stream = backend.create_stream(0).unwrap();
-        let mut times = Vec::new();
-        for step in 0..=steps {
-            comm.allgather_bytes(b"go").unwrap();
-            let start = Instant::now();
-            // SAFETY: sources are ours, destinations opened; both live until the stream is idle.
-            unsafe { writes.launch(stream) }.unwrap();
-            backend.sync_stream(0, stream).unwrap();
-            if step > 0 {
-                times.push(start.elapsed().as_secs_f64() * 1e3);
-            }
-        }
-        comm.allgather_bytes(b"written").unwrap();
-        println!("ipc_ms={} segments={}", median(times), segments.len());
-        backend.destroy_stream(0, stream);
+        println!(
+            "ipc_ms={} ipc_bytes={} wire_bytes={} segments={}",
+            median(times),
+            stats.remote_ipc_bytes,
+            stats.remote_wire_bytes,
+            stats.segments[2]
+        );
     } else {
-        for _ in 0..=steps {
-            comm.allgather_bytes(b"go").unwrap();
-        }
-        comm.allgather_bytes(b"written").unwrap();
         println!("checked_elements={}", check(&workload, &backend, &bases, 1));
     }
     comm.allgather_bytes(b"done").unwrap();
-    drop(peers);
+    drop(executor);
     for &ptr in bases.iter().filter(|&&p| p != 0) {
         // SAFETY: ours; every peer is done with it.
         unsafe { backend.free(0, ptr) }.unwrap();
@@ -220,16 +210,19 @@ fn main() {
         })
         .collect();
     let ipc_ms = field(&outputs[0], "ipc_ms").expect("process 0 reports its time");
+    let ipc_bytes = field(&outputs[0], "ipc_bytes").expect("process 0 reports its IPC bytes");
+    let wire_bytes = field(&outputs[0], "wire_bytes").expect("process 0 reports its wire bytes");
+    assert_eq!((ipc_bytes as u64, wire_bytes as u64), (bytes, 0), "every byte went through IPC");
     let checked = field(&outputs[1], "checked_elements").expect("process 1 checked its elements");
     let gbps = |ms: f64| bytes as f64 / ms / 1e6;
     println!("\n| refit of {layers} layers on {device} | bytes | median ms | GB/s |");
     println!("|---|---|---|---|");
     println!(
-        "| one process, exec::Executor (batched kernel) | {bytes} | {single_ms:.3} | {:.1} |",
+        "| one process, executor (batched kernel) | {bytes} | {single_ms:.3} | {:.1} |",
         gbps(single_ms)
     );
     println!(
-        "| two processes, CUDA IPC writes (batched kernel) | {bytes} | {ipc_ms:.3} | {:.1} |",
+        "| two processes, executor across: CUDA IPC writes (batched kernel) | {bytes} | {ipc_ms:.3} | {:.1} |",
         gbps(ipc_ms)
     );
     println!("| ratio two processes / one process | | {:.3} | |", ipc_ms / single_ms);

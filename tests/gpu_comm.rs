@@ -354,3 +354,124 @@ fn staged_exchange_over_nccl_two_gpus() {
         comm.allgather_bytes(b"done").unwrap();
     });
 }
+
+/// The demo's tables (Qwen3-30B-A3B, 2 layers) with publishers in process 0 and receivers in process
+/// 1, both on GPU 0: `Executor::new_across` moves every byte through CUDA IPC, direct and staged
+/// (verified), twice each; process 1 checks every element against its known value, and before the
+/// commit finds its live buffers unchanged.
+#[test]
+#[ignore = "needs a GPU"]
+fn executor_across_two_processes_on_one_gpu_is_byte_exact() {
+    use refit::across::build_plan;
+    use refit::exec::{CommitMode, ExecOptions, Executor};
+    use refit::group::{Group, GroupOptions};
+    use refit::plan::{Endpoint, PlanOptions};
+    use refit_workloads::{Megatron, Model, Packing, Role, Spec, Vllm, Workload};
+
+    let test = "executor_across_two_processes_on_one_gpu_is_byte_exact";
+    in_processes(test, BackendKind::Host, &[End::Done; 2], |rank, size, id| {
+        let at = |process| vec![Endpoint { process, device: 0 }];
+        let spec = Spec {
+            model: Model::qwen3_30b_a3b().with_layers(2),
+            publishers: Megatron { endpoints: at(0), tp: 1, ep: 1, grouped_experts: true },
+            publisher_layout: Packing::Separate,
+            receivers: Vllm { endpoints: at(1) },
+            receiver_layout: Packing::Separate,
+            digests: false,
+        };
+        let workload = Workload::generate(&spec).unwrap();
+        let comm = Arc::new(Communicator::create(id, size, rank, 0, options(60_000)).unwrap());
+        let group = Group::new(&[0], GroupOptions::default()).unwrap();
+        let backend = Arc::clone(group.backend());
+        let mine = |b: &refit_workloads::Buffer| b.endpoint.process == rank as u32;
+        let mut host: Vec<Vec<u8>> = workload
+            .buffers
+            .iter()
+            .map(|b| if mine(b) { vec![0xa5; b.bytes as usize] } else { vec![] })
+            .collect();
+        if rank == 0 {
+            let mut views: Vec<&mut [u8]> = host.iter_mut().map(|v| v.as_mut_slice()).collect();
+            workload.fill_offers(&mut views);
+        }
+        let bases: Vec<u64> = workload
+            .buffers
+            .iter()
+            .zip(&host)
+            .map(|(b, bytes)| {
+                if !mine(b) {
+                    return 0;
+                }
+                let ptr = backend.alloc(0, b.bytes as usize).unwrap();
+                // SAFETY: just allocated with this many bytes.
+                unsafe { backend.write(0, ptr, bytes) }.unwrap();
+                ptr
+            })
+            .collect();
+        let receivers = || -> Vec<Vec<u8>> {
+            workload
+                .buffers
+                .iter()
+                .zip(&bases)
+                .map(|(b, &ptr)| {
+                    let mut bytes = vec![0u8; b.bytes as usize];
+                    if mine(b) && b.role == Role::Receiver {
+                        // SAFETY: allocated with this many bytes.
+                        unsafe { backend.read(0, ptr, &mut bytes) }.unwrap();
+                    }
+                    bytes
+                })
+                .collect()
+        };
+        let poison = || {
+            for (b, &ptr) in
+                workload.buffers.iter().zip(&bases).filter(|(b, _)| mine(b) && b.role == Role::Receiver)
+            {
+                // SAFETY: allocated with this many bytes.
+                unsafe { backend.write(0, ptr, &vec![0xa5; b.bytes as usize]) }.unwrap();
+            }
+        };
+        let share =
+            build_plan(&comm, &workload.tables(&bases).unwrap()[rank], &PlanOptions::default()).unwrap();
+        for (commit, verify) in [(CommitMode::Direct, false), (CommitMode::Staged, true)] {
+            let options = ExecOptions { commit, verify, ..ExecOptions::default() };
+            let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
+            for step in 0..2 {
+                poison();
+                comm.allgather_bytes(b"poisoned").unwrap();
+                // SAFETY: every address of the share is a buffer allocated above (or the peer's).
+                let stats = unsafe { executor.run(&group) }.unwrap();
+                assert_eq!(stats.remote_wire_bytes, 0, "{commit:?} step {step}: every byte through IPC");
+                if commit == CommitMode::Staged {
+                    comm.allgather_bytes(b"staged").unwrap();
+                    if rank == 1 {
+                        let views = receivers();
+                        assert!(
+                            views.iter().all(|v| v.iter().all(|&b| b == 0xa5)),
+                            "live bytes before commit"
+                        );
+                    }
+                    // SAFETY: as above.
+                    unsafe { executor.commit(&group) }.unwrap();
+                }
+                comm.allgather_bytes(b"installed").unwrap();
+                if rank == 1 {
+                    let views = receivers();
+                    let slices: Vec<&[u8]> = views.iter().map(|v| v.as_slice()).collect();
+                    workload.check_needs(&slices).unwrap_or_else(|e| panic!("{commit:?} step {step}: {e}"));
+                }
+            }
+            // The writer closes what it opened before the receiver frees its landing.
+            if rank == 0 {
+                drop(executor);
+                comm.allgather_bytes(b"closed").unwrap();
+            } else {
+                comm.allgather_bytes(b"closed").unwrap();
+                drop(executor);
+            }
+        }
+        for &ptr in bases.iter().filter(|&&p| p != 0) {
+            // SAFETY: ours; the peer is done with it (the last meeting above).
+            unsafe { backend.free(0, ptr) }.unwrap();
+        }
+    });
+}
