@@ -36,6 +36,7 @@ use crate::transport::nccl::{nccl, Communicators};
 use crate::transport::{Backend, BackendKind, Stream};
 
 mod call;
+pub mod comm;
 pub mod peer;
 mod state;
 

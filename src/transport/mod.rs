@@ -11,6 +11,8 @@
 //! - Integrity for a group's rank: [`digest`] (the digest of device memory) and [`verify`] (checking
 //!   copied bytes on the device), both on every backend.
 //! - [`nccl`]: NCCL communicators and the calls issued on them (collectives, grouped send/recv).
+//! - [`comm`]: communicators between processes (NCCL, or the host backend's simulation of it over
+//!   [`mesh`], Unix sockets between the processes of one machine).
 //! - The run-time loaders, side by side: [`driver`] (libcuda, through cudarc, and the driver calls
 //!   shared with the kernels), [`nccl`] (libnccl), [`nvrtc`] (libnvrtc), over [`dynlib`] (dlopen).
 //!
@@ -21,14 +23,18 @@
 //! `CUevent` value on CUDA, a registry id on the host backend. `Stream::NULL` always means "the
 //! device's legacy default stream" (on the host backend: that simulated device's default stream).
 
+pub mod comm;
 pub mod cuda;
 pub mod driver;
 pub mod dynlib;
 pub mod host;
 pub mod host_copy;
 pub mod host_verify;
+pub mod ipc;
+pub mod mesh;
 pub mod nccl;
 pub mod nvrtc;
+pub mod staged;
 pub mod verify;
 
 use crate::error::{Error, Result, Status};
