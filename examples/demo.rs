@@ -13,6 +13,9 @@
 //!     cargo run --release --example demo [-- --layers N --layout separate|packed --steps K --devices G
 //!         --arm auto|kernel|copy-engine --sm-budget B --staging-limit MIB]
 //!
+//! The staged phase's staging is bounded by --staging-limit (default 8192 MiB; 0: the whole step,
+//! which needs as much free device memory again as the receivers' buffers).
+//!
 //! Phase 1 runs K direct steps (the executor writes the live buffers). Phase 2 runs one staged,
 //! verified step: the run lands everything in staging and compares it with the sources, the live
 //! buffers stay untouched until the commit installs it.
@@ -51,7 +54,7 @@ fn parse_args() -> Result<Args, String> {
         devices: None,
         arm: REFIT_ARM_AUTO,
         sm_budget: 0,
-        staging_limit_mib: 0,
+        staging_limit_mib: 8192,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {

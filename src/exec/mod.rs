@@ -216,7 +216,10 @@ fn extent(segment: &Segment, side: Side) -> (u64, u64) {
 }
 
 /// The method for `segments` of `kind` under `arm`. `direct`: every pair has peer access.
-fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool) -> Result<Method> {
+/// `verified`: the copies will be verified. AUTO then keeps the kernel wherever it can run: its copy
+/// records digests of the source tiles it reads, so the verify reads only the destinations, where a
+/// copy-engine copy leaves the verify comparing both sides (benches/gpu_digest.rs measures both).
+fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool, verified: bool) -> Result<Method> {
     if kind == RouteKind::Peer && !direct {
         return match arm {
             Arm::Kernel => Err(Error::unsupported(
@@ -229,6 +232,7 @@ fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool) -> Re
     Ok(match arm {
         Arm::Kernel => Method::Kernel,
         Arm::CopyEngine => Method::CopyEngine,
+        Arm::Auto if verified => Method::Kernel,
         Arm::Auto => {
             let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
             let runs: u64 = segments.iter().map(|s| s.runs()).sum();
@@ -345,7 +349,7 @@ impl Executor {
             let segments: Vec<&Segment> =
                 flows.iter().filter(|f| f.kind == kind).flat_map(|f| &f.segments).collect();
             if !segments.is_empty() {
-                methods[kind as usize] = Some(resolve(arm, kind, &segments, direct)?);
+                methods[kind as usize] = Some(resolve(arm, kind, &segments, direct, options.verify)?);
             }
         }
         let backend = Arc::clone(group.backend());
@@ -510,7 +514,7 @@ impl Executor {
                 registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Dst);
             }
             let refs: Vec<&Segment> = installs.iter().collect();
-            let method = resolve(self.options.arm, RouteKind::Local, &refs, true)?;
+            let method = resolve(self.options.arm, RouteKind::Local, &refs, true, false)?;
             self.batches.push(Batch::new(group, rank, installs.clone(), method, 0, false)?);
             self.add_marks(Slot { slice: k, timed: Timed::Install, rank })?;
             let sources = sources.remove(&rank).unwrap_or_default();
