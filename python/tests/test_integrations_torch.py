@@ -64,7 +64,9 @@ class TorchModuleRefitTest(unittest.TestCase):
 
     def refit(self, model, trainer: List[MegatronRanks], engine: List[VllmRanks], engine_layers: List[range]):
         ckpt = checkpoint(model)
-        tables, received = [], []
+        # Tables hold raw addresses: every module must outlive the copies (a freed tensor's memory
+        # is handed to the next allocation, so a dropped publisher would alias a receiver).
+        tables, received, publishers = [], [], []
         for i, ranks in enumerate(trainer):
             publisher = MegatronPublisher(model, ranks)
             values = megatron_params(model, ranks, ckpt)
@@ -72,6 +74,7 @@ class TorchModuleRefitTest(unittest.TestCase):
             megatron = module_with({l.name: bf16(values[l.name], l.shape, device) for l in publisher.layouts})
             host_device = None if self.cuda else i % len(self.devices)
             tables.append(publisher.table(megatron.named_parameters(), 0, device=host_device))
+            publishers.append(megatron)
         for i, (ranks, layers) in enumerate(zip(engine, engine_layers)):
             receiver = VllmReceiver(model, ranks)
             device = self.torch_device(i)
