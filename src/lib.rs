@@ -27,8 +27,8 @@
 //! ```
 //!
 //! Beside them, used by every layer: `segment` (the unit of copying and its checks), `error`
-//! (statuses and the error type), `sync` (locking) and `logging`. `workloads` generates realistic
-//! refit tables for the demo, benches and tests; it is no part of the refit API.
+//! (statuses and the error type), `sync` (locking) and `logging`. Realistic refit tables for the
+//! demo, benches and tests come from the development crate in `workloads/`, no part of the library.
 //!
 //! # Vocabulary
 //!

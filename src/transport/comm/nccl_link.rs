@@ -21,7 +21,7 @@ use super::{lengths_then_bytes, Health};
 use crate::bail;
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
-use crate::sync::lock;
+use crate::sync::{lock, wait_timeout};
 use cudarc::driver::sys::{self, CUresult};
 use std::collections::VecDeque;
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
@@ -436,8 +436,7 @@ fn watch(shared: &Shared) {
         let busy = !lock(&shared.pending).is_empty();
         let pause = if busy { Duration::from_millis(1) } else { Duration::from_millis(50) };
         let stop = lock(&shared.stop);
-        // A poisoned lock holds a valid flag (crate::sync explains why): wait on.
-        let (stop, _) = shared.wake.wait_timeout(stop, pause).unwrap_or_else(|p| p.into_inner());
+        let (stop, _) = wait_timeout(&shared.wake, stop, pause);
         if *stop {
             return;
         }
