@@ -818,7 +818,6 @@ pub fn connect(
         let fds = node.recv_fds(owner, timeout)?;
         let record = &all[owner];
         if !enabled {
-            failures.push("CUDA IPC is disabled by this process's communicator options".to_string());
             continue;
         }
         if record.first() != Some(&1) {
@@ -833,7 +832,7 @@ pub fn connect(
             Err(err) => failures.push(format!("rank {owner}'s memory cannot be opened: {}", err.message)),
         }
     }
-    if let Some(err) = why_not {
+    if let Some(err) = why_not.filter(|_| enabled && !local_writers.is_empty()) {
         failures.push(format!("this rank's memory cannot be shared: {}", err.message));
     }
     // Every rank learns which of its writers opened its memory.
@@ -851,10 +850,12 @@ pub fn connect(
             ipc_writers.insert(writer);
         }
     }
-    if let Some(first) = failures.first() {
+    if !enabled {
+        log::info!("rank {}: CUDA IPC is off (communicator options): every pair takes staging", comm.rank());
+    } else if let Some(first) = failures.first() {
         warn_once(&format!(
-            "rank {}: {} of its routes between processes take NCCL (staging) instead of CUDA IPC; first \
-             reason: {first}",
+            "rank {}: {} of its pairs of processes take NCCL (staging) instead of CUDA IPC; first reason: \
+             {first}",
             comm.rank(),
             failures.len()
         ));
