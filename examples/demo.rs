@@ -11,7 +11,10 @@
 //! element is checked.
 //!
 //!     cargo run --release --example demo [-- --layers N --layout separate|packed --steps K --devices G
-//!         --arm auto|kernel|copy-engine --sm-budget B --staging-limit MIB]
+//!         --arm auto|kernel|copy-engine --sm-budget B --staging-limit MIB --processes P]
+//!
+//! `--processes P` runs publishers and receivers as P separate processes instead (see
+//! `across/processes.rs`).
 //!
 //! Phase 1 runs K direct steps (the executor writes the live buffers). Phase 2 runs one staged,
 //! verified step: the run lands everything in staging and compares it with the sources, the live
@@ -33,7 +36,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "across/processes.rs"]
+mod processes;
+
 struct Args {
+    processes: Option<usize>,
     layers: Option<u64>,
     layout: Packing,
     steps: usize,
@@ -45,6 +52,7 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
+        processes: None,
         layers: None,
         layout: Packing::Separate,
         steps: 5,
@@ -59,6 +67,7 @@ fn parse_args() -> Result<Args, String> {
         let number = |v: String| v.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
         match flag.as_str() {
             "--layers" => args.layers = Some(number(value()?)?),
+            "--processes" => args.processes = Some(number(value()?)? as usize),
             "--steps" => args.steps = number(value()?)?.max(1) as usize,
             "--devices" => args.devices = Some(number(value()?)? as usize),
             "--sm-budget" => args.sm_budget = number(value()?)? as u32,
@@ -413,6 +422,9 @@ fn main() {
 
 fn run() -> Result<(), String> {
     let args = parse_args()?;
+    if let Some(n) = args.processes {
+        return processes::run(&args, n);
+    }
     let started = Instant::now();
     let cuda = cuda_backend().ok().filter(|b| b.device_count() > 0);
     let on_gpu = cuda.is_some();

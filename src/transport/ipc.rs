@@ -706,50 +706,120 @@ unsafe fn compare_host_runs(pid: u32, segments: &[Segment]) -> Result<Option<usi
 /// # Safety
 /// Every source run is readable memory of this process.
 unsafe fn write_host_runs(pid: u32, segments: &[Segment]) -> Result<()> {
-    const BATCH: usize = 512;
-    let mut local = Vec::with_capacity(BATCH);
-    let mut remote = Vec::with_capacity(BATCH);
-    let flush = |local: &mut Vec<libc::iovec>, remote: &mut Vec<libc::iovec>| -> Result<()> {
-        let want: usize = local.iter().map(|v| v.iov_len).sum();
-        // SAFETY: iovecs of readable local memory and the peer's shared ranges.
-        let wrote = unsafe {
-            libc::process_vm_writev(
-                pid as libc::pid_t,
-                local.as_ptr(),
-                local.len() as _,
-                remote.as_ptr(),
-                remote.len() as _,
-                0,
-            )
-        };
-        local.clear();
-        remote.clear();
-        if wrote < 0 || wrote as usize != want {
-            let err = std::io::Error::last_os_error();
-            bail!(Status::Aborted, "writing {want} bytes into process {pid} failed ({err}): it exited?");
-        }
-        Ok(())
-    };
+    let mut batch = VmBatch::new(pid);
     for s in segments {
         let mut failed = None;
         s.for_each_run(|src, dst, len| {
-            if failed.is_some() {
-                return;
-            }
-            local.push(libc::iovec { iov_base: src as usize as *mut libc::c_void, iov_len: len as usize });
-            remote.push(libc::iovec { iov_base: dst as usize as *mut libc::c_void, iov_len: len as usize });
-            if local.len() == BATCH {
-                failed = flush(&mut local, &mut remote).err();
+            if failed.is_none() {
+                // SAFETY: the caller's promise on the sources.
+                failed = unsafe { batch.push(src, dst, len) }.err();
             }
         });
         if let Some(err) = failed {
             return Err(err);
         }
     }
-    if !local.is_empty() {
-        flush(&mut local, &mut remote)?;
+    // SAFETY: as above.
+    unsafe { batch.flush() }
+}
+
+/// Runs to write into another process, sent with as few `process_vm_writev` calls as the kernel
+/// allows: it moves at most about 2 GiB per call and may move less than asked, so each call carries a
+/// bounded batch and what it did not move is sent again.
+struct VmBatch {
+    pid: u32,
+    /// (local address, remote address, bytes), each at most `MAX_RUN`.
+    runs: std::collections::VecDeque<(u64, u64, u64)>,
+    bytes: u64,
+}
+
+impl VmBatch {
+    const MAX_RUNS: usize = 512;
+    const MAX_RUN: u64 = 256 << 20;
+    const MAX_BYTES: u64 = 1 << 30;
+
+    fn new(pid: u32) -> VmBatch {
+        VmBatch { pid, runs: std::collections::VecDeque::new(), bytes: 0 }
     }
-    Ok(())
+
+    /// Queues a run (cut into pieces of at most `MAX_RUN`), sending the batch when it is full.
+    ///
+    /// # Safety
+    /// The local run is readable until the batch is flushed.
+    unsafe fn push(&mut self, src: u64, dst: u64, len: u64) -> Result<()> {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(Self::MAX_RUN);
+            self.runs.push_back((src + at, dst + at, n));
+            self.bytes += n;
+            at += n;
+            if self.runs.len() == Self::MAX_RUNS || self.bytes >= Self::MAX_BYTES {
+                // SAFETY: the caller's promise.
+                unsafe { self.flush() }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends every queued run.
+    ///
+    /// # Safety
+    /// As for `push`.
+    unsafe fn flush(&mut self) -> Result<()> {
+        while !self.runs.is_empty() {
+            let local: Vec<libc::iovec> = self
+                .runs
+                .iter()
+                .map(|&(l, _, n)| libc::iovec {
+                    iov_base: l as usize as *mut libc::c_void,
+                    iov_len: n as usize,
+                })
+                .collect();
+            let remote: Vec<libc::iovec> = self
+                .runs
+                .iter()
+                .map(|&(_, r, n)| libc::iovec {
+                    iov_base: r as usize as *mut libc::c_void,
+                    iov_len: n as usize,
+                })
+                .collect();
+            // SAFETY: iovecs of readable local memory and the peer's shared ranges.
+            let wrote = unsafe {
+                libc::process_vm_writev(
+                    self.pid as libc::pid_t,
+                    local.as_ptr(),
+                    local.len() as _,
+                    remote.as_ptr(),
+                    remote.len() as _,
+                    0,
+                )
+            };
+            if wrote <= 0 {
+                let err = std::io::Error::last_os_error();
+                bail!(
+                    Status::Aborted,
+                    "writing {} bytes into process {} failed ({err}): it exited?",
+                    self.bytes,
+                    self.pid
+                );
+            }
+            // Drop what was written; a run written in part keeps its rest.
+            let mut left = wrote as u64;
+            while left > 0 {
+                let front = self.runs.front_mut().expect("the kernel wrote no more than asked");
+                let n = left.min(front.2);
+                front.0 += n;
+                front.1 += n;
+                front.2 -= n;
+                self.bytes -= n;
+                left -= n;
+                if front.2 == 0 {
+                    self.runs.pop_front();
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The raw descriptors of `exported`, for [`super::mesh::Mesh::send_fds`].
