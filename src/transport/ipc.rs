@@ -320,10 +320,6 @@ pub struct Opened {
     mappings: Vec<Mapping>,
 }
 
-// SAFETY: driver handles and addresses, usable from any thread with the context made current.
-unsafe impl Send for Opened {}
-unsafe impl Sync for Opened {}
-
 impl Opened {
     /// Opens `shares` with their descriptors `fds` (one per VMM chunk, in order) on `device` (for
     /// host shares, `device` is not used). Errors: INVALID_ARGUMENT (descriptors that do not match the
@@ -839,9 +835,10 @@ pub struct Peers {
 /// `mine` (the ranges of its memory that `writers` write into; device memory of `device`, or host
 /// memory when `kind` is the host backend) with its writers on this machine, and opens the shares
 /// of `owners` (the ranks it writes into) that are on this machine. Then every rank learns which
-/// pairs succeeded: a pair uses IPC only when the writer opened the owner's shares. A pair that could
-/// not (another machine, memory that cannot be shared or opened) is left to staging, and the first
-/// such pair is logged once as a warning with the reason.
+/// pairs succeeded: a pair uses IPC only when the writer opened the owner's shares. Pairs on two
+/// machines are left to staging; a pair on one machine that could not (memory that cannot be shared
+/// or opened) is too, and the first such fallback is logged once as a warning with the reason. The
+/// two lists must agree across ranks (w writes into o on w's `owners` exactly when on o's `writers`).
 ///
 /// Errors: the communicator's (TIMEOUT, ABORTED), DECODE_ERROR (a peer's bytes), CUDA_ERROR.
 pub fn connect(
@@ -882,8 +879,7 @@ pub fn connect(
     let mut failures = Vec::new();
     for &owner in owners.iter().filter(|&&o| o != comm.rank()) {
         if !node.holds(owner) {
-            failures.push(format!("rank {owner} is on another machine"));
-            continue;
+            continue; // another machine: staging is the way, not a fallback
         }
         let fds = node.recv_fds(owner, timeout)?;
         let record = &all[owner];
@@ -894,11 +890,12 @@ pub fn connect(
             failures.push(format!("rank {owner} could not share its memory"));
             continue;
         }
+        // Any failure here is this pair's fallback, never an early return: the others are about to
+        // meet in the verdicts' allgather below.
         match decode(&record[1..]).and_then(|shares| Opened::open(device, &shares, fds)) {
             Ok(o) => {
                 opened.insert(owner, Arc::new(o));
             }
-            Err(err) if err.status == Status::DecodeError => return Err(err),
             Err(err) => failures.push(format!("rank {owner}'s memory cannot be opened: {}", err.message)),
         }
     }
