@@ -589,11 +589,12 @@ fn run() -> Result<(), String> {
         );
     }
     println!(
-        "\nColumns (RunStats): wall: the whole call on the host; host enqueue: queueing the work (constant \
+        "\nColumns (refit_run_stats): wall: the whole call on the host; host enqueue: queueing the work (constant \
          whatever the segment count); host wait: blocked on the device (these calls run outside a scope, so they \
          return complete); device: the step's span on the device; local / peer: the copies within a device and \
-         {between}, which run side by side; verify: comparing every copied byte with its source; commit: \
-         installing staging into the live buffers; arm: how each route kind moved (kernel or copy engine); \
+         {between}, which run side by side; verify: checking every copied byte on the device (the kernel's \
+         against digests of what it read, the copy engine's against the sources); commit: installing staging \
+         into the live buffers; arm: how each route kind moved (kernel or copy engine); \
          payload GB/s: bytes moved (installed, for the commit) per wall second{}.",
         if on_gpu {
             ""

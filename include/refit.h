@@ -313,6 +313,10 @@ typedef struct refit_comm refit_comm;
  * An executor: one process's share of a plan prepared for a group (descriptors built and uploaded
  * once), run step after step. Keeps no reference to the plan or the group: each call is passed the
  * group it was created with.
+ *
+ * Thread-safety: an executor is used by one thread at a time, the thread driving its group (its
+ * calls queue work on the group's streams, so no other call on the group may run meanwhile).
+ * Different executors of one group are called one after the other from that thread.
  */
 typedef struct refit_executor refit_executor;
 
@@ -349,8 +353,8 @@ typedef struct refit_prepared_copy refit_prepared_copy;
  * refit (not a device, and not a member of a group); `device` is a CUDA ordinal in that process.
  *
  * Thread-safety: calls that change a table (refit_table_add_*) need it to themselves; calls that only
- * read it (refit_table_encoded_size, refit_table_encode, refit_plan_build) may share it between
- * threads while nothing changes it. Different tables are independent.
+ * read it (refit_table_encoded_size, refit_table_encode, refit_plan_build, refit_plan_build_share)
+ * may share it between threads while nothing changes it. Different tables are independent.
  */
 typedef struct refit_table refit_table;
 
@@ -799,12 +803,19 @@ refit_status refit_allgather(refit_group *group,
  * once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
  * share of refit_allgather's PEER, with the same methods, and costs what a whole-group call costs
  * (benches/gpu_allgather.rs, loop of calls, against NCCL called per rank).
- * Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
- * fails first, this returns ABORTED instead of waiting forever.
+ * Ranks meet at an abortable barrier (spinning briefly, then blocking), and each call is a call of
+ * its own: a rank meets only the other ranks' same call, never the next one. Instead of waiting
+ * forever, or returning with blocks missing, it returns ABORTED when another rank's callback failed
+ * first; when another rank's callback returned without making this call; or when another rank left
+ * this call after failing in it (its own error) and made a new call. Calls that fail for their
+ * arguments fail on every rank alike (different counts or algorithms, overlapping receive buffers),
+ * so a retry on every rank works; after ABORTED, recv is undefined and calling again on every rank
+ * works too.
  *
  * Errors: as refit_allgather, plus INVALID_STATE (not called from this group's rank callback),
  * INVALID_ARGUMENT (rank is not the calling callback's rank, or ranks passed different counts or
- * algorithms: every rank then fails), ABORTED.
+ * algorithms: every rank then fails), OVERLAP (also when two ranks' receive buffers overlap: every
+ * rank then fails), ABORTED.
  */
 refit_status refit_group_allgather_rank(refit_group *group,
                                         uint32_t rank,
@@ -1162,8 +1173,8 @@ refit_status refit_executor_create_across(const refit_plan *plan,
  * can be committed until a run succeeds; in a direct step live buffers may hold part of the new
  * bytes.
  *
- * Every address of the plan (as rebound) must stay valid memory of its device until the step has
- * run.
+ * Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
+ * of its device until the step has run.
  */
 refit_status refit_executor_run(refit_executor *executor,
                                 refit_group *group,
@@ -1182,7 +1193,7 @@ refit_status refit_executor_run(refit_executor *executor,
  * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (another group, stats->size), INVALID_STATE (a direct
  * executor; nothing staged since the last commit; the last run or commit failed: the message says
  * why; run again), VERIFY_MISMATCH (nothing installed), CUDA_ERROR. After an error, run again before
- * committing.
+ * committing. Thread-safety: see refit_executor.
  */
 refit_status refit_executor_commit(refit_executor *executor,
                                    refit_group *group,
@@ -1193,7 +1204,7 @@ refit_status refit_executor_commit(refit_executor *executor,
  * device times included: blocks the host until that call's work has run on the device.
  *
  * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size), INVALID_STATE (no call has succeeded yet),
- * CUDA_ERROR.
+ * CUDA_ERROR. Thread-safety: see refit_executor.
  */
 refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *stats);
 
@@ -1217,7 +1228,8 @@ refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *sta
  * overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
  * range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
  * a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),
- * CUDA_ERROR.
+ * CUDA_ERROR. Thread-safety: see refit_executor; not ordered with any stream (it waits for the
+ * executor's own queued work first).
  */
 refit_status refit_executor_rebind(refit_executor *executor,
                                    uint32_t device,
@@ -1228,6 +1240,7 @@ refit_status refit_executor_rebind(refit_executor *executor,
 /**
  * Releases an executor (NULL is ignored): waits for its queued work, then frees its descriptors,
  * streams and staging. A staged step not committed is dropped; the live buffers keep what they had.
+ * Safe after its group was destroyed. Must not race with another call on the same executor.
  */
 void refit_executor_destroy(refit_executor *executor);
 
@@ -1305,10 +1318,12 @@ refit_status refit_group_backend(const refit_group *group, uint32_t *backend);
  * the legacy default stream. Work the group queues inside the scope sees the caller's earlier work.
  *
  * Scopes do not nest. Whole-group calls made outside a scope run in an implicit scope on the legacy
- * default streams and are complete on return.
+ * default streams and are complete on return. Scopes are opened and closed by the thread that drives
+ * the group, never from a rank callback (refit_group_run).
  *
- * Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open), CUDA_ERROR, INVALID_ARGUMENT
- * (a host-backend stream handle that is not a host stream).
+ * Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open, or called from a rank
+ * callback of any group: nothing is done), CUDA_ERROR, INVALID_ARGUMENT (a host-backend stream handle
+ * that is not a host stream).
  */
 refit_status refit_group_enter(refit_group *group,
                                void *const *caller_streams);
@@ -1316,10 +1331,15 @@ refit_status refit_group_enter(refit_group *group,
 /**
  * Closes the open scope. REFIT_EXIT_SYNC blocks until all of the group's queued work is done.
  * REFIT_EXIT_ASYNC makes each caller stream given to refit_group_enter wait for its rank's stream
- * and returns without blocking: the caller's later work sees the group's results. The scope is
- * closed even when an error is returned.
+ * and returns without blocking: the caller's later work sees the group's results.
  *
- * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (mode), INVALID_STATE (no scope is open), CUDA_ERROR.
+ * A call refused for its arguments or state does nothing and leaves the scope open: NULL group,
+ * INVALID_ARGUMENT (mode is not a REFIT_EXIT_*), INVALID_STATE (no scope is open, or called from a
+ * rank callback of any group). Once those checks pass, the scope is closed even when ordering the
+ * streams fails: CUDA_ERROR (or INVALID_ARGUMENT for a caller stream that stopped being a host
+ * stream) is returned with the scope closed.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT, INVALID_STATE, CUDA_ERROR, as above.
  */
 refit_status refit_group_exit(refit_group *group, uint32_t mode);
 
@@ -1334,8 +1354,13 @@ refit_status refit_group_exit(refit_group *group, uint32_t mode);
  * collective are released (their calls return REFIT_STATUS_ABORTED) and nothing waits forever. The
  * group stays usable.
  *
- * Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, INVALID_STATE (called from a callback),
- * CUDA_ERROR.
+ * Every rank's callback must make the same per-rank collective calls. A callback that returns
+ * (0 or not) while other ranks wait for it in one, or before they start one it never makes, releases
+ * them: their calls return REFIT_STATUS_ABORTED, naming the rank. If every callback then returns 0,
+ * refit_group_run returns REFIT_STATUS_ABORTED naming that rank.
+ *
+ * Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, ABORTED (all callbacks returned 0 but
+ * one returned while others waited for it), INVALID_STATE (called from a callback), CUDA_ERROR.
  */
 refit_status refit_group_run(refit_group *group,
                              refit_rank_callback callback,
@@ -1501,8 +1526,8 @@ refit_status refit_plan_options_init(refit_plan_options *options);
  * OVERLAP (two destination bytes written twice), OUT_OF_MEMORY (the plan does not fit in memory,
  * or needs more segments than the planner's limit), UNSUPPORTED (pathological tables beyond the
  * planner's other limits: pieces of overlapping offers, runs compared for overlaps, box tests; the
- * message names the limit). Planning costs O(n log n) in the entries of the tables plus the
- * segments it produces.
+ * message names the limit). Planning costs about O(n log n) in the tables' entries plus the
+ * segments it produces; the limits cut pathological overlaps off early.
  *
  * # Safety
  * `tables` points to `count` live tables not modified during the call.
@@ -1523,7 +1548,7 @@ refit_status refit_plan_build(const refit_table *const *tables,
  * calls (refit_plan_get_stats counts this process's receivers; refit_plan_fingerprint digests
  * this share's routes; refit_plan_inputs_fingerprint is equal in every process given the same
  * tables and options: compare it before any byte moves). Runs on the calling thread; touches no
- * device.
+ * device. Thread-safety: as refit_plan_build.
  *
  * Errors: as refit_plan_build, except that COVERAGE_GAP and OVERLAP are reported for this
  * process's needs only (each process checks its own; a failure on any process must stop all).
@@ -1555,8 +1580,9 @@ void refit_plan_destroy(refit_plan *plan);
 refit_status refit_plan_get_stats(const refit_plan *plan, refit_plan_stats *stats);
 
 /**
- * Writes the counts of receiver (process `rank`, `device`)'s needs and the routes into it to `*stats` (zero
- * but the shared input counts when that endpoint needs nothing); set stats->size first.
+ * Writes the counts of receiver (process `rank`, `device`)'s needs and the routes into it to `*stats`
+ * (zero but the shared input counts when that endpoint needs nothing, or when a share's process is
+ * not `rank`); set stats->size first.
  * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
  *
  * # Safety
@@ -1568,8 +1594,10 @@ refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
                                            refit_plan_stats *stats);
 
 /**
- * Writes the plan's fingerprint to `*fingerprint`: equal for the same tables in any order, in any
- * process; processes compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
+ * Writes the plan's fingerprint, a digest of its routes, to `*fingerprint`: equal for the same
+ * tables in any order, in any process; processes compare it to agree on one plan (a share's
+ * covers its own routes: compare refit_plan_inputs_fingerprint across shares). Thread-safe.
+ * Errors: NULL_ARGUMENT.
  *
  * # Safety
  * `plan` is a live plan.

@@ -215,13 +215,11 @@ fn ipc_between_two_processes_on_one_gpu_is_byte_exact() {
     });
 }
 
-/// Whether this machine has the two GPUs the NCCL tests need (rank r runs on GPU r).
-fn two_gpus() -> bool {
+/// The two GPUs the NCCL tests need (rank r runs on GPU r): tests named `*_two_gpus` fail without
+/// them; gpu/run.sh skips them by name on a one-GPU machine and says so.
+fn need_two_gpus() {
     let count = device_count();
-    if count < 2 {
-        println!("note: {count} GPU: NCCL between processes needs two GPUs; not run");
-    }
-    count >= 2
+    assert!(count >= 2, "NCCL between processes needs 2 GPUs, found {count}");
 }
 
 /// NCCL allgather between two processes on two GPUs: equal, uneven (with an empty block) and in
@@ -229,8 +227,8 @@ fn two_gpus() -> bool {
 #[test]
 #[ignore = "needs a GPU"]
 fn nccl_allgather_between_processes_two_gpus() {
-    if std::env::var_os("REFIT_COMM_TEST_RANK").is_none() && !two_gpus() {
-        return;
+    if std::env::var_os("REFIT_COMM_TEST_RANK").is_none() {
+        need_two_gpus();
     }
     let test = "nccl_allgather_between_processes_two_gpus";
     in_processes(test, BackendKind::Cuda, &[End::Done; 2], |rank, size, id| {
@@ -277,8 +275,8 @@ fn nccl_allgather_between_processes_two_gpus() {
 #[test]
 #[ignore = "needs a GPU"]
 fn nccl_timeout_between_processes_two_gpus() {
-    if std::env::var_os("REFIT_COMM_TEST_RANK").is_none() && !two_gpus() {
-        return;
+    if std::env::var_os("REFIT_COMM_TEST_RANK").is_none() {
+        need_two_gpus();
     }
     let test = "nccl_timeout_between_processes_two_gpus";
     in_processes(test, BackendKind::Cuda, &[End::Done; 2], |rank, size, id| {
@@ -309,8 +307,8 @@ fn nccl_timeout_between_processes_two_gpus() {
 #[test]
 #[ignore = "needs a GPU"]
 fn staged_exchange_over_nccl_two_gpus() {
-    if std::env::var_os("REFIT_COMM_TEST_RANK").is_none() && !two_gpus() {
-        return;
+    if std::env::var_os("REFIT_COMM_TEST_RANK").is_none() {
+        need_two_gpus();
     }
     let test = "staged_exchange_over_nccl_two_gpus";
     in_processes(test, BackendKind::Cuda, &[End::Done; 2], |rank, size, id| {

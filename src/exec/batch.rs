@@ -43,7 +43,7 @@ pub(crate) struct Batch {
 impl Batch {
     /// Prepares `segments` (non-empty, validated) for `rank`'s device. The kernel method uploads the
     /// descriptors now, and with `record_digests` records digests of what it reads for
-    /// [`Batch::verify`]; `max_blocks` (0: no cap) limits the blocks of its launches.
+    /// [`Batch::recorded_verify`]; `max_blocks` (0: no cap) limits the blocks of its launches.
     pub fn new(
         group: &Group,
         rank: usize,

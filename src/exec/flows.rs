@@ -9,9 +9,6 @@ use crate::plan::{Endpoint, Plan, RouteKind};
 use crate::segment::check::validate;
 use crate::segment::Segment;
 
-/// Route kinds, in `RouteKind` order (the stats' arrays are indexed by `kind as usize`).
-pub const KINDS: [RouteKind; 3] = [RouteKind::Local, RouteKind::Peer, RouteKind::Remote];
-
 /// Every segment one group rank moves to another (or to itself) for one route kind.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub(crate) struct Flow {

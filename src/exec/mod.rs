@@ -20,9 +20,9 @@
 //! Ordering follows the group's scope rules: inside the caller's scope the step is only queued;
 //! outside one, an implicit scope makes it complete on return. Because a rank writes other ranks'
 //! memory, every rank's stream first waits for every other rank's (each destination is written only
-//! after its caller's earlier work), and receivers wait for the ranks pushing into them before
-//! verifying or installing. An executor keeps no reference to the group: each call is passed it and
-//! checks it is the one the executor was made for.
+//! after its caller's earlier work), and a receiver waits for the ranks pushing into it before
+//! installing. An executor keeps no reference to the group: each call is passed it and checks it is
+//! the one the executor was made for.
 
 mod batch;
 mod flows;
@@ -34,7 +34,7 @@ mod stats;
 mod timing;
 mod verify;
 
-pub use flows::{KindTotals, KINDS};
+pub use flows::KindTotals;
 pub use options::{Arm, CommitMode, ExecOptions, Hook, Method, Stage};
 pub use remote::RemoteTotals;
 pub use stats::RunStats;
@@ -121,6 +121,7 @@ enum State {
 }
 
 /// Ordering events of one rank (no timing).
+#[derive(Clone, Copy)]
 struct RankEvents {
     /// Recorded on the group stream where the peer stream forks from it.
     forked: Event,
@@ -131,6 +132,27 @@ struct RankEvents {
     /// Recorded on the group stream at the end of every call; waited for before descriptors change
     /// and before anything the executor owns is freed.
     done: Event,
+}
+
+impl RankEvents {
+    /// The four events on `device`; on failure, those made are destroyed.
+    fn create(backend: &dyn Backend, device: i32) -> Result<RankEvents> {
+        let mut made = Vec::with_capacity(4);
+        for _ in 0..4 {
+            match backend.create_event(device) {
+                Ok(event) => made.push(event),
+                Err(err) => {
+                    made.into_iter().for_each(|event| backend.destroy_event(device, event));
+                    return Err(err);
+                }
+            }
+        }
+        Ok(RankEvents { forked: made[0], peer_done: made[1], pushed: made[2], done: made[3] })
+    }
+
+    fn all(self) -> [Event; 4] {
+        [self.forked, self.peer_done, self.pushed, self.done]
+    }
 }
 
 /// Host-side bookkeeping of one call.
@@ -379,13 +401,7 @@ impl Executor {
         ranks.dedup();
         executor.ranks = ranks;
         for rank in 0..group.size() {
-            let device = executor.devices[rank];
-            executor.events.push(RankEvents {
-                forked: backend.create_event(device)?,
-                peer_done: backend.create_event(device)?,
-                pushed: backend.create_event(device)?,
-                done: backend.create_event(device)?,
-            });
+            executor.events.push(RankEvents::create(backend.as_ref(), executor.devices[rank])?);
         }
         Ok(executor)
     }
@@ -1071,7 +1087,7 @@ impl Drop for Executor {
             }
         }
         for (rank, events) in self.events.iter().enumerate() {
-            for event in [events.forked, events.peer_done, events.pushed, events.done] {
+            for event in events.all() {
                 self.backend.destroy_event(self.devices[rank], event);
             }
         }

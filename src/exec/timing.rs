@@ -3,6 +3,7 @@
 //! meaning: when the stream got there). Marks are reused call after call.
 
 use crate::error::Result;
+use crate::sync::{lock, wait};
 use crate::transport::driver::{check, primary_context, CurrentContext};
 use crate::transport::host::host_stream;
 use crate::transport::{Backend, BackendKind, Stream};
@@ -54,11 +55,11 @@ impl Mark {
                 check("cuEventRecord", unsafe { sys::cuEventRecord(*event, stream.as_ptr().cast()) })
             }
             Mark::Host { stamp, null_stream } => {
-                *stamp.at.lock().unwrap_or_else(|p| p.into_inner()) = None;
+                *lock(&stamp.at) = None;
                 let stamp = Arc::clone(stamp);
                 let stream = if stream == Stream::NULL { *null_stream } else { stream };
                 host_stream(stream)?.enqueue(move || {
-                    *stamp.at.lock().unwrap_or_else(|p| p.into_inner()) = Some(Instant::now());
+                    *lock(&stamp.at) = Some(Instant::now());
                     stamp.reached.notify_all();
                 })
             }
@@ -74,9 +75,9 @@ impl Mark {
                 check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(*event) })
             }
             Mark::Host { stamp, .. } => {
-                let mut at = stamp.at.lock().unwrap_or_else(|p| p.into_inner());
+                let mut at = lock(&stamp.at);
                 while at.is_none() {
-                    at = stamp.reached.wait(at).unwrap_or_else(|p| p.into_inner());
+                    at = wait(&stamp.reached, at);
                 }
                 Ok(())
             }
@@ -96,8 +97,10 @@ impl Mark {
                 Ok((f64::from(ms.max(0.0)) * 1e6) as u64)
             }
             (Mark::Host { stamp, .. }, Mark::Host { stamp: first, .. }) => {
-                let end = stamp.at.lock().unwrap_or_else(|p| p.into_inner()).expect("waited above");
-                let begin = first.at.lock().unwrap_or_else(|p| p.into_inner()).expect("waited above");
+                // Set by the waits above unless another record came between (one thread uses a mark).
+                let unset = || crate::error::Error::invalid_state("a stamp was recorded again while read");
+                let end = lock(&stamp.at).ok_or_else(unset)?;
+                let begin = lock(&first.at).ok_or_else(unset)?;
                 Ok(end.saturating_duration_since(begin).as_nanos() as u64)
             }
             _ => Err(crate::error::Error::invalid_state("marks of different backends")),

@@ -39,6 +39,10 @@ pub const REFIT_COMMIT_STAGED: u32 = 1;
 /// An executor: one process's share of a plan prepared for a group (descriptors built and uploaded
 /// once), run step after step. Keeps no reference to the plan or the group: each call is passed the
 /// group it was created with.
+///
+/// Thread-safety: an executor is used by one thread at a time, the thread driving its group (its
+/// calls queue work on the group's streams, so no other call on the group may run meanwhile).
+/// Different executors of one group are called one after the other from that thread.
 pub struct refit_executor {
     executor: Executor,
 }
@@ -233,8 +237,8 @@ unsafe fn stats_slot<'a>(stats: *mut RunStats) -> Result<Option<&'a mut std::mem
 /// can be committed until a run succeeds; in a direct step live buffers may hold part of the new
 /// bytes.
 ///
-/// Every address of the plan (as rebound) must stay valid memory of its device until the step has
-/// run.
+/// Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
+/// of its device until the step has run.
 #[no_mangle]
 pub extern "C" fn refit_executor_run(
     executor: *mut refit_executor,
@@ -267,7 +271,7 @@ pub extern "C" fn refit_executor_run(
 /// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (another group, stats->size), INVALID_STATE (a direct
 /// executor; nothing staged since the last commit; the last run or commit failed: the message says
 /// why; run again), VERIFY_MISMATCH (nothing installed), CUDA_ERROR. After an error, run again before
-/// committing.
+/// committing. Thread-safety: see refit_executor.
 #[no_mangle]
 pub extern "C" fn refit_executor_commit(
     executor: *mut refit_executor,
@@ -292,7 +296,7 @@ pub extern "C" fn refit_executor_commit(
 /// device times included: blocks the host until that call's work has run on the device.
 ///
 /// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size), INVALID_STATE (no call has succeeded yet),
-/// CUDA_ERROR.
+/// CUDA_ERROR. Thread-safety: see refit_executor.
 #[no_mangle]
 pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mut RunStats) -> Status {
     boundary("refit_executor_stats", || {
@@ -323,7 +327,8 @@ pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mu
 /// overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
 /// range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
 /// a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),
-/// CUDA_ERROR.
+/// CUDA_ERROR. Thread-safety: see refit_executor; not ordered with any stream (it waits for the
+/// executor's own queued work first).
 #[no_mangle]
 pub extern "C" fn refit_executor_rebind(
     executor: *mut refit_executor,
@@ -344,6 +349,7 @@ pub extern "C" fn refit_executor_rebind(
 
 /// Releases an executor (NULL is ignored): waits for its queued work, then frees its descriptors,
 /// streams and staging. A staged step not committed is dropped; the live buffers keep what they had.
+/// Safe after its group was destroyed. Must not race with another call on the same executor.
 #[no_mangle]
 pub extern "C" fn refit_executor_destroy(executor: *mut refit_executor) {
     // SAFETY: the caller hands back a handle from this library, once.

@@ -86,8 +86,9 @@ impl BoxForest {
         }
         let (node_start, node_corner_base) = (self.nodes.len(), self.node_corners.len());
         let entries = &mut self.corners[corner_base..];
-        if count <= LEAF {
-            // Most tensors have a handful of boxes: one leaf, nothing to order.
+        if count <= LEAF || dims == 0 {
+            // Most tensors have a handful of boxes: one leaf, nothing to order. Boxes of no
+            // dimension are all the same box: nothing to split on either.
             split(entries, dims, &mut [], 0, count, &mut self.nodes, &mut self.node_corners)?;
         } else {
             let mut order: Vec<u32> = memory::collect(count, 0..count as u32, what)?;
@@ -160,7 +161,8 @@ impl BoxForest {
 
 /// Builds the subtree over entries `offset..offset + len` of a tree (their corners in `corners`,
 /// `2 * dims` values each, taken in `order` when it is not empty), splitting at the median of the
-/// box centres along the dimension where they spread most; `order` ends in tree order.
+/// box centres along the dimension where they spread most; `order` ends in tree order. Boxes of
+/// no dimension (scalars) are never split.
 fn split(
     corners: &[u64],
     dims: usize,
@@ -191,7 +193,6 @@ fn split(
     }
     node_corners.extend(bounds[..dims].iter().map(|b| b.0));
     node_corners.extend(bounds[..dims].iter().map(|b| b.1));
-    // Boxes of a scalar tensor (no dimensions) all meet one another: there is nothing to split along.
     if len > LEAF && dims > 0 {
         let centre = |i: usize, d: usize| {
             let c = corners_of(i);
@@ -254,6 +255,17 @@ mod tests {
             expected.sort_unstable();
             assert_eq!(hits, expected, "query {qlo:?} {qext:?}");
         }
+        // Scalars: every box is the one box, however many there are.
+        let scalars = forest.add_tree(0, (0..20).map(|id| (id, Boxed::from_parts(&[], &[])))).unwrap();
+        let mut all = Vec::new();
+        forest
+            .for_each_meeting(scalars, &Boxed::from_parts(&[], &[]), &mut work, |id| {
+                all.push(id);
+                Ok(())
+            })
+            .unwrap();
+        all.sort_unstable();
+        assert_eq!(all, (0..20).collect::<Vec<u32>>());
         let mut one = Vec::new();
         forest
             .for_each_meeting(0, &Boxed::from_parts(&[4], &[9]), &mut work, |id| {
@@ -269,24 +281,5 @@ mod tests {
         let err = forest.for_each_meeting(tree, &b2([0, 0], [120, 150]), &mut small, |_| Ok(())).unwrap_err();
         assert_eq!(err.status, crate::Status::Unsupported);
         assert!(err.message.contains("max_box_tests"), "{err}");
-    }
-
-    /// A scalar tensor's boxes have no dimension to split along: more of them than fit in a leaf
-    /// make one leaf, and every query meets them all.
-    #[test]
-    fn scalar_boxes_make_one_leaf() {
-        let mut forest = BoxForest::new();
-        let boxes = (0..(3 * LEAF) as u32).map(|id| (id, Boxed::from_parts(&[], &[])));
-        let tree = forest.add_tree(0, boxes).unwrap();
-        let mut hits = Vec::new();
-        let mut work = Budget::unlimited("box tests");
-        forest
-            .for_each_meeting(tree, &Boxed::from_parts(&[], &[]), &mut work, |id| {
-                hits.push(id);
-                Ok(())
-            })
-            .unwrap();
-        hits.sort_unstable();
-        assert_eq!(hits, (0..(3 * LEAF) as u32).collect::<Vec<_>>());
     }
 }
