@@ -122,11 +122,78 @@ static void plan_across(refit_comm *comm, uint32_t rank) {
   for (uint32_t r = 0; r < RANKS; r++) refit_table_destroy(tables[r]);
 }
 
+/* An executor across the processes moving real bytes: ranks 0 and 1 hold replicas of "w" (4 x 8
+ * floats), rank 2 receives its column halves into two buffers; every received element is checked
+ * against the value computed here, direct and then staged (nothing live before the commit). */
+static float weight[4][8];
+static float halves[2][4][4];
+
+static void executor_across(refit_comm *comm, uint32_t rank) {
+  for (int r = 0; r < 4; r++)
+    for (int c = 0; c < 8; c++) weight[r][c] = (float)(r * 100 + c + 1);
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  const uint64_t shape[2] = {4, 8}, zero[2] = {0, 0}, extent[2] = {4, 4}, strides[2] = {4, 1};
+  uint32_t t = 9;
+  CHECK_OK(refit_table_add_tensor(table, "w", 1, 4, shape, 2, &t));
+  if (rank < 2) CHECK_OK(refit_table_add_offer(table, t, rank, 0, addr(weight), zero, shape, NULL, 2, NULL));
+  if (rank == 2)
+    for (uint64_t half = 0; half < 2; half++) {
+      const uint64_t offset[2] = {0, 4 * half};
+      CHECK_OK(refit_table_add_need(table, t, 2, 0, addr(halves[half]), offset, extent, NULL, strides, 2));
+    }
+  refit_plan *share = NULL;
+  CHECK_OK(refit_plan_build_across(comm, table, NULL, &share));
+  refit_group_options group_options;
+  CHECK_OK(refit_group_options_init(&group_options));
+  group_options.backend = REFIT_BACKEND_HOST;
+  const int32_t device = 0;
+  refit_group *group = NULL;
+  CHECK_OK(refit_group_create(&device, 1, &group_options, &group));
+  const size_t one[RANKS] = {1, 1, 1};
+  uint8_t token = 1, tokens[RANKS];
+  for (uint32_t commit = REFIT_COMMIT_DIRECT; commit <= REFIT_COMMIT_STAGED; commit++) {
+    refit_executor_options options;
+    CHECK_OK(refit_executor_options_init(&options));
+    options.commit = commit;
+    options.verify = commit == REFIT_COMMIT_STAGED;
+    refit_executor *executor = NULL;
+    CHECK_OK(refit_executor_create_across(share, group, comm, &options, &executor));
+    memset(halves, 0xEE, sizeof halves);
+    refit_run_stats stats;
+    stats.size = sizeof stats;
+    CHECK_OK(refit_executor_run(executor, group, &stats));
+    CHECK(stats.bytes[REFIT_ROUTE_REMOTE] == (rank == 0 ? sizeof halves : 0));
+    CHECK(stats.remote_received_bytes == (rank == 2 ? sizeof halves : 0));
+    CHECK(stats.remote_ipc_bytes + stats.remote_wire_bytes == stats.bytes[REFIT_ROUTE_REMOTE]);
+    /* Every rank has run: rank 2 holds the step (staged: not yet in its live buffers). */
+    CHECK_OK(refit_comm_allgather(comm, addr(&token), addr(tokens), one, NULL));
+    CHECK_OK(refit_comm_synchronize(comm, NULL));
+    if (rank == 2 && commit == REFIT_COMMIT_STAGED) CHECK(((const uint8_t *)halves)[0] == 0xEE);
+    if (commit == REFIT_COMMIT_STAGED) CHECK_OK(refit_executor_commit(executor, group, NULL));
+    if (rank == 2) {
+      int same = 1;
+      for (int half = 0; half < 2; half++)
+        for (int r = 0; r < 4; r++)
+          for (int c = 0; c < 4; c++) same &= halves[half][r][c] == weight[r][4 * half + c];
+      CHECK(same);
+    }
+    CHECK_STATUS(refit_executor_rebind(executor, 0, addr(weight), addr(weight) + 4096, 16), REFIT_STATUS_UNSUPPORTED);
+    CHECK_OK(refit_comm_allgather(comm, addr(&token), addr(tokens), one, NULL));
+    CHECK_OK(refit_comm_synchronize(comm, NULL));
+    refit_executor_destroy(executor);
+  }
+  refit_group_destroy(group);
+  refit_plan_destroy(share);
+  refit_table_destroy(table);
+}
+
 /* One process's whole part; returns only on success. */
 static void rank_main(const refit_comm_id *id, uint32_t rank) {
   refit_comm *comm = join(id, rank);
   allgather_uneven(comm, rank);
   plan_across(comm, rank);
+  executor_across(comm, rank);
   /* Rank 2 aborts; rank 0's next call then fails at once (not at its one-minute timeout). */
   if (rank == 2) {
     CHECK_OK(refit_comm_abort(comm));
@@ -209,6 +276,25 @@ static void bad_arguments(void) {
   CHECK_STATUS(refit_plan_build_across(comm, table, &plan_options, &plan), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(plan == NULL);
   refit_table_destroy(table);
+
+  /* An executor across: a NULL communicator, and a plan naming processes the communicator lacks. */
+  refit_table *tables[RANKS];
+  for (uint32_t r = 0; r < RANKS; r++) tables[r] = table_of(r);
+  refit_plan *whole = NULL;
+  CHECK_OK(refit_plan_build((const refit_table *const *)tables, RANKS, NULL, &whole));
+  refit_group_options group_options;
+  CHECK_OK(refit_group_options_init(&group_options));
+  group_options.backend = REFIT_BACKEND_HOST;
+  const int32_t device0 = 0;
+  refit_group *group = NULL;
+  CHECK_OK(refit_group_create(&device0, 1, &group_options, &group));
+  refit_executor *executor = NULL;
+  CHECK_STATUS(refit_executor_create_across(whole, group, NULL, NULL, &executor), REFIT_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(refit_executor_create_across(whole, group, comm, NULL, &executor), REFIT_STATUS_NOT_FOUND);
+  CHECK(executor == NULL);
+  refit_group_destroy(group);
+  refit_plan_destroy(whole);
+  for (uint32_t r = 0; r < RANKS; r++) refit_table_destroy(tables[r]);
 
   CHECK_STATUS(refit_comm_abort(NULL), REFIT_STATUS_NULL_ARGUMENT);
   CHECK_OK(refit_comm_abort(comm));

@@ -11,7 +11,10 @@
 //! element is checked.
 //!
 //!     cargo run --release --example demo [-- --layers N --layout separate|packed --steps K --devices G
-//!         --arm auto|kernel|copy-engine --sm-budget B --staging-limit MIB]
+//!         --arm auto|kernel|copy-engine --sm-budget B --staging-limit MIB --processes P]
+//!
+//! `--processes P` runs publishers and receivers as P separate processes instead (see
+//! `across/processes.rs`).
 //!
 //! The staged phase's staging is bounded by --staging-limit (default 8192 MiB; 0: the whole step,
 //! which needs as much free device memory again as the receivers' buffers).
@@ -36,7 +39,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "across/processes.rs"]
+mod processes;
+
 struct Args {
+    processes: Option<usize>,
     layers: Option<u64>,
     layout: Packing,
     steps: usize,
@@ -48,6 +55,7 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
+        processes: None,
         layers: None,
         layout: Packing::Separate,
         steps: 5,
@@ -62,6 +70,7 @@ fn parse_args() -> Result<Args, String> {
         let number = |v: String| v.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
         match flag.as_str() {
             "--layers" => args.layers = Some(number(value()?)?),
+            "--processes" => args.processes = Some(number(value()?)? as usize),
             "--steps" => args.steps = number(value()?)?.max(1) as usize,
             "--devices" => args.devices = Some(number(value()?)? as usize),
             "--sm-budget" => args.sm_budget = number(value()?)? as u32,
@@ -416,6 +425,9 @@ fn main() {
 
 fn run() -> Result<(), String> {
     let args = parse_args()?;
+    if let Some(n) = args.processes {
+        return processes::run(&args, n);
+    }
     let started = Instant::now();
     let cuda = cuda_backend().ok().filter(|b| b.device_count() > 0);
     let on_gpu = cuda.is_some();

@@ -10,7 +10,7 @@ import time
 import traceback
 import unittest
 
-from refit import Backend, Communicator, Plan, Policy, RefitError, Status, Table, unique_id
+from refit import Backend, Commit, Communicator, Group, Plan, Policy, RefitError, Status, Table, unique_id
 
 POISON = 0xEE
 
@@ -91,7 +91,51 @@ def silent_peer(comm_id, rank, size):
         assert time.monotonic() - started < 1.4
 
 
-SCENARIOS = {"gather": gather, "plan_across": plan_across, "silent_peer": silent_peer}
+def executor_across(comm_id, rank, size):
+    """Ranks 0 and 1 hold replicas of "w" (4 x 8 float32), rank 2 receives its column halves: the
+    executor across the processes moves them, with and without IPC, direct and staged; rank 2
+    checks every element against values computed here (staged: nothing live before the commit)."""
+    weight = (ctypes.c_float * 32)(*[float(r * 100 + c + 1) for r in range(4) for c in range(8)])
+    want = [[float(r * 100 + 4 * half + c + 1) for r in range(4) for c in range(4)] for half in range(2)]
+    halves = [(ctypes.c_float * 16)() for _ in range(2)]
+    table = Table()
+    w = table.add_tensor("w", (4, 8), 4, dtype=1)
+    if rank < 2:
+        table.add_offer(w, rank, 0, ctypes.addressof(weight), (0, 0), (4, 8))
+    if rank == 2:
+        for half in range(2):
+            table.add_need(w, 2, 0, ctypes.addressof(halves[half]), (0, 4 * half), (4, 4), (4, 1))
+    group = Group([0], backend=Backend.HOST)
+    # The same id makes a second communicator once the first is closed on every rank.
+    for ipc in (True, False):
+        with Communicator(comm_id, size, rank, timeout_ms=30_000, ipc=ipc) as comm:
+            share = comm.build_plan(table)
+            for commit in (Commit.DIRECT, Commit.STAGED):
+                with share.executor(group, rank, commit=commit, verify=commit == Commit.STAGED, comm=comm) as ex:
+                    for half in halves:
+                        ctypes.memset(half, 0xEE, ctypes.sizeof(half))
+                    stats = ex.run()
+                    assert stats.remote_received_bytes == (128 if rank == 2 else 0), stats
+                    assert (stats.remote_ipc_bytes > 0) == (ipc and rank < 2 and stats.bytes[2] > 0), stats
+                    comm.build_plan(table).close()  # every rank has run
+                    if commit == Commit.STAGED:
+                        if rank == 2:
+                            assert bytes(halves[0]) == b"\xee" * 64, "live bytes before the commit"
+                        ex.commit()
+                    if rank == 2:
+                        assert [list(h) for h in halves] == want, (ipc, commit, [list(h) for h in halves])
+                    comm.build_plan(table).close()  # every rank is done with the executor
+            share.close()
+        comm.close()
+    group.close()
+
+
+SCENARIOS = {
+    "gather": gather,
+    "plan_across": plan_across,
+    "silent_peer": silent_peer,
+    "executor_across": executor_across,
+}
 
 
 class CommunicatorTest(unittest.TestCase):
@@ -119,6 +163,9 @@ class CommunicatorTest(unittest.TestCase):
 
     def test_plans_across_processes(self):
         self.in_processes("plan_across", 3)
+
+    def test_an_executor_across_processes(self):
+        self.in_processes("executor_across", 3)
 
     def test_a_silent_peer_times_the_others_out(self):
         self.in_processes("silent_peer", 2)

@@ -79,9 +79,6 @@ pub(crate) struct Remote {
     pub totals: RemoteTotals,
 }
 
-// SAFETY: device addresses and handles, used by one thread at a time (the executor's).
-unsafe impl Send for Remote {}
-
 /// Device memory bytes from other processes land in, freed on drop (the executor has waited for
 /// its work by then).
 struct Landing {

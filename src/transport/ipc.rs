@@ -320,10 +320,6 @@ pub struct Opened {
     mappings: Vec<Mapping>,
 }
 
-// SAFETY: driver handles and addresses, usable from any thread with the context made current.
-unsafe impl Send for Opened {}
-unsafe impl Sync for Opened {}
-
 impl Opened {
     /// Opens `shares` with their descriptors `fds` (one per VMM chunk, in order) on `device` (for
     /// host shares, `device` is not used). Errors: INVALID_ARGUMENT (descriptors that do not match the
@@ -706,50 +702,120 @@ unsafe fn compare_host_runs(pid: u32, segments: &[Segment]) -> Result<Option<usi
 /// # Safety
 /// Every source run is readable memory of this process.
 unsafe fn write_host_runs(pid: u32, segments: &[Segment]) -> Result<()> {
-    const BATCH: usize = 512;
-    let mut local = Vec::with_capacity(BATCH);
-    let mut remote = Vec::with_capacity(BATCH);
-    let flush = |local: &mut Vec<libc::iovec>, remote: &mut Vec<libc::iovec>| -> Result<()> {
-        let want: usize = local.iter().map(|v| v.iov_len).sum();
-        // SAFETY: iovecs of readable local memory and the peer's shared ranges.
-        let wrote = unsafe {
-            libc::process_vm_writev(
-                pid as libc::pid_t,
-                local.as_ptr(),
-                local.len() as _,
-                remote.as_ptr(),
-                remote.len() as _,
-                0,
-            )
-        };
-        local.clear();
-        remote.clear();
-        if wrote < 0 || wrote as usize != want {
-            let err = std::io::Error::last_os_error();
-            bail!(Status::Aborted, "writing {want} bytes into process {pid} failed ({err}): it exited?");
-        }
-        Ok(())
-    };
+    let mut batch = VmBatch::new(pid);
     for s in segments {
         let mut failed = None;
         s.for_each_run(|src, dst, len| {
-            if failed.is_some() {
-                return;
-            }
-            local.push(libc::iovec { iov_base: src as usize as *mut libc::c_void, iov_len: len as usize });
-            remote.push(libc::iovec { iov_base: dst as usize as *mut libc::c_void, iov_len: len as usize });
-            if local.len() == BATCH {
-                failed = flush(&mut local, &mut remote).err();
+            if failed.is_none() {
+                // SAFETY: the caller's promise on the sources.
+                failed = unsafe { batch.push(src, dst, len) }.err();
             }
         });
         if let Some(err) = failed {
             return Err(err);
         }
     }
-    if !local.is_empty() {
-        flush(&mut local, &mut remote)?;
+    // SAFETY: as above.
+    unsafe { batch.flush() }
+}
+
+/// Runs to write into another process, sent with as few `process_vm_writev` calls as the kernel
+/// allows: it moves at most about 2 GiB per call and may move less than asked, so each call carries a
+/// bounded batch and what it did not move is sent again.
+struct VmBatch {
+    pid: u32,
+    /// (local address, remote address, bytes), each at most `MAX_RUN`.
+    runs: std::collections::VecDeque<(u64, u64, u64)>,
+    bytes: u64,
+}
+
+impl VmBatch {
+    const MAX_RUNS: usize = 512;
+    const MAX_RUN: u64 = 256 << 20;
+    const MAX_BYTES: u64 = 1 << 30;
+
+    fn new(pid: u32) -> VmBatch {
+        VmBatch { pid, runs: std::collections::VecDeque::new(), bytes: 0 }
     }
-    Ok(())
+
+    /// Queues a run (cut into pieces of at most `MAX_RUN`), sending the batch when it is full.
+    ///
+    /// # Safety
+    /// The local run is readable until the batch is flushed.
+    unsafe fn push(&mut self, src: u64, dst: u64, len: u64) -> Result<()> {
+        let mut at = 0;
+        while at < len {
+            let n = (len - at).min(Self::MAX_RUN);
+            self.runs.push_back((src + at, dst + at, n));
+            self.bytes += n;
+            at += n;
+            if self.runs.len() == Self::MAX_RUNS || self.bytes >= Self::MAX_BYTES {
+                // SAFETY: the caller's promise.
+                unsafe { self.flush() }?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Sends every queued run.
+    ///
+    /// # Safety
+    /// As for `push`.
+    unsafe fn flush(&mut self) -> Result<()> {
+        while !self.runs.is_empty() {
+            let local: Vec<libc::iovec> = self
+                .runs
+                .iter()
+                .map(|&(l, _, n)| libc::iovec {
+                    iov_base: l as usize as *mut libc::c_void,
+                    iov_len: n as usize,
+                })
+                .collect();
+            let remote: Vec<libc::iovec> = self
+                .runs
+                .iter()
+                .map(|&(_, r, n)| libc::iovec {
+                    iov_base: r as usize as *mut libc::c_void,
+                    iov_len: n as usize,
+                })
+                .collect();
+            // SAFETY: iovecs of readable local memory and the peer's shared ranges.
+            let wrote = unsafe {
+                libc::process_vm_writev(
+                    self.pid as libc::pid_t,
+                    local.as_ptr(),
+                    local.len() as _,
+                    remote.as_ptr(),
+                    remote.len() as _,
+                    0,
+                )
+            };
+            if wrote <= 0 {
+                let err = std::io::Error::last_os_error();
+                bail!(
+                    Status::Aborted,
+                    "writing {} bytes into process {} failed ({err}): it exited?",
+                    self.bytes,
+                    self.pid
+                );
+            }
+            // Drop what was written; a run written in part keeps its rest.
+            let mut left = wrote as u64;
+            while left > 0 {
+                let front = self.runs.front_mut().expect("the kernel wrote no more than asked");
+                let n = left.min(front.2);
+                front.0 += n;
+                front.1 += n;
+                front.2 -= n;
+                self.bytes -= n;
+                left -= n;
+                if front.2 == 0 {
+                    self.runs.pop_front();
+                }
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The raw descriptors of `exported`, for [`super::mesh::Mesh::send_fds`].
@@ -769,9 +835,10 @@ pub struct Peers {
 /// `mine` (the ranges of its memory that `writers` write into; device memory of `device`, or host
 /// memory when `kind` is the host backend) with its writers on this machine, and opens the shares
 /// of `owners` (the ranks it writes into) that are on this machine. Then every rank learns which
-/// pairs succeeded: a pair uses IPC only when the writer opened the owner's shares. A pair that could
-/// not (another machine, memory that cannot be shared or opened) is left to staging, and the first
-/// such pair is logged once as a warning with the reason.
+/// pairs succeeded: a pair uses IPC only when the writer opened the owner's shares. Pairs on two
+/// machines are left to staging; a pair on one machine that could not (memory that cannot be shared
+/// or opened) is too, and the first such fallback is logged once as a warning with the reason. The
+/// two lists must agree across ranks (w writes into o on w's `owners` exactly when on o's `writers`).
 ///
 /// Errors: the communicator's (TIMEOUT, ABORTED), DECODE_ERROR (a peer's bytes), CUDA_ERROR.
 pub fn connect(
@@ -812,28 +879,27 @@ pub fn connect(
     let mut failures = Vec::new();
     for &owner in owners.iter().filter(|&&o| o != comm.rank()) {
         if !node.holds(owner) {
-            failures.push(format!("rank {owner} is on another machine"));
-            continue;
+            continue; // another machine: staging is the way, not a fallback
         }
         let fds = node.recv_fds(owner, timeout)?;
         let record = &all[owner];
         if !enabled {
-            failures.push("CUDA IPC is disabled by this process's communicator options".to_string());
             continue;
         }
         if record.first() != Some(&1) {
             failures.push(format!("rank {owner} could not share its memory"));
             continue;
         }
+        // Any failure here is this pair's fallback, never an early return: the others are about to
+        // meet in the verdicts' allgather below.
         match decode(&record[1..]).and_then(|shares| Opened::open(device, &shares, fds)) {
             Ok(o) => {
                 opened.insert(owner, Arc::new(o));
             }
-            Err(err) if err.status == Status::DecodeError => return Err(err),
             Err(err) => failures.push(format!("rank {owner}'s memory cannot be opened: {}", err.message)),
         }
     }
-    if let Some(err) = why_not {
+    if let Some(err) = why_not.filter(|_| enabled && !local_writers.is_empty()) {
         failures.push(format!("this rank's memory cannot be shared: {}", err.message));
     }
     // Every rank learns which of its writers opened its memory.
@@ -851,10 +917,12 @@ pub fn connect(
             ipc_writers.insert(writer);
         }
     }
-    if let Some(first) = failures.first() {
+    if !enabled {
+        log::info!("rank {}: CUDA IPC is off (communicator options): every pair takes staging", comm.rank());
+    } else if let Some(first) = failures.first() {
         warn_once(&format!(
-            "rank {}: {} of its routes between processes take NCCL (staging) instead of CUDA IPC; first \
-             reason: {first}",
+            "rank {}: {} of its pairs of processes take NCCL (staging) instead of CUDA IPC; first reason: \
+             {first}",
             comm.rank(),
             failures.len()
         ));

@@ -150,9 +150,6 @@ pub struct StagedExchange {
     stats: StagedStats,
 }
 
-// SAFETY: device addresses, stream and event handles of the backend, used from one thread at a time.
-unsafe impl Send for StagedExchange {}
-
 impl StagedExchange {
     /// Lays out `sends` and `recvs` (at most one flow per peer and direction) for `comm` and
     /// allocates the staging on `device` of `backend` (the communicator's device). A collective call:
