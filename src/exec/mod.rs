@@ -961,15 +961,22 @@ impl Executor {
     fn device_times(&self, stats: &mut RunStats, recorded: &[Slot]) -> Result<()> {
         // The longest rank's time per (slice, stage); a rank's local and peer verifies are one stage.
         let mut longest: HashMap<(usize, Timed), u64> = HashMap::new();
-        let mut first: HashMap<usize, Slot> = HashMap::new();
+        // Per rank: a reference mark, and the earliest start and latest end relative to it (its
+        // streams' stages overlap, and any of them may start first).
+        let mut spans: HashMap<usize, (Slot, i64, i64)> = HashMap::new();
         for &slot in recorded {
             let (start, end) = &self.marks[&slot];
             let ns = end.since(start)?;
             let stage = if slot.timed == Timed::VerifyPeer { Timed::VerifyLocal } else { slot.timed };
             let entry = longest.entry((slot.slice, stage)).or_default();
             *entry = (*entry).max(ns);
-            let first = first.entry(slot.rank).or_insert(slot);
-            stats.device_ns = stats.device_ns.max(end.since(&self.marks[first].0)?);
+            let (reference, first, last) = spans.entry(slot.rank).or_insert((slot, 0, 0));
+            let reference = &self.marks[reference].0;
+            *first = (*first).min(start.offset_from(reference)?);
+            *last = (*last).max(end.offset_from(reference)?);
+        }
+        for (_, first, last) in spans.into_values() {
+            stats.device_ns = stats.device_ns.max((last - first).max(0) as u64);
         }
         for ((_, timed), ns) in longest {
             let total = match timed {

@@ -84,24 +84,36 @@ impl Mark {
         }
     }
 
-    /// Nanoseconds from `start` to this mark (both recorded on the same device, waited for).
+    /// Nanoseconds from `start` to this mark, 0 when this one came first (both recorded on the same
+    /// device; waits for them).
     pub fn since(&self, start: &Mark) -> Result<u64> {
+        Ok(self.offset_from(start)?.max(0) as u64)
+    }
+
+    /// Nanoseconds from `reference` to this mark, negative when this one came first (both recorded
+    /// on the same device, possibly on different streams; waits for them).
+    pub fn offset_from(&self, reference: &Mark) -> Result<i64> {
         self.wait()?;
-        start.wait()?;
-        match (self, start) {
+        reference.wait()?;
+        match (self, reference) {
             (Mark::Cuda { context, event }, Mark::Cuda { event: first, .. }) => {
                 let mut ms = 0f32;
-                // SAFETY: as in record; both events have completed.
+                // SAFETY: as in record; both events have completed. The driver gives a negative
+                // time when `event` completed before `first`.
                 let _current = unsafe { CurrentContext::enter(*context) }?;
                 check("cuEventElapsedTime", unsafe { sys::cuEventElapsedTime_v2(&mut ms, *first, *event) })?;
-                Ok((f64::from(ms.max(0.0)) * 1e6) as u64)
+                Ok((f64::from(ms) * 1e6) as i64)
             }
             (Mark::Host { stamp, .. }, Mark::Host { stamp: first, .. }) => {
                 // Set by the waits above unless another record came between (one thread uses a mark).
                 let unset = || crate::error::Error::invalid_state("a stamp was recorded again while read");
-                let end = lock(&stamp.at).ok_or_else(unset)?;
+                // One lock at a time: a mark may be its own reference.
+                let at = lock(&stamp.at).ok_or_else(unset)?;
                 let begin = lock(&first.at).ok_or_else(unset)?;
-                Ok(end.saturating_duration_since(begin).as_nanos() as u64)
+                Ok(match at.checked_duration_since(begin) {
+                    Some(after) => after.as_nanos() as i64,
+                    None => -(begin.duration_since(at).as_nanos() as i64),
+                })
             }
             _ => Err(crate::error::Error::invalid_state("marks of different backends")),
         }
@@ -116,5 +128,30 @@ impl Drop for Mark {
                 let _ = unsafe { sys::cuEventDestroy_v2(*event) };
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::transport::host::HostBackend;
+
+    #[test]
+    fn host_marks_give_signed_offsets_and_a_mark_is_its_own_reference() {
+        let backend = HostBackend::new(1).unwrap();
+        let stream = backend.create_stream(0).unwrap();
+        let (first, second) = (Mark::new(&backend, 0).unwrap(), Mark::new(&backend, 0).unwrap());
+        first.record(stream).unwrap();
+        crate::transport::host::host_stream(stream)
+            .unwrap()
+            .enqueue(|| std::thread::sleep(std::time::Duration::from_millis(2)))
+            .unwrap();
+        second.record(stream).unwrap();
+        assert_eq!(first.offset_from(&first).unwrap(), 0);
+        let later = second.offset_from(&first).unwrap();
+        assert!(later >= 2_000_000, "{later}");
+        assert_eq!(first.offset_from(&second).unwrap(), -later);
+        assert_eq!((first.since(&second).unwrap(), second.since(&first).unwrap()), (0, later as u64));
+        backend.destroy_stream(0, stream);
     }
 }
