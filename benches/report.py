@@ -391,6 +391,53 @@ def plan_bench(d):
                 for c in d["cases"]
             ],
         )
+    hostile = d.get("hostile")
+    if hostile:
+        out += [
+            "Sizes that were quadratic before issue 14 item 10 (benches/plan_support/hostile.rs), build ms "
+            "(minimum); the same tables are functional tests in tests/plan_hostile.rs:",
+            "",
+        ]
+        out += table(["case", "outcome", "ms"], [[r["case"], r["outcome"], num(r["ms"])] for r in hostile])
+    scale = d.get("scale")
+    if scale:
+        out += [
+            "Planning across processes (benches/plan_support/scale.rs): a Kimi-K2-shaped refit from N "
+            "Megatron publisher processes to 128 vLLM receiver processes. Each process decodes every "
+            "table and builds its own share; decode and merge read every table, the own share is every "
+            "later stage; peak heap includes the encoded tables. Best of the samples, one core. The whole "
+            "plan built by one process is the peer.",
+            "",
+        ]
+        out += table(
+            [
+                "publishers",
+                "entries",
+                "process",
+                "decode ms",
+                "merge ms",
+                "own share ms",
+                "total ms",
+                "peak heap MiB",
+                "routes",
+                "whole plan ms",
+            ],
+            [
+                [
+                    r["publishers"],
+                    num(r["entries"]),
+                    r["process"],
+                    num(r["decode_ms"]),
+                    num(r["merge_ms"]),
+                    num(r["own_share_ms"]),
+                    num(r["total_ms"]),
+                    num(r["peak_heap_bytes_with_encoded_tables"] / (1 << 20)),
+                    num(r["routes"]),
+                    num(r["whole_plan_ms"], 0),
+                ]
+                for r in scale
+            ],
+        )
     return out
 
 

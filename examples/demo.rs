@@ -11,7 +11,13 @@
 //! element is checked.
 //!
 //!     cargo run --release --example demo [-- --layers N --layout separate|packed --steps K --devices G
-//!         --arm auto|kernel|copy-engine --sm-budget B --staging-limit MIB]
+//!         --arm auto|kernel|copy-engine --sm-budget B --staging-limit MIB --processes P]
+//!
+//! `--processes P` runs publishers and receivers as P separate processes instead (see
+//! `across/processes.rs`).
+//!
+//! The staged phase's staging is bounded by --staging-limit (default 8192 MiB; 0: the whole step,
+//! which needs as much free device memory again as the receivers' buffers).
 //!
 //! Phase 1 runs K direct steps (the executor writes the live buffers). Phase 2 runs one staged,
 //! verified step: the run lands everything in staging and compares it with the sources, the live
@@ -33,7 +39,11 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "across/processes.rs"]
+mod processes;
+
 struct Args {
+    processes: Option<usize>,
     layers: Option<u64>,
     layout: Packing,
     steps: usize,
@@ -45,13 +55,14 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
+        processes: None,
         layers: None,
         layout: Packing::Separate,
         steps: 5,
         devices: None,
         arm: REFIT_ARM_AUTO,
         sm_budget: 0,
-        staging_limit_mib: 0,
+        staging_limit_mib: 8192,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -59,6 +70,7 @@ fn parse_args() -> Result<Args, String> {
         let number = |v: String| v.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
         match flag.as_str() {
             "--layers" => args.layers = Some(number(value()?)?),
+            "--processes" => args.processes = Some(number(value()?)? as usize),
             "--steps" => args.steps = number(value()?)?.max(1) as usize,
             "--devices" => args.devices = Some(number(value()?)? as usize),
             "--sm-budget" => args.sm_budget = number(value()?)? as u32,
@@ -413,6 +425,9 @@ fn main() {
 
 fn run() -> Result<(), String> {
     let args = parse_args()?;
+    if let Some(n) = args.processes {
+        return processes::run(&args, n);
+    }
     let started = Instant::now();
     let cuda = cuda_backend().ok().filter(|b| b.device_count() > 0);
     let on_gpu = cuda.is_some();

@@ -53,6 +53,11 @@
 #define REFIT_ALLGATHER_HOST 3
 
 /**
+ * Bytes of a refit_comm_id.
+ */
+#define REFIT_COMM_ID_BYTES 136
+
+/**
  * refit_copy_batch* flag: before copying anything, check that no destination byte is written twice
  * and fail with REFIT_STATUS_OVERLAP if one is. Without it, overlapping destinations are the caller's
  * error (on a GPU which write lands is undefined).
@@ -229,7 +234,8 @@ typedef enum {
    */
   REFIT_STATUS_CALLBACK_FAILED = 13,
   /**
-   * This rank stopped because another rank of the same operation failed first.
+   * This rank stopped because another rank of the same operation failed first, or because a peer
+   * process of a communicator exited or aborted it (message names the rank).
    */
   REFIT_STATUS_ABORTED = 14,
   /**
@@ -286,7 +292,22 @@ typedef enum {
    * cuts through a buffer the plan reads or writes): build a new plan.
    */
   REFIT_STATUS_PLAN_STALE = 27,
+  /**
+   * A peer did not take part in a communicator's call within the communicator's timeout; the
+   * communicator is aborted (message names the call and the timeout).
+   */
+  REFIT_STATUS_TIMEOUT = 28,
 } refit_status;
+
+/**
+ * One rank of a communicator between processes (a process and one of its devices).
+ *
+ * Thread-safety: calls on one communicator are made by one thread at a time, in the same order on
+ * every rank (as NCCL requires); refit_comm_abort may be called from any thread at any time, also
+ * while another thread is inside a call on the same communicator. Different communicators are
+ * independent.
+ */
+typedef struct refit_comm refit_comm;
 
 /**
  * An executor: one process's share of a plan prepared for a group (descriptors built and uploaded
@@ -332,10 +353,66 @@ typedef struct refit_prepared_copy refit_prepared_copy;
  * refit (not a device, and not a member of a group); `device` is a CUDA ordinal in that process.
  *
  * Thread-safety: calls that change a table (refit_table_add_*) need it to themselves; calls that only
- * read it (refit_table_encoded_size, refit_table_encode, refit_plan_build) may share it between
- * threads while nothing changes it. Different tables are independent.
+ * read it (refit_table_encoded_size, refit_table_encode, refit_plan_build, refit_plan_build_share)
+ * may share it between threads while nothing changes it. Different tables are independent.
  */
 typedef struct refit_table refit_table;
+
+/**
+ * Options of refit_comm_create and refit_comm_adopt. Fill with refit_comm_options_init, then change
+ * fields.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_comm_options) as the caller was compiled with (set by refit_comm_options_init).
+   */
+  size_t size;
+  /**
+   * No call waits for peers longer than this many milliseconds (default 600000, ten minutes; at
+   * least 1). Past it the communicator is aborted and every rank's call fails with
+   * REFIT_STATUS_TIMEOUT (or REFIT_STATUS_ABORTED once a peer has aborted).
+   */
+  uint64_t timeout_ms;
+  /**
+   * Bytes of staging each process may use for transfers that pack strided data (default 256 MiB;
+   * at least 1 MiB).
+   */
+  uint64_t staging_bytes;
+  /**
+   * Executors across processes (refit_executor_create_across) write straight into the memory of
+   * processes on the same machine through CUDA IPC (default true); false sends every pair's
+   * bytes through staging over the communicator.
+   */
+  bool ipc;
+} refit_comm_options;
+
+/**
+ * The id every rank of one communicator is created from. One process makes it
+ * (refit_comm_get_unique_id) and the caller hands it to the others by its own means (a TCP store,
+ * MPI, a file, an environment variable); it is plain bytes, copied freely.
+ */
+typedef struct {
+  uint8_t internal[136];
+} refit_comm_id;
+
+/**
+ * Options of refit_plan_build. Fill with refit_plan_options_init, then change fields.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_plan_options) as the caller knows it (set by refit_plan_options_init).
+   */
+  size_t size;
+  /**
+   * REFIT_POLICY_FIRST, REFIT_POLICY_LOCAL (default) or REFIT_POLICY_BALANCED.
+   */
+  uint32_t policy;
+  /**
+   * 1: join segments across boxes and tensors (default); 0: do not (only for A/B checks). Any
+   * other value is INVALID_ARGUMENT.
+   */
+  uint8_t coalesce;
+} refit_plan_options;
 
 /**
  * A strided box of bytes: a contiguous run of `len` bytes, repeated `count[0]` times with strides
@@ -497,6 +574,25 @@ typedef struct {
    * Device time of the whole call (see above).
    */
   uint64_t device_ns;
+  /**
+   * Payload bytes this process received from other processes (an executor made with a
+   * communicator; bytes[REFIT_ROUTE_REMOTE] counts those it sent).
+   */
+  uint64_t remote_received_bytes;
+  /**
+   * Of the bytes sent to other processes: written straight into their memory through CUDA IPC.
+   */
+  uint64_t remote_ipc_bytes;
+  /**
+   * Of the bytes sent to other processes: packed and sent through staging over the communicator
+   * (NCCL), the bytes on the wire.
+   */
+  uint64_t remote_wire_bytes;
+  /**
+   * Other processes this one exchanges bytes with through CUDA IPC, and through staging.
+   */
+  uint32_t remote_ipc_peers;
+  uint32_t remote_staged_peers;
 } refit_run_stats;
 
 /**
@@ -523,25 +619,6 @@ typedef struct {
  * device current and `stream` the rank's stream. Returns 0 on success; any other value fails the run.
  */
 typedef int32_t (*refit_rank_callback)(uint32_t rank, void *stream, void *user_data);
-
-/**
- * Options of refit_plan_build. Fill with refit_plan_options_init, then change fields.
- */
-typedef struct {
-  /**
-   * sizeof(refit_plan_options) as the caller knows it (set by refit_plan_options_init).
-   */
-  size_t size;
-  /**
-   * REFIT_POLICY_FIRST, REFIT_POLICY_LOCAL (default) or REFIT_POLICY_BALANCED.
-   */
-  uint32_t policy;
-  /**
-   * 1: join segments across boxes and tensors (default); 0: do not (only for A/B checks). Any
-   * other value is INVALID_ARGUMENT.
-   */
-  uint8_t coalesce;
-} refit_plan_options;
 
 /**
  * Counts of a plan or of one receiver's part of it. Before a call that fills it, C callers set
@@ -726,12 +803,19 @@ refit_status refit_allgather(refit_group *group,
  * once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
  * share of refit_allgather's PEER, with the same methods, and costs what a whole-group call costs
  * (benches/gpu_allgather.rs, loop of calls, against NCCL called per rank).
- * Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
- * fails first, this returns ABORTED instead of waiting forever.
+ * Ranks meet at an abortable barrier (spinning briefly, then blocking), and each call is a call of
+ * its own: a rank meets only the other ranks' same call, never the next one. Instead of waiting
+ * forever, or returning with blocks missing, it returns ABORTED when another rank's callback failed
+ * first; when another rank's callback returned without making this call; or when another rank left
+ * this call after failing in it (its own error) and made a new call. Calls that fail for their
+ * arguments fail on every rank alike (different counts or algorithms, overlapping receive buffers),
+ * so a retry on every rank works; after ABORTED, recv is undefined and calling again on every rank
+ * works too.
  *
  * Errors: as refit_allgather, plus INVALID_STATE (not called from this group's rank callback),
  * INVALID_ARGUMENT (rank is not the calling callback's rank, or ranks passed different counts or
- * algorithms: every rank then fails), ABORTED.
+ * algorithms: every rank then fails), OVERLAP (also when two ranks' receive buffers overlap: every
+ * rank then fails), ABORTED.
  */
 refit_status refit_group_allgather_rank(refit_group *group,
                                         uint32_t rank,
@@ -740,6 +824,172 @@ refit_status refit_group_allgather_rank(refit_group *group,
                                         const size_t *counts,
                                         uint32_t algo,
                                         uint32_t *picked);
+
+/**
+ * Fills `options` with the defaults and sets options->size. Thread-safe.
+ * Errors: REFIT_STATUS_NULL_ARGUMENT.
+ */
+refit_status refit_comm_options_init(refit_comm_options *options);
+
+/**
+ * Writes a new id to `*id`. `backend` picks what the communicator moves: REFIT_BACKEND_CUDA (device
+ * memory, through NCCL: the id is an ncclUniqueId, and NCCL's bootstrap root runs in this process,
+ * which must live until every rank has joined), REFIT_BACKEND_HOST (host memory, through Unix
+ * sockets between the processes of one machine: a test-only simulation of NCCL for machines without
+ * GPUs), or REFIT_BACKEND_AUTO (CUDA when libcuda loads and has a device, else HOST). Every rank
+ * passes the same id to refit_comm_create. Thread-safe; blocking; not ordered with any stream.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (backend), CUDA_UNAVAILABLE (CUDA asked for), NCCL_UNAVAILABLE
+ * (libnccl missing, or older than 2.14), NCCL_ERROR.
+ */
+refit_status refit_comm_get_unique_id(uint32_t backend,
+                                      refit_comm_id *id);
+
+/**
+ * Joins the communicator `id` as rank `rank` of `nranks`, on CUDA device `device` (on the host
+ * backend `device` is recorded only), and writes the handle to `*comm`. Every rank calls it with the
+ * same id and nranks, each with its own rank; the call blocks until every rank has joined, at most
+ * options->timeout_ms. `options` may be NULL (defaults). On the CUDA backend the NCCL communicator is
+ * created nonblocking, so that refit bounds every wait by the timeout. Not ordered with any stream;
+ * the calling thread's current CUDA context is left as it was.
+ *
+ * Errors: NULL_ARGUMENT (id, comm), INVALID_ARGUMENT (an id not made by refit_comm_get_unique_id,
+ * nranks 0, rank not below nranks, bad options, a rank taken by another process, ranks that pass
+ * different nranks), INVALID_DEVICE, TIMEOUT (a rank did not join in time), ABORTED,
+ * NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, CUDA_ERROR.
+ */
+refit_status refit_comm_create(const refit_comm_id *id,
+                               uint32_t nranks,
+                               uint32_t rank,
+                               int32_t device,
+                               const refit_comm_options *options,
+                               refit_comm **comm);
+
+/**
+ * Wraps `nccl_comm`, an ncclComm_t the caller already holds (a framework's process group), in a
+ * handle written to `*comm`; rank, size and device are NCCL's. The caller keeps owning it:
+ * refit_comm_destroy does not destroy it, and it must outlive the handle. `nccl_comm` must come from
+ * the same libnccl that refit loads (the one already loaded in the process under the name
+ * libnccl.so.2, else REFIT_NCCL_LIBRARY): a communicator of another copy of NCCL is undefined
+ * behaviour. When a call times out, or on refit_comm_abort, refit revokes the communicator
+ * (ncclCommRevoke, NCCL 2.28 and later; with an older NCCL its pending work is not stopped and a
+ * warning says so): its owner must then destroy it. refit bounds its waits by the timeout only when
+ * the communicator was created nonblocking (ncclConfig_t.blocking = 0); with a blocking one, NCCL
+ * itself may block a call while it connects to peers. Not ordered with any stream.
+ *
+ * Errors: NULL_ARGUMENT (nccl_comm, comm), INVALID_ARGUMENT (bad options; NCCL reports an
+ * impossible rank), NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, INVALID_DEVICE.
+ */
+refit_status refit_comm_adopt(void *nccl_comm,
+                              const refit_comm_options *options,
+                              refit_comm **comm);
+
+/**
+ * Destroys the handle (NULL is ignored). Waits, at most the timeout, for this rank's queued calls to
+ * complete, then frees the communicator (a communicator of refit_comm_adopt is left to its owner);
+ * an executor made with it (refit_executor_create_across) keeps it until that executor is destroyed.
+ * If they do not complete in time, or the communicator failed, it is aborted instead, so destroy
+ * never hangs. Peers still waiting for this rank fail (ABORTED on the host backend at once; TIMEOUT
+ * on NCCL at their timeout). Must not be called while another thread uses the handle.
+ */
+void refit_comm_destroy(refit_comm *comm);
+
+/**
+ * Aborts this rank's part of the communicator: its pending work stops (NCCL: ncclCommAbort, or
+ * ncclCommRevoke for an adopted communicator), and every later call on the handle returns
+ * REFIT_STATUS_ABORTED; only refit_comm_destroy remains to do. Peers waiting for this rank fail too
+ * (ABORTED on the host backend at once; on NCCL at their timeout, or at once where NCCL reports the
+ * peer's failure). Any thread, at any time, also during another thread's call on this handle.
+ * Aborting twice is harmless. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_abort(refit_comm *comm);
+
+/**
+ * This rank's index in the communicator. Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_rank(const refit_comm *comm, uint32_t *rank);
+
+/**
+ * The number of ranks. Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_size(const refit_comm *comm, uint32_t *size);
+
+/**
+ * The CUDA device of this rank (as passed to refit_comm_create, or NCCL's for an adopted
+ * communicator). Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_device(const refit_comm *comm, int32_t *device);
+
+/**
+ * The backend whose memory the communicator moves: REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST.
+ * Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_backend(const refit_comm *comm, uint32_t *backend);
+
+/**
+ * This rank's part of an allgather over the communicator, with refit_allgather's semantics: rank r
+ * contributes `counts[r]` bytes, and `recv` (sum(counts) bytes) receives rank p's block at offset
+ * counts[0] + ... + counts[p-1], in rank order. `counts` has refit_comm_size() entries, the same on
+ * every rank; counts may differ (uneven: grouped ncclSend/ncclRecv of exactly each block, no padding)
+ * and may be 0. In place: `send == recv + offset of this rank`. `send` and `recv` are memory of the
+ * communicator's device (host memory on the host backend).
+ *
+ * Ordering: stream-ordered like ncclAllGather. The work is queued on `stream` (a CUstream of the
+ * communicator's device; NULL for its legacy default stream; on the host backend a host stream from
+ * refit_host_stream_create, NULL for the communicator's own) and this returns without waiting. Once
+ * that work has run, `recv` holds every block and `send` is no longer read. Every rank must make its
+ * calls on the communicator in the same order; they run in that order on every rank.
+ *
+ * A peer that does not take part within the timeout (or exits, or aborts) fails the communicator:
+ * the queued work ends (recv is then undefined) and this call, a later one, or
+ * refit_comm_synchronize returns REFIT_STATUS_TIMEOUT or REFIT_STATUS_ABORTED.
+ *
+ * Thread-safety: as the communicator's. Errors: NULL_ARGUMENT (comm, counts, a NULL buffer with bytes
+ * to move), INVALID_ARGUMENT (overflowing sizes; on the host backend, a peer that passed other
+ * counts), OVERLAP (send overlapping recv other than in place), TIMEOUT, ABORTED, NCCL_ERROR,
+ * CUDA_ERROR.
+ */
+refit_status refit_comm_allgather(refit_comm *comm,
+                                  uint64_t send,
+                                  uint64_t recv,
+                                  const size_t *counts,
+                                  void *stream);
+
+/**
+ * Blocks until the work queued on `stream` (a stream of the communicator's device; NULL as for
+ * refit_comm_allgather) has run, then returns the communicator's failure, if any: how a caller
+ * learns that a queued call failed. Bounded: every call of the communicator completes or is aborted
+ * within the timeout (other work on the stream is waited for as it is). Thread-safety: as the
+ * communicator's.
+ *
+ * Errors: NULL_ARGUMENT, TIMEOUT, ABORTED, NCCL_ERROR (the communicator failed), CUDA_ERROR,
+ * INVALID_ARGUMENT (on the host backend, a stream that is not a host stream).
+ */
+refit_status refit_comm_synchronize(refit_comm *comm, void *stream);
+
+/**
+ * Builds this rank's share of one plan over the communicator and writes it to `*plan`. Every rank
+ * passes its own `table` (each process adds only its own offers and needs; the process index of
+ * its entries is its communicator rank) and the same `options` (NULL: defaults). The encoded tables
+ * are gathered (their sizes first, then the bytes); every rank builds its share: each route from or
+ * to one of its own endpoints, exactly as refit_plan_build of all tables would make it (owners are
+ * a deterministic function of all tables and the options), with the work beyond reading the tables
+ * growing with its own entries; then the ranks compare the fingerprints of the planner's inputs
+ * (tables, options, limits) and the library version before returning. Every rank gets its share,
+ * or every rank gets a status. The share's stats count its own receivers; refit_plan_fingerprint
+ * covers its own routes. Blocks until every rank has called it, each step at most the timeout. Host
+ * memory only; not ordered with any stream.
+ *
+ * Errors: the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP or OVERLAP in a rank's own
+ * needs, ...) on each rank that failed, while the others get ABORTED naming the first such rank;
+ * INVALID_ARGUMENT (bad options; ranks that passed different options or run another refit version:
+ * the message names both) on every rank; DECODE_ERROR (a table's bytes changed on the way),
+ * TIMEOUT, ABORTED, NULL_ARGUMENT (comm, table, plan).
+ */
+refit_status refit_plan_build_across(refit_comm *comm,
+                                     const refit_table *table,
+                                     const refit_plan_options *options,
+                                     refit_plan **plan);
 
 /**
  * Copies `n` segments (see refit_segment) on `stream`, a stream of `rank`'s device (NULL: its legacy
@@ -869,6 +1119,38 @@ refit_status refit_executor_create(const refit_plan *plan,
                                    uint32_t process,
                                    const refit_executor_options *options,
                                    refit_executor **executor);
+
+/**
+ * As refit_executor_create, for the process whose communicator rank is `comm`'s, with the routes
+ * between it and the other processes of `comm` as well (REFIT_ROUTE_REMOTE): `plan` is typically
+ * this process's share from refit_plan_build_across. A collective call: every process of the
+ * communicator makes it. Routes between processes must start or end on the communicator's device,
+ * which must be a device of `group`. Per pair of processes, the bytes move through CUDA IPC where
+ * both share a machine and the receiver's memory opens in the sender (the sender's batched kernel
+ * writes straight into the receiver's buffers; cudaMalloc and cuMemCreate memory with POSIX
+ * descriptors requested both share), else through bounded staging over the communicator (pack
+ * with the batched kernel, NCCL send/recv, unpack; at most the communicator's staging_bytes per
+ * process; exactly the segments' bytes on the wire); the first pair falling back from IPC is
+ * logged once. refit_run_stats reports the bytes and peers of each way.
+ *
+ * With REFIT_COMMIT_STAGED, bytes from other processes land in device memory of this process (as
+ * many bytes as it receives, beside staging_limit) and are installed by the commit, which first
+ * waits for them and refuses (INVALID_STATE) when a peer failed meanwhile: live buffers are then
+ * unchanged. verify checks the bytes written through IPC (by the writer, through the opened
+ * memory); bytes through staging are not verified yet. An executor with routes between processes
+ * cannot rebind (UNSUPPORTED). When any pair uses IPC, every run meets the other processes twice on
+ * the host (its streams first reach the step: a run inside a scope then blocks); every process
+ * must run and commit its executor alike. The executor keeps `comm` alive.
+ *
+ * Errors: as refit_executor_create, plus NULL_ARGUMENT (comm), INVALID_ARGUMENT (a plan process
+ * that is not a communicator rank), UNSUPPORTED (a route between processes on another device),
+ * TIMEOUT, ABORTED.
+ */
+refit_status refit_executor_create_across(const refit_plan *plan,
+                                          const refit_group *group,
+                                          const refit_comm *comm,
+                                          const refit_executor_options *options,
+                                          refit_executor **executor);
 
 /**
  * Runs one step of the executor on `group` (the group it was created with): the copies from the
@@ -1036,10 +1318,12 @@ refit_status refit_group_backend(const refit_group *group, uint32_t *backend);
  * the legacy default stream. Work the group queues inside the scope sees the caller's earlier work.
  *
  * Scopes do not nest. Whole-group calls made outside a scope run in an implicit scope on the legacy
- * default streams and are complete on return.
+ * default streams and are complete on return. Scopes are opened and closed by the thread that drives
+ * the group, never from a rank callback (refit_group_run).
  *
- * Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open), CUDA_ERROR, INVALID_ARGUMENT
- * (a host-backend stream handle that is not a host stream).
+ * Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open, or called from a rank
+ * callback of any group: nothing is done), CUDA_ERROR, INVALID_ARGUMENT (a host-backend stream handle
+ * that is not a host stream).
  */
 refit_status refit_group_enter(refit_group *group,
                                void *const *caller_streams);
@@ -1047,10 +1331,15 @@ refit_status refit_group_enter(refit_group *group,
 /**
  * Closes the open scope. REFIT_EXIT_SYNC blocks until all of the group's queued work is done.
  * REFIT_EXIT_ASYNC makes each caller stream given to refit_group_enter wait for its rank's stream
- * and returns without blocking: the caller's later work sees the group's results. The scope is
- * closed even when an error is returned.
+ * and returns without blocking: the caller's later work sees the group's results.
  *
- * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (mode), INVALID_STATE (no scope is open), CUDA_ERROR.
+ * A call refused for its arguments or state does nothing and leaves the scope open: NULL group,
+ * INVALID_ARGUMENT (mode is not a REFIT_EXIT_*), INVALID_STATE (no scope is open, or called from a
+ * rank callback of any group). Once those checks pass, the scope is closed even when ordering the
+ * streams fails: CUDA_ERROR (or INVALID_ARGUMENT for a caller stream that stopped being a host
+ * stream) is returned with the scope closed.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT, INVALID_STATE, CUDA_ERROR, as above.
  */
 refit_status refit_group_exit(refit_group *group, uint32_t mode);
 
@@ -1065,8 +1354,13 @@ refit_status refit_group_exit(refit_group *group, uint32_t mode);
  * collective are released (their calls return REFIT_STATUS_ABORTED) and nothing waits forever. The
  * group stays usable.
  *
- * Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, INVALID_STATE (called from a callback),
- * CUDA_ERROR.
+ * Every rank's callback must make the same per-rank collective calls. A callback that returns
+ * (0 or not) while other ranks wait for it in one, or before they start one it never makes, releases
+ * them: their calls return REFIT_STATUS_ABORTED, naming the rank. If every callback then returns 0,
+ * refit_group_run returns REFIT_STATUS_ABORTED naming that rank.
+ *
+ * Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, ABORTED (all callbacks returned 0 but
+ * one returned while others waited for it), INVALID_STATE (called from a callback), CUDA_ERROR.
  */
 refit_status refit_group_run(refit_group *group,
                              refit_rank_callback callback,
@@ -1232,8 +1526,8 @@ refit_status refit_plan_options_init(refit_plan_options *options);
  * OVERLAP (two destination bytes written twice), OUT_OF_MEMORY (the plan does not fit in memory,
  * or needs more segments than the planner's limit), UNSUPPORTED (pathological tables beyond the
  * planner's other limits: pieces of overlapping offers, runs compared for overlaps, box tests; the
- * message names the limit). Planning costs O(n log n) in the entries of the tables plus the
- * segments it produces.
+ * message names the limit). Planning costs about O(n log n) in the tables' entries plus the
+ * segments it produces; the limits cut pathological overlaps off early.
  *
  * # Safety
  * `tables` points to `count` live tables not modified during the call.
@@ -1254,7 +1548,7 @@ refit_status refit_plan_build(const refit_table *const *tables,
  * calls (refit_plan_get_stats counts this process's receivers; refit_plan_fingerprint digests
  * this share's routes; refit_plan_inputs_fingerprint is equal in every process given the same
  * tables and options: compare it before any byte moves). Runs on the calling thread; touches no
- * device.
+ * device. Thread-safety: as refit_plan_build.
  *
  * Errors: as refit_plan_build, except that COVERAGE_GAP and OVERLAP are reported for this
  * process's needs only (each process checks its own; a failure on any process must stop all).
@@ -1286,8 +1580,9 @@ void refit_plan_destroy(refit_plan *plan);
 refit_status refit_plan_get_stats(const refit_plan *plan, refit_plan_stats *stats);
 
 /**
- * Writes the counts of receiver (process `rank`, `device`)'s needs and the routes into it to `*stats` (zero
- * but the shared input counts when that endpoint needs nothing); set stats->size first.
+ * Writes the counts of receiver (process `rank`, `device`)'s needs and the routes into it to `*stats`
+ * (zero but the shared input counts when that endpoint needs nothing, or when a share's process is
+ * not `rank`); set stats->size first.
  * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
  *
  * # Safety
@@ -1299,8 +1594,10 @@ refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
                                            refit_plan_stats *stats);
 
 /**
- * Writes the plan's fingerprint to `*fingerprint`: equal for the same tables in any order, in any
- * process; processes compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
+ * Writes the plan's fingerprint, a digest of its routes, to `*fingerprint`: equal for the same
+ * tables in any order, in any process; processes compare it to agree on one plan (a share's
+ * covers its own routes: compare refit_plan_inputs_fingerprint across shares). Thread-safe.
+ * Errors: NULL_ARGUMENT.
  *
  * # Safety
  * `plan` is a live plan.

@@ -308,3 +308,37 @@ fn extreme_addresses_and_strides_never_wrap() {
     }
     assert!(planned > 300, "only {planned} plans succeeded: the test explores too little");
 }
+
+#[test]
+fn many_needs_of_a_scalar_at_one_address_overlap() {
+    // Found by the plan fuzz target: a 0-dimensional tensor has one box, so more needs of it at one
+    // address than a leaf of the box index holds left the index nothing to split on.
+    let mut t = Table { tensors: vec![spec("s", 4, &[])], ..Table::default() };
+    t.offers.push(Offer {
+        tensor: 0,
+        owner: at(0),
+        addr: 0x100,
+        region: region(&[], &[]),
+        strides: None,
+        digest: None,
+    });
+    let need = |addr| Need {
+        tensor: 0,
+        receiver: at(1),
+        addr,
+        region: region(&[], &[]),
+        perm: None,
+        strides: vec![],
+    };
+    for addr in [|_: u64| 0x1000u64, |i: u64| 0x1000 + 2 * i] {
+        t.needs = (0..20).map(|i| need(addr(i))).collect();
+        let err = build(std::slice::from_ref(&t), &PlanOptions::default()).unwrap_err();
+        assert_eq!(err.status, Status::Overlap, "{err}");
+    }
+    // Apart, they plan: each gets the scalar's 4 bytes.
+    t.needs = (0..20).map(|i| need(0x1000 + 4 * i)).collect();
+    let plan = build(std::slice::from_ref(&t), &PlanOptions::default()).unwrap();
+    let map = sources_of(&plan);
+    assert_eq!(map.len(), 80);
+    assert_eq!(map[&(at(1), 0x1000 + 4 * 19 + 3)], (at(0), 0x103));
+}

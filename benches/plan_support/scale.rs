@@ -6,7 +6,7 @@
 //! plan; this measures that on one core, with the heap it takes, for the busiest processes.
 
 use refit::plan::Region;
-use refit::plan::{self, wire, Endpoint, Limits, PlanOptions, Table};
+use refit::plan::{self, wire, Endpoint, Limits, OwnerPolicy, PlanOptions, Table};
 use refit_workloads::{
     Buffer, CheckpointTensors, Megatron, MlpTensors, Model, Moe, Packing, Param, Piece, Placed, Role,
 };
@@ -234,14 +234,14 @@ impl Share {
 }
 
 /// One process's pipeline: decode every table, build its share.
-fn process_share(encoded: &[Vec<u8>], process: u32) -> Share {
+fn process_share(encoded: &[Vec<u8>], process: u32, policy: OwnerPolicy) -> Share {
     let (mut share, peak) = peak_heap(|| {
         let started = Instant::now();
         let decoded: Vec<Table> = encoded.iter().map(|b| wire::decode(b).expect("decodes")).collect();
         let decode_ms = started.elapsed().as_secs_f64() * 1e3;
         let refs: Vec<&Table> = decoded.iter().collect();
-        let plan =
-            plan::build_share(&refs, process, &PlanOptions::default(), &Limits::default()).expect("plans");
+        let options = PlanOptions { policy, coalesce: true };
+        let plan = plan::build_share(&refs, process, &options, &Limits::default()).expect("plans");
         let ms = |ns: u64| ns as f64 / 1e6;
         let merge_ms = ms(plan.stage_ns().iter().filter(|(s, _)| *s == "merge").map(|(_, ns)| ns).sum());
         let share_ms = ms(plan.stats().build_ns) - merge_ms;
@@ -278,14 +278,19 @@ pub fn run(samples: usize, out: &mut String) -> String {
         let whole_ms = started.elapsed().as_secs_f64() * 1e3;
         drop(whole);
         drop(tables);
-        // Publisher 0 serves every dense byte under LOCAL (the lowest replica), the last publisher
-        // only its experts, and every receiver plans alike.
-        for (label, process) in
-            [("publisher 0", 0), ("last publisher", publishers - 1), ("receiver 0", publishers)]
-        {
+        // Under LOCAL (the default) publisher 0 serves every dense byte it holds a shard of (the
+        // lowest replica), the last publisher only its experts, and every receiver plans alike;
+        // BALANCED weighs every receiver's demand, so each share intersects every need.
+        let processes = [
+            ("publisher 0", 0, OwnerPolicy::Local),
+            ("last publisher", publishers - 1, OwnerPolicy::Local),
+            ("receiver 0", publishers, OwnerPolicy::Local),
+            ("publisher 0, BALANCED", 0, OwnerPolicy::Balanced),
+        ];
+        for (label, process, policy) in processes {
             let mut best: Option<Share> = None;
             for _ in 0..samples {
-                let run = process_share(&encoded, process);
+                let run = process_share(&encoded, process, policy);
                 if best.is_none_or(|b| run.total_ms() < b.total_ms()) {
                     best = Some(run);
                 }

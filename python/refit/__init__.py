@@ -15,6 +15,7 @@ parameters onto tables.
 
 from ._lib import (
     ABI_VERSION,
+    COMM_ID_BYTES,
     MAX_DIMS,
     PLAN_SIZE_BUCKETS,
     Algorithm,
@@ -33,6 +34,7 @@ from ._lib import (
     set_log_callback,
     version,
 )
+from .comm import Communicator, unique_id
 from .copy import PreparedCopy
 from .digest import digest
 from .executor import Executor, RunStats
@@ -42,6 +44,8 @@ from .segment import Segment
 
 __all__ = [
     "ABI_VERSION",
+    "COMM_ID_BYTES",
+    "Communicator",
     "MAX_DIMS",
     "PLAN_SIZE_BUCKETS",
     "Algorithm",
@@ -69,5 +73,6 @@ __all__ = [
     "last_error_message",
     "lib",
     "set_log_callback",
+    "unique_id",
     "version",
 ]

@@ -52,6 +52,11 @@ class RunStats:
     verify_ns: int
     commit_ns: int
     device_ns: int
+    remote_received_bytes: int = 0
+    remote_ipc_bytes: int = 0
+    remote_wire_bytes: int = 0
+    remote_ipc_peers: int = 0
+    remote_staged_peers: int = 0
 
     @classmethod
     def from_struct(cls, raw: RunStatsStruct) -> RunStats:
@@ -87,9 +92,12 @@ class Executor(Handle):
         verify: bool = False,
         commit: int = Commit.DIRECT,
         staging_limit: int = 0,
+        comm: Any = None,
     ) -> None:
         """Prepares `process`'s share of `plan` for `group` (refit_executor_create; see
-        Plan.executor for the options)."""
+        Plan.executor for the options). With `comm` (a Communicator), `process` must be its rank,
+        and the routes between this process and the other processes of `comm` are prepared too
+        (refit_executor_create_across: a collective call, every process makes it)."""
         options = ExecutorOptions()
         check(lib.refit_executor_options_init(byref(options)))
         options.arm = check_range(arm, 32, "arm")
@@ -98,13 +106,20 @@ class Executor(Handle):
         options.commit = check_range(commit, 32, "commit")
         options.staging_limit = check_range(staging_limit, 64, "staging_limit")
         pointer = c_void_p()
-        check(
-            lib.refit_executor_create(
-                plan.handle, group.handle, check_range(process, 32, "process"), byref(options), byref(pointer)
+        process = check_range(process, 32, "process")
+        if comm is None:
+            check(lib.refit_executor_create(plan.handle, group.handle, process, byref(options), byref(pointer)))
+        else:
+            if process != comm.rank:
+                raise invalid_argument(f"process {process} is not the communicator's rank {comm.rank}")
+            check(
+                lib.refit_executor_create_across(
+                    plan.handle, group.handle, comm.handle, byref(options), byref(pointer)
+                )
             )
-        )
         super().__init__(pointer.value)
         self._group = group
+        self._comm = comm
 
     def _release(self, pointer: int) -> None:
         lib.refit_executor_destroy(pointer)

@@ -297,16 +297,19 @@ class Plan(Handle):
         verify: bool = False,
         commit: int = Commit.DIRECT,
         staging_limit: int = 0,
+        comm: Any = None,
     ) -> Executor:
         """An Executor of process rank `process`'s share of this plan on `group` (whose device
         ordinals the plan's endpoints name): descriptors built and uploaded now, then run() at every
-        step (refit_executor_create).
+        step (refit_executor_create). With `comm` (a Communicator whose rank is `process`), the
+        routes to and from the other processes of `comm` too (refit_executor_create_across; every
+        process makes this call).
 
         arm: Arm.AUTO (by size), KERNEL or COPY_ENGINE (no SMs). sm_budget: at most this many SMs
         for the kernel's copies (0: no cap). verify: compare every copied byte with its source.
         commit: Commit.DIRECT (run installs) or STAGED (run stages, commit() installs all at once).
         staging_limit: STAGED only, staging bytes per receiving device (0: the whole step)."""
-        return Executor(self, group, process, arm, sm_budget, verify, commit, staging_limit)
+        return Executor(self, group, process, arm, sm_budget, verify, commit, staging_limit, comm)
 
 
 __all__ = ["Plan", "PlanStats", "Policy", "Route", "RouteKind", "Segment", "Table"]

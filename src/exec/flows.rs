@@ -1,7 +1,7 @@
 //! A plan's share for one process, by route kind: the segments moved from one group rank to another
 //! (or within one), and the per-kind totals the stats report. Routes are dispatched by kind in one
 //! place ([`flows`]): local and NVLink-peer routes move within the process; a route to or from another
-//! process needs a transport between processes, which this executor does not have yet.
+//! process goes to the executor's routes between processes (`remote`), when it has a communicator.
 
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
@@ -52,22 +52,24 @@ pub(crate) fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
     })
 }
 
-/// The routes of `plan` that `process` takes part in, as flows between group ranks (plan endpoints'
-/// devices are the group's device ordinals). Unsupported for a route between this process and
-/// another; NotFound for a device outside the group; InvalidArgument for a segment the batched copy
-/// refuses (a zero address, an extent past 2^64).
-pub(crate) fn flows(group: &Group, plan: &Plan, process: u32) -> Result<Vec<Flow>> {
+/// The routes of `plan` that `process` takes part in within the process, as flows between group
+/// ranks (plan endpoints' devices are the group's device ordinals). Routes between this process and
+/// another are left to `remote` when `across` (an executor with a communicator), and Unsupported
+/// otherwise; NotFound for a device outside the group; InvalidArgument for a segment the batched
+/// copy refuses (a zero address, an extent past 2^64).
+pub(crate) fn flows(group: &Group, plan: &Plan, process: u32, across: bool) -> Result<Vec<Flow>> {
     let mut flows = Vec::new();
     for route in plan.routes().iter().filter(|r| r.src.process == process || r.dst.process == process) {
         let kind = route.kind();
         match kind {
             RouteKind::Local | RouteKind::Peer => {}
+            RouteKind::Remote if across => continue,
             RouteKind::Remote => {
                 return Err(Error::unsupported(format!(
-                "route from process {} device {} to process {} device {} crosses processes; this executor \
-                     moves bytes within one process only",
-                route.src.process, route.src.device, route.dst.process, route.dst.device
-            )))
+                    "route from process {} device {} to process {} device {} crosses processes; an executor \
+                     made without a communicator moves bytes within one process only",
+                    route.src.process, route.src.device, route.dst.process, route.dst.device
+                )))
             }
         }
         let (src, dst) = (rank_of(group, route.src)?, rank_of(group, route.dst)?);

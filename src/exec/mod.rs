@@ -12,6 +12,11 @@
 //!    staging into its live buffers in one batched launch; the last slice's install is
 //!    [`Executor::commit`].
 //!
+//! Routes between processes (an executor made with a communicator, [`Executor::new_across`]) run at
+//! the start of the first slice on the communicator's device (`remote`): CUDA IPC writes into the
+//! receivers' memory or a staged exchange over the communicator; with staged commit, bytes from other
+//! processes land in a landing buffer and are installed with the last slice.
+//!
 //! Ordering follows the group's scope rules: inside the caller's scope the step is only queued;
 //! outside one, an implicit scope makes it complete on return. Because a rank writes other ranks'
 //! memory, every rank's stream first waits for every other rank's (each destination is written only
@@ -23,6 +28,7 @@ mod batch;
 mod flows;
 mod options;
 mod rebind;
+mod remote;
 mod staging;
 mod stats;
 mod timing;
@@ -30,16 +36,19 @@ mod verify;
 
 pub use flows::KindTotals;
 pub use options::{Arm, CommitMode, ExecOptions, Hook, Method, Stage};
+pub use remote::RemoteTotals;
 pub use stats::RunStats;
 
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Destinations, Plan, RouteKind};
 use crate::segment::Segment;
+use crate::transport::comm::Communicator;
 use crate::transport::{Backend, Event, Stream};
 use batch::{Batch, Side};
 use flows::Flow;
 use rebind::{AddressBook, Registrar, Target};
+use remote::Remote;
 use staging::{staged_pair, Packer};
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -192,6 +201,8 @@ pub struct Executor {
     last: Option<(RunStats, Vec<Slot>)>,
     /// Set when descriptors could not follow a rebind: every later call fails with it.
     broken: Option<Error>,
+    /// Routes between processes (an executor made with a communicator).
+    remote: Option<Remote>,
 }
 
 /// A segment's first and one-past-last byte on one side.
@@ -205,7 +216,10 @@ fn extent(segment: &Segment, side: Side) -> (u64, u64) {
 }
 
 /// The method for `segments` of `kind` under `arm`. `direct`: every pair has peer access.
-fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool) -> Result<Method> {
+/// `verified`: the copies will be verified. AUTO then keeps the kernel wherever it can run: its copy
+/// records digests of the source tiles it reads, so the verify reads only the destinations, where a
+/// copy-engine copy leaves the verify comparing both sides (benches/gpu_digest.rs measures both).
+fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool, verified: bool) -> Result<Method> {
     if kind == RouteKind::Peer && !direct {
         return match arm {
             Arm::Kernel => Err(Error::unsupported(
@@ -218,6 +232,7 @@ fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool) -> Re
     Ok(match arm {
         Arm::Kernel => Method::Kernel,
         Arm::CopyEngine => Method::CopyEngine,
+        Arm::Auto if verified => Method::Kernel,
         Arm::Auto => {
             let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
             let runs: u64 = segments.iter().map(|s| s.runs()).sum();
@@ -265,8 +280,41 @@ impl Executor {
     /// compiler's errors.
     pub fn new(group: &Group, plan: &Plan, process: u32, options: ExecOptions) -> Result<Executor> {
         options.check()?;
-        let flows = flows::flows(group, plan, process)?;
-        match Executor::build(group, plan, process, &options, &flows, true) {
+        let flows = flows::flows(group, plan, process, false)?;
+        Executor::build_any_arm(group, plan, process, &options, &flows, None)
+    }
+
+    /// As [`Executor::new`] for the process whose communicator rank is `comm`'s, with the routes
+    /// between it and the other processes of `comm` too (`plan` is typically its share, built
+    /// across the processes): a collective call, every process of the communicator makes it. Those
+    /// routes must start or end on the communicator's device, a device of `group`. Errors: those of
+    /// [`Executor::new`], InvalidArgument (a plan process that is not a communicator rank),
+    /// Unsupported (a route between processes on another device), the communicator's (TIMEOUT,
+    /// ABORTED).
+    pub fn new_across(
+        group: &Group,
+        plan: &Plan,
+        comm: Arc<Communicator>,
+        options: ExecOptions,
+    ) -> Result<Executor> {
+        options.check()?;
+        let process = u32::try_from(comm.rank()).map_err(|_| Error::invalid_argument("a rank above 2^32"))?;
+        let flows = flows::flows(group, plan, process, true)?;
+        let remote = Remote::prepare(group, plan, process, comm, &options)?;
+        Executor::build_any_arm(group, plan, process, &options, &flows, Some(remote))
+    }
+
+    /// Builds with the options' arm and, when AUTO finds the kernel unavailable, with the copy engine.
+    fn build_any_arm(
+        group: &Group,
+        plan: &Plan,
+        process: u32,
+        options: &ExecOptions,
+        flows: &[Flow],
+        remote: Option<Remote>,
+    ) -> Result<Executor> {
+        let remote_part = remote.as_ref().map(|r| (r.rank(), r.installs()));
+        let built = match Executor::build(group, plan, process, options, flows, true, remote_part) {
             Err(err)
                 if options.arm == Arm::Auto
                     && matches!(err.status, Status::NvrtcUnavailable | Status::KernelLoadFailed) =>
@@ -274,13 +322,17 @@ impl Executor {
                 log::warn!(
                     "the batched copy kernel is unavailable ({err}); the executor uses the copy engine"
                 );
-                Executor::build(group, plan, process, &options, &flows, false)
+                Executor::build(group, plan, process, options, flows, false, remote_part)
             }
             built => built,
-        }
+        };
+        let mut executor = built?;
+        executor.remote = remote;
+        Ok(executor)
     }
 
-    /// Builds everything; `kernel` false makes every stage use the copy engine.
+    /// Builds everything; `kernel` false makes every stage use the copy engine. `remote`: the rank
+    /// the routes between processes run on and, with staged commit, their installs from the landing.
     fn build(
         group: &Group,
         plan: &Plan,
@@ -288,6 +340,7 @@ impl Executor {
         options: &ExecOptions,
         flows: &[Flow],
         kernel: bool,
+        remote: Option<(usize, &[Segment])>,
     ) -> Result<Executor> {
         let direct = group.all_peers_direct();
         let arm = if kernel { options.arm } else { Arm::CopyEngine };
@@ -296,7 +349,7 @@ impl Executor {
             let segments: Vec<&Segment> =
                 flows.iter().filter(|f| f.kind == kind).flat_map(|f| &f.segments).collect();
             if !segments.is_empty() {
-                methods[kind as usize] = Some(resolve(arm, kind, &segments, direct)?);
+                methods[kind as usize] = Some(resolve(arm, kind, &segments, direct, options.verify)?);
             }
         }
         let backend = Arc::clone(group.backend());
@@ -322,11 +375,20 @@ impl Executor {
             state: State::Idle,
             last: None,
             broken: None,
+            remote: None,
         };
-        let lists = match options.commit {
+        let mut lists = match options.commit {
             CommitMode::Direct => vec![executor.direct_lists(flows)],
             CommitMode::Staged => executor.staged_lists(flows)?,
         };
+        if let Some((rank, installs)) = remote.filter(|(_, installs)| !installs.is_empty()) {
+            // Bytes from other processes are installed with the last slice, at the commit.
+            if lists.is_empty() {
+                lists.push(SliceLists::default());
+            }
+            let last = lists.last_mut().expect("one slice at least");
+            last.installs.entry(rank).or_default().extend_from_slice(installs);
+        }
         let mut registrar = Registrar::default();
         for (k, lists) in lists.into_iter().enumerate() {
             let slice = executor.prepare_slice(group, k, lists, &mut registrar)?;
@@ -338,6 +400,7 @@ impl Executor {
             ranks.extend(slice.copies.iter().map(|c| c.rank));
             ranks.extend(slice.receiving.iter().map(|r| r.rank));
         }
+        ranks.extend(remote.map(|(rank, _)| rank));
         ranks.sort_unstable();
         ranks.dedup();
         executor.ranks = ranks;
@@ -451,7 +514,7 @@ impl Executor {
                 registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Dst);
             }
             let refs: Vec<&Segment> = installs.iter().collect();
-            let method = resolve(self.options.arm, RouteKind::Local, &refs, true)?;
+            let method = resolve(self.options.arm, RouteKind::Local, &refs, true, false)?;
             self.batches.push(Batch::new(group, rank, installs.clone(), method, 0, false)?);
             self.add_marks(Slot { slice: k, timed: Timed::Install, rank })?;
             let sources = sources.remove(&rank).unwrap_or_default();
@@ -592,6 +655,10 @@ impl Executor {
         };
         if implicit {
             log.wait_ns += (exited - enqueued).as_nanos() as u64;
+            // The step has run: a peer that failed meanwhile failed the communicator.
+            if let Some(remote) = &self.remote {
+                remote.check().inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+            }
         }
         let last = self.slices.len().saturating_sub(1);
         let mut checked = !self.options.verify;
@@ -614,6 +681,9 @@ impl Executor {
             if self.options.verify { self.verifies.iter().map(|v| v.bytes()).sum() } else { 0 };
         stats.installed_bytes =
             if staged { self.installed_bytes(0..last) } else { self.totals.bytes.iter().sum() };
+        if let Some(remote) = &self.remote {
+            remote_stats(&mut stats, &remote.totals, staged);
+        }
         self.finish("run", stats, started, prepared, log, implicit)
     }
 
@@ -621,11 +691,23 @@ impl Executor {
     fn queue_run(&self, group: &Group, log: &mut CallLog) -> Result<()> {
         let staged = self.options.commit == CommitMode::Staged;
         let last = self.slices.len().saturating_sub(1);
+        if self.slices.is_empty() {
+            if let Some(remote) = &self.remote {
+                group.mark_pending_join();
+                group.join_if_pending()?;
+                // SAFETY: the caller's promise on the plan's memory; the landing is ours.
+                unsafe { remote.run(group) }?;
+            }
+        }
         for (k, slice) in self.slices.iter().enumerate() {
             // Every rank waits for every other: destinations are written after their callers' earlier
             // work, and a slice's staging after the previous slice's installs have read it.
             group.mark_pending_join();
             group.join_if_pending()?;
+            if let (0, Some(remote)) = (k, &self.remote) {
+                // SAFETY: the caller's promise on the plan's memory; the landing is ours.
+                unsafe { remote.run(group) }?;
+            }
             self.options.call_hook(Stage::Copy { slice: k }, group)?;
             self.queue_copies(group, k, log)?;
             if staged {
@@ -821,6 +903,14 @@ impl Executor {
             self.check_slice(last, &mut log)
                 .inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
         }
+        if let Some(remote) = &self.remote {
+            // Nothing from other processes is installed unless all of it arrived: wait for the
+            // exchange, then ask the communicator whether a peer failed meanwhile.
+            let (device, stream) = (self.devices[remote.rank()], group.stream(remote.rank())?);
+            log.waiting(|| self.backend.sync_stream(device, stream))
+                .and_then(|()| remote.check())
+                .inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+        }
         let queued = group.in_implicit_scope(|| {
             let queued =
                 if self.slices.is_empty() { Ok(()) } else { self.queue_installs(group, last, &mut log) };
@@ -935,6 +1025,12 @@ impl Executor {
     /// or overflowing range, ambiguous or clashing moves), NotFound (the plan uses no byte there),
     /// PlanStale (the range cuts through bytes the plan moves together: build a new plan).
     pub fn rebind(&mut self, device: i32, old_base: u64, new_base: u64, length: u64) -> Result<()> {
+        if self.remote.is_some() {
+            return Err(Error::unsupported(
+                "an executor with routes between processes cannot follow moved buffers yet (the peers \
+                 hold their addresses): build a new plan and executor",
+            ));
+        }
         if let Some(err) = &self.broken {
             return Err(Error::invalid_state(format!("a rebind failed earlier ({})", err.message)));
         }
@@ -969,6 +1065,25 @@ impl Executor {
         log::debug!("rebind on device {device}: [{old_base:#x}, +{length:#x}) -> {new_base:#x}");
         Ok(())
     }
+}
+
+/// The stats of the routes between processes.
+fn remote_stats(stats: &mut RunStats, totals: &RemoteTotals, staged: bool) {
+    let k = RouteKind::Remote as usize;
+    stats.bytes[k] = totals.sent_bytes;
+    stats.segments[k] = totals.sent_segments;
+    if totals.sent_bytes + totals.received_bytes > 0 {
+        // The batched copy moves them: writes through IPC, or packs and unpacks around the wire.
+        stats.arm[k] = Method::code(Some(Method::Kernel));
+    }
+    if !staged {
+        stats.installed_bytes += totals.received_bytes;
+    }
+    stats.remote_received_bytes = totals.received_bytes;
+    stats.remote_ipc_bytes = totals.ipc_bytes;
+    stats.remote_wire_bytes = totals.wire_bytes;
+    stats.remote_ipc_peers = totals.ipc_peers;
+    stats.remote_staged_peers = totals.staged_peers;
 }
 
 impl Drop for Executor {

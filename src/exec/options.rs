@@ -11,7 +11,8 @@ use std::sync::Arc;
 pub enum Arm {
     /// Per route kind, by size: the copy engine where the average contiguous run is at least
     /// [`Arm::COPY_ENGINE_MIN_RUN`] bytes (it then matches the kernel's bandwidth and leaves the SMs
-    /// free) or where the kernel cannot run (no direct peer access, no NVRTC); the kernel otherwise.
+    /// free) or where the kernel cannot run (no direct peer access, no NVRTC); the kernel otherwise,
+    /// and always when the run is verified (its copy records the digests the verify checks).
     Auto,
     /// The batched copy kernel: one launch per rank and stage, any segment size near memory bandwidth.
     Kernel,

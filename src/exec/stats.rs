@@ -57,6 +57,17 @@ pub struct RunStats {
     pub commit_ns: u64,
     /// Device time of the whole call (see above).
     pub device_ns: u64,
+    /// Payload bytes this process received from other processes (an executor made with a
+    /// communicator; bytes[REFIT_ROUTE_REMOTE] counts those it sent).
+    pub remote_received_bytes: u64,
+    /// Of the bytes sent to other processes: written straight into their memory through CUDA IPC.
+    pub remote_ipc_bytes: u64,
+    /// Of the bytes sent to other processes: packed and sent through staging over the communicator
+    /// (NCCL), the bytes on the wire.
+    pub remote_wire_bytes: u64,
+    /// Other processes this one exchanges bytes with through CUDA IPC, and through staging.
+    pub remote_ipc_peers: u32,
+    pub remote_staged_peers: u32,
 }
 
 impl Default for RunStats {
@@ -81,6 +92,11 @@ impl Default for RunStats {
             verify_ns: 0,
             commit_ns: 0,
             device_ns: 0,
+            remote_received_bytes: 0,
+            remote_ipc_bytes: 0,
+            remote_wire_bytes: 0,
+            remote_ipc_peers: 0,
+            remote_staged_peers: 0,
         }
     }
 }
@@ -116,10 +132,24 @@ impl RunStats {
         } else {
             "device times pending".to_string()
         };
+        let remote = if self.bytes[2] + self.remote_received_bytes > 0 {
+            format!(
+                "{} B sent to other processes ({} through IPC to {} peer(s), {} on the wire to {}), {} B \
+                 received, ",
+                self.bytes[2],
+                self.remote_ipc_bytes,
+                self.remote_ipc_peers,
+                self.remote_wire_bytes,
+                self.remote_staged_peers,
+                self.remote_received_bytes
+            )
+        } else {
+            String::new()
+        };
         format!(
-            "refit {call}: {} B local ({} segments, {}), {} B peer ({} segments, {}), {} B installed, {} B \
-             verified{}, {} slice(s), descriptors {}; host {:.1} us (prepare {:.1}, enqueue {:.1}, wait {:.1}); \
-             {device}",
+            "refit {call}: {} B local ({} segments, {}), {} B peer ({} segments, {}), {remote}{} B installed, \
+             {} B verified{}, {} slice(s), descriptors {}; host {:.1} us (prepare {:.1}, enqueue {:.1}, wait \
+             {:.1}); {device}",
             self.bytes[0],
             self.segments[0],
             method(RouteKind::Local),

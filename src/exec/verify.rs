@@ -45,7 +45,7 @@ impl VerifyBatch {
         let segments = batch.segments().to_vec();
         let (prepared, shared) = match batch.recorded_verify()? {
             Some(recorded) => (recorded, true),
-            None => (PreparedVerify::new(group, rank, &segments)?, false),
+            None => (PreparedVerify::new(group.backend().as_ref(), group.device(rank)?, &segments)?, false),
         };
         Ok(VerifyBatch { rank, segments, planned, bytes: batch.bytes(), prepared, shared, stale: false })
     }
@@ -71,7 +71,8 @@ impl VerifyBatch {
         if !self.stale {
             return Ok(false);
         }
-        self.prepared = PreparedVerify::new(group, self.rank, &self.segments)?;
+        self.prepared =
+            PreparedVerify::new(group.backend().as_ref(), group.device(self.rank)?, &self.segments)?;
         self.stale = false;
         Ok(true)
     }

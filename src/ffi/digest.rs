@@ -50,11 +50,10 @@ pub extern "C" fn refit_digest(
     boundary("refit_digest", || {
         let slot = out(digest, "digest")?;
         // SAFETY: NULL or a group from refit_group_create.
-        let group = unsafe { arg(group, "group") }?;
+        let group = &unsafe { arg(group, "group") }?.group;
+        let device = group.device(rank as usize)?;
         // SAFETY: the caller's promise on the range and the stream, documented above.
-        let stream = Stream::from_ptr(stream);
-        let value =
-            unsafe { crate::transport::digest::digest(&group.group, rank as usize, stream, addr, len) }?;
+        let value = unsafe { group.backend().digest(device, Stream::from_ptr(stream), addr, len) }?;
         slot.write(value);
         Ok(())
     })

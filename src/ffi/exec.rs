@@ -8,11 +8,13 @@
 // the caller's documented promise.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
+use super::comm::refit_comm;
 use super::group::refit_group;
 use super::plan::refit_plan;
 use super::{arg, arg_mut, boundary, check_struct_size, destroy, out, sized_out};
 use crate::error::{Error, Result, Status};
 use crate::exec::{Arm, CommitMode, ExecOptions, Executor, RunStats};
+use std::sync::Arc;
 
 /// Executor arm: per route kind, the copy engine where the average contiguous run is at least
 /// 16 MiB (or where the kernel cannot run: no direct peer access, no libnvrtc), the batched kernel
@@ -157,6 +159,51 @@ pub extern "C" fn refit_executor_create(
         let group = unsafe { arg(group, "group") }?;
         let options = convert_options(options)?;
         let created = Executor::new(&group.group, &plan.plan, process, options)?;
+        slot.write(Box::into_raw(Box::new(refit_executor { executor: created })));
+        Ok(())
+    })
+}
+
+/// As refit_executor_create, for the process whose communicator rank is `comm`'s, with the routes
+/// between it and the other processes of `comm` as well (REFIT_ROUTE_REMOTE): `plan` is typically
+/// this process's share from refit_plan_build_across. A collective call: every process of the
+/// communicator makes it. Routes between processes must start or end on the communicator's device,
+/// which must be a device of `group`. Per pair of processes, the bytes move through CUDA IPC where
+/// both share a machine and the receiver's memory opens in the sender (the sender's batched kernel
+/// writes straight into the receiver's buffers; cudaMalloc and cuMemCreate memory with POSIX
+/// descriptors requested both share), else through bounded staging over the communicator (pack
+/// with the batched kernel, NCCL send/recv, unpack; at most the communicator's staging_bytes per
+/// process; exactly the segments' bytes on the wire); the first pair falling back from IPC is
+/// logged once. refit_run_stats reports the bytes and peers of each way.
+///
+/// With REFIT_COMMIT_STAGED, bytes from other processes land in device memory of this process (as
+/// many bytes as it receives, beside staging_limit) and are installed by the commit, which first
+/// waits for them and refuses (INVALID_STATE) when a peer failed meanwhile: live buffers are then
+/// unchanged. verify checks the bytes written through IPC (by the writer, through the opened
+/// memory); bytes through staging are not verified yet. An executor with routes between processes
+/// cannot rebind (UNSUPPORTED). When any pair uses IPC, every run meets the other processes twice on
+/// the host (its streams first reach the step: a run inside a scope then blocks); every process
+/// must run and commit its executor alike. The executor keeps `comm` alive.
+///
+/// Errors: as refit_executor_create, plus NULL_ARGUMENT (comm), INVALID_ARGUMENT (a plan process
+/// that is not a communicator rank), UNSUPPORTED (a route between processes on another device),
+/// TIMEOUT, ABORTED.
+#[no_mangle]
+pub extern "C" fn refit_executor_create_across(
+    plan: *const refit_plan,
+    group: *const refit_group,
+    comm: *const refit_comm,
+    options: *const refit_executor_options,
+    executor: *mut *mut refit_executor,
+) -> Status {
+    boundary("refit_executor_create_across", || {
+        let slot = out(executor, "executor")?;
+        // SAFETY: NULL or live handles from this library.
+        let plan = unsafe { arg(plan, "plan") }?;
+        let group = unsafe { arg(group, "group") }?;
+        let comm = unsafe { arg(comm, "comm") }?;
+        let options = convert_options(options)?;
+        let created = Executor::new_across(&group.group, &plan.plan, Arc::clone(comm.shared()), options)?;
         slot.write(Box::into_raw(Box::new(refit_executor { executor: created })));
         Ok(())
     })

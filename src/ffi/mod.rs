@@ -8,6 +8,7 @@
 #![allow(non_camel_case_types)]
 
 pub mod allgather;
+pub mod comm;
 pub mod copy;
 pub mod digest;
 pub mod exec;

@@ -37,8 +37,8 @@ pub const REFIT_PLAN_SIZE_BUCKETS: u32 = 64;
 /// refit (not a device, and not a member of a group); `device` is a CUDA ordinal in that process.
 ///
 /// Thread-safety: calls that change a table (refit_table_add_*) need it to themselves; calls that only
-/// read it (refit_table_encoded_size, refit_table_encode, refit_plan_build) may share it between
-/// threads while nothing changes it. Different tables are independent.
+/// read it (refit_table_encoded_size, refit_table_encode, refit_plan_build, refit_plan_build_share)
+/// may share it between threads while nothing changes it. Different tables are independent.
 pub struct refit_table {
     table: TableBuilder,
 }
@@ -46,6 +46,20 @@ pub struct refit_table {
 /// A built reshard plan. Immutable: every reader may be called from any number of threads at once.
 pub struct refit_plan {
     pub(crate) plan: Plan,
+}
+
+impl refit_table {
+    /// The table, for exports of other areas that read one (src/ffi/comm.rs).
+    pub(crate) fn table(&self) -> &plan::Table {
+        self.table.table()
+    }
+}
+
+impl refit_plan {
+    /// A plan built elsewhere (src/ffi/comm.rs), as a handle.
+    pub(crate) fn new(plan: Plan) -> refit_plan {
+        refit_plan { plan }
+    }
 }
 
 /// Options of refit_plan_build. Fill with refit_plan_options_init, then change fields.
@@ -314,8 +328,8 @@ pub extern "C" fn refit_plan_options_init(options: *mut refit_plan_options) -> c
 /// OVERLAP (two destination bytes written twice), OUT_OF_MEMORY (the plan does not fit in memory,
 /// or needs more segments than the planner's limit), UNSUPPORTED (pathological tables beyond the
 /// planner's other limits: pieces of overlapping offers, runs compared for overlaps, box tests; the
-/// message names the limit). Planning costs O(n log n) in the entries of the tables plus the
-/// segments it produces.
+/// message names the limit). Planning costs about O(n log n) in the tables' entries plus the
+/// segments it produces; the limits cut pathological overlaps off early.
 ///
 /// # Safety
 /// `tables` points to `count` live tables not modified during the call.
@@ -346,7 +360,7 @@ pub unsafe extern "C" fn refit_plan_build(
 /// calls (refit_plan_get_stats counts this process's receivers; refit_plan_fingerprint digests
 /// this share's routes; refit_plan_inputs_fingerprint is equal in every process given the same
 /// tables and options: compare it before any byte moves). Runs on the calling thread; touches no
-/// device.
+/// device. Thread-safety: as refit_plan_build.
 ///
 /// Errors: as refit_plan_build, except that COVERAGE_GAP and OVERLAP are reported for this
 /// process's needs only (each process checks its own; a failure on any process must stop all).
@@ -396,8 +410,9 @@ pub unsafe extern "C" fn refit_plan_get_stats(
     })
 }
 
-/// Writes the counts of receiver (process `rank`, `device`)'s needs and the routes into it to `*stats` (zero
-/// but the shared input counts when that endpoint needs nothing); set stats->size first.
+/// Writes the counts of receiver (process `rank`, `device`)'s needs and the routes into it to `*stats`
+/// (zero but the shared input counts when that endpoint needs nothing, or when a share's process is
+/// not `rank`); set stats->size first.
 /// Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
 ///
 /// # Safety
@@ -415,8 +430,10 @@ pub unsafe extern "C" fn refit_plan_get_receiver_stats(
     })
 }
 
-/// Writes the plan's fingerprint to `*fingerprint`: equal for the same tables in any order, in any
-/// process; processes compare it to agree on one plan. Thread-safe. Errors: NULL_ARGUMENT.
+/// Writes the plan's fingerprint, a digest of its routes, to `*fingerprint`: equal for the same
+/// tables in any order, in any process; processes compare it to agree on one plan (a share's
+/// covers its own routes: compare refit_plan_inputs_fingerprint across shares). Thread-safe.
+/// Errors: NULL_ARGUMENT.
 ///
 /// # Safety
 /// `plan` is a live plan.
@@ -523,7 +540,7 @@ unsafe fn dims(ptr: *const u64, ndim: usize, what: &str) -> Result<Vec<u64>> {
     Ok(slice(ptr, ndim, what)?.to_vec())
 }
 
-unsafe fn plan_options(options: *const refit_plan_options) -> Result<PlanOptions> {
+pub(crate) unsafe fn plan_options(options: *const refit_plan_options) -> Result<PlanOptions> {
     let Some(options) = options.as_ref() else {
         return Ok(PlanOptions::default());
     };

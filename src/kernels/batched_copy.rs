@@ -80,9 +80,9 @@ impl BatchedCopy {
         let copy_digest = module::function(loaded.module, c"refit_batched_copy_digest")?;
         let check = module::function(loaded.module, c"refit_batched_check")?;
         let compare = module::function(loaded.module, c"refit_batched_compare")?;
-        let per_sm = module::blocks_per_sm(function, BLOCK_THREADS)?;
+        let per_sm = loaded.blocks_per_sm(function, BLOCK_THREADS)?;
         let max_blocks = loaded.sms * per_sm;
-        let compare_max_blocks = loaded.sms * module::blocks_per_sm(compare, BLOCK_THREADS)?;
+        let compare_max_blocks = loaded.sms * loaded.blocks_per_sm(compare, BLOCK_THREADS)?;
         let build = format!("{} x {per_sm} blocks of {BLOCK_THREADS}", loaded.build);
         log::info!("batched copy kernel on device {device}: {build}");
         Ok(BatchedCopy {

@@ -28,9 +28,11 @@ struct Node {
 #[derive(Clone, Copy, Debug)]
 struct Tree {
     dims: usize,
+    /// No nodes: a flat list of `len` entries (a handful of boxes, or boxes of no dimension).
     nodes: (usize, usize),
     /// First entry; entry `e` has corners at `2 * dims * (e - first_entry)` from `corner_base`.
     first_entry: usize,
+    len: usize,
     corner_base: usize,
     node_corner_base: usize,
 }
@@ -86,12 +88,12 @@ impl BoxForest {
         }
         let (node_start, node_corner_base) = (self.nodes.len(), self.node_corners.len());
         let entries = &mut self.corners[corner_base..];
-        if count <= LEAF {
-            // Most tensors have a handful of boxes: one leaf, nothing to order.
-            split(entries, dims, &mut [], 0, count, &mut self.nodes, &mut self.node_corners)?;
-        } else {
+        // Most tensors have a handful of boxes: a flat list, tested one by one, costs less to build
+        // and to query than any node. Boxes of no dimension are all the same box: nothing to
+        // split on either.
+        if count > LEAF && dims > 0 {
             let mut order: Vec<u32> = memory::collect(count, 0..count as u32, what)?;
-            split(entries, dims, &mut order, 0, count, &mut self.nodes, &mut self.node_corners)?;
+            split(entries, dims, &mut order, 0, &mut self.nodes, &mut self.node_corners)?;
             // Entries in tree order, so that each leaf's boxes are contiguous.
             let old_corners = memory::collect(entries.len(), entries.iter().copied(), what)?;
             let old_ids = memory::collect(count, self.ids[first_entry..].iter().copied(), what)?;
@@ -104,7 +106,14 @@ impl BoxForest {
         }
         memory::push(
             &mut self.trees,
-            Tree { dims, nodes: (node_start, self.nodes.len()), first_entry, corner_base, node_corner_base },
+            Tree {
+                dims,
+                nodes: (node_start, self.nodes.len()),
+                first_entry,
+                len: count,
+                corner_base,
+                node_corner_base,
+            },
             what,
         )?;
         Ok(self.trees.len() - 1)
@@ -127,18 +136,17 @@ impl BoxForest {
             *hi = lo + ext;
         }
         let entries = &self.corners[t.corner_base..];
-        let mut leaf = |node: &Node, work: &mut Budget| -> Result<()> {
-            work.spend(u64::from(node.end - node.start))?;
-            for e in node.start as usize..node.end as usize {
+        let mut scan = |entries_of: std::ops::Range<usize>, work: &mut Budget| -> Result<()> {
+            work.spend(entries_of.len() as u64)?;
+            for e in entries_of {
                 if meets(&entries[2 * dims * e..2 * dims * (e + 1)], dims, qlo, &qhi) {
                     hit(self.ids[t.first_entry + e])?;
                 }
             }
             Ok(())
         };
-        // Most tensors have a handful of boxes: one leaf, whose bounds need no test.
-        if t.nodes.1 - t.nodes.0 == 1 {
-            return leaf(&self.nodes[t.nodes.0], work);
+        if t.nodes.0 == t.nodes.1 {
+            return scan(0..t.len, work);
         }
         let mut i = t.nodes.0;
         while i < t.nodes.1 {
@@ -150,7 +158,7 @@ impl BoxForest {
                 continue;
             }
             if node.next as usize == i + 1 {
-                leaf(node, work)?;
+                scan(node.start as usize..node.end as usize, work)?;
             }
             i += 1;
         }
@@ -158,48 +166,39 @@ impl BoxForest {
     }
 }
 
-/// Builds the subtree over entries `offset..offset + len` of a tree (their corners in `corners`,
-/// `2 * dims` values each, taken in `order` when it is not empty), splitting at the median of the
-/// box centres along the dimension where they spread most; `order` ends in tree order.
+/// Builds the subtree over the entries in `order` (positions `offset..` of the tree; their corners
+/// in `corners`, `2 * dims` values each), splitting at the median of the box centres along the
+/// dimension where they spread most; `order` ends in tree order.
 fn split(
     corners: &[u64],
     dims: usize,
     order: &mut [u32],
     offset: usize,
-    len: usize,
     nodes: &mut Vec<Node>,
     node_corners: &mut Vec<u64>,
 ) -> Result<()> {
     let what = "box index nodes";
-    let at = nodes.len();
+    let (at, len) = (nodes.len(), order.len());
     memory::push(nodes, Node { start: offset as u32, end: (offset + len) as u32, next: 0 }, what)?;
     memory::reserve(node_corners, 2 * dims, what)?;
-    let entry = |order: &[u32], k: usize| -> usize {
-        if order.is_empty() {
-            offset + k
-        } else {
-            order[k] as usize
-        }
-    };
     let corners_of = |i: usize| &corners[2 * dims * i..2 * dims * (i + 1)];
     let mut bounds = [(u64::MAX, 0u64); MAX_DIMS];
-    for k in 0..len {
-        let c = corners_of(entry(order, k));
+    for &i in order.iter() {
+        let c = corners_of(i as usize);
         for d in 0..dims {
             bounds[d] = (bounds[d].0.min(c[d]), bounds[d].1.max(c[dims + d]));
         }
     }
     node_corners.extend(bounds[..dims].iter().map(|b| b.0));
     node_corners.extend(bounds[..dims].iter().map(|b| b.1));
-    // Boxes of a scalar tensor (no dimensions) all meet one another: there is nothing to split along.
-    if len > LEAF && dims > 0 {
+    if len > LEAF {
         let centre = |i: usize, d: usize| {
             let c = corners_of(i);
             c[d] + (c[dims + d] - c[d]) / 2
         };
         let spread = |d: usize| {
-            let (lo, hi) = (0..len).fold((u64::MAX, 0), |(lo, hi), k| {
-                let x = centre(entry(order, k), d);
+            let (lo, hi) = order.iter().fold((u64::MAX, 0), |(lo, hi), &i| {
+                let x = centre(i as usize, d);
                 (lo.min(x), hi.max(x))
             });
             hi.saturating_sub(lo)
@@ -208,8 +207,8 @@ fn split(
         let mid = len / 2;
         order.select_nth_unstable_by_key(mid, |&i| centre(i as usize, d));
         let (left, right) = order.split_at_mut(mid);
-        split(corners, dims, left, offset, mid, nodes, node_corners)?;
-        split(corners, dims, right, offset + mid, len - mid, nodes, node_corners)?;
+        split(corners, dims, left, offset, nodes, node_corners)?;
+        split(corners, dims, right, offset + mid, nodes, node_corners)?;
     }
     nodes[at].next = nodes.len() as u32;
     Ok(())
@@ -254,6 +253,17 @@ mod tests {
             expected.sort_unstable();
             assert_eq!(hits, expected, "query {qlo:?} {qext:?}");
         }
+        // Scalars: every box is the one box, however many there are.
+        let scalars = forest.add_tree(0, (0..20).map(|id| (id, Boxed::from_parts(&[], &[])))).unwrap();
+        let mut all = Vec::new();
+        forest
+            .for_each_meeting(scalars, &Boxed::from_parts(&[], &[]), &mut work, |id| {
+                all.push(id);
+                Ok(())
+            })
+            .unwrap();
+        all.sort_unstable();
+        assert_eq!(all, (0..20).collect::<Vec<u32>>());
         let mut one = Vec::new();
         forest
             .for_each_meeting(0, &Boxed::from_parts(&[4], &[9]), &mut work, |id| {
@@ -269,24 +279,5 @@ mod tests {
         let err = forest.for_each_meeting(tree, &b2([0, 0], [120, 150]), &mut small, |_| Ok(())).unwrap_err();
         assert_eq!(err.status, crate::Status::Unsupported);
         assert!(err.message.contains("max_box_tests"), "{err}");
-    }
-
-    /// A scalar tensor's boxes have no dimension to split along: more of them than fit in a leaf
-    /// make one leaf, and every query meets them all.
-    #[test]
-    fn scalar_boxes_make_one_leaf() {
-        let mut forest = BoxForest::new();
-        let boxes = (0..(3 * LEAF) as u32).map(|id| (id, Boxed::from_parts(&[], &[])));
-        let tree = forest.add_tree(0, boxes).unwrap();
-        let mut hits = Vec::new();
-        let mut work = Budget::unlimited("box tests");
-        forest
-            .for_each_meeting(tree, &Boxed::from_parts(&[], &[]), &mut work, |id| {
-                hits.push(id);
-                Ok(())
-            })
-            .unwrap();
-        hits.sort_unstable();
-        assert_eq!(hits, (0..(3 * LEAF) as u32).collect::<Vec<_>>());
     }
 }

@@ -120,24 +120,24 @@ impl Merged<'_> {
     pub fn fingerprint(&self) -> u64 {
         let mut h = Words::new();
         h.u64(self.tensor_digest);
+        // Entries' fixed fields, then their pooled boxes and strides: the pools hold them in the
+        // same canonical order, each entry's `3 n` values for its tensor's `n` dimensions.
         h.u64(self.offers.len() as u64);
-        for (i, o) in self.offers.iter().enumerate() {
+        for o in &self.offers {
             for v in [o.tensor.into(), o.owner.process.into(), o.owner.device.into(), o.addr] {
                 h.u64(v);
             }
             h.u64(o.digest.map_or(0, |_| 1));
             h.u64(o.digest.unwrap_or(0));
-            let (lo, ext, strides) = self.offer_parts(i);
-            lo.iter().chain(ext).chain(strides).for_each(|&v| h.u64(v));
         }
+        self.offer_dims.iter().for_each(|&v| h.u64(v));
         h.u64(self.needs.len() as u64);
         for n in &self.needs {
             for v in [n.tensor.into(), n.receiver.process.into(), n.receiver.device.into(), n.addr] {
                 h.u64(v);
             }
-            let dims = self.geometry[n.tensor as usize].0;
-            self.need_dims[n.dims..n.dims + 3 * dims].iter().for_each(|&v| h.u64(v));
         }
+        self.need_dims.iter().for_each(|&v| h.u64(v));
         h.finish()
     }
 }
@@ -145,12 +145,7 @@ impl Merged<'_> {
 /// Merges `tables` (see the module documentation for the stages).
 pub(crate) fn merge<'a>(tables: &[&'a Table]) -> Result<Merged<'a>> {
     let index = index_tensors(tables)?;
-    let (tensors, global, tensor_digest) = canonical_tensors(&index)?;
-    let geometry: Vec<(usize, u64)> = memory::collect(
-        tensors.len(),
-        tensors.iter().map(|s| (s.shape.len(), u64::from(s.elem_size))),
-        "tensors",
-    )?;
+    let Canonical { tensors, global, geometry, digest: tensor_digest } = canonical_tensors(&index)?;
     let local: Vec<Vec<usize>> =
         index.local_to_distinct.iter().map(|map| map.iter().map(|&d| global[d]).collect()).collect();
     let entries = resolve_entries(tables, &local, &tensors, &geometry)?;
@@ -276,11 +271,22 @@ fn index_tensors<'a>(tables: &[&'a Table]) -> Result<TensorIndex<'a>> {
     Ok(index)
 }
 
+/// The distinct tensors in canonical order.
+struct Canonical<'a> {
+    tensors: Vec<&'a TensorSpec>,
+    /// For each distinct index (order first seen), its place in canonical order.
+    global: Vec<usize>,
+    /// (dimensions, element size) of each tensor, in canonical order.
+    geometry: Vec<(usize, u64)>,
+    /// Digest of the descriptions in canonical order.
+    digest: u64,
+}
+
 /// The distinct tensors ordered by a hash of the name, then the name: a content-only order (the
 /// same in every process) that rarely needs to compare the long shared prefixes of parameter
-/// names. Returns them, for each distinct index its place in that order, and a digest of the
-/// descriptions in that order (read from the index's dense copies, not the callers' tables).
-fn canonical_tensors<'a>(index: &TensorIndex<'a>) -> Result<(Vec<&'a TensorSpec>, Vec<usize>, u64)> {
+/// names. What it reads of each tensor comes from the index's dense copies, not the callers'
+/// tables.
+fn canonical_tensors<'a>(index: &TensorIndex<'a>) -> Result<Canonical<'a>> {
     let count = index.distinct.len();
     let mut by_name: Vec<usize> = memory::collect(count, 0..count, "tensors")?;
     by_name.sort_unstable_by(|&a, &b| {
@@ -291,6 +297,11 @@ fn canonical_tensors<'a>(index: &TensorIndex<'a>) -> Result<(Vec<&'a TensorSpec>
         global[d] = g;
     }
     let tensors = memory::collect(count, by_name.iter().map(|&d| index.distinct[d]), "tensors")?;
+    let geometry = memory::collect(
+        count,
+        by_name.iter().map(|&d| (index.described[d].2, u64::from(index.described[d].1))),
+        "tensors",
+    )?;
     let mut digest = Words::new();
     digest.u64(count as u64);
     for &d in &by_name {
@@ -301,7 +312,7 @@ fn canonical_tensors<'a>(index: &TensorIndex<'a>) -> Result<(Vec<&'a TensorSpec>
         }
         shape[..*dims].iter().for_each(|&x| digest.u64(x));
     }
-    Ok((tensors, global, digest.finish()))
+    Ok(Canonical { tensors, global, geometry, digest: digest.finish() })
 }
 
 /// Offers and needs of all tables, checked and packed in input order, with their values pooled.

@@ -1,6 +1,7 @@
 //! Which replica serves each (replica set, receiver) pair, by policy. FIRST and LOCAL decide each
 //! pair on its own; BALANCED weighs every pair's bytes against every source's load.
 
+use super::digest::Words;
 use super::memory;
 use super::merge::Merged;
 use super::options::{Budget, OwnerPolicy};
@@ -78,9 +79,10 @@ impl Owners {
     }
 }
 
-/// Moves per replicated demand after which BALANCED stops improving (each move is a search over
-/// the busiest sources' demands; the bound keeps hostile tables from making that quadratic).
-const MOVES_PER_DEMAND: usize = 4;
+/// How many times the work of assigning replicated demand BALANCED may spend on moving it (each
+/// move searches the busiest sources' demands; the bound keeps that from growing quadratically on
+/// large or hostile tables, and ends the same way in every process).
+const IMPROVEMENT_WORK: u64 = 4;
 
 /// Chooses an offer for each demand so that the busiest source serves as little as possible.
 ///
@@ -90,16 +92,24 @@ const MOVES_PER_DEMAND: usize = 4;
 ///    load so far (ties: nearer to the receiver, then the lower endpoint). The order depends on
 ///    bytes, receivers and the replicas' endpoints, never on tensor names.
 /// 3. Then, while a demand on a busiest source can move to another of its replicas whose source
-///    stays below that load, the move that evens the two sources best is made. This stops after
-///    [`MOVES_PER_DEMAND`] moves per replicated demand; short of hostile tables it stops earlier,
-///    where no single move relieves a busiest source.
+///    stays below that load, the move that evens the two sources best is made, until no single
+///    move relieves a busiest source, or until the search has cost [`IMPROVEMENT_WORK`] times the
+///    assignment (then the assignment stands as it is: still complete, only less even).
 fn balance(merged: &Merged, sets: &[ReplicaSet], demand: &[Demand], work: &mut Budget) -> Result<Vec<u32>> {
     let mut sources: Vec<Endpoint> =
         memory::collect(merged.offers.len(), merged.offers.iter().map(|o| o.owner), "sources")?;
     sources.sort_unstable();
     sources.dedup();
-    let source_of =
-        |offer: usize| sources.binary_search(&merged.offers[offer].owner).expect("every owner is a source");
+    // The source of every offer, looked up once: the searches below read it many times.
+    let source_index = memory::collect(
+        merged.offers.len(),
+        merged
+            .offers
+            .iter()
+            .map(|o| sources.binary_search(&o.owner).expect("every owner is a source") as u32),
+        "sources",
+    )?;
+    let source_of = |offer: usize| source_index[offer] as usize;
     let replicas = |d: &Demand| {
         let s = sets[d.set as usize];
         s.first..s.first + s.len
@@ -118,19 +128,35 @@ fn balance(merged: &Merged, sets: &[ReplicaSet], demand: &[Demand], work: &mut B
             memory::push(&mut replicated, i as u32, "owner choices")?;
         }
     }
-    replicated.sort_unstable_by(|&a, &b| {
-        let (x, y) = (&demand[a as usize], &demand[b as usize]);
-        let owners = |d: &Demand| merged.offers[replicas(d)].iter().map(|o| o.owner);
-        y.bytes
-            .cmp(&x.bytes)
-            .then(x.receiver.cmp(&y.receiver))
-            .then_with(|| owners(x).cmp(owners(y)))
-            .then(a.cmp(&b))
-    });
+    // Largest first; among equals by receiver, then by the replicas' endpoints (a digest of the
+    // list: set indices follow tensor names, endpoints do not), then by set, which only orders
+    // demands with the same bytes, receiver and replicas: interchangeable for the loads.
+    let owners_digest = |d: &Demand| {
+        let mut h = Words::new();
+        for &o in &source_index[replicas(d)] {
+            h.u64(o.into());
+        }
+        h.finish()
+    };
+    let mut keyed: Vec<(std::cmp::Reverse<u64>, Endpoint, u64, u32)> = memory::collect(
+        replicated.len(),
+        replicated.iter().map(|&i| {
+            let d = &demand[i as usize];
+            (std::cmp::Reverse(d.bytes), d.receiver, owners_digest(d), i)
+        }),
+        "owner choices",
+    )?;
+    keyed.sort_unstable();
+    for (slot, key) in replicated.iter_mut().zip(&keyed) {
+        *slot = key.3;
+    }
+    drop(keyed);
     let mut assigned: Vec<Vec<u32>> = memory::filled(Vec::new(), sources.len(), "sources")?;
+    let mut assignment_work = 0u64;
     for &i in &replicated {
         let d = &demand[i as usize];
         work.spend(replicas(d).len() as u64)?;
+        assignment_work += replicas(d).len() as u64;
         let best = replicas(d)
             .min_by_key(|&o| {
                 let owner = merged.offers[o].owner;
@@ -142,7 +168,8 @@ fn balance(merged: &Merged, sets: &[ReplicaSet], demand: &[Demand], work: &mut B
         load[s] = load[s].saturating_add(d.bytes);
         memory::push(&mut assigned[s], i, "owner choices")?;
     }
-    for _ in 0..MOVES_PER_DEMAND * replicated.len() {
+    let mut search_left = IMPROVEMENT_WORK.saturating_mul(assignment_work);
+    'moves: loop {
         // Among the moves off any of the busiest sources (several may share the highest load),
         // the one whose higher new load of the two sources is lowest: it evens the pair best.
         let ceiling = load.iter().copied().max().unwrap_or(0);
@@ -150,7 +177,10 @@ fn balance(merged: &Merged, sets: &[ReplicaSet], demand: &[Demand], work: &mut B
         for from in (0..sources.len()).filter(|&s| load[s] == ceiling) {
             for &i in &assigned[from] {
                 let d = &demand[i as usize];
-                work.spend(replicas(d).len() as u64)?;
+                let Some(left) = search_left.checked_sub(replicas(d).len() as u64) else {
+                    break 'moves;
+                };
+                search_left = left;
                 for o in replicas(d) {
                     let to = source_of(o);
                     let after = load[to].saturating_add(d.bytes);
@@ -166,7 +196,7 @@ fn balance(merged: &Merged, sets: &[ReplicaSet], demand: &[Demand], work: &mut B
                 }
             }
         }
-        let Some((_, _, _, _, o, i, from)) = best else { break };
+        let Some((_, _, _, _, o, i, from)) = best else { break 'moves };
         let at = assigned[from].iter().position(|&x| x == i).expect("the demand is on its source");
         assigned[from].swap_remove(at);
         let bytes = demand[i as usize].bytes;

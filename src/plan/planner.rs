@@ -311,7 +311,7 @@ fn lay_out(
     let mut receiver = 0;
     // Items come grouped by need: expand each need once.
     let mut cached: Option<(usize, CanonNeed)> = None;
-    for item in items {
+    for item in items.iter().filter(|item| scope.lays_out(item.need as usize)) {
         let need_index = item.need as usize;
         if cached.as_ref().is_none_or(|(i, _)| *i != need_index) {
             cached = Some((need_index, merged.need(need_index)));

@@ -5,7 +5,7 @@
 
 use super::boxes::Boxed;
 use super::memory;
-use super::merge::{CanonNeed, Merged, PackedOffer};
+use super::merge::{Merged, PackedOffer};
 use super::options::OwnerPolicy;
 use super::table::Endpoint;
 use crate::error::Result;
@@ -24,6 +24,9 @@ pub(crate) struct Scope {
     /// Whether intersections of other processes' needs are kept only where this process holds a
     /// replica (false when every intersection counts: the whole plan, and BALANCED's demand).
     only_held: bool,
+    /// BALANCED shares: per merged need, whether its segments may belong to the share (its own,
+    /// or one meeting this process's offers); the other needs count only as demand. None: all.
+    laid_out: Option<Vec<bool>>,
 }
 
 impl Scope {
@@ -35,6 +38,7 @@ impl Scope {
             needs: memory::collect(merged.needs.len(), 0..merged.needs.len() as u32, "needs")?,
             own: 0..merged.needs.len(),
             only_held: false,
+            laid_out: None,
         })
     }
 
@@ -45,14 +49,30 @@ impl Scope {
     pub fn process(merged: &Merged, process: u32, policy: OwnerPolicy) -> Result<Scope> {
         let start = merged.needs.partition_point(|n| n.receiver.process < process);
         let end = merged.needs.partition_point(|n| n.receiver.process <= process);
-        if policy == OwnerPolicy::Balanced {
-            let whole = Scope::whole(merged)?;
-            return Ok(Scope { process: Some(process), own: start..end, only_held: false, ..whole });
-        }
         // This process's offers, as (tensor, box), in tensor order (as the merged offers are).
         let mut held: Vec<(u32, Boxed)> = Vec::new();
         for (i, offer) in merged.offers.iter().enumerate().filter(|(_, o)| o.owner.process == process) {
             memory::push(&mut held, (offer.tensor, merged.offer_box(i)), "offers")?;
+        }
+        let meets_held = |i: usize| {
+            let tensor = merged.needs[i].tensor;
+            let first = held.partition_point(|&(t, _)| t < tensor);
+            let mut mine = held[first..].iter().take_while(|&&(t, _)| t == tensor).peekable();
+            if mine.peek().is_none() {
+                return false;
+            }
+            let need = merged.need(i);
+            let wanted = Boxed::new(need.lo, need.ext);
+            mine.any(|(_, b)| b.intersect(&wanted, merged.geometry[need.tensor].0).is_some())
+        };
+        if policy == OwnerPolicy::Balanced {
+            let laid_out = memory::collect(
+                merged.needs.len(),
+                (0..merged.needs.len()).map(|i| (start..end).contains(&i) || meets_held(i)),
+                "needs",
+            )?;
+            let whole = Scope::whole(merged)?;
+            return Ok(Scope { process: Some(process), own: start..end, laid_out: Some(laid_out), ..whole });
         }
         let mut tensors = memory::filled(false, merged.tensors.len(), "tensors")?;
         for &(t, _) in &held {
@@ -62,22 +82,18 @@ impl Scope {
             tensors[need.tensor as usize] = true;
         }
         let mut needs = Vec::new();
-        for (i, packed) in merged.needs.iter().enumerate() {
-            let mine = (start..end).contains(&i);
-            let first = held.partition_point(|&(t, _)| t < packed.tensor);
-            let meets = |need: &CanonNeed| {
-                let n = merged.geometry[need.tensor].0;
-                let wanted = Boxed::new(need.lo, need.ext);
-                held[first..]
-                    .iter()
-                    .take_while(|&&(t, _)| t == packed.tensor)
-                    .any(|(_, b)| b.intersect(&wanted, n).is_some())
-            };
-            if mine || (held.get(first).is_some_and(|&(t, _)| t == packed.tensor) && meets(&merged.need(i))) {
+        for i in 0..merged.needs.len() {
+            if (start..end).contains(&i) || meets_held(i) {
                 memory::push(&mut needs, i as u32, "needs")?;
             }
         }
-        Ok(Scope { process: Some(process), tensors, needs, own: start..end, only_held: true })
+        Ok(Scope { process: Some(process), tensors, needs, own: start..end, only_held: true, laid_out: None })
+    }
+
+    /// Whether need `i`'s segments may belong to this build (every need intersected counts as
+    /// demand; a BALANCED share lays out only its own needs' and those meeting its offers).
+    pub fn lays_out(&self, need: usize) -> bool {
+        self.laid_out.as_ref().is_none_or(|l| l[need])
     }
 
     /// The merged needs this build checks for coverage and overlaps, and counts.

@@ -78,7 +78,7 @@ pub struct Need {
 }
 
 /// One process's contribution to a plan. Tables from every process are merged by tensor name.
-/// Build one entry by entry with [`super::TableBuilder`], which checks each entry as it comes.
+/// Build one entry by entry with `TableBuilder`, which checks each entry as it comes.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Table {
     pub tensors: Vec<TensorSpec>,
