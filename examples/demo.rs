@@ -19,9 +19,9 @@
 //! The staged phase's staging is bounded by --staging-limit (default 8192 MiB; 0: the whole step,
 //! which needs as much free device memory again as the receivers' buffers).
 //!
-//! Phase 1 runs K direct steps (the executor writes the live buffers). Phase 2 runs one staged,
-//! verified step: the run lands everything in staging and compares it with the sources, the live
-//! buffers stay untouched until the commit installs it.
+//! Phase 1 runs K direct steps (the executor writes the live buffers). Phase 2 runs two staged,
+//! verified steps: the run lands everything in staging and checks it, the live buffers stay
+//! untouched until the commit installs it (with several slices, the run installs all but the last).
 
 use refit::exec::RunStats;
 use refit::ffi::exec::*;
@@ -513,14 +513,14 @@ fn run() -> Result<(), String> {
         gib(s.bytes_remote)
     );
 
-    let make = |commit: u32, verify: bool| -> Result<*mut refit_executor, String> {
+    let make = |commit: u32, verify: bool, staging_mib: u64| -> Result<*mut refit_executor, String> {
         let mut options = unsafe { std::mem::zeroed::<refit_executor_options>() };
         ok(refit_executor_options_init(&mut options), "refit_executor_options_init")?;
         options.arm = args.arm;
         options.sm_budget = args.sm_budget;
         options.verify = verify;
         options.commit = commit;
-        options.staging_limit = if commit == REFIT_COMMIT_STAGED { args.staging_limit_mib << 20 } else { 0 };
+        options.staging_limit = staging_mib << 20;
         let mut executor = std::ptr::null_mut();
         let t = Instant::now();
         ok(refit_executor_create(plan, group, 0, &options, &mut executor), "refit_executor_create")?;
@@ -533,7 +533,7 @@ fn run() -> Result<(), String> {
 
     println!("[4/5] phase 1: {} direct steps (each run writes the live buffers)", args.steps);
     poison_receivers(&workload, &memory)?;
-    let direct = make(REFIT_COMMIT_DIRECT, false)?;
+    let direct = make(REFIT_COMMIT_DIRECT, false, 0)?;
     let mut rows = Vec::new();
     for step in 0..args.steps {
         let mut stats = empty_stats();
@@ -547,7 +547,7 @@ fn run() -> Result<(), String> {
     println!(
         "[5/5] phase 2: two staged, verified steps (run receives into staging and verifies; commit installs)"
     );
-    let staged = make(REFIT_COMMIT_STAGED, true)?;
+    let staged = make(REFIT_COMMIT_STAGED, true, args.staging_limit_mib)?;
     for step in 1..=2 {
         poison_receivers(&workload, &memory)?;
         let mut ran = empty_stats();
