@@ -18,11 +18,17 @@ fn main() {
     write_status_table(&crate_dir, &out_dir);
     let config = cbindgen::Config::from_file(crate_dir.join("cbindgen.toml")).expect("cbindgen.toml parses");
     // Only the C ABI's own files (src/ffi/mod.rs brings its submodules), plus the types the ABI shares
-    // with the core: statuses, segments, plan stats, the log callback. Constants and types elsewhere
+    // with the core: statuses, segments, plan and run stats, the log callback. Constants and types elsewhere
     // in the crate never leak into the header.
     let mut builder = cbindgen::Builder::new().with_config(config);
-    for source in ["src/ffi/mod.rs", "src/error.rs", "src/segment.rs", "src/plan/stats.rs", "src/logging.rs"]
-    {
+    for source in [
+        "src/ffi/mod.rs",
+        "src/error.rs",
+        "src/segment.rs",
+        "src/plan/stats.rs",
+        "src/exec/stats.rs",
+        "src/logging.rs",
+    ] {
         builder = builder.with_src(crate_dir.join(source));
     }
     let bindings = match builder.generate() {

@@ -23,6 +23,8 @@ struct job {
   size_t other_counts[N]; /* what disagreeing_rank passes instead of counts */
   int32_t failing_rank;     /* -1: none */
   int32_t disagreeing_rank; /* -1: none */
+  int32_t absent_rank;      /* -1: none; this rank's callback returns 0 without the collective */
+  int32_t ignore_errors;    /* callbacks return 0 whatever their collective returned */
   refit_status rank_status[N];
 };
 
@@ -30,14 +32,30 @@ static int32_t rank_body(uint32_t rank, void *stream, void *user_data) {
   struct job *job = (struct job *)user_data;
   if (stream == NULL) return 100;
   if ((int32_t)rank == job->failing_rank) return 42;
+  if ((int32_t)rank == job->absent_rank) return 0;
   uint32_t picked = 99;
   const size_t *counts = (int32_t)rank == job->disagreeing_rank ? job->other_counts : job->counts;
   refit_status s = refit_group_allgather_rank(job->group, rank, (uint64_t)(uintptr_t)job->send[rank],
                                               (uint64_t)(uintptr_t)job->recv[rank], counts,
                                               REFIT_ALLGATHER_AUTO, &picked);
   job->rank_status[rank] = s;
+  if (job->ignore_errors) return 0;
   if (s == REFIT_STATUS_SUCCESS && picked != REFIT_ALLGATHER_PEER) return 101;
   return (int32_t)s;
+}
+
+/* Tries to open and to close a scope from inside a rank callback; records both statuses. */
+struct scope_attempt {
+  refit_group *group;
+  refit_status enter[N], exit[N];
+};
+
+static int32_t scope_body(uint32_t rank, void *stream, void *user_data) {
+  struct scope_attempt *attempt = (struct scope_attempt *)user_data;
+  (void)stream;
+  attempt->enter[rank] = refit_group_enter(attempt->group, NULL);
+  attempt->exit[rank] = refit_group_exit(attempt->group, REFIT_EXIT_SYNC);
+  return 0;
 }
 
 static void fill(struct job *job) {
@@ -118,8 +136,12 @@ int main(void) {
   CHECK_STATUS(refit_group_exit(group, REFIT_EXIT_SYNC), REFIT_STATUS_INVALID_STATE);
   CHECK_OK(refit_group_enter(group, NULL));
   CHECK_STATUS(refit_group_enter(group, NULL), REFIT_STATUS_INVALID_STATE);
+  /* A refused exit does nothing: the scope stays open until an exit with a valid mode. */
   CHECK_STATUS(refit_group_exit(group, 9), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(refit_group_exit(group, 7), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(refit_group_enter(group, NULL), REFIT_STATUS_INVALID_STATE);
   CHECK_OK(refit_group_exit(group, REFIT_EXIT_ASYNC));
+  CHECK_STATUS(refit_group_exit(group, REFIT_EXIT_SYNC), REFIT_STATUS_INVALID_STATE);
   void *callers[N] = {NULL, NULL, NULL};
   CHECK_OK(refit_host_stream_create(&callers[1]));
   CHECK_OK(refit_group_enter(group, (void *const *)callers));
@@ -140,9 +162,45 @@ int main(void) {
   job.group = group;
   job.failing_rank = -1;
   job.disagreeing_rank = -1;
+  job.absent_rank = -1;
   fill(&job);
   CHECK_OK(refit_group_run(group, rank_body, &job));
   CHECK(gathered_ok(&job));
+
+  /* Rank 1's callback returns 0 without the collective the others are in: they are released with
+     ABORTED naming it (the run waited forever before). Their callbacks return that status: the run
+     fails with it; they ignore it and return 0: the run returns ABORTED itself. */
+  fill(&job);
+  job.absent_rank = 1;
+  CHECK_STATUS(refit_group_run(group, rank_body, &job), REFIT_STATUS_CALLBACK_FAILED);
+  CHECK(strstr(refit_last_error_message(), "rank 1's callback returned without joining") != NULL);
+  CHECK(job.rank_status[0] == REFIT_STATUS_ABORTED && job.rank_status[2] == REFIT_STATUS_ABORTED);
+  fill(&job);
+  job.ignore_errors = 1;
+  CHECK_STATUS(refit_group_run(group, rank_body, &job), REFIT_STATUS_ABORTED);
+  CHECK(strstr(refit_last_error_message(), "rank 1's callback returned while other ranks waited") != NULL);
+  CHECK(job.rank_status[0] == REFIT_STATUS_ABORTED && job.rank_status[2] == REFIT_STATUS_ABORTED);
+  fill(&job);
+  job.absent_rank = -1;
+  job.ignore_errors = 0;
+  CHECK_OK(refit_group_run(group, rank_body, &job));
+  CHECK(gathered_ok(&job));
+
+  /* Scopes cannot be opened or closed from a rank callback, inside an open scope or not; the
+     refused calls change nothing. */
+  static struct scope_attempt attempt;
+  attempt.group = group;
+  CHECK_OK(refit_group_run(group, scope_body, &attempt));
+  for (int r = 0; r < N; r++) {
+    CHECK(attempt.enter[r] == REFIT_STATUS_INVALID_STATE && attempt.exit[r] == REFIT_STATUS_INVALID_STATE);
+  }
+  CHECK_STATUS(refit_group_exit(group, REFIT_EXIT_SYNC), REFIT_STATUS_INVALID_STATE);
+  CHECK_OK(refit_group_enter(group, NULL));
+  CHECK_OK(refit_group_run(group, scope_body, &attempt));
+  for (int r = 0; r < N; r++) {
+    CHECK(attempt.enter[r] == REFIT_STATUS_INVALID_STATE && attempt.exit[r] == REFIT_STATUS_INVALID_STATE);
+  }
+  CHECK_OK(refit_group_exit(group, REFIT_EXIT_SYNC));
 
   /* Rank 1 fails: the run reports it, the others are released with ABORTED, nothing hangs. */
   fill(&job);

@@ -1,43 +1,88 @@
-//! The main job: plan and execute a colocated Qwen3-30B-A3B weight refit.
+//! The main job: plan and execute a colocated Qwen3-30B-A3B weight refit through the C ABI, as a
+//! C++ or Python caller would.
 //!
 //! Megatron-style publishers (expert parallel over the devices, every device holding a replica of the
 //! non-expert weights) refit vLLM-style tensor-parallel receivers on the same devices, one process.
-//! On GPUs when CUDA is present (two devices: the CEILINGS.md colocated case), else on the host
-//! backend with simulated devices. Every publisher byte is a known function of (tensor, element), so
-//! after each arm every received element is checked.
+//! On GPUs when CUDA is present, else on the host backend (simulated devices: threads and host
+//! memory). Every call below into refit is a `refit_*` function of include/refit.h: the group, the
+//! tables (crossing the ABI in their wire encoding, as processes exchange them), the plan, and the
+//! executor with its options (arm, SM budget, verify, staged commit) and its per-step stats. Every
+//! publisher element is a known function of (tensor, element), so after each phase every received
+//! element is checked.
 //!
-//!     cargo run --release --example demo [-- --layers N --layout separate|packed --steps K --devices G --reference]
+//!     cargo run --release --example demo [-- --layers N --layout separate|packed --steps K --devices G
+//!         --arm auto|kernel|copy-engine --sm-budget B --staging-limit MIB --processes P]
 //!
-//! `--reference` also runs the per-run arm (one copy call per contiguous run: the copy engine on CUDA),
-//! which must install the same bytes.
+//! `--processes P` runs publishers and receivers as P separate processes instead (see
+//! `across/processes.rs`).
+//!
+//! The staged phase's staging is bounded by --staging-limit (default 8192 MiB; 0: the whole step,
+//! which needs as much free device memory again as the receivers' buffers).
+//!
+//! Phase 1 runs K direct steps (the executor writes the live buffers). Phase 2 runs one staged,
+//! verified step: the run lands everything in staging and compares it with the sources, the live
+//! buffers stay untouched until the commit installs it.
 
-use refit::exec::{Arm, Executor, StageTimes};
-use refit::group::{Group, GroupOptions};
-use refit::plan::{self, Endpoint, PlanOptions};
+use refit::exec::RunStats;
+use refit::ffi::exec::*;
+use refit::ffi::group::*;
+use refit::ffi::plan::*;
+use refit::ffi::status::refit_last_error_message;
+use refit::plan::{wire, Endpoint};
+use refit::transport::cuda::cuda_backend;
+use refit::transport::host::HostBackend;
 use refit::transport::Backend;
-use refit_workloads::{element_value, Megatron, Model, Packing, Role, Spec, Vllm, Workload};
+use refit::Status;
+use refit_workloads::{element_value, Megatron, Model, Packing, Placed, Role, Spec, Vllm, Workload};
+use std::ffi::CStr;
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
+
+#[path = "across/processes.rs"]
+mod processes;
 
 struct Args {
+    processes: Option<usize>,
     layers: Option<u64>,
     layout: Packing,
     steps: usize,
-    devices: usize,
-    /// Also run the per-run reference arm (one copy call per contiguous run).
-    reference: bool,
+    devices: Option<usize>,
+    arm: u32,
+    sm_budget: u32,
+    staging_limit_mib: u64,
 }
 
 fn parse_args() -> Result<Args, String> {
-    let mut args = Args { layers: None, layout: Packing::Separate, steps: 5, devices: 2, reference: false };
+    let mut args = Args {
+        processes: None,
+        layers: None,
+        layout: Packing::Separate,
+        steps: 5,
+        devices: None,
+        arm: REFIT_ARM_AUTO,
+        sm_budget: 0,
+        staging_limit_mib: 8192,
+    };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
+        let number = |v: String| v.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
         match flag.as_str() {
-            "--layers" => args.layers = Some(value()?.parse().map_err(|e| format!("--layers: {e}"))?),
-            "--steps" => args.steps = value()?.parse().map_err(|e| format!("--steps: {e}"))?,
-            "--devices" => args.devices = value()?.parse().map_err(|e| format!("--devices: {e}"))?,
-            "--reference" => args.reference = true,
+            "--layers" => args.layers = Some(number(value()?)?),
+            "--processes" => args.processes = Some(number(value()?)? as usize),
+            "--steps" => args.steps = number(value()?)?.max(1) as usize,
+            "--devices" => args.devices = Some(number(value()?)? as usize),
+            "--sm-budget" => args.sm_budget = number(value()?)? as u32,
+            "--staging-limit" => args.staging_limit_mib = number(value()?)?,
+            "--arm" => {
+                args.arm = match value()?.as_str() {
+                    "auto" => REFIT_ARM_AUTO,
+                    "kernel" => REFIT_ARM_KERNEL,
+                    "copy-engine" => REFIT_ARM_COPY_ENGINE,
+                    other => return Err(format!("--arm: {other} is not auto, kernel or copy-engine")),
+                }
+            }
             "--layout" => {
                 args.layout = match value()?.as_str() {
                     "separate" => Packing::Separate,
@@ -51,17 +96,38 @@ fn parse_args() -> Result<Args, String> {
     Ok(args)
 }
 
-/// A raw pointer that worker threads may share: each writes or reads a disjoint part.
-#[derive(Clone, Copy)]
-struct SharedPtr(*mut u8);
-unsafe impl Send for SharedPtr {}
-unsafe impl Sync for SharedPtr {}
+/// A refit status as a Result, with the library's message.
+fn ok(status: Status, call: &str) -> Result<(), String> {
+    if status == Status::Success {
+        return Ok(());
+    }
+    // SAFETY: the library returns a NUL-terminated string valid until the next failing call.
+    let message = unsafe { CStr::from_ptr(refit_last_error_message()) }.to_string_lossy().into_owned();
+    Err(format!("{call}: {} ({message})", status.name().to_string_lossy()))
+}
+
+fn gib(bytes: u64) -> f64 {
+    bytes as f64 / (1u64 << 30) as f64
+}
 
 fn threads() -> usize {
     std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1).min(32)
 }
 
-/// Writes the low `es` bytes of `value`, little-endian (BF16 and friends take the fast path).
+/// A raw pointer that worker threads may share: each writes a disjoint part.
+#[derive(Clone, Copy)]
+struct SharedPtr(*mut u8);
+unsafe impl Send for SharedPtr {}
+unsafe impl Sync for SharedPtr {}
+
+impl SharedPtr {
+    /// The address `offset` bytes in (a method, so that closures capture the whole wrapper).
+    fn at(&self, offset: usize) -> *mut u8 {
+        self.0.wrapping_add(offset)
+    }
+}
+
+/// Writes the low `es` bytes of `value`, little-endian (BF16 takes the fast path).
 ///
 /// # Safety
 /// `dst .. dst + es` must be writable.
@@ -74,167 +140,280 @@ unsafe fn write_element(dst: *mut u8, value: u64, es: usize) {
     }
 }
 
-/// The element at `bytes` (at most 8 bytes), little-endian.
+/// The element of `es` (at most 8) bytes at `src`, little-endian.
+///
+/// # Safety
+/// `src .. src + es` must be readable.
 #[inline(always)]
-/// The CUDA ordinal of a plan endpoint's device.
-fn ordinal(device: u32) -> i32 {
-    i32::try_from(device).expect("a plan device is a CUDA ordinal")
-}
-
-fn read_element(bytes: &[u8]) -> u64 {
-    match bytes.len() {
-        2 => u16::from_le_bytes([bytes[0], bytes[1]]) as u64,
+unsafe fn read_element(src: *const u8, es: usize) -> u64 {
+    match es {
+        2 => u64::from(src.cast::<u16>().read_unaligned()),
+        4 => u64::from(src.cast::<u32>().read_unaligned()),
         _ => {
             let mut value = [0u8; 8];
-            value[..bytes.len().min(8)].copy_from_slice(&bytes[..bytes.len().min(8)]);
+            std::ptr::copy_nonoverlapping(src, value.as_mut_ptr(), es.min(8));
             u64::from_le_bytes(value)
         }
     }
 }
 
-/// For each buffer of `role`, the indices of the boxes (offers or needs) placed in it.
-fn boxes_by_buffer(workload: &Workload, role: Role) -> Vec<Vec<usize>> {
-    let mut by_buffer = vec![Vec::new(); workload.buffers.len()];
-    let placed = if role == Role::Publisher { &workload.offers } else { &workload.needs };
-    for (i, p) in placed.iter().enumerate() {
-        by_buffer[p.buffer as usize].push(i);
-    }
-    by_buffer
-}
-
-/// Fills every publisher buffer with its boxes' known values.
-fn fill_publishers(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64]) -> Result<(), String> {
-    let by_buffer = boxes_by_buffer(workload, Role::Publisher);
-    for (b, buffer) in workload.buffers.iter().enumerate().filter(|(_, b)| b.role == Role::Publisher) {
-        let mut bytes = vec![0u8; buffer.bytes as usize];
-        let ptr = SharedPtr(bytes.as_mut_ptr());
-        let offers = &by_buffer[b];
-        std::thread::scope(|s| {
-            for chunk in offers.chunks(offers.len().div_ceil(threads()).max(1)) {
-                s.spawn(move || {
-                    let ptr = ptr;
-                    for &i in chunk {
-                        let o = &workload.offers[i];
-                        let es = workload.catalog.tensors[o.tensor as usize].elem_size as usize;
-                        workload.for_each_element(o, |at, g| {
-                            let value = element_value(o.tensor, g);
-                            // SAFETY: offers in one buffer are disjoint boxes inside it.
-                            unsafe { write_element(ptr.0.add(at as usize), value, es) };
-                        });
-                    }
-                });
+/// Prints a progress line every few seconds while `work` runs on all cores: `done` counts bytes.
+fn with_progress<T: Send>(what: &str, total: u64, work: impl FnOnce(&AtomicU64) -> T + Send) -> T {
+    let done = AtomicU64::new(0);
+    let started = Instant::now();
+    let finished = std::sync::atomic::AtomicBool::new(false);
+    let result = std::thread::scope(|s| {
+        s.spawn(|| {
+            let mut next = Duration::from_secs(3);
+            while !finished.load(Ordering::Relaxed) {
+                std::thread::sleep(Duration::from_millis(50));
+                if started.elapsed() >= next {
+                    let bytes = done.load(Ordering::Relaxed);
+                    println!(
+                        "  {what}: {:.2} of {:.2} GiB ({:.0}%), {:.0} s",
+                        gib(bytes),
+                        gib(total),
+                        100.0 * bytes as f64 / total.max(1) as f64,
+                        started.elapsed().as_secs_f64()
+                    );
+                    next += Duration::from_secs(3);
+                }
             }
         });
-        // SAFETY: bases[b] was allocated with buffer.bytes on this device.
-        unsafe { backend.write(ordinal(buffer.endpoint.device), bases[b], &bytes) }
-            .map_err(|e| e.to_string())?;
+        let result = work(&done);
+        finished.store(true, Ordering::Relaxed);
+        result
+    });
+    println!("  {what}: {:.2} GiB in {:.1} s", gib(total), started.elapsed().as_secs_f64());
+    result
+}
+
+/// The rows of a placed box (its last dimension is contiguous): `(byte offset in its buffer, global
+/// index of the row's first element)` for row `r`, rows in memory order.
+fn row(workload: &Workload, p: &Placed, r: u64) -> (u64, u64) {
+    let shape = &workload.catalog.tensors[p.tensor as usize].shape;
+    let (extent, n) = (&p.region.extent, p.region.extent.len());
+    let es = u64::from(workload.catalog.tensors[p.tensor as usize].elem_size);
+    let mut rest = r;
+    let mut coord = vec![0u64; n];
+    for d in (0..n - 1).rev() {
+        coord[d] = rest % extent[d];
+        rest /= extent[d];
     }
-    Ok(())
+    let first = (0..n).fold(0, |acc, d| acc * shape[d] + p.region.offset[d] + coord[d]);
+    (p.offset + r * extent[n - 1] * es, first)
+}
+
+/// Every row of every box of `role` in buffer order, cut into about `threads() * 8` pieces of
+/// similar size: `(box, first row, rows)`.
+fn row_work(workload: &Workload, boxes: &[Placed]) -> Vec<(usize, u64, u64)> {
+    let total: u64 = boxes.iter().map(|p| workload.bytes(p)).sum();
+    let chunk = (total / (threads() as u64 * 8)).max(1 << 20);
+    let mut work = Vec::new();
+    for (i, p) in boxes.iter().enumerate() {
+        let n = p.region.extent.len();
+        if n == 0 || p.region.extent.contains(&0) {
+            continue;
+        }
+        let rows: u64 = p.region.extent[..n - 1].iter().product();
+        let row_bytes = workload.bytes(p) / rows;
+        let per = (chunk / row_bytes.max(1)).max(1);
+        let mut first = 0;
+        while first < rows {
+            work.push((i, first, per.min(rows - first)));
+            first += per;
+        }
+    }
+    work
+}
+
+/// Runs `f(box, first row, rows)` over `work` on every core.
+fn parallel(
+    work: &[(usize, u64, u64)],
+    f: impl Fn(usize, u64, u64) -> Result<(), String> + Sync,
+) -> Result<(), String> {
+    let next = AtomicU64::new(0);
+    std::thread::scope(|s| {
+        let handles: Vec<_> = (0..threads())
+            .map(|_| {
+                s.spawn(|| loop {
+                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                    let Some(&(b, first, rows)) = work.get(i) else { return Ok(()) };
+                    f(b, first, rows)?;
+                })
+            })
+            .collect();
+        handles.into_iter().try_for_each(|h| h.join().expect("worker thread"))
+    })
+}
+
+/// Where the demo's buffers live: device memory, written and read through a host image.
+struct Memory {
+    backend: Arc<dyn Backend>,
+    bases: Vec<u64>,
+    on_gpu: bool,
+}
+
+impl Memory {
+    /// Host bytes of buffer `b` to fill or check: the buffer itself on the host backend, a copy
+    /// otherwise (`read` first copies the device's bytes in).
+    fn image(&self, w: &Workload, b: usize, read: bool) -> Result<Vec<u8>, String> {
+        let len = w.buffers[b].bytes as usize;
+        if !self.on_gpu {
+            return Ok(Vec::new());
+        }
+        let mut bytes = vec![0u8; len];
+        if read {
+            // SAFETY: bases[b] was allocated with this many bytes on this device.
+            unsafe { self.backend.read(w.buffers[b].endpoint.device as i32, self.bases[b], &mut bytes) }
+                .map_err(|e| e.to_string())?;
+        }
+        Ok(bytes)
+    }
+
+    fn pointer(&self, image: &mut [u8], b: usize) -> SharedPtr {
+        SharedPtr(if self.on_gpu { image.as_mut_ptr() } else { self.bases[b] as usize as *mut u8 })
+    }
+}
+
+/// Writes every publisher element's known value.
+fn fill_publishers(w: &Workload, memory: &Memory) -> Result<(), String> {
+    let total = w.offers.iter().map(|p| w.bytes(p)).sum();
+    with_progress("filling publisher buffers", total, |done| {
+        for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Publisher) {
+            let offers: Vec<Placed> = w.offers.iter().filter(|o| o.buffer as usize == b).cloned().collect();
+            let mut image = memory.image(w, b, false)?;
+            let ptr = memory.pointer(&mut image, b);
+            parallel(&row_work(w, &offers), |i, first, rows| {
+                let p = &offers[i];
+                let es = w.catalog.tensors[p.tensor as usize].elem_size as usize;
+                let inner = *p.region.extent.last().expect("a box has dimensions");
+                for r in first..first + rows {
+                    let (at, global) = row(w, p, r);
+                    let base = ptr.at(at as usize);
+                    for c in 0..inner {
+                        let value = element_value(p.tensor, global + c);
+                        // SAFETY: offers in one buffer are disjoint boxes inside it.
+                        unsafe { write_element(base.add(c as usize * es), value, es) };
+                    }
+                    done.fetch_add(inner * es as u64, Ordering::Relaxed);
+                }
+                Ok(())
+            })?;
+            if memory.on_gpu {
+                // SAFETY: bases[b] was allocated with buffer.bytes on this device.
+                unsafe { memory.backend.write(buffer.endpoint.device as i32, memory.bases[b], &image) }
+                    .map_err(|e| e.to_string())?;
+            }
+        }
+        Ok(())
+    })
 }
 
 /// Overwrites every receiver buffer with a poison byte, so that a byte the refit misses is seen.
-fn poison_receivers(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64]) -> Result<(), String> {
-    for (b, buffer) in workload.buffers.iter().enumerate().filter(|(_, b)| b.role == Role::Receiver) {
+fn poison_receivers(w: &Workload, memory: &Memory) -> Result<(), String> {
+    for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver) {
         let poison = vec![0xa5u8; buffer.bytes as usize];
         // SAFETY: bases[b] was allocated with buffer.bytes on this device.
-        unsafe { backend.write(ordinal(buffer.endpoint.device), bases[b], &poison) }
+        unsafe { memory.backend.write(buffer.endpoint.device as i32, memory.bases[b], &poison) }
             .map_err(|e| e.to_string())?;
     }
     Ok(())
 }
 
-/// Reads every receiver buffer back and checks each needed element; returns the elements checked.
-fn verify(workload: &Workload, backend: &Arc<dyn Backend>, bases: &[u64]) -> Result<u64, String> {
-    let by_buffer = boxes_by_buffer(workload, Role::Receiver);
-    let mut checked = 0u64;
-    for (b, buffer) in workload.buffers.iter().enumerate().filter(|(_, b)| b.role == Role::Receiver) {
+/// Whether every receiver byte still holds the poison.
+fn receivers_poisoned(w: &Workload, memory: &Memory) -> Result<bool, String> {
+    for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver) {
         let mut bytes = vec![0u8; buffer.bytes as usize];
-        // SAFETY: as in fill.
-        unsafe { backend.read(ordinal(buffer.endpoint.device), bases[b], &mut bytes) }
+        // SAFETY: as in poison_receivers.
+        unsafe { memory.backend.read(buffer.endpoint.device as i32, memory.bases[b], &mut bytes) }
             .map_err(|e| e.to_string())?;
-        let needs = &by_buffer[b];
-        let bytes = &bytes;
-        let results: Vec<Result<u64, String>> = std::thread::scope(|s| {
-            let handles: Vec<_> = needs
-                .chunks(needs.len().div_ceil(threads()).max(1))
-                .map(|chunk| {
-                    s.spawn(move || {
-                        let mut count = 0u64;
-                        for &i in chunk {
-                            let n = &workload.needs[i];
-                            let es = workload.catalog.tensors[n.tensor as usize].elem_size as usize;
-                            let mask = if es >= 8 { u64::MAX } else { (1u64 << (8 * es)) - 1 };
-                            let mut wrong = None;
-                            workload.for_each_element(n, |at, g| {
-                                let at = at as usize;
-                                if wrong.is_none()
-                                    && read_element(&bytes[at..at + es]) != element_value(n.tensor, g) & mask
-                                {
-                                    wrong = Some(g);
-                                }
-                                count += 1;
-                            });
-                            if let Some(g) = wrong {
-                                let name = &workload.catalog.tensors[n.tensor as usize].name;
-                                return Err(format!("{}: element {g} of {name} is wrong", buffer.name));
-                            }
+        if bytes.iter().any(|&x| x != 0xa5) {
+            return Ok(false);
+        }
+    }
+    Ok(true)
+}
+
+/// Checks every received element against its known value; returns the elements checked.
+fn check_receivers(w: &Workload, memory: &Memory) -> Result<u64, String> {
+    let total = w.needs.iter().map(|p| w.bytes(p)).sum();
+    let checked = AtomicU64::new(0);
+    with_progress("checking every received element", total, |done| {
+        for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver) {
+            let needs: Vec<Placed> = w.needs.iter().filter(|n| n.buffer as usize == b).cloned().collect();
+            let mut image = memory.image(w, b, true)?;
+            let ptr = memory.pointer(&mut image, b);
+            parallel(&row_work(w, &needs), |i, first, rows| {
+                let n = &needs[i];
+                let es = w.catalog.tensors[n.tensor as usize].elem_size as usize;
+                let inner = *n.region.extent.last().expect("a box has dimensions");
+                for r in first..first + rows {
+                    let (at, global) = row(w, n, r);
+                    let base = ptr.at(at as usize);
+                    let mask = if es >= 8 { u64::MAX } else { (1u64 << (8 * es)) - 1 };
+                    for c in 0..inner {
+                        // SAFETY: the need lies inside its buffer.
+                        let got = unsafe { read_element(base.add(c as usize * es), es) };
+                        if got != element_value(n.tensor, global + c) & mask {
+                            let tensor = &w.catalog.tensors[n.tensor as usize].name;
+                            return Err(format!(
+                                "{}: element {} of {tensor} is wrong",
+                                buffer.name,
+                                global + c
+                            ));
                         }
-                        Ok(count)
-                    })
-                })
-                .collect();
-            handles.into_iter().map(|h| h.join().expect("verifier thread")).collect()
-        });
-        for r in results {
-            checked += r?;
+                    }
+                    checked.fetch_add(inner, Ordering::Relaxed);
+                    done.fetch_add(inner * es as u64, Ordering::Relaxed);
+                }
+                Ok(())
+            })?;
         }
-    }
-    Ok(checked)
+        Ok(checked.load(Ordering::Relaxed))
+    })
 }
 
-/// The NVLink floor of the refit, measured: each rank pushes `bytes` into the next rank's device with
-/// one copy-engine copy on its group stream, all ranks at once (median of 5, after a warm-up).
-fn copy_engine_floor(group: &Group, bytes: u64) -> refit::Result<f64> {
-    let backend = group.backend();
-    let n = group.size();
-    let mut buffers = Vec::with_capacity(n);
-    for rank in 0..n {
-        let device = group.device(rank)?;
-        buffers.push((
-            device,
-            backend.alloc(device, bytes as usize)?,
-            backend.alloc(device, bytes as usize)?,
-        ));
+/// The plan through the C API: each process rank's table encoded, decoded by `refit_table_decode`,
+/// and planned by `refit_plan_build`.
+fn plan_through_c(w: &Workload, bases: &[u64]) -> Result<*mut refit_plan, String> {
+    let tables = w.tables(bases).map_err(|e| e.to_string())?;
+    let mut decoded: Vec<*mut refit_table> = Vec::new();
+    for table in &tables {
+        let bytes = wire::encode(table);
+        let mut handle = std::ptr::null_mut();
+        // SAFETY: `bytes` is readable for its length; `handle` is a writable slot.
+        ok(unsafe { refit_table_decode(bytes.as_ptr(), bytes.len(), &mut handle) }, "refit_table_decode")?;
+        decoded.push(handle);
     }
-    let mut times = Vec::new();
-    for _ in 0..6 {
-        let start = Instant::now();
-        group.in_implicit_scope(|| {
-            for rank in 0..n {
-                let (device, src, _) = buffers[rank];
-                let (_, _, dst) = buffers[(rank + 1) % n];
-                let copy = refit::Segment::contiguous(src, dst, bytes);
-                // SAFETY: both buffers were allocated above with `bytes` bytes.
-                unsafe { backend.copy_segments(device, group.stream(rank)?, &[copy]) }?;
-            }
-            Ok(())
-        })?;
-        times.push(start.elapsed().as_secs_f64() * 1e3);
+    let mut plan = std::ptr::null_mut();
+    let readers: Vec<*const refit_table> = decoded.iter().map(|&t| t as *const _).collect();
+    // SAFETY: live tables, NULL options (defaults), a writable slot.
+    let built = ok(
+        unsafe { refit_plan_build(readers.as_ptr(), readers.len(), std::ptr::null(), &mut plan) },
+        "refit_plan_build",
+    );
+    for table in decoded {
+        // SAFETY: decoded above, released once.
+        unsafe { refit_table_destroy(table) };
     }
-    for (device, src, dst) in buffers {
-        // SAFETY: allocated above; the implicit scope's exit synchronized.
-        unsafe {
-            backend.free(device, src)?;
-            backend.free(device, dst)?;
-        }
-    }
-    let mut warm = times.split_off(1);
-    warm.sort_by(f64::total_cmp);
-    Ok(warm[warm.len() / 2])
+    built.map(|()| plan)
 }
 
-fn gib(bytes: u64) -> f64 {
-    bytes as f64 / (1u64 << 30) as f64
+fn empty_stats() -> RunStats {
+    RunStats::default()
+}
+
+fn arm_name(code: u32) -> &'static str {
+    match code {
+        REFIT_ARM_KERNEL => "kernel",
+        REFIT_ARM_COPY_ENGINE => "copy engine",
+        _ => "-",
+    }
+}
+
+fn ms(ns: u64) -> f64 {
+    ns as f64 / 1e6
 }
 
 fn main() {
@@ -246,20 +425,36 @@ fn main() {
 
 fn run() -> Result<(), String> {
     let args = parse_args()?;
-    let devices: Vec<i32> = (0..args.devices as i32).collect();
-    let group = Group::new(&devices, GroupOptions::default()).map_err(|e| e.to_string())?;
-    let backend = Arc::clone(group.backend());
-    let on_gpu = group.backend_kind() == refit::transport::BackendKind::Cuda;
-    // The host backend keeps every simulated device in this machine's memory: a few layers by default.
+    if let Some(n) = args.processes {
+        return processes::run(&args, n);
+    }
+    let started = Instant::now();
+    let cuda = cuda_backend().ok().filter(|b| b.device_count() > 0);
+    let on_gpu = cuda.is_some();
+    let available = cuda.as_ref().map_or(2, |b| b.device_count());
+    let devices = args.devices.unwrap_or(available.min(2));
+    let backend: Arc<dyn Backend> = match cuda {
+        Some(cuda) => cuda,
+        None => Arc::new(HostBackend::new(devices).map_err(|e| e.to_string())?),
+    };
+    // The host backend keeps every simulated device in this machine's memory: one layer by default.
     let layers = args.layers.unwrap_or(if on_gpu { 48 } else { 1 });
+
+    let mut options = unsafe { std::mem::zeroed::<refit_group_options>() };
+    ok(refit_group_options_init(&mut options), "refit_group_options_init")?;
+    options.backend = if on_gpu { REFIT_BACKEND_CUDA } else { REFIT_BACKEND_HOST };
+    let ordinals: Vec<i32> = (0..devices as i32).collect();
+    let mut group = std::ptr::null_mut();
+    ok(refit_group_create(ordinals.as_ptr(), ordinals.len(), &options, &mut group), "refit_group_create")?;
+
     let endpoints: Vec<Endpoint> =
-        (0..args.devices as u32).map(|device| Endpoint { process: 0, device }).collect();
+        (0..devices as u32).map(|device| Endpoint { process: 0, device }).collect();
     let spec = Spec {
         model: Model::qwen3_30b_a3b().with_layers(layers),
         publishers: Megatron {
             endpoints: endpoints.clone(),
             tp: 1,
-            ep: args.devices as u64,
+            ep: devices as u64,
             grouped_experts: true,
         },
         publisher_layout: args.layout,
@@ -267,33 +462,40 @@ fn run() -> Result<(), String> {
         receiver_layout: Packing::Separate,
         digests: true,
     };
+    let between = if on_gpu {
+        "GPU to GPU (NVLink where the GPUs have it)"
+    } else {
+        "between simulated devices (memcpy)"
+    };
     println!(
-        "refit demo: Qwen3-30B-A3B ({layers} of 48 layers, BF16), Megatron EP{g} publishers -> vLLM TP{g} \
-         receivers, colocated on {g} {} device(s) ({}), publisher layout {:?}",
-        if on_gpu { "CUDA" } else { "host-simulated" },
+        "refit demo: Qwen3-30B-A3B ({layers} of 48 layers, BF16), Megatron EP{devices} publishers -> vLLM TP{devices} \
+         receivers, colocated on {devices} {} ({}), publisher layout {:?}",
+        if on_gpu { "CUDA device(s)" } else { "simulated device(s) of the host backend: threads and host memory" },
         backend.device_name(0),
         args.layout,
-        g = args.devices,
     );
 
     let workload = Workload::generate(&spec).map_err(|e| e.to_string())?;
+    let total: u64 = workload.buffers.iter().map(|b| b.bytes).sum();
+    println!("[1/5] allocating {} buffers, {:.2} GiB", workload.buffers.len(), gib(total));
     let mut bases = Vec::with_capacity(workload.buffers.len());
     for buffer in &workload.buffers {
         bases.push(
-            backend
-                .alloc(ordinal(buffer.endpoint.device), buffer.bytes as usize)
-                .map_err(|e| e.to_string())?,
+            backend.alloc(buffer.endpoint.device as i32, buffer.bytes as usize).map_err(|e| e.to_string())?,
         );
     }
-    let t = Instant::now();
-    fill_publishers(&workload, &backend, &bases)?;
-    println!("filled {} publisher buffers in {:.1} s", workload.offers.len(), t.elapsed().as_secs_f64());
+    let memory = Memory { backend: Arc::clone(&backend), bases: bases.clone(), on_gpu };
+    println!("[2/5] filling every publisher element with a known value");
+    fill_publishers(&workload, &memory)?;
 
-    let tables = workload.tables(&bases).map_err(|e| e.to_string())?;
-    let plan = plan::build(&tables, &PlanOptions::default()).map_err(|e| e.to_string())?;
-    let s = plan.stats();
+    println!("[3/5] planning through the C API (tables encoded, decoded, planned)");
+    let plan = plan_through_c(&workload, &bases)?;
+    let mut s = unsafe { std::mem::zeroed::<refit::plan::PlanStats>() };
+    s.size = std::mem::size_of::<refit::plan::PlanStats>();
+    // SAFETY: a live plan; `s` has its size set.
+    ok(unsafe { refit_plan_get_stats(plan, &mut s) }, "refit_plan_get_stats")?;
     println!(
-        "plan: {} offers in, {} kept; {:.2} GiB needed; every replica read: {} ranges; one owner per replica: {} ranges; \
+        "  {} offers in, {} kept; {:.2} GiB needed; every replica read: {} ranges; one owner per replica: {} ranges; \
          coalesced: {} strided segments ({} flat runs); built in {:.1} ms",
         s.offers_in,
         s.offers_kept,
@@ -305,59 +507,113 @@ fn run() -> Result<(), String> {
         s.build_ns as f64 / 1e6
     );
     println!(
-        "bytes by route: same device {:.2} GiB, NVLink peer {:.2} GiB, other process {:.2} GiB",
+        "  bytes by route: within a device {:.2} GiB, {between} {:.2} GiB, other processes {:.2} GiB",
         gib(s.bytes_local),
         gib(s.bytes_peer),
         gib(s.bytes_remote)
     );
 
-    let mut executor = Executor::new();
+    let make = |commit: u32, verify: bool| -> Result<*mut refit_executor, String> {
+        let mut options = unsafe { std::mem::zeroed::<refit_executor_options>() };
+        ok(refit_executor_options_init(&mut options), "refit_executor_options_init")?;
+        options.arm = args.arm;
+        options.sm_budget = args.sm_budget;
+        options.verify = verify;
+        options.commit = commit;
+        options.staging_limit = if commit == REFIT_COMMIT_STAGED { args.staging_limit_mib << 20 } else { 0 };
+        let mut executor = std::ptr::null_mut();
+        let t = Instant::now();
+        ok(refit_executor_create(plan, group, 0, &options, &mut executor), "refit_executor_create")?;
+        println!(
+            "  executor created in {:.1} ms (descriptors built and uploaded, staging allocated)",
+            t.elapsed().as_secs_f64() * 1e3
+        );
+        Ok(executor)
+    };
+
+    println!("[4/5] phase 1: {} direct steps (each run writes the live buffers)", args.steps);
+    poison_receivers(&workload, &memory)?;
+    let direct = make(REFIT_COMMIT_DIRECT, false)?;
     let mut rows = Vec::new();
-    let arms: &[Arm] = if args.reference { &[Arm::Batched, Arm::PerRun] } else { &[Arm::Batched] };
-    for &arm in arms {
-        poison_receivers(&workload, &backend, &bases)?;
-        let mut steps: Vec<StageTimes> = Vec::new();
-        for _ in 0..args.steps.max(1) {
-            // SAFETY: every address in the plan is one of the buffers allocated above.
-            steps.push(unsafe { executor.execute(&group, &plan, 0, arm) }.map_err(|e| e.to_string())?);
-        }
-        let elements = verify(&workload, &backend, &bases)?;
-        let cold = steps[0];
-        let mut warm: Vec<f64> = steps.iter().skip(1).map(|t| t.total_s).collect();
-        warm.sort_by(f64::total_cmp);
-        let median = warm.get(warm.len() / 2).copied().unwrap_or(cold.total_s);
-        let last = *steps.last().expect("at least one step");
-        rows.push((arm, cold, median, last, elements));
+    for step in 0..args.steps {
+        let mut stats = empty_stats();
+        ok(refit_executor_run(direct, group, &mut stats), "refit_executor_run")?;
+        rows.push((format!("direct {}", step + 1), stats));
     }
+    refit_executor_destroy(direct);
+    let elements = check_receivers(&workload, &memory)?;
+    println!("  all {elements} received elements correct");
+
+    println!(
+        "[5/5] phase 2: two staged, verified steps (run receives into staging and verifies; commit installs)"
+    );
+    let staged = make(REFIT_COMMIT_STAGED, true)?;
+    for step in 1..=2 {
+        poison_receivers(&workload, &memory)?;
+        let mut ran = empty_stats();
+        ok(refit_executor_run(staged, group, &mut ran), "refit_executor_run")?;
+        if ran.slices > 1 {
+            println!(
+                "  step {step}: {} slices; the run installed all but the last (the guarantee is per slice)",
+                ran.slices
+            );
+        } else if receivers_poisoned(&workload, &memory)? {
+            println!("  step {step}: after the run every live byte is unchanged (still the poison)");
+        } else {
+            return Err("a staged run changed live bytes before its commit".into());
+        }
+        let mut committed = empty_stats();
+        ok(refit_executor_commit(staged, group, &mut committed), "refit_executor_commit")?;
+        rows.push((format!("staged run {step}"), ran));
+        rows.push((format!("commit {step}"), committed));
+    }
+    refit_executor_destroy(staged);
+    let elements = check_receivers(&workload, &memory)?;
+    println!("  all {elements} received elements correct");
 
     println!();
-    println!("| arm | first step ms (descriptors ms) | warm step median ms | enqueue ms | wait ms | attributed | GB/s | elements checked |");
-    println!("|---|---|---|---|---|---|---|---|");
-    for (arm, cold, median, last, elements) in &rows {
+    println!("| step | wall ms | host enqueue ms | host wait ms | device ms | local ms | peer ms | verify ms | commit ms | arm local / peer | payload GB/s |");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    for (name, r) in &rows {
+        let payload: u64 = r.bytes.iter().sum::<u64>().max(r.installed_bytes);
         println!(
-            "| {arm:?} | {:.1} ({:.1}) | {:.1} | {:.2} | {:.1} | {:.1}% | {:.0} | {elements} (all correct) |",
-            cold.total_s * 1e3,
-            cold.descriptors_s * 1e3,
-            median * 1e3,
-            last.enqueue_s * 1e3,
-            last.wait_s * 1e3,
-            100.0 * last.attributed_s() / last.total_s,
-            last.bytes as f64 / median / 1e9,
+            "| {name} | {:.2} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} / {} | {:.0} |",
+            ms(r.wall_ns),
+            ms(r.enqueue_ns),
+            ms(r.wait_ns),
+            ms(r.device_ns),
+            ms(r.local_ns),
+            ms(r.peer_ns),
+            ms(r.verify_ns),
+            ms(r.commit_ns),
+            arm_name(r.arm[0]),
+            arm_name(r.arm[1]),
+            payload as f64 / r.wall_ns.max(1) as f64,
         );
     }
-    if on_gpu && s.bytes_peer > 0 {
-        let per_direction = s.bytes_peer / args.devices as u64;
-        let floor_ms = copy_engine_floor(&group, per_direction).map_err(|e| e.to_string())?;
-        println!(
-            "floor, measured in this run: every device pushes {:.2} GiB into the next over NVLink with one \
-             copy-engine copy each, all at once: {floor_ms:.1} ms (CEILINGS.md: {:.1} ms at 391 GB/s)",
-            gib(per_direction),
-            per_direction as f64 / 391e9 * 1e3
-        );
-    }
+    println!(
+        "\nColumns (refit_run_stats): wall: the whole call on the host; host enqueue: queueing the work (constant \
+         whatever the segment count); host wait: blocked on the device (these calls run outside a scope, so they \
+         return complete); device: the step's span on the device; local / peer: the copies within a device and \
+         {between}, which run side by side; verify: checking every copied byte on the device (the kernel's \
+         against digests of what it read, the copy engine's against the sources); commit: installing staging \
+         into the live buffers; arm: how each route kind moved (kernel or copy engine); \
+         payload GB/s: bytes moved (installed, for the commit) per wall second{}.",
+        if on_gpu {
+            ""
+        } else {
+            " (on the host backend every copy is a memcpy on a simulated stream's thread, and the first staged run \
+             also touches its freshly allocated staging for the first time)"
+        }
+    );
+
+    // SAFETY: built above, released once; the executors are gone.
+    unsafe { refit_plan_destroy(plan) };
+    refit_group_destroy(group);
     for (b, buffer) in workload.buffers.iter().enumerate() {
-        // SAFETY: allocated above, no work queued any more (execute returned after a synchronous exit).
-        unsafe { backend.free(ordinal(buffer.endpoint.device), bases[b]) }.map_err(|e| e.to_string())?;
+        // SAFETY: allocated above; nothing queued uses it any more (the group is destroyed).
+        unsafe { backend.free(buffer.endpoint.device as i32, bases[b]) }.map_err(|e| e.to_string())?;
     }
+    println!("done in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
 }

@@ -53,11 +53,53 @@
 #define REFIT_ALLGATHER_HOST 3
 
 /**
+ * Bytes of a refit_comm_id.
+ */
+#define REFIT_COMM_ID_BYTES 136
+
+/**
  * refit_copy_batch* flag: before copying anything, check that no destination byte is written twice
  * and fail with REFIT_STATUS_OVERLAP if one is. Without it, overlapping destinations are the caller's
  * error (on a GPU which write lands is undefined).
  */
 #define REFIT_COPY_CHECKED 1
+
+/**
+ * Executor arm: per route kind, the copy engine where the average contiguous run is at least
+ * 16 MiB (or where the kernel cannot run: no direct peer access, no libnvrtc), the batched kernel
+ * otherwise. refit_run_stats.arm says which ran.
+ */
+#define REFIT_ARM_AUTO 0
+
+/**
+ * Executor arm: the batched copy kernel (one launch per rank and stage; any segment size near
+ * memory bandwidth; capped by sm_budget).
+ */
+#define REFIT_ARM_KERNEL 1
+
+/**
+ * Executor arm: one copy-engine copy per contiguous run. Uses no SMs (NVLink peer copies overlap
+ * compute freely); host time grows with the number of runs.
+ */
+#define REFIT_ARM_COPY_ENGINE 2
+
+/**
+ * refit_run_stats.arm only: the call moved no bytes of that route kind.
+ */
+#define REFIT_ARM_NONE 3
+
+/**
+ * Executor commit: refit_executor_run copies straight into the live buffers.
+ */
+#define REFIT_COMMIT_DIRECT 0
+
+/**
+ * Executor commit, all or nothing: refit_executor_run lands every byte in staging on the receiving
+ * device (verified there when asked), refit_executor_commit copies it into the live buffers with one
+ * batched launch per receiving device. A step larger than staging_limit runs in slices: run installs
+ * every slice but the last, commit the last, and the guarantee then holds per slice.
+ */
+#define REFIT_COMMIT_STAGED 1
 
 /**
  * Pick the CUDA backend when libcuda loads and has a device, else the host backend.
@@ -192,7 +234,8 @@ typedef enum {
    */
   REFIT_STATUS_CALLBACK_FAILED = 13,
   /**
-   * This rank stopped because another rank of the same operation failed first.
+   * This rank stopped because another rank of the same operation failed first, or because a peer
+   * process of a communicator exited or aborted it (message names the rank).
    */
   REFIT_STATUS_ABORTED = 14,
   /**
@@ -239,7 +282,43 @@ typedef enum {
    * An index, rank or name is not present.
    */
   REFIT_STATUS_NOT_FOUND = 25,
+  /**
+   * Installed bytes differ from their sources (an executor's verify stage); the message names the
+   * tensor, box and element.
+   */
+  REFIT_STATUS_VERIFY_MISMATCH = 26,
+  /**
+   * The memory a plan was built for changed in a way its executor cannot follow (e.g. a rebind that
+   * cuts through a buffer the plan reads or writes): build a new plan.
+   */
+  REFIT_STATUS_PLAN_STALE = 27,
+  /**
+   * A peer did not take part in a communicator's call within the communicator's timeout; the
+   * communicator is aborted (message names the call and the timeout).
+   */
+  REFIT_STATUS_TIMEOUT = 28,
 } refit_status;
+
+/**
+ * One rank of a communicator between processes (a process and one of its devices).
+ *
+ * Thread-safety: calls on one communicator are made by one thread at a time, in the same order on
+ * every rank (as NCCL requires); refit_comm_abort may be called from any thread at any time, also
+ * while another thread is inside a call on the same communicator. Different communicators are
+ * independent.
+ */
+typedef struct refit_comm refit_comm;
+
+/**
+ * An executor: one process's share of a plan prepared for a group (descriptors built and uploaded
+ * once), run step after step. Keeps no reference to the plan or the group: each call is passed the
+ * group it was created with.
+ *
+ * Thread-safety: an executor is used by one thread at a time, the thread driving its group (its
+ * calls queue work on the group's streams, so no other call on the group may run meanwhile).
+ * Different executors of one group are called one after the other from that thread.
+ */
+typedef struct refit_executor refit_executor;
 
 /**
  * A device group: one rank per device, each with its own non-blocking stream created once, and one
@@ -280,6 +359,62 @@ typedef struct refit_prepared_copy refit_prepared_copy;
 typedef struct refit_table refit_table;
 
 /**
+ * Options of refit_comm_create and refit_comm_adopt. Fill with refit_comm_options_init, then change
+ * fields.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_comm_options) as the caller was compiled with (set by refit_comm_options_init).
+   */
+  size_t size;
+  /**
+   * No call waits for peers longer than this many milliseconds (default 600000, ten minutes; at
+   * least 1). Past it the communicator is aborted and every rank's call fails with
+   * REFIT_STATUS_TIMEOUT (or REFIT_STATUS_ABORTED once a peer has aborted).
+   */
+  uint64_t timeout_ms;
+  /**
+   * Bytes of staging each process may use for transfers that pack strided data (default 256 MiB;
+   * at least 1 MiB).
+   */
+  uint64_t staging_bytes;
+  /**
+   * Executors across processes (refit_executor_create_across) write straight into the memory of
+   * processes on the same machine through CUDA IPC (default true); false sends every pair's
+   * bytes through staging over the communicator.
+   */
+  bool ipc;
+} refit_comm_options;
+
+/**
+ * The id every rank of one communicator is created from. One process makes it
+ * (refit_comm_get_unique_id) and the caller hands it to the others by its own means (a TCP store,
+ * MPI, a file, an environment variable); it is plain bytes, copied freely.
+ */
+typedef struct {
+  uint8_t internal[136];
+} refit_comm_id;
+
+/**
+ * Options of refit_plan_build. Fill with refit_plan_options_init, then change fields.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_plan_options) as the caller knows it (set by refit_plan_options_init).
+   */
+  size_t size;
+  /**
+   * REFIT_POLICY_FIRST, REFIT_POLICY_LOCAL (default) or REFIT_POLICY_BALANCED.
+   */
+  uint32_t policy;
+  /**
+   * 1: join segments across boxes and tensors (default); 0: do not (only for A/B checks). Any
+   * other value is INVALID_ARGUMENT.
+   */
+  uint8_t coalesce;
+} refit_plan_options;
+
+/**
  * A strided box of bytes: a contiguous run of `len` bytes, repeated `count[0]` times with strides
  * `src_stride[0]` / `dst_stride[0]`, and that whole pattern repeated `count[1]` times with strides
  * `src_stride[1]` / `dst_stride[1]`. Byte `b` of repetition `(i, j)` is read from
@@ -314,6 +449,153 @@ typedef struct {
 } refit_segment;
 
 /**
+ * Options of refit_executor_create. Fill with refit_executor_options_init, then change fields.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_executor_options) as the caller knows it (set by refit_executor_options_init).
+   */
+  size_t size;
+  /**
+   * REFIT_ARM_AUTO (default), REFIT_ARM_KERNEL or REFIT_ARM_COPY_ENGINE.
+   */
+  uint32_t arm;
+  /**
+   * Kernel copies from the sources use at most this many thread blocks, so at most this many SMs,
+   * leaving the rest to work beside the refit (0, the default: no cap). Not with
+   * REFIT_ARM_COPY_ENGINE. The verify stage and the staged install are not capped.
+   */
+  uint32_t sm_budget;
+  /**
+   * After each copy, check on the device, on the copy's stream, every byte it wrote: the kernel's
+   * destinations against digests it recorded of the sources it read (reads the destinations only;
+   * detects any changed element, and other changes but for a 2^-64 chance), the copy engine's
+   * byte by byte against the sources. A mismatch is REFIT_STATUS_VERIFY_MISMATCH naming the
+   * tensor, box and element (default false).
+   */
+  bool verify;
+  /**
+   * REFIT_COMMIT_DIRECT (default) or REFIT_COMMIT_STAGED.
+   */
+  uint32_t commit;
+  /**
+   * REFIT_COMMIT_STAGED only: the most staging bytes per receiving device, at least 4096; 0 (the
+   * default) stages the whole step at once.
+   */
+  uint64_t staging_limit;
+} refit_executor_options;
+
+/**
+ * What one run or commit did, and where its time went. Before a call that fills it, C callers set
+ * `size` to sizeof(refit_run_stats). Arrays are indexed by REFIT_ROUTE_LOCAL, _PEER, _REMOTE.
+ *
+ * Host time: prepare_ns + enqueue_ns + wait_ns account for wall_ns (the rest is the call's own
+ * bookkeeping). Device time per stage comes from stamps on the streams: the longest rank's, summed
+ * over slices. A rank's local and peer copies run side by side, so device_ns (the longest rank's span
+ * from its first stage's start to its last stage's end) is what the stages amount to on the device.
+ * Device times are filled only when the call waited for the device (device_timed);
+ * refit_executor_stats waits and fills them.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_run_stats) as the caller knows it (Rust: always the full size).
+   */
+  size_t size;
+  /**
+   * No descriptor was rebuilt for this call (false after a rebind touched a verify's).
+   */
+  bool descriptors_reused;
+  /**
+   * The device times below are filled.
+   */
+  bool device_timed;
+  /**
+   * This call checked the copied bytes against their sources, and all matched.
+   */
+  bool verified;
+  /**
+   * Slices the step ran in (1 unless staged above staging_limit); 0 for a commit.
+   */
+  uint32_t slices;
+  /**
+   * How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, or _NONE (this call
+   * moved none of that kind).
+   */
+  uint32_t arm[3];
+  /**
+   * Payload bytes copied from the sources by this call, per route kind.
+   */
+  uint64_t bytes[3];
+  /**
+   * Segments copied from the sources by this call, per route kind.
+   */
+  uint64_t segments[3];
+  /**
+   * Bytes this call wrote into live buffers (a direct run: all; staged: what it installed).
+   */
+  uint64_t installed_bytes;
+  /**
+   * Bytes this call compared with their sources.
+   */
+  uint64_t verified_bytes;
+  /**
+   * The whole call, on the host.
+   */
+  uint64_t wall_ns;
+  /**
+   * Host time rebuilding descriptors (0 when reused).
+   */
+  uint64_t prepare_ns;
+  /**
+   * Host time ordering the streams and queueing every stage.
+   */
+  uint64_t enqueue_ns;
+  /**
+   * Host time blocked on the device (outside a scope; verify outcomes; slices).
+   */
+  uint64_t wait_ns;
+  /**
+   * Device time of the copies within a device.
+   */
+  uint64_t local_ns;
+  /**
+   * Device time of the copies between devices (NVLink).
+   */
+  uint64_t peer_ns;
+  /**
+   * Device time of the verify stage.
+   */
+  uint64_t verify_ns;
+  /**
+   * Device time of the installs from staging into the live buffers.
+   */
+  uint64_t commit_ns;
+  /**
+   * Device time of the whole call (see above).
+   */
+  uint64_t device_ns;
+  /**
+   * Payload bytes this process received from other processes (an executor made with a
+   * communicator; bytes[REFIT_ROUTE_REMOTE] counts those it sent).
+   */
+  uint64_t remote_received_bytes;
+  /**
+   * Of the bytes sent to other processes: written straight into their memory through CUDA IPC.
+   */
+  uint64_t remote_ipc_bytes;
+  /**
+   * Of the bytes sent to other processes: packed and sent through staging over the communicator
+   * (NCCL), the bytes on the wire.
+   */
+  uint64_t remote_wire_bytes;
+  /**
+   * Other processes this one exchanges bytes with through CUDA IPC, and through staging.
+   */
+  uint32_t remote_ipc_peers;
+  uint32_t remote_staged_peers;
+} refit_run_stats;
+
+/**
  * Options of refit_group_create. Fill with refit_group_options_init, then change fields.
  */
 typedef struct {
@@ -337,25 +619,6 @@ typedef struct {
  * device current and `stream` the rank's stream. Returns 0 on success; any other value fails the run.
  */
 typedef int32_t (*refit_rank_callback)(uint32_t rank, void *stream, void *user_data);
-
-/**
- * Options of refit_plan_build. Fill with refit_plan_options_init, then change fields.
- */
-typedef struct {
-  /**
-   * sizeof(refit_plan_options) as the caller knows it (set by refit_plan_options_init).
-   */
-  size_t size;
-  /**
-   * REFIT_POLICY_FIRST, REFIT_POLICY_LOCAL (default) or REFIT_POLICY_BALANCED.
-   */
-  uint32_t policy;
-  /**
-   * 1: join segments across boxes and tensors (default); 0: do not (only for A/B checks). Any
-   * other value is INVALID_ARGUMENT.
-   */
-  uint8_t coalesce;
-} refit_plan_options;
 
 /**
  * Counts of a plan or of one receiver's part of it. Before a call that fills it, C callers set
@@ -540,12 +803,19 @@ refit_status refit_allgather(refit_group *group,
  * once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
  * share of refit_allgather's PEER, with the same methods, and costs what a whole-group call costs
  * (benches/gpu_allgather.rs, loop of calls, against NCCL called per rank).
- * Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
- * fails first, this returns ABORTED instead of waiting forever.
+ * Ranks meet at an abortable barrier (spinning briefly, then blocking), and each call is a call of
+ * its own: a rank meets only the other ranks' same call, never the next one. Instead of waiting
+ * forever, or returning with blocks missing, it returns ABORTED when another rank's callback failed
+ * first; when another rank's callback returned without making this call; or when another rank left
+ * this call after failing in it (its own error) and made a new call. Calls that fail for their
+ * arguments fail on every rank alike (different counts or algorithms, overlapping receive buffers),
+ * so a retry on every rank works; after ABORTED, recv is undefined and calling again on every rank
+ * works too.
  *
  * Errors: as refit_allgather, plus INVALID_STATE (not called from this group's rank callback),
  * INVALID_ARGUMENT (rank is not the calling callback's rank, or ranks passed different counts or
- * algorithms: every rank then fails), ABORTED.
+ * algorithms: every rank then fails), OVERLAP (also when two ranks' receive buffers overlap: every
+ * rank then fails), ABORTED.
  */
 refit_status refit_group_allgather_rank(refit_group *group,
                                         uint32_t rank,
@@ -554,6 +824,172 @@ refit_status refit_group_allgather_rank(refit_group *group,
                                         const size_t *counts,
                                         uint32_t algo,
                                         uint32_t *picked);
+
+/**
+ * Fills `options` with the defaults and sets options->size. Thread-safe.
+ * Errors: REFIT_STATUS_NULL_ARGUMENT.
+ */
+refit_status refit_comm_options_init(refit_comm_options *options);
+
+/**
+ * Writes a new id to `*id`. `backend` picks what the communicator moves: REFIT_BACKEND_CUDA (device
+ * memory, through NCCL: the id is an ncclUniqueId, and NCCL's bootstrap root runs in this process,
+ * which must live until every rank has joined), REFIT_BACKEND_HOST (host memory, through Unix
+ * sockets between the processes of one machine: a test-only simulation of NCCL for machines without
+ * GPUs), or REFIT_BACKEND_AUTO (CUDA when libcuda loads and has a device, else HOST). Every rank
+ * passes the same id to refit_comm_create. Thread-safe; blocking; not ordered with any stream.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (backend), CUDA_UNAVAILABLE (CUDA asked for), NCCL_UNAVAILABLE
+ * (libnccl missing, or older than 2.14), NCCL_ERROR.
+ */
+refit_status refit_comm_get_unique_id(uint32_t backend,
+                                      refit_comm_id *id);
+
+/**
+ * Joins the communicator `id` as rank `rank` of `nranks`, on CUDA device `device` (on the host
+ * backend `device` is recorded only), and writes the handle to `*comm`. Every rank calls it with the
+ * same id and nranks, each with its own rank; the call blocks until every rank has joined, at most
+ * options->timeout_ms. `options` may be NULL (defaults). On the CUDA backend the NCCL communicator is
+ * created nonblocking, so that refit bounds every wait by the timeout. Not ordered with any stream;
+ * the calling thread's current CUDA context is left as it was.
+ *
+ * Errors: NULL_ARGUMENT (id, comm), INVALID_ARGUMENT (an id not made by refit_comm_get_unique_id,
+ * nranks 0, rank not below nranks, bad options, a rank taken by another process, ranks that pass
+ * different nranks), INVALID_DEVICE, TIMEOUT (a rank did not join in time), ABORTED,
+ * NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, CUDA_ERROR.
+ */
+refit_status refit_comm_create(const refit_comm_id *id,
+                               uint32_t nranks,
+                               uint32_t rank,
+                               int32_t device,
+                               const refit_comm_options *options,
+                               refit_comm **comm);
+
+/**
+ * Wraps `nccl_comm`, an ncclComm_t the caller already holds (a framework's process group), in a
+ * handle written to `*comm`; rank, size and device are NCCL's. The caller keeps owning it:
+ * refit_comm_destroy does not destroy it, and it must outlive the handle. `nccl_comm` must come from
+ * the same libnccl that refit loads (the one already loaded in the process under the name
+ * libnccl.so.2, else REFIT_NCCL_LIBRARY): a communicator of another copy of NCCL is undefined
+ * behaviour. When a call times out, or on refit_comm_abort, refit revokes the communicator
+ * (ncclCommRevoke, NCCL 2.28 and later; with an older NCCL its pending work is not stopped and a
+ * warning says so): its owner must then destroy it. refit bounds its waits by the timeout only when
+ * the communicator was created nonblocking (ncclConfig_t.blocking = 0); with a blocking one, NCCL
+ * itself may block a call while it connects to peers. Not ordered with any stream.
+ *
+ * Errors: NULL_ARGUMENT (nccl_comm, comm), INVALID_ARGUMENT (bad options; NCCL reports an
+ * impossible rank), NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, INVALID_DEVICE.
+ */
+refit_status refit_comm_adopt(void *nccl_comm,
+                              const refit_comm_options *options,
+                              refit_comm **comm);
+
+/**
+ * Destroys the handle (NULL is ignored). Waits, at most the timeout, for this rank's queued calls to
+ * complete, then frees the communicator (a communicator of refit_comm_adopt is left to its owner);
+ * an executor made with it (refit_executor_create_across) keeps it until that executor is destroyed.
+ * If they do not complete in time, or the communicator failed, it is aborted instead, so destroy
+ * never hangs. Peers still waiting for this rank fail (ABORTED on the host backend at once; TIMEOUT
+ * on NCCL at their timeout). Must not be called while another thread uses the handle.
+ */
+void refit_comm_destroy(refit_comm *comm);
+
+/**
+ * Aborts this rank's part of the communicator: its pending work stops (NCCL: ncclCommAbort, or
+ * ncclCommRevoke for an adopted communicator), and every later call on the handle returns
+ * REFIT_STATUS_ABORTED; only refit_comm_destroy remains to do. Peers waiting for this rank fail too
+ * (ABORTED on the host backend at once; on NCCL at their timeout, or at once where NCCL reports the
+ * peer's failure). Any thread, at any time, also during another thread's call on this handle.
+ * Aborting twice is harmless. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_abort(refit_comm *comm);
+
+/**
+ * This rank's index in the communicator. Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_rank(const refit_comm *comm, uint32_t *rank);
+
+/**
+ * The number of ranks. Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_size(const refit_comm *comm, uint32_t *size);
+
+/**
+ * The CUDA device of this rank (as passed to refit_comm_create, or NCCL's for an adopted
+ * communicator). Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_device(const refit_comm *comm, int32_t *device);
+
+/**
+ * The backend whose memory the communicator moves: REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST.
+ * Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_comm_backend(const refit_comm *comm, uint32_t *backend);
+
+/**
+ * This rank's part of an allgather over the communicator, with refit_allgather's semantics: rank r
+ * contributes `counts[r]` bytes, and `recv` (sum(counts) bytes) receives rank p's block at offset
+ * counts[0] + ... + counts[p-1], in rank order. `counts` has refit_comm_size() entries, the same on
+ * every rank; counts may differ (uneven: grouped ncclSend/ncclRecv of exactly each block, no padding)
+ * and may be 0. In place: `send == recv + offset of this rank`. `send` and `recv` are memory of the
+ * communicator's device (host memory on the host backend).
+ *
+ * Ordering: stream-ordered like ncclAllGather. The work is queued on `stream` (a CUstream of the
+ * communicator's device; NULL for its legacy default stream; on the host backend a host stream from
+ * refit_host_stream_create, NULL for the communicator's own) and this returns without waiting. Once
+ * that work has run, `recv` holds every block and `send` is no longer read. Every rank must make its
+ * calls on the communicator in the same order; they run in that order on every rank.
+ *
+ * A peer that does not take part within the timeout (or exits, or aborts) fails the communicator:
+ * the queued work ends (recv is then undefined) and this call, a later one, or
+ * refit_comm_synchronize returns REFIT_STATUS_TIMEOUT or REFIT_STATUS_ABORTED.
+ *
+ * Thread-safety: as the communicator's. Errors: NULL_ARGUMENT (comm, counts, a NULL buffer with bytes
+ * to move), INVALID_ARGUMENT (overflowing sizes; on the host backend, a peer that passed other
+ * counts), OVERLAP (send overlapping recv other than in place), TIMEOUT, ABORTED, NCCL_ERROR,
+ * CUDA_ERROR.
+ */
+refit_status refit_comm_allgather(refit_comm *comm,
+                                  uint64_t send,
+                                  uint64_t recv,
+                                  const size_t *counts,
+                                  void *stream);
+
+/**
+ * Blocks until the work queued on `stream` (a stream of the communicator's device; NULL as for
+ * refit_comm_allgather) has run, then returns the communicator's failure, if any: how a caller
+ * learns that a queued call failed. Bounded: every call of the communicator completes or is aborted
+ * within the timeout (other work on the stream is waited for as it is). Thread-safety: as the
+ * communicator's.
+ *
+ * Errors: NULL_ARGUMENT, TIMEOUT, ABORTED, NCCL_ERROR (the communicator failed), CUDA_ERROR,
+ * INVALID_ARGUMENT (on the host backend, a stream that is not a host stream).
+ */
+refit_status refit_comm_synchronize(refit_comm *comm, void *stream);
+
+/**
+ * Builds this rank's share of one plan over the communicator and writes it to `*plan`. Every rank
+ * passes its own `table` (each process adds only its own offers and needs; the process index of
+ * its entries is its communicator rank) and the same `options` (NULL: defaults). The encoded tables
+ * are gathered (their sizes first, then the bytes); every rank builds its share: each route from or
+ * to one of its own endpoints, exactly as refit_plan_build of all tables would make it (owners are
+ * a deterministic function of all tables and the options), with the work beyond reading the tables
+ * growing with its own entries; then the ranks compare the fingerprints of the planner's inputs
+ * (tables, options, limits) and the library version before returning. Every rank gets its share,
+ * or every rank gets a status. The share's stats count its own receivers; refit_plan_fingerprint
+ * covers its own routes. Blocks until every rank has called it, each step at most the timeout. Host
+ * memory only; not ordered with any stream.
+ *
+ * Errors: the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP or OVERLAP in a rank's own
+ * needs, ...) on each rank that failed, while the others get ABORTED naming the first such rank;
+ * INVALID_ARGUMENT (bad options; ranks that passed different options or run another refit version:
+ * the message names both) on every rank; DECODE_ERROR (a table's bytes changed on the way),
+ * TIMEOUT, ABORTED, NULL_ARGUMENT (comm, table, plan).
+ */
+refit_status refit_plan_build_across(refit_comm *comm,
+                                     const refit_table *table,
+                                     const refit_plan_options *options,
+                                     refit_plan **plan);
 
 /**
  * Copies `n` segments (see refit_segment) on `stream`, a stream of `rank`'s device (NULL: its legacy
@@ -636,8 +1072,9 @@ void refit_copy_batch_destroy(refit_prepared_copy *batch);
  *
  * Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
  * stream to reach it (CUDA: one kernel, one 8-byte copy, cuStreamSynchronize) and then returns, so the
- * bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass;
- * the first call on a device compiles the kernel.
+ * bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass of
+ * aligned 16-byte loads (so up to 15 bytes around the range, in the 16-byte blocks that hold its
+ * first and last bytes, are read and ignored); the first call on a device compiles the kernel.
  *
  * Thread-safety: may be called from any thread, concurrently with other calls.
  *
@@ -653,6 +1090,159 @@ refit_status refit_digest(const refit_group *group,
                           uint64_t len,
                           void *stream,
                           uint64_t *digest);
+
+/**
+ * Fills `*options` with the defaults: size set, REFIT_ARM_AUTO, no SM cap, no verify,
+ * REFIT_COMMIT_DIRECT, staging_limit 0. Thread-safe. Errors: NULL_ARGUMENT.
+ */
+refit_status refit_executor_options_init(refit_executor_options *options);
+
+/**
+ * Prepares process `process`'s share of `plan` (every route whose source and destination are on
+ * that process rank; endpoint devices are `group`'s device ordinals) for `group`, with `options`
+ * (NULL: the defaults), and writes the executor to `*executor`. Builds and uploads every stage's
+ * descriptors and allocates staging now (blocking; not ordered with any stream); the first use of
+ * the kernel on a device compiles it. The executor keeps nothing of `plan` that its destruction
+ * would invalidate.
+ *
+ * Thread-safety: as the group's calls (the thread driving the group); the plan may be shared.
+ *
+ * Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
+ * commit, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit with REFIT_COMMIT_DIRECT or below
+ * 4096, a segment with a zero address), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a
+ * route between this process and another: this executor moves bytes within one process; the kernel
+ * arm where a rank has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only:
+ * AUTO falls back to the copy engine), CUDA_ERROR.
+ */
+refit_status refit_executor_create(const refit_plan *plan,
+                                   const refit_group *group,
+                                   uint32_t process,
+                                   const refit_executor_options *options,
+                                   refit_executor **executor);
+
+/**
+ * As refit_executor_create, for the process whose communicator rank is `comm`'s, with the routes
+ * between it and the other processes of `comm` as well (REFIT_ROUTE_REMOTE): `plan` is typically
+ * this process's share from refit_plan_build_across. A collective call: every process of the
+ * communicator makes it. Routes between processes must start or end on the communicator's device,
+ * which must be a device of `group`. Per pair of processes, the bytes move through CUDA IPC where
+ * both share a machine and the receiver's memory opens in the sender (the sender's batched kernel
+ * writes straight into the receiver's buffers; cudaMalloc and cuMemCreate memory with POSIX
+ * descriptors requested both share), else through bounded staging over the communicator (pack
+ * with the batched kernel, NCCL send/recv, unpack; at most the communicator's staging_bytes per
+ * process; exactly the segments' bytes on the wire); the first pair falling back from IPC is
+ * logged once. refit_run_stats reports the bytes and peers of each way.
+ *
+ * With REFIT_COMMIT_STAGED, bytes from other processes land in device memory of this process (as
+ * many bytes as it receives, beside staging_limit) and are installed by the commit, which first
+ * waits for them and refuses (INVALID_STATE) when a peer failed meanwhile: live buffers are then
+ * unchanged. verify checks the bytes written through IPC (by the writer, through the opened
+ * memory); bytes through staging are not verified yet. An executor with routes between processes
+ * cannot rebind (UNSUPPORTED). When any pair uses IPC, every run meets the other processes twice on
+ * the host (its streams first reach the step: a run inside a scope then blocks); every process
+ * must run and commit its executor alike. The executor keeps `comm` alive.
+ *
+ * Errors: as refit_executor_create, plus NULL_ARGUMENT (comm), INVALID_ARGUMENT (a plan process
+ * that is not a communicator rank), UNSUPPORTED (a route between processes on another device),
+ * TIMEOUT, ABORTED.
+ */
+refit_status refit_executor_create_across(const refit_plan *plan,
+                                          const refit_group *group,
+                                          const refit_comm *comm,
+                                          const refit_executor_options *options,
+                                          refit_executor **executor);
+
+/**
+ * Runs one step of the executor on `group` (the group it was created with): the copies from the
+ * sources (into the live buffers, or into staging with REFIT_COMMIT_STAGED), the verify stage when
+ * asked, and for a sliced staged step the install of every slice but the last. `stats` (NULL: not
+ * wanted) receives what the call did; set stats->size first.
+ *
+ * Stream ordering, as the group's scope rules: inside the group's scope the step is queued on the
+ * group's streams after the work the scope's entry ordered them after (the callers' streams), and
+ * the call returns without waiting, except when it must read a verify outcome first (after the
+ * copies of a direct step; before each install of a sliced staged step): then the host blocks
+ * until the verify stage has run. Outside a scope the step runs in an implicit scope on the legacy
+ * default streams and is complete on return. Every rank's stream first waits for every other
+ * rank's (a rank writes into others' memory). A staged step not yet committed is replaced.
+ *
+ * Errors: NULL_ARGUMENT (executor, group), INVALID_ARGUMENT (another group than the executor's,
+ * stats->size), INVALID_STATE (a rebind failed earlier), VERIFY_MISMATCH (the message names the
+ * tensor, box and element that differ; with REFIT_COMMIT_STAGED nothing of that slice was
+ * installed), PLAN_STALE (rebinds left two buffers overlapping), CUDA_ERROR. After an error nothing
+ * can be committed until a run succeeds; in a direct step live buffers may hold part of the new
+ * bytes.
+ *
+ * Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
+ * of its device until the step has run.
+ */
+refit_status refit_executor_run(refit_executor *executor,
+                                refit_group *group,
+                                refit_run_stats *stats);
+
+/**
+ * Installs a staged step (REFIT_COMMIT_STAGED): copies the staging of its last slice into the live
+ * buffers, one batched launch per receiving device on that device's group stream. When the run
+ * was asked to verify and has not read the outcome (it ran inside a scope), the host first waits
+ * for the verify stage and reads it; a mismatch installs nothing. `stats` as for
+ * refit_executor_run.
+ *
+ * Stream ordering as refit_executor_run: inside a scope, queued after the callers' streams (a
+ * server stalls its own stream only for this copy); outside one, complete on return.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (another group, stats->size), INVALID_STATE (a direct
+ * executor; nothing staged since the last commit; the last run or commit failed: the message says
+ * why; run again), VERIFY_MISMATCH (nothing installed), CUDA_ERROR. After an error, run again before
+ * committing. Thread-safety: see refit_executor.
+ */
+refit_status refit_executor_commit(refit_executor *executor,
+                                   refit_group *group,
+                                   refit_run_stats *stats);
+
+/**
+ * Writes the stats of the executor's last run or commit to `*stats` (set stats->size first),
+ * device times included: blocks the host until that call's work has run on the device.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size), INVALID_STATE (no call has succeeded yet),
+ * CUDA_ERROR. Thread-safety: see refit_executor.
+ */
+refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *stats);
+
+/**
+ * Tells the executor that the caller's memory [old_base, old_base + length) on `device` (a device
+ * ordinal of the group) now lives at [new_base, new_base + length) (an engine freed and reallocated
+ * its weights): later calls read and write the new place, with no planning and no host work per
+ * segment. Blocks until the executor's queued work has run, then rewrites the prepared addresses in
+ * that range (host work proportional to the segments touching it; the copy engine's verify, which
+ * compares both sides, is rebuilt at the next run).
+ *
+ * The range must hold whole buffers as the plan sees them: bytes that one segment reads or writes
+ * together move together. A coalesced plan may join buffers that lie at regular distances into one
+ * strided segment; a plan built with coalescing off keeps every buffer in segments of its own. A
+ * buffer is named by where it is for the executor: where the last run had it, or where a rebind
+ * since put it; a range holding both a moved and an unmoved buffer is refused (trade places through
+ * a third address).
+ *
+ * Errors (nothing changed): NULL_ARGUMENT, INVALID_DEVICE (not a device of the group),
+ * INVALID_ARGUMENT (length 0, new_base 0, a range past 2^64, an ambiguous range, a new range
+ * overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
+ * range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
+ * a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),
+ * CUDA_ERROR. Thread-safety: see refit_executor; not ordered with any stream (it waits for the
+ * executor's own queued work first).
+ */
+refit_status refit_executor_rebind(refit_executor *executor,
+                                   uint32_t device,
+                                   uint64_t old_base,
+                                   uint64_t new_base,
+                                   uint64_t length);
+
+/**
+ * Releases an executor (NULL is ignored): waits for its queued work, then frees its descriptors,
+ * streams and staging. A staged step not committed is dropped; the live buffers keep what they had.
+ * Safe after its group was destroyed. Must not race with another call on the same executor.
+ */
+void refit_executor_destroy(refit_executor *executor);
 
 /**
  * Fills `options` with the defaults (AUTO backend) and sets options->size.
@@ -728,10 +1318,12 @@ refit_status refit_group_backend(const refit_group *group, uint32_t *backend);
  * the legacy default stream. Work the group queues inside the scope sees the caller's earlier work.
  *
  * Scopes do not nest. Whole-group calls made outside a scope run in an implicit scope on the legacy
- * default streams and are complete on return.
+ * default streams and are complete on return. Scopes are opened and closed by the thread that drives
+ * the group, never from a rank callback (refit_group_run).
  *
- * Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open), CUDA_ERROR, INVALID_ARGUMENT
- * (a host-backend stream handle that is not a host stream).
+ * Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open, or called from a rank
+ * callback of any group: nothing is done), CUDA_ERROR, INVALID_ARGUMENT (a host-backend stream handle
+ * that is not a host stream).
  */
 refit_status refit_group_enter(refit_group *group,
                                void *const *caller_streams);
@@ -739,10 +1331,15 @@ refit_status refit_group_enter(refit_group *group,
 /**
  * Closes the open scope. REFIT_EXIT_SYNC blocks until all of the group's queued work is done.
  * REFIT_EXIT_ASYNC makes each caller stream given to refit_group_enter wait for its rank's stream
- * and returns without blocking: the caller's later work sees the group's results. The scope is
- * closed even when an error is returned.
+ * and returns without blocking: the caller's later work sees the group's results.
  *
- * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (mode), INVALID_STATE (no scope is open), CUDA_ERROR.
+ * A call refused for its arguments or state does nothing and leaves the scope open: NULL group,
+ * INVALID_ARGUMENT (mode is not a REFIT_EXIT_*), INVALID_STATE (no scope is open, or called from a
+ * rank callback of any group). Once those checks pass, the scope is closed even when ordering the
+ * streams fails: CUDA_ERROR (or INVALID_ARGUMENT for a caller stream that stopped being a host
+ * stream) is returned with the scope closed.
+ *
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT, INVALID_STATE, CUDA_ERROR, as above.
  */
 refit_status refit_group_exit(refit_group *group, uint32_t mode);
 
@@ -757,8 +1354,13 @@ refit_status refit_group_exit(refit_group *group, uint32_t mode);
  * collective are released (their calls return REFIT_STATUS_ABORTED) and nothing waits forever. The
  * group stays usable.
  *
- * Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, INVALID_STATE (called from a callback),
- * CUDA_ERROR.
+ * Every rank's callback must make the same per-rank collective calls. A callback that returns
+ * (0 or not) while other ranks wait for it in one, or before they start one it never makes, releases
+ * them: their calls return REFIT_STATUS_ABORTED, naming the rank. If every callback then returns 0,
+ * refit_group_run returns REFIT_STATUS_ABORTED naming that rank.
+ *
+ * Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, ABORTED (all callbacks returned 0 but
+ * one returned while others waited for it), INVALID_STATE (called from a callback), CUDA_ERROR.
  */
 refit_status refit_group_run(refit_group *group,
                              refit_rank_callback callback,

@@ -41,7 +41,8 @@ pub enum Status {
     InvalidState = 12,
     /// A per-rank callback returned a failure; the message names the rank and its code.
     CallbackFailed = 13,
-    /// This rank stopped because another rank of the same operation failed first.
+    /// This rank stopped because another rank of the same operation failed first, or because a peer
+    /// process of a communicator exited or aborted it (message names the rank).
     Aborted = 14,
     /// A tensor was described inconsistently (shape, element size, dtype), or a box is out of bounds.
     TensorMismatch = 15,
@@ -65,6 +66,15 @@ pub enum Status {
     BufferTooSmall = 24,
     /// An index, rank or name is not present.
     NotFound = 25,
+    /// Installed bytes differ from their sources (an executor's verify stage); the message names the
+    /// tensor, box and element.
+    VerifyMismatch = 26,
+    /// The memory a plan was built for changed in a way its executor cannot follow (e.g. a rebind that
+    /// cuts through a buffer the plan reads or writes): build a new plan.
+    PlanStale = 27,
+    /// A peer did not take part in a communicator's call within the communicator's timeout; the
+    /// communicator is aborted (message names the call and the timeout).
+    Timeout = 28,
 }
 
 // `Status::ALL` and `Status::name`, derived from the enum above by build.rs: adding a status means

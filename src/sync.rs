@@ -8,6 +8,7 @@
 //! the next caller proceeds with it instead of failing, or panicking, forever after one bug.
 
 use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::time::Duration;
 
 /// Locks `mutex`, poisoned or not.
 pub(crate) fn lock<T: ?Sized>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
@@ -17,6 +18,18 @@ pub(crate) fn lock<T: ?Sized>(mutex: &Mutex<T>) -> MutexGuard<'_, T> {
 /// Waits on `condvar` with `guard`, poisoned or not (callers loop on their condition).
 pub(crate) fn wait<'a, T>(condvar: &Condvar, guard: MutexGuard<'a, T>) -> MutexGuard<'a, T> {
     condvar.wait(guard).unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Waits on `condvar` with `guard` for at most `timeout`, poisoned or not; returns the guard and
+/// whether the time ran out.
+pub(crate) fn wait_timeout<'a, T>(
+    condvar: &Condvar,
+    guard: MutexGuard<'a, T>,
+    timeout: Duration,
+) -> (MutexGuard<'a, T>, bool) {
+    let (guard, waited) =
+        condvar.wait_timeout(guard, timeout).unwrap_or_else(|poisoned| poisoned.into_inner());
+    (guard, waited.timed_out())
 }
 
 /// Locks `lock` for reading, poisoned or not.

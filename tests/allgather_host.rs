@@ -599,3 +599,136 @@ fn an_owner_may_overwrite_its_send_buffer_on_its_stream_right_after_the_call() {
         assert!(sends[0].iter().all(|&b| b == 0));
     }
 }
+
+/// Runs `group.run(body)` on another thread and returns its result, or panics when it has not
+/// returned within `limit`: a regression to waiting forever fails the test instead of hanging it.
+fn run_bounded(
+    group: &Arc<Group>,
+    limit: Duration,
+    body: impl Fn(usize) -> refit::Result<()> + Send + Sync + 'static,
+) -> refit::Result<()> {
+    let (done, finished) = std::sync::mpsc::channel();
+    let group = Arc::clone(group);
+    std::thread::spawn(move || done.send(group.run(&|rank, _| body(rank))));
+    finished.recv_timeout(limit).expect("refit_group_run did not return: ranks wait forever")
+}
+
+/// The bytes at `addr` (a live buffer of at least `len` bytes no stream is writing).
+fn bytes_at(addr: u64, len: usize) -> Vec<u8> {
+    // SAFETY: the caller's promise.
+    unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len) }.to_vec()
+}
+
+/// Waits until the work queued on `rank`'s stream has run.
+fn drain(group: &Group, rank: usize) -> refit::Result<()> {
+    group.backend().sync_stream(group.device(rank)?, group.stream(rank)?)
+}
+
+#[test]
+fn per_rank_retries_after_overlap_never_return_success_with_blocks_missing() {
+    // Issue 14 item 2: four ranks; ranks 1 and 2 first pass overlapping receive buffers and retry
+    // with their own. A rank's call that returns Ok must have every block; every rank retries a
+    // failed call, so all of them end with every block.
+    const N: usize = 4;
+    const LEN: usize = 64;
+    for method in METHODS {
+        let group = Arc::new(host_with(N, method));
+        let sends: Vec<Vec<u8>> = (0..N).map(|r| block(r, 7, LEN)).collect();
+        let mut recvs = vec![vec![POISON; N * LEN]; N];
+        let mut shared = vec![POISON; N * LEN + LEN];
+        let want = expected(&sends);
+        let send: Vec<u64> = sends.iter().map(|s| s.as_ptr() as u64).collect();
+        let recv: Vec<u64> = recvs.iter_mut().map(|r| r.as_mut_ptr() as u64).collect();
+        let overlapping = [0, shared.as_mut_ptr() as u64, shared.as_mut_ptr() as u64 + LEN as u64, 0];
+        let outcomes = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (o, w, g) = (Arc::clone(&outcomes), want.clone(), Arc::clone(&group));
+        let ran = run_bounded(&group, Duration::from_secs(30), move |rank| {
+            for attempt in 0..3 {
+                let to = if attempt == 0 && overlapping[rank] != 0 { overlapping[rank] } else { recv[rank] };
+                // SAFETY: every buffer lives until the run returns.
+                let got = unsafe { allgather_rank(&g, rank, send[rank], to, &[LEN; N], Algorithm::Peer) };
+                drain(&g, rank)?;
+                let complete = to == recv[rank] && bytes_at(to, N * LEN) == w;
+                o.lock().unwrap().push((
+                    rank,
+                    attempt,
+                    got.as_ref().map(drop).map_err(|e| e.status),
+                    complete,
+                ));
+                if got.is_ok() {
+                    return Ok(());
+                }
+            }
+            Ok(())
+        });
+        ran.unwrap_or_else(|e| panic!("{method:?}: {e}"));
+        let outcomes = outcomes.lock().unwrap().clone();
+        for &(rank, attempt, status, complete) in &outcomes {
+            assert!(
+                status.is_err() || complete,
+                "{method:?}: rank {rank} attempt {attempt}: Ok without every block"
+            );
+        }
+        for (rank, got) in recvs.iter().enumerate() {
+            assert_eq!(*got, want, "{method:?}: rank {rank} ends without every block");
+        }
+        // The overlap is every rank's error, not only that of the two ranks whose buffers overlap.
+        let first: Vec<_> = outcomes.iter().filter(|o| o.1 == 0).map(|o| o.2).collect();
+        assert_eq!(first, vec![Err(Status::Overlap); N], "{method:?}");
+    }
+}
+
+#[test]
+fn a_callback_that_returns_without_the_call_its_peers_are_in_releases_them_with_aborted() {
+    // Issue 14 item 7: rank 1's callback returns at once (or after its own call failed before it
+    // met the others, its error ignored); ranks 0 and 2 wait for it in their call. They are released
+    // with ABORTED naming rank 1, and the run reports it even though every callback returned Ok.
+    const N: usize = 3;
+    const LEN: usize = 16;
+    for rank_one_calls in [false, true] {
+        let group = Arc::new(host(N));
+        let sends: Vec<Vec<u8>> = (0..N).map(|r| block(r, 9, LEN)).collect();
+        let mut recvs = vec![vec![POISON; N * LEN]; N];
+        let send: Vec<u64> = sends.iter().map(|s| s.as_ptr() as u64).collect();
+        let recv: Vec<u64> = recvs.iter_mut().map(|r| r.as_mut_ptr() as u64).collect();
+        let outcomes = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let (o, g, (s, r)) = (Arc::clone(&outcomes), Arc::clone(&group), (send.clone(), recv.clone()));
+        let ran = run_bounded(&group, Duration::from_secs(30), move |rank| {
+            if rank == 1 {
+                std::thread::sleep(Duration::from_millis(20)); // the others are waiting by now
+                if rank_one_calls {
+                    // A NULL send buffer: refused before the ranks meet. The callback ignores it.
+                    let refused = unsafe { allgather_rank(&g, rank, 0, r[rank], &[LEN; N], Algorithm::Peer) };
+                    assert_eq!(refused.unwrap_err().status, Status::NullArgument);
+                }
+                return Ok(());
+            }
+            // SAFETY: the buffers live until the run returns.
+            let got = unsafe { allgather_rank(&g, rank, s[rank], r[rank], &[LEN; N], Algorithm::Peer) };
+            o.lock().unwrap().push((rank, got.map(drop).map_err(|e| (e.status, e.message))));
+            Ok(())
+        });
+        let err = ran.unwrap_err();
+        assert_eq!(err.status, Status::Aborted, "{err}");
+        assert!(err.message.contains("rank 1's callback returned"), "{err}");
+        let mut outcomes = outcomes.lock().unwrap().clone();
+        outcomes.sort_by_key(|o| o.0);
+        assert_eq!(outcomes.len(), 2);
+        for (rank, outcome) in outcomes {
+            let (status, message) = outcome.unwrap_err();
+            assert_eq!(status, Status::Aborted, "rank {rank}: {message}");
+            assert!(message.contains("rank 1's callback returned"), "rank {rank}: {message}");
+        }
+        // The group stays usable: the same call on every rank completes.
+        let g = Arc::clone(&group);
+        run_bounded(&group, Duration::from_secs(30), move |rank| {
+            // SAFETY: as above.
+            unsafe { allgather_rank(&g, rank, send[rank], recv[rank], &[LEN; N], Algorithm::Peer) }
+                .map(drop)?;
+            drain(&g, rank)
+        })
+        .unwrap();
+        let want = expected(&sends);
+        assert!(recvs.iter().all(|r| *r == want));
+    }
+}

@@ -383,14 +383,14 @@ fn one_shot_and_prepared_install_identical_bytes() {
 
 fn two_gpus() {
     let n = cuda::device_count();
-    assert!(n >= 2, "peer tests need 2 GPUs, found {n} (run with --skip peer on a one-GPU machine)");
+    assert!(n >= 2, "peer tests need 2 GPUs, found {n} (gpu/run.sh skips *_two_gpus on one GPU)");
     enable_peer(0, 1);
     enable_peer(1, 0);
 }
 
 #[test]
 #[ignore = "needs a GPU"]
-fn peer_source_pulled_by_the_destination_gpu() {
+fn peer_source_pulled_by_the_destination_gpu_two_gpus() {
     two_gpus();
     for (k, shape) in shapes().into_iter().enumerate() {
         one_copy(5000 + k as u64, shape, (0, 1, 0), true);
@@ -399,7 +399,7 @@ fn peer_source_pulled_by_the_destination_gpu() {
 
 #[test]
 #[ignore = "needs a GPU"]
-fn peer_destination_pushed_by_the_source_gpu() {
+fn peer_destination_pushed_by_the_source_gpu_two_gpus() {
     two_gpus();
     for (k, shape) in shapes().into_iter().enumerate() {
         one_copy(6000 + k as u64, shape, (0, 0, 1), false);

@@ -1,6 +1,6 @@
 //! The digest and verify kernels on a real GPU (run on the GPU machine with `--ignored
 //! --test-threads=1`): digests of device memory equal `gf64::digest` of the same bytes read back, at
-//! many lengths and alignments up to 256 MiB; `refit::digest::digest` through a CUDA group; verify by
+//! many lengths and alignments up to 256 MiB; `Backend::digest` through a CUDA group; verify by
 //! compare and by check against a recording copy's digests finds one corrupted device byte in its
 //! segment, and nothing in a correct copy.
 
@@ -71,13 +71,14 @@ fn a_group_digest_changes_with_one_device_byte() {
     let buffer = Buffer::new(0, host.len());
     buffer.upload(&host);
     let stream = group.stream(0).unwrap();
-    let digest =
-        |addr, len| ok("digest", unsafe { refit::transport::digest::digest(&group, 0, stream, addr, len) });
+    let digest = |addr, len| {
+        ok("digest", unsafe { group.backend().digest(group.device(0).unwrap(), stream, addr, len) })
+    };
     let before = digest(buffer.ptr + 3, 1_000_000);
     assert_eq!(before, gf64::digest(&host[3..1_000_003]));
     poke(0, buffer.ptr + 500_000, host[500_000] ^ 1);
     assert_ne!(digest(buffer.ptr + 3, 1_000_000), before, "a flipped device bit went unnoticed");
-    let err = unsafe { refit::transport::digest::digest(&group, 0, stream, 0, 8) }.unwrap_err();
+    let err = unsafe { group.backend().digest(group.device(0).unwrap(), stream, 0, 8) }.unwrap_err();
     assert_eq!(err.status, refit::Status::InvalidArgument);
 }
 
@@ -99,7 +100,10 @@ fn verify_case(seed: u64, shape: Shape) {
 
     let copy = ok("prepare copy", group.backend().prepare_recording_batch(0, &segments, true));
     let check_verify = ok("verify for the copy", PreparedVerify::for_copy(copy.as_ref()));
-    let compare_verify = ok("verify by compare", PreparedVerify::new(&group, 0, &segments));
+    let compare_verify = ok(
+        "verify by compare",
+        PreparedVerify::new(group.backend().as_ref(), group.device(0).unwrap(), &segments),
+    );
     ok("copy", unsafe { copy.launch(stream) });
     ok("check", unsafe { check_verify.launch(stream) });
     ok("compare", unsafe { compare_verify.launch(stream) });

@@ -1,6 +1,6 @@
 //! Verify and digest on the host backend: `PreparedVerify` (byte compare, and the check against the
 //! digests a recording copy made) finds a corrupted byte at the right segment index, runs in stream
-//! order (queued, not complete on return), resets after each outcome; `digest::digest` agrees with
+//! order (queued, not complete on return), resets after each outcome; `Backend::digest` agrees with
 //! `gf64::digest`; bad inputs get their status.
 
 use refit::group::{BackendChoice, Group, GroupOptions};
@@ -63,7 +63,8 @@ fn compare_finds_a_corrupted_byte_at_its_segment() {
     let copy = group.backend().prepare_batch(0, &case.segments, true).unwrap();
     let stream = group.stream(0).unwrap();
     unsafe { copy.launch(stream) }.unwrap();
-    let verify = PreparedVerify::new(&group, 0, &case.segments).unwrap();
+    let verify =
+        PreparedVerify::new(group.backend().as_ref(), group.device(0).unwrap(), &case.segments).unwrap();
     unsafe { verify.launch(stream) }.unwrap();
     assert_eq!(synced_outcome(&group, &verify), None);
     for (index, k) in [(3usize, 30u64), (1, 76), (0, 0)] {
@@ -107,7 +108,8 @@ fn the_launch_is_queued_in_stream_order_and_the_outcome_resets() {
     let mut case = Case::new();
     let stream = group.stream(0).unwrap();
     unsafe { group.backend().prepare_batch(0, &case.segments, false).unwrap().launch(stream) }.unwrap();
-    let verify = PreparedVerify::new(&group, 0, &case.segments).unwrap();
+    let verify =
+        PreparedVerify::new(group.backend().as_ref(), group.device(0).unwrap(), &case.segments).unwrap();
     assert_eq!(verify.outcome().unwrap_err().status, Status::InvalidState, "no launch yet");
     // Work queued before the verify corrupts a byte after a while: the verify must run after it.
     let target = case.dst_byte(0, 50) as *mut u8 as usize;
@@ -134,9 +136,20 @@ fn bad_segments_and_streams_are_refused() {
     let group = group();
     let case = Case::new();
     let null = Segment::contiguous(0, case.dst.as_ptr() as u64, 8);
-    assert_eq!(PreparedVerify::new(&group, 0, &[null]).err().unwrap().status, Status::InvalidArgument);
-    assert_eq!(PreparedVerify::new(&group, 2, &case.segments).err().unwrap().status, Status::InvalidArgument);
-    let verify = PreparedVerify::new(&group, 0, &case.segments).unwrap();
+    assert_eq!(
+        PreparedVerify::new(group.backend().as_ref(), group.device(0).unwrap(), &[null])
+            .err()
+            .unwrap()
+            .status,
+        Status::InvalidArgument
+    );
+    // A device the backend does not have.
+    assert_eq!(
+        PreparedVerify::new(group.backend().as_ref(), 64, &case.segments).err().unwrap().status,
+        Status::InvalidDevice
+    );
+    let verify =
+        PreparedVerify::new(group.backend().as_ref(), group.device(0).unwrap(), &case.segments).unwrap();
     let err = unsafe { verify.launch(Stream(0x3039)) }.unwrap_err();
     assert_eq!(err.status, Status::InvalidArgument);
 }
@@ -147,10 +160,10 @@ fn digest_on_the_host_backend_is_the_reference_digest() {
     let bytes: Vec<u8> = (0..1000u32).map(|i| (i * 13 + 1) as u8).collect();
     for (offset, len) in [(0usize, 0usize), (0, 1000), (3, 500), (9, 17)] {
         let addr = bytes.as_ptr() as u64 + offset as u64;
-        let got =
-            unsafe { refit::transport::digest::digest(&group, 1, Stream::NULL, addr, len as u64) }.unwrap();
+        let got = unsafe { group.backend().digest(group.device(1).unwrap(), Stream::NULL, addr, len as u64) }
+            .unwrap();
         assert_eq!(got, gf64::digest(&bytes[offset..offset + len]));
     }
-    let err = unsafe { refit::transport::digest::digest(&group, 0, Stream::NULL, 0, 4) }.unwrap_err();
+    let err = unsafe { group.backend().digest(group.device(0).unwrap(), Stream::NULL, 0, 4) }.unwrap_err();
     assert_eq!(err.status, Status::InvalidArgument);
 }

@@ -15,10 +15,13 @@ parameters onto tables.
 
 from ._lib import (
     ABI_VERSION,
+    COMM_ID_BYTES,
     MAX_DIMS,
     PLAN_SIZE_BUCKETS,
     Algorithm,
+    Arm,
     Backend,
+    Commit,
     CopyFlag,
     ExitMode,
     Policy,
@@ -31,19 +34,26 @@ from ._lib import (
     set_log_callback,
     version,
 )
+from .comm import Communicator, unique_id
 from .copy import PreparedCopy
 from .digest import digest
+from .executor import Executor, RunStats
 from .group import Group, HostStream
 from .plan import Plan, PlanStats, Route, Table
 from .segment import Segment
 
 __all__ = [
     "ABI_VERSION",
+    "COMM_ID_BYTES",
+    "Communicator",
     "MAX_DIMS",
     "PLAN_SIZE_BUCKETS",
     "Algorithm",
+    "Arm",
     "Backend",
+    "Commit",
     "CopyFlag",
+    "Executor",
     "ExitMode",
     "Group",
     "HostStream",
@@ -54,6 +64,7 @@ __all__ = [
     "RefitError",
     "Route",
     "RouteKind",
+    "RunStats",
     "Segment",
     "Status",
     "Table",
@@ -62,5 +73,6 @@ __all__ = [
     "last_error_message",
     "lib",
     "set_log_callback",
+    "unique_id",
     "version",
 ]

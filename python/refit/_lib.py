@@ -87,6 +87,9 @@ class Status(enum.IntEnum):
     UNSUPPORTED = 23
     BUFFER_TOO_SMALL = 24
     NOT_FOUND = 25
+    VERIFY_MISMATCH = 26
+    PLAN_STALE = 27
+    TIMEOUT = 28
 
 
 class RefitError(Exception):
@@ -171,12 +174,41 @@ class RouteKind(enum.IntEnum):
     REMOTE = 2
 
 
+class Arm(enum.IntEnum):
+    """REFIT_ARM_*: how an executor moves bytes (NONE appears in run stats only)."""
+
+    AUTO = 0
+    KERNEL = 1
+    COPY_ENGINE = 2
+    NONE = 3
+
+
+class Commit(enum.IntEnum):
+    """REFIT_COMMIT_*: how an executor's bytes reach the live buffers."""
+
+    DIRECT = 0
+    STAGED = 1
+
+
 MAX_DIMS = 8
 PLAN_SIZE_BUCKETS = 64
 ABI_VERSION = 1
+COMM_ID_BYTES = 136
 
 
 # --- structs --------------------------------------------------------------------------------------
+
+
+class CommOptions(ctypes.Structure):
+    """refit_comm_options."""
+
+    _fields_ = [("size", c_size_t), ("timeout_ms", c_uint64), ("staging_bytes", c_uint64), ("ipc", c_bool)]
+
+
+class CommId(ctypes.Structure):
+    """refit_comm_id: the bytes every rank of one communicator is created from."""
+
+    _fields_ = [("internal", c_uint8 * COMM_ID_BYTES)]
 
 
 class GroupOptions(ctypes.Structure):
@@ -245,6 +277,52 @@ class RouteInfo(ctypes.Structure):
     ]
 
 
+class ExecutorOptions(ctypes.Structure):
+    """refit_executor_options."""
+
+    _fields_ = [
+        ("size", c_size_t),
+        ("arm", c_uint32),
+        ("sm_budget", c_uint32),
+        ("verify", c_bool),
+        ("commit", c_uint32),
+        ("staging_limit", c_uint64),
+    ]
+
+
+class RunStatsStruct(ctypes.Structure):
+    """refit_run_stats."""
+
+    _fields_ = [
+        ("size", c_size_t),
+        ("descriptors_reused", c_bool),
+        ("device_timed", c_bool),
+        ("verified", c_bool),
+        ("slices", c_uint32),
+        ("arm", c_uint32 * 3),
+        ("bytes", c_uint64 * 3),
+        ("segments", c_uint64 * 3),
+    ] + [
+        (name, c_uint64)
+        for name in (
+            "installed_bytes",
+            "verified_bytes",
+            "wall_ns",
+            "prepare_ns",
+            "enqueue_ns",
+            "wait_ns",
+            "local_ns",
+            "peer_ns",
+            "verify_ns",
+            "commit_ns",
+            "device_ns",
+            "remote_received_bytes",
+            "remote_ipc_bytes",
+            "remote_wire_bytes",
+        )
+    ] + [("remote_ipc_peers", c_uint32), ("remote_staged_peers", c_uint32)]
+
+
 # refit_rank_callback and refit_log_callback.
 RankCallback = ctypes.CFUNCTYPE(c_int32, c_uint32, c_void_p, c_void_p)
 LogCallback = ctypes.CFUNCTYPE(None, c_uint32, c_char_p, c_void_p)
@@ -253,7 +331,7 @@ LogCallback = ctypes.CFUNCTYPE(None, c_uint32, c_char_p, c_void_p)
 # --- functions ------------------------------------------------------------------------------------
 
 status_t = c_int32  # refit_status as a return type: compared with Status by check()
-_handle = c_void_p  # refit_group*, refit_table*, refit_plan*, refit_prepared_copy*: opaque, ints
+_handle = c_void_p  # refit_group*, refit_table*, refit_plan*, refit_comm*, refit_executor*, ...: opaque
 _u64p = POINTER(c_uint64)
 _u32p = POINTER(c_uint32)
 
@@ -263,6 +341,25 @@ FUNCTIONS = {
     "refit_group_allgather_rank": (
         status_t,
         [_handle, c_uint32, c_uint64, c_uint64, POINTER(c_size_t), c_uint32, _u32p],
+    ),
+    "refit_comm_options_init": (status_t, [POINTER(CommOptions)]),
+    "refit_comm_get_unique_id": (status_t, [c_uint32, POINTER(CommId)]),
+    "refit_comm_create": (
+        status_t,
+        [POINTER(CommId), c_uint32, c_uint32, c_int32, POINTER(CommOptions), POINTER(_handle)],
+    ),
+    "refit_comm_adopt": (status_t, [c_void_p, POINTER(CommOptions), POINTER(_handle)]),
+    "refit_comm_destroy": (None, [_handle]),
+    "refit_comm_abort": (status_t, [_handle]),
+    "refit_comm_rank": (status_t, [_handle, _u32p]),
+    "refit_comm_size": (status_t, [_handle, _u32p]),
+    "refit_comm_device": (status_t, [_handle, POINTER(c_int32)]),
+    "refit_comm_backend": (status_t, [_handle, _u32p]),
+    "refit_comm_allgather": (status_t, [_handle, c_uint64, c_uint64, POINTER(c_size_t), c_void_p]),
+    "refit_comm_synchronize": (status_t, [_handle, c_void_p]),
+    "refit_plan_build_across": (
+        status_t,
+        [_handle, _handle, POINTER(PlanOptions), POINTER(_handle)],
     ),
     "refit_copy_batch": (
         status_t,
@@ -275,6 +372,20 @@ FUNCTIONS = {
     "refit_copy_batch_launch": (status_t, [_handle, c_void_p]),
     "refit_copy_batch_destroy": (None, [_handle]),
     "refit_digest": (status_t, [_handle, c_uint32, c_uint64, c_uint64, c_void_p, _u64p]),
+    "refit_executor_options_init": (status_t, [POINTER(ExecutorOptions)]),
+    "refit_executor_create": (
+        status_t,
+        [_handle, _handle, c_uint32, POINTER(ExecutorOptions), POINTER(_handle)],
+    ),
+    "refit_executor_create_across": (
+        status_t,
+        [_handle, _handle, _handle, POINTER(ExecutorOptions), POINTER(_handle)],
+    ),
+    "refit_executor_run": (status_t, [_handle, _handle, POINTER(RunStatsStruct)]),
+    "refit_executor_commit": (status_t, [_handle, _handle, POINTER(RunStatsStruct)]),
+    "refit_executor_stats": (status_t, [_handle, POINTER(RunStatsStruct)]),
+    "refit_executor_rebind": (status_t, [_handle, c_uint32, c_uint64, c_uint64, c_uint64]),
+    "refit_executor_destroy": (None, [_handle]),
     "refit_group_options_init": (status_t, [POINTER(GroupOptions)]),
     "refit_group_create": (
         status_t,

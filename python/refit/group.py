@@ -146,8 +146,9 @@ class Group(Handle):
 
     def exit(self, mode: int = ExitMode.SYNC) -> None:
         """Closes the open scope (refit_group_exit); ExitMode.SYNC blocks until the group's work is
-        done, ExitMode.ASYNC makes the caller streams wait for it instead. The scope is closed even
-        when this raises."""
+        done, ExitMode.ASYNC makes the caller streams wait for it instead. A refused call (a mode
+        that is not an ExitMode, no scope open, called from a rank callback) changes nothing; once
+        accepted, the scope is closed even when this raises."""
         check(lib.refit_group_exit(self.handle, check_range(mode, 32, "mode")))
 
     @contextlib.contextmanager
@@ -171,7 +172,9 @@ class Group(Handle):
 
         An exception raised by `fn` fails that rank (other ranks waiting in allgather_rank are
         released with RefitError(ABORTED)); once every rank has returned, the first exception
-        raised is re-raised here. The group stays usable.
+        raised is re-raised here. A rank whose `fn` returns while others wait for it in
+        allgather_rank releases them the same way; if every `fn` then returns normally, this raises
+        RefitError(ABORTED) naming that rank. The group stays usable.
         """
         raised: list[BaseException] = []
         lock = threading.Lock()

@@ -6,10 +6,12 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 from ctypes import byref, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
-from typing import Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 from ._handle import Handle
 from ._lib import (
+    Arm,
+    Commit,
     PlanOptions,
     PlanStatsStruct,
     Policy,
@@ -21,7 +23,11 @@ from ._lib import (
     lib,
     u64_array,
 )
+from .executor import Executor
 from .segment import Segment
+
+if TYPE_CHECKING:
+    from .group import Group
 
 
 def _box(ndim: int, arrays: Iterable[Tuple[str, Optional[Sequence[int]]]]) -> None:
@@ -281,6 +287,29 @@ class Plan(Handle):
 
     def __iter__(self) -> Iterator[Route]:
         return iter(self.routes())
+
+    def executor(
+        self,
+        group: Group,
+        process: int,
+        arm: int = Arm.AUTO,
+        sm_budget: int = 0,
+        verify: bool = False,
+        commit: int = Commit.DIRECT,
+        staging_limit: int = 0,
+        comm: Any = None,
+    ) -> Executor:
+        """An Executor of process rank `process`'s share of this plan on `group` (whose device
+        ordinals the plan's endpoints name): descriptors built and uploaded now, then run() at every
+        step (refit_executor_create). With `comm` (a Communicator whose rank is `process`), the
+        routes to and from the other processes of `comm` too (refit_executor_create_across; every
+        process makes this call).
+
+        arm: Arm.AUTO (by size), KERNEL or COPY_ENGINE (no SMs). sm_budget: at most this many SMs
+        for the kernel's copies (0: no cap). verify: compare every copied byte with its source.
+        commit: Commit.DIRECT (run installs) or STAGED (run stages, commit() installs all at once).
+        staging_limit: STAGED only, staging bytes per receiving device (0: the whole step)."""
+        return Executor(self, group, process, arm, sm_budget, verify, commit, staging_limit, comm)
 
 
 __all__ = ["Plan", "PlanStats", "Policy", "Route", "RouteKind", "Segment", "Table"]

@@ -197,6 +197,41 @@ class RunTest(unittest.TestCase):
         for rank in range(3):
             self.assertEqual(gather.received(rank), gather.expected)
 
+    def test_a_rank_that_returns_without_the_call_its_peers_are_in_releases_them(self):
+        gather = Gather([4, 4, 4])
+        statuses = {}
+
+        def body(rank, _stream):
+            if rank == 1:
+                return  # never makes the call ranks 0 and 2 wait in
+            try:
+                self.group.allgather_rank(rank, gather.send_ptrs[rank], gather.recv_ptrs[rank], gather.counts)
+            except RefitError as error:
+                statuses[rank] = error.status  # swallowed: every fn returns normally
+
+        with self.assertRaises(RefitError) as caught:
+            self.group.run(body)
+        self.assertIs(caught.exception.status, Status.ABORTED)
+        self.assertIn("rank 1's callback returned", caught.exception.message)
+        self.assertEqual(statuses, {0: Status.ABORTED, 2: Status.ABORTED})
+
+        self.gather_in_run(gather)
+        for rank in range(3):
+            self.assertEqual(gather.received(rank), gather.expected)
+
+    def test_scopes_are_refused_inside_a_rank_callback(self):
+        statuses = {}
+
+        def body(rank, _stream):
+            for name, call in (("enter", self.group.enter), ("exit", self.group.exit)):
+                try:
+                    call()
+                except RefitError as error:
+                    statuses[(rank, name)] = error.status
+
+        self.group.run(body)
+        self.assertEqual(statuses, {(r, n): Status.INVALID_STATE for r in range(3) for n in ("enter", "exit")})
+
     def test_a_refit_error_in_a_rank_names_its_status(self):
         def body(rank, _stream):
             if rank == 2:

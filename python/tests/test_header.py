@@ -13,13 +13,17 @@ from refit import _lib
 HEADER = Path(__file__).resolve().parents[2] / "include" / "refit.h"
 
 # Handles are opaque to the binding: c_void_p whatever they point to.
-HANDLES = ("refit_group", "refit_table", "refit_plan", "refit_prepared_copy")
+HANDLES = ("refit_group", "refit_table", "refit_plan", "refit_prepared_copy", "refit_executor", "refit_comm")
 STRUCTS = {
+    "refit_comm_options": _lib.CommOptions,
+    "refit_comm_id": _lib.CommId,
     "refit_group_options": _lib.GroupOptions,
     "refit_plan_options": _lib.PlanOptions,
     "refit_plan_stats": _lib.PlanStatsStruct,
     "refit_segment": _lib.SegmentStruct,
     "refit_route_info": _lib.RouteInfo,
+    "refit_executor_options": _lib.ExecutorOptions,
+    "refit_run_stats": _lib.RunStatsStruct,
 }
 SCALARS = {
     "void": None,
@@ -36,7 +40,9 @@ SCALARS = {
 # Header #define groups and the Python enum each must equal exactly.
 ENUMS = {
     "REFIT_ALLGATHER_": refit.Algorithm,
+    "REFIT_ARM_": refit.Arm,
     "REFIT_BACKEND_": refit.Backend,
+    "REFIT_COMMIT_": refit.Commit,
     "REFIT_COPY_": refit.CopyFlag,
     "REFIT_EXIT_": refit.ExitMode,
     "REFIT_POLICY_": refit.Policy,
@@ -46,6 +52,7 @@ SINGLE_CONSTANTS = {
     "REFIT_MAX_DIMS": refit.MAX_DIMS,
     "REFIT_PLAN_SIZE_BUCKETS": refit.PLAN_SIZE_BUCKETS,
     "REFIT_ABI_VERSION": refit.ABI_VERSION,
+    "REFIT_COMM_ID_BYTES": refit.COMM_ID_BYTES,
 }
 
 
@@ -178,8 +185,15 @@ class HeaderTest(unittest.TestCase):
         plan_options = _lib.PlanOptions()
         _lib.check(_lib.lib.refit_plan_options_init(ctypes.byref(plan_options)))
         self.assertEqual(plan_options.size, ctypes.sizeof(_lib.PlanOptions))
+        executor_options = _lib.ExecutorOptions()
+        _lib.check(_lib.lib.refit_executor_options_init(ctypes.byref(executor_options)))
+        self.assertEqual(executor_options.size, ctypes.sizeof(_lib.ExecutorOptions))
         self.assertEqual((options.backend, options.host_devices), (refit.Backend.AUTO, 0))
         self.assertEqual((plan_options.policy, plan_options.coalesce), (refit.Policy.LOCAL, True))
+        comm_options = _lib.CommOptions()
+        _lib.check(_lib.lib.refit_comm_options_init(ctypes.byref(comm_options)))
+        self.assertEqual(comm_options.size, ctypes.sizeof(_lib.CommOptions))
+        self.assertEqual((comm_options.timeout_ms, comm_options.staging_bytes), (600_000, 256 << 20))
 
     def test_every_constant_matches_the_header(self):
         defines = declared_defines()

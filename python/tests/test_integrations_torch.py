@@ -64,7 +64,9 @@ class TorchModuleRefitTest(unittest.TestCase):
 
     def refit(self, model, trainer: List[MegatronRanks], engine: List[VllmRanks], engine_layers: List[range]):
         ckpt = checkpoint(model)
-        tables, received = [], []
+        # Tables hold raw addresses: every module must outlive the copies (a freed tensor's memory
+        # is handed to the next allocation, so a dropped publisher would alias a receiver).
+        tables, received, publishers = [], [], []
         for i, ranks in enumerate(trainer):
             publisher = MegatronPublisher(model, ranks)
             values = megatron_params(model, ranks, ckpt)
@@ -72,6 +74,7 @@ class TorchModuleRefitTest(unittest.TestCase):
             megatron = module_with({l.name: bf16(values[l.name], l.shape, device) for l in publisher.layouts})
             host_device = None if self.cuda else i % len(self.devices)
             tables.append(publisher.table(megatron.named_parameters(), 0, device=host_device))
+            publishers.append(megatron)
         for i, (ranks, layers) in enumerate(zip(engine, engine_layers)):
             receiver = VllmReceiver(model, ranks)
             device = self.torch_device(i)
@@ -95,7 +98,14 @@ class TorchModuleRefitTest(unittest.TestCase):
             self.assertEqual(set(params), set(expected))
             for name, tensor in params.items():
                 want = bf16(expected[name], tensor.shape, tensor.device)
-                self.assertTrue(torch.equal(tensor.view(torch.int16), want.view(torch.int16)), f"{ranks} {name}")
+                got_bits, want_bits = tensor.view(torch.int16).flatten(), want.view(torch.int16).flatten()
+                wrong = (got_bits != want_bits).nonzero().flatten().tolist()
+                self.assertEqual(
+                    wrong,
+                    [],
+                    f"{ranks} {name}: {len(wrong)} of {tensor.numel()} elements differ; first at "
+                    f"{wrong[:1]}: got {got_bits[wrong[:1]].tolist()}, want {want_bits[wrong[:1]].tolist()}",
+                )
 
     def test_qwen3_moe_megatron_tp2_ep2_to_vllm_tp2(self):
         trainer = [MegatronRanks(tp=2, tp_rank=r % 2, ep=2, ep_rank=r % 2, etp=1, etp_rank=0, dp=2, dp_rank=r // 2) for r in range(4)]

@@ -119,6 +119,7 @@ MODULES = [
     "refit._handle",
     "refit._lib",
     "refit.copy",
+    "refit.executor",
     "refit.group",
     "refit.plan",
     "refit.segment",

@@ -36,6 +36,7 @@ use crate::transport::nccl::{nccl, Communicators};
 use crate::transport::{Backend, BackendKind, Stream};
 
 mod call;
+pub mod comm;
 pub mod peer;
 mod state;
 
@@ -298,7 +299,7 @@ pub unsafe fn allgather_rank(
     // Kernel pushes on the GPUs need one rendezvous epoch for the call, the same on every rank; every
     // rank then launches for it or releases it (peer::rank_share), so no epoch is skipped.
     let meets_on_gpu = layout.total > 0 && peer_method.is_some_and(|m| peer::meets_on_gpu(group, m));
-    let epoch = group.barrier().wait_then(|| match (meets_on_gpu, peer_state.rendezvous()) {
+    let (mut entered, epoch) = group.barrier().enter(|| match (meets_on_gpu, peer_state.rendezvous()) {
         (true, Ok(rendezvous)) => rendezvous.next_epoch(),
         _ => 0,
     })?;
@@ -309,7 +310,7 @@ pub unsafe fn allgather_rank(
             rendezvous.release(epoch, &[(rank, stream.as_ptr().cast())]);
         }
     };
-    let peers = published(group, slots, rank, counts, requested).inspect_err(|_| release_epoch())?;
+    let peers = published(slots, rank, counts, requested).inspect_err(|_| release_epoch())?;
     if layout.total == 0 {
         return Ok(algorithm);
     }
@@ -319,7 +320,7 @@ pub unsafe fn allgather_rank(
             let recv: Vec<u64> = peers.iter().map(|p| p.recv).collect();
             let call = Gather { send: &send, recv: &recv, counts, layout };
             let method = peer_method.expect("decided for Peer");
-            peer::rank_share(group, &peer_state, &call, rank, method, epoch)?;
+            peer::rank_share(group, &peer_state, &call, rank, method, &mut entered, epoch)?;
         }
         Algorithm::Nccl => {
             let comms = state.communicators()?;
@@ -344,17 +345,16 @@ pub unsafe fn allgather_rank(
                 stage_block(backend.as_ref(), &mut staging, from, &[(device, dst)], counts[p])?;
             }
             // Owners must not change their blocks until every rank has read them.
-            group.barrier().wait()?;
+            group.barrier().meet(&mut entered)?;
         }
         Algorithm::Auto => unreachable!("choose resolves Auto"),
     }
     Ok(algorithm)
 }
 
-/// Every rank's published arguments, checked to agree with ours (all ranks run the same check on the
-/// same data, so they all fail or all go on).
+/// Every rank's published arguments, checked to agree with ours. All ranks run the same checks on
+/// the same data (every pair of receive buffers, not only their own), so they all fail or all go on.
 fn published(
-    group: &Group,
     slots: &[std::sync::Mutex<Published>],
     rank: usize,
     counts: &[usize],
@@ -373,10 +373,12 @@ fn published(
                 requested.code()
             );
         }
-        if p != rank && group.size() > 1 {
-            let total: usize = counts.iter().sum();
-            if ranges_overlap(peer.recv, total as u64, peers[rank].recv, total as u64) {
-                bail!(Status::Overlap, "recv buffers of ranks {p} and {rank} overlap");
+    }
+    let total: u64 = counts.iter().map(|&c| c as u64).sum();
+    for q in 0..peers.len() {
+        for p in 0..q {
+            if ranges_overlap(peers[p].recv, total, peers[q].recv, total) {
+                bail!(Status::Overlap, "recv buffers of ranks {p} and {q} overlap");
             }
         }
     }

@@ -33,6 +33,7 @@
 
 use super::call::Gather;
 use crate::error::{Error, Result};
+use crate::group::barrier::Entered;
 use crate::group::Group;
 use crate::kernels::rendezvous::Rendezvous;
 use crate::kernels::{BatchedCopy, PreparedBatch};
@@ -306,8 +307,8 @@ pub(super) unsafe fn before_meeting(
 /// Rank `rank`'s share of a per-rank peer allgather, once every rank has published its buffers
 /// (`call`) and recorded what [`before_meeting`] records. `epoch`: the call's rendezvous epoch when
 /// [`meets_on_gpu`], agreed on by every rank; if this rank cannot launch for it, it releases the
-/// others on its stream. The event-ordered methods meet the other ranks once more on the host
-/// (their events must be recorded before anyone waits on them).
+/// others on its stream. The event-ordered methods meet the other ranks of the call (`entered`) once
+/// more on the host (their events must be recorded before anyone waits on them).
 ///
 /// # Safety
 /// As for [`super::allgather_rank`].
@@ -317,6 +318,7 @@ pub(super) unsafe fn rank_share(
     call: &Gather,
     rank: usize,
     method: PeerMethod,
+    entered: &mut Entered,
     epoch: u64,
 ) -> Result<()> {
     match method {
@@ -325,13 +327,13 @@ pub(super) unsafe fn rank_share(
         }
         PeerMethod::KernelPushes => {
             event_ordered_push(group, state, call, rank)?;
-            group.barrier().wait()?;
+            group.barrier().meet(entered)?;
             wait_for_event_ordered_pushers(group, state, rank)
         }
         PeerMethod::CopyEnginePushes => {
             let own = own_block_batches(group, state, call)?;
             lane_pushes(group, state, call, rank, own.as_deref())?;
-            group.barrier().wait()?;
+            group.barrier().meet(entered)?;
             wait_for_lane_pushers(group, state, call, rank)
         }
     }

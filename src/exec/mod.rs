@@ -1,116 +1,1112 @@
-//! Executing a reshard plan within one process: descriptors built once per plan and cached, bytes
-//! moved on the group's streams (same device and NVLink peers), every stage timed.
+//! Executing a reshard plan: an [`Executor`] for one (plan, group, process) prepares every stage once
+//! (descriptors built and uploaded at creation), then each [`Executor::run`] queues the step on the
+//! group's streams with no host work per segment, and each stage is stamped on the device.
 //!
-//! Ordering: the refit runs inside the group's open scope, or an implicit one (legacy default streams,
-//! synchronous exit). Because a rank writes into other ranks' memory, every rank's stream first waits
-//! for every other rank's (so each destination is written only after its caller's earlier work), and
-//! every stream is joined again before the scope closes (so the caller may read the new weights, and
-//! overwrite the training weights, as soon as its streams are ordered after the scope).
+//! Stages of a step, per slice (one slice unless a staged step exceeds the staging limit):
+//! 1. Copy: each source rank copies its local segments on its group stream and pushes its NVLink-peer
+//!    segments on a stream of its own (`peer_streams`), side by side. Into the live buffers (direct
+//!    commit) or the receivers' staging (staged commit).
+//! 2. Verify (optional): each copy batch is checked on its own stream right after it (what it wrote
+//!    against what it read); then the peer streams are joined back into the group streams.
+//! 3. Install (staged): each receiving rank, once every rank pushing into it is done, copies its
+//!    staging into its live buffers in one batched launch; the last slice's install is
+//!    [`Executor::commit`].
+//!
+//! Routes between processes (an executor made with a communicator, [`Executor::new_across`]) run at
+//! the start of the first slice on the communicator's device (`remote`): CUDA IPC writes into the
+//! receivers' memory or a staged exchange over the communicator; with staged commit, bytes from other
+//! processes land in a landing buffer and are installed with the last slice.
+//!
+//! Ordering follows the group's scope rules: inside the caller's scope the step is only queued;
+//! outside one, an implicit scope makes it complete on return. Because a rank writes other ranks'
+//! memory, every rank's stream first waits for every other rank's (each destination is written only
+//! after its caller's earlier work), and a receiver waits for the ranks pushing into it before
+//! installing. An executor keeps no reference to the group: each call is passed it and checks it is
+//! the one the executor was made for.
 
-mod descriptors;
+mod batch;
+mod flows;
+mod options;
+mod rebind;
+mod remote;
+mod staging;
+mod stats;
+mod timing;
+mod verify;
 
-use crate::error::Result;
+pub use flows::KindTotals;
+pub use options::{Arm, CommitMode, ExecOptions, Hook, Method, Stage};
+pub use remote::RemoteTotals;
+pub use stats::RunStats;
+
+use crate::error::{Error, Result, Status};
 use crate::group::Group;
-use crate::plan::Plan;
-use descriptors::Descriptors;
+use crate::plan::{Destinations, Plan, RouteKind};
+use crate::segment::Segment;
+use crate::transport::comm::Communicator;
+use crate::transport::{Backend, Event, Stream};
+use batch::{Batch, Side};
+use flows::Flow;
+use rebind::{AddressBook, Registrar, Target};
+use remote::Remote;
+use staging::{staged_pair, Packer};
+use std::collections::HashMap;
+use std::sync::Arc;
 use std::time::Instant;
+use timing::Mark;
+use verify::VerifyBatch;
 
-/// How bytes are moved. Both arms install identical bytes; the per-run arm is the reference.
+/// The stages that are stamped on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub enum Arm {
-    /// One batched copy launch per source device (its local and NVLink-peer segments together).
-    Batched,
-    /// One backend copy per contiguous run (copy engine on CUDA).
-    PerRun,
+enum Timed {
+    Local,
+    Peer,
+    VerifyLocal,
+    VerifyPeer,
+    Install,
 }
 
-/// Where one `execute` spent its time. `attributed_s() / total_s` is at least 0.95 when the stages
-/// account for the step.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct StageTimes {
-    /// Whether the descriptors came from the cache.
-    pub cached: bool,
-    /// Building (and uploading) descriptors; 0 on a cache hit.
-    pub descriptors_s: f64,
-    /// Ordering the group's streams and queueing every launch.
-    pub enqueue_s: f64,
-    /// Waiting for the device work (0 inside a caller's scope, where the call does not wait).
-    pub wait_s: f64,
-    /// The whole call.
-    pub total_s: f64,
-    pub segments: u64,
-    pub bytes: u64,
+/// One stamped launch: stage `timed` of slice `slice` on rank `rank`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+struct Slot {
+    slice: usize,
+    timed: Timed,
+    rank: usize,
 }
 
-impl StageTimes {
-    pub fn attributed_s(&self) -> f64 {
-        self.descriptors_s + self.enqueue_s + self.wait_s
+/// One copy batch of a rank and the verify that checks it (indices into the executor's lists).
+#[derive(Clone, Copy, Debug)]
+struct CopyStage {
+    batch: usize,
+    verify: Option<usize>,
+}
+
+/// What one source rank copies in one slice.
+#[derive(Debug, Default)]
+struct RankCopies {
+    rank: usize,
+    /// On the group stream.
+    local: Option<CopyStage>,
+    /// On the rank's peer stream.
+    peer: Option<CopyStage>,
+    /// Whether other ranks wait for these copies (it pushes into them).
+    pushes: bool,
+}
+
+/// What one receiving rank does after the copies into it (staged).
+#[derive(Debug, Default)]
+struct Receiving {
+    rank: usize,
+    /// Other ranks copying into this one, which it waits for before installing.
+    sources: Vec<usize>,
+    install: Option<usize>,
+}
+
+#[derive(Debug, Default)]
+struct Slice {
+    copies: Vec<RankCopies>,
+    receiving: Vec<Receiving>,
+}
+
+/// Where a staged executor stands between calls.
+#[derive(Clone, Debug, PartialEq, Eq)]
+enum State {
+    Idle,
+    /// The last run staged its last slice; `checked`: its verify outcome was read (or not asked).
+    Staged {
+        checked: bool,
+    },
+    /// The last run or commit failed: nothing may be committed until a run succeeds.
+    Failed(String),
+}
+
+/// Ordering events of one rank (no timing).
+#[derive(Clone, Copy)]
+struct RankEvents {
+    /// Recorded on the group stream where the peer stream forks from it.
+    forked: Event,
+    /// Recorded on the peer stream after its pushes; the group stream waits for it.
+    peer_done: Event,
+    /// Recorded on the group stream after the rank's copies; ranks it pushed into wait for it.
+    pushed: Event,
+    /// Recorded on the group stream at the end of every call; waited for before descriptors change
+    /// and before anything the executor owns is freed.
+    done: Event,
+}
+
+impl RankEvents {
+    /// The four events on `device`; on failure, those made are destroyed.
+    fn create(backend: &dyn Backend, device: i32) -> Result<RankEvents> {
+        let mut made = Vec::with_capacity(4);
+        for _ in 0..4 {
+            match backend.create_event(device) {
+                Ok(event) => made.push(event),
+                Err(err) => {
+                    made.into_iter().for_each(|event| backend.destroy_event(device, event));
+                    return Err(err);
+                }
+            }
+        }
+        Ok(RankEvents { forked: made[0], peer_done: made[1], pushed: made[2], done: made[3] })
+    }
+
+    fn all(self) -> [Event; 4] {
+        [self.forked, self.peer_done, self.pushed, self.done]
     }
 }
 
-#[derive(Clone, Copy, PartialEq, Eq, Debug)]
-struct CacheKey {
-    group: u64,
-    fingerprint: u64,
-    process: u32,
-    arm: Arm,
+/// Host-side bookkeeping of one call.
+#[derive(Default)]
+struct CallLog {
+    recorded: Vec<Slot>,
+    wait_ns: u64,
 }
 
-/// Executes plans on a group, keeping the descriptors of the last (plan, group, arm) it ran: a rebuilt
-/// plan (another fingerprint), another group or another arm invalidates them.
-#[derive(Default)]
+impl CallLog {
+    /// Runs `wait` (a host wait for the device) and counts its time as waiting.
+    fn waiting<T>(&mut self, wait: impl FnOnce() -> Result<T>) -> Result<T> {
+        let start = Instant::now();
+        let result = wait();
+        self.wait_ns += start.elapsed().as_nanos() as u64;
+        result
+    }
+}
+
+/// Moves one process's share of a plan over a group's devices, step after step.
+///
+/// Thread-safety: one thread at a time (with its group).
 pub struct Executor {
-    cached: Option<(CacheKey, Descriptors)>,
+    group_id: u64,
+    process: u32,
+    backend: Arc<dyn Backend>,
+    devices: Vec<i32>,
+    options: ExecOptions,
+    totals: KindTotals,
+    methods: [Option<Method>; 3],
+    batches: Vec<Batch>,
+    verifies: Vec<VerifyBatch>,
+    slices: Vec<Slice>,
+    peer_streams: Vec<Option<Stream>>,
+    events: Vec<RankEvents>,
+    marks: HashMap<Slot, (Mark, Mark)>,
+    /// Ranks whose group stream the executor queues on; their `done` events were recorded by the
+    /// last call when `done_recorded`.
+    ranks: Vec<usize>,
+    done_recorded: bool,
+    /// (device, allocation) of each receiving rank's staging buffer.
+    staging: Vec<(i32, u64)>,
+    book: AddressBook,
+    destinations: Destinations,
+    state: State,
+    last: Option<(RunStats, Vec<Slot>)>,
+    /// Set when descriptors could not follow a rebind: every later call fails with it.
+    broken: Option<Error>,
+    /// Routes between processes (an executor made with a communicator).
+    remote: Option<Remote>,
+}
+
+/// A segment's first and one-past-last byte on one side.
+fn extent(segment: &Segment, side: Side) -> (u64, u64) {
+    let (base, stride) = match side {
+        Side::Src => (segment.src, segment.src_stride),
+        Side::Dst => (segment.dst, segment.dst_stride),
+    };
+    let last = (segment.count[0] - 1) * stride[0] + (segment.count[1] - 1) * stride[1];
+    (base, base + last + segment.len)
+}
+
+/// The method for `segments` of `kind` under `arm`. `direct`: every pair has peer access.
+/// `verified`: the copies will be verified. AUTO then keeps the kernel wherever it can run: its copy
+/// records digests of the source tiles it reads, so the verify reads only the destinations, where a
+/// copy-engine copy leaves the verify comparing both sides (benches/gpu_digest.rs measures both).
+fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool, verified: bool) -> Result<Method> {
+    if kind == RouteKind::Peer && !direct {
+        return match arm {
+            Arm::Kernel => Err(Error::unsupported(
+                "a rank cannot write a peer's memory directly (no peer access): the kernel arm cannot \
+                 push there; use REFIT_ARM_AUTO or REFIT_ARM_COPY_ENGINE",
+            )),
+            _ => Ok(Method::CopyEngine),
+        };
+    }
+    Ok(match arm {
+        Arm::Kernel => Method::Kernel,
+        Arm::CopyEngine => Method::CopyEngine,
+        Arm::Auto if verified => Method::Kernel,
+        Arm::Auto => {
+            let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
+            let runs: u64 = segments.iter().map(|s| s.runs()).sum();
+            if runs > 0 && bytes / runs >= Arm::COPY_ENGINE_MIN_RUN {
+                Method::CopyEngine
+            } else {
+                Method::Kernel
+            }
+        }
+    })
+}
+
+/// One segment a copy batch moves: as copied (into the live buffer, or into staging), as planned
+/// (what a verify mismatch is reported against), and the rank receiving it.
+#[derive(Clone, Copy, Debug)]
+struct Copied {
+    segment: Segment,
+    planned: Segment,
+    receiver: usize,
+}
+
+/// Segments of one slice before they become batches.
+#[derive(Default)]
+struct SliceLists {
+    /// Per source rank: its local and its peer copies.
+    local: HashMap<usize, Vec<Copied>>,
+    peer: HashMap<usize, Vec<Copied>>,
+    /// Per receiving rank: the installs from its staging.
+    installs: HashMap<usize, Vec<Segment>>,
+}
+
+impl SliceLists {
+    fn copy(&mut self, flow: &Flow, segment: Segment, planned: Segment) {
+        let lists = if flow.kind == RouteKind::Local { &mut self.local } else { &mut self.peer };
+        lists.entry(flow.src).or_default().push(Copied { segment, planned, receiver: flow.dst });
+    }
 }
 
 impl Executor {
-    pub fn new() -> Executor {
-        Executor::default()
+    /// Prepares `process`'s share of `plan` (routes whose endpoints are in that process; endpoint
+    /// devices are the group's device ordinals) for `group`: batches for every stage built and
+    /// uploaded, staging allocated. Errors: InvalidArgument (options), NotFound (a plan device not
+    /// in the group), Unsupported (a route to or from another process; the kernel arm without
+    /// peer access), InvalidArgument (a segment the batched copy refuses), and the driver's and
+    /// compiler's errors.
+    pub fn new(group: &Group, plan: &Plan, process: u32, options: ExecOptions) -> Result<Executor> {
+        options.check()?;
+        let flows = flows::flows(group, plan, process, false)?;
+        Executor::build_any_arm(group, plan, process, &options, &flows, None)
     }
 
-    /// Moves every byte that `plan` routes into process `process` over `group`'s devices (plan
-    /// endpoints' devices are the group's device ordinals).
-    ///
-    /// # Safety
-    /// Every source and destination address in the plan must be live memory of the device it names
-    /// until the work is done (on return outside a scope; after the scope's exit inside one).
-    pub unsafe fn execute(
-        &mut self,
+    /// As [`Executor::new`] for the process whose communicator rank is `comm`'s, with the routes
+    /// between it and the other processes of `comm` too (`plan` is typically its share, built
+    /// across the processes): a collective call, every process of the communicator makes it. Those
+    /// routes must start or end on the communicator's device, a device of `group`. Errors: those of
+    /// [`Executor::new`], InvalidArgument (a plan process that is not a communicator rank),
+    /// Unsupported (a route between processes on another device), the communicator's (TIMEOUT,
+    /// ABORTED).
+    pub fn new_across(
+        group: &Group,
+        plan: &Plan,
+        comm: Arc<Communicator>,
+        options: ExecOptions,
+    ) -> Result<Executor> {
+        options.check()?;
+        let process = u32::try_from(comm.rank()).map_err(|_| Error::invalid_argument("a rank above 2^32"))?;
+        let flows = flows::flows(group, plan, process, true)?;
+        let remote = Remote::prepare(group, plan, process, comm, &options)?;
+        Executor::build_any_arm(group, plan, process, &options, &flows, Some(remote))
+    }
+
+    /// Builds with the options' arm and, when AUTO finds the kernel unavailable, with the copy engine.
+    fn build_any_arm(
         group: &Group,
         plan: &Plan,
         process: u32,
-        arm: Arm,
-    ) -> Result<StageTimes> {
-        let start = Instant::now();
-        let key = CacheKey { group: group.id(), fingerprint: plan.fingerprint(), process, arm };
-        let mut times = StageTimes { cached: true, ..StageTimes::default() };
-        if self.cached.as_ref().map(|(k, _)| *k) != Some(key) {
-            self.cached = None; // free the old descriptors (device memory) before building new ones
-            let descriptors = Descriptors::build(group, plan, process, arm)?;
-            self.cached = Some((key, descriptors));
-            times.cached = false;
-            times.descriptors_s = start.elapsed().as_secs_f64();
+        options: &ExecOptions,
+        flows: &[Flow],
+        remote: Option<Remote>,
+    ) -> Result<Executor> {
+        let remote_part = remote.as_ref().map(|r| (r.rank(), r.installs()));
+        let built = match Executor::build(group, plan, process, options, flows, true, remote_part) {
+            Err(err)
+                if options.arm == Arm::Auto
+                    && matches!(err.status, Status::NvrtcUnavailable | Status::KernelLoadFailed) =>
+            {
+                log::warn!(
+                    "the batched copy kernel is unavailable ({err}); the executor uses the copy engine"
+                );
+                Executor::build(group, plan, process, options, flows, false, remote_part)
+            }
+            built => built,
+        };
+        let mut executor = built?;
+        executor.remote = remote;
+        Ok(executor)
+    }
+
+    /// Builds everything; `kernel` false makes every stage use the copy engine. `remote`: the rank
+    /// the routes between processes run on and, with staged commit, their installs from the landing.
+    fn build(
+        group: &Group,
+        plan: &Plan,
+        process: u32,
+        options: &ExecOptions,
+        flows: &[Flow],
+        kernel: bool,
+        remote: Option<(usize, &[Segment])>,
+    ) -> Result<Executor> {
+        let direct = group.all_peers_direct();
+        let arm = if kernel { options.arm } else { Arm::CopyEngine };
+        let mut methods = [None; 3];
+        for kind in [RouteKind::Local, RouteKind::Peer] {
+            let segments: Vec<&Segment> =
+                flows.iter().filter(|f| f.kind == kind).flat_map(|f| &f.segments).collect();
+            if !segments.is_empty() {
+                methods[kind as usize] = Some(resolve(arm, kind, &segments, direct, options.verify)?);
+            }
         }
-        let descriptors = &self.cached.as_ref().expect("built above").1;
-        times.segments = descriptors.segments;
-        times.bytes = descriptors.bytes;
+        let backend = Arc::clone(group.backend());
+        let mut executor = Executor {
+            group_id: group.id(),
+            process,
+            backend: Arc::clone(&backend),
+            devices: group.devices().to_vec(),
+            options: ExecOptions { arm, ..options.clone() },
+            totals: KindTotals::of(flows),
+            methods,
+            batches: Vec::new(),
+            verifies: Vec::new(),
+            slices: Vec::new(),
+            peer_streams: vec![None; group.size()],
+            events: Vec::new(),
+            marks: HashMap::new(),
+            ranks: Vec::new(),
+            done_recorded: false,
+            staging: Vec::new(),
+            book: AddressBook::default(),
+            destinations: plan.destinations().of_process(process),
+            state: State::Idle,
+            last: None,
+            broken: None,
+            remote: None,
+        };
+        let mut lists = match options.commit {
+            CommitMode::Direct => vec![executor.direct_lists(flows)],
+            CommitMode::Staged => executor.staged_lists(flows)?,
+        };
+        if let Some((rank, installs)) = remote.filter(|(_, installs)| !installs.is_empty()) {
+            // Bytes from other processes are installed with the last slice, at the commit.
+            if lists.is_empty() {
+                lists.push(SliceLists::default());
+            }
+            let last = lists.last_mut().expect("one slice at least");
+            last.installs.entry(rank).or_default().extend_from_slice(installs);
+        }
+        let mut registrar = Registrar::default();
+        for (k, lists) in lists.into_iter().enumerate() {
+            let slice = executor.prepare_slice(group, k, lists, &mut registrar)?;
+            executor.slices.push(slice);
+        }
+        executor.book = registrar.build();
+        let mut ranks: Vec<usize> = Vec::new();
+        for slice in &executor.slices {
+            ranks.extend(slice.copies.iter().map(|c| c.rank));
+            ranks.extend(slice.receiving.iter().map(|r| r.rank));
+        }
+        ranks.extend(remote.map(|(rank, _)| rank));
+        ranks.sort_unstable();
+        ranks.dedup();
+        executor.ranks = ranks;
+        for rank in 0..group.size() {
+            executor.events.push(RankEvents::create(backend.as_ref(), executor.devices[rank])?);
+        }
+        Ok(executor)
+    }
+
+    /// The one slice of a direct step: copies straight into the live buffers.
+    fn direct_lists(&self, flows: &[Flow]) -> SliceLists {
+        let mut lists = SliceLists::default();
+        for flow in flows {
+            for segment in &flow.segments {
+                lists.copy(flow, *segment, *segment);
+            }
+        }
+        lists
+    }
+
+    /// The slices of a staged step: every segment placed in its receiver's staging (cut where it
+    /// exceeds the limit), staging allocated, copies into staging and installs out of it.
+    fn staged_lists(&mut self, flows: &[Flow]) -> Result<Vec<SliceLists>> {
+        let limit = if self.options.staging_limit == 0 { u64::MAX } else { self.options.staging_limit };
+        let mut receivers: Vec<usize> = flows.iter().map(|f| f.dst).collect();
+        receivers.sort_unstable();
+        receivers.dedup();
+        let mut slices: Vec<SliceLists> = Vec::new();
+        for rank in receivers {
+            let mut packer = Packer::new(limit);
+            let mut placed = Vec::new();
+            let mut pieces = Vec::new();
+            for (f, flow) in flows.iter().enumerate().filter(|(_, f)| f.dst == rank) {
+                for segment in &flow.segments {
+                    pieces.clear();
+                    staging::split(segment, packer.cap(), &mut pieces);
+                    for piece in &pieces {
+                        placed.push((f, *piece, packer.place(piece)));
+                    }
+                }
+            }
+            let device = self.devices[rank];
+            let size = usize::try_from(packer.size + 16)
+                .map_err(|_| Error::new(Status::OutOfMemory, "staging larger than the address space"))?;
+            let allocation = self.backend.alloc(device, size).map_err(|e| {
+                e.context(format!(
+                    "allocating {size} bytes of staging on device {device} (see staging_limit)"
+                ))
+            })?;
+            self.staging.push((device, allocation));
+            let base = allocation.next_multiple_of(16);
+            if slices.len() < packer.slices() {
+                slices.resize_with(packer.slices(), SliceLists::default);
+            }
+            for (f, piece, placement) in placed {
+                let (into, out) = staged_pair(&piece, base, &placement);
+                let lists = &mut slices[placement.slice];
+                lists.copy(&flows[f], into, piece);
+                lists.installs.entry(rank).or_default().push(out);
+            }
+        }
+        Ok(slices)
+    }
+
+    /// Builds slice `k`'s batches (with their verifies), stamps and peer streams, and registers every
+    /// address it reads or writes in caller memory.
+    fn prepare_slice(
+        &mut self,
+        group: &Group,
+        k: usize,
+        lists: SliceLists,
+        registrar: &mut Registrar,
+    ) -> Result<Slice> {
+        let mut slice = Slice::default();
+        let mut sources: HashMap<usize, Vec<usize>> = HashMap::new();
+        let mut copy_ranks: Vec<usize> = lists.local.keys().chain(lists.peer.keys()).copied().collect();
+        copy_ranks.sort_unstable();
+        copy_ranks.dedup();
+        for rank in copy_ranks {
+            let mut copies = RankCopies { rank, ..RankCopies::default() };
+            for (kind, list) in
+                [(RouteKind::Local, lists.local.get(&rank)), (RouteKind::Peer, lists.peer.get(&rank))]
+            {
+                let Some(list) = list else { continue };
+                for copied in list.iter().filter(|c| c.receiver != rank) {
+                    copies.pushes = true;
+                    let into = sources.entry(copied.receiver).or_default();
+                    if !into.contains(&rank) {
+                        into.push(rank);
+                    }
+                }
+                let stage = self.prepare_copy(group, k, rank, kind, list, registrar)?;
+                if kind == RouteKind::Local {
+                    copies.local = Some(stage);
+                } else {
+                    copies.peer = Some(stage);
+                    if self.peer_streams[rank].is_none() {
+                        self.peer_streams[rank] = Some(self.backend.create_stream(self.devices[rank])?);
+                    }
+                }
+            }
+            slice.copies.push(copies);
+        }
+        let mut receiving_ranks: Vec<usize> = lists.installs.keys().copied().collect();
+        receiving_ranks.sort_unstable();
+        for rank in receiving_ranks {
+            let installs = &lists.installs[&rank];
+            let index = self.batches.len();
+            for (i, segment) in installs.iter().enumerate() {
+                let (lo, hi) = extent(segment, Side::Dst);
+                registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Dst);
+            }
+            let refs: Vec<&Segment> = installs.iter().collect();
+            let method = resolve(self.options.arm, RouteKind::Local, &refs, true, false)?;
+            self.batches.push(Batch::new(group, rank, installs.clone(), method, 0, false)?);
+            self.add_marks(Slot { slice: k, timed: Timed::Install, rank })?;
+            let sources = sources.remove(&rank).unwrap_or_default();
+            slice.receiving.push(Receiving { rank, sources, install: Some(index) });
+        }
+        Ok(slice)
+    }
+
+    /// One copy batch of `rank` for route kind `kind` in slice `k`, and its verify when asked.
+    fn prepare_copy(
+        &mut self,
+        group: &Group,
+        k: usize,
+        rank: usize,
+        kind: RouteKind,
+        list: &[Copied],
+        registrar: &mut Registrar,
+    ) -> Result<CopyStage> {
+        // Staged copies write staging, which is the executor's own: only live addresses move.
+        let live_destinations = self.options.commit == CommitMode::Direct;
+        let batch = self.batches.len();
+        let verify = self.options.verify.then_some(self.verifies.len());
+        for (i, copied) in list.iter().enumerate() {
+            let targets = [Some(Target::Copy(batch as u32)), verify.map(|v| Target::Verify(v as u32))];
+            for target in targets.into_iter().flatten() {
+                let (lo, hi) = extent(&copied.segment, Side::Src);
+                registrar.add(self.devices[rank], lo, hi, target, i, Side::Src);
+                if live_destinations {
+                    let (lo, hi) = extent(&copied.segment, Side::Dst);
+                    registrar.add(self.devices[copied.receiver], lo, hi, target, i, Side::Dst);
+                }
+            }
+        }
+        let method = self.methods[kind as usize].expect("a method for every kind with segments");
+        let segments: Vec<Segment> = list.iter().map(|c| c.segment).collect();
+        let (budget, verify_on) = (self.options.sm_budget, self.options.verify);
+        self.batches.push(Batch::new(group, rank, segments, method, budget, verify_on)?);
+        let (copy, check) = if kind == RouteKind::Local {
+            (Timed::Local, Timed::VerifyLocal)
+        } else {
+            (Timed::Peer, Timed::VerifyPeer)
+        };
+        self.add_marks(Slot { slice: k, timed: copy, rank })?;
+        if self.options.verify {
+            let planned = list.iter().map(|c| (c.planned, c.receiver)).collect();
+            self.verifies.push(VerifyBatch::new(group, rank, &self.batches[batch], planned)?);
+            self.add_marks(Slot { slice: k, timed: check, rank })?;
+        }
+        Ok(CopyStage { batch, verify })
+    }
+
+    fn add_marks(&mut self, slot: Slot) -> Result<()> {
+        let device = self.devices[slot.rank];
+        let pair = (Mark::new(self.backend.as_ref(), device)?, Mark::new(self.backend.as_ref(), device)?);
+        self.marks.insert(slot, pair);
+        Ok(())
+    }
+}
+
+impl Executor {
+    /// The plan share's payload bytes and segments per route kind.
+    pub fn totals(&self) -> KindTotals {
+        self.totals
+    }
+
+    /// How each route kind's copies from the sources are moved (None: no route of that kind).
+    pub fn methods(&self) -> [Option<Method>; 3] {
+        self.methods
+    }
+
+    /// Slices a step runs in.
+    pub fn slices(&self) -> usize {
+        self.slices.len()
+    }
+
+    pub fn options(&self) -> &ExecOptions {
+        &self.options
+    }
+
+    fn check_call(&self, group: &Group) -> Result<()> {
+        if group.id() != self.group_id {
+            return Err(Error::invalid_argument("this executor was made for another group"));
+        }
+        match &self.broken {
+            Some(err) => Err(Error::new(
+                Status::InvalidState,
+                format!("the executor is unusable since a rebind failed ({}): build a new one", err.message),
+            )),
+            None => Ok(()),
+        }
+    }
+
+    /// Queues one step: the copies, verify when asked and, when staged, the install of every slice
+    /// but the last (see [`CommitMode::Staged`]). Inside the group's scope it is queued after the
+    /// callers' streams; outside one it is complete on return. It waits for the device anyway when
+    /// it must read a verify outcome first: after the copies of a direct step, and before each
+    /// install of a sliced one. A staged step not yet committed is replaced.
+    ///
+    /// Errors: InvalidArgument (another group), InvalidState (a rebind failed earlier),
+    /// VerifyMismatch (naming tensor, box and element), PlanStale (rebinds left buffers
+    /// overlapping), the driver's errors. After an error nothing may be committed until a run
+    /// succeeds; in a direct step, live buffers may hold some of the new bytes.
+    ///
+    /// # Safety
+    /// Every address of the plan (as rebound) must be live memory of the device it names until the
+    /// work is done (on return outside a scope; after the scope's exit inside one).
+    pub unsafe fn run(&mut self, group: &Group) -> Result<RunStats> {
+        let started = Instant::now();
+        self.check_call(group)?;
+        let mut stats = RunStats { descriptors_reused: true, ..RunStats::default() };
+        if self.book.has_moved() {
+            self.book.settle().inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+        }
+        for verify in &mut self.verifies {
+            if verify.refresh(group)? {
+                stats.descriptors_reused = false;
+            }
+        }
+        let prepared = Instant::now();
         let implicit = !group.in_scope();
-        let enqueue_start = Instant::now();
-        let mut wait_start = enqueue_start;
-        group.in_implicit_scope(|| {
+        let staged = self.options.commit == CommitMode::Staged;
+        let mut log = CallLog::default();
+        self.state = State::Failed("the last run did not finish".into());
+        let queued = group.in_implicit_scope(|| {
+            let queued = self.queue_run(group, &mut log);
+            let done = self.record_done(group);
+            queued.and(done)?;
+            // The exit of an implicit scope waits from here on.
+            Ok(Instant::now())
+        });
+        let exited = Instant::now();
+        let enqueued = match queued {
+            Ok(at) => at,
+            Err(err) => {
+                self.state = State::Failed(err.message.clone());
+                return Err(err);
+            }
+        };
+        if implicit {
+            log.wait_ns += (exited - enqueued).as_nanos() as u64;
+            // The step has run: a peer that failed meanwhile failed the communicator.
+            if let Some(remote) = &self.remote {
+                remote.check().inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+            }
+        }
+        let last = self.slices.len().saturating_sub(1);
+        let mut checked = !self.options.verify;
+        if self.options.verify && (!staged || implicit) {
+            // Direct steps were checked slice by slice; an implicit scope has finished the last.
+            if staged {
+                self.check_slice(last, &mut log)
+                    .inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+            }
+            checked = true;
+        }
+        self.state = if staged { State::Staged { checked } } else { State::Idle };
+
+        stats.slices = self.slices.len() as u32;
+        stats.arm = self.methods.map(Method::code);
+        stats.bytes = self.totals.bytes;
+        stats.segments = self.totals.segments;
+        stats.verified = self.options.verify && checked;
+        stats.verified_bytes =
+            if self.options.verify { self.verifies.iter().map(|v| v.bytes()).sum() } else { 0 };
+        stats.installed_bytes =
+            if staged { self.installed_bytes(0..last) } else { self.totals.bytes.iter().sum() };
+        if let Some(remote) = &self.remote {
+            remote_stats(&mut stats, &remote.totals, staged);
+        }
+        self.finish("run", stats, started, prepared, log, implicit)
+    }
+
+    /// Queues every slice of a run (inside the scope).
+    fn queue_run(&self, group: &Group, log: &mut CallLog) -> Result<()> {
+        let staged = self.options.commit == CommitMode::Staged;
+        let last = self.slices.len().saturating_sub(1);
+        if self.slices.is_empty() {
+            if let Some(remote) = &self.remote {
+                group.mark_pending_join();
+                group.join_if_pending()?;
+                // SAFETY: the caller's promise on the plan's memory; the landing is ours.
+                unsafe { remote.run(group) }?;
+            }
+        }
+        for (k, slice) in self.slices.iter().enumerate() {
+            // Every rank waits for every other: destinations are written after their callers' earlier
+            // work, and a slice's staging after the previous slice's installs have read it.
             group.mark_pending_join();
             group.join_if_pending()?;
-            descriptors.launch(group)?;
-            group.mark_pending_join();
-            wait_start = Instant::now();
-            Ok(())
-        })?;
-        let end = Instant::now();
-        times.enqueue_s = (wait_start - enqueue_start).as_secs_f64();
-        if implicit {
-            times.wait_s = (end - wait_start).as_secs_f64();
+            if let (0, Some(remote)) = (k, &self.remote) {
+                // SAFETY: the caller's promise on the plan's memory; the landing is ours.
+                unsafe { remote.run(group) }?;
+            }
+            self.options.call_hook(Stage::Copy { slice: k }, group)?;
+            self.queue_copies(group, k, log)?;
+            if staged {
+                for receiving in &slice.receiving {
+                    let device = self.devices[receiving.rank];
+                    let stream = group.stream(receiving.rank)?;
+                    for &source in &receiving.sources {
+                        self.backend.wait(device, stream, self.events[source].pushed)?;
+                    }
+                }
+            }
+            if self.options.verify && (!staged || k < last) {
+                self.check_slice(k, log)?;
+            }
+            if staged && k < last {
+                self.queue_installs(group, k, log)?;
+            }
         }
-        times.total_s = (end - start).as_secs_f64();
-        Ok(times)
+        group.mark_pending_join();
+        Ok(())
+    }
+
+    /// Queues slice `k`'s copies, then (when asked) each copy's verify after it on the same stream:
+    /// local batches on each rank's group stream, peer pushes on its peer stream, forked from the
+    /// group stream before and joined back into it after (also when queueing fails, so that the
+    /// group stream covers whatever was queued). Then each pushing rank records `pushed`.
+    fn queue_copies(&self, group: &Group, k: usize, log: &mut CallLog) -> Result<()> {
+        let copies = &self.slices[k].copies;
+        let mut forked = Vec::new();
+        let mut result = (|| {
+            for c in copies.iter().filter(|c| c.peer.is_some()) {
+                let (device, stream, lane) = self.streams_of(group, c.rank)?;
+                self.backend.record(device, self.events[c.rank].forked, stream)?;
+                self.backend.wait(device, lane, self.events[c.rank].forked)?;
+                forked.push(c.rank);
+            }
+            for c in copies {
+                for (stage, timed, lane) in self.stages_of(group, c)? {
+                    let slot = Slot { slice: k, timed, rank: c.rank };
+                    let batch = &self.batches[stage.batch];
+                    // SAFETY: the caller's promise on the plan's memory; staging is ours.
+                    self.stamped(slot, lane, log, || unsafe { batch.launch(lane) })?;
+                }
+            }
+            if self.options.verify {
+                self.options.call_hook(Stage::Verify { slice: k }, group)?;
+                for c in copies {
+                    for (stage, timed, lane) in self.stages_of(group, c)? {
+                        let timed =
+                            if timed == Timed::Local { Timed::VerifyLocal } else { Timed::VerifyPeer };
+                        let slot = Slot { slice: k, timed, rank: c.rank };
+                        let verify =
+                            &self.verifies[stage.verify.expect("a verify for every copy when asked")];
+                        // SAFETY: as above.
+                        self.stamped(slot, lane, log, || unsafe { verify.launch(lane) })?;
+                    }
+                }
+            }
+            Ok(())
+        })();
+        for &rank in &forked {
+            let joined = self.streams_of(group, rank).and_then(|(device, stream, lane)| {
+                self.backend.record(device, self.events[rank].peer_done, lane)?;
+                self.backend.wait(device, stream, self.events[rank].peer_done)
+            });
+            result = result.and(joined);
+        }
+        result?;
+        for c in copies.iter().filter(|c| c.pushes) {
+            let (device, stream, _) = self.streams_of(group, c.rank)?;
+            self.backend.record(device, self.events[c.rank].pushed, stream)?;
+        }
+        Ok(())
+    }
+
+    /// A rank's device, group stream and peer stream (the group stream when it has none).
+    fn streams_of(&self, group: &Group, rank: usize) -> Result<(i32, Stream, Stream)> {
+        let stream = group.stream(rank)?;
+        Ok((self.devices[rank], stream, self.peer_streams[rank].unwrap_or(stream)))
+    }
+
+    /// A rank's copy stages with what they are stamped as and the stream each runs on.
+    fn stages_of(&self, group: &Group, copies: &RankCopies) -> Result<Vec<(CopyStage, Timed, Stream)>> {
+        let (_, stream, lane) = self.streams_of(group, copies.rank)?;
+        let local = copies.local.map(|stage| (stage, Timed::Local, stream));
+        let peer = copies.peer.map(|stage| (stage, Timed::Peer, lane));
+        Ok(local.into_iter().chain(peer).collect())
+    }
+
+    /// Queues slice `k`'s installs from staging into the live buffers.
+    fn queue_installs(&self, group: &Group, k: usize, log: &mut CallLog) -> Result<()> {
+        self.options.call_hook(Stage::Install { slice: k }, group)?;
+        for receiving in &self.slices[k].receiving {
+            if let Some(b) = receiving.install {
+                let stream = group.stream(receiving.rank)?;
+                let slot = Slot { slice: k, timed: Timed::Install, rank: receiving.rank };
+                // SAFETY: staging is ours; the caller's promise covers the live buffers.
+                self.stamped(slot, stream, log, || unsafe { self.batches[b].launch(stream) })?;
+            }
+        }
+        Ok(())
+    }
+
+    /// `launch` between the two stamps of `slot` on `stream`.
+    fn stamped(
+        &self,
+        slot: Slot,
+        stream: Stream,
+        log: &mut CallLog,
+        launch: impl FnOnce() -> Result<()>,
+    ) -> Result<()> {
+        let (start, end) = &self.marks[&slot];
+        start.record(stream)?;
+        launch()?;
+        end.record(stream)?;
+        log.recorded.push(slot);
+        Ok(())
+    }
+
+    /// Waits for slice `k`'s verifies and reads their outcomes.
+    fn check_slice(&self, k: usize, log: &mut CallLog) -> Result<()> {
+        let Some(slice) = self.slices.get(k) else { return Ok(()) };
+        for copies in &slice.copies {
+            for (stage, timed) in [(copies.local, Timed::VerifyLocal), (copies.peer, Timed::VerifyPeer)] {
+                let Some(v) = stage.and_then(|s| s.verify) else { continue };
+                log.waiting(|| self.marks[&Slot { slice: k, timed, rank: copies.rank }].1.wait())?;
+                self.verifies[v].check(
+                    self.backend.as_ref(),
+                    &self.devices,
+                    self.process,
+                    &self.destinations,
+                )?;
+            }
+        }
+        Ok(())
+    }
+
+    /// Records every used rank's `done` event on its group stream.
+    fn record_done(&mut self, group: &Group) -> Result<()> {
+        let mut result = Ok(());
+        for &rank in &self.ranks {
+            let stream = group.stream(rank)?;
+            result = result.and(self.backend.record(self.devices[rank], self.events[rank].done, stream));
+        }
+        self.done_recorded = true;
+        result
+    }
+
+    fn installed_bytes(&self, slices: std::ops::Range<usize>) -> u64 {
+        self.slices[slices]
+            .iter()
+            .flat_map(|s| &s.receiving)
+            .filter_map(|r| r.install)
+            .map(|b| self.batches[b].bytes())
+            .sum()
+    }
+
+    /// Installs the staged step's last slice into the live buffers with one batched launch per
+    /// receiving rank, after reading its verify outcome if the run did not (the host then waits for
+    /// the verify stage). Queued like `run`: inside the scope after the callers' streams, else
+    /// complete on return.
+    ///
+    /// Errors: InvalidArgument (another group), InvalidState (direct commit; nothing staged; the
+    /// last run failed), VerifyMismatch (nothing installed), the driver's errors. After an error
+    /// nothing may be committed until a run succeeds.
+    ///
+    /// # Safety
+    /// As for [`Executor::run`].
+    pub unsafe fn commit(&mut self, group: &Group) -> Result<RunStats> {
+        let started = Instant::now();
+        self.check_call(group)?;
+        if self.options.commit == CommitMode::Direct {
+            return Err(Error::invalid_state(
+                "this executor commits directly (REFIT_COMMIT_DIRECT): run installs every byte; there is nothing \
+                 to commit",
+            ));
+        }
+        let checked = match &self.state {
+            State::Staged { checked } => *checked,
+            State::Idle => return Err(Error::invalid_state("nothing is staged: run first")),
+            State::Failed(why) => {
+                return Err(Error::invalid_state(format!(
+                    "the last call failed ({why}): run again before committing"
+                )))
+            }
+        };
+        let prepared = Instant::now();
+        let implicit = !group.in_scope();
+        let last = self.slices.len().saturating_sub(1);
+        let mut log = CallLog::default();
+        self.state = State::Failed("the last commit did not finish".into());
+        if !checked {
+            self.check_slice(last, &mut log)
+                .inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+        }
+        if let Some(remote) = &self.remote {
+            // Nothing from other processes is installed unless all of it arrived: wait for the
+            // exchange, then ask the communicator whether a peer failed meanwhile.
+            let (device, stream) = (self.devices[remote.rank()], group.stream(remote.rank())?);
+            log.waiting(|| self.backend.sync_stream(device, stream))
+                .and_then(|()| remote.check())
+                .inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+        }
+        let queued = group.in_implicit_scope(|| {
+            let queued =
+                if self.slices.is_empty() { Ok(()) } else { self.queue_installs(group, last, &mut log) };
+            let done = self.record_done(group);
+            queued.and(done)?;
+            Ok(Instant::now())
+        });
+        let exited = Instant::now();
+        let enqueued = queued.inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
+        if implicit {
+            log.wait_ns += (exited - enqueued).as_nanos() as u64;
+        }
+        self.state = State::Idle;
+        let stats = RunStats {
+            descriptors_reused: true,
+            verified: self.options.verify,
+            installed_bytes: if self.slices.is_empty() { 0 } else { self.installed_bytes(last..last + 1) },
+            ..RunStats::default()
+        };
+        self.finish("commit", stats, started, prepared, log, implicit)
+    }
+
+    /// Fills the host times (and device times when the call waited for the device), logs the call,
+    /// keeps it for [`Executor::stats`].
+    fn finish(
+        &mut self,
+        call: &str,
+        mut stats: RunStats,
+        started: Instant,
+        prepared: Instant,
+        log: CallLog,
+        waited: bool,
+    ) -> Result<RunStats> {
+        let ended = Instant::now();
+        stats.wall_ns = (ended - started).as_nanos() as u64;
+        stats.prepare_ns = (prepared - started).as_nanos() as u64;
+        stats.wait_ns = log.wait_ns;
+        stats.enqueue_ns = ((ended - prepared).as_nanos() as u64).saturating_sub(log.wait_ns);
+        if waited {
+            self.device_times(&mut stats, &log.recorded)?;
+        }
+        log::info!("{}", stats.summary(call));
+        self.last = Some((stats, log.recorded));
+        Ok(stats)
+    }
+
+    /// Device time per stage and span from the stamps of `recorded` (waits for them).
+    fn device_times(&self, stats: &mut RunStats, recorded: &[Slot]) -> Result<()> {
+        // The longest rank's time per (slice, stage); a rank's local and peer verifies are one stage.
+        let mut longest: HashMap<(usize, Timed), u64> = HashMap::new();
+        // Per rank: a reference mark, and the earliest start and latest end relative to it (its
+        // streams' stages overlap, and any of them may start first).
+        let mut spans: HashMap<usize, (Slot, i64, i64)> = HashMap::new();
+        for &slot in recorded {
+            let (start, end) = &self.marks[&slot];
+            let ns = end.since(start)?;
+            let stage = if slot.timed == Timed::VerifyPeer { Timed::VerifyLocal } else { slot.timed };
+            let entry = longest.entry((slot.slice, stage)).or_default();
+            *entry = (*entry).max(ns);
+            let (reference, first, last) = spans.entry(slot.rank).or_insert((slot, 0, 0));
+            let reference = &self.marks[reference].0;
+            *first = (*first).min(start.offset_from(reference)?);
+            *last = (*last).max(end.offset_from(reference)?);
+        }
+        for (_, first, last) in spans.into_values() {
+            stats.device_ns = stats.device_ns.max((last - first).max(0) as u64);
+        }
+        for ((_, timed), ns) in longest {
+            let total = match timed {
+                Timed::Local => &mut stats.local_ns,
+                Timed::Peer => &mut stats.peer_ns,
+                Timed::VerifyLocal | Timed::VerifyPeer => &mut stats.verify_ns,
+                Timed::Install => &mut stats.commit_ns,
+            };
+            *total += ns;
+        }
+        stats.device_timed = true;
+        Ok(())
+    }
+
+    /// The stats of the last run or commit, with device times: waits for its device work first.
+    /// InvalidState before any call.
+    pub fn stats(&mut self) -> Result<RunStats> {
+        let Some((mut stats, recorded)) = self.last.clone() else {
+            return Err(Error::invalid_state("no run or commit has completed yet"));
+        };
+        if !stats.device_timed {
+            self.device_times(&mut stats, &recorded)?;
+            self.last = Some((stats, recorded));
+        }
+        Ok(stats)
+    }
+
+    /// Blocks until the work of the last call has run.
+    fn wait_outstanding(&self) -> Result<()> {
+        if !self.done_recorded {
+            return Ok(());
+        }
+        for &rank in &self.ranks {
+            self.backend.sync_event(self.devices[rank], self.events[rank].done)?;
+        }
+        Ok(())
+    }
+
+    /// Tells the executor that the caller's memory `[old_base, old_base + length)` on `device` now
+    /// lives at `new_base`: the next call reads and writes the new place, with nothing planned
+    /// again. Waits for the executor's queued work, then rewrites the prepared addresses in that
+    /// range (the host work is proportional to the segments that touch it; a verify comparing both
+    /// sides is rebuilt at the next run). See `rebind` for how buffers are named.
+    ///
+    /// Errors (nothing changed): InvalidDevice (not a device of the group), InvalidArgument (empty
+    /// or overflowing range, ambiguous or clashing moves), NotFound (the plan uses no byte there),
+    /// PlanStale (the range cuts through bytes the plan moves together: build a new plan).
+    pub fn rebind(&mut self, device: i32, old_base: u64, new_base: u64, length: u64) -> Result<()> {
+        if self.remote.is_some() {
+            return Err(Error::unsupported(
+                "an executor with routes between processes cannot follow moved buffers yet (the peers \
+                 hold their addresses): build a new plan and executor",
+            ));
+        }
+        if let Some(err) = &self.broken {
+            return Err(Error::invalid_state(format!("a rebind failed earlier ({})", err.message)));
+        }
+        if !self.devices.contains(&device) {
+            crate::bail!(
+                Status::InvalidDevice,
+                "device {device} is not one of the group's {:?}",
+                self.devices
+            );
+        }
+        self.wait_outstanding()?;
+        let (refs, delta) = self.book.rebind(device, old_base, new_base, length)?;
+        let mut touched = Vec::new();
+        for r in refs {
+            match r.target {
+                Target::Copy(b) => {
+                    self.batches[b as usize].relocate(r.index as usize, r.side, delta);
+                    touched.push(b as usize);
+                }
+                Target::Verify(v) => self.verifies[v as usize].relocate(r.index as usize, r.side, delta),
+            }
+        }
+        touched.sort_unstable();
+        touched.dedup();
+        for b in touched {
+            // SAFETY: the executor's work has drained (waited above); nothing launches it meanwhile.
+            if let Err(err) = unsafe { self.batches[b].flush() } {
+                self.broken = Some(err.clone());
+                return Err(err);
+            }
+        }
+        log::debug!("rebind on device {device}: [{old_base:#x}, +{length:#x}) -> {new_base:#x}");
+        Ok(())
+    }
+}
+
+/// The stats of the routes between processes.
+fn remote_stats(stats: &mut RunStats, totals: &RemoteTotals, staged: bool) {
+    let k = RouteKind::Remote as usize;
+    stats.bytes[k] = totals.sent_bytes;
+    stats.segments[k] = totals.sent_segments;
+    if totals.sent_bytes + totals.received_bytes > 0 {
+        // The batched copy moves them: writes through IPC, or packs and unpacks around the wire.
+        stats.arm[k] = Method::code(Some(Method::Kernel));
+    }
+    if !staged {
+        stats.installed_bytes += totals.received_bytes;
+    }
+    stats.remote_received_bytes = totals.received_bytes;
+    stats.remote_ipc_bytes = totals.ipc_bytes;
+    stats.remote_wire_bytes = totals.wire_bytes;
+    stats.remote_ipc_peers = totals.ipc_peers;
+    stats.remote_staged_peers = totals.staged_peers;
+}
+
+impl Drop for Executor {
+    fn drop(&mut self) {
+        if let Err(err) = self.wait_outstanding() {
+            log::warn!("waiting for an executor's work before releasing it: {err}");
+        }
+        for (rank, stream) in self.peer_streams.iter().enumerate() {
+            if let Some(stream) = stream {
+                let _ = self.backend.sync_stream(self.devices[rank], *stream);
+                self.backend.destroy_stream(self.devices[rank], *stream);
+            }
+        }
+        for (rank, events) in self.events.iter().enumerate() {
+            for event in events.all() {
+                self.backend.destroy_event(self.devices[rank], event);
+            }
+        }
+        for &(device, allocation) in &self.staging {
+            // SAFETY: allocated by this executor; its work has drained.
+            if let Err(err) = unsafe { self.backend.free(device, allocation) } {
+                log::warn!("freeing staging on device {device}: {err}");
+            }
+        }
     }
 }

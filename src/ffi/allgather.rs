@@ -95,12 +95,19 @@ pub extern "C" fn refit_allgather(
 /// once that work has run, `recv` holds every block and `send` is no longer read. PEER is this rank's
 /// share of refit_allgather's PEER, with the same methods, and costs what a whole-group call costs
 /// (benches/gpu_allgather.rs, loop of calls, against NCCL called per rank).
-/// Ranks meet at an abortable barrier (spinning briefly, then blocking): if another rank's callback
-/// fails first, this returns ABORTED instead of waiting forever.
+/// Ranks meet at an abortable barrier (spinning briefly, then blocking), and each call is a call of
+/// its own: a rank meets only the other ranks' same call, never the next one. Instead of waiting
+/// forever, or returning with blocks missing, it returns ABORTED when another rank's callback failed
+/// first; when another rank's callback returned without making this call; or when another rank left
+/// this call after failing in it (its own error) and made a new call. Calls that fail for their
+/// arguments fail on every rank alike (different counts or algorithms, overlapping receive buffers),
+/// so a retry on every rank works; after ABORTED, recv is undefined and calling again on every rank
+/// works too.
 ///
 /// Errors: as refit_allgather, plus INVALID_STATE (not called from this group's rank callback),
 /// INVALID_ARGUMENT (rank is not the calling callback's rank, or ranks passed different counts or
-/// algorithms: every rank then fails), ABORTED.
+/// algorithms: every rank then fails), OVERLAP (also when two ranks' receive buffers overlap: every
+/// rank then fails), ABORTED.
 #[no_mangle]
 pub extern "C" fn refit_group_allgather_rank(
     group: *mut refit_group,

@@ -27,8 +27,9 @@ use std::ffi::c_void;
 ///
 /// Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
 /// stream to reach it (CUDA: one kernel, one 8-byte copy, cuStreamSynchronize) and then returns, so the
-/// bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass;
-/// the first call on a device compiles the kernel.
+/// bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass of
+/// aligned 16-byte loads (so up to 15 bytes around the range, in the 16-byte blocks that hold its
+/// first and last bytes, are read and ignored); the first call on a device compiles the kernel.
 ///
 /// Thread-safety: may be called from any thread, concurrently with other calls.
 ///
@@ -49,11 +50,10 @@ pub extern "C" fn refit_digest(
     boundary("refit_digest", || {
         let slot = out(digest, "digest")?;
         // SAFETY: NULL or a group from refit_group_create.
-        let group = unsafe { arg(group, "group") }?;
+        let group = &unsafe { arg(group, "group") }?.group;
+        let device = group.device(rank as usize)?;
         // SAFETY: the caller's promise on the range and the stream, documented above.
-        let stream = Stream::from_ptr(stream);
-        let value =
-            unsafe { crate::transport::digest::digest(&group.group, rank as usize, stream, addr, len) }?;
+        let value = unsafe { group.backend().digest(device, Stream::from_ptr(stream), addr, len) }?;
         slot.write(value);
         Ok(())
     })

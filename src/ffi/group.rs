@@ -203,10 +203,12 @@ pub extern "C" fn refit_group_backend(group: *const refit_group, backend: *mut u
 /// the legacy default stream. Work the group queues inside the scope sees the caller's earlier work.
 ///
 /// Scopes do not nest. Whole-group calls made outside a scope run in an implicit scope on the legacy
-/// default streams and are complete on return.
+/// default streams and are complete on return. Scopes are opened and closed by the thread that drives
+/// the group, never from a rank callback (refit_group_run).
 ///
-/// Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open), CUDA_ERROR, INVALID_ARGUMENT
-/// (a host-backend stream handle that is not a host stream).
+/// Errors: NULL_ARGUMENT (group), INVALID_STATE (a scope is already open, or called from a rank
+/// callback of any group: nothing is done), CUDA_ERROR, INVALID_ARGUMENT (a host-backend stream handle
+/// that is not a host stream).
 #[no_mangle]
 pub extern "C" fn refit_group_enter(group: *mut refit_group, caller_streams: *const *mut c_void) -> Status {
     boundary("refit_group_enter", || {
@@ -224,10 +226,15 @@ pub extern "C" fn refit_group_enter(group: *mut refit_group, caller_streams: *co
 
 /// Closes the open scope. REFIT_EXIT_SYNC blocks until all of the group's queued work is done.
 /// REFIT_EXIT_ASYNC makes each caller stream given to refit_group_enter wait for its rank's stream
-/// and returns without blocking: the caller's later work sees the group's results. The scope is
-/// closed even when an error is returned.
+/// and returns without blocking: the caller's later work sees the group's results.
 ///
-/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (mode), INVALID_STATE (no scope is open), CUDA_ERROR.
+/// A call refused for its arguments or state does nothing and leaves the scope open: NULL group,
+/// INVALID_ARGUMENT (mode is not a REFIT_EXIT_*), INVALID_STATE (no scope is open, or called from a
+/// rank callback of any group). Once those checks pass, the scope is closed even when ordering the
+/// streams fails: CUDA_ERROR (or INVALID_ARGUMENT for a caller stream that stopped being a host
+/// stream) is returned with the scope closed.
+///
+/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT, INVALID_STATE, CUDA_ERROR, as above.
 #[no_mangle]
 pub extern "C" fn refit_group_exit(group: *mut refit_group, mode: u32) -> Status {
     boundary("refit_group_exit", || {
@@ -256,8 +263,13 @@ unsafe impl Sync for UserData {}
 /// collective are released (their calls return REFIT_STATUS_ABORTED) and nothing waits forever. The
 /// group stays usable.
 ///
-/// Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, INVALID_STATE (called from a callback),
-/// CUDA_ERROR.
+/// Every rank's callback must make the same per-rank collective calls. A callback that returns
+/// (0 or not) while other ranks wait for it in one, or before they start one it never makes, releases
+/// them: their calls return REFIT_STATUS_ABORTED, naming the rank. If every callback then returns 0,
+/// refit_group_run returns REFIT_STATUS_ABORTED naming that rank.
+///
+/// Errors: NULL_ARGUMENT (group, callback), CALLBACK_FAILED, ABORTED (all callbacks returned 0 but
+/// one returned while others waited for it), INVALID_STATE (called from a callback), CUDA_ERROR.
 #[no_mangle]
 pub extern "C" fn refit_group_run(
     group: *mut refit_group,

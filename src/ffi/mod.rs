@@ -8,8 +8,10 @@
 #![allow(non_camel_case_types)]
 
 pub mod allgather;
+pub mod comm;
 pub mod copy;
 pub mod digest;
+pub mod exec;
 pub mod group;
 pub mod plan;
 pub mod status;

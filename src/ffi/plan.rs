@@ -45,7 +45,21 @@ pub struct refit_table {
 
 /// A built reshard plan. Immutable: every reader may be called from any number of threads at once.
 pub struct refit_plan {
-    plan: Plan,
+    pub(crate) plan: Plan,
+}
+
+impl refit_table {
+    /// The table, for exports of other areas that read one (src/ffi/comm.rs).
+    pub(crate) fn table(&self) -> &plan::Table {
+        self.table.table()
+    }
+}
+
+impl refit_plan {
+    /// A plan built elsewhere (src/ffi/comm.rs), as a handle.
+    pub(crate) fn new(plan: Plan) -> refit_plan {
+        refit_plan { plan }
+    }
 }
 
 /// Options of refit_plan_build. Fill with refit_plan_options_init, then change fields.
@@ -526,7 +540,7 @@ unsafe fn dims(ptr: *const u64, ndim: usize, what: &str) -> Result<Vec<u64>> {
     Ok(slice(ptr, ndim, what)?.to_vec())
 }
 
-unsafe fn plan_options(options: *const refit_plan_options) -> Result<PlanOptions> {
+pub(crate) unsafe fn plan_options(options: *const refit_plan_options) -> Result<PlanOptions> {
     let Some(options) = options.as_ref() else {
         return Ok(PlanOptions::default());
     };

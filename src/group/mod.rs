@@ -130,6 +130,16 @@ fn backend_for(devices: &[i32], options: &GroupOptions) -> Result<Arc<dyn Backen
     }
 }
 
+/// Scopes belong to the thread that drives the group: a rank callback runs inside the scope of the
+/// `run` that called it, and opening or closing one there would reorder the streams under the other
+/// ranks' feet.
+fn refuse_in_callback(what: &str) -> Result<()> {
+    if workers::inside_any_run() {
+        bail!(Status::InvalidState, "a scope cannot be {what}ed from inside a rank callback");
+    }
+    Ok(())
+}
+
 impl Group {
     /// A group where rank r is `devices[r]`. Rejects an empty list (`EmptyDeviceList`), a device out
     /// of range (`InvalidDevice`) and a repeated device (`DuplicateDevice`). Enables peer access for
@@ -270,8 +280,10 @@ impl Group {
     }
 
     /// Opens a scope: rank r's stream waits for the work queued so far on `caller_streams[r]` (all
-    /// legacy default streams when None). `InvalidState` when a scope is already open.
+    /// legacy default streams when None). `InvalidState` when a scope is already open, or when called
+    /// from a rank callback (of any group): nothing is done then.
     pub fn enter(&self, caller_streams: Option<&[Stream]>) -> Result<()> {
+        refuse_in_callback("enter")?;
         if let Some(streams) = caller_streams {
             if streams.len() != self.size() {
                 bail!(
@@ -303,9 +315,11 @@ impl Group {
         Ok(())
     }
 
-    /// Closes the open scope (`InvalidState` when none is open). The scope is closed even when
-    /// ordering fails; the error is returned.
+    /// Closes the open scope. `InvalidState`, doing nothing, when none is open or when called from a
+    /// rank callback (of any group). Once the scope is taken it is closed even when ordering the
+    /// streams fails; that error is returned.
     pub fn exit(&self, mode: ExitMode) -> Result<()> {
+        refuse_in_callback("exit")?;
         let callers = lock(&self.scope)
             .take()
             .ok_or_else(|| Error::invalid_state("no scope is open (exit without enter)"))?;

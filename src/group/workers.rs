@@ -54,11 +54,15 @@ struct RunState {
     caller_blocked: AtomicBool,
     finish_lock: Mutex<()>,
     finished: Condvar,
+    /// Whether bodies meet at the barrier (`run`, not `fan_out`): then a body that returns departs,
+    /// and ranks still waiting for it, or arriving later, are released.
+    departs: bool,
 }
 
 impl RunState {
-    fn new(ranks: usize) -> RunState {
+    fn new(ranks: usize, departs: bool) -> RunState {
         RunState {
+            departs,
             claimed: (0..ranks).map(|_| AtomicBool::new(false)).collect(),
             remaining: AtomicUsize::new(ranks),
             first_error: Mutex::new(None),
@@ -73,16 +77,21 @@ impl RunState {
         !self.claimed[rank].swap(true, Ordering::AcqRel)
     }
 
-    /// Records one claimed body's outcome. A failure is recorded first, then the barrier is broken,
-    /// so that a rank failing because of the abort never wins over the rank that caused it.
-    fn finish(&self, result: Result<()>, barrier: &AbortableBarrier) {
-        if let Err(err) = result {
-            let mut first = lock(&self.first_error);
-            if first.is_none() {
-                *first = Some(err);
+    /// Records rank `rank`'s body's outcome. A failure is recorded first, then the barrier is broken,
+    /// so that a rank failing because of the abort never wins over the rank that caused it. A body
+    /// that returns normally departs (when bodies meet at the barrier): it will never arrive again.
+    fn finish(&self, rank: usize, result: Result<()>, barrier: &AbortableBarrier) {
+        match result {
+            Err(err) => {
+                let mut first = lock(&self.first_error);
+                if first.is_none() {
+                    *first = Some(err);
+                }
+                drop(first);
+                barrier.abort();
             }
-            drop(first);
-            barrier.abort();
+            Ok(()) if self.departs => barrier.depart(rank),
+            Ok(()) => {}
         }
         // SeqCst here and in `wait_until_finished`: either the caller sees the count reach zero, or
         // this sees the caller blocked.
@@ -180,7 +189,7 @@ impl RankWorkers {
                                 .clone()
                                 .context(format!("rank {rank} could not bind device {device}"))),
                         };
-                        job.run.finish(result, &barrier);
+                        job.run.finish(rank, result, &barrier);
                     }
                 })
                 .map_err(|e| {
@@ -193,21 +202,19 @@ impl RankWorkers {
     }
 
     /// Runs `body` on every rank thread at once and waits for all of them. Returns the first error
-    /// (in time); the barrier is aborted on the first error and reset before returning.
+    /// (in time); the barrier is aborted on the first error and reset before returning. When every
+    /// body succeeded but one returned while others waited for it at the barrier (they were released
+    /// with `Aborted`), returns `Aborted` naming it: the bodies did not make the same collective calls.
     pub fn run(&self, body: &RankFn<'_>) -> Result<()> {
-        let (run, stopped) = self.hand_out(body, 0);
-        for &rank in &stopped {
-            // Its thread will never take it: count it as finished, and release the ranks that
-            // wait for it.
+        let (run, stopped) = self.hand_out(body, 0, true);
+        for rank in stopped {
+            // Its thread will never take it: count it as failed, which releases the ranks that wait
+            // for it.
             run.claim(rank);
-            run.finish(Ok(()), &self.barrier);
-            self.barrier.abort();
+            let stopped = Error::new(Status::InternalError, format!("rank {rank}'s thread has stopped"));
+            run.finish(rank, Err(stopped), &self.barrier);
         }
-        let finished = self.finish(run);
-        if !stopped.is_empty() {
-            return Err(Error::new(Status::InternalError, "a rank thread has stopped"));
-        }
-        finished
+        self.finish(run)
     }
 
     /// Runs `body` for every rank, at once where the rank threads are awake: the calling thread
@@ -216,20 +223,21 @@ impl RankWorkers {
     /// after another on the calling thread. For bodies that may run on any thread and never wait for
     /// each other (no barrier). Returns the first error (in time).
     pub fn fan_out(&self, body: &RankFn<'_>) -> Result<()> {
-        let (run, _) = self.hand_out(body, 1);
+        let (run, _) = self.hand_out(body, 1, false);
         for rank in 0..self.senders.len() {
             if run.claim(rank) {
                 let result = run_body(body, rank, self.streams[rank]);
-                run.finish(result, &self.barrier);
+                run.finish(rank, result, &self.barrier);
             }
         }
         self.finish(run)
     }
 
     /// Queues `body` for the rank threads from `first` on; returns the dispatch and the ranks whose
-    /// thread has stopped (it dropped its queue, so it will never take the body).
-    fn hand_out(&self, body: &RankFn<'_>, first: usize) -> (Arc<RunState>, Vec<usize>) {
-        let run = Arc::new(RunState::new(self.senders.len()));
+    /// thread has stopped (it dropped its queue, so it will never take the body). `departs`: as
+    /// `RunState::departs`.
+    fn hand_out(&self, body: &RankFn<'_>, first: usize, departs: bool) -> (Arc<RunState>, Vec<usize>) {
+        let run = Arc::new(RunState::new(self.senders.len(), departs));
         // SAFETY: only erases the lifetime; `finish` waits until no thread uses the pointer.
         let body: *const RankFn<'static> = unsafe { std::mem::transmute(body as *const RankFn<'_>) };
         let stopped = (first..self.senders.len())
@@ -238,12 +246,25 @@ impl RankWorkers {
         (run, stopped)
     }
 
-    /// Waits for every body of `run`, resets the barrier, and returns the first error.
+    /// Waits for every body of `run`, resets the barrier, and returns the first error, or one naming
+    /// the rank whose body returned while others waited for it (see `run`).
     fn finish(&self, run: Arc<RunState>) -> Result<()> {
         run.wait_until_finished();
         let error = lock(&run.first_error).take();
+        let stranded = self.barrier.stranded().filter(|_| run.departs);
         self.barrier.reset();
-        error.map_or(Ok(()), Err)
+        match (error, stranded) {
+            (Some(err), _) => Err(err),
+            (None, Some(rank)) => Err(Error::new(
+                Status::Aborted,
+                format!(
+                    "rank {rank}'s callback returned while other ranks waited for it in a per-rank \
+                     collective call (their calls returned ABORTED): every rank's callback must make the \
+                     same per-rank calls"
+                ),
+            )),
+            (None, None) => Ok(()),
+        }
     }
 }
 

@@ -2,7 +2,7 @@
 //! copy ([`copy_segments`]) and a batch uploaded once and launched many times ([`PreparedBatch`]).
 
 use super::device_memory::DeviceMemory;
-use super::layout::BatchLayout;
+use super::layout::{BatchLayout, DeviceSegment};
 use super::module;
 use super::rendezvous::RankRendezvous;
 use crate::error::{Result, Status};
@@ -44,6 +44,8 @@ pub struct BatchedCopy {
     compare: sys::CUfunction,
     /// Blocks that fit on the device at once (SMs x resident blocks per SM): the persistent grid.
     max_blocks: u32,
+    /// The same for the compare entry point, which has fewer resident blocks per SM.
+    compare_max_blocks: u32,
     /// How the kernel was built, for logs and bench output.
     pub build: String,
 }
@@ -78,8 +80,9 @@ impl BatchedCopy {
         let copy_digest = module::function(loaded.module, c"refit_batched_copy_digest")?;
         let check = module::function(loaded.module, c"refit_batched_check")?;
         let compare = module::function(loaded.module, c"refit_batched_compare")?;
-        let per_sm = module::blocks_per_sm(function, BLOCK_THREADS)?;
+        let per_sm = loaded.blocks_per_sm(function, BLOCK_THREADS)?;
         let max_blocks = loaded.sms * per_sm;
+        let compare_max_blocks = loaded.sms * loaded.blocks_per_sm(compare, BLOCK_THREADS)?;
         let build = format!("{} x {per_sm} blocks of {BLOCK_THREADS}", loaded.build);
         log::info!("batched copy kernel on device {device}: {build}");
         Ok(BatchedCopy {
@@ -91,6 +94,7 @@ impl BatchedCopy {
             check,
             compare,
             max_blocks,
+            compare_max_blocks,
             build,
         })
     }
@@ -103,6 +107,12 @@ impl BatchedCopy {
     /// The device's primary context (retained for the life of the process).
     pub(crate) fn context(&self) -> sys::CUcontext {
         self.context
+    }
+
+    /// `launch` on a grid the compare entry point keeps resident (any grid walks every tile).
+    pub(crate) fn for_compare(&self, mut launch: Launch) -> Launch {
+        launch.blocks = launch.blocks.min(self.compare_max_blocks).max(1);
+        launch
     }
 
     /// Blocks for `tiles` tiles: the persistent grid, or fewer when there is less work than warps.
@@ -164,10 +174,9 @@ impl BatchedCopy {
             params[5] = (&mut digests as *mut u64).cast();
             params[6] = (&mut first_bad as *mut u64).cast();
         }
-        // SAFETY: `params` starts with the chosen entry point's parameters (the driver reads only as many
-        // as the function has); the descriptors (and the digest
-        // and result words) stay allocated until the launch completes (freed stream-ordered after it,
-        // or owned by a prepared batch or verify).
+        // SAFETY: `params` starts with the chosen entry point's parameters (the driver reads only as
+        // many as the function has); the descriptors, digest and result words stay allocated until the
+        // launch completes (freed stream-ordered after it, or owned by a prepared batch or verify).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
                 function,
@@ -349,6 +358,15 @@ impl PreparedBatch {
                 crate::bail!(Status::InvalidArgument, "lanes_per_tile = {other}; expected 0, 8, 16 or 32")
             }
         };
+        PreparedBatch::from_layout(device, &layout, false)
+    }
+
+    /// A batch of `layout` uploaded to `device`, recording source digests as
+    /// [`PreparedBatch::recording_digests`] does when `record_digests`. For callers that keep the
+    /// layout to [`PreparedBatch::rewrite`] its descriptors later. The layout must come from segments
+    /// that passed [`crate::segment::check::validate`] and are all non-empty (so that descriptor and
+    /// segment indices agree). Errors as for [`copy_segments`].
+    pub fn from_layout(device: i32, layout: &BatchLayout, record_digests: bool) -> Result<PreparedBatch> {
         let kernel = BatchedCopy::for_device(device)?;
         // An empty batch still launches one block when it takes part in a group-synchronized call.
         let blocks = if layout.tiles == 0 { 1 } else { kernel.grid_for(layout.tiles)? };
@@ -356,15 +374,60 @@ impl PreparedBatch {
             0 => None,
             _ => Some(Arc::new(DeviceMemory::upload(kernel.context, layout.as_bytes())?)),
         };
-        let launch = Launch::new(&layout, descriptors.as_ref().map_or(0, |d| d.ptr), blocks);
-        Ok(PreparedBatch {
+        let launch = Launch::new(layout, descriptors.as_ref().map_or(0, |d| d.ptr), blocks);
+        let mut batch = PreparedBatch {
             kernel,
             launch,
             descriptors,
             tile_digests: None,
             segment_of: None,
             bytes: layout.bytes,
-        })
+        };
+        if record_digests {
+            batch.record_digests()?;
+        }
+        Ok(batch)
+    }
+
+    /// Allocates the per-tile digest words every launch records from now on.
+    fn record_digests(&mut self) -> Result<()> {
+        if self.launch.tiles > 0 {
+            let bytes = usize::try_from(self.launch.tiles.saturating_mul(8))
+                .map_err(|_| crate::error::Error::invalid_argument("too many tiles to record digests for"))?;
+            self.tile_digests = Some(Arc::new(DeviceMemory::alloc(self.kernel.context, bytes)?));
+        }
+        Ok(())
+    }
+
+    /// Overwrites descriptors `first..first + descriptors.len()` on the device with `descriptors`,
+    /// synchronously: for a caller whose segments moved (same sizes and strides, new addresses), so
+    /// that the next launch copies from and to the new places with nothing else rebuilt (a verify
+    /// made by `super::verify::VerifyBatch::check` shares them, and follows). Each descriptor must be
+    /// the layout's own with only `src` and `dst` changed (the tiling stays). InvalidArgument when
+    /// the range is not within the batch.
+    ///
+    /// # Safety
+    /// No launch of this batch (or of a verify sharing its descriptors) may be running or queued to
+    /// run during the call.
+    pub unsafe fn rewrite(&self, first: usize, descriptors: &[DeviceSegment]) -> Result<()> {
+        let end = first.checked_add(descriptors.len());
+        if end.is_none_or(|end| end as u64 > self.launch.segments) {
+            crate::bail!(
+                Status::InvalidArgument,
+                "descriptors {first}..{} are not within the batch's {}",
+                first.saturating_add(descriptors.len()),
+                self.launch.segments
+            );
+        }
+        let Some(memory) = self.descriptors.as_ref().filter(|_| !descriptors.is_empty()) else {
+            return Ok(());
+        };
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
+        let size = std::mem::size_of_val(descriptors);
+        let at = memory.ptr + (first * std::mem::size_of::<DeviceSegment>()) as u64;
+        // SAFETY: within the allocation (checked above); the caller's promise that nothing reads it.
+        check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(at, descriptors.as_ptr().cast(), size) })
     }
 
     /// As [`PreparedBatch::new`], and every launch also records, for each tile (a piece of the batch
@@ -375,11 +438,7 @@ impl PreparedBatch {
     /// (benches/gpu_digest.rs measures what that costs the copy).
     pub fn recording_digests(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
         let mut batch = PreparedBatch::new(device, segments, checked)?;
-        if batch.launch.tiles > 0 {
-            let bytes = usize::try_from(batch.launch.tiles.saturating_mul(8))
-                .map_err(|_| crate::error::Error::invalid_argument("too many tiles to record digests for"))?;
-            batch.tile_digests = Some(Arc::new(DeviceMemory::alloc(batch.kernel.context, bytes)?));
-        }
+        batch.record_digests()?;
         batch.segment_of = super::verify::segment_indices(segments).map(Arc::new);
         Ok(batch)
     }

@@ -8,7 +8,9 @@
 // How the work is split. The range is read as aligned 16-byte vectors from `addr & ~15`; the bytes
 // before `addr` and after the range read as zero, and the marker bit is set in the byte just past it.
 // Reading from the aligned base multiplies the polynomial by x^(8 delta) (delta = addr & 15), which a
-// factor x^(-8 delta) undoes at the end, so any alignment takes the same fast path. Vectors form chunks
+// factor x^(-8 delta) undoes at the end, so any alignment takes the same fast path. So the kernel may
+// read up to 15 bytes before and after the range, within the aligned 16-byte blocks that hold its first
+// and last bytes (never another page; compute-sanitizer's memcheck may still report them). Vectors form chunks
 // of 32 (one per lane: 512 bytes); each warp takes 2^span_shift consecutive chunks and each lane keeps
 // two accumulators (the vector's low and high word) over its chunks, walking them downwards with
 // Horner's rule: a = a * x^4096 + word, since consecutive chunks are 4096 bits apart. As

@@ -4,6 +4,7 @@
 use super::gf64;
 use super::module;
 use crate::error::{Error, Result};
+use crate::sync::lock;
 use crate::transport::driver::{check, CurrentContext};
 use cudarc::driver::sys;
 use std::collections::HashMap;
@@ -81,7 +82,7 @@ impl DigestKernel {
     /// [`super::BatchedCopy::for_device`]; a failure is not cached).
     pub fn for_device(device: i32) -> Result<Arc<DigestKernel>> {
         static CACHE: Mutex<Option<HashMap<i32, Arc<DigestKernel>>>> = Mutex::new(None);
-        let mut cache = crate::sync::lock(&CACHE);
+        let mut cache = lock(&CACHE);
         let map = cache.get_or_insert_with(HashMap::new);
         if let Some(kernel) = map.get(&device) {
             return Ok(kernel.clone());
@@ -94,7 +95,7 @@ impl DigestKernel {
     fn load(device: i32) -> Result<DigestKernel> {
         let loaded = module::load(device, SOURCE, "digest.cu")?;
         let function = module::function(loaded.module, KERNEL_NAME)?;
-        let per_sm = module::blocks_per_sm(function, THREADS)?;
+        let per_sm = loaded.blocks_per_sm(function, THREADS)?;
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(loaded.context) }?;
         let words = gf64::kernel_constants();

@@ -65,14 +65,20 @@ pub(crate) fn function(module: sys::CUmodule, name: &std::ffi::CStr) -> Result<s
     Ok(function)
 }
 
-/// Blocks of `threads` threads of `function` that fit on one SM at once.
-pub(crate) fn blocks_per_sm(function: sys::CUfunction, threads: u32) -> Result<u32> {
-    let mut per_sm = 0;
-    // SAFETY: live function.
-    check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
-        sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, function, threads as i32, 0)
-    })?;
-    Ok(per_sm.max(1) as u32)
+impl Loaded {
+    /// Blocks of `threads` threads of `function` (from this module) that fit on one SM at once.
+    /// The occupancy query needs the module's context current on the calling thread, which
+    /// [`load`] no longer holds once it returns.
+    pub(crate) fn blocks_per_sm(&self, function: sys::CUfunction, threads: u32) -> Result<u32> {
+        // SAFETY: the context is retained for the life of the process.
+        let _current = unsafe { CurrentContext::enter(self.context) }?;
+        let mut per_sm = 0;
+        // SAFETY: live function of this context's module.
+        check("cuOccupancyMaxActiveBlocksPerMultiprocessor", unsafe {
+            sys::cuOccupancyMaxActiveBlocksPerMultiprocessor(&mut per_sm, function, threads as i32, 0)
+        })?;
+        Ok(per_sm.max(1) as u32)
+    }
 }
 
 fn load_image(image: &[u8]) -> Result<sys::CUmodule> {

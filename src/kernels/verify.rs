@@ -59,7 +59,7 @@ impl VerifyBatch {
         let descriptors = parts.descriptors.cloned();
         VerifyBatch::with_parts(
             Arc::clone(parts.kernel),
-            parts.launch,
+            parts.kernel.for_compare(parts.launch),
             descriptors,
             None,
             segment_indices(segments).map(Arc::new),

@@ -21,6 +21,7 @@ mod boxes;
 pub mod builder;
 mod coalesce;
 mod coverage;
+mod destinations;
 mod digest;
 mod memory;
 mod merge;
@@ -36,6 +37,7 @@ pub mod table;
 pub mod wire;
 
 pub use builder::TableBuilder;
+pub use destinations::{Destinations, Located};
 pub use options::{Limits, OwnerPolicy, PlanOptions};
 pub use planner::{build, build_from, build_share, build_with_limits};
 pub use routes::{Plan, Route, RouteKind};

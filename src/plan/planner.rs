@@ -4,6 +4,7 @@
 //! per route), [`finish_routes`] (coalesce and order), [`tally`] (counts).
 
 use super::boxes::{Boxed, Dims};
+use super::destinations::Destinations;
 use super::digest::Words;
 use super::memory;
 use super::merge::{merge, CanonNeed, Merged};
@@ -95,7 +96,8 @@ fn build_part(
     for (_, s) in &mut receivers {
         s.build_ns = build_ns;
     }
-    Ok(Plan { routes, stats, receivers, fingerprint, inputs, stages: clock.stages })
+    let destinations = Destinations::new(&merged, scope.own());
+    Ok(Plan { routes, stats, receivers, fingerprint, inputs, stages: clock.stages, destinations })
 }
 
 /// Wall time of each stage of one build.

@@ -1,5 +1,6 @@
 //! What planning returns: routes of segments between endpoints, counts, and a fingerprint.
 
+use super::destinations::Destinations;
 use super::digest::Fnv1a;
 use super::stats::PlanStats;
 use super::table::Endpoint;
@@ -46,6 +47,8 @@ pub struct Plan {
     pub(crate) inputs: u64,
     /// Wall time of each planning stage, nanoseconds, in order.
     pub(crate) stages: Vec<(&'static str, u64)>,
+    /// Where the needs of the receivers it covers land.
+    pub(crate) destinations: Destinations,
 }
 
 impl Plan {
@@ -99,6 +102,12 @@ impl Plan {
     /// add up to `stats().build_ns`.
     pub fn stage_ns(&self) -> &[(&'static str, u64)] {
         &self.stages
+    }
+
+    /// Where the needs of its receivers land: names the tensor, box and element of a destination
+    /// byte (a verify mismatch reports them).
+    pub fn destinations(&self) -> &Destinations {
+        &self.destinations
     }
 }
 

@@ -13,6 +13,7 @@
 use super::driver::{self, check, error_name, CurrentContext};
 use super::{device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, Stream};
 use crate::error::{Error, Result, Status};
+use crate::kernels::digest::{check_range, DigestKernel};
 use crate::kernels::verify::VerifyBatch;
 use crate::kernels::{self, PreparedBatch};
 use crate::segment::Segment;
@@ -264,6 +265,12 @@ impl Backend for CudaBackend {
     ) -> Result<Box<dyn PreparedCopy>> {
         self.index(device)?;
         Ok(Box::new(PreparedBatch::new(device, segments, checked)?))
+    }
+
+    unsafe fn digest(&self, device: i32, stream: Stream, addr: u64, len: u64) -> Result<u64> {
+        self.index(device)?;
+        check_range(addr, len)?;
+        DigestKernel::for_device(device)?.digest(Self::raw_stream(stream), addr, len)
     }
 
     fn prepare_recording_batch(

@@ -20,6 +20,8 @@ use super::host_copy::copy_runs;
 use super::host_verify::{segment_digest, HostCheck, Reference, Side};
 use super::{device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, Stream};
 use crate::error::{try_to_vec, Error, Result, Status};
+use crate::kernels::digest::check_range;
+use crate::kernels::gf64;
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
 use crate::sync::{lock, wait};
@@ -400,6 +402,28 @@ impl Backend for HostBackend {
         }))
     }
 
+    unsafe fn digest(&self, device: i32, stream: Stream, addr: u64, len: u64) -> Result<u64> {
+        let queue = self.resolve(device, stream)?;
+        check_range(addr, len)?;
+        if len > isize::MAX as u64 {
+            return Err(Error::invalid_argument(format!("{len} bytes do not fit in host memory")));
+        }
+        let result = Arc::new(Mutex::new(None));
+        let slot = Arc::clone(&result);
+        queue.enqueue(move || {
+            // SAFETY: the caller keeps the range readable until the call returns, which waits for
+            // this work below.
+            let bytes = match len {
+                0 => &[][..],
+                _ => unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) },
+            };
+            *lock(&slot) = Some(gf64::digest(bytes));
+        })?;
+        queue.synchronize()?;
+        let value = lock(&result).take();
+        value.ok_or_else(|| Error::invalid_state("the host stream stopped before it ran the digest"))
+    }
+
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
         self.check_device(device)?;
         // SAFETY: plain allocation; at least one byte so that the pointer is unique and freeable.
@@ -469,7 +493,7 @@ impl PreparedCopy for HostBatch {
             if let Some(record) = record {
                 // Digests of what this copy reads, taken just before it reads it.
                 let digests = segments.iter().map(|s| segment_digest(s, Side::Source)).collect();
-                *record.lock().unwrap_or_else(|p| p.into_inner()) = digests;
+                *lock(&record) = digests;
             }
             copy_runs(&segments)
         })?;

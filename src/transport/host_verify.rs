@@ -6,6 +6,7 @@ use super::{PreparedCheck, Stream};
 use crate::error::{Error, Result};
 use crate::kernels::gf64;
 use crate::segment::Segment;
+use crate::sync::lock;
 use std::sync::{Arc, Mutex};
 
 /// What a [`HostCheck`] compares each segment's destination with.
@@ -30,25 +31,25 @@ pub(crate) struct HostCheck {
 impl PreparedCheck for HostCheck {
     unsafe fn launch(&self, stream: Stream) -> Result<()> {
         let queue = host_stream(if stream == Stream::NULL { self.default_stream } else { stream })?;
-        *self.result.lock().unwrap_or_else(|p| p.into_inner()) = None;
+        *lock(&self.result) = None;
         let (segments, reference, result) =
             (Arc::clone(&self.segments), self.reference.clone(), Arc::clone(&self.result));
         queue.enqueue(move || {
             let first_bad = match reference {
                 Reference::Recorded(recorded) => {
-                    let recorded = recorded.lock().unwrap_or_else(|p| p.into_inner());
+                    let recorded = lock(&recorded);
                     segments.iter().enumerate().position(|(i, s)| {
                         recorded.get(i).is_none_or(|&digest| digest != segment_digest(s, Side::Destination))
                     })
                 }
                 Reference::Sources => segments.iter().position(|s| !segment_matches(s)),
             };
-            *result.lock().unwrap_or_else(|p| p.into_inner()) = Some(first_bad);
+            *lock(&result) = Some(first_bad);
         })
     }
 
     fn outcome(&self) -> Result<Option<usize>> {
-        self.result.lock().unwrap_or_else(|p| p.into_inner()).take().ok_or_else(|| {
+        lock(&self.result).take().ok_or_else(|| {
             Error::invalid_state(
                 "no verify result: launch the verify and synchronize its stream before asking for the outcome",
             )

@@ -2,7 +2,8 @@
 //! copies and communicators; it knows nothing of groups, collectives or plans.
 //!
 //! - [`Backend`] is the one interface the group, allgather and the executors use for devices, streams,
-//!   events and copies, the batched copy included ([`Backend::copy_batch`], [`Backend::prepare_batch`]).
+//!   events and copies, the batched copy included ([`Backend::copy_batch`], [`Backend::prepare_batch`]),
+//!   and for the digest of device memory ([`Backend::digest`]).
 //!   Two implementations: [`cuda::CudaBackend`] (cudarc's driver layer: primary contexts, non-blocking
 //!   streams, copy-engine copies, refit's batched copy kernel from `kernels`) and [`host::HostBackend`]
 //!   (N simulated devices: host memory, one worker thread per stream so that stream order and event
@@ -10,6 +11,8 @@
 //! - Integrity for a group's rank: [`digest`] (the digest of device memory) and [`verify`] (checking
 //!   copied bytes on the device), both on every backend.
 //! - [`nccl`]: NCCL communicators and the calls issued on them (collectives, grouped send/recv).
+//! - [`comm`]: communicators between processes (NCCL, or the host backend's simulation of it over
+//!   [`mesh`], Unix sockets between the processes of one machine).
 //! - The run-time loaders, side by side: [`driver`] (libcuda, through cudarc, and the driver calls
 //!   shared with the kernels), [`nccl`] (libnccl), [`nvrtc`] (libnvrtc), over [`dynlib`] (dlopen).
 //!
@@ -20,15 +23,18 @@
 //! `CUevent` value on CUDA, a registry id on the host backend. `Stream::NULL` always means "the
 //! device's legacy default stream" (on the host backend: that simulated device's default stream).
 
+pub mod comm;
 pub mod cuda;
-pub mod digest;
 pub mod driver;
 pub mod dynlib;
 pub mod host;
 pub mod host_copy;
 pub mod host_verify;
+pub mod ipc;
+pub mod mesh;
 pub mod nccl;
 pub mod nvrtc;
+pub mod staged;
 pub mod verify;
 
 use crate::error::{Error, Result, Status};
@@ -154,6 +160,18 @@ pub trait Backend: Send + Sync {
         checked: bool,
     ) -> Result<Box<dyn PreparedCopy>>;
 
+    /// The refit digest (`kernels::gf64`) of the `len` bytes at `addr`, computed on `stream` (a stream
+    /// of `device`; `Stream::NULL` for its legacy default stream) after the work queued on it before,
+    /// and returned once the stream has reached it: the call waits for the stream. On CUDA, the digest
+    /// kernel; on the host backend, the same digest computed by the stream's worker.
+    /// InvalidArgument for a zero address with a nonzero length or a range past the end of the
+    /// address space.
+    ///
+    /// # Safety
+    /// `addr .. addr + len` is memory of `device` (host memory on the host backend) that stays
+    /// readable until the call returns, and `stream` a live stream of that device.
+    unsafe fn digest(&self, device: i32, stream: Stream, addr: u64, len: u64) -> Result<u64>;
+
     /// As [`Backend::prepare_batch`], and every launch also records digests of the source bytes it
     /// reads, against which [`PreparedCopy::verify_destinations`] checks the destinations without
     /// reading the sources again (on CUDA: one per tile of the copy kernel, computed from the elements
@@ -207,7 +225,7 @@ pub trait PreparedCopy: Send + Sync {
     fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>>;
 }
 
-/// A verify prepared for one device (see `verify::PreparedVerify`, which wraps it for a group's rank):
+/// A verify prepared for one device (see `verify::PreparedVerify`, which wraps it with its interface):
 /// launched on a stream after the copies it checks, its outcome read once that stream has been
 /// synchronized. Launches of one verify must not overlap in time (they share the outcome).
 pub trait PreparedCheck: Send + Sync {

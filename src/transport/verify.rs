@@ -1,6 +1,6 @@
-//! Verifying copies for one rank of a device group: after the copies, check on the device (on its
-//! stream) that every segment's destination bytes are its source bytes, and report the first segment
-//! that is not. The executor's verify stage is built on it.
+//! Verifying copies on one device: after the copies, check on the device (on its stream) that every
+//! segment's destination bytes are its source bytes, and report the first segment that is not. The
+//! executor's verify stage is built on it.
 //!
 //! Two forms, on both backends:
 //! - [`PreparedVerify::new`]: compare every destination byte with its source byte. Exact; reads both
@@ -16,12 +16,11 @@
 //!
 //! [`Backend::prepare_recording_batch`]: super::Backend::prepare_recording_batch
 
-use super::{PreparedCheck, PreparedCopy, Stream};
+use super::{Backend, PreparedCheck, PreparedCopy, Stream};
 use crate::error::Result;
-use crate::group::Group;
 use crate::segment::Segment;
 
-/// A verify prepared for one rank's device: built once (descriptors uploaded once on CUDA), launched
+/// A verify prepared for one device: built once (descriptors uploaded once on CUDA), launched
 /// on a stream after each copy it verifies, its outcome read after that stream has been synchronized.
 /// The launch's host work does not depend on the number of segments. Launches of one verify must not
 /// overlap in time (they share the outcome).
@@ -30,13 +29,13 @@ pub struct PreparedVerify {
 }
 
 impl PreparedVerify {
-    /// A verify comparing the destination of every segment with its source on `rank`'s device.
-    /// Addresses as for the batched copy (the rank's device, or a peer it reaches directly).
-    /// Errors: InvalidArgument (rank, a segment whose size or addresses overflow or that has a zero
-    /// address), those of loading the kernel on CUDA (NvrtcUnavailable, KernelLoadFailed), CudaError.
-    pub fn new(group: &Group, rank: usize, segments: &[Segment]) -> Result<PreparedVerify> {
-        let device = group.device(rank)?;
-        Ok(PreparedVerify { check: group.backend().prepare_compare(device, segments)? })
+    /// A verify comparing the destination of every segment with its source on `backend`'s `device`
+    /// (a group's rank: `group.backend()` and `group.device(rank)`). Addresses as for the batched
+    /// copy (the device, or a peer it reaches directly). Errors: InvalidDevice, InvalidArgument (a
+    /// segment whose size or addresses overflow or that has a zero address), those of loading the
+    /// kernel on CUDA (NvrtcUnavailable, KernelLoadFailed), CudaError.
+    pub fn new(backend: &dyn Backend, device: i32, segments: &[Segment]) -> Result<PreparedVerify> {
+        Ok(PreparedVerify { check: backend.prepare_compare(device, segments)? })
     }
 
     /// A verify of `copy`'s destinations against the digests of the sources it read; `copy` must come
@@ -46,7 +45,7 @@ impl PreparedVerify {
         Ok(PreparedVerify { check: copy.verify_destinations()? })
     }
 
-    /// Queues the verify on `stream` (a stream of the rank's device; `Stream::NULL`: its legacy default
+    /// Queues the verify on `stream` (a stream of the device; `Stream::NULL`: its legacy default
     /// stream): it checks what the memory holds when the stream reaches it, and returns without
     /// waiting. CUDA: a memset, one kernel, an 8-byte copy to page-locked memory; no allocation, no
     /// synchronization (graph-capturable). Errors: CudaError; on the host backend InvalidArgument for

@@ -35,7 +35,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
-from .._lib import invalid_argument
+from .._lib import RefitError, Status, invalid_argument
 from ..plan import Plan, Table
 from ..tensor import TensorLike
 from .layout import ModelShape, ParamBuilder, ParamLayout, add_params, check_rank, pad_to, split, vocab_rows
@@ -270,14 +270,16 @@ class RefitWorkerExtension:
         else:
             shape = ModelShape.from_hf_config(self.model_runner.model_config.hf_config)  # type: ignore[attr-defined]
         receiver = VllmReceiver(shape, VllmRanks(**ranks) if ranks is not None else VllmRanks.from_vllm())
+        state.update(receiver=receiver, process=process, device=device, backend=backend)
+        return self._refit_encode_needs()
+
+    def _refit_encode_needs(self) -> bytes:
+        """Encodes this worker's needs at its parameters' current addresses (kept in the state)."""
+        state = self._refit()
         params = dict(self._refit_model().named_parameters())
-        with receiver.table(params, process, device) as table:
+        with state["receiver"].table(params, state["process"], state["device"]) as table:
             encoded = table.encode()
         state.update(
-            receiver=receiver,
-            process=process,
-            device=device,
-            backend=backend,
             needs=encoded,
             addresses={name: int(tensor.data_ptr()) for name, tensor in params.items()},
             sizes={name: int(tensor.numel()) * int(tensor.element_size()) for name, tensor in params.items()},
@@ -324,19 +326,34 @@ class RefitWorkerExtension:
 
     def refit_rebind(self) -> int:
         """Tells the executor about every parameter whose storage moved since refit_needs (vLLM's
-        sleep mode frees and reallocates the weights); returns how many moved."""
+        sleep mode frees and reallocates the weights); returns how many moved. Where the executor
+        cannot follow a move (RefitError PLAN_STALE: the plan joined that parameter's bytes with a
+        neighbour's into one strided segment), the plan is dropped and this worker's needs are
+        encoded again at the new addresses: the next refit_receive plans again."""
         state = self._refit()
         if "executor" not in state:
             return 0
         device = state["group"].device(0)
-        moved = 0
+        moved, stale = 0, False
         for name, tensor in self._refit_model().named_parameters():
             old = state["addresses"].get(name)
             new = int(tensor.data_ptr())
             if old is not None and old != new:
-                state["executor"].rebind(device, old, new, state["sizes"][name])
-                state["addresses"][name] = new
+                if not stale:
+                    try:
+                        state["executor"].rebind(device, old, new, state["sizes"][name])
+                    except RefitError as error:
+                        if error.status != Status.PLAN_STALE:
+                            raise
+                        stale = True
                 moved += 1
+        if stale:
+            self.refit_close(keep_needs=True)
+            self._refit_encode_needs()
+        else:
+            state["addresses"].update(
+                (name, int(tensor.data_ptr())) for name, tensor in self._refit_model().named_parameters()
+            )
         return moved
 
     def refit_close(self, keep_needs: bool = False) -> None:

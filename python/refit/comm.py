@@ -1,0 +1,160 @@
+"""Communicators between processes (refit_comm): one rank per (process, device), created from an id
+that one process makes (unique_id) and the caller hands to the others by its own means; allgather
+over them; plans built across processes.
+
+On the CUDA backend the communicator is NCCL; on the host backend it is a test-only simulation of
+NCCL between the processes of one machine (Unix sockets, host memory), for machines without GPUs.
+Every call waits for peers at most the communicator's timeout: past it, or when a peer exits or
+aborts, calls raise RefitError with Status.TIMEOUT or Status.ABORTED, and keep doing so.
+"""
+
+import ctypes
+from ctypes import byref, c_int32, c_size_t, c_uint32, c_void_p
+
+from ._handle import Handle
+from ._lib import (
+    COMM_ID_BYTES,
+    Backend,
+    CommId,
+    CommOptions,
+    PlanOptions,
+    Policy,
+    check,
+    check_range,
+    invalid_argument,
+    lib,
+    stream_value,
+)
+from .plan import Plan
+
+
+def unique_id(backend=Backend.AUTO):
+    """A new communicator id, as bytes (refit_comm_get_unique_id): NCCL's for Backend.CUDA (this
+    process must then live until every rank has joined), a random mesh name for Backend.HOST; AUTO
+    picks CUDA when a GPU is present. Pass the same bytes to every rank's Communicator."""
+    raw = CommId()
+    check(lib.refit_comm_get_unique_id(check_range(backend, 32, "backend"), byref(raw)))
+    return bytes(raw.internal)
+
+
+def _options(timeout_ms, staging_bytes, ipc=True):
+    options = CommOptions()
+    check(lib.refit_comm_options_init(byref(options)))
+    if timeout_ms is not None:
+        options.timeout_ms = check_range(timeout_ms, 64, "timeout_ms")
+    if staging_bytes is not None:
+        options.staging_bytes = check_range(staging_bytes, 64, "staging_bytes")
+    options.ipc = bool(ipc)
+    return options
+
+
+class Communicator(Handle):
+    """One rank of a communicator between processes. Owns its handle: close() (or leaving a `with`
+    block) destroys it, after this rank's queued calls (at most the timeout). Calls are made by one
+    thread at a time, in the same order on every rank; abort() may come from any thread."""
+
+    _what = "communicator"
+
+    def __init__(
+        self, comm_id, nranks, rank, device=0, timeout_ms=None, staging_bytes=None, ipc=True, _pointer=None
+    ):
+        """Joins communicator `comm_id` (bytes from unique_id) as `rank` of `nranks` on CUDA device
+        `device`; blocks until every rank has joined (at most `timeout_ms`, default ten minutes).
+        `staging_bytes` bounds the staging of executors across processes; `ipc` False sends every
+        pair's bytes through staging instead of CUDA IPC."""
+        if _pointer is None:
+            comm_id = bytes(comm_id)
+            if len(comm_id) != COMM_ID_BYTES:
+                raise invalid_argument(f"a communicator id has {COMM_ID_BYTES} bytes, not {len(comm_id)}")
+            raw = CommId()
+            ctypes.memmove(raw.internal, comm_id, COMM_ID_BYTES)
+            device = int(device)
+            if not -(1 << 31) <= device < (1 << 31):
+                raise invalid_argument(f"device {device} is not a 32-bit ordinal")
+            options = _options(timeout_ms, staging_bytes, ipc)
+            pointer = c_void_p()
+            check(
+                lib.refit_comm_create(
+                    byref(raw),
+                    check_range(nranks, 32, "nranks"),
+                    check_range(rank, 32, "rank"),
+                    device,
+                    byref(options),
+                    byref(pointer),
+                )
+            )
+            _pointer = pointer.value
+        super().__init__(_pointer)
+
+    @classmethod
+    def adopt(cls, nccl_comm, timeout_ms=None, staging_bytes=None):
+        """Wraps an ncclComm_t (an int) the caller keeps owning, e.g. a framework's process group's,
+        from the same libnccl refit loads. close() does not destroy it; a timeout or abort() revokes
+        it (then its owner must destroy it)."""
+        options = _options(timeout_ms, staging_bytes)
+        pointer = c_void_p()
+        check(lib.refit_comm_adopt(check_range(nccl_comm, 64, "nccl_comm"), byref(options), byref(pointer)))
+        return cls(None, 0, 0, _pointer=pointer.value)
+
+    def _release(self, pointer):
+        lib.refit_comm_destroy(pointer)
+
+    def _query(self, function, value):
+        check(function(self.handle, byref(value)))
+        return value.value
+
+    @property
+    def rank(self):
+        return self._query(lib.refit_comm_rank, c_uint32())
+
+    @property
+    def size(self):
+        return self._query(lib.refit_comm_size, c_uint32())
+
+    @property
+    def device(self):
+        return self._query(lib.refit_comm_device, c_int32())
+
+    @property
+    def backend(self):
+        """Backend.CUDA (NCCL) or Backend.HOST."""
+        return Backend(self._query(lib.refit_comm_backend, c_uint32()))
+
+    def abort(self):
+        """Ends this rank's part: pending and later calls raise ABORTED here, and the peers' calls
+        waiting for this rank fail too. Any thread, any time."""
+        check(lib.refit_comm_abort(self.handle))
+
+    def allgather(self, send, recv, counts, stream=None):
+        """This rank's part of an allgather (refit_comm_allgather): `counts[r]` bytes from every rank
+        r, gathered in rank order into `recv` (sum(counts) bytes); in place when `send` is this
+        rank's slot of `recv`. `send`/`recv` are device addresses (host addresses on the host
+        backend). Queued on `stream`; call synchronize() before reading `recv`."""
+        counts = [check_range(count, 64, "counts[i]") for count in counts]
+        size = self.size
+        if len(counts) != size:
+            raise invalid_argument(f"{len(counts)} counts for a communicator of {size} ranks")
+        array = (c_size_t * size)(*counts)
+        check(
+            lib.refit_comm_allgather(
+                self.handle, check_range(send, 64, "send"), check_range(recv, 64, "recv"), array, stream_value(stream)
+            )
+        )
+
+    def synchronize(self, stream=None):
+        """Waits for the work queued on `stream`, then raises the communicator's failure, if any."""
+        check(lib.refit_comm_synchronize(self.handle, stream_value(stream)))
+
+    def build_plan(self, table, policy=Policy.LOCAL, coalesce=True):
+        """One plan from every rank's table (refit_plan_build_across): each rank passes its own
+        Table and the same options; every rank gets the same Plan, or every rank raises."""
+        options = PlanOptions()
+        check(lib.refit_plan_options_init(byref(options)))
+        options.policy = check_range(policy, 32, "policy")
+        options.coalesce = bool(coalesce)
+        pointer = c_void_p()
+        check(lib.refit_plan_build_across(self.handle, table.handle, byref(options), byref(pointer)))
+        return Plan(pointer.value)
+
+
+__all__ = ["Communicator", "unique_id"]

@@ -1,0 +1,217 @@
+"""Communicators between processes on the host backend (spawned Python processes; CI has no GPU):
+allgather uneven and in place, byte-exact against blocks every process computes for every rank;
+plans built across processes are each process's share of the plan built from all tables in one
+process; a peer that
+never takes part times the others out; and the binding's and the library's bad-argument errors."""
+
+import ctypes
+import multiprocessing
+import time
+import traceback
+import unittest
+
+from refit import Backend, Commit, Communicator, Group, Plan, Policy, RefitError, Status, Table, unique_id
+
+POISON = 0xEE
+
+
+def block(rank, count):
+    return bytes((rank * 89 + i * 7 + (i >> 8)) % 256 for i in range(count))
+
+
+def table_of(rank):
+    """Ranks 0 and 1 publish replicas of "w" (4 x 8, 4-byte elements); rank 2 receives its column
+    halves. Addresses are numbers only: planning reads no memory."""
+    table = Table()
+    w = table.add_tensor("w", (4, 8), 4, dtype=1)
+    if rank < 2:
+        table.add_offer(w, rank, 0, 0x100000 * (rank + 1), (0, 0), (4, 8))
+    if rank == 2:
+        for half in range(2):
+            table.add_need(w, 2, 0, 0x900000 + 64 * half, (0, 4 * half), (4, 4), (4, 1))
+    return table
+
+
+def run_rank(scenario, comm_id, rank, size, errors):
+    """One process's part; failures go to `errors` (the parent fails the test with them)."""
+    try:
+        SCENARIOS[scenario](comm_id, rank, size)
+    except BaseException:
+        errors.put(f"rank {rank}: {traceback.format_exc()}")
+        raise
+
+
+def gather(comm_id, rank, size):
+    with Communicator(comm_id, size, rank, timeout_ms=30_000) as comm:
+        assert (comm.rank, comm.size, comm.backend) == (rank, size, Backend.HOST)
+        counts = [3, 0, 200_001]
+        total, offset = sum(counts), sum(counts[:rank])
+        mine = block(rank, counts[rank])
+        expected = b"".join(block(p, c) for p, c in enumerate(counts))
+        for in_place in (False, True):
+            recv = (ctypes.c_uint8 * total)(*([POISON] * total))
+            send_buffer = (ctypes.c_uint8 * max(len(mine), 1)).from_buffer_copy(mine.ljust(1, b"\0"))
+            send = ctypes.addressof(send_buffer)
+            if in_place:
+                ctypes.memmove(ctypes.addressof(recv) + offset, mine, len(mine))
+                send = ctypes.addressof(recv) + offset
+            comm.allgather(send, ctypes.addressof(recv), counts)
+            comm.synchronize()
+            assert bytes(recv) == expected, f"in place {in_place}: wrong bytes"
+
+
+def plan_across(comm_id, rank, size):
+    with Communicator(comm_id, size, rank, timeout_ms=30_000) as comm:
+        tables = [table_of(r) for r in range(size)]
+        for policy in (Policy.FIRST, Policy.BALANCED):
+            with comm.build_plan(tables[rank], policy=policy) as across, Plan.build(tables, policy=policy) as whole:
+                share = [r for r in whole.routes() if rank in (r.src_rank, r.dst_rank)]
+                assert across.routes() == share, (across.routes(), share)
+        try:
+            comm.build_plan(tables[rank], coalesce=rank != 1)
+        except RefitError as err:
+            assert err.status == Status.INVALID_ARGUMENT, err
+            assert "different plan options" in err.message, err
+        else:
+            raise AssertionError("ranks with other options built a plan")
+
+
+def silent_peer(comm_id, rank, size):
+    with Communicator(comm_id, size, rank, timeout_ms=500) as comm:
+        if rank == 1:
+            time.sleep(1.5)  # joined, but never takes part
+            return
+        started = time.monotonic()
+        try:
+            comm.build_plan(table_of(rank))
+        except RefitError as err:
+            assert err.status in (Status.TIMEOUT, Status.ABORTED), err
+        else:
+            raise AssertionError("a plan was built without rank 1")
+        assert time.monotonic() - started < 1.4
+
+
+def executor_across(comm_id, rank, size):
+    """Ranks 0 and 1 hold replicas of "w" (4 x 8 float32), rank 2 receives its column halves: the
+    executor across the processes moves them, with and without IPC, direct and staged; rank 2
+    checks every element against values computed here (staged: nothing live before the commit)."""
+    weight = (ctypes.c_float * 32)(*[float(r * 100 + c + 1) for r in range(4) for c in range(8)])
+    want = [[float(r * 100 + 4 * half + c + 1) for r in range(4) for c in range(4)] for half in range(2)]
+    halves = [(ctypes.c_float * 16)() for _ in range(2)]
+    table = Table()
+    w = table.add_tensor("w", (4, 8), 4, dtype=1)
+    if rank < 2:
+        table.add_offer(w, rank, 0, ctypes.addressof(weight), (0, 0), (4, 8))
+    if rank == 2:
+        for half in range(2):
+            table.add_need(w, 2, 0, ctypes.addressof(halves[half]), (0, 4 * half), (4, 4), (4, 1))
+    group = Group([0], backend=Backend.HOST)
+    # The same id makes a second communicator once the first is closed on every rank.
+    for ipc in (True, False):
+        with Communicator(comm_id, size, rank, timeout_ms=30_000, ipc=ipc) as comm:
+            share = comm.build_plan(table)
+            for commit in (Commit.DIRECT, Commit.STAGED):
+                with share.executor(group, rank, commit=commit, verify=commit == Commit.STAGED, comm=comm) as ex:
+                    for half in halves:
+                        ctypes.memset(half, 0xEE, ctypes.sizeof(half))
+                    stats = ex.run()
+                    assert stats.remote_received_bytes == (128 if rank == 2 else 0), stats
+                    assert (stats.remote_ipc_bytes > 0) == (ipc and rank < 2 and stats.bytes[2] > 0), stats
+                    comm.build_plan(table).close()  # every rank has run
+                    if commit == Commit.STAGED:
+                        if rank == 2:
+                            assert bytes(halves[0]) == b"\xee" * 64, "live bytes before the commit"
+                        ex.commit()
+                    if rank == 2:
+                        assert [list(h) for h in halves] == want, (ipc, commit, [list(h) for h in halves])
+                    comm.build_plan(table).close()  # every rank is done with the executor
+            share.close()
+        comm.close()
+    group.close()
+
+
+SCENARIOS = {
+    "gather": gather,
+    "plan_across": plan_across,
+    "silent_peer": silent_peer,
+    "executor_across": executor_across,
+}
+
+
+class CommunicatorTest(unittest.TestCase):
+    def in_processes(self, scenario, size):
+        context = multiprocessing.get_context("spawn")
+        errors = context.Queue()
+        comm_id = unique_id(Backend.HOST)
+        processes = [
+            context.Process(target=run_rank, args=(scenario, comm_id, rank, size, errors)) for rank in range(size)
+        ]
+        for process in processes:
+            process.start()
+        for process in processes:
+            process.join(120)
+            if process.is_alive():
+                process.kill()
+        failures = []
+        while not errors.empty():
+            failures.append(errors.get())
+        self.assertEqual(failures, [])
+        self.assertEqual([p.exitcode for p in processes], [0] * size)
+
+    def test_allgather_across_processes(self):
+        self.in_processes("gather", 3)
+
+    def test_plans_across_processes(self):
+        self.in_processes("plan_across", 3)
+
+    def test_an_executor_across_processes(self):
+        self.in_processes("executor_across", 3)
+
+    def test_a_silent_peer_times_the_others_out(self):
+        self.in_processes("silent_peer", 2)
+
+    def test_bad_arguments(self):
+        comm_id = unique_id(Backend.HOST)
+        self.assertEqual(len(comm_id), 136)
+        self.assertNotEqual(comm_id, unique_id(Backend.HOST))
+        with self.assertRaises(RefitError) as caught:
+            Communicator(comm_id[:10], 1, 0)
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        with self.assertRaises(RefitError) as caught:
+            Communicator(bytes(136), 1, 0)
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        with self.assertRaises(RefitError) as caught:
+            Communicator(comm_id, 2, 2)
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        with self.assertRaises(RefitError) as caught:
+            Communicator(comm_id, 1, 0, timeout_ms=0)
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        with self.assertRaises(RefitError) as caught:
+            unique_id(9)
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        with self.assertRaises(RefitError) as caught:
+            Communicator.adopt(0)
+        self.assertEqual(caught.exception.status, Status.NULL_ARGUMENT)
+        with Communicator(comm_id, 1, 0, device=2) as comm:
+            self.assertEqual((comm.rank, comm.size, comm.device), (0, 1, 2))
+            buffer = (ctypes.c_uint8 * 8)(*b"abcd\0\0\0\0")
+            with self.assertRaises(RefitError) as caught:
+                comm.allgather(ctypes.addressof(buffer), ctypes.addressof(buffer) + 4, [4, 4])
+            self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+            with self.assertRaises(RefitError) as caught:
+                comm.allgather(ctypes.addressof(buffer) + 1, ctypes.addressof(buffer), [4])
+            self.assertEqual(caught.exception.status, Status.OVERLAP)
+            comm.allgather(ctypes.addressof(buffer), ctypes.addressof(buffer) + 4, [4])
+            comm.synchronize()
+            self.assertEqual(bytes(buffer), b"abcdabcd")
+            comm.abort()
+            with self.assertRaises(RefitError) as caught:
+                comm.synchronize()
+            self.assertEqual(caught.exception.status, Status.ABORTED)
+        with self.assertRaises(RefitError) as caught:
+            comm.rank
+        self.assertEqual(caught.exception.status, Status.INVALID_STATE)
+
+
+if __name__ == "__main__":
+    unittest.main()

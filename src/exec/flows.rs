@@ -1,0 +1,88 @@
+//! A plan's share for one process, by route kind: the segments moved from one group rank to another
+//! (or within one), and the per-kind totals the stats report. Routes are dispatched by kind in one
+//! place ([`flows`]): local and NVLink-peer routes move within the process; a route to or from another
+//! process goes to the executor's routes between processes (`remote`), when it has a communicator.
+
+use crate::error::{Error, Result, Status};
+use crate::group::Group;
+use crate::plan::{Endpoint, Plan, RouteKind};
+use crate::segment::check::validate;
+use crate::segment::Segment;
+
+/// Every segment one group rank moves to another (or to itself) for one route kind.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) struct Flow {
+    pub src: usize,
+    pub dst: usize,
+    pub kind: RouteKind,
+    /// Non-empty segments, as the plan gives them.
+    pub segments: Vec<Segment>,
+}
+
+/// Payload bytes and segments per route kind.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct KindTotals {
+    pub bytes: [u64; 3],
+    pub segments: [u64; 3],
+}
+
+impl KindTotals {
+    pub(crate) fn of(flows: &[Flow]) -> KindTotals {
+        let mut totals = KindTotals::default();
+        for flow in flows {
+            let k = flow.kind as usize;
+            totals.segments[k] += flow.segments.len() as u64;
+            totals.bytes[k] += flow.segments.iter().map(|s| s.bytes().unwrap_or(0)).sum::<u64>();
+        }
+        totals
+    }
+}
+
+/// The group rank whose device is `endpoint.device`.
+pub(crate) fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
+    group.devices().iter().position(|&d| i64::from(d) == i64::from(endpoint.device)).ok_or_else(|| {
+        Error::new(
+            Status::NotFound,
+            format!(
+                "the plan uses device {} but the group's devices are {:?}",
+                endpoint.device,
+                group.devices()
+            ),
+        )
+    })
+}
+
+/// The routes of `plan` that `process` takes part in within the process, as flows between group
+/// ranks (plan endpoints' devices are the group's device ordinals). Routes between this process and
+/// another are left to `remote` when `across` (an executor with a communicator), and Unsupported
+/// otherwise; NotFound for a device outside the group; InvalidArgument for a segment the batched
+/// copy refuses (a zero address, an extent past 2^64).
+pub(crate) fn flows(group: &Group, plan: &Plan, process: u32, across: bool) -> Result<Vec<Flow>> {
+    let mut flows = Vec::new();
+    for route in plan.routes().iter().filter(|r| r.src.process == process || r.dst.process == process) {
+        let kind = route.kind();
+        match kind {
+            RouteKind::Local | RouteKind::Peer => {}
+            RouteKind::Remote if across => continue,
+            RouteKind::Remote => {
+                return Err(Error::unsupported(format!(
+                    "route from process {} device {} to process {} device {} crosses processes; an executor \
+                     made without a communicator moves bytes within one process only",
+                    route.src.process, route.src.device, route.dst.process, route.dst.device
+                )))
+            }
+        }
+        let (src, dst) = (rank_of(group, route.src)?, rank_of(group, route.dst)?);
+        validate(&route.segments).map_err(|e| {
+            e.context(format!(
+                "route from device {} to device {} of process {process}",
+                route.src.device, route.dst.device
+            ))
+        })?;
+        let segments: Vec<Segment> = route.segments.iter().filter(|s| s.runs() > 0).copied().collect();
+        if !segments.is_empty() {
+            flows.push(Flow { src, dst, kind, segments });
+        }
+    }
+    Ok(flows)
+}

@@ -1,0 +1,161 @@
+//! What an executor is asked to do: the arm that moves bytes, the SM budget, verify, and how bytes
+//! reach the live buffers.
+
+use crate::error::{Error, Result};
+use crate::group::Group;
+use std::fmt;
+use std::sync::Arc;
+
+/// How bytes are moved, as asked.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Arm {
+    /// Per route kind, by size: the copy engine where the average contiguous run is at least
+    /// [`Arm::COPY_ENGINE_MIN_RUN`] bytes (it then matches the kernel's bandwidth and leaves the SMs
+    /// free) or where the kernel cannot run (no direct peer access, no NVRTC); the kernel otherwise,
+    /// and always when the run is verified (its copy records the digests the verify checks).
+    Auto,
+    /// The batched copy kernel: one launch per rank and stage, any segment size near memory bandwidth.
+    Kernel,
+    /// One copy-engine copy per contiguous run: no SMs used; host time grows with the runs.
+    CopyEngine,
+}
+
+impl Arm {
+    /// Average run size from which AUTO prefers the copy engine. At 16 MiB a copy-engine peer copy
+    /// moves what the kernel's push does (CEILINGS.md: 362 against 356 GB/s), and a run takes longer
+    /// on the device than issuing the next one takes on the host.
+    pub const COPY_ENGINE_MIN_RUN: u64 = 16 << 20;
+}
+
+/// What actually moves a batch (an [`Arm`] resolved). Its codes in [`super::RunStats::arm`] are
+/// the C API's REFIT_ARM_KERNEL and REFIT_ARM_COPY_ENGINE, and REFIT_ARM_NONE for no method.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Method {
+    Kernel = 1,
+    CopyEngine = 2,
+}
+
+impl Method {
+    /// REFIT_ARM_NONE: the code of no method.
+    const NONE: u32 = 3;
+
+    /// The method's code in the stats (REFIT_ARM_NONE for None).
+    pub const fn code(method: Option<Method>) -> u32 {
+        match method {
+            Some(method) => method as u32,
+            None => Method::NONE,
+        }
+    }
+
+    /// The method of a stats code (None for REFIT_ARM_NONE or an unknown code).
+    pub fn from_code(code: u32) -> Option<Method> {
+        [Method::Kernel, Method::CopyEngine].into_iter().find(|&m| m as u32 == code)
+    }
+}
+
+/// How bytes reach the live buffers.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum CommitMode {
+    /// `run` copies straight into the live buffers.
+    Direct,
+    /// `run` lands every byte in staging on the receiver's device (and verifies it when asked);
+    /// `commit` copies staging into the live buffers with one batched launch per receiving device.
+    /// A step larger than the staging limit runs in slices: `run` installs every slice but the last,
+    /// `commit` the last; the all-or-nothing guarantee then holds per slice.
+    Staged,
+}
+
+/// Where a [`Hook`] is called: just before the stage is queued, for slice `slice`.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Stage {
+    /// The copies from the sources (into live buffers, or into staging).
+    Copy { slice: usize },
+    /// The comparison of what was copied with its sources.
+    Verify { slice: usize },
+    /// The copy from staging into the live buffers.
+    Install { slice: usize },
+}
+
+/// A test seam: called on the calling thread before each stage is queued, after the previous stage
+/// was. It may queue work of its own on the group's streams (to corrupt a byte between copy and
+/// verify), or fail (to stand for a driver error at that point); its error fails the call.
+pub type Hook = Arc<dyn Fn(Stage, &Group) -> Result<()> + Send + Sync>;
+
+/// Options of [`super::Executor::new`].
+#[derive(Clone)]
+pub struct ExecOptions {
+    pub arm: Arm,
+    /// At most this many thread blocks (so at most this many SMs) for the kernel arm's copies from
+    /// the sources; 0 for no cap. Verify and the staged install are not capped: a server stalls for
+    /// the install, and runs it at full speed.
+    pub sm_budget: u32,
+    /// Check every copied byte on the device after its copy: a kernel batch's destinations against
+    /// digests it recorded of the sources it read, a copy-engine batch's against the sources.
+    pub verify: bool,
+    pub commit: CommitMode,
+    /// Staged only: the most staging bytes per receiving device (0: the whole step). A step above it
+    /// runs in slices.
+    pub staging_limit: u64,
+    /// See [`Hook`]. Not reachable from C.
+    pub hook: Option<Hook>,
+}
+
+impl Default for ExecOptions {
+    fn default() -> ExecOptions {
+        ExecOptions {
+            arm: Arm::Auto,
+            sm_budget: 0,
+            verify: false,
+            commit: CommitMode::Direct,
+            staging_limit: 0,
+            hook: None,
+        }
+    }
+}
+
+impl fmt::Debug for ExecOptions {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.debug_struct("ExecOptions")
+            .field("arm", &self.arm)
+            .field("sm_budget", &self.sm_budget)
+            .field("verify", &self.verify)
+            .field("commit", &self.commit)
+            .field("staging_limit", &self.staging_limit)
+            .field("hook", &self.hook.is_some())
+            .finish()
+    }
+}
+
+impl ExecOptions {
+    /// The smallest staging limit: room for a few runs of any size (longer runs are cut).
+    pub const MIN_STAGING_LIMIT: u64 = 4096;
+
+    /// Rejects combinations that cannot mean what the caller wants.
+    pub fn check(&self) -> Result<()> {
+        if self.sm_budget > 0 && self.arm == Arm::CopyEngine {
+            return Err(Error::invalid_argument(
+                "sm_budget caps the kernel arm; the copy-engine arm uses no SMs (set sm_budget to 0)",
+            ));
+        }
+        if self.commit == CommitMode::Direct && self.staging_limit != 0 {
+            return Err(Error::invalid_argument(
+                "staging_limit applies to staged commit only (set it to 0, or commit staged)",
+            ));
+        }
+        if self.staging_limit != 0 && self.staging_limit < ExecOptions::MIN_STAGING_LIMIT {
+            return Err(Error::invalid_argument(format!(
+                "staging_limit {} is below the smallest, {} bytes (0 means the whole step)",
+                self.staging_limit,
+                ExecOptions::MIN_STAGING_LIMIT
+            )));
+        }
+        Ok(())
+    }
+
+    pub(crate) fn call_hook(&self, stage: Stage, group: &Group) -> Result<()> {
+        match &self.hook {
+            Some(hook) => hook(stage, group),
+            None => Ok(()),
+        }
+    }
+}

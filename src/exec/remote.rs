@@ -1,0 +1,397 @@
+//! Routes between processes, for an executor made with a communicator (a plan share built across
+//! processes, whose process indices are the communicator's ranks).
+//!
+//! What this process sends to another and receives from it moves, per pair of processes:
+//! - through CUDA IPC where both share a machine and the receiver's memory opens in the sender
+//!   (`transport::ipc::connect`): the sender's batched kernel writes straight into the receiver's
+//!   buffers, no staging;
+//! - otherwise through bounded staging over the communicator (`transport::staged`): pack with the
+//!   batched kernel, NCCL send/recv, unpack with the batched kernel; exactly the segments' bytes on
+//!   the wire.
+//!
+//! Every route between processes runs on the group stream of the communicator's device, whose rank
+//! both ends must be (the routes' local endpoints are checked at creation). With all-or-nothing
+//! commit, bytes from other processes land in a landing buffer of this process (packed, one region
+//! per sending process, whose address the sender learns at creation) and are installed from there by
+//! the commit, with this process's own installs.
+//!
+//! IPC writes cross into another process's memory, which stream order cannot cover: when any pair
+//! of the communicator uses IPC, every process meets every other twice per run on the host (through
+//! the communicator), once its streams have reached the step (so the receivers' buffers may be
+//! overwritten) and once the writes are done (so the receivers may read them).
+
+use super::flows::rank_of;
+use super::options::{CommitMode, ExecOptions};
+use crate::bail;
+use crate::error::{Error, Result, Status};
+use crate::group::Group;
+use crate::plan::{Endpoint, Plan, RouteKind};
+use crate::segment::check::validate;
+use crate::segment::Segment;
+use crate::transport::comm::Communicator;
+use crate::transport::ipc;
+use crate::transport::staged::{Flow, StagedExchange};
+use crate::transport::{Backend, BackendKind, PreparedCheck, PreparedCopy};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// What the routes between processes amount to, for the stats.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RemoteTotals {
+    /// Payload bytes and segments this process sends to others.
+    pub sent_bytes: u64,
+    pub sent_segments: u64,
+    /// Payload bytes this process receives from others.
+    pub received_bytes: u64,
+    /// Payload bytes sent through CUDA IPC (written into the receivers' memory).
+    pub ipc_bytes: u64,
+    /// Payload bytes sent through staging over the communicator: the bytes on the wire.
+    pub wire_bytes: u64,
+    /// Peers exchanged with (either way) through IPC, and through staging.
+    pub ipc_peers: u32,
+    pub staged_peers: u32,
+}
+
+/// One pair's IPC writes, with their verify when asked.
+struct Write {
+    peer: usize,
+    batch: Box<dyn PreparedCopy>,
+    verify: Option<Box<dyn PreparedCheck>>,
+    /// The segments as planned (destinations in the receiver's live buffers), for messages.
+    planned: Vec<Segment>,
+}
+
+pub(crate) struct Remote {
+    comm: Arc<Communicator>,
+    backend: Arc<dyn Backend>,
+    /// The group rank (and device) of the communicator's device: every remote route runs there.
+    rank: usize,
+    device: i32,
+    writes: Vec<Write>,
+    /// Dropped before `landing` (fields drop in order): it drains the streams that write there.
+    exchange: StagedExchange,
+    /// Staged commit: where bytes from other processes land (held for its drop), and the installs
+    /// from there.
+    _landing: Option<Landing>,
+    installs: Vec<Segment>,
+    /// Some pair of the communicator uses IPC: every run meets the other processes twice.
+    handshake: bool,
+    pub totals: RemoteTotals,
+}
+
+/// Device memory bytes from other processes land in, freed on drop (the executor has waited for
+/// its work by then).
+struct Landing {
+    backend: Arc<dyn Backend>,
+    device: i32,
+    allocation: u64,
+}
+
+impl Drop for Landing {
+    fn drop(&mut self) {
+        // SAFETY: ours; the work writing it has drained.
+        if let Err(err) = unsafe { self.backend.free(self.device, self.allocation) } {
+            log::warn!("freeing the landing of bytes from other processes: {err}");
+        }
+    }
+}
+
+/// `segments` with their destinations packed from `base` in order (run after run), and the
+/// installs from there into the original destinations.
+fn landed(segments: &[Segment], base: u64) -> (Vec<Segment>, Vec<Segment>) {
+    let mut at = base;
+    let mut into = Vec::with_capacity(segments.len());
+    let mut out = Vec::with_capacity(segments.len());
+    for s in segments {
+        let packed = [s.len, s.len * s.count[0]];
+        into.push(Segment { dst: at, dst_stride: packed, ..*s });
+        out.push(Segment { src: at, src_stride: packed, ..*s });
+        at += s.bytes().unwrap_or(0);
+    }
+    (into, out)
+}
+
+/// Bytes of `segments`.
+fn bytes(segments: &[Segment]) -> u64 {
+    segments.iter().map(|s| s.bytes().unwrap_or(0)).sum()
+}
+
+impl Remote {
+    /// The routes of `plan` between `process` and the other processes of `comm`, prepared: a
+    /// collective call (every process of the communicator makes it, creating its executor).
+    pub fn prepare(
+        group: &Group,
+        plan: &Plan,
+        process: u32,
+        comm: Arc<Communicator>,
+        options: &ExecOptions,
+    ) -> Result<Remote> {
+        if comm.rank() as u64 != u64::from(process) {
+            bail!(
+                Status::InvalidArgument,
+                "process {process} but the communicator's rank is {}: a plan across processes numbers \
+                 them by communicator rank",
+                comm.rank()
+            );
+        }
+        let device = comm.device();
+        let here = Endpoint { process, device: device as u32 };
+        let rank = rank_of(group, here)?;
+        let (mut sends, mut recvs): (BTreeMap<usize, Vec<Segment>>, BTreeMap<usize, Vec<Segment>>) =
+            Default::default();
+        for route in plan.routes().iter().filter(|r| r.kind() == RouteKind::Remote) {
+            let (local, peer, into) = if route.src.process == process {
+                (route.src, route.dst.process, &mut sends)
+            } else if route.dst.process == process {
+                (route.dst, route.src.process, &mut recvs)
+            } else {
+                continue;
+            };
+            if local != here {
+                bail!(
+                    Status::Unsupported,
+                    "a route between processes {} and {} uses device {} of this process; routes between \
+                     processes must start or end on the communicator's device ({device})",
+                    route.src.process,
+                    route.dst.process,
+                    local.device
+                );
+            }
+            if peer as usize >= comm.size() {
+                bail!(
+                    Status::InvalidArgument,
+                    "a route names process {peer}; the communicator has {}",
+                    comm.size()
+                );
+            }
+            validate(&route.segments)?;
+            into.entry(peer as usize).or_default().extend(route.segments.iter().filter(|s| s.runs() > 0));
+        }
+        let backend = Arc::clone(group.backend());
+        if comm.kind() == BackendKind::Cuda && backend.kind() == BackendKind::Host {
+            bail!(
+                Status::InvalidArgument,
+                "an NCCL communicator moves device memory, and this group's backend is the host's"
+            );
+        }
+        let staged_commit = options.commit == CommitMode::Staged;
+        // Where each sender's bytes land here: the live buffers (direct), or its region of the
+        // landing buffer (staged commit). Senders learn their region's address.
+        let received: u64 = recvs.values().map(|s| bytes(s)).sum();
+        let landing = if staged_commit && received > 0 {
+            let size = usize::try_from(received + 16)
+                .map_err(|_| Error::new(Status::OutOfMemory, "landing larger than the address space"))?;
+            let allocation = backend.alloc(device, size)?;
+            Some(Landing { backend: Arc::clone(&backend), device, allocation })
+        } else {
+            None
+        };
+        let mut totals = RemoteTotals::default();
+        let (mut writes, mut installs) = (Vec::new(), Vec::new());
+        let mut targets: BTreeMap<usize, Vec<Segment>> = BTreeMap::new();
+        let mut bases: Vec<u8> = Vec::new();
+        let mut at = landing.as_ref().map(|l| l.allocation.next_multiple_of(16));
+        for (&peer, segments) in &recvs {
+            let target = match at {
+                Some(base) => {
+                    let (into, out) = landed(segments, base);
+                    installs.extend(out);
+                    at = Some(base + bytes(segments));
+                    bases.extend_from_slice(&(peer as u64).to_le_bytes());
+                    bases.extend_from_slice(&base.to_le_bytes());
+                    into
+                }
+                None => segments.clone(),
+            };
+            targets.insert(peer, target);
+        }
+        let all_bases = comm.allgather_bytes(&bases)?;
+        let landing_for = |peer: usize| -> Option<u64> {
+            all_bases[peer].chunks_exact(16).find_map(|e| {
+                let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+                (word(&e[..8]) == process as u64).then(|| word(&e[8..]))
+            })
+        };
+        let sent: BTreeMap<usize, Vec<Segment>> = sends
+            .iter()
+            .map(|(&peer, segments)| {
+                let target = match landing_for(peer) {
+                    Some(base) => landed(segments, base).0,
+                    None => segments.clone(),
+                };
+                (peer, target)
+            })
+            .collect();
+
+        // IPC where the pair can; the rest through staging.
+        let mine: Vec<(u64, u64)> = targets.values().flatten().map(|s| (s.dst, ipc_footprint(s))).collect();
+        let writers: Vec<usize> = recvs.keys().copied().collect();
+        let owners: Vec<usize> = sends.keys().copied().collect();
+        let peers = ipc::connect(&comm, backend.kind(), device, &mine, &writers, &owners)?;
+        let (mut staged_sends, mut staged_recvs) = (Vec::new(), Vec::new());
+        for (&peer, planned) in &sends {
+            totals.sent_bytes += bytes(planned);
+            totals.sent_segments += planned.len() as u64;
+            match peers.opened.get(&peer) {
+                Some(opened) => {
+                    let batch = opened.prepare_writes(&sent[&peer], options.verify)?;
+                    let verify = if options.verify { Some(batch.verify_destinations()?) } else { None };
+                    totals.ipc_bytes += bytes(planned);
+                    writes.push(Write { peer, batch, verify, planned: planned.clone() });
+                }
+                None => {
+                    totals.wire_bytes += bytes(planned);
+                    staged_sends.push(Flow { peer, segments: planned.clone() });
+                }
+            }
+        }
+        for (&peer, target) in &targets {
+            totals.received_bytes += bytes(target);
+            if !peers.writers.contains(&peer) {
+                staged_recvs.push(Flow { peer, segments: target.clone() });
+            }
+        }
+        let ipc_with: std::collections::BTreeSet<usize> =
+            peers.opened.keys().chain(peers.writers.iter()).copied().collect();
+        let staged_with: std::collections::BTreeSet<usize> =
+            staged_sends.iter().chain(&staged_recvs).map(|f| f.peer).collect();
+        totals.ipc_peers = ipc_with.len() as u32;
+        totals.staged_peers = staged_with.len() as u32;
+        // A host-backend communicator can coordinate IPC between GPU processes, but its transfers
+        // move host memory: device bytes cannot take staging over it. Every rank learns whether any
+        // pair would have to, and all fail alike (a failure on some ranks only would leave the
+        // others waiting for them).
+        let host_comm_for_devices = comm.kind() == BackendKind::Host && backend.kind() == BackendKind::Cuda;
+        let cannot_stage = host_comm_for_devices && !(staged_sends.is_empty() && staged_recvs.is_empty());
+        let uses_ipc = !ipc_with.is_empty();
+        let flags = comm.allgather_bytes(&[u8::from(uses_ipc), u8::from(cannot_stage)])?;
+        if let Some(rank) = flags.iter().position(|f| f.get(1) == Some(&1)) {
+            bail!(
+                Status::Unsupported,
+                "process {rank} has bytes for another process that cannot go through CUDA IPC, and a \
+                 host-backend communicator cannot carry device memory: use an NCCL communicator"
+            );
+        }
+        let handshake = flags.iter().any(|f| f.first() == Some(&1));
+        let staging = comm.options().staging_bytes;
+        let exchange = StagedExchange::prepare(
+            &comm,
+            Arc::clone(&backend),
+            device,
+            &staged_sends,
+            &staged_recvs,
+            staging,
+        )?;
+        Ok(Remote {
+            comm,
+            backend,
+            rank,
+            device,
+            writes,
+            exchange,
+            _landing: landing,
+            installs,
+            handshake,
+            totals,
+        })
+    }
+
+    /// The group rank every route between processes runs on.
+    pub fn rank(&self) -> usize {
+        self.rank
+    }
+
+    /// The installs from the landing buffer into the live buffers (staged commit).
+    pub fn installs(&self) -> &[Segment] {
+        &self.installs
+    }
+
+    /// Queues this process's part of the routes between processes on its rank's group stream, after
+    /// the work queued there so far (see the module docs for the meetings IPC needs).
+    ///
+    /// # Safety
+    /// Every address of the routes (sources here, destinations here or in the peers) is live memory
+    /// until the work has run.
+    pub unsafe fn run(&self, group: &Group) -> Result<()> {
+        self.comm.check()?;
+        let stream = group.stream(self.rank)?;
+        if self.handshake {
+            self.backend.sync_stream(self.device, stream)?;
+            self.comm.allgather_bytes(b"refit: ready for writes")?;
+        }
+        let mut queued = Ok(());
+        for write in &self.writes {
+            queued = queued.and_then(|()| write.batch.launch(stream));
+            if let Some(verify) = &write.verify {
+                queued = queued.and_then(|()| verify.launch(stream));
+            }
+        }
+        if self.handshake {
+            // Meet even after a failure here, so that the peers do not wait for this process.
+            let landed = queued.and_then(|()| self.backend.sync_stream(self.device, stream));
+            let met = self.comm.allgather_bytes(b"refit: writes done");
+            landed?;
+            met?;
+            self.check_writes()?;
+        } else {
+            queued?;
+        }
+        self.exchange.run(&self.comm, stream)
+    }
+
+    /// The outcome of the IPC writes' verify (the writes have run).
+    fn check_writes(&self) -> Result<()> {
+        for write in &self.writes {
+            let Some(verify) = &write.verify else { continue };
+            if let Some(index) = verify.outcome()? {
+                let planned = write.planned[index];
+                bail!(
+                    Status::VerifyMismatch,
+                    "{} bytes written into process {} at {:#x} (segment {index} of the routes to it) differ \
+                     from their source after the copy",
+                    planned.bytes().unwrap_or(0),
+                    write.peer,
+                    planned.dst
+                );
+            }
+        }
+        Ok(())
+    }
+
+    /// The communicator's failure, if any (a peer that timed out, exited or aborted).
+    pub fn check(&self) -> Result<()> {
+        self.comm.check()
+    }
+}
+
+/// Bytes from a segment's first destination byte to one past its last.
+fn ipc_footprint(s: &Segment) -> u64 {
+    let last0 = (s.count[0] - 1).saturating_mul(s.dst_stride[0]);
+    let last1 = (s.count[1] - 1).saturating_mul(s.dst_stride[1]);
+    last0.saturating_add(last1).saturating_add(s.len)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn landing_packs_each_segment_and_installs_it_back() {
+        let s =
+            Segment { src: 100, dst: 5000, len: 3, count: [2, 2], src_stride: [4, 10], dst_stride: [7, 30] };
+        let t = Segment::contiguous(200, 9000, 5);
+        let (into, out) = landed(&[s, t], 1 << 20);
+        assert_eq!(into[0], Segment { dst: 1 << 20, dst_stride: [3, 6], ..s });
+        assert_eq!(into[1], Segment { dst: (1 << 20) + 12, dst_stride: [5, 5], ..t });
+        assert_eq!(out[0], Segment { src: 1 << 20, src_stride: [3, 6], ..s });
+        assert_eq!(out[1].dst, 9000);
+        // Every byte lands exactly once, densely.
+        let mut landed_bytes = Vec::new();
+        for seg in &into {
+            seg.for_each_run(|_, dst, len| landed_bytes.extend(dst..dst + len));
+        }
+        landed_bytes.sort_unstable();
+        assert_eq!(landed_bytes, ((1 << 20)..(1 << 20) + 17).collect::<Vec<u64>>());
+        assert_eq!(ipc_footprint(&s), 7 + 30 + 3);
+    }
+}

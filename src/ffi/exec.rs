@@ -1,0 +1,376 @@
+//! Executing a plan: an executor prepared once for (plan, group, process), runs of the step, the
+//! commit of a staged step, rebinds of moved buffers, and per-call stats.
+//!
+//! Thread-safety: an executor is used by one thread at a time, the thread driving its group (its
+//! calls queue work on the group's streams).
+
+// Raw pointers are the C ABI: each is checked for NULL by `arg`/`arg_mut`/`out` and its validity is
+// the caller's documented promise.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use super::comm::refit_comm;
+use super::group::refit_group;
+use super::plan::refit_plan;
+use super::{arg, arg_mut, boundary, check_struct_size, destroy, out, sized_out};
+use crate::error::{Error, Result, Status};
+use crate::exec::{Arm, CommitMode, ExecOptions, Executor, RunStats};
+use std::sync::Arc;
+
+/// Executor arm: per route kind, the copy engine where the average contiguous run is at least
+/// 16 MiB (or where the kernel cannot run: no direct peer access, no libnvrtc), the batched kernel
+/// otherwise. refit_run_stats.arm says which ran.
+pub const REFIT_ARM_AUTO: u32 = 0;
+/// Executor arm: the batched copy kernel (one launch per rank and stage; any segment size near
+/// memory bandwidth; capped by sm_budget).
+pub const REFIT_ARM_KERNEL: u32 = 1;
+/// Executor arm: one copy-engine copy per contiguous run. Uses no SMs (NVLink peer copies overlap
+/// compute freely); host time grows with the number of runs.
+pub const REFIT_ARM_COPY_ENGINE: u32 = 2;
+/// refit_run_stats.arm only: the call moved no bytes of that route kind.
+pub const REFIT_ARM_NONE: u32 = 3;
+/// Executor commit: refit_executor_run copies straight into the live buffers.
+pub const REFIT_COMMIT_DIRECT: u32 = 0;
+/// Executor commit, all or nothing: refit_executor_run lands every byte in staging on the receiving
+/// device (verified there when asked), refit_executor_commit copies it into the live buffers with one
+/// batched launch per receiving device. A step larger than staging_limit runs in slices: run installs
+/// every slice but the last, commit the last, and the guarantee then holds per slice.
+pub const REFIT_COMMIT_STAGED: u32 = 1;
+
+/// An executor: one process's share of a plan prepared for a group (descriptors built and uploaded
+/// once), run step after step. Keeps no reference to the plan or the group: each call is passed the
+/// group it was created with.
+///
+/// Thread-safety: an executor is used by one thread at a time, the thread driving its group (its
+/// calls queue work on the group's streams, so no other call on the group may run meanwhile).
+/// Different executors of one group are called one after the other from that thread.
+pub struct refit_executor {
+    executor: Executor,
+}
+
+/// Options of refit_executor_create. Fill with refit_executor_options_init, then change fields.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct refit_executor_options {
+    /// sizeof(refit_executor_options) as the caller knows it (set by refit_executor_options_init).
+    pub size: usize,
+    /// REFIT_ARM_AUTO (default), REFIT_ARM_KERNEL or REFIT_ARM_COPY_ENGINE.
+    pub arm: u32,
+    /// Kernel copies from the sources use at most this many thread blocks, so at most this many SMs,
+    /// leaving the rest to work beside the refit (0, the default: no cap). Not with
+    /// REFIT_ARM_COPY_ENGINE. The verify stage and the staged install are not capped.
+    pub sm_budget: u32,
+    /// After each copy, check on the device, on the copy's stream, every byte it wrote: the kernel's
+    /// destinations against digests it recorded of the sources it read (reads the destinations only;
+    /// detects any changed element, and other changes but for a 2^-64 chance), the copy engine's
+    /// byte by byte against the sources. A mismatch is REFIT_STATUS_VERIFY_MISMATCH naming the
+    /// tensor, box and element (default false).
+    pub verify: bool,
+    /// REFIT_COMMIT_DIRECT (default) or REFIT_COMMIT_STAGED.
+    pub commit: u32,
+    /// REFIT_COMMIT_STAGED only: the most staging bytes per receiving device, at least 4096; 0 (the
+    /// default) stages the whole step at once.
+    pub staging_limit: u64,
+}
+
+fn defaults() -> refit_executor_options {
+    refit_executor_options {
+        size: std::mem::size_of::<refit_executor_options>(),
+        arm: REFIT_ARM_AUTO,
+        sm_budget: 0,
+        verify: false,
+        commit: REFIT_COMMIT_DIRECT,
+        staging_limit: 0,
+    }
+}
+
+fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions> {
+    // SAFETY: NULL or a caller struct whose first field is its size.
+    let options = unsafe { options.as_ref() }.copied().unwrap_or_else(defaults);
+    let full = std::mem::size_of::<refit_executor_options>();
+    check_struct_size(options.size, full, full, "options")?;
+    let arm = match options.arm {
+        REFIT_ARM_AUTO => Arm::Auto,
+        REFIT_ARM_KERNEL => Arm::Kernel,
+        REFIT_ARM_COPY_ENGINE => Arm::CopyEngine,
+        other => {
+            return Err(Error::invalid_argument(format!(
+                "options.arm = {other}; expected REFIT_ARM_AUTO, _KERNEL or _COPY_ENGINE"
+            )))
+        }
+    };
+    let commit = match options.commit {
+        REFIT_COMMIT_DIRECT => CommitMode::Direct,
+        REFIT_COMMIT_STAGED => CommitMode::Staged,
+        other => {
+            return Err(Error::invalid_argument(format!(
+                "options.commit = {other}; expected REFIT_COMMIT_DIRECT or REFIT_COMMIT_STAGED"
+            )))
+        }
+    };
+    let converted = ExecOptions {
+        arm,
+        sm_budget: options.sm_budget,
+        verify: options.verify,
+        commit,
+        staging_limit: options.staging_limit,
+        hook: None,
+    };
+    converted.check().map_err(|e| e.context("options"))?;
+    Ok(converted)
+}
+
+/// Fills `*options` with the defaults: size set, REFIT_ARM_AUTO, no SM cap, no verify,
+/// REFIT_COMMIT_DIRECT, staging_limit 0. Thread-safe. Errors: NULL_ARGUMENT.
+#[no_mangle]
+pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_options) -> Status {
+    boundary("refit_executor_options_init", || {
+        out(options, "options")?.write(defaults());
+        Ok(())
+    })
+}
+
+/// Prepares process `process`'s share of `plan` (every route whose source and destination are on
+/// that process rank; endpoint devices are `group`'s device ordinals) for `group`, with `options`
+/// (NULL: the defaults), and writes the executor to `*executor`. Builds and uploads every stage's
+/// descriptors and allocates staging now (blocking; not ordered with any stream); the first use of
+/// the kernel on a device compiles it. The executor keeps nothing of `plan` that its destruction
+/// would invalidate.
+///
+/// Thread-safety: as the group's calls (the thread driving the group); the plan may be shared.
+///
+/// Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
+/// commit, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit with REFIT_COMMIT_DIRECT or below
+/// 4096, a segment with a zero address), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a
+/// route between this process and another: this executor moves bytes within one process; the kernel
+/// arm where a rank has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only:
+/// AUTO falls back to the copy engine), CUDA_ERROR.
+#[no_mangle]
+pub extern "C" fn refit_executor_create(
+    plan: *const refit_plan,
+    group: *const refit_group,
+    process: u32,
+    options: *const refit_executor_options,
+    executor: *mut *mut refit_executor,
+) -> Status {
+    boundary("refit_executor_create", || {
+        let slot = out(executor, "executor")?;
+        // SAFETY: NULL or live handles from this library.
+        let plan = unsafe { arg(plan, "plan") }?;
+        let group = unsafe { arg(group, "group") }?;
+        let options = convert_options(options)?;
+        let created = Executor::new(&group.group, &plan.plan, process, options)?;
+        slot.write(Box::into_raw(Box::new(refit_executor { executor: created })));
+        Ok(())
+    })
+}
+
+/// As refit_executor_create, for the process whose communicator rank is `comm`'s, with the routes
+/// between it and the other processes of `comm` as well (REFIT_ROUTE_REMOTE): `plan` is typically
+/// this process's share from refit_plan_build_across. A collective call: every process of the
+/// communicator makes it. Routes between processes must start or end on the communicator's device,
+/// which must be a device of `group`. Per pair of processes, the bytes move through CUDA IPC where
+/// both share a machine and the receiver's memory opens in the sender (the sender's batched kernel
+/// writes straight into the receiver's buffers; cudaMalloc and cuMemCreate memory with POSIX
+/// descriptors requested both share), else through bounded staging over the communicator (pack
+/// with the batched kernel, NCCL send/recv, unpack; at most the communicator's staging_bytes per
+/// process; exactly the segments' bytes on the wire); the first pair falling back from IPC is
+/// logged once. refit_run_stats reports the bytes and peers of each way.
+///
+/// With REFIT_COMMIT_STAGED, bytes from other processes land in device memory of this process (as
+/// many bytes as it receives, beside staging_limit) and are installed by the commit, which first
+/// waits for them and refuses (INVALID_STATE) when a peer failed meanwhile: live buffers are then
+/// unchanged. verify checks the bytes written through IPC (by the writer, through the opened
+/// memory); bytes through staging are not verified yet. An executor with routes between processes
+/// cannot rebind (UNSUPPORTED). When any pair uses IPC, every run meets the other processes twice on
+/// the host (its streams first reach the step: a run inside a scope then blocks); every process
+/// must run and commit its executor alike. The executor keeps `comm` alive.
+///
+/// Errors: as refit_executor_create, plus NULL_ARGUMENT (comm), INVALID_ARGUMENT (a plan process
+/// that is not a communicator rank), UNSUPPORTED (a route between processes on another device),
+/// TIMEOUT, ABORTED.
+#[no_mangle]
+pub extern "C" fn refit_executor_create_across(
+    plan: *const refit_plan,
+    group: *const refit_group,
+    comm: *const refit_comm,
+    options: *const refit_executor_options,
+    executor: *mut *mut refit_executor,
+) -> Status {
+    boundary("refit_executor_create_across", || {
+        let slot = out(executor, "executor")?;
+        // SAFETY: NULL or live handles from this library.
+        let plan = unsafe { arg(plan, "plan") }?;
+        let group = unsafe { arg(group, "group") }?;
+        let comm = unsafe { arg(comm, "comm") }?;
+        let options = convert_options(options)?;
+        let created = Executor::new_across(&group.group, &plan.plan, Arc::clone(comm.shared()), options)?;
+        slot.write(Box::into_raw(Box::new(refit_executor { executor: created })));
+        Ok(())
+    })
+}
+
+/// Checks a stats output before any work (NULL is allowed: no stats wanted).
+unsafe fn stats_slot<'a>(stats: *mut RunStats) -> Result<Option<&'a mut std::mem::MaybeUninit<RunStats>>> {
+    if stats.is_null() {
+        return Ok(None);
+    }
+    sized_out(stats, "stats").map(Some)
+}
+
+/// Runs one step of the executor on `group` (the group it was created with): the copies from the
+/// sources (into the live buffers, or into staging with REFIT_COMMIT_STAGED), the verify stage when
+/// asked, and for a sliced staged step the install of every slice but the last. `stats` (NULL: not
+/// wanted) receives what the call did; set stats->size first.
+///
+/// Stream ordering, as the group's scope rules: inside the group's scope the step is queued on the
+/// group's streams after the work the scope's entry ordered them after (the callers' streams), and
+/// the call returns without waiting, except when it must read a verify outcome first (after the
+/// copies of a direct step; before each install of a sliced staged step): then the host blocks
+/// until the verify stage has run. Outside a scope the step runs in an implicit scope on the legacy
+/// default streams and is complete on return. Every rank's stream first waits for every other
+/// rank's (a rank writes into others' memory). A staged step not yet committed is replaced.
+///
+/// Errors: NULL_ARGUMENT (executor, group), INVALID_ARGUMENT (another group than the executor's,
+/// stats->size), INVALID_STATE (a rebind failed earlier), VERIFY_MISMATCH (the message names the
+/// tensor, box and element that differ; with REFIT_COMMIT_STAGED nothing of that slice was
+/// installed), PLAN_STALE (rebinds left two buffers overlapping), CUDA_ERROR. After an error nothing
+/// can be committed until a run succeeds; in a direct step live buffers may hold part of the new
+/// bytes.
+///
+/// Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
+/// of its device until the step has run.
+#[no_mangle]
+pub extern "C" fn refit_executor_run(
+    executor: *mut refit_executor,
+    group: *mut refit_group,
+    stats: *mut RunStats,
+) -> Status {
+    boundary("refit_executor_run", || {
+        // SAFETY: NULL or live handles; stats NULL or writable.
+        let executor = unsafe { arg_mut(executor, "executor") }?;
+        let group = unsafe { arg(group, "group") }?;
+        let slot = unsafe { stats_slot(stats) }?;
+        // SAFETY: the caller's documented promise on the plan's memory.
+        let ran = unsafe { executor.executor.run(&group.group) }?;
+        if let Some(slot) = slot {
+            slot.write(ran);
+        }
+        Ok(())
+    })
+}
+
+/// Installs a staged step (REFIT_COMMIT_STAGED): copies the staging of its last slice into the live
+/// buffers, one batched launch per receiving device on that device's group stream. When the run
+/// was asked to verify and has not read the outcome (it ran inside a scope), the host first waits
+/// for the verify stage and reads it; a mismatch installs nothing. `stats` as for
+/// refit_executor_run.
+///
+/// Stream ordering as refit_executor_run: inside a scope, queued after the callers' streams (a
+/// server stalls its own stream only for this copy); outside one, complete on return.
+///
+/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (another group, stats->size), INVALID_STATE (a direct
+/// executor; nothing staged since the last commit; the last run or commit failed: the message says
+/// why; run again), VERIFY_MISMATCH (nothing installed), CUDA_ERROR. After an error, run again before
+/// committing. Thread-safety: see refit_executor.
+#[no_mangle]
+pub extern "C" fn refit_executor_commit(
+    executor: *mut refit_executor,
+    group: *mut refit_group,
+    stats: *mut RunStats,
+) -> Status {
+    boundary("refit_executor_commit", || {
+        // SAFETY: as in refit_executor_run.
+        let executor = unsafe { arg_mut(executor, "executor") }?;
+        let group = unsafe { arg(group, "group") }?;
+        let slot = unsafe { stats_slot(stats) }?;
+        // SAFETY: as in refit_executor_run.
+        let committed = unsafe { executor.executor.commit(&group.group) }?;
+        if let Some(slot) = slot {
+            slot.write(committed);
+        }
+        Ok(())
+    })
+}
+
+/// Writes the stats of the executor's last run or commit to `*stats` (set stats->size first),
+/// device times included: blocks the host until that call's work has run on the device.
+///
+/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size), INVALID_STATE (no call has succeeded yet),
+/// CUDA_ERROR. Thread-safety: see refit_executor.
+#[no_mangle]
+pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mut RunStats) -> Status {
+    boundary("refit_executor_stats", || {
+        // SAFETY: NULL or a live handle; stats NULL or writable.
+        let executor = unsafe { arg_mut(executor, "executor") }?;
+        let slot = unsafe { sized_out(stats, "stats") }?;
+        slot.write(executor.executor.stats()?);
+        Ok(())
+    })
+}
+
+/// Tells the executor that the caller's memory [old_base, old_base + length) on `device` (a device
+/// ordinal of the group) now lives at [new_base, new_base + length) (an engine freed and reallocated
+/// its weights): later calls read and write the new place, with no planning and no host work per
+/// segment. Blocks until the executor's queued work has run, then rewrites the prepared addresses in
+/// that range (host work proportional to the segments touching it; the copy engine's verify, which
+/// compares both sides, is rebuilt at the next run).
+///
+/// The range must hold whole buffers as the plan sees them: bytes that one segment reads or writes
+/// together move together. A coalesced plan may join buffers that lie at regular distances into one
+/// strided segment; a plan built with coalescing off keeps every buffer in segments of its own. A
+/// buffer is named by where it is for the executor: where the last run had it, or where a rebind
+/// since put it; a range holding both a moved and an unmoved buffer is refused (trade places through
+/// a third address).
+///
+/// Errors (nothing changed): NULL_ARGUMENT, INVALID_DEVICE (not a device of the group),
+/// INVALID_ARGUMENT (length 0, new_base 0, a range past 2^64, an ambiguous range, a new range
+/// overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
+/// range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
+/// a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),
+/// CUDA_ERROR. Thread-safety: see refit_executor; not ordered with any stream (it waits for the
+/// executor's own queued work first).
+#[no_mangle]
+pub extern "C" fn refit_executor_rebind(
+    executor: *mut refit_executor,
+    device: u32,
+    old_base: u64,
+    new_base: u64,
+    length: u64,
+) -> Status {
+    boundary("refit_executor_rebind", || {
+        // SAFETY: NULL or a live handle.
+        let executor = unsafe { arg_mut(executor, "executor") }?;
+        let device = i32::try_from(device).map_err(|_| {
+            Error::new(Status::InvalidDevice, format!("device {device} is not a device ordinal"))
+        })?;
+        executor.executor.rebind(device, old_base, new_base, length)
+    })
+}
+
+/// Releases an executor (NULL is ignored): waits for its queued work, then frees its descriptors,
+/// streams and staging. A staged step not committed is dropped; the live buffers keep what they had.
+/// Safe after its group was destroyed. Must not race with another call on the same executor.
+#[no_mangle]
+pub extern "C" fn refit_executor_destroy(executor: *mut refit_executor) {
+    // SAFETY: the caller hands back a handle from this library, once.
+    unsafe { destroy(executor, "refit_executor_destroy") }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::exec::Method;
+
+    #[test]
+    fn arm_codes_are_the_stats_codes() {
+        assert_eq!(Method::code(Some(Method::Kernel)), REFIT_ARM_KERNEL);
+        assert_eq!(Method::code(Some(Method::CopyEngine)), REFIT_ARM_COPY_ENGINE);
+        assert_eq!(Method::code(None), REFIT_ARM_NONE);
+        for code in [REFIT_ARM_KERNEL, REFIT_ARM_COPY_ENGINE, REFIT_ARM_NONE, REFIT_ARM_AUTO] {
+            assert_eq!(
+                Method::from_code(code).map(|m| Method::code(Some(m))),
+                Some(code).filter(|&c| c == 1 || c == 2)
+            );
+        }
+    }
+}

@@ -1,0 +1,352 @@
+//! The executor on real GPUs (run on the GPU machine with `--ignored --test-threads=1`): a colocated
+//! EP -> TP refit of a small MoE model on one GPU and, where there are two, on two. Receivers are
+//! poisoned before every step and every needed element is compared with the value of the tensor
+//! element it stands for (`Workload::check_needs`: values computed on the host, never copied), for every arm,
+//! on caller streams, under an SM budget, staged (with and without slices), with verify catching a
+//! byte corrupted between copy and verify, with failures injected before the commit (live bytes
+//! must stay poisoned), and after rebinding the receivers to new allocations.
+
+mod gpu_common;
+
+use cudarc::driver::sys;
+use gpu_common::{caller_stream, ck, cuda, group_sizes, DeviceBuffer};
+use refit::exec::{Arm, CommitMode, ExecOptions, Executor, Hook, Method, Stage};
+use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
+use refit::plan::{self, Endpoint, Plan, PlanOptions, RouteKind};
+use refit::transport::{Backend, Stream};
+use refit::{Error, Status};
+use refit_workloads::{Megatron, Model, Moe, Packing, Role, Spec, Vllm, Workload};
+use std::sync::Arc;
+
+const POISON: u8 = 0xAB;
+
+fn small_moe() -> Model {
+    Model {
+        name: "small-moe".into(),
+        layers: 2,
+        hidden: 256,
+        heads: 8,
+        kv_heads: 4,
+        head_dim: 32,
+        qk_norm: true,
+        ffn: 0,
+        moe: Some(Moe { experts: 8, ffn: 192 }),
+        vocab: 1001,
+        elem_size: 2,
+        dtype: 2,
+    }
+}
+
+fn gpu_group(size: usize) -> Group {
+    let devices: Vec<i32> = (0..size as i32).collect();
+    Group::new(&devices, GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }).unwrap()
+}
+
+/// The workload on `size` GPUs: publishers filled with known values, receivers poisoned.
+struct Refit {
+    w: Workload,
+    buffers: Vec<DeviceBuffer>,
+    plan: Plan,
+}
+
+impl Refit {
+    fn new(size: usize, coalesce: bool) -> Refit {
+        let endpoints: Vec<Endpoint> =
+            (0..size as u32).map(|device| Endpoint { process: 0, device }).collect();
+        let spec = Spec {
+            model: small_moe(),
+            publishers: Megatron {
+                endpoints: endpoints.clone(),
+                tp: 1,
+                ep: size as u64,
+                grouped_experts: true,
+            },
+            publisher_layout: Packing::Separate,
+            receivers: Vllm { endpoints },
+            receiver_layout: Packing::Separate,
+            digests: true,
+        };
+        let w = Workload::generate(&spec).unwrap();
+        let buffers: Vec<DeviceBuffer> =
+            w.buffers.iter().map(|b| DeviceBuffer::new(b.endpoint.device as i32, b.bytes as usize)).collect();
+        let mut host: Vec<Vec<u8>> = w.buffers.iter().map(|b| vec![0u8; b.bytes as usize]).collect();
+        w.fill_offers(&mut host.iter_mut().map(|m| m.as_mut_slice()).collect::<Vec<_>>());
+        for (b, buffer) in w.buffers.iter().enumerate() {
+            if buffer.role == Role::Publisher {
+                buffers[b].write(0, &host[b]);
+            }
+        }
+        let bases: Vec<u64> = buffers.iter().map(|b| b.ptr).collect();
+        let options = PlanOptions { coalesce, ..PlanOptions::default() };
+        let plan = plan::build(&w.tables(&bases).unwrap(), &options).unwrap();
+        let refit = Refit { w, buffers, plan };
+        refit.poison();
+        refit
+    }
+
+    fn receivers(&self) -> Vec<usize> {
+        (0..self.w.buffers.len()).filter(|&b| self.w.buffers[b].role == Role::Receiver).collect()
+    }
+
+    fn poison(&self) {
+        for b in self.receivers() {
+            self.buffers[b].poison();
+        }
+    }
+
+    /// Every receiver buffer read back (empty for publishers).
+    fn read(&self) -> Vec<Vec<u8>> {
+        (0..self.buffers.len())
+            .map(
+                |b| {
+                    if self.w.buffers[b].role == Role::Receiver {
+                        self.buffers[b].read()
+                    } else {
+                        Vec::new()
+                    }
+                },
+            )
+            .collect()
+    }
+
+    fn assert_installed(&self, what: &str) {
+        let memory = self.read();
+        let slices: Vec<&[u8]> = memory.iter().map(|m| m.as_slice()).collect();
+        let checked = self.w.check_needs(&slices).unwrap_or_else(|wrong| panic!("{what}: {wrong}"));
+        assert!(checked > 0);
+    }
+
+    fn assert_poisoned(&self, what: &str) {
+        for (b, bytes) in self.read().iter().enumerate() {
+            if self.w.buffers[b].role == Role::Receiver {
+                assert!(bytes.iter().all(|&x| x == POISON), "{what}: {} was written", self.w.buffers[b].name);
+            }
+        }
+    }
+}
+
+/// Runs one step outside a scope (and commits it when staged).
+fn step(executor: &mut Executor, group: &Group) -> refit::Result<refit::exec::RunStats> {
+    // SAFETY: every address of the plan is a live DeviceBuffer of the test.
+    let ran = unsafe { executor.run(group) }?;
+    if executor.options().commit == CommitMode::Staged {
+        // SAFETY: as above.
+        unsafe { executor.commit(group) }?;
+    }
+    Ok(ran)
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn every_arm_installs_every_element() {
+    for size in group_sizes().into_iter().filter(|&s| s <= 2) {
+        let refit = Refit::new(size, true);
+        let group = gpu_group(size);
+        for (arm, sm_budget) in [(Arm::Kernel, 0), (Arm::Kernel, 8), (Arm::CopyEngine, 0), (Arm::Auto, 0)] {
+            let options = ExecOptions { arm, sm_budget, ..ExecOptions::default() };
+            let mut executor = Executor::new(&group, &refit.plan, 0, options).unwrap();
+            for round in 0..2 {
+                refit.poison();
+                let stats = step(&mut executor, &group).unwrap();
+                refit.assert_installed(&format!("{size} GPU(s), {arm:?} budget {sm_budget}, round {round}"));
+                assert!(stats.device_timed && stats.device_ns > 0 && stats.local_ns > 0);
+                assert_eq!(stats.peer_ns > 0, size > 1);
+                let want = if arm == Arm::CopyEngine { Method::CopyEngine } else { Method::Kernel };
+                assert_eq!(stats.method(RouteKind::Local), Some(want));
+            }
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn a_run_on_caller_streams_is_ordered_and_does_not_wait() {
+    for size in group_sizes().into_iter().filter(|&s| s <= 2) {
+        let refit = Refit::new(size, true);
+        let group = gpu_group(size);
+        let mut executor = Executor::new(&group, &refit.plan, 0, ExecOptions::default()).unwrap();
+        let callers: Vec<Stream> = (0..size as i32).map(caller_stream).collect();
+        for round in 0..3 {
+            refit.poison();
+            group.enter(Some(&callers)).unwrap();
+            // SAFETY: as in `step`.
+            let queued = unsafe { executor.run(&group) }.unwrap();
+            assert!(!queued.device_timed);
+            group.exit(ExitMode::Async).unwrap();
+            for (rank, &stream) in callers.iter().enumerate() {
+                cuda().sync_stream(rank as i32, stream).unwrap();
+            }
+            refit.assert_installed(&format!("{size} GPU(s) on caller streams, round {round}"));
+            assert!(executor.stats().unwrap().device_timed);
+        }
+        for (rank, stream) in callers.into_iter().enumerate() {
+            cuda().destroy_stream(rank as i32, stream);
+        }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn staged_steps_touch_live_bytes_only_at_commit() {
+    for size in group_sizes().into_iter().filter(|&s| s <= 2) {
+        let refit = Refit::new(size, true);
+        let group = gpu_group(size);
+        for limit in [0u64, 256 << 10] {
+            let options =
+                ExecOptions { commit: CommitMode::Staged, staging_limit: limit, ..ExecOptions::default() };
+            let mut executor = Executor::new(&group, &refit.plan, 0, options).unwrap();
+            refit.poison();
+            // SAFETY: as in `step`.
+            let ran = unsafe { executor.run(&group) }.unwrap();
+            if ran.slices == 1 {
+                refit.assert_poisoned("after a staged run");
+            } else {
+                assert!(limit > 0 && ran.installed_bytes > 0);
+            }
+            // SAFETY: as in `step`.
+            let committed = unsafe { executor.commit(&group) }.unwrap();
+            assert!(committed.commit_ns > 0);
+            refit.assert_installed(&format!("{size} GPU(s) staged, limit {limit}"));
+        }
+    }
+}
+
+/// A hook failing at `at` (a driver error standing there).
+fn failing_at(at: Stage) -> Hook {
+    Arc::new(
+        move |stage, _group: &Group| {
+            if stage == at {
+                Err(Error::new(Status::CudaError, "injected failure"))
+            } else {
+                Ok(())
+            }
+        },
+    )
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn a_failure_before_commit_leaves_every_live_byte_unchanged() {
+    let size = group_sizes().into_iter().filter(|&s| s <= 2).max().unwrap();
+    let refit = Refit::new(size, true);
+    let group = gpu_group(size);
+    let staged = |hook| ExecOptions { commit: CommitMode::Staged, hook, ..ExecOptions::default() };
+    let mut failing =
+        Executor::new(&group, &refit.plan, 0, staged(Some(failing_at(Stage::Copy { slice: 0 })))).unwrap();
+    // SAFETY: as in `step`.
+    assert_eq!(unsafe { failing.run(&group) }.unwrap_err().status, Status::CudaError);
+    assert_eq!(unsafe { failing.commit(&group) }.unwrap_err().status, Status::InvalidState);
+    let mut failing =
+        Executor::new(&group, &refit.plan, 0, staged(Some(failing_at(Stage::Install { slice: 0 })))).unwrap();
+    // SAFETY: as in `step`.
+    unsafe { failing.run(&group) }.unwrap();
+    assert_eq!(unsafe { failing.commit(&group) }.unwrap_err().status, Status::CudaError);
+    let mut cancelled = Executor::new(&group, &refit.plan, 0, staged(None)).unwrap();
+    // SAFETY: as in `step`.
+    unsafe { cancelled.run(&group) }.unwrap();
+    drop(cancelled);
+    group.synchronize().unwrap();
+    refit.assert_poisoned("after failures before commit");
+}
+
+/// A hook that, just before the verify stage, changes one byte at `address` (after the copies,
+/// before the comparison): it waits for every device of the group (whichever stream copied the
+/// byte), then writes it.
+fn corrupting(address: u64) -> Hook {
+    Arc::new(move |stage, group: &Group| {
+        if stage == (Stage::Verify { slice: 0 }) {
+            for rank in 0..group.size() {
+                cuda().bind(group.device(rank)?)?;
+                ck("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
+            }
+            // SAFETY: a byte of a live DeviceBuffer; synchronous on the legacy stream, then waited.
+            ck("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(address, 0x5A, 1) });
+            ck("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() });
+        }
+        Ok(())
+    })
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn verify_catches_a_byte_corrupted_between_copy_and_verify() {
+    let size = group_sizes().into_iter().filter(|&s| s <= 2).max().unwrap();
+    let refit = Refit::new(size, true);
+    let group = gpu_group(size);
+    // Clean, with the kernel (digests recorded by the copy) and the copy engine (both sides compared).
+    for arm in [Arm::Kernel, Arm::CopyEngine] {
+        let options = ExecOptions { arm, verify: true, ..ExecOptions::default() };
+        let mut clean = Executor::new(&group, &refit.plan, 0, options).unwrap();
+        refit.poison();
+        let stats = step(&mut clean, &group).unwrap();
+        assert!(stats.verified && stats.verify_ns > 0, "{arm:?}");
+        refit.assert_installed("verified");
+    }
+    // Direct, the kernel: a receiver byte changed after the copy (an unfused parameter, whose
+    // buffer is named as its tensor).
+    let b = *refit.receivers().iter().rev().find(|&&b| refit.w.buffers[b].name.contains("o_proj")).unwrap();
+    let options = ExecOptions {
+        arm: Arm::Kernel,
+        verify: true,
+        hook: Some(corrupting(refit.buffers[b].ptr + 3)),
+        ..ExecOptions::default()
+    };
+    let mut corrupted = Executor::new(&group, &refit.plan, 0, options).unwrap();
+    let err = step(&mut corrupted, &group).unwrap_err();
+    assert_eq!(err.status, Status::VerifyMismatch, "{}", err.message);
+    assert!(err.message.contains(&format!("tensor '{}'", refit.w.buffers[b].name)), "{}", err.message);
+    // Staged: a source changed after the copy into staging; nothing is installed. The kernel's
+    // verify checks what the copy wrote against what it read (a source changed afterwards is no
+    // copy error); the copy engine's compares both sides again, and finds it.
+    refit.poison();
+    let source = refit.plan.routes()[0].segments[0].src;
+    let options = ExecOptions {
+        arm: Arm::CopyEngine,
+        verify: true,
+        commit: CommitMode::Staged,
+        hook: Some(corrupting(source)),
+        ..ExecOptions::default()
+    };
+    let mut staged = Executor::new(&group, &refit.plan, 0, options).unwrap();
+    let err = step(&mut staged, &group).unwrap_err();
+    assert_eq!(err.status, Status::VerifyMismatch, "{}", err.message);
+    refit.assert_poisoned("after a verify mismatch");
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn rebound_receivers_get_every_element_at_their_new_place() {
+    for size in group_sizes().into_iter().filter(|&s| s <= 2) {
+        let mut refit = Refit::new(size, false);
+        let group = gpu_group(size);
+        for arm in [Arm::Kernel, Arm::CopyEngine] {
+            let options = ExecOptions { arm, ..ExecOptions::default() };
+            let mut executor = Executor::new(&group, &refit.plan, 0, options).unwrap();
+            step(&mut executor, &group).unwrap();
+            refit.assert_installed("before the move");
+            // Every receiver moves to a new allocation; the old ones are poisoned and kept.
+            let mut old = Vec::new();
+            for b in refit.receivers() {
+                let fresh = DeviceBuffer::new(refit.buffers[b].device, refit.buffers[b].len);
+                fresh.poison();
+                let was = std::mem::replace(&mut refit.buffers[b], fresh);
+                executor.rebind(was.device, was.ptr, refit.buffers[b].ptr, was.len as u64).unwrap();
+                was.poison();
+                old.push(was);
+            }
+            step(&mut executor, &group).unwrap();
+            refit.assert_installed(&format!("{size} GPU(s) {arm:?} after rebinds"));
+            for was in &old {
+                assert!(was.read().iter().all(|&x| x == POISON), "an old allocation was written");
+            }
+            // Back to where the plan put them, for the next arm (named where the last run had them).
+            for (b, was) in refit.receivers().into_iter().zip(old) {
+                executor.rebind(was.device, refit.buffers[b].ptr, was.ptr, was.len as u64).unwrap();
+                refit.buffers[b] = was;
+            }
+            refit.poison();
+            step(&mut executor, &group).unwrap();
+            refit.assert_installed("moved back");
+        }
+    }
+}
