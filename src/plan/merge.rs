@@ -120,8 +120,8 @@ impl Merged<'_> {
     pub fn fingerprint(&self) -> u64 {
         let mut h = Words::new();
         h.u64(self.tensor_digest);
-        // Entries' fixed fields, then their pooled boxes and strides: the pools hold them in the
-        // same canonical order, each entry's `3 n` values for its tensor's `n` dimensions.
+        // Entry by entry in canonical order, each with its box and strides (the pools themselves
+        // are in the order entries arrived: sorting moved only the entries).
         h.u64(self.offers.len() as u64);
         for o in &self.offers {
             for v in [o.tensor.into(), o.owner.process.into(), o.owner.device.into(), o.addr] {
@@ -129,15 +129,17 @@ impl Merged<'_> {
             }
             h.u64(o.digest.map_or(0, |_| 1));
             h.u64(o.digest.unwrap_or(0));
+            let n = self.geometry[o.tensor as usize].0;
+            self.offer_dims[o.dims..o.dims + 3 * n].iter().for_each(|&v| h.u64(v));
         }
-        self.offer_dims.iter().for_each(|&v| h.u64(v));
         h.u64(self.needs.len() as u64);
         for n in &self.needs {
             for v in [n.tensor.into(), n.receiver.process.into(), n.receiver.device.into(), n.addr] {
                 h.u64(v);
             }
+            let dims = self.geometry[n.tensor as usize].0;
+            self.need_dims[n.dims..n.dims + 3 * dims].iter().for_each(|&v| h.u64(v));
         }
-        self.need_dims.iter().for_each(|&v| h.u64(v));
         h.finish()
     }
 }
