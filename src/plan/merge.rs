@@ -120,15 +120,17 @@ impl Merged<'_> {
     pub fn fingerprint(&self) -> u64 {
         let mut h = Words::new();
         h.u64(self.tensor_digest);
+        // Entry by entry in canonical order, each with its box and strides (the pools themselves
+        // are in the order entries arrived: sorting moved only the entries).
         h.u64(self.offers.len() as u64);
-        for (i, o) in self.offers.iter().enumerate() {
+        for o in &self.offers {
             for v in [o.tensor.into(), o.owner.process.into(), o.owner.device.into(), o.addr] {
                 h.u64(v);
             }
             h.u64(o.digest.map_or(0, |_| 1));
             h.u64(o.digest.unwrap_or(0));
-            let (lo, ext, strides) = self.offer_parts(i);
-            lo.iter().chain(ext).chain(strides).for_each(|&v| h.u64(v));
+            let n = self.geometry[o.tensor as usize].0;
+            self.offer_dims[o.dims..o.dims + 3 * n].iter().for_each(|&v| h.u64(v));
         }
         h.u64(self.needs.len() as u64);
         for n in &self.needs {

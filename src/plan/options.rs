@@ -51,13 +51,13 @@ pub struct Limits {
 
 impl Default for Limits {
     fn default() -> Limits {
-        // About 600 MB of segments, 150 MB of pieces, 350 MB of runs and a second or so of box
-        // tests at most: far beyond real models (benches/plan_bench.rs reports what they use).
+        // About 600 MB of segments, 150 MB of pieces, 350 MB of runs and half a second of box
+        // tests at most: several times what the largest refits in benches/plan_bench.rs use.
         Limits {
             max_segments: 1 << 23,
             max_pieces: 1 << 20,
             max_overlap_runs: 1 << 23,
-            max_box_tests: 1 << 27,
+            max_box_tests: 1 << 26,
         }
     }
 }
