@@ -1,9 +1,13 @@
 /*
  * refit.hpp: a header-only C++17 wrapper over the C API in refit.h.
  *
- * - Every handle (refit::Group, Table, Plan, PreparedCopy, HostStream) owns what it wraps: it is
- *   move-only, releases the handle in its destructor, and a moved-from object holds nothing
- *   (get() == nullptr; any call on it throws refit::Error with REFIT_STATUS_INVALID_STATE).
+ * - Every handle (refit::Group, Table, Plan, PreparedCopy, HostStream, Comm, Executor) owns what it
+ *   wraps: it is move-only, releases the handle in its destructor, and a moved-from object holds
+ *   nothing (get() == nullptr; any call on it throws refit::Error with REFIT_STATUS_INVALID_STATE;
+ *   passing it as an argument to another object's call throws REFIT_STATUS_NULL_ARGUMENT).
+ * - Options structs are the C ones, filled with the library's defaults by refit::executor_options(),
+ *   comm_options() and plan_options() (the *_options_init calls), so fields appended later keep their
+ *   defaults; change fields, then pass the struct.
  * - A failing call throws refit::Error, carrying the refit_status and the library's message
  *   (refit_last_error_message() of the calling thread). Arguments the C API cannot check (the lengths
  *   of the vectors passed in) are checked here and throw REFIT_STATUS_INVALID_ARGUMENT.
@@ -104,14 +108,43 @@ inline void destroy_host_stream(void *stream) {
   if (stream) (void)refit_host_stream_destroy(stream);
 }
 
-inline void same_length(std::size_t a, std::size_t b, const char *what) {
-  if (a != b) {
-    throw Error(REFIT_STATUS_INVALID_ARGUMENT, std::string(what) + " has " + std::to_string(b) +
-                                                   " entries; the box has " + std::to_string(a) + " dimensions");
+/// Throws INVALID_ARGUMENT unless the vector `what` has `expected` entries, one per `unit` of `whole`
+/// (the C API reads exactly that many, so a shorter vector would be read past its end).
+inline void same_length(std::size_t expected, std::size_t got, const char *what, const char *whole, const char *unit) {
+  if (expected != got) {
+    throw Error(REFIT_STATUS_INVALID_ARGUMENT, std::string(what) + " has " + std::to_string(got) + " entries; " +
+                                                   whole + " has " + std::to_string(expected) + " " + unit);
   }
 }
 
+inline void box_length(std::size_t ndim, std::size_t got, const char *what) {
+  same_length(ndim, got, what, "the box", "dimensions");
+}
+
 }  // namespace detail
+
+/// refit_executor_options_init: the defaults (REFIT_ARM_AUTO, no SM cap, no verify, REFIT_COMMIT_DIRECT).
+inline refit_executor_options executor_options() {
+  refit_executor_options options;
+  check(refit_executor_options_init(&options));
+  return options;
+}
+
+/// refit_comm_options_init: the defaults (ten minutes' timeout, 256 MiB of staging, CUDA IPC on).
+inline refit_comm_options comm_options() {
+  refit_comm_options options;
+  check(refit_comm_options_init(&options));
+  return options;
+}
+
+/// refit_plan_options_init, then `policy` (a REFIT_POLICY_*) and `coalesce`.
+inline refit_plan_options plan_options(uint32_t policy = REFIT_POLICY_LOCAL, bool coalesce = true) {
+  refit_plan_options options;
+  check(refit_plan_options_init(&options));
+  options.policy = policy;
+  options.coalesce = coalesce;
+  return options;
+}
 
 /// A caller-side stream of the host backend (refit_host_stream_create). Destroying it waits for the
 /// work queued on it.
@@ -194,7 +227,7 @@ class Group {
       check(refit_group_enter(live(), nullptr));
       return;
     }
-    detail::same_length(size(), caller_streams.size(), "caller_streams (per rank)");
+    detail::same_length(size(), caller_streams.size(), "caller_streams", "the group", "ranks");
     check(refit_group_enter(live(), caller_streams.data()));
   }
   /// refit_group_exit with REFIT_EXIT_SYNC or REFIT_EXIT_ASYNC.
@@ -258,9 +291,9 @@ class Group {
   uint32_t allgather(const std::vector<uint64_t> &send, const std::vector<uint64_t> &recv,
                      const std::vector<std::size_t> &counts, uint32_t algorithm = REFIT_ALLGATHER_AUTO) {
     std::size_t n = size();
-    detail::same_length(n, send.size(), "send (per rank)");
-    detail::same_length(n, recv.size(), "recv (per rank)");
-    detail::same_length(n, counts.size(), "counts (per rank)");
+    detail::same_length(n, send.size(), "send", "the group", "ranks");
+    detail::same_length(n, recv.size(), "recv", "the group", "ranks");
+    detail::same_length(n, counts.size(), "counts", "the group", "ranks");
     uint32_t picked = 0;
     check(refit_allgather(live(), send.data(), recv.data(), counts.data(), algorithm, &picked));
     return picked;
@@ -269,7 +302,7 @@ class Group {
   /// refit_group_allgather_rank, from a run() callback only.
   uint32_t allgather_rank(uint32_t rank, uint64_t send, uint64_t recv, const std::vector<std::size_t> &counts,
                           uint32_t algorithm = REFIT_ALLGATHER_AUTO) {
-    detail::same_length(size(), counts.size(), "counts (per rank)");
+    detail::same_length(size(), counts.size(), "counts", "the group", "ranks");
     uint32_t picked = 0;
     check(refit_group_allgather_rank(live(), rank, send, recv, counts.data(), algorithm, &picked));
     return picked;
@@ -279,6 +312,14 @@ class Group {
   void copy_batch(uint32_t rank, const std::vector<refit_segment> &segments, void *stream = nullptr,
                   uint32_t flags = 0) const {
     check(refit_copy_batch(live(), rank, stream, segments.data(), segments.size(), flags));
+  }
+
+  /// refit_digest: the digest of the `len` bytes at `addr` on `rank`'s device, computed on `stream`
+  /// (nullptr: the device's legacy default); waits for it, so the bytes may change once it returns.
+  uint64_t digest(uint32_t rank, uint64_t addr, uint64_t len, void *stream = nullptr) const {
+    uint64_t value = 0;
+    check(refit_digest(live(), rank, addr, len, stream, &value));
+    return value;
   }
 
   /// refit_copy_batch_prepare.
@@ -328,8 +369,8 @@ class Table {
   void add_offer(uint32_t tensor, uint32_t rank, uint32_t device, uint64_t addr, const std::vector<uint64_t> &offset,
                  const std::vector<uint64_t> &extent, const std::vector<uint64_t> &strides = {},
                  std::optional<uint64_t> digest = std::nullopt) {
-    detail::same_length(offset.size(), extent.size(), "extent");
-    if (!strides.empty()) detail::same_length(offset.size(), strides.size(), "strides");
+    detail::box_length(offset.size(), extent.size(), "extent");
+    if (!strides.empty()) detail::box_length(offset.size(), strides.size(), "strides");
     check(refit_table_add_offer(live(), tensor, rank, device, addr, offset.data(), extent.data(),
                                 strides.empty() ? nullptr : strides.data(), offset.size(),
                                 digest ? &*digest : nullptr));
@@ -340,9 +381,9 @@ class Table {
   void add_need(uint32_t tensor, uint32_t rank, uint32_t device, uint64_t addr, const std::vector<uint64_t> &offset,
                 const std::vector<uint64_t> &extent, const std::vector<uint64_t> &strides,
                 const std::vector<uint32_t> &perm = {}) {
-    detail::same_length(offset.size(), extent.size(), "extent");
-    detail::same_length(offset.size(), strides.size(), "strides");
-    if (!perm.empty()) detail::same_length(offset.size(), perm.size(), "perm");
+    detail::box_length(offset.size(), extent.size(), "extent");
+    detail::box_length(offset.size(), strides.size(), "strides");
+    if (!perm.empty()) detail::box_length(offset.size(), perm.size(), "perm");
     check(refit_table_add_need(live(), tensor, rank, device, addr, offset.data(), extent.data(),
                                perm.empty() ? nullptr : perm.data(), strides.data(), offset.size()));
   }
@@ -366,6 +407,79 @@ class Table {
   Handle handle_;
 };
 
+/// One rank of a communicator between processes (refit_comm). Calls are made by one thread at a time,
+/// in the same order on every rank; abort() from any thread at any time.
+class Comm {
+ public:
+  /// Takes ownership of `raw` (from refit_comm_create or refit_comm_adopt).
+  explicit Comm(refit_comm *raw) noexcept : handle_(raw) {}
+
+  /// refit_comm_create: joins communicator `id` as `rank` of `nranks` on `device`; blocks until every
+  /// rank has joined (at most options.timeout_ms).
+  Comm(const refit_comm_id &id, uint32_t nranks, uint32_t rank, int32_t device,
+       const refit_comm_options &options = comm_options()) {
+    refit_comm *raw = nullptr;
+    check(refit_comm_create(&id, nranks, rank, device, &options, &raw));
+    handle_ = Handle(raw);
+  }
+
+  /// refit_comm_get_unique_id: the id one process makes and hands to every rank by its own means.
+  static refit_comm_id unique_id(uint32_t backend = REFIT_BACKEND_AUTO) {
+    refit_comm_id id;
+    check(refit_comm_get_unique_id(backend, &id));
+    return id;
+  }
+
+  /// refit_comm_adopt: wraps an ncclComm_t the caller keeps owning (it must outlive this object).
+  static Comm adopt(void *nccl_comm, const refit_comm_options &options = comm_options()) {
+    refit_comm *raw = nullptr;
+    check(refit_comm_adopt(nccl_comm, &options, &raw));
+    return Comm(raw);
+  }
+
+  uint32_t rank() const {
+    uint32_t r = 0;
+    check(refit_comm_rank(live(), &r));
+    return r;
+  }
+  uint32_t size() const {
+    uint32_t n = 0;
+    check(refit_comm_size(live(), &n));
+    return n;
+  }
+  int32_t device() const {
+    int32_t d = 0;
+    check(refit_comm_device(live(), &d));
+    return d;
+  }
+  /// REFIT_BACKEND_CUDA or REFIT_BACKEND_HOST.
+  uint32_t backend() const {
+    uint32_t b = 0;
+    check(refit_comm_backend(live(), &b));
+    return b;
+  }
+
+  /// refit_comm_allgather: this rank's counts[rank()] bytes at `send`; `recv` receives every rank's
+  /// block in rank order. Queued on `stream` (nullptr: see refit.h); synchronize() reports failures.
+  void allgather(uint64_t send, uint64_t recv, const std::vector<std::size_t> &counts, void *stream = nullptr) {
+    detail::same_length(size(), counts.size(), "counts", "the communicator", "ranks");
+    check(refit_comm_allgather(live(), send, recv, counts.data(), stream));
+  }
+
+  /// refit_comm_synchronize: waits for `stream`, then throws the communicator's failure, if any.
+  void synchronize(void *stream = nullptr) { check(refit_comm_synchronize(live(), stream)); }
+
+  /// refit_comm_abort: any thread, any time; later calls throw REFIT_STATUS_ABORTED.
+  void abort() { check(refit_comm_abort(live())); }
+
+  refit_comm *get() const noexcept { return handle_.get(); }
+
+ private:
+  using Handle = detail::Owned<refit_comm, refit_comm_destroy>;
+  refit_comm *live() const { return handle_.live("communicator"); }
+  Handle handle_;
+};
+
 /// Every segment from one source endpoint to one destination endpoint of a plan, copied out of it.
 struct Route {
   uint32_t src_rank = 0, src_device = 0, dst_rank = 0, dst_device = 0;
@@ -381,18 +495,30 @@ class Plan {
   /// refit_plan_build over every rank's table, in any order.
   static Plan build(const std::vector<const Table *> &tables, uint32_t policy = REFIT_POLICY_LOCAL,
                     bool coalesce = true) {
-    std::vector<const refit_table *> raw;
-    raw.reserve(tables.size());
-    for (const Table *table : tables) {
-      if (!table || !table->get()) throw Error(REFIT_STATUS_NULL_ARGUMENT, "a table is null or was moved from");
-      raw.push_back(table->get());
-    }
-    refit_plan_options options;
-    check(refit_plan_options_init(&options));
-    options.policy = policy;
-    options.coalesce = coalesce;
+    std::vector<const refit_table *> raw = raw_tables(tables);
+    refit_plan_options options = plan_options(policy, coalesce);
     refit_plan *plan = nullptr;
     check(refit_plan_build(raw.data(), raw.size(), &options, &plan));
+    return Plan(plan);
+  }
+
+  /// refit_plan_build_share: the routes process `process` takes part in, from every process's table.
+  static Plan build_share(const std::vector<const Table *> &tables, uint32_t process,
+                          uint32_t policy = REFIT_POLICY_LOCAL, bool coalesce = true) {
+    std::vector<const refit_table *> raw = raw_tables(tables);
+    refit_plan_options options = plan_options(policy, coalesce);
+    refit_plan *plan = nullptr;
+    check(refit_plan_build_share(raw.data(), raw.size(), process, &options, &plan));
+    return Plan(plan);
+  }
+
+  /// refit_plan_build_across: this rank's share of one plan over `comm`, from this process's own
+  /// `table` (a collective call: every rank makes it, with the same policy and coalescing).
+  static Plan build_across(Comm &comm, const Table &table, uint32_t policy = REFIT_POLICY_LOCAL,
+                           bool coalesce = true) {
+    refit_plan_options options = plan_options(policy, coalesce);
+    refit_plan *plan = nullptr;
+    check(refit_plan_build_across(comm.get(), table.get(), &options, &plan));
     return Plan(plan);
   }
 
@@ -413,6 +539,12 @@ class Plan {
   uint64_t fingerprint() const {
     uint64_t f = 0;
     check(refit_plan_fingerprint(live(), &f));
+    return f;
+  }
+  /// refit_plan_inputs_fingerprint: equal in every process's share built from the same inputs.
+  uint64_t inputs_fingerprint() const {
+    uint64_t f = 0;
+    check(refit_plan_inputs_fingerprint(live(), &f));
     return f;
   }
   std::size_t route_count() const {
@@ -447,6 +579,76 @@ class Plan {
  private:
   using Handle = detail::Owned<refit_plan, refit_plan_destroy>;
   refit_plan *live() const { return handle_.live("plan"); }
+  static std::vector<const refit_table *> raw_tables(const std::vector<const Table *> &tables) {
+    std::vector<const refit_table *> raw;
+    raw.reserve(tables.size());
+    for (const Table *table : tables) {
+      if (!table || !table->get()) throw Error(REFIT_STATUS_NULL_ARGUMENT, "a table is null or was moved from");
+      raw.push_back(table->get());
+    }
+    return raw;
+  }
+  Handle handle_;
+};
+
+/// One process's share of a plan prepared for a group (refit_executor), run step after step. Used by
+/// the thread driving its group; every call is passed the group it was created with.
+class Executor {
+ public:
+  /// Takes ownership of `raw` (from refit_executor_create or refit_executor_create_across).
+  explicit Executor(refit_executor *raw) noexcept : handle_(raw) {}
+
+  /// refit_executor_create: process `process`'s share of `plan` on `group` (blocking: builds and
+  /// uploads descriptors, allocates staging).
+  Executor(const Plan &plan, const Group &group, uint32_t process = 0,
+           const refit_executor_options &options = executor_options()) {
+    refit_executor *raw = nullptr;
+    check(refit_executor_create(plan.get(), group.get(), process, &options, &raw));
+    handle_ = Handle(raw);
+  }
+
+  /// refit_executor_create_across: with the routes to and from the other processes of `comm` (a
+  /// collective call: every process of the communicator makes it).
+  static Executor across(const Plan &plan, const Group &group, const Comm &comm,
+                         const refit_executor_options &options = executor_options()) {
+    refit_executor *raw = nullptr;
+    check(refit_executor_create_across(plan.get(), group.get(), comm.get(), &options, &raw));
+    return Executor(raw);
+  }
+
+  /// refit_executor_run: one step on `group`; returns what it did (device times only when it waited).
+  refit_run_stats run(Group &group) {
+    refit_run_stats s = empty_stats();
+    check(refit_executor_run(live(), group.get(), &s));
+    return s;
+  }
+  /// refit_executor_commit: installs a staged step (REFIT_COMMIT_STAGED).
+  refit_run_stats commit(Group &group) {
+    refit_run_stats s = empty_stats();
+    check(refit_executor_commit(live(), group.get(), &s));
+    return s;
+  }
+  /// refit_executor_stats: the last run's or commit's stats with device times (blocks until it ran).
+  refit_run_stats stats() {
+    refit_run_stats s = empty_stats();
+    check(refit_executor_stats(live(), &s));
+    return s;
+  }
+  /// refit_executor_rebind: the caller's [old_base, old_base + length) on `device` now lives at new_base.
+  void rebind(uint32_t device, uint64_t old_base, uint64_t new_base, uint64_t length) {
+    check(refit_executor_rebind(live(), device, old_base, new_base, length));
+  }
+
+  refit_executor *get() const noexcept { return handle_.get(); }
+
+ private:
+  using Handle = detail::Owned<refit_executor, refit_executor_destroy>;
+  refit_executor *live() const { return handle_.live("executor"); }
+  static refit_run_stats empty_stats() noexcept {
+    refit_run_stats s{};
+    s.size = sizeof(s);
+    return s;
+  }
   Handle handle_;
 };
 
