@@ -264,12 +264,24 @@ impl Remote {
         let host_comm_for_devices = comm.kind() == BackendKind::Host && backend.kind() == BackendKind::Cuda;
         let cannot_stage = host_comm_for_devices && !(staged_sends.is_empty() && staged_recvs.is_empty());
         let uses_ipc = !ipc_with.is_empty();
-        let flags = comm.allgather_bytes(&[u8::from(uses_ipc), u8::from(cannot_stage)])?;
-        if let Some(rank) = flags.iter().position(|f| f.get(1) == Some(&1)) {
+        let mut flags = vec![u8::from(uses_ipc), u8::from(cannot_stage)];
+        if cannot_stage {
+            flags
+                .extend_from_slice(staging_reasons(process, &staged_sends, &staged_recvs, &peers).as_bytes());
+        }
+        let flags = comm.allgather_bytes(&flags)?;
+        let stuck: Vec<String> = flags
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.get(1) == Some(&1))
+            .map(|(rank, f)| format!("process {rank}: {}", String::from_utf8_lossy(&f[2..])))
+            .collect();
+        if !stuck.is_empty() {
             bail!(
                 Status::Unsupported,
-                "process {rank} has bytes for another process that cannot go through CUDA IPC, and a \
-                 host-backend communicator cannot carry device memory: use an NCCL communicator"
+                "bytes between processes that cannot go through CUDA IPC, and a host-backend communicator \
+                 cannot carry device memory (use an NCCL communicator): {}",
+                stuck.join("; ")
             );
         }
         let handshake = flags.iter().any(|f| f.first() == Some(&1));
@@ -364,6 +376,24 @@ impl Remote {
     }
 }
 
+/// Why each pair of `staged_sends` and `staged_recvs` is not IPC, for the error that a host-backend
+/// communicator cannot stage device memory.
+fn staging_reasons(process: u32, sends: &[Flow], recvs: &[Flow], peers: &ipc::Peers) -> String {
+    let sends = sends.iter().map(|f| {
+        let why = peers.not_opened.get(&f.peer).map_or("not opened", String::as_str);
+        format!("to process {} ({} bytes): {why}", f.peer, bytes(&f.segments))
+    });
+    let recvs = recvs.iter().map(|f| {
+        format!(
+            "from process {} ({} bytes): it did not open process {process}'s memory (its reason is \
+             listed under it)",
+            f.peer,
+            bytes(&f.segments)
+        )
+    });
+    sends.chain(recvs).collect::<Vec<_>>().join(", ")
+}
+
 /// Bytes from a segment's first destination byte to one past its last.
 fn ipc_footprint(s: &Segment) -> u64 {
     let last0 = (s.count[0] - 1).saturating_mul(s.dst_stride[0]);
@@ -393,5 +423,23 @@ mod tests {
         landed_bytes.sort_unstable();
         assert_eq!(landed_bytes, ((1 << 20)..(1 << 20) + 17).collect::<Vec<u64>>());
         assert_eq!(ipc_footprint(&s), 7 + 30 + 3);
+    }
+
+    #[test]
+    fn each_pair_that_is_not_ipc_says_why() {
+        let peers = ipc::Peers {
+            opened: Default::default(),
+            writers: Default::default(),
+            not_opened: [(2, "rank 2's memory cannot be opened by rank 0: cuIpcOpenMemHandle failed".into())]
+                .into(),
+        };
+        let flow = |peer| Flow { peer, segments: vec![Segment::contiguous(0, 4096, 100)] };
+        let reasons = staging_reasons(0, &[flow(2), flow(3)], &[flow(1)], &peers);
+        assert_eq!(
+            reasons,
+            "to process 2 (100 bytes): rank 2's memory cannot be opened by rank 0: cuIpcOpenMemHandle failed, \
+             to process 3 (100 bytes): not opened, from process 1 (100 bytes): it did not open process 0's \
+             memory (its reason is listed under it)"
+        );
     }
 }

@@ -31,7 +31,7 @@ use crate::segment::check::validate;
 use crate::segment::Segment;
 use crate::sync::lock;
 use cudarc::driver::sys::{self, CUresult};
-use std::collections::{HashMap, HashSet};
+use std::collections::{BTreeMap, HashMap, HashSet};
 use std::os::fd::{AsRawFd, IntoRawFd, OwnedFd};
 use std::sync::{Arc, Mutex};
 
@@ -829,6 +829,9 @@ pub struct Peers {
     pub opened: HashMap<usize, Arc<Opened>>,
     /// The ranks that write into this rank's memory through IPC.
     pub writers: HashSet<usize>,
+    /// Why each owner this rank writes into is not in `opened` (it takes staging): another machine,
+    /// IPC off, the owner's memory could not be shared (the owner's error), or not opened here.
+    pub not_opened: BTreeMap<usize, String>,
 }
 
 /// Sets up IPC between the ranks of `comm` (a collective call: every rank makes it): each rank shares
@@ -837,8 +840,8 @@ pub struct Peers {
 /// of `owners` (the ranks it writes into) that are on this machine. Then every rank learns which
 /// pairs succeeded: a pair uses IPC only when the writer opened the owner's shares. Pairs on two
 /// machines are left to staging; a pair on one machine that could not (memory that cannot be shared
-/// or opened) is too, and the first such fallback is logged once as a warning with the reason. The
-/// two lists must agree across ranks (w writes into o on w's `owners` exactly when on o's `writers`).
+/// or opened) is too, and the first time a rank falls back it logs a warning with every such pair's
+/// reason; [`Peers::not_opened`] says why for each owner not opened. The two lists must agree across ranks (w writes into o on w's `owners` exactly when on o's `writers`).
 ///
 /// Errors: the communicator's (TIMEOUT, ABORTED), DECODE_ERROR (a peer's bytes), CUDA_ERROR.
 pub fn connect(
@@ -868,39 +871,58 @@ pub fn connect(
         Ok(exported) => (exported, None),
         Err(err) => (Exported { shares: Vec::new(), fds: Vec::new() }, Some(err)),
     };
+    // A rank that could not share sends its reason instead of shares, for its writers' messages.
     let mut record = vec![u8::from(why_not.is_none())];
-    record.extend_from_slice(&encode(&shares.shares));
+    match &why_not {
+        None => record.extend_from_slice(&encode(&shares.shares)),
+        Some(err) => record.extend_from_slice(err.message.as_bytes()),
+    }
     let all = comm.allgather_bytes(&record)?;
     let timeout = comm.options().timeout;
     for &writer in &local_writers {
         node.send_fds(writer, &raw_fds(&shares), timeout)?;
     }
     let mut opened = HashMap::new();
+    let mut not_opened = BTreeMap::new();
+    // Pairs on one machine that fall back (the warning's reasons), as opposed to pairs across
+    // machines, for which staging is the way.
     let mut failures = Vec::new();
     for &owner in owners.iter().filter(|&&o| o != comm.rank()) {
         if !node.holds(owner) {
-            continue; // another machine: staging is the way, not a fallback
+            not_opened.insert(owner, format!("rank {owner} is on another machine"));
+            continue;
         }
         let fds = node.recv_fds(owner, timeout)?;
         let record = &all[owner];
         if !enabled {
-            continue;
-        }
-        if record.first() != Some(&1) {
-            failures.push(format!("rank {owner} could not share its memory"));
+            not_opened.insert(owner, "CUDA IPC is disabled by the communicator's options".to_string());
             continue;
         }
         // Any failure here is this pair's fallback, never an early return: the others are about to
         // meet in the verdicts' allgather below.
-        match decode(&record[1..]).and_then(|shares| Opened::open(device, &shares, fds)) {
+        let result = match record.split_first() {
+            Some((1, shares)) => {
+                decode(shares).and_then(|shares| Opened::open(device, &shares, fds)).map_err(|err| {
+                    format!("rank {owner}'s memory cannot be opened by rank {}: {}", comm.rank(), err.message)
+                })
+            }
+            _ => Err(format!(
+                "rank {owner} could not share its memory: {}",
+                String::from_utf8_lossy(record.get(1..).unwrap_or_default())
+            )),
+        };
+        match result {
             Ok(o) => {
                 opened.insert(owner, Arc::new(o));
             }
-            Err(err) => failures.push(format!("rank {owner}'s memory cannot be opened: {}", err.message)),
+            Err(reason) => {
+                failures.push(reason.clone());
+                not_opened.insert(owner, reason);
+            }
         }
     }
     if let Some(err) = why_not.filter(|_| enabled && !local_writers.is_empty()) {
-        failures.push(format!("this rank's memory cannot be shared: {}", err.message));
+        failures.push(format!("rank {}'s memory cannot be shared: {}", comm.rank(), err.message));
     }
     // Every rank learns which of its writers opened its memory.
     let mut opened_owners: Vec<u8> = Vec::new();
@@ -919,15 +941,16 @@ pub fn connect(
     }
     if !enabled {
         log::info!("rank {}: CUDA IPC is off (communicator options): every pair takes staging", comm.rank());
-    } else if let Some(first) = failures.first() {
+    } else if !failures.is_empty() {
         warn_once(&format!(
-            "rank {}: {} of its pairs of processes take NCCL (staging) instead of CUDA IPC; first reason: \
-             {first}",
+            "rank {}: {} of its pairs of processes on this machine take NCCL (staging) instead of CUDA \
+             IPC: {}",
             comm.rank(),
-            failures.len()
+            failures.len(),
+            failures.join("; ")
         ));
     }
-    Ok(Peers { opened, writers: ipc_writers })
+    Ok(Peers { opened, writers: ipc_writers, not_opened })
 }
 
 /// Logs `message` as a warning the first time this process falls back from IPC.

@@ -28,20 +28,30 @@ pub enum End {
 pub fn in_processes(test: &str, kind: BackendKind, ends: &[End], body: fn(usize, usize, &CommId)) {
     if let (Ok(rank), Ok(size), Ok(id)) = (std::env::var(RANK), std::env::var(SIZE), std::env::var(ID)) {
         let id = CommId(decode_hex(&id).try_into().expect("an id's bytes"));
+        // The library's warnings (an IPC fallback and its reasons) go to stderr, which the parent
+        // prints when this process did not end as expected.
+        refit::logging::init();
         body(rank.parse().unwrap(), size.parse().unwrap(), &id);
         println!("rank {rank} done");
         return;
     }
     let id = Communicator::unique_id(kind).unwrap();
+    // Output goes to files, not pipes: a child writing more than a pipe holds would block while
+    // the parent waits for an earlier child to exit.
+    let logs = |rank: usize| {
+        let base = std::env::temp_dir().join(format!("refit-{test}-{}-{rank}", std::process::id()));
+        (base.with_extension("out"), base.with_extension("err"))
+    };
     let children: Vec<_> = (0..ends.len())
         .map(|rank| {
+            let (out, err) = logs(rank);
             Command::new(std::env::current_exe().unwrap())
                 .args([test, "--exact", "--include-ignored", "--nocapture", "--test-threads=1"])
                 .env(RANK, rank.to_string())
                 .env(SIZE, ends.len().to_string())
                 .env(ID, encode_hex(&id.0))
-                .stdout(Stdio::piped())
-                .stderr(Stdio::piped())
+                .stdout(Stdio::from(std::fs::File::create(out).unwrap()))
+                .stderr(Stdio::from(std::fs::File::create(err).unwrap()))
                 .spawn()
                 .unwrap()
         })
@@ -55,16 +65,18 @@ pub fn in_processes(test: &str, kind: BackendKind, ends: &[End], body: fn(usize,
             }
             std::thread::sleep(Duration::from_millis(10));
         }
-        let output = child.wait_with_output().unwrap();
-        let text = format!(
-            "rank {rank} of {test}: {}\n{}\n{}",
-            output.status,
-            String::from_utf8_lossy(&output.stdout),
-            String::from_utf8_lossy(&output.stderr)
-        );
+        let status = child.wait().unwrap();
+        let (out, err) = logs(rank);
+        let read = |path: &std::path::Path| {
+            let text = String::from_utf8_lossy(&std::fs::read(path).unwrap_or_default()).into_owned();
+            let _ = std::fs::remove_file(path);
+            text
+        };
+        let (stdout, stderr) = (read(&out), read(&err));
+        let text = format!("rank {rank} of {test}: {status}\n--- stdout\n{stdout}\n--- stderr\n{stderr}");
         let ended_as_expected = match ends[rank] {
-            End::Done => output.status.success() && text.contains(&format!("rank {rank} done")),
-            End::Killed => signal(output.status) == Some(libc::SIGKILL),
+            End::Done => status.success() && stdout.contains(&format!("rank {rank} done")),
+            End::Killed => signal(status) == Some(libc::SIGKILL),
         };
         if !ended_as_expected {
             failures.push(text);
