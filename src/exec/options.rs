@@ -22,7 +22,7 @@ pub enum Arm {
 
 impl Arm {
     /// Average run size from which AUTO prefers the copy engine. At 16 MiB a copy-engine peer copy
-    /// moves what the kernel's push does (CEILINGS.md: 362 against 356 GB/s), and a run takes longer
+    /// moves what the kernel's push does (shared/CEILINGS.md, peer copy by size), and a run takes longer
     /// on the device than issuing the next one takes on the host.
     pub const COPY_ENGINE_MIN_RUN: u64 = 16 << 20;
 }
