@@ -43,4 +43,14 @@ static int check_passed = 0;
     return 0;                                                                               \
   } while (0)
 
+/* A host-backend group over `devices` (the simulated devices every CPU test runs on). */
+static inline refit_group *check_host_group(const int32_t *devices, size_t n) {
+  refit_group_options options;
+  CHECK_OK(refit_group_options_init(&options));
+  options.backend = REFIT_BACKEND_HOST;
+  refit_group *group = NULL;
+  CHECK_OK(refit_group_create(devices, n, &options, &group));
+  return group;
+}
+
 #endif

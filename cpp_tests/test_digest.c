@@ -21,12 +21,8 @@ static uint64_t reference(const uint8_t *bytes, uint64_t len) {
 }
 
 int main(void) {
-  refit_group_options options;
-  CHECK_OK(refit_group_options_init(&options));
-  options.backend = REFIT_BACKEND_HOST;
   const int32_t devices[2] = {0, 1};
-  refit_group *group = NULL;
-  CHECK_OK(refit_group_create(devices, 2, &options, &group));
+  refit_group *group = check_host_group(devices, 2);
   void *stream = NULL;
   CHECK_OK(refit_group_stream(group, 1, &stream));
 

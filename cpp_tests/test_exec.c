@@ -83,12 +83,8 @@ static refit_executor *make(const refit_plan *plan, const refit_group *group, ui
 }
 
 int main(void) {
-  refit_group_options group_options;
-  CHECK_OK(refit_group_options_init(&group_options));
-  group_options.backend = REFIT_BACKEND_HOST;
   const int32_t devices[2] = {0, 1};
-  refit_group *group = NULL;
-  CHECK_OK(refit_group_create(devices, 2, &group_options, &group));
+  refit_group *group = check_host_group(devices, 2);
   refit_plan *plan = plan_into(half, whole_t, 0, true);
 
   refit_executor_options defaults;
@@ -234,9 +230,8 @@ int main(void) {
   CHECK(executor == (refit_executor *)0x1); /* outputs are written only on success */
 
   /* A plan whose devices the group lacks; a route from another process. */
-  refit_group *one = NULL;
   const int32_t device0[1] = {0};
-  CHECK_OK(refit_group_create(device0, 1, &group_options, &one));
+  refit_group *one = check_host_group(device0, 1);
   CHECK_STATUS(refit_executor_create(plan, one, 0, NULL, &executor), REFIT_STATUS_NOT_FOUND);
   CHECK(strstr(refit_last_error_message(), "device 1") != NULL);
   refit_table *remote = NULL;
