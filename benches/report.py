@@ -541,6 +541,32 @@ def sm_push_probe(d):
     return out
 
 
+def overlap_probe(d):
+    out = heading(
+        "overlap_probe",
+        "Probe: a copy beside a bf16 GEMM on the same GPU, by launch shape",
+        f"the GEMM alone, {num(d['gemm_alone_ms'], 3)} ms per 8192^3 call",
+    )
+    regs = ", ".join(f"{k} {v}" for k, v in d["refit_registers"].items())
+    out += [f"Registers per thread of refit's kernels when the probe ran: {regs}.", ""]
+    out += table(
+        ["kernel", "blocks", "threads", "shared memory", "GB/s of payload alone", "beside the GEMM", "GEMM slowdown"],
+        [
+            [
+                r["kind"],
+                r["blocks"],
+                r["threads"],
+                size(r["smem"]) if r["smem"] else "0",
+                num(r.get("alone_gbps")) if r["kind"] == "copy" else "-",
+                num(r.get("beside_gbps")) if r["kind"] == "copy" else "-",
+                f"{100 * r['gemm_slowdown']:.1f}%",
+            ]
+            for r in d["rows"]
+        ],
+    )
+    return out
+
+
 def generic(stem, d):
     """A results file without a section of its own: every list of records in it, as it is."""
     out = heading(stem, stem, "not named (this file has no section in benches/report.py)")
@@ -583,6 +609,7 @@ SECTIONS = [
     ("cross_gpu_sync_probe", cross_gpu_sync_probe),
     ("ce_lanes_probe", ce_lanes_probe),
     ("sm_push_probe", sm_push_probe),
+    ("overlap_probe", overlap_probe),
     ("launch_cost_probe", launch_cost_probe),
     ("leader_launch_probe", leader_launch_probe),
 ]

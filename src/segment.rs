@@ -46,6 +46,31 @@ impl Segment {
         }
     }
 
+    /// Each repetition of the outer level as a segment of its own (count `[count[0], 1]`), in order.
+    pub fn rows(&self) -> impl Iterator<Item = Segment> + '_ {
+        (0..self.count[1]).map(move |j| Segment {
+            src: self.src + j * self.src_stride[1],
+            dst: self.dst + j * self.dst_stride[1],
+            count: [self.count[0], 1],
+            ..*self
+        })
+    }
+
+    /// The destination bytes as contiguous spans `(address, length)`, in order: one per row where
+    /// its runs abut, else one per run. Spans may touch or overlap each other.
+    pub fn for_each_destination_span(&self, mut f: impl FnMut(u64, u64)) {
+        if self.runs() == 0 {
+            return;
+        }
+        if self.count[0] == 1 || self.dst_stride[0] == self.len {
+            for j in 0..self.count[1] {
+                f(self.dst + j * self.dst_stride[1], self.len * self.count[0]);
+            }
+        } else {
+            self.for_each_run(|_, dst, len| f(dst, len));
+        }
+    }
+
     /// Every contiguous run as (src, dst, len), inner level fastest. For tests and the host backend.
     pub fn for_each_run(&self, mut f: impl FnMut(u64, u64, u64)) {
         if self.len == 0 {
@@ -58,5 +83,41 @@ impl Segment {
                 f(src, dst, self.len);
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn destination_bytes(segments: impl IntoIterator<Item = Segment>) -> Vec<u64> {
+        let mut bytes = Vec::new();
+        for s in segments {
+            s.for_each_run(|_, dst, len| bytes.extend(dst..dst + len));
+        }
+        bytes
+    }
+
+    #[test]
+    fn rows_and_spans_cover_exactly_the_runs() {
+        let strided =
+            Segment { src: 7, dst: 1000, len: 3, count: [4, 3], src_stride: [3, 12], dst_stride: [5, 100] };
+        let abutting = Segment { dst_stride: [3, 100], ..strided };
+        for s in [strided, abutting, Segment::contiguous(1, 50, 9)] {
+            let rows: Vec<Segment> = s.rows().collect();
+            assert_eq!(rows.len() as u64, s.count[1]);
+            assert_eq!(destination_bytes(rows.iter().copied()), destination_bytes([s]));
+            assert!(rows.iter().all(|r| r.count[1] == 1 && r.bytes() == Some(s.len * s.count[0])));
+            let mut spans = Vec::new();
+            s.for_each_destination_span(|addr, len| spans.extend(addr..addr + len));
+            assert_eq!(spans, destination_bytes([s]));
+        }
+        let mut spans = 0;
+        abutting.for_each_destination_span(|_, len| {
+            assert_eq!(len, 12);
+            spans += 1;
+        });
+        assert_eq!(spans, 3, "abutting runs make one span per row");
+        Segment { len: 0, ..strided }.for_each_destination_span(|_, _| panic!("no bytes, no spans"));
     }
 }

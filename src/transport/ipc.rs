@@ -184,11 +184,19 @@ pub fn export(device: i32, ranges: &[(u64, u64)]) -> Result<Exported> {
     let _current = unsafe { CurrentContext::enter(context) }?;
     let mut exported = Exported { shares: Vec::new(), fds: Vec::new() };
     let mut seen = HashSet::new();
+    // The ranges ascend, so the allocation found last answers for every range it holds: one driver
+    // query per allocation, not per range.
+    let mut last = (0u64, 0u64);
     for (addr, len) in merged(ranges)? {
         let end = addr + len;
         let mut at = addr;
         while at < end {
+            if at >= last.0 && at - last.0 < last.1 {
+                at = last.0 + last.1;
+                continue;
+            }
             let (base, size) = allocation_range(at)?;
+            last = (base, size);
             if seen.insert(base) {
                 if legacy_capable(at)? {
                     exported.shares.push(Share::Legacy { base, size, handle: legacy_handle(base)? });
@@ -376,31 +384,86 @@ impl Opened {
         Ok(Segment { dst: self.translate(segment.dst, span)?, ..*segment })
     }
 
+    /// `segments` cut where their destinations cross from one share into another, each piece with
+    /// the index of the segment it came from. The owner's buffers may be separate allocations that
+    /// happen to lie side by side or at a regular distance, which a planner merges into one run or
+    /// one strided segment, while the peer maps each allocation wherever its driver puts it: such a
+    /// segment is cut into its rows, a row that still crosses into its runs, and a run where a share
+    /// ends. Errors: NOT_FOUND (a byte in no share).
+    fn fitted(&self, segments: &[Segment]) -> Result<(Vec<Segment>, Vec<usize>)> {
+        let (mut pieces, mut origins) =
+            (Vec::with_capacity(segments.len()), Vec::with_capacity(segments.len()));
+        let fits = |s: &Segment| footprint(s, true).is_ok_and(|span| self.translate(s.dst, span).is_ok());
+        for (index, s) in segments.iter().enumerate() {
+            if fits(s) {
+                pieces.push(*s);
+            } else {
+                for row in s.rows() {
+                    if fits(&row) {
+                        pieces.push(row);
+                        continue;
+                    }
+                    let mut runs = Vec::new();
+                    row.for_each_run(|src, dst, len| runs.push((src, dst, len)));
+                    for (src, dst, len) in runs {
+                        self.cut_run(src, dst, len, &mut pieces)?;
+                    }
+                }
+            }
+            origins.resize(pieces.len(), index);
+        }
+        Ok((pieces, origins))
+    }
+
+    /// The run of `len` bytes from `src` to the owner's `dst`, as contiguous pieces that each lie in
+    /// one share.
+    fn cut_run(&self, mut src: u64, mut dst: u64, mut len: u64, pieces: &mut Vec<Segment>) -> Result<()> {
+        while len > 0 {
+            let i = self.mappings.partition_point(|m| m.remote <= dst);
+            let Some(m) = i.checked_sub(1).map(|i| &self.mappings[i]).filter(|m| dst - m.remote < m.size)
+            else {
+                bail!(
+                    Status::NotFound,
+                    "the peer shared no range holding the byte at {dst:#x} (a route writes there)"
+                );
+            };
+            let piece = len.min(m.remote + m.size - dst);
+            pieces.push(Segment::contiguous(src, dst, piece));
+            (src, dst, len) = (src + piece, dst + piece, len - piece);
+        }
+        Ok(())
+    }
+
     /// A batch writing `segments` (sources in this process, destinations in the owner's address
     /// space), launched on streams of this process's device (host backend: host streams). With
     /// `recording`, its launches also record digests of the sources they read, so that
     /// [`PreparedCopy::verify_destinations`] checks the destinations (through the opened memory)
-    /// without reading the sources again; on the host backend that check compares both sides.
+    /// without reading the sources again; on the host backend that check compares both sides. A
+    /// segment that crosses shares is cut ([`Opened::fitted`]); the check's outcome still names the
+    /// index in `segments`.
     pub fn prepare_writes(
         self: &Arc<Self>,
         segments: &[Segment],
         recording: bool,
     ) -> Result<Box<dyn PreparedCopy>> {
         validate(segments)?;
+        let (pieces, origins) = self.fitted(segments)?;
+        let origins: Arc<[usize]> = origins.into();
         if let Some(pid) = self.host_pid() {
-            for s in segments {
-                self.translate(s.dst, footprint(s, true)?)?;
-            }
-            return Ok(Box::new(HostWrites { opened: Arc::clone(self), pid, segments: segments.into() }));
+            return Ok(Box::new(HostWrites {
+                opened: Arc::clone(self),
+                pid,
+                segments: pieces.into(),
+                origins,
+            }));
         }
-        let translated =
-            segments.iter().map(|s| self.translate_destination(s)).collect::<Result<Vec<_>>>()?;
+        let translated = pieces.iter().map(|s| self.translate_destination(s)).collect::<Result<Vec<_>>>()?;
         let batch = if recording {
             crate::kernels::PreparedBatch::recording_digests(self.device, &translated, false)?
         } else {
             crate::kernels::PreparedBatch::new(self.device, &translated, false)?
         };
-        Ok(Box::new(DeviceWrites { _opened: Arc::clone(self), batch }))
+        Ok(Box::new(DeviceWrites { _opened: Arc::clone(self), batch, origins }))
     }
 
     fn host_pid(&self) -> Option<u32> {
@@ -565,6 +628,8 @@ impl Drop for Opened {
 struct DeviceWrites {
     _opened: Arc<Opened>,
     batch: crate::kernels::PreparedBatch,
+    /// For each segment of the batch, the index of the caller's segment it is a piece of.
+    origins: Arc<[usize]>,
 }
 
 impl PreparedCopy for DeviceWrites {
@@ -576,6 +641,7 @@ impl PreparedCopy for DeviceWrites {
         Ok(Box::new(DeviceCheck {
             _opened: Arc::clone(&self._opened),
             check: VerifyBatch::check(&self.batch)?,
+            origins: Arc::clone(&self.origins),
         }))
     }
 }
@@ -584,6 +650,7 @@ impl PreparedCopy for DeviceWrites {
 struct DeviceCheck {
     _opened: Arc<Opened>,
     check: VerifyBatch,
+    origins: Arc<[usize]>,
 }
 
 impl PreparedCheck for DeviceCheck {
@@ -592,7 +659,7 @@ impl PreparedCheck for DeviceCheck {
     }
 
     fn outcome(&self) -> Result<Option<usize>> {
-        self.check.outcome()
+        Ok(self.check.outcome()?.map(|piece| self.origins[piece]))
     }
 }
 
@@ -601,6 +668,7 @@ struct HostWrites {
     opened: Arc<Opened>,
     pid: u32,
     segments: Arc<[Segment]>,
+    origins: Arc<[usize]>,
 }
 
 impl PreparedCopy for HostWrites {
@@ -622,6 +690,7 @@ impl PreparedCopy for HostWrites {
             opened: Arc::clone(&self.opened),
             pid: self.pid,
             segments: Arc::clone(&self.segments),
+            origins: Arc::clone(&self.origins),
             outcome: Arc::new(Mutex::new(None)),
         }))
     }
@@ -633,6 +702,7 @@ struct HostWritesCheck {
     opened: Arc<Opened>,
     pid: u32,
     segments: Arc<[Segment]>,
+    origins: Arc<[usize]>,
     /// The last launch's outcome: Ok(first differing segment), taken by `outcome`.
     outcome: Arc<Mutex<Option<Result<Option<usize>>>>>,
 }
@@ -651,9 +721,10 @@ impl PreparedCheck for HostWritesCheck {
     }
 
     fn outcome(&self) -> Result<Option<usize>> {
-        lock(&self.outcome)
+        let found = lock(&self.outcome)
             .take()
-            .unwrap_or_else(|| Err(Error::invalid_state("no verify launch has completed")))
+            .unwrap_or_else(|| Err(Error::invalid_state("no verify launch has completed")))?;
+        Ok(found.map(|piece| self.origins[piece]))
     }
 }
 
@@ -990,6 +1061,48 @@ mod tests {
         let m = merged(&[(100, 10), (0, 0), (105, 20), (125, 5), (200, 1)]).unwrap();
         assert_eq!(m, vec![(100, 30), (200, 1)]);
         assert_eq!(merged(&[(u64::MAX, 2)]).unwrap_err().status, Status::InvalidArgument);
+    }
+
+    #[test]
+    fn segments_crossing_shares_are_cut_at_rows_then_runs() {
+        let opened = Opened {
+            device: 0,
+            context: 0,
+            mappings: vec![
+                Mapping { remote: 1000, size: 100, local: 5000, kind: MappingKind::Host { pid: 1 } },
+                Mapping { remote: 1200, size: 100, local: 9000, kind: MappingKind::Host { pid: 1 } },
+            ],
+        };
+        // A segment whose two rows lie in two shares is cut into its rows.
+        let rows =
+            Segment { src: 1, dst: 1000, len: 4, count: [2, 2], src_stride: [4, 8], dst_stride: [10, 200] };
+        let fits = Segment::contiguous(2, 1010, 20);
+        let (pieces, origins) = opened.fitted(&[fits, rows]).unwrap();
+        assert_eq!(pieces, [fits, rows.rows().next().unwrap(), rows.rows().nth(1).unwrap()]);
+        assert_eq!(origins, [0, 1, 1]);
+        // A row whose runs lie in two shares is cut into its runs.
+        let across =
+            Segment { src: 1, dst: 1090, len: 4, count: [2, 1], src_stride: [4, 0], dst_stride: [110, 0] };
+        let (pieces, origins) = opened.fitted(&[across]).unwrap();
+        assert_eq!(pieces, [Segment::contiguous(1, 1090, 4), Segment::contiguous(5, 1200, 4)]);
+        assert_eq!(origins, [0, 0]);
+        // A byte in no share is refused.
+        let outside = Segment { dst_stride: [300, 0], ..across };
+        assert_eq!(opened.fitted(&[outside]).unwrap_err().status, Status::NotFound);
+        // A run over two shares that touch is cut where the first ends; over a gap, refused.
+        let touching = Opened {
+            device: 0,
+            context: 0,
+            mappings: vec![
+                Mapping { remote: 1000, size: 100, local: 5000, kind: MappingKind::Host { pid: 1 } },
+                Mapping { remote: 1100, size: 100, local: 9000, kind: MappingKind::Host { pid: 1 } },
+            ],
+        };
+        let (pieces, origins) = touching.fitted(&[Segment::contiguous(7, 1050, 120)]).unwrap();
+        assert_eq!(pieces, [Segment::contiguous(7, 1050, 50), Segment::contiguous(57, 1100, 70)]);
+        assert_eq!(origins, [0, 0]);
+        let over_gap = Segment::contiguous(7, 1050, 151);
+        assert_eq!(touching.fitted(&[over_gap]).unwrap_err().status, Status::NotFound);
     }
 
     #[test]

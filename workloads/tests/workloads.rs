@@ -801,6 +801,34 @@ fn check_needs_names_the_first_wrong_element() {
 }
 
 #[test]
+fn boxes_larger_than_a_piece_of_work_fill_and_check_on_every_core() {
+    // A vocabulary of 70,000 rows of 48 elements: the embedding and output boxes (3.4M elements,
+    // TP-split in two) are cut into several pieces of work, each filled and checked on its own thread;
+    // the walk in this file checks the result element by element.
+    let model = Model { vocab: 70_000, hidden: 48, heads: 8, head_dim: 6, ..tiny_dense() };
+    let spec = tiny_spec(model, 2, 2, 1, 1);
+    refit_on_host(&spec, &refit::plan::PlanOptions::default());
+    // A wrong element in the last piece of the largest box is the one named.
+    let w = Workload::generate(&spec).unwrap();
+    let mut memory: Vec<Vec<u8>> = w.buffers.iter().map(|b| vec![0; b.bytes as usize]).collect();
+    for n in &w.needs {
+        let buffer = &mut memory[n.buffer as usize];
+        for_each_element(&w, n, |i, g| {
+            buffer[2 * i..2 * i + 2]
+                .copy_from_slice(&(refit_workloads::element_value(n.tensor, g) as u16).to_le_bytes())
+        });
+    }
+    let largest = w.needs.iter().max_by_key(|n| volume(&n.region)).unwrap();
+    assert!(volume(&largest.region) > 3 << 20, "the largest box spans several pieces");
+    let at = (largest.offset + 2 * volume(&largest.region) - 2) as usize;
+    memory[largest.buffer as usize][at] ^= 1;
+    let views: Vec<&[u8]> = memory.iter().map(|m| m.as_slice()).collect();
+    let err = w.check_needs(&views).unwrap_err();
+    let buffer = &w.buffers[largest.buffer as usize].name;
+    assert!(err.starts_with(&format!("{buffer} byte {at}: element ")), "{err}");
+}
+
+#[test]
 fn refits_on_host_install_every_element() {
     use refit::plan::{OwnerPolicy, PlanOptions};
     let colocated = |model: Model, layout: Packing| {
