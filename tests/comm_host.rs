@@ -12,7 +12,7 @@ mod processes;
 use processes::{in_processes, End};
 use refit::across::build_plan;
 use refit::allgather::comm::allgather;
-use refit::exec::{CommitMode, ExecOptions, Executor};
+use refit::exec::{CommitMode, ExecOptions, Executor, Stage};
 use refit::group::{BackendChoice, Group, GroupOptions};
 use refit::plan::{
     self, Endpoint, Need, Offer, OwnerPolicy, PlanOptions, Region, RouteKind, Table, TensorSpec,
@@ -772,6 +772,54 @@ fn an_executor_across_processes_through_staging_is_byte_exact() {
         &[End::Done; 3],
         |rank, size, id| executor_refit(rank, size, id, false),
     );
+}
+
+/// Through staging with verify: the first byte rank 0 receives from another process, changed after
+/// it landed and before the check (a one-shot hook), fails rank 0's run with VERIFY_MISMATCH naming
+/// the sender; the other ranks' runs succeed, and the next run, unchanged, verifies clean everywhere.
+fn corrupted_through_staging(rank: usize, size: usize, id: &CommId) {
+    use std::sync::atomic::{AtomicBool, Ordering};
+    let (group, comm) = executor_setup(rank, size, id, false);
+    let mut p = process_of(rank as u32);
+    let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
+    let received = share.routes().iter().find(|r| r.dst.process == 0 && r.src.process != 0);
+    let (sender, address) = received.map_or((0, 0), |r| (r.src.process, r.segments[0].dst));
+    let fired = Arc::new(AtomicBool::new(rank != 0));
+    let hook: refit::exec::Hook = Arc::new(move |stage, group: &Group| {
+        if stage == (Stage::Verify { slice: 0 }) && !fired.swap(true, Ordering::SeqCst) {
+            let stream = refit::transport::host::host_stream(group.stream(0)?)?;
+            // SAFETY: a byte of this process's receiving buffer, alive for the whole test.
+            stream.enqueue(move || unsafe { *(address as usize as *mut u8) ^= 0x20 })?;
+        }
+        Ok(())
+    });
+    let options = ExecOptions { verify: true, hook: Some(hook), ..ExecOptions::default() };
+    let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
+    for step in 0..2 {
+        poison_needs(&mut p);
+        comm.allgather_bytes(b"poisoned").unwrap();
+        // SAFETY: every buffer of the plan lives until the run (outside a scope) returns.
+        let ran = unsafe { executor.run(&group) };
+        comm.allgather_bytes(b"ran").unwrap();
+        if rank == 0 && step == 0 {
+            assert_ne!(address, 0, "rank 0 receives bytes from another process");
+            let err = ran.unwrap_err();
+            assert_eq!(err.status, Status::VerifyMismatch, "{}", err.message);
+            let from = format!("received from process {sender}");
+            assert!(err.message.contains(&from) && err.message.contains("staging"), "{}", err.message);
+        } else {
+            let stats = ran.unwrap_or_else(|e| panic!("rank {rank} step {step}: {e}"));
+            assert!(stats.verified, "rank {rank}");
+            assert_eq!(stats.remote_ipc_bytes, 0, "rank {rank}: IPC is off");
+            check_received(&p, rank, "verified through staging");
+        }
+    }
+}
+
+#[test]
+fn a_byte_changed_after_staging_fails_the_receivers_verify() {
+    let test = "a_byte_changed_after_staging_fails_the_receivers_verify";
+    on_host(test, &[End::Done; 3], corrupted_through_staging);
 }
 
 /// A process killed after the executors were made: the others' runs fail within the timeout, their

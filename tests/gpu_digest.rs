@@ -1,7 +1,8 @@
 //! The digest and verify kernels on a real GPU (run on the GPU machine with `--ignored
 //! --test-threads=1`): digests of device memory equal `gf64::digest` of the same bytes read back, at
 //! many lengths and alignments up to 256 MiB; `Backend::digest` through a CUDA group; verify by
-//! compare and by check against a recording copy's digests finds one corrupted device byte in its
+//! compare, by check against a recording copy's digests, and by check against digests recorded from
+//! the sources alone (those that travel between processes) finds one corrupted device byte in its
 //! segment, and nothing in a correct copy.
 
 #[path = "common/cuda.rs"]
@@ -115,6 +116,20 @@ fn verify_case(seed: u64, shape: Shape) {
     }
     assert_eq!(ok("outcome", check_verify.outcome()), None, "seed {seed}: false alarm (check)");
     assert_eq!(ok("outcome", compare_verify.outcome()), None, "seed {seed}: false alarm (compare)");
+    // The digests that travel between processes: taken from the sources alone, checked against the
+    // destinations alone (as a receiver does with a sender's digests).
+    let record = ok("prepare record", group.backend().prepare_digest_record(0, &segments));
+    let travelled = ok("prepare digest check", group.backend().prepare_digest_check(0, &segments));
+    ok("record", unsafe { record.launch(stream) });
+    sync();
+    let digests = ok("digests", record.digests());
+    assert!(!digests.is_empty(), "seed {seed}: one digest per tile");
+    let short = travelled.expect(&digests[1..]).unwrap_err();
+    assert_eq!(short.status, refit::Status::InvalidArgument, "seed {seed}: {}", short.message);
+    ok("expect", travelled.expect(&digests));
+    ok("digest check", unsafe { travelled.launch(stream) });
+    sync();
+    assert_eq!(ok("outcome", travelled.outcome()), None, "seed {seed}: false alarm (travelled digests)");
 
     // One corrupted destination byte, in a segment chosen at random.
     let nonempty: Vec<usize> = (0..segments.len()).filter(|&i| segments[i].runs() > 0).collect();
@@ -126,9 +141,11 @@ fn verify_case(seed: u64, shape: Shape) {
     poke(0, at, want[(at - dst.ptr) as usize] ^ 0x10);
     ok("check", unsafe { check_verify.launch(stream) });
     ok("compare", unsafe { compare_verify.launch(stream) });
+    ok("digest check", unsafe { travelled.launch(stream) });
     sync();
     assert_eq!(ok("outcome", check_verify.outcome()), Some(index), "seed {seed}: check");
     assert_eq!(ok("outcome", compare_verify.outcome()), Some(index), "seed {seed}: compare");
+    assert_eq!(ok("outcome", travelled.outcome()), Some(index), "seed {seed}: travelled digests");
     assert_eq!(check_verify.outcome().unwrap_err().status, refit::Status::InvalidState, "reset");
 }
 

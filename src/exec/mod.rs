@@ -1084,6 +1084,7 @@ fn remote_stats(stats: &mut RunStats, totals: &RemoteTotals, staged: bool) {
     stats.remote_wire_bytes = totals.wire_bytes;
     stats.remote_ipc_peers = totals.ipc_peers;
     stats.remote_staged_peers = totals.staged_peers;
+    stats.verified_bytes += totals.verified_bytes;
 }
 
 impl Drop for Executor {

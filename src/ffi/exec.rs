@@ -180,10 +180,15 @@ pub extern "C" fn refit_executor_create(
 /// many bytes as it receives, beside staging_limit) and are installed by the commit, which first
 /// waits for them and refuses (INVALID_STATE) when a peer failed meanwhile: live buffers are then
 /// unchanged. verify checks the bytes written through IPC (by the writer, through the opened
-/// memory); bytes through staging are not verified yet. An executor with routes between processes
-/// cannot rebind (UNSUPPORTED). When any pair uses IPC, every run meets the other processes twice on
-/// the host (its streams first reach the step: a run inside a scope then blocks); every process
-/// must run and commit its executor alike. The executor keeps `comm` alive.
+/// memory) and the bytes through staging end to end (the sender digests its sources, the receiver
+/// what landed; about 0.1% of the payload in digests travels over the communicator in one more
+/// meeting per run); the receiver's run reports a difference (VERIFY_MISMATCH naming the sending process). Every
+/// process must then create its executor with verify on (INVALID_ARGUMENT on the receiver
+/// otherwise). An executor with routes between processes cannot rebind (UNSUPPORTED: buffers that
+/// moved need new IPC handles, so create the executors again, collectively). When any pair uses IPC,
+/// every run meets the other processes twice on the host (its streams first reach the step: a run
+/// inside a scope then blocks); every process must run and commit its executor alike. The executor
+/// keeps `comm` alive.
 ///
 /// Errors: as refit_executor_create, plus NULL_ARGUMENT (comm), INVALID_ARGUMENT (a plan process
 /// that is not a communicator rank), UNSUPPORTED (a route between processes on another device),

@@ -59,8 +59,9 @@ struct Wide<V16> {
 #define MODE_COPY_DIGEST 1u  // the same, and record a digest of each tile's source bytes as read
 #define MODE_CHECK 2u        // read the destination, digest each tile, compare with the recorded digest
 #define MODE_COMPARE 3u      // read the source and the destination, note any difference
+#define MODE_RECORD 4u       // read the source, record the digests MODE_COPY_DIGEST would (write nothing)
 
-// A lane's view of the tile it is walking: a hash of the elements it read (MODE_COPY_DIGEST, MODE_CHECK)
+// A lane's view of the tile it is walking: a hash of the elements it read (the digest modes)
 // and the OR of all differences it saw (MODE_COMPARE).
 struct Probe {
     u64 hash;
@@ -97,7 +98,8 @@ __device__ __forceinline__ void load_element(V& v, V& w, const V* s, const V* d,
 template <u32 MODE, typename V>
 __device__ __forceinline__ void use_element(const V& v, const V& w, V* d, u32 k, Probe& p) {
     if (MODE == MODE_COPY || MODE == MODE_COPY_DIGEST) d[k] = v;
-    if (MODE == MODE_COPY_DIGEST || MODE == MODE_CHECK) absorb(p, (typename Wide<V>::type)v);
+    if (MODE == MODE_COPY_DIGEST || MODE == MODE_CHECK || MODE == MODE_RECORD)
+        absorb(p, (typename Wide<V>::type)v);
     if (MODE == MODE_COMPARE) p.diff |= difference((typename Wide<V>::type)v, (typename Wide<V>::type)w);
 }
 
@@ -281,13 +283,13 @@ __device__ __forceinline__ void finish_tile(const Probe& p, u64 t, u64 s, u32 la
                                             u64* first_bad) {
     if (MODE == MODE_COMPARE) {
         if (p.diff != 0) atomicMin(first_bad, s);
-    } else if (MODE == MODE_COPY_DIGEST || MODE == MODE_CHECK) {
+    } else if (MODE == MODE_COPY_DIGEST || MODE == MODE_CHECK || MODE == MODE_RECORD) {
         const u32 in_warp = threadIdx.x & (WARP - 1);
         const u32 mask = width == WARP ? 0xffffffffu : ((1u << width) - 1) << (in_warp & ~(width - 1));
         u64 sum = p.hash;
         for (u32 offset = width / 2; offset > 0; offset /= 2) sum += __shfl_xor_sync(mask, sum, offset, width);
         if (lane == 0) {
-            if (MODE == MODE_COPY_DIGEST) digests[t] = sum;
+            if (MODE == MODE_COPY_DIGEST || MODE == MODE_RECORD) digests[t] = sum;
             else if (digests[t] != sum) atomicMin(first_bad, s);
         }
     }
@@ -361,6 +363,15 @@ extern "C" __global__ void __launch_bounds__(256, 3)
     refit_batched_check(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift, u32 group_shift,
                         u64* digests, u64* first_bad) {
     copy_tiles<MODE_CHECK>(descs, nseg, ntiles, tile_shift, group_shift, digests, first_bad);
+}
+
+// Records the digests refit_batched_copy_digest would of the same batch, reading the sources only: for
+// bytes that reach their destinations by other means (through staging, from another process), which a
+// refit_batched_check of the same batch (same segments, any device) then verifies where they landed.
+extern "C" __global__ void __launch_bounds__(256, 3)
+    refit_batched_record(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift, u32 group_shift,
+                         u64* digests) {
+    copy_tiles<MODE_RECORD>(descs, nseg, ntiles, tile_shift, group_shift, digests, nullptr);
 }
 
 // Compares every destination byte with its source byte and lowers *first_bad to the index of the first

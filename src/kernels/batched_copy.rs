@@ -42,6 +42,7 @@ pub struct BatchedCopy {
     copy_digest: sys::CUfunction,
     check: sys::CUfunction,
     compare: sys::CUfunction,
+    record: sys::CUfunction,
     /// Blocks that fit on the device at once (SMs x resident blocks per SM): the persistent grid.
     max_blocks: u32,
     /// The same for the compare entry point, which has fewer resident blocks per SM.
@@ -80,6 +81,7 @@ impl BatchedCopy {
         let copy_digest = module::function(loaded.module, c"refit_batched_copy_digest")?;
         let check = module::function(loaded.module, c"refit_batched_check")?;
         let compare = module::function(loaded.module, c"refit_batched_compare")?;
+        let record = module::function(loaded.module, c"refit_batched_record")?;
         let per_sm = loaded.blocks_per_sm(function, BLOCK_THREADS)?;
         let max_blocks = loaded.sms * per_sm;
         let compare_max_blocks = loaded.sms * loaded.blocks_per_sm(compare, BLOCK_THREADS)?;
@@ -93,6 +95,7 @@ impl BatchedCopy {
             copy_digest,
             check,
             compare,
+            record,
             max_blocks,
             compare_max_blocks,
             build,
@@ -158,6 +161,10 @@ impl BatchedCopy {
                 first_bad = f;
                 self.compare
             }
+            Entry::Record { digests: d } => {
+                digests = d;
+                self.record
+            }
         };
         let mut params: [*mut c_void; 9] = [
             (&mut descriptors as *mut u64).cast(),
@@ -208,6 +215,8 @@ pub(crate) enum Entry {
     Check { digests: u64, first_bad: u64 },
     /// refit_batched_compare: the result word.
     Compare { first_bad: u64 },
+    /// refit_batched_record: one device word per tile for the source digests.
+    Record { digests: u64 },
 }
 
 /// Everything one launch passes to the kernel: the descriptor table (device address, real segment

@@ -153,3 +153,96 @@ impl VerifyBatch {
         Ok(Some(self.segment_of.as_ref().map_or(index, |map| map.get(index).copied().unwrap_or(index))))
     }
 }
+
+/// Digests of a batch's source tiles, taken where the sources are, for a [`DigestCheck`] of the same
+/// segments where the destinations are: the verify of bytes that reached their destinations by other
+/// means (through staging, in another process). The caller carries the digests between the two
+/// (8 bytes per tile); both sides tile the same segments alike, on any device.
+pub struct DigestRecord {
+    /// A recording batch that is only ever launched through the record entry point (it writes
+    /// nothing, so its destinations may be another process's addresses).
+    batch: PreparedBatch,
+}
+
+impl DigestRecord {
+    /// Prepares the record of `segments`' sources on `device`. Errors as for [`PreparedBatch::new`].
+    pub fn new(device: i32, segments: &[Segment]) -> Result<DigestRecord> {
+        Ok(DigestRecord { batch: PreparedBatch::recording_digests(device, segments, false)? })
+    }
+
+    /// Queues the record on `stream`: reads every source byte, writes the tile digests.
+    ///
+    /// # Safety
+    /// `stream` is NULL or a live stream of the device, and the sources are readable until it runs.
+    pub unsafe fn launch(&self, stream: sys::CUstream) -> Result<()> {
+        let parts = self.batch.parts();
+        let Some(digests) = parts.tile_digests else { return Ok(()) };
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(parts.kernel.context()) }?;
+        parts.kernel.enqueue_entry(stream, &parts.launch, Entry::Record { digests: digests.ptr })
+    }
+
+    /// The digests of the last launch, once its stream has been synchronized.
+    pub fn digests(&self) -> Result<Vec<u64>> {
+        let parts = self.batch.parts();
+        let Some(memory) = parts.tile_digests else { return Ok(Vec::new()) };
+        let mut out = vec![0u64; parts.launch.tiles as usize];
+        // SAFETY: a retained primary context; `out` holds the allocation's `tiles` words.
+        let _current = unsafe { CurrentContext::enter(parts.kernel.context()) }?;
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), memory.ptr, out.len() * 8)
+        })?;
+        Ok(out)
+    }
+}
+
+/// The check of a [`DigestRecord`]'s segments at their destinations, against the digests it
+/// recorded (handed over with [`DigestCheck::expect`]).
+pub struct DigestCheck {
+    batch: PreparedBatch,
+    check: VerifyBatch,
+}
+
+impl DigestCheck {
+    /// Prepares the check of `segments`' destinations on `device` (the sources may be another
+    /// process's addresses: they are not read). Errors as for [`PreparedBatch::new`].
+    pub fn new(device: i32, segments: &[Segment]) -> Result<DigestCheck> {
+        let batch = PreparedBatch::recording_digests(device, segments, false)?;
+        let check = VerifyBatch::check(&batch)?;
+        Ok(DigestCheck { batch, check })
+    }
+
+    /// Sets the digests the next launches compare with: a [`DigestRecord::digests`] of the same
+    /// segments. InvalidArgument when their number is not this batch's tile count. Synchronous; no
+    /// launch of this check may be queued or running.
+    pub fn expect(&self, digests: &[u64]) -> Result<()> {
+        let parts = self.batch.parts();
+        if digests.len() as u64 != parts.launch.tiles {
+            return Err(Error::invalid_argument(format!(
+                "{} digests for a check of {} tiles: they were not recorded from the same segments",
+                digests.len(),
+                parts.launch.tiles
+            )));
+        }
+        let Some(memory) = parts.tile_digests else { return Ok(()) };
+        // SAFETY: a retained primary context; the allocation holds `tiles` words.
+        let _current = unsafe { CurrentContext::enter(parts.kernel.context()) }?;
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(memory.ptr, digests.as_ptr().cast(), digests.len() * 8)
+        })
+    }
+
+    /// As [`VerifyBatch::launch`].
+    ///
+    /// # Safety
+    /// As for [`VerifyBatch::launch`]; the destinations hold the bytes to check when it runs.
+    pub unsafe fn launch(&self, stream: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller's promise.
+        unsafe { self.check.launch(stream) }
+    }
+
+    /// As [`VerifyBatch::outcome`].
+    pub fn outcome(&self) -> Result<Option<usize>> {
+        self.check.outcome()
+    }
+}

@@ -11,10 +11,13 @@
 //! never disturbed; only [`Backend::bind`] leaves a context current (for our own rank threads).
 
 use super::driver::{self, check, error_name, CurrentContext};
-use super::{device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, Stream};
+use super::{
+    device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, PreparedDigestCheck,
+    PreparedRecord, Stream,
+};
 use crate::error::{Error, Result, Status};
 use crate::kernels::digest::{check_range, DigestKernel};
-use crate::kernels::verify::VerifyBatch;
+use crate::kernels::verify::{DigestCheck, DigestRecord, VerifyBatch};
 use crate::kernels::{self, PreparedBatch};
 use crate::segment::Segment;
 use cudarc::driver::sys::{self, CUcontext, CUresult};
@@ -288,6 +291,20 @@ impl Backend for CudaBackend {
         Ok(Box::new(VerifyBatch::compare(device, segments)?))
     }
 
+    fn prepare_digest_record(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedRecord>> {
+        self.index(device)?;
+        Ok(Box::new(DigestRecord::new(device, segments)?))
+    }
+
+    fn prepare_digest_check(
+        &self,
+        device: i32,
+        segments: &[Segment],
+    ) -> Result<Box<dyn PreparedDigestCheck>> {
+        self.index(device)?;
+        Ok(Box::new(DigestCheck::new(device, segments)?))
+    }
+
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
         let _current = self.enter(device)?;
         let mut ptr = 0;
@@ -328,6 +345,32 @@ impl PreparedCopy for PreparedBatch {
 
     fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>> {
         Ok(Box::new(VerifyBatch::check(self)?))
+    }
+}
+
+impl PreparedRecord for DigestRecord {
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        DigestRecord::launch(self, CudaBackend::raw_stream(stream))
+    }
+
+    fn digests(&self) -> Result<Vec<u64>> {
+        DigestRecord::digests(self)
+    }
+}
+
+impl PreparedCheck for DigestCheck {
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        DigestCheck::launch(self, CudaBackend::raw_stream(stream))
+    }
+
+    fn outcome(&self) -> Result<Option<usize>> {
+        DigestCheck::outcome(self)
+    }
+}
+
+impl PreparedDigestCheck for DigestCheck {
+    fn expect(&self, digests: &[u64]) -> Result<()> {
+        DigestCheck::expect(self, digests)
     }
 }
 

@@ -17,8 +17,11 @@
 //! Nothing here is needed on a machine with GPUs.
 
 use super::host_copy::copy_runs;
-use super::host_verify::{segment_digest, HostCheck, Reference, Side};
-use super::{device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, Stream};
+use super::host_verify::{segment_digest, HostCheck, HostRecord, Reference, Side};
+use super::{
+    device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, PreparedDigestCheck,
+    PreparedRecord, Stream,
+};
 use crate::error::{try_to_vec, Error, Result, Status};
 use crate::kernels::digest::check_range;
 use crate::kernels::gf64;
@@ -398,6 +401,31 @@ impl Backend for HostBackend {
             default_stream: self.default_streams[index],
             segments: Arc::new(try_to_vec(segments, "the verify's segments")?),
             reference: Reference::Sources,
+            result: Arc::new(Mutex::new(None)),
+        }))
+    }
+
+    fn prepare_digest_record(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedRecord>> {
+        let index = self.index(device)?;
+        validate(segments)?;
+        Ok(Box::new(HostRecord {
+            default_stream: self.default_streams[index],
+            segments: Arc::new(try_to_vec(segments, "the record's segments")?),
+            digests: Arc::new(Mutex::new(None)),
+        }))
+    }
+
+    fn prepare_digest_check(
+        &self,
+        device: i32,
+        segments: &[Segment],
+    ) -> Result<Box<dyn PreparedDigestCheck>> {
+        let index = self.index(device)?;
+        validate(segments)?;
+        Ok(Box::new(HostCheck {
+            default_stream: self.default_streams[index],
+            segments: Arc::new(try_to_vec(segments, "the check's segments")?),
+            reference: Reference::Recorded(Arc::new(Mutex::new(Vec::new()))),
             result: Arc::new(Mutex::new(None)),
         }))
     }

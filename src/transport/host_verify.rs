@@ -2,7 +2,7 @@
 //! other host-backend work (not complete on return), so stream ordering is as real as on a GPU.
 
 use super::host::host_stream;
-use super::{PreparedCheck, Stream};
+use super::{PreparedCheck, PreparedDigestCheck, PreparedRecord, Stream};
 use crate::error::{Error, Result};
 use crate::kernels::gf64;
 use crate::segment::Segment;
@@ -64,44 +64,78 @@ pub(crate) enum Side {
     Destination,
 }
 
-/// Every contiguous run of `segment` as (side's bytes, other side's bytes).
+/// The bytes of a run at `addr`.
 ///
 /// # Safety
-/// The runs are readable host memory (the host backend's promise) and the segment was validated.
-unsafe fn for_each_run(segment: &Segment, side: Side, mut f: impl FnMut(&[u8], &[u8])) {
-    segment.for_each_run(|src, dst, len| {
-        // SAFETY: the caller's promise.
-        let (s, d) = unsafe {
-            (
-                std::slice::from_raw_parts(src as usize as *const u8, len as usize),
-                std::slice::from_raw_parts(dst as usize as *const u8, len as usize),
-            )
-        };
-        match side {
-            Side::Source => f(s, d),
-            Side::Destination => f(d, s),
-        }
-    });
+/// `len` bytes at `addr` are readable host memory (the host backend's promise for the side read).
+unsafe fn run_bytes<'a>(addr: u64, len: u64) -> &'a [u8] {
+    // SAFETY: the caller's promise.
+    unsafe { std::slice::from_raw_parts(addr as usize as *const u8, len as usize) }
 }
 
 /// A digest of one side of a segment: its runs' digests (`gf64::digest`) folded in order through a
-/// bijection, so one changed run always changes it.
+/// bijection, so one changed run always changes it. Reads only that side (the other may be another
+/// process's addresses).
 pub(crate) fn segment_digest(segment: &Segment, side: Side) -> u64 {
     let mut digest = 0u64;
-    // SAFETY: host-backend segments name host memory and were validated when prepared.
-    unsafe {
-        for_each_run(segment, side, |run, _| {
-            digest = (digest ^ gf64::digest(run)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-            digest ^= digest >> 29;
-        })
-    };
+    segment.for_each_run(|src, dst, len| {
+        let at = if side == Side::Source { src } else { dst };
+        // SAFETY: host-backend segments name host memory on the side read, validated when prepared.
+        let run = unsafe { run_bytes(at, len) };
+        digest = (digest ^ gf64::digest(run)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        digest ^= digest >> 29;
+    });
     digest
 }
 
 /// Whether every destination byte of `segment` equals its source byte.
 fn segment_matches(segment: &Segment) -> bool {
     let mut equal = true;
-    // SAFETY: as in segment_digest.
-    unsafe { for_each_run(segment, Side::Source, |src, dst| equal &= src == dst) };
+    // SAFETY: as in segment_digest, both sides.
+    segment.for_each_run(|src, dst, len| equal &= unsafe { run_bytes(src, len) == run_bytes(dst, len) });
     equal
+}
+
+/// The host backend's source digests for a check elsewhere: one per segment, as a recording batch
+/// takes them, queued on a host stream.
+pub(crate) struct HostRecord {
+    pub default_stream: Stream,
+    pub segments: Arc<Vec<Segment>>,
+    /// The last launch's digests, once its stream has run it.
+    pub digests: Arc<Mutex<Option<Vec<u64>>>>,
+}
+
+impl PreparedRecord for HostRecord {
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        let queue = host_stream(if stream == Stream::NULL { self.default_stream } else { stream })?;
+        *lock(&self.digests) = None;
+        let (segments, digests) = (Arc::clone(&self.segments), Arc::clone(&self.digests));
+        queue.enqueue(move || {
+            let taken = segments.iter().map(|s| segment_digest(s, Side::Source)).collect();
+            *lock(&digests) = Some(taken);
+        })
+    }
+
+    fn digests(&self) -> Result<Vec<u64>> {
+        lock(&self.digests).clone().ok_or_else(|| {
+            Error::invalid_state("no digests: launch the record and synchronize its stream first")
+        })
+    }
+}
+
+impl PreparedDigestCheck for HostCheck {
+    fn expect(&self, digests: &[u64]) -> Result<()> {
+        let Reference::Recorded(expected) = &self.reference else {
+            return Err(Error::invalid_state("this check compares with the sources, not with digests"));
+        };
+        if digests.len() != self.segments.len() {
+            return Err(Error::invalid_argument(format!(
+                "{} digests for a check of {} segments: they were not recorded from the same segments",
+                digests.len(),
+                self.segments.len()
+            )));
+        }
+        *lock(expected) = digests.to_vec();
+        Ok(())
+    }
 }

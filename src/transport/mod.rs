@@ -187,6 +187,18 @@ pub trait Backend: Send + Sync {
     /// for [`Backend::copy_batch`]); segments are checked as `copy_batch` does.
     fn prepare_compare(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedCheck>>;
 
+    /// Digests of the source bytes of `segments` on `device`, taken at each launch, for a
+    /// [`Backend::prepare_digest_check`] of the same segments where the destinations are (another
+    /// process): the verify of bytes that travel by other means than this backend's copies. The
+    /// destinations are not touched, and may be another process's addresses.
+    fn prepare_digest_record(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedRecord>>;
+
+    /// A verify of the destinations of `segments` on `device` against digests a
+    /// [`Backend::prepare_digest_record`] of the same segments took elsewhere (the same backend kind).
+    /// The sources are not read, and may be another process's addresses.
+    fn prepare_digest_check(&self, device: i32, segments: &[Segment])
+        -> Result<Box<dyn PreparedDigestCheck>>;
+
     /// Allocates `bytes` of device memory (tests and benches; the library never owns caller memory).
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64>;
 
@@ -223,6 +235,27 @@ pub trait PreparedCopy: Send + Sync {
     /// launch it after each launch of the batch. InvalidArgument unless the batch was prepared by
     /// [`Backend::prepare_recording_batch`].
     fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>>;
+}
+
+/// Source digests prepared by [`Backend::prepare_digest_record`].
+pub trait PreparedRecord: Send + Sync {
+    /// Queues the record on `stream` (a stream of the prepared device): it digests the sources as
+    /// they are when the stream reaches it.
+    ///
+    /// # Safety
+    /// Every segment's source is readable until the record has run.
+    unsafe fn launch(&self, stream: Stream) -> Result<()>;
+
+    /// The digests of the last launch, once its stream has been synchronized: what the check of the
+    /// same segments expects.
+    fn digests(&self) -> Result<Vec<u64>>;
+}
+
+/// A check prepared by [`Backend::prepare_digest_check`].
+pub trait PreparedDigestCheck: PreparedCheck {
+    /// Sets the digests the next launches compare with. InvalidArgument when they were not recorded
+    /// from the same segments (another count). Synchronous; no launch may be queued or running.
+    fn expect(&self, digests: &[u64]) -> Result<()>;
 }
 
 /// A verify prepared for one device (see `verify::PreparedVerify`, which wraps it with its interface):
