@@ -17,7 +17,7 @@ import statistics
 import cupy as cp
 import torch
 
-from probe_util import write_results
+from probe_util import SPIN, write_results
 
 GIB = 1 << 30
 COPY = cp.RawKernel(
@@ -29,15 +29,6 @@ extern "C" __global__ void copy16(const V16* __restrict__ s, V16* __restrict__ d
 }
 """,
     "copy16",
-)
-HOLD = cp.RawKernel(
-    r"""
-extern "C" __global__ void hold(long long cycles) {
-    long long start = clock64();
-    while (clock64() - start < cycles) {}
-}
-""",
-    "hold",
 )
 
 
@@ -88,7 +79,7 @@ def main():
             COPY((blocks,), (threads,), (src.data_ptr(), dst.data_ptr(), cp.int64(vectors)),
                  stream=side_cp, shared_mem=smem)
         else:
-            HOLD((blocks,), (threads,), (cp.int64(20_000_000),), stream=side_cp, shared_mem=smem)
+            SPIN((blocks,), (threads,), (cp.int64(20_000_000),), stream=side_cp, shared_mem=smem)
 
     def copy_alone_ms(blocks, threads, smem):
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -109,7 +100,7 @@ def main():
     window_ms = 600.0
     for kind, blocks, threads, smem in variants:
         if smem:
-            for k in (COPY, HOLD):
+            for k in (COPY, SPIN):
                 k.max_dynamic_shared_size_bytes = smem
         per_launch = copy_alone_ms(blocks, threads, smem) if kind == "copy" else 20_000_000 / 1.98e6
         launches = max(2, int(window_ms * 1.2 / per_launch))

@@ -1056,6 +1056,15 @@ mod tests {
         assert_eq!(decode(&empty).unwrap_err().status, Status::DecodeError);
     }
 
+    /// Host shares of process 1: (owner's address, size, address here) each.
+    fn host_shares(shares: [(u64, u64, u64); 2]) -> Opened {
+        let mappings = shares
+            .iter()
+            .map(|&(remote, size, local)| Mapping { remote, size, local, kind: MappingKind::Host { pid: 1 } })
+            .collect();
+        Opened { device: 0, context: 0, mappings }
+    }
+
     #[test]
     fn ranges_merge_where_they_touch() {
         let m = merged(&[(100, 10), (0, 0), (105, 20), (125, 5), (200, 1)]).unwrap();
@@ -1065,14 +1074,7 @@ mod tests {
 
     #[test]
     fn segments_crossing_shares_are_cut_at_rows_then_runs() {
-        let opened = Opened {
-            device: 0,
-            context: 0,
-            mappings: vec![
-                Mapping { remote: 1000, size: 100, local: 5000, kind: MappingKind::Host { pid: 1 } },
-                Mapping { remote: 1200, size: 100, local: 9000, kind: MappingKind::Host { pid: 1 } },
-            ],
-        };
+        let opened = host_shares([(1000, 100, 5000), (1200, 100, 9000)]);
         // A segment whose two rows lie in two shares is cut into its rows.
         let rows =
             Segment { src: 1, dst: 1000, len: 4, count: [2, 2], src_stride: [4, 8], dst_stride: [10, 200] };
@@ -1090,14 +1092,7 @@ mod tests {
         let outside = Segment { dst_stride: [300, 0], ..across };
         assert_eq!(opened.fitted(&[outside]).unwrap_err().status, Status::NotFound);
         // A run over two shares that touch is cut where the first ends; over a gap, refused.
-        let touching = Opened {
-            device: 0,
-            context: 0,
-            mappings: vec![
-                Mapping { remote: 1000, size: 100, local: 5000, kind: MappingKind::Host { pid: 1 } },
-                Mapping { remote: 1100, size: 100, local: 9000, kind: MappingKind::Host { pid: 1 } },
-            ],
-        };
+        let touching = host_shares([(1000, 100, 5000), (1100, 100, 9000)]);
         let (pieces, origins) = touching.fitted(&[Segment::contiguous(7, 1050, 120)]).unwrap();
         assert_eq!(pieces, [Segment::contiguous(7, 1050, 50), Segment::contiguous(57, 1100, 70)]);
         assert_eq!(origins, [0, 0]);
@@ -1107,14 +1102,7 @@ mod tests {
 
     #[test]
     fn addresses_translate_within_one_share_only() {
-        let opened = Opened {
-            device: 0,
-            context: 0,
-            mappings: vec![
-                Mapping { remote: 1000, size: 100, local: 5000, kind: MappingKind::Host { pid: 1 } },
-                Mapping { remote: 2000, size: 50, local: 9000, kind: MappingKind::Host { pid: 1 } },
-            ],
-        };
+        let opened = host_shares([(1000, 100, 5000), (2000, 50, 9000)]);
         assert_eq!(opened.translate(1000, 100).unwrap(), 5000);
         assert_eq!(opened.translate(2010, 40).unwrap(), 9010);
         for (addr, len) in [(999, 1), (1050, 51), (1100, 1), (2040, 11), (3000, 0)] {

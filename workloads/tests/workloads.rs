@@ -770,19 +770,26 @@ fn refit_on_host(spec: &Spec, options: &refit::plan::PlanOptions) -> Vec<Vec<u8>
     memory.into_iter().zip(&w.buffers).filter(|(_, b)| b.role == Role::Receiver).map(|(m, _)| m).collect()
 }
 
-#[test]
-fn check_needs_names_the_first_wrong_element() {
-    let spec = tiny_spec(tiny_moe(), 4, 2, 4, 2);
-    let w = Workload::generate(&spec).unwrap();
+/// Every buffer zeroed, then every needed element written from its expected value (BF16), with this
+/// file's own element walk.
+fn installed_from_expectation(w: &Workload) -> Vec<Vec<u8>> {
     let mut memory: Vec<Vec<u8>> = w.buffers.iter().map(|b| vec![0; b.bytes as usize]).collect();
-    // Install the receivers' bytes directly from the expectation, then corrupt one element.
     for n in &w.needs {
         let buffer = &mut memory[n.buffer as usize];
-        for_each_element(&w, n, |i, g| {
+        for_each_element(w, n, |i, g| {
             buffer[2 * i..2 * i + 2]
                 .copy_from_slice(&(refit_workloads::element_value(n.tensor, g) as u16).to_le_bytes())
         });
     }
+    memory
+}
+
+#[test]
+fn check_needs_names_the_first_wrong_element() {
+    let spec = tiny_spec(tiny_moe(), 4, 2, 4, 2);
+    let w = Workload::generate(&spec).unwrap();
+    // Install the receivers' bytes directly from the expectation, then corrupt one element.
+    let mut memory = installed_from_expectation(&w);
     let views: Vec<&[u8]> = memory.iter().map(|m| m.as_slice()).collect();
     let total: u64 = w.needs.iter().map(|n| volume(&n.region)).sum();
     assert_eq!(w.check_needs(&views), Ok(total));
@@ -810,14 +817,7 @@ fn boxes_larger_than_a_piece_of_work_fill_and_check_on_every_core() {
     refit_on_host(&spec, &refit::plan::PlanOptions::default());
     // A wrong element in the last piece of the largest box is the one named.
     let w = Workload::generate(&spec).unwrap();
-    let mut memory: Vec<Vec<u8>> = w.buffers.iter().map(|b| vec![0; b.bytes as usize]).collect();
-    for n in &w.needs {
-        let buffer = &mut memory[n.buffer as usize];
-        for_each_element(&w, n, |i, g| {
-            buffer[2 * i..2 * i + 2]
-                .copy_from_slice(&(refit_workloads::element_value(n.tensor, g) as u16).to_le_bytes())
-        });
-    }
+    let mut memory = installed_from_expectation(&w);
     let largest = w.needs.iter().max_by_key(|n| volume(&n.region)).unwrap();
     assert!(volume(&largest.region) > 3 << 20, "the largest box spans several pieces");
     let at = (largest.offset + 2 * volume(&largest.region) - 2) as usize;
