@@ -26,10 +26,53 @@ pub struct Segment {
     pub dst_stride: [u64; 2],
 }
 
+/// One side of a segment: where it reads, or where it writes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Side {
+    Source,
+    Destination,
+}
+
 impl Segment {
     /// A contiguous copy of `len` bytes.
     pub fn contiguous(src: u64, dst: u64, len: u64) -> Segment {
         Segment { src, dst, len, count: [1, 1], src_stride: [0, 0], dst_stride: [0, 0] }
+    }
+
+    /// The first address of `side`.
+    pub fn address(&self, side: Side) -> u64 {
+        match side {
+            Side::Source => self.src,
+            Side::Destination => self.dst,
+        }
+    }
+
+    /// The first address of `side`, to move it.
+    pub fn address_mut(&mut self, side: Side) -> &mut u64 {
+        match side {
+            Side::Source => &mut self.src,
+            Side::Destination => &mut self.dst,
+        }
+    }
+
+    /// The strides of `side`, inner level first.
+    pub fn strides(&self, side: Side) -> [u64; 2] {
+        match side {
+            Side::Source => self.src_stride,
+            Side::Destination => self.dst_stride,
+        }
+    }
+
+    /// Bytes from the first byte of `side` to one past its last (0 for no bytes), or None when that
+    /// overflows u64.
+    pub fn span(&self, side: Side) -> Option<u64> {
+        if self.runs() == 0 {
+            return Some(0);
+        }
+        let strides = self.strides(side);
+        let inner = strides[0].checked_mul(self.count[0] - 1)?;
+        let outer = strides[1].checked_mul(self.count[1] - 1)?;
+        inner.checked_add(outer)?.checked_add(self.len)
     }
 
     /// Payload bytes, or None when the product overflows u64.
@@ -102,6 +145,10 @@ mod tests {
     fn rows_and_spans_cover_exactly_the_runs() {
         let strided =
             Segment { src: 7, dst: 1000, len: 3, count: [4, 3], src_stride: [3, 12], dst_stride: [5, 100] };
+        assert_eq!(strided.span(Side::Destination), Some(5 * 3 + 100 * 2 + 3));
+        assert_eq!(strided.span(Side::Source), Some(3 * 3 + 12 * 2 + 3));
+        assert_eq!(Segment { count: [0, 3], ..strided }.span(Side::Source), Some(0));
+        assert_eq!(Segment { dst_stride: [u64::MAX, 0], ..strided }.span(Side::Destination), None);
         let abutting = Segment { dst_stride: [3, 100], ..strided };
         for s in [strided, abutting, Segment::contiguous(1, 50, 9)] {
             let rows: Vec<Segment> = s.rows().collect();

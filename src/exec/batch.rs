@@ -7,19 +7,12 @@ use crate::error::Result;
 use crate::group::Group;
 use crate::kernels::layout::BatchLayout;
 use crate::kernels::PreparedBatch;
-use crate::segment::Segment;
+use crate::segment::{Segment, Side};
 use crate::transport::host::host_stream;
 use crate::transport::host_copy::copy_runs;
 use crate::transport::verify::PreparedVerify;
 use crate::transport::{Backend, BackendKind, Stream};
 use std::sync::Arc;
-
-/// Which address of a segment a reference names.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
-pub(crate) enum Side {
-    Src,
-    Dst,
-}
 
 /// The kernel's form of a batch: the host copy of its layout (rewritten in place on relocation) and
 /// the uploaded descriptors.
@@ -121,10 +114,7 @@ impl Batch {
     /// next [`Batch::flush`].
     pub fn relocate(&mut self, index: usize, side: Side, delta: u64) {
         let segment = &mut Arc::make_mut(&mut self.segments)[index];
-        let address = match side {
-            Side::Src => &mut segment.src,
-            Side::Dst => &mut segment.dst,
-        };
+        let address = segment.address_mut(side);
         *address = address.wrapping_add(delta);
         if let Some(kernel) = &mut self.kernel {
             let descriptor = &mut kernel.layout.descriptors[index];

@@ -11,7 +11,7 @@ use crate::segment::Segment;
 
 /// Every segment one group rank moves to another (or to itself) for one route kind.
 #[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) struct Flow {
+pub(crate) struct RankFlow {
     pub src: usize,
     pub dst: usize,
     pub kind: RouteKind,
@@ -27,7 +27,7 @@ pub struct KindTotals {
 }
 
 impl KindTotals {
-    pub(crate) fn of(flows: &[Flow]) -> KindTotals {
+    pub(crate) fn of(flows: &[RankFlow]) -> KindTotals {
         let mut totals = KindTotals::default();
         for flow in flows {
             let k = flow.kind as usize;
@@ -57,7 +57,7 @@ pub(crate) fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
 /// another are left to `remote` when `across` (an executor with a communicator), and Unsupported
 /// otherwise; NotFound for a device outside the group; InvalidArgument for a segment the batched
 /// copy refuses (a zero address, an extent past 2^64).
-pub(crate) fn flows(group: &Group, plan: &Plan, process: u32, across: bool) -> Result<Vec<Flow>> {
+pub(crate) fn flows(group: &Group, plan: &Plan, process: u32, across: bool) -> Result<Vec<RankFlow>> {
     let mut flows = Vec::new();
     for route in plan.routes().iter().filter(|r| r.src.process == process || r.dst.process == process) {
         let kind = route.kind();
@@ -81,7 +81,7 @@ pub(crate) fn flows(group: &Group, plan: &Plan, process: u32, across: bool) -> R
         })?;
         let segments: Vec<Segment> = route.segments.iter().filter(|s| s.runs() > 0).copied().collect();
         if !segments.is_empty() {
-            flows.push(Flow { src, dst, kind, segments });
+            flows.push(RankFlow { src, dst, kind, segments });
         }
     }
     Ok(flows)

@@ -42,11 +42,11 @@ pub use stats::RunStats;
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Destinations, Plan, RouteKind};
-use crate::segment::Segment;
+use crate::segment::{Segment, Side};
 use crate::transport::comm::Communicator;
 use crate::transport::{Backend, Event, Stream};
-use batch::{Batch, Side};
-use flows::Flow;
+use batch::Batch;
+use flows::RankFlow;
 use rebind::{AddressBook, Registrar, Target};
 use remote::Remote;
 use staging::{staged_pair, Packer};
@@ -54,7 +54,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 use timing::Mark;
-use verify::VerifyBatch;
+use verify::CopyCheck;
 
 /// The stages that are stamped on the device.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -184,7 +184,7 @@ pub struct Executor {
     totals: KindTotals,
     methods: [Option<Method>; 3],
     batches: Vec<Batch>,
-    verifies: Vec<VerifyBatch>,
+    verifies: Vec<CopyCheck>,
     slices: Vec<Slice>,
     peer_streams: Vec<Option<Stream>>,
     events: Vec<RankEvents>,
@@ -205,14 +205,11 @@ pub struct Executor {
     remote: Option<Remote>,
 }
 
-/// A segment's first and one-past-last byte on one side.
+/// A segment's first and one-past-last byte on one side (the plan's segments were validated: no
+/// span overflows).
 fn extent(segment: &Segment, side: Side) -> (u64, u64) {
-    let (base, stride) = match side {
-        Side::Src => (segment.src, segment.src_stride),
-        Side::Dst => (segment.dst, segment.dst_stride),
-    };
-    let last = (segment.count[0] - 1) * stride[0] + (segment.count[1] - 1) * stride[1];
-    (base, base + last + segment.len)
+    let base = segment.address(side);
+    (base, base + segment.span(side).unwrap_or(0))
 }
 
 /// The method for `segments` of `kind` under `arm`. `direct`: every pair has peer access.
@@ -265,7 +262,7 @@ struct SliceLists {
 }
 
 impl SliceLists {
-    fn copy(&mut self, flow: &Flow, segment: Segment, planned: Segment) {
+    fn copy(&mut self, flow: &RankFlow, segment: Segment, planned: Segment) {
         let lists = if flow.kind == RouteKind::Local { &mut self.local } else { &mut self.peer };
         lists.entry(flow.src).or_default().push(Copied { segment, planned, receiver: flow.dst });
     }
@@ -310,7 +307,7 @@ impl Executor {
         plan: &Plan,
         process: u32,
         options: &ExecOptions,
-        flows: &[Flow],
+        flows: &[RankFlow],
         remote: Option<Remote>,
     ) -> Result<Executor> {
         let remote_part = remote.as_ref().map(|r| (r.rank(), r.installs()));
@@ -338,7 +335,7 @@ impl Executor {
         plan: &Plan,
         process: u32,
         options: &ExecOptions,
-        flows: &[Flow],
+        flows: &[RankFlow],
         kernel: bool,
         remote: Option<(usize, &[Segment])>,
     ) -> Result<Executor> {
@@ -411,7 +408,7 @@ impl Executor {
     }
 
     /// The one slice of a direct step: copies straight into the live buffers.
-    fn direct_lists(&self, flows: &[Flow]) -> SliceLists {
+    fn direct_lists(&self, flows: &[RankFlow]) -> SliceLists {
         let mut lists = SliceLists::default();
         for flow in flows {
             for segment in &flow.segments {
@@ -423,7 +420,7 @@ impl Executor {
 
     /// The slices of a staged step: every segment placed in its receiver's staging (cut where it
     /// exceeds the limit), staging allocated, copies into staging and installs out of it.
-    fn staged_lists(&mut self, flows: &[Flow]) -> Result<Vec<SliceLists>> {
+    fn staged_lists(&mut self, flows: &[RankFlow]) -> Result<Vec<SliceLists>> {
         let limit = if self.options.staging_limit == 0 { u64::MAX } else { self.options.staging_limit };
         let mut receivers: Vec<usize> = flows.iter().map(|f| f.dst).collect();
         receivers.sort_unstable();
@@ -510,8 +507,8 @@ impl Executor {
             let installs = &lists.installs[&rank];
             let index = self.batches.len();
             for (i, segment) in installs.iter().enumerate() {
-                let (lo, hi) = extent(segment, Side::Dst);
-                registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Dst);
+                let (lo, hi) = extent(segment, Side::Destination);
+                registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Destination);
             }
             let refs: Vec<&Segment> = installs.iter().collect();
             let method = resolve(self.options.arm, RouteKind::Local, &refs, true, false)?;
@@ -540,11 +537,11 @@ impl Executor {
         for (i, copied) in list.iter().enumerate() {
             let targets = [Some(Target::Copy(batch as u32)), verify.map(|v| Target::Verify(v as u32))];
             for target in targets.into_iter().flatten() {
-                let (lo, hi) = extent(&copied.segment, Side::Src);
-                registrar.add(self.devices[rank], lo, hi, target, i, Side::Src);
+                let (lo, hi) = extent(&copied.segment, Side::Source);
+                registrar.add(self.devices[rank], lo, hi, target, i, Side::Source);
                 if live_destinations {
-                    let (lo, hi) = extent(&copied.segment, Side::Dst);
-                    registrar.add(self.devices[copied.receiver], lo, hi, target, i, Side::Dst);
+                    let (lo, hi) = extent(&copied.segment, Side::Destination);
+                    registrar.add(self.devices[copied.receiver], lo, hi, target, i, Side::Destination);
                 }
             }
         }
@@ -560,7 +557,7 @@ impl Executor {
         self.add_marks(Slot { slice: k, timed: copy, rank })?;
         if self.options.verify {
             let planned = list.iter().map(|c| (c.planned, c.receiver)).collect();
-            self.verifies.push(VerifyBatch::new(group, rank, &self.batches[batch], planned)?);
+            self.verifies.push(CopyCheck::new(group, rank, &self.batches[batch], planned)?);
             self.add_marks(Slot { slice: k, timed: check, rank })?;
         }
         Ok(CopyStage { batch, verify })

@@ -14,8 +14,8 @@
 //! them, so a range that holds both (a buffer moved onto one not moved yet) is ambiguous and refused
 //! rather than guessed; buffers trade places through a third address (A to X, B to A's, A to B's).
 
-use super::batch::Side;
 use crate::error::{Error, Result, Status};
+use crate::segment::Side;
 use std::collections::{BTreeMap, HashMap};
 
 /// Which prepared list holds a registered address.
@@ -201,7 +201,7 @@ mod tests {
     fn book(extents: &[(i32, u64, u64)]) -> AddressBook {
         let mut registrar = Registrar::default();
         for (i, &(device, lo, hi)) in extents.iter().enumerate() {
-            registrar.add(device, lo, hi, Target::Copy(0), i, Side::Dst);
+            registrar.add(device, lo, hi, Target::Copy(0), i, Side::Destination);
         }
         registrar.build()
     }

@@ -92,7 +92,7 @@ pub(crate) struct Remote {
     exchange: StagedExchange,
     /// Staged commit: where bytes from other processes land (held for its drop), and the installs
     /// from there.
-    _landing: Option<Landing>,
+    _landing: Option<LandingBuffer>,
     installs: Vec<Segment>,
     /// Some pair of the communicator uses IPC: every run meets the other processes twice.
     handshake: bool,
@@ -109,13 +109,13 @@ pub(crate) struct Remote {
 
 /// Device memory bytes from other processes land in, freed on drop (the executor has waited for
 /// its work by then).
-struct Landing {
+struct LandingBuffer {
     backend: Arc<dyn Backend>,
     device: i32,
     allocation: u64,
 }
 
-impl Drop for Landing {
+impl Drop for LandingBuffer {
     fn drop(&mut self) {
         // SAFETY: ours; the work writing it has drained.
         if let Err(err) = unsafe { self.backend.free(self.device, self.allocation) } {
@@ -210,7 +210,7 @@ impl Remote {
             let size = usize::try_from(received + 16)
                 .map_err(|_| Error::new(Status::OutOfMemory, "landing larger than the address space"))?;
             let allocation = backend.alloc(device, size)?;
-            Some(Landing { backend: Arc::clone(&backend), device, allocation })
+            Some(LandingBuffer { backend: Arc::clone(&backend), device, allocation })
         } else {
             None
         };

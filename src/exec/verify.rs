@@ -4,18 +4,18 @@
 //! the host backend's) byte by byte against the sources. A mismatch becomes a status naming the
 //! tensor, box and element, found by reading the first differing segment back.
 
-use super::batch::{Batch, Side};
+use super::batch::Batch;
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Destinations, Endpoint};
-use crate::segment::Segment;
+use crate::segment::{Segment, Side};
 use crate::transport::verify::PreparedVerify;
 use crate::transport::{Backend, Stream};
 
 /// Runs read back, at most, to find the first differing byte of a mismatched segment.
 const MAX_RUNS_READ: u64 = 1 << 16;
 
-pub(crate) struct VerifyBatch {
+pub(crate) struct CopyCheck {
     /// The rank whose stream runs the copy and its verify.
     rank: usize,
     /// What is compared: each segment's source with its destination, at current addresses.
@@ -33,7 +33,7 @@ pub(crate) struct VerifyBatch {
     stale: bool,
 }
 
-impl VerifyBatch {
+impl CopyCheck {
     /// The verify of `batch`, a batch of `rank`; `planned` gives each of its segments as planned and
     /// the rank receiving it.
     pub fn new(
@@ -41,13 +41,13 @@ impl VerifyBatch {
         rank: usize,
         batch: &Batch,
         planned: Vec<(Segment, usize)>,
-    ) -> Result<VerifyBatch> {
+    ) -> Result<CopyCheck> {
         let segments = batch.segments().to_vec();
         let (prepared, shared) = match batch.recorded_verify()? {
             Some(recorded) => (recorded, true),
             None => (PreparedVerify::new(group.backend().as_ref(), group.device(rank)?, &segments)?, false),
         };
-        Ok(VerifyBatch { rank, segments, planned, bytes: batch.bytes(), prepared, shared, stale: false })
+        Ok(CopyCheck { rank, segments, planned, bytes: batch.bytes(), prepared, shared, stale: false })
     }
 
     pub fn bytes(&self) -> u64 {
@@ -55,13 +55,10 @@ impl VerifyBatch {
     }
 
     /// Adds `delta` to one address of segment `index`; the prepared form is rebuilt by the next
-    /// [`VerifyBatch::refresh`].
+    /// [`CopyCheck::refresh`].
     pub fn relocate(&mut self, index: usize, side: Side, delta: u64) {
         let segment = &mut self.segments[index];
-        let address = match side {
-            Side::Src => &mut segment.src,
-            Side::Dst => &mut segment.dst,
-        };
+        let address = segment.address_mut(side);
         *address = address.wrapping_add(delta);
         self.stale = !self.shared;
     }

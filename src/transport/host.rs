@@ -17,7 +17,7 @@
 //! Nothing here is needed on a machine with GPUs.
 
 use super::host_copy::copy_runs;
-use super::host_verify::{segment_digest, HostCheck, HostRecord, Reference, Side};
+use super::host_verify::{segment_digest, HostCheck, HostRecord, Reference};
 use super::{
     device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, PreparedDigestCheck,
     PreparedRecord, Stream,
@@ -26,7 +26,7 @@ use crate::error::{try_to_vec, Error, Result, Status};
 use crate::kernels::digest::check_range;
 use crate::kernels::gf64;
 use crate::segment::check::{check_destinations, validate};
-use crate::segment::Segment;
+use crate::segment::{Segment, Side};
 use crate::sync::{lock, wait};
 use std::collections::hash_map::RandomState;
 use std::collections::HashMap;

@@ -5,7 +5,7 @@ use super::host::host_stream;
 use super::{PreparedCheck, PreparedDigestCheck, PreparedRecord, Stream};
 use crate::error::{Error, Result};
 use crate::kernels::gf64;
-use crate::segment::Segment;
+use crate::segment::{Segment, Side};
 use crate::sync::lock;
 use std::sync::{Arc, Mutex};
 
@@ -55,13 +55,6 @@ impl PreparedCheck for HostCheck {
             )
         })
     }
-}
-
-/// Which side of a segment to read.
-#[derive(Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Side {
-    Source,
-    Destination,
 }
 
 /// The bytes of a run at `addr`.

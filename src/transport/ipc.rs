@@ -28,7 +28,7 @@ use crate::bail;
 use crate::error::{Error, Result, Status};
 use crate::kernels::verify::VerifyBatch;
 use crate::segment::check::validate;
-use crate::segment::Segment;
+use crate::segment::{Segment, Side};
 use crate::sync::lock;
 use cudarc::driver::sys::{self, CUresult};
 use std::collections::{BTreeMap, HashMap, HashSet};
@@ -380,7 +380,7 @@ impl Opened {
 
     /// `segment` with its destination translated (every byte it writes must lie in one share).
     pub fn translate_destination(&self, segment: &Segment) -> Result<Segment> {
-        let span = footprint(segment, true)?;
+        let span = footprint(segment)?;
         Ok(Segment { dst: self.translate(segment.dst, span)?, ..*segment })
     }
 
@@ -393,7 +393,7 @@ impl Opened {
     fn fitted(&self, segments: &[Segment]) -> Result<(Vec<Segment>, Vec<usize>)> {
         let (mut pieces, mut origins) =
             (Vec::with_capacity(segments.len()), Vec::with_capacity(segments.len()));
-        let fits = |s: &Segment| footprint(s, true).is_ok_and(|span| self.translate(s.dst, span).is_ok());
+        let fits = |s: &Segment| footprint(s).is_ok_and(|span| self.translate(s.dst, span).is_ok());
         for (index, s) in segments.iter().enumerate() {
             if fits(s) {
                 pieces.push(*s);
@@ -474,18 +474,10 @@ impl Opened {
     }
 }
 
-/// Bytes from a segment's first byte to one past its last, on the destination (or source) side.
-fn footprint(s: &Segment, destination: bool) -> Result<u64> {
-    if s.len == 0 || s.count[0] == 0 || s.count[1] == 0 {
-        return Ok(0);
-    }
-    let strides = if destination { s.dst_stride } else { s.src_stride };
-    let span = (|| {
-        let inner = strides[0].checked_mul(s.count[0] - 1)?;
-        let outer = strides[1].checked_mul(s.count[1] - 1)?;
-        inner.checked_add(outer)?.checked_add(s.len)
-    })();
-    span.ok_or_else(|| Error::invalid_argument(format!("segment {s:?} spans more than 2^64 bytes")))
+/// Bytes from a segment's first destination byte to one past its last.
+fn footprint(s: &Segment) -> Result<u64> {
+    s.span(Side::Destination)
+        .ok_or_else(|| Error::invalid_argument(format!("segment {s:?} spans more than 2^64 bytes")))
 }
 
 fn open_legacy(base: u64, size: u64, handle: &[u8; 64]) -> Result<Mapping> {
@@ -1111,7 +1103,7 @@ mod tests {
         // A strided segment's whole footprint must lie in one share.
         let s =
             Segment { src: 1, dst: 1000, len: 10, count: [3, 2], src_stride: [10, 30], dst_stride: [20, 40] };
-        assert_eq!(footprint(&s, true).unwrap(), 20 * 2 + 40 + 10);
+        assert_eq!(footprint(&s).unwrap(), 20 * 2 + 40 + 10);
         assert_eq!(opened.translate_destination(&s).unwrap().dst, 5000);
         let too_far = Segment { dst_stride: [40, 40], ..s };
         assert_eq!(opened.translate_destination(&too_far).unwrap_err().status, Status::NotFound);
