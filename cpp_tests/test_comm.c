@@ -18,11 +18,14 @@ static uint8_t byte_of(uint32_t rank, size_t i) { return (uint8_t)(rank * 59 + i
 
 static const size_t counts[RANKS] = {1000, 0, 70001};
 
-static refit_comm *join(const refit_comm_id *id, uint32_t rank) {
+/* Joins communicator `id` as `rank`; `ipc` false sends every pair's bytes through staging. */
+static refit_comm *join(const refit_comm_id *id, uint32_t rank, bool ipc) {
   refit_comm_options options;
   CHECK_OK(refit_comm_options_init(&options));
   CHECK(options.size == sizeof options && options.timeout_ms == 600000 && options.staging_bytes == 256u << 20);
+  CHECK(options.ipc);
   options.timeout_ms = 60000;
+  options.ipc = ipc;
   refit_comm *comm = NULL;
   CHECK_OK(refit_comm_create(id, RANKS, rank, 0, &options, &comm));
   uint32_t got = 99, size = 0, backend = 0;
@@ -124,11 +127,12 @@ static void plan_across(refit_comm *comm, uint32_t rank) {
 
 /* An executor across the processes moving real bytes: ranks 0 and 1 hold replicas of "w" (4 x 8
  * floats), rank 2 receives its column halves into two buffers; every received element is checked
- * against the value computed here, direct and then staged (nothing live before the commit). */
+ * against the value computed here, direct and then staged and verified (nothing live before the
+ * commit). Through the host's stand-in for CUDA IPC or, with `ipc` false, through staging. */
 static float weight[4][8];
 static float halves[2][4][4];
 
-static void executor_across(refit_comm *comm, uint32_t rank) {
+static void executor_across(refit_comm *comm, uint32_t rank, bool ipc) {
   for (int r = 0; r < 4; r++)
     for (int c = 0; c < 8; c++) weight[r][c] = (float)(r * 100 + c + 1);
   refit_table *table = NULL;
@@ -166,6 +170,7 @@ static void executor_across(refit_comm *comm, uint32_t rank) {
     CHECK(stats.bytes[REFIT_ROUTE_REMOTE] == (rank == 0 ? sizeof halves : 0));
     CHECK(stats.remote_received_bytes == (rank == 2 ? sizeof halves : 0));
     CHECK(stats.remote_ipc_bytes + stats.remote_wire_bytes == stats.bytes[REFIT_ROUTE_REMOTE]);
+    CHECK(stats.remote_wire_bytes == (ipc ? 0 : stats.bytes[REFIT_ROUTE_REMOTE]));
     /* Every rank has run: rank 2 holds the step (staged: not yet in its live buffers). */
     CHECK_OK(refit_comm_allgather(comm, addr(&token), addr(tokens), one, NULL));
     CHECK_OK(refit_comm_synchronize(comm, NULL));
@@ -189,11 +194,14 @@ static void executor_across(refit_comm *comm, uint32_t rank) {
 }
 
 /* One process's whole part; returns only on success. */
-static void rank_main(const refit_comm_id *id, uint32_t rank) {
-  refit_comm *comm = join(id, rank);
+static void rank_main(const refit_comm_id *id, const refit_comm_id *staged_id, uint32_t rank) {
+  refit_comm *staged = join(staged_id, rank, false);
+  executor_across(staged, rank, false);
+  refit_comm_destroy(staged);
+  refit_comm *comm = join(id, rank, true);
   allgather_uneven(comm, rank);
   plan_across(comm, rank);
-  executor_across(comm, rank);
+  executor_across(comm, rank, true);
   /* Rank 2 aborts; rank 0's next call then fails at once (not at its one-minute timeout). */
   if (rank == 2) {
     CHECK_OK(refit_comm_abort(comm));
@@ -304,8 +312,9 @@ static void bad_arguments(void) {
 }
 
 int main(void) {
-  refit_comm_id id;
+  refit_comm_id id, staged_id;
   CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
+  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &staged_id));
   fflush(stdout);
   pid_t children[RANKS - 1];
   for (uint32_t rank = 1; rank < RANKS; rank++) {
@@ -313,12 +322,12 @@ int main(void) {
     CHECK(pid >= 0);
     if (pid == 0) {
       check_passed = 0;
-      rank_main(&id, rank);
+      rank_main(&id, &staged_id, rank);
       exit(0);
     }
     children[rank - 1] = pid;
   }
-  rank_main(&id, 0);
+  rank_main(&id, &staged_id, 0);
   for (uint32_t i = 0; i < RANKS - 1; i++) {
     int status = 0;
     CHECK(waitpid(children[i], &status, 0) == children[i]);
