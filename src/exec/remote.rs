@@ -420,10 +420,7 @@ impl Remote {
             self.backend.sync_stream(self.device, stream)?;
             let mut out = Vec::new();
             for (peer, record) in &self.records {
-                let digests = record.digests()?;
-                out.extend_from_slice(&(*peer as u64).to_le_bytes());
-                out.extend_from_slice(&(digests.len() as u64).to_le_bytes());
-                digests.iter().for_each(|d| out.extend_from_slice(&d.to_le_bytes()));
+                encode_digests(&mut out, *peer, &record.digests()?);
             }
             Ok(out)
         })();
@@ -436,7 +433,8 @@ impl Remote {
             let Some(digests) = digests_for(&all[staged.peer], me)? else {
                 bail!(
                     Status::InvalidArgument,
-                    "process {} sent no digests of the bytes it stages to process {me}: every process must                      create its executor with the same verify option, and the sender must not have failed",
+                    "process {} sent no digests of the bytes it stages to process {me}: every process must \
+                     create its executor with the same verify option, and the sender must not have failed",
                     staged.peer
                 );
             };
@@ -493,8 +491,16 @@ impl Remote {
     }
 }
 
-/// The digests process `sender`'s record (`bytes`, as [`Remote::verify_staged`] encodes it) holds
-/// for process `receiver`, if any. DECODE_ERROR for bytes that are not such a record.
+/// Appends the digests for process `receiver` to `out`: its index, their count, the digests, each
+/// a little-endian u64.
+fn encode_digests(out: &mut Vec<u8>, receiver: usize, digests: &[u64]) {
+    out.extend_from_slice(&(receiver as u64).to_le_bytes());
+    out.extend_from_slice(&(digests.len() as u64).to_le_bytes());
+    digests.iter().for_each(|d| out.extend_from_slice(&d.to_le_bytes()));
+}
+
+/// The digests a sender's bytes (from [`encode_digests`]) hold for process `receiver`, if any.
+/// DECODE_ERROR for bytes that are not such a list.
 fn digests_for(bytes: &[u8], receiver: u64) -> Result<Option<Vec<u64>>> {
     let word = |at: usize| -> Result<u64> {
         bytes
@@ -558,6 +564,30 @@ mod tests {
         }
         landed_bytes.sort_unstable();
         assert_eq!(landed_bytes, ((1 << 20)..(1 << 20) + 17).collect::<Vec<u64>>());
+    }
+
+    #[test]
+    fn digests_reach_their_receiver_and_cut_bytes_are_refused() {
+        let mut bytes = Vec::new();
+        encode_digests(&mut bytes, 2, &[7, 8, 9]);
+        encode_digests(&mut bytes, 5, &[]);
+        encode_digests(&mut bytes, 1, &[u64::MAX]);
+        assert_eq!(digests_for(&bytes, 2).unwrap(), Some(vec![7, 8, 9]));
+        assert_eq!(digests_for(&bytes, 5).unwrap(), Some(vec![]));
+        assert_eq!(digests_for(&bytes, 1).unwrap(), Some(vec![u64::MAX]));
+        assert_eq!(digests_for(&bytes, 3).unwrap(), None);
+        assert_eq!(digests_for(&[], 0).unwrap(), None);
+        for cut in 1..bytes.len() {
+            // Every cut either ends cleanly before the entry for process 1, or is refused.
+            match digests_for(&bytes[..cut], 1) {
+                Ok(found) => assert_eq!(found, None, "cut at {cut}"),
+                Err(err) => assert_eq!(err.status, Status::DecodeError, "cut at {cut}"),
+            }
+        }
+        let mut huge = Vec::new();
+        encode_digests(&mut huge, 0, &[1]);
+        huge[8..16].copy_from_slice(&u64::MAX.to_le_bytes());
+        assert_eq!(digests_for(&huge, 0).unwrap_err().status, Status::DecodeError);
     }
 
     #[test]

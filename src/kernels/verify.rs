@@ -187,8 +187,9 @@ impl DigestRecord {
         let parts = self.batch.parts();
         let Some(memory) = parts.tile_digests else { return Ok(Vec::new()) };
         let mut out = vec![0u64; parts.launch.tiles as usize];
-        // SAFETY: a retained primary context; `out` holds the allocation's `tiles` words.
+        // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(parts.kernel.context()) }?;
+        // SAFETY: `out` holds the allocation's `tiles` words; the caller synchronized the stream.
         check("cuMemcpyDtoH", unsafe {
             sys::cuMemcpyDtoH_v2(out.as_mut_ptr().cast(), memory.ptr, out.len() * 8)
         })?;
@@ -225,8 +226,10 @@ impl DigestCheck {
             )));
         }
         let Some(memory) = parts.tile_digests else { return Ok(()) };
-        // SAFETY: a retained primary context; the allocation holds `tiles` words.
+        // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(parts.kernel.context()) }?;
+        // SAFETY: the allocation holds `tiles` words; no launch reads them meanwhile (the caller's
+        // promise).
         check("cuMemcpyHtoD", unsafe {
             sys::cuMemcpyHtoD_v2(memory.ptr, digests.as_ptr().cast(), digests.len() * 8)
         })
