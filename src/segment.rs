@@ -99,13 +99,27 @@ impl Segment {
         })
     }
 
+    /// How many spans [`Segment::for_each_destination_span`] calls back with.
+    pub fn destination_spans(&self) -> u64 {
+        match self.runs() {
+            0 => 0,
+            _ if self.rows_abut() => self.count[1],
+            runs => runs,
+        }
+    }
+
+    /// Whether each row's runs follow each other on the destination side.
+    fn rows_abut(&self) -> bool {
+        self.count[0] == 1 || self.dst_stride[0] == self.len
+    }
+
     /// The destination bytes as contiguous spans `(address, length)`, in order: one per row where
     /// its runs abut, else one per run. Spans may touch or overlap each other.
     pub fn for_each_destination_span(&self, mut f: impl FnMut(u64, u64)) {
         if self.runs() == 0 {
             return;
         }
-        if self.count[0] == 1 || self.dst_stride[0] == self.len {
+        if self.rows_abut() {
             for j in 0..self.count[1] {
                 f(self.dst + j * self.dst_stride[1], self.len * self.count[0]);
             }
@@ -165,6 +179,9 @@ mod tests {
             spans += 1;
         });
         assert_eq!(spans, 3, "abutting runs make one span per row");
+        assert_eq!(abutting.destination_spans(), 3);
+        assert_eq!(strided.destination_spans(), 12);
+        assert_eq!(Segment { len: 0, ..strided }.destination_spans(), 0);
         Segment { len: 0, ..strided }.for_each_destination_span(|_, _| panic!("no bytes, no spans"));
     }
 }

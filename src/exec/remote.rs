@@ -30,7 +30,7 @@
 use super::flows::rank_of;
 use super::options::{CommitMode, ExecOptions, Hook, Stage};
 use crate::bail;
-use crate::error::{Error, Result, Status};
+use crate::error::{try_vec, Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Endpoint, Plan, RouteKind};
 use crate::segment::check::validate;
@@ -254,7 +254,9 @@ impl Remote {
         // IPC where the pair can; the rest through staging.
         // Only the bytes the writers touch: a strided segment's footprint may span gaps between
         // this process's buffers, which are no memory that could be shared.
-        let mut mine: Vec<(u64, u64)> = Vec::new();
+        let spans = targets.values().flatten().try_fold(0u64, |n, s| n.checked_add(s.destination_spans()));
+        let spans = spans.and_then(|n| usize::try_from(n).ok()).unwrap_or(usize::MAX);
+        let mut mine: Vec<(u64, u64)> = try_vec(spans, "the ranges of this process that peers write")?;
         for s in targets.values().flatten() {
             s.for_each_destination_span(|addr, len| mine.push((addr, len)));
         }

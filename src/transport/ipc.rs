@@ -25,7 +25,7 @@ use super::comm::Communicator;
 use super::driver::{check, primary_context, CurrentContext};
 use super::{BackendKind, PreparedCheck, PreparedCopy, Stream};
 use crate::bail;
-use crate::error::{Error, Result, Status};
+use crate::error::{try_reserve, try_vec, Error, Result, Status};
 use crate::kernels::verify::VerifyBatch;
 use crate::segment::check::validate;
 use crate::segment::{Segment, Side};
@@ -159,7 +159,8 @@ pub fn decode(bytes: &[u8]) -> Result<Vec<Share>> {
 /// The address ranges `(address, length)` merged where they overlap or touch, ascending, empty ones
 /// dropped.
 fn merged(ranges: &[(u64, u64)]) -> Result<Vec<(u64, u64)>> {
-    let mut sorted: Vec<(u64, u64)> = ranges.iter().copied().filter(|&(_, len)| len > 0).collect();
+    let mut sorted = try_vec(ranges.len(), "the ranges to share")?;
+    sorted.extend(ranges.iter().copied().filter(|&(_, len)| len > 0));
     sorted.sort_unstable();
     let mut out: Vec<(u64, u64)> = Vec::new();
     for (addr, len) in sorted {
@@ -396,20 +397,24 @@ impl Opened {
         let fits = |s: &Segment| footprint(s).is_ok_and(|span| self.translate(s.dst, span).is_ok());
         for (index, s) in segments.iter().enumerate() {
             if fits(s) {
+                try_reserve(&mut pieces, 1, WRITE_PIECES)?;
                 pieces.push(*s);
             } else {
                 for row in s.rows() {
                     if fits(&row) {
+                        try_reserve(&mut pieces, 1, WRITE_PIECES)?;
                         pieces.push(row);
                         continue;
                     }
-                    let mut runs = Vec::new();
+                    let mut runs = try_vec(row.runs() as usize, "the runs of a write into a peer")?;
                     row.for_each_run(|src, dst, len| runs.push((src, dst, len)));
                     for (src, dst, len) in runs {
                         self.cut_run(src, dst, len, &mut pieces)?;
                     }
                 }
             }
+            let more = pieces.len() - origins.len();
+            try_reserve(&mut origins, more, WRITE_PIECES)?;
             origins.resize(pieces.len(), index);
         }
         Ok((pieces, origins))
@@ -428,6 +433,7 @@ impl Opened {
                 );
             };
             let piece = len.min(m.remote + m.size - dst);
+            try_reserve(pieces, 1, WRITE_PIECES)?;
             pieces.push(Segment::contiguous(src, dst, piece));
             (src, dst, len) = (src + piece, dst + piece, len - piece);
         }
@@ -473,6 +479,9 @@ impl Opened {
         })
     }
 }
+
+/// What the pieces of writes into a peer are called when they do not fit in memory.
+const WRITE_PIECES: &str = "the pieces of writes into a peer";
 
 /// Bytes from a segment's first destination byte to one past its last.
 fn footprint(s: &Segment) -> Result<u64> {
