@@ -8,12 +8,15 @@
 //! `API_CAP` segments only (issuing millions of calls would take minutes) and reported as GB/s of
 //! the bytes they copied. Prints markdown tables; writes $REFIT_BENCH_RESULTS/gpu_copy.json.
 
+#[path = "copy_support/mod.rs"]
+mod copy_support;
 #[path = "../tests/common/cuda.rs"]
 mod cuda;
 #[path = "../tests/common/random_batch.rs"]
 mod random_batch;
 
-use cuda::{enable_peer, ok, on, Buffer, Stream, Timer};
+use copy_support::{column_split, gbps, median, randomize, time_ms, MIB};
+use cuda::{enable_peer, ok, on, Buffer, Stream};
 use cudarc::driver::sys;
 use random_batch::Rng;
 use refit::kernels::layout::BatchLayout;
@@ -22,7 +25,6 @@ use refit::transport::driver::check;
 use refit::Segment;
 use std::time::Instant;
 
-const MIB: u64 = 1 << 20;
 const API_CAP: usize = 16384;
 
 /// The kernel entry points with the test's promise kept: every segment names live buffers of this
@@ -47,53 +49,6 @@ struct Row {
     batch_api: f64,
     per_segment: f64,
     ceiling: f64,
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn gbps(bytes: u64, ms: f64) -> f64 {
-    bytes as f64 / (ms * 1e-3) / 1e9
-}
-
-/// Median milliseconds of `reps` runs of `work` on `stream`, after `warm` unmeasured runs.
-fn time_ms(device: i32, stream: &Stream, warm: usize, reps: usize, mut work: impl FnMut()) -> f64 {
-    for _ in 0..warm {
-        work();
-    }
-    stream.sync();
-    let timer = Timer::new(device);
-    median(
-        (0..reps)
-            .map(|_| {
-                timer.start(stream);
-                work();
-                timer.stop(stream)
-            })
-            .collect(),
-    )
-}
-
-/// Fills `buffer` with non-zero random bytes (a 64 MiB random block repeated).
-fn randomize(buffer: &Buffer, rng: &mut Rng) {
-    let block = (64 * MIB as usize).min(buffer.len);
-    let mut bytes = vec![0u8; block];
-    rng.fill(&mut bytes);
-    let mut at = 0;
-    while at < buffer.len {
-        let n = block.min(buffer.len - at);
-        on(buffer.device, || {
-            ok(
-                "cuMemcpyHtoD",
-                check("cuMemcpyHtoD", unsafe {
-                    sys::cuMemcpyHtoD_v2(buffer.ptr + at as u64, bytes.as_ptr().cast(), n)
-                }),
-            )
-        });
-        at += n;
-    }
 }
 
 fn read(device: i32, address: u64, len: usize) -> Vec<u8> {
@@ -130,23 +85,6 @@ fn scattered(src: u64, dst: u64, size: u64, n: u64, rng: &mut Rng) -> Vec<Segmen
         slots.swap(i, rng.range(0, i as u64) as usize);
     }
     (0..n).map(|k| Segment::contiguous(src + k * size, dst + slots[k as usize] * size, size)).collect()
-}
-
-/// The tensor-parallel column split: 2,048 rows of 768 B out of rows of 1,536 B, one segment per
-/// tensor, repeated over 256 MiB of payload (sources 512 MiB).
-fn column_split(src: u64, dst: u64) -> Vec<Segment> {
-    let shard = 2048 * 1536u64;
-    let tensors = 256 * MIB / (2048 * 768);
-    (0..tensors)
-        .map(|t| Segment {
-            src: src + t * shard,
-            dst: dst + t * 2048 * 768,
-            len: 768,
-            count: [2048, 1],
-            src_stride: [1536, 0],
-            dst_stride: [768, 0],
-        })
-        .collect()
 }
 
 /// Every contiguous run (for the host-API columns), up to `cap`.
@@ -197,18 +135,12 @@ fn memcpy_each(runs: &[(u64, u64, u64)], stream: &Stream) -> refit::Result<()> {
 
 /// Times a peer column, or reports NaN (printed, null in JSON) when its first call fails, so that one
 /// failing API does not lose the rest of the run.
-fn time_or_nan(
-    name: &str,
-    device: i32,
-    stream: &Stream,
-    reps: usize,
-    mut work: impl FnMut() -> refit::Result<()>,
-) -> f64 {
+fn time_or_nan(name: &str, stream: &Stream, reps: usize, mut work: impl FnMut() -> refit::Result<()>) -> f64 {
     if let Err(err) = work() {
         println!("{name} failed, column left empty: {err}");
         return f64::NAN;
     }
-    time_ms(device, stream, 0, reps, || ok(name, work()))
+    time_ms(stream, 0, reps, || ok(name, work()))
 }
 
 fn measure(
@@ -224,20 +156,19 @@ fn measure(
     let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap()).sum();
     let prepared = ok("PreparedBatch::new", PreparedBatch::new(device, segments, false));
     let reps = if bytes >= 512 * MIB { 10 } else { 20 };
-    let ours_ms = time_ms(device, &stream, 3, reps, || ok("launch", launch(&prepared, stream.raw)));
+    let ours_ms = time_ms(&stream, 3, reps, || ok("launch", launch(&prepared, stream.raw)));
     on(device, || ok("sync", check("sync", unsafe { sys::cuStreamSynchronize(stream.raw) })));
     verify(segments, src.device, dst.device, rng);
     let one_shot_ms =
-        time_ms(device, &stream, 1, 3, || ok("copy_segments", copy(device, stream.raw, segments, false)));
+        time_ms(&stream, 1, 3, || ok("copy_segments", copy(device, stream.raw, segments, false)));
     let api_runs = runs(segments, API_CAP);
     let api_bytes: u64 = api_runs.iter().map(|r| r.2).sum();
     let batch_ms = on(device, || {
-        time_or_nan("cuMemcpyBatchAsync", device, &stream, 3, || memcpy_batch(&api_runs, dst.device, &stream))
+        time_or_nan("cuMemcpyBatchAsync", &stream, 3, || memcpy_batch(&api_runs, dst.device, &stream))
     });
-    let each_ms =
-        on(device, || time_or_nan("cuMemcpyAsync", device, &stream, 3, || memcpy_each(&api_runs, &stream)));
+    let each_ms = on(device, || time_or_nan("cuMemcpyAsync", &stream, 3, || memcpy_each(&api_runs, &stream)));
     let ceiling_ms = on(device, || {
-        time_ms(device, &stream, 2, reps, || {
+        time_ms(&stream, 2, reps, || {
             ok(
                 "cuMemcpyAsync",
                 check("cuMemcpyAsync", unsafe {
@@ -326,7 +257,7 @@ fn main() {
         let mut cells = Vec::new();
         for &shift in &shifts {
             let prepared = ok("with_tile_shift", PreparedBatch::tuned(0, &segments, false, shift, 0));
-            let ms = time_ms(0, &sweep_stream, 2, 10, || ok("launch", launch(&prepared, sweep_stream.raw)));
+            let ms = time_ms(&sweep_stream, 2, 10, || ok("launch", launch(&prepared, sweep_stream.raw)));
             cells.push(format!("{:.0}", gbps(bytes, ms)));
             sweep.push(format!(
                 "    {{\"case\": \"{name}\", \"tile_bytes\": {}, \"ours\": {:.2}}}",
@@ -352,7 +283,7 @@ fn main() {
         for lanes in [8u32, 16, 32, 0] {
             let shift = BatchLayout::default_tile_shift();
             let prepared = ok("tuned", PreparedBatch::tuned(0, &segments, false, shift, lanes));
-            let ms = time_ms(0, &sweep_stream, 2, 10, || ok("launch", launch(&prepared, sweep_stream.raw)));
+            let ms = time_ms(&sweep_stream, 2, 10, || ok("launch", launch(&prepared, sweep_stream.raw)));
             cells.push(format!("{:.0}", gbps(bytes, ms)));
             sweep.push(format!(
                 "    {{\"case\": \"{name}\", \"tile_bytes\": {}, \"lanes_per_tile\": {}, \"ours\": {:.2}}}",

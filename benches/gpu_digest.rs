@@ -12,12 +12,15 @@
 //! Times are CUDA-event medians after warm-up. Prints markdown tables; writes
 //! $REFIT_BENCH_RESULTS/gpu_digest.json.
 
+#[path = "copy_support/mod.rs"]
+mod copy_support;
 #[path = "../tests/common/cuda.rs"]
 mod cuda;
 #[path = "../tests/common/random_batch.rs"]
 mod random_batch;
 
-use cuda::{ok, on, Buffer, Stream, Timer};
+use copy_support::{column_split, gbps, median, randomize, time_ms, MIB};
+use cuda::{ok, on, Buffer, Stream};
 use cudarc::driver::sys;
 use random_batch::Rng;
 use refit::kernels::digest::DigestKernel;
@@ -29,8 +32,6 @@ use refit::transport::nvrtc::{self, Output};
 use refit::Segment;
 use std::ffi::c_void;
 use std::time::Instant;
-
-const MIB: u64 = 1 << 20;
 
 /// The peer: every thread XORs its 16-byte vectors (four in flight), one atomic per warp.
 const READ_XOR: &str = r#"
@@ -49,33 +50,6 @@ extern "C" __global__ void __launch_bounds__(256) read_xor(const V* p, u64 n, u6
     if ((threadIdx.x & 31) == 0 && x != 0) atomicXor(out, x);
 }
 "#;
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(|a, b| a.partial_cmp(b).unwrap());
-    v[v.len() / 2]
-}
-
-fn gbps(bytes: u64, ms: f64) -> f64 {
-    bytes as f64 / (ms * 1e-3) / 1e9
-}
-
-/// Median milliseconds of `reps` runs of `work` on `stream`, after `warm` unmeasured runs.
-fn time_ms(stream: &Stream, warm: usize, reps: usize, mut work: impl FnMut()) -> f64 {
-    for _ in 0..warm {
-        work();
-    }
-    stream.sync();
-    let timer = Timer::new(stream.device);
-    median(
-        (0..reps)
-            .map(|_| {
-                timer.start(stream);
-                work();
-                timer.stop(stream)
-            })
-            .collect(),
-    )
-}
 
 struct ReadXor {
     function: sys::CUfunction,
@@ -149,26 +123,6 @@ fn memcpy(stream: &Stream, dst: u64, src: u64, len: u64) {
     });
 }
 
-/// Fills `buffer` with random bytes (a 64 MiB random block repeated).
-fn randomize(buffer: &Buffer, rng: &mut Rng) {
-    let block = (64 * MIB as usize).min(buffer.len);
-    let mut bytes = vec![0u8; block];
-    rng.fill(&mut bytes);
-    let mut at = 0;
-    while at < buffer.len {
-        let n = block.min(buffer.len - at);
-        on(0, || {
-            ok(
-                "cuMemcpyHtoD",
-                check("cuMemcpyHtoD", unsafe {
-                    sys::cuMemcpyHtoD_v2(buffer.ptr + at as u64, bytes.as_ptr().cast(), n)
-                }),
-            )
-        });
-        at += n;
-    }
-}
-
 struct DigestRow {
     size: u64,
     offset: u64,
@@ -198,22 +152,6 @@ impl VerifyRow {
 
 fn contiguous_split(src: u64, dst: u64, total: u64, size: u64) -> Vec<Segment> {
     (0..total / size).map(|k| Segment::contiguous(src + k * size, dst + k * size, size)).collect()
-}
-
-/// The tensor-parallel column split of benches/gpu_copy.rs: rows of 768 B out of rows of 1,536 B.
-fn column_split(src: u64, dst: u64) -> Vec<Segment> {
-    let shard = 2048 * 1536u64;
-    let tensors = 256 * MIB / (2048 * 768);
-    (0..tensors)
-        .map(|t| Segment {
-            src: src + t * shard,
-            dst: dst + t * 2048 * 768,
-            len: 768,
-            count: [2048, 1],
-            src_stride: [1536, 0],
-            dst_stride: [768, 0],
-        })
-        .collect()
 }
 
 fn measure_verify(case: &str, segments: Vec<Segment>, stream: &Stream) -> VerifyRow {

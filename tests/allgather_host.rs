@@ -3,6 +3,10 @@
 // Rank-indexed parallel arrays (devices, streams, events, buffers) read clearer by index.
 #![allow(clippy::needless_range_loop)]
 
+#[path = "common/blocks.rs"]
+mod blocks;
+
+use blocks::block;
 use refit::allgather::peer::{set_method, PeerMethod};
 use refit::allgather::{allgather, allgather_rank, Algorithm};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
@@ -27,20 +31,6 @@ fn host_with(n: usize, method: Option<PeerMethod>) -> Group {
     let group = host(n);
     set_method(&group, method).unwrap();
     group
-}
-
-/// Deterministic, call- and rank-dependent bytes (never the poison pattern throughout).
-fn block(rank: usize, call: usize, len: usize) -> Vec<u8> {
-    let mut x = (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15)
-        ^ (call as u64 + 1).wrapping_mul(0xD1B5_4A32_D192_ED03);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 fn expected(blocks: &[Vec<u8>]) -> Vec<u8> {

@@ -6,9 +6,13 @@
 //! function of rank and call). Failure tests check that every rank gets a status, within the timeout,
 //! when a peer never arrives, exits, is killed or aborts.
 
+#[path = "common/blocks.rs"]
+mod blocks;
+
 #[path = "common/processes.rs"]
 mod processes;
 
+use blocks::block;
 use processes::{in_processes, End};
 use refit::across::build_plan;
 use refit::allgather::comm::allgather;
@@ -40,19 +44,6 @@ fn options(timeout_ms: u64) -> CommOptions {
 
 fn join(rank: usize, size: usize, id: &CommId, timeout_ms: u64) -> Communicator {
     Communicator::create(id, size, rank, 0, options(timeout_ms)).unwrap()
-}
-
-/// Deterministic bytes of rank `rank`'s block in call `call`.
-fn block(rank: usize, call: usize, len: usize) -> Vec<u8> {
-    let mut x = (rank as u64 + 1).wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ (call as u64 + 7);
-    (0..len)
-        .map(|_| {
-            x ^= x << 13;
-            x ^= x >> 7;
-            x ^= x << 17;
-            x as u8
-        })
-        .collect()
 }
 
 /// One allgather of `counts` (in place or not) on `stream`, checked against the blocks concatenated.

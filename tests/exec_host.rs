@@ -3,10 +3,14 @@
 //! tensor element it stands for (`element_value`, computed independently of the copy), for every arm,
 //! direct and staged commit, sliced staging, verify, injected failures before commit, and rebinds.
 
+#[path = "common/hooks.rs"]
+mod hooks;
+
+use hooks::failing_at;
 use refit::exec::{Arm, CommitMode, ExecOptions, Executor, Method, RunStats, Stage};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::plan::{self, Endpoint, Plan, PlanOptions};
-use refit::{Error, Status};
+use refit::Status;
 use refit_workloads::{element_value, Model, Moe, Packing, Role, Spec, Workload};
 use std::sync::Arc;
 
@@ -209,19 +213,6 @@ fn staged_runs_leave_live_buffers_alone_until_commit() {
         let err = unsafe { executor.commit(&group) }.unwrap_err();
         assert_eq!(err.status, Status::InvalidState, "a second commit of one run: {}", err.message);
     }
-}
-
-/// A hook that fails at `at`, standing for a driver error there.
-fn failing_at(at: Stage) -> refit::exec::Hook {
-    Arc::new(
-        move |stage, _group: &Group| {
-            if stage == at {
-                Err(Error::new(Status::CudaError, "injected failure"))
-            } else {
-                Ok(())
-            }
-        },
-    )
 }
 
 #[test]

@@ -6,15 +6,19 @@
 //! byte corrupted between copy and verify, with failures injected before the commit (live bytes
 //! must stay poisoned), and after rebinding the receivers to new allocations.
 
+#[path = "common/hooks.rs"]
+mod hooks;
+
 mod gpu_common;
 
 use cudarc::driver::sys;
 use gpu_common::{caller_stream, ck, cuda, group_sizes, DeviceBuffer};
+use hooks::failing_at;
 use refit::exec::{Arm, CommitMode, ExecOptions, Executor, Hook, Method, Stage};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use refit::plan::{self, Endpoint, Plan, PlanOptions, RouteKind};
 use refit::transport::{Backend, Stream};
-use refit::{Error, Status};
+use refit::Status;
 use refit_workloads::{Megatron, Model, Moe, Packing, Role, Spec, Vllm, Workload};
 use std::sync::Arc;
 
@@ -209,19 +213,6 @@ fn staged_steps_touch_live_bytes_only_at_commit() {
             refit.assert_installed(&format!("{size} GPU(s) staged, limit {limit}"));
         }
     }
-}
-
-/// A hook failing at `at` (a driver error standing there).
-fn failing_at(at: Stage) -> Hook {
-    Arc::new(
-        move |stage, _group: &Group| {
-            if stage == at {
-                Err(Error::new(Status::CudaError, "injected failure"))
-            } else {
-                Ok(())
-            }
-        },
-    )
 }
 
 #[test]

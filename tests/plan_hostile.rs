@@ -4,12 +4,16 @@
 //! with exactly the right bytes or fail with a specific status; never panic (debug builds check
 //! every arithmetic operation) and never run for long. Timings are in benches/plan_bench.rs.
 
+#[path = "common/xorshift.rs"]
+mod xorshift;
+
 use refit::plan::{
     build, build_with_limits, Endpoint, Limits, Need, Offer, Plan, PlanOptions, Region, Table, TableBuilder,
     TensorSpec,
 };
 use refit::Status;
 use std::collections::BTreeMap;
+use xorshift::Rng;
 
 const COUNT: u64 = 40_000;
 
@@ -194,32 +198,6 @@ fn overlaps_beyond_the_limits_are_unsupported_and_name_the_limit() {
         let err = build_with_limits(std::slice::from_ref(&big), &options, &limits).unwrap_err();
         assert_eq!(err.status, Status::Unsupported, "{err}");
         assert!(err.message.contains(name) && err.message.contains("'w'"), "{err}");
-    }
-}
-
-/// xorshift64*.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    /// Values that stress 64-bit arithmetic: small, near powers of two, near the top.
-    fn extreme(&mut self) -> u64 {
-        match self.below(6) {
-            0 => self.below(4),
-            1 => 1 << self.below(64),
-            2 => (1u64 << self.below(64)).wrapping_sub(1),
-            3 => u64::MAX - self.below(4),
-            4 => u64::MAX / (1 + self.below(8)),
-            _ => self.next(),
-        }
     }
 }
 

@@ -7,34 +7,15 @@
 //! simulated publisher memory (holes filled with garbage, so reading an unneeded byte shows), and
 //! both memories must match exactly, with every needed byte written once.
 
+#[path = "common/xorshift.rs"]
+mod xorshift;
+
 use refit::plan::{
     build, build_share, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, PlanStats, Region, Route,
     Table, TensorSpec,
 };
 use std::collections::BTreeMap;
-
-/// xorshift64*: small, seeded, good enough to explore layouts.
-struct Rng(u64);
-
-impl Rng {
-    fn next(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_f491_4f6c_dd1d)
-    }
-    fn below(&mut self, n: u64) -> u64 {
-        self.next() % n
-    }
-    fn chance(&mut self, percent: u64) -> bool {
-        self.below(100) < percent
-    }
-    fn shuffle<T>(&mut self, v: &mut [T]) {
-        for i in (1..v.len()).rev() {
-            v.swap(i, self.below(i as u64 + 1) as usize);
-        }
-    }
-}
+use xorshift::Rng;
 
 /// The byte every replica holds for byte `b` of element `index` of tensor `name`.
 fn logical(name: &str, index: u64, b: u64) -> u8 {

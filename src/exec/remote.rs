@@ -28,7 +28,7 @@
 //! reports a difference.
 
 use super::flows::rank_of;
-use super::options::{CommitMode, ExecOptions, Hook, Stage};
+use super::options::{CommitMode, ExecOptions, Stage};
 use crate::bail;
 use crate::error::{try_vec, Error, Result, Status};
 use crate::group::Group;
@@ -102,8 +102,9 @@ pub(crate) struct Remote {
     checks: Vec<StagedCheck>,
     /// Some process verifies bytes through staging: every run meets once more to hand over digests.
     digest_meeting: bool,
-    /// The executor's test hook, called before the checks of bytes through staging.
-    hook: Option<Hook>,
+    /// The executor's options, for its test hook (called before the checks of bytes through
+    /// staging).
+    options: ExecOptions,
     pub totals: RemoteTotals,
 }
 
@@ -355,7 +356,7 @@ impl Remote {
             records,
             checks,
             digest_meeting,
-            hook: options.hook.clone(),
+            options: options.clone(),
             totals,
         })
     }
@@ -429,7 +430,7 @@ impl Remote {
         // A process that failed sends no digests; its receivers report that, and it its own error.
         let all = self.comm.allgather_bytes(recorded.as_deref().unwrap_or_default())?;
         recorded?;
-        self.call_hook(group)?;
+        self.options.call_hook(Stage::Verify { slice: 0 }, group)?;
         let me = self.comm.rank() as u64;
         for staged in &self.checks {
             let Some(digests) = digests_for(&all[staged.peer], me)? else {
@@ -459,13 +460,6 @@ impl Remote {
             }
         }
         Ok(())
-    }
-
-    fn call_hook(&self, group: &Group) -> Result<()> {
-        match &self.hook {
-            Some(hook) => hook(Stage::Verify { slice: 0 }, group),
-            None => Ok(()),
-        }
     }
 
     /// The outcome of the IPC writes' verify (the writes have run).

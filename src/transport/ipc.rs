@@ -575,8 +575,8 @@ fn map_chunk(fd: OwnedFd, at: u64, bytes: u64) -> Result<sys::CUmemGenericAlloca
 /// Checks that this process may read and write process `pid`'s memory (one byte read at `base`).
 fn open_host(pid: u32, base: u64, size: u64) -> Result<Mapping> {
     let mut byte = 0u8;
-    let local = libc::iovec { iov_base: (&mut byte as *mut u8).cast(), iov_len: 1 };
-    let remote = libc::iovec { iov_base: base as usize as *mut libc::c_void, iov_len: 1 };
+    let local = iovec(&mut byte as *mut u8 as u64, 1);
+    let remote = iovec(base, 1);
     // SAFETY: reads one byte into `byte`.
     let read = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
     if read != 1 {
@@ -743,8 +743,8 @@ unsafe fn compare_host_runs(pid: u32, segments: &[Segment]) -> Result<Option<usi
                 return;
             }
             theirs.resize(len as usize, 0u8);
-            let local = libc::iovec { iov_base: theirs.as_mut_ptr().cast(), iov_len: len as usize };
-            let remote = libc::iovec { iov_base: dst as usize as *mut libc::c_void, iov_len: len as usize };
+            let local = iovec(theirs.as_mut_ptr() as u64, len);
+            let remote = iovec(dst, len);
             // SAFETY: reads into `theirs`, which holds `len` bytes.
             let read = unsafe { libc::process_vm_readv(pid as libc::pid_t, &local, 1, &remote, 1, 0) };
             if read < 0 || read as u64 != len {
@@ -835,22 +835,8 @@ impl VmBatch {
     /// As for `push`.
     unsafe fn flush(&mut self) -> Result<()> {
         while !self.runs.is_empty() {
-            let local: Vec<libc::iovec> = self
-                .runs
-                .iter()
-                .map(|&(l, _, n)| libc::iovec {
-                    iov_base: l as usize as *mut libc::c_void,
-                    iov_len: n as usize,
-                })
-                .collect();
-            let remote: Vec<libc::iovec> = self
-                .runs
-                .iter()
-                .map(|&(_, r, n)| libc::iovec {
-                    iov_base: r as usize as *mut libc::c_void,
-                    iov_len: n as usize,
-                })
-                .collect();
+            let local: Vec<libc::iovec> = self.runs.iter().map(|&(l, _, n)| iovec(l, n)).collect();
+            let remote: Vec<libc::iovec> = self.runs.iter().map(|&(_, r, n)| iovec(r, n)).collect();
             // SAFETY: iovecs of readable local memory and the peer's shared ranges.
             let wrote = unsafe {
                 libc::process_vm_writev(
@@ -888,6 +874,11 @@ impl VmBatch {
         }
         Ok(())
     }
+}
+
+/// `len` bytes at `addr`, as `process_vm_readv` / `process_vm_writev` take them.
+fn iovec(addr: u64, len: u64) -> libc::iovec {
+    libc::iovec { iov_base: addr as usize as *mut libc::c_void, iov_len: len as usize }
 }
 
 /// The raw descriptors of `exported`, for [`super::mesh::Mesh::send_fds`].

@@ -539,66 +539,70 @@ fn join(
 
 /// Reads exactly `buf.len()` bytes from a nonblocking socket before the deadline.
 fn read_exact(stream: &UnixStream, buf: &mut [u8], deadline: Deadline, what: &str) -> Result<()> {
-    let mut done = 0;
-    while done < buf.len() {
+    let (at, total) = (buf.as_mut_ptr(), buf.len());
+    move_all(stream, total, Way::Read, deadline, what, |done| {
         // SAFETY: writes into the rest of `buf`.
-        let got = unsafe {
-            libc::recv(
-                stream.as_raw_fd(),
-                buf[done..].as_mut_ptr().cast(),
-                buf.len() - done,
-                libc::MSG_DONTWAIT,
-            )
-        };
-        if got > 0 {
-            done += got as usize;
-            continue;
-        }
-        if got == 0 {
-            bail!(Status::Aborted, "the connection closed while reading {what}: the peer process exited");
-        }
-        let err = std::io::Error::last_os_error();
-        match err.kind() {
-            ErrorKind::Interrupted => {}
-            ErrorKind::WouldBlock => {
-                if deadline.expired() {
-                    return Err(deadline.error(format_args!("{what} did not arrive")));
-                }
-                wait_fd(stream.as_raw_fd(), libc::POLLIN, deadline)?;
-            }
-            _ => bail!(Status::Aborted, "reading {what} failed: {err}"),
-        }
-    }
-    Ok(())
+        unsafe { libc::recv(stream.as_raw_fd(), at.add(done).cast(), total - done, libc::MSG_DONTWAIT) }
+    })
 }
 
 /// Writes all of `data` to a nonblocking socket before the deadline.
 fn write_all(stream: &UnixStream, data: &[u8], deadline: Deadline, what: &str) -> Result<()> {
-    let mut done = 0;
-    while done < data.len() {
+    move_all(stream, data.len(), Way::Write, deadline, what, |done| {
         // SAFETY: reads from the rest of `data`.
-        let sent = unsafe {
+        unsafe {
             libc::send(
                 stream.as_raw_fd(),
                 data[done..].as_ptr().cast(),
                 data.len() - done,
                 libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT,
             )
-        };
-        if sent >= 0 {
-            done += sent as usize;
+        }
+    })
+}
+
+/// Which way [`move_all`] moves bytes.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Way {
+    Read,
+    Write,
+}
+
+/// Calls `io(done)` (one nonblocking recv or send of the bytes after the first `done`, returning
+/// what the call returned) until `total` bytes have moved, waiting for the socket to be ready in
+/// between, before the deadline. A read of 0 bytes is the peer's end of stream.
+fn move_all(
+    stream: &UnixStream,
+    total: usize,
+    way: Way,
+    deadline: Deadline,
+    what: &str,
+    mut io: impl FnMut(usize) -> isize,
+) -> Result<()> {
+    let mut done = 0;
+    while done < total {
+        let moved = io(done);
+        if moved == 0 && way == Way::Read {
+            bail!(Status::Aborted, "the connection closed while reading {what}: the peer process exited");
+        }
+        if moved >= 0 {
+            done += moved as usize;
             continue;
         }
         let err = std::io::Error::last_os_error();
+        let (events, stuck, verb) = match way {
+            Way::Read => (libc::POLLIN, "did not arrive", "reading"),
+            Way::Write => (libc::POLLOUT, "could not be sent", "sending"),
+        };
         match err.kind() {
             ErrorKind::Interrupted => {}
             ErrorKind::WouldBlock => {
                 if deadline.expired() {
-                    return Err(deadline.error(format_args!("{what} could not be sent")));
+                    return Err(deadline.error(format_args!("{what} {stuck}")));
                 }
-                wait_fd(stream.as_raw_fd(), libc::POLLOUT, deadline)?;
+                wait_fd(stream.as_raw_fd(), events, deadline)?;
             }
-            _ => bail!(Status::Aborted, "sending {what} failed: {err}"),
+            _ => bail!(Status::Aborted, "{verb} {what} failed: {err}"),
         }
     }
     Ok(())

@@ -10,7 +10,7 @@ for synthetic tables.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 
 from .._lib import invalid_argument
 from ..plan import Table
@@ -325,6 +325,17 @@ def add_params(
                 table.add_need(index, process, dev, addr, piece.offset, piece.extent, piece.strides)
             added += 1
     return added
+
+
+def new_table(fill: Callable[[Table], object]) -> Table:
+    """A new Table after `fill(table)`; closed again when filling it fails."""
+    table = Table()
+    try:
+        fill(table)
+    except BaseException:
+        table.close()
+        raise
+    return table
 
 
 def _numel(shape: Sequence[int]) -> int:

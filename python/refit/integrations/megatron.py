@@ -47,6 +47,7 @@ from .layout import (
     add_params,
     check_rank,
     concat_rows,
+    new_table,
     pad_to,
     split,
     vocab_rows,
@@ -227,10 +228,4 @@ class MegatronPublisher:
         digests: Optional[Mapping[str, int]] = None,
     ) -> Table:
         """A new Table holding this rank's offers."""
-        table = Table()
-        try:
-            self.add_to(table, named_parameters, process, device, strict, digests)
-        except BaseException:
-            table.close()
-            raise
-        return table
+        return new_table(lambda table: self.add_to(table, named_parameters, process, device, strict, digests))

@@ -38,7 +38,17 @@ from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
 from .._lib import RefitError, Status, invalid_argument
 from ..plan import Plan, Table
 from ..tensor import TensorLike
-from .layout import ModelShape, ParamBuilder, ParamLayout, add_params, check_rank, pad_to, split, vocab_rows
+from .layout import (
+    ModelShape,
+    ParamBuilder,
+    ParamLayout,
+    add_params,
+    check_rank,
+    new_table,
+    pad_to,
+    split,
+    vocab_rows,
+)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,13 +221,7 @@ class VllmReceiver:
         strict: bool = True,
     ) -> Table:
         """A new Table holding this worker's needs."""
-        table = Table()
-        try:
-            self.add_to(table, named_parameters, process, device, strict)
-        except BaseException:
-            table.close()
-            raise
-        return table
+        return new_table(lambda table: self.add_to(table, named_parameters, process, device, strict))
 
 
 class RefitWorkerExtension:
