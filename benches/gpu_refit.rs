@@ -372,6 +372,16 @@ fn spot_check(machine: &Machine, plan: *mut refit_plan) {
         ok(unsafe { refit_plan_route(plan, r, &mut route) }, "refit_plan_route");
         // SAFETY: valid until the plan is destroyed.
         let segments = unsafe { std::slice::from_raw_parts(route.segments, route.segment_count) };
+        for s in segments.iter().take(8) {
+            println!(
+                "  route {r}: {} bytes in runs of {} x {:?}, strides {:?} / {:?}",
+                s.bytes().unwrap_or(0),
+                s.len,
+                s.count,
+                s.src_stride,
+                s.dst_stride
+            );
+        }
         for s in segments.iter().step_by((segments.len() / 40).max(1)) {
             let len = s.len.min(1 << 20) as usize;
             assert!(machine.read(s.src, len) == machine.read(s.dst, len), "segment {s:?} did not land");
@@ -439,7 +449,20 @@ fn main() {
     let step_ns = median(steps.iter().map(|(s, _)| s.device_ns as f64).collect());
     let step_wall_ns = median(steps.iter().map(|(s, _)| s.wall_ns as f64).collect());
     let segments: u64 = steps[0].0.segments.iter().sum();
+    let auto_arm = steps[0].0.arm[0];
     refit_executor_destroy(direct);
+
+    // The same step by each fixed arm, beside AUTO's choice (which may split the runs between them).
+    let by_arm: Vec<(&str, f64)> =
+        [("REFIT_ARM_KERNEL", REFIT_ARM_KERNEL), ("REFIT_ARM_COPY_ENGINE", REFIT_ARM_COPY_ENGINE)]
+            .into_iter()
+            .map(|(name, arm)| {
+                let fixed = executor(&machine, plan, |o| o.arm = arm).expect("executor");
+                let steps = runs(&machine, fixed, false, 1, 5);
+                refit_executor_destroy(fixed);
+                (name, median(steps.iter().map(|(s, _)| s.device_ns as f64).collect()))
+            })
+            .collect();
 
     // The ceiling: one copy of the same number of bytes, publisher arena to receiver arena.
     let ceiling_ms = machine.copy_ms(publishers, receivers, payload, 5);
@@ -485,11 +508,20 @@ fn main() {
     println!("|---|---|---|---|---|---|");
     println!("| one large copy (ceiling) | {payload} | 1 | {ceiling_ms:.2} | {ceiling:.0} | 1.00 |");
     println!(
-        "| refit step through the C ABI (AUTO, direct; wall {:.2} ms) | {payload} | {segments} | {:.2} | {ours:.0} | {:.3} |",
+        "| refit step through the C ABI (AUTO: {}, direct; wall {:.2} ms) | {payload} | {segments} | {:.2} | {ours:.0} | {:.3} |",
+        ["-", "kernel", "copy engine", "-", "split"].get(auto_arm as usize).unwrap_or(&"?"),
         step_wall_ns / 1e6,
         step_ns / 1e6,
         ours / ceiling
     );
+    for (name, ns) in &by_arm {
+        println!(
+            "| refit step, {name} | {payload} | {segments} | {:.2} | {:.0} | {:.3} |",
+            ns / 1e6,
+            gbps(payload, *ns),
+            gbps(payload, *ns) / ceiling
+        );
+    }
     match &verify {
         Ok((total, stage)) => println!(
             "| refit step with verify (verify stage {:.2} ms) | {payload} | {segments} | {:.2} | {:.0} | {:.3} (+{:.0}% over the step) |",
@@ -534,7 +566,8 @@ fn main() {
     let json = format!(
         "{{\n  \"bench\": \"gpu_refit\",\n  \"device\": \"{}\",\n  \"layers\": {layers},\n  \"payload_bytes\": {payload},\n  \
          \"segments\": {segments},\n  \"ceiling\": {{\"device_ms\": {ceiling_ms:.4}, \"gbps\": {ceiling:.2}}},\n  \
-         \"step\": {{\"device_ms\": {:.4}, \"wall_ms\": {:.4}, \"gbps\": {ours:.2}, \"vs_ceiling\": {:.4}}},\n  \
+         \"step\": {{\"device_ms\": {:.4}, \"wall_ms\": {:.4}, \"gbps\": {ours:.2}, \"vs_ceiling\": {:.4}, \"arm\": {auto_arm}}},\n  \
+         \"step_by_arm\": {{\"kernel_ms\": {:.4}, \"copy_engine_ms\": {:.4}}},\n  \
          \"verify\": {verify_json},\n  \
          \"staged\": {{\"staging_bytes\": {staging}, \"slices\": {slices}, \"run_device_ms\": {:.4}, \"commit_bytes\": {commit_bytes}, \
          \"commit_device_ms\": {:.4}, \"commit_wall_ms\": {:.4}, \"commit_gbps\": {:.2}, \"ceiling_gbps_at_commit_size\": {commit_ceiling:.2}}},\n  \
@@ -544,6 +577,8 @@ fn main() {
         step_ns / 1e6,
         step_wall_ns / 1e6,
         ours / ceiling,
+        by_arm[0].1 / 1e6,
+        by_arm[1].1 / 1e6,
         staged_run_ns / 1e6,
         commit_ns / 1e6,
         commit_wall_ns / 1e6,

@@ -65,9 +65,11 @@
 #define REFIT_COPY_CHECKED 1
 
 /**
- * Executor arm: per route kind, the copy engine where the average contiguous run is at least
- * 16 MiB (or where the kernel cannot run: no direct peer access, no libnvrtc), the batched kernel
- * otherwise. refit_run_stats.arm says which ran.
+ * Executor arm, per contiguous run: the copy engine for runs of at least 256 MiB on one GPU or
+ * 16 MiB between GPUs, the batched kernel for the others, in one stage (REFIT_ARM_SPLIT when a
+ * route kind has both); the copy engine where the kernel cannot run (no direct peer access, no
+ * libnvrtc); the kernel for every run of a verified step (its copy records the digests the verify
+ * checks). refit_run_stats.arm says which ran.
  */
 #define REFIT_ARM_AUTO 0
 
@@ -87,6 +89,12 @@
  * refit_run_stats.arm only: the call moved no bytes of that route kind.
  */
 #define REFIT_ARM_NONE 3
+
+/**
+ * refit_run_stats.arm only (an outcome of REFIT_ARM_AUTO): the copy engine moved that route kind's
+ * long runs, then the batched kernel its other runs, on the same stream.
+ */
+#define REFIT_ARM_SPLIT 4
 
 /**
  * Executor commit: refit_executor_run copies straight into the live buffers.
@@ -518,7 +526,7 @@ typedef struct {
    */
   uint32_t slices;
   /**
-   * How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, or _NONE (this call
+   * How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, _SPLIT, or _NONE (this call
    * moved none of that kind).
    */
   uint32_t arm[3];

@@ -55,10 +55,14 @@ struct Refit {
 
 impl Refit {
     fn new(size: usize, coalesce: bool) -> Refit {
+        Refit::of(small_moe(), size, coalesce)
+    }
+
+    fn of(model: Model, size: usize, coalesce: bool) -> Refit {
         let endpoints: Vec<Endpoint> =
             (0..size as u32).map(|device| Endpoint { process: 0, device }).collect();
         let spec = Spec {
-            model: small_moe(),
+            model,
             publishers: Megatron {
                 endpoints: endpoints.clone(),
                 tp: 1,
@@ -339,5 +343,41 @@ fn rebound_receivers_get_every_element_at_their_new_place() {
             step(&mut executor, &group).unwrap();
             refit.assert_installed("moved back");
         }
+    }
+}
+
+#[test]
+#[ignore = "needs a GPU"]
+fn auto_gives_long_runs_to_the_copy_engine_and_the_rest_to_the_kernel() {
+    // A vocabulary of 600,000 rows of 256 BF16 values: embedding and LM head are 307 MB runs each,
+    // past the 256 MiB from which AUTO gives a same-device run to the copy engine; every other
+    // tensor is far shorter.
+    let mut refit = Refit::of(Model { vocab: 600_000, ..small_moe() }, 1, false);
+    let group = gpu_group(1);
+    let mut executor = Executor::new(&group, &refit.plan, 0, ExecOptions::default()).unwrap();
+    let stats = step(&mut executor, &group).unwrap();
+    assert_eq!(stats.method(RouteKind::Local), Some(Method::Split));
+    refit.assert_installed("split");
+    // A verified step keeps every run on the kernel (its copy records the digests the check reads).
+    let verified = ExecOptions { verify: true, ..ExecOptions::default() };
+    let mut checked = Executor::new(&group, &refit.plan, 0, verified).unwrap();
+    refit.poison();
+    let stats = step(&mut checked, &group).unwrap();
+    assert_eq!(stats.method(RouteKind::Local), Some(Method::Kernel));
+    refit.assert_installed("verified");
+    // Both halves of the split follow a rebind.
+    let mut old = Vec::new();
+    for b in refit.receivers() {
+        let fresh = DeviceBuffer::new(refit.buffers[b].device, refit.buffers[b].len);
+        fresh.poison();
+        let was = std::mem::replace(&mut refit.buffers[b], fresh);
+        executor.rebind(was.device, was.ptr, refit.buffers[b].ptr, was.len as u64).unwrap();
+        was.poison();
+        old.push(was);
+    }
+    step(&mut executor, &group).unwrap();
+    refit.assert_installed("split after rebinds");
+    for was in &old {
+        assert!(was.read().iter().all(|&x| x == POISON), "an old allocation was written");
     }
 }

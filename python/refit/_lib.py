@@ -175,12 +175,13 @@ class RouteKind(enum.IntEnum):
 
 
 class Arm(enum.IntEnum):
-    """REFIT_ARM_*: how an executor moves bytes (NONE appears in run stats only)."""
+    """REFIT_ARM_*: how an executor moves bytes (NONE and SPLIT appear in run stats only)."""
 
     AUTO = 0
     KERNEL = 1
     COPY_ENGINE = 2
     NONE = 3
+    SPLIT = 4
 
 
 class Commit(enum.IntEnum):

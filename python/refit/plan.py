@@ -305,7 +305,8 @@ class Plan(Handle):
         routes to and from the other processes of `comm` too (refit_executor_create_across; every
         process makes this call).
 
-        arm: Arm.AUTO (by size), KERNEL or COPY_ENGINE (no SMs). sm_budget: at most this many SMs
+        arm: Arm.AUTO (by run length: the copy engine for long runs, the kernel for the others;
+        stats.arm says which, Arm.SPLIT for both), KERNEL or COPY_ENGINE (no SMs). sm_budget: at most this many SMs
         for the kernel's copies (0: no cap). verify: compare every copied byte with its source.
         commit: Commit.DIRECT (run installs) or STAGED (run stages, commit() installs all at once).
         staging_limit: STAGED only, staging bytes per receiving device (0: the whole step)."""

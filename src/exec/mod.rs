@@ -231,12 +231,12 @@ fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool, verif
         Arm::CopyEngine => Method::CopyEngine,
         Arm::Auto if verified => Method::Kernel,
         Arm::Auto => {
-            let bytes: u64 = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
-            let runs: u64 = segments.iter().map(|s| s.runs()).sum();
-            if runs > 0 && bytes / runs >= Arm::COPY_ENGINE_MIN_RUN {
-                Method::CopyEngine
-            } else {
-                Method::Kernel
+            let min_run = Arm::copy_engine_min_run(kind);
+            let long = segments.iter().filter(|s| s.len >= min_run).count();
+            match long {
+                0 => Method::Kernel,
+                n if n == segments.len() => Method::CopyEngine,
+                _ => Method::Split,
             }
         }
     })
@@ -512,7 +512,14 @@ impl Executor {
             }
             let refs: Vec<&Segment> = installs.iter().collect();
             let method = resolve(self.options.arm, RouteKind::Local, &refs, true, false)?;
-            self.batches.push(Batch::new(group, rank, installs.clone(), method, 0, false)?);
+            self.batches.push(Batch::new(
+                group,
+                rank,
+                installs.clone(),
+                (method, RouteKind::Local),
+                0,
+                false,
+            )?);
             self.add_marks(Slot { slice: k, timed: Timed::Install, rank })?;
             let sources = sources.remove(&rank).unwrap_or_default();
             slice.receiving.push(Receiving { rank, sources, install: Some(index) });
@@ -548,7 +555,7 @@ impl Executor {
         let method = self.methods[kind as usize].expect("a method for every kind with segments");
         let segments: Vec<Segment> = list.iter().map(|c| c.segment).collect();
         let (budget, verify_on) = (self.options.sm_budget, self.options.verify);
-        self.batches.push(Batch::new(group, rank, segments, method, budget, verify_on)?);
+        self.batches.push(Batch::new(group, rank, segments, (method, kind), budget, verify_on)?);
         let (copy, check) = if kind == RouteKind::Local {
             (Timed::Local, Timed::VerifyLocal)
         } else {

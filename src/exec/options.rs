@@ -3,16 +3,18 @@
 
 use crate::error::{Error, Result};
 use crate::group::Group;
+use crate::plan::RouteKind;
 use std::fmt;
 use std::sync::Arc;
 
 /// How bytes are moved, as asked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Arm {
-    /// Per route kind, by size: the copy engine where the average contiguous run is at least
-    /// [`Arm::COPY_ENGINE_MIN_RUN`] bytes (it then matches the kernel's bandwidth and leaves the SMs
-    /// free) or where the kernel cannot run (no direct peer access, no NVRTC); the kernel otherwise,
-    /// and always when the run is verified (its copy records the digests the verify checks).
+    /// Per contiguous run, by size: the copy engine for runs of at least
+    /// [`Arm::copy_engine_min_run`] bytes (it then moves them at least as fast as the kernel and
+    /// leaves the SMs free), the kernel for the others, in one stage; the copy engine everywhere the
+    /// kernel cannot run (no direct peer access, no NVRTC); the kernel for every run when the step is
+    /// verified (its copy records the digests the verify checks).
     Auto,
     /// The batched copy kernel: one launch per rank and stage, any segment size near memory bandwidth.
     Kernel,
@@ -21,18 +23,30 @@ pub enum Arm {
 }
 
 impl Arm {
-    /// Average run size from which AUTO prefers the copy engine. At 16 MiB a copy-engine peer copy
-    /// moves what the kernel's push does (shared/CEILINGS.md, peer copy by size), and a run takes longer
-    /// on the device than issuing the next one takes on the host.
-    pub const COPY_ENGINE_MIN_RUN: u64 = 16 << 20;
+    /// The shortest contiguous run AUTO gives the copy engine, per route kind. Between GPUs (and
+    /// processes), 16 MiB:
+    /// there a copy-engine peer copy moves what the kernel's push does (shared/CEILINGS.md, peer
+    /// copy by size). On one GPU, 256 MiB: a same-device copy-engine copy costs a few microseconds
+    /// more per run than its bytes, so runs of 16 MiB moved at 1,500 GB/s against the kernel's 1,937
+    /// (benches/gpu_copy.rs), while a single copy of 61 GB moved at 2,149 against the kernel's 1,990.
+    pub const fn copy_engine_min_run(kind: RouteKind) -> u64 {
+        match kind {
+            RouteKind::Local => 256 << 20,
+            RouteKind::Peer | RouteKind::Remote => 16 << 20,
+        }
+    }
 }
 
 /// What actually moves a batch (an [`Arm`] resolved). Its codes in [`super::RunStats::arm`] are
-/// the C API's REFIT_ARM_KERNEL and REFIT_ARM_COPY_ENGINE, and REFIT_ARM_NONE for no method.
+/// the C API's REFIT_ARM_KERNEL, REFIT_ARM_COPY_ENGINE and REFIT_ARM_SPLIT, and REFIT_ARM_NONE for
+/// no method.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Method {
     Kernel = 1,
     CopyEngine = 2,
+    /// The copy engine for runs of at least [`Arm::copy_engine_min_run`] bytes, the kernel for the
+    /// others.
+    Split = 4,
 }
 
 impl Method {
@@ -49,7 +63,7 @@ impl Method {
 
     /// The method of a stats code (None for REFIT_ARM_NONE or an unknown code).
     pub fn from_code(code: u32) -> Option<Method> {
-        [Method::Kernel, Method::CopyEngine].into_iter().find(|&m| m as u32 == code)
+        [Method::Kernel, Method::CopyEngine, Method::Split].into_iter().find(|&m| m as u32 == code)
     }
 }
 

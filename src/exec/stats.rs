@@ -28,7 +28,7 @@ pub struct RunStats {
     pub verified: bool,
     /// Slices the step ran in (1 unless staged above staging_limit); 0 for a commit.
     pub slices: u32,
-    /// How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, or _NONE (this call
+    /// How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, _SPLIT, or _NONE (this call
     /// moved none of that kind).
     pub arm: [u32; 3],
     /// Payload bytes copied from the sources by this call, per route kind.
@@ -117,6 +117,7 @@ impl RunStats {
         let method = |kind| match self.method(kind) {
             Some(Method::Kernel) => "kernel",
             Some(Method::CopyEngine) => "copy engine",
+            Some(Method::Split) => "copy engine and kernel",
             None => "-",
         };
         let us = |ns: u64| ns as f64 / 1e3;

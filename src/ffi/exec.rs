@@ -16,9 +16,11 @@ use crate::error::{Error, Result, Status};
 use crate::exec::{Arm, CommitMode, ExecOptions, Executor, RunStats};
 use std::sync::Arc;
 
-/// Executor arm: per route kind, the copy engine where the average contiguous run is at least
-/// 16 MiB (or where the kernel cannot run: no direct peer access, no libnvrtc), the batched kernel
-/// otherwise. refit_run_stats.arm says which ran.
+/// Executor arm, per contiguous run: the copy engine for runs of at least 256 MiB on one GPU or
+/// 16 MiB between GPUs, the batched kernel for the others, in one stage (REFIT_ARM_SPLIT when a
+/// route kind has both); the copy engine where the kernel cannot run (no direct peer access, no
+/// libnvrtc); the kernel for every run of a verified step (its copy records the digests the verify
+/// checks). refit_run_stats.arm says which ran.
 pub const REFIT_ARM_AUTO: u32 = 0;
 /// Executor arm: the batched copy kernel (one launch per rank and stage; any segment size near
 /// memory bandwidth; capped by sm_budget).
@@ -28,6 +30,9 @@ pub const REFIT_ARM_KERNEL: u32 = 1;
 pub const REFIT_ARM_COPY_ENGINE: u32 = 2;
 /// refit_run_stats.arm only: the call moved no bytes of that route kind.
 pub const REFIT_ARM_NONE: u32 = 3;
+/// refit_run_stats.arm only (an outcome of REFIT_ARM_AUTO): the copy engine moved that route kind's
+/// long runs, then the batched kernel its other runs, on the same stream.
+pub const REFIT_ARM_SPLIT: u32 = 4;
 /// Executor commit: refit_executor_run copies straight into the live buffers.
 pub const REFIT_COMMIT_DIRECT: u32 = 0;
 /// Executor commit, all or nothing: refit_executor_run lands every byte in staging on the receiving
@@ -370,11 +375,13 @@ mod tests {
     fn arm_codes_are_the_stats_codes() {
         assert_eq!(Method::code(Some(Method::Kernel)), REFIT_ARM_KERNEL);
         assert_eq!(Method::code(Some(Method::CopyEngine)), REFIT_ARM_COPY_ENGINE);
+        assert_eq!(Method::code(Some(Method::Split)), REFIT_ARM_SPLIT);
         assert_eq!(Method::code(None), REFIT_ARM_NONE);
-        for code in [REFIT_ARM_KERNEL, REFIT_ARM_COPY_ENGINE, REFIT_ARM_NONE, REFIT_ARM_AUTO] {
+        for code in [REFIT_ARM_KERNEL, REFIT_ARM_COPY_ENGINE, REFIT_ARM_SPLIT, REFIT_ARM_NONE, REFIT_ARM_AUTO]
+        {
             assert_eq!(
                 Method::from_code(code).map(|m| Method::code(Some(m))),
-                Some(code).filter(|&c| c == 1 || c == 2)
+                Some(code).filter(|&c| c == 1 || c == 2 || c == 4)
             );
         }
     }

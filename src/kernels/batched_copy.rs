@@ -244,12 +244,17 @@ impl Launch {
     }
 }
 
-fn prepare(segments: &[Segment], checked: bool, tile_shift: u32) -> Result<BatchLayout> {
+/// Validates `segments` (and with `checked`, their destinations) and lays them out with tiles of
+/// `2^tile_shift` bytes, or (None) the size [`BatchLayout::new`] picks.
+fn prepare(segments: &[Segment], checked: bool, tile_shift: Option<u32>) -> Result<BatchLayout> {
     validate(segments)?;
     if checked {
         check_destinations(segments)?;
     }
-    BatchLayout::with_tile_shift(segments, tile_shift)
+    match tile_shift {
+        Some(shift) => BatchLayout::with_tile_shift(segments, shift),
+        None => BatchLayout::new(segments),
+    }
 }
 
 /// Copies every segment in one kernel launch on `stream` (a CUstream of `device`'s primary context,
@@ -280,7 +285,7 @@ pub unsafe fn copy_segments(
     segments: &[Segment],
     checked: bool,
 ) -> Result<()> {
-    let layout = prepare(segments, checked, BatchLayout::DEFAULT_TILE_SHIFT)?;
+    let layout = prepare(segments, checked, None)?;
     if layout.tiles == 0 {
         return Ok(());
     }
@@ -344,7 +349,8 @@ impl PreparedBatch {
     /// lays out and uploads the batch to `device`. Synchronous: returns once the descriptors are on the
     /// device. Errors as for [`copy_segments`].
     pub fn new(device: i32, segments: &[Segment], checked: bool) -> Result<PreparedBatch> {
-        PreparedBatch::tuned(device, segments, checked, BatchLayout::DEFAULT_TILE_SHIFT, 0)
+        let layout = prepare(segments, checked, None)?;
+        PreparedBatch::from_layout(device, &layout, false)
     }
 
     /// As [`PreparedBatch::new`] with tiles of `2^tile_shift` bytes instead of the default and, unless
@@ -357,7 +363,7 @@ impl PreparedBatch {
         tile_shift: u32,
         lanes_per_tile: u32,
     ) -> Result<PreparedBatch> {
-        let mut layout = prepare(segments, checked, tile_shift)?;
+        let mut layout = prepare(segments, checked, Some(tile_shift))?;
         layout.group_shift = match lanes_per_tile {
             0 => layout.group_shift,
             8 => 3,

@@ -51,9 +51,11 @@ pub struct BatchLayout {
 }
 
 impl BatchLayout {
-    /// log2 of the default tile size in bytes (8 KiB): large enough to amortize finding the tile, small
-    /// enough that a 1 GiB copy gives every warp of the grid dozens of tiles.
-    pub(crate) const DEFAULT_TILE_SHIFT: u32 = 13;
+    /// log2 of the smallest and largest tile sizes [`BatchLayout::new`] picks (8 KiB and 64 KiB).
+    pub(crate) const AUTO_TILE_SHIFTS: std::ops::RangeInclusive<u32> = 13..=16;
+    /// log2 of the tiles [`BatchLayout::new`] aims to cut a batch into (2^15: about ten per warp of
+    /// an H200's persistent grid).
+    const AUTO_TILES_SHIFT: u32 = 15;
     /// Tile sizes a layout accepts (log2 bytes): 1 KiB .. 1 MiB. Pieces stay below 2^32 bytes, which
     /// the kernel's 32-bit piece arithmetic relies on.
     pub(crate) const TILE_SHIFTS: std::ops::RangeInclusive<u32> = 10..=20;
@@ -74,9 +76,22 @@ impl BatchLayout {
         }
     }
 
-    /// log2 of the default tile size (for tests and benches; `BatchLayout::new` uses it).
+    /// log2 of the tile size [`BatchLayout::new`] picks for a batch of `bytes`: the largest tile
+    /// from 8 KiB to 64 KiB that still cuts the batch into about 2^15 tiles. Every tile costs a fixed
+    /// setup (its descriptor, its place in the segment; in the verifying modes a digest), which 8 KiB
+    /// tiles pay at a measurable rate on a large batch (the check reading 61 GB ran at 2.4 TB/s with
+    /// 8 KiB tiles and 4.4 TB/s with 64 KiB, benches/probes/tile_order_probe.py); a smaller batch needs
+    /// the smaller tiles to keep every warp busy to the end.
+    pub fn tile_shift_for(bytes: u64) -> u32 {
+        (bytes >> BatchLayout::AUTO_TILES_SHIFT)
+            .max(1)
+            .ilog2()
+            .clamp(*BatchLayout::AUTO_TILE_SHIFTS.start(), *BatchLayout::AUTO_TILE_SHIFTS.end())
+    }
+
+    /// log2 of the smallest tile size [`BatchLayout::new`] picks (for tests and benches).
     pub const fn default_tile_shift() -> u32 {
-        BatchLayout::DEFAULT_TILE_SHIFT
+        *BatchLayout::AUTO_TILE_SHIFTS.start()
     }
 
     /// Segments that carry bytes (the sentinel excluded).
@@ -84,11 +99,12 @@ impl BatchLayout {
         self.descriptors.len().saturating_sub(1) as u64
     }
 
-    /// Lays out `segments` (already validated: see [`super::check::validate`]) with the default tile
-    /// size. Empty segments are dropped. Fails only if the tile count overflows, which validated input
-    /// cannot make happen.
+    /// Lays out `segments` (already validated: see [`super::check::validate`]) with the tile size
+    /// [`BatchLayout::tile_shift_for`] picks for their bytes. Empty segments are dropped. Fails only if
+    /// the tile count overflows, which validated input cannot make happen.
     pub fn new(segments: &[Segment]) -> Result<BatchLayout> {
-        BatchLayout::with_tile_shift(segments, BatchLayout::DEFAULT_TILE_SHIFT)
+        let bytes = segments.iter().fold(0u64, |sum, s| sum.saturating_add(s.bytes().unwrap_or(u64::MAX)));
+        BatchLayout::with_tile_shift(segments, BatchLayout::tile_shift_for(bytes))
     }
 
     /// As [`BatchLayout::new`] with tiles of `2^tile_shift` bytes (a tuning knob; InvalidArgument outside
@@ -195,7 +211,8 @@ impl BatchLayout {
 mod tests {
     use super::*;
 
-    const TILE: u64 = 1 << BatchLayout::DEFAULT_TILE_SHIFT;
+    /// The tile size of every batch below 512 MiB.
+    const TILE: u64 = 1 << BatchLayout::default_tile_shift();
 
     fn strided(len: u64, count: [u64; 2], src_stride: [u64; 2], dst_stride: [u64; 2]) -> Segment {
         Segment { src: 1 << 40, dst: 1 << 41, len, count, src_stride, dst_stride }
@@ -203,7 +220,7 @@ mod tests {
 
     /// Every run's bytes, listed by walking the tiles, equals what Segment::for_each_run lists.
     fn pieces_cover_runs(segments: &[Segment]) {
-        for shift in [BatchLayout::DEFAULT_TILE_SHIFT, 10, 16] {
+        for shift in [BatchLayout::default_tile_shift(), 10, 16] {
             pieces_cover_runs_with(segments, shift);
         }
     }
@@ -276,6 +293,18 @@ mod tests {
         assert_eq!(BatchLayout::lanes_shift_for(0, 0), 3);
         let layout = BatchLayout::new(&[Segment::contiguous(1, 2, 1 << 20)]).unwrap();
         assert_eq!(layout.group_shift, 5);
+    }
+
+    #[test]
+    fn large_batches_get_larger_tiles() {
+        assert_eq!(BatchLayout::tile_shift_for(0), 13);
+        assert_eq!(BatchLayout::tile_shift_for(256 << 20), 13); // 256 MiB: 2^15 tiles of 8 KiB
+        assert_eq!(BatchLayout::tile_shift_for(1 << 30), 15); // 1 GiB: 32 KiB
+        assert_eq!(BatchLayout::tile_shift_for(61 << 30), 16); // the demo's step: the cap, 64 KiB
+        assert_eq!(BatchLayout::tile_shift_for(u64::MAX), 16);
+        let big = [strided(1 << 20, [4096, 1], [1 << 20, 0], [1 << 20, 0])]; // 4 GiB
+        let layout = BatchLayout::new(&big).unwrap();
+        assert_eq!((layout.tile_shift, layout.tiles), (16, 4096 * 16));
     }
 
     #[test]
