@@ -224,7 +224,29 @@ def main():
             gbps, slowdown = beside(step_ms, payload, lambda: ex.run(stream=side))
         curve.append({"what": "refit executor", "sm_budget": budget, "alone_gbps": payload / (step_ms * 1e6),
                       "beside_gemm_gbps": gbps, "gemm_slowdown": slowdown})
+    # AUTO under an SM budget: every run by the copy engine, in 64 MiB copies paced to budget x 50 GB/s.
+    for budget in (8, 12, 16, 24):
+        with executor(sm_budget=budget) as ex:
+            ex.run()
+            step_ms = statistics.median(ex.run().device_ns for _ in range(2)) / 1e6
+            gbps, slowdown = beside(step_ms, payload, lambda: ex.run(stream=side))
+        curve.append({"what": "refit executor, AUTO (paced copy engine)", "sm_budget": budget,
+                      "alone_gbps": payload / (step_ms * 1e6), "beside_gemm_gbps": gbps, "gemm_slowdown": slowdown})
     chunk = min(payload, 2 * GIB)
+    piece = 64 << 20
+
+    def copy_pieces():
+        for off in range(0, chunk, piece):
+            recv[off:off + piece].copy_(pub[off:off + piece])
+
+    def torch_pieces():
+        with torch.cuda.stream(side):
+            copy_pieces()
+
+    pieces_ms = timed_ms(copy_pieces)
+    gbps, slowdown = beside(pieces_ms, chunk, torch_pieces)
+    curve.append({"what": "torch copy_, 2 GiB in 64 MiB pieces", "sm_budget": None,
+                  "alone_gbps": chunk / (pieces_ms * 1e6), "beside_gemm_gbps": gbps, "gemm_slowdown": slowdown})
 
     def torch_copy():
         with torch.cuda.stream(side):

@@ -69,7 +69,8 @@
  * 16 MiB between GPUs, the batched kernel for the others, in one stage (REFIT_ARM_SPLIT when a
  * route kind has both); the copy engine where the kernel cannot run (no direct peer access, no
  * libnvrtc); the kernel for every run of a verified step (its copy records the digests the verify
- * checks). refit_run_stats.arm says which ran.
+ * checks); the copy engine for every run under an sm_budget (it uses no SMs). refit_run_stats.arm
+ * says which ran.
  */
 #define REFIT_ARM_AUTO 0
 
@@ -469,9 +470,12 @@ typedef struct {
    */
   uint32_t arm;
   /**
-   * Kernel copies from the sources use at most this many thread blocks, so at most this many SMs,
-   * leaving the rest to work beside the refit (0, the default: no cap). Not with
-   * REFIT_ARM_COPY_ENGINE. The verify stage and the staged install are not capped.
+   * Copies from the sources beside other work (0, the default: none). REFIT_ARM_KERNEL: the
+   * kernel uses at most this many thread blocks, so at most this many SMs. REFIT_ARM_AUTO
+   * (unverified): every run goes to the copy engine, which uses no SMs, in copies of at most
+   * 64 MiB paced to about sm_budget x 50 GB/s (what that many SMs of the kernel copy; a pause is
+   * one sleeping warp), so that work beside them keeps its SMs and most of the memory bandwidth.
+   * Not with REFIT_ARM_COPY_ENGINE. The verify stage and the staged install are not capped.
    */
   uint32_t sm_budget;
   /**

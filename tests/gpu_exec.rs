@@ -150,7 +150,9 @@ fn every_arm_installs_every_element() {
     for size in group_sizes().into_iter().filter(|&s| s <= 2) {
         let refit = Refit::new(size, true);
         let group = gpu_group(size);
-        for (arm, sm_budget) in [(Arm::Kernel, 0), (Arm::Kernel, 8), (Arm::CopyEngine, 0), (Arm::Auto, 0)] {
+        for (arm, sm_budget) in
+            [(Arm::Kernel, 0), (Arm::Kernel, 8), (Arm::CopyEngine, 0), (Arm::Auto, 0), (Arm::Auto, 8)]
+        {
             let options = ExecOptions { arm, sm_budget, ..ExecOptions::default() };
             let mut executor = Executor::new(&group, &refit.plan, 0, options).unwrap();
             for round in 0..2 {
@@ -159,7 +161,9 @@ fn every_arm_installs_every_element() {
                 refit.assert_installed(&format!("{size} GPU(s), {arm:?} budget {sm_budget}, round {round}"));
                 assert!(stats.device_timed && stats.device_ns > 0 && stats.local_ns > 0);
                 assert_eq!(stats.peer_ns > 0, size > 1);
-                let want = if arm == Arm::CopyEngine { Method::CopyEngine } else { Method::Kernel };
+                // AUTO under an SM budget moves everything by the copy engine, which uses no SMs.
+                let engine = arm == Arm::CopyEngine || (arm == Arm::Auto && sm_budget > 0);
+                let want = if engine { Method::CopyEngine } else { Method::Kernel };
                 assert_eq!(stats.method(RouteKind::Local), Some(want));
             }
         }
@@ -358,6 +362,13 @@ fn auto_gives_long_runs_to_the_copy_engine_and_the_rest_to_the_kernel() {
     let stats = step(&mut executor, &group).unwrap();
     assert_eq!(stats.method(RouteKind::Local), Some(Method::Split));
     refit.assert_installed("split");
+    // Under an SM budget every run goes to the copy engine, the long ones in 64 MiB pieces.
+    let budgeted = ExecOptions { sm_budget: 8, ..ExecOptions::default() };
+    let mut beside = Executor::new(&group, &refit.plan, 0, budgeted).unwrap();
+    refit.poison();
+    let stats = step(&mut beside, &group).unwrap();
+    assert_eq!(stats.method(RouteKind::Local), Some(Method::CopyEngine));
+    refit.assert_installed("copy engine in pieces");
     // A verified step keeps every run on the kernel (its copy records the digests the check reads).
     let verified = ExecOptions { verify: true, ..ExecOptions::default() };
     let mut checked = Executor::new(&group, &refit.plan, 0, verified).unwrap();

@@ -6,7 +6,7 @@ use super::options::{Arm, Method};
 use crate::error::Result;
 use crate::group::Group;
 use crate::kernels::layout::BatchLayout;
-use crate::kernels::PreparedBatch;
+use crate::kernels::{self, PreparedBatch};
 use crate::plan::RouteKind;
 use crate::segment::{Segment, Side};
 use crate::transport::host::host_stream;
@@ -20,6 +20,34 @@ use std::sync::Arc;
 struct KernelBatch {
     layout: BatchLayout,
     prepared: PreparedBatch,
+}
+
+/// Copy-engine copies beside other work: pieces of at most `piece` bytes, each followed by a pause of
+/// `pause_ns` (see [`Pace::for_budget`]).
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+struct Pace {
+    piece: u64,
+    pause_ns: u64,
+}
+
+impl Pace {
+    /// The longest copy-engine copy beside other work: one long copy costs work beside it far more
+    /// than the same bytes in pieces (docs/decisions.md, "The copy engine, in pieces and paced").
+    const PIECE: u64 = 64 << 20;
+    /// Payload one SM copies, bytes per second, whichever way it copies (docs/decisions.md, "A copy
+    /// that holds fewer SMs"): an SM budget of n paces the copy engine to n times this.
+    const PER_SM: u64 = 50_000_000_000;
+    /// The copy engine's own rate for back-to-back pieces on one H200, bytes per second, which a
+    /// pause adds to (benches/refit_peer.py, "torch copy_, 2 GiB in 64 MiB pieces").
+    const ENGINE: u64 = 1_850_000_000_000;
+
+    /// Pieces paced to `budget` SMs' worth of copying: a piece, then a pause for the rest of the time
+    /// that many SMs would take over it.
+    fn for_budget(budget: u32) -> Pace {
+        let ns = |rate: u64| (u128::from(Pace::PIECE) * 1_000_000_000 / u128::from(rate.max(1))) as u64;
+        let pause_ns = ns(u64::from(budget).saturating_mul(Pace::PER_SM)).saturating_sub(ns(Pace::ENGINE));
+        Pace { piece: Pace::PIECE, pause_ns }
+    }
 }
 
 /// Where each segment of a [`Method::Split`] batch goes.
@@ -47,6 +75,8 @@ pub(crate) struct Batch {
     kernel: Option<KernelBatch>,
     /// CUDA backend, split method only.
     split: Option<Split>,
+    /// CUDA backend, copy-engine method under an SM budget: how its copies are cut and paced.
+    pace: Option<Pace>,
     /// Kernel descriptor indices relocated since the last [`Batch::flush`].
     dirty: Vec<usize>,
 }
@@ -56,7 +86,8 @@ impl Batch {
     /// kernel method uploads the descriptors now, and with `record_digests` records digests of what
     /// it reads for [`Batch::recorded_verify`]; `max_blocks` (0: no cap) limits the blocks of its
     /// launches. The split method gives runs of at least [`Arm::copy_engine_min_run`] of `kind` to
-    /// the copy engine and the others to the kernel.
+    /// the copy engine and the others to the kernel. The copy-engine method under a budget
+    /// (`max_blocks` > 0: work runs beside the copies) issues paced pieces ([`Pace::for_budget`]).
     pub fn new(
         group: &Group,
         rank: usize,
@@ -92,6 +123,8 @@ impl Batch {
             // method is the same memmove loop, queued on the stream's worker.
             _ => (None, None),
         };
+        let budgeted_engine =
+            group.backend_kind() == BackendKind::Cuda && method == Method::CopyEngine && max_blocks > 0;
         Ok(Batch {
             backend: Arc::clone(group.backend()),
             device,
@@ -99,6 +132,7 @@ impl Batch {
             bytes,
             kernel,
             split,
+            pace: budgeted_engine.then(|| Pace::for_budget(max_blocks)),
             dirty: Vec::new(),
         })
     }
@@ -138,6 +172,9 @@ impl Batch {
         if self.split.is_some() {
             return Ok(());
         }
+        if let Some(pace) = self.pace {
+            return self.copy_paced(stream, pace);
+        }
         match self.backend.kind() {
             BackendKind::Cuda => self.backend.copy_segments(self.device, stream, &self.segments),
             BackendKind::Host => {
@@ -148,6 +185,33 @@ impl Batch {
                 host_stream(stream)?.enqueue(move || unsafe { copy_runs(&segments) })
             }
         }
+    }
+
+    /// One copy-engine copy per piece of every run, each full piece followed by the pace's pause.
+    ///
+    /// # Safety
+    /// As for [`Batch::launch`].
+    unsafe fn copy_paced(&self, stream: Stream, pace: Pace) -> Result<()> {
+        let mut result = Ok(());
+        for segment in self.segments.iter() {
+            segment.for_each_run(|src, dst, len| {
+                let mut at = 0;
+                while result.is_ok() && at < len {
+                    let n = pace.piece.min(len - at);
+                    let one = [Segment::contiguous(src + at, dst + at, n)];
+                    // SAFETY: a piece of a run of this batch; the caller keeps its memory valid.
+                    result = unsafe { self.backend.copy_segments(self.device, stream, &one) };
+                    if result.is_ok() && n == pace.piece && pace.pause_ns > 0 {
+                        // SAFETY: a stream of this batch's device.
+                        result =
+                            unsafe { kernels::pause(self.device, stream.as_ptr().cast(), pace.pause_ns) };
+                    }
+                    at += n;
+                }
+            });
+            result.clone()?;
+        }
+        result
     }
 
     /// Adds `delta` (wrapping) to one address of segment `index`; the device copy follows at the
@@ -219,6 +283,15 @@ impl Split {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_budget_paces_pieces_to_what_its_sms_would_copy() {
+        // 8 SMs: 400 GB/s, 64 MiB every 167.8 us, of which the copy engine takes 36.3 us.
+        assert_eq!(Pace::for_budget(8), Pace { piece: 64 << 20, pause_ns: 167_772 - 36_275 });
+        assert_eq!(Pace::for_budget(12).pause_ns, 111_848 - 36_275);
+        assert_eq!(Pace::for_budget(37).pause_ns, 0); // past the copy engine's own rate
+        assert_eq!(Pace::for_budget(u32::MAX).pause_ns, 0);
+    }
 
     #[test]
     fn a_split_sends_long_runs_to_the_copy_engine_and_keeps_every_index() {

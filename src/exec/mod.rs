@@ -216,7 +216,15 @@ fn extent(segment: &Segment, side: Side) -> (u64, u64) {
 /// `verified`: the copies will be verified. AUTO then keeps the kernel wherever it can run: its copy
 /// records digests of the source tiles it reads, so the verify reads only the destinations, where a
 /// copy-engine copy leaves the verify comparing both sides (benches/gpu_digest.rs measures both).
-fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool, verified: bool) -> Result<Method> {
+/// `budgeted`: the caller capped the SMs the copies may use (work runs beside them). AUTO then
+/// gives every run to the copy engine, which uses none, in pieces (see [`Batch::new`]).
+fn resolve(
+    arm: Arm,
+    kind: RouteKind,
+    segments: &[&Segment],
+    direct: bool,
+    (verified, budgeted): (bool, bool),
+) -> Result<Method> {
     if kind == RouteKind::Peer && !direct {
         return match arm {
             Arm::Kernel => Err(Error::unsupported(
@@ -230,6 +238,7 @@ fn resolve(arm: Arm, kind: RouteKind, segments: &[&Segment], direct: bool, verif
         Arm::Kernel => Method::Kernel,
         Arm::CopyEngine => Method::CopyEngine,
         Arm::Auto if verified => Method::Kernel,
+        Arm::Auto if budgeted => Method::CopyEngine,
         Arm::Auto => {
             let min_run = Arm::copy_engine_min_run(kind);
             let long = segments.iter().filter(|s| s.len >= min_run).count();
@@ -346,7 +355,8 @@ impl Executor {
             let segments: Vec<&Segment> =
                 flows.iter().filter(|f| f.kind == kind).flat_map(|f| &f.segments).collect();
             if !segments.is_empty() {
-                methods[kind as usize] = Some(resolve(arm, kind, &segments, direct, options.verify)?);
+                let asked = (options.verify, options.sm_budget > 0);
+                methods[kind as usize] = Some(resolve(arm, kind, &segments, direct, asked)?);
             }
         }
         let backend = Arc::clone(group.backend());
@@ -511,7 +521,7 @@ impl Executor {
                 registrar.add(self.devices[rank], lo, hi, Target::Copy(index as u32), i, Side::Destination);
             }
             let refs: Vec<&Segment> = installs.iter().collect();
-            let method = resolve(self.options.arm, RouteKind::Local, &refs, true, false)?;
+            let method = resolve(self.options.arm, RouteKind::Local, &refs, true, (false, false))?;
             self.batches.push(Batch::new(
                 group,
                 rank,
@@ -1113,5 +1123,33 @@ impl Drop for Executor {
                 log::warn!("freeing staging on device {device}: {err}");
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn auto_picks_by_run_length_verify_and_budget() {
+        let short = Segment::contiguous(0, 1 << 40, 1 << 20);
+        let long = Segment::contiguous(1 << 30, 1 << 41, 300 << 20);
+        let mid = Segment::contiguous(2 << 30, 1 << 42, 32 << 20);
+        let plain = (false, false);
+        let auto =
+            |kind, segments: &[&Segment], asked| resolve(Arm::Auto, kind, segments, true, asked).unwrap();
+        assert_eq!(auto(RouteKind::Local, &[&short], plain), Method::Kernel);
+        assert_eq!(auto(RouteKind::Local, &[&long], plain), Method::CopyEngine);
+        assert_eq!(auto(RouteKind::Local, &[&short, &long], plain), Method::Split);
+        // 32 MiB runs: long enough for the copy engine between GPUs, not on one GPU.
+        assert_eq!(auto(RouteKind::Local, &[&mid], plain), Method::Kernel);
+        assert_eq!(auto(RouteKind::Peer, &[&mid], plain), Method::CopyEngine);
+        assert_eq!(auto(RouteKind::Local, &[&short, &long], (true, false)), Method::Kernel);
+        assert_eq!(auto(RouteKind::Local, &[&short, &long], (false, true)), Method::CopyEngine);
+        assert_eq!(auto(RouteKind::Local, &[&short], (true, true)), Method::Kernel);
+        // No direct peer access: the copy engine, and the kernel arm is refused.
+        assert_eq!(resolve(Arm::Auto, RouteKind::Peer, &[&short], false, plain).unwrap(), Method::CopyEngine);
+        let refused = resolve(Arm::Kernel, RouteKind::Peer, &[&short], false, plain).unwrap_err();
+        assert_eq!(refused.status, Status::Unsupported);
     }
 }

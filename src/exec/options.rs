@@ -14,7 +14,8 @@ pub enum Arm {
     /// [`Arm::copy_engine_min_run`] bytes (it then moves them at least as fast as the kernel and
     /// leaves the SMs free), the kernel for the others, in one stage; the copy engine everywhere the
     /// kernel cannot run (no direct peer access, no NVRTC); the kernel for every run when the step is
-    /// verified (its copy records the digests the verify checks).
+    /// verified (its copy records the digests the verify checks); the copy engine for every run,
+    /// in pieces, under an SM budget (it uses no SMs).
     Auto,
     /// The batched copy kernel: one launch per rank and stage, any segment size near memory bandwidth.
     Kernel,
@@ -24,11 +25,10 @@ pub enum Arm {
 
 impl Arm {
     /// The shortest contiguous run AUTO gives the copy engine, per route kind. Between GPUs (and
-    /// processes), 16 MiB:
-    /// there a copy-engine peer copy moves what the kernel's push does (shared/CEILINGS.md, peer
-    /// copy by size). On one GPU, 256 MiB: a same-device copy-engine copy costs a few microseconds
-    /// more per run than its bytes, so runs of 16 MiB moved at 1,500 GB/s against the kernel's 1,937
-    /// (benches/gpu_copy.rs), while a single copy of 61 GB moved at 2,149 against the kernel's 1,990.
+    /// processes), 16 MiB: there a copy-engine peer copy moves what the kernel's push does
+    /// (shared/CEILINGS.md, peer copy by size). On one GPU, 256 MiB: a same-device copy-engine copy
+    /// costs a few microseconds more per run than its bytes, so the kernel moves shorter runs faster
+    /// (docs/decisions.md, "One arm per route kind under AUTO").
     pub const fn copy_engine_min_run(kind: RouteKind) -> u64 {
         match kind {
             RouteKind::Local => 256 << 20,
@@ -99,9 +99,11 @@ pub type Hook = Arc<dyn Fn(Stage, &Group) -> Result<()> + Send + Sync>;
 #[derive(Clone)]
 pub struct ExecOptions {
     pub arm: Arm,
-    /// At most this many thread blocks (so at most this many SMs) for the kernel arm's copies from
-    /// the sources; 0 for no cap. Verify and the staged install are not capped: a server stalls for
-    /// the install, and runs it at full speed.
+    /// Copies from the sources beside other work; 0 for none. The kernel arm uses at most this many
+    /// thread blocks (so at most this many SMs); AUTO (unverified) gives every run to the copy
+    /// engine, which uses none, in pieces of at most 64 MiB paced to about this many times 50 GB/s
+    /// (what that many SMs of the kernel copy). Verify and the
+    /// staged install are not capped: a server stalls for the install, and runs it at full speed.
     pub sm_budget: u32,
     /// Check every copied byte on the device after its copy: a kernel batch's destinations against
     /// digests it recorded of the sources it read, a copy-engine batch's against the sources.

@@ -20,7 +20,8 @@ use std::sync::Arc;
 /// 16 MiB between GPUs, the batched kernel for the others, in one stage (REFIT_ARM_SPLIT when a
 /// route kind has both); the copy engine where the kernel cannot run (no direct peer access, no
 /// libnvrtc); the kernel for every run of a verified step (its copy records the digests the verify
-/// checks). refit_run_stats.arm says which ran.
+/// checks); the copy engine for every run under an sm_budget (it uses no SMs). refit_run_stats.arm
+/// says which ran.
 pub const REFIT_ARM_AUTO: u32 = 0;
 /// Executor arm: the batched copy kernel (one launch per rank and stage; any segment size near
 /// memory bandwidth; capped by sm_budget).
@@ -60,9 +61,12 @@ pub struct refit_executor_options {
     pub size: usize,
     /// REFIT_ARM_AUTO (default), REFIT_ARM_KERNEL or REFIT_ARM_COPY_ENGINE.
     pub arm: u32,
-    /// Kernel copies from the sources use at most this many thread blocks, so at most this many SMs,
-    /// leaving the rest to work beside the refit (0, the default: no cap). Not with
-    /// REFIT_ARM_COPY_ENGINE. The verify stage and the staged install are not capped.
+    /// Copies from the sources beside other work (0, the default: none). REFIT_ARM_KERNEL: the
+    /// kernel uses at most this many thread blocks, so at most this many SMs. REFIT_ARM_AUTO
+    /// (unverified): every run goes to the copy engine, which uses no SMs, in copies of at most
+    /// 64 MiB paced to about sm_budget x 50 GB/s (what that many SMs of the kernel copy; a pause is
+    /// one sleeping warp), so that work beside them keeps its SMs and most of the memory bandwidth.
+    /// Not with REFIT_ARM_COPY_ENGINE. The verify stage and the staged install are not capped.
     pub sm_budget: u32,
     /// After each copy, check on the device, on the copy's stream, every byte it wrote: the kernel's
     /// destinations against digests it recorded of the sources it read (reads the destinations only;

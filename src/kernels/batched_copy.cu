@@ -455,4 +455,16 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         if (p != rank) wait_at_least(mine + 8ull * (n + p), epoch * DEPARTURE_UNITS);
     }
 }
+
+// A pause in a stream that uses no SM to speak of: one warp that sleeps (nanosleep, so it issues
+// almost nothing and fits beside a resident block of other work) until `ns` nanoseconds after it
+// started. Paces copy-engine copies queued around it (src/exec/batch.rs).
+extern "C" __global__ void refit_pause(u64 ns) {
+    u64 start, now;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(start));
+    do {
+        __nanosleep(2000);
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(now));
+    } while (now - start < ns);
+}
 #endif

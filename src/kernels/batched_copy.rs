@@ -43,6 +43,7 @@ pub struct BatchedCopy {
     check: sys::CUfunction,
     compare: sys::CUfunction,
     record: sys::CUfunction,
+    pause: sys::CUfunction,
     /// Blocks that fit on the device at once (SMs x resident blocks per SM): the persistent grid.
     max_blocks: u32,
     /// The same for the compare entry point, which has fewer resident blocks per SM.
@@ -82,6 +83,7 @@ impl BatchedCopy {
         let check = module::function(loaded.module, c"refit_batched_check")?;
         let compare = module::function(loaded.module, c"refit_batched_compare")?;
         let record = module::function(loaded.module, c"refit_batched_record")?;
+        let pause = module::function(loaded.module, c"refit_pause")?;
         let per_sm = loaded.blocks_per_sm(function, BLOCK_THREADS)?;
         let max_blocks = loaded.sms * per_sm;
         let compare_max_blocks = loaded.sms * loaded.blocks_per_sm(compare, BLOCK_THREADS)?;
@@ -96,6 +98,7 @@ impl BatchedCopy {
             check,
             compare,
             record,
+            pause,
             max_blocks,
             compare_max_blocks,
             build,
@@ -307,6 +310,36 @@ pub unsafe fn copy_segments(
     // SAFETY: allocated above on this stream; freed after the launch in stream order.
     let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
     result.and(freed)
+}
+
+/// Queues on `stream` (a CUstream of `device`'s primary context) a pause of `ns` nanoseconds: one
+/// sleeping warp (`refit_pause`), which paces copy-engine copies queued around it without holding
+/// an SM from other work. Errors: those of [`BatchedCopy::for_device`] and the launch's.
+///
+/// # Safety
+/// `stream` must be a live stream of `device`'s primary context (or NULL).
+pub unsafe fn pause(device: i32, stream: sys::CUstream, ns: u64) -> Result<()> {
+    let kernel = BatchedCopy::for_device(device)?;
+    // SAFETY: a retained primary context.
+    let _current = unsafe { CurrentContext::enter(kernel.context) }?;
+    let mut ns = ns;
+    let mut params: [*mut c_void; 1] = [(&mut ns as *mut u64).cast()];
+    // SAFETY: refit_pause takes one u64, passed by value.
+    check("cuLaunchKernel", unsafe {
+        sys::cuLaunchKernel(
+            kernel.pause,
+            1,
+            1,
+            1,
+            32,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
 }
 
 /// What a verify of a prepared batch shares with it (see [`PreparedBatch::parts`]).

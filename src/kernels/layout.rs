@@ -79,9 +79,9 @@ impl BatchLayout {
     /// log2 of the tile size [`BatchLayout::new`] picks for a batch of `bytes`: the largest tile
     /// from 8 KiB to 64 KiB that still cuts the batch into about 2^15 tiles. Every tile costs a fixed
     /// setup (its descriptor, its place in the segment; in the verifying modes a digest), which 8 KiB
-    /// tiles pay at a measurable rate on a large batch (the check reading 61 GB ran at 2.4 TB/s with
-    /// 8 KiB tiles and 4.4 TB/s with 64 KiB, benches/probes/tile_order_probe.py); a smaller batch needs
-    /// the smaller tiles to keep every warp busy to the end.
+    /// tiles pay often enough to slow a large batch, the check most (docs/decisions.md, "Tiles of
+    /// 8 KiB on every batch"); a smaller batch needs the smaller tiles to keep every warp busy to the
+    /// end.
     pub fn tile_shift_for(bytes: u64) -> u32 {
         (bytes >> BatchLayout::AUTO_TILES_SHIFT)
             .max(1)
