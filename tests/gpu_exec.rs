@@ -124,6 +124,27 @@ impl Refit {
         assert!(checked > 0);
     }
 
+    /// Moves every receiver to a new, poisoned allocation and tells `executor`; returns the old
+    /// allocations, poisoned and kept (nothing may write them any more).
+    fn move_receivers(&mut self, executor: &mut Executor) -> Vec<DeviceBuffer> {
+        let mut old = Vec::new();
+        for b in self.receivers() {
+            let fresh = DeviceBuffer::new(self.buffers[b].device, self.buffers[b].len);
+            fresh.poison();
+            let was = std::mem::replace(&mut self.buffers[b], fresh);
+            executor.rebind(was.device, was.ptr, self.buffers[b].ptr, was.len as u64).unwrap();
+            was.poison();
+            old.push(was);
+        }
+        old
+    }
+
+    fn assert_untouched(old: &[DeviceBuffer]) {
+        for was in old {
+            assert!(was.read().iter().all(|&x| x == POISON), "an old allocation was written");
+        }
+    }
+
     fn assert_poisoned(&self, what: &str) {
         for (b, bytes) in self.read().iter().enumerate() {
             if self.w.buffers[b].role == Role::Receiver {
@@ -323,21 +344,10 @@ fn rebound_receivers_get_every_element_at_their_new_place() {
             let mut executor = Executor::new(&group, &refit.plan, 0, options).unwrap();
             step(&mut executor, &group).unwrap();
             refit.assert_installed("before the move");
-            // Every receiver moves to a new allocation; the old ones are poisoned and kept.
-            let mut old = Vec::new();
-            for b in refit.receivers() {
-                let fresh = DeviceBuffer::new(refit.buffers[b].device, refit.buffers[b].len);
-                fresh.poison();
-                let was = std::mem::replace(&mut refit.buffers[b], fresh);
-                executor.rebind(was.device, was.ptr, refit.buffers[b].ptr, was.len as u64).unwrap();
-                was.poison();
-                old.push(was);
-            }
+            let old = refit.move_receivers(&mut executor);
             step(&mut executor, &group).unwrap();
             refit.assert_installed(&format!("{size} GPU(s) {arm:?} after rebinds"));
-            for was in &old {
-                assert!(was.read().iter().all(|&x| x == POISON), "an old allocation was written");
-            }
+            Refit::assert_untouched(&old);
             // Back to where the plan put them, for the next arm (named where the last run had them).
             for (b, was) in refit.receivers().into_iter().zip(old) {
                 executor.rebind(was.device, refit.buffers[b].ptr, was.ptr, was.len as u64).unwrap();
@@ -377,18 +387,8 @@ fn auto_gives_long_runs_to_the_copy_engine_and_the_rest_to_the_kernel() {
     assert_eq!(stats.method(RouteKind::Local), Some(Method::Kernel));
     refit.assert_installed("verified");
     // Both halves of the split follow a rebind.
-    let mut old = Vec::new();
-    for b in refit.receivers() {
-        let fresh = DeviceBuffer::new(refit.buffers[b].device, refit.buffers[b].len);
-        fresh.poison();
-        let was = std::mem::replace(&mut refit.buffers[b], fresh);
-        executor.rebind(was.device, was.ptr, refit.buffers[b].ptr, was.len as u64).unwrap();
-        was.poison();
-        old.push(was);
-    }
+    let old = refit.move_receivers(&mut executor);
     step(&mut executor, &group).unwrap();
     refit.assert_installed("split after rebinds");
-    for was in &old {
-        assert!(was.read().iter().all(|&x| x == POISON), "an old allocation was written");
-    }
+    Refit::assert_untouched(&old);
 }

@@ -15,7 +15,7 @@ Writes $REFIT_BENCH_RESULTS/bulk_overlap_probe.json.
 import cupy as cp
 import torch
 
-from probe_util import write_results
+from probe_util import GemmLoop, write_results
 
 GIB = 1 << 30
 SOURCE = r"""
@@ -83,30 +83,15 @@ def main():
     max_smem = cp.cuda.runtime.getDeviceProperties(0)["sharedMemPerBlockOptin"]
     for k in (hold, bulk):  # the bulk kernel's barriers take static shared memory from the same limit
         k.max_dynamic_shared_size_bytes = max_smem - 1024
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    c = torch.empty(8192, 8192, dtype=torch.bfloat16, device="cuda")
     size = 4 * GIB
     src = torch.empty(size, dtype=torch.uint8, device="cuda")
     dst = torch.empty(size, dtype=torch.uint8, device="cuda")
     src.random_(0, 256)
-    gemm_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    side = torch.cuda.Stream()
     side_cp = cp.cuda.ExternalStream(side.cuda_stream)
 
-    def gemms(n):
-        with torch.cuda.stream(gemm_stream):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                torch.matmul(a, b, out=c)
-            stop.record()
-        return start, stop
-
-    gemms(10)
-    torch.cuda.synchronize()
-    s, e = gemms(100)
-    e.synchronize()
-    alone = s.elapsed_time(e) / 100
+    gemm = GemmLoop()
+    alone, gemms = gemm.alone_ms, gemm.enqueue
 
     def launch(v):
         if v["kind"] == "hold":

@@ -12,12 +12,11 @@ Writes $REFIT_BENCH_RESULTS/overlap_probe.json.
 """
 
 import os
-import statistics
 
 import cupy as cp
 import torch
 
-from probe_util import SPIN, write_results
+from probe_util import SPIN, GemmLoop, write_results
 
 GIB = 1 << 30
 COPY = cp.RawKernel(
@@ -49,30 +48,15 @@ def refit_registers():
 def main():
     torch.cuda.init()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    c = torch.empty(8192, 8192, dtype=torch.bfloat16, device="cuda")
     src = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
     dst = torch.empty(2 * GIB, dtype=torch.uint8, device="cuda")
-    gemm_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    side = torch.cuda.Stream()
     side_cp = cp.cuda.ExternalStream(side.cuda_stream)
     vectors = src.numel() // 16
     max_smem = cp.cuda.runtime.getDeviceProperties(0)["sharedMemPerBlockOptin"]
 
-    def gemms(n):
-        with torch.cuda.stream(gemm_stream):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                torch.matmul(a, b, out=c)
-            stop.record()
-        return start, stop
-
-    gemms(10)
-    torch.cuda.synchronize()
-    s, e = gemms(100)
-    e.synchronize()
-    alone = s.elapsed_time(e) / 100
+    gemm = GemmLoop()
+    alone, gemms = gemm.alone_ms, gemm.enqueue
 
     def launch(kind, blocks, threads, smem):
         if kind == "copy":

@@ -15,7 +15,7 @@ Writes $REFIT_BENCH_RESULTS/paced_copy_probe.json.
 import cupy as cp
 import torch
 
-from probe_util import write_results
+from probe_util import GemmLoop, write_results
 
 MIB = 1 << 20
 PAUSE = cp.RawKernel(
@@ -36,23 +36,11 @@ extern "C" __global__ void pause(unsigned long long ns) {
 def main():
     torch.cuda.init()
     size = 4 << 30
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    c = torch.empty(8192, 8192, dtype=torch.bfloat16, device="cuda")
     src = torch.empty(size, dtype=torch.uint8, device="cuda")
     dst = torch.empty(size, dtype=torch.uint8, device="cuda")
     src.random_(0, 256)
-    gemm_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
+    side = torch.cuda.Stream()
     side_cp = cp.cuda.ExternalStream(side.cuda_stream)
-
-    def gemms(n):
-        with torch.cuda.stream(gemm_stream):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                torch.matmul(a, b, out=c)
-            stop.record()
-        return start, stop
 
     def paced_pass(chunk, pause_us, copy=True):
         """One pass over the 4 GiB on the side stream: chunk copies, each followed by a pause."""
@@ -63,11 +51,8 @@ def main():
                 if pause_us:
                     PAUSE((1,), (32,), (cp.uint64(int(pause_us * 1000)),), stream=side_cp)
 
-    gemms(10)
-    torch.cuda.synchronize()
-    s, e = gemms(100)
-    e.synchronize()
-    alone = s.elapsed_time(e) / 100
+    gemm = GemmLoop()
+    alone, gemms = gemm.alone_ms, gemm.enqueue
 
     dst.zero_()
     paced_pass(64 * MIB, 20)

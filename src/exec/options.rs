@@ -15,7 +15,7 @@ pub enum Arm {
     /// leaves the SMs free), the kernel for the others, in one stage; the copy engine everywhere the
     /// kernel cannot run (no direct peer access, no NVRTC); the kernel for every run when the step is
     /// verified (its copy records the digests the verify checks); the copy engine for every run,
-    /// in pieces, under an SM budget (it uses no SMs).
+    /// in paced pieces, under an SM budget (it uses no SMs).
     Auto,
     /// The batched copy kernel: one launch per rank and stage, any segment size near memory bandwidth.
     Kernel,
@@ -102,8 +102,8 @@ pub struct ExecOptions {
     /// Copies from the sources beside other work; 0 for none. The kernel arm uses at most this many
     /// thread blocks (so at most this many SMs); AUTO (unverified) gives every run to the copy
     /// engine, which uses none, in pieces of at most 64 MiB paced to about this many times 50 GB/s
-    /// (what that many SMs of the kernel copy). Verify and the
-    /// staged install are not capped: a server stalls for the install, and runs it at full speed.
+    /// (what that many SMs of the kernel copy). Verify and the staged install are not capped: a
+    /// server stalls for the install, and runs it at full speed.
     pub sm_budget: u32,
     /// Check every copied byte on the device after its copy: a kernel batch's destinations against
     /// digests it recorded of the sources it read, a copy-engine batch's against the sources.
