@@ -408,6 +408,7 @@ fn arm_name(code: u32) -> &'static str {
     match code {
         REFIT_ARM_KERNEL => "kernel",
         REFIT_ARM_COPY_ENGINE => "copy engine",
+        REFIT_ARM_SPLIT => "copy engine + kernel",
         _ => "-",
     }
 }
@@ -597,7 +598,7 @@ fn run() -> Result<(), String> {
          return complete); device: the step's span on the device; local / peer: the copies within a device and \
          {between}, which run side by side; verify: checking every copied byte on the device (the kernel's \
          against digests of what it read, the copy engine's against the sources); commit: installing staging \
-         into the live buffers; arm: how each route kind moved (kernel or copy engine); \
+         into the live buffers; arm: how each route kind moved (kernel, copy engine, or both: long runs by the copy engine); \
          payload GB/s: bytes moved (installed, for the commit) per wall second{}.",
         if on_gpu {
             ""
