@@ -1,6 +1,6 @@
 /* The executor's C API on the host backend (CI has no GPU): a plan executed through
  * refit_executor_*, direct and staged (in slices too), verified, rebound to moved buffers, with its
- * stats; received bytes are compared with ones computed element by element here. Then every bad
+ * stats and the arm AUTO picked (per run, under verify, under an SM budget); received bytes are compared with ones computed element by element here. Then every bad
  * argument with its status and message. */
 #include <stdint.h>
 
@@ -82,6 +82,62 @@ static refit_executor *make(const refit_plan *plan, const refit_group *group, ui
   return executor;
 }
 
+/* Runs one AUTO step of `plan` with `sm_budget` and `verify`; returns the peer route's arm. */
+static uint32_t auto_peer_arm(const refit_plan *plan, refit_group *group, uint32_t sm_budget, bool verify) {
+  refit_executor_options options;
+  CHECK_OK(refit_executor_options_init(&options));
+  options.sm_budget = sm_budget;
+  options.verify = verify;
+  refit_executor *executor = NULL;
+  CHECK_OK(refit_executor_create(plan, group, 0, &options, &executor));
+  refit_run_stats stats;
+  stats.size = sizeof stats;
+  CHECK_OK(refit_executor_run(executor, group, &stats));
+  refit_executor_destroy(executor);
+  return stats.arm[REFIT_ROUTE_PEER];
+}
+
+/* AUTO picks per run: a 16 MiB tensor and a 256-byte one, both from device 0 to device 1, put a run
+ * long enough for the copy engine between devices beside one for the kernel (REFIT_ARM_SPLIT); a
+ * verified step keeps both on the kernel; an SM budget gives both to the copy engine. Every byte is
+ * checked after each. */
+static void auto_picks_per_run(refit_group *group) {
+  const uint64_t big_count = (16u << 20) / ELEM, small_count = 64;
+  uint32_t *big_src = malloc(big_count * ELEM), *big_dst = malloc(big_count * ELEM);
+  uint32_t small_src[64], small_dst[64];
+  CHECK(big_src != NULL && big_dst != NULL);
+  for (uint64_t i = 0; i < big_count; i++) big_src[i] = (uint32_t)(i * 2654435761u);
+  for (uint64_t i = 0; i < small_count; i++) small_src[i] = (uint32_t)(i + 17);
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  const uint64_t zero[1] = {0}, big_shape[1] = {big_count}, small_shape[1] = {small_count}, unit[1] = {1};
+  uint32_t big = 0, small = 0;
+  CHECK_OK(refit_table_add_tensor(table, "big", 1, ELEM, big_shape, 1, &big));
+  CHECK_OK(refit_table_add_tensor(table, "small", 1, ELEM, small_shape, 1, &small));
+  CHECK_OK(refit_table_add_offer(table, big, 0, 0, addr(big_src), zero, big_shape, NULL, 1, NULL));
+  CHECK_OK(refit_table_add_offer(table, small, 0, 0, addr(small_src), zero, small_shape, NULL, 1, NULL));
+  CHECK_OK(refit_table_add_need(table, big, 0, 1, addr(big_dst), zero, big_shape, NULL, unit, 1));
+  CHECK_OK(refit_table_add_need(table, small, 0, 1, addr(small_dst), zero, small_shape, NULL, unit, 1));
+  refit_plan *plan = NULL;
+  const refit_table *tables[1] = {table};
+  CHECK_OK(refit_plan_build(tables, 1, NULL, &plan));
+  const struct {
+    uint32_t sm_budget;
+    bool verify;
+    uint32_t arm;
+  } cases[3] = {{0, false, REFIT_ARM_SPLIT}, {0, true, REFIT_ARM_KERNEL}, {8, false, REFIT_ARM_COPY_ENGINE}};
+  for (int c = 0; c < 3; c++) {
+    poison(big_dst, big_count * ELEM);
+    poison(small_dst, sizeof small_dst);
+    CHECK(auto_peer_arm(plan, group, cases[c].sm_budget, cases[c].verify) == cases[c].arm);
+    CHECK(memcmp(big_dst, big_src, big_count * ELEM) == 0 && memcmp(small_dst, small_src, sizeof small_src) == 0);
+  }
+  refit_plan_destroy(plan);
+  refit_table_destroy(table);
+  free(big_src);
+  free(big_dst);
+}
+
 int main(void) {
   const int32_t devices[2] = {0, 1};
   refit_group *group = check_host_group(devices, 2);
@@ -116,6 +172,8 @@ int main(void) {
     CHECK(strstr(refit_last_error_message(), "commits directly") != NULL);
     refit_executor_destroy(executor);
   }
+
+  auto_picks_per_run(group);
 
   /* Inside a scope the run is only queued; refit_executor_stats waits and adds device times. */
   void *callers[2] = {NULL, NULL};
@@ -208,6 +266,9 @@ int main(void) {
   CHECK(strstr(refit_last_error_message(), "options.size") != NULL);
   CHECK_OK(refit_executor_options_init(&options));
   options.arm = 7;
+  CHECK_STATUS(refit_executor_create(plan, group, 0, &options, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "options.arm") != NULL);
+  options.arm = REFIT_ARM_SPLIT; /* an outcome in the stats, not an arm to ask for */
   CHECK_STATUS(refit_executor_create(plan, group, 0, &options, &executor), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(refit_last_error_message(), "options.arm") != NULL);
   CHECK_OK(refit_executor_options_init(&options));

@@ -4,9 +4,11 @@ direct and staged, verified, on caller streams, rebound; the received bytes are 
 ones built element by element in Python (test_plan.Refit). Then every bad argument."""
 
 import ctypes
+import os
 import unittest
 
-from refit import Arm, Backend, Commit, Executor, Group, HostStream, Plan, RefitError, RouteKind, RunStats, Status
+from refit import (Arm, Backend, Commit, Executor, Group, HostStream, Plan, RefitError, RouteKind, RunStats, Status,
+                   Table)
 from test_plan import POISON, Refit
 
 
@@ -119,9 +121,33 @@ class ExecutorTest(unittest.TestCase):
         self.assertEqual(raised.exception.status, Status.NOT_FOUND)
         executor.close()
 
+    def test_auto_picks_per_run_under_verify_and_under_a_budget(self):
+        # A 16 MiB tensor and a 256-byte one from device 0 to device 1: a run long enough for the copy
+        # engine between devices beside one for the kernel.
+        sizes = {"big": 16 << 20, "small": 256}
+        sources = {name: ctypes.create_string_buffer(os.urandom(size), size) for name, size in sizes.items()}
+        targets = {name: ctypes.create_string_buffer(size) for name, size in sizes.items()}
+        with Table() as table:
+            for name, size in sizes.items():
+                tensor = table.add_tensor(name, [size // 4], 4)
+                table.add_offer(tensor, 0, 0, ctypes.addressof(sources[name]), [0], [size // 4])
+                table.add_need(tensor, 0, 1, ctypes.addressof(targets[name]), [0], [size // 4], [1])
+            plan = Plan.build([table])
+        cases = [(dict(), Arm.SPLIT), (dict(verify=True), Arm.KERNEL), (dict(sm_budget=8), Arm.COPY_ENGINE)]
+        with plan:
+            for options, arm in cases:
+                with self.subTest(options=options):
+                    for target in targets.values():
+                        ctypes.memset(target, POISON, len(target))
+                    with plan.executor(self.group, 0, **options) as executor:
+                        self.assertEqual(executor.run().arm[RouteKind.PEER], arm)
+                    for name in sizes:
+                        self.assertEqual(targets[name].raw, sources[name].raw, name)
+
     def test_bad_arguments_get_their_status(self):
         cases = [
             (dict(arm=9), Status.INVALID_ARGUMENT, "options.arm"),
+            (dict(arm=Arm.SPLIT), Status.INVALID_ARGUMENT, "options.arm"),
             (dict(commit=5), Status.INVALID_ARGUMENT, "options.commit"),
             (dict(arm=Arm.COPY_ENGINE, sm_budget=4), Status.INVALID_ARGUMENT, "sm_budget"),
             (dict(staging_limit=1 << 20), Status.INVALID_ARGUMENT, "staged commit only"),

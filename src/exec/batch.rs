@@ -6,7 +6,7 @@ use super::options::{Arm, Method};
 use crate::error::Result;
 use crate::group::Group;
 use crate::kernels::layout::BatchLayout;
-use crate::kernels::{self, PreparedBatch};
+use crate::kernels::{BatchedCopy, PreparedBatch};
 use crate::plan::RouteKind;
 use crate::segment::{Segment, Side};
 use crate::transport::host::host_stream;
@@ -50,18 +50,18 @@ impl Pace {
     }
 }
 
-/// Where each segment of a [`Method::Split`] batch goes.
-struct Split {
-    /// Per segment: its index in the kernel's layout, or in `engine`.
-    place: Vec<Place>,
-    /// The long runs' segments (current addresses), one copy-engine copy per run.
-    engine: Vec<Segment>,
-}
-
-#[derive(Clone, Copy)]
+/// Where one segment of a batch goes: its index in the kernel's layout, or in the copy engine's list.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
 enum Place {
     Kernel(usize),
     Engine(usize),
+}
+
+/// The copy engine's part of a batch beside other work: its pace, and the kernel module whose
+/// `refit_pause` makes the pauses (None where it cannot load: the pieces then run unpaced).
+struct Paced {
+    pace: Pace,
+    pauser: Option<Arc<BatchedCopy>>,
 }
 
 pub(crate) struct Batch {
@@ -70,24 +70,26 @@ pub(crate) struct Batch {
     /// Non-empty, validated segments; shared with host-backend work still queued.
     segments: Arc<Vec<Segment>>,
     bytes: u64,
-    /// CUDA backend, kernel and split methods: the segments the kernel copies (all of them, or the
-    /// short runs of a split).
+    /// CUDA backend: where each segment goes (empty on the host backend, where one memmove loop
+    /// runs every method).
+    place: Vec<Place>,
+    /// The segments the kernel copies (all of them, or a split's short runs).
     kernel: Option<KernelBatch>,
-    /// CUDA backend, split method only.
-    split: Option<Split>,
-    /// CUDA backend, copy-engine method under an SM budget: how its copies are cut and paced.
-    pace: Option<Pace>,
+    /// The segments the copy engine copies (current addresses), one copy per run.
+    engine: Vec<Segment>,
+    /// Under an SM budget: the copy engine's copies cut into paced pieces.
+    paced: Option<Paced>,
     /// Kernel descriptor indices relocated since the last [`Batch::flush`].
     dirty: Vec<usize>,
 }
 
 impl Batch {
-    /// Prepares `segments` (non-empty, validated) of route kind `kind` for `rank`'s device. The
-    /// kernel method uploads the descriptors now, and with `record_digests` records digests of what
-    /// it reads for [`Batch::recorded_verify`]; `max_blocks` (0: no cap) limits the blocks of its
-    /// launches. The split method gives runs of at least [`Arm::copy_engine_min_run`] of `kind` to
-    /// the copy engine and the others to the kernel. The copy-engine method under a budget
-    /// (`max_blocks` > 0: work runs beside the copies) issues paced pieces ([`Pace::for_budget`]).
+    /// Prepares `segments` (non-empty, validated) of route kind `kind` for `rank`'s device: each
+    /// goes to the kernel or the copy engine as `method` says (the split method gives runs of at
+    /// least [`Arm::copy_engine_min_run`] of `kind` to the copy engine). The kernel's descriptors
+    /// are uploaded now, and with `record_digests` its launches record digests of what they read
+    /// for [`Batch::recorded_verify`]. `max_blocks` > 0 (an SM budget: work runs beside the
+    /// copies) caps the kernel's blocks and paces the copy engine ([`Pace::for_budget`]).
     pub fn new(
         group: &Group,
         rank: usize,
@@ -98,41 +100,48 @@ impl Batch {
     ) -> Result<Batch> {
         let device = group.device(rank)?;
         let bytes = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
-        let prepare_kernel = |segments: &[Segment]| -> Result<KernelBatch> {
-            let layout = BatchLayout::new(segments)?;
+        let place = match group.backend_kind() {
+            BackendKind::Host => Vec::new(),
+            BackendKind::Cuda => places(&segments, method, Arm::copy_engine_min_run(kind)),
+        };
+        let on = |to_engine: bool| -> Vec<Segment> {
+            segments
+                .iter()
+                .zip(&place)
+                .filter(|(_, p)| matches!(p, Place::Engine(_)) == to_engine)
+                .map(|(segment, _)| *segment)
+                .collect()
+        };
+        let (short, engine) = (on(false), on(true));
+        let kernel = if short.is_empty() {
+            None
+        } else {
+            let layout = BatchLayout::new(&short)?;
             let mut prepared = PreparedBatch::from_layout(device, &layout, record_digests)?;
             if max_blocks > 0 {
                 prepared.limit_blocks(max_blocks);
             }
-            Ok(KernelBatch { layout, prepared })
+            Some(KernelBatch { layout, prepared })
         };
-        let (kernel, split) = match (group.backend_kind(), method) {
-            (BackendKind::Cuda, Method::Kernel) => (Some(prepare_kernel(&segments)?), None),
-            (BackendKind::Cuda, Method::Split) => {
-                let split = Split::of(&segments, Arm::copy_engine_min_run(kind));
-                let short: Vec<Segment> = segments
-                    .iter()
-                    .zip(&split.place)
-                    .filter(|(_, place)| matches!(place, Place::Kernel(_)))
-                    .map(|(segment, _)| *segment)
-                    .collect();
-                let kernel = if short.is_empty() { None } else { Some(prepare_kernel(&short)?) };
-                (kernel, Some(split))
-            }
-            // The copy engine issues one copy per run at each launch; on the host backend every
-            // method is the same memmove loop, queued on the stream's worker.
-            _ => (None, None),
-        };
-        let budgeted_engine =
-            group.backend_kind() == BackendKind::Cuda && method == Method::CopyEngine && max_blocks > 0;
+        let paced = (max_blocks > 0 && !engine.is_empty()).then(|| {
+            let pace = Pace::for_budget(max_blocks);
+            let pauser = match pace.pause_ns {
+                0 => None,
+                _ => BatchedCopy::for_device(device)
+                    .map_err(|err| log::warn!("copy-engine copies run unpaced: no pause kernel ({err})"))
+                    .ok(),
+            };
+            Paced { pace, pauser }
+        });
         Ok(Batch {
             backend: Arc::clone(group.backend()),
             device,
             segments: Arc::new(segments),
             bytes,
+            place,
             kernel,
-            split,
-            pace: budgeted_engine.then(|| Pace::for_budget(max_blocks)),
+            engine,
+            paced,
             dirty: Vec::new(),
         })
     }
@@ -150,40 +159,36 @@ impl Batch {
     /// descriptors, so it follows [`Batch::relocate`]), else comparing both sides (`None`: the
     /// caller builds that one, it needs the group).
     pub fn recorded_verify(&self) -> Result<Option<PreparedVerify>> {
-        match (&self.kernel, &self.split) {
-            (Some(kernel), None) => PreparedVerify::for_copy(&kernel.prepared).map(Some),
+        match &self.kernel {
+            Some(kernel) if self.engine.is_empty() => PreparedVerify::for_copy(&kernel.prepared).map(Some),
             _ => Ok(None),
         }
     }
 
-    /// Queues the batch on `stream`, a stream of its device. CUDA kernel: one launch, no host work
-    /// per segment. Copy engine: one copy per contiguous run. Split: one copy per long run, then
-    /// one launch. Host backend: one queued memmove loop.
+    /// Queues the batch on `stream`, a stream of its device: the copy engine's copies (one per run,
+    /// or per paced piece), then the kernel's one launch, which does no host work per segment.
+    /// Host backend: one queued memmove loop.
     ///
     /// # Safety
     /// Every segment's memory must stay valid until the queued work has run.
     pub unsafe fn launch(&self, stream: Stream) -> Result<()> {
-        if let Some(split) = &self.split {
-            self.backend.copy_segments(self.device, stream, &split.engine)?;
+        if self.backend.kind() == BackendKind::Host {
+            let stream = if stream == Stream::NULL { self.backend.null_stream(self.device) } else { stream };
+            let segments = Arc::clone(&self.segments);
+            // SAFETY: validated segments; the caller keeps the memory valid until this has run.
+            return host_stream(stream)?.enqueue(move || unsafe { copy_runs(&segments) });
         }
-        if let Some(kernel) = &self.kernel {
-            return kernel.prepared.launch(stream.as_ptr().cast());
-        }
-        if self.split.is_some() {
-            return Ok(());
-        }
-        if let Some(pace) = self.pace {
-            return self.copy_paced(stream, pace);
-        }
-        match self.backend.kind() {
-            BackendKind::Cuda => self.backend.copy_segments(self.device, stream, &self.segments),
-            BackendKind::Host => {
-                let stream =
-                    if stream == Stream::NULL { self.backend.null_stream(self.device) } else { stream };
-                let segments = Arc::clone(&self.segments);
-                // SAFETY: validated segments; the caller keeps the memory valid until this has run.
-                host_stream(stream)?.enqueue(move || unsafe { copy_runs(&segments) })
+        match &self.paced {
+            // SAFETY: the caller keeps every segment's memory valid until the copies have run.
+            Some(paced) => unsafe { self.copy_paced(stream, paced) }?,
+            None if !self.engine.is_empty() => {
+                unsafe { self.backend.copy_segments(self.device, stream, &self.engine) }?
             }
+            None => {}
+        }
+        match &self.kernel {
+            Some(kernel) => kernel.prepared.launch(stream.as_ptr().cast()),
+            None => Ok(()),
         }
     }
 
@@ -191,20 +196,20 @@ impl Batch {
     ///
     /// # Safety
     /// As for [`Batch::launch`].
-    unsafe fn copy_paced(&self, stream: Stream, pace: Pace) -> Result<()> {
+    unsafe fn copy_paced(&self, stream: Stream, paced: &Paced) -> Result<()> {
+        let piece = paced.pace.piece;
         let mut result = Ok(());
-        for segment in self.segments.iter() {
+        for segment in &self.engine {
             segment.for_each_run(|src, dst, len| {
                 let mut at = 0;
                 while result.is_ok() && at < len {
-                    let n = pace.piece.min(len - at);
+                    let n = piece.min(len - at);
                     let one = [Segment::contiguous(src + at, dst + at, n)];
                     // SAFETY: a piece of a run of this batch; the caller keeps its memory valid.
                     result = unsafe { self.backend.copy_segments(self.device, stream, &one) };
-                    if result.is_ok() && n == pace.piece && pace.pause_ns > 0 {
+                    if let (true, Some(pauser)) = (result.is_ok() && n == piece, &paced.pauser) {
                         // SAFETY: a stream of this batch's device.
-                        result =
-                            unsafe { kernels::pause(self.device, stream.as_ptr().cast(), pace.pause_ns) };
+                        result = unsafe { pauser.pause(stream.as_ptr().cast(), paced.pace.pause_ns) };
                     }
                     at += n;
                 }
@@ -220,13 +225,9 @@ impl Batch {
         let segment = &mut Arc::make_mut(&mut self.segments)[index];
         let address = segment.address_mut(side);
         *address = address.wrapping_add(delta);
-        let place = match &mut self.split {
-            Some(split) => split.place[index],
-            None => Place::Kernel(index),
-        };
-        match (place, &mut self.kernel, &mut self.split) {
-            (Place::Engine(e), _, Some(split)) => split.engine[e] = *segment,
-            (Place::Kernel(k), Some(kernel), _) => {
+        match (self.place.get(index), &mut self.kernel) {
+            (Some(&Place::Engine(e)), _) => self.engine[e] = *segment,
+            (Some(&Place::Kernel(k)), Some(kernel)) => {
                 let descriptor = &mut kernel.layout.descriptors[k];
                 descriptor.src = segment.src;
                 descriptor.dst = segment.dst;
@@ -260,24 +261,27 @@ impl Batch {
     }
 }
 
-impl Split {
-    /// Runs of at least `min_run` bytes to the copy engine, the others to the kernel.
-    fn of(segments: &[Segment], min_run: u64) -> Split {
-        let (mut kernel, mut engine) = (0, Vec::new());
-        let place = segments
-            .iter()
-            .map(|segment| {
-                if segment.len >= min_run {
-                    engine.push(*segment);
-                    Place::Engine(engine.len() - 1)
-                } else {
-                    kernel += 1;
-                    Place::Kernel(kernel - 1)
-                }
-            })
-            .collect();
-        Split { place, engine }
-    }
+/// Where `method` puts each of `segments`: the split method gives runs of at least `min_run` bytes to
+/// the copy engine, the others to the kernel.
+fn places(segments: &[Segment], method: Method, min_run: u64) -> Vec<Place> {
+    let (mut kernel, mut engine) = (0, 0);
+    segments
+        .iter()
+        .map(|segment| {
+            let to_engine = match method {
+                Method::Kernel => false,
+                Method::CopyEngine => true,
+                Method::Split => segment.len >= min_run,
+            };
+            let counter = if to_engine { &mut engine } else { &mut kernel };
+            *counter += 1;
+            if to_engine {
+                Place::Engine(*counter - 1)
+            } else {
+                Place::Kernel(*counter - 1)
+            }
+        })
+        .collect()
 }
 
 #[cfg(test)]
@@ -286,7 +290,7 @@ mod tests {
 
     #[test]
     fn a_budget_paces_pieces_to_what_its_sms_would_copy() {
-        // 8 SMs: 400 GB/s, 64 MiB every 167.8 us, of which the copy engine takes 36.3 us.
+        // 8 SMs' pace: a 64 MiB piece every 167,772 ns, of which the copy engine's own rate takes 36,275.
         assert_eq!(Pace::for_budget(8), Pace { piece: 64 << 20, pause_ns: 167_772 - 36_275 });
         assert_eq!(Pace::for_budget(12).pause_ns, 111_848 - 36_275);
         assert_eq!(Pace::for_budget(37).pause_ns, 0); // past the copy engine's own rate
@@ -308,16 +312,9 @@ mod tests {
             },
             Segment::contiguous(2 << 30, 1 << 43, 256 << 20),
         ];
-        let split = Split::of(&segments, 256 << 20);
-        let places: Vec<String> = split
-            .place
-            .iter()
-            .map(|p| match p {
-                Place::Kernel(k) => format!("k{k}"),
-                Place::Engine(e) => format!("e{e}"),
-            })
-            .collect();
-        assert_eq!(places, ["k0", "e0", "k1", "e1"]);
-        assert_eq!(split.engine, [segments[1], segments[3]]);
+        let (k, e) = (Place::Kernel, Place::Engine);
+        assert_eq!(places(&segments, Method::Split, 256 << 20), [k(0), e(0), k(1), e(1)]);
+        assert_eq!(places(&segments, Method::Kernel, 256 << 20), [k(0), k(1), k(2), k(3)]);
+        assert_eq!(places(&segments, Method::CopyEngine, 256 << 20), [e(0), e(1), e(2), e(3)]);
     }
 }

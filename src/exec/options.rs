@@ -101,8 +101,8 @@ pub struct ExecOptions {
     pub arm: Arm,
     /// Copies from the sources beside other work; 0 for none. The kernel arm uses at most this many
     /// thread blocks (so at most this many SMs); AUTO (unverified) gives every run to the copy
-    /// engine, which uses none, in pieces of at most 64 MiB paced to about this many times 50 GB/s
-    /// (what that many SMs of the kernel copy). Verify and the staged install are not capped: a
+    /// engine, which uses none, in pieces of at most 64 MiB paced to what that many SMs of the kernel
+    /// would copy (see `batch::Pace`). Verify and the staged install are not capped: a
     /// server stalls for the install, and runs it at full speed.
     pub sm_budget: u32,
     /// Check every copied byte on the device after its copy: a kernel batch's destinations against

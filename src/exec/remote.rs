@@ -23,8 +23,8 @@
 //! Verify: the writer of IPC writes checks them through the opened memory (a recording copy, then a
 //! check of the destinations). Bytes through staging are checked end to end: the sender digests its
 //! sources, the receiver digests where they landed, tile by tile over the same segments, and the
-//! digests travel over the communicator in one more meeting per run (8 bytes per kernel tile of at
-//! most 8 KiB, about 0.1% of the payload; per segment on the host backend). The receiver's run
+//! digests travel over the communicator in one more meeting per run (8 bytes per kernel tile of
+//! 8 to 64 KiB, at most 0.1% of the payload; per segment on the host backend). The receiver's run
 //! reports a difference.
 
 use super::flows::rank_of;

@@ -5,7 +5,7 @@
 //! pointer is checked by the argument helpers before use, inside the boundary.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use super::group::{REFIT_BACKEND_AUTO, REFIT_BACKEND_CUDA, REFIT_BACKEND_HOST};
+use super::group::{backend_code, REFIT_BACKEND_AUTO, REFIT_BACKEND_CUDA, REFIT_BACKEND_HOST};
 use super::plan::{plan_options, refit_plan, refit_plan_options, refit_table};
 use super::{arg, boundary, check_struct_size, destroy, out, slice};
 use crate::across;
@@ -253,10 +253,7 @@ pub extern "C" fn refit_comm_backend(comm: *const refit_comm, backend: *mut u32)
     boundary("refit_comm_backend", || {
         let slot = out(backend, "backend")?;
         // SAFETY: a live handle.
-        slot.write(match unsafe { arg(comm, "comm") }?.comm.kind() {
-            BackendKind::Cuda => REFIT_BACKEND_CUDA,
-            BackendKind::Host => REFIT_BACKEND_HOST,
-        });
+        slot.write(backend_code(unsafe { arg(comm, "comm") }?.comm.kind()));
         Ok(())
     })
 }

@@ -64,8 +64,9 @@ pub struct refit_executor_options {
     /// Copies from the sources beside other work (0, the default: none). REFIT_ARM_KERNEL: the
     /// kernel uses at most this many thread blocks, so at most this many SMs. REFIT_ARM_AUTO
     /// (unverified): every run goes to the copy engine, which uses no SMs, in copies of at most
-    /// 64 MiB paced to about sm_budget x 50 GB/s (what that many SMs of the kernel copy; a pause is
-    /// one sleeping warp), so that work beside them keeps its SMs and most of the memory bandwidth.
+    /// 64 MiB paced to what sm_budget SMs of the kernel would copy (a pause is one sleeping warp;
+    /// docs/decisions.md gives the per-SM rate and the bench behind it), so that work beside them
+    /// keeps its SMs and most of the memory bandwidth.
     /// Not with REFIT_ARM_COPY_ENGINE. The verify stage and the staged install are not capped.
     pub sm_budget: u32,
     /// After each copy, check on the device, on the copy's stream, every byte it wrote: the kernel's
@@ -190,7 +191,7 @@ pub extern "C" fn refit_executor_create(
 /// waits for them and refuses (INVALID_STATE) when a peer failed meanwhile: live buffers are then
 /// unchanged. verify checks the bytes written through IPC (by the writer, through the opened
 /// memory) and the bytes through staging end to end (the sender digests its sources, the receiver
-/// what landed; about 0.1% of the payload in digests travels over the communicator in one more
+/// what landed; at most 0.1% of the payload in digests travels over the communicator in one more
 /// meeting per run); the receiver's run reports a difference (VERIFY_MISMATCH naming the sending process). Every
 /// process must then create its executor with verify on (INVALID_ARGUMENT on the receiver
 /// otherwise). An executor with routes between processes cannot rebind (UNSUPPORTED: buffers that

@@ -189,12 +189,17 @@ pub extern "C" fn refit_group_backend(group: *const refit_group, backend: *mut u
     boundary("refit_group_backend", || {
         let slot = out(backend, "backend")?;
         // SAFETY: a live handle.
-        slot.write(match unsafe { arg(group, "group") }?.group.backend_kind() {
-            BackendKind::Cuda => REFIT_BACKEND_CUDA,
-            BackendKind::Host => REFIT_BACKEND_HOST,
-        });
+        slot.write(backend_code(unsafe { arg(group, "group") }?.group.backend_kind()));
         Ok(())
     })
+}
+
+/// The REFIT_BACKEND_* code of a backend in use (never AUTO).
+pub(crate) fn backend_code(kind: BackendKind) -> u32 {
+    match kind {
+        BackendKind::Cuda => REFIT_BACKEND_CUDA,
+        BackendKind::Host => REFIT_BACKEND_HOST,
+    }
 }
 
 /// Opens a scope: each rank's stream waits (an event; the host does not block) for the work queued

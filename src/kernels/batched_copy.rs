@@ -115,6 +115,35 @@ impl BatchedCopy {
         self.context
     }
 
+    /// Queues on `stream` (a CUstream of this device's primary context, or NULL) a pause of `ns`
+    /// nanoseconds: one sleeping warp (`refit_pause`), which paces copy-engine copies queued around
+    /// it without holding an SM from other work.
+    ///
+    /// # Safety
+    /// `stream` must be a live stream of this device's primary context (or NULL).
+    pub unsafe fn pause(&self, stream: sys::CUstream, ns: u64) -> Result<()> {
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(self.context) }?;
+        let mut ns = ns;
+        let mut params: [*mut c_void; 1] = [(&mut ns as *mut u64).cast()];
+        // SAFETY: refit_pause takes one u64, passed by value.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.pause,
+                1,
+                1,
+                1,
+                32,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+
     /// `launch` on a grid the compare entry point keeps resident (any grid walks every tile).
     pub(crate) fn for_compare(&self, mut launch: Launch) -> Launch {
         launch.blocks = launch.blocks.min(self.compare_max_blocks).max(1);
@@ -310,36 +339,6 @@ pub unsafe fn copy_segments(
     // SAFETY: allocated above on this stream; freed after the launch in stream order.
     let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
     result.and(freed)
-}
-
-/// Queues on `stream` (a CUstream of `device`'s primary context) a pause of `ns` nanoseconds: one
-/// sleeping warp (`refit_pause`), which paces copy-engine copies queued around it without holding
-/// an SM from other work. Errors: those of [`BatchedCopy::for_device`] and the launch's.
-///
-/// # Safety
-/// `stream` must be a live stream of `device`'s primary context (or NULL).
-pub unsafe fn pause(device: i32, stream: sys::CUstream, ns: u64) -> Result<()> {
-    let kernel = BatchedCopy::for_device(device)?;
-    // SAFETY: a retained primary context.
-    let _current = unsafe { CurrentContext::enter(kernel.context) }?;
-    let mut ns = ns;
-    let mut params: [*mut c_void; 1] = [(&mut ns as *mut u64).cast()];
-    // SAFETY: refit_pause takes one u64, passed by value.
-    check("cuLaunchKernel", unsafe {
-        sys::cuLaunchKernel(
-            kernel.pause,
-            1,
-            1,
-            1,
-            32,
-            1,
-            1,
-            0,
-            stream,
-            params.as_mut_ptr(),
-            std::ptr::null_mut(),
-        )
-    })
 }
 
 /// What a verify of a prepared batch shares with it (see [`PreparedBatch::parts`]).

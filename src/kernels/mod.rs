@@ -27,4 +27,4 @@ pub(crate) mod module;
 pub mod rendezvous;
 pub mod verify;
 
-pub use batched_copy::{copy_segments, pause, BatchedCopy, PreparedBatch};
+pub use batched_copy::{copy_segments, BatchedCopy, PreparedBatch};

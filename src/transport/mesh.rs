@@ -372,32 +372,57 @@ impl Progress {
     fn total(&self) -> u64 {
         HEADER + self.message.len
     }
+
+    /// Where the part in progress (the header, then the payload) continues, and how many of its
+    /// bytes are left.
+    fn rest(&mut self) -> (*mut u8, usize) {
+        if self.done < HEADER {
+            (self.header[self.done as usize..].as_mut_ptr(), (HEADER - self.done) as usize)
+        } else {
+            let at = self.done - HEADER;
+            ((self.message.addr + at) as usize as *mut u8, (self.message.len - at) as usize)
+        }
+    }
+}
+
+/// What one nonblocking send or recv did.
+enum Moved {
+    /// It moved this many bytes (0 from recv: the peer closed its end).
+    Bytes(u64),
+    /// The socket takes or holds nothing more now.
+    Later,
+    /// A signal interrupted it before it moved anything.
+    Again,
+}
+
+/// The outcome of a nonblocking send or recv that returned `ret` on `peer`'s socket.
+fn moved(ret: isize, peer: usize) -> Result<Moved> {
+    if ret >= 0 {
+        return Ok(Moved::Bytes(ret as u64));
+    }
+    let err = std::io::Error::last_os_error();
+    match err.kind() {
+        ErrorKind::WouldBlock => Ok(Moved::Later),
+        ErrorKind::Interrupted => Ok(Moved::Again),
+        _ => Err(peer_gone(peer, &err)),
+    }
 }
 
 impl Lane {
     /// Writes what the socket takes now.
     fn send_some(&mut self, stream: &UnixStream, peer: usize) -> Result<()> {
         while let Some(front) = self.sends.front_mut() {
-            let (ptr, len) = if front.done < HEADER {
-                (front.header[front.done as usize..].as_ptr(), (HEADER - front.done) as usize)
-            } else {
-                let at = front.done - HEADER;
-                ((front.message.addr + at) as usize as *const u8, (front.message.len - at) as usize)
-            };
+            let (ptr, len) = front.rest();
             if len > 0 {
                 // SAFETY: the header, or the caller's readable payload (transfer's contract).
                 let sent = unsafe {
                     libc::send(stream.as_raw_fd(), ptr.cast(), len, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
                 };
-                if sent < 0 {
-                    let err = std::io::Error::last_os_error();
-                    match err.kind() {
-                        ErrorKind::WouldBlock => return Ok(()),
-                        ErrorKind::Interrupted => continue,
-                        _ => return Err(peer_gone(peer, &err)),
-                    }
+                match moved(sent, peer)? {
+                    Moved::Bytes(n) => front.done += n,
+                    Moved::Later => return Ok(()),
+                    Moved::Again => continue,
                 }
-                front.done += sent as u64;
             }
             if front.done == front.total() {
                 self.sends.pop_front();
@@ -409,27 +434,16 @@ impl Lane {
     /// Reads what the socket holds now, never past the current message.
     fn receive_some(&mut self, stream: &UnixStream, peer: usize) -> Result<()> {
         while let Some(front) = self.recvs.front_mut() {
-            let (ptr, len) = if front.done < HEADER {
-                (front.header[front.done as usize..].as_mut_ptr(), (HEADER - front.done) as usize)
-            } else {
-                let at = front.done - HEADER;
-                ((front.message.addr + at) as usize as *mut u8, (front.message.len - at) as usize)
-            };
+            let (ptr, len) = front.rest();
             if len > 0 {
                 // SAFETY: the header, or the caller's writable payload (transfer's contract).
                 let got = unsafe { libc::recv(stream.as_raw_fd(), ptr.cast(), len, libc::MSG_DONTWAIT) };
-                if got < 0 {
-                    let err = std::io::Error::last_os_error();
-                    match err.kind() {
-                        ErrorKind::WouldBlock => return Ok(()),
-                        ErrorKind::Interrupted => continue,
-                        _ => return Err(peer_gone(peer, &err)),
-                    }
+                match moved(got, peer)? {
+                    Moved::Bytes(0) => return Err(peer_gone(peer, &"end of stream")),
+                    Moved::Bytes(n) => front.done += n,
+                    Moved::Later => return Ok(()),
+                    Moved::Again => continue,
                 }
-                if got == 0 {
-                    return Err(peer_gone(peer, &"end of stream"));
-                }
-                front.done += got as u64;
                 if front.done == HEADER {
                     let (sent, tag) = front.header.split_at(8);
                     let sent = u64::from_le_bytes(sent.try_into().expect("8 bytes"));
