@@ -9,9 +9,10 @@ torch, and measures in one run:
 - one large `copy_` of the same number of bytes (the ceiling);
 - refit's executor through the Python binding on the same tables (rebound from the fake arena
   bases to torch's arenas);
-- the overlap curve: a bf16 8192^3 GEMM loop on one stream, and beside it on another stream
+- the overlap curves: a load in a loop on one stream (a bf16 8192^3 GEMM, compute-bound; a bf16
+  16 x 8192 by 8192 x 28672 product, memory-bound like decoding), and beside it on another stream
   refit's executor at several SM budgets, or a torch `copy_` loop: refit's payload GB/s against
-  the GEMM's slowdown.
+  the load's slowdown, measured against the same loop alone just before.
 Times are CUDA-event medians after warm-up (the per-slice loop includes its host issue time, as a
 caller would see it). Sampled slices are compared byte-exact after every method. Writes
 $REFIT_BENCH_RESULTS/refit_peer.json and prints markdown tables.
@@ -29,6 +30,7 @@ import torch
 
 import refit
 from refit import Arm, Backend, Group, Plan, Table
+from side_by_side import beside, decode_load, gemm_load
 
 GIB = 1 << 30
 STAGING = 4 * GIB
@@ -177,85 +179,62 @@ def main():
         segments = sum(steps[0].segments)
     row("refit executor via the Python binding (AUTO)", refit_ms, segments)
 
-    # Overlap: a GEMM loop on one stream, a copy loop beside it on another.
-    a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    c = torch.empty(8192, 8192, dtype=torch.bfloat16, device="cuda")
-    gemm_stream, side = torch.cuda.Stream(), torch.cuda.Stream()
-
-    def gemm_loop(n):
-        with torch.cuda.stream(gemm_stream):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                torch.matmul(a, b, out=c)
-            stop.record()
-        return start, stop
-
-    def gemm_alone():
-        gemm_loop(5)
-        torch.cuda.synchronize()
-        start, stop = gemm_loop(50)
-        stop.synchronize()
-        return start.elapsed_time(stop) / 50
-
-    alone = gemm_alone()
-
-    def beside(step_ms, step_bytes, enqueue_step):
-        """GEMMs and `enqueue_step` (on `side`) for about a second each, side by side."""
-        steps = max(2, math.ceil(1000 / step_ms))
-        gemms = max(10, math.ceil(steps * step_ms / alone))
-        g_start, g_stop = gemm_loop(gemms)
-        s_start, s_stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s_start.record(side)
-        for _ in range(steps):
-            enqueue_step()
-        s_stop.record(side)
-        torch.cuda.synchronize()
-        per_gemm = g_start.elapsed_time(g_stop) / gemms
-        return steps * step_bytes / (s_start.elapsed_time(s_stop) * 1e6), per_gemm / alone - 1
+    # Overlap: a load's loop on one stream, a refit or a copy loop beside it on another.
+    side = torch.cuda.Stream()
 
     curve = []
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for budget in (0, sms, sms // 2, sms // 4, sms // 8, sms // 16, 8, 4):
-        with executor(arm=Arm.KERNEL, sm_budget=budget) as ex:
+
+    def point(work, what, budget, alone_gbps, step_ms, step_bytes, enqueue_step):
+        m = beside(work, side, step_ms, step_bytes, enqueue_step)
+        curve.append({"load": work.name, "what": what, "sm_budget": budget, "alone_gbps": alone_gbps,
+                      "beside_gbps": m["gbps"], "load_baseline_ms": m["baseline_ms"],
+                      "beside_gbps_is_bound": m["gbps_bound"], "load_slowdown": m["slowdown"]})
+
+    def control(work):
+        """The method's own noise: a second of the load against the second just before it."""
+        calls = math.ceil(1000 / work.short_ms)
+        first = work.ms_per_call(calls)
+        curve.append({"load": work.name, "what": "nothing (control: the loop against itself)", "sm_budget": None,
+                      "alone_gbps": 0.0, "beside_gbps": 0.0, "load_baseline_ms": first,
+                      "beside_gbps_is_bound": False, "load_slowdown": work.ms_per_call(calls) / first - 1})
+
+    def refit_beside(work, what, budget, **options):
+        with executor(sm_budget=budget, **options) as ex:
             ex.run()
             step_ms = statistics.median(ex.run().device_ns for _ in range(2)) / 1e6
-            gbps, slowdown = beside(step_ms, payload, lambda: ex.run(stream=side))
-        curve.append({"what": "refit executor", "sm_budget": budget, "alone_gbps": payload / (step_ms * 1e6),
-                      "beside_gemm_gbps": gbps, "gemm_slowdown": slowdown})
-    # AUTO under an SM budget: every run by the copy engine, in 64 MiB copies paced to budget x 50 GB/s.
-    for budget in (8, 12, 16, 24):
-        with executor(sm_budget=budget) as ex:
-            ex.run()
-            step_ms = statistics.median(ex.run().device_ns for _ in range(2)) / 1e6
-            gbps, slowdown = beside(step_ms, payload, lambda: ex.run(stream=side))
-        curve.append({"what": "refit executor, AUTO (paced copy engine)", "sm_budget": budget,
-                      "alone_gbps": payload / (step_ms * 1e6), "beside_gemm_gbps": gbps, "gemm_slowdown": slowdown})
+            point(work, what, budget, payload / (step_ms * 1e6), step_ms, payload, lambda: ex.run(stream=side))
+
     chunk = min(payload, 2 * GIB)
-    piece = 64 << 20
 
-    def copy_pieces():
-        for off in range(0, chunk, piece):
-            recv[off:off + piece].copy_(pub[off:off + piece])
+    def torch_copy_in(piece):
+        """One step: `chunk` bytes by torch `copy_` on `side`, in copies of `piece` bytes."""
+        def step():
+            with torch.cuda.stream(side):
+                for off in range(0, chunk, piece):
+                    recv[off:off + piece].copy_(pub[off:off + piece])
+        return step
 
-    def torch_pieces():
-        with torch.cuda.stream(side):
-            copy_pieces()
-
-    pieces_ms = timed_ms(copy_pieces)
-    gbps, slowdown = beside(pieces_ms, chunk, torch_pieces)
-    curve.append({"what": "torch copy_, 2 GiB in 64 MiB pieces", "sm_budget": None,
-                  "alone_gbps": chunk / (pieces_ms * 1e6), "beside_gemm_gbps": gbps, "gemm_slowdown": slowdown})
-
-    def torch_copy():
-        with torch.cuda.stream(side):
-            recv[:chunk].copy_(pub[:chunk])
-
-    copy_ms = timed_ms(lambda: recv[:chunk].copy_(pub[:chunk]))
-    gbps, slowdown = beside(copy_ms, chunk, torch_copy)
-    curve.append({"what": "torch copy_ (2 GiB)", "sm_budget": None, "alone_gbps": chunk / (copy_ms * 1e6),
-                  "beside_gemm_gbps": gbps, "gemm_slowdown": slowdown})
+    pieces = [64 << 20, 256 << 20, 1 << 30, chunk]
+    with torch.cuda.stream(side):  # timed_ms's events on the stream the steps use
+        pieces_ms = {piece: timed_ms(torch_copy_in(piece)) for piece in pieces}
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    gemm, gemm_eager, decode = gemm_load(), gemm_load(graphed=False), decode_load()
+    # Per load: the kernel's SM budgets (0: none), AUTO's (every run by the copy engine, in 64 MiB
+    # copies paced to budget x 50 GB/s), and torch's piece sizes.
+    plans = [
+        (gemm, (0, sms, sms // 2, sms // 4, sms // 8, sms // 16), (8, 16, 24, 32, 48), pieces),
+        (gemm_eager, (sms // 4, sms // 8), (8, 24, 48), (64 << 20, chunk)),
+        (decode, (0, sms // 8), (8, 16, 24, 48), (64 << 20, chunk)),
+    ]
+    for work, kernel_budgets, auto_budgets, torch_pieces in plans:
+        control(work)
+        for budget in kernel_budgets:
+            refit_beside(work, "refit executor, KERNEL", budget, arm=Arm.KERNEL)
+        for budget in auto_budgets:
+            refit_beside(work, "refit executor, AUTO (paced copy engine)", budget)
+        for piece in torch_pieces:
+            what = "torch copy_ (2 GiB)" if piece == chunk else f"torch copy_, 2 GiB in {piece >> 20} MiB pieces"
+            point(work, what, None, chunk / (pieces_ms[piece] * 1e6), pieces_ms[piece], chunk, torch_copy_in(piece))
     plan.close()
     group.close()
 
@@ -266,20 +245,26 @@ def main():
     for r in rows:
         what = r["what"] if r["correct"] else f"{r['what']} (WRONG BYTES: sampled slices differ)"
         print(f"| {what} | {r['segments']} | {r['ms']:.2f} | {r['gbps']:.0f} | {r['gbps'] / rows[0]['gbps']:.3f} |")
-    print(f"\nOverlap: a bf16 8192^3 GEMM loop alone takes {alone:.3f} ms per GEMM; beside it on another stream:")
-    print("| beside the GEMM | SM budget | GB/s alone | GB/s beside the GEMM | GEMM slowdown |")
-    print("|---|---|---|---|---|")
-    for p in curve:
-        budget = "-" if p["sm_budget"] is None else ("none" if p["sm_budget"] == 0 else p["sm_budget"])
-        print(f"| {p['what']} | {budget} | {p['alone_gbps']:.0f} | {p['beside_gemm_gbps']:.0f} | "
-              f"{100 * p['gemm_slowdown']:.1f}% |")
+    for work, *_ in plans:
+        print(f"\nOverlap beside {work.name} in a loop on another stream ({work.short_ms:.3f} ms per call in a"
+              " short loop); GB/s of the steps that ended inside the loop (< : a bound, fewer than two did); the"
+              " load's slowdown against the same loop alone just before:")
+        print("| beside it | SM budget | GB/s alone | GB/s beside it | load ms per call alone | load slowdown |")
+        print("|---|---|---|---|---|---|")
+        for p in curve:
+            if p["load"] != work.name:
+                continue
+            budget = "-" if p["sm_budget"] is None else ("none" if p["sm_budget"] == 0 else p["sm_budget"])
+            rate = ("< " if p["beside_gbps_is_bound"] else "") + f"{p['beside_gbps']:.0f}"
+            print(f"| {p['what']} | {budget} | {p['alone_gbps']:.0f} | {rate} | "
+                  f"{p['load_baseline_ms']:.3f} | {100 * p['load_slowdown']:.1f}% |")
 
     out_dir = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "refit_peer.json"), "w") as f:
         json.dump({"bench": "refit_peer", "torch": torch.__version__, "units": "GB/s of payload",
                    "slices": len(slices), "payload_bytes": payload, "rows": rows,
-                   "gemm_alone_ms": alone, "overlap": curve}, f, indent=2)
+                   "overlap": curve}, f, indent=2)
         f.write("\n")
 
 

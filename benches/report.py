@@ -567,6 +567,34 @@ def overlap_probe(d):
     return out
 
 
+def refit_peer(d):
+    out = heading(
+        "refit_peer",
+        "Refit executor against torch on the demo's tables, and beside other work",
+        "one large `copy_` of the same bytes and torch's per-slice copies; beside a load, torch `copy_` in pieces",
+    )
+    out += [f"{num(d['payload_bytes'] / 1e9, 2)} GB of payload in {num(d['slices'])} slices, torch {d['torch']}.", ""]
+    ceiling = d["rows"][0]["gbps"]
+    out += table(
+        ["what", "segments", "ms", "GB/s of payload", "vs one large copy", "bytes right"],
+        [[r["what"], num(r["segments"]), num(r["ms"], 2), num(r["gbps"]), ratio(r["gbps"], ceiling, 3),
+          "yes" if r["correct"] else "NO (sampled slices differ)"] for r in d["rows"]],
+    )
+    loads = list(dict.fromkeys(p["load"] for p in d["overlap"]))
+    for load in loads:
+        out += [f"Beside {load}, in a loop on another stream: GB/s of the steps that ended inside the loop "
+                "(< : a bound, fewer than two did); the load's slowdown against the same loop alone just "
+                "before (`benches/side_by_side.py`).", ""]
+        out += table(
+            ["beside it", "SM budget", "GB/s alone", "GB/s beside it", "load ms per call alone", "load slowdown"],
+            [[p["what"], "-" if p["sm_budget"] is None else ("none" if p["sm_budget"] == 0 else p["sm_budget"]),
+              num(p["alone_gbps"]), ("< " if p["beside_gbps_is_bound"] else "") + num(p["beside_gbps"]),
+              num(p["load_baseline_ms"], 3), f"{100 * p['load_slowdown']:.1f}%"]
+             for p in d["overlap"] if p["load"] == load],
+        )
+    return out
+
+
 def generic(stem, d):
     """A results file without a section of its own: every list of records in it, as it is."""
     out = heading(stem, stem, "not named (this file has no section in benches/report.py)")
@@ -612,6 +640,7 @@ SECTIONS = [
     ("overlap_probe", overlap_probe),
     ("launch_cost_probe", launch_cost_probe),
     ("leader_launch_probe", leader_launch_probe),
+    ("refit_peer", refit_peer),
 ]
 
 
@@ -699,8 +728,9 @@ def measurements():
         "probes through `gpu/run.sh probes`), copy its JSON into `benches/results/`, and run",
         "`python3 benches/report.py`. What the figures decided is in `docs/decisions.md`.",
         "",
-        "Only the allgather results record their machine; every GPU figure here was measured on that",
-        "kind of machine (two GPUs joined by NVLink), the planner's on the two-core development machine.",
+        "Every GPU figure here was measured on H200s: the two-GPU figures on two joined by NVLink, the",
+        "others on one (the results that record their device say so); the planner's on the two-core",
+        "development machine.",
         "",
     ]
     others = sorted(p.name for p in RESULTS.iterdir() if p.suffix != ".json")

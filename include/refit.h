@@ -472,10 +472,10 @@ typedef struct {
   /**
    * Copies from the sources beside other work (0, the default: none). REFIT_ARM_KERNEL: the
    * kernel uses at most this many thread blocks, so at most this many SMs. REFIT_ARM_AUTO
-   * (unverified): every run goes to the copy engine, which uses no SMs, in copies of at most
-   * 64 MiB paced to what sm_budget SMs of the kernel would copy (a pause is one sleeping warp;
-   * docs/decisions.md gives the per-SM rate and the bench behind it), so that work beside them
-   * keeps its SMs and most of the memory bandwidth.
+   * (unverified): every run goes to the copy engine, which needs no SM, in copies of at most
+   * 64 MiB paced to what sm_budget SMs of the kernel would copy (a pause is one sleeping warp).
+   * The pace bounds the rate; how fast the copies move beside other work, and what they cost
+   * it, depends on that work (docs/decisions.md, "Copying beside inference", and the bench).
    * Not with REFIT_ARM_COPY_ENGINE. The verify stage and the staged install are not capped.
    */
   uint32_t sm_budget;

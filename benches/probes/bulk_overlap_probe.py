@@ -15,7 +15,8 @@ Writes $REFIT_BENCH_RESULTS/bulk_overlap_probe.json.
 import cupy as cp
 import torch
 
-from probe_util import GemmLoop, write_results
+from probe_util import write_results
+from side_by_side import beside, gemm_load
 
 GIB = 1 << 30
 SOURCE = r"""
@@ -90,8 +91,7 @@ def main():
     side = torch.cuda.Stream()
     side_cp = cp.cuda.ExternalStream(side.cuda_stream)
 
-    gemm = GemmLoop()
-    alone, gemms = gemm.alone_ms, gemm.enqueue
+    gemm = gemm_load()
 
     def launch(v):
         if v["kind"] == "hold":
@@ -127,26 +127,20 @@ def main():
     launch(check)
     torch.cuda.synchronize()
     exact = bool(torch.equal(src, dst))
-    print(f"bulk_overlap_probe: {sms} SMs, GEMM alone {alone:.3f} ms; bulk copy byte-exact: {exact}", flush=True)
+    print(f"bulk_overlap_probe: {sms} SMs, GEMM alone {gemm.short_ms:.3f} ms; bulk copy byte-exact: {exact}",
+          flush=True)
 
     rows = []
     window_ms = 400.0
     for v in variants:
         per_launch = alone_ms(v) if v["kind"] == "bulk" else 20_000_000 / 1.98e6
-        launches = max(2, int(window_ms * 1.2 / per_launch))
-        n = max(20, int(window_ms / alone))
-        torch.cuda.synchronize()
-        g0, g1 = gemms(n)
-        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s0.record(side)
-        for _ in range(launches):
-            launch(v)
-        s1.record(side)
-        torch.cuda.synchronize()
-        row = dict(v, gemm_slowdown=g0.elapsed_time(g1) / n / alone - 1)
+        step_bytes = size if v["kind"] == "bulk" else 0
+        m = beside(gemm, side, per_launch, step_bytes, lambda: launch(v), window_ms)
+        row = dict(v, gemm_baseline_ms=m["baseline_ms"], gemm_slowdown=m["slowdown"],
+                   beside_gbps_is_bound=m["gbps_bound"])
         if v["kind"] == "bulk":
             row["alone_gbps"] = size / (per_launch * 1e6)
-            row["beside_gbps"] = launches * size / (s0.elapsed_time(s1) * 1e6)
+            row["beside_gbps"] = m["gbps"]
         rows.append(row)
         print(row, flush=True)
     print("\n| kind | blocks x threads | ring | GB/s payload alone | beside GEMM | GEMM slowdown |")
@@ -157,7 +151,7 @@ def main():
         print(f"| {r['kind']} | {r['blocks']} x {r.get('threads', 32)} | {ring} | {r.get('alone_gbps', 0):.0f} | "
               f"{r.get('beside_gbps', 0):.0f} | {100 * r['gemm_slowdown']:.1f}% |")
     write_results("bulk_overlap_probe", {"probe": "bulk_overlap_probe", "device": torch.cuda.get_device_name(0),
-                                         "gemm_alone_ms": alone, "bulk_copy_exact": exact, "rows": rows})
+                                         "gemm_alone_ms": gemm.short_ms, "bulk_copy_exact": exact, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -16,7 +16,8 @@ import os
 import cupy as cp
 import torch
 
-from probe_util import SPIN, GemmLoop, write_results
+from probe_util import SPIN, write_results
+from side_by_side import beside, gemm_load
 
 GIB = 1 << 30
 COPY = cp.RawKernel(
@@ -55,8 +56,7 @@ def main():
     vectors = src.numel() // 16
     max_smem = cp.cuda.runtime.getDeviceProperties(0)["sharedMemPerBlockOptin"]
 
-    gemm = GemmLoop()
-    alone, gemms = gemm.alone_ms, gemm.enqueue
+    gemm = gemm_load()
 
     def launch(kind, blocks, threads, smem):
         if kind == "copy":
@@ -81,40 +81,30 @@ def main():
         for blocks in (4, 16, 33, 48, 66, 132):
             variants.append(("copy", blocks, threads, 0))
     variants += [("copy", 33, 256, max_smem), ("copy", 66, 256, max_smem)]
-    window_ms = 600.0
+    window_ms = 400.0
     for kind, blocks, threads, smem in variants:
         if smem:
             for k in (COPY, SPIN):
                 k.max_dynamic_shared_size_bytes = smem
         per_launch = copy_alone_ms(blocks, threads, smem) if kind == "copy" else 20_000_000 / 1.98e6
-        launches = max(2, int(window_ms * 1.2 / per_launch))
-        n = max(20, int(window_ms / alone))
-        torch.cuda.synchronize()
-        g0, g1 = gemms(n)
-        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s0.record(side)
-        for _ in range(launches):
-            launch(kind, blocks, threads, smem)
-        s1.record(side)
-        torch.cuda.synchronize()
-        gemm_ms = g0.elapsed_time(g1) / n
-        side_ms = s0.elapsed_time(s1)
-        row = {"kind": kind, "blocks": blocks, "threads": threads, "smem": smem,
-               "gemm_slowdown": gemm_ms / alone - 1}
+        step_bytes = src.numel() if kind == "copy" else 0
+        m = beside(gemm, side, per_launch, step_bytes, lambda: launch(kind, blocks, threads, smem), window_ms)
+        row = {"kind": kind, "blocks": blocks, "threads": threads, "smem": smem, "gemm_baseline_ms": m["baseline_ms"],
+               "gemm_slowdown": m["slowdown"], "beside_gbps_is_bound": m["gbps_bound"]}
         if kind == "copy":
             row["alone_gbps"] = src.numel() / (per_launch * 1e6)
-            row["beside_gbps"] = launches * src.numel() / (side_ms * 1e6)
+            row["beside_gbps"] = m["gbps"]
         rows.append(row)
         print(row, flush=True)
     regs = refit_registers()
-    print(f"\noverlap_probe: {sms} SMs, GEMM alone {alone:.3f} ms, refit kernels' registers per thread {regs}")
+    print(f"\noverlap_probe: {sms} SMs, GEMM alone {gemm.short_ms:.3f} ms, refit kernels' registers per thread {regs}")
     print("| kind | blocks | threads | smem | GB/s payload alone | beside GEMM | GEMM slowdown |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
         print(f"| {r['kind']} | {r['blocks']} | {r['threads']} | {r['smem']} | {r.get('alone_gbps', 0):.0f} | "
               f"{r.get('beside_gbps', 0):.0f} | {100 * r['gemm_slowdown']:.1f}% |")
     write_results("overlap_probe", {"probe": "overlap_probe", "device": torch.cuda.get_device_name(0),
-                                    "gemm_alone_ms": alone, "refit_registers": regs, "rows": rows})
+                                    "gemm_alone_ms": gemm.short_ms, "refit_registers": regs, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -15,7 +15,8 @@ Writes $REFIT_BENCH_RESULTS/paced_copy_probe.json.
 import cupy as cp
 import torch
 
-from probe_util import GemmLoop, write_results
+from probe_util import write_results
+from side_by_side import beside, gemm_load
 
 MIB = 1 << 20
 PAUSE = cp.RawKernel(
@@ -51,14 +52,13 @@ def main():
                 if pause_us:
                     PAUSE((1,), (32,), (cp.uint64(int(pause_us * 1000)),), stream=side_cp)
 
-    gemm = GemmLoop()
-    alone, gemms = gemm.alone_ms, gemm.enqueue
+    gemm = gemm_load()
 
     dst.zero_()
     paced_pass(64 * MIB, 20)
     torch.cuda.synchronize()
     exact = bool(torch.equal(src, dst))
-    print(f"paced_copy_probe: GEMM alone {alone:.3f} ms; paced copy byte-exact: {exact}", flush=True)
+    print(f"paced_copy_probe: GEMM alone {gemm.short_ms:.3f} ms; paced copy byte-exact: {exact}", flush=True)
 
     rows = []
     variants = [(64 * MIB, 0, True)]
@@ -74,21 +74,11 @@ def main():
         stop.record(side)
         stop.synchronize()
         pass_ms = start.elapsed_time(stop)
-        passes = max(1, int(400.0 / pass_ms))
-        n = max(20, int(passes * pass_ms / alone))
-        torch.cuda.synchronize()
-        g0, g1 = gemms(n)
-        s0, s1 = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        s0.record(side)
-        for _ in range(passes):
-            paced_pass(chunk, pause_us, copy)
-        s1.record(side)
-        torch.cuda.synchronize()
+        m = beside(gemm, side, pass_ms, size if copy else 0, lambda: paced_pass(chunk, pause_us, copy), window_ms=400)
         row = {"chunk": chunk, "pause_us": pause_us, "copies": copy,
-               "alone_gbps": size / (pass_ms * 1e6) if copy else 0.0,
-               "beside_gbps": passes * size / (s0.elapsed_time(s1) * 1e6) if copy else 0.0,
-               "gemm_slowdown": g0.elapsed_time(g1) / n / alone - 1,
-               "gemm_covered": g0.elapsed_time(g1) <= s0.elapsed_time(s1) * 1.05}
+               "alone_gbps": size / (pass_ms * 1e6) if copy else 0.0, "beside_gbps": m["gbps"] if copy else 0.0,
+               "beside_gbps_is_bound": m["gbps_bound"], "gemm_baseline_ms": m["baseline_ms"],
+               "gemm_slowdown": m["slowdown"]}
         rows.append(row)
         print(row, flush=True)
     print("\n| chunk | pause us | GB/s payload alone | beside GEMM | GEMM slowdown |")
@@ -98,7 +88,7 @@ def main():
         print(f"| {what} | {r['pause_us']} | {r['alone_gbps']:.0f} | {r['beside_gbps']:.0f} | "
               f"{100 * r['gemm_slowdown']:.1f}% |")
     write_results("paced_copy_probe", {"probe": "paced_copy_probe", "device": torch.cuda.get_device_name(0),
-                                       "gemm_alone_ms": alone, "paced_copy_exact": exact, "rows": rows})
+                                       "gemm_alone_ms": gemm.short_ms, "paced_copy_exact": exact, "rows": rows})
 
 
 if __name__ == "__main__":

@@ -1,12 +1,15 @@
 """What the cupy probes in benches/probes/ share: peer access, a spin kernel to gate streams, timing, and
-writing results."""
+writing results; and the path to benches/side_by_side.py, the harness that times a copy beside a load."""
 
 import json
 import os
 import statistics
+import sys
 
 import cupy as cp
 from cupy.cuda import runtime as rt
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 MIB = 1 << 20
 SPIN = cp.RawKernel(
@@ -63,34 +66,3 @@ def write_results(name, results):
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{name}.json"), "w") as f:
         json.dump(results, f, indent=1)
-
-
-class GemmLoop:
-    """The load the overlap probes run a copy beside: cuBLAS's 8192^3 bf16 GEMM (torch.matmul) in a
-    loop on its own stream. `alone_ms` is one GEMM's time with nothing beside it (100 after 10 of
-    warm-up); `enqueue(n)` queues n GEMMs between two timing events and returns them."""
-
-    def __init__(self):
-        import torch
-
-        self.torch = torch
-        self.a = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-        self.b = torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda")
-        self.c = torch.empty(8192, 8192, dtype=torch.bfloat16, device="cuda")
-        self.stream = torch.cuda.Stream()
-        self.enqueue(10)
-        torch.cuda.synchronize()
-        start, stop = self.enqueue(100)
-        stop.synchronize()
-        self.alone_ms = start.elapsed_time(stop) / 100
-
-    def enqueue(self, n):
-        torch = self.torch
-        with torch.cuda.stream(self.stream):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(n):
-                torch.matmul(self.a, self.b, out=self.c)
-            stop.record()
-        return start, stop
-

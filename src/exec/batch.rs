@@ -32,10 +32,11 @@ struct Pace {
 
 impl Pace {
     /// The longest copy-engine copy beside other work: one long copy costs work beside it far more
-    /// than the same bytes in pieces (docs/decisions.md, "The copy engine, in pieces and paced").
+    /// than the same bytes in pieces (docs/decisions.md, "The copy engine beside a GEMM").
     const PIECE: u64 = 64 << 20;
-    /// Payload one SM copies, bytes per second, whichever way it copies (docs/decisions.md, "A copy
-    /// that holds fewer SMs"): an SM budget of n paces the copy engine to n times this.
+    /// Payload one SM copies at best, bytes per second, by TMA bulk copies or register copies alike
+    /// (benches/probes/README.md, bulk_overlap_probe): an SM budget of n paces the copy engine to n
+    /// times this.
     const PER_SM: u64 = 50_000_000_000;
     /// The copy engine's own rate for back-to-back pieces on one H200, bytes per second, which a
     /// pause adds to (benches/refit_peer.py, "torch copy_, 2 GiB in 64 MiB pieces").
