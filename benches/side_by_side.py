@@ -98,13 +98,21 @@ def beside(load, side, step_ms, step_bytes, enqueue_step, window_ms=1000.0):
     torch.cuda.synchronize()
     # Every time from the first mark, which precedes everything else: a difference never goes negative.
     begin, end = marks[0].elapsed_time(load_start), marks[0].elapsed_time(load_stop)
-    inside = [t for t in (marks[0].elapsed_time(m) for m in marks[1:]) if begin <= t <= end]
-    if len(inside) >= 2:
-        gbps, bound = (len(inside) - 1) * step_bytes / ((inside[-1] - inside[0]) * 1e6), False
-    else:
-        gbps, bound = (len(inside) + 1) * step_bytes / ((end - begin) * 1e6), True
+    gbps, bound = rate_inside([marks[0].elapsed_time(m) for m in marks[1:]], begin, end, step_bytes)
     return {"gbps": gbps, "gbps_bound": bound, "slowdown": (end - begin) / calls / baseline - 1,
             "baseline_ms": baseline}
+
+
+def rate_inside(step_ends_ms, begin_ms, end_ms, step_bytes):
+    """GB/s of steps of `step_bytes` beside a load that ran from `begin_ms` to `end_ms`, given the time
+    each step ended: over the steps that ended inside the load, from the first such end to the last.
+    With fewer than two inside, no interval between ends lies inside, so it returns the bound
+    `(k + 1) * step_bytes / (end_ms - begin_ms)` for the k that did (at most k + 1 steps' bytes moved
+    while the load ran), and True as its second value."""
+    inside = [t for t in step_ends_ms if begin_ms <= t <= end_ms]
+    if len(inside) >= 2:
+        return (len(inside) - 1) * step_bytes / ((inside[-1] - inside[0]) * 1e6), False
+    return (len(inside) + 1) * step_bytes / ((end_ms - begin_ms) * 1e6), True
 
 
 def bf16(*shape):
