@@ -128,7 +128,8 @@ static void plan_across(refit_comm *comm, uint32_t rank) {
 /* An executor across the processes moving real bytes: ranks 0 and 1 hold replicas of "w" (4 x 8
  * floats), rank 2 receives its column halves into two buffers; every received element is checked
  * against the value computed here, direct and then staged and verified (nothing live before the
- * commit). Through the host's stand-in for CUDA IPC or, with `ipc` false, through staging. */
+ * commit). Through the host's stand-in for CUDA IPC or, with `ipc` false, through staging, where
+ * processes that ask for verify differently are refused first. */
 static float weight[4][8];
 static float halves[2][4][4];
 
@@ -156,6 +157,15 @@ static void executor_across(refit_comm *comm, uint32_t rank, bool ipc) {
   CHECK_OK(refit_group_create(&device, 1, &group_options, &group));
   const size_t one[RANKS] = {1, 1, 1};
   uint8_t token = 1, tokens[RANKS];
+  if (!ipc) {
+    /* Through staging, processes that ask for verify differently: every rank's create is refused. */
+    refit_executor_options mixed;
+    CHECK_OK(refit_executor_options_init(&mixed));
+    mixed.verify = rank != 2;
+    refit_executor *refused = NULL;
+    CHECK_STATUS(refit_executor_create_across(share, group, comm, &mixed, &refused), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(refused == NULL);
+  }
   for (uint32_t commit = REFIT_COMMIT_DIRECT; commit <= REFIT_COMMIT_STAGED; commit++) {
     refit_executor_options options;
     CHECK_OK(refit_executor_options_init(&options));

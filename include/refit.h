@@ -531,8 +531,8 @@ typedef struct {
    */
   uint32_t slices;
   /**
-   * How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, _SPLIT, or _NONE (this call
-   * moved none of that kind).
+   * How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, _SPLIT, or _NONE
+   * (this call moved none of that kind).
    */
   uint32_t arm[3];
   /**
@@ -1152,17 +1152,17 @@ refit_status refit_executor_create(const refit_plan *plan,
  * unchanged. verify checks the bytes written through IPC (by the writer, through the opened
  * memory) and the bytes through staging end to end (the sender digests its sources, the receiver
  * what landed; at most 0.1% of the payload in digests travels over the communicator in one more
- * meeting per run); the receiver's run reports a difference (VERIFY_MISMATCH naming the sending process). Every
- * process must then create its executor with verify on (INVALID_ARGUMENT on the receiver
- * otherwise). An executor with routes between processes cannot rebind (UNSUPPORTED: buffers that
- * moved need new IPC handles, so create the executors again, collectively). When any pair uses IPC,
- * every run meets the other processes twice on the host (its streams first reach the step: a run
- * inside a scope then blocks); every process must run and commit its executor alike. The executor
- * keeps `comm` alive.
+ * meeting per run); the receiver's run reports a difference (VERIFY_MISMATCH naming the sending
+ * process). Processes that exchange bytes through staging must all ask for verify or all not
+ * (every process's create fails with INVALID_ARGUMENT otherwise). An executor with routes between
+ * processes cannot rebind (UNSUPPORTED: buffers that moved need new IPC handles, so create the
+ * executors again, collectively). When any pair uses IPC, every run meets the other processes
+ * twice on the host (its streams first reach the step: a run inside a scope then blocks); every
+ * process must run and commit its executor alike. The executor keeps `comm` alive.
  *
  * Errors: as refit_executor_create, plus NULL_ARGUMENT (comm), INVALID_ARGUMENT (a plan process
- * that is not a communicator rank), UNSUPPORTED (a route between processes on another device),
- * TIMEOUT, ABORTED.
+ * that is not a communicator rank; processes that stage bytes between them and ask for verify
+ * differently), UNSUPPORTED (a route between processes on another device), TIMEOUT, ABORTED.
  */
 refit_status refit_executor_create_across(const refit_plan *plan,
                                           const refit_group *group,

@@ -813,6 +813,36 @@ fn a_byte_changed_after_staging_fails_the_receivers_verify() {
     on_host(test, &[End::Done; 3], corrupted_through_staging);
 }
 
+/// Through staging, processes that ask for verify differently: every rank's create fails with
+/// INVALID_ARGUMENT naming them (none would otherwise learn of it before a receiver's run), and
+/// executors made again alike verify and install every byte.
+fn verify_asked_differently(rank: usize, size: usize, id: &CommId) {
+    let (group, comm) = executor_setup(rank, size, id, false);
+    let mut p = process_of(rank as u32);
+    let share = build_plan(&comm, &p.table, &PlanOptions::default()).unwrap();
+    let options = ExecOptions { verify: rank != 0, ..ExecOptions::default() };
+    let Err(err) = Executor::new_across(&group, &share, Arc::clone(&comm), options) else {
+        panic!("rank {rank}: an executor although the processes ask for verify differently");
+    };
+    assert_eq!(err.status, Status::InvalidArgument, "rank {rank}: {err}");
+    assert!(err.message.contains("verify on in processes 1, 2 and off in processes 0"), "{}", err.message);
+    let options = ExecOptions { verify: true, ..ExecOptions::default() };
+    let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
+    poison_needs(&mut p);
+    comm.allgather_bytes(b"poisoned").unwrap();
+    // SAFETY: every buffer of the plan lives until the run (outside a scope) returns.
+    let stats = unsafe { executor.run(&group) }.unwrap();
+    comm.allgather_bytes(b"ran").unwrap();
+    assert!(stats.verified, "rank {rank}");
+    check_received(&p, rank, "verified through staging, made again alike");
+}
+
+#[test]
+fn processes_that_ask_for_verify_differently_fail_at_create_on_every_rank() {
+    let test = "processes_that_ask_for_verify_differently_fail_at_create_on_every_rank";
+    on_host(test, &[End::Done; 3], verify_asked_differently);
+}
+
 /// A process killed after the executors were made: the others' runs fail within the timeout, their
 /// commits are refused, and with all-or-nothing commit their live weights are unchanged; through
 /// IPC (the meeting before the writes fails) and through staging (the exchange fails).

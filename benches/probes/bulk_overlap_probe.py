@@ -15,7 +15,7 @@ Writes $REFIT_BENCH_RESULTS/bulk_overlap_probe.json.
 import cupy as cp
 import torch
 
-from probe_util import write_results
+from probe_util import print_table, write_results
 from side_by_side import beside, gemm_load
 
 GIB = 1 << 30
@@ -143,13 +143,14 @@ def main():
             row["beside_gbps"] = m["gbps"]
         rows.append(row)
         print(row, flush=True)
-    print("\n| kind | blocks x threads | ring | GB/s payload alone | beside GEMM | GEMM slowdown |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        ring = (f"{r['stages']} x {r['chunk'] >> 10} KiB, {r['writes']} stores" if r["kind"] == "bulk"
-                else f"{r['smem'] >> 10} KiB smem")
-        print(f"| {r['kind']} | {r['blocks']} x {r.get('threads', 32)} | {ring} | {r.get('alone_gbps', 0):.0f} | "
-              f"{r.get('beside_gbps', 0):.0f} | {100 * r['gemm_slowdown']:.1f}% |")
+    def ring(r):
+        if r["kind"] == "bulk":
+            return f"{r['stages']} x {r['chunk'] >> 10} KiB, {r['writes']} stores"
+        return f"{r['smem'] >> 10} KiB smem"
+
+    print_table(["kind", "blocks x threads", "ring", "GB/s payload alone", "beside GEMM", "GEMM slowdown"],
+                [[r["kind"], f"{r['blocks']} x {r.get('threads', 32)}", ring(r), f"{r.get('alone_gbps', 0):.0f}",
+                  f"{r.get('beside_gbps', 0):.0f}", f"{100 * r['gemm_slowdown']:.1f}%"] for r in rows])
     write_results("bulk_overlap_probe", {"probe": "bulk_overlap_probe", "device": torch.cuda.get_device_name(0),
                                          "gemm_alone_ms": gemm.short_ms, "bulk_copy_exact": exact, "rows": rows})
 

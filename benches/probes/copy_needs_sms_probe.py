@@ -15,7 +15,7 @@ import time
 import cupy as cp
 from cupy.cuda import runtime as rt
 
-from probe_util import MIB, write_results
+from probe_util import MIB, print_table, write_results
 
 WALL = cp.RawKernel(
     r"""
@@ -96,11 +96,9 @@ def main():
                 rows.append(row)
                 print(row, flush=True)
     exact = bool((src == dst).all())
-    print("\n| copy | size | wall over SMs | ms alone | ms beside the wall | ended before the wall |")
-    print("|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['copy']} | {r['bytes'] >> 20} MiB | {r['wall_sms']} of {sms} | {r['alone_ms']:.3f} | "
-              f"{r['beside_wall_ms']:.3f} | {r['ended_before_wall']} |")
+    print_table(["copy", "size", "wall over SMs", "ms alone", "ms beside the wall", "ended before the wall"],
+                [[r["copy"], f"{r['bytes'] >> 20} MiB", f"{r['wall_sms']} of {sms}", f"{r['alone_ms']:.3f}",
+                  f"{r['beside_wall_ms']:.3f}", r["ended_before_wall"]] for r in rows])
     print(f"last copy byte-exact: {exact}")
     write_results("copy_needs_sms_probe", {"probe": "copy_needs_sms_probe", "sms": sms, "wall_ms_asked": wall_ns / 1e6,
                                            "copy_exact": exact, "rows": rows})

@@ -16,7 +16,7 @@ import os
 import cupy as cp
 import torch
 
-from probe_util import SPIN, write_results
+from probe_util import SPIN, print_table, write_results
 from side_by_side import beside, gemm_load
 
 GIB = 1 << 30
@@ -98,11 +98,9 @@ def main():
         print(row, flush=True)
     regs = refit_registers()
     print(f"\noverlap_probe: {sms} SMs, GEMM alone {gemm.short_ms:.3f} ms, refit kernels' registers per thread {regs}")
-    print("| kind | blocks | threads | smem | GB/s payload alone | beside GEMM | GEMM slowdown |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['kind']} | {r['blocks']} | {r['threads']} | {r['smem']} | {r.get('alone_gbps', 0):.0f} | "
-              f"{r.get('beside_gbps', 0):.0f} | {100 * r['gemm_slowdown']:.1f}% |")
+    print_table(["kind", "blocks", "threads", "smem", "GB/s payload alone", "beside GEMM", "GEMM slowdown"],
+                [[r["kind"], r["blocks"], r["threads"], r["smem"], f"{r.get('alone_gbps', 0):.0f}",
+                  f"{r.get('beside_gbps', 0):.0f}", f"{100 * r['gemm_slowdown']:.1f}%"] for r in rows])
     write_results("overlap_probe", {"probe": "overlap_probe", "device": torch.cuda.get_device_name(0),
                                     "gemm_alone_ms": gemm.short_ms, "refit_registers": regs, "rows": rows})
 

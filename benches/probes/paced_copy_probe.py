@@ -15,7 +15,7 @@ Writes $REFIT_BENCH_RESULTS/paced_copy_probe.json.
 import cupy as cp
 import torch
 
-from probe_util import write_results
+from probe_util import print_table, write_results
 from side_by_side import beside, gemm_load
 
 MIB = 1 << 20
@@ -81,12 +81,10 @@ def main():
                "gemm_slowdown": m["slowdown"]}
         rows.append(row)
         print(row, flush=True)
-    print("\n| chunk | pause us | GB/s payload alone | beside GEMM | GEMM slowdown |")
-    print("|---|---|---|---|---|")
-    for r in rows:
-        what = f"{r['chunk'] >> 20} MiB" if r["copies"] else "pauses only"
-        print(f"| {what} | {r['pause_us']} | {r['alone_gbps']:.0f} | {r['beside_gbps']:.0f} | "
-              f"{100 * r['gemm_slowdown']:.1f}% |")
+    print_table(["chunk", "pause us", "GB/s payload alone", "beside GEMM", "GEMM slowdown"],
+                [[f"{r['chunk'] >> 20} MiB" if r["copies"] else "pauses only", r["pause_us"],
+                  f"{r['alone_gbps']:.0f}", f"{r['beside_gbps']:.0f}", f"{100 * r['gemm_slowdown']:.1f}%"]
+                 for r in rows])
     write_results("paced_copy_probe", {"probe": "paced_copy_probe", "device": torch.cuda.get_device_name(0),
                                        "gemm_alone_ms": gemm.short_ms, "paced_copy_exact": exact, "rows": rows})
 

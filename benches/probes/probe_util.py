@@ -60,6 +60,14 @@ def timed(streams, issue, reps=5, gate_cycles=40_000_000):
     return statistics.median(samples)
 
 
+def print_table(headers, rows):
+    """Prints a markdown table after a blank line: `headers`, then each row's cells (already text)."""
+    print("\n| " + " | ".join(headers) + " |")
+    print("|" + "---|" * len(headers))
+    for cells in rows:
+        print("| " + " | ".join(str(c) for c in cells) + " |")
+
+
 def write_results(name, results):
     """Writes `results` as $REFIT_BENCH_RESULTS/<name>.json (default benches/results/)."""
     out = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")

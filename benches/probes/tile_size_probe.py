@@ -22,7 +22,7 @@ import cupy as cp
 import numpy as np
 import torch
 
-from probe_util import write_results
+from probe_util import print_table, write_results
 
 GIB = 1 << 30
 THREADS = 256
@@ -173,20 +173,19 @@ def main():
                          "verify_overhead": (cd + k) / ms - 1,
                          "registers": fn.num_regs, "local_bytes": fn.local_size_bytes})
         print(variants[-1], flush=True)
-    print("\n| shape | tile | copy GB/s | vs torch copy_ | copy+digest ms | check ms (read GB/s) | verify adds |")
-    print("|---|---|---|---|---|---|---|")
-    for r in rows:
-        print(f"| {r['shape']} | {1 << r['tile_shift'] >> 10} KiB | "
-              f"{r['copy_gbps']:.0f} | {r['copy_gbps'] / (payload / ceiling_ms / 1e6):.3f} | "
-              f"{r['copy_digest_ms']:.2f} | {r['check_ms']:.2f} ({r['check_read_gbps']:.0f}) | "
-              f"{100 * r['verify_overhead']:.0f}% |")
-    print("\n| kernel variant (contiguous, 64 KiB tiles) | copy GB/s | vs torch copy_ | registers "
-          "| byte-exact | copy+digest ms | check ms | verify adds |")
-    print("|---|---|---|---|---|---|---|---|")
-    for v in variants:
-        print(f"| {v['variant']} | {v['copy_gbps']:.0f} | {v['copy_gbps'] / (payload / ceiling_ms / 1e6):.3f} | "
-              f"{v['registers']} | {v['exact']} | {v['copy_digest_ms']:.2f} | {v['check_ms']:.2f} "
-              f"({'passed' if v['check_passed'] else 'FAILED'}) | {100 * v['verify_overhead']:.0f}% |")
+    torch_gbps = payload / ceiling_ms / 1e6
+    print_table(["shape", "tile", "copy GB/s", "vs torch copy_", "copy+digest ms", "check ms (read GB/s)",
+                 "verify adds"],
+                [[r["shape"], f"{1 << r['tile_shift'] >> 10} KiB", f"{r['copy_gbps']:.0f}",
+                  f"{r['copy_gbps'] / torch_gbps:.3f}", f"{r['copy_digest_ms']:.2f}",
+                  f"{r['check_ms']:.2f} ({r['check_read_gbps']:.0f})", f"{100 * r['verify_overhead']:.0f}%"]
+                 for r in rows])
+    print_table(["kernel variant (contiguous, 64 KiB tiles)", "copy GB/s", "vs torch copy_", "registers",
+                 "byte-exact", "copy+digest ms", "check ms", "verify adds"],
+                [[v["variant"], f"{v['copy_gbps']:.0f}", f"{v['copy_gbps'] / torch_gbps:.3f}", v["registers"],
+                  v["exact"], f"{v['copy_digest_ms']:.2f}",
+                  f"{v['check_ms']:.2f} ({'passed' if v['check_passed'] else 'FAILED'})",
+                  f"{100 * v['verify_overhead']:.0f}%"] for v in variants])
     write_results("tile_size_probe", {"variants": variants,
         "probe": "tile_size_probe", "device": torch.cuda.get_device_name(0), "blocks": blocks,
         "payload": payload, "torch_copy_ms": ceiling_ms, "torch_copy_gbps": payload / ceiling_ms / 1e6,

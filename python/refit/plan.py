@@ -308,7 +308,9 @@ class Plan(Handle):
         arm: Arm.AUTO (by run length: the copy engine for long runs, the kernel for the others;
         stats.arm says which, Arm.SPLIT for both), KERNEL or COPY_ENGINE (no SMs). sm_budget: KERNEL
         copies on at most this many SMs; AUTO then moves every run by the copy engine, in 64 MiB
-        copies paced to what that many SMs would copy (0: no cap; not with COPY_ENGINE). verify: compare every copied byte with its source.
+        copies paced to what that many SMs would copy (0: no cap; not with COPY_ENGINE). verify:
+        compare every copied byte with its source (with `comm`, processes that exchange bytes through
+        staging must all ask for it or all not: INVALID_ARGUMENT on every process otherwise).
         commit: Commit.DIRECT (run installs) or STAGED (run stages, commit() installs all at once).
         staging_limit: STAGED only, staging bytes per receiving device (0: the whole step)."""
         return Executor(self, group, process, arm, sm_budget, verify, commit, staging_limit, comm)

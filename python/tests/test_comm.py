@@ -94,7 +94,8 @@ def silent_peer(comm_id, rank, size):
 def executor_across(comm_id, rank, size):
     """Ranks 0 and 1 hold replicas of "w" (4 x 8 float32), rank 2 receives its column halves: the
     executor across the processes moves them, with and without IPC, direct and staged; rank 2
-    checks every element against values computed here (staged: nothing live before the commit)."""
+    checks every element against values computed here (staged: nothing live before the commit).
+    Through staging, processes that ask for verify differently are refused first."""
     weight = (ctypes.c_float * 32)(*[float(r * 100 + c + 1) for r in range(4) for c in range(8)])
     want = [[float(r * 100 + 4 * half + c + 1) for r in range(4) for c in range(4)] for half in range(2)]
     halves = [(ctypes.c_float * 16)() for _ in range(2)]
@@ -110,6 +111,15 @@ def executor_across(comm_id, rank, size):
     for ipc in (True, False):
         with Communicator(comm_id, size, rank, timeout_ms=30_000, ipc=ipc) as comm:
             share = comm.build_plan(table)
+            if not ipc:
+                # Through staging, processes that ask for verify differently are refused on every rank.
+                try:
+                    share.executor(group, rank, verify=rank != 2, comm=comm)
+                except RefitError as err:
+                    assert err.status == Status.INVALID_ARGUMENT, err
+                    assert "verify on in processes 0 and off in processes 2" in err.message, err
+                else:
+                    raise AssertionError("an executor although the processes ask for verify differently")
             for commit in (Commit.DIRECT, Commit.STAGED):
                 with share.executor(group, rank, commit=commit, verify=commit == Commit.STAGED, comm=comm) as ex:
                     for half in halves:

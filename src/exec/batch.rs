@@ -265,6 +265,10 @@ impl Batch {
 /// Where `method` puts each of `segments`: the split method gives runs of at least `min_run` bytes to
 /// the copy engine, the others to the kernel.
 fn places(segments: &[Segment], method: Method, min_run: u64) -> Vec<Place> {
+    fn next(counter: &mut usize) -> usize {
+        *counter += 1;
+        *counter - 1
+    }
     let (mut kernel, mut engine) = (0, 0);
     segments
         .iter()
@@ -274,12 +278,9 @@ fn places(segments: &[Segment], method: Method, min_run: u64) -> Vec<Place> {
                 Method::CopyEngine => true,
                 Method::Split => segment.len >= min_run,
             };
-            let counter = if to_engine { &mut engine } else { &mut kernel };
-            *counter += 1;
-            if to_engine {
-                Place::Engine(*counter - 1)
-            } else {
-                Place::Kernel(*counter - 1)
+            match to_engine {
+                true => Place::Engine(next(&mut engine)),
+                false => Place::Kernel(next(&mut kernel)),
             }
         })
         .collect()

@@ -25,7 +25,8 @@
 //! sources, the receiver digests where they landed, tile by tile over the same segments, and the
 //! digests travel over the communicator in one more meeting per run (8 bytes per kernel tile of
 //! 8 to 64 KiB, at most 0.1% of the payload; per segment on the host backend). The receiver's run
-//! reports a difference.
+//! reports a difference. Both ends take part, so the processes that exchange bytes through staging
+//! must all ask for verify or all not; creation checks that on every rank.
 
 use super::flows::rank_of;
 use super::options::{CommitMode, ExecOptions, Stage};
@@ -309,10 +310,11 @@ impl Remote {
         // pair would have to, and all fail alike (a failure on some ranks only would leave the
         // others waiting for them).
         let host_comm_for_devices = comm.kind() == BackendKind::Host && backend.kind() == BackendKind::Cuda;
-        let cannot_stage = host_comm_for_devices && !(staged_sends.is_empty() && staged_recvs.is_empty());
+        let stages = !(staged_sends.is_empty() && staged_recvs.is_empty());
+        let cannot_stage = host_comm_for_devices && stages;
         let uses_ipc = !ipc_with.is_empty();
-        let staged_verify = !(records.is_empty() && checks.is_empty());
-        let mut flags = vec![u8::from(uses_ipc), u8::from(cannot_stage), u8::from(staged_verify)];
+        let mut flags =
+            vec![u8::from(uses_ipc), u8::from(cannot_stage), u8::from(stages), u8::from(options.verify)];
         if cannot_stage {
             flags
                 .extend_from_slice(staging_reasons(process, &staged_sends, &staged_recvs, &peers).as_bytes());
@@ -322,7 +324,9 @@ impl Remote {
             .iter()
             .enumerate()
             .filter(|(_, f)| f.get(1) == Some(&1))
-            .map(|(rank, f)| format!("process {rank}: {}", String::from_utf8_lossy(&f[3..])))
+            .map(|(rank, f)| {
+                format!("process {rank}: {}", String::from_utf8_lossy(f.get(4..).unwrap_or_default()))
+            })
             .collect();
         if !stuck.is_empty() {
             bail!(
@@ -332,8 +336,28 @@ impl Remote {
                 stuck.join("; ")
             );
         }
+        // Bytes through staging are verified end to end, by both of their processes: they must agree,
+        // and every rank learns here whether they do (none would otherwise until a receiver's run).
+        let staging_verify: Vec<(usize, bool)> = flags
+            .iter()
+            .enumerate()
+            .filter(|(_, f)| f.get(2) == Some(&1))
+            .map(|(rank, f)| (rank, f.get(3) == Some(&1)))
+            .collect();
+        if staging_verify.iter().any(|&(_, on)| on) && staging_verify.iter().any(|&(_, on)| !on) {
+            let with = |on: bool| -> Vec<String> {
+                staging_verify.iter().filter(|&&(_, v)| v == on).map(|(rank, _)| rank.to_string()).collect()
+            };
+            bail!(
+                Status::InvalidArgument,
+                "processes that exchange bytes through staging create their executors with verify on in \
+                 processes {} and off in processes {}: all of them must ask for the same",
+                with(true).join(", "),
+                with(false).join(", ")
+            );
+        }
         let handshake = flags.iter().any(|f| f.first() == Some(&1));
-        let digest_meeting = flags.iter().any(|f| f.get(2) == Some(&1));
+        let digest_meeting = staging_verify.iter().any(|&(_, on)| on);
         let staging = comm.options().staging_bytes;
         let exchange = StagedExchange::prepare(
             &comm,
@@ -427,7 +451,7 @@ impl Remote {
             }
             Ok(out)
         })();
-        // A process that failed sends no digests; its receivers report that, and it its own error.
+        // A process that failed sends no digests; its receivers report ABORTED, and it its own error.
         let all = self.comm.allgather_bytes(recorded.as_deref().unwrap_or_default())?;
         recorded?;
         self.options.call_hook(Stage::Verify { slice: 0 }, group)?;
@@ -435,9 +459,8 @@ impl Remote {
         for staged in &self.checks {
             let Some(digests) = digests_for(&all[staged.peer], me)? else {
                 bail!(
-                    Status::InvalidArgument,
-                    "process {} sent no digests of the bytes it stages to process {me}: every process must \
-                     create its executor with the same verify option, and the sender must not have failed",
+                    Status::Aborted,
+                    "process {} failed before it sent the digests of the bytes it stages to process {me}",
                     staged.peer
                 );
             };

@@ -28,8 +28,8 @@ pub struct RunStats {
     pub verified: bool,
     /// Slices the step ran in (1 unless staged above staging_limit); 0 for a commit.
     pub slices: u32,
-    /// How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, _SPLIT, or _NONE (this call
-    /// moved none of that kind).
+    /// How the copies of each route kind moved: REFIT_ARM_KERNEL, _COPY_ENGINE, _SPLIT, or _NONE
+    /// (this call moved none of that kind).
     pub arm: [u32; 3],
     /// Payload bytes copied from the sources by this call, per route kind.
     pub bytes: [u64; 3],

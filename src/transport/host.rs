@@ -395,24 +395,12 @@ impl Backend for HostBackend {
     }
 
     fn prepare_compare(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedCheck>> {
-        let index = self.index(device)?;
-        validate(segments)?;
-        Ok(Box::new(HostCheck {
-            default_stream: self.default_streams[index],
-            segments: Arc::new(try_to_vec(segments, "the verify's segments")?),
-            reference: Reference::Sources,
-            result: Arc::new(Mutex::new(None)),
-        }))
+        Ok(Box::new(self.host_check(device, segments, Reference::Sources)?))
     }
 
     fn prepare_digest_record(&self, device: i32, segments: &[Segment]) -> Result<Box<dyn PreparedRecord>> {
-        let index = self.index(device)?;
-        validate(segments)?;
-        Ok(Box::new(HostRecord {
-            default_stream: self.default_streams[index],
-            segments: Arc::new(try_to_vec(segments, "the record's segments")?),
-            digests: Arc::new(Mutex::new(None)),
-        }))
+        let (default_stream, segments) = self.prepared_segments(device, segments)?;
+        Ok(Box::new(HostRecord { default_stream, segments, digests: Arc::new(Mutex::new(None)) }))
     }
 
     fn prepare_digest_check(
@@ -420,14 +408,8 @@ impl Backend for HostBackend {
         device: i32,
         segments: &[Segment],
     ) -> Result<Box<dyn PreparedDigestCheck>> {
-        let index = self.index(device)?;
-        validate(segments)?;
-        Ok(Box::new(HostCheck {
-            default_stream: self.default_streams[index],
-            segments: Arc::new(try_to_vec(segments, "the check's segments")?),
-            reference: Reference::Recorded(Arc::new(Mutex::new(Vec::new()))),
-            result: Arc::new(Mutex::new(None)),
-        }))
+        let recorded = Reference::Recorded(Arc::new(Mutex::new(Vec::new())));
+        Ok(Box::new(self.host_check(device, segments, recorded)?))
     }
 
     unsafe fn digest(&self, device: i32, stream: Stream, addr: u64, len: u64) -> Result<u64> {
@@ -482,6 +464,14 @@ impl Backend for HostBackend {
 }
 
 impl HostBackend {
+    /// What every prepared form keeps: the stream a NULL stream stands for on `device`, and its own
+    /// copy of the validated `segments`, shared with the work it queues.
+    fn prepared_segments(&self, device: i32, segments: &[Segment]) -> Result<(Stream, Arc<Vec<Segment>>)> {
+        let index = self.index(device)?;
+        validate(segments)?;
+        Ok((self.default_streams[index], Arc::new(try_to_vec(segments, "the prepared segments")?)))
+    }
+
     fn host_batch(
         &self,
         device: i32,
@@ -489,14 +479,17 @@ impl HostBackend {
         checked: bool,
         recording: bool,
     ) -> Result<HostBatch> {
-        let index = self.index(device)?;
-        validate(segments)?;
+        let (default_stream, segments) = self.prepared_segments(device, segments)?;
         if checked {
-            check_destinations(segments)?;
+            check_destinations(&segments)?;
         }
-        let segments = Arc::new(try_to_vec(segments, "the batch's segments")?);
         let source_digests = recording.then(|| Arc::new(Mutex::new(Vec::new())));
-        Ok(HostBatch { default_stream: self.default_streams[index], segments, source_digests })
+        Ok(HostBatch { default_stream, segments, source_digests })
+    }
+
+    fn host_check(&self, device: i32, segments: &[Segment], reference: Reference) -> Result<HostCheck> {
+        let (default_stream, segments) = self.prepared_segments(device, segments)?;
+        Ok(HostCheck { default_stream, segments, reference, result: Arc::new(Mutex::new(None)) })
     }
 }
 

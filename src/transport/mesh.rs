@@ -395,8 +395,8 @@ enum Moved {
     Again,
 }
 
-/// The outcome of a nonblocking send or recv that returned `ret` on `peer`'s socket.
-fn moved(ret: isize, peer: usize) -> Result<Moved> {
+/// The outcome of a nonblocking send or recv that returned `ret` (errno read right after it).
+fn moved(ret: isize) -> std::io::Result<Moved> {
     if ret >= 0 {
         return Ok(Moved::Bytes(ret as u64));
     }
@@ -404,7 +404,7 @@ fn moved(ret: isize, peer: usize) -> Result<Moved> {
     match err.kind() {
         ErrorKind::WouldBlock => Ok(Moved::Later),
         ErrorKind::Interrupted => Ok(Moved::Again),
-        _ => Err(peer_gone(peer, &err)),
+        _ => Err(err),
     }
 }
 
@@ -418,7 +418,7 @@ impl Lane {
                 let sent = unsafe {
                     libc::send(stream.as_raw_fd(), ptr.cast(), len, libc::MSG_NOSIGNAL | libc::MSG_DONTWAIT)
                 };
-                match moved(sent, peer)? {
+                match moved(sent).map_err(|err| peer_gone(peer, &err))? {
                     Moved::Bytes(n) => front.done += n,
                     Moved::Later => return Ok(()),
                     Moved::Again => continue,
@@ -438,7 +438,7 @@ impl Lane {
             if len > 0 {
                 // SAFETY: the header, or the caller's writable payload (transfer's contract).
                 let got = unsafe { libc::recv(stream.as_raw_fd(), ptr.cast(), len, libc::MSG_DONTWAIT) };
-                match moved(got, peer)? {
+                match moved(got).map_err(|err| peer_gone(peer, &err))? {
                     Moved::Bytes(0) => return Err(peer_gone(peer, &"end of stream")),
                     Moved::Bytes(n) => front.done += n,
                     Moved::Later => return Ok(()),
@@ -593,30 +593,25 @@ fn move_all(
     what: &str,
     mut io: impl FnMut(usize) -> isize,
 ) -> Result<()> {
+    let (events, stuck, verb) = match way {
+        Way::Read => (libc::POLLIN, "did not arrive", "reading"),
+        Way::Write => (libc::POLLOUT, "could not be sent", "sending"),
+    };
     let mut done = 0;
     while done < total {
-        let moved = io(done);
-        if moved == 0 && way == Way::Read {
-            bail!(Status::Aborted, "the connection closed while reading {what}: the peer process exited");
-        }
-        if moved >= 0 {
-            done += moved as usize;
-            continue;
-        }
-        let err = std::io::Error::last_os_error();
-        let (events, stuck, verb) = match way {
-            Way::Read => (libc::POLLIN, "did not arrive", "reading"),
-            Way::Write => (libc::POLLOUT, "could not be sent", "sending"),
-        };
-        match err.kind() {
-            ErrorKind::Interrupted => {}
-            ErrorKind::WouldBlock => {
+        match moved(io(done)) {
+            Ok(Moved::Bytes(0)) if way == Way::Read => {
+                bail!(Status::Aborted, "the connection closed while reading {what}: the peer process exited")
+            }
+            Ok(Moved::Bytes(n)) => done += n as usize,
+            Ok(Moved::Again) => {}
+            Ok(Moved::Later) => {
                 if deadline.expired() {
                     return Err(deadline.error(format_args!("{what} {stuck}")));
                 }
                 wait_fd(stream.as_raw_fd(), events, deadline)?;
             }
-            _ => bail!(Status::Aborted, "{verb} {what} failed: {err}"),
+            Err(err) => bail!(Status::Aborted, "{verb} {what} failed: {err}"),
         }
     }
     Ok(())
