@@ -308,6 +308,13 @@ int main(void) {
   CHECK_STATUS(refit_executor_create(across, group, 0, NULL, &executor), REFIT_STATUS_UNSUPPORTED);
   CHECK(strstr(refit_last_error_message(), "crosses processes") != NULL);
   refit_plan_destroy(across);
+  /* Process 2 takes part in nothing: its share holds none of process 0's routes, and would move
+   * nothing for it. */
+  refit_plan *idle_share = NULL;
+  CHECK_OK(refit_plan_build_share(remote_tables, 1, 2, NULL, &idle_share));
+  CHECK_STATUS(refit_executor_create(idle_share, group, 0, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "process 2's share") != NULL);
+  refit_plan_destroy(idle_share);
   refit_table_destroy(remote);
 
   executor = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_DIRECT, 0);

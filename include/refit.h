@@ -867,9 +867,11 @@ refit_status refit_comm_get_unique_id(uint32_t backend,
  * the calling thread's current CUDA context is left as it was.
  *
  * Errors: NULL_ARGUMENT (id, comm), INVALID_ARGUMENT (an id not made by refit_comm_get_unique_id,
- * nranks 0, rank not below nranks, bad options, a rank taken by another process, ranks that pass
- * different nranks), INVALID_DEVICE, TIMEOUT (a rank did not join in time), ABORTED,
- * NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, CUDA_ERROR.
+ * nranks 0 or above 2^31 - 1, rank not below nranks, bad options (size, timeout_ms 0, staging_bytes
+ * below 1 MiB, an ipc byte other than 0 or 1), a rank taken by another process, ranks that pass
+ * different nranks; on the host backend, more ranks than a process may open files),
+ * INVALID_DEVICE, TIMEOUT (a rank did not join in time), ABORTED, NCCL_UNAVAILABLE, NCCL_ERROR,
+ * CUDA_UNAVAILABLE, CUDA_ERROR.
  */
 refit_status refit_comm_create(const refit_comm_id *id,
                                uint32_t nranks,
@@ -890,8 +892,9 @@ refit_status refit_comm_create(const refit_comm_id *id,
  * the communicator was created nonblocking (ncclConfig_t.blocking = 0); with a blocking one, NCCL
  * itself may block a call while it connects to peers. Not ordered with any stream.
  *
- * Errors: NULL_ARGUMENT (nccl_comm, comm), INVALID_ARGUMENT (bad options; NCCL reports an
- * impossible rank), NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, INVALID_DEVICE.
+ * Errors: NULL_ARGUMENT (nccl_comm, comm), INVALID_ARGUMENT (bad options, as for
+ * refit_comm_create; NCCL reports an impossible rank), NCCL_UNAVAILABLE, NCCL_ERROR,
+ * CUDA_UNAVAILABLE, INVALID_DEVICE.
  */
 refit_status refit_comm_adopt(void *nccl_comm,
                               const refit_comm_options *options,
@@ -996,7 +999,7 @@ refit_status refit_comm_synchronize(refit_comm *comm, void *stream);
  * Errors: the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP or OVERLAP in a rank's own
  * needs, ...) on each rank that failed, while the others get ABORTED naming the first such rank;
  * INVALID_ARGUMENT (bad options; ranks that passed different options or run another refit version:
- * the message names both) on every rank; DECODE_ERROR (a table's bytes changed on the way),
+ * the message names both; a table entry naming another rank's process) on every rank; DECODE_ERROR (a table's bytes changed on the way),
  * TIMEOUT, ABORTED, NULL_ARGUMENT (comm, table, plan).
  */
 refit_status refit_plan_build_across(refit_comm *comm,
@@ -1112,7 +1115,8 @@ refit_status refit_executor_options_init(refit_executor_options *options);
 
 /**
  * Prepares process `process`'s share of `plan` (every route whose source and destination are on
- * that process rank; endpoint devices are `group`'s device ordinals) for `group`, with `options`
+ * that process rank; endpoint devices are `group`'s device ordinals; `plan` is the whole plan or
+ * the share refit_plan_build_share built for `process`) for `group`, with `options`
  * (NULL: the defaults), and writes the executor to `*executor`. Builds and uploads every stage's
  * descriptors and allocates staging now (blocking; not ordered with any stream); the first use of
  * the kernel on a device compiles it. The executor keeps nothing of `plan` that its destruction
@@ -1121,11 +1125,13 @@ refit_status refit_executor_options_init(refit_executor_options *options);
  * Thread-safety: as the group's calls (the thread driving the group); the plan may be shared.
  *
  * Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
- * commit, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit with REFIT_COMMIT_DIRECT or below
- * 4096, a segment with a zero address), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a
- * route between this process and another: this executor moves bytes within one process; the kernel
- * arm where a rank has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only:
- * AUTO falls back to the copy engine), CUDA_ERROR.
+ * commit, a verify byte other than 0 or 1, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit
+ * with REFIT_COMMIT_DIRECT or below 4096, a segment with a zero address, a plan that is another
+ * process's share), NOT_FOUND (a plan device
+ * not in the group), UNSUPPORTED (a route between this process and another: this executor moves
+ * bytes within one process; the kernel arm where a rank has no direct access to its peer),
+ * OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO
+ * falls back to the copy engine), CUDA_ERROR.
  */
 refit_status refit_executor_create(const refit_plan *plan,
                                    const refit_group *group,
@@ -1185,11 +1191,12 @@ refit_status refit_executor_create_across(const refit_plan *plan,
  * rank's (a rank writes into others' memory). A staged step not yet committed is replaced.
  *
  * Errors: NULL_ARGUMENT (executor, group), INVALID_ARGUMENT (another group than the executor's,
- * stats->size), INVALID_STATE (a rebind failed earlier), VERIFY_MISMATCH (the message names the
- * tensor, box and element that differ; with REFIT_COMMIT_STAGED nothing of that slice was
- * installed), PLAN_STALE (rebinds left two buffers overlapping), CUDA_ERROR. After an error nothing
- * can be committed until a run succeeds; in a direct step live buffers may hold part of the new
- * bytes.
+ * stats->size), INVALID_STATE (a rebind failed earlier; called from a rank callback of any
+ * group: nothing is queued), VERIFY_MISMATCH (the message names the tensor, box and element that
+ * differ; with REFIT_COMMIT_STAGED nothing of that slice was installed), PLAN_STALE (rebinds left
+ * two buffers overlapping; every later run is refused too: build a new plan), CUDA_ERROR. After an
+ * error nothing can be committed until a run succeeds; in a direct step live buffers may hold part
+ * of the new bytes.
  *
  * Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
  * of its device until the step has run.
@@ -1210,8 +1217,8 @@ refit_status refit_executor_run(refit_executor *executor,
  *
  * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (another group, stats->size), INVALID_STATE (a direct
  * executor; nothing staged since the last commit; the last run or commit failed: the message says
- * why; run again), VERIFY_MISMATCH (nothing installed), CUDA_ERROR. After an error, run again before
- * committing. Thread-safety: see refit_executor.
+ * why; run again; called from a rank callback of any group), VERIFY_MISMATCH (nothing installed),
+ * CUDA_ERROR. After an error, run again before committing. Thread-safety: see refit_executor.
  */
 refit_status refit_executor_commit(refit_executor *executor,
                                    refit_group *group,
@@ -1565,7 +1572,8 @@ refit_status refit_plan_build(const refit_table *const *tables,
  * REFIT_POLICY_BALANCED, with every need). Writes the share to `*plan`; read it with the plan
  * calls (refit_plan_get_stats counts this process's receivers; refit_plan_fingerprint digests
  * this share's routes; refit_plan_inputs_fingerprint is equal in every process given the same
- * tables and options: compare it before any byte moves). Runs on the calling thread; touches no
+ * tables and options: compare it before any byte moves). A share executes only for its own
+ * process (refit_executor_create refuses it for another). Runs on the calling thread; touches no
  * device. Thread-safety: as refit_plan_build.
  *
  * Errors: as refit_plan_build, except that COVERAGE_GAP and OVERLAP are reported for this

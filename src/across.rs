@@ -71,7 +71,7 @@ const FNV_START: u64 = 0xcbf2_9ce4_8422_2325;
 ///
 /// Errors: those of the planner (a coverage gap or overlap in a rank's own needs on that rank, the
 /// others ABORTED), DECODE_ERROR (a table's bytes changed on the way), INVALID_ARGUMENT (ranks
-/// disagree), ABORTED (another rank's build failed, or a peer went away), TIMEOUT.
+/// disagree; a table entry names another rank's process), ABORTED (another rank's build failed, or a peer went away), TIMEOUT.
 pub fn build_plan(comm: &Communicator, own: &Table, options: &PlanOptions) -> Result<Plan> {
     let tables = comm.allgather_bytes(&plan::wire::encode(own))?;
     let process = u32::try_from(comm.rank()).expect("communicator ranks fit in 32 bits");
@@ -81,6 +81,7 @@ pub fn build_plan(comm: &Communicator, own: &Table, options: &PlanOptions) -> Re
         .map(|(rank, bytes)| plan::wire::decode(bytes).map_err(|e| e.context(format!("rank {rank}'s table"))))
         .collect::<Result<Vec<Table>>>()
         .and_then(|tables| {
+            own_entries_only(&tables)?;
             let borrowed: Vec<&Table> = tables.iter().collect();
             plan::build_share(&borrowed, process, options, &plan::Limits::default())
         });
@@ -103,6 +104,27 @@ pub fn build_plan(comm: &Communicator, own: &Table, options: &PlanOptions) -> Re
     let plan = built?;
     agree(&records, comm.rank())?;
     Ok(plan)
+}
+
+/// INVALID_ARGUMENT unless every table names only its own rank's process: a process offers and
+/// receives its own memory, and an entry naming another would be planned as that process's. Every
+/// rank checks every gathered table, so every rank fails alike.
+fn own_entries_only(tables: &[Table]) -> Result<()> {
+    for (rank, table) in tables.iter().enumerate() {
+        let offers = table.offers.iter().map(|o| ("an offer", o.tensor, o.owner));
+        let needs = table.needs.iter().map(|n| ("a need", n.tensor, n.receiver));
+        if let Some((what, tensor, at)) = offers.chain(needs).find(|(_, _, at)| at.process as usize != rank) {
+            let name = table.tensors.get(tensor as usize).map_or("?", |t| t.name.as_str());
+            bail!(
+                Status::InvalidArgument,
+                "rank {rank}'s table has {what} of tensor '{name}' on process {} device {}: each rank's \
+                 entries name its own process, its communicator rank",
+                at.process,
+                at.device
+            );
+        }
+    }
+    Ok(())
 }
 
 /// The same verdict on every rank: ABORTED naming the first rank whose build failed, else

@@ -348,6 +348,14 @@ fn ranks_with_other_options_fail_on_every_rank_and_can_try_again() {
                     "{err}"
                 );
             }
+            // Rank 1's table names process 0 as the owner of an offer: every rank refuses it alike.
+            let mut table = table_of(rank as u32);
+            if rank == 1 {
+                table.offers[0].owner.process = 0;
+            }
+            let err = build_plan(&comm, &table, &local).unwrap_err();
+            assert_eq!(err.status, Status::InvalidArgument, "rank {rank}: {err}");
+            assert!(err.message.contains("rank 1's table has an offer of tensor 'w' on process 0"), "{err}");
             // Agreement restored: the communicator is still usable.
             let plan = build_plan(&comm, &table_of(rank as u32), &local).unwrap();
             let whole = plan::build(&(0..3).map(table_of).collect::<Vec<_>>(), &local).unwrap();

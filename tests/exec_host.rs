@@ -408,3 +408,26 @@ fn bad_rebinds_and_calls_get_their_status() {
         Status::NotFound
     );
 }
+
+#[test]
+fn a_share_drives_its_own_process_only() {
+    let mut refit = Refit::new(Packing::Separate);
+    let group = host_group();
+    let bases: Vec<u64> = refit.memory.iter_mut().map(|m| m.as_mut_ptr() as u64).collect();
+    let tables = refit.w.tables(&bases).unwrap();
+    let refs: Vec<&plan::Table> = tables.iter().collect();
+    let share =
+        |process| plan::build_share(&refs, process, &PlanOptions::default(), &plan::Limits::default());
+    let own = share(0).unwrap();
+    assert_eq!(own.share_of(), Some(0));
+    let mut executor = Executor::new(&group, &own, 0, ExecOptions::default()).unwrap();
+    refit.poison_receivers();
+    step(&mut executor, &group).unwrap();
+    refit.assert_installed("process 0's share");
+    // Process 3 takes part in nothing, so its share holds none of process 0's routes: driving
+    // process 0 with it would move nothing and report success.
+    let err = Executor::new(&group, &share(3).unwrap(), 0, ExecOptions::default()).err().unwrap();
+    assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+    assert!(err.message.contains("process 3's share"), "{}", err.message);
+    assert_eq!(refit.plan.share_of(), None);
+}

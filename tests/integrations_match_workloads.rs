@@ -2,8 +2,8 @@
 //! the same Megatron and vLLM parameters: for small Qwen3-MoE and Llama shapes, every parameter's name,
 //! size and pieces (tensor, byte offset, box) from `Megatron::params` / `Vllm::params` are printed as
 //! JSON lines and compared with `megatron_layouts` / `vllm_layouts` by python/tests/compare_workloads.py.
-//! The shapes keep to what both cover: the vocabulary splits evenly (the Rust generator pads no
-//! further), query groups split over TP, expert TP 1.
+//! The shapes keep to what both cover: the vocabulary splits evenly (both sides pad it as Megatron and
+//! vLLM do, so an even split checks the common case), query groups split over TP, expert TP 1.
 
 mod cdylib;
 

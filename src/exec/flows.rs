@@ -56,8 +56,15 @@ pub(crate) fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
 /// ranks (plan endpoints' devices are the group's device ordinals). Routes between this process and
 /// another are left to `remote` when `across` (an executor with a communicator), and Unsupported
 /// otherwise; NotFound for a device outside the group; InvalidArgument for a segment the batched
-/// copy refuses (a zero address, an extent past 2^64).
+/// copy refuses (a zero address, an extent past 2^64), or for another process's share of a plan.
 pub(crate) fn flows(group: &Group, plan: &Plan, process: u32, across: bool) -> Result<Vec<RankFlow>> {
+    // Another process's share lacks this process's routes with every third process: executing it
+    // would silently move part of the step.
+    if let Some(owner) = plan.share_of().filter(|&owner| owner != process) {
+        return Err(Error::invalid_argument(format!(
+            "this plan is process {owner}'s share; process {process} needs its own share or the whole plan"
+        )));
+    }
     let mut flows = Vec::new();
     for route in plan.routes().iter().filter(|r| r.src.process == process || r.dst.process == process) {
         let kind = route.kind();

@@ -612,6 +612,13 @@ impl Executor {
         if group.id() != self.group_id {
             return Err(Error::invalid_argument("this executor was made for another group"));
         }
+        // A rank callback runs inside its group's call, on one of several rank threads at once: a
+        // step queued from there would race the other ranks' for the same executor and streams.
+        if crate::group::workers::inside_any_run() {
+            return Err(Error::invalid_state(
+                "an executor runs and commits on the thread that drives its group, not from inside a rank callback",
+            ));
+        }
         match &self.broken {
             Some(err) => Err(Error::new(
                 Status::InvalidState,
@@ -627,10 +634,11 @@ impl Executor {
     /// it must read a verify outcome first: after the copies of a direct step, and before each
     /// install of a sliced one. A staged step not yet committed is replaced.
     ///
-    /// Errors: InvalidArgument (another group), InvalidState (a rebind failed earlier),
-    /// VerifyMismatch (naming tensor, box and element), PlanStale (rebinds left buffers
-    /// overlapping), the driver's errors. After an error nothing may be committed until a run
-    /// succeeds; in a direct step, live buffers may hold some of the new bytes.
+    /// Errors: InvalidArgument (another group), InvalidState (a rebind failed earlier; called from
+    /// a rank callback), VerifyMismatch (naming tensor, box and element), PlanStale (rebinds left
+    /// buffers overlapping; so does every later run), the driver's errors. After an error nothing
+    /// may be committed until a run succeeds; in a direct step, live buffers may hold some of the
+    /// new bytes.
     ///
     /// # Safety
     /// Every address of the plan (as rebound) must be live memory of the device it names until the

@@ -172,10 +172,12 @@ impl AddressBook {
         self.devices.values().any(|d| !d.moved.is_empty())
     }
 
-    /// Makes every moved span settled (at a run). PlanStale when two buffers now overlap.
+    /// Makes every moved span settled (at a run). PlanStale when two buffers now overlap; then
+    /// nothing changes, so that every later run is refused too rather than writing both buffers'
+    /// bytes into one place.
     pub fn settle(&mut self) -> Result<()> {
-        for (device, spans) in &mut self.devices {
-            for (_, id) in std::mem::take(&mut spans.moved) {
+        for (device, spans) in &self.devices {
+            for &id in spans.moved.values() {
                 let (lo, hi) = (spans.spans[id].lo, spans.spans[id].hi);
                 if let Some(&other) = intersecting(&spans.settled, &spans.spans, lo, hi).first() {
                     let span = &spans.spans[other];
@@ -187,6 +189,10 @@ impl AddressBook {
                         span.hi
                     );
                 }
+            }
+        }
+        for spans in self.devices.values_mut() {
+            for (lo, id) in std::mem::take(&mut spans.moved) {
                 spans.settled.insert(lo, id);
             }
         }
@@ -257,6 +263,9 @@ mod tests {
     fn settling_overlapping_buffers_is_plan_stale() {
         let mut b = book(&[(0, 0x1000, 0x2000), (0, 0x4000, 0x5000)]);
         b.rebind(0, 0x1000, 0x4800, 0x1000).unwrap();
+        assert_eq!(b.settle().unwrap_err().status, Status::PlanStale);
+        // Still refused at the next settle: the refused one changed nothing.
+        assert!(b.has_moved());
         assert_eq!(b.settle().unwrap_err().status, Status::PlanStale);
     }
 }

@@ -7,7 +7,7 @@
 
 use super::group::{backend_code, REFIT_BACKEND_AUTO, REFIT_BACKEND_CUDA, REFIT_BACKEND_HOST};
 use super::plan::{plan_options, refit_plan, refit_plan_options, refit_table};
-use super::{arg, boundary, check_struct_size, destroy, out, slice};
+use super::{arg, bool_in, boundary, destroy, options_in, out, slice};
 use crate::across;
 use crate::allgather::comm::allgather;
 use crate::bail;
@@ -85,16 +85,18 @@ pub extern "C" fn refit_comm_options_init(options: *mut refit_comm_options) -> S
 
 fn convert_options(options: *const refit_comm_options) -> Result<CommOptions> {
     // SAFETY: NULL or a caller struct whose first field is its size.
-    let Some(options) = (unsafe { options.as_ref() }) else { return Ok(CommOptions::default()) };
-    let full = std::mem::size_of::<refit_comm_options>();
-    check_struct_size(options.size, full, full, "options")?;
+    let Some(options) = (unsafe { options_in(options, "options") })? else {
+        return Ok(CommOptions::default());
+    };
+    // SAFETY: a field of the struct checked above.
+    let ipc = unsafe { bool_in(std::ptr::addr_of!(options.ipc), "options.ipc") }?;
     if options.timeout_ms == 0 {
         bail!(Status::InvalidArgument, "options.timeout_ms is 0; at least 1");
     }
     Ok(CommOptions {
         timeout: Duration::from_millis(options.timeout_ms),
         staging_bytes: options.staging_bytes,
-        ipc: options.ipc,
+        ipc,
     })
 }
 
@@ -133,9 +135,11 @@ pub extern "C" fn refit_comm_get_unique_id(backend: u32, id: *mut refit_comm_id)
 /// the calling thread's current CUDA context is left as it was.
 ///
 /// Errors: NULL_ARGUMENT (id, comm), INVALID_ARGUMENT (an id not made by refit_comm_get_unique_id,
-/// nranks 0, rank not below nranks, bad options, a rank taken by another process, ranks that pass
-/// different nranks), INVALID_DEVICE, TIMEOUT (a rank did not join in time), ABORTED,
-/// NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, CUDA_ERROR.
+/// nranks 0 or above 2^31 - 1, rank not below nranks, bad options (size, timeout_ms 0, staging_bytes
+/// below 1 MiB, an ipc byte other than 0 or 1), a rank taken by another process, ranks that pass
+/// different nranks; on the host backend, more ranks than a process may open files),
+/// INVALID_DEVICE, TIMEOUT (a rank did not join in time), ABORTED, NCCL_UNAVAILABLE, NCCL_ERROR,
+/// CUDA_UNAVAILABLE, CUDA_ERROR.
 #[no_mangle]
 pub extern "C" fn refit_comm_create(
     id: *const refit_comm_id,
@@ -167,8 +171,9 @@ pub extern "C" fn refit_comm_create(
 /// the communicator was created nonblocking (ncclConfig_t.blocking = 0); with a blocking one, NCCL
 /// itself may block a call while it connects to peers. Not ordered with any stream.
 ///
-/// Errors: NULL_ARGUMENT (nccl_comm, comm), INVALID_ARGUMENT (bad options; NCCL reports an
-/// impossible rank), NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, INVALID_DEVICE.
+/// Errors: NULL_ARGUMENT (nccl_comm, comm), INVALID_ARGUMENT (bad options, as for
+/// refit_comm_create; NCCL reports an impossible rank), NCCL_UNAVAILABLE, NCCL_ERROR,
+/// CUDA_UNAVAILABLE, INVALID_DEVICE.
 #[no_mangle]
 pub extern "C" fn refit_comm_adopt(
     nccl_comm: *mut c_void,
@@ -328,7 +333,7 @@ pub extern "C" fn refit_comm_synchronize(comm: *mut refit_comm, stream: *mut c_v
 /// Errors: the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP or OVERLAP in a rank's own
 /// needs, ...) on each rank that failed, while the others get ABORTED naming the first such rank;
 /// INVALID_ARGUMENT (bad options; ranks that passed different options or run another refit version:
-/// the message names both) on every rank; DECODE_ERROR (a table's bytes changed on the way),
+/// the message names both; a table entry naming another rank's process) on every rank; DECODE_ERROR (a table's bytes changed on the way),
 /// TIMEOUT, ABORTED, NULL_ARGUMENT (comm, table, plan).
 #[no_mangle]
 pub extern "C" fn refit_plan_build_across(

@@ -11,7 +11,7 @@
 use super::comm::refit_comm;
 use super::group::refit_group;
 use super::plan::refit_plan;
-use super::{arg, arg_mut, boundary, check_struct_size, destroy, out, sized_out};
+use super::{arg, arg_mut, bool_in, boundary, destroy, options_in, out, sized_out};
 use crate::error::{Error, Result, Status};
 use crate::exec::{Arm, CommitMode, ExecOptions, Executor, RunStats};
 use std::sync::Arc;
@@ -94,10 +94,11 @@ fn defaults() -> refit_executor_options {
 }
 
 fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions> {
+    let defaults = defaults();
     // SAFETY: NULL or a caller struct whose first field is its size.
-    let options = unsafe { options.as_ref() }.copied().unwrap_or_else(defaults);
-    let full = std::mem::size_of::<refit_executor_options>();
-    check_struct_size(options.size, full, full, "options")?;
+    let options = unsafe { options_in(options, "options") }?.unwrap_or(&defaults);
+    // SAFETY: a field of the struct checked above.
+    let verify = unsafe { bool_in(std::ptr::addr_of!(options.verify), "options.verify") }?;
     let arm = match options.arm {
         REFIT_ARM_AUTO => Arm::Auto,
         REFIT_ARM_KERNEL => Arm::Kernel,
@@ -120,7 +121,7 @@ fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions
     let converted = ExecOptions {
         arm,
         sm_budget: options.sm_budget,
-        verify: options.verify,
+        verify,
         commit,
         staging_limit: options.staging_limit,
         hook: None,
@@ -140,7 +141,8 @@ pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_optio
 }
 
 /// Prepares process `process`'s share of `plan` (every route whose source and destination are on
-/// that process rank; endpoint devices are `group`'s device ordinals) for `group`, with `options`
+/// that process rank; endpoint devices are `group`'s device ordinals; `plan` is the whole plan or
+/// the share refit_plan_build_share built for `process`) for `group`, with `options`
 /// (NULL: the defaults), and writes the executor to `*executor`. Builds and uploads every stage's
 /// descriptors and allocates staging now (blocking; not ordered with any stream); the first use of
 /// the kernel on a device compiles it. The executor keeps nothing of `plan` that its destruction
@@ -149,11 +151,13 @@ pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_optio
 /// Thread-safety: as the group's calls (the thread driving the group); the plan may be shared.
 ///
 /// Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
-/// commit, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit with REFIT_COMMIT_DIRECT or below
-/// 4096, a segment with a zero address), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a
-/// route between this process and another: this executor moves bytes within one process; the kernel
-/// arm where a rank has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only:
-/// AUTO falls back to the copy engine), CUDA_ERROR.
+/// commit, a verify byte other than 0 or 1, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit
+/// with REFIT_COMMIT_DIRECT or below 4096, a segment with a zero address, a plan that is another
+/// process's share), NOT_FOUND (a plan device
+/// not in the group), UNSUPPORTED (a route between this process and another: this executor moves
+/// bytes within one process; the kernel arm where a rank has no direct access to its peer),
+/// OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO
+/// falls back to the copy engine), CUDA_ERROR.
 #[no_mangle]
 pub extern "C" fn refit_executor_create(
     plan: *const refit_plan,
@@ -246,11 +250,12 @@ unsafe fn stats_slot<'a>(stats: *mut RunStats) -> Result<Option<&'a mut std::mem
 /// rank's (a rank writes into others' memory). A staged step not yet committed is replaced.
 ///
 /// Errors: NULL_ARGUMENT (executor, group), INVALID_ARGUMENT (another group than the executor's,
-/// stats->size), INVALID_STATE (a rebind failed earlier), VERIFY_MISMATCH (the message names the
-/// tensor, box and element that differ; with REFIT_COMMIT_STAGED nothing of that slice was
-/// installed), PLAN_STALE (rebinds left two buffers overlapping), CUDA_ERROR. After an error nothing
-/// can be committed until a run succeeds; in a direct step live buffers may hold part of the new
-/// bytes.
+/// stats->size), INVALID_STATE (a rebind failed earlier; called from a rank callback of any
+/// group: nothing is queued), VERIFY_MISMATCH (the message names the tensor, box and element that
+/// differ; with REFIT_COMMIT_STAGED nothing of that slice was installed), PLAN_STALE (rebinds left
+/// two buffers overlapping; every later run is refused too: build a new plan), CUDA_ERROR. After an
+/// error nothing can be committed until a run succeeds; in a direct step live buffers may hold part
+/// of the new bytes.
 ///
 /// Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
 /// of its device until the step has run.
@@ -285,8 +290,8 @@ pub extern "C" fn refit_executor_run(
 ///
 /// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (another group, stats->size), INVALID_STATE (a direct
 /// executor; nothing staged since the last commit; the last run or commit failed: the message says
-/// why; run again), VERIFY_MISMATCH (nothing installed), CUDA_ERROR. After an error, run again before
-/// committing. Thread-safety: see refit_executor.
+/// why; run again; called from a rank callback of any group), VERIFY_MISMATCH (nothing installed),
+/// CUDA_ERROR. After an error, run again before committing. Thread-safety: see refit_executor.
 #[no_mangle]
 pub extern "C" fn refit_executor_commit(
     executor: *mut refit_executor,

@@ -4,7 +4,7 @@
 //! pointer is checked by the argument helpers before use, inside the boundary.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use super::{arg, boundary, check_struct_size, destroy, out, slice};
+use super::{arg, boundary, destroy, options_in, out, slice};
 use crate::error::{clear_last_error, last_error, Error, Result, Status};
 use crate::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use crate::transport::host::{create_host_stream, destroy_host_stream};
@@ -70,10 +70,10 @@ pub extern "C" fn refit_group_options_init(options: *mut refit_group_options) ->
 }
 
 fn convert_options(options: *const refit_group_options) -> Result<GroupOptions> {
-    // SAFETY: NULL or a caller struct whose first field is its size; only `size` bytes are read.
-    let Some(first) = (unsafe { options.as_ref() }) else { return Ok(GroupOptions::default()) };
-    let full = std::mem::size_of::<refit_group_options>();
-    check_struct_size(first.size, full, full, "options")?;
+    // SAFETY: NULL or a caller struct whose first field is its size.
+    let Some(first) = (unsafe { options_in(options, "options") })? else {
+        return Ok(GroupOptions::default());
+    };
     let backend = match first.backend {
         REFIT_BACKEND_AUTO => BackendChoice::Auto,
         REFIT_BACKEND_CUDA => BackendChoice::Cuda,

@@ -141,6 +141,36 @@ pub(crate) unsafe fn c_str<'a>(ptr: *const std::ffi::c_char, what: &str) -> Resu
         .map_err(|_| Error::invalid_argument(format!("{what} is not valid UTF-8")))
 }
 
+/// A caller's options struct (NULL: `None`) whose leading `size` field must be sizeof(T). The size is
+/// read and checked before anything else: a caller built against a shorter struct passes only that
+/// many bytes, and reading the rest would read past its memory.
+///
+/// # Safety
+/// `ptr` is NULL or points to at least a readable `usize`, and to a whole `T` when that `usize`
+/// equals sizeof(T).
+pub(crate) unsafe fn options_in<'a, T>(ptr: *const T, what: &str) -> Result<Option<&'a T>> {
+    if ptr.is_null() {
+        return Ok(None);
+    }
+    let full = std::mem::size_of::<T>();
+    check_struct_size(std::ptr::read(ptr.cast::<usize>()), full, full, what)?;
+    Ok(Some(&*ptr))
+}
+
+/// A `bool` field of a caller struct, read as the byte it is: C only ever stores 0 or 1 there, but
+/// bytes set with memset or copied from elsewhere may hold anything, and such a byte read as a Rust
+/// `bool` is undefined behaviour.
+///
+/// # Safety
+/// `field` points to a readable byte.
+pub(crate) unsafe fn bool_in(field: *const bool, what: &str) -> Result<bool> {
+    match std::ptr::read(field.cast::<u8>()) {
+        0 => Ok(false),
+        1 => Ok(true),
+        other => Err(Error::invalid_argument(format!("{what} is {other}; expected 0 (false) or 1 (true)"))),
+    }
+}
+
 /// Checks that an options struct's leading `size` field covers at least the fields of the first ABI
 /// version (`min`) and at most what this library knows (`max`).
 pub(crate) fn check_struct_size(size: usize, min: usize, max: usize, what: &str) -> Result<()> {

@@ -5,7 +5,7 @@
 //! encode and plan build, may share it between threads when none modifies it). A `refit_plan` is
 //! immutable once built and may be read from any number of threads at once.
 
-use super::{arg, arg_mut, boundary, c_str, check_struct_size, destroy, out, sized_out, slice};
+use super::{arg, arg_mut, boundary, c_str, destroy, options_in, out, sized_out, slice};
 use crate::bail;
 use crate::error::{try_vec, Error, Result};
 use crate::plan::{
@@ -261,6 +261,12 @@ pub unsafe extern "C" fn refit_table_encode(
     boundary("refit_table_encode", || {
         let table = arg(table, "table")?;
         let slot = out(written, "written")?;
+        if buffer.is_null() && capacity > 0 {
+            return Err(Error::new(
+                crate::Status::NullArgument,
+                format!("buffer is NULL but capacity is {capacity}"),
+            ));
+        }
         let bytes = plan::wire::encode(table.table.table());
         if capacity < bytes.len() {
             bail!(
@@ -268,9 +274,6 @@ pub unsafe extern "C" fn refit_table_encode(
                 "the encoded table takes {} bytes; capacity is {capacity}",
                 bytes.len()
             );
-        }
-        if buffer.is_null() {
-            return Err(Error::new(crate::Status::NullArgument, "buffer is NULL"));
         }
         std::ptr::copy_nonoverlapping(bytes.as_ptr(), buffer, bytes.len());
         slot.write(bytes.len());
@@ -359,7 +362,8 @@ pub unsafe extern "C" fn refit_plan_build(
 /// REFIT_POLICY_BALANCED, with every need). Writes the share to `*plan`; read it with the plan
 /// calls (refit_plan_get_stats counts this process's receivers; refit_plan_fingerprint digests
 /// this share's routes; refit_plan_inputs_fingerprint is equal in every process given the same
-/// tables and options: compare it before any byte moves). Runs on the calling thread; touches no
+/// tables and options: compare it before any byte moves). A share executes only for its own
+/// process (refit_executor_create refuses it for another). Runs on the calling thread; touches no
 /// device. Thread-safety: as refit_plan_build.
 ///
 /// Errors: as refit_plan_build, except that COVERAGE_GAP and OVERLAP are reported for this
@@ -541,11 +545,9 @@ unsafe fn dims(ptr: *const u64, ndim: usize, what: &str) -> Result<Vec<u64>> {
 }
 
 pub(crate) unsafe fn plan_options(options: *const refit_plan_options) -> Result<PlanOptions> {
-    let Some(options) = options.as_ref() else {
+    let Some(options) = options_in(options, "options")? else {
         return Ok(PlanOptions::default());
     };
-    let full = std::mem::size_of::<refit_plan_options>();
-    check_struct_size(options.size, full, full, "options")?;
     let policy = match options.policy {
         REFIT_POLICY_FIRST => OwnerPolicy::First,
         REFIT_POLICY_LOCAL => OwnerPolicy::Local,

@@ -97,7 +97,16 @@ fn build_part(
         s.build_ns = build_ns;
     }
     let destinations = Destinations::new(&merged, scope.own());
-    Ok(Plan { routes, stats, receivers, fingerprint, inputs, stages: clock.stages, destinations })
+    Ok(Plan {
+        routes,
+        stats,
+        receivers,
+        fingerprint,
+        inputs,
+        stages: clock.stages,
+        destinations,
+        share: process,
+    })
 }
 
 /// Wall time of each stage of one build.

@@ -49,6 +49,8 @@ pub struct Plan {
     pub(crate) stages: Vec<(&'static str, u64)>,
     /// Where the needs of the receivers it covers land.
     pub(crate) destinations: Destinations,
+    /// The process whose share this is (None: the whole plan).
+    pub(crate) share: Option<u32>,
 }
 
 impl Plan {
@@ -108,6 +110,12 @@ impl Plan {
     /// byte (a verify mismatch reports them).
     pub fn destinations(&self) -> &Destinations {
         &self.destinations
+    }
+
+    /// The process this plan is the share of (`plan::build_share`), or None for a whole plan. A
+    /// share holds only the routes its process takes part in, so it can drive no other process.
+    pub fn share_of(&self) -> Option<u32> {
+        self.share
     }
 }
 

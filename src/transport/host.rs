@@ -506,7 +506,17 @@ impl PreparedCopy for HostBatch {
     /// Queued on the stream like any other host-backend work, then waited for: complete on return, as
     /// every host-backend copy the C API offers.
     unsafe fn launch(&self, stream: Stream) -> Result<()> {
-        let stream = host_stream(if stream == Stream::NULL { self.default_stream } else { stream })?;
+        let stream = if stream == Stream::NULL {
+            // A batch may outlive its group, but the simulated device's default stream does not.
+            host_stream(self.default_stream).map_err(|_| {
+                Error::invalid_argument(
+                    "stream is NULL, and the default stream of the batch's simulated device was released \
+                     with its group: pass a host stream",
+                )
+            })?
+        } else {
+            host_stream(stream)?
+        };
         let segments = Arc::clone(&self.segments);
         let record = self.source_digests.clone();
         // SAFETY: the caller promises the memory stays valid until the queued work has run.

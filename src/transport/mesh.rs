@@ -25,7 +25,7 @@
 //! ([`Mesh::send_fds`]).
 
 use crate::bail;
-use crate::error::{Error, Result, Status};
+use crate::error::{try_vec, Error, Result, Status};
 use std::collections::VecDeque;
 use std::io::ErrorKind;
 use std::os::fd::{AsRawFd, FromRawFd, OwnedFd, RawFd};
@@ -83,6 +83,29 @@ impl Deadline {
     }
 }
 
+/// The most files this process may open (its soft RLIMIT_NOFILE; unlimited when it cannot be read).
+fn open_files_limit() -> u64 {
+    let mut limit = libc::rlimit { rlim_cur: 0, rlim_max: 0 };
+    // SAFETY: getrlimit writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut limit) } != 0
+        || limit.rlim_cur == libc::RLIM_INFINITY
+    {
+        return u64::MAX;
+    }
+    limit.rlim_cur
+}
+
+/// `count` ranks, naming the first few of `ranks`: a message stays short whatever the size.
+fn some_ranks(mut ranks: impl Iterator<Item = usize>, count: usize) -> String {
+    const NAMED: usize = 8;
+    let named: Vec<usize> = ranks.by_ref().take(NAMED).collect();
+    if count <= NAMED {
+        format!("ranks {named:?}")
+    } else {
+        format!("{count} ranks ({named:?} and {} more)", count - NAMED)
+    }
+}
+
 /// A fresh random token (from the kernel's random source).
 pub fn new_token() -> Result<[u8; TOKEN_BYTES]> {
     let mut token = [0u8; TOKEN_BYTES];
@@ -133,12 +156,22 @@ pub struct Message {
 
 impl Mesh {
     /// Joins the mesh named by `token` as `rank` of `size`, waiting until `deadline` for the others.
-    /// Errors: INVALID_ARGUMENT (rank not below size; the rank is taken by another process; ranks
-    /// created with different sizes), TIMEOUT (a rank did not join in time), ABORTED (a peer went
-    /// away while joining).
+    /// Errors: INVALID_ARGUMENT (rank not below size; more ranks than a process may open files; the
+    /// rank is taken by another process; ranks created with different sizes), TIMEOUT (a rank did
+    /// not join in time), ABORTED (a peer went away while joining).
     pub fn connect(token: &[u8; TOKEN_BYTES], rank: usize, size: usize, deadline: Deadline) -> Result<Mesh> {
         if size == 0 || rank >= size || size > u32::MAX as usize {
             bail!(Status::InvalidArgument, "rank {rank} of {size}: the rank must be below the size");
+        }
+        // Every rank keeps a connection to every other open, so more ranks than a process may open
+        // files can never all join: refused before anything is allocated for each of them.
+        let files = open_files_limit();
+        if size as u64 > files {
+            bail!(
+                Status::InvalidArgument,
+                "nranks {size} needs a connection to every other rank in each process, but a process may \
+                 open at most {files} files (RLIMIT_NOFILE)"
+            );
         }
         let listener = UnixListener::bind_addr(&address(token, rank)?).map_err(|e| {
             if e.kind() == ErrorKind::AddrInUse {
@@ -149,7 +182,8 @@ impl Mesh {
                 Error::new(Status::InternalError, format!("cannot listen for rank {rank}: {e}"))
             }
         })?;
-        let mut peers: Vec<Option<UnixStream>> = (0..size).map(|_| None).collect();
+        let mut peers: Vec<Option<UnixStream>> = try_vec(size, "the connections to the other ranks")?;
+        peers.resize_with(size, || None);
         for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
             *slot = Some(join(token, rank, size, peer, deadline)?);
         }
@@ -160,8 +194,10 @@ impl Mesh {
                 Ok((stream, _)) => stream,
                 Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
                     if deadline.expired() {
-                        let waiting: Vec<usize> = (rank + 1..size).filter(|&r| peers[r].is_none()).collect();
-                        return Err(deadline.error(format_args!("ranks {waiting:?} did not join")));
+                        let waiting = (rank + 1..size).filter(|&r| peers[r].is_none());
+                        return Err(
+                            deadline.error(format_args!("{} did not join", some_ranks(waiting, missing)))
+                        );
                     }
                     wait_fd(listener.as_raw_fd(), libc::POLLIN, deadline)?;
                     continue;
@@ -191,7 +227,8 @@ impl Mesh {
             peers[peer] = Some(stream);
             missing -= 1;
         }
-        let closed = (0..size).map(|_| AtomicBool::new(false)).collect();
+        let mut closed = try_vec(size, "the connections to the other ranks")?;
+        closed.resize_with(size, || AtomicBool::new(false));
         Ok(Mesh { rank, size, peers, closed })
     }
 
@@ -807,6 +844,22 @@ mod tests {
         // SAFETY: as above.
         let err = unsafe { meshes[0].transfer(&[], &[m], 0, deadline()) }.unwrap_err();
         assert_eq!(err.status, Status::Aborted, "{err}");
+    }
+
+    #[test]
+    fn sizes_no_process_can_hold_are_refused_and_absent_ranks_are_named_briefly() {
+        let token = new_token().unwrap();
+        let short = Deadline::after(Duration::from_millis(1));
+        let err = Mesh::connect(&token, 0, i32::MAX as usize, short).err().unwrap();
+        assert_eq!(err.status, Status::InvalidArgument, "{err}");
+        assert!(err.message.contains("RLIMIT_NOFILE"), "{err}");
+        let err = Mesh::connect(&token, 0, 100, short).err().unwrap();
+        assert_eq!(err.status, Status::Timeout, "{err}");
+        assert!(
+            err.message.starts_with("99 ranks ([1, 2, 3, 4, 5, 6, 7, 8] and 91 more) did not join"),
+            "{err}"
+        );
+        assert_eq!(some_ranks([3, 5].into_iter(), 2), "ranks [3, 5]");
     }
 
     #[test]

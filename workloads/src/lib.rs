@@ -10,20 +10,29 @@
 //! tensor per expert weight), which is what vLLM's `load_weights` consumes: both sides describe their
 //! parameters as boxes of those tensors.
 //!
+//! [`Spec`] describes grouped-query models ([`Model`]: Llama, Qwen3, Qwen3-MoE) on single-stage
+//! Megatron publishers and vLLM tensor-parallel receivers. [`ArchSpec`] describes any [`Arch`]
+//! (also DeepSeek-V3 / Kimi-K2 latent attention with shared experts, tied embeddings) on
+//! [`MegatronRanks`] (pipeline stages too) and [`VllmRanks`] (data and expert parallelism too);
+//! a [`Spec`] converts into one. Both frameworks pad the vocabulary their own way before splitting
+//! it, so vocabularies that do not divide by TP are laid out as each framework lays them out.
+//!
 //! This is a development crate (`publish = false`): refit's demo, benches and integration tests use it;
 //! the library does not ship it.
 
+mod arch;
 mod megatron;
 mod model;
 mod param;
 mod pattern;
 mod vllm;
 
-pub use megatron::Megatron;
-pub use model::{CheckpointTensors, LayerTensors, MlpTensors, Model, Moe};
+pub use arch::{Arch, Attention, Experts, Mla};
+pub use megatron::{Megatron, MegatronRanks};
+pub use model::{CheckpointTensors, LayerTensors, MlaTensors, MlpTensors, Model, Moe};
 pub use param::{Param, Piece};
 pub use pattern::element_value;
-pub use vllm::Vllm;
+pub use vllm::{ExpertPlacement, Vllm, VllmRanks};
 
 use refit::plan::{Endpoint, Need, Offer, Region, Table};
 use refit::{Error, Result};
@@ -73,7 +82,7 @@ pub struct Placed {
     pub region: Region,
 }
 
-/// What to generate.
+/// What to generate, for a grouped-query [`Model`] (see [`ArchSpec`] for every family).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Spec {
     pub model: Model,
@@ -85,8 +94,14 @@ pub struct Spec {
     pub digests: bool,
 }
 
-fn endpoints(rank0: u32, ranks: u32) -> Vec<Endpoint> {
+/// Endpoints `(process, 0)` for `ranks` processes from `rank0`: one GPU per process.
+pub fn endpoints(rank0: u32, ranks: u32) -> Vec<Endpoint> {
     (0..ranks).map(|r| Endpoint { process: rank0 + r, device: 0 }).collect()
+}
+
+/// Endpoints `(process, device)` for devices `first..first + count` of one process.
+pub fn devices(process: u32, first: u32, count: u32) -> Vec<Endpoint> {
+    (first..first + count).map(|device| Endpoint { process, device }).collect()
 }
 
 impl Spec {
@@ -145,29 +160,158 @@ impl Spec {
     }
 }
 
+/// What to generate, for any [`Arch`] and every parallelism [`MegatronRanks`] and [`VllmRanks`]
+/// cover. [`Spec`] is the grouped-query, single-stage subset.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ArchSpec {
+    pub model: Arch,
+    pub publishers: MegatronRanks,
+    pub publisher_layout: Packing,
+    pub receivers: VllmRanks,
+    pub receiver_layout: Packing,
+    /// Give every offer a digest of its box (equal for replicas), so the planner's replica check runs.
+    pub digests: bool,
+}
+
+impl ArchSpec {
+    /// `model` from `publishers` to `receivers`, every parameter its own allocation, no digests.
+    pub fn new(model: Arch, publishers: MegatronRanks, receivers: VllmRanks) -> ArchSpec {
+        ArchSpec {
+            model,
+            publishers,
+            publisher_layout: Packing::Separate,
+            receivers,
+            receiver_layout: Packing::Separate,
+            digests: false,
+        }
+    }
+
+    /// DeepSeek-V3 from Megatron TP2 x EP8 publishers (8 ranks, 32 experts each; ranks 0..8) to a
+    /// vLLM TP8 group (ranks 8..16) without expert parallelism, every parameter packed into the
+    /// publishers' buffers as `publisher_layout` says.
+    pub fn deepseek_v3_tp2_ep8_to_tp8(publisher_layout: Packing) -> ArchSpec {
+        ArchSpec {
+            publisher_layout,
+            ..ArchSpec::new(
+                Arch::deepseek_v3(),
+                MegatronRanks::new(endpoints(0, 8), 2, 8),
+                VllmRanks::tp(endpoints(8, 8)),
+            )
+        }
+    }
+
+    /// Kimi-K2 from Megatron TP8 x EP16 x PP4 publishers (64 ranks, 16 per stage; stages of 16,
+    /// 15, 15 and 15 layers) to a vLLM TP8 group with expert parallelism (48 whole experts each).
+    pub fn kimi_k2_pp4_to_tp8_ep(publisher_layout: Packing) -> ArchSpec {
+        let publishers = MegatronRanks {
+            first_stage_layers: Some(16),
+            ..MegatronRanks::new(endpoints(0, 64), 8, 16).with_pp(4)
+        };
+        ArchSpec {
+            publisher_layout,
+            ..ArchSpec::new(
+                Arch::kimi_k2(),
+                publishers,
+                VllmRanks::tp(endpoints(64, 8)).with_expert_parallel(),
+            )
+        }
+    }
+
+    /// The same spec with `model` replaced.
+    pub fn with_model(mut self, model: Arch) -> ArchSpec {
+        self.model = model;
+        self
+    }
+}
+
+impl From<&Spec> for ArchSpec {
+    fn from(s: &Spec) -> ArchSpec {
+        ArchSpec {
+            model: Arch::from(&s.model),
+            publishers: MegatronRanks::from(&s.publishers),
+            publisher_layout: s.publisher_layout,
+            receivers: VllmRanks::from(&s.receivers),
+            receiver_layout: s.receiver_layout,
+            digests: s.digests,
+        }
+    }
+}
+
+/// A description a [`Workload`] is generated from: [`Spec`] or [`ArchSpec`].
+pub trait Layouts: Clone {
+    /// The tensors, and every publisher's and receiver's parameters and buffers.
+    fn layouts(&self) -> Result<Generated>;
+    /// Whether offers carry digests.
+    fn digests(&self) -> bool;
+}
+
+/// What a [`Layouts`] generates.
+pub struct Generated {
+    pub catalog: CheckpointTensors,
+    /// Publishers' parameters, packed as the publisher layout says.
+    pub publishers: Vec<Param>,
+    /// Publishers' persistent buffers: always allocations of their own.
+    pub publisher_buffers: Vec<Param>,
+    pub receivers: Vec<Param>,
+    pub publisher_layout: Packing,
+    pub receiver_layout: Packing,
+}
+
+impl Layouts for ArchSpec {
+    fn layouts(&self) -> Result<Generated> {
+        let catalog = CheckpointTensors::of(&self.model);
+        let (publishers, publisher_buffers) = self.publishers.held(&self.model, &catalog)?;
+        let receivers = self.receivers.params(&self.model, &catalog)?;
+        Ok(Generated {
+            catalog,
+            publishers,
+            publisher_buffers,
+            receivers,
+            publisher_layout: self.publisher_layout,
+            receiver_layout: self.receiver_layout,
+        })
+    }
+
+    fn digests(&self) -> bool {
+        self.digests
+    }
+}
+
+impl Layouts for Spec {
+    fn layouts(&self) -> Result<Generated> {
+        self.model.validate()?;
+        ArchSpec::from(self).layouts()
+    }
+
+    fn digests(&self) -> bool {
+        self.digests
+    }
+}
+
 /// A generated refit: tensors, the buffers to allocate, and every offer and need placed in them.
 #[derive(Clone, Debug)]
-pub struct Workload {
-    pub spec: Spec,
+pub struct Workload<S = Spec> {
+    pub spec: S,
     pub catalog: CheckpointTensors,
     pub buffers: Vec<Buffer>,
     pub offers: Vec<Placed>,
     pub needs: Vec<Placed>,
 }
 
-impl Workload {
+impl<S: Layouts> Workload<S> {
     /// Generates the workload of `spec`. Fails with `INVALID_ARGUMENT` when the model or a
     /// parallelism does not divide evenly the way the framework requires.
-    pub fn generate(spec: &Spec) -> Result<Workload> {
-        let catalog = CheckpointTensors::new(&spec.model);
-        let publishers = spec.publishers.params(&spec.model, &catalog)?;
-        let receivers = spec.receivers.params(&spec.model, &catalog)?;
+    pub fn generate(spec: &S) -> Result<Workload<S>> {
+        let g = spec.layouts()?;
         let mut buffers = Vec::new();
-        let offers = place(publishers, spec.publisher_layout, Role::Publisher, &mut buffers);
-        let needs = place(receivers, spec.receiver_layout, Role::Receiver, &mut buffers);
-        Ok(Workload { spec: spec.clone(), catalog, buffers, offers, needs })
+        let mut offers = place(g.publishers, g.publisher_layout, Role::Publisher, &mut buffers);
+        offers.extend(place(g.publisher_buffers, Packing::Separate, Role::Publisher, &mut buffers));
+        let needs = place(g.receivers, g.receiver_layout, Role::Receiver, &mut buffers);
+        Ok(Workload { spec: spec.clone(), catalog: g.catalog, buffers, offers, needs })
     }
+}
 
+impl<S> Workload<S> {
     /// Bytes of one placed box.
     pub fn bytes(&self, p: &Placed) -> u64 {
         p.region.extent.iter().product::<u64>() * self.catalog.tensors[p.tensor as usize].elem_size as u64
@@ -199,7 +343,9 @@ impl Workload {
             })
             .collect()
     }
+}
 
+impl<S: Layouts> Workload<S> {
     /// The planner's input: one table per process rank (ascending), holding that rank's offers and
     /// needs with `bases[i]` the address of buffer `i`, and the tensors they name. Fails with
     /// `INVALID_ARGUMENT` when `bases` does not have one entry per buffer or an address overflows.
@@ -226,7 +372,7 @@ impl Workload {
             let table = by_rank.entry(o.endpoint.process).or_default();
             let tensor = table.tensor(o.tensor, &self.catalog);
             let digest =
-                self.spec.digests.then(|| digest(&self.catalog.tensors[o.tensor as usize].name, &o.region));
+                self.spec.digests().then(|| digest(&self.catalog.tensors[o.tensor as usize].name, &o.region));
             table.table.offers.push(Offer {
                 tensor,
                 owner: o.endpoint,

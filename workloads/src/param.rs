@@ -1,7 +1,7 @@
 //! The framework-neutral shape of a generated layout: parameters (one tensor as a framework allocates
 //! it) made of pieces (one box of one Hugging Face tensor at a byte offset inside the parameter).
 
-use crate::model::Model;
+use crate::arch::Arch;
 use refit::plan::{Endpoint, Region};
 
 /// One box of a Hugging Face tensor stored row-major over its extent at `offset` bytes into a
@@ -74,17 +74,25 @@ pub(crate) struct RankParams {
     pub es: u64,
     pub hidden: u64,
     pub vocab: u64,
+    /// Rows of this framework's vocabulary-parallel shard: the padded vocabulary over `tp_size`.
+    pub vocab_rows: u64,
 }
 
 impl RankParams {
-    pub(crate) fn new(endpoint: Endpoint, (tp, tp_size): (u64, u64), model: &Model) -> RankParams {
+    pub(crate) fn new(
+        endpoint: Endpoint,
+        (tp, tp_size): (u64, u64),
+        arch: &Arch,
+        vocab_rows: u64,
+    ) -> RankParams {
         RankParams {
             endpoint,
             tp,
             tp_size,
-            es: model.elem_size as u64,
-            hidden: model.hidden,
-            vocab: model.vocab,
+            es: arch.elem_size as u64,
+            hidden: arch.hidden,
+            vocab: arch.vocab,
+            vocab_rows,
         }
     }
 
@@ -95,16 +103,30 @@ impl RankParams {
 
     /// A replicated 1-D parameter (a norm, a bias) holding the whole tensor of `len` elements.
     pub(crate) fn vector(&self, name: String, tensor: u32, len: u64) -> Param {
-        let mut p = self.param(name, len);
+        self.vector_of(name, tensor, len, self.es)
+    }
+
+    /// [`RankParams::vector`] of elements of `elem_size` bytes (an FP32 tensor in a BF16 model).
+    pub(crate) fn vector_of(&self, name: String, tensor: u32, len: u64, elem_size: u64) -> Param {
+        let mut p = Param::new(self.endpoint, name, len * elem_size);
         p.vector(tensor, 0, len);
         p
     }
 
+    /// A replicated 2-D parameter holding the whole `[rows, cols]` tensor.
+    pub(crate) fn whole(&self, name: String, tensor: u32, (rows, cols): (u64, u64)) -> Param {
+        let mut p = self.param(name, rows * cols);
+        p.rows_cols(tensor, 0, (0, rows), (0, cols));
+        p
+    }
+
     /// This rank's vocabulary-parallel shard of a `[vocab, hidden]` tensor (embedding or output
-    /// layer): every shard is sized `ceil(vocab / tp_size)` rows, the last one holding fewer (or none).
+    /// layer): `vocab_rows` rows from row `tp * vocab_rows`, of which those past the vocabulary are
+    /// padding (a shard may be all padding).
     pub(crate) fn vocab_shard(&self, name: &str, tensor: u32) -> Param {
-        let (start, rows, chunk) = ceil_chunk(self.vocab, self.tp_size, self.tp);
-        let mut p = self.param(name.to_string(), chunk * self.hidden);
+        let start = (self.tp * self.vocab_rows).min(self.vocab);
+        let rows = ((self.tp + 1) * self.vocab_rows).min(self.vocab) - start;
+        let mut p = self.param(name.to_string(), self.vocab_rows * self.hidden);
         if rows > 0 {
             p.rows_cols(tensor, 0, (start, rows), (0, self.hidden));
         }
@@ -115,13 +137,4 @@ impl RankParams {
     pub(crate) fn tp_rows(&self, rows: u64) -> (u64, u64) {
         (self.tp * rows, rows)
     }
-}
-
-/// The `i`-th of `parts` chunks of `total` rows when every chunk but the last is `ceil(total/parts)`
-/// (how both frameworks split a padded vocabulary): `(start, len, chunk)`, `len` possibly 0.
-pub(crate) fn ceil_chunk(total: u64, parts: u64, i: u64) -> (u64, u64, u64) {
-    let chunk = total.div_ceil(parts);
-    let start = (i * chunk).min(total);
-    let end = ((i + 1) * chunk).min(total);
-    (start, end - start, chunk)
 }

@@ -25,7 +25,7 @@ struct Piece<'a> {
     start: u64,
 }
 
-impl Workload {
+impl<S: Sync> Workload<S> {
     /// Calls `f(byte offset in the box's buffer, global element index in the tensor)` for every element
     /// of a placed box, in memory order.
     pub fn for_each_element(&self, p: &Placed, f: impl FnMut(u64, u64)) {

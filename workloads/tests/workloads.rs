@@ -2,6 +2,9 @@
 //! bounds, rebasing, bad specs, and an element-level check of both framework layouts against
 //! independent memory-to-tensor formulas.
 
+mod common;
+
+use common::{check_elements, for_each_element, layer_of, Locate};
 use refit::plan::{Endpoint, Region};
 use refit::Status;
 use refit_workloads::{Megatron, Model, Moe, Packing, Placed, Role, Spec, Vllm, Workload};
@@ -400,9 +403,6 @@ fn bad_specs_are_rejected_with_a_reason() {
 // ---- Element-level check on tiny models: every box of every buffer, read back through independent
 // ---- memory-to-tensor formulas of each framework's layout.
 
-/// Which tensor element a framework keeps at element `i` of parameter `name`, or None for padding.
-type Locate = dyn Fn(&str, u64) -> Option<(String, u64)>;
-
 fn tiny_moe() -> Model {
     Model {
         name: "tiny-moe".into(),
@@ -424,17 +424,6 @@ fn tiny_dense() -> Model {
     Model { name: "tiny-dense".into(), qk_norm: false, moe: None, ffn: 12, ..tiny_moe() }
 }
 
-/// Splits `decoder.layers.3.self_attention.linear_qkv.weight` into (Some(3), "self_attention.linear_qkv.weight").
-fn layer_of(name: &str, prefix: &str) -> (Option<u64>, String) {
-    match name.strip_prefix(prefix) {
-        Some(rest) => {
-            let (l, tail) = rest.split_once('.').unwrap();
-            (Some(l.parse().unwrap()), tail.to_string())
-        }
-        None => (None, name.to_string()),
-    }
-}
-
 /// Megatron: memory -> tensor element, for TP rank `t` of `tp` and EP rank `e` of `ep`.
 fn megatron_locate(m: &Model, t: u64, tp: u64, e: u64, ep: u64) -> Box<Locate> {
     let m = m.clone();
@@ -442,7 +431,8 @@ fn megatron_locate(m: &Model, t: u64, tp: u64, e: u64, ep: u64) -> Box<Locate> {
         let h = m.hidden;
         let (layer, tail) = layer_of(name, "decoder.layers.");
         let hf = |s: &str| format!("model.layers.{}.{s}", layer.unwrap());
-        let vocab_chunk = m.vocab.div_ceil(tp);
+        // Megatron pads the vocabulary to a multiple of 128 * tp (make_vocab_size_divisible_by).
+        let vocab_chunk = m.vocab.next_multiple_of(128 * tp) / tp;
         // A TEGroupedMLP expert weight `linear_fc1.weight{j}` is expert j's slice of the grouped one.
         let (tail, i) = match tail.rsplit_once(".weight") {
             Some((base, j)) if base.starts_with("mlp.experts.linear_fc") && !j.is_empty() => {
@@ -526,7 +516,8 @@ fn vllm_locate(m: &Model, t: u64, tp: u64) -> Box<Locate> {
         let (row, col) = (i / h, i % h);
         Some(match tail.as_str() {
             "model.embed_tokens.weight" | "lm_head.weight" => {
-                let global = t * m.vocab.div_ceil(tp) + row;
+                // vLLM pads the vocabulary to a multiple of 64, then splits it evenly.
+                let global = t * (m.vocab.next_multiple_of(64) / tp) + row;
                 return (global < m.vocab).then(|| (tail.clone(), global * h + col));
             }
             "model.norm.weight" => (tail.clone(), i),
@@ -584,49 +575,6 @@ fn vllm_locate(m: &Model, t: u64, tp: u64) -> Box<Locate> {
     })
 }
 
-/// Every element of every placed box is where the framework formula says that tensor element is, and
-/// every non-padding element of every buffer is in exactly one box.
-fn check_elements(w: &Workload, locate: &dyn Fn(&Placed) -> Box<Locate>, list: &[Placed]) {
-    let es = 2;
-    let mut covered: HashMap<u32, Vec<u8>> = HashMap::new();
-    for p in list {
-        let buffer = &w.buffers[p.buffer as usize];
-        let spec = &w.catalog.tensors[p.tensor as usize];
-        let f = locate(p);
-        let cover = covered.entry(p.buffer).or_insert_with(|| vec![0; (buffer.bytes / es) as usize]);
-        let extent = &p.region.extent;
-        let n: u64 = extent.iter().product();
-        for k in 0..n {
-            // Box coordinate of local element k (row-major), then its global flat index.
-            let mut rest = k;
-            let mut global = 0;
-            for d in 0..extent.len() {
-                let inner: u64 = extent[d + 1..].iter().product();
-                let coord = rest / inner;
-                rest %= inner;
-                global = global * spec.shape[d] + p.region.offset[d] + coord;
-            }
-            let elem = p.offset / es + k;
-            assert_eq!(
-                f(&buffer.name, elem),
-                Some((spec.name.clone(), global)),
-                "{} element {elem}",
-                buffer.name
-            );
-            cover[elem as usize] += 1;
-        }
-    }
-    for (b, cover) in covered {
-        let buffer = &w.buffers[b as usize];
-        let owner = list.iter().find(|p| p.buffer == b).unwrap();
-        let f = locate(owner);
-        for (elem, &c) in cover.iter().enumerate() {
-            let padding = f(&buffer.name, elem as u64).is_none();
-            assert_eq!(c, u8::from(!padding), "{} element {elem}", buffer.name);
-        }
-    }
-}
-
 fn check_tiny(spec: &Spec) {
     let w = Workload::generate(spec).unwrap();
     let m = &spec.model;
@@ -676,7 +624,8 @@ fn megatron_and_vllm_layouts_hold_the_right_elements() {
     check_tiny(&tiny_spec(tiny_moe(), 2, 2, 1, 4));
     check_tiny(&tiny_spec(tiny_moe(), 4, 2, 4, 2).with_expert_weights());
     check_tiny(&tiny_spec(tiny_moe(), 4, 1, 2, 2).with_expert_weights());
-    // Dense: TP2 x DP2 publishers; TP4 receivers (uneven vocabulary split: 3, 3, 3, 2).
+    // Dense: TP2 x DP2 publishers; TP4 receivers (the vocabulary of 11 rows is padded to 64 and split
+    // into 16 rows each: TP rank 0 holds all of it, the others only padding).
     check_tiny(&tiny_spec(tiny_dense(), 4, 2, 1, 4));
     check_tiny(&tiny_spec(tiny_dense(), 4, 4, 1, 2));
 }
@@ -716,22 +665,6 @@ fn plans_build_on_reduced_real_models() {
     }
 }
 
-/// Calls `f(element index in the buffer, global flat index in the tensor)` for every element of a box.
-fn for_each_element(w: &Workload, p: &Placed, mut f: impl FnMut(usize, u64)) {
-    let shape = &w.catalog.tensors[p.tensor as usize].shape;
-    let extent = &p.region.extent;
-    let n: u64 = extent.iter().product();
-    for k in 0..n {
-        let (mut rest, mut global) = (k, 0);
-        for d in 0..extent.len() {
-            let inner: u64 = extent[d + 1..].iter().product();
-            global = global * shape[d] + p.region.offset[d] + rest / inner;
-            rest %= inner;
-        }
-        f((p.offset / 2 + k) as usize, global);
-    }
-}
-
 /// Publishers' boxes filled with known values, receivers poisoned, the plan's runs copied on the host,
 /// then every needed element compared with the value of the tensor element it stands for.
 fn refit_on_host(spec: &Spec, options: &refit::plan::PlanOptions) -> Vec<Vec<u8>> {
@@ -755,12 +688,7 @@ fn refit_on_host(spec: &Spec, options: &refit::plan::PlanOptions) -> Vec<Vec<u8>
         let buffer = &memory[n.buffer as usize];
         for_each_element(&w, n, |i, g| {
             let expected = (refit_workloads::element_value(n.tensor, g) as u16).to_le_bytes();
-            assert_eq!(
-                buffer[2 * i..2 * i + 2],
-                expected,
-                "{} element {i}",
-                w.buffers[n.buffer as usize].name
-            );
+            assert_eq!(buffer[i..i + 2], expected, "{} element {i}", w.buffers[n.buffer as usize].name);
             installed += 1;
         });
     }
@@ -777,7 +705,7 @@ fn installed_from_expectation(w: &Workload) -> Vec<Vec<u8>> {
     for n in &w.needs {
         let buffer = &mut memory[n.buffer as usize];
         for_each_element(w, n, |i, g| {
-            buffer[2 * i..2 * i + 2]
+            buffer[i..i + 2]
                 .copy_from_slice(&(refit_workloads::element_value(n.tensor, g) as u16).to_le_bytes())
         });
     }

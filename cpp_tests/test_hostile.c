@@ -1,0 +1,1010 @@
+/* A hostile C caller on the host backend: every argument C can express without undefined behaviour of
+ * its own. NULL for each pointer, option and stats structs of the wrong size (also a caller built
+ * against a shorter struct that passes only that many bytes), garbage in bool fields and padding,
+ * enum values out of range, counts and shapes whose products overflow, empty and scalar tensors,
+ * odd names, tensors described differently by two tables, executors called in the wrong order,
+ * rebinds that make no sense, a communicator far larger than a machine can hold, and calls from
+ * several threads at once. Every refusal must carry its own status and a message naming the
+ * argument; what succeeds must move the right bytes. */
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+#include "check.h"
+
+static uint64_t addr(const void *p) { return (uint64_t)(uintptr_t)p; }
+
+/* A refusal: the exact status, and a message that is not empty and names what was wrong. */
+#define CHECK_FAILS(call, expected, needle)                                                  \
+  do {                                                                                       \
+    CHECK_STATUS(call, expected);                                                            \
+    const char *check_message_ = refit_last_error_message();                                 \
+    if (check_message_ == NULL || strstr(check_message_, (needle)) == NULL) {                \
+      fprintf(stderr, "%s:%d: message \"%s\" does not mention \"%s\"\n", __FILE__, __LINE__, \
+              check_message_ ? check_message_ : "(NULL)", (needle));                         \
+      printf("%d passed, 1 failed\n", check_passed);                                         \
+      exit(1);                                                                               \
+    }                                                                                        \
+    check_passed++;                                                                          \
+  } while (0)
+
+static refit_group *host_group(uint32_t devices) {
+  const int32_t ordinals[2] = {0, 1};
+  return check_host_group(ordinals, devices);
+}
+
+/* One tensor "w" of `count` u32 elements, offered whole on (0, 0) at `src`, needed whole on (0, dev)
+ * at `dst`. */
+static refit_plan *copy_plan(const uint32_t *src, uint32_t *dst, uint64_t count, uint32_t dev) {
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  const uint64_t shape[1] = {count}, zero[1] = {0}, unit[1] = {1};
+  uint32_t w = 99;
+  CHECK_OK(refit_table_add_tensor(table, "w", 7, 4, shape, 1, &w));
+  CHECK_OK(refit_table_add_offer(table, w, 0, 0, addr(src), zero, shape, NULL, 1, NULL));
+  CHECK_OK(refit_table_add_need(table, w, 0, dev, addr(dst), zero, shape, NULL, unit, 1));
+  const refit_table *tables[1] = {table};
+  refit_plan *plan = NULL;
+  CHECK_OK(refit_plan_build(tables, 1, NULL, &plan));
+  refit_table_destroy(table);
+  return plan;
+}
+
+static void last_error_on_a_fresh_thread_is_empty(void);
+static void null_pointers_one_at_a_time(void);
+static void destroy_accepts_null(void);
+static void struct_sizes(void);
+static void garbage_in_option_fields(void);
+static void enums_out_of_range(void);
+static void overflowing_shapes_and_boxes(void);
+static void empty_and_scalar_tensors(void);
+static void names(void);
+static void tables_that_disagree(void);
+static void executor_call_order(void);
+static void rebinds(void);
+static void communicator_sizes(void);
+static void threads_on_distinct_handles(void);
+static void batch_outlives_its_group(void);
+
+int main(void) {
+  last_error_on_a_fresh_thread_is_empty();
+  null_pointers_one_at_a_time();
+  destroy_accepts_null();
+  struct_sizes();
+  garbage_in_option_fields();
+  enums_out_of_range();
+  overflowing_shapes_and_boxes();
+  empty_and_scalar_tensors();
+  names();
+  tables_that_disagree();
+  executor_call_order();
+  rebinds();
+  communicator_sizes();
+  threads_on_distinct_handles();
+  batch_outlives_its_group();
+  CHECK_DONE();
+}
+
+/* ---- the thread-local message ---------------------------------------------------------------- */
+
+static void *read_message(void *result) {
+  const char *message = refit_last_error_message();
+  *(int *)result = message != NULL && message[0] == '\0';
+  return NULL;
+}
+
+static void last_error_on_a_fresh_thread_is_empty(void) {
+  /* A failure on this thread is not another thread's message. */
+  CHECK_FAILS(refit_table_create(NULL), REFIT_STATUS_NULL_ARGUMENT, "table is NULL");
+  int empty = 0;
+  pthread_t thread;
+  CHECK(pthread_create(&thread, NULL, read_message, &empty) == 0);
+  CHECK(pthread_join(thread, NULL) == 0);
+  CHECK(empty);
+  /* And successful calls leave this thread's message alone. */
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  CHECK(strstr(refit_last_error_message(), "refit_table_create: table is NULL") != NULL);
+  refit_table_destroy(table);
+}
+
+/* ---- NULL, one pointer at a time ------------------------------------------------------------- */
+
+static void null_pointers_one_at_a_time(void) {
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  const uint64_t shape[2] = {4, 4}, zero[2] = {0, 0}, strides[2] = {4, 1};
+  uint32_t t = 0;
+  CHECK_OK(refit_table_add_tensor(table, "w", 1, 4, shape, 2, &t));
+  CHECK_FAILS(refit_table_add_offer(table, t, 0, 0, 64, zero, NULL, NULL, 2, NULL), REFIT_STATUS_NULL_ARGUMENT,
+              "extent is NULL");
+  CHECK_FAILS(refit_table_add_need(table, t, 1, 0, 64, NULL, shape, NULL, strides, 2), REFIT_STATUS_NULL_ARGUMENT,
+              "offset is NULL");
+  CHECK_FAILS(refit_table_add_need(table, t, 1, 0, 64, zero, NULL, NULL, strides, 2), REFIT_STATUS_NULL_ARGUMENT,
+              "extent is NULL");
+  CHECK_FAILS(refit_table_add_need(table, t, 1, 0, 64, zero, shape, NULL, NULL, 2), REFIT_STATUS_NULL_ARGUMENT,
+              "strides is NULL");
+  /* A NULL buffer with a capacity is a NULL buffer, whether or not the capacity would be enough. */
+  size_t written = 77;
+  CHECK_FAILS(refit_table_encode(table, NULL, 1, &written), REFIT_STATUS_NULL_ARGUMENT, "buffer is NULL");
+  CHECK_FAILS(refit_table_encode(table, NULL, SIZE_MAX, &written), REFIT_STATUS_NULL_ARGUMENT, "buffer is NULL");
+  CHECK(written == 77);
+  CHECK_FAILS(refit_table_encode(table, NULL, 0, NULL), REFIT_STATUS_NULL_ARGUMENT, "written is NULL");
+  refit_table *decoded = (refit_table *)0x1;
+  CHECK_FAILS(refit_table_decode(NULL, SIZE_MAX, &decoded), REFIT_STATUS_NULL_ARGUMENT, "bytes is NULL");
+  CHECK(decoded == (refit_table *)0x1);
+
+  const refit_table *tables[1] = {table};
+  refit_plan *plan = NULL;
+  CHECK_OK(refit_plan_build(tables, 1, NULL, &plan));
+  refit_plan *none = (refit_plan *)0x1;
+  const refit_table *null_entry[3] = {table, table, NULL};
+  CHECK_FAILS(refit_plan_build_share(null_entry, 3, 0, NULL, &none), REFIT_STATUS_NULL_ARGUMENT, "tables[2]");
+  CHECK_FAILS(refit_plan_build_share(tables, 1, 0, NULL, NULL), REFIT_STATUS_NULL_ARGUMENT, "plan is NULL");
+  CHECK(none == (refit_plan *)0x1);
+  size_t count = 0;
+  uint64_t fingerprint = 0;
+  CHECK_FAILS(refit_plan_route_count(NULL, &count), REFIT_STATUS_NULL_ARGUMENT, "plan is NULL");
+  CHECK_FAILS(refit_plan_fingerprint(NULL, &fingerprint), REFIT_STATUS_NULL_ARGUMENT, "plan is NULL");
+
+  refit_group *group = host_group(1);
+  size_t size = 0;
+  void *stream = NULL;
+  CHECK_FAILS(refit_group_device(NULL, 0, &(int32_t){0}), REFIT_STATUS_NULL_ARGUMENT, "group is NULL");
+  CHECK_FAILS(refit_group_device(group, 0, NULL), REFIT_STATUS_NULL_ARGUMENT, "device is NULL");
+  CHECK_FAILS(refit_group_stream(NULL, 0, &stream), REFIT_STATUS_NULL_ARGUMENT, "group is NULL");
+  CHECK_FAILS(refit_group_stream(group, 0, NULL), REFIT_STATUS_NULL_ARGUMENT, "stream is NULL");
+  CHECK_FAILS(refit_group_peer_access(NULL, 0, 0, &(bool){false}), REFIT_STATUS_NULL_ARGUMENT, "group is NULL");
+  CHECK_FAILS(refit_group_peer_access(group, 0, 0, NULL), REFIT_STATUS_NULL_ARGUMENT, "direct is NULL");
+  CHECK_FAILS(refit_group_backend(NULL, &(uint32_t){0}), REFIT_STATUS_NULL_ARGUMENT, "group is NULL");
+  CHECK_FAILS(refit_group_backend(group, NULL), REFIT_STATUS_NULL_ARGUMENT, "backend is NULL");
+  CHECK_FAILS(refit_group_enter(NULL, NULL), REFIT_STATUS_NULL_ARGUMENT, "group is NULL");
+  CHECK_FAILS(refit_group_exit(NULL, REFIT_EXIT_SYNC), REFIT_STATUS_NULL_ARGUMENT, "group is NULL");
+  CHECK_FAILS(refit_host_stream_create(NULL), REFIT_STATUS_NULL_ARGUMENT, "stream is NULL");
+  CHECK_OK(refit_group_size(group, &size));
+  CHECK(size == 1);
+  CHECK_FAILS(refit_group_allgather_rank(NULL, 0, 8, 16, &size, REFIT_ALLGATHER_AUTO, NULL),
+              REFIT_STATUS_NULL_ARGUMENT, "group is NULL");
+  CHECK_FAILS(refit_group_allgather_rank(group, 0, 8, 16, NULL, REFIT_ALLGATHER_AUTO, NULL),
+              REFIT_STATUS_NULL_ARGUMENT, "counts is NULL");
+  CHECK_FAILS(refit_copy_batch_prepare(group, 0, NULL, 1, 0, NULL), REFIT_STATUS_NULL_ARGUMENT, "batch is NULL");
+
+  refit_executor *executor = NULL;
+  CHECK_OK(refit_executor_create(plan, group, 0, NULL, &executor));
+  CHECK_FAILS(refit_executor_create_across(NULL, group, NULL, NULL, &executor), REFIT_STATUS_NULL_ARGUMENT,
+              "plan is NULL");
+  CHECK_FAILS(refit_executor_create_across(plan, NULL, NULL, NULL, &executor), REFIT_STATUS_NULL_ARGUMENT,
+              "group is NULL");
+  CHECK_FAILS(refit_executor_create_across(plan, group, NULL, NULL, NULL), REFIT_STATUS_NULL_ARGUMENT,
+              "executor is NULL");
+  CHECK_FAILS(refit_executor_rebind(NULL, 0, 8, 16, 8), REFIT_STATUS_NULL_ARGUMENT, "executor is NULL");
+
+  refit_comm_id id;
+  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
+  refit_comm *comm = NULL;
+  CHECK_OK(refit_comm_create(&id, 1, 0, 0, NULL, &comm));
+  uint32_t value = 0;
+  int32_t device = 0;
+  CHECK_FAILS(refit_comm_size(comm, NULL), REFIT_STATUS_NULL_ARGUMENT, "size is NULL");
+  CHECK_FAILS(refit_comm_rank(NULL, &value), REFIT_STATUS_NULL_ARGUMENT, "comm is NULL");
+  CHECK_FAILS(refit_comm_device(NULL, &device), REFIT_STATUS_NULL_ARGUMENT, "comm is NULL");
+  CHECK_FAILS(refit_comm_backend(comm, NULL), REFIT_STATUS_NULL_ARGUMENT, "backend is NULL");
+  CHECK_FAILS(refit_comm_adopt(NULL, NULL, &comm), REFIT_STATUS_NULL_ARGUMENT, "NULL");
+  /* A NULL buffer with bytes to move; none to move is fine. */
+  uint8_t byte = 5;
+  size_t one = 1, nothing = 0;
+  CHECK_FAILS(refit_comm_allgather(comm, addr(&byte), 0, &one, NULL), REFIT_STATUS_NULL_ARGUMENT, "recv");
+  CHECK_OK(refit_comm_allgather(comm, 0, 0, &nothing, NULL));
+  CHECK_OK(refit_comm_synchronize(comm, NULL));
+  refit_comm_destroy(comm);
+
+  refit_executor_destroy(executor);
+  refit_group_destroy(group);
+  refit_plan_destroy(plan);
+  refit_table_destroy(table);
+}
+
+static void destroy_accepts_null(void) {
+  refit_table_destroy(NULL);
+  refit_plan_destroy(NULL);
+  refit_group_destroy(NULL);
+  refit_executor_destroy(NULL);
+  refit_copy_batch_destroy(NULL);
+  refit_comm_destroy(NULL);
+  CHECK_FAILS(refit_host_stream_destroy(NULL), REFIT_STATUS_NULL_ARGUMENT, "stream is NULL");
+}
+
+/* ---- sizes of structs ------------------------------------------------------------------------ */
+
+/* A caller built against a shorter struct passes a pointer to just its `size` field's bytes: the
+ * library must refuse it before reading a byte more (valgrind reports any read past the block). */
+static void *short_struct(void) {
+  size_t *bytes = malloc(sizeof(size_t));
+  CHECK(bytes != NULL);
+  *bytes = sizeof(size_t);
+  return bytes;
+}
+
+static void struct_sizes(void) {
+  static uint32_t src[4] = {1, 2, 3, 4}, dst[4];
+  refit_plan *plan = copy_plan(src, dst, 4, 0);
+  refit_group *group = host_group(1);
+  const size_t wrong[5] = {0, 1, sizeof(size_t), SIZE_MAX / 2, SIZE_MAX};
+
+  refit_executor_options exec_options;
+  refit_group_options group_options;
+  refit_plan_options plan_options;
+  refit_comm_options comm_options;
+  refit_comm_id id;
+  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
+  refit_executor *executor = (refit_executor *)0x1;
+  refit_group *no_group = (refit_group *)0x1;
+  refit_plan *no_plan = (refit_plan *)0x1;
+  refit_comm *no_comm = (refit_comm *)0x1;
+  const int32_t device0 = 0;
+  for (int i = 0; i < 6; i++) {
+    size_t bad = i < 5 ? wrong[i] : 0;
+    CHECK_OK(refit_executor_options_init(&exec_options));
+    CHECK_OK(refit_group_options_init(&group_options));
+    CHECK_OK(refit_plan_options_init(&plan_options));
+    CHECK_OK(refit_comm_options_init(&comm_options));
+    /* One byte short and one byte long of each struct too. */
+    exec_options.size = i < 5 ? bad : sizeof exec_options - 1;
+    group_options.size = i < 5 ? bad : sizeof group_options + 1;
+    plan_options.size = i < 5 ? bad : sizeof plan_options - 1;
+    comm_options.size = i < 5 ? bad : sizeof comm_options + 1;
+    CHECK_FAILS(refit_executor_create(plan, group, 0, &exec_options, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+                "options.size");
+    CHECK_FAILS(refit_group_create(&device0, 1, &group_options, &no_group), REFIT_STATUS_INVALID_ARGUMENT,
+                "options.size");
+    CHECK_FAILS(refit_plan_build(NULL, 0, &plan_options, &no_plan), REFIT_STATUS_INVALID_ARGUMENT,
+                "options.size");
+    CHECK_FAILS(refit_comm_create(&id, 1, 0, 0, &comm_options, &no_comm), REFIT_STATUS_INVALID_ARGUMENT,
+                "options.size");
+  }
+  void *exec_short = short_struct(), *group_short = short_struct(), *plan_short = short_struct();
+  void *comm_short = short_struct(), *stats_short = short_struct(), *route_short = short_struct();
+  CHECK_FAILS(refit_executor_create(plan, group, 0, exec_short, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+              "options.size is 8");
+  CHECK_FAILS(refit_group_create(&device0, 1, group_short, &no_group), REFIT_STATUS_INVALID_ARGUMENT,
+              "options.size is 8");
+  CHECK_FAILS(refit_plan_build(NULL, 0, plan_short, &no_plan), REFIT_STATUS_INVALID_ARGUMENT, "options.size is 8");
+  CHECK_FAILS(refit_plan_build_share(NULL, 0, 0, plan_short, &no_plan), REFIT_STATUS_INVALID_ARGUMENT,
+              "options.size is 8");
+  CHECK_FAILS(refit_comm_create(&id, 1, 0, 0, comm_short, &no_comm), REFIT_STATUS_INVALID_ARGUMENT,
+              "options.size is 8");
+  CHECK(executor == (refit_executor *)0x1 && no_group == (refit_group *)0x1);
+  CHECK(no_plan == (refit_plan *)0x1 && no_comm == (refit_comm *)0x1);
+
+  /* Output structs: the size must be exactly the struct's. */
+  CHECK_OK(refit_executor_create(plan, group, 0, NULL, &executor));
+  refit_run_stats run_stats;
+  refit_plan_stats plan_stats;
+  refit_route_info route;
+  for (int i = 0; i < 5; i++) {
+    memset(&run_stats, 0xA5, sizeof run_stats);
+    run_stats.size = i < 4 ? wrong[i + 1] : sizeof run_stats + 1;
+    CHECK_FAILS(refit_executor_run(executor, group, &run_stats), REFIT_STATUS_INVALID_ARGUMENT, "stats.size");
+    CHECK_FAILS(refit_executor_commit(executor, group, &run_stats), REFIT_STATUS_INVALID_ARGUMENT, "stats.size");
+    plan_stats.size = run_stats.size;
+    route.size = run_stats.size;
+    CHECK_FAILS(refit_plan_get_stats(plan, &plan_stats), REFIT_STATUS_INVALID_ARGUMENT, "stats.size");
+    CHECK_FAILS(refit_plan_route(plan, 0, &route), REFIT_STATUS_INVALID_ARGUMENT, "route.size");
+  }
+  /* Nothing ran: the refused runs did not copy (the destination is still zero). */
+  CHECK(dst[0] == 0);
+  CHECK_FAILS(refit_executor_stats(executor, stats_short), REFIT_STATUS_INVALID_ARGUMENT, "stats.size is 8");
+  CHECK_FAILS(refit_plan_get_receiver_stats(plan, 0, 0, stats_short), REFIT_STATUS_INVALID_ARGUMENT,
+              "stats.size is 8");
+  CHECK_FAILS(refit_plan_route(plan, 0, route_short), REFIT_STATUS_INVALID_ARGUMENT, "route.size is 8");
+  free(exec_short);
+  free(group_short);
+  free(plan_short);
+  free(comm_short);
+  free(stats_short);
+  free(route_short);
+
+  refit_executor_destroy(executor);
+  refit_group_destroy(group);
+  refit_plan_destroy(plan);
+}
+
+/* ---- bytes C writes without a compiler's help -------------------------------------------------- */
+
+static void set_byte(void *object, size_t offset, unsigned char value) { ((unsigned char *)object)[offset] = value; }
+
+static void garbage_in_option_fields(void) {
+  static uint32_t src[4] = {5, 6, 7, 8}, dst[4];
+  refit_plan *plan = copy_plan(src, dst, 4, 0);
+  refit_group *group = host_group(1);
+  refit_executor *executor = (refit_executor *)0x1;
+  refit_executor_options options;
+  /* A bool byte that is neither 0 nor 1 (memset, memcpy from elsewhere): refused, never read as a
+   * bool. */
+  const unsigned char bad_bools[3] = {2, 0x7f, 0xff};
+  for (int i = 0; i < 3; i++) {
+    CHECK_OK(refit_executor_options_init(&options));
+    set_byte(&options, offsetof(refit_executor_options, verify), bad_bools[i]);
+    CHECK_FAILS(refit_executor_create(plan, group, 0, &options, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+                "options.verify");
+  }
+  CHECK(executor == (refit_executor *)0x1);
+  /* Padding is nobody's field: garbage there changes nothing. */
+  CHECK_OK(refit_executor_options_init(&options));
+  options.verify = true;
+  for (size_t b = offsetof(refit_executor_options, verify) + 1; b < offsetof(refit_executor_options, commit); b++)
+    set_byte(&options, b, 0xA5);
+  CHECK_OK(refit_executor_create(plan, group, 0, &options, &executor));
+  refit_run_stats stats;
+  stats.size = sizeof stats;
+  CHECK_OK(refit_executor_run(executor, group, &stats));
+  CHECK(stats.verified && memcmp(src, dst, sizeof src) == 0);
+  refit_executor_destroy(executor);
+
+  refit_comm_options comm_options;
+  refit_comm_id id;
+  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
+  refit_comm *comm = (refit_comm *)0x1;
+  CHECK_OK(refit_comm_options_init(&comm_options));
+  set_byte(&comm_options, offsetof(refit_comm_options, ipc), 3);
+  CHECK_FAILS(refit_comm_create(&id, 1, 0, 0, &comm_options, &comm), REFIT_STATUS_INVALID_ARGUMENT, "options.ipc");
+  CHECK(comm == (refit_comm *)0x1);
+  CHECK_OK(refit_comm_options_init(&comm_options));
+  for (size_t b = offsetof(refit_comm_options, ipc) + 1; b < sizeof comm_options; b++) set_byte(&comm_options, b, 0xA5);
+  CHECK_OK(refit_comm_create(&id, 1, 0, 0, &comm_options, &comm));
+  refit_comm_destroy(comm);
+
+  refit_plan_options plan_options;
+  CHECK_OK(refit_plan_options_init(&plan_options));
+  for (size_t b = offsetof(refit_plan_options, coalesce) + 1; b < sizeof plan_options; b++) set_byte(&plan_options, b, 0xA5);
+  refit_plan *again = NULL;
+  CHECK_OK(refit_plan_build(NULL, 0, &plan_options, &again));
+  refit_plan_destroy(again);
+
+  /* The largest values of plain number fields are numbers, not nonsense: they work. */
+  CHECK_OK(refit_executor_options_init(&options));
+  options.commit = REFIT_COMMIT_STAGED;
+  options.staging_limit = UINT64_MAX;
+  options.sm_budget = UINT32_MAX;
+  CHECK_OK(refit_executor_create(plan, group, 0, &options, &executor));
+  memset(dst, 0, sizeof dst);
+  CHECK_OK(refit_executor_run(executor, group, NULL));
+  CHECK(dst[0] == 0);
+  CHECK_OK(refit_executor_commit(executor, group, NULL));
+  CHECK(memcmp(src, dst, sizeof src) == 0);
+  refit_executor_destroy(executor);
+
+  refit_group_destroy(group);
+  refit_plan_destroy(plan);
+}
+
+/* ---- enums ----------------------------------------------------------------------------------- */
+
+static void enums_out_of_range(void) {
+  static uint32_t src[2] = {1, 2}, dst[2];
+  refit_plan *plan = copy_plan(src, dst, 2, 0);
+  refit_group *group = host_group(1);
+  refit_executor *executor = (refit_executor *)0x1;
+  refit_executor_options exec_options;
+  const uint32_t arms[3] = {REFIT_ARM_NONE, 0x80000000u, UINT32_MAX};
+  for (int i = 0; i < 3; i++) {
+    CHECK_OK(refit_executor_options_init(&exec_options));
+    exec_options.arm = arms[i];
+    CHECK_FAILS(refit_executor_create(plan, group, 0, &exec_options, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+                "options.arm");
+    CHECK_OK(refit_executor_options_init(&exec_options));
+    exec_options.commit = arms[i];
+    CHECK_FAILS(refit_executor_create(plan, group, 0, &exec_options, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+                "options.commit");
+  }
+  CHECK(executor == (refit_executor *)0x1);
+  refit_plan_options plan_options;
+  CHECK_OK(refit_plan_options_init(&plan_options));
+  plan_options.policy = UINT32_MAX;
+  refit_plan *none = NULL;
+  CHECK_FAILS(refit_plan_build(NULL, 0, &plan_options, &none), REFIT_STATUS_INVALID_ARGUMENT, "options.policy");
+  CHECK_OK(refit_plan_options_init(&plan_options));
+  plan_options.coalesce = 2;
+  CHECK_FAILS(refit_plan_build_share(NULL, 0, 0, &plan_options, &none), REFIT_STATUS_INVALID_ARGUMENT,
+              "options.coalesce");
+  refit_group_options group_options;
+  CHECK_OK(refit_group_options_init(&group_options));
+  group_options.backend = UINT32_MAX;
+  const int32_t device0 = 0;
+  refit_group *no_group = NULL;
+  CHECK_FAILS(refit_group_create(&device0, 1, &group_options, &no_group), REFIT_STATUS_INVALID_ARGUMENT,
+              "options.backend");
+  CHECK_FAILS(refit_group_exit(group, UINT32_MAX), REFIT_STATUS_INVALID_ARGUMENT, "mode");
+  CHECK_OK(refit_group_enter(group, NULL));
+  CHECK_FAILS(refit_group_exit(group, 0x80000000u), REFIT_STATUS_INVALID_ARGUMENT, "mode");
+  CHECK_OK(refit_group_exit(group, REFIT_EXIT_SYNC)); /* the refused exit left the scope open */
+  uint64_t send = addr(src), recv = addr(dst);
+  size_t counts[1] = {4};
+  CHECK_FAILS(refit_allgather(group, &send, &recv, counts, UINT32_MAX, NULL), REFIT_STATUS_INVALID_ARGUMENT,
+              "algorithm");
+  refit_comm_id id;
+  CHECK_FAILS(refit_comm_get_unique_id(UINT32_MAX, &id), REFIT_STATUS_INVALID_ARGUMENT, "backend");
+  CHECK_FAILS(refit_set_log_callback(UINT32_MAX, NULL, NULL), REFIT_STATUS_INVALID_ARGUMENT, "level");
+  CHECK(strcmp(refit_status_string(INT32_MIN), "REFIT_STATUS_UNKNOWN") == 0);
+  CHECK(strcmp(refit_status_string(INT32_MAX), "REFIT_STATUS_UNKNOWN") == 0);
+  CHECK(strcmp(refit_status_string(REFIT_STATUS_TIMEOUT + 1), "REFIT_STATUS_UNKNOWN") == 0);
+  for (int32_t s = 0; s <= REFIT_STATUS_TIMEOUT; s++) CHECK(strncmp(refit_status_string(s), "REFIT_STATUS_", 13) == 0);
+  CHECK_FAILS(refit_copy_batch(group, 0, NULL, NULL, 0, 0x80000000u), REFIT_STATUS_INVALID_ARGUMENT, "flags");
+  refit_group_destroy(group);
+  refit_plan_destroy(plan);
+}
+
+/* ---- arithmetic that overflows --------------------------------------------------------------- */
+
+static void overflowing_shapes_and_boxes(void) {
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  uint32_t t = 77;
+  const uint64_t cube[3] = {1ull << 22, 1ull << 22, 1ull << 21};  /* 2^65 elements */
+  const uint64_t almost[2] = {1ull << 31, 1ull << 31};           /* 2^62 elements of 8 bytes */
+  const uint64_t max1[1] = {UINT64_MAX};
+  CHECK_FAILS(refit_table_add_tensor(table, "cube", 1, 1, cube, 3, &t), REFIT_STATUS_INVALID_ARGUMENT, "2^64");
+  CHECK_FAILS(refit_table_add_tensor(table, "almost", 1, 8, almost, 2, &t), REFIT_STATUS_INVALID_ARGUMENT, "2^64");
+  CHECK_FAILS(refit_table_add_tensor(table, "max", 1, 2, max1, 1, &t), REFIT_STATUS_INVALID_ARGUMENT, "2^64");
+  CHECK_FAILS(refit_table_add_tensor(table, "deep", 1, 1, cube, SIZE_MAX, &t), REFIT_STATUS_INVALID_ARGUMENT, "ndim");
+  CHECK_FAILS(refit_table_add_tensor(table, "deep", 1, 1, cube, REFIT_MAX_DIMS + 1, &t), REFIT_STATUS_INVALID_ARGUMENT,
+              "ndim");
+  CHECK(t == 77);
+  /* One byte per element over the whole 64-bit range is the largest tensor. */
+  CHECK_OK(refit_table_add_tensor(table, "max", 1, 1, max1, 1, &t));
+  const uint64_t shape[2] = {1ull << 32, 1ull << 20}, zero[2] = {0, 0}, unit[2] = {1, 1};
+  uint32_t big = 0;
+  CHECK_OK(refit_table_add_tensor(table, "big", 1, 2, shape, 2, &big));
+  /* Boxes: offset + extent past 2^64, or past the shape. */
+  const uint64_t far[2] = {UINT64_MAX, 0}, two[2] = {2, 1}, rest[2] = {1, 1ull << 20};
+  CHECK_FAILS(refit_table_add_offer(table, big, 0, 0, 4096, far, two, NULL, 2, NULL), REFIT_STATUS_TENSOR_MISMATCH,
+              "outside tensor 'big'");
+  CHECK_FAILS(refit_table_add_need(table, big, 1, 0, 4096, far, two, NULL, unit, 2), REFIT_STATUS_TENSOR_MISMATCH,
+              "outside tensor 'big'");
+  const uint64_t last_row[2] = {(1ull << 32) - 1, 1};
+  CHECK_FAILS(refit_table_add_offer(table, big, 0, 0, 4096, last_row, rest, NULL, 2, NULL),
+              REFIT_STATUS_TENSOR_MISMATCH, "outside");
+  /* Strides and addresses whose span passes 2^64. */
+  const uint64_t wild[2] = {UINT64_MAX / 2, 1};
+  CHECK_FAILS(refit_table_add_offer(table, big, 0, 0, 4096, zero, two, wild, 2, NULL), REFIT_STATUS_INVALID_ARGUMENT,
+              "address space");
+  CHECK_FAILS(refit_table_add_need(table, big, 1, 0, 4096, zero, two, NULL, wild, 2), REFIT_STATUS_INVALID_ARGUMENT,
+              "address space");
+  CHECK_FAILS(refit_table_add_offer(table, big, 0, 0, UINT64_MAX - 1, zero, two, NULL, 2, NULL),
+              REFIT_STATUS_INVALID_ARGUMENT, "address space");
+  CHECK_FAILS(refit_table_add_offer(table, big, 0, 0, UINT64_MAX - (1ull << 52), zero, shape, NULL, 2, NULL),
+              REFIT_STATUS_INVALID_ARGUMENT, "address space");
+  /* Dimension counts: above the limit, and other than the tensor's. */
+  CHECK_FAILS(refit_table_add_offer(table, big, 0, 0, 4096, zero, two, NULL, SIZE_MAX, NULL),
+              REFIT_STATUS_INVALID_ARGUMENT, "ndim");
+  CHECK_FAILS(refit_table_add_need(table, big, 1, 0, 4096, zero, two, NULL, unit, REFIT_MAX_DIMS + 1),
+              REFIT_STATUS_INVALID_ARGUMENT, "ndim");
+  CHECK_FAILS(refit_table_add_offer(table, big, 0, 0, 4096, NULL, NULL, NULL, 0, NULL), REFIT_STATUS_TENSOR_MISMATCH,
+              "2 dimensions");
+  /* Tensor indices past the table, and a permutation naming no dimension. */
+  CHECK_FAILS(refit_table_add_offer(table, UINT32_MAX, 0, 0, 4096, zero, two, NULL, 2, NULL),
+              REFIT_STATUS_INVALID_ARGUMENT, "tensor index 4294967295");
+  const uint32_t perm[2] = {0, UINT32_MAX};
+  CHECK_FAILS(refit_table_add_need(table, big, 1, 0, 4096, zero, two, perm, unit, 2), REFIT_STATUS_INVALID_ARGUMENT,
+              "permutation");
+
+  /* Table lists whose byte size overflows. */
+  refit_plan *plan = (refit_plan *)0x1;
+  const refit_table *tables[1] = {table};
+  CHECK_FAILS(refit_plan_build(tables, SIZE_MAX / sizeof(void *) + 1, NULL, &plan), REFIT_STATUS_INVALID_ARGUMENT,
+              "tables length");
+  CHECK(plan == (refit_plan *)0x1);
+  refit_table_destroy(table);
+
+  /* Segments, allgather counts and digests whose ends pass 2^64. */
+  refit_group *group = host_group(2);
+  static uint8_t a[64], b[64];
+  refit_segment segment;
+  memset(&segment, 0, sizeof segment);
+  segment.src = addr(a);
+  segment.dst = addr(b);
+  segment.len = 8;
+  segment.count[0] = UINT64_MAX / 4;
+  segment.count[1] = 1;
+  segment.src_stride[0] = 8;
+  segment.dst_stride[0] = 8;
+  CHECK_FAILS(refit_copy_batch(group, 0, NULL, &segment, 1, 0), REFIT_STATUS_INVALID_ARGUMENT, "segment 0");
+  segment.count[0] = 2;
+  segment.count[1] = 2;
+  segment.dst_stride[1] = UINT64_MAX;
+  CHECK_FAILS(refit_copy_batch(group, 0, NULL, &segment, 1, REFIT_COPY_CHECKED), REFIT_STATUS_INVALID_ARGUMENT,
+              "segment 0");
+  CHECK_FAILS(refit_copy_batch(group, 0, NULL, &segment, SIZE_MAX / 8, 0), REFIT_STATUS_INVALID_ARGUMENT,
+              "segments length");
+  /* A zero-length segment, or one repeated zero times, moves nothing wherever it points. */
+  segment.len = 0;
+  segment.src = segment.dst = 0;
+  CHECK_OK(refit_copy_batch(group, 1, NULL, &segment, 1, REFIT_COPY_CHECKED));
+  segment.len = 8;
+  segment.count[1] = 0;
+  CHECK_OK(refit_copy_batch(group, 1, NULL, &segment, 1, REFIT_COPY_CHECKED));
+  uint64_t sends[2] = {addr(a), addr(a + 32)}, recvs[2] = {addr(b), addr(b + 1)};
+  size_t counts[2] = {SIZE_MAX, 1};
+  CHECK_FAILS(refit_allgather(group, sends, recvs, counts, REFIT_ALLGATHER_HOST, NULL), REFIT_STATUS_INVALID_ARGUMENT,
+              "overflow");
+  counts[0] = counts[1] = (SIZE_MAX >> 1) + 1;
+  CHECK_FAILS(refit_allgather(group, sends, recvs, counts, REFIT_ALLGATHER_PEER, NULL), REFIT_STATUS_INVALID_ARGUMENT,
+              "overflow");
+  uint64_t digest = 9;
+  CHECK_FAILS(refit_digest(group, 0, addr(a), UINT64_MAX, NULL, &digest), REFIT_STATUS_INVALID_ARGUMENT,
+              "address space");
+  CHECK_FAILS(refit_digest(group, UINT32_MAX, addr(a), 1, NULL, &digest), REFIT_STATUS_INVALID_ARGUMENT,
+              "rank 4294967295");
+  CHECK(digest == 9);
+  refit_group_destroy(group);
+}
+
+/* ---- empty boxes, scalars ------------------------------------------------------------------- */
+
+static void empty_and_scalar_tensors(void) {
+  static uint32_t scalar_src = 0xC0FFEE, scalar_dst, empty_src[1], empty_dst[1], w_src[8], w_dst[8];
+  for (int i = 0; i < 8; i++) w_src[i] = (uint32_t)(i * 11 + 3);
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  uint32_t scalar = 9, empty = 9, w = 9;
+  const uint64_t empty_shape[2] = {0, 5}, zero2[2] = {0, 0}, empty_strides[2] = {5, 1};
+  const uint64_t w_shape[1] = {8}, zero1[1] = {0}, unit[1] = {1}, three[1] = {3}, five[1] = {5};
+  /* A scalar: ndim 0, shape NULL, one element. */
+  CHECK_OK(refit_table_add_tensor(table, "scalar", 1, 4, NULL, 0, &scalar));
+  CHECK_OK(refit_table_add_tensor(table, "empty", 1, 4, empty_shape, 2, &empty));
+  CHECK_OK(refit_table_add_tensor(table, "w", 1, 4, w_shape, 1, &w));
+  CHECK(scalar == 0 && empty == 1 && w == 2);
+  CHECK_OK(refit_table_add_offer(table, scalar, 0, 0, addr(&scalar_src), NULL, NULL, NULL, 0, NULL));
+  CHECK_OK(refit_table_add_need(table, scalar, 0, 1, addr(&scalar_dst), NULL, NULL, NULL, unit, 0));
+  /* A box of a tensor with no elements, and an empty box of a tensor with some. */
+  CHECK_OK(refit_table_add_offer(table, empty, 0, 0, addr(empty_src), zero2, empty_shape, NULL, 2, NULL));
+  CHECK_OK(refit_table_add_need(table, empty, 0, 1, addr(empty_dst), zero2, empty_shape, NULL, empty_strides, 2));
+  CHECK_OK(refit_table_add_offer(table, w, 0, 0, addr(w_src), zero1, w_shape, NULL, 1, NULL));
+  CHECK_OK(refit_table_add_need(table, w, 0, 0, addr(w_dst + 3), three, zero1, NULL, unit, 1));
+  CHECK_OK(refit_table_add_need(table, w, 0, 0, addr(w_dst + 3), three, five, NULL, unit, 1));
+  const refit_table *tables[1] = {table};
+  refit_plan *plan = NULL;
+  CHECK_OK(refit_plan_build(tables, 1, NULL, &plan));
+  refit_plan_stats stats;
+  stats.size = sizeof stats;
+  CHECK_OK(refit_plan_get_stats(plan, &stats));
+  CHECK(stats.needs == 4 && stats.needed_bytes == 4 + 5 * 4);
+  refit_group *group = host_group(2);
+  refit_executor *executor = NULL;
+  CHECK_OK(refit_executor_create(plan, group, 0, NULL, &executor));
+  refit_run_stats run;
+  run.size = sizeof run;
+  CHECK_OK(refit_executor_run(executor, group, &run));
+  CHECK(scalar_dst == 0xC0FFEE);
+  CHECK(memcmp(w_dst + 3, w_src + 3, 5 * 4) == 0 && w_dst[0] == 0 && w_dst[2] == 0);
+  CHECK(run.bytes[REFIT_ROUTE_PEER] == 4 && run.bytes[REFIT_ROUTE_LOCAL] == 20);
+  /* A process the plan does not mention has nothing to do: an executor for it moves no byte. */
+  refit_executor *idle = NULL;
+  CHECK_OK(refit_executor_create(plan, group, UINT32_MAX, NULL, &idle));
+  CHECK_OK(refit_executor_run(idle, group, &run));
+  CHECK(run.bytes[0] + run.bytes[1] + run.bytes[2] == 0 && run.installed_bytes == 0);
+  refit_executor_destroy(idle);
+  refit_executor_destroy(executor);
+
+  /* No tables at all: an empty plan with no route to read. */
+  refit_plan *empty_plan = NULL;
+  CHECK_OK(refit_plan_build(NULL, 0, NULL, &empty_plan));
+  refit_route_info route;
+  route.size = sizeof route;
+  CHECK_FAILS(refit_plan_route(empty_plan, 0, &route), REFIT_STATUS_NOT_FOUND, "route 0");
+  CHECK_FAILS(refit_plan_route(empty_plan, SIZE_MAX, &route), REFIT_STATUS_NOT_FOUND, "0 routes");
+  refit_plan *empty_share = NULL;
+  CHECK_OK(refit_plan_build_share(NULL, 0, UINT32_MAX, NULL, &empty_share));
+  uint64_t f1 = 1, f2 = 2;
+  CHECK_OK(refit_plan_inputs_fingerprint(empty_plan, &f1));
+  CHECK_OK(refit_plan_inputs_fingerprint(empty_share, &f2));
+  CHECK(f1 == f2);
+  refit_plan_destroy(empty_share);
+  refit_plan_destroy(empty_plan);
+
+  refit_group_destroy(group);
+  refit_plan_destroy(plan);
+  refit_table_destroy(table);
+}
+
+/* ---- names ----------------------------------------------------------------------------------- */
+
+static void names(void) {
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  const uint64_t shape[1] = {4};
+  uint32_t t = 5;
+  CHECK_FAILS(refit_table_add_tensor(table, "", 1, 4, shape, 1, &t), REFIT_STATUS_INVALID_ARGUMENT, "empty name");
+  /* Not UTF-8: a lone continuation byte, a truncated sequence, an overlong NUL, a surrogate. */
+  const char *invalid[4] = {"\x80", "ab\xe2\x82", "\xc0\x80", "\xed\xa0\x80"};
+  for (int i = 0; i < 4; i++)
+    CHECK_FAILS(refit_table_add_tensor(table, invalid[i], 1, 4, shape, 1, &t), REFIT_STATUS_INVALID_ARGUMENT,
+                "name is not valid UTF-8");
+  CHECK(t == 5);
+  /* A name of 64 KiB is a name: found again by the same bytes, not by a prefix. */
+  size_t length = 64 * 1024;
+  char *longest = malloc(length + 1);
+  CHECK(longest != NULL);
+  memset(longest, 'x', length);
+  longest[length] = '\0';
+  uint32_t first = 9, again = 9, prefix = 9;
+  CHECK_OK(refit_table_add_tensor(table, longest, 1, 4, shape, 1, &first));
+  CHECK_OK(refit_table_add_tensor(table, longest, 1, 4, shape, 1, &again));
+  longest[length - 1] = '\0';
+  CHECK_OK(refit_table_add_tensor(table, longest, 1, 4, shape, 1, &prefix));
+  CHECK(first == 0 && again == 0 && prefix == 1);
+  /* UTF-8 beyond ASCII is a name like any other. */
+  uint32_t greek = 9;
+  CHECK_OK(refit_table_add_tensor(table, "\xce\xb1\xce\xb2", 1, 4, shape, 1, &greek));
+  CHECK(greek == 2);
+  /* The same name described another way, each field in turn. */
+  const uint64_t other_shape[1] = {5}, two_dims[2] = {2, 2};
+  CHECK_FAILS(refit_table_add_tensor(table, "\xce\xb1\xce\xb2", 2, 4, shape, 1, &t), REFIT_STATUS_TENSOR_MISMATCH,
+              "dtype 1 in one table and 2");
+  CHECK_FAILS(refit_table_add_tensor(table, "\xce\xb1\xce\xb2", 1, 8, shape, 1, &t), REFIT_STATUS_TENSOR_MISMATCH,
+              "element size 4 in one table and 8");
+  CHECK_FAILS(refit_table_add_tensor(table, "\xce\xb1\xce\xb2", 1, 4, other_shape, 1, &t),
+              REFIT_STATUS_TENSOR_MISMATCH, "shape [4] in one table and [5]");
+  CHECK_FAILS(refit_table_add_tensor(table, "\xce\xb1\xce\xb2", 1, 4, two_dims, 2, &t), REFIT_STATUS_TENSOR_MISMATCH,
+              "[2, 2]");
+  /* The table round-trips through its encoding with every name intact. */
+  size_t size = 0, written = 0;
+  CHECK_OK(refit_table_encoded_size(table, &size));
+  CHECK(size > length);
+  uint8_t *bytes = malloc(size);
+  CHECK(bytes != NULL);
+  CHECK_OK(refit_table_encode(table, bytes, size, &written));
+  refit_table *decoded = NULL;
+  CHECK_OK(refit_table_decode(bytes, written, &decoded));
+  longest[length - 1] = 'x';
+  CHECK_OK(refit_table_add_tensor(decoded, longest, 1, 4, shape, 1, &again));
+  CHECK(again == 0);
+  free(bytes);
+  free(longest);
+  refit_table_destroy(decoded);
+  refit_table_destroy(table);
+}
+
+/* ---- tables that disagree ------------------------------------------------------------------- */
+
+static void tables_that_disagree(void) {
+  const uint64_t shape[1] = {4}, zero[1] = {0}, unit[1] = {1};
+  const struct {
+    uint32_t dtype, elem_size;
+    uint64_t length;
+    const char *needle;
+  } variants[3] = {{2, 4, 4, "dtype"}, {1, 2, 4, "element size"}, {1, 4, 5, "shape"}};
+  for (int v = 0; v < 3; v++) {
+    refit_table *publisher = NULL, *receiver = NULL;
+    CHECK_OK(refit_table_create(&publisher));
+    CHECK_OK(refit_table_create(&receiver));
+    uint32_t t = 0;
+    CHECK_OK(refit_table_add_tensor(publisher, "w", 1, 4, shape, 1, &t));
+    CHECK_OK(refit_table_add_offer(publisher, t, 0, 0, 4096, zero, shape, NULL, 1, NULL));
+    const uint64_t other_shape[1] = {variants[v].length};
+    CHECK_OK(refit_table_add_tensor(receiver, "w", variants[v].dtype, variants[v].elem_size, other_shape, 1, &t));
+    CHECK_OK(refit_table_add_need(receiver, t, 1, 0, 8192, zero, shape, NULL, unit, 1));
+    const refit_table *both[2] = {publisher, receiver};
+    refit_plan *plan = (refit_plan *)0x1;
+    CHECK_FAILS(refit_plan_build(both, 2, NULL, &plan), REFIT_STATUS_TENSOR_MISMATCH, variants[v].needle);
+    CHECK(strstr(refit_last_error_message(), "'w'") != NULL);
+    CHECK_FAILS(refit_plan_build_share(both, 2, 1, NULL, &plan), REFIT_STATUS_TENSOR_MISMATCH, variants[v].needle);
+    CHECK(plan == (refit_plan *)0x1);
+    refit_table_destroy(publisher);
+    refit_table_destroy(receiver);
+  }
+  /* The same table twice: every offer and need twice, so destinations are written twice. */
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  uint32_t t = 0;
+  CHECK_OK(refit_table_add_tensor(table, "w", 1, 4, shape, 1, &t));
+  CHECK_OK(refit_table_add_offer(table, t, 0, 0, 4096, zero, shape, NULL, 1, NULL));
+  CHECK_OK(refit_table_add_need(table, t, 1, 0, 8192, zero, shape, NULL, unit, 1));
+  const refit_table *twice[2] = {table, table};
+  refit_plan *plan = NULL;
+  CHECK_FAILS(refit_plan_build(twice, 2, NULL, &plan), REFIT_STATUS_OVERLAP, "written by");
+  /* A need whose strides write one element over another. */
+  const uint64_t flat[1] = {0};
+  CHECK_OK(refit_table_add_need(table, t, 2, 0, 8192, zero, shape, NULL, flat, 1));
+  const refit_table *once[1] = {table};
+  CHECK_FAILS(refit_plan_build(once, 1, NULL, &plan), REFIT_STATUS_OVERLAP, "process 2 device 0");
+  CHECK(plan == NULL);
+  refit_table_destroy(table);
+}
+
+/* ---- executors: calls in the wrong order ----------------------------------------------------- */
+
+struct from_callback {
+  refit_executor *executor;
+  refit_group *group;
+  refit_status run[2], commit[2];
+  int named[2]; /* the run's message says why */
+};
+
+static int32_t step_from_callback(uint32_t rank, void *stream, void *user_data) {
+  struct from_callback *call = (struct from_callback *)user_data;
+  (void)stream;
+  call->run[rank] = refit_executor_run(call->executor, call->group, NULL);
+  call->named[rank] = strstr(refit_last_error_message(), "rank callback") != NULL;
+  call->commit[rank] = refit_executor_commit(call->executor, call->group, NULL);
+  return 0;
+}
+
+static void executor_call_order(void) {
+  static uint32_t src[16], dst[16];
+  for (int i = 0; i < 16; i++) src[i] = (uint32_t)(1000 + i);
+  refit_plan *plan = copy_plan(src, dst, 16, 1);
+  refit_group *group = host_group(2), *other = host_group(2);
+  refit_executor_options options;
+  CHECK_OK(refit_executor_options_init(&options));
+  options.commit = REFIT_COMMIT_STAGED;
+  options.verify = true;
+  refit_executor *staged = NULL;
+  CHECK_OK(refit_executor_create(plan, group, 0, &options, &staged));
+  refit_run_stats stats;
+  stats.size = sizeof stats;
+  CHECK_FAILS(refit_executor_stats(staged, &stats), REFIT_STATUS_INVALID_STATE, "no run");
+  CHECK_FAILS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE, "nothing is staged");
+  /* Another group of the same shape is still another group: nothing runs. */
+  CHECK_FAILS(refit_executor_run(staged, other, NULL), REFIT_STATUS_INVALID_ARGUMENT, "another group");
+  CHECK_FAILS(refit_executor_commit(staged, other, NULL), REFIT_STATUS_INVALID_ARGUMENT, "another group");
+  /* Run twice: the second replaces the first; one commit installs it, a second finds nothing. */
+  CHECK_OK(refit_executor_run(staged, group, NULL));
+  src[0] = 4242;
+  CHECK_OK(refit_executor_run(staged, group, NULL));
+  CHECK(dst[0] == 0);
+  CHECK_OK(refit_executor_commit(staged, group, &stats));
+  CHECK(dst[0] == 4242 && memcmp(src, dst, sizeof src) == 0 && stats.verified);
+  CHECK_FAILS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE, "nothing is staged");
+  /* A commit inside a scope, after a run outside it, and the reverse. */
+  memset(dst, 0, sizeof dst);
+  CHECK_OK(refit_executor_run(staged, group, NULL));
+  CHECK_OK(refit_group_enter(group, NULL));
+  CHECK_OK(refit_executor_commit(staged, group, NULL));
+  CHECK_OK(refit_group_exit(group, REFIT_EXIT_SYNC));
+  CHECK(memcmp(src, dst, sizeof src) == 0);
+  memset(dst, 0, sizeof dst);
+  CHECK_OK(refit_group_enter(group, NULL));
+  CHECK_OK(refit_executor_run(staged, group, NULL));
+  CHECK_OK(refit_group_exit(group, REFIT_EXIT_ASYNC));
+  CHECK_OK(refit_executor_commit(staged, group, NULL));
+  CHECK(memcmp(src, dst, sizeof src) == 0);
+  /* From inside a rank callback (each rank's at once, on the group's own threads) nothing is
+   * queued: every rank's call used to run the same executor concurrently. */
+  static struct from_callback call;
+  call.executor = staged;
+  call.group = group;
+  memset(dst, 0, sizeof dst);
+  CHECK_OK(refit_group_run(group, step_from_callback, &call));
+  for (int r = 0; r < 2; r++) {
+    CHECK(call.run[r] == REFIT_STATUS_INVALID_STATE && call.named[r]);
+    CHECK(call.commit[r] == REFIT_STATUS_INVALID_STATE);
+  }
+  /* ...nor from a callback of another group, to this executor's group. */
+  CHECK_OK(refit_group_run(other, step_from_callback, &call));
+  for (int r = 0; r < 2; r++) CHECK(call.run[r] == REFIT_STATUS_INVALID_STATE && call.named[r]);
+  CHECK(dst[0] == 0);
+  /* The refused calls changed nothing: the executor still runs and commits. */
+  CHECK_OK(refit_executor_run(staged, group, NULL));
+  CHECK_OK(refit_executor_commit(staged, group, NULL));
+  CHECK(memcmp(src, dst, sizeof src) == 0);
+  refit_executor_destroy(staged);
+
+  /* A direct executor has nothing to commit, ever. */
+  refit_executor *direct = NULL;
+  CHECK_OK(refit_executor_create(plan, group, 0, NULL, &direct));
+  CHECK_FAILS(refit_executor_commit(direct, group, NULL), REFIT_STATUS_INVALID_STATE, "commits directly");
+  CHECK_OK(refit_executor_run(direct, group, NULL));
+  CHECK_FAILS(refit_executor_commit(direct, group, NULL), REFIT_STATUS_INVALID_STATE, "commits directly");
+  /* Destroyed with its group gone: allowed. */
+  refit_group_destroy(group);
+  refit_executor_destroy(direct);
+
+  /* Executors for a group lacking the plan's devices, or for another process's routes. */
+  refit_executor *none = (refit_executor *)0x1;
+  refit_group *small = host_group(1);
+  CHECK_FAILS(refit_executor_create(plan, small, 0, NULL, &none), REFIT_STATUS_NOT_FOUND, "device 1");
+  CHECK(none == (refit_executor *)0x1);
+  refit_group_destroy(small);
+  refit_group_destroy(other);
+  refit_plan_destroy(plan);
+}
+
+/* ---- rebinds ----------------------------------------------------------------------------------- */
+
+static void rebinds(void) {
+  static uint32_t src[16], a[8], b[8], c[8], d[8];
+  for (int i = 0; i < 16; i++) src[i] = (uint32_t)(500 + i);
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  const uint64_t shape[1] = {16}, half[1] = {8}, zero[1] = {0}, unit[1] = {1};
+  uint32_t w = 0;
+  CHECK_OK(refit_table_add_tensor(table, "w", 1, 4, shape, 1, &w));
+  CHECK_OK(refit_table_add_offer(table, w, 0, 0, addr(src), zero, shape, NULL, 1, NULL));
+  CHECK_OK(refit_table_add_need(table, w, 0, 0, addr(a), zero, half, NULL, unit, 1));
+  CHECK_OK(refit_table_add_need(table, w, 0, 0, addr(b), half, half, NULL, unit, 1));
+  refit_plan_options plan_options;
+  CHECK_OK(refit_plan_options_init(&plan_options));
+  plan_options.coalesce = 0; /* every buffer in segments of its own */
+  const refit_table *tables[1] = {table};
+  refit_plan *plan = NULL;
+  CHECK_OK(refit_plan_build(tables, 1, &plan_options, &plan));
+  refit_group *group = host_group(1);
+  refit_executor *executor = NULL;
+  CHECK_OK(refit_executor_create(plan, group, 0, NULL, &executor));
+  CHECK_OK(refit_executor_run(executor, group, NULL));
+  CHECK(memcmp(a, src, sizeof a) == 0 && memcmp(b, src + 8, sizeof b) == 0);
+
+  /* Ranges that overflow, are empty, name no device of the group, or hold nothing of the plan. */
+  CHECK_FAILS(refit_executor_rebind(executor, 0, UINT64_MAX - 8, addr(c), 32), REFIT_STATUS_INVALID_ARGUMENT,
+              "past 2^64");
+  CHECK_FAILS(refit_executor_rebind(executor, 0, addr(a), addr(c), UINT64_MAX), REFIT_STATUS_INVALID_ARGUMENT,
+              "past 2^64");
+  CHECK_FAILS(refit_executor_rebind(executor, 0, addr(a), addr(c), 0), REFIT_STATUS_INVALID_ARGUMENT, "length");
+  CHECK_FAILS(refit_executor_rebind(executor, UINT32_MAX, addr(a), addr(c), sizeof a), REFIT_STATUS_INVALID_DEVICE,
+              "device 4294967295");
+  CHECK_FAILS(refit_executor_rebind(executor, 1, addr(a), addr(c), sizeof a), REFIT_STATUS_INVALID_DEVICE,
+              "device 1");
+  CHECK_FAILS(refit_executor_rebind(executor, 0, addr(c), addr(d), sizeof c), REFIT_STATUS_NOT_FOUND,
+              "nothing to rebind");
+  CHECK_FAILS(refit_executor_rebind(executor, 0, addr(a) + 4, addr(c), 8), REFIT_STATUS_PLAN_STALE, "new plan");
+
+  /* A moves where B is and B stays: the next run, and every run after it, refuses to write both
+   * into one place (the second run once wrote both buffers' bytes into B). */
+  CHECK_OK(refit_executor_rebind(executor, 0, addr(a), addr(b), sizeof a));
+  memset(b, 0, sizeof b);
+  CHECK_FAILS(refit_executor_run(executor, group, NULL), REFIT_STATUS_PLAN_STALE, "overlap");
+  CHECK_FAILS(refit_executor_run(executor, group, NULL), REFIT_STATUS_PLAN_STALE, "overlap");
+  refit_run_stats stats;
+  stats.size = sizeof stats;
+  CHECK_FAILS(refit_executor_run(executor, group, &stats), REFIT_STATUS_PLAN_STALE, "overlap");
+  for (int i = 0; i < 8; i++) CHECK(b[i] == 0);
+  refit_executor_destroy(executor);
+
+  /* A buffer moved by less than its length (the new place overlaps the old) is a move like any
+   * other; then buffers trade places through a third address. */
+  CHECK_OK(refit_executor_create(plan, group, 0, NULL, &executor));
+  static uint32_t wide[12];
+  memset(c, 0, sizeof c);
+  CHECK_OK(refit_executor_rebind(executor, 0, addr(a), addr(wide), sizeof a));
+  CHECK_OK(refit_executor_run(executor, group, NULL));
+  CHECK_OK(refit_executor_rebind(executor, 0, addr(wide), addr(wide + 2), sizeof a));
+  memset(wide, 0, sizeof wide);
+  CHECK_OK(refit_executor_run(executor, group, NULL));
+  CHECK(wide[0] == 0 && wide[1] == 0 && memcmp(wide + 2, src, sizeof a) == 0 && wide[10] == 0);
+  CHECK_OK(refit_executor_rebind(executor, 0, addr(wide + 2), addr(c), sizeof a));
+  CHECK_OK(refit_executor_rebind(executor, 0, addr(b), addr(wide + 2), sizeof b));
+  CHECK_OK(refit_executor_rebind(executor, 0, addr(c), addr(b), sizeof a));
+  memset(b, 0, sizeof b);
+  memset(wide, 0, sizeof wide);
+  CHECK_OK(refit_executor_run(executor, group, NULL));
+  CHECK(memcmp(b, src, sizeof b) == 0 && memcmp(wide + 2, src + 8, sizeof b) == 0);
+  refit_executor_destroy(executor);
+
+  refit_group_destroy(group);
+  refit_plan_destroy(plan);
+  refit_table_destroy(table);
+}
+
+/* ---- a prepared batch after its group ------------------------------------------------------- */
+
+static void batch_outlives_its_group(void) {
+  static uint8_t from[32], to[32];
+  for (int i = 0; i < 32; i++) from[i] = (uint8_t)(i + 1);
+  refit_group *group = host_group(2);
+  refit_segment segment;
+  memset(&segment, 0, sizeof segment);
+  segment.src = addr(from);
+  segment.dst = addr(to);
+  segment.len = sizeof from;
+  segment.count[0] = segment.count[1] = 1;
+  refit_prepared_copy *batch = NULL;
+  CHECK_OK(refit_copy_batch_prepare(group, 1, &segment, 1, REFIT_COPY_CHECKED, &batch));
+  refit_group_destroy(group);
+  /* The simulated device went with the group: NULL names no stream any more, and says so. */
+  CHECK_FAILS(refit_copy_batch_launch(batch, NULL), REFIT_STATUS_INVALID_ARGUMENT, "stream is NULL");
+  CHECK(to[0] == 0);
+  void *stream = NULL;
+  CHECK_OK(refit_host_stream_create(&stream));
+  CHECK_OK(refit_copy_batch_launch(batch, stream));
+  CHECK(memcmp(from, to, sizeof from) == 0);
+  CHECK_OK(refit_host_stream_destroy(stream));
+  CHECK_FAILS(refit_copy_batch_launch(batch, stream), REFIT_STATUS_INVALID_ARGUMENT, "not a host stream");
+  refit_copy_batch_destroy(batch);
+}
+
+/* ---- communicators larger than a machine ----------------------------------------------------- */
+
+static void communicator_sizes(void) {
+  refit_comm_options options;
+  CHECK_OK(refit_comm_options_init(&options));
+  options.timeout_ms = 1;
+  refit_comm_id id;
+  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
+  refit_comm *comm = (refit_comm *)0x1;
+  CHECK_FAILS(refit_comm_create(&id, UINT32_MAX, 0, 0, &options, &comm), REFIT_STATUS_INVALID_ARGUMENT,
+              "nranks 4294967295");
+  /* Every rank of a host communicator holds a connection to every other: more ranks than this
+   * process may open files is refused at once (it once tried to allocate for 2^31 ranks and
+   * aborted the process when that failed). */
+  CHECK_FAILS(refit_comm_create(&id, INT32_MAX, 0, 0, &options, &comm), REFIT_STATUS_INVALID_ARGUMENT,
+              "nranks 2147483647");
+  CHECK_FAILS(refit_comm_create(&id, INT32_MAX, INT32_MAX - 1, 0, &options, &comm), REFIT_STATUS_INVALID_ARGUMENT,
+              "nranks 2147483647");
+  /* Ranks that never come: TIMEOUT naming some of them, in a message of bounded length. */
+  CHECK_FAILS(refit_comm_create(&id, 200, 0, 0, &options, &comm), REFIT_STATUS_TIMEOUT, "did not join");
+  CHECK(strlen(refit_last_error_message()) < 1024);
+  CHECK(strstr(refit_last_error_message(), "199 ranks") != NULL);
+  CHECK(comm == (refit_comm *)0x1);
+  /* The id is not used up by the failures. */
+  CHECK_OK(refit_comm_create(&id, 1, 0, INT32_MAX, NULL, &comm));
+  int32_t device = 0;
+  CHECK_OK(refit_comm_device(comm, &device));
+  CHECK(device == INT32_MAX);
+  refit_comm_destroy(comm);
+}
+
+/* ---- threads --------------------------------------------------------------------------------- */
+
+#define THREADS 4
+
+struct worker {
+  uint32_t index;
+  uint32_t src[64], dst[64];
+  int ok;
+};
+
+/* Each thread builds, runs and destroys its own table, plan, group and executor, and fails its own
+ * calls: the other threads' calls and messages do not leak into its own. */
+static void *work(void *argument) {
+  struct worker *w = (struct worker *)argument;
+  w->ok = 0;
+  for (int i = 0; i < 64; i++) w->src[i] = w->index * 1000 + (uint32_t)i;
+  for (int round = 0; round < 3; round++) {
+    char expected[64];
+    snprintf(expected, sizeof expected, "tensor index %u but", 1000 + w->index);
+    refit_table *table = NULL;
+    if (refit_table_create(&table) != REFIT_STATUS_SUCCESS) return NULL;
+    const uint64_t shape[1] = {64}, zero[1] = {0}, unit[1] = {1};
+    uint32_t t = 0;
+    int fine = refit_table_add_tensor(table, "w", 1, 4, shape, 1, &t) == REFIT_STATUS_SUCCESS &&
+               refit_table_add_offer(table, t, 0, 0, addr(w->src), zero, shape, NULL, 1, NULL) == REFIT_STATUS_SUCCESS &&
+               refit_table_add_need(table, t, 0, 0, addr(w->dst), zero, shape, NULL, unit, 1) == REFIT_STATUS_SUCCESS;
+    fine = fine && refit_table_add_offer(table, 1000 + w->index, 0, 0, 64, zero, shape, NULL, 1, NULL) ==
+                       REFIT_STATUS_INVALID_ARGUMENT;
+    fine = fine && strstr(refit_last_error_message(), expected) != NULL;
+    const refit_table *tables[1] = {table};
+    refit_plan *plan = NULL;
+    fine = fine && refit_plan_build(tables, 1, NULL, &plan) == REFIT_STATUS_SUCCESS;
+    refit_group_options options;
+    refit_group *group = NULL;
+    const int32_t device0 = 0;
+    fine = fine && refit_group_options_init(&options) == REFIT_STATUS_SUCCESS;
+    options.backend = REFIT_BACKEND_HOST;
+    fine = fine && refit_group_create(&device0, 1, &options, &group) == REFIT_STATUS_SUCCESS;
+    refit_executor *executor = NULL;
+    fine = fine && refit_executor_create(plan, group, 0, NULL, &executor) == REFIT_STATUS_SUCCESS;
+    memset(w->dst, 0, sizeof w->dst);
+    fine = fine && refit_executor_run(executor, group, NULL) == REFIT_STATUS_SUCCESS;
+    fine = fine && memcmp(w->src, w->dst, sizeof w->src) == 0;
+    fine = fine && strstr(refit_last_error_message(), expected) != NULL;
+    refit_executor_destroy(executor);
+    refit_group_destroy(group);
+    refit_plan_destroy(plan);
+    refit_table_destroy(table);
+    if (!fine) return NULL;
+  }
+  w->ok = 1;
+  return NULL;
+}
+
+static void threads_on_distinct_handles(void) {
+  static struct worker workers[THREADS];
+  pthread_t threads[THREADS];
+  for (uint32_t i = 0; i < THREADS; i++) {
+    workers[i].index = i;
+    CHECK(pthread_create(&threads[i], NULL, work, &workers[i]) == 0);
+  }
+  for (int i = 0; i < THREADS; i++) CHECK(pthread_join(threads[i], NULL) == 0);
+  for (int i = 0; i < THREADS; i++) CHECK(workers[i].ok);
+}
