@@ -730,6 +730,13 @@ static int32_t step_from_callback(uint32_t rank, void *stream, void *user_data) 
   return 0;
 }
 
+/* Destroys the group from inside its own run: refused (the rank threads would wait for themselves). */
+static int32_t destroy_from_callback(uint32_t rank, void *stream, void *user_data) {
+  (void)stream;
+  refit_group_destroy((refit_group *)user_data);
+  return strstr(refit_last_error_message(), "rank callback") != NULL ? 0 : (int32_t)(100 + rank);
+}
+
 static void executor_call_order(void) {
   static uint32_t src[16], dst[16];
   for (int i = 0; i < 16; i++) src[i] = (uint32_t)(1000 + i);
@@ -784,6 +791,8 @@ static void executor_call_order(void) {
   CHECK_OK(refit_group_run(other, step_from_callback, &call));
   for (int r = 0; r < 2; r++) CHECK(call.run[r] == REFIT_STATUS_INVALID_STATE && call.named[r]);
   CHECK(dst[0] == 0);
+  /* A group destroyed from its own callback is left alive, and still runs. */
+  CHECK_OK(refit_group_run(group, destroy_from_callback, group));
   /* The refused calls changed nothing: the executor still runs and commits. */
   CHECK_OK(refit_executor_run(staged, group, NULL));
   CHECK_OK(refit_executor_commit(staged, group, NULL));

@@ -325,7 +325,9 @@ typedef struct refit_comm refit_comm;
  *
  * Thread-safety: an executor is used by one thread at a time, the thread driving its group (its
  * calls queue work on the group's streams, so no other call on the group may run meanwhile).
- * Different executors of one group are called one after the other from that thread.
+ * Different executors of one group are called one after the other from that thread. A call made
+ * while another thread's call on the same executor is in progress returns INVALID_STATE and does
+ * nothing.
  */
 typedef struct refit_executor refit_executor;
 
@@ -337,7 +339,10 @@ typedef struct refit_executor refit_executor;
  * context switch).
  *
  * Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
- * rank callbacks may call refit_group_allgather_rank and the query functions concurrently.
+ * rank callbacks may call refit_group_allgather_rank and the query functions concurrently. A
+ * whole-group call (refit_group_enter, _exit, _run, refit_allgather, an executor's run or commit)
+ * made while another thread's whole-group call on the group is in progress returns INVALID_STATE
+ * and does nothing.
  */
 typedef struct refit_group refit_group;
 
@@ -362,8 +367,9 @@ typedef struct refit_prepared_copy refit_prepared_copy;
  * refit (not a device, and not a member of a group); `device` is a CUDA ordinal in that process.
  *
  * Thread-safety: calls that change a table (refit_table_add_*) need it to themselves; calls that only
- * read it (refit_table_encoded_size, refit_table_encode, refit_plan_build, refit_plan_build_share)
- * may share it between threads while nothing changes it. Different tables are independent.
+ * read it (refit_table_encoded_size, refit_table_encode, refit_plan_build, refit_plan_build_share,
+ * refit_plan_build_across) may share it between threads while nothing changes it. A call that
+ * breaks this returns INVALID_STATE and does nothing. Different tables are independent.
  */
 typedef struct refit_table refit_table;
 
@@ -1294,8 +1300,9 @@ refit_status refit_group_create(const int32_t *devices,
 /**
  * Destroys a group (NULL is ignored): drains its streams, stops its rank threads, releases its
  * streams, events and NCCL communicators. A scope left open is drained, not ordered with the caller's
- * streams (a warning is logged). Must not be called from a rank callback or while another thread uses
- * the group.
+ * streams (a warning is logged). Must not be called while another thread uses the group. Called from
+ * a rank callback (of any group), it destroys nothing and logs an error: the group's threads would
+ * wait for themselves; destroy it once its run has returned.
  */
 void refit_group_destroy(refit_group *group);
 

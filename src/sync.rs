@@ -7,7 +7,7 @@
 //! guards valid at each step (assignments of whole values, pushes and removals of whole entries), so
 //! the next caller proceeds with it instead of failing, or panicking, forever after one bug.
 
-use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard};
+use std::sync::{Condvar, Mutex, MutexGuard, RwLock, RwLockReadGuard, RwLockWriteGuard, TryLockError};
 use std::time::Duration;
 
 /// Locks `mutex`, poisoned or not.
@@ -40,6 +40,33 @@ pub(crate) fn read<T: ?Sized>(lock: &RwLock<T>) -> RwLockReadGuard<'_, T> {
 /// Locks `lock` for writing, poisoned or not.
 pub(crate) fn write<T: ?Sized>(lock: &RwLock<T>) -> RwLockWriteGuard<'_, T> {
     lock.write().unwrap_or_else(|poisoned| poisoned.into_inner())
+}
+
+/// Locks `mutex` if no one holds it, poisoned or not; None while another holder has it.
+pub(crate) fn try_lock<T: ?Sized>(mutex: &Mutex<T>) -> Option<MutexGuard<'_, T>> {
+    match mutex.try_lock() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
+}
+
+/// Locks `lock` for reading unless a writer holds it, poisoned or not.
+pub(crate) fn try_read<T: ?Sized>(lock: &RwLock<T>) -> Option<RwLockReadGuard<'_, T>> {
+    match lock.try_read() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
+}
+
+/// Locks `lock` for writing if no one holds it, poisoned or not.
+pub(crate) fn try_write<T: ?Sized>(lock: &RwLock<T>) -> Option<RwLockWriteGuard<'_, T>> {
+    match lock.try_write() {
+        Ok(guard) => Some(guard),
+        Err(TryLockError::Poisoned(poisoned)) => Some(poisoned.into_inner()),
+        Err(TryLockError::WouldBlock) => None,
+    }
 }
 
 #[cfg(test)]

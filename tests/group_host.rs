@@ -346,3 +346,33 @@ fn extensions_are_made_once_per_type_shared_and_dropped_with_the_group_before_it
     drop(group);
     assert_eq!(*dropped.lock().unwrap(), Some(true), "dropped with the group, before its streams");
 }
+
+#[test]
+fn a_group_driven_by_one_thread_refuses_another_threads_calls() {
+    let group = host(&[0, 1]);
+    let driving = group.drive().unwrap();
+    // The driving thread's own calls nest.
+    group.enter(None).unwrap();
+    group.run(&|_, _| Ok(())).unwrap();
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            for err in [
+                group.enter(None).unwrap_err(),
+                group.exit(ExitMode::Sync).unwrap_err(),
+                group.run(&|_, _| Ok(())).unwrap_err(),
+            ] {
+                assert_eq!(err.status, Status::InvalidState, "{err}");
+                assert!(err.message.contains("another thread"), "{err}");
+            }
+        });
+    });
+    // The refused exit left the scope open; the driver closes it.
+    group.exit(ExitMode::Sync).unwrap();
+    drop(driving);
+    std::thread::scope(|s| {
+        s.spawn(|| {
+            group.enter(None).unwrap();
+            group.exit(ExitMode::Sync).unwrap();
+        });
+    });
+}

@@ -219,8 +219,8 @@ def timeline(src, dst, side, calls=100, pieces=150, piece=64 * MIB):
     torch.cuda.synchronize()
     gemm_t = [origin.elapsed_time(e) for e in gemm_ends]
     piece_t = [origin.elapsed_time(e) for e in piece_ends]
-    piece_ms = [b - a for a, b in zip(piece_t, piece_t[1:])]
-    gemm_ms = [b - a for a, b in zip(gemm_t, gemm_t[1:])]
+    piece_ms = [later - earlier for earlier, later in zip(piece_t, piece_t[1:])]
+    gemm_ms = [later - earlier for earlier, later in zip(gemm_t, gemm_t[1:])]
     # GEMMs wholly before the copies began, and those wholly inside them.
     before = [ms for ms, end in zip(gemm_ms, gemm_t[1:]) if end <= piece_t[0]]
     during = [ms for ms, (start, end) in zip(gemm_ms, zip(gemm_t, gemm_t[1:])) if piece_t[0] <= start and end <= piece_t[-1]]

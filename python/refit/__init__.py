@@ -6,7 +6,9 @@ Every failing call raises RefitError carrying the status and the library's messa
 ints: device addresses, or host addresses on the host backend (ctypes.addressof of a ctypes
 buffer). Streams are ints, torch or CuPy streams, objects with __cuda_stream__, or HostStreams;
 None is torch's current stream once torch uses CUDA. Handle objects own their handle and release it
-exactly once: close(), the end of a `with` block, or garbage collection as a fallback.
+exactly once: close(), the end of a `with` block, or garbage collection as a fallback; never while a
+call on another thread uses it (close() then raises INVALID_STATE, as does a call the library takes
+from one thread at a time while another thread's is in progress). They cannot be copied or pickled.
 
 refit.tensor turns tensors (torch's or look-alikes) into offers and needs; refit.torch (importable
 only where torch is) adds torch stream helpers; refit.integrations maps Megatron and vLLM

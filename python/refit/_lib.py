@@ -10,6 +10,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import enum
+import operator
 import os
 import sys
 import traceback
@@ -454,22 +455,47 @@ _declare()
 # --- argument conversion --------------------------------------------------------------------------
 
 
+def items(values: Any, what: str) -> list[Any]:
+    """`values` (any iterable) as a list, else INVALID_ARGUMENT naming `what`."""
+    try:
+        iterator = iter(values)
+    except TypeError:
+        raise invalid_argument(f"{what} must be a sequence, not {type(values).__name__}") from None
+    return list(iterator)
+
+
 def u64_array(values: Iterable[int], what: str) -> ctypes.Array[c_uint64]:
     """A c_uint64 array of `values`, each checked to fit (ctypes would silently wrap)."""
-    checked = [check_range(value, 64, what) for value in values]
+    checked = [check_range(value, 64, what) for value in items(values, what)]
     return (c_uint64 * len(checked))(*checked)
+
+
+def integer(value: Any, what: str) -> int:
+    """`value` as an int: an int or an integer scalar (__index__: numpy, torch), never a bool, a
+    float or a string (int() would turn device 0.9 into 0, "1" into 1); else INVALID_ARGUMENT."""
+    if not isinstance(value, bool):
+        try:
+            return operator.index(value)
+        except TypeError:
+            pass
+    raise invalid_argument(f"{what} must be an integer, not {type(value).__name__}")
 
 
 def check_range(value: Any, bits: int, what: str) -> int:
     """`value` as an int in [0, 2^bits), else INVALID_ARGUMENT naming `what`."""
-    if isinstance(value, bool) or not isinstance(value, int):
-        try:
-            value = value.__index__()
-        except AttributeError:
-            raise invalid_argument(f"{what} must be an integer, not {type(value).__name__}") from None
+    value = integer(value, what)
     if not 0 <= value < (1 << bits):
         raise invalid_argument(f"{what} = {value} is outside [0, 2^{bits})")
-    return int(value)
+    return value
+
+
+def byte_string(data: Any, what: str, expected: str = "bytes-like") -> bytes:
+    """`data`, any bytes-like object, as bytes, else INVALID_ARGUMENT naming `what` (bytes() would
+    turn 5 into five NULs and [104, 105] into b"hi")."""
+    try:
+        return memoryview(data).tobytes()
+    except TypeError:
+        raise invalid_argument(f"{what} must be {expected}, not {type(data).__name__}") from None
 
 
 def torch_cuda_in_use() -> bool:
@@ -545,6 +571,8 @@ def set_log_callback(callback: Optional[Callable[[int, str], object]], level: in
     exceptions it raises are printed and dropped. Any thread may call this.
     """
     level = check_range(level, 32, "level")
+    if callback is not None and not callable(callback):
+        raise invalid_argument(f"callback must be callable or None, not {type(callback).__name__}")
     if callback is None:
         check(lib.refit_set_log_callback(level, LogCallback(), None))
         return

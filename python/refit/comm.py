@@ -11,7 +11,7 @@ aborts, calls raise RefitError with Status.TIMEOUT or Status.ABORTED, and keep d
 import ctypes
 from ctypes import byref, c_int32, c_size_t, c_uint32, c_void_p
 
-from ._handle import Handle
+from ._handle import Handle, borrow
 from ._lib import (
     COMM_ID_BYTES,
     Backend,
@@ -19,9 +19,12 @@ from ._lib import (
     CommOptions,
     PlanOptions,
     Policy,
+    byte_string,
     check,
     check_range,
+    integer,
     invalid_argument,
+    items,
     lib,
     stream_value,
 )
@@ -63,12 +66,12 @@ class Communicator(Handle):
         `staging_bytes` bounds the staging of executors across processes; `ipc` False sends every
         pair's bytes through staging instead of CUDA IPC."""
         if _pointer is None:
-            comm_id = bytes(comm_id)
+            comm_id = byte_string(comm_id, "comm_id")
             if len(comm_id) != COMM_ID_BYTES:
                 raise invalid_argument(f"a communicator id has {COMM_ID_BYTES} bytes, not {len(comm_id)}")
             raw = CommId()
             ctypes.memmove(raw.internal, comm_id, COMM_ID_BYTES)
-            device = int(device)
+            device = integer(device, "device")
             if not -(1 << 31) <= device < (1 << 31):
                 raise invalid_argument(f"device {device} is not a 32-bit ordinal")
             options = _options(timeout_ms, staging_bytes, ipc)
@@ -100,7 +103,8 @@ class Communicator(Handle):
         lib.refit_comm_destroy(pointer)
 
     def _query(self, function, value):
-        check(function(self.handle, byref(value)))
+        with self._borrow() as handle:
+            check(function(handle, byref(value)))
         return value.value
 
     @property
@@ -123,27 +127,28 @@ class Communicator(Handle):
     def abort(self):
         """Ends this rank's part: pending and later calls raise ABORTED here, and the peers' calls
         waiting for this rank fail too. Any thread, any time."""
-        check(lib.refit_comm_abort(self.handle))
+        with self._borrow() as handle:
+            check(lib.refit_comm_abort(handle))
 
     def allgather(self, send, recv, counts, stream=None):
         """This rank's part of an allgather (refit_comm_allgather): `counts[r]` bytes from every rank
         r, gathered in rank order into `recv` (sum(counts) bytes); in place when `send` is this
         rank's slot of `recv`. `send`/`recv` are device addresses (host addresses on the host
         backend). Queued on `stream`; call synchronize() before reading `recv`."""
-        counts = [check_range(count, 64, "counts[i]") for count in counts]
+        counts = [check_range(count, 64, "counts[i]") for count in items(counts, "counts")]
         size = self.size
         if len(counts) != size:
             raise invalid_argument(f"{len(counts)} counts for a communicator of {size} ranks")
         array = (c_size_t * size)(*counts)
-        check(
-            lib.refit_comm_allgather(
-                self.handle, check_range(send, 64, "send"), check_range(recv, 64, "recv"), array, stream_value(stream)
-            )
-        )
+        arguments = (check_range(send, 64, "send"), check_range(recv, 64, "recv"), array, stream_value(stream))
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_comm_allgather(handle, *arguments))
 
     def synchronize(self, stream=None):
         """Waits for the work queued on `stream`, then raises the communicator's failure, if any."""
-        check(lib.refit_comm_synchronize(self.handle, stream_value(stream)))
+        stream = stream_value(stream)
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_comm_synchronize(handle, stream))
 
     def build_plan(self, table, policy=Policy.LOCAL, coalesce=True):
         """One plan from every rank's table (refit_plan_build_across): each rank passes its own
@@ -153,7 +158,8 @@ class Communicator(Handle):
         options.policy = check_range(policy, 32, "policy")
         options.coalesce = bool(coalesce)
         pointer = c_void_p()
-        check(lib.refit_plan_build_across(self.handle, table.handle, byref(options), byref(pointer)))
+        with self._borrow(exclusive=True) as handle, borrow(table, "table", "table", exclusive=True) as table_handle:
+            check(lib.refit_plan_build_across(handle, table_handle, byref(options), byref(pointer)))
         return Plan(pointer.value)
 
 

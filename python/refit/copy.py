@@ -6,7 +6,7 @@ from __future__ import annotations
 from ctypes import byref, c_void_p
 from typing import TYPE_CHECKING, Iterable
 
-from ._handle import Handle
+from ._handle import Handle, borrow
 from ._lib import Backend, CopyFlag, check, check_range, lib, stream_value
 from .segment import SegmentLike, segment_array
 
@@ -22,10 +22,11 @@ def copy_batch(
     group: Group, rank: int, segments: Iterable[SegmentLike], stream: object = None, checked: bool = False
 ) -> None:
     """refit_copy_batch: see Group.copy_batch."""
-    array, n = segment_array(segments)
-    rank = check_range(rank, 32, "rank")
-    stream_handle = stream_value(stream, group.device(rank), host=group.backend == Backend.HOST)
-    check(lib.refit_copy_batch(group.handle, rank, stream_handle, array, n, _flags(checked)))
+    with borrow(group, "group", "group") as handle:
+        array, n = segment_array(segments)
+        rank = check_range(rank, 32, "rank")
+        stream_handle = stream_value(stream, group.device(rank), host=group.backend == Backend.HOST)
+        check(lib.refit_copy_batch(handle, rank, stream_handle, array, n, _flags(checked)))
 
 
 class PreparedCopy(Handle):
@@ -44,10 +45,11 @@ class PreparedCopy(Handle):
         array, n = segment_array(segments)
         rank = check_range(rank, 32, "rank")
         pointer = c_void_p()
-        check(lib.refit_copy_batch_prepare(group.handle, rank, array, n, _flags(checked), byref(pointer)))
-        super().__init__(pointer.value)
-        self._device = group.device(rank)
-        self._host = group.backend == Backend.HOST
+        with borrow(group, "group", "group") as handle:
+            check(lib.refit_copy_batch_prepare(handle, rank, array, n, _flags(checked), byref(pointer)))
+            super().__init__(pointer.value)
+            self._device = group.device(rank)
+            self._host = group.backend == Backend.HOST
 
     def _release(self, pointer: int) -> None:
         lib.refit_copy_batch_destroy(pointer)
@@ -56,4 +58,6 @@ class PreparedCopy(Handle):
         """Queues the batch on `stream`, a stream of the batch's device (any form refit takes; None:
         torch's current stream of that device when torch uses CUDA, else its legacy default stream);
         the sources are read at each launch. Host backend: complete on return."""
-        check(lib.refit_copy_batch_launch(self.handle, stream_value(stream, self._device, host=self._host)))
+        stream = stream_value(stream, self._device, host=self._host)
+        with self._borrow() as handle:
+            check(lib.refit_copy_batch_launch(handle, stream))

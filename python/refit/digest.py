@@ -2,20 +2,19 @@
 
 from ctypes import byref, c_uint64
 
+from ._handle import borrow
 from ._lib import check, check_range, lib, stream_value
 
 
 def digest(group, rank, addr, length, stream=None):
     """refit_digest: see Group.digest."""
     value = c_uint64()
-    check(
-        lib.refit_digest(
-            group.handle,
-            check_range(rank, 32, "rank"),
-            check_range(addr, 64, "addr"),
-            check_range(length, 64, "length"),
-            stream_value(stream),
-            byref(value),
-        )
+    arguments = (
+        check_range(rank, 32, "rank"),
+        check_range(addr, 64, "addr"),
+        check_range(length, 64, "length"),
+        stream_value(stream),
     )
+    with borrow(group, "group", "group") as handle:
+        check(lib.refit_digest(handle, *arguments, byref(value)))
     return value.value

@@ -8,7 +8,7 @@ import dataclasses
 from ctypes import byref, c_void_p
 from typing import TYPE_CHECKING, Any, Callable, List, Sequence, Union
 
-from ._handle import Handle
+from ._handle import Handle, borrow
 from ._lib import (
     Arm,
     Commit,
@@ -107,16 +107,19 @@ class Executor(Handle):
         options.staging_limit = check_range(staging_limit, 64, "staging_limit")
         pointer = c_void_p()
         process = check_range(process, 32, "process")
-        if comm is None:
-            check(lib.refit_executor_create(plan.handle, group.handle, process, byref(options), byref(pointer)))
-        else:
-            if process != comm.rank:
-                raise invalid_argument(f"process {process} is not the communicator's rank {comm.rank}")
-            check(
-                lib.refit_executor_create_across(
-                    plan.handle, group.handle, comm.handle, byref(options), byref(pointer)
-                )
-            )
+        planned = borrow(plan, "plan", "plan")
+        with planned as plan_handle, borrow(group, "group", "group", exclusive=True) as group_handle:
+            if comm is None:
+                check(lib.refit_executor_create(plan_handle, group_handle, process, byref(options), byref(pointer)))
+            else:
+                with borrow(comm, "communicator", "comm", exclusive=True) as comm_handle:
+                    if process != comm.rank:
+                        raise invalid_argument(f"process {process} is not the communicator's rank {comm.rank}")
+                    check(
+                        lib.refit_executor_create_across(
+                            plan_handle, group_handle, comm_handle, byref(options), byref(pointer)
+                        )
+                    )
         super().__init__(pointer.value)
         self._group = group
         self._comm = comm
@@ -145,7 +148,8 @@ class Executor(Handle):
         """The RunStats of the last run or commit with device times (waits for its device work)."""
         raw = RunStatsStruct()
         raw.size = ctypes.sizeof(raw)
-        check(lib.refit_executor_stats(self.handle, byref(raw)))
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_executor_stats(handle, byref(raw)))
         return RunStats.from_struct(raw)
 
     def rebind(self, device: int, old_base: int, new_base: int, length: int) -> None:
@@ -153,25 +157,25 @@ class Executor(Handle):
         `new_base` (refit_executor_rebind): later runs use the new place with no planning.
         RefitError PLAN_STALE when the range cuts through bytes the plan moves together (build a
         new plan), NOT_FOUND when the plan uses none of it."""
-        check(
-            lib.refit_executor_rebind(
-                self.handle,
-                check_range(device, 32, "device"),
-                check_range(old_base, 64, "old_base"),
-                check_range(new_base, 64, "new_base"),
-                check_range(length, 64, "length"),
-            )
+        arguments = (
+            check_range(device, 32, "device"),
+            check_range(old_base, 64, "old_base"),
+            check_range(new_base, 64, "new_base"),
+            check_range(length, 64, "length"),
         )
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_executor_rebind(handle, *arguments))
 
     def _call(self, function: Callable[..., Any], stream: Union[object, Sequence[object], None]) -> RunStats:
         raw = RunStatsStruct()
         raw.size = ctypes.sizeof(raw)
-        handle = self.handle  # refuses a closed executor before the group is touched
-        if stream is None:
-            check(function(handle, self._group.handle, byref(raw)))
-        else:
-            with self._group.scope(self._per_rank(stream), mode=ExitMode.ASYNC):
-                check(function(handle, self._group.handle, byref(raw)))
+        # The executor first: a closed executor is refused before the group is touched.
+        with self._borrow(exclusive=True) as handle, self._group._borrow(exclusive=True) as group:
+            if stream is None:
+                check(function(handle, group, byref(raw)))
+            else:
+                with self._group.scope(self._per_rank(stream), mode=ExitMode.ASYNC):
+                    check(function(handle, group, byref(raw)))
         return RunStats.from_struct(raw)
 
     def _per_rank(self, stream: Union[object, Sequence[object]]) -> List[object]:

@@ -19,7 +19,9 @@ from ._lib import (
     Status,
     check,
     check_range,
+    integer,
     invalid_argument,
+    items,
     last_error_message,
     lib,
     stream_value,
@@ -58,11 +60,12 @@ class Group(Handle):
     """
 
     _what = "group"
+    _busy_hint = " (a rank callback runs on its own thread, inside its group's run())"
 
     def __init__(self, devices: Iterable[int], backend: int = Backend.AUTO, host_devices: int = 0) -> None:
         """Creates a group whose rank r is `devices[r]`. `backend` is a Backend; `host_devices` is
         how many devices the host backend simulates (0: the largest listed + 1)."""
-        devices = [int(device) for device in devices]
+        devices = [integer(device, "devices[i]") for device in items(devices, "devices")]
         for device in devices:
             if not -(1 << 31) <= device < (1 << 31):
                 raise RefitError(Status.INVALID_DEVICE, f"device {device} is not a 32-bit ordinal")
@@ -76,7 +79,8 @@ class Group(Handle):
         super().__init__(pointer.value)
         self._size = len(devices)
         chosen = c_uint32()
-        check(lib.refit_group_backend(self.handle, byref(chosen)))
+        with self._borrow() as handle:
+            check(lib.refit_group_backend(handle, byref(chosen)))
         self._backend = Backend(chosen.value)
 
     def _release(self, pointer: int) -> None:
@@ -88,7 +92,8 @@ class Group(Handle):
     def size(self) -> int:
         """The number of ranks."""
         size = c_size_t()
-        check(lib.refit_group_size(self.handle, byref(size)))
+        with self._borrow() as handle:
+            check(lib.refit_group_size(handle, byref(size)))
         return size.value
 
     def __len__(self) -> int:
@@ -97,7 +102,9 @@ class Group(Handle):
     def device(self, rank: int) -> int:
         """The device ordinal of `rank`."""
         device = c_int32()
-        check(lib.refit_group_device(self.handle, check_range(rank, 32, "rank"), byref(device)))
+        rank = check_range(rank, 32, "rank")
+        with self._borrow() as handle:
+            check(lib.refit_group_device(handle, rank, byref(device)))
         return device.value
 
     @property
@@ -108,17 +115,17 @@ class Group(Handle):
     def stream(self, rank: int) -> int:
         """The group's own stream of `rank` as an int (CUstream, or host-stream handle)."""
         stream = c_void_p()
-        check(lib.refit_group_stream(self.handle, check_range(rank, 32, "rank"), byref(stream)))
+        rank = check_range(rank, 32, "rank")
+        with self._borrow() as handle:
+            check(lib.refit_group_stream(handle, rank, byref(stream)))
         return stream.value or 0
 
     def peer_access(self, rank: int, peer: int) -> bool:
         """Whether `rank` reaches `peer`'s memory directly."""
         direct = c_bool()
-        check(
-            lib.refit_group_peer_access(
-                self.handle, check_range(rank, 32, "rank"), check_range(peer, 32, "peer"), byref(direct)
-            )
-        )
+        rank, peer = check_range(rank, 32, "rank"), check_range(peer, 32, "peer")
+        with self._borrow() as handle:
+            check(lib.refit_group_peer_access(handle, rank, peer, byref(direct)))
         return direct.value
 
     @property
@@ -136,20 +143,25 @@ class Group(Handle):
         a CUDA group), else every device's legacy default stream."""
         if caller_streams is None:
             if self._backend == Backend.HOST or not torch_cuda_in_use():
-                check(lib.refit_group_enter(self.handle, None))
+                with self._borrow(exclusive=True) as handle:
+                    check(lib.refit_group_enter(handle, None))
                 return
             caller_streams = [torch_current_stream(device) for device in self.devices]
+        caller_streams = items(caller_streams, "caller_streams")
         self._check_per_rank(caller_streams, "caller_streams")
         host = self._backend == Backend.HOST
         streams = [stream_value(stream, device, host=host) for stream, device in zip(caller_streams, self.devices)]
-        check(lib.refit_group_enter(self.handle, (c_void_p * len(streams))(*streams)))
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_group_enter(handle, (c_void_p * len(streams))(*streams)))
 
     def exit(self, mode: int = ExitMode.SYNC) -> None:
         """Closes the open scope (refit_group_exit); ExitMode.SYNC blocks until the group's work is
         done, ExitMode.ASYNC makes the caller streams wait for it instead. A refused call (a mode
         that is not an ExitMode, no scope open, called from a rank callback) changes nothing; once
         accepted, the scope is closed even when this raises."""
-        check(lib.refit_group_exit(self.handle, check_range(mode, 32, "mode")))
+        mode = check_range(mode, 32, "mode")
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_group_exit(handle, mode))
 
     @contextlib.contextmanager
     def scope(self, caller_streams: Optional[Sequence[object]] = None, mode: int = ExitMode.SYNC) -> Iterator[Group]:
@@ -176,6 +188,8 @@ class Group(Handle):
         allgather_rank releases them the same way; if every `fn` then returns normally, this raises
         RefitError(ABORTED) naming that rank. The group stays usable.
         """
+        if not callable(fn):
+            raise invalid_argument(f"fn must be callable, not {type(fn).__name__}")
         raised: list[BaseException] = []
         lock = threading.Lock()
 
@@ -190,7 +204,8 @@ class Group(Handle):
                 return int(error.status) if isinstance(error, RefitError) else int(Status.CALLBACK_FAILED)
 
         callback = RankCallback(body)  # alive until refit_group_run returns
-        status = lib.refit_group_run(self.handle, callback, None)
+        with self._borrow(exclusive=True) as handle:
+            status = lib.refit_group_run(handle, callback, None)
         if status == Status.SUCCESS:
             return
         message = RefitError(status, last_error_message())
@@ -211,11 +226,9 @@ class Group(Handle):
         for array, what in ((send, "send_ptrs"), (recv, "recv_ptrs")):
             self._check_per_rank(array, what)
         picked = c_uint32()
-        check(
-            lib.refit_allgather(
-                self.handle, send, recv, sizes, check_range(algorithm, 32, "algorithm"), byref(picked)
-            )
-        )
+        algorithm = check_range(algorithm, 32, "algorithm")
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_allgather(handle, send, recv, sizes, algorithm, byref(picked)))
         return Algorithm(picked.value)
 
     def allgather_rank(
@@ -227,17 +240,15 @@ class Group(Handle):
         nothing; the next call works."""
         sizes = self._counts(counts)
         picked = c_uint32()
-        check(
-            lib.refit_group_allgather_rank(
-                self.handle,
-                check_range(rank, 32, "rank"),
-                check_range(send_ptr, 64, "send_ptr"),
-                check_range(recv_ptr, 64, "recv_ptr"),
-                sizes,
-                check_range(algorithm, 32, "algorithm"),
-                byref(picked),
-            )
+        arguments = (
+            check_range(rank, 32, "rank"),
+            check_range(send_ptr, 64, "send_ptr"),
+            check_range(recv_ptr, 64, "recv_ptr"),
+            sizes,
+            check_range(algorithm, 32, "algorithm"),
         )
+        with self._borrow() as handle:
+            check(lib.refit_group_allgather_rank(handle, *arguments, byref(picked)))
         return Algorithm(picked.value)
 
     # --- batched copies ---
@@ -269,7 +280,7 @@ class Group(Handle):
         return digest(self, rank, addr, length, stream)
 
     def _counts(self, counts: Sequence[int]) -> ctypes.Array[c_size_t]:
-        counts = [check_range(count, 8 * ctypes.sizeof(c_size_t), "counts[i]") for count in counts]
+        counts = [check_range(count, 8 * ctypes.sizeof(c_size_t), "counts[i]") for count in items(counts, "counts")]
         self._check_per_rank(counts, "counts")
         return (c_size_t * len(counts))(*counts)
 

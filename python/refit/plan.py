@@ -3,12 +3,13 @@ Python values."""
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 from ctypes import byref, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
-from ._handle import Handle
+from ._handle import Handle, borrow
 from ._lib import (
     Arm,
     Commit,
@@ -17,9 +18,11 @@ from ._lib import (
     Policy,
     RouteInfo,
     RouteKind,
+    byte_string,
     check,
     check_range,
     invalid_argument,
+    items,
     lib,
     u64_array,
 )
@@ -30,7 +33,7 @@ if TYPE_CHECKING:
     from .group import Group
 
 
-def _box(ndim: int, arrays: Iterable[Tuple[str, Optional[Sequence[int]]]]) -> None:
+def _box(ndim: int, arrays: Iterable[Tuple[str, Optional[Sequence[Any]]]]) -> None:
     """Checks that every given array has `ndim` entries (the C API reads exactly that many)."""
     for what, values in arrays:
         if values is not None and len(values) != ndim:
@@ -60,22 +63,14 @@ class Table(Handle):
     def add_tensor(self, name: Union[str, bytes], shape: Sequence[int], elem_size: int, dtype: int = 0) -> int:
         """Adds tensor `name` of global `shape`, `elem_size` bytes per element and a caller-defined
         `dtype` code; returns its index in this table (the same index when added again alike)."""
-        encoded = name.encode() if isinstance(name, str) else bytes(name)
+        encoded = name.encode() if isinstance(name, str) else byte_string(name, "name", "a str or bytes")
         if b"\0" in encoded:
             raise invalid_argument("a tensor name must not contain NUL")
         dims = u64_array(shape, "shape")
         index = c_uint32()
-        check(
-            lib.refit_table_add_tensor(
-                self.handle,
-                encoded,
-                check_range(dtype, 32, "dtype"),
-                check_range(elem_size, 32, "elem_size"),
-                dims,
-                len(dims),
-                byref(index),
-            )
-        )
+        arguments = (encoded, check_range(dtype, 32, "dtype"), check_range(elem_size, 32, "elem_size"), dims)
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_table_add_tensor(handle, *arguments, len(dims), byref(index)))
         return index.value
 
     def add_offer(
@@ -93,23 +88,23 @@ class Table(Handle):
         `tensor`, held by (`rank`, `device`) at address `addr` with element `strides` (None:
         row-major over `extent`). Offers of one box are replicas; `digest` (an int) lets the
         planner refuse replicas that differ."""
-        ndim = len(offset)
-        _box(ndim, [("extent", extent), ("strides", strides)])
+        origin, size = u64_array(offset, "offset"), u64_array(extent, "extent")
+        steps = None if strides is None else u64_array(strides, "strides")
+        _box(len(origin), [("extent", size), ("strides", steps)])
         digest_value = None if digest is None else byref(c_uint64(check_range(digest, 64, "digest")))
-        check(
-            lib.refit_table_add_offer(
-                self.handle,
-                check_range(tensor, 32, "tensor"),
-                check_range(rank, 32, "rank"),
-                check_range(device, 32, "device"),
-                check_range(addr, 64, "addr"),
-                u64_array(offset, "offset"),
-                u64_array(extent, "extent"),
-                None if strides is None else u64_array(strides, "strides"),
-                ndim,
-                digest_value,
-            )
+        arguments = (
+            check_range(tensor, 32, "tensor"),
+            check_range(rank, 32, "rank"),
+            check_range(device, 32, "device"),
+            check_range(addr, 64, "addr"),
+            origin,
+            size,
+            steps,
+            len(origin),
+            digest_value,
         )
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_table_add_offer(handle, *arguments))
 
     def add_need(
         self,
@@ -125,40 +120,40 @@ class Table(Handle):
         """Asks for the box `offset`/`extent` of tensor index `tensor` on receiver (`rank`,
         `device`), written at `addr` with destination element `strides`; destination dimension d
         is tensor dimension `perm[d]` (None: the identity)."""
-        ndim = len(offset)
-        _box(ndim, [("extent", extent), ("strides", strides), ("perm", perm)])
-        perm_array = None
-        if perm is not None:
-            perm_array = (c_uint32 * ndim)(*[check_range(p, 32, "perm[i]") for p in perm])
-        check(
-            lib.refit_table_add_need(
-                self.handle,
-                check_range(tensor, 32, "tensor"),
-                check_range(rank, 32, "rank"),
-                check_range(device, 32, "device"),
-                check_range(addr, 64, "addr"),
-                u64_array(offset, "offset"),
-                u64_array(extent, "extent"),
-                perm_array,
-                u64_array(strides, "strides"),
-                ndim,
-            )
+        origin, size, steps = u64_array(offset, "offset"), u64_array(extent, "extent"), u64_array(strides, "strides")
+        order = None if perm is None else [check_range(p, 32, "perm[i]") for p in items(perm, "perm")]
+        ndim = len(origin)
+        _box(ndim, [("extent", size), ("strides", steps), ("perm", order)])
+        perm_array = None if order is None else (c_uint32 * ndim)(*order)
+        arguments = (
+            check_range(tensor, 32, "tensor"),
+            check_range(rank, 32, "rank"),
+            check_range(device, 32, "device"),
+            check_range(addr, 64, "addr"),
+            origin,
+            size,
+            perm_array,
+            steps,
+            ndim,
         )
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_table_add_need(handle, *arguments))
 
     def encode(self) -> bytes:
         """The table's versioned, checksummed wire encoding, as bytes."""
         size = c_size_t()
-        check(lib.refit_table_encoded_size(self.handle, byref(size)))
-        buffer = (c_uint8 * size.value)()
         written = c_size_t()
-        check(lib.refit_table_encode(self.handle, buffer, size.value, byref(written)))
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_table_encoded_size(handle, byref(size)))
+            buffer = (c_uint8 * size.value)()
+            check(lib.refit_table_encode(handle, buffer, size.value, byref(written)))
         return bytes(buffer[: written.value])
 
     @classmethod
     def decode(cls, data: Union[bytes, bytearray, memoryview]) -> Table:
         """A new table from bytes written by encode() on any rank. Untrusted input is safe:
         corrupted bytes raise RefitError (DECODE_ERROR or VERSION_MISMATCH)."""
-        data = bytes(data)
+        data = byte_string(data, "data")
         buffer = (c_uint8 * len(data)).from_buffer_copy(data)
         pointer = c_void_p()
         check(lib.refit_table_decode(buffer, len(data), byref(pointer)))
@@ -186,17 +181,23 @@ PlanStats = dataclasses.make_dataclass(
 PlanStats.__doc__ = """refit_plan_stats as a value (field meanings: include/refit.h)."""
 
 
-def _build_arguments(
-    tables: Iterable[Table], policy: int, coalesce: bool
-) -> tuple[Any, int, PlanOptions]:
-    """(table pointer array, count, refit_plan_options) for the build calls."""
-    handles = [table.handle for table in tables]
-    pointers = (c_void_p * len(handles))(*handles)
+def _options(policy: int, coalesce: bool) -> PlanOptions:
     options = PlanOptions()
     check(lib.refit_plan_options_init(byref(options)))
     options.policy = check_range(policy, 32, "policy")
     options.coalesce = 1 if coalesce else 0
-    return pointers, len(handles), options
+    return options
+
+
+@contextlib.contextmanager
+def _borrow_tables(tables: Iterable[Table]) -> Iterator[tuple[Any, int]]:
+    """(table pointer array, count) for the build calls, every table borrowed meanwhile."""
+    with contextlib.ExitStack() as stack:
+        handles = [
+            stack.enter_context(borrow(table, "table", f"tables[{i}]", exclusive=True))
+            for i, table in enumerate(items(tables, "tables"))
+        ]
+        yield (c_void_p * len(handles))(*handles), len(handles)
 
 
 def _stats(fill: Callable[[Any], int]) -> Any:
@@ -219,9 +220,10 @@ class Plan(Handle):
         """Plans moving every byte the tables' needs ask for exactly once (refit_plan_build);
         `tables` is every rank's Table, in any order. Raises RefitError on a coverage gap,
         overlapping writes, replica or tensor mismatch."""
-        pointers, count, options = _build_arguments(tables, policy, coalesce)
+        options = _options(policy, coalesce)
         pointer = c_void_p()
-        check(lib.refit_plan_build(pointers, count, byref(options), byref(pointer)))
+        with _borrow_tables(tables) as (pointers, count):
+            check(lib.refit_plan_build(pointers, count, byref(options), byref(pointer)))
         return cls(pointer.value)
 
     @classmethod
@@ -231,10 +233,11 @@ class Plan(Handle):
         """The share of the plan process `process` takes part in (refit_plan_build_share): the
         routes from or to its endpoints, exactly as Plan.build gives them; coverage and overlaps
         are checked for its own needs only."""
-        pointers, count, options = _build_arguments(tables, policy, coalesce)
+        options = _options(policy, coalesce)
         process = check_range(process, 32, "process")
         pointer = c_void_p()
-        check(lib.refit_plan_build_share(pointers, count, process, byref(options), byref(pointer)))
+        with _borrow_tables(tables) as (pointers, count):
+            check(lib.refit_plan_build_share(pointers, count, process, byref(options), byref(pointer)))
         return cls(pointer.value)
 
     def _release(self, pointer: int) -> None:
@@ -243,41 +246,49 @@ class Plan(Handle):
     @property
     def stats(self) -> Any:
         """The whole plan's counts, a PlanStats."""
-        return _stats(lambda raw: lib.refit_plan_get_stats(self.handle, raw))
+        with self._borrow() as handle:
+            return _stats(lambda raw: lib.refit_plan_get_stats(handle, raw))
 
     def receiver_stats(self, rank: int, device: int) -> Any:
         """The counts of receiver (`rank`, `device`)'s needs and routes, a PlanStats."""
         rank, device = check_range(rank, 32, "rank"), check_range(device, 32, "device")
-        return _stats(lambda raw: lib.refit_plan_get_receiver_stats(self.handle, rank, device, raw))
+        with self._borrow() as handle:
+            return _stats(lambda raw: lib.refit_plan_get_receiver_stats(handle, rank, device, raw))
 
     @property
     def fingerprint(self) -> int:
         """Equal for the same tables in any order, in any process."""
         value = c_uint64()
-        check(lib.refit_plan_fingerprint(self.handle, byref(value)))
+        with self._borrow() as handle:
+            check(lib.refit_plan_fingerprint(handle, byref(value)))
         return value.value
 
     @property
     def inputs_fingerprint(self) -> int:
         """Equal for every plan and share built from the same tables (in any order) and options."""
         value = c_uint64()
-        check(lib.refit_plan_inputs_fingerprint(self.handle, byref(value)))
+        with self._borrow() as handle:
+            check(lib.refit_plan_inputs_fingerprint(handle, byref(value)))
         return value.value
 
     @property
     def route_count(self) -> int:
         """The number of routes."""
         count = c_size_t()
-        check(lib.refit_plan_route_count(self.handle, byref(count)))
+        with self._borrow() as handle:
+            check(lib.refit_plan_route_count(handle, byref(count)))
         return count.value
 
     def route(self, index: int) -> Route:
         """Route `index` as a Route (RefitError NOT_FOUND past the end)."""
         info = RouteInfo()
         info.size = ctypes.sizeof(info)
-        check(lib.refit_plan_route(self.handle, check_range(index, 64, "index"), byref(info)))
-        raw = info.segments[: info.segment_count] if info.segment_count else ()
-        segments = tuple(Segment.from_struct(segment) for segment in raw)
+        index = check_range(index, 64, "index")
+        with self._borrow() as handle:
+            check(lib.refit_plan_route(handle, index, byref(info)))
+            # info.segments points into the plan: copied out before close() may free it.
+            raw = info.segments[: info.segment_count] if info.segment_count else ()
+            segments = tuple(Segment.from_struct(segment) for segment in raw)
         kind = RouteKind(info.kind)
         return Route(info.src_rank, info.src_device, info.dst_rank, info.dst_device, kind, segments)
 

@@ -7,7 +7,7 @@ import ctypes
 import dataclasses
 from typing import Iterable, Iterator, Tuple, Union
 
-from ._lib import SegmentStruct, check_range, invalid_argument
+from ._lib import SegmentStruct, check_range, invalid_argument, items
 
 
 @dataclasses.dataclass(frozen=True)
@@ -54,10 +54,21 @@ def _pair(values: object, what: str) -> list[int]:
     return [check_range(value, 64, what) for value in values]
 
 
+def _segment(value: object, index: int) -> Segment:
+    if isinstance(value, Segment):
+        return value
+    try:
+        return Segment(*value)  # type: ignore[misc]
+    except TypeError:
+        raise invalid_argument(
+            f"segments[{index}] must be a Segment or a (src, dst, len) tuple, not {value!r}"
+        ) from None
+
+
 def segment_array(segments: Iterable[SegmentLike]) -> tuple[ctypes.Array[SegmentStruct], int]:
     """A ctypes array of refit_segment from Segments (or (src, dst, len) tuples), every field
     range-checked; and its length."""
-    values = [segment if isinstance(segment, Segment) else Segment(*segment) for segment in segments]
+    values = [_segment(segment, index) for index, segment in enumerate(items(segments, "segments"))]
     array = (SegmentStruct * len(values))()
     for raw, segment in zip(array, values):
         raw.src = check_range(segment.src, 64, "segment src")

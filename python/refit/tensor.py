@@ -11,7 +11,7 @@ from typing import Any, Optional, Protocol, Sequence, Tuple
 
 Shape = Tuple[int, ...]
 
-from ._lib import invalid_argument
+from ._lib import integer, invalid_argument, items
 from .plan import Table
 
 # Codes the tables carry for element types (the planner only compares them: both sides of a refit
@@ -66,7 +66,10 @@ def dtype_code(name: str) -> int:
 
 def device_index(tensor: TensorLike, device: Optional[int] = None) -> int:
     """The device ordinal of a CUDA tensor; `device` for a tensor in host memory (a device the host
-    backend simulates), which must then be given. A given `device` must match a CUDA tensor's."""
+    backend simulates), which must then be given. A given `device` must match a CUDA tensor's.
+    Tensors elsewhere (meta, mps, xpu, ...) are refused: their data_ptr() is no address refit reads."""
+    if device is not None:
+        device = integer(device, "device")
     kind = getattr(tensor.device, "type", str(tensor.device))
     if kind == "cuda":
         index = tensor.device.index
@@ -74,15 +77,22 @@ def device_index(tensor: TensorLike, device: Optional[int] = None) -> int:
         if device is not None and device != index:
             raise invalid_argument(f"device {device} given for a tensor on cuda:{index}")
         return index
+    if kind != "cpu":
+        raise invalid_argument(f"a tensor on {tensor.device} is neither in host memory nor on a CUDA device")
     if device is None:
         raise invalid_argument(f"a tensor on {tensor.device} needs device= (the simulated device it stands for)")
     return device
 
 
+def _ints(values: Sequence[int], what: str) -> Shape:
+    # Not int(): it would silently turn an offset of 0.5 into 0.
+    return tuple(integer(n, what) for n in items(values, what))
+
+
 def _box(tensor: TensorLike, shape: Optional[Sequence[int]], offset: Optional[Sequence[int]]) -> Tuple[Shape, Shape, Shape]:
-    extent = tuple(int(n) for n in tensor.shape)
-    full = extent if shape is None else tuple(int(n) for n in shape)
-    at = (0,) * len(full) if offset is None else tuple(int(n) for n in offset)
+    extent = _ints(tensor.shape, "tensor.shape")
+    full = extent if shape is None else _ints(shape, "shape")
+    at = (0,) * len(full) if offset is None else _ints(offset, "offset")
     if len(full) != len(extent) or len(at) != len(extent):
         raise invalid_argument(
             f"a {len(extent)}-dimensional tensor cannot be a box of shape {list(full)} at offset {list(at)}"
@@ -106,7 +116,7 @@ def add_tensor_offer(
     index in `table`. A non-contiguous view (a slice, a transpose) is offered with its strides."""
     full, at, extent = _box(tensor, shape, offset)
     index = table.add_tensor(name, full, tensor.element_size(), dtype_code(dtype_name(tensor)))
-    strides = [int(s) for s in tensor.stride()]
+    strides = _ints(tensor.stride(), "tensor.stride()")
     table.add_offer(index, rank, device_index(tensor, device), tensor.data_ptr(), at, extent, strides, digest)
     return index
 
@@ -125,6 +135,6 @@ def add_tensor_need(
     on `rank`. Returns the tensor index in `table`."""
     full, at, extent = _box(tensor, shape, offset)
     index = table.add_tensor(name, full, tensor.element_size(), dtype_code(dtype_name(tensor)))
-    strides = [int(s) for s in tensor.stride()]
+    strides = _ints(tensor.stride(), "tensor.stride()")
     table.add_need(index, rank, device_index(tensor, device), tensor.data_ptr(), at, extent, strides)
     return index

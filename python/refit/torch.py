@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from ._lib import invalid_argument
+from ._lib import Backend, invalid_argument
 from .group import Group
 from .tensor import DTYPE_CODES, add_tensor_need, add_tensor_offer, device_index, dtype_code, dtype_name
 
@@ -56,4 +56,7 @@ def current_streams(group: Group) -> list[int]:
 def rank_stream(group: Group, rank: int) -> torch.cuda.ExternalStream:
     """The group's stream of `rank` as a torch.cuda.ExternalStream, to queue torch work on it inside
     group.run(); owned by the group (valid until it closes)."""
+    if group.backend != Backend.CUDA:
+        # torch would take the host backend's queue handle for a CUstream and launch work on it.
+        raise invalid_argument("rank_stream needs a CUDA group: a host-backend group's streams are not CUDA streams")
     return torch.cuda.ExternalStream(group.stream(rank), device=torch.device("cuda", group.device(rank)))

@@ -646,6 +646,7 @@ impl Executor {
     pub unsafe fn run(&mut self, group: &Group) -> Result<RunStats> {
         let started = Instant::now();
         self.check_call(group)?;
+        let _driving = group.drive()?;
         let mut stats = RunStats { descriptors_reused: true, ..RunStats::default() };
         if self.book.has_moved() {
             self.book.settle().inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
@@ -901,6 +902,7 @@ impl Executor {
     pub unsafe fn commit(&mut self, group: &Group) -> Result<RunStats> {
         let started = Instant::now();
         self.check_call(group)?;
+        let _driving = group.drive()?;
         if self.options.commit == CommitMode::Direct {
             return Err(Error::invalid_state(
                 "this executor commits directly (REFIT_COMMIT_DIRECT): run installs every byte; there is nothing \

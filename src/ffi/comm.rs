@@ -7,7 +7,7 @@
 
 use super::group::{backend_code, REFIT_BACKEND_AUTO, REFIT_BACKEND_CUDA, REFIT_BACKEND_HOST};
 use super::plan::{plan_options, refit_plan, refit_plan_options, refit_table};
-use super::{arg, bool_in, boundary, destroy, options_in, out, slice};
+use super::{arg, boundary, check_bool, destroy, options_in, out, slice, OptionsStruct};
 use crate::across;
 use crate::allgather::comm::allgather;
 use crate::bail;
@@ -83,20 +83,24 @@ pub extern "C" fn refit_comm_options_init(options: *mut refit_comm_options) -> S
     })
 }
 
+impl OptionsStruct for refit_comm_options {
+    unsafe fn check_fields(ptr: *const Self) -> Result<()> {
+        check_bool(std::ptr::addr_of!((*ptr).ipc), "options.ipc")
+    }
+}
+
 fn convert_options(options: *const refit_comm_options) -> Result<CommOptions> {
     // SAFETY: NULL or a caller struct whose first field is its size.
     let Some(options) = (unsafe { options_in(options, "options") })? else {
         return Ok(CommOptions::default());
     };
-    // SAFETY: a field of the struct checked above.
-    let ipc = unsafe { bool_in(std::ptr::addr_of!(options.ipc), "options.ipc") }?;
     if options.timeout_ms == 0 {
         bail!(Status::InvalidArgument, "options.timeout_ms is 0; at least 1");
     }
     Ok(CommOptions {
         timeout: Duration::from_millis(options.timeout_ms),
         staging_bytes: options.staging_bytes,
-        ipc,
+        ipc: options.ipc,
     })
 }
 
@@ -345,10 +349,10 @@ pub extern "C" fn refit_plan_build_across(
     boundary("refit_plan_build_across", || {
         let slot = out(plan, "plan")?;
         // SAFETY: live handles.
-        let (comm, table) = unsafe { (&arg(comm, "comm")?.comm, arg(table, "table")?.table()) };
+        let (comm, table) = unsafe { (&arg(comm, "comm")?.comm, arg(table, "table")?.read()?) };
         // SAFETY: NULL or a caller options struct.
         let options = unsafe { plan_options(options) }?;
-        let built = across::build_plan(comm, table, &options)?;
+        let built = across::build_plan(comm, table.table(), &options)?;
         slot.write(Box::into_raw(Box::new(refit_plan::new(built))));
         Ok(())
     })

@@ -4,17 +4,18 @@
 //! Thread-safety: an executor is used by one thread at a time, the thread driving its group (its
 //! calls queue work on the group's streams).
 
-// Raw pointers are the C ABI: each is checked for NULL by `arg`/`arg_mut`/`out` and its validity is
+// Raw pointers are the C ABI: each is checked for NULL by `arg`/`out` and its validity is
 // the caller's documented promise.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::comm::refit_comm;
 use super::group::refit_group;
 use super::plan::refit_plan;
-use super::{arg, arg_mut, bool_in, boundary, destroy, options_in, out, sized_out};
+use super::{arg, boundary, check_bool, destroy, in_use, options_in, out, sized_out, OptionsStruct};
 use crate::error::{Error, Result, Status};
 use crate::exec::{Arm, CommitMode, ExecOptions, Executor, RunStats};
-use std::sync::Arc;
+use crate::sync::try_lock;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Executor arm, per contiguous run: the copy engine for runs of at least 256 MiB on one GPU or
 /// 16 MiB between GPUs, the batched kernel for the others, in one stage (REFIT_ARM_SPLIT when a
@@ -48,9 +49,23 @@ pub const REFIT_COMMIT_STAGED: u32 = 1;
 ///
 /// Thread-safety: an executor is used by one thread at a time, the thread driving its group (its
 /// calls queue work on the group's streams, so no other call on the group may run meanwhile).
-/// Different executors of one group are called one after the other from that thread.
+/// Different executors of one group are called one after the other from that thread. A call made
+/// while another thread's call on the same executor is in progress returns INVALID_STATE and does
+/// nothing.
 pub struct refit_executor {
-    executor: Executor,
+    /// One call at a time: a second thread's call while one runs is INVALID_STATE.
+    executor: Mutex<Executor>,
+}
+
+impl refit_executor {
+    fn new(executor: Executor) -> refit_executor {
+        refit_executor { executor: Mutex::new(executor) }
+    }
+
+    /// The executor, for one call.
+    fn take(&self) -> Result<MutexGuard<'_, Executor>> {
+        try_lock(&self.executor).ok_or_else(|| in_use("executor"))
+    }
 }
 
 /// Options of refit_executor_create. Fill with refit_executor_options_init, then change fields.
@@ -93,12 +108,16 @@ fn defaults() -> refit_executor_options {
     }
 }
 
+impl OptionsStruct for refit_executor_options {
+    unsafe fn check_fields(ptr: *const Self) -> Result<()> {
+        check_bool(std::ptr::addr_of!((*ptr).verify), "options.verify")
+    }
+}
+
 fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions> {
     let defaults = defaults();
     // SAFETY: NULL or a caller struct whose first field is its size.
     let options = unsafe { options_in(options, "options") }?.unwrap_or(&defaults);
-    // SAFETY: a field of the struct checked above.
-    let verify = unsafe { bool_in(std::ptr::addr_of!(options.verify), "options.verify") }?;
     let arm = match options.arm {
         REFIT_ARM_AUTO => Arm::Auto,
         REFIT_ARM_KERNEL => Arm::Kernel,
@@ -121,7 +140,7 @@ fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions
     let converted = ExecOptions {
         arm,
         sm_budget: options.sm_budget,
-        verify,
+        verify: options.verify,
         commit,
         staging_limit: options.staging_limit,
         hook: None,
@@ -173,7 +192,7 @@ pub extern "C" fn refit_executor_create(
         let group = unsafe { arg(group, "group") }?;
         let options = convert_options(options)?;
         let created = Executor::new(&group.group, &plan.plan, process, options)?;
-        slot.write(Box::into_raw(Box::new(refit_executor { executor: created })));
+        slot.write(Box::into_raw(Box::new(refit_executor::new(created))));
         Ok(())
     })
 }
@@ -223,7 +242,7 @@ pub extern "C" fn refit_executor_create_across(
         let comm = unsafe { arg(comm, "comm") }?;
         let options = convert_options(options)?;
         let created = Executor::new_across(&group.group, &plan.plan, Arc::clone(comm.shared()), options)?;
-        slot.write(Box::into_raw(Box::new(refit_executor { executor: created })));
+        slot.write(Box::into_raw(Box::new(refit_executor::new(created))));
         Ok(())
     })
 }
@@ -267,11 +286,11 @@ pub extern "C" fn refit_executor_run(
 ) -> Status {
     boundary("refit_executor_run", || {
         // SAFETY: NULL or live handles; stats NULL or writable.
-        let executor = unsafe { arg_mut(executor, "executor") }?;
+        let executor = unsafe { arg(executor, "executor") }?;
         let group = unsafe { arg(group, "group") }?;
         let slot = unsafe { stats_slot(stats) }?;
         // SAFETY: the caller's documented promise on the plan's memory.
-        let ran = unsafe { executor.executor.run(&group.group) }?;
+        let ran = unsafe { executor.take()?.run(&group.group) }?;
         if let Some(slot) = slot {
             slot.write(ran);
         }
@@ -300,11 +319,11 @@ pub extern "C" fn refit_executor_commit(
 ) -> Status {
     boundary("refit_executor_commit", || {
         // SAFETY: as in refit_executor_run.
-        let executor = unsafe { arg_mut(executor, "executor") }?;
+        let executor = unsafe { arg(executor, "executor") }?;
         let group = unsafe { arg(group, "group") }?;
         let slot = unsafe { stats_slot(stats) }?;
         // SAFETY: as in refit_executor_run.
-        let committed = unsafe { executor.executor.commit(&group.group) }?;
+        let committed = unsafe { executor.take()?.commit(&group.group) }?;
         if let Some(slot) = slot {
             slot.write(committed);
         }
@@ -321,9 +340,9 @@ pub extern "C" fn refit_executor_commit(
 pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mut RunStats) -> Status {
     boundary("refit_executor_stats", || {
         // SAFETY: NULL or a live handle; stats NULL or writable.
-        let executor = unsafe { arg_mut(executor, "executor") }?;
+        let executor = unsafe { arg(executor, "executor") }?;
         let slot = unsafe { sized_out(stats, "stats") }?;
-        slot.write(executor.executor.stats()?);
+        slot.write(executor.take()?.stats()?);
         Ok(())
     })
 }
@@ -359,11 +378,11 @@ pub extern "C" fn refit_executor_rebind(
 ) -> Status {
     boundary("refit_executor_rebind", || {
         // SAFETY: NULL or a live handle.
-        let executor = unsafe { arg_mut(executor, "executor") }?;
+        let executor = unsafe { arg(executor, "executor") }?;
         let device = i32::try_from(device).map_err(|_| {
             Error::new(Status::InvalidDevice, format!("device {device} is not a device ordinal"))
         })?;
-        executor.executor.rebind(device, old_base, new_base, length)
+        executor.take()?.rebind(device, old_base, new_base, length)
     })
 }
 
@@ -380,6 +399,91 @@ pub extern "C" fn refit_executor_destroy(executor: *mut refit_executor) {
 mod tests {
     use super::*;
     use crate::exec::Method;
+    use crate::ffi::group::{
+        refit_group_create, refit_group_destroy, refit_group_options, refit_group_options_init,
+        REFIT_BACKEND_HOST,
+    };
+    use crate::ffi::plan::{
+        refit_plan_build, refit_plan_destroy, refit_table, refit_table_add_need, refit_table_add_offer,
+        refit_table_add_tensor, refit_table_create, refit_table_destroy,
+    };
+    use std::ptr::{null, null_mut};
+
+    #[test]
+    fn calls_on_a_handle_another_thread_is_using_are_refused() {
+        const N: usize = 64;
+        let source: Vec<u32> = (0..N as u32).collect();
+        let mut received = vec![0u32; N];
+        let (mut group, mut table, mut plan, mut executor) = (null_mut(), null_mut(), null_mut(), null_mut());
+        let mut options: refit_group_options = unsafe { std::mem::zeroed() };
+        assert_eq!(refit_group_options_init(&mut options), Status::Success);
+        options.backend = REFIT_BACKEND_HOST;
+        assert_eq!(refit_group_create([0].as_ptr(), 1, &options, &mut group), Status::Success);
+        let (shape, zero, unit) = ([N as u64], [0u64], [1u64]);
+        let mut w = 0;
+        // SAFETY: live handles and arrays of the lengths passed; the buffers outlive every call.
+        unsafe {
+            assert_eq!(refit_table_create(&mut table), Status::Success);
+            let add = refit_table_add_tensor(table, c"w".as_ptr(), 1, 4, shape.as_ptr(), 1, &mut w);
+            assert_eq!(add, Status::Success);
+            let offer = refit_table_add_offer(
+                table,
+                w,
+                0,
+                0,
+                source.as_ptr() as u64,
+                zero.as_ptr(),
+                shape.as_ptr(),
+                null(),
+                1,
+                null(),
+            );
+            assert_eq!(offer, Status::Success);
+            let need = refit_table_add_need(
+                table,
+                w,
+                0,
+                0,
+                received.as_mut_ptr() as u64,
+                zero.as_ptr(),
+                shape.as_ptr(),
+                null(),
+                unit.as_ptr(),
+                1,
+            );
+            assert_eq!(need, Status::Success);
+            let tables = [table as *const refit_table];
+            assert_eq!(refit_plan_build(tables.as_ptr(), 1, null(), &mut plan), Status::Success);
+            assert_eq!(refit_executor_create(plan, group, 0, null(), &mut executor), Status::Success);
+
+            // Another thread's call holds each handle: this one is refused and changes nothing.
+            let held = try_lock(&(*executor).executor).unwrap();
+            assert_eq!(refit_executor_run(executor, group, null_mut()), Status::InvalidState);
+            assert!(crate::error::last_error().contains("executor is in use"));
+            drop(held);
+            let writing = (*table).write().unwrap();
+            let tensors = refit_table_add_tensor(table, c"x".as_ptr(), 1, 4, shape.as_ptr(), 1, &mut w);
+            assert_eq!(tensors, Status::InvalidState);
+            let mut other = null_mut();
+            assert_eq!(refit_plan_build(tables.as_ptr(), 1, null(), &mut other), Status::InvalidState);
+            assert!(crate::error::last_error().contains("table is in use"));
+            drop(writing);
+            // Readers overlap; a change waits for none of them, it is refused.
+            let reading = (*table).read().unwrap();
+            assert_eq!(refit_plan_build(tables.as_ptr(), 1, null(), &mut other), Status::Success);
+            let tensors = refit_table_add_tensor(table, c"x".as_ptr(), 1, 4, shape.as_ptr(), 1, &mut w);
+            assert_eq!(tensors, Status::InvalidState);
+            drop(reading);
+            refit_plan_destroy(other);
+
+            assert_eq!(refit_executor_run(executor, group, null_mut()), Status::Success);
+            assert_eq!(received, source);
+            refit_executor_destroy(executor);
+            refit_plan_destroy(plan);
+            refit_table_destroy(table);
+            refit_group_destroy(group);
+        }
+    }
 
     #[test]
     fn arm_codes_are_the_stats_codes() {

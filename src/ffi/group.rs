@@ -4,7 +4,7 @@
 //! pointer is checked by the argument helpers before use, inside the boundary.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use super::{arg, boundary, destroy, options_in, out, slice};
+use super::{arg, boundary, destroy, options_in, out, slice, OptionsStruct};
 use crate::error::{clear_last_error, last_error, Error, Result, Status};
 use crate::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use crate::transport::host::{create_host_stream, destroy_host_stream};
@@ -31,7 +31,10 @@ pub const REFIT_EXIT_ASYNC: u32 = 1;
 /// context switch).
 ///
 /// Thread-safety: a group is used by one thread at a time, except that inside refit_group_run the
-/// rank callbacks may call refit_group_allgather_rank and the query functions concurrently.
+/// rank callbacks may call refit_group_allgather_rank and the query functions concurrently. A
+/// whole-group call (refit_group_enter, _exit, _run, refit_allgather, an executor's run or commit)
+/// made while another thread's whole-group call on the group is in progress returns INVALID_STATE
+/// and does nothing.
 pub struct refit_group {
     pub(crate) group: Group,
 }
@@ -68,6 +71,8 @@ pub extern "C" fn refit_group_options_init(options: *mut refit_group_options) ->
         Ok(())
     })
 }
+
+impl OptionsStruct for refit_group_options {}
 
 fn convert_options(options: *const refit_group_options) -> Result<GroupOptions> {
     // SAFETY: NULL or a caller struct whose first field is its size.
@@ -115,10 +120,21 @@ pub extern "C" fn refit_group_create(
 
 /// Destroys a group (NULL is ignored): drains its streams, stops its rank threads, releases its
 /// streams, events and NCCL communicators. A scope left open is drained, not ordered with the caller's
-/// streams (a warning is logged). Must not be called from a rank callback or while another thread uses
-/// the group.
+/// streams (a warning is logged). Must not be called while another thread uses the group. Called from
+/// a rank callback (of any group), it destroys nothing and logs an error: the group's threads would
+/// wait for themselves; destroy it once its run has returned.
 #[no_mangle]
 pub extern "C" fn refit_group_destroy(group: *mut refit_group) {
+    if !group.is_null() && crate::group::workers::inside_any_run() {
+        // A status cannot be returned: the refusal is logged and kept as the thread's last error.
+        let _ = boundary("refit_group_destroy", || {
+            let refusal =
+                "called from a rank callback: the group is left alive; destroy it after its run returns";
+            log::error!("refit_group_destroy {refusal}");
+            Err(Error::invalid_state(refusal))
+        });
+        return;
+    }
     // SAFETY: the caller hands back a handle from this library, once.
     unsafe { destroy(group, "refit_group_destroy") }
 }

@@ -78,12 +78,13 @@ pub(crate) unsafe fn arg<'a, T>(ptr: *const T, what: &str) -> Result<&'a T> {
     ptr.as_ref().ok_or_else(|| Error::new(Status::NullArgument, format!("{what} is NULL")))
 }
 
-/// A required handle passed for mutation.
-///
-/// # Safety
-/// `ptr` must be NULL or point to a valid `T` that no other thread uses during the call.
-pub(crate) unsafe fn arg_mut<'a, T>(ptr: *mut T, what: &str) -> Result<&'a mut T> {
-    ptr.as_mut().ok_or_else(|| Error::new(Status::NullArgument, format!("{what} is NULL")))
+/// The refusal of a call on a handle that C may use from one thread at a time (or, for reading,
+/// from many while none changes it) while another thread's call holds it: a status instead of a
+/// data race.
+pub(crate) fn in_use(what: &str) -> Error {
+    Error::invalid_state(format!(
+        "the {what} is in use by a call on another thread; the header says which of its calls may overlap"
+    ))
 }
 
 /// A required output slot; checked before any work so that nothing is done for a call that cannot
@@ -141,32 +142,45 @@ pub(crate) unsafe fn c_str<'a>(ptr: *const std::ffi::c_char, what: &str) -> Resu
         .map_err(|_| Error::invalid_argument(format!("{what} is not valid UTF-8")))
 }
 
+/// A C options struct led by its `size` field.
+pub(crate) trait OptionsStruct: Sized {
+    /// Checks, through the raw pointer, every field whose bit patterns Rust restricts (a `bool`), so
+    /// that no reference to a struct holding an invalid value is ever formed.
+    ///
+    /// # Safety
+    /// `ptr` points to a whole, readable `Self`.
+    unsafe fn check_fields(_ptr: *const Self) -> Result<()> {
+        Ok(())
+    }
+}
+
 /// A caller's options struct (NULL: `None`) whose leading `size` field must be sizeof(T). The size is
 /// read and checked before anything else: a caller built against a shorter struct passes only that
-/// many bytes, and reading the rest would read past its memory.
+/// many bytes, and reading the rest would read past its memory. Then the fields Rust restricts are
+/// checked ([`OptionsStruct::check_fields`]).
 ///
 /// # Safety
 /// `ptr` is NULL or points to at least a readable `usize`, and to a whole `T` when that `usize`
 /// equals sizeof(T).
-pub(crate) unsafe fn options_in<'a, T>(ptr: *const T, what: &str) -> Result<Option<&'a T>> {
+pub(crate) unsafe fn options_in<'a, T: OptionsStruct>(ptr: *const T, what: &str) -> Result<Option<&'a T>> {
     if ptr.is_null() {
         return Ok(None);
     }
     let full = std::mem::size_of::<T>();
     check_struct_size(std::ptr::read(ptr.cast::<usize>()), full, full, what)?;
+    T::check_fields(ptr)?;
     Ok(Some(&*ptr))
 }
 
-/// A `bool` field of a caller struct, read as the byte it is: C only ever stores 0 or 1 there, but
+/// Checks a `bool` field of a caller struct as the byte it is: C only ever stores 0 or 1 there, but
 /// bytes set with memset or copied from elsewhere may hold anything, and such a byte read as a Rust
 /// `bool` is undefined behaviour.
 ///
 /// # Safety
 /// `field` points to a readable byte.
-pub(crate) unsafe fn bool_in(field: *const bool, what: &str) -> Result<bool> {
+pub(crate) unsafe fn check_bool(field: *const bool, what: &str) -> Result<()> {
     match std::ptr::read(field.cast::<u8>()) {
-        0 => Ok(false),
-        1 => Ok(true),
+        0 | 1 => Ok(()),
         other => Err(Error::invalid_argument(format!("{what} is {other}; expected 0 (false) or 1 (true)"))),
     }
 }

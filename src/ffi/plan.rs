@@ -5,14 +5,16 @@
 //! encode and plan build, may share it between threads when none modifies it). A `refit_plan` is
 //! immutable once built and may be read from any number of threads at once.
 
-use super::{arg, arg_mut, boundary, c_str, destroy, options_in, out, sized_out, slice};
+use super::{arg, boundary, c_str, destroy, in_use, options_in, out, sized_out, slice, OptionsStruct};
 use crate::bail;
 use crate::error::{try_vec, Error, Result};
 use crate::plan::{
     self, Endpoint, Need, Offer, OwnerPolicy, Plan, PlanOptions, PlanStats, Region, TableBuilder, TensorSpec,
 };
 use crate::segment::Segment;
+use crate::sync::{try_read, try_write};
 use std::ffi::c_char;
+use std::sync::{RwLock, RwLockReadGuard, RwLockWriteGuard};
 
 /// Most dimensions a tensor may have.
 pub const REFIT_MAX_DIMS: u32 = 8;
@@ -37,10 +39,12 @@ pub const REFIT_PLAN_SIZE_BUCKETS: u32 = 64;
 /// refit (not a device, and not a member of a group); `device` is a CUDA ordinal in that process.
 ///
 /// Thread-safety: calls that change a table (refit_table_add_*) need it to themselves; calls that only
-/// read it (refit_table_encoded_size, refit_table_encode, refit_plan_build, refit_plan_build_share)
-/// may share it between threads while nothing changes it. Different tables are independent.
+/// read it (refit_table_encoded_size, refit_table_encode, refit_plan_build, refit_plan_build_share,
+/// refit_plan_build_across) may share it between threads while nothing changes it. A call that
+/// breaks this returns INVALID_STATE and does nothing. Different tables are independent.
 pub struct refit_table {
-    table: TableBuilder,
+    /// Changes need it to themselves, reads may overlap: a call that breaks that is INVALID_STATE.
+    table: RwLock<TableBuilder>,
 }
 
 /// A built reshard plan. Immutable: every reader may be called from any number of threads at once.
@@ -49,9 +53,19 @@ pub struct refit_plan {
 }
 
 impl refit_table {
-    /// The table, for exports of other areas that read one (src/ffi/comm.rs).
-    pub(crate) fn table(&self) -> &plan::Table {
-        self.table.table()
+    fn new(table: TableBuilder) -> refit_table {
+        refit_table { table: RwLock::new(table) }
+    }
+
+    /// The table for reading, while no call changes it (also for exports of other areas that read
+    /// one, src/ffi/comm.rs).
+    pub(crate) fn read(&self) -> Result<RwLockReadGuard<'_, TableBuilder>> {
+        try_read(&self.table).ok_or_else(|| in_use("table"))
+    }
+
+    /// The table for a change, while no other call uses it.
+    pub(crate) fn write(&self) -> Result<RwLockWriteGuard<'_, TableBuilder>> {
+        try_write(&self.table).ok_or_else(|| in_use("table"))
     }
 }
 
@@ -103,7 +117,7 @@ pub struct refit_route_info {
 pub extern "C" fn refit_table_create(table: *mut *mut refit_table) -> crate::Status {
     boundary("refit_table_create", || {
         let slot = out(table, "table")?;
-        slot.write(Box::into_raw(Box::new(refit_table { table: TableBuilder::new() })));
+        slot.write(Box::into_raw(Box::new(refit_table::new(TableBuilder::new()))));
         Ok(())
     })
 }
@@ -140,12 +154,12 @@ pub unsafe extern "C" fn refit_table_add_tensor(
     index: *mut u32,
 ) -> crate::Status {
     boundary("refit_table_add_tensor", || {
-        let table = arg_mut(table, "table")?;
+        let table = arg(table, "table")?;
         let slot = out(index, "index")?;
         let name = c_str(name, "name")?;
         let shape = dims(shape, ndim, "shape")?;
         let spec = TensorSpec { name: name.to_string(), dtype, elem_size, shape };
-        slot.write(table.table.add_tensor(spec)?);
+        slot.write(table.write()?.add_tensor(spec)?);
         Ok(())
     })
 }
@@ -176,12 +190,12 @@ pub unsafe extern "C" fn refit_table_add_offer(
     digest: *const u64,
 ) -> crate::Status {
     boundary("refit_table_add_offer", || {
-        let table = arg_mut(table, "table")?;
+        let table = arg(table, "table")?;
         let region = Region { offset: dims(offset, ndim, "offset")?, extent: dims(extent, ndim, "extent")? };
         let strides = if strides.is_null() { None } else { Some(dims(strides, ndim, "strides")?) };
         let digest = digest.as_ref().copied();
         let owner = Endpoint { process: rank, device };
-        table.table.add_offer(Offer { tensor, owner, addr, region, strides, digest })
+        table.write()?.add_offer(Offer { tensor, owner, addr, region, strides, digest })
     })
 }
 
@@ -212,7 +226,7 @@ pub unsafe extern "C" fn refit_table_add_need(
     ndim: usize,
 ) -> crate::Status {
     boundary("refit_table_add_need", || {
-        let table = arg_mut(table, "table")?;
+        let table = arg(table, "table")?;
         if strides.is_null() {
             return Err(Error::new(crate::Status::NullArgument, "strides is NULL"));
         }
@@ -220,7 +234,7 @@ pub unsafe extern "C" fn refit_table_add_need(
         let strides = dims(strides, ndim, "strides")?;
         let perm = if perm.is_null() { None } else { Some(slice(perm, ndim, "perm")?.to_vec()) };
         let receiver = Endpoint { process: rank, device };
-        table.table.add_need(Need { tensor, receiver, addr, region, perm, strides })
+        table.write()?.add_need(Need { tensor, receiver, addr, region, perm, strides })
     })
 }
 
@@ -237,7 +251,7 @@ pub unsafe extern "C" fn refit_table_encoded_size(
     boundary("refit_table_encoded_size", || {
         let table = arg(table, "table")?;
         let slot = out(size, "size")?;
-        slot.write(plan::wire::encode(table.table.table()).len());
+        slot.write(plan::wire::encode(table.read()?.table()).len());
         Ok(())
     })
 }
@@ -267,7 +281,7 @@ pub unsafe extern "C" fn refit_table_encode(
                 format!("buffer is NULL but capacity is {capacity}"),
             ));
         }
-        let bytes = plan::wire::encode(table.table.table());
+        let bytes = plan::wire::encode(table.read()?.table());
         if capacity < bytes.len() {
             bail!(
                 crate::Status::BufferTooSmall,
@@ -299,7 +313,7 @@ pub unsafe extern "C" fn refit_table_decode(
         let slot = out(table, "table")?;
         let bytes = slice(bytes, len, "bytes")?;
         let decoded = plan::wire::decode(bytes)?;
-        slot.write(Box::into_raw(Box::new(refit_table { table: TableBuilder::from(decoded) })));
+        slot.write(Box::into_raw(Box::new(refit_table::new(TableBuilder::from(decoded)))));
         Ok(())
     })
 }
@@ -346,7 +360,8 @@ pub unsafe extern "C" fn refit_plan_build(
     boundary("refit_plan_build", || {
         let slot = out(plan, "plan")?;
         let options = plan_options(options)?;
-        let borrowed = table_list(tables, count)?;
+        let held = table_list(tables, count)?;
+        let borrowed: Vec<&plan::Table> = held.iter().map(|t| t.table()).collect();
         let built = plan::build_from(&borrowed, &options, &plan::Limits::default())?;
         slot.write(Box::into_raw(Box::new(refit_plan { plan: built })));
         Ok(())
@@ -382,7 +397,8 @@ pub unsafe extern "C" fn refit_plan_build_share(
     boundary("refit_plan_build_share", || {
         let slot = out(plan, "plan")?;
         let options = plan_options(options)?;
-        let borrowed = table_list(tables, count)?;
+        let held = table_list(tables, count)?;
+        let borrowed: Vec<&plan::Table> = held.iter().map(|t| t.table()).collect();
         let built = plan::build_share(&borrowed, process, &options, &plan::Limits::default())?;
         slot.write(Box::into_raw(Box::new(refit_plan { plan: built })));
         Ok(())
@@ -523,17 +539,21 @@ pub unsafe extern "C" fn refit_plan_route(
     })
 }
 
-/// The tables of a caller's array of `count` table pointers.
+/// The tables of a caller's array of `count` table pointers, each held for reading (a table that
+/// another thread is changing is INVALID_STATE).
 ///
 /// # Safety
 /// `tables` points to `count` pointers, each NULL or a live table.
-unsafe fn table_list<'a>(tables: *const *const refit_table, count: usize) -> Result<Vec<&'a plan::Table>> {
+unsafe fn table_list<'a>(
+    tables: *const *const refit_table,
+    count: usize,
+) -> Result<Vec<RwLockReadGuard<'a, TableBuilder>>> {
     let pointers = slice(tables, count, "tables")?;
-    let mut borrowed = try_vec(pointers.len(), "the table list")?;
+    let mut held = try_vec(pointers.len(), "the table list")?;
     for (i, &t) in pointers.iter().enumerate() {
-        borrowed.push(arg(t, &format!("tables[{i}]"))?.table.table());
+        held.push(arg(t, &format!("tables[{i}]"))?.read()?);
     }
-    Ok(borrowed)
+    Ok(held)
 }
 
 /// A caller array of dimensions, at most REFIT_MAX_DIMS long.
@@ -543,6 +563,8 @@ unsafe fn dims(ptr: *const u64, ndim: usize, what: &str) -> Result<Vec<u64>> {
     }
     Ok(slice(ptr, ndim, what)?.to_vec())
 }
+
+impl OptionsStruct for refit_plan_options {}
 
 pub(crate) unsafe fn plan_options(options: *const refit_plan_options) -> Result<PlanOptions> {
     let Some(options) = options_in(options, "options")? else {

@@ -36,6 +36,7 @@ use barrier::AbortableBarrier;
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
+use std::thread::ThreadId;
 use workers::{RankFn, RankWorkers};
 
 /// Which backend a group should use.
@@ -90,6 +91,23 @@ pub struct Group {
     join_events: Vec<Event>,
     /// What the layers above keep per group, one value per type (see `extension`).
     extensions: RwLock<Vec<Arc<dyn Any + Send + Sync>>>,
+    /// The thread driving a whole-group call now, and how deeply (see [`Group::drive`]).
+    driver: Mutex<(Option<ThreadId>, usize)>,
+}
+
+/// A whole-group call in progress on this thread (see [`Group::drive`]); ends when dropped.
+pub struct Driving<'a> {
+    group: &'a Group,
+}
+
+impl Drop for Driving<'_> {
+    fn drop(&mut self) {
+        let mut driver = lock(&self.group.driver);
+        driver.1 -= 1;
+        if driver.1 == 0 {
+            driver.0 = None;
+        }
+    }
 }
 
 /// The host backend runs a thread per simulated device: it simulates at most this many.
@@ -205,6 +223,7 @@ impl Group {
             pending_join: AtomicBool::new(false),
             join_events: Vec::with_capacity(n),
             extensions: RwLock::new(Vec::new()),
+            driver: Mutex::new((None, 0)),
         };
         // Pushed one by one so that Drop releases exactly what was created if a step fails.
         for r in 0..n {
@@ -275,6 +294,24 @@ impl Group {
     }
 
     /// Whether a scope is open.
+    /// Marks a whole-group call (scopes, `run`, a collective, an executor's step) as driven by this
+    /// thread until the guard drops; calls nest on one thread. A group is driven by one thread at a
+    /// time: while another thread's call is in progress this is `InvalidState`, where two calls would
+    /// otherwise interleave their work on the same streams and barrier (and could wait for each
+    /// other forever).
+    pub fn drive(&self) -> Result<Driving<'_>> {
+        let me = std::thread::current().id();
+        let mut driver = lock(&self.driver);
+        if driver.0.is_some_and(|thread| thread != me) {
+            bail!(
+                Status::InvalidState,
+                "the group is in use by a call on another thread; a group is driven by one thread at a time"
+            );
+        }
+        *driver = (Some(me), driver.1 + 1);
+        Ok(Driving { group: self })
+    }
+
     pub fn in_scope(&self) -> bool {
         lock(&self.scope).is_some()
     }
@@ -284,6 +321,7 @@ impl Group {
     /// from a rank callback (of any group): nothing is done then.
     pub fn enter(&self, caller_streams: Option<&[Stream]>) -> Result<()> {
         refuse_in_callback("enter")?;
+        let _driving = self.drive()?;
         if let Some(streams) = caller_streams {
             if streams.len() != self.size() {
                 bail!(
@@ -320,6 +358,7 @@ impl Group {
     /// streams fails; that error is returned.
     pub fn exit(&self, mode: ExitMode) -> Result<()> {
         refuse_in_callback("exit")?;
+        let _driving = self.drive()?;
         let callers = lock(&self.scope)
             .take()
             .ok_or_else(|| Error::invalid_state("no scope is open (exit without enter)"))?;
@@ -381,6 +420,7 @@ impl Group {
     /// Runs `body` inside the open scope, or inside an implicit one (legacy default streams, `Sync`
     /// exit) when none is open.
     pub fn in_implicit_scope<T>(&self, body: impl FnOnce() -> Result<T>) -> Result<T> {
+        let _driving = self.drive()?;
         if self.in_scope() {
             return body();
         }
