@@ -71,7 +71,8 @@ const FNV_START: u64 = 0xcbf2_9ce4_8422_2325;
 ///
 /// Errors: those of the planner (a coverage gap or overlap in a rank's own needs on that rank, the
 /// others ABORTED), DECODE_ERROR (a table's bytes changed on the way), INVALID_ARGUMENT (ranks
-/// disagree; a table entry names another rank's process), ABORTED (another rank's build failed, or a peer went away), TIMEOUT.
+/// disagree; a table entry names another rank's process), ABORTED (another rank's build failed, or
+/// a peer went away), TIMEOUT.
 pub fn build_plan(comm: &Communicator, own: &Table, options: &PlanOptions) -> Result<Plan> {
     let tables = comm.allgather_bytes(&plan::wire::encode(own))?;
     let process = u32::try_from(comm.rank()).expect("communicator ranks fit in 32 bits");

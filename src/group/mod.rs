@@ -36,7 +36,6 @@ use barrier::AbortableBarrier;
 use std::any::Any;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, RwLock};
-use std::thread::ThreadId;
 use workers::{RankFn, RankWorkers};
 
 /// Which backend a group should use.
@@ -92,7 +91,7 @@ pub struct Group {
     /// What the layers above keep per group, one value per type (see `extension`).
     extensions: RwLock<Vec<Arc<dyn Any + Send + Sync>>>,
     /// The thread driving a whole-group call now, and how deeply (see [`Group::drive`]).
-    driver: Mutex<(Option<ThreadId>, usize)>,
+    driver: Mutex<(Option<libc::pthread_t>, usize)>,
 }
 
 /// A whole-group call in progress on this thread (see [`Group::drive`]); ends when dropped.
@@ -293,14 +292,16 @@ impl Group {
         self.peer.iter().all(|row| row.iter().all(|&p| p))
     }
 
-    /// Whether a scope is open.
     /// Marks a whole-group call (scopes, `run`, a collective, an executor's step) as driven by this
     /// thread until the guard drops; calls nest on one thread. A group is driven by one thread at a
     /// time: while another thread's call is in progress this is `InvalidState`, where two calls would
     /// otherwise interleave their work on the same streams and barrier (and could wait for each
     /// other forever).
     pub fn drive(&self) -> Result<Driving<'_>> {
-        let me = std::thread::current().id();
+        // pthread_self rather than thread::current(), which panics in a thread's exit destructors,
+        // where C may still call in.
+        // SAFETY: no preconditions.
+        let me = unsafe { libc::pthread_self() };
         let mut driver = lock(&self.driver);
         if driver.0.is_some_and(|thread| thread != me) {
             bail!(
@@ -312,6 +313,7 @@ impl Group {
         Ok(Driving { group: self })
     }
 
+    /// Whether a scope is open.
     pub fn in_scope(&self) -> bool {
         lock(&self.scope).is_some()
     }
