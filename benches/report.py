@@ -567,6 +567,44 @@ def overlap_probe(d):
     return out
 
 
+def ce_beside_load_probe(d):
+    out = heading(
+        "ce_beside_load_probe",
+        "Probe: why the copy engine moves little beside a GEMM",
+        "the same copies beside loads that each stress one resource, and copy kernels, same run",
+    )
+    t = d["timeline"]
+    out += [f"Timeline beside {t['gemms_during']} GEMMs launched one by one: {t['pieces']} copies of "
+            f"{size(t['piece_bytes'])}, ms each: p10 {num(t['piece_ms_p10'], 3)}, median {num(t['piece_ms_p50'], 3)}, "
+            f"p90 {num(t['piece_ms_p90'], 3)}, max {num(t['piece_ms_max'], 3)}; {num(t['copies_gbps'])} GB/s overall. "
+            f"GEMM ms before the copies {num(t['gemm_ms_before'], 3)}, during {num(t['gemm_ms_during'], 3)}.", ""]
+    out += table(
+        ["load", "copy beside it", "GB/s alone", "GB/s beside", "load ms alone", "load slowdown"],
+        [[r["load"], r["copy"], num(r["alone_gbps"]),
+          ("< " if r["beside_gbps_is_bound"] else "") + num(r["beside_gbps"]), num(r["load_ms_alone"], 3),
+          f"{100 * r['load_slowdown']:.1f}%"] for r in d["rows"]],
+    )
+    return out
+
+
+def power_beside_probe(d):
+    out = heading(
+        "power_beside_probe",
+        "Probe: the SM clock and power while a copy runs beside a GEMM",
+        "the GEMM alone just before, same run (nvidia-smi every 50 ms)",
+    )
+    out += table(
+        ["copy beside the GEMM", "GB/s beside", "GEMM slowdown", "SM MHz alone / beside", "W alone / beside",
+         "SM clock change"],
+        [[r["copy"], ("< " if r["beside_gbps_is_bound"] else "") + num(r["beside_gbps"]),
+          f"{100 * r['gemm_slowdown']:.1f}%",
+          f"{num(r['gemm_alone'].get('sm_mhz'), 0)} / {num(r['gemm_beside_copy'].get('sm_mhz'), 0)}",
+          f"{num(r['gemm_alone'].get('watts'), 0)} / {num(r['gemm_beside_copy'].get('watts'), 0)}",
+          f"{100 * r['sm_clock_change']:.1f}%" if "sm_clock_change" in r else "-"] for r in d["rows"]],
+    )
+    return out
+
+
 def refit_peer(d):
     out = heading(
         "refit_peer",
@@ -638,6 +676,8 @@ SECTIONS = [
     ("ce_lanes_probe", ce_lanes_probe),
     ("sm_push_probe", sm_push_probe),
     ("overlap_probe", overlap_probe),
+    ("ce_beside_load_probe", ce_beside_load_probe),
+    ("power_beside_probe", power_beside_probe),
     ("launch_cost_probe", launch_cost_probe),
     ("leader_launch_probe", leader_launch_probe),
     ("refit_peer", refit_peer),
