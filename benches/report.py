@@ -587,6 +587,20 @@ def ce_beside_load_probe(d):
     return out
 
 
+def lockstep_probe(d):
+    out = heading(
+        "lockstep_probe",
+        f"Probe: {size(d['piece_bytes'])} copy-engine copies beside loads that differ in one way each",
+        "a kernel holding every SM with no memory traffic, same run",
+    )
+    out += table(
+        ["load", "load ms per call", "copy ms, median", "p90", "max", "copies GB/s"],
+        [[r["load"], num(r["load_ms_per_call"], 3), num(r["piece_ms_p50"], 3), num(r["piece_ms_p90"], 3),
+          num(r["piece_ms_max"], 3), num(r["copies_gbps"])] for r in d["rows"]],
+    )
+    return out
+
+
 def power_beside_probe(d):
     out = heading(
         "power_beside_probe",
@@ -678,6 +692,7 @@ SECTIONS = [
     ("overlap_probe", overlap_probe),
     ("ce_beside_load_probe", ce_beside_load_probe),
     ("power_beside_probe", power_beside_probe),
+    ("lockstep_probe", lockstep_probe),
     ("launch_cost_probe", launch_cost_probe),
     ("leader_launch_probe", leader_launch_probe),
     ("refit_peer", refit_peer),

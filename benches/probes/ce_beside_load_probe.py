@@ -190,24 +190,30 @@ def alone_ms(side, step, reps=3):
     return statistics.median(samples)
 
 
-def timeline(src, dst, side, calls=100, pieces=150, piece=64 * MIB):
-    """Part 1: `calls` GEMMs launched one by one with an event after each; from the fifth on, `pieces`
-    copies of `piece` bytes on `side` with an event after each. Returns per-piece and per-GEMM times."""
+def bf16_gemm():
+    """cuBLAS's 8192^3 bf16 GEMM as one call (torch.matmul), launched one by one."""
     a, b, c = (torch.randn(8192, 8192, dtype=torch.bfloat16, device="cuda") for _ in range(3))
+    return lambda: torch.matmul(a, b, out=c)
+
+
+def timeline(src, dst, side, call, calls=100, pieces=150, piece=64 * MIB):
+    """Part 1: `calls` calls of `call` launched one by one with an event after each; from the fifth on,
+    `pieces` copies of `piece` bytes on `side` with an event after each. Returns per-piece and
+    per-call times."""
     load = torch.cuda.Stream()
     for _ in range(3):
-        torch.matmul(a, b, out=c)
+        call()
     torch.cuda.synchronize()
     origin = timing_event()
     origin.record(load)
-    gemm_ends = []
+    call_ends = []
     with torch.cuda.stream(load):
         for i in range(calls):
-            torch.matmul(a, b, out=c)
-            gemm_ends.append(timing_event())
-            gemm_ends[-1].record(load)
+            call()
+            call_ends.append(timing_event())
+            call_ends[-1].record(load)
             if i == 4:
-                side.wait_event(gemm_ends[-1])
+                side.wait_event(call_ends[-1])
     piece_ends = [timing_event()]
     piece_ends[0].record(side)
     with torch.cuda.stream(side):
@@ -217,13 +223,13 @@ def timeline(src, dst, side, calls=100, pieces=150, piece=64 * MIB):
             piece_ends.append(timing_event())
             piece_ends[-1].record(side)
     torch.cuda.synchronize()
-    gemm_t = [origin.elapsed_time(e) for e in gemm_ends]
+    call_t = [origin.elapsed_time(e) for e in call_ends]
     piece_t = [origin.elapsed_time(e) for e in piece_ends]
     piece_ms = [later - earlier for earlier, later in zip(piece_t, piece_t[1:])]
-    gemm_ms = [later - earlier for earlier, later in zip(gemm_t, gemm_t[1:])]
-    # GEMMs wholly before the copies began, and those wholly inside them.
-    before = [ms for ms, end in zip(gemm_ms, gemm_t[1:]) if end <= piece_t[0]]
-    during = [ms for ms, (start, end) in zip(gemm_ms, zip(gemm_t, gemm_t[1:])) if piece_t[0] <= start and end <= piece_t[-1]]
+    call_ms = [later - earlier for earlier, later in zip(call_t, call_t[1:])]
+    # Calls wholly before the copies began, and those wholly inside them.
+    before = [ms for ms, end in zip(call_ms, call_t[1:]) if end <= piece_t[0]]
+    during = [ms for ms, (start, end) in zip(call_ms, zip(call_t, call_t[1:])) if piece_t[0] <= start and end <= piece_t[-1]]
     q = statistics.quantiles(piece_ms, n=10)
     result = {"piece_bytes": piece, "pieces": pieces, "piece_ms_p10": q[0], "piece_ms_p50": statistics.median(piece_ms),
               "piece_ms_p90": q[-1], "piece_ms_max": max(piece_ms), "piece_ms_min": min(piece_ms),
@@ -243,7 +249,7 @@ def main():
     dst = torch.zeros(STEP, dtype=torch.uint8, device="cuda")
     side = torch.cuda.Stream()
 
-    line = timeline(src, dst, side)
+    line = timeline(src, dst, side, bf16_gemm())
 
     rows = []
 
