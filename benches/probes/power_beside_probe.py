@@ -17,20 +17,11 @@ import time
 import cupy as cp
 import torch
 
+from ce_beside_load_probe import COPY16
 from probe_util import MIB, print_table, write_results
 from side_by_side import beside, gemm_load, timing_event
 
 STEP = 2 << 30
-COPY16 = cp.RawKernel(
-    r"""
-struct __align__(16) V16 { unsigned long long lo, hi; };
-extern "C" __global__ void copy16(const V16* __restrict__ s, V16* __restrict__ d, long long n) {
-    for (long long i = blockIdx.x * (long long)blockDim.x + threadIdx.x; i < n; i += (long long)gridDim.x * blockDim.x)
-        d[i] = s[i];
-}
-""",
-    "copy16",
-)
 
 
 class Sampler:
