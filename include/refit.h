@@ -1005,8 +1005,9 @@ refit_status refit_comm_synchronize(refit_comm *comm, void *stream);
  * Errors: the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP or OVERLAP in a rank's own
  * needs, ...) on each rank that failed, while the others get ABORTED naming the first such rank;
  * INVALID_ARGUMENT (bad options; ranks that passed different options or run another refit version:
- * the message names both; a table entry naming another rank's process) on every rank; DECODE_ERROR (a table's bytes changed on the way),
- * TIMEOUT, ABORTED, NULL_ARGUMENT (comm, table, plan).
+ * the message names both; a table entry naming another rank's process) on every rank;
+ * INVALID_STATE (another thread is changing `table`); DECODE_ERROR (a table's bytes changed on the
+ * way), TIMEOUT, ABORTED, NULL_ARGUMENT (comm, table, plan).
  */
 refit_status refit_plan_build_across(refit_comm *comm,
                                      const refit_table *table,
@@ -1133,11 +1134,10 @@ refit_status refit_executor_options_init(refit_executor_options *options);
  * Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
  * commit, a verify byte other than 0 or 1, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit
  * with REFIT_COMMIT_DIRECT or below 4096, a segment with a zero address, a plan that is another
- * process's share), NOT_FOUND (a plan device
- * not in the group), UNSUPPORTED (a route between this process and another: this executor moves
- * bytes within one process; the kernel arm where a rank has no direct access to its peer),
- * OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO
- * falls back to the copy engine), CUDA_ERROR.
+ * process's share), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
+ * process and another: this executor moves bytes within one process; the kernel arm where a rank
+ * has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE /
+ * KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO falls back to the copy engine), CUDA_ERROR.
  */
 refit_status refit_executor_create(const refit_plan *plan,
                                    const refit_group *group,
@@ -1198,7 +1198,8 @@ refit_status refit_executor_create_across(const refit_plan *plan,
  *
  * Errors: NULL_ARGUMENT (executor, group), INVALID_ARGUMENT (another group than the executor's,
  * stats->size), INVALID_STATE (a rebind failed earlier; called from a rank callback of any
- * group: nothing is queued), VERIFY_MISMATCH (the message names the tensor, box and element that
+ * group, or while another thread's call on the executor or a whole-group call on the group is in
+ * progress: nothing is queued), VERIFY_MISMATCH (the message names the tensor, box and element that
  * differ; with REFIT_COMMIT_STAGED nothing of that slice was installed), PLAN_STALE (rebinds left
  * two buffers overlapping; every later run is refused too: build a new plan), CUDA_ERROR. After an
  * error nothing can be committed until a run succeeds; in a direct step live buffers may hold part
@@ -1223,7 +1224,8 @@ refit_status refit_executor_run(refit_executor *executor,
  *
  * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (another group, stats->size), INVALID_STATE (a direct
  * executor; nothing staged since the last commit; the last run or commit failed: the message says
- * why; run again; called from a rank callback of any group), VERIFY_MISMATCH (nothing installed),
+ * why; run again; called from a rank callback of any group, or while another thread's call on
+ * the executor or the group is in progress), VERIFY_MISMATCH (nothing installed),
  * CUDA_ERROR. After an error, run again before committing. Thread-safety: see refit_executor.
  */
 refit_status refit_executor_commit(refit_executor *executor,
@@ -1435,7 +1437,8 @@ void refit_table_destroy(refit_table *table);
  * Adding a name again returns the same index when the description agrees. Names are found by
  * hashing: adding n tensors costs O(n).
  *
- * Not thread-safe for the same table. Errors: NULL_ARGUMENT (table, name, index; shape when
+ * Changes the table (see refit_table for threads: INVALID_STATE while another thread's call
+ * uses it). Errors: NULL_ARGUMENT (table, name, index; shape when
  * ndim > 0), INVALID_ARGUMENT (empty or
  * non-UTF-8 name, elem_size 0, ndim > REFIT_MAX_DIMS, size over 2^64 bytes), TENSOR_MISMATCH (the
  * name was added with another dtype, element size or shape; the message names both).
@@ -1457,7 +1460,8 @@ refit_status refit_table_add_tensor(refit_table *table,
  * `addr`, laid out with element `strides` (NULL: row-major over `extent`), with an optional
  * `digest` of its bytes (NULL: none). Offers of the same box are replicas.
  *
- * Not thread-safe for the same table. Errors: NULL_ARGUMENT (table; offset/extent when ndim > 0),
+ * Changes the table (see refit_table for threads: INVALID_STATE while another thread's call
+ * uses it). Errors: NULL_ARGUMENT (table; offset/extent when ndim > 0),
  * INVALID_ARGUMENT (unknown tensor index, ndim above REFIT_MAX_DIMS, addresses past 2^64),
  * TENSOR_MISMATCH (ndim differing from the tensor's, box outside
  * the tensor).
@@ -1483,7 +1487,8 @@ refit_status refit_table_add_offer(refit_table *table,
  * (`perm` NULL: the identity), so a transposed destination is a permutation. Several needs may
  * write disjoint parts of one buffer (fused parameters).
  *
- * Not thread-safe for the same table. Errors: NULL_ARGUMENT (table, strides; offset/extent when
+ * Changes the table (see refit_table for threads: INVALID_STATE while another thread's call
+ * uses it). Errors: NULL_ARGUMENT (table, strides; offset/extent when
  * ndim > 0), INVALID_ARGUMENT (unknown tensor index, ndim above REFIT_MAX_DIMS, perm not a
  * permutation, addresses past 2^64), TENSOR_MISMATCH (ndim differing from the tensor's, box outside
  * the tensor). Overlapping destinations are found when the plan is built.
@@ -1517,7 +1522,8 @@ refit_status refit_table_encoded_size(const refit_table *table, size_t *size);
  * the table (see refit_table for sharing it between threads).
  *
  * Errors: NULL_ARGUMENT (table, written; buffer when capacity > 0), BUFFER_TOO_SMALL (capacity
- * below refit_table_encoded_size; the message gives the size).
+ * below refit_table_encoded_size; the message gives the size), INVALID_STATE (another thread is
+ * changing the table).
  *
  * # Safety
  * `table` is a live table; `buffer` is writable for `capacity` bytes.
@@ -1551,9 +1557,10 @@ refit_status refit_plan_options_init(refit_plan_options *options);
  * (every process's, in any order: the plan is the same). `options` NULL means the defaults. Runs on
  * the calling thread; touches no device.
  *
- * Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_ARGUMENT (options.size,
- * policy or coalesce out of range; bad entries of decoded tables), TENSOR_MISMATCH (a tensor described
- * differently by two tables: the message names it and both values), REPLICA_MISMATCH (replicas
+ * Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_STATE (another thread
+ * is changing one of the tables), INVALID_ARGUMENT (options.size, policy or coalesce out of range;
+ * bad entries of decoded tables), TENSOR_MISMATCH (a tensor described differently by two tables:
+ * the message names it and both values), REPLICA_MISMATCH (replicas
  * with different digests), COVERAGE_GAP (the message names the first region no offer covers),
  * OVERLAP (two destination bytes written twice), OUT_OF_MEMORY (the plan does not fit in memory,
  * or needs more segments than the planner's limit), UNSUPPORTED (pathological tables beyond the

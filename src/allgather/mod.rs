@@ -104,9 +104,7 @@ pub unsafe fn allgather(
     counts: &[usize],
     requested: Algorithm,
 ) -> Result<Algorithm> {
-    if crate::group::workers::inside_any_run() {
-        bail!(Status::InvalidState, "whole-group allgather called from a rank callback: use allgather_rank");
-    }
+    let _driving = group.drive()?;
     let n = group.size();
     if send.len() != n || recv.len() != n {
         bail!(

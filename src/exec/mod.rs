@@ -40,7 +40,7 @@ pub use remote::RemoteTotals;
 pub use stats::RunStats;
 
 use crate::error::{Error, Result, Status};
-use crate::group::Group;
+use crate::group::{Driving, Group};
 use crate::plan::{Destinations, Plan, RouteKind};
 use crate::segment::{Segment, Side};
 use crate::transport::comm::Communicator;
@@ -608,23 +608,19 @@ impl Executor {
         &self.options
     }
 
-    fn check_call(&self, group: &Group) -> Result<()> {
+    /// A run or commit may start: the executor's group, driven by this thread (see
+    /// [`Group::drive`]), and no failed rebind. The guard drives the group until it drops.
+    fn check_call<'g>(&self, group: &'g Group) -> Result<Driving<'g>> {
         if group.id() != self.group_id {
             return Err(Error::invalid_argument("this executor was made for another group"));
         }
-        // A rank callback runs inside its group's call, on one of several rank threads at once: a
-        // step queued from there would race the other ranks' for the same executor and streams.
-        if crate::group::workers::inside_any_run() {
-            return Err(Error::invalid_state(
-                "an executor runs and commits on the thread that drives its group, not from inside a rank callback",
-            ));
-        }
+        let driving = group.drive()?;
         match &self.broken {
             Some(err) => Err(Error::new(
                 Status::InvalidState,
                 format!("the executor is unusable since a rebind failed ({}): build a new one", err.message),
             )),
-            None => Ok(()),
+            None => Ok(driving),
         }
     }
 
@@ -645,8 +641,7 @@ impl Executor {
     /// work is done (on return outside a scope; after the scope's exit inside one).
     pub unsafe fn run(&mut self, group: &Group) -> Result<RunStats> {
         let started = Instant::now();
-        self.check_call(group)?;
-        let _driving = group.drive()?;
+        let _driving = self.check_call(group)?;
         let mut stats = RunStats { descriptors_reused: true, ..RunStats::default() };
         if self.book.has_moved() {
             self.book.settle().inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
@@ -901,8 +896,7 @@ impl Executor {
     /// As for [`Executor::run`].
     pub unsafe fn commit(&mut self, group: &Group) -> Result<RunStats> {
         let started = Instant::now();
-        self.check_call(group)?;
-        let _driving = group.drive()?;
+        let _driving = self.check_call(group)?;
         if self.options.commit == CommitMode::Direct {
             return Err(Error::invalid_state(
                 "this executor commits directly (REFIT_COMMIT_DIRECT): run installs every byte; there is nothing \

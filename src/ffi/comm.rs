@@ -337,8 +337,9 @@ pub extern "C" fn refit_comm_synchronize(comm: *mut refit_comm, stream: *mut c_v
 /// Errors: the planner's (TENSOR_MISMATCH, REPLICA_MISMATCH, COVERAGE_GAP or OVERLAP in a rank's own
 /// needs, ...) on each rank that failed, while the others get ABORTED naming the first such rank;
 /// INVALID_ARGUMENT (bad options; ranks that passed different options or run another refit version:
-/// the message names both; a table entry naming another rank's process) on every rank; DECODE_ERROR (a table's bytes changed on the way),
-/// TIMEOUT, ABORTED, NULL_ARGUMENT (comm, table, plan).
+/// the message names both; a table entry naming another rank's process) on every rank;
+/// INVALID_STATE (another thread is changing `table`); DECODE_ERROR (a table's bytes changed on the
+/// way), TIMEOUT, ABORTED, NULL_ARGUMENT (comm, table, plan).
 #[no_mangle]
 pub extern "C" fn refit_plan_build_across(
     comm: *mut refit_comm,

@@ -172,11 +172,10 @@ pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_optio
 /// Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
 /// commit, a verify byte other than 0 or 1, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit
 /// with REFIT_COMMIT_DIRECT or below 4096, a segment with a zero address, a plan that is another
-/// process's share), NOT_FOUND (a plan device
-/// not in the group), UNSUPPORTED (a route between this process and another: this executor moves
-/// bytes within one process; the kernel arm where a rank has no direct access to its peer),
-/// OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO
-/// falls back to the copy engine), CUDA_ERROR.
+/// process's share), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
+/// process and another: this executor moves bytes within one process; the kernel arm where a rank
+/// has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE /
+/// KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO falls back to the copy engine), CUDA_ERROR.
 #[no_mangle]
 pub extern "C" fn refit_executor_create(
     plan: *const refit_plan,
@@ -270,7 +269,8 @@ unsafe fn stats_slot<'a>(stats: *mut RunStats) -> Result<Option<&'a mut std::mem
 ///
 /// Errors: NULL_ARGUMENT (executor, group), INVALID_ARGUMENT (another group than the executor's,
 /// stats->size), INVALID_STATE (a rebind failed earlier; called from a rank callback of any
-/// group: nothing is queued), VERIFY_MISMATCH (the message names the tensor, box and element that
+/// group, or while another thread's call on the executor or a whole-group call on the group is in
+/// progress: nothing is queued), VERIFY_MISMATCH (the message names the tensor, box and element that
 /// differ; with REFIT_COMMIT_STAGED nothing of that slice was installed), PLAN_STALE (rebinds left
 /// two buffers overlapping; every later run is refused too: build a new plan), CUDA_ERROR. After an
 /// error nothing can be committed until a run succeeds; in a direct step live buffers may hold part
@@ -309,7 +309,8 @@ pub extern "C" fn refit_executor_run(
 ///
 /// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (another group, stats->size), INVALID_STATE (a direct
 /// executor; nothing staged since the last commit; the last run or commit failed: the message says
-/// why; run again; called from a rank callback of any group), VERIFY_MISMATCH (nothing installed),
+/// why; run again; called from a rank callback of any group, or while another thread's call on
+/// the executor or the group is in progress), VERIFY_MISMATCH (nothing installed),
 /// CUDA_ERROR. After an error, run again before committing. Thread-safety: see refit_executor.
 #[no_mangle]
 pub extern "C" fn refit_executor_commit(

@@ -166,8 +166,12 @@ pub(crate) unsafe fn options_in<'a, T: OptionsStruct>(ptr: *const T, what: &str)
     if ptr.is_null() {
         return Ok(None);
     }
-    let full = std::mem::size_of::<T>();
-    check_struct_size(std::ptr::read(ptr.cast::<usize>()), full, full, what)?;
+    let (size, full) = (std::ptr::read(ptr.cast::<usize>()), std::mem::size_of::<T>());
+    if size != full {
+        return Err(Error::invalid_argument(format!(
+            "{what}.size is {size}; expected {full} (fill it with the *_init function)"
+        )));
+    }
     T::check_fields(ptr)?;
     Ok(Some(&*ptr))
 }
@@ -183,15 +187,4 @@ pub(crate) unsafe fn check_bool(field: *const bool, what: &str) -> Result<()> {
         0 | 1 => Ok(()),
         other => Err(Error::invalid_argument(format!("{what} is {other}; expected 0 (false) or 1 (true)"))),
     }
-}
-
-/// Checks that an options struct's leading `size` field covers at least the fields of the first ABI
-/// version (`min`) and at most what this library knows (`max`).
-pub(crate) fn check_struct_size(size: usize, min: usize, max: usize, what: &str) -> Result<()> {
-    if size < min || size > max {
-        return Err(Error::invalid_argument(format!(
-            "{what}.size is {size}; expected between {min} and {max} (fill it with the *_init function)"
-        )));
-    }
-    Ok(())
 }

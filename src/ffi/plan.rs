@@ -136,7 +136,8 @@ pub unsafe extern "C" fn refit_table_destroy(table: *mut refit_table) {
 /// Adding a name again returns the same index when the description agrees. Names are found by
 /// hashing: adding n tensors costs O(n).
 ///
-/// Not thread-safe for the same table. Errors: NULL_ARGUMENT (table, name, index; shape when
+/// Changes the table (see refit_table for threads: INVALID_STATE while another thread's call
+/// uses it). Errors: NULL_ARGUMENT (table, name, index; shape when
 /// ndim > 0), INVALID_ARGUMENT (empty or
 /// non-UTF-8 name, elem_size 0, ndim > REFIT_MAX_DIMS, size over 2^64 bytes), TENSOR_MISMATCH (the
 /// name was added with another dtype, element size or shape; the message names both).
@@ -169,7 +170,8 @@ pub unsafe extern "C" fn refit_table_add_tensor(
 /// `addr`, laid out with element `strides` (NULL: row-major over `extent`), with an optional
 /// `digest` of its bytes (NULL: none). Offers of the same box are replicas.
 ///
-/// Not thread-safe for the same table. Errors: NULL_ARGUMENT (table; offset/extent when ndim > 0),
+/// Changes the table (see refit_table for threads: INVALID_STATE while another thread's call
+/// uses it). Errors: NULL_ARGUMENT (table; offset/extent when ndim > 0),
 /// INVALID_ARGUMENT (unknown tensor index, ndim above REFIT_MAX_DIMS, addresses past 2^64),
 /// TENSOR_MISMATCH (ndim differing from the tensor's, box outside
 /// the tensor).
@@ -205,7 +207,8 @@ pub unsafe extern "C" fn refit_table_add_offer(
 /// (`perm` NULL: the identity), so a transposed destination is a permutation. Several needs may
 /// write disjoint parts of one buffer (fused parameters).
 ///
-/// Not thread-safe for the same table. Errors: NULL_ARGUMENT (table, strides; offset/extent when
+/// Changes the table (see refit_table for threads: INVALID_STATE while another thread's call
+/// uses it). Errors: NULL_ARGUMENT (table, strides; offset/extent when
 /// ndim > 0), INVALID_ARGUMENT (unknown tensor index, ndim above REFIT_MAX_DIMS, perm not a
 /// permutation, addresses past 2^64), TENSOR_MISMATCH (ndim differing from the tensor's, box outside
 /// the tensor). Overlapping destinations are found when the plan is built.
@@ -261,7 +264,8 @@ pub unsafe extern "C" fn refit_table_encoded_size(
 /// the table (see refit_table for sharing it between threads).
 ///
 /// Errors: NULL_ARGUMENT (table, written; buffer when capacity > 0), BUFFER_TOO_SMALL (capacity
-/// below refit_table_encoded_size; the message gives the size).
+/// below refit_table_encoded_size; the message gives the size), INVALID_STATE (another thread is
+/// changing the table).
 ///
 /// # Safety
 /// `table` is a live table; `buffer` is writable for `capacity` bytes.
@@ -338,9 +342,10 @@ pub extern "C" fn refit_plan_options_init(options: *mut refit_plan_options) -> c
 /// (every process's, in any order: the plan is the same). `options` NULL means the defaults. Runs on
 /// the calling thread; touches no device.
 ///
-/// Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_ARGUMENT (options.size,
-/// policy or coalesce out of range; bad entries of decoded tables), TENSOR_MISMATCH (a tensor described
-/// differently by two tables: the message names it and both values), REPLICA_MISMATCH (replicas
+/// Errors: NULL_ARGUMENT (plan; tables when count > 0; a NULL entry), INVALID_STATE (another thread
+/// is changing one of the tables), INVALID_ARGUMENT (options.size, policy or coalesce out of range;
+/// bad entries of decoded tables), TENSOR_MISMATCH (a tensor described differently by two tables:
+/// the message names it and both values), REPLICA_MISMATCH (replicas
 /// with different digests), COVERAGE_GAP (the message names the first region no offer covers),
 /// OVERLAP (two destination bytes written twice), OUT_OF_MEMORY (the plan does not fit in memory,
 /// or needs more segments than the planner's limit), UNSUPPORTED (pathological tables beyond the
@@ -360,9 +365,9 @@ pub unsafe extern "C" fn refit_plan_build(
     boundary("refit_plan_build", || {
         let slot = out(plan, "plan")?;
         let options = plan_options(options)?;
-        let held = table_list(tables, count)?;
-        let borrowed: Vec<&plan::Table> = held.iter().map(|t| t.table()).collect();
-        let built = plan::build_from(&borrowed, &options, &plan::Limits::default())?;
+        let built = with_tables(tables, count, |borrowed| {
+            plan::build_from(borrowed, &options, &plan::Limits::default())
+        })?;
         slot.write(Box::into_raw(Box::new(refit_plan { plan: built })));
         Ok(())
     })
@@ -397,9 +402,9 @@ pub unsafe extern "C" fn refit_plan_build_share(
     boundary("refit_plan_build_share", || {
         let slot = out(plan, "plan")?;
         let options = plan_options(options)?;
-        let held = table_list(tables, count)?;
-        let borrowed: Vec<&plan::Table> = held.iter().map(|t| t.table()).collect();
-        let built = plan::build_share(&borrowed, process, &options, &plan::Limits::default())?;
+        let built = with_tables(tables, count, |borrowed| {
+            plan::build_share(borrowed, process, &options, &plan::Limits::default())
+        })?;
         slot.write(Box::into_raw(Box::new(refit_plan { plan: built })));
         Ok(())
     })
@@ -539,21 +544,23 @@ pub unsafe extern "C" fn refit_plan_route(
     })
 }
 
-/// The tables of a caller's array of `count` table pointers, each held for reading (a table that
-/// another thread is changing is INVALID_STATE).
+/// `body` over the tables of a caller's array of `count` table pointers, each held for reading
+/// meanwhile (a table that another thread is changing is INVALID_STATE).
 ///
 /// # Safety
 /// `tables` points to `count` pointers, each NULL or a live table.
-unsafe fn table_list<'a>(
+unsafe fn with_tables<R>(
     tables: *const *const refit_table,
     count: usize,
-) -> Result<Vec<RwLockReadGuard<'a, TableBuilder>>> {
+    body: impl FnOnce(&[&plan::Table]) -> Result<R>,
+) -> Result<R> {
     let pointers = slice(tables, count, "tables")?;
     let mut held = try_vec(pointers.len(), "the table list")?;
     for (i, &t) in pointers.iter().enumerate() {
         held.push(arg(t, &format!("tables[{i}]"))?.read()?);
     }
-    Ok(held)
+    let borrowed: Vec<&plan::Table> = held.iter().map(|t| t.table()).collect();
+    body(&borrowed)
 }
 
 /// A caller array of dimensions, at most REFIT_MAX_DIMS long.

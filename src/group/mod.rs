@@ -147,16 +147,6 @@ fn backend_for(devices: &[i32], options: &GroupOptions) -> Result<Arc<dyn Backen
     }
 }
 
-/// Scopes belong to the thread that drives the group: a rank callback runs inside the scope of the
-/// `run` that called it, and opening or closing one there would reorder the streams under the other
-/// ranks' feet.
-fn refuse_in_callback(what: &str) -> Result<()> {
-    if workers::inside_any_run() {
-        bail!(Status::InvalidState, "a scope cannot be {what}ed from inside a rank callback");
-    }
-    Ok(())
-}
-
 impl Group {
     /// A group where rank r is `devices[r]`. Rejects an empty list (`EmptyDeviceList`), a device out
     /// of range (`InvalidDevice`) and a repeated device (`DuplicateDevice`). Enables peer access for
@@ -293,11 +283,21 @@ impl Group {
     }
 
     /// Marks a whole-group call (scopes, `run`, a collective, an executor's step) as driven by this
-    /// thread until the guard drops; calls nest on one thread. A group is driven by one thread at a
-    /// time: while another thread's call is in progress this is `InvalidState`, where two calls would
-    /// otherwise interleave their work on the same streams and barrier (and could wait for each
-    /// other forever).
+    /// thread until the guard drops; calls nest on one thread. `InvalidState`, doing nothing:
+    /// - from a rank callback (of any group): it runs inside its group's call, on one of several
+    ///   rank threads at once, so a whole-group call from there would reorder the streams under the
+    ///   other ranks' feet (callbacks make per-rank calls: `allgather_rank`);
+    /// - while another thread's whole-group call is in progress: a group is driven by one thread at
+    ///   a time, and two calls would interleave their work on the same streams and barrier (and could
+    ///   wait for each other forever).
     pub fn drive(&self) -> Result<Driving<'_>> {
+        if workers::inside_any_run() {
+            bail!(
+                Status::InvalidState,
+                "called from inside a rank callback: whole-group calls (scopes, run, allgather, an executor's \
+                 run or commit) are made by the thread that drives the group; callbacks make per-rank calls"
+            );
+        }
         // pthread_self rather than thread::current(), which panics in a thread's exit destructors,
         // where C may still call in.
         // SAFETY: no preconditions.
@@ -322,7 +322,6 @@ impl Group {
     /// legacy default streams when None). `InvalidState` when a scope is already open, or when called
     /// from a rank callback (of any group): nothing is done then.
     pub fn enter(&self, caller_streams: Option<&[Stream]>) -> Result<()> {
-        refuse_in_callback("enter")?;
         let _driving = self.drive()?;
         if let Some(streams) = caller_streams {
             if streams.len() != self.size() {
@@ -359,7 +358,6 @@ impl Group {
     /// rank callback (of any group). Once the scope is taken it is closed even when ordering the
     /// streams fails; that error is returned.
     pub fn exit(&self, mode: ExitMode) -> Result<()> {
-        refuse_in_callback("exit")?;
         let _driving = self.drive()?;
         let callers = lock(&self.scope)
             .take()
@@ -439,9 +437,6 @@ impl Group {
     /// error; the other ranks' collectives are released with `Aborted`. The group stays usable.
     /// `InvalidState` when called from inside a rank body.
     pub fn run(&self, body: &RankFn<'_>) -> Result<()> {
-        if workers::inside_any_run() {
-            bail!(Status::InvalidState, "run cannot be called from inside a rank callback");
-        }
         self.in_implicit_scope(|| {
             // Callbacks may reuse any buffer on their stream: earlier collectives must be joined.
             self.join_if_pending()?;
