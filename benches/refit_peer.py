@@ -30,7 +30,7 @@ import torch
 
 import refit
 from refit import Arm, Backend, Group, Plan, Table
-from side_by_side import beside, decode_load, gemm_load
+from side_by_side import beside, copy_in_pieces, decode_load, gemm_load
 
 GIB = 1 << 30
 STAGING = 4 * GIB
@@ -208,11 +208,7 @@ def main():
 
     def torch_copy_in(piece):
         """One step: `chunk` bytes by torch `copy_` on `side`, in copies of `piece` bytes."""
-        def step():
-            with torch.cuda.stream(side):
-                for off in range(0, chunk, piece):
-                    recv[off:off + piece].copy_(pub[off:off + piece])
-        return step
+        return copy_in_pieces(recv, pub, side, chunk, piece)
 
     pieces = [64 << 20, 256 << 20, 1 << 30, chunk]
     with torch.cuda.stream(side):  # timed_ms's events on the stream the steps use

@@ -115,6 +115,16 @@ def rate_inside(step_ends_ms, begin_ms, end_ms, step_bytes):
     return (len(inside) + 1) * step_bytes / ((end_ms - begin_ms) * 1e6), True
 
 
+def copy_in_pieces(dst, src, stream, nbytes, piece):
+    """A step: the first `nbytes` of `src` into `dst` (byte tensors) by torch `copy_` on `stream`, in
+    copies of `piece` bytes (same-device `cudaMemcpyAsync`s: the copy engine)."""
+    def step():
+        with torch.cuda.stream(stream):
+            for off in range(0, nbytes, piece):
+                dst[off:off + piece].copy_(src[off:off + piece])
+    return step
+
+
 def bf16(*shape):
     return torch.randn(*shape, dtype=torch.bfloat16, device="cuda")
 

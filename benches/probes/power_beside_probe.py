@@ -19,7 +19,7 @@ import torch
 
 from ce_beside_load_probe import COPY16
 from probe_util import MIB, print_table, write_results
-from side_by_side import beside, gemm_load, timing_event
+from side_by_side import beside, copy_in_pieces, gemm_load, timing_event
 
 STEP = 2 << 30
 
@@ -69,13 +69,6 @@ def main():
     gemm = gemm_load()
     sampler = Sampler()
 
-    def pieces(piece):
-        def step():
-            with torch.cuda.stream(side):
-                for off in range(0, STEP, piece):
-                    dst[off:off + piece].copy_(src[off:off + piece])
-        return step
-
     def kernel():
         COPY16((48,), (512,), (src.data_ptr(), dst.data_ptr(), cp.int64(STEP // 16)), stream=side_cp)
 
@@ -91,8 +84,8 @@ def main():
 
     window_ms = 1500.0
     rows = []
-    for what, step in (("copy engine, 64 MiB pieces", pieces(64 * MIB)),
-                       ("copy engine, 1 GiB pieces", pieces(1024 * MIB)),
+    for what, step in (("copy engine, 64 MiB pieces", copy_in_pieces(dst, src, side, STEP, 64 * MIB)),
+                       ("copy engine, 1 GiB pieces", copy_in_pieces(dst, src, side, STEP, 1024 * MIB)),
                        ("copy kernel 48 x 512", kernel)):
         ms = alone_ms(step)
         # The baseline loop comes first inside beside(): sample it, then the loop beside the copy.
