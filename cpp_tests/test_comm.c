@@ -1,7 +1,8 @@
 /* Communicators between processes from C11, on the host backend (CI has no GPU): three processes
  * (this one and two forked children) join one communicator, allgather uneven blocks (checked against
  * the blocks each process computes for every rank), build one plan from their own tables (checked
- * against a plan built here from all three tables), and a rank that aborts ends a peer's call; then
+ * against a plan built here from all three tables; a table naming another process is refused on
+ * every rank), and a rank that aborts ends a peer's call; then
  * every bad argument of the communicator API with its status, on a communicator of one rank. */
 #include <stdint.h>
 #include <sys/types.h>
@@ -120,6 +121,11 @@ static void plan_across(refit_comm *comm, uint32_t rank) {
   CHECK_STATUS(refit_plan_build_across(comm, tables[rank], &options, &none), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(none == NULL);
   CHECK(strstr(refit_last_error_message(), "different plan options") != NULL);
+  /* Rank 1 passes rank 0's table, whose offer names process 0: every rank refuses it alike. */
+  CHECK_STATUS(refit_plan_build_across(comm, tables[rank == 1 ? 0 : rank], NULL, &none),
+               REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(none == NULL);
+  CHECK(strstr(refit_last_error_message(), "rank 1's table has an offer of tensor 'w' on process 0") != NULL);
   refit_plan_destroy(alone);
   refit_plan_destroy(across);
   for (uint32_t r = 0; r < RANKS; r++) refit_table_destroy(tables[r]);

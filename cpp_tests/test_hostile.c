@@ -7,6 +7,8 @@
  * several threads at once. Every refusal must carry its own status and a message naming the
  * argument; what succeeds must move the right bytes. */
 #include <pthread.h>
+#include <sched.h>
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 
@@ -64,6 +66,7 @@ static void executor_call_order(void);
 static void rebinds(void);
 static void communicator_sizes(void);
 static void threads_on_distinct_handles(void);
+static void a_group_driven_by_another_thread(void);
 static void batch_outlives_its_group(void);
 
 int main(void) {
@@ -81,6 +84,7 @@ int main(void) {
   rebinds();
   communicator_sizes();
   threads_on_distinct_handles();
+  a_group_driven_by_another_thread();
   batch_outlives_its_group();
   CHECK_DONE();
 }
@@ -1016,4 +1020,71 @@ static void threads_on_distinct_handles(void) {
   }
   for (int i = 0; i < THREADS; i++) CHECK(pthread_join(threads[i], NULL) == 0);
   for (int i = 0; i < THREADS; i++) CHECK(workers[i].ok);
+}
+
+/* ---- a group another thread is driving --------------------------------------------------------- */
+
+struct intruder {
+  refit_group *group;
+  refit_executor *executor;
+  atomic_int inside, done;
+  refit_status enter, run, allgather, step;
+  int named;
+};
+
+/* Rank 0's callback holds the group's run open until the intruding thread has made its calls. */
+static int32_t hold_run_open(uint32_t rank, void *stream, void *user_data) {
+  struct intruder *in = (struct intruder *)user_data;
+  (void)stream;
+  if (rank != 0) return 0;
+  atomic_store(&in->inside, 1);
+  while (!atomic_load(&in->done)) sched_yield();
+  return 0;
+}
+
+static int32_t nothing(uint32_t rank, void *stream, void *user_data) {
+  (void)rank, (void)stream, (void)user_data;
+  return 0;
+}
+
+/* Whole-group calls from a thread that is not driving the group, while its run is in progress. */
+static void *intrude(void *argument) {
+  struct intruder *in = (struct intruder *)argument;
+  while (!atomic_load(&in->inside)) sched_yield();
+  in->enter = refit_group_enter(in->group, NULL);
+  in->named = strstr(refit_last_error_message(), "another thread") != NULL;
+  in->run = refit_group_run(in->group, nothing, NULL);
+  uint64_t bytes[2] = {0, 0};
+  const uint64_t send[2] = {addr(&bytes[0]), addr(&bytes[1])}, recv[2] = {addr(&bytes[0]), addr(&bytes[1])};
+  const size_t counts[2] = {0, 0};
+  uint32_t picked = 0;
+  in->allgather = refit_allgather(in->group, send, recv, counts, REFIT_ALLGATHER_AUTO, &picked);
+  in->step = refit_executor_run(in->executor, in->group, NULL);
+  atomic_store(&in->done, 1);
+  return NULL;
+}
+
+static void a_group_driven_by_another_thread(void) {
+  static uint32_t src[16], dst[16];
+  for (int i = 0; i < 16; i++) src[i] = (uint32_t)(7 * i + 1);
+  refit_plan *plan = copy_plan(src, dst, 16, 1);
+  static struct intruder in;
+  in.group = host_group(2);
+  CHECK_OK(refit_executor_create(plan, in.group, 0, NULL, &in.executor));
+  pthread_t thread;
+  CHECK(pthread_create(&thread, NULL, intrude, &in) == 0);
+  CHECK_OK(refit_group_run(in.group, hold_run_open, &in));
+  CHECK(pthread_join(thread, NULL) == 0);
+  CHECK(in.enter == REFIT_STATUS_INVALID_STATE && in.named);
+  CHECK(in.run == REFIT_STATUS_INVALID_STATE);
+  CHECK(in.allgather == REFIT_STATUS_INVALID_STATE);
+  CHECK(in.step == REFIT_STATUS_INVALID_STATE);
+  /* Refused calls changed nothing: no scope was left open, and the driving thread's step runs. */
+  CHECK(dst[0] == 0);
+  CHECK_FAILS(refit_group_exit(in.group, REFIT_EXIT_SYNC), REFIT_STATUS_INVALID_STATE, "no scope is open");
+  CHECK_OK(refit_executor_run(in.executor, in.group, NULL));
+  CHECK(memcmp(src, dst, sizeof src) == 0);
+  refit_executor_destroy(in.executor);
+  refit_group_destroy(in.group);
+  refit_plan_destroy(plan);
 }

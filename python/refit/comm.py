@@ -152,7 +152,8 @@ class Communicator(Handle):
 
     def build_plan(self, table, policy=Policy.LOCAL, coalesce=True):
         """One plan from every rank's table (refit_plan_build_across): each rank passes its own
-        Table and the same options; every rank gets the same Plan, or every rank raises."""
+        Table (entries naming its own process only) and the same options; every rank gets its share
+        of the same plan, or every rank raises."""
         options = PlanOptions()
         check(lib.refit_plan_options_init(byref(options)))
         options.policy = check_range(policy, 32, "policy")

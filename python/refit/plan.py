@@ -314,7 +314,8 @@ class Plan(Handle):
         ordinals the plan's endpoints name): descriptors built and uploaded now, then run() at every
         step (refit_executor_create). With `comm` (a Communicator whose rank is `process`), the
         routes to and from the other processes of `comm` too (refit_executor_create_across; every
-        process makes this call).
+        process makes this call). A share built for another process (Plan.build_share) raises
+        RefitError(INVALID_ARGUMENT): it lacks this process's routes.
 
         arm: Arm.AUTO (by run length: the copy engine for long runs, the kernel for the others;
         stats.arm says which, Arm.SPLIT for both), KERNEL or COPY_ENGINE (no SMs). sm_budget: KERNEL

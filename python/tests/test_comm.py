@@ -74,6 +74,14 @@ def plan_across(comm_id, rank, size):
             assert "different plan options" in err.message, err
         else:
             raise AssertionError("ranks with other options built a plan")
+        # Rank 1 passes rank 0's table, whose entries name process 0: every rank refuses it alike.
+        try:
+            comm.build_plan(tables[0 if rank == 1 else rank])
+        except RefitError as err:
+            assert err.status == Status.INVALID_ARGUMENT, err
+            assert "rank 1's table has" in err.message and "on process 0" in err.message, err
+        else:
+            raise AssertionError("a table naming another process was planned")
 
 
 def silent_peer(comm_id, rank, size):

@@ -61,6 +61,18 @@ class ExecutorTest(unittest.TestCase):
                     self.assertLessEqual(stats.prepare_ns + stats.enqueue_ns + stats.wait_ns, stats.wall_ns)
             self.assert_received()
 
+    def test_a_share_runs_for_its_own_process_only(self):
+        self.poison()
+        with Plan.build_share(self.refit.tables, 0) as own, own.executor(self.group, 0) as executor:
+            executor.run()
+        self.assertEqual(self.refit.halves[0].bytes(), self.refit.expected_half(0))
+        # Process 1's share lacks process 0's routes: run for process 0, it would move part of them.
+        with Plan.build_share(self.refit.tables, 1) as other:
+            with self.assertRaises(RefitError) as raised:
+                other.executor(self.group, 0)
+        self.assertEqual(raised.exception.status, Status.INVALID_ARGUMENT)
+        self.assertIn("process 1's share", raised.exception.message)
+
     def test_staged_commit_installs_only_on_commit(self):
         executors = self.executors(commit=Commit.STAGED, verify=True)
         self.poison()
