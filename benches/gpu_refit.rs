@@ -194,8 +194,7 @@ fn plan_of(tables: &[Table], coalesce: bool) -> *mut refit_plan {
     // SAFETY: live tables.
     ok(unsafe { refit_plan_build(decoded.as_ptr(), decoded.len(), &options, &mut plan) }, "refit_plan_build");
     for table in decoded {
-        // SAFETY: decoded above, destroyed once.
-        unsafe { refit_table_destroy(table as *mut refit_table) };
+        refit_table_destroy(table as *mut refit_table);
     }
     plan
 }
@@ -346,8 +345,7 @@ fn host_time(machine: &Machine, n: u64) -> (f64, f64, f64, u64) {
     }
     machine.backend.sync_stream(0, Stream::from_ptr(caller)).expect("sync");
     refit_executor_destroy(executor);
-    // SAFETY: built above.
-    unsafe { refit_plan_destroy(plan) };
+    refit_plan_destroy(plan);
     if machine.on_gpu {
         machine.backend.destroy_stream(0, Stream::from_ptr(caller));
     } else {
@@ -495,8 +493,7 @@ fn main() {
     let staged_run_ns = median(staged_steps.iter().map(|(r, _)| r.device_ns as f64).collect());
     // The ceiling at the commit's size.
     let commit_ceiling = gbps(commit_bytes, machine.copy_ms(publishers, receivers, commit_bytes, 5) * 1e6);
-    // SAFETY: built above; no executor uses it.
-    unsafe { refit_plan_destroy(plan) };
+    refit_plan_destroy(plan);
     machine.free(publishers);
     machine.free(receivers);
 

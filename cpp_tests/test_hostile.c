@@ -3,8 +3,9 @@
  * against a shorter struct that passes only that many bytes), garbage in bool fields and padding,
  * enum values out of range, counts and shapes whose products overflow, empty and scalar tensors,
  * odd names, tensors described differently by two tables, executors called in the wrong order,
- * rebinds that make no sense, a communicator far larger than a machine can hold, and calls from
- * several threads at once. Every refusal must carry its own status and a message naming the
+ * rebinds that make no sense, a communicator far larger than a machine can hold, calls from
+ * several threads at once, and handles used after their destroy, destroyed twice, cast to another
+ * handle type or made up. Every refusal must carry its own status and a message naming the
  * argument; what succeeds must move the right bytes. */
 #include <pthread.h>
 #include <sched.h>
@@ -68,6 +69,9 @@ static void communicator_sizes(void);
 static void threads_on_distinct_handles(void);
 static void a_group_driven_by_another_thread(void);
 static void batch_outlives_its_group(void);
+static void stale_foreign_and_made_up_handles(void);
+static void a_group_destroyed_from_another_groups_callback(void);
+static void a_stream_of_another_device(void);
 
 int main(void) {
   last_error_on_a_fresh_thread_is_empty();
@@ -86,6 +90,9 @@ int main(void) {
   threads_on_distinct_handles();
   a_group_driven_by_another_thread();
   batch_outlives_its_group();
+  stale_foreign_and_made_up_handles();
+  a_group_destroyed_from_another_groups_callback();
+  a_stream_of_another_device();
   CHECK_DONE();
 }
 
@@ -734,11 +741,12 @@ static int32_t step_from_callback(uint32_t rank, void *stream, void *user_data) 
   return 0;
 }
 
-/* Destroys the group from inside its own run: refused (the rank threads would wait for themselves). */
+/* Destroys the group from inside its own run: refused (the run holds it, and the rank threads would
+ * wait for themselves). */
 static int32_t destroy_from_callback(uint32_t rank, void *stream, void *user_data) {
   (void)stream;
   refit_group_destroy((refit_group *)user_data);
-  return strstr(refit_last_error_message(), "rank callback") != NULL ? 0 : (int32_t)(100 + rank);
+  return strstr(refit_last_error_message(), "in use by a call in progress") != NULL ? 0 : (int32_t)(100 + rank);
 }
 
 static void executor_call_order(void) {
@@ -1087,4 +1095,158 @@ static void a_group_driven_by_another_thread(void) {
   refit_executor_destroy(in.executor);
   refit_group_destroy(in.group);
   refit_plan_destroy(plan);
+}
+
+/* ---- handles that are not live ---------------------------------------------------------------- */
+
+static void stale_foreign_and_made_up_handles(void) {
+  static uint32_t src[8], dst[8];
+  for (int i = 0; i < 8; i++) src[i] = (uint32_t)(70 + i);
+  refit_group *group = host_group(2);
+  refit_plan *plan = copy_plan(src, dst, 8, 1);
+  refit_table *table = NULL;
+  CHECK_OK(refit_table_create(&table));
+  refit_executor *executor = NULL;
+  CHECK_OK(refit_executor_create(plan, group, 0, NULL, &executor));
+  refit_segment segment;
+  memset(&segment, 0, sizeof segment);
+  segment.src = addr(src);
+  segment.dst = addr(dst);
+  segment.len = sizeof src;
+  segment.count[0] = segment.count[1] = 1;
+  refit_prepared_copy *batch = NULL;
+  CHECK_OK(refit_copy_batch_prepare(group, 1, &segment, 1, 0, &batch));
+  refit_comm_id id;
+  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
+  refit_comm *comm = NULL;
+  CHECK_OK(refit_comm_create(&id, 1, 0, 0, NULL, &comm));
+
+  /* A handle cast to another handle type: refused by calls and by destroy, which releases nothing. */
+  size_t count = 0;
+  uint32_t rank = 9;
+  CHECK_FAILS(refit_plan_route_count((const refit_plan *)table, &count), REFIT_STATUS_INVALID_ARGUMENT,
+              "plan is a refit_table, not a refit_plan");
+  CHECK_FAILS(refit_group_size((const refit_group *)plan, &count), REFIT_STATUS_INVALID_ARGUMENT,
+              "group is a refit_plan, not a refit_group");
+  CHECK_FAILS(refit_executor_run((refit_executor *)group, group, NULL), REFIT_STATUS_INVALID_ARGUMENT,
+              "executor is a refit_group, not a refit_executor");
+  CHECK_FAILS(refit_executor_run(executor, (refit_group *)executor, NULL), REFIT_STATUS_INVALID_ARGUMENT,
+              "group is a refit_executor, not a refit_group");
+  CHECK_FAILS(refit_comm_rank((const refit_comm *)batch, &rank), REFIT_STATUS_INVALID_ARGUMENT,
+              "is a refit_prepared_copy, not a refit_comm");
+  const refit_table *wrong_tables[1] = {(const refit_table *)plan};
+  refit_plan *none = (refit_plan *)0x1;
+  CHECK_FAILS(refit_plan_build(wrong_tables, 1, NULL, &none), REFIT_STATUS_INVALID_ARGUMENT,
+              "tables[0] is a refit_plan, not a refit_table");
+  CHECK_FAILS(refit_plan_build_across(comm, (const refit_table *)comm, NULL, &none), REFIT_STATUS_INVALID_ARGUMENT,
+              "table is a refit_comm, not a refit_table");
+  CHECK(none == (refit_plan *)0x1 && count == 0 && rank == 9);
+  refit_plan_destroy((refit_plan *)table);
+  CHECK(strstr(refit_last_error_message(), "is a refit_table, not a refit_plan; nothing was released") != NULL);
+  refit_group_destroy((refit_group *)comm);
+  CHECK(strstr(refit_last_error_message(), "is a refit_comm, not a refit_group") != NULL);
+  /* ...and every handle still works. */
+  CHECK_OK(refit_table_encoded_size(table, &count));
+  CHECK_OK(refit_comm_rank(comm, &rank));
+  CHECK(rank == 0);
+  CHECK_OK(refit_executor_run(executor, group, NULL));
+  CHECK(memcmp(src, dst, sizeof src) == 0);
+
+  /* Values refit never returned: small numbers, the address of caller memory, all ones. */
+  int caller_memory = 0;
+  void *made_up[3] = {(void *)0x10, &caller_memory, (void *)UINTPTR_MAX};
+  for (int i = 0; i < 3; i++) {
+    CHECK_FAILS(refit_group_size((const refit_group *)made_up[i], &count), REFIT_STATUS_INVALID_ARGUMENT,
+                "is not a live refit_group");
+    CHECK_FAILS(refit_executor_stats((refit_executor *)made_up[i], NULL), REFIT_STATUS_INVALID_ARGUMENT,
+                "is not a live refit_executor");
+    refit_table_destroy((refit_table *)made_up[i]);
+    CHECK(strstr(refit_last_error_message(), "is not a live refit_table") != NULL);
+  }
+  CHECK(caller_memory == 0);
+
+  /* Used after destroy, and destroyed twice: refused every time, whatever was created since (a
+   * handle is never reused, so the old value cannot name a new object). */
+  refit_copy_batch_destroy(batch);
+  refit_comm_destroy(comm);
+  refit_executor_destroy(executor);
+  refit_plan_destroy(plan);
+  refit_table_destroy(table);
+  refit_group_destroy(group);
+  refit_table *fresh_table = NULL;
+  CHECK_OK(refit_table_create(&fresh_table));
+  refit_group *fresh_group = host_group(2);
+  CHECK(fresh_table != table && fresh_group != group);
+  CHECK_FAILS(refit_table_encoded_size(table, &count), REFIT_STATUS_INVALID_ARGUMENT,
+              "table (0x");
+  CHECK(strstr(refit_last_error_message(), "is not a live refit_table: destroyed already") != NULL);
+  CHECK_FAILS(refit_plan_route_count(plan, &count), REFIT_STATUS_INVALID_ARGUMENT, "not a live refit_plan");
+  CHECK_FAILS(refit_group_size(group, &count), REFIT_STATUS_INVALID_ARGUMENT, "not a live refit_group");
+  CHECK_FAILS(refit_executor_run(executor, fresh_group, NULL), REFIT_STATUS_INVALID_ARGUMENT,
+              "not a live refit_executor");
+  CHECK_FAILS(refit_copy_batch_launch(batch, NULL), REFIT_STATUS_INVALID_ARGUMENT, "not a live refit_prepared_copy");
+  CHECK_FAILS(refit_comm_rank(comm, &rank), REFIT_STATUS_INVALID_ARGUMENT, "not a live refit_comm");
+  refit_executor_destroy(executor);
+  CHECK(strstr(refit_last_error_message(), "destroyed already, or never returned by refit; nothing was released") != NULL);
+  refit_group_destroy(group);
+  refit_comm_destroy(comm);
+  refit_copy_batch_destroy(batch);
+  refit_plan_destroy(plan);
+  refit_table_destroy(table);
+  CHECK(strstr(refit_last_error_message(), "is not a live refit_table") != NULL);
+  /* The new handles were untouched by all of it. */
+  CHECK_OK(refit_group_size(fresh_group, &count));
+  CHECK(count == 2);
+  CHECK_OK(refit_table_encoded_size(fresh_table, &count));
+  refit_table_destroy(fresh_table);
+  refit_group_destroy(fresh_group);
+}
+
+/* Destroys the group passed as user data from a rank callback of another group (rank 0 only). */
+static int32_t destroy_other_group(uint32_t rank, void *stream, void *user_data) {
+  (void)stream;
+  if (rank == 0) refit_group_destroy((refit_group *)user_data);
+  return 0;
+}
+
+static void a_group_destroyed_from_another_groups_callback(void) {
+  /* Only a call in progress on a group holds it: from another group's callback it goes at once. */
+  refit_group *runner = host_group(2), *doomed = host_group(2);
+  size_t size = 0;
+  CHECK_OK(refit_group_run(doomed, destroy_other_group, NULL)); /* its threads have started */
+  CHECK_OK(refit_group_run(runner, destroy_other_group, doomed));
+  CHECK_FAILS(refit_group_size(doomed, &size), REFIT_STATUS_INVALID_ARGUMENT, "not a live refit_group");
+  CHECK_OK(refit_group_size(runner, &size));
+  CHECK(size == 2);
+  refit_group_destroy(runner);
+}
+
+/* A simulated device's stream serves only that device, as a CUDA stream serves only its context;
+ * a caller's host stream serves any. */
+static void a_stream_of_another_device(void) {
+  static uint8_t from[16], to[16];
+  memset(from, 5, sizeof from);
+  refit_group *group = host_group(2);
+  void *of_rank0 = NULL, *mine = NULL;
+  CHECK_OK(refit_group_stream(group, 0, &of_rank0));
+  CHECK_OK(refit_host_stream_create(&mine));
+  refit_segment segment;
+  memset(&segment, 0, sizeof segment);
+  segment.src = addr(from);
+  segment.dst = addr(to);
+  segment.len = sizeof from;
+  segment.count[0] = segment.count[1] = 1;
+  CHECK_FAILS(refit_copy_batch(group, 1, of_rank0, &segment, 1, 0), REFIT_STATUS_INVALID_ARGUMENT,
+              "a stream of simulated device 0, and this work is on device 1");
+  uint64_t digest = 0;
+  CHECK_FAILS(refit_digest(group, 1, addr(from), sizeof from, of_rank0, &digest), REFIT_STATUS_INVALID_ARGUMENT,
+              "simulated device 0");
+  CHECK(to[0] == 0 && digest == 0);
+  CHECK_OK(refit_copy_batch(group, 0, of_rank0, &segment, 1, 0));
+  CHECK(memcmp(from, to, sizeof from) == 0);
+  memset(to, 0, sizeof to);
+  CHECK_OK(refit_copy_batch(group, 1, mine, &segment, 1, 0));
+  CHECK(memcmp(from, to, sizeof from) == 0);
+  CHECK_OK(refit_host_stream_destroy(mine));
+  refit_group_destroy(group);
 }

@@ -394,8 +394,7 @@ fn plan_through_c(w: &Workload, bases: &[u64]) -> Result<*mut refit_plan, String
         "refit_plan_build",
     );
     for table in decoded {
-        // SAFETY: decoded above, released once.
-        unsafe { refit_table_destroy(table) };
+        refit_table_destroy(table);
     }
     built.map(|()| plan)
 }
@@ -608,8 +607,7 @@ fn run() -> Result<(), String> {
         }
     );
 
-    // SAFETY: built above, released once; the executors are gone.
-    unsafe { refit_plan_destroy(plan) };
+    refit_plan_destroy(plan);
     refit_group_destroy(group);
     for (b, buffer) in workload.buffers.iter().enumerate() {
         // SAFETY: allocated above; nothing queued uses it any more (the group is destroyed).

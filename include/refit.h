@@ -12,7 +12,12 @@
  *    the library cannot allocate for the caller's arguments returns REFIT_STATUS_OUT_OF_MEMORY.
  *  - Streams are CUstream / cudaStream_t passed as void*; NULL means the legacy default stream of the
  *    device concerned. Device pointers are uint64_t; the library never owns caller memory.
- *  - Handles (refit_group*, refit_plan*, ...) are released by their *_destroy, which accepts NULL.
+ *  - Handles (refit_group*, refit_plan*, ...) are opaque ids, not addresses: never dereference one.
+ *    Every call checks the handles it is passed: one already destroyed, one of another handle type,
+ *    or any value refit never returned is INVALID_ARGUMENT (ids are never reused in a process).
+ *    A call holds its handles until it returns. *_destroy accepts NULL and releases a handle only
+ *    when no call holds it; otherwise, or for a handle that is not live, it releases nothing and,
+ *    having no status to return, logs an error and keeps the message as the thread's last error.
  */
 
 #ifndef REFIT_H
@@ -122,7 +127,9 @@
 
 /**
  * The host backend: devices simulated with threads and host memory ("device pointers" are host
- * addresses; NULL streams are each simulated device's default stream; see refit_host_stream_create).
+ * addresses; NULL streams are each simulated device's default stream; a group's streams and the
+ * default streams serve only their own simulated device, as a CUDA stream serves only its device;
+ * see refit_host_stream_create for streams that serve any).
  */
 #define REFIT_BACKEND_HOST 2
 
@@ -912,7 +919,8 @@ refit_status refit_comm_adopt(void *nccl_comm,
  * an executor made with it (refit_executor_create_across) keeps it until that executor is destroyed.
  * If they do not complete in time, or the communicator failed, it is aborted instead, so destroy
  * never hangs. Peers still waiting for this rank fail (ABORTED on the host backend at once; TIMEOUT
- * on NCCL at their timeout). Must not be called while another thread uses the handle.
+ * on NCCL at their timeout). Refused while another thread's call uses the handle (see "Handles" at
+ * the top of this header): to stop a call blocked on peers, call refit_comm_abort first.
  */
 void refit_comm_destroy(refit_comm *comm);
 
@@ -1030,10 +1038,11 @@ refit_status refit_plan_build_across(refit_comm *comm,
  *
  * Errors: NULL_ARGUMENT (group, or segments with n > 0), INVALID_ARGUMENT (rank not below the group
  * size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
- * address, on the host backend a stream that is not a host stream), OVERLAP (REFIT_COPY_CHECKED and
- * two destination runs share a byte), UNSUPPORTED (checked mode over more interleaved runs than it
- * visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
- * first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
+ * address, on the host backend a stream that is not a host stream or is another simulated
+ * device's), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte), UNSUPPORTED
+ * (checked mode over more interleaved runs than it visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED
+ * (the kernel could not be compiled or loaded at first use on the device), CUDA_ERROR,
+ * OUT_OF_MEMORY.
  */
 refit_status refit_copy_batch(const refit_group *group,
                               uint32_t rank,
@@ -1103,7 +1112,7 @@ void refit_copy_batch_destroy(refit_prepared_copy *batch);
  *
  * Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size, addr 0 with
  * len > 0, a range running past the end of the 64-bit address space, on the host backend a stream
- * that is not a host stream), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be
+ * that is not a host stream or is another simulated device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be
  * compiled or loaded at first use on the device), CUDA_ERROR (e.g. a stream of another device, an
  * address the device cannot read). `*digest` is written only on success.
  */
@@ -1273,7 +1282,8 @@ refit_status refit_executor_rebind(refit_executor *executor,
 /**
  * Releases an executor (NULL is ignored): waits for its queued work, then frees its descriptors,
  * streams and staging. A staged step not committed is dropped; the live buffers keep what they had.
- * Safe after its group was destroyed. Must not race with another call on the same executor.
+ * Safe after its group was destroyed. Refused while another thread's call uses the executor (see
+ * "Handles" at the top of this header).
  */
 void refit_executor_destroy(refit_executor *executor);
 
@@ -1302,9 +1312,9 @@ refit_status refit_group_create(const int32_t *devices,
 /**
  * Destroys a group (NULL is ignored): drains its streams, stops its rank threads, releases its
  * streams, events and NCCL communicators. A scope left open is drained, not ordered with the caller's
- * streams (a warning is logged). Must not be called while another thread uses the group. Called from
- * a rank callback (of any group), it destroys nothing and logs an error: the group's threads would
- * wait for themselves; destroy it once its run has returned.
+ * streams (a warning is logged). Refused while a call on the group is in progress, on another
+ * thread or the refit_group_run whose rank callback calls it (its threads would wait for
+ * themselves): see "Handles" at the top of this header.
  */
 void refit_group_destroy(refit_group *group);
 
@@ -1424,10 +1434,8 @@ refit_status refit_host_stream_destroy(void *stream);
 refit_status refit_table_create(refit_table **table);
 
 /**
- * Releases a table. NULL is accepted. Plans built from it are unaffected.
- *
- * # Safety
- * `table` is NULL or a live table from refit_table_create / refit_table_decode, not used afterwards.
+ * Releases a table. NULL is accepted. Plans built from it are unaffected. Refused while another
+ * thread's call uses the table (see "Handles" at the top of this header).
  */
 void refit_table_destroy(refit_table *table);
 
@@ -1603,10 +1611,9 @@ refit_status refit_plan_build_share(const refit_table *const *tables,
                                     refit_plan **plan);
 
 /**
- * Releases a plan. NULL is accepted. Segment pointers read from it become invalid.
- *
- * # Safety
- * `plan` is NULL or a live plan, not used afterwards by any thread.
+ * Releases a plan. NULL is accepted. Segment pointers read from it become invalid. Executors made
+ * from it are unaffected. Refused while another thread's call uses the plan (see "Handles" at the
+ * top of this header).
  */
 void refit_plan_destroy(refit_plan *plan);
 

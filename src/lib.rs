@@ -42,6 +42,7 @@ pub mod error;
 pub mod exec;
 pub mod ffi;
 pub mod group;
+mod ids;
 pub mod kernels;
 pub mod logging;
 pub mod plan;

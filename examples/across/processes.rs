@@ -320,11 +320,8 @@ fn process(args: &Args, n: usize, rank: usize, id_hex: &str) -> Result<(), Strin
     if rank >= publishers {
         say(format!("all {} received elements correct after the commit", check()?));
     }
-    // SAFETY: handles made above, released once; nothing queued uses the buffers any more.
-    unsafe {
-        refit_plan_destroy(plan);
-        refit_table_destroy(table);
-    }
+    refit_plan_destroy(plan);
+    refit_table_destroy(table);
     barrier()?;
     refit_group_destroy(group);
     refit_comm_destroy(comm);

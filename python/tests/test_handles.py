@@ -91,6 +91,26 @@ class HandleTest(unittest.TestCase):
                     with obj:
                         pass
 
+    def test_the_library_refuses_released_and_mistyped_handle_values(self):
+        # What a ctypes caller that goes around the wrappers gets: a status, never a crash.
+        with Table() as table, make_group() as group:
+            table_value, group_value = table.handle, group.handle
+            size = ctypes.c_size_t(0)
+            with self.assertRaises(RefitError) as caught:
+                check(lib.refit_group_size(table_value, ctypes.byref(size)))
+            self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
+            self.assertIn("group is a refit_table, not a refit_group", str(caught.exception))
+            check(lib.refit_group_size(group_value, ctypes.byref(size)))
+            self.assertEqual(size.value, 2)
+        for released in (table_value, group_value):
+            with self.assertRaises(RefitError) as caught:
+                check(lib.refit_group_size(released, ctypes.byref(size)))
+            self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
+            self.assertIn("not a live refit_group", str(caught.exception))
+        # A second release of the same value releases nothing and says so.
+        lib.refit_table_destroy(table_value)
+        self.assertIn("destroyed already", lib.refit_last_error_message().decode())
+
 
 if __name__ == "__main__":
     unittest.main()

@@ -4,7 +4,8 @@
 //! pointer is checked by the argument helpers before use, inside the boundary.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use super::{arg, boundary, slice};
+use super::handles::live;
+use super::{boundary, slice};
 use crate::allgather::{allgather, allgather_rank, Algorithm};
 use crate::error::Status;
 use crate::ffi::group::refit_group;
@@ -75,8 +76,8 @@ pub extern "C" fn refit_allgather(
     picked: *mut u32,
 ) -> Status {
     boundary("refit_allgather", || {
-        // SAFETY: a live handle.
-        let group = &unsafe { arg(group, "group") }?.group;
+        let handle = live(group, "group")?;
+        let group = &handle.group;
         let n = group.size();
         // SAFETY: arrays of refit_group_size() entries (the caller's promise).
         let (send, recv, counts) =
@@ -119,8 +120,8 @@ pub extern "C" fn refit_group_allgather_rank(
     picked: *mut u32,
 ) -> Status {
     boundary("refit_group_allgather_rank", || {
-        // SAFETY: a live handle, shared by the rank threads.
-        let group = &unsafe { arg(group, "group") }?.group;
+        let handle = live(group, "group")?;
+        let group = &handle.group;
         // SAFETY: refit_group_size() counts.
         let counts = unsafe { slice(counts, group.size(), "counts") }?;
         let algorithm = Algorithm::from_code(algo)?;

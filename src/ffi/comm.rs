@@ -6,8 +6,9 @@
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::group::{backend_code, REFIT_BACKEND_AUTO, REFIT_BACKEND_CUDA, REFIT_BACKEND_HOST};
+use super::handles::{destroy, live, publish};
 use super::plan::{plan_options, refit_plan, refit_plan_options, refit_table};
-use super::{arg, boundary, check_bool, destroy, options_in, out, slice, OptionsStruct};
+use super::{arg, boundary, check_bool, options_in, out, slice, OptionsStruct};
 use crate::across;
 use crate::allgather::comm::allgather;
 use crate::bail;
@@ -159,7 +160,7 @@ pub extern "C" fn refit_comm_create(
         let id = CommId(unsafe { arg(id, "id") }?.internal);
         let options = convert_options(options)?;
         let created = Communicator::create(&id, nranks as usize, rank as usize, device, options)?;
-        slot.write(Box::into_raw(Box::new(refit_comm { comm: Arc::new(created) })));
+        slot.write(publish(refit_comm { comm: Arc::new(created) }));
         Ok(())
     })
 }
@@ -189,7 +190,7 @@ pub extern "C" fn refit_comm_adopt(
         let options = convert_options(options)?;
         // SAFETY: the caller's promise: a live communicator of the loaded libnccl.
         let adopted = unsafe { Communicator::adopt(nccl_comm, options) }?;
-        slot.write(Box::into_raw(Box::new(refit_comm { comm: Arc::new(adopted) })));
+        slot.write(publish(refit_comm { comm: Arc::new(adopted) }));
         Ok(())
     })
 }
@@ -199,11 +200,11 @@ pub extern "C" fn refit_comm_adopt(
 /// an executor made with it (refit_executor_create_across) keeps it until that executor is destroyed.
 /// If they do not complete in time, or the communicator failed, it is aborted instead, so destroy
 /// never hangs. Peers still waiting for this rank fail (ABORTED on the host backend at once; TIMEOUT
-/// on NCCL at their timeout). Must not be called while another thread uses the handle.
+/// on NCCL at their timeout). Refused while another thread's call uses the handle (see "Handles" at
+/// the top of this header): to stop a call blocked on peers, call refit_comm_abort first.
 #[no_mangle]
 pub extern "C" fn refit_comm_destroy(comm: *mut refit_comm) {
-    // SAFETY: the caller hands back a handle from this library, once.
-    unsafe { destroy(comm, "refit_comm_destroy") }
+    destroy(comm, "refit_comm_destroy")
 }
 
 /// Aborts this rank's part of the communicator: its pending work stops (NCCL: ncclCommAbort, or
@@ -215,8 +216,7 @@ pub extern "C" fn refit_comm_destroy(comm: *mut refit_comm) {
 #[no_mangle]
 pub extern "C" fn refit_comm_abort(comm: *mut refit_comm) -> Status {
     boundary("refit_comm_abort", || {
-        // SAFETY: a live handle; abort takes &self and may run beside another call.
-        unsafe { arg(comm, "comm") }?.comm.abort();
+        live(comm, "comm")?.comm.abort();
         Ok(())
     })
 }
@@ -226,8 +226,7 @@ pub extern "C" fn refit_comm_abort(comm: *mut refit_comm) -> Status {
 pub extern "C" fn refit_comm_rank(comm: *const refit_comm, rank: *mut u32) -> Status {
     boundary("refit_comm_rank", || {
         let slot = out(rank, "rank")?;
-        // SAFETY: a live handle.
-        slot.write(unsafe { arg(comm, "comm") }?.comm.rank() as u32);
+        slot.write(live(comm, "comm")?.comm.rank() as u32);
         Ok(())
     })
 }
@@ -237,8 +236,7 @@ pub extern "C" fn refit_comm_rank(comm: *const refit_comm, rank: *mut u32) -> St
 pub extern "C" fn refit_comm_size(comm: *const refit_comm, size: *mut u32) -> Status {
     boundary("refit_comm_size", || {
         let slot = out(size, "size")?;
-        // SAFETY: a live handle.
-        slot.write(unsafe { arg(comm, "comm") }?.comm.size() as u32);
+        slot.write(live(comm, "comm")?.comm.size() as u32);
         Ok(())
     })
 }
@@ -249,8 +247,7 @@ pub extern "C" fn refit_comm_size(comm: *const refit_comm, size: *mut u32) -> St
 pub extern "C" fn refit_comm_device(comm: *const refit_comm, device: *mut i32) -> Status {
     boundary("refit_comm_device", || {
         let slot = out(device, "device")?;
-        // SAFETY: a live handle.
-        slot.write(unsafe { arg(comm, "comm") }?.comm.device());
+        slot.write(live(comm, "comm")?.comm.device());
         Ok(())
     })
 }
@@ -261,8 +258,7 @@ pub extern "C" fn refit_comm_device(comm: *const refit_comm, device: *mut i32) -
 pub extern "C" fn refit_comm_backend(comm: *const refit_comm, backend: *mut u32) -> Status {
     boundary("refit_comm_backend", || {
         let slot = out(backend, "backend")?;
-        // SAFETY: a live handle.
-        slot.write(backend_code(unsafe { arg(comm, "comm") }?.comm.kind()));
+        slot.write(backend_code(live(comm, "comm")?.comm.kind()));
         Ok(())
     })
 }
@@ -297,8 +293,8 @@ pub extern "C" fn refit_comm_allgather(
     stream: *mut c_void,
 ) -> Status {
     boundary("refit_comm_allgather", || {
-        // SAFETY: a live handle.
-        let comm = &unsafe { arg(comm, "comm") }?.comm;
+        let handle = live(comm, "comm")?;
+        let comm = &handle.comm;
         // SAFETY: refit_comm_size() counts (the caller's promise).
         let counts = unsafe { slice(counts, comm.size(), "counts") }?;
         // SAFETY: the caller promises valid memory of the sizes given.
@@ -316,10 +312,7 @@ pub extern "C" fn refit_comm_allgather(
 /// INVALID_ARGUMENT (on the host backend, a stream that is not a host stream).
 #[no_mangle]
 pub extern "C" fn refit_comm_synchronize(comm: *mut refit_comm, stream: *mut c_void) -> Status {
-    boundary("refit_comm_synchronize", || {
-        // SAFETY: a live handle.
-        unsafe { arg(comm, "comm") }?.comm.synchronize(Stream::from_ptr(stream))
-    })
+    boundary("refit_comm_synchronize", || live(comm, "comm")?.comm.synchronize(Stream::from_ptr(stream)))
 }
 
 /// Builds this rank's share of one plan over the communicator and writes it to `*plan`. Every rank
@@ -349,12 +342,12 @@ pub extern "C" fn refit_plan_build_across(
 ) -> Status {
     boundary("refit_plan_build_across", || {
         let slot = out(plan, "plan")?;
-        // SAFETY: live handles.
-        let (comm, table) = unsafe { (&arg(comm, "comm")?.comm, arg(table, "table")?.read()?) };
+        let (comm, table) = (live(comm, "comm")?, live(table, "table")?);
+        let table = table.read()?;
         // SAFETY: NULL or a caller options struct.
         let options = unsafe { plan_options(options) }?;
-        let built = across::build_plan(comm, table.table(), &options)?;
-        slot.write(Box::into_raw(Box::new(refit_plan::new(built))));
+        let built = across::build_plan(&comm.comm, table.table(), &options)?;
+        slot.write(publish(refit_plan::new(built)));
         Ok(())
     })
 }

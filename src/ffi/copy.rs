@@ -4,7 +4,8 @@
 // caller's documented promise, so these safe `extern "C"` functions pass them on by design.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use super::{arg, boundary, destroy, out, slice};
+use super::handles::{destroy, live, publish};
+use super::{boundary, out, slice};
 use crate::error::{Error, Result};
 use crate::ffi::group::refit_group;
 use crate::segment::Segment;
@@ -49,10 +50,11 @@ fn checked_flag(flags: u32) -> Result<bool> {
 ///
 /// Errors: NULL_ARGUMENT (group, or segments with n > 0), INVALID_ARGUMENT (rank not below the group
 /// size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
-/// address, on the host backend a stream that is not a host stream), OVERLAP (REFIT_COPY_CHECKED and
-/// two destination runs share a byte), UNSUPPORTED (checked mode over more interleaved runs than it
-/// visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
-/// first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
+/// address, on the host backend a stream that is not a host stream or is another simulated
+/// device's), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte), UNSUPPORTED
+/// (checked mode over more interleaved runs than it visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED
+/// (the kernel could not be compiled or loaded at first use on the device), CUDA_ERROR,
+/// OUT_OF_MEMORY.
 #[no_mangle]
 pub extern "C" fn refit_copy_batch(
     group: *const refit_group,
@@ -63,8 +65,9 @@ pub extern "C" fn refit_copy_batch(
     flags: u32,
 ) -> crate::error::Status {
     boundary("refit_copy_batch", || {
-        // SAFETY: NULL or a group from refit_group_create; NULL or n readable segments.
-        let group = &unsafe { arg(group, "group") }?.group;
+        let handle = live(group, "group")?;
+        let group = &handle.group;
+        // SAFETY: NULL or n readable segments (the caller's promise).
         let segments = unsafe { slice(segments, n, "segments") }?;
         let checked = checked_flag(flags)?;
         let device = group.device(rank as usize)?;
@@ -91,12 +94,13 @@ pub extern "C" fn refit_copy_batch_prepare(
 ) -> crate::error::Status {
     boundary("refit_copy_batch_prepare", || {
         let slot = out(batch, "batch")?;
-        // SAFETY: as in refit_copy_batch.
-        let group = &unsafe { arg(group, "group") }?.group;
+        let handle = live(group, "group")?;
+        let group = &handle.group;
+        // SAFETY: NULL or n readable segments (the caller's promise).
         let segments = unsafe { slice(segments, n, "segments") }?;
         let checked = checked_flag(flags)?;
         let prepared = group.backend().prepare_batch(group.device(rank as usize)?, segments, checked)?;
-        slot.write(Box::into_raw(Box::new(refit_prepared_copy { batch: prepared })));
+        slot.write(publish(refit_prepared_copy { batch: prepared }));
         Ok(())
     })
 }
@@ -114,8 +118,7 @@ pub extern "C" fn refit_copy_batch_launch(
     stream: *mut c_void,
 ) -> crate::error::Status {
     boundary("refit_copy_batch_launch", || {
-        // SAFETY: NULL or a batch from refit_copy_batch_prepare, not destroyed.
-        let batch = unsafe { arg(batch, "batch") }?;
+        let batch = live(batch, "batch")?;
         // SAFETY: the caller keeps the named memory valid and passes a stream of the batch's device.
         unsafe { batch.batch.launch(Stream::from_ptr(stream)) }
     })
@@ -125,6 +128,5 @@ pub extern "C" fn refit_copy_batch_launch(
 /// only when no launch of the batch (or a graph replaying one) can still run.
 #[no_mangle]
 pub extern "C" fn refit_copy_batch_destroy(batch: *mut refit_prepared_copy) {
-    // SAFETY: the caller hands back a handle from this library, once.
-    unsafe { destroy(batch, "refit_copy_batch_destroy") }
+    destroy(batch, "refit_copy_batch_destroy")
 }

@@ -4,7 +4,8 @@
 // `extern "C"` entry points, not Rust APIs to mark unsafe.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use super::{arg, boundary, out};
+use super::handles::live;
+use super::{boundary, out};
 use crate::ffi::group::refit_group;
 use crate::transport::Stream;
 use std::ffi::c_void;
@@ -35,7 +36,7 @@ use std::ffi::c_void;
 ///
 /// Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size, addr 0 with
 /// len > 0, a range running past the end of the 64-bit address space, on the host backend a stream
-/// that is not a host stream), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be
+/// that is not a host stream or is another simulated device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be
 /// compiled or loaded at first use on the device), CUDA_ERROR (e.g. a stream of another device, an
 /// address the device cannot read). `*digest` is written only on success.
 #[no_mangle]
@@ -49,8 +50,8 @@ pub extern "C" fn refit_digest(
 ) -> crate::error::Status {
     boundary("refit_digest", || {
         let slot = out(digest, "digest")?;
-        // SAFETY: NULL or a group from refit_group_create.
-        let group = &unsafe { arg(group, "group") }?.group;
+        let handle = live(group, "group")?;
+        let group = &handle.group;
         let device = group.device(rank as usize)?;
         // SAFETY: the caller's promise on the range and the stream, documented above.
         let value = unsafe { group.backend().digest(device, Stream::from_ptr(stream), addr, len) }?;

@@ -10,8 +10,9 @@
 
 use super::comm::refit_comm;
 use super::group::refit_group;
+use super::handles::{destroy, live, publish};
 use super::plan::refit_plan;
-use super::{arg, boundary, check_bool, destroy, in_use, options_in, out, sized_out, OptionsStruct};
+use super::{boundary, check_bool, in_use, options_in, out, sized_out, OptionsStruct};
 use crate::error::{Error, Result, Status};
 use crate::exec::{Arm, CommitMode, ExecOptions, Executor, RunStats};
 use crate::sync::try_lock;
@@ -186,12 +187,11 @@ pub extern "C" fn refit_executor_create(
 ) -> Status {
     boundary("refit_executor_create", || {
         let slot = out(executor, "executor")?;
-        // SAFETY: NULL or live handles from this library.
-        let plan = unsafe { arg(plan, "plan") }?;
-        let group = unsafe { arg(group, "group") }?;
+        let plan = live(plan, "plan")?;
+        let group = live(group, "group")?;
         let options = convert_options(options)?;
         let created = Executor::new(&group.group, &plan.plan, process, options)?;
-        slot.write(Box::into_raw(Box::new(refit_executor::new(created))));
+        slot.write(publish(refit_executor::new(created)));
         Ok(())
     })
 }
@@ -235,13 +235,12 @@ pub extern "C" fn refit_executor_create_across(
 ) -> Status {
     boundary("refit_executor_create_across", || {
         let slot = out(executor, "executor")?;
-        // SAFETY: NULL or live handles from this library.
-        let plan = unsafe { arg(plan, "plan") }?;
-        let group = unsafe { arg(group, "group") }?;
-        let comm = unsafe { arg(comm, "comm") }?;
+        let plan = live(plan, "plan")?;
+        let group = live(group, "group")?;
+        let comm = live(comm, "comm")?;
         let options = convert_options(options)?;
         let created = Executor::new_across(&group.group, &plan.plan, Arc::clone(comm.shared()), options)?;
-        slot.write(Box::into_raw(Box::new(refit_executor::new(created))));
+        slot.write(publish(refit_executor::new(created)));
         Ok(())
     })
 }
@@ -285,9 +284,9 @@ pub extern "C" fn refit_executor_run(
     stats: *mut RunStats,
 ) -> Status {
     boundary("refit_executor_run", || {
-        // SAFETY: NULL or live handles; stats NULL or writable.
-        let executor = unsafe { arg(executor, "executor") }?;
-        let group = unsafe { arg(group, "group") }?;
+        let executor = live(executor, "executor")?;
+        let group = live(group, "group")?;
+        // SAFETY: stats NULL or writable (the caller's promise).
         let slot = unsafe { stats_slot(stats) }?;
         // SAFETY: the caller's documented promise on the plan's memory.
         let ran = unsafe { executor.take()?.run(&group.group) }?;
@@ -319,9 +318,9 @@ pub extern "C" fn refit_executor_commit(
     stats: *mut RunStats,
 ) -> Status {
     boundary("refit_executor_commit", || {
-        // SAFETY: as in refit_executor_run.
-        let executor = unsafe { arg(executor, "executor") }?;
-        let group = unsafe { arg(group, "group") }?;
+        let executor = live(executor, "executor")?;
+        let group = live(group, "group")?;
+        // SAFETY: stats NULL or writable (the caller's promise).
         let slot = unsafe { stats_slot(stats) }?;
         // SAFETY: as in refit_executor_run.
         let committed = unsafe { executor.take()?.commit(&group.group) }?;
@@ -340,8 +339,8 @@ pub extern "C" fn refit_executor_commit(
 #[no_mangle]
 pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mut RunStats) -> Status {
     boundary("refit_executor_stats", || {
-        // SAFETY: NULL or a live handle; stats NULL or writable.
-        let executor = unsafe { arg(executor, "executor") }?;
+        let executor = live(executor, "executor")?;
+        // SAFETY: stats NULL or writable (the caller's promise).
         let slot = unsafe { sized_out(stats, "stats") }?;
         slot.write(executor.take()?.stats()?);
         Ok(())
@@ -378,22 +377,22 @@ pub extern "C" fn refit_executor_rebind(
     length: u64,
 ) -> Status {
     boundary("refit_executor_rebind", || {
-        // SAFETY: NULL or a live handle.
-        let executor = unsafe { arg(executor, "executor") }?;
+        let executor = live(executor, "executor")?;
         let device = i32::try_from(device).map_err(|_| {
             Error::new(Status::InvalidDevice, format!("device {device} is not a device ordinal"))
         })?;
-        executor.take()?.rebind(device, old_base, new_base, length)
+        executor.take()?.rebind(device, old_base, new_base, length)?;
+        Ok(())
     })
 }
 
 /// Releases an executor (NULL is ignored): waits for its queued work, then frees its descriptors,
 /// streams and staging. A staged step not committed is dropped; the live buffers keep what they had.
-/// Safe after its group was destroyed. Must not race with another call on the same executor.
+/// Safe after its group was destroyed. Refused while another thread's call uses the executor (see
+/// "Handles" at the top of this header).
 #[no_mangle]
 pub extern "C" fn refit_executor_destroy(executor: *mut refit_executor) {
-    // SAFETY: the caller hands back a handle from this library, once.
-    unsafe { destroy(executor, "refit_executor_destroy") }
+    destroy(executor, "refit_executor_destroy")
 }
 
 #[cfg(test)]
@@ -458,11 +457,12 @@ mod tests {
             assert_eq!(refit_executor_create(plan, group, 0, null(), &mut executor), Status::Success);
 
             // Another thread's call holds each handle: this one is refused and changes nothing.
-            let held = try_lock(&(*executor).executor).unwrap();
+            let (executor_object, table_object) = (live(executor, "e").unwrap(), live(table, "t").unwrap());
+            let held = try_lock(&executor_object.executor).unwrap();
             assert_eq!(refit_executor_run(executor, group, null_mut()), Status::InvalidState);
             assert!(crate::error::last_error().contains("executor is in use"));
             drop(held);
-            let writing = (*table).write().unwrap();
+            let writing = table_object.write().unwrap();
             let tensors = refit_table_add_tensor(table, c"x".as_ptr(), 1, 4, shape.as_ptr(), 1, &mut w);
             assert_eq!(tensors, Status::InvalidState);
             let mut other = null_mut();
@@ -470,12 +470,18 @@ mod tests {
             assert!(crate::error::last_error().contains("table is in use"));
             drop(writing);
             // Readers overlap; a change waits for none of them, it is refused.
-            let reading = (*table).read().unwrap();
+            let reading = table_object.read().unwrap();
             assert_eq!(refit_plan_build(tables.as_ptr(), 1, null(), &mut other), Status::Success);
             let tensors = refit_table_add_tensor(table, c"x".as_ptr(), 1, 4, shape.as_ptr(), 1, &mut w);
             assert_eq!(tensors, Status::InvalidState);
             drop(reading);
             refit_plan_destroy(other);
+            // Destroying a handle that a call (these references) holds is refused, and changes nothing.
+            refit_executor_destroy(executor);
+            assert!(crate::error::last_error().contains("in use by a call in progress"));
+            refit_table_destroy(table);
+            assert!(crate::error::last_error().contains("in use by a call in progress"));
+            drop((executor_object, table_object));
 
             assert_eq!(refit_executor_run(executor, group, null_mut()), Status::Success);
             assert_eq!(received, source);

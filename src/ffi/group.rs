@@ -4,7 +4,8 @@
 //! pointer is checked by the argument helpers before use, inside the boundary.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
-use super::{arg, boundary, destroy, options_in, out, slice, OptionsStruct};
+use super::handles::{destroy, live, publish};
+use super::{boundary, options_in, out, slice, OptionsStruct};
 use crate::error::{clear_last_error, last_error, Error, Result, Status};
 use crate::group::{BackendChoice, ExitMode, Group, GroupOptions};
 use crate::transport::host::{create_host_stream, destroy_host_stream};
@@ -16,7 +17,9 @@ pub const REFIT_BACKEND_AUTO: u32 = 0;
 /// The CUDA backend (REFIT_STATUS_CUDA_UNAVAILABLE when libcuda or a device is missing).
 pub const REFIT_BACKEND_CUDA: u32 = 1;
 /// The host backend: devices simulated with threads and host memory ("device pointers" are host
-/// addresses; NULL streams are each simulated device's default stream; see refit_host_stream_create).
+/// addresses; NULL streams are each simulated device's default stream; a group's streams and the
+/// default streams serve only their own simulated device, as a CUDA stream serves only its device;
+/// see refit_host_stream_create for streams that serve any).
 pub const REFIT_BACKEND_HOST: u32 = 2;
 
 /// refit_group_exit: block the host until the group's work is done.
@@ -113,30 +116,19 @@ pub extern "C" fn refit_group_create(
         let devices = unsafe { slice(devices, n, "devices") }?;
         let options = convert_options(options)?;
         let created = Group::new(devices, options)?;
-        slot.write(Box::into_raw(Box::new(refit_group { group: created })));
+        slot.write(publish(refit_group { group: created }));
         Ok(())
     })
 }
 
 /// Destroys a group (NULL is ignored): drains its streams, stops its rank threads, releases its
 /// streams, events and NCCL communicators. A scope left open is drained, not ordered with the caller's
-/// streams (a warning is logged). Must not be called while another thread uses the group. Called from
-/// a rank callback (of any group), it destroys nothing and logs an error: the group's threads would
-/// wait for themselves; destroy it once its run has returned.
+/// streams (a warning is logged). Refused while a call on the group is in progress, on another
+/// thread or the refit_group_run whose rank callback calls it (its threads would wait for
+/// themselves): see "Handles" at the top of this header.
 #[no_mangle]
 pub extern "C" fn refit_group_destroy(group: *mut refit_group) {
-    if !group.is_null() && crate::group::workers::inside_any_run() {
-        // A status cannot be returned: the refusal is logged and kept as the thread's last error.
-        let _ = boundary("refit_group_destroy", || {
-            let refusal =
-                "called from a rank callback: the group is left alive; destroy it after its run returns";
-            log::error!("refit_group_destroy {refusal}");
-            Err(Error::invalid_state(refusal))
-        });
-        return;
-    }
-    // SAFETY: the caller hands back a handle from this library, once.
-    unsafe { destroy(group, "refit_group_destroy") }
+    destroy(group, "refit_group_destroy")
 }
 
 /// The number of ranks. Errors: NULL_ARGUMENT.
@@ -144,8 +136,7 @@ pub extern "C" fn refit_group_destroy(group: *mut refit_group) {
 pub extern "C" fn refit_group_size(group: *const refit_group, size: *mut usize) -> Status {
     boundary("refit_group_size", || {
         let slot = out(size, "size")?;
-        // SAFETY: a live handle.
-        slot.write(unsafe { arg(group, "group") }?.group.size());
+        slot.write(live(group, "group")?.group.size());
         Ok(())
     })
 }
@@ -155,8 +146,7 @@ pub extern "C" fn refit_group_size(group: *const refit_group, size: *mut usize) 
 pub extern "C" fn refit_group_device(group: *const refit_group, rank: u32, device: *mut i32) -> Status {
     boundary("refit_group_device", || {
         let slot = out(device, "device")?;
-        // SAFETY: a live handle.
-        slot.write(unsafe { arg(group, "group") }?.group.device(rank as usize)?);
+        slot.write(live(group, "group")?.group.device(rank as usize)?);
         Ok(())
     })
 }
@@ -175,8 +165,7 @@ pub extern "C" fn refit_group_stream(
 ) -> Status {
     boundary("refit_group_stream", || {
         let slot = out(stream, "stream")?;
-        // SAFETY: a live handle.
-        slot.write(unsafe { arg(group, "group") }?.group.stream(rank as usize)?.as_ptr());
+        slot.write(live(group, "group")?.group.stream(rank as usize)?.as_ptr());
         Ok(())
     })
 }
@@ -193,8 +182,7 @@ pub extern "C" fn refit_group_peer_access(
 ) -> Status {
     boundary("refit_group_peer_access", || {
         let slot = out(direct, "direct")?;
-        // SAFETY: a live handle.
-        slot.write(unsafe { arg(group, "group") }?.group.peer_access(rank as usize, peer as usize)?);
+        slot.write(live(group, "group")?.group.peer_access(rank as usize, peer as usize)?);
         Ok(())
     })
 }
@@ -204,8 +192,7 @@ pub extern "C" fn refit_group_peer_access(
 pub extern "C" fn refit_group_backend(group: *const refit_group, backend: *mut u32) -> Status {
     boundary("refit_group_backend", || {
         let slot = out(backend, "backend")?;
-        // SAFETY: a live handle.
-        slot.write(backend_code(unsafe { arg(group, "group") }?.group.backend_kind()));
+        slot.write(backend_code(live(group, "group")?.group.backend_kind()));
         Ok(())
     })
 }
@@ -233,8 +220,8 @@ pub(crate) fn backend_code(kind: BackendKind) -> u32 {
 #[no_mangle]
 pub extern "C" fn refit_group_enter(group: *mut refit_group, caller_streams: *const *mut c_void) -> Status {
     boundary("refit_group_enter", || {
-        // SAFETY: a live handle.
-        let group = &unsafe { arg(group, "group") }?.group;
+        let handle = live(group, "group")?;
+        let group = &handle.group;
         if caller_streams.is_null() {
             return group.enter(None);
         }
@@ -259,8 +246,8 @@ pub extern "C" fn refit_group_enter(group: *mut refit_group, caller_streams: *co
 #[no_mangle]
 pub extern "C" fn refit_group_exit(group: *mut refit_group, mode: u32) -> Status {
     boundary("refit_group_exit", || {
-        // SAFETY: a live handle.
-        let group = &unsafe { arg(group, "group") }?.group;
+        let handle = live(group, "group")?;
+        let group = &handle.group;
         let mode = match mode {
             REFIT_EXIT_SYNC => ExitMode::Sync,
             REFIT_EXIT_ASYNC => ExitMode::Async,
@@ -298,8 +285,8 @@ pub extern "C" fn refit_group_run(
     user_data: *mut c_void,
 ) -> Status {
     boundary("refit_group_run", || {
-        // SAFETY: a live handle.
-        let group = &unsafe { arg(group, "group") }?.group;
+        let handle = live(group, "group")?;
+        let group = &handle.group;
         let callback = callback.ok_or_else(|| Error::new(Status::NullArgument, "callback is NULL"))?;
         let user_data = UserData(user_data);
         group.run(&|rank, stream| {

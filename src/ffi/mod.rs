@@ -3,7 +3,8 @@
 //! thread-local message and turns a panic into `REFIT_STATUS_INTERNAL_ERROR`.
 //!
 //! One file per area. Enums that C passes *in* are taken as integers and converted with a check, so
-//! an out-of-range value is an error, never undefined behaviour.
+//! an out-of-range value is an error, never undefined behaviour. Handles are ids that every call
+//! looks up ([`handles`]), so a stale, foreign or mistyped handle is an error too.
 
 #![allow(non_camel_case_types)]
 
@@ -13,6 +14,7 @@ pub mod copy;
 pub mod digest;
 pub mod exec;
 pub mod group;
+mod handles;
 pub mod plan;
 pub mod status;
 
@@ -53,21 +55,6 @@ pub(crate) fn boundary(name: &str, body: impl FnOnce() -> Result<()>) -> Status 
         set_last_error(status, &format!("{name}: {message}"));
     }));
     status
-}
-
-/// Releases a handle made with `Box::into_raw` (NULL is ignored), inside the boundary: every
-/// `*_destroy` export is this.
-///
-/// # Safety
-/// `handle` is NULL or a live handle of type `T`, not used afterwards by any thread.
-pub(crate) unsafe fn destroy<T>(handle: *mut T, name: &str) {
-    if handle.is_null() {
-        return;
-    }
-    let _ = boundary(name, || {
-        drop(Box::from_raw(handle));
-        Ok(())
-    });
 }
 
 /// A required input pointer, as a reference.

@@ -5,7 +5,8 @@
 //! encode and plan build, may share it between threads when none modifies it). A `refit_plan` is
 //! immutable once built and may be read from any number of threads at once.
 
-use super::{arg, boundary, c_str, destroy, in_use, options_in, out, sized_out, slice, OptionsStruct};
+use super::handles::{destroy, live, publish};
+use super::{boundary, c_str, in_use, options_in, out, sized_out, slice, OptionsStruct};
 use crate::bail;
 use crate::error::{try_vec, Error, Result};
 use crate::plan::{
@@ -117,17 +118,15 @@ pub struct refit_route_info {
 pub extern "C" fn refit_table_create(table: *mut *mut refit_table) -> crate::Status {
     boundary("refit_table_create", || {
         let slot = out(table, "table")?;
-        slot.write(Box::into_raw(Box::new(refit_table::new(TableBuilder::new()))));
+        slot.write(publish(refit_table::new(TableBuilder::new())));
         Ok(())
     })
 }
 
-/// Releases a table. NULL is accepted. Plans built from it are unaffected.
-///
-/// # Safety
-/// `table` is NULL or a live table from refit_table_create / refit_table_decode, not used afterwards.
+/// Releases a table. NULL is accepted. Plans built from it are unaffected. Refused while another
+/// thread's call uses the table (see "Handles" at the top of this header).
 #[no_mangle]
-pub unsafe extern "C" fn refit_table_destroy(table: *mut refit_table) {
+pub extern "C" fn refit_table_destroy(table: *mut refit_table) {
     destroy(table, "refit_table_destroy")
 }
 
@@ -155,7 +154,7 @@ pub unsafe extern "C" fn refit_table_add_tensor(
     index: *mut u32,
 ) -> crate::Status {
     boundary("refit_table_add_tensor", || {
-        let table = arg(table, "table")?;
+        let table = live(table, "table")?;
         let slot = out(index, "index")?;
         let name = c_str(name, "name")?;
         let shape = dims(shape, ndim, "shape")?;
@@ -192,12 +191,13 @@ pub unsafe extern "C" fn refit_table_add_offer(
     digest: *const u64,
 ) -> crate::Status {
     boundary("refit_table_add_offer", || {
-        let table = arg(table, "table")?;
+        let table = live(table, "table")?;
         let region = Region { offset: dims(offset, ndim, "offset")?, extent: dims(extent, ndim, "extent")? };
         let strides = if strides.is_null() { None } else { Some(dims(strides, ndim, "strides")?) };
         let digest = digest.as_ref().copied();
         let owner = Endpoint { process: rank, device };
-        table.write()?.add_offer(Offer { tensor, owner, addr, region, strides, digest })
+        table.write()?.add_offer(Offer { tensor, owner, addr, region, strides, digest })?;
+        Ok(())
     })
 }
 
@@ -229,7 +229,7 @@ pub unsafe extern "C" fn refit_table_add_need(
     ndim: usize,
 ) -> crate::Status {
     boundary("refit_table_add_need", || {
-        let table = arg(table, "table")?;
+        let table = live(table, "table")?;
         if strides.is_null() {
             return Err(Error::new(crate::Status::NullArgument, "strides is NULL"));
         }
@@ -237,7 +237,8 @@ pub unsafe extern "C" fn refit_table_add_need(
         let strides = dims(strides, ndim, "strides")?;
         let perm = if perm.is_null() { None } else { Some(slice(perm, ndim, "perm")?.to_vec()) };
         let receiver = Endpoint { process: rank, device };
-        table.write()?.add_need(Need { tensor, receiver, addr, region, perm, strides })
+        table.write()?.add_need(Need { tensor, receiver, addr, region, perm, strides })?;
+        Ok(())
     })
 }
 
@@ -252,7 +253,7 @@ pub unsafe extern "C" fn refit_table_encoded_size(
     size: *mut usize,
 ) -> crate::Status {
     boundary("refit_table_encoded_size", || {
-        let table = arg(table, "table")?;
+        let table = live(table, "table")?;
         let slot = out(size, "size")?;
         slot.write(plan::wire::encode(table.read()?.table()).len());
         Ok(())
@@ -277,7 +278,7 @@ pub unsafe extern "C" fn refit_table_encode(
     written: *mut usize,
 ) -> crate::Status {
     boundary("refit_table_encode", || {
-        let table = arg(table, "table")?;
+        let table = live(table, "table")?;
         let slot = out(written, "written")?;
         if buffer.is_null() && capacity > 0 {
             return Err(Error::new(
@@ -317,7 +318,7 @@ pub unsafe extern "C" fn refit_table_decode(
         let slot = out(table, "table")?;
         let bytes = slice(bytes, len, "bytes")?;
         let decoded = plan::wire::decode(bytes)?;
-        slot.write(Box::into_raw(Box::new(refit_table::new(TableBuilder::from(decoded)))));
+        slot.write(publish(refit_table::new(TableBuilder::from(decoded))));
         Ok(())
     })
 }
@@ -368,7 +369,7 @@ pub unsafe extern "C" fn refit_plan_build(
         let built = with_tables(tables, count, |borrowed| {
             plan::build_from(borrowed, &options, &plan::Limits::default())
         })?;
-        slot.write(Box::into_raw(Box::new(refit_plan { plan: built })));
+        slot.write(publish(refit_plan { plan: built }));
         Ok(())
     })
 }
@@ -405,17 +406,16 @@ pub unsafe extern "C" fn refit_plan_build_share(
         let built = with_tables(tables, count, |borrowed| {
             plan::build_share(borrowed, process, &options, &plan::Limits::default())
         })?;
-        slot.write(Box::into_raw(Box::new(refit_plan { plan: built })));
+        slot.write(publish(refit_plan { plan: built }));
         Ok(())
     })
 }
 
-/// Releases a plan. NULL is accepted. Segment pointers read from it become invalid.
-///
-/// # Safety
-/// `plan` is NULL or a live plan, not used afterwards by any thread.
+/// Releases a plan. NULL is accepted. Segment pointers read from it become invalid. Executors made
+/// from it are unaffected. Refused while another thread's call uses the plan (see "Handles" at the
+/// top of this header).
 #[no_mangle]
-pub unsafe extern "C" fn refit_plan_destroy(plan: *mut refit_plan) {
+pub extern "C" fn refit_plan_destroy(plan: *mut refit_plan) {
     destroy(plan, "refit_plan_destroy")
 }
 
@@ -430,7 +430,7 @@ pub unsafe extern "C" fn refit_plan_get_stats(
     stats: *mut PlanStats,
 ) -> crate::Status {
     boundary("refit_plan_get_stats", || {
-        let plan = arg(plan, "plan")?;
+        let plan = live(plan, "plan")?;
         write_stats(plan.plan.stats(), stats)
     })
 }
@@ -450,7 +450,7 @@ pub unsafe extern "C" fn refit_plan_get_receiver_stats(
     stats: *mut PlanStats,
 ) -> crate::Status {
     boundary("refit_plan_get_receiver_stats", || {
-        let plan = arg(plan, "plan")?;
+        let plan = live(plan, "plan")?;
         write_stats(&plan.plan.receiver_stats(Endpoint { process: rank, device }), stats)
     })
 }
@@ -468,7 +468,7 @@ pub unsafe extern "C" fn refit_plan_fingerprint(
     fingerprint: *mut u64,
 ) -> crate::Status {
     boundary("refit_plan_fingerprint", || {
-        let plan = arg(plan, "plan")?;
+        let plan = live(plan, "plan")?;
         out(fingerprint, "fingerprint")?.write(plan.plan.fingerprint());
         Ok(())
     })
@@ -487,7 +487,7 @@ pub unsafe extern "C" fn refit_plan_inputs_fingerprint(
     fingerprint: *mut u64,
 ) -> crate::Status {
     boundary("refit_plan_inputs_fingerprint", || {
-        let plan = arg(plan, "plan")?;
+        let plan = live(plan, "plan")?;
         out(fingerprint, "fingerprint")?.write(plan.plan.inputs_fingerprint());
         Ok(())
     })
@@ -501,7 +501,7 @@ pub unsafe extern "C" fn refit_plan_inputs_fingerprint(
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_route_count(plan: *const refit_plan, count: *mut usize) -> crate::Status {
     boundary("refit_plan_route_count", || {
-        let plan = arg(plan, "plan")?;
+        let plan = live(plan, "plan")?;
         out(count, "count")?.write(plan.plan.routes().len());
         Ok(())
     })
@@ -521,7 +521,7 @@ pub unsafe extern "C" fn refit_plan_route(
     route: *mut refit_route_info,
 ) -> crate::Status {
     boundary("refit_plan_route", || {
-        let plan = arg(plan, "plan")?;
+        let plan = live(plan, "plan")?;
         let slot = sized_out(route, "route")?;
         let routes = plan.plan.routes();
         let r = routes.get(index).ok_or_else(|| {
@@ -555,9 +555,13 @@ unsafe fn with_tables<R>(
     body: impl FnOnce(&[&plan::Table]) -> Result<R>,
 ) -> Result<R> {
     let pointers = slice(tables, count, "tables")?;
-    let mut held = try_vec(pointers.len(), "the table list")?;
+    let mut handles = try_vec(pointers.len(), "the table list")?;
     for (i, &t) in pointers.iter().enumerate() {
-        held.push(arg(t, &format!("tables[{i}]"))?.read()?);
+        handles.push(live(t, &format!("tables[{i}]"))?);
+    }
+    let mut held = try_vec(handles.len(), "the table list")?;
+    for handle in &handles {
+        held.push(handle.read()?);
     }
     let borrowed: Vec<&plan::Table> = held.iter().map(|t| t.table()).collect();
     body(&borrowed)

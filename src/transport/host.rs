@@ -28,10 +28,7 @@ use crate::kernels::gf64;
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::{Segment, Side};
 use crate::sync::{lock, wait};
-use std::collections::hash_map::RandomState;
 use std::collections::HashMap;
-use std::hash::BuildHasher;
-use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::mpsc::{channel, Sender};
 use std::sync::{Arc, Condvar, Mutex, OnceLock};
 use std::thread::JoinHandle;
@@ -143,42 +140,30 @@ impl HostEvent {
 enum Owner {
     /// Made by [`create_host_stream`] (C: `refit_host_stream_create`): the caller destroys it.
     Caller,
-    /// A simulated device's default stream or a group's stream: only its backend destroys it.
-    Backend,
+    /// A simulated device's default stream or a group's stream on that device: only its backend
+    /// destroys it, and it serves only work on that device (a CUDA stream serves only its context).
+    Device(i32),
 }
 
-/// Process-wide registry of host streams and events, keyed by the opaque handle value.
+/// Process-wide registry of host streams and events, keyed by their opaque handle values (ids from
+/// `crate::ids`: unique, and not guessable from one another, so a value the library never issued
+/// names nothing).
 struct Registry {
     streams: Mutex<HashMap<u64, (Arc<HostStream>, Owner)>>,
     events: Mutex<HashMap<u64, Arc<HostEvent>>>,
-    /// Handle values are keyed hashes of a counter: unique, and not guessable from one another, so a
-    /// value the library never issued (a small integer, a neighbour of a real handle) names nothing.
-    keys: RandomState,
-    counter: AtomicU64,
 }
 
 fn registry() -> &'static Registry {
     static REGISTRY: OnceLock<Registry> = OnceLock::new();
-    REGISTRY.get_or_init(|| Registry {
-        streams: Mutex::new(HashMap::new()),
-        events: Mutex::new(HashMap::new()),
-        keys: RandomState::new(),
-        counter: AtomicU64::new(0),
-    })
+    REGISTRY
+        .get_or_init(|| Registry { streams: Mutex::new(HashMap::new()), events: Mutex::new(HashMap::new()) })
 }
 
-/// Inserts `value` under a new handle value: non-zero and 16-byte aligned below 2^47, like a user-space
-/// pointer, and not already in `map`.
+/// Inserts `value` under a new handle value.
 fn insert_new<T>(map: &mut HashMap<u64, T>, value: T) -> u64 {
-    let registry = registry();
-    loop {
-        let n = registry.counter.fetch_add(1, Ordering::Relaxed);
-        let id = registry.keys.hash_one(n) & 0x7fff_ffff_fff0;
-        if id != 0 && !map.contains_key(&id) {
-            map.insert(id, value);
-            return id;
-        }
-    }
+    let id = crate::ids::issue();
+    map.insert(id, value);
+    id
 }
 
 fn lock_streams() -> std::sync::MutexGuard<'static, HashMap<u64, (Arc<HostStream>, Owner)>> {
@@ -227,6 +212,27 @@ pub fn host_stream(stream: Stream) -> Result<Arc<HostStream>> {
         .ok_or_else(|| Error::invalid_argument(format!("stream {:#x} is not a host stream", stream.0)))
 }
 
+/// The host stream that `stream` names for work on the simulated device whose default stream is
+/// `default`: NULL is that default stream, a caller's stream serves any device, and a device's own
+/// stream serves only that device.
+pub(crate) fn stream_for(default: Stream, stream: Stream) -> Result<Arc<HostStream>> {
+    let streams = lock_streams();
+    let named = if stream == Stream::NULL { default } else { stream };
+    let Some((found, owner)) = streams.get(&named.0) else {
+        return Err(Error::invalid_argument(format!("stream {:#x} is not a host stream", named.0)));
+    };
+    if let (Owner::Device(theirs), Some((_, Owner::Device(ours)))) = (owner, streams.get(&default.0)) {
+        if theirs != ours {
+            return Err(Error::invalid_argument(format!(
+                "stream {:#x} is a stream of simulated device {theirs}, and this work is on device {ours}: \
+                 pass a stream of that device or a host stream from refit_host_stream_create",
+                stream.0
+            )));
+        }
+    }
+    Ok(Arc::clone(found))
+}
+
 fn host_event(event: Event) -> Result<Arc<HostEvent>> {
     lock(&registry().events)
         .get(&event.0)
@@ -258,7 +264,7 @@ impl HostBackend {
             return Err(Error::invalid_argument("the host backend needs at least one simulated device"));
         }
         let default_streams = (0..devices)
-            .map(|d| register_stream(format!("refit-host-dev{d}-default"), Owner::Backend))
+            .map(|d| register_stream(format!("refit-host-dev{d}-default"), Owner::Device(d as i32)))
             .collect::<Result<Vec<_>>>()?;
         Ok(HostBackend { default_streams })
     }
@@ -272,17 +278,16 @@ impl HostBackend {
         self.index(device).map(drop)
     }
 
-    /// NULL resolves to the device's default stream.
+    /// NULL resolves to the device's default stream; another device's stream is refused.
     fn resolve(&self, device: i32, stream: Stream) -> Result<Arc<HostStream>> {
-        let index = self.index(device)?;
-        host_stream(if stream == Stream::NULL { self.default_streams[index] } else { stream })
+        stream_for(self.default_streams[self.index(device)?], stream)
     }
 }
 
 impl Drop for HostBackend {
     fn drop(&mut self) {
-        for stream in &self.default_streams {
-            let _ = unregister_stream(*stream, Owner::Backend);
+        for (device, stream) in self.default_streams.iter().enumerate() {
+            let _ = unregister_stream(*stream, Owner::Device(device as i32));
         }
     }
 }
@@ -310,11 +315,11 @@ impl Backend for HostBackend {
 
     fn create_stream(&self, device: i32) -> Result<Stream> {
         self.check_device(device)?;
-        register_stream(format!("refit-host-dev{device}"), Owner::Backend)
+        register_stream(format!("refit-host-dev{device}"), Owner::Device(device))
     }
 
-    fn destroy_stream(&self, _device: i32, stream: Stream) {
-        let _ = unregister_stream(stream, Owner::Backend);
+    fn destroy_stream(&self, device: i32, stream: Stream) {
+        let _ = unregister_stream(stream, Owner::Device(device));
     }
 
     fn create_event(&self, device: i32) -> Result<Event> {
@@ -515,7 +520,7 @@ impl PreparedCopy for HostBatch {
                 )
             })?
         } else {
-            host_stream(stream)?
+            stream_for(self.default_stream, stream)?
         };
         let segments = Arc::clone(&self.segments);
         let record = self.source_digests.clone();
@@ -549,6 +554,7 @@ impl PreparedCopy for HostBatch {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicU64, Ordering};
     use std::time::Duration;
 
     #[test]
@@ -630,6 +636,37 @@ mod tests {
         destroy_host_stream(mine).unwrap();
         backend.destroy_stream(1, internal[2]);
         assert!(host_stream(internal[2]).is_err(), "the backend destroys its own streams");
+    }
+
+    #[test]
+    fn a_device_stream_serves_only_its_device_and_a_caller_stream_any() {
+        let backend = HostBackend::new(2).unwrap();
+        let (of_one, default_of_one, mine) =
+            (backend.create_stream(1).unwrap(), backend.null_stream(1), create_host_stream().unwrap());
+        let (from, mut to) = ([7u8; 64], [0u8; 64]);
+        let segment =
+            |to: &mut [u8; 64]| Segment::contiguous(from.as_ptr() as u64, to.as_mut_ptr() as u64, 64);
+        for stream in [of_one, default_of_one] {
+            // SAFETY: both buffers outlive the calls, which are refused before queuing anything.
+            let err = unsafe { backend.copy_segments(0, stream, &[segment(&mut to)]) }.unwrap_err();
+            assert_eq!(err.status, Status::InvalidArgument);
+            assert!(
+                err.message.contains("a stream of simulated device 1, and this work is on device 0"),
+                "{}",
+                err.message
+            );
+            assert_eq!(backend.sync_stream(0, stream).unwrap_err().status, Status::InvalidArgument);
+        }
+        assert_eq!(to, [0u8; 64]);
+        for (device, stream) in [(1, of_one), (1, default_of_one), (0, mine), (1, mine)] {
+            to = [0u8; 64];
+            // SAFETY: as above; the copy is complete once the stream is synchronized.
+            unsafe { backend.copy_segments(device, stream, &[segment(&mut to)]) }.unwrap();
+            backend.sync_stream(device, stream).unwrap();
+            assert_eq!(to, from);
+        }
+        destroy_host_stream(mine).unwrap();
+        backend.destroy_stream(1, of_one);
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The host backend's verify: the checks of `kernels::verify` in Rust, queued on a host stream like any
 //! other host-backend work (not complete on return), so stream ordering is as real as on a GPU.
 
-use super::host::host_stream;
+use super::host::stream_for;
 use super::{PreparedCheck, PreparedDigestCheck, PreparedRecord, Stream};
 use crate::error::{Error, Result};
 use crate::kernels::gf64;
@@ -30,7 +30,7 @@ pub(crate) struct HostCheck {
 
 impl PreparedCheck for HostCheck {
     unsafe fn launch(&self, stream: Stream) -> Result<()> {
-        let queue = host_stream(if stream == Stream::NULL { self.default_stream } else { stream })?;
+        let queue = stream_for(self.default_stream, stream)?;
         *lock(&self.result) = None;
         let (segments, reference, result) =
             (Arc::clone(&self.segments), self.reference.clone(), Arc::clone(&self.result));
@@ -100,7 +100,7 @@ pub(crate) struct HostRecord {
 
 impl PreparedRecord for HostRecord {
     unsafe fn launch(&self, stream: Stream) -> Result<()> {
-        let queue = host_stream(if stream == Stream::NULL { self.default_stream } else { stream })?;
+        let queue = stream_for(self.default_stream, stream)?;
         *lock(&self.digests) = None;
         let (segments, digests) = (Arc::clone(&self.segments), Arc::clone(&self.digests));
         queue.enqueue(move || {
