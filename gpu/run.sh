@@ -5,7 +5,9 @@
 #   and prints a short table last. Logs and JSON results go to $OUT.
 #   `probes` (not part of `all`) builds and runs the probes in benches/probes/ instead: each answered
 #   one design question (benches/probes/README.md) and is rerun when that question is reopened.
-# Usage: gpu/run.sh [tests|benches|demo|probes|all] [filter]   (DEMO_ARGS: arguments for the demo)
+#   `sanitize` (not part of `all`) runs the GPU tests under compute-sanitizer: memcheck over every
+#   test binary, racecheck and synccheck over those whose kernels share memory within a block.
+# Usage: gpu/run.sh [tests|benches|demo|probes|sanitize|all] [filter]   (DEMO_ARGS: for the demo)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 export REFIT_NCCL_LIBRARY=${REFIT_NCCL_LIBRARY:-/usr/lib/x86_64-linux-gnu/libnccl.so.2}
@@ -57,6 +59,35 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
       record "python tests" "FAILED (see gpu.log)"
     fi
   fi
+fi
+
+if [ "$what" = sanitize ]; then
+  # A tool's findings fail the run (--error-exitcode); what it printed is in gpu.log. The Python and
+  # multi-process suites are left out: the tool follows one process tree, and they time out under it.
+  # Failed API calls are not findings here: NCCL's initialization probes kernel images it lacks
+  # (cudaErrorNoKernelImageForDevice), and a copy-engine run is first tried whole (a run crossing
+  # allocations is CUDA_ERROR_INVALID_VALUE, then split); refit turns every failed call it cares
+  # about into a status, which the tests check.
+  sanitize() { # tool, test binary, tool options...
+    local tool=$1 t=$2 name
+    shift 2
+    name=$(basename "$t")
+    [ -n "$filter" ] && [[ "$name" != *$filter* ]] && return
+    echo "=== $tool $name" | tee -a "$log"
+    if timeout ${REFIT_GPU_TIMEOUT:-240} compute-sanitizer --tool "$tool" --report-api-errors no \
+        --error-exitcode 97 --print-limit 20 "$@" "$t" --ignored --test-threads=1 "${skip_args[@]}" >>"$log" 2>&1; then
+      record "$tool $name" "clean: $(grep -E '^test result' "$log" | tail -1 | cut -d' ' -f3-5)"
+    else
+      record "$tool $name" "FAILED rc=$? (see gpu.log)"
+    fi
+  }
+  for t in .gpu/tests/gpu_*; do
+    [[ "$t" == *gpu_comm ]] || sanitize memcheck "$t" --leak-check full
+  done
+  for t in .gpu/tests/gpu_digest .gpu/tests/gpu_copy .gpu/tests/gpu_exec; do
+    sanitize racecheck "$t"
+    sanitize synccheck "$t"
+  done
 fi
 
 if [ "$what" = all ] || [ "$what" = benches ]; then

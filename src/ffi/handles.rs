@@ -120,6 +120,7 @@ pub(crate) fn destroy<T: Any + Send + Sync>(handle: *mut T, name: &str) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicUsize, Ordering};
 
     struct Widget(u32);
     struct Gadget;
@@ -166,6 +167,55 @@ mod tests {
         drop(held);
         destroy(handle, "widget_destroy");
         assert!(live(handle, "w").is_err());
+    }
+
+    #[test]
+    fn threads_racing_calls_against_a_destroy_never_see_the_object_go_under_them() {
+        static DROPS: AtomicUsize = AtomicUsize::new(0);
+        struct Counted(u64);
+        impl Drop for Counted {
+            fn drop(&mut self) {
+                DROPS.fetch_add(1, Ordering::SeqCst);
+            }
+        }
+        // A handle is a plain value to C; threads share it as one.
+        let id = publish(Counted(42)) as usize;
+        let handle = || id as *mut Counted;
+        std::thread::scope(|threads| {
+            for _ in 0..4 {
+                threads.spawn(|| loop {
+                    match live(handle(), "c") {
+                        // Held: not dropped, whatever the destroying thread does meanwhile.
+                        Ok(held) => assert_eq!((held.0, DROPS.load(Ordering::SeqCst)), (42, 0)),
+                        Err(gone) => break assert_eq!(gone.status, Status::InvalidArgument),
+                    }
+                });
+            }
+            threads.spawn(|| {
+                while live(handle(), "c").is_ok() {
+                    destroy(handle(), "counted_destroy");
+                }
+                // The destroy that succeeded dropped the object itself, once, before returning.
+                assert_eq!(DROPS.load(Ordering::SeqCst), 1);
+            });
+        });
+        assert_eq!(DROPS.load(Ordering::SeqCst), 1);
+    }
+
+    #[test]
+    fn threads_creating_using_and_destroying_their_own_handles_never_meet() {
+        std::thread::scope(|threads| {
+            for t in 0..4u32 {
+                threads.spawn(move || {
+                    for i in 0..2000 {
+                        let handle = publish(Widget(t * 10_000 + i));
+                        assert_eq!(live(handle, "w").unwrap().0, t * 10_000 + i);
+                        destroy(handle, "widget_destroy");
+                        assert!(live(handle, "w").is_err());
+                    }
+                });
+            }
+        });
     }
 
     #[test]

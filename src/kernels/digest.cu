@@ -28,6 +28,11 @@ typedef unsigned int u32;
 #define C_POW2 2048u  // [64]: x^(2^b)
 #define C_NEG 2112u   // [16]: x^(-8d)
 #define C_LANE 2128u  // [64]: x^(64 s)
+#define C_WORDS 2192u
+
+// The table itself, filled by the host once the module is loaded: memory of the module, so it goes
+// with the module rather than being an allocation of its own.
+__device__ u64 refit_digest_constants[C_WORDS];
 
 #define WARP 32u
 #define DIGEST_THREADS 256u

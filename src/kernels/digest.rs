@@ -3,7 +3,8 @@
 
 use super::gf64;
 use super::module;
-use crate::error::{Error, Result};
+use crate::bail;
+use crate::error::{Error, Result, Status};
 use crate::sync::lock;
 use crate::transport::driver::{check, CurrentContext};
 use cudarc::driver::sys;
@@ -14,6 +15,7 @@ use std::sync::{Arc, Mutex};
 /// The CUDA C source of the kernel, compiled by NVRTC at first use on each device.
 pub const SOURCE: &str = include_str!("digest.cu");
 const KERNEL_NAME: &std::ffi::CStr = c"refit_digest";
+const CONSTANTS_NAME: &std::ffi::CStr = c"refit_digest_constants";
 /// Threads per block; must match DIGEST_THREADS in the source.
 pub const THREADS: u32 = 256;
 const WARPS_PER_BLOCK: u64 = THREADS as u64 / 32;
@@ -66,7 +68,7 @@ pub fn check_range(addr: u64, len: u64) -> Result<()> {
 pub struct DigestKernel {
     context: sys::CUcontext,
     function: sys::CUfunction,
-    /// [`gf64::kernel_constants`] in device memory (never freed, like the module).
+    /// [`gf64::kernel_constants`] in the module's own device memory (`refit_digest_constants`).
     constants: sys::CUdeviceptr,
     max_warps: u64,
     /// How the kernel was built, for logs and bench output.
@@ -100,10 +102,18 @@ impl DigestKernel {
         let _current = unsafe { CurrentContext::enter(loaded.context) }?;
         let words = gf64::kernel_constants();
         let bytes = std::mem::size_of_val(words.as_slice());
-        let mut constants = 0;
-        // SAFETY: valid output slot in the current context; the upload is synchronous.
-        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut constants, bytes) })?;
-        // SAFETY: `constants` holds `bytes` bytes.
+        let (mut constants, mut size) = (0, 0);
+        // SAFETY: valid output slots; a live module of the current context.
+        check("cuModuleGetGlobal", unsafe {
+            sys::cuModuleGetGlobal_v2(&mut constants, &mut size, loaded.module, CONSTANTS_NAME.as_ptr())
+        })?;
+        if size != bytes {
+            bail!(
+                Status::KernelLoadFailed,
+                "digest.cu's constant table holds {size} bytes, the host's {bytes} (C_WORDS is out of date)"
+            );
+        }
+        // SAFETY: `constants` holds `bytes` bytes; the upload is synchronous.
         check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(constants, words.as_ptr().cast(), bytes) })?;
         let max_warps = u64::from(loaded.sms * per_sm) * WARPS_PER_BLOCK;
         let build = format!("{} x {per_sm} blocks of {THREADS}", loaded.build);
@@ -193,6 +203,16 @@ impl DigestKernel {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_kernel_sizes_its_constant_table_and_blocks_as_the_host_does() {
+        for define in [
+            format!("#define C_WORDS {}u", gf64::KERNEL_CONSTANT_WORDS),
+            format!("#define DIGEST_THREADS {THREADS}u"),
+        ] {
+            assert!(SOURCE.contains(&define), "digest.cu lacks `{define}`");
+        }
+    }
 
     #[test]
     fn geometry_keeps_warps_within_the_limit_and_spans_a_power_of_two() {
