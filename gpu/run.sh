@@ -62,8 +62,9 @@ if [ "$what" = all ] || [ "$what" = tests ]; then
 fi
 
 if [ "$what" = sanitize ]; then
-  # A tool's findings fail the run (--error-exitcode); what it printed is in gpu.log. The Python and
-  # multi-process suites are left out: the tool follows one process tree, and they time out under it.
+  # A tool's findings fail the run (--error-exitcode); what it printed is in gpu.log. The tool
+  # follows the processes a test starts (gpu_comm runs this binary again as its ranks); the Python
+  # suite is left out.
   # Failed API calls are not findings here: NCCL's initialization probes kernel images it lacks
   # (cudaErrorNoKernelImageForDevice), and a copy-engine run is first tried whole (a run crossing
   # allocations is CUDA_ERROR_INVALID_VALUE, then split); refit turns every failed call it cares
@@ -82,7 +83,7 @@ if [ "$what" = sanitize ]; then
     fi
   }
   for t in .gpu/tests/gpu_*; do
-    [[ "$t" == *gpu_comm ]] || sanitize memcheck "$t" --leak-check full
+    sanitize memcheck "$t" --leak-check full --target-processes all
   done
   for t in .gpu/tests/gpu_digest .gpu/tests/gpu_copy .gpu/tests/gpu_exec; do
     sanitize racecheck "$t"

@@ -1112,9 +1112,9 @@ void refit_copy_batch_destroy(refit_prepared_copy *batch);
  *
  * Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size, addr 0 with
  * len > 0, a range running past the end of the 64-bit address space, on the host backend a stream
- * that is not a host stream or is another simulated device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be
- * compiled or loaded at first use on the device), CUDA_ERROR (e.g. a stream of another device, an
- * address the device cannot read). `*digest` is written only on success.
+ * that is not a host stream or is another simulated device's), NVRTC_UNAVAILABLE /
+ * KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at first use on the device),
+ * CUDA_ERROR (e.g. a stream of another device, an address the device cannot read). `*digest` is written only on success.
  */
 refit_status refit_digest(const refit_group *group,
                           uint32_t rank,
@@ -1452,7 +1452,7 @@ void refit_table_destroy(refit_table *table);
  * name was added with another dtype, element size or shape; the message names both).
  *
  * # Safety
- * `table` is a live table; `shape` points to `ndim` values.
+ * `shape` points to `ndim` values.
  */
 refit_status refit_table_add_tensor(refit_table *table,
                                     const char *name,
@@ -1475,7 +1475,7 @@ refit_status refit_table_add_tensor(refit_table *table,
  * the tensor).
  *
  * # Safety
- * `table` is a live table; non-NULL arrays hold `ndim` values; `digest` is NULL or readable.
+ * Non-NULL arrays hold `ndim` values; `digest` is NULL or readable.
  */
 refit_status refit_table_add_offer(refit_table *table,
                                    uint32_t tensor,
@@ -1502,7 +1502,7 @@ refit_status refit_table_add_offer(refit_table *table,
  * the tensor). Overlapping destinations are found when the plan is built.
  *
  * # Safety
- * `table` is a live table; non-NULL arrays hold `ndim` values.
+ * Non-NULL arrays hold `ndim` values.
  */
 refit_status refit_table_add_need(refit_table *table,
                                   uint32_t tensor,
@@ -1520,7 +1520,7 @@ refit_status refit_table_add_need(refit_table *table,
  * refit_table for sharing it between threads). Errors: NULL_ARGUMENT (table, size).
  *
  * # Safety
- * `table` is a live table.
+ * `size` is writable.
  */
 refit_status refit_table_encoded_size(const refit_table *table, size_t *size);
 
@@ -1534,7 +1534,7 @@ refit_status refit_table_encoded_size(const refit_table *table, size_t *size);
  * changing the table).
  *
  * # Safety
- * `table` is a live table; `buffer` is writable for `capacity` bytes.
+ * `buffer` is writable for `capacity` bytes.
  */
 refit_status refit_table_encode(const refit_table *table,
                                 uint8_t *buffer,
@@ -1577,7 +1577,7 @@ refit_status refit_plan_options_init(refit_plan_options *options);
  * segments it produces; the limits cut pathological overlaps off early.
  *
  * # Safety
- * `tables` points to `count` live tables not modified during the call.
+ * `tables` points to `count` readable entries (each checked as a table handle).
  */
 refit_status refit_plan_build(const refit_table *const *tables,
                               size_t count,
@@ -1602,7 +1602,7 @@ refit_status refit_plan_build(const refit_table *const *tables,
  * process's needs only (each process checks its own; a failure on any process must stop all).
  *
  * # Safety
- * `tables` points to `count` live tables not modified during the call.
+ * `tables` points to `count` readable entries (each checked as a table handle).
  */
 refit_status refit_plan_build_share(const refit_table *const *tables,
                                     size_t count,
@@ -1622,7 +1622,7 @@ void refit_plan_destroy(refit_plan *plan);
  * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
  *
  * # Safety
- * `plan` is a live plan; `stats` is writable.
+ * `stats` is writable.
  */
 refit_status refit_plan_get_stats(const refit_plan *plan, refit_plan_stats *stats);
 
@@ -1633,7 +1633,7 @@ refit_status refit_plan_get_stats(const refit_plan *plan, refit_plan_stats *stat
  * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
  *
  * # Safety
- * `plan` is a live plan; `stats` is writable.
+ * `stats` is writable.
  */
 refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
                                            uint32_t rank,
@@ -1647,7 +1647,7 @@ refit_status refit_plan_get_receiver_stats(const refit_plan *plan,
  * Errors: NULL_ARGUMENT.
  *
  * # Safety
- * `plan` is a live plan.
+ * The output is writable.
  */
 refit_status refit_plan_fingerprint(const refit_plan *plan, uint64_t *fingerprint);
 
@@ -1658,7 +1658,7 @@ refit_status refit_plan_fingerprint(const refit_plan *plan, uint64_t *fingerprin
  * agree on their inputs. Thread-safe. Errors: NULL_ARGUMENT.
  *
  * # Safety
- * `plan` is a live plan.
+ * The output is writable.
  */
 refit_status refit_plan_inputs_fingerprint(const refit_plan *plan, uint64_t *fingerprint);
 
@@ -1667,7 +1667,7 @@ refit_status refit_plan_inputs_fingerprint(const refit_plan *plan, uint64_t *fin
  * peer, remote, then source endpoint. Thread-safe. Errors: NULL_ARGUMENT.
  *
  * # Safety
- * `plan` is a live plan.
+ * The output is writable.
  */
 refit_status refit_plan_route_count(const refit_plan *plan, size_t *count);
 
@@ -1678,7 +1678,7 @@ refit_status refit_plan_route_count(const refit_plan *plan, size_t *count);
  * Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (route->size), NOT_FOUND (index out of range).
  *
  * # Safety
- * `plan` is a live plan; `route` is writable.
+ * `route` is writable.
  */
 refit_status refit_plan_route(const refit_plan *plan,
                               size_t index,

@@ -1,7 +1,8 @@
 //! The batched copy's C API: one-shot and prepared batches for one rank of a group.
 
-// Raw pointers are the C ABI: each is checked for NULL by `arg`/`slice`/`out` and its validity is the
-// caller's documented promise, so these safe `extern "C"` functions pass them on by design.
+// Raw pointers are the C ABI: handles are looked up (`live`), other pointers checked for NULL by
+// `slice`/`out` and their validity is the caller's documented promise, so these safe `extern "C"`
+// functions pass them on by design.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::handles::{destroy, live, publish};

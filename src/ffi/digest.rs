@@ -36,9 +36,9 @@ use std::ffi::c_void;
 ///
 /// Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size, addr 0 with
 /// len > 0, a range running past the end of the 64-bit address space, on the host backend a stream
-/// that is not a host stream or is another simulated device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be
-/// compiled or loaded at first use on the device), CUDA_ERROR (e.g. a stream of another device, an
-/// address the device cannot read). `*digest` is written only on success.
+/// that is not a host stream or is another simulated device's), NVRTC_UNAVAILABLE /
+/// KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at first use on the device),
+/// CUDA_ERROR (e.g. a stream of another device, an address the device cannot read). `*digest` is written only on success.
 #[no_mangle]
 pub extern "C" fn refit_digest(
     group: *const refit_group,

@@ -4,8 +4,8 @@
 //! Thread-safety: an executor is used by one thread at a time, the thread driving its group (its
 //! calls queue work on the group's streams).
 
-// Raw pointers are the C ABI: each is checked for NULL by `arg`/`out` and its validity is
-// the caller's documented promise.
+// Raw pointers are the C ABI: handles are looked up (`live`), other pointers checked for NULL by
+// `out`/`sized_out` and their validity is the caller's documented promise.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::comm::refit_comm;

@@ -142,7 +142,7 @@ pub extern "C" fn refit_table_destroy(table: *mut refit_table) {
 /// name was added with another dtype, element size or shape; the message names both).
 ///
 /// # Safety
-/// `table` is a live table; `shape` points to `ndim` values.
+/// `shape` points to `ndim` values.
 #[no_mangle]
 pub unsafe extern "C" fn refit_table_add_tensor(
     table: *mut refit_table,
@@ -176,7 +176,7 @@ pub unsafe extern "C" fn refit_table_add_tensor(
 /// the tensor).
 ///
 /// # Safety
-/// `table` is a live table; non-NULL arrays hold `ndim` values; `digest` is NULL or readable.
+/// Non-NULL arrays hold `ndim` values; `digest` is NULL or readable.
 #[no_mangle]
 pub unsafe extern "C" fn refit_table_add_offer(
     table: *mut refit_table,
@@ -214,7 +214,7 @@ pub unsafe extern "C" fn refit_table_add_offer(
 /// the tensor). Overlapping destinations are found when the plan is built.
 ///
 /// # Safety
-/// `table` is a live table; non-NULL arrays hold `ndim` values.
+/// Non-NULL arrays hold `ndim` values.
 #[no_mangle]
 pub unsafe extern "C" fn refit_table_add_need(
     table: *mut refit_table,
@@ -246,7 +246,7 @@ pub unsafe extern "C" fn refit_table_add_need(
 /// refit_table for sharing it between threads). Errors: NULL_ARGUMENT (table, size).
 ///
 /// # Safety
-/// `table` is a live table.
+/// `size` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn refit_table_encoded_size(
     table: *const refit_table,
@@ -269,7 +269,7 @@ pub unsafe extern "C" fn refit_table_encoded_size(
 /// changing the table).
 ///
 /// # Safety
-/// `table` is a live table; `buffer` is writable for `capacity` bytes.
+/// `buffer` is writable for `capacity` bytes.
 #[no_mangle]
 pub unsafe extern "C" fn refit_table_encode(
     table: *const refit_table,
@@ -355,7 +355,7 @@ pub extern "C" fn refit_plan_options_init(options: *mut refit_plan_options) -> c
 /// segments it produces; the limits cut pathological overlaps off early.
 ///
 /// # Safety
-/// `tables` points to `count` live tables not modified during the call.
+/// `tables` points to `count` readable entries (each checked as a table handle).
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_build(
     tables: *const *const refit_table,
@@ -391,7 +391,7 @@ pub unsafe extern "C" fn refit_plan_build(
 /// process's needs only (each process checks its own; a failure on any process must stop all).
 ///
 /// # Safety
-/// `tables` points to `count` live tables not modified during the call.
+/// `tables` points to `count` readable entries (each checked as a table handle).
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_build_share(
     tables: *const *const refit_table,
@@ -423,7 +423,7 @@ pub extern "C" fn refit_plan_destroy(plan: *mut refit_plan) {
 /// Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
 ///
 /// # Safety
-/// `plan` is a live plan; `stats` is writable.
+/// `stats` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_get_stats(
     plan: *const refit_plan,
@@ -441,7 +441,7 @@ pub unsafe extern "C" fn refit_plan_get_stats(
 /// Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (stats->size).
 ///
 /// # Safety
-/// `plan` is a live plan; `stats` is writable.
+/// `stats` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_get_receiver_stats(
     plan: *const refit_plan,
@@ -461,7 +461,7 @@ pub unsafe extern "C" fn refit_plan_get_receiver_stats(
 /// Errors: NULL_ARGUMENT.
 ///
 /// # Safety
-/// `plan` is a live plan.
+/// The output is writable.
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_fingerprint(
     plan: *const refit_plan,
@@ -480,7 +480,7 @@ pub unsafe extern "C" fn refit_plan_fingerprint(
 /// agree on their inputs. Thread-safe. Errors: NULL_ARGUMENT.
 ///
 /// # Safety
-/// `plan` is a live plan.
+/// The output is writable.
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_inputs_fingerprint(
     plan: *const refit_plan,
@@ -497,7 +497,7 @@ pub unsafe extern "C" fn refit_plan_inputs_fingerprint(
 /// peer, remote, then source endpoint. Thread-safe. Errors: NULL_ARGUMENT.
 ///
 /// # Safety
-/// `plan` is a live plan.
+/// The output is writable.
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_route_count(plan: *const refit_plan, count: *mut usize) -> crate::Status {
     boundary("refit_plan_route_count", || {
@@ -513,7 +513,7 @@ pub unsafe extern "C" fn refit_plan_route_count(plan: *const refit_plan, count: 
 /// Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (route->size), NOT_FOUND (index out of range).
 ///
 /// # Safety
-/// `plan` is a live plan; `route` is writable.
+/// `route` is writable.
 #[no_mangle]
 pub unsafe extern "C" fn refit_plan_route(
     plan: *const refit_plan,
@@ -548,7 +548,7 @@ pub unsafe extern "C" fn refit_plan_route(
 /// meanwhile (a table that another thread is changing is INVALID_STATE).
 ///
 /// # Safety
-/// `tables` points to `count` pointers, each NULL or a live table.
+/// `tables` points to `count` readable entries (each checked as a table handle).
 unsafe fn with_tables<R>(
     tables: *const *const refit_table,
     count: usize,

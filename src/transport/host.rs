@@ -180,7 +180,10 @@ fn unregister_stream(stream: Stream, owner: Owner) -> Result<()> {
     let removed = {
         let mut streams = lock_streams();
         match streams.get(&stream.0) {
-            Some((_, registered)) if *registered == owner => streams.remove(&stream.0),
+            // Who may remove it, not which device: a backend's stream goes with the backend.
+            Some((_, registered)) if std::mem::discriminant(registered) == std::mem::discriminant(&owner) => {
+                streams.remove(&stream.0)
+            }
             Some(_) => {
                 let message = format!(
                     "stream {:#x} belongs to a group (or a simulated device) and is destroyed with it, not \
