@@ -53,4 +53,16 @@ static inline refit_group *check_host_group(const int32_t *devices, size_t n) {
   return group;
 }
 
+/* One contiguous run of `len` bytes from `src` to `dst` (host addresses, as the host backend takes). */
+static inline refit_segment check_contiguous(const void *src, void *dst, uint64_t len) {
+  refit_segment s;
+  memset(&s, 0, sizeof s);
+  s.src = (uint64_t)(uintptr_t)src;
+  s.dst = (uint64_t)(uintptr_t)dst;
+  s.len = len;
+  s.count[0] = 1;
+  s.count[1] = 1;
+  return s;
+}
+
 #endif

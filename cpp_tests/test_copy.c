@@ -8,19 +8,6 @@
 #define ROWS 32
 #define HALF 24
 
-static uint64_t addr(const void *p) { return (uint64_t)(uintptr_t)p; }
-
-static refit_segment contiguous(const void *src, void *dst, uint64_t len) {
-  refit_segment s;
-  memset(&s, 0, sizeof s);
-  s.src = addr(src);
-  s.dst = addr(dst);
-  s.len = len;
-  s.count[0] = 1;
-  s.count[1] = 1;
-  return s;
-}
-
 int main(void) {
   const int32_t devices[2] = {0, 1};
   refit_group *group = check_host_group(devices, 2);
@@ -44,13 +31,13 @@ int main(void) {
   for (int b = 0; b < 37; b++) want[ROWS * 2 * HALF + 3 + b] = left[5 + b];
   refit_segment segments[4];
   for (int side = 0; side < 2; side++) {
-    segments[side] = contiguous(side ? right : left, full + side * HALF, HALF);
+    segments[side] = check_contiguous(side ? right : left, full + side * HALF, HALF);
     segments[side].count[0] = ROWS;
     segments[side].src_stride[0] = HALF;
     segments[side].dst_stride[0] = 2 * HALF;
   }
-  segments[2] = contiguous(left + 5, full + ROWS * 2 * HALF + 3, 37);
-  segments[3] = contiguous(NULL, NULL, 0); /* empty: ignored whatever its addresses */
+  segments[2] = check_contiguous(left + 5, full + ROWS * 2 * HALF + 3, 37);
+  segments[3] = check_contiguous(NULL, NULL, 0); /* empty: ignored whatever its addresses */
 
   CHECK_OK(refit_copy_batch(group, 1, stream, segments, 4, REFIT_COPY_CHECKED));
   CHECK(memcmp(full, want, sizeof full) == 0); /* complete on return on the host backend */
@@ -84,7 +71,7 @@ int main(void) {
   uint8_t src[64], dst[64];
   memset(src, 1, sizeof src);
   memset(dst, 0xCD, sizeof dst);
-  refit_segment overlap[2] = {contiguous(src, dst, 16), contiguous(src, dst + 8, 16)};
+  refit_segment overlap[2] = {check_contiguous(src, dst, 16), check_contiguous(src, dst + 8, 16)};
   CHECK_STATUS(refit_copy_batch(group, 0, NULL, overlap, 2, REFIT_COPY_CHECKED), REFIT_STATUS_OVERLAP);
   CHECK(strstr(refit_last_error_message(), "segments 0 and 1") != NULL);
   refit_prepared_copy *untouched = (refit_prepared_copy *)0x1;
@@ -99,9 +86,9 @@ int main(void) {
   CHECK(strstr(refit_last_error_message(), "rank 2") != NULL);
   CHECK_STATUS(refit_copy_batch(group, 0, NULL, overlap, 1, 4), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(refit_last_error_message(), "flags") != NULL);
-  refit_segment zero = contiguous(NULL, dst, 4);
+  refit_segment zero = check_contiguous(NULL, dst, 4);
   CHECK_STATUS(refit_copy_batch(group, 0, NULL, &zero, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
-  refit_segment wraps = contiguous(src, dst, 4);
+  refit_segment wraps = check_contiguous(src, dst, 4);
   wraps.count[0] = UINT64_MAX;
   wraps.count[1] = 2;
   CHECK_STATUS(refit_copy_batch(group, 0, NULL, &wraps, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);

@@ -36,6 +36,15 @@ static refit_group *host_group(uint32_t devices) {
   return check_host_group(ordinals, devices);
 }
 
+/* A host communicator of one rank. */
+static refit_comm *host_comm(void) {
+  refit_comm_id id;
+  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
+  refit_comm *comm = NULL;
+  CHECK_OK(refit_comm_create(&id, 1, 0, 0, NULL, &comm));
+  return comm;
+}
+
 /* One tensor "w" of `count` u32 elements, offered whole on (0, 0) at `src`, needed whole on (0, dev)
  * at `dst`. */
 static refit_plan *copy_plan(const uint32_t *src, uint32_t *dst, uint64_t count, uint32_t dev) {
@@ -190,10 +199,7 @@ static void null_pointers_one_at_a_time(void) {
               "executor is NULL");
   CHECK_FAILS(refit_executor_rebind(NULL, 0, 8, 16, 8), REFIT_STATUS_NULL_ARGUMENT, "executor is NULL");
 
-  refit_comm_id id;
-  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
-  refit_comm *comm = NULL;
-  CHECK_OK(refit_comm_create(&id, 1, 0, 0, NULL, &comm));
+  refit_comm *comm = host_comm();
   uint32_t value = 0;
   int32_t device = 0;
   CHECK_FAILS(refit_comm_size(comm, NULL), REFIT_STATUS_NULL_ARGUMENT, "size is NULL");
@@ -913,12 +919,7 @@ static void batch_outlives_its_group(void) {
   static uint8_t from[32], to[32];
   for (int i = 0; i < 32; i++) from[i] = (uint8_t)(i + 1);
   refit_group *group = host_group(2);
-  refit_segment segment;
-  memset(&segment, 0, sizeof segment);
-  segment.src = addr(from);
-  segment.dst = addr(to);
-  segment.len = sizeof from;
-  segment.count[0] = segment.count[1] = 1;
+  refit_segment segment = check_contiguous(from, to, sizeof from);
   refit_prepared_copy *batch = NULL;
   CHECK_OK(refit_copy_batch_prepare(group, 1, &segment, 1, REFIT_COPY_CHECKED, &batch));
   refit_group_destroy(group);
@@ -1108,18 +1109,10 @@ static void stale_foreign_and_made_up_handles(void) {
   CHECK_OK(refit_table_create(&table));
   refit_executor *executor = NULL;
   CHECK_OK(refit_executor_create(plan, group, 0, NULL, &executor));
-  refit_segment segment;
-  memset(&segment, 0, sizeof segment);
-  segment.src = addr(src);
-  segment.dst = addr(dst);
-  segment.len = sizeof src;
-  segment.count[0] = segment.count[1] = 1;
+  refit_segment segment = check_contiguous(src, dst, sizeof src);
   refit_prepared_copy *batch = NULL;
   CHECK_OK(refit_copy_batch_prepare(group, 1, &segment, 1, 0, &batch));
-  refit_comm_id id;
-  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
-  refit_comm *comm = NULL;
-  CHECK_OK(refit_comm_create(&id, 1, 0, 0, NULL, &comm));
+  refit_comm *comm = host_comm();
 
   /* A handle cast to another handle type: refused by calls and by destroy, which releases nothing. */
   size_t count = 0;
@@ -1230,12 +1223,7 @@ static void a_stream_of_another_device(void) {
   void *of_rank0 = NULL, *mine = NULL;
   CHECK_OK(refit_group_stream(group, 0, &of_rank0));
   CHECK_OK(refit_host_stream_create(&mine));
-  refit_segment segment;
-  memset(&segment, 0, sizeof segment);
-  segment.src = addr(from);
-  segment.dst = addr(to);
-  segment.len = sizeof from;
-  segment.count[0] = segment.count[1] = 1;
+  refit_segment segment = check_contiguous(from, to, sizeof from);
   CHECK_FAILS(refit_copy_batch(group, 1, of_rank0, &segment, 1, 0), REFIT_STATUS_INVALID_ARGUMENT,
               "a stream of simulated device 0, and this work is on device 1");
   uint64_t digest = 0;

@@ -19,6 +19,7 @@ use crate::bail;
 use crate::error::{Result, Status};
 use crate::sync::{read, write};
 use std::any::{type_name, Any};
+use std::collections::hash_map::Entry::Occupied;
 use std::collections::HashMap;
 use std::sync::{Arc, LazyLock, RwLock};
 
@@ -70,13 +71,14 @@ pub(crate) fn live<T: Any + Send + Sync>(handle: *const T, what: &str) -> Result
 fn retire<T: Any + Send + Sync>(handle: *mut T) -> Result<Arc<dyn Any + Send + Sync>> {
     let id = handle as usize;
     let mut handles = write(&LIVE);
-    let Some(entry) = handles.get(&id) else {
+    let Occupied(slot) = handles.entry(id) else {
         bail!(
             Status::InvalidArgument,
             "{id:#x} is not a live {}: destroyed already, or never returned by refit; nothing was released",
             kind_of::<T>()
         );
     };
+    let entry = slot.get();
     if !entry.object.is::<T>() {
         bail!(
             Status::InvalidArgument,
@@ -95,7 +97,7 @@ fn retire<T: Any + Send + Sync>(handle: *mut T) -> Result<Arc<dyn Any + Send + S
             entry.kind
         );
     }
-    Ok(handles.remove(&id).map(|entry| entry.object).expect("the entry was just found under this lock"))
+    Ok(slot.remove().object)
 }
 
 /// Releases a handle (NULL is ignored); every `*_destroy` export is this. A destroy cannot return a
