@@ -65,7 +65,9 @@
 /**
  * refit_copy_batch* flag: before copying anything, check that no destination byte is written twice
  * and fail with REFIT_STATUS_OVERLAP if one is. Without it, overlapping destinations are the caller's
- * error (on a GPU which write lands is undefined).
+ * error (on a GPU which write lands is undefined), except within one segment that surely writes a
+ * byte twice (a level repeated at destination stride 0, or runs closer than their length): that is
+ * REFIT_STATUS_OVERLAP with or without the flag, found in constant time per segment.
  */
 #define REFIT_COPY_CHECKED 1
 
@@ -1039,10 +1041,10 @@ refit_status refit_plan_build_across(refit_comm *comm,
  * Errors: NULL_ARGUMENT (group, or segments with n > 0), INVALID_ARGUMENT (rank not below the group
  * size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
  * address, on the host backend a stream that is not a host stream or is another simulated
- * device's), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte), UNSUPPORTED
- * (checked mode over more interleaved runs than it visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED
- * (the kernel could not be compiled or loaded at first use on the device), CUDA_ERROR,
- * OUT_OF_MEMORY.
+ * device's), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte; a segment that surely
+ * writes a byte twice, with or without it), UNSUPPORTED (checked mode over more interleaved runs
+ * than it visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
+ * loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
  */
 refit_status refit_copy_batch(const refit_group *group,
                               uint32_t rank,

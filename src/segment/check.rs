@@ -18,8 +18,12 @@ fn extent_end(base: u64, segment: &Segment, stride: [u64; 2]) -> Option<u64> {
     base.checked_add(last0)?.checked_add(last1)?.checked_add(segment.len)
 }
 
-/// Checks what every batch must satisfy: payload and addresses of each segment fit in 64 bits, and a
-/// segment that carries bytes has non-zero source and destination addresses.
+/// Checks what every batch must satisfy: payload and addresses of each segment fit in 64 bits, a
+/// segment that carries bytes has non-zero source and destination addresses, and no segment surely
+/// writes one of its destination bytes twice ([`repeats_its_destination`]; `Overlap`). The last
+/// costs O(1) per segment, so it holds without [`check_destinations`] too: such a segment is never
+/// a layout, and copying it would write the same bytes count times over (2^64 of them, for a
+/// caller who asks).
 pub fn validate(segments: &[Segment]) -> Result<()> {
     for (index, segment) in segments.iter().enumerate() {
         if segment.bytes().is_none() {
@@ -44,8 +48,28 @@ pub fn validate(segments: &[Segment]) -> Result<()> {
                 "segment {index}: its last byte lies beyond the 64-bit address space"
             )));
         }
+        if repeats_its_destination(segment) {
+            return Err(Error::new(
+                Status::Overlap,
+                format!(
+                    "segment {index} writes its destination bytes more than once: runs of {} bytes, counts {:?}, \
+                     destination strides {:?}",
+                    segment.len, segment.count, segment.dst_stride
+                ),
+            ));
+        }
     }
     Ok(())
+}
+
+/// Whether a segment that carries bytes surely writes one destination byte twice: neighbouring inner
+/// runs closer than `len`, outer blocks at stride 0, or (with one inner run) outer runs closer than
+/// `len`. Other outer strides below the inner extent may interleave without overlapping, which only
+/// [`check_destinations`] tells apart.
+fn repeats_its_destination(segment: &Segment) -> bool {
+    let (count, stride, len) = (segment.count, segment.dst_stride, segment.len);
+    (count[0] > 1 && stride[0] < len)
+        || (count[1] > 1 && (stride[1] == 0 || (count[0] == 1 && stride[1] < len)))
 }
 
 /// The inner level (0 or 1) for which a segment's runs, visited inner level fastest, start at strictly
@@ -289,6 +313,36 @@ mod tests {
         // Outer stride smaller than the inner extent, but interleaving without overlap: allowed.
         let woven = [strided(0x1000, 4, [4, 2], [8, 4])];
         check_destinations(&woven).unwrap();
+    }
+
+    #[test]
+    fn validation_refuses_a_segment_that_surely_writes_its_destination_twice() {
+        let refused = [
+            strided(0x1000, 4, [2, 1], [0, 0]),
+            strided(0x1000, 16, [4, 1], [8, 0]),
+            // What a caller may ask for: 2^61 copies of the same 4 bytes, from one source.
+            Segment { src_stride: [0, 0], ..strided(0x1000, 4, [1, u64::MAX / 8], [0, 0]) },
+            strided(0x1000, 4, [2, 2], [4, 0]),
+            strided(0x1000, 8, [1, 3], [0, 4]),
+        ];
+        for segment in refused {
+            let err = validate(&[segment]).unwrap_err();
+            assert_eq!(err.status, Status::Overlap, "{segment:?}");
+            assert!(
+                err.message.contains("segment 0 writes its destination bytes more than once"),
+                "{}",
+                err.message
+            );
+        }
+        // Dense, repeated-source, and interleaved layouts pass; so does a segment with no bytes.
+        let accepted = [
+            strided(0x1000, 4, [4, 2], [4, 16]),
+            Segment { src_stride: [0, 0], ..strided(0x1000, 4, [4, 2], [4, 16]) },
+            strided(0x1000, 4, [4, 2], [8, 4]),
+            strided(0x1000, 4, [1, 3], [0, 4]),
+            strided(0x1000, 0, [5, 5], [0, 0]),
+        ];
+        validate(&accepted).unwrap();
     }
 
     #[test]

@@ -1,0 +1,468 @@
+//! The C ABI driven by arbitrary bytes, as a hostile C caller would drive it on the host backend:
+//! each input is a sequence of calls on a small pool of handles (tables, plans, groups, executors,
+//! prepared copies), with arguments mostly small and sometimes extreme, and with handles that are
+//! live, destroyed, of another type, NULL or made up. Every address the caller names lies in one
+//! arena, and calls that would move bytes run only when every byte they name does: the library
+//! writes where the caller says, so a caller naming memory it does not own is the caller's bug, not
+//! one this target looks for.
+//!
+//! Never a crash (the target is built with AddressSanitizer), never REFIT_STATUS_INTERNAL_ERROR (a
+//! panic the boundary caught: a bug), and every failure leaves a message.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use refit::ffi::copy::{
+    refit_copy_batch, refit_copy_batch_destroy, refit_copy_batch_launch, refit_copy_batch_prepare,
+    refit_prepared_copy,
+};
+use refit::ffi::digest::refit_digest;
+use refit::ffi::exec::{
+    refit_executor, refit_executor_commit, refit_executor_create, refit_executor_destroy,
+    refit_executor_options, refit_executor_options_init, refit_executor_rebind, refit_executor_run,
+    refit_executor_stats,
+};
+use refit::ffi::group::{
+    refit_group, refit_group_create, refit_group_destroy, refit_group_enter, refit_group_exit,
+    refit_group_options, refit_group_options_init, refit_group_size, REFIT_BACKEND_HOST,
+};
+use refit::ffi::plan::{
+    refit_plan, refit_plan_build, refit_plan_build_share, refit_plan_destroy, refit_plan_fingerprint,
+    refit_plan_options, refit_plan_options_init, refit_plan_route, refit_plan_route_count,
+    refit_route_info, refit_table, refit_table_add_need, refit_table_add_offer, refit_table_add_tensor,
+    refit_table_create, refit_table_decode, refit_table_destroy, refit_table_encode,
+};
+use refit::ffi::status::refit_last_error_message;
+use refit::{Segment, Status};
+use std::ffi::CStr;
+use std::ptr::{null, null_mut};
+
+/// Bytes of the arena every caller address lies in.
+const ARENA: u64 = 1 << 16;
+
+struct Bytes<'a>(&'a [u8]);
+
+impl Bytes<'_> {
+    fn byte(&mut self) -> u8 {
+        match self.0.split_first() {
+            Some((&b, rest)) => {
+                self.0 = rest;
+                b
+            }
+            None => 0,
+        }
+    }
+    /// Mostly below `small`; 0xff prefixes an extreme value.
+    fn value(&mut self, small: u64) -> u64 {
+        match self.byte() {
+            0xff => u64::MAX >> (self.byte() % 64),
+            b => u64::from(b) % small.max(1),
+        }
+    }
+    /// Below `n`, never extreme (for offsets into the arena).
+    fn small(&mut self, n: u64) -> u64 {
+        u64::from(self.byte()) % n
+    }
+    fn list(&mut self, n: usize, small: u64) -> Vec<u64> {
+        (0..n).map(|_| self.value(small)).collect()
+    }
+}
+
+/// The handles of one input, and the values of those it destroyed.
+#[derive(Default)]
+struct Pool {
+    tables: Vec<*mut refit_table>,
+    plans: Vec<*mut refit_plan>,
+    groups: Vec<*mut refit_group>,
+    /// With whether every byte its plan names lies in the arena (only those run).
+    executors: Vec<(*mut refit_executor, bool)>,
+    batches: Vec<*mut refit_prepared_copy>,
+    destroyed: Vec<usize>,
+}
+
+impl Pool {
+    fn every_live(&self) -> Vec<usize> {
+        let mut all: Vec<usize> = self.tables.iter().map(|&h| h as usize).collect();
+        all.extend(self.plans.iter().map(|&h| h as usize));
+        all.extend(self.groups.iter().map(|&h| h as usize));
+        all.extend(self.executors.iter().map(|&(h, _)| h as usize));
+        all.extend(self.batches.iter().map(|&h| h as usize));
+        all
+    }
+
+    /// A handle for an argument of type `T`: mostly one of `live`, else NULL, a destroyed one, one of
+    /// another type, or a made-up value.
+    fn pick<T>(&self, input: &mut Bytes, live: &[*mut T], arena: u64) -> *mut T {
+        let choice = input.byte();
+        let value = match choice {
+            0..=199 if !live.is_empty() => live[usize::from(choice) % live.len()] as usize,
+            200..=209 => 0,
+            210..=229 if !self.destroyed.is_empty() => {
+                self.destroyed[usize::from(choice) % self.destroyed.len()]
+            }
+            230..=249 if !self.every_live().is_empty() => {
+                let all = self.every_live();
+                all[usize::from(choice) % all.len()]
+            }
+            _ => [16, arena as usize, usize::MAX & !15][usize::from(choice) % 3],
+        };
+        value as *mut T
+    }
+}
+
+/// The status of a call: never INTERNAL_ERROR, and a failure has a message.
+fn check(status: Status) -> Status {
+    // SAFETY: the library returns a NUL-terminated string valid until this thread's next call.
+    let message = unsafe { CStr::from_ptr(refit_last_error_message()) }.to_string_lossy().into_owned();
+    assert_ne!(status, Status::InternalError, "a panic reached the boundary: {message}");
+    if status != Status::Success {
+        assert!(!message.is_empty(), "{status:?} without a message");
+    }
+    status
+}
+
+/// Whether every byte `segment` reads and writes lies in [base, base + ARENA).
+fn in_arena(segment: &Segment, base: u64) -> bool {
+    let side = |first: u64, strides: [u64; 2]| -> bool {
+        if segment.len == 0 || segment.count[0] == 0 || segment.count[1] == 0 {
+            return true;
+        }
+        let last = (segment.count[0] - 1)
+            .checked_mul(strides[0])
+            .zip((segment.count[1] - 1).checked_mul(strides[1]))
+            .and_then(|(a, b)| a.checked_add(b))
+            .and_then(|span| span.checked_add(segment.len - 1))
+            .and_then(|span| first.checked_add(span));
+        first >= base && last.is_some_and(|last| last < base + ARENA)
+    };
+    side(segment.src, segment.src_stride) && side(segment.dst, segment.dst_stride)
+}
+
+/// Whether every segment of every route of `plan` lies in the arena (false when it cannot be read).
+fn plan_in_arena(plan: *mut refit_plan, base: u64) -> bool {
+    let mut count = 0;
+    // SAFETY: a valid output slot.
+    if unsafe { refit_plan_route_count(plan, &mut count) } != Status::Success {
+        return false;
+    }
+    (0..count).all(|i| {
+        // SAFETY: zeroed plain data; the library fills it, its segments valid until the plan goes.
+        let mut route: refit_route_info = unsafe { std::mem::zeroed() };
+        route.size = std::mem::size_of::<refit_route_info>();
+        // SAFETY: a valid output slot.
+        if unsafe { refit_plan_route(plan, i, &mut route) } != Status::Success {
+            return false;
+        }
+        // SAFETY: `segment_count` segments, owned by the live plan.
+        let segments = unsafe { std::slice::from_raw_parts(route.segments, route.segment_count) };
+        segments.iter().all(|s| in_arena(s, base))
+    })
+}
+
+fn segment(input: &mut Bytes, base: u64) -> Segment {
+    let address = |input: &mut Bytes| match input.byte() % 16 {
+        0 => 0,
+        _ => base + input.small(256) * 64 + input.small(64),
+    };
+    let (src, dst) = (address(input), address(input));
+    Segment {
+        src,
+        dst,
+        len: input.value(512),
+        count: [input.value(8), input.value(4)],
+        src_stride: [input.value(1024), input.value(8192)],
+        dst_stride: [input.value(1024), input.value(8192)],
+    }
+}
+
+fn executor_options(input: &mut Bytes) -> refit_executor_options {
+    // SAFETY: plain data, filled by the library.
+    let mut options: refit_executor_options = unsafe { std::mem::zeroed() };
+    check(refit_executor_options_init(&mut options));
+    options.arm = input.value(4) as u32;
+    options.sm_budget = input.value(3) as u32;
+    options.verify = input.byte() % 2 == 0;
+    options.commit = input.value(3) as u32;
+    options.staging_limit = [0, 4096, 5000, 1 << 20, 1][usize::from(input.byte() % 5)];
+    options
+}
+
+/// Runs one call chosen by the next byte.
+fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
+    let op = input.byte() % 18;
+    match op {
+        0 => {
+            let mut table = null_mut();
+            // SAFETY: a valid output slot.
+            if check(refit_table_create(&mut table)) == Status::Success {
+                pool.tables.push(table);
+            }
+        }
+        1 => {
+            let table = pool.pick(input, &pool.tables, base);
+            let ndim = (input.byte() % 4) as usize;
+            let shape: Vec<u64> = (0..ndim).map(|_| input.value(9)).collect();
+            let name = [c"w", c"v", c"", c"layers.0.mlp"][usize::from(input.byte() % 4)];
+            let elem_size = [1, 2, 4, 0, 3][usize::from(input.byte() % 5)];
+            let mut index = 0;
+            // SAFETY: `shape` holds `ndim` values; valid output slot.
+            check(unsafe {
+                refit_table_add_tensor(table, name.as_ptr(), 7, elem_size, shape.as_ptr(), ndim, &mut index)
+            });
+        }
+        2 | 3 => {
+            let table = pool.pick(input, &pool.tables, base);
+            let (tensor, rank, device) = (input.value(3) as u32, input.value(2) as u32, input.value(3) as u32);
+            let addr = if input.byte() % 16 == 0 { 0 } else { base + input.small(128) * 256 };
+            let ndim = (input.byte() % 4) as usize;
+            let (offset, extent, strides) = (input.list(ndim, 4), input.list(ndim, 9), input.list(ndim, 64));
+            let with_strides = input.byte() % 2 == 0;
+            let strides_ptr = if with_strides { strides.as_ptr() } else { null() };
+            // SAFETY: every array holds `ndim` values.
+            if op == 2 {
+                let digest = input.value(2);
+                let digest_ptr = if input.byte() % 2 == 0 { &digest as *const u64 } else { null() };
+                check(unsafe {
+                    refit_table_add_offer(
+                        table,
+                        tensor,
+                        rank,
+                        device,
+                        addr,
+                        offset.as_ptr(),
+                        extent.as_ptr(),
+                        strides_ptr,
+                        ndim,
+                        digest_ptr,
+                    )
+                });
+            } else {
+                let perm: Vec<u32> = (0..ndim as u32).map(|d| (d + u32::from(input.byte() % 2)) % ndim as u32).collect();
+                let perm_ptr = if input.byte() % 2 == 0 { perm.as_ptr() } else { null() };
+                check(unsafe {
+                    refit_table_add_need(
+                        table,
+                        tensor,
+                        rank,
+                        device,
+                        addr,
+                        offset.as_ptr(),
+                        extent.as_ptr(),
+                        perm_ptr,
+                        strides_ptr,
+                        ndim,
+                    )
+                });
+            }
+        }
+        4 | 5 => {
+            let count = usize::from(input.byte() % 3);
+            let tables: Vec<*const refit_table> =
+                (0..count).map(|_| pool.pick(input, &pool.tables, base) as *const refit_table).collect();
+            // SAFETY: plain data, filled by the library.
+            let mut options: refit_plan_options = unsafe { std::mem::zeroed() };
+            check(refit_plan_options_init(&mut options));
+            options.policy = input.value(4) as u32;
+            options.coalesce = input.value(3) as u8;
+            let mut plan = null_mut();
+            // SAFETY: `tables` holds `count` entries; valid options and output slot.
+            let status = check(unsafe {
+                if op == 4 {
+                    refit_plan_build(tables.as_ptr(), count, &options, &mut plan)
+                } else {
+                    refit_plan_build_share(tables.as_ptr(), count, input.value(3) as u32, &options, &mut plan)
+                }
+            });
+            if status == Status::Success {
+                pool.plans.push(plan);
+            }
+        }
+        6 => {
+            let plan = pool.pick(input, &pool.plans, base);
+            let mut fingerprint = 0;
+            // SAFETY: a valid output slot.
+            check(unsafe { refit_plan_fingerprint(plan, &mut fingerprint) });
+            plan_in_arena(plan, base);
+        }
+        7 => {
+            let table = pool.pick(input, &pool.tables, base);
+            let mut buffer = vec![0u8; input.value(4096) as usize % 4097];
+            let mut written = 0;
+            // SAFETY: `buffer` holds its length in bytes.
+            let status = check(unsafe { refit_table_encode(table, buffer.as_mut_ptr(), buffer.len(), &mut written) });
+            if status == Status::Success {
+                // Flip one byte now and then: decoding must refuse it or yield a table.
+                if input.byte() % 2 == 0 && written > 0 {
+                    let at = usize::from(input.byte()) % written;
+                    buffer[at] ^= 1 << (input.byte() % 8);
+                }
+                let mut decoded = null_mut();
+                // SAFETY: `written` readable bytes; valid output slot.
+                if check(unsafe { refit_table_decode(buffer.as_ptr(), written, &mut decoded) }) == Status::Success {
+                    pool.tables.push(decoded);
+                }
+            }
+        }
+        8 => {
+            let devices = [0i32, 1];
+            let n = 1 + usize::from(input.byte() % 2);
+            // SAFETY: plain data, filled by the library.
+            let mut options: refit_group_options = unsafe { std::mem::zeroed() };
+            check(refit_group_options_init(&mut options));
+            options.backend = REFIT_BACKEND_HOST;
+            let mut group = null_mut();
+            if check(refit_group_create(devices.as_ptr(), n, &options, &mut group)) == Status::Success {
+                pool.groups.push(group);
+            }
+        }
+        9 => {
+            let plan = pool.pick(input, &pool.plans, base);
+            let group = pool.pick(input, &pool.groups, base);
+            let options = executor_options(input);
+            let mut executor = null_mut();
+            let status = check(refit_executor_create(plan, group, input.value(3) as u32, &options, &mut executor));
+            if status == Status::Success {
+                pool.executors.push((executor, plan_in_arena(plan, base)));
+            }
+        }
+        10 | 11 => {
+            let group = pool.pick(input, &pool.groups, base);
+            let Some(&(executor, runnable)) = pool.executors.get(usize::from(input.byte()) % pool.executors.len().max(1))
+            else {
+                return;
+            };
+            if runnable {
+                let run = if op == 10 { refit_executor_run } else { refit_executor_commit };
+                check(run(executor, group, null_mut()));
+            }
+        }
+        12 => {
+            let executor = pool.pick(input, &pool.executors.iter().map(|&(e, _)| e).collect::<Vec<_>>(), base);
+            // Moving bytes within the arena keeps every later run inside it.
+            let length = input.value(4096);
+            let (old, new) = (base + input.small(256) * 256, base + input.small(256) * 256);
+            if new.saturating_add(length) <= base + ARENA {
+                check(refit_executor_rebind(executor, input.value(3) as u32, old, new, length));
+            }
+        }
+        13 => {
+            let executor = pool.pick(input, &pool.executors.iter().map(|&(e, _)| e).collect::<Vec<_>>(), base);
+            // SAFETY: plain data.
+            let mut stats = unsafe { std::mem::zeroed() };
+            check(refit_executor_stats(executor, &mut stats));
+        }
+        14 => {
+            let group = pool.pick(input, &pool.groups, base);
+            let segments: Vec<Segment> = (0..input.byte() % 4).map(|_| segment(input, base)).collect();
+            let safe = segments.iter().all(|s| in_arena(s, base) || s.src == 0 || s.dst == 0);
+            if !safe {
+                return;
+            }
+            let (rank, flags) = (input.value(3) as u32, input.value(3) as u32);
+            if input.byte() % 2 == 0 {
+                check(refit_copy_batch(group, rank, null_mut(), segments.as_ptr(), segments.len(), flags));
+            } else {
+                let mut batch = null_mut();
+                let status =
+                    check(refit_copy_batch_prepare(group, rank, segments.as_ptr(), segments.len(), flags, &mut batch));
+                if status == Status::Success {
+                    check(refit_copy_batch_launch(batch, null_mut()));
+                    pool.batches.push(batch);
+                }
+            }
+        }
+        15 => {
+            let group = pool.pick(input, &pool.groups, base);
+            let (offset, len) = (input.small(256) * 256, input.small(256) * 64);
+            let addr = if input.byte() % 8 == 0 { 0 } else { base + offset };
+            if addr == 0 || offset + len <= ARENA {
+                let mut digest = 0;
+                check(refit_digest(group, input.value(3) as u32, addr, len, null_mut(), &mut digest));
+            }
+        }
+        16 => {
+            let group = pool.pick(input, &pool.groups, base);
+            let mut size = 0;
+            check(refit_group_size(group, &mut size));
+            if input.byte() % 2 == 0 {
+                check(refit_group_enter(group, null()));
+            } else {
+                check(refit_group_exit(group, input.value(3) as u32));
+            }
+        }
+        _ => destroy_one(input, pool, base),
+    }
+}
+
+/// Destroys a handle picked like any argument: live, or destroyed already, or of another type, or
+/// made up (those release nothing).
+fn destroy_one(input: &mut Bytes, pool: &mut Pool, base: u64) {
+    /// Forgets `handle` if it was live in `live` (a destroy of any other value released nothing).
+    fn forget<T>(live: &mut Vec<T>, destroyed: &mut Vec<usize>, handle: usize, value: impl Fn(&T) -> usize) {
+        let before = live.len();
+        live.retain(|h| value(h) != handle);
+        if live.len() < before {
+            destroyed.push(handle);
+        }
+    }
+    match input.byte() % 5 {
+        0 => {
+            let h = pool.pick(input, &pool.tables, base);
+            refit_table_destroy(h);
+            forget(&mut pool.tables, &mut pool.destroyed, h as usize, |&t| t as usize);
+        }
+        1 => {
+            let h = pool.pick(input, &pool.plans, base);
+            refit_plan_destroy(h);
+            forget(&mut pool.plans, &mut pool.destroyed, h as usize, |&p| p as usize);
+        }
+        2 => {
+            let h = pool.pick(input, &pool.groups, base);
+            refit_group_destroy(h);
+            forget(&mut pool.groups, &mut pool.destroyed, h as usize, |&g| g as usize);
+        }
+        3 => {
+            let live: Vec<_> = pool.executors.iter().map(|&(e, _)| e).collect();
+            let h = pool.pick(input, &live, base);
+            refit_executor_destroy(h);
+            forget(&mut pool.executors, &mut pool.destroyed, h as usize, |&(e, _)| e as usize);
+        }
+        _ => {
+            let h = pool.pick(input, &pool.batches, base);
+            refit_copy_batch_destroy(h);
+            forget(&mut pool.batches, &mut pool.destroyed, h as usize, |&b| b as usize);
+        }
+    }
+}
+
+fuzz_target!(|data: &[u8]| {
+    // Refusals are logged (a destroy cannot return a status); millions of them are noise here.
+    static QUIET: std::sync::Once = std::sync::Once::new();
+    QUIET.call_once(|| std::env::set_var("REFIT_LOG", "off"));
+    let mut arena = vec![0u8; ARENA as usize];
+    let base = arena.as_mut_ptr() as u64;
+    let mut input = Bytes(data);
+    let mut pool = Pool::default();
+    for _ in 0..64 {
+        if input.0.is_empty() {
+            break;
+        }
+        step(&mut input, &mut pool, base);
+    }
+    // Everything still live goes, executors before what they ran on.
+    for (executor, _) in pool.executors.drain(..) {
+        refit_executor_destroy(executor);
+    }
+    for batch in pool.batches.drain(..) {
+        refit_copy_batch_destroy(batch);
+    }
+    for plan in pool.plans.drain(..) {
+        refit_plan_destroy(plan);
+    }
+    for table in pool.tables.drain(..) {
+        refit_table_destroy(table);
+    }
+    for group in pool.groups.drain(..) {
+        refit_group_destroy(group);
+    }
+    drop(arena);
+});
