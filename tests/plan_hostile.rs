@@ -320,3 +320,38 @@ fn many_needs_of_a_scalar_at_one_address_overlap() {
     assert_eq!(map.len(), 80);
     assert_eq!(map[&(at(1), 0x1000 + 4 * 19 + 3)], (at(0), 0x103));
 }
+
+#[test]
+fn a_share_of_tables_that_repeat_another_processs_need_ends() {
+    // The same table passed twice: process 1's need appears twice. Process 1's own share refuses
+    // the overlap; the sending process's share plans the route without checking process 1's needs,
+    // and coalescing its duplicate segments once looped forever.
+    let mut t = Table::default();
+    t.tensors.push(spec("w", 1, &[]));
+    let (offer, need) = (
+        |p, addr| Offer {
+            tensor: 0,
+            owner: at(p),
+            addr,
+            region: region(&[], &[]),
+            strides: None,
+            digest: None,
+        },
+        0x2e00,
+    );
+    t.needs.push(Need {
+        tensor: 0,
+        receiver: at(1),
+        addr: need,
+        region: region(&[], &[]),
+        perm: None,
+        strides: vec![],
+    });
+    t.offers.extend([offer(0, 0x1000), offer(1, 0x3800)]);
+    let options = PlanOptions { policy: refit::plan::OwnerPolicy::First, coalesce: true };
+    let sender = refit::plan::build_share(&[&t, &t], 0, &options, &Limits::default()).unwrap();
+    let segments: Vec<_> = sender.routes().iter().flat_map(|r| r.segments.iter()).collect();
+    assert!(!segments.is_empty() && segments.iter().all(|s| s.dst == need && s.len == 1), "{segments:?}");
+    let receiver = refit::plan::build_share(&[&t, &t], 1, &options, &Limits::default()).unwrap_err();
+    assert_eq!(receiver.status, Status::Overlap, "{}", receiver.message);
+}

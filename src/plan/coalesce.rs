@@ -121,7 +121,10 @@ fn join_group(group: &[Segment], out: &mut Vec<Segment>) -> Result<()> {
         let mut cursor = i + 1;
         for j in candidates {
             let second = group[j];
-            if second.src < first.src {
+            // A chain steps forward on both sides. A second member at the same destination is a
+            // duplicate (a share plans other processes' needs unchecked; their own builds refuse
+            // the overlap), and a step of zero would find `first` again at every length.
+            if second.src < first.src || second.dst == first.dst {
                 continue;
             }
             let (step_src, step_dst) = (second.src - first.src, second.dst - first.dst);
@@ -248,6 +251,19 @@ mod tests {
         assert_eq!(segments[0], Segment::contiguous(0, 0, 16));
         assert_eq!(segments[1].count, [4, 2]);
         assert_eq!((segments[1].src_stride, segments[1].dst_stride), ([100, 4000], [200, 100]));
+    }
+
+    #[test]
+    fn duplicate_segments_end_and_stay_apart() {
+        // A share may plan another process's needs twice over (that process refuses the overlap):
+        // coalescing such duplicates once looped forever, chaining a member to itself at step 0.
+        for copies in [2, 3] {
+            let mut segments = vec![Segment::contiguous(7, 100, 1); copies];
+            segments.push(Segment::contiguous(8, 101, 1));
+            let before = bytes_of(&segments);
+            coalesce(&mut segments).unwrap();
+            assert_eq!(bytes_of(&segments), before);
+        }
     }
 
     #[test]
