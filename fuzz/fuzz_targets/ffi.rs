@@ -10,6 +10,10 @@
 //! panic the boundary caught: a bug), and every failure leaves a message.
 #![no_main]
 
+#[path = "bytes.rs"]
+mod bytes;
+
+use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use refit::ffi::copy::{
     refit_copy_batch, refit_copy_batch_destroy, refit_copy_batch_launch, refit_copy_batch_prepare,
@@ -38,34 +42,6 @@ use std::ptr::{null, null_mut};
 
 /// Bytes of the arena every caller address lies in.
 const ARENA: u64 = 1 << 16;
-
-struct Bytes<'a>(&'a [u8]);
-
-impl Bytes<'_> {
-    fn byte(&mut self) -> u8 {
-        match self.0.split_first() {
-            Some((&b, rest)) => {
-                self.0 = rest;
-                b
-            }
-            None => 0,
-        }
-    }
-    /// Mostly below `small`; 0xff prefixes an extreme value.
-    fn value(&mut self, small: u64) -> u64 {
-        match self.byte() {
-            0xff => u64::MAX >> (self.byte() % 64),
-            b => u64::from(b) % small.max(1),
-        }
-    }
-    /// Below `n`, never extreme (for offsets into the arena).
-    fn small(&mut self, n: u64) -> u64 {
-        u64::from(self.byte()) % n
-    }
-    fn list(&mut self, n: usize, small: u64) -> Vec<u64> {
-        (0..n).map(|_| self.value(small)).collect()
-    }
-}
 
 /// The handles of one input, and the values of those it destroyed.
 #[derive(Default)]

@@ -4,35 +4,15 @@
 //! each destination byte once, the same with and without coalescing, under every policy.
 #![no_main]
 
+#[path = "bytes.rs"]
+mod bytes;
+
+use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use refit::plan::{
     build_with_limits, Endpoint, Limits, Need, Offer, OwnerPolicy, PlanOptions, Region, Table, TensorSpec,
 };
 use refit::Status;
-
-struct Bytes<'a>(&'a [u8]);
-
-impl Bytes<'_> {
-    fn byte(&mut self) -> u8 {
-        match self.0.split_first() {
-            Some((&b, rest)) => {
-                self.0 = rest;
-                b
-            }
-            None => 0,
-        }
-    }
-    /// Mostly small; 0xff prefixes an extreme value.
-    fn value(&mut self, small: u8) -> u64 {
-        match self.byte() {
-            0xff => u64::MAX >> (self.byte() % 64),
-            b => u64::from(b % small.max(1)),
-        }
-    }
-    fn list(&mut self, n: usize, small: u8) -> Vec<u64> {
-        (0..n).map(|_| self.value(small)).collect()
-    }
-}
 
 fn table(input: &mut Bytes) -> Table {
     let mut t = Table::default();
