@@ -1230,6 +1230,14 @@ static void a_stream_of_another_device(void) {
   CHECK_FAILS(refit_digest(group, 1, addr(from), sizeof from, of_rank0, &digest), REFIT_STATUS_INVALID_ARGUMENT,
               "simulated device 0");
   CHECK(to[0] == 0 && digest == 0);
+  /* A segment that repeats its destination (2^61 copies of the same 4 bytes) is refused at once,
+   * checked or not, instead of being run. */
+  refit_segment repeated = check_contiguous(from, to, 4);
+  repeated.count[1] = (uint64_t)1 << 61;
+  for (uint32_t flags = 0; flags <= REFIT_COPY_CHECKED; flags++)
+    CHECK_FAILS(refit_copy_batch(group, 0, NULL, &repeated, 1, flags), REFIT_STATUS_OVERLAP,
+                "writes its destination bytes more than once");
+  CHECK(to[0] == 0);
   CHECK_OK(refit_copy_batch(group, 0, of_rank0, &segment, 1, 0));
   CHECK(memcmp(from, to, sizeof from) == 0);
   memset(to, 0, sizeof to);

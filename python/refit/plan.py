@@ -33,6 +33,16 @@ if TYPE_CHECKING:
     from .group import Group
 
 
+def _placement(tensor: int, rank: int, device: int, addr: int) -> Tuple[int, int, int, int]:
+    """The leading arguments of an offer or a need, checked against their C widths."""
+    return (
+        check_range(tensor, 32, "tensor"),
+        check_range(rank, 32, "rank"),
+        check_range(device, 32, "device"),
+        check_range(addr, 64, "addr"),
+    )
+
+
 def _box(ndim: int, arrays: Iterable[Tuple[str, Optional[Sequence[Any]]]]) -> None:
     """Checks that every given array has `ndim` entries (the C API reads exactly that many)."""
     for what, values in arrays:
@@ -93,10 +103,7 @@ class Table(Handle):
         _box(len(origin), [("extent", size), ("strides", steps)])
         digest_value = None if digest is None else byref(c_uint64(check_range(digest, 64, "digest")))
         arguments = (
-            check_range(tensor, 32, "tensor"),
-            check_range(rank, 32, "rank"),
-            check_range(device, 32, "device"),
-            check_range(addr, 64, "addr"),
+            *_placement(tensor, rank, device, addr),
             origin,
             size,
             steps,
@@ -126,10 +133,7 @@ class Table(Handle):
         _box(ndim, [("extent", size), ("strides", steps), ("perm", order)])
         perm_array = None if order is None else (c_uint32 * ndim)(*order)
         arguments = (
-            check_range(tensor, 32, "tensor"),
-            check_range(rank, 32, "rank"),
-            check_range(device, 32, "device"),
-            check_range(addr, 64, "addr"),
+            *_placement(tensor, rank, device, addr),
             origin,
             size,
             perm_array,

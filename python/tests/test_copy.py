@@ -82,6 +82,18 @@ class CopyTest(unittest.TestCase):
         self.assertIs(caught.exception.status, Status.OVERLAP)
         self.assertEqual(bytes(target), bytes([POISON] * 64))
 
+    def test_a_segment_that_repeats_its_destination_is_overlap_checked_or_not(self):
+        source = host_buffer([1] * 64)
+        target = host_buffer([POISON] * 64)
+        # 2^61 copies of the same 4 bytes: refused at once, in either mode, not run.
+        repeated = Segment(addr(source), addr(target), 4, count=(1, 1 << 61))
+        for checked in (False, True):
+            with self.assertRaises(RefitError) as caught:
+                self.group.copy_batch(0, [repeated], checked=checked)
+            self.assertIs(caught.exception.status, Status.OVERLAP)
+            self.assertIn("writes its destination bytes more than once", caught.exception.message)
+        self.assertEqual(bytes(target), bytes([POISON] * 64))
+
     def test_bad_arguments(self):
         source = host_buffer([1] * 64)
         target = host_buffer([POISON] * 64)
