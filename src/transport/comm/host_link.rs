@@ -15,7 +15,8 @@ use super::super::host::{create_host_stream, destroy_host_stream, host_stream};
 use super::super::host_copy::copy_runs;
 use super::super::mesh::{Deadline, Mesh, MeshKey, Message};
 use super::super::Stream;
-use super::{lengths_then_bytes, root, Agreement, Health, AGREE_TAG};
+use super::root::{self, Ask};
+use super::{lengths_then_bytes, Agreement, Health, AGREE_TAG};
 use crate::error::{Error, Result};
 use crate::segment::check::validate;
 use crate::segment::Segment;
@@ -133,13 +134,15 @@ pub(super) struct HostLink {
 }
 
 impl HostLink {
-    /// Takes rank `rank`'s name (a taken rank fails here, at once), is admitted by the id's root
-    /// (a spent id or one with another secret fails here), then meets the other ranks.
+    /// Takes rank `rank`'s name (a taken rank fails here, at once), asks the id's root whether it may
+    /// join (a spent id or one with another secret fails here, at once), meets the other ranks, and
+    /// registers with the root (the last rank to do so spends the id).
     pub fn create(key: &MeshKey, rank: usize, size: usize, timeout: Duration) -> Result<HostLink> {
         let deadline = Deadline::after(timeout);
         let listening = Mesh::listen(key, rank, size)?;
-        root::admit(key, rank, size, deadline)?;
+        root::ask(key, rank, size, Ask::Check, deadline)?;
         let mesh = listening.join(deadline)?;
+        root::ask(key, rank, size, Ask::Register, deadline)?;
         let default_stream = create_host_stream()?;
         let shared = Arc::new(Shared {
             mesh,

@@ -10,6 +10,12 @@
 //!   Unix sockets ([`super::mesh`]) moving host memory, with the same ordering, timeout and abort
 //!   semantics. It is a test-only simulation: never a transport for real data between machines.
 //!
+//! Identity: an id carries a check of all its bytes (a changed byte is refused before anything
+//! else) and a random secret every join is checked against: NCCL's magic, checked by NCCL's root; on
+//! the host link the secret half of the mesh key, checked by the id's root ([`root`], in the process
+//! that made the id, which also makes the id good for one communicator) and by every peer. Each host
+//! rank holds its rank's socket name until it is destroyed, so a second claim of a rank fails at once.
+//!
 //! Every call either completes or fails with a status within the communicator's timeout: TIMEOUT when
 //! a peer did not take part in time, ABORTED when a peer exited or aborted. The first failure is kept
 //! ([`Health`]): the communicator is then aborted, and every later call returns that failure.
@@ -569,6 +575,9 @@ mod tests {
     fn an_id_forms_one_communicator() {
         let id = Communicator::unique_id(BackendKind::Host).unwrap();
         let options = CommOptions { timeout: Duration::from_secs(20), ..CommOptions::default() };
+        // A join that fails before its ranks meet spends nothing.
+        let short = CommOptions { timeout: Duration::from_millis(50), ..options };
+        assert_eq!(Communicator::create(&id, 2, 0, 0, short).err().unwrap().status, Status::Timeout);
         drop(Communicator::create(&id, 1, 0, 0, options).unwrap());
         let started = std::time::Instant::now();
         let err = Communicator::create(&id, 1, 0, 0, options).err().unwrap();
