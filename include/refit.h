@@ -871,7 +871,8 @@ refit_status refit_comm_options_init(refit_comm_options *options);
  * passes the same id to refit_comm_create. The id's rendezvous root runs in this process, which must
  * live until every rank has joined: NCCL's bootstrap root on CUDA; on HOST a thread that admits each
  * rank once, checking its secret, and stops listening once every rank has been admitted, which
- * spends the id. Thread-safe; blocking; not ordered with any stream.
+ * spends the id (an id never used keeps that idle thread until this process exits). Thread-safe;
+ * blocking; not ordered with any stream.
  *
  * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (backend), CUDA_UNAVAILABLE (CUDA asked for), NCCL_UNAVAILABLE
  * (libnccl missing, or older than 2.14), NCCL_ERROR.
