@@ -2,9 +2,12 @@
  * (this one and two forked children) join one communicator, allgather uneven blocks (checked against
  * the blocks each process computes for every rank), build one plan from their own tables (checked
  * against a plan built here from all three tables; a table naming another process is refused on
- * every rank), and a rank that aborts ends a peer's call; then
- * every bad argument of the communicator API with its status, on a communicator of one rank. */
+ * every rank), and a rank that aborts ends a peer's call; a rank that passes other counts is refused
+ * on every rank, naming it, and the communicator stays usable; a rank claimed after the communicator
+ * formed, and a spent id, are refused at once; then every bad argument of the communicator API with
+ * its status (an id with any byte changed among them), on a communicator of one rank. */
 #include <stdint.h>
+#include <time.h>
 #include <sys/types.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -18,6 +21,42 @@ static uint64_t addr(const void *p) { return (uint64_t)(uintptr_t)p; }
 static uint8_t byte_of(uint32_t rank, size_t i) { return (uint8_t)(rank * 59 + i * 7 + (i >> 9)); }
 
 static const size_t counts[RANKS] = {1000, 0, 70001};
+
+static double seconds(void) {
+  struct timespec now;
+  clock_gettime(CLOCK_MONOTONIC, &now);
+  return (double)now.tv_sec + 1e-9 * (double)now.tv_nsec;
+}
+
+/* Claiming `rank` of `id` (nranks RANKS) is refused with INVALID_ARGUMENT whose message holds `why`,
+ * without waiting (the timeout is a minute). */
+static void refused_at_once(const refit_comm_id *id, uint32_t rank, const char *why) {
+  refit_comm_options options;
+  CHECK_OK(refit_comm_options_init(&options));
+  options.timeout_ms = 60000;
+  refit_comm *comm = NULL;
+  double started = seconds();
+  CHECK_STATUS(refit_comm_create(id, RANKS, rank, 0, &options, &comm), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(seconds() - started < 5.0);
+  CHECK(comm == NULL && strstr(refit_last_error_message(), why) != NULL);
+}
+
+/* Rank 1 passes other counts: every rank's allgather is refused, naming rank 1, and nothing moves. */
+static void other_counts(refit_comm *comm, uint32_t rank) {
+  const size_t odd[RANKS] = {1000, 1, 70001};
+  const size_t *mine = rank == 1 ? odd : counts;
+  uint8_t *send = calloc(70001, 1), *recv = malloc(71002);
+  memset(recv, 0xEE, 71002);
+  CHECK_OK(refit_comm_allgather(comm, addr(send), addr(recv), mine, NULL));
+  CHECK_STATUS(refit_comm_synchronize(comm, NULL), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "counts: ranks [1] differ") != NULL);
+  CHECK_OK(refit_comm_synchronize(comm, NULL));
+  int untouched = 1;
+  for (size_t i = 0; i < 71002; i++) untouched &= recv[i] == 0xEE;
+  CHECK(untouched);
+  free(send);
+  free(recv);
+}
 
 /* Joins communicator `id` as `rank`; `ipc` false sends every pair's bytes through staging. */
 static refit_comm *join(const refit_comm_id *id, uint32_t rank, bool ipc) {
@@ -215,6 +254,11 @@ static void rank_main(const refit_comm_id *id, const refit_comm_id *staged_id, u
   executor_across(staged, rank, false);
   refit_comm_destroy(staged);
   refit_comm *comm = join(id, rank, true);
+  /* Formed: each rank's name is held, so a claim of another process's rank is refused at once. */
+  if (rank == 0) refused_at_once(id, 2, "already taken");
+  allgather_uneven(comm, rank);
+  /* ... and a correct allgather follows a refused one on the same communicator. */
+  other_counts(comm, rank);
   allgather_uneven(comm, rank);
   plan_across(comm, rank);
   executor_across(comm, rank, true);
@@ -262,6 +306,13 @@ static void bad_arguments(void) {
   CHECK(comm == NULL);
   CHECK_STATUS(refit_comm_adopt(NULL, NULL, &comm), REFIT_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(refit_comm_adopt(&id, NULL, NULL), REFIT_STATUS_NULL_ARGUMENT);
+  /* Every byte of an id matters: any one changed is refused, and the id itself still forms. */
+  for (size_t at = 0; at < sizeof id.internal; at++) {
+    refit_comm_id changed = id;
+    changed.internal[at] ^= 0x01;
+    CHECK_STATUS(refit_comm_create(&changed, 1, 0, 0, &options, &comm), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(comm == NULL);
+  }
 
   CHECK_OK(refit_comm_create(&id, 1, 0, 3, &options, &comm));
   uint32_t value;
@@ -325,6 +376,10 @@ static void bad_arguments(void) {
   CHECK_STATUS(refit_comm_allgather(comm, addr(buffer), addr(buffer + 8), &four, NULL), REFIT_STATUS_ABORTED);
   refit_comm_destroy(comm);
   refit_comm_destroy(NULL);
+  /* The id formed its communicator: it is spent. */
+  comm = NULL;
+  CHECK_STATUS(refit_comm_create(&id, 1, 0, 0, &options, &comm), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(comm == NULL && strstr(refit_last_error_message(), "the id is spent") != NULL);
 }
 
 int main(void) {
@@ -349,6 +404,8 @@ int main(void) {
     CHECK(waitpid(children[i], &status, 0) == children[i]);
     CHECK(WIFEXITED(status) && WEXITSTATUS(status) == 0);
   }
+  /* Every rank destroyed the communicator: its id joins nothing, here or in any process. */
+  for (uint32_t rank = 0; rank < RANKS; rank++) refused_at_once(&id, rank, "the id is spent");
   bad_arguments();
   CHECK_DONE();
 }

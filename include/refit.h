@@ -413,7 +413,11 @@ typedef struct {
 /**
  * The id every rank of one communicator is created from. One process makes it
  * (refit_comm_get_unique_id) and the caller hands it to the others by its own means (a TCP store,
- * MPI, a file, an environment variable); it is plain bytes, copied freely.
+ * MPI, a file, an environment variable); it is plain bytes, copied freely, and good for one
+ * communicator. Every byte matters: an id with any byte changed is refused with INVALID_ARGUMENT
+ * before it is used. It carries a random secret that every join is checked against (on the host
+ * backend, bytes from the kernel's random source; on CUDA, NCCL's random magic), so that a stray
+ * process holding another job's id, or a stale one, never joins a communicator.
  */
 typedef struct {
   uint8_t internal[136];
@@ -861,11 +865,14 @@ refit_status refit_comm_options_init(refit_comm_options *options);
 
 /**
  * Writes a new id to `*id`. `backend` picks what the communicator moves: REFIT_BACKEND_CUDA (device
- * memory, through NCCL: the id is an ncclUniqueId, and NCCL's bootstrap root runs in this process,
- * which must live until every rank has joined), REFIT_BACKEND_HOST (host memory, through Unix
+ * memory, through NCCL: the id holds an ncclUniqueId), REFIT_BACKEND_HOST (host memory, through Unix
  * sockets between the processes of one machine: a test-only simulation of NCCL for machines without
  * GPUs), or REFIT_BACKEND_AUTO (CUDA when libcuda loads and has a device, else HOST). Every rank
- * passes the same id to refit_comm_create. Thread-safe; blocking; not ordered with any stream.
+ * passes the same id to refit_comm_create. The id's rendezvous root runs in this process, which must
+ * live until every rank has joined: NCCL's bootstrap root on CUDA; on HOST a thread that admits each
+ * rank once, checking its secret, and stops listening once every rank has been admitted, which
+ * spends the id (an id never used keeps that idle thread until this process exits). Thread-safe;
+ * blocking; not ordered with any stream.
  *
  * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (backend), CUDA_UNAVAILABLE (CUDA asked for), NCCL_UNAVAILABLE
  * (libnccl missing, or older than 2.14), NCCL_ERROR.
@@ -881,12 +888,23 @@ refit_status refit_comm_get_unique_id(uint32_t backend,
  * created nonblocking, so that refit bounds every wait by the timeout. Not ordered with any stream;
  * the calling thread's current CUDA context is left as it was.
  *
- * Errors: NULL_ARGUMENT (id, comm), INVALID_ARGUMENT (an id not made by refit_comm_get_unique_id,
- * nranks 0 or above 2^31 - 1, rank not below nranks, bad options (size, timeout_ms 0, staging_bytes
- * below 1 MiB, an ipc byte other than 0 or 1), a rank taken by another process, ranks that pass
- * different nranks; on the host backend, more ranks than a process may open files),
- * INVALID_DEVICE, TIMEOUT (a rank did not join in time), ABORTED, NCCL_UNAVAILABLE, NCCL_ERROR,
- * CUDA_UNAVAILABLE, CUDA_ERROR.
+ * Identity: an id forms one communicator. A process that claims a rank another process holds, while
+ * the communicator forms or after it formed, gets INVALID_ARGUMENT at once (on the host backend every
+ * rank holds its rank's name until it destroys the communicator); when two processes claim one rank
+ * together, whichever takes it first joins and the other gets INVALID_ARGUMENT, and the communicator
+ * of the others forms. On the host backend a join with an id whose secret is not its rendezvous's,
+ * or with a spent id (its communicator formed, also when it was destroyed since; or its maker
+ * exited), is INVALID_ARGUMENT at once; where a process holds the rendezvous's socket but nothing
+ * answers (the maker forked, then exited), TIMEOUT. On CUDA, NCCL's root checks its magic and
+ * ends once every rank has joined: a spent id fails as NCCL reports it (NCCL_ERROR, or TIMEOUT
+ * where nothing answers).
+ *
+ * Errors: NULL_ARGUMENT (id, comm), INVALID_ARGUMENT (an id not made by refit_comm_get_unique_id or
+ * with any byte changed, nranks 0 or above 2^31 - 1, rank not below nranks, bad options (size,
+ * timeout_ms 0, staging_bytes below 1 MiB, an ipc byte other than 0 or 1), a rank taken by another
+ * process, ranks that pass different nranks; on the host backend, an id with another secret or a
+ * spent one, more ranks than a process may open files), INVALID_DEVICE, TIMEOUT (a rank did not
+ * join in time), ABORTED, NCCL_UNAVAILABLE, NCCL_ERROR, CUDA_UNAVAILABLE, CUDA_ERROR.
  */
 refit_status refit_comm_create(const refit_comm_id *id,
                                uint32_t nranks,
@@ -976,10 +994,16 @@ refit_status refit_comm_backend(const refit_comm *comm, uint32_t *backend);
  * the queued work ends (recv is then undefined) and this call, a later one, or
  * refit_comm_synchronize returns REFIT_STATUS_TIMEOUT or REFIT_STATUS_ABORTED.
  *
+ * Counts that differ between ranks: on the host backend the ranks compare their counts before any
+ * byte moves, and where they differ every rank's call is refused: nothing moves, the next
+ * refit_comm_synchronize on every rank returns INVALID_ARGUMENT (once) naming the ranks whose
+ * counts differ from those most ranks passed (on a tie, the lowest rank's), and the communicator
+ * stays usable. On CUDA counts are not compared: other counts make NCCL calls that do not match,
+ * which NCCL leaves undefined (it typically ends in TIMEOUT).
+ *
  * Thread-safety: as the communicator's. Errors: NULL_ARGUMENT (comm, counts, a NULL buffer with bytes
- * to move), INVALID_ARGUMENT (overflowing sizes; on the host backend, a peer that passed other
- * counts), OVERLAP (send overlapping recv other than in place), TIMEOUT, ABORTED, NCCL_ERROR,
- * CUDA_ERROR.
+ * to move), INVALID_ARGUMENT (overflowing sizes), OVERLAP (send overlapping recv other than in
+ * place), TIMEOUT, ABORTED, NCCL_ERROR, CUDA_ERROR.
  */
 refit_status refit_comm_allgather(refit_comm *comm,
                                   uint64_t send,
@@ -995,7 +1019,9 @@ refit_status refit_comm_allgather(refit_comm *comm,
  * communicator's.
  *
  * Errors: NULL_ARGUMENT, TIMEOUT, ABORTED, NCCL_ERROR (the communicator failed), CUDA_ERROR,
- * INVALID_ARGUMENT (on the host backend, a stream that is not a host stream).
+ * INVALID_ARGUMENT (on the host backend, a stream that is not a host stream; or an allgather
+ * refused since the last synchronize because the ranks passed different counts: reported once, the
+ * communicator stays usable).
  */
 refit_status refit_comm_synchronize(refit_comm *comm, void *stream);
 

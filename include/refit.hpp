@@ -415,7 +415,9 @@ class Comm {
   explicit Comm(refit_comm *raw) noexcept : handle_(raw) {}
 
   /// refit_comm_create: joins communicator `id` as `rank` of `nranks` on `device`; blocks until every
-  /// rank has joined (at most options.timeout_ms).
+  /// rank has joined (at most options.timeout_ms). Throws INVALID_ARGUMENT at once for an id with any
+  /// byte changed, a rank another process holds, and on the host backend an id with another secret or
+  /// a spent one (an id forms one communicator; see refit.h).
   Comm(const refit_comm_id &id, uint32_t nranks, uint32_t rank, int32_t device,
        const refit_comm_options &options = comm_options()) {
     refit_comm *raw = nullptr;
@@ -423,7 +425,8 @@ class Comm {
     handle_ = Handle(raw);
   }
 
-  /// refit_comm_get_unique_id: the id one process makes and hands to every rank by its own means.
+  /// refit_comm_get_unique_id: the id one process makes and hands to every rank by its own means; good
+  /// for one communicator, and this process must live until every rank has joined.
   static refit_comm_id unique_id(uint32_t backend = REFIT_BACKEND_AUTO) {
     refit_comm_id id;
     check(refit_comm_get_unique_id(backend, &id));
@@ -460,7 +463,9 @@ class Comm {
   }
 
   /// refit_comm_allgather: this rank's counts[rank()] bytes at `send`; `recv` receives every rank's
-  /// block in rank order. Queued on `stream` (nullptr: see refit.h); synchronize() reports failures.
+  /// block in rank order. Queued on `stream` (nullptr: see refit.h); synchronize() reports failures,
+  /// and on the host backend a refusal of counts that differ between ranks (once; the communicator
+  /// stays usable).
   void allgather(uint64_t send, uint64_t recv, const std::vector<std::size_t> &counts, void *stream = nullptr) {
     detail::same_length(size(), counts.size(), "counts", "the communicator", "ranks");
     check(refit_comm_allgather(live(), send, recv, counts.data(), stream));

@@ -124,26 +124,42 @@ fn bad_allgather_arguments_fail_before_anything_moves() {
     );
 }
 
+/// Rank 1 passes other counts than ranks 0 and 2 (uneven against uneven, equal against uneven, equal
+/// against equal, nothing against something): every rank's call is refused with INVALID_ARGUMENT
+/// naming rank 1, nothing moves, and the communicator stays usable: a correct allgather follows.
 #[test]
-fn ranks_that_pass_other_counts_fail_instead_of_reading_wrong_bytes() {
+fn ranks_that_pass_other_counts_are_refused_on_every_rank_naming_the_rank() {
     in_processes(
-        "ranks_that_pass_other_counts_fail_instead_of_reading_wrong_bytes",
+        "ranks_that_pass_other_counts_are_refused_on_every_rank_naming_the_rank",
         BackendKind::Host,
-        &[End::Done; 2],
+        &[End::Done; 3],
         |rank, size, id| {
             let comm = join(rank, size, id, 20_000);
-            let counts: &[usize] = if rank == 0 { &[4, 6] } else { &[4, 7] };
-            let send = block(rank, 0, counts[rank]);
-            let mut recv = vec![0u8; counts.iter().sum()];
-            let offset = if rank == 0 { 0 } else { 4 };
-            let _ = offset;
-            // SAFETY: buffers live until synchronize.
-            unsafe { allgather(&comm, send.as_ptr() as u64, recv.as_mut_ptr() as u64, counts, Stream::NULL) }
+            let cases: [(&[usize], &[usize]); 4] = [
+                (&[4, 6, 2], &[4, 7, 2]),
+                (&[4, 4, 4], &[4, 5, 4]),
+                (&[4, 4, 4], &[5, 5, 5]),
+                (&[0, 0, 0], &[0, 1, 0]),
+            ];
+            for (call, (most, odd)) in cases.into_iter().enumerate() {
+                let counts = if rank == 1 { odd } else { most };
+                let send = block(rank, call, counts[rank]);
+                let mut recv = vec![POISON; counts.iter().sum::<usize>().max(1)];
+                // SAFETY: buffers live until synchronize.
+                unsafe {
+                    allgather(&comm, send.as_ptr() as u64, recv.as_mut_ptr() as u64, counts, Stream::NULL)
+                }
                 .unwrap();
-            let err = comm.synchronize(Stream::NULL).unwrap_err();
-            assert!(matches!(err.status, Status::InvalidArgument | Status::Aborted), "{err}");
-            // The communicator keeps its failure.
-            assert_eq!(comm.allgather_bytes(b"x").unwrap_err().status, err.status);
+                let err = comm.synchronize(Stream::NULL).unwrap_err();
+                assert_eq!(err.status, Status::InvalidArgument, "rank {rank}, case {call}: {err}");
+                assert!(err.message.contains("counts: ranks [1] differ"), "rank {rank}, case {call}: {err}");
+                assert!(recv.iter().all(|&b| b == POISON), "rank {rank}, case {call}: bytes moved");
+                // Reported once; the communicator has not failed.
+                comm.synchronize(Stream::NULL).unwrap();
+                comm.check().unwrap();
+                gather_and_check(&comm, &[3, 5, 2], 10 + call, false, Stream::NULL);
+            }
+            assert_eq!(comm.allgather_bytes(&[rank as u8]).unwrap(), vec![vec![0], vec![1], vec![2]]);
         },
     );
 }
@@ -223,6 +239,143 @@ fn ranks_created_with_other_sizes_are_refused() {
             assert!(err.message.contains("nranks"), "{err}");
         },
     );
+}
+
+// --- communicator identity ----------------------------------------------------------------------
+
+/// A file both sides of a test can see: `what` happened for the communicator `id`.
+fn marker(id: &CommId, what: &str) -> std::path::PathBuf {
+    let name: String = id.0[8..24].iter().map(|b| format!("{b:02x}")).collect();
+    std::env::temp_dir().join(format!("refit-comm-test-{name}-{what}"))
+}
+
+fn wait_for(path: &std::path::Path) {
+    let started = Instant::now();
+    while !path.exists() {
+        assert!(started.elapsed() < Duration::from_secs(60), "{} never appeared", path.display());
+        std::thread::sleep(Duration::from_millis(5));
+    }
+}
+
+/// Ranks 0 and 1 form a communicator; a third process then claims each of their ranks and is refused
+/// with INVALID_ARGUMENT at once (not at its 30 s timeout); the communicator works on. Once both
+/// have destroyed it, its id joins nothing: every rank, in the third process and in theirs, is
+/// refused at once.
+#[test]
+fn a_rank_claimed_after_the_communicator_formed_is_refused_at_once() {
+    in_processes(
+        "a_rank_claimed_after_the_communicator_formed_is_refused_at_once",
+        BackendKind::Host,
+        &[End::Done; 3],
+        |rank, _size, id| {
+            let refused_at_once = |rank: usize| {
+                let started = Instant::now();
+                let err = Communicator::create(id, 2, rank, 0, options(30_000)).err().unwrap();
+                assert_eq!(err.status, Status::InvalidArgument, "claiming rank {rank}: {err}");
+                assert!(started.elapsed() < Duration::from_secs(5), "{:?}", started.elapsed());
+                err
+            };
+            if rank == 2 {
+                wait_for(&marker(id, "formed-0"));
+                wait_for(&marker(id, "formed-1"));
+                for claimed in [0, 1] {
+                    let err = refused_at_once(claimed);
+                    assert!(err.message.contains("already taken"), "{err}");
+                }
+                std::fs::write(marker(id, "claimed"), b"").unwrap();
+                wait_for(&marker(id, "destroyed-0"));
+                wait_for(&marker(id, "destroyed-1"));
+                for claimed in [0, 1] {
+                    let err = refused_at_once(claimed);
+                    assert!(err.message.contains("the id is spent"), "{err}");
+                }
+                for what in ["formed-0", "formed-1", "claimed", "destroyed-0", "destroyed-1"] {
+                    let _ = std::fs::remove_file(marker(id, what));
+                }
+                return;
+            }
+            let comm = join(rank, 2, id, 30_000);
+            std::fs::write(marker(id, &format!("formed-{rank}")), b"").unwrap();
+            wait_for(&marker(id, "claimed"));
+            gather_and_check(&comm, &[7, 9], 0, false, Stream::NULL);
+            drop(comm);
+            std::fs::write(marker(id, &format!("destroyed-{rank}")), b"").unwrap();
+            let err = refused_at_once(rank);
+            assert!(err.message.contains("the id is spent"), "{err}");
+        },
+    );
+}
+
+/// Three processes start together as ranks 0, 1 and 1 of two, twenty times over (threads of one
+/// process, which meet exactly as processes do; the third starts up to 16 ms later, so that it comes
+/// while the communicator forms or just after): every time exactly one claimant of rank 1 is refused
+/// with INVALID_ARGUMENT, at once, and the other two form the communicator. Likewise with rank 0
+/// claimed twice.
+#[test]
+fn a_rank_claimed_twice_at_once_is_refused_every_time_and_the_others_form() {
+    for round in 0..20 {
+        let id = Communicator::unique_id(BackendKind::Host).unwrap();
+        let twice = round % 2;
+        let claims = [0, 1, twice];
+        let start = Arc::new(std::sync::Barrier::new(claims.len()));
+        let joins: Vec<_> = claims
+            .into_iter()
+            .enumerate()
+            .map(|(claim, rank)| {
+                let start = Arc::clone(&start);
+                let late = if claim == 2 {
+                    Duration::from_millis(4 * (round as u64 / 2 % 5))
+                } else {
+                    Duration::ZERO
+                };
+                std::thread::spawn(move || {
+                    start.wait();
+                    std::thread::sleep(late);
+                    let started = Instant::now();
+                    let joined = Communicator::create(&id, 2, rank, 0, options(5_000));
+                    let took = started.elapsed();
+                    // Formed communicators take part in one allgather before they are dropped.
+                    let checked =
+                        joined.map(|comm| comm.allgather_bytes(&[rank as u8]).map(|all| all.concat()));
+                    (rank, checked, took)
+                })
+            })
+            .collect();
+        let mut refused = 0;
+        for (rank, checked, took) in joins.into_iter().map(|j| j.join().unwrap()) {
+            match checked {
+                Ok(gathered) => assert_eq!(gathered.unwrap(), vec![0, 1], "round {round}, rank {rank}"),
+                Err(err) => {
+                    assert_eq!(err.status, Status::InvalidArgument, "round {round}, rank {rank}: {err}");
+                    assert_eq!(rank, twice, "round {round}: only a claimant of rank {twice} is refused");
+                    assert!(took < Duration::from_secs(5), "round {round}: refused after {took:?}");
+                    refused += 1;
+                }
+            }
+        }
+        assert_eq!(refused, 1, "round {round}");
+    }
+}
+
+/// Every byte of an id matters: with any one byte changed (two ways), the id is refused with
+/// INVALID_ARGUMENT at once, and the unchanged id still forms its communicator.
+#[test]
+fn an_id_with_any_byte_changed_is_refused() {
+    let id = Communicator::unique_id(BackendKind::Host).unwrap();
+    let started = Instant::now();
+    for at in 0..id.0.len() {
+        for flip in [0x01u8, 0xff] {
+            let mut changed = id;
+            changed.0[at] ^= flip;
+            let err = Communicator::create(&changed, 1, 0, 0, options(10_000)).err().unwrap_or_else(|| {
+                panic!("the id with byte {at} changed (^{flip:#x}) formed a communicator")
+            });
+            assert_eq!(err.status, Status::InvalidArgument, "byte {at} ^{flip:#x}: {err}");
+        }
+    }
+    assert!(started.elapsed() < Duration::from_secs(10), "refused without waiting: {:?}", started.elapsed());
+    let comm = Communicator::create(&id, 1, 0, 0, options(10_000)).unwrap();
+    assert_eq!(comm.size(), 1);
 }
 
 /// Rank `rank`'s table of a small refit: ranks 0 and 1 publish replicas of `w` (8 x 16, 4-byte

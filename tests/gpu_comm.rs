@@ -8,7 +8,8 @@
 //! - Two GPUs (tests named `two_gpus`; on a one-GPU machine they print a note and check nothing):
 //!   NCCL communicators between processes: allgather equal, uneven and in place; a rank that does
 //!   not take part times the other out; plans across processes; the staged exchange (pack, NCCL
-//!   send/recv, unpack) byte-exact with several chunks.
+//!   send/recv, unpack) byte-exact with several chunks; a spent NCCL id joins nothing.
+//! - Identity: an NCCL id with any byte changed is refused before NCCL sees it.
 
 #[path = "common/cuda.rs"]
 mod cuda;
@@ -267,6 +268,51 @@ fn nccl_allgather_between_processes_two_gpus() {
         let mine = pattern(rank as u64, 1000 + 3000 * rank);
         let all = comm.allgather_bytes(&mine).unwrap();
         assert_eq!(all[1 - rank], pattern(1 - rank as u64, 1000 + 3000 * (1 - rank)));
+    });
+}
+
+/// Every byte of an NCCL id matters: with any one byte changed (two ways), the id is refused with
+/// INVALID_ARGUMENT before NCCL sees it (its check does not match); the unchanged id forms a
+/// communicator of one rank.
+#[test]
+#[ignore = "needs a GPU"]
+fn an_nccl_id_with_any_byte_changed_is_refused() {
+    let id = Communicator::unique_id(BackendKind::Cuda).unwrap();
+    for at in 0..id.0.len() {
+        for flip in [0x01u8, 0xff] {
+            let mut changed = id;
+            changed.0[at] ^= flip;
+            let err = Communicator::create(&changed, 1, 0, 0, options(10_000)).err().unwrap_or_else(|| {
+                panic!("the id with byte {at} changed (^{flip:#x}) formed a communicator")
+            });
+            assert_eq!(err.status, Status::InvalidArgument, "byte {at} ^{flip:#x}: {err}");
+        }
+    }
+    let comm = Communicator::create(&id, 1, 0, 0, options(20_000)).unwrap();
+    assert_eq!((comm.size(), comm.kind()), (1, BackendKind::Cuda));
+}
+
+/// An NCCL id forms one communicator: once both ranks formed it and destroyed it, joining with the
+/// id again fails on both (NCCL's bootstrap root ended once every rank had joined: NCCL_ERROR, or
+/// TIMEOUT where nothing answers), within the timeout and what NCCL's abort takes.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_spent_nccl_id_joins_nothing_two_gpus() {
+    if std::env::var_os("REFIT_COMM_TEST_RANK").is_none() {
+        need_two_gpus();
+    }
+    let test = "a_spent_nccl_id_joins_nothing_two_gpus";
+    in_processes(test, BackendKind::Cuda, &[End::Done; 2], |rank, size, id| {
+        let device = rank as i32;
+        let comm = Communicator::create(id, size, rank, device, options(60_000)).unwrap();
+        comm.allgather_bytes(&[rank as u8]).unwrap();
+        drop(comm);
+        let started = Instant::now();
+        let err = Communicator::create(id, size, rank, device, options(5_000))
+            .err()
+            .unwrap_or_else(|| panic!("rank {rank}: a spent NCCL id formed a communicator"));
+        assert!(matches!(err.status, Status::NcclError | Status::Timeout), "rank {rank}: {err}");
+        assert!(started.elapsed() < Duration::from_secs(60), "rank {rank} waited {:?}", started.elapsed());
     });
 }
 

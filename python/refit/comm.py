@@ -1,6 +1,7 @@
 """Communicators between processes (refit_comm): one rank per (process, device), created from an id
-that one process makes (unique_id) and the caller hands to the others by its own means; allgather
-over them; plans built across processes.
+that one process makes (unique_id) and the caller hands to the others by its own means (an id forms
+one communicator, and every join checks its secret); allgather over them; plans built across
+processes.
 
 On the CUDA backend the communicator is NCCL; on the host backend it is a test-only simulation of
 NCCL between the processes of one machine (Unix sockets, host memory), for machines without GPUs.
@@ -32,9 +33,11 @@ from .plan import Plan
 
 
 def unique_id(backend=Backend.AUTO):
-    """A new communicator id, as bytes (refit_comm_get_unique_id): NCCL's for Backend.CUDA (this
-    process must then live until every rank has joined), a random mesh name for Backend.HOST; AUTO
-    picks CUDA when a GPU is present. Pass the same bytes to every rank's Communicator."""
+    """A new communicator id, as bytes (refit_comm_get_unique_id), good for one communicator: NCCL's
+    for Backend.CUDA, a random key (a rendezvous name and a secret) for Backend.HOST; AUTO picks CUDA
+    when a GPU is present. This process runs the id's rendezvous root and must live until every rank
+    has joined. Pass the same bytes, unchanged, to every rank's Communicator: an id with any byte
+    changed is refused."""
     raw = CommId()
     check(lib.refit_comm_get_unique_id(check_range(backend, 32, "backend"), byref(raw)))
     return bytes(raw.internal)
@@ -63,6 +66,9 @@ class Communicator(Handle):
     ):
         """Joins communicator `comm_id` (bytes from unique_id) as `rank` of `nranks` on CUDA device
         `device`; blocks until every rank has joined (at most `timeout_ms`, default ten minutes).
+        Raises INVALID_ARGUMENT at once for an id with any byte changed, a rank another process holds
+        (while the communicator forms or after), and on the host backend an id with another secret or
+        a spent one (its communicator formed, also if destroyed since).
         `staging_bytes` bounds the staging of executors across processes; `ipc` False sends every
         pair's bytes through staging instead of CUDA IPC."""
         if _pointer is None:
@@ -134,7 +140,9 @@ class Communicator(Handle):
         """This rank's part of an allgather (refit_comm_allgather): `counts[r]` bytes from every rank
         r, gathered in rank order into `recv` (sum(counts) bytes); in place when `send` is this
         rank's slot of `recv`. `send`/`recv` are device addresses (host addresses on the host
-        backend). Queued on `stream`; call synchronize() before reading `recv`."""
+        backend). Queued on `stream`; call synchronize() before reading `recv`. On the host backend,
+        ranks that pass other counts are refused before anything moves: the next synchronize() raises
+        INVALID_ARGUMENT naming the ranks that differ, once, and the communicator stays usable."""
         counts = [check_range(count, 64, "counts[i]") for count in items(counts, "counts")]
         size = self.size
         if len(counts) != size:

@@ -2,7 +2,10 @@
 allgather uneven and in place, byte-exact against blocks every process computes for every rank;
 plans built across processes are each process's share of the plan built from all tables in one
 process; a peer that
-never takes part times the others out; and the binding's and the library's bad-argument errors."""
+never takes part times the others out; ranks that pass other counts are refused on every rank,
+naming the rank, and the communicator stays usable; an id with any byte changed, a rank taken while
+the communicator lives and a spent id are refused at once; and the binding's and the library's
+bad-argument errors."""
 
 import ctypes
 import multiprocessing
@@ -32,17 +35,18 @@ def table_of(rank):
     return table
 
 
-def run_rank(scenario, comm_id, rank, size, errors):
-    """One process's part; failures go to `errors` (the parent fails the test with them)."""
+def run_rank(scenario, comm_ids, rank, size, errors):
+    """One process's part, given two fresh ids (an id forms one communicator); failures go to
+    `errors` (the parent fails the test with them)."""
     try:
-        SCENARIOS[scenario](comm_id, rank, size)
+        SCENARIOS[scenario](comm_ids, rank, size)
     except BaseException:
         errors.put(f"rank {rank}: {traceback.format_exc()}")
         raise
 
 
-def gather(comm_id, rank, size):
-    with Communicator(comm_id, size, rank, timeout_ms=30_000) as comm:
+def gather(comm_ids, rank, size):
+    with Communicator(comm_ids[0], size, rank, timeout_ms=30_000) as comm:
         assert (comm.rank, comm.size, comm.backend) == (rank, size, Backend.HOST)
         counts = [3, 0, 200_001]
         total, offset = sum(counts), sum(counts[:rank])
@@ -60,8 +64,8 @@ def gather(comm_id, rank, size):
             assert bytes(recv) == expected, f"in place {in_place}: wrong bytes"
 
 
-def plan_across(comm_id, rank, size):
-    with Communicator(comm_id, size, rank, timeout_ms=30_000) as comm:
+def plan_across(comm_ids, rank, size):
+    with Communicator(comm_ids[0], size, rank, timeout_ms=30_000) as comm:
         tables = [table_of(r) for r in range(size)]
         for policy in (Policy.FIRST, Policy.BALANCED):
             with comm.build_plan(tables[rank], policy=policy) as across, Plan.build(tables, policy=policy) as whole:
@@ -84,8 +88,8 @@ def plan_across(comm_id, rank, size):
             raise AssertionError("a table naming another process was planned")
 
 
-def silent_peer(comm_id, rank, size):
-    with Communicator(comm_id, size, rank, timeout_ms=500) as comm:
+def silent_peer(comm_ids, rank, size):
+    with Communicator(comm_ids[0], size, rank, timeout_ms=500) as comm:
         if rank == 1:
             time.sleep(1.5)  # joined, but never takes part
             return
@@ -99,7 +103,7 @@ def silent_peer(comm_id, rank, size):
         assert time.monotonic() - started < 1.4
 
 
-def executor_across(comm_id, rank, size):
+def executor_across(comm_ids, rank, size):
     """Ranks 0 and 1 hold replicas of "w" (4 x 8 float32), rank 2 receives its column halves: the
     executor across the processes moves them, with and without IPC, direct and staged; rank 2
     checks every element against values computed here (staged: nothing live before the commit).
@@ -115,8 +119,7 @@ def executor_across(comm_id, rank, size):
         for half in range(2):
             table.add_need(w, 2, 0, ctypes.addressof(halves[half]), (0, 4 * half), (4, 4), (4, 1))
     group = Group([0], backend=Backend.HOST)
-    # The same id makes a second communicator once the first is closed on every rank.
-    for ipc in (True, False):
+    for comm_id, ipc in zip(comm_ids, (True, False)):
         with Communicator(comm_id, size, rank, timeout_ms=30_000, ipc=ipc) as comm:
             share = comm.build_plan(table)
             if not ipc:
@@ -148,7 +151,51 @@ def executor_across(comm_id, rank, size):
     group.close()
 
 
+def other_counts(comm_ids, rank, size):
+    """Rank 1 passes other counts: every rank's allgather is refused (at synchronize) naming rank 1,
+    nothing moves, and a correct allgather follows on the same communicator. Then, while it lives,
+    a claim of this rank is refused at once; once every rank has closed it, its id is spent."""
+    with Communicator(comm_ids[0], size, rank, timeout_ms=30_000) as comm:
+        counts = [4, 7, 2] if rank == 1 else [4, 6, 2]
+        send = (ctypes.c_uint8 * 8)()
+        recv = (ctypes.c_uint8 * 13)(*([POISON] * 13))
+        comm.allgather(ctypes.addressof(send), ctypes.addressof(recv), counts)
+        try:
+            comm.synchronize()
+        except RefitError as err:
+            assert err.status == Status.INVALID_ARGUMENT, err
+            assert "counts: ranks [1] differ" in err.message, err
+        else:
+            raise AssertionError("ranks with other counts were not refused")
+        assert bytes(recv) == bytes([POISON] * 13), "bytes moved"
+        comm.synchronize()  # reported once
+        counts = [3, 5, 2]
+        mine = block(rank, counts[rank])
+        send = (ctypes.c_uint8 * len(mine)).from_buffer_copy(mine)
+        recv = (ctypes.c_uint8 * 10)()
+        comm.allgather(ctypes.addressof(send), ctypes.addressof(recv), counts)
+        comm.synchronize()
+        assert bytes(recv) == b"".join(block(p, c) for p, c in enumerate(counts)), "wrong bytes"
+        started = time.monotonic()
+        try:
+            Communicator(comm_ids[0], size, rank, timeout_ms=30_000)
+        except RefitError as err:
+            assert err.status == Status.INVALID_ARGUMENT and "already taken" in err.message, err
+        else:
+            raise AssertionError("a taken rank was joined")
+        assert time.monotonic() - started < 5
+        comm.build_plan(table_of(rank)).close()  # every rank is done claiming
+    # Closed on this rank; others may still be closing, but the id is spent since it formed.
+    try:
+        Communicator(comm_ids[0], size, rank, timeout_ms=30_000)
+    except RefitError as err:
+        assert err.status == Status.INVALID_ARGUMENT, err
+    else:
+        raise AssertionError("a spent id formed a communicator")
+
+
 SCENARIOS = {
+    "other_counts": other_counts,
     "gather": gather,
     "plan_across": plan_across,
     "silent_peer": silent_peer,
@@ -160,9 +207,9 @@ class CommunicatorTest(unittest.TestCase):
     def in_processes(self, scenario, size):
         context = multiprocessing.get_context("spawn")
         errors = context.Queue()
-        comm_id = unique_id(Backend.HOST)
+        comm_ids = (unique_id(Backend.HOST), unique_id(Backend.HOST))
         processes = [
-            context.Process(target=run_rank, args=(scenario, comm_id, rank, size, errors)) for rank in range(size)
+            context.Process(target=run_rank, args=(scenario, comm_ids, rank, size, errors)) for rank in range(size)
         ]
         for process in processes:
             process.start()
@@ -187,6 +234,28 @@ class CommunicatorTest(unittest.TestCase):
 
     def test_a_silent_peer_times_the_others_out(self):
         self.in_processes("silent_peer", 2)
+
+    def test_ranks_that_pass_other_counts_are_refused_naming_the_rank(self):
+        self.in_processes("other_counts", 3)
+
+    def test_an_id_with_any_byte_changed_is_refused_and_an_id_forms_one_communicator(self):
+        comm_id = unique_id(Backend.HOST)
+        for at in range(len(comm_id)):
+            changed = bytearray(comm_id)
+            changed[at] ^= 0x01
+            with self.assertRaises(RefitError, msg=f"byte {at}") as caught:
+                Communicator(bytes(changed), 1, 0, timeout_ms=10_000)
+            self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        with Communicator(comm_id, 1, 0, timeout_ms=10_000) as comm:
+            with self.assertRaises(RefitError) as caught:
+                Communicator(comm_id, 1, 0, timeout_ms=10_000)
+            self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+            self.assertIn("already taken", caught.exception.message)
+            self.assertEqual(comm.size, 1)
+        with self.assertRaises(RefitError) as caught:
+            Communicator(comm_id, 1, 0, timeout_ms=10_000)
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        self.assertIn("the id is spent", caught.exception.message)
 
     def test_bad_arguments(self):
         comm_id = unique_id(Backend.HOST)

@@ -7,7 +7,7 @@ use super::call::{check_rank_buffers, layout};
 use crate::bail;
 use crate::error::{Result, Status};
 use crate::segment::Segment;
-use crate::transport::comm::Communicator;
+use crate::transport::comm::{Agreement, Communicator};
 use crate::transport::mesh::Message;
 use crate::transport::Stream;
 
@@ -35,11 +35,14 @@ pub unsafe fn allgather(
     let layout = layout(counts)?;
     check_rank_buffers(rank, send, recv, counts[rank] as u64, &layout)?;
     comm.check()?;
-    if layout.total == 0 {
-        return Ok(());
-    }
+    // Ranks compare their counts before any byte moves (the host backend; NCCL's calls must match):
+    // so even calls that move nothing take part.
+    let tag = counts
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &c| (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01b3));
+    let agreement = Agreement { digest: tag, what: "counts", mine: shown(counts) };
     if counts.windows(2).all(|w| w[0] == w[1]) {
-        return comm.all_gather(send, recv, counts[rank] as u64, stream);
+        return comm.all_gather(send, recv, counts[rank] as u64, &agreement, stream);
     }
     let mine = counts[rank] as u64;
     let others = || (0..size).filter(|&p| p != rank);
@@ -52,9 +55,15 @@ pub unsafe fn allgather(
     let own = recv + layout.offsets[rank];
     let local: Vec<Segment> =
         if mine == 0 || send == own { Vec::new() } else { vec![Segment::contiguous(send, own, mine)] };
-    // Ranks that passed other counts make the host backend's messages disagree on this tag.
-    let tag = counts
-        .iter()
-        .fold(0xcbf2_9ce4_8422_2325u64, |h, &c| (h ^ c as u64).wrapping_mul(0x0000_0100_0000_01b3));
-    comm.transfer(&sends, &recvs, &local, tag, stream)
+    comm.transfer_agreed(&sends, &recvs, &local, tag, &agreement, stream)
+}
+
+/// `counts` for a message: all of them, or the first few of many.
+fn shown(counts: &[usize]) -> String {
+    const SHOWN: usize = 8;
+    if counts.len() <= SHOWN {
+        format!("{counts:?}")
+    } else {
+        format!("{:?} and {} more", &counts[..SHOWN], counts.len() - SHOWN)
+    }
 }

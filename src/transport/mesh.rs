@@ -1,12 +1,16 @@
 //! Unix stream sockets between the processes of one job on one host: a full mesh, one connection per
 //! pair of ranks, every wait bounded by a [`Deadline`].
 //!
-//! Rendezvous: rank r listens on the abstract socket name `refit-mesh/<token>/<r>` (Linux's abstract
-//! namespace: no file to create or clean up, and the name goes away with the process). Rank r connects
-//! to every lower rank and accepts every higher one. Each connection opens with a hello (magic, rank,
-//! size, token) that the accepting rank answers with one byte, so that a rank created with another
-//! size, or a second process claiming a taken rank, is refused with a message saying so on both
-//! sides. The listener closes once the mesh is complete.
+//! Rendezvous: a mesh is named by a [`MeshKey`]: a random token, which names its sockets, and a random
+//! secret, which never appears in a name (every process of the network namespace can list the names
+//! in /proc/net/unix). Rank r listens on the abstract socket name `refit-mesh/<token>/<r>` (Linux's
+//! abstract namespace: no file to create or clean up, and the name goes away with the process) and
+//! keeps that name for the mesh's whole life, so that a second process claiming rank r, before the
+//! mesh formed or after, fails at once to take the name. Rank r connects to every lower rank and
+//! accepts every higher one. Each connection opens with a hello (magic, rank, size, the whole key)
+//! that the accepting rank answers with one byte: a hello with another key (a stray process that knows
+//! the token only, or an id changed on the way) is refused and the wait goes on for the rightful
+//! rank; a rank created with another size is refused with a message saying so on both sides.
 //!
 //! Transfers: [`Mesh::transfer`] moves any number of messages to and from any peers at once over
 //! nonblocking sockets and `poll`, so two ranks sending to each other never both wait on full socket
@@ -34,14 +38,22 @@ use std::os::unix::net::{SocketAddr, UnixListener, UnixStream};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
-/// Bytes of the random token that names one mesh's rendezvous.
+/// Bytes of the random token that names one mesh's sockets.
 pub const TOKEN_BYTES: usize = 16;
+/// Bytes of the random secret every connection of one mesh carries (never part of a name).
+pub const SECRET_BYTES: usize = 112;
+/// Bytes of a [`MeshKey`]: the token, then the secret.
+pub const KEY_BYTES: usize = TOKEN_BYTES + SECRET_BYTES;
 const HELLO_MAGIC: u32 = 0x7266_6d68;
-const HELLO_BYTES: usize = 12 + TOKEN_BYTES;
+const HELLO_BYTES: usize = 12 + KEY_BYTES;
 /// Replies to a hello.
-const ACCEPTED: u8 = 0;
-const OTHER_SIZE: u8 = 1;
-const RANK_REFUSED: u8 = 2;
+pub(crate) const ACCEPTED: u8 = 0;
+pub(crate) const OTHER_SIZE: u8 = 1;
+pub(crate) const RANK_REFUSED: u8 = 2;
+pub(crate) const WRONG_KEY: u8 = 3;
+/// How long an accepting side waits for a connection's hello (a joining rank writes it at once; a
+/// stray connection must not hold the rendezvous up).
+const HELLO_WAIT: Duration = Duration::from_secs(5);
 /// Most descriptors passed in one SCM_RIGHTS message (the kernel's limit is 253).
 const FDS_PER_MESSAGE: usize = 64;
 
@@ -75,6 +87,16 @@ impl Deadline {
         Error::new(Status::Timeout, format!("{what} within the timeout ({:?})", self.timeout))
     }
 
+    /// This deadline, or `limit` from now if that comes sooner.
+    pub fn at_most(&self, limit: Duration) -> Deadline {
+        let sooner = Deadline::after(limit);
+        if sooner.at < self.at {
+            sooner
+        } else {
+            *self
+        }
+    }
+
     /// Milliseconds to pass to `poll`: the time left, rounded up, at most `i32::MAX`.
     fn poll_ms(&self) -> i32 {
         let left = self.remaining();
@@ -96,7 +118,7 @@ fn open_files_limit() -> u64 {
 }
 
 /// `count` ranks, naming the first few of `ranks`: a message stays short whatever the size.
-fn some_ranks(mut ranks: impl Iterator<Item = usize>, count: usize) -> String {
+pub(crate) fn some_ranks(mut ranks: impl Iterator<Item = usize>, count: usize) -> String {
     const NAMED: usize = 8;
     let named: Vec<usize> = ranks.by_ref().take(NAMED).collect();
     if count <= NAMED {
@@ -106,13 +128,12 @@ fn some_ranks(mut ranks: impl Iterator<Item = usize>, count: usize) -> String {
     }
 }
 
-/// A fresh random token (from the kernel's random source).
-pub fn new_token() -> Result<[u8; TOKEN_BYTES]> {
-    let mut token = [0u8; TOKEN_BYTES];
+/// Fills `bytes` from the kernel's random source.
+fn fill_random(bytes: &mut [u8]) -> Result<()> {
     let mut filled = 0;
-    while filled < TOKEN_BYTES {
-        // SAFETY: writes at most the bytes left in `token`.
-        let got = unsafe { libc::getrandom(token[filled..].as_mut_ptr().cast(), TOKEN_BYTES - filled, 0) };
+    while filled < bytes.len() {
+        // SAFETY: writes at most the bytes left in `bytes`.
+        let got = unsafe { libc::getrandom(bytes[filled..].as_mut_ptr().cast(), bytes.len() - filled, 0) };
         if got < 0 {
             let err = std::io::Error::last_os_error();
             if err.kind() == ErrorKind::Interrupted {
@@ -122,24 +143,93 @@ pub fn new_token() -> Result<[u8; TOKEN_BYTES]> {
         }
         filled += got as usize;
     }
-    Ok(token)
+    Ok(())
 }
 
-fn hex(bytes: &[u8]) -> String {
-    bytes.iter().map(|b| format!("{b:02x}")).collect()
+/// What names one mesh and admits its ranks: a token (public: it names the sockets) and a secret
+/// (private: every hello carries it, and a connection without it is refused).
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct MeshKey([u8; KEY_BYTES]);
+
+impl MeshKey {
+    /// A fresh key, every byte from the kernel's random source.
+    pub fn random() -> Result<MeshKey> {
+        let mut bytes = [0u8; KEY_BYTES];
+        fill_random(&mut bytes)?;
+        Ok(MeshKey(bytes))
+    }
+
+    pub fn from_bytes(bytes: [u8; KEY_BYTES]) -> MeshKey {
+        MeshKey(bytes)
+    }
+
+    pub fn bytes(&self) -> &[u8; KEY_BYTES] {
+        &self.0
+    }
+
+    fn token(&self) -> &[u8] {
+        &self.0[..TOKEN_BYTES]
+    }
+
+    /// Whether `bytes` are this key, compared without stopping at the first difference.
+    fn matches(&self, bytes: &[u8]) -> bool {
+        bytes.len() == KEY_BYTES && self.0.iter().zip(bytes).fold(0u8, |d, (a, b)| d | (a ^ b)) == 0
+    }
+
+    /// The abstract socket address `place` (a rank, or "root") of this key's mesh listens on.
+    pub(crate) fn address(&self, place: impl std::fmt::Display) -> Result<SocketAddr> {
+        let token: String = self.token().iter().map(|b| format!("{b:02x}")).collect();
+        let name = format!("refit-mesh/{token}/{place}");
+        SocketAddr::from_abstract_name(name.as_bytes())
+            .map_err(|e| Error::new(Status::InternalError, format!("abstract socket name {name}: {e}")))
+    }
 }
 
-/// The abstract socket address rank `rank` of the mesh named by `token` listens on.
-fn address(token: &[u8; TOKEN_BYTES], rank: usize) -> Result<SocketAddr> {
-    let name = format!("refit-mesh/{}/{rank}", hex(token));
-    SocketAddr::from_abstract_name(name.as_bytes())
-        .map_err(|e| Error::new(Status::InternalError, format!("abstract socket name {name}: {e}")))
+impl std::fmt::Debug for MeshKey {
+    /// The token only: the secret stays out of logs.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let token: String = self.token().iter().map(|b| format!("{b:02x}")).collect();
+        write!(f, "MeshKey({token}, secret)")
+    }
+}
+
+/// A joining rank's hello, as the accepting side read it.
+pub(crate) struct Hello {
+    pub rank: usize,
+    pub size: usize,
+    /// Whether it carried the accepting side's key.
+    pub key_matches: bool,
+}
+
+/// The hello rank `rank` of `size` sends on every connection it opens.
+pub(crate) fn hello_bytes(key: &MeshKey, rank: usize, size: usize) -> Vec<u8> {
+    let mut hello = Vec::with_capacity(HELLO_BYTES);
+    hello.extend_from_slice(&HELLO_MAGIC.to_le_bytes());
+    hello.extend_from_slice(&(rank as u32).to_le_bytes());
+    hello.extend_from_slice(&(size as u32).to_le_bytes());
+    hello.extend_from_slice(key.bytes());
+    hello
+}
+
+/// Reads a connection's hello, for at most [`HELLO_WAIT`]. `None` for anything but a mesh hello
+/// (the caller drops the connection and goes on waiting).
+pub(crate) fn read_hello(stream: &UnixStream, key: &MeshKey, deadline: Deadline) -> Option<Hello> {
+    let mut hello = [0u8; HELLO_BYTES];
+    read_exact(stream, &mut hello, deadline.at_most(HELLO_WAIT), "a joining rank's hello").ok()?;
+    let word = |i: usize| u32::from_le_bytes(hello[4 * i..4 * i + 4].try_into().expect("4 bytes"));
+    if word(0) != HELLO_MAGIC {
+        return None;
+    }
+    Some(Hello { rank: word(1) as usize, size: word(2) as usize, key_matches: key.matches(&hello[12..]) })
 }
 
 /// One connection per pair of ranks of one job.
 pub struct Mesh {
     rank: usize,
     size: usize,
+    /// This rank's name, held for the mesh's whole life (never accepted on after it formed): a
+    /// process claiming this rank fails to take it.
+    _listener: UnixListener,
     /// The connection to each other rank (None at this rank's own index).
     peers: Vec<Option<UnixStream>>,
     /// Connections shut down (by [`Mesh::shutdown`], or after a length mismatch put them out of step).
@@ -155,11 +245,16 @@ pub struct Message {
 }
 
 impl Mesh {
-    /// Joins the mesh named by `token` as `rank` of `size`, waiting until `deadline` for the others.
+    /// Joins the mesh of `key` as `rank` of `size`, waiting until `deadline` for the others:
+    /// [`Mesh::listen`], then [`Listening::join`].
+    pub fn connect(key: &MeshKey, rank: usize, size: usize, deadline: Deadline) -> Result<Mesh> {
+        Mesh::listen(key, rank, size)?.join(deadline)
+    }
+
+    /// Takes rank `rank`'s name in the mesh of `key`, without waiting for anyone.
     /// Errors: INVALID_ARGUMENT (rank not below size; more ranks than a process may open files; the
-    /// rank is taken by another process; ranks created with different sizes), TIMEOUT (a rank did
-    /// not join in time), ABORTED (a peer went away while joining).
-    pub fn connect(token: &[u8; TOKEN_BYTES], rank: usize, size: usize, deadline: Deadline) -> Result<Mesh> {
+    /// rank is taken by another process, of a mesh forming or formed).
+    pub fn listen(key: &MeshKey, rank: usize, size: usize) -> Result<Listening> {
         if size == 0 || rank >= size || size > u32::MAX as usize {
             bail!(Status::InvalidArgument, "rank {rank} of {size}: the rank must be below the size");
         }
@@ -173,63 +268,17 @@ impl Mesh {
                  open at most {files} files (RLIMIT_NOFILE)"
             );
         }
-        let listener = UnixListener::bind_addr(&address(token, rank)?).map_err(|e| {
+        let listener = UnixListener::bind_addr(&key.address(rank)?).map_err(|e| {
             if e.kind() == ErrorKind::AddrInUse {
                 Error::invalid_argument(format!(
-                    "rank {rank} of this communicator is already taken by another process"
+                    "rank {rank} of this communicator is already taken by another process (the \
+                     communicator is forming or has formed)"
                 ))
             } else {
                 Error::new(Status::InternalError, format!("cannot listen for rank {rank}: {e}"))
             }
         })?;
-        let mut peers: Vec<Option<UnixStream>> = try_vec(size, "the connections to the other ranks")?;
-        peers.resize_with(size, || None);
-        for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
-            *slot = Some(join(token, rank, size, peer, deadline)?);
-        }
-        let mut missing = size - rank - 1;
-        listener.set_nonblocking(true).map_err(io_error("set_nonblocking"))?;
-        while missing > 0 {
-            let stream = match listener.accept() {
-                Ok((stream, _)) => stream,
-                Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
-                    if deadline.expired() {
-                        let waiting = (rank + 1..size).filter(|&r| peers[r].is_none());
-                        return Err(
-                            deadline.error(format_args!("{} did not join", some_ranks(waiting, missing)))
-                        );
-                    }
-                    wait_fd(listener.as_raw_fd(), libc::POLLIN, deadline)?;
-                    continue;
-                }
-                Err(e) => return Err(io_error("accept")(e)),
-            };
-            stream.set_nonblocking(true).map_err(io_error("set_nonblocking"))?;
-            let mut hello = [0u8; HELLO_BYTES];
-            read_exact(&stream, &mut hello, deadline, "a joining rank's hello")?;
-            let word = |i: usize| u32::from_le_bytes(hello[4 * i..4 * i + 4].try_into().expect("4 bytes"));
-            let (magic, peer, peer_size) = (word(0), word(1) as usize, word(2) as usize);
-            if magic != HELLO_MAGIC || hello[12..] != token[..] {
-                continue; // not one of ours: drop the connection
-            }
-            if peer_size != size {
-                let _ = write_all(&stream, &[OTHER_SIZE], deadline, "a reply");
-                bail!(
-                    Status::InvalidArgument,
-                    "rank {peer} joined with nranks {peer_size}; this rank ({rank}) has nranks {size}"
-                );
-            }
-            if peer <= rank || peer >= size || peers[peer].is_some() {
-                let _ = write_all(&stream, &[RANK_REFUSED], deadline, "a reply");
-                bail!(Status::InvalidArgument, "two processes joined as rank {peer}");
-            }
-            write_all(&stream, &[ACCEPTED], deadline, "a reply")?;
-            peers[peer] = Some(stream);
-            missing -= 1;
-        }
-        let mut closed = try_vec(size, "the connections to the other ranks")?;
-        closed.resize_with(size, || AtomicBool::new(false));
-        Ok(Mesh { rank, size, peers, closed })
+        Ok(Listening { key: *key, rank, size, listener })
     }
 
     pub fn rank(&self) -> usize {
@@ -378,6 +427,80 @@ impl Mesh {
     }
 }
 
+/// A rank that holds its name in a mesh and has not joined the others yet.
+pub struct Listening {
+    key: MeshKey,
+    rank: usize,
+    size: usize,
+    listener: UnixListener,
+}
+
+impl Listening {
+    /// Connects to every lower rank and accepts every higher one, until `deadline`.
+    /// Errors: INVALID_ARGUMENT (a lower rank refused this rank: another key, another size, or the
+    /// rank taken there; a higher rank joined with another size), TIMEOUT (a rank did not join in
+    /// time), ABORTED (a peer went away while joining).
+    pub fn join(self, deadline: Deadline) -> Result<Mesh> {
+        let Listening { key, rank, size, listener } = self;
+        let mut peers: Vec<Option<UnixStream>> = try_vec(size, "the connections to the other ranks")?;
+        peers.resize_with(size, || None);
+        for (peer, slot) in peers.iter_mut().enumerate().take(rank) {
+            *slot = Some(join(&key, rank, size, peer, deadline)?);
+        }
+        let mut missing = size - rank - 1;
+        listener.set_nonblocking(true).map_err(io_error("set_nonblocking"))?;
+        while missing > 0 {
+            let stream = match listener.accept() {
+                Ok((stream, _)) => stream,
+                Err(e) if e.kind() == ErrorKind::WouldBlock || e.kind() == ErrorKind::Interrupted => {
+                    if deadline.expired() {
+                        let waiting = (rank + 1..size).filter(|&r| peers[r].is_none());
+                        return Err(
+                            deadline.error(format_args!("{} did not join", some_ranks(waiting, missing)))
+                        );
+                    }
+                    wait_fd(listener.as_raw_fd(), libc::POLLIN, deadline)?;
+                    continue;
+                }
+                Err(e) => return Err(io_error("accept")(e)),
+            };
+            stream.set_nonblocking(true).map_err(io_error("set_nonblocking"))?;
+            let Some(hello) = read_hello(&stream, &key, deadline) else {
+                continue; // not one of ours, or silent: drop the connection
+            };
+            let reply = |answer: u8| {
+                let _ = write_all(&stream, &[answer], deadline.at_most(HELLO_WAIT), "a reply");
+            };
+            if !hello.key_matches {
+                // A stray process, or an id changed on the way: refused, and the rightful rank may
+                // still come.
+                reply(WRONG_KEY);
+                continue;
+            }
+            let peer = hello.rank;
+            if hello.size != size {
+                reply(OTHER_SIZE);
+                bail!(
+                    Status::InvalidArgument,
+                    "rank {peer} joined with nranks {}; this rank ({rank}) has nranks {size}",
+                    hello.size
+                );
+            }
+            if peer <= rank || peer >= size || peers[peer].is_some() {
+                // Ranks hold their names, so this is no rank of this mesh: refused, and the wait goes on.
+                reply(RANK_REFUSED);
+                continue;
+            }
+            write_all(&stream, &[ACCEPTED], deadline, "a reply")?;
+            peers[peer] = Some(stream);
+            missing -= 1;
+        }
+        let mut closed = try_vec(size, "the connections to the other ranks")?;
+        closed.resize_with(size, || AtomicBool::new(false));
+        Ok(Mesh { rank, size, _listener: listener, peers, closed })
+    }
+}
+
 /// The messages to and from one peer still in progress, in order.
 #[derive(Default)]
 struct Lane {
@@ -518,7 +641,7 @@ fn peer_gone(peer: usize, why: &dyn std::fmt::Display) -> Error {
     )
 }
 
-fn io_error(call: &'static str) -> impl Fn(std::io::Error) -> Error {
+pub(crate) fn io_error(call: &'static str) -> impl Fn(std::io::Error) -> Error {
     move |e| Error::new(Status::InternalError, format!("{call} on a mesh socket failed: {e}"))
 }
 
@@ -542,14 +665,8 @@ fn wait_fd(fd: RawFd, events: i16, deadline: Deadline) -> Result<()> {
 }
 
 /// Connects rank `rank` to the lower rank `peer`, retrying until the peer listens or the deadline.
-fn join(
-    token: &[u8; TOKEN_BYTES],
-    rank: usize,
-    size: usize,
-    peer: usize,
-    deadline: Deadline,
-) -> Result<UnixStream> {
-    let target = address(token, peer)?;
+fn join(key: &MeshKey, rank: usize, size: usize, peer: usize, deadline: Deadline) -> Result<UnixStream> {
+    let target = key.address(peer)?;
     let mut pause = Duration::from_millis(1);
     let stream = loop {
         match UnixStream::connect_addr(&target) {
@@ -570,12 +687,7 @@ fn join(
         }
     };
     stream.set_nonblocking(true).map_err(io_error("set_nonblocking"))?;
-    let mut hello = Vec::with_capacity(HELLO_BYTES);
-    hello.extend_from_slice(&HELLO_MAGIC.to_le_bytes());
-    hello.extend_from_slice(&(rank as u32).to_le_bytes());
-    hello.extend_from_slice(&(size as u32).to_le_bytes());
-    hello.extend_from_slice(token);
-    write_all(&stream, &hello, deadline, "the hello")?;
+    write_all(&stream, &hello_bytes(key, rank, size), deadline, "the hello")?;
     let mut reply = [0u8; 1];
     read_exact(&stream, &mut reply, deadline, &format!("rank {peer}'s reply"))?;
     match reply[0] {
@@ -584,12 +696,17 @@ fn join(
             Status::InvalidArgument,
             "rank {peer} has another nranks than this rank ({rank}), which has {size}"
         ),
+        WRONG_KEY => bail!(
+            Status::InvalidArgument,
+            "rank {peer} refused this process: its id is not the one rank {peer} joined with (its \
+             secret differs: another job's id, or one changed on the way)"
+        ),
         _ => bail!(Status::InvalidArgument, "rank {peer} refused this process as rank {rank}: it is taken"),
     }
 }
 
 /// Reads exactly `buf.len()` bytes from a nonblocking socket before the deadline.
-fn read_exact(stream: &UnixStream, buf: &mut [u8], deadline: Deadline, what: &str) -> Result<()> {
+pub(crate) fn read_exact(stream: &UnixStream, buf: &mut [u8], deadline: Deadline, what: &str) -> Result<()> {
     let (at, total) = (buf.as_mut_ptr(), buf.len());
     move_all(stream, total, Way::Read, deadline, what, |done| {
         // SAFETY: writes into the rest of `buf`.
@@ -598,7 +715,7 @@ fn read_exact(stream: &UnixStream, buf: &mut [u8], deadline: Deadline, what: &st
 }
 
 /// Writes all of `data` to a nonblocking socket before the deadline.
-fn write_all(stream: &UnixStream, data: &[u8], deadline: Deadline, what: &str) -> Result<()> {
+pub(crate) fn write_all(stream: &UnixStream, data: &[u8], deadline: Deadline, what: &str) -> Result<()> {
     move_all(stream, data.len(), Way::Write, deadline, what, |done| {
         // SAFETY: reads from the rest of `data`.
         unsafe {
@@ -753,9 +870,12 @@ mod tests {
 
     /// A mesh of `size` ranks, each joined from its own thread (the same code as between processes).
     fn mesh(size: usize) -> Vec<Mesh> {
-        let token = new_token().unwrap();
+        mesh_of(MeshKey::random().unwrap(), size)
+    }
+
+    fn mesh_of(key: MeshKey, size: usize) -> Vec<Mesh> {
         let joins: Vec<_> = (0..size)
-            .map(|rank| std::thread::spawn(move || Mesh::connect(&token, rank, size, deadline())))
+            .map(|rank| std::thread::spawn(move || Mesh::connect(&key, rank, size, deadline())))
             .collect();
         joins.into_iter().map(|j| j.join().unwrap().unwrap()).collect()
     }
@@ -848,12 +968,12 @@ mod tests {
 
     #[test]
     fn sizes_no_process_can_hold_are_refused_and_absent_ranks_are_named_briefly() {
-        let token = new_token().unwrap();
+        let key = MeshKey::random().unwrap();
         let short = Deadline::after(Duration::from_millis(1));
-        let err = Mesh::connect(&token, 0, i32::MAX as usize, short).err().unwrap();
+        let err = Mesh::connect(&key, 0, i32::MAX as usize, short).err().unwrap();
         assert_eq!(err.status, Status::InvalidArgument, "{err}");
         assert!(err.message.contains("RLIMIT_NOFILE"), "{err}");
-        let err = Mesh::connect(&token, 0, 100, short).err().unwrap();
+        let err = Mesh::connect(&key, 0, 100, short).err().unwrap();
         assert_eq!(err.status, Status::Timeout, "{err}");
         assert!(
             err.message.starts_with("99 ranks ([1, 2, 3, 4, 5, 6, 7, 8] and 91 more) did not join"),
@@ -864,22 +984,53 @@ mod tests {
 
     #[test]
     fn joining_refuses_a_taken_rank_another_size_and_times_out() {
-        let token = new_token().unwrap();
+        let key = MeshKey::random().unwrap();
         let short = Deadline::after(Duration::from_millis(300));
-        let err = Mesh::connect(&token, 1, 2, short).err().unwrap();
+        let err = Mesh::connect(&key, 1, 2, short).err().unwrap();
         assert_eq!(err.status, Status::Timeout, "{err}");
-        assert_eq!(Mesh::connect(&token, 2, 2, short).err().unwrap().status, Status::InvalidArgument);
+        assert_eq!(Mesh::connect(&key, 2, 2, short).err().unwrap().status, Status::InvalidArgument);
 
-        let token = new_token().unwrap();
-        let holder = std::thread::spawn(move || Mesh::connect(&token, 0, 3, deadline()));
+        let key = MeshKey::random().unwrap();
+        let holder = std::thread::spawn(move || Mesh::connect(&key, 0, 3, deadline()));
         std::thread::sleep(Duration::from_millis(50));
-        let err = Mesh::connect(&token, 0, 3, short).err().unwrap();
+        let err = Mesh::connect(&key, 0, 3, short).err().unwrap();
         assert!(err.message.contains("already taken"), "{err}");
-        let err = Mesh::connect(&token, 1, 2, deadline()).err().unwrap();
+        let err = Mesh::connect(&key, 1, 2, deadline()).err().unwrap();
         assert_eq!(err.status, Status::InvalidArgument, "{err}");
         assert!(err.message.contains("nranks"), "{err}");
         let err = holder.join().unwrap().err().unwrap();
         assert!(err.message.contains("rank 1 joined with nranks 2"), "{err}");
+    }
+
+    #[test]
+    fn a_taken_rank_is_refused_at_once_while_the_mesh_lives_and_free_after() {
+        let key = MeshKey::random().unwrap();
+        let meshes = mesh_of(key, 2);
+        let started = Instant::now();
+        for rank in 0..2 {
+            let err = Mesh::connect(&key, rank, 2, deadline()).err().unwrap();
+            assert_eq!(err.status, Status::InvalidArgument, "{err}");
+            assert!(err.message.contains("already taken"), "{err}");
+        }
+        assert!(started.elapsed() < Duration::from_secs(5), "refused without waiting for anyone");
+        drop(meshes);
+        let listening = Mesh::listen(&key, 1, 2).unwrap();
+        drop(listening);
+    }
+
+    #[test]
+    fn a_hello_with_another_secret_is_refused_and_the_rightful_rank_still_joins() {
+        let key = MeshKey::random().unwrap();
+        let mut other = *key.bytes();
+        other[TOKEN_BYTES + 7] ^= 1; // same token (same socket names), another secret
+        let stray = MeshKey::from_bytes(other);
+        let holder = std::thread::spawn(move || Mesh::connect(&key, 0, 2, deadline()));
+        let err = Mesh::connect(&stray, 1, 2, deadline()).err().unwrap();
+        assert_eq!(err.status, Status::InvalidArgument, "{err}");
+        assert!(err.message.contains("secret differs"), "{err}");
+        let rightful = Mesh::connect(&key, 1, 2, deadline()).unwrap();
+        let first = holder.join().unwrap().unwrap();
+        assert_eq!((first.rank(), rightful.rank()), (0, 1));
     }
 
     #[test]

@@ -7,13 +7,16 @@
 //! stream and run by its worker, so a caller that does not synchronize sees stale bytes, as on a GPU),
 //! one order of steps on every rank, matched sends and receives, and the timeout and abort semantics:
 //! a step waits for its peers at most the timeout (then TIMEOUT), a peer that exits or aborts ends it
-//! at once (ABORTED), and either failure is kept and returned by every later call.
+//! at once (ABORTED), and either failure is kept and returned by every later call. A collective step
+//! whose ranks passed different arguments ([`Agreement`]) is refused on every rank before anything
+//! moves; a refusal is reported once and is no failure.
 
 use super::super::host::{create_host_stream, destroy_host_stream, host_stream};
 use super::super::host_copy::copy_runs;
-use super::super::mesh::{Deadline, Mesh, Message, TOKEN_BYTES};
+use super::super::mesh::{Deadline, Mesh, MeshKey, Message};
 use super::super::Stream;
-use super::{lengths_then_bytes, Health};
+use super::root::{self, Ask};
+use super::{lengths_then_bytes, Agreement, Health, AGREE_TAG};
 use crate::error::{Error, Result};
 use crate::segment::check::validate;
 use crate::segment::Segment;
@@ -57,27 +60,70 @@ struct Shared {
     mesh: Mesh,
     sequencer: Sequencer,
     health: Health,
+    /// The first refused step not reported yet (by `synchronize`).
+    refused: Mutex<Option<Error>>,
     timeout: Duration,
 }
 
 impl Shared {
-    /// Runs one transfer step now (the caller holds its turn), keeping a failure.
+    /// Runs one transfer step now (the caller holds its turn), keeping a failure. With an
+    /// `agreement`, the ranks compare it first, and a step they disagree on is refused (kept for
+    /// `synchronize`, not as a failure) before anything moves.
     ///
     /// # Safety
     /// As for `Communicator::transfer`.
-    unsafe fn step(&self, sends: &[Message], recvs: &[Message], local: &[Segment], tag: u64) -> Result<()> {
+    unsafe fn step(
+        &self,
+        sends: &[Message],
+        recvs: &[Message],
+        local: &[Segment],
+        tag: u64,
+        agreement: Option<&Agreement>,
+    ) -> Result<()> {
         self.health.check()?;
-        let moved = self.mesh.transfer(sends, recvs, tag, Deadline::after(self.timeout));
+        let deadline = Deadline::after(self.timeout);
+        if let Some(agreement) = agreement {
+            match self.disagreement(agreement, deadline) {
+                Ok(None) => {}
+                Ok(Some(refusal)) => {
+                    lock(&self.refused).get_or_insert_with(|| refusal.clone());
+                    return Err(refusal);
+                }
+                Err(e) => return Err(self.fail(e)),
+            }
+        }
+        let moved = self.mesh.transfer(sends, recvs, tag, deadline);
         let result = moved.and_then(|()| {
             validate(local)?;
             copy_runs(local);
             Ok(())
         });
-        result.map_err(|e| {
-            // A failed step leaves the peers' matching steps incomplete: stop them too.
-            self.mesh.shutdown();
-            self.health.fail(e)
-        })
+        result.map_err(|e| self.fail(e))
+    }
+
+    /// Every rank's digest of `agreement`, exchanged with every other rank; the refusal when they
+    /// differ. Each message is whole when this returns, so the connections stay in step.
+    fn disagreement(&self, agreement: &Agreement, deadline: Deadline) -> Result<Option<Error>> {
+        let (rank, size) = (self.mesh.rank(), self.mesh.size());
+        let mine = agreement.digest.to_le_bytes();
+        let mut theirs = vec![[0u8; 8]; size];
+        let others = || (0..size).filter(|&p| p != rank);
+        let sends: Vec<Message> =
+            others().map(|p| Message { peer: p, addr: mine.as_ptr() as u64, len: 8 }).collect();
+        let recvs: Vec<Message> =
+            others().map(|p| Message { peer: p, addr: theirs[p].as_mut_ptr() as u64, len: 8 }).collect();
+        // SAFETY: the buffers above live until the transfer returns.
+        unsafe { self.mesh.transfer(&sends, &recvs, AGREE_TAG, deadline) }?;
+        theirs[rank] = mine;
+        let digests: Vec<u64> = theirs.iter().map(|d| u64::from_le_bytes(*d)).collect();
+        Ok(agreement.verdict(rank, &digests))
+    }
+
+    /// Keeps `error` as the communicator's failure and stops the peers' matching steps too (a failed
+    /// step leaves them incomplete).
+    fn fail(&self, error: Error) -> Error {
+        self.mesh.shutdown();
+        self.health.fail(error)
     }
 }
 
@@ -88,16 +134,23 @@ pub(super) struct HostLink {
 }
 
 impl HostLink {
-    pub fn create(
-        token: &[u8; TOKEN_BYTES],
-        rank: usize,
-        size: usize,
-        timeout: Duration,
-    ) -> Result<HostLink> {
-        let mesh = Mesh::connect(token, rank, size, Deadline::after(timeout))?;
+    /// Takes rank `rank`'s name (a taken rank fails here, at once), asks the id's root whether it may
+    /// join (a spent id or one with another secret fails here, at once), meets the other ranks, and
+    /// registers with the root (the last rank to do so spends the id).
+    pub fn create(key: &MeshKey, rank: usize, size: usize, timeout: Duration) -> Result<HostLink> {
+        let deadline = Deadline::after(timeout);
+        let listening = Mesh::listen(key, rank, size)?;
+        root::ask(key, rank, size, Ask::Check, deadline)?;
+        let mesh = listening.join(deadline)?;
+        root::ask(key, rank, size, Ask::Register, deadline)?;
         let default_stream = create_host_stream()?;
-        let shared =
-            Arc::new(Shared { mesh, sequencer: Sequencer::default(), health: Health::default(), timeout });
+        let shared = Arc::new(Shared {
+            mesh,
+            sequencer: Sequencer::default(),
+            health: Health::default(),
+            refused: Mutex::new(None),
+            timeout,
+        });
         Ok(HostLink { shared, default_stream })
     }
 
@@ -128,6 +181,7 @@ impl HostLink {
         recvs: &[Message],
         local: &[Segment],
         tag: u64,
+        agreement: Option<Agreement>,
         stream: Stream,
     ) -> Result<()> {
         self.shared.health.check()?;
@@ -138,7 +192,9 @@ impl HostLink {
         let (sends, recvs, local) = (sends.to_vec(), recvs.to_vec(), local.to_vec());
         let queued = worker.enqueue(move || {
             // SAFETY: the caller promised the memory stays valid until the queued step has run.
-            let _ = shared.sequencer.run(ticket, || unsafe { shared.step(&sends, &recvs, &local, tag) });
+            let _ = shared
+                .sequencer
+                .run(ticket, || unsafe { shared.step(&sends, &recvs, &local, tag, agreement.as_ref()) });
         });
         if let Err(err) = queued {
             // The ticket must still be taken, or every later step would wait for it forever.
@@ -148,9 +204,15 @@ impl HostLink {
         Ok(())
     }
 
+    /// Waits for `stream`, then returns the communicator's failure, or else the first refused step
+    /// not reported yet (once).
     pub fn synchronize(&self, stream: Stream) -> Result<()> {
         host_stream(self.resolve(stream))?.synchronize()?;
-        self.shared.health.check()
+        self.shared.health.check()?;
+        match lock(&self.shared.refused).take() {
+            Some(refusal) => Err(refusal),
+            None => Ok(()),
+        }
     }
 
     pub fn allgather_bytes(&self, mine: &[u8]) -> Result<Vec<Vec<u8>>> {
@@ -160,7 +222,7 @@ impl HostLink {
         shared.sequencer.run(ticket, || {
             lengths_then_bytes(shared.mesh.rank(), shared.mesh.size(), mine, |sends, recvs, tag| {
                 // SAFETY: host buffers owned by lengths_then_bytes for the length of the call.
-                unsafe { shared.step(sends, recvs, &[], tag) }
+                unsafe { shared.step(sends, recvs, &[], tag, None) }
             })
         })
     }

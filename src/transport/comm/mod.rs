@@ -10,6 +10,12 @@
 //!   Unix sockets ([`super::mesh`]) moving host memory, with the same ordering, timeout and abort
 //!   semantics. It is a test-only simulation: never a transport for real data between machines.
 //!
+//! Identity: an id carries a check of all its bytes (a changed byte is refused before anything
+//! else) and a random secret every join is checked against: NCCL's magic, checked by NCCL's root; on
+//! the host link the secret half of the mesh key, checked by the id's root ([`root`], in the process
+//! that made the id, which also makes the id good for one communicator) and by every peer. Each host
+//! rank holds its rank's socket name until it is destroyed, so a second claim of a rank fails at once.
+//!
 //! Every call either completes or fails with a status within the communicator's timeout: TIMEOUT when
 //! a peer did not take part in time, ABORTED when a peer exited or aborted. The first failure is kept
 //! ([`Health`]): the communicator is then aborted, and every later call returns that failure.
@@ -17,9 +23,11 @@
 //! Calls on one communicator must be issued in the same order on every rank, as NCCL requires;
 //! stream-ordered calls run in that order whatever streams they are queued on.
 
+mod agreement;
 mod host_link;
 mod nccl_link;
 mod node;
+mod root;
 
 use super::mesh::{self, Message};
 use super::nccl::{nccl, NcclComm, NcclUniqueId};
@@ -28,6 +36,7 @@ use crate::bail;
 use crate::error::{Error, Result, Status};
 use crate::segment::Segment;
 use crate::sync::lock;
+pub use agreement::Agreement;
 use host_link::HostLink;
 use nccl_link::NcclLink;
 pub use node::NodeMesh;
@@ -39,20 +48,40 @@ use std::time::Duration;
 const ALL_GATHER_TAG: u64 = 0x6167_0000_0000_0000;
 const LENGTHS_TAG: u64 = 0x6c65_6e67_7468_7300;
 const BYTES_TAG: u64 = 0x6279_7465_7300_0000;
+const AGREE_TAG: u64 = 0x6167_7265_6500_0000;
 
 /// Bytes of a communicator id (C: REFIT_COMM_ID_BYTES).
 pub const ID_BYTES: usize = 136;
 const ID_MAGIC: &[u8; 4] = b"RFCM";
-const ID_VERSION: u8 = 1;
+/// Version 2: ids carry a check of their bytes, and host ids a secret and a root.
+const ID_VERSION: u8 = 2;
 const ID_NCCL: u8 = 1;
 const ID_HOST: u8 = 2;
-/// Where the link's own id starts (an ncclUniqueId, or the mesh token).
+/// Where the check of the id's other bytes lies (two bytes).
+const ID_CHECK: usize = 6;
+/// Where the link's own id starts (an ncclUniqueId, or the host mesh's key).
 const ID_PAYLOAD: usize = 8;
+const _: () = assert!(ID_PAYLOAD + mesh::KEY_BYTES == ID_BYTES && ID_PAYLOAD + 128 == ID_BYTES);
 
-/// The bytes every rank of one communicator is created from: a header naming the link, then the
-/// link's id (NCCL's unique id, or the host mesh's random token).
+/// The bytes every rank of one communicator is created from: a header naming the link and checking
+/// every other byte, then the link's id: NCCL's unique id (its bootstrap root's address and NCCL's
+/// random magic, which NCCL checks at every join), or the host mesh's key (a random token naming the
+/// rendezvous and a random secret every join must carry, both from the kernel's random source).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct CommId(pub [u8; ID_BYTES]);
+
+/// CRC-16/CCITT of every byte of an id but its check: it detects every change of up to 16
+/// consecutive bits, so no single changed byte of an id goes unnoticed.
+fn id_check(bytes: &[u8; ID_BYTES]) -> u16 {
+    let checked = bytes[..ID_CHECK].iter().chain(&bytes[ID_PAYLOAD..]);
+    checked.fold(0xffffu16, |mut crc, &byte| {
+        crc ^= u16::from(byte) << 8;
+        for _ in 0..8 {
+            crc = if crc & 0x8000 != 0 { (crc << 1) ^ 0x1021 } else { crc << 1 };
+        }
+        crc
+    })
+}
 
 impl CommId {
     fn new(kind: u8, payload: &[u8]) -> CommId {
@@ -61,15 +90,26 @@ impl CommId {
         bytes[4] = ID_VERSION;
         bytes[5] = kind;
         bytes[ID_PAYLOAD..ID_PAYLOAD + payload.len()].copy_from_slice(payload);
+        let check = id_check(&bytes);
+        bytes[ID_CHECK..ID_PAYLOAD].copy_from_slice(&check.to_le_bytes());
         CommId(bytes)
     }
 
-    /// The backend the id was made for. INVALID_ARGUMENT when the bytes are not an id.
+    /// The backend the id was made for. INVALID_ARGUMENT when the bytes are not an id, or not the
+    /// bytes refit_comm_get_unique_id wrote (any byte changed).
     pub fn kind(&self) -> Result<BackendKind> {
         if &self.0[..4] != ID_MAGIC || self.0[4] != ID_VERSION {
             bail!(
                 Status::InvalidArgument,
                 "the id was not made by refit_comm_get_unique_id (of this library version)"
+            );
+        }
+        let stored = u16::from_le_bytes([self.0[ID_CHECK], self.0[ID_CHECK + 1]]);
+        if stored != id_check(&self.0) {
+            bail!(
+                Status::InvalidArgument,
+                "the id's bytes were changed on the way (its check does not match): pass the {ID_BYTES} \
+                 bytes refit_comm_get_unique_id wrote, unchanged"
             );
         }
         match self.0[5] {
@@ -85,8 +125,8 @@ impl CommId {
         NcclUniqueId { internal }
     }
 
-    fn token(&self) -> [u8; mesh::TOKEN_BYTES] {
-        self.0[ID_PAYLOAD..ID_PAYLOAD + mesh::TOKEN_BYTES].try_into().expect("token bytes")
+    fn mesh_key(&self) -> mesh::MeshKey {
+        mesh::MeshKey::from_bytes(self.0[ID_PAYLOAD..].try_into().expect("key bytes"))
     }
 }
 
@@ -167,21 +207,27 @@ pub struct Communicator {
 }
 
 impl Communicator {
-    /// A new id for a communicator on `kind`: an NCCL unique id for the CUDA backend (NCCL's
-    /// bootstrap root then runs in this process, which must live until every rank joined), a random
-    /// mesh name for the host backend.
+    /// A new id for a communicator on `kind`, good for one communicator: an NCCL unique id for the
+    /// CUDA backend (NCCL's bootstrap root then runs in this process), a random mesh key for the host
+    /// backend (its root, [`root`], then runs in this process). Either way this process must live
+    /// until every rank has joined.
     pub fn unique_id(kind: BackendKind) -> Result<CommId> {
         match kind {
             BackendKind::Cuda => Ok(CommId::new(ID_NCCL, &nccl()?.get_unique_id()?.internal)),
-            BackendKind::Host => Ok(CommId::new(ID_HOST, &mesh::new_token()?)),
+            BackendKind::Host => {
+                let key = mesh::MeshKey::random()?;
+                root::open(&key)?;
+                Ok(CommId::new(ID_HOST, key.bytes()))
+            }
         }
     }
 
     /// Joins the communicator `id` as `rank` of `size`, on CUDA device `device` (the host backend
     /// records it only). Blocks until every rank has joined, at most `options.timeout`.
     ///
-    /// Errors: INVALID_ARGUMENT (not an id, rank not below size, a size of 0, a taken rank, ranks that
-    /// disagree on the size), INVALID_DEVICE, TIMEOUT, ABORTED, NCCL_UNAVAILABLE, NCCL_ERROR,
+    /// Errors: INVALID_ARGUMENT (not an id or a changed one, rank not below size, a size of 0, a taken
+    /// rank, ranks that disagree on the size; on the host backend an id whose secret is not its
+    /// rendezvous's, or a spent one), INVALID_DEVICE, TIMEOUT, ABORTED, NCCL_UNAVAILABLE, NCCL_ERROR,
     /// CUDA_UNAVAILABLE, CUDA_ERROR.
     pub fn create(
         id: &CommId,
@@ -205,7 +251,7 @@ impl Communicator {
         }
         check_options(&options)?;
         let link = match kind {
-            BackendKind::Host => Link::Host(HostLink::create(&id.token(), rank, size, options.timeout)?),
+            BackendKind::Host => Link::Host(HostLink::create(&id.mesh_key(), rank, size, options.timeout)?),
             BackendKind::Cuda => {
                 Link::Nccl(NcclLink::create(id.nccl_id(), rank, size, device, options.timeout)?)
             }
@@ -305,23 +351,65 @@ impl Communicator {
         tag: u64,
         stream: Stream,
     ) -> Result<()> {
+        self.queue(sends, recvs, local, tag, None, stream)
+    }
+
+    /// [`Communicator::transfer`] of a collective call whose `agreement` every rank must share: on
+    /// the host link, the ranks first exchange their agreements' digests, and where any differs no
+    /// byte moves and every rank's step is refused with INVALID_ARGUMENT naming the ranks that
+    /// differ; the refusal is reported once (by the next [`Communicator::synchronize`]) and is not a
+    /// failure: the communicator stays usable. NCCL does not compare (its calls must match).
+    ///
+    /// # Safety
+    /// As for [`Communicator::transfer`].
+    pub unsafe fn transfer_agreed(
+        &self,
+        sends: &[Message],
+        recvs: &[Message],
+        local: &[Segment],
+        tag: u64,
+        agreement: &Agreement,
+        stream: Stream,
+    ) -> Result<()> {
+        self.queue(sends, recvs, local, tag, Some(agreement), stream)
+    }
+
+    /// # Safety
+    /// As for [`Communicator::transfer`].
+    unsafe fn queue(
+        &self,
+        sends: &[Message],
+        recvs: &[Message],
+        local: &[Segment],
+        tag: u64,
+        agreement: Option<&Agreement>,
+        stream: Stream,
+    ) -> Result<()> {
         self.check_peers(sends)?;
         self.check_peers(recvs)?;
         if let Some(s) = local.iter().find(|s| s.count != [1, 1]) {
             bail!(Status::InvalidArgument, "a communicator's local copy must be contiguous, not {s:?}");
         }
         match &self.link {
-            Link::Host(link) => link.transfer(sends, recvs, local, tag, stream),
+            Link::Host(link) => link.transfer(sends, recvs, local, tag, agreement.cloned(), stream),
             Link::Nccl(link) => link.transfer(sends, recvs, local, stream),
         }
     }
 
     /// ncclAllGather of `bytes` per rank (in place when `send == recv + rank * bytes`), queued on
-    /// `stream`; what NCCL does natively, and the host link with one [`Communicator::transfer`].
+    /// `stream`; what NCCL does natively, and the host link with one
+    /// [`Communicator::transfer_agreed`] of `agreement`.
     ///
     /// # Safety
     /// As for [`Communicator::transfer`]: `send` holds `bytes`, `recv` `bytes * size`.
-    pub unsafe fn all_gather(&self, send: u64, recv: u64, bytes: u64, stream: Stream) -> Result<()> {
+    pub unsafe fn all_gather(
+        &self,
+        send: u64,
+        recv: u64,
+        bytes: u64,
+        agreement: &Agreement,
+        stream: Stream,
+    ) -> Result<()> {
         match &self.link {
             Link::Nccl(link) => link.all_gather(send, recv, bytes, stream),
             Link::Host(_) => {
@@ -337,7 +425,7 @@ impl Communicator {
                 let own = recv + self.rank as u64 * bytes;
                 let local: Vec<Segment> =
                     if own == send { vec![] } else { vec![Segment::contiguous(send, own, bytes)] };
-                self.transfer(&sends, &recvs, &local, ALL_GATHER_TAG ^ bytes, stream)
+                self.transfer_agreed(&sends, &recvs, &local, ALL_GATHER_TAG ^ bytes, agreement, stream)
             }
         }
     }
@@ -463,6 +551,39 @@ mod tests {
         let nccl = CommId::new(ID_NCCL, &[7u8; 128]);
         assert_eq!(nccl.kind().unwrap(), BackendKind::Cuda);
         assert_eq!(nccl.nccl_id().internal, [7u8; 128]);
+    }
+
+    #[test]
+    fn an_id_with_another_secret_is_refused_by_its_live_rendezvous() {
+        let id = Communicator::unique_id(BackendKind::Host).unwrap();
+        let mut key = *id.mesh_key().bytes();
+        key[mesh::TOKEN_BYTES + 3] ^= 0x40; // the same rendezvous, another secret
+        let stray = CommId::new(ID_HOST, &key); // its check holds: only the rendezvous can tell
+        let options = CommOptions { timeout: Duration::from_secs(20), ..CommOptions::default() };
+        let started = std::time::Instant::now();
+        let err = Communicator::create(&stray, 2, 1, 0, options).err().unwrap();
+        assert_eq!(err.status, Status::InvalidArgument, "{err}");
+        assert!(err.message.contains("secret"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5), "refused at once");
+        // The rightful ranks still form the communicator.
+        let first = std::thread::spawn(move || Communicator::create(&id, 2, 0, 0, options).map(|_| ()));
+        Communicator::create(&id, 2, 1, 0, options).unwrap();
+        first.join().unwrap().unwrap();
+    }
+
+    #[test]
+    fn an_id_forms_one_communicator() {
+        let id = Communicator::unique_id(BackendKind::Host).unwrap();
+        let options = CommOptions { timeout: Duration::from_secs(20), ..CommOptions::default() };
+        // A join that fails before its ranks meet spends nothing.
+        let short = CommOptions { timeout: Duration::from_millis(50), ..options };
+        assert_eq!(Communicator::create(&id, 2, 0, 0, short).err().unwrap().status, Status::Timeout);
+        drop(Communicator::create(&id, 1, 0, 0, options).unwrap());
+        let started = std::time::Instant::now();
+        let err = Communicator::create(&id, 1, 0, 0, options).err().unwrap();
+        assert_eq!(err.status, Status::InvalidArgument, "{err}");
+        assert!(err.message.contains("the id is spent"), "{err}");
+        assert!(started.elapsed() < Duration::from_secs(5), "refused at once");
     }
 
     #[test]

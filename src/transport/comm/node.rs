@@ -4,7 +4,7 @@
 //! the network namespace (abstract socket names are per namespace): two containers on one host with
 //! separate namespaces count as two machines, and their routes take NCCL.
 
-use super::super::mesh::{self, Deadline, Mesh, TOKEN_BYTES};
+use super::super::mesh::{Deadline, Mesh, MeshKey, KEY_BYTES};
 use super::Communicator;
 use crate::error::{Error, Result, Status};
 use std::os::fd::{OwnedFd, RawFd};
@@ -29,15 +29,16 @@ pub struct NodeMesh {
 
 impl NodeMesh {
     /// Every rank makes this call (a collective): machines and mesh names are gathered, and the
-    /// ranks of each machine join one mesh, named by the token of their lowest rank.
+    /// ranks of each machine join one mesh, named by the key of their lowest rank (keys travel over
+    /// the communicator, whose ranks were admitted with its id's secret).
     pub(super) fn join(comm: &Communicator, timeout: Duration) -> Result<NodeMesh> {
-        let token = mesh::new_token()?;
+        let key = MeshKey::random()?;
         let mut mine = machine().to_le_bytes().to_vec();
-        mine.extend_from_slice(&token);
+        mine.extend_from_slice(key.bytes());
         let all = comm.allgather_bytes(&mine)?;
-        let parse = |rank: usize| -> Result<(u64, [u8; TOKEN_BYTES])> {
+        let parse = |rank: usize| -> Result<(u64, MeshKey)> {
             let bytes = &all[rank];
-            if bytes.len() != 8 + TOKEN_BYTES {
+            if bytes.len() != 8 + KEY_BYTES {
                 return Err(Error::new(
                     Status::DecodeError,
                     format!("rank {rank} sent a machine record of {} bytes", bytes.len()),
@@ -45,22 +46,22 @@ impl NodeMesh {
             }
             Ok((
                 u64::from_le_bytes(bytes[..8].try_into().expect("8 bytes")),
-                bytes[8..].try_into().expect("token"),
+                MeshKey::from_bytes(bytes[8..].try_into().expect("key bytes")),
             ))
         };
         let here = machine();
         let mut ranks = Vec::new();
-        let mut shared_token = None;
+        let mut shared_key = None;
         for rank in 0..comm.size() {
-            let (machine, token) = parse(rank)?;
+            let (machine, key) = parse(rank)?;
             if machine == here {
-                shared_token.get_or_insert(token);
+                shared_key.get_or_insert(key);
                 ranks.push(rank);
             }
         }
         let index = ranks.iter().position(|&r| r == comm.rank()).expect("this rank is on this machine");
-        let token = shared_token.expect("this rank is on this machine");
-        let mesh = Mesh::connect(&token, index, ranks.len(), Deadline::after(timeout))?;
+        let key = shared_key.expect("this rank is on this machine");
+        let mesh = Mesh::connect(&key, index, ranks.len(), Deadline::after(timeout))?;
         Ok(NodeMesh { mesh, ranks })
     }
 
