@@ -64,14 +64,14 @@ pub fn check_range(addr: u64, len: u64) -> Result<()> {
     if addr == 0 {
         return Err(Error::invalid_argument(format!("address is 0 with length {len}")));
     }
-    if len > MAX_RANGE_BYTES {
-        return Err(Error::invalid_argument(format!(
-            "range of {len} bytes at {addr:#x} is longer than 2^60 bytes, more than any device holds"
-        )));
-    }
     if addr.checked_add(len).is_none_or(|end| end > u64::MAX - 16) {
         return Err(Error::invalid_argument(format!(
             "range of {len} bytes at {addr:#x} runs past the end of the address space"
+        )));
+    }
+    if len > MAX_RANGE_BYTES {
+        return Err(Error::invalid_argument(format!(
+            "range of {len} bytes at {addr:#x} is longer than 2^60 bytes, more than any device holds"
         )));
     }
     Ok(())
@@ -85,7 +85,15 @@ pub struct ByteRange {
 }
 
 /// Checks every range as [`check_range`] does; the error names the first bad range by its index.
+/// More than 2^32 - 1 ranges in one call are InvalidArgument too (the kernel counts them in 32 bits).
 pub fn check_ranges(ranges: &[ByteRange]) -> Result<()> {
+    if u32::try_from(ranges.len()).is_err() {
+        return Err(Error::invalid_argument(format!(
+            "{} ranges in one call; at most {} are taken",
+            ranges.len(),
+            u32::MAX
+        )));
+    }
     for (index, range) in ranges.iter().enumerate() {
         check_range(range.addr, range.len).map_err(|e| e.context(format!("range {index}")))?;
     }
@@ -120,17 +128,10 @@ pub struct ManyLayout {
 
 /// Lays out `ranges` (checked first, as [`check_ranges`]) for one launch of at most `max_warps`
 /// warps: every warp takes an equal span of the ranges' chunks, so the work is split evenly whatever
-/// the ranges' sizes, with at least 2^[`MIN_SPAN_SHIFT`] chunks per warp. InvalidArgument for a bad
-/// range or more than 2^32 - 1 ranges.
+/// the ranges' sizes, with at least 2^[`MIN_SPAN_SHIFT`] chunks per warp. InvalidArgument as for
+/// [`check_ranges`].
 pub fn many_layout(ranges: &[ByteRange], max_warps: u64) -> Result<ManyLayout> {
     check_ranges(ranges)?;
-    if u32::try_from(ranges.len()).is_err() {
-        return Err(Error::invalid_argument(format!(
-            "{} ranges in one call; at most {} are taken",
-            ranges.len(),
-            u32::MAX
-        )));
-    }
     let mut total_chunks = 0u64;
     let mut descriptors = Vec::with_capacity(ranges.len());
     for range in ranges {
