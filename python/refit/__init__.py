@@ -38,7 +38,7 @@ from ._lib import (
 )
 from .comm import Communicator, unique_id
 from .copy import PreparedCopy
-from .digest import digest
+from .digest import digest, digest_many
 from .executor import Executor, RunStats
 from .group import Group, HostStream
 from .plan import Plan, PlanStats, Route, Table
@@ -72,6 +72,7 @@ __all__ = [
     "Table",
     "abi_version",
     "digest",
+    "digest_many",
     "last_error_message",
     "lib",
     "set_log_callback",
