@@ -408,7 +408,7 @@ fn main() {
         call_gbps / one_gib
     );
     let json = format!(
-        "{{\n  \"bench\": \"gpu_digest\",\n  \"kernel\": \"{}\",\n  \"units\": \"GB/s (1e9 bytes/s) of bytes read; overheads as fractions of the plain copy's time\",\n  \"sync_digest_1mib_us\": {:.1},\n  \"digest\": [\n{}\n  ],\n  \"many_ranges\": {},\n  \"verify\": [\n{}\n  ]\n}}\n",
+        "{{\n  \"bench\": \"gpu_digest\",\n  \"kernel\": \"{}\",\n  \"units\": \"GB/s (1e9 bytes/s) of bytes read; overheads as fractions of the plain copy's time\",\n  \"sync_digest_1mib_us\": {:.1},\n  \"digest\": [\n{}\n  ],\n  \"many_ranges\": [\n    {}\n  ],\n  \"verify\": [\n{}\n  ]\n}}\n",
         kernel.build,
         host_us,
         digest_items.join(",\n"),

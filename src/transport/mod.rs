@@ -3,7 +3,8 @@
 //!
 //! - [`Backend`] is the one interface the group, allgather and the executors use for devices, streams,
 //!   events and copies, the batched copy included ([`Backend::copy_batch`], [`Backend::prepare_batch`]),
-//!   and for the digest of device memory ([`Backend::digest`]).
+//!   and for the digest of device memory ([`Backend::digest`], and of many ranges in one pass:
+//!   [`Backend::digest_many`]).
 //!   Two implementations: [`cuda::CudaBackend`] (cudarc's driver layer: primary contexts, non-blocking
 //!   streams, copy-engine copies, refit's batched copy kernel from `kernels`) and [`host::HostBackend`]
 //!   (N simulated devices: host memory, one worker thread per stream so that stream order and event
