@@ -216,6 +216,31 @@ fn one_huge_range_and_many_tiny_ones_split_across_warps() {
 }
 
 #[test]
+fn a_pieces_factor_covers_every_bit_of_its_first_chunk() {
+    // x^(4096 c0 - 8 delta) for first chunks up to 2^52 - 1 (ranges up to 2^60 bytes): the bits above
+    // 31 are held by a second factor per lane, which no buffer of a test reaches through the kernel.
+    type Factor = unsafe extern "C" fn(u64, u64, *const u64, *mut u64);
+    // SAFETY: matches refit_emulate_piece_factor in digest_kernel.cpp.
+    let factor = unsafe { emulator::load::<Factor>("digest_kernel", c"refit_emulate_piece_factor") };
+    let mut rng = Rng::new(37);
+    let mut cases: Vec<(u64, u64)> =
+        vec![(0, 0), (1, 0), (0, 15), ((1 << 52) - 1, 15), (1 << 32, 3), (1 << 51, 1)];
+    for bit in 0..52 {
+        cases.push((1 << bit, bit % 16));
+    }
+    for _ in 0..40 {
+        cases.push((rng.next() >> 12, rng.next() % 16));
+    }
+    for (c0, delta) in cases {
+        let mut got = 0;
+        // SAFETY: one warp, the constants, one output word.
+        unsafe { factor(c0, delta, constants().as_ptr(), &mut got) };
+        let want = gf64::mul(gf64::pow_x(4096 * c0), gf64::pow_x_inverse(8 * delta));
+        assert_eq!(got, want, "c0 {c0:#x}, delta {delta}");
+    }
+}
+
+#[test]
 fn no_ranges_launch_nothing() {
     // SAFETY: no memory is named.
     assert!(unsafe { kernel_digests(&[], 64) }.is_empty());

@@ -128,7 +128,7 @@ pub struct ManyLayout {
 
 /// Lays out `ranges` (checked first, as [`check_ranges`]) for one launch of at most `max_warps`
 /// warps: every warp takes an equal span of the ranges' chunks, so the work is split evenly whatever
-/// the ranges' sizes, with at least 2^[`MIN_SPAN_SHIFT`] chunks per warp. InvalidArgument as for
+/// the ranges' sizes, with at least 4 chunks per warp (as for one range). InvalidArgument as for
 /// [`check_ranges`].
 pub fn many_layout(ranges: &[ByteRange], max_warps: u64) -> Result<ManyLayout> {
     check_ranges(ranges)?;

@@ -16,3 +16,13 @@ extern "C" void refit_emulate_digest_many(const DigestRange* ranges, u32 count, 
     emu::launch(blocks, DIGEST_THREADS,
                 [&] { refit_digest_many(ranges, count, total_chunks, span, constants, out); });
 }
+
+// One warp's piece_factor(c0, delta) as lane 0 holds it: the many-range kernel's factor for a piece
+// starting at chunk c0 of a range at alignment delta, including the high bits of c0 no test buffer
+// reaches.
+extern "C" void refit_emulate_piece_factor(u64 c0, u64 delta, const u64* constants, u64* out) {
+    emu::launch(1, WARP, [&] {
+        const u64 factor = piece_factor(c0, delta, threadIdx.x % WARP, constants);
+        if (threadIdx.x == 0) *out = factor;
+    });
+}
