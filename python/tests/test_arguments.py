@@ -52,6 +52,7 @@ class ArgumentTest(unittest.TestCase):
             call()
         error = caught.exception
         self.assertIsInstance(error, kind, error.message)
+        self.assertIsInstance(error, refit.ArgumentTypeError if kind is TypeError else refit.ArgumentError)
         self.assertIs(error.status, status, error.message)
         for fragment in fragments:
             self.assertIn(fragment, error.message)
