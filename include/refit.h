@@ -1141,7 +1141,8 @@ refit_status refit_digest(const refit_group *group,
  * cuStreamSynchronize. Reads as refit_digest does (up to 15 bytes around each range, in the aligned
  * 16-byte blocks holding its first and last bytes; nothing for a range of 0 bytes).
  *
- * `count` 0: SUCCESS at once; nothing is read, queued or written, and the three lists may be NULL.
+ * `count` 0: SUCCESS once the group and rank are checked; nothing is read, queued or written, and
+ * the three lists may be NULL.
  *
  * Thread-safety: may be called from any thread, concurrently with other calls.
  *
