@@ -1,6 +1,6 @@
 // refit's digest kernel: the digest defined in src/kernels/gf64.rs (a CRC over GF(2) with a primitive
-// degree-64 polynomial g and a marker bit after the data) of one byte range of device memory, in one
-// pass at memory speed.
+// degree-64 polynomial g and a marker bit after the data) of one byte range of device memory, or of
+// many ranges in one launch, in one pass at memory speed.
 //
 // Compiled at run time by NVRTC (no headers), and built as host C++ by tests/emulate to check it
 // against the Rust implementation without a GPU.
@@ -10,7 +10,8 @@
 // Reading from the aligned base multiplies the polynomial by x^(8 delta) (delta = addr & 15), which a
 // factor x^(-8 delta) undoes at the end, so any alignment takes the same fast path. So the kernel may
 // read up to 15 bytes before and after the range, within the aligned 16-byte blocks that hold its first
-// and last bytes (never another page; compute-sanitizer's memcheck may still report them). Vectors form chunks
+// and last bytes (never another page; compute-sanitizer's memcheck may still report them); an empty
+// range reads nothing, wherever it is. Vectors form chunks
 // of 32 (one per lane: 512 bytes); each warp takes 2^span_shift consecutive chunks and each lane keeps
 // two accumulators (the vector's low and high word) over its chunks, walking them downwards with
 // Horner's rule: a = a * x^4096 + word, since consecutive chunks are 4096 bits apart. As
