@@ -8,7 +8,17 @@ import threading
 from ctypes import byref, c_bool, c_int32, c_size_t, c_uint32, c_void_p
 from typing import Callable, Iterable, Iterator, Optional, Sequence, Sized, Tuple
 
-from ._args import check_range, choice, device_ordinal, integers, items, same_length, stream_value, u64_array, wrong_type
+from ._args import (
+    check_range,
+    choice,
+    device_ordinal,
+    integers,
+    items,
+    same_length,
+    stream_value,
+    u64_array,
+    wrong_type,
+)
 from ._handle import Handle
 from ._lib import (
     Algorithm,

@@ -86,7 +86,9 @@ class ArgumentTest(unittest.TestCase):
 
     def test_a_bad_element_of_a_sequence_is_named_by_index_and_value(self):
         message = self.refused(
-            lambda: self.group.allgather([self.src, self.src], [self.dst, self.dst], [4, -4]), ValueError, "counts[1] = -4"
+            lambda: self.group.allgather([self.src, self.src], [self.dst, self.dst], [4, -4]),
+            ValueError,
+            "counts[1] = -4",
         )
         self.assertIn("[0, 2^64)", message)
         self.refused(
@@ -97,7 +99,9 @@ class ArgumentTest(unittest.TestCase):
         self.refused(
             lambda: self.needs.add_need(0, 0, 1, self.dst, (0,), (4,), (1,), perm=[0.0]), TypeError, "perm[0]", "0.0"
         )
-        self.refused(lambda: self.offers.add_offer(0, 0, 0, self.src, (0,), (4,), strides=(-1,)), ValueError, "strides[0] = -1")
+        self.refused(
+            lambda: self.offers.add_offer(0, 0, 0, self.src, (0,), (4,), strides=(-1,)), ValueError, "strides[0] = -1"
+        )
         self.refused(
             lambda: self.group.copy_batch(0, [(self.src, self.dst, 8), (self.src, self.dst, "8")]),
             TypeError,
@@ -111,13 +115,15 @@ class ArgumentTest(unittest.TestCase):
         )
         self.refused(lambda: self.group.enter([0, object()]), TypeError, "caller_streams[1] must be a stream")
         self.refused(lambda: self.group.enter([0]), ValueError, "caller_streams has 1 entries; the group has 2 ranks")
-        self.refused(lambda: self.group.digest_many(0, [(self.src, 8), (self.src,)]), TypeError, "ranges[1] must be an (addr, length) pair")
-        self.refused(lambda: self.group.digest_many(0, [(self.src, 8), (self.src, -8)]), ValueError, "ranges[1] length = -8")
+        pair = "ranges[1] must be an (addr, length) pair"
+        self.refused(lambda: self.group.digest_many(0, [(self.src, 8), (self.src,)]), TypeError, pair)
+        self.refused(lambda: self.group.digest_many(0, [(self.src, 8), (self.src, -8)]), ValueError, "ranges[1] length")
 
     def test_shapes(self):
         # shape=(4, 6.0) said "shape must be an integer".
         with Table() as table:
-            self.refused(lambda: table.add_tensor("t", (4, 6.0), 4), TypeError, "shape[1] must be an integer, not 6.0 (float)")
+            message = "shape[1] must be an integer, not 6.0 (float)"
+            self.refused(lambda: table.add_tensor("t", (4, 6.0), 4), TypeError, message)
             self.refused(lambda: table.add_tensor("t", (4, -6), 4), ValueError, "shape[1] = -6 is not in [0, 2^64)")
             self.refused(lambda: table.add_tensor("t", (4, True), 4), TypeError, "shape[1]", "True (bool)")
             self.refused(lambda: table.add_tensor("t", 4, 4), TypeError, "shape must be a sequence, not 4 (int)")
@@ -138,7 +144,8 @@ class ArgumentTest(unittest.TestCase):
 
     def test_devices(self):
         # devices[i] was printed with a literal i.
-        self.refused(lambda: Group([0, 1.0], backend=Backend.HOST), TypeError, "devices[1] must be an integer, not 1.0 (float)")
+        message = "devices[1] must be an integer, not 1.0 (float)"
+        self.refused(lambda: Group([0, 1.0], backend=Backend.HOST), TypeError, message)
         self.refused(
             lambda: Group([0, 1, 2**40], backend=Backend.HOST),
             ValueError,
@@ -152,10 +159,12 @@ class ArgumentTest(unittest.TestCase):
             status=Status.INVALID_DEVICE,
         )
         with Table() as table:
-            self.refused(lambda: add_tensor_offer(table, "t", FakeTensor(), 0, device=0.0), TypeError, "device", "0.0 (float)")
+            tensor = FakeTensor()
+            self.refused(lambda: add_tensor_offer(table, "t", tensor, 0, device=0.0), TypeError, "device", "0.0")
 
     def test_enum_values_name_the_accepted_members(self):
-        self.refused(lambda: Group([0], backend=7), ValueError, "backend = 7 is not a Backend: AUTO (0), CUDA (1), HOST (2)")
+        accepted = "backend = 7 is not a Backend: AUTO (0), CUDA (1), HOST (2)"
+        self.refused(lambda: Group([0], backend=7), ValueError, accepted)
         self.refused(lambda: Group([0], backend=Backend.HOST.name), TypeError, "backend must be an integer", "'HOST'")
         self.refused(lambda: self.group.exit(mode=9), ValueError, "mode = 9 is not a ExitMode")
         self.refused(lambda: self.group.exit(mode=True), TypeError, "mode", "True (bool)")
@@ -171,7 +180,8 @@ class ArgumentTest(unittest.TestCase):
         self.assertEqual(ExitMode(0), ExitMode.SYNC)
 
     def test_handles_and_callables(self):
-        self.refused(lambda: refit.digest(self.offers, 0, self.src, 8), TypeError, "group must be a refit group, not a refit table")
+        not_a_group = "group must be a refit group, not a refit table"
+        self.refused(lambda: refit.digest(self.offers, 0, self.src, 8), TypeError, not_a_group)
         self.refused(lambda: Plan.build([self.offers, None]), TypeError, "tables[1] must be a refit table, not None")
         self.refused(lambda: self.group.run(5), TypeError, "fn must be callable", "5 (int)")
         self.refused(lambda: refit.set_log_callback("print"), TypeError, "callback must be callable or None", "'print'")
