@@ -1,15 +1,20 @@
-//! Digest and verify bench (issue 15, integrity). Two tables, every figure from the same run:
+//! Digest and verify bench (issue 15, integrity; issue 26, many ranges). Three tables, every figure
+//! from the same run:
 //!
 //! 1. The digest kernel's read GB/s at 1 MiB .. 1 GiB (16-byte aligned, and 3 bytes off), beside two
 //!    peers reading the same bytes: a plain read-and-XOR kernel (16-byte loads, grid-stride, no
 //!    arithmetic: what any one-pass reduction can reach) and `cuMemcpyDtoDAsync` (bytes copied / time).
 //!    Target: >= 3,500 GB/s read on one H200.
-//! 2. Verify against the batched copy of the same segments: the plain copy, the copy that records
+//! 2. Digests of many ranges: 10^4 ranges of 1 MiB (distinct memory) in one `digest_many` launch
+//!    (event-timed, and as the whole synchronous call: upload, launch, digests back), beside the
+//!    same ranges as 10^4 synchronous one-range calls (the peer: what a publisher did before), and
+//!    the 1 GiB one-range rate of table 1. Target: the launch's rate >= 0.9 of the 1 GiB rate.
+//! 3. Verify against the batched copy of the same segments: the plain copy, the copy that records
 //!    source tile digests (what it costs the copy), the check of the destinations against them, and
 //!    the byte compare; then what a step with verify costs against a step without:
 //!    (recording copy + check) / copy - 1, and (copy + compare) / copy - 1. Target: <= 60%.
 //!
-//! Times are CUDA-event medians after warm-up. Prints markdown tables; writes
+//! Times are CUDA-event medians after warm-up (wall-clock medians for synchronous calls). Prints markdown tables; writes
 //! $REFIT_BENCH_RESULTS/gpu_digest.json.
 
 #[path = "copy_support/mod.rs"]
@@ -23,7 +28,7 @@ use copy_support::{column_split, gbps, median, randomize, time_ms, MIB};
 use cuda::{ok, on, Buffer, Stream};
 use cudarc::driver::sys;
 use random_batch::Rng;
-use refit::kernels::digest::DigestKernel;
+use refit::kernels::digest::{ByteRange, DigestKernel};
 use refit::kernels::gf64;
 use refit::kernels::verify::VerifyBatch;
 use refit::kernels::PreparedBatch;
@@ -129,6 +134,74 @@ struct DigestRow {
     digest: f64,
     read_xor: f64,
     memcpy: f64,
+}
+
+/// 10^4 ranges of 1 MiB: one launch against 10^4 one-range calls.
+struct ManyRow {
+    ranges: u64,
+    range_bytes: u64,
+    /// The launch alone (descriptors uploaded before), CUDA-event median.
+    launch_ms: f64,
+    /// The synchronous call: upload, launch, digests back, stream synchronize (wall median).
+    call_ms: f64,
+    /// 10^4 synchronous one-range calls (wall, median of 3 sweeps).
+    single_calls_ms: f64,
+}
+
+impl ManyRow {
+    fn bytes(&self) -> u64 {
+        self.ranges * self.range_bytes
+    }
+}
+
+/// Table 2: the digests of `RANGES` ranges of 1 MiB of distinct memory, in one launch and one by one.
+fn measure_many(kernel: &DigestKernel, stream: &Stream, rng: &mut Rng) -> ManyRow {
+    const RANGES: u64 = 10_000;
+    let buffer = Buffer::new(0, (RANGES * MIB) as usize);
+    randomize(&buffer, rng);
+    let ranges: Vec<ByteRange> =
+        (0..RANGES).map(|k| ByteRange { addr: buffer.ptr + k * MIB, len: MIB }).collect();
+    // Correct before timed: a few ranges against the one-range kernel.
+    let all = ok("digest_many", unsafe { kernel.digest_many(stream.raw, &ranges) });
+    for k in [0, 1, RANGES / 2, RANGES - 1] {
+        let one = ok("digest", unsafe { kernel.digest(stream.raw, ranges[k as usize].addr, MIB) });
+        assert_eq!(all[k as usize], one, "range {k}: digest_many disagrees with digest");
+    }
+    let layout = ok("layout", kernel.many_layout(&ranges));
+    let descriptors = Buffer::new(0, std::mem::size_of_val(layout.descriptors.as_slice()));
+    // SAFETY: RangeDescriptor is plain old data.
+    descriptors.upload(unsafe {
+        std::slice::from_raw_parts(layout.descriptors.as_ptr().cast::<u8>(), descriptors.len)
+    });
+    let out = Buffer::new(0, 8 * RANGES as usize);
+    // SAFETY: the descriptors name `buffer`, `out` holds one word per range, the stream is live.
+    let launch_ms = time_ms(stream, 3, 15, || {
+        ok("enqueue_many", unsafe { kernel.enqueue_many(stream.raw, &layout, descriptors.ptr, out.ptr) })
+    });
+    let wall_ms = |f: &mut dyn FnMut()| {
+        let start = Instant::now();
+        f();
+        start.elapsed().as_secs_f64() * 1e3
+    };
+    let call_ms = median(
+        (0..15)
+            .map(|_| {
+                wall_ms(&mut || drop(ok("digest_many", unsafe { kernel.digest_many(stream.raw, &ranges) })))
+            })
+            .collect(),
+    );
+    let single_calls_ms = median(
+        (0..3)
+            .map(|_| {
+                wall_ms(&mut || {
+                    for range in &ranges {
+                        ok("digest", unsafe { kernel.digest(stream.raw, range.addr, range.len) });
+                    }
+                })
+            })
+            .collect(),
+    );
+    ManyRow { ranges: RANGES, range_bytes: MIB, launch_ms, call_ms, single_calls_ms }
 }
 
 struct VerifyRow {
@@ -266,6 +339,30 @@ fn main() {
     );
     println!("\nsynchronous digest of 1 MiB: {host_us:.1} us wall time (median)");
 
+    let many = measure_many(&kernel, &stream, &mut rng);
+    let one_gib =
+        digest_rows.iter().find(|r| r.size == 1 << 30 && r.offset == 0).map_or(f64::NAN, |r| r.digest);
+    let launch_gbps = gbps(many.bytes(), many.launch_ms);
+    println!("\n| 10^4 ranges of 1 MiB | ms | GB/s | / 1 GiB one-range rate ({one_gib:.0} GB/s) |");
+    println!("|---|---|---|---|");
+    println!(
+        "| one launch (digest_many's kernel) | {:.3} | {launch_gbps:.0} | {:.3} |",
+        many.launch_ms,
+        launch_gbps / one_gib
+    );
+    let call_gbps = gbps(many.bytes(), many.call_ms);
+    println!(
+        "| one synchronous digest_many call | {:.3} | {call_gbps:.0} | {:.3} |",
+        many.call_ms,
+        call_gbps / one_gib
+    );
+    let single_gbps = gbps(many.bytes(), many.single_calls_ms);
+    println!(
+        "| peer: 10^4 synchronous digest calls | {:.3} | {single_gbps:.0} | {:.3} |",
+        many.single_calls_ms,
+        single_gbps / one_gib
+    );
+
     println!("\n| case | segments | MiB | copy GB/s | recording copy vs copy | check / copy | compare / copy | copy+digests+check vs copy | copy+compare vs copy |");
     println!("|---|---|---|---|---|---|---|---|---|");
     let mut verify_rows = Vec::new();
@@ -296,11 +393,26 @@ fn main() {
             )
         })
         .collect();
+    let many_item = format!(
+        "{{\"ranges\": {}, \"range_bytes\": {}, \"launch_ms\": {:.4}, \"launch_gbps\": {:.1}, \"call_ms\": {:.4}, \"call_gbps\": {:.1}, \"single_calls_ms\": {:.4}, \"single_calls_gbps\": {:.1}, \"one_range_1gib_gbps\": {:.1}, \"launch_vs_1gib\": {:.4}, \"call_vs_1gib\": {:.4}}}",
+        many.ranges,
+        many.range_bytes,
+        many.launch_ms,
+        launch_gbps,
+        many.call_ms,
+        call_gbps,
+        many.single_calls_ms,
+        single_gbps,
+        one_gib,
+        launch_gbps / one_gib,
+        call_gbps / one_gib
+    );
     let json = format!(
-        "{{\n  \"bench\": \"gpu_digest\",\n  \"kernel\": \"{}\",\n  \"units\": \"GB/s (1e9 bytes/s) of bytes read; overheads as fractions of the plain copy's time\",\n  \"sync_digest_1mib_us\": {:.1},\n  \"digest\": [\n{}\n  ],\n  \"verify\": [\n{}\n  ]\n}}\n",
+        "{{\n  \"bench\": \"gpu_digest\",\n  \"kernel\": \"{}\",\n  \"units\": \"GB/s (1e9 bytes/s) of bytes read; overheads as fractions of the plain copy's time\",\n  \"sync_digest_1mib_us\": {:.1},\n  \"digest\": [\n{}\n  ],\n  \"many_ranges\": [\n    {}\n  ],\n  \"verify\": [\n{}\n  ]\n}}\n",
         kernel.build,
         host_us,
         digest_items.join(",\n"),
+        many_item,
         verify_items.join(",\n")
     );
     let path = format!("{dir}/gpu_digest.json");

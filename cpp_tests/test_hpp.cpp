@@ -427,8 +427,25 @@ void group_digests_bytes() {
   std::string message = expect_error([&] { group.digest(2, addr(bytes.data()), 8); }, REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(message.find("rank 2") != std::string::npos);
   expect_error([&] { group.digest(0, 0, 8); }, REFIT_STATUS_INVALID_ARGUMENT);
+  std::vector<uint64_t> addrs, lens;
+  for (uint64_t i = 0; i < 30; i++) {
+    addrs.push_back(addr(bytes.data() + i % 13));
+    lens.push_back(i * 5 % 150);
+  }
+  addrs.push_back(UINT64_MAX);  // 0 bytes at the last address digest to 1
+  lens.push_back(0);
+  std::vector<uint64_t> many = group.digest_many(1, addrs, lens, group.stream(1));
+  CHECK(many.size() == addrs.size());
+  for (std::size_t i = 0; i < many.size(); i++) CHECK(many[i] == group.digest(1, addrs[i], lens[i]));
+  CHECK(many.back() == 1);
+  CHECK(group.digest_many(0, {}, {}).empty());
+  message = expect_error([&] { group.digest_many(0, addrs, {8}); }, REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(message.find("lens has 1 entries") != std::string::npos);
+  message = expect_error([&] { group.digest_many(0, {addrs[0], 0}, {8, 8}); }, REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(message.find("range 1: address is 0") != std::string::npos);
   refit::Group gone(std::move(group));
   expect_error([&] { group.digest(0, addr(bytes.data()), 8); }, REFIT_STATUS_INVALID_STATE);
+  expect_error([&] { group.digest_many(0, addrs, lens); }, REFIT_STATUS_INVALID_STATE);
 }
 
 }  // namespace

@@ -1128,21 +1128,23 @@ void refit_copy_batch_destroy(refit_prepared_copy *batch);
  * at any offset), or by two swapped 8-byte words that differ, at any offsets; and when one has extra
  * trailing zero bytes. Any other difference goes unnoticed only if g divides it: about one chance in
  * 2^64 for corruption. It is not cryptographic: digests can be forged on purpose. The digest of 0
- * bytes is 1.
+ * bytes is 1, at any address (the last one, UINT64_MAX, included), and nothing is read for it.
  *
  * Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
  * stream to reach it (CUDA: one kernel, one 8-byte copy, cuStreamSynchronize) and then returns, so the
  * bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass of
  * aligned 16-byte loads (so up to 15 bytes around the range, in the 16-byte blocks that hold its
- * first and last bytes, are read and ignored); the first call on a device compiles the kernel.
+ * first and last bytes, are read and ignored; nothing for 0 bytes); the first call on a device
+ * compiles the kernel.
  *
  * Thread-safety: may be called from any thread, concurrently with other calls.
  *
- * Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size, addr 0 with
- * len > 0, a range running past the end of the 64-bit address space, on the host backend a stream
- * that is not a host stream or is another simulated device's), NVRTC_UNAVAILABLE /
- * KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at first use on the device),
- * CUDA_ERROR (e.g. a stream of another device, an address the device cannot read). `*digest` is written only on success.
+ * Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size; with len >
+ * 0: addr 0, len above 2^60, or a range running past the end of the 64-bit address space or into its
+ * last 16 bytes; on the host backend a stream that is not a host stream or is another simulated
+ * device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
+ * first use on the device), CUDA_ERROR (e.g. a stream of another device, an address the device
+ * cannot read). `*digest` is written only on success.
  */
 refit_status refit_digest(const refit_group *group,
                           uint32_t rank,
@@ -1150,6 +1152,40 @@ refit_status refit_digest(const refit_group *group,
                           uint64_t len,
                           void *stream,
                           uint64_t *digest);
+
+/**
+ * Computes the refit digest (as refit_digest defines it) of each of `count` byte ranges on `rank`'s
+ * device, all in one pass, on `stream` (a stream of that device; NULL: its legacy default stream),
+ * and writes the digest of the `lens[i]` bytes at device address `addrs[i]` to `digests[i]`: each
+ * equals what refit_digest gives for that range. For publishers that digest every shard they offer.
+ * Ranges may overlap, repeat, and have any length and alignment; 0 bytes digest to 1 at any address.
+ *
+ * Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
+ * stream to reach it and returns, so the bytes may be changed once it has returned. CUDA: the list
+ * of ranges is uploaded, and one kernel launch digests every range, its work split evenly over all
+ * the ranges' bytes whatever their sizes; then one copy of the digests back and
+ * cuStreamSynchronize. Reads as refit_digest does (up to 15 bytes around each range, in the aligned
+ * 16-byte blocks holding its first and last bytes; nothing for a range of 0 bytes).
+ *
+ * `count` 0: SUCCESS once the group and rank are checked; nothing is read, queued or written, and
+ * the three lists may be NULL.
+ *
+ * Thread-safety: may be called from any thread, concurrently with other calls.
+ *
+ * Errors: NULL_ARGUMENT (group; addrs, lens or digests NULL with `count` > 0), INVALID_ARGUMENT
+ * (rank not below the group size; a range with address 0 and a nonzero length, longer than 2^60
+ * bytes, or running past the end of the 64-bit address space, named by its index; more than
+ * 2^32 - 1 ranges; on the host backend a stream that is not a host stream or is another simulated
+ * device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (as refit_digest), CUDA_ERROR (e.g. a stream
+ * of another device, an address the device cannot read). `digests` is written only on success.
+ */
+refit_status refit_digest_many(const refit_group *group,
+                               uint32_t rank,
+                               const uint64_t *addrs,
+                               const uint64_t *lens,
+                               size_t count,
+                               void *stream,
+                               uint64_t *digests);
 
 /**
  * Fills `*options` with the defaults: size set, REFIT_ARM_AUTO, no SM cap, no verify,

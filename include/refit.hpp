@@ -322,6 +322,18 @@ class Group {
     return value;
   }
 
+  /// refit_digest_many: the digest of each range (`lens[i]` bytes at `addrs[i]`) on `rank`'s device, in
+  /// one pass on `stream` (nullptr: the device's legacy default); each equals digest() of that range.
+  /// Waits for the stream. No ranges: an empty vector, nothing queued. The lists must be equally long
+  /// (else refit::Error INVALID_ARGUMENT, before any call).
+  std::vector<uint64_t> digest_many(uint32_t rank, const std::vector<uint64_t> &addrs,
+                                    const std::vector<uint64_t> &lens, void *stream = nullptr) const {
+    detail::same_length(addrs.size(), lens.size(), "lens", "addrs", "entries");
+    std::vector<uint64_t> values(addrs.size());
+    check(refit_digest_many(live(), rank, addrs.data(), lens.data(), addrs.size(), stream, values.data()));
+    return values;
+  }
+
   /// refit_copy_batch_prepare.
   PreparedCopy prepare_copy(uint32_t rank, const std::vector<refit_segment> &segments, uint32_t flags = 0) const {
     refit_prepared_copy *raw = nullptr;

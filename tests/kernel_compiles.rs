@@ -33,5 +33,6 @@ fn digest_kernel_compiles_for_hopper() {
     let ptx = nvrtc::compile(source, "digest.cu", 9, 0, Output::Ptx, &[]).expect("PTX for compute_90");
     let text = String::from_utf8_lossy(&ptx.image);
     assert!(text.contains(".entry refit_digest("), "PTX names the kernel");
+    assert!(text.contains(".entry refit_digest_many("), "PTX names the many-range kernel");
     assert!(text.contains("ld.global.v2.u64") || text.contains("ld.global.nc.v2.u64"), "16-byte loads");
 }

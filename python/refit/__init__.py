@@ -2,7 +2,10 @@
 
 Installed with `pip install ./python` (distribution refit-gpu), the library sits inside this package.
 It is otherwise found at $REFIT_LIBRARY, or in the repository's target/release or target/debug.
-Every failing call raises RefitError carrying the status and the library's message. Pointers are
+Every failing call raises RefitError carrying the status and the library's message; an argument the
+binding refuses before calling the library raises ArgumentTypeError (also a TypeError: a float or bool
+for an integer, a string for a flag) or ArgumentError (also a ValueError: out of range, wrong length),
+both RefitErrors naming the argument, the value and what is accepted. Pointers are
 ints: device addresses, or host addresses on the host backend (ctypes.addressof of a ctypes
 buffer). Streams are ints, torch or CuPy streams, objects with __cuda_stream__, or HostStreams;
 None is torch's current stream once torch uses CUDA. Handle objects own their handle and release it
@@ -21,6 +24,8 @@ from ._lib import (
     MAX_DIMS,
     PLAN_SIZE_BUCKETS,
     Algorithm,
+    ArgumentError,
+    ArgumentTypeError,
     Arm,
     Backend,
     Commit,
@@ -38,7 +43,7 @@ from ._lib import (
 )
 from .comm import Communicator, unique_id
 from .copy import PreparedCopy
-from .digest import digest
+from .digest import digest, digest_many
 from .executor import Executor, RunStats
 from .group import Group, HostStream
 from .plan import Plan, PlanStats, Route, Table
@@ -51,6 +56,8 @@ __all__ = [
     "MAX_DIMS",
     "PLAN_SIZE_BUCKETS",
     "Algorithm",
+    "ArgumentError",
+    "ArgumentTypeError",
     "Arm",
     "Backend",
     "Commit",
@@ -72,6 +79,7 @@ __all__ = [
     "Table",
     "abi_version",
     "digest",
+    "digest_many",
     "last_error_message",
     "lib",
     "set_log_callback",

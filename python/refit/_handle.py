@@ -7,7 +7,8 @@ import contextlib
 import threading
 from typing import Iterator, Optional, TypeVar
 
-from ._lib import RefitError, Status, invalid_argument
+from ._args import shown
+from ._lib import ArgumentTypeError, RefitError, Status
 
 Self = TypeVar("Self", bound="Handle")
 
@@ -111,5 +112,6 @@ def borrow(value: object, kind: str, what: str, exclusive: bool = False) -> cont
     """`value._borrow(exclusive)` once `value` is checked to be a refit `kind` (its class's _what):
     the library would read a handle of another type as this one's struct."""
     if not isinstance(value, Handle) or value._what != kind:
-        raise invalid_argument(f"{what} must be a refit {kind}, not {type(value).__name__}")
+        given = f"a refit {value._what}" if isinstance(value, Handle) else shown(value)
+        raise ArgumentTypeError(f"{what} must be a refit {kind}, not {given}")
     return value._borrow(exclusive)

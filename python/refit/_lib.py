@@ -10,13 +10,12 @@ from __future__ import annotations
 import atexit
 import ctypes
 import enum
-import operator
 import os
 import sys
 import traceback
 from ctypes import POINTER, c_bool, c_char_p, c_int32, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from pathlib import Path
-from typing import Any, Callable, Iterable, Iterator, Optional
+from typing import Any, Callable, Iterator, Optional
 
 
 _FIX = (
@@ -121,9 +120,27 @@ def check(status: int) -> None:
         raise RefitError(status, last_error_message())
 
 
-def invalid_argument(message: str) -> RefitError:
-    """The error the binding raises for an argument it cannot pass on safely (wrong length, range)."""
-    return RefitError(Status.INVALID_ARGUMENT, message)
+class ArgumentError(RefitError, ValueError):
+    """An argument the binding refused before calling the library (the status says how the library
+    would have refused it: INVALID_ARGUMENT, or INVALID_DEVICE): a value of the right type that is
+    out of range, of the wrong length, or not one of the accepted values. Also a ValueError."""
+
+    def __init__(self, message: str, status: int = Status.INVALID_ARGUMENT) -> None:
+        super().__init__(status, message)
+
+
+class ArgumentTypeError(RefitError, TypeError):
+    """An argument of a type the binding does not take (a float or a bool for an integer, a string
+    for a flag, a non-sequence for a sequence); status INVALID_ARGUMENT. Also a TypeError."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(Status.INVALID_ARGUMENT, message)
+
+
+def invalid_argument(message: str) -> ArgumentError:
+    """The error the binding raises for an argument it cannot pass on safely (wrong length, range);
+    the checks themselves are in _args."""
+    return ArgumentError(message)
 
 
 # --- constants (the header's #defines, grouped) ---------------------------------------------------
@@ -374,6 +391,7 @@ FUNCTIONS = {
     "refit_copy_batch_launch": (status_t, [_handle, c_void_p]),
     "refit_copy_batch_destroy": (None, [_handle]),
     "refit_digest": (status_t, [_handle, c_uint32, c_uint64, c_uint64, c_void_p, _u64p]),
+    "refit_digest_many": (status_t, [_handle, c_uint32, _u64p, _u64p, c_size_t, c_void_p, _u64p]),
     "refit_executor_options_init": (status_t, [POINTER(ExecutorOptions)]),
     "refit_executor_create": (
         status_t,
@@ -452,50 +470,7 @@ def _declare() -> None:
 _declare()
 
 
-# --- argument conversion --------------------------------------------------------------------------
-
-
-def items(values: Any, what: str) -> list[Any]:
-    """`values` (any iterable) as a list, else INVALID_ARGUMENT naming `what`."""
-    try:
-        iterator = iter(values)
-    except TypeError:
-        raise invalid_argument(f"{what} must be a sequence, not {type(values).__name__}") from None
-    return list(iterator)
-
-
-def u64_array(values: Iterable[int], what: str) -> ctypes.Array[c_uint64]:
-    """A c_uint64 array of `values`, each checked to fit (ctypes would silently wrap)."""
-    checked = [check_range(value, 64, what) for value in items(values, what)]
-    return (c_uint64 * len(checked))(*checked)
-
-
-def integer(value: Any, what: str) -> int:
-    """`value` as an int: an int or an integer scalar (__index__: numpy, torch), never a bool, a
-    float or a string (int() would turn device 0.9 into 0, "1" into 1); else INVALID_ARGUMENT."""
-    if not isinstance(value, bool):
-        try:
-            return operator.index(value)
-        except TypeError:
-            pass
-    raise invalid_argument(f"{what} must be an integer, not {type(value).__name__}")
-
-
-def check_range(value: Any, bits: int, what: str) -> int:
-    """`value` as an int in [0, 2^bits), else INVALID_ARGUMENT naming `what`."""
-    value = integer(value, what)
-    if not 0 <= value < (1 << bits):
-        raise invalid_argument(f"{what} = {value} is outside [0, 2^{bits})")
-    return value
-
-
-def byte_string(data: Any, what: str, expected: str = "bytes-like") -> bytes:
-    """`data`, any bytes-like object, as bytes, else INVALID_ARGUMENT naming `what` (bytes() would
-    turn 5 into five NULs and [104, 105] into b"hi")."""
-    try:
-        return memoryview(data).tobytes()
-    except TypeError:
-        raise invalid_argument(f"{what} must be {expected}, not {type(data).__name__}") from None
+# --- torch, when loaded ---------------------------------------------------------------------------
 
 
 def torch_cuda_in_use() -> bool:
@@ -508,41 +483,6 @@ def torch_cuda_in_use() -> bool:
 def torch_current_stream(device: Optional[int] = None) -> int:
     """torch's current CUDA stream on `device` (None: torch's current device) as an int."""
     return int(sys.modules["torch"].cuda.current_stream(device).cuda_stream)
-
-
-def stream_value(stream: object = None, device: Optional[int] = None, host: bool = False) -> int:
-    """A stream argument as the CUstream int the C API takes. Accepted:
-
-    - an int: a CUstream / cudaStream_t handle (0 is the legacy default stream);
-    - an object with `__cuda_stream__`, the CUDA stream protocol: a method (or attribute) giving
-      (version, handle) with version 0 (cuda.core streams, recent torch and CuPy streams);
-    - a torch.cuda.Stream or ExternalStream (`cuda_stream`), a CuPy stream (`ptr`), a HostStream;
-    - None: torch's current stream of `device` (None: torch's current device) when torch is imported
-      and has initialized CUDA, else 0. `host=True` (the call goes to a host-backend group) keeps
-      None as 0, the simulated device's default stream.
-
-    Anything else raises RefitError(INVALID_ARGUMENT).
-    """
-    if stream is None:
-        return torch_current_stream(device) if not host and torch_cuda_in_use() else 0
-    if isinstance(stream, int) and not isinstance(stream, bool):
-        return check_range(stream, 64, "stream")
-    protocol = getattr(stream, "__cuda_stream__", None)
-    if protocol is not None:
-        value = protocol() if callable(protocol) else protocol
-        if not (isinstance(value, tuple) and len(value) == 2 and value[0] == 0):
-            raise invalid_argument(
-                f"{type(stream).__name__}.__cuda_stream__ gave {value!r}, not (0, handle)"
-            )
-        return check_range(value[1], 64, "__cuda_stream__ handle")
-    for attribute in ("cuda_stream", "ptr", "handle"):  # torch, CuPy, HostStream
-        value = getattr(stream, attribute, None)
-        if isinstance(value, int) and not isinstance(value, bool):
-            return check_range(value, 64, f"stream.{attribute}")
-    raise invalid_argument(
-        f"cannot use a {type(stream).__name__} as a stream: pass an int (CUstream), a torch or CuPy "
-        "stream, an object with __cuda_stream__, a HostStream, or None"
-    )
 
 
 # --- version and logging --------------------------------------------------------------------------
@@ -571,8 +511,7 @@ def set_log_callback(callback: Optional[Callable[[int, str], object]], level: in
     exceptions it raises are printed and dropped. Any thread may call this.
     """
     level = check_range(level, 32, "level")
-    if callback is not None and not callable(callback):
-        raise invalid_argument(f"callback must be callable or None, not {type(callback).__name__}")
+    callable_or_none(callback, "callback")
     if callback is None:
         check(lib.refit_set_log_callback(level, LogCallback(), None))
         return
@@ -589,3 +528,16 @@ def set_log_callback(callback: Optional[Callable[[int, str], object]], level: in
     if len(_log_callbacks) == 1:
         # Rank threads may outlive the interpreter's teardown: hand logging back to stderr first.
         atexit.register(lambda: lib.refit_set_log_callback(2, LogCallback(), None))
+
+
+# The argument checks live in _args; these names stay importable from here for the modules that
+# import them with the ctypes layer.
+from ._args import (  # noqa: E402  (after everything _args imports from here)
+    byte_string,
+    callable_or_none,
+    check_range,
+    integer,
+    items,
+    stream_value,
+    u64_array,
+)

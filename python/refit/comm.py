@@ -12,23 +12,9 @@ aborts, calls raise RefitError with Status.TIMEOUT or Status.ABORTED, and keep d
 import ctypes
 from ctypes import byref, c_int32, c_size_t, c_uint32, c_void_p
 
+from ._args import boolean, byte_string, check_range, choice, device_ordinal, integers, same_length, stream_value
 from ._handle import Handle, borrow
-from ._lib import (
-    COMM_ID_BYTES,
-    Backend,
-    CommId,
-    CommOptions,
-    PlanOptions,
-    Policy,
-    byte_string,
-    check,
-    check_range,
-    integer,
-    invalid_argument,
-    items,
-    lib,
-    stream_value,
-)
+from ._lib import COMM_ID_BYTES, Backend, CommId, CommOptions, PlanOptions, Policy, check, invalid_argument, lib
 from .plan import Plan
 
 
@@ -39,7 +25,7 @@ def unique_id(backend=Backend.AUTO):
     has joined. Pass the same bytes, unchanged, to every rank's Communicator: an id with any byte
     changed is refused."""
     raw = CommId()
-    check(lib.refit_comm_get_unique_id(check_range(backend, 32, "backend"), byref(raw)))
+    check(lib.refit_comm_get_unique_id(choice(backend, Backend, "backend"), byref(raw)))
     return bytes(raw.internal)
 
 
@@ -50,7 +36,7 @@ def _options(timeout_ms, staging_bytes, ipc=True):
         options.timeout_ms = check_range(timeout_ms, 64, "timeout_ms")
     if staging_bytes is not None:
         options.staging_bytes = check_range(staging_bytes, 64, "staging_bytes")
-    options.ipc = bool(ipc)
+    options.ipc = boolean(ipc, "ipc")
     return options
 
 
@@ -74,12 +60,12 @@ class Communicator(Handle):
         if _pointer is None:
             comm_id = byte_string(comm_id, "comm_id")
             if len(comm_id) != COMM_ID_BYTES:
-                raise invalid_argument(f"a communicator id has {COMM_ID_BYTES} bytes, not {len(comm_id)}")
+                raise invalid_argument(
+                    f"comm_id has {len(comm_id)} bytes; a communicator id from unique_id() has {COMM_ID_BYTES}"
+                )
             raw = CommId()
             ctypes.memmove(raw.internal, comm_id, COMM_ID_BYTES)
-            device = integer(device, "device")
-            if not -(1 << 31) <= device < (1 << 31):
-                raise invalid_argument(f"device {device} is not a 32-bit ordinal")
+            device = device_ordinal(device, "device")
             options = _options(timeout_ms, staging_bytes, ipc)
             pointer = c_void_p()
             check(
@@ -143,10 +129,9 @@ class Communicator(Handle):
         backend). Queued on `stream`; call synchronize() before reading `recv`. On the host backend,
         ranks that pass other counts are refused before anything moves: the next synchronize() raises
         INVALID_ARGUMENT naming the ranks that differ, once, and the communicator stays usable."""
-        counts = [check_range(count, 64, "counts[i]") for count in items(counts, "counts")]
+        counts = integers(counts, "counts", 64)
         size = self.size
-        if len(counts) != size:
-            raise invalid_argument(f"{len(counts)} counts for a communicator of {size} ranks")
+        same_length(counts, size, "counts", f"the communicator has {size} ranks (one count each)")
         array = (c_size_t * size)(*counts)
         arguments = (check_range(send, 64, "send"), check_range(recv, 64, "recv"), array, stream_value(stream))
         with self._borrow(exclusive=True) as handle:
@@ -164,8 +149,8 @@ class Communicator(Handle):
         of the same plan, or every rank raises."""
         options = PlanOptions()
         check(lib.refit_plan_options_init(byref(options)))
-        options.policy = check_range(policy, 32, "policy")
-        options.coalesce = bool(coalesce)
+        options.policy = choice(policy, Policy, "policy")
+        options.coalesce = boolean(coalesce, "coalesce")
         pointer = c_void_p()
         with self._borrow(exclusive=True) as handle, borrow(table, "table", "table", exclusive=True) as table_handle:
             check(lib.refit_plan_build_across(handle, table_handle, byref(options), byref(pointer)))

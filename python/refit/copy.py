@@ -6,6 +6,7 @@ from __future__ import annotations
 from ctypes import byref, c_void_p
 from typing import TYPE_CHECKING, Iterable
 
+from ._args import boolean
 from ._handle import Handle, borrow
 from ._lib import Backend, CopyFlag, check, check_range, lib, stream_value
 from .segment import SegmentLike, segment_array
@@ -15,7 +16,7 @@ if TYPE_CHECKING:
 
 
 def _flags(checked: bool) -> int:
-    return int(CopyFlag.CHECKED) if checked else 0
+    return int(CopyFlag.CHECKED) if boolean(checked, "checked") else 0
 
 
 def copy_batch(

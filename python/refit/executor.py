@@ -8,6 +8,7 @@ import dataclasses
 from ctypes import byref, c_void_p
 from typing import TYPE_CHECKING, Any, Callable, List, Sequence, Union
 
+from ._args import boolean, choice
 from ._handle import Handle, borrow
 from ._lib import (
     Arm,
@@ -68,7 +69,7 @@ class RunStats:
 
     def bytes_of(self, kind: int) -> int:
         """Payload bytes of route kind `kind` (a RouteKind) this call copied."""
-        return self.bytes[RouteKind(kind)]
+        return self.bytes[choice(kind, RouteKind, "kind")]
 
 
 class Executor(Handle):
@@ -102,7 +103,7 @@ class Executor(Handle):
         check(lib.refit_executor_options_init(byref(options)))
         options.arm = check_range(arm, 32, "arm")
         options.sm_budget = check_range(sm_budget, 32, "sm_budget")
-        options.verify = bool(verify)
+        options.verify = boolean(verify, "verify")
         options.commit = check_range(commit, 32, "commit")
         options.staging_limit = check_range(staging_limit, 64, "staging_limit")
         pointer = c_void_p()
@@ -114,7 +115,9 @@ class Executor(Handle):
             else:
                 with borrow(comm, "communicator", "comm", exclusive=True) as comm_handle:
                     if process != comm.rank:
-                        raise invalid_argument(f"process {process} is not the communicator's rank {comm.rank}")
+                        raise invalid_argument(
+                            f"process = {process} is not the communicator's rank: pass comm.rank ({comm.rank})"
+                        )
                     check(
                         lib.refit_executor_create_across(
                             plan_handle, group_handle, comm_handle, byref(options), byref(pointer)
@@ -182,7 +185,8 @@ class Executor(Handle):
         streams = list(stream) if isinstance(stream, (list, tuple)) else [stream]
         if len(streams) != self._group.size:
             raise invalid_argument(
-                f"{len(streams)} stream(s) given; the group has {self._group.size} ranks (one stream each)"
+                f"stream has {len(streams)} entries; the group has {self._group.size} ranks (one stream each, "
+                "or a single stream for a one-rank group)"
             )
         return streams
 

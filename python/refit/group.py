@@ -6,8 +6,19 @@ import contextlib
 import ctypes
 import threading
 from ctypes import byref, c_bool, c_int32, c_size_t, c_uint32, c_void_p
-from typing import Callable, Iterable, Iterator, Optional, Sequence, Sized
+from typing import Callable, Iterable, Iterator, Optional, Sequence, Sized, Tuple
 
+from ._args import (
+    check_range,
+    choice,
+    device_ordinal,
+    integers,
+    items,
+    same_length,
+    stream_value,
+    u64_array,
+    wrong_type,
+)
 from ._handle import Handle
 from ._lib import (
     Algorithm,
@@ -18,19 +29,13 @@ from ._lib import (
     RefitError,
     Status,
     check,
-    check_range,
-    integer,
-    invalid_argument,
-    items,
     last_error_message,
     lib,
-    stream_value,
     torch_cuda_in_use,
     torch_current_stream,
-    u64_array,
 )
 from .copy import PreparedCopy, copy_batch
-from .digest import digest
+from .digest import digest, digest_many
 from .segment import SegmentLike
 
 
@@ -65,13 +70,10 @@ class Group(Handle):
     def __init__(self, devices: Iterable[int], backend: int = Backend.AUTO, host_devices: int = 0) -> None:
         """Creates a group whose rank r is `devices[r]`. `backend` is a Backend; `host_devices` is
         how many devices the host backend simulates (0: the largest listed + 1)."""
-        devices = [integer(device, "devices[i]") for device in items(devices, "devices")]
-        for device in devices:
-            if not -(1 << 31) <= device < (1 << 31):
-                raise RefitError(Status.INVALID_DEVICE, f"device {device} is not a 32-bit ordinal")
+        devices = [device_ordinal(device, f"devices[{i}]") for i, device in enumerate(items(devices, "devices"))]
         options = GroupOptions()
         check(lib.refit_group_options_init(byref(options)))
-        options.backend = check_range(backend, 32, "backend")
+        options.backend = choice(backend, Backend, "backend")
         options.host_devices = check_range(host_devices, 32, "host_devices")
         array = (c_int32 * len(devices))(*devices)
         pointer = c_void_p()
@@ -150,7 +152,10 @@ class Group(Handle):
         caller_streams = items(caller_streams, "caller_streams")
         self._check_per_rank(caller_streams, "caller_streams")
         host = self._backend == Backend.HOST
-        streams = [stream_value(stream, device, host=host) for stream, device in zip(caller_streams, self.devices)]
+        streams = [
+            stream_value(stream, device, host=host, what=f"caller_streams[{rank}]")
+            for rank, (stream, device) in enumerate(zip(caller_streams, self.devices))
+        ]
         with self._borrow(exclusive=True) as handle:
             check(lib.refit_group_enter(handle, (c_void_p * len(streams))(*streams)))
 
@@ -159,7 +164,7 @@ class Group(Handle):
         done, ExitMode.ASYNC makes the caller streams wait for it instead. A refused call (a mode
         that is not an ExitMode, no scope open, called from a rank callback) changes nothing; once
         accepted, the scope is closed even when this raises."""
-        mode = check_range(mode, 32, "mode")
+        mode = choice(mode, ExitMode, "mode")
         with self._borrow(exclusive=True) as handle:
             check(lib.refit_group_exit(handle, mode))
 
@@ -189,7 +194,7 @@ class Group(Handle):
         RefitError(ABORTED) naming that rank. The group stays usable.
         """
         if not callable(fn):
-            raise invalid_argument(f"fn must be callable, not {type(fn).__name__}")
+            raise wrong_type("fn", fn, "callable: fn(rank, stream)")
         raised: list[BaseException] = []
         lock = threading.Lock()
 
@@ -226,7 +231,7 @@ class Group(Handle):
         for array, what in ((send, "send_ptrs"), (recv, "recv_ptrs")):
             self._check_per_rank(array, what)
         picked = c_uint32()
-        algorithm = check_range(algorithm, 32, "algorithm")
+        algorithm = choice(algorithm, Algorithm, "algorithm")
         with self._borrow(exclusive=True) as handle:
             check(lib.refit_allgather(handle, send, recv, sizes, algorithm, byref(picked)))
         return Algorithm(picked.value)
@@ -245,7 +250,7 @@ class Group(Handle):
             check_range(send_ptr, 64, "send_ptr"),
             check_range(recv_ptr, 64, "recv_ptr"),
             sizes,
-            check_range(algorithm, 32, "algorithm"),
+            choice(algorithm, Algorithm, "algorithm"),
         )
         with self._borrow() as handle:
             check(lib.refit_group_allgather_rank(handle, *arguments, byref(picked)))
@@ -274,20 +279,27 @@ class Group(Handle):
 
     def digest(self, rank: int, addr: int, length: int, stream: object = None) -> int:
         """The refit digest (an int, 64 bits) of the `length` bytes at `addr` on `rank`'s device,
-        computed on `stream` (None: the device's legacy default stream) after the work queued there;
-        waits for it (refit_digest: the header defines the digest and what it detects). The value to
-        pass as refit_table_add_offer's digest. Any thread."""
+        computed on `stream` (None: torch's current stream of that device when torch uses CUDA, else
+        its legacy default stream) after the work queued there; waits for it (refit_digest: the
+        header defines the digest and what it detects). 0 bytes digest to 1 at any address. The
+        value to pass as refit_table_add_offer's digest. Any thread."""
         return digest(self, rank, addr, length, stream)
 
+    def digest_many(self, rank: int, ranges: Sequence[Tuple[int, int]], stream: object = None) -> list[int]:
+        """The refit digest of each of `ranges`, (addr, length) pairs on `rank`'s device, in order,
+        computed in one pass on `stream` (as for digest()) and waited for (refit_digest_many); each
+        equals digest() of that range. For a publisher digesting every shard it offers. No ranges:
+        an empty list, nothing queued. Any thread."""
+        return digest_many(self, rank, ranges, stream)
+
     def _counts(self, counts: Sequence[int]) -> ctypes.Array[c_size_t]:
-        counts = [check_range(count, 8 * ctypes.sizeof(c_size_t), "counts[i]") for count in items(counts, "counts")]
+        counts = integers(counts, "counts", 8 * ctypes.sizeof(c_size_t))
         self._check_per_rank(counts, "counts")
         return (c_size_t * len(counts))(*counts)
 
     def _check_per_rank(self, values: Sized, what: str) -> None:
         # The C API reads exactly size() entries: a shorter list would be read past its end.
-        if len(values) != self._size:
-            raise invalid_argument(f"{what} has {len(values)} entries; the group has {self._size} ranks")
+        same_length(values, self._size, what, f"the group has {self._size} ranks (one entry each)")
 
     def __repr__(self) -> str:
         if self.closed:

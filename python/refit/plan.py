@@ -9,23 +9,9 @@ import dataclasses
 from ctypes import byref, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
+from ._args import boolean, byte_string, check_range, choice, integers, items, same_length, u64_array
 from ._handle import Handle, borrow
-from ._lib import (
-    Arm,
-    Commit,
-    PlanOptions,
-    PlanStatsStruct,
-    Policy,
-    RouteInfo,
-    RouteKind,
-    byte_string,
-    check,
-    check_range,
-    invalid_argument,
-    items,
-    lib,
-    u64_array,
-)
+from ._lib import Arm, Commit, PlanOptions, PlanStatsStruct, Policy, RouteInfo, RouteKind, check, invalid_argument, lib
 from .executor import Executor
 from .segment import Segment
 
@@ -46,8 +32,8 @@ def _placement(tensor: int, rank: int, device: int, addr: int) -> Tuple[int, int
 def _box(ndim: int, arrays: Iterable[Tuple[str, Optional[Sequence[Any]]]]) -> None:
     """Checks that every given array has `ndim` entries (the C API reads exactly that many)."""
     for what, values in arrays:
-        if values is not None and len(values) != ndim:
-            raise invalid_argument(f"{what} has {len(values)} entries; the box has {ndim} dimensions")
+        if values is not None:
+            same_length(values, ndim, what, f"the box has {ndim} dimensions (offset has {ndim} entries)")
 
 
 class Table(Handle):
@@ -75,7 +61,7 @@ class Table(Handle):
         `dtype` code; returns its index in this table (the same index when added again alike)."""
         encoded = name.encode() if isinstance(name, str) else byte_string(name, "name", "a str or bytes")
         if b"\0" in encoded:
-            raise invalid_argument("a tensor name must not contain NUL")
+            raise invalid_argument(f"name = {name!r} contains NUL; a tensor name is a string without NUL")
         dims = u64_array(shape, "shape")
         index = c_uint32()
         arguments = (encoded, check_range(dtype, 32, "dtype"), check_range(elem_size, 32, "elem_size"), dims)
@@ -128,7 +114,7 @@ class Table(Handle):
         `device`), written at `addr` with destination element `strides`; destination dimension d
         is tensor dimension `perm[d]` (None: the identity)."""
         origin, size, steps = u64_array(offset, "offset"), u64_array(extent, "extent"), u64_array(strides, "strides")
-        order = None if perm is None else [check_range(p, 32, "perm[i]") for p in items(perm, "perm")]
+        order = None if perm is None else integers(perm, "perm", 32)
         ndim = len(origin)
         _box(ndim, [("extent", size), ("strides", steps), ("perm", order)])
         perm_array = None if order is None else (c_uint32 * ndim)(*order)
@@ -188,8 +174,8 @@ PlanStats.__doc__ = """refit_plan_stats as a value (field meanings: include/refi
 def _options(policy: int, coalesce: bool) -> PlanOptions:
     options = PlanOptions()
     check(lib.refit_plan_options_init(byref(options)))
-    options.policy = check_range(policy, 32, "policy")
-    options.coalesce = 1 if coalesce else 0
+    options.policy = choice(policy, Policy, "policy")
+    options.coalesce = 1 if boolean(coalesce, "coalesce") else 0
     return options
 
 

@@ -7,7 +7,8 @@ import ctypes
 import dataclasses
 from typing import Iterable, Iterator, Tuple, Union
 
-from ._lib import SegmentStruct, check_range, invalid_argument, items
+from ._args import check_range, items, wrong_type
+from ._lib import SegmentStruct
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,9 +50,9 @@ SegmentLike = Union[Segment, Tuple[int, int, int]]
 
 
 def _pair(values: object, what: str) -> list[int]:
-    if not isinstance(values, collections.abc.Sequence) or len(values) != 2:
-        raise invalid_argument(f"{what} must have 2 entries")
-    return [check_range(value, 64, what) for value in values]
+    if not isinstance(values, collections.abc.Sequence) or isinstance(values, (str, bytes)) or len(values) != 2:
+        raise wrong_type(what, values, "a pair of integers (one per level)")
+    return [check_range(value, 64, f"{what}[{level}]") for level, value in enumerate(values)]
 
 
 def _segment(value: object, index: int) -> Segment:
@@ -60,9 +61,7 @@ def _segment(value: object, index: int) -> Segment:
     try:
         return Segment(*value)  # type: ignore[misc]
     except TypeError:
-        raise invalid_argument(
-            f"segments[{index}] must be a Segment or a (src, dst, len) tuple, not {value!r}"
-        ) from None
+        raise wrong_type(f"segments[{index}]", value, "a Segment or a (src, dst, len) tuple") from None
 
 
 def segment_array(segments: Iterable[SegmentLike]) -> tuple[ctypes.Array[SegmentStruct], int]:
@@ -70,11 +69,12 @@ def segment_array(segments: Iterable[SegmentLike]) -> tuple[ctypes.Array[Segment
     range-checked; and its length."""
     values = [_segment(segment, index) for index, segment in enumerate(items(segments, "segments"))]
     array = (SegmentStruct * len(values))()
-    for raw, segment in zip(array, values):
-        raw.src = check_range(segment.src, 64, "segment src")
-        raw.dst = check_range(segment.dst, 64, "segment dst")
-        raw.len = check_range(segment.len, 64, "segment len")
-        raw.count[:] = _pair(segment.count, "segment count")
-        raw.src_stride[:] = _pair(segment.src_stride, "segment src_stride")
-        raw.dst_stride[:] = _pair(segment.dst_stride, "segment dst_stride")
+    for index, (raw, segment) in enumerate(zip(array, values)):
+        what = f"segments[{index}]"
+        raw.src = check_range(segment.src, 64, f"{what}.src")
+        raw.dst = check_range(segment.dst, 64, f"{what}.dst")
+        raw.len = check_range(segment.len, 64, f"{what}.len")
+        raw.count[:] = _pair(segment.count, f"{what}.count")
+        raw.src_stride[:] = _pair(segment.src_stride, f"{what}.src_stride")
+        raw.dst_stride[:] = _pair(segment.dst_stride, f"{what}.dst_stride")
     return array, len(values)

@@ -11,7 +11,8 @@ from typing import Any, Optional, Protocol, Sequence, Tuple
 
 Shape = Tuple[int, ...]
 
-from ._lib import integer, invalid_argument, items
+from ._args import integer, integers
+from ._lib import invalid_argument
 from .plan import Table
 
 # Codes the tables carry for element types (the planner only compares them: both sides of a refit
@@ -61,7 +62,7 @@ def dtype_code(name: str) -> int:
     try:
         return DTYPE_CODES[name]
     except KeyError:
-        raise invalid_argument(f"no refit dtype code for {name!r} (known: {', '.join(DTYPE_CODES)})") from None
+        raise invalid_argument(f"dtype {name!r} has no refit dtype code; known: {', '.join(DTYPE_CODES)}") from None
 
 
 def device_index(tensor: TensorLike, device: Optional[int] = None) -> int:
@@ -75,18 +76,20 @@ def device_index(tensor: TensorLike, device: Optional[int] = None) -> int:
         index = tensor.device.index
         index = 0 if index is None else int(index)
         if device is not None and device != index:
-            raise invalid_argument(f"device {device} given for a tensor on cuda:{index}")
+            raise invalid_argument(f"device = {device} given for a tensor on cuda:{index}: pass {index} or None")
         return index
     if kind != "cpu":
         raise invalid_argument(f"a tensor on {tensor.device} is neither in host memory nor on a CUDA device")
     if device is None:
-        raise invalid_argument(f"a tensor on {tensor.device} needs device= (the simulated device it stands for)")
+        raise invalid_argument(
+            f"a tensor on {tensor.device} needs device= (an integer: the simulated device it stands for), not None"
+        )
     return device
 
 
 def _ints(values: Sequence[int], what: str) -> Shape:
     # Not int(): it would silently turn an offset of 0.5 into 0.
-    return tuple(integer(n, what) for n in items(values, what))
+    return tuple(integers(values, what))
 
 
 def _box(tensor: TensorLike, shape: Optional[Sequence[int]], offset: Optional[Sequence[int]]) -> Tuple[Shape, Shape, Shape]:
@@ -95,7 +98,8 @@ def _box(tensor: TensorLike, shape: Optional[Sequence[int]], offset: Optional[Se
     at = (0,) * len(full) if offset is None else _ints(offset, "offset")
     if len(full) != len(extent) or len(at) != len(extent):
         raise invalid_argument(
-            f"a {len(extent)}-dimensional tensor cannot be a box of shape {list(full)} at offset {list(at)}"
+            f"shape = {list(full)} and offset = {list(at)} for a {len(extent)}-dimensional tensor: each needs "
+            f"{len(extent)} entries"
         )
     return full, at, extent
 

@@ -38,7 +38,10 @@ def nbytes(tensor: torch.Tensor) -> int:
     """Bytes `tensor` spans when contiguous; refuses a non-contiguous tensor (its bytes are not
     one block, so one pointer and a size would misdescribe it)."""
     if not tensor.is_contiguous():
-        raise invalid_argument("tensor is not contiguous")
+        raise invalid_argument(
+            f"tensor of shape {tuple(tensor.shape)} and strides {tensor.stride()} is not contiguous: pass a "
+            "contiguous tensor (its bytes are one block)"
+        )
     return int(tensor.numel() * tensor.element_size())
 
 
@@ -58,5 +61,8 @@ def rank_stream(group: Group, rank: int) -> torch.cuda.ExternalStream:
     group.run(); owned by the group (valid until it closes)."""
     if group.backend != Backend.CUDA:
         # torch would take the host backend's queue handle for a CUstream and launch work on it.
-        raise invalid_argument("rank_stream needs a CUDA group: a host-backend group's streams are not CUDA streams")
+        raise invalid_argument(
+            f"group is a {group.backend.name} group; rank_stream needs a CUDA group (a host-backend group's "
+            "streams are not CUDA streams)"
+        )
     return torch.cuda.ExternalStream(group.stream(rank), device=torch.device("cuda", group.device(rank)))

@@ -1,6 +1,8 @@
-"""refit.digest / Group.digest on the host backend: the value equals the digest computed here from the
-header's definition (bit by bit, modulo g) at every alignment; the same bytes elsewhere give the same
-value and a flipped bit does not; bad arguments raise with their status."""
+"""refit.digest / Group.digest and refit.digest_many / Group.digest_many on the host backend: the value
+equals the digest computed here from the header's definition (bit by bit, modulo g) at every
+alignment, 0 bytes at any address (the last one included) digest to 1; each of many ranges digests as
+it does alone; the same bytes elsewhere give the same value and a flipped bit does not; bad arguments
+raise with their status and a message naming them."""
 
 import ctypes
 import unittest
@@ -38,6 +40,42 @@ class DigestTest(unittest.TestCase):
                 got = self.group.digest(1, self.base + offset, length)
                 self.assertEqual(got, reference(self.data[offset : offset + length]), (offset, length))
         self.assertEqual(refit.digest(self.group, 0, 0, 0), 1)
+        # Issue 26, 6: 0 bytes at the last address was INVALID_ARGUMENT "runs past the end".
+        for addr in (2**64 - 1, 2**64 - 16, 1):
+            self.assertEqual(self.group.digest(0, addr, 0), 1, hex(addr))
+
+    def test_many_ranges_digest_as_each_does_alone(self):
+        ranges = [(self.base + offset, length) for offset in range(0, 16, 3) for length in (0, 1, 15, 16, 17, 100, 180)]
+        ranges += [(2**64 - 1, 0), (self.base + 7, 64), (self.base + 7, 64)]
+        got = self.group.digest_many(1, ranges, stream=self.group.stream(1))
+        self.assertEqual(len(got), len(ranges))
+        for (addr, length), value in zip(ranges, got):
+            self.assertEqual(value, self.group.digest(1, addr, length), (addr - self.base, length))
+            if addr != 2**64 - 1:
+                self.assertEqual(value, reference(self.data[addr - self.base : addr - self.base + length]))
+        self.assertEqual(got[-3], 1)
+        self.assertEqual(refit.digest_many(self.group, 0, ranges[:5]), got[:5])
+        self.assertEqual(self.group.digest_many(0, []), [])
+        self.assertEqual(self.group.digest_many(0, iter(ranges[:2])), got[:2])
+
+    def test_many_bad_arguments(self):
+        good = (self.base, 8)
+        cases = [
+            (Status.INVALID_ARGUMENT, lambda: self.group.digest_many(2, [good]), "rank 2"),
+            (Status.INVALID_ARGUMENT, lambda: self.group.digest_many(2, []), "rank 2"),
+            (Status.INVALID_ARGUMENT, lambda: self.group.digest_many(0, [good, (0, 8)]), "range 1: address is 0"),
+            (Status.INVALID_ARGUMENT, lambda: self.group.digest_many(0, [good, (2**64 - 4, 8)]), "range 1: range of 8"),
+            (Status.INVALID_ARGUMENT, lambda: self.group.digest_many(0, [good, (self.base, -1)]), "ranges[1] length"),
+            (Status.INVALID_ARGUMENT, lambda: self.group.digest_many(0, [good, 5]), "ranges[1] must be an (addr,"),
+            (Status.INVALID_ARGUMENT, lambda: self.group.digest_many(0, None), "ranges must be a sequence"),
+            (Status.INVALID_ARGUMENT, lambda: self.group.digest_many(0, [good], stream=0x3039), "host stream"),
+            (Status.INVALID_ARGUMENT, lambda: refit.digest_many(object(), 0, [good]), "group must be a refit group"),
+        ]
+        for status, call, words in cases:
+            with self.assertRaises(RefitError, msg=words) as caught:
+                call()
+            self.assertEqual(caught.exception.status, status)
+            self.assertIn(words, str(caught.exception))
 
     def test_same_bytes_same_digest_and_a_flipped_bit_changes_it(self):
         other = (ctypes.c_uint8 * 64).from_buffer_copy(self.data[7:71])

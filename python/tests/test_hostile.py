@@ -138,14 +138,14 @@ class TypeConfusionTest(HostileTest):
         self.assertEqual(
             lines,
             [
-                "INVALID_ARGUMENT tables[1] must be a refit table, not Group",
-                "INVALID_ARGUMENT tables[0] must be a refit table, not NoneType",
-                "INVALID_ARGUMENT group must be a refit group, not Table",
-                "INVALID_ARGUMENT plan must be a refit plan, not Group",
-                "INVALID_ARGUMENT comm must be a refit communicator, not Table",
-                "INVALID_ARGUMENT group must be a refit group, not Table",
-                "INVALID_ARGUMENT group must be a refit group, not Table",
-                "INVALID_ARGUMENT table must be a refit table, not Group",
+                "INVALID_ARGUMENT tables[1] must be a refit table, not a refit group",
+                "INVALID_ARGUMENT tables[0] must be a refit table, not None (NoneType)",
+                "INVALID_ARGUMENT group must be a refit group, not a refit table",
+                "INVALID_ARGUMENT plan must be a refit plan, not a refit group",
+                "INVALID_ARGUMENT comm must be a refit communicator, not a refit table",
+                "INVALID_ARGUMENT group must be a refit group, not a refit table",
+                "INVALID_ARGUMENT group must be a refit group, not a refit table",
+                "INVALID_ARGUMENT table must be a refit table, not a refit group",
             ],
         )
 
@@ -293,18 +293,18 @@ class WrongTypeTest(HostileTest):
     def test_bools_are_not_integers(self):
         # check_range took True for 1: a device, a rank, an element size or an address of 1.
         with host_group() as group, Table() as table:
-            self.assert_invalid(lambda: host_group([True]), "devices[i] must be an integer, not bool")
-            self.assert_invalid(lambda: group.device(True), "rank must be an integer, not bool")
+            self.assert_invalid(lambda: host_group([0, True]), "devices[1] must be an integer, not True (bool)")
+            self.assert_invalid(lambda: group.device(True), "rank must be an integer, not True (bool)")
             self.assert_invalid(lambda: table.add_tensor("w", (4,), True), "elem_size")
-            self.assert_invalid(lambda: group.copy_batch(0, [(True, 1, 1)]), "segment src")
+            self.assert_invalid(lambda: group.copy_batch(0, [(True, 1, 1)]), "segments[0].src")
             self.assert_invalid(lambda: refit.set_log_callback(None, level=True), "level")
             protocol = types.SimpleNamespace(__cuda_stream__=(0, True))
             self.assert_invalid(lambda: stream_value(protocol), "__cuda_stream__ handle")
 
     def test_floats_and_strings_are_not_truncated_or_parsed(self):
         # int() made device 0.9 device 0 and "1" device 1; the tensor helpers' offset 0.5 offset 0.
-        self.assert_invalid(lambda: host_group([0.9]), "devices[i] must be an integer, not float")
-        self.assert_invalid(lambda: host_group(["1"]), "devices[i] must be an integer, not str")
+        self.assert_invalid(lambda: host_group([0.9]), "devices[0] must be an integer, not 0.9 (float)")
+        self.assert_invalid(lambda: host_group([0, "1"]), "devices[1] must be an integer, not '1' (str)")
         self.assert_invalid(lambda: Communicator(unique_id(Backend.HOST), 1, 0, device=0.5), "device")
         with Table() as table:
             tensor = FakeTensor()
@@ -322,8 +322,8 @@ class WrongTypeTest(HostileTest):
         with host_group() as group, Table() as table:
             w = table.add_tensor("w", (4,), 4)
             address = ctypes.addressof(ctypes.create_string_buffer(16))
-            self.assert_invalid(lambda: host_group(0), "devices must be a sequence, not int")
-            self.assert_invalid(lambda: table.add_tensor("v", 4, 4), "shape must be a sequence, not int")
+            self.assert_invalid(lambda: host_group(0), "devices must be a sequence, not 0 (int)")
+            self.assert_invalid(lambda: table.add_tensor("v", 4, 4), "shape must be a sequence, not 4 (int)")
             self.assert_invalid(lambda: table.add_offer(w, 0, 0, address, None, (4,)), "offset must be a sequence")
             self.assert_invalid(lambda: table.add_offer(w, 0, 0, address, (0,), (4,), 5), "strides must be a")
             self.assert_invalid(lambda: table.add_need(w, 0, 0, address, (0,), (4,), None), "strides must be a")

@@ -1,13 +1,14 @@
-//! The digest of device memory (`refit_digest`).
+//! The digest of device memory: one range (`refit_digest`), or many in one pass (`refit_digest_many`).
 
 // Pointers from C are checked for NULL and dereferenced inside the boundary: the exported functions are
 // `extern "C"` entry points, not Rust APIs to mark unsafe.
 #![allow(clippy::not_unsafe_ptr_arg_deref)]
 
 use super::handles::live;
-use super::{boundary, out};
+use super::{boundary, out, slice};
+use crate::error::{Error, Status};
 use crate::ffi::group::refit_group;
-use crate::transport::Stream;
+use crate::transport::{ByteRange, Stream};
 use std::ffi::c_void;
 
 /// Computes the refit digest of the `len` bytes at device address `addr` on `rank`'s device, on
@@ -24,21 +25,23 @@ use std::ffi::c_void;
 /// at any offset), or by two swapped 8-byte words that differ, at any offsets; and when one has extra
 /// trailing zero bytes. Any other difference goes unnoticed only if g divides it: about one chance in
 /// 2^64 for corruption. It is not cryptographic: digests can be forged on purpose. The digest of 0
-/// bytes is 1.
+/// bytes is 1, at any address (the last one, UINT64_MAX, included), and nothing is read for it.
 ///
 /// Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
 /// stream to reach it (CUDA: one kernel, one 8-byte copy, cuStreamSynchronize) and then returns, so the
 /// bytes may be changed once it has returned. On the GPU it reads at memory bandwidth, in one pass of
 /// aligned 16-byte loads (so up to 15 bytes around the range, in the 16-byte blocks that hold its
-/// first and last bytes, are read and ignored); the first call on a device compiles the kernel.
+/// first and last bytes, are read and ignored; nothing for 0 bytes); the first call on a device
+/// compiles the kernel.
 ///
 /// Thread-safety: may be called from any thread, concurrently with other calls.
 ///
-/// Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size, addr 0 with
-/// len > 0, a range running past the end of the 64-bit address space, on the host backend a stream
-/// that is not a host stream or is another simulated device's), NVRTC_UNAVAILABLE /
-/// KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at first use on the device),
-/// CUDA_ERROR (e.g. a stream of another device, an address the device cannot read). `*digest` is written only on success.
+/// Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size; with len >
+/// 0: addr 0, len above 2^60, or a range running past the end of the 64-bit address space or into its
+/// last 16 bytes; on the host backend a stream that is not a host stream or is another simulated
+/// device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
+/// first use on the device), CUDA_ERROR (e.g. a stream of another device, an address the device
+/// cannot read). `*digest` is written only on success.
 #[no_mangle]
 pub extern "C" fn refit_digest(
     group: *const refit_group,
@@ -56,6 +59,62 @@ pub extern "C" fn refit_digest(
         // SAFETY: the caller's promise on the range and the stream, documented above.
         let value = unsafe { group.backend().digest(device, Stream::from_ptr(stream), addr, len) }?;
         slot.write(value);
+        Ok(())
+    })
+}
+
+/// Computes the refit digest (as refit_digest defines it) of each of `count` byte ranges on `rank`'s
+/// device, all in one pass, on `stream` (a stream of that device; NULL: its legacy default stream),
+/// and writes the digest of the `lens[i]` bytes at device address `addrs[i]` to `digests[i]`: each
+/// equals what refit_digest gives for that range. For publishers that digest every shard they offer.
+/// Ranges may overlap, repeat, and have any length and alignment; 0 bytes digest to 1 at any address.
+///
+/// Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
+/// stream to reach it and returns, so the bytes may be changed once it has returned. CUDA: the list
+/// of ranges is uploaded, and one kernel launch digests every range, its work split evenly over all
+/// the ranges' bytes whatever their sizes; then one copy of the digests back and
+/// cuStreamSynchronize. Reads as refit_digest does (up to 15 bytes around each range, in the aligned
+/// 16-byte blocks holding its first and last bytes; nothing for a range of 0 bytes).
+///
+/// `count` 0: SUCCESS once the group and rank are checked; nothing is read, queued or written, and
+/// the three lists may be NULL.
+///
+/// Thread-safety: may be called from any thread, concurrently with other calls.
+///
+/// Errors: NULL_ARGUMENT (group; addrs, lens or digests NULL with `count` > 0), INVALID_ARGUMENT
+/// (rank not below the group size; a range with address 0 and a nonzero length, longer than 2^60
+/// bytes, or running past the end of the 64-bit address space, named by its index; more than
+/// 2^32 - 1 ranges; on the host backend a stream that is not a host stream or is another simulated
+/// device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (as refit_digest), CUDA_ERROR (e.g. a stream
+/// of another device, an address the device cannot read). `digests` is written only on success.
+#[no_mangle]
+pub extern "C" fn refit_digest_many(
+    group: *const refit_group,
+    rank: u32,
+    addrs: *const u64,
+    lens: *const u64,
+    count: usize,
+    stream: *mut c_void,
+    digests: *mut u64,
+) -> crate::error::Status {
+    boundary("refit_digest_many", || {
+        let handle = live(group, "group")?;
+        let group = &handle.group;
+        let device = group.device(rank as usize)?;
+        if count == 0 {
+            return Ok(());
+        }
+        // SAFETY: the caller's promise: `count` readable entries in each list.
+        let (addrs, lens) = unsafe { (slice(addrs, count, "addrs")?, slice(lens, count, "lens")?) };
+        if digests.is_null() {
+            return Err(Error::new(Status::NullArgument, format!("digests is NULL but count is {count}")));
+        }
+        let ranges: Vec<ByteRange> =
+            addrs.iter().zip(lens).map(|(&addr, &len)| ByteRange { addr, len }).collect();
+        // SAFETY: the caller's promise on the ranges and the stream, documented above.
+        let values = unsafe { group.backend().digest_many(device, Stream::from_ptr(stream), &ranges) }?;
+        // SAFETY: `digests` holds `count` writable words (the caller's promise); one value per range.
+        unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), digests, count) };
         Ok(())
     })
 }

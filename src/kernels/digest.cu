@@ -1,6 +1,6 @@
 // refit's digest kernel: the digest defined in src/kernels/gf64.rs (a CRC over GF(2) with a primitive
-// degree-64 polynomial g and a marker bit after the data) of one byte range of device memory, in one
-// pass at memory speed.
+// degree-64 polynomial g and a marker bit after the data) of one byte range of device memory, or of
+// many ranges in one launch, in one pass at memory speed.
 //
 // Compiled at run time by NVRTC (no headers), and built as host C++ by tests/emulate to check it
 // against the Rust implementation without a GPU.
@@ -10,7 +10,8 @@
 // Reading from the aligned base multiplies the polynomial by x^(8 delta) (delta = addr & 15), which a
 // factor x^(-8 delta) undoes at the end, so any alignment takes the same fast path. So the kernel may
 // read up to 15 bytes before and after the range, within the aligned 16-byte blocks that hold its first
-// and last bytes (never another page; compute-sanitizer's memcheck may still report them). Vectors form chunks
+// and last bytes (never another page; compute-sanitizer's memcheck may still report them); an empty
+// range reads nothing, wherever it is. Vectors form chunks
 // of 32 (one per lane: 512 bytes); each warp takes 2^span_shift consecutive chunks and each lane keeps
 // two accumulators (the vector's low and high word) over its chunks, walking them downwards with
 // Horner's rule: a = a * x^4096 + word, since consecutive chunks are 4096 bits apart. As
@@ -19,6 +20,15 @@
 // warp adds its lanes and multiplies by x^(4096 c0 - 8 delta) (c0: its first chunk), built from a table
 // of x^(2^b) by a product over the lanes, and each block adds its warps into *out with one atomic XOR.
 // The terms are added in GF(2^64) (XOR), so blocks may finish in any order.
+//
+// Many ranges in one launch (refit_digest_many). The ranges' chunks are numbered one after another
+// (a descriptor per range holds its first chunk's number) and the launch's warps take equal
+// consecutive spans of that numbering, so a few huge ranges and many tiny ones keep every warp equally
+// busy. A warp finds the range of its first chunk by binary search and walks forward; where its span
+// crosses into the next range it finishes the piece it holds (the same steps as above, with the factor
+// x^(4096 c0 - 8 delta) built from the bits of c0, the piece's first chunk within its range) and XORs
+// it into that range's output word. Every range has at least one chunk (its marker's), so the
+// descriptors' first chunks strictly increase.
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -96,7 +106,7 @@ __device__ __forceinline__ u64 word_mask(u64 o, u64 delta, u64 end) {
 __device__ __forceinline__ Vec2 edge_vector(u64 base, u64 j, u64 delta, u64 end) {
     const u64 first = 16 * j;
     Vec2 v = {0, 0};
-    if (first < end && first + 16 > delta) {
+    if (delta < end && first < end && first + 16 > delta) {  // holds data bytes (none when len is 0)
         v = *reinterpret_cast<const Vec2*>(base + first);
         v.lo &= word_mask(first, delta, end);
         v.hi &= word_mask(first + 8, delta, end);
@@ -107,6 +117,60 @@ __device__ __forceinline__ Vec2 edge_vector(u64 base, u64 j, u64 delta, u64 end)
         else v.hi ^= 1ull << (8u * (k - 8));
     }
     return v;
+}
+
+// Adds chunks [c0, c1) of the aligned view of one range (from `base`; data at [delta, end), the
+// marker at `end`) into the lane's accumulators, walking downwards with Horner's rule: on return
+// a0 + a1 x^64 = sum over the chunks c of the lane's vector of chunk c times x^(4096 (c - c0)).
+__device__ __forceinline__ void accumulate(u64 base, u64 delta, u64 end, u32 lane, u64 c0, u64 c1,
+                                           const u64* fold6, u64& a0, u64& a1) {
+    // Chunks [interior_lo, interior_hi) lie wholly inside the data: no masks, no marker.
+    const u64 interior_lo = delta == 0 ? 0 : 1;
+    const u64 interior_hi = end / (16 * WARP);
+    a0 = 0;
+    a1 = 0;
+    u64 chunk = c1;
+    // Downwards: the top edge chunk (the marker, maybe a partial vector), the interior, chunk 0.
+    while (chunk > c0 && chunk - 1 >= interior_hi) {
+        --chunk;
+        const Vec2 v = edge_vector(base, chunk * WARP + lane, delta, end);
+        a0 = times_x4096(a0, fold6) ^ v.lo;
+        a1 = times_x4096(a1, fold6) ^ v.hi;
+    }
+    const u64 stop = c0 > interior_lo ? c0 : interior_lo;
+    const Vec2* p = reinterpret_cast<const Vec2*>(base) + lane;
+    while (chunk >= stop + DIGEST_UNROLL) {
+        Vec2 v[DIGEST_UNROLL];
+#pragma unroll
+        for (u32 k = 0; k < DIGEST_UNROLL; ++k) v[k] = p[(chunk - 1 - k) * WARP];
+#pragma unroll
+        for (u32 k = 0; k < DIGEST_UNROLL; ++k) {
+            a0 = times_x4096(a0, fold6) ^ v[k].lo;
+            a1 = times_x4096(a1, fold6) ^ v[k].hi;
+        }
+        chunk -= DIGEST_UNROLL;
+    }
+    while (chunk > stop) {
+        --chunk;
+        const Vec2 v = p[chunk * WARP];
+        a0 = times_x4096(a0, fold6) ^ v.lo;
+        a1 = times_x4096(a1, fold6) ^ v.hi;
+    }
+    while (chunk > c0) {
+        --chunk;
+        const Vec2 v = edge_vector(base, chunk * WARP + lane, delta, end);
+        a0 = times_x4096(a0, fold6) ^ v.lo;
+        a1 = times_x4096(a1, fold6) ^ v.hi;
+    }
+}
+
+// The warp's accumulators as one polynomial relative to its first chunk, in every lane: lane l's
+// vector sits 128 l bits into each chunk, its high word 64 bits further.
+__device__ __forceinline__ u64 warp_sum(u64 a0, u64 a1, u32 lane, const u64* __restrict__ c) {
+    u64 sum = gf_mul(a0, constant(c, C_LANE + 2 * lane), c) ^ gf_mul(a1, constant(c, C_LANE + 2 * lane + 1), c);
+#pragma unroll
+    for (u32 offset = WARP / 2; offset > 0; offset /= 2) sum ^= __shfl_xor_sync(0xffffffffu, sum, offset);
+    return sum;
 }
 
 // XORs the digest's terms from the bytes [addr, addr + len) into *out (which the host zeroes first).
@@ -125,48 +189,13 @@ extern "C" __global__ void __launch_bounds__(DIGEST_THREADS)
     const u64 delta = addr & 15;
     const u64 end = delta + len;  // aligned offset of the marker byte
     const u64 chunks = ((end >> 4) + 1 + WARP - 1) / WARP;
-    // Chunks [interior_lo, interior_hi) lie wholly inside the data: no masks, no marker.
-    const u64 interior_lo = delta == 0 ? 0 : 1;
-    const u64 interior_hi = end / (16 * WARP);
     const u64 c0 = warp << span_shift;
 
     u64 value = 0;
     if (c0 < chunks) {  // the same for every lane of the warp
         const u64 c1 = c0 + (1ull << span_shift) < chunks ? c0 + (1ull << span_shift) : chunks;
-        u64 a0 = 0, a1 = 0;
-        u64 chunk = c1;
-        // Downwards: the top edge chunk (the marker, maybe a partial vector), the interior, chunk 0.
-        while (chunk > c0 && chunk - 1 >= interior_hi) {
-            --chunk;
-            const Vec2 v = edge_vector(base, chunk * WARP + lane, delta, end);
-            a0 = times_x4096(a0, fold6) ^ v.lo;
-            a1 = times_x4096(a1, fold6) ^ v.hi;
-        }
-        const u64 stop = c0 > interior_lo ? c0 : interior_lo;
-        const Vec2* p = reinterpret_cast<const Vec2*>(base) + lane;
-        while (chunk >= stop + DIGEST_UNROLL) {
-            Vec2 v[DIGEST_UNROLL];
-#pragma unroll
-            for (u32 k = 0; k < DIGEST_UNROLL; ++k) v[k] = p[(chunk - 1 - k) * WARP];
-#pragma unroll
-            for (u32 k = 0; k < DIGEST_UNROLL; ++k) {
-                a0 = times_x4096(a0, fold6) ^ v[k].lo;
-                a1 = times_x4096(a1, fold6) ^ v[k].hi;
-            }
-            chunk -= DIGEST_UNROLL;
-        }
-        while (chunk > stop) {
-            --chunk;
-            const Vec2 v = p[chunk * WARP];
-            a0 = times_x4096(a0, fold6) ^ v.lo;
-            a1 = times_x4096(a1, fold6) ^ v.hi;
-        }
-        while (chunk > c0) {
-            --chunk;
-            const Vec2 v = edge_vector(base, chunk * WARP + lane, delta, end);
-            a0 = times_x4096(a0, fold6) ^ v.lo;
-            a1 = times_x4096(a1, fold6) ^ v.hi;
-        }
+        u64 a0, a1;
+        accumulate(base, delta, end, lane, c0, c1, fold6, a0, a1);
 
         // The warp's factor x^(4096 c0 - 8 delta) = x^(-8 delta) * prod over the set bits b of `warp`
         // of x^(2^(12 + span_shift + b)): lanes 0-14 hold the bits' factors, lane 15 the alignment's,
@@ -177,13 +206,11 @@ extern "C" __global__ void __launch_bounds__(DIGEST_THREADS)
         } else if (lane == 15) {
             factor = constant(c, C_NEG + (u32)delta);
         }
-        u64 sum = gf_mul(a0, constant(c, C_LANE + 2 * lane), c) ^ gf_mul(a1, constant(c, C_LANE + 2 * lane + 1), c);
+        const u64 sum = warp_sum(a0, a1, lane, c);
 #pragma unroll
         for (u32 offset = 8; offset > 0; offset /= 2) {
             factor = gf_mul(factor, __shfl_xor_sync(0xffffffffu, factor, offset), c);
         }
-#pragma unroll
-        for (u32 offset = WARP / 2; offset > 0; offset /= 2) sum ^= __shfl_xor_sync(0xffffffffu, sum, offset);
         value = gf_mul(sum, factor, c);
     }
     if (lane == 0) warp_sums[threadIdx.x / WARP] = value;
@@ -192,5 +219,77 @@ extern "C" __global__ void __launch_bounds__(DIGEST_THREADS)
         u64 total = 0;
         for (u32 w = 0; w < DIGEST_WARPS; ++w) total ^= warp_sums[w];
         if (total != 0) atomicXor(out, total);
+    }
+}
+
+// One range of a many-range launch; must match kernels::digest::RangeDescriptor.
+struct DigestRange {
+    u64 addr;
+    u64 len;
+    u64 first_chunk;  // the number of its first chunk: the chunks of the ranges before it
+};
+
+// The most chunks of one range (log2): the factor of a piece is built from the bits of its first
+// chunk, c0 < 2^52, each bit b giving x^(2^(12 + b)) from the table of x^(2^b), b < 64.
+#define MANY_CHUNK_BITS 52u
+
+// x^(4096 c0 - 8 delta) in every lane: lane l holds the factors of bits l and l + 32 of c0 (lane 31
+// the alignment's instead of a second bit), and five butterfly steps multiply them together.
+__device__ __forceinline__ u64 piece_factor(u64 c0, u64 delta, u32 lane, const u64* __restrict__ c) {
+    u64 low = ((c0 >> lane) & 1) ? constant(c, C_POW2 + CHUNK_BITS_SHIFT + lane) : 1;
+    u64 high = 1;
+    if (lane + 32 < MANY_CHUNK_BITS) {
+        if ((c0 >> (lane + 32)) & 1) high = constant(c, C_POW2 + CHUNK_BITS_SHIFT + 32 + lane);
+    } else if (lane == WARP - 1) {
+        high = constant(c, C_NEG + (u32)delta);
+    }
+    u64 factor = gf_mul(low, high, c);
+#pragma unroll
+    for (u32 offset = WARP / 2; offset > 0; offset /= 2) {
+        factor = gf_mul(factor, __shfl_xor_sync(0xffffffffu, factor, offset), c);
+    }
+    return factor;
+}
+
+// XORs the digest's terms of every range r into out[r] (which the host zeroes first). Warp w takes
+// the chunks [w span, (w + 1) span) of the numbering over all ranges (total_chunks in all); the launch
+// has ceil(ceil(total_chunks / span) / DIGEST_WARPS) blocks of DIGEST_THREADS threads. A range's
+// chunks are ceil(((delta + len) / 16 + 1) / 32), fewer than 2^MANY_CHUNK_BITS.
+extern "C" __global__ void __launch_bounds__(DIGEST_THREADS)
+    refit_digest_many(const DigestRange* __restrict__ ranges, u32 count, u64 total_chunks, u64 span,
+                      const u64* __restrict__ c, u64* out) {
+    __shared__ u64 fold6[64];
+    if (threadIdx.x < 64) fold6[threadIdx.x] = constant(c, C_FOLD + threadIdx.x);
+    __syncthreads();
+
+    const u32 lane = threadIdx.x % WARP;
+    const u64 warp = (u64)blockIdx.x * DIGEST_WARPS + threadIdx.x / WARP;
+    const u64 g0 = warp * span;
+    if (count == 0 || g0 >= total_chunks) return;  // the same for every lane of the warp
+    const u64 g1 = total_chunks - g0 > span ? g0 + span : total_chunks;
+    // The range holding chunk g0: the last whose first chunk is at most g0 (ranges[0]'s is 0).
+    u32 lo = 0, hi = count;
+    while (hi - lo > 1) {
+        const u32 mid = lo + (hi - lo) / 2;
+        if (ranges[mid].first_chunk <= g0) lo = mid;
+        else hi = mid;
+    }
+    // Then each range the span reaches, one piece at a time.
+    for (u32 r = lo; r < count; ++r) {
+        const DigestRange range = ranges[r];
+        const u64 next = r + 1 < count ? ranges[r + 1].first_chunk : total_chunks;
+        const u64 from = g0 > range.first_chunk ? g0 : range.first_chunk;
+        const u64 to = g1 < next ? g1 : next;
+        if (from >= to) break;
+        const u64 base = range.addr & ~15ull;
+        const u64 delta = range.addr & 15;
+        const u64 end = delta + range.len;
+        const u64 c0 = from - range.first_chunk;
+        u64 a0, a1;
+        accumulate(base, delta, end, lane, c0, to - range.first_chunk, fold6, a0, a1);
+        const u64 sum = warp_sum(a0, a1, lane, c);
+        const u64 value = gf_mul(sum, piece_factor(c0, delta, lane, c), c);
+        if (lane == 0 && value != 0) atomicXor(out + r, value);
+        if (to == g1) break;
     }
 }

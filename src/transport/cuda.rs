@@ -11,12 +11,13 @@
 //! never disturbed; only [`Backend::bind`] leaves a context current (for our own rank threads).
 
 use super::driver::{self, check, error_name, CurrentContext};
+use super::ByteRange;
 use super::{
     device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, PreparedDigestCheck,
     PreparedRecord, Stream,
 };
 use crate::error::{Error, Result, Status};
-use crate::kernels::digest::{check_range, DigestKernel};
+use crate::kernels::digest::{check_range, check_ranges, DigestKernel};
 use crate::kernels::verify::{DigestCheck, DigestRecord, VerifyBatch};
 use crate::kernels::{self, PreparedBatch};
 use crate::segment::Segment;
@@ -274,6 +275,15 @@ impl Backend for CudaBackend {
         self.index(device)?;
         check_range(addr, len)?;
         DigestKernel::for_device(device)?.digest(Self::raw_stream(stream), addr, len)
+    }
+
+    unsafe fn digest_many(&self, device: i32, stream: Stream, ranges: &[ByteRange]) -> Result<Vec<u64>> {
+        self.index(device)?;
+        check_ranges(ranges)?;
+        if ranges.is_empty() {
+            return Ok(Vec::new());
+        }
+        DigestKernel::for_device(device)?.digest_many(Self::raw_stream(stream), ranges)
     }
 
     fn prepare_recording_batch(

@@ -18,12 +18,13 @@
 
 use super::host_copy::copy_runs;
 use super::host_verify::{segment_digest, HostCheck, HostRecord, Reference};
+use super::ByteRange;
 use super::{
     device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, PreparedDigestCheck,
     PreparedRecord, Stream,
 };
 use crate::error::{try_to_vec, Error, Result, Status};
-use crate::kernels::digest::check_range;
+use crate::kernels::digest::{check_range, check_ranges};
 use crate::kernels::gf64;
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::{Segment, Side};
@@ -440,6 +441,34 @@ impl Backend for HostBackend {
         queue.synchronize()?;
         let value = lock(&result).take();
         value.ok_or_else(|| Error::invalid_state("the host stream stopped before it ran the digest"))
+    }
+
+    unsafe fn digest_many(&self, device: i32, stream: Stream, ranges: &[ByteRange]) -> Result<Vec<u64>> {
+        let queue = self.resolve(device, stream)?;
+        check_ranges(ranges)?;
+        if ranges.is_empty() {
+            return Ok(Vec::new());
+        }
+        let ranges = ranges.to_vec();
+        let result = Arc::new(Mutex::new(None));
+        let slot = Arc::clone(&result);
+        queue.enqueue(move || {
+            let digests = ranges
+                .iter()
+                .map(|range| match range.len {
+                    0 => gf64::digest(&[]),
+                    // SAFETY: the caller keeps every range readable until the call returns, which
+                    // waits for this work below; check_ranges bounds each length by 2^60 < isize::MAX.
+                    len => gf64::digest(unsafe {
+                        std::slice::from_raw_parts(range.addr as usize as *const u8, len as usize)
+                    }),
+                })
+                .collect();
+            *lock(&slot) = Some(digests);
+        })?;
+        queue.synchronize()?;
+        let digests = lock(&result).take();
+        digests.ok_or_else(|| Error::invalid_state("the host stream stopped before it ran the digests"))
     }
 
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {

@@ -3,7 +3,8 @@
 //!
 //! - [`Backend`] is the one interface the group, allgather and the executors use for devices, streams,
 //!   events and copies, the batched copy included ([`Backend::copy_batch`], [`Backend::prepare_batch`]),
-//!   and for the digest of device memory ([`Backend::digest`]).
+//!   and for the digest of device memory ([`Backend::digest`], and of many ranges in one pass:
+//!   [`Backend::digest_many`]).
 //!   Two implementations: [`cuda::CudaBackend`] (cudarc's driver layer: primary contexts, non-blocking
 //!   streams, copy-engine copies, refit's batched copy kernel from `kernels`) and [`host::HostBackend`]
 //!   (N simulated devices: host memory, one worker thread per stream so that stream order and event
@@ -38,6 +39,7 @@ pub mod staged;
 pub mod verify;
 
 use crate::error::{Error, Result, Status};
+pub use crate::kernels::digest::ByteRange;
 use crate::segment::Segment;
 
 /// The index of ordinal `device` among the `count` devices of a backend (`what` names them in the
@@ -171,6 +173,17 @@ pub trait Backend: Send + Sync {
     /// `addr .. addr + len` is memory of `device` (host memory on the host backend) that stays
     /// readable until the call returns, and `stream` a live stream of that device.
     unsafe fn digest(&self, device: i32, stream: Stream, addr: u64, len: u64) -> Result<u64>;
+
+    /// The refit digest of each of `ranges`, in order, computed on `stream` as [`Backend::digest`]
+    /// computes one (each equals `digest` of that range), in one pass over all of them: on CUDA one
+    /// launch of the digest kernel's many-range entry, its work split evenly across the ranges'
+    /// bytes; on the host backend, one task of the stream's worker. Waits for the stream. No ranges:
+    /// nothing is queued and the result is empty. InvalidArgument as for `digest`, naming the first
+    /// bad range by its index.
+    ///
+    /// # Safety
+    /// As for [`Backend::digest`], for every range.
+    unsafe fn digest_many(&self, device: i32, stream: Stream, ranges: &[ByteRange]) -> Result<Vec<u64>>;
 
     /// As [`Backend::prepare_batch`], and every launch also records digests of the source bytes it
     /// reads, against which [`PreparedCopy::verify_destinations`] checks the destinations without
