@@ -6,7 +6,7 @@ holds is read by running its own SelfAttention.get_query_key_value_tensors and M
 row-numbered weights; vocabulary rows from VocabParallelEmbedding's own range; experts from the MoE
 layer's local_expert_indices), published from the model's sharded_state_dict() by
 MegatronModulePublisher, planned into whole HF tensors on the host backend and compared element by
-element with the checkpoint. Matrix: TP 1/2/4 x 1/2/4/8 kv heads; MoE at EP 1/2 with expert TP 1
+element with the checkpoint. Matrix: TP 1/2/4 x 1/2/4/8 kv heads; PP 2 with q/k/v biases; MoE at EP 1/2 with expert TP 1
 and expert TP = TP."""
 
 from __future__ import annotations
@@ -91,9 +91,13 @@ def checkpoint(model: "ModelShape") -> Dict[str, "torch.Tensor"]:
     return out
 
 
-def build(tp: int, tp_rank: int, kv_heads: int, ep: int, ep_rank: int, etp: int, experts: int) -> "GPTModel":
+def build(
+    tp: int, tp_rank: int, kv_heads: int, ep: int, ep_rank: int, etp: int, experts: int, pp: int = 1, pp_rank: int = 0,
+    qkv_bias: bool = False,
+) -> "GPTModel":
     groups = ProcessGroupCollection.use_mpu_process_groups()
     groups.tp = StandIn(tp, tp_rank)
+    groups.pp = StandIn(pp, pp_rank)
     groups.ep = StandIn(ep, ep_rank)
     groups.expt_tp = StandIn(etp, tp_rank % etp)
     moe = dict(num_moe_experts=experts, moe_ffn_hidden_size=MOE_FFN, expert_model_parallel_size=ep,
@@ -102,13 +106,15 @@ def build(tp: int, tp_rank: int, kv_heads: int, ep: int, ep_rank: int, etp: int,
         num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=HEADS, num_query_groups=kv_heads,
         kv_channels=HEAD_DIM, ffn_hidden_size=FFN, use_cpu_initialization=True, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
-        bias_activation_fusion=False, params_dtype=torch.float32, tensor_model_parallel_size=tp, **moe,
+        bias_activation_fusion=False, params_dtype=torch.float32, tensor_model_parallel_size=tp,
+        pipeline_model_parallel_size=pp, pipeline_dtype=torch.float32, add_qkv_bias=qkv_bias, **moe,
     )
     spec = get_gpt_layer_local_spec(num_experts=experts or None, moe_grouped_gemm=False)
     padded = -(-VOCAB // (8 * tp)) * 8 * tp
     return GPTModel(
         config=config, transformer_layer_spec=spec, vocab_size=padded, max_sequence_length=32,
         share_embeddings_and_output_weights=False, position_embedding_type="rope", pg_collection=groups,
+        pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
     )
 
 
@@ -204,21 +210,31 @@ def fill_rows(param, rows: Dict[int, Tuple[str, int]], tensors: Dict[str, "torch
 
 @unittest.skipIf(MISSING, MISSING or "")
 class MegatronPublisherTest(unittest.TestCase):
-    def refit(self, tp: int, kv_heads: int, ep: int = 1, etp: int = 1, experts: int = 0) -> None:
+    def refit(
+        self, tp: int, kv_heads: int, ep: int = 1, etp: int = 1, experts: int = 0, pp: int = 1, qkv_bias: bool = False
+    ) -> None:
         shape = hf_shape(kv_heads, experts)
         ckpt = checkpoint(shape)
-        ranks = [(t, e) for e in range(ep) for t in range(tp)]
-        models = [build(tp, t, kv_heads, ep, e, etp, experts) for t, e in ranks]
-        for e in range(ep):
-            members = [i for i, (_, re) in enumerate(ranks) if re == e]
+        if qkv_bias:  # Qwen2's q/k/v biases, numbered after the weights
             for layer in range(LAYERS):
-                hf = f"model.layers.{layer}"
-                attentions = [models[i].decoder.layers[layer].self_attention for i in members]
-                rows = qkv_rows(attentions, [ranks[i][0] for i in members])
-                for m, i in enumerate(members):
-                    local = {row: (f"{hf}.self_attn.{p}_proj.weight", r) for (mm, row), (p, r) in rows.items() if mm == m}
-                    fill_rows(attentions[m].linear_qkv.weight, local, ckpt, self)
-        for (t, e), model in zip(ranks, models):
+                for p, rows in (("q", HEADS), ("k", kv_heads), ("v", kv_heads)):
+                    ckpt[f"model.layers.{layer}.self_attn.{p}_proj.bias"] = torch.arange(rows * HEAD_DIM, dtype=torch.float32) + (
+                        900000 + layer * 1000 + "qkv".index(p) * 100 + 1
+                    )
+        ranks = [(t, e, s) for s in range(pp) for e in range(ep) for t in range(tp)]
+        models = [build(tp, t, kv_heads, ep, e, etp, experts, pp, s, qkv_bias) for t, e, s in ranks]
+        for e in range(ep):
+            for stage in range(pp):
+                members = [i for i, (_, re, rs) in enumerate(ranks) if (re, rs) == (e, stage)]
+                for local_layer in range(len(models[members[0]].decoder.layers)):
+                    attentions = [models[i].decoder.layers[local_layer].self_attention for i in members]
+                    hf = f"model.layers.{models[members[0]].decoder.layers[local_layer].layer_number - 1}"
+                    rows = qkv_rows(attentions, [ranks[i][0] for i in members])
+                    for m in range(len(members)):
+                        for kind in ("weight", "bias") if qkv_bias else ("weight",):
+                            local = {row: (f"{hf}.self_attn.{p}_proj.{kind}", r) for (mm, row), (p, r) in rows.items() if mm == m}
+                            fill_rows(getattr(attentions[m].linear_qkv, kind), local, ckpt, self)
+        for (t, e, s), model in zip(ranks, models):
             self.fill_plain(model, t, tp, etp, experts, ckpt)
         tables = []
         for device, model in enumerate(models):
@@ -240,20 +256,22 @@ class MegatronPublisherTest(unittest.TestCase):
     def fill_plain(self, model, tp_rank: int, tp: int, etp: int, experts: int, ckpt) -> None:
         """Everything but linear_qkv, by Megatron-core's own ranges."""
         with torch.no_grad():
-            embedding = model.embedding.word_embeddings
-            embedding.weight.fill_(-1.0)
-            lo, hi = embedding.vocab_start_index, min(embedding.vocab_end_index, VOCAB)
-            if lo < hi:
-                embedding.weight[: hi - lo].copy_(ckpt["model.embed_tokens.weight"][lo:hi])
-            out = model.output_layer.weight
-            out.fill_(-1.0)
-            lo = tp_rank * out.shape[0]
-            hi = min(lo + out.shape[0], VOCAB)
-            if lo < hi:
-                out[: hi - lo].copy_(ckpt["lm_head.weight"][lo:hi])
-            model.decoder.final_layernorm.weight.copy_(ckpt["model.norm.weight"])
-            for layer_index, layer in enumerate(model.decoder.layers):
-                hf = f"model.layers.{layer_index}"
+            if model.pre_process:
+                embedding = model.embedding.word_embeddings
+                embedding.weight.fill_(-1.0)
+                lo, hi = embedding.vocab_start_index, min(embedding.vocab_end_index, VOCAB)
+                if lo < hi:
+                    embedding.weight[: hi - lo].copy_(ckpt["model.embed_tokens.weight"][lo:hi])
+            if model.post_process:
+                out = model.output_layer.weight
+                out.fill_(-1.0)
+                lo = tp_rank * out.shape[0]
+                hi = min(lo + out.shape[0], VOCAB)
+                if lo < hi:
+                    out[: hi - lo].copy_(ckpt["lm_head.weight"][lo:hi])
+                model.decoder.final_layernorm.weight.copy_(ckpt["model.norm.weight"])
+            for layer in model.decoder.layers:
+                hf = f"model.layers.{layer.layer_number - 1}"  # Megatron's own global layer number
                 layer.input_layernorm.weight.copy_(ckpt[f"{hf}.input_layernorm.weight"])
                 layer.pre_mlp_layernorm.weight.copy_(ckpt[f"{hf}.post_attention_layernorm.weight"])
                 proj = layer.self_attention.linear_proj
@@ -278,6 +296,11 @@ class MegatronPublisherTest(unittest.TestCase):
             for kv_heads in (1, 2, 4, 8):
                 with self.subTest(tp=tp, kv_heads=kv_heads):
                     self.refit(tp, kv_heads)
+
+    def test_pipeline_stages_and_qwen2_qkv_biases(self):
+        for tp, pp, kv_heads in ((2, 2, 2), (4, 2, 1)):
+            with self.subTest(tp=tp, pp=pp, kv_heads=kv_heads):
+                self.refit(tp, kv_heads, pp=pp, qkv_bias=True)
 
     def test_experts_ep_1_2_with_expert_tp_1_and_tp(self):
         for ep, etp in ((1, 1), (2, 1), (1, 2), (2, 2)):
