@@ -1,7 +1,17 @@
-"""Publishers: the parameters of a Megatron-LM (Megatron Core, Transformer Engine layer specs) GPT
-model on one rank, turned into offers of the checkpoint tensors.
+"""Publishers: the parameters of a Megatron-LM (Megatron Core, local or Transformer Engine layer
+specs) GPT model on one rank, turned into offers of the checkpoint tensors.
 
-Layout rules, each with the Megatron-LM source file it follows, as read in Megatron Core 0.20
+Two ways, one per situation:
+- `MegatronModulePublisher(model, vocab=...)`, where a Megatron-core model exists: reads the model's
+  own `sharded_state_dict()` (the trainer's description of every local shard: global shape,
+  offsets over pipeline, tensor, expert and expert-tensor parallelism, vocabulary padding) and only
+  names rows with the small rules of MEGATRON_TO_HF below (fused QKV per query group, fc1 gate then
+  up, norm names of both layer specs). Tested against megatron-core itself.
+- `MegatronPublisher(model_shape, ranks)` / `megatron_layouts`, where no model runs (synthetic
+  tables, planning ahead of a trainer, torch-free tests): the hand rules that follow describe what
+  the sharded state dict would say.
+
+Layout rules of `megatron_layouts`, each with the Megatron-LM source file it follows, as read in Megatron Core 0.20
 (NVIDIA/Megatron-LM main at commit d98e8a6, 2026-08-22), paths under megatron/core unless given.
 workloads/src/megatron.rs generates the same pieces for synthetic tables.
 
@@ -242,7 +252,8 @@ class MegatronPublisher:
 # singleton_local_shards), its global shape, this rank's offset, and a view of the local
 # parameter (ShardedTensorFactory pieces, as the gated fc1's gate and up halves, are built first).
 # Pipeline stage, TP, EP and expert-TP offsets and vocabulary padding all come from there; the only
-# rules left map a global Megatron tensor's rows to Hugging Face tensors (MEGATRON_TO_HF below).
+# rules left map a global Megatron tensor's rows to Hugging Face tensors (MEGATRON_TO_HF: megatron_to_hf
+# with _LAYER_NAMES, _TOP_NAMES, _qkv_blocks and _fc1_blocks).
 
 
 @dataclasses.dataclass(frozen=True)
