@@ -162,6 +162,63 @@ class DTensorPublisherTest(unittest.TestCase):
             self.assertEqual(publisher.add_to(table, 0, device=0), 0)
 
 
+class Meta:
+    """vLLM's trainer-side ParamMeta: name, dtype, global shape."""
+
+    def __init__(self, name, shape) -> None:
+        self.name, self.dtype, self.shape = name, "torch.bfloat16", shape
+
+
+class ModuleSource:
+    """vLLM's ModuleSource as far as the publisher reads it: the module it wraps and metadata()."""
+
+    def __init__(self, module, metadata) -> None:
+        self.module = module
+        self._metadata = metadata
+
+    def metadata(self):
+        return self._metadata
+
+    def __iter__(self):
+        raise AssertionError("iterating a source all-gathers: the publisher must not")
+
+
+class Module:
+    def __init__(self, params) -> None:
+        self.params = params
+
+    def named_parameters(self):
+        return iter(self.params.items())
+
+
+class WeightSourceTest(unittest.TestCase):
+    def test_a_module_source_is_published_shard_by_shard_and_checked_against_its_metadata(self):
+        checkpoint = {"w": values_of((5, 2), 1)}
+        tables, keep = [], []
+        for rank in range(2):
+            offset, extent = shard_box((5, 2), (2,), (rank,), (Shard(0),))
+            local = HostTensor(extent, box_values(checkpoint["w"], offset, extent))
+            keep.append(local)
+            source = ModuleSource(Module({"w": ParamMeta((5, 2), (2,), (rank,), (Shard(0),), local)}), [Meta("w", (5, 2))])
+            tables.append(DTensorPublisher.from_weight_source(source).table(0, device=rank))
+        got = refit_whole(tables, checkpoint, 2)
+        self.assertEqual(got["w"], [v for row in checkpoint["w"] for v in row])
+
+    def test_disagreeing_metadata_and_sources_without_a_module_are_refused(self):
+        module = Module({"w": ParamMeta((5, 2), (2,), (0,), (Shard(0),), HostTensor((3, 2)))})
+        with self.assertRaises(refit.RefitError) as caught:
+            DTensorPublisher.from_weight_source(ModuleSource(module, [Meta("w", (6, 2))]))
+        self.assertIn("disagree", str(caught.exception))
+
+        class Exporter:
+            def metadata(self):
+                return [Meta("w", (5, 2))]
+
+        with self.assertRaises(refit.RefitError) as caught:
+            DTensorPublisher.from_weight_source(Exporter())
+        self.assertIn("exposes no module", str(caught.exception))
+
+
 class HfPublisherTest(unittest.TestCase):
     def test_a_whole_module_refits_under_its_own_names(self):
         checkpoint = {"model.embed_tokens.weight": values_of((6, 4), 1), "lm_head.weight": values_of((6, 4), 2)}

@@ -16,10 +16,15 @@ n split over k ranks gives each ceil(n / k) elements, the last ones fewer or non
   tensor's), `_StridedShard` (FSDP2 over tensor parallelism's shards: its interleaved chunks are not
   one box per rank, which this publisher does not describe).
 
+vLLM's trainer-side `ModuleSource` (vllm/distributed/weight_transfer: `metadata()` lists each
+parameter's name, dtype and global shape; iterating it all-gathers) is accepted by
+`DTensorPublisher.from_weight_source`: its module is published shard by shard and its metadata
+checked against the offers, without importing vLLM.
+
 Placements are read by duck typing (the class name and `dim`, or torch's is_shard / is_replicate /
 is_partial), so any parameter metadata shaped like a DTensor's works: torch's DTensor, or an
 object with `placements`, a global `shape`, the mesh's `mesh_shape` and this rank's `coordinate`,
-and the local tensor as `local_tensor` (vLLM's trainer-side parameter metadata has this shape).
+and the local tensor as `local_tensor` (a trainer's own shard records, for instance).
 Names are the module's own (the Hugging Face names, for a transformers model) without wrapper
 prefixes (`_orig_mod.`, `_checkpoint_wrapped_module.`, `module.`); `rename` maps them further.
 """
@@ -180,6 +185,31 @@ def _shape(shape: Sequence[int]) -> Shape:
     return tuple(int(n) for n in shape)
 
 
+_SOURCE_MODULE_ATTRIBUTES = ("module", "_module", "model", "_model")
+
+
+def weight_source_offers(source: Any, rename: Rename = None) -> List[Offer]:
+    """Offers of a vLLM trainer-side weight source (duck-typed, vLLM need not be installed): a
+    `ModuleSource` wraps a module, whose parameters are published where they lie (its own iteration
+    would all-gather every DTensor with full_tensor()); its `metadata()` (name, dtype, global shape
+    per parameter) must agree with what is offered, name for name. A source without a module can
+    only materialize whole tensors by a collective, which a refit does not need: refused."""
+    module = next((getattr(source, a) for a in _SOURCE_MODULE_ATTRIBUTES if hasattr(getattr(source, a, None), "named_parameters")), None)
+    if module is None:
+        raise invalid_argument(
+            f"{type(source).__name__} exposes no module; its iteration gathers whole tensors. "
+            "Publish the module itself (DTensorPublisher(module)) or its named parameters"
+        )
+    offers = module_offers(module.named_parameters(), rename, "weight source")
+    metadata = source.metadata() if callable(getattr(source, "metadata", None)) else []
+    declared = {renamed(str(m.name), rename): _shape(m.shape) for m in metadata}
+    offered = {offer.name: offer.shape for offer in offers}
+    if metadata and declared != offered:
+        differ = sorted(n for n in set(declared) | set(offered) if declared.get(n) != offered.get(n))
+        raise invalid_argument(f"the source's metadata() and its module disagree on {len(differ)} parameters, e.g. {differ[:3]}")
+    return offers
+
+
 class DTensorPublisher:
     """Offers one rank's parameters of an FSDP2 / DTensor model (plain tensors in it are offered
     whole): `DTensorPublisher(model).table(process)` is this rank's Table for Plan.build.
@@ -187,6 +217,13 @@ class DTensorPublisher:
 
     def __init__(self, source: Any, rename: Rename = None) -> None:
         self.offers = module_offers(source, rename, "DTensor publisher")
+
+    @classmethod
+    def from_weight_source(cls, source: Any, rename: Rename = None) -> DTensorPublisher:
+        """From vLLM's trainer-side `ModuleSource` (see weight_source_offers)."""
+        publisher = cls.__new__(cls)
+        publisher.offers = weight_source_offers(source, rename)
+        return publisher
 
     def add_to(
         self, table: Table, process: int, device: Optional[int] = None, digests: Optional[Mapping[str, int]] = None
@@ -199,4 +236,4 @@ class DTensorPublisher:
         return new_table(lambda table: self.add_to(table, process, device, digests))
 
 
-__all__ = ["DTensorPublisher", "chunk", "dtensor_offer", "module_offers", "shard_box"]
+__all__ = ["DTensorPublisher", "chunk", "dtensor_offer", "module_offers", "shard_box", "weight_source_offers"]
