@@ -146,6 +146,12 @@ class RealDTensorTest(unittest.TestCase):
         with self.assertRaises(refit.RefitError) as caught:
             DTensorPublisher({"w": pending})
         self.assertIn("pending reduction", str(caught.exception))
+        from torch.distributed.tensor.placement_types import _StridedShard
+
+        strided = DTensor.from_local(torch.ones(2, 2), mesh, [_StridedShard(0, split_factor=2)], run_check=False, shape=(4, 2), stride=(2, 1))
+        with self.assertRaises(refit.RefitError) as caught:
+            DTensorPublisher({"w": strided})
+        self.assertIn("_StridedShard", str(caught.exception))
 
 
 if __name__ == "__main__":
