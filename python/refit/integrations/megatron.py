@@ -278,7 +278,7 @@ class AttentionShape:
     gated: bool = True
 
     @classmethod
-    def from_config(cls, config) -> AttentionShape:
+    def from_config(cls, config: Any) -> AttentionShape:
         heads = int(config.num_attention_heads)
         groups = int(getattr(config, "num_query_groups", None) or heads)
         head_dim = int(getattr(config, "kv_channels", None) or config.hidden_size // heads)
