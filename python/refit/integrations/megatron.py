@@ -9,7 +9,8 @@ Two ways, one per situation:
   up, norm names of both layer specs). Tested against megatron-core itself.
 - `MegatronPublisher(model_shape, ranks)` / `megatron_layouts`, where no model runs (synthetic
   tables, planning ahead of a trainer, torch-free tests): the hand rules that follow describe what
-  the sharded state dict would say.
+  the sharded state dict would say (which rows of which global Megatron tensor a rank holds); the
+  rows are then named by the same MEGATRON_TO_HF rules as the module publisher's.
 
 Layout rules of `megatron_layouts`, each with the Megatron-LM source file it follows, as read in Megatron Core 0.20
 (NVIDIA/Megatron-LM main at commit d98e8a6, 2026-08-22), paths under megatron/core unless given.
@@ -57,7 +58,6 @@ from .layout import (
     ParamLayout,
     add_params,
     check_rank,
-    concat_rows,
     new_table,
     pad_to,
     split,
@@ -150,15 +150,11 @@ def megatron_layouts(model: ModelShape, ranks: MegatronRanks) -> List[ParamLayou
     for local, g in enumerate(stage_layers(model.layers, ranks)):
         p, hf = f"decoder.layers.{local}", f"model.layers.{g}"
         out.append(vector(f"{p}.self_attention.linear_qkv.layer_norm_weight", f"{hf}.input_layernorm.weight", h))
-        groups: List[Tuple[str, int, int]] = []
-        for j in range(model.kv_heads):
-            groups.append((f"{hf}.self_attn.q_proj.weight", j * qpg * hd, qpg * hd))
-            groups.append((f"{hf}.self_attn.k_proj.weight", j * hd, hd))
-            groups.append((f"{hf}.self_attn.v_proj.weight", j * hd, hd))
         total = model.kv_heads * (qpg + 2) * hd
+        blocks = _qkv_blocks(hf, "weight", (total, h), AttentionShape(model.heads, model.kv_heads, hd))
         rows = total // tp
         qkv = ParamBuilder(f"{p}.self_attention.linear_qkv.weight", (rows, h))
-        out.append(concat_rows(qkv, groups, r * rows, (r + 1) * rows).build())
+        out.append(_place(qkv, blocks, r * rows, (r + 1) * rows).build())
         if model.qk_norm:
             out.append(vector(f"{p}.self_attention.q_layernorm.weight", f"{hf}.self_attn.q_norm.weight", hd))
             out.append(vector(f"{p}.self_attention.k_layernorm.weight", f"{hf}.self_attn.k_norm.weight", hd))
@@ -173,7 +169,7 @@ def megatron_layouts(model: ModelShape, ranks: MegatronRanks) -> List[ParamLayou
             f = split(model.ffn, tp, "intermediate size")
             out.append(vector(f"{p}.mlp.linear_fc1.layer_norm_weight", f"{hf}.post_attention_layernorm.weight", h))
             fc1 = ParamBuilder(f"{p}.mlp.linear_fc1.weight", (2 * f, h))
-            fc1.rows(f"{hf}.mlp.gate_proj.weight", r * f, f, 0).rows(f"{hf}.mlp.up_proj.weight", r * f, f, f)
+            _local_fc1(fc1, f"{hf}.mlp", model.ffn, r, f, 0)
             out.append(fc1.build())
             fc2 = ParamBuilder(f"{p}.mlp.linear_fc2.weight", (h, f))
             out.append(fc2.rows(f"{hf}.mlp.down_proj.weight", 0, h, 0, (r * f, f)).build())
@@ -196,18 +192,36 @@ def _experts(model: ModelShape, ranks: MegatronRanks, p: str, hf: str) -> List[P
         fc2 = ParamBuilder(f"{p}.mlp.experts.linear_fc2.weight", (local, h, f))
         for j, e in enumerate(experts):
             x = f"{hf}.mlp.experts.{e}"
-            fc1.rows(f"{x}.gate_proj.weight", r * f, f, j * 2 * f).rows(f"{x}.up_proj.weight", r * f, f, j * 2 * f + f)
+            _local_fc1(fc1, x, model.moe_ffn, r, f, j * 2 * f)
             fc2.rows(f"{x}.down_proj.weight", 0, h, j * h, (r * f, f))
         return [fc1.build(), fc2.build()]
     out = []
     for j, e in enumerate(experts):
         x = f"{hf}.mlp.experts.{e}"
         fc1 = ParamBuilder(f"{p}.mlp.experts.linear_fc1.weight{j}", (2 * f, h))
-        out.append(fc1.rows(f"{x}.gate_proj.weight", r * f, f, 0).rows(f"{x}.up_proj.weight", r * f, f, f).build())
+        out.append(_local_fc1(fc1, x, model.moe_ffn, r, f, 0).build())
     for j, e in enumerate(experts):
         fc2 = ParamBuilder(f"{p}.mlp.experts.linear_fc2.weight{j}", (h, f))
         out.append(fc2.rows(f"{hf}.mlp.experts.{e}.down_proj.weight", 0, h, 0, (r * f, f)).build())
     return out
+
+
+def _place(builder: ParamBuilder, blocks: List[RowBlock], start: int, stop: int, at_row: int = 0) -> ParamBuilder:
+    """Rows [start, stop) of a global Megatron tensor (named by `blocks`, the rules the module
+    publisher applies to the sharded metadata), placed from row `at_row` of the parameter."""
+    for block in blocks:
+        lo, hi = max(start, block.first), min(stop, block.first + block.rows)
+        if lo < hi:
+            builder.rows(block.name, block.hf_first + lo - block.first, hi - lo, at_row + lo - start)
+    return builder
+
+
+def _local_fc1(builder: ParamBuilder, hf: str, ffn: int, rank: int, rows: int, at_row: int) -> ParamBuilder:
+    """A TP rank's gated fc1: its rows of the gate half, then its rows of the up half of the global
+    [gate; up] tensor (what apply_swiglu_sharded_factory's two shards say)."""
+    blocks = _fc1_blocks(hf, "weight", (2 * ffn, builder.row_len), True)
+    _place(builder, blocks, rank * rows, (rank + 1) * rows, at_row)
+    return _place(builder, blocks, ffn + rank * rows, ffn + (rank + 1) * rows, at_row + rows)
 
 
 class MegatronPublisher:
