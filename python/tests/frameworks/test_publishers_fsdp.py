@@ -1,4 +1,4 @@
-"""The DTensor publisher over real torch DTensors: in one process, each rank of a fake world in turn
+"""The DTensor publisher over real torch DTensors (and the HF publisher over a plain torch module): in one process, each rank of a fake world in turn
 (torch's "fake" process group: collectives do nothing, which is all that building a rank's shards
 needs), its parameters sharded by torch itself (distribute_tensor with each rank's own data, and
 FSDP2's fully_shard, over 1-D and 2-D meshes, uneven last shards included). Every rank's offers are
@@ -18,12 +18,15 @@ try:
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
     from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    MISSING = None
 except ImportError as error:  # the plain `cargo test` run has no torch
     torch = None
     MISSING = f"torch is not installed ({error})"
 
 import refit
 from refit.integrations.dtensor import DTensorPublisher
+from refit.integrations.hf import HfPublisher
 from refit.tensor import add_tensor_need, add_tensor_offer
 
 
@@ -72,7 +75,7 @@ def refit_whole(tables, full: dict, device: int) -> dict:
     return received
 
 
-@unittest.skipIf(torch is None, "torch is missing" if torch is None else "")
+@unittest.skipIf(MISSING, MISSING or "")
 class RealDTensorTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls) -> None:
@@ -136,6 +139,22 @@ class RealDTensorTest(unittest.TestCase):
             got = refit_whole(tables, full, world)
             for name, tensor in full.items():
                 self.assertTrue(torch.equal(got[name], tensor), (mesh_shape, name))
+
+    def test_a_plain_module_with_tied_weights_is_published_whole_by_the_hf_publisher(self):
+        torch.manual_seed(1)
+        model = torch.nn.Module()
+        model.embed = torch.nn.Embedding(7, 3)
+        model.head = torch.nn.Linear(3, 7, bias=False)
+        model.head.weight = model.embed.weight  # tied, as tie_word_embeddings does
+        model.norm = torch.nn.LayerNorm(3)
+        model.register_buffer("scale", torch.arange(4.0))
+        full = {name: t.detach().clone() for name, t in model.state_dict().items()}
+        self.assertIn("head.weight", full)
+        publisher = HfPublisher(model)
+        self.assertEqual(sorted(o.name for o in publisher.offers), sorted(full))
+        got = refit_whole([publisher.table(0, device=0)], full, 1)
+        for name, tensor in full.items():
+            self.assertTrue(torch.equal(got[name], tensor), name)
 
     def test_partial_and_strided_placements_are_refused(self):
         from torch.distributed.tensor import Partial
