@@ -1,7 +1,18 @@
-"""Publishers: the parameters of a Megatron-LM (Megatron Core, Transformer Engine layer specs) GPT
-model on one rank, turned into offers of the checkpoint tensors.
+"""Publishers: the parameters of a Megatron-LM (Megatron Core, local or Transformer Engine layer
+specs) GPT model on one rank, turned into offers of the checkpoint tensors.
 
-Layout rules, each with the Megatron-LM source file it follows, as read in Megatron Core 0.20
+Two ways, one per situation:
+- `MegatronModulePublisher(model, vocab=...)`, where a Megatron-core model exists: reads the model's
+  own `sharded_state_dict()` (the trainer's description of every local shard: global shape,
+  offsets over pipeline, tensor, expert and expert-tensor parallelism, vocabulary padding) and only
+  names rows with the small rules of MEGATRON_TO_HF below (fused QKV per query group, fc1 gate then
+  up, norm names of both layer specs). Tested against megatron-core itself.
+- `MegatronPublisher(model_shape, ranks)` / `megatron_layouts`, where no model runs (synthetic
+  tables, planning ahead of a trainer, torch-free tests): the hand rules that follow describe what
+  the sharded state dict would say (which rows of which global Megatron tensor a rank holds); the
+  rows are then named by the same MEGATRON_TO_HF rules as the module publisher's.
+
+Layout rules of `megatron_layouts`, each with the Megatron-LM source file it follows, as read in Megatron Core 0.20
 (NVIDIA/Megatron-LM main at commit d98e8a6, 2026-08-22), paths under megatron/core unless given.
 workloads/src/megatron.rs generates the same pieces for synthetic tables.
 
@@ -36,7 +47,8 @@ workloads/src/megatron.rs generates the same pieces for synthetic tables.
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable, List, Mapping, Optional, Tuple
+import re
+from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from ..plan import Table
 from ..tensor import TensorLike
@@ -46,13 +58,13 @@ from .layout import (
     ParamLayout,
     add_params,
     check_rank,
-    concat_rows,
     new_table,
     pad_to,
     split,
     vocab_rows,
 )
 from .._lib import invalid_argument
+from .offers import Offer, add_offers, check_unique
 
 
 @dataclasses.dataclass(frozen=True)
@@ -138,15 +150,11 @@ def megatron_layouts(model: ModelShape, ranks: MegatronRanks) -> List[ParamLayou
     for local, g in enumerate(stage_layers(model.layers, ranks)):
         p, hf = f"decoder.layers.{local}", f"model.layers.{g}"
         out.append(vector(f"{p}.self_attention.linear_qkv.layer_norm_weight", f"{hf}.input_layernorm.weight", h))
-        groups: List[Tuple[str, int, int]] = []
-        for j in range(model.kv_heads):
-            groups.append((f"{hf}.self_attn.q_proj.weight", j * qpg * hd, qpg * hd))
-            groups.append((f"{hf}.self_attn.k_proj.weight", j * hd, hd))
-            groups.append((f"{hf}.self_attn.v_proj.weight", j * hd, hd))
         total = model.kv_heads * (qpg + 2) * hd
+        blocks = _qkv_blocks(hf, "weight", (total, h), AttentionShape(model.heads, model.kv_heads, hd))
         rows = total // tp
         qkv = ParamBuilder(f"{p}.self_attention.linear_qkv.weight", (rows, h))
-        out.append(concat_rows(qkv, groups, r * rows, (r + 1) * rows).build())
+        out.append(_place(qkv, blocks, r * rows, (r + 1) * rows).build())
         if model.qk_norm:
             out.append(vector(f"{p}.self_attention.q_layernorm.weight", f"{hf}.self_attn.q_norm.weight", hd))
             out.append(vector(f"{p}.self_attention.k_layernorm.weight", f"{hf}.self_attn.k_norm.weight", hd))
@@ -161,7 +169,7 @@ def megatron_layouts(model: ModelShape, ranks: MegatronRanks) -> List[ParamLayou
             f = split(model.ffn, tp, "intermediate size")
             out.append(vector(f"{p}.mlp.linear_fc1.layer_norm_weight", f"{hf}.post_attention_layernorm.weight", h))
             fc1 = ParamBuilder(f"{p}.mlp.linear_fc1.weight", (2 * f, h))
-            fc1.rows(f"{hf}.mlp.gate_proj.weight", r * f, f, 0).rows(f"{hf}.mlp.up_proj.weight", r * f, f, f)
+            _local_fc1(fc1, f"{hf}.mlp", model.ffn, r, f, 0)
             out.append(fc1.build())
             fc2 = ParamBuilder(f"{p}.mlp.linear_fc2.weight", (h, f))
             out.append(fc2.rows(f"{hf}.mlp.down_proj.weight", 0, h, 0, (r * f, f)).build())
@@ -184,18 +192,36 @@ def _experts(model: ModelShape, ranks: MegatronRanks, p: str, hf: str) -> List[P
         fc2 = ParamBuilder(f"{p}.mlp.experts.linear_fc2.weight", (local, h, f))
         for j, e in enumerate(experts):
             x = f"{hf}.mlp.experts.{e}"
-            fc1.rows(f"{x}.gate_proj.weight", r * f, f, j * 2 * f).rows(f"{x}.up_proj.weight", r * f, f, j * 2 * f + f)
+            _local_fc1(fc1, x, model.moe_ffn, r, f, j * 2 * f)
             fc2.rows(f"{x}.down_proj.weight", 0, h, j * h, (r * f, f))
         return [fc1.build(), fc2.build()]
     out = []
     for j, e in enumerate(experts):
         x = f"{hf}.mlp.experts.{e}"
         fc1 = ParamBuilder(f"{p}.mlp.experts.linear_fc1.weight{j}", (2 * f, h))
-        out.append(fc1.rows(f"{x}.gate_proj.weight", r * f, f, 0).rows(f"{x}.up_proj.weight", r * f, f, f).build())
+        out.append(_local_fc1(fc1, x, model.moe_ffn, r, f, 0).build())
     for j, e in enumerate(experts):
         fc2 = ParamBuilder(f"{p}.mlp.experts.linear_fc2.weight{j}", (h, f))
         out.append(fc2.rows(f"{hf}.mlp.experts.{e}.down_proj.weight", 0, h, 0, (r * f, f)).build())
     return out
+
+
+def _place(builder: ParamBuilder, blocks: List[RowBlock], start: int, stop: int, at_row: int = 0) -> ParamBuilder:
+    """Rows [start, stop) of a global Megatron tensor (named by `blocks`, the rules the module
+    publisher applies to the sharded metadata), placed from row `at_row` of the parameter."""
+    for block in blocks:
+        lo, hi = max(start, block.first), min(stop, block.first + block.rows)
+        if lo < hi:
+            builder.rows(block.name, block.hf_first + lo - block.first, hi - lo, at_row + lo - start)
+    return builder
+
+
+def _local_fc1(builder: ParamBuilder, hf: str, ffn: int, rank: int, rows: int, at_row: int) -> ParamBuilder:
+    """A TP rank's gated fc1: its rows of the gate half, then its rows of the up half of the global
+    [gate; up] tensor (what apply_swiglu_sharded_factory's two shards say)."""
+    blocks = _fc1_blocks(hf, "weight", (2 * ffn, builder.row_len), True)
+    _place(builder, blocks, rank * rows, (rank + 1) * rows, at_row)
+    return _place(builder, blocks, ffn + rank * rows, ffn + (rank + 1) * rows, at_row + rows)
 
 
 class MegatronPublisher:
@@ -229,3 +255,234 @@ class MegatronPublisher:
     ) -> Table:
         """A new Table holding this rank's offers."""
         return new_table(lambda table: self.add_to(table, named_parameters, process, device, strict, digests))
+
+
+# --- Offers from Megatron-core's own sharded state dict -------------------------------------------
+#
+# `megatron_layouts` above describes a rank without a model (synthetic tables, planning before a
+# trainer starts); where a Megatron-core model exists, its `sharded_state_dict()` is the trainer's
+# own description and is read instead: each ShardedTensor gives the key of a global Megatron tensor
+# (layers and experts stacked on prepended axes, or numbered in the key under
+# singleton_local_shards), its global shape, this rank's offset, and a view of the local
+# parameter (ShardedTensorFactory pieces, as the gated fc1's gate and up halves, are built first).
+# Pipeline stage, TP, EP and expert-TP offsets and vocabulary padding all come from there; the only
+# rules left map a global Megatron tensor's rows to Hugging Face tensors (MEGATRON_TO_HF: megatron_to_hf
+# with _LAYER_NAMES, _TOP_NAMES, _qkv_blocks and _fc1_blocks).
+
+
+@dataclasses.dataclass(frozen=True)
+class RowBlock:
+    """Rows [first, first + rows) of a global Megatron tensor are rows [hf_first, hf_first + rows)
+    of checkpoint tensor `name`, of global shape `shape` (the other dimensions unchanged)."""
+
+    name: str
+    shape: Tuple[int, ...]
+    first: int
+    rows: int
+    hf_first: int = 0
+
+
+@dataclasses.dataclass(frozen=True)
+class AttentionShape:
+    """What the fused QKV rule needs from Megatron's TransformerConfig."""
+
+    heads: int
+    query_groups: int
+    head_dim: int
+    gated: bool = True
+
+    @classmethod
+    def from_config(cls, config: Any) -> AttentionShape:
+        heads = int(config.num_attention_heads)
+        groups = int(getattr(config, "num_query_groups", None) or heads)
+        head_dim = int(getattr(config, "kv_channels", None) or config.hidden_size // heads)
+        return cls(heads, groups, head_dim, bool(getattr(config, "gated_linear_unit", False)))
+
+
+def _qkv_blocks(hf: str, kind: str, shape: Tuple[int, ...], attention: AttentionShape) -> List[RowBlock]:
+    """linear_qkv: per query group, its q heads, its k head, its v head
+    (transformer/attention.py SelfAttention.get_query_key_value_tensors)."""
+    hd, groups = attention.head_dim, attention.query_groups
+    qpg = attention.heads // groups
+    rest = shape[1:]
+    if shape[0] != (attention.heads + 2 * groups) * hd:
+        raise invalid_argument(f"linear_qkv has {shape[0]} rows; {attention} gives {(attention.heads + 2 * groups) * hd}")
+    q, k, v = (f"{hf}.self_attn.{x}_proj.{kind}" for x in "qkv")
+    blocks = []
+    for j in range(groups):
+        base = j * (qpg + 2) * hd
+        blocks.append(RowBlock(q, (attention.heads * hd, *rest), base, qpg * hd, j * qpg * hd))
+        blocks.append(RowBlock(k, (groups * hd, *rest), base + qpg * hd, hd, j * hd))
+        blocks.append(RowBlock(v, (groups * hd, *rest), base + (qpg + 1) * hd, hd, j * hd))
+    return blocks
+
+
+def _fc1_blocks(hf: str, kind: str, shape: Tuple[int, ...], gated: bool) -> List[RowBlock]:
+    """linear_fc1 of a gated MLP: all gate rows, then all up rows (the global tensor that
+    transformer/mlp.py apply_swiglu_sharded_factory shards as two halves)."""
+    if not gated:
+        return [RowBlock(f"{hf}.up_proj.{kind}", shape, 0, shape[0])]
+    half = shape[0] // 2
+    rest = shape[1:]
+    return [
+        RowBlock(f"{hf}.gate_proj.{kind}", (half, *rest), 0, half),
+        RowBlock(f"{hf}.up_proj.{kind}", (half, *rest), half, half),
+    ]
+
+
+# Layer-relative Megatron keys -> Hugging Face names under model.layers.{i}. Both layer specs: the
+# local spec's input_layernorm / pre_mlp_layernorm are keyed in the sharded state dict as the
+# Transformer Engine spec's fused names (gpt_layer_specs.py sharded_state_dict_keys_map), and both
+# spellings are accepted.
+_LAYER_NAMES = {
+    "self_attention.linear_qkv.layer_norm_": "input_layernorm.",
+    "input_layernorm.": "input_layernorm.",
+    "self_attention.linear_proj.": "self_attn.o_proj.",
+    "self_attention.q_layernorm.": "self_attn.q_norm.",
+    "self_attention.k_layernorm.": "self_attn.k_norm.",
+    "mlp.linear_fc1.layer_norm_": "post_attention_layernorm.",
+    "pre_mlp_layernorm.": "post_attention_layernorm.",
+    "mlp.linear_fc2.": "mlp.down_proj.",
+    "mlp.router.": "mlp.gate.",
+}
+_TOP_NAMES = {
+    "decoder.final_layernorm.": "model.norm.",
+    "embedding.word_embeddings.": "model.embed_tokens.",
+    "output_layer.": "lm_head.",
+}
+_LAYER = re.compile(r"^decoder\.layers\.(?:(\d+)\.)?(.*)$")
+_EXPERT = re.compile(r"^mlp\.experts\.experts\.(?:(\d+)\.)?(linear_fc[12])\.(weight|bias)(_w|_v)?$")
+
+
+def megatron_to_hf(
+    key: str, shape: Tuple[int, ...], attention: AttentionShape, vocab: Optional[int] = None
+) -> Optional[List[RowBlock]]:
+    """The row blocks of global Megatron tensor `key` (layer and expert indices resolved into the
+    key: `decoder.layers.3.mlp.experts.5.linear_fc1.weight`) of `shape`; None for a key no rule
+    names. `vocab` (the checkpoint's vocabulary) drops the padding rows of the embedding and the
+    output layer."""
+    for prefix, hf in _TOP_NAMES.items():
+        if key.startswith(prefix):
+            name = hf + key[len(prefix) :]
+            if prefix != "decoder.final_layernorm." and vocab is not None:
+                return [RowBlock(name, (vocab, *shape[1:]), 0, min(vocab, shape[0]))]
+            return [RowBlock(name, shape, 0, shape[0])]
+    layer = _LAYER.match(key)
+    if layer is None or layer.group(1) is None:
+        return None
+    hf, rest = f"model.layers.{layer.group(1)}", layer.group(2)
+    expert = _EXPERT.match(rest)
+    if expert is not None:
+        number, which, kind, half = expert.groups()
+        if number is None:
+            return None
+        x = f"{hf}.mlp.experts.{number}"
+        if which == "linear_fc2":
+            return [RowBlock(f"{x}.down_proj.{kind}", shape, 0, shape[0])]
+        if half:
+            return [RowBlock(f"{x}.{'gate' if half == '_w' else 'up'}_proj.{kind}", shape, 0, shape[0])]
+        return _fc1_blocks(x, kind, shape, attention.gated)
+    for fused in ("self_attention.linear_qkv.", "mlp.linear_fc1."):
+        for kind in ("weight", "bias"):
+            if rest == fused + kind:
+                if fused.startswith("self"):
+                    return _qkv_blocks(hf, kind, shape, attention)
+                return _fc1_blocks(f"{hf}.mlp", kind, shape, attention.gated)
+            for half, part in (("_w", "gate"), ("_v", "up")):
+                if fused.startswith("mlp") and rest == fused + kind + half:
+                    return [RowBlock(f"{hf}.mlp.{part}_proj.{kind}", shape, 0, shape[0])]
+    for prefix, name in _LAYER_NAMES.items():
+        if rest.startswith(prefix):
+            return [RowBlock(f"{hf}.{name}{rest[len(prefix):]}", shape, 0, shape[0])]
+    return None
+
+
+def sharded_tensors(state: Any) -> Iterator[Any]:
+    """The ShardedTensors of a sharded state dict (nested dicts and lists walked, factories built,
+    ShardedObjects such as extra state left out)."""
+    if isinstance(state, Mapping):
+        for value in state.values():
+            yield from sharded_tensors(value)
+    elif isinstance(state, (list, tuple)):
+        for value in state:
+            yield from sharded_tensors(value)
+    elif hasattr(state, "build_fn") and hasattr(state, "build"):
+        yield from sharded_tensors(state.build())
+    elif hasattr(state, "global_offset") and hasattr(state, "local_shape") and hasattr(state, "prepend_axis_num"):
+        yield state
+
+
+def resolved_key(sharded: Any) -> Tuple[str, Tuple[int, ...], Tuple[int, ...]]:
+    """(key with the prepended axes' indices written in, global shape, offset) of a ShardedTensor:
+    the first prepended axis of `decoder.layers.` is the global layer, the next one of
+    `mlp.experts.experts.` the global expert (transformer_block.py, moe/experts.py)."""
+    prepend = int(sharded.prepend_axis_num)
+    indices = [int(i) for i in sharded.global_offset[:prepend]]
+    key = str(sharded.key)
+    if indices and key.startswith("decoder.layers.") and not key[len("decoder.layers.") :][:1].isdigit():
+        key = f"decoder.layers.{indices.pop(0)}.{key[len('decoder.layers.'):]}"
+    marker = "mlp.experts.experts."
+    at = key.find(marker)
+    if indices and at >= 0 and not key[at + len(marker) :][:1].isdigit():
+        key = f"{key[:at + len(marker)]}{indices.pop(0)}.{key[at + len(marker):]}"
+    if indices:
+        raise invalid_argument(f"{sharded.key}: {prepend} prepended axes, {len(indices)} not understood")
+    shape = tuple(int(n) for n in sharded.global_shape[prepend:])
+    offset = tuple(int(n) for n in sharded.global_offset[prepend:])
+    return key, shape, offset
+
+
+def sharded_offers(
+    sharded_state_dict: Any, attention: AttentionShape, vocab: Optional[int] = None, strict: bool = True
+) -> List[Offer]:
+    """Offers of every ShardedTensor of a Megatron-core sharded state dict under Hugging Face names.
+    `strict` refuses tensors no rule names (a learned position embedding, an unknown module)."""
+    offers: List[Offer] = []
+    unnamed: List[str] = []
+    for sharded in sharded_tensors(sharded_state_dict):
+        if getattr(sharded, "flattened_range", None) is not None:
+            raise invalid_argument(f"{sharded.key}: a flattened (distributed optimizer) shard is not a box of a parameter")
+        key, shape, offset = resolved_key(sharded)
+        blocks = megatron_to_hf(key, shape, attention, vocab)
+        if blocks is None:
+            unnamed.append(key)
+            continue
+        local = sharded.data
+        if tuple(int(n) for n in local.shape) != tuple(int(n) for n in sharded.local_shape):
+            raise invalid_argument(f"{key}: data of shape {list(local.shape)} for a local shape {list(sharded.local_shape)}")
+        start, count = offset[0], int(local.shape[0])
+        for block in blocks:
+            lo, hi = max(start, block.first), min(start + count, block.first + block.rows)
+            if lo < hi:
+                view = local.narrow(0, lo - start, hi - lo)
+                offers.append(Offer(block.name, block.shape, (block.hf_first + lo - block.first, *offset[1:]), view))
+    if strict and unnamed:
+        raise invalid_argument(
+            f"{len(unnamed)} Megatron tensors have no Hugging Face name, e.g. {unnamed[:3]} (pass strict=False to leave them out)"
+        )
+    check_unique(offers, "Megatron publisher")
+    return offers
+
+
+class MegatronModulePublisher:
+    """Offers one rank's parameters of a Megatron-core model from its own `sharded_state_dict()`:
+    `MegatronModulePublisher(gpt_model, vocab=hf_config.vocab_size).table(process)`. `vocab` drops
+    the vocabulary padding (None: offer the padded rows as they are). Data-parallel and other
+    replicas all offer; the planner keeps one owner per replica set."""
+
+    def __init__(self, model: Any, vocab: Optional[int] = None, strict: bool = True, metadata: Optional[dict] = None) -> None:
+        while hasattr(model, "module") and not hasattr(model, "sharded_state_dict"):
+            model = model.module  # DDP / Float16Module wrappers
+        attention = AttentionShape.from_config(model.config)
+        state = model.sharded_state_dict(metadata=metadata) if metadata is not None else model.sharded_state_dict()
+        self.offers = sharded_offers(state, attention, vocab, strict)
+
+    def add_to(
+        self, table: Table, process: int, device: Optional[int] = None, digests: Optional[Mapping[str, int]] = None
+    ) -> int:
+        """Adds this rank's offers to `table` (host tensors stand for `device`); returns how many."""
+        return add_offers(table, self.offers, process, device, digests)
+
+    def table(self, process: int, device: Optional[int] = None, digests: Optional[Mapping[str, int]] = None) -> Table:
+        """A new Table holding this rank's offers."""
+        return new_table(lambda table: self.add_to(table, process, device, digests))
