@@ -166,6 +166,8 @@ int main(void) {
       CHECK(stats.arm[REFIT_ROUTE_LOCAL] == (a == 2 ? REFIT_ARM_COPY_ENGINE : REFIT_ARM_KERNEL));
       CHECK(stats.slices == 1 && stats.installed_bytes == sizeof half + sizeof whole_t);
       CHECK(stats.device_timed && stats.descriptors_reused && stats.verified == (a == 0));
+      CHECK(stats.prepare_ns == 0); /* descriptors reused: nothing was prepared */
+      CHECK(stats.verified_bytes == (a == 0 ? sizeof half + sizeof whole_t : 0));
       CHECK(stats.prepare_ns + stats.enqueue_ns + stats.wait_ns <= stats.wall_ns);
     }
     CHECK_STATUS(refit_executor_commit(executor, group, NULL), REFIT_STATUS_INVALID_STATE);
@@ -215,7 +217,8 @@ int main(void) {
       CHECK(ran.slices >= 3 && ran.installed_bytes > 0 && ran.installed_bytes < sizeof half + sizeof whole_t);
     }
     CHECK_OK(refit_executor_commit(staged, group, &committed));
-    CHECK(committed.slices == 0 && committed.verified);
+    CHECK(committed.slices == 0 && committed.verified && committed.verified_bytes > 0);
+    CHECK(committed.prepare_ns == 0);
     CHECK(ran.installed_bytes + committed.installed_bytes == sizeof half + sizeof whole_t);
     CHECK(received(half, whole_t));
     CHECK_STATUS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE);
@@ -246,6 +249,9 @@ int main(void) {
   CHECK_STATUS(refit_executor_rebind(moving, 0, addr(half_b), 0, sizeof half), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(refit_executor_rebind(moving, 0, addr(half_b), UINT64_MAX - 4, sizeof half), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(refit_executor_rebind(NULL, 0, 1, 2, 3), REFIT_STATUS_NULL_ARGUMENT);
+  /* A range that has not moved: refused, and later runs still install. */
+  CHECK_STATUS(refit_executor_rebind(moving, 0, addr(half_b), addr(half_b), sizeof half), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "has not moved") != NULL);
   fill_source(100);
   CHECK_OK(refit_executor_run(moving, group, NULL));
   CHECK(received(half_b, whole_b));
@@ -316,6 +322,40 @@ int main(void) {
   CHECK(strstr(refit_last_error_message(), "process 2's share") != NULL);
   refit_plan_destroy(idle_share);
   refit_table_destroy(remote);
+  /* A process the plan never names: refused, naming it and the plan's processes. */
+  CHECK_STATUS(refit_executor_create(plan, group, 5, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "process 5") != NULL);
+  CHECK(strstr(refit_last_error_message(), "[0]") != NULL);
+
+  /* Any failed run or commit disarms the commit until a run succeeds: the step staged before the
+   * failure is never installed. */
+  {
+    refit_executor *staged = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_STAGED, 0);
+    refit_run_stats bad;
+    bad.size = 3;
+    fill_source(200);
+    poison(half, sizeof half);
+    poison(whole_t, sizeof whole_t);
+    CHECK_OK(refit_executor_run(staged, group, NULL));
+    CHECK_STATUS(refit_executor_run(staged, one, NULL), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE);
+    CHECK(strstr(refit_last_error_message(), "another group") != NULL);
+    CHECK_OK(refit_executor_run(staged, group, NULL));
+    CHECK_STATUS(refit_executor_run(staged, group, &bad), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE);
+    CHECK_OK(refit_executor_run(staged, group, NULL));
+    CHECK_STATUS(refit_executor_commit(staged, NULL, NULL), REFIT_STATUS_NULL_ARGUMENT);
+    CHECK_STATUS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE);
+    CHECK_OK(refit_executor_run(staged, group, NULL));
+    CHECK_STATUS(refit_executor_commit(staged, group, &bad), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE);
+    CHECK(all_poison(half, sizeof half) && all_poison(whole_t, sizeof whole_t));
+    /* A run that succeeds arms it again. */
+    CHECK_OK(refit_executor_run(staged, group, NULL));
+    CHECK_OK(refit_executor_commit(staged, group, NULL));
+    CHECK(received(half, whole_t));
+    refit_executor_destroy(staged);
+  }
 
   executor = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_DIRECT, 0);
   refit_run_stats stats;

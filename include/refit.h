@@ -538,7 +538,9 @@ typedef struct {
    */
   bool device_timed;
   /**
-   * This call checked the copied bytes against their sources, and all matched.
+   * This call checked every byte the step copied whose check was still unread (a run: all it
+   * copied, unless a staged run inside a scope leaves its last slice to the commit; a commit:
+   * that last slice), and all matched. Never true when verified_bytes is 0.
    */
   bool verified;
   /**
@@ -563,7 +565,7 @@ typedef struct {
    */
   uint64_t installed_bytes;
   /**
-   * Bytes this call compared with their sources.
+   * Bytes whose check this call read and found matching their sources.
    */
   uint64_t verified_bytes;
   /**
@@ -571,11 +573,12 @@ typedef struct {
    */
   uint64_t wall_ns;
   /**
-   * Host time rebuilding descriptors (0 when reused).
+   * Host time rebuilding descriptors (0 when reused: descriptors are built at create, and rebuilt
+   * only by the first run after a rebind that touched a verify's).
    */
   uint64_t prepare_ns;
   /**
-   * Host time ordering the streams and queueing every stage.
+   * Host time ordering the streams and queueing every stage, and the call's own checks.
    */
   uint64_t enqueue_ns;
   /**
@@ -1145,7 +1148,8 @@ refit_status refit_executor_options_init(refit_executor_options *options);
  * Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
  * commit, a verify byte other than 0 or 1, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit
  * with REFIT_COMMIT_DIRECT or below 4096, a segment with a zero address, a plan that is another
- * process's share), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
+ * process's share, a process the plan does not name: no route or receiver of the plan is in it,
+ * and the plan is not its share; the message lists the plan's processes), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
  * process and another: this executor moves bytes within one process; the kernel arm where a rank
  * has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE /
  * KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO falls back to the copy engine), CUDA_ERROR.
@@ -1213,8 +1217,11 @@ refit_status refit_executor_create_across(const refit_plan *plan,
  * progress: nothing is queued), VERIFY_MISMATCH (the message names the tensor, box and element that
  * differ; with REFIT_COMMIT_STAGED nothing of that slice was installed), PLAN_STALE (rebinds left
  * two buffers overlapping; every later run is refused too: build a new plan), CUDA_ERROR. After an
- * error nothing can be committed until a run succeeds; in a direct step live buffers may hold part
- * of the new bytes.
+ * error nothing can be committed until a run succeeds: any failed refit_executor_run or
+ * refit_executor_commit on the executor, an argument refused included (a NULL or stale group,
+ * another group, stats->size), leaves INVALID_STATE to every commit until then; only a call refused
+ * because another thread's call holds the executor changes nothing. In a direct step live buffers
+ * may hold part of the new bytes.
  *
  * Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
  * of its device until the step has run.
@@ -1237,7 +1244,8 @@ refit_status refit_executor_run(refit_executor *executor,
  * executor; nothing staged since the last commit; the last run or commit failed: the message says
  * why; run again; called from a rank callback of any group, or while another thread's call on
  * the executor or the group is in progress), VERIFY_MISMATCH (nothing installed),
- * CUDA_ERROR. After an error, run again before committing. Thread-safety: see refit_executor.
+ * CUDA_ERROR. After an error (any failed run or commit, as refit_executor_run says), run again
+ * before committing. Thread-safety: see refit_executor.
  */
 refit_status refit_executor_commit(refit_executor *executor,
                                    refit_group *group,
@@ -1268,7 +1276,8 @@ refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *sta
  * a third address).
  *
  * Errors (nothing changed): NULL_ARGUMENT, INVALID_DEVICE (not a device of the group),
- * INVALID_ARGUMENT (length 0, new_base 0, a range past 2^64, an ambiguous range, a new range
+ * INVALID_ARGUMENT (length 0, new_base 0, new_base equal to old_base: nothing moved, a range past
+ * 2^64, an ambiguous range, a new range
  * overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
  * range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
  * a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),

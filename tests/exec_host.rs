@@ -394,13 +394,21 @@ fn bad_rebinds_and_calls_get_their_status() {
         assert_eq!(err.status, Status::InvalidArgument);
         assert!(err.message.contains(what), "{}", err.message);
     }
-    // A process with no routes has nothing to do, and does it.
+    // A process the plan never names would move nothing and report success: refused.
     for commit in [CommitMode::Direct, CommitMode::Staged] {
         let options = ExecOptions { commit, verify: true, ..ExecOptions::default() };
-        let mut idle = Executor::new(&group, &refit.plan, 7, options).unwrap();
-        let stats = step(&mut idle, &group).unwrap();
-        assert_eq!((stats.bytes, stats.installed_bytes), ([0, 0, 0], 0));
+        let err = Executor::new(&group, &refit.plan, 7, options).err().unwrap();
+        assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+        assert!(err.message.contains("process 7") && err.message.contains("[0]"), "{}", err.message);
     }
+    // Its own share names it, even when it moves nothing.
+    let bases: Vec<u64> = refit.memory.iter_mut().map(|m| m.as_mut_ptr() as u64).collect();
+    let tables = refit.w.tables(&bases).unwrap();
+    let refs: Vec<&plan::Table> = tables.iter().collect();
+    let idle_share = plan::build_share(&refs, 7, &PlanOptions::default(), &plan::Limits::default()).unwrap();
+    let mut idle = Executor::new(&group, &idle_share, 7, ExecOptions::default()).unwrap();
+    let stats = step(&mut idle, &group).unwrap();
+    assert_eq!((stats.bytes, stats.installed_bytes), ([0, 0, 0], 0));
     // The plan names device 1; a group without it cannot run it.
     let lonely = Group::new(&[0], GroupOptions { backend: BackendChoice::Host, host_devices: 2 }).unwrap();
     assert_eq!(
@@ -430,4 +438,107 @@ fn a_share_drives_its_own_process_only() {
     assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
     assert!(err.message.contains("process 3's share"), "{}", err.message);
     assert_eq!(refit.plan.share_of(), None);
+}
+
+#[test]
+fn a_failed_call_disarms_the_commit_until_a_run_succeeds() {
+    let mut refit = Refit::new(Packing::Separate);
+    let (group, other) = (host_group(), host_group());
+    let options = ExecOptions { commit: CommitMode::Staged, ..ExecOptions::default() };
+    let mut executor = executor(&group, &refit, options);
+    // SAFETY (every call below): as in `step`; a refused call queues nothing.
+    unsafe {
+        // A refused run (another group) after a good one: the step staged before is not committed.
+        executor.run(&group).unwrap();
+        assert_eq!(executor.run(&other).unwrap_err().status, Status::InvalidArgument);
+        let err = executor.commit(&group).unwrap_err();
+        assert_eq!(err.status, Status::InvalidState, "{}", err.message);
+        assert!(err.message.contains("another group"), "{}", err.message);
+        assert!(refit.receivers_untouched(), "a commit after a failed run installed the earlier step");
+        // A refused commit: nothing can be committed until a run succeeds.
+        executor.run(&group).unwrap();
+        assert_eq!(executor.commit(&other).unwrap_err().status, Status::InvalidArgument);
+        assert_eq!(executor.commit(&group).unwrap_err().status, Status::InvalidState);
+        assert!(refit.receivers_untouched());
+        // A refusal recorded by the C API (an argument it checks before the executor sees the call).
+        executor.run(&group).unwrap();
+        executor.refused(&refit::Error::invalid_argument("stats->size = 3"));
+        let err = executor.commit(&group).unwrap_err();
+        assert!(err.message.contains("stats->size"), "{}", err.message);
+        // A run that succeeds arms it again.
+        executor.run(&group).unwrap();
+        executor.commit(&group).unwrap();
+    }
+    refit.assert_installed("after the run that re-armed the commit");
+}
+
+#[test]
+fn prepare_time_is_zero_exactly_when_descriptors_are_reused() {
+    let mut refit = Refit::with(Packing::Separate, false);
+    let group = host_group();
+    // The copy engine's verify compares both sides: a rebind of a source rebuilds it.
+    let options = ExecOptions { arm: Arm::CopyEngine, verify: true, ..ExecOptions::default() };
+    let mut executor = executor(&group, &refit, options);
+    for _ in 0..3 {
+        let stats = step(&mut executor, &group).unwrap();
+        assert!(stats.descriptors_reused);
+        assert_eq!(stats.prepare_ns, 0, "{stats:?}");
+        assert!(stats.attributed_ns() <= stats.wall_ns && stats.enqueue_ns > 0);
+    }
+    let publisher = refit.w.buffers.iter().position(|b| b.role == Role::Publisher).unwrap();
+    let mut moved = refit.memory[publisher].clone();
+    std::mem::swap(&mut refit.memory[publisher], &mut moved);
+    let device = refit.w.buffers[publisher].endpoint.device as i32;
+    let len = moved.len() as u64;
+    executor.rebind(device, moved.as_ptr() as u64, refit.memory[publisher].as_ptr() as u64, len).unwrap();
+    let rebuilt = step(&mut executor, &group).unwrap();
+    assert!(!rebuilt.descriptors_reused);
+    assert!(rebuilt.prepare_ns > 0, "{rebuilt:?}");
+    refit.assert_installed("after the rebind");
+    let again = step(&mut executor, &group).unwrap();
+    assert_eq!((again.descriptors_reused, again.prepare_ns), (true, 0));
+}
+
+#[test]
+fn verified_is_reported_with_the_bytes_the_call_checked() {
+    let mut refit = Refit::new(Packing::Separate);
+    let group = host_group();
+    let options = ExecOptions { commit: CommitMode::Staged, verify: true, ..ExecOptions::default() };
+    let mut executor = executor(&group, &refit, options);
+    let payload = refit.needed_bytes();
+    // SAFETY (every call below): as in `step`.
+    unsafe {
+        // Outside a scope the run reads every check; the commit reports the checked bytes it installs.
+        let ran = executor.run(&group).unwrap();
+        assert_eq!((ran.verified, ran.verified_bytes), (true, payload));
+        let committed = executor.commit(&group).unwrap();
+        assert_eq!((committed.verified, committed.verified_bytes), (true, payload), "{committed:?}");
+        // Inside a scope the run leaves the (one) slice's check to the commit.
+        refit.poison_receivers();
+        group.enter(None).unwrap();
+        let ran = executor.run(&group).unwrap();
+        group.exit(ExitMode::Sync).unwrap();
+        assert_eq!((ran.verified, ran.verified_bytes), (false, 0), "{ran:?}");
+        let committed = executor.commit(&group).unwrap();
+        assert_eq!((committed.verified, committed.verified_bytes), (true, payload), "{committed:?}");
+    }
+    refit.assert_installed("verified staged step");
+}
+
+#[test]
+fn a_rebind_onto_the_same_place_is_refused_and_changes_nothing() {
+    let mut refit = Refit::with(Packing::Separate, false);
+    let group = host_group();
+    let mut executor = executor(&group, &refit, ExecOptions::default());
+    let b = refit.receivers().next().unwrap();
+    let device = refit.w.buffers[b].endpoint.device as i32;
+    let (base, len) = (refit.memory[b].as_mut_ptr() as u64, refit.memory[b].len() as u64);
+    let err = executor.rebind(device, base, base, len).unwrap_err();
+    assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+    assert!(err.message.contains("has not moved"), "{}", err.message);
+    for round in 0..2 {
+        refit.poison_receivers();
+        step(&mut executor, &group).unwrap();
+        refit.assert_installed(&format!("round {round} after the refused rebind"));
+    }
 }

@@ -280,13 +280,15 @@ impl SliceLists {
 impl Executor {
     /// Prepares `process`'s share of `plan` (routes whose endpoints are in that process; endpoint
     /// devices are the group's device ordinals) for `group`: batches for every stage built and
-    /// uploaded, staging allocated. Errors: InvalidArgument (options), NotFound (a plan device not
+    /// uploaded, staging allocated. Errors: InvalidArgument (options; a process the plan does not
+    /// name), NotFound (a plan device not
     /// in the group), Unsupported (a route to or from another process; the kernel arm without
     /// peer access), InvalidArgument (a segment the batched copy refuses), and the driver's and
     /// compiler's errors.
     pub fn new(group: &Group, plan: &Plan, process: u32, options: ExecOptions) -> Result<Executor> {
         options.check()?;
         let flows = flows::flows(group, plan, process, false)?;
+        flows::check_named(plan, process)?;
         Executor::build_any_arm(group, plan, process, &options, &flows, None)
     }
 
@@ -640,18 +642,45 @@ impl Executor {
     /// Every address of the plan (as rebound) must be live memory of the device it names until the
     /// work is done (on return outside a scope; after the scope's exit inside one).
     pub unsafe fn run(&mut self, group: &Group) -> Result<RunStats> {
+        // SAFETY: the caller's promise.
+        let ran = unsafe { self.run_step(group) };
+        self.disarm_on_error(ran)
+    }
+
+    /// Any failed run or commit, a refused argument included, leaves nothing to commit until a run
+    /// succeeds (the staged step may be another than the caller thinks).
+    fn disarm_on_error(&mut self, outcome: Result<RunStats>) -> Result<RunStats> {
+        outcome.inspect_err(|err| {
+            if !matches!(self.state, State::Failed(_)) {
+                self.state = State::Failed(err.message.clone());
+            }
+        })
+    }
+
+    /// Records that a run or commit on this executor was refused before it reached the executor
+    /// (an argument the C API checks first): as any failed call, it disarms the commit.
+    pub fn refused(&mut self, err: &Error) {
+        let _ = self.disarm_on_error(Err(err.clone()));
+    }
+
+    /// [`Executor::run`] without the disarming on error.
+    unsafe fn run_step(&mut self, group: &Group) -> Result<RunStats> {
         let started = Instant::now();
         let _driving = self.check_call(group)?;
         let mut stats = RunStats { descriptors_reused: true, ..RunStats::default() };
         if self.book.has_moved() {
             self.book.settle().inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
         }
+        // Only descriptor rebuilds count as preparing: the call's other host work before queueing
+        // (its checks, the settling of rebinds) is enqueue time, so prepare_ns is 0 when reused.
+        let mut prepare_ns = 0;
         for verify in &mut self.verifies {
+            let rebuilding = Instant::now();
             if verify.refresh(group)? {
                 stats.descriptors_reused = false;
+                prepare_ns += rebuilding.elapsed().as_nanos() as u64;
             }
         }
-        let prepared = Instant::now();
         let implicit = !group.in_scope();
         let staged = self.options.commit == CommitMode::Staged;
         let mut log = CallLog::default();
@@ -694,15 +723,16 @@ impl Executor {
         stats.arm = self.methods.map(Method::code);
         stats.bytes = self.totals.bytes;
         stats.segments = self.totals.segments;
-        stats.verified = self.options.verify && checked;
-        stats.verified_bytes =
-            if self.options.verify { self.verifies.iter().map(|v| v.bytes()).sum() } else { 0 };
+        // What this call read the checks of: every slice, but the last when it left it to the commit.
+        let read = if checked { self.slices.len() } else { last };
+        stats.verified_bytes = if self.options.verify { self.verified_bytes(0..read) } else { 0 };
         stats.installed_bytes =
             if staged { self.installed_bytes(0..last) } else { self.totals.bytes.iter().sum() };
         if let Some(remote) = &self.remote {
             remote_stats(&mut stats, &remote.totals, staged);
         }
-        self.finish("run", stats, started, prepared, log, implicit)
+        stats.verified = self.options.verify && checked && stats.verified_bytes > 0;
+        self.finish("run", stats, started, prepare_ns, log, implicit)
     }
 
     /// Queues every slice of a run (inside the scope).
@@ -874,6 +904,17 @@ impl Executor {
         result
     }
 
+    /// The bytes the verifies of `slices` check.
+    fn verified_bytes(&self, slices: std::ops::Range<usize>) -> u64 {
+        self.slices[slices]
+            .iter()
+            .flat_map(|s| &s.copies)
+            .flat_map(|c| [c.local, c.peer])
+            .filter_map(|stage| stage.and_then(|s| s.verify))
+            .map(|v| self.verifies[v].bytes())
+            .sum()
+    }
+
     fn installed_bytes(&self, slices: std::ops::Range<usize>) -> u64 {
         self.slices[slices]
             .iter()
@@ -895,6 +936,13 @@ impl Executor {
     /// # Safety
     /// As for [`Executor::run`].
     pub unsafe fn commit(&mut self, group: &Group) -> Result<RunStats> {
+        // SAFETY: the caller's promise.
+        let committed = unsafe { self.commit_step(group) };
+        self.disarm_on_error(committed)
+    }
+
+    /// [`Executor::commit`] without the disarming on error.
+    unsafe fn commit_step(&mut self, group: &Group) -> Result<RunStats> {
         let started = Instant::now();
         let _driving = self.check_call(group)?;
         if self.options.commit == CommitMode::Direct {
@@ -912,7 +960,6 @@ impl Executor {
                 )))
             }
         };
-        let prepared = Instant::now();
         let implicit = !group.in_scope();
         let last = self.slices.len().saturating_sub(1);
         let mut log = CallLog::default();
@@ -942,31 +989,36 @@ impl Executor {
             log.wait_ns += (exited - enqueued).as_nanos() as u64;
         }
         self.state = State::Idle;
+        // A commit reports on the bytes it installs: the last slice's, checked by the run or above.
+        let verified_bytes = if self.options.verify { self.verified_bytes(last..self.slices.len()) } else { 0 };
         let stats = RunStats {
             descriptors_reused: true,
-            verified: self.options.verify,
+            verified: verified_bytes > 0,
+            verified_bytes,
             installed_bytes: if self.slices.is_empty() { 0 } else { self.installed_bytes(last..last + 1) },
             ..RunStats::default()
         };
-        self.finish("commit", stats, started, prepared, log, implicit)
+        // A commit rebuilds no descriptor.
+        self.finish("commit", stats, started, 0, log, implicit)
     }
 
     /// Fills the host times (and device times when the call waited for the device), logs the call,
-    /// keeps it for [`Executor::stats`].
+    /// keeps it for [`Executor::stats`]. `prepare_ns`: the call's host time rebuilding descriptors;
+    /// the rest of its host time that did not wait is enqueue time.
     fn finish(
         &mut self,
         call: &str,
         mut stats: RunStats,
         started: Instant,
-        prepared: Instant,
+        prepare_ns: u64,
         log: CallLog,
         waited: bool,
     ) -> Result<RunStats> {
         let ended = Instant::now();
         stats.wall_ns = (ended - started).as_nanos() as u64;
-        stats.prepare_ns = (prepared - started).as_nanos() as u64;
+        stats.prepare_ns = prepare_ns;
         stats.wait_ns = log.wait_ns;
-        stats.enqueue_ns = ((ended - prepared).as_nanos() as u64).saturating_sub(log.wait_ns);
+        stats.enqueue_ns = stats.wall_ns.saturating_sub(prepare_ns).saturating_sub(log.wait_ns);
         if waited {
             self.device_times(&mut stats, &log.recorded)?;
         }

@@ -108,6 +108,14 @@ impl AddressBook {
         if len == 0 || new == 0 {
             crate::bail!(Status::InvalidArgument, "length and new base must not be 0");
         }
+        if new == old {
+            // A move by 0 would register the range as moved onto itself, where it overlaps itself:
+            // every later run would be refused as stale.
+            crate::bail!(
+                Status::InvalidArgument,
+                "new_base {new:#x} equals old_base: the range has not moved (nothing to rebind)"
+            );
+        }
         let Some(spans) = self.devices.get_mut(&device) else {
             crate::bail!(Status::NotFound, "this executor reads and writes nothing on device {device}");
         };

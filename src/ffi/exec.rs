@@ -173,7 +173,8 @@ pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_optio
 /// Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
 /// commit, a verify byte other than 0 or 1, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit
 /// with REFIT_COMMIT_DIRECT or below 4096, a segment with a zero address, a plan that is another
-/// process's share), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
+/// process's share, a process the plan does not name: no route or receiver of the plan is in it,
+/// and the plan is not its share; the message lists the plan's processes), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
 /// process and another: this executor moves bytes within one process; the kernel arm where a rank
 /// has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE /
 /// KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO falls back to the copy engine), CUDA_ERROR.
@@ -272,8 +273,11 @@ unsafe fn stats_slot<'a>(stats: *mut RunStats) -> Result<Option<&'a mut std::mem
 /// progress: nothing is queued), VERIFY_MISMATCH (the message names the tensor, box and element that
 /// differ; with REFIT_COMMIT_STAGED nothing of that slice was installed), PLAN_STALE (rebinds left
 /// two buffers overlapping; every later run is refused too: build a new plan), CUDA_ERROR. After an
-/// error nothing can be committed until a run succeeds; in a direct step live buffers may hold part
-/// of the new bytes.
+/// error nothing can be committed until a run succeeds: any failed refit_executor_run or
+/// refit_executor_commit on the executor, an argument refused included (a NULL or stale group,
+/// another group, stats->size), leaves INVALID_STATE to every commit until then; only a call refused
+/// because another thread's call holds the executor changes nothing. In a direct step live buffers
+/// may hold part of the new bytes.
 ///
 /// Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
 /// of its device until the step has run.
@@ -285,11 +289,12 @@ pub extern "C" fn refit_executor_run(
 ) -> Status {
     boundary("refit_executor_run", || {
         let executor = live(executor, "executor")?;
-        let group = live(group, "group")?;
+        let mut taken = executor.take()?;
+        let group = live(group, "group").inspect_err(|err| taken.refused(err))?;
         // SAFETY: stats NULL or writable (the caller's promise).
-        let slot = unsafe { stats_slot(stats) }?;
+        let slot = unsafe { stats_slot(stats) }.inspect_err(|err| taken.refused(err))?;
         // SAFETY: the caller's documented promise on the plan's memory.
-        let ran = unsafe { executor.take()?.run(&group.group) }?;
+        let ran = unsafe { taken.run(&group.group) }?;
         if let Some(slot) = slot {
             slot.write(ran);
         }
@@ -310,7 +315,8 @@ pub extern "C" fn refit_executor_run(
 /// executor; nothing staged since the last commit; the last run or commit failed: the message says
 /// why; run again; called from a rank callback of any group, or while another thread's call on
 /// the executor or the group is in progress), VERIFY_MISMATCH (nothing installed),
-/// CUDA_ERROR. After an error, run again before committing. Thread-safety: see refit_executor.
+/// CUDA_ERROR. After an error (any failed run or commit, as refit_executor_run says), run again
+/// before committing. Thread-safety: see refit_executor.
 #[no_mangle]
 pub extern "C" fn refit_executor_commit(
     executor: *mut refit_executor,
@@ -319,11 +325,12 @@ pub extern "C" fn refit_executor_commit(
 ) -> Status {
     boundary("refit_executor_commit", || {
         let executor = live(executor, "executor")?;
-        let group = live(group, "group")?;
+        let mut taken = executor.take()?;
+        let group = live(group, "group").inspect_err(|err| taken.refused(err))?;
         // SAFETY: stats NULL or writable (the caller's promise).
-        let slot = unsafe { stats_slot(stats) }?;
+        let slot = unsafe { stats_slot(stats) }.inspect_err(|err| taken.refused(err))?;
         // SAFETY: as in refit_executor_run.
-        let committed = unsafe { executor.take()?.commit(&group.group) }?;
+        let committed = unsafe { taken.commit(&group.group) }?;
         if let Some(slot) = slot {
             slot.write(committed);
         }
@@ -362,7 +369,8 @@ pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mu
 /// a third address).
 ///
 /// Errors (nothing changed): NULL_ARGUMENT, INVALID_DEVICE (not a device of the group),
-/// INVALID_ARGUMENT (length 0, new_base 0, a range past 2^64, an ambiguous range, a new range
+/// INVALID_ARGUMENT (length 0, new_base 0, new_base equal to old_base: nothing moved, a range past
+/// 2^64, an ambiguous range, a new range
 /// overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
 /// range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
 /// a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),
