@@ -322,6 +322,65 @@ int main(void) {
   CHECK(strstr(refit_last_error_message(), "process 2's share") != NULL);
   refit_plan_destroy(idle_share);
   refit_table_destroy(remote);
+  /* An offer at address 0 plans (the planner checks no address), and the executor refuses it at
+   * create, naming the tensor, the box and the address: no run ever reads the first page. */
+  {
+    refit_table *bad = NULL;
+    CHECK_OK(refit_table_create(&bad));
+    uint32_t t = 0;
+    CHECK_OK(refit_table_add_tensor(bad, "w", 1, ELEM, shape, 2, &t));
+    CHECK_OK(refit_table_add_offer(bad, t, 0, 0, 0, zero, shape, NULL, 2, NULL));
+    const uint64_t half_offset[2] = {0, HALF}, half_extent[2] = {ROWS, HALF}, half_strides[2] = {HALF, 1};
+    CHECK_OK(refit_table_add_need(bad, t, 0, 0, addr(half), half_offset, half_extent, NULL, half_strides, 2));
+    refit_plan *at_zero = NULL;
+    const refit_table *bad_tables[1] = {bad};
+    CHECK_OK(refit_plan_build(bad_tables, 1, NULL, &at_zero));
+    poison(half, sizeof half);
+    CHECK_STATUS(refit_executor_create(at_zero, group, 0, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(refit_last_error_message(), "tensor 'w' box offset [0, 32] extent [48, 32]") != NULL);
+    CHECK(strstr(refit_last_error_message(), "its source") != NULL);
+    CHECK(strstr(refit_last_error_message(), "first page") != NULL);
+    CHECK(all_poison(half, sizeof half));
+    refit_plan_destroy(at_zero);
+    refit_table_destroy(bad);
+  }
+
+  /* Staging: a payload within staging_limit is staged in one slice; refit_executor_get_info says how
+   * many slices a run takes before any run; single_slice refuses a step that needs more. */
+  {
+    refit_executor_info info;
+    info.size = sizeof info;
+    refit_executor *unlimited = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_STAGED, 0);
+    CHECK_OK(refit_executor_get_info(unlimited, &info));
+    CHECK(info.slices == 1 && info.staging_bytes >= sizeof half + sizeof whole_t);
+    refit_executor_destroy(unlimited);
+    refit_executor *sliced = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_STAGED, 4096);
+    CHECK_OK(refit_executor_get_info(sliced, &info));
+    CHECK(info.slices >= 3);
+    info.size = 4;
+    CHECK_STATUS(refit_executor_get_info(sliced, &info), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(refit_executor_get_info(sliced, NULL), REFIT_STATUS_NULL_ARGUMENT);
+    CHECK_STATUS(refit_executor_get_info(NULL, &info), REFIT_STATUS_NULL_ARGUMENT);
+    refit_executor_destroy(sliced);
+    refit_executor_options one;
+    CHECK_OK(refit_executor_options_init(&one));
+    CHECK(!one.single_slice);
+    one.commit = REFIT_COMMIT_STAGED;
+    one.staging_limit = 4096;
+    one.single_slice = true;
+    CHECK_STATUS(refit_executor_create(plan, group, 0, &one, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(refit_last_error_message(), "single_slice") != NULL);
+    one.staging_limit = 0;
+    refit_executor *whole = NULL;
+    CHECK_OK(refit_executor_create(plan, group, 0, &one, &whole));
+    refit_executor_destroy(whole);
+    one.commit = REFIT_COMMIT_DIRECT;
+    CHECK_STATUS(refit_executor_create(plan, group, 0, &one, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+    memset(&one.single_slice, 2, 1);
+    CHECK_STATUS(refit_executor_create(plan, group, 0, &one, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(refit_last_error_message(), "options.single_slice") != NULL);
+  }
+
   /* A process the plan never names: refused, naming it and the plan's processes. */
   CHECK_STATUS(refit_executor_create(plan, group, 5, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(refit_last_error_message(), "process 5") != NULL);

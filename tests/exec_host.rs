@@ -9,7 +9,7 @@ mod hooks;
 use hooks::failing_at;
 use refit::exec::{Arm, CommitMode, ExecOptions, Executor, Method, RunStats, Stage};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
-use refit::plan::{self, Endpoint, Plan, PlanOptions};
+use refit::plan::{self, Endpoint, Need, Offer, Plan, PlanOptions, Region, Table, TensorSpec};
 use refit::Status;
 use refit_workloads::{element_value, Model, Moe, Packing, Role, Spec, Workload};
 use std::sync::Arc;
@@ -541,4 +541,98 @@ fn a_rebind_onto_the_same_place_is_refused_and_changes_nothing() {
         step(&mut executor, &group).unwrap();
         refit.assert_installed(&format!("round {round} after the refused rebind"));
     }
+}
+
+/// A plan moving `rows` runs of `len` bytes of tensor "w" ([rows, len] bytes, offered whole at
+/// `src` on device 0) into `dst` on device `to`, each run `pitch` bytes from the next.
+fn rows_plan(src: u64, dst: u64, to: u32, (rows, len, pitch): (u64, u64, u64)) -> Plan {
+    let here = |device| Endpoint { process: 0, device };
+    let whole = Region { offset: vec![0, 0], extent: vec![rows, len] };
+    let table = Table {
+        tensors: vec![TensorSpec { name: "w".into(), dtype: 1, elem_size: 1, shape: vec![rows, len] }],
+        offers: vec![Offer {
+            tensor: 0,
+            owner: here(0),
+            addr: src,
+            region: whole.clone(),
+            strides: None,
+            digest: None,
+        }],
+        needs: vec![Need {
+            tensor: 0,
+            receiver: here(to),
+            addr: dst,
+            region: whole,
+            perm: None,
+            strides: vec![pitch, 1],
+        }],
+    };
+    plan::build(&[table], &PlanOptions::default()).unwrap()
+}
+
+#[test]
+fn addresses_in_the_first_page_are_refused_at_create_and_planning_keeps_them() {
+    let group = host_group();
+    let mut memory = vec![7u8; 1 << 16];
+    let real = memory.as_mut_ptr() as u64;
+    // The planner checks no address: fake ones plan (an offer at 0 plans to a segment near 0).
+    for (src, dst, side) in [(0x10, real, "source"), (real, 0x100, "destination"), (0, real, "source")] {
+        let plan = rows_plan(src, dst, 1, (4, 64, 64));
+        for commit in [CommitMode::Direct, CommitMode::Staged] {
+            let err = Executor::new(&group, &plan, 0, ExecOptions { commit, ..ExecOptions::default() })
+                .err()
+                .unwrap_or_else(|| panic!("{side} at {src:#x}/{dst:#x} was accepted"));
+            assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+            for word in ["tensor 'w'", "box offset [0, 0] extent [4, 64]", side, "first page"] {
+                assert!(err.message.contains(word), "{word:?} missing: {}", err.message);
+            }
+        }
+    }
+    // Real memory on both sides: created, and it moves the bytes.
+    let (src, dst) = (real, real + (1 << 15));
+    let plan = rows_plan(src, dst, 1, (4, 64, 64));
+    let mut executor = Executor::new(&group, &plan, 0, ExecOptions::default()).unwrap();
+    step(&mut executor, &group).unwrap();
+    assert_eq!(memory[1 << 15..(1 << 15) + 256], [7u8; 256]);
+}
+
+#[test]
+fn a_payload_within_the_staging_limit_is_staged_in_one_slice() {
+    let group = host_group();
+    // 1200 runs of 3 bytes (3,600 bytes of payload) into rows 16 bytes apart, at an odd address:
+    // aligned like their destinations they would need more than 4,096 bytes of staging.
+    let (rows, len, pitch) = (1200u64, 3u64, 16u64);
+    let source: Vec<u8> = (0..rows * len).map(|i| (i * 7 + 1) as u8).collect();
+    let mut received = vec![0u8; (rows * pitch + 1) as usize];
+    let dst = received.as_mut_ptr() as u64 + 1;
+    let plan = rows_plan(source.as_ptr() as u64, dst, 1, (rows, len, pitch));
+    let staged = |limit, single_slice| ExecOptions {
+        commit: CommitMode::Staged,
+        staging_limit: limit,
+        single_slice,
+        ..ExecOptions::default()
+    };
+    let mut executor = Executor::new(&group, &plan, 0, staged(4096, true)).unwrap();
+    assert_eq!(executor.slices(), 1, "the padding alone cut the step into slices");
+    assert!(executor.staging_bytes() >= rows * len && executor.staging_bytes() < 4096 + 32);
+    // SAFETY: the plan's memory is this test's, alive throughout.
+    let ran = unsafe { executor.run(&group) }.unwrap();
+    assert_eq!((ran.slices, ran.installed_bytes), (1, 0));
+    assert!(received.iter().all(|&b| b == 0), "a staged run wrote live bytes");
+    unsafe { executor.commit(&group) }.unwrap();
+    for r in 0..rows as usize {
+        let at = 1 + r * pitch as usize;
+        assert_eq!(received[at..at + 3], source[3 * r..3 * r + 3], "row {r}");
+    }
+    // A payload above the limit: slices, seen at create, and refused when one slice is required.
+    let (rows, len) = (64u64, 128u64);
+    let big: Vec<u8> = vec![1; (rows * len) as usize];
+    let mut into = vec![0u8; (rows * len) as usize];
+    let plan = rows_plan(big.as_ptr() as u64, into.as_mut_ptr() as u64, 1, (rows, len, len));
+    assert!(Executor::new(&group, &plan, 0, staged(4096, false)).unwrap().slices() > 1);
+    let err = Executor::new(&group, &plan, 0, staged(4096, true)).err().unwrap();
+    assert_eq!(err.status, Status::InvalidArgument);
+    assert!(err.message.contains("single_slice") && err.message.contains("8192"), "{}", err.message);
+    let direct = ExecOptions { single_slice: true, ..ExecOptions::default() };
+    assert_eq!(Executor::new(&group, &plan, 0, direct).err().unwrap().status, Status::InvalidArgument);
 }

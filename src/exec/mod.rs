@@ -24,6 +24,7 @@
 //! installing. An executor keeps no reference to the group: each call is passed it and checks it is
 //! the one the executor was made for.
 
+mod addresses;
 mod batch;
 mod flows;
 mod options;
@@ -49,7 +50,7 @@ use batch::Batch;
 use flows::RankFlow;
 use rebind::{AddressBook, Registrar, Target};
 use remote::Remote;
-use staging::{staged_pair, Packer};
+use staging::{staged_pair, Layout, Packer, Placement};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -203,6 +204,32 @@ pub struct Executor {
     broken: Option<Error>,
     /// Routes between processes (an executor made with a communicator).
     remote: Option<Remote>,
+    /// Host time creation spent checking the plan's addresses against the backend's memory.
+    address_check_ns: u64,
+    /// Staging bytes per receiving device, summed (staged commit).
+    staging_bytes: u64,
+}
+
+/// Every segment into receiving rank `rank` cut to fit `limit` and placed in its staging under
+/// `layout`: the packer (size, slices) and (flow index, piece, placement) per piece.
+fn place_staging(
+    flows: &[RankFlow],
+    rank: usize,
+    limit: u64,
+    layout: Layout,
+) -> (Packer, Vec<(usize, Segment, Placement)>) {
+    let mut packer = Packer::new(limit, layout);
+    let (mut placed, mut pieces) = (Vec::new(), Vec::new());
+    for (f, flow) in flows.iter().enumerate().filter(|(_, f)| f.dst == rank) {
+        for segment in &flow.segments {
+            pieces.clear();
+            staging::split(segment, packer.cap(), packer.layout(), &mut pieces);
+            for piece in &pieces {
+                placed.push((f, *piece, packer.place(piece)));
+            }
+        }
+    }
+    (packer, placed)
 }
 
 /// A segment's first and one-past-last byte on one side (the plan's segments were validated: no
@@ -289,7 +316,10 @@ impl Executor {
         options.check()?;
         let flows = flows::flows(group, plan, process, false)?;
         flows::check_named(plan, process)?;
-        Executor::build_any_arm(group, plan, process, &options, &flows, None)
+        let checked_ns = addresses::check(group, plan, process, &flows, false)?;
+        let mut executor = Executor::build_any_arm(group, plan, process, &options, &flows, None)?;
+        executor.address_check_ns = checked_ns;
+        Ok(executor)
     }
 
     /// As [`Executor::new`] for the process whose communicator rank is `comm`'s, with the routes
@@ -308,8 +338,13 @@ impl Executor {
         options.check()?;
         let process = u32::try_from(comm.rank()).map_err(|_| Error::invalid_argument("a rank above 2^32"))?;
         let flows = flows::flows(group, plan, process, true)?;
+        // Before the first meeting: a refusal here leaves the other processes' creates to fail
+        // with TIMEOUT or ABORTED, as any failure of one process's create does.
+        let checked_ns = addresses::check(group, plan, process, &flows, true)?;
         let remote = Remote::prepare(group, plan, process, comm, &options)?;
-        Executor::build_any_arm(group, plan, process, &options, &flows, Some(remote))
+        let mut executor = Executor::build_any_arm(group, plan, process, &options, &flows, Some(remote))?;
+        executor.address_check_ns = checked_ns;
+        Ok(executor)
     }
 
     /// Builds with the options' arm and, when AUTO finds the kernel unavailable, with the copy engine.
@@ -385,6 +420,8 @@ impl Executor {
             last: None,
             broken: None,
             remote: None,
+            address_check_ns: 0,
+            staging_bytes: 0,
         };
         let mut lists = match options.commit {
             CommitMode::Direct => vec![executor.direct_lists(flows)],
@@ -439,19 +476,23 @@ impl Executor {
         receivers.dedup();
         let mut slices: Vec<SliceLists> = Vec::new();
         for rank in receivers {
-            let mut packer = Packer::new(limit);
-            let mut placed = Vec::new();
-            let mut pieces = Vec::new();
-            for (f, flow) in flows.iter().enumerate().filter(|(_, f)| f.dst == rank) {
-                for segment in &flow.segments {
-                    pieces.clear();
-                    staging::split(segment, packer.cap(), &mut pieces);
-                    for piece in &pieces {
-                        placed.push((f, *piece, packer.place(piece)));
-                    }
-                }
+            let into = |f: &&RankFlow| f.dst == rank;
+            let payload: u64 =
+                flows.iter().filter(into).flat_map(|f| &f.segments).filter_map(|s| s.bytes()).sum();
+            let (mut packer, mut placed) = place_staging(flows, rank, limit, Layout::Aligned);
+            if packer.slices() > 1 && payload <= limit {
+                // Only the alignment padding would cut the step: pack densely, in one slice.
+                (packer, placed) = place_staging(flows, rank, limit, Layout::Dense);
             }
             let device = self.devices[rank];
+            if self.options.single_slice && packer.slices() > 1 {
+                let aligned = place_staging(flows, rank, u64::MAX, Layout::Aligned).0.size;
+                return Err(Error::invalid_argument(format!(
+                    "options.single_slice: the step into device {device} needs {} slices of staging_limit                      {limit} bytes ({payload} bytes of payload, {aligned} staged with alignment); raise                      staging_limit to at least {payload}, or set it to 0",
+                    packer.slices()
+                )));
+            }
+            self.staging_bytes += packer.size;
             let size = usize::try_from(packer.size + 16)
                 .map_err(|_| Error::new(Status::OutOfMemory, "staging larger than the address space"))?;
             let allocation = self.backend.alloc(device, size).map_err(|e| {
@@ -604,6 +645,16 @@ impl Executor {
     /// Slices a step runs in.
     pub fn slices(&self) -> usize {
         self.slices.len()
+    }
+
+    /// Staging bytes allocated for the step, summed over the receiving devices (0: direct commit).
+    pub fn staging_bytes(&self) -> u64 {
+        self.staging_bytes
+    }
+
+    /// Host time the creation spent checking the plan's addresses (see `addresses`).
+    pub fn address_check_ns(&self) -> u64 {
+        self.address_check_ns
     }
 
     pub fn options(&self) -> &ExecOptions {
@@ -990,7 +1041,8 @@ impl Executor {
         }
         self.state = State::Idle;
         // A commit reports on the bytes it installs: the last slice's, checked by the run or above.
-        let verified_bytes = if self.options.verify { self.verified_bytes(last..self.slices.len()) } else { 0 };
+        let verified_bytes =
+            if self.options.verify { self.verified_bytes(last..self.slices.len()) } else { 0 };
         let stats = RunStats {
             descriptors_reused: true,
             verified: verified_bytes > 0,

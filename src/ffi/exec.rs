@@ -94,8 +94,33 @@ pub struct refit_executor_options {
     /// REFIT_COMMIT_DIRECT (default) or REFIT_COMMIT_STAGED.
     pub commit: u32,
     /// REFIT_COMMIT_STAGED only: the most staging bytes per receiving device, at least 4096; 0 (the
-    /// default) stages the whole step at once.
+    /// default) stages the whole step at once. Staging aligns each run like its destination (up to
+    /// 15 bytes of padding per run); a receiving device's payload at or below the limit is always
+    /// staged in one slice (densely when the padding would not fit). A step above it runs in slices,
+    /// which refit_executor_get_info reports at creation.
     pub staging_limit: u64,
+    /// REFIT_COMMIT_STAGED only: refuse (INVALID_ARGUMENT naming options.single_slice, the slices
+    /// and the payload) a step that would run in more than one slice under staging_limit, so that
+    /// commit stays all or nothing for the whole step (default false).
+    pub single_slice: bool,
+}
+
+/// What an executor was prepared to do, known from its creation (refit_executor_get_info). Set `size`
+/// to sizeof(refit_executor_info) first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct refit_executor_info {
+    /// sizeof(refit_executor_info) as the caller knows it.
+    pub size: usize,
+    /// Slices every run takes (REFIT_COMMIT_STAGED above staging_limit: more than 1, and the run
+    /// installs all but the last before the commit; 0 when the executor moves nothing within the
+    /// process).
+    pub slices: u32,
+    /// Staging allocated on the receiving devices, bytes summed over them (0 for direct commit).
+    pub staging_bytes: u64,
+    /// Host time the creation spent checking that every address it reads or writes is memory of the
+    /// device the plan names (see refit_executor_create).
+    pub address_check_ns: u64,
 }
 
 fn defaults() -> refit_executor_options {
@@ -106,12 +131,14 @@ fn defaults() -> refit_executor_options {
         verify: false,
         commit: REFIT_COMMIT_DIRECT,
         staging_limit: 0,
+        single_slice: false,
     }
 }
 
 impl OptionsStruct for refit_executor_options {
     unsafe fn check_fields(ptr: *const Self) -> Result<()> {
-        check_bool(std::ptr::addr_of!((*ptr).verify), "options.verify")
+        check_bool(std::ptr::addr_of!((*ptr).verify), "options.verify")?;
+        check_bool(std::ptr::addr_of!((*ptr).single_slice), "options.single_slice")
     }
 }
 
@@ -144,6 +171,7 @@ fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions
         verify: options.verify,
         commit,
         staging_limit: options.staging_limit,
+        single_slice: options.single_slice,
         hook: None,
     };
     converted.check().map_err(|e| e.context("options"))?;
@@ -151,7 +179,7 @@ fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions
 }
 
 /// Fills `*options` with the defaults: size set, REFIT_ARM_AUTO, no SM cap, no verify,
-/// REFIT_COMMIT_DIRECT, staging_limit 0. Thread-safe. Errors: NULL_ARGUMENT.
+/// REFIT_COMMIT_DIRECT, staging_limit 0, single_slice false. Thread-safe. Errors: NULL_ARGUMENT.
 #[no_mangle]
 pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_options) -> Status {
     boundary("refit_executor_options_init", || {
@@ -168,12 +196,23 @@ pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_optio
 /// the kernel on a device compiles it. The executor keeps nothing of `plan` that its destruction
 /// would invalidate.
 ///
+/// Addresses are checked here, once (runs never check them again): on CUDA every byte a step reads
+/// or writes must lie in a live allocation of the device the plan names for it (cudaMalloc /
+/// cuMemAlloc, cuMemCreate mappings, memory opened through CUDA IPC, managed memory; a range may
+/// run from one allocation into the next where they meet); host memory from malloc, page-locked
+/// host memory, another device's memory, freed or unmapped addresses are INVALID_ARGUMENT, the
+/// message naming the tensor, its box, the range and the address found wanting. On the host
+/// backend, a range in the first page (below 4096) or past the end of the address space is refused
+/// alike. The host time spent is refit_executor_get_info's address_check_ns. Planning checks no
+/// address.
+///
 /// Thread-safety: as the group's calls (the thread driving the group); the plan may be shared.
 ///
 /// Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
 /// commit, a verify byte other than 0 or 1, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit
-/// with REFIT_COMMIT_DIRECT or below 4096, a segment with a zero address, a plan that is another
-/// process's share, a process the plan does not name: no route or receiver of the plan is in it,
+/// with REFIT_COMMIT_DIRECT or below 4096, single_slice with REFIT_COMMIT_DIRECT or a step that
+/// needs more than one slice, a segment with a zero address, an address that is not memory of its
+/// device (above), a plan that is another process's share, a process the plan does not name: no route or receiver of the plan is in it,
 /// and the plan is not its share; the message lists the plan's processes), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
 /// process and another: this executor moves bytes within one process; the kernel arm where a rank
 /// has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE /
@@ -221,7 +260,9 @@ pub extern "C" fn refit_executor_create(
 /// processes cannot rebind (UNSUPPORTED: buffers that moved need new IPC handles, so create the
 /// executors again, collectively). When any pair uses IPC, every run meets the other processes
 /// twice on the host (its streams first reach the step: a run inside a scope then blocks); every
-/// process must run and commit its executor alike. The executor keeps `comm` alive.
+/// process must run and commit its executor alike. The executor keeps `comm` alive. Each process
+/// checks the addresses of its own side of every route (as refit_executor_create) before meeting
+/// the others; a refusal there leaves the others' creates to fail with TIMEOUT or ABORTED.
 ///
 /// Errors: as refit_executor_create, plus NULL_ARGUMENT (comm), INVALID_ARGUMENT (a plan process
 /// that is not a communicator rank; processes that stage bytes between them and ask for verify
@@ -350,6 +391,33 @@ pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mu
         // SAFETY: stats NULL or writable (the caller's promise).
         let slot = unsafe { sized_out(stats, "stats") }?;
         slot.write(executor.take()?.stats()?);
+        Ok(())
+    })
+}
+
+/// Writes what `executor` was prepared to do to `*info` (set info->size first): the slices a run
+/// takes, the staging it holds, and what its creation spent checking addresses. Not ordered with
+/// any stream; does not wait.
+///
+/// Errors: NULL_ARGUMENT (executor, info), INVALID_ARGUMENT (info->size, a handle that is not a live
+/// executor), INVALID_STATE (another thread's call holds the executor). Thread-safety: see
+/// refit_executor.
+#[no_mangle]
+pub extern "C" fn refit_executor_get_info(
+    executor: *const refit_executor,
+    info: *mut refit_executor_info,
+) -> Status {
+    boundary("refit_executor_get_info", || {
+        let executor = live(executor, "executor")?;
+        // SAFETY: info writable with its size first (the caller's promise).
+        let slot = unsafe { sized_out(info, "info") }?;
+        let executor = executor.take()?;
+        slot.write(refit_executor_info {
+            size: std::mem::size_of::<refit_executor_info>(),
+            slices: u32::try_from(executor.slices()).unwrap_or(u32::MAX),
+            staging_bytes: executor.staging_bytes(),
+            address_check_ns: executor.address_check_ns(),
+        });
         Ok(())
     })
 }
