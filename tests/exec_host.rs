@@ -576,7 +576,7 @@ fn addresses_in_the_first_page_are_refused_at_create_and_planning_keeps_them() {
     let mut memory = vec![7u8; 1 << 16];
     let real = memory.as_mut_ptr() as u64;
     // The planner checks no address: fake ones plan (an offer at 0 plans to a segment near 0).
-    for (src, dst, side) in [(0x10, real, "source"), (real, 0x100, "destination"), (0, real, "source")] {
+    for (src, dst, side) in [(0x10, real, "source"), (real, 0xf80, "destination")] {
         let plan = rows_plan(src, dst, 1, (4, 64, 64));
         for commit in [CommitMode::Direct, CommitMode::Staged] {
             let err = Executor::new(&group, &plan, 0, ExecOptions { commit, ..ExecOptions::default() })
@@ -588,6 +588,10 @@ fn addresses_in_the_first_page_are_refused_at_create_and_planning_keeps_them() {
             }
         }
     }
+    // A segment at address 0 itself was refused before (by the batched copy's checks).
+    let at_zero = rows_plan(0, real, 1, (4, 64, 64));
+    let err = Executor::new(&group, &at_zero, 0, ExecOptions::default()).err().unwrap();
+    assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
     // Real memory on both sides: created, and it moves the bytes.
     let (src, dst) = (real, real + (1 << 15));
     let plan = rows_plan(src, dst, 1, (4, 64, 64));
