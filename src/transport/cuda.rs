@@ -122,39 +122,36 @@ enum Memory {
 }
 
 impl CudaBackend {
-    /// The allocation holding `ptr`, from its pointer attributes (one driver call).
+    /// The allocation holding `ptr`: what it is from its pointer attributes, and where it starts and
+    /// ends from cuMemGetAddressRange (two driver calls). The range attributes are not used: for
+    /// cuMemCreate memory they give the whole reserved range, mapped or not, where
+    /// cuMemGetAddressRange gives the mapping holding `ptr` and fails where nothing is mapped.
     fn allocation_at(ptr: u64) -> Allocation {
         use sys::CUpointer_attribute as A;
         let mut attributes = [
             A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
             A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
-            A::CU_POINTER_ATTRIBUTE_RANGE_START_ADDR,
-            A::CU_POINTER_ATTRIBUTE_RANGE_SIZE,
             A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
         ];
-        let (mut kind, mut ordinal, mut start, mut size, mut managed) = (0u32, -1i32, 0u64, 0usize, 0u32);
-        let mut data: [*mut std::ffi::c_void; 5] = [
+        let (mut kind, mut ordinal, mut managed) = (0u32, -1i32, 0u32);
+        let mut data: [*mut std::ffi::c_void; 3] = [
             (&mut kind as *mut u32).cast(),
             (&mut ordinal as *mut i32).cast(),
-            (&mut start as *mut u64).cast(),
-            (&mut size as *mut usize).cast(),
             (&mut managed as *mut u32).cast(),
         ];
-        // SAFETY: five attributes, each with an out-slot of the type the driver writes (a boolean is
-        // one byte written into a zeroed u32). For a pointer the driver does not know it writes
+        // SAFETY: three attributes, each with an out-slot of the type the driver writes (a boolean
+        // is one byte written into a zeroed u32). For a pointer the driver does not know it writes
         // default values instead of failing.
         let code = unsafe {
             sys::cuPointerGetAttributes(
-                5,
+                3,
                 attributes.as_mut_ptr(),
                 data.as_mut_ptr(),
                 ptr as sys::CUdeviceptr,
             )
         };
         let unknown = Allocation { start: ptr, end: ptr.saturating_add(1), memory: Memory::Unknown };
-        let end = start.checked_add(size as u64);
-        let (true, Some(end)) = (code == CUresult::CUDA_SUCCESS, end) else { return unknown };
-        if !(start <= ptr && ptr < end) {
+        if code != CUresult::CUDA_SUCCESS {
             return unknown;
         }
         let memory = match kind {
@@ -163,9 +160,19 @@ impl CudaBackend {
                 Memory::Device(ordinal)
             }
             k if k == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => Memory::PinnedHost,
-            _ => Memory::Unknown,
+            _ => return unknown,
         };
-        Allocation { start, end, memory }
+        let (mut start, mut size) = (0, 0);
+        // SAFETY: valid out-pointers; the driver only inspects the address.
+        let found = unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, ptr) };
+        match start.checked_add(size as u64) {
+            Some(end) if found == CUresult::CUDA_SUCCESS && start <= ptr && ptr < end => {
+                Allocation { start, end, memory }
+            }
+            // Page-locked host memory has no device range: refused whatever its extent.
+            _ if memory == Memory::PinnedHost => Allocation { memory, ..unknown },
+            _ => unknown,
+        }
     }
 
     /// Why `memory` cannot serve a range of `range.device` (None: it can). `reach` caches
