@@ -252,6 +252,9 @@ int main(void) {
   /* A range that has not moved: refused, and later runs still install. */
   CHECK_STATUS(refit_executor_rebind(moving, 0, addr(half_b), addr(half_b), sizeof half), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(refit_last_error_message(), "has not moved") != NULL);
+  /* A new place in the first page is no memory: refused, changing nothing. */
+  CHECK_STATUS(refit_executor_rebind(moving, 0, addr(half_b), 0x40, sizeof half), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "first page") != NULL);
   fill_source(100);
   CHECK_OK(refit_executor_run(moving, group, NULL));
   CHECK(received(half_b, whole_b));

@@ -536,6 +536,10 @@ fn a_rebind_onto_the_same_place_is_refused_and_changes_nothing() {
     let err = executor.rebind(device, base, base, len).unwrap_err();
     assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
     assert!(err.message.contains("has not moved"), "{}", err.message);
+    // A new place that is no memory (the first page) is refused the same way, changing nothing.
+    let err = executor.rebind(device, base, 0x100, len).unwrap_err();
+    assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+    assert!(err.message.contains("[0x100,") && err.message.contains("first page"), "{}", err.message);
     for round in 0..2 {
         refit.poison_receivers();
         step(&mut executor, &group).unwrap();

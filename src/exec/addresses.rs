@@ -2,10 +2,12 @@
 //! device the plan names (see `transport::access`): a bad address in a table is INVALID_ARGUMENT
 //! naming the tensor, box and address, instead of a crash, a dead CUDA context or bytes read from
 //! whatever lies there at the first run. Runs never check again: the caller promises the memory
-//! stays live (and says where it moved, `rebind`). Planning does not check addresses at all, so
+//! stays live, and says where it moved (`rebind`, which checks the new place once the same way). Planning does not check addresses at all, so
 //! planning-only callers may keep fake ones.
 
+use super::batch::Batch;
 use super::flows::RankFlow;
+use super::rebind::{Ref, Target};
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Endpoint, Plan, RouteKind};
@@ -13,6 +15,7 @@ use crate::segment::check::validate;
 use crate::segment::Segment;
 use crate::segment::Side;
 use crate::transport::access::{first_unusable, Owners, Unusable};
+use crate::transport::Backend;
 use std::time::Instant;
 
 /// Checks the memory of `flows` (routes within `process`) and, when `across`, this process's side
@@ -87,4 +90,40 @@ fn refusal(plan: &Plan, items: &[(Segment, Owners)], receivers: &[Endpoint], bad
             bad.refusal.why
         ),
     )
+}
+
+/// The check of a rebind, before anything moves: every segment side `refs` names (on `device`),
+/// moved by `delta`, must be memory of `device`. Only copy batches are looked at: a verify reads
+/// the same bytes.
+pub(crate) fn check_moved(
+    backend: &dyn Backend,
+    device: i32,
+    batches: &[Batch],
+    refs: &[Ref],
+    delta: u64,
+) -> Result<()> {
+    let mut moved = Vec::new();
+    let mut sides = Vec::new();
+    for r in refs {
+        let Target::Copy(b) = r.target else { continue };
+        let mut segment = batches[b as usize].segments()[r.index as usize];
+        let address = segment.address_mut(r.side);
+        *address = address.wrapping_add(delta);
+        moved.push(segment);
+        sides.push(r.side);
+    }
+    validate(&moved)?;
+    let owners =
+        |i: usize| if sides[i] == Side::Source { (Some(device), None) } else { (None, Some(device)) };
+    let Some(bad) = first_unusable(backend, &moved, owners, false)? else { return Ok(()) };
+    let side = if bad.side == Side::Source { "read" } else { "written" };
+    let (addr, len) = bad.range;
+    Err(Error::new(
+        Status::InvalidArgument,
+        format!(
+            "after this rebind the executor would have [{addr:#x}, +{len:#x}) {side} on device {device}, which is \
+             not memory of it: {:#x} {}",
+            bad.refusal.at, bad.refusal.why
+        ),
+    ))
 }

@@ -1144,7 +1144,8 @@ impl Executor {
     /// sides is rebuilt at the next run). See `rebind` for how buffers are named.
     ///
     /// Errors (nothing changed): InvalidDevice (not a device of the group), InvalidArgument (empty
-    /// or overflowing range, ambiguous or clashing moves), NotFound (the plan uses no byte there),
+    /// or overflowing range, ambiguous or clashing moves, a new place that is not memory of the
+    /// device: checked here, once, as creation checks the plan's), NotFound (the plan uses no byte there),
     /// PlanStale (the range cuts through bytes the plan moves together: build a new plan).
     pub fn rebind(&mut self, device: i32, old_base: u64, new_base: u64, length: u64) -> Result<()> {
         if self.remote.is_some() {
@@ -1164,7 +1165,11 @@ impl Executor {
             );
         }
         self.wait_outstanding()?;
-        let (refs, delta) = self.book.rebind(device, old_base, new_base, length)?;
+        let (batches, backend) = (&self.batches, self.backend.as_ref());
+        let (refs, delta) =
+            self.book.rebind_checked(device, (old_base, new_base, length), |refs, delta| {
+                addresses::check_moved(backend, device, batches, refs, delta)
+            })?;
         let mut touched = Vec::new();
         for r in refs {
             match r.target {

@@ -438,7 +438,8 @@ pub extern "C" fn refit_executor_get_info(
 ///
 /// Errors (nothing changed): NULL_ARGUMENT, INVALID_DEVICE (not a device of the group),
 /// INVALID_ARGUMENT (length 0, new_base 0, new_base equal to old_base: nothing moved, a range past
-/// 2^64, an ambiguous range, a new range
+/// 2^64, a new place whose bytes the executor reads or writes are not memory of `device`: checked
+/// here once, as refit_executor_create checks the plan's addresses, an ambiguous range, a new range
 /// overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
 /// range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
 /// a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),
