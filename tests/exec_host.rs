@@ -442,7 +442,7 @@ fn a_share_drives_its_own_process_only() {
 
 #[test]
 fn a_failed_call_disarms_the_commit_until_a_run_succeeds() {
-    let mut refit = Refit::new(Packing::Separate);
+    let refit = Refit::new(Packing::Separate);
     let (group, other) = (host_group(), host_group());
     let options = ExecOptions { commit: CommitMode::Staged, ..ExecOptions::default() };
     let mut executor = executor(&group, &refit, options);

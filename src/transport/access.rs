@@ -127,7 +127,7 @@ mod tests {
     #[test]
     fn the_first_unusable_side_is_named_by_segment_and_side() {
         let backend = HostBackend::new(2).unwrap();
-        let memory = vec![0u8; 64];
+        let memory = [0u8; 64];
         let good = memory.as_ptr() as u64;
         let segments = [
             Segment::contiguous(good, good + 32, 16),
