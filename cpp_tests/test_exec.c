@@ -2,6 +2,7 @@
  * refit_executor_*, direct and staged (in slices too), verified, rebound to moved buffers, with its
  * stats and the arm AUTO picked (per run, under verify, under an SM budget); received bytes are compared with ones computed element by element here. Then every bad
  * argument with its status and message. */
+#include <stddef.h>
 #include <stdint.h>
 
 #include "check.h"
@@ -382,6 +383,30 @@ int main(void) {
     memset(&one.single_slice, 2, 1);
     CHECK_STATUS(refit_executor_create(plan, group, 0, &one, &executor), REFIT_STATUS_INVALID_ARGUMENT);
     CHECK(strstr(refit_last_error_message(), "options.single_slice") != NULL);
+    /* A caller built against the header before single_slice passes the shorter struct, exactly as
+     * long as it knew it (a heap block of that size: a read past it is a bug the sanitizers see);
+     * the fields it does not know take their defaults. */
+    const size_t older = offsetof(refit_executor_options, single_slice);
+    refit_executor_options full;
+    CHECK_OK(refit_executor_options_init(&full));
+    full.commit = REFIT_COMMIT_STAGED;
+    full.staging_limit = 4096;
+    full.size = older;
+    void *prefix = malloc(older);
+    CHECK(prefix != NULL);
+    memcpy(prefix, &full, older);
+    refit_executor *old_caller = NULL;
+    CHECK_OK(refit_executor_create(plan, group, 0, (const refit_executor_options *)prefix, &old_caller));
+    refit_executor_info sliced_info;
+    sliced_info.size = sizeof sliced_info;
+    CHECK_OK(refit_executor_get_info(old_caller, &sliced_info));
+    CHECK(sliced_info.slices >= 3); /* single_slice took its default, false */
+    refit_executor_destroy(old_caller);
+    ((unsigned char *)prefix)[offsetof(refit_executor_options, verify)] = 7;
+    CHECK_STATUS(refit_executor_create(plan, group, 0, (const refit_executor_options *)prefix, &executor),
+                 REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(refit_last_error_message(), "options.verify") != NULL);
+    free(prefix);
   }
 
   /* A process the plan never names: refused, naming it and the plan's processes. */

@@ -632,6 +632,14 @@ fn a_payload_within_the_staging_limit_is_staged_in_one_slice() {
         let at = 1 + r * pitch as usize;
         assert_eq!(received[at..at + 3], source[3 * r..3 * r + 3], "row {r}");
     }
+    // Verified, the densely staged step checks out, and installs the same bytes.
+    let installed = received.clone();
+    received.fill(0);
+    let verified = ExecOptions { verify: true, ..staged(4096, true) };
+    let mut executor = Executor::new(&group, &plan, 0, verified).unwrap();
+    let ran = step(&mut executor, &group).unwrap();
+    assert!(ran.verified && ran.verified_bytes == rows * len, "{ran:?}");
+    assert_eq!(received, installed);
     // A payload above the limit: slices, seen at create, and refused when one slice is required.
     let (rows, len) = (64u64, 128u64);
     let big: Vec<u8> = vec![1; (rows * len) as usize];

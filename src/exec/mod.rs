@@ -307,8 +307,10 @@ impl SliceLists {
 impl Executor {
     /// Prepares `process`'s share of `plan` (routes whose endpoints are in that process; endpoint
     /// devices are the group's device ordinals) for `group`: batches for every stage built and
-    /// uploaded, staging allocated. Errors: InvalidArgument (options; a process the plan does not
-    /// name), NotFound (a plan device not
+    /// uploaded, staging allocated, every address checked once against the backend's memory (see
+    /// `addresses`). Errors: InvalidArgument (options; a process the plan does not name; an address
+    /// that is not memory of the device the plan names; a step that needs more than one slice
+    /// under `single_slice`), NotFound (a plan device not
     /// in the group), Unsupported (a route to or from another process; the kernel arm without
     /// peer access), InvalidArgument (a segment the batched copy refuses), and the driver's and
     /// compiler's errors.

@@ -142,10 +142,45 @@ impl OptionsStruct for refit_executor_options {
     }
 }
 
+/// sizeof(refit_executor_options) in headers before single_slice was appended: callers built
+/// against them pass this size, and get the defaults of the fields they do not know.
+const OPTIONS_BEFORE_SINGLE_SLICE: usize = std::mem::offset_of!(refit_executor_options, single_slice);
+
+/// The options a caller built against the header before single_slice passes (`options.size` is
+/// [`OPTIONS_BEFORE_SINGLE_SLICE`]), completed with the defaults; None for any other size.
+///
+/// # Safety
+/// `options` is NULL or points to at least a readable `usize`, and to that many bytes when the
+/// `usize` says so.
+unsafe fn older_options(options: *const refit_executor_options) -> Result<Option<refit_executor_options>> {
+    if options.is_null() || std::ptr::read(options.cast::<usize>()) != OPTIONS_BEFORE_SINGLE_SLICE {
+        return Ok(None);
+    }
+    // Bytes first: the caller's may hold a bool byte that is neither 0 nor 1, which must be checked
+    // before anything reads the struct as a Rust value.
+    let mut completed = std::mem::MaybeUninit::new(defaults());
+    // SAFETY: the caller's struct holds OPTIONS_BEFORE_SINGLE_SLICE bytes, a prefix of ours.
+    std::ptr::copy_nonoverlapping(
+        options.cast::<u8>(),
+        completed.as_mut_ptr().cast::<u8>(),
+        OPTIONS_BEFORE_SINGLE_SLICE,
+    );
+    refit_executor_options::check_fields(completed.as_ptr())?;
+    // SAFETY: every byte is initialized (defaults, then the caller's prefix) and the bools checked.
+    let mut completed = completed.assume_init();
+    completed.size = std::mem::size_of::<refit_executor_options>();
+    Ok(Some(completed))
+}
+
 fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions> {
     let defaults = defaults();
     // SAFETY: NULL or a caller struct whose first field is its size.
-    let options = unsafe { options_in(options, "options") }?.unwrap_or(&defaults);
+    let older = unsafe { older_options(options) }?;
+    // SAFETY: as above.
+    let options = match &older {
+        Some(completed) => completed,
+        None => unsafe { options_in(options, "options") }?.unwrap_or(&defaults),
+    };
     let arm = match options.arm {
         REFIT_ARM_AUTO => Arm::Auto,
         REFIT_ARM_KERNEL => Arm::Kernel,
