@@ -504,11 +504,13 @@ fn addresses_that_are_not_the_devices_memory_are_refused_at_create() {
     let mut pinned: *mut std::ffi::c_void = std::ptr::null_mut();
     cuda().bind(0).unwrap();
     ck("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut pinned, MIB as usize, 0) });
+    // One chunk mapped, the next reserved only: a range off the end of the mapping.
+    let lonely = Chunks::new(0, 1, 2);
+    // Freed last: nothing allocated after it may take its place before the cases are refused (each
+    // refusal comes before the executor allocates anything).
     let freed = DeviceBuffer::new(0, MIB as usize);
     let freed_ptr = freed.ptr;
     drop(freed);
-    // One chunk mapped, the next reserved only: a range off the end of the mapping.
-    let lonely = Chunks::new(0, 1, 2);
     let cases: Vec<(&str, u64, u64, u64, &str)> = vec![
         ("host malloc source", host_ptr, device.ptr, MIB, "its source"),
         ("host malloc destination", device.ptr, host_ptr, MIB, "its destination"),
