@@ -218,6 +218,16 @@ fn executor(
     Ok(executor)
 }
 
+/// Host milliseconds `executor`'s creation spent checking the plan's addresses against the
+/// device's allocations (refit_executor_get_info).
+fn address_check_ms(executor: *mut refit_executor) -> f64 {
+    // SAFETY: all-zero, then the size set.
+    let mut info: refit_executor_info = unsafe { std::mem::zeroed() };
+    info.size = std::mem::size_of::<refit_executor_info>();
+    ok(refit_executor_get_info(executor, &mut info), "refit_executor_get_info");
+    info.address_check_ns as f64 / 1e6
+}
+
 /// Runs `executor` `warm` + `reps` times outside a scope; the stats of the timed runs.
 fn runs(
     machine: &Machine,
@@ -314,10 +324,12 @@ fn synthetic_tables(n: u64, src: u64, dst: u64) -> Vec<Table> {
 
 /// Host time of repeated runs of an `n`-segment plan queued in a scope: (median enqueue us, p90
 /// enqueue us, median call us, segments).
-fn host_time(machine: &Machine, n: u64) -> (f64, f64, f64, u64) {
+fn host_time(machine: &Machine, n: u64) -> (f64, f64, f64, u64, (f64, f64)) {
     let (src, dst) = (machine.alloc(128 * n), machine.alloc(256 * n));
     let plan = plan_of(&synthetic_tables(n, src, dst), false);
+    let creating = Instant::now();
     let executor = executor(machine, plan, |o| o.arm = REFIT_ARM_KERNEL).expect("executor");
+    let create = (creating.elapsed().as_secs_f64() * 1e3, address_check_ms(executor));
     let caller: *mut c_void = if machine.on_gpu {
         machine.backend.create_stream(0).expect("stream").as_ptr()
     } else {
@@ -353,7 +365,7 @@ fn host_time(machine: &Machine, n: u64) -> (f64, f64, f64, u64) {
     }
     machine.free(src);
     machine.free(dst);
-    (median(enqueue.clone()), percentile(enqueue, 0.9), median(call), segments)
+    (median(enqueue.clone()), percentile(enqueue, 0.9), median(call), segments, create)
 }
 
 /// Spot-checks that the first run of sampled segments of the plan landed (destination = source).
@@ -439,7 +451,10 @@ fn main() {
     std::fs::write(temp.join("refit_bench_layout.json"), layout).expect("writing layout");
 
     // The refit step, direct, AUTO.
+    let creating = Instant::now();
     let direct = executor(&machine, plan, |_| {}).expect("executor");
+    let create_ms = creating.elapsed().as_secs_f64() * 1e3;
+    let check_ms = address_check_ms(direct);
     machine.memset(receivers, POISON, arenas.receiver_bytes);
     let steps = runs(&machine, direct, false, 2, 10);
     spot_check(&machine, plan);
@@ -545,8 +560,14 @@ fn main() {
     );
     println!("\n| repeated run, queued in a scope | segments | host enqueue us (median) | p90 | whole call us (median) |");
     println!("|---|---|---|---|---|");
-    for (enqueue, p90, call, n) in [small, large] {
+    for (enqueue, p90, call, n, _) in [small, large] {
         println!("| 128-byte rows, uncoalesced | {n} | {enqueue:.2} | {p90:.2} | {call:.2} |");
+    }
+    println!("\n| executor creation (paid once) | segments | create ms | of which address check ms |");
+    println!("|---|---|---|---|");
+    println!("| the demo's plan, direct AUTO | {segments} | {create_ms:.3} | {check_ms:.3} |");
+    for (_, _, _, n, (create, check)) in [small, large] {
+        println!("| 128-byte rows, uncoalesced, kernel | {n} | {create:.3} | {check:.3} |");
     }
 
     let dir = std::env::var("REFIT_BENCH_RESULTS").unwrap_or_else(|_| "benches/results".to_string());
@@ -560,12 +581,15 @@ fn main() {
         ),
         Err(why) => format!("{{\"unavailable\": \"{}\"}}", why.replace('"', "'")),
     };
+    let (rows_create_ms, rows_check_ms) = large.4;
     let json = format!(
         "{{\n  \"bench\": \"gpu_refit\",\n  \"device\": \"{}\",\n  \"layers\": {layers},\n  \"payload_bytes\": {payload},\n  \
          \"segments\": {segments},\n  \"ceiling\": {{\"device_ms\": {ceiling_ms:.4}, \"gbps\": {ceiling:.2}}},\n  \
          \"step\": {{\"device_ms\": {:.4}, \"wall_ms\": {:.4}, \"gbps\": {ours:.2}, \"vs_ceiling\": {:.4}, \"arm\": {auto_arm}}},\n  \
          \"step_by_arm\": {{\"kernel_ms\": {:.4}, \"copy_engine_ms\": {:.4}}},\n  \
          \"verify\": {verify_json},\n  \
+         \"create\": {{\"create_ms\": {create_ms:.4}, \"address_check_ms\": {check_ms:.4}, \
+         \"rows_1e6_create_ms\": {rows_create_ms:.4}, \"rows_1e6_address_check_ms\": {rows_check_ms:.4}}},\n  \
          \"staged\": {{\"staging_bytes\": {staging}, \"slices\": {slices}, \"run_device_ms\": {:.4}, \"commit_bytes\": {commit_bytes}, \
          \"commit_device_ms\": {:.4}, \"commit_wall_ms\": {:.4}, \"commit_gbps\": {:.2}, \"ceiling_gbps_at_commit_size\": {commit_ceiling:.2}}},\n  \
          \"host_enqueue_us\": [\n    {{\"segments\": {}, \"median\": {:.3}, \"p90\": {:.3}, \"call_median\": {:.3}}},\n    \

@@ -100,6 +100,19 @@ int main(void) {
   CHECK_STATUS(refit_copy_batch_launch(NULL, NULL), REFIT_STATUS_NULL_ARGUMENT);
   for (int i = 0; i < 64; i++) CHECK(dst[i] == 0xCD);
 
+  /* Addresses where no memory can be (the first page): refused before anything is copied, by the
+   * one-shot and the prepared batch, naming the segment, the side and the address. */
+  refit_segment near_zero[2] = {check_contiguous(src, dst, 8), check_contiguous((void *)(uintptr_t)0x10, dst + 8, 8)};
+  CHECK_STATUS(refit_copy_batch(group, 0, NULL, near_zero, 2, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "segment 1: its source [0x10") != NULL);
+  CHECK(strstr(refit_last_error_message(), "first page") != NULL);
+  near_zero[1] = check_contiguous(src, (void *)(uintptr_t)0xff8, 16);
+  CHECK_STATUS(refit_copy_batch(group, 0, NULL, near_zero, 2, REFIT_COPY_CHECKED), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "destination") != NULL);
+  CHECK_STATUS(refit_copy_batch_prepare(group, 1, near_zero, 2, 0, &untouched), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(untouched == (refit_prepared_copy *)0x1);
+  for (int i = 0; i < 64; i++) CHECK(dst[i] == 0xCD);
+
   refit_group_destroy(group);
   CHECK_DONE();
 }

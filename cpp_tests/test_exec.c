@@ -2,6 +2,7 @@
  * refit_executor_*, direct and staged (in slices too), verified, rebound to moved buffers, with its
  * stats and the arm AUTO picked (per run, under verify, under an SM budget); received bytes are compared with ones computed element by element here. Then every bad
  * argument with its status and message. */
+#include <stddef.h>
 #include <stdint.h>
 
 #include "check.h"
@@ -166,6 +167,8 @@ int main(void) {
       CHECK(stats.arm[REFIT_ROUTE_LOCAL] == (a == 2 ? REFIT_ARM_COPY_ENGINE : REFIT_ARM_KERNEL));
       CHECK(stats.slices == 1 && stats.installed_bytes == sizeof half + sizeof whole_t);
       CHECK(stats.device_timed && stats.descriptors_reused && stats.verified == (a == 0));
+      CHECK(stats.prepare_ns == 0); /* descriptors reused: nothing was prepared */
+      CHECK(stats.verified_bytes == (a == 0 ? sizeof half + sizeof whole_t : 0));
       CHECK(stats.prepare_ns + stats.enqueue_ns + stats.wait_ns <= stats.wall_ns);
     }
     CHECK_STATUS(refit_executor_commit(executor, group, NULL), REFIT_STATUS_INVALID_STATE);
@@ -215,7 +218,8 @@ int main(void) {
       CHECK(ran.slices >= 3 && ran.installed_bytes > 0 && ran.installed_bytes < sizeof half + sizeof whole_t);
     }
     CHECK_OK(refit_executor_commit(staged, group, &committed));
-    CHECK(committed.slices == 0 && committed.verified);
+    CHECK(committed.slices == 0 && committed.verified && committed.verified_bytes > 0);
+    CHECK(committed.prepare_ns == 0);
     CHECK(ran.installed_bytes + committed.installed_bytes == sizeof half + sizeof whole_t);
     CHECK(received(half, whole_t));
     CHECK_STATUS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE);
@@ -246,6 +250,12 @@ int main(void) {
   CHECK_STATUS(refit_executor_rebind(moving, 0, addr(half_b), 0, sizeof half), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(refit_executor_rebind(moving, 0, addr(half_b), UINT64_MAX - 4, sizeof half), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK_STATUS(refit_executor_rebind(NULL, 0, 1, 2, 3), REFIT_STATUS_NULL_ARGUMENT);
+  /* A range that has not moved: refused, and later runs still install. */
+  CHECK_STATUS(refit_executor_rebind(moving, 0, addr(half_b), addr(half_b), sizeof half), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "has not moved") != NULL);
+  /* A new place in the first page is no memory: refused, changing nothing. */
+  CHECK_STATUS(refit_executor_rebind(moving, 0, addr(half_b), 0x40, sizeof half), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "first page") != NULL);
   fill_source(100);
   CHECK_OK(refit_executor_run(moving, group, NULL));
   CHECK(received(half_b, whole_b));
@@ -316,6 +326,123 @@ int main(void) {
   CHECK(strstr(refit_last_error_message(), "process 2's share") != NULL);
   refit_plan_destroy(idle_share);
   refit_table_destroy(remote);
+  /* An offer at address 0 plans (the planner checks no address), and the executor refuses it at
+   * create, naming the tensor, the box and the address: no run ever reads the first page. */
+  {
+    refit_table *bad = NULL;
+    CHECK_OK(refit_table_create(&bad));
+    uint32_t t = 0;
+    CHECK_OK(refit_table_add_tensor(bad, "w", 1, ELEM, shape, 2, &t));
+    CHECK_OK(refit_table_add_offer(bad, t, 0, 0, 0, zero, shape, NULL, 2, NULL));
+    const uint64_t half_offset[2] = {0, HALF}, half_extent[2] = {ROWS, HALF}, half_strides[2] = {HALF, 1};
+    CHECK_OK(refit_table_add_need(bad, t, 0, 0, addr(half), half_offset, half_extent, NULL, half_strides, 2));
+    refit_plan *at_zero = NULL;
+    const refit_table *bad_tables[1] = {bad};
+    CHECK_OK(refit_plan_build(bad_tables, 1, NULL, &at_zero));
+    poison(half, sizeof half);
+    CHECK_STATUS(refit_executor_create(at_zero, group, 0, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(refit_last_error_message(), "tensor 'w' box offset [0, 32] extent [48, 32]") != NULL);
+    CHECK(strstr(refit_last_error_message(), "its source") != NULL);
+    CHECK(strstr(refit_last_error_message(), "first page") != NULL);
+    CHECK(all_poison(half, sizeof half));
+    refit_plan_destroy(at_zero);
+    refit_table_destroy(bad);
+  }
+
+  /* Staging: a payload within staging_limit is staged in one slice; refit_executor_get_info says how
+   * many slices a run takes before any run; single_slice refuses a step that needs more. */
+  {
+    refit_executor_info info;
+    info.size = sizeof info;
+    refit_executor *unlimited = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_STAGED, 0);
+    CHECK_OK(refit_executor_get_info(unlimited, &info));
+    CHECK(info.slices == 1 && info.staging_bytes >= sizeof half + sizeof whole_t);
+    refit_executor_destroy(unlimited);
+    refit_executor *sliced = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_STAGED, 4096);
+    CHECK_OK(refit_executor_get_info(sliced, &info));
+    CHECK(info.slices >= 3);
+    info.size = 4;
+    CHECK_STATUS(refit_executor_get_info(sliced, &info), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(refit_executor_get_info(sliced, NULL), REFIT_STATUS_NULL_ARGUMENT);
+    CHECK_STATUS(refit_executor_get_info(NULL, &info), REFIT_STATUS_NULL_ARGUMENT);
+    refit_executor_destroy(sliced);
+    refit_executor_options one;
+    CHECK_OK(refit_executor_options_init(&one));
+    CHECK(!one.single_slice);
+    one.commit = REFIT_COMMIT_STAGED;
+    one.staging_limit = 4096;
+    one.single_slice = true;
+    CHECK_STATUS(refit_executor_create(plan, group, 0, &one, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(refit_last_error_message(), "single_slice") != NULL);
+    one.staging_limit = 0;
+    refit_executor *whole = NULL;
+    CHECK_OK(refit_executor_create(plan, group, 0, &one, &whole));
+    refit_executor_destroy(whole);
+    one.commit = REFIT_COMMIT_DIRECT;
+    CHECK_STATUS(refit_executor_create(plan, group, 0, &one, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+    memset(&one.single_slice, 2, 1);
+    CHECK_STATUS(refit_executor_create(plan, group, 0, &one, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(refit_last_error_message(), "options.single_slice") != NULL);
+    /* A caller built against the header before single_slice passes the shorter struct, exactly as
+     * long as it knew it (a heap block of that size: a read past it is a bug the sanitizers see);
+     * the fields it does not know take their defaults. */
+    const size_t older = offsetof(refit_executor_options, single_slice);
+    refit_executor_options full;
+    CHECK_OK(refit_executor_options_init(&full));
+    full.commit = REFIT_COMMIT_STAGED;
+    full.staging_limit = 4096;
+    full.size = older;
+    void *prefix = malloc(older);
+    CHECK(prefix != NULL);
+    memcpy(prefix, &full, older);
+    refit_executor *old_caller = NULL;
+    CHECK_OK(refit_executor_create(plan, group, 0, (const refit_executor_options *)prefix, &old_caller));
+    refit_executor_info sliced_info;
+    sliced_info.size = sizeof sliced_info;
+    CHECK_OK(refit_executor_get_info(old_caller, &sliced_info));
+    CHECK(sliced_info.slices >= 3); /* single_slice took its default, false */
+    refit_executor_destroy(old_caller);
+    ((unsigned char *)prefix)[offsetof(refit_executor_options, verify)] = 7;
+    CHECK_STATUS(refit_executor_create(plan, group, 0, (const refit_executor_options *)prefix, &executor),
+                 REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(refit_last_error_message(), "options.verify") != NULL);
+    free(prefix);
+  }
+
+  /* A process the plan never names: refused, naming it and the plan's processes. */
+  CHECK_STATUS(refit_executor_create(plan, group, 5, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "process 5") != NULL);
+  CHECK(strstr(refit_last_error_message(), "[0]") != NULL);
+
+  /* Any failed run or commit disarms the commit until a run succeeds: the step staged before the
+   * failure is never installed. */
+  {
+    refit_executor *staged = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_STAGED, 0);
+    refit_run_stats bad;
+    bad.size = 3;
+    fill_source(200);
+    poison(half, sizeof half);
+    poison(whole_t, sizeof whole_t);
+    CHECK_OK(refit_executor_run(staged, group, NULL));
+    CHECK_STATUS(refit_executor_run(staged, one, NULL), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE);
+    CHECK(strstr(refit_last_error_message(), "another group") != NULL);
+    CHECK_OK(refit_executor_run(staged, group, NULL));
+    CHECK_STATUS(refit_executor_run(staged, group, &bad), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE);
+    CHECK_OK(refit_executor_run(staged, group, NULL));
+    CHECK_STATUS(refit_executor_commit(staged, NULL, NULL), REFIT_STATUS_NULL_ARGUMENT);
+    CHECK_STATUS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE);
+    CHECK_OK(refit_executor_run(staged, group, NULL));
+    CHECK_STATUS(refit_executor_commit(staged, group, &bad), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(refit_executor_commit(staged, group, NULL), REFIT_STATUS_INVALID_STATE);
+    CHECK(all_poison(half, sizeof half) && all_poison(whole_t, sizeof whole_t));
+    /* A run that succeeds arms it again. */
+    CHECK_OK(refit_executor_run(staged, group, NULL));
+    CHECK_OK(refit_executor_commit(staged, group, NULL));
+    CHECK(received(half, whole_t));
+    refit_executor_destroy(staged);
+  }
 
   executor = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_DIRECT, 0);
   refit_run_stats stats;

@@ -189,8 +189,15 @@ static void null_pointers_one_at_a_time(void) {
               REFIT_STATUS_NULL_ARGUMENT, "counts is NULL");
   CHECK_FAILS(refit_copy_batch_prepare(group, 0, NULL, 1, 0, NULL), REFIT_STATUS_NULL_ARGUMENT, "batch is NULL");
 
-  refit_executor *executor = NULL;
-  CHECK_OK(refit_executor_create(plan, group, 0, NULL, &executor));
+  /* The empty plan names no process: an executor of it would move nothing. */
+  refit_executor *executor = (refit_executor *)0x1;
+  CHECK_FAILS(refit_executor_create(plan, group, 0, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+              "names no route or receiver");
+  CHECK(executor == (refit_executor *)0x1);
+  static uint32_t moved_src[4] = {1, 2, 3, 4}, moved_dst[4];
+  refit_plan *moving = copy_plan(moved_src, moved_dst, 4, 0);
+  CHECK_OK(refit_executor_create(moving, group, 0, NULL, &executor));
+  refit_plan_destroy(moving);
   CHECK_FAILS(refit_executor_create_across(NULL, group, NULL, NULL, &executor), REFIT_STATUS_NULL_ARGUMENT,
               "plan is NULL");
   CHECK_FAILS(refit_executor_create_across(plan, NULL, NULL, NULL, &executor), REFIT_STATUS_NULL_ARGUMENT,
@@ -344,7 +351,23 @@ static void garbage_in_option_fields(void) {
     set_byte(&options, offsetof(refit_executor_options, verify), bad_bools[i]);
     CHECK_FAILS(refit_executor_create(plan, group, 0, &options, &executor), REFIT_STATUS_INVALID_ARGUMENT,
                 "options.verify");
+    CHECK_OK(refit_executor_options_init(&options));
+    options.commit = REFIT_COMMIT_STAGED;
+    set_byte(&options, offsetof(refit_executor_options, single_slice), bad_bools[i]);
+    CHECK_FAILS(refit_executor_create(plan, group, 0, &options, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+                "options.single_slice");
   }
+  CHECK(executor == (refit_executor *)0x1);
+  /* Addresses no memory can have (the first page, where an offer at 0 plans its segments) are
+   * refused at create, never read by a run: the planner takes them, the executor names them. */
+  refit_plan *near_zero = copy_plan((const uint32_t *)(uintptr_t)0x40, dst, 4, 0);
+  CHECK_FAILS(refit_executor_create(near_zero, group, 0, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+              "tensor 'w' box offset [0] extent [4]: its source [0x40, +0x10)");
+  refit_plan_destroy(near_zero);
+  near_zero = copy_plan(src, (uint32_t *)(uintptr_t)0xffc, 4, 0);
+  CHECK_FAILS(refit_executor_create(near_zero, group, 0, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+              "its destination [0xffc, +0x10)");
+  refit_plan_destroy(near_zero);
   CHECK(executor == (refit_executor *)0x1);
   /* Padding is nobody's field: garbage there changes nothing. */
   CHECK_OK(refit_executor_options_init(&options));
@@ -595,12 +618,19 @@ static void empty_and_scalar_tensors(void) {
   CHECK(scalar_dst == 0xC0FFEE);
   CHECK(memcmp(w_dst + 3, w_src + 3, 5 * 4) == 0 && w_dst[0] == 0 && w_dst[2] == 0);
   CHECK(run.bytes[REFIT_ROUTE_PEER] == 4 && run.bytes[REFIT_ROUTE_LOCAL] == 20);
-  /* A process the plan does not mention has nothing to do: an executor for it moves no byte. */
-  refit_executor *idle = NULL;
-  CHECK_OK(refit_executor_create(plan, group, UINT32_MAX, NULL, &idle));
+  /* A process the plan does not mention: an executor for it would move nothing, so it is refused,
+   * naming the process and the plan's processes. Its own share names it: that one moves no byte. */
+  refit_executor *idle = (refit_executor *)0x1;
+  CHECK_FAILS(refit_executor_create(plan, group, UINT32_MAX, NULL, &idle), REFIT_STATUS_INVALID_ARGUMENT,
+              "process 4294967295: the plan names no route or receiver of it (its processes are [0])");
+  CHECK(idle == (refit_executor *)0x1);
+  refit_plan *idle_share = NULL;
+  CHECK_OK(refit_plan_build_share(tables, 1, UINT32_MAX, NULL, &idle_share));
+  CHECK_OK(refit_executor_create(idle_share, group, UINT32_MAX, NULL, &idle));
   CHECK_OK(refit_executor_run(idle, group, &run));
   CHECK(run.bytes[0] + run.bytes[1] + run.bytes[2] == 0 && run.installed_bytes == 0);
   refit_executor_destroy(idle);
+  refit_plan_destroy(idle_share);
   refit_executor_destroy(executor);
 
   /* No tables at all: an empty plan with no route to read. */

@@ -238,6 +238,8 @@ void executor_runs_direct_staged_scoped_and_rebound() {
   staged_options.commit = REFIT_COMMIT_STAGED;
   staged_options.verify = true;
   refit::Executor staged(plan, group, 0, staged_options);
+  refit_executor_info info = staged.info();  // known before any run
+  CHECK(info.slices == 1 && info.staging_bytes >= half_bytes + whole_bytes);
   expect_error([&] { staged.commit(group); }, REFIT_STATUS_INVALID_STATE);  // nothing staged yet
   b.fill(11);
   poison(b.half);

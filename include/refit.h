@@ -512,9 +512,18 @@ typedef struct {
   uint32_t commit;
   /**
    * REFIT_COMMIT_STAGED only: the most staging bytes per receiving device, at least 4096; 0 (the
-   * default) stages the whole step at once.
+   * default) stages the whole step at once. Staging aligns each run like its destination (up to
+   * 15 bytes of padding per run); a receiving device's payload at or below the limit is always
+   * staged in one slice (densely when the padding would not fit). A step above it runs in slices,
+   * which refit_executor_get_info reports at creation.
    */
   uint64_t staging_limit;
+  /**
+   * REFIT_COMMIT_STAGED only: refuse (INVALID_ARGUMENT naming options.single_slice, the slices
+   * and the payload) a step that would run in more than one slice under staging_limit, so that
+   * commit stays all or nothing for the whole step (default false).
+   */
+  bool single_slice;
 } refit_executor_options;
 
 /**
@@ -542,7 +551,10 @@ typedef struct {
    */
   bool device_timed;
   /**
-   * This call checked the copied bytes against their sources, and all matched.
+   * A run: it read the check of every byte it copied (a staged run inside a scope leaves its last
+   * slice's to the commit), and all matched. A commit: the bytes it installed were checked (by
+   * the run, or by the commit when the run left it) and all matched. Never true when
+   * verified_bytes is 0.
    */
   bool verified;
   /**
@@ -567,7 +579,8 @@ typedef struct {
    */
   uint64_t installed_bytes;
   /**
-   * Bytes this call compared with their sources.
+   * A run: bytes whose check it read and found matching their sources. A commit: the installed
+   * bytes that were checked so.
    */
   uint64_t verified_bytes;
   /**
@@ -575,11 +588,12 @@ typedef struct {
    */
   uint64_t wall_ns;
   /**
-   * Host time rebuilding descriptors (0 when reused).
+   * Host time rebuilding descriptors (0 when reused: descriptors are built at create, and rebuilt
+   * only by the first run after a rebind that touched a verify's).
    */
   uint64_t prepare_ns;
   /**
-   * Host time ordering the streams and queueing every stage.
+   * Host time ordering the streams and queueing every stage, and the call's own checks.
    */
   uint64_t enqueue_ns;
   /**
@@ -626,6 +640,32 @@ typedef struct {
   uint32_t remote_ipc_peers;
   uint32_t remote_staged_peers;
 } refit_run_stats;
+
+/**
+ * What an executor was prepared to do, known from its creation (refit_executor_get_info). Set `size`
+ * to sizeof(refit_executor_info) first.
+ */
+typedef struct {
+  /**
+   * sizeof(refit_executor_info) as the caller knows it.
+   */
+  size_t size;
+  /**
+   * Slices every run takes (REFIT_COMMIT_STAGED above staging_limit: more than 1, and the run
+   * installs all but the last before the commit; 0 when the executor moves nothing within the
+   * process).
+   */
+  uint32_t slices;
+  /**
+   * Staging allocated on the receiving devices, bytes summed over them (0 for direct commit).
+   */
+  uint64_t staging_bytes;
+  /**
+   * Host time the creation spent checking that every address it reads or writes is memory of the
+   * device the plan names (see refit_executor_create).
+   */
+  uint64_t address_check_ns;
+} refit_executor_info;
 
 /**
  * Options of refit_group_create. Fill with refit_group_options_init, then change fields.
@@ -1055,7 +1095,12 @@ refit_status refit_plan_build_across(refit_comm *comm,
  * default stream), in one kernel launch on the CUDA backend. Source and destination addresses are
  * device pointers of that device or of a peer the rank's device accesses directly
  * (refit_group_peer_access); any sizes and byte offsets, zero-length segments allowed. `flags`:
- * 0 or REFIT_COPY_CHECKED.
+ * 0 or REFIT_COPY_CHECKED. Every call checks every segment's memory first (host work per segment
+ * and per allocation touched; prepare a batch to pay it once): on CUDA every byte must lie in a
+ * live allocation of the rank's device or of a device it accesses directly (a range may run from
+ * one allocation into the next where they meet); host memory from malloc, page-locked host memory
+ * and unmapped or freed addresses are INVALID_ARGUMENT naming the segment, side and address. On
+ * the host backend, a range in the first page (below 4096) is refused alike.
  *
  * Stream ordering (CUDA): queued on `stream`; returns without waiting for the copy. The descriptors
  * are uploaded stream-ordered (no host sync); this call must not be captured into a CUDA graph (use a
@@ -1066,7 +1111,7 @@ refit_status refit_plan_build_across(refit_comm *comm,
  *
  * Errors: NULL_ARGUMENT (group, or segments with n > 0), INVALID_ARGUMENT (rank not below the group
  * size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
- * address, on the host backend a stream that is not a host stream or is another simulated
+ * address, memory that is not the device's (above), on the host backend a stream that is not a host stream or is another simulated
  * device's), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte; a segment that surely
  * writes a byte twice, with or without it), UNSUPPORTED (checked mode over more interleaved runs
  * than it visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
@@ -1081,7 +1126,7 @@ refit_status refit_copy_batch(const refit_group *group,
 
 /**
  * Prepares `n` segments for repeated copies on `rank`'s device: checks them (as refit_copy_batch, with
- * `flags`), lays them out and uploads the descriptors to device memory. Blocking; not ordered with any
+ * `flags`, their memory included: once, here, never at a launch), lays them out and uploads the descriptors to device memory. Blocking; not ordered with any
  * stream. The addresses are fixed from now on; the bytes are read at each launch. The batch does not
  * keep the group alive but must be destroyed before the device's memory it names is freed.
  * Thread-safety: as refit_copy_batch.
@@ -1189,7 +1234,7 @@ refit_status refit_digest_many(const refit_group *group,
 
 /**
  * Fills `*options` with the defaults: size set, REFIT_ARM_AUTO, no SM cap, no verify,
- * REFIT_COMMIT_DIRECT, staging_limit 0. Thread-safe. Errors: NULL_ARGUMENT.
+ * REFIT_COMMIT_DIRECT, staging_limit 0, single_slice false. Thread-safe. Errors: NULL_ARGUMENT.
  */
 refit_status refit_executor_options_init(refit_executor_options *options);
 
@@ -1202,12 +1247,24 @@ refit_status refit_executor_options_init(refit_executor_options *options);
  * the kernel on a device compiles it. The executor keeps nothing of `plan` that its destruction
  * would invalidate.
  *
+ * Addresses are checked here, once (runs never check them again): on CUDA every byte a step reads
+ * or writes must lie in a live allocation of the device the plan names for it (cudaMalloc /
+ * cuMemAlloc, cuMemCreate mappings, memory opened through CUDA IPC, managed memory; a range may
+ * run from one allocation into the next where they meet); host memory from malloc, page-locked
+ * host memory, another device's memory, freed or unmapped addresses are INVALID_ARGUMENT, the
+ * message naming the tensor, its box, the range and the address found wanting. On the host
+ * backend, a range in the first page (below 4096) or past the end of the address space is refused
+ * alike. The host time spent is refit_executor_get_info's address_check_ns. Planning checks no
+ * address.
+ *
  * Thread-safety: as the group's calls (the thread driving the group); the plan may be shared.
  *
  * Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
  * commit, a verify byte other than 0 or 1, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit
- * with REFIT_COMMIT_DIRECT or below 4096, a segment with a zero address, a plan that is another
- * process's share), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
+ * with REFIT_COMMIT_DIRECT or below 4096, single_slice with REFIT_COMMIT_DIRECT or a step that
+ * needs more than one slice, a segment with a zero address, an address that is not memory of its
+ * device (above), a plan that is another process's share, a process the plan does not name: no route or receiver of the plan is in it,
+ * and the plan is not its share; the message lists the plan's processes), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
  * process and another: this executor moves bytes within one process; the kernel arm where a rank
  * has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE /
  * KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO falls back to the copy engine), CUDA_ERROR.
@@ -1243,7 +1300,9 @@ refit_status refit_executor_create(const refit_plan *plan,
  * processes cannot rebind (UNSUPPORTED: buffers that moved need new IPC handles, so create the
  * executors again, collectively). When any pair uses IPC, every run meets the other processes
  * twice on the host (its streams first reach the step: a run inside a scope then blocks); every
- * process must run and commit its executor alike. The executor keeps `comm` alive.
+ * process must run and commit its executor alike. The executor keeps `comm` alive. Each process
+ * checks the addresses of its own side of every route (as refit_executor_create) before meeting
+ * the others; a refusal there leaves the others' creates to fail with TIMEOUT or ABORTED.
  *
  * Errors: as refit_executor_create, plus NULL_ARGUMENT (comm), INVALID_ARGUMENT (a plan process
  * that is not a communicator rank; processes that stage bytes between them and ask for verify
@@ -1275,8 +1334,11 @@ refit_status refit_executor_create_across(const refit_plan *plan,
  * progress: nothing is queued), VERIFY_MISMATCH (the message names the tensor, box and element that
  * differ; with REFIT_COMMIT_STAGED nothing of that slice was installed), PLAN_STALE (rebinds left
  * two buffers overlapping; every later run is refused too: build a new plan), CUDA_ERROR. After an
- * error nothing can be committed until a run succeeds; in a direct step live buffers may hold part
- * of the new bytes.
+ * error nothing can be committed until a run succeeds: any failed refit_executor_run or
+ * refit_executor_commit on the executor, an argument refused included (a NULL or stale group,
+ * another group, stats->size), leaves INVALID_STATE to every commit until then; only a call refused
+ * because another thread's call holds the executor changes nothing. In a direct step live buffers
+ * may hold part of the new bytes.
  *
  * Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
  * of its device until the step has run.
@@ -1299,7 +1361,8 @@ refit_status refit_executor_run(refit_executor *executor,
  * executor; nothing staged since the last commit; the last run or commit failed: the message says
  * why; run again; called from a rank callback of any group, or while another thread's call on
  * the executor or the group is in progress), VERIFY_MISMATCH (nothing installed),
- * CUDA_ERROR. After an error, run again before committing. Thread-safety: see refit_executor.
+ * CUDA_ERROR. After an error (any failed run or commit, as refit_executor_run says), run again
+ * before committing. Thread-safety: see refit_executor.
  */
 refit_status refit_executor_commit(refit_executor *executor,
                                    refit_group *group,
@@ -1313,6 +1376,17 @@ refit_status refit_executor_commit(refit_executor *executor,
  * CUDA_ERROR. Thread-safety: see refit_executor.
  */
 refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *stats);
+
+/**
+ * Writes what `executor` was prepared to do to `*info` (set info->size first): the slices a run
+ * takes, the staging it holds, and what its creation spent checking addresses. Not ordered with
+ * any stream; does not wait.
+ *
+ * Errors: NULL_ARGUMENT (executor, info), INVALID_ARGUMENT (info->size, a handle that is not a live
+ * executor), INVALID_STATE (another thread's call holds the executor). Thread-safety: see
+ * refit_executor.
+ */
+refit_status refit_executor_get_info(const refit_executor *executor, refit_executor_info *info);
 
 /**
  * Tells the executor that the caller's memory [old_base, old_base + length) on `device` (a device
@@ -1330,7 +1404,9 @@ refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *sta
  * a third address).
  *
  * Errors (nothing changed): NULL_ARGUMENT, INVALID_DEVICE (not a device of the group),
- * INVALID_ARGUMENT (length 0, new_base 0, a range past 2^64, an ambiguous range, a new range
+ * INVALID_ARGUMENT (length 0, new_base 0, new_base equal to old_base: nothing moved, a range past
+ * 2^64, a new place whose bytes the executor reads or writes are not memory of `device`: checked
+ * here once, as refit_executor_create checks the plan's addresses, an ambiguous range, a new range
  * overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
  * range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
  * a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),

@@ -651,6 +651,14 @@ class Executor {
     check(refit_executor_stats(live(), &s));
     return s;
   }
+  /// refit_executor_get_info: what the executor was prepared to do (slices per run, staging, the
+  /// time its creation spent checking addresses); known from its creation, does not wait.
+  refit_executor_info info() const {
+    refit_executor_info i{};
+    i.size = sizeof(i);
+    check(refit_executor_get_info(live(), &i));
+    return i;
+  }
   /// refit_executor_rebind: the caller's [old_base, old_base + length) on `device` now lives at new_base.
   void rebind(uint32_t device, uint64_t old_base, uint64_t new_base, uint64_t length) {
     check(refit_executor_rebind(live(), device, old_base, new_base, length));

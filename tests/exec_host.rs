@@ -9,7 +9,7 @@ mod hooks;
 use hooks::failing_at;
 use refit::exec::{Arm, CommitMode, ExecOptions, Executor, Method, RunStats, Stage};
 use refit::group::{BackendChoice, ExitMode, Group, GroupOptions};
-use refit::plan::{self, Endpoint, Plan, PlanOptions};
+use refit::plan::{self, Endpoint, Need, Offer, Plan, PlanOptions, Region, Table, TensorSpec};
 use refit::Status;
 use refit_workloads::{element_value, Model, Moe, Packing, Role, Spec, Workload};
 use std::sync::Arc;
@@ -394,13 +394,21 @@ fn bad_rebinds_and_calls_get_their_status() {
         assert_eq!(err.status, Status::InvalidArgument);
         assert!(err.message.contains(what), "{}", err.message);
     }
-    // A process with no routes has nothing to do, and does it.
+    // A process the plan never names would move nothing and report success: refused.
     for commit in [CommitMode::Direct, CommitMode::Staged] {
         let options = ExecOptions { commit, verify: true, ..ExecOptions::default() };
-        let mut idle = Executor::new(&group, &refit.plan, 7, options).unwrap();
-        let stats = step(&mut idle, &group).unwrap();
-        assert_eq!((stats.bytes, stats.installed_bytes), ([0, 0, 0], 0));
+        let err = Executor::new(&group, &refit.plan, 7, options).err().unwrap();
+        assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+        assert!(err.message.contains("process 7") && err.message.contains("[0]"), "{}", err.message);
     }
+    // Its own share names it, even when it moves nothing.
+    let bases: Vec<u64> = refit.memory.iter_mut().map(|m| m.as_mut_ptr() as u64).collect();
+    let tables = refit.w.tables(&bases).unwrap();
+    let refs: Vec<&plan::Table> = tables.iter().collect();
+    let idle_share = plan::build_share(&refs, 7, &PlanOptions::default(), &plan::Limits::default()).unwrap();
+    let mut idle = Executor::new(&group, &idle_share, 7, ExecOptions::default()).unwrap();
+    let stats = step(&mut idle, &group).unwrap();
+    assert_eq!((stats.bytes, stats.installed_bytes), ([0, 0, 0], 0));
     // The plan names device 1; a group without it cannot run it.
     let lonely = Group::new(&[0], GroupOptions { backend: BackendChoice::Host, host_devices: 2 }).unwrap();
     assert_eq!(
@@ -430,4 +438,217 @@ fn a_share_drives_its_own_process_only() {
     assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
     assert!(err.message.contains("process 3's share"), "{}", err.message);
     assert_eq!(refit.plan.share_of(), None);
+}
+
+#[test]
+fn a_failed_call_disarms_the_commit_until_a_run_succeeds() {
+    let refit = Refit::new(Packing::Separate);
+    let (group, other) = (host_group(), host_group());
+    let options = ExecOptions { commit: CommitMode::Staged, ..ExecOptions::default() };
+    let mut executor = executor(&group, &refit, options);
+    // SAFETY (every call below): as in `step`; a refused call queues nothing.
+    unsafe {
+        // A refused run (another group) after a good one: the step staged before is not committed.
+        executor.run(&group).unwrap();
+        assert_eq!(executor.run(&other).unwrap_err().status, Status::InvalidArgument);
+        let err = executor.commit(&group).unwrap_err();
+        assert_eq!(err.status, Status::InvalidState, "{}", err.message);
+        assert!(err.message.contains("another group"), "{}", err.message);
+        assert!(refit.receivers_untouched(), "a commit after a failed run installed the earlier step");
+        // A refused commit: nothing can be committed until a run succeeds.
+        executor.run(&group).unwrap();
+        assert_eq!(executor.commit(&other).unwrap_err().status, Status::InvalidArgument);
+        assert_eq!(executor.commit(&group).unwrap_err().status, Status::InvalidState);
+        assert!(refit.receivers_untouched());
+        // A refusal recorded by the C API (an argument it checks before the executor sees the call).
+        executor.run(&group).unwrap();
+        executor.refused(&refit::Error::invalid_argument("stats->size = 3"));
+        let err = executor.commit(&group).unwrap_err();
+        assert!(err.message.contains("stats->size"), "{}", err.message);
+        // A run that succeeds arms it again.
+        executor.run(&group).unwrap();
+        executor.commit(&group).unwrap();
+    }
+    refit.assert_installed("after the run that re-armed the commit");
+}
+
+#[test]
+fn prepare_time_is_zero_exactly_when_descriptors_are_reused() {
+    let mut refit = Refit::with(Packing::Separate, false);
+    let group = host_group();
+    // The copy engine's verify compares both sides: a rebind of a source rebuilds it.
+    let options = ExecOptions { arm: Arm::CopyEngine, verify: true, ..ExecOptions::default() };
+    let mut executor = executor(&group, &refit, options);
+    for _ in 0..3 {
+        let stats = step(&mut executor, &group).unwrap();
+        assert!(stats.descriptors_reused);
+        assert_eq!(stats.prepare_ns, 0, "{stats:?}");
+        assert!(stats.attributed_ns() <= stats.wall_ns && stats.enqueue_ns > 0);
+    }
+    let publisher = refit.w.buffers.iter().position(|b| b.role == Role::Publisher).unwrap();
+    let mut moved = refit.memory[publisher].clone();
+    std::mem::swap(&mut refit.memory[publisher], &mut moved);
+    let device = refit.w.buffers[publisher].endpoint.device as i32;
+    let len = moved.len() as u64;
+    executor.rebind(device, moved.as_ptr() as u64, refit.memory[publisher].as_ptr() as u64, len).unwrap();
+    let rebuilt = step(&mut executor, &group).unwrap();
+    assert!(!rebuilt.descriptors_reused);
+    assert!(rebuilt.prepare_ns > 0, "{rebuilt:?}");
+    refit.assert_installed("after the rebind");
+    let again = step(&mut executor, &group).unwrap();
+    assert_eq!((again.descriptors_reused, again.prepare_ns), (true, 0));
+}
+
+#[test]
+fn verified_is_reported_with_the_bytes_the_call_checked() {
+    let mut refit = Refit::new(Packing::Separate);
+    let group = host_group();
+    let options = ExecOptions { commit: CommitMode::Staged, verify: true, ..ExecOptions::default() };
+    let mut executor = executor(&group, &refit, options);
+    let payload = refit.needed_bytes();
+    // SAFETY (every call below): as in `step`.
+    unsafe {
+        // Outside a scope the run reads every check; the commit reports the checked bytes it installs.
+        let ran = executor.run(&group).unwrap();
+        assert_eq!((ran.verified, ran.verified_bytes), (true, payload));
+        let committed = executor.commit(&group).unwrap();
+        assert_eq!((committed.verified, committed.verified_bytes), (true, payload), "{committed:?}");
+        // Inside a scope the run leaves the (one) slice's check to the commit.
+        refit.poison_receivers();
+        group.enter(None).unwrap();
+        let ran = executor.run(&group).unwrap();
+        group.exit(ExitMode::Sync).unwrap();
+        assert_eq!((ran.verified, ran.verified_bytes), (false, 0), "{ran:?}");
+        let committed = executor.commit(&group).unwrap();
+        assert_eq!((committed.verified, committed.verified_bytes), (true, payload), "{committed:?}");
+    }
+    refit.assert_installed("verified staged step");
+}
+
+#[test]
+fn a_rebind_onto_the_same_place_is_refused_and_changes_nothing() {
+    let mut refit = Refit::with(Packing::Separate, false);
+    let group = host_group();
+    let mut executor = executor(&group, &refit, ExecOptions::default());
+    let b = refit.receivers().next().unwrap();
+    let device = refit.w.buffers[b].endpoint.device as i32;
+    let (base, len) = (refit.memory[b].as_mut_ptr() as u64, refit.memory[b].len() as u64);
+    let err = executor.rebind(device, base, base, len).unwrap_err();
+    assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+    assert!(err.message.contains("has not moved"), "{}", err.message);
+    // A new place that is no memory (the first page) is refused the same way, changing nothing.
+    let err = executor.rebind(device, base, 0x100, len).unwrap_err();
+    assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+    assert!(err.message.contains("[0x100,") && err.message.contains("first page"), "{}", err.message);
+    for round in 0..2 {
+        refit.poison_receivers();
+        step(&mut executor, &group).unwrap();
+        refit.assert_installed(&format!("round {round} after the refused rebind"));
+    }
+}
+
+/// A plan moving `rows` runs of `len` bytes of tensor "w" ([rows, len] bytes, offered whole at
+/// `src` on device 0) into `dst` on device `to`, each run `pitch` bytes from the next.
+fn rows_plan(src: u64, dst: u64, to: u32, (rows, len, pitch): (u64, u64, u64)) -> Plan {
+    let here = |device| Endpoint { process: 0, device };
+    let whole = Region { offset: vec![0, 0], extent: vec![rows, len] };
+    let table = Table {
+        tensors: vec![TensorSpec { name: "w".into(), dtype: 1, elem_size: 1, shape: vec![rows, len] }],
+        offers: vec![Offer {
+            tensor: 0,
+            owner: here(0),
+            addr: src,
+            region: whole.clone(),
+            strides: None,
+            digest: None,
+        }],
+        needs: vec![Need {
+            tensor: 0,
+            receiver: here(to),
+            addr: dst,
+            region: whole,
+            perm: None,
+            strides: vec![pitch, 1],
+        }],
+    };
+    plan::build(&[table], &PlanOptions::default()).unwrap()
+}
+
+#[test]
+fn addresses_in_the_first_page_are_refused_at_create_and_planning_keeps_them() {
+    let group = host_group();
+    let mut memory = vec![7u8; 1 << 16];
+    let real = memory.as_mut_ptr() as u64;
+    // The planner checks no address: fake ones plan (an offer at 0 plans to a segment near 0).
+    for (src, dst, side) in [(0x10, real, "source"), (real, 0xf80, "destination")] {
+        let plan = rows_plan(src, dst, 1, (4, 64, 64));
+        for commit in [CommitMode::Direct, CommitMode::Staged] {
+            let err = Executor::new(&group, &plan, 0, ExecOptions { commit, ..ExecOptions::default() })
+                .err()
+                .unwrap_or_else(|| panic!("{side} at {src:#x}/{dst:#x} was accepted"));
+            assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+            for word in ["tensor 'w'", "box offset [0, 0] extent [4, 64]", side, "first page"] {
+                assert!(err.message.contains(word), "{word:?} missing: {}", err.message);
+            }
+        }
+    }
+    // A segment at address 0 itself was refused before (by the batched copy's checks).
+    let at_zero = rows_plan(0, real, 1, (4, 64, 64));
+    let err = Executor::new(&group, &at_zero, 0, ExecOptions::default()).err().unwrap();
+    assert_eq!(err.status, Status::InvalidArgument, "{}", err.message);
+    // Real memory on both sides: created, and it moves the bytes.
+    let (src, dst) = (real, real + (1 << 15));
+    let plan = rows_plan(src, dst, 1, (4, 64, 64));
+    let mut executor = Executor::new(&group, &plan, 0, ExecOptions::default()).unwrap();
+    step(&mut executor, &group).unwrap();
+    assert_eq!(memory[1 << 15..(1 << 15) + 256], [7u8; 256]);
+}
+
+#[test]
+fn a_payload_within_the_staging_limit_is_staged_in_one_slice() {
+    let group = host_group();
+    // 1200 runs of 3 bytes (3,600 bytes of payload) into rows 16 bytes apart, at an odd address:
+    // aligned like their destinations they would need more than 4,096 bytes of staging.
+    let (rows, len, pitch) = (1200u64, 3u64, 16u64);
+    let source: Vec<u8> = (0..rows * len).map(|i| (i * 7 + 1) as u8).collect();
+    let mut received = vec![0u8; (rows * pitch + 1) as usize];
+    let dst = received.as_mut_ptr() as u64 + 1;
+    let plan = rows_plan(source.as_ptr() as u64, dst, 1, (rows, len, pitch));
+    let staged = |limit, single_slice| ExecOptions {
+        commit: CommitMode::Staged,
+        staging_limit: limit,
+        single_slice,
+        ..ExecOptions::default()
+    };
+    let mut executor = Executor::new(&group, &plan, 0, staged(4096, true)).unwrap();
+    assert_eq!(executor.slices(), 1, "the padding alone cut the step into slices");
+    assert!(executor.staging_bytes() >= rows * len && executor.staging_bytes() < 4096 + 32);
+    // SAFETY: the plan's memory is this test's, alive throughout.
+    let ran = unsafe { executor.run(&group) }.unwrap();
+    assert_eq!((ran.slices, ran.installed_bytes), (1, 0));
+    assert!(received.iter().all(|&b| b == 0), "a staged run wrote live bytes");
+    unsafe { executor.commit(&group) }.unwrap();
+    for r in 0..rows as usize {
+        let at = 1 + r * pitch as usize;
+        assert_eq!(received[at..at + 3], source[3 * r..3 * r + 3], "row {r}");
+    }
+    // Verified, the densely staged step checks out, and installs the same bytes.
+    let installed = received.clone();
+    received.fill(0);
+    let verified = ExecOptions { verify: true, ..staged(4096, true) };
+    let mut executor = Executor::new(&group, &plan, 0, verified).unwrap();
+    let ran = step(&mut executor, &group).unwrap();
+    assert!(ran.verified && ran.verified_bytes == rows * len, "{ran:?}");
+    assert_eq!(received, installed);
+    // A payload above the limit: slices, seen at create, and refused when one slice is required.
+    let (rows, len) = (64u64, 128u64);
+    let big: Vec<u8> = vec![1; (rows * len) as usize];
+    let mut into = vec![0u8; (rows * len) as usize];
+    let plan = rows_plan(big.as_ptr() as u64, into.as_mut_ptr() as u64, 1, (rows, len, len));
+    assert!(Executor::new(&group, &plan, 0, staged(4096, false)).unwrap().slices() > 1);
+    let err = Executor::new(&group, &plan, 0, staged(4096, true)).err().unwrap();
+    assert_eq!(err.status, Status::InvalidArgument);
+    assert!(err.message.contains("single_slice") && err.message.contains("8192"), "{}", err.message);
+    let direct = ExecOptions { single_slice: true, ..ExecOptions::default() };
+    assert_eq!(Executor::new(&group, &plan, 0, direct).err().unwrap().status, Status::InvalidArgument);
 }

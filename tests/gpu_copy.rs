@@ -478,3 +478,79 @@ fn group_rank_copy_on_the_cuda_backend() {
         case.verify(&format!("group rank prepared launch {round}"));
     }
 }
+
+/// A CUDA group of device 0 made through the C API.
+fn c_group() -> *mut refit::ffi::group::refit_group {
+    use refit::ffi::group::{refit_group_create, refit_group_options_init, REFIT_BACKEND_CUDA};
+    let mut options = std::mem::MaybeUninit::uninit();
+    assert_eq!(refit_group_options_init(options.as_mut_ptr()), Status::Success);
+    // SAFETY: initialized by the call above.
+    let mut options = unsafe { options.assume_init() };
+    options.backend = REFIT_BACKEND_CUDA;
+    let mut group = std::ptr::null_mut();
+    assert_eq!(refit_group_create([0].as_ptr(), 1, &options, &mut group), Status::Success);
+    group
+}
+
+fn c_error() -> String {
+    // SAFETY: the library's thread-local message, NUL-terminated.
+    unsafe { std::ffi::CStr::from_ptr(refit::ffi::status::refit_last_error_message()) }
+        .to_string_lossy()
+        .into()
+}
+
+/// refit_copy_batch and refit_copy_batch_prepare refuse, before anything reaches the device,
+/// segments whose memory is not the device's: host malloc memory on either side, freed memory, an
+/// address nothing is mapped at, a range past its allocation's end. The context stays usable: a
+/// good batch afterwards copies byte-exact.
+#[test]
+#[ignore = "needs a GPU"]
+fn the_c_api_refuses_memory_that_is_not_the_devices() {
+    use refit::ffi::copy::{refit_copy_batch, refit_copy_batch_destroy, refit_copy_batch_prepare};
+    const MIB: usize = 1 << 20;
+    let group = c_group();
+    let (src, dst) = (Buffer::new(0, MIB), Buffer::new(0, MIB));
+    let mut host = vec![0u8; MIB];
+    let freed = Buffer::new(0, MIB).ptr; // freed when the temporary drops
+    let cases = [
+        (
+            "host source",
+            Segment::contiguous(host.as_mut_ptr() as u64, dst.ptr, 4096),
+            "segment 0: its source",
+        ),
+        ("host destination", Segment::contiguous(src.ptr, host.as_mut_ptr() as u64, 4096), "its destination"),
+        ("freed source", Segment::contiguous(freed, dst.ptr, 4096), "no memory CUDA knows"),
+        ("unmapped source", Segment::contiguous(0x7f00_0000_0000, dst.ptr, 4096), "no memory CUDA knows"),
+        (
+            "past the end",
+            Segment::contiguous(src.ptr, dst.ptr, 64 * MIB as u64),
+            "past the end of its allocation",
+        ),
+    ];
+    dst.fill(POISON);
+    for (what, segment, words) in cases {
+        let status = refit_copy_batch(group, 0, std::ptr::null_mut(), &segment, 1, 0);
+        assert_eq!(status, Status::InvalidArgument, "{what}: {}", c_error());
+        assert!(c_error().contains(words), "{what}: {words:?} missing from {}", c_error());
+        let mut batch = std::ptr::null_mut();
+        let status = refit_copy_batch_prepare(group, 0, &segment, 1, 0, &mut batch);
+        assert_eq!(status, Status::InvalidArgument, "{what} (prepared): {}", c_error());
+        assert!(batch.is_null());
+    }
+    assert!(dst.download().iter().all(|&b| b == POISON), "a refused batch wrote");
+    let bytes: Vec<u8> = (0..MIB).map(|i| (i * 13 + 1) as u8).collect();
+    src.upload(&bytes);
+    let good = Segment::contiguous(src.ptr, dst.ptr, MIB as u64);
+    assert_eq!(
+        refit_copy_batch(group, 0, std::ptr::null_mut(), &good, 1, 0),
+        Status::Success,
+        "{}",
+        c_error()
+    );
+    on(0, || ok("cuCtxSynchronize", check("cuCtxSynchronize", unsafe { sys::cuCtxSynchronize() })));
+    assert_eq!(dst.download(), bytes, "the context no longer copies right");
+    let mut batch = std::ptr::null_mut();
+    assert_eq!(refit_copy_batch_prepare(group, 0, &good, 1, 0, &mut batch), Status::Success);
+    refit_copy_batch_destroy(batch);
+    refit::ffi::group::refit_group_destroy(group);
+}

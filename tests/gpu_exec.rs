@@ -392,3 +392,208 @@ fn auto_gives_long_runs_to_the_copy_engine_and_the_rest_to_the_kernel() {
     refit.assert_installed("split after rebinds");
     Refit::assert_untouched(&old);
 }
+
+/// Physical chunks of cuMemCreate memory on `device` in one reserved range of `reserved` chunks:
+/// chunk i is mapped at `ptr + i * chunk` for i < `mapped`, the rest is reserved but unmapped.
+/// Two mapped chunks are two allocations that meet.
+struct Chunks {
+    device: i32,
+    ptr: u64,
+    chunk: u64,
+    reserved: u64,
+    mapped: Vec<sys::CUmemGenericAllocationHandle>,
+}
+
+impl Chunks {
+    fn new(device: i32, mapped: usize, reserved: usize) -> Chunks {
+        cuda().bind(device).unwrap();
+        // SAFETY: plain driver calls with valid out-pointers, the device's context current.
+        unsafe {
+            let mut prop: sys::CUmemAllocationProp = std::mem::zeroed();
+            prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+            prop.location =
+                sys::CUmemLocation { type_: sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE, id: device };
+            let mut chunk = 0usize;
+            let flag = sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM;
+            ck("cuMemGetAllocationGranularity", sys::cuMemGetAllocationGranularity(&mut chunk, &prop, flag));
+            let mut ptr = 0;
+            ck("cuMemAddressReserve", sys::cuMemAddressReserve(&mut ptr, chunk * reserved, 0, 0, 0));
+            let mut handles = Vec::new();
+            for c in 0..mapped {
+                let mut handle = 0;
+                ck("cuMemCreate", sys::cuMemCreate(&mut handle, chunk, &prop, 0));
+                ck("cuMemMap", sys::cuMemMap(ptr + (c * chunk) as u64, chunk, 0, handle, 0));
+                handles.push(handle);
+            }
+            let access = sys::CUmemAccessDesc {
+                location: prop.location,
+                flags: sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE,
+            };
+            ck("cuMemSetAccess", sys::cuMemSetAccess(ptr, chunk * mapped, &access, 1));
+            Chunks { device, ptr, chunk: chunk as u64, reserved: reserved as u64, mapped: handles }
+        }
+    }
+
+    fn write(&self, offset: u64, bytes: &[u8]) {
+        unsafe { cuda().write(self.device, self.ptr + offset, bytes) }.unwrap();
+    }
+
+    fn read(&self, offset: u64, len: usize) -> Vec<u8> {
+        let mut out = vec![0u8; len];
+        unsafe { cuda().read(self.device, self.ptr + offset, &mut out) }.unwrap();
+        out
+    }
+}
+
+impl Drop for Chunks {
+    fn drop(&mut self) {
+        cuda().bind(self.device).unwrap();
+        // SAFETY: unmapping and releasing what `new` mapped and created.
+        unsafe {
+            sys::cuCtxSynchronize();
+            sys::cuMemUnmap(self.ptr, self.chunk as usize * self.mapped.len());
+            for &handle in &self.mapped {
+                sys::cuMemRelease(handle);
+            }
+            sys::cuMemAddressFree(self.ptr, (self.chunk * self.reserved) as usize);
+        }
+    }
+}
+
+/// A plan moving tensor "w" of `len` bytes, offered whole at `src` and needed whole at `dst`, both
+/// on device 0 (the planner checks no address).
+fn whole_tensor_plan(src: u64, dst: u64, len: u64) -> Plan {
+    use refit::plan::{Need, Offer, Region, Table, TensorSpec};
+    let here = Endpoint { process: 0, device: 0 };
+    let whole = Region { offset: vec![0], extent: vec![len] };
+    let table = Table {
+        tensors: vec![TensorSpec { name: "w".into(), dtype: 1, elem_size: 1, shape: vec![len] }],
+        offers: vec![Offer {
+            tensor: 0,
+            owner: here,
+            addr: src,
+            region: whole.clone(),
+            strides: None,
+            digest: None,
+        }],
+        needs: vec![Need {
+            tensor: 0,
+            receiver: here,
+            addr: dst,
+            region: whole,
+            perm: None,
+            strides: vec![1],
+        }],
+    };
+    plan::build(&[table], &PlanOptions::default()).unwrap()
+}
+
+/// Every way a plan can name memory that is not the device's: each refused at create with
+/// INVALID_ARGUMENT naming the tensor, its box and the address, on every arm, direct and staged;
+/// then a range across two allocations that meet is accepted, and the context still copies
+/// byte-exact (a refused address never reached the device).
+#[test]
+#[ignore = "needs a GPU"]
+fn addresses_that_are_not_the_devices_memory_are_refused_at_create() {
+    const MIB: u64 = 1 << 20;
+    let group = gpu_group(1);
+    let device = DeviceBuffer::new(0, MIB as usize);
+    let other = DeviceBuffer::new(0, MIB as usize);
+    let mut host = vec![0u8; MIB as usize];
+    let host_ptr = host.as_mut_ptr() as u64;
+    let mut pinned: *mut std::ffi::c_void = std::ptr::null_mut();
+    cuda().bind(0).unwrap();
+    ck("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut pinned, MIB as usize, 0) });
+    // One chunk mapped, the next reserved only: a range off the end of the mapping.
+    let lonely = Chunks::new(0, 1, 2);
+    // Freed last: nothing allocated after it may take its place before the cases are refused (each
+    // refusal comes before the executor allocates anything).
+    let freed = DeviceBuffer::new(0, MIB as usize);
+    let freed_ptr = freed.ptr;
+    drop(freed);
+    let cases: Vec<(&str, u64, u64, u64, &str)> = vec![
+        ("host malloc source", host_ptr, device.ptr, MIB, "its source"),
+        ("host malloc destination", device.ptr, host_ptr, MIB, "its destination"),
+        ("page-locked host source", pinned as u64, device.ptr, MIB, "page-locked"),
+        ("freed source", freed_ptr, device.ptr, MIB, "no memory CUDA knows"),
+        ("unmapped source", 0x7f00_0000_0000, device.ptr, MIB, "no memory CUDA knows"),
+        (
+            "source past its allocation's end",
+            device.ptr,
+            other.ptr,
+            64 * MIB,
+            "past the end of its allocation",
+        ),
+        ("destination past its mapping", device.ptr, lonely.ptr + lonely.chunk - 4096, 8192, "past the end"),
+    ];
+    for (what, src, dst, len, words) in cases {
+        let plan = whole_tensor_plan(src, dst, len);
+        for (arm, commit) in [
+            (Arm::Kernel, CommitMode::Direct),
+            (Arm::CopyEngine, CommitMode::Direct),
+            (Arm::Auto, CommitMode::Staged),
+        ] {
+            let options = ExecOptions { arm, commit, ..ExecOptions::default() };
+            let err =
+                Executor::new(&group, &plan, 0, options).err().unwrap_or_else(|| panic!("{what} accepted"));
+            assert_eq!(err.status, Status::InvalidArgument, "{what}: {}", err.message);
+            for word in ["tensor 'w' box offset [0]", words] {
+                assert!(err.message.contains(word), "{what}: {word:?} missing from {}", err.message);
+            }
+        }
+    }
+    // Two allocations that meet: a range across the seam is memory of the device, and moves.
+    let seam = Chunks::new(0, 2, 2);
+    let len = 64 << 10;
+    let bytes: Vec<u8> = (0..len).map(|i| (i * 31 + 7) as u8).collect();
+    device.write(0, &bytes);
+    let at = seam.chunk - len as u64 / 2;
+    let plan = whole_tensor_plan(device.ptr, seam.ptr + at, len as u64);
+    for arm in [Arm::Kernel, Arm::CopyEngine] {
+        seam.write(at, &vec![POISON; len]);
+        let mut executor =
+            Executor::new(&group, &plan, 0, ExecOptions { arm, ..ExecOptions::default() }).unwrap();
+        step(&mut executor, &group).unwrap();
+        assert_eq!(seam.read(at, len), bytes, "{arm:?} across the seam");
+    }
+    // The other way round, reading across the seam.
+    let back = whole_tensor_plan(seam.ptr + at, other.ptr, len as u64);
+    other.poison();
+    let mut executor = Executor::new(&group, &back, 0, ExecOptions::default()).unwrap();
+    step(&mut executor, &group).unwrap();
+    assert_eq!(other.read()[..len], bytes[..]);
+    ck("cuMemFreeHost", unsafe { sys::cuMemFreeHost(pinned) });
+}
+
+/// On two GPUs: memory of device 1 named as device 0's is refused (the plan says where it is).
+#[test]
+#[ignore = "needs a GPU"]
+fn another_devices_memory_is_refused_at_create() {
+    if cuda().device_count() < 2 {
+        println!("note: one GPU: not run");
+        return;
+    }
+    let group = gpu_group(2);
+    let (mine, theirs) = (DeviceBuffer::new(0, 4096), DeviceBuffer::new(1, 4096));
+    let plan = whole_tensor_plan(theirs.ptr, mine.ptr, 4096);
+    let err = Executor::new(&group, &plan, 0, ExecOptions::default()).err().unwrap();
+    assert_eq!(err.status, Status::InvalidArgument);
+    assert!(err.message.contains("memory of device 1, not of device 0"), "{}", err.message);
+}
+
+/// The check's cost at create, for the record (benches/gpu_refit.rs measures the demo's plan).
+#[test]
+#[ignore = "needs a GPU"]
+fn the_address_check_is_paid_at_create_only() {
+    let refit = Refit::new(1, true);
+    let group = gpu_group(1);
+    let mut executor = Executor::new(&group, &refit.plan, 0, ExecOptions::default()).unwrap();
+    assert!(executor.address_check_ns() > 0);
+    for _ in 0..3 {
+        refit.poison();
+        let stats = step(&mut executor, &group).unwrap();
+        assert_eq!(stats.prepare_ns, 0, "a run checked or prepared something");
+        refit.assert_installed("after the check");
+    }
+    println!("address check at create: {} ns", executor.address_check_ns());
+}

@@ -113,8 +113,19 @@ fn in_arena(segment: &Segment, base: u64) -> bool {
     side(segment.src, segment.src_stride) && side(segment.dst, segment.dst_stride)
 }
 
+/// Whether `segment` carries bytes from or to the first page, where the library refuses every
+/// address (a batch or an executor naming one is INVALID_ARGUMENT before any byte moves).
+fn in_first_page(segment: &Segment) -> bool {
+    segment.len > 0 && segment.count[0] > 0 && segment.count[1] > 0 && (segment.src < 4096 || segment.dst < 4096)
+}
+
 /// Whether every segment of every route of `plan` lies in the arena (false when it cannot be read).
 fn plan_in_arena(plan: *mut refit_plan, base: u64) -> bool {
+    plan_all(plan, |s| in_arena(s, base))
+}
+
+/// Whether every segment of every route of `plan` satisfies `good` (false when it cannot be read).
+fn plan_all(plan: *mut refit_plan, good: impl Fn(&Segment) -> bool) -> bool {
     let mut count = 0;
     // SAFETY: a valid output slot.
     if unsafe { refit_plan_route_count(plan, &mut count) } != Status::Success {
@@ -130,7 +141,7 @@ fn plan_in_arena(plan: *mut refit_plan, base: u64) -> bool {
         }
         // SAFETY: `segment_count` segments, owned by the live plan.
         let segments = unsafe { std::slice::from_raw_parts(route.segments, route.segment_count) };
-        segments.iter().all(|s| in_arena(s, base))
+        segments.iter().all(&good)
     })
 }
 
@@ -297,6 +308,8 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
             let mut executor = null_mut();
             let status = check(refit_executor_create(plan, group, input.value(3) as u32, &options, &mut executor));
             if status == Status::Success {
+                // The executor checked every address once: none of its plan's is in the first page.
+                assert!(plan_all(plan, |s| !in_first_page(s)), "an executor was made over the first page");
                 pool.executors.push((executor, plan_in_arena(plan, base)));
             }
         }
@@ -329,17 +342,21 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
         14 => {
             let group = pool.pick(input, &pool.groups, base);
             let segments: Vec<Segment> = (0..input.byte() % 4).map(|_| segment(input, base)).collect();
-            let safe = segments.iter().all(|s| in_arena(s, base) || s.src == 0 || s.dst == 0);
+            // A segment in the first page makes the library refuse the whole batch before any copy.
+            let refused = segments.iter().any(in_first_page);
+            let safe = refused || segments.iter().all(|s| in_arena(s, base) || s.src == 0 || s.dst == 0);
             if !safe {
                 return;
             }
             let (rank, flags) = (input.value(3) as u32, input.value(3) as u32);
             if input.byte() % 2 == 0 {
-                check(refit_copy_batch(group, rank, null_mut(), segments.as_ptr(), segments.len(), flags));
+                let status = check(refit_copy_batch(group, rank, null_mut(), segments.as_ptr(), segments.len(), flags));
+                assert!(!(refused && status == Status::Success), "a batch over the first page copied");
             } else {
                 let mut batch = null_mut();
                 let status =
                     check(refit_copy_batch_prepare(group, rank, segments.as_ptr(), segments.len(), flags, &mut batch));
+                assert!(!(refused && status == Status::Success), "a batch over the first page was prepared");
                 if status == Status::Success {
                     check(refit_copy_batch_launch(batch, null_mut()));
                     pool.batches.push(batch);

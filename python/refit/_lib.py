@@ -306,6 +306,18 @@ class ExecutorOptions(ctypes.Structure):
         ("verify", c_bool),
         ("commit", c_uint32),
         ("staging_limit", c_uint64),
+        ("single_slice", c_bool),
+    ]
+
+
+class ExecutorInfoStruct(ctypes.Structure):
+    """refit_executor_info."""
+
+    _fields_ = [
+        ("size", c_size_t),
+        ("slices", c_uint32),
+        ("staging_bytes", c_uint64),
+        ("address_check_ns", c_uint64),
     ]
 
 
@@ -404,6 +416,7 @@ FUNCTIONS = {
     "refit_executor_run": (status_t, [_handle, _handle, POINTER(RunStatsStruct)]),
     "refit_executor_commit": (status_t, [_handle, _handle, POINTER(RunStatsStruct)]),
     "refit_executor_stats": (status_t, [_handle, POINTER(RunStatsStruct)]),
+    "refit_executor_get_info": (status_t, [_handle, POINTER(ExecutorInfoStruct)]),
     "refit_executor_rebind": (status_t, [_handle, c_uint32, c_uint64, c_uint64, c_uint64]),
     "refit_executor_destroy": (None, [_handle]),
     "refit_group_options_init": (status_t, [POINTER(GroupOptions)]),

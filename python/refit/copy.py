@@ -32,7 +32,9 @@ def copy_batch(
 
 class PreparedCopy(Handle):
     """A batch of segments prepared for one rank's device (refit_prepared_copy): checked and laid
-    out once, launched any number of times with no host work proportional to its size.
+    out once, launched any number of times with no host work proportional to its size. The check
+    includes the memory: every byte must be memory of the rank's device (or of a peer it accesses
+    directly) when prepared, else RefitError INVALID_ARGUMENT names the segment, side and address.
 
     Owns the prepared batch; close() frees it, which must happen only when no launch can still run
     and before the memory its segments name is freed. launch() may be called from several threads

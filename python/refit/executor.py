@@ -13,6 +13,7 @@ from ._handle import Handle, borrow
 from ._lib import (
     Arm,
     Commit,
+    ExecutorInfoStruct,
     ExecutorOptions,
     ExitMode,
     RouteKind,
@@ -72,6 +73,19 @@ class RunStats:
         return self.bytes[choice(kind, RouteKind, "kind")]
 
 
+@dataclasses.dataclass(frozen=True)
+class ExecutorInfo:
+    """refit_executor_info as a value: what an executor was prepared to do, known at creation.
+    `slices`: slices every run takes (more than 1 only when staged above staging_limit: the run then
+    installs all but the last before the commit). `staging_bytes`: staging held on the receiving
+    devices. `address_check_ns`: host time the creation spent checking every address it reads or
+    writes against the device's memory."""
+
+    slices: int
+    staging_bytes: int
+    address_check_ns: int
+
+
 class Executor(Handle):
     """One process's share of a plan prepared for a group (refit_executor): descriptors built and
     uploaded once, staging allocated, then run() step after step with no host work per segment.
@@ -94,11 +108,18 @@ class Executor(Handle):
         commit: int = Commit.DIRECT,
         staging_limit: int = 0,
         comm: Any = None,
+        single_slice: bool = False,
     ) -> None:
         """Prepares `process`'s share of `plan` for `group` (refit_executor_create; see
         Plan.executor for the options). With `comm` (a Communicator), `process` must be its rank,
         and the routes between this process and the other processes of `comm` are prepared too
-        (refit_executor_create_across: a collective call, every process makes it)."""
+        (refit_executor_create_across: a collective call, every process makes it).
+        `single_slice` (COMMIT STAGED only): refuse, with RefitError INVALID_ARGUMENT, a step that
+        would run in more than one slice under `staging_limit`. Every address the plan reads or
+        writes is checked here, once: memory that is not the named device's is INVALID_ARGUMENT
+        naming the tensor, box and address."""
+        if not isinstance(single_slice, bool):
+            raise invalid_argument(f"single_slice={single_slice!r}; expected True or False")
         options = ExecutorOptions()
         check(lib.refit_executor_options_init(byref(options)))
         options.arm = check_range(arm, 32, "arm")
@@ -106,6 +127,7 @@ class Executor(Handle):
         options.verify = boolean(verify, "verify")
         options.commit = check_range(commit, 32, "commit")
         options.staging_limit = check_range(staging_limit, 64, "staging_limit")
+        options.single_slice = single_slice
         pointer = c_void_p()
         process = check_range(process, 32, "process")
         planned = borrow(plan, "plan", "plan")
@@ -155,11 +177,21 @@ class Executor(Handle):
             check(lib.refit_executor_stats(handle, byref(raw)))
         return RunStats.from_struct(raw)
 
+    def info(self) -> ExecutorInfo:
+        """What the executor was prepared to do (refit_executor_get_info): its slices per run, its
+        staging and the time its creation spent checking addresses. Does not wait."""
+        raw = ExecutorInfoStruct()
+        raw.size = ctypes.sizeof(raw)
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_executor_get_info(handle, byref(raw)))
+        return ExecutorInfo(raw.slices, raw.staging_bytes, raw.address_check_ns)
+
     def rebind(self, device: int, old_base: int, new_base: int, length: int) -> None:
         """Tells the executor that the `length` bytes at `old_base` on `device` now live at
         `new_base` (refit_executor_rebind): later runs use the new place with no planning.
         RefitError PLAN_STALE when the range cuts through bytes the plan moves together (build a
-        new plan), NOT_FOUND when the plan uses none of it."""
+        new plan), NOT_FOUND when the plan uses none of it, INVALID_ARGUMENT when new_base equals
+        old_base (nothing moved)."""
         arguments = (
             check_range(device, 32, "device"),
             check_range(old_base, 64, "old_base"),
@@ -194,4 +226,4 @@ class Executor(Handle):
         return "<refit.Executor closed>" if self.closed else f"<refit.Executor on {self._group!r}>"
 
 
-__all__ = ["Arm", "Commit", "Executor", "RunStats"]
+__all__ = ["Arm", "Commit", "Executor", "ExecutorInfo", "RunStats"]

@@ -116,6 +116,24 @@ class CopyTest(unittest.TestCase):
                 self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
         self.assertEqual(bytes(target), bytes([POISON] * 64))
 
+    def test_addresses_where_no_memory_can_be_are_refused_before_any_copy(self):
+        source = host_buffer([1] * 64)
+        target = host_buffer([POISON] * 64)
+        ok = (addr(source), addr(target), 8)
+        cases = {
+            "source in the first page": ([ok, (0x10, addr(target) + 8, 8)], "segment 1: its source [0x10"),
+            "destination in the first page": ([(addr(source), 0xFF8, 16)], "segment 0: its destination [0xff8"),
+        }
+        for name, (segments, words) in cases.items():
+            for call in (lambda: self.group.copy_batch(0, segments), lambda: self.group.prepare_copy(1, segments)):
+                with self.subTest(case=name):
+                    with self.assertRaises(RefitError) as caught:
+                        call()
+                    self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
+                    self.assertIn(words, caught.exception.message)
+                    self.assertIn("first page", caught.exception.message)
+        self.assertEqual(bytes(target), bytes([POISON] * 64))
+
 
 class PlanThroughCopyTest(unittest.TestCase):
     def test_each_rank_copies_the_routes_into_it(self):

@@ -9,6 +9,7 @@ import unittest
 
 from refit import (Arm, Backend, Commit, Executor, Group, HostStream, Plan, RefitError, RouteKind, RunStats, Status,
                    Table)
+from refit.executor import ExecutorInfo
 from test_plan import POISON, Refit
 
 
@@ -155,6 +156,60 @@ class ExecutorTest(unittest.TestCase):
                         self.assertEqual(executor.run().arm[RouteKind.PEER], arm)
                     for name in sizes:
                         self.assertEqual(targets[name].raw, sources[name].raw, name)
+
+    def test_addresses_that_are_no_memory_are_refused_at_create(self):
+        received = (ctypes.c_uint32 * 16)()
+        table = Table()
+        w = table.add_tensor("w", [4, 4], 4)
+        # An offer at 0 plans: the planner checks no address. Its segment starts in the first page.
+        table.add_offer(w, 0, 0, 0, [0, 0], [4, 4])
+        table.add_need(w, 0, 1, ctypes.addressof(received), [1, 0], [3, 4], [4, 1])
+        with Plan.build([table]) as at_zero:
+            with self.assertRaises(RefitError) as raised:
+                at_zero.executor(self.group, 0)
+        table.close()
+        self.assertEqual(raised.exception.status, Status.INVALID_ARGUMENT)
+        for words in ("tensor 'w' box offset [1, 0] extent [3, 4]", "its source [0x10", "first page"):
+            self.assertIn(words, raised.exception.message)
+        self.assertEqual(bytes(received), bytes(64))
+
+    def test_staging_slices_are_known_at_create_and_can_be_refused(self):
+        whole = Executor(self.plan, self.group, 0, commit=Commit.STAGED, single_slice=True)
+        info = whole.info()
+        self.assertIsInstance(info, ExecutorInfo)
+        self.assertEqual(info.slices, 1)
+        self.assertGreaterEqual(info.staging_bytes, self.plan.receiver_stats(0, 1).needed_bytes)
+        self.assertGreater(info.address_check_ns, 0)
+        whole.close()
+        direct = Executor(self.plan, self.group, 0)
+        self.assertEqual((direct.info().slices, direct.info().staging_bytes), (1, 0))
+        direct.close()
+        with self.assertRaises(RefitError) as raised:
+            Executor(self.plan, self.group, 0, single_slice=True)
+        self.assertIn("single_slice", raised.exception.message)
+        with self.assertRaises(RefitError) as raised:
+            Executor(self.plan, self.group, 0, commit=Commit.STAGED, single_slice="no")
+        self.assertEqual(raised.exception.status, Status.INVALID_ARGUMENT)
+        self.assertIn("single_slice='no'", raised.exception.message)
+
+    def test_a_process_the_plan_never_names_is_refused(self):
+        with self.assertRaises(RefitError) as raised:
+            self.plan.executor(self.group, 7)
+        self.assertEqual(raised.exception.status, Status.INVALID_ARGUMENT)
+        self.assertIn("process 7", raised.exception.message)
+        self.assertIn("[0, 1]", raised.exception.message)
+
+    def test_a_rebind_that_moves_nothing_is_refused(self):
+        executor = self.plan.executor(self.group, 0)
+        half = self.refit.halves[0]
+        with self.assertRaises(RefitError) as raised:
+            executor.rebind(1, half.addr, half.addr, half.size)
+        self.assertEqual(raised.exception.status, Status.INVALID_ARGUMENT)
+        self.assertIn("has not moved", raised.exception.message)
+        self.poison()
+        executor.run()
+        self.assertEqual(half.bytes(), self.refit.expected_half(0))
+        executor.close()
 
     def test_bad_arguments_get_their_status(self):
         cases = [

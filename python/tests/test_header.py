@@ -24,6 +24,7 @@ STRUCTS = {
     "refit_route_info": _lib.RouteInfo,
     "refit_executor_options": _lib.ExecutorOptions,
     "refit_run_stats": _lib.RunStatsStruct,
+    "refit_executor_info": _lib.ExecutorInfoStruct,
 }
 SCALARS = {
     "void": None,

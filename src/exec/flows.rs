@@ -52,6 +52,25 @@ pub(crate) fn rank_of(group: &Group, endpoint: Endpoint) -> Result<usize> {
     })
 }
 
+/// InvalidArgument unless `plan` names `process`: as a route's or a receiver's process, or as the
+/// process whose share it is (a share names its process even when that process moves nothing).
+/// An executor for a process the plan never names would move nothing, silently.
+pub(crate) fn check_named(plan: &Plan, process: u32) -> Result<()> {
+    if plan.share_of() == Some(process) {
+        return Ok(());
+    }
+    let mut named: Vec<u32> = plan.routes().iter().flat_map(|r| [r.src.process, r.dst.process]).collect();
+    named.extend(plan.receivers().map(|e| e.process));
+    named.sort_unstable();
+    named.dedup();
+    if named.binary_search(&process).is_ok() {
+        return Ok(());
+    }
+    Err(Error::invalid_argument(format!(
+        "process {process}: the plan names no route or receiver of it (its processes are {named:?})"
+    )))
+}
+
 /// The routes of `plan` that `process` takes part in within the process, as flows between group
 /// ranks (plan endpoints' devices are the group's device ordinals). Routes between this process and
 /// another are left to `remote` when `across` (an executor with a communicator), and Unsupported

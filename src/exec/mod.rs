@@ -24,6 +24,7 @@
 //! installing. An executor keeps no reference to the group: each call is passed it and checks it is
 //! the one the executor was made for.
 
+mod addresses;
 mod batch;
 mod flows;
 mod options;
@@ -49,7 +50,7 @@ use batch::Batch;
 use flows::RankFlow;
 use rebind::{AddressBook, Registrar, Target};
 use remote::Remote;
-use staging::{staged_pair, Packer};
+use staging::{staged_pair, Layout, Packer, Placement};
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
@@ -203,6 +204,32 @@ pub struct Executor {
     broken: Option<Error>,
     /// Routes between processes (an executor made with a communicator).
     remote: Option<Remote>,
+    /// Host time creation spent checking the plan's addresses against the backend's memory.
+    address_check_ns: u64,
+    /// Staging bytes per receiving device, summed (staged commit).
+    staging_bytes: u64,
+}
+
+/// Every segment into receiving rank `rank` cut to fit `limit` and placed in its staging under
+/// `layout`: the packer (size, slices) and (flow index, piece, placement) per piece.
+fn place_staging(
+    flows: &[RankFlow],
+    rank: usize,
+    limit: u64,
+    layout: Layout,
+) -> (Packer, Vec<(usize, Segment, Placement)>) {
+    let mut packer = Packer::new(limit, layout);
+    let (mut placed, mut pieces) = (Vec::new(), Vec::new());
+    for (f, flow) in flows.iter().enumerate().filter(|(_, f)| f.dst == rank) {
+        for segment in &flow.segments {
+            pieces.clear();
+            staging::split(segment, packer.cap(), packer.layout(), &mut pieces);
+            for piece in &pieces {
+                placed.push((f, *piece, packer.place(piece)));
+            }
+        }
+    }
+    (packer, placed)
 }
 
 /// A segment's first and one-past-last byte on one side (the plan's segments were validated: no
@@ -280,14 +307,21 @@ impl SliceLists {
 impl Executor {
     /// Prepares `process`'s share of `plan` (routes whose endpoints are in that process; endpoint
     /// devices are the group's device ordinals) for `group`: batches for every stage built and
-    /// uploaded, staging allocated. Errors: InvalidArgument (options), NotFound (a plan device not
+    /// uploaded, staging allocated, every address checked once against the backend's memory (see
+    /// `addresses`). Errors: InvalidArgument (options; a process the plan does not name; an address
+    /// that is not memory of the device the plan names; a step that needs more than one slice
+    /// under `single_slice`), NotFound (a plan device not
     /// in the group), Unsupported (a route to or from another process; the kernel arm without
     /// peer access), InvalidArgument (a segment the batched copy refuses), and the driver's and
     /// compiler's errors.
     pub fn new(group: &Group, plan: &Plan, process: u32, options: ExecOptions) -> Result<Executor> {
         options.check()?;
         let flows = flows::flows(group, plan, process, false)?;
-        Executor::build_any_arm(group, plan, process, &options, &flows, None)
+        flows::check_named(plan, process)?;
+        let checked_ns = addresses::check(group, plan, process, &flows, false)?;
+        let mut executor = Executor::build_any_arm(group, plan, process, &options, &flows, None)?;
+        executor.address_check_ns = checked_ns;
+        Ok(executor)
     }
 
     /// As [`Executor::new`] for the process whose communicator rank is `comm`'s, with the routes
@@ -306,8 +340,13 @@ impl Executor {
         options.check()?;
         let process = u32::try_from(comm.rank()).map_err(|_| Error::invalid_argument("a rank above 2^32"))?;
         let flows = flows::flows(group, plan, process, true)?;
+        // Before the first meeting: a refusal here leaves the other processes' creates to fail
+        // with TIMEOUT or ABORTED, as any failure of one process's create does.
+        let checked_ns = addresses::check(group, plan, process, &flows, true)?;
         let remote = Remote::prepare(group, plan, process, comm, &options)?;
-        Executor::build_any_arm(group, plan, process, &options, &flows, Some(remote))
+        let mut executor = Executor::build_any_arm(group, plan, process, &options, &flows, Some(remote))?;
+        executor.address_check_ns = checked_ns;
+        Ok(executor)
     }
 
     /// Builds with the options' arm and, when AUTO finds the kernel unavailable, with the copy engine.
@@ -383,6 +422,8 @@ impl Executor {
             last: None,
             broken: None,
             remote: None,
+            address_check_ns: 0,
+            staging_bytes: 0,
         };
         let mut lists = match options.commit {
             CommitMode::Direct => vec![executor.direct_lists(flows)],
@@ -437,19 +478,23 @@ impl Executor {
         receivers.dedup();
         let mut slices: Vec<SliceLists> = Vec::new();
         for rank in receivers {
-            let mut packer = Packer::new(limit);
-            let mut placed = Vec::new();
-            let mut pieces = Vec::new();
-            for (f, flow) in flows.iter().enumerate().filter(|(_, f)| f.dst == rank) {
-                for segment in &flow.segments {
-                    pieces.clear();
-                    staging::split(segment, packer.cap(), &mut pieces);
-                    for piece in &pieces {
-                        placed.push((f, *piece, packer.place(piece)));
-                    }
-                }
+            let into = |f: &&RankFlow| f.dst == rank;
+            let payload: u64 =
+                flows.iter().filter(into).flat_map(|f| &f.segments).filter_map(|s| s.bytes()).sum();
+            let (mut packer, mut placed) = place_staging(flows, rank, limit, Layout::Aligned);
+            if packer.slices() > 1 && payload <= limit {
+                // Only the alignment padding would cut the step: pack densely, in one slice.
+                (packer, placed) = place_staging(flows, rank, limit, Layout::Dense);
             }
             let device = self.devices[rank];
+            if self.options.single_slice && packer.slices() > 1 {
+                let aligned = place_staging(flows, rank, u64::MAX, Layout::Aligned).0.size;
+                return Err(Error::invalid_argument(format!(
+                    "options.single_slice: the step into device {device} needs {} slices of staging_limit                      {limit} bytes ({payload} bytes of payload, {aligned} staged with alignment); raise                      staging_limit to at least {payload}, or set it to 0",
+                    packer.slices()
+                )));
+            }
+            self.staging_bytes += packer.size;
             let size = usize::try_from(packer.size + 16)
                 .map_err(|_| Error::new(Status::OutOfMemory, "staging larger than the address space"))?;
             let allocation = self.backend.alloc(device, size).map_err(|e| {
@@ -604,6 +649,16 @@ impl Executor {
         self.slices.len()
     }
 
+    /// Staging bytes allocated for the step, summed over the receiving devices (0: direct commit).
+    pub fn staging_bytes(&self) -> u64 {
+        self.staging_bytes
+    }
+
+    /// Host time the creation spent checking the plan's addresses (see `addresses`).
+    pub fn address_check_ns(&self) -> u64 {
+        self.address_check_ns
+    }
+
     pub fn options(&self) -> &ExecOptions {
         &self.options
     }
@@ -640,18 +695,45 @@ impl Executor {
     /// Every address of the plan (as rebound) must be live memory of the device it names until the
     /// work is done (on return outside a scope; after the scope's exit inside one).
     pub unsafe fn run(&mut self, group: &Group) -> Result<RunStats> {
+        // SAFETY: the caller's promise.
+        let ran = unsafe { self.run_step(group) };
+        self.disarm_on_error(ran)
+    }
+
+    /// Any failed run or commit, a refused argument included, leaves nothing to commit until a run
+    /// succeeds (the staged step may be another than the caller thinks).
+    fn disarm_on_error(&mut self, outcome: Result<RunStats>) -> Result<RunStats> {
+        outcome.inspect_err(|err| {
+            if !matches!(self.state, State::Failed(_)) {
+                self.state = State::Failed(err.message.clone());
+            }
+        })
+    }
+
+    /// Records that a run or commit on this executor was refused before it reached the executor
+    /// (an argument the C API checks first): as any failed call, it disarms the commit.
+    pub fn refused(&mut self, err: &Error) {
+        let _ = self.disarm_on_error(Err(err.clone()));
+    }
+
+    /// [`Executor::run`] without the disarming on error.
+    unsafe fn run_step(&mut self, group: &Group) -> Result<RunStats> {
         let started = Instant::now();
         let _driving = self.check_call(group)?;
         let mut stats = RunStats { descriptors_reused: true, ..RunStats::default() };
         if self.book.has_moved() {
             self.book.settle().inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
         }
+        // Only descriptor rebuilds count as preparing: the call's other host work before queueing
+        // (its checks, the settling of rebinds) is enqueue time, so prepare_ns is 0 when reused.
+        let mut prepare_ns = 0;
         for verify in &mut self.verifies {
+            let rebuilding = Instant::now();
             if verify.refresh(group)? {
                 stats.descriptors_reused = false;
+                prepare_ns += rebuilding.elapsed().as_nanos() as u64;
             }
         }
-        let prepared = Instant::now();
         let implicit = !group.in_scope();
         let staged = self.options.commit == CommitMode::Staged;
         let mut log = CallLog::default();
@@ -694,15 +776,16 @@ impl Executor {
         stats.arm = self.methods.map(Method::code);
         stats.bytes = self.totals.bytes;
         stats.segments = self.totals.segments;
-        stats.verified = self.options.verify && checked;
-        stats.verified_bytes =
-            if self.options.verify { self.verifies.iter().map(|v| v.bytes()).sum() } else { 0 };
+        // What this call read the checks of: every slice, but the last when it left it to the commit.
+        let read = if checked { self.slices.len() } else { last };
+        stats.verified_bytes = if self.options.verify { self.verified_bytes(0..read) } else { 0 };
         stats.installed_bytes =
             if staged { self.installed_bytes(0..last) } else { self.totals.bytes.iter().sum() };
         if let Some(remote) = &self.remote {
             remote_stats(&mut stats, &remote.totals, staged);
         }
-        self.finish("run", stats, started, prepared, log, implicit)
+        stats.verified = self.options.verify && checked && stats.verified_bytes > 0;
+        self.finish("run", stats, started, prepare_ns, log, implicit)
     }
 
     /// Queues every slice of a run (inside the scope).
@@ -874,6 +957,17 @@ impl Executor {
         result
     }
 
+    /// The bytes the verifies of `slices` check.
+    fn verified_bytes(&self, slices: std::ops::Range<usize>) -> u64 {
+        self.slices[slices]
+            .iter()
+            .flat_map(|s| &s.copies)
+            .flat_map(|c| [c.local, c.peer])
+            .filter_map(|stage| stage.and_then(|s| s.verify))
+            .map(|v| self.verifies[v].bytes())
+            .sum()
+    }
+
     fn installed_bytes(&self, slices: std::ops::Range<usize>) -> u64 {
         self.slices[slices]
             .iter()
@@ -895,6 +989,13 @@ impl Executor {
     /// # Safety
     /// As for [`Executor::run`].
     pub unsafe fn commit(&mut self, group: &Group) -> Result<RunStats> {
+        // SAFETY: the caller's promise.
+        let committed = unsafe { self.commit_step(group) };
+        self.disarm_on_error(committed)
+    }
+
+    /// [`Executor::commit`] without the disarming on error.
+    unsafe fn commit_step(&mut self, group: &Group) -> Result<RunStats> {
         let started = Instant::now();
         let _driving = self.check_call(group)?;
         if self.options.commit == CommitMode::Direct {
@@ -912,7 +1013,6 @@ impl Executor {
                 )))
             }
         };
-        let prepared = Instant::now();
         let implicit = !group.in_scope();
         let last = self.slices.len().saturating_sub(1);
         let mut log = CallLog::default();
@@ -942,31 +1042,37 @@ impl Executor {
             log.wait_ns += (exited - enqueued).as_nanos() as u64;
         }
         self.state = State::Idle;
+        // A commit reports on the bytes it installs: the last slice's, checked by the run or above.
+        let verified_bytes =
+            if self.options.verify { self.verified_bytes(last..self.slices.len()) } else { 0 };
         let stats = RunStats {
             descriptors_reused: true,
-            verified: self.options.verify,
+            verified: verified_bytes > 0,
+            verified_bytes,
             installed_bytes: if self.slices.is_empty() { 0 } else { self.installed_bytes(last..last + 1) },
             ..RunStats::default()
         };
-        self.finish("commit", stats, started, prepared, log, implicit)
+        // A commit rebuilds no descriptor.
+        self.finish("commit", stats, started, 0, log, implicit)
     }
 
     /// Fills the host times (and device times when the call waited for the device), logs the call,
-    /// keeps it for [`Executor::stats`].
+    /// keeps it for [`Executor::stats`]. `prepare_ns`: the call's host time rebuilding descriptors;
+    /// the rest of its host time that did not wait is enqueue time.
     fn finish(
         &mut self,
         call: &str,
         mut stats: RunStats,
         started: Instant,
-        prepared: Instant,
+        prepare_ns: u64,
         log: CallLog,
         waited: bool,
     ) -> Result<RunStats> {
         let ended = Instant::now();
         stats.wall_ns = (ended - started).as_nanos() as u64;
-        stats.prepare_ns = (prepared - started).as_nanos() as u64;
+        stats.prepare_ns = prepare_ns;
         stats.wait_ns = log.wait_ns;
-        stats.enqueue_ns = ((ended - prepared).as_nanos() as u64).saturating_sub(log.wait_ns);
+        stats.enqueue_ns = stats.wall_ns.saturating_sub(prepare_ns).saturating_sub(log.wait_ns);
         if waited {
             self.device_times(&mut stats, &log.recorded)?;
         }
@@ -1040,7 +1146,8 @@ impl Executor {
     /// sides is rebuilt at the next run). See `rebind` for how buffers are named.
     ///
     /// Errors (nothing changed): InvalidDevice (not a device of the group), InvalidArgument (empty
-    /// or overflowing range, ambiguous or clashing moves), NotFound (the plan uses no byte there),
+    /// or overflowing range, ambiguous or clashing moves, a new place that is not memory of the
+    /// device: checked here, once, as creation checks the plan's), NotFound (the plan uses no byte there),
     /// PlanStale (the range cuts through bytes the plan moves together: build a new plan).
     pub fn rebind(&mut self, device: i32, old_base: u64, new_base: u64, length: u64) -> Result<()> {
         if self.remote.is_some() {
@@ -1060,7 +1167,11 @@ impl Executor {
             );
         }
         self.wait_outstanding()?;
-        let (refs, delta) = self.book.rebind(device, old_base, new_base, length)?;
+        let (batches, backend) = (&self.batches, self.backend.as_ref());
+        let (refs, delta) =
+            self.book.rebind_checked(device, (old_base, new_base, length), |refs, delta| {
+                addresses::check_moved(backend, device, batches, refs, delta)
+            })?;
         let mut touched = Vec::new();
         for r in refs {
             match r.target {

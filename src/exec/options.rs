@@ -110,8 +110,12 @@ pub struct ExecOptions {
     pub verify: bool,
     pub commit: CommitMode,
     /// Staged only: the most staging bytes per receiving device (0: the whole step). A step above it
-    /// runs in slices.
+    /// runs in slices. A receiver's payload at or below it is staged in one slice (densely, when
+    /// aligning each run would not fit).
     pub staging_limit: u64,
+    /// Staged only: creation fails (InvalidArgument) when the step would run in more than one slice,
+    /// for callers that need all or nothing for the whole step.
+    pub single_slice: bool,
     /// See [`Hook`]. Not reachable from C.
     pub hook: Option<Hook>,
 }
@@ -124,6 +128,7 @@ impl Default for ExecOptions {
             verify: false,
             commit: CommitMode::Direct,
             staging_limit: 0,
+            single_slice: false,
             hook: None,
         }
     }
@@ -137,6 +142,7 @@ impl fmt::Debug for ExecOptions {
             .field("verify", &self.verify)
             .field("commit", &self.commit)
             .field("staging_limit", &self.staging_limit)
+            .field("single_slice", &self.single_slice)
             .field("hook", &self.hook.is_some())
             .finish()
     }
@@ -156,6 +162,11 @@ impl ExecOptions {
         if self.commit == CommitMode::Direct && self.staging_limit != 0 {
             return Err(Error::invalid_argument(
                 "staging_limit applies to staged commit only (set it to 0, or commit staged)",
+            ));
+        }
+        if self.commit == CommitMode::Direct && self.single_slice {
+            return Err(Error::invalid_argument(
+                "single_slice applies to staged commit only (a direct step has no slices)",
             ));
         }
         if self.staging_limit != 0 && self.staging_limit < ExecOptions::MIN_STAGING_LIMIT {

@@ -100,13 +100,27 @@ impl AddressBook {
     /// references to patch with that offset. Nothing changes on error: InvalidArgument (empty or
     /// overflowing range, a range that is both a moved and an unmoved buffer, a destination
     /// overlapping another moved buffer), NotFound (no registered byte there: nothing to rebind),
-    /// PlanStale (the range cuts through a span).
-    pub fn rebind(&mut self, device: i32, old: u64, new: u64, len: u64) -> Result<(Vec<Ref>, u64)> {
+    /// PlanStale (the range cuts through a span), and `check`'s error: it is shown the references
+    /// that would move and the offset before anything changes.
+    pub fn rebind_checked(
+        &mut self,
+        device: i32,
+        (old, new, len): (u64, u64, u64),
+        check: impl FnOnce(&[Ref], u64) -> Result<()>,
+    ) -> Result<(Vec<Ref>, u64)> {
         let (Some(old_end), Some(new_end)) = (old.checked_add(len), new.checked_add(len)) else {
             crate::bail!(Status::InvalidArgument, "the range of {len} bytes runs past 2^64");
         };
         if len == 0 || new == 0 {
             crate::bail!(Status::InvalidArgument, "length and new base must not be 0");
+        }
+        if new == old {
+            // A move by 0 would register the range as moved onto itself, where it overlaps itself:
+            // every later run would be refused as stale.
+            crate::bail!(
+                Status::InvalidArgument,
+                "new_base {new:#x} equals old_base: the range has not moved (nothing to rebind)"
+            );
         }
         let Some(spans) = self.devices.get_mut(&device) else {
             crate::bail!(Status::NotFound, "this executor reads and writes nothing on device {device}");
@@ -154,7 +168,8 @@ impl AddressBook {
                 span.hi
             );
         }
-        let mut refs = Vec::new();
+        let refs: Vec<Ref> = ids.iter().flat_map(|&id| spans.spans[id].refs.iter().copied()).collect();
+        check(&refs, delta)?;
         for id in ids {
             let span = &mut spans.spans[id];
             spans.settled.remove(&span.lo);
@@ -162,9 +177,14 @@ impl AddressBook {
             span.lo = span.lo.wrapping_add(delta);
             span.hi = span.hi.wrapping_add(delta);
             spans.moved.insert(span.lo, id);
-            refs.extend_from_slice(&span.refs);
         }
         Ok((refs, delta))
+    }
+
+    /// [`AddressBook::rebind_checked`] with nothing more checked.
+    #[cfg(test)]
+    pub fn rebind(&mut self, device: i32, old: u64, new: u64, len: u64) -> Result<(Vec<Ref>, u64)> {
+        self.rebind_checked(device, (old, new, len), |_, _| Ok(()))
     }
 
     /// Whether spans were moved since the last [`AddressBook::settle`].

@@ -6,12 +6,33 @@
 //! A staged run starts at an offset congruent to its destination modulo 16, and the staged strides
 //! are congruent to the destination strides modulo 16, so every staged run is as aligned as its
 //! destination: the install (the copy a server stalls for) gets the kernel's widest accesses wherever
-//! a direct copy would. The cost is under 16 bytes per run.
+//! a direct copy would. The cost is under 16 bytes per run, so a step of many short runs needs more
+//! staging than its payload: where that padding alone would cut a receiver's step into slices, the
+//! receiver's staging is packed densely instead ([`Layout::Dense`]), so that a limit at or above the
+//! payload always stages the step in one slice (all or nothing), at the price of narrower accesses.
 
 use crate::segment::Segment;
 
-/// Staged runs share their destination's address modulo this.
+/// Staged runs share their destination's address modulo this ([`Layout::Aligned`]).
 const ALIGN: u64 = 16;
+
+/// How pieces are laid out in staging.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(crate) enum Layout {
+    /// Each staged run as aligned as its destination, modulo [`ALIGN`].
+    Aligned,
+    /// Runs back to back: exactly the payload's bytes.
+    Dense,
+}
+
+impl Layout {
+    fn align(self) -> u64 {
+        match self {
+            Layout::Aligned => ALIGN,
+            Layout::Dense => 1,
+        }
+    }
+}
 
 /// A segment's staged box: strides and total bytes (from the first staged byte).
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -20,43 +41,46 @@ pub(crate) struct StagedShape {
     pub footprint: u64,
 }
 
-/// `(to - from) mod ALIGN`: what to add to `from` to make it congruent to `to`.
-fn pad(from: u64, to: u64) -> u64 {
-    to.wrapping_sub(from) & (ALIGN - 1)
+/// `(to - from) mod align`: what to add to `from` to make it congruent to `to`.
+fn pad(from: u64, to: u64, layout: Layout) -> u64 {
+    to.wrapping_sub(from) & (layout.align() - 1)
 }
 
 /// The staged box of `segment` (non-empty, validated). Saturates instead of overflowing: a footprint
 /// near 2^64 exceeds any staging limit and is split.
-pub(crate) fn shape(segment: &Segment) -> StagedShape {
+pub(crate) fn shape(segment: &Segment, layout: Layout) -> StagedShape {
     let s0 = if segment.count[0] > 1 {
-        segment.len.saturating_add(pad(segment.len, segment.dst_stride[0]))
+        segment.len.saturating_add(pad(segment.len, segment.dst_stride[0], layout))
     } else {
         segment.len
     };
     let inner = (segment.count[0] - 1).saturating_mul(s0).saturating_add(segment.len);
-    let s1 =
-        if segment.count[1] > 1 { inner.saturating_add(pad(inner, segment.dst_stride[1])) } else { inner };
+    let s1 = if segment.count[1] > 1 {
+        inner.saturating_add(pad(inner, segment.dst_stride[1], layout))
+    } else {
+        inner
+    };
     let footprint = (segment.count[1] - 1).saturating_mul(s1).saturating_add(inner);
     StagedShape { stride: [s0, s1], footprint }
 }
 
-/// `segment` cut into pieces whose staged footprint is at most `cap` (at least `ALIGN`): first into
-/// groups of outer repetitions, then of inner runs, then runs into byte ranges. Together the pieces
-/// copy exactly the segment's bytes, in its run order.
-pub(crate) fn split(segment: &Segment, cap: u64, out: &mut Vec<Segment>) {
-    if shape(segment).footprint <= cap {
+/// `segment` cut into pieces whose staged footprint under `layout` is at most `cap` (at least
+/// `ALIGN`): first into groups of outer repetitions, then of inner runs, then runs into byte ranges.
+/// Together the pieces copy exactly the segment's bytes, in its run order.
+pub(crate) fn split(segment: &Segment, cap: u64, layout: Layout, out: &mut Vec<Segment>) {
+    if shape(segment, layout).footprint <= cap {
         out.push(*segment);
         return;
     }
     let [c0, c1] = segment.count;
     if c1 > 1 {
         let one = Segment { count: [c0, 1], ..*segment };
-        let per_piece = rows_within(shape(&one).footprint, shape(segment).stride[1], cap);
-        repeat(segment, 1, c1, per_piece, cap, out);
+        let per_piece = rows_within(shape(&one, layout).footprint, shape(segment, layout).stride[1], cap);
+        repeat(segment, 1, c1, per_piece, (cap, layout), out);
     } else if c0 > 1 {
         let one = Segment { count: [1, 1], ..*segment };
-        let per_piece = rows_within(shape(&one).footprint, shape(segment).stride[0], cap);
-        repeat(segment, 0, c0, per_piece, cap, out);
+        let per_piece = rows_within(shape(&one, layout).footprint, shape(segment, layout).stride[0], cap);
+        repeat(segment, 0, c0, per_piece, (cap, layout), out);
     } else {
         // One run longer than the cap: byte ranges of a multiple of ALIGN, so each piece keeps the
         // run's alignment.
@@ -81,7 +105,14 @@ fn rows_within(first: u64, stride: u64, cap: u64) -> u64 {
 
 /// Pieces of `per_piece` repetitions of `level` (0 inner, 1 outer) out of `count`; with `per_piece`
 /// 0, each repetition on its own, split further.
-fn repeat(segment: &Segment, level: usize, count: u64, per_piece: u64, cap: u64, out: &mut Vec<Segment>) {
+fn repeat(
+    segment: &Segment,
+    level: usize,
+    count: u64,
+    per_piece: u64,
+    (cap, layout): (u64, Layout),
+    out: &mut Vec<Segment>,
+) {
     let step = per_piece.max(1);
     let mut first = 0;
     while first < count {
@@ -91,7 +122,7 @@ fn repeat(segment: &Segment, level: usize, count: u64, per_piece: u64, cap: u64,
         piece.dst = segment.dst + first * segment.dst_stride[level];
         piece.count[level] = n;
         if per_piece == 0 {
-            split(&piece, cap, out);
+            split(&piece, cap, layout, out);
         } else {
             out.push(piece);
         }
@@ -112,6 +143,7 @@ pub(crate) struct Placement {
 /// one slice), starting a new slice when the next does not fit.
 pub(crate) struct Packer {
     limit: u64,
+    layout: Layout,
     slice: usize,
     cursor: u64,
     /// The largest end offset of any slice: the buffer's size.
@@ -119,22 +151,26 @@ pub(crate) struct Packer {
 }
 
 impl Packer {
-    pub fn new(limit: u64) -> Packer {
-        Packer { limit, slice: 0, cursor: 0, size: 0 }
+    pub fn new(limit: u64, layout: Layout) -> Packer {
+        Packer { limit, layout, slice: 0, cursor: 0, size: 0 }
+    }
+
+    pub fn layout(&self) -> Layout {
+        self.layout
     }
 
     /// The largest footprint a piece may have so that it always fits a slice of its own.
     pub fn cap(&self) -> u64 {
-        self.limit.saturating_sub(ALIGN - 1)
+        self.limit.saturating_sub(self.layout.align() - 1)
     }
 
     /// Places `piece` (footprint at most [`Packer::cap`]).
     pub fn place(&mut self, piece: &Segment) -> Placement {
-        let shape = shape(piece);
-        let mut offset = self.cursor + pad(self.cursor, piece.dst);
+        let shape = shape(piece, self.layout);
+        let mut offset = self.cursor + pad(self.cursor, piece.dst, self.layout);
         if self.cursor > 0 && offset.saturating_add(shape.footprint) > self.limit {
             self.slice += 1;
-            offset = pad(0, piece.dst);
+            offset = pad(0, piece.dst, self.layout);
         }
         self.cursor = offset + shape.footprint;
         self.size = self.size.max(self.cursor);
@@ -196,9 +232,9 @@ mod tests {
     #[test]
     fn staged_runs_keep_their_destination_alignment() {
         for segment in cases() {
-            let shape = shape(&segment);
+            let shape = shape(&segment, Layout::Aligned);
             for base in [0u64, 16, 4096] {
-                let placement = Placement { slice: 0, offset: pad(0, segment.dst), shape };
+                let placement = Placement { slice: 0, offset: pad(0, segment.dst, Layout::Aligned), shape };
                 let (into, out) = staged_pair(&segment, base, &placement);
                 let mut staged_runs = Vec::new();
                 into.for_each_run(|_, dst, len| staged_runs.push((dst, len)));
@@ -231,10 +267,10 @@ mod tests {
         for segment in cases() {
             for cap in [16, 100, 1000, 4081, 50_000, u64::MAX] {
                 let mut pieces = Vec::new();
-                split(&segment, cap, &mut pieces);
+                split(&segment, cap, Layout::Aligned, &mut pieces);
                 assert_eq!(pairs(&pieces), pairs(&[segment]), "{segment:?} cap {cap}");
                 for piece in &pieces {
-                    assert!(shape(piece).footprint <= cap.max(16), "{piece:?} cap {cap}");
+                    assert!(shape(piece, Layout::Aligned).footprint <= cap.max(16), "{piece:?} cap {cap}");
                 }
                 if cap == u64::MAX {
                     assert_eq!(pieces, vec![segment]);
@@ -246,11 +282,11 @@ mod tests {
     #[test]
     fn slices_never_exceed_the_limit_and_follow_each_other() {
         let limit = 4096;
-        let mut packer = Packer::new(limit);
+        let mut packer = Packer::new(limit, Layout::Aligned);
         let mut placements = Vec::new();
         for segment in cases() {
             let mut pieces = Vec::new();
-            split(&segment, packer.cap(), &mut pieces);
+            split(&segment, packer.cap(), Layout::Aligned, &mut pieces);
             for piece in pieces {
                 placements.push((piece, packer.place(&piece)));
             }
@@ -269,13 +305,32 @@ mod tests {
             assert_eq!(p.offset % ALIGN, piece.dst % ALIGN);
         }
         let unlimited = {
-            let mut packer = Packer::new(u64::MAX);
+            let mut packer = Packer::new(u64::MAX, Layout::Aligned);
             for segment in cases() {
                 packer.place(&segment);
             }
             packer.slices()
         };
         assert_eq!(unlimited, 1);
-        assert_eq!(Packer::new(limit).slices(), 0);
+        assert_eq!(Packer::new(limit, Layout::Aligned).slices(), 0);
+    }
+
+    #[test]
+    fn dense_staging_holds_exactly_the_payload() {
+        // 1200 runs of 3 bytes: 3600 bytes of payload, three times more once each run is aligned.
+        let short = strided(0x1000, 0x20001, 3, [1200, 1], [5, 0], [32, 0]);
+        assert!(shape(&short, Layout::Aligned).footprint > 4096);
+        assert_eq!(shape(&short, Layout::Dense).footprint, 3600);
+        for segment in cases().into_iter().chain([short]) {
+            let (mut pieces, mut packer) = (Vec::new(), Packer::new(4096, Layout::Dense));
+            split(&segment, packer.cap(), Layout::Dense, &mut pieces);
+            assert_eq!(pairs(&pieces), pairs(&[segment]));
+            let bytes: u64 = pieces.iter().map(|p| p.bytes().unwrap()).sum();
+            let placed: Vec<Placement> = pieces.iter().map(|p| packer.place(p)).collect();
+            assert_eq!(placed.iter().map(|p| p.shape.footprint).sum::<u64>(), bytes);
+            if bytes <= 4096 {
+                assert_eq!(packer.slices(), 1, "{segment:?}");
+            }
+        }
     }
 }

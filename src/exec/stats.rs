@@ -24,7 +24,10 @@ pub struct RunStats {
     pub descriptors_reused: bool,
     /// The device times below are filled.
     pub device_timed: bool,
-    /// This call checked the copied bytes against their sources, and all matched.
+    /// A run: it read the check of every byte it copied (a staged run inside a scope leaves its last
+    /// slice's to the commit), and all matched. A commit: the bytes it installed were checked (by
+    /// the run, or by the commit when the run left it) and all matched. Never true when
+    /// verified_bytes is 0.
     pub verified: bool,
     /// Slices the step ran in (1 unless staged above staging_limit); 0 for a commit.
     pub slices: u32,
@@ -37,13 +40,15 @@ pub struct RunStats {
     pub segments: [u64; 3],
     /// Bytes this call wrote into live buffers (a direct run: all; staged: what it installed).
     pub installed_bytes: u64,
-    /// Bytes this call compared with their sources.
+    /// A run: bytes whose check it read and found matching their sources. A commit: the installed
+    /// bytes that were checked so.
     pub verified_bytes: u64,
     /// The whole call, on the host.
     pub wall_ns: u64,
-    /// Host time rebuilding descriptors (0 when reused).
+    /// Host time rebuilding descriptors (0 when reused: descriptors are built at create, and rebuilt
+    /// only by the first run after a rebind that touched a verify's).
     pub prepare_ns: u64,
-    /// Host time ordering the streams and queueing every stage.
+    /// Host time ordering the streams and queueing every stage, and the call's own checks.
     pub enqueue_ns: u64,
     /// Host time blocked on the device (outside a scope; verify outcomes; slices).
     pub wait_ns: u64,

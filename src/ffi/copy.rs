@@ -7,9 +7,13 @@
 
 use super::handles::{destroy, live, publish};
 use super::{boundary, out, slice};
+use crate::error::Status;
 use crate::error::{Error, Result};
 use crate::ffi::group::refit_group;
-use crate::segment::Segment;
+use crate::group::Group;
+use crate::segment::check::validate;
+use crate::segment::{Segment, Side};
+use crate::transport::access::first_unusable;
 use crate::transport::{PreparedCopy, Stream};
 use std::ffi::c_void;
 
@@ -38,11 +42,33 @@ fn checked_flag(flags: u32) -> Result<bool> {
     Ok(flags & REFIT_COPY_CHECKED != 0)
 }
 
+/// INVALID_ARGUMENT unless every byte `segments` read or write is memory `device` can use (see
+/// `Backend::inaccessible`: on CUDA, its own memory or a peer's it accesses directly).
+fn check_memory(group: &Group, device: i32, segments: &[Segment]) -> Result<()> {
+    validate(segments)?;
+    let owners = |_| (Some(device), Some(device));
+    let Some(bad) = first_unusable(group.backend().as_ref(), segments, owners, true)? else { return Ok(()) };
+    let side = if bad.side == Side::Source { "source" } else { "destination" };
+    let (addr, len) = bad.range;
+    crate::bail!(
+        Status::InvalidArgument,
+        "segment {}: its {side} [{addr:#x}, +{len:#x}) is not memory device {device} can use: {:#x} {}",
+        bad.segment,
+        bad.refusal.at,
+        bad.refusal.why
+    )
+}
+
 /// Copies `n` segments (see refit_segment) on `stream`, a stream of `rank`'s device (NULL: its legacy
 /// default stream), in one kernel launch on the CUDA backend. Source and destination addresses are
 /// device pointers of that device or of a peer the rank's device accesses directly
 /// (refit_group_peer_access); any sizes and byte offsets, zero-length segments allowed. `flags`:
-/// 0 or REFIT_COPY_CHECKED.
+/// 0 or REFIT_COPY_CHECKED. Every call checks every segment's memory first (host work per segment
+/// and per allocation touched; prepare a batch to pay it once): on CUDA every byte must lie in a
+/// live allocation of the rank's device or of a device it accesses directly (a range may run from
+/// one allocation into the next where they meet); host memory from malloc, page-locked host memory
+/// and unmapped or freed addresses are INVALID_ARGUMENT naming the segment, side and address. On
+/// the host backend, a range in the first page (below 4096) is refused alike.
 ///
 /// Stream ordering (CUDA): queued on `stream`; returns without waiting for the copy. The descriptors
 /// are uploaded stream-ordered (no host sync); this call must not be captured into a CUDA graph (use a
@@ -53,7 +79,7 @@ fn checked_flag(flags: u32) -> Result<bool> {
 ///
 /// Errors: NULL_ARGUMENT (group, or segments with n > 0), INVALID_ARGUMENT (rank not below the group
 /// size, unknown flag bits, a segment whose size or address range overflows 64 bits or has a zero
-/// address, on the host backend a stream that is not a host stream or is another simulated
+/// address, memory that is not the device's (above), on the host backend a stream that is not a host stream or is another simulated
 /// device's), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte; a segment that surely
 /// writes a byte twice, with or without it), UNSUPPORTED (checked mode over more interleaved runs
 /// than it visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
@@ -74,13 +100,14 @@ pub extern "C" fn refit_copy_batch(
         let segments = unsafe { slice(segments, n, "segments") }?;
         let checked = checked_flag(flags)?;
         let device = group.device(rank as usize)?;
+        check_memory(group, device, segments)?;
         // SAFETY: the caller's promise on addresses and stream, documented above.
         unsafe { group.backend().copy_batch(device, Stream::from_ptr(stream), segments, checked) }
     })
 }
 
 /// Prepares `n` segments for repeated copies on `rank`'s device: checks them (as refit_copy_batch, with
-/// `flags`), lays them out and uploads the descriptors to device memory. Blocking; not ordered with any
+/// `flags`, their memory included: once, here, never at a launch), lays them out and uploads the descriptors to device memory. Blocking; not ordered with any
 /// stream. The addresses are fixed from now on; the bytes are read at each launch. The batch does not
 /// keep the group alive but must be destroyed before the device's memory it names is freed.
 /// Thread-safety: as refit_copy_batch.
@@ -102,7 +129,9 @@ pub extern "C" fn refit_copy_batch_prepare(
         // SAFETY: NULL or n readable segments (the caller's promise).
         let segments = unsafe { slice(segments, n, "segments") }?;
         let checked = checked_flag(flags)?;
-        let prepared = group.backend().prepare_batch(group.device(rank as usize)?, segments, checked)?;
+        let device = group.device(rank as usize)?;
+        check_memory(group, device, segments)?;
+        let prepared = group.backend().prepare_batch(device, segments, checked)?;
         slot.write(publish(refit_prepared_copy { batch: prepared }));
         Ok(())
     })

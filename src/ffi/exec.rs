@@ -94,8 +94,33 @@ pub struct refit_executor_options {
     /// REFIT_COMMIT_DIRECT (default) or REFIT_COMMIT_STAGED.
     pub commit: u32,
     /// REFIT_COMMIT_STAGED only: the most staging bytes per receiving device, at least 4096; 0 (the
-    /// default) stages the whole step at once.
+    /// default) stages the whole step at once. Staging aligns each run like its destination (up to
+    /// 15 bytes of padding per run); a receiving device's payload at or below the limit is always
+    /// staged in one slice (densely when the padding would not fit). A step above it runs in slices,
+    /// which refit_executor_get_info reports at creation.
     pub staging_limit: u64,
+    /// REFIT_COMMIT_STAGED only: refuse (INVALID_ARGUMENT naming options.single_slice, the slices
+    /// and the payload) a step that would run in more than one slice under staging_limit, so that
+    /// commit stays all or nothing for the whole step (default false).
+    pub single_slice: bool,
+}
+
+/// What an executor was prepared to do, known from its creation (refit_executor_get_info). Set `size`
+/// to sizeof(refit_executor_info) first.
+#[repr(C)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct refit_executor_info {
+    /// sizeof(refit_executor_info) as the caller knows it.
+    pub size: usize,
+    /// Slices every run takes (REFIT_COMMIT_STAGED above staging_limit: more than 1, and the run
+    /// installs all but the last before the commit; 0 when the executor moves nothing within the
+    /// process).
+    pub slices: u32,
+    /// Staging allocated on the receiving devices, bytes summed over them (0 for direct commit).
+    pub staging_bytes: u64,
+    /// Host time the creation spent checking that every address it reads or writes is memory of the
+    /// device the plan names (see refit_executor_create).
+    pub address_check_ns: u64,
 }
 
 fn defaults() -> refit_executor_options {
@@ -106,19 +131,56 @@ fn defaults() -> refit_executor_options {
         verify: false,
         commit: REFIT_COMMIT_DIRECT,
         staging_limit: 0,
+        single_slice: false,
     }
 }
 
 impl OptionsStruct for refit_executor_options {
     unsafe fn check_fields(ptr: *const Self) -> Result<()> {
-        check_bool(std::ptr::addr_of!((*ptr).verify), "options.verify")
+        check_bool(std::ptr::addr_of!((*ptr).verify), "options.verify")?;
+        check_bool(std::ptr::addr_of!((*ptr).single_slice), "options.single_slice")
     }
+}
+
+/// sizeof(refit_executor_options) in headers before single_slice was appended: callers built
+/// against them pass this size, and get the defaults of the fields they do not know.
+const OPTIONS_BEFORE_SINGLE_SLICE: usize = std::mem::offset_of!(refit_executor_options, single_slice);
+
+/// The options a caller built against the header before single_slice passes (`options.size` is
+/// [`OPTIONS_BEFORE_SINGLE_SLICE`]), completed with the defaults; None for any other size.
+///
+/// # Safety
+/// `options` is NULL or points to at least a readable `usize`, and to that many bytes when the
+/// `usize` says so.
+unsafe fn older_options(options: *const refit_executor_options) -> Result<Option<refit_executor_options>> {
+    if options.is_null() || std::ptr::read(options.cast::<usize>()) != OPTIONS_BEFORE_SINGLE_SLICE {
+        return Ok(None);
+    }
+    // Bytes first: the caller's may hold a bool byte that is neither 0 nor 1, which must be checked
+    // before anything reads the struct as a Rust value.
+    let mut completed = std::mem::MaybeUninit::new(defaults());
+    // SAFETY: the caller's struct holds OPTIONS_BEFORE_SINGLE_SLICE bytes, a prefix of ours.
+    std::ptr::copy_nonoverlapping(
+        options.cast::<u8>(),
+        completed.as_mut_ptr().cast::<u8>(),
+        OPTIONS_BEFORE_SINGLE_SLICE,
+    );
+    refit_executor_options::check_fields(completed.as_ptr())?;
+    // SAFETY: every byte is initialized (defaults, then the caller's prefix) and the bools checked.
+    let mut completed = completed.assume_init();
+    completed.size = std::mem::size_of::<refit_executor_options>();
+    Ok(Some(completed))
 }
 
 fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions> {
     let defaults = defaults();
     // SAFETY: NULL or a caller struct whose first field is its size.
-    let options = unsafe { options_in(options, "options") }?.unwrap_or(&defaults);
+    let older = unsafe { older_options(options) }?;
+    // SAFETY: as above.
+    let options = match &older {
+        Some(completed) => completed,
+        None => unsafe { options_in(options, "options") }?.unwrap_or(&defaults),
+    };
     let arm = match options.arm {
         REFIT_ARM_AUTO => Arm::Auto,
         REFIT_ARM_KERNEL => Arm::Kernel,
@@ -144,6 +206,7 @@ fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions
         verify: options.verify,
         commit,
         staging_limit: options.staging_limit,
+        single_slice: options.single_slice,
         hook: None,
     };
     converted.check().map_err(|e| e.context("options"))?;
@@ -151,7 +214,7 @@ fn convert_options(options: *const refit_executor_options) -> Result<ExecOptions
 }
 
 /// Fills `*options` with the defaults: size set, REFIT_ARM_AUTO, no SM cap, no verify,
-/// REFIT_COMMIT_DIRECT, staging_limit 0. Thread-safe. Errors: NULL_ARGUMENT.
+/// REFIT_COMMIT_DIRECT, staging_limit 0, single_slice false. Thread-safe. Errors: NULL_ARGUMENT.
 #[no_mangle]
 pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_options) -> Status {
     boundary("refit_executor_options_init", || {
@@ -168,12 +231,24 @@ pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_optio
 /// the kernel on a device compiles it. The executor keeps nothing of `plan` that its destruction
 /// would invalidate.
 ///
+/// Addresses are checked here, once (runs never check them again): on CUDA every byte a step reads
+/// or writes must lie in a live allocation of the device the plan names for it (cudaMalloc /
+/// cuMemAlloc, cuMemCreate mappings, memory opened through CUDA IPC, managed memory; a range may
+/// run from one allocation into the next where they meet); host memory from malloc, page-locked
+/// host memory, another device's memory, freed or unmapped addresses are INVALID_ARGUMENT, the
+/// message naming the tensor, its box, the range and the address found wanting. On the host
+/// backend, a range in the first page (below 4096) or past the end of the address space is refused
+/// alike. The host time spent is refit_executor_get_info's address_check_ns. Planning checks no
+/// address.
+///
 /// Thread-safety: as the group's calls (the thread driving the group); the plan may be shared.
 ///
 /// Errors: NULL_ARGUMENT (plan, group, executor), INVALID_ARGUMENT (options.size, an unknown arm or
 /// commit, a verify byte other than 0 or 1, sm_budget with REFIT_ARM_COPY_ENGINE, staging_limit
-/// with REFIT_COMMIT_DIRECT or below 4096, a segment with a zero address, a plan that is another
-/// process's share), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
+/// with REFIT_COMMIT_DIRECT or below 4096, single_slice with REFIT_COMMIT_DIRECT or a step that
+/// needs more than one slice, a segment with a zero address, an address that is not memory of its
+/// device (above), a plan that is another process's share, a process the plan does not name: no route or receiver of the plan is in it,
+/// and the plan is not its share; the message lists the plan's processes), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
 /// process and another: this executor moves bytes within one process; the kernel arm where a rank
 /// has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE /
 /// KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO falls back to the copy engine), CUDA_ERROR.
@@ -220,7 +295,9 @@ pub extern "C" fn refit_executor_create(
 /// processes cannot rebind (UNSUPPORTED: buffers that moved need new IPC handles, so create the
 /// executors again, collectively). When any pair uses IPC, every run meets the other processes
 /// twice on the host (its streams first reach the step: a run inside a scope then blocks); every
-/// process must run and commit its executor alike. The executor keeps `comm` alive.
+/// process must run and commit its executor alike. The executor keeps `comm` alive. Each process
+/// checks the addresses of its own side of every route (as refit_executor_create) before meeting
+/// the others; a refusal there leaves the others' creates to fail with TIMEOUT or ABORTED.
 ///
 /// Errors: as refit_executor_create, plus NULL_ARGUMENT (comm), INVALID_ARGUMENT (a plan process
 /// that is not a communicator rank; processes that stage bytes between them and ask for verify
@@ -272,8 +349,11 @@ unsafe fn stats_slot<'a>(stats: *mut RunStats) -> Result<Option<&'a mut std::mem
 /// progress: nothing is queued), VERIFY_MISMATCH (the message names the tensor, box and element that
 /// differ; with REFIT_COMMIT_STAGED nothing of that slice was installed), PLAN_STALE (rebinds left
 /// two buffers overlapping; every later run is refused too: build a new plan), CUDA_ERROR. After an
-/// error nothing can be committed until a run succeeds; in a direct step live buffers may hold part
-/// of the new bytes.
+/// error nothing can be committed until a run succeeds: any failed refit_executor_run or
+/// refit_executor_commit on the executor, an argument refused included (a NULL or stale group,
+/// another group, stats->size), leaves INVALID_STATE to every commit until then; only a call refused
+/// because another thread's call holds the executor changes nothing. In a direct step live buffers
+/// may hold part of the new bytes.
 ///
 /// Thread-safety: see refit_executor. Every address of the plan (as rebound) must stay valid memory
 /// of its device until the step has run.
@@ -285,11 +365,12 @@ pub extern "C" fn refit_executor_run(
 ) -> Status {
     boundary("refit_executor_run", || {
         let executor = live(executor, "executor")?;
-        let group = live(group, "group")?;
+        let mut taken = executor.take()?;
+        let group = live(group, "group").inspect_err(|err| taken.refused(err))?;
         // SAFETY: stats NULL or writable (the caller's promise).
-        let slot = unsafe { stats_slot(stats) }?;
+        let slot = unsafe { stats_slot(stats) }.inspect_err(|err| taken.refused(err))?;
         // SAFETY: the caller's documented promise on the plan's memory.
-        let ran = unsafe { executor.take()?.run(&group.group) }?;
+        let ran = unsafe { taken.run(&group.group) }?;
         if let Some(slot) = slot {
             slot.write(ran);
         }
@@ -310,7 +391,8 @@ pub extern "C" fn refit_executor_run(
 /// executor; nothing staged since the last commit; the last run or commit failed: the message says
 /// why; run again; called from a rank callback of any group, or while another thread's call on
 /// the executor or the group is in progress), VERIFY_MISMATCH (nothing installed),
-/// CUDA_ERROR. After an error, run again before committing. Thread-safety: see refit_executor.
+/// CUDA_ERROR. After an error (any failed run or commit, as refit_executor_run says), run again
+/// before committing. Thread-safety: see refit_executor.
 #[no_mangle]
 pub extern "C" fn refit_executor_commit(
     executor: *mut refit_executor,
@@ -319,11 +401,12 @@ pub extern "C" fn refit_executor_commit(
 ) -> Status {
     boundary("refit_executor_commit", || {
         let executor = live(executor, "executor")?;
-        let group = live(group, "group")?;
+        let mut taken = executor.take()?;
+        let group = live(group, "group").inspect_err(|err| taken.refused(err))?;
         // SAFETY: stats NULL or writable (the caller's promise).
-        let slot = unsafe { stats_slot(stats) }?;
+        let slot = unsafe { stats_slot(stats) }.inspect_err(|err| taken.refused(err))?;
         // SAFETY: as in refit_executor_run.
-        let committed = unsafe { executor.take()?.commit(&group.group) }?;
+        let committed = unsafe { taken.commit(&group.group) }?;
         if let Some(slot) = slot {
             slot.write(committed);
         }
@@ -347,6 +430,33 @@ pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mu
     })
 }
 
+/// Writes what `executor` was prepared to do to `*info` (set info->size first): the slices a run
+/// takes, the staging it holds, and what its creation spent checking addresses. Not ordered with
+/// any stream; does not wait.
+///
+/// Errors: NULL_ARGUMENT (executor, info), INVALID_ARGUMENT (info->size, a handle that is not a live
+/// executor), INVALID_STATE (another thread's call holds the executor). Thread-safety: see
+/// refit_executor.
+#[no_mangle]
+pub extern "C" fn refit_executor_get_info(
+    executor: *const refit_executor,
+    info: *mut refit_executor_info,
+) -> Status {
+    boundary("refit_executor_get_info", || {
+        let executor = live(executor, "executor")?;
+        // SAFETY: info writable with its size first (the caller's promise).
+        let slot = unsafe { sized_out(info, "info") }?;
+        let executor = executor.take()?;
+        slot.write(refit_executor_info {
+            size: std::mem::size_of::<refit_executor_info>(),
+            slices: u32::try_from(executor.slices()).unwrap_or(u32::MAX),
+            staging_bytes: executor.staging_bytes(),
+            address_check_ns: executor.address_check_ns(),
+        });
+        Ok(())
+    })
+}
+
 /// Tells the executor that the caller's memory [old_base, old_base + length) on `device` (a device
 /// ordinal of the group) now lives at [new_base, new_base + length) (an engine freed and reallocated
 /// its weights): later calls read and write the new place, with no planning and no host work per
@@ -362,7 +472,9 @@ pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mu
 /// a third address).
 ///
 /// Errors (nothing changed): NULL_ARGUMENT, INVALID_DEVICE (not a device of the group),
-/// INVALID_ARGUMENT (length 0, new_base 0, a range past 2^64, an ambiguous range, a new range
+/// INVALID_ARGUMENT (length 0, new_base 0, new_base equal to old_base: nothing moved, a range past
+/// 2^64, a new place whose bytes the executor reads or writes are not memory of `device`: checked
+/// here once, as refit_executor_create checks the plan's addresses, an ambiguous range, a new range
 /// overlapping another buffer moved since the last run), NOT_FOUND (the plan uses no byte in the
 /// range: nothing to rebind), PLAN_STALE (the range cuts through bytes the plan moves together: build
 /// a new plan), INVALID_STATE (an earlier rebind failed to update the device; build a new executor),

@@ -102,7 +102,158 @@ impl CudaBackend {
     }
 }
 
+/// What the driver says of the memory at one address, and the allocation holding it.
+#[derive(Clone, Copy, Debug)]
+struct Allocation {
+    start: u64,
+    end: u64,
+    memory: Memory,
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Memory {
+    /// Device memory of this ordinal (cuMemAlloc, a cuMemCreate mapping, memory opened through IPC).
+    Device(i32),
+    /// Managed memory: every device may use it.
+    Managed,
+    /// Page-locked host memory.
+    PinnedHost,
+    /// Nothing the driver knows: host memory from malloc, or no memory at all.
+    Unknown,
+}
+
+impl CudaBackend {
+    /// The allocation holding `ptr`: what it is from its pointer attributes, and where it starts and
+    /// ends from cuMemGetAddressRange (two driver calls). The range attributes are not used: for
+    /// cuMemCreate memory they give the whole reserved range, mapped or not, where
+    /// cuMemGetAddressRange gives the mapping holding `ptr` and fails where nothing is mapped.
+    fn allocation_at(ptr: u64) -> Allocation {
+        use sys::CUpointer_attribute as A;
+        let mut attributes = [
+            A::CU_POINTER_ATTRIBUTE_MEMORY_TYPE,
+            A::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+            A::CU_POINTER_ATTRIBUTE_IS_MANAGED,
+        ];
+        let (mut kind, mut ordinal, mut managed) = (0u32, -1i32, 0u32);
+        let mut data: [*mut std::ffi::c_void; 3] = [
+            (&mut kind as *mut u32).cast(),
+            (&mut ordinal as *mut i32).cast(),
+            (&mut managed as *mut u32).cast(),
+        ];
+        // SAFETY: three attributes, each with an out-slot of the type the driver writes (a boolean
+        // is one byte written into a zeroed u32). For a pointer the driver does not know it writes
+        // default values instead of failing.
+        let code = unsafe {
+            sys::cuPointerGetAttributes(
+                3,
+                attributes.as_mut_ptr(),
+                data.as_mut_ptr(),
+                ptr as sys::CUdeviceptr,
+            )
+        };
+        let unknown = Allocation { start: ptr, end: ptr.saturating_add(1), memory: Memory::Unknown };
+        if code != CUresult::CUDA_SUCCESS {
+            return unknown;
+        }
+        let memory = match kind {
+            _ if managed != 0 => Memory::Managed,
+            k if k == sys::CUmemorytype::CU_MEMORYTYPE_DEVICE as u32 && ordinal >= 0 => {
+                Memory::Device(ordinal)
+            }
+            k if k == sys::CUmemorytype::CU_MEMORYTYPE_HOST as u32 => Memory::PinnedHost,
+            _ => return unknown,
+        };
+        let (mut start, mut size) = (0, 0);
+        // SAFETY: valid out-pointers; the driver only inspects the address.
+        let found = unsafe { sys::cuMemGetAddressRange_v2(&mut start, &mut size, ptr) };
+        match start.checked_add(size as u64) {
+            Some(end) if found == CUresult::CUDA_SUCCESS && start <= ptr && ptr < end => {
+                Allocation { start, end, memory }
+            }
+            // Page-locked host memory has no device range: refused whatever its extent.
+            _ if memory == Memory::PinnedHost => Allocation { memory, ..unknown },
+            _ => unknown,
+        }
+    }
+
+    /// Why `memory` cannot serve a range of `range.device` (None: it can). `reach` caches
+    /// whether a device accesses another directly.
+    fn refuse(
+        &self,
+        memory: Memory,
+        range: &super::MemoryRange,
+        reach: &mut Vec<((i32, i32), bool)>,
+    ) -> Result<Option<String>> {
+        let device = range.device;
+        Ok(match memory {
+            Memory::Device(owner) if owner == device => None,
+            Memory::Managed => None,
+            Memory::Device(owner) if range.peers => {
+                let can = match reach.iter().find(|(pair, _)| *pair == (device, owner)) {
+                    Some(&(_, can)) => can,
+                    None => {
+                        let can = self.can_access_peer(device, owner).unwrap_or(false);
+                        reach.push(((device, owner), can));
+                        can
+                    }
+                };
+                (!can).then(|| format!("is memory of device {owner}, which device {device} cannot access"))
+            }
+            Memory::Device(owner) => Some(format!("is memory of device {owner}, not of device {device}")),
+            Memory::PinnedHost => Some(format!("is page-locked host memory, not memory of device {device}")),
+            Memory::Unknown => Some(
+                "is no memory CUDA knows (host memory from malloc, freed memory, or no memory at all)".into(),
+            ),
+        })
+    }
+}
+
 impl Backend for CudaBackend {
+    fn inaccessible(&self, ranges: &[super::MemoryRange]) -> Result<Vec<super::Refusal>> {
+        let mut order: Vec<usize> = (0..ranges.len()).filter(|&i| ranges[i].len > 0).collect();
+        let Some(&first) = order.first() else { return Ok(Vec::new()) };
+        // Pointer attributes need a context current; any of ours answers for every device.
+        let _current = self.enter(ranges[first].device)?;
+        order.sort_unstable_by_key(|&i| ranges[i].addr);
+        let (mut refused, mut reach) = (Vec::new(), Vec::new());
+        // The allocation last asked about: ranges in address order meet each allocation in a row.
+        let mut known: Option<Allocation> = None;
+        for index in order {
+            let range = &ranges[index];
+            self.index(range.device)?;
+            let Some(end) = range.addr.checked_add(range.len) else {
+                let why = "runs past the end of the 64-bit address space".into();
+                refused.push(super::Refusal { index, at: range.addr, why });
+                continue;
+            };
+            // Walk the allocations the range covers: it may run from one into the next where they
+            // meet, but every byte must lie in one.
+            let mut at = range.addr;
+            while at < end {
+                let allocation = match known {
+                    Some(a) if a.start <= at && at < a.end => a,
+                    _ => {
+                        let a = Self::allocation_at(at);
+                        known = Some(a);
+                        a
+                    }
+                };
+                if let Some(why) = self.refuse(allocation.memory, range, &mut reach)? {
+                    let why = if at == range.addr {
+                        why
+                    } else {
+                        format!("runs past the end of its allocation at {at:#x}, which {why}")
+                    };
+                    refused.push(super::Refusal { index, at, why });
+                    break;
+                }
+                at = allocation.end;
+            }
+        }
+        refused.sort_unstable_by_key(|r| r.index);
+        Ok(refused)
+    }
+
     fn kind(&self) -> BackendKind {
         BackendKind::Cuda
     }

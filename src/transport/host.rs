@@ -297,6 +297,10 @@ impl Drop for HostBackend {
 }
 
 impl Backend for HostBackend {
+    fn inaccessible(&self, ranges: &[super::MemoryRange]) -> Result<Vec<super::Refusal>> {
+        Ok(super::access::host_inaccessible(ranges))
+    }
+
     fn kind(&self) -> BackendKind {
         BackendKind::Host
     }

@@ -24,6 +24,7 @@
 //! `CUevent` value on CUDA, a registry id on the host backend. `Stream::NULL` always means "the
 //! device's legacy default stream" (on the host backend: that simulated device's default stream).
 
+pub mod access;
 pub mod comm;
 pub mod cuda;
 pub mod driver;
@@ -44,6 +45,24 @@ use crate::segment::Segment;
 
 /// The index of ordinal `device` among the `count` devices of a backend (`what` names them in the
 /// message), or `InvalidDevice`.
+/// `len` bytes at `addr` that a copy will read or write, which must be memory of `device` (or, with
+/// `peers`, of a device `device` can access directly): what [`Backend::inaccessible`] checks.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct MemoryRange {
+    pub device: i32,
+    pub addr: u64,
+    pub len: u64,
+    pub peers: bool,
+}
+
+/// A range [`Backend::inaccessible`] refused: its index, the first address found wanting, and why.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Refusal {
+    pub index: usize,
+    pub at: u64,
+    pub why: String,
+}
+
 pub(crate) fn device_index(device: i32, count: usize, what: &str) -> Result<usize> {
     usize::try_from(device).ok().filter(|&index| index < count).ok_or_else(|| {
         Error::new(Status::InvalidDevice, format!("device {device} is not one of the {count} {what}"))
@@ -211,6 +230,18 @@ pub trait Backend: Send + Sync {
     /// The sources are not read, and may be another process's addresses.
     fn prepare_digest_check(&self, device: i32, segments: &[Segment])
         -> Result<Box<dyn PreparedDigestCheck>>;
+
+    /// The ranges of `ranges` a copy on this backend cannot use, by ascending index; empty when all
+    /// can be used. Empty ranges are never refused. CUDA: every byte must lie in a live allocation
+    /// the driver knows (cuMemAlloc, cuMemCreate mappings, memory opened through IPC, managed
+    /// memory) of the range's device (or, with `peers`, of a device it can access directly); a range
+    /// may run from one allocation into the next where they meet. Host memory CUDA does not know
+    /// (malloc), page-locked host memory, another device's memory and unmapped addresses are refused.
+    /// The ranges are visited in address order and each allocation is asked about once: host work
+    /// O(n log n) in the ranges plus one driver query per allocation they touch. Host backend: a range
+    /// in the first page (below 4096, where no allocation lies) or past the end of the address space.
+    /// Errors are the driver's (a context that cannot be made current), never a refusal.
+    fn inaccessible(&self, ranges: &[MemoryRange]) -> Result<Vec<Refusal>>;
 
     /// Allocates `bytes` of device memory (tests and benches; the library never owns caller memory).
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64>;
