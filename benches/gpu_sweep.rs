@@ -480,11 +480,34 @@ struct Point {
     loop_ms: f64,
 }
 
+/// The smallest run size from which the copy-engine arm is at least as fast as the kernel arm at
+/// every larger size measured (`points` of one shape, by run size); None if it is not at the largest.
+fn crossover(points: &[&Point]) -> Option<u64> {
+    let mut from = None;
+    for p in points.iter().rev() {
+        if p.copy_engine.ms > p.kernel.ms {
+            break;
+        }
+        from = Some(p.run);
+    }
+    from
+}
+
+/// Run sizes at which neither fixed arm reaches 0.95 of one large copy (where only a split of the
+/// runs between the copy engine and the kernel, or a better kernel, can meet issue 29's target).
+fn short_of_ceiling(points: &[&Point], total: u64) -> Vec<u64> {
+    points
+        .iter()
+        .filter(|p| gbps(total, p.kernel.ms.min(p.copy_engine.ms)) < 0.95 * gbps(total, p.ceiling_ms))
+        .map(|p| p.run)
+        .collect()
+}
+
 fn main() {
     let machine = Machine::new();
     let host = !machine.on_gpu;
     let total = env_u64("REFIT_SWEEP_BYTES").unwrap_or(if host { 4 * MIB } else { 4 * GIB });
-    let sizes: Vec<u64> = match std::env::var("REFIT_SWEEP_SIZES") {
+    let mut sizes: Vec<u64> = match std::env::var("REFIT_SWEEP_SIZES") {
         Ok(list) => list
             .split(',')
             .map(|s| s.trim().parse().unwrap_or_else(|_| panic!("REFIT_SWEEP_SIZES: {s}")))
@@ -494,6 +517,8 @@ fn main() {
             std::iter::successors(Some(4 * KIB), |s| Some(s * 4)).take_while(|&s| s <= top).collect()
         }
     };
+    sizes.sort_unstable();
+    sizes.dedup();
     assert!(
         total % (RECEIVERS * BLOCK) == 0 && sizes.iter().all(|&s| s >= BLOCK && s % BLOCK == 0 && total % s == 0),
         "REFIT_SWEEP_BYTES ({total}) must be a multiple of {} and of every run size; run sizes multiples of {BLOCK}",
@@ -630,19 +655,45 @@ fn main() {
             )
         })
         .collect();
+    let derived: Vec<(Shape, Option<u64>, Vec<u64>)> = [Shape::Contiguous, Shape::Strided, Shape::Receivers]
+        .into_iter()
+        .filter(|&shape| points.iter().any(|p| p.shape == shape))
+        .map(|shape| {
+            let mine: Vec<&Point> = points.iter().filter(|p| p.shape == shape).collect();
+            (shape, crossover(&mine), short_of_ceiling(&mine, total))
+        })
+        .collect();
+    let derived_json: Vec<String> = derived
+        .iter()
+        .map(|(shape, cross, short)| {
+            format!(
+                "    \"{}\": {{\"copy_engine_from_run_bytes\": {}, \"neither_arm_reaches_0_95_at_run_bytes\": {:?}}}",
+                shape.name(),
+                cross.map_or("null".to_string(), |c| c.to_string()),
+                short
+            )
+        })
+        .collect();
     let json = format!(
         "{{\n  \"bench\": \"gpu_sweep\",\n  \"backend\": \"{}\",\n  \"device\": \"{}\",\n  \"gpus\": {gpus},\n  \
          \"payload_bytes\": {total},\n  \"receivers\": {RECEIVERS},\n  \"receivers_note\": \"all receivers are device 0 of one GPU: separate allocations, local routes\",\n  \
          \"timing\": \"executor: RunStats device_ns; ceiling and per-run loop: CUDA events; medians (3 timed runs above {MANY_RUNS} runs, else 10 after 2 warm-up)\",\n  \
-         \"points\": [\n{}\n  ]\n}}\n",
+         \"derived\": {{\n{}\n  }},\n  \"points\": [\n{}\n  ]\n}}\n",
         if host { "host" } else { "cuda" },
         device.replace('"', "'"),
+        derived_json.join(",\n"),
         rows.join(",\n")
     );
     let path = format!("{dir}/gpu_sweep.json");
     std::fs::write(&path, json).expect("writing results");
     println!("\nwrote {path}");
 
+    println!("\n| shape | COPY_ENGINE at least as fast as KERNEL from runs of | run sizes where neither arm reaches 0.95 of one large copy |");
+    println!("|---|---|---|");
+    for (shape, cross, short) in &derived {
+        let cross = cross.map_or("never".to_string(), |c| format!("{c} B"));
+        println!("| {} | {cross} | {short:?} |", shape.name());
+    }
     println!(
         "\nGB/s of payload ({} MiB per point; every point checked byte-exact by a digest of every run)\n",
         total / MIB
