@@ -277,8 +277,11 @@ impl Machine {
             }
         } else {
             for r in runs {
-                self.copy_one(stream, r.src, r.dst, r.len);
+                let segment = [Segment::contiguous(r.src, r.dst, r.len)];
+                // SAFETY: host memory of this bench.
+                unsafe { self.backend.copy_segments(0, Stream::NULL, &segment) }.expect("copy");
             }
+            self.backend.sync_stream(0, Stream::NULL).expect("sync");
         }
     }
 
