@@ -13,7 +13,9 @@ the two halves of the destination, so every run is a row read with a stride of 2
 Every method is checked byte-exact before it is timed: the destination is poisoned, copied once and
 compared whole with the expected bytes (torch.equal on uint8 views). Times are CUDA-event medians
 after warm-up (3 timed calls above 65,536 runs, else 10 after 2). REFIT_SWEEP_SIZES (comma-separated
-bytes) narrows the sizes. Writes $REFIT_BENCH_RESULTS/sweep_peer.json and prints a markdown table.
+bytes) narrows the sizes. Writes $REFIT_BENCH_RESULTS/sweep_peer.json and prints a markdown table; when
+gpu_sweep.json of the same payload is there (gpu/run.sh runs the Rust benches first), also AUTO beside
+the best peer of every point (the per-run cuMemcpyAsync loop there, the torch methods here).
 """
 
 import json
@@ -78,6 +80,31 @@ def cases(src, dst, run, total):
         yield "strided", srcs, dsts, expected, (matrix, halves)
 
 
+TORCH_METHODS = ("_foreach_copy_", "per-run copy_", "column-block copy_")
+
+
+def combine(sweep, peer_rows, payload):
+    """AUTO of benches/gpu_sweep.rs (its JSON, `sweep`) against the best peer of each point: the best of
+    its per-run cuMemcpyAsync loop and the torch methods here, at the same shape, run size and payload.
+    Points of the other bench's that this one lacks (its `receivers` shape) compare with its loop only.
+    Empty when the payloads differ (the points would not be the same)."""
+    if sweep.get("payload_bytes") != payload:
+        return []
+    torch_at = {(r["shape"], r["run_bytes"]): r for r in peer_rows}
+    out = []
+    for p in sweep["points"]:
+        peers = {"per-run cuMemcpyAsync": p["per_run_loop"]["gbps"]}
+        mine = torch_at.get((p["shape"], p["run_bytes"]), {})
+        peers.update({f"torch {k}": mine[k]["gbps"] for k in TORCH_METHODS if k in mine})
+        best = max(peers, key=peers.get)
+        auto = p["auto"]["gbps"]
+        out.append({"shape": p["shape"], "run_bytes": p["run_bytes"], "auto_gbps": auto,
+                    "auto_method": p["auto"]["method"], "ceiling_gbps": p["ceiling"]["gbps"],
+                    "best_peer": best, "best_peer_gbps": peers[best],
+                    "auto_vs_ceiling": auto / p["ceiling"]["gbps"], "auto_vs_best_peer": auto / peers[best]})
+    return out
+
+
 def main():
     total = int(os.environ.get("REFIT_SWEEP_BYTES", 4 * GIB))
     torch.manual_seed(2026)
@@ -132,20 +159,35 @@ def main():
 
     out_dir = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
     os.makedirs(out_dir, exist_ok=True)
+    # gpu/run.sh runs the Rust benches first: set AUTO beside the best peer of each point.
+    combined = []
+    sweep_path = os.path.join(out_dir, "gpu_sweep.json")
+    if os.path.exists(sweep_path):
+        with open(sweep_path) as f:
+            combined = combine(json.load(f), rows, total)
     path = os.path.join(out_dir, "sweep_peer.json")
     with open(path, "w") as f:
         json.dump({"bench": "sweep_peer", "torch": torch.__version__, "device": device,
                    "gpus": torch.cuda.device_count(), "payload_bytes": total, "units": "GB/s of payload",
                    "timing": "CUDA events; medians (3 timed calls above 65536 runs, else 10 after 2 warm-up)",
-                   "points": rows}, f, indent=2)
+                   "points": rows, "auto_vs_best_peer": combined}, f, indent=2)
     print(f"\nwrote {path}\n")
+    if combined:
+        print("| shape | run | AUTO GB/s (method) | one large copy | best peer | its GB/s | AUTO / ceiling "
+              "| AUTO / best peer |")
+        print("|---|---|---|---|---|---|---|---|")
+        for c in combined:
+            print(f"| {c['shape']} | {label(c['run_bytes'])} | {c['auto_gbps']:.0f} ({c['auto_method']}) "
+                  f"| {c['ceiling_gbps']:.0f} | {c['best_peer']} | {c['best_peer_gbps']:.0f} "
+                  f"| {c['auto_vs_ceiling']:.3f} | {c['auto_vs_best_peer']:.3f} |")
+        print()
     print("| shape | run | runs | torch._foreach_copy_ | per-run copy_ | column-block copy_ | one large copy_ "
           "| best torch / ceiling |")
     print("|---|---|---|---|---|---|---|---|")
     for r in rows:
         def rate(name):
             return f"{r[name]['gbps']:.0f}" if name in r else "-"
-        best = max(r[k]["gbps"] for k in ("_foreach_copy_", "per-run copy_", "column-block copy_") if k in r)
+        best = max(r[k]["gbps"] for k in TORCH_METHODS if k in r)
         print(f"| {r['shape']} | {label(r['run_bytes'])} | {r['runs']} | {rate('_foreach_copy_')} "
               f"| {rate('per-run copy_')} | {rate('column-block copy_')} | {rate('ceiling')} "
               f"| {best / r['ceiling']['gbps']:.3f} |")
