@@ -89,8 +89,8 @@ def main():
     out_dir = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
     os.makedirs(out_dir, exist_ok=True)
     with open(os.path.join(out_dir, "copy_peer.json"), "w") as f:
-        json.dump({"bench": "copy_peer", "torch": torch.__version__, "units": "GB/s of payload", "rows": rows}, f,
-                  indent=2)
+        json.dump({"bench": "copy_peer", "torch": torch.__version__, "device": torch.cuda.get_device_name(0),
+                   "gpus": torch.cuda.device_count(), "units": "GB/s of payload", "rows": rows}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -227,8 +227,9 @@ fn main() {
     );
     println!("| ratio two processes / one process | | {:.3} | |", ipc_ms / single_ms);
     println!("({checked} elements checked in process 1)");
+    let gpus = cuda_backend().map(|b| b.device_count()).unwrap_or(0);
     let json = format!(
-        "{{\"bench\":\"gpu_comm\",\"device\":\"{device}\",\"layers\":{layers},\"steps\":{steps},\
+        "{{\"bench\":\"gpu_comm\",\"device\":\"{device}\",\"gpus\":{gpus},\"layers\":{layers},\"steps\":{steps},\
          \"bytes\":{bytes},\"one_process_ms\":{single_ms:.4},\"two_processes_ipc_ms\":{ipc_ms:.4},\
          \"ratio\":{:.4},\"elements_checked\":{checked}}}\n",
         ipc_ms / single_ms

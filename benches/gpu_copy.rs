@@ -21,7 +21,9 @@ use cudarc::driver::sys;
 use random_batch::Rng;
 use refit::kernels::layout::BatchLayout;
 use refit::kernels::{copy_segments, BatchedCopy, PreparedBatch};
+use refit::transport::cuda::cuda_backend;
 use refit::transport::driver::check;
+use refit::transport::Backend;
 use refit::Segment;
 use std::time::Instant;
 
@@ -313,7 +315,9 @@ fn main() {
 
     let dir = std::env::var("REFIT_BENCH_RESULTS").unwrap_or_else(|_| "benches/results".to_string());
     std::fs::create_dir_all(&dir).expect("results directory");
-    let mut json = String::from("{\n  \"bench\": \"gpu_copy\",\n");
+    let device = cuda_backend().map(|b| b.device_name(0)).unwrap_or_else(|e| panic!("needs a GPU: {e}"));
+    let mut json =
+        format!("{{\n  \"bench\": \"gpu_copy\",\n  \"device\": \"{device}\",\n  \"gpus\": {devices},\n");
     json +=
         &format!("  \"kernel\": \"{}\",\n  \"host_launch_us_1m_segments\": {launch_us:.3},\n", kernel.build);
     json += "  \"units\": \"GB/s of payload (1e9 bytes/s)\",\n  \"rows\": [\n";

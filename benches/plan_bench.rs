@@ -43,6 +43,20 @@ fn load_average() -> String {
         .unwrap_or_else(|| "unknown".into())
 }
 
+/// The machine the figures come from, as benches/report.py names it beside each table.
+fn machine_json() -> String {
+    let model = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|s| {
+            s.lines().find_map(|l| {
+                l.strip_prefix("model name").map(|v| v.trim_start_matches([' ', '\t', ':']).to_string())
+            })
+        })
+        .unwrap_or_else(|| "unknown".into());
+    let cpus = std::thread::available_parallelism().map_or(0, |n| n.get());
+    format!("{{\"cpu\": \"{}\", \"cpus\": {cpus}}}", model.replace(['"', '\\'], ""))
+}
+
 fn median(mut xs: Vec<f64>) -> f64 {
     xs.sort_by(|a, b| a.total_cmp(b));
     let n = xs.len();
@@ -512,10 +526,11 @@ fn main() {
     };
     let path = std::path::Path::new(&dir).join("plan_bench.json");
     let body = format!(
-        "{{\"bench\": \"plan_bench\", \"profile\": \"{}\", \"samples\": {samples}, \
+        "{{\"bench\": \"plan_bench\", \"machine\": {}, \"profile\": \"{}\", \"samples\": {samples}, \
          \"load_average_before\": \"{load_before}\", \"load_average_after\": \"{}\", \
                   \"cases\": [\n  {}\n], \"sweep\": {sweep_json}, \"hostile\": {hostile_json}, \"scale\": {scale_json}, \
          \"allocator_keeps_freed_memory\": {{\"cases\": [{}], \"sweep\": {retained_sweep_json}}}}}\n",
+        machine_json(),
         if cfg!(debug_assertions) { "debug" } else { "release" },
         load_average(),
         json.join(",\n  "),

@@ -66,9 +66,35 @@ def gib(nbytes):
 
 
 def table(headers, rows):
+    """A markdown table; nothing at all when there are no rows (a table of headers says nothing)."""
+    if not rows:
+        return []
     lines = ["| " + " | ".join(headers) + " |", "|" + "---|" * len(headers)]
     lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return lines + [""]
+
+
+def captioned(caption, headers, rows):
+    """A caption line and its table, or nothing when the table has no rows."""
+    return [caption, ""] + table(headers, rows) if rows else []
+
+
+def machine(d):
+    """The machine a results file says it ran on, from its own fields: `machine` {gpu, count} or
+    {cpu, cpus}, else `device` and `gpus`. What it does not record is said, never guessed."""
+    m = d.get("machine") if isinstance(d, dict) else None
+    if isinstance(m, dict) and "gpu" in m and "count" in m:
+        return f"{m['count']} x {m['gpu']}"
+    if isinstance(m, dict) and "cpu" in m:
+        return f"{m['cpu']}, {m.get('cpus', 'CPU count not recorded')} CPUs"
+    device, gpus = (d.get("device"), d.get("gpus")) if isinstance(d, dict) else (None, None)
+    if device and gpus:
+        return f"{gpus} x {device}"
+    if device:
+        return f"{device} (GPU count not recorded)"
+    if gpus:
+        return f"{gpus} GPUs (device not recorded)"
+    return "not recorded"
 
 
 def source_of(stem):
@@ -80,13 +106,14 @@ def source_of(stem):
 
 
 def heading(stem, title, peer):
-    """A section's title, where its figures come from, and what they are compared with."""
+    """A section's title, where its figures come from, the machine its results file records, and
+    what they are compared with."""
     source = source_of(stem)
     kind = "Probe" if "/probes/" in source else "Bench"
     return [
         f"## {title}",
         "",
-        f"{kind}: `{source}`; results: `benches/results/{stem}.json`. Peer: {peer}.",
+        f"{kind}: `{source}`; results: `benches/results/{stem}.json`; machine: {machine(load(stem))}. Peer: {peer}.",
         "",
     ]
 
@@ -169,14 +196,14 @@ def gpu_allgather(d):
                 for r in ablations
             ],
         )
-    out += [
-        f"Cross-GPU event round trip (GPU0 -> GPU1 -> GPU0, GPU time): {num(d['event_round_trip_us'], 2)} us. "
-        "The in-place bound is the copy-engine ceiling's copies plus one such round trip.",
-        "",
+    if d.get("event_round_trip_us") is not None:
+        out += [
+            f"Cross-GPU event round trip (GPU0 -> GPU1 -> GPU0, GPU time): {num(d['event_round_trip_us'], 2)} us. "
+            "The in-place bound is the copy-engine ceiling's copies plus one such round trip.",
+            "",
+        ]
+    out += captioned(
         "Copy-engine probe GPU0 <-> GPU1, GB/s summed over directions (peer: the legacy null streams):",
-        "",
-    ]
-    out += table(
         [
             "size",
             "one way",
@@ -195,20 +222,17 @@ def gpu_allgather(d):
             for r in d["copy_engine_probe"]
         ],
     )
-    out += ["Host time per call inside a scope, us (peer: the direct ncclAllGather rows):", ""]
-    out += table(
+    out += captioned(
+        "Host time per call inside a scope, us (peer: the direct ncclAllGather rows):",
         ["G", "per rank", "path", "median", "p90"],
         [
             [r["g"], size(r["bytes_per_rank"]), r["path"], num(r["median"], 2), num(r["p90"], 2)]
             for r in d["host_time_us"]
         ],
     )
-    out += [
+    out += captioned(
         "A loop of calls, wall clock in us per call, host issue and GPU time together "
         "(peer: direct ncclAllGather):",
-        "",
-    ]
-    out += table(
         [
             "G",
             "per rank",
@@ -229,8 +253,11 @@ def gpu_allgather(d):
             for r in d["loop_us_per_call"]
         ],
     )
-    out += ["Host cost of one driver call, median us (no peer: what the host times above are made of):", ""]
-    out += table(["call", "us"], [[r["call"], num(r["median"], 3)] for r in d["driver_call_us"]])
+    out += captioned(
+        "Host cost of one driver call, median us (no peer: what the host times above are made of):",
+        ["call", "us"],
+        [[r["call"], num(r["median"], 3)] for r in d["driver_call_us"]],
+    )
     return out
 
 
@@ -627,11 +654,29 @@ def refit_peer(d):
     )
     out += [f"{num(d['payload_bytes'] / 1e9, 2)} GB of payload in {num(d['slices'])} slices, torch {d['torch']}.", ""]
     ceiling = d["rows"][0]["gbps"]
+
+    def bytes_check(r):
+        """What the bench found in the sampled slices (benches/copy_support/bf16_bits.py); results
+        written before it classified a difference say only that bits differed."""
+        if "bytes_check" in r:
+            return r["bytes_check"]
+        return "yes" if r["correct"] else "bits differ, cause not recorded by this run (see below)"
+
     out += table(
-        ["what", "segments", "ms", "GB/s of payload", "vs one large copy", "bytes right"],
+        ["what", "segments", "ms", "GB/s of payload", "vs one large copy", "bits as in the source"],
         [[r["what"], num(r["segments"]), num(r["ms"], 2), num(r["gbps"]), ratio(r["gbps"], ceiling, 3),
-          "yes" if r["correct"] else "NO (sampled slices differ)"] for r in d["rows"]],
+          bytes_check(r)] for r in d["rows"]],
     )
+    if any(not r["correct"] for r in d["rows"]):
+        out += [
+            "The sources are random bits, so about 1 bf16 element in 260 is a NaN. In torch's source, "
+            "the CUDA fast path of `_foreach_copy_` (dense pairs with equal sizes and strides) loads "
+            "each bf16 element as a float and stores it back, which replaces a NaN's payload with the "
+            "canonical NaN; `benches/copy_support/foreach_copy_nan_repro.py` is the ten-element "
+            "reproduction to run on a GPU. Runs of the bench since it classifies differences say "
+            "whether anything other than NaN payloads differed.",
+            "",
+        ]
     loads = list(dict.fromkeys(p["load"] for p in d["overlap"]))
     for load in loads:
         out += [f"Beside {load}, in a loop on another stream: GB/s of the steps that ended inside the loop "
@@ -703,39 +748,55 @@ SECTIONS = [
 
 
 def summary():
-    """A short table for README.md: the headline of each bench against its peer, same run."""
+    """A short table for README.md: the headline of each bench against its peer, same run, with
+    the machine its results file records. Allgather rows need a run on two GPUs or more (on one,
+    the call copies only the rank's own block)."""
     rows = []
     ag = load("gpu_allgather")
     if ag:
         g = max(r["g"] for r in ag["allgather"])
-        for r in ag["allgather"]:
-            if r["g"] == g and r["bytes_per_rank"] in (1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 30):
-                rows.append(
-                    [
-                        f"allgather, {g} GPUs, {size(r['bytes_per_rank'])} per rank, GB/s per GPU",
-                        num(r["refit_peer"]),
-                        f"direct ncclAllGather {num(r['direct_nccl'])} ({ratio(r['refit_peer'], r['direct_nccl'])})",
-                    ]
-                )
-        host = {(r["g"], r["path"]): r for r in ag["host_time_us"]}
-        ours, peer = host.get((g, "refit peer")), host.get((g, "direct ncclAllGather"))
-        if ours and peer:
+        where = machine(ag)
+        if g < 2:
             rows.append(
                 [
-                    f"allgather, {g} GPUs, {size(ours['bytes_per_rank'])} per rank, host us per call (median / p90)",
-                    f"{num(ours['median'], 2)} / {num(ours['p90'], 2)}",
-                    f"direct ncclAllGather {num(peer['median'], 2)} / {num(peer['p90'], 2)}",
+                    "allgather",
+                    f"not in the latest result: it ran on {where}; see docs/measurements.md",
+                    "-",
+                    where,
                 ]
             )
-        for r in ag["loop_us_per_call"]:
-            if r["g"] == g and r["bytes_per_rank"] in (256, 1 << 26):
+        else:
+            for r in ag["allgather"]:
+                if r["g"] == g and r["bytes_per_rank"] in (1 << 16, 1 << 20, 1 << 24, 1 << 26, 1 << 30):
+                    rows.append(
+                        [
+                            f"allgather over {g} GPUs, {size(r['bytes_per_rank'])} per rank, GB/s per GPU",
+                            num(r["refit_peer"]),
+                            f"direct ncclAllGather {num(r['direct_nccl'])} ({ratio(r['refit_peer'], r['direct_nccl'])})",
+                            where,
+                        ]
+                    )
+            host = {(r["g"], r["path"]): r for r in ag["host_time_us"]}
+            ours, peer = host.get((g, "refit peer")), host.get((g, "direct ncclAllGather"))
+            if ours and peer:
                 rows.append(
                     [
-                        f"per-rank allgather in `refit_group_run`, {g} GPUs, {size(r['bytes_per_rank'])} per rank, us per call in a loop",
-                        num(r["refit_peer_per_rank"], 2),
-                        f"refit's NCCL path per rank {num(r['refit_nccl_per_rank'], 2)}",
+                        f"allgather over {g} GPUs, {size(ours['bytes_per_rank'])} per rank, host us per call (median / p90)",
+                        f"{num(ours['median'], 2)} / {num(ours['p90'], 2)}",
+                        f"direct ncclAllGather {num(peer['median'], 2)} / {num(peer['p90'], 2)}",
+                        where,
                     ]
                 )
+            for r in ag["loop_us_per_call"]:
+                if r["g"] == g and r["bytes_per_rank"] in (256, 1 << 26):
+                    rows.append(
+                        [
+                            f"per-rank allgather in `refit_group_run` over {g} GPUs, {size(r['bytes_per_rank'])} per rank, us per call in a loop",
+                            num(r["refit_peer_per_rank"], 2),
+                            f"refit's NCCL path per rank {num(r['refit_nccl_per_rank'], 2)}",
+                            where,
+                        ]
+                    )
     copy, torch = load("gpu_copy"), load("copy_peer")
     if copy:
         foreach = {(r["case"], r["path"]): r["foreach_copy"] for r in torch["rows"]} if torch else {}
@@ -745,11 +806,15 @@ def summary():
                 or r["case"].startswith("column split")
                 and r["path"] == "GPU0"
             ):
+                peers = [f"cuMemcpyBatchAsync {num(r['cuMemcpyBatchAsync'], 2)}"]
+                if foreach.get((r["case"], r["path"])):
+                    peers.insert(0, f"torch._foreach_copy_ {num(foreach[(r['case'], r['path'])], 2)}")
                 rows.append(
                     [
                         f"batched copy on {r['path']}, {r['case']} ({num(r['segments'])} segments), GB/s",
                         num(r["ours"]),
-                        f"torch._foreach_copy_ {num(foreach.get((r['case'], r['path'])), 2)}, cuMemcpyBatchAsync {num(r['cuMemcpyBatchAsync'], 2)}",
+                        ", ".join(peers),
+                        machine(copy),
                     ]
                 )
     plan = load("plan_bench")
@@ -760,9 +825,10 @@ def summary():
                 f"plan, {c['name']}, per receiver",
                 f"{num(max(r['stats']['segments_coalesced'] for r in c['receivers']))} strided ranges, built in {num(c['build_ms_median'])} ms",
                 f"every replica read: {num(max(r['segments_all_replicas'] for r in c['receivers']))} ranges",
+                machine(plan),
             ]
         )
-    return table(["what", "refit", "peer, same run"], rows)
+    return table(["what", "refit", "peer, same run", "machine (from the result file)"], rows)
 
 
 # ---- output -----------------------------------------------------------------------------------
@@ -783,9 +849,8 @@ def measurements():
         "probes through `gpu/run.sh probes`), copy its JSON into `benches/results/`, and run",
         "`python3 benches/report.py`. What the figures decided is in `docs/decisions.md`.",
         "",
-        "Every GPU figure here was measured on H200s: the two-GPU figures on two joined by NVLink, the",
-        "others on one (the results that record their device say so); the planner's on the two-core",
-        "development machine.",
+        "Each section names the machine its results file records (`machine`, or `device` and `gpus`);",
+        "where a file does not record it, the section says so.",
         "",
     ]
     others = sorted(p.name for p in RESULTS.iterdir() if p.suffix != ".json")

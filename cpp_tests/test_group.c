@@ -117,6 +117,27 @@ int main(void) {
   CHECK_OK(refit_group_device(group, 2, &device));
   CHECK(device == 2);
   CHECK_STATUS(refit_group_device(group, N, &device), REFIT_STATUS_INVALID_ARGUMENT);
+  {
+    /* refit_group_rank_of inverts refit_group_device, on a group whose ranks are not its devices. */
+    const int32_t swapped[2] = {2, 0};
+    refit_group *other = make_host_group(swapped, 2, &status);
+    CHECK_OK(status);
+    uint32_t rank = 99;
+    CHECK_OK(refit_group_rank_of(other, 2, &rank));
+    CHECK(rank == 0);
+    CHECK_OK(refit_group_rank_of(other, 0, &rank));
+    CHECK(rank == 1);
+    rank = 99;
+    CHECK_STATUS(refit_group_rank_of(other, 1, &rank), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(rank == 99); /* outputs untouched on failure */
+    CHECK(strstr(refit_last_error_message(), "device 1 is not in the group") != NULL);
+    CHECK(strstr(refit_last_error_message(), "[2, 0]") != NULL);
+    CHECK_STATUS(refit_group_rank_of(other, -1, &rank), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK_STATUS(refit_group_rank_of(other, 0, NULL), REFIT_STATUS_NULL_ARGUMENT);
+    CHECK_STATUS(refit_group_rank_of(NULL, 0, &rank), REFIT_STATUS_NULL_ARGUMENT);
+    refit_group_destroy(other);
+    CHECK_STATUS(refit_group_rank_of(other, 0, &rank), REFIT_STATUS_INVALID_ARGUMENT);
+  }
   void *s0 = NULL, *s1 = NULL, *again = NULL;
   CHECK_OK(refit_group_stream(group, 0, &s0));
   CHECK_OK(refit_group_stream(group, 1, &s1));

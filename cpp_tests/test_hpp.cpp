@@ -106,6 +106,13 @@ void plan_executes_on_host_backend() {
 
   refit::Group group({0, 1}, REFIT_BACKEND_HOST);
   CHECK(group.size() == 2 && group.device(1) == 1 && group.backend() == REFIT_BACKEND_HOST);
+  CHECK(group.rank_of(1) == 1 && group.rank_of(0) == 0);
+  try {
+    group.rank_of(5);
+    CHECK(false);
+  } catch (const refit::Error &e) {
+    CHECK(e.status() == REFIT_STATUS_INVALID_ARGUMENT && std::string(e.what()).find("device 5") != std::string::npos);
+  }
   refit::HostStream stream;
   {
     auto scope = group.scope({stream.get(), stream.get()});

@@ -10,18 +10,8 @@
 //! publisher element is a known function of (tensor, element), so after each phase every received
 //! element is checked.
 //!
-//!     cargo run --release --example demo [-- --layers N --layout separate|packed --steps K --devices G
-//!         --arm auto|kernel|copy-engine --sm-budget B --staging-limit MIB --processes P]
-//!
-//! `--processes P` runs publishers and receivers as P separate processes instead (see
-//! `across/processes.rs`).
-//!
-//! The staged phase's staging is bounded by --staging-limit (default 8192 MiB; 0: the whole step,
-//! which needs as much free device memory again as the receivers' buffers).
-//!
-//! Phase 1 runs K direct steps (the executor writes the live buffers). Phase 2 runs two staged,
-//! verified steps: the run lands everything in staging and checks it, the live buffers stay
-//! untouched until the commit installs it (with several slices, the run installs all but the last).
+//! Usage: see `USAGE` below (`cargo run --release --example demo -- --help` prints it). Before it
+//! allocates anything the demo prints the memory it needs (host memory on the host backend).
 
 use refit::exec::RunStats;
 use refit::ffi::exec::*;
@@ -42,7 +32,32 @@ use std::time::{Duration, Instant};
 #[path = "across/processes.rs"]
 mod processes;
 
+const USAGE: &str = "\
+Plans and executes a colocated Qwen3-30B-A3B weight refit through refit's C API, then checks every
+received element. On GPUs when CUDA is present, else on the host backend (threads and host memory
+standing in for the devices: one layer by default, about 9 GB of host memory; the demo prints what
+it needs before it allocates).
+
+Usage: cargo run --release --example demo [-- OPTIONS]
+
+  --layers N            layers of the model's 48 (default: 48 on GPUs, 1 on the host backend)
+  --layout L            publisher layout: separate (one buffer per parameter, default) or packed
+  --steps K             direct steps in phase 1 (default 5)
+  --devices G           devices (default: 2, or 1 where only one GPU is present)
+  --arm A               auto (default), kernel or copy-engine
+  --sm-budget B         the executor's SM budget (default 0: none)
+  --staging-limit MIB   staged phase: staging per receiving device (default 8192; 0: the whole step,
+                        as much memory again as the receivers' buffers)
+  --processes P         run publishers and receivers as P separate processes (examples/across/)
+  -h, --help            print this and exit
+
+Phase 1 runs K direct steps (the executor writes the live buffers). Phase 2 runs two staged,
+verified steps: the run lands everything in staging and checks it, the live buffers stay untouched
+until the commit installs it (with several slices, the run installs all but the last).
+";
+
 struct Args {
+    help: bool,
     processes: Option<usize>,
     layers: Option<u64>,
     layout: Packing,
@@ -55,6 +70,7 @@ struct Args {
 
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
+        help: false,
         processes: None,
         layers: None,
         layout: Packing::Separate,
@@ -69,6 +85,7 @@ fn parse_args() -> Result<Args, String> {
         let mut value = || it.next().ok_or(format!("{flag} needs a value"));
         let number = |v: String| v.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
         match flag.as_str() {
+            "-h" | "--help" => args.help = true,
             "--layers" => args.layers = Some(number(value()?)?),
             "--processes" => args.processes = Some(number(value()?)? as usize),
             "--steps" => args.steps = number(value()?)?.max(1) as usize,
@@ -90,7 +107,7 @@ fn parse_args() -> Result<Args, String> {
                     other => return Err(format!("--layout: {other} is not separate or packed")),
                 }
             }
-            other => return Err(format!("unknown argument {other}")),
+            other => return Err(format!("unknown argument {other} (--help lists the options)")),
         }
     }
     Ok(args)
@@ -157,35 +174,82 @@ unsafe fn read_element(src: *const u8, es: usize) -> u64 {
     }
 }
 
-/// Prints a progress line every few seconds while `work` runs on all cores: `done` counts bytes.
-fn with_progress<T: Send>(what: &str, total: u64, work: impl FnOnce(&AtomicU64) -> T + Send) -> T {
-    let done = AtomicU64::new(0);
+/// How often a long phase says where it is.
+const PROGRESS_EVERY: Duration = Duration::from_millis(1500);
+
+/// Runs `work` on this thread while another prints `line(elapsed)` every PROGRESS_EVERY (nothing
+/// when `work` ends sooner).
+fn with_ticker<T>(line: impl Fn(Duration) -> String + Sync, work: impl FnOnce() -> T) -> T {
     let started = Instant::now();
     let finished = std::sync::atomic::AtomicBool::new(false);
-    let result = std::thread::scope(|s| {
+    std::thread::scope(|s| {
         s.spawn(|| {
-            let mut next = Duration::from_secs(3);
+            let mut next = PROGRESS_EVERY;
             while !finished.load(Ordering::Relaxed) {
-                std::thread::sleep(Duration::from_millis(50));
-                if started.elapsed() >= next {
-                    let bytes = done.load(Ordering::Relaxed);
-                    println!(
-                        "  {what}: {:.2} of {:.2} GiB ({:.0}%), {:.0} s",
-                        gib(bytes),
-                        gib(total),
-                        100.0 * bytes as f64 / total.max(1) as f64,
-                        started.elapsed().as_secs_f64()
-                    );
-                    next += Duration::from_secs(3);
+                std::thread::sleep(Duration::from_millis(20));
+                if started.elapsed() >= next && !finished.load(Ordering::Relaxed) {
+                    println!("{}", line(started.elapsed()));
+                    next += PROGRESS_EVERY;
                 }
             }
         });
-        let result = work(&done);
+        let result = work();
         finished.store(true, Ordering::Relaxed);
         result
-    });
+    })
+}
+
+/// Seconds as the progress lines print them.
+fn seconds(s: f64) -> String {
+    if s.is_finite() {
+        format!("{s:.0} s")
+    } else {
+        "unknown".into()
+    }
+}
+
+/// Runs `work` (which counts the bytes it has done in `done`) with a progress line every
+/// PROGRESS_EVERY: bytes done of `total`, the rate so far and the time left at that rate.
+fn with_progress<T: Send>(what: &str, total: u64, work: impl FnOnce(&AtomicU64) -> T + Send) -> T {
+    let done = AtomicU64::new(0);
+    let started = Instant::now();
+    let result = with_ticker(
+        |elapsed| {
+            let bytes = done.load(Ordering::Relaxed);
+            let rate = gib(bytes) / elapsed.as_secs_f64();
+            format!(
+                "  {what}: {:.2} of {:.2} GiB ({:.0}%), {rate:.2} GiB/s, {} left",
+                gib(bytes),
+                gib(total),
+                100.0 * bytes as f64 / total.max(1) as f64,
+                seconds(gib(total.saturating_sub(bytes)) / rate)
+            )
+        },
+        || work(&done),
+    );
     println!("  {what}: {:.2} GiB in {:.1} s", gib(total), started.elapsed().as_secs_f64());
     result
+}
+
+/// Runs one executor call (`what`, moving about `bytes`), printing while it runs how long it has
+/// taken and, from the previous call's rate (`last_rate`, GiB/s), the time left.
+fn with_step_progress<T>(what: &str, bytes: u64, last_rate: Option<f64>, call: impl FnOnce() -> T) -> T {
+    with_ticker(
+        |elapsed| match last_rate {
+            Some(rate) => format!(
+                "  {what}: {:.0} s so far, {:.2} GiB at the previous step's {rate:.2} GiB/s: about {} left",
+                elapsed.as_secs_f64(),
+                gib(bytes),
+                seconds((gib(bytes) / rate - elapsed.as_secs_f64()).max(0.0))
+            ),
+            None => format!(
+                "  {what}: {:.0} s so far, {:.2} GiB (the first step: time left known from the next step on)",
+                elapsed.as_secs_f64(),
+                gib(bytes)
+            ),
+        },
+        call,
+    )
 }
 
 /// The rows of a placed box (its last dimension is contiguous): `(byte offset in its buffer, global
@@ -310,29 +374,109 @@ fn fill_publishers(w: &Workload, memory: &Memory) -> Result<(), String> {
     })
 }
 
-/// Overwrites every receiver buffer with a poison byte, so that a byte the refit misses is seen.
-fn poison_receivers(w: &Workload, memory: &Memory) -> Result<(), String> {
-    for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver) {
-        let poison = vec![0xa5u8; buffer.bytes as usize];
-        // SAFETY: bases[b] was allocated with buffer.bytes on this device.
-        unsafe { memory.backend.write(buffer.endpoint.device as i32, memory.bases[b], &poison) }
-            .map_err(|e| e.to_string())?;
-    }
-    Ok(())
-}
+/// The poison byte of receiver buffers, so that a byte the refit misses is seen.
+const POISON: u8 = 0xa5;
 
-/// Whether every receiver byte still holds the poison.
-fn receivers_poisoned(w: &Workload, memory: &Memory) -> Result<bool, String> {
+/// Receiver buffers are poisoned and read back in pieces of this many bytes (a progress line can
+/// come between two pieces, and no copy of a whole buffer is held).
+const PIECE: u64 = 64 << 20;
+
+/// Every receiver buffer's pieces: (buffer, offset, length).
+fn receiver_pieces(w: &Workload) -> Vec<(usize, u64, u64)> {
+    let mut pieces = Vec::new();
     for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver) {
-        let mut bytes = vec![0u8; buffer.bytes as usize];
-        // SAFETY: as in poison_receivers.
-        unsafe { memory.backend.read(buffer.endpoint.device as i32, memory.bases[b], &mut bytes) }
-            .map_err(|e| e.to_string())?;
-        if bytes.iter().any(|&x| x != 0xa5) {
-            return Ok(false);
+        let mut at = 0;
+        while at < buffer.bytes {
+            pieces.push((b, at, PIECE.min(buffer.bytes - at)));
+            at += PIECE;
         }
     }
-    Ok(true)
+    pieces
+}
+
+/// Overwrites every receiver buffer with POISON.
+fn poison_receivers(w: &Workload, memory: &Memory) -> Result<(), String> {
+    let total = w.buffers.iter().filter(|x| x.role == Role::Receiver).map(|x| x.bytes).sum();
+    let poison = vec![POISON; PIECE as usize];
+    with_progress("poisoning receiver buffers", total, |done| {
+        for (b, at, len) in receiver_pieces(w) {
+            let device = w.buffers[b].endpoint.device as i32;
+            // SAFETY: bases[b] was allocated with buffer.bytes on this device; at + len is inside.
+            unsafe { memory.backend.write(device, memory.bases[b] + at, &poison[..len as usize]) }
+                .map_err(|e| e.to_string())?;
+            done.fetch_add(len, Ordering::Relaxed);
+        }
+        Ok(())
+    })
+}
+
+/// Whether every receiver byte still holds POISON.
+fn receivers_poisoned(w: &Workload, memory: &Memory) -> Result<bool, String> {
+    let total = w.buffers.iter().filter(|x| x.role == Role::Receiver).map(|x| x.bytes).sum();
+    let mut bytes = vec![0u8; PIECE as usize];
+    with_progress("checking the live buffers are untouched", total, |done| {
+        for (b, at, len) in receiver_pieces(w) {
+            let device = w.buffers[b].endpoint.device as i32;
+            let piece = &mut bytes[..len as usize];
+            // SAFETY: as in poison_receivers.
+            unsafe { memory.backend.read(device, memory.bases[b] + at, piece) }.map_err(|e| e.to_string())?;
+            if piece.iter().any(|&x| x != POISON) {
+                return Ok(false);
+            }
+            done.fetch_add(len, Ordering::Relaxed);
+        }
+        Ok(true)
+    })
+}
+
+/// The memory the demo will use, printed before it allocates: every buffer, the staged phase's
+/// staging on each receiving device (its received bytes, at most `staging_limit`), and on GPUs the
+/// host image of the largest buffer (filled or checked on the host, one buffer at a time).
+fn print_memory_need(w: &Workload, on_gpu: bool, staging_limit: u64) -> Result<(), String> {
+    let mut per_device: std::collections::BTreeMap<u32, u64> = Default::default();
+    for buffer in &w.buffers {
+        *per_device.entry(buffer.endpoint.device).or_default() += buffer.bytes;
+    }
+    let mut staging = 0;
+    for (endpoint, bytes) in w.need_bytes() {
+        let staged = if staging_limit == 0 { bytes } else { bytes.min(staging_limit) };
+        *per_device.entry(endpoint.device).or_default() += staged;
+        staging += staged;
+    }
+    let buffers: u64 = w.buffers.iter().map(|b| b.bytes).sum();
+    if on_gpu {
+        let largest = w.buffers.iter().map(|b| b.bytes).max().unwrap_or(0);
+        let each: Vec<String> =
+            per_device.iter().map(|(d, bytes)| format!("GPU {d} {:.2} GiB", gib(*bytes))).collect();
+        println!(
+            "  needs device memory: {} (buffers, then staging in phase 2); host memory: {:.2} GiB (the largest buffer's image)",
+            each.join(", "),
+            gib(largest)
+        );
+        return Ok(());
+    }
+    let need = buffers + staging + PIECE;
+    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+        m.lines()
+            .find_map(|l| l.strip_prefix("MemAvailable:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+            .map(|kib| kib << 10)
+    });
+    println!(
+        "  needs about {:.1} GB of host memory: buffers {:.2} GiB, staging {:.2} GiB (phase 2), checks {:.2} GiB{}",
+        need as f64 / 1e9,
+        gib(buffers),
+        gib(staging),
+        gib(PIECE),
+        available.map_or(String::new(), |a| format!("; {:.1} GB available", a as f64 / 1e9))
+    );
+    if available.is_some_and(|a| a < need) {
+        return Err(format!(
+            "not enough host memory for this run: {:.1} GB needed; a smaller --staging-limit lowers it",
+            need as f64 / 1e9
+        ));
+    }
+    Ok(())
 }
 
 /// Checks every received element against its known value; returns the elements checked.
@@ -425,6 +569,10 @@ fn main() {
 
 fn run() -> Result<(), String> {
     let args = parse_args()?;
+    if args.help {
+        print!("{USAGE}");
+        return Ok(());
+    }
     if let Some(n) = args.processes {
         return processes::run(&args, n);
     }
@@ -477,6 +625,7 @@ fn run() -> Result<(), String> {
 
     let workload = Workload::generate(&spec).map_err(|e| e.to_string())?;
     let total: u64 = workload.buffers.iter().map(|b| b.bytes).sum();
+    print_memory_need(&workload, on_gpu, args.staging_limit_mib << 20)?;
     println!("[1/5] allocating {} buffers, {:.2} GiB", workload.buffers.len(), gib(total));
     let mut bases = Vec::with_capacity(workload.buffers.len());
     for buffer in &workload.buffers {
@@ -535,9 +684,16 @@ fn run() -> Result<(), String> {
     poison_receivers(&workload, &memory)?;
     let direct = make(REFIT_COMMIT_DIRECT, false, 0)?;
     let mut rows = Vec::new();
+    let step_bytes = s.needed_bytes;
+    let mut last_rate = None;
     for step in 0..args.steps {
         let mut stats = empty_stats();
-        ok(refit_executor_run(direct, group, &mut stats), "refit_executor_run")?;
+        let what = format!("direct step {}", step + 1);
+        let status = with_step_progress(&what, step_bytes, last_rate, || {
+            refit_executor_run(direct, group, &mut stats)
+        });
+        ok(status, "refit_executor_run")?;
+        last_rate = Some(gib(step_bytes) / (stats.wall_ns.max(1) as f64 / 1e9));
         rows.push((format!("direct {}", step + 1), stats));
     }
     refit_executor_destroy(direct);
@@ -548,10 +704,16 @@ fn run() -> Result<(), String> {
         "[5/5] phase 2: two staged, verified steps (run receives into staging and verifies; commit installs)"
     );
     let staged = make(REFIT_COMMIT_STAGED, true, args.staging_limit_mib)?;
+    let mut staged_rate = None;
     for step in 1..=2 {
         poison_receivers(&workload, &memory)?;
         let mut ran = empty_stats();
-        ok(refit_executor_run(staged, group, &mut ran), "refit_executor_run")?;
+        let what = format!("staged, verified run {step}");
+        let status = with_step_progress(&what, step_bytes, staged_rate, || {
+            refit_executor_run(staged, group, &mut ran)
+        });
+        ok(status, "refit_executor_run")?;
+        staged_rate = Some(gib(step_bytes) / (ran.wall_ns.max(1) as f64 / 1e9));
         if ran.slices > 1 {
             println!(
                 "  step {step}: {} slices; the run installed all but the last (the guarantee is per slice)",
@@ -563,7 +725,11 @@ fn run() -> Result<(), String> {
             return Err("a staged run changed live bytes before its commit".into());
         }
         let mut committed = empty_stats();
-        ok(refit_executor_commit(staged, group, &mut committed), "refit_executor_commit")?;
+        let what = format!("commit {step}");
+        let status = with_step_progress(&what, step_bytes, last_rate, || {
+            refit_executor_commit(staged, group, &mut committed)
+        });
+        ok(status, "refit_executor_commit")?;
         rows.push((format!("staged run {step}"), ran));
         rows.push((format!("commit {step}"), committed));
     }

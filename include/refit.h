@@ -1469,6 +1469,14 @@ refit_status refit_group_size(const refit_group *group, size_t *size);
 refit_status refit_group_device(const refit_group *group, uint32_t rank, int32_t *device);
 
 /**
+ * The rank of the group whose device is `device` (the inverse of refit_group_device): plans,
+ * routes and tables name device ordinals, calls on a group take ranks. Thread-safe.
+ * Errors: NULL_ARGUMENT, INVALID_ARGUMENT (`device` is not one of the group's devices; the message
+ * names it and lists the group's devices).
+ */
+refit_status refit_group_rank_of(const refit_group *group, int32_t device, uint32_t *rank);
+
+/**
  * The stream of `rank` (a CUstream on the CUDA backend, an opaque host-stream handle on the host
  * backend): non-blocking, created with the group, the same for every call until refit_group_destroy.
  * Work you queue on it yourself inside a scope is ordered after the group's earlier work on this rank;

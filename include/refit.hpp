@@ -202,6 +202,13 @@ class Group {
     check(refit_group_device(live(), rank, &d));
     return d;
   }
+  /// refit_group_rank_of: the rank whose device is `device` (throws INVALID_ARGUMENT when the group
+  /// has no such device).
+  uint32_t rank_of(int32_t device) const {
+    uint32_t r = 0;
+    check(refit_group_rank_of(live(), device, &r));
+    return r;
+  }
   /// The group's own stream of `rank` (owned by the group).
   void *stream(uint32_t rank) const {
     void *s = nullptr;

@@ -2,9 +2,11 @@
 # CI check of the install paths a user takes (README's first programs), on a scratch prefix:
 #  1. packaging/install.sh with --destdir, then used from another directory (relocated): the
 #     library's SONAME is librefit.so.<abi> and resolves through the installed symlinks;
-#  2. examples/c/first.c built with pkg-config and run;
-#  3. examples/cpp built with CMake's find_package(refit) and run;
-#  4. `pip install ./python` into a fresh virtual environment, then examples/python/first.py and the
+#  2. examples/c/first.c built with pkg-config and run (the rpath comes from refit.pc);
+#  3. README's C commands exactly as written (the block after its "packaging/check.sh runs" marker)
+#     against a ~/.local prefix (HOME is a scratch directory), run with no LD_LIBRARY_PATH;
+#  4. examples/cpp built with CMake's find_package(refit) and run (the rpath comes from the package);
+#  5. `pip install ./python` into a fresh virtual environment, then examples/python/first.py and the
 #     integration shim run from outside the repository with no REFIT_LIBRARY.
 # Installs cmake and pkg-config from Debian when missing. Uses the debug library `cargo test` built
 # (REFIT_CARGO_PROFILE=debug) so nothing is compiled twice.
@@ -37,9 +39,24 @@ soname=$(readelf -d "$prefix/lib/librefit.so" | sed -n 's/.*(SONAME).*\[\(.*\)\]
 echo "--- C with pkg-config"
 export PKG_CONFIG_PATH=$prefix/lib/pkgconfig
 flags=$(pkg-config --cflags --libs refit)
-cc -std=c11 -Wall -Wextra -Werror examples/c/first.c $flags -Wl,-rpath,"$prefix/lib" -o "$scratch/first_c"
+cc -std=c11 -Wall -Wextra -Werror examples/c/first.c $flags -o "$scratch/first_c"
+unset PKG_CONFIG_PATH
 readelf -d "$scratch/first_c" | grep -q "NEEDED.*\[librefit.so.$abi\]" || { echo "first_c does not need librefit.so.$abi"; exit 1; }
-"$scratch/first_c"
+env -u LD_LIBRARY_PATH "$scratch/first_c"
+
+echo "--- README's C commands as written, against \$HOME/.local, with no LD_LIBRARY_PATH"
+# The block after the marker line, without its fences: what a reader pastes.
+readme_c=$(awk '/<!-- packaging\/check.sh runs the next block as written -->/ {armed = 1; next}
+                armed && /^```/ {if (inside) exit; inside = 1; next}
+                inside {print}' README.md)
+[ -n "$readme_c" ] || { echo "README.md has no block after the packaging/check.sh marker"; exit 1; }
+grep -q 'pkg-config' <<<"$readme_c" || { echo "README's checked block does not build with pkg-config:"; echo "$readme_c"; exit 1; }
+home=$scratch/home
+mkdir -p "$home" "$scratch/reader/examples/c"
+HOME=$home packaging/install.sh --prefix "$home/.local" --library target/debug/librefit.so >/dev/null
+cp examples/c/first.c "$scratch/reader/examples/c/"
+printf '%s\n' "$readme_c"
+(cd "$scratch/reader" && env -u LD_LIBRARY_PATH -u PKG_CONFIG_PATH HOME="$home" bash -euo pipefail -c "$readme_c")
 
 echo "--- C++ with CMake find_package(refit)"
 cmake -S examples/cpp -B "$scratch/build_cpp" -DCMAKE_PREFIX_PATH="$prefix" -DCMAKE_BUILD_TYPE=Release >/dev/null

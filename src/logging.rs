@@ -21,7 +21,6 @@ use crate::error::{Error, Result};
 use log::{Level, LevelFilter, Log, Metadata, Record};
 use std::cell::Cell;
 use std::ffi::{c_char, c_void, CString};
-use std::io::Write;
 use std::sync::{Condvar, Mutex, MutexGuard, Once};
 
 /// `callback(level, message, user_data)`: level 1 error .. 5 trace; `message` valid during the call.
@@ -131,14 +130,27 @@ impl Log for Logger {
                 // setter that replaces it waiting until this call has returned.
                 unsafe { (host.callback)(level_number(record.level()), text.as_ptr(), host.user_data) };
             }
-            Route::Stderr => {
-                let _ = writeln!(std::io::stderr(), "[refit {}] {}", record.level(), record.args());
-            }
+            Route::Stderr => to_stderr(record),
             Route::Nowhere => {}
         }
     }
 
     fn flush(&self) {}
+}
+
+/// A record on stderr. Write errors are ignored: logging never panics.
+#[cfg(not(test))]
+fn to_stderr(record: &Record) {
+    use std::io::Write;
+    let _ = writeln!(std::io::stderr(), "[refit {}] {}", record.level(), record.args());
+}
+
+/// A record on stderr, in the crate's own unit tests: through `eprintln!`, which the test harness
+/// captures per test (threads a test spawns included) and shows only when that test fails. Tests
+/// that provoke an error check it through the thread's last error; a passing run prints no line.
+#[cfg(test)]
+fn to_stderr(record: &Record) {
+    eprintln!("[refit {}] {}", record.level(), record.args());
 }
 
 fn level_number(level: Level) -> u32 {

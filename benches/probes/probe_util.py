@@ -69,7 +69,15 @@ def print_table(headers, rows):
 
 
 def write_results(name, results):
-    """Writes `results` as $REFIT_BENCH_RESULTS/<name>.json (default benches/results/)."""
+    """Writes `results` as $REFIT_BENCH_RESULTS/<name>.json (default benches/results/), with the
+    machine it ran on (`device`, `gpus`) unless the probe recorded them itself: benches/report.py
+    names each table's machine from these fields."""
+    try:
+        import torch
+    except ImportError:  # a cupy-only machine: report.py then says the machine was not recorded
+        torch = None
+    if torch is not None and torch.cuda.is_available():
+        results = {"device": torch.cuda.get_device_name(0), "gpus": torch.cuda.device_count(), **results}
     out = os.environ.get("REFIT_BENCH_RESULTS", "benches/results")
     os.makedirs(out, exist_ok=True)
     with open(os.path.join(out, f"{name}.json"), "w") as f:

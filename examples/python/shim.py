@@ -28,8 +28,9 @@ def refit_weights(model, trainer, engine, group):
     with refit.Plan.build(tables) as plan:
         for table in tables:
             table.close()
-        for route in plan.routes():  # the receiving rank copies its route's segments in one launch
-            group.copy_batch(group.devices.index(route.dst_device), route.segments)
+        # In a loop, keep the executor and call run() at every step: descriptors are built once.
+        with plan.executor(group, process=0, verify=True) as executor:
+            executor.run()
         return plan.stats
 
 

@@ -427,6 +427,7 @@ FUNCTIONS = {
     "refit_group_destroy": (None, [_handle]),
     "refit_group_size": (status_t, [_handle, POINTER(c_size_t)]),
     "refit_group_device": (status_t, [_handle, c_uint32, POINTER(c_int32)]),
+    "refit_group_rank_of": (status_t, [_handle, c_int32, POINTER(c_uint32)]),
     "refit_group_stream": (status_t, [_handle, c_uint32, POINTER(c_void_p)]),
     "refit_group_peer_access": (status_t, [_handle, c_uint32, c_uint32, POINTER(c_bool)]),
     "refit_group_backend": (status_t, [_handle, _u32p]),

@@ -109,6 +109,18 @@ class Group(Handle):
             check(lib.refit_group_device(handle, rank, byref(device)))
         return device.value
 
+    def rank_of(self, device: int) -> int:
+        """The rank whose device is `device` (the inverse of device()): plans, routes and tables
+        name device ordinals, calls on a group take ranks. INVALID_ARGUMENT when `device` is not one
+        of the group's devices."""
+        device = integer(device, "device")
+        if not -(1 << 31) <= device < (1 << 31):
+            raise invalid_argument(f"device = {device} is not a 32-bit ordinal")
+        rank = c_uint32()
+        with self._borrow() as handle:
+            check(lib.refit_group_rank_of(handle, device, byref(rank)))
+        return rank.value
+
     @property
     def devices(self) -> list[int]:
         """Every rank's device, in rank order."""

@@ -93,6 +93,27 @@ class GroupQueryTest(unittest.TestCase):
                     call()
                 self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
 
+    def test_rank_of_is_the_inverse_of_device(self):
+        with host_group((2, 0, 1)) as group:
+            self.assertEqual([group.rank_of(device) for device in (2, 0, 1)], [0, 1, 2])
+            for device in (3, -1, 1 << 31, -(1 << 31) - 1):
+                with self.assertRaises(RefitError) as caught:
+                    group.rank_of(device)
+                self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
+                self.assertIn(str(device), caught.exception.message)
+            # Absent from the group: the library's message names the device and the group's devices.
+            with self.assertRaises(RefitError) as caught:
+                group.rank_of(7)
+            self.assertIn("device 7", caught.exception.message)
+            self.assertIn("[2, 0, 1]", caught.exception.message)
+            for bad in (1.0, "1", True, None):
+                with self.assertRaises(RefitError) as caught:
+                    group.rank_of(bad)
+                self.assertIs(caught.exception.status, Status.INVALID_ARGUMENT)
+        with self.assertRaises(RefitError) as caught:
+            group.rank_of(2)
+        self.assertIs(caught.exception.status, Status.INVALID_STATE)
+
     def test_closed_group_refuses_use_and_closes_once(self):
         group = host_group()
         released = []

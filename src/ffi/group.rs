@@ -151,6 +151,20 @@ pub extern "C" fn refit_group_device(group: *const refit_group, rank: u32, devic
     })
 }
 
+/// The rank of the group whose device is `device` (the inverse of refit_group_device): plans,
+/// routes and tables name device ordinals, calls on a group take ranks. Thread-safe.
+/// Errors: NULL_ARGUMENT, INVALID_ARGUMENT (`device` is not one of the group's devices; the message
+/// names it and lists the group's devices).
+#[no_mangle]
+pub extern "C" fn refit_group_rank_of(group: *const refit_group, device: i32, rank: *mut u32) -> Status {
+    boundary("refit_group_rank_of", || {
+        let slot = out(rank, "rank")?;
+        let found = live(group, "group")?.group.rank_of(device)?;
+        slot.write(u32::try_from(found).map_err(|_| Error::new(Status::InternalError, "a rank past 2^32"))?);
+        Ok(())
+    })
+}
+
 /// The stream of `rank` (a CUstream on the CUDA backend, an opaque host-stream handle on the host
 /// backend): non-blocking, created with the group, the same for every call until refit_group_destroy.
 /// Work you queue on it yourself inside a scope is ordered after the group's earlier work on this rank;

@@ -259,6 +259,16 @@ impl Group {
         Ok(self.devices[rank])
     }
 
+    /// The rank whose device is `device` (a group's devices are distinct, so there is at most one).
+    pub fn rank_of(&self, device: i32) -> Result<usize> {
+        self.devices.iter().position(|&d| d == device).ok_or_else(|| {
+            Error::new(
+                Status::InvalidArgument,
+                format!("device {device} is not in the group (its devices are {:?})", self.devices),
+            )
+        })
+    }
+
     /// The rank's stream: created with the group, the same for every call.
     pub fn stream(&self, rank: usize) -> Result<Stream> {
         self.check_rank(rank)?;
