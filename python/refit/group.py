@@ -12,12 +12,14 @@ from ._args import (
     check_range,
     choice,
     device_ordinal,
+    integer,
     integers,
     items,
     same_length,
     stream_value,
     u64_array,
     wrong_type,
+    wrong_value,
 )
 from ._handle import Handle
 from ._lib import (
@@ -115,7 +117,7 @@ class Group(Handle):
         of the group's devices."""
         device = integer(device, "device")
         if not -(1 << 31) <= device < (1 << 31):
-            raise invalid_argument(f"device = {device} is not a 32-bit ordinal")
+            raise wrong_value("device", device, "one of the group's devices (32-bit ordinals)")
         rank = c_uint32()
         with self._borrow() as handle:
             check(lib.refit_group_rank_of(handle, device, byref(rank)))
