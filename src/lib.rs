@@ -46,6 +46,7 @@ mod ids;
 pub mod kernels;
 pub mod logging;
 pub mod plan;
+pub mod quant;
 pub mod segment;
 mod sync;
 pub mod transport;
