@@ -180,18 +180,18 @@ impl QuantizeKernel {
         Ok(kernel)
     }
 
-    /// Queues the quantization of every job on `stream`: the descriptors uploaded stream-ordered
+    /// Queues the quantization of a batch laid out by [`layout`] on `stream`: the descriptors uploaded stream-ordered
     /// (`cuMemAllocAsync`, an asynchronous copy from pageable memory that the driver stages before
     /// returning), for per-tensor jobs a zeroed amax word per job and the phase-1 launch, then the
     /// phase-2 launch, then the frees. Asynchronous; must not be captured into a CUDA graph (the
-    /// pageable upload). Errors: those of [`layout`], CudaError / OutOfMemory from the driver.
+    /// pageable upload). An empty layout queues nothing. Errors: CudaError / OutOfMemory from the
+    /// driver.
     ///
     /// # Safety
-    /// `stream` is NULL or a live stream of this kernel's device; every job's source is device memory
+    /// `stream` is NULL or a live stream of this kernel's device; every laid-out job's source is device memory
     /// readable from it (whole 16-byte vectors: up to 15 bytes past each row) and its destination and
     /// scales writable, until the work has run; no source overlaps a destination.
-    pub unsafe fn enqueue(&self, stream: sys::CUstream, jobs: &[QuantJob]) -> Result<()> {
-        let layout = layout(jobs)?;
+    pub unsafe fn enqueue(&self, stream: sys::CUstream, layout: &Layout) -> Result<()> {
         if layout.tiles == 0 {
             return Ok(());
         }
@@ -213,11 +213,11 @@ impl QuantizeKernel {
                 sys::cuMemsetD32Async(amax, 0, layout.descs.len(), stream)
             });
             if result.is_ok() {
-                result = self.launch(stream, table, &layout, 1, amax);
+                result = self.launch(stream, table, layout, 1, amax);
             }
         }
         if result.is_ok() {
-            result = self.launch(stream, table, &layout, 2, amax);
+            result = self.launch(stream, table, layout, 2, amax);
         }
         // SAFETY: allocated above on this stream; freed after the launches in stream order.
         let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
@@ -272,30 +272,32 @@ mod tests {
         assert_eq!(crate::quant::reference::MIN_AMAX, 1e-10f32);
     }
 
-    fn job(granularity: Granularity, rows: u64, cols: u64) -> QuantJob {
+    /// A job at addresses of its own (`slot`), never touched: layout reads no memory.
+    fn job(slot: u64, granularity: Granularity, rows: u64, cols: u64) -> QuantJob {
         let q = Quantization { target: Fp8::E4m3fn, granularity };
+        let base = (slot + 1) << 44;
         let (_, grid_cols) = q.scale_grid(rows, cols);
         QuantJob {
             quantization: q,
             source: SourceType::Bf16,
-            src: 1 << 40,
+            src: base,
             rows,
             cols,
             src_stride: cols.next_multiple_of(8),
-            dst: 1 << 41,
+            dst: base + (1 << 42),
             dst_stride: cols.next_multiple_of(8),
-            scales: 1 << 42,
+            scales: base + (1 << 43),
             scale_stride: grid_cols,
         }
     }
 
     #[test]
     fn each_granularity_takes_its_mode_and_tiles() {
-        let block = job(Granularity::Block { rows: 128, cols: 128 }, 65536, 8192);
-        let mx = job(Granularity::Mx, 65536, 8192);
-        let row_short = job(Granularity::Row, 10, 200);
-        let row_long = job(Granularity::Row, 10, 8192);
-        let tensor = job(Granularity::Tensor, 1000, 8192);
+        let block = job(0, Granularity::Block { rows: 128, cols: 128 }, 65536, 8192);
+        let mx = job(1, Granularity::Mx, 65536, 8192);
+        let row_short = job(2, Granularity::Row, 10, 200);
+        let row_long = job(3, Granularity::Row, 10, 8192);
+        let tensor = job(4, Granularity::Tensor, 1000, 8192);
         let l = layout(&[block, mx, row_short, row_long, tensor]).unwrap();
         let modes: Vec<(u32, u32, u64)> = l.descs.iter().map(|d| (d.mode, d.group_shift, d.first_tile)).collect();
         // 512 x 64 blocks; MX: 4 lanes per block, 64 groups x 4 rounds per tile; rows of 25 vectors
@@ -319,7 +321,7 @@ mod tests {
 
     #[test]
     fn empty_jobs_get_no_descriptor() {
-        let l = layout(&[job(Granularity::Row, 0, 64), job(Granularity::Mx, 7, 0)]).unwrap();
+        let l = layout(&[job(0, Granularity::Row, 0, 64), job(1, Granularity::Mx, 7, 0)]).unwrap();
         assert_eq!((l.descs.len(), l.tiles, l.per_tensor), (0, 0, false));
     }
 }

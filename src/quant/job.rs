@@ -145,7 +145,7 @@ impl QuantJob {
 }
 
 fn invalid(index: usize, message: String) -> Error {
-    Error::invalid_argument(format!("job {index}: {message}"))
+    Error::invalid_argument(format!("jobs[{index}]: {message}"))
 }
 
 /// One past the last byte of `rows` rows of `len` bytes, `stride` bytes apart from `base`, or None on
@@ -260,12 +260,24 @@ pub fn check_jobs(jobs: &[QuantJob]) -> Result<()> {
         if err.status != Status::Overlap {
             return err;
         }
-        Error::new(
-            Status::Overlap,
-            format!(
-                "the bytes written overlap (segment 2i is job i's destination matrix, 2i + 1 its scales): {}",
-                err.message
-            ),
-        )
+        Error::new(Status::Overlap, format!("{}: {}", overlapping_regions(&err.message), err.message))
     })
+}
+
+/// Names the regions of an overlap the segment check reports as "segments A and B ..." (segment 2i
+/// is jobs[i]'s destination, 2i + 1 its scales).
+fn overlapping_regions(message: &str) -> String {
+    let region = |segment: usize| {
+        let what = if segment % 2 == 0 { "destination" } else { "scales" };
+        format!("jobs[{}]'s {what}", segment / 2)
+    };
+    let numbers: Vec<usize> = message
+        .split(|c: char| !c.is_ascii_digit())
+        .filter_map(|word| word.parse().ok())
+        .take(2)
+        .collect();
+    match (message.starts_with("segments "), numbers.as_slice()) {
+        (true, [a, b]) => format!("{} and {} overlap", region(*a), region(*b)),
+        _ => "the bytes written overlap (segment 2i is jobs[i]'s destination, 2i + 1 its scales)".to_string(),
+    }
 }

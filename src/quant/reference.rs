@@ -168,3 +168,49 @@ pub unsafe fn quantize_host_job(job: &QuantJob) {
         SourceMatrix { bytes: src, source: job.source, rows: job.rows, cols: job.cols, stride: job.src_stride };
     quantize(job.quantization, &source, dst, job.dst_stride, scales, job.scale_stride);
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp32_scales_follow_vllms_eps_and_propagate_nan() {
+        let zero = block_scale(Fp8::E4m3fn, ScaleKind::F32, 0);
+        assert_eq!(zero.stored, (1e-10f32 / 448.0).to_bits());
+        assert_eq!(block_scale(Fp8::E5m2, ScaleKind::F32, 0).divisor, 1e-10f32 / 57344.0);
+        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 448f32.to_bits()).divisor, 1.0);
+        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 0x7f80_0000).divisor, f32::INFINITY);
+        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 0x7fc0_1234).stored, CANONICAL_NAN);
+        // amax just below eps still takes eps.
+        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 5e-11f32.to_bits()).stored, zero.stored);
+    }
+
+    #[test]
+    fn mx_scales_are_the_ocp_shared_exponent() {
+        let mx = |target, amax: f32| block_scale(target, ScaleKind::E8m0, amax.to_bits());
+        assert_eq!(mx(Fp8::E4m3fn, 448.0).stored, 127); // floor(log2 448) = 8: 2^0
+        assert_eq!(mx(Fp8::E4m3fn, 511.0).stored, 127);
+        assert_eq!(mx(Fp8::E4m3fn, 512.0).stored, 128);
+        assert_eq!(mx(Fp8::E5m2, 1.0).stored, 127 - 15);
+        assert_eq!(mx(Fp8::E4m3fn, 0.0).stored, 0);
+        assert_eq!(mx(Fp8::E4m3fn, f32::from_bits(1)).stored, 0); // 2^-149 - 8 clamps to -127
+        assert_eq!(mx(Fp8::E4m3fn, f32::from_bits(1)).divisor, 2f32.powi(-127));
+        assert_eq!(mx(Fp8::E4m3fn, f32::MAX).stored, 127 + 127 - 8);
+        assert_eq!(mx(Fp8::E4m3fn, f32::INFINITY).stored, u32::from(E8M0_NAN));
+        assert!(mx(Fp8::E4m3fn, f32::INFINITY).divisor.is_nan());
+        assert_eq!(floor_log2(0x0040_0000), -127); // the largest power-of-two subnormal, 2^-127
+        assert_eq!(floor_log2(3.0f32.to_bits()), 1);
+        for e in -149..=127 {
+            assert_eq!(power_of_two(e), 2f64.powi(e) as f32, "{e}");
+        }
+    }
+
+    #[test]
+    fn amax_orders_nan_above_infinity_above_finite() {
+        let bits = [1.0f32, -f32::INFINITY, 3.0].map(magnitude_bits);
+        assert_eq!(bits.iter().max(), Some(&0x7f80_0000));
+        assert!(magnitude_bits(-f32::NAN) > magnitude_bits(f32::INFINITY));
+        assert_eq!(quantize_element(Fp8::E4m3fn, -1.0, f32::INFINITY), 0x80);
+        assert_eq!(quantize_element(Fp8::E4m3fn, f32::INFINITY, f32::INFINITY), Fp8::NAN);
+    }
+}
