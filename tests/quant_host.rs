@@ -101,9 +101,9 @@ fn bad_jobs_are_refused_with_what_is_wrong() {
     refused(&[block(128, 0)], Status::InvalidArgument, &["block shape is 128 x 0"]);
     refused(&[block(128, 12)], Status::InvalidArgument, &["block columns are 12", "multiple of 8"]);
     refused(&[block(1 << 20, 1024)], Status::InvalidArgument, &["more than"]);
-    refused(&[with(&|j| j.src_stride = 255)], Status::InvalidArgument, &["src_stride 255 is below cols 256"]);
-    refused(&[with(&|j| j.dst_stride = 100)], Status::InvalidArgument, &["dst_stride 100"]);
-    refused(&[with(&|j| j.scale_stride = 1)], Status::InvalidArgument, &["scale_stride 1", "2 scales"]);
+    refused(&[with(&|j| j.src_stride = 255)], Status::InvalidArgument, &["src_row_stride 255 is below cols 256"]);
+    refused(&[with(&|j| j.dst_stride = 100)], Status::InvalidArgument, &["dst_row_stride 100"]);
+    refused(&[with(&|j| j.scale_stride = 1)], Status::InvalidArgument, &["scale_row_stride 1", "2 scales"]);
     refused(&[with(&|j| j.src = 0)], Status::InvalidArgument, &["src is 0"]);
     refused(&[with(&|j| j.scales = 0)], Status::InvalidArgument, &["scales is 0"]);
     refused(&[with(&|j| j.src = 0x10008)], Status::InvalidArgument, &["misaligned source rows"]);

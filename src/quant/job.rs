@@ -183,17 +183,17 @@ pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
     }
     let size = job.source.size();
     if job.rows > 1 && job.src_stride < job.cols {
-        return Err(invalid(index, format!("src_stride {} is below cols {}", job.src_stride, job.cols)));
+        return Err(invalid(index, format!("src_row_stride {} is below cols {}", job.src_stride, job.cols)));
     }
     if job.rows > 1 && job.dst_stride < job.cols {
-        return Err(invalid(index, format!("dst_stride {} is below cols {}", job.dst_stride, job.cols)));
+        return Err(invalid(index, format!("dst_row_stride {} is below cols {}", job.dst_stride, job.cols)));
     }
     let (grid_rows, grid_cols) = q.scale_grid(job.rows, job.cols);
     if grid_rows > 1 && job.scale_stride < grid_cols {
         return Err(invalid(
             index,
             format!(
-                "scale_stride {} is below the {grid_cols} scales of a scale-grid row ({grid_rows} x {grid_cols} scales)",
+                "scale_row_stride {} is below the {grid_cols} scales of a scale-grid row ({grid_rows} x {grid_cols} scales)",
                 job.scale_stride
             ),
         ));
@@ -208,7 +208,7 @@ pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
         return Err(invalid(
             index,
             format!(
-                "misaligned source rows: src {:#x} and src_stride {} elements of {size} bytes must make every \
+                "misaligned source rows: src {:#x} and src_row_stride {} elements of {size} bytes must make every \
                  row start a multiple of 16 bytes",
                 job.src, job.src_stride
             ),
@@ -219,7 +219,7 @@ pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
         return Err(invalid(
             index,
             format!(
-                "misaligned destination rows: dst {:#x} and dst_stride {} must be multiples of {vector} bytes \
+                "misaligned destination rows: dst {:#x} and dst_row_stride {} must be multiples of {vector} bytes \
                  (the FP8 codes of one 16-byte source vector)",
                 job.dst, job.dst_stride
             ),
