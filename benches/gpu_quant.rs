@@ -44,7 +44,9 @@ fn fill_bf16(buffer: &Buffer, rng: &mut Rng) {
         on(0, || {
             ok(
                 "cuMemcpyHtoD",
-                check("cuMemcpyHtoD", unsafe { sys::cuMemcpyHtoD_v2(buffer.ptr + at as u64, bytes.as_ptr().cast(), n) }),
+                check("cuMemcpyHtoD", unsafe {
+                    sys::cuMemcpyHtoD_v2(buffer.ptr + at as u64, bytes.as_ptr().cast(), n)
+                }),
             )
         });
         at += n;
@@ -54,7 +56,10 @@ fn fill_bf16(buffer: &Buffer, rng: &mut Rng) {
 fn download(ptr: u64, len: usize) -> Vec<u8> {
     let mut bytes = vec![0u8; len];
     on(0, || {
-        ok("cuMemcpyDtoH", check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(bytes.as_mut_ptr().cast(), ptr, len) }))
+        ok(
+            "cuMemcpyDtoH",
+            check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(bytes.as_mut_ptr().cast(), ptr, len) }),
+        )
     });
     bytes
 }
@@ -126,10 +131,19 @@ fn main() {
         let scale_bytes = (scale_rows * grid_cols * q.scale_kind().size()) as usize;
         let got_scales = download(scales.ptr, scale_bytes);
         if granularity != Granularity::Tensor {
-            let matrix = SourceMatrix { bytes: &source, source: SourceType::Bf16, rows: check_rows, cols: COLS, stride: COLS };
+            let matrix = SourceMatrix {
+                bytes: &source,
+                source: SourceType::Bf16,
+                rows: check_rows,
+                cols: COLS,
+                stride: COLS,
+            };
             let (mut want, mut want_scales) = (vec![0u8; got.len()], vec![0u8; scale_bytes]);
             quantize(q, &matrix, &mut want, COLS, &mut want_scales, grid_cols);
-            assert!(got == want && got_scales == want_scales, "{name}: the GPU's bytes differ from the reference");
+            assert!(
+                got == want && got_scales == want_scales,
+                "{name}: the GPU's bytes differ from the reference"
+            );
         }
         rows.push(Row { name, ms });
     }

@@ -40,7 +40,8 @@ fn check_on_gpu(cases: &[Case]) {
     let kernel = ok("loading the quantize kernel", QuantizeKernel::for_device(0));
     let stream = Stream::new(0);
     let buffers: Vec<OnDevice> = cases.iter().map(upload).collect();
-    let jobs: Vec<_> = cases.iter().zip(&buffers).map(|(c, b)| c.job(b.src.ptr, b.dst.ptr, b.scales.ptr)).collect();
+    let jobs: Vec<_> =
+        cases.iter().zip(&buffers).map(|(c, b)| c.job(b.src.ptr, b.dst.ptr, b.scales.ptr)).collect();
     let l = ok("layout", layout(&jobs));
     // SAFETY: the jobs name the buffers above, alive until after the synchronization.
     ok("enqueue", unsafe { kernel.enqueue(stream.raw, &l) });
@@ -49,11 +50,17 @@ fn check_on_gpu(cases: &[Case]) {
         let (want_dst, want_scales) = c.expected();
         let (dst, scales) = (b.dst.download(), b.scales.download());
         if let Some(at) = (0..want_scales.len()).find(|&i| scales[i] != want_scales[i]) {
-            panic!("{}: scale byte {at}: GPU {:#04x}, reference {:#04x}", c.name, scales[at], want_scales[at]);
+            panic!(
+                "{}: scale byte {at}: GPU {:#04x}, reference {:#04x}",
+                c.name, scales[at], want_scales[at]
+            );
         }
         if let Some(at) = (0..want_dst.len()).find(|&i| dst[i] != want_dst[i]) {
             let (row, col) = (at as u64 / c.dst_stride, at as u64 % c.dst_stride);
-            panic!("{}: element ({row}, {col}): GPU {:#04x}, reference {:#04x}", c.name, dst[at], want_dst[at]);
+            panic!(
+                "{}: element ({row}, {col}): GPU {:#04x}, reference {:#04x}",
+                c.name, dst[at], want_dst[at]
+            );
         }
     }
 }
@@ -113,7 +120,8 @@ fn a_cuda_group_quantizes_through_the_backend_and_refuses_bad_jobs() {
     if std::env::var_os("NCCL_NVLS_ENABLE").is_none() {
         std::env::set_var("NCCL_NVLS_ENABLE", "0");
     }
-    let group = ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
+    let group =
+        ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
     let cases = standard_cases(23, false);
     let case = &cases[14];
     let b = upload(case);

@@ -25,9 +25,12 @@ fn emulator() -> Launch {
 
 /// Runs `cases` as one batch through the emulated kernel and compares each with the reference.
 fn check_batch(cases: &[Case]) {
-    let mut outputs: Vec<(Aligned, Aligned)> =
-        cases.iter().map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL))).collect();
-    let jobs: Vec<_> = cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
+    let mut outputs: Vec<(Aligned, Aligned)> = cases
+        .iter()
+        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
+        .collect();
+    let jobs: Vec<_> =
+        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
     let l = layout(&jobs).unwrap();
     if l.tiles > 0 {
         // SAFETY: the descriptors name the buffers above, which outlive the call; the sources are
@@ -37,7 +40,12 @@ fn check_batch(cases: &[Case]) {
     for (c, (dst, scales)) in cases.iter().zip(&mut outputs) {
         let (want_dst, want_scales) = c.expected();
         if let Some(at) = (0..want_scales.len()).find(|&i| scales.bytes()[i] != want_scales[i]) {
-            panic!("{}: scale byte {at}: kernel {:#04x}, reference {:#04x}", c.name, scales.bytes()[at], want_scales[at]);
+            panic!(
+                "{}: scale byte {at}: kernel {:#04x}, reference {:#04x}",
+                c.name,
+                scales.bytes()[at],
+                want_scales[at]
+            );
         }
         if let Some(at) = (0..want_dst.len()).find(|&i| dst.bytes()[i] != want_dst[i]) {
             let (row, col) = (at as u64 / c.dst_stride, at as u64 % c.dst_stride);
@@ -92,7 +100,16 @@ fn rows_longer_than_the_registers_hold_are_read_twice_and_still_match() {
 #[test]
 fn a_nan_or_an_infinity_takes_its_block_as_documented() {
     let mut rng = Rng::new(2);
-    let mut c = case(&mut rng, "specials", Fp8::E4m3fn, Granularity::Block { rows: 2, cols: 8 }, SourceType::Bf16, 4, 16, 0);
+    let mut c = case(
+        &mut rng,
+        "specials",
+        Fp8::E4m3fn,
+        Granularity::Block { rows: 2, cols: 8 },
+        SourceType::Bf16,
+        4,
+        16,
+        0,
+    );
     // Block (0, 0): a NaN; block (0, 1): an infinity; block (1, *): zeros.
     let bytes = c.data.bytes_mut();
     let set = |bytes: &mut [u8], r: usize, col: usize, x: f32| {

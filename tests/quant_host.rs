@@ -12,8 +12,10 @@ use refit::transport::{Backend, Stream};
 use refit::Status;
 
 fn run(backend: &HostBackend, cases: &[Case]) -> refit::Result<Vec<(Aligned, Aligned)>> {
-    let outputs: Vec<(Aligned, Aligned)> =
-        cases.iter().map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL))).collect();
+    let outputs: Vec<(Aligned, Aligned)> = cases
+        .iter()
+        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
+        .collect();
     let jobs: Vec<QuantJob> =
         cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
     // SAFETY: every job names the buffers above, alive for the call (which completes on return).
@@ -39,7 +41,16 @@ fn the_host_backend_writes_the_references_bytes_for_a_whole_batch() {
 fn known_block_values() {
     // One 2 x 8 bf16 block with amax 448: scale 1, codes the elements' own.
     let mut rng = Rng::new(1);
-    let mut c = case(&mut rng, "known", Fp8::E4m3fn, Granularity::Block { rows: 2, cols: 8 }, SourceType::Bf16, 2, 8, 0);
+    let mut c = case(
+        &mut rng,
+        "known",
+        Fp8::E4m3fn,
+        Granularity::Block { rows: 2, cols: 8 },
+        SourceType::Bf16,
+        2,
+        8,
+        0,
+    );
     let values = [448.0f32, -448.0, 1.0, 1.0625, 2f32.powi(-9), 2f32.powi(-10), -0.0, 0.0];
     for (i, x) in values.iter().chain(values.iter()).enumerate() {
         let at = i * 2;
@@ -65,7 +76,10 @@ fn known_block_values() {
 
 fn base_job() -> QuantJob {
     QuantJob {
-        quantization: refit::quant::Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } },
+        quantization: refit::quant::Quantization {
+            target: Fp8::E4m3fn,
+            granularity: Granularity::Block { rows: 128, cols: 128 },
+        },
         source: SourceType::Bf16,
         src: 0x10000,
         rows: 256,
@@ -101,7 +115,11 @@ fn bad_jobs_are_refused_with_what_is_wrong() {
     refused(&[block(128, 0)], Status::InvalidArgument, &["block shape is 128 x 0"]);
     refused(&[block(128, 12)], Status::InvalidArgument, &["block columns are 12", "multiple of 8"]);
     refused(&[block(1 << 20, 1024)], Status::InvalidArgument, &["more than"]);
-    refused(&[with(&|j| j.src_stride = 255)], Status::InvalidArgument, &["src_row_stride 255 is below cols 256"]);
+    refused(
+        &[with(&|j| j.src_stride = 255)],
+        Status::InvalidArgument,
+        &["src_row_stride 255 is below cols 256"],
+    );
     refused(&[with(&|j| j.dst_stride = 100)], Status::InvalidArgument, &["dst_row_stride 100"]);
     refused(&[with(&|j| j.scale_stride = 1)], Status::InvalidArgument, &["scale_row_stride 1", "2 scales"]);
     refused(&[with(&|j| j.src = 0)], Status::InvalidArgument, &["src is 0"]);
@@ -113,14 +131,26 @@ fn bad_jobs_are_refused_with_what_is_wrong() {
     refused(&[with(&|j| j.src = u64::MAX - 0xffff)], Status::InvalidArgument, &["source runs past the end"]);
     // Overlaps: the scales inside the destination; two jobs writing the same rows; a job writing
     // its own rows twice cannot happen (strides are at least a row), but two jobs' scale grids can.
-    refused(&[with(&|j| j.scales = 0x100100)], Status::Overlap, &["jobs[0]'s destination and jobs[0]'s scales overlap"]);
+    refused(
+        &[with(&|j| j.scales = 0x100100)],
+        Status::Overlap,
+        &["jobs[0]'s destination and jobs[0]'s scales overlap"],
+    );
     let second = with(&|j| {
         j.dst += 128 * 256;
         j.scales = 0x300000;
     });
-    refused(&[base_job(), second], Status::Overlap, &["jobs[0]'s destination and jobs[1]'s destination overlap"]);
+    refused(
+        &[base_job(), second],
+        Status::Overlap,
+        &["jobs[0]'s destination and jobs[1]'s destination overlap"],
+    );
     let scales_shared = with(&|j| j.dst = 0x400000);
-    refused(&[base_job(), scales_shared], Status::Overlap, &["jobs[0]'s scales and jobs[1]'s scales overlap"]);
+    refused(
+        &[base_job(), scales_shared],
+        Status::Overlap,
+        &["jobs[0]'s scales and jobs[1]'s scales overlap"],
+    );
     // Column halves of one matrix interleave without overlapping: accepted.
     let left = with(&|j| j.cols = 128);
     let right = with(&|j| {

@@ -67,7 +67,10 @@ impl Layout {
     pub fn as_bytes(&self) -> &[u8] {
         // SAFETY: QuantDesc is plain old data without padding (11 u64 then 8 u32).
         unsafe {
-            std::slice::from_raw_parts(self.descs.as_ptr().cast(), std::mem::size_of_val(self.descs.as_slice()))
+            std::slice::from_raw_parts(
+                self.descs.as_ptr().cast(),
+                std::mem::size_of_val(self.descs.as_slice()),
+            )
         }
     }
 }
@@ -142,7 +145,11 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     if layout.tiles > i32::MAX as u64 {
         return Err(Error::new(
             Status::Unsupported,
-            format!("the batch needs {} thread blocks, more than one launch has ({})", layout.tiles, i32::MAX),
+            format!(
+                "the batch needs {} thread blocks, more than one launch has ({})",
+                layout.tiles,
+                i32::MAX
+            ),
         ));
     }
     Ok(layout)
@@ -201,7 +208,9 @@ impl QuantizeKernel {
         let amax_bytes = if layout.per_tensor { layout.descs.len() * 4 } else { 0 };
         let mut table: sys::CUdeviceptr = 0;
         // SAFETY: valid output slot; the stream belongs to the current context (the caller's promise).
-        check("cuMemAllocAsync", unsafe { sys::cuMemAllocAsync(&mut table, bytes.len() + amax_bytes, stream) })?;
+        check("cuMemAllocAsync", unsafe {
+            sys::cuMemAllocAsync(&mut table, bytes.len() + amax_bytes, stream)
+        })?;
         let amax = if layout.per_tensor { table + bytes.len() as u64 } else { 0 };
         // SAFETY: `bytes` is valid for its length; pageable memory is staged before the call returns.
         let mut result = check("cuMemcpyHtoDAsync", unsafe {
@@ -224,7 +233,14 @@ impl QuantizeKernel {
         result.and(freed)
     }
 
-    fn launch(&self, stream: sys::CUstream, table: u64, layout: &Layout, phase: u32, amax: u64) -> Result<()> {
+    fn launch(
+        &self,
+        stream: sys::CUstream,
+        table: u64,
+        layout: &Layout,
+        phase: u32,
+        amax: u64,
+    ) -> Result<()> {
         let (mut descs, mut njobs, mut phase, mut amax) = (table, layout.descs.len() as u32, phase, amax);
         let mut params: [*mut c_void; 4] = [
             (&mut descs as *mut u64).cast(),
@@ -299,7 +315,8 @@ mod tests {
         let row_long = job(3, Granularity::Row, 10, 8192);
         let tensor = job(4, Granularity::Tensor, 1000, 8192);
         let l = layout(&[block, mx, row_short, row_long, tensor]).unwrap();
-        let modes: Vec<(u32, u32, u64)> = l.descs.iter().map(|d| (d.mode, d.group_shift, d.first_tile)).collect();
+        let modes: Vec<(u32, u32, u64)> =
+            l.descs.iter().map(|d| (d.mode, d.group_shift, d.first_tile)).collect();
         // 512 x 64 blocks; MX: 4 lanes per block, 64 groups x 4 rounds per tile; rows of 25 vectors
         // take 32 lanes; long rows one block each; per tensor: slabs of 2 rows of 1024 vectors.
         let mx_tiles = 65536 * 256 / 256;

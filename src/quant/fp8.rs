@@ -267,9 +267,14 @@ mod tests {
                     continue;
                 }
                 let middle = ((f64::from(low) + f64::from(high)) / 2.0) as f32;
-                for x in [middle, f32::from_bits(middle.to_bits() - 1), f32::from_bits(middle.to_bits() + 1)] {
+                for x in [middle, f32::from_bits(middle.to_bits() - 1), f32::from_bits(middle.to_bits() + 1)]
+                {
                     for signed in [x, -x] {
-                        assert_eq!(format.encode(signed), nearest(format, signed), "{format:?} of {signed:e}");
+                        assert_eq!(
+                            format.encode(signed),
+                            nearest(format, signed),
+                            "{format:?} of {signed:e}"
+                        );
                     }
                 }
             }

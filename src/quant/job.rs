@@ -227,7 +227,10 @@ pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
     }
     let scale_bytes = q.scale_kind().size();
     if job.scales % scale_bytes != 0 {
-        return Err(invalid(index, format!("scales {:#x} is not a multiple of {scale_bytes} bytes", job.scales)));
+        return Err(invalid(
+            index,
+            format!("scales {:#x} is not a multiple of {scale_bytes} bytes", job.scales),
+        ));
     }
     // Every range read or written fits in the address space (the source is read in whole 16-byte
     // vectors, so up to 15 bytes past each row's last element).
@@ -271,11 +274,8 @@ fn overlapping_regions(message: &str) -> String {
         let what = if segment % 2 == 0 { "destination" } else { "scales" };
         format!("jobs[{}]'s {what}", segment / 2)
     };
-    let numbers: Vec<usize> = message
-        .split(|c: char| !c.is_ascii_digit())
-        .filter_map(|word| word.parse().ok())
-        .take(2)
-        .collect();
+    let numbers: Vec<usize> =
+        message.split(|c: char| !c.is_ascii_digit()).filter_map(|word| word.parse().ok()).take(2).collect();
     match (message.starts_with("segments "), numbers.as_slice()) {
         (true, [a, b]) => format!("{} and {} overlap", region(*a), region(*b)),
         _ => "the bytes written overlap (segment 2i is jobs[i]'s destination, 2i + 1 its scales)".to_string(),

@@ -164,8 +164,13 @@ pub unsafe fn quantize_host_job(job: &QuantJob) {
             std::slice::from_raw_parts_mut(job.scales as usize as *mut u8, scale_len as usize),
         )
     };
-    let source =
-        SourceMatrix { bytes: src, source: job.source, rows: job.rows, cols: job.cols, stride: job.src_stride };
+    let source = SourceMatrix {
+        bytes: src,
+        source: job.source,
+        rows: job.rows,
+        cols: job.cols,
+        stride: job.src_stride,
+    };
     quantize(job.quantization, &source, dst, job.dst_stride, scales, job.scale_stride);
 }
 

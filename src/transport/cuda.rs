@@ -276,13 +276,19 @@ impl Backend for CudaBackend {
         DigestKernel::for_device(device)?.digest(Self::raw_stream(stream), addr, len)
     }
 
-    unsafe fn quantize_batch(&self, device: i32, stream: Stream, jobs: &[crate::quant::QuantJob]) -> Result<()> {
+    unsafe fn quantize_batch(
+        &self,
+        device: i32,
+        stream: Stream,
+        jobs: &[crate::quant::QuantJob],
+    ) -> Result<()> {
         self.index(device)?;
         let layout = crate::kernels::quantize::layout(jobs)?;
         if layout.tiles == 0 {
             return Ok(());
         }
-        crate::kernels::quantize::QuantizeKernel::for_device(device)?.enqueue(Self::raw_stream(stream), &layout)
+        crate::kernels::quantize::QuantizeKernel::for_device(device)?
+            .enqueue(Self::raw_stream(stream), &layout)
     }
 
     fn prepare_recording_batch(

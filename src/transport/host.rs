@@ -442,7 +442,12 @@ impl Backend for HostBackend {
         value.ok_or_else(|| Error::invalid_state("the host stream stopped before it ran the digest"))
     }
 
-    unsafe fn quantize_batch(&self, device: i32, stream: Stream, jobs: &[crate::quant::QuantJob]) -> Result<()> {
+    unsafe fn quantize_batch(
+        &self,
+        device: i32,
+        stream: Stream,
+        jobs: &[crate::quant::QuantJob],
+    ) -> Result<()> {
         let queue = self.resolve(device, stream)?;
         crate::quant::check_jobs(jobs)?;
         let jobs = jobs.to_vec();

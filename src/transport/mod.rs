@@ -210,7 +210,12 @@ pub trait Backend: Send + Sync {
     /// Every job's source (rounded up to whole 16-byte vectors per row), destination and scales are
     /// memory of `device` (host memory on the host backend) valid until the work has run, and
     /// `stream` a live stream of that device; no source overlaps a destination or scales.
-    unsafe fn quantize_batch(&self, device: i32, stream: Stream, jobs: &[crate::quant::QuantJob]) -> Result<()>;
+    unsafe fn quantize_batch(
+        &self,
+        device: i32,
+        stream: Stream,
+        jobs: &[crate::quant::QuantJob],
+    ) -> Result<()>;
 
     /// Allocates `bytes` of device memory (tests and benches; the library never owns caller memory).
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64>;

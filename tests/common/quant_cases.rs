@@ -219,8 +219,11 @@ pub fn case(
 pub fn standard_cases(seed: u64, large: bool) -> Vec<Case> {
     let mut rng = Rng::new(seed);
     let mut cases = Vec::new();
-    let shapes: &[(u64, u64)] =
-        if large { &[(1, 8), (3, 37), (130, 264), (257, 1000), (64, 20_000)] } else { &[(1, 8), (3, 37), (130, 264)] };
+    let shapes: &[(u64, u64)] = if large {
+        &[(1, 8), (3, 37), (130, 264), (257, 1000), (64, 20_000)]
+    } else {
+        &[(1, 8), (3, 37), (130, 264)]
+    };
     for target in [Fp8::E4m3fn, Fp8::E5m2] {
         for source in [SourceType::Bf16, SourceType::F16, SourceType::F32] {
             for granularity in [
