@@ -140,3 +140,27 @@ fn a_cuda_group_quantizes_through_the_backend_and_refuses_bad_jobs() {
     assert_eq!(err.status, Status::InvalidArgument);
     assert!(err.message.contains("misaligned source rows"), "{}", err.message);
 }
+
+/// Also a dev aid without a GPU: `REFIT_NVRTC_LIBRARY=/path/to/libnvrtc.so.13 cargo test --test
+/// gpu_quant compiles -- --ignored --nocapture` compiles the kernel for sm_90 and sm_80 (the
+/// hardware FP8 conversion and the integer one) and prints ptxas's report.
+#[test]
+#[ignore = "needs libnvrtc (set REFIT_NVRTC_LIBRARY) or a GPU"]
+fn the_kernel_compiles_for_hopper_and_ampere() {
+    use refit::transport::nvrtc::{self, Output};
+    let source = refit::kernels::quantize::SOURCE;
+    for (major, minor) in [(9, 0), (8, 0)] {
+        let cubin =
+            ok("CUBIN", nvrtc::compile(source, "quantize.cu", major, minor, Output::Cubin, &["-Xptxas=-v"]));
+        println!("sm_{major}{minor}: CUBIN {} bytes\n{}", cubin.image.len(), cubin.log);
+        assert!(cubin.image.starts_with(b"\x7fELF"));
+        let ptx = ok("PTX", nvrtc::compile(source, "quantize.cu", major, minor, Output::Ptx, &[]));
+        let text = String::from_utf8_lossy(&ptx.image);
+        if let Ok(path) = std::env::var("REFIT_QUANT_PTX") {
+            std::fs::write(format!("{path}.sm{major}{minor}.ptx"), text.as_bytes()).unwrap();
+        }
+        assert!(text.contains(".entry refit_quantize("), "PTX names the kernel");
+        assert!(text.contains("ld.global.v4.u32") || text.contains("ld.global.nc.v4.u32"), "16-byte loads");
+        assert_eq!(text.contains("e4m3x2"), major >= 9, "the hardware conversion on sm_89 and later only");
+    }
+}

@@ -3,7 +3,8 @@
 // jobs: see below). The arithmetic is src/quant/mod.rs's, bit for bit: amax as the maximum of the
 // f32 bit patterns of |x| (NaN propagates), fp32 scale = max(amax, 1e-10) / FP8_MAX or MX's 2^e,
 // each element the IEEE f32 quotient x / scale cast to FP8 with round-to-nearest-even and
-// saturation, NaN to 0x7f.
+// saturation, NaN to 0x7f. (The quotient comes from the block's reciprocal, exactly where it
+// matters: see quotient below.)
 //
 // Compiled at run time by NVRTC (no headers), and built as host C++ by tests/emulate to check it
 // against the Rust reference without a GPU: everything here is plain C++ but for the few intrinsics
@@ -68,9 +69,35 @@ struct __align__(16) Vec {
     u32 w[4];
 };
 
+// A 16-byte source vector (read-only for the kernel's life: the non-coherent path on the GPU).
+__device__ __forceinline__ Vec load_vector(const unsigned char* p) {
+#ifdef __CUDA_ARCH__
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    Vec v;
+    v.w[0] = u.x;
+    v.w[1] = u.y;
+    v.w[2] = u.z;
+    v.w[3] = u.w;
+    return v;
+#else
+    return *reinterpret_cast<const Vec*>(p);
+#endif
+}
+
+// Codes are written once and not read again by the kernel: streaming stores on the GPU.
+template <typename T>
+__device__ __forceinline__ void store_streaming(T* p, T value) {
+#ifdef __CUDA_ARCH__
+    __stcs(p, value);
+#else
+    *p = value;
+#endif
+}
+
 struct Scale {
     u32 stored;
     float divisor;
+    float reciprocal;  // RN(1 / divisor), for the quotients of a finite divisor
 };
 
 __device__ __forceinline__ float from_bits(u32 b) {
@@ -115,12 +142,35 @@ __device__ __forceinline__ u32 f16_bits_to_f32(u32 h) {
     return sign | ((field + 112u) << 23) | (mantissa << 13);
 }
 
+// An f16 as f32 bits: the hardware's exact conversion on the GPU, the integer one on the host.
+__device__ __forceinline__ u32 f16_to_f32_bits(u32 h) {
+#ifdef __CUDA_ARCH__
+    float f;
+    const unsigned short half = (unsigned short)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(half));
+    return __float_as_uint(f);
+#else
+    return f16_bits_to_f32(h);
+#endif
+}
+
 // Element e of a vector, as f32 bits.
 template <u32 SRC>
 __device__ __forceinline__ u32 element_bits(const Vec& v, u32 e) {
     if (SRC == SRC_F32) return v.w[e];
     const u32 h = (v.w[e >> 1] >> ((e & 1u) * 16u)) & 0xffffu;
-    return SRC == SRC_BF16 ? h << 16 : f16_bits_to_f32(h);
+    return SRC == SRC_BF16 ? h << 16 : f16_to_f32_bits(h);
+}
+
+// The larger of each 16-bit half of a and b (unsigned).
+__device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
+#ifdef __CUDA_ARCH__
+    return __vmaxu2(a, b);
+#else
+    const u32 lo = (a & 0xffffu) > (b & 0xffffu) ? (a & 0xffffu) : (b & 0xffffu);
+    const u32 hi = (a >> 16) > (b >> 16) ? (a >> 16) : (b >> 16);
+    return lo | (hi << 16);
+#endif
 }
 
 template <u32 SRC>
@@ -155,6 +205,9 @@ __device__ __forceinline__ u32 encode_software(u32 bits, u32 target) {
 // Two quotients to two codes (a in the low byte). On sm_89 and later the hardware's saturating
 // conversion (round to nearest even, +-inf and out-of-range values to +-max, sign of zero kept) takes
 // the finite and infinite ones; NaN quotients, which it need not encode as 0x7f, take 0x7f here.
+// FINITE: the block's scale is finite, so every quotient is (its elements are finite: an infinite
+// or NaN element makes the amax, and so the scale, infinite or NaN), and no NaN check is needed.
+template <bool FINITE>
 __device__ __forceinline__ u32 encode_pair(float a, float b, u32 target) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned short pair;
@@ -164,8 +217,10 @@ __device__ __forceinline__ u32 encode_pair(float a, float b, u32 target) {
         asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(b), "f"(a));
     }
     u32 codes = pair;
-    if ((to_bits(a) & 0x7fffffffu) > 0x7f800000u) codes = (codes & 0xff00u) | 0x7fu;
-    if ((to_bits(b) & 0x7fffffffu) > 0x7f800000u) codes = (codes & 0x00ffu) | 0x7f00u;
+    if (!FINITE) {
+        if ((to_bits(a) & 0x7fffffffu) > 0x7f800000u) codes = (codes & 0xff00u) | 0x7fu;
+        if ((to_bits(b) & 0x7fffffffu) > 0x7f800000u) codes = (codes & 0x00ffu) | 0x7f00u;
+    }
     return codes;
 #else
     return encode_software(to_bits(a), target) | (encode_software(to_bits(b), target) << 8);
@@ -184,8 +239,8 @@ __device__ __forceinline__ float power_of_two(int e) {
     return e >= -126 ? from_bits((u32)(e + 127) << 23) : from_bits(1u << (e + 149));
 }
 
-// A block's scale from its amax bits (block_scale in src/quant/reference.rs).
-__device__ __forceinline__ Scale block_scale(u32 target, u32 kind, u32 amax_bits) {
+// A block's scale from its amax bits (block_scale in src/quant/reference.rs), without its reciprocal.
+__device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax_bits) {
     Scale s;
     if (kind != SCALE_E8M0) {
         if (amax_bits > 0x7f800000u) {
@@ -211,39 +266,105 @@ __device__ __forceinline__ Scale block_scale(u32 target, u32 kind, u32 amax_bits
     return s;
 }
 
-// The amax bits of the first `count` elements of a vector.
+__device__ __forceinline__ Scale block_scale(u32 target, u32 kind, u32 amax_bits) {
+    Scale s = block_scale_only(target, kind, amax_bits);
+    s.reciprocal = 1.0f / s.divisor;
+    return s;
+}
+
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+    return __fmaf_rn(a, b, c);
+#else
+    return __builtin_fmaf(a, b, c);
+#endif
+}
+
+// x / s rounded to nearest even, for s finite and at least 2^-50 (every fp32 scale; MX's 2^e
+// multiplies exactly) and |x / s| at most about FP8_MAX, from y = RN(1 / s): q0 = RN(x y) is within
+// 1.5 ulp of x / s, one correction with the exact remainder makes it faithful, and a second one
+// correctly rounded (Markstein's theorem: y within half an ulp of 1 / s, q within one ulp). The
+// remainders are exact unless |x| < 2^-100, where |x / s| < 2^-50 and any result encodes as a
+// signed zero; the sign is that of x (s > 0), set explicitly so that -0.0 stays -0.0. The
+// division's own sequence would take a reciprocal per element; this takes one per block.
+__device__ __forceinline__ float quotient(float x, float s, float y) {
+    const float q0 = x * y;
+    const float q1 = fma_rn(fma_rn(-q0, s, x), y, q0);
+    const float q2 = fma_rn(fma_rn(-q1, s, x), y, q1);
+    return from_bits((to_bits(q2) & 0x7fffffffu) | (to_bits(x) & 0x80000000u));
+}
+
+// The amax of the first `count` elements of a vector, as f32 bits. For 16-bit sources the
+// maximum is taken over the elements' own magnitude bits, two at a time, and converted once:
+// magnitudes order as their bits in bf16 and f16 as in f32 (NaNs above infinity), and the
+// conversion to f32 keeps that order, so this is the maximum of the f32 bits of |x|.
 template <u32 SRC>
 __device__ __forceinline__ u32 vector_amax(const Vec& v, u32 count) {
-    u32 amax = 0;
+    if (SRC == SRC_F32) {
+        u32 amax = 0;
 #pragma unroll
-    for (u32 e = 0; e < Elements<SRC>::per_vector; ++e) {
-        const u32 m = element_bits<SRC>(v, e) & 0x7fffffffu;
-        if (e < count && m > amax) amax = m;
+        for (u32 e = 0; e < 4; ++e) {
+            const u32 m = v.w[e] & 0x7fffffffu;
+            if (e < count && m > amax) amax = m;
+        }
+        return amax;
     }
-    return amax;
+    u32 pairs = 0;
+    if (count == 8) {
+#pragma unroll
+        for (u32 w = 0; w < 4; ++w) pairs = max_u16x2(pairs, v.w[w] & 0x7fff7fffu);
+    } else {
+        // The row's last vector: elements past the row are left out (constant indices only, so the
+        // vector stays in registers).
+#pragma unroll
+        for (u32 e = 0; e < 8; ++e) {
+            if (e < count) pairs = max_u16x2(pairs, (v.w[e >> 1] >> ((e & 1u) * 16u)) & 0x7fffu);
+        }
+    }
+    const u32 lo = pairs & 0xffffu, hi = pairs >> 16;
+    const u32 amax16 = lo > hi ? lo : hi;
+    return SRC == SRC_BF16 ? amax16 << 16 : f16_to_f32_bits(amax16);
 }
 
 // Quantizes the first `count` elements of a vector and stores their codes at `out`.
-template <u32 SRC>
-__device__ __forceinline__ void store_codes(const Vec& v, u32 count, float divisor, u32 target, unsigned char* out) {
+// FINITE: the scale is finite, the quotients come from its reciprocal ([quotient]); otherwise
+// (+inf or NaN) they are IEEE divisions, as the arithmetic defines them.
+template <u32 SRC, bool FINITE>
+__device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Scale& scale, u32 target,
+                                               unsigned char* out) {
     constexpr u32 n = Elements<SRC>::per_vector;
     u32 codes[n / 4];
+    float q[n];
+#pragma unroll
+    for (u32 e = 0; e < n; ++e) {
+        const float x = from_bits(element_bits<SRC>(v, e));
+        q[e] = FINITE ? quotient(x, scale.divisor, scale.reciprocal) : x / scale.divisor;
+    }
 #pragma unroll
     for (u32 e = 0; e < n; e += 4) {
-        const float q0 = from_bits(element_bits<SRC>(v, e)) / divisor;
-        const float q1 = from_bits(element_bits<SRC>(v, e + 1)) / divisor;
-        const float q2 = from_bits(element_bits<SRC>(v, e + 2)) / divisor;
-        const float q3 = from_bits(element_bits<SRC>(v, e + 3)) / divisor;
-        codes[e / 4] = encode_pair(q0, q1, target) | (encode_pair(q2, q3, target) << 16);
+        codes[e / 4] = encode_pair<FINITE>(q[e], q[e + 1], target) | (encode_pair<FINITE>(q[e + 2], q[e + 3], target) << 16);
     }
     if (count == n) {
         if (n == 8) {
-            *reinterpret_cast<u64*>(out) = (u64)codes[0] | ((u64)codes[n / 4 - 1] << 32);
+            store_streaming(reinterpret_cast<u64*>(out), (u64)codes[0] | ((u64)codes[n / 4 - 1] << 32));
         } else {
-            *reinterpret_cast<u32*>(out) = codes[0];
+            store_streaming(reinterpret_cast<u32*>(out), codes[0]);
         }
     } else {
-        for (u32 e = 0; e < count; ++e) out[e] = (unsigned char)(codes[e / 4] >> (8u * (e % 4u)));
+#pragma unroll
+        for (u32 e = 0; e < n; ++e) {
+            if (e < count) out[e] = (unsigned char)(codes[e / 4] >> (8u * (e % 4u)));
+        }
+    }
+}
+
+// Quantizes the first `count` elements of a vector with `scale` and stores their codes at `out`.
+template <u32 SRC>
+__device__ __forceinline__ void store_codes(const Vec& v, u32 count, const Scale& scale, u32 target, unsigned char* out) {
+    if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
+        store_codes_as<SRC, true>(v, count, scale, target, out);
+    } else {
+        store_codes_as<SRC, false>(v, count, scale, target, out);
     }
 }
 
@@ -264,40 +385,53 @@ __device__ __forceinline__ u32 warp_max(u32 value, u32 lanes) {
     return value;
 }
 
-// MODE_BLOCK: one scale block (or per-tensor slab) `block` of descriptor `job`.
+// MODE_BLOCK: one scale block (or per-tensor slab) `block` of descriptor `job`. Thread t takes
+// vectors t, t + QUANT_THREADS, ... of the block in row-major order; their (row, vector) positions
+// advance by a fixed step, so no division per vector.
 template <u32 SRC>
 __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase, u32* job_amax) {
     __shared__ u32 warp_amax[QUANT_WARPS];
     constexpr u32 VE = Elements<SRC>::per_vector;
+    constexpr u32 SIZE = Elements<SRC>::size;
     const u64 grid_row = block / d.grid_cols, grid_col = block % d.grid_cols;
     const u64 r0 = grid_row * d.block_rows, c0 = grid_col * d.block_cols;
     const u32 rows = (u32)(d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows);
     const u32 cols = (u32)(d.cols - c0 < d.block_cols ? d.cols - c0 : d.block_cols);
     const u32 per_row = (cols + VE - 1) / VE;
-    const u32 vectors = rows * per_row;
     const u32 t = threadIdx.x;
-    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src);
-    unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst);
+    const u32 row_step = QUANT_THREADS / per_row, vector_step = QUANT_THREADS % per_row;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src) + (r0 * d.src_stride + c0) * SIZE;
+    unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst) + r0 * d.dst_stride + c0;
+    const u64 src_row_bytes = d.src_stride * SIZE;
 
     Vec cache[QUANT_CACHE] = {};
     u32 amax = 0;
+    u32 row = t / per_row, v = t % per_row;
 #pragma unroll
     for (u32 k = 0; k < QUANT_CACHE; ++k) {
-        const u32 i = t + k * QUANT_THREADS;
-        if (i < vectors) {
-            const u32 row = i / per_row, v = i % per_row;
-            cache[k] = *reinterpret_cast<const Vec*>(
-                src + ((r0 + row) * d.src_stride + c0 + (u64)v * VE) * Elements<SRC>::size);
+        if (row < rows) {
+            cache[k] = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
             const u32 m = vector_amax<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE);
             amax = m > amax ? m : amax;
         }
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
     }
-    for (u32 i = t + QUANT_CACHE * QUANT_THREADS; i < vectors; i += QUANT_THREADS) {
-        const u32 row = i / per_row, v = i % per_row;
-        const Vec x = *reinterpret_cast<const Vec*>(
-            src + ((r0 + row) * d.src_stride + c0 + (u64)v * VE) * Elements<SRC>::size);
+    const u32 rest_row = row, rest_v = v;  // the first vector not cached
+    for (; row < rows;) {
+        const Vec x = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
         const u32 m = vector_amax<SRC>(x, cols - v * VE < VE ? cols - v * VE : VE);
         amax = m > amax ? m : amax;
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
     }
     amax = warp_max(amax, 32);
     if (t % 32 == 0) warp_amax[t / 32] = amax;
@@ -316,21 +450,30 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
         store_scale(d, d.scale_kind == SCALE_TENSOR ? 0 : grid_row, d.scale_kind == SCALE_TENSOR ? 0 : grid_col,
                     scale.stored);
     }
+    row = t / per_row;
+    v = t % per_row;
 #pragma unroll
     for (u32 k = 0; k < QUANT_CACHE; ++k) {
-        const u32 i = t + k * QUANT_THREADS;
-        if (i < vectors) {
-            const u32 row = i / per_row, v = i % per_row;
-            store_codes<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE, scale.divisor, d.target,
-                             dst + (r0 + row) * d.dst_stride + c0 + (u64)v * VE);
+        if (row < rows) {
+            store_codes<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE, scale, d.target,
+                             dst + row * d.dst_stride + v * VE);
+        }
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
         }
     }
-    for (u32 i = t + QUANT_CACHE * QUANT_THREADS; i < vectors; i += QUANT_THREADS) {
-        const u32 row = i / per_row, v = i % per_row;
-        const Vec x = *reinterpret_cast<const Vec*>(
-            src + ((r0 + row) * d.src_stride + c0 + (u64)v * VE) * Elements<SRC>::size);
-        store_codes<SRC>(x, cols - v * VE < VE ? cols - v * VE : VE, scale.divisor, d.target,
-                         dst + (r0 + row) * d.dst_stride + c0 + (u64)v * VE);
+    for (row = rest_row, v = rest_v; row < rows;) {
+        const Vec x = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
+        store_codes<SRC>(x, cols - v * VE < VE ? cols - v * VE : VE, scale, d.target, dst + row * d.dst_stride + v * VE);
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
     }
 }
 
@@ -356,14 +499,14 @@ __device__ void quantize_groups(const QuantDesc& d, u64 tile) {
             c = c0 + (u64)lane * VE;
             if (c < end) {
                 count = end - c < VE ? (u32)(end - c) : VE;
-                x = *reinterpret_cast<const Vec*>(src + (row * d.src_stride + c) * Elements<SRC>::size);
+                x = load_vector(src + (row * d.src_stride + c) * Elements<SRC>::size);
             }
         }
         const u32 amax = warp_max(count > 0 ? vector_amax<SRC>(x, count) : 0u, lanes);
         if (block < d.blocks) {
             const Scale scale = block_scale(d.target, d.scale_kind, amax);
             if (lane == 0) store_scale(d, row, block % d.grid_cols, scale.stored);
-            if (count > 0) store_codes<SRC>(x, count, scale.divisor, d.target, dst + row * d.dst_stride + c);
+            if (count > 0) store_codes<SRC>(x, count, scale, d.target, dst + row * d.dst_stride + c);
         }
     }
 }

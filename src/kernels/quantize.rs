@@ -289,6 +289,49 @@ mod tests {
     }
 
     /// A job at addresses of its own (`slot`), never touched: layout reads no memory.
+    /// The kernel's `quotient` (quantize.cu) in Rust: RN(x y), two corrections with the remainder,
+    /// the sign of x.
+    fn quotient(x: f32, s: f32, y: f32) -> f32 {
+        let q0 = x * y;
+        let q1 = (-q0).mul_add(s, x).mul_add(y, q0);
+        let q2 = (-q1).mul_add(s, x).mul_add(y, q1);
+        f32::from_bits((q2.to_bits() & 0x7fff_ffff) | (x.to_bits() & 0x8000_0000))
+    }
+
+    #[test]
+    fn the_kernels_reciprocal_quotient_is_the_ieee_quotient_wherever_fp8_can_tell() {
+        // Every bf16 element of a block against fp32 scales from amax over the whole exponent range
+        // (and MX's powers of two): equal bits, or both quotients below 2^-20, which every FP8 format
+        // encodes as the same signed zero.
+        let mut amaxes: Vec<f32> = (0..40).map(|i| f32::from_bits(0x0080_0000 + i * 0x01e3_4567)).collect();
+        amaxes.extend([0.0, 1e-10, 448.0, 57344.0, f32::MAX, 1.0 + f32::EPSILON, 2.0 - f32::EPSILON]);
+        for amax in amaxes {
+            for target in [Fp8::E4m3fn, Fp8::E5m2] {
+                let fp32 =
+                    crate::quant::reference::block_scale(target, ScaleKind::F32, amax.to_bits()).divisor;
+                let mx =
+                    crate::quant::reference::block_scale(target, ScaleKind::E8m0, amax.to_bits()).divisor;
+                for s in [fp32, mx] {
+                    let y = 1.0 / s;
+                    for bits in 0..=u16::MAX {
+                        let x = f32::from_bits(u32::from(bits) << 16);
+                        if !x.is_finite() || x.abs() > amax {
+                            continue;
+                        }
+                        let (want, got) = (x / s, quotient(x, s, y));
+                        assert!(
+                            want.to_bits() == got.to_bits()
+                                || (want.abs() < 2f32.powi(-20)
+                                    && got.abs() < 2f32.powi(-20)
+                                    && want.is_sign_negative() == got.is_sign_negative()),
+                            "x {x:e} / s {s:e}: {want:e} != {got:e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
     fn job(slot: u64, granularity: Granularity, rows: u64, cols: u64) -> QuantJob {
         let q = Quantization { target: Fp8::E4m3fn, granularity };
         let base = (slot + 1) << 44;
