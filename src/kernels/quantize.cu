@@ -385,6 +385,18 @@ __device__ __forceinline__ u32 warp_max(u32 value, u32 lanes) {
     return value;
 }
 
+// The grid row and column of scale block `block` (32-bit division when the grid allows).
+__device__ __forceinline__ void grid_position(const QuantDesc& d, u64 block, u64& row, u64& col) {
+    if ((d.blocks >> 32) == 0) {
+        const u32 b = (u32)block, n = (u32)d.grid_cols;
+        row = b / n;
+        col = b - (u32)row * n;
+    } else {
+        row = block / d.grid_cols;
+        col = block % d.grid_cols;
+    }
+}
+
 // MODE_BLOCK: one scale block (or per-tensor slab) `block` of descriptor `job`. Thread t takes
 // vectors t, t + QUANT_THREADS, ... of the block in row-major order; their (row, vector) positions
 // advance by a fixed step, so no division per vector.
@@ -393,7 +405,8 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     __shared__ u32 warp_amax[QUANT_WARPS];
     constexpr u32 VE = Elements<SRC>::per_vector;
     constexpr u32 SIZE = Elements<SRC>::size;
-    const u64 grid_row = block / d.grid_cols, grid_col = block % d.grid_cols;
+    u64 grid_row, grid_col;
+    grid_position(d, block, grid_row, grid_col);
     const u64 r0 = grid_row * d.block_rows, c0 = grid_col * d.block_cols;
     const u32 rows = (u32)(d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows);
     const u32 cols = (u32)(d.cols - c0 < d.block_cols ? d.cols - c0 : d.block_cols);
@@ -478,7 +491,8 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
 }
 
 // MODE_GROUP: tile `tile` of descriptor `d`, whose scale blocks are one row high and at most 32
-// vectors wide; 2^group_shift lanes per block.
+// vectors wide; 2^group_shift lanes per block. Each thread loads its vector of every round first, so
+// that QUANT_GROUP_ROUNDS loads are in flight, then reduces and writes round by round.
 template <u32 SRC>
 __device__ void quantize_groups(const QuantDesc& d, u64 tile) {
     constexpr u32 VE = Elements<SRC>::per_vector;
@@ -487,26 +501,37 @@ __device__ void quantize_groups(const QuantDesc& d, u64 tile) {
     const u32 lane = threadIdx.x & (lanes - 1u);
     const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src);
     unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst);
+    Vec x[QUANT_GROUP_ROUNDS] = {};
+    u32 count[QUANT_GROUP_ROUNDS];
+    u64 row[QUANT_GROUP_ROUNDS], col[QUANT_GROUP_ROUNDS];
+#pragma unroll
     for (u32 round = 0; round < QUANT_GROUP_ROUNDS; ++round) {
         const u64 block = (tile * QUANT_GROUP_ROUNDS + round) * groups + (threadIdx.x >> d.group_shift);
-        u32 count = 0;
-        u64 row = 0, c = 0;
-        Vec x = {{0, 0, 0, 0}};
+        count[round] = 0;
+        row[round] = 0;
+        col[round] = 0;
         if (block < d.blocks) {
-            row = block / d.grid_cols;
-            const u64 c0 = (block % d.grid_cols) * d.block_cols;
+            grid_position(d, block, row[round], col[round]);
+            const u64 c0 = col[round] * d.block_cols;
             const u64 end = c0 + d.block_cols < d.cols ? c0 + d.block_cols : d.cols;
-            c = c0 + (u64)lane * VE;
+            const u64 c = c0 + (u64)lane * VE;
             if (c < end) {
-                count = end - c < VE ? (u32)(end - c) : VE;
-                x = load_vector(src + (row * d.src_stride + c) * Elements<SRC>::size);
+                count[round] = end - c < VE ? (u32)(end - c) : VE;
+                x[round] = load_vector(src + (row[round] * d.src_stride + c) * Elements<SRC>::size);
             }
         }
-        const u32 amax = warp_max(count > 0 ? vector_amax<SRC>(x, count) : 0u, lanes);
+    }
+#pragma unroll
+    for (u32 round = 0; round < QUANT_GROUP_ROUNDS; ++round) {
+        const u64 block = (tile * QUANT_GROUP_ROUNDS + round) * groups + (threadIdx.x >> d.group_shift);
+        const u32 amax = warp_max(count[round] > 0 ? vector_amax<SRC>(x[round], count[round]) : 0u, lanes);
         if (block < d.blocks) {
             const Scale scale = block_scale(d.target, d.scale_kind, amax);
-            if (lane == 0) store_scale(d, row, block % d.grid_cols, scale.stored);
-            if (count > 0) store_codes<SRC>(x, count, scale, d.target, dst + row * d.dst_stride + c);
+            if (lane == 0) store_scale(d, row[round], col[round], scale.stored);
+            if (count[round] > 0) {
+                const u64 c = col[round] * d.block_cols + (u64)lane * VE;
+                store_codes<SRC>(x[round], count[round], scale, d.target, dst + row[round] * d.dst_stride + c);
+            }
         }
     }
 }
