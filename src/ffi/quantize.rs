@@ -202,8 +202,8 @@ fn job(index: usize, c: &refit_quantize_job) -> Result<QuantJob> {
 /// end of the address space, on the host backend a stream that is not a host stream or is another
 /// simulated device's; the message names the job and the field), OVERLAP (two destination matrices or
 /// scale grids, or a destination and a scale grid, share a byte; the message names them),
-/// UNSUPPORTED (a batch of more than 2^31 - 1 thread blocks, or overlap checks over more interleaved
-/// rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
+/// UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks; overlap checks over more
+/// interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
 /// loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs
 /// are refused.
 #[no_mangle]
