@@ -142,6 +142,12 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
         layout.tiles += tiles;
         layout.descs.push(desc);
     }
+    if layout.descs.len() > u32::MAX as usize {
+        return Err(Error::new(
+            Status::Unsupported,
+            format!("the batch has {} jobs, more than one launch indexes ({})", layout.descs.len(), u32::MAX),
+        ));
+    }
     if layout.tiles > i32::MAX as u64 {
         return Err(Error::new(
             Status::Unsupported,
