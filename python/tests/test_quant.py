@@ -189,6 +189,68 @@ class HostQuantizeTest(unittest.TestCase):
         refit.quantize_batch(self.group, 0, [])  # nothing to do
 
 
+class FakeTensor:
+    """The parts of a torch tensor tensor_job reads, over a ctypes buffer."""
+
+    def __init__(self, buffer, shape, dtype, element_size, strides=None):
+        self.buffer, self.shape, self.dtype, self._size = buffer, shape, dtype, element_size
+        self._strides = strides or (tuple(shape[1:]) + (1,) if len(shape) == 2 else (1,))
+
+    def data_ptr(self):
+        return ctypes.addressof(self.buffer)
+
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
+
+    def element_size(self):
+        return self._size
+
+    def numel(self):
+        return math.prod(self.shape)
+
+
+class TensorJobTest(unittest.TestCase):
+    def test_a_job_from_tensors_quantizes_as_the_reference(self):
+        group = Group([0], backend=Backend.HOST)
+        rng = random.Random(3)
+        rows, cols = 4, 256
+        bits = random_bits(rng, rows * cols)
+        raw = (ctypes.c_uint16 * (rows * cols + 8)).from_buffer_copy(struct.pack(f"<{len(bits)}H", *bits) + bytes(16))
+        out = (ctypes.c_uint8 * (rows * cols))()
+        scales = (ctypes.c_float * 2)()
+        q = Quantization()
+        job = refit.tensor_job(
+            FakeTensor(raw, (rows, cols), "torch.bfloat16", 2),
+            FakeTensor(out, (rows, cols), "torch.uint8", 1),
+            FakeTensor(scales, (1, 2), "torch.float32", 4),
+            q,
+        )
+        self.assertEqual((job.rows, job.cols, job.src_row_stride, job.dst_row_stride, job.scale_row_stride), (4, 256, 256, 256, 2))
+        refit.quantize_batch(group, 0, [job])
+        codes, want_scales = reference(q, bits, rows, cols, cols)
+        self.assertEqual([out[r * cols + c] for r, c in sorted(codes)], [codes[k] for k in sorted(codes)])
+        self.assertEqual([f32_bits(v) for v in scales], [want_scales[0, 0], want_scales[0, 1]])
+        group.close()
+
+    def test_tensors_that_cannot_make_a_job_are_refused(self):
+        raw = (ctypes.c_uint8 * 4096)()
+        source = FakeTensor(raw, (4, 256), "torch.bfloat16", 2)
+        out = FakeTensor(raw, (4, 256), "torch.uint8", 1)
+        scales = FakeTensor(raw, (1, 2), "torch.float32", 4)
+        cases = (
+            ((FakeTensor(raw, (4, 256), "torch.int32", 4), out, scales), "source dtype"),
+            ((source, FakeTensor(raw, (4, 128), "torch.uint8", 1), scales), "same 2-D shape"),
+            ((source, FakeTensor(raw, (4, 256), "torch.bfloat16", 2), scales), "one byte per element"),
+            ((source, out, FakeTensor(raw, (1, 1), "torch.float32", 4)), "scale grid needs 1 x 2"),
+            ((FakeTensor(raw, (4, 256), "torch.bfloat16", 2, (512, 2)), out, scales), "not contiguous"),
+        )
+        for arguments, words in cases:
+            with self.subTest(words=words), self.assertRaises(RefitError) as caught:
+                refit.tensor_job(*arguments)
+            self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+            self.assertIn(words, str(caught.exception))
+
+
 @unittest.skipUnless(HAVE_GPU, "needs torch with a CUDA device")
 class TorchQuantizeTest(unittest.TestCase):
     def setUp(self):
