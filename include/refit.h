@@ -186,6 +186,58 @@
 #define REFIT_PLAN_SIZE_BUCKETS 64
 
 /**
+ * refit_quantization.target: OCP FP8 E4M3 without infinities (torch.float8_e4m3fn), largest finite
+ * 448.
+ */
+#define REFIT_FP8_E4M3FN 1
+
+/**
+ * refit_quantization.target: OCP FP8 E5M2 (torch.float8_e5m2), largest finite 57344.
+ */
+#define REFIT_FP8_E5M2 2
+
+/**
+ * refit_quantization.granularity: no quantization (what a need that keeps its dtype will carry);
+ * refit_quantize_batch refuses it.
+ */
+#define REFIT_QUANT_NONE 0
+
+/**
+ * One fp32 scale for the whole matrix.
+ */
+#define REFIT_QUANT_TENSOR 1
+
+/**
+ * One fp32 scale per row (output channel).
+ */
+#define REFIT_QUANT_ROW 2
+
+/**
+ * One fp32 scale per block_rows x block_cols block (DeepSeek-V3: 128 x 128).
+ */
+#define REFIT_QUANT_BLOCK 3
+
+/**
+ * OCP MXFP8: one e8m0 scale byte per 32 consecutive elements of a row.
+ */
+#define REFIT_QUANT_MXFP8 4
+
+/**
+ * refit_quantize_job.source_type: bfloat16.
+ */
+#define REFIT_SOURCE_BF16 1
+
+/**
+ * refit_quantize_job.source_type: IEEE binary16.
+ */
+#define REFIT_SOURCE_F16 2
+
+/**
+ * refit_quantize_job.source_type: IEEE binary32.
+ */
+#define REFIT_SOURCE_F32 3
+
+/**
  * ABI version of this header and library. Bumped only when an existing declaration changes
  * incompatibly; appending functions, statuses or option fields does not bump it.
  */
@@ -814,6 +866,47 @@ typedef struct {
    */
   const refit_segment *segments;
 } refit_route_info;
+
+/**
+ * A quantization: a target FP8 format (REFIT_FP8_*) and a granularity (REFIT_QUANT_*).
+ * `block_rows` x `block_cols` is the block of REFIT_QUANT_BLOCK (both at least 1, block_cols a
+ * multiple of 8, at most 2^24 elements; 128 x 128 is DeepSeek-V3's) and must be 0 x 0 for every
+ * other granularity.
+ */
+typedef struct {
+  uint32_t target;
+  uint32_t granularity;
+  uint32_t block_rows;
+  uint32_t block_cols;
+} refit_quantization;
+
+/**
+ * One matrix to quantize: `rows` x `cols` elements of `source_type` (REFIT_SOURCE_*) at device
+ * address `src`, `src_row_stride` elements from one row to the next; FP8 codes written to `dst`,
+ * `dst_row_stride` bytes from row to row; scales written to `scales` as a row-major grid of
+ * ceil(rows / R) x ceil(cols / C) scales for blocks of R x C elements (per tensor: R x C is the whole
+ * matrix, 1 scale; per row: 1 x cols, a column of `rows` scales; per block: the block; MXFP8:
+ * 1 x 32), `scale_row_stride` scales from one grid row to the next. Scales are fp32 (little-endian),
+ * the dequantization factor (x ~ code * scale, DeepSeek's `weight_scale_inv`), or for MXFP8 e8m0
+ * bytes (scale 2^(byte - 127), 0xff NaN). `reserved` must be 0.
+ *
+ * Alignment: every source row starts on 16 bytes (`src` and `src_row_stride` x element size
+ * multiples of 16), `dst` and `dst_row_stride` are multiples of 8 (bf16, f16) or 4 (f32) bytes,
+ * `scales` of the scale's size. A job with no elements is skipped (nothing is written).
+ */
+typedef struct {
+  refit_quantization quantization;
+  uint32_t source_type;
+  uint32_t reserved;
+  uint64_t src;
+  uint64_t rows;
+  uint64_t cols;
+  uint64_t src_row_stride;
+  uint64_t dst;
+  uint64_t dst_row_stride;
+  uint64_t scales;
+  uint64_t scale_row_stride;
+} refit_quantize_job;
 
 /**
  * `callback(level, message, user_data)`: level 1 error .. 5 trace; `message` valid during the call.
@@ -1831,6 +1924,61 @@ refit_status refit_plan_route_count(const refit_plan *plan, size_t *count);
 refit_status refit_plan_route(const refit_plan *plan,
                               size_t index,
                               refit_route_info *route);
+
+/**
+ * Quantizes `count` matrices (see refit_quantize_job) to FP8 with their scales, on `stream`, a stream
+ * of `rank`'s device (NULL: its legacy default stream). Addresses are device pointers of that device
+ * or of a peer it accesses directly (refit_group_peer_access); on the host backend, host memory.
+ * `flags` must be 0.
+ *
+ * The arithmetic, exact (the bytes are equal on every backend and GPU):
+ * - Elements are decoded to f32 exactly. Per block of elements sharing a scale, amax is the largest
+ *   |x|, +inf if an element is infinite, NaN if an element is NaN (NaN propagates, as torch's amax).
+ * - fp32 scale = max(amax, 1e-10f) / FP8_MAX in f32 (IEEE division, nearest even), FP8_MAX = 448
+ *   (E4M3FN) or 57344 (E5M2); 1e-10 is vLLM's per_token_group_quant_fp8 default eps, so an all-zero
+ *   block gets scale 1e-10f / FP8_MAX. A block holding a NaN gets the scale 0x7fffffff (NaN); one
+ *   holding an infinity (and no NaN) gets +inf.
+ * - MXFP8 (OCP MX v1.0): e = floor(log2(amax)) - 8 (E4M3FN) or - 15 (E5M2), clamped to -127..127,
+ *   scale byte e + 127 (e8m0), divisor 2^e; an all-zero block gets byte 0; a block holding a NaN or
+ *   an infinity gets 0xff (NaN).
+ * - Each code: the f32 quotient x / scale (IEEE division, nearest even) rounded to the nearest FP8
+ *   value, ties to even, saturating: finite or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a
+ *   NaN quotient gives 0x7f, and the sign of zero is kept (-0.0 gives 0x80). This is
+ *   `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)` of vLLM's and DeepSeek's quantizers; in a block
+ *   whose scale is +inf, finite elements give +-0 and infinite ones NaN (0x7f); in a block whose
+ *   scale is NaN, every element gives 0x7f.
+ *
+ * Per-tensor jobs need the whole matrix's amax first: on CUDA they take a second launch before the
+ * quantizing one (every other granularity: one launch for the whole batch). The kernel reads each
+ * source row in whole aligned 16-byte vectors, so up to 15 bytes past a row's last element (in the
+ * same 16 bytes) are read and ignored.
+ *
+ * Stream ordering (CUDA): queued on `stream` after the work queued on it before; returns without
+ * waiting. The descriptors are uploaded stream-ordered (no host sync); this call must not be captured
+ * into a CUDA graph. Host backend: complete on return.
+ *
+ * Thread-safety: may be called from any thread, concurrently with other calls. No source may overlap
+ * a destination or scales (what is read is then undefined).
+ *
+ * Errors: NULL_ARGUMENT (group, or jobs with count > 0), INVALID_ARGUMENT (rank not below the group
+ * size, flags not 0, count too large, an unknown target, granularity or source type,
+ * REFIT_QUANT_NONE, a block shape with a 0, block columns not a multiple of 8 or a block of more
+ * than 2^24 elements, a block shape given for another granularity, reserved not 0, a row stride
+ * below the row, a zero address for a job with elements, misaligned rows or scales, a range past the
+ * end of the address space, on the host backend a stream that is not a host stream or is another
+ * simulated device's; the message names the job and the field), OVERLAP (two destination matrices or
+ * scale grids, or a destination and a scale grid, share a byte; the message names them),
+ * UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks; overlap checks over more
+ * interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
+ * loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs
+ * are refused.
+ */
+refit_status refit_quantize_batch(const refit_group *group,
+                                  uint32_t rank,
+                                  void *stream,
+                                  const refit_quantize_job *jobs,
+                                  size_t count,
+                                  uint32_t flags);
 
 /**
  * The library's version string ("MAJOR.MINOR.PATCH"), static and NUL-terminated.

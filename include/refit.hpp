@@ -177,6 +177,14 @@ class PreparedCopy {
 
 /// One rank per device, each with its own stream and thread (refit_group). Use from one thread at a
 /// time, except as refit.h says for calls from run() callbacks.
+/// A refit_quantization: `target` REFIT_FP8_*, `granularity` REFIT_QUANT_*; the block shape is used
+/// for REFIT_QUANT_BLOCK only (128 x 128 by default) and left 0 x 0 for the others, as the C call wants.
+inline refit_quantization quantization(uint32_t target, uint32_t granularity, uint32_t block_rows = 128,
+                                       uint32_t block_cols = 128) {
+  const bool block = granularity == REFIT_QUANT_BLOCK;
+  return refit_quantization{target, granularity, block ? block_rows : 0u, block ? block_cols : 0u};
+}
+
 class Group {
  public:
   /// refit_group_create: rank r is `devices[r]`; `backend` is a REFIT_BACKEND_*; `host_devices` is
@@ -339,6 +347,12 @@ class Group {
     std::vector<uint64_t> values(addrs.size());
     check(refit_digest_many(live(), rank, addrs.data(), lens.data(), addrs.size(), stream, values.data()));
     return values;
+  }
+
+  /// refit_quantize_batch: every job quantized to FP8 with its scales on `stream` of `rank`'s device
+  /// (nullptr: the device's legacy default); see refit::quantization for the description.
+  void quantize_batch(uint32_t rank, const std::vector<refit_quantize_job> &jobs, void *stream = nullptr) const {
+    check(refit_quantize_batch(live(), rank, stream, jobs.data(), jobs.size(), 0));
   }
 
   /// refit_copy_batch_prepare.

@@ -26,6 +26,10 @@
 //!              calls a backend)
 //! ```
 //!
+//! `quant` (pure Rust, no CUDA: the FP8 encodings, quantization jobs and their checks, and the
+//! reference quantizer that the host backend runs and the `kernels` quantize kernel equals bit for
+//! bit) sits beside `plan`, below `transport`.
+//!
 //! Beside them, used by every layer: `segment` (the unit of copying and its checks), `error`
 //! (statuses and the error type), `sync` (locking) and `logging`. Realistic refit tables for the
 //! demo, benches and tests come from the development crate in `workloads/`, no part of the library.
@@ -46,6 +50,7 @@ mod ids;
 pub mod kernels;
 pub mod logging;
 pub mod plan;
+pub mod quant;
 pub mod segment;
 mod sync;
 pub mod transport;

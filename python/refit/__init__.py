@@ -31,9 +31,12 @@ from ._lib import (
     Commit,
     CopyFlag,
     ExitMode,
+    Fp8,
+    Granularity,
     Policy,
     RefitError,
     RouteKind,
+    SourceType,
     Status,
     abi_version,
     last_error_message,
@@ -47,6 +50,7 @@ from .digest import digest, digest_many
 from .executor import Executor, RunStats
 from .group import Group, HostStream
 from .plan import Plan, PlanStats, Route, Table
+from .quant import Quantization, QuantizeJob, quantize_batch, tensor_job
 from .segment import Segment
 
 __all__ = [
@@ -64,25 +68,32 @@ __all__ = [
     "CopyFlag",
     "Executor",
     "ExitMode",
+    "Fp8",
+    "Granularity",
     "Group",
     "HostStream",
     "Plan",
     "PlanStats",
     "PreparedCopy",
     "Policy",
+    "Quantization",
+    "QuantizeJob",
     "RefitError",
     "Route",
     "RouteKind",
     "RunStats",
     "Segment",
+    "SourceType",
     "Status",
     "Table",
     "abi_version",
     "digest",
     "digest_many",
     "last_error_message",
+    "quantize_batch",
     "lib",
     "set_log_callback",
+    "tensor_job",
     "unique_id",
     "version",
 ]

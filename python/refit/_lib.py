@@ -281,6 +281,60 @@ class SegmentStruct(ctypes.Structure):
     ]
 
 
+class Fp8(enum.IntEnum):
+    """REFIT_FP8_*: the target of a quantization."""
+
+    E4M3FN = 1
+    E5M2 = 2
+
+
+class Granularity(enum.IntEnum):
+    """REFIT_QUANT_*: which elements share a scale."""
+
+    NONE = 0
+    TENSOR = 1
+    ROW = 2
+    BLOCK = 3
+    MXFP8 = 4
+
+
+class SourceType(enum.IntEnum):
+    """REFIT_SOURCE_*: the element type of a quantization's source."""
+
+    BF16 = 1
+    F16 = 2
+    F32 = 3
+
+
+class QuantizationStruct(ctypes.Structure):
+    """refit_quantization."""
+
+    _fields_ = [
+        ("target", c_uint32),
+        ("granularity", c_uint32),
+        ("block_rows", c_uint32),
+        ("block_cols", c_uint32),
+    ]
+
+
+class QuantizeJobStruct(ctypes.Structure):
+    """refit_quantize_job."""
+
+    _fields_ = [
+        ("quantization", QuantizationStruct),
+        ("source_type", c_uint32),
+        ("reserved", c_uint32),
+        ("src", c_uint64),
+        ("rows", c_uint64),
+        ("cols", c_uint64),
+        ("src_row_stride", c_uint64),
+        ("dst", c_uint64),
+        ("dst_row_stride", c_uint64),
+        ("scales", c_uint64),
+        ("scale_row_stride", c_uint64),
+    ]
+
+
 class RouteInfo(ctypes.Structure):
     """refit_route_info."""
 
@@ -404,6 +458,10 @@ FUNCTIONS = {
     "refit_copy_batch_destroy": (None, [_handle]),
     "refit_digest": (status_t, [_handle, c_uint32, c_uint64, c_uint64, c_void_p, _u64p]),
     "refit_digest_many": (status_t, [_handle, c_uint32, _u64p, _u64p, c_size_t, c_void_p, _u64p]),
+    "refit_quantize_batch": (
+        status_t,
+        [_handle, c_uint32, c_void_p, POINTER(QuantizeJobStruct), c_size_t, c_uint32],
+    ),
     "refit_executor_options_init": (status_t, [POINTER(ExecutorOptions)]),
     "refit_executor_create": (
         status_t,

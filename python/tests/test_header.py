@@ -25,6 +25,8 @@ STRUCTS = {
     "refit_executor_options": _lib.ExecutorOptions,
     "refit_run_stats": _lib.RunStatsStruct,
     "refit_executor_info": _lib.ExecutorInfoStruct,
+    "refit_quantization": _lib.QuantizationStruct,
+    "refit_quantize_job": _lib.QuantizeJobStruct,
 }
 SCALARS = {
     "void": None,
@@ -46,8 +48,11 @@ ENUMS = {
     "REFIT_COMMIT_": refit.Commit,
     "REFIT_COPY_": refit.CopyFlag,
     "REFIT_EXIT_": refit.ExitMode,
+    "REFIT_FP8_": refit.Fp8,
     "REFIT_POLICY_": refit.Policy,
+    "REFIT_QUANT_": refit.Granularity,
     "REFIT_ROUTE_": refit.RouteKind,
+    "REFIT_SOURCE_": refit.SourceType,
 }
 SINGLE_CONSTANTS = {
     "REFIT_MAX_DIMS": refit.MAX_DIMS,

@@ -16,6 +16,7 @@ pub mod exec;
 pub mod group;
 mod handles;
 pub mod plan;
+pub mod quantize;
 pub mod status;
 
 use crate::error::{set_last_error, Error, Result, Status};

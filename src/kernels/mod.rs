@@ -12,6 +12,7 @@
 //!   digest kernel's constants).
 //! - [`verify`]: verifying copies (compare both sides, or check destinations against the source digests a
 //!   prepared batch records).
+//! - `quantize.cu` and [`quantize`]: the quantizing copy (bf16 to FP8 with scales, `crate::quant`).
 //! - [`rendezvous`]: the device-memory flags through which a group's synchronized launches meet.
 //! - `device_memory`: device allocations and a page-locked result word owned by the kernels' host code.
 //!
@@ -24,6 +25,7 @@ pub mod digest;
 pub mod gf64;
 pub mod layout;
 pub(crate) mod module;
+pub mod quantize;
 pub mod rendezvous;
 pub mod verify;
 

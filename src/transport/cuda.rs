@@ -437,6 +437,21 @@ impl Backend for CudaBackend {
         DigestKernel::for_device(device)?.digest_many(Self::raw_stream(stream), ranges)
     }
 
+    unsafe fn quantize_batch(
+        &self,
+        device: i32,
+        stream: Stream,
+        jobs: &[crate::quant::QuantJob],
+    ) -> Result<()> {
+        self.index(device)?;
+        let layout = crate::kernels::quantize::layout(jobs)?;
+        if layout.tiles == 0 {
+            return Ok(());
+        }
+        crate::kernels::quantize::QuantizeKernel::for_device(device)?
+            .enqueue(Self::raw_stream(stream), &layout)
+    }
+
     fn prepare_recording_batch(
         &self,
         device: i32,

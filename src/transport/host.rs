@@ -475,6 +475,24 @@ impl Backend for HostBackend {
         digests.ok_or_else(|| Error::invalid_state("the host stream stopped before it ran the digests"))
     }
 
+    unsafe fn quantize_batch(
+        &self,
+        device: i32,
+        stream: Stream,
+        jobs: &[crate::quant::QuantJob],
+    ) -> Result<()> {
+        let queue = self.resolve(device, stream)?;
+        crate::quant::check_jobs(jobs)?;
+        let jobs = jobs.to_vec();
+        // SAFETY: the caller keeps the memory valid until the work has run, which this call waits for.
+        queue.enqueue(move || unsafe {
+            for job in &jobs {
+                crate::quant::reference::quantize_host_job(job);
+            }
+        })?;
+        queue.synchronize()
+    }
+
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {
         self.check_device(device)?;
         // SAFETY: plain allocation; at least one byte so that the pointer is unique and freeable.

@@ -243,6 +243,24 @@ pub trait Backend: Send + Sync {
     /// Errors are the driver's (a context that cannot be made current), never a refusal.
     fn inaccessible(&self, ranges: &[MemoryRange]) -> Result<Vec<Refusal>>;
 
+    /// The quantizing copy (`crate::quant`): every job's source matrix quantized to FP8 into its
+    /// destination and its scales, on `stream` (a stream of `device`; `Stream::NULL` for its legacy
+    /// default stream) after the work queued on it before. Jobs are checked first
+    /// (`quant::check_jobs`: InvalidArgument, Overlap). On CUDA, the quantize kernel (one launch, two
+    /// when a job is per tensor), queued and not waited for; on the host backend, the reference
+    /// quantizer run by the stream's worker, complete on return.
+    ///
+    /// # Safety
+    /// Every job's source (rounded up to whole 16-byte vectors per row), destination and scales are
+    /// memory of `device` (host memory on the host backend) valid until the work has run, and
+    /// `stream` a live stream of that device; no source overlaps a destination or scales.
+    unsafe fn quantize_batch(
+        &self,
+        device: i32,
+        stream: Stream,
+        jobs: &[crate::quant::QuantJob],
+    ) -> Result<()>;
+
     /// Allocates `bytes` of device memory (tests and benches; the library never owns caller memory).
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64>;
 

@@ -1,0 +1,180 @@
+//! Quantizing copy bench (issue 29): a 1 GiB bf16 matrix (65536 x 8192) quantized to FP8 e4m3 by
+//! refit's kernel (128 x 128 blocks, and per row, MXFP8 and per tensor), beside a plain device copy
+//! of the same bf16 bytes in the same run (`cuMemcpyDtoDAsync`). The memory bound of a quantizing
+//! copy moves 3 bytes per element (2 read, 1 written) against the copy's 4, so at the copy's rate it
+//! takes 3/4 of the copy's time; the figure of merit is that bound over our time (target >= 0.8).
+//! torch's eager and compiled quantizers are timed beside ours by benches/quant_peer.py.
+//!
+//! Every call is timed as a caller sees it (descriptor upload, launches, frees), as CUDA-event medians
+//! after warm-up. First rows of the output are checked against the Rust reference. Prints a markdown
+//! table; writes $REFIT_BENCH_RESULTS/gpu_quant.json.
+
+#[path = "copy_support/mod.rs"]
+#[allow(dead_code)]
+mod copy_support;
+#[path = "../tests/common/cuda.rs"]
+mod cuda;
+#[path = "../tests/common/random_batch.rs"]
+mod random_batch;
+
+use copy_support::{gbps, time_ms};
+use cuda::{ok, on, Buffer, Stream};
+use cudarc::driver::sys;
+use random_batch::Rng;
+use refit::kernels::quantize::{layout, QuantizeKernel};
+use refit::quant::reference::{quantize, SourceMatrix};
+use refit::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
+use refit::transport::driver::check;
+
+const ROWS: u64 = 65536;
+const COLS: u64 = 8192;
+
+/// Fills `buffer` with finite bf16 values over 16 binades (a 64 MiB random pattern, repeated).
+fn fill_bf16(buffer: &Buffer, rng: &mut Rng) {
+    let block = 64usize << 20;
+    let mut bytes = vec![0u8; block];
+    for pair in bytes.chunks_exact_mut(2) {
+        let r = rng.next();
+        let bits = ((r & 0x8000) | ((118 + (r >> 16) % 16) << 7) | ((r >> 24) & 0x7f)) as u16;
+        pair.copy_from_slice(&bits.to_le_bytes());
+    }
+    let mut at = 0;
+    while at < buffer.len {
+        let n = block.min(buffer.len - at);
+        on(0, || {
+            ok(
+                "cuMemcpyHtoD",
+                check("cuMemcpyHtoD", unsafe {
+                    sys::cuMemcpyHtoD_v2(buffer.ptr + at as u64, bytes.as_ptr().cast(), n)
+                }),
+            )
+        });
+        at += n;
+    }
+}
+
+fn download(ptr: u64, len: usize) -> Vec<u8> {
+    let mut bytes = vec![0u8; len];
+    on(0, || {
+        ok(
+            "cuMemcpyDtoH",
+            check("cuMemcpyDtoH", unsafe { sys::cuMemcpyDtoH_v2(bytes.as_mut_ptr().cast(), ptr, len) }),
+        )
+    });
+    bytes
+}
+
+struct Row {
+    name: &'static str,
+    ms: f64,
+}
+
+fn main() {
+    let kernel = ok("loading the quantize kernel", QuantizeKernel::for_device(0));
+    println!("quantize kernel: {}", kernel.build);
+    let stream = Stream::new(0);
+    let mut rng = Rng::new(29);
+    let elements = ROWS * COLS;
+    let src = Buffer::new(0, (elements * 2) as usize);
+    fill_bf16(&src, &mut rng);
+    let copy_dst = Buffer::new(0, (elements * 2) as usize);
+    let dst = Buffer::new(0, elements as usize);
+    let scales = Buffer::new(0, (ROWS * COLS.div_ceil(32)) as usize * 4);
+
+    let copy_ms = time_ms(&stream, 3, 20, || {
+        on(0, || {
+            ok(
+                "cuMemcpyDtoDAsync",
+                check("cuMemcpyDtoDAsync", unsafe {
+                    sys::cuMemcpyDtoDAsync_v2(copy_dst.ptr, src.ptr, (elements * 2) as usize, stream.raw)
+                }),
+            )
+        })
+    });
+    let copy_rate = gbps(elements * 4, copy_ms); // bytes read + written per second
+    let bound_ms = copy_ms * 3.0 / 4.0;
+
+    let job = |granularity: Granularity| {
+        let q = Quantization { target: Fp8::E4m3fn, granularity };
+        let (_, grid_cols) = q.scale_grid(ROWS, COLS);
+        QuantJob {
+            quantization: q,
+            source: SourceType::Bf16,
+            src: src.ptr,
+            rows: ROWS,
+            cols: COLS,
+            src_stride: COLS,
+            dst: dst.ptr,
+            dst_stride: COLS,
+            scales: scales.ptr,
+            scale_stride: grid_cols,
+        }
+    };
+    let mut rows = Vec::new();
+    for (name, granularity) in [
+        ("block 128x128", Granularity::Block { rows: 128, cols: 128 }),
+        ("per row", Granularity::Row),
+        ("MXFP8", Granularity::Mx),
+        ("per tensor (2 launches)", Granularity::Tensor),
+    ] {
+        let jobs = [job(granularity)];
+        let l = ok("layout", layout(&jobs));
+        let ms = time_ms(&stream, 3, 20, || ok("quantize", unsafe { kernel.enqueue(stream.raw, &l) }));
+        // The first 128 rows against the reference.
+        stream.sync();
+        let q = jobs[0].quantization;
+        let (_, grid_cols) = q.scale_grid(ROWS, COLS);
+        let check_rows = 128u64;
+        let source = download(src.ptr, (check_rows * COLS * 2) as usize);
+        let got = download(dst.ptr, (check_rows * COLS) as usize);
+        let scale_rows = q.scale_grid(check_rows, COLS).0;
+        let scale_bytes = (scale_rows * grid_cols * q.scale_kind().size()) as usize;
+        let got_scales = download(scales.ptr, scale_bytes);
+        if granularity != Granularity::Tensor {
+            let matrix = SourceMatrix {
+                bytes: &source,
+                source: SourceType::Bf16,
+                rows: check_rows,
+                cols: COLS,
+                stride: COLS,
+            };
+            let (mut want, mut want_scales) = (vec![0u8; got.len()], vec![0u8; scale_bytes]);
+            quantize(q, &matrix, &mut want, COLS, &mut want_scales, grid_cols);
+            assert!(
+                got == want && got_scales == want_scales,
+                "{name}: the GPU's bytes differ from the reference"
+            );
+        }
+        rows.push(Row { name, ms });
+    }
+
+    println!("\n1 GiB bf16 ({ROWS} x {COLS}) to e4m3; plain copy {copy_ms:.3} ms ({copy_rate:.0} GB/s moved); memory bound of a quantizing copy {bound_ms:.3} ms\n");
+    println!("| granularity | ms | GB/s moved (3 B/element) | bound / ours (target >= 0.8) |");
+    println!("|---|---|---|---|");
+    for r in &rows {
+        println!("| {} | {:.3} | {:.0} | {:.2} |", r.name, r.ms, gbps(elements * 3, r.ms), bound_ms / r.ms);
+    }
+
+    let dir = std::env::var("REFIT_BENCH_RESULTS").unwrap_or_else(|_| "benches/results".to_string());
+    std::fs::create_dir_all(&dir).expect("results directory");
+    let items: Vec<String> = rows
+        .iter()
+        .map(|r| {
+            format!(
+                "    {{\"granularity\": \"{}\", \"ms\": {:.4}, \"gbps_moved\": {:.1}, \"of_memory_bound\": {:.3}}}",
+                r.name,
+                r.ms,
+                gbps(elements * 3, r.ms),
+                bound_ms / r.ms
+            )
+        })
+        .collect();
+    let json = format!(
+        "{{\n  \"bench\": \"gpu_quant\",\n  \"kernel\": \"{}\",\n  \"shape\": [{ROWS}, {COLS}],\n  \"source\": \"bf16\",\n  \"target\": \"e4m3fn\",\n  \"copy_ms\": {copy_ms:.4},\n  \"memory_bound_ms\": {bound_ms:.4},\n  \"units\": \"ms per call (CUDA-event medians); GB/s of bytes moved; of_memory_bound = bound / ours\",\n  \"quantize\": [\n{}\n  ]\n}}\n",
+        kernel.build,
+        items.join(",\n")
+    );
+    let path = format!("{dir}/gpu_quant.json");
+    std::fs::write(&path, json).expect("writing results");
+    println!("\nwrote {path}");
+}

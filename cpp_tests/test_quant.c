@@ -1,0 +1,245 @@
+/* refit_quantize_batch on the host backend (CI has no GPU): every FP8 code and scale equals the
+ * header's arithmetic computed here from its text (amax, scale = max(amax, 1e-10) / 448 or MX's 2^e,
+ * the nearest FP8 value of x / scale found by search over all codes, ties to even, saturating); every
+ * bad argument has its status and message, and a refused batch writes nothing. */
+#include <math.h>
+#include <stdint.h>
+
+#include "check.h"
+
+static uint64_t addr(const void *p) { return (uint64_t)(uintptr_t)p; }
+
+/* 2^e exactly (no libm: the C tests link only librefit). */
+static double pow2(int e) {
+  double x = 1.0;
+  for (; e > 0; e--) x *= 2.0;
+  for (; e < 0; e++) x /= 2.0;
+  return x;
+}
+static double absd(double x) { return x < 0 ? -x : x; }
+
+static float from_bits(uint32_t b) {
+  float f;
+  memcpy(&f, &b, 4);
+  return f;
+}
+static uint32_t to_bits(float f) {
+  uint32_t b;
+  memcpy(&b, &f, 4);
+  return b;
+}
+
+/* The value of an e4m3fn code (NaN for 0x7f / 0xff). */
+static double e4m3(uint8_t code) {
+  int field = (code >> 3) & 15, mantissa = code & 7;
+  double sign = (code & 0x80) ? -1.0 : 1.0;
+  if (field == 15 && mantissa == 7) return NAN;
+  if (field == 0) return sign * mantissa * pow2(-9);
+  return sign * (8 + mantissa) * pow2(field - 10);
+}
+
+/* The header's cast: the nearest finite code of the clamped value, ties to the even code. */
+static uint8_t cast(float q) {
+  if (isnan(q)) return 0x7f;
+  double x = q > 448.0f ? 448.0 : (q < -448.0f ? -448.0 : (double)q);
+  int negative = signbit(q) != 0;
+  uint8_t best = 0;
+  double best_distance = INFINITY;
+  for (int c = 0; c < 256; c++) {
+    double v = e4m3((uint8_t)c);
+    if (isnan(v) || ((c & 0x80) != 0) != negative) continue;
+    double d = absd(v - x);
+    if (d < best_distance || (d == best_distance && (c & 1) == 0)) {
+      best = (uint8_t)c;
+      best_distance = d;
+    }
+  }
+  return best;
+}
+
+#define ROWS 130
+#define COLS 136
+#define STRIDE 144
+
+static uint16_t source[ROWS * STRIDE] __attribute__((aligned(16)));
+static uint8_t codes[ROWS * STRIDE];
+static float scales[2 * 2];
+static uint8_t mx_scales[ROWS * 5];
+
+static float element(int r, int c) { return from_bits((uint32_t)source[r * STRIDE + c] << 16); }
+
+int main(void) {
+  const int32_t devices[1] = {0};
+  refit_group *group = check_host_group(devices, 1);
+
+  /* Values over many binades, a zero block (rows 128.., cols 128..), a -0.0 and an infinity. */
+  uint32_t seed = 12345;
+  for (int r = 0; r < ROWS; r++) {
+    for (int c = 0; c < STRIDE; c++) {
+      seed = seed * 1103515245u + 12345u;
+      float x = (float)((1.0 + (double)(seed >> 16 & 0xff) / 256.0) * pow2((int)(seed >> 24) % 24 - 12));
+      if (seed & 0x10) x = -x;
+      if (r >= 128 && c >= 128) x = 0.0f;
+      source[r * STRIDE + c] = (uint16_t)(to_bits(x) >> 16);
+    }
+  }
+  source[129 * STRIDE + 130] = 0x8000; /* -0.0 */
+  source[3 * STRIDE + 133] = 0x7f80;   /* +inf in block (0, 1) */
+
+  refit_quantize_job job;
+  memset(&job, 0, sizeof job);
+  job.quantization.target = REFIT_FP8_E4M3FN;
+  job.quantization.granularity = REFIT_QUANT_BLOCK;
+  job.quantization.block_rows = 128;
+  job.quantization.block_cols = 128;
+  job.source_type = REFIT_SOURCE_BF16;
+  job.src = addr(source);
+  job.rows = ROWS;
+  job.cols = COLS;
+  job.src_row_stride = STRIDE;
+  job.dst = addr(codes);
+  job.dst_row_stride = STRIDE;
+  job.scales = addr(scales);
+  job.scale_row_stride = 2;
+  memset(codes, 0xab, sizeof codes);
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
+
+  for (int i = 0; i < 2; i++) {
+    for (int j = 0; j < 2; j++) {
+      uint32_t amax = 0;
+      for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
+        for (int c = j * 128; c < COLS && c < (j + 1) * 128; c++) {
+          uint32_t m = to_bits(element(r, c)) & 0x7fffffffu;
+          if (m > amax) amax = m;
+        }
+      }
+      float a = from_bits(amax);
+      float scale = (a > 1e-10f ? a : 1e-10f) / 448.0f;
+      CHECK(to_bits(scales[i * 2 + j]) == to_bits(scale));
+      for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
+        for (int c = j * 128; c < COLS && c < (j + 1) * 128; c++) {
+          uint8_t want = cast(element(r, c) / scale);
+          if (codes[r * STRIDE + c] != want) {
+            printf("(%d, %d): %#x, expected %#x\n", r, c, codes[r * STRIDE + c], want);
+            CHECK(0);
+            goto done;
+          }
+        }
+        for (int c = COLS; c < STRIDE; c++) CHECK(codes[r * STRIDE + c] == 0xab); /* padding untouched */
+      }
+    }
+  }
+done:
+  CHECK(isinf(scales[1]));
+  CHECK(codes[3 * STRIDE + 133] == 0x7f); /* inf / inf */
+  CHECK(codes[129 * STRIDE + 130] == 0x80);
+  CHECK(codes[129 * STRIDE + 129] == 0x00);
+  CHECK(to_bits(scales[3]) == to_bits(1e-10f / 448.0f));
+
+  /* MXFP8 over the same rows: e8m0 = floor(log2(amax)) - 8 + 127 per 32 elements. */
+  job.quantization.granularity = REFIT_QUANT_MXFP8;
+  job.quantization.block_rows = 0;
+  job.quantization.block_cols = 0;
+  job.scales = addr(mx_scales);
+  job.scale_row_stride = 5;
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
+  for (int r = 0; r < ROWS; r++) {
+    for (int b = 0; b < 5; b++) {
+      uint32_t amax_bits = 0;
+      for (int c = b * 32; c < COLS && c < (b + 1) * 32; c++) {
+        uint32_t m = to_bits(element(r, c)) & 0x7fffffffu;
+        if (m > amax_bits) amax_bits = m;
+      }
+      float amax = from_bits(amax_bits);
+      if (isinf(amax)) {
+        CHECK(mx_scales[r * 5 + b] == 0xff);
+        continue;
+      }
+      int e = amax == 0.0f ? -127 : (int)(amax_bits >> 23) - 127 - 8; /* no subnormal amax here */
+      if (e < -127) e = -127;
+      CHECK(mx_scales[r * 5 + b] == (uint8_t)(e + 127));
+      for (int c = b * 32; c < COLS && c < (b + 1) * 32; c++) {
+        CHECK(codes[r * STRIDE + c] == cast(element(r, c) / (float)pow2(e)));
+      }
+    }
+  }
+
+  /* Bad arguments: each with its status and a message naming it; nothing is written. */
+  refit_quantize_job bad;
+  memset(codes, 0xab, sizeof codes);
+  job.quantization.granularity = REFIT_QUANT_ROW;
+  job.scales = addr(scales);
+  job.scale_row_stride = 1;
+  job.rows = 4;
+  CHECK_STATUS(refit_quantize_batch(NULL, 0, NULL, &job, 1, 0), REFIT_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, NULL, 1, 0), REFIT_STATUS_NULL_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "jobs is NULL") != NULL);
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, NULL, 0, 0)); /* nothing to do */
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &job, SIZE_MAX / 8, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "too large") != NULL);
+  CHECK_STATUS(refit_quantize_batch(group, 1, NULL, &job, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &job, 1, 4), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "flags") != NULL);
+
+  bad = job;
+  bad.quantization.target = 9;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "jobs[0].quantization.target is 9") != NULL);
+  bad = job;
+  bad.quantization.granularity = REFIT_QUANT_NONE;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "REFIT_QUANT_NONE") != NULL);
+  bad = job;
+  bad.quantization.block_cols = 128; /* a block shape for REFIT_QUANT_ROW */
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "only REFIT_QUANT_BLOCK") != NULL);
+  bad = job;
+  bad.quantization.granularity = REFIT_QUANT_BLOCK;
+  bad.quantization.block_rows = 0;
+  bad.quantization.block_cols = 128;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "block shape is 0 x 128") != NULL);
+  bad.quantization.block_rows = 128;
+  bad.quantization.block_cols = 100;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "multiple of 8") != NULL);
+  bad = job;
+  bad.source_type = 0;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "source_type is 0") != NULL);
+  bad = job;
+  bad.reserved = 1;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  bad = job;
+  bad.src = addr(source) + 2; /* rows must start on 16 bytes */
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "misaligned source rows") != NULL);
+  bad = job;
+  bad.src_row_stride = 137;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "misaligned source rows") != NULL);
+  bad = job;
+  bad.dst_row_stride = 100; /* a destination too small for its rows */
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "dst_row_stride 100 is below cols 136") != NULL);
+  bad = job;
+  bad.dst = 0;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  bad = job;
+  bad.scales = addr(codes) + 16; /* scales inside the destination */
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_OVERLAP);
+  CHECK(strstr(refit_last_error_message(), "jobs[0]'s destination and jobs[0]'s scales overlap") != NULL);
+  refit_quantize_job two[2] = {job, job};
+  two[1].scales = addr(mx_scales);
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, two, 2, 0), REFIT_STATUS_OVERLAP);
+  CHECK(strstr(refit_last_error_message(), "jobs[1]'s destination") != NULL);
+  for (size_t i = 0; i < sizeof codes; i++) {
+    if (codes[i] != 0xab) {
+      CHECK(0);
+      break;
+    }
+  }
+
+  refit_group_destroy(group);
+  CHECK_DONE();
+}

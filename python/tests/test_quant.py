@@ -1,0 +1,300 @@
+"""refit.quantize_batch (refit_quantize_batch): on the host backend every code and scale equals the
+header's arithmetic computed here in Python (f32 quotients by rounding the exact double quotient,
+the nearest FP8 value by search, ties to even); bad jobs raise with their status and a message
+naming the job and field. With torch and a CUDA device: the GPU's bytes equal torch's float8 cast
+of every bf16 value in range, and a torch 128 x 128 block quantizer's codes and scales."""
+
+import bisect
+import ctypes
+import importlib.util
+import math
+import random
+import struct
+import unittest
+
+import refit
+from refit import Backend, Fp8, Granularity, Group, Quantization, QuantizeJob, RefitError, SourceType, Status
+
+HAVE_TORCH = importlib.util.find_spec("torch") is not None
+if HAVE_TORCH:
+    import torch
+
+HAVE_GPU = HAVE_TORCH and torch.cuda.is_available()
+
+
+def f32(x):
+    """x rounded to the nearest f32 (the exact quotient of two f32s, rounded once)."""
+    return struct.unpack("<f", struct.pack("<f", x))[0]
+
+
+def f32_bits(x):
+    return struct.unpack("<I", struct.pack("<f", x))[0]
+
+
+def bf16_value(bits):
+    return struct.unpack("<f", struct.pack("<I", bits << 16))[0]
+
+
+def fp8_value(target, code):
+    m, bias = (3, 7) if target == Fp8.E4M3FN else (2, 15)
+    field, mantissa = (code >> m) & ((1 << (7 - m)) - 1), code & ((1 << m) - 1)
+    if field == 0:
+        return mantissa * 2.0 ** (1 - bias - m)
+    return ((1 << m) + mantissa) * 2.0 ** (field - bias - m)
+
+
+MAX = {Fp8.E4M3FN: 448.0, Fp8.E5M2: 57344.0}
+MAX_CODE = {Fp8.E4M3FN: 0x7E, Fp8.E5M2: 0x7B}
+POSITIVE = {t: [fp8_value(t, c) for c in range(MAX_CODE[t] + 1)] for t in MAX}
+
+
+def cast(target, q):
+    """The header's cast: NaN to 0x7f; clamp to +-FP8_MAX; the nearest value, ties to the even code."""
+    if math.isnan(q):
+        return 0x7F
+    sign = 0x80 if math.copysign(1.0, q) < 0 else 0
+    a = min(abs(q), MAX[target])
+    values = POSITIVE[target]
+    i = bisect.bisect_left(values, a)
+    if i == len(values) or (i > 0 and (a - values[i - 1] < values[i] - a or (a - values[i - 1] == values[i] - a and (i - 1) % 2 == 0))):
+        i -= 1
+    return sign | i
+
+
+def reference(q, bits, rows, cols, stride):
+    """Codes (dict (r, c) -> byte) and scales (dict (i, j) -> stored int) of bf16 `bits` (a flat
+    list, rows `stride` apart) under Quantization `q`."""
+    block_rows, block_cols = q.block_shape(rows, cols)
+    grid_rows, grid_cols = q.scale_grid(rows, cols)
+    codes, scales = {}, {}
+    for i in range(grid_rows):
+        for j in range(grid_cols):
+            cells = [(r, c) for r in range(i * block_rows, min(rows, (i + 1) * block_rows))
+                     for c in range(j * block_cols, min(cols, (j + 1) * block_cols))]
+            amax_bits = max((bits[r * stride + c] << 16) & 0x7FFFFFFF for r, c in cells)
+            amax = struct.unpack("<f", struct.pack("<I", amax_bits))[0]
+            if q.granularity == Granularity.MXFP8:
+                if amax_bits >= 0x7F800000:
+                    stored, divisor = 0xFF, math.nan
+                else:
+                    e = -1000 if amax == 0 else math.frexp(amax)[1] - 1
+                    e = max(-127, min(127, e - (8 if q.target == Fp8.E4M3FN else 15)))
+                    stored, divisor = e + 127, 2.0**e
+            elif amax_bits > 0x7F800000:
+                stored, divisor = 0x7FFFFFFF, math.nan
+            else:
+                divisor = f32(max(amax, f32(1e-10)) / MAX[q.target]) if amax != math.inf else math.inf
+                stored = f32_bits(divisor)
+            scales[i, j] = stored
+            for r, c in cells:
+                x = bf16_value(bits[r * stride + c])
+                quotient = math.nan if math.isnan(divisor) or (math.isinf(x) and math.isinf(divisor)) else f32(x / divisor)
+                codes[r, c] = cast(q.target, quotient)
+    return codes, scales
+
+
+def random_bits(rng, n):
+    """bf16 patterns over many binades, with zeros, -0.0, subnormals, infinities and a NaN or two."""
+    out = []
+    for _ in range(n):
+        roll = rng.random()
+        if roll < 0.05:
+            out.append(rng.choice([0x0000, 0x8000]))
+        elif roll < 0.08:
+            out.append(rng.randrange(1, 0x80) | rng.choice([0, 0x8000]))
+        elif roll < 0.085:
+            out.append(rng.choice([0x7F80, 0xFF80, 0x7FC0]))
+        else:
+            out.append(((rng.randrange(100, 150) << 7) | rng.randrange(128)) | rng.choice([0, 0x8000]))
+    return out
+
+
+class HostQuantizeTest(unittest.TestCase):
+    def setUp(self):
+        self.group = Group([0], backend=Backend.HOST)
+
+    def tearDown(self):
+        self.group.close()
+
+    def run_case(self, q, rows, cols, stride, bits, scale_stride):
+        grid_rows, grid_cols = q.scale_grid(rows, cols)
+        source = (ctypes.c_uint16 * (rows * stride + 8)).from_buffer_copy(struct.pack(f"<{len(bits)}H", *bits) + bytes(16))
+        src = ctypes.addressof(source)
+        self.assertEqual(src % 16, 0)
+        dst = (ctypes.c_uint8 * (rows * stride))(*([0xAB] * (rows * stride)))
+        scales = (ctypes.c_uint8 * (grid_rows * scale_stride * q.scale_size))()
+        job = QuantizeJob(q, SourceType.BF16, src, rows, cols, stride, ctypes.addressof(dst), stride,
+                          ctypes.addressof(scales), scale_stride)
+        refit.quantize_batch(self.group, 0, [job])
+        codes, want_scales = reference(q, bits, rows, cols, stride)
+        for (r, c), code in codes.items():
+            self.assertEqual(dst[r * stride + c], code, (q, r, c, hex(bits[r * stride + c])))
+        for r in range(rows):
+            for c in range(cols, stride):
+                self.assertEqual(dst[r * stride + c], 0xAB)
+        raw = bytes(scales)
+        for (i, j), stored in want_scales.items():
+            at = (i * scale_stride + j) * q.scale_size
+            got = raw[at] if q.scale_size == 1 else struct.unpack("<I", raw[at : at + 4])[0]
+            self.assertEqual(got, stored, (q, i, j))
+
+    def test_every_granularity_matches_the_headers_arithmetic(self):
+        rng = random.Random(7)
+        rows, cols, stride = 37, 72, 80
+        bits = random_bits(rng, rows * stride)
+        for target in (Fp8.E4M3FN, Fp8.E5M2):
+            for q, scale_stride in (
+                (Quantization(target, Granularity.BLOCK, (16, 32)), 4),
+                (Quantization(target, Granularity.ROW), 1),
+                (Quantization(target, Granularity.TENSOR), 1),
+                (Quantization(target, Granularity.MXFP8), 3),
+            ):
+                with self.subTest(q=q):
+                    self.run_case(q, rows, cols, stride, bits, scale_stride)
+
+    def test_zero_blocks_get_the_epsilon_scale(self):
+        q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (8, 8))
+        bits = [0x8000 if i == 3 else 0 for i in range(64)]
+        self.run_case(q, 8, 8, 8, bits, 1)
+
+    def bad(self, status, words, **changes):
+        fields = dict(quantization=Quantization(), source_type=SourceType.BF16, src=1 << 20, rows=256, cols=256,
+                      src_row_stride=256, dst=1 << 24, dst_row_stride=256, scales=1 << 28, scale_row_stride=2)
+        fields.update(changes)
+        with self.assertRaises(RefitError) as caught:
+            refit.quantize_batch(self.group, 0, [QuantizeJob(**fields)])
+        self.assertEqual(caught.exception.status, status)
+        for word in words:
+            self.assertIn(word, str(caught.exception))
+
+    def test_bad_jobs_raise_with_what_is_wrong(self):
+        self.bad(Status.INVALID_ARGUMENT, ["jobs[0].quantization.target is 7"], quantization=Quantization(7))
+        self.bad(Status.INVALID_ARGUMENT, ["REFIT_QUANT_NONE"], quantization=Quantization(granularity=Granularity.NONE))
+        self.bad(Status.INVALID_ARGUMENT, ["block shape is 0 x 128"],
+                 quantization=Quantization(granularity=Granularity.BLOCK, block=(0, 128)))
+        self.bad(Status.INVALID_ARGUMENT, ["multiple of 8"],
+                 quantization=Quantization(granularity=Granularity.BLOCK, block=(128, 100)))
+        self.bad(Status.INVALID_ARGUMENT, ["only Granularity.BLOCK"],
+                 quantization=Quantization(granularity=Granularity.ROW, block=(1, 8)))
+        self.bad(Status.INVALID_ARGUMENT, ["source_type is 9"], source_type=9)
+        self.bad(Status.INVALID_ARGUMENT, ["misaligned source rows"], src=(1 << 20) + 8)
+        self.bad(Status.INVALID_ARGUMENT, ["dst_row_stride 200 is below cols 256"], dst_row_stride=200)
+        self.bad(Status.INVALID_ARGUMENT, ["scale_row_stride 1"], scale_row_stride=1)
+        self.bad(Status.INVALID_ARGUMENT, ["src is 0"], src=0)
+        self.bad(Status.INVALID_ARGUMENT, ["src = -1"], src=-1)
+        self.bad(Status.OVERLAP, ["jobs[0]'s destination and jobs[0]'s scales overlap"], scales=(1 << 24) + 64)
+        with self.assertRaises(RefitError) as caught:
+            refit.quantize_batch(self.group, 1, [])
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        refit.quantize_batch(self.group, 0, [])  # nothing to do
+
+
+class FakeTensor:
+    """The parts of a torch tensor tensor_job reads, over a ctypes buffer."""
+
+    def __init__(self, buffer, shape, dtype, element_size, strides=None):
+        self.buffer, self.shape, self.dtype, self._size = buffer, shape, dtype, element_size
+        self._strides = strides or (tuple(shape[1:]) + (1,) if len(shape) == 2 else (1,))
+
+    def data_ptr(self):
+        return ctypes.addressof(self.buffer)
+
+    def stride(self, dim=None):
+        return self._strides if dim is None else self._strides[dim]
+
+    def element_size(self):
+        return self._size
+
+    def numel(self):
+        return math.prod(self.shape)
+
+
+class TensorJobTest(unittest.TestCase):
+    def test_a_job_from_tensors_quantizes_as_the_reference(self):
+        group = Group([0], backend=Backend.HOST)
+        rng = random.Random(3)
+        rows, cols = 4, 256
+        bits = random_bits(rng, rows * cols)
+        raw = (ctypes.c_uint16 * (rows * cols + 8)).from_buffer_copy(struct.pack(f"<{len(bits)}H", *bits) + bytes(16))
+        out = (ctypes.c_uint8 * (rows * cols))()
+        scales = (ctypes.c_float * 2)()
+        q = Quantization()
+        job = refit.tensor_job(
+            FakeTensor(raw, (rows, cols), "torch.bfloat16", 2),
+            FakeTensor(out, (rows, cols), "torch.uint8", 1),
+            FakeTensor(scales, (1, 2), "torch.float32", 4),
+            q,
+        )
+        self.assertEqual((job.rows, job.cols, job.src_row_stride, job.dst_row_stride, job.scale_row_stride), (4, 256, 256, 256, 2))
+        refit.quantize_batch(group, 0, [job])
+        codes, want_scales = reference(q, bits, rows, cols, cols)
+        self.assertEqual([out[r * cols + c] for r, c in sorted(codes)], [codes[k] for k in sorted(codes)])
+        self.assertEqual([f32_bits(v) for v in scales], [want_scales[0, 0], want_scales[0, 1]])
+        group.close()
+
+    def test_tensors_that_cannot_make_a_job_are_refused(self):
+        raw = (ctypes.c_uint8 * 4096)()
+        source = FakeTensor(raw, (4, 256), "torch.bfloat16", 2)
+        out = FakeTensor(raw, (4, 256), "torch.uint8", 1)
+        scales = FakeTensor(raw, (1, 2), "torch.float32", 4)
+        cases = (
+            ((FakeTensor(raw, (4, 256), "torch.int32", 4), out, scales), "source dtype"),
+            ((source, FakeTensor(raw, (4, 128), "torch.uint8", 1), scales), "same 2-D shape"),
+            ((source, FakeTensor(raw, (4, 256), "torch.bfloat16", 2), scales), "one byte per element"),
+            ((source, out, FakeTensor(raw, (1, 1), "torch.float32", 4)), "scale grid needs 1 x 2"),
+            ((FakeTensor(raw, (4, 256), "torch.bfloat16", 2, (512, 2)), out, scales), "not contiguous"),
+        )
+        for arguments, words in cases:
+            with self.subTest(words=words), self.assertRaises(RefitError) as caught:
+                refit.tensor_job(*arguments)
+            self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+            self.assertIn(words, str(caught.exception))
+
+
+@unittest.skipUnless(HAVE_GPU, "needs torch with a CUDA device")
+class TorchQuantizeTest(unittest.TestCase):
+    def setUp(self):
+        self.group = Group([torch.cuda.current_device()])
+
+    def tearDown(self):
+        self.group.close()
+
+    def quantize(self, x, q, grid):
+        out = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
+        scales = torch.empty(grid, dtype=torch.uint8 if q.scale_size == 1 else torch.float32, device=x.device)
+        refit.quantize_batch(self.group, 0, [refit.tensor_job(x, out, scales, q)], torch.cuda.current_stream())
+        torch.cuda.synchronize()
+        return out, scales
+
+    def test_the_cast_of_every_bf16_value_in_range_equals_torchs(self):
+        every = torch.arange(-(1 << 15), 1 << 15, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).cuda()
+        for target, dtype in ((Fp8.E4M3FN, torch.float8_e4m3fn), (Fp8.E5M2, torch.float8_e5m2)):
+            values = every[every.float().abs() <= MAX[target]]
+            values = torch.cat([torch.tensor([MAX[target]], dtype=torch.bfloat16, device="cuda"), values])
+            cols = 64
+            values = torch.cat([values, values.new_zeros((-values.numel()) % cols)]).view(-1, cols)
+            # Per tensor with amax FP8_MAX: scale 1, every code the cast of the element itself.
+            out, scales = self.quantize(values, Quantization(target, Granularity.TENSOR), (1, 1))
+            self.assertEqual(scales.item(), 1.0)
+            want = values.float().to(dtype).view(torch.uint8)
+            mismatch = (out != want).nonzero()
+            self.assertEqual(mismatch.numel(), 0, f"{target}: first mismatches {mismatch[:5].tolist()}")
+
+    def test_block_quantization_equals_a_torch_block_quantizer(self):
+        torch.manual_seed(0)
+        rows, cols = 384, 640
+        x = (torch.randn(rows, cols, device="cuda") * torch.logspace(-8, 8, rows, base=2, device="cuda")[:, None]).to(torch.bfloat16)
+        x[128:256, 256:384] = 0
+        out, scales = self.quantize(x, Quantization(Fp8.E4M3FN, Granularity.BLOCK, (128, 128)), (3, 5))
+        blocks = x.float().view(3, 128, 5, 128)
+        amax = blocks.abs().amax(dim=(1, 3)).clamp_min(1e-10)
+        # Divisions by tensors: torch divides by a CPU scalar as a multiplication by its reciprocal.
+        want_scales = amax / torch.full_like(amax, 448.0)
+        quotient = blocks / want_scales[:, None, :, None]
+        want = quotient.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).view(rows, cols)
+        self.assertTrue(torch.equal(scales.view(torch.int32), want_scales.view(torch.int32)))
+        self.assertEqual((out != want).sum().item(), 0)
+
+
+if __name__ == "__main__":
+    unittest.main()

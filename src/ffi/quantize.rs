@@ -1,0 +1,231 @@
+//! The quantizing copy's C API (`refit_quantize_batch`): bf16 / f16 / f32 matrices to FP8 with their
+//! scales, for one rank of a group. Converts and checks; the arithmetic is `crate::quant`'s.
+
+// Raw pointers are the C ABI: the group is looked up (`live`), the job array checked by `slice`, and
+// the addresses a job names are the caller's documented promise.
+#![allow(clippy::not_unsafe_ptr_arg_deref)]
+
+use super::handles::live;
+use super::{boundary, slice};
+use crate::error::{Error, Result};
+use crate::ffi::group::refit_group;
+use crate::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
+use crate::transport::Stream;
+use std::ffi::c_void;
+
+/// refit_quantization.target: OCP FP8 E4M3 without infinities (torch.float8_e4m3fn), largest finite
+/// 448.
+pub const REFIT_FP8_E4M3FN: u32 = 1;
+/// refit_quantization.target: OCP FP8 E5M2 (torch.float8_e5m2), largest finite 57344.
+pub const REFIT_FP8_E5M2: u32 = 2;
+
+/// refit_quantization.granularity: no quantization (what a need that keeps its dtype will carry);
+/// refit_quantize_batch refuses it.
+pub const REFIT_QUANT_NONE: u32 = 0;
+/// One fp32 scale for the whole matrix.
+pub const REFIT_QUANT_TENSOR: u32 = 1;
+/// One fp32 scale per row (output channel).
+pub const REFIT_QUANT_ROW: u32 = 2;
+/// One fp32 scale per block_rows x block_cols block (DeepSeek-V3: 128 x 128).
+pub const REFIT_QUANT_BLOCK: u32 = 3;
+/// OCP MXFP8: one e8m0 scale byte per 32 consecutive elements of a row.
+pub const REFIT_QUANT_MXFP8: u32 = 4;
+
+/// refit_quantize_job.source_type: bfloat16.
+pub const REFIT_SOURCE_BF16: u32 = 1;
+/// refit_quantize_job.source_type: IEEE binary16.
+pub const REFIT_SOURCE_F16: u32 = 2;
+/// refit_quantize_job.source_type: IEEE binary32.
+pub const REFIT_SOURCE_F32: u32 = 3;
+
+/// A quantization: a target FP8 format (REFIT_FP8_*) and a granularity (REFIT_QUANT_*).
+/// `block_rows` x `block_cols` is the block of REFIT_QUANT_BLOCK (both at least 1, block_cols a
+/// multiple of 8, at most 2^24 elements; 128 x 128 is DeepSeek-V3's) and must be 0 x 0 for every
+/// other granularity.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct refit_quantization {
+    pub target: u32,
+    pub granularity: u32,
+    pub block_rows: u32,
+    pub block_cols: u32,
+}
+
+/// One matrix to quantize: `rows` x `cols` elements of `source_type` (REFIT_SOURCE_*) at device
+/// address `src`, `src_row_stride` elements from one row to the next; FP8 codes written to `dst`,
+/// `dst_row_stride` bytes from row to row; scales written to `scales` as a row-major grid of
+/// ceil(rows / R) x ceil(cols / C) scales for blocks of R x C elements (per tensor: R x C is the whole
+/// matrix, 1 scale; per row: 1 x cols, a column of `rows` scales; per block: the block; MXFP8:
+/// 1 x 32), `scale_row_stride` scales from one grid row to the next. Scales are fp32 (little-endian),
+/// the dequantization factor (x ~ code * scale, DeepSeek's `weight_scale_inv`), or for MXFP8 e8m0
+/// bytes (scale 2^(byte - 127), 0xff NaN). `reserved` must be 0.
+///
+/// Alignment: every source row starts on 16 bytes (`src` and `src_row_stride` x element size
+/// multiples of 16), `dst` and `dst_row_stride` are multiples of 8 (bf16, f16) or 4 (f32) bytes,
+/// `scales` of the scale's size. A job with no elements is skipped (nothing is written).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct refit_quantize_job {
+    pub quantization: refit_quantization,
+    pub source_type: u32,
+    pub reserved: u32,
+    pub src: u64,
+    pub rows: u64,
+    pub cols: u64,
+    pub src_row_stride: u64,
+    pub dst: u64,
+    pub dst_row_stride: u64,
+    pub scales: u64,
+    pub scale_row_stride: u64,
+}
+
+fn invalid(index: usize, message: String) -> Error {
+    Error::invalid_argument(format!("jobs[{index}].{message}"))
+}
+
+/// The Rust quantization of a C one (`index` names the job in messages).
+pub(crate) fn quantization(index: usize, q: &refit_quantization) -> Result<Quantization> {
+    let target = match q.target {
+        REFIT_FP8_E4M3FN => Fp8::E4m3fn,
+        REFIT_FP8_E5M2 => Fp8::E5m2,
+        other => {
+            return Err(invalid(
+                index,
+                format!(
+                    "quantization.target is {other}; expected REFIT_FP8_E4M3FN ({REFIT_FP8_E4M3FN}) or \
+                     REFIT_FP8_E5M2 ({REFIT_FP8_E5M2})"
+                ),
+            ))
+        }
+    };
+    let granularity = match q.granularity {
+        REFIT_QUANT_NONE => {
+            return Err(invalid(
+                index,
+                "quantization.granularity is REFIT_QUANT_NONE: there is nothing to quantize to; pick \
+                 REFIT_QUANT_TENSOR, _ROW, _BLOCK or _MXFP8"
+                    .to_string(),
+            ))
+        }
+        REFIT_QUANT_TENSOR => Granularity::Tensor,
+        REFIT_QUANT_ROW => Granularity::Row,
+        REFIT_QUANT_BLOCK => Granularity::Block { rows: q.block_rows, cols: q.block_cols },
+        REFIT_QUANT_MXFP8 => Granularity::Mx,
+        other => {
+            return Err(invalid(
+                index,
+                format!("quantization.granularity is {other}; expected a REFIT_QUANT_* value from 1 to 4"),
+            ))
+        }
+    };
+    if q.granularity != REFIT_QUANT_BLOCK && (q.block_rows, q.block_cols) != (0, 0) {
+        return Err(invalid(
+            index,
+            format!(
+                "quantization block is {} x {}; only REFIT_QUANT_BLOCK takes a block shape (pass 0 x 0)",
+                q.block_rows, q.block_cols
+            ),
+        ));
+    }
+    Ok(Quantization { target, granularity })
+}
+
+fn job(index: usize, c: &refit_quantize_job) -> Result<QuantJob> {
+    let quantization = quantization(index, &c.quantization)?;
+    let source = match c.source_type {
+        REFIT_SOURCE_BF16 => SourceType::Bf16,
+        REFIT_SOURCE_F16 => SourceType::F16,
+        REFIT_SOURCE_F32 => SourceType::F32,
+        other => {
+            return Err(invalid(
+                index,
+                format!("source_type is {other}; expected REFIT_SOURCE_BF16 (1), _F16 (2) or _F32 (3)"),
+            ))
+        }
+    };
+    if c.reserved != 0 {
+        return Err(invalid(index, format!("reserved is {}; it must be 0", c.reserved)));
+    }
+    Ok(QuantJob {
+        quantization,
+        source,
+        src: c.src,
+        rows: c.rows,
+        cols: c.cols,
+        src_stride: c.src_row_stride,
+        dst: c.dst,
+        dst_stride: c.dst_row_stride,
+        scales: c.scales,
+        scale_stride: c.scale_row_stride,
+    })
+}
+
+/// Quantizes `count` matrices (see refit_quantize_job) to FP8 with their scales, on `stream`, a stream
+/// of `rank`'s device (NULL: its legacy default stream). Addresses are device pointers of that device
+/// or of a peer it accesses directly (refit_group_peer_access); on the host backend, host memory.
+/// `flags` must be 0.
+///
+/// The arithmetic, exact (the bytes are equal on every backend and GPU):
+/// - Elements are decoded to f32 exactly. Per block of elements sharing a scale, amax is the largest
+///   |x|, +inf if an element is infinite, NaN if an element is NaN (NaN propagates, as torch's amax).
+/// - fp32 scale = max(amax, 1e-10f) / FP8_MAX in f32 (IEEE division, nearest even), FP8_MAX = 448
+///   (E4M3FN) or 57344 (E5M2); 1e-10 is vLLM's per_token_group_quant_fp8 default eps, so an all-zero
+///   block gets scale 1e-10f / FP8_MAX. A block holding a NaN gets the scale 0x7fffffff (NaN); one
+///   holding an infinity (and no NaN) gets +inf.
+/// - MXFP8 (OCP MX v1.0): e = floor(log2(amax)) - 8 (E4M3FN) or - 15 (E5M2), clamped to -127..127,
+///   scale byte e + 127 (e8m0), divisor 2^e; an all-zero block gets byte 0; a block holding a NaN or
+///   an infinity gets 0xff (NaN).
+/// - Each code: the f32 quotient x / scale (IEEE division, nearest even) rounded to the nearest FP8
+///   value, ties to even, saturating: finite or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a
+///   NaN quotient gives 0x7f, and the sign of zero is kept (-0.0 gives 0x80). This is
+///   `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)` of vLLM's and DeepSeek's quantizers; in a block
+///   whose scale is +inf, finite elements give +-0 and infinite ones NaN (0x7f); in a block whose
+///   scale is NaN, every element gives 0x7f.
+///
+/// Per-tensor jobs need the whole matrix's amax first: on CUDA they take a second launch before the
+/// quantizing one (every other granularity: one launch for the whole batch). The kernel reads each
+/// source row in whole aligned 16-byte vectors, so up to 15 bytes past a row's last element (in the
+/// same 16 bytes) are read and ignored.
+///
+/// Stream ordering (CUDA): queued on `stream` after the work queued on it before; returns without
+/// waiting. The descriptors are uploaded stream-ordered (no host sync); this call must not be captured
+/// into a CUDA graph. Host backend: complete on return.
+///
+/// Thread-safety: may be called from any thread, concurrently with other calls. No source may overlap
+/// a destination or scales (what is read is then undefined).
+///
+/// Errors: NULL_ARGUMENT (group, or jobs with count > 0), INVALID_ARGUMENT (rank not below the group
+/// size, flags not 0, count too large, an unknown target, granularity or source type,
+/// REFIT_QUANT_NONE, a block shape with a 0, block columns not a multiple of 8 or a block of more
+/// than 2^24 elements, a block shape given for another granularity, reserved not 0, a row stride
+/// below the row, a zero address for a job with elements, misaligned rows or scales, a range past the
+/// end of the address space, on the host backend a stream that is not a host stream or is another
+/// simulated device's; the message names the job and the field), OVERLAP (two destination matrices or
+/// scale grids, or a destination and a scale grid, share a byte; the message names them),
+/// UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks; overlap checks over more
+/// interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
+/// loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs
+/// are refused.
+#[no_mangle]
+pub extern "C" fn refit_quantize_batch(
+    group: *const refit_group,
+    rank: u32,
+    stream: *mut c_void,
+    jobs: *const refit_quantize_job,
+    count: usize,
+    flags: u32,
+) -> crate::error::Status {
+    boundary("refit_quantize_batch", || {
+        let handle = live(group, "group")?;
+        let group = &handle.group;
+        // SAFETY: NULL or `count` readable jobs (the caller's promise).
+        let jobs = unsafe { slice(jobs, count, "jobs") }?;
+        if flags != 0 {
+            return Err(Error::invalid_argument(format!("flags = {flags:#x}; no flag is defined, pass 0")));
+        }
+        let jobs = jobs.iter().enumerate().map(|(index, c)| job(index, c)).collect::<Result<Vec<_>>>()?;
+        let device = group.device(rank as usize)?;
+        // SAFETY: the caller's promise on addresses and stream, documented above.
+        unsafe { group.backend().quantize_batch(device, Stream::from_ptr(stream), &jobs) }
+    })
+}

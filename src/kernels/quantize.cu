@@ -1,0 +1,566 @@
+// refit's quantizing copy: bf16 / f16 / f32 matrices to FP8 (e4m3fn, e5m2) codes and their scales,
+// per tensor, per row, per block or MX, for a batch of matrices in one launch (two for per-tensor
+// jobs: see below). The arithmetic is src/quant/mod.rs's, bit for bit: amax as the maximum of the
+// f32 bit patterns of |x| (NaN propagates), fp32 scale = max(amax, 1e-10) / FP8_MAX or MX's 2^e,
+// each element the IEEE f32 quotient x / scale cast to FP8 with round-to-nearest-even and
+// saturation, NaN to 0x7f. (The quotient comes from the block's reciprocal, exactly where it
+// matters: see quotient below.)
+//
+// Compiled at run time by NVRTC (no headers), and built as host C++ by tests/emulate to check it
+// against the Rust reference without a GPU: everything here is plain C++ but for the few intrinsics
+// chosen under __CUDA_ARCH__.
+//
+// How the work is split. Each job is a matrix cut into scale blocks (the elements sharing a scale);
+// the host lays the jobs out as a table of descriptors, each with its first tile, and every thread
+// block takes one tile, finding its job by binary search. Sources are read as aligned 16-byte vectors
+// (8 bf16 / f16 or 4 f32), which the host has checked row starts allow; a row's last vector may
+// extend up to 15 bytes past its last element, within its aligned 16 bytes, and those bytes are
+// ignored. Two modes:
+// - MODE_BLOCK: a tile is one scale block (per-tensor jobs: a slab of whole rows). The block's
+//   threads read its vectors, each keeping the first QUANT_CACHE in registers, reduce the amax
+//   across the block (warp shuffles, then shared memory), compute the scale, and quantize what they
+//   hold (vectors beyond the cache are read again, from L2). Per-tensor jobs run in two launches:
+//   phase 1 reduces each slab and combines the slabs' amax with atomicMax on its bits into the job's
+//   word of `amax` (zeroed by the host); phase 2 quantizes with it.
+// - MODE_GROUP: for one-row blocks of at most 32 vectors (MX, short rows, 1 x n blocks): each
+//   scale block is taken by a group of 2^group_shift lanes of a warp (one vector per lane), reduced
+//   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups.
+
+typedef unsigned long long u64;
+typedef unsigned int u32;
+typedef unsigned short u16;
+
+#define QUANT_THREADS 256u
+#define QUANT_WARPS (QUANT_THREADS / 32u)
+#define QUANT_CACHE 8u
+#define QUANT_GROUP_ROUNDS 4u
+#define QUANT_MIN_AMAX 1e-10f
+#define QUANT_CANONICAL_NAN 0x7fffffffu
+#define QUANT_DESC_BYTES 120u
+
+// Codes shared with src/kernels/quantize.rs.
+#define SRC_BF16 0u
+#define SRC_F16 1u
+#define SRC_F32 2u
+#define FP8_E4M3 0u
+#define FP8_E5M2 1u
+#define SCALE_F32 0u
+#define SCALE_E8M0 1u
+#define SCALE_TENSOR 2u
+#define MODE_BLOCK 0u
+#define MODE_GROUP 1u
+
+struct QuantDesc {
+    u64 src, dst, scales;
+    u64 rows, cols;
+    u64 src_stride;    // elements
+    u64 dst_stride;    // bytes
+    u64 scale_stride;  // scales
+    u64 first_tile;    // tiles of the descriptors before this one
+    u64 grid_cols;     // scale blocks per grid row (MODE_BLOCK per-tensor: 1)
+    u64 blocks;        // scale blocks (per tensor: slabs)
+    u32 block_rows, block_cols;
+    u32 source, target, scale_kind, mode;
+    u32 group_shift, reserved;
+};
+static_assert(sizeof(QuantDesc) == QUANT_DESC_BYTES, "QuantDesc must match the host's layout");
+
+struct __align__(16) Vec {
+    u32 w[4];
+};
+
+// A 16-byte source vector (read-only for the kernel's life: the non-coherent path on the GPU).
+__device__ __forceinline__ Vec load_vector(const unsigned char* p) {
+#ifdef __CUDA_ARCH__
+    const uint4 u = __ldg(reinterpret_cast<const uint4*>(p));
+    Vec v;
+    v.w[0] = u.x;
+    v.w[1] = u.y;
+    v.w[2] = u.z;
+    v.w[3] = u.w;
+    return v;
+#else
+    return *reinterpret_cast<const Vec*>(p);
+#endif
+}
+
+// Codes are written once and not read again by the kernel: streaming stores on the GPU.
+template <typename T>
+__device__ __forceinline__ void store_streaming(T* p, T value) {
+#ifdef __CUDA_ARCH__
+    __stcs(p, value);
+#else
+    *p = value;
+#endif
+}
+
+struct Scale {
+    u32 stored;
+    float divisor;
+    float reciprocal;  // RN(1 / divisor), for the quotients of a finite divisor
+};
+
+__device__ __forceinline__ float from_bits(u32 b) {
+#ifdef __CUDA_ARCH__
+    return __uint_as_float(b);
+#else
+    float f;
+    memcpy(&f, &b, 4);
+    return f;
+#endif
+}
+
+__device__ __forceinline__ u32 to_bits(float f) {
+#ifdef __CUDA_ARCH__
+    return __float_as_uint(f);
+#else
+    u32 b;
+    memcpy(&b, &f, 4);
+    return b;
+#endif
+}
+
+__device__ __forceinline__ int leading_zeros(u32 x) {
+#ifdef __CUDA_ARCH__
+    return __clz((int)x);
+#else
+    return x == 0 ? 32 : __builtin_clz(x);
+#endif
+}
+
+// IEEE binary16 bits to f32 bits (exact).
+__device__ __forceinline__ u32 f16_bits_to_f32(u32 h) {
+    const u32 sign = (h & 0x8000u) << 16;
+    const u32 field = (h >> 10) & 0x1fu;
+    const u32 mantissa = h & 0x3ffu;
+    if (field == 0) {
+        if (mantissa == 0) return sign;
+        const int top = 31 - leading_zeros(mantissa);
+        return sign | ((u32)(top - 24 + 127) << 23) | ((mantissa << (23 - top)) & 0x7fffffu);
+    }
+    if (field == 0x1f) return sign | 0x7f800000u | (mantissa << 13);
+    return sign | ((field + 112u) << 23) | (mantissa << 13);
+}
+
+// An f16 as f32 bits: the hardware's exact conversion on the GPU, the integer one on the host.
+__device__ __forceinline__ u32 f16_to_f32_bits(u32 h) {
+#ifdef __CUDA_ARCH__
+    float f;
+    const unsigned short half = (unsigned short)h;
+    asm("cvt.f32.f16 %0, %1;" : "=f"(f) : "h"(half));
+    return __float_as_uint(f);
+#else
+    return f16_bits_to_f32(h);
+#endif
+}
+
+// Element e of a vector, as f32 bits.
+template <u32 SRC>
+__device__ __forceinline__ u32 element_bits(const Vec& v, u32 e) {
+    if (SRC == SRC_F32) return v.w[e];
+    const u32 h = (v.w[e >> 1] >> ((e & 1u) * 16u)) & 0xffffu;
+    return SRC == SRC_BF16 ? h << 16 : f16_to_f32_bits(h);
+}
+
+// The larger of each 16-bit half of a and b (unsigned).
+__device__ __forceinline__ u32 max_u16x2(u32 a, u32 b) {
+#ifdef __CUDA_ARCH__
+    return __vmaxu2(a, b);
+#else
+    const u32 lo = (a & 0xffffu) > (b & 0xffffu) ? (a & 0xffffu) : (b & 0xffffu);
+    const u32 hi = (a >> 16) > (b >> 16) ? (a >> 16) : (b >> 16);
+    return lo | (hi << 16);
+#endif
+}
+
+template <u32 SRC>
+struct Elements {
+    static constexpr u32 per_vector = SRC == SRC_F32 ? 4u : 8u;
+    static constexpr u32 size = SRC == SRC_F32 ? 4u : 2u;
+};
+
+// The saturating round-to-nearest-even cast of an f32 (given by its bits) to FP8, in integer
+// arithmetic: the mirror of Fp8::encode in src/quant/fp8.rs.
+__device__ __forceinline__ u32 encode_software(u32 bits, u32 target) {
+    const u32 magnitude = bits & 0x7fffffffu;
+    if (magnitude > 0x7f800000u) return 0x7fu;
+    const u32 sign = (bits >> 24) & 0x80u;
+    const bool e4m3 = target == FP8_E4M3;
+    if (magnitude >= (e4m3 ? 0x43e00000u : 0x47600000u)) return sign | (e4m3 ? 0x7eu : 0x7bu);
+    const int field = (int)(magnitude >> 23);
+    if (field == 0) return sign;
+    const int m = e4m3 ? 3 : 2;
+    const int min_normal = e4m3 ? -6 : -14;
+    const int exponent = field - 127 > min_normal ? field - 127 : min_normal;
+    const u32 significand = (magnitude & 0x7fffffu) | 0x800000u;
+    const int shift = (exponent - m) - (field - 150);
+    if (shift >= 25) return sign;  // below half the smallest subnormal
+    const u32 kept = significand >> shift;
+    const u32 rest = significand & ((1u << shift) - 1u);
+    const u32 half = 1u << (shift - 1);
+    const u32 units = kept + ((rest > half || (rest == half && (kept & 1u))) ? 1u : 0u);
+    return sign | (((u32)(exponent - min_normal) << m) + units);
+}
+
+// Two quotients to two codes (a in the low byte). On sm_89 and later the hardware's saturating
+// conversion (round to nearest even, +-inf and out-of-range values to +-max, sign of zero kept) takes
+// the finite and infinite ones; NaN quotients, which it need not encode as 0x7f, take 0x7f here.
+// FINITE: the block's scale is finite, so every quotient is (its elements are finite: an infinite
+// or NaN element makes the amax, and so the scale, infinite or NaN), and no NaN check is needed.
+template <bool FINITE>
+__device__ __forceinline__ u32 encode_pair(float a, float b, u32 target) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
+    unsigned short pair;
+    if (target == FP8_E4M3) {
+        asm("cvt.rn.satfinite.e4m3x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(b), "f"(a));
+    } else {
+        asm("cvt.rn.satfinite.e5m2x2.f32 %0, %1, %2;" : "=h"(pair) : "f"(b), "f"(a));
+    }
+    u32 codes = pair;
+    if (!FINITE) {
+        if ((to_bits(a) & 0x7fffffffu) > 0x7f800000u) codes = (codes & 0xff00u) | 0x7fu;
+        if ((to_bits(b) & 0x7fffffffu) > 0x7f800000u) codes = (codes & 0x00ffu) | 0x7f00u;
+    }
+    return codes;
+#else
+    return encode_software(to_bits(a), target) | (encode_software(to_bits(b), target) << 8);
+#endif
+}
+
+__device__ __forceinline__ int floor_log2(u32 bits) {
+    const int field = (int)(bits >> 23);
+    const u32 mantissa = bits & 0x7fffffu;
+    if (field != 0) return field - 127;
+    if (mantissa == 0) return -1000;
+    return (31 - leading_zeros(mantissa)) - 149;
+}
+
+__device__ __forceinline__ float power_of_two(int e) {
+    return e >= -126 ? from_bits((u32)(e + 127) << 23) : from_bits(1u << (e + 149));
+}
+
+// A block's scale from its amax bits (block_scale in src/quant/reference.rs), without its reciprocal.
+__device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax_bits) {
+    Scale s;
+    if (kind != SCALE_E8M0) {
+        if (amax_bits > 0x7f800000u) {
+            s.stored = QUANT_CANONICAL_NAN;
+            s.divisor = from_bits(QUANT_CANONICAL_NAN);
+            return s;
+        }
+        const float amax = from_bits(amax_bits);
+        const float clamped = amax > QUANT_MIN_AMAX ? amax : QUANT_MIN_AMAX;
+        s.divisor = clamped / (target == FP8_E4M3 ? 448.0f : 57344.0f);
+        s.stored = to_bits(s.divisor);
+        return s;
+    }
+    if (amax_bits >= 0x7f800000u) {
+        s.stored = 0xffu;
+        s.divisor = from_bits(QUANT_CANONICAL_NAN);
+        return s;
+    }
+    int e = floor_log2(amax_bits) - (target == FP8_E4M3 ? 8 : 15);
+    e = e < -127 ? -127 : (e > 127 ? 127 : e);
+    s.stored = (u32)(e + 127);
+    s.divisor = power_of_two(e);
+    return s;
+}
+
+__device__ __forceinline__ Scale block_scale(u32 target, u32 kind, u32 amax_bits) {
+    Scale s = block_scale_only(target, kind, amax_bits);
+    s.reciprocal = 1.0f / s.divisor;
+    return s;
+}
+
+__device__ __forceinline__ float fma_rn(float a, float b, float c) {
+#ifdef __CUDA_ARCH__
+    return __fmaf_rn(a, b, c);
+#else
+    return __builtin_fmaf(a, b, c);
+#endif
+}
+
+// x / s rounded to nearest even, for s finite and at least 2^-50 (every fp32 scale; MX's 2^e
+// multiplies exactly) and |x / s| at most about FP8_MAX, from y = RN(1 / s): q0 = RN(x y) is within
+// 1.5 ulp of x / s, one correction with the exact remainder makes it faithful, and a second one
+// correctly rounded (Markstein's theorem: y within half an ulp of 1 / s, q within one ulp). The
+// remainders are exact unless |x| < 2^-100, where |x / s| < 2^-50 and any result encodes as a
+// signed zero; the sign is that of x (s > 0), set explicitly so that -0.0 stays -0.0. The
+// division's own sequence would take a reciprocal per element; this takes one per block. Checked
+// against IEEE division over every bf16 element and scales across the range (kernels/quantize.rs).
+__device__ __forceinline__ float quotient(float x, float s, float y) {
+    const float q0 = x * y;
+    const float q1 = fma_rn(fma_rn(-q0, s, x), y, q0);
+    const float q2 = fma_rn(fma_rn(-q1, s, x), y, q1);
+    return from_bits((to_bits(q2) & 0x7fffffffu) | (to_bits(x) & 0x80000000u));
+}
+
+// The amax of the first `count` elements of a vector, as f32 bits. For 16-bit sources the
+// maximum is taken over the elements' own magnitude bits, two at a time, and converted once:
+// magnitudes order as their bits in bf16 and f16 as in f32 (NaNs above infinity), and the
+// conversion to f32 keeps that order, so this is the maximum of the f32 bits of |x|.
+template <u32 SRC>
+__device__ __forceinline__ u32 vector_amax(const Vec& v, u32 count) {
+    if (SRC == SRC_F32) {
+        u32 amax = 0;
+#pragma unroll
+        for (u32 e = 0; e < 4; ++e) {
+            const u32 m = v.w[e] & 0x7fffffffu;
+            if (e < count && m > amax) amax = m;
+        }
+        return amax;
+    }
+    u32 pairs = 0;
+    if (count == 8) {
+#pragma unroll
+        for (u32 w = 0; w < 4; ++w) pairs = max_u16x2(pairs, v.w[w] & 0x7fff7fffu);
+    } else {
+        // The row's last vector: elements past the row are left out (constant indices only, so the
+        // vector stays in registers).
+#pragma unroll
+        for (u32 e = 0; e < 8; ++e) {
+            if (e < count) pairs = max_u16x2(pairs, (v.w[e >> 1] >> ((e & 1u) * 16u)) & 0x7fffu);
+        }
+    }
+    const u32 lo = pairs & 0xffffu, hi = pairs >> 16;
+    const u32 amax16 = lo > hi ? lo : hi;
+    return SRC == SRC_BF16 ? amax16 << 16 : f16_to_f32_bits(amax16);
+}
+
+// Quantizes the first `count` elements of a vector and stores their codes at `out`.
+// FINITE: the scale is finite, the quotients come from its reciprocal ([quotient]); otherwise
+// (+inf or NaN) they are IEEE divisions, as the arithmetic defines them.
+template <u32 SRC, bool FINITE>
+__device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Scale& scale, u32 target,
+                                               unsigned char* out) {
+    constexpr u32 n = Elements<SRC>::per_vector;
+    u32 codes[n / 4];
+    float q[n];
+#pragma unroll
+    for (u32 e = 0; e < n; ++e) {
+        const float x = from_bits(element_bits<SRC>(v, e));
+        q[e] = FINITE ? quotient(x, scale.divisor, scale.reciprocal) : x / scale.divisor;
+    }
+#pragma unroll
+    for (u32 e = 0; e < n; e += 4) {
+        codes[e / 4] = encode_pair<FINITE>(q[e], q[e + 1], target) | (encode_pair<FINITE>(q[e + 2], q[e + 3], target) << 16);
+    }
+    if (count == n) {
+        if (n == 8) {
+            store_streaming(reinterpret_cast<u64*>(out), (u64)codes[0] | ((u64)codes[n / 4 - 1] << 32));
+        } else {
+            store_streaming(reinterpret_cast<u32*>(out), codes[0]);
+        }
+    } else {
+#pragma unroll
+        for (u32 e = 0; e < n; ++e) {
+            if (e < count) out[e] = (unsigned char)(codes[e / 4] >> (8u * (e % 4u)));
+        }
+    }
+}
+
+// Quantizes the first `count` elements of a vector with `scale` and stores their codes at `out`.
+template <u32 SRC>
+__device__ __forceinline__ void store_codes(const Vec& v, u32 count, const Scale& scale, u32 target, unsigned char* out) {
+    if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
+        store_codes_as<SRC, true>(v, count, scale, target, out);
+    } else {
+        store_codes_as<SRC, false>(v, count, scale, target, out);
+    }
+}
+
+__device__ __forceinline__ void store_scale(const QuantDesc& d, u64 grid_row, u64 grid_col, u32 stored) {
+    const u64 index = grid_row * d.scale_stride + grid_col;
+    if (d.scale_kind == SCALE_E8M0) {
+        reinterpret_cast<unsigned char*>(d.scales)[index] = (unsigned char)stored;
+    } else {
+        reinterpret_cast<u32*>(d.scales)[index] = stored;
+    }
+}
+
+__device__ __forceinline__ u32 warp_max(u32 value, u32 lanes) {
+    for (u32 offset = lanes / 2; offset > 0; offset /= 2) {
+        const u32 other = __shfl_xor_sync(0xffffffffu, value, offset);
+        value = other > value ? other : value;
+    }
+    return value;
+}
+
+// The grid row and column of scale block `block` (32-bit division when the grid allows).
+__device__ __forceinline__ void grid_position(const QuantDesc& d, u64 block, u64& row, u64& col) {
+    if ((d.blocks >> 32) == 0) {
+        const u32 b = (u32)block, n = (u32)d.grid_cols;
+        row = b / n;
+        col = b - (u32)row * n;
+    } else {
+        row = block / d.grid_cols;
+        col = block % d.grid_cols;
+    }
+}
+
+// MODE_BLOCK: one scale block (or per-tensor slab) `block` of descriptor `job`. Thread t takes
+// vectors t, t + QUANT_THREADS, ... of the block in row-major order; their (row, vector) positions
+// advance by a fixed step, so no division per vector.
+template <u32 SRC>
+__device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase, u32* job_amax) {
+    __shared__ u32 warp_amax[QUANT_WARPS];
+    constexpr u32 VE = Elements<SRC>::per_vector;
+    constexpr u32 SIZE = Elements<SRC>::size;
+    u64 grid_row, grid_col;
+    grid_position(d, block, grid_row, grid_col);
+    const u64 r0 = grid_row * d.block_rows, c0 = grid_col * d.block_cols;
+    const u32 rows = (u32)(d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows);
+    const u32 cols = (u32)(d.cols - c0 < d.block_cols ? d.cols - c0 : d.block_cols);
+    const u32 per_row = (cols + VE - 1) / VE;
+    const u32 t = threadIdx.x;
+    const u32 row_step = QUANT_THREADS / per_row, vector_step = QUANT_THREADS % per_row;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src) + (r0 * d.src_stride + c0) * SIZE;
+    unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst) + r0 * d.dst_stride + c0;
+    const u64 src_row_bytes = d.src_stride * SIZE;
+
+    Vec cache[QUANT_CACHE] = {};
+    u32 amax = 0;
+    u32 row = t / per_row, v = t % per_row;
+#pragma unroll
+    for (u32 k = 0; k < QUANT_CACHE; ++k) {
+        if (row < rows) {
+            cache[k] = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
+            const u32 m = vector_amax<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE);
+            amax = m > amax ? m : amax;
+        }
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
+    }
+    const u32 rest_row = row, rest_v = v;  // the first vector not cached
+    for (; row < rows;) {
+        const Vec x = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
+        const u32 m = vector_amax<SRC>(x, cols - v * VE < VE ? cols - v * VE : VE);
+        amax = m > amax ? m : amax;
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
+    }
+    amax = warp_max(amax, 32);
+    if (t % 32 == 0) warp_amax[t / 32] = amax;
+    __syncthreads();
+    amax = 0;
+    for (u32 w = 0; w < QUANT_WARPS; ++w) amax = warp_amax[w] > amax ? warp_amax[w] : amax;
+    if (d.scale_kind == SCALE_TENSOR) {
+        if (phase == 1) {
+            if (t == 0) atomicMax(job_amax + job, amax);
+            return;
+        }
+        amax = *(volatile u32*)(job_amax + job);
+    }
+    const Scale scale = block_scale(d.target, d.scale_kind, amax);
+    if (t == 0 && (d.scale_kind != SCALE_TENSOR || block == 0)) {
+        store_scale(d, d.scale_kind == SCALE_TENSOR ? 0 : grid_row, d.scale_kind == SCALE_TENSOR ? 0 : grid_col,
+                    scale.stored);
+    }
+    row = t / per_row;
+    v = t % per_row;
+#pragma unroll
+    for (u32 k = 0; k < QUANT_CACHE; ++k) {
+        if (row < rows) {
+            store_codes<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE, scale, d.target,
+                             dst + row * d.dst_stride + v * VE);
+        }
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
+    }
+    for (row = rest_row, v = rest_v; row < rows;) {
+        const Vec x = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
+        store_codes<SRC>(x, cols - v * VE < VE ? cols - v * VE : VE, scale, d.target, dst + row * d.dst_stride + v * VE);
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
+    }
+}
+
+// MODE_GROUP: tile `tile` of descriptor `d`, whose scale blocks are one row high and at most 32
+// vectors wide; 2^group_shift lanes per block. Each thread loads its vector of every round first, so
+// that QUANT_GROUP_ROUNDS loads are in flight, then reduces and writes round by round.
+template <u32 SRC>
+__device__ void quantize_groups(const QuantDesc& d, u64 tile) {
+    constexpr u32 VE = Elements<SRC>::per_vector;
+    const u32 lanes = 1u << d.group_shift;
+    const u32 groups = QUANT_THREADS >> d.group_shift;
+    const u32 lane = threadIdx.x & (lanes - 1u);
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src);
+    unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst);
+    Vec x[QUANT_GROUP_ROUNDS] = {};
+    u32 count[QUANT_GROUP_ROUNDS];
+    u64 row[QUANT_GROUP_ROUNDS], col[QUANT_GROUP_ROUNDS];
+#pragma unroll
+    for (u32 round = 0; round < QUANT_GROUP_ROUNDS; ++round) {
+        const u64 block = (tile * QUANT_GROUP_ROUNDS + round) * groups + (threadIdx.x >> d.group_shift);
+        count[round] = 0;
+        row[round] = 0;
+        col[round] = 0;
+        if (block < d.blocks) {
+            grid_position(d, block, row[round], col[round]);
+            const u64 c0 = col[round] * d.block_cols;
+            const u64 end = c0 + d.block_cols < d.cols ? c0 + d.block_cols : d.cols;
+            const u64 c = c0 + (u64)lane * VE;
+            if (c < end) {
+                count[round] = end - c < VE ? (u32)(end - c) : VE;
+                x[round] = load_vector(src + (row[round] * d.src_stride + c) * Elements<SRC>::size);
+            }
+        }
+    }
+#pragma unroll
+    for (u32 round = 0; round < QUANT_GROUP_ROUNDS; ++round) {
+        const u64 block = (tile * QUANT_GROUP_ROUNDS + round) * groups + (threadIdx.x >> d.group_shift);
+        const u32 amax = warp_max(count[round] > 0 ? vector_amax<SRC>(x[round], count[round]) : 0u, lanes);
+        if (block < d.blocks) {
+            const Scale scale = block_scale(d.target, d.scale_kind, amax);
+            if (lane == 0) store_scale(d, row[round], col[round], scale.stored);
+            if (count[round] > 0) {
+                const u64 c = col[round] * d.block_cols + (u64)lane * VE;
+                store_codes<SRC>(x[round], count[round], scale, d.target, dst + row[round] * d.dst_stride + c);
+            }
+        }
+    }
+}
+
+template <u32 SRC>
+__device__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, u32* job_amax) {
+    if (d.mode == MODE_GROUP) {
+        if (phase != 1) quantize_groups<SRC>(d, tile);
+    } else if (phase != 1 || d.scale_kind == SCALE_TENSOR) {
+        quantize_block<SRC>(d, job, tile, phase, job_amax);
+    }
+}
+
+// One tile per thread block: blockIdx.x over the tiles of all `njobs` descriptors. Phase 1 (launched
+// only when a job is per tensor): the per-tensor jobs' amax into job_amax (zeroed by the host), the
+// other tiles return at once. Phase 2: every job quantized, per-tensor ones with phase 1's amax.
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS)
+    refit_quantize(const QuantDesc* __restrict__ descs, u32 njobs, u32 phase, u32* job_amax) {
+    const u64 tile = blockIdx.x;
+    u32 lo = 0, hi = njobs;  // the last descriptor whose first tile is at most `tile`
+    while (hi - lo > 1) {
+        const u32 mid = (lo + hi) / 2;
+        if (descs[mid].first_tile <= tile) lo = mid;
+        else hi = mid;
+    }
+    const QuantDesc d = descs[lo];
+    const u64 local = tile - d.first_tile;
+    if (d.source == SRC_BF16) quantize_tile<SRC_BF16>(d, lo, local, phase, job_amax);
+    else if (d.source == SRC_F16) quantize_tile<SRC_F16>(d, lo, local, phase, job_amax);
+    else quantize_tile<SRC_F32>(d, lo, local, phase, job_amax);
+}

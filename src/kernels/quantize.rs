@@ -1,0 +1,393 @@
+//! The quantizing copy kernel (`quantize.cu`) on a CUDA device: a batch of [`QuantJob`]s quantized to
+//! FP8 with their scales in one launch (two when a job is per tensor), bit for bit as
+//! [`crate::quant::reference`].
+
+use super::module;
+use crate::error::{Error, Result, Status};
+use crate::quant::job::{check_jobs, Granularity, QuantJob, ScaleKind};
+use crate::quant::{Fp8, SourceType};
+use crate::sync::lock;
+use crate::transport::driver::{check, CurrentContext};
+use cudarc::driver::sys;
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::sync::{Arc, Mutex};
+
+/// The CUDA C source, compiled by NVRTC at first use on each device.
+pub const SOURCE: &str = include_str!("quantize.cu");
+const KERNEL_NAME: &std::ffi::CStr = c"refit_quantize";
+/// Threads per block (QUANT_THREADS in the source).
+pub const THREADS: u32 = 256;
+/// Vectors a thread keeps in registers in block mode (QUANT_CACHE).
+pub const CACHE: u64 = 8;
+/// Rounds of blocks per tile in group mode (QUANT_GROUP_ROUNDS).
+pub const GROUP_ROUNDS: u64 = 4;
+
+/// A job as the kernel reads it (`struct QuantDesc` in the source; 120 bytes).
+#[repr(C)]
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct QuantDesc {
+    pub src: u64,
+    pub dst: u64,
+    pub scales: u64,
+    pub rows: u64,
+    pub cols: u64,
+    pub src_stride: u64,
+    pub dst_stride: u64,
+    pub scale_stride: u64,
+    pub first_tile: u64,
+    pub grid_cols: u64,
+    pub blocks: u64,
+    pub block_rows: u32,
+    pub block_cols: u32,
+    pub source: u32,
+    pub target: u32,
+    pub scale_kind: u32,
+    pub mode: u32,
+    pub group_shift: u32,
+    pub reserved: u32,
+}
+
+const MODE_BLOCK: u32 = 0;
+const MODE_GROUP: u32 = 1;
+const SCALE_F32: u32 = 0;
+const SCALE_E8M0: u32 = 1;
+const SCALE_TENSOR: u32 = 2;
+
+/// The descriptors of a batch and its tiles (one thread block each).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Layout {
+    pub descs: Vec<QuantDesc>,
+    pub tiles: u64,
+    /// Whether a job is per tensor (then phase 1 runs first).
+    pub per_tensor: bool,
+}
+
+impl Layout {
+    pub fn as_bytes(&self) -> &[u8] {
+        // SAFETY: QuantDesc is plain old data without padding (11 u64 then 8 u32).
+        unsafe {
+            std::slice::from_raw_parts(
+                self.descs.as_ptr().cast(),
+                std::mem::size_of_val(self.descs.as_slice()),
+            )
+        }
+    }
+}
+
+/// Checks `jobs` ([`check_jobs`]) and lays them out for the kernel; empty jobs get no descriptor.
+/// Unsupported when the batch needs more thread blocks than one launch has.
+pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
+    check_jobs(jobs)?;
+    let mut layout = Layout::default();
+    for job in jobs.iter().filter(|job| job.elements() > 0) {
+        let vector = job.vector_elements();
+        let q = &job.quantization;
+        let (grid_rows, grid_cols) = q.scale_grid(job.rows, job.cols);
+        let mut desc = QuantDesc {
+            src: job.src,
+            dst: job.dst,
+            scales: job.scales,
+            rows: job.rows,
+            cols: job.cols,
+            src_stride: job.src_stride,
+            dst_stride: job.dst_stride,
+            scale_stride: job.scale_stride,
+            first_tile: layout.tiles,
+            grid_cols,
+            blocks: grid_rows * grid_cols,
+            source: match job.source {
+                SourceType::Bf16 => 0,
+                SourceType::F16 => 1,
+                SourceType::F32 => 2,
+            },
+            target: match q.target {
+                Fp8::E4m3fn => 0,
+                Fp8::E5m2 => 1,
+            },
+            ..QuantDesc::default()
+        };
+        let tiles;
+        if q.granularity == Granularity::Tensor {
+            // Slabs of whole rows, as many as the threads hold in registers.
+            let per_row = job.cols.div_ceil(vector);
+            let slab = (u64::from(THREADS) * CACHE / per_row).clamp(1, job.rows);
+            desc.block_rows = slab as u32;
+            desc.block_cols = job.cols as u32;
+            desc.grid_cols = 1;
+            desc.blocks = job.rows.div_ceil(slab);
+            desc.scale_kind = SCALE_TENSOR;
+            desc.mode = MODE_BLOCK;
+            tiles = desc.blocks;
+            layout.per_tensor = true;
+        } else {
+            let (block_rows, block_cols) = q.block_shape(job.rows, job.cols);
+            desc.block_rows = block_rows as u32;
+            desc.block_cols = block_cols as u32;
+            desc.scale_kind = match q.scale_kind() {
+                ScaleKind::F32 => SCALE_F32,
+                ScaleKind::E8m0 => SCALE_E8M0,
+            };
+            let per_row = block_cols.min(job.cols).div_ceil(vector);
+            if block_rows == 1 && per_row <= 32 {
+                desc.mode = MODE_GROUP;
+                desc.group_shift = per_row.next_power_of_two().trailing_zeros();
+                let groups = u64::from(THREADS >> desc.group_shift);
+                tiles = desc.blocks.div_ceil(groups * GROUP_ROUNDS);
+            } else {
+                desc.mode = MODE_BLOCK;
+                tiles = desc.blocks;
+            }
+        }
+        layout.tiles += tiles;
+        layout.descs.push(desc);
+    }
+    if layout.descs.len() > u32::MAX as usize {
+        return Err(Error::new(
+            Status::Unsupported,
+            format!("the batch has {} jobs, more than one launch indexes ({})", layout.descs.len(), u32::MAX),
+        ));
+    }
+    if layout.tiles > i32::MAX as u64 {
+        return Err(Error::new(
+            Status::Unsupported,
+            format!(
+                "the batch needs {} thread blocks, more than one launch has ({})",
+                layout.tiles,
+                i32::MAX
+            ),
+        ));
+    }
+    Ok(layout)
+}
+
+/// The kernel loaded into one device's primary context; loaded once per device and kept.
+pub struct QuantizeKernel {
+    context: sys::CUcontext,
+    function: sys::CUfunction,
+    /// How the kernel was built, for logs and bench output.
+    pub build: String,
+}
+
+// SAFETY: process-wide driver handles.
+unsafe impl Send for QuantizeKernel {}
+unsafe impl Sync for QuantizeKernel {}
+
+impl QuantizeKernel {
+    /// The kernel on `device`, compiled and loaded at the first call for that device (errors as for
+    /// [`super::BatchedCopy::for_device`]; a failure is not cached).
+    pub fn for_device(device: i32) -> Result<Arc<QuantizeKernel>> {
+        static CACHE_BY_DEVICE: Mutex<Option<HashMap<i32, Arc<QuantizeKernel>>>> = Mutex::new(None);
+        let mut cache = lock(&CACHE_BY_DEVICE);
+        let map = cache.get_or_insert_with(HashMap::new);
+        if let Some(kernel) = map.get(&device) {
+            return Ok(kernel.clone());
+        }
+        let loaded = module::load(device, SOURCE, "quantize.cu")?;
+        let function = module::function(loaded.module, KERNEL_NAME)?;
+        let per_sm = loaded.blocks_per_sm(function, THREADS)?;
+        let build = format!("{} x {per_sm} blocks of {THREADS}", loaded.build);
+        log::info!("quantize kernel on device {device}: {build}");
+        let kernel = Arc::new(QuantizeKernel { context: loaded.context, function, build });
+        map.insert(device, kernel.clone());
+        Ok(kernel)
+    }
+
+    /// Queues the quantization of a batch laid out by [`layout`] on `stream`: the descriptors uploaded stream-ordered
+    /// (`cuMemAllocAsync`, an asynchronous copy from pageable memory that the driver stages before
+    /// returning), for per-tensor jobs a zeroed amax word per job and the phase-1 launch, then the
+    /// phase-2 launch, then the frees. Asynchronous; must not be captured into a CUDA graph (the
+    /// pageable upload). An empty layout queues nothing. Errors: CudaError / OutOfMemory from the
+    /// driver.
+    ///
+    /// # Safety
+    /// `stream` is NULL or a live stream of this kernel's device; every laid-out job's source is device memory
+    /// readable from it (whole 16-byte vectors: up to 15 bytes past each row) and its destination and
+    /// scales writable, until the work has run; no source overlaps a destination.
+    pub unsafe fn enqueue(&self, stream: sys::CUstream, layout: &Layout) -> Result<()> {
+        if layout.tiles == 0 {
+            return Ok(());
+        }
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(self.context) }?;
+        let bytes = layout.as_bytes();
+        let amax_bytes = if layout.per_tensor { layout.descs.len() * 4 } else { 0 };
+        let mut table: sys::CUdeviceptr = 0;
+        // SAFETY: valid output slot; the stream belongs to the current context (the caller's promise).
+        check("cuMemAllocAsync", unsafe {
+            sys::cuMemAllocAsync(&mut table, bytes.len() + amax_bytes, stream)
+        })?;
+        let amax = if layout.per_tensor { table + bytes.len() as u64 } else { 0 };
+        // SAFETY: `bytes` is valid for its length; pageable memory is staged before the call returns.
+        let mut result = check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(table, bytes.as_ptr().cast(), bytes.len(), stream)
+        });
+        if result.is_ok() && layout.per_tensor {
+            // SAFETY: the amax words lie in the allocation above.
+            result = check("cuMemsetD32Async", unsafe {
+                sys::cuMemsetD32Async(amax, 0, layout.descs.len(), stream)
+            });
+            if result.is_ok() {
+                result = self.launch(stream, table, layout, 1, amax);
+            }
+        }
+        if result.is_ok() {
+            result = self.launch(stream, table, layout, 2, amax);
+        }
+        // SAFETY: allocated above on this stream; freed after the launches in stream order.
+        let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
+        result.and(freed)
+    }
+
+    fn launch(
+        &self,
+        stream: sys::CUstream,
+        table: u64,
+        layout: &Layout,
+        phase: u32,
+        amax: u64,
+    ) -> Result<()> {
+        let (mut descs, mut njobs, mut phase, mut amax) = (table, layout.descs.len() as u32, phase, amax);
+        let mut params: [*mut c_void; 4] = [
+            (&mut descs as *mut u64).cast(),
+            (&mut njobs as *mut u32).cast(),
+            (&mut phase as *mut u32).cast(),
+            (&mut amax as *mut u64).cast(),
+        ];
+        // SAFETY: the parameters match refit_quantize's signature; the caller's promises cover the
+        // memory the jobs name, and the table holds the descriptors (and amax words).
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.function,
+                layout.tiles as u32,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::quant::Quantization;
+
+    #[test]
+    fn the_source_agrees_with_the_host_on_its_constants() {
+        for define in [
+            format!("#define QUANT_THREADS {THREADS}u"),
+            format!("#define QUANT_CACHE {CACHE}u"),
+            format!("#define QUANT_GROUP_ROUNDS {GROUP_ROUNDS}u"),
+            format!("#define QUANT_DESC_BYTES {}u", std::mem::size_of::<QuantDesc>()),
+            "#define QUANT_MIN_AMAX 1e-10f".to_string(),
+            format!("#define QUANT_CANONICAL_NAN {:#x}u", crate::quant::reference::CANONICAL_NAN),
+        ] {
+            assert!(SOURCE.contains(&define), "quantize.cu lacks `{define}`");
+        }
+        assert_eq!(crate::quant::reference::MIN_AMAX, 1e-10f32);
+    }
+
+    /// A job at addresses of its own (`slot`), never touched: layout reads no memory.
+    /// The kernel's `quotient` (quantize.cu) in Rust: RN(x y), two corrections with the remainder,
+    /// the sign of x.
+    fn quotient(x: f32, s: f32, y: f32) -> f32 {
+        let q0 = x * y;
+        let q1 = (-q0).mul_add(s, x).mul_add(y, q0);
+        let q2 = (-q1).mul_add(s, x).mul_add(y, q1);
+        f32::from_bits((q2.to_bits() & 0x7fff_ffff) | (x.to_bits() & 0x8000_0000))
+    }
+
+    #[test]
+    fn the_kernels_reciprocal_quotient_is_the_ieee_quotient_wherever_fp8_can_tell() {
+        // Every bf16 element of a block against fp32 scales from amax over the whole exponent range
+        // (and MX's powers of two): equal bits, or both quotients below 2^-20, which every FP8 format
+        // encodes as the same signed zero.
+        let mut amaxes: Vec<f32> = (0..40).map(|i| f32::from_bits(0x0080_0000 + i * 0x01e3_4567)).collect();
+        amaxes.extend([0.0, 1e-10, 448.0, 57344.0, f32::MAX, 1.0 + f32::EPSILON, 2.0 - f32::EPSILON]);
+        for amax in amaxes {
+            for target in [Fp8::E4m3fn, Fp8::E5m2] {
+                let fp32 =
+                    crate::quant::reference::block_scale(target, ScaleKind::F32, amax.to_bits()).divisor;
+                let mx =
+                    crate::quant::reference::block_scale(target, ScaleKind::E8m0, amax.to_bits()).divisor;
+                for s in [fp32, mx] {
+                    let y = 1.0 / s;
+                    for bits in 0..=u16::MAX {
+                        let x = f32::from_bits(u32::from(bits) << 16);
+                        if !x.is_finite() || x.abs() > amax {
+                            continue;
+                        }
+                        let (want, got) = (x / s, quotient(x, s, y));
+                        assert!(
+                            want.to_bits() == got.to_bits()
+                                || (want.abs() < 2f32.powi(-20)
+                                    && got.abs() < 2f32.powi(-20)
+                                    && want.is_sign_negative() == got.is_sign_negative()),
+                            "x {x:e} / s {s:e}: {want:e} != {got:e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    fn job(slot: u64, granularity: Granularity, rows: u64, cols: u64) -> QuantJob {
+        let q = Quantization { target: Fp8::E4m3fn, granularity };
+        let base = (slot + 1) << 44;
+        let (_, grid_cols) = q.scale_grid(rows, cols);
+        QuantJob {
+            quantization: q,
+            source: SourceType::Bf16,
+            src: base,
+            rows,
+            cols,
+            src_stride: cols.next_multiple_of(8),
+            dst: base + (1 << 42),
+            dst_stride: cols.next_multiple_of(8),
+            scales: base + (1 << 43),
+            scale_stride: grid_cols,
+        }
+    }
+
+    #[test]
+    fn each_granularity_takes_its_mode_and_tiles() {
+        let block = job(0, Granularity::Block { rows: 128, cols: 128 }, 65536, 8192);
+        let mx = job(1, Granularity::Mx, 65536, 8192);
+        let row_short = job(2, Granularity::Row, 10, 200);
+        let row_long = job(3, Granularity::Row, 10, 8192);
+        let tensor = job(4, Granularity::Tensor, 1000, 8192);
+        let l = layout(&[block, mx, row_short, row_long, tensor]).unwrap();
+        let modes: Vec<(u32, u32, u64)> =
+            l.descs.iter().map(|d| (d.mode, d.group_shift, d.first_tile)).collect();
+        // 512 x 64 blocks; MX: 4 lanes per block, 64 groups x 4 rounds per tile; rows of 25 vectors
+        // take 32 lanes; long rows one block each; per tensor: slabs of 2 rows of 1024 vectors.
+        let mx_tiles = 65536 * 256 / 256;
+        assert_eq!(
+            modes,
+            vec![
+                (MODE_BLOCK, 0, 0),
+                (MODE_GROUP, 2, 32768),
+                (MODE_GROUP, 5, 32768 + mx_tiles),
+                (MODE_BLOCK, 0, 32768 + mx_tiles + 1),
+                (MODE_BLOCK, 0, 32768 + mx_tiles + 11),
+            ]
+        );
+        assert_eq!(l.descs[4].block_rows, 2);
+        assert_eq!(l.tiles, 32768 + mx_tiles + 11 + 500);
+        assert!(l.per_tensor);
+        assert_eq!(l.as_bytes().len(), 5 * 120);
+    }
+
+    #[test]
+    fn empty_jobs_get_no_descriptor() {
+        let l = layout(&[job(0, Granularity::Row, 0, 64), job(1, Granularity::Mx, 7, 0)]).unwrap();
+        assert_eq!((l.descs.len(), l.tiles, l.per_tensor), (0, 0, false));
+    }
+}

@@ -1,0 +1,283 @@
+//! What a quantization is ([`Quantization`]: a target format and a granularity) and what one
+//! quantization job covers ([`QuantJob`]: a source matrix, its FP8 destination and its scales), with the
+//! checks every implementation applies ([`check_jobs`]) and the shape of the scale grid.
+
+use super::fp8::{Fp8, SourceType};
+use crate::error::{Error, Result, Status};
+use crate::segment::{check::check_destinations, Segment};
+
+/// Which elements share one scale.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Granularity {
+    /// One fp32 scale for the whole matrix.
+    Tensor,
+    /// One fp32 scale per row (per output channel of a weight stored rows x in-features).
+    Row,
+    /// One fp32 scale per block of `rows x cols` elements (DeepSeek-V3 / Qwen3 FP8: 128 x 128); the
+    /// blocks tile the matrix from (0, 0), the last ones in each direction may be partial.
+    Block { rows: u32, cols: u32 },
+    /// OCP MX: one e8m0 scale (a power of two) per 32 consecutive elements of a row.
+    Mx,
+}
+
+/// The default block shape of [`Granularity::Block`] (DeepSeek-V3's).
+pub const DEFAULT_BLOCK: u32 = 128;
+/// Elements per MX block.
+pub const MX_BLOCK: u32 = 32;
+/// Block columns must be a multiple of this: the kernel reads and writes 8 elements at a time, each
+/// group inside one block.
+pub const BLOCK_COLS_MULTIPLE: u32 = 8;
+/// The most elements a block may hold (one thread block quantizes one block).
+pub const MAX_BLOCK_ELEMENTS: u64 = 1 << 24;
+
+/// A quantization: a target FP8 format and a granularity. A plan's need will carry one; today the
+/// quantizing copy (`refit_quantize_batch`) takes one per job.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct Quantization {
+    pub target: Fp8,
+    pub granularity: Granularity,
+}
+
+/// How scales are stored.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ScaleKind {
+    /// fp32, the dequantization factor (x ~ q * scale): DeepSeek's `weight_scale_inv`.
+    F32,
+    /// e8m0: one byte, the scale 2^(byte - 127); 0xff is NaN (OCP MX).
+    E8m0,
+}
+
+impl ScaleKind {
+    pub const fn size(self) -> u64 {
+        match self {
+            ScaleKind::F32 => 4,
+            ScaleKind::E8m0 => 1,
+        }
+    }
+}
+
+impl Quantization {
+    pub fn scale_kind(&self) -> ScaleKind {
+        match self.granularity {
+            Granularity::Mx => ScaleKind::E8m0,
+            _ => ScaleKind::F32,
+        }
+    }
+
+    /// The rows and columns of the elements sharing one scale, for a `rows x cols` matrix.
+    pub fn block_shape(&self, rows: u64, cols: u64) -> (u64, u64) {
+        match self.granularity {
+            Granularity::Tensor => (rows.max(1), cols.max(1)),
+            Granularity::Row => (1, cols.max(1)),
+            Granularity::Block { rows, cols } => (u64::from(rows), u64::from(cols)),
+            Granularity::Mx => (1, u64::from(MX_BLOCK)),
+        }
+    }
+
+    /// The scale grid of a `rows x cols` matrix: ceil(rows / block rows) x ceil(cols / block cols).
+    pub fn scale_grid(&self, rows: u64, cols: u64) -> (u64, u64) {
+        let (block_rows, block_cols) = self.block_shape(rows, cols);
+        (rows.div_ceil(block_rows), cols.div_ceil(block_cols))
+    }
+}
+
+/// One matrix to quantize. Addresses are device pointers (host addresses on the host backend).
+///
+/// Element (r, c) is read at `src + (r * src_stride + c) * size(source)` and its FP8 code written at
+/// `dst + r * dst_stride + c`. The scale of block (i, j) of the scale grid
+/// ([`Quantization::scale_grid`]) is at `scales + (i * scale_stride + j) * size(scale)`: row-major,
+/// `scale_stride` scales from one grid row to the next (per tensor: one scale; per row: `rows` x 1,
+/// so `scale_stride` 1 makes a vector; per block: DeepSeek's `[ceil(rows/128), ceil(cols/128)]`
+/// with `scale_stride` = ceil(cols/128); MX: `rows x ceil(cols/32)` bytes).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct QuantJob {
+    pub quantization: Quantization,
+    pub source: SourceType,
+    pub src: u64,
+    pub rows: u64,
+    pub cols: u64,
+    /// Elements from one source row to the next.
+    pub src_stride: u64,
+    pub dst: u64,
+    /// Bytes (= FP8 elements) from one destination row to the next.
+    pub dst_stride: u64,
+    pub scales: u64,
+    /// Scales from one scale-grid row to the next.
+    pub scale_stride: u64,
+}
+
+impl QuantJob {
+    pub fn elements(&self) -> u64 {
+        self.rows.saturating_mul(self.cols)
+    }
+
+    /// Source elements per 16-byte vector (the kernel's unit of reading).
+    pub fn vector_elements(&self) -> u64 {
+        16 / self.source.size()
+    }
+
+    /// The destination matrix and the scale grid as two segments (their destination sides; the source
+    /// sides repeat them), for the overlap check.
+    fn written(&self) -> [Segment; 2] {
+        let (grid_rows, grid_cols) = self.quantization.scale_grid(self.rows, self.cols);
+        let scale_bytes = self.quantization.scale_kind().size();
+        let matrix = Segment {
+            src: self.dst,
+            dst: self.dst,
+            len: self.cols,
+            count: [self.rows, 1],
+            src_stride: [self.dst_stride, 0],
+            dst_stride: [self.dst_stride, 0],
+        };
+        let scales = Segment {
+            src: self.scales,
+            dst: self.scales,
+            len: grid_cols * scale_bytes,
+            count: [grid_rows, 1],
+            src_stride: [self.scale_stride * scale_bytes, 0],
+            dst_stride: [self.scale_stride * scale_bytes, 0],
+        };
+        if self.elements() == 0 {
+            return [Segment::default(), Segment::default()];
+        }
+        [matrix, scales]
+    }
+}
+
+fn invalid(index: usize, message: String) -> Error {
+    Error::invalid_argument(format!("jobs[{index}]: {message}"))
+}
+
+/// One past the last byte of `rows` rows of `len` bytes, `stride` bytes apart from `base`, or None on
+/// overflow.
+fn end_of(base: u64, rows: u64, stride: u64, len: u64) -> Option<u64> {
+    rows.checked_sub(1)?.checked_mul(stride)?.checked_add(len)?.checked_add(base)
+}
+
+/// Checks one job (`index` names it in messages). Every number is checked before the kernel relies on
+/// it: block shape, strides, alignment, address ranges.
+pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
+    let q = &job.quantization;
+    if let Granularity::Block { rows, cols } = q.granularity {
+        if rows == 0 || cols == 0 {
+            return Err(invalid(index, format!("block shape is {rows} x {cols}; both must be at least 1")));
+        }
+        if cols % BLOCK_COLS_MULTIPLE != 0 {
+            return Err(invalid(
+                index,
+                format!("block columns are {cols}; they must be a multiple of {BLOCK_COLS_MULTIPLE}"),
+            ));
+        }
+        if u64::from(rows) * u64::from(cols) > MAX_BLOCK_ELEMENTS {
+            return Err(invalid(
+                index,
+                format!("a {rows} x {cols} block holds more than {MAX_BLOCK_ELEMENTS} elements"),
+            ));
+        }
+    }
+    if job.elements() == 0 {
+        return Ok(());
+    }
+    if job.rows > u64::from(u32::MAX) * 64 || job.cols > u64::from(u32::MAX) {
+        return Err(invalid(index, format!("{} x {} is too large", job.rows, job.cols)));
+    }
+    let size = job.source.size();
+    if job.rows > 1 && job.src_stride < job.cols {
+        return Err(invalid(index, format!("src_row_stride {} is below cols {}", job.src_stride, job.cols)));
+    }
+    if job.rows > 1 && job.dst_stride < job.cols {
+        return Err(invalid(index, format!("dst_row_stride {} is below cols {}", job.dst_stride, job.cols)));
+    }
+    let (grid_rows, grid_cols) = q.scale_grid(job.rows, job.cols);
+    if grid_rows > 1 && job.scale_stride < grid_cols {
+        return Err(invalid(
+            index,
+            format!(
+                "scale_row_stride {} is below the {grid_cols} scales of a scale-grid row ({grid_rows} x {grid_cols} scales)",
+                job.scale_stride
+            ),
+        ));
+    }
+    for (what, address) in [("src", job.src), ("dst", job.dst), ("scales", job.scales)] {
+        if address == 0 {
+            return Err(invalid(index, format!("{what} is 0")));
+        }
+    }
+    let src_row_bytes = job.src_stride.checked_mul(size);
+    if job.src % 16 != 0 || (job.rows > 1 && src_row_bytes.is_none_or(|b| b % 16 != 0)) {
+        return Err(invalid(
+            index,
+            format!(
+                "misaligned source rows: src {:#x} and src_row_stride {} elements of {size} bytes must make every \
+                 row start a multiple of 16 bytes",
+                job.src, job.src_stride
+            ),
+        ));
+    }
+    let vector = job.vector_elements();
+    if job.dst % vector != 0 || (job.rows > 1 && job.dst_stride % vector != 0) {
+        return Err(invalid(
+            index,
+            format!(
+                "misaligned destination rows: dst {:#x} and dst_row_stride {} must be multiples of {vector} bytes \
+                 (the FP8 codes of one 16-byte source vector)",
+                job.dst, job.dst_stride
+            ),
+        ));
+    }
+    let scale_bytes = q.scale_kind().size();
+    if job.scales % scale_bytes != 0 {
+        return Err(invalid(
+            index,
+            format!("scales {:#x} is not a multiple of {scale_bytes} bytes", job.scales),
+        ));
+    }
+    // Every range read or written fits in the address space (the source is read in whole 16-byte
+    // vectors, so up to 15 bytes past each row's last element).
+    let src_end = src_row_bytes.and_then(|stride| {
+        let row = job.cols.checked_mul(size)?.checked_next_multiple_of(16)?;
+        end_of(job.src, job.rows, stride, row)
+    });
+    let dst_end = end_of(job.dst, job.rows, job.dst_stride, job.cols);
+    let scale_end = job
+        .scale_stride
+        .checked_mul(scale_bytes)
+        .and_then(|stride| end_of(job.scales, grid_rows, stride, grid_cols * scale_bytes));
+    for (what, end) in [("source", src_end), ("destination", dst_end), ("scales", scale_end)] {
+        if end.is_none() {
+            return Err(invalid(index, format!("the {what} runs past the end of the 64-bit address space")));
+        }
+    }
+    Ok(())
+}
+
+/// Checks every job ([`check_job`]) and that no byte is written twice: no destination matrix or scale
+/// grid overlaps another or itself (`Overlap`, naming the jobs). Sources are only read; a source that
+/// overlaps a destination is the caller's error (what is read is then undefined).
+pub fn check_jobs(jobs: &[QuantJob]) -> Result<()> {
+    for (index, job) in jobs.iter().enumerate() {
+        check_job(index, job)?;
+    }
+    let written: Vec<Segment> = jobs.iter().flat_map(QuantJob::written).collect();
+    check_destinations(&written).map_err(|err| {
+        if err.status != Status::Overlap {
+            return err;
+        }
+        Error::new(Status::Overlap, format!("{}: {}", overlapping_regions(&err.message), err.message))
+    })
+}
+
+/// Names the regions of an overlap the segment check reports as "segments A and B ..." (segment 2i
+/// is jobs[i]'s destination, 2i + 1 its scales).
+fn overlapping_regions(message: &str) -> String {
+    let region = |segment: usize| {
+        let what = if segment % 2 == 0 { "destination" } else { "scales" };
+        format!("jobs[{}]'s {what}", segment / 2)
+    };
+    let numbers: Vec<usize> =
+        message.split(|c: char| !c.is_ascii_digit()).filter_map(|word| word.parse().ok()).take(2).collect();
+    match (message.starts_with("segments "), numbers.as_slice()) {
+        (true, [a, b]) => format!("{} and {} overlap", region(*a), region(*b)),
+        _ => "the bytes written overlap (segment 2i is jobs[i]'s destination, 2i + 1 its scales)".to_string(),
+    }
+}

@@ -1,0 +1,221 @@
+//! The reference quantizer: the arithmetic of `super` (module docs) in plain Rust, over host memory.
+//! The host backend runs it; the kernel's tests compare every byte with it.
+
+use super::fp8::{Fp8, SourceType};
+use super::job::{QuantJob, ScaleKind};
+
+/// The smallest amax a block's fp32 scale is computed from: vLLM's `per_token_group_quant_fp8`
+/// default `eps` (1e-10, as f32), so an all-zero block gets the scale 1e-10 / FP8_MAX.
+pub const MIN_AMAX: f32 = 1e-10;
+
+/// The f32 bit pattern of the canonical NaN (the one a GPU's arithmetic produces), written as the
+/// fp32 scale of a block that holds a NaN.
+pub const CANONICAL_NAN: u32 = 0x7fff_ffff;
+
+/// The e8m0 byte that means NaN.
+pub const E8M0_NAN: u8 = 0xff;
+
+/// The amax of a block as the bit pattern of an f32 magnitude: the maximum of `bits(|x|)` over the
+/// elements. Non-negative f32s order as their bit patterns, and every NaN pattern lies above
+/// infinity's, so this is the largest |x|, infinity if one is infinite, and a NaN if one is a NaN.
+pub fn magnitude_bits(x: f32) -> u32 {
+    x.to_bits() & 0x7fff_ffff
+}
+
+/// One block's scale, as stored, and the divisor its elements are divided by.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct BlockScale {
+    /// fp32 scales: the f32's bits; e8m0: the byte.
+    pub stored: u32,
+    pub divisor: f32,
+}
+
+/// The scale of a block whose amax has the bit pattern `amax_bits` ([`magnitude_bits`]).
+pub fn block_scale(target: Fp8, kind: ScaleKind, amax_bits: u32) -> BlockScale {
+    let amax = f32::from_bits(amax_bits);
+    match kind {
+        ScaleKind::F32 => {
+            if amax.is_nan() {
+                let nan = f32::from_bits(CANONICAL_NAN);
+                return BlockScale { stored: CANONICAL_NAN, divisor: nan };
+            }
+            let scale = amax.max(MIN_AMAX) / target.max();
+            BlockScale { stored: scale.to_bits(), divisor: scale }
+        }
+        ScaleKind::E8m0 => {
+            if !amax.is_finite() {
+                return BlockScale { stored: u32::from(E8M0_NAN), divisor: f32::from_bits(CANONICAL_NAN) };
+            }
+            let exponent = (floor_log2(amax_bits) - target.max_exponent()).clamp(-127, 127);
+            BlockScale { stored: (exponent + 127) as u32, divisor: power_of_two(exponent) }
+        }
+    }
+}
+
+/// floor(log2(x)) of a finite non-negative f32 given by its bits; zero gives -1000 (below any
+/// clamp).
+pub fn floor_log2(bits: u32) -> i32 {
+    let field = (bits >> 23) as i32;
+    let mantissa = bits & 0x7f_ffff;
+    match (field, mantissa) {
+        (0, 0) => -1000,
+        (0, m) => (31 - m.leading_zeros() as i32) - 149,
+        (f, _) => f - 127,
+    }
+}
+
+/// 2^e as f32, for e in -149..=127 (exact, subnormal below -126).
+pub fn power_of_two(e: i32) -> f32 {
+    if e >= -126 {
+        f32::from_bits(((e + 127) as u32) << 23)
+    } else {
+        f32::from_bits(1u32 << (e + 149))
+    }
+}
+
+/// The code of element `x` of a block with `divisor`: the f32 quotient x / divisor (IEEE division,
+/// rounded to nearest even), encoded with saturation ([`Fp8::encode`]).
+pub fn quantize_element(target: Fp8, x: f32, divisor: f32) -> u8 {
+    target.encode(x / divisor)
+}
+
+/// A source matrix in host memory: `bytes` holds element (r, c) at `(r * stride + c) * size`.
+#[derive(Clone, Copy, Debug)]
+pub struct SourceMatrix<'a> {
+    pub bytes: &'a [u8],
+    pub source: SourceType,
+    pub rows: u64,
+    pub cols: u64,
+    pub stride: u64,
+}
+
+impl SourceMatrix<'_> {
+    pub fn get(&self, row: u64, col: u64) -> f32 {
+        let at = ((row * self.stride + col) * self.source.size()) as usize;
+        self.source.decode(&self.bytes[at..])
+    }
+}
+
+/// Quantizes `source` into `dst` (element (r, c) at `r * dst_stride + c`) and `scales` (scale (i, j)
+/// at `(i * scale_stride + j) * size(scale)`, f32 little-endian or e8m0 bytes). Bytes of `dst` and
+/// `scales` outside those positions are left alone. The slices must hold every position (panics
+/// otherwise: callers size them from the job).
+pub fn quantize(
+    quantization: super::job::Quantization,
+    source: &SourceMatrix,
+    dst: &mut [u8],
+    dst_stride: u64,
+    scales: &mut [u8],
+    scale_stride: u64,
+) {
+    let (rows, cols) = (source.rows, source.cols);
+    if rows == 0 || cols == 0 {
+        return;
+    }
+    let (block_rows, block_cols) = quantization.block_shape(rows, cols);
+    let (grid_rows, grid_cols) = quantization.scale_grid(rows, cols);
+    let kind = quantization.scale_kind();
+    for i in 0..grid_rows {
+        for j in 0..grid_cols {
+            let row_range = i * block_rows..((i + 1) * block_rows).min(rows);
+            let col_range = j * block_cols..((j + 1) * block_cols).min(cols);
+            let mut amax = 0u32;
+            for r in row_range.clone() {
+                for c in col_range.clone() {
+                    amax = amax.max(magnitude_bits(source.get(r, c)));
+                }
+            }
+            let scale = block_scale(quantization.target, kind, amax);
+            for r in row_range.clone() {
+                for c in col_range.clone() {
+                    let code = quantize_element(quantization.target, source.get(r, c), scale.divisor);
+                    dst[(r * dst_stride + c) as usize] = code;
+                }
+            }
+            let at = ((i * scale_stride + j) * kind.size()) as usize;
+            match kind {
+                ScaleKind::F32 => scales[at..at + 4].copy_from_slice(&scale.stored.to_le_bytes()),
+                ScaleKind::E8m0 => scales[at] = scale.stored as u8,
+            }
+        }
+    }
+}
+
+/// Runs `job` over host memory: the host backend's quantizing copy.
+///
+/// # Safety
+/// The job has passed [`super::job::check_jobs`], and every byte it reads (the source rows, rounded up
+/// to 16 bytes) and writes is host memory valid for the call; no written byte is read.
+pub unsafe fn quantize_host_job(job: &QuantJob) {
+    if job.elements() == 0 {
+        return;
+    }
+    let size = job.source.size();
+    let src_len = (job.rows - 1) * job.src_stride * size + job.cols * size;
+    let dst_len = (job.rows - 1) * job.dst_stride + job.cols;
+    let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
+    let scale_bytes = job.quantization.scale_kind().size();
+    let scale_len = ((grid_rows - 1) * job.scale_stride + grid_cols) * scale_bytes;
+    // SAFETY: the caller's promise; the lengths are those check_jobs found to fit.
+    let (src, dst, scales) = unsafe {
+        (
+            std::slice::from_raw_parts(job.src as usize as *const u8, src_len as usize),
+            std::slice::from_raw_parts_mut(job.dst as usize as *mut u8, dst_len as usize),
+            std::slice::from_raw_parts_mut(job.scales as usize as *mut u8, scale_len as usize),
+        )
+    };
+    let source = SourceMatrix {
+        bytes: src,
+        source: job.source,
+        rows: job.rows,
+        cols: job.cols,
+        stride: job.src_stride,
+    };
+    quantize(job.quantization, &source, dst, job.dst_stride, scales, job.scale_stride);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn fp32_scales_follow_vllms_eps_and_propagate_nan() {
+        let zero = block_scale(Fp8::E4m3fn, ScaleKind::F32, 0);
+        assert_eq!(zero.stored, (1e-10f32 / 448.0).to_bits());
+        assert_eq!(block_scale(Fp8::E5m2, ScaleKind::F32, 0).divisor, 1e-10f32 / 57344.0);
+        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 448f32.to_bits()).divisor, 1.0);
+        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 0x7f80_0000).divisor, f32::INFINITY);
+        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 0x7fc0_1234).stored, CANONICAL_NAN);
+        // amax just below eps still takes eps.
+        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 5e-11f32.to_bits()).stored, zero.stored);
+    }
+
+    #[test]
+    fn mx_scales_are_the_ocp_shared_exponent() {
+        let mx = |target, amax: f32| block_scale(target, ScaleKind::E8m0, amax.to_bits());
+        assert_eq!(mx(Fp8::E4m3fn, 448.0).stored, 127); // floor(log2 448) = 8: 2^0
+        assert_eq!(mx(Fp8::E4m3fn, 511.0).stored, 127);
+        assert_eq!(mx(Fp8::E4m3fn, 512.0).stored, 128);
+        assert_eq!(mx(Fp8::E5m2, 1.0).stored, 127 - 15);
+        assert_eq!(mx(Fp8::E4m3fn, 0.0).stored, 0);
+        assert_eq!(mx(Fp8::E4m3fn, f32::from_bits(1)).stored, 0); // 2^-149 - 8 clamps to -127
+        assert_eq!(mx(Fp8::E4m3fn, f32::from_bits(1)).divisor, 2f32.powi(-127));
+        assert_eq!(mx(Fp8::E4m3fn, f32::MAX).stored, 127 + 127 - 8);
+        assert_eq!(mx(Fp8::E4m3fn, f32::INFINITY).stored, u32::from(E8M0_NAN));
+        assert!(mx(Fp8::E4m3fn, f32::INFINITY).divisor.is_nan());
+        assert_eq!(floor_log2(0x0040_0000), -127); // the largest power-of-two subnormal, 2^-127
+        assert_eq!(floor_log2(3.0f32.to_bits()), 1);
+        for e in -149..=127 {
+            assert_eq!(power_of_two(e), 2f64.powi(e) as f32, "{e}");
+        }
+    }
+
+    #[test]
+    fn amax_orders_nan_above_infinity_above_finite() {
+        let bits = [1.0f32, -f32::INFINITY, 3.0].map(magnitude_bits);
+        assert_eq!(bits.iter().max(), Some(&0x7f80_0000));
+        assert!(magnitude_bits(-f32::NAN) > magnitude_bits(f32::INFINITY));
+        assert_eq!(quantize_element(Fp8::E4m3fn, -1.0, f32::INFINITY), 0x80);
+        assert_eq!(quantize_element(Fp8::E4m3fn, f32::INFINITY, f32::INFINITY), Fp8::NAN);
+    }
+}

@@ -1,0 +1,246 @@
+//! Quantization cases shared by the emulated kernel, host backend and GPU tests: matrices of every
+//! source type holding what the arithmetic must get right (zero blocks, infinities, NaNs, subnormals,
+//! exact rounding ties, values beyond FP8's range), in odd shapes, with their expected bytes from the
+//! Rust reference.
+
+#![allow(dead_code)]
+
+#[path = "random_batch.rs"]
+mod random_batch;
+
+pub use random_batch::Rng;
+use refit::quant::job::MX_BLOCK;
+use refit::quant::reference::{quantize, SourceMatrix};
+use refit::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
+
+/// Bytes of destination and scale buffers that no job position covers: they must stay as they were.
+pub const SENTINEL: u8 = 0xab;
+
+/// 16-byte aligned bytes.
+pub struct Aligned {
+    words: Vec<u128>,
+    len: usize,
+}
+
+impl Aligned {
+    pub fn new(len: usize, fill: u8) -> Aligned {
+        let mut a = Aligned { words: vec![0; len.div_ceil(16) + 1], len };
+        a.bytes_mut().fill(fill);
+        a
+    }
+    pub fn bytes(&self) -> &[u8] {
+        // SAFETY: u128 storage viewed as bytes, within its length.
+        unsafe { std::slice::from_raw_parts(self.words.as_ptr().cast(), self.len) }
+    }
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: as above.
+        unsafe { std::slice::from_raw_parts_mut(self.words.as_mut_ptr().cast(), self.len) }
+    }
+    pub fn addr(&self) -> u64 {
+        self.words.as_ptr() as u64
+    }
+}
+
+pub struct Case {
+    pub name: String,
+    pub quantization: Quantization,
+    pub source: SourceType,
+    pub rows: u64,
+    pub cols: u64,
+    pub src_stride: u64,
+    pub dst_stride: u64,
+    pub scale_stride: u64,
+    /// The source matrix (rows x src_stride elements, padded to 16 bytes).
+    pub data: Aligned,
+}
+
+impl Case {
+    pub fn src_len(&self) -> usize {
+        (self.rows * self.src_stride * self.source.size()).next_multiple_of(16) as usize
+    }
+    pub fn dst_len(&self) -> usize {
+        (self.rows * self.dst_stride) as usize
+    }
+    pub fn scale_len(&self) -> usize {
+        let (grid_rows, _) = self.quantization.scale_grid(self.rows, self.cols);
+        (grid_rows * self.scale_stride * self.quantization.scale_kind().size()) as usize
+    }
+
+    /// The job over the given addresses.
+    pub fn job(&self, src: u64, dst: u64, scales: u64) -> QuantJob {
+        QuantJob {
+            quantization: self.quantization,
+            source: self.source,
+            src,
+            rows: self.rows,
+            cols: self.cols,
+            src_stride: self.src_stride,
+            dst,
+            dst_stride: self.dst_stride,
+            scales,
+            scale_stride: self.scale_stride,
+        }
+    }
+
+    /// The reference's destination and scale buffers (starting from [`SENTINEL`] everywhere).
+    pub fn expected(&self) -> (Vec<u8>, Vec<u8>) {
+        let mut dst = vec![SENTINEL; self.dst_len()];
+        let mut scales = vec![SENTINEL; self.scale_len()];
+        let source = SourceMatrix {
+            bytes: self.data.bytes(),
+            source: self.source,
+            rows: self.rows,
+            cols: self.cols,
+            stride: self.src_stride,
+        };
+        quantize(self.quantization, &source, &mut dst, self.dst_stride, &mut scales, self.scale_stride);
+        (dst, scales)
+    }
+}
+
+/// Encodes f32 `x` as `source` (bf16 and f16 by truncation of an already representable value, or the
+/// nearest for f16), little-endian.
+fn put(source: SourceType, bytes: &mut [u8], x: f32) {
+    match source {
+        SourceType::Bf16 => bytes[..2].copy_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes()),
+        SourceType::F16 => bytes[..2].copy_from_slice(&f32_to_f16_bits(x).to_le_bytes()),
+        SourceType::F32 => bytes[..4].copy_from_slice(&x.to_le_bytes()),
+    }
+}
+
+/// f32 to binary16 by truncation (inputs here are mostly representable; the test needs any f16).
+fn f32_to_f16_bits(x: f32) -> u16 {
+    let bits = x.to_bits();
+    let sign = ((bits >> 16) & 0x8000) as u16;
+    if x.is_nan() {
+        return sign | 0x7e00;
+    }
+    let a = x.abs();
+    if a >= 65520.0 {
+        return sign | 0x7c00;
+    }
+    if a < 2f32.powi(-24) {
+        return sign;
+    }
+    if a < 2f32.powi(-14) {
+        return sign | (a / 2f32.powi(-24)) as u16;
+    }
+    let e = ((bits >> 23) & 0xff) as i32 - 127;
+    sign | (((e + 15) as u16) << 10) | ((bits >> 13) & 0x3ff) as u16
+}
+
+/// An element: mostly random magnitudes across `spread` binades around 2^center, with zeros,
+/// negative zeros, subnormals, FP8 rounding ties (at amax 448 the scale is 1 and the quotient is the
+/// element) and, when `special`, infinities and NaNs.
+fn element(rng: &mut Rng, center: i32, special: bool) -> f32 {
+    let sign = if rng.chance(50) { -1.0 } else { 1.0 };
+    match rng.range(0, 100) {
+        0..=3 => 0.0 * sign,
+        4..=6 => sign * f32::from_bits(rng.range(1, 0x7f_ffff) as u32 & 0x7f_0000), // bf16 subnormal
+        7..=14 => {
+            // A tie between two e4m3 codes near 1..448, exact in bf16.
+            let code = rng.range(0x08, 0x7d) as u8;
+            let (lo, hi) = (Fp8::E4m3fn.decode(code), Fp8::E4m3fn.decode(code + 1));
+            sign * (lo + hi) / 2.0
+        }
+        15 if special => sign * f32::INFINITY,
+        16 if special => f32::NAN,
+        _ => {
+            let exponent = center + rng.range(0, 12) as i32 - 6;
+            sign * (1.0 + rng.range(0, 1 << 20) as f32 / (1 << 20) as f32) * 2f32.powi(exponent)
+        }
+    }
+}
+
+/// A case with random data: `kind` picks the scenario of each block row (0: ordinary, 1: all zero,
+/// 2: with specials, 3: amax exactly 448 so that ties stay ties).
+#[allow(clippy::too_many_arguments)]
+pub fn case(
+    rng: &mut Rng,
+    name: &str,
+    target: Fp8,
+    granularity: Granularity,
+    source: SourceType,
+    rows: u64,
+    cols: u64,
+    pad: u64,
+) -> Case {
+    let quantization = Quantization { target, granularity };
+    let vector = 16 / source.size();
+    let src_stride = cols.next_multiple_of(vector) + pad * vector;
+    let dst_stride = cols.next_multiple_of(vector) + pad * 16;
+    let (_, grid_cols) = quantization.scale_grid(rows, cols);
+    let scale_stride = grid_cols + pad;
+    let mut c = Case {
+        name: format!("{name} ({target:?}, {granularity:?}, {source:?}, {rows} x {cols})"),
+        quantization,
+        source,
+        rows,
+        cols,
+        src_stride,
+        dst_stride,
+        scale_stride,
+        data: Aligned::new(0, 0),
+    };
+    let mut data = Aligned::new(c.src_len(), 0);
+    let (block_rows, _) = quantization.block_shape(rows, cols);
+    let size = source.size() as usize;
+    for r in 0..rows {
+        // The scenario of this row's blocks: by block row, so that 2-D blocks share it.
+        let block_row = r / block_rows;
+        let scenario = (block_row.wrapping_mul(0x9e37_79b9) >> 3) % 5;
+        let center = (block_row % 40) as i32 - 20;
+        for col in 0..src_stride {
+            let at = ((r * src_stride + col) as usize) * size;
+            let x = if col >= cols {
+                // Padding past the row: garbage the kernel must ignore.
+                f32::NAN
+            } else {
+                match scenario {
+                    1 => 0.0,
+                    2 => {
+                        let special = rng.chance(20);
+                        element(rng, center, special)
+                    }
+                    3 if col == 0 => 448.0,
+                    3 => element(rng, 4, false).clamp(-448.0, 448.0),
+                    _ => element(rng, center, false),
+                }
+            };
+            put(source, &mut data.bytes_mut()[at..], x);
+        }
+    }
+    c.data = data;
+    c
+}
+
+/// The standard set: every target, granularity and source type, in shapes that are and are not
+/// multiples of the blocks, with padded strides.
+pub fn standard_cases(seed: u64, large: bool) -> Vec<Case> {
+    let mut rng = Rng::new(seed);
+    let mut cases = Vec::new();
+    let shapes: &[(u64, u64)] = if large {
+        &[(1, 8), (3, 37), (130, 264), (257, 1000), (64, 20_000)]
+    } else {
+        &[(1, 8), (3, 37), (130, 264)]
+    };
+    for target in [Fp8::E4m3fn, Fp8::E5m2] {
+        for source in [SourceType::Bf16, SourceType::F16, SourceType::F32] {
+            for granularity in [
+                Granularity::Tensor,
+                Granularity::Row,
+                Granularity::Block { rows: 128, cols: 128 },
+                Granularity::Block { rows: 1, cols: 64 },
+                Granularity::Block { rows: 3, cols: 8 },
+                Granularity::Mx,
+            ] {
+                for (i, &(rows, cols)) in shapes.iter().enumerate() {
+                    let pad = (i % 2) as u64;
+                    cases.push(case(&mut rng, "standard", target, granularity, source, rows, cols, pad));
+                }
+            }
+        }
+    }
+    let _ = MX_BLOCK;
+    cases
+}

@@ -1,0 +1,137 @@
+//! The quantizing kernel's own source (`src/kernels/quantize.cu`), built as host C++ by
+//! `tests/emulate/quant_kernel.cpp` and run on the CPU (every thread a coroutine, so its shuffles and
+//! barriers behave as on the GPU; the FP8 conversion takes the kernel's integer path, which the GPU
+//! replaces by the hardware's on sm_89 and later), laid out by the library's own
+//! `kernels::quantize::layout`: every FP8 byte and every scale equal to the Rust reference, and the
+//! bytes no job covers untouched.
+
+#[path = "common/emulator.rs"]
+mod emulator;
+#[path = "common/quant_cases.rs"]
+mod quant_cases;
+
+use quant_cases::{case, standard_cases, Aligned, Case, Rng, SENTINEL};
+use refit::kernels::quantize::layout;
+use refit::quant::{Fp8, Granularity, SourceType};
+use std::sync::OnceLock;
+
+type Launch = unsafe extern "C" fn(*const u8, u32, u64, u32);
+
+fn emulator() -> Launch {
+    static LAUNCH: OnceLock<Launch> = OnceLock::new();
+    // SAFETY: matches refit_emulate_quantize in quant_kernel.cpp.
+    *LAUNCH.get_or_init(|| unsafe { emulator::load::<Launch>("quant_kernel", c"refit_emulate_quantize") })
+}
+
+/// Runs `cases` as one batch through the emulated kernel and compares each with the reference.
+fn check_batch(cases: &[Case]) {
+    let mut outputs: Vec<(Aligned, Aligned)> = cases
+        .iter()
+        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
+        .collect();
+    let jobs: Vec<_> =
+        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
+    let l = layout(&jobs).unwrap();
+    if l.tiles > 0 {
+        // SAFETY: the descriptors name the buffers above, which outlive the call; the sources are
+        // padded to whole 16-byte vectors.
+        unsafe { emulator()(l.as_bytes().as_ptr(), l.descs.len() as u32, l.tiles, u32::from(l.per_tensor)) };
+    }
+    for (c, (dst, scales)) in cases.iter().zip(&mut outputs) {
+        let (want_dst, want_scales) = c.expected();
+        if let Some(at) = (0..want_scales.len()).find(|&i| scales.bytes()[i] != want_scales[i]) {
+            panic!(
+                "{}: scale byte {at}: kernel {:#04x}, reference {:#04x}",
+                c.name,
+                scales.bytes()[at],
+                want_scales[at]
+            );
+        }
+        if let Some(at) = (0..want_dst.len()).find(|&i| dst.bytes()[i] != want_dst[i]) {
+            let (row, col) = (at as u64 / c.dst_stride, at as u64 % c.dst_stride);
+            panic!(
+                "{}: element ({row}, {col}): kernel {:#04x}, reference {:#04x}",
+                c.name,
+                dst.bytes()[at],
+                want_dst[at]
+            );
+        }
+    }
+}
+
+#[test]
+fn every_granularity_target_and_source_matches_the_reference() {
+    for case in standard_cases(1, false) {
+        check_batch(std::slice::from_ref(&case));
+    }
+}
+
+#[test]
+fn a_mixed_batch_with_empty_jobs_matches_the_reference() {
+    let mut rng = Rng::new(5);
+    let block = Granularity::Block { rows: 128, cols: 128 };
+    let cases = vec![
+        case(&mut rng, "a", Fp8::E4m3fn, block, SourceType::Bf16, 200, 136, 1),
+        case(&mut rng, "empty rows", Fp8::E4m3fn, Granularity::Row, SourceType::Bf16, 0, 64, 0),
+        case(&mut rng, "b", Fp8::E5m2, Granularity::Mx, SourceType::Bf16, 33, 100, 0),
+        case(&mut rng, "c", Fp8::E4m3fn, Granularity::Tensor, SourceType::F32, 17, 50, 1),
+        case(&mut rng, "empty cols", Fp8::E5m2, Granularity::Mx, SourceType::F16, 5, 0, 0),
+        case(&mut rng, "d", Fp8::E4m3fn, Granularity::Tensor, SourceType::Bf16, 40, 24, 0),
+        case(&mut rng, "e", Fp8::E4m3fn, Granularity::Row, SourceType::F16, 9, 300, 0),
+    ];
+    check_batch(&cases);
+}
+
+#[test]
+fn rows_longer_than_the_registers_hold_are_read_twice_and_still_match() {
+    // Per row and per tensor over rows of 2,500 vectors (more than 256 threads x 8 cached).
+    let mut rng = Rng::new(9);
+    for granularity in [Granularity::Row, Granularity::Tensor] {
+        for source in [SourceType::Bf16, SourceType::F32] {
+            let c = case(&mut rng, "long rows", Fp8::E4m3fn, granularity, source, 3, 20_000, 0);
+            check_batch(std::slice::from_ref(&c));
+        }
+    }
+    // Per tensor with several slabs of several rows.
+    let c = case(&mut rng, "slabs", Fp8::E5m2, Granularity::Tensor, SourceType::Bf16, 300, 1000, 1);
+    check_batch(std::slice::from_ref(&c));
+}
+
+#[test]
+fn a_nan_or_an_infinity_takes_its_block_as_documented() {
+    let mut rng = Rng::new(2);
+    let mut c = case(
+        &mut rng,
+        "specials",
+        Fp8::E4m3fn,
+        Granularity::Block { rows: 2, cols: 8 },
+        SourceType::Bf16,
+        4,
+        16,
+        0,
+    );
+    // Block (0, 0): a NaN; block (0, 1): an infinity; block (1, *): zeros.
+    let bytes = c.data.bytes_mut();
+    let set = |bytes: &mut [u8], r: usize, col: usize, x: f32| {
+        let at = (r * 16 + col) * 2;
+        bytes[at..at + 2].copy_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes());
+    };
+    for r in 0..4 {
+        for col in 0..16 {
+            set(bytes, r, col, if r < 2 { 1.5 } else { 0.0 });
+        }
+    }
+    set(bytes, 1, 3, f32::NAN);
+    set(bytes, 0, 12, f32::NEG_INFINITY);
+    set(bytes, 3, 5, -0.0);
+    let (dst, scales) = c.expected();
+    let scale = |i: usize| u32::from_le_bytes(scales[i * 4..i * 4 + 4].try_into().unwrap());
+    assert_eq!(scale(0), 0x7fff_ffff);
+    assert_eq!(f32::from_bits(scale(1)), f32::INFINITY);
+    assert_eq!(f32::from_bits(scale(2)), 1e-10f32 / 448.0);
+    assert!(dst[..8].iter().chain(&dst[16..24]).all(|&b| b == 0x7f), "NaN block: {dst:?}");
+    assert_eq!(dst[12], 0x7f, "-inf / inf is NaN");
+    assert_eq!(dst[8], 0x00, "1.5 / inf is +0");
+    assert!(dst[32..].iter().enumerate().all(|(i, &b)| b == if i == 16 + 5 { 0x80 } else { 0 }));
+    check_batch(std::slice::from_ref(&c));
+}

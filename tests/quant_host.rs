@@ -1,0 +1,186 @@
+//! The quantizing copy on the host backend (`Backend::quantize_batch`: the reference run by a host
+//! stream's worker) and the checks every backend applies to jobs before any byte is written: bad
+//! block shapes, strides, alignment, addresses, overlapping destinations and scales.
+
+#[path = "common/quant_cases.rs"]
+mod quant_cases;
+
+use quant_cases::{case, standard_cases, Aligned, Case, Rng, SENTINEL};
+use refit::quant::{check_jobs, Fp8, Granularity, QuantJob, SourceType};
+use refit::transport::host::HostBackend;
+use refit::transport::{Backend, Stream};
+use refit::Status;
+
+fn run(backend: &HostBackend, cases: &[Case]) -> refit::Result<Vec<(Aligned, Aligned)>> {
+    let outputs: Vec<(Aligned, Aligned)> = cases
+        .iter()
+        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
+        .collect();
+    let jobs: Vec<QuantJob> =
+        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
+    // SAFETY: every job names the buffers above, alive for the call (which completes on return).
+    unsafe { backend.quantize_batch(0, Stream::NULL, &jobs) }?;
+    Ok(outputs)
+}
+
+#[test]
+fn the_host_backend_writes_the_references_bytes_for_a_whole_batch() {
+    let backend = HostBackend::new(1).unwrap();
+    let cases = standard_cases(3, false);
+    let outputs = run(&backend, &cases).unwrap();
+    for (c, (dst, scales)) in cases.iter().zip(&outputs) {
+        let (want_dst, want_scales) = c.expected();
+        assert!(dst.bytes() == want_dst.as_slice(), "{}: destination differs", c.name);
+        assert!(scales.bytes() == want_scales.as_slice(), "{}: scales differ", c.name);
+        // Not vacuous: a case with elements writes codes and scales over the sentinel.
+        assert!(c.rows * c.cols == 0 || want_scales.iter().any(|&b| b != SENTINEL), "{}", c.name);
+    }
+}
+
+#[test]
+fn known_block_values() {
+    // One 2 x 8 bf16 block with amax 448: scale 1, codes the elements' own.
+    let mut rng = Rng::new(1);
+    let mut c = case(
+        &mut rng,
+        "known",
+        Fp8::E4m3fn,
+        Granularity::Block { rows: 2, cols: 8 },
+        SourceType::Bf16,
+        2,
+        8,
+        0,
+    );
+    let values = [448.0f32, -448.0, 1.0, 1.0625, 2f32.powi(-9), 2f32.powi(-10), -0.0, 0.0];
+    for (i, x) in values.iter().chain(values.iter()).enumerate() {
+        let at = i * 2;
+        c.data.bytes_mut()[at..at + 2].copy_from_slice(&((x.to_bits() >> 16) as u16).to_le_bytes());
+    }
+    let backend = HostBackend::new(1).unwrap();
+    let outputs = run(&backend, std::slice::from_ref(&c)).unwrap();
+    let (dst, scales) = (&outputs[0].0, &outputs[0].1);
+    assert_eq!(f32::from_le_bytes(scales.bytes()[..4].try_into().unwrap()), 1.0);
+    assert_eq!(&dst.bytes()[..8], &[0x7e, 0xfe, 0x38, 0x38, 0x01, 0x00, 0x80, 0x00]);
+
+    // MX: amax 3.0 -> e = 1 - 8 = -7, byte 120; elements divided by 2^-7.
+    let mut mx = case(&mut rng, "mx", Fp8::E4m3fn, Granularity::Mx, SourceType::F32, 1, 32, 0);
+    for i in 0..32 {
+        let x = if i == 0 { 3.0f32 } else { 0.5 };
+        mx.data.bytes_mut()[i * 4..i * 4 + 4].copy_from_slice(&x.to_le_bytes());
+    }
+    let outputs = run(&backend, std::slice::from_ref(&mx)).unwrap();
+    assert_eq!(outputs[0].1.bytes()[0], 120);
+    assert_eq!(outputs[0].0.bytes()[0], Fp8::E4m3fn.encode(384.0));
+    assert_eq!(outputs[0].0.bytes()[1], Fp8::E4m3fn.encode(64.0));
+}
+
+fn base_job() -> QuantJob {
+    QuantJob {
+        quantization: refit::quant::Quantization {
+            target: Fp8::E4m3fn,
+            granularity: Granularity::Block { rows: 128, cols: 128 },
+        },
+        source: SourceType::Bf16,
+        src: 0x10000,
+        rows: 256,
+        cols: 256,
+        src_stride: 256,
+        dst: 0x100000,
+        dst_stride: 256,
+        scales: 0x200000,
+        scale_stride: 2,
+    }
+}
+
+fn refused(jobs: &[QuantJob], status: Status, words: &[&str]) {
+    let err = check_jobs(jobs).expect_err("the jobs should be refused");
+    assert_eq!(err.status, status, "{}", err.message);
+    for word in words {
+        assert!(err.message.contains(word), "`{}` lacks `{word}`", err.message);
+    }
+}
+
+#[test]
+fn bad_jobs_are_refused_with_what_is_wrong() {
+    assert!(check_jobs(&[base_job()]).is_ok());
+    let with = |f: &dyn Fn(&mut QuantJob)| {
+        let mut j = base_job();
+        f(&mut j);
+        j
+    };
+    let block = |rows, cols| {
+        with(&move |j: &mut QuantJob| j.quantization.granularity = Granularity::Block { rows, cols })
+    };
+    refused(&[block(0, 128)], Status::InvalidArgument, &["jobs[0]", "block shape is 0 x 128"]);
+    refused(&[block(128, 0)], Status::InvalidArgument, &["block shape is 128 x 0"]);
+    refused(&[block(128, 12)], Status::InvalidArgument, &["block columns are 12", "multiple of 8"]);
+    refused(&[block(1 << 20, 1024)], Status::InvalidArgument, &["more than"]);
+    refused(
+        &[with(&|j| j.src_stride = 255)],
+        Status::InvalidArgument,
+        &["src_row_stride 255 is below cols 256"],
+    );
+    refused(&[with(&|j| j.dst_stride = 100)], Status::InvalidArgument, &["dst_row_stride 100"]);
+    refused(&[with(&|j| j.scale_stride = 1)], Status::InvalidArgument, &["scale_row_stride 1", "2 scales"]);
+    refused(&[with(&|j| j.src = 0)], Status::InvalidArgument, &["src is 0"]);
+    refused(&[with(&|j| j.scales = 0)], Status::InvalidArgument, &["scales is 0"]);
+    refused(&[with(&|j| j.src = 0x10008)], Status::InvalidArgument, &["misaligned source rows"]);
+    refused(&[with(&|j| j.src_stride = 260)], Status::InvalidArgument, &["misaligned source rows"]);
+    refused(&[with(&|j| j.dst = 0x100004)], Status::InvalidArgument, &["misaligned destination rows"]);
+    refused(&[with(&|j| j.scales = 0x200002)], Status::InvalidArgument, &["scales 0x200002"]);
+    refused(&[with(&|j| j.src = u64::MAX - 0xffff)], Status::InvalidArgument, &["source runs past the end"]);
+    // Overlaps: the scales inside the destination; two jobs writing the same rows; a job writing
+    // its own rows twice cannot happen (strides are at least a row), but two jobs' scale grids can.
+    refused(
+        &[with(&|j| j.scales = 0x100100)],
+        Status::Overlap,
+        &["jobs[0]'s destination and jobs[0]'s scales overlap"],
+    );
+    let second = with(&|j| {
+        j.dst += 128 * 256;
+        j.scales = 0x300000;
+    });
+    refused(
+        &[base_job(), second],
+        Status::Overlap,
+        &["jobs[0]'s destination and jobs[1]'s destination overlap"],
+    );
+    let scales_shared = with(&|j| j.dst = 0x400000);
+    refused(
+        &[base_job(), scales_shared],
+        Status::Overlap,
+        &["jobs[0]'s scales and jobs[1]'s scales overlap"],
+    );
+    // Column halves of one matrix interleave without overlapping: accepted.
+    let left = with(&|j| j.cols = 128);
+    let right = with(&|j| {
+        j.cols = 128;
+        j.dst += 128;
+        j.scales = 0x300000;
+        j.scale_stride = 1;
+    });
+    assert!(check_jobs(&[left, right]).is_ok());
+    // Empty jobs are never checked beyond their block shape.
+    assert!(check_jobs(&[with(&|j| {
+        j.rows = 0;
+        j.src = 0;
+    })])
+    .is_ok());
+}
+
+#[test]
+fn refused_jobs_write_nothing() {
+    let backend = HostBackend::new(1).unwrap();
+    let mut rng = Rng::new(4);
+    let good = case(&mut rng, "good", Fp8::E4m3fn, Granularity::Row, SourceType::Bf16, 4, 16, 0);
+    let dst = Aligned::new(good.dst_len(), SENTINEL);
+    let scales = Aligned::new(good.scale_len(), SENTINEL);
+    let mut bad = good.job(good.data.addr(), dst.addr(), scales.addr());
+    bad.dst_stride = 3;
+    let jobs = [good.job(good.data.addr(), dst.addr(), scales.addr()), bad];
+    // SAFETY: the first job names the buffers above; the second is refused before anything runs.
+    let err = unsafe { backend.quantize_batch(0, Stream::NULL, &jobs) }.unwrap_err();
+    assert_eq!(err.status, Status::InvalidArgument);
+    assert!(err.message.contains("jobs[1]"), "{}", err.message);
+    assert!(dst.bytes().iter().chain(scales.bytes()).all(|&b| b == SENTINEL));
+}
