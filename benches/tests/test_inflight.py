@@ -9,7 +9,9 @@ import sys
 import tempfile
 import unittest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path.insert(0, os.path.join(HERE, "..", "..", "python"))  # refit finds target/debug's library itself
 
 import inflight_peer as bench  # noqa: E402
 from refit import Backend, Commit, Group, Plan  # noqa: E402
