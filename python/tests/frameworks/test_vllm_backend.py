@@ -8,7 +8,8 @@
   control plane (pipes: one process per worker, as vLLM's collective_rpc). Every element equals
   what vLLM's own load_weights gives from the same checkpoint, after every update; between the
   staged receive and finish_weight_update the live weights are still the old ones; the second
-  update re-plans nothing.
+  update re-plans nothing; after the weights move (as vLLM's sleep / wake reallocates them) the next
+  update plans again on every process and lands in the new storage.
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
   reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
   trainer (it exits after the workers started receiving) each leave every worker's weights as they
@@ -129,6 +130,10 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any) -> None:
                     bumped = {n: t + 1.0 for n, t in bumped.items()}
                 reference.load_weights(iter(list(bumped.items())))
                 return differing({n: p.detach() for n, p in reference.named_parameters()})
+            if kind == "move":
+                for p in model.parameters():
+                    p.data = p.data.clone()
+                return len(list(model.parameters()))
             if kind == "poison_verify":
                 engine.link.executor = StandInVerifyMismatch(engine.link.executor)
                 return None
@@ -223,6 +228,13 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
             client.finish_weight_update()
             out["after_commit"] = client.call("loaded", 2)
             out["plans"] = client.call("plans") + [engine.link.plans_built]
+            # vLLM's sleep / wake reallocates the weights: the next round plans again, on every
+            # process, and installs into the new storage.
+            out["moved"] = client.call("move")
+            bump()
+            engine.send_weights()
+            out["after_move"] = client.call("loaded", 3)
+            out["plans_after_move"] = client.call("plans") + [engine.link.plans_built]
         elif scenario == "verify":
             client.call("snapshot")
             conns[0].send(("poison_verify", None))
@@ -336,6 +348,9 @@ class VllmBackendTest(unittest.TestCase):
         self.assertEqual(out["before_commit"], [[], []], "live weights changed before finish_weight_update")
         self.assertEqual(out["after_commit"], [[], []])
         self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
+        self.assertTrue(all(out["moved"]))
+        self.assertEqual(out["after_move"], [[], []], "weights that moved did not get the update")
+        self.assertEqual(out["plans_after_move"], [2, 2, 2])
 
     def test_a_verify_mismatch_refuses_the_update_on_every_worker(self):
         out, _ = self.run_scenario("verify")
