@@ -1,0 +1,234 @@
+"""What refit's engine backends (vLLM's weight-transfer engines, SGLang's updater) share, with no
+framework imported: a trainer's tensors as offers (`source_tensors`, `publisher_table`: the switch
+point for new publishers), and `Link`, one process's part of a refit between processes kept from
+round to round (communicator, plan, executor), with the per-round agreement on the tables."""
+
+from __future__ import annotations
+
+import ctypes
+import dataclasses
+import hashlib
+import logging
+import threading
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
+
+from .._lib import Backend, Commit, RefitError, Status, invalid_argument
+from ..comm import Communicator
+from ..plan import Table
+from ..tensor import add_tensor_offer
+
+log = logging.getLogger("refit.engines")
+
+
+class MegatronSource:
+    """A Megatron model as a refit source: `publisher` (a MegatronPublisher) lays out `module`'s
+    named parameters as offers of the checkpoint tensors."""
+
+    def __init__(self, publisher: Any, module: Any) -> None:
+        self.publisher = publisher
+        self.module = module
+
+    def tensors(self) -> List[Tuple[str, Any]]:
+        return list(self.module.named_parameters())
+
+    def refit_table(self, tensors: Sequence[Tuple[str, Any]], process: int, device: Optional[int]) -> Table:
+        return self.publisher.table(tensors, process, device)
+
+
+def source_tensors(source: Any) -> List[Tuple[str, Any]]:
+    """This round's tensors of `source` (each kept alive by the caller until the round ends): a
+    MegatronSource's parameters, or a vLLM WeightSource's `iter_full()` (whole tensors; a DTensor
+    is gathered by it), or a plain module's parameters."""
+    if hasattr(source, "refit_table"):
+        return source.tensors()
+    if hasattr(source, "iter_full"):
+        return list(source.iter_full())
+    return list(source.named_parameters())
+
+
+def publisher_table(source: Any, tensors: Sequence[Tuple[str, Any]], process: int, device: Optional[int] = None) -> Table:
+    """The offers of this trainer rank: `tensors` (from source_tensors) laid out by the source's
+    publisher, or as whole checkpoint tensors under their own names."""
+    if hasattr(source, "refit_table"):
+        return source.refit_table(tensors, process, device)
+    table = Table()
+    try:
+        for name, tensor in tensors:
+            add_tensor_offer(table, name, tensor, process, device=device)
+    except BaseException:
+        table.close()
+        raise
+    return table
+
+
+@dataclasses.dataclass
+class LinkOptions:
+    """Executor options every process of a refit must agree on (the trainer chooses them and sends
+    them to the workers at init)."""
+
+    verify: bool = False
+    sm_budget: int = 0
+    arm: int = 0
+    staging_memory_limit: int = 0
+    """Bytes a worker may stage per update (0: no limit). Beyond it every process runs directly."""
+    timeout_ms: int = 600_000
+
+
+class Link:
+    """One process's part of a refit between processes: its communicator rank, and the plan and
+    executor kept from round to round while no process's table changed."""
+
+    def __init__(self, comm_id: bytes, nranks: int, rank: int, device: int, backend: int, options: LinkOptions) -> None:
+        from ..group import Group
+
+        self.options = options
+        self.rank = rank
+        self.device = device
+        self.backend = backend
+        self.comm = Communicator(comm_id, nranks, rank, device=device, timeout_ms=options.timeout_ms)
+        self.group = Group([device], backend=backend)
+        # Steps run on a stream of their own: torch's pool streams do not wait for the legacy
+        # default stream, so an engine generating on it keeps going while the bytes arrive.
+        self.stream: Any = None
+        if self.comm.backend != Backend.HOST:
+            import torch
+
+            self.stream = torch.cuda.Stream(device)
+        self.plan: Any = None
+        self.executor: Any = None
+        self.staged = True
+        self.digests: Optional[List[bytes]] = None
+        self.plans_built = 0
+
+    def _allgather(self, record: bytes) -> List[bytes]:
+        """Every rank's 8-byte `record`, in rank order (also a barrier)."""
+        size = self.comm.size
+        if self.comm.backend == Backend.HOST:
+            send = (ctypes.c_uint8 * 8).from_buffer_copy(record)
+            recv = (ctypes.c_uint8 * (8 * size))()
+            self.comm.allgather(ctypes.addressof(send), ctypes.addressof(recv), [8] * size)
+            self.comm.synchronize()
+            data = bytes(recv)
+        else:
+            import torch
+
+            with torch.cuda.stream(self.stream):  # the upload and the allgather on one stream
+                send_t = torch.frombuffer(bytearray(record), dtype=torch.uint8).to(f"cuda:{self.device}")
+                recv_t = torch.empty(8 * size, dtype=torch.uint8, device=f"cuda:{self.device}")
+                self.comm.allgather(send_t.data_ptr(), recv_t.data_ptr(), [8] * size, stream=self.stream)
+                self.comm.synchronize(self.stream)
+                data = bytes(recv_t.cpu().numpy().tobytes())
+        return [data[8 * r : 8 * r + 8] for r in range(size)]
+
+    def prepare(self, table: Table) -> bool:
+        """Agrees with every process on the tables (collective); re-plans when any changed.
+        Returns True when it re-planned."""
+        digest = hashlib.blake2b(table.encode(), digest_size=8).digest()
+        digests = self._allgather(digest)
+        if digests == self.digests and self.executor is not None:
+            return False
+        self._drop()
+        self.plan = self.comm.build_plan(table)
+        stats = self.plan.receiver_stats(self.rank, self.device)
+        limit = self.options.staging_memory_limit
+        fits = limit == 0 or stats.needed_bytes <= limit
+        verdicts = self._allgather(bytes([1 if fits else 0]) + bytes(7))
+        self.staged = all(v[0] == 1 for v in verdicts)
+        if not fits:
+            log.warning(
+                "refit: staging %d bytes exceeds staging_memory_limit %d on process %d: every process "
+                "runs directly, and workers receive with their engine paused",
+                stats.needed_bytes,
+                limit,
+                self.rank,
+            )
+        self.executor = self.plan.executor(
+            self.group,
+            self.rank,
+            arm=self.options.arm,
+            sm_budget=self.options.sm_budget,
+            verify=self.options.verify,
+            commit=Commit.STAGED if self.staged else Commit.DIRECT,
+            comm=self.comm,
+        )
+        self.digests = digests
+        self.plans_built += 1
+        return True
+
+    def run(self) -> Any:
+        """One step of the executor (collective), then a meeting where every process says whether
+        its step succeeded: no source is released or changed before every receiver has its bytes,
+        and when any process failed (a verify mismatch) every process raises, so no worker commits
+        an update another refused."""
+        stats, failure = None, None
+        try:
+            stats = self.executor.run(self.stream)
+            if self.stream is not None:
+                self.stream.synchronize()
+        except RefitError as error:
+            if error.status in (Status.TIMEOUT, Status.ABORTED):
+                raise  # the communicator is gone: no meeting is possible
+            failure = error
+        verdicts = self._allgather(bytes([0 if failure is None else 1]) + bytes(7))
+        if failure is not None:
+            raise failure
+        failed = [rank for rank, verdict in enumerate(verdicts) if verdict[0]]
+        if failed:
+            raise RefitError(Status.INVALID_STATE, f"the step failed on process(es) {failed}: nothing is committed")
+        return stats
+
+    def commit(self, stream: Any = None) -> Any:
+        return self.executor.commit(stream)
+
+    def _drop(self) -> None:
+        for handle in (self.executor, self.plan):
+            if handle is not None:
+                handle.close()
+        self.executor = self.plan = None
+        self.digests = None
+
+    def close(self) -> None:
+        self._drop()
+        self.group.close()
+        self.comm.close()
+
+
+def _backend_code(name: str) -> int:
+    codes = {"auto": Backend.AUTO, "cuda": Backend.CUDA, "host": Backend.HOST}
+    if name not in codes:
+        raise invalid_argument(f"device_backend {name!r}: one of {', '.join(codes)}")
+    return codes[name]
+
+
+def resolved_backend(name: str) -> int:
+    code = _backend_code(name)
+    if code == Backend.AUTO:
+        try:
+            import torch
+
+            return Backend.CUDA if torch.cuda.is_available() else Backend.HOST
+        except ImportError:
+            return Backend.HOST
+    return code
+
+
+def concurrently(call: Callable[[], Any]) -> Callable[[], Any]:
+    """Starts `call` on a thread; the returned function joins it and re-raises its error."""
+    outcome: Dict[str, Any] = {}
+
+    def target() -> None:
+        try:
+            outcome["value"] = call()
+        except BaseException as error:
+            outcome["error"] = error
+
+    thread = threading.Thread(target=target, daemon=True)
+    thread.start()
+
+    def join() -> Any:
+        thread.join()
+        if "error" in outcome:
+            raise outcome["error"]
+        return outcome.get("value")
+
+    return join

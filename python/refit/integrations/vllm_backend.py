@@ -1,0 +1,433 @@
+"""refit as vLLM's weight-transfer backend: `LLM(..., weight_transfer_config={"backend": "refit"})`.
+
+vLLM 0.33 (vllm/distributed/weight_transfer/) lets backends register by name with
+`WeightTransferEngineFactory`; `register()` below does so from vLLM's general-plugin entry point
+(python/pyproject.toml), so an installed refit needs no code in the user's engine. Two engines:
+
+- `RefitWeightTransferEngine` (worker side, one per vLLM worker): joins refit's communicator at
+  init, describes the worker's parameters as needs (`receiver_table`), and plans once with the
+  trainer (`Link.prepare`). Each update is one executor run into staging on a background thread
+  while the engine keeps generating (`receive_weights` returns at once), then
+  `finish_weight_update` commits between two engine steps: the engine stalls only for that local
+  copy. A dead trainer (communicator timeout or abort) or a verify mismatch refuses the update and
+  leaves the live weights as they were (the staged bytes are never installed).
+- `RefitTrainerEngine` (trainer side, every trainer rank): offers the trainer's tensors
+  (`publisher_table`: a vLLM `WeightSource`, whole tensors, or a `MegatronSource`), makes the
+  communicator id, and drives the round trip through vLLM's control-plane client.
+
+Each round every process first allgathers a digest of its own table (`Link.prepare`): equal
+digests reuse the plan and executors; any change (the trainer's tensors moved, vLLM's sleep / wake
+moved the worker's weights) re-plans on every process at once, since executors across processes
+cannot rebind. When the bytes a worker would stage exceed `staging_memory_limit`, the backend logs
+it and every process falls back to direct runs: the worker then receives inside `receive_weights`,
+which blocks the engine (paused) until the bytes are in; a failure there may leave a part of them.
+
+Where the tables come from is isolated in `receiver_table` and `publisher_table` (today vLLM's
+hand-written layouts, VllmReceiver, and whole-tensor offers or MegatronPublisher), so recorded
+layouts can replace them without touching the lifecycle.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import threading
+from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
+
+from .._lib import Backend, RefitError, invalid_argument
+from ..comm import unique_id
+from ..plan import Table
+from .engine_link import Link, LinkOptions, MegatronSource, concurrently, publisher_table, resolved_backend, source_tensors
+
+log = logging.getLogger("refit.vllm_backend")
+
+BACKEND_NAME = "refit"
+
+
+# --- where the tables come from (switched to recorded layouts / new publishers at merge) ---------
+
+
+def receiver_table(model: Any, vllm_config: Any, process: int, device: Optional[int] = None) -> Table:
+    """The needs of this worker's parameters, as process `process` of the refit (`device` for
+    parameters in host memory standing in for a GPU)."""
+    from .layout import ModelShape
+    from .vllm import VllmRanks, VllmReceiver
+
+    dtype = str(vllm_config.model_config.dtype).rsplit(".", 1)[-1]
+    shape = ModelShape.from_hf_config(vllm_config.model_config.hf_config, dtype=dtype)
+    receiver = VllmReceiver(shape, VllmRanks.from_vllm())
+    # vLLM 0.33 names a FusedMoE layer's weights `experts.routed_experts.w13_weight`; the
+    # hand-written layouts still say `experts.w13_weight`.
+    params = [(name.replace(".experts.routed_experts.", ".experts."), p) for name, p in model.named_parameters()]
+    return receiver.table(params, process, device)
+
+
+def _vllm_base() -> Tuple[Any, Any, Any, Any, Any]:
+    from vllm.distributed.weight_transfer import base  # type: ignore[import-not-found]
+
+    return (
+        base.WeightTransferEngine,
+        base.TrainerWeightTransferEngine,
+        base.WeightTransferInitInfo,
+        base.WeightTransferUpdateInfo,
+        base.TrainerInitInfo,
+    )
+
+
+(_WorkerBase, _TrainerBase, _InitInfoBase, _UpdateInfoBase, _TrainerInitBase) = _vllm_base()
+
+
+# --- worker side ----------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RefitInitInfo(_InitInfoBase):
+    """What the trainer sends each worker at init (JSON-safe values: vLLM passes it over RPC)."""
+
+    comm_id: str
+    """The communicator id, hex."""
+    nranks: int
+    rank_offset: int
+    """Trainer ranks come first; worker w is rank rank_offset + w."""
+    device_backend: str = "auto"
+    verify: bool = False
+    sm_budget: int = 0
+    arm: int = 0
+    staging_memory_limit: int = 0
+    timeout_ms: int = 600_000
+
+
+@dataclasses.dataclass
+class RefitUpdateInfo(_UpdateInfoBase):
+    round: int = 0
+
+
+def worker_index(vllm_config: Any) -> int:
+    """This worker's index among the engine's workers (TP fastest, then PP, then DP)."""
+    from vllm.distributed import parallel_state as ps  # type: ignore[import-not-found]
+
+    parallel = vllm_config.parallel_config
+    tp, pp = parallel.tensor_parallel_size, parallel.pipeline_parallel_size
+    dp_rank = int(getattr(parallel, "data_parallel_rank", 0) or 0)
+    return ps.get_tp_group().rank_in_group + tp * (ps.get_pp_group().rank_in_group + pp * dp_rank)
+
+
+class RefitWeightTransferEngine(_WorkerBase):
+    """vLLM's worker-side engine for backend "refit" (see the module docstring)."""
+
+    init_info_cls = RefitInitInfo
+    update_info_cls = RefitUpdateInfo
+    supports_draft_weight_update = False
+
+    def __init__(self, config: Any, vllm_config: Any, device: Any, model: Any) -> None:
+        super().__init__(config, vllm_config, device, model)
+        self.link: Optional[Link] = None
+        self._addresses: Optional[List[Tuple[str, int]]] = None
+        self._table: Optional[Table] = None
+        self._receiving: Optional[threading.Thread] = None
+        self._failure: Optional[BaseException] = None
+        self._received = False
+        self.last_stats: Any = None
+
+    def _current_table(self) -> Table:
+        """This worker's needs at its parameters' current addresses (built again only when an
+        address moved: vLLM's sleep / wake reallocates the weights)."""
+        addresses = [(name, int(p.data_ptr())) for name, p in self.model.named_parameters()]
+        if self._table is None or addresses != self._addresses:
+            if self._table is not None:
+                self._table.close()
+            host = self.link is not None and self.link.backend == Backend.HOST
+            self._table = receiver_table(self.model, self.vllm_config, self.link.rank, 0 if host else None)  # type: ignore[union-attr]
+            self._addresses = addresses
+        return self._table
+
+    def init_transfer_engine(self, init_info: RefitInitInfo) -> None:
+        backend = resolved_backend(init_info.device_backend)
+        options = LinkOptions(
+            verify=init_info.verify,
+            sm_budget=init_info.sm_budget,
+            arm=init_info.arm,
+            staging_memory_limit=init_info.staging_memory_limit,
+            timeout_ms=init_info.timeout_ms,
+        )
+        rank = init_info.rank_offset + worker_index(self.vllm_config)
+        device = 0 if backend == Backend.HOST else int(getattr(self.device, "index", 0) or 0)
+        self.link = Link(bytes.fromhex(init_info.comm_id), init_info.nranks, rank, device, backend, options)
+        self.link.prepare(self._current_table())
+
+    def start_weight_update(self) -> None:
+        """Returns at once; the bytes move from receive_weights on."""
+        if self.link is None:
+            raise RuntimeError("refit: init_transfer_engine first")
+        if self._receiving is not None:
+            raise RuntimeError("refit: the previous update is still receiving; finish it first")
+        self._failure = None
+        self._received = False
+
+    def update_weights(self, update_info: Dict[str, Any]) -> None:
+        # vLLM's default synchronizes the device after each chunk; the staged receive must keep
+        # running beside the engine, so only the chunk is received here.
+        self.receive_weights(self.parse_update_info(update_info))
+
+    def receive_weights(self, update_info: RefitUpdateInfo) -> None:
+        """Agrees on the tables with every process (re-planning if any changed), then receives:
+        staged, on a background thread while the engine keeps running; direct (staging does not
+        fit), here, with the engine paused until the bytes are in."""
+        link = self.link
+        if link is None:
+            raise RuntimeError("refit: init_transfer_engine first")
+        try:
+            link.prepare(self._current_table())
+        except BaseException as error:
+            self._failure = error
+            raise
+        if not link.staged:
+            self._receive()
+            if self._failure is not None:
+                raise self._refused(self._failure)
+            return
+        self._receiving = threading.Thread(target=self._receive, name="refit-receive", daemon=True)
+        self._receiving.start()
+
+    def _receive(self) -> None:
+        try:
+            self.last_stats = self.link.run()  # type: ignore[union-attr]
+            self._received = True
+        except BaseException as error:  # handed to finish_weight_update
+            self._failure = error
+
+    def wait_received(self, timeout: Optional[float] = None) -> bool:
+        """Waits for the staged receive (True when it is over, received or failed)."""
+        if self._receiving is not None:
+            self._receiving.join(timeout)
+            return not self._receiving.is_alive()
+        return True
+
+    def _refused(self, error: BaseException) -> RuntimeError:
+        return RuntimeError(f"refit: update refused, the engine's weights are unchanged: {error}")
+
+    def finish_weight_update(self) -> None:
+        """Waits for the staged receive, then installs it (between two engine steps). A failed
+        receive or a verify mismatch refuses the update: nothing is installed."""
+        link = self.link
+        if link is None:
+            raise RuntimeError("refit: init_transfer_engine first")
+        thread, self._receiving = self._receiving, None
+        if thread is not None:
+            thread.join()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise self._refused(failure) from failure
+        if not self._received:
+            raise RuntimeError("refit: finish_weight_update without a received update (update_weights first)")
+        self._received = False
+        if link.staged:
+            try:
+                self.last_stats = link.commit(self._stream())
+            except RefitError as error:
+                raise self._refused(error) from error
+
+    def _stream(self) -> Any:
+        if self.link is not None and self.link.backend == Backend.HOST:
+            return None
+        import torch
+
+        return torch.cuda.current_stream(self.device)
+
+    def shutdown(self) -> None:
+        if self._receiving is not None and self.link is not None:
+            self.link.comm.abort()
+            self._receiving.join()
+            self._receiving = None
+        if self._table is not None:
+            self._table.close()
+            self._table = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+
+
+# --- trainer side ---------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class RefitTrainerInitInfo(_TrainerInitBase):
+    """The trainer's choices for a refit (every trainer rank passes the same, its own `rank`)."""
+
+    backend: ClassVar[str] = BACKEND_NAME
+    num_workers: int = 1
+    num_trainer_ranks: int = 1
+    device_backend: str = "auto"
+    device: Optional[int] = None
+    """This trainer rank's CUDA device (default: torch's current one)."""
+    verify: bool = False
+    sm_budget: int = 0
+    arm: int = 0
+    staging_memory_limit: int = 0
+    timeout_ms: int = 600_000
+    comm_id: Optional[str] = None
+    """The communicator id (hex) for trainers of several ranks that share it themselves; by
+    default rank 0 makes it and broadcasts it over torch.distributed."""
+
+
+class RefitTrainerEngine(_TrainerBase):
+    """vLLM's trainer-side engine for backend "refit" (see the module docstring)."""
+
+    init_info_cls = RefitTrainerInitInfo
+
+    def __init__(self, *, client: Any, source: Any = None, is_sender: bool = True, rank: int = 0) -> None:
+        super().__init__(client=client, source=source, is_sender=is_sender, rank=rank)
+        self.link: Optional[Link] = None
+        self.rounds = 0
+        self._held: List[Tuple[str, Any]] = []
+        self._signature: Optional[List[Tuple[str, int, Tuple[int, ...]]]] = None
+        self._table: Optional[Table] = None
+        self.last_stats: Any = None
+
+    @classmethod
+    def trainer_init(cls, init_info: RefitTrainerInitInfo, *, client: Any, source: Any = None) -> "RefitTrainerEngine":
+        if source is None:
+            raise invalid_argument("the refit trainer engine needs a source (a WeightSource, module or MegatronSource)")
+        backend = resolved_backend(init_info.device_backend)
+        engine = cls(client=client, source=source, is_sender=init_info.is_sender, rank=init_info.rank)
+        comm_id = init_info.comm_id
+        if comm_id is None:
+            comm_id = unique_id(backend).hex() if init_info.is_sender else None
+            if init_info.num_trainer_ranks > 1:
+                import torch.distributed as dist
+
+                shared = [comm_id]
+                dist.broadcast_object_list(shared, src=0)
+                comm_id = shared[0]
+        if backend == Backend.HOST:
+            device = 0
+        elif init_info.device is not None:
+            device = init_info.device
+        else:
+            import torch
+
+            device = torch.cuda.current_device()
+        nranks = init_info.num_trainer_ranks + init_info.num_workers
+        options = LinkOptions(
+            verify=init_info.verify,
+            sm_budget=init_info.sm_budget,
+            arm=init_info.arm,
+            staging_memory_limit=init_info.staging_memory_limit,
+            timeout_ms=init_info.timeout_ms,
+        )
+        join = None
+        if init_info.is_sender:
+            worker_info = RefitInitInfo(
+                comm_id=comm_id,  # type: ignore[arg-type]
+                nranks=nranks,
+                rank_offset=init_info.num_trainer_ranks,
+                device_backend={Backend.HOST: "host", Backend.CUDA: "cuda"}[backend],
+                verify=options.verify,
+                sm_budget=options.sm_budget,
+                arm=options.arm,
+                staging_memory_limit=options.staging_memory_limit,
+                timeout_ms=options.timeout_ms,
+            )
+            # The workers join the communicator and plan while this rank does: concurrently.
+            payload = {f.name: getattr(worker_info, f.name) for f in dataclasses.fields(worker_info)}
+            join = concurrently(lambda: client.init_weight_transfer_engine(payload))
+        try:
+            engine.link = Link(bytes.fromhex(comm_id), nranks, init_info.rank, device, backend, options)  # type: ignore[arg-type]
+            engine.link.prepare(engine._current_table())
+        finally:
+            if join is not None:
+                join()
+        return engine
+
+    def _current_table(self) -> Table:
+        """This rank's offers for this round: the source's tensors, kept alive until the next round;
+        the table is built again only when one moved or changed shape."""
+        tensors = source_tensors(self.source)
+        signature = [(name, int(t.data_ptr()), tuple(t.shape)) for name, t in tensors]
+        self._held = tensors
+        if self._table is None or signature != self._signature:
+            if self._table is not None:
+                self._table.close()
+            host = self.link is not None and self.link.backend == Backend.HOST
+            self._table = publisher_table(self.source, tensors, self.link.rank, 0 if host else None)  # type: ignore[union-attr]
+            self._signature = signature
+        return self._table
+
+    def send_weights(self) -> None:
+        """One update: every worker starts, every process agrees on the tables and runs (the
+        workers receive into staging beside their engine), then the workers commit."""
+        link = self.link
+        if link is None:
+            raise RuntimeError("refit: trainer_init first")
+        self.rounds += 1
+        if self.is_sender:
+            self.client.start_weight_update()
+            join = concurrently(lambda: self.client.update_weights({"round": self.rounds}))
+        else:
+            join = None
+        try:
+            link.prepare(self._current_table())
+            self.last_stats = link.run()
+        except BaseException as error:
+            reasons = self._close_round(join) if join is not None else []
+            raise RuntimeError(f"refit: update refused ({error}); engine: {'; '.join(reasons) or 'no answer'}") from error
+        if join is not None:
+            join()
+        if link.staged:
+            link.commit()
+        if self.is_sender:
+            self.client.finish_weight_update()
+
+    def _close_round(self, join: Callable[[], Any]) -> List[str]:
+        """After a failed round: the workers' update calls return, and finish_weight_update ends
+        their update (each refuses it: nothing is installed). Returns what the engine said."""
+        reasons = []
+        for step in (join, self.client.finish_weight_update):
+            try:
+                step()
+            except Exception as error:
+                reasons.append(str(error))
+        return reasons
+
+    def shutdown(self) -> None:
+        if self._table is not None:
+            self._table.close()
+            self._table = None
+        if self.link is not None:
+            self.link.close()
+            self.link = None
+        self._held = []
+
+
+def register() -> None:
+    """vLLM general plugin (entry point `vllm.general_plugins`: refit): registers backend "refit"
+    on both of vLLM's factories; safe to call again (vLLM loads plugins in every process)."""
+    from vllm.distributed.weight_transfer.factory import (  # type: ignore[import-not-found]
+        WeightTransferEngineFactory,
+        WeightTransferTrainerFactory,
+    )
+
+    module = __name__
+    for factory, cls in (
+        (WeightTransferEngineFactory, "RefitWeightTransferEngine"),
+        (WeightTransferTrainerFactory, "RefitTrainerEngine"),
+    ):
+        if BACKEND_NAME not in factory._registry:
+            factory.register_engine(BACKEND_NAME, module, cls)
+
+
+__all__ = [
+    "BACKEND_NAME",
+    "Link",
+    "LinkOptions",
+    "MegatronSource",
+    "RefitInitInfo",
+    "RefitTrainerEngine",
+    "RefitTrainerInitInfo",
+    "RefitUpdateInfo",
+    "RefitWeightTransferEngine",
+    "publisher_table",
+    "receiver_table",
+    "register",
+    "source_tensors",
+]

@@ -1,0 +1,372 @@
+"""refit as vLLM's weight-transfer backend, against the real vLLM 0.33 on CPU (host backend).
+
+- vLLM finds backend "refit" by name: through its own general-plugin loader reading the entry point
+  python/pyproject.toml declares, then its factories.
+- A trainer process (a tiny Hugging Face Qwen3, vLLM's own ModuleSource over it, whole-tensor
+  offers) updates two worker processes, each holding the model vLLM builds for its TP rank (TP 2)
+  and the worker engine vLLM's factory made; the workers are driven through a stand-in of vLLM's
+  control plane (pipes: one process per worker, as vLLM's collective_rpc). Every element equals
+  what vLLM's own load_weights gives from the same checkpoint, after every update; between the
+  staged receive and finish_weight_update the live weights are still the old ones; the second
+  update re-plans nothing; after the weights move (as vLLM's sleep / wake reallocates them) the next
+  update plans again on every process and lands in the new storage.
+- A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
+  reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
+  trainer (it exits after the workers started receiving) each leave every worker's weights as they
+  were, every element compared with a snapshot taken before.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import tempfile
+import unittest
+from multiprocessing.connection import wait
+from typing import Any, Dict, List
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PYPROJECT = os.path.join(HERE, "..", "..", "pyproject.toml")
+TIMEOUT_MS = 20_000
+
+
+def tiny_qwen3() -> Any:
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=8, vocab_size=128, max_position_embeddings=256, tie_word_embeddings=False,
+        architectures=["Qwen3ForCausalLM"],
+    )
+
+
+def save_checkpoint() -> str:
+    import torch
+    import transformers
+
+    folder = tempfile.mkdtemp(prefix="refit-vllm-backend-")
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3(), dtype=torch.float32)
+    model.save_pretrained(folder)
+    return folder
+
+
+def checkpoint(folder: str) -> Dict[str, Any]:
+    from safetensors.torch import load_file
+
+    out: Dict[str, Any] = {}
+    for file in sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")):
+        out.update(load_file(os.path.join(folder, file)))
+    return out
+
+
+# --- a worker process: vLLM's model for one TP rank and the engine vLLM's factory makes ---------
+
+
+class StandInVerifyMismatch:
+    """Worker 0's executor for one step: runs for real (bytes staged), then reports a mismatch."""
+
+    def __init__(self, executor: Any) -> None:
+        self._executor = executor
+
+    def run(self, *args: Any) -> Any:
+        import refit
+
+        self._executor.run(*args)
+        raise refit.RefitError(refit.Status.VERIFY_MISMATCH, "stand-in: installed bytes differ from their source")
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._executor, name)
+
+
+def worker_main(rank: int, folder: str, control: Any, checks: Any) -> None:
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    import sys
+
+    sys.path.insert(0, HERE)
+    import torch
+    import vllm_ranks
+    from vllm.config import WeightTransferConfig
+    from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+
+    from refit.integrations.vllm_backend import register
+
+    register()
+    config = vllm_ranks.engine_config(folder, 2, dtype="float32")
+    ckpt = checkpoint(folder)
+    with vllm_ranks.as_rank(config, rank):
+        model = vllm_ranks.build(config, "cpu")
+        engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="refit"), config, torch.device("cpu"), model)
+        snapshot: Dict[str, Any] = {}
+
+        def differing(expected: Dict[str, Any]) -> List[str]:
+            return [n for n, p in model.named_parameters() if not torch.equal(p.detach(), expected[n])]
+
+        def handle(kind: str, arg: Any) -> Any:
+            if kind == "init":
+                return engine.init_transfer_engine(engine.parse_init_info(arg))
+            if kind == "start":
+                return engine.start_weight_update()
+            if kind == "update":
+                return engine.update_weights(arg)
+            if kind == "finish":
+                return engine.finish_weight_update()
+            if kind == "plans":
+                return engine.link.plans_built
+            if kind == "engine":
+                return type(engine).__name__
+            if kind == "snapshot":
+                snapshot.clear()
+                snapshot.update((n, p.detach().clone()) for n, p in model.named_parameters())
+                return len(snapshot)
+            if kind == "unchanged":
+                return differing(snapshot)
+            if kind == "loaded":
+                # What vLLM's own load_weights makes of the checkpoint after `arg` bumps (1.0 added
+                # to every element, one bump at a time as the trainer does: float rounding alike).
+                reference = vllm_ranks.build(config, "cpu")
+                bumped = dict(ckpt)
+                for _ in range(arg):
+                    bumped = {n: t + 1.0 for n, t in bumped.items()}
+                reference.load_weights(iter(list(bumped.items())))
+                return differing({n: p.detach() for n, p in reference.named_parameters()})
+            if kind == "move":
+                for p in model.parameters():
+                    p.data = p.data.clone()
+                return len(list(model.parameters()))
+            if kind == "poison_verify":
+                engine.link.executor = StandInVerifyMismatch(engine.link.executor)
+                return None
+            raise ValueError(kind)
+
+        pipes = [control, checks]
+        while pipes:
+            for conn in wait(pipes):
+                try:
+                    message = conn.recv()
+                except EOFError:
+                    pipes.remove(conn)
+                    continue
+                if message[0] == "exit":
+                    engine.shutdown()
+                    return
+                try:
+                    conn.send(("ok", handle(*message)))
+                except BaseException as error:  # the caller asserts on it
+                    conn.send(("error", f"{type(error).__name__}: {error}"))
+
+
+# --- the trainer process: vLLM's trainer factory, ModuleSource, a stand-in control plane -------
+
+
+class PipeClient:
+    """vLLM's VLLMWeightSyncClient over pipes to the workers: every call goes to every worker, then
+    every answer is read (as collective_rpc); an error of any worker raises."""
+
+    def __init__(self, conns: List[Any]) -> None:
+        self.conns = conns
+
+    def call(self, kind: str, arg: Any = None) -> List[Any]:
+        for conn in self.conns:
+            conn.send((kind, arg))
+        answers = [conn.recv() for conn in self.conns]
+        errors = [value for status, value in answers if status == "error"]
+        if errors:
+            raise RuntimeError("; ".join(errors))
+        return [value for _, value in answers]
+
+    def init_weight_transfer_engine(self, init_info: Dict[str, Any]) -> None:
+        self.call("init", init_info)
+
+    def start_weight_update(self) -> None:
+        self.call("start")
+
+    def update_weights(self, update_info: Any) -> None:
+        self.call("update", update_info)
+
+    def finish_weight_update(self, weight_version: Any = None) -> None:
+        self.call("finish")
+
+
+def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> None:
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    try:
+        import torch
+        import transformers
+        from vllm.distributed.weight_transfer.base import ModuleSource
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from refit.integrations.engine_link import concurrently
+        from refit.integrations.vllm_backend import RefitTrainerInitInfo, register
+
+        register()
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        client = PipeClient(conns)
+        info = RefitTrainerInitInfo(rank=0, num_workers=2, device_backend="host", timeout_ms=TIMEOUT_MS)
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
+        out: Dict[str, Any] = {"engines": client.call("engine")}
+        engine.send_weights()
+        out["first"] = client.call("loaded", 0)
+
+        def bump() -> None:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+
+        if scenario == "updates":
+            bump()
+            engine.send_weights()
+            out["second"] = client.call("loaded", 1)
+            # The round by hand: after the staged receive, the engine still serves the old weights.
+            bump()
+            client.start_weight_update()
+            join = concurrently(lambda: client.update_weights({"round": 3}))
+            engine.link.prepare(engine._current_table())
+            engine.link.run()
+            join()
+            out["before_commit"] = client.call("loaded", 1)
+            client.finish_weight_update()
+            out["after_commit"] = client.call("loaded", 2)
+            out["plans"] = client.call("plans") + [engine.link.plans_built]
+            # vLLM's sleep / wake reallocates the weights: the next round plans again, on every
+            # process, and installs into the new storage.
+            out["moved"] = client.call("move")
+            bump()
+            engine.send_weights()
+            out["after_move"] = client.call("loaded", 3)
+            out["plans_after_move"] = client.call("plans") + [engine.link.plans_built]
+        elif scenario == "verify":
+            client.call("snapshot")
+            conns[0].send(("poison_verify", None))
+            conns[0].recv()
+            bump()
+            try:
+                engine.send_weights()
+                out["refused"] = None
+            except Exception as error:
+                out["refused"] = str(error)
+            out["unchanged"] = client.call("unchanged")
+        elif scenario == "killed":
+            client.call("snapshot")
+            bump()
+            client.start_weight_update()
+            join = concurrently(lambda: client.update_weights({"round": 2}))
+            engine.link.prepare(engine._current_table())
+            join()  # every worker is receiving now, on its background thread
+            results.put(out)
+            results.close()
+            results.join_thread()  # flushed: os._exit skips the queue's feeder thread
+            os._exit(0)  # dies before its step: the workers' steps wait for a dead peer
+        results.put(out)
+        engine.shutdown()
+        for conn in conns:
+            conn.send(("exit",))
+    except BaseException as error:
+        import traceback
+
+        results.put({"error": traceback.format_exc() or repr(error)})
+
+
+class VllmBackendTest(unittest.TestCase):
+    @classmethod
+    def setUpClass(cls):
+        cls.folder = save_checkpoint()
+
+    def run_scenario(self, scenario: str):
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        control = [context.Pipe() for _ in range(2)]
+        checks = [context.Pipe() for _ in range(2)]
+        workers = [
+            context.Process(target=worker_main, args=(rank, self.folder, control[rank][1], checks[rank][1]))
+            for rank in range(2)
+        ]
+        trainer = context.Process(target=trainer_main, args=(scenario, self.folder, [c[0] for c in control], results))
+        for process in workers + [trainer]:
+            process.start()
+        try:
+            out = results.get(timeout=300)
+            self.assertNotIn("error", out, out.get("error"))
+            trainer.join(120)
+            after = None
+            if scenario == "killed":
+                after = {}
+                for rank in range(2):
+                    conn = checks[rank][0]
+                    conn.send(("finish", None))
+                    after.setdefault("finish", []).append(conn.recv())
+                    conn.send(("unchanged", None))
+                    after.setdefault("unchanged", []).append(conn.recv())
+                    conn.send(("loaded", 0))
+                    after.setdefault("loaded", []).append(conn.recv())
+                    conn.send(("exit",))
+            for process in workers:
+                process.join(60)
+            return out, after
+        finally:
+            for process in workers + [trainer]:
+                if process.is_alive():
+                    process.kill()
+
+    def test_found_by_name_through_vllms_plugin_loader_and_factories(self):
+        import importlib.metadata
+        import sys
+        import tomllib
+
+        import vllm.plugins
+        from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory, WeightTransferTrainerFactory
+
+        with open(PYPROJECT, "rb") as handle:
+            declared = tomllib.load(handle)["project"]["entry-points"]["vllm.general_plugins"]
+        self.assertEqual(declared, {"refit": "refit.integrations.vllm_backend:register"})
+        self.assertNotIn("refit", WeightTransferEngineFactory._registry)
+        # An installed distribution's metadata, as pip writes it from that entry point.
+        site = tempfile.mkdtemp(prefix="refit-dist-")
+        info = os.path.join(site, "refit_gpu-0.0.0.dist-info")
+        os.makedirs(info)
+        with open(os.path.join(info, "METADATA"), "w") as handle:
+            handle.write("Metadata-Version: 2.1\nName: refit-gpu\nVersion: 0.0.0\n")
+        with open(os.path.join(info, "entry_points.txt"), "w") as handle:
+            handle.write("[vllm.general_plugins]\n" + "".join(f"{k} = {v}\n" for k, v in declared.items()))
+        sys.path.insert(0, site)
+        try:
+            vllm.plugins.plugins_loaded = False
+            vllm.plugins.load_general_plugins()
+        finally:
+            sys.path.remove(site)
+        from refit.integrations.vllm_backend import RefitTrainerEngine, RefitWeightTransferEngine
+
+        self.assertIs(WeightTransferEngineFactory._registry["refit"](), RefitWeightTransferEngine)
+        self.assertIs(WeightTransferTrainerFactory._registry["refit"](), RefitTrainerEngine)
+        self.assertTrue(importlib.metadata.version)  # the loader read real metadata, not a mock
+
+    def test_updates_equal_vllms_own_load_weights_and_commit_only_at_finish(self):
+        out, _ = self.run_scenario("updates")
+        self.assertEqual(out["engines"], ["RefitWeightTransferEngine"] * 2)
+        self.assertEqual(out["first"], [[], []])
+        self.assertEqual(out["second"], [[], []])
+        self.assertEqual(out["before_commit"], [[], []], "live weights changed before finish_weight_update")
+        self.assertEqual(out["after_commit"], [[], []])
+        self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
+        self.assertTrue(all(out["moved"]))
+        self.assertEqual(out["after_move"], [[], []], "weights that moved did not get the update")
+        self.assertEqual(out["plans_after_move"], [2, 2, 2])
+
+    def test_a_verify_mismatch_refuses_the_update_on_every_worker(self):
+        out, _ = self.run_scenario("verify")
+        self.assertIn("VERIFY_MISMATCH", out["refused"] or "")
+        self.assertEqual(out["unchanged"], [[], []])
+
+    def test_a_killed_trainer_leaves_the_weights_as_they_were(self):
+        out, after = self.run_scenario("killed")
+        self.assertEqual(out["first"], [[], []])
+        for status, message in after["finish"]:
+            self.assertEqual(status, "error")
+            self.assertIn("update refused", message)
+            self.assertTrue("ABORTED" in message or "TIMEOUT" in message, message)
+        self.assertEqual(after["unchanged"], [("ok", []), ("ok", [])])
+        self.assertEqual(after["loaded"], [("ok", []), ("ok", [])])
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,114 @@
+"""vLLM 0.33's own model classes built for one rank at a time in one process, on CPU or the meta
+device: a Hugging Face config saved to a folder, the VllmConfig EngineArgs makes from it, a gloo
+world of one process, and vLLM's TP / PP / EP group coordinators standing in for the rank being
+built. Used by the transfer-bytes bench and the backend tests (the layouts suite has its own
+harness of the same kind; this one stays small and only serves these two)."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+import socket
+import tempfile
+from typing import Any, Dict, Iterator, Tuple
+
+os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
+
+import torch  # noqa: E402
+
+Specs = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@functools.lru_cache(maxsize=None)
+def world() -> None:
+    """A one-process gloo world with vLLM's groups (the EP group too: made under a config without
+    a model)."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(
+            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", local_rank=0, backend="gloo"
+        )
+        ps.ensure_model_parallel_initialized(1, 1)
+
+
+def config_folder(hf_config: Any) -> str:
+    folder = tempfile.mkdtemp(prefix="refit-backend-")
+    hf_config.save_pretrained(folder)
+    return folder
+
+
+def engine_config(folder: str, tp: int, ep: bool = False, dtype: str = "bfloat16", **extra: Any) -> Any:
+    """vLLM's VllmConfig for the model in `folder` at TP `tp` (EP on or off)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    args = EngineArgs(
+        model=folder,
+        tensor_parallel_size=tp,
+        enable_expert_parallel=ep,
+        dtype=dtype,
+        load_format="dummy",
+        enforce_eager=True,
+        skip_tokenizer_init=True,
+        max_model_len=256,
+        **extra,
+    )
+    return args.create_engine_config()
+
+
+@contextlib.contextmanager
+def as_rank(config: Any, tp_rank: int) -> Iterator[None]:
+    """vLLM's current config and groups as TP rank `tp_rank` sees them (EP, when vLLM makes it,
+    spans the TP ranks: no data parallelism)."""
+    from vllm.config import set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    world()
+    tp = config.parallel_config.tensor_parallel_size
+    groups = [(ps.get_tp_group(), tp, tp_rank)]
+    if ps._EP is not None:
+        groups.append((ps._EP, tp, tp_rank))
+    saved = [(g, g.world_size, g.rank_in_group, g.ranks, g.rank) for g, _, _ in groups]
+    try:
+        for group, size, rank in groups:
+            group.world_size, group.rank_in_group, group.ranks, group.rank = size, rank, list(range(size)), rank
+        with set_current_vllm_config(config):
+            yield
+    finally:
+        for group, size, rank, ranks, global_rank in saved:
+            group.world_size, group.rank_in_group, group.ranks, group.rank = size, rank, ranks, global_rank
+
+
+def build(config: Any, device: str) -> torch.nn.Module:
+    """The model vLLM builds for the current rank on `device` ("cpu" or "meta")."""
+    from vllm.model_executor.model_loader.utils import initialize_model
+
+    config.compilation_config.static_forward_context.clear()
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(config.model_config.dtype)
+    try:
+        with torch.device(device):
+            return initialize_model(vllm_config=config)
+    finally:
+        torch.set_default_dtype(default)
+
+
+def checkpoint_specs(hf_config: Any, dtype: torch.dtype = torch.bfloat16) -> Specs:
+    """The checkpoint transformers writes for `hf_config` (names, shapes, dtypes in state-dict
+    order): its model built on the meta device, converted to the on-disk format as save_pretrained
+    does. No download, no bytes."""
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    state = revert_weight_conversion(model, model.state_dict())
+    return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
