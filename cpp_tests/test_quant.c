@@ -225,6 +225,20 @@ done:
   bad = job;
   bad.dst = 0;
   CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  /* Memory that is not the device's is refused before anything runs (on the host backend: the first
+   * page, where no allocation lies), naming the job and the region. */
+  bad = job;
+  bad.src = 1024;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "jobs[0]: its source") != NULL);
+  bad = job;
+  bad.dst = 16;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "jobs[0]: its destination") != NULL);
+  bad = job;
+  bad.scales = 64;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "jobs[0]: its scales") != NULL);
   bad = job;
   bad.scales = addr(codes) + 16; /* scales inside the destination */
   CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_OVERLAP);

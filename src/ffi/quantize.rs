@@ -9,7 +9,10 @@ use super::handles::live;
 use super::{boundary, slice};
 use crate::error::{Error, Result};
 use crate::ffi::group::refit_group;
-use crate::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
+use crate::error::Status;
+use crate::group::Group;
+use crate::quant::{check_jobs, Fp8, Granularity, QuantJob, Quantization, SourceType};
+use crate::transport::access::first_unusable;
 use crate::transport::Stream;
 use std::ffi::c_void;
 
@@ -199,13 +202,34 @@ fn job(index: usize, c: &refit_quantize_job) -> Result<QuantJob> {
 /// REFIT_QUANT_NONE, a block shape with a 0, block columns not a multiple of 8 or a block of more
 /// than 2^24 elements, a block shape given for another granularity, reserved not 0, a row stride
 /// below the row, a zero address for a job with elements, misaligned rows or scales, a range past the
-/// end of the address space, on the host backend a stream that is not a host stream or is another
-/// simulated device's; the message names the job and the field), OVERLAP (two destination matrices or
+/// end of the address space, memory that is not the device's (as refit_copy_batch checks it: on CUDA
+/// every byte in a live allocation of the rank's device or of a device it accesses directly, so host
+/// malloc memory and unmapped addresses are refused; on the host backend nothing in the first page),
+/// on the host backend a stream that is not a host stream or is another simulated device's; the
+/// message names the job and the field or region), OVERLAP (two destination matrices or
 /// scale grids, or a destination and a scale grid, share a byte; the message names them),
 /// UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks; overlap checks over more
 /// interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
 /// loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs
 /// are refused.
+/// INVALID_ARGUMENT unless every byte the jobs read or write is memory `device` can use (see
+/// `Backend::inaccessible`), as refit_copy_batch checks its segments: a job over host memory or an
+/// unmapped address must be refused here, not fault in the kernel and end the process's context.
+fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
+    let regions: Vec<_> = jobs.iter().flat_map(QuantJob::regions).collect();
+    let owners = |_| (None, Some(device));
+    let Some(bad) = first_unusable(group.backend().as_ref(), &regions, owners, true)? else { return Ok(()) };
+    let what = ["source", "destination", "scales"][bad.segment % 3];
+    let (addr, len) = bad.range;
+    crate::bail!(
+        Status::InvalidArgument,
+        "jobs[{}]: its {what} [{addr:#x}, +{len:#x}) is not memory device {device} can use: {:#x} {}",
+        bad.segment / 3,
+        bad.refusal.at,
+        bad.refusal.why
+    )
+}
+
 #[no_mangle]
 pub extern "C" fn refit_quantize_batch(
     group: *const refit_group,
@@ -225,7 +249,10 @@ pub extern "C" fn refit_quantize_batch(
         }
         let jobs = jobs.iter().enumerate().map(|(index, c)| job(index, c)).collect::<Result<Vec<_>>>()?;
         let device = group.device(rank as usize)?;
-        // SAFETY: the caller's promise on addresses and stream, documented above.
+        check_jobs(&jobs)?;
+        check_memory(group, device, &jobs)?;
+        // SAFETY: the caller's promise on addresses and stream, documented above; every byte the
+        // jobs touch was just found to be memory of the device.
         unsafe { group.backend().quantize_batch(device, Stream::from_ptr(stream), &jobs) }
     })
 }

@@ -116,6 +116,29 @@ impl QuantJob {
         16 / self.source.size()
     }
 
+    /// The memory the job touches as three segments, each the same region on both sides: the source
+    /// matrix as the kernel reads it (whole 16-byte vectors per row), the destination matrix and the
+    /// scale grid. Empty segments for a job of no elements. For the check that the memory is the
+    /// device's (`transport::access`); the job must have passed [`check_job`].
+    pub fn regions(&self) -> [Segment; 3] {
+        let [matrix, scales] = self.written();
+        if self.elements() == 0 {
+            return [Segment::default(), matrix, scales];
+        }
+        let size = self.source.size();
+        let row = (self.cols * size).next_multiple_of(16);
+        let stride = self.src_stride * size;
+        let source = Segment {
+            src: self.src,
+            dst: self.src,
+            len: row,
+            count: [self.rows, 1],
+            src_stride: [stride, 0],
+            dst_stride: [stride, 0],
+        };
+        [source, matrix, scales]
+    }
+
     /// The destination matrix and the scale grid as two segments (their destination sides; the source
     /// sides repeat them), for the overlap check.
     fn written(&self) -> [Segment; 2] {
