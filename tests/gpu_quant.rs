@@ -164,3 +164,94 @@ fn the_kernel_compiles_for_hopper_and_ampere() {
         assert_eq!(text.contains("e4m3x2"), major >= 9, "the hardware conversion on sm_89 and later only");
     }
 }
+
+/// refit_quantize_batch refuses, before the kernel runs, jobs whose memory is not the device's (a
+/// source in host malloc memory, an unmapped destination, scales running past their allocation),
+/// naming the job and region; the context stays usable: a good job afterwards quantizes right.
+#[test]
+#[ignore = "needs a GPU"]
+fn the_c_api_refuses_jobs_over_memory_that_is_not_the_devices() {
+    use refit::ffi::group::{
+        refit_group_create, refit_group_destroy, refit_group_options_init, REFIT_BACKEND_CUDA,
+    };
+    use refit::ffi::quantize::*;
+    use refit::ffi::status::refit_last_error_message;
+    let message = || {
+        // SAFETY: the library's thread-local message, NUL-terminated.
+        unsafe { std::ffi::CStr::from_ptr(refit_last_error_message()) }.to_string_lossy().into_owned()
+    };
+    let mut options = std::mem::MaybeUninit::uninit();
+    assert_eq!(refit_group_options_init(options.as_mut_ptr()), Status::Success);
+    // SAFETY: initialized by the call above.
+    let mut options = unsafe { options.assume_init() };
+    options.backend = REFIT_BACKEND_CUDA;
+    let mut group = std::ptr::null_mut();
+    assert_eq!(refit_group_create([0].as_ptr(), 1, &options, &mut group), Status::Success);
+
+    let (rows, cols) = (256u64, 256u64);
+    let bytes: Vec<u8> =
+        (0..rows * cols).flat_map(|i| (((i % 251) as u16) << 4 | 0x3c00).to_le_bytes()).collect();
+    let src = Buffer::new(0, bytes.len());
+    src.upload(&bytes);
+    let dst = Buffer::new(0, (rows * cols) as usize);
+    let scales = Buffer::new(0, 4 * 4);
+    let good = refit_quantize_job {
+        quantization: refit_quantization {
+            target: REFIT_FP8_E4M3FN,
+            granularity: REFIT_QUANT_BLOCK,
+            block_rows: 128,
+            block_cols: 128,
+        },
+        source_type: REFIT_SOURCE_BF16,
+        reserved: 0,
+        src: src.ptr,
+        rows,
+        cols,
+        src_row_stride: cols,
+        dst: dst.ptr,
+        dst_row_stride: cols,
+        scales: scales.ptr,
+        scale_row_stride: 2,
+    };
+    let host = vec![0u8; bytes.len()];
+    let cases = [
+        ("host source", refit_quantize_job { src: host.as_ptr() as u64, ..good }, "jobs[0]: its source"),
+        (
+            "unmapped destination",
+            refit_quantize_job { dst: 0x7f00_0000_0000, ..good },
+            "jobs[0]: its destination",
+        ),
+        (
+            "scales past their allocation",
+            refit_quantize_job { scale_row_stride: 1 << 20, ..good },
+            "jobs[0]: its scales",
+        ),
+    ];
+    for (what, job, words) in cases {
+        let status = refit_quantize_batch(group, 0, std::ptr::null_mut(), &job, 1, 0);
+        assert_eq!(status, Status::InvalidArgument, "{what}: {}", message());
+        assert!(message().contains(words), "{what}: {words:?} missing from {}", message());
+    }
+    dst.fill(SENTINEL);
+    assert_eq!(
+        refit_quantize_batch(group, 0, std::ptr::null_mut(), &good, 1, 0),
+        Status::Success,
+        "{}",
+        message()
+    );
+    cuda::sync_device(0);
+    let (mut want_dst, mut want_scales) = (vec![SENTINEL; dst.len], vec![SENTINEL; scales.len]);
+    let source = refit::quant::reference::SourceMatrix {
+        bytes: &bytes,
+        source: SourceType::Bf16,
+        rows,
+        cols,
+        stride: cols,
+    };
+    let quantization =
+        Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } };
+    refit::quant::reference::quantize(quantization, &source, &mut want_dst, cols, &mut want_scales, 2);
+    assert!(dst.download() == want_dst, "the context no longer quantizes right");
+    assert!(scales.download() == want_scales, "the context no longer writes the right scales");
+    refit_group_destroy(group);
+}

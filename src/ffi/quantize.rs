@@ -7,9 +7,9 @@
 
 use super::handles::live;
 use super::{boundary, slice};
+use crate::error::Status;
 use crate::error::{Error, Result};
 use crate::ffi::group::refit_group;
-use crate::error::Status;
 use crate::group::Group;
 use crate::quant::{check_jobs, Fp8, Granularity, QuantJob, Quantization, SourceType};
 use crate::transport::access::first_unusable;
