@@ -1,0 +1,103 @@
+"""vLLM 0.33's own model classes (built on CPU per rank) loaded by their own load_weights, against
+what refit installs from needs recorded from that same loader: every element of every parameter,
+for each family of families.py at each parallel layout of its MATRIX. Targets: 0 mismatching
+elements, 0 parameters only one side writes, 0 refusals. A family vLLM cannot build on its CPU
+platform is reported as a skip with vLLM's reason (printed and counted as skipped, never passed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import sys
+import unittest
+from typing import Any, Dict, List
+
+import compare
+import vllm_harness as harness
+from families import FAMILIES, MATRIX
+from refit.integrations.recorder import Recording
+
+REPORT: List[str] = []
+
+
+def setUpModule() -> None:
+    print(f"\nframeworks: {compare.versions()}", file=sys.stderr)
+
+
+def tearDownModule() -> None:
+    for line in REPORT:
+        print(line, file=sys.stderr)
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint(family: str) -> Any:
+    folder = harness.hf_folder(family, FAMILIES[family]())
+    specs = harness.checkpoint_specs(folder)
+    return folder, specs, harness.index_encoded(specs)
+
+
+class VllmLoaderTest(unittest.TestCase):
+    def check(self, family: str, parallel: harness.Parallel) -> None:
+        folder, specs, ckpt = checkpoint(family)
+        try:
+            config = harness.engine_config(folder, parallel)
+        except Exception as error:  # vLLM refuses this configuration on its CPU platform
+            REPORT.append(f"frameworks: {family} {parallel.label()}: vLLM cannot build it on CPU: {error}")
+            self.skipTest(f"vLLM cannot build {family} {parallel.label()} on CPU: {error}")
+        staged: Dict[str, str] = {}
+        padding = 0
+        for tp_rank, pp_rank in parallel.ranks():
+            result = compare.run_rank(config, parallel, tp_rank, pp_rank, specs, ckpt)
+            where = f"{family} {parallel.label()} rank tp{tp_rank}/pp{pp_rank}"
+            self.assertEqual(result.mismatches, [], where)
+            self.assertEqual(result.only_loader, [], f"{where}: parameters only vLLM's loader writes")
+            self.assertEqual(result.only_refit, [], f"{where}: parameters only refit writes")
+            self.assertGreater(result.elements, 0, where)
+            staged.update(result.staged)
+            padding += result.padding
+        REPORT.append(
+            f"frameworks: {family} {parallel.label()}: {len(parallel.ranks())} ranks equal vLLM's loader element for "
+            f"element; {padding} padding elements (zero-filled by vLLM, left by refit); staged: {staged or 'none'}"
+        )
+
+
+def _add_cases() -> None:
+    for family, layouts in MATRIX.items():
+        for parallel in layouts:
+            name = f"test_{family}_{parallel.label()}"
+            setattr(VllmLoaderTest, name, lambda self, f=family, p=parallel: self.check(f, p))
+
+
+_add_cases()
+
+
+class SwappedLayoutTest(unittest.TestCase):
+    """The comparison can fail: two equal-sized pieces of a recorded layout swapped (gate and up of
+    a fused gate_up, then q and k rows of a fused qkv) must show up as mismatching elements."""
+
+    def test_swapping_two_pieces_is_caught(self) -> None:
+        folder, specs, ckpt = checkpoint("llama")
+        parallel = harness.Parallel(2)
+        config = harness.engine_config(folder, parallel)
+
+        def swap(recording: Recording) -> Recording:
+            layouts = list(recording.layouts)
+            for i, layout in enumerate(layouts):
+                pieces = list(layout.pieces)
+                pairs = [(a, b) for a in range(len(pieces)) for b in range(a + 1, len(pieces)) if pieces[a].extent == pieces[b].extent and pieces[a].tensor != pieces[b].tensor]
+                if layout.name.endswith("gate_up_proj.weight") and pairs:
+                    a, b = pairs[0]
+                    pieces[a], pieces[b] = dataclasses.replace(pieces[a], at=pieces[b].at), dataclasses.replace(pieces[b], at=pieces[a].at)
+                    layouts[i] = dataclasses.replace(layout, pieces=tuple(pieces))
+                    return dataclasses.replace(recording, layouts=layouts)
+            self.fail("no gate_up_proj with two equal pieces to swap")
+
+        result = compare.run_rank(config, parallel, 1, 0, specs, ckpt, tamper=swap)
+        self.assertEqual(len(result.mismatches), 1, result.mismatches)
+        self.assertIn("gate_up_proj.weight", result.mismatches[0])
+        # The untampered recording still passes (the cache was not changed by the swap).
+        self.assertEqual(compare.run_rank(config, parallel, 1, 0, specs, ckpt).mismatches, [])
+
+
+if __name__ == "__main__":
+    unittest.main()
