@@ -236,6 +236,7 @@ class _Mode:
         self.staged: Dict[str, str] = {}
         self.staged_params: Dict[str, set] = {}
         self.params_written_by_staged: set = set()
+        self._tracked: set = set()
 
     # What a tensor is: a view of a root, of a dense copy (resolved to its source when it maps),
     # or something computed from checkpoint tensors.
@@ -253,12 +254,34 @@ class _Mode:
             return None, self.tainted[key]
         return None, None
 
-    def sources(self, values: Iterable[Any], is_tensor: Callable[[Any], bool]) -> Tuple[set, List[str]]:
+    @property
+    def tracked(self) -> set:
+        """Storages that hold checkpoint elements: stand-ins, copies of them, things computed from them."""
+        return self._tracked
+
+    def track_checkpoint(self, tensor: Any, name: str, shape: Shape) -> None:
+        key = _storage_key(tensor)
+        self.roots[key] = _Root("checkpoint", name, 0, shape)
+        self._tracked.add(key)
+
+    def remember_copy(self, tensor: Any, source: _View) -> None:
+        key = _storage_key(tensor)
+        if key not in self.roots:
+            self.dense[key] = _Dense(_view_of(tensor, key), source)
+            self.tainted.pop(key, None)
+            self._tracked.add(key)
+
+    def taint(self, tensor: Any, names: Iterable[str], why: str) -> None:
+        key = _storage_key(tensor)
+        if key not in self.roots:
+            self.tainted[key] = (frozenset(names), why)
+            self.dense.pop(key, None)
+            self._tracked.add(key)
+
+    def sources(self, values: Iterable[Any]) -> Tuple[set, List[str]]:
         names: set = set()
         reasons: List[str] = []
         for value in values:
-            if not is_tensor(value):
-                continue
             view, taint = self.resolve(value)
             if view is not None and self.roots[view.root].kind == "checkpoint":
                 names.add(self.roots[view.root].name)
@@ -274,26 +297,50 @@ class _Mode:
                 self.staged_params.setdefault(name, set()).add(param)
 
 
-def _flat_tensors(value: Any, is_tensor: Callable[[Any], bool]) -> List[Any]:
-    if is_tensor(value):
-        return [value]
-    if isinstance(value, (list, tuple)):
-        return [t for item in value for t in _flat_tensors(item, is_tensor)]
-    if isinstance(value, dict):
-        return [t for item in value.values() for t in _flat_tensors(item, is_tensor)]
-    return []
-
-
 def _make_mode_class() -> Any:
     import torch
     from torch.utils._python_dispatch import TorchDispatchMode
 
     aten = torch.ops.aten
+    Tensor = torch.Tensor
     pure_copies = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default, aten.lift_fresh.default}
     fills = {aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
-    is_tensor = lambda value: isinstance(value, torch.Tensor)  # noqa: E731
+    kinds: Dict[Any, Any] = {}
+
+    def kind_of(func: Any) -> Any:
+        """copy, fill, view (returns an alias of an input: nothing to record), ("write", argument
+        positions it changes in place) or other; once per op."""
+        kind = kinds.get(func)
+        if kind is None:
+            schema = func._schema
+            writes = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+            if func is aten.copy_.default:
+                kind = "copy"
+            elif func in fills:
+                kind = "fill"
+            elif writes:
+                kind = ("write", writes)
+            elif any(r.alias_info is not None for r in schema.returns):
+                kind = "view"
+            else:
+                kind = "other"
+            kinds[func] = kind
+        return kind
+
+    def tensors(values: Iterable[Any]) -> List[Any]:
+        out = []
+        for value in values:
+            if isinstance(value, Tensor):
+                out.append(value)
+            elif isinstance(value, (list, tuple)):
+                out.extend(v for v in value if isinstance(v, Tensor))
+        return out
 
     class RecordingMode(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False  # no dynamo wrapper around every op: the recording runs eagerly
+
         def __init__(self, state: _Mode) -> None:
             super().__init__()
             self.state = state
@@ -301,44 +348,40 @@ def _make_mode_class() -> Any:
         def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
-            state = self.state
-            if func is aten.copy_.default:
+            kind = kind_of(func)
+            if kind == "view" or kind == "fill":
+                return out
+            if kind == "copy":
                 self.copy(args[0], args[1])
                 return out
-            schema = func._schema
-            written = [
-                value
-                for argument, value in zip(schema.arguments, args)
-                if argument.alias_info is not None and argument.alias_info.is_write and is_tensor(value)
-            ]
-            if func in fills:
+            state = self.state
+            inputs = tensors(args)
+            if kwargs:
+                inputs += tensors(kwargs.values())
+            tracked = state.tracked
+            if not any(_storage_key(t) in tracked for t in inputs):
                 return out
-            inputs = _flat_tensors(list(args) + list(kwargs.values()), is_tensor)
-            names, reasons = state.sources(inputs, is_tensor)
-            if not names:
+            names, reasons = state.sources(inputs)
+            name = func.overloadpacket.__name__
+            if kind != "other":
+                for target in (args[i] for i in kind[1] if i < len(args) and isinstance(args[i], Tensor)):
+                    view, _ = state.resolve(target)
+                    root = state.roots.get(view.root) if view is not None else None
+                    if root is not None and root.kind == "param":
+                        state.stage(names, f"{name} into a parameter", root.name)
+                        state.params_written_by_staged.add(root.name)
+                    elif root is not None and root.kind == "checkpoint":
+                        state.stage([root.name], f"changed in place by {name}")
+                    else:
+                        state.taint(target, names, reasons[0] if reasons else f"computed by {name}")
                 return out
-            for target in written:
-                view, _ = state.resolve(target)
-                root = state.roots.get(view.root) if view is not None else None
-                if root is not None and root.kind == "param":
-                    state.stage(names, f"{func.overloadpacket.__name__} into a parameter", root.name)
-                    state.params_written_by_staged.add(root.name)
-                elif root is not None and root.kind == "checkpoint":
-                    state.stage([root.name], f"changed in place by {func.overloadpacket.__name__}")
-                else:
-                    state.tainted[_storage_key(target)] = (frozenset(names), reasons[0] if reasons else func.overloadpacket.__name__)
-            if written or getattr(func, "is_view", False):
-                return out
-            outputs = _flat_tensors(out, is_tensor)
+            outputs = tensors(out if isinstance(out, (list, tuple)) else [out])
             single = len(inputs) == 1 and len(outputs) == 1
             same_type = single and outputs[0].dtype == inputs[0].dtype
-            is_copy = func in pure_copies or (func is aten._to_copy.default and same_type)
-            if is_copy and single and not reasons:
+            if single and not reasons and (func in pure_copies or (func is aten._to_copy.default and same_type)):
                 source, _ = state.resolve(inputs[0])
                 if source is not None:
-                    key = _storage_key(outputs[0])
-                    if key not in state.roots:
-                        state.dense[key] = _Dense(_view_of(outputs[0], key), source)
+                    state.remember_copy(outputs[0], source)
                     return out
             if func is aten._to_copy.default and single and not same_type:
                 why = "dtype conversion"
@@ -347,15 +390,15 @@ def _make_mode_class() -> Any:
             elif func.overloadpacket in (aten.cat, aten.stack):
                 why = "concatenation into a new tensor"
             else:
-                why = f"computed by {func.overloadpacket.__name__}"
+                why = f"computed by {name}"
             for tensor in outputs:
-                key = _storage_key(tensor)
-                if key not in state.roots:
-                    state.tainted[key] = (frozenset(names), why)
+                state.taint(tensor, names, why)
             return out
 
         def copy(self, dst: Any, src: Any) -> None:
             state = self.state
+            if _storage_key(src) not in state.tracked:
+                return  # nothing from the checkpoint (a parameter filled from a constant tensor)
             target, _ = state.resolve(dst)
             root = state.roots.get(target.root) if target is not None else None
             source, taint = state.resolve(src)
@@ -363,13 +406,12 @@ def _make_mode_class() -> Any:
                 if root is not None and root.kind == "checkpoint":
                     state.stage([root.name], "written by the loader")
                     return
-                names, _ = state.sources([src], is_tensor)
-                if names:  # a copy into a new tensor: it now holds (part of) a checkpoint tensor
-                    key = _storage_key(dst)
-                    if source is not None and tuple(src.shape) == tuple(dst.shape) and src.dtype == dst.dtype:
-                        state.dense[key] = _Dense(_view_of(dst, key), source)
-                    else:
-                        state.tainted[key] = (frozenset(names), taint[1] if taint else "copied into a new tensor")
+                # A copy into a new tensor: it now holds (part of) a checkpoint tensor.
+                if source is not None and tuple(src.shape) == tuple(dst.shape) and src.dtype == dst.dtype:
+                    state.remember_copy(dst, source)
+                else:
+                    names, _ = state.sources([src])
+                    state.taint(dst, names, taint[1] if taint else "copied into a new tensor")
                 return
             if source is None:
                 if taint is not None:
@@ -377,15 +419,13 @@ def _make_mode_class() -> Any:
                     state.params_written_by_staged.add(root.name)
                 return
             source_root = state.roots[source.root]
-            if source_root.kind != "checkpoint":
-                return  # a parameter copied into another: no checkpoint element
             if src.dtype != dst.dtype:
                 state.stage([source_root.name], "dtype conversion", root.name)
                 state.params_written_by_staged.add(root.name)
                 return
             state.copies.append((source_root.name, source, root.name, target))
 
-    return RecordingMode, is_tensor
+    return RecordingMode
 
 
 _CACHE: Dict[Any, Recording] = {}
@@ -415,31 +455,31 @@ def record(
     not_meta = [name for name, t in params if t.device.type != "meta"]
     if not_meta:
         raise ValueError(f"record needs a model built on the meta device; {len(not_meta)} parameters are not, e.g. {not_meta[:3]}")
-    RecordingMode, _ = _make_mode_class()
+    RecordingMode = _make_mode_class()
     state = _Mode()
     keep: List[Any] = []  # the stand-ins stay alive, so no storage key is reused while recording
     for name, tensor in params:
         state.roots[_storage_key(tensor)] = _Root("param", name, int(tensor.storage_offset()), tuple(tensor.shape))
     order = list(specs.values())
+    for spec in order:
+        tensor = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+        keep.append(tensor)
+        state.track_checkpoint(tensor, spec.name, spec.shape)
     position = 0
 
     def stand_ins() -> Iterable[Tuple[str, Any]]:
         nonlocal position
         while position < len(order):
-            spec = order[position]
             position += 1
-            tensor = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
-            keep.append(tensor)
-            state.roots[_storage_key(tensor)] = _Root("checkpoint", spec.name, 0, spec.shape)
-            yield spec.name, tensor
+            yield order[position - 1].name, keep[position - 1]
 
     with RecordingMode(state):
         while position < len(order):
             try:
                 loader(stand_ins())
-            except Exception as error:  # the loader needs values a stand-in does not hold
+            except Exception as error:  # e.g. the loader reads values a stand-in does not hold
                 failed = order[position - 1].name
-                state.stage([failed], f"the loader needs its values ({type(error).__name__}: {str(error)[:80]})")
+                state.stage([failed], f"the loader raised {type(error).__name__}: {str(error)[:80]}")
     recording = _finish(state, infos, specs, [name for name, _ in params])
     log.info("%s", recording.summary())
     if cache:

@@ -35,7 +35,7 @@ def qwen3_moe() -> Any:
     from transformers import Qwen3MoeConfig
 
     return Qwen3MoeConfig(
-        intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+        intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
         num_hidden_layers=2, vocab_size=100, head_dim=8, **COMMON,
     )
 

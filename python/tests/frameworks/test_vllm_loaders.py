@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 import sys
 import unittest
 from typing import Any, Dict, List
@@ -46,8 +47,11 @@ class VllmLoaderTest(unittest.TestCase):
             self.skipTest(f"vLLM cannot build {family} {parallel.label()} on CPU: {error}")
         staged: Dict[str, str] = {}
         padding = 0
+        experts: Dict[int, List[int]] = {}
         for tp_rank, pp_rank in parallel.ranks():
             result = compare.run_rank(config, parallel, tp_rank, pp_rank, specs, ckpt)
+            if pp_rank == parallel.pp - 1:
+                experts[tp_rank] = experts_of(result.recording)
             where = f"{family} {parallel.label()} rank tp{tp_rank}/pp{pp_rank}"
             self.assertEqual(result.mismatches, [], where)
             self.assertEqual(result.only_loader, [], f"{where}: parameters only vLLM's loader writes")
@@ -55,10 +59,27 @@ class VllmLoaderTest(unittest.TestCase):
             self.assertGreater(result.elements, 0, where)
             staged.update(result.staged)
             padding += result.padding
+        if parallel.ep and parallel.tp == 4:
+            # Where vLLM places experts is read from the engine (recorded), never assumed: DeepSeek
+            # has expert groups, so round-robin holds; Qwen3-MoE has none and vLLM falls back to
+            # linear placement (expert_map_manager.determine_expert_placement_strategy).
+            want = {"deepseek_v2_lite": {r: [r, r + 4] for r in range(4)}, "qwen3_moe": {r: [2 * r, 2 * r + 1] for r in range(4)}}
+            self.assertEqual(experts, want[family], f"{family} {parallel.label()}: experts per rank")
         REPORT.append(
-            f"frameworks: {family} {parallel.label()}: {len(parallel.ranks())} ranks equal vLLM's loader element for "
+            f"frameworks: {family} {parallel.label()}: experts per TP rank {experts or 'n/a'}; {len(parallel.ranks())} ranks equal vLLM's loader element for "
             f"element; {padding} padding elements (zero-filled by vLLM, left by refit); staged: {staged or 'none'}"
         )
+
+
+def experts_of(recording: Recording) -> List[int]:
+    """The checkpoint experts whose weights land on this rank (in the last MoE layer it holds)."""
+    found: Dict[int, set] = {}
+    for layout in recording.layouts:
+        for piece in layout.pieces:
+            match = re.search(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.", piece.tensor)
+            if match:
+                found.setdefault(int(match.group(1)), set()).add(int(match.group(2)))
+    return sorted(found[max(found)]) if found else []
 
 
 def _add_cases() -> None:

@@ -66,6 +66,26 @@ def hf_folder(family: str, hf_config: Any) -> str:
     return folder
 
 
+def config_folder(name: str, hf_config: Any) -> str:
+    """A folder with only the config: enough for EngineArgs (load_format "dummy")."""
+    folder = tempfile.mkdtemp(prefix=f"refit-{name}-")
+    hf_config.save_pretrained(folder)
+    return folder
+
+
+def meta_checkpoint_specs(hf_config: Any, dtype: torch.dtype = torch.bfloat16) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+    """The names, shapes and dtypes transformers would write for `hf_config` (its model built on
+    the meta device, its state dict converted to the on-disk format as save_pretrained does), for
+    models too large to write."""
+    import transformers
+    from transformers.core_model_loading import revert_weight_conversion
+
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=dtype)
+    state = revert_weight_conversion(model, model.state_dict())
+    return {name: (tuple(tensor.shape), tensor.dtype) for name, tensor in state.items()}
+
+
 def checkpoint_specs(folder: str) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
     """Names, shapes and dtypes from the safetensors headers of `folder`, in file order."""
     dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
@@ -94,7 +114,7 @@ def index_encoded(specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -> Dict
     return out
 
 
-def engine_config(folder: str, parallel: Parallel) -> Any:
+def engine_config(folder: str, parallel: Parallel, dtype: str = "float32") -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs: Dict[str, Any] = {}
@@ -104,7 +124,7 @@ def engine_config(folder: str, parallel: Parallel) -> Any:
         model=folder,
         tensor_parallel_size=parallel.tp,
         pipeline_parallel_size=parallel.pp,
-        dtype="float32",
+        dtype=dtype,
         load_format="dummy",
         enforce_eager=True,
         skip_tokenizer_init=True,
@@ -143,6 +163,11 @@ def build(config: Any, device: str) -> torch.nn.Module:
     from vllm.model_executor.model_loader.utils import initialize_model
 
     config.compilation_config.static_forward_context.clear()
-    with torch.device(device):
-        model = initialize_model(vllm_config=config)
-    return model
+    # vLLM's loader builds under the model's dtype as torch's default (set_default_torch_dtype).
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(config.model_config.dtype)
+    try:
+        with torch.device(device):
+            return initialize_model(vllm_config=config)
+    finally:
+        torch.set_default_dtype(default)
