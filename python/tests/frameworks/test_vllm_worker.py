@@ -1,0 +1,71 @@
+"""RefitWorkerExtension on a vLLM 0.33 model built on CPU: refit_needs records the needs from the
+worker's own model class and loader (a meta copy built under the worker's config and parallel
+state), refit_receive installs a HF publisher's whole tensors; every element equals what vLLM's
+load_weights gives. A model whose parameters vLLM post-processes after loading (here the CPU MoE
+backend's prepacking of the experts) is refused, naming those parameters."""
+
+from __future__ import annotations
+
+import unittest
+
+import torch
+
+import compare
+import refit
+import vllm_harness as harness
+from families import FAMILIES
+from refit.integrations import RefitWorkerExtension
+
+
+class Worker(RefitWorkerExtension):
+    """What vLLM's worker gives the extension: vllm_config and model_runner.model."""
+
+    def __init__(self, config, model) -> None:
+        self.vllm_config = config
+        self.model_runner = type("Runner", (), {"model": model})()
+
+
+def publisher_table(ckpt) -> bytes:
+    with refit.Table() as table:
+        compare.offers(table, ckpt, 0)
+        return table.encode()
+
+
+class WorkerExtensionTest(unittest.TestCase):
+    def setUp(self) -> None:
+        self.folder = harness.hf_folder("worker", FAMILIES["qwen2"]())
+        self.specs = harness.checkpoint_specs(self.folder)
+        self.ckpt = harness.index_encoded(self.specs)
+
+    def test_recorded_needs_receive_what_vllm_loads(self) -> None:
+        parallel = harness.Parallel(2)
+        config = harness.engine_config(self.folder, parallel)
+        with harness.as_rank(config, parallel, 1, 0):
+            truth = compare.poisoned(harness.build(config, "cpu"))
+            truth.load_weights(iter(self.ckpt.items()))
+            engine = compare.poisoned(harness.build(config, "cpu"))
+            worker = Worker(config, engine)
+            worker.refit_needs(0, device=0, backend=refit.Backend.HOST)  # checkpoint: the folder's headers
+            stats = worker.refit_receive([publisher_table(self.ckpt)])
+            self.assertIn("fingerprint", stats)
+            result = compare.RankResult(1, 0)
+            compare.compare_model(truth, engine, result, {n for n, _ in engine.named_parameters()})
+            self.assertEqual(result.mismatches, [])
+            self.assertGreater(result.padding, 0)  # 150 rows padded to 192: rank 1 holds 42 of padding
+            worker.refit_close()
+
+    def test_parameters_post_processed_by_the_engine_are_refused_by_name(self) -> None:
+        folder = harness.hf_folder("worker-moe", FAMILIES["qwen3_moe"]())
+        parallel = harness.Parallel(2, ep=True)
+        config = harness.engine_config(folder, parallel)
+        with harness.as_rank(config, parallel, 0, 0):
+            worker = Worker(config, harness.build(config, "cpu"))
+            with self.assertRaises(refit.RefitError) as caught:
+                worker.refit_needs(0, device=0, backend=refit.Backend.HOST)
+        self.assertEqual(caught.exception.status, refit.Status.INVALID_ARGUMENT)
+        self.assertIn("routed_experts.w13_weight", caught.exception.message)
+        self.assertIn("process_weights_after_loading", caught.exception.message)
+
+
+if __name__ == "__main__":
+    unittest.main()
