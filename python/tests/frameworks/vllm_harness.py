@@ -68,7 +68,12 @@ def hf_folder(family: str, hf_config: Any) -> str:
 
 def config_folder(name: str, hf_config: Any) -> str:
     """A folder with only the config: enough for EngineArgs (load_format "dummy")."""
+    import transformers
+
     folder = tempfile.mkdtemp(prefix=f"refit-{name}-")
+    # The causal-LM class, as a saved model names it: without it vLLM builds the base model as a
+    # pooling model (no lm_head).
+    hf_config.architectures = [transformers.AutoModelForCausalLM._model_mapping[type(hf_config)].__name__]
     hf_config.save_pretrained(folder)
     return folder
 
