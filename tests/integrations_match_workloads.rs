@@ -110,8 +110,11 @@ fn demo_receiver_tables() {
     let params = receivers.params(&m, &catalog).expect("the demo's vLLM spec is valid");
     let mut lines = Vec::new();
     for p in &params {
-        let covered: u64 =
-            p.pieces.iter().map(|piece| piece.region.extent.iter().product::<u64>() * u64::from(m.elem_size)).sum();
+        let covered: u64 = p
+            .pieces
+            .iter()
+            .map(|piece| piece.region.extent.iter().product::<u64>() * u64::from(m.elem_size))
+            .sum();
         // The demo's vocabulary splits evenly over TP 2 without padding: every byte is covered once.
         assert_eq!(covered, p.bytes, "{} on rank {}", p.name, p.endpoint.process);
         lines.push(json_line("vllm", "demo", &catalog, &m, p));
@@ -119,7 +122,10 @@ fn demo_receiver_tables() {
     let checkpoint_bytes: u64 =
         catalog.tensors.iter().map(|t| t.shape.iter().product::<u64>() * u64::from(m.elem_size)).sum();
     let received: u64 = params.iter().map(|p| p.bytes).sum();
-    assert!(received >= checkpoint_bytes, "{received} bytes received for a {checkpoint_bytes}-byte checkpoint");
+    assert!(
+        received >= checkpoint_bytes,
+        "{received} bytes received for a {checkpoint_bytes}-byte checkpoint"
+    );
     if let Some(path) = std::env::var_os("REFIT_DEMO_TABLES") {
         std::fs::write(path, lines.join("\n")).expect("REFIT_DEMO_TABLES is writable");
     }
