@@ -191,20 +191,17 @@ def _boxes(src: _View, dst: _View, tensor_shape: Shape) -> Optional[List[Tuple[S
             return False
         extent = [1] * len(tensor_shape)
         strides = [1] * len(tensor_shape)
-        pending = list(levels)
-        while pending:
-            n, s, d = pending.pop(0)
+        for at, (n, s, d) in enumerate(levels):
             k = next((k for k, (ts, tn) in enumerate(zip(tstrides, tensor_shape)) if ts == s and tn > 1 and extent[k] == 1), None)
             if k is None:
-                return explode(levels, levels.index((n, s, d)), src_off, dst_off)
+                return explode(levels, at, src_off, dst_off)
             if origin[k] + n > tensor_shape[k]:
-                # A flattened run across this dimension into the ones outside it.
+                # A flattened run across this dimension into the ones outside it: two levels.
                 size = tensor_shape[k]
                 if origin[k] or n % size or k == 0:
-                    return explode(levels, levels.index((n, s, d)), src_off, dst_off)
-                pending.insert(0, (size, s, d))
-                pending.insert(0, (n // size, tstrides[k - 1], d * size))
-                continue
+                    return explode(levels, at, src_off, dst_off)
+                split = [(n // size, tstrides[k - 1], d * size), (size, s, d)]
+                return place(levels[:at] + split + levels[at + 1 :], src_off, dst_off)
             extent[k], strides[k] = n, d
         if len(out) >= MAX_BOXES_PER_COPY:
             return False

@@ -93,6 +93,26 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual((piece.offset, piece.extent), ((0, 2), (4, 3)))
         self.assertEqual(recording.staged, {})
 
+    def test_flattened_and_strided_reads(self):
+        # A flat parameter taking rows 1..2 of a matrix flattened; every other column of another.
+        specs = {"w": ((4, 6), torch.float32), "v": ((4, 6), torch.float32)}
+        make = lambda device: {"flat": torch.empty(12, device=device), "odd": torch.empty(4, 3, device=device)}  # noqa: E731
+
+        def loader(params):
+            def load(items):
+                for name, t in items:
+                    if name == "w":
+                        params["flat"].copy_(t.reshape(-1)[6:18])
+                    else:
+                        params["odd"].copy_(t[:, 1::2])
+
+            return load
+
+        recording, _, _ = install(self, make, loader, specs)
+        flat, odd = recording.layouts
+        self.assertEqual([(p.offset, p.extent) for p in flat.pieces], [((1, 0), (2, 6))])
+        self.assertEqual([(p.offset, p.extent, p.strides) for p in odd.pieces], [((0, c), (4, 1), (3, 1)) for c in (1, 3, 5)])
+
     def test_vocabulary_padding_is_reported_and_left(self):
         specs = {"embed": ((5, 2), torch.float32)}
         make = lambda device: {"p": torch.empty(8, 2, device=device)}  # noqa: E731
