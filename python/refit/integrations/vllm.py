@@ -118,9 +118,18 @@ def post_processed(model: Any, vllm_config: Any) -> Dict[str, str]:
             for argument, value in zip(func._schema.arguments, args):
                 if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
                     name = self.watched.get(int(value.untyped_storage()._cdata))
-                    if name is not None:
+                    if name is not None and not (func is torch.ops.aten.copy_.default and same_view(value, args[1])):
                         self.written.add(name)
             return func(*args, **(kwargs or {}))
+
+    def same_view(dst: Any, src: Any) -> bool:
+        """A copy of a view onto itself (the unquantized MoE method copies back a padding that did
+        not pad): no change."""
+        return (
+            isinstance(src, torch.Tensor)
+            and int(src.untyped_storage()._cdata) == int(dst.untyped_storage()._cdata)
+            and (src.storage_offset(), src.stride(), src.shape, src.dtype) == (dst.storage_offset(), dst.stride(), dst.shape, dst.dtype)
+        )
 
     changed: Dict[str, str] = {}
     with _building(vllm_config):

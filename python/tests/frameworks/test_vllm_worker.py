@@ -15,6 +15,7 @@ import refit
 import vllm_harness as harness
 from families import FAMILIES
 from refit.integrations import RefitWorkerExtension
+from refit.integrations.vllm import post_processed
 
 
 class Worker(RefitWorkerExtension):
@@ -65,6 +66,40 @@ class WorkerExtensionTest(unittest.TestCase):
         self.assertEqual(caught.exception.status, refit.Status.INVALID_ARGUMENT)
         self.assertIn("routed_experts.w13_weight", caught.exception.message)
         self.assertIn("process_weights_after_loading", caught.exception.message)
+
+
+class PostProcessingTest(unittest.TestCase):
+    """post_processed on layers whose quant method does each kind of thing after loading."""
+
+    def test_changes_are_found_and_a_copy_onto_itself_is_not_one(self) -> None:
+        class Method:
+            def __init__(self, how: str) -> None:
+                self.how = how
+
+            def process_weights_after_loading(self, layer) -> None:
+                w = layer.w
+                if self.how == "identity":  # as the unquantized MoE method does when nothing pads
+                    w.data.copy_(w.data)
+                elif self.how == "swap":  # as FlashInfer's CUTLASS path swaps w13's halves
+                    w.data.copy_(torch.cat([w.data[2:], w.data[:2]]))
+                elif self.how == "replace":
+                    layer.w.data = w.data.t().contiguous()
+                elif self.how == "raise":
+                    raise RuntimeError("a kernel the meta device has not")
+
+        class Layer(torch.nn.Module):
+            def __init__(self, how: str) -> None:
+                super().__init__()
+                self.w = torch.nn.Parameter(torch.empty(4, 4, device="meta"))
+                self.quant_method = Method(how)
+
+        model = torch.nn.Module()
+        for how in ("identity", "swap", "replace", "raise"):
+            model.add_module(how, Layer(how))
+        config = harness.engine_config(harness.hf_folder("post", FAMILIES["llama"]()), harness.Parallel(1))
+        found = post_processed(model, config)
+        self.assertEqual(sorted(found), ["raise.w", "replace.w", "swap.w"])
+        self.assertIn("could not run on the meta device", found["raise.w"])
 
 
 if __name__ == "__main__":
