@@ -547,6 +547,50 @@ class WorkerExtensionTest(unittest.TestCase):
         with self.assertRaises(refit.RefitError):
             worker.refit_receive([encoded_offers])
 
+    def test_a_plan_gone_stale_at_run_is_planned_again_at_the_current_addresses(self):
+        # The executor may find, when it runs, that a rebound parameter now lies inside one of its
+        # coalesced copies (PLAN_STALE, depending on where the allocator put it): the extension
+        # encodes its needs again and plans again, and the refit lands at the new address.
+        model = LLAMA
+        ckpt = checkpoint(model)
+        publisher = MegatronPublisher(model, MegatronRanks())
+        values = megatron_params(model, publisher.ranks, ckpt)
+        source = {layout.name: HostTensor(layout.shape, values[layout.name]) for layout in publisher.layouts}
+        with publisher.table(source, 0, device=0) as offers:
+            encoded_offers = offers.encode()
+        params = {layout.name: HostTensor(layout.shape) for layout in vllm_layouts(model, VllmRanks())}
+        worker = FakeWorker(params)
+        first_needs = worker.refit_needs(0, model=dataclasses.asdict(model), ranks={}, device=0, backend=refit.Backend.HOST)
+        real_executor = refit.Plan.executor
+        runs = []
+
+        class StaleOnce:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def run(self, stream=None):
+                runs.append(1)
+                if len(runs) == 1:
+                    raise refit.RefitError(refit.Status.PLAN_STALE, "after the rebinds, ranges overlap")
+                return self.inner.run(stream)
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+        refit.Plan.executor = lambda plan, group, process, **options: StaleOnce(real_executor(plan, group, process, **options))
+        try:
+            moved = HostTensor((model.hidden,))
+            params["model.norm.weight"] = moved
+            # The caller passes the needs it was given first: stale now, and left out.
+            worker.refit_receive([encoded_offers, first_needs])
+        finally:
+            refit.Plan.executor = real_executor
+        self.assertEqual(len(runs), 2)
+        self.assertNotEqual(worker._refit()["needs"], first_needs)
+        expected = vllm_params(model, VllmRanks(), ckpt, range(model.layers))
+        self.assertEqual(moved.values(), expected["model.norm.weight"])
+        worker.refit_close()
+
 
 if __name__ == "__main__":
     unittest.main()

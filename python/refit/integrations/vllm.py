@@ -365,14 +365,41 @@ class RefitWorkerExtension:
         """Builds (once per set of tables) the plan and this process's executor, runs it, and returns
         its stats with the plan's fingerprint. `tables` holds every process's encoded table; this
         worker's own (from refit_needs) is added when absent. `options` are Plan.executor's keyword
-        arguments (arm, sm_budget, verify, commit, staging_limit)."""
-        from ..group import Group
-
+        arguments (arm, sm_budget, verify, commit, staging_limit). Where the executor finds a rebound
+        parameter inside its copies (PLAN_STALE), this worker's needs are encoded again at the
+        current addresses and the plan is built again (needs returned before are ignored in
+        `tables`)."""
         state = self._refit()
         if "needs" not in state:
             raise invalid_argument("call refit_needs before refit_receive")
         process = state["process"] if process is None else process
-        encoded = list(tables)
+        try:
+            stats = self._refit_executor(tables, process, options).run()
+        except RefitError as error:
+            if error.status != Status.PLAN_STALE:
+                raise
+            # A rebound parameter now lies where the plan's coalesced copies write (the executor
+            # found it before copying): plan again at the current addresses.
+            self.refit_close(keep_needs=True)
+            state.setdefault("old_needs", set()).add(state["needs"])
+            self._refit_encode_needs()
+            stats = self._refit_executor(tables, process, options).run()
+        if state.get("staging"):
+            # The staged tensors arrived in checkpoint layout: the engine's own loader places them
+            # (after the copies, on the same stream).
+            state["receiver"].load_staged(self._refit_model().load_weights, state["staging"])
+        is_dataclass = dataclasses.is_dataclass(stats) and not isinstance(stats, type)
+        result = dataclasses.asdict(stats) if is_dataclass else dict(vars(stats))
+        result["fingerprint"] = state["plan"].fingerprint
+        return result
+
+    def _refit_executor(self, tables: Sequence[bytes], process: int, options: Optional[Mapping[str, Any]]) -> Any:
+        """The executor for these tables (built once per set of tables and options)."""
+        from ..group import Group
+
+        state = self._refit()
+        old = state.get("old_needs", set())
+        encoded = [data for data in tables if data not in old]
         if state["needs"] not in encoded:
             encoded.append(state["needs"])
         key = (tuple(encoded), process, tuple(sorted((options or {}).items())))
@@ -391,15 +418,7 @@ class RefitWorkerExtension:
             state["group"] = Group([device], backend=state["backend"])
             state["executor"] = plan.executor(state["group"], process, **(options or {}))  # type: ignore[attr-defined]
             state["key"] = key
-        stats = state["executor"].run()
-        if state.get("staging"):
-            # The staged tensors arrived in checkpoint layout: the engine's own loader places them
-            # (after the copies, on the same stream).
-            state["receiver"].load_staged(self._refit_model().load_weights, state["staging"])
-        is_dataclass = dataclasses.is_dataclass(stats) and not isinstance(stats, type)
-        result = dataclasses.asdict(stats) if is_dataclass else dict(vars(stats))
-        result["fingerprint"] = state["plan"].fingerprint
-        return result
+        return state["executor"]
 
     def refit_rebind(self) -> int:
         """Tells the executor about every parameter whose storage moved since refit_needs (vLLM's
@@ -442,5 +461,5 @@ class RefitWorkerExtension:
                 handle.close()
         state.pop("key", None)
         if not keep_needs:
-            for key in ("needs", "receiver", "addresses", "sizes", "process", "device", "backend", "staging"):
+            for key in ("needs", "receiver", "addresses", "sizes", "process", "device", "backend", "staging", "old_needs"):
                 state.pop(key, None)
