@@ -92,7 +92,18 @@ def build_meta_model(vllm_config: Any) -> Any:
     from vllm.model_executor.model_loader.utils import initialize_model  # type: ignore[import-not-found]
 
     with _building(vllm_config), torch.device("meta"):
-        return initialize_model(vllm_config=vllm_config)
+        model = initialize_model(vllm_config=vllm_config)
+    forget_pp_layers(model)
+    return model
+
+
+def forget_pp_layers(model: Any) -> None:
+    """vLLM caches each model's pipeline-missing layers by id(model): a model built where a freed one
+    lived would inherit its answer (another stage's layers) and its loader would then fail on its
+    own stage's tensors. Dropped right after building, so it is worked out for this model."""
+    from vllm.model_executor.models import utils  # type: ignore[import-not-found]
+
+    getattr(utils, "_model_to_pp_missing_layer_names", {}).pop(id(model), None)
 
 
 def post_processed(model: Any, vllm_config: Any) -> Dict[str, str]:

@@ -34,6 +34,7 @@ class RankResult:
     padding: int = 0  # elements vLLM's loader zero-fills (no checkpoint element) and refit leaves
     staged: Dict[str, str] = dataclasses.field(default_factory=dict)
     recording: Optional[Recording] = None
+    notes: str = ""
 
 
 def poisoned(model: torch.nn.Module) -> torch.nn.Module:
@@ -101,8 +102,10 @@ def run_rank(
         with refit.Table() as publisher, receiver.table(engine.named_parameters(), 0, device=1, staging=staging) as needs:
             offers(publisher, ckpt, 0)
             with refit.Plan.build([publisher, needs]) as plan, refit.Group([0, 1], refit.Backend.HOST) as group:
-                for route in plan.routes():
+                routes = plan.routes()
+                for route in routes:
                     group.copy_batch(route.dst_device, route.segments)
+                result.notes = f"{len(routes)} routes, {sum(len(r.segments) for r in routes)} segments"
         receiver.load_staged(engine.load_weights, staging)
         written = {layout.name for layout in recording.layouts} | {p for ps in recording.staged_params.values() for p in ps}
         compare_model(truth, engine, result, written)

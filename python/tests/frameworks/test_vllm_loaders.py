@@ -53,7 +53,7 @@ class VllmLoaderTest(unittest.TestCase):
             if pp_rank == parallel.pp - 1:
                 experts[tp_rank] = experts_of(result.recording)
             where = f"{family} {parallel.label()} rank tp{tp_rank}/pp{pp_rank}"
-            self.assertEqual(result.mismatches, [], where)
+            self.assertEqual(result.mismatches, [], f"{where}: {result.recording.summary() if result.recording else ''}; {result.notes}")
             self.assertEqual(result.only_loader, [], f"{where}: parameters only vLLM's loader writes")
             self.assertEqual(result.only_refit, [], f"{where}: parameters only refit writes")
             self.assertGreater(result.elements, 0, where)

@@ -165,6 +165,7 @@ def as_rank(config: Any, parallel: Parallel, tp_rank: int, pp_rank: int) -> Iter
 
 def build(config: Any, device: str) -> torch.nn.Module:
     """The model vLLM builds for the current rank, on `device` ("cpu" or "meta")."""
+    from refit.integrations.vllm import forget_pp_layers
     from vllm.model_executor.model_loader.utils import initialize_model
 
     config.compilation_config.static_forward_context.clear()
@@ -173,6 +174,8 @@ def build(config: Any, device: str) -> torch.nn.Module:
     torch.set_default_dtype(config.model_config.dtype)
     try:
         with torch.device(device):
-            return initialize_model(vllm_config=config)
+            model = initialize_model(vllm_config=config)
     finally:
         torch.set_default_dtype(default)
+    forget_pp_layers(model)  # vLLM caches by id(model); many models come and go here
+    return model
