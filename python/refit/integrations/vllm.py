@@ -98,12 +98,14 @@ def build_meta_model(vllm_config: Any) -> Any:
 
 
 def forget_pp_layers(model: Any) -> None:
-    """vLLM caches each model's pipeline-missing layers by id(model): a model built where a freed one
-    lived would inherit its answer (another stage's layers) and its loader would then fail on its
+    """vLLM caches each model's (and inner model's) pipeline-missing layers by id(module): a model
+    built where a freed one lived would inherit its answer (another stage's layers) and its loader would then fail on its
     own stage's tensors. Dropped right after building, so it is worked out for this model."""
     from vllm.model_executor.models import utils  # type: ignore[import-not-found]
 
-    getattr(utils, "_model_to_pp_missing_layer_names", {}).pop(id(model), None)
+    cache = getattr(utils, "_model_to_pp_missing_layer_names", {})
+    for module in model.modules():  # the inner model's loader asks about itself
+        cache.pop(id(module), None)
 
 
 def post_processed(model: Any, vllm_config: Any) -> Dict[str, str]:

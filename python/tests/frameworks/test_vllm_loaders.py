@@ -92,6 +92,33 @@ def _add_cases() -> None:
 _add_cases()
 
 
+class StaleStageCacheTest(unittest.TestCase):
+    """vLLM caches a model's pipeline-missing layers by id(model); a model built where a freed model
+    of another stage lived would inherit that answer. forget_pp_layers (called by every build)
+    drops it: planted here as such a stale entry, the recording of stage 1 stages nothing."""
+
+    def test_a_stale_entry_for_the_models_id_is_dropped(self) -> None:
+        from refit.integrations.recorder import record
+        from refit.integrations.vllm import forget_pp_layers
+        from vllm.model_executor.models import utils
+
+        folder, specs, _ = checkpoint("deepseek_v2_lite")  # its loader looks stages up by name
+        parallel = harness.Parallel(1, 2)
+        config = harness.engine_config(folder, parallel)
+        recordings = []
+        for forget in (False, True):
+            with harness.as_rank(config, parallel, 0, 1):
+                model = harness.build(config, "meta")
+                # What the inner model of stage 0 holds missing, under this inner model's id.
+                utils._model_to_pp_missing_layer_names[id(model.model)] = ["layers.1", "norm"]
+                if forget:
+                    forget_pp_layers(model)
+                recordings.append(record(model.load_weights, list(model.named_parameters()), specs, cache=False))
+        stale, fresh = recordings
+        self.assertNotEqual(stale.staged, {})  # the loader failed on stage 1's own tensors
+        self.assertEqual(fresh.staged, {})
+
+
 class SwappedLayoutTest(unittest.TestCase):
     """The comparison can fail: two equal-sized pieces of a recorded layout swapped (gate and up of
     a fused gate_up, then q and k rows of a fused qkv) must show up as mismatching elements."""
