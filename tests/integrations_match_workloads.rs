@@ -96,3 +96,37 @@ fn python_layouts_match_the_rust_generator() {
     assert!(output.status.success(), "{stdout}\n{}", String::from_utf8_lossy(&output.stderr));
     assert!(stdout.contains(&format!("{} parameters match", lines.len())), "{stdout}");
 }
+
+/// The demo's receiver tables (examples/demo.rs: Qwen3-30B-A3B at full width, one layer as on a host
+/// without a GPU, vLLM TP 2) as JSON lines: checked here for covering every parameter byte of each
+/// rank once per checkpoint element, and written to $REFIT_DEMO_TABLES when set, where the
+/// real-framework suite (python/tests/frameworks/test_demo_tables.py) compares them with what the
+/// recorder gives from vLLM 0.33's own model class and loader for the same shapes.
+#[test]
+fn demo_receiver_tables() {
+    let m = Model::qwen3_30b_a3b().with_layers(1);
+    let catalog = CheckpointTensors::new(&m);
+    let receivers = Vllm { endpoints: endpoints(2) };
+    let params = receivers.params(&m, &catalog).expect("the demo's vLLM spec is valid");
+    let mut lines = Vec::new();
+    for p in &params {
+        let covered: u64 = p
+            .pieces
+            .iter()
+            .map(|piece| piece.region.extent.iter().product::<u64>() * u64::from(m.elem_size))
+            .sum();
+        // The demo's vocabulary splits evenly over TP 2 without padding: every byte is covered once.
+        assert_eq!(covered, p.bytes, "{} on rank {}", p.name, p.endpoint.process);
+        lines.push(json_line("vllm", "demo", &catalog, &m, p));
+    }
+    let checkpoint_bytes: u64 =
+        catalog.tensors.iter().map(|t| t.shape.iter().product::<u64>() * u64::from(m.elem_size)).sum();
+    let received: u64 = params.iter().map(|p| p.bytes).sum();
+    assert!(
+        received >= checkpoint_bytes,
+        "{received} bytes received for a {checkpoint_bytes}-byte checkpoint"
+    );
+    if let Some(path) = std::env::var_os("REFIT_DEMO_TABLES") {
+        std::fs::write(path, lines.join("\n")).expect("REFIT_DEMO_TABLES is writable");
+    }
+}

@@ -22,6 +22,7 @@ from refit.integrations import (
     vllm_layouts,
 )
 from refit.integrations.layout import Piece
+from refit.integrations.recorder import ParamInfo, Recording, TensorSpec
 from refit.integrations.megatron import stage_layers as megatron_stage
 from refit.integrations.vllm import local_experts
 from refit.integrations.vllm import stage_layers as vllm_stage
@@ -302,6 +303,81 @@ class HostRefitTest(unittest.TestCase):
         self.refit(LLAMA, megatron_world(LLAMA, tp=2, pp=1), vllm_world(LLAMA, tp=2, pp=2), [range(0, 2)] * 2 + [range(2, 3)] * 2)
 
 
+def recording_of(model, layouts, staged=()):
+    """A Recording as the recorder would give it for these layouts (what vLLM's loader does for
+    them), with the checkpoint tensors in `staged` taking the staging path instead."""
+    params = {l.name: ParamInfo(l.shape, HostTensor(l.shape).stride(), "torch.bfloat16") for l in layouts}
+    kept = [dataclasses.replace(l, pieces=tuple(p for p in l.pieces if p.tensor not in staged)) for l in layouts]
+    checkpoint = {n: TensorSpec(n, s, "bfloat16") for n, s in model.checkpoint_tensors().items()}
+    writers = {t: [l.name for l in layouts if any(p.tensor == t for p in l.pieces)] for t in staged}
+    return Recording([l for l in kept if l.pieces], {t: "computed by mul" for t in staged}, params, checkpoint, [], {}, writers)
+
+
+class RecordedReceiverTest(unittest.TestCase):
+    """The receiver side of a recording (receiver.py) without torch: needs at the live parameters'
+    addresses, staged tensors whole into staging and then through the loader, refusals."""
+
+    def test_a_recorded_llama_receiver_with_a_staged_tensor(self):
+        model = LLAMA
+        ckpt = checkpoint(model)
+        ranks = VllmRanks(tp=2, tp_rank=1)
+        layouts = vllm_layouts(model, ranks)
+        norm = "model.norm.weight"
+        receiver = VllmReceiver(recording_of(model, layouts, staged=(norm,)))
+        self.assertEqual(receiver.staged, {norm: "computed by mul"})
+        params = {l.name: HostTensor(l.shape) for l in layouts}
+        staging = receiver.staging_buffers(lambda shape, dtype: HostTensor(shape))
+        tables = []
+        for device, mranks in megatron_world(model, tp=2, pp=1, dp=1):
+            publisher = MegatronPublisher(model, mranks)
+            values = megatron_params(model, mranks, ckpt)
+            source = {l.name: HostTensor(l.shape, values[l.name]) for l in publisher.layouts}
+            tables.append((publisher.table(source, 0, device=device), source))
+        with refit.Table() as table:
+            with self.assertRaises(refit.RefitError) as caught:
+                receiver.add_to(table, params, 0, device=2)
+            self.assertIn("no staging buffer", caught.exception.message)
+        tables.append((receiver.table(params, 0, device=2, staging=staging), params))
+        with refit.Plan.build(t for t, _ in tables) as plan, refit.Group(range(3), refit.Backend.HOST) as group:
+            for route in plan.routes():
+                group.copy_batch(route.dst_device, route.segments)
+        for table, _ in tables:
+            table.close()
+        expected = vllm_params(model, ranks, ckpt, range(model.layers))
+        self.assertEqual(params[norm].values(), [POISON] * model.hidden)  # not written by the plan
+        self.assertEqual(staging[norm].values(), expected[norm])  # the whole tensor, in staging
+        loaded = []
+
+        def loader(items):  # the engine's loader: here it places the norm as it is
+            for name, tensor in items:
+                loaded.append(name)
+                params[norm].buffer[:] = tensor.buffer
+
+        self.assertEqual(receiver.load_staged(loader, staging), 1)
+        self.assertEqual(loaded, [norm])
+        for name, tensor in params.items():
+            self.assertEqual(tensor.values(), expected[name], name)
+
+    def test_a_recorded_receiver_refuses_parameters_other_than_the_recorded_ones(self):
+        layouts = vllm_layouts(LLAMA, VllmRanks())
+        receiver = VllmReceiver(recording_of(LLAMA, layouts))
+        params = {l.name: HostTensor(l.shape) for l in layouts}
+        with refit.Table() as table:
+            for bad, text in (
+                ({**params, "model.norm.weight": HostTensor((9,))}, "changed shape, strides or dtype"),
+                ({**params, "extra.bias": HostTensor((2,))}, "1 new"),
+            ):
+                with self.assertRaises(refit.RefitError) as caught:
+                    receiver.add_to(table, bad, 0, device=0)
+                self.assertEqual(caught.exception.status, refit.Status.INVALID_ARGUMENT)
+                self.assertIn(text, caught.exception.message)
+        post = VllmReceiver(recording_of(LLAMA, layouts), post={"model.layers.0.mlp.down_proj.weight": "X.process_weights_after_loading"})
+        with refit.Table() as table, self.assertRaises(refit.RefitError) as caught:
+            post.add_to(table, params, 0, device=0)
+        self.assertIn("model.layers.0.mlp.down_proj.weight", caught.exception.message)
+        self.assertIn("transformed by the engine after loading", caught.exception.message)
+
+
 class BindingTest(unittest.TestCase):
     def setUp(self):
         self.receiver = VllmReceiver(LLAMA, VllmRanks())
@@ -470,6 +546,50 @@ class WorkerExtensionTest(unittest.TestCase):
         worker.refit_close()
         with self.assertRaises(refit.RefitError):
             worker.refit_receive([encoded_offers])
+
+    def test_a_plan_gone_stale_at_run_is_planned_again_at_the_current_addresses(self):
+        # The executor may find, when it runs, that a rebound parameter now lies inside one of its
+        # coalesced copies (PLAN_STALE, depending on where the allocator put it): the extension
+        # encodes its needs again and plans again, and the refit lands at the new address.
+        model = LLAMA
+        ckpt = checkpoint(model)
+        publisher = MegatronPublisher(model, MegatronRanks())
+        values = megatron_params(model, publisher.ranks, ckpt)
+        source = {layout.name: HostTensor(layout.shape, values[layout.name]) for layout in publisher.layouts}
+        with publisher.table(source, 0, device=0) as offers:
+            encoded_offers = offers.encode()
+        params = {layout.name: HostTensor(layout.shape) for layout in vllm_layouts(model, VllmRanks())}
+        worker = FakeWorker(params)
+        first_needs = worker.refit_needs(0, model=dataclasses.asdict(model), ranks={}, device=0, backend=refit.Backend.HOST)
+        real_executor = refit.Plan.executor
+        runs = []
+
+        class StaleOnce:
+            def __init__(self, inner):
+                self.inner = inner
+
+            def run(self, stream=None):
+                runs.append(1)
+                if len(runs) == 1:
+                    raise refit.RefitError(refit.Status.PLAN_STALE, "after the rebinds, ranges overlap")
+                return self.inner.run(stream)
+
+            def __getattr__(self, name):
+                return getattr(self.inner, name)
+
+        refit.Plan.executor = lambda plan, group, process, **options: StaleOnce(real_executor(plan, group, process, **options))
+        try:
+            moved = HostTensor((model.hidden,))
+            params["model.norm.weight"] = moved
+            # The caller passes the needs it was given first: stale now, and left out.
+            worker.refit_receive([encoded_offers, first_needs])
+        finally:
+            refit.Plan.executor = real_executor
+        self.assertEqual(len(runs), 2)
+        self.assertNotEqual(worker._refit()["needs"], first_needs)
+        expected = vllm_params(model, VllmRanks(), ckpt, range(model.layers))
+        self.assertEqual(moved.values(), expected["model.norm.weight"])
+        worker.refit_close()
 
 
 if __name__ == "__main__":

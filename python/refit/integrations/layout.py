@@ -152,15 +152,16 @@ _ELEM_SIZES = {
 
 @dataclasses.dataclass(frozen=True)
 class Piece:
-    """The box `offset`/`extent` (element coordinates) of checkpoint tensor `tensor`, stored
-    row-major over `extent` from element `at` of a parameter. Every piece the rules produce is
-    contiguous: fused parameters concatenate whole row blocks, and a column split is a parameter of
-    its own (workloads/src/param.rs, Piece)."""
+    """The box `offset`/`extent` (element coordinates) of checkpoint tensor `tensor`, stored from
+    element `at` of a parameter, row-major over `extent` or with element strides `dst_strides` (one
+    per tensor dimension; pieces recorded from an engine's loader carry them). Every piece the
+    hand-written rules produce is contiguous (workloads/src/param.rs, Piece)."""
 
     tensor: str
     offset: Shape
     extent: Shape
     at: int
+    dst_strides: Optional[Shape] = None
 
     @property
     def numel(self) -> int:
@@ -171,7 +172,11 @@ class Piece:
 
     @property
     def strides(self) -> Shape:
-        """Element strides of the piece inside the parameter (row-major over the extent)."""
+        """Element strides of the piece inside the parameter, one per tensor dimension: `dst_strides`
+        when given (a recorded piece: a transposed or strided parameter), else row-major over the
+        extent."""
+        if self.dst_strides is not None:
+            return tuple(self.dst_strides)
         strides = [1] * len(self.extent)
         for d in range(len(self.extent) - 2, -1, -1):
             strides[d] = strides[d + 1] * self.extent[d + 1]

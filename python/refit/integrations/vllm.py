@@ -1,206 +1,262 @@
-"""Receivers: the parameters of a vLLM model (Llama, Qwen2/3, Qwen3-MoE families) on one worker,
-turned into needs of the checkpoint tensors; and a worker extension that receives a refit.
+"""Receivers for vLLM: a worker's needs recorded from its own model's `load_weights` (recorder.py),
+and a worker extension that receives a refit.
 
-Layout rules, each with the vLLM source file it follows (vllm-project/vllm, paths under vllm/), as
-read on its main branch in 2026-12 (V1 engine); the rules below read the same in the older versions
-of those files we compared (the weight loaders' narrow/copy logic has not changed in substance).
-workloads/src/vllm.rs generates the same pieces for synthetic tables.
+Nothing here describes a model family. `VllmReceiver.from_engine(vllm_config, checkpoint)` builds a
+second copy of the worker's model on the meta device (the same class, config and parallel state, so
+the same ranks and expert placement the engine itself uses, never assumed), runs its
+`load_weights` over meta stand-ins of the checkpoint, and turns what landed where into needs.
+Checkpoint tensors the loader transforms (arithmetic, dtype conversion, concatenation) are staged
+whole and handed to the worker's own `load_weights` after the refit.
 
-- Names are the model's `named_parameters()`: `model.embed_tokens.weight`, `model.layers.{i}.…` with
-  `i` the global layer index on every pipeline stage, `model.norm.weight`, `lm_head.weight`
-  (model_executor/models/llama.py, qwen3.py, qwen3_moe.py; their stacked_params_mapping).
-- `self_attn.qkv_proj` (QKVParallelLinear, model_executor/layers/linear.py): this rank's q rows, then
-  its k rows, then its v rows. With fewer kv heads than ranks, each kv head is replicated on
-  tp / kv_heads consecutive ranks (num_kv_head_replicas; shard tp_rank // replicas).
-- `mlp.gate_up_proj` (MergedColumnParallelLinear): this rank's gate rows, then its up rows;
-  `o_proj`, `down_proj` (RowParallelLinear): this rank's block of columns.
-- FusedMoE experts (model_executor/layers/fused_moe/layer.py): `w13_weight` [local experts,
-  2 * ffn / tp, hidden] with each expert's gate rows (w1) then up rows (w3) (_load_w13),
-  `w2_weight` [local experts, hidden, ffn / tp] (_load_w2). Without expert parallelism every rank
-  holds every expert, split over TP; with it (enable_expert_parallel) experts are whole and each
-  rank holds its own: "linear" placement gives rank r a contiguous block, the first
-  experts % ep ranks one more; "round_robin" gives experts r, r + ep, ... (determine_expert_map).
-  The router `mlp.gate.weight` is replicated (ReplicatedLinear).
-- Vocabulary (VocabParallelEmbedding, ParallelLMHead in model_executor/layers/vocab_parallel_embedding.py):
-  padded to a multiple of 64 (DEFAULT_VOCAB_PADDING_SIZE), rows split evenly; rows past the real
-  vocabulary are padding no refit writes.
-- Pipeline stages (distributed/utils.py get_pp_indices): layers split evenly, the remainder given
-  one each to the stages before the last, from the second-to-last backwards
-  (VLLM_PP_LAYER_PARTITION overrides: `pp_partition`). The first stage holds embed_tokens (the
-  last too when embeddings are tied), the last the final norm and lm_head.
+Engines that transform weights after loading (`process_weights_after_loading` of a layer's quant
+method or MoE backend: FlashInfer's CUTLASS path swaps w13's halves, its TRT-LLM path re-blocks and
+pads, the CPU backend prepacks) would have their live parameters corrupted by checkpoint-layout
+bytes. `post_processed` runs the engine's own post-processing on the meta copy and names every
+parameter it changes (or could not run on, which counts as changed); a receiver that would write
+one of them refuses, naming them (receiving them into staging and re-running the post-processing,
+vLLM's layerwise reload, is not done yet).
+
+`VllmReceiver(model_shape, ranks)` keeps the hand-written rules of vllm_rules.py for processes where
+no loader can run (no torch or vLLM).
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+import json
+import os
+import struct
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .._lib import RefitError, Status, invalid_argument
 from ..plan import Plan, Table
 from ..tensor import TensorLike
-from .layout import (
-    ModelShape,
-    ParamBuilder,
-    ParamLayout,
-    add_params,
-    check_rank,
-    new_table,
-    pad_to,
-    split,
-    vocab_rows,
-)
+from .layout import ModelShape, ParamLayout, add_params, new_table
+from .receiver import RecordedReceiver
+from .recorder import Recording, record
+from .vllm_rules import VllmRanks, local_experts, stage_layers, vllm_layouts
+
+__all__ = [
+    "RefitWorkerExtension",
+    "VllmRanks",
+    "VllmReceiver",
+    "build_meta_model",
+    "checkpoint_of",
+    "local_experts",
+    "post_processed",
+    "stage_layers",
+    "vllm_layouts",
+]
+
+Checkpoint = Dict[str, Tuple[Tuple[int, ...], Any]]
 
 
-@dataclasses.dataclass(frozen=True)
-class VllmRanks:
-    """This worker's place in vLLM's parallel groups. `ep` > 1 means expert parallelism is enabled
-    (its size is tp * dp in vLLM; `ep_rank` this worker's rank in it). `pp_partition`: per-stage
-    layer counts (VLLM_PP_LAYER_PARTITION)."""
+def engine_ranks() -> Tuple[Tuple[str, int, int], ...]:
+    """This process's (group, size, rank) in each of vLLM's parallel groups, read from the engine;
+    part of the recording's cache key."""
+    from vllm.distributed import parallel_state as ps  # type: ignore[import-not-found]
 
-    tp: int = 1
-    tp_rank: int = 0
-    pp: int = 1
-    pp_rank: int = 0
-    ep: int = 1
-    ep_rank: int = 0
-    expert_placement: str = "linear"
-    pp_partition: Optional[Tuple[int, ...]] = None
-    vocab_padding: int = 64
+    out = []
+    for name in ("_TP", "_PP", "_DP", "_EP", "_PCP", "_DCP"):
+        group = getattr(ps, name, None)
+        if group is not None:
+            out.append((name, int(group.world_size), int(group.rank_in_group)))
+    return tuple(out)
 
-    def __post_init__(self) -> None:
-        for what in ("tp", "pp", "ep"):
-            check_rank(getattr(self, what + "_rank"), getattr(self, what), what)
-        if self.expert_placement not in ("linear", "round_robin"):
-            raise invalid_argument(f"expert placement {self.expert_placement!r}: linear or round_robin")
 
-    @classmethod
-    def from_vllm(cls) -> VllmRanks:
-        """This process's ranks, read from vLLM's parallel state (inside a vLLM worker)."""
-        from vllm.distributed import parallel_state as ps  # type: ignore[import-not-found]
+@contextlib.contextmanager
+def _building(vllm_config: Any) -> Iterator[None]:
+    """vLLM's state while a second model is built: the config current, its dtype torch's default
+    (as vLLM's loader sets it), and the attention layers' registry kept as the live model left it."""
+    import torch
+    from vllm.config import set_current_vllm_config  # type: ignore[import-not-found]
 
-        tp, tp_rank = ps.get_tensor_model_parallel_world_size(), ps.get_tensor_model_parallel_rank()
-        pp_group = ps.get_pp_group()
-        ep, ep_rank = 1, 0
-        get_ep_group = getattr(ps, "get_ep_group", None)
-        if get_ep_group is not None:
+    registry = vllm_config.compilation_config.static_forward_context
+    saved = dict(registry)
+    registry.clear()
+    default = torch.get_default_dtype()
+    try:
+        torch.set_default_dtype(vllm_config.model_config.dtype)
+        with set_current_vllm_config(vllm_config):
+            yield
+    finally:
+        torch.set_default_dtype(default)
+        registry.clear()
+        registry.update(saved)
+
+
+def build_meta_model(vllm_config: Any) -> Any:
+    """The worker's model class built again on the meta device (no memory), for recording."""
+    import torch
+    from vllm.model_executor.model_loader.utils import initialize_model  # type: ignore[import-not-found]
+
+    with _building(vllm_config), torch.device("meta"):
+        model = initialize_model(vllm_config=vllm_config)
+    forget_pp_layers(model)
+    return model
+
+
+def forget_pp_layers(model: Any) -> None:
+    """vLLM caches each model's (and inner model's) pipeline-missing layers by id(module): a model
+    built where a freed one lived would inherit its answer (another stage's layers) and its loader would then fail on its
+    own stage's tensors. Dropped right after building, so it is worked out for this model."""
+    from vllm.model_executor.models import utils  # type: ignore[import-not-found]
+
+    cache = getattr(utils, "_model_to_pp_missing_layer_names", {})
+    for module in model.modules():  # the inner model's loader asks about itself
+        cache.pop(id(module), None)
+
+
+def post_processed(model: Any, vllm_config: Any) -> Dict[str, str]:
+    """Parameters (full names) that the engine's own post-processing changes: each layer's
+    `quant_method.process_weights_after_loading` run on the meta copy `model`; a parameter it
+    replaces, reshapes, re-strides or writes in place counts, and so does every parameter of a
+    layer whose post-processing cannot run on the meta device."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    def snapshot(module: Any) -> Dict[str, Tuple[int, Tuple[int, ...], Tuple[int, ...]]]:
+        return {
+            n: (int(p.untyped_storage()._cdata), tuple(p.shape), tuple(p.stride()))
+            for n, p in module.named_parameters(recurse=False)
+        }
+
+    class Writes(TorchDispatchMode):
+        def __init__(self, watched: Dict[int, str]) -> None:
+            super().__init__()
+            self.watched, self.written = watched, set()
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            for argument, value in zip(func._schema.arguments, args):
+                if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
+                    name = self.watched.get(int(value.untyped_storage()._cdata))
+                    if name is not None and not (func is torch.ops.aten.copy_.default and same_view(value, args[1])):
+                        self.written.add(name)
+            return func(*args, **(kwargs or {}))
+
+    def same_view(dst: Any, src: Any) -> bool:
+        """A copy of a view onto itself (the unquantized MoE method copies back a padding that did
+        not pad): no change."""
+        return (
+            isinstance(src, torch.Tensor)
+            and int(src.untyped_storage()._cdata) == int(dst.untyped_storage()._cdata)
+            and (src.storage_offset(), src.stride(), src.shape, src.dtype) == (dst.storage_offset(), dst.stride(), dst.shape, dst.dtype)
+        )
+
+    changed: Dict[str, str] = {}
+    with _building(vllm_config):
+        for prefix, module in model.named_modules():
+            method = getattr(module, "quant_method", None)
+            process = getattr(method, "process_weights_after_loading", None)
+            if process is None:
+                continue
+            before = snapshot(module)
+            what = f"{type(method).__name__}.process_weights_after_loading"
+            watch = Writes({key: name for name, (key, _, _) in before.items()})
             try:
-                ep_group = get_ep_group()
-                ep, ep_rank = ep_group.world_size, ep_group.rank_in_group
-            except (AssertionError, AttributeError):  # no expert-parallel group in this setup
-                pass
-        return cls(tp, tp_rank, pp_group.world_size, pp_group.rank_in_group, ep, ep_rank)
+                with watch:
+                    process(module)
+            except Exception as error:  # cannot run on meta: treated as changing every parameter
+                for name in before:
+                    changed[f"{prefix}.{name}"] = f"{what} (could not run on the meta device: {type(error).__name__})"
+                continue
+            after = snapshot(module)
+            for name in set(before) | set(after):
+                if before.get(name) != after.get(name) or name in watch.written:
+                    changed[f"{prefix}.{name}"] = what
+    return changed
 
 
-def stage_layers(layers: int, ranks: VllmRanks) -> range:
-    """The global layer indices of this pipeline stage (get_pp_indices)."""
-    if ranks.pp_partition is not None:
-        counts = list(ranks.pp_partition)
-        if len(counts) != ranks.pp or sum(counts) != layers:
-            raise invalid_argument(f"pp_partition {counts} does not give {layers} layers to {ranks.pp} stages")
-    else:
-        counts = [layers // ranks.pp] * ranks.pp
-        for i in range(2, layers % ranks.pp + 2):
-            counts[-i] += 1
-    start = sum(counts[: ranks.pp_rank])
-    return range(start, start + counts[ranks.pp_rank])
+def checkpoint_of(vllm_config: Any) -> Checkpoint:
+    """The checkpoint's names, shapes and dtypes: the safetensors headers of the model folder when
+    it is on disk, else what transformers writes for the Hugging Face config (its model built on the
+    meta device, converted to the on-disk names as save_pretrained does)."""
+    import torch
+
+    folder = str(vllm_config.model_config.model)
+    files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors")) if os.path.isdir(folder) else []
+    if files:
+        dtypes = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F8_E4M3": torch.float8_e4m3fn}
+        out: Checkpoint = {}
+        for file in files:
+            with open(os.path.join(folder, file), "rb") as handle:
+                (size,) = struct.unpack("<Q", handle.read(8))
+                header = json.loads(handle.read(size))
+            for name, info in header.items():
+                if name != "__metadata__":
+                    out[name] = (tuple(info["shape"]), dtypes.get(info["dtype"], info["dtype"]))
+        return out
+    import transformers  # type: ignore[import-not-found]
+    from transformers.core_model_loading import revert_weight_conversion  # type: ignore[import-not-found]
+
+    with torch.device("meta"):
+        hf = transformers.AutoModelForCausalLM.from_config(vllm_config.model_config.hf_config, dtype=vllm_config.model_config.dtype)
+    return {name: (tuple(t.shape), t.dtype) for name, t in revert_weight_conversion(hf, hf.state_dict()).items()}
 
 
-def local_experts(experts: int, ranks: VllmRanks) -> List[int]:
-    """The global indices of this worker's experts, in local order (determine_expert_map)."""
-    if ranks.ep == 1:
-        return list(range(experts))
-    if ranks.expert_placement == "round_robin":
-        return list(range(ranks.ep_rank, experts, ranks.ep))
-    base, extra = divmod(experts, ranks.ep)
-    count = base + (ranks.ep_rank < extra)
-    start = ranks.ep_rank * base + min(ranks.ep_rank, extra)
-    return list(range(start, start + count))
+def _checkpoint_specs(checkpoint: Optional[Sequence[Tuple[str, Sequence[int], str]]]) -> Optional[Checkpoint]:
+    if checkpoint is None:
+        return None
+    import torch
 
-
-def vllm_layouts(model: ModelShape, ranks: VllmRanks) -> List[ParamLayout]:
-    """Every parameter of this worker, in `named_parameters()` order."""
-    tp, r = ranks.tp, ranks.tp_rank
-    h, hd = model.hidden, model.head_dim
-    if model.heads % tp:
-        raise invalid_argument(f"{model.heads} query heads do not split over tp {tp}")
-    if model.kv_heads % tp and tp % model.kv_heads:
-        raise invalid_argument(f"{model.kv_heads} key/value heads neither split nor replicate over tp {tp}")
-    q_local = model.q_dim // tp
-    if model.kv_heads >= tp:
-        kv_n = model.kv_heads // tp
-        kv_first = r * kv_n
-    else:
-        kv_n, kv_first = 1, r // (tp // model.kv_heads)
-    kv_local = kv_n * hd
-    first_stage, last_stage = ranks.pp_rank == 0, ranks.pp_rank == ranks.pp - 1
-    padded = pad_to(model.vocab, ranks.vocab_padding)
-    out: List[ParamLayout] = []
-
-    def vocab_param(name: str, tensor: str) -> ParamLayout:
-        first, rows, per = vocab_rows(model.vocab, padded, tp, r)
-        return ParamBuilder(name, (per, h)).rows(tensor, first, rows, 0).build()
-
-    def vector(name: str, length: int) -> ParamLayout:
-        return ParamBuilder(name, (length,)).vector(name, length).build()
-
-    if first_stage or (model.tie_embeddings and last_stage):
-        out.append(vocab_param("model.embed_tokens.weight", "model.embed_tokens.weight"))
-    for g in stage_layers(model.layers, ranks):
-        p = f"model.layers.{g}"
-        out.append(vector(f"{p}.input_layernorm.weight", h))
-        qkv = ParamBuilder(f"{p}.self_attn.qkv_proj.weight", (q_local + 2 * kv_local, h))
-        qkv.rows(f"{p}.self_attn.q_proj.weight", r * q_local, q_local, 0)
-        qkv.rows(f"{p}.self_attn.k_proj.weight", kv_first * hd, kv_local, q_local)
-        qkv.rows(f"{p}.self_attn.v_proj.weight", kv_first * hd, kv_local, q_local + kv_local)
-        out.append(qkv.build())
-        if model.qk_norm:
-            out.append(vector(f"{p}.self_attn.q_norm.weight", hd))
-            out.append(vector(f"{p}.self_attn.k_norm.weight", hd))
-        o = ParamBuilder(f"{p}.self_attn.o_proj.weight", (h, q_local))
-        out.append(o.rows(f"{p}.self_attn.o_proj.weight", 0, h, 0, (r * q_local, q_local)).build())
-        out.append(vector(f"{p}.post_attention_layernorm.weight", h))
-        if model.experts:
-            gate = ParamBuilder(f"{p}.mlp.gate.weight", (model.experts, h))
-            out.append(gate.rows(f"{p}.mlp.gate.weight", 0, model.experts, 0).build())
-            out.extend(_fused_moe(model, ranks, p))
-        else:
-            f = split(model.ffn, tp, "intermediate size")
-            gate_up = ParamBuilder(f"{p}.mlp.gate_up_proj.weight", (2 * f, h))
-            gate_up.rows(f"{p}.mlp.gate_proj.weight", r * f, f, 0).rows(f"{p}.mlp.up_proj.weight", r * f, f, f)
-            out.append(gate_up.build())
-            down = ParamBuilder(f"{p}.mlp.down_proj.weight", (h, f))
-            out.append(down.rows(f"{p}.mlp.down_proj.weight", 0, h, 0, (r * f, f)).build())
-    if last_stage:
-        out.append(vector("model.norm.weight", h))
-        if not model.tie_embeddings:
-            out.append(vocab_param("lm_head.weight", "lm_head.weight"))
-    return out
-
-
-def _fused_moe(model: ModelShape, ranks: VllmRanks, p: str) -> List[ParamLayout]:
-    experts = local_experts(model.experts, ranks)
-    # Expert parallelism keeps experts whole; otherwise every expert is split over TP.
-    moe_tp, moe_rank = (1, 0) if ranks.ep > 1 else (ranks.tp, ranks.tp_rank)
-    f = split(model.moe_ffn, moe_tp, "expert intermediate size")
-    h = model.hidden
-    w13 = ParamBuilder(f"{p}.mlp.experts.w13_weight", (len(experts), 2 * f, h))
-    w2 = ParamBuilder(f"{p}.mlp.experts.w2_weight", (len(experts), h, f))
-    for j, e in enumerate(experts):
-        x = f"{p}.mlp.experts.{e}"
-        w13.rows(f"{x}.gate_proj.weight", moe_rank * f, f, j * 2 * f)
-        w13.rows(f"{x}.up_proj.weight", moe_rank * f, f, j * 2 * f + f)
-        w2.rows(f"{x}.down_proj.weight", 0, h, j * h, (moe_rank * f, f))
-    return [w13.build(), w2.build()]
+    return {name: (tuple(int(n) for n in shape), getattr(torch, dtype)) for name, shape, dtype in checkpoint}
 
 
 class VllmReceiver:
-    """Needs of one vLLM worker's parameters: `receiver.table(model.named_parameters(), process)` is
-    that worker's Table of needs, for Plan.build beside the publishers' tables."""
+    """Needs of one vLLM worker's parameters: `receiver.table(model.named_parameters(), process)`
+    is that worker's Table of needs, for Plan.build beside the publishers' tables.
 
-    def __init__(self, model: ModelShape, ranks: VllmRanks) -> None:
-        self.model = model
-        self.ranks = ranks
-        self.layouts = vllm_layouts(model, ranks)
+    `VllmReceiver.from_engine(vllm_config)` records them from the worker's own loader (inside a
+    worker: its config and parallel state current); `VllmReceiver(recording)` wraps a recording
+    made elsewhere; `VllmReceiver(model_shape, ranks)` uses the hand-written rules, for processes
+    without torch or vLLM (vllm_rules.py)."""
+
+    def __init__(self, model: Union[ModelShape, Recording], ranks: Optional[VllmRanks] = None, post: Optional[Mapping[str, str]] = None) -> None:
+        self.post_processed: Dict[str, str] = dict(post or {})
+        if isinstance(model, Recording):
+            self.recording: Optional[Recording] = model
+            self.recorded: Optional[RecordedReceiver] = RecordedReceiver(model)
+            self.layouts: List[ParamLayout] = model.layouts
+            self.staged: Dict[str, str] = dict(model.staged)
+            self.model: Optional[ModelShape] = None
+        else:
+            if ranks is None:
+                raise invalid_argument("VllmReceiver(model_shape, ranks) needs the ranks")
+            self.recording, self.recorded, self.staged = None, None, {}
+            self.model, self.ranks = model, ranks
+            self.layouts = vllm_layouts(model, ranks)
+
+    @classmethod
+    def from_engine(cls, vllm_config: Any, checkpoint: Optional[Checkpoint] = None) -> VllmReceiver:
+        """Records this worker's needs from its own model class and loader (see the module)."""
+        meta = build_meta_model(vllm_config)
+        specs = checkpoint if checkpoint is not None else checkpoint_of(vllm_config)
+        with _building(vllm_config):
+            recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=engine_ranks())
+        return cls(recording, post=post_processed(meta, vllm_config))
+
+    def _refuse_post_processed(self) -> None:
+        if self.recording is None or not self.post_processed:
+            return
+        written = {layout.name for layout in self.layouts}
+        written |= {p for params in self.recording.staged_params.values() for p in params}
+        hit = sorted(name for name in self.post_processed if name in written)
+        if hit:
+            reasons = sorted({self.post_processed[name] for name in hit})
+            raise RefitError(
+                Status.INVALID_ARGUMENT,
+                f"{len(hit)} parameters are transformed by the engine after loading ({'; '.join(reasons)}), "
+                f"e.g. {hit[:4]}: checkpoint-layout bytes would corrupt them; this backend is not supported yet",
+            )
+
+    def staging_buffers(self, allocate: Any) -> Dict[str, Any]:
+        """Buffers for the staged checkpoint tensors (RecordedReceiver.staging_buffers)."""
+        return self.recorded.staging_buffers(allocate) if self.recorded is not None else {}
+
+    def load_staged(self, loader: Any, staging: Mapping[str, Any]) -> int:
+        """The engine's loader on the staged tensors, after the refit wrote them."""
+        return self.recorded.load_staged(loader, staging) if self.recorded is not None else 0
 
     def add_to(
         self,
@@ -209,8 +265,14 @@ class VllmReceiver:
         process: int,
         device: Optional[int] = None,
         strict: bool = True,
+        staging: Optional[Mapping[str, TensorLike]] = None,
     ) -> int:
-        """Adds this worker's needs to `table` (see layout.add_params); returns how many."""
+        """Adds this worker's needs to `table`; returns how many. Recorded: every parameter must be
+        the recorded one (RecordedReceiver.add_to). Rules: see layout.add_params (`strict`)."""
+        if self.recorded is not None:
+            self._refuse_post_processed()
+            return self.recorded.add_to(table, named_parameters, process, device, staging)
+        assert self.model is not None
         return add_params(table, self.model, self.layouts, named_parameters, process, False, device, strict)
 
     def table(
@@ -219,9 +281,10 @@ class VllmReceiver:
         process: int,
         device: Optional[int] = None,
         strict: bool = True,
+        staging: Optional[Mapping[str, TensorLike]] = None,
     ) -> Table:
         """A new Table holding this worker's needs."""
-        return new_table(lambda table: self.add_to(table, named_parameters, process, device, strict))
+        return new_table(lambda table: self.add_to(table, named_parameters, process, device, strict, staging))
 
 
 class RefitWorkerExtension:
@@ -264,24 +327,43 @@ class RefitWorkerExtension:
         ranks: Optional[Mapping[str, Any]] = None,
         device: Optional[int] = None,
         backend: int = 0,
+        checkpoint: Optional[Sequence[Tuple[str, Sequence[int], str]]] = None,
     ) -> bytes:
-        """This worker's needs as an encoded Table (see the class docstring). `device` and `backend`
-        (a refit.Backend) are for parameters in host memory standing in for a GPU (tests); by
-        default the worker's CUDA device is used."""
+        """This worker's needs as an encoded Table (see the class docstring), recorded from its own
+        model's loader (VllmReceiver.from_engine) with the ranks and expert placement the engine
+        uses. `checkpoint`: the trainer's (name, shape, dtype name) of every checkpoint tensor
+        (default: the model folder's safetensors headers, else the Hugging Face config's).
+        `model` and `ranks` (ModelShape / VllmRanks fields) select the hand-written rules instead,
+        for workers without torch (tests). `device` and `backend` (a refit.Backend) are for
+        parameters in host memory standing in for a GPU (tests); by default the worker's CUDA device."""
         state = self._refit()
-        if model is not None:
+        if model is not None or ranks is not None:
+            if model is None:
+                raise invalid_argument("ranks= selects the hand-written rules, which need model= too")
             shape = ModelShape.from_hf_config(model) if "num_hidden_layers" in model else ModelShape(**model)
+            receiver = VllmReceiver(shape, VllmRanks(**(ranks or {})))
         else:
-            shape = ModelShape.from_hf_config(self.model_runner.model_config.hf_config)  # type: ignore[attr-defined]
-        receiver = VllmReceiver(shape, VllmRanks(**ranks) if ranks is not None else VllmRanks.from_vllm())
-        state.update(receiver=receiver, process=process, device=device, backend=backend)
+            receiver = VllmReceiver.from_engine(self._refit_config(), _checkpoint_specs(checkpoint))
+        staging: Dict[str, Any] = {}
+        if receiver.staged:
+            import torch
+
+            params = list(self._refit_model().parameters())
+            where = params[0].device if params else torch.device("cpu")
+            staging = receiver.staging_buffers(lambda shape, dtype: torch.empty(shape, dtype=dtype, device=where))
+        state.update(receiver=receiver, process=process, device=device, backend=backend, staging=staging)
         return self._refit_encode_needs()
+
+    def _refit_config(self) -> Any:
+        config = getattr(self, "vllm_config", None)
+        return config if config is not None else self.model_runner.vllm_config  # type: ignore[attr-defined]
 
     def _refit_encode_needs(self) -> bytes:
         """Encodes this worker's needs at its parameters' current addresses (kept in the state)."""
         state = self._refit()
         params = dict(self._refit_model().named_parameters())
-        with state["receiver"].table(params, state["process"], state["device"]) as table:
+        receiver = state["receiver"]
+        with receiver.table(params, state["process"], state["device"], staging=state.get("staging") or None) as table:
             encoded = table.encode()
         state.update(
             needs=encoded,
@@ -296,14 +378,41 @@ class RefitWorkerExtension:
         """Builds (once per set of tables) the plan and this process's executor, runs it, and returns
         its stats with the plan's fingerprint. `tables` holds every process's encoded table; this
         worker's own (from refit_needs) is added when absent. `options` are Plan.executor's keyword
-        arguments (arm, sm_budget, verify, commit, staging_limit)."""
-        from ..group import Group
-
+        arguments (arm, sm_budget, verify, commit, staging_limit). Where the executor finds a rebound
+        parameter inside its copies (PLAN_STALE), this worker's needs are encoded again at the
+        current addresses and the plan is built again (needs returned before are ignored in
+        `tables`)."""
         state = self._refit()
         if "needs" not in state:
             raise invalid_argument("call refit_needs before refit_receive")
         process = state["process"] if process is None else process
-        encoded = list(tables)
+        try:
+            stats = self._refit_executor(tables, process, options).run()
+        except RefitError as error:
+            if error.status != Status.PLAN_STALE:
+                raise
+            # A rebound parameter now lies where the plan's coalesced copies write (the executor
+            # found it before copying): plan again at the current addresses.
+            self.refit_close(keep_needs=True)
+            state.setdefault("old_needs", set()).add(state["needs"])
+            self._refit_encode_needs()
+            stats = self._refit_executor(tables, process, options).run()
+        if state.get("staging"):
+            # The staged tensors arrived in checkpoint layout: the engine's own loader places them
+            # (after the copies, on the same stream).
+            state["receiver"].load_staged(self._refit_model().load_weights, state["staging"])
+        is_dataclass = dataclasses.is_dataclass(stats) and not isinstance(stats, type)
+        result = dataclasses.asdict(stats) if is_dataclass else dict(vars(stats))
+        result["fingerprint"] = state["plan"].fingerprint
+        return result
+
+    def _refit_executor(self, tables: Sequence[bytes], process: int, options: Optional[Mapping[str, Any]]) -> Any:
+        """The executor for these tables (built once per set of tables and options)."""
+        from ..group import Group
+
+        state = self._refit()
+        old = state.get("old_needs", set())
+        encoded = [data for data in tables if data not in old]
         if state["needs"] not in encoded:
             encoded.append(state["needs"])
         key = (tuple(encoded), process, tuple(sorted((options or {}).items())))
@@ -322,11 +431,7 @@ class RefitWorkerExtension:
             state["group"] = Group([device], backend=state["backend"])
             state["executor"] = plan.executor(state["group"], process, **(options or {}))  # type: ignore[attr-defined]
             state["key"] = key
-        stats = state["executor"].run()
-        is_dataclass = dataclasses.is_dataclass(stats) and not isinstance(stats, type)
-        result = dataclasses.asdict(stats) if is_dataclass else dict(vars(stats))
-        result["fingerprint"] = state["plan"].fingerprint
-        return result
+        return state["executor"]
 
     def refit_rebind(self) -> int:
         """Tells the executor about every parameter whose storage moved since refit_needs (vLLM's
@@ -369,5 +474,5 @@ class RefitWorkerExtension:
                 handle.close()
         state.pop("key", None)
         if not keep_needs:
-            for key in ("needs", "receiver", "addresses", "sizes", "process", "device", "backend"):
+            for key in ("needs", "receiver", "addresses", "sizes", "process", "device", "backend", "staging", "old_needs"):
                 state.pop(key, None)

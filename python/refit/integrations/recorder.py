@@ -1,0 +1,518 @@
+"""Receiver layouts recorded from an engine's own weight loader.
+
+Any loader (a callable taking an iterable of (checkpoint name, tensor) pairs: a vLLM or SGLang
+model's `load_weights`, a Hugging Face module's state-dict load, a user's function) decides where
+every checkpoint element lands in the engine's parameters. `record` runs that loader once over
+stand-ins of the checkpoint tensors that hold no memory (meta tensors) against parameters that hold
+none either (a model built on the meta device), under a torch dispatch mode that sees every aten op:
+
+- a view (narrow, slice, select, chunk, split, view, reshape, transpose, permute, expand, ...) needs
+  no bookkeeping: the meta tensor it returns carries its storage offset and strides, and its
+  storage says which checkpoint tensor or parameter it views;
+- a pure copy into a new tensor (clone, contiguous, a same-dtype `to`) is remembered as a dense
+  copy of the view it read, so later views of it map back onto the checkpoint tensor when they can;
+- `copy_` of a checkpoint view into a parameter view is the relation recorded: which box of which
+  checkpoint tensor lands where (element offset and strides) in which parameter;
+- anything else that reads a checkpoint tensor (arithmetic, dtype conversion, concatenation into a
+  new tensor, quantization, an in-place change, a loader that needs the values) is never guessed:
+  that checkpoint tensor is marked staged, with the reason: a receiver takes it whole into staging
+  and runs the engine's own loader on it.
+
+Nothing here knows a model family. The result (`Recording`) lists every parameter's pieces as
+`layout.ParamLayout`s (a piece may carry destination strides of its own, e.g. a transposed
+parameter) and the staged tensors; `record` caches it per (parameters' names, shapes, strides,
+dtypes; checkpoint; caller's key, e.g. the ranks).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import math
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Sequence, Tuple
+
+from .layout import ParamLayout, Piece
+
+Shape = Tuple[int, ...]
+Loader = Callable[[Iterable[Tuple[str, Any]]], Any]
+
+log = logging.getLogger("refit.integrations.recorder")
+
+# A copy that is not one box is cut into boxes along its outer dimensions; past this many boxes
+# for one copy the tensor is staged instead (a gather the planner would move element by element).
+MAX_BOXES_PER_COPY = 4096
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorSpec:
+    """A checkpoint tensor as the loader will be given it: name, global shape, torch dtype."""
+
+    name: str
+    shape: Shape
+    dtype: Any
+
+
+@dataclasses.dataclass(frozen=True)
+class ParamInfo:
+    """A parameter (or persistent buffer) as it was when recorded."""
+
+    shape: Shape
+    strides: Shape
+    dtype: Any
+
+
+@dataclasses.dataclass
+class Recording:
+    """What the loader did. `layouts`: every parameter that receives checkpoint elements as boxes,
+    in `named_parameters()` order. `staged`: checkpoint tensor -> why it cannot be described as
+    boxes (it is delivered whole into staging and the engine's loader runs on it). `params`: every
+    parameter of the model. `unwritten`: parameters no checkpoint element reaches (neither as a box
+    nor through a staged tensor). `padding`: parameter -> elements no box covers, for parameters
+    that have boxes (a padded vocabulary)."""
+
+    layouts: List[ParamLayout]
+    staged: Dict[str, str]
+    params: Dict[str, ParamInfo]
+    checkpoint: Dict[str, TensorSpec]
+    unwritten: List[str]
+    padding: Dict[str, int]
+    staged_params: Dict[str, List[str]]
+
+    def summary(self) -> str:
+        """The one log line: how many boxes, and which tensors took the staging path and why."""
+        pieces = sum(len(layout.pieces) for layout in self.layouts)
+        text = f"recorded {pieces} boxes into {len(self.layouts)} parameters from {len(self.checkpoint)} checkpoint tensors"
+        if self.staged:
+            reasons: Dict[str, List[str]] = {}
+            for name, reason in self.staged.items():
+                reasons.setdefault(reason, []).append(name)
+            parts = [f"{len(names)} ({reason}, e.g. {names[0]})" for reason, names in reasons.items()]
+            text += "; staged for the engine's loader: " + "; ".join(parts)
+        return text
+
+
+@dataclasses.dataclass(frozen=True)
+class _View:
+    """An affine view of a root tensor's storage (elements)."""
+
+    root: int
+    offset: int
+    strides: Shape
+    shape: Shape
+
+
+@dataclasses.dataclass(frozen=True)
+class _Dense:
+    """A new tensor holding a pure copy of `source`: its element at index i is source's at i."""
+
+    layout: _View
+    source: _View
+
+
+@dataclasses.dataclass(frozen=True)
+class _Root:
+    kind: str  # "checkpoint" or "param"
+    name: str
+    base: int  # the root tensor's own storage offset
+    shape: Shape = ()
+
+
+def _storage_key(tensor: Any) -> int:
+    return int(tensor.untyped_storage()._cdata)
+
+
+def _view_of(tensor: Any, root: int) -> _View:
+    return _View(root, int(tensor.storage_offset()), tuple(int(s) for s in tensor.stride()), tuple(int(n) for n in tensor.shape))
+
+
+def _row_major(shape: Sequence[int]) -> Shape:
+    strides = [1] * len(shape)
+    for d in range(len(shape) - 2, -1, -1):
+        strides[d] = strides[d + 1] * max(int(shape[d + 1]), 1)
+    return tuple(strides)
+
+
+def _compose(dense: _Dense, view: _View) -> Optional[_View]:
+    """`view` (of the dense copy's storage) as a view of the copy's source, or None when it does
+    not map affinely (it runs across the copy's dimensions)."""
+    layout = dense.layout
+    dims = sorted((s, n, k) for k, (s, n) in enumerate(zip(layout.strides, layout.shape)) if n > 1)
+    dims.reverse()  # outermost first
+    rest = view.offset - layout.offset
+    if rest < 0:
+        return None
+    start = [0] * len(layout.shape)
+    for stride, size, k in dims:
+        start[k], rest = divmod(rest, stride)
+        if start[k] >= size:
+            return None
+    if rest:
+        return None
+    reach = list(start)
+    strides: List[int] = []
+    for stride, size in zip(view.strides, view.shape):
+        if size == 1:
+            strides.append(0)
+            continue
+        match = [(k, stride // s) for s, n, k in dims if stride >= s and stride % s == 0]
+        if not match:
+            return None
+        k, multiple = match[0]  # the outermost dimension whose stride divides this one
+        reach[k] += multiple * (size - 1)
+        strides.append(multiple * dense.source.strides[k])
+    if any(r >= n for r, n in zip(reach, layout.shape)):
+        return None
+    offset = dense.source.offset + sum(i * s for i, s in zip(start, dense.source.strides))
+    return _View(dense.source.root, offset, tuple(strides), view.shape)
+
+
+def _boxes(src: _View, dst: _View, tensor_shape: Shape) -> Optional[List[Tuple[Shape, Shape, Shape, int]]]:
+    """The copy of `src` (a view of a row-major checkpoint tensor of `tensor_shape`) into `dst`
+    (same shape after broadcasting) as boxes: (offset, extent, destination strides, destination
+    element offset) each, or None when it would take more than MAX_BOXES_PER_COPY."""
+    ndim = len(dst.shape)
+    pad = ndim - len(src.shape)
+    if pad < 0:
+        return None
+    src_strides = (0,) * pad + tuple(0 if n == 1 and m != 1 else s for s, n, m in zip(src.strides, src.shape, dst.shape[pad:]))
+    levels = [(n, s, d) for n, s, d in zip(dst.shape, src_strides, dst.strides) if n != 1]
+    if any(n == 0 for n in dst.shape):
+        return []
+    tstrides = _row_major(tensor_shape)
+    out: List[Tuple[Shape, Shape, Shape, int]] = []
+
+    def place(levels: List[Tuple[int, int, int]], src_off: int, dst_off: int) -> bool:
+        origin = []
+        rest = src_off
+        for stride, size in zip(tstrides, tensor_shape):
+            i, rest = divmod(rest, stride)
+            origin.append(i)
+        if rest or any(i >= n for i, n in zip(origin, tensor_shape)):
+            return False
+        extent = [1] * len(tensor_shape)
+        strides = [1] * len(tensor_shape)
+        for at, (n, s, d) in enumerate(levels):
+            k = next((k for k, (ts, tn) in enumerate(zip(tstrides, tensor_shape)) if ts == s and tn > 1 and extent[k] == 1), None)
+            if k is None:
+                return explode(levels, at, src_off, dst_off)
+            if origin[k] + n > tensor_shape[k]:
+                # A flattened run across this dimension into the ones outside it: two levels.
+                size = tensor_shape[k]
+                if origin[k] or n % size or k == 0:
+                    return explode(levels, at, src_off, dst_off)
+                split = [(n // size, tstrides[k - 1], d * size), (size, s, d)]
+                return place(levels[:at] + split + levels[at + 1 :], src_off, dst_off)
+            extent[k], strides[k] = n, d
+        if len(out) >= MAX_BOXES_PER_COPY:
+            return False
+        out.append((tuple(origin), tuple(extent), tuple(strides), dst_off))
+        return True
+
+    def explode(levels: List[Tuple[int, int, int]], at: int, src_off: int, dst_off: int) -> bool:
+        """Cuts the copy into one copy per index of level `at` (a stride that is no box's)."""
+        n, s, d = levels[at]
+        if len(out) + n > MAX_BOXES_PER_COPY:
+            return False
+        rest = levels[:at] + levels[at + 1 :]
+        return all(place(rest, src_off + i * s, dst_off + i * d) for i in range(n))
+
+    if not place(levels, src.offset, dst.offset):
+        return None
+    return out
+
+
+class _Mode:
+    """The dispatch mode's state (kept apart from the torch class so this module imports without
+    torch)."""
+
+    def __init__(self) -> None:
+        self.roots: Dict[int, _Root] = {}
+        self.dense: Dict[int, _Dense] = {}
+        self.tainted: Dict[int, Tuple[frozenset, str]] = {}  # storage -> (checkpoint names, why)
+        self.copies: List[Tuple[str, _View, str, _View]] = []  # (tensor, src view, param, dst view)
+        self.staged: Dict[str, str] = {}
+        self.staged_params: Dict[str, set] = {}
+        self.params_written_by_staged: set = set()
+        self._tracked: set = set()
+
+    # What a tensor is: a view of a root, of a dense copy (resolved to its source when it maps),
+    # or something computed from checkpoint tensors.
+    def resolve(self, tensor: Any) -> Tuple[Optional[_View], Optional[Tuple[frozenset, str]]]:
+        key = _storage_key(tensor)
+        if key in self.roots:
+            return _view_of(tensor, key), None
+        if key in self.dense:
+            dense = self.dense[key]
+            view = _compose(dense, _view_of(tensor, key))
+            if view is None:
+                return None, (frozenset([self.roots[dense.source.root].name]), "a view across a copied tensor's dimensions")
+            return view, None
+        if key in self.tainted:
+            return None, self.tainted[key]
+        return None, None
+
+    @property
+    def tracked(self) -> set:
+        """Storages that hold checkpoint elements: stand-ins, copies of them, things computed from them."""
+        return self._tracked
+
+    def track_checkpoint(self, tensor: Any, name: str, shape: Shape) -> None:
+        key = _storage_key(tensor)
+        self.roots[key] = _Root("checkpoint", name, 0, shape)
+        self._tracked.add(key)
+
+    def remember_copy(self, tensor: Any, source: _View) -> None:
+        key = _storage_key(tensor)
+        if key not in self.roots:
+            self.dense[key] = _Dense(_view_of(tensor, key), source)
+            self.tainted.pop(key, None)
+            self._tracked.add(key)
+
+    def taint(self, tensor: Any, names: Iterable[str], why: str) -> None:
+        key = _storage_key(tensor)
+        if key not in self.roots:
+            self.tainted[key] = (frozenset(names), why)
+            self.dense.pop(key, None)
+            self._tracked.add(key)
+
+    def sources(self, values: Iterable[Any]) -> Tuple[set, List[str]]:
+        names: set = set()
+        reasons: List[str] = []
+        for value in values:
+            view, taint = self.resolve(value)
+            if view is not None and self.roots[view.root].kind == "checkpoint":
+                names.add(self.roots[view.root].name)
+            elif taint is not None:
+                names |= taint[0]
+                reasons.append(taint[1])
+        return names, reasons
+
+    def stage(self, names: Iterable[str], reason: str, param: Optional[str] = None) -> None:
+        for name in names:
+            self.staged.setdefault(name, reason)
+            if param is not None:
+                self.staged_params.setdefault(name, set()).add(param)
+
+
+def _make_mode_class() -> Any:
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    Tensor = torch.Tensor
+    pure_copies = {aten.clone.default, aten.contiguous.default, aten.alias.default, aten.detach.default, aten.lift_fresh.default}
+    fills = {aten.fill_.Scalar, aten.fill_.Tensor, aten.zero_.default}
+    kinds: Dict[Any, Any] = {}
+
+    def kind_of(func: Any) -> Any:
+        """copy, fill, view (returns an alias of an input: nothing to record), ("write", argument
+        positions it changes in place) or other; once per op."""
+        kind = kinds.get(func)
+        if kind is None:
+            schema = func._schema
+            writes = tuple(i for i, a in enumerate(schema.arguments) if a.alias_info is not None and a.alias_info.is_write)
+            if func is aten.copy_.default:
+                kind = "copy"
+            elif func in fills:
+                kind = "fill"
+            elif writes:
+                kind = ("write", writes)
+            elif any(r.alias_info is not None for r in schema.returns):
+                kind = "view"
+            else:
+                kind = "other"
+            kinds[func] = kind
+        return kind
+
+    def tensors(values: Iterable[Any]) -> List[Any]:
+        out = []
+        for value in values:
+            if isinstance(value, Tensor):
+                out.append(value)
+            elif isinstance(value, (list, tuple)):
+                out.extend(v for v in value if isinstance(v, Tensor))
+        return out
+
+    class RecordingMode(TorchDispatchMode):
+        @classmethod
+        def _should_skip_dynamo(cls) -> bool:
+            return False  # no dynamo wrapper around every op: the recording runs eagerly
+
+        def __init__(self, state: _Mode) -> None:
+            super().__init__()
+            self.state = state
+
+        def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+            kwargs = kwargs or {}
+            out = func(*args, **kwargs)
+            kind = kind_of(func)
+            if kind == "view" or kind == "fill":
+                return out
+            if kind == "copy":
+                self.copy(args[0], args[1])
+                return out
+            state = self.state
+            inputs = tensors(args)
+            if kwargs:
+                inputs += tensors(kwargs.values())
+            tracked = state.tracked
+            if not any(_storage_key(t) in tracked for t in inputs):
+                return out
+            names, reasons = state.sources(inputs)
+            name = func.overloadpacket.__name__
+            if kind != "other":
+                for target in (args[i] for i in kind[1] if i < len(args) and isinstance(args[i], Tensor)):
+                    view, _ = state.resolve(target)
+                    root = state.roots.get(view.root) if view is not None else None
+                    if root is not None and root.kind == "param":
+                        state.stage(names, f"{name} into a parameter", root.name)
+                        state.params_written_by_staged.add(root.name)
+                    elif root is not None and root.kind == "checkpoint":
+                        state.stage([root.name], f"changed in place by {name}")
+                    else:
+                        state.taint(target, names, reasons[0] if reasons else f"computed by {name}")
+                return out
+            outputs = tensors(out if isinstance(out, (list, tuple)) else [out])
+            single = len(inputs) == 1 and len(outputs) == 1
+            same_type = single and outputs[0].dtype == inputs[0].dtype
+            if single and not reasons and (func in pure_copies or (func is aten._to_copy.default and same_type)):
+                source, _ = state.resolve(inputs[0])
+                if source is not None:
+                    state.remember_copy(outputs[0], source)
+                    return out
+            if func is aten._to_copy.default and single and not same_type:
+                why = "dtype conversion"
+            elif reasons:
+                why = reasons[0]
+            elif func.overloadpacket in (aten.cat, aten.stack):
+                why = "concatenation into a new tensor"
+            else:
+                why = f"computed by {name}"
+            for tensor in outputs:
+                state.taint(tensor, names, why)
+            return out
+
+        def copy(self, dst: Any, src: Any) -> None:
+            state = self.state
+            if _storage_key(src) not in state.tracked:
+                return  # nothing from the checkpoint (a parameter filled from a constant tensor)
+            target, _ = state.resolve(dst)
+            root = state.roots.get(target.root) if target is not None else None
+            source, taint = state.resolve(src)
+            if root is None or root.kind != "param":
+                if root is not None and root.kind == "checkpoint":
+                    state.stage([root.name], "written by the loader")
+                    return
+                # A copy into a new tensor: it now holds (part of) a checkpoint tensor.
+                if source is not None and tuple(src.shape) == tuple(dst.shape) and src.dtype == dst.dtype:
+                    state.remember_copy(dst, source)
+                else:
+                    names, _ = state.sources([src])
+                    state.taint(dst, names, taint[1] if taint else "copied into a new tensor")
+                return
+            if source is None:
+                if taint is not None:
+                    state.stage(taint[0], taint[1], root.name)
+                    state.params_written_by_staged.add(root.name)
+                return
+            source_root = state.roots[source.root]
+            if src.dtype != dst.dtype:
+                state.stage([source_root.name], "dtype conversion", root.name)
+                state.params_written_by_staged.add(root.name)
+                return
+            state.copies.append((source_root.name, source, root.name, target))
+
+    return RecordingMode
+
+
+_CACHE: Dict[Any, Recording] = {}
+
+
+def record(
+    loader: Loader,
+    named_parameters: Mapping[str, Any] | Iterable[Tuple[str, Any]],
+    checkpoint: Sequence[TensorSpec] | Mapping[str, Tuple[Shape, Any]],
+    key: Any = None,
+    cache: bool = True,
+) -> Recording:
+    """Runs `loader` over meta stand-ins of `checkpoint` (TensorSpecs, or name -> (shape, dtype)) and
+    records where every element lands in `named_parameters` (the model's parameters and persistent
+    buffers, on the meta device, as the loader sees them). `key` joins the cache key (e.g. the
+    ranks: two ranks with the same parameter shapes may place different boxes)."""
+    import torch
+
+    specs = _specs(checkpoint)
+    params = list(named_parameters.items() if isinstance(named_parameters, Mapping) else named_parameters)
+    infos = {
+        name: ParamInfo(tuple(int(n) for n in t.shape), tuple(int(s) for s in t.stride()), t.dtype) for name, t in params
+    }
+    cache_key = (tuple(sorted(infos.items(), key=lambda item: item[0])), tuple(specs.items()), key)
+    if cache and cache_key in _CACHE:
+        return _CACHE[cache_key]
+    not_meta = [name for name, t in params if t.device.type != "meta"]
+    if not_meta:
+        raise ValueError(f"record needs a model built on the meta device; {len(not_meta)} parameters are not, e.g. {not_meta[:3]}")
+    RecordingMode = _make_mode_class()
+    state = _Mode()
+    keep: List[Any] = []  # the stand-ins stay alive, so no storage key is reused while recording
+    for name, tensor in params:
+        state.roots[_storage_key(tensor)] = _Root("param", name, int(tensor.storage_offset()), tuple(tensor.shape))
+    order = list(specs.values())
+    for spec in order:
+        tensor = torch.empty(spec.shape, dtype=spec.dtype, device="meta")
+        keep.append(tensor)
+        state.track_checkpoint(tensor, spec.name, spec.shape)
+    position = 0
+
+    def stand_ins() -> Iterable[Tuple[str, Any]]:
+        nonlocal position
+        while position < len(order):
+            position += 1
+            yield order[position - 1].name, keep[position - 1]
+
+    with RecordingMode(state):
+        while position < len(order):
+            try:
+                loader(stand_ins())
+            except Exception as error:  # e.g. the loader reads values a stand-in does not hold
+                failed = order[position - 1].name
+                state.stage([failed], f"the loader raised {type(error).__name__}: {str(error)[:80]}")
+    recording = _finish(state, infos, specs, [name for name, _ in params])
+    log.info("%s", recording.summary())
+    if cache:
+        _CACHE[cache_key] = recording
+    return recording
+
+
+def _specs(checkpoint: Sequence[TensorSpec] | Mapping[str, Tuple[Shape, Any]]) -> Dict[str, TensorSpec]:
+    if isinstance(checkpoint, Mapping):
+        return {name: TensorSpec(name, tuple(int(n) for n in shape), dtype) for name, (shape, dtype) in checkpoint.items()}
+    return {spec.name: TensorSpec(spec.name, tuple(int(n) for n in spec.shape), spec.dtype) for spec in checkpoint}
+
+
+def _finish(state: _Mode, infos: Dict[str, ParamInfo], specs: Dict[str, TensorSpec], order: List[str]) -> Recording:
+    pieces: Dict[str, List[Piece]] = {}
+    for tensor, source, param, target in state.copies:
+        if tensor in state.staged:
+            state.staged_params.setdefault(tensor, set()).add(param)
+            continue
+        boxes = _boxes(source, target, specs[tensor].shape)
+        if boxes is None:
+            state.stage([tensor], "not a set of boxes (a gather)", param)
+            continue
+        base = state.roots[target.root].base
+        for offset, extent, strides, at in boxes:
+            pieces.setdefault(param, []).append(Piece(tensor, offset, extent, at - base, strides))
+    # Boxes of a tensor staged later (by another copy) go: the engine's loader writes all of it.
+    for param in list(pieces):
+        pieces[param] = [piece for piece in pieces[param] if piece.tensor not in state.staged]
+    layouts = [ParamLayout(name, infos[name].shape, tuple(pieces[name])) for name in order if pieces.get(name)]
+    staged_params = {name: sorted(params) for name, params in state.staged_params.items() if name in state.staged}
+    reached = set(pieces) | {p for params in staged_params.values() for p in params} | state.params_written_by_staged
+    unwritten = [name for name in order if name not in reached]
+    padding = {}
+    for layout in layouts:
+        covered = sum(piece.numel for piece in layout.pieces)
+        if covered < math.prod(layout.shape):
+            padding[layout.name] = math.prod(layout.shape) - covered
+    return Recording(layouts, dict(state.staged), infos, specs, unwritten, padding, staged_params)

@@ -1,0 +1,118 @@
+"""Refit against vLLM's own loader: for every rank of a parallel layout, the model vLLM builds is
+loaded twice from one index-encoded checkpoint: once by its own `load_weights` (the truth), once by
+refit (needs recorded from that same loader on a meta-device copy of the model, offers of whole
+checkpoint tensors from host memory as a plain Hugging Face publisher makes them, a plan, the host
+backend's copies, then the engine's loader on whatever the recording staged). Every element of every
+parameter is compared."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+import torch
+
+import refit
+import vllm_harness as harness
+from refit.integrations.receiver import RecordedReceiver
+from refit.integrations.recorder import Recording, record
+from refit.tensor import dtype_code, dtype_name
+
+POISON = -7.0  # no checkpoint element (all are >= 1) and not 0, which loaders write into padding
+
+
+@dataclasses.dataclass
+class RankResult:
+    tp_rank: int
+    pp_rank: int
+    params: int = 0
+    elements: int = 0
+    mismatches: List[str] = dataclasses.field(default_factory=list)
+    only_loader: List[str] = dataclasses.field(default_factory=list)  # parameters only vLLM's loader writes
+    only_refit: List[str] = dataclasses.field(default_factory=list)
+    padding: int = 0  # elements vLLM's loader zero-fills (no checkpoint element) and refit leaves
+    staged: Dict[str, str] = dataclasses.field(default_factory=dict)
+    recording: Optional[Recording] = None
+    notes: str = ""
+
+
+def poisoned(model: torch.nn.Module) -> torch.nn.Module:
+    with torch.no_grad():
+        for tensor in model.parameters():
+            tensor.fill_(POISON)
+    return model
+
+
+def offers(table: refit.Table, ckpt: Dict[str, torch.Tensor], device: int) -> None:
+    """Whole checkpoint tensors offered from host memory, as a plain HF publisher on one rank."""
+    for name, tensor in ckpt.items():
+        index = table.add_tensor(name, tuple(tensor.shape), tensor.element_size(), dtype_code(dtype_name(tensor)))
+        table.add_offer(index, 0, device, tensor.data_ptr(), (0,) * tensor.dim(), tuple(tensor.shape))
+
+
+def compare_model(expected: torch.nn.Module, got: torch.nn.Module, result: RankResult, written: set) -> None:
+    want = dict(expected.named_parameters())
+    have = dict(got.named_parameters())
+    result.params = len(want)
+    for name in sorted(set(want) | set(have)):
+        if name not in want or name not in have:
+            result.mismatches.append(f"{name}: only one model has it")
+            continue
+        w, g = want[name].detach().flatten(), have[name].detach().flatten()
+        result.elements += w.numel()
+        loaded_by_vllm = bool((w != POISON).any())
+        if loaded_by_vllm and name not in written:
+            result.only_loader.append(name)
+        if not loaded_by_vllm and name in written:
+            result.only_refit.append(name)
+        differ = w != g
+        # Padding: the loader zero-fills rows no checkpoint element reaches; refit leaves them.
+        padding = differ & (w == 0) & (g == POISON)
+        result.padding += int(padding.sum())
+        wrong = (differ & ~padding).nonzero().flatten()
+        if len(wrong):
+            i = int(wrong[0])
+            result.mismatches.append(
+                f"{name}: {len(wrong)} of {w.numel()} elements differ; first at {i}: refit {g[i].item()}, vLLM {w[i].item()}"
+            )
+
+
+def run_rank(
+    config: Any,
+    parallel: harness.Parallel,
+    tp_rank: int,
+    pp_rank: int,
+    specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
+    ckpt: Dict[str, torch.Tensor],
+    tamper: Optional[Callable[[Recording], Recording]] = None,
+) -> RankResult:
+    result = RankResult(tp_rank, pp_rank)
+    with harness.as_rank(config, parallel, tp_rank, pp_rank):
+        truth = poisoned(harness.build(config, "cpu"))
+        truth.load_weights(iter(ckpt.items()))
+        meta = harness.build(config, "meta")
+        recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=(parallel, tp_rank, pp_rank))
+        if tamper is not None:
+            recording = tamper(recording)
+        result.recording, result.staged = recording, dict(recording.staged)
+        engine = poisoned(harness.build(config, "cpu"))
+        receiver = RecordedReceiver(recording)
+        staging = receiver.staging_buffers(lambda shape, dtype: torch.full(shape, POISON, dtype=dtype))
+        with refit.Table() as publisher, receiver.table(engine.named_parameters(), 0, device=1, staging=staging) as needs:
+            offers(publisher, ckpt, 0)
+            with refit.Plan.build([publisher, needs]) as plan, refit.Group([0, 1], refit.Backend.HOST) as group:
+                routes = plan.routes()
+                for route in routes:
+                    group.copy_batch(route.dst_device, route.segments)
+                result.notes = f"{len(routes)} routes, {sum(len(r.segments) for r in routes)} segments"
+        receiver.load_staged(engine.load_weights, staging)
+        written = {layout.name for layout in recording.layouts} | {p for ps in recording.staged_params.values() for p in ps}
+        compare_model(truth, engine, result, written)
+    return result
+
+
+def versions() -> str:
+    import importlib.metadata as metadata
+
+    return ", ".join(f"{name} {metadata.version(name)}" for name in ("vllm", "torch", "transformers"))

@@ -1,0 +1,267 @@
+"""The recorder on loaders written for the test, each a pattern a real loader uses: a transposed
+destination, heads regrouped through view + transpose (not one box: cut into boxes), a contiguous
+copy of a view read again, vocabulary padding, and what it must never guess (arithmetic, dtype
+conversion, concatenation, a loader that reads values), which goes through staging and the loader
+itself. Each is installed by refit through a plan on the host backend and compared element by
+element with the loader's own result; then a plain Hugging Face module loaded by load_state_dict."""
+
+from __future__ import annotations
+
+import unittest
+from typing import Callable, Dict, Tuple
+
+import torch
+
+import refit
+from compare import POISON, offers
+from refit.integrations.receiver import RecordedReceiver
+from refit.integrations.recorder import TensorSpec, record
+
+Specs = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
+
+
+def encoded(specs: Specs) -> Dict[str, torch.Tensor]:
+    out, start = {}, 1
+    for name, (shape, dtype) in specs.items():
+        n = 1
+        for e in shape:
+            n *= e
+        out[name] = torch.arange(start, start + n, dtype=torch.float32).reshape(shape).to(dtype)
+        start += n
+    return out
+
+
+def install(test: unittest.TestCase, make: Callable[[str], Dict[str, torch.Tensor]], loader_of, specs: Specs):
+    """(recording, the loader's parameters, refit's parameters)."""
+    ckpt = encoded(specs)
+    truth = make("cpu")
+    for tensor in truth.values():
+        tensor.fill_(POISON)
+    loader_of(truth)(iter(ckpt.items()))
+    meta = make("meta")
+    recording = record(loader_of(meta), meta, specs, cache=False)
+    params = make("cpu")
+    for tensor in params.values():
+        tensor.fill_(POISON)
+    receiver = RecordedReceiver(recording)
+    staging = receiver.staging_buffers(lambda shape, dtype: torch.full(shape, POISON).to(dtype))
+    with refit.Table() as publisher, receiver.table(params, 0, device=1, staging=staging) as needs:
+        offers(publisher, ckpt, 0)
+        with refit.Plan.build([publisher, needs]) as plan, refit.Group([0, 1], refit.Backend.HOST) as group:
+            for route in plan.routes():
+                group.copy_batch(route.dst_device, route.segments)
+    receiver.load_staged(loader_of(params), staging)
+    for name in truth:
+        test.assertTrue(torch.equal(truth[name], params[name]), f"{name}: refit {params[name]} loader {truth[name]}")
+    return recording, truth, params
+
+
+class RecorderTest(unittest.TestCase):
+    def test_transposed_destination_is_one_box_with_its_strides(self):
+        specs = {"w": ((3, 5), torch.float32)}
+        make = lambda device: {"p": torch.empty(5, 3, device=device)}  # noqa: E731
+        loader = lambda params: lambda items: [params["p"].copy_(t.t()) for _, t in items]  # noqa: E731
+        recording, _, _ = install(self, make, loader, specs)
+        (piece,) = recording.layouts[0].pieces
+        self.assertEqual((piece.offset, piece.extent, piece.strides, piece.at), ((0, 0), (3, 5), (1, 3), 0))
+        self.assertEqual(recording.staged, {})
+
+    def test_heads_regrouped_through_view_and_transpose(self):
+        # q rows grouped [head][dim] in the checkpoint, stored [dim][head] by the "engine".
+        specs = {"q": ((4 * 2, 6), torch.float32)}
+        make = lambda device: {"p": torch.empty(2, 4, 6, device=device)}  # noqa: E731
+        loader = lambda params: lambda items: [params["p"].copy_(t.view(4, 2, 6).transpose(0, 1)) for _, t in items]  # noqa: E731
+        recording, _, _ = install(self, make, loader, specs)
+        # Rows 2h + d land at [d][h]: per h, rows 2h..2h+1 are one box (2 x 6) at stride 24 in p.
+        self.assertEqual([p.offset for p in recording.layouts[0].pieces], [(0, 0), (2, 0), (4, 0), (6, 0)])
+        self.assertEqual({p.strides for p in recording.layouts[0].pieces}, {(24, 1)})
+        self.assertEqual(recording.staged, {})
+
+    def test_a_contiguous_copy_read_again_maps_back(self):
+        specs = {"w": ((4, 6), torch.float32)}
+        make = lambda device: {"p": torch.empty(3, 4, device=device)}  # noqa: E731
+
+        def loader(params):
+            def load(items):
+                for _, t in items:
+                    params["p"].copy_(t.t().contiguous()[2:5])
+
+            return load
+
+        recording, _, _ = install(self, make, loader, specs)
+        (piece,) = recording.layouts[0].pieces
+        self.assertEqual((piece.offset, piece.extent), ((0, 2), (4, 3)))
+        self.assertEqual(recording.staged, {})
+
+    def test_flattened_and_strided_reads(self):
+        # A flat parameter taking rows 1..2 of a matrix flattened; every other column of another.
+        specs = {"w": ((4, 6), torch.float32), "v": ((4, 6), torch.float32)}
+        make = lambda device: {"flat": torch.empty(12, device=device), "odd": torch.empty(4, 3, device=device)}  # noqa: E731
+
+        def loader(params):
+            def load(items):
+                for name, t in items:
+                    if name == "w":
+                        params["flat"].copy_(t.reshape(-1)[6:18])
+                    else:
+                        params["odd"].copy_(t[:, 1::2])
+
+            return load
+
+        recording, _, _ = install(self, make, loader, specs)
+        flat, odd = recording.layouts
+        self.assertEqual([(p.offset, p.extent) for p in flat.pieces], [((1, 0), (2, 6))])
+        self.assertEqual([(p.offset, p.extent, p.strides) for p in odd.pieces], [((0, c), (4, 1), (3, 1)) for c in (1, 3, 5)])
+
+    def test_vocabulary_padding_is_reported_and_left(self):
+        specs = {"embed": ((5, 2), torch.float32)}
+        make = lambda device: {"p": torch.empty(8, 2, device=device)}  # noqa: E731
+
+        def loader(params):
+            def load(items):
+                for _, t in items:
+                    params["p"][: t.shape[0]].copy_(t)
+                    params["p"][t.shape[0] :].fill_(0)
+
+            return load
+
+        ckpt_rows = 5
+        recording, truth, got = install_allowing_padding(self, make, loader, specs, ckpt_rows)
+        self.assertEqual(recording.padding, {"p": 6})
+
+    def test_what_is_not_a_box_is_staged_with_its_reason_and_loaded_by_the_loader(self):
+        specs = {
+            "scaled": ((4,), torch.float32),
+            "half": ((4,), torch.bfloat16),
+            "a": ((2, 3), torch.float32),
+            "b": ((2, 3), torch.float32),
+            "counted": ((1,), torch.float32),
+            "plain": ((4,), torch.float32),
+        }
+        make = lambda device: {  # noqa: E731
+            "p_scaled": torch.empty(4, device=device),
+            "p_half": torch.empty(4, device=device),
+            "p_cat": torch.empty(4, 3, device=device),
+            "p_counted": torch.empty(1, device=device),
+            "p_plain": torch.empty(4, device=device),
+        }
+
+        def loader(params):
+            def load(items):
+                pending = {}
+                for name, t in items:
+                    if name == "scaled":
+                        params["p_scaled"].copy_(t * 2)
+                    elif name == "half":
+                        params["p_half"].copy_(t)
+                    elif name in ("a", "b"):
+                        pending[name] = t
+                        if len(pending) == 2:
+                            params["p_cat"].copy_(torch.cat([pending["a"], pending["b"]]))
+                    elif name == "counted":
+                        params["p_counted"].fill_(t.item())
+                    else:
+                        params["p_plain"].copy_(t)
+
+            return load
+
+        # a and b are concatenated only when both arrive together: staged, they arrive together.
+        recording, _, _ = install(self, make, loader, specs)
+        self.assertEqual(recording.staged["scaled"], "computed by mul")
+        self.assertEqual(recording.staged["half"], "dtype conversion")
+        self.assertEqual(recording.staged["a"], "concatenation into a new tensor")
+        self.assertEqual(recording.staged["b"], "concatenation into a new tensor")
+        self.assertIn("the loader raised", recording.staged["counted"])
+        self.assertNotIn("plain", recording.staged)
+        self.assertEqual([layout.name for layout in recording.layouts], ["p_plain"])
+        self.assertIn("staged for the engine's loader", recording.summary())
+
+    def test_recordings_are_cached_per_parameters_checkpoint_and_key(self):
+        specs = [TensorSpec("w", (2, 2), torch.float32)]
+        params = {"p": torch.empty(2, 2, device="meta")}
+        calls = []
+
+        def loader(items):
+            calls.append(1)
+            for _, t in items:
+                params["p"].copy_(t)
+
+        first = record(loader, params, specs, key="rank 0")
+        self.assertIs(record(loader, params, specs, key="rank 0"), first)
+        self.assertIsNot(record(loader, params, specs, key="rank 1"), first)
+        self.assertEqual(len(calls), 2)
+        with self.assertRaises(ValueError):
+            record(loader, {"p": torch.empty(2, 2)}, specs)
+
+    def test_a_changed_parameter_is_refused(self):
+        specs = {"w": ((2, 2), torch.float32)}
+        meta = {"p": torch.empty(2, 2, device="meta")}
+        recording = record(lambda items: [meta["p"].copy_(t) for _, t in items], meta, specs, cache=False)
+        receiver = RecordedReceiver(recording)
+        with refit.Table() as table:
+            for params, text in (
+                ({"p": torch.empty(2, 2).t()}, "changed shape, strides or dtype"),
+                ({"p": torch.empty(2, 2, dtype=torch.float16)}, "changed shape, strides or dtype"),
+                ({"p": torch.empty(2, 2), "q": torch.empty(1)}, "1 new"),
+                ({}, "1 gone"),
+            ):
+                with self.assertRaises(refit.RefitError) as caught:
+                    receiver.add_to(table, params, 0, device=0)
+                self.assertIn(text, caught.exception.message)
+
+
+def install_allowing_padding(test, make, loader_of, specs, rows):
+    """install(), where the loader's zero-filled padding rows stay POISON on refit's side."""
+    ckpt = encoded(specs)
+    truth = make("cpu")
+    loader_of(truth)(iter(ckpt.items()))
+    meta = make("meta")
+    recording = record(loader_of(meta), meta, specs, cache=False)
+    params = {name: torch.full_like(t, POISON) for name, t in truth.items()}
+    with refit.Table() as publisher, RecordedReceiver(recording).table(params, 0, device=1) as needs:
+        offers(publisher, ckpt, 0)
+        with refit.Plan.build([publisher, needs]) as plan, refit.Group([0, 1], refit.Backend.HOST) as group:
+            for route in plan.routes():
+                group.copy_batch(route.dst_device, route.segments)
+    test.assertTrue(torch.equal(params["p"][:rows], truth["p"][:rows]))
+    test.assertTrue(bool((params["p"][rows:] == POISON).all()))
+    test.assertTrue(bool((truth["p"][rows:] == 0).all()))
+    return recording, truth, params
+
+
+class HuggingFaceModuleTest(unittest.TestCase):
+    def test_a_plain_hugging_face_module_loaded_by_load_state_dict(self):
+        from transformers import AutoModelForCausalLM, LlamaConfig
+
+        config = LlamaConfig(hidden_size=16, intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+                             num_key_value_heads=2, vocab_size=50, max_position_embeddings=64)
+
+        def make(device):
+            with torch.device(device):
+                model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+            return model
+
+        meta = make("meta")
+        specs = {name: (tuple(t.shape), t.dtype) for name, t in meta.state_dict().items()}
+        loader = lambda model: lambda items: model.load_state_dict(dict(items), strict=False)  # noqa: E731
+        ckpt = encoded(specs)
+        truth = make("cpu")
+        loader(truth)(iter(ckpt.items()))
+        recording = record(loader(meta), list(meta.named_parameters()), specs, cache=False)
+        self.assertEqual(recording.staged, {})
+        self.assertEqual(recording.unwritten, [])
+        engine = make("cpu")
+        with torch.no_grad():
+            for p in engine.parameters():
+                p.fill_(POISON)
+        with refit.Table() as publisher, RecordedReceiver(recording).table(list(engine.named_parameters()), 0, device=1) as needs:
+            offers(publisher, ckpt, 0)
+            with refit.Plan.build([publisher, needs]) as plan, refit.Group([0, 1], refit.Backend.HOST) as group:
+                for route in plan.routes():
+                    group.copy_batch(route.dst_device, route.segments)
+        for name, p in truth.named_parameters():
+            self.assertTrue(torch.equal(p, dict(engine.named_parameters())[name]), name)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,151 @@
+"""vLLM 0.33's own model classes (built on CPU per rank) loaded by their own load_weights, against
+what refit installs from needs recorded from that same loader: every element of every parameter,
+for each family of families.py at each parallel layout of its MATRIX. Targets: 0 mismatching
+elements, 0 parameters only one side writes, 0 refusals. A family vLLM cannot build on its CPU
+platform is reported as a skip with vLLM's reason (printed and counted as skipped, never passed)."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import re
+import sys
+import unittest
+from typing import Any, Dict, List
+
+import compare
+import vllm_harness as harness
+from families import FAMILIES, MATRIX
+from refit.integrations.recorder import Recording
+
+REPORT: List[str] = []
+
+
+def setUpModule() -> None:
+    print(f"\nframeworks: {compare.versions()}", file=sys.stderr)
+
+
+def tearDownModule() -> None:
+    for line in REPORT:
+        print(line, file=sys.stderr)
+
+
+@functools.lru_cache(maxsize=None)
+def checkpoint(family: str) -> Any:
+    folder = harness.hf_folder(family, FAMILIES[family]())
+    specs = harness.checkpoint_specs(folder)
+    return folder, specs, harness.index_encoded(specs)
+
+
+class VllmLoaderTest(unittest.TestCase):
+    def check(self, family: str, parallel: harness.Parallel) -> None:
+        folder, specs, ckpt = checkpoint(family)
+        try:
+            config = harness.engine_config(folder, parallel)
+        except Exception as error:  # vLLM refuses this configuration on its CPU platform
+            REPORT.append(f"frameworks: {family} {parallel.label()}: vLLM cannot build it on CPU: {error}")
+            self.skipTest(f"vLLM cannot build {family} {parallel.label()} on CPU: {error}")
+        staged: Dict[str, str] = {}
+        padding = 0
+        experts: Dict[int, List[int]] = {}
+        for tp_rank, pp_rank in parallel.ranks():
+            result = compare.run_rank(config, parallel, tp_rank, pp_rank, specs, ckpt)
+            if pp_rank == parallel.pp - 1:
+                experts[tp_rank] = experts_of(result.recording)
+            where = f"{family} {parallel.label()} rank tp{tp_rank}/pp{pp_rank}"
+            self.assertEqual(result.mismatches, [], f"{where}: {result.recording.summary() if result.recording else ''}; {result.notes}")
+            self.assertEqual(result.only_loader, [], f"{where}: parameters only vLLM's loader writes")
+            self.assertEqual(result.only_refit, [], f"{where}: parameters only refit writes")
+            self.assertGreater(result.elements, 0, where)
+            staged.update(result.staged)
+            padding += result.padding
+        if parallel.ep and parallel.tp == 4:
+            # Where vLLM places experts is read from the engine (recorded), never assumed: DeepSeek
+            # has expert groups, so round-robin holds; Qwen3-MoE has none and vLLM falls back to
+            # linear placement (expert_map_manager.determine_expert_placement_strategy).
+            want = {"deepseek_v2_lite": {r: [r, r + 4] for r in range(4)}, "qwen3_moe": {r: [2 * r, 2 * r + 1] for r in range(4)}}
+            self.assertEqual(experts, want[family], f"{family} {parallel.label()}: experts per rank")
+        REPORT.append(
+            f"frameworks: {family} {parallel.label()}: experts per TP rank {experts or 'n/a'}; {len(parallel.ranks())} ranks equal vLLM's loader element for "
+            f"element; {padding} padding elements (zero-filled by vLLM, left by refit); staged: {staged or 'none'}"
+        )
+
+
+def experts_of(recording: Recording) -> List[int]:
+    """The checkpoint experts whose weights land on this rank (in the last MoE layer it holds)."""
+    found: Dict[int, set] = {}
+    for layout in recording.layouts:
+        for piece in layout.pieces:
+            match = re.search(r"layers\.(\d+)\.(?:mlp|block_sparse_moe)\.experts\.(\d+)\.", piece.tensor)
+            if match:
+                found.setdefault(int(match.group(1)), set()).add(int(match.group(2)))
+    return sorted(found[max(found)]) if found else []
+
+
+def _add_cases() -> None:
+    for family, layouts in MATRIX.items():
+        for parallel in layouts:
+            name = f"test_{family}_{parallel.label()}"
+            setattr(VllmLoaderTest, name, lambda self, f=family, p=parallel: self.check(f, p))
+
+
+_add_cases()
+
+
+class StaleStageCacheTest(unittest.TestCase):
+    """vLLM caches a model's pipeline-missing layers by id(model); a model built where a freed model
+    of another stage lived would inherit that answer. forget_pp_layers (called by every build)
+    drops it: planted here as such a stale entry, the recording of stage 1 stages nothing."""
+
+    def test_a_stale_entry_for_the_models_id_is_dropped(self) -> None:
+        from refit.integrations.recorder import record
+        from refit.integrations.vllm import forget_pp_layers
+        from vllm.model_executor.models import utils
+
+        folder, specs, _ = checkpoint("deepseek_v2_lite")  # its loader looks stages up by name
+        parallel = harness.Parallel(1, 2)
+        config = harness.engine_config(folder, parallel)
+        recordings = []
+        for forget in (False, True):
+            with harness.as_rank(config, parallel, 0, 1):
+                model = harness.build(config, "meta")
+                # What the inner model of stage 0 holds missing, under this inner model's id.
+                utils._model_to_pp_missing_layer_names[id(model.model)] = ["layers.1", "norm"]
+                if forget:
+                    forget_pp_layers(model)
+                recordings.append(record(model.load_weights, list(model.named_parameters()), specs, cache=False))
+        stale, fresh = recordings
+        self.assertNotEqual(stale.staged, {})  # the loader failed on stage 1's own tensors
+        self.assertEqual(fresh.staged, {})
+
+
+class SwappedLayoutTest(unittest.TestCase):
+    """The comparison can fail: two equal-sized pieces of a recorded layout swapped (gate and up of
+    a fused gate_up, then q and k rows of a fused qkv) must show up as mismatching elements."""
+
+    def test_swapping_two_pieces_is_caught(self) -> None:
+        folder, specs, ckpt = checkpoint("llama")
+        parallel = harness.Parallel(2)
+        config = harness.engine_config(folder, parallel)
+
+        def swap(recording: Recording) -> Recording:
+            layouts = list(recording.layouts)
+            for i, layout in enumerate(layouts):
+                pieces = list(layout.pieces)
+                pairs = [(a, b) for a in range(len(pieces)) for b in range(a + 1, len(pieces)) if pieces[a].extent == pieces[b].extent and pieces[a].tensor != pieces[b].tensor]
+                if layout.name.endswith("gate_up_proj.weight") and pairs:
+                    a, b = pairs[0]
+                    pieces[a], pieces[b] = dataclasses.replace(pieces[a], at=pieces[b].at), dataclasses.replace(pieces[b], at=pieces[a].at)
+                    layouts[i] = dataclasses.replace(layout, pieces=tuple(pieces))
+                    return dataclasses.replace(recording, layouts=layouts)
+            self.fail("no gate_up_proj with two equal pieces to swap")
+
+        result = compare.run_rank(config, parallel, 1, 0, specs, ckpt, tamper=swap)
+        self.assertEqual(len(result.mismatches), 1, result.mismatches)
+        self.assertIn("gate_up_proj.weight", result.mismatches[0])
+        # The untampered recording still passes (the cache was not changed by the swap).
+        self.assertEqual(compare.run_rank(config, parallel, 1, 0, specs, ckpt).mismatches, [])
+
+
+if __name__ == "__main__":
+    unittest.main()
