@@ -325,8 +325,10 @@ fn byte_tensor(table: &mut TableBuilder, name: String, shape: Vec<u64>) -> u32 {
     table.add_tensor(TensorSpec { name, dtype: 1, elem_size: 1, shape }).expect("tensor")
 }
 
-/// `n` rows of `run` bytes from `src`, each one offer and one need, row i landing at row n-1-i of
-/// `dst` (so that neighbours in the source are not neighbours in the destination).
+/// `n` rows of `run` bytes from `src`, each a tensor of its own with one offer and one need, row i
+/// landing at row n-1-i of `dst` (so that neighbours in the source are not neighbours in the
+/// destination). A tensor per row keeps the planner's box tests at one per need: a million offers
+/// and needs of one tensor would be tested against each other past the planner's limit.
 fn reversed_rows(
     table: &mut TableBuilder,
     name: String,
@@ -336,10 +338,10 @@ fn reversed_rows(
     dst: u64,
     out: &mut Vec<Run>,
 ) {
-    let tensor = byte_tensor(table, name, vec![n, run]);
     let me = Endpoint { process: 0, device: 0 };
     for i in 0..n {
-        let region = Region { offset: vec![i, 0], extent: vec![1, run] };
+        let tensor = byte_tensor(table, format!("{name}.{i}"), vec![1, run]);
+        let region = Region { offset: vec![0, 0], extent: vec![1, run] };
         let (from, to) = (src + i * run, dst + (n - 1 - i) * run);
         table
             .add_offer(Offer {
