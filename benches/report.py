@@ -87,6 +87,8 @@ def machine(d):
         return f"{m['count']} x {m['gpu']}"
     if isinstance(m, dict) and "cpu" in m:
         return f"{m['cpu']}, {m.get('cpus', 'CPU count not recorded')} CPUs"
+    if isinstance(m, dict) and "device" in m:
+        return f"{m['device']} ({m['gpus']} GPUs)" if "gpus" in m else f"{m['device']} (GPU count not recorded)"
     device, gpus = (d.get("device"), d.get("gpus")) if isinstance(d, dict) else (None, None)
     if device and gpus:
         return f"{gpus} x {device}"
@@ -99,6 +101,7 @@ def machine(d):
 
 def source_of(stem):
     """The bench or probe that writes benches/results/<stem>.json."""
+    stem = {"inflight": "inflight_peer"}.get(stem, stem)  # benches whose results are named otherwise
     for candidate in sorted((ROOT / "benches").rglob(stem + ".*")):
         if candidate.suffix in (".rs", ".py", ".cu") and "results" not in candidate.parts:
             return candidate.relative_to(ROOT).as_posix()
@@ -672,9 +675,11 @@ def refit_peer(d):
             "The sources are random bits, so about 1 bf16 element in 260 is a NaN. In torch's source, "
             "the CUDA fast path of `_foreach_copy_` (dense pairs with equal sizes and strides) loads "
             "each bf16 element as a float and stores it back, which replaces a NaN's payload with the "
-            "canonical NaN; `benches/copy_support/foreach_copy_nan_repro.py` is the ten-element "
-            "reproduction to run on a GPU. Runs of the bench since it classifies differences say "
-            "whether anything other than NaN payloads differed.",
+            "canonical NaN. `benches/copy_support/foreach_copy_nan_repro.py` is the ten-element "
+            "reproduction; on one H200 with torch 2.11 (2026-12-02) it printed every NaN pattern "
+            "(7f81, 7fa5, ffc1, ff81, 7fc0) as 7fff after `_foreach_copy_`, the per-tensor `copy_` kept "
+            "them, and finite values and infinities kept their bits in both. The table's last column "
+            "says what else, if anything, differed.",
             "",
         ]
     loads = list(dict.fromkeys(p["load"] for p in d["overlap"]))
@@ -726,6 +731,109 @@ def generic(stem, d):
 
 
 # Sections in the order the document shows them; any other results file follows, rendered as is.
+def inflight(d):
+    out = heading(
+        "inflight",
+        "Receiving while serving: a staged receive beside a decode-like loop, then the commit",
+        "one device copy of the installed bytes, same run (the commit's ceiling)",
+    )
+    out += [
+        f"{gib(d['installed_bytes'])} of bf16 tensors received into staging on one GPU while a memory-bound "
+        f"bf16 small-batch product loops on another stream; torch {d['versions']['torch']}.",
+        "",
+    ]
+    out += table(
+        ["budget", "receive ms", "receive GB/s", "loop ms/step alone", "loop ms/step during", "loop slowdown"],
+        [[b["budget"], num(b["receive_ms"], 2), num(b["receive_gb_s"]), num(b["loop_ms_per_step_alone"], 4),
+          measured(b.get("loop_ms_per_step_during") or 0, 4),
+          "-" if b.get("loop_slowdown") is None else f"{100 * b['loop_slowdown']:+.1f}%"] for b in d["budgets"]],
+    )
+    c = d["commit"]
+    out += [
+        "",
+        f"Commit stall (the loop's stream blocked by the commit): {num(c['stall_ms'], 2)} ms against "
+        f"{num(c['copy_ms'], 2)} ms for one device copy of the same bytes: {c['ratio']:.2f}x "
+        f"(target <= {c['target_ratio']}x: {'met' if c['met'] else 'NOT met'}).",
+        "",
+    ]
+    return out
+
+
+def gpu_quant(d):
+    out = heading(
+        "gpu_quant",
+        "FP8 quantizing copy (refit_quantize_batch)",
+        "the memory bound: 3 bytes per element at the same run's plain copy rate; torch in `quant_peer`",
+    )
+    out += [f"{d['source']} {d['shape'][0]} x {d['shape'][1]} -> {d['target']}; {d['kernel']}; plain copy "
+            f"{num(d['copy_ms'], 3)} ms, bound {num(d['memory_bound_ms'], 3)} ms.", ""]
+    out += table(
+        ["granularity", "ms", "GB/s moved", "bound / ours (target >= 0.8)"],
+        [[q["granularity"], num(q["ms"], 3), num(q["gbps_moved"]), f"{q['of_memory_bound']:.2f}"] for q in d["quantize"]],
+    )
+    return out + [""]
+
+
+def quant_peer(d):
+    out = heading(
+        "quant_peer",
+        "FP8 quantizing copy beside torch",
+        "torch eager and `torch.compile` quantizers of the same tensor, same run",
+    )
+    out += [f"torch {d['torch']}; plain copy {num(d['copy_ms'], 3)} ms, memory bound {num(d['memory_bound_ms'], 3)} ms.", ""]
+    out += table(
+        ["granularity", "refit ms", "torch eager ms", "torch.compile ms", "bound / refit", "refit vs compile",
+         "bytes differing from torch"],
+        [[r["granularity"], num(r["refit_ms"], 3), num(r["torch_eager_ms"], 3), num(r["torch_compile_ms"], 3),
+          f"{r['of_memory_bound']:.2f}", f"{r['speedup_vs_compile']:.2f}x", num(r["mismatched_bytes_vs_torch_exact"], 0)]
+         for r in d["results"]],
+    )
+    return out + [""]
+
+
+def transfer_bytes(d):
+    out = heading(
+        "transfer_bytes",
+        "Bytes each receiving rank takes per update: refit against vLLM's own backends",
+        "vLLM `nccl_m2n` (its own destination resolution) and `nccl` (broadcast), from vLLM's code",
+    )
+    v = d["versions"]
+    out += [f"Computed on CPU from vLLM {v['vllm']}'s model classes built on the meta device (torch {v['torch']}).", ""]
+    rows = []
+    for c in d["cases"]:
+        r = c["ranks"][0] if isinstance(c.get("ranks"), list) and c["ranks"] else None
+        if not isinstance(r, dict):
+            continue
+        refit_bytes = r.get("refit")
+        row = [c["model"], c["tp"], "on" if c["ep"] else "off", gib(refit_bytes) if refit_bytes else "-"]
+        for key in ("nccl_m2n_mesh_1xtp", "nccl_m2n_default_mesh", "nccl"):
+            value = r.get(key)
+            value = value.get("bytes") if isinstance(value, dict) else value
+            row.append(f"{gib(value)} ({value / refit_bytes:.2f}x)" if value and refit_bytes else "-")
+        rows.append(row)
+    out += table(["model", "TP", "EP", "refit", "nccl_m2n, (1, TP) mesh", "nccl_m2n, default", "nccl"], rows)
+    return out + [""]
+
+
+def recorder(d):
+    out = heading(
+        "recorder",
+        "Recording a receiver from vLLM's own loader (meta tensors)",
+        "vLLM's own `load_weights` alone over the same stand-ins",
+    )
+    out += [f"vLLM {d['vllm']}, torch {d['torch']}; {d['cores_used']} core of {d['cores_on_machine']}; {d['note']}.", ""]
+    out += table(
+        ["model", "TP", "EP", "checkpoint tensors", "parameters", "boxes", "staged", "record s (CPU s)",
+         "load_weights alone s (CPU s)", "target s"],
+        [[c["name"], c["tp"], "on" if c["expert_parallel"] else "off", num(c["checkpoint_tensors"], 0),
+          num(c["parameters"], 0), num(c["boxes"], 0), num(c["staged_tensors"], 0),
+          f"{num(c['record_s'], 1)} ({num(c['record_cpu_s'], 1)})",
+          f"{num(c['vllm_load_weights_alone_s'], 1)} ({num(c['vllm_load_weights_alone_cpu_s'], 1)})",
+          d["targets_s"].get(c["name"], "-")] for c in d["cases"]],
+    )
+    return out + [""]
+
+
 SECTIONS = [
     ("gpu_allgather", gpu_allgather),
     ("gpu_copy", gpu_copy),
@@ -741,6 +849,11 @@ SECTIONS = [
     ("launch_cost_probe", launch_cost_probe),
     ("leader_launch_probe", leader_launch_probe),
     ("refit_peer", refit_peer),
+    ("inflight", inflight),
+    ("gpu_quant", gpu_quant),
+    ("quant_peer", quant_peer),
+    ("transfer_bytes", transfer_bytes),
+    ("recorder", recorder),
 ]
 
 
