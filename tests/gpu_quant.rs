@@ -162,6 +162,18 @@ fn the_kernel_compiles_for_hopper_and_ampere() {
         assert!(text.contains(".entry refit_quantize("), "PTX names the kernel");
         assert!(text.contains("ld.global.v4.u32") || text.contains("ld.global.nc.v4.u32"), "16-byte loads");
         assert_eq!(text.contains("e4m3x2"), major >= 9, "the hardware conversion on sm_89 and later only");
+        // Block mode issues a thread's cached loads before the first amax uses one: were a use
+        // placed between two loads, each load would wait for the data of the one before it. (On
+        // sm_90 the 16-bit amax is one max.u16x2 instruction, which marks the first use.)
+        if major >= 9 {
+            let first_use = text.find("max.u16x2").expect("the 16-bit amax as max.u16x2");
+            let loads_before = text[..first_use].matches("ld.global.nc.v4.u32").count();
+            assert!(
+                loads_before as u64 >= refit::kernels::quantize::CACHE,
+                "sm_{major}{minor}: {loads_before} 16-byte loads before the first amax, want {}",
+                refit::kernels::quantize::CACHE
+            );
+        }
     }
 }
 

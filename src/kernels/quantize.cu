@@ -17,11 +17,17 @@
 // extend up to 15 bytes past its last element, within its aligned 16 bytes, and those bytes are
 // ignored. Two modes:
 // - MODE_BLOCK: a tile is one scale block (per-tensor jobs: a slab of whole rows). The block's
-//   threads read its vectors, each keeping the first QUANT_CACHE in registers, reduce the amax
+//   threads read its vectors, each keeping the first QUANT_CACHE in registers (all QUANT_CACHE
+//   loads issued before the first is used, so that many are in flight per thread), reduce the amax
 //   across the block (warp shuffles, then shared memory), compute the scale, and quantize what they
 //   hold (vectors beyond the cache are read again, from L2). Per-tensor jobs run in two launches:
 //   phase 1 reduces each slab and combines the slabs' amax with atomicMax on its bits into the job's
-//   word of `amax` (zeroed by the host); phase 2 quantizes with it.
+//   word of `amax` (zeroed by the host); phase 2 quantizes with it. So a per-tensor job reads its
+//   source twice: its memory bound is 5 bytes per 16-bit element, not the other granularities' 3.
+//
+// Occupancy: the memory system needs tens of KiB of loads in flight per SM, which here means tiles in
+// flight (each holds its loads until its reduction). QUANT_MIN_BLOCKS in the launch bounds makes the
+// compiler fit that many 256-thread blocks per SM in the register file.
 // - MODE_GROUP: for one-row blocks of at most 32 vectors (MX, short rows, 1 x n blocks): each
 //   scale block is taken by a group of 2^group_shift lanes of a warp (one vector per lane), reduced
 //   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups.
@@ -33,6 +39,7 @@ typedef unsigned short u16;
 #define QUANT_THREADS 256u
 #define QUANT_WARPS (QUANT_THREADS / 32u)
 #define QUANT_CACHE 8u
+#define QUANT_MIN_BLOCKS 3u
 #define QUANT_GROUP_ROUNDS 4u
 #define QUANT_MIN_AMAX 1e-10f
 #define QUANT_CANONICAL_NAN 0x7fffffffu
@@ -418,13 +425,28 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst) + r0 * d.dst_stride + c0;
     const u64 src_row_bytes = d.src_stride * SIZE;
 
+    // All QUANT_CACHE loads are issued before any of their data is used: a use between two loads
+    // (the amax, with its branch on a partial vector) would make each load wait for the one before,
+    // leaving one 16-byte load per thread in flight instead of QUANT_CACHE.
     Vec cache[QUANT_CACHE] = {};
-    u32 amax = 0;
     u32 row = t / per_row, v = t % per_row;
 #pragma unroll
     for (u32 k = 0; k < QUANT_CACHE; ++k) {
+        if (row < rows) cache[k] = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
+    }
+    const u32 rest_row = row, rest_v = v;  // the first vector not cached
+    u32 amax = 0;
+    row = t / per_row;
+    v = t % per_row;
+#pragma unroll
+    for (u32 k = 0; k < QUANT_CACHE; ++k) {
         if (row < rows) {
-            cache[k] = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
             const u32 m = vector_amax<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE);
             amax = m > amax ? m : amax;
         }
@@ -435,7 +457,8 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
             ++row;
         }
     }
-    const u32 rest_row = row, rest_v = v;  // the first vector not cached
+    row = rest_row;
+    v = rest_v;
     for (; row < rows;) {
         const Vec x = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
         const u32 m = vector_amax<SRC>(x, cols - v * VE < VE ? cols - v * VE : VE);
@@ -549,7 +572,7 @@ __device__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, 
 // One tile per thread block: blockIdx.x over the tiles of all `njobs` descriptors. Phase 1 (launched
 // only when a job is per tensor): the per-tensor jobs' amax into job_amax (zeroed by the host), the
 // other tiles return at once. Phase 2: every job quantized, per-tensor ones with phase 1's amax.
-extern "C" __global__ void __launch_bounds__(QUANT_THREADS)
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
     refit_quantize(const QuantDesc* __restrict__ descs, u32 njobs, u32 phase, u32* job_amax) {
     const u64 tile = blockIdx.x;
     u32 lo = 0, hi = njobs;  // the last descriptor whose first tile is at most `tile`

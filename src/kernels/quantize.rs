@@ -20,6 +20,10 @@ const KERNEL_NAME: &std::ffi::CStr = c"refit_quantize";
 pub const THREADS: u32 = 256;
 /// Vectors a thread keeps in registers in block mode (QUANT_CACHE).
 pub const CACHE: u64 = 8;
+/// Thread blocks each SM must be able to hold at once (QUANT_MIN_BLOCKS, the kernel's launch
+/// bounds): it caps the registers per thread (65536 / (THREADS x MIN_BLOCKS_PER_SM) = 64) so that
+/// four tiles, each with its CACHE vectors per thread loaded, are in flight per SM instead of two.
+pub const MIN_BLOCKS_PER_SM: u32 = 3;
 /// Rounds of blocks per tile in group mode (QUANT_GROUP_ROUNDS).
 pub const GROUP_ROUNDS: u64 = 4;
 
@@ -284,6 +288,7 @@ mod tests {
         for define in [
             format!("#define QUANT_THREADS {THREADS}u"),
             format!("#define QUANT_CACHE {CACHE}u"),
+            format!("#define QUANT_MIN_BLOCKS {MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_GROUP_ROUNDS {GROUP_ROUNDS}u"),
             format!("#define QUANT_DESC_BYTES {}u", std::mem::size_of::<QuantDesc>()),
             "#define QUANT_MIN_AMAX 1e-10f".to_string(),
