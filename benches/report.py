@@ -834,6 +834,43 @@ def recorder(d):
     return out + [""]
 
 
+def gpu_sweep(d):
+    out = heading(
+        "gpu_sweep",
+        "The executor's arms at every run size (what AUTO's rule is set from)",
+        "one large device copy of the same bytes (the ceiling), a per-run `cuMemcpyAsync` loop, and "
+        "torch's `_foreach_copy_`, per-run `copy_` and column-block `copy_` from `sweep_peer`, same lease",
+    )
+    out += [f"{gib(d['payload_bytes'])} of payload per point; {d['receivers_note']}; {d['timing']}.", ""]
+    peer = {(p["shape"], p["run_bytes"]): p for p in (load("sweep_peer") or {}).get("points", [])}
+
+    def torch_best(point):
+        found = [(v["gbps"], k) for k, v in point.items() if isinstance(v, dict) and k != "ceiling"]
+        return max(found) if found else None
+
+    rows = []
+    for p in d["points"]:
+        best = torch_best(peer.get((p["shape"], p["run_bytes"]), {}))
+        rows.append([
+            p["shape"], size(p["run_bytes"]), num(p["runs"], 0), f"{num(p['auto']['gbps'], 0)} ({p['auto']['method']})",
+            num(p["kernel"]["gbps"], 0), num(p["copy_engine"]["gbps"], 0), num(p["per_run_loop"]["gbps"], 0),
+            f"{num(best[0], 0)} ({best[1]})" if best else "-", num(p["ceiling"]["gbps"], 0),
+            f"{p['auto_vs_ceiling']:.3f}",
+        ])
+    out += table(
+        ["shape", "run", "runs", "AUTO GB/s (method)", "KERNEL", "COPY_ENGINE", "per-run cuMemcpyAsync",
+         "best torch", "one large copy", "AUTO / ceiling"],
+        rows,
+    )
+    out += ["", "Derived per shape (the bench's `derived`):", ""]
+    out += table(
+        ["shape", "COPY_ENGINE at least as fast as KERNEL from runs of", "run sizes where neither arm reaches 0.95"],
+        [[k, size(v["copy_engine_from_run_bytes"]) if v.get("copy_engine_from_run_bytes") else "-",
+          ", ".join(size(x) for x in v.get("neither_arm_reaches_0_95_at_run_bytes", []))] for k, v in d["derived"].items()],
+    )
+    return out + [""]
+
+
 SECTIONS = [
     ("gpu_allgather", gpu_allgather),
     ("gpu_copy", gpu_copy),
@@ -854,6 +891,8 @@ SECTIONS = [
     ("quant_peer", quant_peer),
     ("transfer_bytes", transfer_bytes),
     ("recorder", recorder),
+    ("gpu_sweep", gpu_sweep),
+    ("sweep_peer", None),
 ]
 
 
@@ -973,7 +1012,7 @@ def measurements():
     known = {stem for stem, _ in SECTIONS}
     for stem, render in SECTIONS:
         d = load(stem)
-        if d is not None:
+        if d is not None and render is not None:  # None: rendered inside another bench's section
             out += render(d)
     for path in sorted(RESULTS.glob("*.json")):
         if path.stem not in known:
