@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .._lib import Backend, RefitError, invalid_argument
 from ..comm import unique_id
 from ..plan import Table
-from .engine_link import Link, LinkOptions, concurrently, publisher_table, resolved_backend, source_tensors
+from .engine_link import Link, LinkOptions, concurrently, publisher_table, resolved_backend, round_signature, source_tensors
 
 LOADER = "refit.integrations.sglang.refit_loader"
 CONTROL_NAME = "__refit_control__"
@@ -279,7 +279,7 @@ class SglangTrainer:
 
     def _current_table(self) -> Table:
         tensors = source_tensors(self.source)
-        signature = [(name, int(t.data_ptr()), tuple(t.shape)) for name, t in tensors]
+        signature = round_signature(tensors)
         self._held = tensors
         if self._table is None or signature != self._signature:
             if self._table is not None:
