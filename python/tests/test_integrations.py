@@ -371,11 +371,27 @@ class RecordedReceiverTest(unittest.TestCase):
                     receiver.add_to(table, bad, 0, device=0)
                 self.assertEqual(caught.exception.status, refit.Status.INVALID_ARGUMENT)
                 self.assertIn(text, caught.exception.message)
-        post = VllmReceiver(recording_of(LLAMA, layouts), post={"model.layers.0.mlp.down_proj.weight": "X.process_weights_after_loading"})
+
+    def test_a_post_processed_parameter_takes_the_reload_path_through_staging(self):
+        layouts = vllm_layouts(LLAMA, VllmRanks())
+        params = {l.name: HostTensor(l.shape) for l in layouts}
+        down = "model.layers.0.mlp.down_proj.weight"
+        post = VllmReceiver(recording_of(LLAMA, layouts), post={down: "X.process_weights_after_loading"})
+        self.assertEqual(post.paths[down], "reload")
+        self.assertEqual({n for n, path in post.paths.items() if path != "boxes"}, {down})
+        self.assertEqual(post.reload, {down: "X.process_weights_after_loading"})
+        self.assertIn("1 in 1 layers go through vLLM's layerwise reload", post.summary())
         with refit.Table() as table, self.assertRaises(refit.RefitError) as caught:
             post.add_to(table, params, 0, device=0)
-        self.assertIn("model.layers.0.mlp.down_proj.weight", caught.exception.message)
-        self.assertIn("transformed by the engine after loading", caught.exception.message)
+        self.assertIn("no staging buffer", caught.exception.message)
+        staging = post.staging_buffers(lambda shape, dtype: HostTensor(shape))
+        self.assertEqual(list(staging), [down])
+        # The engine may have reshaped the post-processed parameter (a padded, repacked copy).
+        reshaped = {**params, down: HostTensor((3, 5))}
+        with refit.Table() as table:
+            boxes = sum(len(l.pieces) for l in layouts if l.name != down)
+            self.assertEqual(post.add_to(table, reshaped, 0, device=0, staging=staging), boxes + 1)
+        self.assertEqual(post.recorded.reloaded_tensors(staging), [(down, staging[down])])
 
 
 class BindingTest(unittest.TestCase):
