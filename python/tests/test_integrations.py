@@ -101,13 +101,13 @@ class LayoutRuleTest(unittest.TestCase):
         model = ModelShape(layers=1, hidden=8, heads=2, kv_heads=2, head_dim=4, vocab=64, experts=3, moe_ffn=6)
         layouts = vllm_layouts(model, VllmRanks(tp=2, tp_rank=1))
         x = "model.layers.0.mlp.experts"
-        w13 = next(layout for layout in layouts if layout.name == f"{x}.w13_weight")
+        w13 = next(layout for layout in layouts if layout.name == f"{x}.routed_experts.w13_weight")
         self.assertEqual(w13.shape, (3, 6, 8))
         want = []
         for e in range(3):
             want += [P(f"{x}.{e}.gate_proj.weight", (3, 0), (3, 8), e * 48), P(f"{x}.{e}.up_proj.weight", (3, 0), (3, 8), e * 48 + 24)]
         self.assertEqual(w13.pieces, tuple(want))
-        w2 = next(layout for layout in layouts if layout.name == f"{x}.w2_weight")
+        w2 = next(layout for layout in layouts if layout.name == f"{x}.routed_experts.w2_weight")
         self.assertEqual(w2.shape, (3, 8, 3))
         self.assertEqual(w2.pieces, tuple(P(f"{x}.{e}.down_proj.weight", (0, 3), (8, 3), e * 24) for e in range(3)))
 

@@ -72,8 +72,17 @@ def receiver_table(model: Any, tp: int, tp_rank: int, process: int, device: Opti
 
     dtype = str(next(iter(model.parameters())).dtype).rsplit(".", 1)[-1]
     shape = ModelShape.from_hf_config(model.config, dtype=dtype)
-    params = [(name.replace(".experts.routed_experts.", ".experts."), p) for name, p in model.named_parameters()]
+    # SGLang's FusedMoE names the experts `mlp.experts.w13_weight` / `w2_weight`; the rules use
+    # vLLM 0.33's names for the same layout (`mlp.experts.routed_experts.*`).
+    params = [(_rule_name(name), p) for name, p in model.named_parameters()]
     return VllmReceiver(shape, VllmRanks(tp=tp, tp_rank=tp_rank)).table(params, process, device)
+
+
+def _rule_name(name: str) -> str:
+    for weight in (".experts.w13_weight", ".experts.w2_weight"):
+        if name.endswith(weight):
+            return name[: -len(weight)] + ".experts.routed_experts." + weight[len(".experts.") :]
+    return name
 
 
 class SglangReceiver:
