@@ -239,7 +239,8 @@ def layerwise_reload(model: Any, model_config: Any, layers: Sequence[Any], tenso
 
     scope = torch.nn.ModuleList(layers)
     # The first load's post-processing (see the module): the MoE kernel set aside while it runs.
-    kernels = [(layer.quant_method, layer.quant_method.moe_kernel) for layer in layers if getattr(getattr(layer, "quant_method", None), "moe_kernel", None) is not None]
+    methods = [getattr(layer, "quant_method", None) for layer in layers]
+    kernels = [(method, method.moe_kernel) for method in methods if getattr(method, "moe_kernel", None) is not None]
     for method, _ in kernels:
         method.moe_kernel = None
     try:
