@@ -71,6 +71,6 @@ if __name__ == "__main__":
     with refit.Group([0, 1], backend=refit.Backend.HOST) as group:
         stats = refit_weights(model, trainer, engine, group)
     for _, params in engine:
-        w13 = params["model.layers.1.mlp.experts.w13_weight"]
+        w13 = params["model.layers.1.mlp.experts.routed_experts.w13_weight"]
         assert all(w13.buffer), "every element of each fused w13_weight was written"
     print(f"shim: {stats.needed_bytes} bytes of {len(model.checkpoint_tensors())} tensors refit in {stats.routes} routes")

@@ -170,8 +170,8 @@ def vllm_params(model: ModelShape, ranks: VllmRanks, ckpt: Dict[str, Matrix], la
                 w13 += flat(row_chunk(ckpt[f"{x}.gate_proj.weight"], moe_tp, moe_r))
                 w13 += flat(row_chunk(ckpt[f"{x}.up_proj.weight"], moe_tp, moe_r))
                 w2 += flat(col_chunk(ckpt[f"{x}.down_proj.weight"], moe_tp, moe_r))
-            out[f"{p}.mlp.experts.w13_weight"] = w13
-            out[f"{p}.mlp.experts.w2_weight"] = w2
+            out[f"{p}.mlp.experts.routed_experts.w13_weight"] = w13
+            out[f"{p}.mlp.experts.routed_experts.w2_weight"] = w2
         else:
             gate, up = ckpt[f"{p}.mlp.gate_proj.weight"], ckpt[f"{p}.mlp.up_proj.weight"]
             out[f"{p}.mlp.gate_up_proj.weight"] = flat(row_chunk(gate, tp, r), row_chunk(up, tp, r))

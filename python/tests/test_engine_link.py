@@ -109,5 +109,57 @@ class EngineLinkTest(unittest.TestCase):
         self.assertEqual([p.exitcode for p in processes], [0, 0, 0])
 
 
+class Placement:
+    def __init__(self, kind, dim=-1):
+        self.kind, self.dim = kind, dim
+
+    def is_shard(self):
+        return self.kind == "shard"
+
+    def is_replicate(self):
+        return self.kind == "replicate"
+
+    def is_partial(self):
+        return False
+
+
+class ShardRecord:
+    """DTensor-shaped metadata (dtensor.py's duck typing): rank 1 of 2 holds rows 2..3 of a [4, 2]."""
+
+    def __init__(self, local):
+        self.local_tensor, self.shape = local, (4, 2)
+        self.placements, self.mesh_shape, self.coordinate = (Placement("shard", 0),), (2,), (1,)
+
+
+class SourcePublisherTest(unittest.TestCase):
+    """source_tensors / publisher_table pick the trainer's own publisher, and round_signature says
+    whether a round needs new tables."""
+
+    def test_a_mapping_is_published_whole_and_an_unmoved_source_keeps_its_signature(self):
+        from refit.integrations.engine_link import round_signature, source_publisher, source_tensors
+        from refit.integrations.hf import HfPublisher
+
+        weights = {"a.weight": HostTensor((2, 3)), "b.weight": HostTensor((4,))}
+        self.assertIsInstance(source_publisher(weights), HfPublisher)
+        first = source_tensors(weights)
+        self.assertEqual([(name, offer.offset, offer.shape) for name, offer in first], [("a.weight", (0, 0), (2, 3)), ("b.weight", (0,), (4,))])
+        self.assertEqual(round_signature(source_tensors(weights)), round_signature(first))
+        weights["b.weight"] = HostTensor((4,))  # moved storage: a new table
+        self.assertNotEqual(round_signature(source_tensors(weights)), round_signature(first))
+        with publisher_table(weights, source_tensors(weights), 0, 0) as table:
+            self.assertGreater(len(table.encode()), 0)
+
+    def test_sharded_parameters_are_offered_where_they_lie(self):
+        from refit.integrations.dtensor import DTensorPublisher
+        from refit.integrations.engine_link import round_signature, source_publisher, source_tensors
+
+        local = HostTensor((2, 2))
+        source = {"w": ShardRecord(local)}
+        self.assertIsInstance(source_publisher(source), DTensorPublisher)
+        ((name, offer),) = source_tensors(source)
+        self.assertEqual((name, offer.shape, offer.offset, offer.local.data_ptr()), ("w", (4, 2), (2, 0), local.data_ptr()))
+        self.assertEqual(round_signature([(name, offer)]), [("w", local.data_ptr(), (2, 2), (2, 0), (4, 2))])
+
+
 if __name__ == "__main__":
     unittest.main()

@@ -101,13 +101,13 @@ class LayoutRuleTest(unittest.TestCase):
         model = ModelShape(layers=1, hidden=8, heads=2, kv_heads=2, head_dim=4, vocab=64, experts=3, moe_ffn=6)
         layouts = vllm_layouts(model, VllmRanks(tp=2, tp_rank=1))
         x = "model.layers.0.mlp.experts"
-        w13 = next(layout for layout in layouts if layout.name == f"{x}.w13_weight")
+        w13 = next(layout for layout in layouts if layout.name == f"{x}.routed_experts.w13_weight")
         self.assertEqual(w13.shape, (3, 6, 8))
         want = []
         for e in range(3):
             want += [P(f"{x}.{e}.gate_proj.weight", (3, 0), (3, 8), e * 48), P(f"{x}.{e}.up_proj.weight", (3, 0), (3, 8), e * 48 + 24)]
         self.assertEqual(w13.pieces, tuple(want))
-        w2 = next(layout for layout in layouts if layout.name == f"{x}.w2_weight")
+        w2 = next(layout for layout in layouts if layout.name == f"{x}.routed_experts.w2_weight")
         self.assertEqual(w2.shape, (3, 8, 3))
         self.assertEqual(w2.pieces, tuple(P(f"{x}.{e}.down_proj.weight", (0, 3), (8, 3), e * 24) for e in range(3)))
 
@@ -371,11 +371,27 @@ class RecordedReceiverTest(unittest.TestCase):
                     receiver.add_to(table, bad, 0, device=0)
                 self.assertEqual(caught.exception.status, refit.Status.INVALID_ARGUMENT)
                 self.assertIn(text, caught.exception.message)
-        post = VllmReceiver(recording_of(LLAMA, layouts), post={"model.layers.0.mlp.down_proj.weight": "X.process_weights_after_loading"})
+
+    def test_a_post_processed_parameter_takes_the_reload_path_through_staging(self):
+        layouts = vllm_layouts(LLAMA, VllmRanks())
+        params = {l.name: HostTensor(l.shape) for l in layouts}
+        down = "model.layers.0.mlp.down_proj.weight"
+        post = VllmReceiver(recording_of(LLAMA, layouts), post={down: "X.process_weights_after_loading"})
+        self.assertEqual(post.paths[down], "reload")
+        self.assertEqual({n for n, path in post.paths.items() if path != "boxes"}, {down})
+        self.assertEqual(post.reload, {down: "X.process_weights_after_loading"})
+        self.assertIn("1 in 1 layers go through vLLM's layerwise reload", post.summary())
         with refit.Table() as table, self.assertRaises(refit.RefitError) as caught:
             post.add_to(table, params, 0, device=0)
-        self.assertIn("model.layers.0.mlp.down_proj.weight", caught.exception.message)
-        self.assertIn("transformed by the engine after loading", caught.exception.message)
+        self.assertIn("no staging buffer", caught.exception.message)
+        staging = post.staging_buffers(lambda shape, dtype: HostTensor(shape))
+        self.assertEqual(list(staging), [down])
+        # The engine may have reshaped the post-processed parameter (a padded, repacked copy).
+        reshaped = {**params, down: HostTensor((3, 5))}
+        with refit.Table() as table:
+            boxes = sum(len(l.pieces) for l in layouts if l.name != down)
+            self.assertEqual(post.add_to(table, reshaped, 0, device=0, staging=staging), boxes + 1)
+        self.assertEqual(post.recorded.reloaded_tensors(staging), [(down, staging[down])])
 
 
 class BindingTest(unittest.TestCase):

@@ -11,7 +11,8 @@
 //!   without it, `kv_a_proj_with_mqa` is a ReplicatedLinear and `q_proj` column-parallel.
 //!   `kv_b_proj` is column-parallel (whole heads: its rows are per head), `q_a_layernorm` and
 //!   `kv_a_layernorm` are replicated, `o_proj` is row-parallel.
-//! - Experts (FusedMoE, `model_executor/layers/fused_moe/layer.py`): without expert parallelism every
+//! - Experts (FusedMoE, `model_executor/layers/fused_moe/layer.py`; vLLM 0.33 names them
+//!   `mlp.experts.routed_experts.w13_weight` / `.w2_weight`): without expert parallelism every
 //!   rank holds every expert split over TP, `w13_weight = [experts][2 * ffn / tp][hidden]` with the
 //!   gate half then the up half of each expert, `w2_weight = [experts][hidden][ffn / tp]`. With it
 //!   (`enable_expert_parallel`: the expert-parallel group is every rank, EP rank
@@ -332,8 +333,8 @@ impl Rank {
         };
         let local = self.local_experts(moe.experts);
         let n = local.len() as u64;
-        let mut w13 = s.param(format!("{p}.mlp.experts.w13_weight"), n * 2 * f * h);
-        let mut w2 = s.param(format!("{p}.mlp.experts.w2_weight"), n * h * f);
+        let mut w13 = s.param(format!("{p}.mlp.experts.routed_experts.w13_weight"), n * 2 * f * h);
+        let mut w2 = s.param(format!("{p}.mlp.experts.routed_experts.w2_weight"), n * h * f);
         for (j, &e) in local.iter().enumerate() {
             let j = j as u64;
             let [gate, up, down] = experts[e as usize];

@@ -408,7 +408,7 @@ fn vllm_locate(a: &Arch, t: u64, tp: u64, experts: Option<Vec<u64>>) -> Box<Loca
                 let full = moe.shared * moe.ffn;
                 (hf(&tail), col_block(t, full / tp, full, i))
             }
-            "mlp.experts.w13_weight" => {
+            "mlp.experts.routed_experts.w13_weight" => {
                 // Whole experts with expert parallelism, else every expert's TP rows.
                 let (f, part) = if experts.is_some() { (moe.ffn, 0) } else { (moe.ffn / tp, t) };
                 let per_expert = 2 * f * h;
@@ -417,7 +417,7 @@ fn vllm_locate(a: &Arch, t: u64, tp: u64, experts: Option<Vec<u64>>) -> Box<Loca
                 let (tensor, g) = gate_up(&format!("mlp.experts.{expert}"), part, f, h, i % per_expert);
                 (hf(&tensor), g)
             }
-            "mlp.experts.w2_weight" => {
+            "mlp.experts.routed_experts.w2_weight" => {
                 let (f, part) = if experts.is_some() { (moe.ffn, 0) } else { (moe.ffn / tp, t) };
                 let per_expert = h * f;
                 let j = i / per_expert;

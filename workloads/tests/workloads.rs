@@ -544,14 +544,14 @@ fn vllm_locate(m: &Model, t: u64, tp: u64) -> Box<Locate> {
                 let local = m.heads * m.head_dim / tp;
                 (hf("self_attn.o_proj.weight"), (i / local) * m.heads * m.head_dim + t * local + i % local)
             }
-            "mlp.experts.w13_weight" => {
+            "mlp.experts.routed_experts.w13_weight" => {
                 let f = m.moe.unwrap().ffn / tp;
                 let expert = i / (2 * f * h);
                 let r = (i % (2 * f * h)) / h;
                 let which = if r < f { "gate" } else { "up" };
                 (hf(&format!("mlp.experts.{expert}.{which}_proj.weight")), (t * f + r % f) * h + col)
             }
-            "mlp.experts.w2_weight" => {
+            "mlp.experts.routed_experts.w2_weight" => {
                 let full = m.moe.unwrap().ffn;
                 let f = full / tp;
                 let expert = i / (h * f);

@@ -1,6 +1,7 @@
 """What refit's engine backends (vLLM's weight-transfer engines, SGLang's updater) share, with no
-framework imported: a trainer's tensors as offers (`source_tensors`, `publisher_table`: the switch
-point for new publishers), and `Link`, one process's part of a refit between processes kept from
+framework imported: a trainer's tensors as offers (`source_tensors`, `publisher_table`: Megatron's
+module publisher, the DTensor publisher for DTensor models and vLLM's ModuleSource, the HF
+publisher for plain modules), and `Link`, one process's part of a refit between processes kept from
 round to round (communicator, plan, executor), with the per-round agreement on the tables."""
 
 from __future__ import annotations
@@ -15,7 +16,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .._lib import Backend, Commit, RefitError, Status, invalid_argument
 from ..comm import Communicator
 from ..plan import Table
-from ..tensor import add_tensor_offer
+from .layout import new_table
+from .offers import Offer, add_offers
 
 log = logging.getLogger("refit.engines")
 
@@ -35,30 +37,50 @@ class MegatronSource:
         return self.publisher.table(tensors, process, device)
 
 
+def source_publisher(source: Any) -> Any:
+    """The publisher describing a (non-Megatron) source where its tensors lie: vLLM's trainer-side
+    `ModuleSource` (or any weight source wrapping a module) and a module with DTensor parameters
+    through DTensorPublisher (each rank's live shards, no gather); a plain module, a mapping of
+    names to tensors or (name, tensor) pairs through HfPublisher (whole tensors)."""
+    from .dtensor import DTensorPublisher, named_tensors
+    from .hf import HfPublisher
+
+    if hasattr(source, "iter_full") or hasattr(source, "metadata"):
+        return DTensorPublisher.from_weight_source(source)
+    tensors = list(named_tensors(source))
+    if any(getattr(tensor, "placements", None) is not None for _, tensor in tensors):
+        return DTensorPublisher(tensors)
+    return HfPublisher(tensors)
+
+
 def source_tensors(source: Any) -> List[Tuple[str, Any]]:
-    """This round's tensors of `source` (each kept alive by the caller until the round ends): a
-    MegatronSource's parameters, or a vLLM WeightSource's `iter_full()` (whole tensors; a DTensor
-    is gathered by it), or a plain module's parameters."""
+    """This round's tensors of `source`, each kept alive by the caller until the round ends: a
+    MegatronSource's parameters, or the offers of source_publisher (checkpoint name, Offer: the
+    live shard, its box and the global shape), read again each round so moved storage is seen."""
     if hasattr(source, "refit_table"):
         return source.tensors()
-    if hasattr(source, "iter_full"):
-        return list(source.iter_full())
-    return list(source.named_parameters())
+    return [(offer.name, offer) for offer in source_publisher(source).offers]
+
+
+def round_signature(tensors: Sequence[Tuple[str, Any]]) -> List[Tuple[Any, ...]]:
+    """What identifies a round's tables (source_tensors' result): names, addresses, shapes and
+    boxes. Equal signatures need no new table, so an unchanged source plans nothing."""
+    out: List[Tuple[Any, ...]] = []
+    for name, item in tensors:
+        if isinstance(item, Offer):
+            out.append((name, int(item.local.data_ptr()), tuple(item.local.shape), item.offset, item.shape))
+        else:
+            out.append((name, int(item.data_ptr()), tuple(item.shape)))
+    return out
 
 
 def publisher_table(source: Any, tensors: Sequence[Tuple[str, Any]], process: int, device: Optional[int] = None) -> Table:
-    """The offers of this trainer rank: `tensors` (from source_tensors) laid out by the source's
-    publisher, or as whole checkpoint tensors under their own names."""
+    """The offers of this trainer rank: `tensors` (from source_tensors) laid out by the Megatron
+    source's publisher, or the DTensor / HF publisher's offers."""
     if hasattr(source, "refit_table"):
         return source.refit_table(tensors, process, device)
-    table = Table()
-    try:
-        for name, tensor in tensors:
-            add_tensor_offer(table, name, tensor, process, device=device)
-    except BaseException:
-        table.close()
-        raise
-    return table
+    offers = [offer for _, offer in tensors]
+    return new_table(lambda table: add_offers(table, offers, process, device))
 
 
 @dataclasses.dataclass

@@ -4,14 +4,19 @@
 per recorded box at the live parameter's address, and, for every checkpoint tensor the recording
 staged, one need of the whole tensor into a staging buffer (`staging_buffers` allocates them);
 after the refit ran, `load_staged(loader, staging)` hands those buffers to the engine's own loader.
-The live parameters must be the ones recorded (names, shapes, strides, dtypes): a model that changed
-since (an engine that replaced parameters after loading) is refused, never written blindly.
+
+Parameters the engine transforms after loading (`reloaded`: parameter -> why) get no boxes: every
+checkpoint tensor that lands in one of them is staged whole too (`reload`), and the engine's own
+reload path turns those into the live parameters (`reloaded_tensors(staging)` hands them over).
+`paths` says, per parameter, which path it takes: "boxes", "loader" or "reload".
+The other live parameters must be the ones recorded (names, shapes, strides, dtypes): a model that
+changed since is refused, never written blindly.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterable, Mapping, Optional, Tuple
+from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
 
 from .._lib import invalid_argument
 from ..plan import Table
@@ -29,10 +34,28 @@ def _dtype(value: Any) -> str:
 class RecordedReceiver:
     """Needs of one engine process, from the recording of its loader."""
 
-    def __init__(self, recording: Recording) -> None:
+    def __init__(self, recording: Recording, reloaded: Optional[Mapping[str, str]] = None) -> None:
         self.recording = recording
-        self.layouts = recording.layouts
-        self.staged = dict(recording.staged)
+        reloaded = dict(reloaded or {})
+        self.reload: Dict[str, str] = {}
+        """Checkpoint tensor -> why it goes through the engine's reload path."""
+        for layout in recording.layouts:
+            if layout.name in reloaded:
+                for piece in layout.pieces:
+                    self.reload.setdefault(piece.tensor, reloaded[layout.name])
+        for name, params in recording.staged_params.items():
+            hit = [p for p in params if p in reloaded]
+            if hit:
+                self.reload.setdefault(name, reloaded[hit[0]])
+        self.layouts = [layout for layout in recording.layouts if layout.name not in reloaded]
+        self.staged = {name: why for name, why in recording.staged.items() if name not in self.reload}
+        self.paths: Dict[str, str] = {layout.name: "boxes" for layout in self.layouts}
+        for name in self.staged:
+            for param in recording.staged_params.get(name, ()):
+                self.paths[param] = "loader"
+        for param in reloaded:
+            if param in recording.params:
+                self.paths[param] = "reload"
 
     def _params(self, named_parameters: Mapping[str, TensorLike] | Iterable[Tuple[str, TensorLike]]) -> Dict[str, TensorLike]:
         items = named_parameters.items() if isinstance(named_parameters, Mapping) else named_parameters
@@ -45,6 +68,8 @@ class RecordedReceiver:
                 f"the parameters differ from the recorded ones: {len(only_live)} new (e.g. {only_live[:3]}), "
                 f"{len(only_recorded)} gone (e.g. {only_recorded[:3]}); record the loader again"
             )
+        # Only parameters written as boxes are checked: those the engine transforms after loading
+        # (reloaded) may be reshaped by it, and its reload path writes them.
         changed = []
         for layout in self.layouts:
             tensor, info = live[layout.name], recorded[layout.name]
@@ -60,10 +85,15 @@ class RecordedReceiver:
         return live
 
     def staging_buffers(self, allocate: Callable[[Tuple[int, ...], Any], TensorLike]) -> Dict[str, TensorLike]:
-        """A buffer per staged checkpoint tensor: `allocate(shape, dtype)` makes it (e.g.
-        `lambda shape, dtype: torch.empty(shape, dtype=dtype, device=device)`)."""
+        """A buffer per staged checkpoint tensor (for the loader or the reload path):
+        `allocate(shape, dtype)` makes it (e.g. `lambda shape, dtype: torch.empty(shape,
+        dtype=dtype, device=device)`)."""
         specs = self.recording.checkpoint
-        return {name: allocate(specs[name].shape, specs[name].dtype) for name in self.staged}
+        return {name: allocate(specs[name].shape, specs[name].dtype) for name in self._whole()}
+
+    def _whole(self) -> List[str]:
+        """Every checkpoint tensor delivered whole into staging."""
+        return list(self.staged) + [name for name in self.reload if name not in self.staged]
 
     def add_to(
         self,
@@ -93,12 +123,13 @@ class RecordedReceiver:
             for piece in layout.pieces:
                 table.add_need(index(piece.tensor, tensor), process, dev, base + piece.at * es, piece.offset, piece.extent, piece.strides)
                 added += 1
-        if self.staged:
-            missing = sorted(set(self.staged) - set(staging or {}))
+        whole = self._whole()
+        if whole:
+            missing = sorted(set(whole) - set(staging or {}))
             if missing:
                 raise invalid_argument(f"{len(missing)} staged checkpoint tensors have no staging buffer, e.g. {missing[:3]}")
             assert staging is not None
-            for name in self.staged:
+            for name in whole:
                 buffer = staging[name]
                 spec = specs[name]
                 if tuple(int(n) for n in buffer.shape) != spec.shape or dtype_name(buffer) != _dtype(spec.dtype):
@@ -125,3 +156,8 @@ class RecordedReceiver:
             log.info("refit: the engine's loader takes %d staged tensors (%s)", len(self.staged), ", ".join(sorted(set(self.staged.values()))))
             loader((name, staging[name]) for name in self.staged)
         return len(self.staged)
+
+    def reloaded_tensors(self, staging: Mapping[str, Any]) -> List[Tuple[str, Any]]:
+        """The staged checkpoint tensors of the parameters the engine transforms after loading, for
+        the engine's reload path (after the refit wrote them)."""
+        return [(name, staging[name]) for name in self.reload]

@@ -38,7 +38,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 from .._lib import Backend, RefitError, invalid_argument
 from ..comm import unique_id
 from ..plan import Table
-from .engine_link import Link, LinkOptions, concurrently, publisher_table, resolved_backend, source_tensors
+from .engine_link import Link, LinkOptions, concurrently, publisher_table, resolved_backend, round_signature, source_tensors
 
 LOADER = "refit.integrations.sglang.refit_loader"
 CONTROL_NAME = "__refit_control__"
@@ -72,8 +72,17 @@ def receiver_table(model: Any, tp: int, tp_rank: int, process: int, device: Opti
 
     dtype = str(next(iter(model.parameters())).dtype).rsplit(".", 1)[-1]
     shape = ModelShape.from_hf_config(model.config, dtype=dtype)
-    params = [(name.replace(".experts.routed_experts.", ".experts."), p) for name, p in model.named_parameters()]
+    # SGLang's FusedMoE names the experts `mlp.experts.w13_weight` / `w2_weight`; the rules use
+    # vLLM 0.33's names for the same layout (`mlp.experts.routed_experts.*`).
+    params = [(_rule_name(name), p) for name, p in model.named_parameters()]
     return VllmReceiver(shape, VllmRanks(tp=tp, tp_rank=tp_rank)).table(params, process, device)
+
+
+def _rule_name(name: str) -> str:
+    for weight in (".experts.w13_weight", ".experts.w2_weight"):
+        if name.endswith(weight):
+            return name[: -len(weight)] + ".experts.routed_experts." + weight[len(".experts.") :]
+    return name
 
 
 class SglangReceiver:
@@ -279,7 +288,7 @@ class SglangTrainer:
 
     def _current_table(self) -> Table:
         tensors = source_tensors(self.source)
-        signature = [(name, int(t.data_ptr()), tuple(t.shape)) for name, t in tensors]
+        signature = round_signature(tensors)
         self._held = tensors
         if self._table is None or signature != self._signature:
             if self._table is not None:

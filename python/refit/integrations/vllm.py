@@ -10,11 +10,23 @@ whole and handed to the worker's own `load_weights` after the refit.
 
 Engines that transform weights after loading (`process_weights_after_loading` of a layer's quant
 method or MoE backend: FlashInfer's CUTLASS path swaps w13's halves, its TRT-LLM path re-blocks and
-pads, the CPU backend prepacks) would have their live parameters corrupted by checkpoint-layout
-bytes. `post_processed` runs the engine's own post-processing on the meta copy and names every
-parameter it changes (or could not run on, which counts as changed); a receiver that would write
-one of them refuses, naming them (receiving them into staging and re-running the post-processing,
-vLLM's layerwise reload, is not done yet).
+pads, the CPU backend pads and prepacks) would have their live parameters corrupted by
+checkpoint-layout bytes. `post_processed` runs the engine's own post-processing on the meta copy and
+names every parameter it changes (or could not run on, which counts as changed). Every parameter of
+such a layer takes the reload path: the checkpoint tensors that land in them arrive whole in
+staging, and after the refit `install_staged` hands them to vLLM's own layerwise reload
+(vllm/model_executor/model_loader/reload: `initialize_layerwise_reload` puts the layers back in
+checkpoint format on meta, the model's `load_weights` fills fresh checkpoint-format parameters,
+the layer's post-processing runs, and the result is copied into the live parameters' storage,
+which keeps their addresses). `paths` (parameter -> "boxes" / "loader" / "reload") and one log line
+say which path each parameter took.
+
+One adjustment to vLLM's reload: its unquantized MoE method runs the expert backend's own
+post-processing (the CPU backend's padding and prepacking) only on the first load (`moe_kernel` not
+yet built); a reload through it leaves the experts unprepacked and unpadded, and copying them into
+the padded live parameters fails. While the reload runs, those layers' `moe_kernel` is set aside,
+so the post-processing is the first load's, then put back (the live storage it points at is
+unchanged).
 
 `VllmReceiver(model_shape, ranks)` keeps the hand-written rules of vllm_rules.py for processes where
 no loader can run (no torch or vLLM).
@@ -25,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 import struct
 from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
@@ -37,14 +50,18 @@ from .receiver import RecordedReceiver
 from .recorder import Recording, record
 from .vllm_rules import VllmRanks, local_experts, stage_layers, vllm_layouts
 
+log = logging.getLogger("refit.integrations.vllm")
+
 __all__ = [
     "RefitWorkerExtension",
     "VllmRanks",
     "VllmReceiver",
     "build_meta_model",
+    "layerwise_reload",
     "checkpoint_of",
     "local_experts",
     "post_processed",
+    "reload_params",
     "stage_layers",
     "vllm_layouts",
 ]
@@ -203,6 +220,39 @@ def _checkpoint_specs(checkpoint: Optional[Sequence[Tuple[str, Sequence[int], st
     return {name: (tuple(int(n) for n in shape), getattr(torch, dtype)) for name, shape, dtype in checkpoint}
 
 
+def reload_params(post: Mapping[str, str], params: Iterable[str]) -> Dict[str, str]:
+    """Every parameter of a layer the engine post-processes (vLLM's reload runs a layer's
+    post-processing once all of its parameters are loaded, so all of them take that path)."""
+    layers = {name.rsplit(".", 1)[0]: why for name, why in post.items()}
+    return {name: layers[name.rsplit(".", 1)[0]] for name in params if name.rsplit(".", 1)[0] in layers}
+
+
+def layerwise_reload(model: Any, model_config: Any, layers: Sequence[Any], tensors: Sequence[Tuple[str, Any]]) -> None:
+    """vLLM's own reload of `layers` (each post-processed after loading) from checkpoint tensors:
+    back to checkpoint format, `model.load_weights`, the layer's post-processing, then copied into
+    the live storage. Only these layers take part: the others keep their parameters as they are."""
+    import torch
+    from vllm.model_executor.model_loader.reload import (  # type: ignore[import-not-found]
+        finalize_layerwise_reload,
+        initialize_layerwise_reload,
+    )
+
+    scope = torch.nn.ModuleList(layers)
+    # The first load's post-processing (see the module): the MoE kernel set aside while it runs.
+    methods = [getattr(layer, "quant_method", None) for layer in layers]
+    kernels = [(method, method.moe_kernel) for method in methods if getattr(method, "moe_kernel", None) is not None]
+    for method, _ in kernels:
+        method.moe_kernel = None
+    try:
+        with torch.no_grad():
+            initialize_layerwise_reload(scope)
+            model.load_weights(iter(tensors))
+            finalize_layerwise_reload(scope, model_config)
+    finally:
+        for method, kernel in kernels:
+            method.moe_kernel = kernel
+
+
 class VllmReceiver:
     """Needs of one vLLM worker's parameters: `receiver.table(model.named_parameters(), process)`
     is that worker's Table of needs, for Plan.build beside the publishers' tables.
@@ -214,16 +264,23 @@ class VllmReceiver:
 
     def __init__(self, model: Union[ModelShape, Recording], ranks: Optional[VllmRanks] = None, post: Optional[Mapping[str, str]] = None) -> None:
         self.post_processed: Dict[str, str] = dict(post or {})
+        self.paths: Dict[str, str] = {}
+        self.reload_layers: List[str] = []
         if isinstance(model, Recording):
             self.recording: Optional[Recording] = model
-            self.recorded: Optional[RecordedReceiver] = RecordedReceiver(model)
-            self.layouts: List[ParamLayout] = model.layouts
-            self.staged: Dict[str, str] = dict(model.staged)
+            reloaded = reload_params(self.post_processed, model.params)
+            self.reload_layers = sorted({name.rsplit(".", 1)[0] for name in reloaded})
+            self.recorded: Optional[RecordedReceiver] = RecordedReceiver(model, reloaded)
+            self.layouts: List[ParamLayout] = self.recorded.layouts
+            self.staged: Dict[str, str] = dict(self.recorded.staged)
+            self.reload: Dict[str, str] = dict(self.recorded.reload)
+            self.paths = dict(self.recorded.paths)
             self.model: Optional[ModelShape] = None
+            log.info("refit: %s", self.summary())
         else:
             if ranks is None:
                 raise invalid_argument("VllmReceiver(model_shape, ranks) needs the ranks")
-            self.recording, self.recorded, self.staged = None, None, {}
+            self.recording, self.recorded, self.staged, self.reload = None, None, {}, {}
             self.model, self.ranks = model, ranks
             self.layouts = vllm_layouts(model, ranks)
 
@@ -236,27 +293,40 @@ class VllmReceiver:
             recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=engine_ranks())
         return cls(recording, post=post_processed(meta, vllm_config))
 
-    def _refuse_post_processed(self) -> None:
-        if self.recording is None or not self.post_processed:
-            return
-        written = {layout.name for layout in self.layouts}
-        written |= {p for params in self.recording.staged_params.values() for p in params}
-        hit = sorted(name for name in self.post_processed if name in written)
-        if hit:
-            reasons = sorted({self.post_processed[name] for name in hit})
-            raise RefitError(
-                Status.INVALID_ARGUMENT,
-                f"{len(hit)} parameters are transformed by the engine after loading ({'; '.join(reasons)}), "
-                f"e.g. {hit[:4]}: checkpoint-layout bytes would corrupt them; this backend is not supported yet",
+    def summary(self) -> str:
+        """Which path the parameters take: boxes, the loader from staging, or the engine's reload."""
+        counts = {path: sum(1 for p in self.paths.values() if p == path) for path in ("boxes", "loader", "reload")}
+        text = f"{counts['boxes']} parameters receive boxes, {counts['loader']} go through the loader from staging"
+        if self.reload:
+            reasons = sorted(set(self.reload.values()))
+            text += (
+                f", {counts['reload']} in {len(self.reload_layers)} layers go through vLLM's layerwise reload "
+                f"({len(self.reload)} checkpoint tensors staged whole; {'; '.join(reasons)})"
             )
+        else:
+            text += ", 0 through vLLM's layerwise reload"
+        return text
 
     def staging_buffers(self, allocate: Any) -> Dict[str, Any]:
         """Buffers for the staged checkpoint tensors (RecordedReceiver.staging_buffers)."""
         return self.recorded.staging_buffers(allocate) if self.recorded is not None else {}
 
     def load_staged(self, loader: Any, staging: Mapping[str, Any]) -> int:
-        """The engine's loader on the staged tensors, after the refit wrote them."""
+        """The engine's loader on the staged tensors, after the refit wrote them (not those of the
+        reload path: install_staged runs both)."""
         return self.recorded.load_staged(loader, staging) if self.recorded is not None else 0
+
+    def install_staged(self, model: Any, staging: Mapping[str, Any], model_config: Any) -> Dict[str, int]:
+        """After the refit wrote the staging buffers: the loader's tensors through `model.load_weights`,
+        then the post-processed layers' through vLLM's layerwise reload (see the module). Returns
+        how many checkpoint tensors took each path."""
+        loaded = self.load_staged(model.load_weights, staging)
+        reloaded = 0
+        if self.recorded is not None and self.reload:
+            tensors = self.recorded.reloaded_tensors(staging)
+            layerwise_reload(model, model_config, [model.get_submodule(name) for name in self.reload_layers], tensors)
+            reloaded = len(tensors)
+        return {"loader": loaded, "reload": reloaded}
 
     def add_to(
         self,
@@ -270,7 +340,6 @@ class VllmReceiver:
         """Adds this worker's needs to `table`; returns how many. Recorded: every parameter must be
         the recorded one (RecordedReceiver.add_to). Rules: see layout.add_params (`strict`)."""
         if self.recorded is not None:
-            self._refuse_post_processed()
             return self.recorded.add_to(table, named_parameters, process, device, staging)
         assert self.model is not None
         return add_params(table, self.model, self.layouts, named_parameters, process, False, device, strict)
@@ -345,7 +414,7 @@ class RefitWorkerExtension:
         else:
             receiver = VllmReceiver.from_engine(self._refit_config(), _checkpoint_specs(checkpoint))
         staging: Dict[str, Any] = {}
-        if receiver.staged:
+        if receiver.staged or receiver.reload:
             import torch
 
             params = list(self._refit_model().parameters())
@@ -398,9 +467,9 @@ class RefitWorkerExtension:
             self._refit_encode_needs()
             stats = self._refit_executor(tables, process, options).run()
         if state.get("staging"):
-            # The staged tensors arrived in checkpoint layout: the engine's own loader places them
-            # (after the copies, on the same stream).
-            state["receiver"].load_staged(self._refit_model().load_weights, state["staging"])
+            # The staged tensors arrived in checkpoint layout: the engine's own loader places them,
+            # and its reload path rebuilds the post-processed layers (after the copies).
+            state["receiver"].install_staged(self._refit_model(), state["staging"], self._refit_config().model_config)
         is_dataclass = dataclasses.is_dataclass(stats) and not isinstance(stats, type)
         result = dataclasses.asdict(stats) if is_dataclass else dict(vars(stats))
         result["fingerprint"] = state["plan"].fingerprint

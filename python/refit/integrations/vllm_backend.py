@@ -12,7 +12,7 @@ vLLM 0.33 (vllm/distributed/weight_transfer/) lets backends register by name wit
   copy. A dead trainer (communicator timeout or abort) or a verify mismatch refuses the update and
   leaves the live weights as they were (the staged bytes are never installed).
 - `RefitTrainerEngine` (trainer side, every trainer rank): offers the trainer's tensors
-  (`publisher_table`: a vLLM `WeightSource`, whole tensors, or a `MegatronSource`), makes the
+  (`publisher_table`: a vLLM `ModuleSource` or DTensor model, a plain module, or a `MegatronSource`), makes the
   communicator id, and drives the round trip through vLLM's control-plane client.
 
 Each round every process first allgathers a digest of its own table (`Link.prepare`): equal
@@ -22,9 +22,13 @@ cannot rebind. When the bytes a worker would stage exceed `staging_memory_limit`
 it and every process falls back to direct runs: the worker then receives inside `receive_weights`,
 which blocks the engine (paused) until the bytes are in; a failure there may leave a part of them.
 
-Where the tables come from is isolated in `receiver_table` and `publisher_table` (today vLLM's
-hand-written layouts, VllmReceiver, and whole-tensor offers or MegatronPublisher), so recorded
-layouts can replace them without touching the lifecycle.
+The tables: a worker's needs are recorded once from its own model's loader (`engine_receiver`:
+VllmReceiver.from_engine); checkpoint tensors the loader transforms, and those of layers vLLM
+post-processes after loading, arrive whole in staging buffers and are installed after the commit by
+the engine's loader and vLLM's layerwise reload (`VllmReceiver.install_staged`). The trainer's
+offers come from its own description (`publisher_table`): a vLLM `ModuleSource` or DTensor model
+through DTensorPublisher (the live shards, no gather: an update with unchanged storage plans
+nothing), a plain module through HfPublisher, a MegatronSource through its module publisher.
 """
 
 from __future__ import annotations
@@ -37,29 +41,37 @@ from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 from .._lib import Backend, RefitError, invalid_argument
 from ..comm import unique_id
 from ..plan import Table
-from .engine_link import Link, LinkOptions, MegatronSource, concurrently, publisher_table, resolved_backend, source_tensors
+from .engine_link import Link, LinkOptions, MegatronSource, concurrently, publisher_table, resolved_backend, round_signature, source_tensors
 
 log = logging.getLogger("refit.vllm_backend")
 
 BACKEND_NAME = "refit"
 
 
-# --- where the tables come from (switched to recorded layouts / new publishers at merge) ---------
+# --- where the tables come from --------------------------------------------------------------------
 
 
-def receiver_table(model: Any, vllm_config: Any, process: int, device: Optional[int] = None) -> Table:
-    """The needs of this worker's parameters, as process `process` of the refit (`device` for
-    parameters in host memory standing in for a GPU)."""
-    from .layout import ModelShape
-    from .vllm import VllmRanks, VllmReceiver
+def engine_receiver(model: Any, vllm_config: Any) -> Tuple[Any, Dict[str, Any]]:
+    """This worker's receiver, recorded from its own model class and loader
+    (VllmReceiver.from_engine), and a staging buffer, beside the parameters, for every checkpoint
+    tensor it receives whole (the loader transforms it, or the layer is post-processed)."""
+    import torch
 
-    dtype = str(vllm_config.model_config.dtype).rsplit(".", 1)[-1]
-    shape = ModelShape.from_hf_config(vllm_config.model_config.hf_config, dtype=dtype)
-    receiver = VllmReceiver(shape, VllmRanks.from_vllm())
-    # vLLM 0.33 names a FusedMoE layer's weights `experts.routed_experts.w13_weight`; the
-    # hand-written layouts still say `experts.w13_weight`.
-    params = [(name.replace(".experts.routed_experts.", ".experts."), p) for name, p in model.named_parameters()]
-    return receiver.table(params, process, device)
+    from .vllm import VllmReceiver
+
+    receiver = VllmReceiver.from_engine(vllm_config)
+    staging: Dict[str, Any] = {}
+    if receiver.staged or receiver.reload:
+        params = list(model.parameters())
+        where = params[0].device if params else torch.device("cpu")
+        staging = receiver.staging_buffers(lambda shape, dtype: torch.empty(shape, dtype=dtype, device=where))
+    return receiver, staging
+
+
+def receiver_table(receiver: Any, model: Any, staging: Dict[str, Any], process: int, device: Optional[int] = None) -> Table:
+    """The needs of this worker's parameters (at their current addresses) and staging buffers, as
+    process `process` of the refit (`device` for host memory standing in for a GPU)."""
+    return receiver.table(list(model.named_parameters()), process, device, staging=staging or None)
 
 
 def _vllm_base() -> Tuple[Any, Any, Any, Any, Any]:
@@ -124,6 +136,10 @@ class RefitWeightTransferEngine(_WorkerBase):
         self.link: Optional[Link] = None
         self._addresses: Optional[List[Tuple[str, int]]] = None
         self._table: Optional[Table] = None
+        self.receiver: Any = None
+        self._staging: Dict[str, Any] = {}
+        self.installed: Dict[str, int] = {}
+        """How many staged checkpoint tensors the last commit handed to the loader / the reload."""
         self._receiving: Optional[threading.Thread] = None
         self._failure: Optional[BaseException] = None
         self._received = False
@@ -137,7 +153,9 @@ class RefitWeightTransferEngine(_WorkerBase):
             if self._table is not None:
                 self._table.close()
             host = self.link is not None and self.link.backend == Backend.HOST
-            self._table = receiver_table(self.model, self.vllm_config, self.link.rank, 0 if host else None)  # type: ignore[union-attr]
+            if self.receiver is None:
+                self.receiver, self._staging = engine_receiver(self.model, self.vllm_config)
+            self._table = receiver_table(self.receiver, self.model, self._staging, self.link.rank, 0 if host else None)  # type: ignore[union-attr]
             self._addresses = addresses
         return self._table
 
@@ -226,6 +244,10 @@ class RefitWeightTransferEngine(_WorkerBase):
                 self.last_stats = link.commit(self._stream())
             except RefitError as error:
                 raise self._refused(error) from error
+        if self._staging:
+            # Checkpoint tensors that arrived whole: the engine's own loader places them and its
+            # layerwise reload rebuilds the post-processed layers from them.
+            self.installed = self.receiver.install_staged(self.model, self._staging, self.vllm_config.model_config)
 
     def _stream(self) -> Any:
         if self.link is not None and self.link.backend == Backend.HOST:
@@ -280,7 +302,7 @@ class RefitTrainerEngine(_TrainerBase):
         self.link: Optional[Link] = None
         self.rounds = 0
         self._held: List[Tuple[str, Any]] = []
-        self._signature: Optional[List[Tuple[str, int, Tuple[int, ...]]]] = None
+        self._signature: Optional[List[Tuple[Any, ...]]] = None
         self._table: Optional[Table] = None
         self.last_stats: Any = None
 
@@ -343,7 +365,7 @@ class RefitTrainerEngine(_TrainerBase):
         """This rank's offers for this round: the source's tensors, kept alive until the next round;
         the table is built again only when one moved or changed shape."""
         tensors = source_tensors(self.source)
-        signature = [(name, int(t.data_ptr()), tuple(t.shape)) for name, t in tensors]
+        signature = round_signature(tensors)
         self._held = tensors
         if self._table is None or signature != self._signature:
             if self._table is not None:
@@ -427,6 +449,7 @@ __all__ = [
     "RefitUpdateInfo",
     "RefitWeightTransferEngine",
     "publisher_table",
+    "engine_receiver",
     "receiver_table",
     "register",
     "source_tensors",

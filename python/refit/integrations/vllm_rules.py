@@ -23,7 +23,8 @@ workloads/src/vllm.rs generates the same pieces for synthetic tables.
   tp / kv_heads consecutive ranks (num_kv_head_replicas; shard tp_rank // replicas).
 - `mlp.gate_up_proj` (MergedColumnParallelLinear): this rank's gate rows, then its up rows;
   `o_proj`, `down_proj` (RowParallelLinear): this rank's block of columns.
-- FusedMoE experts (model_executor/layers/fused_moe/layer.py): `w13_weight` [local experts,
+- FusedMoE experts (model_executor/layers/fused_moe/layer.py; vLLM 0.33 names them
+  `mlp.experts.routed_experts.*`): `w13_weight` [local experts,
   2 * ffn / tp, hidden] with each expert's gate rows (w1) then up rows (w3) (_load_w13),
   `w2_weight` [local experts, hidden, ffn / tp] (_load_w2). Without expert parallelism every rank
   holds every expert, split over TP; with it (enable_expert_parallel) experts are whole and each
@@ -180,8 +181,8 @@ def _fused_moe(model: ModelShape, ranks: VllmRanks, p: str) -> List[ParamLayout]
     moe_tp, moe_rank = (1, 0) if ranks.ep > 1 else (ranks.tp, ranks.tp_rank)
     f = split(model.moe_ffn, moe_tp, "expert intermediate size")
     h = model.hidden
-    w13 = ParamBuilder(f"{p}.mlp.experts.w13_weight", (len(experts), 2 * f, h))
-    w2 = ParamBuilder(f"{p}.mlp.experts.w2_weight", (len(experts), h, f))
+    w13 = ParamBuilder(f"{p}.mlp.experts.routed_experts.w13_weight", (len(experts), 2 * f, h))
+    w2 = ParamBuilder(f"{p}.mlp.experts.routed_experts.w2_weight", (len(experts), h, f))
     for j, e in enumerate(experts):
         x = f"{p}.mlp.experts.{e}"
         w13.rows(f"{x}.gate_proj.weight", moe_rank * f, f, j * 2 * f)

@@ -1,7 +1,7 @@
 """The demo's synthetic receiver tables (workloads/src/vllm.rs, as examples/demo.rs uses them:
 Qwen3-30B-A3B at full width, one layer, vLLM TP 2) equal what the recorder gives from vLLM 0.33's own
 model class and loader for the same shapes: every parameter's size and every piece (checkpoint
-tensor, byte offset in the parameter, box, strides). The Rust side comes from
+tensor, byte offset in the parameter, box, strides), names compared exactly. The Rust side comes from
 tests/integrations_match_workloads.rs (demo_receiver_tables), run through cargo."""
 
 from __future__ import annotations
@@ -20,14 +20,6 @@ import vllm_harness as harness
 from refit.integrations.recorder import record
 
 ROOT = pathlib.Path(__file__).resolve().parents[3]
-
-# Known drift, kept explicit so it cannot hide anything else: vLLM 0.33 names a Qwen3-MoE layer's
-# experts under `routed_experts`; the demo (workloads/src/vllm.rs) still uses the older names. The
-# test asserts each rename is still needed, so fixing the demo fails it until this table goes.
-RENAMES = {
-    ".mlp.experts.w13_weight": ".mlp.experts.routed_experts.w13_weight",
-    ".mlp.experts.w2_weight": ".mlp.experts.routed_experts.w2_weight",
-}
 
 
 def demo_tables() -> List[dict]:
@@ -62,7 +54,6 @@ class DemoTablesTest(unittest.TestCase):
         specs = harness.meta_checkpoint_specs(hf_config, torch.bfloat16)
         parallel = harness.Parallel(2)
         config = harness.engine_config(harness.config_folder("demo", hf_config), parallel, dtype="bfloat16")
-        renamed = set()
         for rank in range(2):
             with harness.as_rank(config, parallel, rank, 0):
                 model = harness.build(config, "meta")
@@ -81,15 +72,11 @@ class DemoTablesTest(unittest.TestCase):
             theirs: Dict[str, tuple] = {}
             for line in (line for line in rust if line["rank"] == rank):
                 name = line["name"]
-                for old, new in RENAMES.items():
-                    if name.endswith(old):
-                        name, _ = name[: -len(old)] + new, renamed.add(old)
                 pieces = sorted((t, at, tuple(off), tuple(ext)) for t, at, off, ext in line["pieces"])
                 theirs[name] = (line["bytes"], pieces)
             self.assertEqual(sorted(theirs), sorted(ours), f"rank {rank}: parameter names")
             for name in ours:
                 self.assertEqual(theirs[name], ours[name], f"rank {rank} {name}")
-        self.assertEqual(renamed, set(RENAMES), "a rename no longer needed: drop it from RENAMES")
 
 
 if __name__ == "__main__":

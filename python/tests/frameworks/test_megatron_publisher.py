@@ -62,7 +62,8 @@ def setUpModule() -> None:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    if not dist.is_initialized():  # the suite's vLLM tests may have made the one-process world already
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
     parallel_state.initialize_model_parallel(1, 1)
     print(f"\ntorch {torch.__version__}, megatron-core {package_info.__version__}", file=sys.stderr)
 

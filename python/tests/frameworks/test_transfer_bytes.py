@@ -42,7 +42,7 @@ class TransferBytesTest(unittest.TestCase):
 
     def test_refit_takes_exactly_its_parameter_bytes_and_a_plan_moves_exactly_those(self):
         import refit
-        from refit.integrations.vllm_backend import receiver_table
+        from refit.integrations.vllm import VllmReceiver
 
         ckpt = {name: torch.randn(shape) for name, (shape, _) in self.specs.items()}
         for rank in range(2):
@@ -50,7 +50,11 @@ class TransferBytesTest(unittest.TestCase):
                 model = vllm_ranks.build(self.config, "cpu")
                 figure = transfer_bytes.param_bytes(model)
                 self.assertEqual(figure, sum(p.numel() * p.element_size() for _, p in model.named_parameters()))
-                with receiver_table(model, self.config, 1, 0) as needs, refit.Table() as offers:
+                # The needs recorded from vLLM's loader, every parameter as boxes: the GPU's
+                # unquantized MoE path keeps the checkpoint layout (the CPU platform's repack, staged
+                # and reloaded whole, is test_vllm_postprocess's).
+                receiver = VllmReceiver(VllmReceiver.from_engine(self.config, self.specs).recording)
+                with receiver.table(list(model.named_parameters()), 1, 0) as needs, refit.Table() as offers:
                     for name, tensor in ckpt.items():
                         refit.tensor.add_tensor_offer(offers, name, tensor, 0, device=0)
                     with refit.Plan.build([offers, needs]) as plan:

@@ -2,14 +2,21 @@
 
 - vLLM finds backend "refit" by name: through its own general-plugin loader reading the entry point
   python/pyproject.toml declares, then its factories.
-- A trainer process (a tiny Hugging Face Qwen3, vLLM's own ModuleSource over it, whole-tensor
-  offers) updates two worker processes, each holding the model vLLM builds for its TP rank (TP 2)
+- A trainer process (a tiny Hugging Face Qwen3, vLLM's own ModuleSource over it, offered by
+  DTensorPublisher where its parameters lie) updates two worker processes, each holding the model vLLM builds for its TP rank (TP 2)
   and the worker engine vLLM's factory made; the workers are driven through a stand-in of vLLM's
   control plane (pipes: one process per worker, as vLLM's collective_rpc). Every element equals
   what vLLM's own load_weights gives from the same checkpoint, after every update; between the
   staged receive and finish_weight_update the live weights are still the old ones; the second
-  update re-plans nothing; after the weights move (as vLLM's sleep / wake reallocates them) the next
+  update re-plans nothing (the trainer's offers sit at the live parameters' addresses; the workers'
+  needs were recorded once from their own loader, VllmReceiver.from_engine); after the weights move (as vLLM's sleep / wake reallocates them) the next
   update plans again on every process and lands in the new storage.
+- Qwen3-MoE at TP 2 with expert parallelism, the checkpoint's own tensors published by
+  HfPublisher: vLLM's CPU platform pads and prepacks the experts after loading, so their checkpoint
+  tensors arrive whole in staging and vLLM's layerwise reload rebuilds them (the receiver says so,
+  24 tensors per worker per update); every element equals vLLM's load_weights +
+  process_weights_after_loading, the live storage stays where it was, and the second update re-plans
+  nothing. (The prepack kernel itself is test_vllm_postprocess's stand-in.)
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
   reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
   trainer (it exits after the workers started receiving) each leave every worker's weights as they
@@ -40,13 +47,21 @@ def tiny_qwen3() -> Any:
     )
 
 
-def save_checkpoint() -> str:
+def tiny_qwen3_moe() -> Any:
+    from families import qwen3_moe
+
+    return qwen3_moe()
+
+
+def save_checkpoint(hf_config: Any = None) -> str:
+    """A folder with the checkpoint transformers writes for `hf_config` (default: the tiny Qwen3)."""
     import torch
     import transformers
 
+    hf_config = hf_config if hf_config is not None else tiny_qwen3()
     folder = tempfile.mkdtemp(prefix="refit-vllm-backend-")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(tiny_qwen3(), dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
     model.save_pretrained(folder)
     return folder
 
@@ -79,7 +94,7 @@ class StandInVerifyMismatch:
         return getattr(self._executor, name)
 
 
-def worker_main(rank: int, folder: str, control: Any, checks: Any) -> None:
+def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = False) -> None:
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     import sys
 
@@ -88,14 +103,27 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any) -> None:
     import vllm_ranks
     from vllm.config import WeightTransferConfig
     from vllm.distributed.weight_transfer.factory import WeightTransferEngineFactory
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
 
     from refit.integrations.vllm_backend import register
 
     register()
-    config = vllm_ranks.engine_config(folder, 2, dtype="float32")
+    config = vllm_ranks.engine_config(folder, 2, ep=moe, dtype="float32")
     ckpt = checkpoint(folder)
+    if moe:
+        from test_vllm_postprocess import install_prepack_stand_in
+
+        install_prepack_stand_in()  # vLLM's CPU MoE prepack kernel (see test_vllm_postprocess)
+
+    def vllm_loaded(weights: Dict[str, Any]) -> Any:
+        """What vLLM's own loader makes of `weights`, post-processing included, as an engine does."""
+        built = vllm_ranks.build(config, "cpu")
+        built.load_weights(iter(list(weights.items())))
+        process_weights_after_loading(built, config.model_config, torch.device("cpu"))
+        return built
+
     with vllm_ranks.as_rank(config, rank):
-        model = vllm_ranks.build(config, "cpu")
+        model = vllm_loaded(ckpt)
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="refit"), config, torch.device("cpu"), model)
         snapshot: Dict[str, Any] = {}
 
@@ -124,12 +152,18 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any) -> None:
             if kind == "loaded":
                 # What vLLM's own load_weights makes of the checkpoint after `arg` bumps (1.0 added
                 # to every element, one bump at a time as the trainer does: float rounding alike).
-                reference = vllm_ranks.build(config, "cpu")
                 bumped = dict(ckpt)
                 for _ in range(arg):
                     bumped = {n: t + 1.0 for n, t in bumped.items()}
-                reference.load_weights(iter(list(bumped.items())))
+                reference = vllm_loaded(bumped)
                 return differing({n: p.detach() for n, p in reference.named_parameters()})
+            if kind == "paths":
+                paths = engine.receiver.paths
+                return {path: sorted(n for n, p in paths.items() if p == path) for path in set(paths.values())}
+            if kind == "installed":
+                return dict(engine.installed)
+            if kind == "addresses":
+                return {n: p.data_ptr() for n, p in model.named_parameters()}
             if kind == "move":
                 for p in model.parameters():
                     p.data = p.data.clone()
@@ -188,7 +222,7 @@ class PipeClient:
         self.call("finish")
 
 
-def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> None:
+def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> None:  # noqa: C901
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     try:
         import torch
@@ -200,17 +234,26 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
         from refit.integrations.vllm_backend import RefitTrainerInitInfo, register
 
         register()
-        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        if scenario == "moe":
+            # The checkpoint's own tensors through HfPublisher (transformers' in-memory Qwen3-MoE
+            # fuses the experts under other names than its checkpoint's).
+            weights = checkpoint(folder)
+            source: Any = weights
+            tensors = list(weights.values())
+        else:
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            source = ModuleSource(model)
+            tensors = list(model.parameters())
         client = PipeClient(conns)
         info = RefitTrainerInitInfo(rank=0, num_workers=2, device_backend="host", timeout_ms=TIMEOUT_MS)
-        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=ModuleSource(model))
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
         out: Dict[str, Any] = {"engines": client.call("engine")}
         engine.send_weights()
         out["first"] = client.call("loaded", 0)
 
         def bump() -> None:
             with torch.no_grad():
-                for p in model.parameters():
+                for p in tensors:
                     p.add_(1.0)
 
         if scenario == "updates":
@@ -235,6 +278,16 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
             engine.send_weights()
             out["after_move"] = client.call("loaded", 3)
             out["plans_after_move"] = client.call("plans") + [engine.link.plans_built]
+        elif scenario == "moe":
+            out["paths"] = client.call("paths")
+            out["installed_first"] = client.call("installed")
+            addresses = client.call("addresses")
+            bump()
+            engine.send_weights()
+            out["second"] = client.call("loaded", 1)
+            out["installed"] = client.call("installed")
+            out["kept_storage"] = [a == b for a, b in zip(addresses, client.call("addresses"))]
+            out["plans"] = client.call("plans") + [engine.link.plans_built]
         elif scenario == "verify":
             client.call("snapshot")
             conns[0].send(("poison_verify", None))
@@ -271,17 +324,20 @@ class VllmBackendTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
         cls.folder = save_checkpoint()
+        cls.moe_folder = save_checkpoint(tiny_qwen3_moe())
 
     def run_scenario(self, scenario: str):
+        moe = scenario == "moe"
+        folder = self.moe_folder if moe else self.folder
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
         control = [context.Pipe() for _ in range(2)]
         checks = [context.Pipe() for _ in range(2)]
         workers = [
-            context.Process(target=worker_main, args=(rank, self.folder, control[rank][1], checks[rank][1]))
+            context.Process(target=worker_main, args=(rank, folder, control[rank][1], checks[rank][1], moe))
             for rank in range(2)
         ]
-        trainer = context.Process(target=trainer_main, args=(scenario, self.folder, [c[0] for c in control], results))
+        trainer = context.Process(target=trainer_main, args=(scenario, folder, [c[0] for c in control], results))
         for process in workers + [trainer]:
             process.start()
         try:
@@ -351,6 +407,21 @@ class VllmBackendTest(unittest.TestCase):
         self.assertTrue(all(out["moved"]))
         self.assertEqual(out["after_move"], [[], []], "weights that moved did not get the update")
         self.assertEqual(out["plans_after_move"], [2, 2, 2])
+
+    def test_qwen3_moe_post_processed_experts_go_through_vllms_reload(self):
+        out, _ = self.run_scenario("moe")
+        self.assertEqual(out["engines"], ["RefitWeightTransferEngine"] * 2)
+        self.assertEqual(out["first"], [[], []])
+        self.assertEqual(out["second"], [[], []])
+        for paths in out["paths"]:
+            # EP 2: each worker holds 4 of the 8 experts of both layers, repacked by vLLM's CPU backend.
+            self.assertEqual(paths["reload"], [f"model.layers.{i}.mlp.experts.routed_experts.{w}" for i in range(2) for w in ("w13_weight", "w2_weight")])
+            self.assertGreater(len(paths["boxes"]), 10)
+        # Per worker and update: 2 layers x 4 local experts x 3 checkpoint tensors (gate, up, down).
+        self.assertEqual(out["installed_first"], [{"loader": 0, "reload": 24}] * 2)
+        self.assertEqual(out["installed"], [{"loader": 0, "reload": 24}] * 2)
+        self.assertEqual(out["kept_storage"], [True, True])
+        self.assertEqual(out["plans"], [1, 1, 1], "an update with unchanged storage planned again")
 
     def test_a_verify_mismatch_refuses_the_update_on_every_worker(self):
         out, _ = self.run_scenario("verify")

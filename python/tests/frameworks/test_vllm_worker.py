@@ -1,8 +1,8 @@
 """RefitWorkerExtension on a vLLM 0.33 model built on CPU: refit_needs records the needs from the
 worker's own model class and loader (a meta copy built under the worker's config and parallel
 state), refit_receive installs a HF publisher's whole tensors; every element equals what vLLM's
-load_weights gives. A model whose parameters vLLM post-processes after loading (here the CPU MoE
-backend's prepacking of the experts) is refused, naming those parameters."""
+load_weights gives. Parameters vLLM post-processes after loading go through its layerwise reload:
+test_vllm_postprocess.py."""
 
 from __future__ import annotations
 
@@ -54,18 +54,6 @@ class WorkerExtensionTest(unittest.TestCase):
             self.assertEqual(result.mismatches, [])
             self.assertGreater(result.padding, 0)  # 150 rows padded to 192: rank 1 holds 42 of padding
             worker.refit_close()
-
-    def test_parameters_post_processed_by_the_engine_are_refused_by_name(self) -> None:
-        folder = harness.hf_folder("worker-moe", FAMILIES["qwen3_moe"]())
-        parallel = harness.Parallel(2, ep=True)
-        config = harness.engine_config(folder, parallel)
-        with harness.as_rank(config, parallel, 0, 0):
-            worker = Worker(config, harness.build(config, "cpu"))
-            with self.assertRaises(refit.RefitError) as caught:
-                worker.refit_needs(0, device=0, backend=refit.Backend.HOST)
-        self.assertEqual(caught.exception.status, refit.Status.INVALID_ARGUMENT)
-        self.assertIn("routed_experts.w13_weight", caught.exception.message)
-        self.assertIn("process_weights_after_loading", caught.exception.message)
 
 
 class PostProcessingTest(unittest.TestCase):

@@ -37,7 +37,10 @@ def world() -> None:
         ps.init_distributed_environment(
             world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", local_rank=0, backend="gloo"
         )
-        ps.ensure_model_parallel_initialized(1, 1)
+        # Made already by another module of the suite (vllm_harness): its groups serve here too (a
+        # second call would ask torch about a world group another test may have destroyed since).
+        if not ps.model_parallel_is_initialized():
+            ps.ensure_model_parallel_initialized(1, 1)
 
 
 def config_folder(hf_config: Any) -> str:
