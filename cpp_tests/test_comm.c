@@ -382,21 +382,47 @@ static void bad_arguments(void) {
   CHECK(comm == NULL && strstr(refit_last_error_message(), "the id is spent") != NULL);
 }
 
+/* Reads exactly `len` bytes from `fd`; 0 on success. */
+static int read_all(int fd, void *data, size_t len) {
+  for (size_t got = 0; got < len;) {
+    ssize_t n = read(fd, (char *)data + got, len - got);
+    if (n <= 0) return -1;
+    got += (size_t)n;
+  }
+  return 0;
+}
+
 int main(void) {
   refit_comm_id id, staged_id;
-  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
-  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &staged_id));
+  /* The ranks are forked first and handed the ids through pipes: an id's maker runs its rendezvous
+   * root on a thread, and a process forked after that would hold a copy of the thread's memory
+   * without the thread (which valgrind rightly calls lost in the child). */
+  int pipes[RANKS - 1][2];
   fflush(stdout);
   pid_t children[RANKS - 1];
   for (uint32_t rank = 1; rank < RANKS; rank++) {
+    CHECK(pipe(pipes[rank - 1]) == 0);
     pid_t pid = fork();
     CHECK(pid >= 0);
     if (pid == 0) {
       check_passed = 0;
+      close(pipes[rank - 1][1]);
+      if (read_all(pipes[rank - 1][0], &id, sizeof id) != 0 ||
+          read_all(pipes[rank - 1][0], &staged_id, sizeof staged_id) != 0)
+        _exit(3);
+      close(pipes[rank - 1][0]);
       rank_main(&id, &staged_id, rank);
       exit(0);
     }
+    close(pipes[rank - 1][0]);
     children[rank - 1] = pid;
+  }
+  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &id));
+  CHECK_OK(refit_comm_get_unique_id(REFIT_BACKEND_HOST, &staged_id));
+  for (uint32_t rank = 1; rank < RANKS; rank++) {
+    CHECK(write(pipes[rank - 1][1], &id, sizeof id) == (ssize_t)sizeof id);
+    CHECK(write(pipes[rank - 1][1], &staged_id, sizeof staged_id) == (ssize_t)sizeof staged_id);
+    close(pipes[rank - 1][1]);
   }
   rank_main(&id, &staged_id, 0);
   for (uint32_t i = 0; i < RANKS - 1; i++) {

@@ -385,12 +385,31 @@ uint8_t byte_of(uint32_t rank, std::size_t i) { return static_cast<uint8_t>(rank
 // Two processes (this one and a forked child) join one communicator and allgather uneven blocks,
 // each checked against the bytes computed here for every rank. Runs before anything else starts
 // library threads (a fork copies only the calling thread).
+// The child is forked before the id exists and reads it from a pipe: the id's maker runs its
+// rendezvous root on a thread, which a process forked after it would copy without the thread.
 void communicator_of_two_processes() {
-  refit_comm_id id = refit::Comm::unique_id(REFIT_BACKEND_HOST);
+  int pipe_fds[2];
+  CHECK(pipe(pipe_fds) == 0);
   std::fflush(stdout);
   pid_t child = fork();
   CHECK(child >= 0);
   const uint32_t rank = child == 0 ? 1 : 0;
+  refit_comm_id id;
+  if (child == 0) {
+    close(pipe_fds[1]);
+    std::size_t got = 0;
+    while (got < sizeof id) {
+      ssize_t n = read(pipe_fds[0], reinterpret_cast<char *>(&id) + got, sizeof id - got);
+      if (n <= 0) _exit(3);
+      got += static_cast<std::size_t>(n);
+    }
+    close(pipe_fds[0]);
+  } else {
+    close(pipe_fds[0]);
+    id = refit::Comm::unique_id(REFIT_BACKEND_HOST);
+    CHECK(write(pipe_fds[1], &id, sizeof id) == static_cast<ssize_t>(sizeof id));
+    close(pipe_fds[1]);
+  }
   {
     refit_comm_options options = refit::comm_options();
     options.timeout_ms = 60000;
