@@ -234,6 +234,80 @@ def resolved_backend(name: str) -> int:
     return code
 
 
+def refused(error: BaseException) -> RuntimeError:
+    """The error an engine sees when an update is refused: its weights are as they were."""
+    return RuntimeError(f"refit: update refused, the engine's weights are unchanged: {error}")
+
+
+class InFlight:
+    """One update in flight on a rank, as every engine adapter runs it: `start` agrees on the tables
+    (re-planning when one changed) and receives, on a background thread while the engine keeps
+    serving when the link is staged, or right there (the engine paused) when staging does not fit;
+    `finish` waits for the receive and commits between two engine steps. A failed receive, a verify
+    mismatch or a dead peer refuses the update at `finish` (or at `start`, for a direct run): nothing
+    is installed. `stats` holds the last run's, then the commit's, refit stats."""
+
+    def __init__(self) -> None:
+        self._thread: Optional[threading.Thread] = None
+        self._failure: Optional[BaseException] = None
+        self._received = False
+        self.stats: Any = None
+
+    def start(self, link: Link, table: Table) -> None:
+        if self._thread is not None:
+            raise RuntimeError("refit: the previous update is still receiving; finish it first")
+        self._failure, self._received = None, False
+        try:
+            link.prepare(table)
+        except BaseException as error:
+            self._failure = error
+            raise
+        if not link.staged:
+            self._receive(link)
+            if self._failure is not None:
+                raise refused(self._failure) from self._failure
+            return
+        self._thread = threading.Thread(target=self._receive, args=(link,), name="refit-receive", daemon=True)
+        self._thread.start()
+
+    def _receive(self, link: Link) -> None:
+        try:
+            self.stats = link.run()
+            self._received = True
+        except BaseException as error:  # handed to finish()
+            self._failure = error
+
+    def wait(self, timeout: Optional[float] = None) -> bool:
+        """Waits for the receive (True when it is over, received or failed)."""
+        if self._thread is not None:
+            self._thread.join(timeout)
+            return not self._thread.is_alive()
+        return True
+
+    def finish(self, link: Link, stream: Any) -> None:
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            thread.join()
+        if self._failure is not None:
+            failure, self._failure = self._failure, None
+            raise refused(failure) from failure
+        if not self._received:
+            raise RuntimeError("refit: nothing received to install (receive an update first)")
+        self._received = False
+        if link.staged:
+            try:
+                self.stats = link.commit(stream)
+            except RefitError as error:
+                raise refused(error) from error
+
+    def abort(self, link: Optional[Link]) -> None:
+        """Ends a receive still running (the communicator aborted: every peer fails the step)."""
+        if self._thread is not None and link is not None:
+            link.comm.abort()
+            self._thread.join()
+        self._thread = None
+
+
 def concurrently(call: Callable[[], Any]) -> Callable[[], Any]:
     """Starts `call` on a thread; the returned function joins it and re-raises its error."""
     outcome: Dict[str, Any] = {}

@@ -32,13 +32,12 @@ here imports SGLang: its TP rank is read lazily, and tests drive the loader with
 from __future__ import annotations
 
 import json
-import threading
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
-from .._lib import Backend, RefitError, invalid_argument
+from .._lib import Backend, invalid_argument
 from ..comm import unique_id
 from ..plan import Table
-from .engine_link import Link, LinkOptions, concurrently, publisher_table, resolved_backend, round_signature, source_tensors
+from .engine_link import InFlight, Link, LinkOptions, concurrently, publisher_table, resolved_backend, round_signature, source_tensors
 
 LOADER = "refit.integrations.sglang.refit_loader"
 CONTROL_NAME = "__refit_control__"
@@ -96,9 +95,7 @@ class SglangReceiver:
         self.link: Optional[Link] = None
         self._table: Optional[Table] = None
         self._addresses: Optional[List[Tuple[str, int]]] = None
-        self._thread: Optional[threading.Thread] = None
-        self._failure: Optional[BaseException] = None
-        self._received = False
+        self.update = InFlight()
 
     def handle(self, message: Dict[str, Any]) -> None:
         op = message.get("op")
@@ -140,45 +137,11 @@ class SglangReceiver:
         self.link.prepare(self._current_table())
 
     def _receive(self, message: Dict[str, Any]) -> None:
-        link = self._need_link()
-        if self._thread is not None:
-            raise RuntimeError("refit: the previous update is still receiving; commit it first")
-        self._failure, self._received = None, False
-        link.prepare(self._current_table())
-        if not link.staged:
-            self._run()
-            if self._failure is not None:
-                raise self._refused(self._failure)
-            return
-        self._thread = threading.Thread(target=self._run, name="refit-receive", daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            self._need_link().run()
-            self._received = True
-        except BaseException as error:
-            self._failure = error
-
-    def _refused(self, error: BaseException) -> RuntimeError:
-        return RuntimeError(f"refit: update refused, the engine's weights are unchanged: {error}")
+        self.update.start(self._need_link(), self._current_table())
 
     def _commit(self) -> None:
         link = self._need_link()
-        thread, self._thread = self._thread, None
-        if thread is not None:
-            thread.join()
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise self._refused(failure) from failure
-        if not self._received:
-            raise RuntimeError("refit: commit without a received update (receive first)")
-        self._received = False
-        if link.staged:
-            try:
-                link.commit(None if link.backend == Backend.HOST else _current_stream())
-            except RefitError as error:
-                raise self._refused(error) from error
+        self.update.finish(link, None if link.backend == Backend.HOST else _current_stream())
 
     def _need_link(self) -> Link:
         if self.link is None:
@@ -186,10 +149,7 @@ class SglangReceiver:
         return self.link
 
     def shutdown(self) -> None:
-        if self._thread is not None and self.link is not None:
-            self.link.comm.abort()
-            self._thread.join()
-            self._thread = None
+        self.update.abort(self.link)
         if self._table is not None:
             self._table.close()
             self._table = None

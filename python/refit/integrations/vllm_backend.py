@@ -35,13 +35,12 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import threading
 from typing import Any, Callable, ClassVar, Dict, List, Optional, Tuple
 
-from .._lib import Backend, RefitError, invalid_argument
+from .._lib import Backend, invalid_argument
 from ..comm import unique_id
 from ..plan import Table
-from .engine_link import Link, LinkOptions, MegatronSource, concurrently, publisher_table, resolved_backend, round_signature, source_tensors
+from .engine_link import InFlight, Link, LinkOptions, MegatronSource, concurrently, publisher_table, resolved_backend, round_signature, source_tensors
 
 log = logging.getLogger("refit.vllm_backend")
 
@@ -140,10 +139,7 @@ class RefitWeightTransferEngine(_WorkerBase):
         self._staging: Dict[str, Any] = {}
         self.installed: Dict[str, int] = {}
         """How many staged checkpoint tensors the last commit handed to the loader / the reload."""
-        self._receiving: Optional[threading.Thread] = None
-        self._failure: Optional[BaseException] = None
-        self._received = False
-        self.last_stats: Any = None
+        self.update = InFlight()
 
     def _current_table(self) -> Table:
         """This worker's needs at its parameters' current addresses (built again only when an
@@ -177,10 +173,6 @@ class RefitWeightTransferEngine(_WorkerBase):
         """Returns at once; the bytes move from receive_weights on."""
         if self.link is None:
             raise RuntimeError("refit: init_transfer_engine first")
-        if self._receiving is not None:
-            raise RuntimeError("refit: the previous update is still receiving; finish it first")
-        self._failure = None
-        self._received = False
 
     def update_weights(self, update_info: Dict[str, Any]) -> None:
         # vLLM's default synchronizes the device after each chunk; the staged receive must keep
@@ -191,59 +183,25 @@ class RefitWeightTransferEngine(_WorkerBase):
         """Agrees on the tables with every process (re-planning if any changed), then receives:
         staged, on a background thread while the engine keeps running; direct (staging does not
         fit), here, with the engine paused until the bytes are in."""
-        link = self.link
-        if link is None:
+        if self.link is None:
             raise RuntimeError("refit: init_transfer_engine first")
-        try:
-            link.prepare(self._current_table())
-        except BaseException as error:
-            self._failure = error
-            raise
-        if not link.staged:
-            self._receive()
-            if self._failure is not None:
-                raise self._refused(self._failure)
-            return
-        self._receiving = threading.Thread(target=self._receive, name="refit-receive", daemon=True)
-        self._receiving.start()
-
-    def _receive(self) -> None:
-        try:
-            self.last_stats = self.link.run()  # type: ignore[union-attr]
-            self._received = True
-        except BaseException as error:  # handed to finish_weight_update
-            self._failure = error
+        self.update.start(self.link, self._current_table())
 
     def wait_received(self, timeout: Optional[float] = None) -> bool:
         """Waits for the staged receive (True when it is over, received or failed)."""
-        if self._receiving is not None:
-            self._receiving.join(timeout)
-            return not self._receiving.is_alive()
-        return True
+        return self.update.wait(timeout)
 
-    def _refused(self, error: BaseException) -> RuntimeError:
-        return RuntimeError(f"refit: update refused, the engine's weights are unchanged: {error}")
+    @property
+    def last_stats(self) -> Any:
+        """The refit stats of the last run or commit."""
+        return self.update.stats
 
     def finish_weight_update(self) -> None:
         """Waits for the staged receive, then installs it (between two engine steps). A failed
         receive or a verify mismatch refuses the update: nothing is installed."""
-        link = self.link
-        if link is None:
+        if self.link is None:
             raise RuntimeError("refit: init_transfer_engine first")
-        thread, self._receiving = self._receiving, None
-        if thread is not None:
-            thread.join()
-        if self._failure is not None:
-            failure, self._failure = self._failure, None
-            raise self._refused(failure) from failure
-        if not self._received:
-            raise RuntimeError("refit: finish_weight_update without a received update (update_weights first)")
-        self._received = False
-        if link.staged:
-            try:
-                self.last_stats = link.commit(self._stream())
-            except RefitError as error:
-                raise self._refused(error) from error
+        self.update.finish(self.link, self._stream())
         if self._staging:
             # Checkpoint tensors that arrived whole: the engine's own loader places them and its
             # layerwise reload rebuilds the post-processed layers from them.
@@ -257,10 +215,7 @@ class RefitWeightTransferEngine(_WorkerBase):
         return torch.cuda.current_stream(self.device)
 
     def shutdown(self) -> None:
-        if self._receiving is not None and self.link is not None:
-            self.link.comm.abort()
-            self._receiving.join()
-            self._receiving = None
+        self.update.abort(self.link)
         if self._table is not None:
             self._table.close()
             self._table = None
