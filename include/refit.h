@@ -691,6 +691,12 @@ typedef struct {
    */
   uint32_t remote_ipc_peers;
   uint32_t remote_staged_peers;
+  /**
+   * Elements this call quantized to FP8 (quantized needs): a direct run all of them; a staged
+   * run those quantized from their sources in place (into staging, installed by the commit); a
+   * commit those quantized from the needs' staging buffers.
+   */
+  uint64_t quantized_elements;
 } refit_run_stats;
 
 /**
@@ -826,6 +832,24 @@ typedef struct {
    * Wall time of the build, nanoseconds (a receiver's stats carry the whole build's time).
    */
   uint64_t build_ns;
+  /**
+   * Quantized needs (refit_table_add_quantized_need) planned; they are not counted in `needs`.
+   */
+  uint64_t quantized_needs;
+  /**
+   * Elements the quantized needs quantize to FP8.
+   */
+  uint64_t quantized_elements;
+  /**
+   * Source bytes quantized in place, where they are offered (the direct path: only the FP8
+   * codes and scales travel).
+   */
+  uint64_t quantized_direct_bytes;
+  /**
+   * Source bytes routed into the receivers' staging and quantized there (the staged path; the
+   * routes count them too, as the needs of the staging buffers).
+   */
+  uint64_t quantized_staged_bytes;
 } refit_plan_stats;
 
 /**
@@ -879,6 +903,29 @@ typedef struct {
   uint32_t block_rows;
   uint32_t block_cols;
 } refit_quantization;
+
+/**
+ * How a quantized need (refit_table_add_quantized_need) is quantized and where its scales and
+ * staging are. `reserved` must be 0.
+ *
+ * The need's box is a stack of matrices: its last two dimensions are rows and columns (a
+ * 1-dimensional box is one row) and the dimensions before them number the matrices, row-major;
+ * each matrix is quantized on its own, its blocks counted from its first element. Matrix m's scale
+ * grid (ceil(rows / R) x ceil(cols / C) scales for blocks of R x C, as refit_quantize_job's) lies
+ * at `scales + m * scale_matrix_stride` scales, `scale_row_stride` scales from one grid row to the
+ * next. `staging` (0: none) is a buffer on the receiving device holding the box's source elements
+ * row-major, 16-byte aligned with rows a multiple of 16 bytes: where the elements land to be
+ * quantized when they cannot be quantized where they are offered.
+ */
+typedef struct {
+  refit_quantization quantization;
+  uint32_t source_type;
+  uint32_t reserved;
+  uint64_t scales;
+  uint64_t scale_row_stride;
+  uint64_t scale_matrix_stride;
+  uint64_t staging;
+} refit_need_quantization;
 
 /**
  * One matrix to quantize: `rows` x `cols` elements of `source_type` (REFIT_SOURCE_*) at device
@@ -1924,6 +1971,47 @@ refit_status refit_plan_route_count(const refit_plan *plan, size_t *count);
 refit_status refit_plan_route(const refit_plan *plan,
                               size_t index,
                               refit_route_info *route);
+
+/**
+ * Adds a quantized need: process `rank`'s device `device` wants the box `offset`/`extent` of tensor
+ * `tensor` (elements of `quantization->source_type`) as FP8 codes at `addr`, code strides `strides`
+ * in bytes (the last 1), and scales, quantized as refit_quantize_batch quantizes (the arithmetic is
+ * documented there). See refit_need_quantization for the matrices, scales and staging.
+ *
+ * Planning picks one of two paths per need, and refit_plan_stats counts both:
+ * - in place: offers in the receiver's process tile the box so that every quantization block lies
+ *   inside one offer, with contiguous rows. The device holding each offer quantizes it straight
+ *   into the need's codes and scales (one byte per element reaches the receiver, not two).
+ * - staged: otherwise (a block spans offers, sources in another process). The elements are routed
+ *   into `staging` like any need, then quantized there by the receiving device. Planning fails with
+ *   UNSUPPORTED, naming the tensor and why, when the need has no staging.
+ * An executor runs the quantization after the step's copies (direct commit: within the run). Under
+ * staged commit nothing live is written before the commit: in-place codes and scales are
+ * quantized into staging at the run and installed at the commit; staged needs are quantized at the
+ * commit, from their staging once the commit has filled it. refit_run_stats.quantized_elements
+ * counts what each call quantized. Verify (REFIT_EXECUTOR_VERIFY) checks the bytes copied, not the
+ * codes. An executor with quantized needs does not follow rebinds of their memory.
+ *
+ * Changes the table (see refit_table for threads). Errors: NULL_ARGUMENT (table, strides,
+ * quantization; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown tensor index, ndim above
+ * REFIT_MAX_DIMS, an unknown target, granularity or source type, REFIT_QUANT_NONE, a bad block
+ * shape, reserved not 0, an element size other than the source type's, a last stride other than
+ * 1, scale strides that make grids overlap, misaligned staging, ranges past 2^64),
+ * TENSOR_MISMATCH (ndim differing from the tensor's, box outside the tensor).
+ *
+ * # Safety
+ * Non-NULL arrays hold `ndim` values; `quantization` is NULL or readable.
+ */
+refit_status refit_table_add_quantized_need(refit_table *table,
+                                            uint32_t tensor,
+                                            uint32_t rank,
+                                            uint32_t device,
+                                            uint64_t addr,
+                                            const uint64_t *offset,
+                                            const uint64_t *extent,
+                                            const uint64_t *strides,
+                                            size_t ndim,
+                                            const refit_need_quantization *quantization);
 
 refit_status refit_quantize_batch(const refit_group *group,
                                   uint32_t rank,

@@ -28,6 +28,7 @@ mod addresses;
 mod batch;
 mod flows;
 mod options;
+mod quantize;
 mod rebind;
 mod remote;
 mod staging;
@@ -55,6 +56,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 use timing::Mark;
+use quantize::{Quantizing, When};
 use verify::CopyCheck;
 
 /// The stages that are stamped on the device.
@@ -208,6 +210,8 @@ pub struct Executor {
     address_check_ns: u64,
     /// Staging bytes per receiving device, summed (staged commit).
     staging_bytes: u64,
+    /// The plan's quantization jobs for this process's receivers.
+    quantizing: Quantizing,
 }
 
 /// Every segment into receiving rank `rank` cut to fit `limit` and placed in its staging under
@@ -424,6 +428,7 @@ impl Executor {
             remote: None,
             address_check_ns: 0,
             staging_bytes: 0,
+            quantizing: Quantizing::default(),
         };
         let mut lists = match options.commit {
             CommitMode::Direct => vec![executor.direct_lists(flows)],
@@ -437,6 +442,18 @@ impl Executor {
             let last = lists.last_mut().expect("one slice at least");
             last.installs.entry(rank).or_default().extend_from_slice(installs);
         }
+        let mut quantizing = Quantizing::new(group, plan, process, options.commit == CommitMode::Staged)?;
+        // Freed with the executor's other staging.
+        executor.staging.append(&mut quantizing.staging);
+        for (rank, installs) in std::mem::take(&mut quantizing.installs) {
+            // Codes and scales quantized into staging are installed with the last slice, at the commit.
+            if lists.is_empty() {
+                lists.push(SliceLists::default());
+            }
+            let last = lists.last_mut().expect("one slice at least");
+            last.installs.entry(rank).or_default().extend(installs);
+        }
+        executor.quantizing = quantizing;
         let mut registrar = Registrar::default();
         for (k, lists) in lists.into_iter().enumerate() {
             let slice = executor.prepare_slice(group, k, lists, &mut registrar)?;
@@ -449,6 +466,7 @@ impl Executor {
             ranks.extend(slice.receiving.iter().map(|r| r.rank));
         }
         ranks.extend(remote.map(|(rank, _)| rank));
+        ranks.extend(executor.quantizing.ranks());
         ranks.sort_unstable();
         ranks.dedup();
         executor.ranks = ranks;
@@ -785,6 +803,7 @@ impl Executor {
             remote_stats(&mut stats, &remote.totals, staged);
         }
         stats.verified = self.options.verify && checked && stats.verified_bytes > 0;
+        stats.quantized_elements = self.quantizing.elements_at(When::Run);
         self.finish("run", stats, started, prepare_ns, log, implicit)
     }
 
@@ -826,6 +845,13 @@ impl Executor {
             if staged && k < last {
                 self.queue_installs(group, k, log)?;
             }
+        }
+        if self.quantizing.has(When::Run) {
+            // Every copy of the step has landed, on every rank, before anything is quantized.
+            group.mark_pending_join();
+            group.join_if_pending()?;
+            // SAFETY: the caller's promise on the plan's memory; the quantization staging is ours.
+            unsafe { self.quantizing.queue(group, When::Run) }?;
         }
         group.mark_pending_join();
         Ok(())
@@ -1030,8 +1056,19 @@ impl Executor {
                 .inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
         }
         let queued = group.in_implicit_scope(|| {
-            let queued =
-                if self.slices.is_empty() { Ok(()) } else { self.queue_installs(group, last, &mut log) };
+            // Codes a rank quantized into another rank's staging at the run are installed by that
+            // other rank: it waits for the run's ranks first (the run left its join pending).
+            let joined = if self.quantizing.has(When::Run) { group.join_if_pending() } else { Ok(()) };
+            let mut queued = joined.and_then(|()| {
+                if self.slices.is_empty() { Ok(()) } else { self.queue_installs(group, last, &mut log) }
+            });
+            if queued.is_ok() && self.quantizing.has(When::Commit) {
+                // The needs' staging buffers are filled once every install has run, on every rank.
+                group.mark_pending_join();
+                // SAFETY: as for the installs.
+                queued = group.join_if_pending().and_then(|()| unsafe { self.quantizing.queue(group, When::Commit) });
+                group.mark_pending_join();
+            }
             let done = self.record_done(group);
             queued.and(done)?;
             Ok(Instant::now())
@@ -1050,6 +1087,7 @@ impl Executor {
             verified: verified_bytes > 0,
             verified_bytes,
             installed_bytes: if self.slices.is_empty() { 0 } else { self.installed_bytes(last..last + 1) },
+            quantized_elements: self.quantizing.elements_at(When::Commit),
             ..RunStats::default()
         };
         // A commit rebuilds no descriptor.
@@ -1158,6 +1196,11 @@ impl Executor {
         }
         if let Some(err) = &self.broken {
             return Err(Error::invalid_state(format!("a rebind failed earlier ({})", err.message)));
+        }
+        if self.quantizing.touches(old_base, length) {
+            return Err(Error::unsupported(format!(
+                "[{old_base:#x}, +{length:#x}) holds memory a quantized need reads or writes, and quantization jobs do                  not follow moved buffers yet: build a new plan and executor"
+            )));
         }
         if !self.devices.contains(&device) {
             crate::bail!(
