@@ -2013,6 +2013,57 @@ refit_status refit_table_add_quantized_need(refit_table *table,
                                             size_t ndim,
                                             const refit_need_quantization *quantization);
 
+/**
+ * Quantizes `count` matrices (see refit_quantize_job) to FP8 with their scales, on `stream`, a stream
+ * of `rank`'s device (NULL: its legacy default stream). Addresses are device pointers of that device
+ * or of a peer it accesses directly (refit_group_peer_access); on the host backend, host memory.
+ * `flags` must be 0.
+ *
+ * The arithmetic, exact (the bytes are equal on every backend and GPU):
+ * - Elements are decoded to f32 exactly. Per block of elements sharing a scale, amax is the largest
+ *   |x|, +inf if an element is infinite, NaN if an element is NaN (NaN propagates, as torch's amax).
+ * - fp32 scale = max(amax, 1e-10f) / FP8_MAX in f32 (IEEE division, nearest even), FP8_MAX = 448
+ *   (E4M3FN) or 57344 (E5M2); 1e-10 is vLLM's per_token_group_quant_fp8 default eps, so an all-zero
+ *   block gets scale 1e-10f / FP8_MAX. A block holding a NaN gets the scale 0x7fffffff (NaN); one
+ *   holding an infinity (and no NaN) gets +inf.
+ * - MXFP8 (OCP MX v1.0): e = floor(log2(amax)) - 8 (E4M3FN) or - 15 (E5M2), clamped to -127..127,
+ *   scale byte e + 127 (e8m0), divisor 2^e; an all-zero block gets byte 0; a block holding a NaN or
+ *   an infinity gets 0xff (NaN).
+ * - Each code: the f32 quotient x / scale (IEEE division, nearest even) rounded to the nearest FP8
+ *   value, ties to even, saturating: finite or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a
+ *   NaN quotient gives 0x7f, and the sign of zero is kept (-0.0 gives 0x80). This is
+ *   `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)` of vLLM's and DeepSeek's quantizers; in a block
+ *   whose scale is +inf, finite elements give +-0 and infinite ones NaN (0x7f); in a block whose
+ *   scale is NaN, every element gives 0x7f.
+ *
+ * Per-tensor jobs need the whole matrix's amax first: on CUDA they take a second launch before the
+ * quantizing one (every other granularity: one launch for the whole batch). The kernel reads each
+ * source row in whole aligned 16-byte vectors, so up to 15 bytes past a row's last element (in the
+ * same 16 bytes) are read and ignored.
+ *
+ * Stream ordering (CUDA): queued on `stream` after the work queued on it before; returns without
+ * waiting. The descriptors are uploaded stream-ordered (no host sync); this call must not be captured
+ * into a CUDA graph. Host backend: complete on return.
+ *
+ * Thread-safety: may be called from any thread, concurrently with other calls. No source may overlap
+ * a destination or scales (what is read is then undefined).
+ *
+ * Errors: NULL_ARGUMENT (group, or jobs with count > 0), INVALID_ARGUMENT (rank not below the group
+ * size, flags not 0, count too large, an unknown target, granularity or source type,
+ * REFIT_QUANT_NONE, a block shape with a 0, block columns not a multiple of 8 or a block of more
+ * than 2^24 elements, a block shape given for another granularity, reserved not 0, a row stride
+ * below the row, a zero address for a job with elements, misaligned rows or scales, a range past the
+ * end of the address space, memory that is not the device's (as refit_copy_batch checks it: on CUDA
+ * every byte in a live allocation of the rank's device or of a device it accesses directly, so host
+ * malloc memory and unmapped addresses are refused; on the host backend nothing in the first page),
+ * on the host backend a stream that is not a host stream or is another simulated device's; the
+ * message names the job and the field or region), OVERLAP (two destination matrices or
+ * scale grids, or a destination and a scale grid, share a byte; the message names them),
+ * UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks; overlap checks over more
+ * interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
+ * loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs
+ * are refused.
+ */
 refit_status refit_quantize_batch(const refit_group *group,
                                   uint32_t rank,
                                   void *stream,

@@ -44,7 +44,7 @@ fn reversed_8d(needs: u64) -> Table {
                 strides: strides.clone(),
             })
             .collect(),
-            quant_needs: Vec::new(),
+        quant_needs: Vec::new(),
     }
 }
 

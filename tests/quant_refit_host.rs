@@ -11,7 +11,9 @@ mod quant_cases;
 use quant_cases::{Aligned, Rng};
 use refit::exec::{CommitMode, ExecOptions, Executor};
 use refit::group::{BackendChoice, Group, GroupOptions};
-use refit::plan::{self, wire, Endpoint, Offer, Plan, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec};
+use refit::plan::{
+    self, wire, Endpoint, Offer, Plan, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec,
+};
 use refit::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
 use refit::transport::host::HostBackend;
 use refit::transport::{Backend, Stream};
@@ -154,9 +156,14 @@ impl Received {
     fn differences(&self, values: &[[u8; 2]]) -> Vec<String> {
         let (codes, scales) = self.expected(values);
         let mut out = Vec::new();
-        for (what, got, want) in [("codes", self.codes.bytes(), &codes), ("scales", self.scales.bytes(), &scales)] {
+        for (what, got, want) in
+            [("codes", self.codes.bytes(), &codes), ("scales", self.scales.bytes(), &scales)]
+        {
             if let Some(at) = got.iter().zip(want.iter()).position(|(a, b)| a != b) {
-                out.push(format!("{what} differ first at byte {at}: {:#04x} instead of {:#04x}", got[at], want[at]));
+                out.push(format!(
+                    "{what} differ first at byte {at}: {:#04x} instead of {:#04x}",
+                    got[at], want[at]
+                ));
             }
         }
         out
@@ -228,7 +235,13 @@ const BLOCK16: Granularity = Granularity::Block { rows: 16, cols: 16 };
 fn quantizations() -> Vec<Quantization> {
     let mut out = Vec::new();
     for target in [Fp8::E4m3fn, Fp8::E5m2] {
-        for granularity in [Granularity::Tensor, Granularity::Row, BLOCK16, Granularity::Block { rows: 128, cols: 128 }, Granularity::Mx] {
+        for granularity in [
+            Granularity::Tensor,
+            Granularity::Row,
+            BLOCK16,
+            Granularity::Block { rows: 128, cols: 128 },
+            Granularity::Mx,
+        ] {
             out.push(Quantization { target, granularity });
         }
     }
@@ -263,7 +276,10 @@ fn every_granularity_and_cut_matches_the_reference_direct_and_staged() {
                 let bytes = SHAPE.iter().product::<u64>() * 2;
                 assert_eq!(stats.quantized_needs, 1);
                 assert_eq!(stats.quantized_elements, bytes / 2);
-                assert_eq!((stats.quantized_direct_bytes, stats.quantized_staged_bytes), if direct { (bytes, 0) } else { (0, bytes) });
+                assert_eq!(
+                    (stats.quantized_direct_bytes, stats.quantized_staged_bytes),
+                    if direct { (bytes, 0) } else { (0, bytes) }
+                );
                 if direct {
                     // Each device quantizes its own shard, in place.
                     let runners: Vec<Endpoint> = plan.quant_routes().iter().map(|r| r.runner).collect();
@@ -307,8 +323,14 @@ fn a_staged_run_writes_nothing_live_before_the_commit() {
         let mut executor = Executor::new(&group, &plan, 0, options).unwrap();
         // SAFETY: the plan's buffers are alive.
         unsafe { executor.run(&group) }.unwrap();
-        assert!(received.codes.bytes().iter().all(|&b| b == SENTINEL), "cut {dim}@{at}: codes written by the run");
-        assert!(received.scales.bytes().iter().all(|&b| b == SENTINEL), "cut {dim}@{at}: scales written by the run");
+        assert!(
+            received.codes.bytes().iter().all(|&b| b == SENTINEL),
+            "cut {dim}@{at}: codes written by the run"
+        );
+        assert!(
+            received.scales.bytes().iter().all(|&b| b == SENTINEL),
+            "cut {dim}@{at}: scales written by the run"
+        );
         // SAFETY: as above.
         unsafe { executor.commit(&group) }.unwrap();
         assert!(received.differences(&values).is_empty(), "cut {dim}@{at}");
@@ -393,7 +415,11 @@ fn overlapping_codes_and_bad_memory_are_refused_at_creation_and_rebinds_of_quant
     let mut t = table(&shards, &[(&a, DEV0)]);
     t.quant_needs[0].addr = 64;
     let plan = build(&t).unwrap();
-    fails(Executor::new(&group(), &plan, 0, ExecOptions::default()), Status::InvalidArgument, &["'w'", "codes"]);
+    fails(
+        Executor::new(&group(), &plan, 0, ExecOptions::default()),
+        Status::InvalidArgument,
+        &["'w'", "codes"],
+    );
     // A rebind of the codes would leave the jobs writing the old place: refused, nothing changed.
     let plan = build(&table(&shards, &[(&a, DEV0)])).unwrap();
     let group = group();

@@ -49,6 +49,7 @@ use crate::transport::comm::Communicator;
 use crate::transport::{Backend, Event, Stream};
 use batch::Batch;
 use flows::RankFlow;
+use quantize::{Quantizing, When};
 use rebind::{AddressBook, Registrar, Target};
 use remote::Remote;
 use staging::{staged_pair, Layout, Packer, Placement};
@@ -56,7 +57,6 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 use timing::Mark;
-use quantize::{Quantizing, When};
 use verify::CopyCheck;
 
 /// The stages that are stamped on the device.
@@ -508,7 +508,7 @@ impl Executor {
             if self.options.single_slice && packer.slices() > 1 {
                 let aligned = place_staging(flows, rank, u64::MAX, Layout::Aligned).0.size;
                 return Err(Error::invalid_argument(format!(
-                    "options.single_slice: the step into device {device} needs {} slices of staging_limit                      {limit} bytes ({payload} bytes of payload, {aligned} staged with alignment); raise                      staging_limit to at least {payload}, or set it to 0",
+                    "options.single_slice: the step into device {device} needs {} slices of staging_limit {limit} bytes ({payload} bytes of payload, {aligned} staged with alignment); raise staging_limit to at least {payload}, or set it to 0",
                     packer.slices()
                 )));
             }
@@ -1060,13 +1060,19 @@ impl Executor {
             // other rank: it waits for the run's ranks first (the run left its join pending).
             let joined = if self.quantizing.has(When::Run) { group.join_if_pending() } else { Ok(()) };
             let mut queued = joined.and_then(|()| {
-                if self.slices.is_empty() { Ok(()) } else { self.queue_installs(group, last, &mut log) }
+                if self.slices.is_empty() {
+                    Ok(())
+                } else {
+                    self.queue_installs(group, last, &mut log)
+                }
             });
             if queued.is_ok() && self.quantizing.has(When::Commit) {
                 // The needs' staging buffers are filled once every install has run, on every rank.
                 group.mark_pending_join();
                 // SAFETY: as for the installs.
-                queued = group.join_if_pending().and_then(|()| unsafe { self.quantizing.queue(group, When::Commit) });
+                queued = group
+                    .join_if_pending()
+                    .and_then(|()| unsafe { self.quantizing.queue(group, When::Commit) });
                 group.mark_pending_join();
             }
             let done = self.record_done(group);

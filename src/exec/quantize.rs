@@ -16,7 +16,6 @@ use crate::segment::Segment;
 use crate::transport::access::first_unusable;
 use crate::transport::{Backend, Stream};
 
-
 /// When a group of jobs runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum When {
@@ -57,7 +56,8 @@ impl Quantizing {
             return Ok(out);
         }
         let all: Vec<QuantJob> = routes.iter().flat_map(|r| r.jobs.iter().copied()).collect();
-        check_jobs(&all).map_err(|e| Error::new(e.status, format!("the plan's quantized needs: {}", e.message)))?;
+        check_jobs(&all)
+            .map_err(|e| Error::new(e.status, format!("the plan's quantized needs: {}", e.message)))?;
         for route in &routes {
             let runner = rank_of(group, route.runner)?;
             let receiver = rank_of(group, route.receiver)?;
@@ -107,12 +107,12 @@ impl Quantizing {
             places.push((codes, pitch, scales, grid_cols));
         }
         let device = group.device(receiver)?;
-        let bytes = usize::try_from(size + 16)
-            .map_err(|_| Error::new(Status::OutOfMemory, "quantization staging larger than the address space"))?;
-        let allocation = group
-            .backend()
-            .alloc(device, bytes)
-            .map_err(|e| e.context(format!("allocating {bytes} bytes of quantization staging on device {device}")))?;
+        let bytes = usize::try_from(size + 16).map_err(|_| {
+            Error::new(Status::OutOfMemory, "quantization staging larger than the address space")
+        })?;
+        let allocation = group.backend().alloc(device, bytes).map_err(|e| {
+            e.context(format!("allocating {bytes} bytes of quantization staging on device {device}"))
+        })?;
         self.staging.push((device, allocation));
         let base = allocation.next_multiple_of(16);
         let mut staged = Vec::with_capacity(jobs.len());
@@ -120,7 +120,13 @@ impl Quantizing {
         for (job, (codes, pitch, scales, grid_cols)) in jobs.iter().zip(places) {
             let scale_size = job.quantization.scale_kind().size();
             let (grid_rows, _) = job.quantization.scale_grid(job.rows, job.cols);
-            let into = QuantJob { dst: base + codes, dst_stride: pitch, scales: base + scales, scale_stride: grid_cols, ..*job };
+            let into = QuantJob {
+                dst: base + codes,
+                dst_stride: pitch,
+                scales: base + scales,
+                scale_stride: grid_cols,
+                ..*job
+            };
             installs.push(Segment {
                 src: into.dst,
                 dst: job.dst,

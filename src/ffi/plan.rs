@@ -694,7 +694,10 @@ pub unsafe extern "C" fn refit_table_add_quantized_need(
             ))
         })?;
         if q.reserved != 0 {
-            return Err(Error::invalid_argument(format!("quantization->reserved is {}; it must be 0", q.reserved)));
+            return Err(Error::invalid_argument(format!(
+                "quantization->reserved is {}; it must be 0",
+                q.reserved
+            )));
         }
         table.write()?.add_quant_need(plan::QuantNeed {
             tensor,

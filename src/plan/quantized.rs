@@ -141,7 +141,9 @@ impl QuantNeed {
     /// codes, scales and staging.
     fn geometry(&self, spec: &TensorSpec) -> Result<Geometry> {
         let name = &spec.name;
-        let invalid = |message: String| Error::invalid_argument(format!("quantized need of tensor '{name}': {message}"));
+        let invalid = |message: String| {
+            Error::invalid_argument(format!("quantized need of tensor '{name}': {message}"))
+        };
         let need = Need {
             tensor: self.tensor,
             receiver: self.receiver,
@@ -164,7 +166,10 @@ impl QuantNeed {
         }
         let g = Geometry { n, lo: resolved.lo, ext: resolved.ext, strides: resolved.strides, elem };
         if n >= 1 && g.ext[n - 1] > 1 && g.strides[n - 1] != 1 {
-            return Err(invalid(format!("the last destination stride is {}; codes of a row must be contiguous (1)", g.strides[n - 1])));
+            return Err(invalid(format!(
+                "the last destination stride is {}; codes of a row must be contiguous (1)",
+                g.strides[n - 1]
+            )));
         }
         let (rows, cols) = g.rows_cols();
         let probe = QuantJob {
@@ -191,7 +196,8 @@ impl QuantNeed {
                 self.scale_row_stride
             )));
         }
-        let grid_span = (grid_rows - 1).checked_mul(self.scale_row_stride).and_then(|s| s.checked_add(grid_cols));
+        let grid_span =
+            (grid_rows - 1).checked_mul(self.scale_row_stride).and_then(|s| s.checked_add(grid_cols));
         let matrices = g.matrices();
         if matrices > 1 && grid_span.is_none_or(|span| self.scale_matrix_stride < span) {
             return Err(invalid(format!(
@@ -206,7 +212,10 @@ impl QuantNeed {
             .and_then(|s| s.checked_mul(scale_size))
             .and_then(|s| self.scales.checked_add(s));
         if self.scales == 0 || scales_end.is_none() {
-            return Err(invalid(format!("scales at {:#x} are 0 or run past the end of the address space", self.scales)));
+            return Err(invalid(format!(
+                "scales at {:#x} are 0 or run past the end of the address space",
+                self.scales
+            )));
         }
         if self.staging != 0 {
             let row_bytes = cols * elem;
@@ -220,7 +229,10 @@ impl QuantNeed {
             }
             let span = byte_span(n, &g.ext, &row_major(n, &g.ext), elem);
             if span.and_then(|s| self.staging.checked_add(s)).is_none() {
-                return Err(invalid(format!("staging at {:#x} runs past the end of the address space", self.staging)));
+                return Err(invalid(format!(
+                    "staging at {:#x} runs past the end of the address space",
+                    self.staging
+                )));
             }
         }
         Ok(g)
@@ -287,7 +299,14 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
         }
     }
     // Tables in any order plan alike.
-    needs.sort_by(|a, b| (a.1.receiver, &a.0.name, &a.1.region, a.1.addr).cmp(&(b.1.receiver, &b.0.name, &b.1.region, b.1.addr)));
+    needs.sort_by(|a, b| {
+        (a.1.receiver, &a.0.name, &a.1.region, a.1.addr).cmp(&(
+            b.1.receiver,
+            &b.0.name,
+            &b.1.region,
+            b.1.addr,
+        ))
+    });
     for (number, (spec, q)) in needs.into_iter().enumerate() {
         let g = q.geometry(spec)?;
         hash_need(&mut digest, spec, q);
@@ -343,7 +362,15 @@ fn hash_need(h: &mut Fnv1a, spec: &TensorSpec, q: &QuantNeed) {
         Granularity::Block { rows, cols } => (3, rows, cols),
         Granularity::Mx => (4, 0, 0),
     };
-    for v in [q.receiver.process, q.receiver.device, q.quantization.target as u32, granularity, block_rows, block_cols, q.source as u32] {
+    for v in [
+        q.receiver.process,
+        q.receiver.device,
+        q.quantization.target as u32,
+        granularity,
+        block_rows,
+        block_cols,
+        q.source as u32,
+    ] {
         h.u64(v.into());
     }
     for v in [q.addr, q.scales, q.scale_row_stride, q.scale_matrix_stride, q.staging] {
@@ -398,7 +425,10 @@ fn direct_pieces(q: &QuantNeed, g: &Geometry, offers: &[Source]) -> std::result:
         return Err("no offer of it is in the receiver's process".into());
     }
     if chosen.len() > MAX_DIRECT_PIECES {
-        return Err(format!("{} distinct offers meet it (at most {MAX_DIRECT_PIECES} are tried)", chosen.len()));
+        return Err(format!(
+            "{} distinct offers meet it (at most {MAX_DIRECT_PIECES} are tried)",
+            chosen.len()
+        ));
     }
     let pieces: Vec<Source> = chosen
         .into_values()
@@ -411,7 +441,10 @@ fn direct_pieces(q: &QuantNeed, g: &Geometry, offers: &[Source]) -> std::result:
     }
     let covered: u64 = pieces.iter().map(|p| p.bx.volume(n)).sum();
     if covered != whole.volume(n) {
-        return Err(format!("offers in the receiver's process hold {covered} of its {} elements", whole.volume(n)));
+        return Err(format!(
+            "offers in the receiver's process hold {covered} of its {} elements",
+            whole.volume(n)
+        ));
     }
     let (rows, cols) = g.rows_cols();
     let (block_rows, block_cols) = q.quantization.block_shape(rows, cols);
@@ -436,18 +469,33 @@ fn direct_pieces(q: &QuantNeed, g: &Geometry, offers: &[Source]) -> std::result:
 }
 
 /// The direct path's jobs, one route per source device.
-fn direct_routes(spec: &TensorSpec, q: &QuantNeed, g: &Geometry, pieces: &[Source], budget: &mut u64) -> Result<Vec<QuantRoute>> {
+fn direct_routes(
+    spec: &TensorSpec,
+    q: &QuantNeed,
+    g: &Geometry,
+    pieces: &[Source],
+    budget: &mut u64,
+) -> Result<Vec<QuantRoute>> {
     let mut by_runner: BTreeMap<Endpoint, Vec<QuantJob>> = BTreeMap::new();
     for p in pieces {
         let jobs = by_runner.entry(p.owner).or_default();
         let (row_dim, _) = g.matrix_dims();
-        matrix_jobs(q, g, &p.bx, budget, jobs, |at| (offer_address(p, g, at), row_dim.map_or(0, |d| p.strides[d])))?;
+        matrix_jobs(q, g, &p.bx, budget, jobs, |at| {
+            (offer_address(p, g, at), row_dim.map_or(0, |d| p.strides[d]))
+        })?;
     }
     by_runner
         .into_iter()
         .map(|(runner, jobs)| {
             check(spec, &jobs, "its sources in place")?;
-            Ok(QuantRoute { need: 0, tensor: spec.name.clone(), receiver: q.receiver, runner, path: QuantPath::Direct, jobs })
+            Ok(QuantRoute {
+                need: 0,
+                tensor: spec.name.clone(),
+                receiver: q.receiver,
+                runner,
+                path: QuantPath::Direct,
+                jobs,
+            })
         })
         .collect()
 }
@@ -474,13 +522,23 @@ fn staged_route(spec: &TensorSpec, q: &QuantNeed, g: &Geometry, budget: &mut u64
         (q.staging + elements * g.elem, row_dim.map_or(0, |d| strides[d]))
     })?;
     check(spec, &jobs, "its staging")?;
-    Ok(QuantRoute { need: 0, tensor: spec.name.clone(), receiver: q.receiver, runner: q.receiver, path: QuantPath::Staged, jobs })
+    Ok(QuantRoute {
+        need: 0,
+        tensor: spec.name.clone(),
+        receiver: q.receiver,
+        runner: q.receiver,
+        path: QuantPath::Staged,
+        jobs,
+    })
 }
 
 /// Checks the jobs of one route, naming the tensor and the path.
 fn check(spec: &TensorSpec, jobs: &[QuantJob], path: &str) -> Result<()> {
     crate::quant::check_jobs(jobs).map_err(|e| {
-        Error::new(e.status, format!("quantized need of tensor '{}', quantized from {path}: {}", spec.name, e.message))
+        Error::new(
+            e.status,
+            format!("quantized need of tensor '{}', quantized from {path}: {}", spec.name, e.message),
+        )
     })
 }
 
@@ -504,7 +562,8 @@ fn matrix_jobs(
     *budget = budget.checked_sub(count).ok_or_else(|| {
         Error::unsupported("quantized needs make more quantization jobs than the planner's segment limit")
     })?;
-    jobs.try_reserve(count as usize).map_err(|_| Error::new(Status::OutOfMemory, "no memory for the quantization jobs"))?;
+    jobs.try_reserve(count as usize)
+        .map_err(|_| Error::new(Status::OutOfMemory, "no memory for the quantization jobs"))?;
     let mut index = vec![0u64; leading];
     for _ in 0..count {
         let mut at = bx.lo;
@@ -548,7 +607,12 @@ fn matrix_jobs(
 
 /// Adds the quantized routes' counts to their receivers' (an entry made for a receiver that has
 /// none, from `shared`: the inputs every receiver's counts carry) and to the plan's `total`.
-pub(crate) fn tally(routes: &[QuantRoute], total: &mut PlanStats, receivers: &mut Vec<(Endpoint, PlanStats)>, shared: &PlanStats) {
+pub(crate) fn tally(
+    routes: &[QuantRoute],
+    total: &mut PlanStats,
+    receivers: &mut Vec<(Endpoint, PlanStats)>,
+    shared: &PlanStats,
+) {
     let mut last_need = None;
     for route in routes {
         let at = match receivers.binary_search_by_key(&route.receiver, |(e, _)| *e) {

@@ -2,8 +2,8 @@
 
 use super::destinations::Destinations;
 use super::digest::Fnv1a;
-use super::stats::PlanStats;
 use super::quantized::QuantRoute;
+use super::stats::PlanStats;
 use super::table::Endpoint;
 use crate::segment::Segment;
 

@@ -23,9 +23,9 @@
 use super::digest::fnv1a;
 use super::quantized::QuantNeed;
 use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
-use crate::quant::{Quantization, SourceType};
 use crate::bail;
 use crate::error::{Error, Result, Status};
+use crate::quant::{Quantization, SourceType};
 
 const MAGIC: &[u8; 4] = b"RFTB";
 /// The format version this library writes and reads.
@@ -195,9 +195,11 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
             let addr = r.varint()?;
             let region = r.region()?;
             let strides = r.list()?;
-            let codes = [r.u32("target")?, r.u32("granularity")?, r.u32("block rows")?, r.u32("block columns")?];
-            let quantization = Quantization::from_codes(codes)
-                .ok_or_else(|| Error::new(Status::DecodeError, format!("no quantization has the numbers {codes:?}")))?;
+            let codes =
+                [r.u32("target")?, r.u32("granularity")?, r.u32("block rows")?, r.u32("block columns")?];
+            let quantization = Quantization::from_codes(codes).ok_or_else(|| {
+                Error::new(Status::DecodeError, format!("no quantization has the numbers {codes:?}"))
+            })?;
             let code = r.u32("source type")?;
             let source = SourceType::from_code(code)
                 .ok_or_else(|| Error::new(Status::DecodeError, format!("source type {code} is unknown")))?;
