@@ -1985,11 +1985,12 @@ refit_status refit_plan_route(const refit_plan *plan,
  * - staged: otherwise (a block spans offers, sources in another process). The elements are routed
  *   into `staging` like any need, then quantized there by the receiving device. Planning fails with
  *   UNSUPPORTED, naming the tensor and why, when the need has no staging.
+ *
  * An executor runs the quantization after the step's copies (direct commit: within the run). Under
  * staged commit nothing live is written before the commit: in-place codes and scales are
  * quantized into staging at the run and installed at the commit; staged needs are quantized at the
  * commit, from their staging once the commit has filled it. refit_run_stats.quantized_elements
- * counts what each call quantized. Verify (REFIT_EXECUTOR_VERIFY) checks the bytes copied, not the
+ * counts what each call quantized. refit_executor_options.verify checks the bytes copied, not the
  * codes. An executor with quantized needs does not follow rebinds of their memory.
  *
  * Changes the table (see refit_table for threads). Errors: NULL_ARGUMENT (table, strides,

@@ -5,7 +5,6 @@
 //! checked against one quantization of each matrix.
 
 #[path = "common/quant_cases.rs"]
-#[allow(dead_code)]
 mod quant_cases;
 
 use quant_cases::{Aligned, Rng};

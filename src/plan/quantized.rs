@@ -502,10 +502,7 @@ fn direct_routes(
 
 /// Address of element `at` (inside the offer's box) in the offer piece `p` was cut from.
 fn offer_address(p: &Source, g: &Geometry, at: &Dims) -> u64 {
-    let mut elements = 0u64;
-    for d in 0..g.n {
-        elements += (at[d] - p.corner[d]) * p.strides[d];
-    }
+    let elements: u64 = (0..g.n).map(|d| (at[d] - p.corner[d]) * p.strides[d]).sum();
     p.addr + elements * g.elem
 }
 
@@ -571,12 +568,8 @@ fn matrix_jobs(
             at[d] = bx.lo[d] + index[d];
         }
         // Matrix number within the need, row-major over its leading dimensions.
-        let mut m = 0u64;
-        let mut codes = 0u64;
-        for d in 0..leading {
-            m = m * g.ext[d] + (at[d] - g.lo[d]);
-            codes += (at[d] - g.lo[d]) * g.strides[d];
-        }
+        let m = (0..leading).fold(0u64, |m, d| m * g.ext[d] + (at[d] - g.lo[d]));
+        let mut codes: u64 = (0..leading).map(|d| (at[d] - g.lo[d]) * g.strides[d]).sum();
         let (r0, c0) = (row_dim.map_or(0, |d| at[d] - g.lo[d]), col_dim.map_or(0, |d| at[d] - g.lo[d]));
         codes += row_dim.map_or(0, |d| r0 * g.strides[d]) + c0;
         let scale = m * q.scale_matrix_stride + (r0 / block_rows) * q.scale_row_stride + c0 / block_cols;
