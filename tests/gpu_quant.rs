@@ -335,7 +335,12 @@ fn quantized_needs_through_an_executor_match_the_reference() {
         ),
     ];
     for (name, q, dim, at, path) in cases {
-        for commit in [CommitMode::Direct, CommitMode::Staged] {
+        for (commit, verify) in [
+            (CommitMode::Direct, false),
+            (CommitMode::Staged, false),
+            (CommitMode::Direct, true),
+            (CommitMode::Staged, true),
+        ] {
             let (mut lo2, mut ext1, mut ext2) = ([0u64; 3], SHAPE, SHAPE);
             ext1[dim] = at;
             lo2[dim] = at;
@@ -387,18 +392,20 @@ fn quantized_needs_through_an_executor_match_the_reference() {
             };
             let plan = ok("plan", plan::build(&[table], &PlanOptions::default()));
             assert!(plan.quant_routes().iter().all(|r| r.path == path), "{name}");
-            let options = ExecOptions { commit, ..ExecOptions::default() };
+            let options = ExecOptions { commit, verify, ..ExecOptions::default() };
             let mut executor = ok("executor", Executor::new(&group, &plan, 0, options));
             // SAFETY: every address of the plan is a buffer above, alive until the checks below; the
             // calls complete on return (no scope is open).
-            ok("run", unsafe { executor.run(&group) });
+            let ran = ok("run", unsafe { executor.run(&group) });
+            assert_eq!(ran.verified, verify, "{name} {commit:?}");
             if commit == CommitMode::Staged {
                 assert!(
                     codes.download().iter().all(|&b| b == SENTINEL),
                     "{name}: a staged run wrote live codes"
                 );
                 // SAFETY: as above.
-                ok("commit", unsafe { executor.commit(&group) });
+                let committed = ok("commit", unsafe { executor.commit(&group) });
+                assert_eq!(committed.verified, verify, "{name} {commit:?}");
             }
             // The reference: each whole matrix quantized by the host backend.
             let whole = Aligned::new(count * 2, 0);

@@ -453,3 +453,67 @@ fn tables_with_quantized_needs_survive_the_wire_and_plan_alike() {
     let plain = Table { quant_needs: vec![], ..t };
     assert_eq!(wire::encode(&plain)[4], wire::VERSION);
 }
+
+/// A hook that flips a byte at `address` on the stream of the rank running the quantization, after
+/// the jobs and before their verify.
+fn corrupting(address: u64, rank: usize) -> refit::exec::Hook {
+    std::sync::Arc::new(move |stage, group: &Group| {
+        if stage == refit::exec::Stage::QuantVerify {
+            let stream = refit::transport::host::host_stream(group.stream(rank)?)?;
+            // SAFETY: the address is a byte of the test's memory, alive for the whole test.
+            stream.enqueue(move || unsafe { *(address as usize as *mut u8) ^= 0x01 })?;
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn verify_checks_codes_and_scales_against_a_second_quantization() {
+    let values = tensor_values(18);
+    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let code_bytes = SHAPE.iter().product::<u64>();
+    let scale_bytes = SHAPE[0] * 3 * 3 * 4;
+    for (dim, at) in [(1, 32), (1, 20)] {
+        for commit in [CommitMode::Direct, CommitMode::Staged] {
+            let shards = halves(&values, dim, at);
+            let received = Received::new([0; 3], SHAPE, q, true);
+            let plan = build(&table(&shards, &[(&received, DEV0)])).unwrap();
+            let group = group();
+            let options = ExecOptions { commit, verify: true, ..ExecOptions::default() };
+            let mut executor = Executor::new(&group, &plan, 0, options).unwrap();
+            // SAFETY: the plan's buffers are alive.
+            let ran = unsafe { executor.run(&group) }.unwrap();
+            let mut verified = ran.verified_bytes;
+            if commit == CommitMode::Staged {
+                // SAFETY: as above.
+                let committed = unsafe { executor.commit(&group) }.unwrap();
+                assert!(committed.verified);
+                verified += committed.verified_bytes;
+            }
+            // Every code and scale was checked (a staged path's bf16 copies into staging are verified
+            // as well, as any copy).
+            assert!(ran.verified, "{commit:?} cut {at}");
+            assert!(verified >= code_bytes + scale_bytes, "{commit:?} cut {at}: {verified}");
+            assert!(received.differences(&values).is_empty());
+
+            // A code flipped after its quantization is caught, naming the tensor; nothing is committed.
+            let runner = if dim == 1 && at == 32 { 1 } else { 0 };
+            // Direct path: device 1 quantizes rows 32.. into row 32 of the codes; staged: device 0 all.
+            let flipped = received.codes.addr() + 32 * received.pitch + 5;
+            let target = if commit == CommitMode::Staged && runner == 1 { None } else { Some(flipped) };
+            let Some(address) = target else { continue };
+            let options = ExecOptions {
+                commit,
+                verify: true,
+                hook: Some(corrupting(address, runner)),
+                ..ExecOptions::default()
+            };
+            let mut corrupted = Executor::new(&group, &plan, 0, options).unwrap();
+            // SAFETY: as above.
+            let outcome = unsafe { corrupted.run(&group) }.and_then(|_| unsafe { corrupted.commit(&group) });
+            let err = outcome.unwrap_err();
+            assert_eq!(err.status, refit::Status::VerifyMismatch, "{commit:?} cut {at}: {}", err.message);
+            assert!(err.message.contains("'w'") && err.message.contains("codes"), "{}", err.message);
+        }
+    }
+}

@@ -163,6 +163,8 @@ impl RankEvents {
 struct CallLog {
     recorded: Vec<Slot>,
     wait_ns: u64,
+    /// Bytes of codes and scales the call's verify found equal to a second quantization.
+    quant_verified: u64,
 }
 
 impl CallLog {
@@ -442,7 +444,8 @@ impl Executor {
             let last = lists.last_mut().expect("one slice at least");
             last.installs.entry(rank).or_default().extend_from_slice(installs);
         }
-        let mut quantizing = Quantizing::new(group, plan, process, options.commit == CommitMode::Staged)?;
+        let staged = options.commit == CommitMode::Staged;
+        let mut quantizing = Quantizing::new(group, plan, process, staged, options.verify)?;
         // Freed with the executor's other staging.
         executor.staging.append(&mut quantizing.staging);
         for (rank, installs) in std::mem::take(&mut quantizing.installs) {
@@ -797,6 +800,7 @@ impl Executor {
         // What this call read the checks of: every slice, but the last when it left it to the commit.
         let read = if checked { self.slices.len() } else { last };
         stats.verified_bytes = if self.options.verify { self.verified_bytes(0..read) } else { 0 };
+        stats.verified_bytes += log.quant_verified;
         stats.installed_bytes =
             if staged { self.installed_bytes(0..last) } else { self.totals.bytes.iter().sum() };
         if let Some(remote) = &self.remote {
@@ -850,8 +854,12 @@ impl Executor {
             // Every copy of the step has landed, on every rank, before anything is quantized.
             group.mark_pending_join();
             group.join_if_pending()?;
+            let hook = || self.options.call_hook(Stage::QuantVerify, group);
             // SAFETY: the caller's promise on the plan's memory; the quantization staging is ours.
-            unsafe { self.quantizing.queue(group, When::Run) }?;
+            unsafe { self.quantizing.queue(group, When::Run, hook) }?;
+            if self.options.verify {
+                log.quant_verified += log.waiting(|| self.quantizing.read_checks(group, When::Run))?;
+            }
         }
         group.mark_pending_join();
         Ok(())
@@ -1069,10 +1077,18 @@ impl Executor {
             if queued.is_ok() && self.quantizing.has(When::Commit) {
                 // The needs' staging buffers are filled once every install has run, on every rank.
                 group.mark_pending_join();
+                let hook = || self.options.call_hook(Stage::QuantVerify, group);
                 // SAFETY: as for the installs.
                 queued = group
                     .join_if_pending()
-                    .and_then(|()| unsafe { self.quantizing.queue(group, When::Commit) });
+                    .and_then(|()| unsafe { self.quantizing.queue(group, When::Commit, hook) });
+                if self.options.verify {
+                    queued = queued.and_then(|()| {
+                        log.quant_verified +=
+                            log.waiting(|| self.quantizing.read_checks(group, When::Commit))?;
+                        Ok(())
+                    });
+                }
                 group.mark_pending_join();
             }
             let done = self.record_done(group);
@@ -1086,8 +1102,11 @@ impl Executor {
         }
         self.state = State::Idle;
         // A commit reports on the bytes it installs: the last slice's, checked by the run or above.
+        // Codes and scales quantized into staging were checked by the run, and are installed now.
         let verified_bytes =
-            if self.options.verify { self.verified_bytes(last..self.slices.len()) } else { 0 };
+            if self.options.verify { self.verified_bytes(last..self.slices.len()) } else { 0 }
+                + log.quant_verified
+                + self.quantizing.checked_bytes(When::Run);
         let stats = RunStats {
             descriptors_reused: true,
             verified: verified_bytes > 0,

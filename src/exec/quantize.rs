@@ -14,6 +14,7 @@ use crate::plan::{Plan, QuantPath};
 use crate::quant::{check_jobs, QuantJob};
 use crate::segment::Segment;
 use crate::transport::access::first_unusable;
+use crate::transport::verify::PreparedVerify;
 use crate::transport::{Backend, Stream};
 
 /// When a group of jobs runs.
@@ -26,15 +27,27 @@ pub(super) enum When {
 }
 
 /// The jobs one rank runs at one point of the step.
-#[derive(Debug)]
 pub(super) struct RankJobs {
     pub rank: usize,
     pub when: When,
     pub jobs: Vec<QuantJob>,
+    /// The tensor and receiving device of each job, for messages.
+    labels: Vec<(String, u32)>,
+    /// With verify: the same jobs into scratch, compared with what the jobs wrote.
+    check: Option<Check>,
+}
+
+/// The verify of one rank's jobs: each job quantized again into scratch of the rank's device, then
+/// its codes and scales compared on the device with that second quantization of the same sources.
+struct Check {
+    jobs: Vec<QuantJob>,
+    /// Segment 2j (codes) and 2j + 1 (scales) of job j: from the scratch to what the job wrote.
+    compare: PreparedVerify,
+    bytes: u64,
 }
 
 /// Everything the executor quantizes.
-#[derive(Debug, Default)]
+#[derive(Default)]
 pub(super) struct Quantizing {
     pub ranks: Vec<RankJobs>,
     /// Install segments per receiving rank: quantization staging into the live codes and scales.
@@ -49,7 +62,7 @@ impl Quantizing {
     /// The jobs of `process`'s receivers in `plan`, checked (the jobs of all needs together write no
     /// byte twice; every byte they touch is memory of the device that runs them, or of a device it
     /// reaches directly) and, under staged commit, given their staging.
-    pub fn new(group: &Group, plan: &Plan, process: u32, staged: bool) -> Result<Quantizing> {
+    pub fn new(group: &Group, plan: &Plan, process: u32, staged: bool, verify: bool) -> Result<Quantizing> {
         let mut out = Quantizing::default();
         let routes: Vec<_> = plan.quant_routes().iter().filter(|r| r.receiver.process == process).collect();
         if routes.is_empty() {
@@ -81,20 +94,45 @@ impl Quantizing {
             let (when, jobs) = match (staged, route.path) {
                 (false, _) => (When::Run, route.jobs.clone()),
                 (true, QuantPath::Staged) => (When::Commit, route.jobs.clone()),
-                (true, QuantPath::Direct) => (When::Run, out.stage(group, receiver, &route.jobs)?),
+                (true, QuantPath::Direct) => {
+                    let (into, installs) = out.packed(group, receiver, &route.jobs)?;
+                    match out.installs.iter_mut().find(|(rank, _)| *rank == receiver) {
+                        Some((_, list)) => list.extend(installs),
+                        None => out.installs.push((receiver, installs)),
+                    }
+                    (When::Run, into)
+                }
             };
+            let labels = vec![(route.tensor.clone(), route.receiver.device); jobs.len()];
             match out.ranks.iter_mut().find(|r| r.rank == runner && r.when == when) {
-                Some(existing) => existing.jobs.extend(jobs),
-                None => out.ranks.push(RankJobs { rank: runner, when, jobs }),
+                Some(existing) => {
+                    existing.jobs.extend(jobs);
+                    existing.labels.extend(labels);
+                }
+                None => out.ranks.push(RankJobs { rank: runner, when, jobs, labels, check: None }),
+            }
+        }
+        if verify {
+            for i in 0..out.ranks.len() {
+                let rank = out.ranks[i].rank;
+                let (jobs, segments) = out.packed(group, rank, &out.ranks[i].jobs.clone())?;
+                let bytes = segments.iter().filter_map(Segment::bytes).sum();
+                let compare = PreparedVerify::new(group.backend().as_ref(), group.device(rank)?, &segments)?;
+                out.ranks[i].check = Some(Check { jobs, compare, bytes });
             }
         }
         Ok(out)
     }
 
-    /// Points `jobs` at quantization staging allocated on `receiver`'s device, and adds the installs
-    /// from there into the places they name.
-    fn stage(&mut self, group: &Group, receiver: usize, jobs: &[QuantJob]) -> Result<Vec<QuantJob>> {
-        // Packed: code rows 16-byte aligned, then each scale grid, each start 16-byte aligned.
+    /// `jobs` pointed at packed buffers allocated on `rank`'s device (codes rows 16-byte aligned, then
+    /// each scale grid, every start 16-byte aligned), and the segments from there into the places the
+    /// jobs name (the staged commit's installs; the verify's comparisons).
+    fn packed(
+        &mut self,
+        group: &Group,
+        rank: usize,
+        jobs: &[QuantJob],
+    ) -> Result<(Vec<QuantJob>, Vec<Segment>)> {
         let mut size = 0u64;
         let mut places = Vec::with_capacity(jobs.len());
         for job in jobs {
@@ -106,7 +144,7 @@ impl Quantizing {
             size += (grid_rows * grid_cols * job.quantization.scale_kind().size()).next_multiple_of(16);
             places.push((codes, pitch, scales, grid_cols));
         }
-        let device = group.device(receiver)?;
+        let device = group.device(rank)?;
         let bytes = usize::try_from(size + 16).map_err(|_| {
             Error::new(Status::OutOfMemory, "quantization staging larger than the address space")
         })?;
@@ -115,8 +153,8 @@ impl Quantizing {
         })?;
         self.staging.push((device, allocation));
         let base = allocation.next_multiple_of(16);
-        let mut staged = Vec::with_capacity(jobs.len());
-        let mut installs = Vec::with_capacity(2 * jobs.len());
+        let mut packed = Vec::with_capacity(jobs.len());
+        let mut segments = Vec::with_capacity(2 * jobs.len());
         for (job, (codes, pitch, scales, grid_cols)) in jobs.iter().zip(places) {
             let scale_size = job.quantization.scale_kind().size();
             let (grid_rows, _) = job.quantization.scale_grid(job.rows, job.cols);
@@ -127,7 +165,7 @@ impl Quantizing {
                 scale_stride: grid_cols,
                 ..*job
             };
-            installs.push(Segment {
+            segments.push(Segment {
                 src: into.dst,
                 dst: job.dst,
                 len: job.cols,
@@ -135,7 +173,7 @@ impl Quantizing {
                 src_stride: [pitch, 0],
                 dst_stride: [job.dst_stride, 0],
             });
-            installs.push(Segment {
+            segments.push(Segment {
                 src: into.scales,
                 dst: job.scales,
                 len: grid_cols * scale_size,
@@ -143,14 +181,9 @@ impl Quantizing {
                 src_stride: [grid_cols * scale_size, 0],
                 dst_stride: [job.scale_stride * scale_size, 0],
             });
-            staged.push(into);
+            packed.push(into);
         }
-        installs.retain(|s| s.len > 0 && s.count[0] > 0);
-        match self.installs.iter_mut().find(|(rank, _)| *rank == receiver) {
-            Some((_, list)) => list.extend(installs),
-            None => self.installs.push((receiver, installs)),
-        }
-        Ok(staged)
+        Ok((packed, segments))
     }
 
     /// The ranks whose streams run jobs.
@@ -182,14 +215,58 @@ impl Quantizing {
     ///
     /// # Safety
     /// The jobs' memory is live (the caller's promise on the plan's; the staging is ours).
-    pub unsafe fn queue(&self, group: &Group, when: When) -> Result<()> {
+    pub unsafe fn queue(&self, group: &Group, when: When, hook: impl Fn() -> Result<()>) -> Result<()> {
         for r in self.ranks.iter().filter(|r| r.when == when && !r.jobs.is_empty()) {
             let stream: Stream = group.stream(r.rank)?;
             let device = group.device(r.rank)?;
             // SAFETY: the caller's promise; every byte was checked to be the device's at creation.
             unsafe { group.backend().quantize_batch(device, stream, &r.jobs) }?;
         }
+        if self.ranks.iter().any(|r| r.when == when && r.check.is_some()) {
+            hook()?;
+        }
+        for r in self.ranks.iter().filter(|r| r.when == when) {
+            let Some(check) = &r.check else { continue };
+            let (stream, device) = (group.stream(r.rank)?, group.device(r.rank)?);
+            // SAFETY: as above; the scratch is ours.
+            unsafe { group.backend().quantize_batch(device, stream, &check.jobs) }?;
+            // SAFETY: the jobs' outputs and the scratch stay valid until the comparison has run.
+            unsafe { check.compare.launch(stream) }?;
+        }
         Ok(())
+    }
+
+    /// Bytes of codes and scales the verify of the jobs at `when` compares (0 without verify).
+    pub fn checked_bytes(&self, when: When) -> u64 {
+        self.ranks.iter().filter(|r| r.when == when).filter_map(|r| r.check.as_ref()).map(|c| c.bytes).sum()
+    }
+
+    /// With verify: waits for the comparisons queued at `when` and reads them. Returns the bytes
+    /// found equal to a second quantization of the same sources, or VerifyMismatch naming the tensor,
+    /// the job and whether its codes or its scales differ.
+    pub fn read_checks(&self, group: &Group, when: When) -> Result<u64> {
+        let mut bytes = 0;
+        for r in self.ranks.iter().filter(|r| r.when == when) {
+            let Some(check) = &r.check else { continue };
+            let (stream, device) = (group.stream(r.rank)?, group.device(r.rank)?);
+            group.backend().sync_stream(device, stream)?;
+            if let Some(segment) = check.compare.outcome()? {
+                let j = segment / 2;
+                let (tensor, receiver) = &r.labels[j];
+                let job = &r.jobs[j];
+                crate::bail!(
+                    Status::VerifyMismatch,
+                    "quantized need of tensor '{tensor}' on device {receiver}: the {} of its {} x {} matrix at {:#x} \
+                     differ from a second quantization of the same sources",
+                    if segment % 2 == 0 { "codes" } else { "scales" },
+                    job.rows,
+                    job.cols,
+                    job.dst
+                );
+            }
+            bytes += check.bytes;
+        }
+        Ok(bytes)
     }
 }
 

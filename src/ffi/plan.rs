@@ -643,8 +643,10 @@ pub struct refit_need_quantization {
 /// staged commit nothing live is written before the commit: in-place codes and scales are
 /// quantized into staging at the run and installed at the commit; staged needs are quantized at the
 /// commit, from their staging once the commit has filled it. refit_run_stats.quantized_elements
-/// counts what each call quantized. refit_executor_options.verify checks the bytes copied, not the
-/// codes. An executor with quantized needs does not follow rebinds of their memory.
+/// counts what each call quantized. With refit_executor_options.verify, each job is quantized a second
+/// time into scratch and its codes and scales compared with that on the device (VERIFY_MISMATCH
+/// names the tensor; refit_run_stats.verified_bytes counts them). refit_executor_rebind of a range
+/// that quantized needs read or write is UNSUPPORTED and changes nothing.
 ///
 /// Changes the table (see refit_table for threads). Errors: NULL_ARGUMENT (table, strides,
 /// quantization; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown tensor index, ndim above
