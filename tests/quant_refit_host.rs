@@ -517,3 +517,60 @@ fn verify_checks_codes_and_scales_against_a_second_quantization() {
         }
     }
 }
+
+#[test]
+fn hostile_quantized_needs_are_refused_not_a_panic() {
+    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let need = |shape: Vec<u64>, extent: Vec<u64>, strides: Vec<u64>| Table {
+        tensors: vec![TensorSpec { name: "h".into(), dtype: 0, elem_size: 2, shape: shape.clone() }],
+        offers: vec![Offer {
+            tensor: 0,
+            owner: DEV0,
+            addr: 1 << 40,
+            region: Region { offset: vec![0; shape.len()], extent: shape.clone() },
+            strides: None,
+            digest: None,
+        }],
+        needs: vec![],
+        quant_needs: vec![QuantNeed {
+            tensor: 0,
+            receiver: DEV0,
+            addr: 1 << 41,
+            region: Region { offset: vec![0; extent.len()], extent },
+            strides,
+            quantization: q,
+            source: SourceType::Bf16,
+            scales: 1 << 42,
+            scale_row_stride: u64::MAX / 2,
+            scale_matrix_stride: u64::MAX / 2,
+            staging: 0,
+        }],
+    };
+    let cases = [
+        // More dimensions than a box may have.
+        need(vec![1; 12], vec![1; 12], vec![1; 12]),
+        // A shape whose element count overflows.
+        need(vec![u64::MAX, u64::MAX, 16], vec![1, 16, 16], vec![256, 16, 1]),
+        // Scale strides whose grids run past the address space.
+        need(vec![4, 64, 64], vec![4, 64, 64], vec![4096, 64, 1]),
+        // A stride count that differs from the dimensions.
+        need(vec![64, 64], vec![64, 64], vec![64]),
+    ];
+    for table in cases {
+        let err = build(&table).unwrap_err();
+        assert!(
+            matches!(err.status, Status::InvalidArgument | Status::TensorMismatch | Status::Unsupported),
+            "{:?}: {}",
+            err.status,
+            err.message
+        );
+    }
+    // Millions of one-row matrices: bounded by the planner's segment limit, refused rather than held.
+    let mut many = need(vec![1 << 24, 1, 16], vec![1 << 24, 1, 16], vec![16, 16, 1]);
+    many.quant_needs[0].scale_row_stride = 1;
+    many.quant_needs[0].scale_matrix_stride = 1;
+    let limits = refit::plan::Limits { max_segments: 1 << 20, ..refit::plan::Limits::default() };
+    let err =
+        plan::build_with_limits(std::slice::from_ref(&many), &PlanOptions::default(), &limits).unwrap_err();
+    assert_eq!(err.status, Status::Unsupported, "{}", err.message);
+}

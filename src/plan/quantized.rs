@@ -134,6 +134,7 @@ impl Geometry {
 impl QuantNeed {
     /// Checks the need against its tensor (see [`TableBuilder::add_quant_need`]).
     pub(crate) fn check(&self, spec: &TensorSpec) -> Result<()> {
+        spec.validate()?;
         self.geometry(spec).map(|_| ())
     }
 
@@ -280,6 +281,11 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
     let mut planned = Planned::default();
     if tables.iter().all(|t| t.quant_needs.is_empty()) {
         return Ok(planned);
+    }
+    // Tables decoded from bytes are unchecked until merged, which comes after: every description is
+    // checked before its shape sizes anything here.
+    for table in tables {
+        table.tensors.iter().try_for_each(TensorSpec::validate)?;
     }
     let sources = sources_by_name(tables)?;
     let mut shadow = TableBuilder::new();
