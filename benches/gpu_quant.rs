@@ -160,6 +160,8 @@ fn main() {
         rows.push(Row { name, ms, bytes_per_element });
     }
 
+    let executor_rows = through_executor(&src, &dst, &scales, &stream);
+
     println!("\n1 GiB bf16 ({ROWS} x {COLS}) to e4m3; plain copy {copy_ms:.3} ms ({copy_rate:.0} GB/s moved); memory bound of a quantizing copy {bound_ms:.3} ms\n");
     println!(
         "| granularity | ms | B/element at least | GB/s moved | bound ms | bound / ours (target >= 0.8) |"
@@ -177,8 +179,33 @@ fn main() {
         );
     }
 
+    println!("\nThe same tensor as a quantized need (128 x 128 blocks) through a plan and an executor, host wall time per run (queued and waited for):\n");
+    println!("| path | ms | B/element at least | bound ms | bound / ours |");
+    println!("|---|---|---|---|---|");
+    for r in &executor_rows {
+        println!(
+            "| {} | {:.3} | {} | {:.3} | {:.2} |",
+            r.name,
+            r.ms,
+            r.bytes_per_element,
+            r.bound_ms(copy_ms),
+            r.bound_ms(copy_ms) / r.ms
+        );
+    }
+
     let dir = std::env::var("REFIT_BENCH_RESULTS").unwrap_or_else(|_| "benches/results".to_string());
     std::fs::create_dir_all(&dir).expect("results directory");
+    let row_json = |r: &Row| {
+        format!(
+            "    {{\"path\": \"{}\", \"ms\": {:.4}, \"bytes_per_element\": {}, \"memory_bound_ms\": {:.4}, \"of_memory_bound\": {:.3}}}",
+            r.name,
+            r.ms,
+            r.bytes_per_element,
+            r.bound_ms(copy_ms),
+            r.bound_ms(copy_ms) / r.ms
+        )
+    };
+    let executor_items: Vec<String> = executor_rows.iter().map(row_json).collect();
     let items: Vec<String> = rows
         .iter()
         .map(|r| {
@@ -194,11 +221,92 @@ fn main() {
         })
         .collect();
     let json = format!(
-        "{{\n  \"bench\": \"gpu_quant\",\n  \"kernel\": \"{}\",\n  \"shape\": [{ROWS}, {COLS}],\n  \"source\": \"bf16\",\n  \"target\": \"e4m3fn\",\n  \"copy_ms\": {copy_ms:.4},\n  \"memory_bound_ms\": {bound_ms:.4},\n  \"units\": \"ms per call (CUDA-event medians); GB/s of bytes moved; of_memory_bound = bound / ours\",\n  \"quantize\": [\n{}\n  ]\n}}\n",
+        "{{\n  \"bench\": \"gpu_quant\",\n  \"kernel\": \"{}\",\n  \"shape\": [{ROWS}, {COLS}],\n  \"source\": \"bf16\",\n  \"target\": \"e4m3fn\",\n  \"copy_ms\": {copy_ms:.4},\n  \"memory_bound_ms\": {bound_ms:.4},\n  \"units\": \"ms per call (CUDA-event medians); GB/s of bytes moved; of_memory_bound = bound / ours\",\n  \"quantize\": [\n{}\n  ],\n  \"through_executor\": [\n{}\n  ]\n}}\n",
         kernel.build,
-        items.join(",\n")
+        items.join(",\n"),
+        executor_items.join(",\n")
     );
     let path = format!("{dir}/gpu_quant.json");
     std::fs::write(&path, json).expect("writing results");
     println!("\nwrote {path}");
+}
+
+/// The bench's tensor as one quantized need (128 x 128 blocks) of a plan whose two offers are its row
+/// halves: cut on a block boundary (quantized in place, 3 B/element), and cut inside a block
+/// (routed into staging, then quantized there: 4 + 3 B/element). Each run's host wall time, median
+/// of 20 after 3 warm-ups; the codes' first rows are checked against the reference.
+fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream) -> Vec<Row> {
+    use refit::exec::{ExecOptions, Executor};
+    use refit::group::{BackendChoice, Group, GroupOptions};
+    use refit::plan::{self, Endpoint, Offer, PlanOptions, QuantNeed, Region, Table, TensorSpec};
+    use std::time::Instant;
+
+    let group =
+        ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
+    let here = Endpoint { process: 0, device: 0 };
+    let q = Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } };
+    let (grid_rows, grid_cols) = q.scale_grid(ROWS, COLS);
+    let staging = Buffer::new(0, (ROWS * COLS * 2) as usize);
+    let mut out = Vec::new();
+    for (name, cut, bytes_per_element) in
+        [("in place (offers cut at row 32768)", ROWS / 2, 3), ("staged (offers cut at row 32700)", 32700, 7)]
+    {
+        let offer = |lo: u64, rows: u64| Offer {
+            tensor: 0,
+            owner: here,
+            addr: src.ptr + lo * COLS * 2,
+            region: Region { offset: vec![lo, 0], extent: vec![rows, COLS] },
+            strides: None,
+            digest: None,
+        };
+        let table = Table {
+            tensors: vec![TensorSpec { name: "w".into(), dtype: 1, elem_size: 2, shape: vec![ROWS, COLS] }],
+            offers: vec![offer(0, cut), offer(cut, ROWS - cut)],
+            needs: vec![],
+            quant_needs: vec![QuantNeed {
+                tensor: 0,
+                receiver: here,
+                addr: dst.ptr,
+                region: Region { offset: vec![0, 0], extent: vec![ROWS, COLS] },
+                strides: vec![COLS, 1],
+                quantization: q,
+                source: SourceType::Bf16,
+                scales: scales.ptr,
+                scale_row_stride: grid_cols,
+                scale_matrix_stride: grid_rows * grid_cols,
+                staging: staging.ptr,
+            }],
+        };
+        let plan = ok("plan", plan::build(&[table], &PlanOptions::default()));
+        let mut executor = ok("executor", Executor::new(&group, &plan, 0, ExecOptions::default()));
+        let mut times = Vec::new();
+        for i in 0..23 {
+            let started = Instant::now();
+            // SAFETY: the plan names the bench's buffers, alive throughout; the run completes on return.
+            ok("run", unsafe { executor.run(&group) });
+            if i >= 3 {
+                times.push(started.elapsed().as_secs_f64() * 1e3);
+            }
+        }
+        stream.sync();
+        let check_rows = 128u64;
+        let source = download(src.ptr, (check_rows * COLS * 2) as usize);
+        let got = download(dst.ptr, (check_rows * COLS) as usize);
+        let got_scales = download(scales.ptr, (grid_cols * 4) as usize);
+        let matrix = SourceMatrix {
+            bytes: &source,
+            source: SourceType::Bf16,
+            rows: check_rows,
+            cols: COLS,
+            stride: COLS,
+        };
+        let (mut want, mut want_scales) = (vec![0u8; got.len()], vec![0u8; got_scales.len()]);
+        quantize(q, &matrix, &mut want, COLS, &mut want_scales, grid_cols);
+        assert!(
+            got == want && got_scales == want_scales,
+            "{name}: the executor's codes differ from the reference"
+        );
+        out.push(Row { name, ms: copy_support::median(times), bytes_per_element });
+    }
+    out
 }

@@ -983,7 +983,10 @@ static void communicator_sizes(void) {
               "nranks 2147483647");
   CHECK_FAILS(refit_comm_create(&id, INT32_MAX, INT32_MAX - 1, 0, &options, &comm), REFIT_STATUS_INVALID_ARGUMENT,
               "nranks 2147483647");
-  /* Ranks that never come: TIMEOUT naming some of them, in a message of bounded length. */
+  /* Ranks that never come: TIMEOUT naming some of them, in a message of bounded length. Long enough
+   * for the id's root (a thread of this process) to answer on a loaded machine: with 1 ms the
+   * TIMEOUT may be the root's answer not arriving instead. */
+  options.timeout_ms = 500;
   CHECK_FAILS(refit_comm_create(&id, 200, 0, 0, &options, &comm), REFIT_STATUS_TIMEOUT, "did not join");
   CHECK(strlen(refit_last_error_message()) < 1024);
   CHECK(strstr(refit_last_error_message(), "199 ranks") != NULL);

@@ -691,6 +691,12 @@ typedef struct {
    */
   uint32_t remote_ipc_peers;
   uint32_t remote_staged_peers;
+  /**
+   * Elements this call quantized to FP8 (quantized needs): a direct run all of them; a staged
+   * run those quantized from their sources in place (into staging, installed by the commit); a
+   * commit those quantized from the needs' staging buffers.
+   */
+  uint64_t quantized_elements;
 } refit_run_stats;
 
 /**
@@ -826,6 +832,24 @@ typedef struct {
    * Wall time of the build, nanoseconds (a receiver's stats carry the whole build's time).
    */
   uint64_t build_ns;
+  /**
+   * Quantized needs (refit_table_add_quantized_need) planned; they are not counted in `needs`.
+   */
+  uint64_t quantized_needs;
+  /**
+   * Elements the quantized needs quantize to FP8.
+   */
+  uint64_t quantized_elements;
+  /**
+   * Source bytes quantized in place, where they are offered (the direct path: only the FP8
+   * codes and scales travel).
+   */
+  uint64_t quantized_direct_bytes;
+  /**
+   * Source bytes routed into the receivers' staging and quantized there (the staged path; the
+   * routes count them too, as the needs of the staging buffers).
+   */
+  uint64_t quantized_staged_bytes;
 } refit_plan_stats;
 
 /**
@@ -879,6 +903,29 @@ typedef struct {
   uint32_t block_rows;
   uint32_t block_cols;
 } refit_quantization;
+
+/**
+ * How a quantized need (refit_table_add_quantized_need) is quantized and where its scales and
+ * staging are. `reserved` must be 0.
+ *
+ * The need's box is a stack of matrices: its last two dimensions are rows and columns (a
+ * 1-dimensional box is one row) and the dimensions before them number the matrices, row-major;
+ * each matrix is quantized on its own, its blocks counted from its first element. Matrix m's scale
+ * grid (ceil(rows / R) x ceil(cols / C) scales for blocks of R x C, as refit_quantize_job's) lies
+ * at `scales + m * scale_matrix_stride` scales, `scale_row_stride` scales from one grid row to the
+ * next. `staging` (0: none) is a buffer on the receiving device holding the box's source elements
+ * row-major, 16-byte aligned with rows a multiple of 16 bytes: where the elements land to be
+ * quantized when they cannot be quantized where they are offered.
+ */
+typedef struct {
+  refit_quantization quantization;
+  uint32_t source_type;
+  uint32_t reserved;
+  uint64_t scales;
+  uint64_t scale_row_stride;
+  uint64_t scale_matrix_stride;
+  uint64_t staging;
+} refit_need_quantization;
 
 /**
  * One matrix to quantize: `rows` x `cols` elements of `source_type` (REFIT_SOURCE_*) at device
@@ -1925,6 +1972,101 @@ refit_status refit_plan_route(const refit_plan *plan,
                               size_t index,
                               refit_route_info *route);
 
+/**
+ * Adds a quantized need: process `rank`'s device `device` wants the box `offset`/`extent` of tensor
+ * `tensor` (elements of `quantization->source_type`) as FP8 codes at `addr`, code strides `strides`
+ * in bytes (the last 1), and scales, quantized as refit_quantize_batch quantizes (the arithmetic is
+ * documented there). See refit_need_quantization for the matrices, scales and staging.
+ *
+ * Planning picks one of two paths per need, and refit_plan_stats counts both:
+ * - in place: offers in the receiver's process tile the box so that every quantization block lies
+ *   inside one offer, with contiguous rows. The device holding each offer quantizes it straight
+ *   into the need's codes and scales (one byte per element reaches the receiver, not two).
+ * - staged: otherwise (a block spans offers, sources in another process). The elements are routed
+ *   into `staging` like any need, then quantized there by the receiving device. Planning fails with
+ *   UNSUPPORTED, naming the tensor and why, when the need has no staging.
+ *
+ * An executor runs the quantization after the step's copies (direct commit: within the run). Under
+ * staged commit nothing live is written before the commit: in-place codes and scales are
+ * quantized into staging at the run and installed at the commit; staged needs are quantized at the
+ * commit, from their staging once the commit has filled it. refit_run_stats.quantized_elements
+ * counts what each call quantized. With refit_executor_options.verify, each job is quantized a second
+ * time into scratch and its codes and scales compared with that on the device (VERIFY_MISMATCH
+ * names the tensor; refit_run_stats.verified_bytes counts them). refit_executor_rebind of a range
+ * that quantized needs read or write is UNSUPPORTED and changes nothing.
+ *
+ * Changes the table (see refit_table for threads). Errors: NULL_ARGUMENT (table, strides,
+ * quantization; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown tensor index, ndim above
+ * REFIT_MAX_DIMS, an unknown target, granularity or source type, REFIT_QUANT_NONE, a bad block
+ * shape, reserved not 0, an element size other than the source type's, a last stride other than
+ * 1, scale strides that make grids overlap, misaligned staging, ranges past 2^64),
+ * TENSOR_MISMATCH (ndim differing from the tensor's, box outside the tensor).
+ *
+ * # Safety
+ * Non-NULL arrays hold `ndim` values; `quantization` is NULL or readable.
+ */
+refit_status refit_table_add_quantized_need(refit_table *table,
+                                            uint32_t tensor,
+                                            uint32_t rank,
+                                            uint32_t device,
+                                            uint64_t addr,
+                                            const uint64_t *offset,
+                                            const uint64_t *extent,
+                                            const uint64_t *strides,
+                                            size_t ndim,
+                                            const refit_need_quantization *quantization);
+
+/**
+ * Quantizes `count` matrices (see refit_quantize_job) to FP8 with their scales, on `stream`, a stream
+ * of `rank`'s device (NULL: its legacy default stream). Addresses are device pointers of that device
+ * or of a peer it accesses directly (refit_group_peer_access); on the host backend, host memory.
+ * `flags` must be 0.
+ *
+ * The arithmetic, exact (the bytes are equal on every backend and GPU):
+ * - Elements are decoded to f32 exactly. Per block of elements sharing a scale, amax is the largest
+ *   |x|, +inf if an element is infinite, NaN if an element is NaN (NaN propagates, as torch's amax).
+ * - fp32 scale = max(amax, 1e-10f) / FP8_MAX in f32 (IEEE division, nearest even), FP8_MAX = 448
+ *   (E4M3FN) or 57344 (E5M2); 1e-10 is vLLM's per_token_group_quant_fp8 default eps, so an all-zero
+ *   block gets scale 1e-10f / FP8_MAX. A block holding a NaN gets the scale 0x7fffffff (NaN); one
+ *   holding an infinity (and no NaN) gets +inf.
+ * - MXFP8 (OCP MX v1.0): e = floor(log2(amax)) - 8 (E4M3FN) or - 15 (E5M2), clamped to -127..127,
+ *   scale byte e + 127 (e8m0), divisor 2^e; an all-zero block gets byte 0; a block holding a NaN or
+ *   an infinity gets 0xff (NaN).
+ * - Each code: the f32 quotient x / scale (IEEE division, nearest even) rounded to the nearest FP8
+ *   value, ties to even, saturating: finite or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a
+ *   NaN quotient gives 0x7f, and the sign of zero is kept (-0.0 gives 0x80). This is
+ *   `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)` of vLLM's and DeepSeek's quantizers; in a block
+ *   whose scale is +inf, finite elements give +-0 and infinite ones NaN (0x7f); in a block whose
+ *   scale is NaN, every element gives 0x7f.
+ *
+ * Per-tensor jobs need the whole matrix's amax first: on CUDA they take a second launch before the
+ * quantizing one (every other granularity: one launch for the whole batch). The kernel reads each
+ * source row in whole aligned 16-byte vectors, so up to 15 bytes past a row's last element (in the
+ * same 16 bytes) are read and ignored.
+ *
+ * Stream ordering (CUDA): queued on `stream` after the work queued on it before; returns without
+ * waiting. The descriptors are uploaded stream-ordered (no host sync); this call must not be captured
+ * into a CUDA graph. Host backend: complete on return.
+ *
+ * Thread-safety: may be called from any thread, concurrently with other calls. No source may overlap
+ * a destination or scales (what is read is then undefined).
+ *
+ * Errors: NULL_ARGUMENT (group, or jobs with count > 0), INVALID_ARGUMENT (rank not below the group
+ * size, flags not 0, count too large, an unknown target, granularity or source type,
+ * REFIT_QUANT_NONE, a block shape with a 0, block columns not a multiple of 8 or a block of more
+ * than 2^24 elements, a block shape given for another granularity, reserved not 0, a row stride
+ * below the row, a zero address for a job with elements, misaligned rows or scales, a range past the
+ * end of the address space, memory that is not the device's (as refit_copy_batch checks it: on CUDA
+ * every byte in a live allocation of the rank's device or of a device it accesses directly, so host
+ * malloc memory and unmapped addresses are refused; on the host backend nothing in the first page),
+ * on the host backend a stream that is not a host stream or is another simulated device's; the
+ * message names the job and the field or region), OVERLAP (two destination matrices or
+ * scale grids, or a destination and a scale grid, share a byte; the message names them),
+ * UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks; overlap checks over more
+ * interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
+ * loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs
+ * are refused.
+ */
 refit_status refit_quantize_batch(const refit_group *group,
                                   uint32_t rank,
                                   void *stream,

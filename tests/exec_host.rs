@@ -570,6 +570,7 @@ fn rows_plan(src: u64, dst: u64, to: u32, (rows, len, pitch): (u64, u64, u64)) -
             perm: None,
             strides: vec![pitch, 1],
         }],
+        quant_needs: Vec::new(),
     };
     plan::build(&[table], &PlanOptions::default()).unwrap()
 }

@@ -484,6 +484,7 @@ fn whole_tensor_plan(src: u64, dst: u64, len: u64) -> Plan {
             perm: None,
             strides: vec![1],
         }],
+        quant_needs: Vec::new(),
     };
     plan::build(&[table], &PlanOptions::default()).unwrap()
 }

@@ -267,3 +267,184 @@ fn the_c_api_refuses_jobs_over_memory_that_is_not_the_devices() {
     assert!(scales.download() == want_scales, "the context no longer writes the right scales");
     refit_group_destroy(group);
 }
+
+/// A quantized need through a plan and an executor on one GPU: a 2 x 256 x 384 bf16 tensor in two
+/// shards on device 0, received as codes and scales, compared byte for byte with the host reference
+/// over each whole matrix. Shards cut on a block boundary are quantized in place; cut inside a block,
+/// the elements go through the need's staging; both under direct and staged commit.
+#[test]
+#[ignore = "needs a GPU"]
+fn quantized_needs_through_an_executor_match_the_reference() {
+    use refit::exec::{CommitMode, ExecOptions, Executor};
+    use refit::plan::{self, Endpoint, Offer, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec};
+    use refit::quant::QuantJob;
+    use refit::transport::host::HostBackend;
+    use refit::transport::Backend;
+
+    const SHAPE: [u64; 3] = [2, 256, 384];
+    let count = SHAPE.iter().product::<u64>() as usize;
+    let mut rng = quant_cases::Rng::new(31);
+    let values: Vec<u16> = (0..count)
+        .map(|i| match i % 9973 {
+            0 => 0x7f80,  // +inf
+            17 => 0x7fc0, // NaN
+            _ => (((rng.next() % 40 + 100) << 7) | (rng.next() % 128) | ((rng.next() % 2) << 15)) as u16,
+        })
+        .collect();
+    let box_bytes = |lo: [u64; 3], ext: [u64; 3]| -> Vec<u8> {
+        let mut out = Vec::with_capacity((ext.iter().product::<u64>() * 2) as usize);
+        for m in lo[0]..lo[0] + ext[0] {
+            for r in lo[1]..lo[1] + ext[1] {
+                for c in lo[2]..lo[2] + ext[2] {
+                    out.extend_from_slice(
+                        &values[((m * SHAPE[1] + r) * SHAPE[2] + c) as usize].to_le_bytes(),
+                    );
+                }
+            }
+        }
+        out
+    };
+    let group =
+        ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
+    let here = Endpoint { process: 0, device: 0 };
+    let block =
+        Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } };
+    let cases = [
+        ("block, rows cut at 128", block, 1, 128, QuantPath::Direct),
+        ("block, rows cut at 100", block, 1, 100, QuantPath::Staged),
+        (
+            "mx, rows cut at 100",
+            Quantization { target: Fp8::E5m2, granularity: Granularity::Mx },
+            1,
+            100,
+            QuantPath::Direct,
+        ),
+        (
+            "row, columns cut at 200",
+            Quantization { target: Fp8::E4m3fn, granularity: Granularity::Row },
+            2,
+            200,
+            QuantPath::Staged,
+        ),
+        (
+            "tensor, matrices cut at 1",
+            Quantization { target: Fp8::E4m3fn, granularity: Granularity::Tensor },
+            0,
+            1,
+            QuantPath::Direct,
+        ),
+    ];
+    for (name, q, dim, at, path) in cases {
+        for (commit, verify) in [
+            (CommitMode::Direct, false),
+            (CommitMode::Staged, false),
+            (CommitMode::Direct, true),
+            (CommitMode::Staged, true),
+        ] {
+            let (mut lo2, mut ext1, mut ext2) = ([0u64; 3], SHAPE, SHAPE);
+            ext1[dim] = at;
+            lo2[dim] = at;
+            ext2[dim] = SHAPE[dim] - at;
+            let shards: Vec<(Buffer, [u64; 3], [u64; 3])> = [([0u64; 3], ext1), (lo2, ext2)]
+                .into_iter()
+                .map(|(lo, ext)| {
+                    let bytes = box_bytes(lo, ext);
+                    let buffer = Buffer::new(0, bytes.len());
+                    buffer.upload(&bytes);
+                    (buffer, lo, ext)
+                })
+                .collect();
+            let (rows, cols) = (SHAPE[1], SHAPE[2]);
+            let (grid_rows, grid_cols) = q.scale_grid(rows, cols);
+            let scale_size = q.scale_kind().size();
+            let codes = Buffer::new(0, count);
+            codes.fill(SENTINEL);
+            let scales = Buffer::new(0, (SHAPE[0] * grid_rows * grid_cols * scale_size) as usize);
+            scales.fill(SENTINEL);
+            let staging = Buffer::new(0, count * 2);
+            let table = Table {
+                tensors: vec![TensorSpec { name: "w".into(), dtype: 1, elem_size: 2, shape: SHAPE.to_vec() }],
+                offers: shards
+                    .iter()
+                    .map(|(b, lo, ext)| Offer {
+                        tensor: 0,
+                        owner: here,
+                        addr: b.ptr,
+                        region: Region { offset: lo.to_vec(), extent: ext.to_vec() },
+                        strides: None,
+                        digest: None,
+                    })
+                    .collect(),
+                needs: vec![],
+                quant_needs: vec![QuantNeed {
+                    tensor: 0,
+                    receiver: here,
+                    addr: codes.ptr,
+                    region: Region { offset: vec![0; 3], extent: SHAPE.to_vec() },
+                    strides: vec![rows * cols, cols, 1],
+                    quantization: q,
+                    source: SourceType::Bf16,
+                    scales: scales.ptr,
+                    scale_row_stride: grid_cols,
+                    scale_matrix_stride: grid_rows * grid_cols,
+                    staging: staging.ptr,
+                }],
+            };
+            let plan = ok("plan", plan::build(&[table], &PlanOptions::default()));
+            assert!(plan.quant_routes().iter().all(|r| r.path == path), "{name}");
+            let options = ExecOptions { commit, verify, ..ExecOptions::default() };
+            let mut executor = ok("executor", Executor::new(&group, &plan, 0, options));
+            // SAFETY: every address of the plan is a buffer above, alive until the checks below; the
+            // calls complete on return (no scope is open).
+            let ran = ok("run", unsafe { executor.run(&group) });
+            assert_eq!(ran.verified, verify, "{name} {commit:?}");
+            if commit == CommitMode::Staged {
+                assert!(
+                    codes.download().iter().all(|&b| b == SENTINEL),
+                    "{name}: a staged run wrote live codes"
+                );
+                // SAFETY: as above.
+                let committed = ok("commit", unsafe { executor.commit(&group) });
+                assert_eq!(committed.verified, verify, "{name} {commit:?}");
+            }
+            // The reference: each whole matrix quantized by the host backend.
+            let whole = Aligned::new(count * 2, 0);
+            let mut whole = whole;
+            whole.bytes_mut().copy_from_slice(&box_bytes([0; 3], SHAPE));
+            let want_codes = Aligned::new(count, SENTINEL);
+            let want_scales = Aligned::new(scales.len, SENTINEL);
+            let jobs: Vec<QuantJob> = (0..SHAPE[0])
+                .map(|m| QuantJob {
+                    quantization: q,
+                    source: SourceType::Bf16,
+                    src: whole.addr() + m * rows * cols * 2,
+                    rows,
+                    cols,
+                    src_stride: cols,
+                    dst: want_codes.addr() + m * rows * cols,
+                    dst_stride: cols,
+                    scales: want_scales.addr() + m * grid_rows * grid_cols * scale_size,
+                    scale_stride: grid_cols,
+                })
+                .collect();
+            let host = HostBackend::new(1).unwrap();
+            // SAFETY: host buffers alive for the call, which completes on return.
+            unsafe { host.quantize_batch(0, BackendStream::NULL, &jobs) }.unwrap();
+            let (got_codes, got_scales) = (codes.download(), scales.download());
+            if let Some(at) = (0..count).find(|&i| got_codes[i] != want_codes.bytes()[i]) {
+                panic!(
+                    "{name} {commit:?}: code {at}: GPU {:#04x}, reference {:#04x}",
+                    got_codes[at],
+                    want_codes.bytes()[at]
+                );
+            }
+            if let Some(at) = (0..got_scales.len()).find(|&i| got_scales[i] != want_scales.bytes()[i]) {
+                panic!(
+                    "{name} {commit:?}: scale byte {at}: GPU {:#04x}, reference {:#04x}",
+                    got_scales[at],
+                    want_scales.bytes()[at]
+                );
+            }
+        }
+    }
+}

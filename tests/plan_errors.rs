@@ -40,6 +40,7 @@ fn simple() -> Table {
         tensors: vec![spec("w", 4, &[4, 8])],
         offers: vec![offer(0, 0, 0x1000, &[0, 0], &[4, 8])],
         needs: vec![need(0, 1, 0x8000, &[0, 0], &[4, 8], &[8, 1])],
+        quant_needs: Vec::new(),
     }
 }
 
@@ -191,6 +192,7 @@ fn overlapping_offers_are_read_once() {
         tensors: vec![spec("x", 1, &[10])],
         offers: vec![offer(0, 0, 0x100, &[0], &[6]), offer(0, 1, 0x200, &[4], &[6])],
         needs: vec![need(0, 2, 0x900, &[0], &[10], &[1])],
+        quant_needs: Vec::new(),
     };
     for policy in [OwnerPolicy::First, OwnerPolicy::Local, OwnerPolicy::Balanced] {
         let p = build(std::slice::from_ref(&t), &PlanOptions { policy, coalesce: true }).unwrap();
@@ -214,6 +216,7 @@ fn transposed_destination_with_a_permutation() {
         tensors: vec![spec("w", 1, &[2, 3])],
         offers: vec![offer(0, 0, 0x100, &[0, 0], &[2, 3])],
         needs: vec![Need { perm: Some(vec![1, 0]), ..need(0, 1, 0x900, &[0, 0], &[2, 3], &[2, 1]) }],
+        quant_needs: Vec::new(),
     };
     let p = plan(std::slice::from_ref(&t)).unwrap();
     let mut map = vec![];
@@ -242,6 +245,7 @@ fn limits_turn_pathological_tables_into_statuses() {
             perm: Some(vec![2, 1, 0]),
             ..need(0, 1, 0x90000, &[0, 0, 0], &[64, 64, 2], &[4096, 64, 1])
         }],
+        quant_needs: Vec::new(),
     };
     let options = PlanOptions::default();
     assert!(build_with_limits(std::slice::from_ref(&t), &options, &Limits::default()).is_ok());
@@ -295,6 +299,7 @@ fn needs_whose_bounding_box_overflows_the_address_space_still_overlap() {
             need(0, 1, 0x9000, &[0, 4], &[1, 1], &[1 << 62, 1 << 62]),
             need(0, 1, 0x9000, &[4, 0], &[1, 1], &[1 << 62, 1 << 62]),
         ],
+        quant_needs: Vec::new(),
     };
     fails(&[t], Status::Overlap, &["0x9000", "'w'"]);
 }

@@ -44,6 +44,7 @@ fn reversed_8d(needs: u64) -> Table {
                 strides: strides.clone(),
             })
             .collect(),
+        quant_needs: Vec::new(),
     }
 }
 

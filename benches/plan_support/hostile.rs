@@ -31,7 +31,7 @@ fn one_element_offers() -> Table {
             digest: None,
         })
         .collect();
-    Table { tensors: vec![spec("x", &[COUNT])], offers, needs: Vec::new() }
+    Table { tensors: vec![spec("x", &[COUNT])], offers, needs: Vec::new(), quant_needs: Vec::new() }
 }
 
 fn need(element: u64, extent: u64, receiver: u32, addr: u64) -> Need {
@@ -69,7 +69,7 @@ fn combs(side: u64) -> Table {
             digest: None,
         });
     }
-    Table { tensors: vec![spec("w", &[side, side])], offers, needs: Vec::new() }
+    Table { tensors: vec![spec("w", &[side, side])], offers, needs: Vec::new(), quant_needs: Vec::new() }
 }
 
 /// Times `f` `samples` times; returns the minimum in milliseconds and the last result.

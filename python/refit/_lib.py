@@ -265,7 +265,10 @@ class PlanStatsStruct(ctypes.Structure):
             "bytes_remote",
             "routes",
         )
-    ] + [("size_histogram", c_uint64 * PLAN_SIZE_BUCKETS), ("build_ns", c_uint64)]
+    ] + [("size_histogram", c_uint64 * PLAN_SIZE_BUCKETS), ("build_ns", c_uint64)] + [
+        (name, c_uint64)
+        for name in ("quantized_needs", "quantized_elements", "quantized_direct_bytes", "quantized_staged_bytes")
+    ]
 
 
 class SegmentStruct(ctypes.Structure):
@@ -332,6 +335,20 @@ class QuantizeJobStruct(ctypes.Structure):
         ("dst_row_stride", c_uint64),
         ("scales", c_uint64),
         ("scale_row_stride", c_uint64),
+    ]
+
+
+class NeedQuantizationStruct(ctypes.Structure):
+    """refit_need_quantization."""
+
+    _fields_ = [
+        ("quantization", QuantizationStruct),
+        ("source_type", c_uint32),
+        ("reserved", c_uint32),
+        ("scales", c_uint64),
+        ("scale_row_stride", c_uint64),
+        ("scale_matrix_stride", c_uint64),
+        ("staging", c_uint64),
     ]
 
 
@@ -405,7 +422,7 @@ class RunStatsStruct(ctypes.Structure):
             "remote_ipc_bytes",
             "remote_wire_bytes",
         )
-    ] + [("remote_ipc_peers", c_uint32), ("remote_staged_peers", c_uint32)]
+    ] + [("remote_ipc_peers", c_uint32), ("remote_staged_peers", c_uint32), ("quantized_elements", c_uint64)]
 
 
 # refit_rank_callback and refit_log_callback.
@@ -504,6 +521,10 @@ FUNCTIONS = {
     "refit_table_add_need": (
         status_t,
         [_handle, c_uint32, c_uint32, c_uint32, c_uint64, _u64p, _u64p, _u32p, _u64p, c_size_t],
+    ),
+    "refit_table_add_quantized_need": (
+        status_t,
+        [_handle, c_uint32, c_uint32, c_uint32, c_uint64, _u64p, _u64p, _u64p, c_size_t, POINTER(NeedQuantizationStruct)],
     ),
     "refit_table_encoded_size": (status_t, [_handle, POINTER(c_size_t)]),
     "refit_table_encode": (status_t, [_handle, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),

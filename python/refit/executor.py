@@ -59,6 +59,7 @@ class RunStats:
     remote_wire_bytes: int = 0
     remote_ipc_peers: int = 0
     remote_staged_peers: int = 0
+    quantized_elements: int = 0
 
     @classmethod
     def from_struct(cls, raw: RunStatsStruct) -> RunStats:

@@ -11,8 +11,9 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, S
 
 from ._args import boolean, byte_string, check_range, choice, integers, items, same_length, u64_array
 from ._handle import Handle, borrow
-from ._lib import Arm, Commit, PlanOptions, PlanStatsStruct, Policy, RouteInfo, RouteKind, check, invalid_argument, lib
+from ._lib import Arm, Commit, NeedQuantizationStruct, PlanOptions, PlanStatsStruct, Policy, RouteInfo, RouteKind, check, invalid_argument, lib
 from .executor import Executor
+from .quant import Quantization, fill_quantization
 from .segment import Segment
 
 if TYPE_CHECKING:
@@ -128,6 +129,45 @@ class Table(Handle):
         )
         with self._borrow(exclusive=True) as handle:
             check(lib.refit_table_add_need(handle, *arguments))
+
+    def add_quantized_need(
+        self,
+        tensor: int,
+        rank: int,
+        device: int,
+        addr: int,
+        offset: Sequence[int],
+        extent: Sequence[int],
+        strides: Sequence[int],
+        quantization: Quantization,
+        source_type: int,
+        scales: int,
+        scale_row_stride: int,
+        scale_matrix_stride: int = 0,
+        staging: int = 0,
+    ) -> None:
+        """refit_table_add_quantized_need: asks for the box `offset`/`extent` of tensor index `tensor`
+        (elements of `source_type`, a SourceType) as FP8 codes at `addr` (byte `strides`, the last 1)
+        and scales at `scales`, quantized as `quantization` says. The box's last two dimensions are
+        each matrix's rows and columns; matrix m's scale grid starts `m * scale_matrix_stride`
+        scales after `scales`, its rows `scale_row_stride` scales apart. `staging` (0: none) is a
+        buffer on the receiver for the box's elements, row-major, where they are quantized when no
+        offer in the receiver's process holds whole blocks of them."""
+        origin, size, steps = u64_array(offset, "offset"), u64_array(extent, "extent"), u64_array(strides, "strides")
+        ndim = len(origin)
+        _box(ndim, [("extent", size), ("strides", steps)])
+        if not isinstance(quantization, Quantization):
+            raise invalid_argument(f"quantization is {quantization!r}; expected a refit.quant.Quantization")
+        q = NeedQuantizationStruct()
+        fill_quantization(q.quantization, quantization)
+        q.source_type = check_range(source_type, 32, "source_type")
+        q.scales = check_range(scales, 64, "scales")
+        q.scale_row_stride = check_range(scale_row_stride, 64, "scale_row_stride")
+        q.scale_matrix_stride = check_range(scale_matrix_stride, 64, "scale_matrix_stride")
+        q.staging = check_range(staging, 64, "staging")
+        arguments = (*_placement(tensor, rank, device, addr), origin, size, steps, ndim, byref(q))
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_table_add_quantized_need(handle, *arguments))
 
     def encode(self) -> bytes:
         """The table's versioned, checksummed wire encoding, as bytes."""

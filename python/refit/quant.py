@@ -12,6 +12,7 @@ from ._lib import (
     Backend,
     Fp8,
     Granularity,
+    QuantizationStruct,
     QuantizeJobStruct,
     SourceType,
     check,
@@ -58,6 +59,20 @@ class Quantization:
         return 1 if self.granularity == Granularity.MXFP8 else 4
 
 
+def fill_quantization(s: QuantizationStruct, q: Quantization) -> None:
+    """Writes `q` into a refit_quantization, checking each number's width (the library checks the rest)."""
+    if q.granularity == Granularity.BLOCK:
+        block = q.block or DEFAULT_BLOCK
+    elif q.block is not None:
+        raise invalid_argument(f"quantization.block is {q.block}; only Granularity.BLOCK takes a block")
+    else:
+        block = (0, 0)
+    s.target = check_range(q.target, 32, "quantization.target")
+    s.granularity = check_range(q.granularity, 32, "quantization.granularity")
+    s.block_rows = check_range(block[0], 32, "quantization.block rows")
+    s.block_cols = check_range(block[1], 32, "quantization.block cols")
+
+
 @dataclass
 class QuantizeJob:
     """refit_quantize_job: rows x cols elements of `source_type` at `src` (`src_row_stride` elements
@@ -76,18 +91,8 @@ class QuantizeJob:
     scale_row_stride: int
 
     def struct(self) -> QuantizeJobStruct:
-        q = self.quantization
-        if q.granularity == Granularity.BLOCK:
-            block = q.block or DEFAULT_BLOCK
-        elif q.block is not None:
-            raise invalid_argument(f"quantization.block is {q.block}; only Granularity.BLOCK takes a block")
-        else:
-            block = (0, 0)
         s = QuantizeJobStruct()
-        s.quantization.target = check_range(q.target, 32, "quantization.target")
-        s.quantization.granularity = check_range(q.granularity, 32, "quantization.granularity")
-        s.quantization.block_rows = check_range(block[0], 32, "quantization.block rows")
-        s.quantization.block_cols = check_range(block[1], 32, "quantization.block cols")
+        fill_quantization(s.quantization, self.quantization)
         s.source_type = check_range(self.source_type, 32, "source_type")
         for field in ("src", "rows", "cols", "src_row_stride", "dst", "dst_row_stride", "scales", "scale_row_stride"):
             setattr(s, field, check_range(getattr(self, field), 64, field))

@@ -27,6 +27,7 @@ STRUCTS = {
     "refit_executor_info": _lib.ExecutorInfoStruct,
     "refit_quantization": _lib.QuantizationStruct,
     "refit_quantize_job": _lib.QuantizeJobStruct,
+    "refit_need_quantization": _lib.NeedQuantizationStruct,
 }
 SCALARS = {
     "void": None,
@@ -148,7 +149,7 @@ class HeaderTest(unittest.TestCase):
             ],
         )
         self.assertEqual(functions["refit_version"], ("const char *", []))
-        self.assertEqual(declared_structs()["refit_plan_stats"][-2], ("size_histogram", "uint64_t", 64))
+        self.assertIn(("size_histogram", "uint64_t", 64), declared_structs()["refit_plan_stats"])
 
     def test_every_header_function_is_declared_and_nothing_else(self):
         header = set(declared_functions())

@@ -298,3 +298,104 @@ class TorchQuantizeTest(unittest.TestCase):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class QuantizedNeedTest(unittest.TestCase):
+    """A quantized need planned and run on the host backend: a 2 x 32 x 64 bf16 tensor offered in two
+    shards over two devices, received as codes and scales, checked element by element against this
+    file's own reference quantizer over each whole matrix."""
+
+    ROWS, COLS, MATRICES = 32, 64, 2
+
+    def setUp(self):
+        self.group = Group([0, 1], backend=Backend.HOST)
+        rng = random.Random(21)
+        self.bits = random_bits(rng, self.MATRICES * self.ROWS * self.COLS)
+        self.keep = []
+
+    def tearDown(self):
+        self.group.close()
+
+    def buffer(self, size, fill=0):
+        memory = (ctypes.c_uint8 * (size + 16))(*([fill] * (size + 16)))
+        self.keep.append(memory)
+        return ctypes.addressof(memory) + (-ctypes.addressof(memory)) % 16
+
+    def shard(self, table, tensor, device, lo, ext):
+        """Offers the box `lo`/`ext` of the tensor from its own buffer on `device`."""
+        words = []
+        for m in range(lo[0], lo[0] + ext[0]):
+            for r in range(lo[1], lo[1] + ext[1]):
+                for c in range(lo[2], lo[2] + ext[2]):
+                    words.append(self.bits[(m * self.ROWS + r) * self.COLS + c])
+        addr = self.buffer(2 * len(words))
+        ctypes.memmove(addr, struct.pack(f"<{len(words)}H", *words), 2 * len(words))
+        table.add_offer(tensor, 0, device, addr, lo, ext)
+
+    def run_need(self, q, cut_dim, cut_at, staging, commit=refit.Commit.DIRECT):
+        rows, cols, matrices = self.ROWS, self.COLS, self.MATRICES
+        table = refit.Table()
+        tensor = table.add_tensor("w", [matrices, rows, cols], 2)
+        first_ext = [matrices, rows, cols]
+        first_ext[cut_dim] = cut_at
+        second_lo = [0, 0, 0]
+        second_lo[cut_dim] = cut_at
+        second_ext = [matrices, rows, cols]
+        second_ext[cut_dim] -= cut_at
+        self.shard(table, tensor, 0, [0, 0, 0], first_ext)
+        self.shard(table, tensor, 1, second_lo, second_ext)
+        grid_rows, grid_cols = q.scale_grid(rows, cols)
+        codes = self.buffer(matrices * rows * cols, 0xAB)
+        scales = self.buffer(matrices * grid_rows * grid_cols * q.scale_size, 0xAB)
+        stage = self.buffer(2 * matrices * rows * cols) if staging else 0
+        table.add_quantized_need(tensor, 0, 0, codes, [0, 0, 0], [matrices, rows, cols], [rows * cols, cols, 1], q,
+                                 SourceType.BF16, scales, grid_cols, grid_rows * grid_cols, stage)
+        plan = refit.Plan.build([table])
+        stats = plan.stats
+        executor = plan.executor(self.group, 0, commit=commit)
+        ran = executor.run()
+        done = ran.quantized_elements + (executor.commit().quantized_elements if commit == refit.Commit.STAGED else 0)
+        self.assertEqual(done, matrices * rows * cols)
+        got_codes = ctypes.string_at(codes, matrices * rows * cols)
+        got_scales = ctypes.string_at(scales, matrices * grid_rows * grid_cols * q.scale_size)
+        for m in range(matrices):
+            want_codes, want_scales = reference(q, self.bits[m * rows * cols:], rows, cols, cols)
+            for (r, c), code in want_codes.items():
+                self.assertEqual(got_codes[(m * rows + r) * cols + c], code, (q, m, r, c))
+            for (i, j), stored in want_scales.items():
+                at = (m * grid_rows * grid_cols + i * grid_cols + j) * q.scale_size
+                value = got_scales[at] if q.scale_size == 1 else struct.unpack("<I", got_scales[at:at + 4])[0]
+                self.assertEqual(value, stored, (q, m, i, j))
+        return stats
+
+    def test_blocks_whole_in_each_shard_are_quantized_in_place(self):
+        q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (16, 32))
+        for commit in (refit.Commit.DIRECT, refit.Commit.STAGED):
+            stats = self.run_need(q, 1, 16, staging=False, commit=commit)
+            self.assertEqual((stats.quantized_needs, stats.quantized_staged_bytes), (1, 0))
+            self.assertEqual(stats.quantized_direct_bytes, 2 * self.MATRICES * self.ROWS * self.COLS)
+
+    def test_blocks_across_shards_go_through_staging(self):
+        for q in (Quantization(Fp8.E5M2, Granularity.ROW), Quantization(Fp8.E4M3FN, Granularity.MXFP8),
+                  Quantization(Fp8.E4M3FN, Granularity.TENSOR)):
+            with self.subTest(q=q):
+                stats = self.run_need(q, 2, 16 if q.granularity != Granularity.MXFP8 else 48, staging=True)
+                self.assertEqual(stats.quantized_direct_bytes, 0)
+                self.assertEqual(stats.quantized_staged_bytes, 2 * self.MATRICES * self.ROWS * self.COLS)
+
+    def test_a_need_without_a_path_is_refused_naming_the_tensor(self):
+        q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (16, 32))
+        with self.assertRaises(RefitError) as caught:
+            self.run_need(q, 1, 8, staging=False)
+        self.assertEqual(caught.exception.status, Status.UNSUPPORTED)
+        self.assertIn("'w'", str(caught.exception))
+        table = refit.Table()
+        tensor = table.add_tensor("w", [4, 64], 2)
+        with self.assertRaises(RefitError) as caught:
+            table.add_quantized_need(tensor, 0, 0, 1 << 20, [0, 0], [4, 64], [64, 1], "block", SourceType.BF16, 1 << 24, 1)
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        with self.assertRaises(RefitError) as caught:
+            table.add_quantized_need(tensor, 0, 0, 1 << 20, [0, 0], [4, 64], [64, 2], Quantization(), SourceType.BF16,
+                                     1 << 24, 1)
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        self.assertIn("contiguous", str(caught.exception))

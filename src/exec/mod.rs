@@ -28,6 +28,7 @@ mod addresses;
 mod batch;
 mod flows;
 mod options;
+mod quantize;
 mod rebind;
 mod remote;
 mod staging;
@@ -48,6 +49,7 @@ use crate::transport::comm::Communicator;
 use crate::transport::{Backend, Event, Stream};
 use batch::Batch;
 use flows::RankFlow;
+use quantize::{Quantizing, When};
 use rebind::{AddressBook, Registrar, Target};
 use remote::Remote;
 use staging::{staged_pair, Layout, Packer, Placement};
@@ -161,6 +163,8 @@ impl RankEvents {
 struct CallLog {
     recorded: Vec<Slot>,
     wait_ns: u64,
+    /// Bytes of codes and scales the call's verify found equal to a second quantization.
+    quant_verified: u64,
 }
 
 impl CallLog {
@@ -208,6 +212,8 @@ pub struct Executor {
     address_check_ns: u64,
     /// Staging bytes per receiving device, summed (staged commit).
     staging_bytes: u64,
+    /// The plan's quantization jobs for this process's receivers.
+    quantizing: Quantizing,
 }
 
 /// Every segment into receiving rank `rank` cut to fit `limit` and placed in its staging under
@@ -424,6 +430,7 @@ impl Executor {
             remote: None,
             address_check_ns: 0,
             staging_bytes: 0,
+            quantizing: Quantizing::default(),
         };
         let mut lists = match options.commit {
             CommitMode::Direct => vec![executor.direct_lists(flows)],
@@ -437,6 +444,19 @@ impl Executor {
             let last = lists.last_mut().expect("one slice at least");
             last.installs.entry(rank).or_default().extend_from_slice(installs);
         }
+        let staged = options.commit == CommitMode::Staged;
+        let mut quantizing = Quantizing::new(group, plan, process, staged, options.verify)?;
+        // Freed with the executor's other staging.
+        executor.staging.append(&mut quantizing.staging);
+        for (rank, installs) in std::mem::take(&mut quantizing.installs) {
+            // Codes and scales quantized into staging are installed with the last slice, at the commit.
+            if lists.is_empty() {
+                lists.push(SliceLists::default());
+            }
+            let last = lists.last_mut().expect("one slice at least");
+            last.installs.entry(rank).or_default().extend(installs);
+        }
+        executor.quantizing = quantizing;
         let mut registrar = Registrar::default();
         for (k, lists) in lists.into_iter().enumerate() {
             let slice = executor.prepare_slice(group, k, lists, &mut registrar)?;
@@ -449,6 +469,7 @@ impl Executor {
             ranks.extend(slice.receiving.iter().map(|r| r.rank));
         }
         ranks.extend(remote.map(|(rank, _)| rank));
+        ranks.extend(executor.quantizing.ranks());
         ranks.sort_unstable();
         ranks.dedup();
         executor.ranks = ranks;
@@ -490,7 +511,7 @@ impl Executor {
             if self.options.single_slice && packer.slices() > 1 {
                 let aligned = place_staging(flows, rank, u64::MAX, Layout::Aligned).0.size;
                 return Err(Error::invalid_argument(format!(
-                    "options.single_slice: the step into device {device} needs {} slices of staging_limit                      {limit} bytes ({payload} bytes of payload, {aligned} staged with alignment); raise                      staging_limit to at least {payload}, or set it to 0",
+                    "options.single_slice: the step into device {device} needs {} slices of staging_limit {limit} bytes ({payload} bytes of payload, {aligned} staged with alignment); raise staging_limit to at least {payload}, or set it to 0",
                     packer.slices()
                 )));
             }
@@ -779,12 +800,14 @@ impl Executor {
         // What this call read the checks of: every slice, but the last when it left it to the commit.
         let read = if checked { self.slices.len() } else { last };
         stats.verified_bytes = if self.options.verify { self.verified_bytes(0..read) } else { 0 };
+        stats.verified_bytes += log.quant_verified;
         stats.installed_bytes =
             if staged { self.installed_bytes(0..last) } else { self.totals.bytes.iter().sum() };
         if let Some(remote) = &self.remote {
             remote_stats(&mut stats, &remote.totals, staged);
         }
         stats.verified = self.options.verify && checked && stats.verified_bytes > 0;
+        stats.quantized_elements = self.quantizing.elements_at(When::Run);
         self.finish("run", stats, started, prepare_ns, log, implicit)
     }
 
@@ -825,6 +848,17 @@ impl Executor {
             }
             if staged && k < last {
                 self.queue_installs(group, k, log)?;
+            }
+        }
+        if self.quantizing.has(When::Run) {
+            // Every copy of the step has landed, on every rank, before anything is quantized.
+            group.mark_pending_join();
+            group.join_if_pending()?;
+            let hook = || self.options.call_hook(Stage::QuantVerify, group);
+            // SAFETY: the caller's promise on the plan's memory; the quantization staging is ours.
+            unsafe { self.quantizing.queue(group, When::Run, hook) }?;
+            if self.options.verify {
+                log.quant_verified += log.waiting(|| self.quantizing.read_checks(group, When::Run))?;
             }
         }
         group.mark_pending_join();
@@ -1030,8 +1064,33 @@ impl Executor {
                 .inspect_err(|err| self.state = State::Failed(err.message.clone()))?;
         }
         let queued = group.in_implicit_scope(|| {
-            let queued =
-                if self.slices.is_empty() { Ok(()) } else { self.queue_installs(group, last, &mut log) };
+            // Codes a rank quantized into another rank's staging at the run are installed by that
+            // other rank: it waits for the run's ranks first (the run left its join pending).
+            let joined = if self.quantizing.has(When::Run) { group.join_if_pending() } else { Ok(()) };
+            let mut queued = joined.and_then(|()| {
+                if self.slices.is_empty() {
+                    Ok(())
+                } else {
+                    self.queue_installs(group, last, &mut log)
+                }
+            });
+            if queued.is_ok() && self.quantizing.has(When::Commit) {
+                // The needs' staging buffers are filled once every install has run, on every rank.
+                group.mark_pending_join();
+                let hook = || self.options.call_hook(Stage::QuantVerify, group);
+                // SAFETY: as for the installs.
+                queued = group
+                    .join_if_pending()
+                    .and_then(|()| unsafe { self.quantizing.queue(group, When::Commit, hook) });
+                if self.options.verify {
+                    queued = queued.and_then(|()| {
+                        log.quant_verified +=
+                            log.waiting(|| self.quantizing.read_checks(group, When::Commit))?;
+                        Ok(())
+                    });
+                }
+                group.mark_pending_join();
+            }
             let done = self.record_done(group);
             queued.and(done)?;
             Ok(Instant::now())
@@ -1043,13 +1102,17 @@ impl Executor {
         }
         self.state = State::Idle;
         // A commit reports on the bytes it installs: the last slice's, checked by the run or above.
+        // Codes and scales quantized into staging were checked by the run, and are installed now.
         let verified_bytes =
-            if self.options.verify { self.verified_bytes(last..self.slices.len()) } else { 0 };
+            if self.options.verify { self.verified_bytes(last..self.slices.len()) } else { 0 }
+                + log.quant_verified
+                + self.quantizing.checked_bytes(When::Run);
         let stats = RunStats {
             descriptors_reused: true,
             verified: verified_bytes > 0,
             verified_bytes,
             installed_bytes: if self.slices.is_empty() { 0 } else { self.installed_bytes(last..last + 1) },
+            quantized_elements: self.quantizing.elements_at(When::Commit),
             ..RunStats::default()
         };
         // A commit rebuilds no descriptor.
@@ -1158,6 +1221,11 @@ impl Executor {
         }
         if let Some(err) = &self.broken {
             return Err(Error::invalid_state(format!("a rebind failed earlier ({})", err.message)));
+        }
+        if self.quantizing.touches(old_base, length) {
+            return Err(Error::unsupported(format!(
+                "[{old_base:#x}, +{length:#x}) holds memory a quantized need reads or writes, and quantization jobs do                  not follow moved buffers yet: build a new plan and executor"
+            )));
         }
         if !self.devices.contains(&device) {
             crate::bail!(

@@ -88,6 +88,9 @@ pub enum Stage {
     Verify { slice: usize },
     /// The copy from staging into the live buffers.
     Install { slice: usize },
+    /// The second quantization and comparison that verify quantized needs' codes and scales (after
+    /// their quantization was queued).
+    QuantVerify,
 }
 
 /// A test seam: called on the calling thread before each stage is queued, after the previous stage

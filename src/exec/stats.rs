@@ -73,6 +73,10 @@ pub struct RunStats {
     /// Other processes this one exchanges bytes with through CUDA IPC, and through staging.
     pub remote_ipc_peers: u32,
     pub remote_staged_peers: u32,
+    /// Elements this call quantized to FP8 (quantized needs): a direct run all of them; a staged
+    /// run those quantized from their sources in place (into staging, installed by the commit); a
+    /// commit those quantized from the needs' staging buffers.
+    pub quantized_elements: u64,
 }
 
 impl Default for RunStats {
@@ -102,6 +106,7 @@ impl Default for RunStats {
             remote_wire_bytes: 0,
             remote_ipc_peers: 0,
             remote_staged_peers: 0,
+            quantized_elements: 0,
         }
     }
 }

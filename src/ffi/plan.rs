@@ -602,3 +602,119 @@ unsafe fn write_stats(s: &PlanStats, stats: *mut PlanStats) -> Result<()> {
     sized_out(stats, "stats")?.write(PlanStats { size: std::mem::size_of::<PlanStats>(), ..*s });
     Ok(())
 }
+
+/// How a quantized need (refit_table_add_quantized_need) is quantized and where its scales and
+/// staging are. `reserved` must be 0.
+///
+/// The need's box is a stack of matrices: its last two dimensions are rows and columns (a
+/// 1-dimensional box is one row) and the dimensions before them number the matrices, row-major;
+/// each matrix is quantized on its own, its blocks counted from its first element. Matrix m's scale
+/// grid (ceil(rows / R) x ceil(cols / C) scales for blocks of R x C, as refit_quantize_job's) lies
+/// at `scales + m * scale_matrix_stride` scales, `scale_row_stride` scales from one grid row to the
+/// next. `staging` (0: none) is a buffer on the receiving device holding the box's source elements
+/// row-major, 16-byte aligned with rows a multiple of 16 bytes: where the elements land to be
+/// quantized when they cannot be quantized where they are offered.
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct refit_need_quantization {
+    pub quantization: super::quantize::refit_quantization,
+    pub source_type: u32,
+    pub reserved: u32,
+    pub scales: u64,
+    pub scale_row_stride: u64,
+    pub scale_matrix_stride: u64,
+    pub staging: u64,
+}
+
+/// Adds a quantized need: process `rank`'s device `device` wants the box `offset`/`extent` of tensor
+/// `tensor` (elements of `quantization->source_type`) as FP8 codes at `addr`, code strides `strides`
+/// in bytes (the last 1), and scales, quantized as refit_quantize_batch quantizes (the arithmetic is
+/// documented there). See refit_need_quantization for the matrices, scales and staging.
+///
+/// Planning picks one of two paths per need, and refit_plan_stats counts both:
+/// - in place: offers in the receiver's process tile the box so that every quantization block lies
+///   inside one offer, with contiguous rows. The device holding each offer quantizes it straight
+///   into the need's codes and scales (one byte per element reaches the receiver, not two).
+/// - staged: otherwise (a block spans offers, sources in another process). The elements are routed
+///   into `staging` like any need, then quantized there by the receiving device. Planning fails with
+///   UNSUPPORTED, naming the tensor and why, when the need has no staging.
+///
+/// An executor runs the quantization after the step's copies (direct commit: within the run). Under
+/// staged commit nothing live is written before the commit: in-place codes and scales are
+/// quantized into staging at the run and installed at the commit; staged needs are quantized at the
+/// commit, from their staging once the commit has filled it. refit_run_stats.quantized_elements
+/// counts what each call quantized. With refit_executor_options.verify, each job is quantized a second
+/// time into scratch and its codes and scales compared with that on the device (VERIFY_MISMATCH
+/// names the tensor; refit_run_stats.verified_bytes counts them). refit_executor_rebind of a range
+/// that quantized needs read or write is UNSUPPORTED and changes nothing.
+///
+/// Changes the table (see refit_table for threads). Errors: NULL_ARGUMENT (table, strides,
+/// quantization; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown tensor index, ndim above
+/// REFIT_MAX_DIMS, an unknown target, granularity or source type, REFIT_QUANT_NONE, a bad block
+/// shape, reserved not 0, an element size other than the source type's, a last stride other than
+/// 1, scale strides that make grids overlap, misaligned staging, ranges past 2^64),
+/// TENSOR_MISMATCH (ndim differing from the tensor's, box outside the tensor).
+///
+/// # Safety
+/// Non-NULL arrays hold `ndim` values; `quantization` is NULL or readable.
+#[no_mangle]
+pub unsafe extern "C" fn refit_table_add_quantized_need(
+    table: *mut refit_table,
+    tensor: u32,
+    rank: u32,
+    device: u32,
+    addr: u64,
+    offset: *const u64,
+    extent: *const u64,
+    strides: *const u64,
+    ndim: usize,
+    quantization: *const refit_need_quantization,
+) -> crate::Status {
+    boundary("refit_table_add_quantized_need", || {
+        let table = live(table, "table")?;
+        if strides.is_null() {
+            return Err(Error::new(crate::Status::NullArgument, "strides is NULL"));
+        }
+        let Some(q) = quantization.as_ref().copied() else {
+            return Err(Error::new(crate::Status::NullArgument, "quantization is NULL"));
+        };
+        let region = Region { offset: dims(offset, ndim, "offset")?, extent: dims(extent, ndim, "extent")? };
+        let strides = dims(strides, ndim, "strides")?;
+        let c = q.quantization;
+        let codes = [c.target, c.granularity, c.block_rows, c.block_cols];
+        let kind = crate::quant::Quantization::from_codes(codes).ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "quantization->quantization is {{target {}, granularity {}, block {} x {}}}: the target must be \
+                 REFIT_FP8_E4M3FN or REFIT_FP8_E5M2, the granularity REFIT_QUANT_TENSOR, _ROW, _BLOCK or _MXFP8, and \
+                 the block shape 0 x 0 but for REFIT_QUANT_BLOCK",
+                c.target, c.granularity, c.block_rows, c.block_cols
+            ))
+        })?;
+        let source = crate::quant::SourceType::from_code(q.source_type).ok_or_else(|| {
+            Error::invalid_argument(format!(
+                "quantization->source_type is {}; expected REFIT_SOURCE_BF16 (1), _F16 (2) or _F32 (3)",
+                q.source_type
+            ))
+        })?;
+        if q.reserved != 0 {
+            return Err(Error::invalid_argument(format!(
+                "quantization->reserved is {}; it must be 0",
+                q.reserved
+            )));
+        }
+        table.write()?.add_quant_need(plan::QuantNeed {
+            tensor,
+            receiver: Endpoint { process: rank, device },
+            addr,
+            region,
+            strides,
+            quantization: kind,
+            source,
+            scales: q.scales,
+            scale_row_stride: q.scale_row_stride,
+            scale_matrix_stride: q.scale_matrix_stride,
+            staging: q.staging,
+        })?;
+        Ok(())
+    })
+}

@@ -163,6 +163,24 @@ fn job(index: usize, c: &refit_quantize_job) -> Result<QuantJob> {
     })
 }
 
+/// INVALID_ARGUMENT unless every byte the jobs read or write is memory `device` can use (see
+/// `Backend::inaccessible`), as refit_copy_batch checks its segments: a job over host memory or an
+/// unmapped address must be refused here, not fault in the kernel and end the process's context.
+fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
+    let regions: Vec<_> = jobs.iter().flat_map(QuantJob::regions).collect();
+    let owners = |_| (None, Some(device));
+    let Some(bad) = first_unusable(group.backend().as_ref(), &regions, owners, true)? else { return Ok(()) };
+    let what = ["source", "destination", "scales"][bad.segment % 3];
+    let (addr, len) = bad.range;
+    crate::bail!(
+        Status::InvalidArgument,
+        "jobs[{}]: its {what} [{addr:#x}, +{len:#x}) is not memory device {device} can use: {:#x} {}",
+        bad.segment / 3,
+        bad.refusal.at,
+        bad.refusal.why
+    )
+}
+
 /// Quantizes `count` matrices (see refit_quantize_job) to FP8 with their scales, on `stream`, a stream
 /// of `rank`'s device (NULL: its legacy default stream). Addresses are device pointers of that device
 /// or of a peer it accesses directly (refit_group_peer_access); on the host backend, host memory.
@@ -212,24 +230,6 @@ fn job(index: usize, c: &refit_quantize_job) -> Result<QuantJob> {
 /// interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
 /// loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs
 /// are refused.
-/// INVALID_ARGUMENT unless every byte the jobs read or write is memory `device` can use (see
-/// `Backend::inaccessible`), as refit_copy_batch checks its segments: a job over host memory or an
-/// unmapped address must be refused here, not fault in the kernel and end the process's context.
-fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
-    let regions: Vec<_> = jobs.iter().flat_map(QuantJob::regions).collect();
-    let owners = |_| (None, Some(device));
-    let Some(bad) = first_unusable(group.backend().as_ref(), &regions, owners, true)? else { return Ok(()) };
-    let what = ["source", "destination", "scales"][bad.segment % 3];
-    let (addr, len) = bad.range;
-    crate::bail!(
-        Status::InvalidArgument,
-        "jobs[{}]: its {what} [{addr:#x}, +{len:#x}) is not memory device {device} can use: {:#x} {}",
-        bad.segment / 3,
-        bad.refusal.at,
-        bad.refusal.why
-    )
-}
-
 #[no_mangle]
 pub extern "C" fn refit_quantize_batch(
     group: *const refit_group,

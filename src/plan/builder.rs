@@ -61,6 +61,15 @@ impl TableBuilder {
         Ok(())
     }
 
+    /// Adds a quantized need after checking it against its tensor (index, box, strides, element
+    /// size, quantization, the ranges of its codes, scales and staging).
+    pub fn add_quant_need(&mut self, need: super::quantized::QuantNeed) -> Result<()> {
+        need.check(self.tensor(need.tensor)?)?;
+        self.table.quant_needs.try_reserve(1).map_err(|_| out_of_memory("quantized need"))?;
+        self.table.quant_needs.push(need);
+        Ok(())
+    }
+
     fn tensor(&self, index: u32) -> Result<&TensorSpec> {
         self.table.tensors.get(index as usize).ok_or_else(|| {
             Error::invalid_argument(format!(

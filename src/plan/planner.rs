@@ -16,7 +16,7 @@ use super::scope::Scope;
 use super::shape::Shape;
 use super::stats::PlanStats;
 use super::table::{Endpoint, Table};
-use super::{coalesce, coverage};
+use super::{coalesce, coverage, quantized};
 use crate::error::{Error, Result};
 use crate::segment::Segment;
 use std::collections::BTreeMap;
@@ -63,8 +63,16 @@ fn build_part(
 ) -> Result<Plan> {
     let mut clock = StageClock::start();
     let mut work = Budget::box_tests(limits);
+    let quantized = quantized::plan(tables, process, limits)?;
+    let with_shadow: Vec<&Table>;
+    let tables = if quantized.shadow.needs.is_empty() {
+        tables
+    } else {
+        with_shadow = tables.iter().copied().chain([&quantized.shadow]).collect();
+        &with_shadow
+    };
     let merged = merge(tables)?;
-    let inputs = inputs_fingerprint(&merged, options, limits);
+    let inputs = inputs_fingerprint(&merged, options, limits, quantized.fingerprint);
     clock.mark("merge");
     let scope = match process {
         None => Scope::whole(&merged)?,
@@ -88,7 +96,9 @@ fn build_part(
     let routes = finish_routes(laid_out.routes, options)?;
     clock.mark("coalesce");
     let (mut stats, mut receivers) = tally(&routes, receivers, laid_out.kept, &merged, &replicas, &scope);
-    let fingerprint = fingerprint_of(&routes);
+    let shared = stats;
+    quantized::tally(&quantized.routes, &mut stats, &mut receivers, &shared);
+    let fingerprint = fingerprint_of(&routes, &quantized.routes);
     clock.mark("tally");
     log::debug!("plan built: {:?}", clock.stages);
     let build_ns = clock.stages.iter().map(|(_, ns)| ns).sum();
@@ -106,6 +116,7 @@ fn build_part(
         stages: clock.stages,
         destinations,
         share: process,
+        quant: quantized.routes,
     })
 }
 
@@ -130,9 +141,12 @@ impl StageClock {
 }
 
 /// The inputs' fingerprint: the merged tables' and everything that decides the plan from them.
-fn inputs_fingerprint(merged: &Merged, options: &PlanOptions, limits: &Limits) -> u64 {
+fn inputs_fingerprint(merged: &Merged, options: &PlanOptions, limits: &Limits, quantized: u64) -> u64 {
     let mut h = Words::new();
     h.u64(merged.fingerprint());
+    if quantized != 0 {
+        h.u64(quantized);
+    }
     h.u64(options.policy as u64);
     h.u64(options.coalesce.into());
     let Limits { max_segments, max_pieces, max_overlap_runs, max_box_tests } = limits;

@@ -2,6 +2,7 @@
 
 use super::destinations::Destinations;
 use super::digest::Fnv1a;
+use super::quantized::QuantRoute;
 use super::stats::PlanStats;
 use super::table::Endpoint;
 use crate::segment::Segment;
@@ -51,6 +52,9 @@ pub struct Plan {
     pub(crate) destinations: Destinations,
     /// The process whose share this is (None: the whole plan).
     pub(crate) share: Option<u32>,
+    /// The quantization jobs of quantized needs (of its process's receivers, for a share), sorted by
+    /// receiver, tensor and runner.
+    pub(crate) quant: Vec<QuantRoute>,
 }
 
 impl Plan {
@@ -117,11 +121,32 @@ impl Plan {
     pub fn share_of(&self) -> Option<u32> {
         self.share
     }
+
+    /// The quantization each quantized need takes after the routes have moved their bytes: which
+    /// device runs which jobs, reading the sources in place or the need's staging.
+    pub fn quant_routes(&self) -> &[QuantRoute] {
+        &self.quant
+    }
 }
 
 /// FNV-1a over the routes, field by field.
-pub(crate) fn fingerprint_of(routes: &[Route]) -> u64 {
+pub(crate) fn fingerprint_of(routes: &[Route], quant: &[QuantRoute]) -> u64 {
     let mut h = Fnv1a::new();
+    for q in quant {
+        for v in [q.receiver.process, q.receiver.device, q.runner.process, q.runner.device, q.path as u32] {
+            h.u64(v.into());
+        }
+        h.u64(q.jobs.len() as u64);
+        for j in &q.jobs {
+            for v in j.quantization.codes() {
+                h.u64(v.into());
+            }
+            h.u64(j.source.code().into());
+            for v in [j.src, j.rows, j.cols, j.src_stride, j.dst, j.dst_stride, j.scales, j.scale_stride] {
+                h.u64(v);
+            }
+        }
+    }
     h.u64(routes.len() as u64);
     for r in routes {
         for v in [r.src.process, r.src.device, r.dst.process, r.dst.device] {

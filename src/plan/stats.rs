@@ -57,6 +57,16 @@ pub struct PlanStats {
     pub size_histogram: [u64; 64],
     /// Wall time of the build, nanoseconds (a receiver's stats carry the whole build's time).
     pub build_ns: u64,
+    /// Quantized needs (refit_table_add_quantized_need) planned; they are not counted in `needs`.
+    pub quantized_needs: u64,
+    /// Elements the quantized needs quantize to FP8.
+    pub quantized_elements: u64,
+    /// Source bytes quantized in place, where they are offered (the direct path: only the FP8
+    /// codes and scales travel).
+    pub quantized_direct_bytes: u64,
+    /// Source bytes routed into the receivers' staging and quantized there (the staged path; the
+    /// routes count them too, as the needs of the staging buffers).
+    pub quantized_staged_bytes: u64,
 }
 
 const _: () = assert!(SIZE_BUCKETS == 64, "size_histogram is written with a literal length for cbindgen");
@@ -83,6 +93,10 @@ impl Default for PlanStats {
             routes: 0,
             size_histogram: [0; SIZE_BUCKETS],
             build_ns: 0,
+            quantized_needs: 0,
+            quantized_elements: 0,
+            quantized_direct_bytes: 0,
+            quantized_staged_bytes: 0,
         }
     }
 }
@@ -125,7 +139,12 @@ impl PlanStats {
             routes,
             size_histogram,
             build_ns: _,
+            quantized_needs: _,
+            quantized_elements: _,
+            quantized_direct_bytes: _,
+            quantized_staged_bytes: _,
         } = part;
+        // The quantized counts are added by `quantized::tally`, to receivers and plan alike.
         let sums = [
             (&mut self.needs, needs),
             (&mut self.needed_bytes, needed_bytes),

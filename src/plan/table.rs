@@ -84,6 +84,8 @@ pub struct Table {
     pub tensors: Vec<TensorSpec>,
     pub offers: Vec<Offer>,
     pub needs: Vec<Need>,
+    /// Needs that receive FP8 codes and scales (`super::quantized`).
+    pub quant_needs: Vec<super::quantized::QuantNeed>,
 }
 
 /// A box and its element strides, resolved against the tensor: one value per tensor dimension

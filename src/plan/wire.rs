@@ -11,19 +11,31 @@
 //! - need: tensor index, receiver process, receiver device, address, `n`, `n` offsets, `n` extents,
 //!   flags (bit 0: permutation follows), [`n` permutation entries], `n` destination strides
 //!
+//! - version 2 only, after the needs: the quantized needs (`super::quantized`), each: tensor index,
+//!   receiver process, receiver device, address, `n`, `n` offsets, `n` extents, `n` strides, target,
+//!   granularity, block rows, block columns, source type, scales, scale row stride, scale matrix
+//!   stride, staging. A table without quantized needs is written as version 1, byte for byte as
+//!   before them.
+//!
 //! Each list is preceded by its length. Decoding checks every length against the bytes that are
 //! left before allocating, so hostile input costs at most memory proportional to its own size.
 
 use super::digest::fnv1a;
+use super::quantized::QuantNeed;
 use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
+use crate::quant::{Quantization, SourceType};
 
 const MAGIC: &[u8; 4] = b"RFTB";
 /// The format version this library writes and reads.
 ///
 /// cbindgen:ignore
 pub const VERSION: u8 = 1;
+/// The version of tables with quantized needs (read as well as [`VERSION`]).
+///
+/// cbindgen:ignore
+pub const VERSION_QUANTIZED: u8 = 2;
 const HEADER: usize = 5;
 const CHECKSUM: usize = 8;
 
@@ -31,7 +43,7 @@ const CHECKSUM: usize = 8;
 pub fn encode(table: &Table) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + 48 * (table.offers.len() + table.needs.len()));
     out.extend_from_slice(MAGIC);
-    out.push(VERSION);
+    out.push(if table.quant_needs.is_empty() { VERSION } else { VERSION_QUANTIZED });
     put(&mut out, table.tensors.len() as u64);
     for t in &table.tensors {
         put(&mut out, t.name.len() as u64);
@@ -69,6 +81,23 @@ pub fn encode(table: &Table) -> Vec<u8> {
         }
         put_list(&mut out, &nd.strides);
     }
+    if !table.quant_needs.is_empty() {
+        put(&mut out, table.quant_needs.len() as u64);
+        for q in &table.quant_needs {
+            put(&mut out, q.tensor.into());
+            put_endpoint(&mut out, q.receiver);
+            put(&mut out, q.addr);
+            put_region(&mut out, &q.region);
+            put_list(&mut out, &q.strides);
+            for code in q.quantization.codes() {
+                put(&mut out, code.into());
+            }
+            put(&mut out, q.source.code().into());
+            for v in [q.scales, q.scale_row_stride, q.scale_matrix_stride, q.staging] {
+                put(&mut out, v);
+            }
+        }
+    }
     let sum = checksum(&out);
     out.extend_from_slice(&sum.to_le_bytes());
     out
@@ -84,10 +113,10 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
             bytes.len()
         );
     }
-    if bytes[4] != VERSION {
+    if bytes[4] != VERSION && bytes[4] != VERSION_QUANTIZED {
         bail!(
             Status::VersionMismatch,
-            "table format version {} (this library reads version {VERSION})",
+            "table format version {} (this library reads versions {VERSION} and {VERSION_QUANTIZED})",
             bytes[4]
         );
     }
@@ -156,10 +185,45 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
         let strides = r.list()?;
         needs.push(Need { tensor, receiver, addr, region, perm, strides });
     }
+    let mut quant_needs = Vec::new();
+    if bytes[4] == VERSION_QUANTIZED {
+        let count = r.count("quantized needs", 16)?;
+        quant_needs.reserve(count);
+        for _ in 0..count {
+            let tensor = tensor(&mut r)?;
+            let receiver = r.endpoint()?;
+            let addr = r.varint()?;
+            let region = r.region()?;
+            let strides = r.list()?;
+            let codes =
+                [r.u32("target")?, r.u32("granularity")?, r.u32("block rows")?, r.u32("block columns")?];
+            let quantization = Quantization::from_codes(codes).ok_or_else(|| {
+                Error::new(Status::DecodeError, format!("no quantization has the numbers {codes:?}"))
+            })?;
+            let code = r.u32("source type")?;
+            let source = SourceType::from_code(code)
+                .ok_or_else(|| Error::new(Status::DecodeError, format!("source type {code} is unknown")))?;
+            let [scales, scale_row_stride, scale_matrix_stride, staging] =
+                [r.varint()?, r.varint()?, r.varint()?, r.varint()?];
+            quant_needs.push(QuantNeed {
+                tensor,
+                receiver,
+                addr,
+                region,
+                strides,
+                quantization,
+                source,
+                scales,
+                scale_row_stride,
+                scale_matrix_stride,
+                staging,
+            });
+        }
+    }
     if r.at != body.len() {
         bail!(Status::DecodeError, "{} bytes follow the table", body.len() - r.at);
     }
-    Ok(Table { tensors, offers, needs })
+    Ok(Table { tensors, offers, needs, quant_needs })
 }
 
 fn checksum(bytes: &[u8]) -> u64 {

@@ -304,3 +304,57 @@ fn overlapping_regions(message: &str) -> String {
         _ => "the bytes written overlap (segment 2i is jobs[i]'s destination, 2i + 1 its scales)".to_string(),
     }
 }
+
+/// The numbers the C API and the table's wire format give a quantization: target (1 e4m3fn, 2 e5m2),
+/// granularity (1 tensor, 2 row, 3 block, 4 MX), block rows and columns (0 but for blocks).
+impl Quantization {
+    pub fn codes(&self) -> [u32; 4] {
+        let target = match self.target {
+            Fp8::E4m3fn => 1,
+            Fp8::E5m2 => 2,
+        };
+        match self.granularity {
+            Granularity::Tensor => [target, 1, 0, 0],
+            Granularity::Row => [target, 2, 0, 0],
+            Granularity::Block { rows, cols } => [target, 3, rows, cols],
+            Granularity::Mx => [target, 4, 0, 0],
+        }
+    }
+
+    /// The quantization [`Quantization::codes`] gives, None for numbers no quantization has.
+    pub fn from_codes([target, granularity, rows, cols]: [u32; 4]) -> Option<Quantization> {
+        let target = match target {
+            1 => Fp8::E4m3fn,
+            2 => Fp8::E5m2,
+            _ => return None,
+        };
+        let granularity = match (granularity, rows, cols) {
+            (1, 0, 0) => Granularity::Tensor,
+            (2, 0, 0) => Granularity::Row,
+            (3, rows, cols) => Granularity::Block { rows, cols },
+            (4, 0, 0) => Granularity::Mx,
+            _ => return None,
+        };
+        Some(Quantization { target, granularity })
+    }
+}
+
+impl SourceType {
+    /// 1 bf16, 2 f16, 3 f32 (the C API's REFIT_SOURCE_*).
+    pub fn code(self) -> u32 {
+        match self {
+            SourceType::Bf16 => 1,
+            SourceType::F16 => 2,
+            SourceType::F32 => 3,
+        }
+    }
+
+    pub fn from_code(code: u32) -> Option<SourceType> {
+        match code {
+            1 => Some(SourceType::Bf16),
+            2 => Some(SourceType::F16),
+            3 => Some(SourceType::F32),
+            _ => None,
+        }
+    }
+}

@@ -1,0 +1,287 @@
+//! The quantizing stage of a step: the plan's quantization jobs (`plan::QuantRoute`), run on the
+//! runner's group stream once every copy of the step has landed.
+//!
+//! - Direct commit: every job runs at the end of the run, writing the live codes and scales.
+//! - Staged commit: jobs reading sources in place write into quantization staging the executor owns
+//!   on the receiver, which the commit installs with the step's other bytes (codes and scales are
+//!   segments of the last slice's install); jobs reading a need's staging buffer run at the commit,
+//!   after the install has filled that buffer, so nothing live is written before the commit.
+
+use super::flows::rank_of;
+use crate::error::{Error, Result, Status};
+use crate::group::Group;
+use crate::plan::{Plan, QuantPath};
+use crate::quant::{check_jobs, QuantJob};
+use crate::segment::Segment;
+use crate::transport::access::first_unusable;
+use crate::transport::verify::PreparedVerify;
+use crate::transport::{Backend, Stream};
+
+/// When a group of jobs runs.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub(super) enum When {
+    /// At the end of every run, after its copies.
+    Run,
+    /// At the commit, after the installs (staged commit).
+    Commit,
+}
+
+/// The jobs one rank runs at one point of the step.
+pub(super) struct RankJobs {
+    pub rank: usize,
+    pub when: When,
+    pub jobs: Vec<QuantJob>,
+    /// The tensor and receiving device of each job, for messages.
+    labels: Vec<(String, u32)>,
+    /// With verify: the same jobs into scratch, compared with what the jobs wrote.
+    check: Option<Check>,
+}
+
+/// The verify of one rank's jobs: each job quantized again into scratch of the rank's device, then
+/// its codes and scales compared on the device with that second quantization of the same sources.
+struct Check {
+    jobs: Vec<QuantJob>,
+    /// Segment 2j (codes) and 2j + 1 (scales) of job j: from the scratch to what the job wrote.
+    compare: PreparedVerify,
+    bytes: u64,
+}
+
+/// Everything the executor quantizes.
+#[derive(Default)]
+pub(super) struct Quantizing {
+    pub ranks: Vec<RankJobs>,
+    /// Install segments per receiving rank: quantization staging into the live codes and scales.
+    pub installs: Vec<(usize, Vec<Segment>)>,
+    /// (device, allocation) of each quantization staging buffer.
+    pub staging: Vec<(i32, u64)>,
+    /// Elements quantized per step.
+    pub elements: u64,
+}
+
+impl Quantizing {
+    /// The jobs of `process`'s receivers in `plan`, checked (the jobs of all needs together write no
+    /// byte twice; every byte they touch is memory of the device that runs them, or of a device it
+    /// reaches directly) and, under staged commit, given their staging.
+    pub fn new(group: &Group, plan: &Plan, process: u32, staged: bool, verify: bool) -> Result<Quantizing> {
+        let mut out = Quantizing::default();
+        let routes: Vec<_> = plan.quant_routes().iter().filter(|r| r.receiver.process == process).collect();
+        if routes.is_empty() {
+            return Ok(out);
+        }
+        let all: Vec<QuantJob> = routes.iter().flat_map(|r| r.jobs.iter().copied()).collect();
+        check_jobs(&all)
+            .map_err(|e| Error::new(e.status, format!("the plan's quantized needs: {}", e.message)))?;
+        for route in &routes {
+            let runner = rank_of(group, route.runner)?;
+            let receiver = rank_of(group, route.receiver)?;
+            if runner != receiver && !group.all_peers_direct() {
+                crate::bail!(
+                    Status::Unsupported,
+                    "quantized need of tensor '{}': device {} quantizes in place for device {} but cannot write its \
+                     memory (no peer access); give the need a staging buffer",
+                    route.tensor,
+                    route.runner.device,
+                    route.receiver.device
+                );
+            }
+            let device = group.device(runner)?;
+            check_memory(group.backend().as_ref(), device, &route.tensor, &route.jobs)?;
+            out.elements = out.elements.saturating_add(route.elements());
+        }
+        for route in routes {
+            let runner = rank_of(group, route.runner)?;
+            let receiver = rank_of(group, route.receiver)?;
+            let (when, jobs) = match (staged, route.path) {
+                (false, _) => (When::Run, route.jobs.clone()),
+                (true, QuantPath::Staged) => (When::Commit, route.jobs.clone()),
+                (true, QuantPath::Direct) => {
+                    let (into, installs) = out.packed(group, receiver, &route.jobs)?;
+                    match out.installs.iter_mut().find(|(rank, _)| *rank == receiver) {
+                        Some((_, list)) => list.extend(installs),
+                        None => out.installs.push((receiver, installs)),
+                    }
+                    (When::Run, into)
+                }
+            };
+            let labels = vec![(route.tensor.clone(), route.receiver.device); jobs.len()];
+            match out.ranks.iter_mut().find(|r| r.rank == runner && r.when == when) {
+                Some(existing) => {
+                    existing.jobs.extend(jobs);
+                    existing.labels.extend(labels);
+                }
+                None => out.ranks.push(RankJobs { rank: runner, when, jobs, labels, check: None }),
+            }
+        }
+        if verify {
+            for i in 0..out.ranks.len() {
+                let rank = out.ranks[i].rank;
+                let (jobs, segments) = out.packed(group, rank, &out.ranks[i].jobs.clone())?;
+                let bytes = segments.iter().filter_map(Segment::bytes).sum();
+                let compare = PreparedVerify::new(group.backend().as_ref(), group.device(rank)?, &segments)?;
+                out.ranks[i].check = Some(Check { jobs, compare, bytes });
+            }
+        }
+        Ok(out)
+    }
+
+    /// `jobs` pointed at packed buffers allocated on `rank`'s device (codes rows 16-byte aligned, then
+    /// each scale grid, every start 16-byte aligned), and the segments from there into the places the
+    /// jobs name (the staged commit's installs; the verify's comparisons).
+    fn packed(
+        &mut self,
+        group: &Group,
+        rank: usize,
+        jobs: &[QuantJob],
+    ) -> Result<(Vec<QuantJob>, Vec<Segment>)> {
+        let mut size = 0u64;
+        let mut places = Vec::with_capacity(jobs.len());
+        for job in jobs {
+            let pitch = job.cols.next_multiple_of(16);
+            let codes = size;
+            size += (job.rows * pitch).next_multiple_of(16);
+            let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
+            let scales = size;
+            size += (grid_rows * grid_cols * job.quantization.scale_kind().size()).next_multiple_of(16);
+            places.push((codes, pitch, scales, grid_cols));
+        }
+        let device = group.device(rank)?;
+        let bytes = usize::try_from(size + 16).map_err(|_| {
+            Error::new(Status::OutOfMemory, "quantization staging larger than the address space")
+        })?;
+        let allocation = group.backend().alloc(device, bytes).map_err(|e| {
+            e.context(format!("allocating {bytes} bytes of quantization staging on device {device}"))
+        })?;
+        self.staging.push((device, allocation));
+        let base = allocation.next_multiple_of(16);
+        let mut packed = Vec::with_capacity(jobs.len());
+        let mut segments = Vec::with_capacity(2 * jobs.len());
+        for (job, (codes, pitch, scales, grid_cols)) in jobs.iter().zip(places) {
+            let scale_size = job.quantization.scale_kind().size();
+            let (grid_rows, _) = job.quantization.scale_grid(job.rows, job.cols);
+            let into = QuantJob {
+                dst: base + codes,
+                dst_stride: pitch,
+                scales: base + scales,
+                scale_stride: grid_cols,
+                ..*job
+            };
+            segments.push(Segment {
+                src: into.dst,
+                dst: job.dst,
+                len: job.cols,
+                count: [job.rows, 1],
+                src_stride: [pitch, 0],
+                dst_stride: [job.dst_stride, 0],
+            });
+            segments.push(Segment {
+                src: into.scales,
+                dst: job.scales,
+                len: grid_cols * scale_size,
+                count: [grid_rows, 1],
+                src_stride: [grid_cols * scale_size, 0],
+                dst_stride: [job.scale_stride * scale_size, 0],
+            });
+            packed.push(into);
+        }
+        Ok((packed, segments))
+    }
+
+    /// The ranks whose streams run jobs.
+    pub fn ranks(&self) -> impl Iterator<Item = usize> + '_ {
+        self.ranks.iter().map(|r| r.rank)
+    }
+
+    pub fn has(&self, when: When) -> bool {
+        self.ranks.iter().any(|r| r.when == when)
+    }
+
+    /// Whether a job reads or writes a byte of `[start, start + length)` (on any device: ranges of
+    /// one process's devices do not overlap).
+    pub fn touches(&self, start: u64, length: u64) -> bool {
+        let end = start.saturating_add(length);
+        self.ranks.iter().flat_map(|r| &r.jobs).flat_map(QuantJob::regions).any(|region| {
+            let (lo, span) = (region.src, region.span(crate::segment::Side::Source).unwrap_or(u64::MAX));
+            region.runs() > 0 && lo < end && start < lo.saturating_add(span)
+        })
+    }
+
+    /// Elements the jobs that run at `when` quantize.
+    pub fn elements_at(&self, when: When) -> u64 {
+        self.ranks.iter().filter(|r| r.when == when).flat_map(|r| &r.jobs).map(QuantJob::elements).sum()
+    }
+
+    /// Queues the jobs that run at `when`, each rank's on its group stream (ordered after every
+    /// rank's copies by the caller).
+    ///
+    /// # Safety
+    /// The jobs' memory is live (the caller's promise on the plan's; the staging is ours).
+    pub unsafe fn queue(&self, group: &Group, when: When, hook: impl Fn() -> Result<()>) -> Result<()> {
+        for r in self.ranks.iter().filter(|r| r.when == when && !r.jobs.is_empty()) {
+            let stream: Stream = group.stream(r.rank)?;
+            let device = group.device(r.rank)?;
+            // SAFETY: the caller's promise; every byte was checked to be the device's at creation.
+            unsafe { group.backend().quantize_batch(device, stream, &r.jobs) }?;
+        }
+        if self.ranks.iter().any(|r| r.when == when && r.check.is_some()) {
+            hook()?;
+        }
+        for r in self.ranks.iter().filter(|r| r.when == when) {
+            let Some(check) = &r.check else { continue };
+            let (stream, device) = (group.stream(r.rank)?, group.device(r.rank)?);
+            // SAFETY: as above; the scratch is ours.
+            unsafe { group.backend().quantize_batch(device, stream, &check.jobs) }?;
+            // SAFETY: the jobs' outputs and the scratch stay valid until the comparison has run.
+            unsafe { check.compare.launch(stream) }?;
+        }
+        Ok(())
+    }
+
+    /// Bytes of codes and scales the verify of the jobs at `when` compares (0 without verify).
+    pub fn checked_bytes(&self, when: When) -> u64 {
+        self.ranks.iter().filter(|r| r.when == when).filter_map(|r| r.check.as_ref()).map(|c| c.bytes).sum()
+    }
+
+    /// With verify: waits for the comparisons queued at `when` and reads them. Returns the bytes
+    /// found equal to a second quantization of the same sources, or VerifyMismatch naming the tensor,
+    /// the job and whether its codes or its scales differ.
+    pub fn read_checks(&self, group: &Group, when: When) -> Result<u64> {
+        let mut bytes = 0;
+        for r in self.ranks.iter().filter(|r| r.when == when) {
+            let Some(check) = &r.check else { continue };
+            let (stream, device) = (group.stream(r.rank)?, group.device(r.rank)?);
+            group.backend().sync_stream(device, stream)?;
+            if let Some(segment) = check.compare.outcome()? {
+                let j = segment / 2;
+                let (tensor, receiver) = &r.labels[j];
+                let job = &r.jobs[j];
+                crate::bail!(
+                    Status::VerifyMismatch,
+                    "quantized need of tensor '{tensor}' on device {receiver}: the {} of its {} x {} matrix at {:#x} \
+                     differ from a second quantization of the same sources",
+                    if segment % 2 == 0 { "codes" } else { "scales" },
+                    job.rows,
+                    job.cols,
+                    job.dst
+                );
+            }
+            bytes += check.bytes;
+        }
+        Ok(bytes)
+    }
+}
+
+/// INVALID_ARGUMENT unless every byte the jobs read or write is memory `device` can use.
+fn check_memory(backend: &dyn Backend, device: i32, tensor: &str, jobs: &[QuantJob]) -> Result<()> {
+    let regions: Vec<Segment> = jobs.iter().flat_map(QuantJob::regions).collect();
+    let owners = |_| (None, Some(device));
+    let Some(bad) = first_unusable(backend, &regions, owners, true)? else { return Ok(()) };
+    let what = ["source", "codes", "scales"][bad.segment % 3];
+    let (addr, len) = bad.range;
+    crate::bail!(
+        Status::InvalidArgument,
+        "quantized need of tensor '{tensor}': its {what} [{addr:#x}, +{len:#x}) is not memory device {device} can use: \
+         {:#x} {}",
+        bad.refusal.at,
+        bad.refusal.why
+    )
+}

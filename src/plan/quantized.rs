@@ -1,0 +1,640 @@
+//! Needs that receive FP8: a box of a tensor delivered as FP8 codes and scales, quantized on the way
+//! (`crate::quant` holds the arithmetic). Planned in front of the byte planner, one of two paths per
+//! need:
+//!
+//! - **direct**: offers in the receiver's own process tile the box so that every quantization block
+//!   lies inside one of them. The quantizing copy reads those sources in place and writes codes and
+//!   scales straight into the need's memory, on the source's device: one byte per element crosses
+//!   to the receiver instead of two.
+//! - **staged**: a block spans offers, or the sources are in another process. The box's elements
+//!   are routed like any need into the need's staging buffer on the receiver (a bf16 copy of the
+//!   box, row-major), through every transport the byte planner has, and quantized there.
+//!
+//! The staged path adds one plain need per quantized need (the `shadow` table), so coverage, replicas,
+//! owners, transports and staged commit stay the byte planner's. What comes out is a list of
+//! [`QuantRoute`]s: the quantization jobs each device runs after the bytes have landed.
+
+use super::boxes::{byte_span, Boxed, Dims};
+use super::builder::TableBuilder;
+use super::digest::Fnv1a;
+use super::options::Limits;
+use super::stats::PlanStats;
+use super::table::{Endpoint, Need, Region, Table, TensorSpec, MAX_DIMS};
+use crate::error::{Error, Result, Status};
+use crate::quant::job::check_job;
+use crate::quant::{Granularity, QuantJob, Quantization, SourceType};
+use std::collections::{BTreeMap, HashMap};
+
+/// A need for FP8: `region` of tensor `tensor` quantized to `quantization` into FP8 codes at `addr`
+/// and scales at `scales`, on `receiver`.
+///
+/// The box is a stack of matrices: its last two dimensions are rows and columns (a 1-dimensional box
+/// is one row), the dimensions before them index matrices, each quantized on its own with its blocks
+/// counted from its first element. Code (.., r, c) of the box lands at
+/// `addr + sum_d (i_d - offset_d) * strides[d]` bytes (`strides` in bytes = FP8 elements; the last
+/// must be 1). Matrix `m` (row-major over the leading dimensions of the box) has its scale grid
+/// ([`Quantization::scale_grid`]) at `scales + m * scale_matrix_stride` scales, grid rows
+/// `scale_row_stride` scales apart.
+///
+/// `staging` (0: none) is a buffer on the receiver of the box's source elements, row-major
+/// (16-byte aligned, rows a multiple of 16 bytes): where the elements land to be quantized when no
+/// direct path exists.
+#[derive(Clone, Debug, PartialEq, Eq, Hash)]
+pub struct QuantNeed {
+    pub tensor: u32,
+    pub receiver: Endpoint,
+    pub addr: u64,
+    pub region: Region,
+    pub strides: Vec<u64>,
+    pub quantization: Quantization,
+    pub source: SourceType,
+    pub scales: u64,
+    pub scale_row_stride: u64,
+    pub scale_matrix_stride: u64,
+    pub staging: u64,
+}
+
+/// Which path a quantized need takes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum QuantPath {
+    /// The jobs read the sources in place.
+    Direct,
+    /// The jobs read the need's staging, filled by the plan's routes.
+    Staged,
+}
+
+/// The quantization jobs one device runs for one quantized need.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct QuantRoute {
+    /// The need's number among the plan's quantized needs (sorted by receiver, tensor, box).
+    pub need: usize,
+    pub tensor: String,
+    pub receiver: Endpoint,
+    /// The device whose stream runs the jobs: the sources' (direct) or the receiver's (staged).
+    pub runner: Endpoint,
+    pub path: QuantPath,
+    pub jobs: Vec<QuantJob>,
+}
+
+impl QuantRoute {
+    /// Source bytes the jobs read.
+    pub fn source_bytes(&self) -> u64 {
+        self.jobs.iter().map(|j| j.elements().saturating_mul(j.source.size())).fold(0, u64::saturating_add)
+    }
+
+    pub fn elements(&self) -> u64 {
+        self.jobs.iter().map(QuantJob::elements).fold(0, u64::saturating_add)
+    }
+}
+
+/// Where a quantized need's box sits: its dimensions, and which of them are rows and columns.
+#[derive(Clone, Copy, Debug)]
+struct Geometry {
+    n: usize,
+    lo: Dims,
+    ext: Dims,
+    /// Code strides in bytes, by dimension.
+    strides: Dims,
+    elem: u64,
+}
+
+impl Geometry {
+    /// The row and column dimensions (None: a dimension the box does not have, of extent 1).
+    fn matrix_dims(&self) -> (Option<usize>, Option<usize>) {
+        match self.n {
+            0 => (None, None),
+            1 => (None, Some(0)),
+            n => (Some(n - 2), Some(n - 1)),
+        }
+    }
+
+    /// Dimensions indexing matrices.
+    fn leading(&self) -> usize {
+        self.n.saturating_sub(2)
+    }
+
+    fn extent_of(&self, bx: &Boxed, d: Option<usize>) -> u64 {
+        d.map_or(1, |d| bx.ext[d])
+    }
+
+    fn rows_cols(&self) -> (u64, u64) {
+        let (r, c) = self.matrix_dims();
+        (r.map_or(1, |d| self.ext[d]), c.map_or(1, |d| self.ext[d]))
+    }
+
+    fn matrices(&self) -> u64 {
+        self.ext[..self.leading()].iter().product()
+    }
+
+    fn whole(&self) -> Boxed {
+        Boxed::new(self.lo, self.ext)
+    }
+}
+
+impl QuantNeed {
+    /// Checks the need against its tensor (see [`TableBuilder::add_quant_need`]).
+    pub(crate) fn check(&self, spec: &TensorSpec) -> Result<()> {
+        spec.validate()?;
+        self.geometry(spec).map(|_| ())
+    }
+
+    /// Checks the need against its tensor: box, strides, element size, quantization, the ranges of
+    /// codes, scales and staging.
+    fn geometry(&self, spec: &TensorSpec) -> Result<Geometry> {
+        let name = &spec.name;
+        let invalid = |message: String| {
+            Error::invalid_argument(format!("quantized need of tensor '{name}': {message}"))
+        };
+        let need = Need {
+            tensor: self.tensor,
+            receiver: self.receiver,
+            addr: self.addr,
+            region: self.region.clone(),
+            perm: None,
+            strides: self.strides.clone(),
+        };
+        // Box and stride count as a plain need of one-byte elements (the codes).
+        let codes = TensorSpec { elem_size: 1, ..spec.clone() };
+        let resolved = need.resolve(&codes)?;
+        let n = spec.shape.len();
+        let elem = u64::from(spec.elem_size);
+        if elem != self.source.size() {
+            return Err(invalid(format!(
+                "the tensor's elements are {elem} bytes; source type {:?} has {}",
+                self.source,
+                self.source.size()
+            )));
+        }
+        let g = Geometry { n, lo: resolved.lo, ext: resolved.ext, strides: resolved.strides, elem };
+        if n >= 1 && g.ext[n - 1] > 1 && g.strides[n - 1] != 1 {
+            return Err(invalid(format!(
+                "the last destination stride is {}; codes of a row must be contiguous (1)",
+                g.strides[n - 1]
+            )));
+        }
+        let (rows, cols) = g.rows_cols();
+        let probe = QuantJob {
+            quantization: self.quantization,
+            source: self.source,
+            src: 16,
+            rows: 0,
+            cols: 0,
+            src_stride: 0,
+            dst: 8,
+            dst_stride: 0,
+            scales: 4,
+            scale_stride: 0,
+        };
+        check_job(0, &probe).map_err(|e| invalid(e.message.trim_start_matches("jobs[0]: ").to_string()))?;
+        if g.whole().is_empty(n) {
+            return Ok(g);
+        }
+        let (grid_rows, grid_cols) = self.quantization.scale_grid(rows, cols);
+        let scale_size = self.quantization.scale_kind().size();
+        if grid_rows > 1 && self.scale_row_stride < grid_cols {
+            return Err(invalid(format!(
+                "scale_row_stride {} is below the {grid_cols} scales of a grid row ({grid_rows} x {grid_cols} scales per matrix)",
+                self.scale_row_stride
+            )));
+        }
+        let grid_span =
+            (grid_rows - 1).checked_mul(self.scale_row_stride).and_then(|s| s.checked_add(grid_cols));
+        let matrices = g.matrices();
+        if matrices > 1 && grid_span.is_none_or(|span| self.scale_matrix_stride < span) {
+            return Err(invalid(format!(
+                "scale_matrix_stride {} is below the {} scales one matrix's grid spans ({matrices} matrices)",
+                self.scale_matrix_stride,
+                grid_span.map_or("2^64".into(), |s| s.to_string())
+            )));
+        }
+        let scales_end = (matrices - 1)
+            .checked_mul(self.scale_matrix_stride)
+            .and_then(|s| s.checked_add(grid_span?))
+            .and_then(|s| s.checked_mul(scale_size))
+            .and_then(|s| self.scales.checked_add(s));
+        if self.scales == 0 || scales_end.is_none() {
+            return Err(invalid(format!(
+                "scales at {:#x} are 0 or run past the end of the address space",
+                self.scales
+            )));
+        }
+        if self.staging != 0 {
+            let row_bytes = cols * elem;
+            if self.staging % 16 != 0 || (rows > 1 && row_bytes % 16 != 0) {
+                return Err(invalid(format!(
+                    "staging at {:#x} with rows of {row_bytes} bytes: staging and its rows must start on 16 bytes \
+                     (columns a multiple of {})",
+                    self.staging,
+                    16 / elem
+                )));
+            }
+            let span = byte_span(n, &g.ext, &row_major(n, &g.ext), elem);
+            if span.and_then(|s| self.staging.checked_add(s)).is_none() {
+                return Err(invalid(format!(
+                    "staging at {:#x} runs past the end of the address space",
+                    self.staging
+                )));
+            }
+        }
+        Ok(g)
+    }
+}
+
+/// Element strides of a row-major box of extent `ext`.
+fn row_major(n: usize, ext: &Dims) -> Dims {
+    let mut strides = [0; MAX_DIMS];
+    let mut step = 1u64;
+    for d in (0..n).rev() {
+        strides[d] = step;
+        step = step.saturating_mul(ext[d]);
+    }
+    strides
+}
+
+/// An offer as the quantized planner sees it.
+#[derive(Clone, Copy, Debug)]
+struct Source {
+    owner: Endpoint,
+    /// The address of the offer's corner element, `corner`.
+    addr: u64,
+    corner: Dims,
+    /// The offer's box (a piece: cut to the need).
+    bx: Boxed,
+    /// Element strides by dimension.
+    strides: Dims,
+}
+
+/// The quantized needs of every table, planned.
+#[derive(Debug, Default)]
+pub(crate) struct Planned {
+    /// A plain need into the staging of each staged quantized need (empty: no table).
+    pub shadow: Table,
+    /// Sorted by receiver, tensor name, runner.
+    pub routes: Vec<QuantRoute>,
+    /// A digest of every quantized need (0 when there is none), for the inputs' fingerprint.
+    pub fingerprint: u64,
+}
+
+/// Plans the quantized needs of `tables` (every process's: the staged path adds needs that every
+/// process must plan alike); `process` Some keeps the routes of that process's receivers.
+pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> Result<Planned> {
+    let mut planned = Planned::default();
+    if tables.iter().all(|t| t.quant_needs.is_empty()) {
+        return Ok(planned);
+    }
+    // Tables decoded from bytes are unchecked until merged, which comes after: every description is
+    // checked before its shape sizes anything here.
+    for table in tables {
+        table.tensors.iter().try_for_each(TensorSpec::validate)?;
+    }
+    let sources = sources_by_name(tables)?;
+    let mut shadow = TableBuilder::new();
+    let mut digest = Fnv1a::new();
+    let mut budget = limits.max_segments;
+    let mut needs: Vec<(&TensorSpec, &QuantNeed)> = Vec::new();
+    for table in tables {
+        for q in &table.quant_needs {
+            let spec = table.tensors.get(q.tensor as usize).ok_or_else(|| {
+                Error::invalid_argument(format!(
+                    "quantized need of tensor index {} but its table has {} tensors",
+                    q.tensor,
+                    table.tensors.len()
+                ))
+            })?;
+            needs.push((spec, q));
+        }
+    }
+    // Tables in any order plan alike.
+    needs.sort_by(|a, b| {
+        (a.1.receiver, &a.0.name, &a.1.region, a.1.addr).cmp(&(
+            b.1.receiver,
+            &b.0.name,
+            &b.1.region,
+            b.1.addr,
+        ))
+    });
+    for (number, (spec, q)) in needs.into_iter().enumerate() {
+        let g = q.geometry(spec)?;
+        hash_need(&mut digest, spec, q);
+        if g.whole().is_empty(g.n) {
+            continue;
+        }
+        let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+        let direct = direct_pieces(q, &g, offers);
+        let routes = match direct {
+            Ok(pieces) => direct_routes(spec, q, &g, &pieces, &mut budget)?,
+            Err(why) if q.staging == 0 => {
+                return Err(Error::new(
+                    Status::Unsupported,
+                    format!(
+                        "quantized need of tensor '{}' on process {} device {}: no direct path ({why}); give the need a \
+                         staging buffer for its {} source elements",
+                        spec.name,
+                        q.receiver.process,
+                        q.receiver.device,
+                        g.whole().volume(g.n)
+                    ),
+                ))
+            }
+            Err(why) => {
+                log::debug!("quantized need of tensor '{}' is staged: {why}", spec.name);
+                shadow.add_tensor(spec.clone()).and_then(|tensor| {
+                    shadow.add_need(Need {
+                        tensor,
+                        receiver: q.receiver,
+                        addr: q.staging,
+                        region: q.region.clone(),
+                        perm: None,
+                        strides: row_major(g.n, &g.ext)[..g.n].to_vec(),
+                    })
+                })?;
+                vec![staged_route(spec, q, &g, &mut budget)?]
+            }
+        };
+        if process.is_none_or(|p| p == q.receiver.process) {
+            planned.routes.extend(routes.into_iter().map(|r| QuantRoute { need: number, ..r }));
+        }
+    }
+    planned.shadow = shadow.into_table();
+    planned.fingerprint = digest.finish();
+    Ok(planned)
+}
+
+fn hash_need(h: &mut Fnv1a, spec: &TensorSpec, q: &QuantNeed) {
+    h.bytes(spec.name.as_bytes());
+    let (granularity, block_rows, block_cols) = match q.quantization.granularity {
+        Granularity::Tensor => (1, 0, 0),
+        Granularity::Row => (2, 0, 0),
+        Granularity::Block { rows, cols } => (3, rows, cols),
+        Granularity::Mx => (4, 0, 0),
+    };
+    for v in [
+        q.receiver.process,
+        q.receiver.device,
+        q.quantization.target as u32,
+        granularity,
+        block_rows,
+        block_cols,
+        q.source as u32,
+    ] {
+        h.u64(v.into());
+    }
+    for v in [q.addr, q.scales, q.scale_row_stride, q.scale_matrix_stride, q.staging] {
+        h.u64(v);
+    }
+    for list in [&q.region.offset, &q.region.extent, &q.strides] {
+        h.u64(list.len() as u64);
+        list.iter().for_each(|v| h.u64(*v));
+    }
+}
+
+/// Every table's offers by tensor name, resolved.
+fn sources_by_name<'t>(tables: &[&'t Table]) -> Result<HashMap<&'t str, Vec<Source>>> {
+    let mut out: HashMap<&str, Vec<Source>> = HashMap::new();
+    for table in tables {
+        for offer in &table.offers {
+            let Some(spec) = table.tensors.get(offer.tensor as usize) else { continue };
+            let resolved = offer.resolve(spec)?;
+            out.entry(spec.name.as_str()).or_default().push(Source {
+                owner: offer.owner,
+                addr: offer.addr,
+                corner: resolved.lo,
+                bx: Boxed::new(resolved.lo, resolved.ext),
+                strides: resolved.strides,
+            });
+        }
+    }
+    Ok(out)
+}
+
+/// Most distinct offers a direct path is looked for among (pairwise disjointness is checked).
+const MAX_DIRECT_PIECES: usize = 4096;
+
+/// The offers that quantize the need in place, one per distinct box, or why there are none.
+fn direct_pieces(q: &QuantNeed, g: &Geometry, offers: &[Source]) -> std::result::Result<Vec<Source>, String> {
+    let n = g.n;
+    let whole = g.whole();
+    // One offer per distinct box, from the receiver's process: the receiver's own device first.
+    let mut chosen: BTreeMap<(Vec<u64>, Vec<u64>), Source> = BTreeMap::new();
+    for s in offers.iter().filter(|s| s.owner.process == q.receiver.process) {
+        if s.bx.intersect(&whole, n).is_none() {
+            continue;
+        }
+        let key = (s.bx.lo[..n].to_vec(), s.bx.ext[..n].to_vec());
+        let rank = |s: &Source| (s.owner != q.receiver, s.owner.device, s.addr);
+        let entry = chosen.entry(key).or_insert(*s);
+        if rank(s) < rank(entry) {
+            *entry = *s;
+        }
+    }
+    if chosen.is_empty() {
+        return Err("no offer of it is in the receiver's process".into());
+    }
+    if chosen.len() > MAX_DIRECT_PIECES {
+        return Err(format!(
+            "{} distinct offers meet it (at most {MAX_DIRECT_PIECES} are tried)",
+            chosen.len()
+        ));
+    }
+    let pieces: Vec<Source> = chosen
+        .into_values()
+        .map(|s| Source { bx: s.bx.intersect(&whole, n).expect("kept above"), ..s })
+        .collect();
+    for (i, a) in pieces.iter().enumerate() {
+        if pieces[i + 1..].iter().any(|b| a.bx.intersect(&b.bx, n).is_some()) {
+            return Err("offers of it in the receiver's process overlap without being replicas".into());
+        }
+    }
+    let covered: u64 = pieces.iter().map(|p| p.bx.volume(n)).sum();
+    if covered != whole.volume(n) {
+        return Err(format!(
+            "offers in the receiver's process hold {covered} of its {} elements",
+            whole.volume(n)
+        ));
+    }
+    let (rows, cols) = g.rows_cols();
+    let (block_rows, block_cols) = q.quantization.block_shape(rows, cols);
+    let (row_dim, col_dim) = g.matrix_dims();
+    for p in &pieces {
+        for (dim, block, what) in [(row_dim, block_rows, "row"), (col_dim, block_cols, "column")] {
+            let Some(d) = dim else { continue };
+            let (start, end) = (p.bx.lo[d] - g.lo[d], p.bx.lo[d] + p.bx.ext[d] - g.lo[d]);
+            if start % block != 0 || (end != g.ext[d] && end % block != 0) {
+                return Err(format!(
+                    "a block of {block_rows} x {block_cols} spans two offers: one holds {what}s {start}..{end} of it"
+                ));
+            }
+        }
+        if let Some(d) = col_dim {
+            if p.bx.ext[d] > 1 && p.strides[d] != 1 {
+                return Err(format!("an offer's rows are not contiguous (column stride {})", p.strides[d]));
+            }
+        }
+    }
+    Ok(pieces)
+}
+
+/// The direct path's jobs, one route per source device.
+fn direct_routes(
+    spec: &TensorSpec,
+    q: &QuantNeed,
+    g: &Geometry,
+    pieces: &[Source],
+    budget: &mut u64,
+) -> Result<Vec<QuantRoute>> {
+    let mut by_runner: BTreeMap<Endpoint, Vec<QuantJob>> = BTreeMap::new();
+    for p in pieces {
+        let jobs = by_runner.entry(p.owner).or_default();
+        let (row_dim, _) = g.matrix_dims();
+        matrix_jobs(q, g, &p.bx, budget, jobs, |at| {
+            (offer_address(p, g, at), row_dim.map_or(0, |d| p.strides[d]))
+        })?;
+    }
+    by_runner
+        .into_iter()
+        .map(|(runner, jobs)| {
+            check(spec, &jobs, "its sources in place")?;
+            Ok(QuantRoute {
+                need: 0,
+                tensor: spec.name.clone(),
+                receiver: q.receiver,
+                runner,
+                path: QuantPath::Direct,
+                jobs,
+            })
+        })
+        .collect()
+}
+
+/// Address of element `at` (inside the offer's box) in the offer piece `p` was cut from.
+fn offer_address(p: &Source, g: &Geometry, at: &Dims) -> u64 {
+    let elements: u64 = (0..g.n).map(|d| (at[d] - p.corner[d]) * p.strides[d]).sum();
+    p.addr + elements * g.elem
+}
+
+/// The staged path's route: one job per matrix, reading the staging buffer.
+fn staged_route(spec: &TensorSpec, q: &QuantNeed, g: &Geometry, budget: &mut u64) -> Result<QuantRoute> {
+    let strides = row_major(g.n, &g.ext);
+    let mut jobs = Vec::new();
+    let (row_dim, _) = g.matrix_dims();
+    matrix_jobs(q, g, &g.whole(), budget, &mut jobs, |at| {
+        let mut elements = 0u64;
+        for d in 0..g.n {
+            elements += (at[d] - g.lo[d]) * strides[d];
+        }
+        (q.staging + elements * g.elem, row_dim.map_or(0, |d| strides[d]))
+    })?;
+    check(spec, &jobs, "its staging")?;
+    Ok(QuantRoute {
+        need: 0,
+        tensor: spec.name.clone(),
+        receiver: q.receiver,
+        runner: q.receiver,
+        path: QuantPath::Staged,
+        jobs,
+    })
+}
+
+/// Checks the jobs of one route, naming the tensor and the path.
+fn check(spec: &TensorSpec, jobs: &[QuantJob], path: &str) -> Result<()> {
+    crate::quant::check_jobs(jobs).map_err(|e| {
+        Error::new(
+            e.status,
+            format!("quantized need of tensor '{}', quantized from {path}: {}", spec.name, e.message),
+        )
+    })
+}
+
+/// Appends one job per matrix of `bx` (a part of the need's box whose rows and columns start on
+/// block boundaries). `source(at)`: the source address of element `at` and the source row stride
+/// in elements.
+fn matrix_jobs(
+    q: &QuantNeed,
+    g: &Geometry,
+    bx: &Boxed,
+    budget: &mut u64,
+    jobs: &mut Vec<QuantJob>,
+    source: impl Fn(&Dims) -> (u64, u64),
+) -> Result<()> {
+    let leading = g.leading();
+    let (row_dim, col_dim) = g.matrix_dims();
+    let (rows, cols) = g.rows_cols();
+    let (block_rows, block_cols) = q.quantization.block_shape(rows, cols);
+    let scale_size = q.quantization.scale_kind().size();
+    let count: u64 = bx.ext[..leading].iter().product();
+    *budget = budget.checked_sub(count).ok_or_else(|| {
+        Error::unsupported("quantized needs make more quantization jobs than the planner's segment limit")
+    })?;
+    jobs.try_reserve(count as usize)
+        .map_err(|_| Error::new(Status::OutOfMemory, "no memory for the quantization jobs"))?;
+    let mut index = vec![0u64; leading];
+    for _ in 0..count {
+        let mut at = bx.lo;
+        for d in 0..leading {
+            at[d] = bx.lo[d] + index[d];
+        }
+        // Matrix number within the need, row-major over its leading dimensions.
+        let m = (0..leading).fold(0u64, |m, d| m * g.ext[d] + (at[d] - g.lo[d]));
+        let mut codes: u64 = (0..leading).map(|d| (at[d] - g.lo[d]) * g.strides[d]).sum();
+        let (r0, c0) = (row_dim.map_or(0, |d| at[d] - g.lo[d]), col_dim.map_or(0, |d| at[d] - g.lo[d]));
+        codes += row_dim.map_or(0, |d| r0 * g.strides[d]) + c0;
+        let scale = m * q.scale_matrix_stride + (r0 / block_rows) * q.scale_row_stride + c0 / block_cols;
+        let (src, src_stride) = source(&at);
+        jobs.push(QuantJob {
+            quantization: q.quantization,
+            source: q.source,
+            src,
+            rows: g.extent_of(bx, row_dim),
+            cols: g.extent_of(bx, col_dim),
+            src_stride,
+            dst: q.addr + codes,
+            dst_stride: row_dim.map_or(0, |d| g.strides[d]),
+            scales: q.scales + scale * scale_size,
+            scale_stride: q.scale_row_stride,
+        });
+        // Next index, last leading dimension fastest.
+        for d in (0..leading).rev() {
+            index[d] += 1;
+            if index[d] < bx.ext[d] {
+                break;
+            }
+            index[d] = 0;
+        }
+    }
+    Ok(())
+}
+
+/// Adds the quantized routes' counts to their receivers' (an entry made for a receiver that has
+/// none, from `shared`: the inputs every receiver's counts carry) and to the plan's `total`.
+pub(crate) fn tally(
+    routes: &[QuantRoute],
+    total: &mut PlanStats,
+    receivers: &mut Vec<(Endpoint, PlanStats)>,
+    shared: &PlanStats,
+) {
+    let mut last_need = None;
+    for route in routes {
+        let at = match receivers.binary_search_by_key(&route.receiver, |(e, _)| *e) {
+            Ok(at) => at,
+            Err(at) => {
+                let fresh = PlanStats {
+                    offers_in: shared.offers_in,
+                    replica_sets: shared.replica_sets,
+                    ..PlanStats::default()
+                };
+                receivers.insert(at, (route.receiver, fresh));
+                at
+            }
+        };
+        let new_need = last_need.replace(route.need) != Some(route.need);
+        for stats in [&mut receivers[at].1, &mut *total] {
+            stats.quantized_needs += u64::from(new_need);
+            stats.quantized_elements = stats.quantized_elements.saturating_add(route.elements());
+            let bytes = match route.path {
+                QuantPath::Direct => &mut stats.quantized_direct_bytes,
+                QuantPath::Staged => &mut stats.quantized_staged_bytes,
+            };
+            *bytes = bytes.saturating_add(route.source_bytes());
+        }
+    }
+}

@@ -1,0 +1,576 @@
+//! Quantized needs planned and executed on the host backend: a bf16 tensor offered in shards over two
+//! simulated devices, received as FP8 codes and scales. Every code and scale is compared with the
+//! reference quantizer run over the whole needed box gathered in one piece, so the plan's cutting of
+//! the box into per-source jobs, the staged path, staged commit and the scale placement are all
+//! checked against one quantization of each matrix.
+
+#[path = "common/quant_cases.rs"]
+mod quant_cases;
+
+use quant_cases::{Aligned, Rng};
+use refit::exec::{CommitMode, ExecOptions, Executor};
+use refit::group::{BackendChoice, Group, GroupOptions};
+use refit::plan::{
+    self, wire, Endpoint, Offer, Plan, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec,
+};
+use refit::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
+use refit::transport::host::HostBackend;
+use refit::transport::{Backend, Stream};
+use refit::Status;
+
+const SENTINEL: u8 = 0x5a;
+/// The tensor: 2 matrices of 40 x 48 bf16.
+const SHAPE: [u64; 3] = [2, 40, 48];
+
+fn group() -> Group {
+    Group::new(&[0, 1], GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap()
+}
+
+fn bf16(x: f32) -> [u8; 2] {
+    ((x.to_bits() >> 16) as u16).to_le_bytes()
+}
+
+/// The tensor's elements, row-major: random magnitudes over many binades, a zero block, and an
+/// infinity and a NaN in the second matrix.
+fn tensor_values(seed: u64) -> Vec<[u8; 2]> {
+    let mut rng = Rng::new(seed);
+    let count = SHAPE.iter().product::<u64>() as usize;
+    let mut values: Vec<[u8; 2]> = (0..count)
+        .map(|_| {
+            let exponent = (rng.next() % 24) as i32 - 12;
+            let mantissa = 1.0 + (rng.next() % 128) as f32 / 128.0;
+            let sign = if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
+            bf16(sign * mantissa * 2f32.powi(exponent))
+        })
+        .collect();
+    let at = |m: u64, r: u64, c: u64| ((m * SHAPE[1] + r) * SHAPE[2] + c) as usize;
+    for r in 0..16 {
+        for c in 0..16 {
+            values[at(0, r, c)] = bf16(0.0);
+        }
+    }
+    values[at(1, 3, 5)] = bf16(f32::INFINITY);
+    values[at(1, 20, 40)] = bf16(f32::NAN);
+    values
+}
+
+/// A shard of the tensor in its own buffer: `lo`/`ext` of the global shape, row-major.
+struct Shard {
+    lo: [u64; 3],
+    ext: [u64; 3],
+    memory: Aligned,
+}
+
+impl Shard {
+    fn new(values: &[[u8; 2]], lo: [u64; 3], ext: [u64; 3]) -> Shard {
+        let mut memory = Aligned::new((ext.iter().product::<u64>() * 2) as usize, 0);
+        let mut i = 0;
+        for m in lo[0]..lo[0] + ext[0] {
+            for r in lo[1]..lo[1] + ext[1] {
+                for c in lo[2]..lo[2] + ext[2] {
+                    let v = values[((m * SHAPE[1] + r) * SHAPE[2] + c) as usize];
+                    memory.bytes_mut()[i..i + 2].copy_from_slice(&v);
+                    i += 2;
+                }
+            }
+        }
+        Shard { lo, ext, memory }
+    }
+}
+
+/// What one quantized need receives: codes, scales and staging, each with its layout.
+struct Received {
+    lo: [u64; 3],
+    ext: [u64; 3],
+    quantization: Quantization,
+    codes: Aligned,
+    /// Code row pitch (bytes), a multiple of 16 above the columns.
+    pitch: u64,
+    scales: Aligned,
+    grid: (u64, u64),
+    staging: Option<Aligned>,
+}
+
+impl Received {
+    fn new(lo: [u64; 3], ext: [u64; 3], quantization: Quantization, staging: bool) -> Received {
+        let pitch = ext[2].next_multiple_of(16) + 16;
+        let grid = quantization.scale_grid(ext[1], ext[2]);
+        let scale_size = quantization.scale_kind().size();
+        Received {
+            lo,
+            ext,
+            quantization,
+            codes: Aligned::new((ext[0] * ext[1] * pitch) as usize, SENTINEL),
+            pitch,
+            scales: Aligned::new((ext[0] * grid.0 * grid.1 * scale_size) as usize, SENTINEL),
+            grid,
+            staging: staging.then(|| Aligned::new((ext.iter().product::<u64>() * 2) as usize, SENTINEL)),
+        }
+    }
+
+    fn need(&self, tensor: u32, receiver: Endpoint) -> QuantNeed {
+        QuantNeed {
+            tensor,
+            receiver,
+            addr: self.codes.addr(),
+            region: Region { offset: self.lo.to_vec(), extent: self.ext.to_vec() },
+            strides: vec![self.ext[1] * self.pitch, self.pitch, 1],
+            quantization: self.quantization,
+            source: SourceType::Bf16,
+            scales: self.scales.addr(),
+            scale_row_stride: self.grid.1,
+            scale_matrix_stride: self.grid.0 * self.grid.1,
+            staging: self.staging.as_ref().map_or(0, Aligned::addr),
+        }
+    }
+
+    /// The reference: each matrix of the box gathered in one buffer and quantized by one job.
+    fn expected(&self, values: &[[u8; 2]]) -> (Vec<u8>, Vec<u8>) {
+        let whole = Shard::new(values, self.lo, self.ext);
+        let mut codes = Aligned::new(self.codes.bytes().len(), SENTINEL);
+        let mut scales = Aligned::new(self.scales.bytes().len(), SENTINEL);
+        let scale_size = self.quantization.scale_kind().size();
+        let jobs: Vec<QuantJob> = (0..self.ext[0])
+            .map(|m| QuantJob {
+                quantization: self.quantization,
+                source: SourceType::Bf16,
+                src: whole.memory.addr() + m * self.ext[1] * self.ext[2] * 2,
+                rows: self.ext[1],
+                cols: self.ext[2],
+                src_stride: self.ext[2],
+                dst: codes.addr() + m * self.ext[1] * self.pitch,
+                dst_stride: self.pitch,
+                scales: scales.addr() + m * self.grid.0 * self.grid.1 * scale_size,
+                scale_stride: self.grid.1,
+            })
+            .collect();
+        let backend = HostBackend::new(1).unwrap();
+        // SAFETY: the buffers above outlive the call, which completes on return.
+        unsafe { backend.quantize_batch(0, Stream::NULL, &jobs) }.unwrap();
+        let _ = (&mut codes, &mut scales);
+        (codes.bytes().to_vec(), scales.bytes().to_vec())
+    }
+
+    /// "codes" / "scales" for each output differing from the reference, with the first offset.
+    fn differences(&self, values: &[[u8; 2]]) -> Vec<String> {
+        let (codes, scales) = self.expected(values);
+        let mut out = Vec::new();
+        for (what, got, want) in
+            [("codes", self.codes.bytes(), &codes), ("scales", self.scales.bytes(), &scales)]
+        {
+            if let Some(at) = got.iter().zip(want.iter()).position(|(a, b)| a != b) {
+                out.push(format!(
+                    "{what} differ first at byte {at}: {:#04x} instead of {:#04x}",
+                    got[at], want[at]
+                ));
+            }
+        }
+        out
+    }
+}
+
+fn spec() -> TensorSpec {
+    TensorSpec { name: "w".into(), dtype: 7, elem_size: 2, shape: SHAPE.to_vec() }
+}
+
+fn offer(shard: &Shard, owner: Endpoint) -> Offer {
+    Offer {
+        tensor: 0,
+        owner,
+        addr: shard.memory.addr(),
+        region: Region { offset: shard.lo.to_vec(), extent: shard.ext.to_vec() },
+        strides: None,
+        digest: None,
+    }
+}
+
+const DEV0: Endpoint = Endpoint { process: 0, device: 0 };
+const DEV1: Endpoint = Endpoint { process: 0, device: 1 };
+
+/// Two shards of the whole tensor cut along `dim` at `at`, on devices 0 and 1.
+fn halves(values: &[[u8; 2]], dim: usize, at: u64) -> Vec<(Shard, Endpoint)> {
+    let (mut lo, mut ext) = ([0; 3], SHAPE);
+    ext[dim] = at;
+    let first = Shard::new(values, lo, ext);
+    lo[dim] = at;
+    ext[dim] = SHAPE[dim] - at;
+    vec![(first, DEV0), (Shard::new(values, lo, ext), DEV1)]
+}
+
+fn table(shards: &[(Shard, Endpoint)], needs: &[(&Received, Endpoint)]) -> Table {
+    Table {
+        tensors: vec![spec()],
+        offers: shards.iter().map(|(s, owner)| offer(s, *owner)).collect(),
+        needs: vec![],
+        quant_needs: needs.iter().map(|(r, e)| r.need(0, *e)).collect(),
+    }
+}
+
+fn build(table: &Table) -> refit::Result<Plan> {
+    plan::build(std::slice::from_ref(table), &PlanOptions::default())
+}
+
+fn execute(plan: &Plan, commit: CommitMode) -> refit::Result<()> {
+    let group = group();
+    let mut executor = Executor::new(&group, plan, 0, ExecOptions { commit, ..ExecOptions::default() })?;
+    // SAFETY: every address of the plan is a live buffer of this test.
+    let stats = unsafe { executor.run(&group) }?;
+    if commit == CommitMode::Staged {
+        // SAFETY: as above.
+        let committed = unsafe { executor.commit(&group) }?;
+        assert_eq!(
+            stats.quantized_elements + committed.quantized_elements,
+            plan.stats().quantized_elements,
+            "every element is quantized once, by the run or the commit"
+        );
+    } else {
+        assert_eq!(stats.quantized_elements, plan.stats().quantized_elements);
+    }
+    Ok(())
+}
+
+const BLOCK16: Granularity = Granularity::Block { rows: 16, cols: 16 };
+
+fn quantizations() -> Vec<Quantization> {
+    let mut out = Vec::new();
+    for target in [Fp8::E4m3fn, Fp8::E5m2] {
+        for granularity in [
+            Granularity::Tensor,
+            Granularity::Row,
+            BLOCK16,
+            Granularity::Block { rows: 128, cols: 128 },
+            Granularity::Mx,
+        ] {
+            out.push(Quantization { target, granularity });
+        }
+    }
+    out
+}
+
+/// Whether shards cut along `dim` at `at` keep every block of `q` whole (relative to row 0 / col 0).
+fn keeps_blocks(q: &Quantization, dim: usize, at: u64) -> bool {
+    let (block_rows, block_cols) = q.block_shape(SHAPE[1], SHAPE[2]);
+    match dim {
+        0 => true,
+        1 => at % block_rows == 0,
+        _ => at % block_cols == 0,
+    }
+}
+
+#[test]
+fn every_granularity_and_cut_matches_the_reference_direct_and_staged() {
+    let values = tensor_values(11);
+    let mut paths = std::collections::BTreeSet::new();
+    for q in quantizations() {
+        for (dim, at) in [(0, 1), (1, 32), (1, 20), (2, 32), (2, 8)] {
+            for commit in [CommitMode::Direct, CommitMode::Staged] {
+                let shards = halves(&values, dim, at);
+                let mut received = Received::new([0; 3], SHAPE, q, true);
+                let plan = build(&table(&shards, &[(&received, DEV0)])).unwrap();
+                let direct = keeps_blocks(&q, dim, at);
+                let want = if direct { QuantPath::Direct } else { QuantPath::Staged };
+                assert!(plan.quant_routes().iter().all(|r| r.path == want), "{q:?} cut {dim}@{at}");
+                paths.insert(format!("{want:?}"));
+                let stats = plan.stats();
+                let bytes = SHAPE.iter().product::<u64>() * 2;
+                assert_eq!(stats.quantized_needs, 1);
+                assert_eq!(stats.quantized_elements, bytes / 2);
+                assert_eq!(
+                    (stats.quantized_direct_bytes, stats.quantized_staged_bytes),
+                    if direct { (bytes, 0) } else { (0, bytes) }
+                );
+                if direct {
+                    // Each device quantizes its own shard, in place.
+                    let runners: Vec<Endpoint> = plan.quant_routes().iter().map(|r| r.runner).collect();
+                    assert_eq!(runners, vec![DEV0, DEV1]);
+                }
+                execute(&plan, commit).unwrap();
+                let wrong = received.differences(&values);
+                assert!(wrong.is_empty(), "{q:?} cut {dim}@{at} {commit:?}: {wrong:?}");
+                received.codes.bytes_mut().fill(SENTINEL);
+            }
+        }
+    }
+    assert_eq!(paths.len(), 2, "both paths were taken");
+}
+
+#[test]
+fn a_box_inside_the_tensor_counts_blocks_from_its_own_corner() {
+    // Matrix 1, rows 16..40, columns 16..48; shards cut at row 32 = row 16 of the box, so 16 x 16
+    // blocks stay whole and the box is quantized in place, by both devices.
+    let values = tensor_values(12);
+    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let shards = halves(&values, 1, 32);
+    let received = Received::new([1, 16, 16], [1, 24, 32], q, false);
+    let plan = build(&table(&shards, &[(&received, DEV1)])).unwrap();
+    assert!(plan.quant_routes().iter().all(|r| r.path == QuantPath::Direct));
+    assert_eq!(plan.quant_routes().len(), 2);
+    execute(&plan, CommitMode::Direct).unwrap();
+    assert!(received.differences(&values).is_empty(), "{:?}", received.differences(&values));
+}
+
+#[test]
+fn a_staged_run_writes_nothing_live_before_the_commit() {
+    let values = tensor_values(13);
+    for (dim, at) in [(1, 32), (1, 20)] {
+        let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+        let shards = halves(&values, dim, at);
+        let received = Received::new([0; 3], SHAPE, q, true);
+        let plan = build(&table(&shards, &[(&received, DEV0)])).unwrap();
+        let group = group();
+        let options = ExecOptions { commit: CommitMode::Staged, ..ExecOptions::default() };
+        let mut executor = Executor::new(&group, &plan, 0, options).unwrap();
+        // SAFETY: the plan's buffers are alive.
+        unsafe { executor.run(&group) }.unwrap();
+        assert!(
+            received.codes.bytes().iter().all(|&b| b == SENTINEL),
+            "cut {dim}@{at}: codes written by the run"
+        );
+        assert!(
+            received.scales.bytes().iter().all(|&b| b == SENTINEL),
+            "cut {dim}@{at}: scales written by the run"
+        );
+        // SAFETY: as above.
+        unsafe { executor.commit(&group) }.unwrap();
+        assert!(received.differences(&values).is_empty(), "cut {dim}@{at}");
+    }
+}
+
+#[test]
+fn two_receivers_on_two_devices_each_get_their_half() {
+    // TP 2 over rows: device 0 receives rows 0..16, device 1 rows 16..40, from shards cut at 20
+    // (device 0's half straddles the cut: staged; device 1's too).
+    let values = tensor_values(14);
+    let q = Quantization { target: Fp8::E5m2, granularity: Granularity::Row };
+    let shards = halves(&values, 2, 24);
+    let top = Received::new([0, 0, 0], [2, 16, 48], q, true);
+    let bottom = Received::new([0, 16, 0], [2, 24, 48], q, true);
+    let plan = build(&table(&shards, &[(&top, DEV0), (&bottom, DEV1)])).unwrap();
+    assert_eq!(plan.stats().quantized_needs, 2);
+    assert!(plan.quant_routes().iter().all(|r| r.path == QuantPath::Staged));
+    assert_eq!(plan.receiver_stats(DEV1).quantized_elements, 2 * 24 * 48);
+    execute(&plan, CommitMode::Direct).unwrap();
+    assert!(top.differences(&values).is_empty() && bottom.differences(&values).is_empty());
+}
+
+fn fails<T>(result: refit::Result<T>, status: Status, words: &[&str]) {
+    let Err(err) = result else { panic!("expected {status:?}, got success") };
+    assert_eq!(err.status, status, "{}", err.message);
+    for word in words {
+        assert!(err.message.contains(word), "{:?} lacks {word:?}", err.message);
+    }
+}
+
+#[test]
+fn needs_that_cannot_be_met_are_refused_naming_the_tensor() {
+    let values = tensor_values(15);
+    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    // A block spans the shards and there is no staging.
+    let shards = halves(&values, 1, 20);
+    let received = Received::new([0; 3], SHAPE, q, false);
+    fails(build(&table(&shards, &[(&received, DEV0)])), Status::Unsupported, &["'w'", "spans", "staging"]);
+    // The sources are in another process and there is no staging.
+    let mut t = table(&halves(&values, 1, 32), &[(&received, DEV0)]);
+    t.offers.iter_mut().for_each(|o| o.owner.process = 1);
+    fails(build(&t), Status::Unsupported, &["'w'", "receiver's process"]);
+    // Elements of another size than the source type's.
+    let mut t = table(&shards, &[(&received, DEV0)]);
+    t.quant_needs[0].source = SourceType::F32;
+    fails(build(&t), Status::InvalidArgument, &["'w'", "4"]);
+    // Codes of a row not contiguous.
+    let mut t = table(&shards, &[(&received, DEV0)]);
+    t.quant_needs[0].strides[2] = 2;
+    fails(build(&t), Status::InvalidArgument, &["'w'", "contiguous"]);
+    // Scale grids that would overlap.
+    let mut t = table(&shards, &[(&received, DEV0)]);
+    t.quant_needs[0].scale_row_stride = 1;
+    fails(build(&t), Status::InvalidArgument, &["'w'", "scale_row_stride"]);
+    let mut t = table(&shards, &[(&received, DEV0)]);
+    t.quant_needs[0].scale_matrix_stride = 2;
+    fails(build(&t), Status::InvalidArgument, &["'w'", "scale_matrix_stride"]);
+    // A bad block shape.
+    let mut t = table(&shards, &[(&received, DEV0)]);
+    t.quant_needs[0].quantization.granularity = Granularity::Block { rows: 16, cols: 12 };
+    fails(build(&t), Status::InvalidArgument, &["'w'", "multiple of 8"]);
+    // Misaligned staging.
+    let staged = Received::new([0; 3], SHAPE, q, true);
+    let mut t = table(&shards, &[(&staged, DEV0)]);
+    t.quant_needs[0].staging += 2;
+    fails(build(&t), Status::InvalidArgument, &["'w'", "staging"]);
+}
+
+#[test]
+fn overlapping_codes_and_bad_memory_are_refused_at_creation_and_rebinds_of_quantized_memory_too() {
+    let values = tensor_values(16);
+    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let shards = halves(&values, 1, 32);
+    let a = Received::new([0, 0, 0], [1, 40, 48], q, false);
+    let b = Received::new([1, 0, 0], [1, 40, 48], q, false);
+    let mut t = table(&shards, &[(&a, DEV0), (&b, DEV0)]);
+    t.quant_needs[1].addr = t.quant_needs[0].addr + 64;
+    let plan = build(&t).unwrap();
+    fails(Executor::new(&group(), &plan, 0, ExecOptions::default()), Status::Overlap, &["quantized"]);
+    // Codes in the first page.
+    let mut t = table(&shards, &[(&a, DEV0)]);
+    t.quant_needs[0].addr = 64;
+    let plan = build(&t).unwrap();
+    fails(
+        Executor::new(&group(), &plan, 0, ExecOptions::default()),
+        Status::InvalidArgument,
+        &["'w'", "codes"],
+    );
+    // A rebind of the codes would leave the jobs writing the old place: refused, nothing changed.
+    let plan = build(&table(&shards, &[(&a, DEV0)])).unwrap();
+    let group = group();
+    let mut executor = Executor::new(&group, &plan, 0, ExecOptions::default()).unwrap();
+    let moved = Aligned::new(a.codes.bytes().len(), 0);
+    let err = executor.rebind(0, a.codes.addr(), moved.addr(), a.codes.bytes().len() as u64).unwrap_err();
+    assert_eq!(err.status, Status::Unsupported, "{}", err.message);
+    // SAFETY: the plan's buffers are alive.
+    unsafe { executor.run(&group) }.unwrap();
+    assert!(a.differences(&values).is_empty());
+}
+
+#[test]
+fn tables_with_quantized_needs_survive_the_wire_and_plan_alike() {
+    let values = tensor_values(17);
+    let q = Quantization { target: Fp8::E5m2, granularity: Granularity::Mx };
+    let shards = halves(&values, 1, 20);
+    let received = Received::new([0; 3], SHAPE, q, true);
+    let t = table(&shards, &[(&received, DEV0)]);
+    let bytes = wire::encode(&t);
+    assert_eq!(bytes[4], wire::VERSION_QUANTIZED);
+    let back = wire::decode(&bytes).unwrap();
+    assert_eq!(back, t);
+    let (a, b) = (build(&t).unwrap(), build(&back).unwrap());
+    assert_eq!(a.fingerprint(), b.fingerprint());
+    assert_eq!(a.inputs_fingerprint(), b.inputs_fingerprint());
+    // The quantized need is part of the inputs: another scale stride is another plan.
+    let mut other = t.clone();
+    other.quant_needs[0].scale_matrix_stride += 1;
+    assert_ne!(build(&other).unwrap().inputs_fingerprint(), a.inputs_fingerprint());
+    // Without quantized needs the format is version 1, as before.
+    let plain = Table { quant_needs: vec![], ..t };
+    assert_eq!(wire::encode(&plain)[4], wire::VERSION);
+}
+
+/// A hook that flips a byte at `address` on the stream of the rank running the quantization, after
+/// the jobs and before their verify.
+fn corrupting(address: u64, rank: usize) -> refit::exec::Hook {
+    std::sync::Arc::new(move |stage, group: &Group| {
+        if stage == refit::exec::Stage::QuantVerify {
+            let stream = refit::transport::host::host_stream(group.stream(rank)?)?;
+            // SAFETY: the address is a byte of the test's memory, alive for the whole test.
+            stream.enqueue(move || unsafe { *(address as usize as *mut u8) ^= 0x01 })?;
+        }
+        Ok(())
+    })
+}
+
+#[test]
+fn verify_checks_codes_and_scales_against_a_second_quantization() {
+    let values = tensor_values(18);
+    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let code_bytes = SHAPE.iter().product::<u64>();
+    let scale_bytes = SHAPE[0] * 3 * 3 * 4;
+    for (dim, at) in [(1, 32), (1, 20)] {
+        for commit in [CommitMode::Direct, CommitMode::Staged] {
+            let shards = halves(&values, dim, at);
+            let received = Received::new([0; 3], SHAPE, q, true);
+            let plan = build(&table(&shards, &[(&received, DEV0)])).unwrap();
+            let group = group();
+            let options = ExecOptions { commit, verify: true, ..ExecOptions::default() };
+            let mut executor = Executor::new(&group, &plan, 0, options).unwrap();
+            // SAFETY: the plan's buffers are alive.
+            let ran = unsafe { executor.run(&group) }.unwrap();
+            let mut verified = ran.verified_bytes;
+            if commit == CommitMode::Staged {
+                // SAFETY: as above.
+                let committed = unsafe { executor.commit(&group) }.unwrap();
+                assert!(committed.verified);
+                verified += committed.verified_bytes;
+            }
+            // Every code and scale was checked (a staged path's bf16 copies into staging are verified
+            // as well, as any copy).
+            assert!(ran.verified, "{commit:?} cut {at}");
+            assert!(verified >= code_bytes + scale_bytes, "{commit:?} cut {at}: {verified}");
+            assert!(received.differences(&values).is_empty());
+
+            // A code flipped after its quantization is caught, naming the tensor; nothing is committed.
+            let runner = if dim == 1 && at == 32 { 1 } else { 0 };
+            // Direct path: device 1 quantizes rows 32.. into row 32 of the codes; staged: device 0 all.
+            let flipped = received.codes.addr() + 32 * received.pitch + 5;
+            let target = if commit == CommitMode::Staged && runner == 1 { None } else { Some(flipped) };
+            let Some(address) = target else { continue };
+            let options = ExecOptions {
+                commit,
+                verify: true,
+                hook: Some(corrupting(address, runner)),
+                ..ExecOptions::default()
+            };
+            let mut corrupted = Executor::new(&group, &plan, 0, options).unwrap();
+            // SAFETY: as above.
+            let outcome = unsafe { corrupted.run(&group) }.and_then(|_| unsafe { corrupted.commit(&group) });
+            let err = outcome.unwrap_err();
+            assert_eq!(err.status, refit::Status::VerifyMismatch, "{commit:?} cut {at}: {}", err.message);
+            assert!(err.message.contains("'w'") && err.message.contains("codes"), "{}", err.message);
+        }
+    }
+}
+
+#[test]
+fn hostile_quantized_needs_are_refused_not_a_panic() {
+    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let need = |shape: Vec<u64>, extent: Vec<u64>, strides: Vec<u64>| Table {
+        tensors: vec![TensorSpec { name: "h".into(), dtype: 0, elem_size: 2, shape: shape.clone() }],
+        offers: vec![Offer {
+            tensor: 0,
+            owner: DEV0,
+            addr: 1 << 40,
+            region: Region { offset: vec![0; shape.len()], extent: shape.clone() },
+            strides: None,
+            digest: None,
+        }],
+        needs: vec![],
+        quant_needs: vec![QuantNeed {
+            tensor: 0,
+            receiver: DEV0,
+            addr: 1 << 41,
+            region: Region { offset: vec![0; extent.len()], extent },
+            strides,
+            quantization: q,
+            source: SourceType::Bf16,
+            scales: 1 << 42,
+            scale_row_stride: u64::MAX / 2,
+            scale_matrix_stride: u64::MAX / 2,
+            staging: 0,
+        }],
+    };
+    let cases = [
+        // More dimensions than a box may have.
+        need(vec![1; 12], vec![1; 12], vec![1; 12]),
+        // A shape whose element count overflows.
+        need(vec![u64::MAX, u64::MAX, 16], vec![1, 16, 16], vec![256, 16, 1]),
+        // Scale strides whose grids run past the address space.
+        need(vec![4, 64, 64], vec![4, 64, 64], vec![4096, 64, 1]),
+        // A stride count that differs from the dimensions.
+        need(vec![64, 64], vec![64, 64], vec![64]),
+    ];
+    for table in cases {
+        let err = build(&table).unwrap_err();
+        assert!(
+            matches!(err.status, Status::InvalidArgument | Status::TensorMismatch | Status::Unsupported),
+            "{:?}: {}",
+            err.status,
+            err.message
+        );
+    }
+    // Millions of one-row matrices: bounded by the planner's segment limit, refused rather than held.
+    let mut many = need(vec![1 << 24, 1, 16], vec![1 << 24, 1, 16], vec![16, 16, 1]);
+    many.quant_needs[0].scale_row_stride = 1;
+    many.quant_needs[0].scale_matrix_stride = 1;
+    let limits = refit::plan::Limits { max_segments: 1 << 20, ..refit::plan::Limits::default() };
+    let err =
+        plan::build_with_limits(std::slice::from_ref(&many), &PlanOptions::default(), &limits).unwrap_err();
+    assert_eq!(err.status, Status::Unsupported, "{}", err.message);
+}
