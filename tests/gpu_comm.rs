@@ -319,8 +319,7 @@ fn nccl_allgather_of_one_rank_with_and_without_the_counts_check() {
     in_processes(test, BackendKind::Cuda, &[End::Done; 1], |rank, size, id| {
         for check_counts in [true, false] {
             let options = CommOptions { check_counts, ..options(60_000) };
-            let id =
-                if check_counts { id.clone() } else { Communicator::unique_id(BackendKind::Cuda).unwrap() };
+            let id = if check_counts { *id } else { Communicator::unique_id(BackendKind::Cuda).unwrap() };
             let comm = Communicator::create(&id, size, rank, 0, options).unwrap();
             let stream = RefitStream(Stream::new(0).raw as usize as u64);
             let recv = Buffer::new(0, 4096);
