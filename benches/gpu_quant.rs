@@ -183,7 +183,14 @@ fn main() {
     println!("| path | ms | B/element at least | bound ms | bound / ours |");
     println!("|---|---|---|---|---|");
     for r in &executor_rows {
-        println!("| {} | {:.3} | {} | {:.3} | {:.2} |", r.name, r.ms, r.bytes_per_element, r.bound_ms(copy_ms), r.bound_ms(copy_ms) / r.ms);
+        println!(
+            "| {} | {:.3} | {} | {:.3} | {:.2} |",
+            r.name,
+            r.ms,
+            r.bytes_per_element,
+            r.bound_ms(copy_ms),
+            r.bound_ms(copy_ms) / r.ms
+        );
     }
 
     let dir = std::env::var("REFIT_BENCH_RESULTS").unwrap_or_else(|_| "benches/results".to_string());
@@ -234,13 +241,16 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
     use refit::plan::{self, Endpoint, Offer, PlanOptions, QuantNeed, Region, Table, TensorSpec};
     use std::time::Instant;
 
-    let group = ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
+    let group =
+        ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
     let here = Endpoint { process: 0, device: 0 };
     let q = Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } };
     let (grid_rows, grid_cols) = q.scale_grid(ROWS, COLS);
     let staging = Buffer::new(0, (ROWS * COLS * 2) as usize);
     let mut out = Vec::new();
-    for (name, cut, bytes_per_element) in [("in place (offers cut at row 32768)", ROWS / 2, 3), ("staged (offers cut at row 32700)", 32700, 7)] {
+    for (name, cut, bytes_per_element) in
+        [("in place (offers cut at row 32768)", ROWS / 2, 3), ("staged (offers cut at row 32700)", 32700, 7)]
+    {
         let offer = |lo: u64, rows: u64| Offer {
             tensor: 0,
             owner: here,
@@ -283,10 +293,19 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
         let source = download(src.ptr, (check_rows * COLS * 2) as usize);
         let got = download(dst.ptr, (check_rows * COLS) as usize);
         let got_scales = download(scales.ptr, (grid_cols * 4) as usize);
-        let matrix = SourceMatrix { bytes: &source, source: SourceType::Bf16, rows: check_rows, cols: COLS, stride: COLS };
+        let matrix = SourceMatrix {
+            bytes: &source,
+            source: SourceType::Bf16,
+            rows: check_rows,
+            cols: COLS,
+            stride: COLS,
+        };
         let (mut want, mut want_scales) = (vec![0u8; got.len()], vec![0u8; got_scales.len()]);
         quantize(q, &matrix, &mut want, COLS, &mut want_scales, grid_cols);
-        assert!(got == want && got_scales == want_scales, "{name}: the executor's codes differ from the reference");
+        assert!(
+            got == want && got_scales == want_scales,
+            "{name}: the executor's codes differ from the reference"
+        );
         out.push(Row { name, ms: copy_support::median(times), bytes_per_element });
     }
     out
