@@ -8,7 +8,8 @@
 //! tables (crossing the ABI in their wire encoding, as processes exchange them), the plan, and the
 //! executor with its options (arm, SM budget, verify, staged commit) and its per-step stats. Every
 //! publisher element is a known function of (tensor, element), so after each phase every received
-//! element is checked.
+//! element is checked. With `--serve fp8` the receivers take their 2-D weights as FP8 codes and
+//! scales quantized on the way (examples/serve/fp8.rs), each checked against the reference quantizer.
 //!
 //! Usage: see `USAGE` below (`cargo run --release --example demo -- --help` prints it). Before it
 //! allocates anything the demo prints the memory it needs (host memory on the host backend).
@@ -29,6 +30,8 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+#[path = "serve/fp8.rs"]
+mod fp8;
 #[path = "across/processes.rs"]
 mod processes;
 
@@ -49,12 +52,24 @@ Usage: cargo run --release --example demo [-- OPTIONS]
   --staging-limit MIB   staged phase: staging per receiving device (default 8192; 0: the whole step,
                         as much memory again as the receivers' buffers)
   --processes P         run publishers and receivers as P separate processes (examples/across/)
+  --serve S             what receivers get: bf16 (default) or fp8 (2-D weights as e4m3fn codes with
+                        fp32 scales per 128 x 128 block, quantized from finite bf16 publishers on the
+                        way; norms stay bf16); every code and scale is checked against the reference
   -h, --help            print this and exit
 
 Phase 1 runs K direct steps (the executor writes the live buffers). Phase 2 runs two staged,
 verified steps: the run lands everything in staging and checks it, the live buffers stay untouched
 until the commit installs it (with several slices, the run installs all but the last).
 ";
+
+/// What the receivers are served.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+enum Serve {
+    /// The publishers' bf16, as it is.
+    Bf16,
+    /// 2-D weights quantized to FP8 on the way (examples/serve/fp8.rs).
+    Fp8,
+}
 
 struct Args {
     help: bool,
@@ -66,6 +81,7 @@ struct Args {
     arm: u32,
     sm_budget: u32,
     staging_limit_mib: u64,
+    serve: Serve,
 }
 
 fn parse_args() -> Result<Args, String> {
@@ -79,6 +95,7 @@ fn parse_args() -> Result<Args, String> {
         arm: REFIT_ARM_AUTO,
         sm_budget: 0,
         staging_limit_mib: 8192,
+        serve: Serve::Bf16,
     };
     let mut it = std::env::args().skip(1);
     while let Some(flag) = it.next() {
@@ -107,6 +124,13 @@ fn parse_args() -> Result<Args, String> {
                     other => return Err(format!("--layout: {other} is not separate or packed")),
                 }
             }
+            "--serve" => {
+                args.serve = match value()?.as_str() {
+                    "bf16" => Serve::Bf16,
+                    "fp8" => Serve::Fp8,
+                    other => return Err(format!("--serve: {other} is not bf16 or fp8")),
+                }
+            }
             other => return Err(format!("unknown argument {other} (--help lists the options)")),
         }
     }
@@ -115,12 +139,17 @@ fn parse_args() -> Result<Args, String> {
 
 /// A refit status as a Result, with the library's message.
 fn ok(status: Status, call: &str) -> Result<(), String> {
+    status_ok(status, call).map_err(|(_, message)| message)
+}
+
+/// As `ok`, keeping the status for callers that act on it.
+fn status_ok(status: Status, call: &str) -> Result<(), (Status, String)> {
     if status == Status::Success {
         return Ok(());
     }
     // SAFETY: the library returns a NUL-terminated string valid until the next failing call.
     let message = unsafe { CStr::from_ptr(refit_last_error_message()) }.to_string_lossy().into_owned();
-    Err(format!("{call}: {} ({message})", status.name().to_string_lossy()))
+    Err((status, format!("{call}: {} ({message})", status.name().to_string_lossy())))
 }
 
 fn gib(bytes: u64) -> f64 {
@@ -316,6 +345,9 @@ struct Memory {
     backend: Arc<dyn Backend>,
     bases: Vec<u64>,
     on_gpu: bool,
+    /// Live receiver memory besides the workload's buffers, `(device, address, bytes)`: the FP8
+    /// arenas of `--serve fp8`, poisoned and checked untouched with the buffers.
+    arenas: Vec<(u32, u64, u64)>,
 }
 
 impl Memory {
@@ -340,8 +372,28 @@ impl Memory {
     }
 }
 
+/// What every publisher element holds: a known function of (tensor, element).
+#[derive(Clone, Copy)]
+struct Values {
+    /// `--serve fp8`: bf16 elements are finite (fp8::finite_bf16), so that quantization blocks hold
+    /// no NaN.
+    finite: bool,
+}
+
+impl Values {
+    /// Element `global` of `tensor` (`es` bytes): element_value's low bytes, or a finite bf16.
+    #[inline(always)]
+    fn get(self, tensor: u32, global: u64, es: usize) -> u64 {
+        if self.finite && es == 2 {
+            u64::from(fp8::finite_bf16(tensor, global))
+        } else {
+            element_value(tensor, global)
+        }
+    }
+}
+
 /// Writes every publisher element's known value.
-fn fill_publishers(w: &Workload, memory: &Memory) -> Result<(), String> {
+fn fill_publishers(w: &Workload, memory: &Memory, values: Values) -> Result<(), String> {
     let total = w.offers.iter().map(|p| w.bytes(p)).sum();
     with_progress("filling publisher buffers", total, |done| {
         for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Publisher) {
@@ -356,7 +408,7 @@ fn fill_publishers(w: &Workload, memory: &Memory) -> Result<(), String> {
                     let (at, global) = row(w, p, r);
                     let base = ptr.at(at as usize);
                     for c in 0..inner {
-                        let value = element_value(p.tensor, global + c);
+                        let value = values.get(p.tensor, global + c, es);
                         // SAFETY: offers in one buffer are disjoint boxes inside it.
                         unsafe { write_element(base.add(c as usize * es), value, es) };
                     }
@@ -381,28 +433,30 @@ const POISON: u8 = 0xa5;
 /// come between two pieces, and no copy of a whole buffer is held).
 const PIECE: u64 = 64 << 20;
 
-/// Every receiver buffer's pieces: (buffer, offset, length).
-fn receiver_pieces(w: &Workload) -> Vec<(usize, u64, u64)> {
+/// Every receiver buffer's pieces, then every arena's: (device, address, length).
+fn receiver_pieces(w: &Workload, memory: &Memory) -> Vec<(i32, u64, u64)> {
+    let buffers = w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver);
+    let regions = buffers.map(|(b, x)| (x.endpoint.device, memory.bases[b], x.bytes));
     let mut pieces = Vec::new();
-    for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver) {
+    for (device, base, bytes) in regions.chain(memory.arenas.iter().copied()) {
         let mut at = 0;
-        while at < buffer.bytes {
-            pieces.push((b, at, PIECE.min(buffer.bytes - at)));
+        while at < bytes {
+            pieces.push((device as i32, base + at, PIECE.min(bytes - at)));
             at += PIECE;
         }
     }
     pieces
 }
 
-/// Overwrites every receiver buffer with POISON.
+/// Overwrites every receiver buffer (and arena) with POISON.
 fn poison_receivers(w: &Workload, memory: &Memory) -> Result<(), String> {
-    let total = w.buffers.iter().filter(|x| x.role == Role::Receiver).map(|x| x.bytes).sum();
+    let pieces = receiver_pieces(w, memory);
+    let total = pieces.iter().map(|p| p.2).sum();
     let poison = vec![POISON; PIECE as usize];
     with_progress("poisoning receiver buffers", total, |done| {
-        for (b, at, len) in receiver_pieces(w) {
-            let device = w.buffers[b].endpoint.device as i32;
-            // SAFETY: bases[b] was allocated with buffer.bytes on this device; at + len is inside.
-            unsafe { memory.backend.write(device, memory.bases[b] + at, &poison[..len as usize]) }
+        for (device, at, len) in pieces {
+            // SAFETY: each piece lies inside a buffer or arena allocated on this device.
+            unsafe { memory.backend.write(device, at, &poison[..len as usize]) }
                 .map_err(|e| e.to_string())?;
             done.fetch_add(len, Ordering::Relaxed);
         }
@@ -410,16 +464,16 @@ fn poison_receivers(w: &Workload, memory: &Memory) -> Result<(), String> {
     })
 }
 
-/// Whether every receiver byte still holds POISON.
+/// Whether every receiver byte (arenas too) still holds POISON.
 fn receivers_poisoned(w: &Workload, memory: &Memory) -> Result<bool, String> {
-    let total = w.buffers.iter().filter(|x| x.role == Role::Receiver).map(|x| x.bytes).sum();
+    let pieces = receiver_pieces(w, memory);
+    let total = pieces.iter().map(|p| p.2).sum();
     let mut bytes = vec![0u8; PIECE as usize];
     with_progress("checking the live buffers are untouched", total, |done| {
-        for (b, at, len) in receiver_pieces(w) {
-            let device = w.buffers[b].endpoint.device as i32;
+        for (device, at, len) in pieces {
             let piece = &mut bytes[..len as usize];
             // SAFETY: as in poison_receivers.
-            unsafe { memory.backend.read(device, memory.bases[b] + at, piece) }.map_err(|e| e.to_string())?;
+            unsafe { memory.backend.read(device, at, piece) }.map_err(|e| e.to_string())?;
             if piece.iter().any(|&x| x != POISON) {
                 return Ok(false);
             }
@@ -431,12 +485,22 @@ fn receivers_poisoned(w: &Workload, memory: &Memory) -> Result<bool, String> {
 
 /// The memory the demo will use, printed before it allocates: every buffer, the staged phase's
 /// staging on each receiving device (its received bytes, at most `staging_limit`), and on GPUs the
-/// host image of the largest buffer (filled or checked on the host, one buffer at a time).
-fn print_memory_need(w: &Workload, on_gpu: bool, staging_limit: u64) -> Result<(), String> {
+/// host image of the largest buffer (filled or checked on the host, one buffer at a time), and the
+/// FP8 arenas of `--serve fp8` (`arenas`: device, bytes).
+fn print_memory_need(
+    w: &Workload,
+    on_gpu: bool,
+    staging_limit: u64,
+    arenas: &[(u32, u64)],
+) -> Result<(), String> {
     let mut per_device: std::collections::BTreeMap<u32, u64> = Default::default();
     for buffer in &w.buffers {
         *per_device.entry(buffer.endpoint.device).or_default() += buffer.bytes;
     }
+    for &(device, bytes) in arenas {
+        *per_device.entry(device).or_default() += bytes;
+    }
+    let fp8: u64 = arenas.iter().map(|a| a.1).sum();
     let mut staging = 0;
     for (endpoint, bytes) in w.need_bytes() {
         let staged = if staging_limit == 0 { bytes } else { bytes.min(staging_limit) };
@@ -455,7 +519,7 @@ fn print_memory_need(w: &Workload, on_gpu: bool, staging_limit: u64) -> Result<(
         );
         return Ok(());
     }
-    let need = buffers + staging + PIECE;
+    let need = buffers + fp8 + staging + PIECE;
     let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
         m.lines()
             .find_map(|l| l.strip_prefix("MemAvailable:"))
@@ -463,9 +527,10 @@ fn print_memory_need(w: &Workload, on_gpu: bool, staging_limit: u64) -> Result<(
             .map(|kib| kib << 10)
     });
     println!(
-        "  needs about {:.1} GB of host memory: buffers {:.2} GiB, staging {:.2} GiB (phase 2), checks {:.2} GiB{}",
+        "  needs about {:.1} GB of host memory: buffers {:.2} GiB{}, staging {:.2} GiB (phase 2), checks {:.2} GiB{}",
         need as f64 / 1e9,
         gib(buffers),
+        if fp8 > 0 { format!(", FP8 codes and scales {:.2} GiB", gib(fp8)) } else { String::new() },
         gib(staging),
         gib(PIECE),
         available.map_or(String::new(), |a| format!("; {:.1} GB available", a as f64 / 1e9))
@@ -479,13 +544,22 @@ fn print_memory_need(w: &Workload, on_gpu: bool, staging_limit: u64) -> Result<(
     Ok(())
 }
 
-/// Checks every received element against its known value; returns the elements checked.
-fn check_receivers(w: &Workload, memory: &Memory) -> Result<u64, String> {
-    let total = w.needs.iter().map(|p| w.bytes(p)).sum();
+/// Checks every received element of the needs that are not `quantized` (by need index; empty:
+/// none is) against its known value; returns the elements checked.
+fn check_receivers(w: &Workload, memory: &Memory, values: Values, quantized: &[bool]) -> Result<u64, String> {
+    let plain = |i: usize| !quantized.get(i).copied().unwrap_or(false);
+    let total = w.needs.iter().enumerate().filter(|(i, _)| plain(*i)).map(|(_, p)| w.bytes(p)).sum();
     let checked = AtomicU64::new(0);
     with_progress("checking every received element", total, |done| {
         for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver) {
-            let needs: Vec<Placed> = w.needs.iter().filter(|n| n.buffer as usize == b).cloned().collect();
+            let needs: Vec<Placed> = (w.needs.iter().enumerate())
+                .filter(|&(i, n)| n.buffer as usize == b && plain(i))
+                .map(|(_, n)| n.clone())
+                .collect();
+            if needs.is_empty() {
+                // Every need of the buffer is quantized: it receives nothing.
+                continue;
+            }
             let mut image = memory.image(w, b, true)?;
             let ptr = memory.pointer(&mut image, b);
             parallel(&row_work(w, &needs), |i, first, rows| {
@@ -499,7 +573,7 @@ fn check_receivers(w: &Workload, memory: &Memory) -> Result<u64, String> {
                     for c in 0..inner {
                         // SAFETY: the need lies inside its buffer.
                         let got = unsafe { read_element(base.add(c as usize * es), es) };
-                        if got != element_value(n.tensor, global + c) & mask {
+                        if got != values.get(n.tensor, global + c, es) & mask {
                             let tensor = &w.catalog.tensors[n.tensor as usize].name;
                             return Err(format!(
                                 "{}: element {} of {tensor} is wrong",
@@ -518,22 +592,25 @@ fn check_receivers(w: &Workload, memory: &Memory) -> Result<u64, String> {
     })
 }
 
-/// The plan through the C API: each process rank's table encoded, decoded by `refit_table_decode`,
-/// and planned by `refit_plan_build`.
-fn plan_through_c(w: &Workload, bases: &[u64]) -> Result<*mut refit_plan, String> {
-    let tables = w.tables(bases).map_err(|e| e.to_string())?;
+/// The plan through the C API: each process rank's table (`w.tables`, with `--serve fp8` its
+/// quantized needs) encoded, decoded by `refit_table_decode`, and planned by `refit_plan_build`.
+fn plan_through_c(tables: &[refit::plan::Table]) -> Result<*mut refit_plan, (Status, String)> {
     let mut decoded: Vec<*mut refit_table> = Vec::new();
-    for table in &tables {
+    for table in tables {
         let bytes = wire::encode(table);
         let mut handle = std::ptr::null_mut();
         // SAFETY: `bytes` is readable for its length; `handle` is a writable slot.
-        ok(unsafe { refit_table_decode(bytes.as_ptr(), bytes.len(), &mut handle) }, "refit_table_decode")?;
+        let status = unsafe { refit_table_decode(bytes.as_ptr(), bytes.len(), &mut handle) };
+        if let Err(e) = status_ok(status, "refit_table_decode") {
+            decoded.into_iter().for_each(|t| refit_table_destroy(t));
+            return Err(e);
+        }
         decoded.push(handle);
     }
     let mut plan = std::ptr::null_mut();
     let readers: Vec<*const refit_table> = decoded.iter().map(|&t| t as *const _).collect();
     // SAFETY: live tables, NULL options (defaults), a writable slot.
-    let built = ok(
+    let built = status_ok(
         unsafe { refit_plan_build(readers.as_ptr(), readers.len(), std::ptr::null(), &mut plan) },
         "refit_plan_build",
     );
@@ -541,6 +618,84 @@ fn plan_through_c(w: &Workload, bases: &[u64]) -> Result<*mut refit_plan, String
         refit_table_destroy(table);
     }
     built.map(|()| plan)
+}
+
+/// Allocates `layout`'s arenas of `kinds` on their devices and records their addresses in it;
+/// returns them as `(device, address, bytes)`.
+fn allocate_arenas(
+    backend: &dyn Backend,
+    layout: &mut fp8::Layout,
+    kinds: &[fp8::Kind],
+) -> Result<Vec<(u32, u64, u64)>, String> {
+    let mut out = Vec::new();
+    for (device, kind, bytes) in layout.arenas(kinds) {
+        let base = backend.alloc(device as i32, bytes as usize).map_err(|e| e.to_string())?;
+        layout.bases.insert((device, kind), base);
+        out.push((device, base, bytes));
+    }
+    Ok(out)
+}
+
+/// Plans through the C API; under `--serve fp8` with the quantized needs. When planning finds a
+/// quantized need with no direct path (UNSUPPORTED), every quantized need gets a staging buffer
+/// (allocated here, added to `arenas` to be freed) and planning runs again: the planner quantizes
+/// in place wherever it can whether or not a need has staging, so only the needs without a direct
+/// path use theirs.
+fn plan(
+    w: &Workload,
+    bases: &[u64],
+    layout: Option<&mut fp8::Layout>,
+    backend: &dyn Backend,
+    arenas: &mut Vec<(u32, u64, u64)>,
+) -> Result<*mut refit_plan, String> {
+    let tables = |layout: Option<&fp8::Layout>| -> Result<Vec<refit::plan::Table>, String> {
+        let mut tables = w.tables(bases).map_err(|e| e.to_string())?;
+        if let Some(l) = layout {
+            l.quantize_tables(w, &mut tables)?;
+        }
+        Ok(tables)
+    };
+    let Some(layout) = layout else {
+        return plan_through_c(&tables(None)?).map_err(|(_, message)| message);
+    };
+    match plan_through_c(&tables(Some(layout))?) {
+        Ok(plan) => Ok(plan),
+        Err((Status::Unsupported, message)) => {
+            layout.add_staging();
+            let staging: u64 = layout.arenas(&[fp8::Kind::Staging]).iter().map(|a| a.2).sum();
+            println!(
+                "  {message}\n  giving every quantized need a bf16 staging buffer on its device ({:.2} GiB) and planning \
+                 again (needs with a direct path keep it)",
+                gib(staging)
+            );
+            arenas.extend(allocate_arenas(backend, layout, &[fp8::Kind::Staging])?);
+            plan_through_c(&tables(Some(layout))?).map_err(|(_, message)| message)
+        }
+        Err((_, message)) => Err(message),
+    }
+}
+
+/// Checks every received element: the plain needs' against their values, and under `--serve fp8`
+/// every code and scale of the quantized needs against the reference quantizer.
+fn check_all(
+    w: &Workload,
+    memory: &Memory,
+    values: Values,
+    layout: Option<&fp8::Layout>,
+) -> Result<(), String> {
+    let quantized = layout.map_or(&[][..], |l| &l.quantized[..]);
+    let elements = check_receivers(w, memory, values, quantized)?;
+    match layout {
+        None => println!("  all {elements} received elements correct"),
+        Some(l) => {
+            let (codes, scales) = l.check(w, memory)?;
+            println!(
+                "  all {elements} received BF16 elements, {codes} FP8 codes and {scales} scales correct (the codes and \
+                 scales as the reference quantizer gives them)"
+            );
+        }
+    }
+    Ok(())
 }
 
 fn empty_stats() -> RunStats {
@@ -574,6 +729,9 @@ fn run() -> Result<(), String> {
         return Ok(());
     }
     if let Some(n) = args.processes {
+        if args.serve == Serve::Fp8 {
+            return Err("--serve fp8 runs in one process (without --processes)".into());
+        }
         return processes::run(&args, n);
     }
     let started = Instant::now();
@@ -625,7 +783,26 @@ fn run() -> Result<(), String> {
 
     let workload = Workload::generate(&spec).map_err(|e| e.to_string())?;
     let total: u64 = workload.buffers.iter().map(|b| b.bytes).sum();
-    print_memory_need(&workload, on_gpu, args.staging_limit_mib << 20)?;
+    let mut layout = match args.serve {
+        Serve::Bf16 => None,
+        Serve::Fp8 => Some(fp8::Layout::new(&workload)?),
+    };
+    let live_kinds = [fp8::Kind::Codes, fp8::Kind::Scales];
+    let arena_sizes: Vec<(u32, u64)> = layout.as_ref().map_or(Vec::new(), |l| {
+        l.arenas(&live_kinds).into_iter().map(|(device, _, bytes)| (device, bytes)).collect()
+    });
+    if let Some(l) = &layout {
+        let quantized = l.placements.len();
+        println!(
+            "  serving FP8: {quantized} of the {} receiver needs (2-D weights, {} elements) become quantized needs: \
+             e4m3fn codes with an fp32 scale per 128 x 128 block, quantized from the bf16 sources on the way, \
+             into FP8 arenas on each receiving device; the other {} (norms) stay BF16",
+            workload.needs.len(),
+            l.elements(),
+            workload.needs.len() - quantized
+        );
+    }
+    print_memory_need(&workload, on_gpu, args.staging_limit_mib << 20, &arena_sizes)?;
     println!("[1/5] allocating {} buffers, {:.2} GiB", workload.buffers.len(), gib(total));
     let mut bases = Vec::with_capacity(workload.buffers.len());
     for buffer in &workload.buffers {
@@ -633,12 +810,26 @@ fn run() -> Result<(), String> {
             backend.alloc(buffer.endpoint.device as i32, buffer.bytes as usize).map_err(|e| e.to_string())?,
         );
     }
-    let memory = Memory { backend: Arc::clone(&backend), bases: bases.clone(), on_gpu };
-    println!("[2/5] filling every publisher element with a known value");
-    fill_publishers(&workload, &memory)?;
+    let mut arenas = Vec::new();
+    if let Some(l) = &mut layout {
+        let fp8_total: u64 = arena_sizes.iter().map(|a| a.1).sum();
+        println!("  and {} FP8 arenas (codes, scales), {:.2} GiB", arena_sizes.len(), gib(fp8_total));
+        arenas = allocate_arenas(backend.as_ref(), l, &live_kinds)?;
+    }
+    let memory =
+        Memory { backend: Arc::clone(&backend), bases: bases.clone(), on_gpu, arenas: arenas.clone() };
+    let values = Values { finite: layout.is_some() };
+    if layout.is_some() {
+        println!(
+            "[2/5] filling every publisher element with a known finite value (bf16, magnitudes 2^-9 .. 2^7)"
+        );
+    } else {
+        println!("[2/5] filling every publisher element with a known value");
+    }
+    fill_publishers(&workload, &memory, values)?;
 
     println!("[3/5] planning through the C API (tables encoded, decoded, planned)");
-    let plan = plan_through_c(&workload, &bases)?;
+    let plan = plan(&workload, &bases, layout.as_mut(), backend.as_ref(), &mut arenas)?;
     let mut s = unsafe { std::mem::zeroed::<refit::plan::PlanStats>() };
     s.size = std::mem::size_of::<refit::plan::PlanStats>();
     // SAFETY: a live plan; `s` has its size set.
@@ -661,6 +852,17 @@ fn run() -> Result<(), String> {
         gib(s.bytes_peer),
         gib(s.bytes_remote)
     );
+    if layout.is_some() {
+        println!(
+            "  quantized needs: {} ({} elements to FP8); source bytes quantized in place (direct) {:.2} GiB, \
+             through the needs' staging {:.2} GiB; plain needs: {}",
+            s.quantized_needs,
+            s.quantized_elements,
+            gib(s.quantized_direct_bytes),
+            gib(s.quantized_staged_bytes),
+            s.needs
+        );
+    }
 
     let make = |commit: u32, verify: bool, staging_mib: u64| -> Result<*mut refit_executor, String> {
         let mut options = unsafe { std::mem::zeroed::<refit_executor_options>() };
@@ -684,7 +886,9 @@ fn run() -> Result<(), String> {
     poison_receivers(&workload, &memory)?;
     let direct = make(REFIT_COMMIT_DIRECT, false, 0)?;
     let mut rows = Vec::new();
-    let step_bytes = s.needed_bytes;
+    // Under --serve fp8 a step also reads the sources it quantizes in place (staged ones are needed
+    // bytes already: the routes carry them into staging).
+    let step_bytes = s.needed_bytes + s.quantized_direct_bytes;
     let mut last_rate = None;
     for step in 0..args.steps {
         let mut stats = empty_stats();
@@ -697,8 +901,7 @@ fn run() -> Result<(), String> {
         rows.push((format!("direct {}", step + 1), stats));
     }
     refit_executor_destroy(direct);
-    let elements = check_receivers(&workload, &memory)?;
-    println!("  all {elements} received elements correct");
+    check_all(&workload, &memory, values, layout.as_ref())?;
 
     println!(
         "[5/5] phase 2: two staged, verified steps (run receives into staging and verifies; commit installs)"
@@ -734,16 +937,18 @@ fn run() -> Result<(), String> {
         rows.push((format!("commit {step}"), committed));
     }
     refit_executor_destroy(staged);
-    let elements = check_receivers(&workload, &memory)?;
-    println!("  all {elements} received elements correct");
+    check_all(&workload, &memory, values, layout.as_ref())?;
 
     println!();
-    println!("| step | wall ms | host enqueue ms | host wait ms | device ms | local ms | peer ms | verify ms | commit ms | arm local / peer | payload GB/s |");
-    println!("|---|---|---|---|---|---|---|---|---|---|---|");
+    let (quantized_head, quantized_rule) =
+        if layout.is_some() { (" quantized elements |", "---|") } else { ("", "") };
+    println!("| step | wall ms | host enqueue ms | host wait ms | device ms | local ms | peer ms | verify ms | commit ms | arm local / peer | payload GB/s |{quantized_head}");
+    println!("|---|---|---|---|---|---|---|---|---|---|---|{quantized_rule}");
     for (name, r) in &rows {
         let payload: u64 = r.bytes.iter().sum::<u64>().max(r.installed_bytes);
+        let quantized = if layout.is_some() { format!(" {} |", r.quantized_elements) } else { String::new() };
         println!(
-            "| {name} | {:.2} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} / {} | {:.0} |",
+            "| {name} | {:.2} | {:.3} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {:.2} | {} / {} | {:.0} |{quantized}",
             ms(r.wall_ns),
             ms(r.enqueue_ns),
             ms(r.wait_ns),
@@ -764,7 +969,14 @@ fn run() -> Result<(), String> {
          {between}, which run side by side; verify: checking every copied byte on the device (the kernel's \
          against digests of what it read, the copy engine's against the sources); commit: installing staging \
          into the live buffers; arm: how each route kind moved (kernel, copy engine, or both: long runs by the copy engine); \
-         payload GB/s: bytes moved (installed, for the commit) per wall second{}.",
+         payload GB/s: bytes moved (installed, for the commit) per wall second{1}{0}.",
+        if layout.is_some() {
+            "; quantized elements: those the call quantized to FP8 (a direct run all of them; a staged run those \
+             quantized in place, into staging that its commit installs; a commit those quantized from the needs' \
+             staging)"
+        } else {
+            ""
+        },
         if on_gpu {
             ""
         } else {
@@ -778,6 +990,10 @@ fn run() -> Result<(), String> {
     for (b, buffer) in workload.buffers.iter().enumerate() {
         // SAFETY: allocated above; nothing queued uses it any more (the group is destroyed).
         unsafe { backend.free(buffer.endpoint.device as i32, bases[b]) }.map_err(|e| e.to_string())?;
+    }
+    for (device, base, _) in arenas {
+        // SAFETY: allocated by allocate_arenas; nothing queued uses it any more.
+        unsafe { backend.free(device as i32, base) }.map_err(|e| e.to_string())?;
     }
     println!("done in {:.1} s", started.elapsed().as_secs_f64());
     Ok(())
