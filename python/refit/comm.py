@@ -29,7 +29,7 @@ def unique_id(backend=Backend.AUTO):
     return bytes(raw.internal)
 
 
-def _options(timeout_ms, staging_bytes, ipc=True, check_counts=True):
+def _options(timeout_ms, staging_bytes, ipc=True):
     options = CommOptions()
     check(lib.refit_comm_options_init(byref(options)))
     if timeout_ms is not None:
@@ -37,7 +37,6 @@ def _options(timeout_ms, staging_bytes, ipc=True, check_counts=True):
     if staging_bytes is not None:
         options.staging_bytes = check_range(staging_bytes, 64, "staging_bytes")
     options.ipc = boolean(ipc, "ipc")
-    options.check_counts = boolean(check_counts, "check_counts")
     return options
 
 
@@ -49,16 +48,7 @@ class Communicator(Handle):
     _what = "communicator"
 
     def __init__(
-        self,
-        comm_id,
-        nranks,
-        rank,
-        device=0,
-        timeout_ms=None,
-        staging_bytes=None,
-        ipc=True,
-        check_counts=True,
-        _pointer=None,
+        self, comm_id, nranks, rank, device=0, timeout_ms=None, staging_bytes=None, ipc=True, _pointer=None
     ):
         """Joins communicator `comm_id` (bytes from unique_id) as `rank` of `nranks` on CUDA device
         `device`; blocks until every rank has joined (at most `timeout_ms`, default ten minutes).
@@ -66,8 +56,7 @@ class Communicator(Handle):
         (while the communicator forms or after), and on the host backend an id with another secret or
         a spent one (its communicator formed, also if destroyed since).
         `staging_bytes` bounds the staging of executors across processes; `ipc` False sends every
-        pair's bytes through staging instead of CUDA IPC. `check_counts` (CUDA): allgather compares
-        the ranks' counts first, with a blocking exchange (see refit_comm_options.check_counts)."""
+        pair's bytes through staging instead of CUDA IPC."""
         if _pointer is None:
             comm_id = byte_string(comm_id, "comm_id")
             if len(comm_id) != COMM_ID_BYTES:
@@ -77,7 +66,7 @@ class Communicator(Handle):
             raw = CommId()
             ctypes.memmove(raw.internal, comm_id, COMM_ID_BYTES)
             device = device_ordinal(device, "device")
-            options = _options(timeout_ms, staging_bytes, ipc, check_counts)
+            options = _options(timeout_ms, staging_bytes, ipc)
             pointer = c_void_p()
             check(
                 lib.refit_comm_create(
@@ -93,11 +82,11 @@ class Communicator(Handle):
         super().__init__(_pointer)
 
     @classmethod
-    def adopt(cls, nccl_comm, timeout_ms=None, staging_bytes=None, check_counts=True):
+    def adopt(cls, nccl_comm, timeout_ms=None, staging_bytes=None):
         """Wraps an ncclComm_t (an int) the caller keeps owning, e.g. a framework's process group's,
         from the same libnccl refit loads. close() does not destroy it; a timeout or abort() revokes
         it (then its owner must destroy it)."""
-        options = _options(timeout_ms, staging_bytes, check_counts=check_counts)
+        options = _options(timeout_ms, staging_bytes)
         pointer = c_void_p()
         check(lib.refit_comm_adopt(check_range(nccl_comm, 64, "nccl_comm"), byref(options), byref(pointer)))
         return cls(None, 0, 0, _pointer=pointer.value)
