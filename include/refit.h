@@ -627,7 +627,8 @@ typedef struct {
    */
   uint64_t segments[3];
   /**
-   * Bytes this call wrote into live buffers (a direct run: all; staged: what it installed).
+   * Bytes this call wrote into live buffers (a direct run: all; staged: what it installed), FP8
+   * codes and scales of quantized needs included.
    */
   uint64_t installed_bytes;
   /**

@@ -271,6 +271,36 @@ fn nccl_allgather_between_processes_two_gpus() {
     });
 }
 
+/// A communicator of one rank, formed in a child process from an id whose root is the parent: host
+/// bytes gathered through NCCL (how plan tables travel), then an allgather, byte-exact. Each step is
+/// reported on stderr (the parent prints a child's stderr when it did not end as expected): on
+/// 2026-12-02 a child running these steps with an extra exchange before the allgather ended in
+/// SIGSEGV on one H200 before it finished, and device time ran out before the step was found.
+#[test]
+#[ignore = "needs a GPU"]
+fn nccl_host_bytes_and_allgather_of_one_rank_in_a_child() {
+    let test = "nccl_host_bytes_and_allgather_of_one_rank_in_a_child";
+    in_processes(test, BackendKind::Cuda, &[End::Done; 1], |rank, size, id| {
+        let step = |what: &str| eprintln!("one rank: {what}");
+        let comm = Communicator::create(id, size, rank, 0, options(60_000)).unwrap();
+        step("created");
+        let stream = RefitStream(Stream::new(0).raw as usize as u64);
+        let recv = Buffer::new(0, 4096);
+        recv.fill(POISON);
+        let send = Buffer::new(0, 4096);
+        send.upload(&pattern(7, 4096));
+        step("buffers ready");
+        assert_eq!(comm.allgather_bytes(b"12345678").unwrap(), vec![b"12345678".to_vec()]);
+        step("host bytes gathered");
+        // SAFETY: buffers live until synchronize returns.
+        unsafe { allgather(&comm, send.ptr, recv.ptr, &[4096], stream) }.unwrap();
+        step("allgather queued");
+        comm.synchronize(stream).unwrap();
+        step("synchronized");
+        assert!(recv.download() == pattern(7, 4096));
+    });
+}
+
 /// Every byte of an NCCL id matters: with any one byte changed (two ways), the id is refused with
 /// INVALID_ARGUMENT before NCCL sees it (its check does not match); the unchanged id forms a
 /// communicator of one rank.

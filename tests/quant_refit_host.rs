@@ -215,6 +215,18 @@ fn execute(plan: &Plan, commit: CommitMode) -> refit::Result<()> {
     let mut executor = Executor::new(&group, plan, 0, ExecOptions { commit, ..ExecOptions::default() })?;
     // SAFETY: every address of the plan is a live buffer of this test.
     let stats = unsafe { executor.run(&group) }?;
+    // Codes and scales written into the live buffers: one byte per element and each grid's scales.
+    let outputs: u64 = plan
+        .quant_routes()
+        .iter()
+        .flat_map(|r| &r.jobs)
+        .map(|j| {
+            let (rows, cols) = j.quantization.scale_grid(j.rows, j.cols);
+            j.elements() + rows * cols * j.quantization.scale_kind().size()
+        })
+        .sum();
+    // The bf16 bytes routed into the needs' staging are installed bytes too (a need's like any).
+    let staged = plan.stats().needed_bytes;
     if commit == CommitMode::Staged {
         // SAFETY: as above.
         let committed = unsafe { executor.commit(&group) }?;
@@ -223,8 +235,10 @@ fn execute(plan: &Plan, commit: CommitMode) -> refit::Result<()> {
             plan.stats().quantized_elements,
             "every element is quantized once, by the run or the commit"
         );
+        assert_eq!(stats.installed_bytes + committed.installed_bytes, outputs + staged);
     } else {
         assert_eq!(stats.quantized_elements, plan.stats().quantized_elements);
+        assert_eq!(stats.installed_bytes, outputs + staged);
     }
     Ok(())
 }

@@ -803,6 +803,7 @@ impl Executor {
         stats.verified_bytes += log.quant_verified;
         stats.installed_bytes =
             if staged { self.installed_bytes(0..last) } else { self.totals.bytes.iter().sum() };
+        stats.installed_bytes += self.quantizing.live_bytes(When::Run, staged);
         if let Some(remote) = &self.remote {
             remote_stats(&mut stats, &remote.totals, staged);
         }
@@ -1111,7 +1112,8 @@ impl Executor {
             descriptors_reused: true,
             verified: verified_bytes > 0,
             verified_bytes,
-            installed_bytes: if self.slices.is_empty() { 0 } else { self.installed_bytes(last..last + 1) },
+            installed_bytes: if self.slices.is_empty() { 0 } else { self.installed_bytes(last..last + 1) }
+                + self.quantizing.live_bytes(When::Commit, true),
             quantized_elements: self.quantizing.elements_at(When::Commit),
             ..RunStats::default()
         };

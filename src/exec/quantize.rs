@@ -205,6 +205,20 @@ impl Quantizing {
         })
     }
 
+    /// Bytes of codes and scales the jobs that run at `when` write into the live buffers: every job's
+    /// under direct commit; under staged commit the commit's (jobs at the run write staging, which
+    /// the install counts).
+    pub fn live_bytes(&self, when: When, staged: bool) -> u64 {
+        if staged && when == When::Run {
+            return 0;
+        }
+        let written = |job: &QuantJob| {
+            let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
+            job.elements() + grid_rows * grid_cols * job.quantization.scale_kind().size()
+        };
+        self.ranks.iter().filter(|r| r.when == when).flat_map(|r| &r.jobs).map(written).sum()
+    }
+
     /// Elements the jobs that run at `when` quantize.
     pub fn elements_at(&self, when: When) -> u64 {
         self.ranks.iter().filter(|r| r.when == when).flat_map(|r| &r.jobs).map(QuantJob::elements).sum()

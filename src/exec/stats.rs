@@ -38,7 +38,8 @@ pub struct RunStats {
     pub bytes: [u64; 3],
     /// Segments copied from the sources by this call, per route kind.
     pub segments: [u64; 3],
-    /// Bytes this call wrote into live buffers (a direct run: all; staged: what it installed).
+    /// Bytes this call wrote into live buffers (a direct run: all; staged: what it installed), FP8
+    /// codes and scales of quantized needs included.
     pub installed_bytes: u64,
     /// A run: bytes whose check it read and found matching their sources. A commit: the installed
     /// bytes that were checked so.
