@@ -1,13 +1,14 @@
-"""refit's SGLang adapter (refit.integrations.sglang) with a documented stand-in for SGLang.
-
-`pip install sglang==0.5.23 --no-deps` does not give an importable SGLang here (its top-level import
-needs IPython and more), so SGLang itself is stood in for, at the one place the adapter meets it:
-SGLang's WeightUpdater.update_weights_from_tensor, with `load_format` naming a custom loader, reduces
-to `dynamic_import(load_format)(model, [(name, tensor.to(device))])` on every TP rank's scheduler
-(sglang/srt/model_executor/model_runner_components/weight_updater.py, 0.5.23). The stand-in does
-exactly that in each rank's process (importlib for dynamic_import). The ranks hold the model vLLM
-builds per TP rank on CPU (SGLang's Llama / Qwen layers fuse q/k/v and gate/up alike), so every
-element is compared with vLLM's own load_weights from the same checkpoint.
+"""refit's SGLang adapter (refit.integrations.sglang) over vLLM's model classes, with a stand-in
+for SGLang's updater. test_sglang_real.py runs the same loader through SGLang 0.5.23's own
+updater and its own Qwen3 model; this module keeps the loader's other side covered, vLLM's model
+classes (the layouts receiver_table's rules are written for), through the one place the adapter
+meets SGLang: WeightUpdater.update_weights_from_tensor, with `load_format` naming a custom loader,
+reduces to `dynamic_import(load_format)(model, [(name, tensor.to(device))])` on every TP rank's
+scheduler (sglang/srt/model_executor/model_runner_components/weight_updater.py, 0.5.23). The
+stand-in does exactly that in each rank's process (importlib for dynamic_import); SGLang's
+begin/end weight-update session is not stood in for here (test_sglang_real has it). The ranks hold
+the model vLLM builds per TP rank on CPU, so every element is compared with vLLM's own
+load_weights from the same checkpoint.
 
 - Two updates through the loader equal load_weights of the checkpoint (and of it bumped).
 - A stand-in verify mismatch on rank 0 (its real step stages its bytes, then reports
