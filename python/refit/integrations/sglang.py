@@ -25,10 +25,13 @@ inside a `begin_weight_update()` / `end_weight_update()` session when the engine
 0.5.23 answers (False, "... must run between begin_weight_update() and end_weight_update()")
 otherwise. Any callable `(named_tensors, load_format)` that reaches every rank's updater will do.
 
-A refusal (a dead trainer, a verify mismatch) is the loader's exception. SGLang 0.5.23 does not
-catch a custom loader's error: it leaves the scheduler's update_weights_from_tensor, and a real
-scheduler's event loop ends on it (run_scheduler_process logs it and signals the launcher: the
-server goes down, its weights as they were). The trainer hears of it as the engine call's failure.
+A refusal (a dead trainer, a verify mismatch) is not raised out of the loader: SGLang 0.5.23 does
+not catch a custom loader's error (it leaves the scheduler's update_weights_from_tensor, and a real
+scheduler's event loop ends on it: run_scheduler_process logs it and signals the launcher, taking the
+server down). The loader logs it at ERROR, keeps it in the rank's `SglangReceiver.refusals`, and
+returns; the weights are as they were, the engine keeps serving them, and the trainer hears of the
+refusal through refit itself: every process of a round agrees on its outcome before anything is
+committed, so `SglangTrainer.update` raises on the trainer.
 
 The rank's needs come from `receiver_table` (SGLang's Llama / Qwen layers fuse q/k/v and gate/up
 as vLLM's do; the hand-written vLLM layouts serve until recorded layouts replace them). Nothing
@@ -39,12 +42,15 @@ test_sglang_real.py drives the loader through SGLang 0.5.23's own updater and Qw
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .._lib import Backend, invalid_argument
 from ..comm import unique_id
 from ..plan import Table
 from .engine_link import InFlight, Link, LinkOptions, concurrently, publisher_table, resolved_backend, round_signature, source_tensors
+
+_log = logging.getLogger("refit")
 
 LOADER = "refit.integrations.sglang.refit_loader"
 CONTROL_NAME = "__refit_control__"
@@ -104,6 +110,8 @@ class SglangReceiver:
         self._table: Optional[Table] = None
         self._addresses: Optional[List[Tuple[str, int]]] = None
         self.update = InFlight()
+        # Each control message this rank could not carry out, newest last (see the module docstring).
+        self.refusals: List[str] = []
 
     def handle(self, message: Dict[str, Any]) -> None:
         op = message.get("op")
@@ -191,7 +199,12 @@ def refit_loader(model: Any, named_tensors: Sequence[Tuple[str, Any]]) -> None:
         receiver = _receivers.get(id(model))
         if receiver is None or receiver.model is not model:
             receiver = _receivers[id(model)] = SglangReceiver(model)
-        receiver.handle(read_control(tensor))
+        message = read_control(tensor)
+        try:
+            receiver.handle(message)
+        except Exception as error:  # noqa: BLE001 - raised, it would end SGLang's scheduler
+            receiver.refusals.append(f"{message.get('op')}: {error}")
+            _log.error("refit: %s on this rank: %s", message.get("op"), error)
 
 
 def engine_call(engine: Any, flush_cache: bool = False) -> Callable[[List[Tuple[str, Any]], str], Any]:

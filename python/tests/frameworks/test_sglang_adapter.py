@@ -75,6 +75,8 @@ def sglang_rank_main(rank: int, folder: str, conn: Any) -> None:
                 elif kind == "poison_verify":
                     receiver.link.executor = shared.StandInVerifyMismatch(receiver.link.executor)
                     value = None
+                elif kind == "refusals":
+                    value = list(receiver.refusals)
                 elif kind == "exit":
                     return
                 else:
@@ -132,6 +134,7 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
             except Exception as error:
                 out["refused"] = str(error)
             out["unchanged"] = call("unchanged")
+            out["refusals"] = call("refusals")
         results.put(out)
         trainer.shutdown()
         for conn in conns:
@@ -174,8 +177,16 @@ class SglangAdapterTest(unittest.TestCase):
 
     def test_a_verify_mismatch_refuses_the_update_on_every_rank(self):
         out = self.run_scenario("verify")
-        self.assertIn("VERIFY_MISMATCH", out["refused"] or "")
+        # The trainer hears of it through refit's round agreement; each rank logged its own refusal
+        # (the mismatch on rank 0, the other process's failure on rank 1) and raised nothing into
+        # the engine's updater.
+        self.assertIn("failed on process", out["refused"] or "")
         self.assertEqual(out["unchanged"], [[], []])
+        first, second = out["refusals"]
+        self.assertEqual(len(first), 1)
+        self.assertIn("VERIFY_MISMATCH", first[0])
+        self.assertEqual(len(second), 1)
+        self.assertIn("update refused", second[0])
 
 
 if __name__ == "__main__":
