@@ -8,8 +8,8 @@ The engine loads refit's custom weight loader at launch (`custom_weight_loader=[
 trainer (a Hugging Face model on cuda:0 in this process) sends refit's control messages through
 the engine's own `update_weights_from_tensor(..., load_format=LOADER)`: "init" once, then per
 round "receive" (the ranks receive into staging and return; the scheduler keeps batching) and
-"commit" (installed between two batches). Without a GPU the same adapter is driven on CPU by
-python/tests/frameworks/test_sglang_adapter.py (a documented stand-in for SGLang's updater).
+"commit" (installed between two batches). Without a GPU the same adapter is driven on CPU through
+SGLang 0.5.23's own updater and Qwen3 model by python/tests/frameworks/test_sglang_real.py.
 """
 
 import argparse
@@ -19,7 +19,7 @@ import torch
 import transformers
 
 from refit.integrations.engine_link import LinkOptions
-from refit.integrations.sglang import LOADER, SglangTrainer
+from refit.integrations.sglang import LOADER, SglangTrainer, engine_call
 
 
 def main():
@@ -32,10 +32,8 @@ def main():
     engine = sglang.Engine(model_path=args.model, tp_size=args.tp, mem_fraction_static=0.5, custom_weight_loader=[LOADER])
     trainer_model = transformers.AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.bfloat16).cuda()
 
-    def engine_call(named_tensors, load_format):
-        return engine.update_weights_from_tensor(named_tensors, load_format=load_format, flush_cache=False)
-
-    trainer = SglangTrainer(engine_call, trainer_model, num_workers=args.tp, options=LinkOptions(verify=True))
+    # begin/end_weight_update around every call: SGLang 0.5.23 refuses updates outside a session.
+    trainer = SglangTrainer(engine_call(engine), trainer_model, num_workers=args.tp, options=LinkOptions(verify=True))
     prompt, greedy = "The capital of France is", {"temperature": 0, "max_new_tokens": 8}
     print("before:", engine.generate(prompt, greedy)["text"])
     for round_ in range(args.rounds):

@@ -234,9 +234,15 @@ def resolved_backend(name: str) -> int:
     return code
 
 
-def refused(error: BaseException) -> RuntimeError:
+class UpdateRefused(RuntimeError):
+    """An update refused on this rank (a failed receive, a verify mismatch, a dead peer): nothing
+    was installed, the engine's weights are as they were, and every other process of the refit
+    fails the same round through the link's agreement."""
+
+
+def refused(error: BaseException) -> UpdateRefused:
     """The error an engine sees when an update is refused: its weights are as they were."""
-    return RuntimeError(f"refit: update refused, the engine's weights are unchanged: {error}")
+    return UpdateRefused(f"refit: update refused, the engine's weights are unchanged: {error}")
 
 
 class InFlight:

@@ -19,25 +19,38 @@ named_tensors)` on every TP rank's scheduler, between batches, when F was listed
 - "shutdown".
 
 Launch: `sglang.Engine(model_path=..., custom_weight_loader=[LOADER])` (or
-`--custom-weight-loader refit.integrations.sglang.refit_loader`); trainer: `SglangTrainer(engine_call,
-source, num_workers=tp)` with `engine_call(named_tensors, load_format)` calling the engine's
-`update_weights_from_tensor` (e.g. `lambda named, fmt: engine.update_weights_from_tensor(named,
-load_format=fmt, flush_cache=False)`).
+`--custom-weight-loader refit.integrations.sglang.refit_loader`); trainer: `SglangTrainer(engine_call(engine),
+source, num_workers=tp)`. `engine_call(engine)` calls the engine's `update_weights_from_tensor`
+inside a `begin_weight_update()` / `end_weight_update()` session when the engine has them: SGLang
+0.5.23 answers (False, "... must run between begin_weight_update() and end_weight_update()")
+otherwise. Any callable `(named_tensors, load_format)` that reaches every rank's updater will do.
+
+A refusal (a dead trainer, a verify mismatch) is not raised out of the loader: SGLang 0.5.23 does
+not catch a custom loader's error (it leaves the scheduler's update_weights_from_tensor, and a real
+scheduler's event loop ends on it: run_scheduler_process logs it and signals the launcher, taking the
+server down). The loader logs it at ERROR, keeps it in the rank's `SglangReceiver.refusals`, and
+returns; the weights are as they were, the engine keeps serving them, and the trainer hears of the
+refusal through refit itself: every process of a round agrees on its outcome before anything is
+committed, so `SglangTrainer.update` raises on the trainer.
 
 The rank's needs come from `receiver_table` (SGLang's Llama / Qwen layers fuse q/k/v and gate/up
 as vLLM's do; the hand-written vLLM layouts serve until recorded layouts replace them). Nothing
-here imports SGLang: its TP rank is read lazily, and tests drive the loader with stand-ins.
+here imports SGLang at import time: its TP rank is read lazily. python/tests/frameworks/
+test_sglang_real.py drives the loader through SGLang 0.5.23's own updater and Qwen3 model on CPU.
 """
 
 from __future__ import annotations
 
 import json
+import logging
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .._lib import Backend, invalid_argument
 from ..comm import unique_id
 from ..plan import Table
 from .engine_link import InFlight, Link, LinkOptions, concurrently, publisher_table, resolved_backend, round_signature, source_tensors
+
+_log = logging.getLogger("refit")
 
 LOADER = "refit.integrations.sglang.refit_loader"
 CONTROL_NAME = "__refit_control__"
@@ -56,7 +69,8 @@ def read_control(tensor: Any) -> Dict[str, Any]:
 
 def sglang_tp() -> Tuple[int, int]:
     """(tp size, tp rank) of this SGLang scheduler process."""
-    from sglang.srt.distributed import (  # type: ignore[import-not-found]
+    # From parallel_state itself: 0.5.23's sglang.srt.distributed no longer re-exports these.
+    from sglang.srt.distributed.parallel_state import (  # type: ignore[import-not-found]
         get_tensor_model_parallel_rank,
         get_tensor_model_parallel_world_size,
     )
@@ -96,6 +110,8 @@ class SglangReceiver:
         self._table: Optional[Table] = None
         self._addresses: Optional[List[Tuple[str, int]]] = None
         self.update = InFlight()
+        # Each control message this rank could not carry out, newest last (see the module docstring).
+        self.refusals: List[str] = []
 
     def handle(self, message: Dict[str, Any]) -> None:
         op = message.get("op")
@@ -183,7 +199,33 @@ def refit_loader(model: Any, named_tensors: Sequence[Tuple[str, Any]]) -> None:
         receiver = _receivers.get(id(model))
         if receiver is None or receiver.model is not model:
             receiver = _receivers[id(model)] = SglangReceiver(model)
-        receiver.handle(read_control(tensor))
+        message = read_control(tensor)
+        try:
+            receiver.handle(message)
+        except Exception as error:  # noqa: BLE001 - raised, it would end SGLang's scheduler
+            receiver.refusals.append(f"{message.get('op')}: {error}")
+            _log.error("refit: %s on this rank: %s", message.get("op"), error)
+
+
+def engine_call(engine: Any, flush_cache: bool = False) -> Callable[[List[Tuple[str, Any]], str], Any]:
+    """The trainer's engine call for an `sglang.Engine` (or anything with its methods): each control
+    message goes through `update_weights_from_tensor`, inside a begin/end weight-update session
+    where the engine has one (SGLang 0.5.23 refuses the update outside it), and the session is
+    closed whatever the update answered. `flush_cache` is off: refit's calls carry no weights."""
+
+    def call(named_tensors: List[Tuple[str, Any]], load_format: str) -> Any:
+        begin = getattr(engine, "begin_weight_update", None)
+        if begin is None:
+            return engine.update_weights_from_tensor(named_tensors, load_format=load_format, flush_cache=flush_cache)
+        opened = begin()
+        if isinstance(opened, tuple) and opened and opened[0] is False:
+            return opened
+        try:
+            return engine.update_weights_from_tensor(named_tensors, load_format=load_format, flush_cache=flush_cache)
+        finally:
+            engine.end_weight_update()
+
+    return call
 
 
 class SglangTrainer:
@@ -294,4 +336,4 @@ class SglangTrainer:
         self.link.close()
 
 
-__all__ = ["CONTROL_NAME", "LOADER", "SglangReceiver", "attach", "SglangTrainer", "control", "read_control", "receiver_table", "refit_loader"]
+__all__ = ["CONTROL_NAME", "LOADER", "SglangReceiver", "attach", "SglangTrainer", "control", "engine_call", "read_control", "receiver_table", "refit_loader"]

@@ -1,13 +1,14 @@
-"""refit's SGLang adapter (refit.integrations.sglang) with a documented stand-in for SGLang.
-
-`pip install sglang==0.5.23 --no-deps` does not give an importable SGLang here (its top-level import
-needs IPython and more), so SGLang itself is stood in for, at the one place the adapter meets it:
-SGLang's WeightUpdater.update_weights_from_tensor, with `load_format` naming a custom loader, reduces
-to `dynamic_import(load_format)(model, [(name, tensor.to(device))])` on every TP rank's scheduler
-(sglang/srt/model_executor/model_runner_components/weight_updater.py, 0.5.23). The stand-in does
-exactly that in each rank's process (importlib for dynamic_import). The ranks hold the model vLLM
-builds per TP rank on CPU (SGLang's Llama / Qwen layers fuse q/k/v and gate/up alike), so every
-element is compared with vLLM's own load_weights from the same checkpoint.
+"""refit's SGLang adapter (refit.integrations.sglang) over vLLM's model classes, with a stand-in
+for SGLang's updater. test_sglang_real.py runs the same loader through SGLang 0.5.23's own
+updater and its own Qwen3 model; this module keeps the loader's other side covered, vLLM's model
+classes (the layouts receiver_table's rules are written for), through the one place the adapter
+meets SGLang: WeightUpdater.update_weights_from_tensor, with `load_format` naming a custom loader,
+reduces to `dynamic_import(load_format)(model, [(name, tensor.to(device))])` on every TP rank's
+scheduler (sglang/srt/model_executor/model_runner_components/weight_updater.py, 0.5.23). The
+stand-in does exactly that in each rank's process (importlib for dynamic_import); SGLang's
+begin/end weight-update session is not stood in for here (test_sglang_real has it). The ranks hold
+the model vLLM builds per TP rank on CPU, so every element is compared with vLLM's own
+load_weights from the same checkpoint.
 
 - Two updates through the loader equal load_weights of the checkpoint (and of it bumped).
 - A stand-in verify mismatch on rank 0 (its real step stages its bytes, then reports
@@ -74,6 +75,8 @@ def sglang_rank_main(rank: int, folder: str, conn: Any) -> None:
                 elif kind == "poison_verify":
                     receiver.link.executor = shared.StandInVerifyMismatch(receiver.link.executor)
                     value = None
+                elif kind == "refusals":
+                    value = list(receiver.refusals)
                 elif kind == "exit":
                     return
                 else:
@@ -131,6 +134,7 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
             except Exception as error:
                 out["refused"] = str(error)
             out["unchanged"] = call("unchanged")
+            out["refusals"] = call("refusals")
         results.put(out)
         trainer.shutdown()
         for conn in conns:
@@ -173,8 +177,16 @@ class SglangAdapterTest(unittest.TestCase):
 
     def test_a_verify_mismatch_refuses_the_update_on_every_rank(self):
         out = self.run_scenario("verify")
-        self.assertIn("VERIFY_MISMATCH", out["refused"] or "")
+        # The trainer hears of it through refit's round agreement; each rank logged its own refusal
+        # (the mismatch on rank 0, the other process's failure on rank 1) and raised nothing into
+        # the engine's updater.
+        self.assertIn("failed on process", out["refused"] or "")
         self.assertEqual(out["unchanged"], [[], []])
+        first, second = out["refusals"]
+        self.assertEqual(len(first), 1)
+        self.assertIn("VERIFY_MISMATCH", first[0])
+        self.assertEqual(len(second), 1)
+        self.assertIn("update refused", second[0])
 
 
 if __name__ == "__main__":
