@@ -1,7 +1,8 @@
 """The Megatron module publisher's rules without torch or Megatron: ShardedTensor keys with their
 prepended layer / expert axes resolved, and each global Megatron tensor's rows named as Hugging
 Face rows, for both layer specs' spellings. The publisher against the real megatron-core is tested
-in frameworks/test_megatron_publisher.py."""
+in frameworks/test_megatron_publisher.py and (Multi-Latent Attention, shared experts)
+frameworks/test_megatron_mla.py."""
 
 from __future__ import annotations
 
@@ -82,6 +83,39 @@ class MegatronRulesTest(unittest.TestCase):
         self.assertEqual(
             megatron_to_hf("decoder.layers.1.mlp.linear_fc1.weight", (12, 8), plain),
             [RowBlock("model.layers.1.mlp.up_proj.weight", (12, 8), 0, 12)],
+        )
+
+    def test_multi_latent_attention_and_shared_experts(self):
+        mla = AttentionShape(heads=4, query_groups=4, head_dim=8, latent=True)
+        at = "model.layers.1.self_attn."
+        for megatron, hf in (
+            ("linear_q_proj.weight", "q_proj.weight"),
+            ("linear_q_down_proj.weight", "q_a_proj.weight"),
+            ("linear_q_up_proj.weight", "q_b_proj.weight"),
+            ("linear_kv_down_proj.weight", "kv_a_proj_with_mqa.weight"),
+            ("linear_kv_up_proj.weight", "kv_b_proj.weight"),
+            ("q_layernorm.weight", "q_a_layernorm.weight"),  # local spec
+            ("kv_layernorm.weight", "kv_a_layernorm.weight"),
+            ("linear_q_up_proj.layer_norm_weight", "q_a_layernorm.weight"),  # Transformer Engine spec
+            ("linear_kv_up_proj.layer_norm_weight", "kv_a_layernorm.weight"),
+        ):
+            self.assertEqual(megatron_to_hf(f"decoder.layers.1.self_attention.{megatron}", (20, 8), mla), [RowBlock(at + hf, (20, 8), 0, 20)])
+        # A Q norm fused into linear_q_proj (Transformer Engine, no q LoRA) has no DeepSeek tensor.
+        self.assertIsNone(megatron_to_hf("decoder.layers.1.self_attention.linear_q_proj.layer_norm_weight", (32,), mla))
+        # The same Megatron name is Qwen3's per-head norm outside MLA.
+        self.assertEqual(megatron_to_hf("decoder.layers.1.self_attention.q_layernorm.weight", (8,), GQA)[0].name, at + "q_norm.weight")
+        shared = "model.layers.1.mlp.shared_experts."
+        self.assertEqual(
+            megatron_to_hf("decoder.layers.1.mlp.shared_experts.linear_fc1.weight", (12, 8), mla),
+            [RowBlock(shared + "gate_proj.weight", (6, 8), 0, 6), RowBlock(shared + "up_proj.weight", (6, 8), 6, 6)],
+        )
+        self.assertEqual(
+            megatron_to_hf("decoder.layers.1.mlp.shared_experts.linear_fc1.weight_w", (3, 8), mla),
+            [RowBlock(shared + "gate_proj.weight", (3, 8), 0, 3)],
+        )
+        self.assertEqual(
+            megatron_to_hf("decoder.layers.1.mlp.shared_experts.linear_fc2.weight", (8, 6), mla),
+            [RowBlock(shared + "down_proj.weight", (8, 6), 0, 8)],
         )
 
     def test_both_layer_specs_norm_names(self):

@@ -6,7 +6,9 @@ Two ways, one per situation:
   own `sharded_state_dict()` (the trainer's description of every local shard: global shape,
   offsets over pipeline, tensor, expert and expert-tensor parallelism, vocabulary padding) and only
   names rows with the small rules of MEGATRON_TO_HF below (fused QKV per query group, fc1 gate then
-  up, norm names of both layer specs). Tested against megatron-core itself.
+  up, norm names of both layer specs; Multi-Latent Attention and shared experts under DeepSeek's
+  names). Tested against megatron-core itself (frameworks/test_megatron_publisher.py,
+  frameworks/test_megatron_mla.py).
 - `MegatronPublisher(model_shape, ranks)` / `megatron_layouts`, where no model runs (synthetic
   tables, planning ahead of a trainer, torch-free tests): the hand rules that follow describe what
   the sharded state dict would say (which rows of which global Megatron tensor a rank holds); the
@@ -48,7 +50,7 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Iterable, Iterator, List, Mapping, Optional, Tuple
+from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Tuple
 
 from ..plan import Table
 from ..tensor import TensorLike
@@ -267,7 +269,7 @@ class MegatronPublisher:
 # parameter (ShardedTensorFactory pieces, as the gated fc1's gate and up halves, are built first).
 # Pipeline stage, TP, EP and expert-TP offsets and vocabulary padding all come from there; the only
 # rules left map a global Megatron tensor's rows to Hugging Face tensors (MEGATRON_TO_HF: megatron_to_hf
-# with _LAYER_NAMES, _TOP_NAMES, _qkv_blocks and _fc1_blocks).
+# with _LAYER_NAMES, _MLA_NAMES, _TOP_NAMES, _qkv_blocks and _fc1_blocks).
 
 
 @dataclasses.dataclass(frozen=True)
@@ -290,13 +292,18 @@ class AttentionShape:
     query_groups: int
     head_dim: int
     gated: bool = True
+    # Multi-Latent Attention (MLATransformerConfig.multi_latent_attention): no fused QKV, and
+    # q_layernorm / kv_layernorm are the latent norms (q_a_layernorm / kv_a_layernorm) rather than
+    # the per-head QK norms of Qwen3 that the same Megatron names mean in SelfAttention.
+    latent: bool = False
 
     @classmethod
     def from_config(cls, config: Any) -> AttentionShape:
         heads = int(config.num_attention_heads)
         groups = int(getattr(config, "num_query_groups", None) or heads)
         head_dim = int(getattr(config, "kv_channels", None) or config.hidden_size // heads)
-        return cls(heads, groups, head_dim, bool(getattr(config, "gated_linear_unit", False)))
+        gated = bool(getattr(config, "gated_linear_unit", False))
+        return cls(heads, groups, head_dim, gated, bool(getattr(config, "multi_latent_attention", False)))
 
 
 def _qkv_blocks(hf: str, kind: str, shape: Tuple[int, ...], attention: AttentionShape) -> List[RowBlock]:
@@ -344,6 +351,36 @@ _LAYER_NAMES = {
     "pre_mlp_layernorm.": "post_attention_layernorm.",
     "mlp.linear_fc2.": "mlp.down_proj.",
     "mlp.router.": "mlp.gate.",
+    "mlp.shared_experts.linear_fc2.": "mlp.shared_experts.down_proj.",
+}
+# Multi-Latent Attention (transformer/multi_latent_attention.py MLASelfAttention), DeepSeek-V2/V3's
+# Hugging Face names. Every one is a plain row-for-row rename: linear_q_proj / linear_q_up_proj
+# rows are [head][qk_head_dim nope, qk_pos_emb_head_dim rope] (q.view(..., heads, q_head_dim) then
+# split [nope, rope]), linear_kv_up_proj rows [head][qk_head_dim k_nope, v_head_dim v] (kv.view
+# then split [k_nope, v]), linear_kv_down_proj rows [kv_lora_rank latent, rope k] (split
+# [kv_lora_rank, qk_pos_emb_head_dim]): the orders of DeepSeek's q_proj / q_b_proj, kv_b_proj and
+# kv_a_proj_with_mqa. The rope rows keep DeepSeek's interleaved pairs: Megatron de-interleaves
+# them at run time (rope_utils.py apply_rotary_pos_emb, mla_rotary_interleaved=True), as
+# DeepSeek's own modeling code does. Which rows a rank holds (heads split over TP; the down
+# projections split over TP by the local spec's ColumnParallelLinear and gathered at run time, or
+# whole under Transformer Engine's duplicated TELinear) is the sharded state dict's to say.
+# Norms: the local spec's q_layernorm / kv_layernorm, or the Transformer Engine spec's fused
+# layer_norm_weight of the up projections they feed (mla_qk_norm_config.py). Tested with the local
+# spec (frameworks/test_megatron_mla.py); the Transformer Engine spellings are read from its source.
+# With qk_layernorm and no q LoRA, megatron-core fuses a Q norm into linear_q_proj that DeepSeek's
+# checkpoint has no tensor for: it stays unnamed (None), so a strict publisher refuses it rather
+# than offering it under an invented name.
+_MLA_NAMES: Dict[str, Optional[str]] = {
+    "self_attention.linear_q_proj.layer_norm_": None,
+    "self_attention.linear_q_proj.": "self_attn.q_proj.",
+    "self_attention.linear_q_down_proj.": "self_attn.q_a_proj.",
+    "self_attention.linear_q_up_proj.layer_norm_": "self_attn.q_a_layernorm.",
+    "self_attention.linear_q_up_proj.": "self_attn.q_b_proj.",
+    "self_attention.q_layernorm.": "self_attn.q_a_layernorm.",
+    "self_attention.linear_kv_down_proj.": "self_attn.kv_a_proj_with_mqa.",
+    "self_attention.linear_kv_up_proj.layer_norm_": "self_attn.kv_a_layernorm.",
+    "self_attention.linear_kv_up_proj.": "self_attn.kv_b_proj.",
+    "self_attention.kv_layernorm.": "self_attn.kv_a_layernorm.",
 }
 _TOP_NAMES = {
     "decoder.final_layernorm.": "model.norm.",
@@ -382,15 +419,22 @@ def megatron_to_hf(
         if half:
             return [RowBlock(f"{x}.{'gate' if half == '_w' else 'up'}_proj.{kind}", shape, 0, shape[0])]
         return _fc1_blocks(x, kind, shape, attention.gated)
-    for fused in ("self_attention.linear_qkv.", "mlp.linear_fc1."):
+    if attention.latent:
+        for prefix, name in _MLA_NAMES.items():
+            if rest.startswith(prefix):
+                return None if name is None else [RowBlock(f"{hf}.{name}{rest[len(prefix):]}", shape, 0, shape[0])]
+    # The shared experts' fc1 is fused [gate; up] as a dense MLP's (SharedExpertMLP is an MLP,
+    # moe/shared_experts.py, sharded by the same apply_swiglu_sharded_factory).
+    fused_mlps = {"mlp.linear_fc1.": f"{hf}.mlp", "mlp.shared_experts.linear_fc1.": f"{hf}.mlp.shared_experts"}
+    for fused in ("self_attention.linear_qkv.", *fused_mlps):
         for kind in ("weight", "bias"):
             if rest == fused + kind:
                 if fused.startswith("self"):
                     return _qkv_blocks(hf, kind, shape, attention)
-                return _fc1_blocks(f"{hf}.mlp", kind, shape, attention.gated)
+                return _fc1_blocks(fused_mlps[fused], kind, shape, attention.gated)
             for half, part in (("_w", "gate"), ("_v", "up")):
-                if fused.startswith("mlp") and rest == fused + kind + half:
-                    return [RowBlock(f"{hf}.mlp.{part}_proj.{kind}", shape, 0, shape[0])]
+                if fused in fused_mlps and rest == fused + kind + half:
+                    return [RowBlock(f"{fused_mlps[fused]}.{part}_proj.{kind}", shape, 0, shape[0])]
     for prefix, name in _LAYER_NAMES.items():
         if rest.startswith(prefix):
             return [RowBlock(f"{hf}.{name}{rest[len(prefix):]}", shape, 0, shape[0])]

@@ -51,6 +51,12 @@ def offers(table: refit.Table, ckpt: Dict[str, torch.Tensor], device: int) -> No
         table.add_offer(index, 0, device, tensor.data_ptr(), (0,) * tensor.dim(), tuple(tensor.shape))
 
 
+def _whole_tensors(ckpt: Dict[str, torch.Tensor], device: int) -> refit.Table:
+    table = refit.Table()
+    offers(table, ckpt, device)
+    return table
+
+
 def compare_model(expected: torch.nn.Module, got: torch.nn.Module, result: RankResult, written: set) -> None:
     want = dict(expected.named_parameters())
     have = dict(got.named_parameters())
@@ -86,7 +92,11 @@ def run_rank(
     specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype]],
     ckpt: Dict[str, torch.Tensor],
     tamper: Optional[Callable[[Recording], Recording]] = None,
+    publishers: Optional[List[Callable[[int], refit.Table]]] = None,
 ) -> RankResult:
+    """`publishers`: the training side, one function per publishing rank giving that rank's Table
+    of offers on the device it is passed (devices 0, 1, ...; the engine's is the next one); by
+    default one rank offering the whole checkpoint tensors."""
     result = RankResult(tp_rank, pp_rank)
     with harness.as_rank(config, parallel, tp_rank, pp_rank):
         truth = poisoned(harness.build(config, "cpu"))
@@ -99,13 +109,20 @@ def run_rank(
         engine = poisoned(harness.build(config, "cpu"))
         receiver = RecordedReceiver(recording)
         staging = receiver.staging_buffers(lambda shape, dtype: torch.full(shape, POISON, dtype=dtype))
-        with refit.Table() as publisher, receiver.table(engine.named_parameters(), 0, device=1, staging=staging) as needs:
-            offers(publisher, ckpt, 0)
-            with refit.Plan.build([publisher, needs]) as plan, refit.Group([0, 1], refit.Backend.HOST) as group:
-                routes = plan.routes()
-                for route in routes:
-                    group.copy_batch(route.dst_device, route.segments)
-                result.notes = f"{len(routes)} routes, {sum(len(r.segments) for r in routes)} segments"
+        if publishers is None:
+            publishers = [lambda device: _whole_tensors(ckpt, device)]
+        sources = [make(device) for device, make in enumerate(publishers)]
+        engine_device = len(sources)
+        try:
+            with receiver.table(engine.named_parameters(), 0, device=engine_device, staging=staging) as needs:
+                with refit.Plan.build([*sources, needs]) as plan, refit.Group(range(engine_device + 1), refit.Backend.HOST) as group:
+                    routes = plan.routes()
+                    for route in routes:
+                        group.copy_batch(route.dst_device, route.segments)
+                    result.notes = f"{len(routes)} routes, {sum(len(r.segments) for r in routes)} segments"
+        finally:
+            for table in sources:
+                table.close()
         receiver.load_staged(engine.load_weights, staging)
         written = {layout.name for layout in recording.layouts} | {p for ps in recording.staged_params.values() for p in ps}
         compare_model(truth, engine, result, written)

@@ -160,7 +160,7 @@ def fc1_rows(mlp, tp_rank: int) -> Dict[int, Tuple[str, int]]:
     row-numbered fc1: its activation sees the gate rows, linear_fc2 receives the up rows."""
     weight = mlp.linear_fc1.weight
     weight.data.copy_(torch.arange(weight.shape[0], dtype=torch.float32)[:, None].expand_as(weight))
-    x = torch.zeros(1, 1, HIDDEN)
+    x = torch.zeros(1, 1, mlp.config.hidden_size)
     x[0, 0, 0] = 1.0
     seen = {}
 
