@@ -159,9 +159,13 @@ impl QuantNeed {
         let n = spec.shape.len();
         let elem = u64::from(spec.elem_size);
         if elem != self.source.size() {
+            let name = match self.source {
+                SourceType::Bf16 => "REFIT_SOURCE_BF16",
+                SourceType::F16 => "REFIT_SOURCE_F16",
+                SourceType::F32 => "REFIT_SOURCE_F32",
+            };
             return Err(invalid(format!(
-                "the tensor's elements are {elem} bytes; source type {:?} has {}",
-                self.source,
+                "the tensor's elements are {elem} bytes; {name} elements are {} bytes",
                 self.source.size()
             )));
         }

@@ -1,0 +1,187 @@
+/* Quantized needs through the C API on the host backend: a [130, 136] bf16 tensor offered as two row
+ * shards on device 0, needed whole as e4m3 codes and 128 x 128 block scales on device 1, in place
+ * (shards cut at row 128, a block boundary) and through the need's staging (cut at row 65), under
+ * direct and staged commit with verify. Every code and scale equals refit_quantize_batch's over the
+ * whole matrix (which test_quant.c checks against the header's arithmetic). Then every bad argument
+ * of refit_table_add_quantized_need gets its status and message. */
+#include <stdint.h>
+
+#include "check.h"
+
+#define ROWS 130
+#define COLS 136
+
+static uint64_t addr(const void *p) { return (uint64_t)(uintptr_t)p; }
+
+static uint16_t tensor[ROWS * COLS] __attribute__((aligned(16)));
+static uint16_t top[ROWS * COLS] __attribute__((aligned(16)));
+static uint16_t bottom[ROWS * COLS] __attribute__((aligned(16)));
+static uint16_t staging[ROWS * COLS] __attribute__((aligned(16)));
+static uint8_t codes[ROWS * COLS] __attribute__((aligned(16)));
+static float scales[4] __attribute__((aligned(16)));
+static uint8_t want_codes[ROWS * COLS] __attribute__((aligned(16)));
+static float want_scales[4] __attribute__((aligned(16)));
+
+static refit_need_quantization block_quantization(uint64_t staging_addr) {
+  refit_need_quantization q;
+  memset(&q, 0, sizeof q);
+  q.quantization.target = REFIT_FP8_E4M3FN;
+  q.quantization.granularity = REFIT_QUANT_BLOCK;
+  q.quantization.block_rows = 128;
+  q.quantization.block_cols = 128;
+  q.source_type = REFIT_SOURCE_BF16;
+  q.scales = addr(scales);
+  q.scale_row_stride = 2;
+  q.scale_matrix_stride = 4;
+  q.staging = staging_addr;
+  return q;
+}
+
+static const uint64_t shape[2] = {ROWS, COLS}, origin[2] = {0, 0}, code_strides[2] = {COLS, 1};
+
+/* One refit of the whole tensor from shards cut at row `cut`: planned, executed, compared. */
+static void refit_cut_at(refit_group *group, uint64_t cut, uint32_t commit, int staged_path) {
+  memcpy(top, tensor, sizeof(uint16_t) * cut * COLS);
+  memcpy(bottom, tensor + cut * COLS, sizeof(uint16_t) * (ROWS - cut) * COLS);
+  memset(codes, 0xab, sizeof codes);
+  memset(scales, 0xab, sizeof scales);
+  refit_table *table = NULL;
+  uint32_t t = 0;
+  CHECK_OK(refit_table_create(&table));
+  CHECK_OK(refit_table_add_tensor(table, "w", 1, 2, shape, 2, &t));
+  const uint64_t top_extent[2] = {cut, COLS}, bottom_origin[2] = {cut, 0}, bottom_extent[2] = {ROWS - cut, COLS};
+  CHECK_OK(refit_table_add_offer(table, t, 0, 0, addr(top), origin, top_extent, NULL, 2, NULL));
+  CHECK_OK(refit_table_add_offer(table, t, 0, 0, addr(bottom), bottom_origin, bottom_extent, NULL, 2, NULL));
+  refit_need_quantization q = block_quantization(staged_path ? addr(staging) : 0);
+  CHECK_OK(refit_table_add_quantized_need(table, t, 0, 1, addr(codes), origin, shape, code_strides, 2, &q));
+  refit_plan *plan = NULL;
+  const refit_table *tables[1] = {table};
+  CHECK_OK(refit_plan_build(tables, 1, NULL, &plan));
+  refit_plan_stats stats;
+  stats.size = sizeof stats;
+  CHECK_OK(refit_plan_get_stats(plan, &stats));
+  CHECK(stats.quantized_needs == 1);
+  CHECK(stats.quantized_elements == ROWS * COLS);
+  CHECK(stats.quantized_direct_bytes == (staged_path ? 0 : 2 * ROWS * COLS));
+  CHECK(stats.quantized_staged_bytes == (staged_path ? 2 * ROWS * COLS : 0));
+
+  refit_executor_options options;
+  CHECK_OK(refit_executor_options_init(&options));
+  options.commit = commit;
+  options.verify = true;
+  refit_executor *executor = NULL;
+  CHECK_OK(refit_executor_create(plan, group, 0, &options, &executor));
+  refit_run_stats run;
+  run.size = sizeof run;
+  CHECK_OK(refit_executor_run(executor, group, &run));
+  CHECK(run.verified);
+  uint64_t quantized = run.quantized_elements;
+  if (commit == REFIT_COMMIT_STAGED) {
+    for (size_t i = 0; i < sizeof codes; i++) CHECK(codes[i] == 0xab); /* nothing live before the commit */
+    refit_run_stats committed;
+    committed.size = sizeof committed;
+    CHECK_OK(refit_executor_commit(executor, group, &committed));
+    CHECK(committed.verified);
+    quantized += committed.quantized_elements;
+  }
+  CHECK(quantized == ROWS * COLS);
+  CHECK(memcmp(codes, want_codes, sizeof codes) == 0);
+  CHECK(memcmp(scales, want_scales, sizeof scales) == 0);
+  refit_executor_destroy(executor);
+  refit_plan_destroy(plan);
+  refit_table_destroy(table);
+}
+
+/* `q` changed by the caller, refused with `status` and a message containing `word`. */
+static void refused(refit_table *table, uint32_t t, const refit_need_quantization *q, const uint64_t *strides,
+                    refit_status status, const char *word) {
+  CHECK_STATUS(refit_table_add_quantized_need(table, t, 0, 1, addr(codes), origin, shape, strides, 2, q), status);
+  if (strstr(refit_last_error_message(), word) == NULL) {
+    fprintf(stderr, "message \"%s\" does not mention \"%s\"\n", refit_last_error_message(), word);
+    CHECK(0);
+  }
+}
+
+int main(void) {
+  const int32_t devices[2] = {0, 1};
+  refit_group *group = check_host_group(devices, 2);
+
+  uint32_t seed = 777;
+  for (int i = 0; i < ROWS * COLS; i++) {
+    seed = seed * 1103515245u + 12345u;
+    /* finite bf16: sign and mantissa from the seed, exponent 118..133 */
+    tensor[i] = (uint16_t)(((seed >> 16) & 0x807f) | ((118 + (seed >> 8) % 16) << 7));
+  }
+  refit_quantize_job job;
+  memset(&job, 0, sizeof job);
+  job.quantization = block_quantization(0).quantization;
+  job.source_type = REFIT_SOURCE_BF16;
+  job.src = addr(tensor);
+  job.rows = ROWS;
+  job.cols = COLS;
+  job.src_row_stride = COLS;
+  job.dst = addr(want_codes);
+  job.dst_row_stride = COLS;
+  job.scales = addr(want_scales);
+  job.scale_row_stride = 2;
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
+
+  for (int staged = 0; staged < 2; staged++) {
+    refit_cut_at(group, 128, staged ? REFIT_COMMIT_STAGED : REFIT_COMMIT_DIRECT, 0);
+    refit_cut_at(group, 65, staged ? REFIT_COMMIT_STAGED : REFIT_COMMIT_DIRECT, 1);
+  }
+
+  /* Bad arguments: each refused with its status, naming what is wrong; the table takes nothing. */
+  refit_table *table = NULL;
+  uint32_t t = 0;
+  CHECK_OK(refit_table_create(&table));
+  CHECK_OK(refit_table_add_tensor(table, "w", 1, 2, shape, 2, &t));
+  refit_need_quantization q = block_quantization(0);
+  CHECK_STATUS(refit_table_add_quantized_need(table, t, 0, 1, addr(codes), origin, shape, code_strides, 2, NULL),
+               REFIT_STATUS_NULL_ARGUMENT);
+  CHECK_STATUS(refit_table_add_quantized_need(table, t, 0, 1, addr(codes), origin, shape, NULL, 2, &q),
+               REFIT_STATUS_NULL_ARGUMENT);
+  q.reserved = 1;
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "reserved");
+  q = block_quantization(0);
+  q.quantization.granularity = 9;
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "granularity");
+  q = block_quantization(0);
+  q.quantization.target = 0;
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "target");
+  q = block_quantization(0);
+  q.quantization.block_rows = 0;
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "block");
+  q = block_quantization(0);
+  q.source_type = REFIT_SOURCE_F32;
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "4 bytes");
+  q = block_quantization(0);
+  q.source_type = 99;
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "source_type");
+  q = block_quantization(0);
+  q.scale_row_stride = 1;
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "scale_row_stride");
+  q = block_quantization(addr(staging) + 2);
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "staging");
+  q = block_quantization(0);
+  q.scales = UINT64_MAX - 4;
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "scales");
+  const uint64_t spread[2] = {COLS, 2};
+  refused(table, t, &q, spread, REFIT_STATUS_INVALID_ARGUMENT, "contiguous");
+  const uint64_t outside[2] = {ROWS + 1, COLS};
+  q = block_quantization(0);
+  CHECK_STATUS(refit_table_add_quantized_need(table, t, 0, 1, addr(codes), origin, outside, code_strides, 2, &q),
+               REFIT_STATUS_TENSOR_MISMATCH);
+  CHECK_STATUS(refit_table_add_quantized_need(table, 7, 0, 1, addr(codes), origin, shape, code_strides, 2, &q),
+               REFIT_STATUS_INVALID_ARGUMENT);
+  /* No offer and no staging: planning says why, naming the tensor. */
+  CHECK_OK(refit_table_add_quantized_need(table, t, 0, 1, addr(codes), origin, shape, code_strides, 2, &q));
+  refit_plan *plan = (refit_plan *)0x1;
+  const refit_table *tables[1] = {table};
+  CHECK_STATUS(refit_plan_build(tables, 1, NULL, &plan), REFIT_STATUS_UNSUPPORTED);
+  CHECK(strstr(refit_last_error_message(), "'w'") != NULL);
+  CHECK(plan == (refit_plan *)0x1);
+  refit_table_destroy(table);
+  refit_group_destroy(group);
+  CHECK_DONE();
+}
