@@ -424,6 +424,27 @@ fn overlapping_codes_and_bad_memory_are_refused_at_creation_and_rebinds_of_quant
     t.quant_needs[1].addr = t.quant_needs[0].addr + 64;
     let plan = build(&t).unwrap();
     fails(Executor::new(&group(), &plan, 0, ExecOptions::default()), Status::Overlap, &["quantized"]);
+    // Codes over a plain need's destination, and codes over the need's own staging.
+    let mut t = table(&shards, &[(&a, DEV0)]);
+    t.needs.push(plan::Need {
+        tensor: 0,
+        receiver: DEV0,
+        addr: a.codes.addr() + 100,
+        region: Region { offset: vec![0, 0, 0], extent: vec![1, 1, 8] },
+        perm: None,
+        strides: vec![8, 8, 1],
+    });
+    let plan = build(&t).unwrap();
+    fails(
+        Executor::new(&group(), &plan, 0, ExecOptions::default()),
+        Status::Overlap,
+        &["quantized", "destination"],
+    );
+    let staged = Received::new([0; 3], SHAPE, q, true);
+    let mut t = table(&halves(&values, 1, 20), &[(&staged, DEV0)]);
+    t.quant_needs[0].addr = t.quant_needs[0].staging + 64;
+    let plan = build(&t).unwrap();
+    fails(Executor::new(&group(), &plan, 0, ExecOptions::default()), Status::Overlap, &["staging"]);
     // Codes in the first page.
     let mut t = table(&shards, &[(&a, DEV0)]);
     t.quant_needs[0].addr = 64;

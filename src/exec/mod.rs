@@ -445,7 +445,7 @@ impl Executor {
             last.installs.entry(rank).or_default().extend_from_slice(installs);
         }
         let staged = options.commit == CommitMode::Staged;
-        let mut quantizing = Quantizing::new(group, plan, process, staged, options.verify)?;
+        let mut quantizing = Quantizing::new(group, plan, process, (staged, options.verify), flows)?;
         // Freed with the executor's other staging.
         executor.staging.append(&mut quantizing.staging);
         for (rank, installs) in std::mem::take(&mut quantizing.installs) {

@@ -7,11 +7,12 @@
 //!   segments of the last slice's install); jobs reading a need's staging buffer run at the commit,
 //!   after the install has filled that buffer, so nothing live is written before the commit.
 
-use super::flows::rank_of;
+use super::flows::{rank_of, RankFlow};
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Plan, QuantPath};
 use crate::quant::{check_jobs, QuantJob};
+use crate::segment::check::check_destinations;
 use crate::segment::Segment;
 use crate::transport::access::first_unusable;
 use crate::transport::verify::PreparedVerify;
@@ -62,7 +63,13 @@ impl Quantizing {
     /// The jobs of `process`'s receivers in `plan`, checked (the jobs of all needs together write no
     /// byte twice; every byte they touch is memory of the device that runs them, or of a device it
     /// reaches directly) and, under staged commit, given their staging.
-    pub fn new(group: &Group, plan: &Plan, process: u32, staged: bool, verify: bool) -> Result<Quantizing> {
+    pub fn new(
+        group: &Group,
+        plan: &Plan,
+        process: u32,
+        (staged, verify): (bool, bool),
+        flows: &[RankFlow],
+    ) -> Result<Quantizing> {
         let mut out = Quantizing::default();
         let routes: Vec<_> = plan.quant_routes().iter().filter(|r| r.receiver.process == process).collect();
         if routes.is_empty() {
@@ -71,6 +78,7 @@ impl Quantizing {
         let all: Vec<QuantJob> = routes.iter().flat_map(|r| r.jobs.iter().copied()).collect();
         check_jobs(&all)
             .map_err(|e| Error::new(e.status, format!("the plan's quantized needs: {}", e.message)))?;
+        check_apart(&all, flows)?;
         for route in &routes {
             let runner = rank_of(group, route.runner)?;
             let receiver = rank_of(group, route.receiver)?;
@@ -282,6 +290,30 @@ impl Quantizing {
         }
         Ok(bytes)
     }
+}
+
+/// OVERLAP when codes or scales share a byte with what the plan's copies write in this process (a
+/// plain need's destination, a staged need's staging): the jobs' outputs were checked among
+/// themselves (`check_jobs`), the copies' destinations by the planner.
+fn check_apart(jobs: &[QuantJob], flows: &[RankFlow]) -> Result<()> {
+    let written = jobs.iter().flat_map(|j| {
+        let [_, codes, scales] = j.regions();
+        [codes, scales]
+    });
+    let copied = flows.iter().flat_map(|f| f.segments.iter().copied());
+    let all: Vec<Segment> = written.chain(copied).collect();
+    check_destinations(&all).map_err(|e| {
+        if e.status != Status::Overlap {
+            return e;
+        }
+        Error::new(
+            Status::Overlap,
+            format!(
+                "a quantized need's codes or scales share bytes with a need's destination or staging: {}",
+                e.message
+            ),
+        )
+    })
 }
 
 /// INVALID_ARGUMENT unless every byte the jobs read or write is memory `device` can use.
