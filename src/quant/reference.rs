@@ -174,6 +174,29 @@ pub unsafe fn quantize_host_job(job: &QuantJob) {
     quantize(job.quantization, &source, dst, job.dst_stride, scales, job.scale_stride);
 }
 
+/// `job` cut into bands of whole scale-block rows, about `bands` of them (one for a per-tensor job,
+/// whose one scale needs the whole matrix): together they quantize exactly what `job` does, and no
+/// two write the same byte, so they can run side by side.
+pub fn row_bands(job: &QuantJob, bands: u64) -> Vec<QuantJob> {
+    let (block_rows, _) = job.quantization.block_shape(job.rows, job.cols);
+    let grid_rows = job.quantization.scale_grid(job.rows, job.cols).0;
+    if matches!(job.quantization.granularity, super::Granularity::Tensor) || grid_rows < 2 || bands < 2 {
+        return vec![*job];
+    }
+    let per_band = grid_rows.div_ceil(bands) * block_rows;
+    let (size, scale_size) = (job.source.size(), job.quantization.scale_kind().size());
+    (0..job.rows)
+        .step_by(per_band as usize)
+        .map(|first| QuantJob {
+            src: job.src + first * job.src_stride * size,
+            rows: per_band.min(job.rows - first),
+            dst: job.dst + first * job.dst_stride,
+            scales: job.scales + first / block_rows * job.scale_stride * scale_size,
+            ..*job
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -485,10 +485,24 @@ impl Backend for HostBackend {
         crate::quant::check_jobs(jobs)?;
         let jobs = jobs.to_vec();
         // SAFETY: the caller keeps the memory valid until the work has run, which this call waits for.
-        queue.enqueue(move || unsafe {
-            for job in &jobs {
-                crate::quant::reference::quantize_host_job(job);
-            }
+        queue.enqueue(move || {
+            // The reference is a scalar loop: bands of block rows on every core, as the GPU spreads
+            // blocks over its SMs (no two bands write the same byte).
+            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let bands: Vec<_> =
+                jobs.iter().flat_map(|job| crate::quant::reference::row_bands(job, threads as u64)).collect();
+            let next = std::sync::atomic::AtomicUsize::new(0);
+            std::thread::scope(|scope| {
+                for _ in 0..threads.min(bands.len()) {
+                    scope.spawn(|| loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some(band) = bands.get(i) else { return };
+                        // SAFETY: the caller keeps the memory valid until the work has run (waited
+                        // for below); the bands of checked jobs write disjoint bytes.
+                        unsafe { crate::quant::reference::quantize_host_job(band) };
+                    });
+                }
+            });
         })?;
         queue.synchronize()
     }
