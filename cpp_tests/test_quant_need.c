@@ -64,6 +64,23 @@ static void refit_cut_at(refit_group *group, uint64_t cut, uint32_t commit, int 
   CHECK(stats.quantized_elements == ROWS * COLS);
   CHECK(stats.quantized_direct_bytes == (staged_path ? 0 : 2 * ROWS * COLS));
   CHECK(stats.quantized_staged_bytes == (staged_path ? 2 * ROWS * COLS : 0));
+  /* The plan says which path the need took and which device quantizes: both shards' device (0) in
+   * place, the receiver (1) staged. */
+  size_t routes = 0;
+  CHECK_OK(refit_plan_quant_route_count(plan, &routes));
+  CHECK(routes == 1);
+  refit_quant_route_info info;
+  info.size = sizeof info;
+  CHECK_OK(refit_plan_quant_route(plan, 0, &info));
+  CHECK(strcmp(info.tensor, "w") == 0);
+  CHECK(info.path == (staged_path ? REFIT_PATH_STAGED : REFIT_PATH_IN_PLACE));
+  CHECK(info.receiver_rank == 0 && info.receiver_device == 1);
+  CHECK(info.runner_device == (staged_path ? 1u : 0u));
+  CHECK(info.elements == ROWS * COLS && info.source_bytes == 2 * ROWS * COLS && info.need == 0);
+  CHECK(info.jobs == (staged_path ? 1u : 2u));
+  CHECK_STATUS(refit_plan_quant_route(plan, 1, &info), REFIT_STATUS_NOT_FOUND);
+  info.size = 8;
+  CHECK_STATUS(refit_plan_quant_route(plan, 0, &info), REFIT_STATUS_INVALID_ARGUMENT);
 
   refit_executor_options options;
   CHECK_OK(refit_executor_options_init(&options));

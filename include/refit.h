@@ -181,6 +181,16 @@
 #define REFIT_ROUTE_REMOTE 2
 
 /**
+ * refit_quant_route_info.path: the need's sources quantized where they are offered.
+ */
+#define REFIT_PATH_IN_PLACE 1
+
+/**
+ * refit_quant_route_info.path: the need's elements routed into its staging, quantized there.
+ */
+#define REFIT_PATH_STAGED 2
+
+/**
  * Buckets of refit_plan_stats.size_histogram.
  */
 #define REFIT_PLAN_SIZE_BUCKETS 64
@@ -891,6 +901,56 @@ typedef struct {
    */
   const refit_segment *segments;
 } refit_route_info;
+
+/**
+ * The quantization one device runs for one quantized need (refit_table_add_quantized_need): which
+ * path the need took, and what the device quantizes. A need quantized in place from offers on
+ * several devices has one of these per device. Before the call set `size` to
+ * sizeof(refit_quant_route_info).
+ */
+typedef struct {
+  /**
+   * sizeof(refit_quant_route_info) as the caller knows it.
+   */
+  size_t size;
+  /**
+   * The tensor's name, NUL-terminated; owned by the plan, valid until refit_plan_destroy.
+   */
+  const char *tensor;
+  /**
+   * The receiving process index and device ordinal.
+   */
+  uint32_t receiver_rank;
+  uint32_t receiver_device;
+  /**
+   * The device whose stream runs the quantization: a source's (in place) or the receiver's
+   * (staged), in the receiver's process.
+   */
+  uint32_t runner_rank;
+  uint32_t runner_device;
+  /**
+   * REFIT_PATH_IN_PLACE or REFIT_PATH_STAGED.
+   */
+  uint32_t path;
+  uint32_t reserved;
+  /**
+   * The need's number among the plan's quantized needs (ordered by receiver, tensor, box): the
+   * routes of one need share it.
+   */
+  uint64_t need;
+  /**
+   * Matrices (or pieces of them) quantized.
+   */
+  uint64_t jobs;
+  /**
+   * Elements quantized.
+   */
+  uint64_t elements;
+  /**
+   * Source bytes read: in place, from the offers; staged, from the need's staging.
+   */
+  uint64_t source_bytes;
+} refit_quant_route_info;
 
 /**
  * A quantization: a target FP8 format (REFIT_FP8_*) and a granularity (REFIT_QUANT_*).
@@ -1974,12 +2034,36 @@ refit_status refit_plan_route(const refit_plan *plan,
                               refit_route_info *route);
 
 /**
+ * Writes the number of quantized routes (refit_quant_route_info) to `*count`: one per (quantized
+ * need, device quantizing it), ordered by receiver, tensor and box, then device. A share holds its
+ * process's receivers'. Thread-safe. Errors: NULL_ARGUMENT.
+ *
+ * # Safety
+ * The output is writable.
+ */
+refit_status refit_plan_quant_route_count(const refit_plan *plan, size_t *count);
+
+/**
+ * Writes quantized route `index` (0 <= index < refit_plan_quant_route_count) to `*route`: which path
+ * its need took and what its device quantizes. Set route->size to sizeof(refit_quant_route_info)
+ * first. Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (route->size), NOT_FOUND (index out of
+ * range).
+ *
+ * # Safety
+ * `route` is writable.
+ */
+refit_status refit_plan_quant_route(const refit_plan *plan,
+                                    size_t index,
+                                    refit_quant_route_info *route);
+
+/**
  * Adds a quantized need: process `rank`'s device `device` wants the box `offset`/`extent` of tensor
  * `tensor` (elements of `quantization->source_type`) as FP8 codes at `addr`, code strides `strides`
  * in bytes (the last 1), and scales, quantized as refit_quantize_batch quantizes (the arithmetic is
  * documented there). See refit_need_quantization for the matrices, scales and staging.
  *
- * Planning picks one of two paths per need, and refit_plan_stats counts both:
+ * Planning picks one of two paths per need (refit_plan_quant_route says which each took, and
+ * refit_plan_stats counts both):
  * - in place: offers in the receiver's process tile the box so that every quantization block lies
  *   inside one offer, with contiguous rows. The device holding each offer quantizes it straight
  *   into the need's codes and scales (one byte per element reaches the receiver, not two).

@@ -49,7 +49,7 @@ from .copy import PreparedCopy
 from .digest import digest, digest_many
 from .executor import Executor, RunStats
 from .group import Group, HostStream
-from .plan import Plan, PlanStats, Route, Table
+from .plan import Plan, PlanStats, QuantPath, QuantRoute, Route, Table
 from .quant import Quantization, QuantizeJob, quantize_batch, tensor_job
 from .segment import Segment
 
@@ -76,6 +76,8 @@ __all__ = [
     "PlanStats",
     "PreparedCopy",
     "Policy",
+    "QuantPath",
+    "QuantRoute",
     "Quantization",
     "QuantizeJob",
     "RefitError",

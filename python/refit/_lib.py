@@ -352,6 +352,25 @@ class NeedQuantizationStruct(ctypes.Structure):
     ]
 
 
+class QuantRouteInfo(ctypes.Structure):
+    """refit_quant_route_info."""
+
+    _fields_ = [
+        ("size", c_size_t),
+        ("tensor", ctypes.c_char_p),
+        ("receiver_rank", c_uint32),
+        ("receiver_device", c_uint32),
+        ("runner_rank", c_uint32),
+        ("runner_device", c_uint32),
+        ("path", c_uint32),
+        ("reserved", c_uint32),
+        ("need", c_uint64),
+        ("jobs", c_uint64),
+        ("elements", c_uint64),
+        ("source_bytes", c_uint64),
+    ]
+
+
 class RouteInfo(ctypes.Structure):
     """refit_route_info."""
 
@@ -542,6 +561,8 @@ FUNCTIONS = {
     "refit_plan_inputs_fingerprint": (status_t, [_handle, _u64p]),
     "refit_plan_route_count": (status_t, [_handle, POINTER(c_size_t)]),
     "refit_plan_route": (status_t, [_handle, c_size_t, POINTER(RouteInfo)]),
+    "refit_plan_quant_route_count": (status_t, [_handle, POINTER(c_size_t)]),
+    "refit_plan_quant_route": (status_t, [_handle, c_size_t, POINTER(QuantRouteInfo)]),
     "refit_version": (c_char_p, []),
     "refit_abi_version": (c_uint32, []),
     "refit_status_string": (c_char_p, [c_int32]),

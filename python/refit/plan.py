@@ -6,12 +6,13 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import dataclasses
+import enum
 from ctypes import byref, c_size_t, c_uint8, c_uint32, c_uint64, c_void_p
 from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, Sequence, Tuple, Union
 
 from ._args import boolean, byte_string, check_range, choice, integers, items, same_length, u64_array
 from ._handle import Handle, borrow
-from ._lib import Arm, Commit, NeedQuantizationStruct, PlanOptions, PlanStatsStruct, Policy, RouteInfo, RouteKind, check, invalid_argument, lib
+from ._lib import Arm, Commit, NeedQuantizationStruct, PlanOptions, PlanStatsStruct, QuantRouteInfo, Policy, RouteInfo, RouteKind, check, invalid_argument, lib
 from .executor import Executor
 from .quant import Quantization, fill_quantization
 from .segment import Segment
@@ -202,6 +203,32 @@ class Route:
     segments: Tuple[Segment, ...]
 
 
+class QuantPath(enum.IntEnum):
+    """REFIT_PATH_*: where a quantized need's elements are quantized."""
+
+    IN_PLACE = 1
+    STAGED = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantRoute:
+    """The quantization one device runs for one quantized need (refit_quant_route_info): the path
+    the need took, the device that quantizes (a source's in place, the receiver's staged), and how
+    much. A need quantized in place from offers on several devices has one per device, sharing
+    `need`."""
+
+    tensor: str
+    receiver_rank: int
+    receiver_device: int
+    runner_rank: int
+    runner_device: int
+    path: QuantPath
+    need: int
+    jobs: int
+    elements: int
+    source_bytes: int
+
+
 PlanStats = dataclasses.make_dataclass(
     "PlanStats",
     [(field[0], int) for field in PlanStatsStruct._fields_ if field[0] not in ("size", "size_histogram")]
@@ -321,6 +348,33 @@ class Plan(Handle):
             segments = tuple(Segment.from_struct(segment) for segment in raw)
         kind = RouteKind(info.kind)
         return Route(info.src_rank, info.src_device, info.dst_rank, info.dst_device, kind, segments)
+
+    def quant_routes(self) -> list[QuantRoute]:
+        """Every quantized need's quantization, one per (need, device), ordered by receiver, tensor
+        and box, then device (refit_plan_quant_route)."""
+        count = c_size_t()
+        out = []
+        with self._borrow() as handle:
+            check(lib.refit_plan_quant_route_count(handle, byref(count)))
+            for index in range(count.value):
+                info = QuantRouteInfo()
+                info.size = ctypes.sizeof(info)
+                check(lib.refit_plan_quant_route(handle, index, byref(info)))
+                out.append(
+                    QuantRoute(
+                        (info.tensor or b"").decode("utf-8", "replace"),
+                        info.receiver_rank,
+                        info.receiver_device,
+                        info.runner_rank,
+                        info.runner_device,
+                        QuantPath(info.path),
+                        info.need,
+                        info.jobs,
+                        info.elements,
+                        info.source_bytes,
+                    )
+                )
+        return out
 
     def routes(self) -> list[Route]:
         """Every route, ordered by destination, then local/peer/remote, then source."""

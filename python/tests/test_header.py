@@ -28,6 +28,7 @@ STRUCTS = {
     "refit_quantization": _lib.QuantizationStruct,
     "refit_quantize_job": _lib.QuantizeJobStruct,
     "refit_need_quantization": _lib.NeedQuantizationStruct,
+    "refit_quant_route_info": _lib.QuantRouteInfo,
 }
 SCALARS = {
     "void": None,
@@ -50,6 +51,7 @@ ENUMS = {
     "REFIT_COPY_": refit.CopyFlag,
     "REFIT_EXIT_": refit.ExitMode,
     "REFIT_FP8_": refit.Fp8,
+    "REFIT_PATH_": refit.QuantPath,
     "REFIT_POLICY_": refit.Policy,
     "REFIT_QUANT_": refit.Granularity,
     "REFIT_ROUTE_": refit.RouteKind,

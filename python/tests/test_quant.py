@@ -352,6 +352,13 @@ class QuantizedNeedTest(unittest.TestCase):
                                  SourceType.BF16, scales, grid_cols, grid_rows * grid_cols, stage)
         plan = refit.Plan.build([table])
         stats = plan.stats
+        routes = plan.quant_routes()
+        path = refit.QuantPath.STAGED if staging else refit.QuantPath.IN_PLACE
+        self.assertTrue(routes and all(r.path == path and r.tensor == "w" and r.need == 0 for r in routes), routes)
+        self.assertEqual(sum(r.elements for r in routes), matrices * rows * cols)
+        # In place, each device quantizes its own shard; staged, the receiver (device 0) all of it.
+        runners = {r.runner_device for r in routes}
+        self.assertEqual(runners, {0} if staging else {0, 1})
         executor = plan.executor(self.group, 0, commit=commit)
         ran = executor.run()
         done = ran.quantized_elements + (executor.commit().quantized_elements if commit == refit.Commit.STAGED else 0)

@@ -31,6 +31,10 @@ pub const REFIT_ROUTE_LOCAL: u32 = 0;
 pub const REFIT_ROUTE_PEER: u32 = 1;
 /// Route kind: another process.
 pub const REFIT_ROUTE_REMOTE: u32 = 2;
+/// refit_quant_route_info.path: the need's sources quantized where they are offered.
+pub const REFIT_PATH_IN_PLACE: u32 = 1;
+/// refit_quant_route_info.path: the need's elements routed into its staging, quantized there.
+pub const REFIT_PATH_STAGED: u32 = 2;
 /// Buckets of refit_plan_stats.size_histogram.
 pub const REFIT_PLAN_SIZE_BUCKETS: u32 = 64;
 
@@ -111,6 +115,38 @@ pub struct refit_route_info {
     pub segment_count: usize,
     /// The segments, sorted by source address; owned by the plan, valid until refit_plan_destroy.
     pub segments: *const Segment,
+}
+
+/// The quantization one device runs for one quantized need (refit_table_add_quantized_need): which
+/// path the need took, and what the device quantizes. A need quantized in place from offers on
+/// several devices has one of these per device. Before the call set `size` to
+/// sizeof(refit_quant_route_info).
+#[repr(C)]
+#[derive(Clone, Copy, Debug)]
+pub struct refit_quant_route_info {
+    /// sizeof(refit_quant_route_info) as the caller knows it.
+    pub size: usize,
+    /// The tensor's name, NUL-terminated; owned by the plan, valid until refit_plan_destroy.
+    pub tensor: *const c_char,
+    /// The receiving process index and device ordinal.
+    pub receiver_rank: u32,
+    pub receiver_device: u32,
+    /// The device whose stream runs the quantization: a source's (in place) or the receiver's
+    /// (staged), in the receiver's process.
+    pub runner_rank: u32,
+    pub runner_device: u32,
+    /// REFIT_PATH_IN_PLACE or REFIT_PATH_STAGED.
+    pub path: u32,
+    pub reserved: u32,
+    /// The need's number among the plan's quantized needs (ordered by receiver, tensor, box): the
+    /// routes of one need share it.
+    pub need: u64,
+    /// Matrices (or pieces of them) quantized.
+    pub jobs: u64,
+    /// Elements quantized.
+    pub elements: u64,
+    /// Source bytes read: in place, from the offers; staged, from the need's staging.
+    pub source_bytes: u64,
 }
 
 /// Creates an empty table in `*table`. Thread-safe. Errors: NULL_ARGUMENT when `table` is NULL.
@@ -544,6 +580,68 @@ pub unsafe extern "C" fn refit_plan_route(
     })
 }
 
+/// Writes the number of quantized routes (refit_quant_route_info) to `*count`: one per (quantized
+/// need, device quantizing it), ordered by receiver, tensor and box, then device. A share holds its
+/// process's receivers'. Thread-safe. Errors: NULL_ARGUMENT.
+///
+/// # Safety
+/// The output is writable.
+#[no_mangle]
+pub unsafe extern "C" fn refit_plan_quant_route_count(
+    plan: *const refit_plan,
+    count: *mut usize,
+) -> crate::Status {
+    boundary("refit_plan_quant_route_count", || {
+        let plan = live(plan, "plan")?;
+        out(count, "count")?.write(plan.plan.quant_routes().len());
+        Ok(())
+    })
+}
+
+/// Writes quantized route `index` (0 <= index < refit_plan_quant_route_count) to `*route`: which path
+/// its need took and what its device quantizes. Set route->size to sizeof(refit_quant_route_info)
+/// first. Thread-safe. Errors: NULL_ARGUMENT, INVALID_ARGUMENT (route->size), NOT_FOUND (index out of
+/// range).
+///
+/// # Safety
+/// `route` is writable.
+#[no_mangle]
+pub unsafe extern "C" fn refit_plan_quant_route(
+    plan: *const refit_plan,
+    index: usize,
+    route: *mut refit_quant_route_info,
+) -> crate::Status {
+    boundary("refit_plan_quant_route", || {
+        let plan = live(plan, "plan")?;
+        let slot = sized_out(route, "route")?;
+        let routes = plan.plan.quant_routes();
+        let r = routes.get(index).ok_or_else(|| {
+            Error::new(
+                crate::Status::NotFound,
+                format!("quantized route {index} but the plan has {}", routes.len()),
+            )
+        })?;
+        slot.write(refit_quant_route_info {
+            size: std::mem::size_of::<refit_quant_route_info>(),
+            tensor: r.tensor_c.as_ptr(),
+            receiver_rank: r.receiver.process,
+            receiver_device: r.receiver.device,
+            runner_rank: r.runner.process,
+            runner_device: r.runner.device,
+            path: match r.path {
+                plan::QuantPath::Direct => REFIT_PATH_IN_PLACE,
+                plan::QuantPath::Staged => REFIT_PATH_STAGED,
+            },
+            reserved: 0,
+            need: r.need as u64,
+            jobs: r.jobs.len() as u64,
+            elements: r.elements(),
+            source_bytes: r.source_bytes(),
+        });
+        Ok(())
+    })
+}
+
 /// `body` over the tables of a caller's array of `count` table pointers, each held for reading
 /// meanwhile (a table that another thread is changing is INVALID_STATE).
 ///
@@ -631,7 +729,8 @@ pub struct refit_need_quantization {
 /// in bytes (the last 1), and scales, quantized as refit_quantize_batch quantizes (the arithmetic is
 /// documented there). See refit_need_quantization for the matrices, scales and staging.
 ///
-/// Planning picks one of two paths per need, and refit_plan_stats counts both:
+/// Planning picks one of two paths per need (refit_plan_quant_route says which each took, and
+/// refit_plan_stats counts both):
 /// - in place: offers in the receiver's process tile the box so that every quantization block lies
 ///   inside one offer, with contiguous rows. The device holding each offer quantizes it straight
 ///   into the need's codes and scales (one byte per element reaches the receiver, not two).

@@ -69,6 +69,9 @@ pub struct QuantRoute {
     /// The need's number among the plan's quantized needs (sorted by receiver, tensor, box).
     pub need: usize,
     pub tensor: String,
+    /// `tensor` NUL-terminated for C callers (cut at a NUL the name holds, which only a decoded
+    /// table's can).
+    pub tensor_c: std::ffi::CString,
     pub receiver: Endpoint,
     /// The device whose stream runs the jobs: the sources' (direct) or the receiver's (staged).
     pub runner: Endpoint,
@@ -501,6 +504,7 @@ fn direct_routes(
             Ok(QuantRoute {
                 need: 0,
                 tensor: spec.name.clone(),
+                tensor_c: c_name(&spec.name),
                 receiver: q.receiver,
                 runner,
                 path: QuantPath::Direct,
@@ -532,11 +536,18 @@ fn staged_route(spec: &TensorSpec, q: &QuantNeed, g: &Geometry, budget: &mut u64
     Ok(QuantRoute {
         need: 0,
         tensor: spec.name.clone(),
+        tensor_c: c_name(&spec.name),
         receiver: q.receiver,
         runner: q.receiver,
         path: QuantPath::Staged,
         jobs,
     })
+}
+
+/// `name` as a C string, up to its first NUL.
+fn c_name(name: &str) -> std::ffi::CString {
+    let bytes = name.as_bytes().split(|&b| b == 0).next().unwrap_or_default();
+    std::ffi::CString::new(bytes).unwrap_or_default()
 }
 
 /// Checks the jobs of one route, naming the tensor and the path.
