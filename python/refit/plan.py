@@ -12,7 +12,20 @@ from typing import TYPE_CHECKING, Any, Callable, Iterable, Iterator, Optional, S
 
 from ._args import boolean, byte_string, check_range, choice, integers, items, same_length, u64_array
 from ._handle import Handle, borrow
-from ._lib import Arm, Commit, NeedQuantizationStruct, PlanOptions, PlanStatsStruct, QuantRouteInfo, Policy, RouteInfo, RouteKind, check, invalid_argument, lib
+from ._lib import (
+    Arm,
+    Commit,
+    NeedQuantizationStruct,
+    PlanOptions,
+    PlanStatsStruct,
+    Policy,
+    QuantRouteInfo,
+    RouteInfo,
+    RouteKind,
+    check,
+    invalid_argument,
+    lib,
+)
 from .executor import Executor
 from .quant import Quantization, fill_quantization
 from .segment import Segment
