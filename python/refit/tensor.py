@@ -142,3 +142,96 @@ def add_tensor_need(
     strides = _ints(tensor.stride(), "tensor.stride()")
     table.add_need(index, rank, device_index(tensor, device), tensor.data_ptr(), at, extent, strides)
     return index
+
+
+# Element types a quantized need's source may have, by torch's name: (REFIT_SOURCE_* code, bytes).
+SOURCE_DTYPES = {"bfloat16": (1, 2), "float16": (2, 2), "float32": (3, 4)}
+
+
+def add_tensor_quantized_need(
+    table: Table,
+    name: str,
+    codes: TensorLike,
+    scales: TensorLike,
+    rank: int,
+    quantization: Any,
+    source_dtype: str = "bfloat16",
+    shape: Optional[Sequence[int]] = None,
+    offset: Optional[Sequence[int]] = None,
+    device: Optional[int] = None,
+    staging: Optional[TensorLike] = None,
+) -> int:
+    """Asks for the box at `offset` of the global tensor `name` of `shape` (elements of
+    `source_dtype`, as its publishers describe it) as FP8 codes in `codes` (one byte per element, the
+    box's shape, rows contiguous: a float8 or uint8 tensor, or a slice of one) and scales in `scales`
+    (the scale grid of each matrix as refit_need_quantization lays it out: its last dimension the
+    grid's columns, contiguous; the one before, grid rows; the one before that, matrices), quantized
+    as `quantization` (a refit.quant.Quantization) says. `staging` (optional): a contiguous tensor of
+    `source_dtype` with room for the box, on the same device, where the elements land when they
+    cannot be quantized where they are offered. Returns the tensor index in `table`."""
+    from .quant import Quantization
+
+    if not isinstance(quantization, Quantization):
+        raise invalid_argument(f"quantization is {quantization!r}; expected a refit.quant.Quantization")
+    if source_dtype not in SOURCE_DTYPES:
+        raise invalid_argument(f"source_dtype {source_dtype!r}: one of {', '.join(SOURCE_DTYPES)}")
+    source_code, source_size = SOURCE_DTYPES[source_dtype]
+    if codes.element_size() != 1:
+        raise invalid_argument(f"codes has {codes.element_size()}-byte elements ({codes.dtype}); FP8 codes take 1")
+    full, at, extent = _box(codes, shape, offset)
+    at_device = device_index(codes, device)
+    _on_device(scales, "scales", at_device)
+    rows = extent[-2] if len(extent) >= 2 else 1
+    cols = extent[-1] if extent else 1
+    matrices = 1
+    for e in extent[:-2]:
+        matrices *= e
+    grid_rows, grid_cols = quantization.scale_grid(rows, cols)
+    if scales.element_size() != quantization.scale_size:
+        raise invalid_argument(
+            f"scales has {scales.element_size()}-byte elements ({scales.dtype}); this quantization's scales are "
+            f"{quantization.scale_size} bytes ({'e8m0' if quantization.scale_size == 1 else 'float32'})"
+        )
+    scale_strides = _ints(scales.stride(), "scales.stride()")
+    scale_shape = _ints(scales.shape, "scales.shape")
+    if scale_shape and scale_shape[-1] > 1 and scale_strides[-1] != 1:
+        raise invalid_argument(f"scales.stride() is {list(scale_strides)}: a grid row's scales must be contiguous")
+    row_stride = scale_strides[-2] if len(scale_shape) >= 2 else grid_cols
+    matrix_stride = scale_strides[-3] if len(scale_shape) >= 3 else (grid_rows * row_stride if matrices > 1 else 0)
+    span = (matrices - 1) * matrix_stride + (grid_rows - 1) * row_stride + grid_cols
+    if _numel(scale_shape) < span:
+        raise invalid_argument(
+            f"scales of shape {list(scale_shape)} hold {_numel(scale_shape)} scales; {matrices} matrix(es) of "
+            f"{grid_rows} x {grid_cols} scales with these strides span {span}"
+        )
+    staging_at = 0
+    if staging is not None:
+        staging_shape = _ints(staging.shape, "staging.shape")
+        if staging.element_size() != source_size or _numel(staging_shape) < _numel(extent):
+            raise invalid_argument(
+                f"staging holds {_numel(staging_shape)} elements of {staging.element_size()} bytes; the box needs "
+                f"{_numel(extent)} of {source_size} ({source_dtype})"
+            )
+        _on_device(staging, "staging", at_device)
+        staging_at = staging.data_ptr()
+    index = table.add_tensor(name, full, source_size, dtype_code(source_dtype))
+    code_strides = _ints(codes.stride(), "codes.stride()")
+    table.add_quantized_need(
+        index, rank, at_device, codes.data_ptr(), at, extent, code_strides, quantization, source_code,
+        scales.data_ptr(), row_stride, matrix_stride, staging_at,
+    )
+    return index
+
+
+def _on_device(tensor: TensorLike, what: str, device: int) -> None:
+    """INVALID_ARGUMENT unless `tensor` is on `device`, the codes' (a host tensor stands for it)."""
+    kind = getattr(tensor.device, "type", str(tensor.device))
+    if device_index(tensor, None if kind == "cuda" else device) != device:
+        raise invalid_argument(f"{what} is on {tensor.device}, the codes on device {device}: both on the receiver")
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for e in shape:
+        n *= e
+    return n

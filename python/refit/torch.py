@@ -12,12 +12,21 @@ import torch
 
 from ._lib import Backend, invalid_argument
 from .group import Group
-from .tensor import DTYPE_CODES, add_tensor_need, add_tensor_offer, device_index, dtype_code, dtype_name
+from .tensor import (
+    DTYPE_CODES,
+    add_tensor_need,
+    add_tensor_offer,
+    add_tensor_quantized_need,
+    device_index,
+    dtype_code,
+    dtype_name,
+)
 
 __all__ = [
     "DTYPE_CODES",
     "add_tensor_need",
     "add_tensor_offer",
+    "add_tensor_quantized_need",
     "current_stream",
     "current_streams",
     "data_ptr",

@@ -406,3 +406,86 @@ class QuantizedNeedTest(unittest.TestCase):
                                      1 << 24, 1)
         self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
         self.assertIn("contiguous", str(caught.exception))
+
+
+class HostArray:
+    """A ctypes buffer described as a tensor (what refit.tensor reads), on simulated device 0."""
+
+    class _Device:
+        type, index = "cpu", None
+
+    def __init__(self, shape, element_size, dtype, fill=0):
+        self.shape, self._size, self.dtype, self.device = tuple(shape), element_size, dtype, self._Device()
+        self.buffer = (ctypes.c_uint8 * (math.prod(shape) * element_size + 16))(*([fill] * (math.prod(shape) * element_size + 16)))
+        self._at = ctypes.addressof(self.buffer) + (-ctypes.addressof(self.buffer)) % 16
+        strides, step = [], 1
+        for e in reversed(self.shape):
+            strides.insert(0, step)
+            step *= e
+        self._strides = tuple(strides)
+
+    def data_ptr(self):
+        return self._at
+
+    def stride(self):
+        return self._strides
+
+    def element_size(self):
+        return self._size
+
+    def bytes(self):
+        return ctypes.string_at(self._at, math.prod(self.shape) * self._size)
+
+
+class TensorQuantizedNeedTest(unittest.TestCase):
+    """refit.tensor.add_tensor_quantized_need: codes, scales and staging read from tensors; the codes
+    and scales a refit installs equal refit_quantize_batch's over each matrix of the box."""
+
+    def test_codes_and_scales_from_tensors(self):
+        from refit.tensor import add_tensor_offer, add_tensor_quantized_need
+
+        group = Group([0], backend=Backend.HOST)
+        rng = random.Random(5)
+        experts, rows, cols = 3, 40, 64
+        source = HostArray((experts, rows, cols), 2, "torch.bfloat16")
+        ctypes.memmove(source.data_ptr(), struct.pack(f"<{experts * rows * cols}H", *random_bits(rng, experts * rows * cols)),
+                       2 * experts * rows * cols)
+        q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (16, 32))
+        grid = q.scale_grid(rows, cols)
+        codes = HostArray((experts, rows, cols), 1, "torch.float8_e4m3fn", 0xAB)
+        scales = HostArray((experts,) + grid, 4, "torch.float32", 0xAB)
+        table = refit.Table()
+        add_tensor_offer(table, "experts", source, 0, device=0)
+        add_tensor_quantized_need(table, "experts", codes, scales, 0, q, device=0)
+        plan = refit.Plan.build([table])
+        self.assertEqual([r.path for r in plan.quant_routes()], [refit.QuantPath.IN_PLACE])
+        plan.executor(group, 0).run()
+        want_codes = HostArray((experts, rows, cols), 1, "torch.uint8", 0xAB)
+        want_scales = HostArray((experts,) + grid, 4, "torch.float32", 0xAB)
+        jobs = [
+            QuantizeJob(q, SourceType.BF16, source.data_ptr() + 2 * e * rows * cols, rows, cols, cols,
+                        want_codes.data_ptr() + e * rows * cols, cols, want_scales.data_ptr() + 4 * e * grid[0] * grid[1],
+                        grid[1])
+            for e in range(experts)
+        ]
+        refit.quantize_batch(group, 0, jobs)
+        self.assertEqual(codes.bytes(), want_codes.bytes())
+        self.assertEqual(scales.bytes(), want_scales.bytes())
+        # What cannot describe the need is refused, naming it.
+        from refit.tensor import add_tensor_quantized_need as add
+
+        for bad, word in (
+            (dict(codes=source), "FP8 codes take 1"),
+            (dict(scales=HostArray((experts,) + grid, 2, "torch.float16")), "scales"),
+            (dict(scales=HostArray((1,) + grid, 4, "torch.float32")), "span"),
+            (dict(staging=HostArray((1, 1, 8), 2, "torch.bfloat16")), "staging"),
+            (dict(source_dtype="int8"), "source_dtype"),
+            (dict(quantization="block"), "quantization"),
+        ):
+            arguments = dict(codes=codes, scales=scales, quantization=q)
+            arguments.update(bad)
+            with self.subTest(word=word), self.assertRaises(RefitError) as caught:
+                add(refit.Table(), "experts", arguments["codes"], arguments["scales"], 0, arguments["quantization"],
+                    device=0, **{k: v for k, v in bad.items() if k in ("staging", "source_dtype")})
+            self.assertIn(word, str(caught.exception))
+        group.close()
