@@ -87,13 +87,13 @@ impl Quantizing {
                     Status::Unsupported,
                     "quantized need of tensor '{}': device {} quantizes in place for device {} but cannot write its \
                      memory (no peer access); give the need a staging buffer",
-                    route.tensor,
+                    route.name(),
                     route.runner.device,
                     route.receiver.device
                 );
             }
             let device = group.device(runner)?;
-            check_memory(group.backend().as_ref(), device, &route.tensor, &route.jobs)?;
+            check_memory(group.backend().as_ref(), device, &route.name(), &route.jobs)?;
             out.elements = out.elements.saturating_add(route.elements());
         }
         for route in routes {
@@ -111,7 +111,7 @@ impl Quantizing {
                     (When::Run, into)
                 }
             };
-            let labels = vec![(route.tensor.clone(), route.receiver.device); jobs.len()];
+            let labels = vec![(route.name().into_owned(), route.receiver.device); jobs.len()];
             match out.ranks.iter_mut().find(|r| r.rank == runner && r.when == when) {
                 Some(existing) => {
                     existing.jobs.extend(jobs);

@@ -559,13 +559,7 @@ pub unsafe extern "C" fn refit_plan_route(
     boundary("refit_plan_route", || {
         let plan = live(plan, "plan")?;
         let slot = sized_out(route, "route")?;
-        let routes = plan.plan.routes();
-        let r = routes.get(index).ok_or_else(|| {
-            Error::new(
-                crate::Status::NotFound,
-                format!("route {index} but the plan has {} routes", routes.len()),
-            )
-        })?;
+        let r = nth(plan.plan.routes(), index, "route")?;
         slot.write(refit_route_info {
             size: std::mem::size_of::<refit_route_info>(),
             src_rank: r.src.process,
@@ -614,16 +608,10 @@ pub unsafe extern "C" fn refit_plan_quant_route(
     boundary("refit_plan_quant_route", || {
         let plan = live(plan, "plan")?;
         let slot = sized_out(route, "route")?;
-        let routes = plan.plan.quant_routes();
-        let r = routes.get(index).ok_or_else(|| {
-            Error::new(
-                crate::Status::NotFound,
-                format!("quantized route {index} but the plan has {}", routes.len()),
-            )
-        })?;
+        let r = nth(plan.plan.quant_routes(), index, "quantized route")?;
         slot.write(refit_quant_route_info {
             size: std::mem::size_of::<refit_quant_route_info>(),
-            tensor: r.tensor_c.as_ptr(),
+            tensor: r.tensor.as_ptr(),
             receiver_rank: r.receiver.process,
             receiver_device: r.receiver.device,
             runner_rank: r.runner.process,
@@ -639,6 +627,16 @@ pub unsafe extern "C" fn refit_plan_quant_route(
             source_bytes: r.source_bytes(),
         });
         Ok(())
+    })
+}
+
+/// Item `index` of a plan's list of `what`s, or NOT_FOUND saying how many there are.
+fn nth<'a, T>(items: &'a [T], index: usize, what: &str) -> Result<&'a T> {
+    items.get(index).ok_or_else(|| {
+        Error::new(
+            crate::Status::NotFound,
+            format!("{what} {index} but the plan has {} {what}s", items.len()),
+        )
     })
 }
 
@@ -783,22 +781,8 @@ pub unsafe extern "C" fn refit_table_add_quantized_need(
         };
         let region = Region { offset: dims(offset, ndim, "offset")?, extent: dims(extent, ndim, "extent")? };
         let strides = dims(strides, ndim, "strides")?;
-        let c = q.quantization;
-        let codes = [c.target, c.granularity, c.block_rows, c.block_cols];
-        let kind = crate::quant::Quantization::from_codes(codes).ok_or_else(|| {
-            Error::invalid_argument(format!(
-                "quantization->quantization is {{target {}, granularity {}, block {} x {}}}: the target must be \
-                 REFIT_FP8_E4M3FN or REFIT_FP8_E5M2, the granularity REFIT_QUANT_TENSOR, _ROW, _BLOCK or _MXFP8, and \
-                 the block shape 0 x 0 but for REFIT_QUANT_BLOCK",
-                c.target, c.granularity, c.block_rows, c.block_cols
-            ))
-        })?;
-        let source = crate::quant::SourceType::from_code(q.source_type).ok_or_else(|| {
-            Error::invalid_argument(format!(
-                "quantization->source_type is {}; expected REFIT_SOURCE_BF16 (1), _F16 (2) or _F32 (3)",
-                q.source_type
-            ))
-        })?;
+        let kind = super::quantize::quantization("quantization->quantization", &q.quantization)?;
+        let source = super::quantize::source_type("quantization->source_type", q.source_type)?;
         if q.reserved != 0 {
             return Err(Error::invalid_argument(format!(
                 "quantization->reserved is {}; it must be 0",

@@ -11,7 +11,7 @@ use crate::error::Status;
 use crate::error::{Error, Result};
 use crate::ffi::group::refit_group;
 use crate::group::Group;
-use crate::quant::{check_jobs, Fp8, Granularity, QuantJob, Quantization, SourceType};
+use crate::quant::{check_jobs, QuantJob, Quantization, SourceType};
 use crate::transport::access::first_unusable;
 use crate::transport::Stream;
 use std::ffi::c_void;
@@ -82,72 +82,52 @@ pub struct refit_quantize_job {
     pub scale_row_stride: u64,
 }
 
-fn invalid(index: usize, message: String) -> Error {
-    Error::invalid_argument(format!("jobs[{index}].{message}"))
+/// The Rust quantization of a C one, `what` naming it in messages ("jobs[3].quantization"). The
+/// numbers are mapped in one place (`Quantization::from_codes`, which the table's wire format uses
+/// too); this says which field made a refused one.
+pub(crate) fn quantization(what: &str, q: &refit_quantization) -> Result<Quantization> {
+    if let Some(quantization) =
+        Quantization::from_codes([q.target, q.granularity, q.block_rows, q.block_cols])
+    {
+        return Ok(quantization);
+    }
+    let why = if !matches!(q.target, REFIT_FP8_E4M3FN | REFIT_FP8_E5M2) {
+        format!(
+            "target is {}; expected REFIT_FP8_E4M3FN ({REFIT_FP8_E4M3FN}) or REFIT_FP8_E5M2 ({REFIT_FP8_E5M2})",
+            q.target
+        )
+    } else if q.granularity == REFIT_QUANT_NONE {
+        "granularity is REFIT_QUANT_NONE: there is nothing to quantize to; pick REFIT_QUANT_TENSOR, _ROW, _BLOCK or \
+         _MXFP8"
+            .to_string()
+    } else if !(REFIT_QUANT_TENSOR..=REFIT_QUANT_MXFP8).contains(&q.granularity) {
+        format!("granularity is {}; expected a REFIT_QUANT_* value from 1 to 4", q.granularity)
+    } else {
+        format!(
+            "block is {} x {}; only REFIT_QUANT_BLOCK takes a block shape (pass 0 x 0)",
+            q.block_rows, q.block_cols
+        )
+    };
+    Err(Error::invalid_argument(format!("{what}.{why}")))
 }
 
-/// The Rust quantization of a C one (`index` names the job in messages).
-pub(crate) fn quantization(index: usize, q: &refit_quantization) -> Result<Quantization> {
-    let target = match q.target {
-        REFIT_FP8_E4M3FN => Fp8::E4m3fn,
-        REFIT_FP8_E5M2 => Fp8::E5m2,
-        other => {
-            return Err(invalid(
-                index,
-                format!(
-                    "quantization.target is {other}; expected REFIT_FP8_E4M3FN ({REFIT_FP8_E4M3FN}) or \
-                     REFIT_FP8_E5M2 ({REFIT_FP8_E5M2})"
-                ),
-            ))
-        }
-    };
-    let granularity = match q.granularity {
-        REFIT_QUANT_NONE => {
-            return Err(invalid(
-                index,
-                "quantization.granularity is REFIT_QUANT_NONE: there is nothing to quantize to; pick \
-                 REFIT_QUANT_TENSOR, _ROW, _BLOCK or _MXFP8"
-                    .to_string(),
-            ))
-        }
-        REFIT_QUANT_TENSOR => Granularity::Tensor,
-        REFIT_QUANT_ROW => Granularity::Row,
-        REFIT_QUANT_BLOCK => Granularity::Block { rows: q.block_rows, cols: q.block_cols },
-        REFIT_QUANT_MXFP8 => Granularity::Mx,
-        other => {
-            return Err(invalid(
-                index,
-                format!("quantization.granularity is {other}; expected a REFIT_QUANT_* value from 1 to 4"),
-            ))
-        }
-    };
-    if q.granularity != REFIT_QUANT_BLOCK && (q.block_rows, q.block_cols) != (0, 0) {
-        return Err(invalid(
-            index,
-            format!(
-                "quantization block is {} x {}; only REFIT_QUANT_BLOCK takes a block shape (pass 0 x 0)",
-                q.block_rows, q.block_cols
-            ),
-        ));
-    }
-    Ok(Quantization { target, granularity })
+/// The source type of a C code, `what` naming the field in messages.
+pub(crate) fn source_type(what: &str, code: u32) -> Result<SourceType> {
+    SourceType::from_code(code).ok_or_else(|| {
+        Error::invalid_argument(format!(
+            "{what} is {code}; expected REFIT_SOURCE_BF16 (1), _F16 (2) or _F32 (3)"
+        ))
+    })
 }
 
 fn job(index: usize, c: &refit_quantize_job) -> Result<QuantJob> {
-    let quantization = quantization(index, &c.quantization)?;
-    let source = match c.source_type {
-        REFIT_SOURCE_BF16 => SourceType::Bf16,
-        REFIT_SOURCE_F16 => SourceType::F16,
-        REFIT_SOURCE_F32 => SourceType::F32,
-        other => {
-            return Err(invalid(
-                index,
-                format!("source_type is {other}; expected REFIT_SOURCE_BF16 (1), _F16 (2) or _F32 (3)"),
-            ))
-        }
-    };
+    let quantization = quantization(&format!("jobs[{index}].quantization"), &c.quantization)?;
+    let source = source_type(&format!("jobs[{index}].source_type"), c.source_type)?;
     if c.reserved != 0 {
-        return Err(invalid(index, format!("reserved is {}; it must be 0", c.reserved)));
+        return Err(Error::invalid_argument(format!(
+            "jobs[{index}].reserved is {}; it must be 0",
+            c.reserved
+        )));
     }
     Ok(QuantJob {
         quantization,

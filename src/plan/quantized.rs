@@ -68,10 +68,9 @@ pub enum QuantPath {
 pub struct QuantRoute {
     /// The need's number among the plan's quantized needs (sorted by receiver, tensor, box).
     pub need: usize,
-    pub tensor: String,
-    /// `tensor` NUL-terminated for C callers (cut at a NUL the name holds, which only a decoded
-    /// table's can).
-    pub tensor_c: std::ffi::CString,
+    /// The tensor's name, NUL-terminated for C callers (cut at a NUL the name holds, which only a
+    /// decoded table's can); [`QuantRoute::name`] for messages.
+    pub tensor: std::ffi::CString,
     pub receiver: Endpoint,
     /// The device whose stream runs the jobs: the sources' (direct) or the receiver's (staged).
     pub runner: Endpoint,
@@ -80,6 +79,11 @@ pub struct QuantRoute {
 }
 
 impl QuantRoute {
+    /// The tensor's name, for messages.
+    pub fn name(&self) -> std::borrow::Cow<'_, str> {
+        self.tensor.to_string_lossy()
+    }
+
     /// Source bytes the jobs read.
     pub fn source_bytes(&self) -> u64 {
         self.jobs.iter().map(|j| j.elements().saturating_mul(j.source.size())).fold(0, u64::saturating_add)
@@ -503,8 +507,7 @@ fn direct_routes(
             check(spec, &jobs, "its sources in place")?;
             Ok(QuantRoute {
                 need: 0,
-                tensor: spec.name.clone(),
-                tensor_c: c_name(&spec.name),
+                tensor: c_name(&spec.name),
                 receiver: q.receiver,
                 runner,
                 path: QuantPath::Direct,
@@ -535,8 +538,7 @@ fn staged_route(spec: &TensorSpec, q: &QuantNeed, g: &Geometry, budget: &mut u64
     check(spec, &jobs, "its staging")?;
     Ok(QuantRoute {
         need: 0,
-        tensor: spec.name.clone(),
-        tensor_c: c_name(&spec.name),
+        tensor: c_name(&spec.name),
         receiver: q.receiver,
         runner: q.receiver,
         path: QuantPath::Staged,
