@@ -1,6 +1,8 @@
 // refit::Group::quantize_batch and refit::quantization (include/refit.hpp) on the host backend: a
 // 128 x 128 block whose amax is 448 gets scale 1 and the elements' own codes; a bad job throws
-// refit::Error with its status and the library's message.
+// refit::Error with its status and the library's message. Then the same block as a quantized need
+// (refit::Table::add_quantized_need) through a plan and an executor: the plan says it is quantized in
+// place, and the codes equal quantize_batch's; a bad need throws.
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -41,9 +43,40 @@ int main() {
   CHECK(scale == 1.0f);
   CHECK(codes[0] == 0x38 && codes[1] == 0xc0 && codes[77] == 0x7e); /* 1.0, -2.0, 448 */
   CHECK(refit::quantization(REFIT_FP8_E5M2, REFIT_QUANT_MXFP8).block_rows == 0);
+  bool threw = false;
+
+  // The same block as a quantized need of a plan, quantized in place from its one offer.
+  refit::Table table;
+  uint32_t t = table.add_tensor("w", {128, 128}, 2);
+  table.add_offer(t, 0, 0, addr(source), {0, 0}, {128, 128});
+  std::vector<uint8_t> planned(128 * 128, 0xab);
+  float planned_scale = 0.0f;
+  refit_need_quantization need{};
+  need.quantization = refit::quantization(REFIT_FP8_E4M3FN, REFIT_QUANT_BLOCK);
+  need.source_type = REFIT_SOURCE_BF16;
+  need.scales = addr(&planned_scale);
+  need.scale_row_stride = 1;
+  table.add_quantized_need(t, 0, 0, addr(planned.data()), {0, 0}, {128, 128}, {128, 1}, need);
+  refit::Plan plan = refit::Plan::build({&table});
+  std::vector<refit::QuantRoute> routes = plan.quant_routes();
+  CHECK(routes.size() == 1 && routes[0].tensor == "w" && routes[0].path == REFIT_PATH_IN_PLACE);
+  CHECK(routes[0].elements == 128 * 128 && plan.stats().quantized_needs == 1);
+  refit::Executor executor(plan, group);
+  CHECK(executor.run(group).quantized_elements == 128 * 128);
+  CHECK(planned == codes && planned_scale == 1.0f);
+  need.reserved = 1;
+  threw = false;
+  try {
+    table.add_quantized_need(t, 0, 0, addr(planned.data()), {0, 0}, {128, 128}, {128, 1}, need);
+  } catch (const refit::Error &e) {
+    threw = true;
+    CHECK(e.status() == REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(e.message().find("reserved") != std::string::npos);
+  }
+  CHECK(threw);
 
   job.quantization.block_cols = 100;
-  bool threw = false;
+  threw = false;
   try {
     group.quantize_batch(0, {job});
   } catch (const refit::Error &e) {

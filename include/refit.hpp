@@ -421,6 +421,17 @@ class Table {
                                perm.empty() ? nullptr : perm.data(), strides.data(), offset.size()));
   }
 
+  /// refit_table_add_quantized_need: the box `offset`/`extent` as FP8 codes at `addr` (byte `strides`,
+  /// the last 1) and scales, quantized as `quantization` says (see refit_need_quantization).
+  void add_quantized_need(uint32_t tensor, uint32_t rank, uint32_t device, uint64_t addr,
+                          const std::vector<uint64_t> &offset, const std::vector<uint64_t> &extent,
+                          const std::vector<uint64_t> &strides, const refit_need_quantization &quantization) {
+    detail::box_length(offset.size(), extent.size(), "extent");
+    detail::box_length(offset.size(), strides.size(), "strides");
+    check(refit_table_add_quantized_need(live(), tensor, rank, device, addr, offset.data(), extent.data(),
+                                         strides.data(), offset.size(), &quantization));
+  }
+
   /// refit_table_encode: the table's versioned wire encoding.
   std::vector<uint8_t> encode() const {
     std::size_t size = 0;
@@ -525,6 +536,15 @@ struct Route {
   std::vector<refit_segment> segments;
 };
 
+/// The quantization one device runs for one quantized need, copied out of a plan
+/// (refit_quant_route_info; `path` REFIT_PATH_*).
+struct QuantRoute {
+  std::string tensor;
+  uint32_t receiver_rank = 0, receiver_device = 0, runner_rank = 0, runner_device = 0;
+  uint32_t path = REFIT_PATH_IN_PLACE;
+  uint64_t need = 0, jobs = 0, elements = 0, source_bytes = 0;
+};
+
 /// A built reshard plan (refit_plan): immutable, so any thread may read it.
 class Plan {
  public:
@@ -609,6 +629,24 @@ class Plan {
     std::size_t n = route_count();
     all.reserve(n);
     for (std::size_t i = 0; i < n; i++) all.push_back(route(i));
+    return all;
+  }
+
+  /// refit_plan_quant_route_count and refit_plan_quant_route: which path each quantized need took,
+  /// per quantizing device.
+  std::vector<QuantRoute> quant_routes() const {
+    std::size_t n = 0;
+    check(refit_plan_quant_route_count(live(), &n));
+    std::vector<QuantRoute> all;
+    all.reserve(n);
+    for (std::size_t i = 0; i < n; i++) {
+      refit_quant_route_info info{};
+      info.size = sizeof(info);
+      check(refit_plan_quant_route(live(), i, &info));
+      all.push_back(QuantRoute{info.tensor, info.receiver_rank, info.receiver_device, info.runner_rank,
+                               info.runner_device, info.path, info.need, info.jobs, info.elements,
+                               info.source_bytes});
+    }
     return all;
   }
 
