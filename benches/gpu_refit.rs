@@ -19,6 +19,10 @@
 
 #[path = "../tests/common/cuda.rs"]
 mod cuda;
+#[path = "machine_support/mod.rs"]
+mod machine_support;
+
+use machine_support::{median, ok, Machine};
 
 use refit::exec::RunStats;
 use refit::ffi::exec::*;
@@ -27,30 +31,14 @@ use refit::ffi::plan::*;
 use refit::ffi::status::refit_last_error_message;
 use refit::plan::builder::TableBuilder;
 use refit::plan::{wire, Endpoint, Need, Offer, Region, Table, TensorSpec};
-use refit::transport::cuda::cuda_backend;
-use refit::transport::host::HostBackend;
-use refit::transport::{Backend, Stream};
+use refit::transport::Stream;
 use refit::{Segment, Status};
 use refit_workloads::{Megatron, Model, Packing, Role, Spec, Vllm, Workload};
 use std::ffi::{c_void, CStr};
-use std::sync::Arc;
 use std::time::Instant;
 
 const ALIGN: u64 = 256;
 const POISON: u8 = 0xAB;
-
-fn ok(status: Status, call: &str) {
-    if status != Status::Success {
-        // SAFETY: the library's NUL-terminated message.
-        let message = unsafe { CStr::from_ptr(refit_last_error_message()) }.to_string_lossy().into_owned();
-        panic!("{call}: {} ({message})", status.name().to_string_lossy());
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn percentile(mut v: Vec<f64>, p: f64) -> f64 {
     v.sort_by(f64::total_cmp);
@@ -65,39 +53,7 @@ fn stats() -> RunStats {
     RunStats::default()
 }
 
-/// The bench's device: memory through the transport, the group through the C ABI.
-struct Machine {
-    backend: Arc<dyn Backend>,
-    group: *mut refit_group,
-    on_gpu: bool,
-}
-
 impl Machine {
-    fn new() -> Machine {
-        let host = std::env::var_os("REFIT_BENCH_HOST").is_some();
-        let backend: Arc<dyn Backend> = if host {
-            Arc::new(HostBackend::new(1).expect("host backend"))
-        } else {
-            cuda_backend().unwrap_or_else(|e| panic!("gpu_refit needs a GPU (or REFIT_BENCH_HOST=1): {e}"))
-        };
-        // SAFETY: all-zero is a valid options struct; init fills it.
-        let mut options: refit_group_options = unsafe { std::mem::zeroed() };
-        ok(refit_group_options_init(&mut options), "refit_group_options_init");
-        options.backend = if host { REFIT_BACKEND_HOST } else { REFIT_BACKEND_CUDA };
-        let mut group = std::ptr::null_mut();
-        ok(refit_group_create([0i32].as_ptr(), 1, &options, &mut group), "refit_group_create");
-        Machine { backend, group, on_gpu: !host }
-    }
-
-    fn alloc(&self, bytes: u64) -> u64 {
-        self.backend.alloc(0, bytes as usize).unwrap_or_else(|e| panic!("allocating {bytes} bytes: {e}"))
-    }
-
-    fn free(&self, ptr: u64) {
-        // SAFETY: from alloc; the caller has drained the work using it.
-        unsafe { self.backend.free(0, ptr) }.expect("free");
-    }
-
     /// Sets `len` bytes at `ptr` to `byte` (synchronously).
     fn memset(&self, ptr: u64, byte: u8, len: u64) {
         if self.on_gpu {
@@ -402,7 +358,7 @@ fn spot_check(machine: &Machine, plan: *mut refit_plan) {
 }
 
 fn main() {
-    let machine = Machine::new();
+    let machine = Machine::new("gpu_refit");
     let layers: u64 = std::env::var("REFIT_BENCH_LAYERS").ok().and_then(|v| v.parse().ok()).unwrap_or(48);
     let arenas = Arenas::new(layers);
     println!(

@@ -28,6 +28,10 @@
 
 #[path = "../tests/common/cuda.rs"]
 mod cuda;
+#[path = "machine_support/mod.rs"]
+mod machine_support;
+
+use machine_support::{median, ok, Machine};
 
 use cudarc::driver::sys;
 use refit::exec::RunStats;
@@ -35,16 +39,11 @@ use refit::ffi::digest::refit_digest_many;
 use refit::ffi::exec::*;
 use refit::ffi::group::*;
 use refit::ffi::plan::*;
-use refit::ffi::status::refit_last_error_message;
 use refit::plan::builder::TableBuilder;
 use refit::plan::{wire, Endpoint, Need, Offer, Region, Table, TensorSpec};
-use refit::transport::cuda::cuda_backend;
 use refit::transport::driver::check;
-use refit::transport::host::HostBackend;
-use refit::transport::{Backend, Stream};
-use refit::{Segment, Status};
-use std::ffi::CStr;
-use std::sync::Arc;
+use refit::transport::Stream;
+use refit::Segment;
 use std::time::Instant;
 
 const KIB: u64 = 1 << 10;
@@ -58,19 +57,6 @@ const BLOCK: u64 = 4 * KIB;
 /// Above this many runs a point is timed fewer times (a per-run copy of 4 KiB costs microseconds of
 /// host time each: a million of them take seconds).
 const MANY_RUNS: usize = 65_536;
-
-fn ok(status: Status, call: &str) {
-    if status != Status::Success {
-        // SAFETY: the library's NUL-terminated message.
-        let message = unsafe { CStr::from_ptr(refit_last_error_message()) }.to_string_lossy().into_owned();
-        panic!("{call}: {} ({message})", status.name().to_string_lossy());
-    }
-}
-
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
 
 fn gbps(bytes: u64, ms: f64) -> f64 {
     bytes as f64 / (ms * 1e6)
@@ -88,39 +74,7 @@ struct Run {
     len: u64,
 }
 
-/// The bench's device: memory through the transport, the group through the C ABI.
-struct Machine {
-    backend: Arc<dyn Backend>,
-    group: *mut refit_group,
-    on_gpu: bool,
-}
-
 impl Machine {
-    fn new() -> Machine {
-        let host = std::env::var_os("REFIT_BENCH_HOST").is_some();
-        let backend: Arc<dyn Backend> = if host {
-            Arc::new(HostBackend::new(1).expect("host backend"))
-        } else {
-            cuda_backend().unwrap_or_else(|e| panic!("gpu_sweep needs a GPU (or REFIT_BENCH_HOST=1): {e}"))
-        };
-        // SAFETY: all-zero is a valid options struct; init fills it.
-        let mut options: refit_group_options = unsafe { std::mem::zeroed() };
-        ok(refit_group_options_init(&mut options), "refit_group_options_init");
-        options.backend = if host { REFIT_BACKEND_HOST } else { REFIT_BACKEND_CUDA };
-        let mut group = std::ptr::null_mut();
-        ok(refit_group_create([0i32].as_ptr(), 1, &options, &mut group), "refit_group_create");
-        Machine { backend, group, on_gpu: !host }
-    }
-
-    fn alloc(&self, bytes: u64) -> u64 {
-        self.backend.alloc(0, bytes as usize).unwrap_or_else(|e| panic!("allocating {bytes} bytes: {e}"))
-    }
-
-    fn free(&self, ptr: u64) {
-        // SAFETY: from alloc; every use of it has been waited for.
-        unsafe { self.backend.free(0, ptr) }.expect("free");
-    }
-
     /// Sets `len` bytes at `ptr` to `byte`, synchronously.
     fn poison(&self, ptr: u64, len: u64) {
         if self.on_gpu {
@@ -509,7 +463,7 @@ fn short_of_ceiling(points: &[&Point], total: u64) -> Vec<u64> {
 }
 
 fn main() {
-    let machine = Machine::new();
+    let machine = Machine::new("gpu_sweep");
     let host = !machine.on_gpu;
     let total = env_u64("REFIT_SWEEP_BYTES").unwrap_or(if host { 4 * MIB } else { 4 * GIB });
     let mut sizes: Vec<u64> = match std::env::var("REFIT_SWEEP_SIZES") {
