@@ -48,6 +48,7 @@ import socket
 import unittest
 from typing import Any, Dict, List
 
+import sglang_driver
 import test_vllm_backend as shared
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -195,14 +196,7 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
         from refit.integrations.engine_link import LinkOptions
         from refit.integrations.sglang import CONTROL_NAME, SglangTrainer, control, engine_call
 
-        def call(kind: str, arg: Any = None) -> List[Any]:
-            for conn in conns:
-                conn.send((kind, arg))
-            answers = [conn.recv() for conn in conns]
-            errors = [value for status, value in answers if status == "error"]
-            if errors:
-                raise RuntimeError("; ".join(errors))
-            return [value for _, value in answers]
+        call = sglang_driver.fan_out(conns)
 
         def request(named: List[Any], load_format: str) -> Any:
             # What Engine.update_weights_from_tensor hands the schedulers: one serialized payload per
@@ -236,28 +230,10 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
         trainer.update()
         out["first"] = call("loaded", 0)
 
-        def bump() -> None:
-            with torch.no_grad():
-                for p in model.parameters():
-                    p.add_(1.0)
-
+        sglang_driver.run_scenario(scenario, trainer, model, call, conns, out)
         if scenario == "updates":
-            bump()
-            trainer.update()
-            out["second"] = call("loaded", 1)
             out["plans"] = call("plans") + [trainer.link.plans_built]
-        elif scenario == "verify":
-            call("snapshot")
-            conns[0].send(("poison_verify", None))
-            conns[0].recv()
-            bump()
-            try:
-                trainer.update()
-                out["refused"] = None
-            except Exception as error:
-                out["refused"] = str(error)
-            out["unchanged"] = call("unchanged")
-            out["refusals"] = call("refusals")
+        else:
             out["end_after_refusal"] = call("end")
         results.put(out)
         trainer.shutdown()
