@@ -130,7 +130,8 @@ inline refit_executor_options executor_options() {
   return options;
 }
 
-/// refit_comm_options_init: the defaults (ten minutes' timeout, 256 MiB of staging, CUDA IPC on).
+/// refit_comm_options_init: the defaults (ten minutes' timeout, 256 MiB of staging, CUDA IPC on,
+/// allgather counts compared on CUDA).
 inline refit_comm_options comm_options() {
   refit_comm_options options;
   check(refit_comm_options_init(&options));

@@ -271,33 +271,69 @@ fn nccl_allgather_between_processes_two_gpus() {
     });
 }
 
-/// A communicator of one rank, formed in a child process from an id whose root is the parent: host
-/// bytes gathered through NCCL (how plan tables travel), then an allgather, byte-exact. Each step is
-/// reported on stderr (the parent prints a child's stderr when it did not end as expected): on
-/// 2026-12-02 a child running these steps with an extra exchange before the allgather ended in
-/// SIGSEGV on one H200 before it finished, and device time ran out before the step was found.
+/// Ranks that pass other counts to an NCCL allgather: with check_counts (the default) every rank's
+/// call returns INVALID_ARGUMENT naming the rank that differed, nothing moves, and the next
+/// allgather with matching counts is byte-exact (the communicator stayed usable).
 #[test]
 #[ignore = "needs a GPU"]
-fn nccl_host_bytes_and_allgather_of_one_rank_in_a_child() {
-    let test = "nccl_host_bytes_and_allgather_of_one_rank_in_a_child";
-    in_processes(test, BackendKind::Cuda, &[End::Done; 1], |rank, size, id| {
-        let step = |what: &str| eprintln!("one rank: {what}");
-        let comm = Communicator::create(id, size, rank, 0, options(60_000)).unwrap();
-        step("created");
-        let stream = RefitStream(Stream::new(0).raw as usize as u64);
-        let recv = Buffer::new(0, 4096);
+fn nccl_allgather_with_other_counts_is_refused_on_every_rank_two_gpus() {
+    if std::env::var_os("REFIT_COMM_TEST_RANK").is_none() {
+        need_two_gpus();
+    }
+    let test = "nccl_allgather_with_other_counts_is_refused_on_every_rank_two_gpus";
+    in_processes(test, BackendKind::Cuda, &[End::Done; 2], |rank, size, id| {
+        let device = rank as i32;
+        let comm = Communicator::create(id, size, rank, device, options(60_000)).unwrap();
+        // Bound to a name: a temporary Stream would be destroyed at once, leaving NCCL a dead handle.
+        let cuda_stream = Stream::new(device);
+        let stream = RefitStream(cuda_stream.raw as usize as u64);
+        let recv = Buffer::new(device, 4096);
         recv.fill(POISON);
-        let send = Buffer::new(0, 4096);
-        send.upload(&pattern(7, 4096));
-        step("buffers ready");
-        assert_eq!(comm.allgather_bytes(b"12345678").unwrap(), vec![b"12345678".to_vec()]);
-        step("host bytes gathered");
+        let send = Buffer::new(device, 2048);
+        send.upload(&pattern(rank as u64, 2048));
+        // Rank 1 believes rank 0 sends 1024 bytes; rank 0 says 2048.
+        let counts = if rank == 0 { [2048usize, 2048] } else { [1024, 2048] };
         // SAFETY: buffers live until synchronize returns.
-        unsafe { allgather(&comm, send.ptr, recv.ptr, &[4096], stream) }.unwrap();
-        step("allgather queued");
+        let err = unsafe { allgather(&comm, send.ptr, recv.ptr, &counts, stream) }.unwrap_err();
+        assert_eq!(err.status, Status::InvalidArgument, "rank {rank}: {}", err.message);
+        assert!(
+            err.message.contains("ranks [1] differ") || err.message.contains("rank 1"),
+            "rank {rank}: {}",
+            err.message
+        );
         comm.synchronize(stream).unwrap();
-        step("synchronized");
-        assert!(recv.download() == pattern(7, 4096));
+        assert!(recv.download().iter().all(|&b| b == POISON), "rank {rank}: bytes moved");
+        let counts = [2048usize, 2048];
+        // SAFETY: as above.
+        unsafe { allgather(&comm, send.ptr, recv.ptr, &counts, stream) }.unwrap();
+        comm.synchronize(stream).unwrap();
+        let want: Vec<u8> = (0..2).flat_map(|p| pattern(p, 2048)).collect();
+        assert!(recv.download() == want, "rank {rank}: wrong bytes after the refusal");
+    });
+}
+
+/// The counts' check on one GPU: a communicator of one rank exchanges its digest with itself
+/// (check_counts on) or not at all (off); the allgather is byte-exact either way.
+#[test]
+#[ignore = "needs a GPU"]
+fn nccl_allgather_of_one_rank_with_and_without_the_counts_check() {
+    let test = "nccl_allgather_of_one_rank_with_and_without_the_counts_check";
+    in_processes(test, BackendKind::Cuda, &[End::Done; 1], |rank, size, id| {
+        for check_counts in [true, false] {
+            let options = CommOptions { check_counts, ..options(60_000) };
+            let id = if check_counts { *id } else { Communicator::unique_id(BackendKind::Cuda).unwrap() };
+            let comm = Communicator::create(&id, size, rank, 0, options).unwrap();
+            let cuda_stream = Stream::new(0);
+            let stream = RefitStream(cuda_stream.raw as usize as u64);
+            let recv = Buffer::new(0, 4096);
+            recv.fill(POISON);
+            let send = Buffer::new(0, 4096);
+            send.upload(&pattern(7, 4096));
+            // SAFETY: buffers live until synchronize returns.
+            unsafe { allgather(&comm, send.ptr, recv.ptr, &[4096], stream) }.unwrap();
+            comm.synchronize(stream).unwrap();
+            assert!(recv.download() == pattern(7, 4096), "check_counts {check_counts}");
+        }
     });
 }
 

@@ -221,7 +221,13 @@ COMM_ID_BYTES = 136
 class CommOptions(ctypes.Structure):
     """refit_comm_options."""
 
-    _fields_ = [("size", c_size_t), ("timeout_ms", c_uint64), ("staging_bytes", c_uint64), ("ipc", c_bool)]
+    _fields_ = [
+        ("size", c_size_t),
+        ("timeout_ms", c_uint64),
+        ("staging_bytes", c_uint64),
+        ("ipc", c_bool),
+        ("check_counts", c_bool),
+    ]
 
 
 class CommId(ctypes.Structure):

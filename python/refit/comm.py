@@ -29,7 +29,7 @@ def unique_id(backend=Backend.AUTO):
     return bytes(raw.internal)
 
 
-def _options(timeout_ms, staging_bytes, ipc=True):
+def _options(timeout_ms, staging_bytes, ipc=True, check_counts=True):
     options = CommOptions()
     check(lib.refit_comm_options_init(byref(options)))
     if timeout_ms is not None:
@@ -37,6 +37,7 @@ def _options(timeout_ms, staging_bytes, ipc=True):
     if staging_bytes is not None:
         options.staging_bytes = check_range(staging_bytes, 64, "staging_bytes")
     options.ipc = boolean(ipc, "ipc")
+    options.check_counts = boolean(check_counts, "check_counts")
     return options
 
 
@@ -48,7 +49,16 @@ class Communicator(Handle):
     _what = "communicator"
 
     def __init__(
-        self, comm_id, nranks, rank, device=0, timeout_ms=None, staging_bytes=None, ipc=True, _pointer=None
+        self,
+        comm_id,
+        nranks,
+        rank,
+        device=0,
+        timeout_ms=None,
+        staging_bytes=None,
+        ipc=True,
+        check_counts=True,
+        _pointer=None,
     ):
         """Joins communicator `comm_id` (bytes from unique_id) as `rank` of `nranks` on CUDA device
         `device`; blocks until every rank has joined (at most `timeout_ms`, default ten minutes).
@@ -56,7 +66,8 @@ class Communicator(Handle):
         (while the communicator forms or after), and on the host backend an id with another secret or
         a spent one (its communicator formed, also if destroyed since).
         `staging_bytes` bounds the staging of executors across processes; `ipc` False sends every
-        pair's bytes through staging instead of CUDA IPC."""
+        pair's bytes through staging instead of CUDA IPC. `check_counts` (CUDA): allgather compares
+        the ranks' counts first, with a blocking exchange (see refit_comm_options.check_counts)."""
         if _pointer is None:
             comm_id = byte_string(comm_id, "comm_id")
             if len(comm_id) != COMM_ID_BYTES:
@@ -66,7 +77,7 @@ class Communicator(Handle):
             raw = CommId()
             ctypes.memmove(raw.internal, comm_id, COMM_ID_BYTES)
             device = device_ordinal(device, "device")
-            options = _options(timeout_ms, staging_bytes, ipc)
+            options = _options(timeout_ms, staging_bytes, ipc, check_counts)
             pointer = c_void_p()
             check(
                 lib.refit_comm_create(
@@ -82,11 +93,11 @@ class Communicator(Handle):
         super().__init__(_pointer)
 
     @classmethod
-    def adopt(cls, nccl_comm, timeout_ms=None, staging_bytes=None):
+    def adopt(cls, nccl_comm, timeout_ms=None, staging_bytes=None, check_counts=True):
         """Wraps an ncclComm_t (an int) the caller keeps owning, e.g. a framework's process group's,
         from the same libnccl refit loads. close() does not destroy it; a timeout or abort() revokes
         it (then its owner must destroy it)."""
-        options = _options(timeout_ms, staging_bytes)
+        options = _options(timeout_ms, staging_bytes, check_counts=check_counts)
         pointer = c_void_p()
         check(lib.refit_comm_adopt(check_range(nccl_comm, 64, "nccl_comm"), byref(options), byref(pointer)))
         return cls(None, 0, 0, _pointer=pointer.value)
@@ -126,9 +137,10 @@ class Communicator(Handle):
         """This rank's part of an allgather (refit_comm_allgather): `counts[r]` bytes from every rank
         r, gathered in rank order into `recv` (sum(counts) bytes); in place when `send` is this
         rank's slot of `recv`. `send`/`recv` are device addresses (host addresses on the host
-        backend). Queued on `stream`; call synchronize() before reading `recv`. On the host backend,
-        ranks that pass other counts are refused before anything moves: the next synchronize() raises
-        INVALID_ARGUMENT naming the ranks that differ, once, and the communicator stays usable."""
+        backend). Queued on `stream`; call synchronize() before reading `recv`. Ranks that pass other
+        counts are refused before anything moves, naming the ranks that differ, and the communicator
+        stays usable: on the host backend the next synchronize() raises INVALID_ARGUMENT, once; on
+        CUDA (check_counts, the default) this call raises it on every rank."""
         counts = integers(counts, "counts", 64)
         size = self.size
         same_length(counts, size, "counts", f"the communicator has {size} ranks (one count each)")

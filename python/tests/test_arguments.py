@@ -70,6 +70,7 @@ class ArgumentTest(unittest.TestCase):
         self.refused(lambda: Plan.build([self.offers, self.needs], coalesce="yes"), TypeError, "coalesce")
         self.refused(lambda: Plan.build_share([self.offers, self.needs], 0, coalesce=None), TypeError, "coalesce")
         self.refused(lambda: Communicator(unique_id(Backend.HOST), 1, 0, ipc="false"), TypeError, "ipc")
+        self.refused(lambda: Communicator(unique_id(Backend.HOST), 1, 0, check_counts="no"), TypeError, "check_counts")
         # True and False themselves work, and nothing was copied by the refused calls.
         self.assertEqual(self.target.raw[:8], bytes(8))
         with self.plan.executor(self.group, 0, verify=True) as executor:

@@ -71,6 +71,13 @@ pub struct refit_comm_options {
     /// processes on the same machine through CUDA IPC (default true); false sends every pair's
     /// bytes through staging over the communicator.
     pub ipc: bool,
+    /// On CUDA, refit_comm_allgather first compares the ranks' counts (default true): a blocking
+    /// exchange of 8 bytes per rank over the communicator, so the call returns once every rank has
+    /// reached it; where the counts differ every rank's call returns INVALID_ARGUMENT naming the
+    /// ranks that differ, nothing moves, and the communicator stays usable. false: the call only
+    /// queues, as ncclAllGather does, and counts that differ make NCCL calls that do not match
+    /// (undefined; typically TIMEOUT). The host backend always compares.
+    pub check_counts: bool,
 }
 
 /// Fills `options` with the defaults and sets options->size. Thread-safe.
@@ -83,6 +90,7 @@ pub extern "C" fn refit_comm_options_init(options: *mut refit_comm_options) -> S
             timeout_ms: CommOptions::DEFAULT_TIMEOUT.as_millis() as u64,
             staging_bytes: CommOptions::DEFAULT_STAGING_BYTES,
             ipc: true,
+            check_counts: true,
         });
         Ok(())
     })
@@ -90,7 +98,8 @@ pub extern "C" fn refit_comm_options_init(options: *mut refit_comm_options) -> S
 
 impl OptionsStruct for refit_comm_options {
     unsafe fn check_fields(ptr: *const Self) -> Result<()> {
-        check_bool(std::ptr::addr_of!((*ptr).ipc), "options.ipc")
+        check_bool(std::ptr::addr_of!((*ptr).ipc), "options.ipc")?;
+        check_bool(std::ptr::addr_of!((*ptr).check_counts), "options.check_counts")
     }
 }
 
@@ -106,6 +115,7 @@ fn convert_options(options: *const refit_comm_options) -> Result<CommOptions> {
         timeout: Duration::from_millis(options.timeout_ms),
         staging_bytes: options.staging_bytes,
         ipc: options.ipc,
+        check_counts: options.check_counts,
     })
 }
 
@@ -298,12 +308,15 @@ pub extern "C" fn refit_comm_backend(comm: *const refit_comm, backend: *mut u32)
 /// the queued work ends (recv is then undefined) and this call, a later one, or
 /// refit_comm_synchronize returns REFIT_STATUS_TIMEOUT or REFIT_STATUS_ABORTED.
 ///
-/// Counts that differ between ranks: on the host backend the ranks compare their counts before any
-/// byte moves, and where they differ every rank's call is refused: nothing moves, the next
-/// refit_comm_synchronize on every rank returns INVALID_ARGUMENT (once) naming the ranks whose
-/// counts differ from those most ranks passed (on a tie, the lowest rank's), and the communicator
-/// stays usable. On CUDA counts are not compared: other counts make NCCL calls that do not match,
-/// which NCCL leaves undefined (it typically ends in TIMEOUT).
+/// Counts that differ between ranks are refused on every rank, naming the ranks whose counts differ
+/// from those most ranks passed (on a tie, the lowest rank's); nothing moves and the communicator
+/// stays usable. On the host backend the ranks compare their counts on the stream, before any byte
+/// moves, and the next refit_comm_synchronize on every rank returns INVALID_ARGUMENT (once). On
+/// CUDA the ranks first exchange a digest of their counts (refit_comm_options.check_counts, default
+/// true: a blocking exchange of 8 bytes per rank, so the call returns once every rank has reached
+/// it) and where they differ this call returns INVALID_ARGUMENT on every rank. With check_counts
+/// false the call only queues, as ncclAllGather does, and other counts make NCCL calls that do not
+/// match, which NCCL leaves undefined (it typically ends in TIMEOUT).
 ///
 /// Thread-safety: as the communicator's. Errors: NULL_ARGUMENT (comm, counts, a NULL buffer with bytes
 /// to move), INVALID_ARGUMENT (overflowing sizes), OVERLAP (send overlapping recv other than in

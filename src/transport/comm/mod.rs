@@ -140,6 +140,9 @@ pub struct CommOptions {
     /// Let processes on one machine write into each other's memory through CUDA IPC (else every
     /// pair takes staging).
     pub ipc: bool,
+    /// On NCCL, compare the ranks' agreements (an allgather's counts) before the call, with a
+    /// blocking exchange; the host link always compares them on the stream.
+    pub check_counts: bool,
 }
 
 impl CommOptions {
@@ -153,6 +156,7 @@ impl Default for CommOptions {
             timeout: CommOptions::DEFAULT_TIMEOUT,
             staging_bytes: CommOptions::DEFAULT_STAGING_BYTES,
             ipc: true,
+            check_counts: true,
         }
     }
 }
@@ -392,7 +396,10 @@ impl Communicator {
         }
         match &self.link {
             Link::Host(link) => link.transfer(sends, recvs, local, tag, agreement.cloned(), stream),
-            Link::Nccl(link) => link.transfer(sends, recvs, local, stream),
+            Link::Nccl(link) => {
+                self.agree(agreement)?;
+                link.transfer(sends, recvs, local, stream)
+            }
         }
     }
 
@@ -411,7 +418,10 @@ impl Communicator {
         stream: Stream,
     ) -> Result<()> {
         match &self.link {
-            Link::Nccl(link) => link.all_gather(send, recv, bytes, stream),
+            Link::Nccl(link) => {
+                self.agree(Some(agreement))?;
+                link.all_gather(send, recv, bytes, stream)
+            }
             Link::Host(_) => {
                 let (sends, recvs): (Vec<Message>, Vec<Message>) = (0..self.size)
                     .filter(|&p| p != self.rank)
@@ -446,6 +456,30 @@ impl Communicator {
             Link::Host(link) => link.allgather_bytes(mine),
             Link::Nccl(link) => link.allgather_bytes(mine, self.rank, self.size),
         }
+    }
+
+    /// On NCCL, where NCCL itself cannot compare the arguments of matching calls: every rank's
+    /// agreement digest, exchanged (blocking, at most the timeout) before the call is issued, so that
+    /// ranks that passed other arguments are refused on every rank instead of issuing NCCL calls
+    /// that do not match. Nothing to do without an agreement or with `check_counts` off.
+    fn agree(&self, agreement: Option<&Agreement>) -> Result<()> {
+        let Some(agreement) = agreement.filter(|_| self.options.check_counts) else { return Ok(()) };
+        let all = self.allgather_bytes(&agreement.digest.to_le_bytes())?;
+        let mut digests = Vec::with_capacity(all.len());
+        for (rank, bytes) in all.iter().enumerate() {
+            let digest: [u8; 8] = bytes.as_slice().try_into().map_err(|_| {
+                Error::new(
+                    Status::InvalidState,
+                    format!(
+                        "rank {rank} sent {} bytes for the digest of its {}; 8 expected",
+                        bytes.len(),
+                        agreement.what
+                    ),
+                )
+            })?;
+            digests.push(u64::from_le_bytes(digest));
+        }
+        agreement.verdict(self.rank, &digests).map_or(Ok(()), Err)
     }
 
     fn check_peers(&self, messages: &[Message]) -> Result<()> {
