@@ -160,6 +160,7 @@ fn the_kernel_compiles_for_hopper_and_ampere() {
             std::fs::write(format!("{path}.sm{major}{minor}.ptx"), text.as_bytes()).unwrap();
         }
         assert!(text.contains(".entry refit_quantize("), "PTX names the kernel");
+        assert!(text.contains(".entry refit_quantize_narrow("), "PTX names the narrow entry point");
         assert!(text.contains("ld.global.v4.u32") || text.contains("ld.global.nc.v4.u32"), "16-byte loads");
         assert_eq!(text.contains("e4m3x2"), major >= 9, "the hardware conversion on sm_89 and later only");
         // Block mode issues a thread's cached loads before the first amax uses one: were a use

@@ -15,7 +15,7 @@ use refit::kernels::quantize::layout;
 use refit::quant::{Fp8, Granularity, SourceType};
 use std::sync::OnceLock;
 
-type Launch = unsafe extern "C" fn(*const u8, u32, u64, u32);
+type Launch = unsafe extern "C" fn(*const u8, u32, u64, u64, u32);
 
 fn emulator() -> Launch {
     static LAUNCH: OnceLock<Launch> = OnceLock::new();
@@ -35,7 +35,15 @@ fn check_batch(cases: &[Case]) {
     if l.tiles > 0 {
         // SAFETY: the descriptors name the buffers above, which outlive the call; the sources are
         // padded to whole 16-byte vectors.
-        unsafe { emulator()(l.as_bytes().as_ptr(), l.descs.len() as u32, l.tiles, u32::from(l.per_tensor)) };
+        unsafe {
+            emulator()(
+                l.as_bytes().as_ptr(),
+                l.descs.len() as u32,
+                l.narrow_tiles,
+                l.tiles,
+                u32::from(l.per_tensor),
+            )
+        };
     }
     for (c, (dst, scales)) in cases.iter().zip(&mut outputs) {
         let (want_dst, want_scales) = c.expected();
@@ -92,6 +100,17 @@ fn rows_longer_than_the_registers_hold_are_read_twice_and_still_match() {
             check_batch(std::slice::from_ref(&c));
         }
     }
+    // Rows at the narrow entry point's edge: 1,024 bf16 vectors (4 per thread, all held) take it,
+    // 1,025 the wide one; in one batch, so both launches run and the second starts past the first's
+    // tiles.
+    let edge: Vec<Case> = [8192, 8200]
+        .map(|cols| case(&mut rng, "edge rows", Fp8::E4m3fn, Granularity::Row, SourceType::Bf16, 3, cols, 0))
+        .into();
+    let at = |i: u64, what: u64| (i + 1) << 30 | what << 24;
+    let jobs: Vec<_> = (0u64..).zip(&edge).map(|(i, c)| c.job(at(i, 1), at(i, 2), at(i, 3))).collect();
+    let l = layout(&jobs).unwrap();
+    assert_eq!((l.narrow_tiles, l.tiles), (3, 6));
+    check_batch(&edge);
     // Per tensor with several slabs of several rows.
     let c = case(&mut rng, "slabs", Fp8::E5m2, Granularity::Tensor, SourceType::Bf16, 300, 1000, 1);
     check_batch(std::slice::from_ref(&c));

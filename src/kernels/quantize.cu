@@ -1,6 +1,6 @@
 // refit's quantizing copy: bf16 / f16 / f32 matrices to FP8 (e4m3fn, e5m2) codes and their scales,
-// per tensor, per row, per block or MX, for a batch of matrices in one launch (two for per-tensor
-// jobs: see below). The arithmetic is src/quant/mod.rs's, bit for bit: amax as the maximum of the
+// per tensor, per row, per block or MX, for a batch of matrices in one launch of each entry point
+// the batch's jobs need (see Occupancy; per-tensor jobs add a phase: see below). The arithmetic is src/quant/mod.rs's, bit for bit: amax as the maximum of the
 // f32 bit patterns of |x| (NaN propagates), fp32 scale = max(amax, 1e-10) / FP8_MAX or MX's 2^e,
 // each element the IEEE f32 quotient x / scale cast to FP8 with round-to-nearest-even and
 // saturation, NaN to 0x7f. (The quotient comes from the block's reciprocal, exactly where it
@@ -17,7 +17,7 @@
 // extend up to 15 bytes past its last element, within its aligned 16 bytes, and those bytes are
 // ignored. Two modes:
 // - MODE_BLOCK: a tile is one scale block (per-tensor jobs: a slab of whole rows). The block's
-//   threads read its vectors, each keeping the first QUANT_CACHE in registers (all QUANT_CACHE
+//   threads read its vectors, each keeping the first CACHE in registers (see Occupancy; all CACHE
 //   loads issued before the first is used, so that many are in flight per thread), reduce the amax
 //   across the block (warp shuffles, then shared memory), compute the scale, and quantize what they
 //   hold (vectors beyond the cache are read again, from L2). Per-tensor jobs run in two launches:
@@ -26,8 +26,13 @@
 //   source twice: its memory bound is 5 bytes per 16-bit element, not the other granularities' 3.
 //
 // Occupancy: the memory system needs tens of KiB of loads in flight per SM, which here means tiles in
-// flight (each holds its loads until its reduction). QUANT_MIN_BLOCKS in the launch bounds makes the
-// compiler fit that many 256-thread blocks per SM in the register file.
+// flight (each holds its loads until its reduction). Two entry points trade vectors kept per thread
+// against blocks per SM: refit_quantize keeps QUANT_CACHE vectors per thread at QUANT_MIN_BLOCKS
+// blocks per SM (128 x 128 blocks: 8 vectors per thread; per-tensor slabs), refit_quantize_narrow
+// QUANT_NARROW_CACHE at QUANT_NARROW_MIN_BLOCKS (scale blocks of at most 4 vectors per thread, such
+// as a row of 8192 bf16, and group mode), where the wide cache would sit unused and fewer tiles
+// would be in flight (benches/probes/quant_occupancy_probe.py). The host lays the narrow jobs' tiles
+// out first and launches each entry point over its own tiles.
 // - MODE_GROUP: for one-row blocks of at most 32 vectors (MX, short rows, 1 x n blocks): each
 //   scale block is taken by a group of 2^group_shift lanes of a warp (one vector per lane), reduced
 //   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups.
@@ -40,6 +45,8 @@ typedef unsigned short u16;
 #define QUANT_WARPS (QUANT_THREADS / 32u)
 #define QUANT_CACHE 8u
 #define QUANT_MIN_BLOCKS 3u
+#define QUANT_NARROW_CACHE 4u
+#define QUANT_NARROW_MIN_BLOCKS 4u
 #define QUANT_GROUP_ROUNDS 4u
 #define QUANT_MIN_AMAX 1e-10f
 #define QUANT_CANONICAL_NAN 0x7fffffffu
@@ -105,6 +112,7 @@ struct Scale {
     u32 stored;
     float divisor;
     float reciprocal;  // RN(1 / divisor), for the quotients of a finite divisor
+    bool exact;        // reciprocal is 1 / divisor exactly (MX's powers of two): x * reciprocal = x / divisor
 };
 
 __device__ __forceinline__ float from_bits(u32 b) {
@@ -275,7 +283,9 @@ __device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax
 
 __device__ __forceinline__ Scale block_scale(u32 target, u32 kind, u32 amax_bits) {
     Scale s = block_scale_only(target, kind, amax_bits);
-    s.reciprocal = 1.0f / s.divisor;
+    s.exact = kind == SCALE_E8M0 && s.stored != 0xffu;
+    // 2^e's reciprocal is 2^-e, a normal or subnormal f32 for every e in [-127, 127].
+    s.reciprocal = s.exact ? power_of_two(127 - (int)s.stored) : 1.0f / s.divisor;
     return s;
 }
 
@@ -336,8 +346,9 @@ __device__ __forceinline__ u32 vector_amax(const Vec& v, u32 count) {
 
 // Quantizes the first `count` elements of a vector and stores their codes at `out`.
 // FINITE: the scale is finite, the quotients come from its reciprocal ([quotient]); otherwise
-// (+inf or NaN) they are IEEE divisions, as the arithmetic defines them.
-template <u32 SRC, bool FINITE>
+// (+inf or NaN) they are IEEE divisions, as the arithmetic defines them. EXACT: the reciprocal is
+// exact (a power of two), so one product is the correctly rounded quotient, sign of zero included.
+template <u32 SRC, bool FINITE, bool EXACT = false>
 __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Scale& scale, u32 target,
                                                unsigned char* out) {
     constexpr u32 n = Elements<SRC>::per_vector;
@@ -346,7 +357,8 @@ __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Sc
 #pragma unroll
     for (u32 e = 0; e < n; ++e) {
         const float x = from_bits(element_bits<SRC>(v, e));
-        q[e] = FINITE ? quotient(x, scale.divisor, scale.reciprocal) : x / scale.divisor;
+        q[e] = EXACT ? x * scale.reciprocal
+                     : (FINITE ? quotient(x, scale.divisor, scale.reciprocal) : x / scale.divisor);
     }
 #pragma unroll
     for (u32 e = 0; e < n; e += 4) {
@@ -369,7 +381,9 @@ __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Sc
 // Quantizes the first `count` elements of a vector with `scale` and stores their codes at `out`.
 template <u32 SRC>
 __device__ __forceinline__ void store_codes(const Vec& v, u32 count, const Scale& scale, u32 target, unsigned char* out) {
-    if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
+    if (scale.exact) {
+        store_codes_as<SRC, true, true>(v, count, scale, target, out);
+    } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
         store_codes_as<SRC, true>(v, count, scale, target, out);
     } else {
         store_codes_as<SRC, false>(v, count, scale, target, out);
@@ -408,7 +422,7 @@ __device__ __forceinline__ void grid_position(const QuantDesc& d, u64 block, u64
 // MODE_BLOCK: one scale block (or per-tensor slab) `block` of descriptor `job`. Thread t takes
 // vectors t, t + QUANT_THREADS, ... of the block in row-major order; their (row, vector) positions
 // advance by a fixed step, so no division per vector.
-template <u32 SRC>
+template <u32 SRC, u32 CACHE>
 __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase, u32* job_amax) {
     __shared__ u32 warp_amax[QUANT_WARPS];
     constexpr u32 VE = Elements<SRC>::per_vector;
@@ -425,13 +439,13 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst) + r0 * d.dst_stride + c0;
     const u64 src_row_bytes = d.src_stride * SIZE;
 
-    // All QUANT_CACHE loads are issued before any of their data is used: a use between two loads
-    // (the amax, with its branch on a partial vector) would make each load wait for the one before,
-    // leaving one 16-byte load per thread in flight instead of QUANT_CACHE.
-    Vec cache[QUANT_CACHE] = {};
+    // All CACHE loads are issued before any of their data is used: a use between two loads (the
+    // amax, with its branch on a partial vector) would make each load wait for the one before,
+    // leaving one 16-byte load per thread in flight instead of CACHE.
+    Vec cache[CACHE] = {};
     u32 row = t / per_row, v = t % per_row;
 #pragma unroll
-    for (u32 k = 0; k < QUANT_CACHE; ++k) {
+    for (u32 k = 0; k < CACHE; ++k) {
         if (row < rows) cache[k] = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
         row += row_step;
         v += vector_step;
@@ -445,7 +459,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     row = t / per_row;
     v = t % per_row;
 #pragma unroll
-    for (u32 k = 0; k < QUANT_CACHE; ++k) {
+    for (u32 k = 0; k < CACHE; ++k) {
         if (row < rows) {
             const u32 m = vector_amax<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE);
             amax = m > amax ? m : amax;
@@ -490,7 +504,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     row = t / per_row;
     v = t % per_row;
 #pragma unroll
-    for (u32 k = 0; k < QUANT_CACHE; ++k) {
+    for (u32 k = 0; k < CACHE; ++k) {
         if (row < rows) {
             store_codes<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE, scale, d.target,
                              dst + row * d.dst_stride + v * VE);
@@ -560,21 +574,23 @@ __device__ void quantize_groups(const QuantDesc& d, u64 tile) {
     }
 }
 
-template <u32 SRC>
+template <u32 SRC, u32 CACHE>
 __device__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, u32* job_amax) {
     if (d.mode == MODE_GROUP) {
         if (phase != 1) quantize_groups<SRC>(d, tile);
     } else if (phase != 1 || d.scale_kind == SCALE_TENSOR) {
-        quantize_block<SRC>(d, job, tile, phase, job_amax);
+        quantize_block<SRC, CACHE>(d, job, tile, phase, job_amax);
     }
 }
 
-// One tile per thread block: blockIdx.x over the tiles of all `njobs` descriptors. Phase 1 (launched
-// only when a job is per tensor): the per-tensor jobs' amax into job_amax (zeroed by the host), the
-// other tiles return at once. Phase 2: every job quantized, per-tensor ones with phase 1's amax.
-extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
-    refit_quantize(const QuantDesc* __restrict__ descs, u32 njobs, u32 phase, u32* job_amax) {
-    const u64 tile = blockIdx.x;
+// One tile per thread block: tile first_tile + blockIdx.x of the `njobs` descriptors. Phase 1
+// (launched only when a job is per tensor): the per-tensor jobs' amax into job_amax (zeroed by the
+// host), the other tiles return at once. Phase 2: every job quantized, per-tensor ones with phase 1's
+// amax.
+template <u32 CACHE>
+__device__ __forceinline__ void quantize_tiles(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile,
+                                               u32 phase, u32* job_amax) {
+    const u64 tile = first_tile + blockIdx.x;
     u32 lo = 0, hi = njobs;  // the last descriptor whose first tile is at most `tile`
     while (hi - lo > 1) {
         const u32 mid = (lo + hi) / 2;
@@ -583,7 +599,18 @@ extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
     }
     const QuantDesc d = descs[lo];
     const u64 local = tile - d.first_tile;
-    if (d.source == SRC_BF16) quantize_tile<SRC_BF16>(d, lo, local, phase, job_amax);
-    else if (d.source == SRC_F16) quantize_tile<SRC_F16>(d, lo, local, phase, job_amax);
-    else quantize_tile<SRC_F32>(d, lo, local, phase, job_amax);
+    if (d.source == SRC_BF16) quantize_tile<SRC_BF16, CACHE>(d, lo, local, phase, job_amax);
+    else if (d.source == SRC_F16) quantize_tile<SRC_F16, CACHE>(d, lo, local, phase, job_amax);
+    else quantize_tile<SRC_F32, CACHE>(d, lo, local, phase, job_amax);
+}
+
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
+    refit_quantize(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase, u32* job_amax) {
+    quantize_tiles<QUANT_CACHE>(descs, njobs, first_tile, phase, job_amax);
+}
+
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_NARROW_MIN_BLOCKS)
+    refit_quantize_narrow(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase,
+                          u32* job_amax) {
+    quantize_tiles<QUANT_NARROW_CACHE>(descs, njobs, first_tile, phase, job_amax);
 }

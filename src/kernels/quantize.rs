@@ -1,6 +1,6 @@
 //! The quantizing copy kernel (`quantize.cu`) on a CUDA device: a batch of [`QuantJob`]s quantized to
-//! FP8 with their scales in one launch (two when a job is per tensor), bit for bit as
-//! [`crate::quant::reference`].
+//! FP8 with their scales in one launch of each of its two entry points the batch needs (a third when
+//! a job is per tensor), bit for bit as [`crate::quant::reference`].
 
 use super::module;
 use crate::error::{Error, Result, Status};
@@ -16,6 +16,7 @@ use std::sync::{Arc, Mutex};
 /// The CUDA C source, compiled by NVRTC at first use on each device.
 pub const SOURCE: &str = include_str!("quantize.cu");
 const KERNEL_NAME: &std::ffi::CStr = c"refit_quantize";
+const NARROW_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_narrow";
 /// Threads per block (QUANT_THREADS in the source).
 pub const THREADS: u32 = 256;
 /// Vectors a thread keeps in registers in block mode (QUANT_CACHE).
@@ -24,6 +25,11 @@ pub const CACHE: u64 = 8;
 /// bounds): it caps the registers per thread (65536 / (THREADS x MIN_BLOCKS_PER_SM) = 64) so that
 /// four tiles, each with its CACHE vectors per thread loaded, are in flight per SM instead of two.
 pub const MIN_BLOCKS_PER_SM: u32 = 3;
+/// The narrow entry point's vectors per thread (QUANT_NARROW_CACHE) and blocks per SM
+/// (QUANT_NARROW_MIN_BLOCKS): for scale blocks of at most NARROW_CACHE vectors per thread, and group
+/// mode, where more tiles in flight beat a cache that would sit unused.
+pub const NARROW_CACHE: u64 = 4;
+pub const NARROW_MIN_BLOCKS_PER_SM: u32 = 4;
 /// Rounds of blocks per tile in group mode (QUANT_GROUP_ROUNDS).
 pub const GROUP_ROUNDS: u64 = 4;
 
@@ -58,12 +64,14 @@ const SCALE_F32: u32 = 0;
 const SCALE_E8M0: u32 = 1;
 const SCALE_TENSOR: u32 = 2;
 
-/// The descriptors of a batch and its tiles (one thread block each).
+/// The descriptors of a batch and its tiles (one thread block each). The narrow entry point's jobs
+/// come first: it takes tiles [0, narrow_tiles), the wide one [narrow_tiles, tiles).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Layout {
     pub descs: Vec<QuantDesc>,
     pub tiles: u64,
-    /// Whether a job is per tensor (then phase 1 runs first).
+    pub narrow_tiles: u64,
+    /// Whether a job is per tensor (then phase 1 runs first; per-tensor jobs are wide).
     pub per_tensor: bool,
 }
 
@@ -79,72 +87,33 @@ impl Layout {
     }
 }
 
-/// Checks `jobs` ([`check_jobs`]) and lays them out for the kernel; empty jobs get no descriptor.
-/// Unsupported when the batch needs more thread blocks than one launch has.
+/// Checks `jobs` ([`check_jobs`]) and lays them out for the kernel, the narrow entry point's first;
+/// empty jobs get no descriptor. Unsupported when the batch needs more thread blocks than one launch
+/// has.
 pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     check_jobs(jobs)?;
-    let mut layout = Layout::default();
+    let (mut narrow, mut wide) = (Vec::new(), Vec::new());
     for job in jobs.iter().filter(|job| job.elements() > 0) {
-        let vector = job.vector_elements();
-        let q = &job.quantization;
-        let (grid_rows, grid_cols) = q.scale_grid(job.rows, job.cols);
-        let mut desc = QuantDesc {
-            src: job.src,
-            dst: job.dst,
-            scales: job.scales,
-            rows: job.rows,
-            cols: job.cols,
-            src_stride: job.src_stride,
-            dst_stride: job.dst_stride,
-            scale_stride: job.scale_stride,
-            first_tile: layout.tiles,
-            grid_cols,
-            blocks: grid_rows * grid_cols,
-            source: match job.source {
-                SourceType::Bf16 => 0,
-                SourceType::F16 => 1,
-                SourceType::F32 => 2,
-            },
-            target: match q.target {
-                Fp8::E4m3fn => 0,
-                Fp8::E5m2 => 1,
-            },
-            ..QuantDesc::default()
-        };
-        let tiles;
-        if q.granularity == Granularity::Tensor {
-            // Slabs of whole rows, as many as the threads hold in registers.
-            let per_row = job.cols.div_ceil(vector);
-            let slab = (u64::from(THREADS) * CACHE / per_row).clamp(1, job.rows);
-            desc.block_rows = slab as u32;
-            desc.block_cols = job.cols as u32;
-            desc.grid_cols = 1;
-            desc.blocks = job.rows.div_ceil(slab);
-            desc.scale_kind = SCALE_TENSOR;
-            desc.mode = MODE_BLOCK;
-            tiles = desc.blocks;
-            layout.per_tensor = true;
+        let (desc, tiles) = describe(job);
+        let vectors_per_thread = u64::from(desc.block_rows)
+            * u64::from(desc.block_cols).min(job.cols).div_ceil(job.vector_elements());
+        let vectors_per_thread = vectors_per_thread.div_ceil(u64::from(THREADS));
+        let fits_narrow = desc.scale_kind != SCALE_TENSOR && vectors_per_thread <= NARROW_CACHE;
+        if desc.mode == MODE_GROUP || fits_narrow {
+            narrow.push((desc, tiles));
         } else {
-            let (block_rows, block_cols) = q.block_shape(job.rows, job.cols);
-            desc.block_rows = block_rows as u32;
-            desc.block_cols = block_cols as u32;
-            desc.scale_kind = match q.scale_kind() {
-                ScaleKind::F32 => SCALE_F32,
-                ScaleKind::E8m0 => SCALE_E8M0,
-            };
-            let per_row = block_cols.min(job.cols).div_ceil(vector);
-            if block_rows == 1 && per_row <= 32 {
-                desc.mode = MODE_GROUP;
-                desc.group_shift = per_row.next_power_of_two().trailing_zeros();
-                let groups = u64::from(THREADS >> desc.group_shift);
-                tiles = desc.blocks.div_ceil(groups * GROUP_ROUNDS);
-            } else {
-                desc.mode = MODE_BLOCK;
-                tiles = desc.blocks;
-            }
+            wide.push((desc, tiles));
         }
+    }
+    let mut layout = Layout::default();
+    for (i, (mut desc, tiles)) in narrow.iter().copied().chain(wide.iter().copied()).enumerate() {
+        desc.first_tile = layout.tiles;
         layout.tiles += tiles;
+        layout.per_tensor |= desc.scale_kind == SCALE_TENSOR;
         layout.descs.push(desc);
+        if i + 1 == narrow.len() {
+            layout.narrow_tiles = layout.tiles;
+        }
     }
     if layout.descs.len() > u32::MAX as usize {
         return Err(Error::new(
@@ -165,10 +134,73 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     Ok(layout)
 }
 
+/// One non-empty job's descriptor (its first tile still to be set) and its tiles.
+fn describe(job: &QuantJob) -> (QuantDesc, u64) {
+    let vector = job.vector_elements();
+    let q = &job.quantization;
+    let (grid_rows, grid_cols) = q.scale_grid(job.rows, job.cols);
+    let mut desc = QuantDesc {
+        src: job.src,
+        dst: job.dst,
+        scales: job.scales,
+        rows: job.rows,
+        cols: job.cols,
+        src_stride: job.src_stride,
+        dst_stride: job.dst_stride,
+        scale_stride: job.scale_stride,
+        grid_cols,
+        blocks: grid_rows * grid_cols,
+        source: match job.source {
+            SourceType::Bf16 => 0,
+            SourceType::F16 => 1,
+            SourceType::F32 => 2,
+        },
+        target: match q.target {
+            Fp8::E4m3fn => 0,
+            Fp8::E5m2 => 1,
+        },
+        ..QuantDesc::default()
+    };
+    let tiles;
+    if q.granularity == Granularity::Tensor {
+        // Slabs of whole rows, as many as the threads hold in registers.
+        let per_row = job.cols.div_ceil(vector);
+        let slab = (u64::from(THREADS) * CACHE / per_row).clamp(1, job.rows);
+        desc.block_rows = slab as u32;
+        desc.block_cols = job.cols as u32;
+        desc.grid_cols = 1;
+        desc.blocks = job.rows.div_ceil(slab);
+        desc.scale_kind = SCALE_TENSOR;
+        desc.mode = MODE_BLOCK;
+        tiles = desc.blocks;
+    } else {
+        let (block_rows, block_cols) = q.block_shape(job.rows, job.cols);
+        desc.block_rows = block_rows as u32;
+        desc.block_cols = block_cols as u32;
+        desc.scale_kind = match q.scale_kind() {
+            ScaleKind::F32 => SCALE_F32,
+            ScaleKind::E8m0 => SCALE_E8M0,
+        };
+        let per_row = block_cols.min(job.cols).div_ceil(vector);
+        if block_rows == 1 && per_row <= 32 {
+            desc.mode = MODE_GROUP;
+            desc.group_shift = per_row.next_power_of_two().trailing_zeros();
+            let groups = u64::from(THREADS >> desc.group_shift);
+            tiles = desc.blocks.div_ceil(groups * GROUP_ROUNDS);
+        } else {
+            desc.mode = MODE_BLOCK;
+            tiles = desc.blocks;
+        }
+    }
+    (desc, tiles)
+}
+
 /// The kernel loaded into one device's primary context; loaded once per device and kept.
 pub struct QuantizeKernel {
     context: sys::CUcontext,
-    function: sys::CUfunction,
+    /// refit_quantize (wide) and refit_quantize_narrow.
+    wide: sys::CUfunction,
+    narrow: sys::CUfunction,
     /// How the kernel was built, for logs and bench output.
     pub build: String,
 }
@@ -188,19 +220,21 @@ impl QuantizeKernel {
             return Ok(kernel.clone());
         }
         let loaded = module::load(device, SOURCE, "quantize.cu")?;
-        let function = module::function(loaded.module, KERNEL_NAME)?;
-        let per_sm = loaded.blocks_per_sm(function, THREADS)?;
-        let build = format!("{} x {per_sm} blocks of {THREADS}", loaded.build);
+        let wide = module::function(loaded.module, KERNEL_NAME)?;
+        let narrow = module::function(loaded.module, NARROW_KERNEL_NAME)?;
+        let (wide_per_sm, narrow_per_sm) =
+            (loaded.blocks_per_sm(wide, THREADS)?, loaded.blocks_per_sm(narrow, THREADS)?);
+        let build = format!("{} x {wide_per_sm} (narrow: {narrow_per_sm}) blocks of {THREADS}", loaded.build);
         log::info!("quantize kernel on device {device}: {build}");
-        let kernel = Arc::new(QuantizeKernel { context: loaded.context, function, build });
+        let kernel = Arc::new(QuantizeKernel { context: loaded.context, wide, narrow, build });
         map.insert(device, kernel.clone());
         Ok(kernel)
     }
 
     /// Queues the quantization of a batch laid out by [`layout`] on `stream`: the descriptors uploaded stream-ordered
     /// (`cuMemAllocAsync`, an asynchronous copy from pageable memory that the driver stages before
-    /// returning), for per-tensor jobs a zeroed amax word per job and the phase-1 launch, then the
-    /// phase-2 launch, then the frees. Asynchronous; must not be captured into a CUDA graph (the
+    /// returning), the narrow entry point's launch over its tiles, for per-tensor jobs a zeroed amax
+    /// word per job and the wide entry point's phase-1 launch, its phase-2 launch, then the frees. Asynchronous; must not be captured into a CUDA graph (the
     /// pageable upload). An empty layout queues nothing. Errors: CudaError / OutOfMemory from the
     /// driver.
     ///
@@ -226,44 +260,56 @@ impl QuantizeKernel {
         let mut result = check("cuMemcpyHtoDAsync", unsafe {
             sys::cuMemcpyHtoDAsync_v2(table, bytes.as_ptr().cast(), bytes.len(), stream)
         });
+        let narrow = (self.narrow, 0..layout.narrow_tiles);
+        let wide = (self.wide, layout.narrow_tiles..layout.tiles);
+        if result.is_ok() {
+            result = self.launch(stream, table, layout, narrow, 2, amax);
+        }
         if result.is_ok() && layout.per_tensor {
             // SAFETY: the amax words lie in the allocation above.
             result = check("cuMemsetD32Async", unsafe {
                 sys::cuMemsetD32Async(amax, 0, layout.descs.len(), stream)
             });
             if result.is_ok() {
-                result = self.launch(stream, table, layout, 1, amax);
+                result = self.launch(stream, table, layout, wide.clone(), 1, amax);
             }
         }
         if result.is_ok() {
-            result = self.launch(stream, table, layout, 2, amax);
+            result = self.launch(stream, table, layout, wide, 2, amax);
         }
         // SAFETY: allocated above on this stream; freed after the launches in stream order.
         let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
         result.and(freed)
     }
 
+    /// One launch of `function` (an entry point) over `tiles`; nothing when they are none.
     fn launch(
         &self,
         stream: sys::CUstream,
         table: u64,
         layout: &Layout,
+        (function, tiles): (sys::CUfunction, std::ops::Range<u64>),
         phase: u32,
         amax: u64,
     ) -> Result<()> {
-        let (mut descs, mut njobs, mut phase, mut amax) = (table, layout.descs.len() as u32, phase, amax);
-        let mut params: [*mut c_void; 4] = [
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let (mut descs, mut njobs, mut first_tile, mut phase, mut amax) =
+            (table, layout.descs.len() as u32, tiles.start, phase, amax);
+        let mut params: [*mut c_void; 5] = [
             (&mut descs as *mut u64).cast(),
             (&mut njobs as *mut u32).cast(),
+            (&mut first_tile as *mut u64).cast(),
             (&mut phase as *mut u32).cast(),
             (&mut amax as *mut u64).cast(),
         ];
-        // SAFETY: the parameters match refit_quantize's signature; the caller's promises cover the
+        // SAFETY: the parameters match both entry points' signature; the caller's promises cover the
         // memory the jobs name, and the table holds the descriptors (and amax words).
         check("cuLaunchKernel", unsafe {
             sys::cuLaunchKernel(
-                self.function,
-                layout.tiles as u32,
+                function,
+                (tiles.end - tiles.start) as u32,
                 1,
                 1,
                 THREADS,
@@ -290,6 +336,8 @@ mod tests {
             format!("#define QUANT_CACHE {CACHE}u"),
             format!("#define QUANT_MIN_BLOCKS {MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_GROUP_ROUNDS {GROUP_ROUNDS}u"),
+            format!("#define QUANT_NARROW_CACHE {NARROW_CACHE}u"),
+            format!("#define QUANT_NARROW_MIN_BLOCKS {NARROW_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_DESC_BYTES {}u", std::mem::size_of::<QuantDesc>()),
             "#define QUANT_MIN_AMAX 1e-10f".to_string(),
             format!("#define QUANT_CANONICAL_NAN {:#x}u", crate::quant::reference::CANONICAL_NAN),
@@ -368,31 +416,41 @@ mod tests {
         let row_short = job(2, Granularity::Row, 10, 200);
         let row_long = job(3, Granularity::Row, 10, 8192);
         let tensor = job(4, Granularity::Tensor, 1000, 8192);
-        let l = layout(&[block, mx, row_short, row_long, tensor]).unwrap();
-        let modes: Vec<(u32, u32, u64)> =
-            l.descs.iter().map(|d| (d.mode, d.group_shift, d.first_tile)).collect();
-        // 512 x 64 blocks; MX: 4 lanes per block, 64 groups x 4 rounds per tile; rows of 25 vectors
-        // take 32 lanes; long rows one block each; per tensor: slabs of 2 rows of 1024 vectors.
+        let row_wider = job(5, Granularity::Row, 3, 8200);
+        let l = layout(&[block, mx, row_short, row_long, tensor, row_wider]).unwrap();
+        let modes: Vec<(u64, u32, u32, u64)> =
+            l.descs.iter().map(|d| (d.cols, d.mode, d.group_shift, d.first_tile)).collect();
+        // The narrow entry point's jobs first, in the order given: MX (4 lanes per block, 64 groups x
+        // 4 rounds per tile), rows of 25 vectors (32 lanes), rows of 1024 vectors (4 per thread: one
+        // block each). Then the wide one's: 512 x 64 blocks of 8 vectors per thread, per tensor
+        // (slabs of 2 rows of 1024 vectors), rows of 1025 vectors (5 per thread).
         let mx_tiles = 65536 * 256 / 256;
+        let narrow_tiles = mx_tiles + 1 + 10;
         assert_eq!(
             modes,
             vec![
-                (MODE_BLOCK, 0, 0),
-                (MODE_GROUP, 2, 32768),
-                (MODE_GROUP, 5, 32768 + mx_tiles),
-                (MODE_BLOCK, 0, 32768 + mx_tiles + 1),
-                (MODE_BLOCK, 0, 32768 + mx_tiles + 11),
+                (8192, MODE_GROUP, 2, 0),
+                (200, MODE_GROUP, 5, mx_tiles),
+                (8192, MODE_BLOCK, 0, mx_tiles + 1),
+                (8192, MODE_BLOCK, 0, narrow_tiles),
+                (8192, MODE_BLOCK, 0, narrow_tiles + 32768),
+                (8200, MODE_BLOCK, 0, narrow_tiles + 32768 + 500),
             ]
         );
         assert_eq!(l.descs[4].block_rows, 2);
-        assert_eq!(l.tiles, 32768 + mx_tiles + 11 + 500);
+        assert_eq!((l.narrow_tiles, l.tiles), (narrow_tiles, narrow_tiles + 32768 + 500 + 3));
         assert!(l.per_tensor);
-        assert_eq!(l.as_bytes().len(), 5 * 120);
+        assert_eq!(l.as_bytes().len(), 6 * 120);
+        // A batch of wide jobs only, and one of narrow jobs only.
+        let wide_only = layout(&[block]).unwrap();
+        assert_eq!((wide_only.narrow_tiles, wide_only.tiles), (0, 32768));
+        let narrow_only = layout(&[row_long]).unwrap();
+        assert_eq!((narrow_only.narrow_tiles, narrow_only.tiles), (10, 10));
     }
 
     #[test]
     fn empty_jobs_get_no_descriptor() {
         let l = layout(&[job(0, Granularity::Row, 0, 64), job(1, Granularity::Mx, 7, 0)]).unwrap();
-        assert_eq!((l.descs.len(), l.tiles, l.per_tensor), (0, 0, false));
+        assert_eq!((l.descs.len(), l.tiles, l.narrow_tiles, l.per_tensor), (0, 0, 0, false));
     }
 }

@@ -246,8 +246,8 @@ pub trait Backend: Send + Sync {
     /// The quantizing copy (`crate::quant`): every job's source matrix quantized to FP8 into its
     /// destination and its scales, on `stream` (a stream of `device`; `Stream::NULL` for its legacy
     /// default stream) after the work queued on it before. Jobs are checked first
-    /// (`quant::check_jobs`: InvalidArgument, Overlap). On CUDA, the quantize kernel (one launch, two
-    /// when a job is per tensor), queued and not waited for; on the host backend, the reference
+    /// (`quant::check_jobs`: InvalidArgument, Overlap). On CUDA, the quantize kernel (one launch per
+    /// entry point the jobs need, and a first phase for per-tensor jobs), queued and not waited for; on the host backend, the reference
     /// quantizer run by the stream's worker, complete on return.
     ///
     /// # Safety

@@ -1,6 +1,7 @@
 // Builds src/kernels/quantize.cu as plain host C++ and runs its launches on the CPU (see runtime.hpp),
-// for tests/quant_emulated.rs: the phase-1 launch when a job is per tensor, then the phase-2 launch,
-// as src/kernels/quantize.rs queues them.
+// for tests/quant_emulated.rs, as src/kernels/quantize.rs queues them: the narrow entry point over
+// tiles [0, narrow_tiles), then the wide one's phase-1 launch when a job is per tensor and its
+// phase-2 launch over [narrow_tiles, tiles).
 #include "runtime.hpp"
 
 // atomicMax as the other emulated atomics: only one coroutine runs at a time.
@@ -13,9 +14,14 @@ inline T atomicMax(T* p, T v) {
 
 #include "../../src/kernels/quantize.cu"
 
-extern "C" void refit_emulate_quantize(const void* descs, u32 njobs, u64 tiles, u32 per_tensor) {
+extern "C" void refit_emulate_quantize(const void* descs, u32 njobs, u64 narrow_tiles, u64 tiles, u32 per_tensor) {
     std::vector<u32> amax(njobs, 0u);  // the words the host zeroes
     const QuantDesc* d = static_cast<const QuantDesc*>(descs);
-    if (per_tensor) emu::launch((unsigned)tiles, QUANT_THREADS, [&] { refit_quantize(d, njobs, 1, amax.data()); });
-    emu::launch((unsigned)tiles, QUANT_THREADS, [&] { refit_quantize(d, njobs, 2, amax.data()); });
+    if (narrow_tiles > 0) {
+        emu::launch((unsigned)narrow_tiles, QUANT_THREADS, [&] { refit_quantize_narrow(d, njobs, 0, 2, amax.data()); });
+    }
+    const unsigned wide = (unsigned)(tiles - narrow_tiles);
+    if (wide == 0) return;
+    if (per_tensor) emu::launch(wide, QUANT_THREADS, [&] { refit_quantize(d, njobs, narrow_tiles, 1, amax.data()); });
+    emu::launch(wide, QUANT_THREADS, [&] { refit_quantize(d, njobs, narrow_tiles, 2, amax.data()); });
 }

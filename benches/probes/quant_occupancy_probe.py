@@ -1,0 +1,122 @@
+"""Do more quantizing tiles in flight per SM bring the per-row and MX quantizing copies closer to their
+memory bound? (Issue 29: at least 0.8 of 3 bytes per element at the copy's rate; gpu_quant measured
+0.70 per block, 0.54 per row and 0.46 for MX.)
+
+refit's quantize kernel (src/kernels/quantize.cu) keeps QUANT_CACHE vectors per thread in registers
+(block mode), QUANT_GROUP_ROUNDS vectors per thread in group mode (MX), and QUANT_MIN_BLOCKS thread
+blocks per SM. A 1 GiB bf16 matrix (65536 x 8192) to e4m3 per 128 x 128 block, per row and MXFP8, is
+quantized by the wide entry point (refit_quantize) as it is and by variants of those three
+constants, and by the narrow entry point (refit_quantize_narrow: QUANT_NARROW_CACHE vectors per
+thread at QUANT_NARROW_MIN_BLOCKS blocks per SM), which this probe's first run led to, in one run;
+each variant's codes and scales are compared byte for byte with the wide entry point's as it is, and
+a bf16 copy of the same tensor sets the bound. Writes $REFIT_BENCH_RESULTS/quant_occupancy_probe.json.
+"""
+
+import os
+import statistics
+
+import cupy as cp
+import numpy as np
+import torch
+
+from probe_util import print_table, write_results
+
+ROWS, COLS = 65536, 8192
+DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scales", "<u8"), ("rows", "<u8"), ("cols", "<u8"),
+                 ("src_stride", "<u8"), ("dst_stride", "<u8"), ("scale_stride", "<u8"), ("first_tile", "<u8"),
+                 ("grid_cols", "<u8"), ("blocks", "<u8"), ("block_rows", "<u4"), ("block_cols", "<u4"),
+                 ("source", "<u4"), ("target", "<u4"), ("scale_kind", "<u4"), ("mode", "<u4"),
+                 ("group_shift", "<u4"), ("reserved", "<u4")])
+assert DESC.itemsize == 120
+AS_IS = {"QUANT_CACHE": 8, "QUANT_MIN_BLOCKS": 3, "QUANT_GROUP_ROUNDS": 4}
+
+
+def source(defines):
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "src", "kernels", "quantize.cu")
+    with open(path) as f:
+        text = f.read()
+    for name, value in defines.items():
+        old = f"#define {name} {AS_IS[name]}u"
+        assert old in text, old
+        text = text.replace(old, f"#define {name} {value}u")
+    return text
+
+
+def median_ms(fn, reps=9):
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    fn()
+    samples = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        samples.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(samples)
+
+
+def job(granularity, src, codes, scales, rounds):
+    """The descriptor src/kernels/quantize.rs lays out for one whole-matrix e4m3 job, and its tiles."""
+    d = np.zeros(1, dtype=DESC)
+    d["src"], d["dst"], d["scales"] = src.data_ptr(), codes.data_ptr(), scales.data_ptr()
+    d["rows"], d["cols"], d["src_stride"], d["dst_stride"] = ROWS, COLS, COLS, COLS
+    if granularity == "block 128 x 128":
+        d["block_rows"], d["block_cols"], d["grid_cols"], d["scale_stride"] = 128, 128, COLS // 128, COLS // 128
+        d["blocks"] = (ROWS // 128) * (COLS // 128)
+        tiles = int(d["blocks"][0])
+    elif granularity == "row":
+        d["block_rows"], d["block_cols"], d["grid_cols"], d["scale_stride"] = 1, COLS, 1, 1
+        d["blocks"] = ROWS
+        tiles = ROWS
+    else:  # MX: 1 x 32 blocks, e8m0 scales, group mode with 4 lanes per block
+        d["block_rows"], d["block_cols"], d["grid_cols"], d["scale_stride"] = 1, 32, COLS // 32, COLS // 32
+        d["blocks"] = ROWS * (COLS // 32)
+        d["scale_kind"], d["mode"], d["group_shift"] = 1, 1, 2
+        tiles = -(-int(d["blocks"][0]) // (64 * rounds))
+    return cp.asarray(d.view(np.uint8)), tiles
+
+
+def main():
+    torch.cuda.init()
+    src = torch.randn(ROWS, COLS, dtype=torch.bfloat16, device="cuda")
+    copy = torch.empty_like(src)
+    copy_ms = median_ms(lambda: copy.copy_(src))
+    bound_ms = copy_ms * 3 / 4
+    del copy
+    codes = torch.empty(ROWS, COLS, dtype=torch.uint8, device="cuda")
+    scales = torch.empty(ROWS * (COLS // 32) * 4 // 4 + 4096, dtype=torch.int32, device="cuda")
+    amax = cp.zeros(1, dtype=cp.uint32)
+    variants = [("as is", {}), ("narrow entry point", {}), ("cache 4, 4 blocks/SM", {"QUANT_CACHE": 4, "QUANT_MIN_BLOCKS": 4}),
+                ("cache 4, 6 blocks/SM", {"QUANT_CACHE": 4, "QUANT_MIN_BLOCKS": 6}),
+                ("cache 8, 4 blocks/SM", {"QUANT_MIN_BLOCKS": 4}),
+                ("rounds 8", {"QUANT_GROUP_ROUNDS": 8}), ("rounds 8, 4 blocks/SM", {"QUANT_GROUP_ROUNDS": 8, "QUANT_MIN_BLOCKS": 4}),
+                ("rounds 16, 2 blocks/SM", {"QUANT_GROUP_ROUNDS": 16, "QUANT_MIN_BLOCKS": 2}),
+                ("rounds 2, 6 blocks/SM", {"QUANT_GROUP_ROUNDS": 2, "QUANT_MIN_BLOCKS": 6})]
+    reference = {}
+    rows = []
+    for name, defines in variants:
+        entry = "refit_quantize_narrow" if name == "narrow entry point" else "refit_quantize"
+        fn = cp.RawModule(code=source(defines), options=("--std=c++17",)).get_function(entry)
+        rounds = defines.get("QUANT_GROUP_ROUNDS", AS_IS["QUANT_GROUP_ROUNDS"])
+        for granularity in ("block 128 x 128", "row", "MX"):
+            descs, tiles = job(granularity, src, codes, scales, rounds)
+            codes.zero_()
+            scales.zero_()
+            ms = median_ms(lambda: fn((tiles,), (256,), (descs.data.ptr, cp.uint32(1), cp.uint64(0), cp.uint32(2), amax.data.ptr)))
+            out = (codes.clone(), scales.clone())
+            if name == "as is":
+                reference[granularity] = out
+            same = bool(torch.equal(out[0], reference[granularity][0]) and torch.equal(out[1], reference[granularity][1]))
+            rows.append({"variant": name, "granularity": granularity, "ms": ms, "of_bound": bound_ms / ms,
+                         "same_as_is": same, "registers": fn.num_regs, "local_bytes": fn.local_size_bytes})
+            print(rows[-1], flush=True)
+    print(f"bf16 copy {copy_ms:.3f} ms; bound at 3 B/element {bound_ms:.3f} ms")
+    print_table(["variant", "granularity", "ms", "of bound", "same bytes as is", "registers", "spills"],
+                [[r["variant"], r["granularity"], f"{r['ms']:.3f}", f"{r['of_bound']:.2f}", r["same_as_is"],
+                  r["registers"], r["local_bytes"]] for r in rows])
+    write_results("quant_occupancy_probe", {"probe": "quant_occupancy_probe", "copy_ms": copy_ms,
+                                            "bound_ms": bound_ms, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()
