@@ -649,6 +649,48 @@ def power_beside_probe(d):
     return out
 
 
+def bulk_copy_probe(d):
+    out = heading(
+        "bulk_copy_probe",
+        "Probe: SM copy kernels (register and TMA bulk copies) within one GPU",
+        "one `cudaMemcpyAsync` of the same buffer, same run",
+    )
+    out += table(
+        ["payload", "variant", "ms", "GB/s", "vs one cudaMemcpy", "byte-exact"],
+        [[size(r["payload"]), r["variant"], num(r["ms"], 3), num(r["gbps"], 0), num(r["vs_copy_engine"], 3),
+          r["exact"]] for r in d["rows"]],
+    )
+    return out
+
+
+def split_copy_probe(d):
+    out = heading(
+        "split_copy_probe",
+        f"Probe: the copy engine beside refit's kernel on one GPU, {size(d['payload'])} in runs",
+        f"one `cudaMemcpyAsync` of the whole payload ({num(d['one_copy_gbps'], 0)} GB/s), same run",
+    )
+    out += table(
+        ["run", "copy-engine share of the bytes", "GB/s", "vs one cudaMemcpy", "byte-exact"],
+        [[size(r["run_bytes"]), num(r["engine_share"], 1), num(r["gbps"], 0), num(r["vs_one_copy"], 3), r["exact"]]
+         for r in d["rows"]],
+    )
+    return out
+
+
+def quant_occupancy_probe(d):
+    out = heading(
+        "quant_occupancy_probe",
+        "Probe: tiles in flight per SM in the quantize kernel (1 GiB bf16 to e4m3)",
+        f"a bf16 `copy_` of the same tensor ({num(d['copy_ms'], 3)} ms: bound {num(d['bound_ms'], 3)} ms at 3 B/element), same run",
+    )
+    out += table(
+        ["variant", "granularity", "ms", "of bound", "same bytes as is", "registers", "spill bytes"],
+        [[r["variant"], r["granularity"], num(r["ms"], 3), num(r["of_bound"], 2), r["same_as_is"], r["registers"],
+          r["local_bytes"]] for r in d["rows"]],
+    )
+    return out
+
+
 def refit_peer(d):
     out = heading(
         "refit_peer",
@@ -902,6 +944,9 @@ SECTIONS = [
     ("recorder", recorder),
     ("gpu_sweep", gpu_sweep),
     ("sweep_peer", None),
+    ("bulk_copy_probe", bulk_copy_probe),
+    ("split_copy_probe", split_copy_probe),
+    ("quant_occupancy_probe", quant_occupancy_probe),
 ]
 
 

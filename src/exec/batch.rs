@@ -12,7 +12,7 @@ use crate::segment::{Segment, Side};
 use crate::transport::host::host_stream;
 use crate::transport::host_copy::copy_runs;
 use crate::transport::verify::PreparedVerify;
-use crate::transport::{Backend, BackendKind, Stream};
+use crate::transport::{Backend, BackendKind, Event, Stream};
 use std::sync::Arc;
 
 /// The kernel's form of a batch: the host copy of its layout (rewritten in place on relocation) and
@@ -58,6 +58,42 @@ enum Place {
     Engine(usize),
 }
 
+/// The copy engine's own stream in a split stage, forked from the caller's stream before the copies
+/// and joined back after them, so that its copies run while the kernel runs: queued one after the
+/// other on one stream, the two would take turns (benches/probes/split_copy_probe.py measured them
+/// together). Created with the batch, destroyed with it.
+struct Beside {
+    stream: Stream,
+    forked: Event,
+    joined: Event,
+}
+
+impl Beside {
+    fn new(backend: &dyn Backend, device: i32) -> Result<Beside> {
+        let stream = backend.create_stream(device)?;
+        let events = backend.create_event(device).and_then(|forked| match backend.create_event(device) {
+            Ok(joined) => Ok((forked, joined)),
+            Err(err) => {
+                backend.destroy_event(device, forked);
+                Err(err)
+            }
+        });
+        match events {
+            Ok((forked, joined)) => Ok(Beside { stream, forked, joined }),
+            Err(err) => {
+                backend.destroy_stream(device, stream);
+                Err(err)
+            }
+        }
+    }
+
+    fn release(&self, backend: &dyn Backend, device: i32) {
+        backend.destroy_event(device, self.forked);
+        backend.destroy_event(device, self.joined);
+        backend.destroy_stream(device, self.stream);
+    }
+}
+
 /// The copy engine's part of a batch beside other work: its pace, and the kernel module whose
 /// `refit_pause` makes the pauses (None where it cannot load: the pieces then run unpaced).
 struct Paced {
@@ -80,14 +116,17 @@ pub(crate) struct Batch {
     engine: Vec<Segment>,
     /// Under an SM budget: the copy engine's copies cut into paced pieces.
     paced: Option<Paced>,
+    /// A split stage (unpaced): the copy engine's stream beside the kernel's.
+    beside: Option<Beside>,
     /// Kernel descriptor indices relocated since the last [`Batch::flush`].
     dirty: Vec<usize>,
 }
 
 impl Batch {
     /// Prepares `segments` (non-empty, validated) of route kind `kind` for `rank`'s device: each
-    /// goes to the kernel or the copy engine as `method` says (the split method gives runs of at
-    /// least [`Arm::copy_engine_min_run`] of `kind` to the copy engine). The kernel's descriptors
+    /// goes to the kernel or the copy engine as `method` says (the split method gives the copy
+    /// engine the segments [`Arm::engine_segments`] chooses, on a stream of its own beside the
+    /// kernel). The kernel's descriptors
     /// are uploaded now, and with `record_digests` its launches record digests of what they read
     /// for [`Batch::recorded_verify`]. `max_blocks` > 0 (an SM budget: work runs beside the
     /// copies) caps the kernel's blocks and paces the copy engine ([`Pace::for_budget`]).
@@ -103,7 +142,7 @@ impl Batch {
         let bytes = segments.iter().map(|s| s.bytes().unwrap_or(0)).sum();
         let place = match group.backend_kind() {
             BackendKind::Host => Vec::new(),
-            BackendKind::Cuda => places(&segments, method, Arm::copy_engine_min_run(kind)),
+            BackendKind::Cuda => places(&segments, method, kind),
         };
         let on = |to_engine: bool| -> Vec<Segment> {
             segments
@@ -134,6 +173,10 @@ impl Batch {
             };
             Paced { pace, pauser }
         });
+        let beside = match (&kernel, engine.is_empty(), &paced) {
+            (Some(_), false, None) => Some(Beside::new(group.backend().as_ref(), device)?),
+            _ => None,
+        };
         Ok(Batch {
             backend: Arc::clone(group.backend()),
             device,
@@ -143,6 +186,7 @@ impl Batch {
             kernel,
             engine,
             paced,
+            beside,
             dirty: Vec::new(),
         })
     }
@@ -179,6 +223,10 @@ impl Batch {
             // SAFETY: validated segments; the caller keeps the memory valid until this has run.
             return host_stream(stream)?.enqueue(move || unsafe { copy_runs(&segments) });
         }
+        if let Some(beside) = &self.beside {
+            // SAFETY: as below, on the copy engine's own stream, ordered after and before `stream`.
+            return unsafe { self.launch_beside(stream, beside) };
+        }
         match &self.paced {
             // SAFETY: the caller keeps every segment's memory valid until the copies have run.
             Some(paced) => unsafe { self.copy_paced(stream, paced) }?,
@@ -191,6 +239,26 @@ impl Batch {
             Some(kernel) => kernel.prepared.launch(stream.as_ptr().cast()),
             None => Ok(()),
         }
+    }
+
+    /// A split stage: the kernel's launch on `stream`, the copy engine's copies on `beside`'s stream
+    /// after what `stream` held before that launch, and `stream` then waiting for the copies. The
+    /// kernel is queued first: issuing the copies takes the host microseconds each, which the
+    /// kernel would otherwise wait for.
+    ///
+    /// # Safety
+    /// As for [`Batch::launch`].
+    unsafe fn launch_beside(&self, stream: Stream, beside: &Beside) -> Result<()> {
+        let (backend, device) = (&self.backend, self.device);
+        backend.record(device, beside.forked, stream)?;
+        if let Some(kernel) = &self.kernel {
+            kernel.prepared.launch(stream.as_ptr().cast())?;
+        }
+        backend.wait(device, beside.stream, beside.forked)?;
+        // SAFETY: the caller keeps every segment's memory valid until the copies have run.
+        unsafe { backend.copy_segments(device, beside.stream, &self.engine) }?;
+        backend.record(device, beside.joined, beside.stream)?;
+        backend.wait(device, stream, beside.joined)
     }
 
     /// One copy-engine copy per piece of every run, each full piece followed by the pace's pause.
@@ -262,21 +330,32 @@ impl Batch {
     }
 }
 
-/// Where `method` puts each of `segments`: the split method gives runs of at least `min_run` bytes to
-/// the copy engine, the others to the kernel.
-fn places(segments: &[Segment], method: Method, min_run: u64) -> Vec<Place> {
+impl Drop for Batch {
+    fn drop(&mut self) {
+        if let Some(beside) = &self.beside {
+            beside.release(self.backend.as_ref(), self.device);
+        }
+    }
+}
+
+/// Where `method` puts each of `segments` (of route kind `kind`): the split method gives the copy
+/// engine what [`Arm::engine_segments`] chooses, the kernel the others.
+fn places(segments: &[Segment], method: Method, kind: RouteKind) -> Vec<Place> {
     fn next(counter: &mut usize) -> usize {
         *counter += 1;
         *counter - 1
     }
     let (mut kernel, mut engine) = (0, 0);
-    segments
-        .iter()
-        .map(|segment| {
+    let split = match method {
+        Method::Split => Arm::engine_segments(kind, segments.iter()),
+        _ => Vec::new(),
+    };
+    (0..segments.len())
+        .map(|i| {
             let to_engine = match method {
                 Method::Kernel => false,
                 Method::CopyEngine => true,
-                Method::Split => segment.len >= min_run,
+                Method::Split => split[i],
             };
             match to_engine {
                 true => Place::Engine(next(&mut engine)),
@@ -315,8 +394,20 @@ mod tests {
             Segment::contiguous(2 << 30, 1 << 43, 256 << 20),
         ];
         let (k, e) = (Place::Kernel, Place::Engine);
-        assert_eq!(places(&segments, Method::Split, 256 << 20), [k(0), e(0), k(1), e(1)]);
-        assert_eq!(places(&segments, Method::Kernel, 256 << 20), [k(0), k(1), k(2), k(3)]);
-        assert_eq!(places(&segments, Method::CopyEngine, 256 << 20), [e(0), e(1), e(2), e(3)]);
+        let local = RouteKind::Local;
+        assert_eq!(places(&segments, Method::Split, local), [k(0), e(0), k(1), e(1)]);
+        assert_eq!(places(&segments, Method::Kernel, local), [k(0), k(1), k(2), k(3)]);
+        assert_eq!(places(&segments, Method::CopyEngine, local), [e(0), e(1), e(2), e(3)]);
+        // Ten 16 MiB runs on one GPU: the copy engine takes two (a share of 0.2), the longest first
+        // (ties in order); between GPUs every one.
+        let mut runs: Vec<Segment> =
+            (0..10u64).map(|i| Segment::contiguous(i << 30, (i + 16) << 30, 16 << 20)).collect();
+        runs[7].len = 17 << 20;
+        let engine = |kind| {
+            places(&runs, Method::Split, kind).iter().filter(|p| matches!(p, Place::Engine(_))).count()
+        };
+        let split = places(&runs, Method::Split, local);
+        assert_eq!((split[7], split[0], split[1]), (e(1), e(0), k(0)));
+        assert_eq!((engine(local), engine(RouteKind::Peer)), (2, 10));
     }
 }

@@ -273,9 +273,8 @@ fn resolve(
         Arm::Auto if verified => Method::Kernel,
         Arm::Auto if budgeted => Method::CopyEngine,
         Arm::Auto => {
-            let min_run = Arm::copy_engine_min_run(kind);
-            let long = segments.iter().filter(|s| s.len >= min_run).count();
-            match long {
+            let engine = Arm::engine_segments(kind, segments.iter().copied());
+            match engine.iter().filter(|&&to_engine| to_engine).count() {
                 0 => Method::Kernel,
                 n if n == segments.len() => Method::CopyEngine,
                 _ => Method::Split,
@@ -1329,6 +1328,11 @@ mod tests {
         // 32 MiB runs: long enough for the copy engine between GPUs, not on one GPU.
         assert_eq!(auto(RouteKind::Local, &[&mid], plain), Method::Kernel);
         assert_eq!(auto(RouteKind::Peer, &[&mid], plain), Method::CopyEngine);
+        // Many of them on one GPU: a fifth of the bytes goes to the copy engine, beside the kernel.
+        let mids: Vec<Segment> =
+            (0..10u64).map(|i| Segment::contiguous(i << 30, (i + 16) << 30, 32 << 20)).collect();
+        let mids: Vec<&Segment> = mids.iter().collect();
+        assert_eq!(auto(RouteKind::Local, &mids, plain), Method::Split);
         assert_eq!(auto(RouteKind::Local, &[&short, &long], (true, false)), Method::Kernel);
         assert_eq!(auto(RouteKind::Local, &[&short, &long], (false, true)), Method::CopyEngine);
         assert_eq!(auto(RouteKind::Local, &[&short], (true, true)), Method::Kernel);

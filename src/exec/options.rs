@@ -4,15 +4,16 @@
 use crate::error::{Error, Result};
 use crate::group::Group;
 use crate::plan::RouteKind;
+use crate::segment::Segment;
 use std::fmt;
 use std::sync::Arc;
 
 /// How bytes are moved, as asked.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub enum Arm {
-    /// Per contiguous run, by size: the copy engine for runs of at least
-    /// [`Arm::copy_engine_min_run`] bytes (it then moves them at least as fast as the kernel and
-    /// leaves the SMs free), the kernel for the others, in one stage; the copy engine everywhere the
+    /// Per contiguous run, by size: the copy engine for a share of the long runs
+    /// ([`Arm::engine_share_permille`]), running beside the kernel, which takes the others, in one
+    /// stage; the copy engine everywhere the
     /// kernel cannot run (no direct peer access, no NVRTC); the kernel for every run when the step is
     /// verified (its copy records the digests the verify checks); the copy engine for every run,
     /// in paced pieces, under an SM budget (it uses no SMs).
@@ -24,16 +25,53 @@ pub enum Arm {
 }
 
 impl Arm {
-    /// The shortest contiguous run AUTO gives the copy engine, per route kind. Between GPUs (and
-    /// processes), 16 MiB: there a copy-engine peer copy moves what the kernel's push does
-    /// (shared/CEILINGS.md, peer copy by size). On one GPU, 256 MiB: a same-device copy-engine copy
-    /// costs a few microseconds more per run than its bytes, so the kernel moves shorter runs faster
-    /// (docs/decisions.md, "One arm per route kind under AUTO").
-    pub const fn copy_engine_min_run(kind: RouteKind) -> u64 {
+    /// The share of the bytes in contiguous runs of `len` bytes that AUTO gives the copy engine, in
+    /// thousandths, per route kind; the copy engine runs beside the kernel (a stream of its own), so
+    /// the stage ends when the slower of the two does.
+    /// - Between GPUs (and processes), every run of 16 MiB or more: there a copy-engine peer copy
+    ///   moves what the kernel's push does (shared/CEILINGS.md, peer copy by size).
+    /// - On one GPU, all of each run of 256 MiB or more (one copy-engine copy then reaches 0.98 of
+    ///   one large copy, the kernel 0.91: benches/results/gpu_sweep.json), and a part of the shorter
+    ///   runs down to 4 MiB, which lifts the stage past what either arm reaches alone: beside the
+    ///   kernel, copy-engine shares of 0.3 of 64 MiB runs, 0.2 of 16 MiB runs and 0.1 of 4 MiB runs
+    ///   reached 0.996, 0.966 and 0.930 of one large copy against the kernel's 0.91 alone; larger
+    ///   shares, and any share of shorter runs, were slower: each same-device copy-engine copy costs
+    ///   about 3 us more than its bytes (benches/probes/split_copy_probe.py; docs/decisions.md).
+    pub const fn engine_share_permille(kind: RouteKind, len: u64) -> u64 {
+        const MIB: u64 = 1 << 20;
         match kind {
-            RouteKind::Local => 256 << 20,
-            RouteKind::Peer | RouteKind::Remote => 16 << 20,
+            RouteKind::Local if len >= 256 * MIB => 1000,
+            RouteKind::Local if len >= 64 * MIB => 300,
+            RouteKind::Local if len >= 16 * MIB => 200,
+            RouteKind::Local if len >= 4 * MIB => 100,
+            RouteKind::Local => 0,
+            RouteKind::Peer | RouteKind::Remote if len >= 16 * MIB => 1000,
+            RouteKind::Peer | RouteKind::Remote => 0,
         }
+    }
+
+    /// Which of `segments` (of route kind `kind`) AUTO gives the copy engine: whole segments, those
+    /// of the largest share and longest runs first, for as long as each brings the copy engine's
+    /// bytes closer to the sum of every segment's share ([`Arm::engine_share_permille`]).
+    pub fn engine_segments<'a>(kind: RouteKind, segments: impl Iterator<Item = &'a Segment>) -> Vec<bool> {
+        let candidates: Vec<(u64, u64, u64)> = segments
+            .map(|s| (Arm::engine_share_permille(kind, s.len), s.len, s.bytes().unwrap_or(0)))
+            .collect();
+        let target: u128 =
+            candidates.iter().map(|&(share, _, bytes)| u128::from(share) * u128::from(bytes)).sum();
+        let mut order: Vec<usize> = (0..candidates.len()).filter(|&i| candidates[i].0 > 0).collect();
+        order.sort_by_key(|&i| std::cmp::Reverse((candidates[i].0, candidates[i].1)));
+        let mut engine = vec![false; candidates.len()];
+        // In thousandths of a byte, as the target.
+        let mut taken: u128 = 0;
+        for i in order {
+            let with = taken + 1000 * u128::from(candidates[i].2);
+            if with.abs_diff(target) < taken.abs_diff(target) {
+                engine[i] = true;
+                taken = with;
+            }
+        }
+        engine
     }
 }
 
@@ -44,7 +82,7 @@ impl Arm {
 pub enum Method {
     Kernel = 1,
     CopyEngine = 2,
-    /// The copy engine for runs of at least [`Arm::copy_engine_min_run`] bytes, the kernel for the
+    /// The copy engine for the segments [`Arm::engine_segments`] chooses, beside the kernel for the
     /// others.
     Split = 4,
 }
