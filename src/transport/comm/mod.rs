@@ -620,6 +620,40 @@ mod tests {
         assert!(started.elapsed() < Duration::from_secs(5), "refused at once");
     }
 
+    /// The exchange NCCL communicators make before a call (`agree`, which the host link does not
+    /// need), over three host ranks: agreeing digests pass; one rank's other digest is refused on
+    /// every rank naming that rank, and the communicator then agrees again; with check_counts off
+    /// nothing is exchanged, so nothing is refused.
+    #[test]
+    fn agree_refuses_other_digests_on_every_rank_naming_the_rank() {
+        let id = Communicator::unique_id(BackendKind::Host).unwrap();
+        let ranks: Vec<_> = (0..3)
+            .map(|rank| {
+                std::thread::spawn(move || {
+                    let options = CommOptions { timeout: Duration::from_secs(20), ..CommOptions::default() };
+                    let comm = Communicator::create(&id, 3, rank, 0, options).unwrap();
+                    let agreement =
+                        |digest| Agreement { digest, what: "counts", mine: format!("[{digest}]") };
+                    comm.agree(Some(&agreement(7))).unwrap();
+                    let err = comm.agree(Some(&agreement(if rank == 2 { 8 } else { 7 }))).unwrap_err();
+                    assert_eq!(err.status, Status::InvalidArgument, "rank {rank}: {err}");
+                    assert!(
+                        err.message.contains("ranks [2] differ from the other ranks [0, 1]"),
+                        "rank {rank}: {err}"
+                    );
+                    comm.agree(Some(&agreement(9))).unwrap();
+                    comm.agree(None).unwrap();
+                    let unchecked =
+                        Communicator { options: CommOptions { check_counts: false, ..comm.options }, ..comm };
+                    unchecked.agree(Some(&agreement(rank as u64))).unwrap();
+                })
+            })
+            .collect();
+        for rank in ranks {
+            rank.join().unwrap();
+        }
+    }
+
     #[test]
     fn bad_arguments_are_refused_before_joining() {
         let id = Communicator::unique_id(BackendKind::Host).unwrap();
