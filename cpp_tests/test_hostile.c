@@ -390,7 +390,13 @@ static void garbage_in_option_fields(void) {
   CHECK_FAILS(refit_comm_create(&id, 1, 0, 0, &comm_options, &comm), REFIT_STATUS_INVALID_ARGUMENT, "options.ipc");
   CHECK(comm == (refit_comm *)0x1);
   CHECK_OK(refit_comm_options_init(&comm_options));
-  for (size_t b = offsetof(refit_comm_options, ipc) + 1; b < sizeof comm_options; b++) set_byte(&comm_options, b, 0xA5);
+  set_byte(&comm_options, offsetof(refit_comm_options, check_counts), 2);
+  CHECK_FAILS(refit_comm_create(&id, 1, 0, 0, &comm_options, &comm), REFIT_STATUS_INVALID_ARGUMENT,
+              "options.check_counts");
+  CHECK(comm == (refit_comm *)0x1);
+  CHECK_OK(refit_comm_options_init(&comm_options));
+  for (size_t b = offsetof(refit_comm_options, check_counts) + 1; b < sizeof comm_options; b++)
+    set_byte(&comm_options, b, 0xA5);
   CHECK_OK(refit_comm_create(&id, 1, 0, 0, &comm_options, &comm));
   refit_comm_destroy(comm);
 
