@@ -184,3 +184,38 @@ fn refused_jobs_write_nothing() {
     assert!(err.message.contains("jobs[1]"), "{}", err.message);
     assert!(dst.bytes().iter().chain(scales.bytes()).all(|&b| b == SENTINEL));
 }
+
+/// A prepared batch (`Backend::prepare_quantize`, what executors hold) writes what `quantize_batch`
+/// writes, at every launch: the second launch over a poisoned output writes it again. Jobs that
+/// `quantize_batch` refuses are refused at preparation, with the same status.
+#[test]
+fn a_prepared_batch_writes_the_references_bytes_at_every_launch() {
+    let backend = HostBackend::new(1).unwrap();
+    let cases = standard_cases(4, false);
+    let outputs: Vec<(Aligned, Aligned)> = cases
+        .iter()
+        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
+        .collect();
+    let jobs: Vec<QuantJob> =
+        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
+    let prepared = backend.prepare_quantize(0, &jobs).unwrap();
+    let mut outputs = outputs;
+    for launch in 0..2 {
+        for (dst, scales) in &mut outputs {
+            dst.bytes_mut().fill(SENTINEL);
+            scales.bytes_mut().fill(SENTINEL);
+        }
+        // SAFETY: every job names the buffers above, alive for the call (which completes on return).
+        unsafe { prepared.launch(Stream::NULL) }.unwrap();
+        for (c, (dst, scales)) in cases.iter().zip(&outputs) {
+            let (want_dst, want_scales) = c.expected();
+            assert!(dst.bytes() == want_dst.as_slice(), "launch {launch}, {}: destination differs", c.name);
+            assert!(scales.bytes() == want_scales.as_slice(), "launch {launch}, {}: scales differ", c.name);
+        }
+    }
+    let mut overlapping = base_job();
+    overlapping.scales = overlapping.dst;
+    let err = backend.prepare_quantize(0, &[overlapping]).err().expect("overlapping outputs are refused");
+    assert_eq!(err.status, check_jobs(&[overlapping]).unwrap_err().status, "{}", err.message);
+    assert_eq!(backend.prepare_quantize(3, &jobs).err().map(|e| e.status), Some(Status::InvalidDevice));
+}

@@ -16,7 +16,7 @@ use crate::segment::check::check_destinations;
 use crate::segment::Segment;
 use crate::transport::access::first_unusable;
 use crate::transport::verify::PreparedVerify;
-use crate::transport::{Backend, Stream};
+use crate::transport::{Backend, PreparedQuantize, Stream};
 
 /// When a group of jobs runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -32,6 +32,8 @@ pub(super) struct RankJobs {
     pub rank: usize,
     pub when: When,
     pub jobs: Vec<QuantJob>,
+    /// The jobs prepared on the rank's device (laid out and uploaded once; see [`Quantizing::prepare`]).
+    prepared: Option<Box<dyn PreparedQuantize>>,
     /// The tensor and receiving device of each job, for messages.
     labels: Vec<(String, u32)>,
     /// With verify: the same jobs into scratch, compared with what the jobs wrote.
@@ -41,7 +43,8 @@ pub(super) struct RankJobs {
 /// The verify of one rank's jobs: each job quantized again into scratch of the rank's device, then
 /// its codes and scales compared on the device with that second quantization of the same sources.
 struct Check {
-    jobs: Vec<QuantJob>,
+    /// The jobs into scratch, prepared on the rank's device.
+    prepared: Box<dyn PreparedQuantize>,
     /// Segment 2j (codes) and 2j + 1 (scales) of job j: from the scratch to what the job wrote.
     compare: PreparedVerify,
     bytes: u64,
@@ -117,7 +120,9 @@ impl Quantizing {
                     existing.jobs.extend(jobs);
                     existing.labels.extend(labels);
                 }
-                None => out.ranks.push(RankJobs { rank: runner, when, jobs, labels, check: None }),
+                None => {
+                    out.ranks.push(RankJobs { rank: runner, when, jobs, labels, prepared: None, check: None })
+                }
             }
         }
         if verify {
@@ -125,9 +130,14 @@ impl Quantizing {
                 let rank = out.ranks[i].rank;
                 let (jobs, segments) = out.packed(group, rank, &out.ranks[i].jobs.clone())?;
                 let bytes = segments.iter().filter_map(Segment::bytes).sum();
-                let compare = PreparedVerify::new(group.backend().as_ref(), group.device(rank)?, &segments)?;
-                out.ranks[i].check = Some(Check { jobs, compare, bytes });
+                let device = group.device(rank)?;
+                let compare = PreparedVerify::new(group.backend().as_ref(), device, &segments)?;
+                let prepared = group.backend().prepare_quantize(device, &jobs)?;
+                out.ranks[i].check = Some(Check { prepared, compare, bytes });
             }
+        }
+        for r in &mut out.ranks {
+            r.prepared = Some(group.backend().prepare_quantize(group.device(r.rank)?, &r.jobs)?);
         }
         Ok(out)
     }
@@ -240,18 +250,18 @@ impl Quantizing {
     pub unsafe fn queue(&self, group: &Group, when: When, hook: impl Fn() -> Result<()>) -> Result<()> {
         for r in self.ranks.iter().filter(|r| r.when == when && !r.jobs.is_empty()) {
             let stream: Stream = group.stream(r.rank)?;
-            let device = group.device(r.rank)?;
+            let Some(prepared) = &r.prepared else { continue };
             // SAFETY: the caller's promise; every byte was checked to be the device's at creation.
-            unsafe { group.backend().quantize_batch(device, stream, &r.jobs) }?;
+            unsafe { prepared.launch(stream) }?;
         }
         if self.ranks.iter().any(|r| r.when == when && r.check.is_some()) {
             hook()?;
         }
         for r in self.ranks.iter().filter(|r| r.when == when) {
             let Some(check) = &r.check else { continue };
-            let (stream, device) = (group.stream(r.rank)?, group.device(r.rank)?);
+            let stream = group.stream(r.rank)?;
             // SAFETY: as above; the scratch is ours.
-            unsafe { group.backend().quantize_batch(device, stream, &check.jobs) }?;
+            unsafe { check.prepared.launch(stream) }?;
             // SAFETY: the jobs' outputs and the scratch stay valid until the comparison has run.
             unsafe { check.compare.launch(stream) }?;
         }

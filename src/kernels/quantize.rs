@@ -76,6 +76,15 @@ pub struct Layout {
 }
 
 impl Layout {
+    /// Bytes of the amax words per-tensor jobs need after the descriptors (one per descriptor).
+    pub fn amax_bytes(&self) -> usize {
+        if self.per_tensor {
+            self.descs.len() * 4
+        } else {
+            0
+        }
+    }
+
     pub fn as_bytes(&self) -> &[u8] {
         // SAFETY: QuantDesc is plain old data without padding (11 u64 then 8 u32).
         unsafe {
@@ -233,10 +242,9 @@ impl QuantizeKernel {
 
     /// Queues the quantization of a batch laid out by [`layout`] on `stream`: the descriptors uploaded stream-ordered
     /// (`cuMemAllocAsync`, an asynchronous copy from pageable memory that the driver stages before
-    /// returning), the narrow entry point's launch over its tiles, for per-tensor jobs a zeroed amax
-    /// word per job and the wide entry point's phase-1 launch, its phase-2 launch, then the frees. Asynchronous; must not be captured into a CUDA graph (the
-    /// pageable upload). An empty layout queues nothing. Errors: CudaError / OutOfMemory from the
-    /// driver.
+    /// returning), the launches ([`QuantizeKernel::launches`]), then the frees. Asynchronous; must
+    /// not be captured into a CUDA graph (the pageable upload). An empty layout queues nothing.
+    /// Errors: CudaError / OutOfMemory from the driver.
     ///
     /// # Safety
     /// `stream` is NULL or a live stream of this kernel's device; every laid-out job's source is device memory
@@ -249,37 +257,43 @@ impl QuantizeKernel {
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(self.context) }?;
         let bytes = layout.as_bytes();
-        let amax_bytes = if layout.per_tensor { layout.descs.len() * 4 } else { 0 };
         let mut table: sys::CUdeviceptr = 0;
         // SAFETY: valid output slot; the stream belongs to the current context (the caller's promise).
         check("cuMemAllocAsync", unsafe {
-            sys::cuMemAllocAsync(&mut table, bytes.len() + amax_bytes, stream)
+            sys::cuMemAllocAsync(&mut table, bytes.len() + layout.amax_bytes(), stream)
         })?;
-        let amax = if layout.per_tensor { table + bytes.len() as u64 } else { 0 };
         // SAFETY: `bytes` is valid for its length; pageable memory is staged before the call returns.
         let mut result = check("cuMemcpyHtoDAsync", unsafe {
             sys::cuMemcpyHtoDAsync_v2(table, bytes.as_ptr().cast(), bytes.len(), stream)
         });
-        let narrow = (self.narrow, 0..layout.narrow_tiles);
-        let wide = (self.wide, layout.narrow_tiles..layout.tiles);
         if result.is_ok() {
-            result = self.launch(stream, table, layout, narrow, 2, amax);
-        }
-        if result.is_ok() && layout.per_tensor {
-            // SAFETY: the amax words lie in the allocation above.
-            result = check("cuMemsetD32Async", unsafe {
-                sys::cuMemsetD32Async(amax, 0, layout.descs.len(), stream)
-            });
-            if result.is_ok() {
-                result = self.launch(stream, table, layout, wide.clone(), 1, amax);
-            }
-        }
-        if result.is_ok() {
-            result = self.launch(stream, table, layout, wide, 2, amax);
+            // SAFETY: the table holds the layout's descriptors, then its amax words; the caller's
+            // promises cover the jobs.
+            result = unsafe { self.launches(stream, table, layout) };
         }
         // SAFETY: allocated above on this stream; freed after the launches in stream order.
         let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
         result.and(freed)
+    }
+
+    /// Queues the launches of a batch whose descriptors (then, for per-tensor jobs, one amax word per
+    /// descriptor) are at `table` on the device: the narrow entry point over its tiles, for per-tensor
+    /// jobs the zeroing of the amax words and the wide entry point's phase-1 launch, its phase-2
+    /// launch. Nothing else, so a prepared batch may be captured into a graph.
+    ///
+    /// # Safety
+    /// As for [`QuantizeKernel::enqueue`]; `table` holds `layout` as described until the work has run.
+    unsafe fn launches(&self, stream: sys::CUstream, table: u64, layout: &Layout) -> Result<()> {
+        let amax = if layout.per_tensor { table + layout.as_bytes().len() as u64 } else { 0 };
+        let narrow = (self.narrow, 0..layout.narrow_tiles);
+        let wide = (self.wide, layout.narrow_tiles..layout.tiles);
+        self.launch(stream, table, layout, narrow, 2, amax)?;
+        if layout.per_tensor {
+            // SAFETY: the amax words lie in the table (the caller's promise).
+            check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(amax, 0, layout.descs.len(), stream) })?;
+            self.launch(stream, table, layout, wide.clone(), 1, amax)?;
+        }
+        self.launch(stream, table, layout, wide, 2, amax)
     }
 
     /// One launch of `function` (an entry point) over `tiles`; nothing when they are none.
@@ -321,6 +335,69 @@ impl QuantizeKernel {
                 std::ptr::null_mut(),
             )
         })
+    }
+}
+
+/// A batch laid out and uploaded once ([`crate::transport::Backend::prepare_quantize`] on CUDA):
+/// each launch queues the kernel only.
+pub struct PreparedQuantize {
+    kernel: Arc<QuantizeKernel>,
+    layout: Layout,
+    /// The descriptors, then the amax words (`cuMemAlloc`, freed on drop); 0 for an empty batch.
+    table: sys::CUdeviceptr,
+}
+
+// SAFETY: a device allocation and process-wide driver handles.
+unsafe impl Send for PreparedQuantize {}
+unsafe impl Sync for PreparedQuantize {}
+
+impl PreparedQuantize {
+    /// `jobs` checked and laid out ([`layout`]) for `device`, the descriptors uploaded.
+    pub fn new(device: i32, jobs: &[QuantJob]) -> Result<PreparedQuantize> {
+        let layout = layout(jobs)?;
+        let kernel = QuantizeKernel::for_device(device)?;
+        let mut prepared = PreparedQuantize { kernel, layout, table: 0 };
+        if prepared.layout.tiles == 0 {
+            return Ok(prepared);
+        }
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(prepared.kernel.context) }?;
+        let bytes = prepared.layout.as_bytes();
+        // SAFETY: valid output slot, context current.
+        check("cuMemAlloc", unsafe {
+            sys::cuMemAlloc_v2(&mut prepared.table, bytes.len() + prepared.layout.amax_bytes())
+        })?;
+        // SAFETY: the allocation above holds `bytes`.
+        check("cuMemcpyHtoD", unsafe {
+            sys::cuMemcpyHtoD_v2(prepared.table, bytes.as_ptr().cast(), bytes.len())
+        })?;
+        Ok(prepared)
+    }
+}
+
+impl crate::transport::PreparedQuantize for PreparedQuantize {
+    unsafe fn launch(&self, stream: crate::transport::Stream) -> Result<()> {
+        if self.layout.tiles == 0 {
+            return Ok(());
+        }
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
+        // SAFETY: the table holds the layout until drop; the caller's promises cover the jobs.
+        unsafe { self.kernel.launches(stream.as_ptr().cast(), self.table, &self.layout) }
+    }
+}
+
+impl Drop for PreparedQuantize {
+    fn drop(&mut self) {
+        if self.table == 0 {
+            return;
+        }
+        // SAFETY: ours; a retained primary context. Freeing waits for work using it to end.
+        let freed = unsafe { CurrentContext::enter(self.kernel.context) }
+            .and_then(|_current| check("cuMemFree", unsafe { sys::cuMemFree_v2(self.table) }));
+        if let Err(err) = freed {
+            log::warn!("freeing a prepared quantize batch: {err}");
+        }
     }
 }
 

@@ -14,7 +14,7 @@ use super::driver::{self, check, error_name, CurrentContext};
 use super::ByteRange;
 use super::{
     device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, PreparedDigestCheck,
-    PreparedRecord, Stream,
+    PreparedQuantize, PreparedRecord, Stream,
 };
 use crate::error::{Error, Result, Status};
 use crate::kernels::digest::{check_range, check_ranges, DigestKernel};
@@ -450,6 +450,15 @@ impl Backend for CudaBackend {
         }
         crate::kernels::quantize::QuantizeKernel::for_device(device)?
             .enqueue(Self::raw_stream(stream), &layout)
+    }
+
+    fn prepare_quantize(
+        &self,
+        device: i32,
+        jobs: &[crate::quant::QuantJob],
+    ) -> Result<Box<dyn PreparedQuantize>> {
+        self.index(device)?;
+        Ok(Box::new(crate::kernels::quantize::PreparedQuantize::new(device, jobs)?))
     }
 
     fn prepare_recording_batch(

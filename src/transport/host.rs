@@ -21,7 +21,7 @@ use super::host_verify::{segment_digest, HostCheck, HostRecord, Reference};
 use super::ByteRange;
 use super::{
     device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, PreparedDigestCheck,
-    PreparedRecord, Stream,
+    PreparedQuantize, PreparedRecord, Stream,
 };
 use crate::error::{try_to_vec, Error, Result, Status};
 use crate::kernels::digest::{check_range, check_ranges};
@@ -296,6 +296,48 @@ impl Drop for HostBackend {
     }
 }
 
+/// Jobs prepared by [`HostBackend::prepare_quantize`]: checked once, kept.
+struct HostQuantize {
+    default_stream: Stream,
+    jobs: Arc<Vec<crate::quant::QuantJob>>,
+}
+
+impl PreparedQuantize for HostQuantize {
+    unsafe fn launch(&self, stream: Stream) -> Result<()> {
+        let queue = stream_for(self.default_stream, stream)?;
+        // SAFETY: the caller's promise.
+        unsafe { quantize_on(&queue, Arc::clone(&self.jobs)) }
+    }
+}
+
+/// Runs checked `jobs` through the reference quantizer on `queue`'s worker and waits for it: bands of
+/// block rows on every core, as the GPU spreads blocks over its SMs (no two bands write the same
+/// byte).
+///
+/// # Safety
+/// As for [`Backend::quantize_batch`].
+unsafe fn quantize_on(queue: &HostStream, jobs: Arc<Vec<crate::quant::QuantJob>>) -> Result<()> {
+    // SAFETY: the caller keeps the memory valid until the work has run, which this call waits for.
+    queue.enqueue(move || {
+        let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
+        let bands: Vec<_> =
+            jobs.iter().flat_map(|job| crate::quant::reference::row_bands(job, threads as u64)).collect();
+        let next = std::sync::atomic::AtomicUsize::new(0);
+        std::thread::scope(|scope| {
+            for _ in 0..threads.min(bands.len()) {
+                scope.spawn(|| loop {
+                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                    let Some(band) = bands.get(i) else { return };
+                    // SAFETY: the caller keeps the memory valid until the work has run (waited
+                    // for below); the bands of checked jobs write disjoint bytes.
+                    unsafe { crate::quant::reference::quantize_host_job(band) };
+                });
+            }
+        });
+    })?;
+    queue.synchronize()
+}
+
 impl Backend for HostBackend {
     fn inaccessible(&self, ranges: &[super::MemoryRange]) -> Result<Vec<super::Refusal>> {
         Ok(super::access::host_inaccessible(ranges))
@@ -483,28 +525,18 @@ impl Backend for HostBackend {
     ) -> Result<()> {
         let queue = self.resolve(device, stream)?;
         crate::quant::check_jobs(jobs)?;
-        let jobs = jobs.to_vec();
-        // SAFETY: the caller keeps the memory valid until the work has run, which this call waits for.
-        queue.enqueue(move || {
-            // The reference is a scalar loop: bands of block rows on every core, as the GPU spreads
-            // blocks over its SMs (no two bands write the same byte).
-            let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let bands: Vec<_> =
-                jobs.iter().flat_map(|job| crate::quant::reference::row_bands(job, threads as u64)).collect();
-            let next = std::sync::atomic::AtomicUsize::new(0);
-            std::thread::scope(|scope| {
-                for _ in 0..threads.min(bands.len()) {
-                    scope.spawn(|| loop {
-                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                        let Some(band) = bands.get(i) else { return };
-                        // SAFETY: the caller keeps the memory valid until the work has run (waited
-                        // for below); the bands of checked jobs write disjoint bytes.
-                        unsafe { crate::quant::reference::quantize_host_job(band) };
-                    });
-                }
-            });
-        })?;
-        queue.synchronize()
+        // SAFETY: the caller's promise.
+        unsafe { quantize_on(&queue, Arc::new(jobs.to_vec())) }
+    }
+
+    fn prepare_quantize(
+        &self,
+        device: i32,
+        jobs: &[crate::quant::QuantJob],
+    ) -> Result<Box<dyn PreparedQuantize>> {
+        let default_stream = self.default_streams[self.index(device)?];
+        crate::quant::check_jobs(jobs)?;
+        Ok(Box::new(HostQuantize { default_stream, jobs: Arc::new(jobs.to_vec()) }))
     }
 
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {

@@ -261,6 +261,15 @@ pub trait Backend: Send + Sync {
         jobs: &[crate::quant::QuantJob],
     ) -> Result<()>;
 
+    /// `jobs` checked as [`Backend::quantize_batch`] checks them and prepared for repeated runs on
+    /// `device`: on CUDA laid out and uploaded once, so that each launch only queues the kernel; on
+    /// the host backend a kept copy of the jobs.
+    fn prepare_quantize(
+        &self,
+        device: i32,
+        jobs: &[crate::quant::QuantJob],
+    ) -> Result<Box<dyn PreparedQuantize>>;
+
     /// Allocates `bytes` of device memory (tests and benches; the library never owns caller memory).
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64>;
 
@@ -297,6 +306,18 @@ pub trait PreparedCopy: Send + Sync {
     /// launch it after each launch of the batch. InvalidArgument unless the batch was prepared by
     /// [`Backend::prepare_recording_batch`].
     fn verify_destinations(&self) -> Result<Box<dyn PreparedCheck>>;
+}
+
+/// Quantization jobs prepared by [`Backend::prepare_quantize`].
+pub trait PreparedQuantize: Send + Sync {
+    /// Queues the jobs on `stream` (a stream of the prepared device), as [`Backend::quantize_batch`]
+    /// queues them, with no host work per job: on CUDA the kernel's launches (and, for per-tensor
+    /// jobs, the zeroing of their amax words) and nothing else; on the host backend complete on
+    /// return.
+    ///
+    /// # Safety
+    /// As for [`Backend::quantize_batch`], at every launch.
+    unsafe fn launch(&self, stream: Stream) -> Result<()>;
 }
 
 /// Source digests prepared by [`Backend::prepare_digest_record`].
