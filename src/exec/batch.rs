@@ -398,16 +398,16 @@ mod tests {
         assert_eq!(places(&segments, Method::Split, local), [k(0), e(0), k(1), e(1)]);
         assert_eq!(places(&segments, Method::Kernel, local), [k(0), k(1), k(2), k(3)]);
         assert_eq!(places(&segments, Method::CopyEngine, local), [e(0), e(1), e(2), e(3)]);
-        // Ten 16 MiB runs on one GPU: the copy engine takes two (a share of 0.2), the longest first
+        // Ten 64 MiB runs on one GPU: the copy engine takes three (a share of 0.3), the longest first
         // (ties in order); between GPUs every one.
         let mut runs: Vec<Segment> =
-            (0..10u64).map(|i| Segment::contiguous(i << 30, (i + 16) << 30, 16 << 20)).collect();
-        runs[7].len = 17 << 20;
+            (0..10u64).map(|i| Segment::contiguous(i << 30, (i + 16) << 30, 64 << 20)).collect();
+        runs[7].len = 65 << 20;
         let engine = |kind| {
             places(&runs, Method::Split, kind).iter().filter(|p| matches!(p, Place::Engine(_))).count()
         };
         let split = places(&runs, Method::Split, local);
-        assert_eq!((split[7], split[0], split[1]), (e(1), e(0), k(0)));
-        assert_eq!((engine(local), engine(RouteKind::Peer)), (2, 10));
+        assert_eq!((split[7], split[0], split[1], split[2]), (e(2), e(0), e(1), k(0)));
+        assert_eq!((engine(local), engine(RouteKind::Peer)), (3, 10));
     }
 }

@@ -1328,11 +1328,14 @@ mod tests {
         // 32 MiB runs: long enough for the copy engine between GPUs, not on one GPU.
         assert_eq!(auto(RouteKind::Local, &[&mid], plain), Method::Kernel);
         assert_eq!(auto(RouteKind::Peer, &[&mid], plain), Method::CopyEngine);
-        // Many of them on one GPU: a fifth of the bytes goes to the copy engine, beside the kernel.
-        let mids: Vec<Segment> =
-            (0..10u64).map(|i| Segment::contiguous(i << 30, (i + 16) << 30, 32 << 20)).collect();
-        let mids: Vec<&Segment> = mids.iter().collect();
-        assert_eq!(auto(RouteKind::Local, &mids, plain), Method::Split);
+        // Many of them on one GPU: the kernel; many 64 MiB runs: 0.3 of them to the copy engine,
+        // beside the kernel.
+        let runs = |len: u64| -> Vec<Segment> {
+            (0..10u64).map(|i| Segment::contiguous(i << 30, (i + 16) << 30, len)).collect()
+        };
+        let (mids, longer) = (runs(32 << 20), runs(64 << 20));
+        assert_eq!(auto(RouteKind::Local, &mids.iter().collect::<Vec<_>>(), plain), Method::Kernel);
+        assert_eq!(auto(RouteKind::Local, &longer.iter().collect::<Vec<_>>(), plain), Method::Split);
         assert_eq!(auto(RouteKind::Local, &[&short, &long], (true, false)), Method::Kernel);
         assert_eq!(auto(RouteKind::Local, &[&short, &long], (false, true)), Method::CopyEngine);
         assert_eq!(auto(RouteKind::Local, &[&short], (true, true)), Method::Kernel);

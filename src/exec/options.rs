@@ -31,19 +31,16 @@ impl Arm {
     /// - Between GPUs (and processes), every run of 16 MiB or more: there a copy-engine peer copy
     ///   moves what the kernel's push does (shared/CEILINGS.md, peer copy by size).
     /// - On one GPU, all of each run of 256 MiB or more (one copy-engine copy then reaches 0.98 of
-    ///   one large copy, the kernel 0.91: benches/results/gpu_sweep.json), and a part of the shorter
-    ///   runs down to 4 MiB, which lifts the stage past what either arm reaches alone: beside the
-    ///   kernel, copy-engine shares of 0.3 of 64 MiB runs, 0.2 of 16 MiB runs and 0.1 of 4 MiB runs
-    ///   reached 0.996, 0.966 and 0.930 of one large copy against the kernel's 0.91 alone; larger
-    ///   shares, and any share of shorter runs, were slower: each same-device copy-engine copy costs
-    ///   about 3 us more than its bytes (benches/probes/split_copy_probe.py; docs/decisions.md).
+    ///   one large copy, the kernel 0.92: benches/results/gpu_sweep.json), and 0.3 of the bytes in
+    ///   runs from 64 MiB (0.930 of one large copy through the executor against the kernel's 0.921,
+    ///   same run). Shares of shorter runs lost to the kernel alone in the executor (0.1 of 4 MiB
+    ///   runs 0.879, 0.2 of 16 MiB runs 0.903), though a probe timing both streams from a common
+    ///   start found them faster (benches/probes/split_copy_probe.py; docs/decisions.md).
     pub const fn engine_share_permille(kind: RouteKind, len: u64) -> u64 {
         const MIB: u64 = 1 << 20;
         match kind {
             RouteKind::Local if len >= 256 * MIB => 1000,
             RouteKind::Local if len >= 64 * MIB => 300,
-            RouteKind::Local if len >= 16 * MIB => 200,
-            RouteKind::Local if len >= 4 * MIB => 100,
             RouteKind::Local => 0,
             RouteKind::Peer | RouteKind::Remote if len >= 16 * MIB => 1000,
             RouteKind::Peer | RouteKind::Remote => 0,

@@ -19,9 +19,8 @@ use crate::sync::try_lock;
 use std::sync::{Arc, Mutex, MutexGuard};
 
 /// Executor arm, per contiguous run: the copy engine for runs of at least 16 MiB between GPUs, and
-/// on one GPU for runs of at least 256 MiB and a share of the runs from 4 MiB (a tenth of the bytes
-/// in 4 MiB runs, a fifth from 16 MiB, 0.3 from 64 MiB), the batched kernel for the others, the two
-/// running side by side in one stage (REFIT_ARM_SPLIT when a route kind has both); the copy engine
+/// on one GPU for runs of at least 256 MiB and 0.3 of the bytes in runs from 64 MiB, the batched
+/// kernel for the others, the two running side by side in one stage (REFIT_ARM_SPLIT when a route kind has both); the copy engine
 /// where the kernel cannot run (no direct peer access, no
 /// libnvrtc); the kernel for every run of a verified step (its copy records the digests the verify
 /// checks); the copy engine for every run under an sm_budget (it uses no SMs). refit_run_stats.arm
