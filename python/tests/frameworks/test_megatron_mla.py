@@ -23,8 +23,9 @@ What megatron-core 0.19.2's local spec cannot build, and what stands in:
 - MLA's rotary embedding asks torch.cuda for its device (on_cpu), and linear_q_proj is built
   without a TP group (default_group in build).
 
-Matrix (Megatron -> vLLM): TP1 -> TP1, TP2 -> TP2, TP2 EP2 -> TP2 with expert parallelism, TP1 EP2
--> TP2, and V2-Lite TP2 EP2 -> TP2 with expert parallelism. Self-tests: a swapped pair of rows in
+Matrix (Megatron -> vLLM): TP1 -> TP1, TP2 -> TP2, TP2 EP2 -> TP2 with expert parallelism, TP2 EP2
+with expert TP 2 -> the same, TP1 EP2 -> TP2, TP2 over two pipeline stages -> TP2, and V2-Lite TP2
+EP2 -> TP2 with expert parallelism. Self-tests: a swapped pair of rows in
 one Megatron parameter, and a wrong rule for linear_kv_down_proj's row order, each reported as
 exactly the mismatching elements it makes."""
 
@@ -112,21 +113,26 @@ if not MISSING:
             super().__init__(*args, **kwargs)
 
 
-def build(hf: Any, tp: int, tp_rank: int, ep: int, ep_rank: int, kv_norm: bool = True) -> "GPTModel":
-    """One Megatron rank of the tiny DeepSeek `hf`. Expert TP 1 (DeepSeek's usual setting):
-    experts whole on their EP rank, attention and shared experts split over TP. `kv_norm`:
-    qk_layernorm, which makes the local spec build kv_layernorm (DeepSeek's kv_a_layernorm) and,
-    with a q LoRA, q_layernorm (q_a_layernorm); without it both are IdentityOp."""
+def build(
+    hf: Any, tp: int, tp_rank: int, ep: int, ep_rank: int, kv_norm: bool = True, etp: int = 1, pp: int = 1,
+    pp_rank: int = 0,
+) -> "GPTModel":
+    """One Megatron rank of the tiny DeepSeek `hf`: attention and shared experts split over TP,
+    routed experts over EP and expert TP `etp` (1, DeepSeek's usual setting, keeps each expert whole
+    on its EP rank), layers over `pp` pipeline stages. `kv_norm`: qk_layernorm, which makes the
+    local spec build kv_layernorm (DeepSeek's kv_a_layernorm) and, with a q LoRA, q_layernorm
+    (q_a_layernorm); without it both are IdentityOp."""
     groups = ProcessGroupCollection.use_mpu_process_groups()
-    groups.tp, groups.pp = StandIn(tp, tp_rank), StandIn(1, 0)
-    groups.ep, groups.expt_tp = StandIn(ep, ep_rank), StandIn(1, 0)
+    groups.tp, groups.pp = StandIn(tp, tp_rank), StandIn(pp, pp_rank)
+    groups.ep, groups.expt_tp = StandIn(ep, ep_rank), StandIn(etp, tp_rank % etp)
     dense = hf.first_k_dense_replace
     config = MLATransformerConfig(
         num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
         ffn_hidden_size=hf.intermediate_size, use_cpu_initialization=True, gated_linear_unit=True,
         activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
         bias_activation_fusion=False, apply_rope_fusion=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=1,
+        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        pipeline_model_parallel_size=pp,
         # MLA: DeepSeek's qk_nope_head_dim is Megatron's qk_head_dim.
         q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_head_dim=hf.qk_nope_head_dim,
         qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim, qk_layernorm=kv_norm,
@@ -135,7 +141,9 @@ def build(hf: Any, tp: int, tp_rank: int, ep: int, ep_rank: int, kv_norm: bool =
         moe_shared_expert_intermediate_size=hf.moe_intermediate_size * hf.n_shared_experts,
         moe_layer_freq=[0] * dense + [1] * (hf.num_hidden_layers - dense), moe_router_topk=hf.num_experts_per_tok,
     )
-    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm")
+    # The stage's own layers: without pp_rank the spec would take parallel_state's (the one-process
+    # world's stage 0) for every stage.
+    spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", pp_rank=pp_rank)
     for layer_spec in spec.layer_specs:
         layer_spec.submodules.self_attention.submodules.core_attention = LocalCoreAttention
     padded = -(-hf.vocab_size // (8 * tp)) * 8 * tp
@@ -150,6 +158,7 @@ def build(hf: Any, tp: int, tp_rank: int, ep: int, ep_rank: int, kv_norm: bool =
         return GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=padded, max_sequence_length=32,
             share_embeddings_and_output_weights=False, position_embedding_type="rope", pg_collection=groups,
+            pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
         )
 
 
@@ -262,13 +271,17 @@ def fill_mlp(mlp, rank: int, hf: str, ckpt, testcase) -> None:
         mlp.linear_fc2.weight.copy_(ckpt[f"{hf}.down_proj.weight"][:, rank * cols : (rank + 1) * cols])
 
 
-def megatron_world(hf: Any, ckpt: Dict[str, "torch.Tensor"], tp: int, ep: int, testcase, kv_norm: bool = True) -> List["GPTModel"]:
-    """Every rank (TP fastest, then EP) of a Megatron world holding the checkpoint."""
-    ranks = [(t, e) for e in range(ep) for t in range(tp)]
-    models = [build(hf, tp, t, ep, e, kv_norm) for t, e in ranks]
+def megatron_world(
+    hf: Any, ckpt: Dict[str, "torch.Tensor"], tp: int, ep: int, testcase, kv_norm: bool = True, etp: int = 1,
+    pp: int = 1,
+) -> List["GPTModel"]:
+    """Every rank (TP fastest, then EP, then pipeline stage) of a Megatron world holding the
+    checkpoint."""
+    ranks = [(t, e, st) for st in range(pp) for e in range(ep) for t in range(tp)]
+    models = [build(hf, tp, t, ep, e, kv_norm, etp, pp, st) for t, e, st in ranks]
     vocab = hf.vocab_size
-    for e in range(ep):
-        members = [i for i, (_, re) in enumerate(ranks) if re == e]
+    for e, stage in ((e, st) for st in range(pp) for e in range(ep)):
+        members = [i for i, (_, re, rs) in enumerate(ranks) if (re, rs) == (e, stage)]
         for n in range(len(models[members[0]].decoder.layers)):
             layers = [models[i].decoder.layers[n] for i in members]
             prefix = f"model.layers.{layers[0].layer_number - 1}.self_attn"
@@ -278,19 +291,21 @@ def megatron_world(hf: Any, ckpt: Dict[str, "torch.Tensor"], tp: int, ep: int, t
                     local = {row: (f"{prefix}.{t}.weight", r) for (mm, p, row), (t, r) in rows.items() if (mm, p) == (m, name)}
                     fill_rows(getattr(layer.self_attention, name).weight, local, ckpt, testcase)
     with torch.no_grad():
-        for (tp_rank, _), model in zip(ranks, models):
-            embedding = model.embedding.word_embeddings
-            embedding.weight.fill_(-1.0)
-            lo, hi = embedding.vocab_start_index, min(embedding.vocab_end_index, vocab)
-            if lo < hi:
-                embedding.weight[: hi - lo].copy_(ckpt["model.embed_tokens.weight"][lo:hi])
-            out = model.output_layer.weight
-            out.fill_(-1.0)
-            lo = tp_rank * out.shape[0]
-            hi = min(lo + out.shape[0], vocab)
-            if lo < hi:
-                out[: hi - lo].copy_(ckpt["lm_head.weight"][lo:hi])
-            model.decoder.final_layernorm.weight.copy_(ckpt["model.norm.weight"])
+        for (tp_rank, _, _), model in zip(ranks, models):
+            if model.pre_process:
+                embedding = model.embedding.word_embeddings
+                embedding.weight.fill_(-1.0)
+                lo, hi = embedding.vocab_start_index, min(embedding.vocab_end_index, vocab)
+                if lo < hi:
+                    embedding.weight[: hi - lo].copy_(ckpt["model.embed_tokens.weight"][lo:hi])
+            if model.post_process:
+                out = model.output_layer.weight
+                out.fill_(-1.0)
+                lo = tp_rank * out.shape[0]
+                hi = min(lo + out.shape[0], vocab)
+                if lo < hi:
+                    out[: hi - lo].copy_(ckpt["lm_head.weight"][lo:hi])
+                model.decoder.final_layernorm.weight.copy_(ckpt["model.norm.weight"])
             for layer in model.decoder.layers:
                 hf_layer = f"model.layers.{layer.layer_number - 1}"
                 layer.input_layernorm.weight.copy_(ckpt[f"{hf_layer}.input_layernorm.weight"])
@@ -306,7 +321,7 @@ def megatron_world(hf: Any, ckpt: Dict[str, "torch.Tensor"], tp: int, ep: int, t
                 if hasattr(mlp, "router"):
                     mlp.router.weight.copy_(ckpt[f"{hf_layer}.mlp.gate.weight"])
                     for j, expert in enumerate(mlp.local_expert_indices):
-                        fill_mlp(mlp.experts.local_experts[j], 0, f"{hf_layer}.mlp.experts.{expert}", ckpt, testcase)
+                        fill_mlp(mlp.experts.local_experts[j], tp_rank % etp, f"{hf_layer}.mlp.experts.{expert}", ckpt, testcase)
                     fill_mlp(mlp.shared_experts, tp_rank, f"{hf_layer}.mlp.shared_experts", ckpt, testcase)
                 else:
                     fill_mlp(mlp, tp_rank, f"{hf_layer}.mlp", ckpt, testcase)
@@ -315,13 +330,15 @@ def megatron_world(hf: Any, ckpt: Dict[str, "torch.Tensor"], tp: int, ep: int, t
 
 @unittest.skipIf(MISSING, MISSING or "")
 class MegatronMlaTest(unittest.TestCase):
-    def refit(self, tp: int, ep: int, parallel: "harness.Parallel", models=None, q_lora: bool = True) -> List[compare.RankResult]:
+    def refit(
+        self, tp: int, ep: int, parallel: "harness.Parallel", models=None, q_lora: bool = True, etp: int = 1, pp: int = 1
+    ) -> List[compare.RankResult]:
         """Every rank of vLLM layout `parallel` loaded from the Megatron world (tp, ep). Without a
         q LoRA the Megatron model has no kv norm (see build), and DeepSeek's kv_a_layernorm comes
         from one more publisher offering those checkpoint tensors whole."""
         hf, folder, specs, ckpt = checkpoint(q_lora)
         if models is None:
-            models = megatron_world(hf, ckpt, tp, ep, self, kv_norm=q_lora)
+            models = megatron_world(hf, ckpt, tp, ep, self, kv_norm=q_lora, etp=etp, pp=pp)
         publishers = [MegatronModulePublisher(model, vocab=hf.vocab_size) for model in models]
         makers = [functools.partial(lambda p, device: p.table(0, device=device), p) for p in publishers]
         if not q_lora:
@@ -333,11 +350,11 @@ class MegatronMlaTest(unittest.TestCase):
             results.append(compare.run_rank(config, parallel, tp_rank, pp_rank, specs, ckpt, publishers=makers))
         return results
 
-    def check(self, tp: int, ep: int, parallel: "harness.Parallel", q_lora: bool = True) -> None:
+    def check(self, tp: int, ep: int, parallel: "harness.Parallel", q_lora: bool = True, etp: int = 1, pp: int = 1) -> None:
         parts = ("q_a_proj", "q_a_layernorm", "q_b_proj") if q_lora else ("q_proj",)
         parts += ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj", "shared_experts.gate_proj", "shared_experts.down_proj")
-        for result in self.refit(tp, ep, parallel, q_lora=q_lora):
-            where = f"Megatron tp {tp} ep {ep} -> vLLM {parallel.label()} rank tp{result.tp_rank}"
+        for result in self.refit(tp, ep, parallel, q_lora=q_lora, etp=etp, pp=pp):
+            where = f"Megatron tp {tp} ep {ep} etp {etp} pp {pp} -> vLLM {parallel.label()} rank tp{result.tp_rank}"
             print(f"\n  {where}: {result.params} parameters, {result.elements} elements equal; {result.notes}", file=sys.stderr)
             self.assertEqual(result.mismatches, [], f"{where}; {result.notes}")
             self.assertEqual(result.only_loader, [], f"{where}: parameters only vLLM's loader writes")
@@ -361,6 +378,16 @@ class MegatronMlaTest(unittest.TestCase):
 
     def test_megatron_tp1_ep2_to_vllm_tp2(self):
         self.check(1, 2, harness.Parallel(2))
+
+    def test_megatron_tp2_ep2_expert_tp2_to_vllm_tp2_ep(self):
+        """Routed experts split over expert TP 2 as well as EP 2 (each expert's fc1 rows and fc2
+        columns halved between the TP ranks)."""
+        self.check(2, 2, harness.Parallel(2, ep=True), etp=2)
+
+    def test_megatron_tp2_pp2_to_vllm_tp2(self):
+        """Two pipeline stages (the dense layer and the embedding on the first, the MoE layer, the
+        final norm and the output layer on the second)."""
+        self.check(2, 1, harness.Parallel(2), pp=2)
 
     def test_v2_lite_without_kv_norm_tp2_to_vllm_tp2_ep(self):
         """V2-Lite's attention (no q LoRA: linear_q_proj) at TP 2 and EP 2, kv_a_layernorm offered
