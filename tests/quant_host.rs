@@ -11,13 +11,19 @@ use refit::transport::host::HostBackend;
 use refit::transport::{Backend, Stream};
 use refit::Status;
 
-fn run(backend: &HostBackend, cases: &[Case]) -> refit::Result<Vec<(Aligned, Aligned)>> {
+/// Each case's codes and scales buffers (the sentinel everywhere) and its job writing them.
+fn outputs_and_jobs(cases: &[Case]) -> (Vec<(Aligned, Aligned)>, Vec<QuantJob>) {
     let outputs: Vec<(Aligned, Aligned)> = cases
         .iter()
         .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
         .collect();
-    let jobs: Vec<QuantJob> =
+    let jobs =
         cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
+    (outputs, jobs)
+}
+
+fn run(backend: &HostBackend, cases: &[Case]) -> refit::Result<Vec<(Aligned, Aligned)>> {
+    let (outputs, jobs) = outputs_and_jobs(cases);
     // SAFETY: every job names the buffers above, alive for the call (which completes on return).
     unsafe { backend.quantize_batch(0, Stream::NULL, &jobs) }?;
     Ok(outputs)
@@ -192,14 +198,8 @@ fn refused_jobs_write_nothing() {
 fn a_prepared_batch_writes_the_references_bytes_at_every_launch() {
     let backend = HostBackend::new(1).unwrap();
     let cases = standard_cases(4, false);
-    let outputs: Vec<(Aligned, Aligned)> = cases
-        .iter()
-        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
-        .collect();
-    let jobs: Vec<QuantJob> =
-        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
+    let (mut outputs, jobs) = outputs_and_jobs(&cases);
     let prepared = backend.prepare_quantize(0, &jobs).unwrap();
-    let mut outputs = outputs;
     for launch in 0..2 {
         for (dst, scales) in &mut outputs {
             dst.bytes_mut().fill(SENTINEL);

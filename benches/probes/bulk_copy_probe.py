@@ -15,14 +15,11 @@ Each variant's destination is compared with the source byte for byte. Writes
 $REFIT_BENCH_RESULTS/bulk_copy_probe.json.
 """
 
-import os
-import statistics
-
 import cupy as cp
 import numpy as np
 import torch
 
-from probe_util import print_table, write_results
+from probe_util import median_ms, print_table, refit_source, write_results
 
 GIB = 1 << 30
 KIB = 1 << 10
@@ -95,23 +92,6 @@ extern "C" __global__ void __launch_bounds__(32) bulk(const char* __restrict__ s
 """
 
 
-def refit_kernel():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "src", "kernels", "batched_copy.cu")
-    with open(path) as f:
-        return cp.RawModule(code=f.read(), options=("--std=c++17",)).get_function("refit_batched_copy")
-
-
-def median_ms(fn, reps=7):
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    fn()
-    samples = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(samples)
 
 
 def main():
@@ -120,7 +100,8 @@ def main():
     plain = cp.RawModule(code=PLAIN, options=("--std=c++17",))
     bulk = cp.RawKernel(BULK, "bulk", options=("--std=c++17",))
     bulk.max_dynamic_shared_size_bytes = 200 * KIB
-    refit = refit_kernel()
+    refit = cp.RawModule(code=refit_source("batched_copy.cu"), options=("--std=c++17",)).get_function(
+        "refit_batched_copy")
     rows = []
     for payload in (2 * GIB, 8 * GIB):
         src = torch.empty(payload, dtype=torch.uint8, device="cuda")

@@ -60,6 +60,28 @@ def timed(streams, issue, reps=5, gate_cycles=40_000_000):
     return statistics.median(samples)
 
 
+def median_ms(fn, reps=7):
+    """Median milliseconds of `fn()` over `reps` calls (after one warm-up), CUDA events around each
+    call on the current stream: for work that queues faster than it runs."""
+    start, stop = cp.cuda.Event(), cp.cuda.Event()
+    fn()
+    samples = []
+    for _ in range(reps):
+        start.record()
+        fn()
+        stop.record()
+        stop.synchronize()
+        samples.append(cp.cuda.get_elapsed_time(start, stop))
+    return statistics.median(samples)
+
+
+def refit_source(name):
+    """The text of refit's kernel source src/kernels/<name> (compiled by the probes as refit compiles it)."""
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "src", "kernels", name)
+    with open(path) as f:
+        return f.read()
+
+
 def print_table(headers, rows):
     """Prints a markdown table after a blank line: `headers`, then each row's cells (already text)."""
     print("\n| " + " | ".join(headers) + " |")

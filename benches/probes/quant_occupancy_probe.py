@@ -12,14 +12,11 @@ each variant's codes and scales are compared byte for byte with the wide entry p
 a bf16 copy of the same tensor sets the bound. Writes $REFIT_BENCH_RESULTS/quant_occupancy_probe.json.
 """
 
-import os
-import statistics
-
 import cupy as cp
 import numpy as np
 import torch
 
-from probe_util import print_table, write_results
+from probe_util import median_ms, print_table, refit_source, write_results
 
 ROWS, COLS = 65536, 8192
 DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scales", "<u8"), ("rows", "<u8"), ("cols", "<u8"),
@@ -32,27 +29,13 @@ AS_IS = {"QUANT_CACHE": 8, "QUANT_MIN_BLOCKS": 3, "QUANT_GROUP_ROUNDS": 4}
 
 
 def source(defines):
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "src", "kernels", "quantize.cu")
-    with open(path) as f:
-        text = f.read()
+    text = refit_source("quantize.cu")
     for name, value in defines.items():
         old = f"#define {name} {AS_IS[name]}u"
         assert old in text, old
         text = text.replace(old, f"#define {name} {value}u")
     return text
 
-
-def median_ms(fn, reps=9):
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    fn()
-    samples = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(samples)
 
 
 def job(granularity, src, codes, scales, rounds):
@@ -80,7 +63,7 @@ def main():
     torch.cuda.init()
     src = torch.randn(ROWS, COLS, dtype=torch.bfloat16, device="cuda")
     copy = torch.empty_like(src)
-    copy_ms = median_ms(lambda: copy.copy_(src))
+    copy_ms = median_ms(lambda: copy.copy_(src), reps=9)
     bound_ms = copy_ms * 3 / 4
     del copy
     codes = torch.empty(ROWS, COLS, dtype=torch.uint8, device="cuda")
@@ -102,7 +85,7 @@ def main():
             descs, tiles = job(granularity, src, codes, scales, rounds)
             codes.zero_()
             scales.zero_()
-            ms = median_ms(lambda: fn((tiles,), (256,), (descs.data.ptr, cp.uint32(1), cp.uint64(0), cp.uint32(2), amax.data.ptr)))
+            ms = median_ms(reps=9, fn=lambda: fn((tiles,), (256,), (descs.data.ptr, cp.uint32(1), cp.uint64(0), cp.uint32(2), amax.data.ptr)))
             out = (codes.clone(), scales.clone())
             if name == "as is":
                 reference[granularity] = out

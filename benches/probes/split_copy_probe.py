@@ -12,14 +12,12 @@ Beside them, one `cudaMemcpyAsync` of the whole 2 GiB. Every byte is compared wi
 each configuration. Writes $REFIT_BENCH_RESULTS/split_copy_probe.json.
 """
 
-import os
-
 import cupy as cp
 import numpy as np
 import torch
 from cupy.cuda import runtime as rt
 
-from probe_util import print_table, timed, write_results
+from probe_util import print_table, refit_source, timed, write_results
 
 GIB = 1 << 30
 KIB = 1 << 10
@@ -28,16 +26,12 @@ PAYLOAD = 2 * GIB
 SHARES = (0.0, 0.1, 0.2, 0.3, 0.4, 0.5, 1.0)
 
 
-def refit_kernel():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "src", "kernels", "batched_copy.cu")
-    with open(path) as f:
-        return cp.RawModule(code=f.read(), options=("--std=c++17",)).get_function("refit_batched_copy")
-
 
 def main():
     torch.cuda.init()
     sms = cp.cuda.Device(0).attributes["MultiProcessorCount"]
-    kernel = refit_kernel()
+    kernel = cp.RawModule(code=refit_source("batched_copy.cu"), options=("--std=c++17",)).get_function(
+        "refit_batched_copy")
     src = torch.empty(PAYLOAD, dtype=torch.uint8, device="cuda")
     dst = torch.empty(PAYLOAD, dtype=torch.uint8, device="cuda")
     src.random_(0, 256)

@@ -15,14 +15,11 @@ streaming (evict-first) cache hints on stores, or on loads and stores.
 Writes $REFIT_BENCH_RESULTS/tile_size_probe.json.
 """
 
-import os
-import statistics
-
 import cupy as cp
 import numpy as np
 import torch
 
-from probe_util import print_table, write_results
+from probe_util import median_ms, print_table, refit_source, write_results
 
 GIB = 1 << 30
 THREADS = 256
@@ -46,10 +43,7 @@ extern "C" __global__ void __launch_bounds__(256) read_xor(const V* p, long long
 
 
 def kernel_source():
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "src", "kernels", "batched_copy.cu")
-    with open(path) as f:
-        return f.read()
-
+    return refit_source("batched_copy.cu")
 
 HINTS = r"""
 template <typename V> __device__ __forceinline__ V probe_load(const V* p) { return *p; }
@@ -94,18 +88,6 @@ def layout(src, dst, run_len, count, src_stride, dst_stride, tile_shift):
     d[1, 9] = tiles
     return cp.asarray(d), tiles
 
-
-def median_ms(fn, reps=5):
-    start, stop = cp.cuda.Event(), cp.cuda.Event()
-    fn()
-    samples = []
-    for _ in range(reps):
-        start.record()
-        fn()
-        stop.record()
-        stop.synchronize()
-        samples.append(cp.cuda.get_elapsed_time(start, stop))
-    return statistics.median(samples)
 
 
 def main():

@@ -52,7 +52,7 @@ try:
     import compare
     import vllm_harness as harness
     from families import deepseek_v2_lite
-    from test_megatron_publisher import StandIn, claim, fc1_rows, fill_rows, patched
+    from test_megatron_publisher import StandIn, claim, fc1_rows, fill_ends, fill_rows, patched
 
     MISSING = None
 except ImportError as error:  # the plain `cargo test` run has neither
@@ -292,20 +292,7 @@ def megatron_world(
                     fill_rows(getattr(layer.self_attention, name).weight, local, ckpt, testcase)
     with torch.no_grad():
         for (tp_rank, _, _), model in zip(ranks, models):
-            if model.pre_process:
-                embedding = model.embedding.word_embeddings
-                embedding.weight.fill_(-1.0)
-                lo, hi = embedding.vocab_start_index, min(embedding.vocab_end_index, vocab)
-                if lo < hi:
-                    embedding.weight[: hi - lo].copy_(ckpt["model.embed_tokens.weight"][lo:hi])
-            if model.post_process:
-                out = model.output_layer.weight
-                out.fill_(-1.0)
-                lo = tp_rank * out.shape[0]
-                hi = min(lo + out.shape[0], vocab)
-                if lo < hi:
-                    out[: hi - lo].copy_(ckpt["lm_head.weight"][lo:hi])
-                model.decoder.final_layernorm.weight.copy_(ckpt["model.norm.weight"])
+            fill_ends(model, tp_rank, vocab, ckpt)
             for layer in model.decoder.layers:
                 hf_layer = f"model.layers.{layer.layer_number - 1}"
                 layer.input_layernorm.weight.copy_(ckpt[f"{hf_layer}.input_layernorm.weight"])

@@ -209,6 +209,26 @@ def fill_rows(param, rows: Dict[int, Tuple[str, int]], tensors: Dict[str, "torch
             param[row].copy_(tensors[name][hf_row])
 
 
+def fill_ends(model, tp_rank: int, vocab: int, ckpt) -> None:
+    """A Megatron rank's embedding (first stage) and output layer and final norm (last stage) from
+    the checkpoint, by Megatron-core's own vocabulary ranges; padding rows past `vocab` hold -1."""
+    with torch.no_grad():
+        if model.pre_process:
+            embedding = model.embedding.word_embeddings
+            embedding.weight.fill_(-1.0)
+            lo, hi = embedding.vocab_start_index, min(embedding.vocab_end_index, vocab)
+            if lo < hi:
+                embedding.weight[: hi - lo].copy_(ckpt["model.embed_tokens.weight"][lo:hi])
+        if model.post_process:
+            out = model.output_layer.weight
+            out.fill_(-1.0)
+            lo = tp_rank * out.shape[0]
+            hi = min(lo + out.shape[0], vocab)
+            if lo < hi:
+                out[: hi - lo].copy_(ckpt["lm_head.weight"][lo:hi])
+            model.decoder.final_layernorm.weight.copy_(ckpt["model.norm.weight"])
+
+
 @unittest.skipIf(MISSING, MISSING or "")
 class MegatronPublisherTest(unittest.TestCase):
     def refit(
@@ -256,21 +276,8 @@ class MegatronPublisherTest(unittest.TestCase):
 
     def fill_plain(self, model, tp_rank: int, tp: int, etp: int, experts: int, ckpt) -> None:
         """Everything but linear_qkv, by Megatron-core's own ranges."""
+        fill_ends(model, tp_rank, VOCAB, ckpt)
         with torch.no_grad():
-            if model.pre_process:
-                embedding = model.embedding.word_embeddings
-                embedding.weight.fill_(-1.0)
-                lo, hi = embedding.vocab_start_index, min(embedding.vocab_end_index, VOCAB)
-                if lo < hi:
-                    embedding.weight[: hi - lo].copy_(ckpt["model.embed_tokens.weight"][lo:hi])
-            if model.post_process:
-                out = model.output_layer.weight
-                out.fill_(-1.0)
-                lo = tp_rank * out.shape[0]
-                hi = min(lo + out.shape[0], VOCAB)
-                if lo < hi:
-                    out[: hi - lo].copy_(ckpt["lm_head.weight"][lo:hi])
-                model.decoder.final_layernorm.weight.copy_(ckpt["model.norm.weight"])
             for layer in model.decoder.layers:
                 hf = f"model.layers.{layer.layer_number - 1}"  # Megatron's own global layer number
                 layer.input_layernorm.weight.copy_(ckpt[f"{hf}.input_layernorm.weight"])
