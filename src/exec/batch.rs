@@ -71,20 +71,12 @@ struct Beside {
 impl Beside {
     fn new(backend: &dyn Backend, device: i32) -> Result<Beside> {
         let stream = backend.create_stream(device)?;
-        let events = backend.create_event(device).and_then(|forked| match backend.create_event(device) {
-            Ok(joined) => Ok((forked, joined)),
-            Err(err) => {
-                backend.destroy_event(device, forked);
-                Err(err)
-            }
-        });
-        match events {
-            Ok((forked, joined)) => Ok(Beside { stream, forked, joined }),
-            Err(err) => {
-                backend.destroy_stream(device, stream);
-                Err(err)
-            }
-        }
+        let forked = backend.create_event(device).inspect_err(|_| backend.destroy_stream(device, stream))?;
+        let joined = backend.create_event(device).inspect_err(|_| {
+            backend.destroy_event(device, forked);
+            backend.destroy_stream(device, stream);
+        })?;
+        Ok(Beside { stream, forked, joined })
     }
 
     fn release(&self, backend: &dyn Backend, device: i32) {
@@ -346,21 +338,16 @@ fn places(segments: &[Segment], method: Method, kind: RouteKind) -> Vec<Place> {
         *counter - 1
     }
     let (mut kernel, mut engine) = (0, 0);
-    let split = match method {
+    let to_engine = match method {
+        Method::Kernel => vec![false; segments.len()],
+        Method::CopyEngine => vec![true; segments.len()],
         Method::Split => Arm::engine_segments(kind, segments.iter()),
-        _ => Vec::new(),
     };
-    (0..segments.len())
-        .map(|i| {
-            let to_engine = match method {
-                Method::Kernel => false,
-                Method::CopyEngine => true,
-                Method::Split => split[i],
-            };
-            match to_engine {
-                true => Place::Engine(next(&mut engine)),
-                false => Place::Kernel(next(&mut kernel)),
-            }
+    to_engine
+        .into_iter()
+        .map(|to_engine| match to_engine {
+            true => Place::Engine(next(&mut engine)),
+            false => Place::Kernel(next(&mut kernel)),
         })
         .collect()
 }

@@ -27,15 +27,17 @@ pub(super) enum When {
     Commit,
 }
 
+/// A job's tensor and receiving device, for messages.
+type Label = (String, u32);
+
 /// The jobs one rank runs at one point of the step.
 pub(super) struct RankJobs {
     pub rank: usize,
     pub when: When,
     pub jobs: Vec<QuantJob>,
-    /// The jobs prepared on the rank's device (laid out and uploaded once; see [`Quantizing::prepare`]).
-    prepared: Option<Box<dyn PreparedQuantize>>,
-    /// The tensor and receiving device of each job, for messages.
-    labels: Vec<(String, u32)>,
+    /// The jobs prepared on the rank's device (laid out and uploaded once, at creation).
+    prepared: Box<dyn PreparedQuantize>,
+    labels: Vec<Label>,
     /// With verify: the same jobs into scratch, compared with what the jobs wrote.
     check: Option<Check>,
 }
@@ -99,6 +101,8 @@ impl Quantizing {
             check_memory(group.backend().as_ref(), device, &route.name(), &route.jobs)?;
             out.elements = out.elements.saturating_add(route.elements());
         }
+        // Each runner's jobs at each point of the step, gathered over the routes, then prepared.
+        let mut gathered: Vec<(usize, When, Vec<QuantJob>, Vec<Label>)> = Vec::new();
         for route in routes {
             let runner = rank_of(group, route.runner)?;
             let receiver = rank_of(group, route.receiver)?;
@@ -115,29 +119,28 @@ impl Quantizing {
                 }
             };
             let labels = vec![(route.name().into_owned(), route.receiver.device); jobs.len()];
-            match out.ranks.iter_mut().find(|r| r.rank == runner && r.when == when) {
-                Some(existing) => {
-                    existing.jobs.extend(jobs);
-                    existing.labels.extend(labels);
+            match gathered.iter_mut().find(|(rank, at, _, _)| *rank == runner && *at == when) {
+                Some((_, _, existing, existing_labels)) => {
+                    existing.extend(jobs);
+                    existing_labels.extend(labels);
                 }
-                None => {
-                    out.ranks.push(RankJobs { rank: runner, when, jobs, labels, prepared: None, check: None })
-                }
+                None => gathered.push((runner, when, jobs, labels)),
             }
         }
-        if verify {
-            for i in 0..out.ranks.len() {
-                let rank = out.ranks[i].rank;
-                let (jobs, segments) = out.packed(group, rank, &out.ranks[i].jobs.clone())?;
-                let bytes = segments.iter().filter_map(Segment::bytes).sum();
-                let device = group.device(rank)?;
-                let compare = PreparedVerify::new(group.backend().as_ref(), device, &segments)?;
-                let prepared = group.backend().prepare_quantize(device, &jobs)?;
-                out.ranks[i].check = Some(Check { prepared, compare, bytes });
-            }
-        }
-        for r in &mut out.ranks {
-            r.prepared = Some(group.backend().prepare_quantize(group.device(r.rank)?, &r.jobs)?);
+        for (rank, when, jobs, labels) in gathered {
+            let device = group.device(rank)?;
+            let check = match verify {
+                true => {
+                    let (scratch_jobs, segments) = out.packed(group, rank, &jobs)?;
+                    let bytes = segments.iter().filter_map(Segment::bytes).sum();
+                    let compare = PreparedVerify::new(group.backend().as_ref(), device, &segments)?;
+                    let prepared = group.backend().prepare_quantize(device, &scratch_jobs)?;
+                    Some(Check { prepared, compare, bytes })
+                }
+                false => None,
+            };
+            let prepared = group.backend().prepare_quantize(device, &jobs)?;
+            out.ranks.push(RankJobs { rank, when, jobs, labels, prepared, check });
         }
         Ok(out)
     }
@@ -250,9 +253,8 @@ impl Quantizing {
     pub unsafe fn queue(&self, group: &Group, when: When, hook: impl Fn() -> Result<()>) -> Result<()> {
         for r in self.ranks.iter().filter(|r| r.when == when && !r.jobs.is_empty()) {
             let stream: Stream = group.stream(r.rank)?;
-            let Some(prepared) = &r.prepared else { continue };
             // SAFETY: the caller's promise; every byte was checked to be the device's at creation.
-            unsafe { prepared.launch(stream) }?;
+            unsafe { r.prepared.launch(stream) }?;
         }
         if self.ranks.iter().any(|r| r.when == when && r.check.is_some()) {
             hook()?;

@@ -114,15 +114,13 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
             wide.push((desc, tiles));
         }
     }
-    let mut layout = Layout::default();
-    for (i, (mut desc, tiles)) in narrow.iter().copied().chain(wide.iter().copied()).enumerate() {
+    let mut layout =
+        Layout { narrow_tiles: narrow.iter().map(|&(_, tiles)| tiles).sum(), ..Layout::default() };
+    for (mut desc, tiles) in narrow.into_iter().chain(wide) {
         desc.first_tile = layout.tiles;
         layout.tiles += tiles;
         layout.per_tensor |= desc.scale_kind == SCALE_TENSOR;
         layout.descs.push(desc);
-        if i + 1 == narrow.len() {
-            layout.narrow_tiles = layout.tiles;
-        }
     }
     if layout.descs.len() > u32::MAX as usize {
         return Err(Error::new(

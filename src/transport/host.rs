@@ -523,10 +523,8 @@ impl Backend for HostBackend {
         stream: Stream,
         jobs: &[crate::quant::QuantJob],
     ) -> Result<()> {
-        let queue = self.resolve(device, stream)?;
-        crate::quant::check_jobs(jobs)?;
         // SAFETY: the caller's promise.
-        unsafe { quantize_on(&queue, Arc::new(jobs.to_vec())) }
+        unsafe { self.prepare_quantize(device, jobs)?.launch(stream) }
     }
 
     fn prepare_quantize(
