@@ -233,13 +233,13 @@ fn main() {
 
 /// The bench's tensor as one quantized need (128 x 128 blocks) of a plan whose two offers are its row
 /// halves: cut on a block boundary (quantized in place, 3 B/element), and cut inside a block
-/// (routed into staging, then quantized there: 4 + 3 B/element). Each run's host wall time, median
-/// of 20 after 3 warm-ups; the codes' first rows are checked against the reference.
+/// (routed into staging, then quantized there: 4 + 3 B/element). Then a step with a plain 256 MiB
+/// need beside the in-place one (1 B/element more), whose copy launch carries the quantization
+/// (`kernels/copy_quantize.cu`), and that plain need alone. Each run's host wall time, median of 20
+/// after 3 warm-ups; the codes' first rows are checked against the reference.
 fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream) -> Vec<Row> {
-    use refit::exec::{ExecOptions, Executor};
     use refit::group::{BackendChoice, Group, GroupOptions};
-    use refit::plan::{self, Endpoint, Offer, PlanOptions, QuantNeed, Region, Table, TensorSpec};
-    use std::time::Instant;
+    use refit::plan::{Endpoint, Need, Offer, QuantNeed, Region, Table, TensorSpec};
 
     let group =
         ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
@@ -247,10 +247,28 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
     let q = Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } };
     let (grid_rows, grid_cols) = q.scale_grid(ROWS, COLS);
     let staging = Buffer::new(0, (ROWS * COLS * 2) as usize);
+    const PLAIN: u64 = 256 << 20;
+    let (plain_src, plain_dst) = (Buffer::new(0, PLAIN as usize), Buffer::new(0, PLAIN as usize));
+    let plain = |tensor: u32| {
+        let region = Region { offset: vec![0], extent: vec![PLAIN] };
+        let offer = Offer {
+            tensor,
+            owner: here,
+            addr: plain_src.ptr,
+            region: region.clone(),
+            strides: None,
+            digest: None,
+        };
+        (offer, Need { tensor, receiver: here, addr: plain_dst.ptr, region, perm: None, strides: vec![1] })
+    };
     let mut out = Vec::new();
-    for (name, cut, bytes_per_element) in
-        [("in place (offers cut at row 32768)", ROWS / 2, 3), ("staged (offers cut at row 32700)", 32700, 7)]
-    {
+    let cases = [
+        ("in place (offers cut at row 32768)", Some(ROWS / 2), false, 3),
+        ("staged (offers cut at row 32700)", Some(32700), false, 7),
+        ("in place, and a 256 MiB plain need in the same launch", Some(ROWS / 2), true, 4),
+        ("the 256 MiB plain need alone", None, true, 1),
+    ];
+    for (name, cut, with_plain, bytes_per_element) in cases {
         let offer = |lo: u64, rows: u64| Offer {
             tensor: 0,
             owner: here,
@@ -259,35 +277,42 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
             strides: None,
             digest: None,
         };
-        let table = Table {
+        let mut table = Table {
             tensors: vec![TensorSpec { name: "w".into(), dtype: 1, elem_size: 2, shape: vec![ROWS, COLS] }],
-            offers: vec![offer(0, cut), offer(cut, ROWS - cut)],
+            offers: vec![],
             needs: vec![],
-            quant_needs: vec![QuantNeed {
-                tensor: 0,
-                receiver: here,
-                addr: dst.ptr,
-                region: Region { offset: vec![0, 0], extent: vec![ROWS, COLS] },
-                strides: vec![COLS, 1],
-                quantization: q,
-                source: SourceType::Bf16,
-                scales: scales.ptr,
-                scale_row_stride: grid_cols,
-                scale_matrix_stride: grid_rows * grid_cols,
-                staging: staging.ptr,
-            }],
+            quant_needs: vec![],
         };
-        let plan = ok("plan", plan::build(&[table], &PlanOptions::default()));
-        let mut executor = ok("executor", Executor::new(&group, &plan, 0, ExecOptions::default()));
-        let mut times = Vec::new();
-        for i in 0..23 {
-            let started = Instant::now();
-            // SAFETY: the plan names the bench's buffers, alive throughout; the run completes on return.
-            ok("run", unsafe { executor.run(&group) });
-            if i >= 3 {
-                times.push(started.elapsed().as_secs_f64() * 1e3);
-            }
+        if with_plain {
+            table.tensors.push(TensorSpec {
+                name: "plain".into(),
+                dtype: 0,
+                elem_size: 1,
+                shape: vec![PLAIN],
+            });
+            let (offer, need) = plain(1);
+            table.offers.push(offer);
+            table.needs.push(need);
         }
+        let Some(cut) = cut else {
+            out.push(Row { name, ms: step_ms(&group, &table), bytes_per_element });
+            continue;
+        };
+        table.offers.extend([offer(0, cut), offer(cut, ROWS - cut)]);
+        table.quant_needs.push(QuantNeed {
+            tensor: 0,
+            receiver: here,
+            addr: dst.ptr,
+            region: Region { offset: vec![0, 0], extent: vec![ROWS, COLS] },
+            strides: vec![COLS, 1],
+            quantization: q,
+            source: SourceType::Bf16,
+            scales: scales.ptr,
+            scale_row_stride: grid_cols,
+            scale_matrix_stride: grid_rows * grid_cols,
+            staging: staging.ptr,
+        });
+        let ms = step_ms(&group, &table);
         stream.sync();
         let check_rows = 128u64;
         let source = download(src.ptr, (check_rows * COLS * 2) as usize);
@@ -306,7 +331,27 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
             got == want && got_scales == want_scales,
             "{name}: the executor's codes differ from the reference"
         );
-        out.push(Row { name, ms: copy_support::median(times), bytes_per_element });
+        out.push(Row { name, ms, bytes_per_element });
     }
     out
+}
+
+/// The host wall time of one executor run of `table`'s plan, median of 20 after 3 warm-ups.
+fn step_ms(group: &refit::group::Group, table: &refit::plan::Table) -> f64 {
+    use refit::exec::{ExecOptions, Executor};
+    use refit::plan::{self, PlanOptions};
+    use std::time::Instant;
+
+    let plan = ok("plan", plan::build(std::slice::from_ref(table), &PlanOptions::default()));
+    let mut executor = ok("executor", Executor::new(group, &plan, 0, ExecOptions::default()));
+    let mut times = Vec::new();
+    for i in 0..23 {
+        let started = Instant::now();
+        // SAFETY: the plan names the bench's buffers, alive throughout; the run completes on return.
+        ok("run", unsafe { executor.run(group) });
+        if i >= 3 {
+            times.push(started.elapsed().as_secs_f64() * 1e3);
+        }
+    }
+    copy_support::median(times)
 }

@@ -148,7 +148,8 @@ fn a_cuda_group_quantizes_through_the_backend_and_refuses_bad_jobs() {
 #[ignore = "needs libnvrtc (set REFIT_NVRTC_LIBRARY) or a GPU"]
 fn the_kernel_compiles_for_hopper_and_ampere() {
     use refit::transport::nvrtc::{self, Output};
-    let source = refit::kernels::quantize::SOURCE;
+    let source = refit::kernels::quantize::module_source();
+    let source = source.as_str();
     for (major, minor) in [(9, 0), (8, 0)] {
         let cubin =
             ok("CUBIN", nvrtc::compile(source, "quantize.cu", major, minor, Output::Cubin, &["-Xptxas=-v"]));
@@ -161,14 +162,21 @@ fn the_kernel_compiles_for_hopper_and_ampere() {
         }
         assert!(text.contains(".entry refit_quantize("), "PTX names the kernel");
         assert!(text.contains(".entry refit_quantize_narrow("), "PTX names the narrow entry point");
+        assert!(text.contains(".entry refit_copy_quantize("), "PTX names the entry point that also copies");
+        assert_eq!(
+            text.contains("cp.async.bulk.prefetch.L2"),
+            major >= 9,
+            "bulk L2 prefetches on sm_90 and later"
+        );
         assert!(text.contains("ld.global.v4.u32") || text.contains("ld.global.nc.v4.u32"), "16-byte loads");
         assert_eq!(text.contains("e4m3x2"), major >= 9, "the hardware conversion on sm_89 and later only");
         // Block mode issues a thread's cached loads before the first amax uses one: were a use
         // placed between two loads, each load would wait for the data of the one before it. (On
         // sm_90 the 16-bit amax is one max.u16x2 instruction, which marks the first use.)
         if major >= 9 {
-            let first_use = text.find("max.u16x2").expect("the 16-bit amax as max.u16x2");
-            let loads_before = text[..first_use].matches("ld.global.nc.v4.u32").count();
+            let entry = text.find(".entry refit_quantize(").expect("the wide entry point");
+            let first_use = entry + text[entry..].find("max.u16x2").expect("the 16-bit amax as max.u16x2");
+            let loads_before = text[entry..first_use].matches("ld.global.nc.v4.u32").count();
             assert!(
                 loads_before as u64 >= refit::kernels::quantize::CACHE,
                 "sm_{major}{minor}: {loads_before} 16-byte loads before the first amax, want {}",
@@ -272,12 +280,16 @@ fn the_c_api_refuses_jobs_over_memory_that_is_not_the_devices() {
 /// A quantized need through a plan and an executor on one GPU: a 2 x 256 x 384 bf16 tensor in two
 /// shards on device 0, received as codes and scales, compared byte for byte with the host reference
 /// over each whole matrix. Shards cut on a block boundary are quantized in place; cut inside a block,
-/// the elements go through the need's staging; both under direct and staged commit.
+/// the elements go through the need's staging; both under direct and staged commit. A plain need of
+/// another tensor beside it gives the step a copy launch, which carries the in-place quantization
+/// when nothing is verified (`kernels/copy_quantize.cu`); its bytes are checked too.
 #[test]
 #[ignore = "needs a GPU"]
 fn quantized_needs_through_an_executor_match_the_reference() {
     use refit::exec::{CommitMode, ExecOptions, Executor};
-    use refit::plan::{self, Endpoint, Offer, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec};
+    use refit::plan::{
+        self, Endpoint, Need, Offer, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec,
+    };
     use refit::quant::QuantJob;
     use refit::transport::host::HostBackend;
     use refit::transport::Backend;
@@ -363,20 +375,48 @@ fn quantized_needs_through_an_executor_match_the_reference() {
             let scales = Buffer::new(0, (SHAPE[0] * grid_rows * grid_cols * scale_size) as usize);
             scales.fill(SENTINEL);
             let staging = Buffer::new(0, count * 2);
+            // The plain tensor: 3 x 1000 x 700 bytes, every byte its index's low bits.
+            const PLAIN: [u64; 3] = [3, 1000, 700];
+            let plain_bytes: Vec<u8> =
+                (0..PLAIN.iter().product::<u64>()).map(|i| (i * 7 + i / 251) as u8).collect();
+            let (plain_src, plain_dst) =
+                (Buffer::new(0, plain_bytes.len()), Buffer::new(0, plain_bytes.len()));
+            plain_src.upload(&plain_bytes);
+            plain_dst.fill(SENTINEL);
+            let plain_region = || Region { offset: vec![0; 3], extent: PLAIN.to_vec() };
+            let mut offers: Vec<Offer> = shards
+                .iter()
+                .map(|(b, lo, ext)| Offer {
+                    tensor: 0,
+                    owner: here,
+                    addr: b.ptr,
+                    region: Region { offset: lo.to_vec(), extent: ext.to_vec() },
+                    strides: None,
+                    digest: None,
+                })
+                .collect();
+            offers.push(Offer {
+                tensor: 1,
+                owner: here,
+                addr: plain_src.ptr,
+                region: plain_region(),
+                strides: None,
+                digest: None,
+            });
             let table = Table {
-                tensors: vec![TensorSpec { name: "w".into(), dtype: 1, elem_size: 2, shape: SHAPE.to_vec() }],
-                offers: shards
-                    .iter()
-                    .map(|(b, lo, ext)| Offer {
-                        tensor: 0,
-                        owner: here,
-                        addr: b.ptr,
-                        region: Region { offset: lo.to_vec(), extent: ext.to_vec() },
-                        strides: None,
-                        digest: None,
-                    })
-                    .collect(),
-                needs: vec![],
+                tensors: vec![
+                    TensorSpec { name: "w".into(), dtype: 1, elem_size: 2, shape: SHAPE.to_vec() },
+                    TensorSpec { name: "plain".into(), dtype: 0, elem_size: 1, shape: PLAIN.to_vec() },
+                ],
+                offers,
+                needs: vec![Need {
+                    tensor: 1,
+                    receiver: here,
+                    addr: plain_dst.ptr,
+                    region: plain_region(),
+                    perm: None,
+                    strides: vec![PLAIN[1] * PLAIN[2], PLAIN[2], 1],
+                }],
                 quant_needs: vec![QuantNeed {
                     tensor: 0,
                     receiver: here,
@@ -403,6 +443,10 @@ fn quantized_needs_through_an_executor_match_the_reference() {
                 assert!(
                     codes.download().iter().all(|&b| b == SENTINEL),
                     "{name}: a staged run wrote live codes"
+                );
+                assert!(
+                    plain_dst.download().iter().all(|&b| b == SENTINEL),
+                    "{name}: a staged run wrote a live need"
                 );
                 // SAFETY: as above.
                 let committed = ok("commit", unsafe { executor.commit(&group) });
@@ -431,6 +475,7 @@ fn quantized_needs_through_an_executor_match_the_reference() {
             let host = HostBackend::new(1).unwrap();
             // SAFETY: host buffers alive for the call, which completes on return.
             unsafe { host.quantize_batch(0, BackendStream::NULL, &jobs) }.unwrap();
+            assert!(plain_dst.download() == plain_bytes, "{name} {commit:?}: the plain need's bytes");
             let (got_codes, got_scales) = (codes.download(), scales.download());
             if let Some(at) = (0..count).find(|&i| got_codes[i] != want_codes.bytes()[i]) {
                 panic!(

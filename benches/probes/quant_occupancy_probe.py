@@ -1,15 +1,17 @@
-"""Do more quantizing tiles in flight per SM bring the per-row and MX quantizing copies closer to their
-memory bound? (Issue 29: at least 0.8 of 3 bytes per element at the copy's rate; gpu_quant measured
-0.70 per block, 0.54 per row and 0.46 for MX.)
+"""Where does the quantizing copy lose to its memory bound, and what brings it closer? (Issue 29: at
+least 0.8 of 3 bytes per element at the copy's rate.)
 
 refit's quantize kernel (src/kernels/quantize.cu) keeps QUANT_CACHE vectors per thread in registers
 (block mode), QUANT_GROUP_ROUNDS vectors per thread in group mode (MX), and QUANT_MIN_BLOCKS thread
-blocks per SM. A 1 GiB bf16 matrix (65536 x 8192) to e4m3 per 128 x 128 block, per row and MXFP8, is
-quantized by the wide entry point (refit_quantize) as it is and by variants of those three
-constants, and by the narrow entry point (refit_quantize_narrow: QUANT_NARROW_CACHE vectors per
-thread at QUANT_NARROW_MIN_BLOCKS blocks per SM), which this probe's first run led to, in one run;
-each variant's codes and scales are compared byte for byte with the wide entry point's as it is, and
-a bf16 copy of the same tensor sets the bound. Writes $REFIT_BENCH_RESULTS/quant_occupancy_probe.json.
+blocks per SM; the narrow entry point (refit_quantize_narrow) keeps QUANT_NARROW_CACHE vectors at
+QUANT_NARROW_MIN_BLOCKS blocks per SM. The first runs of this probe set those (the narrow entry point
+for rows and MX). This run asks whether asking L2 for the source of the tile a wave ahead
+(QUANT_PREFETCH_WAVES: the tile that starts about when this one ends) keeps DRAM streaming between a
+block's tiles: 0 (as the library runs), 1 and 2 waves, on both entry points. (It did not: every row
+slower; the knob is off.) A 1 GiB bf16 matrix (65536 x 8192) to e4m3
+per 128 x 128 block, per row and MXFP8, in one run; each variant's codes and scales are compared byte
+for byte with the wide entry point's as it is, and a bf16 copy of the same tensor sets the bound.
+Writes $REFIT_BENCH_RESULTS/quant_occupancy_probe.json.
 """
 
 import cupy as cp
@@ -25,7 +27,7 @@ DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scales", "<u8"), ("rows", "<u
                  ("source", "<u4"), ("target", "<u4"), ("scale_kind", "<u4"), ("mode", "<u4"),
                  ("group_shift", "<u4"), ("reserved", "<u4")])
 assert DESC.itemsize == 120
-AS_IS = {"QUANT_CACHE": 8, "QUANT_MIN_BLOCKS": 3, "QUANT_GROUP_ROUNDS": 4}
+AS_IS = {"QUANT_CACHE": 8, "QUANT_MIN_BLOCKS": 3, "QUANT_GROUP_ROUNDS": 4, "QUANT_PREFETCH_WAVES": 0}
 
 
 def source(defines):
@@ -69,16 +71,15 @@ def main():
     codes = torch.empty(ROWS, COLS, dtype=torch.uint8, device="cuda")
     scales = torch.empty(ROWS * (COLS // 32) * 4 // 4 + 4096, dtype=torch.int32, device="cuda")
     amax = cp.zeros(1, dtype=cp.uint32)
-    variants = [("as is", {}), ("narrow entry point", {}), ("cache 4, 4 blocks/SM", {"QUANT_CACHE": 4, "QUANT_MIN_BLOCKS": 4}),
-                ("cache 4, 6 blocks/SM", {"QUANT_CACHE": 4, "QUANT_MIN_BLOCKS": 6}),
-                ("cache 8, 4 blocks/SM", {"QUANT_MIN_BLOCKS": 4}),
-                ("rounds 8", {"QUANT_GROUP_ROUNDS": 8}), ("rounds 8, 4 blocks/SM", {"QUANT_GROUP_ROUNDS": 8, "QUANT_MIN_BLOCKS": 4}),
-                ("rounds 16, 2 blocks/SM", {"QUANT_GROUP_ROUNDS": 16, "QUANT_MIN_BLOCKS": 2}),
-                ("rounds 2, 6 blocks/SM", {"QUANT_GROUP_ROUNDS": 2, "QUANT_MIN_BLOCKS": 6})]
+    variants = [("as is", {}), ("narrow entry point", {}),
+                ("prefetch 1 wave", {"QUANT_PREFETCH_WAVES": 1}), ("narrow, prefetch 1 wave", {"QUANT_PREFETCH_WAVES": 1}),
+                ("prefetch 2 waves", {"QUANT_PREFETCH_WAVES": 2}),
+                ("narrow, prefetch 2 waves", {"QUANT_PREFETCH_WAVES": 2}),
+                ("cache 8, 4 blocks/SM", {"QUANT_MIN_BLOCKS": 4})]
     reference = {}
     rows = []
     for name, defines in variants:
-        entry = "refit_quantize_narrow" if name == "narrow entry point" else "refit_quantize"
+        entry = "refit_quantize_narrow" if name.startswith("narrow") else "refit_quantize"
         fn = cp.RawModule(code=source(defines), options=("--std=c++17",)).get_function(entry)
         rounds = defines.get("QUANT_GROUP_ROUNDS", AS_IS["QUANT_GROUP_ROUNDS"])
         for granularity in ("block 128 x 128", "row", "MX"):

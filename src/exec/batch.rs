@@ -12,7 +12,7 @@ use crate::segment::{Segment, Side};
 use crate::transport::host::host_stream;
 use crate::transport::host_copy::copy_runs;
 use crate::transport::verify::PreparedVerify;
-use crate::transport::{Backend, BackendKind, Event, Stream};
+use crate::transport::{Backend, BackendKind, Event, PreparedQuantize, Stream};
 use std::sync::Arc;
 
 /// The kernel's form of a batch: the host copy of its layout (rewritten in place on relocation) and
@@ -112,6 +112,8 @@ pub(crate) struct Batch {
     beside: Option<Beside>,
     /// Kernel descriptor indices relocated since the last [`Batch::flush`].
     dirty: Vec<usize>,
+    /// Quantization jobs the kernel's launch also runs ([`Batch::carry`]).
+    rider: Option<Arc<dyn PreparedQuantize>>,
 }
 
 impl Batch {
@@ -180,6 +182,7 @@ impl Batch {
             paced,
             beside,
             dirty: Vec::new(),
+            rider: None,
         })
     }
 
@@ -199,6 +202,32 @@ impl Batch {
         match &self.kernel {
             Some(kernel) if self.engine.is_empty() => PreparedVerify::for_copy(&kernel.prepared).map(Some),
             _ => Ok(None),
+        }
+    }
+
+    /// Has the kernel's launch also run `jobs` (prepared on this batch's device), in its blocks after
+    /// the copy's (`kernels/copy_quantize.cu`), so that the stage ends with one launch. Only a plain
+    /// copy launch carries them (the CUDA backend, a kernel part that records no digests); returns
+    /// whether this one does. The jobs must write nothing the batch reads or writes, and read
+    /// nothing it writes.
+    pub fn carry(&mut self, jobs: &Arc<dyn PreparedQuantize>) -> bool {
+        let plain = self.kernel.as_ref().is_some_and(|k| k.prepared.parts().tile_digests.is_none());
+        if plain && self.rider.is_none() && jobs.on_cuda().is_some() {
+            self.rider = Some(Arc::clone(jobs));
+        }
+        self.rider.as_ref().is_some_and(|rider| Arc::ptr_eq(rider, jobs))
+    }
+
+    /// The kernel part's launch on `stream`, with the jobs it carries.
+    ///
+    /// # Safety
+    /// As for [`Batch::launch`], and the carried jobs' memory stays valid until they have run.
+    unsafe fn launch_kernel(&self, kernel: &KernelBatch, stream: Stream) -> Result<()> {
+        match self.rider.as_ref().and_then(|rider| rider.on_cuda()) {
+            // SAFETY: the caller's promises; `carry` took only jobs apart from the batch's memory.
+            Some(jobs) => unsafe { jobs.launch_with_copy(stream.as_ptr().cast(), &kernel.prepared) },
+            // SAFETY: the caller's promises.
+            None => unsafe { kernel.prepared.launch(stream.as_ptr().cast()) },
         }
     }
 
@@ -228,7 +257,8 @@ impl Batch {
             None => {}
         }
         match &self.kernel {
-            Some(kernel) => kernel.prepared.launch(stream.as_ptr().cast()),
+            // SAFETY: the caller's promises.
+            Some(kernel) => unsafe { self.launch_kernel(kernel, stream) },
             None => Ok(()),
         }
     }
@@ -244,7 +274,8 @@ impl Batch {
         let (backend, device) = (&self.backend, self.device);
         backend.record(device, beside.forked, stream)?;
         if let Some(kernel) = &self.kernel {
-            kernel.prepared.launch(stream.as_ptr().cast())?;
+            // SAFETY: the caller's promises.
+            unsafe { self.launch_kernel(kernel, stream) }?;
         }
         backend.wait(device, beside.stream, beside.forked)?;
         // SAFETY: the caller keeps every segment's memory valid until the copies have run.

@@ -462,6 +462,17 @@ impl Executor {
             executor.slices.push(slice);
         }
         executor.book = registrar.build();
+        // In-place quantization rides its rank's first local copy launch that can carry it: the stage
+        // then ends with one launch, not two in a row (and no join of every rank's copies before it).
+        let (slices, batches) = (&executor.slices, &mut executor.batches);
+        executor.quantizing.ride(|rank, jobs| {
+            slices
+                .iter()
+                .flat_map(|slice| &slice.copies)
+                .filter(|copies| copies.rank == rank)
+                .filter_map(|copies| copies.local.as_ref())
+                .any(|stage| batches[stage.batch].carry(jobs))
+        });
         let mut ranks: Vec<usize> = Vec::new();
         for slice in &executor.slices {
             ranks.extend(slice.copies.iter().map(|c| c.rank));

@@ -17,6 +17,7 @@ use crate::segment::Segment;
 use crate::transport::access::first_unusable;
 use crate::transport::verify::PreparedVerify;
 use crate::transport::{Backend, PreparedQuantize, Stream};
+use std::sync::Arc;
 
 /// When a group of jobs runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -30,13 +31,22 @@ pub(super) enum When {
 /// A job's tensor and receiving device, for messages.
 type Label = (String, u32);
 
+/// Which jobs run together: the runner's rank, when, and whether they read their sources in place.
+type Gathering = (usize, When, bool);
+
 /// The jobs one rank runs at one point of the step.
 pub(super) struct RankJobs {
     pub rank: usize,
     pub when: When,
     pub jobs: Vec<QuantJob>,
     /// The jobs prepared on the rank's device (laid out and uploaded once, at creation).
-    prepared: Box<dyn PreparedQuantize>,
+    prepared: Arc<dyn PreparedQuantize>,
+    /// Jobs reading sources in place (which no copy of the step writes): they need not wait for the
+    /// step's copies.
+    in_place: bool,
+    /// Queued by a copy stage of the rank, in its launch ([`Quantizing::ride`]), rather than after
+    /// the copies.
+    carried: bool,
     labels: Vec<Label>,
     /// With verify: the same jobs into scratch, compared with what the jobs wrote.
     check: Option<Check>,
@@ -101,11 +111,13 @@ impl Quantizing {
             check_memory(group.backend().as_ref(), device, &route.name(), &route.jobs)?;
             out.elements = out.elements.saturating_add(route.elements());
         }
-        // Each runner's jobs at each point of the step, gathered over the routes, then prepared.
-        let mut gathered: Vec<(usize, When, Vec<QuantJob>, Vec<Label>)> = Vec::new();
+        // Each runner's jobs at each point of the step, in place or not, gathered over the routes,
+        // then prepared.
+        let mut gathered: Vec<(Gathering, Vec<QuantJob>, Vec<Label>)> = Vec::new();
         for route in routes {
             let runner = rank_of(group, route.runner)?;
             let receiver = rank_of(group, route.receiver)?;
+            let in_place = route.path == QuantPath::Direct;
             let (when, jobs) = match (staged, route.path) {
                 (false, _) => (When::Run, route.jobs.clone()),
                 (true, QuantPath::Staged) => (When::Commit, route.jobs.clone()),
@@ -119,15 +131,16 @@ impl Quantizing {
                 }
             };
             let labels = vec![(route.name().into_owned(), route.receiver.device); jobs.len()];
-            match gathered.iter_mut().find(|(rank, at, _, _)| *rank == runner && *at == when) {
-                Some((_, _, existing, existing_labels)) => {
+            let key = (runner, when, in_place);
+            match gathered.iter_mut().find(|(k, _, _)| *k == key) {
+                Some((_, existing, existing_labels)) => {
                     existing.extend(jobs);
                     existing_labels.extend(labels);
                 }
-                None => gathered.push((runner, when, jobs, labels)),
+                None => gathered.push((key, jobs, labels)),
             }
         }
-        for (rank, when, jobs, labels) in gathered {
+        for ((rank, when, in_place), jobs, labels) in gathered {
             let device = group.device(rank)?;
             let check = match verify {
                 true => {
@@ -139,8 +152,8 @@ impl Quantizing {
                 }
                 false => None,
             };
-            let prepared = group.backend().prepare_quantize(device, &jobs)?;
-            out.ranks.push(RankJobs { rank, when, jobs, labels, prepared, check });
+            let prepared = Arc::from(group.backend().prepare_quantize(device, &jobs)?);
+            out.ranks.push(RankJobs { rank, when, jobs, labels, prepared, in_place, carried: false, check });
         }
         Ok(out)
     }
@@ -207,6 +220,19 @@ impl Quantizing {
         Ok((packed, segments))
     }
 
+    /// Offers the jobs that may run with the step's copies (in place, at the run, not verified: the
+    /// verify's second quantization runs after them) to `carry`, which is given the rank and the
+    /// prepared jobs and says whether a copy stage of that rank took them into its launch; those jobs
+    /// are then not queued on their own.
+    pub fn ride(&mut self, mut carry: impl FnMut(usize, &Arc<dyn PreparedQuantize>) -> bool) {
+        for r in self.ranks.iter_mut().filter(|r| r.when == When::Run && r.in_place && r.check.is_none()) {
+            r.carried = carry(r.rank, &r.prepared);
+            if r.carried {
+                log::debug!("{} quantization jobs ride a copy launch of rank {}", r.jobs.len(), r.rank);
+            }
+        }
+    }
+
     /// The ranks whose streams run jobs.
     pub fn ranks(&self) -> impl Iterator<Item = usize> + '_ {
         self.ranks.iter().map(|r| r.rank)
@@ -246,12 +272,12 @@ impl Quantizing {
     }
 
     /// Queues the jobs that run at `when`, each rank's on its group stream (ordered after every
-    /// rank's copies by the caller).
+    /// rank's copies by the caller), but for those a copy launch carries.
     ///
     /// # Safety
     /// The jobs' memory is live (the caller's promise on the plan's; the staging is ours).
     pub unsafe fn queue(&self, group: &Group, when: When, hook: impl Fn() -> Result<()>) -> Result<()> {
-        for r in self.ranks.iter().filter(|r| r.when == when && !r.jobs.is_empty()) {
+        for r in self.ranks.iter().filter(|r| r.when == when && !r.jobs.is_empty() && !r.carried) {
             let stream: Stream = group.stream(r.rank)?;
             // SAFETY: the caller's promise; every byte was checked to be the device's at creation.
             unsafe { r.prepared.launch(stream) }?;

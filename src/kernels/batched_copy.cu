@@ -295,20 +295,21 @@ __device__ __forceinline__ void finish_tile(const Probe& p, u64 t, u64 s, u32 la
     }
 }
 
-// This thread's share of a launch. descs: nseg descriptors followed by one sentinel whose tile_first
-// is ntiles. group_shift: log2 of the lanes per tile (3, 4 or 5). The host guarantees nseg >= 1,
-// ntiles >= 1 and ntiles * (total warps + 1) < 2^64. `digests` (one word per tile) and `first_bad`
-// are used by the verifying modes only.
+// This thread's share of a launch, as thread block `block` of `blocks` copying (a launch's own grid,
+// or the first blocks of a launch that also quantizes: copy_quantize.cu). descs: nseg descriptors
+// followed by one sentinel whose tile_first is ntiles. group_shift: log2 of the lanes per tile (3, 4
+// or 5). The host guarantees nseg >= 1, ntiles >= 1 and ntiles * (total warps + 1) < 2^64. `digests`
+// (one word per tile) and `first_bad` are used by the verifying modes only.
 template <u32 MODE>
 __device__ __forceinline__ void copy_tiles(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift,
-                                           u32 group_shift, u64* digests, u64* first_bad) {
+                                           u32 group_shift, u64* digests, u64* first_bad, u32 block, u32 blocks) {
     const u32 width = 1u << group_shift;
     const u32 lane = threadIdx.x & (width - 1);
     const u32 group = (threadIdx.x & (WARP - 1)) >> group_shift;
     const u32 groups = WARP >> group_shift;
     const u64 warps_per_block = blockDim.x / WARP;
-    const u64 nwarps = (u64)gridDim.x * warps_per_block;
-    const u64 warp = (u64)blockIdx.x * warps_per_block + threadIdx.x / WARP;
+    const u64 nwarps = (u64)blocks * warps_per_block;
+    const u64 warp = (u64)block * warps_per_block + threadIdx.x / WARP;
     // The warp's tiles are [t_first, t_end); group g takes t_first + g, then every groups-th tile.
     const u64 t_first = ntiles * warp / nwarps;
     const u64 t_end = ntiles * (warp + 1) / nwarps;
@@ -343,9 +344,12 @@ __device__ __forceinline__ void copy_tiles(const Desc* __restrict__ descs, u64 n
     }
 }
 
+// The entry points. A module that only calls copy_tiles (the quantize kernel's, whose launch also
+// copies: copy_quantize.cu) defines REFIT_COPY_TILES_ONLY and compiles none of them.
+#ifndef REFIT_COPY_TILES_ONLY
 extern "C" __global__ void __launch_bounds__(256, 3) refit_batched_copy(const Desc* __restrict__ descs, u64 nseg,
                                                                      u64 ntiles, u32 tile_shift, u32 group_shift) {
-    copy_tiles<MODE_COPY>(descs, nseg, ntiles, tile_shift, group_shift, nullptr, nullptr);
+    copy_tiles<MODE_COPY>(descs, nseg, ntiles, tile_shift, group_shift, nullptr, nullptr, blockIdx.x, gridDim.x);
 }
 
 // The copy, also recording in digests[t] a digest of the source bytes that tile t read (one word per
@@ -353,7 +357,7 @@ extern "C" __global__ void __launch_bounds__(256, 3) refit_batched_copy(const De
 extern "C" __global__ void __launch_bounds__(256, 3)
     refit_batched_copy_digest(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift,
                               u32 group_shift, u64* digests) {
-    copy_tiles<MODE_COPY_DIGEST>(descs, nseg, ntiles, tile_shift, group_shift, digests, nullptr);
+    copy_tiles<MODE_COPY_DIGEST>(descs, nseg, ntiles, tile_shift, group_shift, digests, nullptr, blockIdx.x, gridDim.x);
 }
 
 // Verifies a refit_batched_copy_digest launch of the same batch: digests every tile's destination
@@ -362,7 +366,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
 extern "C" __global__ void __launch_bounds__(256, 3)
     refit_batched_check(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift, u32 group_shift,
                         u64* digests, u64* first_bad) {
-    copy_tiles<MODE_CHECK>(descs, nseg, ntiles, tile_shift, group_shift, digests, first_bad);
+    copy_tiles<MODE_CHECK>(descs, nseg, ntiles, tile_shift, group_shift, digests, first_bad, blockIdx.x, gridDim.x);
 }
 
 // Records the digests refit_batched_copy_digest would of the same batch, reading the sources only: for
@@ -371,7 +375,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
 extern "C" __global__ void __launch_bounds__(256, 3)
     refit_batched_record(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift, u32 group_shift,
                          u64* digests) {
-    copy_tiles<MODE_RECORD>(descs, nseg, ntiles, tile_shift, group_shift, digests, nullptr);
+    copy_tiles<MODE_RECORD>(descs, nseg, ntiles, tile_shift, group_shift, digests, nullptr, blockIdx.x, gridDim.x);
 }
 
 // Compares every destination byte with its source byte and lowers *first_bad to the index of the first
@@ -380,7 +384,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
 extern "C" __global__ void __launch_bounds__(256, 2)
     refit_batched_compare(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift, u32 group_shift,
                           u64* digests, u64* first_bad) {
-    copy_tiles<MODE_COMPARE>(descs, nseg, ntiles, tile_shift, group_shift, digests, first_bad);
+    copy_tiles<MODE_COMPARE>(descs, nseg, ntiles, tile_shift, group_shift, digests, first_bad, blockIdx.x, gridDim.x);
 }
 
 #if defined(__CUDA_ARCH__)
@@ -442,7 +446,7 @@ extern "C" __global__ void __launch_bounds__(256, 3)
         }
     }
     __syncthreads();
-    if (ntiles > 0) copy_tiles<MODE_COPY>(descs, nseg, ntiles, tile_shift, group_shift, nullptr, nullptr);
+    if (ntiles > 0) copy_tiles<MODE_COPY>(descs, nseg, ntiles, tile_shift, group_shift, nullptr, nullptr, blockIdx.x, gridDim.x);
     // Every thread of this block has issued its accesses; thread 0's release covers them.
     __syncthreads();
     if (threadIdx.x != 0) return;
@@ -468,3 +472,4 @@ extern "C" __global__ void refit_pause(u64 ns) {
     } while (now - start < ns);
 }
 #endif
+#endif  // REFIT_COPY_TILES_ONLY

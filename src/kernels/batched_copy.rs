@@ -255,12 +255,12 @@ pub(crate) enum Entry {
 /// count, tile count), the tiling, and the grid.
 #[derive(Clone, Copy, Debug, Default)]
 pub(crate) struct Launch {
-    descriptors: u64,
-    segments: u64,
+    pub(crate) descriptors: u64,
+    pub(crate) segments: u64,
     pub(crate) tiles: u64,
-    tile_shift: u32,
-    group_shift: u32,
-    blocks: u32,
+    pub(crate) tile_shift: u32,
+    pub(crate) group_shift: u32,
+    pub(crate) blocks: u32,
 }
 
 impl Launch {

@@ -33,6 +33,12 @@
 // as a row of 8192 bf16, and group mode), where the wide cache would sit unused and fewer tiles
 // would be in flight (benches/probes/quant_occupancy_probe.py). The host lays the narrow jobs' tiles
 // out first and launches each entry point over its own tiles.
+// Prefetch (a tuning knob, off): a tile's loads are issued only when its block starts, and the block
+// holds them until its amax is reduced. Blocks start in tile order, about MIN_BLOCKS per SM at a time,
+// so with QUANT_PREFETCH_WAVES = n each block asks L2 for the source of the tile n such waves ahead
+// of its own, so that its loads would hit L2. Measured on one H200 it made every granularity slower
+// (benches/probes/quant_occupancy_probe.py; docs/decisions.md, "Quantizing copy"), so it is 0: the
+// code stays for the probe to ask again.
 // - MODE_GROUP: for one-row blocks of at most 32 vectors (MX, short rows, 1 x n blocks): each
 //   scale block is taken by a group of 2^group_shift lanes of a warp (one vector per lane), reduced
 //   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups.
@@ -48,6 +54,9 @@ typedef unsigned short u16;
 #define QUANT_NARROW_CACHE 4u
 #define QUANT_NARROW_MIN_BLOCKS 4u
 #define QUANT_GROUP_ROUNDS 4u
+#ifndef QUANT_PREFETCH_WAVES
+#define QUANT_PREFETCH_WAVES 0u
+#endif
 #define QUANT_MIN_AMAX 1e-10f
 #define QUANT_CANONICAL_NAN 0x7fffffffu
 #define QUANT_DESC_BYTES 120u
@@ -583,20 +592,102 @@ __device__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, 
     }
 }
 
-// One tile per thread block: tile first_tile + blockIdx.x of the `njobs` descriptors. Phase 1
-// (launched only when a job is per tensor): the per-tensor jobs' amax into job_amax (zeroed by the
-// host), the other tiles return at once. Phase 2: every job quantized, per-tensor ones with phase 1's
-// amax.
-template <u32 CACHE>
-__device__ __forceinline__ void quantize_tiles(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile,
-                                               u32 phase, u32* job_amax) {
-    const u64 tile = first_tile + blockIdx.x;
-    u32 lo = 0, hi = njobs;  // the last descriptor whose first tile is at most `tile`
+#ifndef __CUDA_ARCH__
+#ifndef QUANT_EMULATED_PREFETCH
+#define QUANT_EMULATED_PREFETCH(p, bytes) ((void)(p), (void)(bytes))
+#endif
+// The SMs the emulated launch pretends to have (tests/emulate): small, so that its few tiles prefetch.
+#ifndef QUANT_EMULATED_SMS
+#define QUANT_EMULATED_SMS 2u
+#endif
+#endif
+
+// Asks L2 for `bytes` (a multiple of 16) at `p` (16-byte aligned); returns at once.
+__device__ __forceinline__ void prefetch_l2(const unsigned char* p, u64 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"((u32)bytes) : "memory");
+#elif defined(__CUDA_ARCH__)
+    for (u64 o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+#else
+    QUANT_EMULATED_PREFETCH(p, bytes);
+#endif
+}
+
+__device__ __forceinline__ u32 sm_count() {
+#ifdef __CUDA_ARCH__
+    u32 n;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+    return n;
+#else
+    return QUANT_EMULATED_SMS;
+#endif
+}
+
+// Prefetches columns [c0, c_end) of source row `row`: the 16-byte vectors a tile loads from it (row
+// starts are 16-byte aligned, and a row's last vector is read whole), in one request.
+__device__ __forceinline__ void prefetch_row(const QuantDesc& d, u64 row, u64 c0, u64 c_end) {
+    const u64 size = d.source == SRC_F32 ? 4u : 2u;
+    const u64 bytes = ((c_end - c0) * size + 15u) & ~15ull;
+    if (bytes == 0 || bytes >> 32) return;
+    prefetch_l2(reinterpret_cast<const unsigned char*>(d.src) + (row * d.src_stride + c0) * size, bytes);
+}
+
+// Prefetches the source of tile `tile` of `d` (local to it), as the tile will read it in `phase`.
+__device__ __forceinline__ void prefetch_tile(const QuantDesc& d, u64 tile, u32 phase) {
+    if (d.mode == MODE_BLOCK) {
+        if (phase == 1 && d.scale_kind != SCALE_TENSOR) return;  // returns at once in phase 1
+        u64 grid_row, grid_col;
+        grid_position(d, tile, grid_row, grid_col);
+        const u64 r0 = grid_row * d.block_rows, c0 = grid_col * d.block_cols;
+        const u64 rows = d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows;
+        const u64 c_end = d.cols - c0 < d.block_cols ? d.cols : c0 + d.block_cols;
+        for (u64 r = threadIdx.x; r < rows; r += QUANT_THREADS) prefetch_row(d, r0 + r, c0, c_end);
+        return;
+    }
+    if (phase == 1) return;
+    // Group mode: one-row blocks first .. last of the grid, row-major; each grid row's run of them is
+    // one contiguous range of a source row.
+    const u64 per_tile = (u64)QUANT_GROUP_ROUNDS * (QUANT_THREADS >> d.group_shift);
+    const u64 first = tile * per_tile;
+    if (first >= d.blocks) return;
+    const u64 last = (first + per_tile < d.blocks ? first + per_tile : d.blocks) - 1;
+    u64 first_row, first_col, last_row, last_col;
+    grid_position(d, first, first_row, first_col);
+    grid_position(d, last, last_row, last_col);
+    for (u64 row = first_row + threadIdx.x; row <= last_row; row += QUANT_THREADS) {
+        const u64 from = row == first_row ? first_col : 0;
+        const u64 to = row == last_row ? last_col + 1 : d.grid_cols;
+        const u64 c_end = to * d.block_cols < d.cols ? to * d.block_cols : d.cols;
+        prefetch_row(d, row, from * d.block_cols, c_end);
+    }
+}
+
+// The descriptor of `tile`: the last one whose first tile is at most `tile`.
+__device__ __forceinline__ u32 job_of(const QuantDesc* __restrict__ descs, u32 njobs, u64 tile) {
+    u32 lo = 0, hi = njobs;
     while (hi - lo > 1) {
         const u32 mid = (lo + hi) / 2;
         if (descs[mid].first_tile <= tile) lo = mid;
         else hi = mid;
     }
+    return lo;
+}
+
+// One tile per thread block: tile first_tile + block of the `njobs` descriptors, for thread block
+// `block` of the `blocks` quantizing (a launch's own grid, or the blocks after a launch's copying
+// ones: copy_quantize.cu). Phase 1 (launched only when a job is per tensor): the per-tensor jobs'
+// amax into job_amax (zeroed by the host), the other tiles return at once. Phase 2: every job
+// quantized, per-tensor ones with phase 1's amax.
+template <u32 CACHE, u32 MIN_BLOCKS>
+__device__ __forceinline__ void quantize_tiles(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile,
+                                               u32 phase, u32* job_amax, u32 block, u32 blocks) {
+    const u64 tile = first_tile + block;
+    const u64 ahead = (u64)QUANT_PREFETCH_WAVES * sm_count() * MIN_BLOCKS;
+    if (ahead > 0 && block + ahead < blocks) {
+        const u32 later = job_of(descs, njobs, tile + ahead);
+        prefetch_tile(descs[later], tile + ahead - descs[later].first_tile, phase);
+    }
+    const u32 lo = job_of(descs, njobs, tile);
     const QuantDesc d = descs[lo];
     const u64 local = tile - d.first_tile;
     if (d.source == SRC_BF16) quantize_tile<SRC_BF16, CACHE>(d, lo, local, phase, job_amax);
@@ -606,11 +697,11 @@ __device__ __forceinline__ void quantize_tiles(const QuantDesc* __restrict__ des
 
 extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
     refit_quantize(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase, u32* job_amax) {
-    quantize_tiles<QUANT_CACHE>(descs, njobs, first_tile, phase, job_amax);
+    quantize_tiles<QUANT_CACHE, QUANT_MIN_BLOCKS>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, gridDim.x);
 }
 
 extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_NARROW_MIN_BLOCKS)
     refit_quantize_narrow(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase,
                           u32* job_amax) {
-    quantize_tiles<QUANT_NARROW_CACHE>(descs, njobs, first_tile, phase, job_amax);
+    quantize_tiles<QUANT_NARROW_CACHE, QUANT_NARROW_MIN_BLOCKS>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, gridDim.x);
 }

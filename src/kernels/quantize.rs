@@ -1,6 +1,7 @@
 //! The quantizing copy kernel (`quantize.cu`) on a CUDA device: a batch of [`QuantJob`]s quantized to
 //! FP8 with their scales in one launch of each of its two entry points the batch needs (a third when
-//! a job is per tensor), bit for bit as [`crate::quant::reference`].
+//! a job is per tensor), bit for bit as [`crate::quant::reference`]; or, riding a copy stage, in the
+//! same launch as the batched copy ([`PreparedQuantize::launch_with_copy`], `copy_quantize.cu`).
 
 use super::module;
 use crate::error::{Error, Result, Status};
@@ -15,15 +16,19 @@ use std::sync::{Arc, Mutex};
 
 /// The CUDA C source, compiled by NVRTC at first use on each device.
 pub const SOURCE: &str = include_str!("quantize.cu");
+/// The launch that also copies; compiled after the batched copy's source and [`SOURCE`].
+pub const COPY_QUANTIZE_SOURCE: &str = include_str!("copy_quantize.cu");
 const KERNEL_NAME: &std::ffi::CStr = c"refit_quantize";
 const NARROW_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_narrow";
+const COPY_KERNEL_NAME: &std::ffi::CStr = c"refit_copy_quantize";
 /// Threads per block (QUANT_THREADS in the source).
 pub const THREADS: u32 = 256;
 /// Vectors a thread keeps in registers in block mode (QUANT_CACHE).
 pub const CACHE: u64 = 8;
 /// Thread blocks each SM must be able to hold at once (QUANT_MIN_BLOCKS, the kernel's launch
-/// bounds): it caps the registers per thread (65536 / (THREADS x MIN_BLOCKS_PER_SM) = 64) so that
-/// four tiles, each with its CACHE vectors per thread loaded, are in flight per SM instead of two.
+/// bounds): it caps the registers per thread (65536 / (THREADS x MIN_BLOCKS_PER_SM) = 85) so that
+/// three tiles, each with its CACHE vectors per thread loaded, are in flight per SM. The same as the
+/// batched copy's, so that the launch doing both keeps the copy's occupancy.
 pub const MIN_BLOCKS_PER_SM: u32 = 3;
 /// The narrow entry point's vectors per thread (QUANT_NARROW_CACHE) and blocks per SM
 /// (QUANT_NARROW_MIN_BLOCKS): for scale blocks of at most NARROW_CACHE vectors per thread, and group
@@ -202,12 +207,21 @@ fn describe(job: &QuantJob) -> (QuantDesc, u64) {
     (desc, tiles)
 }
 
+/// The kernel's module as it is compiled: the batched copy's device functions (not its entry points,
+/// which its own module has), the quantize kernel's source, then the entry point doing both (each
+/// file's names are its own).
+pub fn module_source() -> String {
+    ["#define REFIT_COPY_TILES_ONLY", super::batched_copy::SOURCE, SOURCE, COPY_QUANTIZE_SOURCE].join("\n")
+}
+
 /// The kernel loaded into one device's primary context; loaded once per device and kept.
 pub struct QuantizeKernel {
+    device: i32,
     context: sys::CUcontext,
-    /// refit_quantize (wide) and refit_quantize_narrow.
+    /// refit_quantize (wide), refit_quantize_narrow and refit_copy_quantize.
     wide: sys::CUfunction,
     narrow: sys::CUfunction,
+    copying: sys::CUfunction,
     /// How the kernel was built, for logs and bench output.
     pub build: String,
 }
@@ -226,14 +240,22 @@ impl QuantizeKernel {
         if let Some(kernel) = map.get(&device) {
             return Ok(kernel.clone());
         }
-        let loaded = module::load(device, SOURCE, "quantize.cu")?;
+        let loaded = module::load(device, &module_source(), "copy_quantize.cu")?;
         let wide = module::function(loaded.module, KERNEL_NAME)?;
         let narrow = module::function(loaded.module, NARROW_KERNEL_NAME)?;
-        let (wide_per_sm, narrow_per_sm) =
-            (loaded.blocks_per_sm(wide, THREADS)?, loaded.blocks_per_sm(narrow, THREADS)?);
-        let build = format!("{} x {wide_per_sm} (narrow: {narrow_per_sm}) blocks of {THREADS}", loaded.build);
+        let copying = module::function(loaded.module, COPY_KERNEL_NAME)?;
+        let (wide_per_sm, narrow_per_sm, copying_per_sm) = (
+            loaded.blocks_per_sm(wide, THREADS)?,
+            loaded.blocks_per_sm(narrow, THREADS)?,
+            loaded.blocks_per_sm(copying, THREADS)?,
+        );
+        let build = format!(
+            "{} x {wide_per_sm} (narrow: {narrow_per_sm}, with a copy: {copying_per_sm}) blocks of {THREADS}",
+            loaded.build
+        );
         log::info!("quantize kernel on device {device}: {build}");
-        let kernel = Arc::new(QuantizeKernel { context: loaded.context, wide, narrow, build });
+        let kernel =
+            Arc::new(QuantizeKernel { device, context: loaded.context, wide, narrow, copying, build });
         map.insert(device, kernel.clone());
         Ok(kernel)
     }
@@ -282,16 +304,92 @@ impl QuantizeKernel {
     /// # Safety
     /// As for [`QuantizeKernel::enqueue`]; `table` holds `layout` as described until the work has run.
     unsafe fn launches(&self, stream: sys::CUstream, table: u64, layout: &Layout) -> Result<()> {
-        let amax = if layout.per_tensor { table + layout.as_bytes().len() as u64 } else { 0 };
         let narrow = (self.narrow, 0..layout.narrow_tiles);
-        let wide = (self.wide, layout.narrow_tiles..layout.tiles);
-        self.launch(stream, table, layout, narrow, 2, amax)?;
+        self.launch(stream, table, layout, narrow, 2, amax_words(table, layout))?;
+        // SAFETY: the caller's promises.
+        let amax = unsafe { self.first_phase(stream, table, layout) }?;
+        self.launch(stream, table, layout, (self.wide, layout.narrow_tiles..layout.tiles), 2, amax)
+    }
+
+    /// For per-tensor jobs, the zeroing of their amax words and the wide entry point's phase-1
+    /// launch; nothing otherwise. Returns the amax words' address (0 without per-tensor jobs).
+    ///
+    /// # Safety
+    /// As for [`QuantizeKernel::launches`].
+    unsafe fn first_phase(&self, stream: sys::CUstream, table: u64, layout: &Layout) -> Result<u64> {
+        let amax = amax_words(table, layout);
         if layout.per_tensor {
             // SAFETY: the amax words lie in the table (the caller's promise).
             check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(amax, 0, layout.descs.len(), stream) })?;
-            self.launch(stream, table, layout, wide.clone(), 1, amax)?;
+            self.launch(stream, table, layout, (self.wide, layout.narrow_tiles..layout.tiles), 1, amax)?;
         }
-        self.launch(stream, table, layout, wide, 2, amax)
+        Ok(amax)
+    }
+
+    /// One launch of refit_copy_quantize: `copy` (a plain copy's launch, of this kernel's device)
+    /// in its first blocks, then every phase-2 tile of the batch at `table`. Per-tensor jobs' phase 1
+    /// is queued before it.
+    ///
+    /// # Safety
+    /// As for [`QuantizeKernel::launches`], and for the copy's launch: its descriptors and the memory
+    /// its segments name stay valid until the work has run.
+    unsafe fn launch_with_copy(
+        &self,
+        stream: sys::CUstream,
+        table: u64,
+        layout: &Layout,
+        copy: &super::batched_copy::Launch,
+    ) -> Result<()> {
+        let blocks = u32::try_from(u64::from(copy.blocks) + layout.tiles)
+            .ok()
+            .filter(|&blocks| blocks <= i32::MAX as u32)
+            .ok_or_else(|| {
+                Error::new(
+                    Status::Unsupported,
+                    format!("{} quantizing tiles are too many for one launch", layout.tiles),
+                )
+            })?;
+        // SAFETY: the caller's promises.
+        let amax = unsafe { self.first_phase(stream, table, layout) }?;
+        let super::batched_copy::Launch {
+            mut descriptors,
+            mut segments,
+            mut tiles,
+            mut tile_shift,
+            mut group_shift,
+            ..
+        } = *copy;
+        let (mut copy_blocks, mut quant, mut njobs, mut narrow_tiles, mut amax) =
+            (copy.blocks, table, layout.descs.len() as u32, layout.narrow_tiles, amax);
+        let mut params: [*mut c_void; 10] = [
+            (&mut descriptors as *mut u64).cast(),
+            (&mut segments as *mut u64).cast(),
+            (&mut tiles as *mut u64).cast(),
+            (&mut tile_shift as *mut u32).cast(),
+            (&mut group_shift as *mut u32).cast(),
+            (&mut copy_blocks as *mut u32).cast(),
+            (&mut quant as *mut u64).cast(),
+            (&mut njobs as *mut u32).cast(),
+            (&mut narrow_tiles as *mut u64).cast(),
+            (&mut amax as *mut u64).cast(),
+        ];
+        // SAFETY: the parameters match refit_copy_quantize's signature; the caller's promises cover
+        // the memory both parts name.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                self.copying,
+                blocks,
+                1,
+                1,
+                THREADS,
+                1,
+                1,
+                0,
+                stream,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
     }
 
     /// One launch of `function` (an entry point) over `tiles`; nothing when they are none.
@@ -336,6 +434,15 @@ impl QuantizeKernel {
     }
 }
 
+/// The address of a batch's amax words at `table` (after its descriptors); 0 without per-tensor jobs.
+fn amax_words(table: u64, layout: &Layout) -> u64 {
+    if layout.per_tensor {
+        table + layout.as_bytes().len() as u64
+    } else {
+        0
+    }
+}
+
 /// A batch laid out and uploaded once ([`crate::transport::Backend::prepare_quantize`] on CUDA):
 /// each launch queues the kernel only.
 pub struct PreparedQuantize {
@@ -373,7 +480,44 @@ impl PreparedQuantize {
     }
 }
 
+impl PreparedQuantize {
+    /// Queues `copy`'s launch and these jobs as one launch (`copy_quantize.cu`) on `stream`: the copy
+    /// in its first blocks, the quantizing tiles after them (per-tensor jobs' first phase before it).
+    /// Two launches, one after the other, where one launch cannot do both: a copy recording digests
+    /// for a verify, a copy of another device, an empty side.
+    ///
+    /// # Safety
+    /// As for [`crate::transport::PreparedQuantize::launch`] and [`super::PreparedBatch::launch`];
+    /// the jobs' codes and scales share no byte with the copy's destinations, and neither side
+    /// writes what the other reads.
+    pub unsafe fn launch_with_copy(&self, stream: sys::CUstream, copy: &super::PreparedBatch) -> Result<()> {
+        let parts = copy.parts();
+        let apart = self.layout.tiles == 0
+            || parts.launch.tiles == 0
+            || parts.tile_digests.is_some()
+            || parts.kernel.device() != self.kernel.device;
+        if apart {
+            // SAFETY: the caller's promises.
+            unsafe { copy.launch(stream) }?;
+            return unsafe {
+                crate::transport::PreparedQuantize::launch(
+                    self,
+                    crate::transport::Stream::from_ptr(stream.cast()),
+                )
+            };
+        }
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
+        // SAFETY: the table holds the layout until drop; the caller's promises cover the rest.
+        unsafe { self.kernel.launch_with_copy(stream, self.table, &self.layout, &parts.launch) }
+    }
+}
+
 impl crate::transport::PreparedQuantize for PreparedQuantize {
+    fn on_cuda(&self) -> Option<&PreparedQuantize> {
+        Some(self)
+    }
+
     unsafe fn launch(&self, stream: crate::transport::Stream) -> Result<()> {
         if self.layout.tiles == 0 {
             return Ok(());

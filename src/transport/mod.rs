@@ -310,6 +310,12 @@ pub trait PreparedCopy: Send + Sync {
 
 /// Quantization jobs prepared by [`Backend::prepare_quantize`].
 pub trait PreparedQuantize: Send + Sync {
+    /// The jobs as the CUDA backend prepared them, which a copy stage's launch can carry
+    /// ([`crate::kernels::quantize::PreparedQuantize::launch_with_copy`]); None on other backends.
+    fn on_cuda(&self) -> Option<&crate::kernels::quantize::PreparedQuantize> {
+        None
+    }
+
     /// Queues the jobs on `stream` (a stream of the prepared device), as [`Backend::quantize_batch`]
     /// queues them, with no host work per job: on CUDA the kernel's launches (and, for per-tensor
     /// jobs, the zeroing of their amax words) and nothing else; on the host backend complete on

@@ -6,7 +6,7 @@
 #![allow(dead_code)]
 
 #[path = "random_batch.rs"]
-mod random_batch;
+pub mod random_batch;
 
 pub use random_batch::Rng;
 use refit::quant::job::MX_BLOCK;
