@@ -25,6 +25,7 @@ use refit::transport::host::HostBackend;
 use refit::transport::Backend;
 use refit::Status;
 use refit_workloads::{element_value, Megatron, Model, Packing, Placed, Role, Spec, Vllm, Workload};
+use std::collections::BTreeMap;
 use std::ffi::CStr;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -50,11 +51,15 @@ Usage: cargo run --release --example demo [-- OPTIONS]
   --arm A               auto (default), kernel or copy-engine
   --sm-budget B         the executor's SM budget (default 0: none)
   --staging-limit MIB   staged phase: staging per receiving device (default 8192; 0: the whole step,
-                        as much memory again as the receivers' buffers)
+                        as much memory again as the receivers' buffers); with --serve fp8 the staged
+                        phase runs in parts whose codes and scales (staged and verified: twice) fit
+                        in it too
   --processes P         run publishers and receivers as P separate processes (examples/across/)
   --serve S             what receivers get: bf16 (default) or fp8 (2-D weights as e4m3fn codes with
                         fp32 scales per 128 x 128 block, quantized from finite bf16 publishers on the
                         way; norms stay bf16); every code and scale is checked against the reference
+  --dry-run             print the memory a run on GPUs would need (where CUDA is absent too: 48
+                        layers unless --layers, --devices GPUs) and exit without allocating
   -h, --help            print this and exit
 
 Phase 1 runs K direct steps (the executor writes the live buffers). Phase 2 runs two staged,
@@ -73,6 +78,7 @@ enum Serve {
 
 struct Args {
     help: bool,
+    dry_run: bool,
     processes: Option<usize>,
     layers: Option<u64>,
     layout: Packing,
@@ -87,6 +93,7 @@ struct Args {
 fn parse_args() -> Result<Args, String> {
     let mut args = Args {
         help: false,
+        dry_run: false,
         processes: None,
         layers: None,
         layout: Packing::Separate,
@@ -103,6 +110,7 @@ fn parse_args() -> Result<Args, String> {
         let number = |v: String| v.parse::<u64>().map_err(|e| format!("{flag}: {e}"));
         match flag.as_str() {
             "-h" | "--help" => args.help = true,
+            "--dry-run" => args.dry_run = true,
             "--layers" => args.layers = Some(number(value()?)?),
             "--processes" => args.processes = Some(number(value()?)? as usize),
             "--steps" => args.steps = number(value()?)?.max(1) as usize,
@@ -298,10 +306,11 @@ fn row(workload: &Workload, p: &Placed, r: u64) -> (u64, u64) {
 }
 
 /// Every row of every box of `role` in buffer order, cut into about `threads() * 8` pieces of
-/// similar size: `(box, first row, rows)`.
+/// similar size (at most 64 MiB): `(box, first row, rows)`.
 fn row_work(workload: &Workload, boxes: &[Placed]) -> Vec<(usize, u64, u64)> {
     let total: u64 = boxes.iter().map(|p| workload.bytes(p)).sum();
-    let chunk = (total / (threads() as u64 * 8)).max(1 << 20);
+    // At most 64 MiB: a worker checking on a GPU holds one piece's image.
+    let chunk = (total / (threads() as u64 * 8)).clamp(1 << 20, 64 << 20);
     let mut work = Vec::new();
     for (i, p) in boxes.iter().enumerate() {
         let n = p.region.extent.len();
@@ -325,18 +334,49 @@ fn parallel(
     work: &[(usize, u64, u64)],
     f: impl Fn(usize, u64, u64) -> Result<(), String> + Sync,
 ) -> Result<(), String> {
+    parallel_with(
+        work.len(),
+        || (),
+        |_, i| {
+            let (b, first, rows) = work[i];
+            f(b, first, rows)
+        },
+    )
+}
+
+/// Runs `f(scratch, item)` for every item of `0..items` on every core, each worker with its own
+/// `scratch()` (buffers it reuses); the first error stops the others at their next item.
+fn parallel_with<T>(
+    items: usize,
+    scratch: impl Fn() -> T + Sync,
+    f: impl Fn(&mut T, usize) -> Result<(), String> + Sync,
+) -> Result<(), String> {
     let next = AtomicU64::new(0);
+    let failed = std::sync::atomic::AtomicBool::new(false);
     std::thread::scope(|s| {
-        let handles: Vec<_> = (0..threads())
+        let handles: Vec<_> = (0..threads().min(items.max(1)))
             .map(|_| {
-                s.spawn(|| loop {
-                    let i = next.fetch_add(1, Ordering::Relaxed) as usize;
-                    let Some(&(b, first, rows)) = work.get(i) else { return Ok(()) };
-                    f(b, first, rows)?;
+                s.spawn(|| {
+                    let mut mine = scratch();
+                    while !failed.load(Ordering::Relaxed) {
+                        let i = next.fetch_add(1, Ordering::Relaxed) as usize;
+                        if i >= items {
+                            break;
+                        }
+                        if let Err(e) = f(&mut mine, i) {
+                            failed.store(true, Ordering::Relaxed);
+                            return Err(e);
+                        }
+                    }
+                    Ok(())
                 })
             })
             .collect();
-        handles.into_iter().try_for_each(|h| h.join().expect("worker thread"))
+        let joined: Vec<Result<(), String>> = handles
+            .into_iter()
+            .map(|h| h.join().unwrap_or_else(|_| Err("a worker thread panicked".into())))
+            .collect();
+        joined.into_iter().collect()
     })
 }
 
@@ -429,16 +469,29 @@ fn fill_publishers(w: &Workload, memory: &Memory, values: Values) -> Result<(), 
 /// The poison byte of receiver buffers, so that a byte the refit misses is seen.
 const POISON: u8 = 0xa5;
 
-/// Receiver buffers are poisoned and read back in pieces of this many bytes (a progress line can
-/// come between two pieces, and no copy of a whole buffer is held).
-const PIECE: u64 = 64 << 20;
+/// Receiver buffers are poisoned and read back in pieces of this many bytes, a piece per worker at a
+/// time (a progress line can come between two pieces, and no copy of a whole buffer is held).
+const PIECE: u64 = 32 << 20;
 
-/// Every receiver buffer's pieces, then every arena's: (device, address, length).
-fn receiver_pieces(w: &Workload, memory: &Memory) -> Vec<(i32, u64, u64)> {
-    let buffers = w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver);
-    let regions = buffers.map(|(b, x)| (x.endpoint.device, memory.bases[b], x.bytes));
+/// Every receiver buffer the demo allocated: (device, address, bytes). Receiver buffers whose needs
+/// are all quantized are not allocated (base 0): nothing lands in them.
+fn receiver_buffers(w: &Workload, memory: &Memory) -> Vec<(u32, u64, u64)> {
+    let buffers =
+        w.buffers.iter().enumerate().filter(|&(b, x)| x.role == Role::Receiver && memory.bases[b] != 0);
+    buffers.map(|(b, x)| (x.endpoint.device, memory.bases[b], x.bytes)).collect()
+}
+
+/// Every receiver buffer the demo allocated, then every arena.
+fn receiver_regions(w: &Workload, memory: &Memory) -> Vec<(u32, u64, u64)> {
+    let mut regions = receiver_buffers(w, memory);
+    regions.extend(memory.arenas.iter().copied());
+    regions
+}
+
+/// `regions` cut into pieces of at most PIECE bytes: (device, address, length).
+fn pieces(regions: &[(u32, u64, u64)]) -> Vec<(i32, u64, u64)> {
     let mut pieces = Vec::new();
-    for (device, base, bytes) in regions.chain(memory.arenas.iter().copied()) {
+    for &(device, base, bytes) in regions {
         let mut at = 0;
         while at < bytes {
             pieces.push((device as i32, base + at, PIECE.min(bytes - at)));
@@ -448,146 +501,242 @@ fn receiver_pieces(w: &Workload, memory: &Memory) -> Vec<(i32, u64, u64)> {
     pieces
 }
 
-/// Overwrites every receiver buffer (and arena) with POISON.
-fn poison_receivers(w: &Workload, memory: &Memory) -> Result<(), String> {
-    let pieces = receiver_pieces(w, memory);
+/// Overwrites `regions` (receiver buffers and arenas) with POISON, on every core.
+fn poison_receivers(memory: &Memory, regions: &[(u32, u64, u64)]) -> Result<(), String> {
+    let pieces = pieces(regions);
     let total = pieces.iter().map(|p| p.2).sum();
     let poison = vec![POISON; PIECE as usize];
     with_progress("poisoning receiver buffers", total, |done| {
-        for (device, at, len) in pieces {
-            // SAFETY: each piece lies inside a buffer or arena allocated on this device.
-            unsafe { memory.backend.write(device, at, &poison[..len as usize]) }
-                .map_err(|e| e.to_string())?;
-            done.fetch_add(len, Ordering::Relaxed);
-        }
-        Ok(())
+        parallel_with(
+            pieces.len(),
+            || (),
+            |_, i| {
+                let (device, at, len) = pieces[i];
+                // SAFETY: each piece lies inside a buffer or arena allocated on this device.
+                unsafe { memory.backend.write(device, at, &poison[..len as usize]) }
+                    .map_err(|e| e.to_string())?;
+                done.fetch_add(len, Ordering::Relaxed);
+                Ok(())
+            },
+        )
     })
 }
 
-/// Whether every receiver byte (arenas too) still holds POISON.
-fn receivers_poisoned(w: &Workload, memory: &Memory) -> Result<bool, String> {
-    let pieces = receiver_pieces(w, memory);
+/// Whether every byte of `regions` still holds POISON, read on every core (`what` names the check
+/// in its progress lines).
+fn receivers_poisoned(what: &str, memory: &Memory, regions: &[(u32, u64, u64)]) -> Result<bool, String> {
+    let pieces = pieces(regions);
     let total = pieces.iter().map(|p| p.2).sum();
-    let mut bytes = vec![0u8; PIECE as usize];
-    with_progress("checking the live buffers are untouched", total, |done| {
-        for (device, at, len) in pieces {
-            let piece = &mut bytes[..len as usize];
+    let changed = std::sync::atomic::AtomicBool::new(false);
+    with_progress(what, total, |done| {
+        parallel_with(pieces.len(), Vec::new, |bytes: &mut Vec<u8>, i| {
+            let (device, at, len) = pieces[i];
+            if changed.load(Ordering::Relaxed) {
+                return Ok(());
+            }
+            bytes.resize(len as usize, 0);
             // SAFETY: as in poison_receivers.
-            unsafe { memory.backend.read(device, at, piece) }.map_err(|e| e.to_string())?;
-            if piece.iter().any(|&x| x != POISON) {
-                return Ok(false);
+            unsafe { memory.backend.read(device, at, bytes) }.map_err(|e| e.to_string())?;
+            if bytes.iter().any(|&x| x != POISON) {
+                changed.store(true, Ordering::Relaxed);
             }
             done.fetch_add(len, Ordering::Relaxed);
-        }
-        Ok(true)
-    })
+            Ok(())
+        })
+    })?;
+    Ok(!changed.load(Ordering::Relaxed))
 }
 
-/// The memory the demo will use, printed before it allocates: every buffer, the staged phase's
-/// staging on each receiving device (its received bytes, at most `staging_limit`), and on GPUs the
-/// host image of the largest buffer (filled or checked on the host, one buffer at a time), and the
-/// FP8 arenas of `--serve fp8` (`arenas`: device, bytes).
-fn print_memory_need(
-    w: &Workload,
-    on_gpu: bool,
-    staging_limit: u64,
-    arenas: &[(u32, u64)],
-) -> Result<(), String> {
-    let mut per_device: std::collections::BTreeMap<u32, u64> = Default::default();
-    for buffer in &w.buffers {
-        *per_device.entry(buffer.endpoint.device).or_default() += buffer.bytes;
+/// Host memory a worker holds for a check at most (a piece of rows read from a GPU; fp8's units need
+/// about 4 bytes per element).
+const WORKER_BYTES: u64 = 64 << 20;
+
+/// What the demo allocates, known before it allocates.
+struct Need {
+    /// By buffer: receiver buffers whose needs are all quantized (`--serve fp8`): not allocated.
+    unneeded: Vec<bool>,
+    /// Phase 2's parts (one without `--serve fp8`).
+    parts: Vec<fp8::Part>,
+    /// By device: allocated buffers, FP8 arenas, phase 2's staging at its peak (the largest part's).
+    buffers: BTreeMap<u32, u64>,
+    arenas: BTreeMap<u32, u64>,
+    staging: BTreeMap<u32, u64>,
+    /// Phase 2's staging over all devices were it one part.
+    whole_step_staging: u64,
+}
+
+impl Need {
+    /// The buffers, arenas and staging of a run: phase 2's staged executor allocates staging for the
+    /// plain needs (their bytes, at most `staging_limit` per device: src/exec/mod.rs) and, for its
+    /// quantized needs, packed codes and scales twice (staging and the verify's scratch) beside the
+    /// limit; the parts keep the latter within the limit too.
+    fn new(w: &Workload, layout: Option<&fp8::Layout>, staging_limit: u64) -> Need {
+        let quantized = |i: usize| layout.is_some_and(|l| l.quantized[i]);
+        let (mut has_need, mut has_plain) = (vec![false; w.buffers.len()], vec![false; w.buffers.len()]);
+        let mut plain: BTreeMap<u32, u64> = BTreeMap::new();
+        for (i, n) in w.needs.iter().enumerate() {
+            has_need[n.buffer as usize] = true;
+            if !quantized(i) {
+                has_plain[n.buffer as usize] = true;
+                *plain.entry(n.endpoint.device).or_default() += w.bytes(n);
+            }
+        }
+        for bytes in plain.values_mut() {
+            if staging_limit != 0 {
+                *bytes = (*bytes).min(staging_limit);
+            }
+        }
+        let unneeded: Vec<bool> = (0..w.buffers.len())
+            .map(|b| w.buffers[b].role == Role::Receiver && has_need[b] && !has_plain[b])
+            .collect();
+        let mut buffers: BTreeMap<u32, u64> = BTreeMap::new();
+        for (_, buffer) in w.buffers.iter().enumerate().filter(|&(b, _)| !unneeded[b]) {
+            *buffers.entry(buffer.endpoint.device).or_default() += buffer.bytes;
+        }
+        let mut arenas: BTreeMap<u32, u64> = BTreeMap::new();
+        let mut whole_step_staging: u64 = plain.values().sum();
+        let parts = match layout {
+            None => vec![fp8::Part { placements: 0..0, plain: true }],
+            Some(l) => {
+                for (device, _, bytes) in l.arenas(&[fp8::Kind::Codes, fp8::Kind::Scales]) {
+                    *arenas.entry(device).or_default() += bytes;
+                }
+                whole_step_staging += l.placements.iter().map(|p| 2 * p.packed_bytes()).sum::<u64>();
+                l.parts(staging_limit, &plain)
+            }
+        };
+        let mut staging: BTreeMap<u32, u64> = BTreeMap::new();
+        for part in &parts {
+            let mut of_part = layout.map_or(BTreeMap::new(), |l| l.part_staging(part));
+            if part.plain {
+                for (&device, &bytes) in &plain {
+                    *of_part.entry(device).or_default() += bytes;
+                }
+            }
+            for (device, bytes) in of_part {
+                let peak = staging.entry(device).or_default();
+                *peak = (*peak).max(bytes);
+            }
+        }
+        Need { unneeded, parts, buffers, arenas, staging, whole_step_staging }
     }
-    for &(device, bytes) in arenas {
-        *per_device.entry(device).or_default() += bytes;
+
+    fn total(map: &BTreeMap<u32, u64>) -> u64 {
+        map.values().sum()
     }
-    let fp8: u64 = arenas.iter().map(|a| a.1).sum();
-    let mut staging = 0;
-    for (endpoint, bytes) in w.need_bytes() {
-        let staged = if staging_limit == 0 { bytes } else { bytes.min(staging_limit) };
-        *per_device.entry(endpoint.device).or_default() += staged;
-        staging += staged;
+}
+
+/// Prints the memory the demo will use before it allocates: on each device the buffers it allocates,
+/// the FP8 arenas of `--serve fp8`, and phase 2's staging at its peak; on GPUs the host memory of the
+/// largest publisher buffer's image (filled on the host) or the workers' check buffers. On the host
+/// backend, fails when this machine lacks it.
+fn print_memory_need(w: &Workload, on_gpu: bool, need: &Need) -> Result<(), String> {
+    let mut per_device = need.buffers.clone();
+    for map in [&need.arenas, &need.staging] {
+        for (&device, &bytes) in map {
+            *per_device.entry(device).or_default() += bytes;
+        }
     }
-    let buffers: u64 = w.buffers.iter().map(|b| b.bytes).sum();
+    let (buffers, fp8, staging) =
+        (Need::total(&need.buffers), Need::total(&need.arenas), Need::total(&need.staging));
+    let fp8_part =
+        if fp8 > 0 { format!(", FP8 codes and scales {:.2} GiB", gib(fp8)) } else { String::new() };
+    let workers = threads() as u64 * WORKER_BYTES;
     if on_gpu {
-        let largest = w.buffers.iter().map(|b| b.bytes).max().unwrap_or(0);
+        let largest =
+            (w.buffers.iter().filter(|b| b.role == Role::Publisher)).map(|b| b.bytes).max().unwrap_or(0);
         let each: Vec<String> =
             per_device.iter().map(|(d, bytes)| format!("GPU {d} {:.2} GiB", gib(*bytes))).collect();
         println!(
-            "  needs device memory: {} (buffers, then staging in phase 2); host memory: {:.2} GiB (the largest buffer's image)",
+            "  needs device memory: {} (buffers {:.2} GiB{fp8_part}, then staging in phase 2, at most {:.2} GiB); host \
+             memory: {:.2} GiB (the largest publisher buffer's image, or {} workers' check buffers)",
             each.join(", "),
-            gib(largest)
+            gib(buffers),
+            gib(staging),
+            gib(largest.max(workers)),
+            threads()
         );
-        return Ok(());
+    } else {
+        let total = buffers + fp8 + staging + workers;
+        let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("MemAvailable:"))
+                .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
+                .map(|kib| kib << 10)
+        });
+        println!(
+            "  needs about {:.1} GB of host memory: buffers {:.2} GiB{fp8_part}, staging {:.2} GiB (phase 2), checks \
+             {:.2} GiB{}",
+            total as f64 / 1e9,
+            gib(buffers),
+            gib(staging),
+            gib(workers),
+            available.map_or(String::new(), |a| format!("; {:.1} GB available", a as f64 / 1e9))
+        );
+        if available.is_some_and(|a| a < total) {
+            return Err(format!(
+                "not enough host memory for this run: {:.1} GB needed; a smaller --staging-limit lowers it",
+                total as f64 / 1e9
+            ));
+        }
     }
-    let need = buffers + fp8 + staging + PIECE;
-    let available = std::fs::read_to_string("/proc/meminfo").ok().and_then(|m| {
-        m.lines()
-            .find_map(|l| l.strip_prefix("MemAvailable:"))
-            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse::<u64>().ok())
-            .map(|kib| kib << 10)
-    });
-    println!(
-        "  needs about {:.1} GB of host memory: buffers {:.2} GiB{}, staging {:.2} GiB (phase 2), checks {:.2} GiB{}",
-        need as f64 / 1e9,
-        gib(buffers),
-        if fp8 > 0 { format!(", FP8 codes and scales {:.2} GiB", gib(fp8)) } else { String::new() },
-        gib(staging),
-        gib(PIECE),
-        available.map_or(String::new(), |a| format!("; {:.1} GB available", a as f64 / 1e9))
-    );
-    if available.is_some_and(|a| a < need) {
-        return Err(format!(
-            "not enough host memory for this run: {:.1} GB needed; a smaller --staging-limit lowers it",
-            need as f64 / 1e9
-        ));
+    if need.parts.len() > 1 {
+        println!(
+            "  phase 2 runs each step in {} parts of the quantized needs: a staged, verified executor holds its \
+             quantized needs' codes and scales twice (staging, and the verify's scratch) beside --staging-limit, \
+             {:.2} GiB for the whole step; each part's fits in the limit",
+            need.parts.len(),
+            gib(need.whole_step_staging)
+        );
     }
     Ok(())
 }
 
 /// Checks every received element of the needs that are not `quantized` (by need index; empty:
-/// none is) against its known value; returns the elements checked.
+/// none is) against its known value, on every core (on a GPU each piece of rows is read by the worker
+/// that checks it); returns the elements checked.
 fn check_receivers(w: &Workload, memory: &Memory, values: Values, quantized: &[bool]) -> Result<u64, String> {
     let plain = |i: usize| !quantized.get(i).copied().unwrap_or(false);
-    let total = w.needs.iter().enumerate().filter(|(i, _)| plain(*i)).map(|(_, p)| w.bytes(p)).sum();
+    let needs: Vec<Placed> =
+        w.needs.iter().enumerate().filter(|&(i, _)| plain(i)).map(|(_, n)| n.clone()).collect();
+    let total = needs.iter().map(|n| w.bytes(n)).sum();
+    let work = row_work(w, &needs);
     let checked = AtomicU64::new(0);
     with_progress("checking every received element", total, |done| {
-        for (b, buffer) in w.buffers.iter().enumerate().filter(|(_, x)| x.role == Role::Receiver) {
-            let needs: Vec<Placed> = (w.needs.iter().enumerate())
-                .filter(|&(i, n)| n.buffer as usize == b && plain(i))
-                .map(|(_, n)| n.clone())
-                .collect();
-            if needs.is_empty() {
-                // Every need of the buffer is quantized: it receives nothing.
-                continue;
-            }
-            let mut image = memory.image(w, b, true)?;
-            let ptr = memory.pointer(&mut image, b);
-            parallel(&row_work(w, &needs), |i, first, rows| {
-                let n = &needs[i];
-                let es = w.catalog.tensors[n.tensor as usize].elem_size as usize;
-                let inner = *n.region.extent.last().expect("a box has dimensions");
-                for r in first..first + rows {
-                    let (at, global) = row(w, n, r);
-                    let base = ptr.at(at as usize);
-                    let mask = if es >= 8 { u64::MAX } else { (1u64 << (8 * es)) - 1 };
-                    for c in 0..inner {
-                        // SAFETY: the need lies inside its buffer.
-                        let got = unsafe { read_element(base.add(c as usize * es), es) };
-                        if got != values.get(n.tensor, global + c, es) & mask {
-                            let tensor = &w.catalog.tensors[n.tensor as usize].name;
-                            return Err(format!(
-                                "{}: element {} of {tensor} is wrong",
-                                buffer.name,
-                                global + c
-                            ));
-                        }
+        parallel_with(work.len(), Vec::new, |image: &mut Vec<u8>, k| {
+            let (i, first, rows) = work[k];
+            let n = &needs[i];
+            let (b, buffer) = (n.buffer as usize, &w.buffers[n.buffer as usize]);
+            let es = w.catalog.tensors[n.tensor as usize].elem_size as usize;
+            let inner = *n.region.extent.last().expect("a box has dimensions");
+            // The box is row-major in its buffer: its rows `first..first + rows` are contiguous.
+            let start = row(w, n, first).0;
+            let base = if memory.on_gpu {
+                image.resize((rows * inner) as usize * es, 0);
+                // SAFETY: the rows lie inside the buffer, allocated on this device.
+                unsafe { memory.backend.read(buffer.endpoint.device as i32, memory.bases[b] + start, image) }
+                    .map_err(|e| e.to_string())?;
+                image.as_ptr()
+            } else {
+                (memory.bases[b] + start) as usize as *const u8
+            };
+            let mask = if es >= 8 { u64::MAX } else { (1u64 << (8 * es)) - 1 };
+            for r in first..first + rows {
+                let (at, global) = row(w, n, r);
+                let row_base = base.wrapping_add((at - start) as usize);
+                for c in 0..inner {
+                    // SAFETY: the row lies inside the image (or, on the host backend, the buffer).
+                    let got = unsafe { read_element(row_base.add(c as usize * es), es) };
+                    if got != values.get(n.tensor, global + c, es) & mask {
+                        let tensor = &w.catalog.tensors[n.tensor as usize].name;
+                        return Err(format!("{}: element {} of {tensor} is wrong", buffer.name, global + c));
                     }
-                    checked.fetch_add(inner, Ordering::Relaxed);
-                    done.fetch_add(inner * es as u64, Ordering::Relaxed);
                 }
-                Ok(())
-            })?;
-        }
+                checked.fetch_add(inner, Ordering::Relaxed);
+                done.fetch_add(inner * es as u64, Ordering::Relaxed);
+            }
+            Ok(())
+        })?;
         Ok(checked.load(Ordering::Relaxed))
     })
 }
@@ -651,7 +800,7 @@ fn plan(
     let tables = |layout: Option<&fp8::Layout>| -> Result<Vec<refit::plan::Table>, String> {
         let mut tables = w.tables(bases).map_err(|e| e.to_string())?;
         if let Some(l) = layout {
-            l.quantize_tables(w, &mut tables)?;
+            l.quantize_tables(w, &mut tables, None)?;
         }
         Ok(tables)
     };
@@ -702,6 +851,68 @@ fn empty_stats() -> RunStats {
     RunStats::default()
 }
 
+/// Adds a part's stats into its step's: times, bytes and elements summed, each route kind's arm the
+/// first part's that moved any.
+fn accumulate(total: &mut RunStats, part: &RunStats) {
+    let t = total;
+    for (sum, x) in [
+        (&mut t.wall_ns, part.wall_ns),
+        (&mut t.prepare_ns, part.prepare_ns),
+        (&mut t.enqueue_ns, part.enqueue_ns),
+        (&mut t.wait_ns, part.wait_ns),
+        (&mut t.local_ns, part.local_ns),
+        (&mut t.peer_ns, part.peer_ns),
+        (&mut t.verify_ns, part.verify_ns),
+        (&mut t.commit_ns, part.commit_ns),
+        (&mut t.device_ns, part.device_ns),
+        (&mut t.installed_bytes, part.installed_bytes),
+        (&mut t.verified_bytes, part.verified_bytes),
+        (&mut t.quantized_elements, part.quantized_elements),
+    ] {
+        *sum += x;
+    }
+    for k in 0..3 {
+        t.bytes[k] += part.bytes[k];
+        t.segments[k] += part.segments[k];
+        if arm_name(t.arm[k]) == "-" {
+            t.arm[k] = part.arm[k];
+        }
+    }
+    t.slices += part.slices;
+}
+
+/// A plan's stats (refit_plan_get_stats).
+fn plan_stats(plan: *mut refit_plan) -> Result<refit::plan::PlanStats, String> {
+    let mut s = unsafe { std::mem::zeroed::<refit::plan::PlanStats>() };
+    s.size = std::mem::size_of::<refit::plan::PlanStats>();
+    // SAFETY: a live plan; `s` has its size set.
+    ok(unsafe { refit_plan_get_stats(plan, &mut s) }, "refit_plan_get_stats")?;
+    Ok(s)
+}
+
+/// Bytes a step reads: what it copies, and under --serve fp8 the sources it quantizes in place
+/// (staged ones are needed bytes already: the routes carry them into staging).
+fn step_bytes(s: &refit::plan::PlanStats) -> u64 {
+    s.needed_bytes + s.quantized_direct_bytes
+}
+
+fn step_bytes_of(plan: *mut refit_plan) -> Result<u64, String> {
+    plan_stats(plan).map(|s| step_bytes(&s))
+}
+
+/// The plan of one part of phase 2's step: its quantized needs (and the plain ones, for the part that
+/// takes them), through the C API as the whole plan was.
+fn plan_part(
+    w: &Workload,
+    bases: &[u64],
+    layout: &fp8::Layout,
+    part: &fp8::Part,
+) -> Result<*mut refit_plan, String> {
+    let mut tables = w.tables(bases).map_err(|e| e.to_string())?;
+    layout.quantize_tables(w, &mut tables, Some(part))?;
+    plan_through_c(&tables).map_err(|(_, message)| message)
+}
+
 fn arm_name(code: u32) -> &'static str {
     match code {
         REFIT_ARM_KERNEL => "kernel",
@@ -737,6 +948,8 @@ fn run() -> Result<(), String> {
     let started = Instant::now();
     let cuda = cuda_backend().ok().filter(|b| b.device_count() > 0);
     let on_gpu = cuda.is_some();
+    // A dry run estimates a run on GPUs, here or not.
+    let as_gpu = on_gpu || args.dry_run;
     let available = cuda.as_ref().map_or(2, |b| b.device_count());
     let devices = args.devices.unwrap_or(available.min(2));
     let backend: Arc<dyn Backend> = match cuda {
@@ -744,14 +957,7 @@ fn run() -> Result<(), String> {
         None => Arc::new(HostBackend::new(devices).map_err(|e| e.to_string())?),
     };
     // The host backend keeps every simulated device in this machine's memory: one layer by default.
-    let layers = args.layers.unwrap_or(if on_gpu { 48 } else { 1 });
-
-    let mut options = unsafe { std::mem::zeroed::<refit_group_options>() };
-    ok(refit_group_options_init(&mut options), "refit_group_options_init")?;
-    options.backend = if on_gpu { REFIT_BACKEND_CUDA } else { REFIT_BACKEND_HOST };
-    let ordinals: Vec<i32> = (0..devices as i32).collect();
-    let mut group = std::ptr::null_mut();
-    ok(refit_group_create(ordinals.as_ptr(), ordinals.len(), &options, &mut group), "refit_group_create")?;
+    let layers = args.layers.unwrap_or(if as_gpu { 48 } else { 1 });
 
     let endpoints: Vec<Endpoint> =
         (0..devices as u32).map(|device| Endpoint { process: 0, device }).collect();
@@ -773,24 +979,25 @@ fn run() -> Result<(), String> {
     } else {
         "between simulated devices (memcpy)"
     };
+    let (kind, name) = match (on_gpu, as_gpu) {
+        (true, _) => ("CUDA device(s)", backend.device_name(0)),
+        (false, true) => ("GPU(s)", "dry run: no CUDA here, the memory a run on GPUs needs".to_string()),
+        (false, false) => {
+            ("simulated device(s) of the host backend: threads and host memory", backend.device_name(0))
+        }
+    };
     println!(
         "refit demo: Qwen3-30B-A3B ({layers} of 48 layers, BF16), Megatron EP{devices} publishers -> vLLM TP{devices} \
-         receivers, colocated on {devices} {} ({}), publisher layout {:?}",
-        if on_gpu { "CUDA device(s)" } else { "simulated device(s) of the host backend: threads and host memory" },
-        backend.device_name(0),
+         receivers, colocated on {devices} {kind} ({name}), publisher layout {:?}",
         args.layout,
     );
 
     let workload = Workload::generate(&spec).map_err(|e| e.to_string())?;
-    let total: u64 = workload.buffers.iter().map(|b| b.bytes).sum();
     let mut layout = match args.serve {
         Serve::Bf16 => None,
         Serve::Fp8 => Some(fp8::Layout::new(&workload)?),
     };
     let live_kinds = [fp8::Kind::Codes, fp8::Kind::Scales];
-    let arena_sizes: Vec<(u32, u64)> = layout.as_ref().map_or(Vec::new(), |l| {
-        l.arenas(&live_kinds).into_iter().map(|(device, _, bytes)| (device, bytes)).collect()
-    });
     if let Some(l) = &layout {
         let quantized = l.placements.len();
         println!(
@@ -802,18 +1009,49 @@ fn run() -> Result<(), String> {
             workload.needs.len() - quantized
         );
     }
-    print_memory_need(&workload, on_gpu, args.staging_limit_mib << 20, &arena_sizes)?;
-    println!("[1/5] allocating {} buffers, {:.2} GiB", workload.buffers.len(), gib(total));
-    let mut bases = Vec::with_capacity(workload.buffers.len());
-    for buffer in &workload.buffers {
-        bases.push(
-            backend.alloc(buffer.endpoint.device as i32, buffer.bytes as usize).map_err(|e| e.to_string())?,
+    let need = Need::new(&workload, layout.as_ref(), args.staging_limit_mib << 20);
+    print_memory_need(&workload, as_gpu, &need)?;
+    if args.dry_run {
+        return Ok(());
+    }
+
+    let mut options = unsafe { std::mem::zeroed::<refit_group_options>() };
+    ok(refit_group_options_init(&mut options), "refit_group_options_init")?;
+    options.backend = if on_gpu { REFIT_BACKEND_CUDA } else { REFIT_BACKEND_HOST };
+    let ordinals: Vec<i32> = (0..devices as i32).collect();
+    let mut group = std::ptr::null_mut();
+    ok(refit_group_create(ordinals.as_ptr(), ordinals.len(), &options, &mut group), "refit_group_create")?;
+
+    let (mut count, mut total, mut skipped, mut skipped_bytes) = (0, 0, 0, 0);
+    for (b, buffer) in workload.buffers.iter().enumerate() {
+        match need.unneeded[b] {
+            true => (skipped, skipped_bytes) = (skipped + 1, skipped_bytes + buffer.bytes),
+            false => (count, total) = (count + 1, total + buffer.bytes),
+        }
+    }
+    println!("[1/5] allocating {count} buffers, {:.2} GiB", gib(total));
+    if skipped > 0 {
+        println!(
+            "  (not the {skipped} receiver buffers whose needs are all quantized, {:.2} GiB: their needs land in the \
+             FP8 arenas)",
+            gib(skipped_bytes)
         );
+    }
+    // Base 0: not allocated (nothing is received there).
+    let mut bases = Vec::with_capacity(workload.buffers.len());
+    for (b, buffer) in workload.buffers.iter().enumerate() {
+        bases.push(match need.unneeded[b] {
+            true => 0,
+            false => backend
+                .alloc(buffer.endpoint.device as i32, buffer.bytes as usize)
+                .map_err(|e| e.to_string())?,
+        });
     }
     let mut arenas = Vec::new();
     if let Some(l) = &mut layout {
-        let fp8_total: u64 = arena_sizes.iter().map(|a| a.1).sum();
-        println!("  and {} FP8 arenas (codes, scales), {:.2} GiB", arena_sizes.len(), gib(fp8_total));
+        let live = l.arenas(&live_kinds);
+        let fp8_total: u64 = live.iter().map(|a| a.2).sum();
+        println!("  and {} FP8 arenas (codes, scales), {:.2} GiB", live.len(), gib(fp8_total));
         arenas = allocate_arenas(backend.as_ref(), l, &live_kinds)?;
     }
     let memory =
@@ -830,10 +1068,7 @@ fn run() -> Result<(), String> {
 
     println!("[3/5] planning through the C API (tables encoded, decoded, planned)");
     let plan = plan(&workload, &bases, layout.as_mut(), backend.as_ref(), &mut arenas)?;
-    let mut s = unsafe { std::mem::zeroed::<refit::plan::PlanStats>() };
-    s.size = std::mem::size_of::<refit::plan::PlanStats>();
-    // SAFETY: a live plan; `s` has its size set.
-    ok(unsafe { refit_plan_get_stats(plan, &mut s) }, "refit_plan_get_stats")?;
+    let s = plan_stats(plan)?;
     println!(
         "  {} offers in, {} kept; {:.2} GiB needed; every replica read: {} ranges; one owner per replica: {} ranges; \
          coalesced: {} strided segments ({} flat runs); built in {:.1} ms",
@@ -864,7 +1099,7 @@ fn run() -> Result<(), String> {
         );
     }
 
-    let make = |commit: u32, verify: bool, staging_mib: u64| -> Result<*mut refit_executor, String> {
+    let make = |plan: *mut refit_plan, commit: u32, verify: bool, staging_mib: u64| {
         let mut options = unsafe { std::mem::zeroed::<refit_executor_options>() };
         ok(refit_executor_options_init(&mut options), "refit_executor_options_init")?;
         options.arm = args.arm;
@@ -875,20 +1110,19 @@ fn run() -> Result<(), String> {
         let mut executor = std::ptr::null_mut();
         let t = Instant::now();
         ok(refit_executor_create(plan, group, 0, &options, &mut executor), "refit_executor_create")?;
-        println!(
-            "  executor created in {:.1} ms (descriptors built and uploaded, staging allocated)",
-            t.elapsed().as_secs_f64() * 1e3
-        );
-        Ok(executor)
+        Ok::<_, String>((executor, t.elapsed().as_secs_f64() * 1e3))
+    };
+    let created = |ms: f64| {
+        println!("  executor created in {ms:.1} ms (descriptors built and uploaded, staging allocated)")
     };
 
+    let all_receivers = receiver_regions(&workload, &memory);
     println!("[4/5] phase 1: {} direct steps (each run writes the live buffers)", args.steps);
-    poison_receivers(&workload, &memory)?;
-    let direct = make(REFIT_COMMIT_DIRECT, false, 0)?;
+    poison_receivers(&memory, &all_receivers)?;
+    let (direct, create_ms) = make(plan, REFIT_COMMIT_DIRECT, false, 0)?;
+    created(create_ms);
     let mut rows = Vec::new();
-    // Under --serve fp8 a step also reads the sources it quantizes in place (staged ones are needed
-    // bytes already: the routes carry them into staging).
-    let step_bytes = s.needed_bytes + s.quantized_direct_bytes;
+    let step_bytes = step_bytes(&s);
     let mut last_rate = None;
     for step in 0..args.steps {
         let mut stats = empty_stats();
@@ -906,37 +1140,114 @@ fn run() -> Result<(), String> {
     println!(
         "[5/5] phase 2: two staged, verified steps (run receives into staging and verifies; commit installs)"
     );
-    let staged = make(REFIT_COMMIT_STAGED, true, args.staging_limit_mib)?;
+    // One plan per part: each part's executor exists only while its part runs and commits.
+    let parts = &need.parts;
+    let mut part_plans = Vec::with_capacity(parts.len());
+    if parts.len() == 1 {
+        part_plans.push((plan, step_bytes));
+    } else {
+        let l = layout.as_ref().ok_or("phase 2 in parts without --serve fp8")?;
+        for part in parts {
+            let p = plan_part(&workload, &bases, l, part)?;
+            part_plans.push((p, step_bytes_of(p)?));
+        }
+    }
+    // One part: one executor for both steps, as a caller keeps it.
+    let kept = match parts.len() {
+        1 => {
+            let (executor, create_ms) = make(plan, REFIT_COMMIT_STAGED, true, args.staging_limit_mib)?;
+            created(create_ms);
+            Some(executor)
+        }
+        _ => None,
+    };
     let mut staged_rate = None;
     for step in 1..=2 {
-        poison_receivers(&workload, &memory)?;
-        let mut ran = empty_stats();
-        let what = format!("staged, verified run {step}");
-        let status = with_step_progress(&what, step_bytes, staged_rate, || {
-            refit_executor_run(staged, group, &mut ran)
-        });
-        ok(status, "refit_executor_run")?;
-        staged_rate = Some(gib(step_bytes) / (ran.wall_ns.max(1) as f64 / 1e9));
-        if ran.slices > 1 {
-            println!(
-                "  step {step}: {} slices; the run installed all but the last (the guarantee is per slice)",
-                ran.slices
-            );
-        } else if receivers_poisoned(&workload, &memory)? {
-            println!("  step {step}: after the run every live byte is unchanged (still the poison)");
-        } else {
-            return Err("a staged run changed live bytes before its commit".into());
+        poison_receivers(&memory, &all_receivers)?;
+        let (mut ran, mut committed) = (empty_stats(), empty_stats());
+        let mut slices = 0;
+        for (k, part) in parts.iter().enumerate() {
+            let (part_plan, part_bytes) = part_plans[k];
+            let (staged, create_ms) = match kept {
+                Some(executor) => (executor, 0.0),
+                None => make(part_plan, REFIT_COMMIT_STAGED, true, args.staging_limit_mib)?,
+            };
+            let of_part =
+                if parts.len() > 1 { format!(", part {} of {}", k + 1, parts.len()) } else { String::new() };
+            let mut part_ran = empty_stats();
+            let what = format!("staged, verified run {step}{of_part}");
+            let status = with_step_progress(&what, part_bytes, staged_rate, || {
+                refit_executor_run(staged, group, &mut part_ran)
+            });
+            ok(status, "refit_executor_run")?;
+            staged_rate = Some(gib(part_bytes) / (part_ran.wall_ns.max(1) as f64 / 1e9));
+            slices = slices.max(part_ran.slices);
+            // What this part's commit will install: its codes and scales (and the plain receivers).
+            let mut live = match &layout {
+                Some(l) if parts.len() > 1 => l.part_regions(part)?,
+                _ => all_receivers.clone(),
+            };
+            if parts.len() > 1 && part.plain {
+                live.extend(receiver_buffers(&workload, &memory));
+            }
+            let untouched = part_ran.slices > 1 || {
+                let what = match parts.len() {
+                    1 => "checking the live buffers are untouched".to_string(),
+                    n => format!("checking part {} of {n}'s live bytes are untouched", k + 1),
+                };
+                receivers_poisoned(&what, &memory, &live)?
+            };
+            if !untouched {
+                return Err(format!("a staged run{of_part} changed live bytes before its commit"));
+            }
+            let mut part_committed = empty_stats();
+            let what = format!("commit {step}{of_part}");
+            let status = with_step_progress(&what, part_bytes, last_rate, || {
+                refit_executor_commit(staged, group, &mut part_committed)
+            });
+            ok(status, "refit_executor_commit")?;
+            if kept.is_none() {
+                refit_executor_destroy(staged);
+            }
+            if parts.len() > 1 {
+                println!(
+                    "  step {step}, part {} of {} ({} quantized needs{}, {:.2} GiB of codes and scales): executor \
+                     created in {create_ms:.1} ms, run {:.1} ms, live bytes unchanged until the commit ({:.1} ms)",
+                    k + 1,
+                    parts.len(),
+                    part.placements.len(),
+                    if part.plain { " and the plain ones" } else { "" },
+                    gib(layout.as_ref().map_or(0, |l| l.part_bytes(part))),
+                    ms(part_ran.wall_ns),
+                    ms(part_committed.wall_ns)
+                );
+            }
+            accumulate(&mut ran, &part_ran);
+            accumulate(&mut committed, &part_committed);
         }
-        let mut committed = empty_stats();
-        let what = format!("commit {step}");
-        let status = with_step_progress(&what, step_bytes, last_rate, || {
-            refit_executor_commit(staged, group, &mut committed)
-        });
-        ok(status, "refit_executor_commit")?;
+        if slices > 1 {
+            println!(
+                "  step {step}: {slices} slices; the run installed all but the last (the guarantee is per slice)"
+            );
+        } else if parts.len() > 1 {
+            println!(
+                "  step {step}: in {} parts, each run left its live bytes unchanged (still the poison) until its commit",
+                parts.len()
+            );
+        } else {
+            println!("  step {step}: after the run every live byte is unchanged (still the poison)");
+        }
         rows.push((format!("staged run {step}"), ran));
         rows.push((format!("commit {step}"), committed));
     }
-    refit_executor_destroy(staged);
+    if let Some(executor) = kept {
+        refit_executor_destroy(executor);
+    }
+    if parts.len() > 1 {
+        for (p, _) in part_plans {
+            refit_plan_destroy(p);
+        }
+    }
     check_all(&workload, &memory, values, layout.as_ref())?;
 
     println!();
@@ -987,7 +1298,7 @@ fn run() -> Result<(), String> {
 
     refit_plan_destroy(plan);
     refit_group_destroy(group);
-    for (b, buffer) in workload.buffers.iter().enumerate() {
+    for (b, buffer) in workload.buffers.iter().enumerate().filter(|&(b, _)| bases[b] != 0) {
         // SAFETY: allocated above; nothing queued uses it any more (the group is destroyed).
         unsafe { backend.free(buffer.endpoint.device as i32, bases[b]) }.map_err(|e| e.to_string())?;
     }

@@ -8,15 +8,18 @@
 //! them would compare little more than NaN propagation.
 //!
 //! Codes and scales land in arenas the demo allocates on each receiving device, apart from the
-//! workload's bf16 receiver buffers (which then receive only the needs that stay bf16: the 1-D
-//! norms).
+//! workload's bf16 receiver buffers, which then receive only the needs that stay bf16 (the 1-D
+//! norms): those whose needs are all quantized are not allocated. Phase 2's staged executor holds
+//! codes and scales twice more (staging, and the verify's scratch), so its step runs in parts
+//! ([`Layout::parts`]).
 
-use super::{parallel, with_progress, Memory};
+use super::{parallel_with, with_progress, Memory};
 use refit::plan::{QuantNeed, Table};
 use refit::quant::reference::{quantize, SourceMatrix};
 use refit::quant::{Fp8, Granularity, Quantization, SourceType};
 use refit_workloads::{element_value, Placed, Workload};
 use std::collections::{BTreeMap, BTreeSet};
+use std::ops::Range;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 /// Rows and columns of a quantization block (DeepSeek-V3's weight blocks).
@@ -29,11 +32,9 @@ const ALIGN: u64 = 16;
 /// Scales are fp32.
 const SCALE_BYTES: u64 = 4;
 
-/// Host images of codes read from a GPU at one time, at most (one larger need is read alone).
-const BATCH_BYTES: u64 = 1 << 30;
-
-/// Source elements the reference quantizes per unit of work: whole block rows, about this many.
-const UNIT_ELEMENTS: u64 = 1 << 20;
+/// Source elements the reference quantizes per unit of work: whole block rows, about this many (on a
+/// GPU each unit is one read of its codes; a worker holds about 4 bytes per element).
+const UNIT_ELEMENTS: u64 = 1 << 22;
 
 /// The quantization every quantized need of the demo asks for.
 pub fn quantization() -> Quantization {
@@ -86,6 +87,25 @@ impl Placement {
     fn staging_bytes(&self) -> u64 {
         self.matrices * self.rows * self.cols * 2
     }
+
+    /// Bytes of the quantization staging a staged executor packs this need's codes and scales into
+    /// (src/exec/quantize.rs, `packed`: one job per matrix, code rows and each scale grid on 16
+    /// bytes); a verified one packs as much again to quantize a second time and compare.
+    pub fn packed_bytes(&self) -> u64 {
+        self.matrices
+            * (self.rows * self.pitch + (self.grid.0 * self.grid.1 * SCALE_BYTES).next_multiple_of(ALIGN))
+    }
+}
+
+/// Part of phase 2's step: a staged executor holds quantization staging (and a verify's scratch)
+/// for all of its quantized needs at once, beside `--staging-limit`, so the step runs in parts small
+/// enough to fit.
+#[derive(Clone, Debug)]
+pub struct Part {
+    /// Indices into the layout's placements.
+    pub placements: Range<usize>,
+    /// Whether the part also takes the plain (bf16) needs.
+    pub plain: bool,
 }
 
 /// What each arena of a device holds.
@@ -191,15 +211,77 @@ impl Layout {
         self.placements.iter().map(|p| p.matrices * p.rows * p.cols).sum()
     }
 
+    /// Cuts the quantized needs into parts whose staged, verified executor allocates at most `limit`
+    /// bytes of staging on each device (0: one part), counting `plain` (bytes of the plain needs'
+    /// staging by device) in the first part, which takes the plain needs. A need larger than the limit
+    /// is a part of its own.
+    pub fn parts(&self, limit: u64, plain: &BTreeMap<u32, u64>) -> Vec<Part> {
+        let mut parts = vec![Part { placements: 0..0, plain: true }];
+        let mut used = plain.clone();
+        for (k, p) in self.placements.iter().enumerate() {
+            let bytes = 2 * p.packed_bytes();
+            let on_device = used.get(&p.device).copied().unwrap_or(0);
+            let last = parts.last_mut().expect("one part at least");
+            if limit != 0 && !last.placements.is_empty() && on_device + bytes > limit {
+                parts.push(Part { placements: k..k, plain: false });
+                used.clear();
+            }
+            *used.entry(p.device).or_default() += bytes;
+            parts.last_mut().expect("one part at least").placements.end = k + 1;
+        }
+        parts
+    }
+
+    /// Staging a part's staged, verified executor allocates on each device for its quantized needs.
+    pub fn part_staging(&self, part: &Part) -> BTreeMap<u32, u64> {
+        let mut out = BTreeMap::new();
+        for p in &self.placements[part.placements.clone()] {
+            *out.entry(p.device).or_default() += 2 * p.packed_bytes();
+        }
+        out
+    }
+
+    /// Bytes of a part's codes and scales.
+    pub fn part_bytes(&self, part: &Part) -> u64 {
+        self.placements[part.placements.clone()].iter().map(|p| p.code_bytes() + p.scale_bytes()).sum()
+    }
+
+    /// The live codes and scales of a part, `(device, address, bytes)`: on each device the part's
+    /// placements lie one after another in each arena (placed in order).
+    pub fn part_regions(&self, part: &Part) -> Result<Vec<(u32, u64, u64)>, String> {
+        let mut spans: BTreeMap<(u32, Kind), (u64, u64)> = BTreeMap::new();
+        for p in &self.placements[part.placements.clone()] {
+            for (kind, at, bytes) in
+                [(Kind::Codes, p.codes, p.code_bytes()), (Kind::Scales, p.scales, p.scale_bytes())]
+            {
+                let span = spans.entry((p.device, kind)).or_insert((at, at + bytes));
+                *span = (span.0.min(at), span.1.max(at + bytes));
+            }
+        }
+        spans
+            .into_iter()
+            .map(|((device, kind), (start, end))| Ok((device, self.base(device, kind)? + start, end - start)))
+            .collect()
+    }
+
     /// Moves the quantized needs of `tables` (as `w.tables` made them, one table per process rank
-    /// in ascending order) into each table's `quant_needs`, pointed at the arenas.
-    pub fn quantize_tables<S>(&self, w: &Workload<S>, tables: &mut [Table]) -> Result<(), String> {
+    /// in ascending order) into each table's `quant_needs`, pointed at the arenas. With `part`, only
+    /// its quantized needs stay (and the plain ones only when it takes them).
+    pub fn quantize_tables<S>(
+        &self,
+        w: &Workload<S>,
+        tables: &mut [Table],
+        part: Option<&Part>,
+    ) -> Result<(), String> {
         // w.tables puts each rank's needs in the workload's order: map them back by rank.
         let ranks: BTreeSet<u32> = w.offers.iter().chain(&w.needs).map(|p| p.endpoint.process).collect();
         if ranks.len() != tables.len() {
             return Err(format!("{} tables for {} process ranks", tables.len(), ranks.len()));
         }
-        let by_need: BTreeMap<usize, &Placement> = self.placements.iter().map(|p| (p.need, p)).collect();
+        let by_need: BTreeMap<usize, (usize, &Placement)> =
+            self.placements.iter().enumerate().map(|(k, p)| (p.need, (k, p))).collect();
+        let keep_plain = part.is_none_or(|part| part.plain);
+        let keep = |k: usize| part.is_none_or(|part| part.placements.contains(&k));
         for (rank, table) in ranks.into_iter().zip(tables.iter_mut()) {
             let needs: Vec<usize> =
                 (0..w.needs.len()).filter(|&i| w.needs[i].endpoint.process == rank).collect();
@@ -212,10 +294,15 @@ impl Layout {
             }
             let mut plain = Vec::with_capacity(table.needs.len());
             for (need, i) in std::mem::take(&mut table.needs).into_iter().zip(needs) {
-                let Some(p) = by_need.get(&i) else {
-                    plain.push(need);
+                let Some(&(k, p)) = by_need.get(&i) else {
+                    if keep_plain {
+                        plain.push(need);
+                    }
                     continue;
                 };
+                if !keep(k) {
+                    continue;
+                }
                 if need.region != w.needs[i].region {
                     return Err(format!("rank {rank}: the table's needs are not in the workload's order"));
                 }
@@ -253,160 +340,157 @@ impl Layout {
     }
 
     /// Checks every code and every scale of every quantized need against the reference quantizer
-    /// over the need's box of finite values; returns the codes and scales checked.
+    /// over the need's box of finite values, on every core; returns the codes and scales checked.
     pub fn check<S: Sync>(&self, w: &Workload<S>, memory: &Memory) -> Result<(u64, u64), String> {
-        let total = self.elements();
-        let (codes, scales) = (AtomicU64::new(0), AtomicU64::new(0));
-        with_progress("checking every FP8 code and scale against the reference", total, |done| {
-            let mut devices: BTreeMap<u32, Vec<&Placement>> = BTreeMap::new();
-            for p in &self.placements {
-                devices.entry(p.device).or_default().push(p);
-            }
-            for (device, placements) in devices {
-                let (code_base, scale_base) =
-                    (self.base(device, Kind::Codes)?, self.base(device, Kind::Scales)?);
-                // On a GPU, needs are read into host images a batch at a time; on the host backend one
-                // batch reads the arenas in place.
-                let mut batch: Vec<&Placement> = Vec::new();
-                let mut bytes = 0;
-                for (k, p) in placements.iter().enumerate() {
-                    batch.push(p);
-                    bytes += p.code_bytes();
-                    let last = k + 1 == placements.len();
-                    if last || (memory.on_gpu && bytes + placements[k + 1].code_bytes() > BATCH_BYTES) {
-                        self.check_batch(
-                            w,
-                            memory,
-                            device,
-                            (code_base, scale_base),
-                            &batch,
-                            done,
-                            (&codes, &scales),
-                        )?;
-                        batch.clear();
-                        bytes = 0;
-                    }
+        // Units of whole block rows of one matrix: blocks never straddle two units, so the reference
+        // over a unit gives the codes and scales it gives over the whole matrix. Each unit reads its
+        // own codes and scales (from the device on a GPU), so reads and checks run side by side.
+        let mut units = Vec::new();
+        for (k, p) in self.placements.iter().enumerate() {
+            let per = (UNIT_ELEMENTS / (BLOCK * p.cols)).max(1);
+            for m in 0..p.matrices {
+                let mut i = 0;
+                while i < p.grid.0 {
+                    units.push(Unit {
+                        placement: k,
+                        matrix: m,
+                        block_row: i,
+                        block_rows: per.min(p.grid.0 - i),
+                    });
+                    i += per;
                 }
             }
+        }
+        let mut bases = BTreeMap::new();
+        for p in &self.placements {
+            if let std::collections::btree_map::Entry::Vacant(e) = bases.entry(p.device) {
+                e.insert((self.base(p.device, Kind::Codes)?, self.base(p.device, Kind::Scales)?));
+            }
+        }
+        let (codes, scales) = (AtomicU64::new(0), AtomicU64::new(0));
+        with_progress("checking every FP8 code and scale against the reference", self.elements(), |done| {
+            parallel_with(units.len(), Scratch::default, |scratch, u| {
+                let unit = units[u];
+                let p = &self.placements[unit.placement];
+                let arenas = *bases.get(&p.device).ok_or(format!("no arenas on device {}", p.device))?;
+                let (n_codes, n_scales) = self.check_unit(w, memory, arenas, unit, scratch)?;
+                codes.fetch_add(n_codes, Ordering::Relaxed);
+                scales.fetch_add(n_scales, Ordering::Relaxed);
+                done.fetch_add(n_codes, Ordering::Relaxed);
+                Ok(())
+            })?;
             Ok((codes.load(Ordering::Relaxed), scales.load(Ordering::Relaxed)))
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn check_batch<S: Sync>(
+    /// Checks one unit's codes and scales against the reference; returns the codes and scales checked.
+    fn check_unit<S>(
         &self,
         w: &Workload<S>,
         memory: &Memory,
-        device: u32,
         (code_base, scale_base): (u64, u64),
-        batch: &[&Placement],
-        done: &AtomicU64,
-        (codes, scales): (&AtomicU64, &AtomicU64),
-    ) -> Result<(), String> {
-        let mut images: Vec<(Vec<u8>, Vec<u8>)> = Vec::new();
-        if memory.on_gpu {
-            for p in batch {
-                let mut image = (vec![0u8; p.code_bytes() as usize], vec![0u8; p.scale_bytes() as usize]);
-                // SAFETY: both ranges lie inside the arenas allocated on this device with these sizes.
-                unsafe {
-                    memory
-                        .backend
-                        .read(device as i32, code_base + p.codes, &mut image.0)
-                        .map_err(|e| e.to_string())?;
-                    memory
-                        .backend
-                        .read(device as i32, scale_base + p.scales, &mut image.1)
-                        .map_err(|e| e.to_string())?;
-                }
-                images.push(image);
+        unit: Unit,
+        scratch: &mut Scratch,
+    ) -> Result<(u64, u64), String> {
+        let p = &self.placements[unit.placement];
+        let (m, i, count) = (unit.matrix, unit.block_row, unit.block_rows);
+        let need = &w.needs[p.need];
+        let name = &w.catalog.tensors[need.tensor as usize].name;
+        let row0 = i * BLOCK;
+        let rows = (count * BLOCK).min(p.rows - row0);
+        // The unit's codes (its rows, `pitch` apart) and its scales, both contiguous in the arenas.
+        let code_at = code_base + p.codes + (m * p.rows + row0) * p.pitch;
+        let code_len = (rows * p.pitch) as usize;
+        let scale_at = scale_base + p.scales + (m * p.grid.0 + i) * p.grid.1 * SCALE_BYTES;
+        let scale_len = (count * p.grid.1 * SCALE_BYTES) as usize;
+        let (got_codes, got_scales): (&[u8], &[u8]) = if memory.on_gpu {
+            scratch.got_codes.resize(code_len, 0);
+            scratch.got_scales.resize(scale_len, 0);
+            // SAFETY: both ranges lie inside the arenas allocated on this device with these sizes.
+            unsafe {
+                memory
+                    .backend
+                    .read(p.device as i32, code_at, &mut scratch.got_codes)
+                    .map_err(|e| e.to_string())?;
+                memory
+                    .backend
+                    .read(p.device as i32, scale_at, &mut scratch.got_scales)
+                    .map_err(|e| e.to_string())?;
             }
-        }
-        let on_gpu = memory.on_gpu;
-        let view = |k: usize| -> (&[u8], &[u8]) {
-            let p = batch[k];
-            if on_gpu {
-                return (&images[k].0, &images[k].1);
-            }
-            let (c, s) =
-                ((code_base + p.codes) as usize as *const u8, (scale_base + p.scales) as usize as *const u8);
+            (&scratch.got_codes, &scratch.got_scales)
+        } else {
             // SAFETY: on the host backend the arenas are host memory, allocated with these sizes; the
             // executors that write them are done (their calls return complete), so nothing writes
             // while they are read.
             unsafe {
                 (
-                    std::slice::from_raw_parts(c, p.code_bytes() as usize),
-                    std::slice::from_raw_parts(s, p.scale_bytes() as usize),
+                    std::slice::from_raw_parts(code_at as usize as *const u8, code_len),
+                    std::slice::from_raw_parts(scale_at as usize as *const u8, scale_len),
                 )
             }
         };
-        // Units of whole block rows of one matrix: blocks never straddle two units, so the reference
-        // over a unit gives the codes and scales it gives over the whole matrix.
-        let mut work = Vec::new();
-        for (k, p) in batch.iter().enumerate() {
-            let per = (UNIT_ELEMENTS / (BLOCK * p.cols)).max(1);
-            for m in 0..p.matrices {
-                let mut i = 0;
-                while i < p.grid.0 {
-                    work.push((k, m * p.grid.0 + i, per.min(p.grid.0 - i)));
-                    i += per;
-                }
-            }
+        let source = &mut scratch.source;
+        source.clear();
+        source.reserve((rows * p.cols * 2) as usize);
+        for r in 0..rows {
+            let global = global_index(w, need, m, row0 + r);
+            source.extend((0..p.cols).flat_map(|c| finite_bf16(need.tensor, global + c).to_le_bytes()));
         }
-        parallel(&work, |k, first, count| {
-            let p = batch[k];
-            let (got_codes, got_scales) = view(k);
-            let (m, i) = (first / p.grid.0, first % p.grid.0);
-            let need = &w.needs[p.need];
-            let name = &w.catalog.tensors[need.tensor as usize].name;
-            let row0 = i * BLOCK;
-            let rows = (count * BLOCK).min(p.rows - row0);
-            let mut source = vec![0u8; (rows * p.cols * 2) as usize];
-            for r in 0..rows {
-                let global = global_index(w, need, m, row0 + r);
-                for c in 0..p.cols {
-                    let at = ((r * p.cols + c) * 2) as usize;
-                    source[at..at + 2].copy_from_slice(&finite_bf16(need.tensor, global + c).to_le_bytes());
-                }
-            }
-            let matrix =
-                SourceMatrix { bytes: &source, source: SourceType::Bf16, rows, cols: p.cols, stride: p.cols };
-            let mut want_codes = vec![0u8; (rows * p.cols) as usize];
-            let mut want_scales = vec![0u8; (count * p.grid.1 * SCALE_BYTES) as usize];
-            quantize(quantization(), &matrix, &mut want_codes, p.cols, &mut want_scales, p.grid.1);
-            for r in 0..rows {
-                let at = ((m * p.rows + row0 + r) * p.pitch) as usize;
-                let got = &got_codes[at..at + p.cols as usize];
-                let want = &want_codes[(r * p.cols) as usize..((r + 1) * p.cols) as usize];
-                if let Some(c) = (0..got.len()).find(|&c| got[c] != want[c]) {
-                    let global = global_index(w, need, m, row0 + r) + c as u64;
-                    return Err(format!(
-                        "device {}: the FP8 code of element {global} of {name} is {:#04x}; the reference gives {:#04x}",
-                        p.device, got[c], want[c]
-                    ));
-                }
-            }
-            let at = ((m * p.grid.0 + i) * p.grid.1 * SCALE_BYTES) as usize;
-            let got = &got_scales[at..at + want_scales.len()];
-            if let Some(b) = (0..got.len()).find(|&b| got[b] != want_scales[b]) {
-                let s = b as u64 / SCALE_BYTES;
-                let scale = |bytes: &[u8]| {
-                    f32::from_le_bytes(bytes[(s * 4) as usize..][..4].try_into().unwrap_or([0; 4]))
-                };
+        let matrix =
+            SourceMatrix { bytes: source, source: SourceType::Bf16, rows, cols: p.cols, stride: p.cols };
+        scratch.want_codes.resize((rows * p.cols) as usize, 0);
+        scratch.want_scales.resize(scale_len, 0);
+        let (want_codes, want_scales) = (&mut scratch.want_codes, &mut scratch.want_scales);
+        quantize(quantization(), &matrix, want_codes, p.cols, want_scales, p.grid.1);
+        let cols = p.cols as usize;
+        for r in 0..rows as usize {
+            let got = &got_codes[r * p.pitch as usize..][..cols];
+            let want = &want_codes[r * cols..][..cols];
+            if got != want {
+                let c = (0..cols).find(|&c| got[c] != want[c]).unwrap_or(0);
+                let global = global_index(w, need, m, row0 + r as u64) + c as u64;
                 return Err(format!(
-                    "device {}: the scale of block ({}, {}) of matrix {m} of {name}'s received box is {:e}; the reference gives {:e}",
-                    p.device,
-                    i + s / p.grid.1,
-                    s % p.grid.1,
-                    scale(got),
-                    scale(&want_scales)
+                    "device {}: the FP8 code of element {global} of {name} is {:#04x}; the reference gives {:#04x}",
+                    p.device, got[c], want[c]
                 ));
             }
-            codes.fetch_add(rows * p.cols, Ordering::Relaxed);
-            scales.fetch_add(count * p.grid.1, Ordering::Relaxed);
-            done.fetch_add(rows * p.cols, Ordering::Relaxed);
-            Ok(())
-        })
+        }
+        if got_scales != &want_scales[..] {
+            let b = (0..scale_len).find(|&b| got_scales[b] != want_scales[b]).unwrap_or(0);
+            let s = b as u64 / SCALE_BYTES;
+            let scale = |bytes: &[u8]| {
+                f32::from_le_bytes(bytes[(s * 4) as usize..][..4].try_into().unwrap_or([0; 4]))
+            };
+            return Err(format!(
+                "device {}: the scale of block ({}, {}) of matrix {m} of {name}'s received box is {:e}; the reference gives {:e}",
+                p.device,
+                i + s / p.grid.1,
+                s % p.grid.1,
+                scale(got_scales),
+                scale(want_scales)
+            ));
+        }
+        Ok((rows * p.cols, count * p.grid.1))
     }
+}
+
+/// Whole block rows of one matrix of one quantized need: what one worker checks at a time.
+#[derive(Clone, Copy)]
+struct Unit {
+    placement: usize,
+    matrix: u64,
+    block_row: u64,
+    block_rows: u64,
+}
+
+/// A worker's buffers, reused from unit to unit.
+#[derive(Default)]
+struct Scratch {
+    source: Vec<u8>,
+    want_codes: Vec<u8>,
+    want_scales: Vec<u8>,
+    got_codes: Vec<u8>,
+    got_scales: Vec<u8>,
 }
 
 /// The tensor's flat index of the first element of row `row` of matrix `m` of a need's box.
