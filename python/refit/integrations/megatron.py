@@ -365,8 +365,9 @@ _LAYER_NAMES = {
 # projections split over TP by the local spec's ColumnParallelLinear and gathered at run time, or
 # whole under Transformer Engine's duplicated TELinear) is the sharded state dict's to say.
 # Norms: the local spec's q_layernorm / kv_layernorm, or the Transformer Engine spec's fused
-# layer_norm_weight of the up projections they feed (mla_qk_norm_config.py). Tested with the local
-# spec (frameworks/test_megatron_mla.py); the Transformer Engine spellings are read from its source.
+# layer_norm_weight of the up projections they feed (mla_qk_norm_config.py). Tested with both specs
+# (frameworks/test_megatron_mla.py, test_megatron_te_mla.py: Transformer Engine's own modules, its
+# compiled kernels stood in).
 # With qk_layernorm and no q LoRA, megatron-core fuses a Q norm into linear_q_proj that DeepSeek's
 # checkpoint has no tensor for: it stays unnamed (None), so a strict publisher refuses it rather
 # than offering it under an invented name.
