@@ -736,13 +736,17 @@ pub struct refit_need_quantization {
 ///   into `staging` like any need, then quantized there by the receiving device. Planning fails with
 ///   UNSUPPORTED, naming the tensor and why, when the need has no staging.
 ///
-/// An executor runs the quantization after the step's copies (direct commit: within the run). Under
-/// staged commit nothing live is written before the commit: in-place codes and scales are
-/// quantized into staging at the run and installed at the commit; staged needs are quantized at the
-/// commit, from their staging once the commit has filled it. refit_run_stats.quantized_elements
-/// counts what each call quantized. With refit_executor_options.verify, each job is quantized a second
-/// time into scratch and its codes and scales compared with that on the device (VERIFY_MISMATCH
-/// names the tensor; refit_run_stats.verified_bytes counts them). refit_executor_create refuses codes
+/// An executor quantizes in place within the step's copies (on CUDA, in the same launch as the
+/// device's batched copy where the step has one and nothing is verified; else right after the
+/// copies) and staged needs after the copies (direct commit: all within the run). Under staged
+/// commit nothing live is written before the commit: in-place codes and scales are quantized into
+/// staging at the run and installed at the commit; staged needs are quantized at the commit, from
+/// their staging once the commit has filled it. That staging is device memory the executor
+/// allocates, as many bytes as the in-place codes and scales, beside staging_limit.
+/// refit_run_stats.quantized_elements counts what each call quantized. With
+/// refit_executor_options.verify, each job is quantized a second time into scratch (as many bytes
+/// as its codes and scales, also beside staging_limit) and its codes and scales compared with that
+/// on the device (VERIFY_MISMATCH names the tensor; refit_run_stats.verified_bytes counts them). refit_executor_create refuses codes
 /// or scales that share a byte with another quantized need's (OVERLAP), memory that is not the
 /// device's (INVALID_ARGUMENT, as for every address of a plan), and an in-place path from a device
 /// that cannot write the receiver's memory (UNSUPPORTED: no peer access; give the need staging).
