@@ -186,6 +186,50 @@ def projections(hf: Any) -> Tuple[str, ...]:
     return (*q, "linear_kv_down_proj", "linear_kv_up_proj")
 
 
+def mark_rows(attentions: List, names: Tuple[str, ...], hf: Any):
+    """Marks row R of projection `names[P]` of attention m with m * 10000 + P * 1000 + R in column 0
+    (zeros elsewhere); returns the input that reads those marks out (unit vector e0 at position 0)
+    and the decoder of a mark: (m, projection, R)."""
+    x = torch.zeros(1, 1, hf.hidden_size)
+    x[0, 0, 0] = 1.0
+    for m, attention in enumerate(attentions):
+        for p, name in enumerate(names):
+            weight = getattr(attention, name).weight
+            weight.data.zero_()
+            weight.data[:, 0] = torch.arange(weight.shape[0], dtype=torch.float32) + m * 10000 + p * 1000
+
+    def decode(number: float) -> Tuple[int, str, int]:
+        m, rest = divmod(int(number), 10000)
+        p, row = divmod(rest, 1000)
+        return m, names[p], row
+
+    return x, decode
+
+
+def claim_heads(found: dict, decode, qkv: Tuple, tp_rank: int, hf: Any) -> None:
+    """Claims, for every head of one TP rank's query, key and value (from megatron-core's
+    get_query_key_value_tensors over mark_rows' input), the checkpoint row each element came from,
+    as DeepSeek's modeling code orders them (heads of q_head_dim = nope + rope rows; kv_b_proj heads
+    of nope + v rows; kv_a_proj_with_mqa's rope rows after its kv_lora_rank latent rows; interleaved
+    rope pairs, see rope_row)."""
+    query, key, value = qkv
+    nope, rope, v, latent = hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim, hf.kv_lora_rank
+    q_name = "q_proj" if hf.q_lora_rank is None else "q_b_proj"
+    q_head = nope + rope
+    heads = query.shape[2]
+    for i in range(heads):
+        h = tp_rank * heads + i
+        for d in range(q_head):
+            row = h * q_head + (d if d < nope else nope + rope_row(d - nope, rope))
+            claim(found, decode(query[0, 0, i, d]), (q_name, row))
+        for d in range(nope):
+            claim(found, decode(key[0, 0, i, d]), ("kv_b_proj", h * (nope + v) + d))
+        for d in range(rope):
+            claim(found, decode(key[0, 0, i, nope + d]), ("kv_a_proj_with_mqa", latent + rope_row(d, rope)))
+        for d in range(v):
+            claim(found, decode(value[0, 0, i, d]), ("kv_b_proj", h * (nope + v) + nope + d))
+
+
 def mla_rows(attentions: List, tp_rank_of: List[int], hf: Any) -> Dict[Tuple[int, str, int], Tuple[str, int]]:
     """{(model index, Megatron projection, local row): (checkpoint tensor suffix, row)} for the TP
     ranks of one layer, read from megatron-core's own get_query_key_value_tensors: row R of
@@ -198,14 +242,8 @@ def mla_rows(attentions: List, tp_rank_of: List[int], hf: Any) -> Dict[Tuple[int
     nope + rope rows; kv_b_proj heads of nope + v rows; kv_a_proj_with_mqa = kv_lora_rank latent
     rows, then the rope rows; interleaved rope pairs, see rope_row)."""
     names = projections(hf)
-    nope, rope, v, latent = hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim, hf.kv_lora_rank
-    x = torch.zeros(1, 1, hf.hidden_size)
-    x[0, 0, 0] = 1.0
-    for m, attention in enumerate(attentions):
-        for p, name in enumerate(names):
-            weight = getattr(attention, name).weight
-            weight.data.zero_()
-            weight.data[:, 0] = torch.arange(weight.shape[0], dtype=torch.float32) + m * 10000 + p * 1000
+    latent = hf.kv_lora_rank
+    x, decode = mark_rows(attentions, names, hf)
 
     def gather(local, group=None):
         # Called for the q down projection (with q LoRA) and the kv one; told apart by width.
@@ -214,13 +252,7 @@ def mla_rows(attentions: List, tp_rank_of: List[int], hf: Any) -> Dict[Tuple[int
         (name,) = [n for n in which if width[n] == local.shape[-1]]
         return torch.cat([getattr(a, name)(x)[0] for a in attentions], dim=-1)
 
-    def decode(number: float) -> Tuple[int, str, int]:
-        m, rest = divmod(int(number), 10000)
-        p, row = divmod(rest, 1000)
-        return m, names[p], row
-
     found: Dict[Tuple[int, str, int], Tuple[str, int]] = {}
-    q_head = nope + rope
     with patched(multi_latent_attention, "gather_from_tensor_model_parallel_region", gather), on_cpu(), torch.no_grad():
         for m, attention in enumerate(attentions):
             seen = {}
@@ -239,20 +271,7 @@ def mla_rows(attentions: List, tp_rank_of: List[int], hf: Any) -> Dict[Tuple[int
                 if hf.q_lora_rank is not None:
                     stack.enter_context(patched(attention.q_layernorm, "forward", capture("q")))
                 query, key, value = attention.get_query_key_value_tensors(x)[:3]
-            q_name = "q_proj" if hf.q_lora_rank is None else "q_b_proj"
-            heads = query.shape[2]
-            first = tp_rank_of[m] * heads
-            for i in range(heads):
-                h = first + i
-                for d in range(q_head):
-                    row = h * q_head + (d if d < nope else nope + rope_row(d - nope, rope))
-                    claim(found, decode(query[0, 0, i, d]), (q_name, row))
-                for d in range(nope):
-                    claim(found, decode(key[0, 0, i, d]), ("kv_b_proj", h * (nope + v) + d))
-                for d in range(rope):
-                    claim(found, decode(key[0, 0, i, nope + d]), ("kv_a_proj_with_mqa", latent + rope_row(d, rope)))
-                for d in range(v):
-                    claim(found, decode(value[0, 0, i, d]), ("kv_b_proj", h * (nope + v) + nope + d))
+            claim_heads(found, decode, (query, key, value), tp_rank_of[m], hf)
             for d in range(latent):
                 claim(found, decode(seen["kv"][0, 0, d]), ("kv_a_proj_with_mqa", d))
             if hf.q_lora_rank is not None:

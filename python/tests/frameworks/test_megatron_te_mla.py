@@ -127,7 +127,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig  #
 
 import compare  # noqa: E402
 import vllm_harness as harness  # noqa: E402
-from test_megatron_mla import Q_LORA, checkpoint, on_cpu, projections, rope_row  # noqa: E402
+from test_megatron_mla import Q_LORA, checkpoint, claim_heads, mark_rows, on_cpu, projections  # noqa: E402
 from test_megatron_publisher import StandIn, Stop, claim, fill_ends, fill_rows, patched  # noqa: E402
 
 from refit.integrations import megatron as refit_megatron  # noqa: E402
@@ -257,42 +257,16 @@ def mla_rows(
     kv_b_proj's is kv_a_layernorm (NORM_BEFORE); the layer's input itself, before q_proj's rows,
     is a norm DeepSeek does not have."""
     names = projections(hf)
-    nope, rope, v, latent = hf.qk_nope_head_dim, hf.qk_rope_head_dim, hf.v_head_dim, hf.kv_lora_rank
-    x = torch.zeros(1, 1, hf.hidden_size)
-    x[0, 0, 0] = 1.0
-    for m, attention in enumerate(attentions):
-        for p, name in enumerate(names):
-            weight = getattr(attention, name).weight
-            weight.data.zero_()
-            weight.data[:, 0] = torch.arange(weight.shape[0], dtype=torch.float32) + m * 10000 + p * 1000
-
-    def decode(number: float) -> Tuple[int, str, int]:
-        m, rest = divmod(int(number), 10000)
-        p, row = divmod(rest, 1000)
-        return m, names[p], row
+    x, decode = mark_rows(attentions, names, hf)
 
     found: Dict[Tuple[int, str, int], Tuple[str, int]] = {}
     norms: Dict[Tuple[int, str], Any] = {}
-    q_head = nope + rope
     seen: Dict[Any, torch.Tensor] = {}
     with torch_forwards(models, seen), on_cpu(), torch.no_grad():
         for m, attention in enumerate(attentions):
             seen.clear()
-            query, key, value = attention.get_query_key_value_tensors(x)[:3]
-            q_name = "q_proj" if hf.q_lora_rank is None else "q_b_proj"
-            heads = query.shape[2]
-            first = tp_rank_of[m] * heads
-            for i in range(heads):
-                h = first + i
-                for d in range(q_head):
-                    row = h * q_head + (d if d < nope else nope + rope_row(d - nope, rope))
-                    claim(found, decode(query[0, 0, i, d]), (q_name, row))
-                for d in range(nope):
-                    claim(found, decode(key[0, 0, i, d]), ("kv_b_proj", h * (nope + v) + d))
-                for d in range(rope):
-                    claim(found, decode(key[0, 0, i, nope + d]), ("kv_a_proj_with_mqa", latent + rope_row(d, rope)))
-                for d in range(v):
-                    claim(found, decode(value[0, 0, i, d]), ("kv_b_proj", h * (nope + v) + nope + d))
+            qkv = attention.get_query_key_value_tensors(x)[:3]
+            claim_heads(found, decode, qkv, tp_rank_of[m], hf)
             fused = {name: getattr(attention, name) for name in names if getattr(attention, name) in seen}
             if set(fused) != {n for n in names if n.endswith("up_proj") or n == "linear_q_proj"}:
                 raise AssertionError(f"the TE spec's fused norms are in {sorted(fused)}")
