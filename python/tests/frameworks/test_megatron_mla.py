@@ -280,6 +280,21 @@ def mla_rows(attentions: List, tp_rank_of: List[int], hf: Any) -> Dict[Tuple[int
     return found
 
 
+def assert_equal_loads(test: unittest.TestCase, where: str, result, parts: Tuple[str, ...]) -> None:
+    """One vLLM rank's comparison (compare.run_rank): every element refit installed equal to vLLM's
+    own load, the same parameters written by both, and a checkpoint tensor of each of `parts` among
+    those moved (placed in a parameter, or staged for the engine's loader), not left out."""
+    print(f"\n  {where}: {result.params} parameters, {result.elements} elements equal; {result.notes}", file=sys.stderr)
+    test.assertEqual(result.mismatches, [], f"{where}; {result.notes}")
+    test.assertEqual(result.only_loader, [], f"{where}: parameters only vLLM's loader writes")
+    test.assertEqual(result.only_refit, [], f"{where}: parameters only refit writes")
+    test.assertGreater(result.elements, 0, where)
+    recording = result.recording
+    moved = {piece.tensor for layout in recording.layouts for piece in layout.pieces} | set(recording.staged)
+    for part in parts:
+        test.assertTrue(any(f".{part}." in name for name in moved), f"{where}: no {part} tensor moved")
+
+
 def fill_mlp(mlp, rank: int, hf: str, ckpt, testcase) -> None:
     """A dense MLP, a routed expert or the shared experts: fc1 rows by megatron-core's own forward,
     fc2 columns by its own partition size."""
@@ -361,17 +376,7 @@ class MegatronMlaTest(unittest.TestCase):
         parts += ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj", "shared_experts.gate_proj", "shared_experts.down_proj")
         for result in self.refit(tp, ep, parallel, q_lora=q_lora, etp=etp, pp=pp):
             where = f"Megatron tp {tp} ep {ep} etp {etp} pp {pp} -> vLLM {parallel.label()} rank tp{result.tp_rank}"
-            print(f"\n  {where}: {result.params} parameters, {result.elements} elements equal; {result.notes}", file=sys.stderr)
-            self.assertEqual(result.mismatches, [], f"{where}; {result.notes}")
-            self.assertEqual(result.only_loader, [], f"{where}: parameters only vLLM's loader writes")
-            self.assertEqual(result.only_refit, [], f"{where}: parameters only refit writes")
-            self.assertGreater(result.elements, 0, where)
-            # The MLA and shared-expert checkpoint tensors are among those moved (placed in a
-            # parameter, or staged for the engine's loader), not left out of the comparison.
-            recording = result.recording
-            moved = {piece.tensor for layout in recording.layouts for piece in layout.pieces} | set(recording.staged)
-            for part in parts:
-                self.assertTrue(any(f".{part}." in name for name in moved), f"{where}: no {part} tensor moved")
+            assert_equal_loads(self, where, result, parts)
 
     def test_megatron_tp1_to_vllm_tp1(self):
         self.check(1, 1, harness.Parallel(1))

@@ -127,7 +127,15 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig  #
 
 import compare  # noqa: E402
 import vllm_harness as harness  # noqa: E402
-from test_megatron_mla import Q_LORA, checkpoint, claim_heads, mark_rows, on_cpu, projections  # noqa: E402
+from test_megatron_mla import (  # noqa: E402
+    Q_LORA,
+    assert_equal_loads,
+    checkpoint,
+    claim_heads,
+    mark_rows,
+    on_cpu,
+    projections,
+)
 from test_megatron_publisher import StandIn, Stop, claim, fill_ends, fill_rows, patched  # noqa: E402
 
 from refit.integrations import megatron as refit_megatron  # noqa: E402
@@ -384,15 +392,7 @@ class MegatronTeMlaTest(unittest.TestCase):
         parts += ("kv_a_proj_with_mqa", "kv_a_layernorm", "kv_b_proj", "o_proj")
         for result in self.refit(tp, parallel, q_lora=q_lora):
             where = f"Megatron TE spec tp {tp}{'' if q_lora else ' (V2-Lite)'} -> vLLM {parallel.label()} rank tp{result.tp_rank}"
-            print(f"\n  {where}: {result.params} parameters, {result.elements} elements equal; {result.notes}", file=sys.stderr)
-            self.assertEqual(result.mismatches, [], f"{where}; {result.notes}")
-            self.assertEqual(result.only_loader, [], f"{where}: parameters only vLLM's loader writes")
-            self.assertEqual(result.only_refit, [], f"{where}: parameters only refit writes")
-            self.assertGreater(result.elements, 0, where)
-            recording = result.recording
-            moved = {piece.tensor for layout in recording.layouts for piece in layout.pieces} | set(recording.staged)
-            for part in parts:
-                self.assertTrue(any(f".{part}." in name for name in moved), f"{where}: no {part} tensor moved")
+            assert_equal_loads(self, where, result, parts)
 
     def test_te_tp1_to_vllm_tp1(self):
         self.check(1, harness.Parallel(1))
