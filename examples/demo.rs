@@ -847,10 +847,6 @@ fn check_all(
     Ok(())
 }
 
-fn empty_stats() -> RunStats {
-    RunStats::default()
-}
-
 /// Adds a part's stats into its step's: times, bytes and elements summed, each route kind's arm the
 /// first part's that moved any.
 fn accumulate(total: &mut RunStats, part: &RunStats) {
@@ -1125,7 +1121,7 @@ fn run() -> Result<(), String> {
     let step_bytes = step_bytes(&s);
     let mut last_rate = None;
     for step in 0..args.steps {
-        let mut stats = empty_stats();
+        let mut stats = RunStats::default();
         let what = format!("direct step {}", step + 1);
         let status = with_step_progress(&what, step_bytes, last_rate, || {
             refit_executor_run(direct, group, &mut stats)
@@ -1164,7 +1160,7 @@ fn run() -> Result<(), String> {
     let mut staged_rate = None;
     for step in 1..=2 {
         poison_receivers(&memory, &all_receivers)?;
-        let (mut ran, mut committed) = (empty_stats(), empty_stats());
+        let (mut ran, mut committed) = (RunStats::default(), RunStats::default());
         let mut slices = 0;
         for (k, part) in parts.iter().enumerate() {
             let (part_plan, part_bytes) = part_plans[k];
@@ -1174,7 +1170,7 @@ fn run() -> Result<(), String> {
             };
             let of_part =
                 if parts.len() > 1 { format!(", part {} of {}", k + 1, parts.len()) } else { String::new() };
-            let mut part_ran = empty_stats();
+            let mut part_ran = RunStats::default();
             let what = format!("staged, verified run {step}{of_part}");
             let status = with_step_progress(&what, part_bytes, staged_rate, || {
                 refit_executor_run(staged, group, &mut part_ran)
@@ -1200,7 +1196,7 @@ fn run() -> Result<(), String> {
             if !untouched {
                 return Err(format!("a staged run{of_part} changed live bytes before its commit"));
             }
-            let mut part_committed = empty_stats();
+            let mut part_committed = RunStats::default();
             let what = format!("commit {step}{of_part}");
             let status = with_step_progress(&what, part_bytes, last_rate, || {
                 refit_executor_commit(staged, group, &mut part_committed)

@@ -2094,10 +2094,11 @@ refit_status refit_plan_quant_route(const refit_plan *plan,
  * refit_run_stats.quantized_elements counts what each call quantized. With
  * refit_executor_options.verify, each job is quantized a second time into scratch (as many bytes
  * as its codes and scales, also beside staging_limit) and its codes and scales compared with that
- * on the device (VERIFY_MISMATCH names the tensor; refit_run_stats.verified_bytes counts them). refit_executor_create refuses codes
- * or scales that share a byte with another quantized need's (OVERLAP), memory that is not the
- * device's (INVALID_ARGUMENT, as for every address of a plan), and an in-place path from a device
- * that cannot write the receiver's memory (UNSUPPORTED: no peer access; give the need staging).
+ * on the device (VERIFY_MISMATCH names the tensor; refit_run_stats.verified_bytes counts them).
+ * refit_executor_create refuses codes or scales that share a byte with another quantized need's
+ * (OVERLAP), memory that is not the device's (INVALID_ARGUMENT, as for every address of a plan),
+ * and an in-place path from a device that cannot write the receiver's memory (UNSUPPORTED: no
+ * peer access; give the need staging).
  * refit_executor_rebind of a range that quantized needs read or write is UNSUPPORTED and changes
  * nothing.
  *

@@ -205,17 +205,17 @@ impl Batch {
         }
     }
 
-    /// Has the kernel's launch also run `jobs` (prepared on this batch's device), in its blocks after
-    /// the copy's (`kernels/copy_quantize.cu`), so that the stage ends with one launch. Only a plain
-    /// copy launch carries them (the CUDA backend, a kernel part that records no digests); returns
-    /// whether this one does. The jobs must write nothing the batch reads or writes, and read
-    /// nothing it writes.
+    /// Has the kernel's launch also run `jobs` (prepared by the CUDA backend on this batch's
+    /// device), in its blocks after the copy's, so that the stage ends with one launch (where one
+    /// launch cannot do both, `launch_with_copy` queues two). Returns whether this batch took them:
+    /// it needs a kernel part, and carries one set of jobs at most. The jobs must write nothing the
+    /// batch reads or writes, and read nothing it writes.
     pub fn carry(&mut self, jobs: &Arc<dyn PreparedQuantize>) -> bool {
-        let plain = self.kernel.as_ref().is_some_and(|k| k.prepared.parts().tile_digests.is_none());
-        if plain && self.rider.is_none() && jobs.on_cuda().is_some() {
+        let takes = self.kernel.is_some() && self.rider.is_none() && jobs.on_cuda().is_some();
+        if takes {
             self.rider = Some(Arc::clone(jobs));
         }
-        self.rider.as_ref().is_some_and(|rider| Arc::ptr_eq(rider, jobs))
+        takes
     }
 
     /// The kernel part's launch on `stream`, with the jobs it carries.

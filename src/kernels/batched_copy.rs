@@ -127,21 +127,7 @@ impl BatchedCopy {
         let mut ns = ns;
         let mut params: [*mut c_void; 1] = [(&mut ns as *mut u64).cast()];
         // SAFETY: refit_pause takes one u64, passed by value.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                self.pause,
-                1,
-                1,
-                1,
-                32,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        unsafe { module::launch(self.pause, 1, 32, stream, &mut params) }
     }
 
     /// `launch` on a grid the compare entry point keeps resident (any grid walks every tile).
@@ -216,21 +202,7 @@ impl BatchedCopy {
         // SAFETY: `params` starts with the chosen entry point's parameters (the driver reads only as
         // many as the function has); the descriptors, digest and result words stay allocated until the
         // launch completes (freed stream-ordered after it, or owned by a prepared batch or verify).
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                function,
-                blocks,
-                1,
-                1,
-                BLOCK_THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        unsafe { module::launch(function, blocks, BLOCK_THREADS, stream, &mut params) }
     }
 }
 

@@ -257,21 +257,7 @@ impl DigestKernel {
         ];
         // SAFETY: the parameter list matches refit_digest's signature; the caller's promises cover the
         // memory read and written.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                self.function,
-                blocks,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        unsafe { module::launch(self.function, blocks, THREADS, stream, &mut params) }
     }
 
     /// The digest of `len` bytes at `addr`, computed on `stream`: queues the kernel, waits for the
@@ -341,21 +327,7 @@ impl DigestKernel {
         ];
         // SAFETY: the parameter list matches refit_digest_many's signature; the caller's promises cover
         // the memory read and written.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                self.many_function,
-                layout.blocks,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        unsafe { module::launch(self.many_function, layout.blocks, THREADS, stream, &mut params) }
     }
 
     /// The digests of `ranges`, in order, computed on `stream` in one launch: uploads the ranges'

@@ -65,6 +65,38 @@ pub(crate) fn function(module: sys::CUmodule, name: &std::ffi::CStr) -> Result<s
     Ok(function)
 }
 
+/// Queues `function` over a one-dimensional grid of `blocks` blocks of `threads` threads on `stream`,
+/// without dynamic shared memory. The caller has the function's context current.
+///
+/// # Safety
+/// `params` points at one value per parameter of `function`, of its types (the driver reads as many
+/// as the function has), alive for the call; `stream` is NULL or a live stream of the function's
+/// context; the memory the parameters name stays valid until the launch has run.
+pub(crate) unsafe fn launch(
+    function: sys::CUfunction,
+    blocks: u32,
+    threads: u32,
+    stream: sys::CUstream,
+    params: &mut [*mut std::ffi::c_void],
+) -> Result<()> {
+    // SAFETY: the caller's promises; no extra-parameter buffer.
+    check("cuLaunchKernel", unsafe {
+        sys::cuLaunchKernel(
+            function,
+            blocks,
+            1,
+            1,
+            threads,
+            1,
+            1,
+            0,
+            stream,
+            params.as_mut_ptr(),
+            std::ptr::null_mut(),
+        )
+    })
+}
+
 impl Loaded {
     /// Blocks of `threads` threads of `function` (from this module) that fit on one SM at once.
     /// The occupancy query needs the module's context current on the calling thread, which

@@ -375,21 +375,7 @@ impl QuantizeKernel {
         ];
         // SAFETY: the parameters match refit_copy_quantize's signature; the caller's promises cover
         // the memory both parts name.
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                self.copying,
-                blocks,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        unsafe { module::launch(self.copying, blocks, THREADS, stream, &mut params) }
     }
 
     /// One launch of `function` (an entry point) over `tiles`; nothing when they are none.
@@ -416,21 +402,7 @@ impl QuantizeKernel {
         ];
         // SAFETY: the parameters match both entry points' signature; the caller's promises cover the
         // memory the jobs name, and the table holds the descriptors (and amax words).
-        check("cuLaunchKernel", unsafe {
-            sys::cuLaunchKernel(
-                function,
-                (tiles.end - tiles.start) as u32,
-                1,
-                1,
-                THREADS,
-                1,
-                1,
-                0,
-                stream,
-                params.as_mut_ptr(),
-                std::ptr::null_mut(),
-            )
-        })
+        unsafe { module::launch(function, (tiles.end - tiles.start) as u32, THREADS, stream, &mut params) }
     }
 }
 
@@ -478,9 +450,7 @@ impl PreparedQuantize {
         })?;
         Ok(prepared)
     }
-}
 
-impl PreparedQuantize {
     /// Queues `copy`'s launch and these jobs as one launch (`copy_quantize.cu`) on `stream`: the copy
     /// in its first blocks, the quantizing tiles after them (per-tensor jobs' first phase before it).
     /// Two launches, one after the other, where one launch cannot do both: a copy recording digests

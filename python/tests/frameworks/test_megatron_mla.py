@@ -52,7 +52,7 @@ try:
     import compare
     import vllm_harness as harness
     from families import deepseek_v2_lite
-    from test_megatron_publisher import StandIn, claim, fc1_rows, fill_ends, fill_rows, patched
+    from test_megatron_publisher import StandIn, claim, fill_ends, fill_mlp, fill_rows, patched
 
     MISSING = None
 except ImportError as error:  # the plain `cargo test` run has neither
@@ -113,6 +113,35 @@ if not MISSING:
             super().__init__(*args, **kwargs)
 
 
+def rank_groups(
+    tp: int, tp_rank: int, ep: int = 1, ep_rank: int = 0, etp: int = 1, pp: int = 1, pp_rank: int = 0
+) -> "ProcessGroupCollection":
+    """One rank's process groups: stand-ins of the sizes and ranks a real run's would have."""
+    groups = ProcessGroupCollection.use_mpu_process_groups()
+    groups.tp, groups.pp = StandIn(tp, tp_rank), StandIn(pp, pp_rank)
+    groups.ep, groups.expt_tp = StandIn(ep, ep_rank), StandIn(etp, tp_rank % etp)
+    return groups
+
+
+def mla_config(hf: Any, **parallel_and_spec: Any) -> "MLATransformerConfig":
+    """Megatron's MLATransformerConfig of the tiny DeepSeek `hf` on CPU in fp32 (DeepSeek's
+    qk_nope_head_dim is Megatron's qk_head_dim), with the caller's parallel sizes and spec options."""
+    dense = hf.first_k_dense_replace
+    return MLATransformerConfig(
+        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
+        ffn_hidden_size=hf.intermediate_size, use_cpu_initialization=True, gated_linear_unit=True,
+        activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
+        bias_activation_fusion=False, apply_rope_fusion=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
+        q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_head_dim=hf.qk_nope_head_dim,
+        qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim,
+        rope_type="rope", rotary_scaling_factor=1.0,
+        num_moe_experts=hf.n_routed_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
+        moe_shared_expert_intermediate_size=hf.moe_intermediate_size * hf.n_shared_experts,
+        moe_layer_freq=[0] * dense + [1] * (hf.num_hidden_layers - dense), moe_router_topk=hf.num_experts_per_tok,
+        **parallel_and_spec,
+    )
+
+
 def build(
     hf: Any, tp: int, tp_rank: int, ep: int, ep_rank: int, kv_norm: bool = True, etp: int = 1, pp: int = 1,
     pp_rank: int = 0,
@@ -122,24 +151,10 @@ def build(
     on its EP rank), layers over `pp` pipeline stages. `kv_norm`: qk_layernorm, which makes the
     local spec build kv_layernorm (DeepSeek's kv_a_layernorm) and, with a q LoRA, q_layernorm
     (q_a_layernorm); without it both are IdentityOp."""
-    groups = ProcessGroupCollection.use_mpu_process_groups()
-    groups.tp, groups.pp = StandIn(tp, tp_rank), StandIn(pp, pp_rank)
-    groups.ep, groups.expt_tp = StandIn(ep, ep_rank), StandIn(etp, tp_rank % etp)
-    dense = hf.first_k_dense_replace
-    config = MLATransformerConfig(
-        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
-        ffn_hidden_size=hf.intermediate_size, use_cpu_initialization=True, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
-        bias_activation_fusion=False, apply_rope_fusion=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
-        pipeline_model_parallel_size=pp,
-        # MLA: DeepSeek's qk_nope_head_dim is Megatron's qk_head_dim.
-        q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_head_dim=hf.qk_nope_head_dim,
-        qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim, qk_layernorm=kv_norm,
-        rope_type="rope", rotary_scaling_factor=1.0,
-        num_moe_experts=hf.n_routed_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
-        moe_shared_expert_intermediate_size=hf.moe_intermediate_size * hf.n_shared_experts,
-        moe_layer_freq=[0] * dense + [1] * (hf.num_hidden_layers - dense), moe_router_topk=hf.num_experts_per_tok,
+    groups = rank_groups(tp, tp_rank, ep, ep_rank, etp, pp, pp_rank)
+    config = mla_config(
+        hf, tensor_model_parallel_size=tp, expert_model_parallel_size=ep, expert_tensor_parallel_size=etp,
+        pipeline_model_parallel_size=pp, qk_layernorm=kv_norm,
     )
     # The stage's own layers: without pp_rank the spec would take parallel_state's (the one-process
     # world's stage 0) for every stage.
@@ -147,6 +162,7 @@ def build(
     for layer_spec in spec.layer_specs:
         layer_spec.submodules.self_attention.submodules.core_attention = LocalCoreAttention
     padded = -(-hf.vocab_size // (8 * tp)) * 8 * tp
+
     def default_group(tp_group, is_expert=False, check_initialized=True):
         # MLASelfAttention builds linear_q_proj without a tp_group (multi_latent_attention.py,
         # unlike every other projection), so the linear falls back to parallel_state's TP group:
@@ -293,16 +309,6 @@ def assert_equal_loads(test: unittest.TestCase, where: str, result, parts: Tuple
     moved = {piece.tensor for layout in recording.layouts for piece in layout.pieces} | set(recording.staged)
     for part in parts:
         test.assertTrue(any(f".{part}." in name for name in moved), f"{where}: no {part} tensor moved")
-
-
-def fill_mlp(mlp, rank: int, hf: str, ckpt, testcase) -> None:
-    """A dense MLP, a routed expert or the shared experts: fc1 rows by megatron-core's own forward,
-    fc2 columns by its own partition size."""
-    rows = {row: (f"{hf}.{part}_proj.weight", r) for row, (part, r) in fc1_rows(mlp, rank).items()}
-    fill_rows(mlp.linear_fc1.weight, rows, ckpt, testcase)
-    cols = mlp.linear_fc2.input_size_per_partition
-    with torch.no_grad():
-        mlp.linear_fc2.weight.copy_(ckpt[f"{hf}.down_proj.weight"][:, rank * cols : (rank + 1) * cols])
 
 
 def megatron_world(

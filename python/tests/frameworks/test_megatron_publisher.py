@@ -178,12 +178,22 @@ def fc1_rows(mlp, tp_rank: int) -> Dict[int, Tuple[str, int]]:
             mlp(x)
     finally:
         hook.remove()
-    local = mlp.linear_fc2.input_size_per_partition
+    local = mlp.linear_fc2.weight.shape[1]  # its input partition, whichever linear class it is
     found: Dict[int, Tuple[str, int]] = {}
     for part in ("gate", "up"):
         for i in range(local):
             claim(found, int(seen[part][0, 0, i]), (part, tp_rank * local + i))
     return found
+
+
+def fill_mlp(mlp, rank: int, hf: str, ckpt, testcase) -> None:
+    """A dense MLP, a routed expert or the shared experts of either layer spec: fc1 rows by
+    megatron-core's own forward (fc1_rows), fc2 columns by its input partition."""
+    rows = {row: (f"{hf}.{part}_proj.weight", r) for row, (part, r) in fc1_rows(mlp, rank).items()}
+    fill_rows(mlp.linear_fc1.weight, rows, ckpt, testcase)
+    cols = mlp.linear_fc2.weight.shape[1]
+    with torch.no_grad():
+        mlp.linear_fc2.weight.copy_(ckpt[f"{hf}.down_proj.weight"][:, rank * cols : (rank + 1) * cols])
 
 
 def claim(found: dict, key, what) -> None:
@@ -288,16 +298,10 @@ class MegatronPublisherTest(unittest.TestCase):
                 if experts:
                     layer.mlp.router.weight.copy_(ckpt[f"{hf}.mlp.gate.weight"])
                     for j, e in enumerate(layer.mlp.local_expert_indices):
-                        self.fill_mlp(layer.mlp.experts.local_experts[j], tp_rank % etp, f"{hf}.mlp.experts.{e}", ckpt)
+                        fill_mlp(layer.mlp.experts.local_experts[j], tp_rank % etp, f"{hf}.mlp.experts.{e}", ckpt, self)
                 else:
-                    self.fill_mlp(layer.mlp, tp_rank, f"{hf}.mlp", ckpt)
+                    fill_mlp(layer.mlp, tp_rank, f"{hf}.mlp", ckpt, self)
 
-    def fill_mlp(self, mlp, rank: int, hf: str, ckpt) -> None:
-        rows = {row: (f"{hf}.{part}_proj.weight", r) for row, (part, r) in fc1_rows(mlp, rank).items()}
-        fill_rows(mlp.linear_fc1.weight, rows, ckpt, self)
-        cols = mlp.linear_fc2.input_size_per_partition
-        with torch.no_grad():
-            mlp.linear_fc2.weight.copy_(ckpt[f"{hf}.down_proj.weight"][:, rank * cols : (rank + 1) * cols])
 
     def test_dense_tp_1_2_4_with_1_2_4_8_kv_heads(self):
         for tp in (1, 2, 4):

@@ -121,9 +121,7 @@ from megatron.core import package_info, parallel_state  # noqa: E402
 from megatron.core.extensions import transformer_engine as megatron_te  # noqa: E402
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_decoder_block_spec  # noqa: E402
 from megatron.core.models.gpt.gpt_model import GPTModel  # noqa: E402
-from megatron.core.process_groups_config import ProcessGroupCollection  # noqa: E402
 from megatron.core.transformer.identity_op import IdentityOp  # noqa: E402
-from megatron.core.transformer.transformer_config import MLATransformerConfig  # noqa: E402
 
 import compare  # noqa: E402
 import vllm_harness as harness  # noqa: E402
@@ -133,10 +131,12 @@ from test_megatron_mla import (  # noqa: E402
     checkpoint,
     claim_heads,
     mark_rows,
+    mla_config,
     on_cpu,
     projections,
+    rank_groups,
 )
-from test_megatron_publisher import StandIn, Stop, claim, fill_ends, fill_rows, patched  # noqa: E402
+from test_megatron_publisher import claim, fill_ends, fill_mlp, fill_rows, patched  # noqa: E402
 
 from refit.integrations import megatron as refit_megatron  # noqa: E402
 from refit.integrations.megatron import MegatronModulePublisher  # noqa: E402
@@ -180,23 +180,8 @@ def build(hf: Any, tp: int, tp_rank: int) -> "GPTModel":
     """One Megatron TP rank of the tiny DeepSeek `hf` with the TE layer spec and qk_layernorm (the
     latent norms, fused into the up projections; with no q LoRA, the kv norm and the Q norm fused
     into linear_q_proj). Routed experts stay whole (EP 1)."""
-    groups = ProcessGroupCollection.use_mpu_process_groups()
-    groups.tp, groups.pp = StandIn(tp, tp_rank), StandIn(1, 0)
-    groups.ep, groups.expt_tp = StandIn(1, 0), StandIn(1, 0)
-    dense = hf.first_k_dense_replace
-    config = MLATransformerConfig(
-        num_layers=hf.num_hidden_layers, hidden_size=hf.hidden_size, num_attention_heads=hf.num_attention_heads,
-        ffn_hidden_size=hf.intermediate_size, use_cpu_initialization=True, gated_linear_unit=True,
-        activation_func=torch.nn.functional.silu, normalization="RMSNorm", add_bias_linear=False,
-        bias_activation_fusion=False, apply_rope_fusion=False, params_dtype=torch.float32, pipeline_dtype=torch.float32,
-        tensor_model_parallel_size=tp, transformer_impl="transformer_engine",
-        q_lora_rank=hf.q_lora_rank, kv_lora_rank=hf.kv_lora_rank, qk_head_dim=hf.qk_nope_head_dim,
-        qk_pos_emb_head_dim=hf.qk_rope_head_dim, v_head_dim=hf.v_head_dim, qk_layernorm=True,
-        rope_type="rope", rotary_scaling_factor=1.0,
-        num_moe_experts=hf.n_routed_experts, moe_ffn_hidden_size=hf.moe_intermediate_size,
-        moe_shared_expert_intermediate_size=hf.moe_intermediate_size * hf.n_shared_experts,
-        moe_layer_freq=[0] * dense + [1] * (hf.num_hidden_layers - dense), moe_router_topk=hf.num_experts_per_tok,
-    )
+    groups = rank_groups(tp, tp_rank)
+    config = mla_config(hf, tensor_model_parallel_size=tp, transformer_impl="transformer_engine", qk_layernorm=True)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
     padded = -(-hf.vocab_size // (8 * tp)) * 8 * tp
 
@@ -294,39 +279,6 @@ def mla_rows(
                     claim(found, decode(compressed[0, 0, d]), (down, d))
                 norms[(m, name)] = norm
     return found, norms
-
-
-def fill_mlp(mlp, rank: int, hf: str, ckpt, testcase) -> None:
-    """test_megatron_mla.fill_mlp for TE linears (which have no input_size_per_partition): fc1
-    rows by megatron-core's own MLP.forward (on torch_forwards), fc2 columns by the local width."""
-    weight = mlp.linear_fc1.weight
-    weight.data.zero_()
-    weight.data[:, 0] = torch.arange(weight.shape[0], dtype=torch.float32)
-    x = torch.zeros(1, 1, mlp.config.hidden_size)
-    x[0, 0, 0] = 1.0
-    seen = {}
-
-    def activation(gate):
-        seen["gate"] = gate.clone()
-        return torch.ones_like(gate)
-
-    def before_fc2(module, inputs):
-        seen["up"] = inputs[0].clone()
-        raise Stop
-
-    hook = mlp.linear_fc2.register_forward_pre_hook(before_fc2)
-    try:
-        with patched(mlp.config, "activation_func", activation), contextlib.suppress(Stop):
-            mlp(x)
-    finally:
-        hook.remove()
-    cols = mlp.linear_fc2.weight.shape[1]
-    rows: Dict[int, Tuple[str, int]] = {}
-    for part in ("gate", "up"):
-        for i in range(cols):
-            claim(rows, int(seen[part][0, 0, i]), (f"{hf}.{part}_proj.weight", rank * cols + i))
-    fill_rows(mlp.linear_fc1.weight, rows, ckpt, testcase)
-    mlp.linear_fc2.weight.copy_(ckpt[f"{hf}.down_proj.weight"][:, rank * cols : (rank + 1) * cols])
 
 
 def te_world(hf: Any, ckpt: Dict[str, "torch.Tensor"], tp: int, testcase) -> List["GPTModel"]:
