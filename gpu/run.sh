@@ -85,7 +85,7 @@ if [ "$what" = sanitize ]; then
   for t in .gpu/tests/gpu_*; do
     sanitize memcheck "$t" --leak-check full --target-processes all
   done
-  for t in .gpu/tests/gpu_digest .gpu/tests/gpu_copy .gpu/tests/gpu_exec; do
+  for t in .gpu/tests/gpu_digest .gpu/tests/gpu_copy .gpu/tests/gpu_exec .gpu/tests/gpu_quant; do
     sanitize racecheck "$t"
     sanitize synccheck "$t"
   done
