@@ -680,13 +680,13 @@ def split_copy_probe(d):
 def quant_occupancy_probe(d):
     out = heading(
         "quant_occupancy_probe",
-        "Probe: loads in flight per SM in the quantize kernel (1 GiB bf16 to e4m3)",
+        "Probe: tiles in flight per SM in the quantize kernel (1 GiB bf16 to e4m3)",
         f"a bf16 `copy_` of the same tensor ({num(d['copy_ms'], 3)} ms: bound {num(d['bound_ms'], 3)} ms at 3 B/element), same run",
     )
     out += table(
-        ["variant", "granularity", "ms", "of bound", "same bytes as is", "registers", "spill bytes", "blocks/SM"],
+        ["variant", "granularity", "ms", "of bound", "same bytes as is", "registers", "spill bytes"],
         [[r["variant"], r["granularity"], num(r["ms"], 3), num(r["of_bound"], 2), r["same_as_is"], r["registers"],
-          r["local_bytes"], r.get("blocks_per_sm", "")] for r in d["rows"]],
+          r["local_bytes"]] for r in d["rows"]],
     )
     return out
 

@@ -4,14 +4,13 @@ least 0.8 of 3 bytes per element at the copy's rate.)
 refit's quantize kernel (src/kernels/quantize.cu) keeps QUANT_CACHE vectors per thread in registers
 (block mode), QUANT_GROUP_ROUNDS vectors per thread in group mode (MX), and QUANT_MIN_BLOCKS thread
 blocks per SM; the narrow entry point (refit_quantize_narrow) keeps QUANT_NARROW_CACHE vectors at
-QUANT_NARROW_MIN_BLOCKS blocks per SM. Earlier runs of this probe set those, and found that asking
-L2 for the tile a wave ahead made every granularity slower. This run asks whether staging does
-better: the launch has only the blocks the SMs hold at once, each takes tiles in turn and copies its
-next tile's vectors into shared memory (cp.async) while it quantizes the current one (QUANT_STAGED,
-as the library runs), against a block per tile loading its own tile only (the kernel before), on both
-entry points. A 1 GiB bf16 matrix (65536 x 8192) to e4m3 per 128 x 128 block, per row and MXFP8, in
-one run; each variant's codes and scales are compared byte for byte with the wide entry point's as it
-is, and a bf16 copy of the same tensor sets the bound.
+QUANT_NARROW_MIN_BLOCKS blocks per SM. The first runs of this probe set those (the narrow entry point
+for rows and MX). This run asks whether asking L2 for the source of the tile a wave ahead
+(QUANT_PREFETCH_WAVES: the tile that starts about when this one ends) keeps DRAM streaming between a
+block's tiles: 0 (as the library runs), 1 and 2 waves, on both entry points. (It did not: every row
+slower; the knob is off.) A 1 GiB bf16 matrix (65536 x 8192) to e4m3
+per 128 x 128 block, per row and MXFP8, in one run; each variant's codes and scales are compared byte
+for byte with the wide entry point's as it is, and a bf16 copy of the same tensor sets the bound.
 Writes $REFIT_BENCH_RESULTS/quant_occupancy_probe.json.
 """
 
@@ -28,16 +27,15 @@ DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scales", "<u8"), ("rows", "<u
                  ("source", "<u4"), ("target", "<u4"), ("scale_kind", "<u4"), ("mode", "<u4"),
                  ("group_shift", "<u4"), ("reserved", "<u4")])
 assert DESC.itemsize == 120
-AS_IS = {"QUANT_CACHE": 8, "QUANT_MIN_BLOCKS": 3, "QUANT_GROUP_ROUNDS": 4, "QUANT_STAGED": 1}
+AS_IS = {"QUANT_CACHE": 8, "QUANT_MIN_BLOCKS": 3, "QUANT_GROUP_ROUNDS": 4, "QUANT_PREFETCH_WAVES": 0}
 
 
 def source(defines):
     text = refit_source("quantize.cu")
     for name, value in defines.items():
-        suffix = "" if name == "QUANT_STAGED" else "u"
-        old = f"#define {name} {AS_IS[name]}{suffix}"
+        old = f"#define {name} {AS_IS[name]}u"
         assert old in text, old
-        text = text.replace(old, f"#define {name} {value}{suffix}")
+        text = text.replace(old, f"#define {name} {value}u")
     return text
 
 
@@ -73,40 +71,33 @@ def main():
     codes = torch.empty(ROWS, COLS, dtype=torch.uint8, device="cuda")
     scales = torch.empty(ROWS * (COLS // 32) * 4 // 4 + 4096, dtype=torch.int32, device="cuda")
     amax = cp.zeros(1, dtype=cp.uint32)
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    # (name, defines, a block per tile: the grid the kernel had before staging)
-    variants = [("as is", {}, False), ("narrow entry point", {}, False),
-                ("unstaged, a block per tile", {"QUANT_STAGED": 0}, True),
-                ("narrow, unstaged, a block per tile", {"QUANT_STAGED": 0}, True),
-                ("unstaged, blocks in turn", {"QUANT_STAGED": 0}, False),
-                ("staged, 2 blocks/SM", {"QUANT_MIN_BLOCKS": 2}, False),
-                ("staged, 4 blocks/SM", {"QUANT_MIN_BLOCKS": 4}, False)]
+    variants = [("as is", {}), ("narrow entry point", {}),
+                ("prefetch 1 wave", {"QUANT_PREFETCH_WAVES": 1}), ("narrow, prefetch 1 wave", {"QUANT_PREFETCH_WAVES": 1}),
+                ("prefetch 2 waves", {"QUANT_PREFETCH_WAVES": 2}),
+                ("narrow, prefetch 2 waves", {"QUANT_PREFETCH_WAVES": 2}),
+                ("cache 8, 4 blocks/SM", {"QUANT_MIN_BLOCKS": 4})]
     reference = {}
     rows = []
-    for name, defines, per_tile in variants:
+    for name, defines in variants:
         entry = "refit_quantize_narrow" if name.startswith("narrow") else "refit_quantize"
         fn = cp.RawModule(code=source(defines), options=("--std=c++17",)).get_function(entry)
-        per_sm = cp.cuda.driver.occupancyMaxActiveBlocksPerMultiprocessor(fn.kernel.ptr, 256, 0)
         rounds = defines.get("QUANT_GROUP_ROUNDS", AS_IS["QUANT_GROUP_ROUNDS"])
         for granularity in ("block 128 x 128", "row", "MX"):
             descs, tiles = job(granularity, src, codes, scales, rounds)
             codes.zero_()
             scales.zero_()
-            grid = tiles if per_tile else min(tiles, sms * per_sm)
-            ms = median_ms(reps=9, fn=lambda: fn((grid,), (256,), (descs.data.ptr, cp.uint32(1), cp.uint64(0),
-                                                                   cp.uint64(tiles), cp.uint32(2), amax.data.ptr)))
+            ms = median_ms(reps=9, fn=lambda: fn((tiles,), (256,), (descs.data.ptr, cp.uint32(1), cp.uint64(0), cp.uint32(2), amax.data.ptr)))
             out = (codes.clone(), scales.clone())
             if name == "as is":
                 reference[granularity] = out
             same = bool(torch.equal(out[0], reference[granularity][0]) and torch.equal(out[1], reference[granularity][1]))
             rows.append({"variant": name, "granularity": granularity, "ms": ms, "of_bound": bound_ms / ms,
-                         "same_as_is": same, "registers": fn.num_regs, "local_bytes": fn.local_size_bytes,
-                         "blocks_per_sm": per_sm, "grid": grid})
+                         "same_as_is": same, "registers": fn.num_regs, "local_bytes": fn.local_size_bytes})
             print(rows[-1], flush=True)
     print(f"bf16 copy {copy_ms:.3f} ms; bound at 3 B/element {bound_ms:.3f} ms")
-    print_table(["variant", "granularity", "ms", "of bound", "same bytes as is", "registers", "spills", "blocks/SM"],
+    print_table(["variant", "granularity", "ms", "of bound", "same bytes as is", "registers", "spills"],
                 [[r["variant"], r["granularity"], f"{r['ms']:.3f}", f"{r['of_bound']:.2f}", r["same_as_is"],
-                  r["registers"], r["local_bytes"], r["blocks_per_sm"]] for r in rows])
+                  r["registers"], r["local_bytes"]] for r in rows])
     write_results("quant_occupancy_probe", {"probe": "quant_occupancy_probe", "copy_ms": copy_ms,
                                             "bound_ms": bound_ms, "rows": rows})
 

@@ -11,35 +11,37 @@
 // chosen under __CUDA_ARCH__.
 //
 // How the work is split. Each job is a matrix cut into scale blocks (the elements sharing a scale);
-// the host lays the jobs out as a table of descriptors, each with its first tile, and a launch's
-// thread blocks, at most as many as the SMs hold at once, take its tiles in turn (block b: tiles b,
-// b + grid, ...), finding each tile's job by binary search. Sources are read as aligned 16-byte
-// vectors (8 bf16 / f16 or 4 f32), which the host has checked row starts allow; a row's last vector
-// may extend up to 15 bytes past its last element, within its aligned 16 bytes, and those bytes are
+// the host lays the jobs out as a table of descriptors, each with its first tile, and every thread
+// block takes one tile, finding its job by binary search. Sources are read as aligned 16-byte vectors
+// (8 bf16 / f16 or 4 f32), which the host has checked row starts allow; a row's last vector may
+// extend up to 15 bytes past its last element, within its aligned 16 bytes, and those bytes are
 // ignored. Two modes:
 // - MODE_BLOCK: a tile is one scale block (per-tensor jobs: a slab of whole rows). The block's
-//   threads read its vectors, each keeping the first CACHE in registers (see Occupancy), reduce the
-//   amax across the block (warp shuffles, then shared memory), compute the scale, and quantize what
-//   they hold (vectors beyond the cache are read again, from L2). Per-tensor jobs run in two
-//   launches: phase 1 reduces each slab and combines the slabs' amax with atomicMax on its bits into
-//   the job's word of `amax` (zeroed by the host); phase 2 quantizes with it. So a per-tensor job
-//   reads its source twice: its memory bound is 5 bytes per 16-bit element, not the other
-//   granularities' 3.
+//   threads read its vectors, each keeping the first CACHE in registers (see Occupancy; all CACHE
+//   loads issued before the first is used, so that many are in flight per thread), reduce the amax
+//   across the block (warp shuffles, then shared memory), compute the scale, and quantize what they
+//   hold (vectors beyond the cache are read again, from L2). Per-tensor jobs run in two launches:
+//   phase 1 reduces each slab and combines the slabs' amax with atomicMax on its bits into the job's
+//   word of `amax` (zeroed by the host); phase 2 quantizes with it. So a per-tensor job reads its
+//   source twice: its memory bound is 5 bytes per 16-bit element, not the other granularities' 3.
+//
+// Occupancy: the memory system needs tens of KiB of loads in flight per SM, which here means tiles in
+// flight (each holds its loads until its reduction). Two entry points trade vectors kept per thread
+// against blocks per SM: refit_quantize keeps QUANT_CACHE vectors per thread at QUANT_MIN_BLOCKS
+// blocks per SM (128 x 128 blocks: 8 vectors per thread; per-tensor slabs), refit_quantize_narrow
+// QUANT_NARROW_CACHE at QUANT_NARROW_MIN_BLOCKS (scale blocks of at most 4 vectors per thread, such
+// as a row of 8192 bf16, and group mode), where the wide cache would sit unused and fewer tiles
+// would be in flight (benches/probes/quant_occupancy_probe.py). The host lays the narrow jobs' tiles
+// out first and launches each entry point over its own tiles.
+// Prefetch (a tuning knob, off): a tile's loads are issued only when its block starts, and the block
+// holds them until its amax is reduced. Blocks start in tile order, about MIN_BLOCKS per SM at a time,
+// so with QUANT_PREFETCH_WAVES = n each block asks L2 for the source of the tile n such waves ahead
+// of its own, so that its loads would hit L2. Measured on one H200 it made every granularity slower
+// (benches/probes/quant_occupancy_probe.py; docs/decisions.md, "Quantizing copy"), so it is 0: the
+// code stays for the probe to ask again.
 // - MODE_GROUP: for one-row blocks of at most 32 vectors (MX, short rows, 1 x n blocks): each
 //   scale block is taken by a group of 2^group_shift lanes of a warp (one vector per lane), reduced
 //   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups.
-//
-// Occupancy: the memory system needs tens of KiB of loads in flight per SM. A tile's loads cannot
-// be used before its reduction, so a block that loaded only its own tile would leave DRAM idle while
-// it reduces, scales and stores. Each block therefore stages (QUANT_STAGED): while it quantizes a
-// tile, the first CACHE vectors per thread of its next tile are copied asynchronously into its shared
-// stage (cp.async), and the tile after reads them from there. Two entry points trade vectors kept
-// per thread against blocks per SM: refit_quantize keeps QUANT_CACHE vectors per thread at
-// QUANT_MIN_BLOCKS blocks per SM (128 x 128 blocks: 8 vectors per thread; per-tensor slabs),
-// refit_quantize_narrow QUANT_NARROW_CACHE at QUANT_NARROW_MIN_BLOCKS (scale blocks of at most 4
-// vectors per thread, such as a row of 8192 bf16, and group mode), where the wide cache would sit
-// unused and fewer tiles would be in flight (benches/probes/quant_occupancy_probe.py). The host lays
-// the narrow jobs' tiles out first and launches each entry point over its own tiles.
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -52,10 +54,9 @@ typedef unsigned short u16;
 #define QUANT_NARROW_CACHE 4u
 #define QUANT_NARROW_MIN_BLOCKS 4u
 #define QUANT_GROUP_ROUNDS 4u
-#ifndef QUANT_STAGED
-#define QUANT_STAGED 1
+#ifndef QUANT_PREFETCH_WAVES
+#define QUANT_PREFETCH_WAVES 0u
 #endif
-static constexpr bool quant_staged = QUANT_STAGED != 0;
 #define QUANT_MIN_AMAX 1e-10f
 #define QUANT_CANONICAL_NAN 0x7fffffffu
 #define QUANT_DESC_BYTES 120u
@@ -427,150 +428,76 @@ __device__ __forceinline__ void grid_position(const QuantDesc& d, u64 block, u64
     }
 }
 
-// Staging: a thread's next-tile vectors, copied asynchronously from global to its own slots of the
-// block's shared stage (cp.async, sm_80 and later) while it quantizes the current tile. Slot k of
-// thread t is stage[k * QUANT_THREADS + t]: each thread reads back only what it copied itself, so a
-// copy needs no barrier, only its own thread's wait. On the host (tests/emulate) the copy is done
-// at once.
-__device__ __forceinline__ void copy_async(Vec* slot, const unsigned char* p) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    u64 shared;
-    asm("cvta.to.shared.u64 %0, %1;" : "=l"(shared) : "l"(slot));
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"((u32)shared), "l"(p) : "memory");
-#else
-    *slot = load_vector(p);
-#endif
-}
-
-// Closes the copies issued since the last call into one group.
-__device__ __forceinline__ void copies_commit() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.commit_group;" ::: "memory");
-#endif
-}
-
-// Waits for every group but the newest `pending` (a constant: 0 or 1).
-template <u32 PENDING>
-__device__ __forceinline__ void copies_wait() {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
-    asm volatile("cp.async.wait_group %0;" ::"n"(PENDING) : "memory");
-#endif
-}
-
-// Bytes per source element.
-__device__ __forceinline__ u32 element_size(const QuantDesc& d) { return d.source == SRC_F32 ? 4u : 2u; }
-
-// Where a thread's vectors of a MODE_BLOCK tile lie (the same for every source type: a vector is 16
-// bytes of it). Thread t takes vectors t, t + QUANT_THREADS, ... of the block in row-major order;
-// their (row, vector) positions advance by a fixed step, so no division per vector.
-struct BlockTile {
-    const unsigned char* src;
-    unsigned char* dst;
-    u64 src_row_bytes, dst_stride, grid_row, grid_col;
-    u32 rows, cols, per_vector, per_row, row_step, vector_step;
-
-    __device__ __forceinline__ BlockTile(const QuantDesc& d, u64 block) {
-        grid_position(d, block, grid_row, grid_col);
-        const u32 size = element_size(d);
-        const u64 r0 = grid_row * d.block_rows, c0 = grid_col * d.block_cols;
-        rows = (u32)(d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows);
-        cols = (u32)(d.cols - c0 < d.block_cols ? d.cols - c0 : d.block_cols);
-        per_vector = 16u / size;
-        per_row = (cols + per_vector - 1) / per_vector;
-        row_step = QUANT_THREADS / per_row;
-        vector_step = QUANT_THREADS % per_row;
-        src = reinterpret_cast<const unsigned char*>(d.src) + (r0 * d.src_stride + c0) * size;
-        dst = reinterpret_cast<unsigned char*>(d.dst) + r0 * d.dst_stride + c0;
-        src_row_bytes = d.src_stride * size;
-        dst_stride = d.dst_stride;
-    }
-};
-
-// A thread's position in a BlockTile: row, and vector within the row.
-struct Cursor {
-    u32 row, v;
-};
-
-__device__ __forceinline__ Cursor first_vector(const BlockTile& b) {
-    return Cursor{threadIdx.x / b.per_row, threadIdx.x % b.per_row};
-}
-
-__device__ __forceinline__ void advance(Cursor& c, const BlockTile& b) {
-    c.row += b.row_step;
-    c.v += b.vector_step;
-    if (c.v >= b.per_row) {
-        c.v -= b.per_row;
-        ++c.row;
-    }
-}
-
-__device__ __forceinline__ const unsigned char* source_at(const BlockTile& b, Cursor c) {
-    return b.src + c.row * b.src_row_bytes + (u64)c.v * 16u;
-}
-
-__device__ __forceinline__ unsigned char* codes_at(const BlockTile& b, Cursor c) {
-    return b.dst + c.row * b.dst_stride + c.v * b.per_vector;
-}
-
-// Elements of the vector at c within the block's columns.
-__device__ __forceinline__ u32 count_at(const BlockTile& b, Cursor c) {
-    return b.cols - c.v * b.per_vector < b.per_vector ? b.cols - c.v * b.per_vector : b.per_vector;
-}
-
-// Copies a thread's first CACHE vectors of MODE_BLOCK tile `block` into its slots.
-template <u32 CACHE>
-__device__ __forceinline__ void stage_block(const QuantDesc& d, u64 block, Vec* slots) {
-    const BlockTile b(d, block);
-    Cursor c = first_vector(b);
-#pragma unroll
-    for (u32 k = 0; k < CACHE; ++k) {
-        if (c.row < b.rows) copy_async(slots + k * QUANT_THREADS, source_at(b, c));
-        advance(c, b);
-    }
-}
-
-// MODE_BLOCK: one scale block (or per-tensor slab) `block` of descriptor `job`. A thread's first
-// CACHE vectors are in `cache` (STAGED: read from its slots, copied there while the tile before was
-// quantized) or are loaded here from global memory; its vectors beyond those are read as they are
-// needed, from L2.
-template <u32 SRC, u32 CACHE, bool STAGED>
-__device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase, u32* job_amax,
-                               Vec (&cache)[CACHE]) {
+// MODE_BLOCK: one scale block (or per-tensor slab) `block` of descriptor `job`. Thread t takes
+// vectors t, t + QUANT_THREADS, ... of the block in row-major order; their (row, vector) positions
+// advance by a fixed step, so no division per vector.
+template <u32 SRC, u32 CACHE>
+__device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase, u32* job_amax) {
     __shared__ u32 warp_amax[QUANT_WARPS];
-    const BlockTile b(d, block);
+    constexpr u32 VE = Elements<SRC>::per_vector;
+    constexpr u32 SIZE = Elements<SRC>::size;
+    u64 grid_row, grid_col;
+    grid_position(d, block, grid_row, grid_col);
+    const u64 r0 = grid_row * d.block_rows, c0 = grid_col * d.block_cols;
+    const u32 rows = (u32)(d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows);
+    const u32 cols = (u32)(d.cols - c0 < d.block_cols ? d.cols - c0 : d.block_cols);
+    const u32 per_row = (cols + VE - 1) / VE;
     const u32 t = threadIdx.x;
+    const u32 row_step = QUANT_THREADS / per_row, vector_step = QUANT_THREADS % per_row;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src) + (r0 * d.src_stride + c0) * SIZE;
+    unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst) + r0 * d.dst_stride + c0;
+    const u64 src_row_bytes = d.src_stride * SIZE;
 
     // All CACHE loads are issued before any of their data is used: a use between two loads (the
     // amax, with its branch on a partial vector) would make each load wait for the one before,
     // leaving one 16-byte load per thread in flight instead of CACHE.
-    Cursor c = first_vector(b);
+    Vec cache[CACHE] = {};
+    u32 row = t / per_row, v = t % per_row;
 #pragma unroll
     for (u32 k = 0; k < CACHE; ++k) {
-        if (!STAGED && c.row < b.rows) cache[k] = load_vector(source_at(b, c));
-        advance(c, b);
+        if (row < rows) cache[k] = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
     }
-    const Cursor rest = c;  // the first vector not cached
+    const u32 rest_row = row, rest_v = v;  // the first vector not cached
     u32 amax = 0;
-    c = first_vector(b);
+    row = t / per_row;
+    v = t % per_row;
 #pragma unroll
     for (u32 k = 0; k < CACHE; ++k) {
-        if (c.row < b.rows) {
-            const u32 m = vector_amax<SRC>(cache[k], count_at(b, c));
+        if (row < rows) {
+            const u32 m = vector_amax<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE);
             amax = m > amax ? m : amax;
         }
-        advance(c, b);
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
     }
-    for (c = rest; c.row < b.rows; advance(c, b)) {
-        const u32 m = vector_amax<SRC>(load_vector(source_at(b, c)), count_at(b, c));
+    row = rest_row;
+    v = rest_v;
+    for (; row < rows;) {
+        const Vec x = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
+        const u32 m = vector_amax<SRC>(x, cols - v * VE < VE ? cols - v * VE : VE);
         amax = m > amax ? m : amax;
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
     }
     amax = warp_max(amax, 32);
     if (t % 32 == 0) warp_amax[t / 32] = amax;
     __syncthreads();
     amax = 0;
     for (u32 w = 0; w < QUANT_WARPS; ++w) amax = warp_amax[w] > amax ? warp_amax[w] : amax;
-    // The next tile's block overwrites warp_amax only after every thread has read it here.
-    __syncthreads();
     if (d.scale_kind == SCALE_TENSOR) {
         if (phase == 1) {
             if (t == 0) atomicMax(job_amax + job, amax);
@@ -580,93 +507,159 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     }
     const Scale scale = block_scale(d.target, d.scale_kind, amax);
     if (t == 0 && (d.scale_kind != SCALE_TENSOR || block == 0)) {
-        store_scale(d, d.scale_kind == SCALE_TENSOR ? 0 : b.grid_row, d.scale_kind == SCALE_TENSOR ? 0 : b.grid_col,
+        store_scale(d, d.scale_kind == SCALE_TENSOR ? 0 : grid_row, d.scale_kind == SCALE_TENSOR ? 0 : grid_col,
                     scale.stored);
     }
-    c = first_vector(b);
+    row = t / per_row;
+    v = t % per_row;
 #pragma unroll
     for (u32 k = 0; k < CACHE; ++k) {
-        if (c.row < b.rows) {
-            store_codes<SRC>(cache[k], count_at(b, c), scale, d.target, codes_at(b, c));
+        if (row < rows) {
+            store_codes<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE, scale, d.target,
+                             dst + row * d.dst_stride + v * VE);
         }
-        advance(c, b);
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
     }
-    for (c = rest; c.row < b.rows; advance(c, b)) {
-        store_codes<SRC>(load_vector(source_at(b, c)), count_at(b, c), scale, d.target, codes_at(b, c));
+    for (row = rest_row, v = rest_v; row < rows;) {
+        const Vec x = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
+        store_codes<SRC>(x, cols - v * VE < VE ? cols - v * VE : VE, scale, d.target, dst + row * d.dst_stride + v * VE);
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
     }
 }
 
-// MODE_GROUP: a thread's vector of round `round` of tile `tile`, whose scale blocks are one row high
-// and at most 32 vectors wide, 2^group_shift lanes per block: its block (past the last: none), grid
-// position, first column, elements (0: none) and source.
-struct GroupVector {
-    u64 block, row, col, first;
-    u32 count;
-    const unsigned char* src;
-
-    __device__ __forceinline__ GroupVector(const QuantDesc& d, u64 tile, u32 round) {
-        const u32 size = element_size(d), per_vector = 16u / size;
-        const u32 groups = QUANT_THREADS >> d.group_shift;
-        const u32 lane = threadIdx.x & ((1u << d.group_shift) - 1u);
-        block = (tile * QUANT_GROUP_ROUNDS + round) * groups + (threadIdx.x >> d.group_shift);
-        row = 0;
-        col = 0;
-        first = 0;
-        count = 0;
-        src = nullptr;
-        if (block < d.blocks) {
-            grid_position(d, block, row, col);
-            const u64 c0 = col * d.block_cols;
-            const u64 end = c0 + d.block_cols < d.cols ? c0 + d.block_cols : d.cols;
-            first = c0 + (u64)lane * per_vector;
-            if (first < end) {
-                count = end - first < per_vector ? (u32)(end - first) : per_vector;
-                src = reinterpret_cast<const unsigned char*>(d.src) + (row * d.src_stride + first) * size;
-            }
-        }
-    }
-};
-
-// Copies a thread's vectors of MODE_GROUP tile `tile` into its slots (one per round).
-__device__ __forceinline__ void stage_groups(const QuantDesc& d, u64 tile, Vec* slots) {
-#pragma unroll
-    for (u32 round = 0; round < QUANT_GROUP_ROUNDS; ++round) {
-        const GroupVector g(d, tile, round);
-        if (g.count > 0) copy_async(slots + round * QUANT_THREADS, g.src);
-    }
-}
-
-// MODE_GROUP: tile `tile` of descriptor `d`. Each thread takes its vector of every round first (from
-// `x`, read from its slots when STAGED, else loaded here from global memory, all loads in flight at
-// once), then reduces and writes round by round.
-template <u32 SRC, bool STAGED, u32 CACHE>
-__device__ void quantize_groups(const QuantDesc& d, u64 tile, Vec (&x)[CACHE]) {
+// MODE_GROUP: tile `tile` of descriptor `d`, whose scale blocks are one row high and at most 32
+// vectors wide; 2^group_shift lanes per block. Each thread loads its vector of every round first, so
+// that QUANT_GROUP_ROUNDS loads are in flight, then reduces and writes round by round.
+template <u32 SRC>
+__device__ void quantize_groups(const QuantDesc& d, u64 tile) {
+    constexpr u32 VE = Elements<SRC>::per_vector;
     const u32 lanes = 1u << d.group_shift;
+    const u32 groups = QUANT_THREADS >> d.group_shift;
     const u32 lane = threadIdx.x & (lanes - 1u);
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src);
     unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst);
+    Vec x[QUANT_GROUP_ROUNDS] = {};
+    u32 count[QUANT_GROUP_ROUNDS];
+    u64 row[QUANT_GROUP_ROUNDS], col[QUANT_GROUP_ROUNDS];
 #pragma unroll
     for (u32 round = 0; round < QUANT_GROUP_ROUNDS; ++round) {
-        const GroupVector g(d, tile, round);
-        if (!STAGED && g.count > 0) x[round] = load_vector(g.src);
+        const u64 block = (tile * QUANT_GROUP_ROUNDS + round) * groups + (threadIdx.x >> d.group_shift);
+        count[round] = 0;
+        row[round] = 0;
+        col[round] = 0;
+        if (block < d.blocks) {
+            grid_position(d, block, row[round], col[round]);
+            const u64 c0 = col[round] * d.block_cols;
+            const u64 end = c0 + d.block_cols < d.cols ? c0 + d.block_cols : d.cols;
+            const u64 c = c0 + (u64)lane * VE;
+            if (c < end) {
+                count[round] = end - c < VE ? (u32)(end - c) : VE;
+                x[round] = load_vector(src + (row[round] * d.src_stride + c) * Elements<SRC>::size);
+            }
+        }
     }
 #pragma unroll
     for (u32 round = 0; round < QUANT_GROUP_ROUNDS; ++round) {
-        const GroupVector g(d, tile, round);
-        const u32 amax = warp_max(g.count > 0 ? vector_amax<SRC>(x[round], g.count) : 0u, lanes);
-        if (g.block < d.blocks) {
+        const u64 block = (tile * QUANT_GROUP_ROUNDS + round) * groups + (threadIdx.x >> d.group_shift);
+        const u32 amax = warp_max(count[round] > 0 ? vector_amax<SRC>(x[round], count[round]) : 0u, lanes);
+        if (block < d.blocks) {
             const Scale scale = block_scale(d.target, d.scale_kind, amax);
-            if (lane == 0) store_scale(d, g.row, g.col, scale.stored);
-            if (g.count > 0) {
-                store_codes<SRC>(x[round], g.count, scale, d.target, dst + g.row * d.dst_stride + g.first);
+            if (lane == 0) store_scale(d, row[round], col[round], scale.stored);
+            if (count[round] > 0) {
+                const u64 c = col[round] * d.block_cols + (u64)lane * VE;
+                store_codes<SRC>(x[round], count[round], scale, d.target, dst + row[round] * d.dst_stride + c);
             }
         }
     }
 }
 
-// Whether tile `local` of `d` does anything in `phase`, and which way: phase 1 only reduces per-tensor
-// slabs; group mode has no phase-1 work.
-__device__ __forceinline__ bool works_in(const QuantDesc& d, u32 phase) {
-    return phase != 1 || (d.mode == MODE_BLOCK && d.scale_kind == SCALE_TENSOR);
+template <u32 SRC, u32 CACHE>
+__device__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, u32* job_amax) {
+    if (d.mode == MODE_GROUP) {
+        if (phase != 1) quantize_groups<SRC>(d, tile);
+    } else if (phase != 1 || d.scale_kind == SCALE_TENSOR) {
+        quantize_block<SRC, CACHE>(d, job, tile, phase, job_amax);
+    }
+}
+
+#ifndef __CUDA_ARCH__
+#ifndef QUANT_EMULATED_PREFETCH
+#define QUANT_EMULATED_PREFETCH(p, bytes) ((void)(p), (void)(bytes))
+#endif
+// The SMs the emulated launch pretends to have (tests/emulate): small, so that its few tiles prefetch.
+#ifndef QUANT_EMULATED_SMS
+#define QUANT_EMULATED_SMS 2u
+#endif
+#endif
+
+// Asks L2 for `bytes` (a multiple of 16) at `p` (16-byte aligned); returns at once.
+__device__ __forceinline__ void prefetch_l2(const unsigned char* p, u64 bytes) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"((u32)bytes) : "memory");
+#elif defined(__CUDA_ARCH__)
+    for (u64 o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
+#else
+    QUANT_EMULATED_PREFETCH(p, bytes);
+#endif
+}
+
+__device__ __forceinline__ u32 sm_count() {
+#ifdef __CUDA_ARCH__
+    u32 n;
+    asm("mov.u32 %0, %%nsmid;" : "=r"(n));
+    return n;
+#else
+    return QUANT_EMULATED_SMS;
+#endif
+}
+
+// Prefetches columns [c0, c_end) of source row `row`: the 16-byte vectors a tile loads from it (row
+// starts are 16-byte aligned, and a row's last vector is read whole), in one request.
+__device__ __forceinline__ void prefetch_row(const QuantDesc& d, u64 row, u64 c0, u64 c_end) {
+    const u64 size = d.source == SRC_F32 ? 4u : 2u;
+    const u64 bytes = ((c_end - c0) * size + 15u) & ~15ull;
+    if (bytes == 0 || bytes >> 32) return;
+    prefetch_l2(reinterpret_cast<const unsigned char*>(d.src) + (row * d.src_stride + c0) * size, bytes);
+}
+
+// Prefetches the source of tile `tile` of `d` (local to it), as the tile will read it in `phase`.
+__device__ __forceinline__ void prefetch_tile(const QuantDesc& d, u64 tile, u32 phase) {
+    if (d.mode == MODE_BLOCK) {
+        if (phase == 1 && d.scale_kind != SCALE_TENSOR) return;  // returns at once in phase 1
+        u64 grid_row, grid_col;
+        grid_position(d, tile, grid_row, grid_col);
+        const u64 r0 = grid_row * d.block_rows, c0 = grid_col * d.block_cols;
+        const u64 rows = d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows;
+        const u64 c_end = d.cols - c0 < d.block_cols ? d.cols : c0 + d.block_cols;
+        for (u64 r = threadIdx.x; r < rows; r += QUANT_THREADS) prefetch_row(d, r0 + r, c0, c_end);
+        return;
+    }
+    if (phase == 1) return;
+    // Group mode: one-row blocks first .. last of the grid, row-major; each grid row's run of them is
+    // one contiguous range of a source row.
+    const u64 per_tile = (u64)QUANT_GROUP_ROUNDS * (QUANT_THREADS >> d.group_shift);
+    const u64 first = tile * per_tile;
+    if (first >= d.blocks) return;
+    const u64 last = (first + per_tile < d.blocks ? first + per_tile : d.blocks) - 1;
+    u64 first_row, first_col, last_row, last_col;
+    grid_position(d, first, first_row, first_col);
+    grid_position(d, last, last_row, last_col);
+    for (u64 row = first_row + threadIdx.x; row <= last_row; row += QUANT_THREADS) {
+        const u64 from = row == first_row ? first_col : 0;
+        const u64 to = row == last_row ? last_col + 1 : d.grid_cols;
+        const u64 c_end = to * d.block_cols < d.cols ? to * d.block_cols : d.cols;
+        prefetch_row(d, row, from * d.block_cols, c_end);
+    }
 }
 
 // The descriptor of `tile`: the last one whose first tile is at most `tile`.
@@ -680,74 +673,35 @@ __device__ __forceinline__ u32 job_of(const QuantDesc* __restrict__ descs, u32 n
     return lo;
 }
 
-// Copies a thread's vectors of tile `tile` (of the whole batch) into its slots as `phase` reads
-// them, and closes the group (empty when the tile does nothing in this phase).
-template <u32 CACHE>
-__device__ __forceinline__ void stage_tile(const QuantDesc* __restrict__ descs, u32 njobs, u64 tile, u32 phase,
-                                           Vec* slots) {
-    const u32 job = job_of(descs, njobs, tile);
-    const QuantDesc& d = descs[job];
-    if (works_in(d, phase)) {
-        if (d.mode == MODE_GROUP) stage_groups(d, tile - d.first_tile, slots);
-        else stage_block<CACHE>(d, tile - d.first_tile, slots);
-    }
-    copies_commit();
-}
-
-template <u32 SRC, u32 CACHE>
-__device__ __forceinline__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, u32* job_amax,
-                                              Vec (&cache)[CACHE]) {
-    if (d.mode == MODE_GROUP) quantize_groups<SRC, quant_staged>(d, tile, cache);
-    else quantize_block<SRC, CACHE, quant_staged>(d, job, tile, phase, job_amax, cache);
-}
-
-// Tiles first_tile + block, + blocks, ... below first_tile + ntiles of the `njobs` descriptors, for
-// thread block `block` of the `blocks` quantizing (a launch's own grid, or the blocks after a launch's
-// copying ones: copy_quantize.cu), at most as many as the SMs hold at once: each block goes on from
-// tile to tile, copying the next one's vectors into its shared stage (CACHE vectors per thread) while
-// it quantizes the current one. Phase 1 (launched only when a job is per tensor): the per-tensor
-// jobs' amax into job_amax (zeroed by the host); the other tiles do nothing. Phase 2: every job
+// One tile per thread block: tile first_tile + block of the `njobs` descriptors, for thread block
+// `block` of the `blocks` quantizing (a launch's own grid, or the blocks after a launch's copying
+// ones: copy_quantize.cu). Phase 1 (launched only when a job is per tensor): the per-tensor jobs'
+// amax into job_amax (zeroed by the host), the other tiles return at once. Phase 2: every job
 // quantized, per-tensor ones with phase 1's amax.
-template <u32 CACHE>
+template <u32 CACHE, u32 MIN_BLOCKS>
 __device__ __forceinline__ void quantize_tiles(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile,
-                                               u64 ntiles, u32 phase, u32* job_amax, u32 block, u32 blocks,
-                                               Vec* stage) {
-    static_assert(CACHE <= QUANT_CACHE && QUANT_GROUP_ROUNDS <= CACHE, "a thread's slots hold a tile");
-    Vec* slots = stage + threadIdx.x;
-    if (quant_staged && block < ntiles) stage_tile<CACHE>(descs, njobs, first_tile + block, phase, slots);
-    for (u64 tile = block; tile < ntiles; tile += blocks) {
-        Vec cache[CACHE] = {};
-        if (quant_staged) {
-            copies_wait<0>();
-            // Every slot, whatever the tile holds (the others are read and never used), then the next
-            // tile's copies: this thread's reads are done (__syncwarp orders them) before those land.
-#pragma unroll
-            for (u32 k = 0; k < CACHE; ++k) cache[k] = slots[k * QUANT_THREADS];
-            __syncwarp();
-            if (tile + blocks < ntiles) stage_tile<CACHE>(descs, njobs, first_tile + tile + blocks, phase, slots);
-        }
-        const u32 job = job_of(descs, njobs, first_tile + tile);
-        const QuantDesc d = descs[job];
-        if (!works_in(d, phase)) continue;
-        const u64 local = first_tile + tile - d.first_tile;
-        if (d.source == SRC_BF16) quantize_tile<SRC_BF16>(d, job, local, phase, job_amax, cache);
-        else if (d.source == SRC_F16) quantize_tile<SRC_F16>(d, job, local, phase, job_amax, cache);
-        else quantize_tile<SRC_F32>(d, job, local, phase, job_amax, cache);
+                                               u32 phase, u32* job_amax, u32 block, u32 blocks) {
+    const u64 tile = first_tile + block;
+    const u64 ahead = (u64)QUANT_PREFETCH_WAVES * sm_count() * MIN_BLOCKS;
+    if (ahead > 0 && block + ahead < blocks) {
+        const u32 later = job_of(descs, njobs, tile + ahead);
+        prefetch_tile(descs[later], tile + ahead - descs[later].first_tile, phase);
     }
-    copies_wait<0>();
+    const u32 lo = job_of(descs, njobs, tile);
+    const QuantDesc d = descs[lo];
+    const u64 local = tile - d.first_tile;
+    if (d.source == SRC_BF16) quantize_tile<SRC_BF16, CACHE>(d, lo, local, phase, job_amax);
+    else if (d.source == SRC_F16) quantize_tile<SRC_F16, CACHE>(d, lo, local, phase, job_amax);
+    else quantize_tile<SRC_F32, CACHE>(d, lo, local, phase, job_amax);
 }
 
 extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
-    refit_quantize(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u64 ntiles, u32 phase,
-                   u32* job_amax) {
-    __shared__ Vec stage[QUANT_CACHE * QUANT_THREADS];
-    quantize_tiles<QUANT_CACHE>(descs, njobs, first_tile, ntiles, phase, job_amax, blockIdx.x, gridDim.x, stage);
+    refit_quantize(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase, u32* job_amax) {
+    quantize_tiles<QUANT_CACHE, QUANT_MIN_BLOCKS>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, gridDim.x);
 }
 
 extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_NARROW_MIN_BLOCKS)
-    refit_quantize_narrow(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u64 ntiles, u32 phase,
+    refit_quantize_narrow(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase,
                           u32* job_amax) {
-    __shared__ Vec stage[QUANT_NARROW_CACHE * QUANT_THREADS];
-    quantize_tiles<QUANT_NARROW_CACHE>(descs, njobs, first_tile, ntiles, phase, job_amax, blockIdx.x, gridDim.x,
-                                       stage);
+    quantize_tiles<QUANT_NARROW_CACHE, QUANT_NARROW_MIN_BLOCKS>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, gridDim.x);
 }

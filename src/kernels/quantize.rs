@@ -69,9 +69,8 @@ const SCALE_F32: u32 = 0;
 const SCALE_E8M0: u32 = 1;
 const SCALE_TENSOR: u32 = 2;
 
-/// The descriptors of a batch and its tiles (a scale block, a per-tensor slab or a group-mode round
-/// set each; a launch's thread blocks take them in turn). The narrow entry point's jobs come first:
-/// it takes tiles [0, narrow_tiles), the wide one [narrow_tiles, tiles).
+/// The descriptors of a batch and its tiles (one thread block each). The narrow entry point's jobs
+/// come first: it takes tiles [0, narrow_tiles), the wide one [narrow_tiles, tiles).
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Layout {
     pub descs: Vec<QuantDesc>,
@@ -103,7 +102,8 @@ impl Layout {
 }
 
 /// Checks `jobs` ([`check_jobs`]) and lays them out for the kernel, the narrow entry point's first;
-/// empty jobs get no descriptor. Unsupported when the batch has more jobs than a launch indexes.
+/// empty jobs get no descriptor. Unsupported when the batch needs more thread blocks than one launch
+/// has.
 pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     check_jobs(jobs)?;
     let (mut narrow, mut wide) = (Vec::new(), Vec::new());
@@ -131,6 +131,16 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
         return Err(Error::new(
             Status::Unsupported,
             format!("the batch has {} jobs, more than one launch indexes ({})", layout.descs.len(), u32::MAX),
+        ));
+    }
+    if layout.tiles > i32::MAX as u64 {
+        return Err(Error::new(
+            Status::Unsupported,
+            format!(
+                "the batch needs {} thread blocks, more than one launch has ({})",
+                layout.tiles,
+                i32::MAX
+            ),
         ));
     }
     Ok(layout)
@@ -208,12 +218,10 @@ pub fn module_source() -> String {
 pub struct QuantizeKernel {
     device: i32,
     context: sys::CUcontext,
-    /// refit_quantize (wide), refit_quantize_narrow and refit_copy_quantize, each with the thread
-    /// blocks of it the device holds at once: a launch's grid, at most, its blocks taking the tiles
-    /// in turn (for refit_copy_quantize, of each of its quantizing parts).
-    wide: (sys::CUfunction, u32),
-    narrow: (sys::CUfunction, u32),
-    copying: (sys::CUfunction, u32),
+    /// refit_quantize (wide), refit_quantize_narrow and refit_copy_quantize.
+    wide: sys::CUfunction,
+    narrow: sys::CUfunction,
+    copying: sys::CUfunction,
     /// How the kernel was built, for logs and bench output.
     pub build: String,
 }
@@ -246,15 +254,8 @@ impl QuantizeKernel {
             loaded.build
         );
         log::info!("quantize kernel on device {device}: {build}");
-        let resident = |per_sm: u32| loaded.sms.saturating_mul(per_sm);
-        let kernel = Arc::new(QuantizeKernel {
-            device,
-            context: loaded.context,
-            wide: (wide, resident(wide_per_sm)),
-            narrow: (narrow, resident(narrow_per_sm)),
-            copying: (copying, resident(copying_per_sm)),
-            build,
-        });
+        let kernel =
+            Arc::new(QuantizeKernel { device, context: loaded.context, wide, narrow, copying, build });
         map.insert(device, kernel.clone());
         Ok(kernel)
     }
@@ -326,8 +327,8 @@ impl QuantizeKernel {
     }
 
     /// One launch of refit_copy_quantize: `copy` (a plain copy's launch, of this kernel's device)
-    /// in its first blocks, then blocks taking every phase-2 tile of the batch at `table`, the narrow
-    /// ones and then the wide ones. Per-tensor jobs' phase 1 is queued before it.
+    /// in its first blocks, then every phase-2 tile of the batch at `table`. Per-tensor jobs' phase 1
+    /// is queued before it.
     ///
     /// # Safety
     /// As for [`QuantizeKernel::launches`], and for the copy's launch: its descriptors and the memory
@@ -339,9 +340,15 @@ impl QuantizeKernel {
         layout: &Layout,
         copy: &super::batched_copy::Launch,
     ) -> Result<()> {
-        let (copying, resident) = self.copying;
-        let narrow_blocks = grid(layout.narrow_tiles, resident);
-        let blocks = copy.blocks + narrow_blocks + grid(layout.tiles - layout.narrow_tiles, resident);
+        let blocks = u32::try_from(u64::from(copy.blocks) + layout.tiles)
+            .ok()
+            .filter(|&blocks| blocks <= i32::MAX as u32)
+            .ok_or_else(|| {
+                Error::new(
+                    Status::Unsupported,
+                    format!("{} quantizing tiles are too many for one launch", layout.tiles),
+                )
+            })?;
         // SAFETY: the caller's promises.
         let amax = unsafe { self.first_phase(stream, table, layout) }?;
         let super::batched_copy::Launch {
@@ -352,24 +359,9 @@ impl QuantizeKernel {
             mut group_shift,
             ..
         } = *copy;
-        let (
-            mut copy_blocks,
-            mut quant,
-            mut njobs,
-            mut narrow_tiles,
-            mut quant_tiles,
-            mut narrow_blocks,
-            mut amax,
-        ) = (
-            copy.blocks,
-            table,
-            layout.descs.len() as u32,
-            layout.narrow_tiles,
-            layout.tiles,
-            narrow_blocks,
-            amax,
-        );
-        let mut params: [*mut c_void; 12] = [
+        let (mut copy_blocks, mut quant, mut njobs, mut narrow_tiles, mut amax) =
+            (copy.blocks, table, layout.descs.len() as u32, layout.narrow_tiles, amax);
+        let mut params: [*mut c_void; 10] = [
             (&mut descriptors as *mut u64).cast(),
             (&mut segments as *mut u64).cast(),
             (&mut tiles as *mut u64).cast(),
@@ -379,49 +371,39 @@ impl QuantizeKernel {
             (&mut quant as *mut u64).cast(),
             (&mut njobs as *mut u32).cast(),
             (&mut narrow_tiles as *mut u64).cast(),
-            (&mut quant_tiles as *mut u64).cast(),
-            (&mut narrow_blocks as *mut u32).cast(),
             (&mut amax as *mut u64).cast(),
         ];
         // SAFETY: the parameters match refit_copy_quantize's signature; the caller's promises cover
         // the memory both parts name.
-        unsafe { module::launch(copying, blocks, THREADS, stream, &mut params) }
+        unsafe { module::launch(self.copying, blocks, THREADS, stream, &mut params) }
     }
 
-    /// One launch of `function` (an entry point, with the blocks of it the device holds) over
-    /// `tiles`; nothing when they are none.
+    /// One launch of `function` (an entry point) over `tiles`; nothing when they are none.
     fn launch(
         &self,
         stream: sys::CUstream,
         table: u64,
         layout: &Layout,
-        ((function, resident), tiles): ((sys::CUfunction, u32), std::ops::Range<u64>),
+        (function, tiles): (sys::CUfunction, std::ops::Range<u64>),
         phase: u32,
         amax: u64,
     ) -> Result<()> {
         if tiles.is_empty() {
             return Ok(());
         }
-        let (mut descs, mut njobs, mut first_tile, mut ntiles, mut phase, mut amax) =
-            (table, layout.descs.len() as u32, tiles.start, tiles.end - tiles.start, phase, amax);
-        let mut params: [*mut c_void; 6] = [
+        let (mut descs, mut njobs, mut first_tile, mut phase, mut amax) =
+            (table, layout.descs.len() as u32, tiles.start, phase, amax);
+        let mut params: [*mut c_void; 5] = [
             (&mut descs as *mut u64).cast(),
             (&mut njobs as *mut u32).cast(),
             (&mut first_tile as *mut u64).cast(),
-            (&mut ntiles as *mut u64).cast(),
             (&mut phase as *mut u32).cast(),
             (&mut amax as *mut u64).cast(),
         ];
         // SAFETY: the parameters match both entry points' signature; the caller's promises cover the
         // memory the jobs name, and the table holds the descriptors (and amax words).
-        unsafe { module::launch(function, grid(ntiles, resident), THREADS, stream, &mut params) }
+        unsafe { module::launch(function, (tiles.end - tiles.start) as u32, THREADS, stream, &mut params) }
     }
-}
-
-/// The grid of a launch taking `tiles` in turn: a block per tile, at most the `resident` blocks the
-/// device holds at once.
-fn grid(tiles: u64, resident: u32) -> u32 {
-    tiles.min(u64::from(resident.max(1))) as u32
 }
 
 /// The address of a batch's amax words at `table` (after its descriptors); 0 without per-tensor jobs.

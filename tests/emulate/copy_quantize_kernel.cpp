@@ -1,8 +1,7 @@
 // Builds the quantize kernel's module as src/kernels/quantize.rs compiles it (batched_copy.cu's device
 // functions, then quantize.cu, then copy_quantize.cu) as plain host C++, and runs a copy and quantize launch on the CPU
 // (see runtime.hpp), for tests/copy_quantize_emulated.rs: per-tensor jobs' phase 1 first, as its own
-// launch, then refit_copy_quantize over the copy's blocks and, for each of the narrow and the wide
-// tiles, at most `grid` quantizing blocks.
+// launch, then refit_copy_quantize over the copy's blocks and every quantizing tile.
 #include "runtime.hpp"
 
 // atomicMax as the other emulated atomics: only one coroutine runs at a time.
@@ -20,18 +19,15 @@ inline T atomicMax(T* p, T v) {
 
 extern "C" void refit_emulate_copy_quantize(const void* copy, u64 nseg, u64 ntiles, u32 tile_shift, u32 group_shift,
                                             u32 copy_blocks, const void* quant, u32 njobs, u64 narrow_tiles,
-                                            u64 tiles, u32 per_tensor, u32 grid) {
+                                            u64 tiles, u32 per_tensor) {
     std::vector<u32> amax(njobs, 0u);  // the words the host zeroes
     const Desc* c = static_cast<const Desc*>(copy);
     const QuantDesc* q = static_cast<const QuantDesc*>(quant);
-    const auto blocks = [&](u64 n) { return (unsigned)(n < grid ? n : grid); };
-    const u64 wide = tiles - narrow_tiles;
     if (per_tensor) {
-        emu::launch(blocks(wide), QUANT_THREADS, [&] { refit_quantize(q, njobs, narrow_tiles, wide, 1, amax.data()); });
+        emu::launch((unsigned)(tiles - narrow_tiles), QUANT_THREADS,
+                    [&] { refit_quantize(q, njobs, narrow_tiles, 1, amax.data()); });
     }
-    const unsigned narrow_blocks = blocks(narrow_tiles);
-    emu::launch(copy_blocks + narrow_blocks + blocks(wide), QUANT_THREADS, [&] {
-        refit_copy_quantize(c, nseg, ntiles, tile_shift, group_shift, copy_blocks, q, njobs, narrow_tiles, tiles,
-                            narrow_blocks, amax.data());
+    emu::launch(copy_blocks + (unsigned)tiles, QUANT_THREADS, [&] {
+        refit_copy_quantize(c, nseg, ntiles, tile_shift, group_shift, copy_blocks, q, njobs, narrow_tiles, amax.data());
     });
 }
