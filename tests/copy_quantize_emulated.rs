@@ -81,7 +81,7 @@ fn run(seed: u64, copy_blocks: u32) {
             copy.tile_shift,
             copy.group_shift,
             copy_blocks,
-            quant.as_bytes().as_ptr(),
+            quant.to_bytes().as_ptr(),
             quant.descs.len() as u32,
             quant.narrow_tiles,
             quant.tiles,

@@ -39,7 +39,7 @@ fn check_batch(cases: &[Case]) -> u64 {
         // padded to whole 16-byte vectors.
         unsafe {
             emulator()(
-                l.as_bytes().as_ptr(),
+                l.to_bytes().as_ptr(),
                 l.descs.len() as u32,
                 l.narrow_tiles,
                 l.tiles,
@@ -159,6 +159,26 @@ fn a_nan_or_an_infinity_takes_its_block_as_documented() {
     assert_eq!(dst[8], 0x00, "1.5 / inf is +0");
     assert!(dst[32..].iter().enumerate().all(|(i, &b)| b == if i == 16 + 5 { 0x80 } else { 0 }));
     check_batch(std::slice::from_ref(&c));
+}
+
+#[test]
+fn every_tile_finds_its_job_through_the_tile_index() {
+    // Small jobs of 1 to 20 tiles (a 2 x 8 block each), many per index entry of 256 tiles, around a
+    // job of 700 tiles that fills whole entries and starts and ends inside others.
+    let mut rng = Rng::new(17);
+    let small = Granularity::Block { rows: 2, cols: 8 };
+    let mut cases: Vec<Case> = Vec::new();
+    for i in 0..70u64 {
+        let rows = if i == 30 { 2 * 700 } else { 2 * (1 + (i * 7) % 20) };
+        cases.push(case(&mut rng, "indexed", Fp8::E4m3fn, small, SourceType::Bf16, rows, 8, 0));
+    }
+    let at = |i: u64, what: u64| (i + 1) << 30 | what << 24;
+    let jobs: Vec<_> = (0u64..).zip(&cases).map(|(i, c)| c.job(at(i, 1), at(i, 2), at(i, 3))).collect();
+    let l = layout(&jobs).unwrap();
+    assert!(l.tiles > 4 * 256, "{} tiles", l.tiles);
+    let spans = l.index.windows(2).map(|w| w[1] - w[0]).collect::<Vec<_>>();
+    assert!(spans.iter().any(|&n| n > 5) && spans.contains(&0), "index spans {spans:?}");
+    check_batch(&cases);
 }
 
 #[test]

@@ -58,7 +58,10 @@ def job(granularity, src, codes, scales, rounds):
         d["blocks"] = ROWS * (COLS // 32)
         d["scale_kind"], d["mode"], d["group_shift"] = 1, 1, 2
         tiles = -(-int(d["blocks"][0]) // (64 * rounds))
-    return cp.asarray(d.view(np.uint8)), tiles
+    # The tile index after the descriptor (src/kernels/quantize.rs, Layout::index): one job, so every
+    # entry, one per 256 tiles and one past the end, is job 0.
+    index = np.zeros(-(-tiles // 256) + 1, dtype=np.uint32)
+    return cp.asarray(np.concatenate([d.view(np.uint8), index.view(np.uint8)])), tiles
 
 
 def main():

@@ -28,7 +28,7 @@ class Handle:
 
     _what = "handle"
     _busy_hint = ""  # appended to the in-use refusals
-    # Class defaults, so that close() (from __del__) also works on an object whose __init__ failed.
+    # Class defaults, so that close() and __del__ also work on an object whose __init__ failed.
     _pointer: Optional[int] = None
     _users = 0  # calls in progress
     _owner: Optional[int] = None  # the thread of the exclusive calls in progress
@@ -101,11 +101,17 @@ class Handle:
         raise TypeError(f"a refit {self._what} owns a library handle and cannot be copied or pickled")
 
     def __del__(self) -> None:
-        # Fallback only: during interpreter teardown the library may already be unloaded.
-        try:
-            self.close()
-        except Exception:
-            pass
+        # Fallback only. Without _bookkeeping: the collector may run this on any thread at any
+        # allocation, also while that thread holds the lock (in another handle's _borrow or close),
+        # and the lock is not reentrant. Nothing else can reach an object being collected, so no
+        # call is using it and no other thread closes it. During interpreter teardown the library
+        # may already be unloaded.
+        pointer, self._pointer = self._pointer, None
+        if pointer:
+            try:
+                self._release(pointer)
+            except Exception:
+                pass
 
 
 def borrow(value: object, kind: str, what: str, exclusive: bool = False) -> contextlib.AbstractContextManager[int]:

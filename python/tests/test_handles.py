@@ -3,6 +3,10 @@ block, or garbage collection alone."""
 
 import ctypes
 import gc
+import os
+import subprocess
+import sys
+import textwrap
 import unittest
 
 from refit import Backend, Group, HostStream, Plan, RefitError, Status, Table
@@ -90,6 +94,44 @@ class HandleTest(unittest.TestCase):
                 with self.assertRaises(RefitError):
                     with obj:
                         pass
+
+    def test_a_collection_while_the_bookkeeping_lock_is_held_does_not_wait_for_it(self):
+        # The collector runs finalizers at any allocation, also inside _borrow's critical section,
+        # whose lock is not reentrant: a finalizer that took it would wait forever (seen on a GPU run
+        # of this suite). In a child process, so that a deadlock fails this test, not the suite.
+        code = textwrap.dedent("""
+            import gc
+            from refit._handle import Handle
+            released = []
+
+            class Collecting(Handle):
+                _what = "test handle"
+
+                def _release(self, pointer):
+                    released.append(pointer)
+
+                @property
+                def handle(self):
+                    gc.collect()  # inside _borrow's critical section
+                    return Handle.handle.fget(self)
+
+            garbage = Collecting(1)
+            garbage.cycle = garbage  # only the collector frees it
+            del garbage
+            live = Collecting(2)
+            with live._borrow() as pointer:
+                assert pointer == 2 and released == [1], released
+            live.close()
+            assert released == [1, 2], released
+            print("released", released)
+        """)
+        env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+        try:
+            done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30, env=env)
+        except subprocess.TimeoutExpired:
+            self.fail("a finalizer run inside _borrow waited for the lock its own thread holds")
+        self.assertEqual(done.returncode, 0, done.stderr)
+        self.assertIn("released [1, 2]", done.stdout)
 
     def test_the_library_refuses_released_and_mistyped_handle_values(self):
         # What a ctypes caller that goes around the wrappers gets: a status, never a crash.

@@ -11,8 +11,9 @@
 // chosen under __CUDA_ARCH__.
 //
 // How the work is split. Each job is a matrix cut into scale blocks (the elements sharing a scale);
-// the host lays the jobs out as a table of descriptors, each with its first tile, and every thread
-// block takes one tile, finding its job by binary search. Sources are read as aligned 16-byte vectors
+// the host lays the jobs out as a table of descriptors, each with its first tile, followed by the
+// tile index (the job of every 2^QUANT_INDEX_SHIFT-th tile), and every thread block takes one tile,
+// finding its job between two index entries. Sources are read as aligned 16-byte vectors
 // (8 bf16 / f16 or 4 f32), which the host has checked row starts allow; a row's last vector may
 // extend up to 15 bytes past its last element, within its aligned 16 bytes, and those bytes are
 // ignored. Two modes:
@@ -54,6 +55,7 @@ typedef unsigned short u16;
 #define QUANT_NARROW_CACHE 4u
 #define QUANT_NARROW_MIN_BLOCKS 4u
 #define QUANT_GROUP_ROUNDS 4u
+#define QUANT_INDEX_SHIFT 8u
 #ifndef QUANT_PREFETCH_WAVES
 #define QUANT_PREFETCH_WAVES 0u
 #endif
@@ -662,9 +664,14 @@ __device__ __forceinline__ void prefetch_tile(const QuantDesc& d, u64 tile, u32 
     }
 }
 
-// The descriptor of `tile`: the last one whose first tile is at most `tile`.
+// The descriptor of `tile`: the last one whose first tile is at most `tile`. The tile index after the
+// descriptors brackets it (entry c: the job of tile c << QUANT_INDEX_SHIFT; the last entry, past the
+// last tile, the last job), so the search runs over the few jobs of one index chunk only (none when
+// the chunk lies within one job).
 __device__ __forceinline__ u32 job_of(const QuantDesc* __restrict__ descs, u32 njobs, u64 tile) {
-    u32 lo = 0, hi = njobs;
+    const u32* __restrict__ index = reinterpret_cast<const u32*>(descs + njobs);
+    const u64 chunk = tile >> QUANT_INDEX_SHIFT;
+    u32 lo = index[chunk], hi = index[chunk + 1] + 1;
     while (hi - lo > 1) {
         const u32 mid = (lo + hi) / 2;
         if (descs[mid].first_tile <= tile) lo = mid;

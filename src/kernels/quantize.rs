@@ -37,6 +37,8 @@ pub const NARROW_CACHE: u64 = 4;
 pub const NARROW_MIN_BLOCKS_PER_SM: u32 = 4;
 /// Rounds of blocks per tile in group mode (QUANT_GROUP_ROUNDS).
 pub const GROUP_ROUNDS: u64 = 4;
+/// Tiles per entry of a batch's tile index (2^QUANT_INDEX_SHIFT): see [`Layout::index`].
+pub const INDEX_SHIFT: u32 = 8;
 
 /// A job as the kernel reads it (`struct QuantDesc` in the source; 120 bytes).
 #[repr(C)]
@@ -74,6 +76,11 @@ const SCALE_TENSOR: u32 = 2;
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Layout {
     pub descs: Vec<QuantDesc>,
+    /// Entry c: the descriptor of tile c x 2^INDEX_SHIFT (of the last tile past the end), so that
+    /// tile t's descriptor lies between entries t >> INDEX_SHIFT and the one after, inclusive: a
+    /// thread block finds its tile's job in a few loads instead of a binary search over every job
+    /// (a step's thousands of tensors would cost a dozen dependent loads per tile).
+    pub index: Vec<u32>,
     pub tiles: u64,
     pub narrow_tiles: u64,
     /// Whether a job is per tensor (then phase 1 runs first; per-tensor jobs are wide).
@@ -90,14 +97,25 @@ impl Layout {
         }
     }
 
-    pub fn as_bytes(&self) -> &[u8] {
+    /// The table the kernel reads: the descriptors, then the tile index (amax words follow it on
+    /// the device).
+    pub fn to_bytes(&self) -> Vec<u8> {
         // SAFETY: QuantDesc is plain old data without padding (11 u64 then 8 u32).
-        unsafe {
+        let descs = unsafe {
             std::slice::from_raw_parts(
-                self.descs.as_ptr().cast(),
+                self.descs.as_ptr().cast::<u8>(),
                 std::mem::size_of_val(self.descs.as_slice()),
             )
-        }
+        };
+        let mut bytes = Vec::with_capacity(self.table_len());
+        bytes.extend_from_slice(descs);
+        bytes.extend(self.index.iter().flat_map(|entry| entry.to_le_bytes()));
+        bytes
+    }
+
+    /// Bytes of [`Layout::to_bytes`].
+    pub fn table_len(&self) -> usize {
+        std::mem::size_of_val(self.descs.as_slice()) + self.index.len() * 4
     }
 }
 
@@ -133,6 +151,7 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
             format!("the batch has {} jobs, more than one launch indexes ({})", layout.descs.len(), u32::MAX),
         ));
     }
+    layout.index = tile_index(&layout.descs, layout.tiles);
     if layout.tiles > i32::MAX as u64 {
         return Err(Error::new(
             Status::Unsupported,
@@ -144,6 +163,20 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
         ));
     }
     Ok(layout)
+}
+
+/// [`Layout::index`] of descriptors laid out over `tiles` tiles (none without tiles).
+fn tile_index(descs: &[QuantDesc], tiles: u64) -> Vec<u32> {
+    if tiles == 0 {
+        return Vec::new();
+    }
+    let chunks = tiles.div_ceil(1 << INDEX_SHIFT);
+    (0..=chunks)
+        .map(|chunk| {
+            let tile = (chunk << INDEX_SHIFT).min(tiles - 1);
+            (descs.partition_point(|d| d.first_tile <= tile) - 1) as u32
+        })
+        .collect()
 }
 
 /// One non-empty job's descriptor (its first tile still to be set) and its tiles.
@@ -276,7 +309,7 @@ impl QuantizeKernel {
         }
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(self.context) }?;
-        let bytes = layout.as_bytes();
+        let bytes = layout.to_bytes();
         let mut table: sys::CUdeviceptr = 0;
         // SAFETY: valid output slot; the stream belongs to the current context (the caller's promise).
         check("cuMemAllocAsync", unsafe {
@@ -409,7 +442,7 @@ impl QuantizeKernel {
 /// The address of a batch's amax words at `table` (after its descriptors); 0 without per-tensor jobs.
 fn amax_words(table: u64, layout: &Layout) -> u64 {
     if layout.per_tensor {
-        table + layout.as_bytes().len() as u64
+        table + layout.table_len() as u64
     } else {
         0
     }
@@ -439,7 +472,7 @@ impl PreparedQuantize {
         }
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(prepared.kernel.context) }?;
-        let bytes = prepared.layout.as_bytes();
+        let bytes = prepared.layout.to_bytes();
         // SAFETY: valid output slot, context current.
         check("cuMemAlloc", unsafe {
             sys::cuMemAlloc_v2(&mut prepared.table, bytes.len() + prepared.layout.amax_bytes())
@@ -527,6 +560,7 @@ mod tests {
             format!("#define QUANT_GROUP_ROUNDS {GROUP_ROUNDS}u"),
             format!("#define QUANT_NARROW_CACHE {NARROW_CACHE}u"),
             format!("#define QUANT_NARROW_MIN_BLOCKS {NARROW_MIN_BLOCKS_PER_SM}u"),
+            format!("#define QUANT_INDEX_SHIFT {INDEX_SHIFT}u"),
             format!("#define QUANT_DESC_BYTES {}u", std::mem::size_of::<QuantDesc>()),
             "#define QUANT_MIN_AMAX 1e-10f".to_string(),
             format!("#define QUANT_CANONICAL_NAN {:#x}u", crate::quant::reference::CANONICAL_NAN),
@@ -629,7 +663,21 @@ mod tests {
         assert_eq!(l.descs[4].block_rows, 2);
         assert_eq!((l.narrow_tiles, l.tiles), (narrow_tiles, narrow_tiles + 32768 + 500 + 3));
         assert!(l.per_tensor);
-        assert_eq!(l.as_bytes().len(), 6 * 120);
+        // The index: an entry per 256 tiles and one past the end, each the job of its first tile.
+        let chunks = l.tiles.div_ceil(256) as usize;
+        assert_eq!(l.index.len(), chunks + 1);
+        assert_eq!(&l.index[..3], &[0, 0, 0]);
+        let first_tiles: Vec<u64> = l.descs.iter().map(|d| d.first_tile).collect();
+        for (c, &job) in l.index.iter().enumerate() {
+            let tile = ((c as u64) * 256).min(l.tiles - 1);
+            let job = job as usize;
+            assert!(
+                first_tiles[job] <= tile && first_tiles.get(job + 1).is_none_or(|&next| next > tile),
+                "{c}"
+            );
+        }
+        assert_eq!(l.index[chunks], 5, "past the end: the last job");
+        assert_eq!(l.to_bytes().len(), 6 * 120 + (chunks + 1) * 4);
         // A batch of wide jobs only, and one of narrow jobs only.
         let wide_only = layout(&[block]).unwrap();
         assert_eq!((wide_only.narrow_tiles, wide_only.tiles), (0, 32768));
@@ -641,5 +689,6 @@ mod tests {
     fn empty_jobs_get_no_descriptor() {
         let l = layout(&[job(0, Granularity::Row, 0, 64), job(1, Granularity::Mx, 7, 0)]).unwrap();
         assert_eq!((l.descs.len(), l.tiles, l.narrow_tiles, l.per_tensor), (0, 0, 0, false));
+        assert!(l.index.is_empty() && l.to_bytes().is_empty());
     }
 }
