@@ -3,7 +3,8 @@
 //! size) and the digest (a CRC-style 64-bit digest of device memory at memory speed).
 //!
 //! - `batched_copy.cu`: the CUDA C source, compiled at first use per device by NVRTC
-//!   (`transport::nvrtc`).
+//!   (`transport::nvrtc`), once per architecture and compiler (`image_cache`: kept in the process
+//!   and on disk).
 //! - [`layout`]: how a batch is laid out for the kernel (descriptors, tiles); pure Rust. Segments are
 //!   checked before (`segment::check`, shared with the host backend's copy).
 //! - [`batched_copy`]: the per-device kernel cache, one-shot [`copy_segments`] and [`PreparedBatch`].
@@ -23,6 +24,7 @@ pub mod batched_copy;
 pub(crate) mod device_memory;
 pub mod digest;
 pub mod gf64;
+pub(crate) mod image_cache;
 pub mod layout;
 pub(crate) mod module;
 pub mod quantize;

@@ -1,6 +1,7 @@
 //! Compiling a kernel source for one device and loading it into the device's primary context: shared
 //! by every kernel of the library (the batched copy, the digest).
 
+use super::image_cache::{self, Key};
 use crate::error::{Error, Result, Status};
 use crate::transport::driver::{self, check, CurrentContext};
 use crate::transport::nvrtc::{self, Output};
@@ -19,7 +20,8 @@ pub(crate) struct Loaded {
 
 /// Compiles `source` (named `file` in compiler messages) for `device`'s exact architecture and loads
 /// it: the CUBIN first, the PTX for the driver to JIT when the CUBIN does not load (an NVRTC newer
-/// than the driver). Errors: CudaUnavailable, InvalidDevice, NvrtcUnavailable, KernelLoadFailed (with
+/// than the driver). Each image is compiled once per architecture and compiler, then kept
+/// ([`image_cache`]: in the process, and on disk between processes). Errors: CudaUnavailable, InvalidDevice, NvrtcUnavailable, KernelLoadFailed (with
 /// NVRTC's log or the driver's errors), CudaError.
 pub(crate) fn load(device: i32, source: &str, file: &str) -> Result<Loaded> {
     use sys::CUdevice_attribute as A;
@@ -31,16 +33,22 @@ pub(crate) fn load(device: i32, source: &str, file: &str) -> Result<Loaded> {
     // SAFETY: just retained.
     let _current = unsafe { CurrentContext::enter(context) }?;
     let context_msg = |e: Error| e.context(format!("loading {file} on device {device}"));
-    let cubin = nvrtc::compile(source, file, major, minor, Output::Cubin, &[]).map_err(context_msg)?;
-    let (module, build) = match load_image(&cubin.image) {
+    let compiler = nvrtc::version().map_err(context_msg)?;
+    let compiled = |output| {
+        let key = Key { source, file, major, minor, output, compiler: &compiler };
+        image_cache::image(&key, || nvrtc::compile(source, file, major, minor, output, &[]).map(|c| c.image))
+            .map_err(context_msg)
+    };
+    let cubin = compiled(Output::Cubin)?;
+    let (module, build) = match load_image(&cubin) {
         Ok(module) => (module, format!("CUBIN sm_{major}{minor}")),
         Err(cubin_err) => {
             log::warn!(
                 "{file}: CUBIN for sm_{major}{minor} did not load ({}), trying PTX",
                 cubin_err.message
             );
-            let ptx = nvrtc::compile(source, file, major, minor, Output::Ptx, &[]).map_err(context_msg)?;
-            let module = load_image(&ptx.image).map_err(|ptx_err| {
+            let ptx = compiled(Output::Ptx)?;
+            let module = load_image(&ptx).map_err(|ptx_err| {
                 Error::new(
                     Status::KernelLoadFailed,
                     format!(
@@ -52,8 +60,7 @@ pub(crate) fn load(device: i32, source: &str, file: &str) -> Result<Loaded> {
             (module, format!("PTX compute_{major}{minor} (JIT)"))
         }
     };
-    let nvrtc = nvrtc::version().unwrap_or_default();
-    Ok(Loaded { context, module, sms, build: format!("{build}, {nvrtc}, {sms} SMs") })
+    Ok(Loaded { context, module, sms, build: format!("{build}, {compiler}, {sms} SMs") })
 }
 
 /// A kernel of a loaded module, by name.
