@@ -141,8 +141,11 @@ fn write(dir: &Path, key: &Key, image: &[u8]) {
     }
 }
 
-/// Images compiled in this process, by key (owned copies of the keys' parts).
-type Kept = Vec<((String, String, i32, i32, Output, String), Arc<[u8]>)>;
+/// A key's image in this process, once loaded or compiled.
+type Slot = Arc<Mutex<Option<Arc<[u8]>>>>;
+
+/// Images of this process, by key (owned copies of the keys' parts).
+type Kept = Vec<((String, String, i32, i32, Output, String), Slot)>;
 
 /// `key`'s image: kept from an earlier load in this process, else from `dir` (None: no disk
 /// cache), else compiled by `compile` and kept in both. Errors: `compile`'s.
@@ -160,10 +163,21 @@ pub(crate) fn image_in(
         key.output,
         key.compiler.to_owned(),
     );
-    // Held while compiling: a second device's load of the same source waits for the first's image
-    // instead of compiling it too.
-    let mut kept = lock(&KEPT);
-    if let Some((_, image)) = kept.iter().find(|(k, _)| *k == owned) {
+    let slot: Slot = {
+        let mut kept = lock(&KEPT);
+        match kept.iter().find(|(k, _)| *k == owned) {
+            Some((_, slot)) => slot.clone(),
+            None => {
+                let slot = Slot::default();
+                kept.push((owned, slot.clone()));
+                slot
+            }
+        }
+    };
+    // Held while compiling: another device's load of the same image waits for this one instead of
+    // compiling it too (other images compile meanwhile).
+    let mut slot = lock(&slot);
+    if let Some(image) = slot.as_ref() {
         return Ok(image.clone());
     }
     let image: Arc<[u8]> = match dir.and_then(|dir| read(dir, key)) {
@@ -179,7 +193,7 @@ pub(crate) fn image_in(
             image.into()
         }
     };
-    kept.push((owned, image.clone()));
+    *slot = Some(image.clone());
     Ok(image)
 }
 
@@ -291,6 +305,30 @@ mod tests {
         let compiles = Cell::new(0);
         assert_eq!(load(None, &k, b"fixed", &compiles), b"fixed");
         assert_eq!(compiles.get(), 1);
+    }
+
+    #[test]
+    fn devices_loading_one_image_at_once_compile_it_once() {
+        use std::sync::atomic::{AtomicU32, Ordering};
+        let compiles = AtomicU32::new(0);
+        let k = key("// concurrent loads test\n", "NVRTC 13.0");
+        let images: Vec<Vec<u8>> = std::thread::scope(|scope| {
+            let loads: Vec<_> = (0..4)
+                .map(|_| {
+                    scope.spawn(|| {
+                        let compile = || {
+                            compiles.fetch_add(1, Ordering::SeqCst);
+                            std::thread::sleep(std::time::Duration::from_millis(50));
+                            Ok(b"one image".to_vec())
+                        };
+                        image_in(None, &k, compile).unwrap().to_vec()
+                    })
+                })
+                .collect();
+            loads.into_iter().map(|load| load.join().unwrap()).collect()
+        });
+        assert!(images.iter().all(|image| image == b"one image"));
+        assert_eq!(compiles.load(Ordering::SeqCst), 1);
     }
 
     #[test]
