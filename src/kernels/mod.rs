@@ -3,8 +3,8 @@
 //! size) and the digest (a CRC-style 64-bit digest of device memory at memory speed).
 //!
 //! - `batched_copy.cu`: the CUDA C source, compiled at first use per device by NVRTC
-//!   (`transport::nvrtc`), once per architecture and compiler (`image_cache`: kept in the process
-//!   and on disk).
+//!   (`transport::nvrtc`), once per architecture and compiler (`image_cache`: kept for the process's
+//!   other devices).
 //! - [`layout`]: how a batch is laid out for the kernel (descriptors, tiles); pure Rust. Segments are
 //!   checked before (`segment::check`, shared with the host backend's copy).
 //! - [`batched_copy`]: the per-device kernel cache, one-shot [`copy_segments`] and [`PreparedBatch`].

@@ -20,8 +20,8 @@ pub(crate) struct Loaded {
 
 /// Compiles `source` (named `file` in compiler messages) for `device`'s exact architecture and loads
 /// it: the CUBIN first, the PTX for the driver to JIT when the CUBIN does not load (an NVRTC newer
-/// than the driver). Each image is compiled once per architecture and compiler, then kept
-/// ([`image_cache`]: in the process, and on disk between processes). Errors: CudaUnavailable, InvalidDevice, NvrtcUnavailable, KernelLoadFailed (with
+/// than the driver). Each image is compiled once per architecture and compiler, then kept for the
+/// process's other devices ([`image_cache`]). Errors: CudaUnavailable, InvalidDevice, NvrtcUnavailable, KernelLoadFailed (with
 /// NVRTC's log or the driver's errors), CudaError.
 pub(crate) fn load(device: i32, source: &str, file: &str) -> Result<Loaded> {
     use sys::CUdevice_attribute as A;

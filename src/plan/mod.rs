@@ -22,7 +22,7 @@ pub mod builder;
 mod coalesce;
 mod coverage;
 mod destinations;
-pub(crate) mod digest;
+mod digest;
 mod memory;
 mod merge;
 pub mod options;
