@@ -293,7 +293,7 @@ impl QuantizeKernel {
         Ok(kernel)
     }
 
-    /// Queues the quantization of a batch laid out by [`layout`] on `stream`: the descriptors uploaded stream-ordered
+    /// Queues the quantization of a batch laid out by [`layout`] on `stream`: its table uploaded stream-ordered
     /// (`cuMemAllocAsync`, an asynchronous copy from pageable memory that the driver stages before
     /// returning), the launches ([`QuantizeKernel::launches`]), then the frees. Asynchronous; must
     /// not be captured into a CUDA graph (the pageable upload). An empty layout queues nothing.
@@ -329,8 +329,8 @@ impl QuantizeKernel {
         result.and(freed)
     }
 
-    /// Queues the launches of a batch whose descriptors (then, for per-tensor jobs, one amax word per
-    /// descriptor) are at `table` on the device: the narrow entry point over its tiles, for per-tensor
+    /// Queues the launches of a batch whose table ([`Layout::to_bytes`]; then, for per-tensor jobs,
+    /// one amax word per descriptor) is at `table` on the device: the narrow entry point over its tiles, for per-tensor
     /// jobs the zeroing of the amax words and the wide entry point's phase-1 launch, its phase-2
     /// launch. Nothing else, so a prepared batch may be captured into a graph.
     ///
@@ -434,12 +434,13 @@ impl QuantizeKernel {
             (&mut amax as *mut u64).cast(),
         ];
         // SAFETY: the parameters match both entry points' signature; the caller's promises cover the
-        // memory the jobs name, and the table holds the descriptors (and amax words).
+        // memory the jobs name, and the table holds the descriptors, tile index (and amax words).
         unsafe { module::launch(function, (tiles.end - tiles.start) as u32, THREADS, stream, &mut params) }
     }
 }
 
-/// The address of a batch's amax words at `table` (after its descriptors); 0 without per-tensor jobs.
+/// The address of a batch's amax words at `table` (after its descriptors and tile index); 0 without
+/// per-tensor jobs.
 fn amax_words(table: u64, layout: &Layout) -> u64 {
     if layout.per_tensor {
         table + layout.table_len() as u64
@@ -462,7 +463,7 @@ unsafe impl Send for PreparedQuantize {}
 unsafe impl Sync for PreparedQuantize {}
 
 impl PreparedQuantize {
-    /// `jobs` checked and laid out ([`layout`]) for `device`, the descriptors uploaded.
+    /// `jobs` checked and laid out ([`layout`]) for `device`, the table uploaded.
     pub fn new(device: i32, jobs: &[QuantJob]) -> Result<PreparedQuantize> {
         let layout = layout(jobs)?;
         let kernel = QuantizeKernel::for_device(device)?;
