@@ -1,5 +1,6 @@
 //! Compiling a kernel source for one device and loading it into the device's primary context: shared
-//! by every kernel of the library (the batched copy, the digest).
+//! by every kernel of the library (the batched copy, the digest, the quantizing copy), with the one
+//! launch call they all make.
 
 use super::image_cache::{self, Key};
 use crate::error::{Error, Result, Status};
@@ -21,8 +22,8 @@ pub(crate) struct Loaded {
 /// Compiles `source` (named `file` in compiler messages) for `device`'s exact architecture and loads
 /// it: the CUBIN first, the PTX for the driver to JIT when the CUBIN does not load (an NVRTC newer
 /// than the driver). Each image is compiled once per architecture and compiler, then kept for the
-/// process's other devices ([`image_cache`]). Errors: CudaUnavailable, InvalidDevice, NvrtcUnavailable, KernelLoadFailed (with
-/// NVRTC's log or the driver's errors), CudaError.
+/// process's other devices ([`image_cache`]). Errors: CudaUnavailable, InvalidDevice,
+/// NvrtcUnavailable, KernelLoadFailed (with NVRTC's log or the driver's errors), CudaError.
 pub(crate) fn load(device: i32, source: &str, file: &str) -> Result<Loaded> {
     use sys::CUdevice_attribute as A;
     driver::device_handle(device)?;

@@ -161,20 +161,28 @@ def build(
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=False, normalization="RMSNorm", pp_rank=pp_rank)
     for layer_spec in spec.layer_specs:
         layer_spec.submodules.self_attention.submodules.core_attention = LocalCoreAttention
+    with on_cpu():
+        return gpt_model(hf, tp, config, spec, groups, tensor_parallel_layers,
+                         pre_process=pp_rank == 0, post_process=pp_rank == pp - 1)
+
+
+def gpt_model(hf: Any, tp: int, config: Any, spec: Any, groups: Any, linears: Any, **stage: bool) -> "GPTModel":
+    """The rank's GPTModel of `hf` (vocabulary padded as Megatron pads it for `tp`) from `config` and
+    `spec`, its projections given the rank's stand-in groups. MLASelfAttention builds linear_q_proj
+    without a tp_group (multi_latent_attention.py, unlike every other projection), so the linear
+    module `linears` (the local or the Transformer Engine one) falls back to parallel_state's TP
+    group: in a real run the TP group, here the one-process world's, of size 1. The stand-in groups
+    are what parallel_state would give in that real run."""
     padded = -(-hf.vocab_size // (8 * tp)) * 8 * tp
 
     def default_group(tp_group, is_expert=False, check_initialized=True):
-        # MLASelfAttention builds linear_q_proj without a tp_group (multi_latent_attention.py,
-        # unlike every other projection), so the linear falls back to parallel_state's TP group:
-        # in a real run the TP group, here the one-process world's, of size 1. The rank's stand-in
-        # groups are what parallel_state would give in that real run.
         return tp_group if tp_group is not None else (groups.expt_tp if is_expert else groups.tp)
 
-    with on_cpu(), patched(tensor_parallel_layers, "get_tensor_model_parallel_group_if_none", default_group):
+    with patched(linears, "get_tensor_model_parallel_group_if_none", default_group):
         return GPTModel(
             config=config, transformer_layer_spec=spec, vocab_size=padded, max_sequence_length=32,
             share_embeddings_and_output_weights=False, position_embedding_type="rope", pg_collection=groups,
-            pre_process=pp_rank == 0, post_process=pp_rank == pp - 1,
+            **stage,
         )
 
 

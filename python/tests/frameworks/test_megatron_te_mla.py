@@ -130,6 +130,7 @@ from test_megatron_mla import (  # noqa: E402
     assert_equal_loads,
     checkpoint,
     claim_heads,
+    gpt_model,
     mark_rows,
     mla_config,
     on_cpu,
@@ -183,18 +184,8 @@ def build(hf: Any, tp: int, tp_rank: int) -> "GPTModel":
     groups = rank_groups(tp, tp_rank)
     config = mla_config(hf, tensor_model_parallel_size=tp, transformer_impl="transformer_engine", qk_layernorm=True)
     spec = get_gpt_decoder_block_spec(config, use_transformer_engine=True, normalization="RMSNorm")
-    padded = -(-hf.vocab_size // (8 * tp)) * 8 * tp
-
-    def default_group(tp_group, is_expert=False, check_initialized=True):
-        # As in test_megatron_mla.build: linear_q_proj is built without a tp_group and would take
-        # parallel_state's (the one-process world's); the rank's stand-in group is the real run's.
-        return tp_group if tp_group is not None else (groups.expt_tp if is_expert else groups.tp)
-
-    with on_cuda_less_cpu(), patched(megatron_te, "get_tensor_model_parallel_group_if_none", default_group):
-        return GPTModel(
-            config=config, transformer_layer_spec=spec, vocab_size=padded, max_sequence_length=32,
-            share_embeddings_and_output_weights=False, position_embedding_type="rope", pg_collection=groups,
-        )
+    with on_cuda_less_cpu():
+        return gpt_model(hf, tp, config, spec, groups, megatron_te)
 
 
 def unit_like(x: "torch.Tensor") -> "torch.Tensor":
