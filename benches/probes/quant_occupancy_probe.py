@@ -1,18 +1,20 @@
 """Where does the quantizing copy lose to its memory bound, and what brings it closer? (Issue 29: at
 least 0.8 of 3 bytes per element at the copy's rate.)
 
-refit's quantize kernel (src/kernels/quantize.cu) keeps QUANT_CACHE vectors per thread in registers
-(block mode), QUANT_GROUP_ROUNDS vectors per thread in group mode (MX), and QUANT_MIN_BLOCKS thread
-blocks per SM; the narrow entry point (refit_quantize_narrow) keeps QUANT_NARROW_CACHE vectors at
-QUANT_NARROW_MIN_BLOCKS blocks per SM. The first runs of this probe set those (the narrow entry point
-for rows and MX). This run asks whether asking L2 for the source of the tile a wave ahead
-(QUANT_PREFETCH_WAVES: the tile that starts about when this one ends) keeps DRAM streaming between a
-block's tiles: 0 (as the library runs), 1 and 2 waves, on both entry points. (It did not: every row
-slower; the knob is off.) A 1 GiB bf16 matrix (65536 x 8192) to e4m3
-per 128 x 128 block, per row and MXFP8, in one run; each variant's codes and scales are compared byte
-for byte with the wide entry point's as it is, and a bf16 copy of the same tensor sets the bound.
-Writes $REFIT_BENCH_RESULTS/quant_occupancy_probe.json.
+refit's quantize kernel (src/kernels/quantize.cu) keeps QUANT_CACHE vectors per thread of a block-mode
+tile in shared memory at QUANT_WIDE_MIN_BLOCKS thread blocks per SM (refit_quantize), and
+QUANT_NARROW_CACHE in registers at QUANT_NARROW_MIN_BLOCKS (refit_quantize_narrow, for rows and MX).
+Earlier runs of this probe set those, and found an L2 prefetch of the tile a wave ahead slower at
+every granularity (docs/decisions.md, "Quantizing copy"). This run
+asks how many wide blocks per SM the shared-memory cache should allow (3, as in the launch that also
+copies, 4, 5), and whether the narrow entry point gains from more blocks. A 1 GiB bf16 matrix
+(65536 x 8192) to e4m3 per 128 x 128 block, per row and MXFP8, in one run; each variant's codes and
+scales are compared byte for byte with the library's kernel as it is, and a bf16 copy of the same
+tensor sets the bound. QUANT_PROBE_VARIANTS (names, comma-separated) and QUANT_PROBE_GRANULARITIES
+narrow a run, e.g. under ncu. Writes $REFIT_BENCH_RESULTS/quant_occupancy_probe.json.
 """
+
+import os
 
 import cupy as cp
 import numpy as np
@@ -27,7 +29,8 @@ DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scales", "<u8"), ("rows", "<u
                  ("source", "<u4"), ("target", "<u4"), ("scale_kind", "<u4"), ("mode", "<u4"),
                  ("group_shift", "<u4"), ("reserved", "<u4")])
 assert DESC.itemsize == 120
-AS_IS = {"QUANT_CACHE": 8, "QUANT_MIN_BLOCKS": 3, "QUANT_GROUP_ROUNDS": 4, "QUANT_PREFETCH_WAVES": 0}
+AS_IS = {"QUANT_CACHE": 8, "QUANT_WIDE_MIN_BLOCKS": 4, "QUANT_GROUP_ROUNDS": 4,
+         "QUANT_THREADS": 256, "QUANT_NARROW_MIN_BLOCKS": 4, "QUANT_NARROW_CACHE": 4}
 
 
 def source(defines):
@@ -40,7 +43,7 @@ def source(defines):
 
 
 
-def job(granularity, src, codes, scales, rounds):
+def job(granularity, src, codes, scales, rounds, threads=256):
     """The descriptor src/kernels/quantize.rs lays out for one whole-matrix e4m3 job, and its tiles."""
     d = np.zeros(1, dtype=DESC)
     d["src"], d["dst"], d["scales"] = src.data_ptr(), codes.data_ptr(), scales.data_ptr()
@@ -57,7 +60,7 @@ def job(granularity, src, codes, scales, rounds):
         d["block_rows"], d["block_cols"], d["grid_cols"], d["scale_stride"] = 1, 32, COLS // 32, COLS // 32
         d["blocks"] = ROWS * (COLS // 32)
         d["scale_kind"], d["mode"], d["group_shift"] = 1, 1, 2
-        tiles = -(-int(d["blocks"][0]) // (64 * rounds))
+        tiles = -(-int(d["blocks"][0]) // ((threads >> 2) * rounds))
     # The tile index after the descriptor (src/kernels/quantize.rs, Layout::index): one job, so every
     # entry, one per 256 tiles and one past the end, is job 0.
     index = np.zeros(-(-tiles // 256) + 1, dtype=np.uint32)
@@ -75,25 +78,31 @@ def main():
     scales = torch.empty(ROWS * (COLS // 32) * 4 // 4 + 4096, dtype=torch.int32, device="cuda")
     amax = cp.zeros(1, dtype=cp.uint32)
     variants = [("as is", {}), ("narrow entry point", {}),
-                ("prefetch 1 wave", {"QUANT_PREFETCH_WAVES": 1}), ("narrow, prefetch 1 wave", {"QUANT_PREFETCH_WAVES": 1}),
-                ("prefetch 2 waves", {"QUANT_PREFETCH_WAVES": 2}),
-                ("narrow, prefetch 2 waves", {"QUANT_PREFETCH_WAVES": 2}),
-                ("cache 8, 4 blocks/SM", {"QUANT_MIN_BLOCKS": 4})]
+                ("3 wide blocks per SM", {"QUANT_WIDE_MIN_BLOCKS": 3}),
+                ("5 wide blocks per SM", {"QUANT_WIDE_MIN_BLOCKS": 5}),
+                ("narrow, 6 blocks per SM", {"QUANT_NARROW_MIN_BLOCKS": 6})]
+    only = os.environ.get("QUANT_PROBE_VARIANTS")  # names, comma-separated: e.g. for one run under ncu
+    if only:
+        variants = [v for v in variants if v[0] in only.split(",")]
+    granularities = os.environ.get("QUANT_PROBE_GRANULARITIES", "block 128 x 128,row,MX").split(",")
     reference = {}
     rows = []
     for name, defines in variants:
         entry = "refit_quantize_narrow" if name.startswith("narrow") else "refit_quantize"
         fn = cp.RawModule(code=source(defines), options=("--std=c++17",)).get_function(entry)
-        rounds = defines.get("QUANT_GROUP_ROUNDS", AS_IS["QUANT_GROUP_ROUNDS"])
-        for granularity in ("block 128 x 128", "row", "MX"):
-            descs, tiles = job(granularity, src, codes, scales, rounds)
+        setting = {**AS_IS, **defines}
+        rounds, threads = setting["QUANT_GROUP_ROUNDS"], setting["QUANT_THREADS"]
+        fn.preferred_shared_memory_carveout = 100  # as the library asks (kernels/module.rs)
+        for granularity in granularities:
+            descs, tiles = job(granularity, src, codes, scales, rounds, threads)
             codes.zero_()
             scales.zero_()
-            ms = median_ms(reps=9, fn=lambda: fn((tiles,), (256,), (descs.data.ptr, cp.uint32(1), cp.uint64(0), cp.uint32(2), amax.data.ptr)))
+            ms = median_ms(reps=9, fn=lambda: fn((tiles,), (threads,), (descs.data.ptr, cp.uint32(1), cp.uint64(0), cp.uint32(2), amax.data.ptr)))
             out = (codes.clone(), scales.clone())
             if name == "as is":
                 reference[granularity] = out
-            same = bool(torch.equal(out[0], reference[granularity][0]) and torch.equal(out[1], reference[granularity][1]))
+            same = granularity in reference and bool(
+                torch.equal(out[0], reference[granularity][0]) and torch.equal(out[1], reference[granularity][1]))
             rows.append({"variant": name, "granularity": granularity, "ms": ms, "of_bound": bound_ms / ms,
                          "same_as_is": same, "registers": fn.num_regs, "local_bytes": fn.local_size_bytes})
             print(rows[-1], flush=True)

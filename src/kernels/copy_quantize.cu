@@ -9,7 +9,7 @@
 // touch disjoint memory (the executor checked the codes and scales against every copy's destination),
 // so no order between them is needed. Per-tensor jobs' phase 1 runs before, as its own launch.
 
-extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_WITH_COPY_MIN_BLOCKS)
     refit_copy_quantize(const Desc* __restrict__ descs, u64 nseg, u64 ntiles, u32 tile_shift, u32 group_shift,
                         u32 copy_blocks, const QuantDesc* __restrict__ quant, u32 njobs, u64 narrow_tiles,
                         u32* job_amax) {
@@ -17,11 +17,11 @@ extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
         copy_tiles<MODE_COPY>(descs, nseg, ntiles, tile_shift, group_shift, nullptr, nullptr, blockIdx.x, copy_blocks);
         return;
     }
-    const u32 block = blockIdx.x - copy_blocks, blocks = gridDim.x - copy_blocks;
+    __shared__ Vec cache[QUANT_CACHE * QUANT_THREADS];  // the wide tiles' cache (quantize.cu)
+    const u32 block = blockIdx.x - copy_blocks;
     if (block < narrow_tiles) {
-        quantize_tiles<QUANT_NARROW_CACHE, QUANT_MIN_BLOCKS>(quant, njobs, 0, 2, job_amax, block, (u32)narrow_tiles);
+        quantize_tiles<QUANT_NARROW_CACHE, false>(quant, njobs, 0, 2, job_amax, block, nullptr);
     } else {
-        quantize_tiles<QUANT_CACHE, QUANT_MIN_BLOCKS>(quant, njobs, narrow_tiles, 2, job_amax, block - (u32)narrow_tiles,
-                                                      blocks - (u32)narrow_tiles);
+        quantize_tiles<QUANT_CACHE, true>(quant, njobs, narrow_tiles, 2, job_amax, block - (u32)narrow_tiles, cache);
     }
 }

@@ -107,6 +107,23 @@ pub(crate) unsafe fn launch(
 
 impl Loaded {
     /// Blocks of `threads` threads of `function` (from this module) that fit on one SM at once.
+    /// Asks the driver to give `function`'s (of this module) SMs the most shared memory, and the
+    /// least L1, it can: a kernel whose blocks each keep a large shared array (the quantize kernel's
+    /// cache of a tile) holds more blocks per SM so. A hint the driver may override.
+    pub(crate) fn prefer_shared_memory(&self, function: sys::CUfunction) -> Result<()> {
+        // SAFETY: the context is retained for the life of the process.
+        let _current = unsafe { CurrentContext::enter(self.context) }?;
+        // SAFETY: a live function of this context's module; a plain attribute value.
+        check("cuFuncSetAttribute", unsafe {
+            sys::cuFuncSetAttribute(
+                function,
+                sys::CUfunction_attribute::CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                sys::CUshared_carveout::CU_SHAREDMEM_CARVEOUT_MAX_SHARED as i32,
+            )
+        })
+        .map_err(|e| Error::new(Status::KernelLoadFailed, e.message))
+    }
+
     /// The occupancy query needs the module's context current on the calling thread, which
     /// [`load`] no longer holds once it returns.
     pub(crate) fn blocks_per_sm(&self, function: sys::CUfunction, threads: u32) -> Result<u32> {

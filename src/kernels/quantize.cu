@@ -18,8 +18,8 @@
 // extend up to 15 bytes past its last element, within its aligned 16 bytes, and those bytes are
 // ignored. Two modes:
 // - MODE_BLOCK: a tile is one scale block (per-tensor jobs: a slab of whole rows). The block's
-//   threads read its vectors, each keeping the first CACHE in registers (see Occupancy; all CACHE
-//   loads issued before the first is used, so that many are in flight per thread), reduce the amax
+//   threads read its vectors, each keeping the first CACHE (see Occupancy; all CACHE loads issued
+//   before the first is used, so that many are in flight per thread), reduce the amax
 //   across the block (warp shuffles, then shared memory), compute the scale, and quantize what they
 //   hold (vectors beyond the cache are read again, from L2). Per-tensor jobs run in two launches:
 //   phase 1 reduces each slab and combines the slabs' amax with atomicMax on its bits into the job's
@@ -27,19 +27,16 @@
 //   source twice: its memory bound is 5 bytes per 16-bit element, not the other granularities' 3.
 //
 // Occupancy: the memory system needs tens of KiB of loads in flight per SM, which here means tiles in
-// flight (each holds its loads until its reduction). Two entry points trade vectors kept per thread
-// against blocks per SM: refit_quantize keeps QUANT_CACHE vectors per thread at QUANT_MIN_BLOCKS
-// blocks per SM (128 x 128 blocks: 8 vectors per thread; per-tensor slabs), refit_quantize_narrow
-// QUANT_NARROW_CACHE at QUANT_NARROW_MIN_BLOCKS (scale blocks of at most 4 vectors per thread, such
-// as a row of 8192 bf16, and group mode), where the wide cache would sit unused and fewer tiles
-// would be in flight (benches/probes/quant_occupancy_probe.py). The host lays the narrow jobs' tiles
-// out first and launches each entry point over its own tiles.
-// Prefetch (a tuning knob, off): a tile's loads are issued only when its block starts, and the block
-// holds them until its amax is reduced. Blocks start in tile order, about MIN_BLOCKS per SM at a time,
-// so with QUANT_PREFETCH_WAVES = n each block asks L2 for the source of the tile n such waves ahead
-// of its own, so that its loads would hit L2. Measured on one H200 it made every granularity slower
-// (benches/probes/quant_occupancy_probe.py; docs/decisions.md, "Quantizing copy"), so it is 0: the
-// code stays for the probe to ask again.
+// flight (each holds its loads until its reduction). Two entry points: refit_quantize keeps
+// QUANT_CACHE vectors per thread (a 128 x 128 block of 16-bit elements whole; per-tensor slabs) in
+// shared memory, where they arrive without occupying registers (cp.async), at QUANT_WIDE_MIN_BLOCKS
+// blocks per SM; refit_quantize_narrow keeps QUANT_NARROW_CACHE in registers at
+// QUANT_NARROW_MIN_BLOCKS (scale blocks of at most 4 vectors per thread, such as a row of 8192 bf16,
+// and group mode), where shared memory measured no faster (benches/probes/quant_occupancy_probe.py).
+// The host lays the narrow jobs' tiles out first and launches each entry point over its own tiles.
+// Instructions matter as much as bytes in flight: a 128 x 128 bf16 block is about 21 instructions
+// per element in the general loops below, so a tile that is exactly the cache takes a path without
+// their row and partial-vector bookkeeping.
 // - MODE_GROUP: for one-row blocks of at most 32 vectors (MX, short rows, 1 x n blocks): each
 //   scale block is taken by a group of 2^group_shift lanes of a warp (one vector per lane), reduced
 //   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups.
@@ -51,14 +48,12 @@ typedef unsigned short u16;
 #define QUANT_THREADS 256u
 #define QUANT_WARPS (QUANT_THREADS / 32u)
 #define QUANT_CACHE 8u
-#define QUANT_MIN_BLOCKS 3u
+#define QUANT_WIDE_MIN_BLOCKS 4u
+#define QUANT_WITH_COPY_MIN_BLOCKS 3u  // refit_copy_quantize's: the batched copy's own (copy_quantize.cu)
 #define QUANT_NARROW_CACHE 4u
 #define QUANT_NARROW_MIN_BLOCKS 4u
 #define QUANT_GROUP_ROUNDS 4u
 #define QUANT_INDEX_SHIFT 8u
-#ifndef QUANT_PREFETCH_WAVES
-#define QUANT_PREFETCH_WAVES 0u
-#endif
 #define QUANT_MIN_AMAX 1e-10f
 #define QUANT_CANONICAL_NAN 0x7fffffffu
 #define QUANT_DESC_BYTES 120u
@@ -106,6 +101,28 @@ __device__ __forceinline__ Vec load_vector(const unsigned char* p) {
     return v;
 #else
     return *reinterpret_cast<const Vec*>(p);
+#endif
+}
+
+// A 16-byte source vector into a thread's cache slot: with SHARED, a slot in shared memory, copied
+// there without passing through registers (cp.async, sm_80 and later), visible to the thread once it
+// has called wait_cached; else a register (a plain load).
+template <bool SHARED>
+__device__ __forceinline__ void load_cached(Vec* slot, const unsigned char* p) {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (SHARED) {
+        const u32 at = (u32)__cvta_generic_to_shared(slot);
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(at), "l"(p) : "memory");
+        return;
+    }
+#endif
+    *slot = load_vector(p);
+}
+
+template <bool SHARED>
+__device__ __forceinline__ void wait_cached() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 800
+    if (SHARED) asm volatile("cp.async.wait_all;" ::: "memory");
 #endif
 }
 
@@ -430,11 +447,34 @@ __device__ __forceinline__ void grid_position(const QuantDesc& d, u64 block, u64
     }
 }
 
+// Stores the codes of a thread's CACHE cached vectors (STRIDE slots apart), all whole, `dstep` bytes
+// apart from `out`,
+// with the scale's case chosen once for all of them (and the target a constant in each loop).
+template <u32 SRC, u32 CACHE, u32 STRIDE, bool FINITE, bool EXACT>
+__device__ __forceinline__ void store_cached_as(const Vec* cache, const Scale& scale, u32 target, unsigned char* out,
+                                                u64 dstep) {
+    constexpr u32 VE = Elements<SRC>::per_vector;
+    if (target == FP8_E4M3) {
+#pragma unroll
+        for (u32 k = 0; k < CACHE; ++k) {
+            store_codes_as<SRC, FINITE, EXACT>(cache[k * STRIDE], VE, scale, FP8_E4M3, out + k * dstep);
+        }
+    } else {
+#pragma unroll
+        for (u32 k = 0; k < CACHE; ++k) {
+            store_codes_as<SRC, FINITE, EXACT>(cache[k * STRIDE], VE, scale, FP8_E5M2, out + k * dstep);
+        }
+    }
+}
+
 // MODE_BLOCK: one scale block (or per-tensor slab) `block` of descriptor `job`. Thread t takes
 // vectors t, t + QUANT_THREADS, ... of the block in row-major order; their (row, vector) positions
-// advance by a fixed step, so no division per vector.
-template <u32 SRC, u32 CACHE>
-__device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase, u32* job_amax) {
+// advance by a fixed step, so no division per vector. The first CACHE of them wait until the block's
+// amax is known: with SHARED in `cache`, the block's shared memory (CACHE x QUANT_THREADS vectors,
+// thread t's k-th at cache[k * QUANT_THREADS + t]), where they arrive without passing through
+// registers, so that registers do not bound the tiles in flight per SM; else in registers.
+template <u32 SRC, u32 CACHE, bool SHARED>
+__device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase, u32* job_amax, Vec* cache) {
     __shared__ u32 warp_amax[QUANT_WARPS];
     constexpr u32 VE = Elements<SRC>::per_vector;
     constexpr u32 SIZE = Elements<SRC>::size;
@@ -449,39 +489,59 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src) + (r0 * d.src_stride + c0) * SIZE;
     unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst) + r0 * d.dst_stride + c0;
     const u64 src_row_bytes = d.src_stride * SIZE;
+    constexpr u32 STRIDE = SHARED ? QUANT_THREADS : 1u;  // between a thread's slots
+    Vec registers[SHARED ? 1u : CACHE];
+    Vec* mine = SHARED ? cache + t : registers;
 
-    // All CACHE loads are issued before any of their data is used: a use between two loads (the
-    // amax, with its branch on a partial vector) would make each load wait for the one before,
-    // leaving one 16-byte load per thread in flight instead of CACHE.
-    Vec cache[CACHE] = {};
-    u32 row = t / per_row, v = t % per_row;
-#pragma unroll
-    for (u32 k = 0; k < CACHE; ++k) {
-        if (row < rows) cache[k] = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
-        row += row_step;
-        v += vector_step;
-        if (v >= per_row) {
-            v -= per_row;
-            ++row;
-        }
-    }
-    const u32 rest_row = row, rest_v = v;  // the first vector not cached
+    // A tile that is exactly the cache (a 128 x 128 block of 16-bit elements at CACHE 8): whole
+    // vectors, each thread's CACHE of them a fixed number of rows apart, so none needs the row and
+    // partial-vector bookkeeping below, which costs more instructions than quantizing it.
+    const bool whole = SHARED && vector_step == 0 && cols % VE == 0 && rows == CACHE * row_step;
+    const u32 first_row = t / per_row, first_col = (t % per_row) * VE;
     u32 amax = 0;
-    row = t / per_row;
-    v = t % per_row;
+    if (whole) {
+        const unsigned char* p = src + first_row * src_row_bytes + first_col * SIZE;
+        const u64 step = row_step * src_row_bytes;
 #pragma unroll
-    for (u32 k = 0; k < CACHE; ++k) {
-        if (row < rows) {
-            const u32 m = vector_amax<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE);
+        for (u32 k = 0; k < CACHE; ++k) load_cached<SHARED>(mine + k * STRIDE, p + k * step);
+        wait_cached<SHARED>();
+#pragma unroll
+        for (u32 k = 0; k < CACHE; ++k) {
+            const u32 m = vector_amax<SRC>(mine[k * STRIDE], VE);
             amax = m > amax ? m : amax;
         }
-        row += row_step;
-        v += vector_step;
-        if (v >= per_row) {
-            v -= per_row;
-            ++row;
+    }
+    u32 row = first_row, v = t % per_row;
+    if (!whole) {
+        // All CACHE loads are issued before any of their data is used (a use between two loads
+        // would make each wait for the one before).
+#pragma unroll
+        for (u32 k = 0; k < CACHE; ++k) {
+            if (row < rows) load_cached<SHARED>(mine + k * STRIDE, src + row * src_row_bytes + (u64)v * VE * SIZE);
+            row += row_step;
+            v += vector_step;
+            if (v >= per_row) {
+                v -= per_row;
+                ++row;
+            }
+        }
+        wait_cached<SHARED>();
+        u32 r = first_row, w = t % per_row;
+#pragma unroll
+        for (u32 k = 0; k < CACHE; ++k) {
+            if (r < rows) {
+                const u32 m = vector_amax<SRC>(mine[k * STRIDE], cols - w * VE < VE ? cols - w * VE : VE);
+                amax = m > amax ? m : amax;
+            }
+            r += row_step;
+            w += vector_step;
+            if (w >= per_row) {
+                w -= per_row;
+                ++r;
+            }
         }
     }
+    const u32 rest_row = whole ? rows : row, rest_v = v;  // the first vector not cached
     row = rest_row;
     v = rest_v;
     for (; row < rows;) {
@@ -512,12 +572,24 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
         store_scale(d, d.scale_kind == SCALE_TENSOR ? 0 : grid_row, d.scale_kind == SCALE_TENSOR ? 0 : grid_col,
                     scale.stored);
     }
-    row = t / per_row;
+    if (whole) {
+        unsigned char* out = dst + first_row * d.dst_stride + first_col;
+        const u64 dstep = row_step * d.dst_stride;
+        if (scale.exact) {
+            store_cached_as<SRC, CACHE, STRIDE, true, true>(mine, scale, d.target, out, dstep);
+        } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
+            store_cached_as<SRC, CACHE, STRIDE, true, false>(mine, scale, d.target, out, dstep);
+        } else {
+            store_cached_as<SRC, CACHE, STRIDE, false, false>(mine, scale, d.target, out, dstep);
+        }
+        return;
+    }
+    row = first_row;
     v = t % per_row;
 #pragma unroll
     for (u32 k = 0; k < CACHE; ++k) {
         if (row < rows) {
-            store_codes<SRC>(cache[k], cols - v * VE < VE ? cols - v * VE : VE, scale, d.target,
+            store_codes<SRC>(mine[k * STRIDE], cols - v * VE < VE ? cols - v * VE : VE, scale, d.target,
                              dst + row * d.dst_stride + v * VE);
         }
         row += row_step;
@@ -585,82 +657,12 @@ __device__ void quantize_groups(const QuantDesc& d, u64 tile) {
     }
 }
 
-template <u32 SRC, u32 CACHE>
-__device__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, u32* job_amax) {
+template <u32 SRC, u32 CACHE, bool SHARED>
+__device__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, u32* job_amax, Vec* cache) {
     if (d.mode == MODE_GROUP) {
         if (phase != 1) quantize_groups<SRC>(d, tile);
     } else if (phase != 1 || d.scale_kind == SCALE_TENSOR) {
-        quantize_block<SRC, CACHE>(d, job, tile, phase, job_amax);
-    }
-}
-
-#ifndef __CUDA_ARCH__
-#ifndef QUANT_EMULATED_PREFETCH
-#define QUANT_EMULATED_PREFETCH(p, bytes) ((void)(p), (void)(bytes))
-#endif
-// The SMs the emulated launch pretends to have (tests/emulate): small, so that its few tiles prefetch.
-#ifndef QUANT_EMULATED_SMS
-#define QUANT_EMULATED_SMS 2u
-#endif
-#endif
-
-// Asks L2 for `bytes` (a multiple of 16) at `p` (16-byte aligned); returns at once.
-__device__ __forceinline__ void prefetch_l2(const unsigned char* p, u64 bytes) {
-#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(p), "r"((u32)bytes) : "memory");
-#elif defined(__CUDA_ARCH__)
-    for (u64 o = 0; o < bytes; o += 128) asm volatile("prefetch.global.L2 [%0];" ::"l"(p + o));
-#else
-    QUANT_EMULATED_PREFETCH(p, bytes);
-#endif
-}
-
-__device__ __forceinline__ u32 sm_count() {
-#ifdef __CUDA_ARCH__
-    u32 n;
-    asm("mov.u32 %0, %%nsmid;" : "=r"(n));
-    return n;
-#else
-    return QUANT_EMULATED_SMS;
-#endif
-}
-
-// Prefetches columns [c0, c_end) of source row `row`: the 16-byte vectors a tile loads from it (row
-// starts are 16-byte aligned, and a row's last vector is read whole), in one request.
-__device__ __forceinline__ void prefetch_row(const QuantDesc& d, u64 row, u64 c0, u64 c_end) {
-    const u64 size = d.source == SRC_F32 ? 4u : 2u;
-    const u64 bytes = ((c_end - c0) * size + 15u) & ~15ull;
-    if (bytes == 0 || bytes >> 32) return;
-    prefetch_l2(reinterpret_cast<const unsigned char*>(d.src) + (row * d.src_stride + c0) * size, bytes);
-}
-
-// Prefetches the source of tile `tile` of `d` (local to it), as the tile will read it in `phase`.
-__device__ __forceinline__ void prefetch_tile(const QuantDesc& d, u64 tile, u32 phase) {
-    if (d.mode == MODE_BLOCK) {
-        if (phase == 1 && d.scale_kind != SCALE_TENSOR) return;  // returns at once in phase 1
-        u64 grid_row, grid_col;
-        grid_position(d, tile, grid_row, grid_col);
-        const u64 r0 = grid_row * d.block_rows, c0 = grid_col * d.block_cols;
-        const u64 rows = d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows;
-        const u64 c_end = d.cols - c0 < d.block_cols ? d.cols : c0 + d.block_cols;
-        for (u64 r = threadIdx.x; r < rows; r += QUANT_THREADS) prefetch_row(d, r0 + r, c0, c_end);
-        return;
-    }
-    if (phase == 1) return;
-    // Group mode: one-row blocks first .. last of the grid, row-major; each grid row's run of them is
-    // one contiguous range of a source row.
-    const u64 per_tile = (u64)QUANT_GROUP_ROUNDS * (QUANT_THREADS >> d.group_shift);
-    const u64 first = tile * per_tile;
-    if (first >= d.blocks) return;
-    const u64 last = (first + per_tile < d.blocks ? first + per_tile : d.blocks) - 1;
-    u64 first_row, first_col, last_row, last_col;
-    grid_position(d, first, first_row, first_col);
-    grid_position(d, last, last_row, last_col);
-    for (u64 row = first_row + threadIdx.x; row <= last_row; row += QUANT_THREADS) {
-        const u64 from = row == first_row ? first_col : 0;
-        const u64 to = row == last_row ? last_col + 1 : d.grid_cols;
-        const u64 c_end = to * d.block_cols < d.cols ? to * d.block_cols : d.cols;
-        prefetch_row(d, row, from * d.block_cols, c_end);
+        quantize_block<SRC, CACHE, SHARED>(d, job, tile, phase, job_amax, cache);
     }
 }
 
@@ -680,35 +682,31 @@ __device__ __forceinline__ u32 job_of(const QuantDesc* __restrict__ descs, u32 n
     return lo;
 }
 
-// One tile per thread block: tile first_tile + block of the `njobs` descriptors, for thread block
-// `block` of the `blocks` quantizing (a launch's own grid, or the blocks after a launch's copying
-// ones: copy_quantize.cu). Phase 1 (launched only when a job is per tensor): the per-tensor jobs'
+// One tile per thread block: tile first_tile + block of the `njobs` descriptors, for quantizing thread
+// block `block` (of a launch's own grid, or counted after a launch's copying blocks:
+// copy_quantize.cu); `cache` as for quantize_block. Phase 1 (launched only when a job is per tensor): the per-tensor jobs'
 // amax into job_amax (zeroed by the host), the other tiles return at once. Phase 2: every job
 // quantized, per-tensor ones with phase 1's amax.
-template <u32 CACHE, u32 MIN_BLOCKS>
+template <u32 CACHE, bool SHARED>
 __device__ __forceinline__ void quantize_tiles(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile,
-                                               u32 phase, u32* job_amax, u32 block, u32 blocks) {
+                                               u32 phase, u32* job_amax, u32 block, Vec* cache) {
     const u64 tile = first_tile + block;
-    const u64 ahead = (u64)QUANT_PREFETCH_WAVES * sm_count() * MIN_BLOCKS;
-    if (ahead > 0 && block + ahead < blocks) {
-        const u32 later = job_of(descs, njobs, tile + ahead);
-        prefetch_tile(descs[later], tile + ahead - descs[later].first_tile, phase);
-    }
     const u32 lo = job_of(descs, njobs, tile);
     const QuantDesc d = descs[lo];
     const u64 local = tile - d.first_tile;
-    if (d.source == SRC_BF16) quantize_tile<SRC_BF16, CACHE>(d, lo, local, phase, job_amax);
-    else if (d.source == SRC_F16) quantize_tile<SRC_F16, CACHE>(d, lo, local, phase, job_amax);
-    else quantize_tile<SRC_F32, CACHE>(d, lo, local, phase, job_amax);
+    if (d.source == SRC_BF16) quantize_tile<SRC_BF16, CACHE, SHARED>(d, lo, local, phase, job_amax, cache);
+    else if (d.source == SRC_F16) quantize_tile<SRC_F16, CACHE, SHARED>(d, lo, local, phase, job_amax, cache);
+    else quantize_tile<SRC_F32, CACHE, SHARED>(d, lo, local, phase, job_amax, cache);
 }
 
-extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_MIN_BLOCKS)
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_WIDE_MIN_BLOCKS)
     refit_quantize(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase, u32* job_amax) {
-    quantize_tiles<QUANT_CACHE, QUANT_MIN_BLOCKS>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, gridDim.x);
+    __shared__ Vec cache[QUANT_CACHE * QUANT_THREADS];
+    quantize_tiles<QUANT_CACHE, true>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, cache);
 }
 
 extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_NARROW_MIN_BLOCKS)
     refit_quantize_narrow(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase,
                           u32* job_amax) {
-    quantize_tiles<QUANT_NARROW_CACHE, QUANT_NARROW_MIN_BLOCKS>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, gridDim.x);
+    quantize_tiles<QUANT_NARROW_CACHE, false>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, nullptr);
 }

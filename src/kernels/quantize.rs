@@ -23,13 +23,15 @@ const NARROW_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_narrow";
 const COPY_KERNEL_NAME: &std::ffi::CStr = c"refit_copy_quantize";
 /// Threads per block (QUANT_THREADS in the source).
 pub const THREADS: u32 = 256;
-/// Vectors a thread keeps in registers in block mode (QUANT_CACHE).
+/// Vectors a thread keeps in block mode, in shared memory (QUANT_CACHE).
 pub const CACHE: u64 = 8;
-/// Thread blocks each SM must be able to hold at once (QUANT_MIN_BLOCKS, the kernel's launch
-/// bounds): it caps the registers per thread (65536 / (THREADS x MIN_BLOCKS_PER_SM) = 85) so that
-/// three tiles, each with its CACHE vectors per thread loaded, are in flight per SM. The same as the
-/// batched copy's, so that the launch doing both keeps the copy's occupancy.
-pub const MIN_BLOCKS_PER_SM: u32 = 3;
+/// Thread blocks of the wide entry point each SM must be able to hold at once
+/// (QUANT_WIDE_MIN_BLOCKS, its launch bounds): 64 registers per thread; its tiles' vectors wait in
+/// shared memory (32 KiB a block), so four tiles are in flight per SM.
+pub const WIDE_MIN_BLOCKS_PER_SM: u32 = 4;
+/// The same for the launch that also copies (QUANT_WITH_COPY_MIN_BLOCKS): the batched copy's, so that
+/// it keeps the copy's registers and occupancy (at four it would spill).
+pub const WITH_COPY_MIN_BLOCKS_PER_SM: u32 = 3;
 /// The narrow entry point's vectors per thread (QUANT_NARROW_CACHE) and blocks per SM
 /// (QUANT_NARROW_MIN_BLOCKS): for scale blocks of at most NARROW_CACHE vectors per thread, and group
 /// mode, where more tiles in flight beat a cache that would sit unused.
@@ -208,7 +210,7 @@ fn describe(job: &QuantJob) -> (QuantDesc, u64) {
     };
     let tiles;
     if q.granularity == Granularity::Tensor {
-        // Slabs of whole rows, as many as the threads hold in registers.
+        // Slabs of whole rows, as many as the wide entry point's cache holds.
         let per_row = job.cols.div_ceil(vector);
         let slab = (u64::from(THREADS) * CACHE / per_row).clamp(1, job.rows);
         desc.block_rows = slab as u32;
@@ -277,6 +279,9 @@ impl QuantizeKernel {
         let wide = module::function(loaded.module, KERNEL_NAME)?;
         let narrow = module::function(loaded.module, NARROW_KERNEL_NAME)?;
         let copying = module::function(loaded.module, COPY_KERNEL_NAME)?;
+        // Their wide tiles keep their vectors in shared memory (32 KiB a block).
+        loaded.prefer_shared_memory(wide)?;
+        loaded.prefer_shared_memory(copying)?;
         let (wide_per_sm, narrow_per_sm, copying_per_sm) = (
             loaded.blocks_per_sm(wide, THREADS)?,
             loaded.blocks_per_sm(narrow, THREADS)?,
@@ -557,7 +562,8 @@ mod tests {
         for define in [
             format!("#define QUANT_THREADS {THREADS}u"),
             format!("#define QUANT_CACHE {CACHE}u"),
-            format!("#define QUANT_MIN_BLOCKS {MIN_BLOCKS_PER_SM}u"),
+            format!("#define QUANT_WIDE_MIN_BLOCKS {WIDE_MIN_BLOCKS_PER_SM}u"),
+            format!("#define QUANT_WITH_COPY_MIN_BLOCKS {WITH_COPY_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_GROUP_ROUNDS {GROUP_ROUNDS}u"),
             format!("#define QUANT_NARROW_CACHE {NARROW_CACHE}u"),
             format!("#define QUANT_NARROW_MIN_BLOCKS {NARROW_MIN_BLOCKS_PER_SM}u"),
