@@ -91,7 +91,7 @@ fn a_mixed_batch_with_empty_jobs_matches_the_reference() {
 }
 
 #[test]
-fn whole_tiles_take_their_amax_from_every_cached_vector() {
+fn whole_tiles_and_rows_take_their_amax_from_every_cached_vector() {
     // 128 x 128 blocks of 16-bit elements are exactly the wide entry point's cache (8 vectors per
     // thread, 16 rows apart), so they take its whole-tile path. In tile b, one element far above the
     // rest sits in row 16 (b % 8) + b % 16: across the tiles, in every cache slot of several
@@ -112,6 +112,20 @@ fn whole_tiles_take_their_amax_from_every_cached_vector() {
             }
             check_batch(std::slice::from_ref(&c));
         }
+    }
+    // Rows that are exactly the narrow entry point's cache (8192 bf16, 4 vectors per thread 256
+    // apart along the row) take its whole-row path; rows of 16384 (the wide entry point's 8) its
+    // general loops. Row r's maximum sits in slot r % (vectors per thread).
+    for cols in [8192usize, 16384] {
+        let mut c =
+            case(&mut rng, "whole rows", Fp8::E4m3fn, Granularity::Row, SourceType::Bf16, 24, cols as u64, 1);
+        let stride = c.src_stride as usize;
+        for r in 0..24usize {
+            let col = (r % (cols / 2048)) * 2048 + (r * 8) % 2048;
+            let at = (r * stride + col) * 2;
+            c.data.bytes_mut()[at..at + 2].copy_from_slice(&0x7000u16.to_le_bytes());
+        }
+        check_batch(std::slice::from_ref(&c));
     }
 }
 

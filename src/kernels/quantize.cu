@@ -35,8 +35,9 @@
 // and group mode), where shared memory measured no faster (benches/probes/quant_occupancy_probe.py).
 // The host lays the narrow jobs' tiles out first and launches each entry point over its own tiles.
 // Instructions matter as much as bytes in flight: a 128 x 128 bf16 block is about 21 instructions
-// per element in the general loops below, so a tile that is exactly the cache takes a path without
-// their row and partial-vector bookkeeping.
+// per element in the general loops below, so a tile that is exactly the cache (a 128 x 128 block
+// at the wide entry point, a row of 8192 bf16 at the narrow one) takes a path without their row
+// and partial-vector bookkeeping.
 // - MODE_GROUP: for one-row blocks of at most 32 vectors (MX, short rows, 1 x n blocks): each
 //   scale block is taken by a group of 2^group_shift lanes of a warp (one vector per lane), reduced
 //   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups.
@@ -493,15 +494,20 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     Vec registers[SHARED ? 1u : CACHE];
     Vec* mine = SHARED ? cache + t : registers;
 
-    // A tile that is exactly the cache (a 128 x 128 block of 16-bit elements at CACHE 8): whole
-    // vectors, each thread's CACHE of them a fixed number of rows apart, so none needs the row and
-    // partial-vector bookkeeping below, which costs more instructions than quantizing it.
-    const bool whole = SHARED && vector_step == 0 && cols % VE == 0 && rows == CACHE * row_step;
+    // A tile that is exactly the cache: whole vectors, each thread's CACHE of them a fixed distance
+    // apart, a fixed number of rows (a 128 x 128 block of 16-bit elements at CACHE 8) or, at the
+    // narrow entry point, QUANT_THREADS vectors along one row (a row of 8192 bf16 at CACHE 4). None
+    // then needs the row and partial-vector bookkeeping below, which costs more instructions than
+    // quantizing it. (Rows at the wide entry point measured the 128 x 128 blocks 3-4% slower there.)
+    constexpr bool ALONG_A_ROW = !SHARED;
+    const bool whole = ALONG_A_ROW ? cols % VE == 0 && (vector_step == 0 ? rows == CACHE * row_step
+                                                                          : rows == 1 && per_row == CACHE * QUANT_THREADS)
+                                   : vector_step == 0 && cols % VE == 0 && rows == CACHE * row_step;
     const u32 first_row = t / per_row, first_col = (t % per_row) * VE;
     u32 amax = 0;
     if (whole) {
         const unsigned char* p = src + first_row * src_row_bytes + first_col * SIZE;
-        const u64 step = row_step * src_row_bytes;
+        const u64 step = ALONG_A_ROW ? row_step * src_row_bytes + vector_step * VE * SIZE : row_step * src_row_bytes;
 #pragma unroll
         for (u32 k = 0; k < CACHE; ++k) load_cached<SHARED>(mine + k * STRIDE, p + k * step);
         wait_cached<SHARED>();
@@ -574,7 +580,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     }
     if (whole) {
         unsigned char* out = dst + first_row * d.dst_stride + first_col;
-        const u64 dstep = row_step * d.dst_stride;
+        const u64 dstep = ALONG_A_ROW ? row_step * d.dst_stride + vector_step * VE : row_step * d.dst_stride;
         if (scale.exact) {
             store_cached_as<SRC, CACHE, STRIDE, true, true>(mine, scale, d.target, out, dstep);
         } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
