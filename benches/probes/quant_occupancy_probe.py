@@ -29,8 +29,7 @@ DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scales", "<u8"), ("rows", "<u
                  ("source", "<u4"), ("target", "<u4"), ("scale_kind", "<u4"), ("mode", "<u4"),
                  ("group_shift", "<u4"), ("reserved", "<u4")])
 assert DESC.itemsize == 120
-AS_IS = {"QUANT_CACHE": 8, "QUANT_WIDE_MIN_BLOCKS": 4, "QUANT_GROUP_ROUNDS": 4,
-         "QUANT_THREADS": 256, "QUANT_NARROW_MIN_BLOCKS": 4, "QUANT_NARROW_CACHE": 4}
+AS_IS = {"QUANT_CACHE": 8, "QUANT_WIDE_MIN_BLOCKS": 4, "QUANT_GROUP_ROUNDS": 4, "QUANT_NARROW_MIN_BLOCKS": 4}
 
 
 def source(defines):
@@ -43,7 +42,7 @@ def source(defines):
 
 
 
-def job(granularity, src, codes, scales, rounds, threads=256):
+def job(granularity, src, codes, scales, rounds):
     """The descriptor src/kernels/quantize.rs lays out for one whole-matrix e4m3 job, and its tiles."""
     d = np.zeros(1, dtype=DESC)
     d["src"], d["dst"], d["scales"] = src.data_ptr(), codes.data_ptr(), scales.data_ptr()
@@ -60,7 +59,7 @@ def job(granularity, src, codes, scales, rounds, threads=256):
         d["block_rows"], d["block_cols"], d["grid_cols"], d["scale_stride"] = 1, 32, COLS // 32, COLS // 32
         d["blocks"] = ROWS * (COLS // 32)
         d["scale_kind"], d["mode"], d["group_shift"] = 1, 1, 2
-        tiles = -(-int(d["blocks"][0]) // ((threads >> 2) * rounds))
+        tiles = -(-int(d["blocks"][0]) // (64 * rounds))
     # The tile index after the descriptor (src/kernels/quantize.rs, Layout::index): one job, so every
     # entry, one per 256 tiles and one past the end, is job 0.
     index = np.zeros(-(-tiles // 256) + 1, dtype=np.uint32)
@@ -90,14 +89,13 @@ def main():
     for name, defines in variants:
         entry = "refit_quantize_narrow" if name.startswith("narrow") else "refit_quantize"
         fn = cp.RawModule(code=source(defines), options=("--std=c++17",)).get_function(entry)
-        setting = {**AS_IS, **defines}
-        rounds, threads = setting["QUANT_GROUP_ROUNDS"], setting["QUANT_THREADS"]
+        rounds = defines.get("QUANT_GROUP_ROUNDS", AS_IS["QUANT_GROUP_ROUNDS"])
         fn.preferred_shared_memory_carveout = 100  # as the library asks (kernels/module.rs)
         for granularity in granularities:
-            descs, tiles = job(granularity, src, codes, scales, rounds, threads)
+            descs, tiles = job(granularity, src, codes, scales, rounds)
             codes.zero_()
             scales.zero_()
-            ms = median_ms(reps=9, fn=lambda: fn((tiles,), (threads,), (descs.data.ptr, cp.uint32(1), cp.uint64(0), cp.uint32(2), amax.data.ptr)))
+            ms = median_ms(reps=9, fn=lambda: fn((tiles,), (256,), (descs.data.ptr, cp.uint32(1), cp.uint64(0), cp.uint32(2), amax.data.ptr)))
             out = (codes.clone(), scales.clone())
             if name == "as is":
                 reference[granularity] = out

@@ -106,7 +106,6 @@ pub(crate) unsafe fn launch(
 }
 
 impl Loaded {
-    /// Blocks of `threads` threads of `function` (from this module) that fit on one SM at once.
     /// Asks the driver to give `function`'s (of this module) SMs the most shared memory, and the
     /// least L1, it can: a kernel whose blocks each keep a large shared array (the quantize kernel's
     /// cache of a tile) holds more blocks per SM so. A hint the driver may override.
@@ -124,6 +123,7 @@ impl Loaded {
         .map_err(|e| Error::new(Status::KernelLoadFailed, e.message))
     }
 
+    /// Blocks of `threads` threads of `function` (from this module) that fit on one SM at once.
     /// The occupancy query needs the module's context current on the calling thread, which
     /// [`load`] no longer holds once it returns.
     pub(crate) fn blocks_per_sm(&self, function: sys::CUfunction, threads: u32) -> Result<u32> {

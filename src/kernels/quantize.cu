@@ -449,8 +449,8 @@ __device__ __forceinline__ void grid_position(const QuantDesc& d, u64 block, u64
 }
 
 // Stores the codes of a thread's CACHE cached vectors (STRIDE slots apart), all whole, `dstep` bytes
-// apart from `out`,
-// with the scale's case chosen once for all of them (and the target a constant in each loop).
+// apart from `out`, with the scale's case chosen once for all of them (and the target a constant in
+// each loop).
 template <u32 SRC, u32 CACHE, u32 STRIDE, bool FINITE, bool EXACT>
 __device__ __forceinline__ void store_cached_as(const Vec* cache, const Scale& scale, u32 target, unsigned char* out,
                                                 u64 dstep) {
@@ -500,6 +500,8 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     // then needs the row and partial-vector bookkeeping below, which costs more instructions than
     // quantizing it. (Rows at the wide entry point measured the 128 x 128 blocks 3-4% slower there.)
     constexpr bool ALONG_A_ROW = !SHARED;
+    // (Each entry point's condition is written as it was measured: the compiled code of both is
+    // sensitive to its form, and a rewrite of one changed its register allocation.)
     const bool whole = ALONG_A_ROW ? cols % VE == 0 && (vector_step == 0 ? rows == CACHE * row_step
                                                                           : rows == 1 && per_row == CACHE * QUANT_THREADS)
                                    : vector_step == 0 && cols % VE == 0 && rows == CACHE * row_step;
@@ -507,7 +509,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     u32 amax = 0;
     if (whole) {
         const unsigned char* p = src + first_row * src_row_bytes + first_col * SIZE;
-        const u64 step = ALONG_A_ROW ? row_step * src_row_bytes + vector_step * VE * SIZE : row_step * src_row_bytes;
+        const u64 step = row_step * src_row_bytes + (ALONG_A_ROW ? vector_step * VE * SIZE : 0u);
 #pragma unroll
         for (u32 k = 0; k < CACHE; ++k) load_cached<SHARED>(mine + k * STRIDE, p + k * step);
         wait_cached<SHARED>();
@@ -580,7 +582,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     }
     if (whole) {
         unsigned char* out = dst + first_row * d.dst_stride + first_col;
-        const u64 dstep = ALONG_A_ROW ? row_step * d.dst_stride + vector_step * VE : row_step * d.dst_stride;
+        const u64 dstep = row_step * d.dst_stride + (ALONG_A_ROW ? vector_step * VE : 0u);
         if (scale.exact) {
             store_cached_as<SRC, CACHE, STRIDE, true, true>(mine, scale, d.target, out, dstep);
         } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
@@ -690,9 +692,9 @@ __device__ __forceinline__ u32 job_of(const QuantDesc* __restrict__ descs, u32 n
 
 // One tile per thread block: tile first_tile + block of the `njobs` descriptors, for quantizing thread
 // block `block` (of a launch's own grid, or counted after a launch's copying blocks:
-// copy_quantize.cu); `cache` as for quantize_block. Phase 1 (launched only when a job is per tensor): the per-tensor jobs'
-// amax into job_amax (zeroed by the host), the other tiles return at once. Phase 2: every job
-// quantized, per-tensor ones with phase 1's amax.
+// copy_quantize.cu); `cache` as for quantize_block. Phase 1 (launched only when a job is per
+// tensor): the per-tensor jobs' amax into job_amax (zeroed by the host), the other tiles return at
+// once. Phase 2: every job quantized, per-tensor ones with phase 1's amax.
 template <u32 CACHE, bool SHARED>
 __device__ __forceinline__ void quantize_tiles(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile,
                                                u32 phase, u32* job_amax, u32 block, Vec* cache) {
