@@ -825,6 +825,27 @@ def gpu_quant(d):
     return out + [""]
 
 
+def gpu_quant_across(d):
+    out = heading(
+        "gpu_quant_across",
+        "FP8 quantized refit between two processes (CUDA IPC, one GPU)",
+        "one copy-engine copy of the same bf16 in the same run, whose rate sets the bound (3 bytes per element)",
+    )
+    out += [f"{d['rows']} x {d['cols']} bf16 from process 0 to process 1; e4m3 in 128 x 128 blocks. Copy-engine copy "
+            f"{num(d['copy_ms'], 3)} ms, bound {num(d['bound_ms'], 3)} ms.", ""]
+    ways = [
+        ("sender", "quantized by the sender: FP8 codes and scales cross"),
+        ("staged", "quantized by the receiver: bf16 crosses into its staging"),
+        ("bf16", "bf16 itself, a plain need (no quantization)"),
+    ]
+    out += table(
+        ["way", "bytes crossing", "ms", "bound / ours", "every byte equal to the reference"],
+        [[what, num(d[f"{w}_bytes_crossing"], 0), num(d[f"{w}_ms"], 3), f"{d['bound_ms'] / d[f'{w}_ms']:.2f}",
+          "yes" if d[f"{w}_exact"] else "NO"] for w, what in ways],
+    )
+    return out + [""]
+
+
 def quant_peer(d):
     out = heading(
         "quant_peer",
@@ -940,6 +961,7 @@ SECTIONS = [
     ("inflight", inflight),
     ("gpu_quant", gpu_quant),
     ("quant_peer", quant_peer),
+    ("gpu_quant_across", gpu_quant_across),
     ("transfer_bytes", transfer_bytes),
     ("recorder", recorder),
     ("gpu_sweep", gpu_sweep),

@@ -182,7 +182,8 @@
 #define REFIT_ROUTE_REMOTE 2
 
 /**
- * refit_quant_route_info.path: the need's sources quantized where they are offered.
+ * refit_quant_route_info.path: the need's sources quantized where they are offered, in the
+ * receiver's process.
  */
 #define REFIT_PATH_IN_PLACE 1
 
@@ -190,6 +191,12 @@
  * refit_quant_route_info.path: the need's elements routed into its staging, quantized there.
  */
 #define REFIT_PATH_STAGED 2
+
+/**
+ * refit_quant_route_info.path: the need's sources quantized where they are offered, in another
+ * process (the runner's, the sender), whose codes and scales then cross to the receiver.
+ */
+#define REFIT_PATH_SENDER 3
 
 /**
  * Buckets of refit_plan_stats.size_histogram.
@@ -862,8 +869,8 @@ typedef struct {
    */
   uint64_t quantized_elements;
   /**
-   * Source bytes quantized in place, where they are offered (the direct path: only the FP8
-   * codes and scales travel).
+   * Source bytes quantized in place, where they are offered in the receiver's process (the
+   * direct path: only the FP8 codes and scales travel).
    */
   uint64_t quantized_direct_bytes;
   /**
@@ -871,6 +878,11 @@ typedef struct {
    * routes count them too, as the needs of the staging buffers).
    */
   uint64_t quantized_staged_bytes;
+  /**
+   * Source bytes quantized in place by the processes that offer them, for a receiver in another
+   * process (the sender path: only the FP8 codes and scales cross between the processes).
+   */
+  uint64_t quantized_sent_bytes;
 } refit_plan_stats;
 
 /**
@@ -933,13 +945,13 @@ typedef struct {
   uint32_t receiver_rank;
   uint32_t receiver_device;
   /**
-   * The device whose stream runs the quantization: a source's (in place) or the receiver's
-   * (staged), in the receiver's process.
+   * The device whose stream runs the quantization: a source's (in place, in the receiver's
+   * process; sender, in another process) or the receiver's (staged).
    */
   uint32_t runner_rank;
   uint32_t runner_device;
   /**
-   * REFIT_PATH_IN_PLACE or REFIT_PATH_STAGED.
+   * REFIT_PATH_IN_PLACE, REFIT_PATH_STAGED or REFIT_PATH_SENDER.
    */
   uint32_t path;
   uint32_t reserved;
@@ -2075,16 +2087,25 @@ refit_status refit_plan_quant_route(const refit_plan *plan,
  * in bytes (the last 1), and scales, quantized as refit_quantize_batch quantizes (the arithmetic is
  * documented there). See refit_need_quantization for the matrices, scales and staging.
  *
- * Planning picks one of two paths per need (refit_plan_quant_route says which each took, and
- * refit_plan_stats counts both):
+ * Planning picks one of three paths per need (refit_plan_quant_route says which each took, and
+ * refit_plan_stats counts each):
  * - in place: offers in the receiver's process tile the box so that every quantization block lies
  *   inside one offer, with contiguous rows. The device holding each offer quantizes it straight
  *   into the need's codes and scales (one byte per element reaches the receiver, not two).
- * - staged: otherwise (a block spans offers, sources in another process). The elements are routed
- *   into `staging` like any need, then quantized there by the receiving device. Planning fails with
- *   UNSUPPORTED, naming the tensor and why, when the need has no staging.
+ * - sender: offers tile the box that way, but some are in other processes. Each such process
+ *   quantizes its pieces where they are offered into a buffer its executor allocates (as many
+ *   bytes as those codes and scales, beside staging_limit), and the codes and scales cross to the
+ *   receiver as the routes between processes do (CUDA IPC or staging over the communicator): one
+ *   byte per element crosses, not two. Of replicas offered by several processes, needs take them
+ *   in turn. Pieces offered in the receiver's process stay in place.
+ * - staged: otherwise (a block spans offers, offers overlap without being replicas). The elements
+ *   are routed into `staging` like any need, then quantized there by the receiving device.
+ *   Planning fails with UNSUPPORTED, naming the tensor and why, when the need has no staging.
  *
- * An executor quantizes in place within the step's copies (on CUDA, in the same launch as the
+ * An executor quantizes sender pieces at the start of each run, before the routes between
+ * processes carry their codes and scales (refit_run_stats.quantized_elements counts them in the
+ * sender's run; the receiver's staged commit installs them with the other bytes from other
+ * processes). It quantizes in place within the step's copies (on CUDA, in the same launch as the
  * device's batched copy where the step has one and nothing is verified; else right after the
  * copies) and staged needs after the copies (direct commit: all within the run). Under staged
  * commit nothing live is written before the commit: in-place codes and scales are quantized into

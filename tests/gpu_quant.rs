@@ -2,11 +2,17 @@
 //! every FP8 byte and every scale equal to the Rust reference (`quant::reference`), for every target,
 //! granularity and source type in odd shapes, with zero blocks, infinities, NaNs, subnormals and
 //! exact rounding ties; the hardware conversion (sm_89 and later) against the reference's for every
-//! bf16 value in range; a whole mixed batch in one call; and `Backend::quantize_batch` through a CUDA
-//! group, whose bad jobs are refused before the kernel loads.
+//! bf16 value in range; a whole mixed batch in one call; `Backend::quantize_batch` through a CUDA
+//! group, whose bad jobs are refused before the kernel loads; quantized needs through an executor;
+//! and two processes on one GPU refitting each other with every quantized path
+//! (tests/common/quant_across.rs), the sender's codes and scales written through CUDA IPC.
 
 #[path = "common/cuda.rs"]
 mod cuda;
+#[path = "common/processes.rs"]
+mod processes;
+#[path = "common/quant_across.rs"]
+mod quant_across;
 #[path = "common/quant_cases.rs"]
 mod quant_cases;
 
@@ -489,4 +495,113 @@ fn quantized_needs_through_an_executor_match_the_reference() {
             }
         }
     }
+}
+
+/// Two processes on GPU 0 (a host-backend communicator for the control plane: NCCL puts no two
+/// ranks on one GPU, so every byte between them goes through CUDA IPC), each offering part of a
+/// 1024 x 768 bf16 matrix and receiving quantized needs that take every path: in place, quantized
+/// by the other process (whose codes and scales cross, not the bf16), and staged. Direct and staged
+/// commit, with and without verify, twice each; every code and scale against the reference, the
+/// bytes from the other process and the elements quantized against what the shapes say.
+#[test]
+#[ignore = "needs a GPU"]
+fn quantized_needs_across_two_processes_on_one_gpu_match_the_reference() {
+    use processes::{in_processes, End};
+    use quant_across::Across;
+    use refit::across::build_plan;
+    use refit::exec::{CommitMode, ExecOptions, Executor};
+    use refit::plan::{Endpoint, PlanOptions, Table};
+    use refit::transport::comm::{CommOptions, Communicator};
+    use refit::transport::BackendKind;
+    use std::sync::Arc;
+    use std::time::Duration;
+
+    let test = "quantized_needs_across_two_processes_on_one_gpu_match_the_reference";
+    in_processes(test, BackendKind::Host, &[End::Done; 2], |rank, size, id| {
+        let across = Across::new(1024, 768, 640, 512, (128, 128), (256, 128));
+        let options = CommOptions { timeout: Duration::from_secs(60), ..CommOptions::default() };
+        let comm = Arc::new(Communicator::create(id, size, rank, 0, options).unwrap());
+        let group = ok(
+            "a CUDA group",
+            Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }),
+        );
+        let here = Endpoint { process: rank as u32, device: 0 };
+        let (lo, rows) = across.offered(rank);
+        let source = Buffer::new(0, (rows * across.cols * 2) as usize);
+        source.upload(&across.rows_of(lo, rows));
+        let wanted = across.wanted(rank);
+        let buffers: Vec<(Buffer, Buffer, Buffer)> = wanted
+            .iter()
+            .map(|w| {
+                let (codes, scales, staging) = across.sizes(w);
+                (Buffer::new(0, codes), Buffer::new(0, scales), Buffer::new(0, staging.max(16)))
+            })
+            .collect();
+        let needs = wanted.iter().zip(&buffers).map(|(w, (codes, scales, staging))| {
+            across.need(w, here, codes.ptr, scales.ptr, if w.staging { staging.ptr } else { 0 })
+        });
+        let table = Table {
+            tensors: vec![across.spec()],
+            offers: vec![across.offer(here, source.ptr)],
+            needs: vec![],
+            quant_needs: needs.collect(),
+        };
+        let share = ok("a share", build_plan(&comm, &table, &PlanOptions::default()));
+        let mut planned: Vec<_> =
+            share.quant_routes().iter().map(|r| (r.receiver.process, r.runner.process, r.path)).collect();
+        planned.sort();
+        assert_eq!(planned, across.paths(rank), "rank {rank}");
+        assert_eq!(share.stats().quantized_sent_bytes, across.sent_bf16(rank), "rank {rank}");
+        let references: Vec<_> = wanted.iter().map(|w| across.reference(w)).collect();
+        let cases = [(CommitMode::Direct, false), (CommitMode::Staged, false), (CommitMode::Staged, true)];
+        for (commit, verify) in cases {
+            let options = ExecOptions { commit, verify, ..ExecOptions::default() };
+            let mut executor =
+                ok("an executor", Executor::new_across(&group, &share, Arc::clone(&comm), options));
+            for step in 0..2 {
+                let at = format!("rank {rank} {commit:?} verify {verify} step {step}");
+                for (codes, scales, _) in &buffers {
+                    codes.fill(SENTINEL);
+                    scales.fill(SENTINEL);
+                }
+                comm.allgather_bytes(b"poisoned").unwrap();
+                // SAFETY: every address of the share is a buffer above (or the peer's, alive until
+                // the meeting below); the calls complete on return (no scope is open).
+                let ran = ok("run", unsafe { executor.run(&group) });
+                let mut elements = ran.quantized_elements;
+                if commit == CommitMode::Staged {
+                    comm.allgather_bytes(b"ran").unwrap();
+                    for (codes, scales, _) in &buffers {
+                        let untouched =
+                            codes.download().into_iter().chain(scales.download()).all(|b| b == SENTINEL);
+                        assert!(untouched, "{at}: a staged run wrote live codes");
+                    }
+                    // SAFETY: as above.
+                    elements += ok("commit", unsafe { executor.commit(&group) }).quantized_elements;
+                }
+                comm.allgather_bytes(b"installed").unwrap();
+                assert_eq!(elements, across.quantized(rank), "{at}");
+                assert_eq!(ran.remote_received_bytes, across.crossing(rank), "{at}");
+                assert_eq!((ran.remote_wire_bytes, ran.verified), (0, verify), "{at}");
+                for (k, ((codes, scales, _), (want_codes, want_scales))) in
+                    buffers.iter().zip(&references).enumerate()
+                {
+                    let (got_codes, got_scales) = (codes.download(), scales.download());
+                    if let Some(i) = (0..want_codes.len()).find(|&i| got_codes[i] != want_codes[i]) {
+                        panic!(
+                            "{at}: need {k}'s code {i}: GPU {:#04x}, reference {:#04x}",
+                            got_codes[i], want_codes[i]
+                        );
+                    }
+                    if let Some(i) = (0..want_scales.len()).find(|&i| got_scales[i] != want_scales[i]) {
+                        panic!(
+                            "{at}: need {k}'s scale byte {i}: GPU {:#04x}, reference {:#04x}",
+                            got_scales[i], want_scales[i]
+                        );
+                    }
+                }
+                comm.allgather_bytes(b"checked").unwrap();
+            }
+        }
+    });
 }

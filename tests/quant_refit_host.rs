@@ -383,10 +383,23 @@ fn needs_that_cannot_be_met_are_refused_naming_the_tensor() {
     let shards = halves(&values, 1, 20);
     let received = Received::new([0; 3], SHAPE, q, false);
     fails(build(&table(&shards, &[(&received, DEV0)])), Status::Unsupported, &["'w'", "spans", "staging"]);
-    // The sources are in another process and there is no staging.
+    // The sources are in another process, a block spans them, and there is no staging.
+    let mut t = table(&shards, &[(&received, DEV0)]);
+    t.offers.iter_mut().for_each(|o| o.owner.process = 1);
+    fails(build(&t), Status::Unsupported, &["'w'", "spans", "staging"]);
+    // The sources are in another process, which quantizes them (the sender path): an executor
+    // without a communicator cannot carry the codes across.
     let mut t = table(&halves(&values, 1, 32), &[(&received, DEV0)]);
     t.offers.iter_mut().for_each(|o| o.owner.process = 1);
-    fails(build(&t), Status::Unsupported, &["'w'", "receiver's process"]);
+    let plan = build(&t).unwrap();
+    assert!(plan.quant_routes().iter().all(|r| r.path == QuantPath::Sender && r.runner.process == 1));
+    assert_eq!(plan.stats().quantized_sent_bytes, SHAPE.iter().product::<u64>() * 2);
+    let group = group();
+    fails(
+        Executor::new(&group, &plan, 0, ExecOptions::default()),
+        Status::Unsupported,
+        &["'w'", "communicator"],
+    );
     // Elements of another size than the source type's.
     let mut t = table(&shards, &[(&received, DEV0)]);
     t.quant_needs[0].source = SourceType::F32;

@@ -273,7 +273,13 @@ class PlanStatsStruct(ctypes.Structure):
         )
     ] + [("size_histogram", c_uint64 * PLAN_SIZE_BUCKETS), ("build_ns", c_uint64)] + [
         (name, c_uint64)
-        for name in ("quantized_needs", "quantized_elements", "quantized_direct_bytes", "quantized_staged_bytes")
+        for name in (
+            "quantized_needs",
+            "quantized_elements",
+            "quantized_direct_bytes",
+            "quantized_staged_bytes",
+            "quantized_sent_bytes",
+        )
     ]
 
 

@@ -221,14 +221,15 @@ class QuantPath(enum.IntEnum):
 
     IN_PLACE = 1
     STAGED = 2
+    SENDER = 3
 
 
 @dataclasses.dataclass(frozen=True)
 class QuantRoute:
     """The quantization one device runs for one quantized need (refit_quant_route_info): the path
-    the need took, the device that quantizes (a source's in place, the receiver's staged), and how
-    much. A need quantized in place from offers on several devices has one per device, sharing
-    `need`."""
+    the need took, the device that quantizes (a source's, in place or in the sending process; the
+    receiver's, staged), and how much. A need quantized where it is offered on several devices has
+    one per device, sharing `need`."""
 
     tensor: str
     receiver_rank: int

@@ -390,6 +390,30 @@ class QuantizedNeedTest(unittest.TestCase):
                 self.assertEqual(stats.quantized_direct_bytes, 0)
                 self.assertEqual(stats.quantized_staged_bytes, 2 * self.MATRICES * self.ROWS * self.COLS)
 
+    def test_blocks_whole_in_another_process_are_quantized_by_that_process(self):
+        q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (16, 32))
+        rows, cols, matrices = self.ROWS, self.COLS, self.MATRICES
+        table = refit.Table()
+        tensor = table.add_tensor("w", [matrices, rows, cols], 2)
+        addr = self.buffer(2 * matrices * rows * cols)
+        table.add_offer(tensor, 1, 0, addr, [0, 0, 0], [matrices, rows, cols])
+        grid_rows, grid_cols = q.scale_grid(rows, cols)
+        codes = self.buffer(matrices * rows * cols)
+        scales = self.buffer(matrices * grid_rows * grid_cols * q.scale_size)
+        table.add_quantized_need(tensor, 0, 0, codes, [0, 0, 0], [matrices, rows, cols], [rows * cols, cols, 1], q,
+                                 SourceType.BF16, scales, grid_cols, grid_rows * grid_cols, 0)
+        plan = refit.Plan.build([table])
+        routes = plan.quant_routes()
+        self.assertEqual([(r.path, r.runner_rank, r.receiver_rank) for r in routes], [(refit.QuantPath.SENDER, 1, 0)])
+        stats = plan.stats
+        self.assertEqual((stats.quantized_sent_bytes, stats.quantized_direct_bytes, stats.quantized_staged_bytes),
+                         (2 * matrices * rows * cols, 0, 0))
+        # The codes cross processes: an executor without a communicator refuses, naming the tensor.
+        with self.assertRaises(RefitError) as caught:
+            plan.executor(self.group, 0)
+        self.assertEqual(caught.exception.status, Status.UNSUPPORTED)
+        self.assertIn("'w'", str(caught.exception))
+
     def test_a_need_without_a_path_is_refused_naming_the_tensor(self):
         q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (16, 32))
         with self.assertRaises(RefitError) as caught:

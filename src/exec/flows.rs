@@ -5,7 +5,7 @@
 
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
-use crate::plan::{Endpoint, Plan, RouteKind};
+use crate::plan::{Endpoint, Plan, QuantPath, RouteKind};
 use crate::segment::check::validate;
 use crate::segment::Segment;
 
@@ -109,6 +109,19 @@ pub(crate) fn flows(group: &Group, plan: &Plan, process: u32, across: bool) -> R
         if !segments.is_empty() {
             flows.push(RankFlow { src, dst, kind, segments });
         }
+    }
+    // Codes and scales quantized in one process for another cross processes as well.
+    let mut sent = plan.quant_routes().iter().filter(|r| r.path == QuantPath::Sender);
+    if let (false, Some(route)) =
+        (across, sent.find(|r| r.runner.process == process || r.receiver.process == process))
+    {
+        return Err(Error::unsupported(format!(
+            "quantized need of tensor '{}' on process {} is quantized by process {}; an executor made without a \
+             communicator moves bytes within one process only",
+            route.name(),
+            route.receiver.process,
+            route.runner.process
+        )));
     }
     Ok(flows)
 }

@@ -31,6 +31,7 @@ mod options;
 mod quantize;
 mod rebind;
 mod remote;
+mod sender;
 mod staging;
 mod stats;
 mod timing;
@@ -216,6 +217,17 @@ pub struct Executor {
     quantizing: Quantizing,
 }
 
+/// What the routes between processes ask of the rest of an executor's step.
+#[derive(Clone, Copy)]
+struct RemotePart<'r> {
+    /// The group rank they run on.
+    rank: usize,
+    /// With staged commit, their installs from the landing.
+    installs: &'r [Segment],
+    /// The codes and scales this process quantizes for other processes.
+    outgoing: &'r sender::Outgoing,
+}
+
 /// Every segment into receiving rank `rank` cut to fit `limit` and placed in its staging under
 /// `layout`: the packer (size, slices) and (flow index, piece, placement) per piece.
 fn place_staging(
@@ -363,7 +375,11 @@ impl Executor {
         flows: &[RankFlow],
         remote: Option<Remote>,
     ) -> Result<Executor> {
-        let remote_part = remote.as_ref().map(|r| (r.rank(), r.installs()));
+        let remote_part = remote.as_ref().map(|r| RemotePart {
+            rank: r.rank(),
+            installs: r.installs(),
+            outgoing: r.outgoing(),
+        });
         let built = match Executor::build(group, plan, process, options, flows, true, remote_part) {
             Err(err)
                 if options.arm == Arm::Auto
@@ -381,8 +397,8 @@ impl Executor {
         Ok(executor)
     }
 
-    /// Builds everything; `kernel` false makes every stage use the copy engine. `remote`: the rank
-    /// the routes between processes run on and, with staged commit, their installs from the landing.
+    /// Builds everything; `kernel` false makes every stage use the copy engine. `remote`: what the
+    /// routes between processes ask of the rest of the step.
     fn build(
         group: &Group,
         plan: &Plan,
@@ -390,7 +406,7 @@ impl Executor {
         options: &ExecOptions,
         flows: &[RankFlow],
         kernel: bool,
-        remote: Option<(usize, &[Segment])>,
+        remote: Option<RemotePart>,
     ) -> Result<Executor> {
         let direct = group.all_peers_direct();
         let arm = if kernel { options.arm } else { Arm::CopyEngine };
@@ -435,7 +451,7 @@ impl Executor {
             CommitMode::Direct => vec![executor.direct_lists(flows)],
             CommitMode::Staged => executor.staged_lists(flows)?,
         };
-        if let Some((rank, installs)) = remote.filter(|(_, installs)| !installs.is_empty()) {
+        if let Some(RemotePart { rank, installs, .. }) = remote.filter(|r| !r.installs.is_empty()) {
             // Bytes from other processes are installed with the last slice, at the commit.
             if lists.is_empty() {
                 lists.push(SliceLists::default());
@@ -444,7 +460,9 @@ impl Executor {
             last.installs.entry(rank).or_default().extend_from_slice(installs);
         }
         let staged = options.commit == CommitMode::Staged;
-        let mut quantizing = Quantizing::new(group, plan, process, (staged, options.verify), flows)?;
+        let outgoing = remote.map(|r| (r.rank, r.outgoing));
+        let mut quantizing =
+            Quantizing::new(group, plan, process, (staged, options.verify), flows, outgoing)?;
         // Freed with the executor's other staging.
         executor.staging.append(&mut quantizing.staging);
         for (rank, installs) in std::mem::take(&mut quantizing.installs) {
@@ -478,7 +496,7 @@ impl Executor {
             ranks.extend(slice.copies.iter().map(|c| c.rank));
             ranks.extend(slice.receiving.iter().map(|r| r.rank));
         }
-        ranks.extend(remote.map(|(rank, _)| rank));
+        ranks.extend(remote.map(|r| r.rank));
         ranks.extend(executor.quantizing.ranks());
         ranks.sort_unstable();
         ranks.dedup();
@@ -818,7 +836,8 @@ impl Executor {
             remote_stats(&mut stats, &remote.totals, staged);
         }
         stats.verified = self.options.verify && checked && stats.verified_bytes > 0;
-        stats.quantized_elements = self.quantizing.elements_at(When::Run);
+        stats.quantized_elements =
+            self.quantizing.elements_at(When::Send) + self.quantizing.elements_at(When::Run);
         self.finish("run", stats, started, prepare_ns, log, implicit)
     }
 
@@ -830,8 +849,7 @@ impl Executor {
             if let Some(remote) = &self.remote {
                 group.mark_pending_join();
                 group.join_if_pending()?;
-                // SAFETY: the caller's promise on the plan's memory; the landing is ours.
-                unsafe { remote.run(group) }?;
+                self.queue_remote(group, remote, log)?;
             }
         }
         for (k, slice) in self.slices.iter().enumerate() {
@@ -840,8 +858,7 @@ impl Executor {
             group.mark_pending_join();
             group.join_if_pending()?;
             if let (0, Some(remote)) = (k, &self.remote) {
-                // SAFETY: the caller's promise on the plan's memory; the landing is ours.
-                unsafe { remote.run(group) }?;
+                self.queue_remote(group, remote, log)?;
             }
             self.options.call_hook(Stage::Copy { slice: k }, group)?;
             self.queue_copies(group, k, log)?;
@@ -874,6 +891,21 @@ impl Executor {
         }
         group.mark_pending_join();
         Ok(())
+    }
+
+    /// Queues the routes between processes, after the codes and scales this process quantizes for
+    /// others (and, with verify, their check) on the same stream.
+    fn queue_remote(&self, group: &Group, remote: &Remote, log: &mut CallLog) -> Result<()> {
+        if self.quantizing.has(When::Send) {
+            let hook = || self.options.call_hook(Stage::QuantVerify, group);
+            // SAFETY: the caller's promise on the plan's memory; the send buffer is ours.
+            unsafe { self.quantizing.queue(group, When::Send, hook) }?;
+            if self.options.verify {
+                log.quant_verified += log.waiting(|| self.quantizing.read_checks(group, When::Send))?;
+            }
+        }
+        // SAFETY: the caller's promise on the plan's memory; the landing is ours.
+        unsafe { remote.run(group) }
     }
 
     /// Queues slice `k`'s copies, then (when asked) each copy's verify after it on the same stream:

@@ -1,13 +1,16 @@
 //! The quantizing stage of a step: the plan's quantization jobs (`plan::QuantRoute`), run on the
 //! runner's group stream once every copy of the step has landed.
 //!
-//! - Direct commit: every job runs at the end of the run, writing the live codes and scales.
+//! - Sender path (`super::sender`): jobs quantizing for another process run at the start of every
+//!   run, into the send buffer, before the routes between processes carry what they wrote.
+//! - Direct commit: every other job runs at the end of the run, writing the live codes and scales.
 //! - Staged commit: jobs reading sources in place write into quantization staging the executor owns
 //!   on the receiver, which the commit installs with the step's other bytes (codes and scales are
 //!   segments of the last slice's install); jobs reading a need's staging buffer run at the commit,
 //!   after the install has filled that buffer, so nothing live is written before the commit.
 
 use super::flows::{rank_of, RankFlow};
+use super::sender::Outgoing;
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Plan, QuantPath};
@@ -22,6 +25,8 @@ use std::sync::Arc;
 /// When a group of jobs runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum When {
+    /// At the start of every run, before the routes between processes (the sender path).
+    Send,
     /// At the end of every run, after its copies.
     Run,
     /// At the commit, after the installs (staged commit).
@@ -29,7 +34,7 @@ pub(super) enum When {
 }
 
 /// A job's tensor and receiving device, for messages.
-type Label = (String, u32);
+pub(super) type Label = (String, u32);
 
 /// Which jobs run together: the runner's rank, when, and whether they read their sources in place.
 type Gathering = (usize, When, bool);
@@ -70,30 +75,39 @@ pub(super) struct Quantizing {
     pub installs: Vec<(usize, Vec<Segment>)>,
     /// (device, allocation) of each quantization staging buffer.
     pub staging: Vec<(i32, u64)>,
-    /// Elements quantized per step.
-    pub elements: u64,
 }
 
 impl Quantizing {
     /// The jobs of `process`'s receivers in `plan`, checked (the jobs of all needs together write no
     /// byte twice; every byte they touch is memory of the device that runs them, or of a device it
-    /// reaches directly) and, under staged commit, given their staging.
+    /// reaches directly) and, under staged commit, given their staging; and `outgoing`'s jobs for
+    /// other processes, on `rank`.
     pub fn new(
         group: &Group,
         plan: &Plan,
         process: u32,
         (staged, verify): (bool, bool),
         flows: &[RankFlow],
+        outgoing: Option<(usize, &Outgoing)>,
     ) -> Result<Quantizing> {
         let mut out = Quantizing::default();
-        let routes: Vec<_> = plan.quant_routes().iter().filter(|r| r.receiver.process == process).collect();
-        if routes.is_empty() {
-            return Ok(out);
+        let mine = plan.quant_routes().iter().filter(|r| r.receiver.process == process);
+        // Codes and scales other processes quantize for this one land here too: checked with the rest.
+        let all: Vec<QuantJob> = mine.clone().flat_map(|r| r.jobs.iter().copied()).collect();
+        if !all.is_empty() {
+            check_jobs(&all)
+                .map_err(|e| Error::new(e.status, format!("the plan's quantized needs: {}", e.message)))?;
+            check_apart(&all, flows)?;
         }
-        let all: Vec<QuantJob> = routes.iter().flat_map(|r| r.jobs.iter().copied()).collect();
-        check_jobs(&all)
-            .map_err(|e| Error::new(e.status, format!("the plan's quantized needs: {}", e.message)))?;
-        check_apart(&all, flows)?;
+        let routes: Vec<_> = mine.filter(|r| r.path != QuantPath::Sender).collect();
+        let mut gathered: Vec<(Gathering, Vec<QuantJob>, Vec<Label>)> = Vec::new();
+        if let Some((rank, sent)) = outgoing.filter(|(_, o)| !o.jobs.is_empty()) {
+            let device = group.device(rank)?;
+            for (job, (tensor, _)) in sent.jobs.iter().zip(&sent.labels) {
+                check_memory(group.backend().as_ref(), device, tensor, std::slice::from_ref(job))?;
+            }
+            gathered.push(((rank, When::Send, true), sent.jobs.clone(), sent.labels.clone()));
+        }
         for route in &routes {
             let runner = rank_of(group, route.runner)?;
             let receiver = rank_of(group, route.receiver)?;
@@ -109,11 +123,9 @@ impl Quantizing {
             }
             let device = group.device(runner)?;
             check_memory(group.backend().as_ref(), device, &route.name(), &route.jobs)?;
-            out.elements = out.elements.saturating_add(route.elements());
         }
         // Each runner's jobs at each point of the step, in place or not, gathered over the routes,
         // then prepared.
-        let mut gathered: Vec<(Gathering, Vec<QuantJob>, Vec<Label>)> = Vec::new();
         for route in routes {
             let runner = rank_of(group, route.runner)?;
             let receiver = rank_of(group, route.receiver)?;
@@ -121,7 +133,7 @@ impl Quantizing {
             let (when, jobs) = match (staged, route.path) {
                 (false, _) => (When::Run, route.jobs.clone()),
                 (true, QuantPath::Staged) => (When::Commit, route.jobs.clone()),
-                (true, QuantPath::Direct) => {
+                (true, _) => {
                     let (into, installs) = out.packed(group, receiver, &route.jobs)?;
                     match out.installs.iter_mut().find(|(rank, _)| *rank == receiver) {
                         Some((_, list)) => list.extend(installs),
@@ -158,66 +170,19 @@ impl Quantizing {
         Ok(out)
     }
 
-    /// `jobs` pointed at packed buffers allocated on `rank`'s device (codes rows 16-byte aligned, then
-    /// each scale grid, every start 16-byte aligned), and the segments from there into the places the
-    /// jobs name (the staged commit's installs; the verify's comparisons).
+    /// `jobs` pointed at packed buffers allocated on `rank`'s device ([`pack`]), and the segments
+    /// from there into the places the jobs name (the staged commit's installs; the verify's
+    /// comparisons).
     fn packed(
         &mut self,
         group: &Group,
         rank: usize,
         jobs: &[QuantJob],
     ) -> Result<(Vec<QuantJob>, Vec<Segment>)> {
-        let mut size = 0u64;
-        let mut places = Vec::with_capacity(jobs.len());
-        for job in jobs {
-            let pitch = job.cols.next_multiple_of(16);
-            let codes = size;
-            size += (job.rows * pitch).next_multiple_of(16);
-            let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
-            let scales = size;
-            size += (grid_rows * grid_cols * job.quantization.scale_kind().size()).next_multiple_of(16);
-            places.push((codes, pitch, scales, grid_cols));
-        }
         let device = group.device(rank)?;
-        let bytes = usize::try_from(size + 16).map_err(|_| {
-            Error::new(Status::OutOfMemory, "quantization staging larger than the address space")
-        })?;
-        let allocation = group.backend().alloc(device, bytes).map_err(|e| {
-            e.context(format!("allocating {bytes} bytes of quantization staging on device {device}"))
-        })?;
+        let allocation = allocate_packed(group.backend().as_ref(), device, jobs, "quantization staging")?;
         self.staging.push((device, allocation));
-        let base = allocation.next_multiple_of(16);
-        let mut packed = Vec::with_capacity(jobs.len());
-        let mut segments = Vec::with_capacity(2 * jobs.len());
-        for (job, (codes, pitch, scales, grid_cols)) in jobs.iter().zip(places) {
-            let scale_size = job.quantization.scale_kind().size();
-            let (grid_rows, _) = job.quantization.scale_grid(job.rows, job.cols);
-            let into = QuantJob {
-                dst: base + codes,
-                dst_stride: pitch,
-                scales: base + scales,
-                scale_stride: grid_cols,
-                ..*job
-            };
-            segments.push(Segment {
-                src: into.dst,
-                dst: job.dst,
-                len: job.cols,
-                count: [job.rows, 1],
-                src_stride: [pitch, 0],
-                dst_stride: [job.dst_stride, 0],
-            });
-            segments.push(Segment {
-                src: into.scales,
-                dst: job.scales,
-                len: grid_cols * scale_size,
-                count: [grid_rows, 1],
-                src_stride: [grid_cols * scale_size, 0],
-                dst_stride: [job.scale_stride * scale_size, 0],
-            });
-            packed.push(into);
-        }
-        Ok((packed, segments))
+        Ok(pack(jobs, allocation.next_multiple_of(16)))
     }
 
     /// Offers the jobs that may run with the step's copies (in place, at the run, not verified: the
@@ -368,4 +333,70 @@ fn check_memory(backend: &dyn Backend, device: i32, tensor: &str, jobs: &[QuantJ
         bad.refusal.at,
         bad.refusal.why
     )
+}
+
+/// Bytes [`pack`] lays `jobs` out in.
+pub(super) fn packed_size(jobs: &[QuantJob]) -> u64 {
+    jobs.iter().map(|job| packed_places(job).2).sum()
+}
+
+/// Where one job's codes and scales start in its packed region (codes rows `cols` rounded up to 16
+/// bytes apart, then the scale grid, row after row), and the region's size (a multiple of 16).
+fn packed_places(job: &QuantJob) -> (u64, u64, u64) {
+    let pitch = job.cols.next_multiple_of(16);
+    let codes = (job.rows * pitch).next_multiple_of(16);
+    let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
+    let scales = (grid_rows * grid_cols * job.quantization.scale_kind().size()).next_multiple_of(16);
+    (pitch, codes, codes + scales)
+}
+
+/// `jobs` pointed at packed buffers from `base` (16-byte aligned): each job's codes, then its scale
+/// grid, every start 16-byte aligned. Also the segments from there into the places the jobs name,
+/// two per job (codes, then scales). A function of the jobs and `base` only, so that two processes
+/// lay the same jobs out alike.
+pub(super) fn pack(jobs: &[QuantJob], base: u64) -> (Vec<QuantJob>, Vec<Segment>) {
+    let mut at = base;
+    let mut packed = Vec::with_capacity(jobs.len());
+    let mut segments = Vec::with_capacity(2 * jobs.len());
+    for job in jobs {
+        let (pitch, codes_size, size) = packed_places(job);
+        let scale_size = job.quantization.scale_kind().size();
+        let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
+        let into =
+            QuantJob { dst: at, dst_stride: pitch, scales: at + codes_size, scale_stride: grid_cols, ..*job };
+        segments.push(Segment {
+            src: into.dst,
+            dst: job.dst,
+            len: job.cols,
+            count: [job.rows, 1],
+            src_stride: [pitch, 0],
+            dst_stride: [job.dst_stride, 0],
+        });
+        segments.push(Segment {
+            src: into.scales,
+            dst: job.scales,
+            len: grid_cols * scale_size,
+            count: [grid_rows, 1],
+            src_stride: [grid_cols * scale_size, 0],
+            dst_stride: [job.scale_stride * scale_size, 0],
+        });
+        packed.push(into);
+        at += size;
+    }
+    (packed, segments)
+}
+
+/// Device memory on `device` for [`pack`]ing `jobs` (16 bytes more, for the alignment), named
+/// `what` in errors.
+pub(super) fn allocate_packed(
+    backend: &dyn Backend,
+    device: i32,
+    jobs: &[QuantJob],
+    what: &str,
+) -> Result<u64> {
+    let bytes = usize::try_from(packed_size(jobs) + 16)
+        .map_err(|_| Error::new(Status::OutOfMemory, format!("{what} larger than the address space")))?;
+    backend
+        .alloc(device, bytes)
+        .map_err(|e| e.context(format!("allocating {bytes} bytes of {what} on device {device}")))
 }

@@ -20,6 +20,10 @@
 //! the communicator), once its streams have reached the step (so the receivers' buffers may be
 //! overwritten) and once the writes are done (so the receivers may read them).
 //!
+//! Codes and scales that this process quantizes for another (`super::sender`) are bytes it sends
+//! like any other, from its send buffer, after the plan's routes to that process; a receiver lays
+//! out what it gets from each sender the same way.
+//!
 //! Verify: the writer of IPC writes checks them through the opened memory (a recording copy, then a
 //! check of the destinations). Bytes through staging are checked end to end: the sender digests its
 //! sources, the receiver digests where they landed, tile by tile over the same segments, and the
@@ -30,6 +34,7 @@
 
 use super::flows::rank_of;
 use super::options::{CommitMode, ExecOptions, Stage};
+use super::sender::{incoming, Outgoing};
 use crate::bail;
 use crate::error::{try_vec, Error, Result, Status};
 use crate::group::Group;
@@ -89,8 +94,12 @@ pub(crate) struct Remote {
     rank: usize,
     device: i32,
     writes: Vec<Write>,
-    /// Dropped before `landing` (fields drop in order): it drains the streams that write there.
+    /// Dropped before `landing` and `outgoing` (fields drop in order): it drains the streams that
+    /// write and read there.
     exchange: StagedExchange,
+    /// What this process quantizes for others: the jobs (queued by the executor before [`Remote::run`])
+    /// and the send buffer they write.
+    outgoing: Outgoing,
     /// Staged commit: where bytes from other processes land (held for its drop), and the installs
     /// from there.
     _landing: Option<LandingBuffer>,
@@ -198,6 +207,21 @@ impl Remote {
             into.entry(peer as usize).or_default().extend(route.segments.iter().filter(|s| s.runs() > 0));
         }
         let backend = Arc::clone(group.backend());
+        // Codes and scales quantized by the sender, after the pair's plain routes at both ends.
+        let outgoing = Outgoing::new(&backend, plan, here, device)?;
+        let quantized_here = incoming(plan, here)?;
+        for (lists, into) in [(&outgoing.sends, &mut sends), (&quantized_here, &mut recvs)] {
+            for (&peer, segments) in lists {
+                if peer >= comm.size() {
+                    bail!(
+                        Status::InvalidArgument,
+                        "a quantized need's route names process {peer}; the communicator has {}",
+                        comm.size()
+                    );
+                }
+                into.entry(peer).or_default().extend(segments.iter().filter(|s| s.runs() > 0));
+            }
+        }
         if comm.kind() == BackendKind::Cuda && backend.kind() == BackendKind::Host {
             bail!(
                 Status::InvalidArgument,
@@ -374,6 +398,7 @@ impl Remote {
             device,
             writes,
             exchange,
+            outgoing,
             _landing: landing,
             installs,
             handshake,
@@ -388,6 +413,11 @@ impl Remote {
     /// The group rank every route between processes runs on.
     pub fn rank(&self) -> usize {
         self.rank
+    }
+
+    /// What this process quantizes for others.
+    pub fn outgoing(&self) -> &Outgoing {
+        &self.outgoing
     }
 
     /// The installs from the landing buffer into the live buffers (staged commit).

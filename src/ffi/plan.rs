@@ -31,10 +31,14 @@ pub const REFIT_ROUTE_LOCAL: u32 = 0;
 pub const REFIT_ROUTE_PEER: u32 = 1;
 /// Route kind: another process.
 pub const REFIT_ROUTE_REMOTE: u32 = 2;
-/// refit_quant_route_info.path: the need's sources quantized where they are offered.
+/// refit_quant_route_info.path: the need's sources quantized where they are offered, in the
+/// receiver's process.
 pub const REFIT_PATH_IN_PLACE: u32 = 1;
 /// refit_quant_route_info.path: the need's elements routed into its staging, quantized there.
 pub const REFIT_PATH_STAGED: u32 = 2;
+/// refit_quant_route_info.path: the need's sources quantized where they are offered, in another
+/// process (the runner's, the sender), whose codes and scales then cross to the receiver.
+pub const REFIT_PATH_SENDER: u32 = 3;
 /// Buckets of refit_plan_stats.size_histogram.
 pub const REFIT_PLAN_SIZE_BUCKETS: u32 = 64;
 
@@ -131,11 +135,11 @@ pub struct refit_quant_route_info {
     /// The receiving process index and device ordinal.
     pub receiver_rank: u32,
     pub receiver_device: u32,
-    /// The device whose stream runs the quantization: a source's (in place) or the receiver's
-    /// (staged), in the receiver's process.
+    /// The device whose stream runs the quantization: a source's (in place, in the receiver's
+    /// process; sender, in another process) or the receiver's (staged).
     pub runner_rank: u32,
     pub runner_device: u32,
-    /// REFIT_PATH_IN_PLACE or REFIT_PATH_STAGED.
+    /// REFIT_PATH_IN_PLACE, REFIT_PATH_STAGED or REFIT_PATH_SENDER.
     pub path: u32,
     pub reserved: u32,
     /// The need's number among the plan's quantized needs (ordered by receiver, tensor, box): the
@@ -619,6 +623,7 @@ pub unsafe extern "C" fn refit_plan_quant_route(
             path: match r.path {
                 plan::QuantPath::Direct => REFIT_PATH_IN_PLACE,
                 plan::QuantPath::Staged => REFIT_PATH_STAGED,
+                plan::QuantPath::Sender => REFIT_PATH_SENDER,
             },
             reserved: 0,
             need: r.need as u64,
@@ -727,16 +732,25 @@ pub struct refit_need_quantization {
 /// in bytes (the last 1), and scales, quantized as refit_quantize_batch quantizes (the arithmetic is
 /// documented there). See refit_need_quantization for the matrices, scales and staging.
 ///
-/// Planning picks one of two paths per need (refit_plan_quant_route says which each took, and
-/// refit_plan_stats counts both):
+/// Planning picks one of three paths per need (refit_plan_quant_route says which each took, and
+/// refit_plan_stats counts each):
 /// - in place: offers in the receiver's process tile the box so that every quantization block lies
 ///   inside one offer, with contiguous rows. The device holding each offer quantizes it straight
 ///   into the need's codes and scales (one byte per element reaches the receiver, not two).
-/// - staged: otherwise (a block spans offers, sources in another process). The elements are routed
-///   into `staging` like any need, then quantized there by the receiving device. Planning fails with
-///   UNSUPPORTED, naming the tensor and why, when the need has no staging.
+/// - sender: offers tile the box that way, but some are in other processes. Each such process
+///   quantizes its pieces where they are offered into a buffer its executor allocates (as many
+///   bytes as those codes and scales, beside staging_limit), and the codes and scales cross to the
+///   receiver as the routes between processes do (CUDA IPC or staging over the communicator): one
+///   byte per element crosses, not two. Of replicas offered by several processes, needs take them
+///   in turn. Pieces offered in the receiver's process stay in place.
+/// - staged: otherwise (a block spans offers, offers overlap without being replicas). The elements
+///   are routed into `staging` like any need, then quantized there by the receiving device.
+///   Planning fails with UNSUPPORTED, naming the tensor and why, when the need has no staging.
 ///
-/// An executor quantizes in place within the step's copies (on CUDA, in the same launch as the
+/// An executor quantizes sender pieces at the start of each run, before the routes between
+/// processes carry their codes and scales (refit_run_stats.quantized_elements counts them in the
+/// sender's run; the receiver's staged commit installs them with the other bytes from other
+/// processes). It quantizes in place within the step's copies (on CUDA, in the same launch as the
 /// device's batched copy where the step has one and nothing is verified; else right after the
 /// copies) and staged needs after the copies (direct commit: all within the run). Under staged
 /// commit nothing live is written before the commit: in-place codes and scales are quantized into

@@ -97,7 +97,7 @@ fn build_part(
     clock.mark("coalesce");
     let (mut stats, mut receivers) = tally(&routes, receivers, laid_out.kept, &merged, &replicas, &scope);
     let shared = stats;
-    quantized::tally(&quantized.routes, &mut stats, &mut receivers, &shared);
+    quantized::tally(&quantized.routes, process, &mut stats, &mut receivers, &shared);
     let fingerprint = fingerprint_of(&routes, &quantized.routes);
     clock.mark("tally");
     log::debug!("plan built: {:?}", clock.stages);

@@ -1,12 +1,16 @@
 //! Needs that receive FP8: a box of a tensor delivered as FP8 codes and scales, quantized on the way
-//! (`crate::quant` holds the arithmetic). Planned in front of the byte planner, one of two paths per
+//! (`crate::quant` holds the arithmetic). Planned in front of the byte planner, one of three paths per
 //! need:
 //!
 //! - **direct**: offers in the receiver's own process tile the box so that every quantization block
 //!   lies inside one of them. The quantizing copy reads those sources in place and writes codes and
 //!   scales straight into the need's memory, on the source's device: one byte per element crosses
 //!   to the receiver instead of two.
-//! - **staged**: a block spans offers, or the sources are in another process. The box's elements
+//! - **sender**: offers tile the box that way but some lie in other processes. Each of those
+//!   processes (a sender) quantizes its pieces in place into a buffer of its own, and the codes and
+//!   scales cross to the receiver as the routes between processes do (CUDA IPC or staging): again
+//!   one byte per element crosses, not two. Pieces in the receiver's process stay direct.
+//! - **staged**: a block spans offers, or offers overlap without being replicas. The box's elements
 //!   are routed like any need into the need's staging buffer on the receiver (a bf16 copy of the
 //!   box, row-major), through every transport the byte planner has, and quantized there.
 //!
@@ -57,10 +61,15 @@ pub struct QuantNeed {
 /// Which path a quantized need takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum QuantPath {
-    /// The jobs read the sources in place.
+    /// The jobs read the sources in place, in the receiver's process.
     Direct,
     /// The jobs read the need's staging, filled by the plan's routes.
     Staged,
+    /// The jobs read the sources in place in another process (the runner's), which quantizes into a
+    /// buffer of its own and sends the codes and scales to the receiver. The jobs name the
+    /// receiver's codes and scales, as the other paths' do; the executors of both processes lay
+    /// that buffer out alike from them.
+    Sender,
 }
 
 /// The quantization jobs one device runs for one quantized need.
@@ -72,7 +81,8 @@ pub struct QuantRoute {
     /// decoded table's can); [`QuantRoute::name`] for messages.
     pub tensor: std::ffi::CString,
     pub receiver: Endpoint,
-    /// The device whose stream runs the jobs: the sources' (direct) or the receiver's (staged).
+    /// The device whose stream runs the jobs: the sources' (direct, sender) or the receiver's
+    /// (staged).
     pub runner: Endpoint,
     pub path: QuantPath,
     pub jobs: Vec<QuantJob>,
@@ -287,7 +297,8 @@ pub(crate) struct Planned {
 }
 
 /// Plans the quantized needs of `tables` (every process's: the staged path adds needs that every
-/// process must plan alike); `process` Some keeps the routes of that process's receivers.
+/// process must plan alike); `process` Some keeps the routes that process takes part in: those of
+/// its receivers, and those it quantizes for another process's (the sender path).
 pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> Result<Planned> {
     let mut planned = Planned::default();
     if tables.iter().all(|t| t.quant_needs.is_empty()) {
@@ -331,15 +342,16 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
             continue;
         }
         let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
-        let direct = direct_pieces(q, &g, offers);
-        let routes = match direct {
+        let in_place = direct_pieces(q, &g, offers, Pieces::ReceiversProcess)
+            .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: number }));
+        let routes = match in_place {
             Ok(pieces) => direct_routes(spec, q, &g, &pieces, &mut budget)?,
             Err(why) if q.staging == 0 => {
                 return Err(Error::new(
                     Status::Unsupported,
                     format!(
-                        "quantized need of tensor '{}' on process {} device {}: no direct path ({why}); give the need a \
-                         staging buffer for its {} source elements",
+                        "quantized need of tensor '{}' on process {} device {}: it cannot be quantized where it is \
+                         offered ({why}); give the need a staging buffer for its {} source elements",
                         spec.name,
                         q.receiver.process,
                         q.receiver.device,
@@ -362,9 +374,10 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
                 vec![staged_route(spec, q, &g, &mut budget)?]
             }
         };
-        if process.is_none_or(|p| p == q.receiver.process) {
-            planned.routes.extend(routes.into_iter().map(|r| QuantRoute { need: number, ..r }));
-        }
+        let kept = routes
+            .into_iter()
+            .filter(|r| process.is_none_or(|p| p == r.receiver.process || p == r.runner.process));
+        planned.routes.extend(kept.map(|r| QuantRoute { need: number, ..r }));
     }
     planned.shadow = shadow.into_table();
     planned.fingerprint = digest.finish();
@@ -421,47 +434,73 @@ fn sources_by_name<'t>(tables: &[&'t Table]) -> Result<HashMap<&'t str, Vec<Sour
 /// Most distinct offers a direct path is looked for among (pairwise disjointness is checked).
 const MAX_DIRECT_PIECES: usize = 4096;
 
+/// Which offers a path that quantizes in place may take its pieces from.
+#[derive(Clone, Copy, Debug)]
+enum Pieces {
+    /// Offers in the receiver's process only (the direct path).
+    ReceiversProcess,
+    /// Offers in any process, the receiver's preferred. Of the replicas of one piece in other
+    /// processes, the `turn`-th (modulo their count) is taken, so that the needs in turn spread
+    /// the quantizing over the processes that hold copies (data-parallel trainers).
+    AnyProcess { turn: usize },
+}
+
 /// The offers that quantize the need in place, one per distinct box, or why there are none.
-fn direct_pieces(q: &QuantNeed, g: &Geometry, offers: &[Source]) -> std::result::Result<Vec<Source>, String> {
+fn direct_pieces(
+    q: &QuantNeed,
+    g: &Geometry,
+    offers: &[Source],
+    from: Pieces,
+) -> std::result::Result<Vec<Source>, String> {
     let n = g.n;
     let whole = g.whole();
-    // One offer per distinct box, from the receiver's process: the receiver's own device first.
-    let mut chosen: BTreeMap<(Vec<u64>, Vec<u64>), Source> = BTreeMap::new();
-    for s in offers.iter().filter(|s| s.owner.process == q.receiver.process) {
+    let (place, turn) = match from {
+        Pieces::ReceiversProcess => (" in the receiver's process", 0),
+        Pieces::AnyProcess { turn } => ("", turn),
+    };
+    // Every offer meeting the box, by distinct box.
+    let mut candidates: BTreeMap<(Vec<u64>, Vec<u64>), Vec<Source>> = BTreeMap::new();
+    for s in offers {
+        if matches!(from, Pieces::ReceiversProcess) && s.owner.process != q.receiver.process {
+            continue;
+        }
         if s.bx.intersect(&whole, n).is_none() {
             continue;
         }
         let key = (s.bx.lo[..n].to_vec(), s.bx.ext[..n].to_vec());
-        let rank = |s: &Source| (s.owner != q.receiver, s.owner.device, s.addr);
-        let entry = chosen.entry(key).or_insert(*s);
-        if rank(s) < rank(entry) {
-            *entry = *s;
-        }
+        candidates.entry(key).or_default().push(*s);
     }
-    if chosen.is_empty() {
-        return Err("no offer of it is in the receiver's process".into());
+    if candidates.is_empty() {
+        return Err(format!("nothing{place} offers it"));
     }
-    if chosen.len() > MAX_DIRECT_PIECES {
+    if candidates.len() > MAX_DIRECT_PIECES {
         return Err(format!(
             "{} distinct offers meet it (at most {MAX_DIRECT_PIECES} are tried)",
-            chosen.len()
+            candidates.len()
         ));
     }
-    let pieces: Vec<Source> = chosen
-        .into_values()
-        .map(|s| Source { bx: s.bx.intersect(&whole, n).expect("kept above"), ..s })
-        .collect();
+    // One offer per box: the receiver's own device, else another of its devices, else the turn's
+    // among the other processes' replicas.
+    let chosen = candidates.into_values().map(|mut replicas| {
+        replicas
+            .sort_by_key(|s| (s.owner.process != q.receiver.process, s.owner != q.receiver, s.owner, s.addr));
+        replicas.dedup_by_key(|s| s.owner);
+        let first = replicas[0];
+        if first.owner.process == q.receiver.process {
+            return first;
+        }
+        replicas[turn % replicas.len()]
+    });
+    let pieces: Vec<Source> =
+        chosen.map(|s| Source { bx: s.bx.intersect(&whole, n).expect("kept above"), ..s }).collect();
     for (i, a) in pieces.iter().enumerate() {
         if pieces[i + 1..].iter().any(|b| a.bx.intersect(&b.bx, n).is_some()) {
-            return Err("offers of it in the receiver's process overlap without being replicas".into());
+            return Err(format!("offers of it{place} overlap without being replicas"));
         }
     }
     let covered: u64 = pieces.iter().map(|p| p.bx.volume(n)).sum();
     if covered != whole.volume(n) {
-        return Err(format!(
-            "offers in the receiver's process hold {covered} of its {} elements",
-            whole.volume(n)
-        ));
+        return Err(format!("offers{place} hold {covered} of its {} elements", whole.volume(n)));
     }
     let (rows, cols) = g.rows_cols();
     let (block_rows, block_cols) = q.quantization.block_shape(rows, cols);
@@ -485,7 +524,7 @@ fn direct_pieces(q: &QuantNeed, g: &Geometry, offers: &[Source]) -> std::result:
     Ok(pieces)
 }
 
-/// The direct path's jobs, one route per source device.
+/// The jobs of the paths that quantize in place (direct and sender), one route per source device.
 fn direct_routes(
     spec: &TensorSpec,
     q: &QuantNeed,
@@ -510,7 +549,11 @@ fn direct_routes(
                 tensor: c_name(&spec.name),
                 receiver: q.receiver,
                 runner,
-                path: QuantPath::Direct,
+                path: if runner.process == q.receiver.process {
+                    QuantPath::Direct
+                } else {
+                    QuantPath::Sender
+                },
                 jobs,
             })
         })
@@ -622,15 +665,18 @@ fn matrix_jobs(
 }
 
 /// Adds the quantized routes' counts to their receivers' (an entry made for a receiver that has
-/// none, from `shared`: the inputs every receiver's counts carry) and to the plan's `total`.
+/// none, from `shared`: the inputs every receiver's counts carry) and to the plan's `total`. A
+/// share (`process` Some) counts its own receivers' needs only, as its other counts do, not those
+/// it quantizes for another process.
 pub(crate) fn tally(
     routes: &[QuantRoute],
+    process: Option<u32>,
     total: &mut PlanStats,
     receivers: &mut Vec<(Endpoint, PlanStats)>,
     shared: &PlanStats,
 ) {
     let mut last_need = None;
-    for route in routes {
+    for route in routes.iter().filter(|r| process.is_none_or(|p| p == r.receiver.process)) {
         let at = match receivers.binary_search_by_key(&route.receiver, |(e, _)| *e) {
             Ok(at) => at,
             Err(at) => {
@@ -650,6 +696,7 @@ pub(crate) fn tally(
             let bytes = match route.path {
                 QuantPath::Direct => &mut stats.quantized_direct_bytes,
                 QuantPath::Staged => &mut stats.quantized_staged_bytes,
+                QuantPath::Sender => &mut stats.quantized_sent_bytes,
             };
             *bytes = bytes.saturating_add(route.source_bytes());
         }

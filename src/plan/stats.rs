@@ -61,12 +61,15 @@ pub struct PlanStats {
     pub quantized_needs: u64,
     /// Elements the quantized needs quantize to FP8.
     pub quantized_elements: u64,
-    /// Source bytes quantized in place, where they are offered (the direct path: only the FP8
-    /// codes and scales travel).
+    /// Source bytes quantized in place, where they are offered in the receiver's process (the
+    /// direct path: only the FP8 codes and scales travel).
     pub quantized_direct_bytes: u64,
     /// Source bytes routed into the receivers' staging and quantized there (the staged path; the
     /// routes count them too, as the needs of the staging buffers).
     pub quantized_staged_bytes: u64,
+    /// Source bytes quantized in place by the processes that offer them, for a receiver in another
+    /// process (the sender path: only the FP8 codes and scales cross between the processes).
+    pub quantized_sent_bytes: u64,
 }
 
 const _: () = assert!(SIZE_BUCKETS == 64, "size_histogram is written with a literal length for cbindgen");
@@ -97,6 +100,7 @@ impl Default for PlanStats {
             quantized_elements: 0,
             quantized_direct_bytes: 0,
             quantized_staged_bytes: 0,
+            quantized_sent_bytes: 0,
         }
     }
 }
@@ -143,6 +147,7 @@ impl PlanStats {
             quantized_elements: _,
             quantized_direct_bytes: _,
             quantized_staged_bytes: _,
+            quantized_sent_bytes: _,
         } = part;
         // The quantized counts are added by `quantized::tally`, to receivers and plan alike.
         let sums = [
