@@ -179,7 +179,7 @@ fn main() {
         );
     }
 
-    println!("\nThe same tensor as a quantized need (128 x 128 blocks) through a plan and an executor, host wall time per run (queued and waited for):\n");
+    println!("\nThe same tensor as a quantized need through a plan and an executor, host wall time per run (queued and waited for):\n");
     println!("| path | ms | B/element at least | bound ms | bound / ours |");
     println!("|---|---|---|---|---|");
     for r in &executor_rows {
@@ -231,12 +231,14 @@ fn main() {
     println!("\nwrote {path}");
 }
 
-/// The bench's tensor as one quantized need (128 x 128 blocks) of a plan whose two offers are its row
-/// halves: cut on a block boundary (quantized in place, 3 B/element), and cut inside a block
-/// (routed into staging, then quantized there: 4 + 3 B/element). Then a step with a plain 256 MiB
-/// need beside the in-place one (1 B/element more), whose copy launch carries the quantization
+/// The bench's tensor as one quantized need of a plan whose two offers are its row halves: in 128 x 128
+/// blocks cut on a block boundary (quantized in place, 3 B/element), and cut inside a block (routed
+/// into staging, then quantized there: 4 + 3 B/element); per row and MXFP8 in place; per tensor in
+/// place from one offer (its amax read first: 5 B/element). Then a step with a plain 256 MiB need
+/// beside the in-place 128 x 128 one (1 B/element more), whose copy launch carries the quantization
 /// (`kernels/copy_quantize.cu`), and that plain need alone. Each run's host wall time, median of 20
-/// after 3 warm-ups; the codes' first rows are checked against the reference.
+/// after 3 warm-ups; the codes' and scales' first rows are checked against the reference (but per
+/// tensor's, whose scale comes from the whole tensor: tests/gpu_quant.rs checks that granularity).
 fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream) -> Vec<Row> {
     use refit::group::{BackendChoice, Group, GroupOptions};
     use refit::plan::{Endpoint, Need, Offer, QuantNeed, Region, Table, TensorSpec};
@@ -244,8 +246,7 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
     let group =
         ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
     let here = Endpoint { process: 0, device: 0 };
-    let q = Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } };
-    let (grid_rows, grid_cols) = q.scale_grid(ROWS, COLS);
+    let block = Granularity::Block { rows: 128, cols: 128 };
     let staging = Buffer::new(0, (ROWS * COLS * 2) as usize);
     const PLAIN: u64 = 256 << 20;
     let (plain_src, plain_dst) = (Buffer::new(0, PLAIN as usize), Buffer::new(0, PLAIN as usize));
@@ -263,12 +264,17 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
     };
     let mut out = Vec::new();
     let cases = [
-        ("in place (offers cut at row 32768)", Some(ROWS / 2), false, 3),
-        ("staged (offers cut at row 32700)", Some(32700), false, 7),
-        ("in place, and a 256 MiB plain need in the same launch", Some(ROWS / 2), true, 4),
-        ("the 256 MiB plain need alone", None, true, 1),
+        ("in place (offers cut at row 32768)", block, Some(ROWS / 2), false, 3),
+        ("staged (offers cut at row 32700)", block, Some(32700), false, 7),
+        ("in place, per row (offers cut at row 32768)", Granularity::Row, Some(ROWS / 2), false, 3),
+        ("in place, MXFP8 (offers cut at row 32768)", Granularity::Mx, Some(ROWS / 2), false, 3),
+        ("in place, per tensor (one offer)", Granularity::Tensor, Some(ROWS), false, 5),
+        ("in place, and a 256 MiB plain need in the same launch", block, Some(ROWS / 2), true, 4),
+        ("the 256 MiB plain need alone", block, None, true, 1),
     ];
-    for (name, cut, with_plain, bytes_per_element) in cases {
+    for (name, granularity, cut, with_plain, bytes_per_element) in cases {
+        let q = Quantization { target: Fp8::E4m3fn, granularity };
+        let (grid_rows, grid_cols) = q.scale_grid(ROWS, COLS);
         let offer = |lo: u64, rows: u64| Offer {
             tensor: 0,
             owner: here,
@@ -298,7 +304,10 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
             out.push(Row { name, ms: step_ms(&group, &table), bytes_per_element });
             continue;
         };
-        table.offers.extend([offer(0, cut), offer(cut, ROWS - cut)]);
+        table.offers.push(offer(0, cut));
+        if cut < ROWS {
+            table.offers.push(offer(cut, ROWS - cut));
+        }
         table.quant_needs.push(QuantNeed {
             tensor: 0,
             receiver: here,
@@ -314,10 +323,15 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
         });
         let ms = step_ms(&group, &table);
         stream.sync();
+        if granularity == Granularity::Tensor {
+            out.push(Row { name, ms, bytes_per_element });
+            continue;
+        }
         let check_rows = 128u64;
         let source = download(src.ptr, (check_rows * COLS * 2) as usize);
         let got = download(dst.ptr, (check_rows * COLS) as usize);
-        let got_scales = download(scales.ptr, (grid_cols * 4) as usize);
+        let scale_rows = q.scale_grid(check_rows, COLS).0;
+        let got_scales = download(scales.ptr, (scale_rows * grid_cols * q.scale_kind().size()) as usize);
         let matrix = SourceMatrix {
             bytes: &source,
             source: SourceType::Bf16,

@@ -814,9 +814,9 @@ def gpu_quant(d):
         [[q["granularity"], num(q["ms"], 3), num(q["gbps_moved"]), f"{q['of_memory_bound']:.2f}"] for q in d["quantize"]],
     )
     if d.get("through_executor"):
-        out += ["", "The same tensor as a quantized need (128 x 128) through a plan and an executor, host wall time per "
-                "run: in place (offers keep blocks whole: 3 B/element) and staged (a block spans offers: the bf16 copy "
-                "into staging, then the quantization: 7 B/element).", ""]
+        out += ["", "The same tensor as a quantized need through a plan and an executor, host wall time per run: in place "
+                "(offers keep blocks whole: 3 B/element; per tensor 5, its amax read first) and staged (a block spans "
+                "offers: the bf16 copy into staging, then the quantization: 7 B/element).", ""]
         out += table(
             ["path", "ms", "B/element at least", "bound ms", "bound / ours"],
             [[r["path"], num(r["ms"], 3), num(r["bytes_per_element"], 0), num(r["memory_bound_ms"], 3),

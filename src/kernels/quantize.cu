@@ -40,7 +40,8 @@
 // and partial-vector bookkeeping.
 // - MODE_GROUP: for one-row blocks of at most 32 vectors (MX, short rows, 1 x n blocks): each
 //   scale block is taken by a group of 2^group_shift lanes of a warp (one vector per lane), reduced
-//   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups.
+//   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups. A job
+//   that is one flat array of whole groups counts its vectors instead (quantize_flat_groups).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -619,11 +620,54 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     }
 }
 
+// Whether a group-mode job is one flat array of whole groups: rows contiguous in source, codes and
+// scales alike, and each block exactly its group's vectors. Then round r of tile t is the
+// QUANT_THREADS vectors from ((t * QUANT_GROUP_ROUNDS + r) * QUANT_THREADS) on, thread by thread,
+// and a group's scale is its block's number: no row, column or partial-vector bookkeeping (what the
+// general loop below spends most of its instructions on).
+template <u32 SRC>
+__device__ __forceinline__ bool flat_groups(const QuantDesc& d) {
+    return d.src_stride == d.cols && d.dst_stride == d.cols && d.scale_stride == d.grid_cols &&
+           d.block_cols == (Elements<SRC>::per_vector << d.group_shift) && d.cols % d.block_cols == 0;
+}
+
+// MODE_GROUP over a flat job (flat_groups): as quantize_groups, with the vectors' places counted.
+template <u32 SRC>
+__device__ void quantize_flat_groups(const QuantDesc& d, u64 tile) {
+    constexpr u32 VE = Elements<SRC>::per_vector;
+    const u32 lanes = 1u << d.group_shift;
+    const u64 vectors = d.rows * d.cols / VE;
+    const u64 first = tile * QUANT_GROUP_ROUNDS * QUANT_THREADS + threadIdx.x;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src);
+    unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst);
+    Vec x[QUANT_GROUP_ROUNDS] = {};
+#pragma unroll
+    for (u32 round = 0; round < QUANT_GROUP_ROUNDS; ++round) {
+        const u64 v = first + round * QUANT_THREADS;
+        if (v < vectors) x[round] = load_vector(src + v * VE * Elements<SRC>::size);
+    }
+#pragma unroll
+    for (u32 round = 0; round < QUANT_GROUP_ROUNDS; ++round) {
+        const u64 v = first + round * QUANT_THREADS;
+        // Whole groups: a group's lanes are all in or all out, but every lane of the warp shuffles.
+        const u32 amax = warp_max(v < vectors ? vector_amax<SRC>(x[round], VE) : 0u, lanes);
+        if (v < vectors) {
+            const Scale scale = block_scale(d.target, d.scale_kind, amax);
+            if ((threadIdx.x & (lanes - 1u)) == 0) store_scale(d, 0, v >> d.group_shift, scale.stored);
+            store_codes<SRC>(x[round], VE, scale, d.target, dst + v * VE);
+        }
+    }
+}
+
 // MODE_GROUP: tile `tile` of descriptor `d`, whose scale blocks are one row high and at most 32
 // vectors wide; 2^group_shift lanes per block. Each thread loads its vector of every round first, so
 // that QUANT_GROUP_ROUNDS loads are in flight, then reduces and writes round by round.
 template <u32 SRC>
 __device__ void quantize_groups(const QuantDesc& d, u64 tile) {
+    if (flat_groups<SRC>(d)) {
+        quantize_flat_groups<SRC>(d, tile);
+        return;
+    }
     constexpr u32 VE = Elements<SRC>::per_vector;
     const u32 lanes = 1u << d.group_shift;
     const u32 groups = QUANT_THREADS >> d.group_shift;
