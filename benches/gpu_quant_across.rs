@@ -4,8 +4,8 @@
 //! Process 0 offers a 1 GiB bf16 matrix (65536 x 8192, REFIT_BENCH_ROWS rows); process 1 receives it
 //! three ways, each through `Executor::new_across` (a host-backend communicator: NCCL puts no two
 //! ranks on one GPU, so every byte between the processes goes through CUDA IPC):
-//! - sender: as e4m3 in 128 x 128 blocks, the offer whole: process 0 quantizes into its send
-//!   buffer and the codes and scales cross (`QuantPath::Sender`);
+//! - sender: as e4m3 in 128 x 128 blocks, the offer whole: process 0's quantizing kernel writes
+//!   the codes and scales into process 1's memory (`QuantPath::Sender`, straight through IPC);
 //! - staged: the same need, but the offer cut at row 64 into two, so a block spans them: the bf16
 //!   crosses into process 1's staging and process 1 quantizes it (`QuantPath::Staged`), what a user
 //!   re-quantizing in the engine after a BF16 transfer does;
@@ -99,7 +99,9 @@ impl Drop for Device {
     }
 }
 
-/// One process's part of one way: milliseconds per step (median) and the last step's stats.
+/// One process's part of one way: milliseconds per step (median), the last step's stats, the
+/// bytes of codes and scales its quantizing kernel wrote straight into the other process, and
+/// where the need's codes and scales (or its bf16) are.
 fn refit_one_way(
     comm: &Arc<Communicator>,
     group: &Group,
@@ -108,7 +110,7 @@ fn refit_one_way(
     way: Way,
     rows: u64,
     steps: usize,
-) -> (f64, RunStats, u64, u64) {
+) -> (f64, RunStats, u64, u64, u64) {
     let rank = comm.rank();
     let here = Endpoint { process: rank as u32, device: 0 };
     let spec = TensorSpec { name: "w".into(), dtype: 1, elem_size: 2, shape: vec![rows, COLS] };
@@ -175,7 +177,8 @@ fn refit_one_way(
             times.push(start.elapsed().as_secs_f64() * 1e3);
         }
     }
-    (median(times), last.expect("a step"), codes, scales)
+    let straight = executor.remote_totals().map_or(0, |t| t.quantized_straight_bytes);
+    (median(times), last.expect("a step"), straight, codes, scales)
 }
 
 fn child(rank: usize, id: &CommId, rows: u64, steps: usize) {
@@ -230,10 +233,12 @@ fn child(rank: usize, id: &CommId, rows: u64, steps: usize) {
     });
     for way in [Way::Sender, Way::Staged, Way::Bf16] {
         let source = (rank == 0).then_some(src);
-        let (ms, stats, codes, scales) = refit_one_way(&comm, &group, &mut device, source, way, rows, steps);
+        let (ms, stats, straight, codes, scales) =
+            refit_one_way(&comm, &group, &mut device, source, way, rows, steps);
         let name = format!("{way:?}").to_lowercase();
         if rank == 0 {
-            line += &format!("{name}_ms={ms} {name}_sent={} ", stats.remote_ipc_bytes);
+            line +=
+                &format!("{name}_ms={ms} {name}_sent={} {name}_straight={straight} ", stats.remote_ipc_bytes);
         } else {
             let matches = match (&reference, way) {
                 (_, Way::Bf16) => device.download(codes, bytes) == data,
@@ -292,9 +297,9 @@ fn main() {
     // The copy engine moved 2 bytes per element each way: its rate in bytes of traffic.
     let rate = 2.0 * 2.0 * elements as f64 / copy_ms;
     let bound_ms = 3.0 * elements as f64 / rate;
-    println!("\n| {elements} bf16 from process 0 to process 1 on {device} | bytes crossing | median ms | of the 3-byte bound ({bound_ms:.3} ms) | every byte equal |");
-    println!("|---|---|---|---|---|");
-    println!("| peer: one copy-engine copy of the bf16, in process 0 | | {copy_ms:.3} | | |");
+    println!("\n| {elements} bf16 from process 0 to process 1 on {device} | bytes crossing | of them written by the quantizing kernel | median ms | of the 3-byte bound ({bound_ms:.3} ms) | every byte equal |");
+    println!("|---|---|---|---|---|---|");
+    println!("| peer: one copy-engine copy of the bf16, in process 0 | | | {copy_ms:.3} | | |");
     let gpus = cuda_backend().map(|b| b.device_count()).unwrap_or(0);
     let mut json = format!(
         "{{\"bench\":\"gpu_quant_across\",\"device\":\"{device}\",\"gpus\":{gpus},\"rows\":{rows},\"cols\":{COLS},\"steps\":{steps},\
@@ -307,13 +312,16 @@ fn main() {
     ] {
         let (ms, sent) =
             (field(&outputs[0], &format!("{name}_ms")), field(&outputs[0], &format!("{name}_sent")));
+        let straight = field(&outputs[0], &format!("{name}_straight"));
         let exact = field(&outputs[1], &format!("{name}_exact")) == 1.0;
         println!(
-            "| {what} | {sent} | {ms:.3} | {:.2} | {} |",
+            "| {what} | {sent} | {straight} | {ms:.3} | {:.2} | {} |",
             bound_ms / ms,
             if exact { "yes" } else { "NO" }
         );
-        json += &format!(",\"{name}_ms\":{ms:.4},\"{name}_bytes_crossing\":{sent},\"{name}_exact\":{exact}");
+        json += &format!(
+            ",\"{name}_ms\":{ms:.4},\"{name}_bytes_crossing\":{sent},\"{name}_bytes_straight\":{straight},\"{name}_exact\":{exact}"
+        );
         assert!(exact, "{name}: process 1's bytes differ from the reference");
     }
     json += "}\n";

@@ -2093,11 +2093,12 @@ refit_status refit_plan_quant_route(const refit_plan *plan,
  *   inside one offer, with contiguous rows. The device holding each offer quantizes it straight
  *   into the need's codes and scales (one byte per element reaches the receiver, not two).
  * - sender: offers tile the box that way, but some are in other processes. Each such process
- *   quantizes its pieces where they are offered into a buffer its executor allocates (as many
- *   bytes as those codes and scales, beside staging_limit), and the codes and scales cross to the
- *   receiver as the routes between processes do (CUDA IPC or staging over the communicator): one
- *   byte per element crosses, not two. Of replicas offered by several processes, needs take them
- *   in turn. Pieces offered in the receiver's process stay in place.
+ *   quantizes its pieces where they are offered, and only the codes and scales cross to the
+ *   receiver (one byte per element, not two): through CUDA IPC its kernel writes them into the
+ *   receiver's memory itself; otherwise (staging over the communicator) it quantizes into a buffer
+ *   its executor allocates (as many bytes as those codes and scales, beside staging_limit) and
+ *   they cross as the routes between processes do. Of replicas offered by several processes, needs
+ *   take them in turn. Pieces offered in the receiver's process stay in place.
  * - staged: otherwise (a block spans offers, offers overlap without being replicas). The elements
  *   are routed into `staging` like any need, then quantized there by the receiving device.
  *   Planning fails with UNSUPPORTED, naming the tensor and why, when the need has no staging.

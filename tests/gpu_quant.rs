@@ -500,7 +500,8 @@ fn quantized_needs_through_an_executor_match_the_reference() {
 /// Two processes on GPU 0 (a host-backend communicator for the control plane: NCCL puts no two
 /// ranks on one GPU, so every byte between them goes through CUDA IPC), each offering part of a
 /// 1024 x 768 bf16 matrix and receiving quantized needs that take every path: in place, quantized
-/// by the other process (whose codes and scales cross, not the bf16), and staged. Direct and staged
+/// by the other process (whose kernel writes the codes and scales into this one's memory: only
+/// they cross, not the bf16), and staged. Direct and staged
 /// commit, with and without verify, twice each; every code and scale against the reference, the
 /// bytes from the other process and the elements quantized against what the shapes say.
 #[test]
@@ -558,6 +559,10 @@ fn quantized_needs_across_two_processes_on_one_gpu_match_the_reference() {
             let options = ExecOptions { commit, verify, ..ExecOptions::default() };
             let mut executor =
                 ok("an executor", Executor::new_across(&group, &share, Arc::clone(&comm), options));
+            // Through CUDA IPC the quantizing kernel writes the other process's codes and scales
+            // itself (its live buffers, or its landing under staged commit).
+            let straight = executor.remote_totals().unwrap().quantized_straight_bytes;
+            assert_eq!(straight, across.quantized_crossing(1 - rank), "rank {rank} {commit:?}");
             for step in 0..2 {
                 let at = format!("rank {rank} {commit:?} verify {verify} step {step}");
                 for (codes, scales, _) in &buffers {

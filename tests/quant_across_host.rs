@@ -87,6 +87,8 @@ fn refit_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
     for (commit, verify) in cases {
         let options = ExecOptions { commit, verify, ..ExecOptions::default() };
         let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
+        // The host backend's IPC writes with process_vm_writev: the sender quantizes into its buffer.
+        assert_eq!(executor.remote_totals().unwrap().quantized_straight_bytes, 0, "rank {rank}");
         for step in 0..2 {
             let at = format!("rank {rank} ipc {ipc} {commit:?} verify {verify} step {step}");
             received.iter_mut().for_each(Received::poison);

@@ -699,6 +699,11 @@ impl Executor {
     }
 
     /// Staging bytes allocated for the step, summed over the receiving devices (0: direct commit).
+    /// What the routes between processes amount to (an executor made with a communicator).
+    pub fn remote_totals(&self) -> Option<&RemoteTotals> {
+        self.remote.as_ref().map(|r| &r.totals)
+    }
+
     pub fn staging_bytes(&self) -> u64 {
         self.staging_bytes
     }
@@ -837,7 +842,7 @@ impl Executor {
         }
         stats.verified = self.options.verify && checked && stats.verified_bytes > 0;
         stats.quantized_elements =
-            self.quantizing.elements_at(When::Send) + self.quantizing.elements_at(When::Run);
+            [When::Send, When::Straight, When::Run].map(|w| self.quantizing.elements_at(w)).iter().sum();
         self.finish("run", stats, started, prepare_ns, log, implicit)
     }
 
@@ -896,16 +901,21 @@ impl Executor {
     /// Queues the routes between processes, after the codes and scales this process quantizes for
     /// others (and, with verify, their check) on the same stream.
     fn queue_remote(&self, group: &Group, remote: &Remote, log: &mut CallLog) -> Result<()> {
-        if self.quantizing.has(When::Send) {
-            let hook = || self.options.call_hook(Stage::QuantVerify, group);
-            // SAFETY: the caller's promise on the plan's memory; the send buffer is ours.
-            unsafe { self.quantizing.queue(group, When::Send, hook) }?;
-            if self.options.verify {
-                log.quant_verified += log.waiting(|| self.quantizing.read_checks(group, When::Send))?;
+        let mut quantize = |when: When| -> Result<()> {
+            if self.quantizing.has(when) {
+                let hook = || self.options.call_hook(Stage::QuantVerify, group);
+                // SAFETY: the caller's promise on the plan's memory (and the peers' on theirs); the
+                // send buffer is ours.
+                unsafe { self.quantizing.queue(group, when, hook) }?;
+                if self.options.verify {
+                    log.quant_verified += log.waiting(|| self.quantizing.read_checks(group, when))?;
+                }
             }
-        }
+            Ok(())
+        };
+        quantize(When::Send)?;
         // SAFETY: the caller's promise on the plan's memory; the landing is ours.
-        unsafe { remote.run(group) }
+        unsafe { remote.run(group, || quantize(When::Straight)) }
     }
 
     /// Queues slice `k`'s copies, then (when asked) each copy's verify after it on the same stream:

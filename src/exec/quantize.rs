@@ -25,8 +25,12 @@ use std::sync::Arc;
 /// When a group of jobs runs.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub(super) enum When {
-    /// At the start of every run, before the routes between processes (the sender path).
+    /// At the start of every run, before the routes between processes (the sender path, into its
+    /// send buffer).
     Send,
+    /// Within the routes between processes, with the IPC writes (the sender path, straight into the
+    /// receiver's memory).
+    Straight,
     /// At the end of every run, after its copies.
     Run,
     /// At the commit, after the installs (staged commit).
@@ -101,12 +105,20 @@ impl Quantizing {
         }
         let routes: Vec<_> = mine.filter(|r| r.path != QuantPath::Sender).collect();
         let mut gathered: Vec<(Gathering, Vec<QuantJob>, Vec<Label>)> = Vec::new();
-        if let Some((rank, sent)) = outgoing.filter(|(_, o)| !o.jobs.is_empty()) {
+        if let Some((rank, sent)) = outgoing {
             let device = group.device(rank)?;
-            for (job, (tensor, _)) in sent.jobs.iter().zip(&sent.labels) {
-                check_memory(group.backend().as_ref(), device, tensor, std::slice::from_ref(job))?;
+            let ways = [
+                (When::Send, &sent.buffered, &sent.buffered_labels),
+                (When::Straight, &sent.straight, &sent.straight_labels),
+            ];
+            for (when, jobs, labels) in ways.into_iter().filter(|(_, jobs, _)| !jobs.is_empty()) {
+                // The straight jobs' codes and scales are another process's memory, opened here.
+                let what = if when == When::Straight { Regions::Sources } else { Regions::All };
+                for (job, (tensor, _)) in jobs.iter().zip(labels) {
+                    check_memory(group.backend().as_ref(), device, tensor, std::slice::from_ref(job), what)?;
+                }
+                gathered.push(((rank, when, true), jobs.clone(), labels.clone()));
             }
-            gathered.push(((rank, When::Send, true), sent.jobs.clone(), sent.labels.clone()));
         }
         for route in &routes {
             let runner = rank_of(group, route.runner)?;
@@ -122,7 +134,7 @@ impl Quantizing {
                 );
             }
             let device = group.device(runner)?;
-            check_memory(group.backend().as_ref(), device, &route.name(), &route.jobs)?;
+            check_memory(group.backend().as_ref(), device, &route.name(), &route.jobs, Regions::All)?;
         }
         // Each runner's jobs at each point of the step, in place or not, gathered over the routes,
         // then prepared.
@@ -319,12 +331,26 @@ fn check_apart(jobs: &[QuantJob], flows: &[RankFlow]) -> Result<()> {
     })
 }
 
-/// INVALID_ARGUMENT unless every byte the jobs read or write is memory `device` can use.
-fn check_memory(backend: &dyn Backend, device: i32, tensor: &str, jobs: &[QuantJob]) -> Result<()> {
-    let regions: Vec<Segment> = jobs.iter().flat_map(QuantJob::regions).collect();
+/// Which of a job's regions [`check_memory`] checks.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Regions {
+    All,
+    Sources,
+}
+
+/// INVALID_ARGUMENT unless every byte the jobs read or write (`what`) is memory `device` can use.
+fn check_memory(
+    backend: &dyn Backend,
+    device: i32,
+    tensor: &str,
+    jobs: &[QuantJob],
+    what: Regions,
+) -> Result<()> {
+    let per_job = if what == Regions::All { 3 } else { 1 };
+    let regions: Vec<Segment> = jobs.iter().flat_map(|j| j.regions().into_iter().take(per_job)).collect();
     let owners = |_| (None, Some(device));
     let Some(bad) = first_unusable(backend, &regions, owners, true)? else { return Ok(()) };
-    let what = ["source", "codes", "scales"][bad.segment % 3];
+    let what = ["source", "codes", "scales"][bad.segment % per_job];
     let (addr, len) = bad.range;
     crate::bail!(
         Status::InvalidArgument,

@@ -34,7 +34,7 @@
 
 use super::flows::rank_of;
 use super::options::{CommitMode, ExecOptions, Stage};
-use super::sender::{incoming, Outgoing};
+use super::sender::{self, incoming, Outgoing};
 use crate::bail;
 use crate::error::{try_vec, Error, Result, Status};
 use crate::group::Group;
@@ -62,6 +62,9 @@ pub struct RemoteTotals {
     pub ipc_bytes: u64,
     /// Payload bytes sent through staging over the communicator: the bytes on the wire.
     pub wire_bytes: u64,
+    /// Of `ipc_bytes`: codes and scales that this process's quantizing kernel writes straight into
+    /// the receivers' memory (the sender path without a send buffer).
+    pub quantized_straight_bytes: u64,
     /// Peers exchanged with (either way) through IPC, and through staging.
     pub ipc_peers: u32,
     pub staged_peers: u32,
@@ -97,9 +100,12 @@ pub(crate) struct Remote {
     /// Dropped before `landing` and `outgoing` (fields drop in order): it drains the streams that
     /// write and read there.
     exchange: StagedExchange,
-    /// What this process quantizes for others: the jobs (queued by the executor before [`Remote::run`])
-    /// and the send buffer they write.
+    /// What this process quantizes for others: the jobs (queued by the executor, before
+    /// [`Remote::run`] or within it) and the send buffer.
     outgoing: Outgoing,
+    /// The peers' memory the straight jobs write into, kept open for them (the batches of the
+    /// other IPC writes hold theirs).
+    _opened_for_straight: Vec<Arc<ipc::Opened>>,
     /// Staged commit: where bytes from other processes land (held for its drop), and the installs
     /// from there.
     _landing: Option<LandingBuffer>,
@@ -135,8 +141,9 @@ impl Drop for LandingBuffer {
     }
 }
 
-/// `segments` with their destinations packed from `base` in order (run after run), and the
-/// installs from there into the original destinations.
+/// `segments` with their destinations packed from `base` (16-byte aligned) in order, run after run,
+/// each segment from a 16-byte boundary (where a sender's quantizing kernel may write its codes and
+/// scales itself), and the installs from there into the original destinations.
 fn landed(segments: &[Segment], base: u64) -> (Vec<Segment>, Vec<Segment>) {
     let mut at = base;
     let mut into = Vec::with_capacity(segments.len());
@@ -145,9 +152,14 @@ fn landed(segments: &[Segment], base: u64) -> (Vec<Segment>, Vec<Segment>) {
         let packed = [s.len, s.len * s.count[0]];
         into.push(Segment { dst: at, dst_stride: packed, ..*s });
         out.push(Segment { src: at, src_stride: packed, ..*s });
-        at += s.bytes().unwrap_or(0);
+        at += s.bytes().unwrap_or(0).next_multiple_of(16);
     }
     (into, out)
+}
+
+/// Bytes [`landed`] lays `segments` out in.
+fn landed_size(segments: &[Segment]) -> u64 {
+    segments.iter().map(|s| s.bytes().unwrap_or(0).next_multiple_of(16)).sum()
 }
 
 /// Bytes of `segments`.
@@ -207,10 +219,15 @@ impl Remote {
             into.entry(peer as usize).or_default().extend(route.segments.iter().filter(|s| s.runs() > 0));
         }
         let backend = Arc::clone(group.backend());
-        // Codes and scales quantized by the sender, after the pair's plain routes at both ends.
-        let outgoing = Outgoing::new(&backend, plan, here, device)?;
+        // Codes and scales quantized by the sender, after the pair's plain routes at both ends (their
+        // sources in this process are set once it is known how each pair takes them).
+        let quantized_there = sender::outgoing(plan, here)?;
+        let plain_sends: BTreeMap<usize, usize> =
+            quantized_there.keys().map(|&peer| (peer, sends.get(&peer).map_or(0, Vec::len))).collect();
         let quantized_here = incoming(plan, here)?;
-        for (lists, into) in [(&outgoing.sends, &mut sends), (&quantized_here, &mut recvs)] {
+        let quantized_sends: BTreeMap<usize, Vec<Segment>> =
+            quantized_there.iter().map(|(&peer, planned)| (peer, planned.segments())).collect();
+        for (lists, into) in [(&quantized_sends, &mut sends), (&quantized_here, &mut recvs)] {
             for (&peer, segments) in lists {
                 if peer >= comm.size() {
                     bail!(
@@ -219,7 +236,7 @@ impl Remote {
                         comm.size()
                     );
                 }
-                into.entry(peer).or_default().extend(segments.iter().filter(|s| s.runs() > 0));
+                into.entry(peer).or_default().extend_from_slice(segments);
             }
         }
         if comm.kind() == BackendKind::Cuda && backend.kind() == BackendKind::Host {
@@ -231,7 +248,7 @@ impl Remote {
         let staged_commit = options.commit == CommitMode::Staged;
         // Where each sender's bytes land here: the live buffers (direct), or its region of the
         // landing buffer (staged commit). Senders learn their region's address.
-        let received: u64 = recvs.values().map(|s| bytes(s)).sum();
+        let received: u64 = recvs.values().map(|s| landed_size(s)).sum();
         let landing = if staged_commit && received > 0 {
             let size = usize::try_from(received + 16)
                 .map_err(|_| Error::new(Status::OutOfMemory, "landing larger than the address space"))?;
@@ -250,7 +267,7 @@ impl Remote {
                 Some(base) => {
                     let (into, out) = landed(segments, base);
                     installs.extend(out);
-                    at = Some(base + bytes(segments));
+                    at = Some(base + landed_size(segments));
                     bases.extend_from_slice(&(peer as u64).to_le_bytes());
                     bases.extend_from_slice(&base.to_le_bytes());
                     into
@@ -266,7 +283,7 @@ impl Remote {
                 (word(&e[..8]) == process as u64).then(|| word(&e[8..]))
             })
         };
-        let sent: BTreeMap<usize, Vec<Segment>> = sends
+        let mut sent: BTreeMap<usize, Vec<Segment>> = sends
             .iter()
             .map(|(&peer, segments)| {
                 let target = match landing_for(peer) {
@@ -289,6 +306,43 @@ impl Remote {
         let writers: Vec<usize> = recvs.keys().copied().collect();
         let owners: Vec<usize> = sends.keys().copied().collect();
         let peers = ipc::connect(&comm, backend.kind(), device, &mine, &writers, &owners)?;
+
+        // Codes and scales for other processes: straight into the receiver's memory where CUDA IPC
+        // opened it and the kernel can write there, else through the send buffer, whose addresses
+        // become the sources of those segments.
+        let mut outgoing = Outgoing::default();
+        let mut opened_for_straight = Vec::new();
+        let mut through_buffer: Vec<(usize, &sender::Planned)> = Vec::new();
+        for (&peer, planned) in &quantized_there {
+            let opened = peers.opened.get(&peer).filter(|_| backend.kind() == BackendKind::Cuda);
+            match opened
+                .and_then(|o| Some((o, sender::straight(o, planned, &sent[&peer][plain_sends[&peer]..])?)))
+            {
+                Some((opened, jobs)) => {
+                    totals.quantized_straight_bytes += bytes(&sent[&peer][plain_sends[&peer]..]);
+                    opened_for_straight.push(Arc::clone(opened));
+                    outgoing.straight.extend(jobs);
+                    outgoing.straight_labels.extend_from_slice(&planned.labels);
+                }
+                None => through_buffer.push((peer, planned)),
+            }
+        }
+        let lists: Vec<&sender::Planned> = through_buffer.iter().map(|&(_, p)| p).collect();
+        let mut from_buffer = outgoing.buffer(&backend, device, &lists)?.into_iter();
+        for &(peer, planned) in &through_buffer {
+            let first = plain_sends[&peer];
+            let pairs = first..first + 2 * planned.jobs.len();
+            for (k, buffered) in pairs.zip(from_buffer.by_ref()) {
+                sends.get_mut(&peer).expect("listed above")[k].src = buffered.src;
+                sent.get_mut(&peer).expect("listed above")[k].src = buffered.src;
+            }
+        }
+        let straight: Vec<usize> = quantized_there
+            .keys()
+            .copied()
+            .filter(|peer| through_buffer.iter().all(|&(p, _)| p != *peer))
+            .collect();
+
         let (mut staged_sends, mut staged_recvs) = (Vec::new(), Vec::new());
         let (mut records, mut checks) = (Vec::new(), Vec::new());
         for (&peer, planned) in &sends {
@@ -296,11 +350,16 @@ impl Remote {
             totals.sent_segments += planned.len() as u64;
             match peers.opened.get(&peer) {
                 Some(opened) => {
-                    let batch = opened.prepare_writes(&sent[&peer], options.verify)?;
-                    let verify = if options.verify { Some(batch.verify_destinations()?) } else { None };
+                    // The quantizing kernel writes (and verifies) the codes and scales of a pair it
+                    // takes straight; the batch, the rest.
+                    let copied = if straight.contains(&peer) { plain_sends[&peer] } else { planned.len() };
                     totals.ipc_bytes += bytes(planned);
-                    totals.verified_bytes += if options.verify { bytes(planned) } else { 0 };
-                    writes.push(Write { peer, batch, verify, planned: planned.clone() });
+                    if copied > 0 {
+                        let batch = opened.prepare_writes(&sent[&peer][..copied], options.verify)?;
+                        let verify = if options.verify { Some(batch.verify_destinations()?) } else { None };
+                        totals.verified_bytes += if options.verify { bytes(&planned[..copied]) } else { 0 };
+                        writes.push(Write { peer, batch, verify, planned: planned[..copied].to_vec() });
+                    }
                 }
                 None => {
                     totals.wire_bytes += bytes(planned);
@@ -399,6 +458,7 @@ impl Remote {
             writes,
             exchange,
             outgoing,
+            _opened_for_straight: opened_for_straight,
             _landing: landing,
             installs,
             handshake,
@@ -426,19 +486,21 @@ impl Remote {
     }
 
     /// Queues this process's part of the routes between processes on its rank's group stream, after
-    /// the work queued there so far (see the module docs for the meetings IPC needs).
+    /// the work queued there so far (see the module docs for the meetings IPC needs). `write_straight`
+    /// queues the quantizing that writes into other processes' memory ([`Outgoing::straight`]) on
+    /// that stream, once the peers' buffers may be written.
     ///
     /// # Safety
     /// Every address of the routes (sources here, destinations here or in the peers) is live memory
     /// until the work has run.
-    pub unsafe fn run(&self, group: &Group) -> Result<()> {
+    pub unsafe fn run(&self, group: &Group, write_straight: impl FnOnce() -> Result<()>) -> Result<()> {
         self.comm.check()?;
         let stream = group.stream(self.rank)?;
         if self.handshake {
             self.backend.sync_stream(self.device, stream)?;
             self.comm.allgather_bytes(b"refit: ready for writes")?;
         }
-        let mut queued = Ok(());
+        let mut queued = write_straight();
         for write in &self.writes {
             queued = queued.and_then(|()| write.batch.launch(stream));
             if let Some(verify) = &write.verify {
@@ -597,22 +659,25 @@ mod tests {
     use super::*;
 
     #[test]
-    fn landing_packs_each_segment_and_installs_it_back() {
+    fn landing_packs_each_segment_from_16_bytes_and_installs_it_back() {
         let s =
             Segment { src: 100, dst: 5000, len: 3, count: [2, 2], src_stride: [4, 10], dst_stride: [7, 30] };
         let t = Segment::contiguous(200, 9000, 5);
         let (into, out) = landed(&[s, t], 1 << 20);
         assert_eq!(into[0], Segment { dst: 1 << 20, dst_stride: [3, 6], ..s });
-        assert_eq!(into[1], Segment { dst: (1 << 20) + 12, dst_stride: [5, 5], ..t });
+        // Each segment from a 16-byte boundary: the first's 12 bytes, then 4 of padding.
+        assert_eq!(into[1], Segment { dst: (1 << 20) + 16, dst_stride: [5, 5], ..t });
         assert_eq!(out[0], Segment { src: 1 << 20, src_stride: [3, 6], ..s });
         assert_eq!(out[1].dst, 9000);
-        // Every byte lands exactly once, densely.
+        assert_eq!(landed_size(&[s, t]), 32);
+        // Every byte lands exactly once, each segment's densely.
         let mut landed_bytes = Vec::new();
         for seg in &into {
             seg.for_each_run(|_, dst, len| landed_bytes.extend(dst..dst + len));
         }
         landed_bytes.sort_unstable();
-        assert_eq!(landed_bytes, ((1 << 20)..(1 << 20) + 17).collect::<Vec<u64>>());
+        let base = 1u64 << 20;
+        assert_eq!(landed_bytes, (base..base + 12).chain(base + 16..base + 21).collect::<Vec<u64>>());
     }
 
     #[test]

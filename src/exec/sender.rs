@@ -1,96 +1,75 @@
 //! The sender path of quantized needs (`plan::QuantPath::Sender`): this process quantizes sources it
-//! offers, for receivers in other processes, into a send buffer of its own, and the codes and
-//! scales cross from there as any bytes between processes do (`remote`): through CUDA IPC or the
-//! staged exchange, into the landing under staged commit, checked under verify. One byte per
-//! element crosses instead of two, and nothing new is asked of the transports.
+//! offers for receivers in other processes, and one byte per element crosses instead of two. Two
+//! ways, per receiving process:
 //!
-//! Both ends lay the send buffer out from the same jobs ([`pack`]), so a receiver knows where each
-//! of its codes and scales comes from without being told, and the segments of a pair of processes
-//! line up in the order of the plan's quantized routes.
+//! - **straight**: through CUDA IPC, the quantizing kernel writes the codes and scales into the
+//!   receiver's memory itself (its live buffers, or its landing under staged commit), between the
+//!   meetings that bracket every IPC write; verify quantizes again and compares through the mapping.
+//! - **buffered**: otherwise (the staged exchange over NCCL, the host backend's simulated IPC, or
+//!   places the kernel cannot write as they are), it quantizes into a send buffer of its own, and
+//!   the codes and scales cross from there as any bytes between processes do (`remote`).
+//!
+//! Either way the pair's segments include the codes and scales, after the plain routes', in the
+//! order of the plan's quantized routes: both ends lay them out from the same jobs ([`pack`]), so a
+//! receiver knows where each arrives without being told how it was sent.
 
 use super::quantize::{allocate_packed, pack, Label};
 use crate::bail;
-use crate::error::Result;
+use crate::error::{Result, Status};
 use crate::plan::{Endpoint, Plan, QuantPath, QuantRoute};
-use crate::quant::QuantJob;
+use crate::quant::{check_jobs, QuantJob};
 use crate::segment::Segment;
+use crate::transport::ipc::Opened;
 use crate::transport::Backend;
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// What this process quantizes for others.
+/// Where the segments of codes and scales that a receiver lays out appear to come from: any
+/// nonzero address serves, since their sources are only read where they are sent from.
+pub(super) const ELSEWHERE: u64 = 16;
+
+/// The sender-path jobs of one receiving process, as planned (codes and scales at the receiver's
+/// addresses), in plan order, with their tensors and receiving devices.
 #[derive(Default)]
-pub(super) struct Outgoing {
-    /// The jobs, pointed at the send buffer (in the order of the plan's routes), and for each its
-    /// tensor and receiving device (for messages).
+pub(super) struct Planned {
     pub jobs: Vec<QuantJob>,
     pub labels: Vec<Label>,
-    /// By receiving process: the segments from the send buffer into its codes and scales.
-    pub sends: BTreeMap<usize, Vec<Segment>>,
-    /// The send buffer, freed on drop (after the routes reading it have drained: its owner drops
-    /// it after the exchange).
-    buffer: Option<(Arc<dyn Backend>, i32, u64)>,
 }
 
-/// Where a receiver's sender-path jobs appear to come from: any nonzero address serves, since the
-/// receiver never reads a sender's memory; the sender's own layout gives the same segments but for it.
-const ELSEWHERE: u64 = 16;
-
-impl Outgoing {
-    /// The sender-path routes of `plan` that `here` (the communicator's device of `process`) runs,
-    /// laid out in a send buffer allocated on `device`. UNSUPPORTED when such a route's sources are
-    /// on another device of this process: bytes between processes leave from the communicator's.
-    pub fn new(backend: &Arc<dyn Backend>, plan: &Plan, here: Endpoint, device: i32) -> Result<Outgoing> {
-        let routes: Vec<&QuantRoute> = plan
-            .quant_routes()
-            .iter()
-            .filter(|r| r.path == QuantPath::Sender && r.runner.process == here.process)
-            .collect();
-        if routes.is_empty() {
-            return Ok(Outgoing::default());
-        }
-        for route in &routes {
-            if route.runner != here {
-                bail!(
-                    crate::error::Status::Unsupported,
-                    "quantized need of tensor '{}' on process {}: its sources on device {} of process {} are \
-                     quantized for another process, which happens on the communicator's device ({})",
-                    route.name(),
-                    route.receiver.process,
-                    route.runner.device,
-                    here.process,
-                    here.device
-                );
-            }
-        }
-        let all: Vec<QuantJob> = routes.iter().flat_map(|r| r.jobs.iter().copied()).collect();
-        let allocation =
-            allocate_packed(backend.as_ref(), device, &all, "the buffer of codes and scales sent")?;
-        let mut out = Outgoing::default();
-        out.buffer = Some((Arc::clone(backend), device, allocation));
-        let (jobs, segments) = pack(&all, allocation.next_multiple_of(16));
-        let mut pairs = segments.chunks_exact(2);
-        for route in &routes {
-            let sends = out.sends.entry(route.receiver.process as usize).or_default();
-            for pair in pairs.by_ref().take(route.jobs.len()) {
-                sends.extend_from_slice(pair);
-            }
-            out.labels.extend(std::iter::repeat_n(label(route), route.jobs.len()));
-        }
-        out.jobs = jobs;
-        Ok(out)
+impl Planned {
+    /// The segments of their codes and scales, two per job, sources at [`ELSEWHERE`].
+    pub fn segments(&self) -> Vec<Segment> {
+        pack(&self.jobs, ELSEWHERE).1
     }
 }
 
-impl Drop for Outgoing {
-    fn drop(&mut self) {
-        if let Some((backend, device, allocation)) = self.buffer.take() {
-            // SAFETY: ours; the work reading and writing it has drained.
-            if let Err(err) = unsafe { backend.free(device, allocation) } {
-                log::warn!("freeing the buffer of codes and scales sent: {err}");
-            }
+/// By receiving process: the sender-path routes of `plan` that `here` (the communicator's device of
+/// its process) runs. UNSUPPORTED when such a route's sources are on another device of this
+/// process: bytes between processes leave from the communicator's.
+pub(super) fn outgoing(plan: &Plan, here: Endpoint) -> Result<BTreeMap<usize, Planned>> {
+    let mut out: BTreeMap<usize, Planned> = BTreeMap::new();
+    let routes = plan
+        .quant_routes()
+        .iter()
+        .filter(|r| r.path == QuantPath::Sender && r.runner.process == here.process);
+    for route in routes {
+        if route.runner != here {
+            bail!(
+                Status::Unsupported,
+                "quantized need of tensor '{}' on process {}: its sources on device {} of process {} are \
+                 quantized for another process, which happens on the communicator's device ({})",
+                route.name(),
+                route.receiver.process,
+                route.runner.device,
+                here.process,
+                here.device
+            );
         }
+        let planned = out.entry(route.receiver.process as usize).or_default();
+        planned.jobs.extend_from_slice(&route.jobs);
+        planned.labels.extend(std::iter::repeat_n(label(route), route.jobs.len()));
     }
+    Ok(out)
 }
 
 /// By sending process: the segments of the codes and scales other processes quantize for `here`
@@ -105,7 +84,7 @@ pub(super) fn incoming(plan: &Plan, here: Endpoint) -> Result<BTreeMap<usize, Ve
     for route in routes {
         if route.receiver != here {
             bail!(
-                crate::error::Status::Unsupported,
+                Status::Unsupported,
                 "quantized need of tensor '{}' on device {}: its codes and scales are quantized in process {}, \
                  and bytes from other processes arrive at the communicator's device ({})",
                 route.name(),
@@ -118,6 +97,79 @@ pub(super) fn incoming(plan: &Plan, here: Endpoint) -> Result<BTreeMap<usize, Ve
         out.entry(route.runner.process as usize).or_default().extend(segments);
     }
     Ok(out)
+}
+
+/// `planned`'s jobs writing straight into the peer's memory opened through CUDA IPC: each job's
+/// codes and scales where `landed` (its two segments, as the receiver lays them out: live buffers
+/// or landing) puts them, translated. None where a place is not in the opened memory or is not one
+/// the kernel writes (alignment): those jobs go through the send buffer.
+pub(super) fn straight(opened: &Opened, planned: &Planned, landed: &[Segment]) -> Option<Vec<QuantJob>> {
+    let jobs: Option<Vec<QuantJob>> = planned
+        .jobs
+        .iter()
+        .zip(landed.chunks_exact(2))
+        .map(|(job, pair)| {
+            let (codes, scales) =
+                (opened.translate_destination(&pair[0]).ok()?, opened.translate_destination(&pair[1]).ok()?);
+            let scale_size = job.quantization.scale_kind().size();
+            Some(QuantJob {
+                dst: codes.dst,
+                dst_stride: codes.dst_stride[0],
+                scales: scales.dst,
+                scale_stride: scales.dst_stride[0] / scale_size,
+                ..*job
+            })
+        })
+        .collect();
+    jobs.filter(|jobs| jobs.len() == planned.jobs.len() && check_jobs(jobs).is_ok())
+}
+
+/// What this process quantizes for others, as it runs.
+#[derive(Default)]
+pub(super) struct Outgoing {
+    /// Jobs into the send buffer (run before the routes between processes), with their labels.
+    pub buffered: Vec<QuantJob>,
+    pub buffered_labels: Vec<Label>,
+    /// Jobs into receivers' memory through CUDA IPC (run with the IPC writes), with their labels.
+    pub straight: Vec<QuantJob>,
+    pub straight_labels: Vec<Label>,
+    /// The send buffer, freed on drop (its owner drops it after the routes reading it drained).
+    buffer: Option<(Arc<dyn Backend>, i32, u64)>,
+}
+
+impl Outgoing {
+    /// Lays `planned` (the jobs of the receivers that take them buffered, in order) out in a send
+    /// buffer allocated on `device`; returns the segments from there into the receivers' codes and
+    /// scales, two per job, in the same order.
+    pub fn buffer(
+        &mut self,
+        backend: &Arc<dyn Backend>,
+        device: i32,
+        planned: &[&Planned],
+    ) -> Result<Vec<Segment>> {
+        let jobs: Vec<QuantJob> = planned.iter().flat_map(|p| p.jobs.iter().copied()).collect();
+        if jobs.is_empty() {
+            return Ok(Vec::new());
+        }
+        let allocation =
+            allocate_packed(backend.as_ref(), device, &jobs, "the buffer of codes and scales sent")?;
+        self.buffer = Some((Arc::clone(backend), device, allocation));
+        let (into, segments) = pack(&jobs, allocation.next_multiple_of(16));
+        self.buffered = into;
+        self.buffered_labels = planned.iter().flat_map(|p| p.labels.iter().cloned()).collect();
+        Ok(segments)
+    }
+}
+
+impl Drop for Outgoing {
+    fn drop(&mut self) {
+        if let Some((backend, device, allocation)) = self.buffer.take() {
+            // SAFETY: ours; the work reading and writing it has drained.
+            if let Err(err) = unsafe { backend.free(device, allocation) } {
+                log::warn!("freeing the buffer of codes and scales sent: {err}");
+            }
+        }
+    }
 }
 
 /// A route's tensor and receiving device, for messages.

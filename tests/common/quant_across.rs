@@ -136,16 +136,22 @@ impl Across {
         2 * self.cols * if rank == 0 { self.rows - self.split } else { self.half }
     }
 
-    /// Bytes `rank` receives from the other process per step: codes and f32 scales of the sender
-    /// path, and bf16 of rows 0..split into process 1's staging.
-    pub fn crossing(&self, rank: usize) -> u64 {
+    /// Bytes of codes and f32 scales `rank` receives per step from the other process, which
+    /// quantizes them (the sender path).
+    pub fn quantized_crossing(&self, rank: usize) -> u64 {
         if rank == 0 {
             let rows = self.rows - self.split;
             rows * self.cols + rows * 4
         } else {
             let (grid_rows, grid_cols) = block(self.sender.0, self.sender.1).scale_grid(self.half, self.cols);
-            self.half * self.cols + grid_rows * grid_cols * 4 + self.split * self.cols * 2
+            self.half * self.cols + grid_rows * grid_cols * 4
         }
+    }
+
+    /// Bytes `rank` receives from the other process per step: the codes and scales of the sender
+    /// path, and bf16 of rows 0..split into process 1's staging.
+    pub fn crossing(&self, rank: usize) -> u64 {
+        self.quantized_crossing(rank) + if rank == 0 { 0 } else { self.split * self.cols * 2 }
     }
 
     /// Elements `rank` quantizes per step: in place, for the other process, and from its staging.
