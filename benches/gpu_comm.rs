@@ -16,20 +16,20 @@
 //! against its known value. Prints a markdown table; writes `$REFIT_BENCH_RESULTS/gpu_comm.json`
 //! (default `benches/results/`).
 
+#[path = "processes_support/mod.rs"]
+mod processes_support;
+
+use processes_support::field;
 use refit::across::build_plan;
 use refit::exec::{ExecOptions, Executor};
 use refit::group::{Group, GroupOptions};
 use refit::plan::{self, Endpoint, PlanOptions};
 use refit::transport::comm::{CommId, CommOptions, Communicator};
 use refit::transport::cuda::cuda_backend;
-use refit::transport::{Backend, BackendKind};
+use refit::transport::Backend;
 use refit_workloads::{Megatron, Model, Packing, Role, Spec, Vllm, Workload};
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-const RANK: &str = "REFIT_BENCH_COMM_RANK";
-const ID: &str = "REFIT_BENCH_COMM_ID";
 
 fn env_number(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)
@@ -172,43 +172,18 @@ fn child(rank: usize, id: &CommId, layers: u64, steps: usize) {
     }
 }
 
-fn field(text: &str, name: &str) -> Option<f64> {
-    text.split_whitespace().find_map(|w| w.strip_prefix(name)?.strip_prefix('=')?.parse().ok())
-}
-
 fn main() {
     std::env::set_var("NCCL_NVLS_ENABLE", "0");
     let layers = env_number("REFIT_BENCH_LAYERS", 24);
     let steps = env_number("REFIT_BENCH_STEPS", 10).max(1) as usize;
-    if let (Ok(rank), Ok(id)) = (std::env::var(RANK), std::env::var(ID)) {
-        let bytes: Vec<u8> =
-            (0..id.len()).step_by(2).map(|i| u8::from_str_radix(&id[i..i + 2], 16).unwrap()).collect();
-        child(rank.parse().unwrap(), &CommId(bytes.try_into().unwrap()), layers, steps);
+    if let Some((rank, id)) = processes_support::child_role() {
+        child(rank, &id, layers, steps);
         return;
     }
     let device = cuda_backend().map(|b| b.device_name(0)).unwrap_or_else(|e| panic!("needs a GPU: {e}"));
     let (single_ms, bytes) = one_process(layers, steps);
-    let id = Communicator::unique_id(BackendKind::Host).unwrap();
-    let hex: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
     // Both processes run at once: they meet on the communicator.
-    let running: Vec<_> = (0..2)
-        .map(|rank| {
-            Command::new(std::env::current_exe().unwrap())
-                .env(RANK, rank.to_string())
-                .env(ID, &hex)
-                .stdout(std::process::Stdio::piped())
-                .spawn()
-                .expect("a child process starts")
-        })
-        .collect();
-    let outputs: Vec<String> = running
-        .into_iter()
-        .map(|c| {
-            let out = c.wait_with_output().expect("a child process ends");
-            assert!(out.status.success(), "a child process failed: {}", out.status);
-            String::from_utf8_lossy(&out.stdout).into_owned()
-        })
-        .collect();
+    let outputs = processes_support::run_two();
     let ipc_ms = field(&outputs[0], "ipc_ms").expect("process 0 reports its time");
     let ipc_bytes = field(&outputs[0], "ipc_bytes").expect("process 0 reports its IPC bytes");
     let wire_bytes = field(&outputs[0], "wire_bytes").expect("process 0 reports its wire bytes");

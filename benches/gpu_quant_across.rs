@@ -19,6 +19,9 @@
 //! its own process (`Backend::quantize_batch`, whose kernel tests/gpu_quant.rs checks against the
 //! reference). Prints a markdown table; writes `$REFIT_BENCH_RESULTS/gpu_quant_across.json`.
 
+#[path = "processes_support/mod.rs"]
+mod processes_support;
+
 use refit::across::build_plan;
 use refit::exec::{ExecOptions, Executor, RunStats};
 use refit::group::{BackendChoice, Group, GroupOptions};
@@ -26,14 +29,11 @@ use refit::plan::{Endpoint, Need, Offer, PlanOptions, QuantNeed, QuantPath, Regi
 use refit::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
 use refit::transport::comm::{CommId, CommOptions, Communicator};
 use refit::transport::cuda::cuda_backend;
-use refit::transport::{Backend, BackendKind, Stream};
+use refit::transport::{Backend, Stream};
 use refit::Segment;
-use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-const RANK: &str = "REFIT_BENCH_QUANT_RANK";
-const ID: &str = "REFIT_BENCH_QUANT_ID";
 const COLS: u64 = 8192;
 const BLOCK: Quantization =
     Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } };
@@ -255,45 +255,23 @@ fn child(rank: usize, id: &CommId, rows: u64, steps: usize) {
     println!("{line}");
 }
 
-fn field(text: &str, name: &str) -> f64 {
-    text.split_whitespace()
-        .find_map(|w| w.strip_prefix(name)?.strip_prefix('=')?.parse().ok())
-        .unwrap_or_else(|| panic!("a child reports {name}: {text}"))
+/// A child's report `name=value`, which it must have made.
+fn reported(text: &str, name: &str) -> f64 {
+    processes_support::field(text, name).unwrap_or_else(|| panic!("a child reports {name}: {text}"))
 }
 
 fn main() {
     std::env::set_var("NCCL_NVLS_ENABLE", "0");
     let rows = env_number("REFIT_BENCH_ROWS", 65536);
     let steps = env_number("REFIT_BENCH_STEPS", 10).max(1) as usize;
-    if let (Ok(rank), Ok(id)) = (std::env::var(RANK), std::env::var(ID)) {
-        let bytes: Vec<u8> =
-            (0..id.len()).step_by(2).map(|i| u8::from_str_radix(&id[i..i + 2], 16).unwrap()).collect();
-        child(rank.parse().unwrap(), &CommId(bytes.try_into().unwrap()), rows, steps);
+    if let Some((rank, id)) = processes_support::child_role() {
+        child(rank, &id, rows, steps);
         return;
     }
     let device = cuda_backend().map(|b| b.device_name(0)).unwrap_or_else(|e| panic!("needs a GPU: {e}"));
-    let id = Communicator::unique_id(BackendKind::Host).unwrap();
-    let hex: String = id.0.iter().map(|b| format!("{b:02x}")).collect();
-    let running: Vec<_> = (0..2)
-        .map(|rank| {
-            Command::new(std::env::current_exe().unwrap())
-                .env(RANK, rank.to_string())
-                .env(ID, &hex)
-                .stdout(std::process::Stdio::piped())
-                .spawn()
-                .expect("a child process starts")
-        })
-        .collect();
-    let outputs: Vec<String> = running
-        .into_iter()
-        .map(|c| {
-            let out = c.wait_with_output().expect("a child process ends");
-            assert!(out.status.success(), "a child process failed: {}", out.status);
-            String::from_utf8_lossy(&out.stdout).into_owned()
-        })
-        .collect();
+    let outputs = processes_support::run_two();
     let elements = rows * COLS;
-    let copy_ms = field(&outputs[0], "copy_ms");
+    let copy_ms = reported(&outputs[0], "copy_ms");
     // The copy engine moved 2 bytes per element each way: its rate in bytes of traffic.
     let rate = 2.0 * 2.0 * elements as f64 / copy_ms;
     let bound_ms = 3.0 * elements as f64 / rate;
@@ -311,9 +289,9 @@ fn main() {
         ("bf16", "bf16 itself (a plain need)"),
     ] {
         let (ms, sent) =
-            (field(&outputs[0], &format!("{name}_ms")), field(&outputs[0], &format!("{name}_sent")));
-        let straight = field(&outputs[0], &format!("{name}_straight"));
-        let exact = field(&outputs[1], &format!("{name}_exact")) == 1.0;
+            (reported(&outputs[0], &format!("{name}_ms")), reported(&outputs[0], &format!("{name}_sent")));
+        let straight = reported(&outputs[0], &format!("{name}_straight"));
+        let exact = reported(&outputs[1], &format!("{name}_exact")) == 1.0;
         println!(
             "| {what} | {sent} | {straight} | {ms:.3} | {:.2} | {} |",
             bound_ms / ms,

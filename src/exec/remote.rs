@@ -20,9 +20,10 @@
 //! the communicator), once its streams have reached the step (so the receivers' buffers may be
 //! overwritten) and once the writes are done (so the receivers may read them).
 //!
-//! Codes and scales that this process quantizes for another (`super::sender`) are bytes it sends
-//! like any other, from its send buffer, after the plan's routes to that process; a receiver lays
-//! out what it gets from each sender the same way.
+//! Codes and scales that this process quantizes for another (`super::sender`) are segments of the
+//! pair like any other bytes, after the plan's routes between them, laid out alike at both ends.
+//! Through CUDA IPC the quantizing kernel writes them itself, between the meetings; otherwise they
+//! go from the sender's send buffer.
 //!
 //! Verify: the writer of IPC writes checks them through the opened memory (a recording copy, then a
 //! check of the destinations). Bytes through staging are checked end to end: the sender digests its
