@@ -367,6 +367,33 @@ fn two_receivers_on_two_devices_each_get_their_half() {
     assert!(top.differences(&values).is_empty() && bottom.differences(&values).is_empty());
 }
 
+#[test]
+fn replicas_in_other_processes_quantize_needs_in_turn() {
+    // Two data-parallel trainers (processes 1 and 2) each offer the whole tensor; process 0 receives
+    // each matrix as its own quantized need. The needs alternate between the trainers, each
+    // quantizing its share where it is offered (the sender path); one receiving process's replica
+    // would be preferred over both.
+    let values = tensor_values(16);
+    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let whole = Shard::new(&values, [0; 3], SHAPE);
+    let trainers = [Endpoint { process: 1, device: 0 }, Endpoint { process: 2, device: 0 }];
+    let matrices: Vec<Received> =
+        (0..SHAPE[0]).map(|m| Received::new([m, 0, 0], [1, SHAPE[1], SHAPE[2]], q, false)).collect();
+    let needs: Vec<(&Received, Endpoint)> = matrices.iter().map(|r| (r, DEV0)).collect();
+    let plan =
+        build(&table(&[(whole, trainers[0]), (Shard::new(&values, [0; 3], SHAPE), trainers[1])], &needs))
+            .unwrap();
+    let runners: Vec<u32> = plan.quant_routes().iter().map(|r| r.runner.process).collect();
+    assert!(plan.quant_routes().iter().all(|r| r.path == QuantPath::Sender));
+    let expected: Vec<u32> = (0..SHAPE[0] as u32).map(|m| 1 + m % 2).collect();
+    assert_eq!(runners, expected);
+    // A replica in the receiver's own process takes every need in place.
+    let local = Shard::new(&values, [0; 3], SHAPE);
+    let shards = [(Shard::new(&values, [0; 3], SHAPE), trainers[0]), (local, DEV1)];
+    let plan = build(&table(&shards, &needs)).unwrap();
+    assert!(plan.quant_routes().iter().all(|r| r.path == QuantPath::Direct && r.runner == DEV1));
+}
+
 fn fails<T>(result: refit::Result<T>, status: Status, words: &[&str]) {
     let Err(err) = result else { panic!("expected {status:?}, got success") };
     assert_eq!(err.status, status, "{}", err.message);
