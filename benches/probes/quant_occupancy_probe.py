@@ -79,6 +79,7 @@ def main():
     variants = [("as is", {}), ("narrow entry point", {}),
                 ("3 wide blocks per SM", {"QUANT_WIDE_MIN_BLOCKS": 3}),
                 ("5 wide blocks per SM", {"QUANT_WIDE_MIN_BLOCKS": 5}),
+                ("narrow, 5 blocks per SM", {"QUANT_NARROW_MIN_BLOCKS": 5}),
                 ("narrow, 6 blocks per SM", {"QUANT_NARROW_MIN_BLOCKS": 6})]
     only = os.environ.get("QUANT_PROBE_VARIANTS")  # names, comma-separated: e.g. for one run under ncu
     if only:
