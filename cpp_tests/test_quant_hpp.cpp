@@ -2,7 +2,8 @@
 // 128 x 128 block whose amax is 448 gets scale 1 and the elements' own codes; a bad job throws
 // refit::Error with its status and the library's message. Then the same block as a quantized need
 // (refit::Table::add_quantized_need) through a plan and an executor: the plan says it is quantized in
-// place, and the codes equal quantize_batch's; a bad need throws.
+// place, and the codes equal quantize_batch's; a bad need throws; offered by another process, it
+// takes the sender path, which an executor without a communicator refuses.
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -83,6 +84,27 @@ int main() {
     threw = true;
     CHECK(e.status() == REFIT_STATUS_INVALID_ARGUMENT);
     CHECK(e.message().find("multiple of 8") != std::string::npos);
+  }
+  CHECK(threw);
+
+  // The same block offered by another process (rank 1): that process quantizes it (the sender
+  // path), and an executor without a communicator throws UNSUPPORTED naming the tensor.
+  refit::Table elsewhere;
+  uint32_t u = elsewhere.add_tensor("w", {128, 128}, 2);
+  elsewhere.add_offer(u, 1, 0, addr(source), {0, 0}, {128, 128});
+  need.reserved = 0;
+  elsewhere.add_quantized_need(u, 0, 0, addr(planned.data()), {0, 0}, {128, 128}, {128, 1}, need);
+  refit::Plan sent = refit::Plan::build({&elsewhere});
+  routes = sent.quant_routes();
+  CHECK(routes.size() == 1 && routes[0].path == REFIT_PATH_SENDER && routes[0].runner_rank == 1);
+  CHECK(sent.stats().quantized_sent_bytes == 2 * 128 * 128);
+  threw = false;
+  try {
+    refit::Executor across(sent, group);
+  } catch (const refit::Error &e) {
+    threw = true;
+    CHECK(e.status() == REFIT_STATUS_UNSUPPORTED);
+    CHECK(e.message().find("'w'") != std::string::npos);
   }
   CHECK(threw);
   CHECK_DONE();

@@ -2,7 +2,8 @@
  * shards on device 0, needed whole as e4m3 codes and 128 x 128 block scales on device 1, in place
  * (shards cut at row 128, a block boundary) and through the need's staging (cut at row 65), under
  * direct and staged commit with verify. Every code and scale equals refit_quantize_batch's over the
- * whole matrix (which test_quant.c checks against the header's arithmetic). Then every bad argument
+ * whole matrix (which test_quant.c checks against the header's arithmetic). The same shards in
+ * another process take the sender path, which needs a communicator. Then every bad argument
  * of refit_table_add_quantized_need gets its status and message. */
 #include <stdint.h>
 
@@ -64,6 +65,7 @@ static void refit_cut_at(refit_group *group, uint64_t cut, uint32_t commit, int 
   CHECK(stats.quantized_elements == ROWS * COLS);
   CHECK(stats.quantized_direct_bytes == (staged_path ? 0 : 2 * ROWS * COLS));
   CHECK(stats.quantized_staged_bytes == (staged_path ? 2 * ROWS * COLS : 0));
+  CHECK(stats.quantized_sent_bytes == 0);
   /* The plan says which path the need took and which device quantizes: both shards' device (0) in
    * place, the receiver (1) staged. */
   size_t routes = 0;
@@ -109,6 +111,40 @@ static void refit_cut_at(refit_group *group, uint64_t cut, uint32_t commit, int 
   refit_table_destroy(table);
 }
 
+/* The shards in another process (rank 1), blocks whole in each: that process quantizes them (the
+ * sender path), the plan says so, and an executor without a communicator refuses the plan, naming
+ * the tensor, since the codes would cross processes. */
+static void sender_path(refit_group *group) {
+  refit_table *table = NULL;
+  uint32_t t = 0;
+  CHECK_OK(refit_table_create(&table));
+  CHECK_OK(refit_table_add_tensor(table, "w", 1, 2, shape, 2, &t));
+  const uint64_t top_extent[2] = {128, COLS}, bottom_origin[2] = {128, 0}, bottom_extent[2] = {ROWS - 128, COLS};
+  CHECK_OK(refit_table_add_offer(table, t, 1, 0, addr(top), origin, top_extent, NULL, 2, NULL));
+  CHECK_OK(refit_table_add_offer(table, t, 1, 0, addr(bottom), bottom_origin, bottom_extent, NULL, 2, NULL));
+  refit_need_quantization q = block_quantization(0);
+  CHECK_OK(refit_table_add_quantized_need(table, t, 0, 1, addr(codes), origin, shape, code_strides, 2, &q));
+  refit_plan *plan = NULL;
+  const refit_table *tables[1] = {table};
+  CHECK_OK(refit_plan_build(tables, 1, NULL, &plan));
+  refit_plan_stats stats;
+  stats.size = sizeof stats;
+  CHECK_OK(refit_plan_get_stats(plan, &stats));
+  CHECK(stats.quantized_needs == 1 && stats.quantized_sent_bytes == 2 * ROWS * COLS);
+  CHECK(stats.quantized_direct_bytes == 0 && stats.quantized_staged_bytes == 0);
+  refit_quant_route_info info;
+  info.size = sizeof info;
+  CHECK_OK(refit_plan_quant_route(plan, 0, &info));
+  CHECK(info.path == REFIT_PATH_SENDER && info.runner_rank == 1 && info.receiver_rank == 0);
+  refit_executor *executor = (refit_executor *)0x1;
+  CHECK_STATUS(refit_executor_create(plan, group, 0, NULL, &executor), REFIT_STATUS_UNSUPPORTED);
+  CHECK(strstr(refit_last_error_message(), "'w'") != NULL);
+  CHECK(strstr(refit_last_error_message(), "communicator") != NULL);
+  CHECK(executor == (refit_executor *)0x1);
+  refit_plan_destroy(plan);
+  refit_table_destroy(table);
+}
+
 /* `q` changed by the caller, refused with `status` and a message containing `word`. */
 static void refused(refit_table *table, uint32_t t, const refit_need_quantization *q, const uint64_t *strides,
                     refit_status status, const char *word) {
@@ -147,6 +183,7 @@ int main(void) {
     refit_cut_at(group, 128, staged ? REFIT_COMMIT_STAGED : REFIT_COMMIT_DIRECT, 0);
     refit_cut_at(group, 65, staged ? REFIT_COMMIT_STAGED : REFIT_COMMIT_DIRECT, 1);
   }
+  sender_path(group);
 
   /* Bad arguments: each refused with its status, naming what is wrong; the table takes nothing. */
   refit_table *table = NULL;

@@ -1491,7 +1491,8 @@ refit_status refit_executor_options_init(refit_executor_options *options);
  * needs more than one slice, a segment with a zero address, an address that is not memory of its
  * device (above), a plan that is another process's share, a process the plan does not name: no route or receiver of the plan is in it,
  * and the plan is not its share; the message lists the plan's processes), NOT_FOUND (a plan device not in the group), UNSUPPORTED (a route between this
- * process and another: this executor moves bytes within one process; the kernel arm where a rank
+ * process and another, or a quantized need that another process quantizes for this one or this one
+ * for another (REFIT_PATH_SENDER): this executor moves bytes within one process; the kernel arm where a rank
  * has no direct access to its peer), OUT_OF_MEMORY (staging), NVRTC_UNAVAILABLE /
  * KERNEL_LOAD_FAILED (REFIT_ARM_KERNEL only: AUTO falls back to the copy engine), CUDA_ERROR.
  */

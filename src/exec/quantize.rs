@@ -2,7 +2,8 @@
 //! runner's group stream once every copy of the step has landed.
 //!
 //! - Sender path (`super::sender`): jobs quantizing for another process run at the start of every
-//!   run, into the send buffer, before the routes between processes carry what they wrote.
+//!   run, into the send buffer, before the routes between processes carry what they wrote; or,
+//!   through CUDA IPC, within those routes, straight into the receiver's memory.
 //! - Direct commit: every other job runs at the end of the run, writing the live codes and scales.
 //! - Staged commit: jobs reading sources in place write into quantization staging the executor owns
 //!   on the receiver, which the commit installs with the step's other bytes (codes and scales are
@@ -107,17 +108,14 @@ impl Quantizing {
         let mut gathered: Vec<(Gathering, Vec<QuantJob>, Vec<Label>)> = Vec::new();
         if let Some((rank, sent)) = outgoing {
             let device = group.device(rank)?;
-            let ways = [
-                (When::Send, &sent.buffered, &sent.buffered_labels),
-                (When::Straight, &sent.straight, &sent.straight_labels),
-            ];
-            for (when, jobs, labels) in ways.into_iter().filter(|(_, jobs, _)| !jobs.is_empty()) {
+            let ways = [(When::Send, &sent.buffered), (When::Straight, &sent.straight)];
+            for (when, planned) in ways.into_iter().filter(|(_, p)| !p.jobs.is_empty()) {
                 // The straight jobs' codes and scales are another process's memory, opened here.
                 let what = if when == When::Straight { Regions::Sources } else { Regions::All };
-                for (job, (tensor, _)) in jobs.iter().zip(labels) {
+                for (job, (tensor, _)) in planned.jobs.iter().zip(&planned.labels) {
                     check_memory(group.backend().as_ref(), device, tensor, std::slice::from_ref(job), what)?;
                 }
-                gathered.push(((rank, when, true), jobs.clone(), labels.clone()));
+                gathered.push(((rank, when, true), planned.jobs.clone(), planned.labels.clone()));
             }
         }
         for route in &routes {

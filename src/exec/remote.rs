@@ -312,7 +312,7 @@ impl Remote {
         // opened it and the kernel can write there, else through the send buffer, whose addresses
         // become the sources of those segments.
         let mut outgoing = Outgoing::default();
-        let mut opened_for_straight = Vec::new();
+        let (mut opened_for_straight, mut straight) = (Vec::new(), Vec::new());
         let mut through_buffer: Vec<(usize, &sender::Planned)> = Vec::new();
         for (&peer, planned) in &quantized_there {
             let opened = peers.opened.get(&peer).filter(|_| backend.kind() == BackendKind::Cuda);
@@ -322,8 +322,9 @@ impl Remote {
                 Some((opened, jobs)) => {
                     totals.quantized_straight_bytes += bytes(&sent[&peer][plain_sends[&peer]..]);
                     opened_for_straight.push(Arc::clone(opened));
-                    outgoing.straight.extend(jobs);
-                    outgoing.straight_labels.extend_from_slice(&planned.labels);
+                    straight.push(peer);
+                    outgoing.straight.jobs.extend(jobs);
+                    outgoing.straight.labels.extend_from_slice(&planned.labels);
                 }
                 None => through_buffer.push((peer, planned)),
             }
@@ -338,11 +339,6 @@ impl Remote {
                 sent.get_mut(&peer).expect("listed above")[k].src = buffered.src;
             }
         }
-        let straight: Vec<usize> = quantized_there
-            .keys()
-            .copied()
-            .filter(|peer| through_buffer.iter().all(|&(p, _)| p != *peer))
-            .collect();
 
         let (mut staged_sends, mut staged_recvs) = (Vec::new(), Vec::new());
         let (mut records, mut checks) = (Vec::new(), Vec::new());

@@ -28,8 +28,8 @@ use std::sync::Arc;
 /// nonzero address serves, since their sources are only read where they are sent from.
 pub(super) const ELSEWHERE: u64 = 16;
 
-/// The sender-path jobs of one receiving process, as planned (codes and scales at the receiver's
-/// addresses), in plan order, with their tensors and receiving devices.
+/// Sender-path jobs in plan order, with their tensors and receiving devices: as planned (codes and
+/// scales at the receiver's addresses), or as they run.
 #[derive(Default)]
 pub(super) struct Planned {
     pub jobs: Vec<QuantJob>,
@@ -127,12 +127,10 @@ pub(super) fn straight(opened: &Opened, planned: &Planned, landed: &[Segment]) -
 /// What this process quantizes for others, as it runs.
 #[derive(Default)]
 pub(super) struct Outgoing {
-    /// Jobs into the send buffer (run before the routes between processes), with their labels.
-    pub buffered: Vec<QuantJob>,
-    pub buffered_labels: Vec<Label>,
-    /// Jobs into receivers' memory through CUDA IPC (run with the IPC writes), with their labels.
-    pub straight: Vec<QuantJob>,
-    pub straight_labels: Vec<Label>,
+    /// Jobs into the send buffer (run before the routes between processes).
+    pub buffered: Planned,
+    /// Jobs into receivers' memory through CUDA IPC (run with the IPC writes).
+    pub straight: Planned,
     /// The send buffer, freed on drop (its owner drops it after the routes reading it drained).
     buffer: Option<(Arc<dyn Backend>, i32, u64)>,
 }
@@ -155,8 +153,8 @@ impl Outgoing {
             allocate_packed(backend.as_ref(), device, &jobs, "the buffer of codes and scales sent")?;
         self.buffer = Some((Arc::clone(backend), device, allocation));
         let (into, segments) = pack(&jobs, allocation.next_multiple_of(16));
-        self.buffered = into;
-        self.buffered_labels = planned.iter().flat_map(|p| p.labels.iter().cloned()).collect();
+        let labels = planned.iter().flat_map(|p| p.labels.iter().cloned()).collect();
+        self.buffered = Planned { jobs: into, labels };
         Ok(segments)
     }
 }

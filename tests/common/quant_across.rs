@@ -10,10 +10,12 @@
 //!   offer holds it whole (staged).
 //!
 //! Every figure a test checks (paths, bytes between the processes, elements quantized) is worked
-//! out here from the shapes, not read back from the plan.
+//! out here from the shapes, not read back from the plan. Its includer also includes
+//! tests/common/quant_cases.rs as `quant_cases`.
 
 #![allow(dead_code)]
 
+use super::quant_cases::Aligned;
 use refit::plan::{Endpoint, Offer, QuantNeed, QuantPath, Region, TensorSpec};
 use refit::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
 use refit::transport::host::HostBackend;
@@ -195,42 +197,26 @@ impl Across {
     /// A need's codes and scales as the reference quantizer makes them over its whole box.
     pub fn reference(&self, w: &Wanted) -> (Vec<u8>, Vec<u8>) {
         let (codes_len, scales_len, _) = self.sizes(w);
-        let (source, mut codes, mut scales) = (
-            words(&self.rows_of(w.lo, w.rows)),
-            vec![0u128; codes_len.div_ceil(16)],
-            vec![0u128; scales_len.div_ceil(16)],
-        );
+        let source_bytes = self.rows_of(w.lo, w.rows);
+        let mut source = Aligned::new(source_bytes.len(), 0);
+        source.bytes_mut().copy_from_slice(&source_bytes);
+        let (codes, scales) = (Aligned::new(codes_len, 0), Aligned::new(scales_len, 0));
         let (_, grid_cols) = w.q.scale_grid(w.rows, self.cols);
         let job = QuantJob {
             quantization: w.q,
             source: SourceType::Bf16,
-            src: source.as_ptr() as u64,
+            src: source.addr(),
             rows: w.rows,
             cols: self.cols,
             src_stride: self.cols,
-            dst: codes.as_mut_ptr() as u64,
+            dst: codes.addr(),
             dst_stride: self.cols,
-            scales: scales.as_mut_ptr() as u64,
+            scales: scales.addr(),
             scale_stride: grid_cols,
         };
         let host = HostBackend::new(1).unwrap();
         // SAFETY: the buffers above outlive the call, which completes on return.
         unsafe { host.quantize_batch(0, Stream::NULL, &[job]) }.unwrap();
-        (bytes(&codes)[..codes_len].to_vec(), bytes(&scales)[..scales_len].to_vec())
+        (codes.bytes().to_vec(), scales.bytes().to_vec())
     }
-}
-
-/// `data` in 16-byte aligned words.
-fn words(data: &[u8]) -> Vec<u128> {
-    let mut out = vec![0u128; data.len().div_ceil(16)];
-    for (word, chunk) in out.iter_mut().zip(data.chunks(16)) {
-        let mut b = [0u8; 16];
-        b[..chunk.len()].copy_from_slice(chunk);
-        *word = u128::from_le_bytes(b);
-    }
-    out
-}
-
-fn bytes(words: &[u128]) -> Vec<u8> {
-    words.iter().flat_map(|w| w.to_le_bytes()).collect()
 }
