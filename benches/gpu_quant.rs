@@ -105,7 +105,7 @@ fn main() {
     let bound_ms = copy_ms * 3.0 / 4.0;
 
     let job = |granularity: Granularity| {
-        let q = Quantization { target: Fp8::E4m3fn, granularity };
+        let q = Quantization::new(Fp8::E4m3fn, granularity);
         let (_, grid_cols) = q.scale_grid(ROWS, COLS);
         QuantJob {
             quantization: q,
@@ -273,7 +273,7 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
         ("the 256 MiB plain need alone", block, None, true, 1),
     ];
     for (name, granularity, cut, with_plain, bytes_per_element) in cases {
-        let q = Quantization { target: Fp8::E4m3fn, granularity };
+        let q = Quantization::new(Fp8::E4m3fn, granularity);
         let (grid_rows, grid_cols) = q.scale_grid(ROWS, COLS);
         let offer = |lo: u64, rows: u64| Offer {
             tensor: 0,

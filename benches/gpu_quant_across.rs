@@ -35,8 +35,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 const COLS: u64 = 8192;
-const BLOCK: Quantization =
-    Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } };
+const BLOCK: Quantization = Quantization::new(Fp8::E4m3fn, Granularity::Block { rows: 128, cols: 128 });
 
 fn env_number(name: &str, default: u64) -> u64 {
     std::env::var(name).ok().and_then(|v| v.parse().ok()).unwrap_or(default)

@@ -136,6 +136,35 @@ done:
   CHECK(codes[129 * STRIDE + 129] == 0x00);
   CHECK(to_bits(scales[3]) == to_bits(1e-10f / 448.0f));
 
+  /* The same blocks under REFIT_ARITHMETIC_DEEPGEMM: the amax floored at 1e-4 (the zero block's
+   * scale tells it from the default's), each quotient the product by the scale's f32 reciprocal. */
+  job.arithmetic = REFIT_ARITHMETIC_DEEPGEMM;
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
+  for (int i = 0; i < 2; i++) {
+    for (int j = 0; j < 2; j++) {
+      uint32_t amax = 0;
+      for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
+        for (int c = j * 128; c < COLS && c < (j + 1) * 128; c++) {
+          uint32_t m = to_bits(element(r, c)) & 0x7fffffffu;
+          if (m > amax) amax = m;
+        }
+      }
+      float a = from_bits(amax);
+      float scale = (a > 1e-4f ? a : 1e-4f) / 448.0f;
+      float reciprocal = 1.0f / scale;
+      CHECK(to_bits(scales[i * 2 + j]) == to_bits(scale));
+      for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
+        for (int c = j * 128; c < COLS && c < (j + 1) * 128; c++) {
+          float x = element(r, c);
+          uint8_t want = isinf(scale) ? cast(x / scale) : cast(x * reciprocal);
+          CHECK(codes[r * STRIDE + c] == want);
+        }
+      }
+    }
+  }
+  CHECK(to_bits(scales[3]) == to_bits(1e-4f / 448.0f));
+  job.arithmetic = REFIT_ARITHMETIC_DIVIDE;
+
   /* MXFP8 over the same rows: e8m0 = floor(log2(amax)) - 8 + 127 per 32 elements. */
   job.quantization.granularity = REFIT_QUANT_MXFP8;
   job.quantization.block_rows = 0;
@@ -208,8 +237,14 @@ done:
   CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(refit_last_error_message(), "source_type is 0") != NULL);
   bad = job;
-  bad.reserved = 1;
+  bad.arithmetic = 7;
   CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "jobs[0].arithmetic is 7") != NULL);
+  bad = job;
+  bad.quantization.granularity = REFIT_QUANT_MXFP8;
+  bad.arithmetic = REFIT_ARITHMETIC_DEEPGEMM;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "MXFP8") != NULL);
   bad = job;
   bad.src = addr(source) + 2; /* rows must start on 16 bytes */
   CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);

@@ -65,14 +65,14 @@ int main() {
   refit::Executor executor(plan, group);
   CHECK(executor.run(group).quantized_elements == 128 * 128);
   CHECK(planned == codes && planned_scale == 1.0f);
-  need.reserved = 1;
+  need.arithmetic = 5;
   threw = false;
   try {
     table.add_quantized_need(t, 0, 0, addr(planned.data()), {0, 0}, {128, 128}, {128, 1}, need);
   } catch (const refit::Error &e) {
     threw = true;
     CHECK(e.status() == REFIT_STATUS_INVALID_ARGUMENT);
-    CHECK(e.message().find("reserved") != std::string::npos);
+    CHECK(e.message().find("arithmetic is 5") != std::string::npos);
   }
   CHECK(threw);
 
@@ -92,7 +92,7 @@ int main() {
   refit::Table elsewhere;
   uint32_t u = elsewhere.add_tensor("w", {128, 128}, 2);
   elsewhere.add_offer(u, 1, 0, addr(source), {0, 0}, {128, 128});
-  need.reserved = 0;
+  need.arithmetic = REFIT_ARITHMETIC_DIVIDE;
   elsewhere.add_quantized_need(u, 0, 0, addr(planned.data()), {0, 0}, {128, 128}, {128, 1}, need);
   refit::Plan sent = refit::Plan::build({&elsewhere});
   routes = sent.quant_routes();

@@ -241,6 +241,25 @@
 #define REFIT_QUANT_MXFP8 4
 
 /**
+ * refit_quantize_job.arithmetic, refit_need_quantization.arithmetic: how fp32 scales and quotients
+ * are computed (refit_quantize_batch gives each exactly). The default: scale = max(amax, 1e-10) /
+ * FP8_MAX, quotient x / scale, as vLLM's and SGLang's per-token-group CUDA quantizers compute them.
+ */
+#define REFIT_ARITHMETIC_DIVIDE 0
+
+/**
+ * scale = max(amax, 1e-4) / FP8_MAX, quotient x * RN(1 / scale): DeepGEMM's per_block_cast_to_fp8,
+ * with which vLLM 0.33 quantizes BF16 weights to 128 x 128 FP8 blocks online.
+ */
+#define REFIT_ARITHMETIC_DEEPGEMM 1
+
+/**
+ * scale = max(amax, 2^-9) / FP8_MAX, quotient x / scale: vLLM 0.33's online per-channel FP8 weights
+ * (its scale floor 1 / (FP8_MAX * 512)).
+ */
+#define REFIT_ARITHMETIC_VLLM_CHANNEL 2
+
+/**
  * refit_quantize_job.source_type: bfloat16.
  */
 #define REFIT_SOURCE_BF16 1
@@ -978,7 +997,8 @@ typedef struct {
  * A quantization: a target FP8 format (REFIT_FP8_*) and a granularity (REFIT_QUANT_*).
  * `block_rows` x `block_cols` is the block of REFIT_QUANT_BLOCK (both at least 1, block_cols a
  * multiple of 8, at most 2^24 elements; 128 x 128 is DeepSeek-V3's) and must be 0 x 0 for every
- * other granularity.
+ * other granularity. The arithmetic of fp32 scales (REFIT_ARITHMETIC_*) is given beside it, in the
+ * job or need that holds it.
  */
 typedef struct {
   uint32_t target;
@@ -989,7 +1009,8 @@ typedef struct {
 
 /**
  * How a quantized need (refit_table_add_quantized_need) is quantized and where its scales and
- * staging are. `reserved` must be 0.
+ * staging are. `arithmetic` (REFIT_ARITHMETIC_*, 0 the default) says how fp32 scales and quotients
+ * are computed, as refit_quantize_job's.
  *
  * The need's box is a stack of matrices: its last two dimensions are rows and columns (a
  * 1-dimensional box is one row) and the dimensions before them number the matrices, row-major;
@@ -1003,7 +1024,7 @@ typedef struct {
 typedef struct {
   refit_quantization quantization;
   uint32_t source_type;
-  uint32_t reserved;
+  uint32_t arithmetic;
   uint64_t scales;
   uint64_t scale_row_stride;
   uint64_t scale_matrix_stride;
@@ -1018,7 +1039,8 @@ typedef struct {
  * matrix, 1 scale; per row: 1 x cols, a column of `rows` scales; per block: the block; MXFP8:
  * 1 x 32), `scale_row_stride` scales from one grid row to the next. Scales are fp32 (little-endian),
  * the dequantization factor (x ~ code * scale, DeepSeek's `weight_scale_inv`), or for MXFP8 e8m0
- * bytes (scale 2^(byte - 127), 0xff NaN). `reserved` must be 0.
+ * bytes (scale 2^(byte - 127), 0xff NaN). `arithmetic` (REFIT_ARITHMETIC_*) says how fp32 scales
+ * and quotients are computed; MXFP8 takes REFIT_ARITHMETIC_DIVIDE (0), the value of a zeroed field.
  *
  * Alignment: every source row starts on 16 bytes (`src` and `src_row_stride` x element size
  * multiples of 16), `dst` and `dst_row_stride` are multiples of 8 (bf16, f16) or 4 (f32) bytes,
@@ -1027,7 +1049,7 @@ typedef struct {
 typedef struct {
   refit_quantization quantization;
   uint32_t source_type;
-  uint32_t reserved;
+  uint32_t arithmetic;
   uint64_t src;
   uint64_t rows;
   uint64_t cols;
@@ -2128,7 +2150,7 @@ refit_status refit_plan_quant_route(const refit_plan *plan,
  * Changes the table (see refit_table for threads). Errors: NULL_ARGUMENT (table, strides,
  * quantization; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown tensor index, ndim above
  * REFIT_MAX_DIMS, an unknown target, granularity or source type, REFIT_QUANT_NONE, a bad block
- * shape, reserved not 0, an element size other than the source type's, a last stride other than
+ * shape, an unknown arithmetic or one MXFP8 does not take, an element size other than the source type's, a last stride other than
  * 1, scale strides that make grids overlap, misaligned staging, ranges past 2^64),
  * TENSOR_MISMATCH (ndim differing from the tensor's, box outside the tensor).
  *
@@ -2155,19 +2177,25 @@ refit_status refit_table_add_quantized_need(refit_table *table,
  * The arithmetic, exact (the bytes are equal on every backend and GPU):
  * - Elements are decoded to f32 exactly. Per block of elements sharing a scale, amax is the largest
  *   |x|, +inf if an element is infinite, NaN if an element is NaN (NaN propagates, as torch's amax).
- * - fp32 scale = max(amax, 1e-10f) / FP8_MAX in f32 (IEEE division, nearest even), FP8_MAX = 448
- *   (E4M3FN) or 57344 (E5M2); 1e-10 is vLLM's per_token_group_quant_fp8 default eps, so an all-zero
- *   block gets scale 1e-10f / FP8_MAX. A block holding a NaN gets the scale 0x7fffffff (NaN); one
- *   holding an infinity (and no NaN) gets +inf.
+ * - fp32 scale = max(amax, FLOOR) / FP8_MAX in f32 (IEEE division, nearest even), FP8_MAX = 448
+ *   (E4M3FN) or 57344 (E5M2), FLOOR the job's arithmetic's: 1e-10f (REFIT_ARITHMETIC_DIVIDE),
+ *   1e-4f (_DEEPGEMM) or 2^-9 (_VLLM_CHANNEL), so an all-zero block gets scale FLOOR / FP8_MAX.
+ *   A block holding a NaN gets the scale 0x7fffffff (NaN); one holding an infinity (and no NaN)
+ *   gets +inf.
  * - MXFP8 (OCP MX v1.0): e = floor(log2(amax)) - 8 (E4M3FN) or - 15 (E5M2), clamped to -127..127,
  *   scale byte e + 127 (e8m0), divisor 2^e; an all-zero block gets byte 0; a block holding a NaN or
  *   an infinity gets 0xff (NaN).
- * - Each code: the f32 quotient x / scale (IEEE division, nearest even) rounded to the nearest FP8
- *   value, ties to even, saturating: finite or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a
- *   NaN quotient gives 0x7f, and the sign of zero is kept (-0.0 gives 0x80). This is
- *   `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)` of vLLM's and DeepSeek's quantizers; in a block
- *   whose scale is +inf, finite elements give +-0 and infinite ones NaN (0x7f); in a block whose
- *   scale is NaN, every element gives 0x7f.
+ * - Each code: the f32 quotient rounded to the nearest FP8 value, ties to even, saturating: finite
+ *   or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a NaN quotient gives 0x7f, and the sign
+ *   of zero is kept (-0.0 gives 0x80). The quotient is x / scale (IEEE division, nearest even;
+ *   MXFP8, _DIVIDE, _VLLM_CHANNEL) or, under _DEEPGEMM, x * r with r = 1 / scale in f32 (two
+ *   roundings; a scale of +inf or NaN gives the same as the division). So _DIVIDE is
+ *   `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)` with vLLM's per-token-group eps, _DEEPGEMM
+ *   is `(x * (1.0 / s)).to(torch.float8_e4m3fn)` of DeepGEMM's per_block_cast_to_fp8 (vLLM 0.33's
+ *   online block quantization), and _VLLM_CHANNEL vLLM 0.33's online per-channel weights, each
+ *   equal byte for byte (tested against vLLM's own functions). In a block whose scale is +inf,
+ *   finite elements give +-0 and infinite ones NaN (0x7f); in a block whose scale is NaN, every
+ *   element gives 0x7f.
  *
  * Per-tensor jobs need the whole matrix's amax first: on CUDA they take a second launch before the
  * quantizing one (every other granularity: one launch for the whole batch). The kernel reads each
@@ -2184,7 +2212,8 @@ refit_status refit_table_add_quantized_need(refit_table *table,
  * Errors: NULL_ARGUMENT (group, or jobs with count > 0), INVALID_ARGUMENT (rank not below the group
  * size, flags not 0, count too large, an unknown target, granularity or source type,
  * REFIT_QUANT_NONE, a block shape with a 0, block columns not a multiple of 8 or a block of more
- * than 2^24 elements, a block shape given for another granularity, reserved not 0, a row stride
+ * than 2^24 elements, a block shape given for another granularity, an unknown arithmetic or one
+ * MXFP8 does not take, a row stride
  * below the row, a zero address for a job with elements, misaligned rows or scales, a range past the
  * end of the address space, memory that is not the device's (as refit_copy_batch checks it: on CUDA
  * every byte in a live allocation of the rank's device or of a device it accesses directly, so host

@@ -105,7 +105,7 @@ fn the_cast_of_every_bf16_value_in_range_matches_the_reference() {
         }
         let case = Case {
             name: format!("every bf16 in range, {target:?}"),
-            quantization: Quantization { target, granularity: Granularity::Tensor },
+            quantization: Quantization::new(target, Granularity::Tensor),
             source: SourceType::Bf16,
             rows,
             cols,
@@ -226,7 +226,7 @@ fn the_c_api_refuses_jobs_over_memory_that_is_not_the_devices() {
             block_cols: 128,
         },
         source_type: REFIT_SOURCE_BF16,
-        reserved: 0,
+        arithmetic: 0,
         src: src.ptr,
         rows,
         cols,
@@ -271,8 +271,7 @@ fn the_c_api_refuses_jobs_over_memory_that_is_not_the_devices() {
         cols,
         stride: cols,
     };
-    let quantization =
-        Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } };
+    let quantization = Quantization::new(Fp8::E4m3fn, Granularity::Block { rows: 128, cols: 128 });
     refit::quant::reference::quantize(quantization, &source, &mut want_dst, cols, &mut want_scales, 2);
     assert!(dst.download() == want_dst, "the context no longer quantizes right");
     assert!(scales.download() == want_scales, "the context no longer writes the right scales");
@@ -322,28 +321,21 @@ fn quantized_needs_through_an_executor_match_the_reference() {
     let group =
         ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
     let here = Endpoint { process: 0, device: 0 };
-    let block =
-        Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows: 128, cols: 128 } };
+    let block = Quantization::new(Fp8::E4m3fn, Granularity::Block { rows: 128, cols: 128 });
     let cases = [
         ("block, rows cut at 128", block, 1, 128, QuantPath::Direct),
         ("block, rows cut at 100", block, 1, 100, QuantPath::Staged),
-        (
-            "mx, rows cut at 100",
-            Quantization { target: Fp8::E5m2, granularity: Granularity::Mx },
-            1,
-            100,
-            QuantPath::Direct,
-        ),
+        ("mx, rows cut at 100", Quantization::new(Fp8::E5m2, Granularity::Mx), 1, 100, QuantPath::Direct),
         (
             "row, columns cut at 200",
-            Quantization { target: Fp8::E4m3fn, granularity: Granularity::Row },
+            Quantization::new(Fp8::E4m3fn, Granularity::Row),
             2,
             200,
             QuantPath::Staged,
         ),
         (
             "tensor, matrices cut at 1",
-            Quantization { target: Fp8::E4m3fn, granularity: Granularity::Tensor },
+            Quantization::new(Fp8::E4m3fn, Granularity::Tensor),
             0,
             1,
             QuantPath::Direct,

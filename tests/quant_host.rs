@@ -82,10 +82,10 @@ fn known_block_values() {
 
 fn base_job() -> QuantJob {
     QuantJob {
-        quantization: refit::quant::Quantization {
-            target: Fp8::E4m3fn,
-            granularity: Granularity::Block { rows: 128, cols: 128 },
-        },
+        quantization: refit::quant::Quantization::new(
+            Fp8::E4m3fn,
+            Granularity::Block { rows: 128, cols: 128 },
+        ),
         source: SourceType::Bf16,
         src: 0x10000,
         rows: 256,

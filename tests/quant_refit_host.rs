@@ -13,7 +13,7 @@ use refit::group::{BackendChoice, Group, GroupOptions};
 use refit::plan::{
     self, wire, Endpoint, Offer, Plan, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec,
 };
-use refit::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
+use refit::quant::{Arithmetic, Fp8, Granularity, QuantJob, Quantization, SourceType};
 use refit::transport::host::HostBackend;
 use refit::transport::{Backend, Stream};
 use refit::Status;
@@ -255,7 +255,7 @@ fn quantizations() -> Vec<Quantization> {
             Granularity::Block { rows: 128, cols: 128 },
             Granularity::Mx,
         ] {
-            out.push(Quantization { target, granularity });
+            out.push(Quantization::new(target, granularity));
         }
     }
     out
@@ -313,7 +313,7 @@ fn a_box_inside_the_tensor_counts_blocks_from_its_own_corner() {
     // Matrix 1, rows 16..40, columns 16..48; shards cut at row 32 = row 16 of the box, so 16 x 16
     // blocks stay whole and the box is quantized in place, by both devices.
     let values = tensor_values(12);
-    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let q = Quantization::new(Fp8::E4m3fn, BLOCK16);
     let shards = halves(&values, 1, 32);
     let received = Received::new([1, 16, 16], [1, 24, 32], q, false);
     let plan = build(&table(&shards, &[(&received, DEV1)])).unwrap();
@@ -327,7 +327,7 @@ fn a_box_inside_the_tensor_counts_blocks_from_its_own_corner() {
 fn a_staged_run_writes_nothing_live_before_the_commit() {
     let values = tensor_values(13);
     for (dim, at) in [(1, 32), (1, 20)] {
-        let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+        let q = Quantization::new(Fp8::E4m3fn, BLOCK16);
         let shards = halves(&values, dim, at);
         let received = Received::new([0; 3], SHAPE, q, true);
         let plan = build(&table(&shards, &[(&received, DEV0)])).unwrap();
@@ -355,7 +355,7 @@ fn two_receivers_on_two_devices_each_get_their_half() {
     // TP 2 over rows: device 0 receives rows 0..16, device 1 rows 16..40, from shards cut at 20
     // (device 0's half straddles the cut: staged; device 1's too).
     let values = tensor_values(14);
-    let q = Quantization { target: Fp8::E5m2, granularity: Granularity::Row };
+    let q = Quantization::new(Fp8::E5m2, Granularity::Row);
     let shards = halves(&values, 2, 24);
     let top = Received::new([0, 0, 0], [2, 16, 48], q, true);
     let bottom = Received::new([0, 16, 0], [2, 24, 48], q, true);
@@ -374,7 +374,7 @@ fn replicas_in_other_processes_quantize_needs_in_turn() {
     // quantizing its share where it is offered (the sender path); one receiving process's replica
     // would be preferred over both.
     let values = tensor_values(16);
-    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let q = Quantization::new(Fp8::E4m3fn, BLOCK16);
     let whole = Shard::new(&values, [0; 3], SHAPE);
     let trainers = [Endpoint { process: 1, device: 0 }, Endpoint { process: 2, device: 0 }];
     let matrices: Vec<Received> =
@@ -405,7 +405,7 @@ fn fails<T>(result: refit::Result<T>, status: Status, words: &[&str]) {
 #[test]
 fn needs_that_cannot_be_met_are_refused_naming_the_tensor() {
     let values = tensor_values(15);
-    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let q = Quantization::new(Fp8::E4m3fn, BLOCK16);
     // A block spans the shards and there is no staging.
     let shards = halves(&values, 1, 20);
     let received = Received::new([0; 3], SHAPE, q, false);
@@ -456,7 +456,7 @@ fn needs_that_cannot_be_met_are_refused_naming_the_tensor() {
 #[test]
 fn overlapping_codes_and_bad_memory_are_refused_at_creation_and_rebinds_of_quantized_memory_too() {
     let values = tensor_values(16);
-    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let q = Quantization::new(Fp8::E4m3fn, BLOCK16);
     let shards = halves(&values, 1, 32);
     let a = Received::new([0, 0, 0], [1, 40, 48], q, false);
     let b = Received::new([1, 0, 0], [1, 40, 48], q, false);
@@ -509,7 +509,7 @@ fn overlapping_codes_and_bad_memory_are_refused_at_creation_and_rebinds_of_quant
 #[test]
 fn tables_with_quantized_needs_survive_the_wire_and_plan_alike() {
     let values = tensor_values(17);
-    let q = Quantization { target: Fp8::E5m2, granularity: Granularity::Mx };
+    let q = Quantization::new(Fp8::E5m2, Granularity::Mx);
     let shards = halves(&values, 1, 20);
     let received = Received::new([0; 3], SHAPE, q, true);
     let t = table(&shards, &[(&received, DEV0)]);
@@ -524,6 +524,15 @@ fn tables_with_quantized_needs_survive_the_wire_and_plan_alike() {
     let mut other = t.clone();
     other.quant_needs[0].scale_matrix_stride += 1;
     assert_ne!(build(&other).unwrap().inputs_fingerprint(), a.inputs_fingerprint());
+    // The arithmetic travels with the need, and is part of the inputs too.
+    let mut deepgemm = t.clone();
+    deepgemm.quant_needs[0].quantization =
+        Quantization::new(Fp8::E4m3fn, Granularity::Row).with(Arithmetic::DeepGemm);
+    let back = wire::decode(&wire::encode(&deepgemm)).unwrap();
+    assert_eq!(back.quant_needs[0].quantization.arithmetic, Arithmetic::DeepGemm);
+    let mut divide = deepgemm.clone();
+    divide.quant_needs[0].quantization.arithmetic = Arithmetic::Divide;
+    assert_ne!(build(&deepgemm).unwrap().inputs_fingerprint(), build(&divide).unwrap().inputs_fingerprint());
     // Without quantized needs the format is version 1, as before.
     let plain = Table { quant_needs: vec![], ..t };
     assert_eq!(wire::encode(&plain)[4], wire::VERSION);
@@ -545,7 +554,7 @@ fn corrupting(address: u64, rank: usize) -> refit::exec::Hook {
 #[test]
 fn verify_checks_codes_and_scales_against_a_second_quantization() {
     let values = tensor_values(18);
-    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let q = Quantization::new(Fp8::E4m3fn, BLOCK16);
     let code_bytes = SHAPE.iter().product::<u64>();
     let scale_bytes = SHAPE[0] * 3 * 3 * 4;
     for (dim, at) in [(1, 32), (1, 20)] {
@@ -595,7 +604,7 @@ fn verify_checks_codes_and_scales_against_a_second_quantization() {
 
 #[test]
 fn hostile_quantized_needs_are_refused_not_a_panic() {
-    let q = Quantization { target: Fp8::E4m3fn, granularity: BLOCK16 };
+    let q = Quantization::new(Fp8::E4m3fn, BLOCK16);
     let need = |shape: Vec<u64>, extent: Vec<u64>, strides: Vec<u64>| Table {
         tensors: vec![TensorSpec { name: "h".into(), dtype: 0, elem_size: 2, shape: shape.clone() }],
         offers: vec![Offer {

@@ -27,8 +27,8 @@ DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scales", "<u8"), ("rows", "<u
                  ("src_stride", "<u8"), ("dst_stride", "<u8"), ("scale_stride", "<u8"), ("first_tile", "<u8"),
                  ("grid_cols", "<u8"), ("blocks", "<u8"), ("block_rows", "<u4"), ("block_cols", "<u4"),
                  ("source", "<u4"), ("target", "<u4"), ("scale_kind", "<u4"), ("mode", "<u4"),
-                 ("group_shift", "<u4"), ("reserved", "<u4")])
-assert DESC.itemsize == 120
+                 ("group_shift", "<u4"), ("min_amax", "<u4"), ("by_reciprocal", "<u4"), ("reserved", "<u4")])
+assert DESC.itemsize == 128
 AS_IS = {"QUANT_CACHE": 8, "QUANT_WIDE_MIN_BLOCKS": 4, "QUANT_GROUP_ROUNDS": 4, "QUANT_NARROW_MIN_BLOCKS": 4}
 
 
@@ -47,6 +47,7 @@ def job(granularity, src, codes, scales, rounds):
     d = np.zeros(1, dtype=DESC)
     d["src"], d["dst"], d["scales"] = src.data_ptr(), codes.data_ptr(), scales.data_ptr()
     d["rows"], d["cols"], d["src_stride"], d["dst_stride"] = ROWS, COLS, COLS, COLS
+    d["min_amax"] = np.float32(1e-10).view(np.uint32)  # the default arithmetic's floor
     if granularity == "block 128 x 128":
         d["block_rows"], d["block_cols"], d["grid_cols"], d["scale_stride"] = 128, 128, COLS // 128, COLS // 128
         d["blocks"] = (ROWS // 128) * (COLS // 128)

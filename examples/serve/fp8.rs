@@ -38,10 +38,7 @@ const UNIT_ELEMENTS: u64 = 1 << 22;
 
 /// The quantization every quantized need of the demo asks for.
 pub fn quantization() -> Quantization {
-    Quantization {
-        target: Fp8::E4m3fn,
-        granularity: Granularity::Block { rows: BLOCK as u32, cols: BLOCK as u32 },
-    }
+    Quantization::new(Fp8::E4m3fn, Granularity::Block { rows: BLOCK as u32, cols: BLOCK as u32 })
 }
 
 /// Element `global` of `tensor` as a finite bf16: element_value's sign and mantissa bits with an

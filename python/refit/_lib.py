@@ -313,6 +313,15 @@ class Granularity(enum.IntEnum):
     MXFP8 = 4
 
 
+class Arithmetic(enum.IntEnum):
+    """REFIT_ARITHMETIC_*: how fp32 scales and quotients are computed (the header's
+    refit_quantize_batch gives each exactly)."""
+
+    DIVIDE = 0  # max(amax, 1e-10) / MAX, x / s: vLLM's per-token-group CUDA quantizer
+    DEEPGEMM = 1  # max(amax, 1e-4) / MAX, x * (1 / s): per_block_cast_to_fp8, vLLM's online blocks
+    VLLM_CHANNEL = 2  # max(amax, 2^-9) / MAX, x / s: vLLM's online per-channel weights
+
+
 class SourceType(enum.IntEnum):
     """REFIT_SOURCE_*: the element type of a quantization's source."""
 
@@ -338,7 +347,7 @@ class QuantizeJobStruct(ctypes.Structure):
     _fields_ = [
         ("quantization", QuantizationStruct),
         ("source_type", c_uint32),
-        ("reserved", c_uint32),
+        ("arithmetic", c_uint32),
         ("src", c_uint64),
         ("rows", c_uint64),
         ("cols", c_uint64),
@@ -356,7 +365,7 @@ class NeedQuantizationStruct(ctypes.Structure):
     _fields_ = [
         ("quantization", QuantizationStruct),
         ("source_type", c_uint32),
-        ("reserved", c_uint32),
+        ("arithmetic", c_uint32),
         ("scales", c_uint64),
         ("scale_row_stride", c_uint64),
         ("scale_matrix_stride", c_uint64),

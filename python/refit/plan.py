@@ -173,7 +173,7 @@ class Table(Handle):
         if not isinstance(quantization, Quantization):
             raise invalid_argument(f"quantization is {quantization!r}; expected a refit.quant.Quantization")
         q = NeedQuantizationStruct()
-        fill_quantization(q.quantization, quantization)
+        fill_quantization(q, quantization)
         q.source_type = check_range(source_type, 32, "source_type")
         q.scales = check_range(scales, 64, "scales")
         q.scale_row_stride = check_range(scale_row_stride, 64, "scale_row_stride")

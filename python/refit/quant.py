@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Iterable, Optional, Tuple
 
 from ._handle import borrow
 from ._lib import (
+    Arithmetic,
     Backend,
     Fp8,
     Granularity,
@@ -32,11 +33,14 @@ MX_BLOCK = 32
 @dataclass(frozen=True)
 class Quantization:
     """A target FP8 format and a granularity; `block` (rows, cols) only for Granularity.BLOCK (None
-    there means 128 x 128)."""
+    there means 128 x 128); `arithmetic` how fp32 scales and quotients are computed (Arithmetic:
+    DEEPGEMM for vLLM's online block quantization, VLLM_CHANNEL for its online per-channel weights;
+    MXFP8 takes DIVIDE only)."""
 
     target: Fp8 = Fp8.E4M3FN
     granularity: Granularity = Granularity.BLOCK
     block: Optional[Tuple[int, int]] = None
+    arithmetic: Arithmetic = Arithmetic.DIVIDE
 
     def block_shape(self, rows: int, cols: int) -> Tuple[int, int]:
         """The elements sharing one scale, for a rows x cols matrix."""
@@ -59,18 +63,21 @@ class Quantization:
         return 1 if self.granularity == Granularity.MXFP8 else 4
 
 
-def fill_quantization(s: QuantizationStruct, q: Quantization) -> None:
-    """Writes `q` into a refit_quantization, checking each number's width (the library checks the rest)."""
+def fill_quantization(s, q: Quantization) -> None:
+    """Writes `q` into the refit_quantization and arithmetic of `s` (a refit_quantize_job or a
+    refit_need_quantization), checking each number's width (the library checks the rest)."""
     if q.granularity == Granularity.BLOCK:
         block = q.block or DEFAULT_BLOCK
     elif q.block is not None:
         raise invalid_argument(f"quantization.block is {q.block}; only Granularity.BLOCK takes a block")
     else:
         block = (0, 0)
-    s.target = check_range(q.target, 32, "quantization.target")
-    s.granularity = check_range(q.granularity, 32, "quantization.granularity")
-    s.block_rows = check_range(block[0], 32, "quantization.block rows")
-    s.block_cols = check_range(block[1], 32, "quantization.block cols")
+    fields: QuantizationStruct = s.quantization
+    fields.target = check_range(q.target, 32, "quantization.target")
+    fields.granularity = check_range(q.granularity, 32, "quantization.granularity")
+    fields.block_rows = check_range(block[0], 32, "quantization.block rows")
+    fields.block_cols = check_range(block[1], 32, "quantization.block cols")
+    s.arithmetic = check_range(q.arithmetic, 32, "quantization.arithmetic")
 
 
 @dataclass
@@ -92,7 +99,7 @@ class QuantizeJob:
 
     def struct(self) -> QuantizeJobStruct:
         s = QuantizeJobStruct()
-        fill_quantization(s.quantization, self.quantization)
+        fill_quantization(s, self.quantization)
         s.source_type = check_range(self.source_type, 32, "source_type")
         for field in ("src", "rows", "cols", "src_row_stride", "dst", "dst_row_stride", "scales", "scale_row_stride"):
             setattr(s, field, check_range(getattr(self, field), 64, field))

@@ -13,7 +13,7 @@ import struct
 import unittest
 
 import refit
-from refit import Backend, Fp8, Granularity, Group, Quantization, QuantizeJob, RefitError, SourceType, Status
+from refit import Arithmetic, Backend, Fp8, Granularity, Group, Quantization, QuantizeJob, RefitError, SourceType, Status
 
 HAVE_TORCH = importlib.util.find_spec("torch") is not None
 if HAVE_TORCH:
@@ -44,6 +44,9 @@ def fp8_value(target, code):
 
 
 MAX = {Fp8.E4M3FN: 448.0, Fp8.E5M2: 57344.0}
+# Each arithmetic's floor under the amax, and whether a quotient is the product by the f32 reciprocal.
+FLOOR = {Arithmetic.DIVIDE: f32(1e-10), Arithmetic.DEEPGEMM: f32(1e-4), Arithmetic.VLLM_CHANNEL: 2.0**-9}
+BY_RECIPROCAL = {Arithmetic.DIVIDE: False, Arithmetic.DEEPGEMM: True, Arithmetic.VLLM_CHANNEL: False}
 MAX_CODE = {Fp8.E4M3FN: 0x7E, Fp8.E5M2: 0x7B}
 POSITIVE = {t: [fp8_value(t, c) for c in range(MAX_CODE[t] + 1)] for t in MAX}
 
@@ -83,12 +86,17 @@ def reference(q, bits, rows, cols, stride):
             elif amax_bits > 0x7F800000:
                 stored, divisor = 0x7FFFFFFF, math.nan
             else:
-                divisor = f32(max(amax, f32(1e-10)) / MAX[q.target]) if amax != math.inf else math.inf
+                divisor = f32(max(amax, FLOOR[q.arithmetic]) / MAX[q.target]) if amax != math.inf else math.inf
                 stored = f32_bits(divisor)
             scales[i, j] = stored
             for r, c in cells:
                 x = bf16_value(bits[r * stride + c])
-                quotient = math.nan if math.isnan(divisor) or (math.isinf(x) and math.isinf(divisor)) else f32(x / divisor)
+                if math.isnan(divisor) or (math.isinf(x) and math.isinf(divisor)):
+                    quotient = math.nan
+                elif BY_RECIPROCAL[q.arithmetic] and not math.isinf(divisor):
+                    quotient = f32(x * f32(1.0 / divisor))
+                else:
+                    quotient = f32(x / divisor)
                 codes[r, c] = cast(q.target, quotient)
     return codes, scales
 
@@ -151,6 +159,28 @@ class HostQuantizeTest(unittest.TestCase):
             ):
                 with self.subTest(q=q):
                     self.run_case(q, rows, cols, stride, bits, scale_stride)
+
+    def test_every_arithmetic_matches_the_headers_arithmetic(self):
+        rng = random.Random(8)
+        rows, cols, stride = 40, 64, 64
+        # Rows over binades from 2^-27 up, so that the floors (1e-10, 1e-4, 2^-9) decide some scales.
+        bits = []
+        for r in range(rows):
+            exponent = 100 + 3 * (r % 10)
+            bits += [(exponent << 7 | rng.randrange(128)) | rng.choice([0, 0x8000]) for _ in range(stride)]
+        bits[5] = 0x7F80
+        for arithmetic in Arithmetic:
+            for q, scale_stride in (
+                (Quantization(Fp8.E4M3FN, Granularity.BLOCK, (4, 32), arithmetic), 2),
+                (Quantization(Fp8.E5M2, Granularity.ROW, None, arithmetic), 1),
+                (Quantization(Fp8.E4M3FN, Granularity.TENSOR, None, arithmetic), 1),
+            ):
+                with self.subTest(q=q):
+                    self.run_case(q, rows, cols, stride, bits, scale_stride)
+
+    def test_mxfp8_takes_only_the_default_arithmetic(self):
+        q = Quantization(Fp8.E4M3FN, Granularity.MXFP8, None, Arithmetic.DEEPGEMM)
+        self.bad(Status.INVALID_ARGUMENT, ["jobs[0].arithmetic is 1", "MXFP8"], quantization=q, scale_row_stride=8)
 
     def test_zero_blocks_get_the_epsilon_scale(self):
         q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (8, 8))
@@ -294,6 +324,23 @@ class TorchQuantizeTest(unittest.TestCase):
         want = quotient.clamp(-448, 448).to(torch.float8_e4m3fn).view(torch.uint8).view(rows, cols)
         self.assertTrue(torch.equal(scales.view(torch.int32), want_scales.view(torch.int32)))
         self.assertEqual((out != want).sum().item(), 0)
+
+    def test_the_deepgemm_arithmetic_equals_a_torch_reciprocal_block_quantizer(self):
+        # As DeepGEMM's per_block_cast_to_fp8 (vLLM's online block quantization) computes on the GPU:
+        # the amax floored at 1e-4, the quotient a product by the scale's reciprocal.
+        torch.manual_seed(1)
+        rows, cols = 384, 640
+        x = (torch.randn(rows, cols, device="cuda") * torch.logspace(-20, 8, rows, base=2, device="cuda")[:, None]).to(torch.bfloat16)
+        x[128:256, 256:384] = 0
+        q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (128, 128), Arithmetic.DEEPGEMM)
+        out, scales = self.quantize(x, q, (3, 5))
+        blocks = x.float().view(3, 128, 5, 128)
+        want_scales = blocks.abs().amax(dim=(1, 3)).clamp(1e-4) / torch.full((3, 5), 448.0, device="cuda")
+        want = (blocks * (1.0 / want_scales)[:, None, :, None]).to(torch.float8_e4m3fn).view(torch.uint8).view(rows, cols)
+        self.assertTrue(torch.equal(scales.view(torch.int32), want_scales.view(torch.int32)))
+        self.assertEqual((out != want).sum().item(), 0)
+        divide, _ = self.quantize(x, Quantization(Fp8.E4M3FN, Granularity.BLOCK, (128, 128)), (3, 5))
+        self.assertGreater((divide != want).sum().item(), 0)
 
 
 if __name__ == "__main__":

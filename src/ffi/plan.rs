@@ -705,7 +705,8 @@ unsafe fn write_stats(s: &PlanStats, stats: *mut PlanStats) -> Result<()> {
 }
 
 /// How a quantized need (refit_table_add_quantized_need) is quantized and where its scales and
-/// staging are. `reserved` must be 0.
+/// staging are. `arithmetic` (REFIT_ARITHMETIC_*, 0 the default) says how fp32 scales and quotients
+/// are computed, as refit_quantize_job's.
 ///
 /// The need's box is a stack of matrices: its last two dimensions are rows and columns (a
 /// 1-dimensional box is one row) and the dimensions before them number the matrices, row-major;
@@ -720,7 +721,7 @@ unsafe fn write_stats(s: &PlanStats, stats: *mut PlanStats) -> Result<()> {
 pub struct refit_need_quantization {
     pub quantization: super::quantize::refit_quantization,
     pub source_type: u32,
-    pub reserved: u32,
+    pub arithmetic: u32,
     pub scales: u64,
     pub scale_row_stride: u64,
     pub scale_matrix_stride: u64,
@@ -772,7 +773,7 @@ pub struct refit_need_quantization {
 /// Changes the table (see refit_table for threads). Errors: NULL_ARGUMENT (table, strides,
 /// quantization; offset/extent when ndim > 0), INVALID_ARGUMENT (unknown tensor index, ndim above
 /// REFIT_MAX_DIMS, an unknown target, granularity or source type, REFIT_QUANT_NONE, a bad block
-/// shape, reserved not 0, an element size other than the source type's, a last stride other than
+/// shape, an unknown arithmetic or one MXFP8 does not take, an element size other than the source type's, a last stride other than
 /// 1, scale strides that make grids overlap, misaligned staging, ranges past 2^64),
 /// TENSOR_MISMATCH (ndim differing from the tensor's, box outside the tensor).
 ///
@@ -801,14 +802,13 @@ pub unsafe extern "C" fn refit_table_add_quantized_need(
         };
         let region = Region { offset: dims(offset, ndim, "offset")?, extent: dims(extent, ndim, "extent")? };
         let strides = dims(strides, ndim, "strides")?;
-        let kind = super::quantize::quantization("quantization->quantization", &q.quantization)?;
+        let kind = super::quantize::quantization(
+            "quantization->quantization",
+            &q.quantization,
+            "quantization->arithmetic",
+            q.arithmetic,
+        )?;
         let source = super::quantize::source_type("quantization->source_type", q.source_type)?;
-        if q.reserved != 0 {
-            return Err(Error::invalid_argument(format!(
-                "quantization->reserved is {}; it must be 0",
-                q.reserved
-            )));
-        }
         table.write()?.add_quant_need(plan::QuantNeed {
             tensor,
             receiver: Endpoint { process: rank, device },

@@ -11,7 +11,7 @@ use crate::error::Status;
 use crate::error::{Error, Result};
 use crate::ffi::group::refit_group;
 use crate::group::Group;
-use crate::quant::{check_jobs, QuantJob, Quantization, SourceType};
+use crate::quant::{check_jobs, Arithmetic, QuantJob, Quantization, SourceType};
 use crate::transport::access::first_unusable;
 use crate::transport::Stream;
 use std::ffi::c_void;
@@ -34,6 +34,17 @@ pub const REFIT_QUANT_BLOCK: u32 = 3;
 /// OCP MXFP8: one e8m0 scale byte per 32 consecutive elements of a row.
 pub const REFIT_QUANT_MXFP8: u32 = 4;
 
+/// refit_quantize_job.arithmetic, refit_need_quantization.arithmetic: how fp32 scales and quotients
+/// are computed (refit_quantize_batch gives each exactly). The default: scale = max(amax, 1e-10) /
+/// FP8_MAX, quotient x / scale, as vLLM's and SGLang's per-token-group CUDA quantizers compute them.
+pub const REFIT_ARITHMETIC_DIVIDE: u32 = 0;
+/// scale = max(amax, 1e-4) / FP8_MAX, quotient x * RN(1 / scale): DeepGEMM's per_block_cast_to_fp8,
+/// with which vLLM 0.33 quantizes BF16 weights to 128 x 128 FP8 blocks online.
+pub const REFIT_ARITHMETIC_DEEPGEMM: u32 = 1;
+/// scale = max(amax, 2^-9) / FP8_MAX, quotient x / scale: vLLM 0.33's online per-channel FP8 weights
+/// (its scale floor 1 / (FP8_MAX * 512)).
+pub const REFIT_ARITHMETIC_VLLM_CHANNEL: u32 = 2;
+
 /// refit_quantize_job.source_type: bfloat16.
 pub const REFIT_SOURCE_BF16: u32 = 1;
 /// refit_quantize_job.source_type: IEEE binary16.
@@ -44,7 +55,8 @@ pub const REFIT_SOURCE_F32: u32 = 3;
 /// A quantization: a target FP8 format (REFIT_FP8_*) and a granularity (REFIT_QUANT_*).
 /// `block_rows` x `block_cols` is the block of REFIT_QUANT_BLOCK (both at least 1, block_cols a
 /// multiple of 8, at most 2^24 elements; 128 x 128 is DeepSeek-V3's) and must be 0 x 0 for every
-/// other granularity.
+/// other granularity. The arithmetic of fp32 scales (REFIT_ARITHMETIC_*) is given beside it, in the
+/// job or need that holds it.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct refit_quantization {
@@ -61,7 +73,8 @@ pub struct refit_quantization {
 /// matrix, 1 scale; per row: 1 x cols, a column of `rows` scales; per block: the block; MXFP8:
 /// 1 x 32), `scale_row_stride` scales from one grid row to the next. Scales are fp32 (little-endian),
 /// the dequantization factor (x ~ code * scale, DeepSeek's `weight_scale_inv`), or for MXFP8 e8m0
-/// bytes (scale 2^(byte - 127), 0xff NaN). `reserved` must be 0.
+/// bytes (scale 2^(byte - 127), 0xff NaN). `arithmetic` (REFIT_ARITHMETIC_*) says how fp32 scales
+/// and quotients are computed; MXFP8 takes REFIT_ARITHMETIC_DIVIDE (0), the value of a zeroed field.
 ///
 /// Alignment: every source row starts on 16 bytes (`src` and `src_row_stride` x element size
 /// multiples of 16), `dst` and `dst_row_stride` are multiples of 8 (bf16, f16) or 4 (f32) bytes,
@@ -71,7 +84,7 @@ pub struct refit_quantization {
 pub struct refit_quantize_job {
     pub quantization: refit_quantization,
     pub source_type: u32,
-    pub reserved: u32,
+    pub arithmetic: u32,
     pub src: u64,
     pub rows: u64,
     pub cols: u64,
@@ -82,14 +95,30 @@ pub struct refit_quantize_job {
     pub scale_row_stride: u64,
 }
 
-/// The Rust quantization of a C one, `what` naming it in messages ("jobs[3].quantization"). The
-/// numbers are mapped in one place (`Quantization::from_codes`, which the table's wire format uses
-/// too); this says which field made a refused one.
-pub(crate) fn quantization(what: &str, q: &refit_quantization) -> Result<Quantization> {
+/// The Rust quantization of a C one and the arithmetic beside it, `what` and `arithmetic_field`
+/// naming them in messages ("jobs[3].quantization", "jobs[3].arithmetic"). The numbers are mapped in
+/// one place (`Quantization::from_codes`, which the table's wire format uses too); this says which
+/// field made a refused one.
+pub(crate) fn quantization(
+    what: &str,
+    q: &refit_quantization,
+    arithmetic_field: &str,
+    arithmetic: u32,
+) -> Result<Quantization> {
     if let Some(quantization) =
-        Quantization::from_codes([q.target, q.granularity, q.block_rows, q.block_cols])
+        Quantization::from_codes([q.target, q.granularity, q.block_rows, q.block_cols, arithmetic])
     {
         return Ok(quantization);
+    }
+    if Quantization::from_codes([q.target, q.granularity, q.block_rows, q.block_cols, 0]).is_some() {
+        let why = if Arithmetic::from_code(arithmetic).is_none() {
+            format!(
+                "is {arithmetic}; expected REFIT_ARITHMETIC_DIVIDE (0), _DEEPGEMM (1) or _VLLM_CHANNEL (2)"
+            )
+        } else {
+            format!("is {arithmetic}; MXFP8's scales are powers of two: it takes REFIT_ARITHMETIC_DIVIDE (0) only")
+        };
+        return Err(Error::invalid_argument(format!("{arithmetic_field} {why}")));
     }
     let why = if !matches!(q.target, REFIT_FP8_E4M3FN | REFIT_FP8_E5M2) {
         format!(
@@ -121,14 +150,13 @@ pub(crate) fn source_type(what: &str, code: u32) -> Result<SourceType> {
 }
 
 fn job(index: usize, c: &refit_quantize_job) -> Result<QuantJob> {
-    let quantization = quantization(&format!("jobs[{index}].quantization"), &c.quantization)?;
+    let quantization = quantization(
+        &format!("jobs[{index}].quantization"),
+        &c.quantization,
+        &format!("jobs[{index}].arithmetic"),
+        c.arithmetic,
+    )?;
     let source = source_type(&format!("jobs[{index}].source_type"), c.source_type)?;
-    if c.reserved != 0 {
-        return Err(Error::invalid_argument(format!(
-            "jobs[{index}].reserved is {}; it must be 0",
-            c.reserved
-        )));
-    }
     Ok(QuantJob {
         quantization,
         source,
@@ -169,19 +197,25 @@ fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
 /// The arithmetic, exact (the bytes are equal on every backend and GPU):
 /// - Elements are decoded to f32 exactly. Per block of elements sharing a scale, amax is the largest
 ///   |x|, +inf if an element is infinite, NaN if an element is NaN (NaN propagates, as torch's amax).
-/// - fp32 scale = max(amax, 1e-10f) / FP8_MAX in f32 (IEEE division, nearest even), FP8_MAX = 448
-///   (E4M3FN) or 57344 (E5M2); 1e-10 is vLLM's per_token_group_quant_fp8 default eps, so an all-zero
-///   block gets scale 1e-10f / FP8_MAX. A block holding a NaN gets the scale 0x7fffffff (NaN); one
-///   holding an infinity (and no NaN) gets +inf.
+/// - fp32 scale = max(amax, FLOOR) / FP8_MAX in f32 (IEEE division, nearest even), FP8_MAX = 448
+///   (E4M3FN) or 57344 (E5M2), FLOOR the job's arithmetic's: 1e-10f (REFIT_ARITHMETIC_DIVIDE),
+///   1e-4f (_DEEPGEMM) or 2^-9 (_VLLM_CHANNEL), so an all-zero block gets scale FLOOR / FP8_MAX.
+///   A block holding a NaN gets the scale 0x7fffffff (NaN); one holding an infinity (and no NaN)
+///   gets +inf.
 /// - MXFP8 (OCP MX v1.0): e = floor(log2(amax)) - 8 (E4M3FN) or - 15 (E5M2), clamped to -127..127,
 ///   scale byte e + 127 (e8m0), divisor 2^e; an all-zero block gets byte 0; a block holding a NaN or
 ///   an infinity gets 0xff (NaN).
-/// - Each code: the f32 quotient x / scale (IEEE division, nearest even) rounded to the nearest FP8
-///   value, ties to even, saturating: finite or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a
-///   NaN quotient gives 0x7f, and the sign of zero is kept (-0.0 gives 0x80). This is
-///   `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)` of vLLM's and DeepSeek's quantizers; in a block
-///   whose scale is +inf, finite elements give +-0 and infinite ones NaN (0x7f); in a block whose
-///   scale is NaN, every element gives 0x7f.
+/// - Each code: the f32 quotient rounded to the nearest FP8 value, ties to even, saturating: finite
+///   or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a NaN quotient gives 0x7f, and the sign
+///   of zero is kept (-0.0 gives 0x80). The quotient is x / scale (IEEE division, nearest even;
+///   MXFP8, _DIVIDE, _VLLM_CHANNEL) or, under _DEEPGEMM, x * r with r = 1 / scale in f32 (two
+///   roundings; a scale of +inf or NaN gives the same as the division). So _DIVIDE is
+///   `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)` with vLLM's per-token-group eps, _DEEPGEMM
+///   is `(x * (1.0 / s)).to(torch.float8_e4m3fn)` of DeepGEMM's per_block_cast_to_fp8 (vLLM 0.33's
+///   online block quantization), and _VLLM_CHANNEL vLLM 0.33's online per-channel weights, each
+///   equal byte for byte (tested against vLLM's own functions). In a block whose scale is +inf,
+///   finite elements give +-0 and infinite ones NaN (0x7f); in a block whose scale is NaN, every
+///   element gives 0x7f.
 ///
 /// Per-tensor jobs need the whole matrix's amax first: on CUDA they take a second launch before the
 /// quantizing one (every other granularity: one launch for the whole batch). The kernel reads each
@@ -198,7 +232,8 @@ fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
 /// Errors: NULL_ARGUMENT (group, or jobs with count > 0), INVALID_ARGUMENT (rank not below the group
 /// size, flags not 0, count too large, an unknown target, granularity or source type,
 /// REFIT_QUANT_NONE, a block shape with a 0, block columns not a multiple of 8 or a block of more
-/// than 2^24 elements, a block shape given for another granularity, reserved not 0, a row stride
+/// than 2^24 elements, a block shape given for another granularity, an unknown arithmetic or one
+/// MXFP8 does not take, a row stride
 /// below the row, a zero address for a job with elements, misaligned rows or scales, a range past the
 /// end of the address space, memory that is not the device's (as refit_copy_batch checks it: on CUDA
 /// every byte in a live allocation of the rank's device or of a device it accesses directly, so host

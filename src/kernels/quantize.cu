@@ -1,10 +1,10 @@
 // refit's quantizing copy: bf16 / f16 / f32 matrices to FP8 (e4m3fn, e5m2) codes and their scales,
 // per tensor, per row, per block or MX, for a batch of matrices in one launch of each entry point
 // the batch's jobs need (see Occupancy; per-tensor jobs add a phase: see below). The arithmetic is src/quant/mod.rs's, bit for bit: amax as the maximum of the
-// f32 bit patterns of |x| (NaN propagates), fp32 scale = max(amax, 1e-10) / FP8_MAX or MX's 2^e,
-// each element the IEEE f32 quotient x / scale cast to FP8 with round-to-nearest-even and
-// saturation, NaN to 0x7f. (The quotient comes from the block's reciprocal, exactly where it
-// matters: see quotient below.)
+// f32 bit patterns of |x| (NaN propagates), fp32 scale = max(amax, the job's floor) / FP8_MAX or
+// MX's 2^e, each element the f32 quotient (the IEEE x / scale, or under the reciprocal arithmetic
+// x * RN(1 / scale)) cast to FP8 with round-to-nearest-even and saturation, NaN to 0x7f. (The IEEE
+// quotient comes from the block's reciprocal, exactly where it matters: see quotient below.)
 //
 // Compiled at run time by NVRTC (no headers), and built as host C++ by tests/emulate to check it
 // against the Rust reference without a GPU: everything here is plain C++ but for the few intrinsics
@@ -56,9 +56,8 @@ typedef unsigned short u16;
 #define QUANT_NARROW_MIN_BLOCKS 4u
 #define QUANT_GROUP_ROUNDS 4u
 #define QUANT_INDEX_SHIFT 8u
-#define QUANT_MIN_AMAX 1e-10f
 #define QUANT_CANONICAL_NAN 0x7fffffffu
-#define QUANT_DESC_BYTES 120u
+#define QUANT_DESC_BYTES 128u
 
 // Codes shared with src/kernels/quantize.rs.
 #define SRC_BF16 0u
@@ -83,7 +82,10 @@ struct QuantDesc {
     u64 blocks;        // scale blocks (per tensor: slabs)
     u32 block_rows, block_cols;
     u32 source, target, scale_kind, mode;
-    u32 group_shift, reserved;
+    u32 group_shift;
+    u32 min_amax;       // f32 bits: the floor under a block's amax before its fp32 scale
+    u32 by_reciprocal;  // 1: quotients are x * RN(1 / scale) (else x / scale)
+    u32 reserved;
 };
 static_assert(sizeof(QuantDesc) == QUANT_DESC_BYTES, "QuantDesc must match the host's layout");
 
@@ -142,7 +144,10 @@ struct Scale {
     u32 stored;
     float divisor;
     float reciprocal;  // RN(1 / divisor), for the quotients of a finite divisor
-    bool exact;        // reciprocal is 1 / divisor exactly (MX's powers of two): x * reciprocal = x / divisor
+    // A quotient is the one product x * reciprocal: MX's powers of two, whose reciprocal is exact
+    // (so the product is x / divisor), and finite scales under the reciprocal arithmetic, which
+    // defines it so.
+    bool by_product;
 };
 
 __device__ __forceinline__ float from_bits(u32 b) {
@@ -284,8 +289,9 @@ __device__ __forceinline__ float power_of_two(int e) {
     return e >= -126 ? from_bits((u32)(e + 127) << 23) : from_bits(1u << (e + 149));
 }
 
-// A block's scale from its amax bits (block_scale in src/quant/reference.rs), without its reciprocal.
-__device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax_bits) {
+// A block's scale from its amax bits (block_scale in src/quant/reference.rs), without its reciprocal;
+// fp32 scales floor the amax at `min_amax` (f32 bits).
+__device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax_bits, u32 min_amax) {
     Scale s;
     if (kind != SCALE_E8M0) {
         if (amax_bits > 0x7f800000u) {
@@ -293,8 +299,8 @@ __device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax
             s.divisor = from_bits(QUANT_CANONICAL_NAN);
             return s;
         }
-        const float amax = from_bits(amax_bits);
-        const float clamped = amax > QUANT_MIN_AMAX ? amax : QUANT_MIN_AMAX;
+        const float amax = from_bits(amax_bits), floor = from_bits(min_amax);
+        const float clamped = amax > floor ? amax : floor;
         s.divisor = clamped / (target == FP8_E4M3 ? 448.0f : 57344.0f);
         s.stored = to_bits(s.divisor);
         return s;
@@ -311,11 +317,16 @@ __device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax
     return s;
 }
 
-__device__ __forceinline__ Scale block_scale(u32 target, u32 kind, u32 amax_bits) {
-    Scale s = block_scale_only(target, kind, amax_bits);
-    s.exact = kind == SCALE_E8M0 && s.stored != 0xffu;
+// The scale of a block of `d` from its amax bits. Under the reciprocal arithmetic a scale of +inf or
+// NaN keeps the division: x / inf and x * RN(1 / inf) = x * 0 are the same signed zero (NaN for an
+// infinite x), and NaN scales give NaN either way.
+__device__ __forceinline__ Scale block_scale(const QuantDesc& d, u32 amax_bits) {
+    Scale s = block_scale_only(d.target, d.scale_kind, amax_bits, d.min_amax);
+    const bool mx = d.scale_kind == SCALE_E8M0;
+    s.by_product = mx ? s.stored != 0xffu
+                      : d.by_reciprocal != 0 && (to_bits(s.divisor) & 0x7fffffffu) < 0x7f800000u;
     // 2^e's reciprocal is 2^-e, a normal or subnormal f32 for every e in [-127, 127].
-    s.reciprocal = s.exact ? power_of_two(127 - (int)s.stored) : 1.0f / s.divisor;
+    s.reciprocal = mx && s.by_product ? power_of_two(127 - (int)s.stored) : 1.0f / s.divisor;
     return s;
 }
 
@@ -376,9 +387,9 @@ __device__ __forceinline__ u32 vector_amax(const Vec& v, u32 count) {
 
 // Quantizes the first `count` elements of a vector and stores their codes at `out`.
 // FINITE: the scale is finite, the quotients come from its reciprocal ([quotient]); otherwise
-// (+inf or NaN) they are IEEE divisions, as the arithmetic defines them. EXACT: the reciprocal is
-// exact (a power of two), so one product is the correctly rounded quotient, sign of zero included.
-template <u32 SRC, bool FINITE, bool EXACT = false>
+// (+inf or NaN) they are IEEE divisions, as the arithmetic defines them. PRODUCT: a quotient is one
+// product by the reciprocal (Scale::by_product), sign of zero included.
+template <u32 SRC, bool FINITE, bool PRODUCT = false>
 __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Scale& scale, u32 target,
                                                unsigned char* out) {
     constexpr u32 n = Elements<SRC>::per_vector;
@@ -387,7 +398,7 @@ __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Sc
 #pragma unroll
     for (u32 e = 0; e < n; ++e) {
         const float x = from_bits(element_bits<SRC>(v, e));
-        q[e] = EXACT ? x * scale.reciprocal
+        q[e] = PRODUCT ? x * scale.reciprocal
                      : (FINITE ? quotient(x, scale.divisor, scale.reciprocal) : x / scale.divisor);
     }
 #pragma unroll
@@ -411,7 +422,7 @@ __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Sc
 // Quantizes the first `count` elements of a vector with `scale` and stores their codes at `out`.
 template <u32 SRC>
 __device__ __forceinline__ void store_codes(const Vec& v, u32 count, const Scale& scale, u32 target, unsigned char* out) {
-    if (scale.exact) {
+    if (scale.by_product) {
         store_codes_as<SRC, true, true>(v, count, scale, target, out);
     } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
         store_codes_as<SRC, true>(v, count, scale, target, out);
@@ -452,19 +463,19 @@ __device__ __forceinline__ void grid_position(const QuantDesc& d, u64 block, u64
 // Stores the codes of a thread's CACHE cached vectors (STRIDE slots apart), all whole, `dstep` bytes
 // apart from `out`, with the scale's case chosen once for all of them (and the target a constant in
 // each loop).
-template <u32 SRC, u32 CACHE, u32 STRIDE, bool FINITE, bool EXACT>
+template <u32 SRC, u32 CACHE, u32 STRIDE, bool FINITE, bool PRODUCT>
 __device__ __forceinline__ void store_cached_as(const Vec* cache, const Scale& scale, u32 target, unsigned char* out,
                                                 u64 dstep) {
     constexpr u32 VE = Elements<SRC>::per_vector;
     if (target == FP8_E4M3) {
 #pragma unroll
         for (u32 k = 0; k < CACHE; ++k) {
-            store_codes_as<SRC, FINITE, EXACT>(cache[k * STRIDE], VE, scale, FP8_E4M3, out + k * dstep);
+            store_codes_as<SRC, FINITE, PRODUCT>(cache[k * STRIDE], VE, scale, FP8_E4M3, out + k * dstep);
         }
     } else {
 #pragma unroll
         for (u32 k = 0; k < CACHE; ++k) {
-            store_codes_as<SRC, FINITE, EXACT>(cache[k * STRIDE], VE, scale, FP8_E5M2, out + k * dstep);
+            store_codes_as<SRC, FINITE, PRODUCT>(cache[k * STRIDE], VE, scale, FP8_E5M2, out + k * dstep);
         }
     }
 }
@@ -576,7 +587,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
         }
         amax = *(volatile u32*)(job_amax + job);
     }
-    const Scale scale = block_scale(d.target, d.scale_kind, amax);
+    const Scale scale = block_scale(d, amax);
     if (t == 0 && (d.scale_kind != SCALE_TENSOR || block == 0)) {
         store_scale(d, d.scale_kind == SCALE_TENSOR ? 0 : grid_row, d.scale_kind == SCALE_TENSOR ? 0 : grid_col,
                     scale.stored);
@@ -584,7 +595,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     if (whole) {
         unsigned char* out = dst + first_row * d.dst_stride + first_col;
         const u64 dstep = row_step * d.dst_stride + (ALONG_A_ROW ? vector_step * VE : 0u);
-        if (scale.exact) {
+        if (scale.by_product) {
             store_cached_as<SRC, CACHE, STRIDE, true, true>(mine, scale, d.target, out, dstep);
         } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
             store_cached_as<SRC, CACHE, STRIDE, true, false>(mine, scale, d.target, out, dstep);
@@ -652,7 +663,7 @@ __device__ void quantize_flat_groups(const QuantDesc& d, u64 tile) {
         // Whole groups: a group's lanes are all in or all out, but every lane of the warp shuffles.
         const u32 amax = warp_max(v < vectors ? vector_amax<SRC>(x[round], VE) : 0u, lanes);
         if (v < vectors) {
-            const Scale scale = block_scale(d.target, d.scale_kind, amax);
+            const Scale scale = block_scale(d, amax);
             if ((threadIdx.x & (lanes - 1u)) == 0) store_scale(d, 0, v >> d.group_shift, scale.stored);
             store_codes<SRC>(x[round], VE, scale, d.target, dst + v * VE);
         }
@@ -699,7 +710,7 @@ __device__ void quantize_groups(const QuantDesc& d, u64 tile) {
         const u64 block = (tile * QUANT_GROUP_ROUNDS + round) * groups + (threadIdx.x >> d.group_shift);
         const u32 amax = warp_max(count[round] > 0 ? vector_amax<SRC>(x[round], count[round]) : 0u, lanes);
         if (block < d.blocks) {
-            const Scale scale = block_scale(d.target, d.scale_kind, amax);
+            const Scale scale = block_scale(d, amax);
             if (lane == 0) store_scale(d, row[round], col[round], scale.stored);
             if (count[round] > 0) {
                 const u64 c = col[round] * d.block_cols + (u64)lane * VE;

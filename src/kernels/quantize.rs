@@ -42,7 +42,7 @@ pub const GROUP_ROUNDS: u64 = 4;
 /// Tiles per entry of a batch's tile index (2^QUANT_INDEX_SHIFT): see [`Layout::index`].
 pub const INDEX_SHIFT: u32 = 8;
 
-/// A job as the kernel reads it (`struct QuantDesc` in the source; 120 bytes).
+/// A job as the kernel reads it (`struct QuantDesc` in the source; 128 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QuantDesc {
@@ -64,6 +64,10 @@ pub struct QuantDesc {
     pub scale_kind: u32,
     pub mode: u32,
     pub group_shift: u32,
+    /// f32 bits: the floor under a block's amax ([`crate::quant::Arithmetic::min_amax`]).
+    pub min_amax: u32,
+    /// 1 where quotients are x * RN(1 / scale) ([`crate::quant::Arithmetic::by_reciprocal`]).
+    pub by_reciprocal: u32,
     pub reserved: u32,
 }
 
@@ -102,7 +106,7 @@ impl Layout {
     /// The table the kernel reads: the descriptors, then the tile index (amax words follow it on
     /// the device).
     pub fn to_bytes(&self) -> Vec<u8> {
-        // SAFETY: QuantDesc is plain old data without padding (11 u64 then 8 u32).
+        // SAFETY: QuantDesc is plain old data without padding (11 u64 then 10 u32).
         let descs = unsafe {
             std::slice::from_raw_parts(
                 self.descs.as_ptr().cast::<u8>(),
@@ -206,6 +210,8 @@ fn describe(job: &QuantJob) -> (QuantDesc, u64) {
             Fp8::E4m3fn => 0,
             Fp8::E5m2 => 1,
         },
+        min_amax: q.arithmetic.min_amax().to_bits(),
+        by_reciprocal: u32::from(q.arithmetic.by_reciprocal()),
         ..QuantDesc::default()
     };
     let tiles;
@@ -555,7 +561,7 @@ impl Drop for PreparedQuantize {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::quant::Quantization;
+    use crate::quant::{Arithmetic, Quantization};
 
     #[test]
     fn the_source_agrees_with_the_host_on_its_constants() {
@@ -569,12 +575,10 @@ mod tests {
             format!("#define QUANT_NARROW_MIN_BLOCKS {NARROW_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_INDEX_SHIFT {INDEX_SHIFT}u"),
             format!("#define QUANT_DESC_BYTES {}u", std::mem::size_of::<QuantDesc>()),
-            "#define QUANT_MIN_AMAX 1e-10f".to_string(),
             format!("#define QUANT_CANONICAL_NAN {:#x}u", crate::quant::reference::CANONICAL_NAN),
         ] {
             assert!(SOURCE.contains(&define), "quantize.cu lacks `{define}`");
         }
-        assert_eq!(crate::quant::reference::MIN_AMAX, 1e-10f32);
     }
 
     /// A job at addresses of its own (`slot`), never touched: layout reads no memory.
@@ -593,13 +597,24 @@ mod tests {
         // (and MX's powers of two): equal bits, or both quotients below 2^-20, which every FP8 format
         // encodes as the same signed zero.
         let mut amaxes: Vec<f32> = (0..40).map(|i| f32::from_bits(0x0080_0000 + i * 0x01e3_4567)).collect();
-        amaxes.extend([0.0, 1e-10, 448.0, 57344.0, f32::MAX, 1.0 + f32::EPSILON, 2.0 - f32::EPSILON]);
+        amaxes.extend([
+            0.0,
+            1e-10,
+            1e-4,
+            1.0 / 512.0,
+            448.0,
+            57344.0,
+            f32::MAX,
+            1.0 + f32::EPSILON,
+            2.0 - f32::EPSILON,
+        ]);
         for amax in amaxes {
             for target in [Fp8::E4m3fn, Fp8::E5m2] {
-                let fp32 =
-                    crate::quant::reference::block_scale(target, ScaleKind::F32, amax.to_bits()).divisor;
-                let mx =
-                    crate::quant::reference::block_scale(target, ScaleKind::E8m0, amax.to_bits()).divisor;
+                let scale = |kind| {
+                    crate::quant::reference::block_scale(target, kind, Arithmetic::Divide, amax.to_bits())
+                        .divisor
+                };
+                let (fp32, mx) = (scale(ScaleKind::F32), scale(ScaleKind::E8m0));
                 for s in [fp32, mx] {
                     let y = 1.0 / s;
                     for bits in 0..=u16::MAX {
@@ -622,7 +637,7 @@ mod tests {
     }
 
     fn job(slot: u64, granularity: Granularity, rows: u64, cols: u64) -> QuantJob {
-        let q = Quantization { target: Fp8::E4m3fn, granularity };
+        let q = Quantization::new(Fp8::E4m3fn, granularity);
         let base = (slot + 1) << 44;
         let (_, grid_cols) = q.scale_grid(rows, cols);
         QuantJob {
@@ -684,7 +699,7 @@ mod tests {
             );
         }
         assert_eq!(l.index[chunks], 5, "past the end: the last job");
-        assert_eq!(l.to_bytes().len(), 6 * 120 + (chunks + 1) * 4);
+        assert_eq!(l.to_bytes().len(), 6 * 128 + (chunks + 1) * 4);
         // A batch of wide jobs only, and one of narrow jobs only.
         let wide_only = layout(&[block]).unwrap();
         assert_eq!((wide_only.narrow_tiles, wide_only.tiles), (0, 32768));

@@ -26,7 +26,7 @@ use super::stats::PlanStats;
 use super::table::{Endpoint, Need, Region, Table, TensorSpec, MAX_DIMS};
 use crate::error::{Error, Result, Status};
 use crate::quant::job::check_job;
-use crate::quant::{Granularity, QuantJob, Quantization, SourceType};
+use crate::quant::{QuantJob, Quantization, SourceType};
 use std::collections::{BTreeMap, HashMap};
 
 /// A need for FP8: `region` of tensor `tensor` quantized to `quantization` into FP8 codes at `addr`
@@ -386,21 +386,10 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
 
 fn hash_need(h: &mut Fnv1a, spec: &TensorSpec, q: &QuantNeed) {
     h.bytes(spec.name.as_bytes());
-    let (granularity, block_rows, block_cols) = match q.quantization.granularity {
-        Granularity::Tensor => (1, 0, 0),
-        Granularity::Row => (2, 0, 0),
-        Granularity::Block { rows, cols } => (3, rows, cols),
-        Granularity::Mx => (4, 0, 0),
-    };
-    for v in [
-        q.receiver.process,
-        q.receiver.device,
-        q.quantization.target as u32,
-        granularity,
-        block_rows,
-        block_cols,
-        q.source as u32,
-    ] {
+    for v in [q.receiver.process, q.receiver.device, q.source.code()] {
+        h.u64(v.into());
+    }
+    for v in q.quantization.codes() {
         h.u64(v.into());
     }
     for v in [q.addr, q.scales, q.scale_row_stride, q.scale_matrix_stride, q.staging] {

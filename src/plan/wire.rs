@@ -32,18 +32,29 @@ const MAGIC: &[u8; 4] = b"RFTB";
 ///
 /// cbindgen:ignore
 pub const VERSION: u8 = 1;
-/// The version of tables with quantized needs (read as well as [`VERSION`]).
+/// The version of tables with quantized needs, each with its arithmetic (read as well as
+/// [`VERSION`]).
 ///
 /// cbindgen:ignore
-pub const VERSION_QUANTIZED: u8 = 2;
+pub const VERSION_QUANTIZED: u8 = 3;
+/// Tables with quantized needs written before needs had an arithmetic (read as the default one).
+///
+/// cbindgen:ignore
+pub const VERSION_QUANTIZED_DIVIDE_ONLY: u8 = 2;
 const HEADER: usize = 5;
 const CHECKSUM: usize = 8;
 
 /// Encodes one table. Never fails: every table has an encoding (validation happens when planning).
 pub fn encode(table: &Table) -> Vec<u8> {
+    encode_as(table, if table.quant_needs.is_empty() { VERSION } else { VERSION_QUANTIZED })
+}
+
+/// [`encode`] in format `version`: [`VERSION_QUANTIZED_DIVIDE_ONLY`] leaves the arithmetic out (the
+/// tests write the tables of earlier libraries with it).
+fn encode_as(table: &Table, version: u8) -> Vec<u8> {
     let mut out = Vec::with_capacity(64 + 48 * (table.offers.len() + table.needs.len()));
     out.extend_from_slice(MAGIC);
-    out.push(if table.quant_needs.is_empty() { VERSION } else { VERSION_QUANTIZED });
+    out.push(version);
     put(&mut out, table.tensors.len() as u64);
     for t in &table.tensors {
         put(&mut out, t.name.len() as u64);
@@ -89,7 +100,9 @@ pub fn encode(table: &Table) -> Vec<u8> {
             put(&mut out, q.addr);
             put_region(&mut out, &q.region);
             put_list(&mut out, &q.strides);
-            for code in q.quantization.codes() {
+            let codes = q.quantization.codes();
+            let written = if version == VERSION_QUANTIZED { &codes[..] } else { &codes[..4] };
+            for &code in written {
                 put(&mut out, code.into());
             }
             put(&mut out, q.source.code().into());
@@ -113,10 +126,11 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
             bytes.len()
         );
     }
-    if bytes[4] != VERSION && bytes[4] != VERSION_QUANTIZED {
+    if ![VERSION, VERSION_QUANTIZED_DIVIDE_ONLY, VERSION_QUANTIZED].contains(&bytes[4]) {
         bail!(
             Status::VersionMismatch,
-            "table format version {} (this library reads versions {VERSION} and {VERSION_QUANTIZED})",
+            "table format version {} (this library reads versions {VERSION}, {VERSION_QUANTIZED_DIVIDE_ONLY} and \
+             {VERSION_QUANTIZED})",
             bytes[4]
         );
     }
@@ -186,7 +200,7 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
         needs.push(Need { tensor, receiver, addr, region, perm, strides });
     }
     let mut quant_needs = Vec::new();
-    if bytes[4] == VERSION_QUANTIZED {
+    if bytes[4] != VERSION {
         let count = r.count("quantized needs", 16)?;
         quant_needs.reserve(count);
         for _ in 0..count {
@@ -195,8 +209,13 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
             let addr = r.varint()?;
             let region = r.region()?;
             let strides = r.list()?;
-            let codes =
-                [r.u32("target")?, r.u32("granularity")?, r.u32("block rows")?, r.u32("block columns")?];
+            let codes = [
+                r.u32("target")?,
+                r.u32("granularity")?,
+                r.u32("block rows")?,
+                r.u32("block columns")?,
+                if bytes[4] == VERSION_QUANTIZED { r.u32("arithmetic")? } else { 0 },
+            ];
             let quantization = Quantization::from_codes(codes).ok_or_else(|| {
                 Error::new(Status::DecodeError, format!("no quantization has the numbers {codes:?}"))
             })?;
@@ -329,5 +348,44 @@ impl Reader<'_> {
 
     fn region(&mut self) -> Result<Region> {
         Ok(Region { offset: self.list()?, extent: self.list()? })
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::plan::quantized::QuantNeed;
+    use crate::quant::{Arithmetic, Fp8, Granularity};
+
+    fn table(arithmetic: Arithmetic) -> Table {
+        let q = Quantization::new(Fp8::E4m3fn, Granularity::Row).with(arithmetic);
+        Table {
+            tensors: vec![TensorSpec { name: "w".into(), dtype: 1, elem_size: 2, shape: vec![4, 8] }],
+            quant_needs: vec![QuantNeed {
+                tensor: 0,
+                receiver: Endpoint { process: 0, device: 0 },
+                addr: 0x1000,
+                region: Region { offset: vec![0, 0], extent: vec![4, 8] },
+                strides: vec![8, 1],
+                quantization: q,
+                source: SourceType::Bf16,
+                scales: 0x2000,
+                scale_row_stride: 1,
+                scale_matrix_stride: 4,
+                staging: 0,
+            }],
+            ..Table::default()
+        }
+    }
+
+    #[test]
+    fn tables_of_libraries_before_the_arithmetic_read_as_its_default() {
+        let earlier = encode_as(&table(Arithmetic::Divide), VERSION_QUANTIZED_DIVIDE_ONLY);
+        assert_eq!(decode(&earlier).unwrap(), table(Arithmetic::Divide));
+        // The arithmetic is one more number per need than those tables hold.
+        let now = encode(&table(Arithmetic::VllmChannel));
+        assert_eq!(now[4], VERSION_QUANTIZED);
+        assert_eq!(now.len(), earlier.len() + 1);
+        assert_eq!(decode(&now).unwrap(), table(Arithmetic::VllmChannel));
     }
 }

@@ -30,12 +30,65 @@ pub const BLOCK_COLS_MULTIPLE: u32 = 8;
 /// The most elements a block may hold (one thread block quantizes one block).
 pub const MAX_BLOCK_ELEMENTS: u64 = 1 << 24;
 
-/// A quantization: a target FP8 format and a granularity. A plan's need will carry one; today the
-/// quantizing copy (`refit_quantize_batch`) takes one per job.
+/// How a block's fp32 scale and its elements' quotients are computed. The quantizers users compare
+/// with agree on the amax, the cast and the saturation, and differ in two places only: the floor
+/// under the amax that a scale is computed from, and whether a quotient is one IEEE division or the
+/// product by the scale's rounded reciprocal. Each variant is one such pair, named after who uses
+/// it (`super` has the arithmetic; [`Arithmetic::min_amax`], [`Arithmetic::by_reciprocal`]).
+/// MX scales are powers of two, where both quotients agree and no floor applies: MX takes
+/// [`Arithmetic::Divide`] only.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
+pub enum Arithmetic {
+    /// scale = max(amax, 1e-10) / FP8_MAX, quotient x / scale: vLLM's and SGLang's per-token-group
+    /// CUDA quantizers (their default eps) and torch's `clamp(x / s, -MAX, MAX).to(fp8)`.
+    #[default]
+    Divide,
+    /// scale = max(amax, 1e-4) / FP8_MAX, quotient x * RN(1 / scale): DeepGEMM's
+    /// `per_block_cast_to_fp8`, which vLLM 0.33 runs to quantize BF16 weights to FP8 blocks online.
+    DeepGemm,
+    /// scale = max(amax, 2^-9) / FP8_MAX, quotient x / scale: vLLM 0.33's online per-channel
+    /// weights, whose scale floor 1 / (FP8_MAX * 512) is this amax floor divided by FP8_MAX.
+    VllmChannel,
+}
+
+impl Arithmetic {
+    /// The floor under a block's amax before its fp32 scale is computed.
+    pub fn min_amax(self) -> f32 {
+        match self {
+            Arithmetic::Divide => 1e-10,
+            Arithmetic::DeepGemm => 1e-4,
+            Arithmetic::VllmChannel => 1.0 / 512.0,
+        }
+    }
+
+    /// Whether a quotient is x * RN(1 / scale) (else the IEEE quotient x / scale).
+    pub fn by_reciprocal(self) -> bool {
+        matches!(self, Arithmetic::DeepGemm)
+    }
+
+    /// The C API's REFIT_ARITHMETIC_* number.
+    pub fn code(self) -> u32 {
+        match self {
+            Arithmetic::Divide => 0,
+            Arithmetic::DeepGemm => 1,
+            Arithmetic::VllmChannel => 2,
+        }
+    }
+
+    pub fn from_code(code: u32) -> Option<Arithmetic> {
+        [Arithmetic::Divide, Arithmetic::DeepGemm, Arithmetic::VllmChannel]
+            .into_iter()
+            .find(|a| a.code() == code)
+    }
+}
+
+/// A quantization: a target FP8 format, a granularity and the arithmetic of its fp32 scales. A
+/// plan's quantized need carries one; the quantizing copy (`refit_quantize_batch`) takes one per job.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 pub struct Quantization {
     pub target: Fp8,
     pub granularity: Granularity,
+    pub arithmetic: Arithmetic,
 }
 
 /// How scales are stored.
@@ -57,6 +110,16 @@ impl ScaleKind {
 }
 
 impl Quantization {
+    /// `target` at `granularity` with the default arithmetic ([`Arithmetic::Divide`]).
+    pub const fn new(target: Fp8, granularity: Granularity) -> Quantization {
+        Quantization { target, granularity, arithmetic: Arithmetic::Divide }
+    }
+
+    /// This quantization with `arithmetic`.
+    pub const fn with(self, arithmetic: Arithmetic) -> Quantization {
+        Quantization { arithmetic, ..self }
+    }
+
     pub fn scale_kind(&self) -> ScaleKind {
         match self.granularity {
             Granularity::Mx => ScaleKind::E8m0,
@@ -198,6 +261,15 @@ pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
             ));
         }
     }
+    if q.granularity == Granularity::Mx && q.arithmetic != Arithmetic::Divide {
+        return Err(invalid(
+            index,
+            format!(
+                "MXFP8 takes the Divide arithmetic (its scales are powers of two), not {:?}",
+                q.arithmetic
+            ),
+        ));
+    }
     if job.elements() == 0 {
         return Ok(());
     }
@@ -306,23 +378,25 @@ fn overlapping_regions(message: &str) -> String {
 }
 
 /// The numbers the C API and the table's wire format give a quantization: target (1 e4m3fn, 2 e5m2),
-/// granularity (1 tensor, 2 row, 3 block, 4 MX), block rows and columns (0 but for blocks).
+/// granularity (1 tensor, 2 row, 3 block, 4 MX), block rows and columns (0 but for blocks), and the
+/// arithmetic ([`Arithmetic::code`]; 0 for MX).
 impl Quantization {
-    pub fn codes(&self) -> [u32; 4] {
+    pub fn codes(&self) -> [u32; 5] {
         let target = match self.target {
             Fp8::E4m3fn => 1,
             Fp8::E5m2 => 2,
         };
+        let arithmetic = self.arithmetic.code();
         match self.granularity {
-            Granularity::Tensor => [target, 1, 0, 0],
-            Granularity::Row => [target, 2, 0, 0],
-            Granularity::Block { rows, cols } => [target, 3, rows, cols],
-            Granularity::Mx => [target, 4, 0, 0],
+            Granularity::Tensor => [target, 1, 0, 0, arithmetic],
+            Granularity::Row => [target, 2, 0, 0, arithmetic],
+            Granularity::Block { rows, cols } => [target, 3, rows, cols, arithmetic],
+            Granularity::Mx => [target, 4, 0, 0, arithmetic],
         }
     }
 
     /// The quantization [`Quantization::codes`] gives, None for numbers no quantization has.
-    pub fn from_codes([target, granularity, rows, cols]: [u32; 4]) -> Option<Quantization> {
+    pub fn from_codes([target, granularity, rows, cols, arithmetic]: [u32; 5]) -> Option<Quantization> {
         let target = match target {
             1 => Fp8::E4m3fn,
             2 => Fp8::E5m2,
@@ -335,7 +409,11 @@ impl Quantization {
             (4, 0, 0) => Granularity::Mx,
             _ => return None,
         };
-        Some(Quantization { target, granularity })
+        let arithmetic = Arithmetic::from_code(arithmetic)?;
+        if granularity == Granularity::Mx && arithmetic != Arithmetic::Divide {
+            return None;
+        }
+        Some(Quantization { target, granularity, arithmetic })
     }
 }
 

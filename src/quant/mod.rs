@@ -11,23 +11,24 @@
 //! - amax = max |x| over the block, taken as the maximum of the f32 bit patterns of |x|: the largest
 //!   magnitude, +inf when an element is infinite, a NaN when an element is a NaN (NaN propagates,
 //!   as torch's `amax` does; a GPU's `fmaxf` would drop it).
-//! - fp32 scales (per tensor, row, block): scale = max(amax, 1e-10) / FP8_MAX, one IEEE f32
-//!   division rounded to nearest even; FP8_MAX = 448 (e4m3fn) or 57344 (e5m2). The 1e-10 (as f32)
-//!   is vLLM's `per_token_group_quant_fp8` default `eps`, which we follow (DeepSeek-V3's reference
-//!   clamps at 1e-4 instead; vLLM's per-tensor and per-token CUDA paths bound the *scale* below by
-//!   1/(FP8_MAX * 512) instead: their scales differ from ours only for blocks with amax below
-//!   1/512). So an all-zero block gets scale f32(1e-10) / FP8_MAX and codes 0x00 (0x80 for -0.0).
+//! - fp32 scales (per tensor, row, block): scale = max(amax, FLOOR) / FP8_MAX, one IEEE f32
+//!   division rounded to nearest even; FP8_MAX = 448 (e4m3fn) or 57344 (e5m2). FLOOR is the
+//!   quantization's arithmetic's ([`Arithmetic`]): 1e-10 (as f32; vLLM's `per_token_group_quant_fp8`
+//!   default `eps`, the default), 1e-4 (DeepGEMM's `per_block_cast_to_fp8`) or 2^-9 (vLLM's online
+//!   per-channel weights, whose floor 1 / (FP8_MAX * 512) is on the scale: the same f32). So an
+//!   all-zero block gets scale f32(FLOOR) / FP8_MAX and codes 0x00 (0x80 for -0.0).
 //!   A block with a NaN gets the scale NaN (bits 0x7fffffff); a block with an infinity (and no NaN)
 //!   gets +inf.
 //! - MX (OCP Microscaling v1.0): e = floor(log2(amax)) - emax, emax = 8 (e4m3) or 15 (e5m2),
 //!   clamped to -127..=127; the e8m0 scale byte is e + 127 and the divisor 2^e. An all-zero block
 //!   gets e = -127 (byte 0). A block with a NaN or an infinity gets the byte 0xff (NaN).
-//! - Each element: q = encode(x / divisor), divisor = the fp32 scale or 2^e, the quotient one IEEE
-//!   f32 division rounded to nearest even, and encode the saturating round-to-nearest-even cast
-//!   ([`fp8::Fp8::encode`]): finite quotients beyond +-FP8_MAX saturate to +-FP8_MAX (so do
-//!   infinite ones), a NaN quotient gives 0x7f. Below FP8_MAX this equals torch's
-//!   `.to(torch.float8_e4m3fn / float8_e5m2)` of the f32 quotient, i.e. `clamp(x / s, -MAX,
-//!   MAX).to(fp8)` of vLLM's and DeepSeek's quantizers.
+//! - Each element: q = encode(quotient), the quotient x / divisor (one IEEE f32 division rounded
+//!   to nearest even; divisor = the fp32 scale or 2^e) or, under [`Arithmetic::DeepGemm`],
+//!   x * RN(1 / scale) (two roundings, as DeepGEMM's `x * (1.0 / sf)`), and encode the saturating
+//!   round-to-nearest-even cast ([`fp8::Fp8::encode`]): finite quotients beyond +-FP8_MAX saturate to
+//!   +-FP8_MAX (so do infinite ones), a NaN quotient gives 0x7f. Below FP8_MAX this equals torch's
+//!   `.to(torch.float8_e4m3fn / float8_e5m2)` of the f32 quotient: `clamp(x / s, -MAX,
+//!   MAX).to(fp8)` of vLLM's quantizers, `(x * (1.0 / s)).to(fp8)` of DeepGEMM's.
 //! - Consequences: in a block with an infinity (scale +inf), finite elements give +-0 and the
 //!   infinities NaN (inf / inf); in a block with a NaN every element gives 0x7f.
 //!
@@ -41,4 +42,4 @@ pub mod job;
 pub mod reference;
 
 pub use fp8::{Fp8, SourceType};
-pub use job::{check_jobs, Granularity, QuantJob, Quantization, ScaleKind};
+pub use job::{check_jobs, Arithmetic, Granularity, QuantJob, Quantization, ScaleKind};

@@ -2,11 +2,7 @@
 //! The host backend runs it; the kernel's tests compare every byte with it.
 
 use super::fp8::{Fp8, SourceType};
-use super::job::{QuantJob, ScaleKind};
-
-/// The smallest amax a block's fp32 scale is computed from: vLLM's `per_token_group_quant_fp8`
-/// default `eps` (1e-10, as f32), so an all-zero block gets the scale 1e-10 / FP8_MAX.
-pub const MIN_AMAX: f32 = 1e-10;
+use super::job::{Arithmetic, QuantJob, ScaleKind};
 
 /// The f32 bit pattern of the canonical NaN (the one a GPU's arithmetic produces), written as the
 /// fp32 scale of a block that holds a NaN.
@@ -22,32 +18,52 @@ pub fn magnitude_bits(x: f32) -> u32 {
     x.to_bits() & 0x7fff_ffff
 }
 
-/// One block's scale, as stored, and the divisor its elements are divided by.
+/// One block's scale, as stored, and how its elements' quotients are taken from it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct BlockScale {
     /// fp32 scales: the f32's bits; e8m0: the byte.
     pub stored: u32,
     pub divisor: f32,
+    /// Quotients are x * RN(1 / divisor) rather than x / divisor ([`Arithmetic::by_reciprocal`]).
+    pub by_reciprocal: bool,
 }
 
-/// The scale of a block whose amax has the bit pattern `amax_bits` ([`magnitude_bits`]).
-pub fn block_scale(target: Fp8, kind: ScaleKind, amax_bits: u32) -> BlockScale {
+impl BlockScale {
+    /// The f32 quotient of element `x`, before its cast.
+    pub fn quotient(&self, x: f32) -> f32 {
+        if self.by_reciprocal {
+            x * (1.0 / self.divisor)
+        } else {
+            x / self.divisor
+        }
+    }
+}
+
+/// The scale of a block whose amax has the bit pattern `amax_bits` ([`magnitude_bits`]), under
+/// `arithmetic` (fp32 scales; MX's are OCP's).
+pub fn block_scale(target: Fp8, kind: ScaleKind, arithmetic: Arithmetic, amax_bits: u32) -> BlockScale {
     let amax = f32::from_bits(amax_bits);
     match kind {
         ScaleKind::F32 => {
+            let by_reciprocal = arithmetic.by_reciprocal();
             if amax.is_nan() {
                 let nan = f32::from_bits(CANONICAL_NAN);
-                return BlockScale { stored: CANONICAL_NAN, divisor: nan };
+                return BlockScale { stored: CANONICAL_NAN, divisor: nan, by_reciprocal };
             }
-            let scale = amax.max(MIN_AMAX) / target.max();
-            BlockScale { stored: scale.to_bits(), divisor: scale }
+            let scale = amax.max(arithmetic.min_amax()) / target.max();
+            BlockScale { stored: scale.to_bits(), divisor: scale, by_reciprocal }
         }
         ScaleKind::E8m0 => {
             if !amax.is_finite() {
-                return BlockScale { stored: u32::from(E8M0_NAN), divisor: f32::from_bits(CANONICAL_NAN) };
+                let divisor = f32::from_bits(CANONICAL_NAN);
+                return BlockScale { stored: u32::from(E8M0_NAN), divisor, by_reciprocal: false };
             }
             let exponent = (floor_log2(amax_bits) - target.max_exponent()).clamp(-127, 127);
-            BlockScale { stored: (exponent + 127) as u32, divisor: power_of_two(exponent) }
+            BlockScale {
+                stored: (exponent + 127) as u32,
+                divisor: power_of_two(exponent),
+                by_reciprocal: false,
+            }
         }
     }
 }
@@ -73,10 +89,10 @@ pub fn power_of_two(e: i32) -> f32 {
     }
 }
 
-/// The code of element `x` of a block with `divisor`: the f32 quotient x / divisor (IEEE division,
-/// rounded to nearest even), encoded with saturation ([`Fp8::encode`]).
-pub fn quantize_element(target: Fp8, x: f32, divisor: f32) -> u8 {
-    target.encode(x / divisor)
+/// The code of element `x` of a block with `scale`: its f32 quotient ([`BlockScale::quotient`]),
+/// encoded with saturation ([`Fp8::encode`]).
+pub fn quantize_element(target: Fp8, x: f32, scale: &BlockScale) -> u8 {
+    target.encode(scale.quotient(x))
 }
 
 /// A source matrix in host memory: `bytes` holds element (r, c) at `(r * stride + c) * size`.
@@ -125,10 +141,10 @@ pub fn quantize(
                     amax = amax.max(magnitude_bits(source.get(r, c)));
                 }
             }
-            let scale = block_scale(quantization.target, kind, amax);
+            let scale = block_scale(quantization.target, kind, quantization.arithmetic, amax);
             for r in row_range.clone() {
                 for c in col_range.clone() {
-                    let code = quantize_element(quantization.target, source.get(r, c), scale.divisor);
+                    let code = quantize_element(quantization.target, source.get(r, c), &scale);
                     dst[(r * dst_stride + c) as usize] = code;
                 }
             }
@@ -203,19 +219,59 @@ mod tests {
 
     #[test]
     fn fp32_scales_follow_vllms_eps_and_propagate_nan() {
-        let zero = block_scale(Fp8::E4m3fn, ScaleKind::F32, 0);
+        let scale = |target, amax_bits| block_scale(target, ScaleKind::F32, Arithmetic::Divide, amax_bits);
+        let zero = scale(Fp8::E4m3fn, 0);
         assert_eq!(zero.stored, (1e-10f32 / 448.0).to_bits());
-        assert_eq!(block_scale(Fp8::E5m2, ScaleKind::F32, 0).divisor, 1e-10f32 / 57344.0);
-        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 448f32.to_bits()).divisor, 1.0);
-        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 0x7f80_0000).divisor, f32::INFINITY);
-        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 0x7fc0_1234).stored, CANONICAL_NAN);
+        assert_eq!(scale(Fp8::E5m2, 0).divisor, 1e-10f32 / 57344.0);
+        assert_eq!(scale(Fp8::E4m3fn, 448f32.to_bits()).divisor, 1.0);
+        assert_eq!(scale(Fp8::E4m3fn, 0x7f80_0000).divisor, f32::INFINITY);
+        assert_eq!(scale(Fp8::E4m3fn, 0x7fc0_1234).stored, CANONICAL_NAN);
         // amax just below eps still takes eps.
-        assert_eq!(block_scale(Fp8::E4m3fn, ScaleKind::F32, 5e-11f32.to_bits()).stored, zero.stored);
+        assert_eq!(scale(Fp8::E4m3fn, 5e-11f32.to_bits()).stored, zero.stored);
+    }
+
+    #[test]
+    fn each_arithmetic_floors_the_amax_at_its_own_eps() {
+        let stored = |arithmetic, amax: f32| {
+            block_scale(Fp8::E4m3fn, ScaleKind::F32, arithmetic, amax.to_bits()).stored
+        };
+        for (arithmetic, floor) in [
+            (Arithmetic::Divide, 1e-10f32),
+            (Arithmetic::DeepGemm, 1e-4),
+            (Arithmetic::VllmChannel, 0.001953125),
+        ] {
+            assert_eq!(stored(arithmetic, 0.0), (floor / 448.0).to_bits(), "{arithmetic:?}");
+            assert_eq!(stored(arithmetic, floor / 2.0), (floor / 448.0).to_bits(), "{arithmetic:?}");
+            assert_eq!(stored(arithmetic, 3.0), (3.0f32 / 448.0).to_bits(), "{arithmetic:?}");
+        }
+        // vLLM's per-channel floor is on the scale, 1 / (448 * 512): the same f32.
+        assert_eq!(stored(Arithmetic::VllmChannel, 0.0), (1.0f32 / (448.0 * 512.0)).to_bits());
+    }
+
+    #[test]
+    fn the_reciprocal_quotient_differs_from_the_division_where_it_rounds_twice() {
+        // 1.078125 / 448 has no exact reciprocal: among the bf16 values up to it, some products by
+        // RN(1 / s) land on the other side of an FP8 rounding boundary than the quotients do (15 of
+        // them, all small enough to be e4m3 subnormals).
+        let amax = 1.078125f32.to_bits();
+        let divide = block_scale(Fp8::E4m3fn, ScaleKind::F32, Arithmetic::Divide, amax);
+        let reciprocal = block_scale(Fp8::E4m3fn, ScaleKind::F32, Arithmetic::DeepGemm, amax);
+        assert_eq!(divide.stored, reciprocal.stored);
+        let differ = (0u32..0x3f8b)
+            .map(|bits| f32::from_bits(bits << 16))
+            .filter(|&x| {
+                quantize_element(Fp8::E4m3fn, x, &divide) != quantize_element(Fp8::E4m3fn, x, &reciprocal)
+            })
+            .count();
+        assert_eq!(differ, 15);
+        for x in [1.5f32, -2.25, 0.0, -0.0] {
+            assert_eq!(reciprocal.quotient(x).to_bits(), (x * (1.0 / (1.078125f32 / 448.0))).to_bits());
+        }
     }
 
     #[test]
     fn mx_scales_are_the_ocp_shared_exponent() {
-        let mx = |target, amax: f32| block_scale(target, ScaleKind::E8m0, amax.to_bits());
+        let mx = |target, amax: f32| block_scale(target, ScaleKind::E8m0, Arithmetic::Divide, amax.to_bits());
         assert_eq!(mx(Fp8::E4m3fn, 448.0).stored, 127); // floor(log2 448) = 8: 2^0
         assert_eq!(mx(Fp8::E4m3fn, 511.0).stored, 127);
         assert_eq!(mx(Fp8::E4m3fn, 512.0).stored, 128);
@@ -238,7 +294,10 @@ mod tests {
         let bits = [1.0f32, -f32::INFINITY, 3.0].map(magnitude_bits);
         assert_eq!(bits.iter().max(), Some(&0x7f80_0000));
         assert!(magnitude_bits(-f32::NAN) > magnitude_bits(f32::INFINITY));
-        assert_eq!(quantize_element(Fp8::E4m3fn, -1.0, f32::INFINITY), 0x80);
-        assert_eq!(quantize_element(Fp8::E4m3fn, f32::INFINITY, f32::INFINITY), Fp8::NAN);
+        for arithmetic in [Arithmetic::Divide, Arithmetic::DeepGemm] {
+            let infinite = block_scale(Fp8::E4m3fn, ScaleKind::F32, arithmetic, 0x7f80_0000);
+            assert_eq!(quantize_element(Fp8::E4m3fn, -1.0, &infinite), 0x80);
+            assert_eq!(quantize_element(Fp8::E4m3fn, f32::INFINITY, &infinite), Fp8::NAN);
+        }
     }
 }

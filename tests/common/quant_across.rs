@@ -3,9 +3,10 @@
 //! matrix of `rows` x `cols`, process 0 offering rows 0..split and process 1 rows split..rows.
 //!
 //! - Process 0 receives rows 0..half as MXFP8 e5m2, quantized in place from its own offer (direct),
-//!   and rows half..rows per row as e4m3: its own half..split in place, split..rows quantized by
-//!   process 1 (sender).
-//! - Process 1 receives rows 0..half in `sender` blocks, quantized by process 0 (sender), and the
+//!   and rows half..rows per row as e4m3 under vLLM's per-channel arithmetic: its own half..split
+//!   in place, split..rows quantized by process 1 (sender).
+//! - Process 1 receives rows 0..half in `sender` blocks under DeepGEMM's arithmetic, quantized by
+//!   process 0 (sender), and the
 //!   whole matrix in `staged` blocks through its staging buffer: a block spans `split`, so no
 //!   offer holds it whole (staged).
 //!
@@ -17,7 +18,7 @@
 
 use super::quant_cases::Aligned;
 use refit::plan::{Endpoint, Offer, QuantNeed, QuantPath, Region, TensorSpec};
-use refit::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
+use refit::quant::{Arithmetic, Fp8, Granularity, QuantJob, Quantization, SourceType};
 use refit::transport::host::HostBackend;
 use refit::transport::{Backend, Stream};
 
@@ -41,7 +42,7 @@ pub struct Wanted {
 }
 
 fn block(rows: u32, cols: u32) -> Quantization {
-    Quantization { target: Fp8::E4m3fn, granularity: Granularity::Block { rows, cols } }
+    Quantization::new(Fp8::E4m3fn, Granularity::Block { rows, cols })
 }
 
 impl Across {
@@ -63,10 +64,16 @@ impl Across {
         TensorSpec { name: "w".into(), dtype: 1, elem_size: 2, shape: vec![self.rows, self.cols] }
     }
 
-    /// Element (r, c): a finite bf16 over a few binades, the same in every process.
+    /// Element (r, c): a finite bf16 over a few binades, the same in every process. Some lie far
+    /// below the arithmetics' floors (2^-27 .. 2^-16, under 1e-4 and 2^-9), so that the floors
+    /// decide scales: every row r with r % 64 >= 56 (whole rows of the per-row need), and one block of
+    /// the sender need in each test's shape (rows 0..32, columns 64..96 on the host; rows 0..128,
+    /// columns 640.. on the GPU).
     pub fn element(r: u64, c: u64) -> [u8; 2] {
         let h = (r * 7919 + c * 104729).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
-        let bits = ((h & 0x8000) | ((120 + (h >> 16) % 12) << 7) | (h & 0x7f)) as u16;
+        let tiny = r % 64 >= 56 || (r < 32 && (64..96).contains(&c)) || (r < 128 && c >= 640);
+        let lowest = if tiny { 100 } else { 120 };
+        let bits = ((h & 0x8000) | ((lowest + (h >> 16) % 12) << 7) | (h & 0x7f)) as u16;
         bits.to_le_bytes()
     }
 
@@ -100,17 +107,17 @@ impl Across {
         let w = |lo, rows, q, staging| Wanted { lo, rows, q, staging };
         if rank == 0 {
             vec![
-                w(0, self.half, Quantization { target: Fp8::E5m2, granularity: Granularity::Mx }, false),
+                w(0, self.half, Quantization::new(Fp8::E5m2, Granularity::Mx), false),
                 w(
                     self.half,
                     self.rows - self.half,
-                    Quantization { target: Fp8::E4m3fn, granularity: Granularity::Row },
+                    Quantization::new(Fp8::E4m3fn, Granularity::Row).with(Arithmetic::VllmChannel),
                     false,
                 ),
             ]
         } else {
             vec![
-                w(0, self.half, block(self.sender.0, self.sender.1), false),
+                w(0, self.half, block(self.sender.0, self.sender.1).with(Arithmetic::DeepGemm), false),
                 w(0, self.rows, block(self.staged.0, self.staged.1), true),
             ]
         }

@@ -11,7 +11,7 @@ pub mod random_batch;
 pub use random_batch::Rng;
 use refit::quant::job::MX_BLOCK;
 use refit::quant::reference::{quantize, SourceMatrix};
-use refit::quant::{Fp8, Granularity, QuantJob, Quantization, SourceType};
+use refit::quant::{Arithmetic, Fp8, Granularity, QuantJob, Quantization, SourceType};
 
 /// Bytes of destination and scale buffers that no job position covers: they must stay as they were.
 pub const SENTINEL: u8 = 0xab;
@@ -165,7 +165,7 @@ pub fn case(
     cols: u64,
     pad: u64,
 ) -> Case {
-    let quantization = Quantization { target, granularity };
+    let quantization = Quantization::new(target, granularity);
     let vector = 16 / source.size();
     let src_stride = cols.next_multiple_of(vector) + pad * vector;
     let dst_stride = cols.next_multiple_of(vector) + pad * 16;
@@ -238,6 +238,26 @@ pub fn standard_cases(seed: u64, large: bool) -> Vec<Case> {
             ] {
                 for &(rows, cols, pad) in shapes {
                     cases.push(case(&mut rng, "standard", target, granularity, source, rows, cols, pad));
+                }
+            }
+        }
+    }
+    // The other arithmetics of fp32 scales, where they part from the default: their floors under
+    // the small amaxes (block rows centred on exponents down to 2^-20) and the reciprocal's two
+    // roundings.
+    for arithmetic in [Arithmetic::DeepGemm, Arithmetic::VllmChannel] {
+        for source in [SourceType::Bf16, SourceType::F32] {
+            for granularity in [
+                Granularity::Tensor,
+                Granularity::Row,
+                Granularity::Block { rows: 128, cols: 128 },
+                Granularity::Block { rows: 1, cols: 64 },
+            ] {
+                for &(rows, cols, pad) in shapes {
+                    let mut c = case(&mut rng, "standard", Fp8::E4m3fn, granularity, source, rows, cols, pad);
+                    c.quantization = c.quantization.with(arithmetic);
+                    c.name = format!("{} under {arithmetic:?}", c.name);
+                    cases.push(c);
                 }
             }
         }
