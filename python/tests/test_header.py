@@ -45,6 +45,7 @@ SCALARS = {
 # Header #define groups and the Python enum each must equal exactly.
 ENUMS = {
     "REFIT_ALLGATHER_": refit.Algorithm,
+    "REFIT_ARITHMETIC_": refit.Arithmetic,
     "REFIT_ARM_": refit.Arm,
     "REFIT_BACKEND_": refit.Backend,
     "REFIT_COMMIT_": refit.Commit,
