@@ -68,6 +68,18 @@ static uint8_t mx_scales[ROWS * 5];
 
 static float element(int r, int c) { return from_bits((uint32_t)source[r * STRIDE + c] << 16); }
 
+/* The amax of 128 x 128 block (i, j): the largest f32 bit pattern of |x| (NaN above infinity). */
+static float block_amax(int i, int j) {
+  uint32_t amax = 0;
+  for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
+    for (int c = j * 128; c < COLS && c < (j + 1) * 128; c++) {
+      uint32_t m = to_bits(element(r, c)) & 0x7fffffffu;
+      if (m > amax) amax = m;
+    }
+  }
+  return from_bits(amax);
+}
+
 int main(void) {
   const int32_t devices[1] = {0};
   refit_group *group = check_host_group(devices, 1);
@@ -106,14 +118,7 @@ int main(void) {
 
   for (int i = 0; i < 2; i++) {
     for (int j = 0; j < 2; j++) {
-      uint32_t amax = 0;
-      for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
-        for (int c = j * 128; c < COLS && c < (j + 1) * 128; c++) {
-          uint32_t m = to_bits(element(r, c)) & 0x7fffffffu;
-          if (m > amax) amax = m;
-        }
-      }
-      float a = from_bits(amax);
+      float a = block_amax(i, j);
       float scale = (a > 1e-10f ? a : 1e-10f) / 448.0f;
       CHECK(to_bits(scales[i * 2 + j]) == to_bits(scale));
       for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
@@ -142,14 +147,7 @@ done:
   CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
   for (int i = 0; i < 2; i++) {
     for (int j = 0; j < 2; j++) {
-      uint32_t amax = 0;
-      for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
-        for (int c = j * 128; c < COLS && c < (j + 1) * 128; c++) {
-          uint32_t m = to_bits(element(r, c)) & 0x7fffffffu;
-          if (m > amax) amax = m;
-        }
-      }
-      float a = from_bits(amax);
+      float a = block_amax(i, j);
       float scale = (a > 1e-4f ? a : 1e-4f) / 448.0f;
       float reciprocal = 1.0f / scale;
       CHECK(to_bits(scales[i * 2 + j]) == to_bits(scale));

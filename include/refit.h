@@ -1020,6 +1020,12 @@ typedef struct {
  * next. `staging` (0: none) is a buffer on the receiving device holding the box's source elements
  * row-major, 16-byte aligned with rows a multiple of 16 bytes: where the elements land to be
  * quantized when they cannot be quantized where they are offered.
+ *
+ * A per-tensor or per-row scale is that of the box's matrix or row, not of the whole tensor's. An
+ * engine that scales a sharded weight as part of the whole one differs there: vLLM 0.33's online
+ * per-channel weights of a row-parallel layer, and its per-tensor weights of any tensor-parallel
+ * layer, take the amax across the tensor-parallel ranks. Blocks (128 x 128 inside a shard) and
+ * MXFP8 groups are the same either way.
  */
 typedef struct {
   refit_quantization quantization;
