@@ -260,6 +260,13 @@
 #define REFIT_ARITHMETIC_VLLM_CHANNEL 2
 
 /**
+ * As REFIT_ARITHMETIC_DEEPGEMM, each finite scale then rounded up to a power of two (2^-126 ..
+ * 2^127, still fp32): DeepGEMM's UE8M0 scales (ceil_to_ue8m0), which vLLM and SGLang use with
+ * DeepGEMM on Blackwell and DeepSeek-V3.1's checkpoints carry.
+ */
+#define REFIT_ARITHMETIC_DEEPGEMM_UE8M0 3
+
+/**
  * refit_quantize_job.source_type: bfloat16.
  */
 #define REFIT_SOURCE_BF16 1
@@ -2185,7 +2192,9 @@ refit_status refit_table_add_quantized_need(refit_table *table,
  *   |x|, +inf if an element is infinite, NaN if an element is NaN (NaN propagates, as torch's amax).
  * - fp32 scale = max(amax, FLOOR) / FP8_MAX in f32 (IEEE division, nearest even), FP8_MAX = 448
  *   (E4M3FN) or 57344 (E5M2), FLOOR the job's arithmetic's: 1e-10f (REFIT_ARITHMETIC_DIVIDE),
- *   1e-4f (_DEEPGEMM) or 2^-9 (_VLLM_CHANNEL), so an all-zero block gets scale FLOOR / FP8_MAX.
+ *   1e-4f (_DEEPGEMM, _DEEPGEMM_UE8M0) or 2^-9 (_VLLM_CHANNEL), so an all-zero block gets scale
+ *   FLOOR / FP8_MAX. Under _DEEPGEMM_UE8M0 a finite scale is then rounded up to a power of two:
+ *   its exponent field plus one when a mantissa bit is set, clamped to 1..254 (2^-126 .. 2^127).
  *   A block holding a NaN gets the scale 0x7fffffff (NaN); one holding an infinity (and no NaN)
  *   gets +inf.
  * - MXFP8 (OCP MX v1.0): e = floor(log2(amax)) - 8 (E4M3FN) or - 15 (E5M2), clamped to -127..127,
@@ -2194,12 +2203,13 @@ refit_status refit_table_add_quantized_need(refit_table *table,
  * - Each code: the f32 quotient rounded to the nearest FP8 value, ties to even, saturating: finite
  *   or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a NaN quotient gives 0x7f, and the sign
  *   of zero is kept (-0.0 gives 0x80). The quotient is x / scale (IEEE division, nearest even;
- *   MXFP8, _DIVIDE, _VLLM_CHANNEL) or, under _DEEPGEMM, x * r with r = 1 / scale in f32 (two
- *   roundings; a scale of +inf or NaN gives the same as the division). So _DIVIDE is
+ *   MXFP8, _DIVIDE, _VLLM_CHANNEL) or, under _DEEPGEMM and _DEEPGEMM_UE8M0, x * r with r = 1 /
+ *   scale in f32 (two roundings; a scale of +inf or NaN gives the same as the division). So _DIVIDE is
  *   `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)` with vLLM's per-token-group eps, _DEEPGEMM
  *   is `(x * (1.0 / s)).to(torch.float8_e4m3fn)` of DeepGEMM's per_block_cast_to_fp8 (vLLM 0.33's
- *   online block quantization), and _VLLM_CHANNEL vLLM 0.33's online per-channel weights, each
- *   equal byte for byte (tested against vLLM's own functions). In a block whose scale is +inf,
+ *   online block quantization), _DEEPGEMM_UE8M0 the same with `use_ue8m0=True` (and SGLang's
+ *   per_block_cast_to_fp8), and _VLLM_CHANNEL vLLM 0.33's online per-channel weights, each equal
+ *   byte for byte on finite inputs (tested against vLLM's and SGLang's own functions). In a block whose scale is +inf,
  *   finite elements give +-0 and infinite ones NaN (0x7f); in a block whose scale is NaN, every
  *   element gives 0x7f.
  *

@@ -27,7 +27,7 @@ DESC = np.dtype([("src", "<u8"), ("dst", "<u8"), ("scales", "<u8"), ("rows", "<u
                  ("src_stride", "<u8"), ("dst_stride", "<u8"), ("scale_stride", "<u8"), ("first_tile", "<u8"),
                  ("grid_cols", "<u8"), ("blocks", "<u8"), ("block_rows", "<u4"), ("block_cols", "<u4"),
                  ("source", "<u4"), ("target", "<u4"), ("scale_kind", "<u4"), ("mode", "<u4"),
-                 ("group_shift", "<u4"), ("min_amax", "<u4"), ("by_reciprocal", "<u4"), ("reserved", "<u4")])
+                 ("group_shift", "<u4"), ("min_amax", "<u4"), ("by_reciprocal", "<u4"), ("pow2_scales", "<u4")])
 assert DESC.itemsize == 128
 AS_IS = {"QUANT_CACHE": 8, "QUANT_WIDE_MIN_BLOCKS": 4, "QUANT_GROUP_ROUNDS": 4, "QUANT_NARROW_MIN_BLOCKS": 4}
 

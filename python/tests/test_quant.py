@@ -45,8 +45,10 @@ def fp8_value(target, code):
 
 MAX = {Fp8.E4M3FN: 448.0, Fp8.E5M2: 57344.0}
 # Each arithmetic's floor under the amax, and whether a quotient is the product by the f32 reciprocal.
-FLOOR = {Arithmetic.DIVIDE: f32(1e-10), Arithmetic.DEEPGEMM: f32(1e-4), Arithmetic.VLLM_CHANNEL: 2.0**-9}
-BY_RECIPROCAL = {Arithmetic.DIVIDE: False, Arithmetic.DEEPGEMM: True, Arithmetic.VLLM_CHANNEL: False}
+FLOOR = {Arithmetic.DIVIDE: f32(1e-10), Arithmetic.DEEPGEMM: f32(1e-4), Arithmetic.VLLM_CHANNEL: 2.0**-9,
+         Arithmetic.DEEPGEMM_UE8M0: f32(1e-4)}
+BY_RECIPROCAL = {Arithmetic.DIVIDE: False, Arithmetic.DEEPGEMM: True, Arithmetic.VLLM_CHANNEL: False,
+                 Arithmetic.DEEPGEMM_UE8M0: True}
 MAX_CODE = {Fp8.E4M3FN: 0x7E, Fp8.E5M2: 0x7B}
 POSITIVE = {t: [fp8_value(t, c) for c in range(MAX_CODE[t] + 1)] for t in MAX}
 
@@ -87,6 +89,8 @@ def reference(q, bits, rows, cols, stride):
                 stored, divisor = 0x7FFFFFFF, math.nan
             else:
                 divisor = f32(max(amax, FLOOR[q.arithmetic]) / MAX[q.target]) if amax != math.inf else math.inf
+                if q.arithmetic == Arithmetic.DEEPGEMM_UE8M0 and divisor != math.inf:
+                    divisor = 2.0 ** math.ceil(math.log2(divisor))  # scales here lie in 2^-126 .. 2^127
                 stored = f32_bits(divisor)
             scales[i, j] = stored
             for r, c in cells:

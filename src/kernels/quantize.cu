@@ -85,7 +85,7 @@ struct QuantDesc {
     u32 group_shift;
     u32 min_amax;       // f32 bits: the floor under a block's amax before its fp32 scale
     u32 by_reciprocal;  // 1: quotients are x * RN(1 / scale) (else x / scale)
-    u32 reserved;
+    u32 pow2_scales;    // 1: each finite fp32 scale rounded up to a power of two (UE8M0)
 };
 static_assert(sizeof(QuantDesc) == QUANT_DESC_BYTES, "QuantDesc must match the host's layout");
 
@@ -291,7 +291,8 @@ __device__ __forceinline__ float power_of_two(int e) {
 
 // A block's scale from its amax bits (block_scale in src/quant/reference.rs), without its reciprocal;
 // fp32 scales floor the amax at `min_amax` (f32 bits).
-__device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax_bits, u32 min_amax) {
+__device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax_bits, u32 min_amax,
+                                                  u32 pow2_scales) {
     Scale s;
     if (kind != SCALE_E8M0) {
         if (amax_bits > 0x7f800000u) {
@@ -302,6 +303,14 @@ __device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax
         const float amax = from_bits(amax_bits), floor = from_bits(min_amax);
         const float clamped = amax > floor ? amax : floor;
         s.divisor = clamped / (target == FP8_E4M3 ? 448.0f : 57344.0f);
+        const u32 bits = to_bits(s.divisor);
+        if (pow2_scales && bits < 0x7f800000u) {
+            // ceil_to_power_of_two (src/quant/reference.rs): the field, plus one for a mantissa,
+            // clamped to 1..254.
+            u32 field = (bits >> 23) + ((bits & 0x7fffffu) != 0u ? 1u : 0u);
+            field = field < 1u ? 1u : (field > 254u ? 254u : field);
+            s.divisor = from_bits(field << 23);
+        }
         s.stored = to_bits(s.divisor);
         return s;
     }
@@ -321,7 +330,7 @@ __device__ __forceinline__ Scale block_scale_only(u32 target, u32 kind, u32 amax
 // NaN keeps the division: x / inf and x * RN(1 / inf) = x * 0 are the same signed zero (NaN for an
 // infinite x), and NaN scales give NaN either way.
 __device__ __forceinline__ Scale block_scale(const QuantDesc& d, u32 amax_bits) {
-    Scale s = block_scale_only(d.target, d.scale_kind, amax_bits, d.min_amax);
+    Scale s = block_scale_only(d.target, d.scale_kind, amax_bits, d.min_amax, d.pow2_scales);
     const bool mx = d.scale_kind == SCALE_E8M0;
     s.by_product = mx ? s.stored != 0xffu
                       : d.by_reciprocal != 0 && (to_bits(s.divisor) & 0x7fffffffu) < 0x7f800000u;

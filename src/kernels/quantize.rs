@@ -68,7 +68,9 @@ pub struct QuantDesc {
     pub min_amax: u32,
     /// 1 where quotients are x * RN(1 / scale) ([`crate::quant::Arithmetic::by_reciprocal`]).
     pub by_reciprocal: u32,
-    pub reserved: u32,
+    /// 1 where finite fp32 scales round up to powers of two
+    /// ([`crate::quant::Arithmetic::power_of_two_scales`]).
+    pub pow2_scales: u32,
 }
 
 const MODE_BLOCK: u32 = 0;
@@ -212,6 +214,7 @@ fn describe(job: &QuantJob) -> (QuantDesc, u64) {
         },
         min_amax: q.arithmetic.min_amax().to_bits(),
         by_reciprocal: u32::from(q.arithmetic.by_reciprocal()),
+        pow2_scales: u32::from(q.arithmetic.power_of_two_scales()),
         ..QuantDesc::default()
     };
     let tiles;

@@ -49,6 +49,10 @@ pub enum Arithmetic {
     /// scale = max(amax, 2^-9) / FP8_MAX, quotient x / scale: vLLM 0.33's online per-channel
     /// weights, whose scale floor 1 / (FP8_MAX * 512) is this amax floor divided by FP8_MAX.
     VllmChannel,
+    /// As [`Arithmetic::DeepGemm`], each finite scale then rounded up to a power of two (2^-126 ..
+    /// 2^127, stored as fp32): DeepGEMM's UE8M0 scales (`ceil_to_ue8m0`), with which vLLM and SGLang
+    /// quantize for DeepGEMM on Blackwell, and which DeepSeek-V3.1's checkpoints carry.
+    DeepGemmUe8m0,
 }
 
 impl Arithmetic {
@@ -56,14 +60,19 @@ impl Arithmetic {
     pub fn min_amax(self) -> f32 {
         match self {
             Arithmetic::Divide => 1e-10,
-            Arithmetic::DeepGemm => 1e-4,
+            Arithmetic::DeepGemm | Arithmetic::DeepGemmUe8m0 => 1e-4,
             Arithmetic::VllmChannel => 1.0 / 512.0,
         }
     }
 
     /// Whether a quotient is x * RN(1 / scale) (else the IEEE quotient x / scale).
     pub fn by_reciprocal(self) -> bool {
-        matches!(self, Arithmetic::DeepGemm)
+        matches!(self, Arithmetic::DeepGemm | Arithmetic::DeepGemmUe8m0)
+    }
+
+    /// Whether each finite fp32 scale is rounded up to a power of two.
+    pub fn power_of_two_scales(self) -> bool {
+        matches!(self, Arithmetic::DeepGemmUe8m0)
     }
 
     /// The C API's REFIT_ARITHMETIC_* number.
@@ -72,11 +81,12 @@ impl Arithmetic {
             Arithmetic::Divide => 0,
             Arithmetic::DeepGemm => 1,
             Arithmetic::VllmChannel => 2,
+            Arithmetic::DeepGemmUe8m0 => 3,
         }
     }
 
     pub fn from_code(code: u32) -> Option<Arithmetic> {
-        [Arithmetic::Divide, Arithmetic::DeepGemm, Arithmetic::VllmChannel]
+        [Arithmetic::Divide, Arithmetic::DeepGemm, Arithmetic::VllmChannel, Arithmetic::DeepGemmUe8m0]
             .into_iter()
             .find(|a| a.code() == code)
     }

@@ -16,7 +16,9 @@
 //!   quantization's arithmetic's ([`Arithmetic`]): 1e-10 (as f32; vLLM's `per_token_group_quant_fp8`
 //!   default `eps`, the default), 1e-4 (DeepGEMM's `per_block_cast_to_fp8`) or 2^-9 (vLLM's online
 //!   per-channel weights, whose floor 1 / (FP8_MAX * 512) is on the scale: the same f32). So an
-//!   all-zero block gets scale f32(FLOOR) / FP8_MAX and codes 0x00 (0x80 for -0.0).
+//!   all-zero block gets scale f32(FLOOR) / FP8_MAX and codes 0x00 (0x80 for -0.0). Under
+//!   [`Arithmetic::DeepGemmUe8m0`] a finite scale is then rounded up to a power of two
+//!   ([`reference::ceil_to_power_of_two`]).
 //!   A block with a NaN gets the scale NaN (bits 0x7fffffff); a block with an infinity (and no NaN)
 //!   gets +inf.
 //! - MX (OCP Microscaling v1.0): e = floor(log2(amax)) - emax, emax = 8 (e4m3) or 15 (e5m2),
@@ -24,7 +26,8 @@
 //!   gets e = -127 (byte 0). A block with a NaN or an infinity gets the byte 0xff (NaN).
 //! - Each element: q = encode(quotient), the quotient x / divisor (one IEEE f32 division rounded
 //!   to nearest even; divisor = the fp32 scale or 2^e) or, under [`Arithmetic::DeepGemm`],
-//!   x * RN(1 / scale) (two roundings, as DeepGEMM's `x * (1.0 / sf)`), and encode the saturating
+//!   and [`Arithmetic::DeepGemmUe8m0`], x * RN(1 / scale) (two roundings, as DeepGEMM's
+//!   `x * (1.0 / sf)`), and encode the saturating
 //!   round-to-nearest-even cast ([`fp8::Fp8::encode`]): finite quotients beyond +-FP8_MAX saturate to
 //!   +-FP8_MAX (so do infinite ones), a NaN quotient gives 0x7f. Below FP8_MAX this equals torch's
 //!   `.to(torch.float8_e4m3fn / float8_e5m2)` of the f32 quotient: `clamp(x / s, -MAX,

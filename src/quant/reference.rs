@@ -50,7 +50,10 @@ pub fn block_scale(target: Fp8, kind: ScaleKind, arithmetic: Arithmetic, amax_bi
                 let nan = f32::from_bits(CANONICAL_NAN);
                 return BlockScale { stored: CANONICAL_NAN, divisor: nan, by_reciprocal };
             }
-            let scale = amax.max(arithmetic.min_amax()) / target.max();
+            let mut scale = amax.max(arithmetic.min_amax()) / target.max();
+            if arithmetic.power_of_two_scales() && scale.is_finite() {
+                scale = ceil_to_power_of_two(scale);
+            }
             BlockScale { stored: scale.to_bits(), divisor: scale, by_reciprocal }
         }
         ScaleKind::E8m0 => {
@@ -66,6 +69,15 @@ pub fn block_scale(target: Fp8, kind: ScaleKind, arithmetic: Arithmetic, amax_bi
             }
         }
     }
+}
+
+/// The least power of two at or above a finite non-negative `x`, within 2^-126 ..= 2^127: its
+/// exponent field, plus one when a mantissa bit is set, clamped to 1 ..= 254 (DeepGEMM's
+/// `ceil_to_ue8m0`).
+pub fn ceil_to_power_of_two(x: f32) -> f32 {
+    let bits = x.to_bits();
+    let field = (bits >> 23) + u32::from(bits & 0x7f_ffff != 0);
+    f32::from_bits(field.clamp(1, 254) << 23)
 }
 
 /// floor(log2(x)) of a finite non-negative f32 given by its bits; zero gives -1000 (below any
@@ -246,6 +258,22 @@ mod tests {
         }
         // vLLM's per-channel floor is on the scale, 1 / (448 * 512): the same f32.
         assert_eq!(stored(Arithmetic::VllmChannel, 0.0), (1.0f32 / (448.0 * 512.0)).to_bits());
+    }
+
+    #[test]
+    fn ue8m0_scales_round_up_to_powers_of_two() {
+        let scale =
+            |amax: f32| block_scale(Fp8::E4m3fn, ScaleKind::F32, Arithmetic::DeepGemmUe8m0, amax.to_bits());
+        assert_eq!(scale(448.0).divisor, 1.0); // exact powers of two stay
+        assert_eq!(scale(449.0).divisor, 2.0);
+        assert_eq!(scale(3.0).divisor, 2f32.powi(-7)); // 3 / 448 = 0.0067 -> 2^-7
+        assert_eq!(scale(0.0).divisor, 2f32.powi(-22)); // the 1e-4 floor: 2.2e-7 -> 2^-22
+        assert_eq!(scale(f32::MAX).divisor, 2f32.powi(120)); // 7.6e35 -> 2^120
+        assert_eq!(ceil_to_power_of_two(f32::MAX), 2f32.powi(127)); // clamped below the infinite field
+        assert_eq!(scale(f32::INFINITY).divisor, f32::INFINITY); // specials as every arithmetic's
+        assert_eq!(scale(f32::NAN).stored, CANONICAL_NAN);
+        assert_eq!(ceil_to_power_of_two(f32::from_bits(1)), 2f32.powi(-126));
+        assert!(scale(3.0).by_reciprocal);
     }
 
     #[test]

@@ -1,11 +1,12 @@
-"""refit's quantizing copy against the quantizers of the real vLLM, byte for byte.
+"""refit's quantizing copy against the quantizers of the real vLLM (and SGLang), byte for byte.
 
 vLLM 0.33 quantizes BF16 weights to FP8 online (`quantization="fp8"` on a BF16 checkpoint, and
 again after each layerwise reload) with two arithmetics that differ from refit's default
 (REFIT_ARITHMETIC_DIVIDE, its per-token-group CUDA kernel's): 128 x 128 blocks through DeepGEMM's
 `per_block_cast_to_fp8` (amax floored at 1e-4, each quotient the product by the scale's f32
 reciprocal), and per-channel weights through `_fp8_channel_scale` and `_fp8_quant_per_channel` (the
-scale floored at 1 / (448 * 512), true division). Here vLLM's own functions run on CPU over bf16
+scale floored at 1 / (448 * 512), true division); for DeepGEMM on Blackwell both vLLM and SGLang
+round the block scales up to powers of two (UE8M0: REFIT_ARITHMETIC_DEEPGEMM_UE8M0). Here vLLM's own functions run on CPU over bf16
 weights spanning many binades (some rows far below the floors, one block all zero), and refit's host
 backend quantizes the same bytes with REFIT_ARITHMETIC_DEEPGEMM and _VLLM_CHANNEL: every code and
 scale must be equal. The default arithmetic on the same weights must differ from both, or these
@@ -74,6 +75,22 @@ class VllmQuantizersTest(unittest.TestCase):
                 self.assert_same_bytes(self.refit_quantize(w, block), (want_codes, want_scales))
                 divide = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (128, 128), Arithmetic.DIVIDE)
                 self.assertGreater(self.count_differences(self.refit_quantize(w, divide), (want_codes, want_scales)), 0)
+
+    def test_ue8m0_arithmetic_equals_vllms_and_sglangs_power_of_two_block_scales(self):
+        # DeepGEMM's UE8M0 scales (Blackwell): vLLM's per_block_cast_to_fp8 with use_ue8m0, and
+        # SGLang's own per_block_cast_to_fp8 (its requantization for DeepGEMM), which always rounds.
+        from sglang.srt.layers.quantization.fp8_utils import per_block_cast_to_fp8 as sglang_per_block_cast_to_fp8
+
+        q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (128, 128), Arithmetic.DEEPGEMM_UE8M0)
+        for rows, cols, seed in ((512, 1024, 4), (384, 640, 5)):
+            w = weights(rows, cols, seed)
+            got = self.refit_quantize(w, q)
+            with self.subTest(shape=(rows, cols), quantizer="vLLM"):
+                self.assert_same_bytes(got, per_block_cast_to_fp8(w, [128, 128], use_ue8m0=True))
+            with self.subTest(shape=(rows, cols), quantizer="SGLang"):
+                self.assert_same_bytes(got, sglang_per_block_cast_to_fp8(w))
+            deepgemm = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (128, 128), Arithmetic.DEEPGEMM)
+            self.assertGreater(self.count_differences(self.refit_quantize(w, deepgemm), got), 0)
 
     def test_vllm_channel_arithmetic_equals_vllms_online_per_channel_weights(self):
         # Fp8PtpcOnlineLinearMethod.process_weights_after_loading of an unsharded weight.
