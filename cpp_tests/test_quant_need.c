@@ -195,8 +195,8 @@ int main(void) {
                REFIT_STATUS_NULL_ARGUMENT);
   CHECK_STATUS(refit_table_add_quantized_need(table, t, 0, 1, addr(codes), origin, shape, NULL, 2, &q),
                REFIT_STATUS_NULL_ARGUMENT);
-  q.arithmetic = 3;
-  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "quantization->arithmetic is 3");
+  q.arithmetic = 9;
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "quantization->arithmetic is 9");
   q = block_quantization(0);
   q.quantization.granularity = 9;
   refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "granularity");
