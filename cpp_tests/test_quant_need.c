@@ -1,8 +1,9 @@
 /* Quantized needs through the C API on the host backend: a [130, 136] bf16 tensor offered as two row
  * shards on device 0, needed whole as e4m3 codes and 128 x 128 block scales on device 1, in place
  * (shards cut at row 128, a block boundary) and through the need's staging (cut at row 65), under
- * direct and staged commit with verify. Every code and scale equals refit_quantize_batch's over the
- * whole matrix (which test_quant.c checks against the header's arithmetic). The same shards in
+ * direct and staged commit with verify, and under REFIT_ARITHMETIC_DEEPGEMM_UE8M0 as well as the
+ * default arithmetic. Every code and scale equals refit_quantize_batch's over the whole matrix
+ * (which test_quant.c checks against the header's arithmetic). The same shards in
  * another process take the sender path, which needs a communicator. Then every bad argument
  * of refit_table_add_quantized_need gets its status and message. */
 #include <stdint.h>
@@ -25,7 +26,7 @@ static float want_scales[4] __attribute__((aligned(16)));
 
 static refit_need_quantization block_quantization(uint64_t staging_addr) {
   refit_need_quantization q;
-  memset(&q, 0, sizeof q);
+  memset(&q, 0, sizeof q); /* arithmetic 0: REFIT_ARITHMETIC_DIVIDE */
   q.quantization.target = REFIT_FP8_E4M3FN;
   q.quantization.granularity = REFIT_QUANT_BLOCK;
   q.quantization.block_rows = 128;
@@ -40,27 +41,57 @@ static refit_need_quantization block_quantization(uint64_t staging_addr) {
 
 static const uint64_t shape[2] = {ROWS, COLS}, origin[2] = {0, 0}, code_strides[2] = {COLS, 1};
 
-/* One refit of the whole tensor from shards cut at row `cut`: planned, executed, compared. */
-static void refit_cut_at(refit_group *group, uint64_t cut, uint32_t commit, int staged_path) {
+/* The plan of the tensor offered by process `owner` (device 0) as two row shards cut at row `cut`,
+ * needed whole by process 0's device 1 as `q` says; its table in *table, its stats in *stats. */
+static refit_plan *plan_shards(refit_table **table, uint32_t owner, uint64_t cut, const refit_need_quantization *q,
+                               refit_plan_stats *stats) {
+  uint32_t t = 0;
+  CHECK_OK(refit_table_create(table));
+  CHECK_OK(refit_table_add_tensor(*table, "w", 1, 2, shape, 2, &t));
+  const uint64_t top_extent[2] = {cut, COLS}, bottom_origin[2] = {cut, 0}, bottom_extent[2] = {ROWS - cut, COLS};
+  CHECK_OK(refit_table_add_offer(*table, t, owner, 0, addr(top), origin, top_extent, NULL, 2, NULL));
+  CHECK_OK(refit_table_add_offer(*table, t, owner, 0, addr(bottom), bottom_origin, bottom_extent, NULL, 2, NULL));
+  CHECK_OK(refit_table_add_quantized_need(*table, t, 0, 1, addr(codes), origin, shape, code_strides, 2, q));
+  refit_plan *plan = NULL;
+  const refit_table *tables[1] = {*table};
+  CHECK_OK(refit_plan_build(tables, 1, NULL, &plan));
+  stats->size = sizeof *stats;
+  CHECK_OK(refit_plan_get_stats(plan, stats));
+  return plan;
+}
+
+/* The codes and scales refit_quantize_batch gives the whole tensor under `arithmetic` (test_quant.c
+ * checks that against the header's arithmetic), into want_codes and want_scales. */
+static void want(refit_group *group, uint32_t arithmetic) {
+  refit_quantize_job job;
+  memset(&job, 0, sizeof job);
+  job.quantization = block_quantization(0).quantization;
+  job.arithmetic = arithmetic;
+  job.source_type = REFIT_SOURCE_BF16;
+  job.src = addr(tensor);
+  job.rows = ROWS;
+  job.cols = COLS;
+  job.src_row_stride = COLS;
+  job.dst = addr(want_codes);
+  job.dst_row_stride = COLS;
+  job.scales = addr(want_scales);
+  job.scale_row_stride = 2;
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
+}
+
+/* One refit of the whole tensor from shards cut at row `cut` under `arithmetic`: planned, executed,
+ * compared with refit_quantize_batch's codes and scales. */
+static void refit_cut_at(refit_group *group, uint64_t cut, uint32_t commit, int staged_path, uint32_t arithmetic) {
+  want(group, arithmetic);
   memcpy(top, tensor, sizeof(uint16_t) * cut * COLS);
   memcpy(bottom, tensor + cut * COLS, sizeof(uint16_t) * (ROWS - cut) * COLS);
   memset(codes, 0xab, sizeof codes);
   memset(scales, 0xab, sizeof scales);
   refit_table *table = NULL;
-  uint32_t t = 0;
-  CHECK_OK(refit_table_create(&table));
-  CHECK_OK(refit_table_add_tensor(table, "w", 1, 2, shape, 2, &t));
-  const uint64_t top_extent[2] = {cut, COLS}, bottom_origin[2] = {cut, 0}, bottom_extent[2] = {ROWS - cut, COLS};
-  CHECK_OK(refit_table_add_offer(table, t, 0, 0, addr(top), origin, top_extent, NULL, 2, NULL));
-  CHECK_OK(refit_table_add_offer(table, t, 0, 0, addr(bottom), bottom_origin, bottom_extent, NULL, 2, NULL));
   refit_need_quantization q = block_quantization(staged_path ? addr(staging) : 0);
-  CHECK_OK(refit_table_add_quantized_need(table, t, 0, 1, addr(codes), origin, shape, code_strides, 2, &q));
-  refit_plan *plan = NULL;
-  const refit_table *tables[1] = {table};
-  CHECK_OK(refit_plan_build(tables, 1, NULL, &plan));
+  q.arithmetic = arithmetic;
   refit_plan_stats stats;
-  stats.size = sizeof stats;
-  CHECK_OK(refit_plan_get_stats(plan, &stats));
+  refit_plan *plan = plan_shards(&table, 0, cut, &q, &stats);
   CHECK(stats.quantized_needs == 1);
   CHECK(stats.quantized_elements == ROWS * COLS);
   CHECK(stats.quantized_direct_bytes == (staged_path ? 0 : 2 * ROWS * COLS));
@@ -116,20 +147,9 @@ static void refit_cut_at(refit_group *group, uint64_t cut, uint32_t commit, int 
  * the tensor, since the codes would cross processes. */
 static void sender_path(refit_group *group) {
   refit_table *table = NULL;
-  uint32_t t = 0;
-  CHECK_OK(refit_table_create(&table));
-  CHECK_OK(refit_table_add_tensor(table, "w", 1, 2, shape, 2, &t));
-  const uint64_t top_extent[2] = {128, COLS}, bottom_origin[2] = {128, 0}, bottom_extent[2] = {ROWS - 128, COLS};
-  CHECK_OK(refit_table_add_offer(table, t, 1, 0, addr(top), origin, top_extent, NULL, 2, NULL));
-  CHECK_OK(refit_table_add_offer(table, t, 1, 0, addr(bottom), bottom_origin, bottom_extent, NULL, 2, NULL));
   refit_need_quantization q = block_quantization(0);
-  CHECK_OK(refit_table_add_quantized_need(table, t, 0, 1, addr(codes), origin, shape, code_strides, 2, &q));
-  refit_plan *plan = NULL;
-  const refit_table *tables[1] = {table};
-  CHECK_OK(refit_plan_build(tables, 1, NULL, &plan));
   refit_plan_stats stats;
-  stats.size = sizeof stats;
-  CHECK_OK(refit_plan_get_stats(plan, &stats));
+  refit_plan *plan = plan_shards(&table, 1, 128, &q, &stats);
   CHECK(stats.quantized_needs == 1 && stats.quantized_sent_bytes == 2 * ROWS * COLS);
   CHECK(stats.quantized_direct_bytes == 0 && stats.quantized_staged_bytes == 0);
   refit_quant_route_info info;
@@ -165,24 +185,17 @@ int main(void) {
     /* finite bf16: sign and mantissa from the seed, exponent 118..133 */
     tensor[i] = (uint16_t)(((seed >> 16) & 0x807f) | ((118 + (seed >> 8) % 16) << 7));
   }
-  refit_quantize_job job;
-  memset(&job, 0, sizeof job);
-  job.quantization = block_quantization(0).quantization;
-  job.source_type = REFIT_SOURCE_BF16;
-  job.src = addr(tensor);
-  job.rows = ROWS;
-  job.cols = COLS;
-  job.src_row_stride = COLS;
-  job.dst = addr(want_codes);
-  job.dst_row_stride = COLS;
-  job.scales = addr(want_scales);
-  job.scale_row_stride = 2;
-  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
-
   for (int staged = 0; staged < 2; staged++) {
-    refit_cut_at(group, 128, staged ? REFIT_COMMIT_STAGED : REFIT_COMMIT_DIRECT, 0);
-    refit_cut_at(group, 65, staged ? REFIT_COMMIT_STAGED : REFIT_COMMIT_DIRECT, 1);
+    refit_cut_at(group, 128, staged ? REFIT_COMMIT_STAGED : REFIT_COMMIT_DIRECT, 0, REFIT_ARITHMETIC_DIVIDE);
+    refit_cut_at(group, 65, staged ? REFIT_COMMIT_STAGED : REFIT_COMMIT_DIRECT, 1, REFIT_ARITHMETIC_DIVIDE);
   }
+  /* A need's arithmetic reaches its codes and scales, in place and staged: UE8M0's scales are powers
+   * of two, unlike the default arithmetic's for these blocks. */
+  float divide_scales[4];
+  memcpy(divide_scales, want_scales, sizeof want_scales);
+  refit_cut_at(group, 128, REFIT_COMMIT_DIRECT, 0, REFIT_ARITHMETIC_DEEPGEMM_UE8M0);
+  refit_cut_at(group, 65, REFIT_COMMIT_STAGED, 1, REFIT_ARITHMETIC_DEEPGEMM_UE8M0);
+  for (int i = 0; i < 4; i++) CHECK(want_scales[i] != divide_scales[i]);
   sender_path(group);
 
   /* Bad arguments: each refused with its status, naming what is wrong; the table takes nothing. */
@@ -197,6 +210,11 @@ int main(void) {
                REFIT_STATUS_NULL_ARGUMENT);
   q.arithmetic = 9;
   refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "quantization->arithmetic is 9");
+  q = block_quantization(0);
+  q.quantization.granularity = REFIT_QUANT_MXFP8;
+  q.quantization.block_rows = q.quantization.block_cols = 0;
+  q.arithmetic = REFIT_ARITHMETIC_DEEPGEMM;
+  refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "arithmetic 1 for MXFP8");
   q = block_quantization(0);
   q.quantization.granularity = 9;
   refused(table, t, &q, code_strides, REFIT_STATUS_INVALID_ARGUMENT, "granularity");

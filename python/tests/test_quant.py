@@ -184,7 +184,11 @@ class HostQuantizeTest(unittest.TestCase):
 
     def test_mxfp8_takes_only_the_default_arithmetic(self):
         q = Quantization(Fp8.E4M3FN, Granularity.MXFP8, None, Arithmetic.DEEPGEMM)
-        self.bad(Status.INVALID_ARGUMENT, ["jobs[0].arithmetic is 1", "MXFP8"], quantization=q, scale_row_stride=8)
+        self.bad(Status.INVALID_ARGUMENT, ["jobs[0]: arithmetic 1 for MXFP8", "REFIT_ARITHMETIC_DIVIDE"], quantization=q,
+                 scale_row_stride=8)
+        q = Quantization(Fp8.E4M3FN, Granularity.ROW, None, 9)
+        self.bad(Status.INVALID_ARGUMENT, ["jobs[0].arithmetic is 9", "_DEEPGEMM_UE8M0 (3)"], quantization=q,
+                 scale_row_stride=1)
 
     def test_zero_blocks_get_the_epsilon_scale(self):
         q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (8, 8))
@@ -347,9 +351,6 @@ class TorchQuantizeTest(unittest.TestCase):
         self.assertGreater((divide != want).sum().item(), 0)
 
 
-if __name__ == "__main__":
-    unittest.main()
-
 
 class QuantizedNeedTest(unittest.TestCase):
     """A quantized need planned and run on the host backend: a 2 x 32 x 64 bf16 tensor offered in two
@@ -432,6 +433,23 @@ class QuantizedNeedTest(unittest.TestCase):
             stats = self.run_need(q, 1, 16, staging=False, commit=commit)
             self.assertEqual((stats.quantized_needs, stats.quantized_staged_bytes), (1, 0))
             self.assertEqual(stats.quantized_direct_bytes, 2 * self.MATRICES * self.ROWS * self.COLS)
+
+    def test_the_needs_arithmetic_reaches_its_codes_and_scales(self):
+        # UE8M0 scales are powers of two, so every scale tells this arithmetic from the default one.
+        q = Quantization(Fp8.E4M3FN, Granularity.BLOCK, (16, 32), Arithmetic.DEEPGEMM_UE8M0)
+        self.run_need(q, 1, 16, staging=False)
+        self.run_need(Quantization(Fp8.E5M2, Granularity.ROW, None, Arithmetic.VLLM_CHANNEL), 2, 16, staging=True)
+
+    def test_a_need_with_an_arithmetic_its_granularity_does_not_take_is_refused(self):
+        table = refit.Table()
+        tensor = table.add_tensor("w", [self.ROWS, self.COLS], 2)
+        for q, words in ((Quantization(Fp8.E4M3FN, Granularity.MXFP8, None, Arithmetic.DEEPGEMM), "arithmetic 1 for MXFP8"),
+                         (Quantization(Fp8.E4M3FN, Granularity.ROW, None, 4), "quantization->arithmetic is 4")):
+            with self.subTest(q=q), self.assertRaises(RefitError) as caught:
+                table.add_quantized_need(tensor, 0, 0, 1 << 20, [0, 0], [self.ROWS, self.COLS], [self.COLS, 1], q,
+                                         SourceType.BF16, 1 << 24, 1, self.ROWS * 2, 0)
+            self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+            self.assertIn(words, str(caught.exception))
 
     def test_blocks_across_shards_go_through_staging(self):
         for q in (Quantization(Fp8.E5M2, Granularity.ROW), Quantization(Fp8.E4M3FN, Granularity.MXFP8),
@@ -564,3 +582,6 @@ class TensorQuantizedNeedTest(unittest.TestCase):
                     device=0, **{k: v for k, v in bad.items() if k in ("staging", "source_dtype")})
             self.assertIn(word, str(caught.exception))
         group.close()
+
+if __name__ == "__main__":
+    unittest.main()

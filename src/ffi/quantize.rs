@@ -102,28 +102,24 @@ pub struct refit_quantize_job {
 /// The Rust quantization of a C one and the arithmetic beside it, `what` and `arithmetic_field`
 /// naming them in messages ("jobs[3].quantization", "jobs[3].arithmetic"). The numbers are mapped in
 /// one place (`Quantization::from_codes`, which the table's wire format uses too); this says which
-/// field made a refused one.
+/// field made a refused one. Whether the granularity takes the arithmetic is checked with the rest
+/// of the job (`quant::check_jobs`).
 pub(crate) fn quantization(
     what: &str,
     q: &refit_quantization,
     arithmetic_field: &str,
     arithmetic: u32,
 ) -> Result<Quantization> {
+    let Some(arithmetic) = Arithmetic::from_code(arithmetic) else {
+        return Err(Error::invalid_argument(format!(
+            "{arithmetic_field} is {arithmetic}; expected REFIT_ARITHMETIC_DIVIDE (0), _DEEPGEMM (1), _VLLM_CHANNEL (2) \
+             or _DEEPGEMM_UE8M0 (3)"
+        )));
+    };
     if let Some(quantization) =
-        Quantization::from_codes([q.target, q.granularity, q.block_rows, q.block_cols, arithmetic])
+        Quantization::from_codes([q.target, q.granularity, q.block_rows, q.block_cols, 0])
     {
-        return Ok(quantization);
-    }
-    if Quantization::from_codes([q.target, q.granularity, q.block_rows, q.block_cols, 0]).is_some() {
-        let why = if Arithmetic::from_code(arithmetic).is_none() {
-            format!(
-                "is {arithmetic}; expected REFIT_ARITHMETIC_DIVIDE (0), _DEEPGEMM (1), _VLLM_CHANNEL (2) or \
-                 _DEEPGEMM_UE8M0 (3)"
-            )
-        } else {
-            format!("is {arithmetic}; MXFP8's scales are powers of two: it takes REFIT_ARITHMETIC_DIVIDE (0) only")
-        };
-        return Err(Error::invalid_argument(format!("{arithmetic_field} {why}")));
+        return Ok(quantization.with(arithmetic));
     }
     let why = if !matches!(q.target, REFIT_FP8_E4M3FN | REFIT_FP8_E5M2) {
         format!(

@@ -275,8 +275,8 @@ pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
         return Err(invalid(
             index,
             format!(
-                "MXFP8 takes the Divide arithmetic (its scales are powers of two), not {:?}",
-                q.arithmetic
+                "arithmetic {} for MXFP8, whose scales are powers of two: it takes REFIT_ARITHMETIC_DIVIDE (0) only",
+                q.arithmetic.code()
             ),
         ));
     }
@@ -389,7 +389,7 @@ fn overlapping_regions(message: &str) -> String {
 
 /// The numbers the C API and the table's wire format give a quantization: target (1 e4m3fn, 2 e5m2),
 /// granularity (1 tensor, 2 row, 3 block, 4 MX), block rows and columns (0 but for blocks), and the
-/// arithmetic ([`Arithmetic::code`]; 0 for MX).
+/// arithmetic ([`Arithmetic::code`]; which granularity takes which is [`check_job`]'s to say).
 impl Quantization {
     pub fn codes(&self) -> [u32; 5] {
         let target = match self.target {
@@ -420,9 +420,6 @@ impl Quantization {
             _ => return None,
         };
         let arithmetic = Arithmetic::from_code(arithmetic)?;
-        if granularity == Granularity::Mx && arithmetic != Arithmetic::Divide {
-            return None;
-        }
         Some(Quantization { target, granularity, arithmetic })
     }
 }

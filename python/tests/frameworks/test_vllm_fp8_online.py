@@ -48,14 +48,6 @@ def qwen3_config():
                        tie_word_embeddings=False)
 
 
-def engine(folder: str, parallel: harness.Parallel, quantization: str | None):
-    from vllm.engine.arg_utils import EngineArgs
-
-    args = EngineArgs(model=folder, tensor_parallel_size=parallel.tp, dtype="bfloat16", load_format="dummy",
-                      enforce_eager=True, skip_tokenizer_init=True, max_model_len=256, quantization=quantization)
-    return args.create_engine_config()
-
-
 def loaded(config, parallel: harness.Parallel, rank: int, checkpoint: Dict[str, torch.Tensor]):
     """Rank `rank`'s model with the checkpoint loaded and post-processed by vLLM's own loader."""
     from vllm.model_executor.model_loader.utils import process_weights_after_loading
@@ -109,8 +101,8 @@ class VllmFp8OnlineTest(unittest.TestCase):
         return codes, scales
 
     def check(self, parallel: harness.Parallel):
-        fp8 = engine(self.folder, parallel, "fp8_per_block")
-        bf16 = engine(self.folder, parallel, None)
+        fp8 = harness.engine_config(self.folder, parallel, "bfloat16", "fp8_per_block")
+        bf16 = harness.engine_config(self.folder, parallel, "bfloat16")
         compared = 0
         for rank in range(parallel.tp):
             served = loaded(fp8, parallel, rank, self.checkpoint)

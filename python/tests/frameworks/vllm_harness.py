@@ -119,7 +119,7 @@ def index_encoded(specs: Dict[str, Tuple[Tuple[int, ...], torch.dtype]]) -> Dict
     return out
 
 
-def engine_config(folder: str, parallel: Parallel, dtype: str = "float32") -> Any:
+def engine_config(folder: str, parallel: Parallel, dtype: str = "float32", quantization: Optional[str] = None) -> Any:
     from vllm.engine.arg_utils import EngineArgs
 
     kwargs: Dict[str, Any] = {}
@@ -134,6 +134,7 @@ def engine_config(folder: str, parallel: Parallel, dtype: str = "float32") -> An
         enforce_eager=True,
         skip_tokenizer_init=True,
         max_model_len=256,
+        quantization=quantization,
         **kwargs,
     )
     return args.create_engine_config()
