@@ -566,6 +566,57 @@ fn addresses_that_are_not_the_devices_memory_are_refused_at_create() {
     ck("cuMemFreeHost", unsafe { sys::cuMemFreeHost(pinned) });
 }
 
+/// The copy-engine arm's copies (`Backend::copy_segments`) in batches: more runs than one driver
+/// batch call takes (`engine_copy::RUNS_PER_CALL`), of every length from 1 byte, misaligned, written
+/// in reverse order; then a call whose batch holds a run across two allocations that meet, which the
+/// driver refuses as a batch and which is copied run by run, split at the seam. Every destination
+/// byte is compared, those no run writes included.
+#[test]
+#[ignore = "needs a GPU"]
+fn copy_engine_runs_go_in_batches_and_a_run_across_a_seam_still_copies() {
+    let group = gpu_group(1);
+    let backend = group.backend();
+    let stream = group.stream(0).unwrap();
+    let runs = refit::transport::engine_copy::RUNS_PER_CALL * 2 + 123;
+    let lengths: Vec<usize> = (0..runs).map(|k| 1 + (k * 7919) % 1500).collect();
+    let total: usize = lengths.iter().sum();
+    let (src, dst) = (DeviceBuffer::new(0, total + 64), DeviceBuffer::new(0, total + 64));
+    let bytes: Vec<u8> = (0..src.len).map(|i| (i * 131 + i / 251) as u8).collect();
+    src.write(0, &bytes);
+    dst.poison();
+    // Run k reads at its place in the source and lands where the runs after it end, shifted by 3.
+    let mut segments = Vec::new();
+    let mut want = vec![POISON; dst.len];
+    let (mut from, mut to) = (0usize, total);
+    for &len in &lengths {
+        to -= len;
+        segments.push(refit::Segment::contiguous(
+            src.ptr + from as u64 + 1,
+            dst.ptr + to as u64 + 3,
+            len as u64,
+        ));
+        want[to + 3..to + 3 + len].copy_from_slice(&bytes[from + 1..from + 1 + len]);
+        from += len;
+    }
+    // SAFETY: live buffers of device 0 and the group's stream; destination runs are disjoint.
+    unsafe { backend.copy_segments(0, stream, &segments) }.unwrap();
+    backend.sync_stream(0, stream).unwrap();
+    assert!(dst.read() == want, "a byte differs after {runs} runs in batches");
+
+    // 64 runs of 4 KiB into two chunks that meet, the 32nd across the seam.
+    let seam = Chunks::new(0, 2, 2);
+    let (len, count) = (4096u64, 64u64);
+    let start = seam.chunk - 31 * len - len / 2;
+    seam.write(start, &vec![POISON; (len * count) as usize]);
+    let across: Vec<refit::Segment> = (0..count)
+        .map(|k| refit::Segment::contiguous(src.ptr + k * len, seam.ptr + start + k * len, len))
+        .collect();
+    // SAFETY: as above; the seam's chunks are mapped and readable and writable by device 0.
+    unsafe { backend.copy_segments(0, stream, &across) }.unwrap();
+    backend.sync_stream(0, stream).unwrap();
+    assert!(seam.read(start, (len * count) as usize) == bytes[..(len * count) as usize], "across the seam");
+}
+
 /// On two GPUs: memory of device 1 named as device 0's is refused (the plan says where it is).
 #[test]
 #[ignore = "needs a GPU"]

@@ -11,6 +11,7 @@
 //! never disturbed; only [`Backend::bind`] leaves a context current (for our own rank threads).
 
 use super::driver::{self, check, error_name, CurrentContext};
+use super::engine_copy::EngineCopies;
 use super::ByteRange;
 use super::{
     device_index, Backend, BackendKind, Event, PreparedCheck, PreparedCopy, PreparedDigestCheck,
@@ -386,19 +387,17 @@ impl Backend for CudaBackend {
 
     unsafe fn copy_segments(&self, device: i32, stream: Stream, segments: &[Segment]) -> Result<()> {
         let _current = self.enter(device)?;
-        let raw = Self::raw_stream(stream);
-        let mut result = Ok(());
+        let mut copies = EngineCopies::new(device, Self::raw_stream(stream));
         for segment in segments {
+            let mut result = Ok(());
             segment.for_each_run(|src, dst, len| {
-                if result.is_err() || src == dst {
-                    return;
+                if result.is_ok() {
+                    result = copies.push(src, dst, len);
                 }
-                result = copy_run(src, dst, len, raw)
-                    .map_err(|e| e.context(format!("run of {len} bytes from {src:#x} to {dst:#x}")));
             });
-            result.clone()?;
+            result?;
         }
-        result
+        copies.flush()
     }
 
     unsafe fn copy_batch(
@@ -567,35 +566,6 @@ impl PreparedCheck for VerifyBatch {
     fn outcome(&self) -> Result<Option<usize>> {
         VerifyBatch::outcome(self)
     }
-}
-
-/// Queues one copy-engine copy of a run: with unified addressing the driver routes a peer run over
-/// NVLink when peer access is on, or stages it when it is not. A run that spans two adjacent
-/// allocations (the planner coalesces by address, and separate allocations can be adjacent) is one
-/// range to a kernel but CUDA_ERROR_INVALID_VALUE to cuMemcpy: it is split where an allocation ends.
-///
-/// # Safety
-/// The run must be valid memory; the caller's context must be current.
-unsafe fn copy_run(src: u64, dst: u64, len: u64, stream: sys::CUstream) -> Result<()> {
-    let whole = sys::cuMemcpyAsync(dst, src, len as usize, stream);
-    if whole != CUresult::CUDA_ERROR_INVALID_VALUE {
-        return check("cuMemcpyAsync", whole);
-    }
-    let mut done = 0;
-    while done < len {
-        let piece = (len - done).min(allocation_left(src + done)?).min(allocation_left(dst + done)?);
-        check("cuMemcpyAsync", sys::cuMemcpyAsync(dst + done, src + done, piece as usize, stream))?;
-        done += piece;
-    }
-    Ok(())
-}
-
-/// Bytes from `ptr` to the end of the device allocation holding it.
-fn allocation_left(ptr: u64) -> Result<u64> {
-    let (mut base, mut size) = (0, 0);
-    // SAFETY: valid out-pointers; the driver only inspects the address.
-    check("cuMemGetAddressRange", unsafe { sys::cuMemGetAddressRange_v2(&mut base, &mut size, ptr) })?;
-    Ok(base + size as u64 - ptr)
 }
 
 #[cfg(test)]

@@ -29,6 +29,7 @@ pub mod comm;
 pub mod cuda;
 pub mod driver;
 pub mod dynlib;
+pub mod engine_copy;
 pub mod host;
 pub mod host_copy;
 pub mod host_verify;
@@ -147,11 +148,14 @@ pub trait Backend: Send + Sync {
     /// Lets `device` access `peer`'s memory. Already enabled counts as success.
     fn enable_peer_access(&self, device: i32, peer: i32) -> Result<()>;
 
-    /// Queues the copy of every segment on `stream` (which belongs to `device`), in order, one copy
-    /// per contiguous run (the copy engine on CUDA). The reference for [`Backend::copy_batch`].
+    /// Queues the copy of every segment on `stream` (which belongs to `device`), one copy per
+    /// contiguous run (the copy engine on CUDA, runs handed to the driver in batches; see
+    /// `engine_copy`). The reference for [`Backend::copy_batch`]. The runs start after what `stream`
+    /// held before and run in no particular order among themselves, as the kernel's do.
     ///
     /// # Safety
-    /// Every source and destination byte must be valid memory for the duration of the queued work.
+    /// Every source and destination byte must be valid memory for the duration of the queued work,
+    /// and no run may read bytes another run of the call writes.
     unsafe fn copy_segments(&self, device: i32, stream: Stream, segments: &[Segment]) -> Result<()>;
 
     /// The batched copy: every segment copied on `stream` (a stream of `device`; `Stream::NULL` for
