@@ -8,20 +8,28 @@ after the refit ran, `load_staged(loader, staging)` hands those buffers to the e
 Parameters the engine transforms after loading (`reloaded`: parameter -> why) get no boxes: every
 checkpoint tensor that lands in one of them is staged whole too (`reload`), and the engine's own
 reload path turns those into the live parameters (`reloaded_tensors(staging)` hands them over).
-`paths` says, per parameter, which path it takes: "boxes", "loader" or "reload".
+Parameters the engine serves quantized (`quantized`: parameter -> QuantizedParam) receive their
+recorded boxes as quantized needs: refit quantizes each box during the refit into the live codes at
+its rows, and its scales into the scale parameter the QuantizedParam names (a row-major grid of one
+scale per block). Every box must start on a block boundary of the parameter and fill its blocks
+alone (`unfit_boxes` says why not): a block of two checkpoint tensors is no one need's box.
+`paths` says, per parameter, which path it takes: "boxes", "loader", "reload" or "quantized".
 The other live parameters must be the ones recorded (names, shapes, strides, dtypes): a model that
 changed since is refused, never written blindly.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
-from typing import Any, Callable, Dict, Iterable, List, Mapping, Optional, Tuple
+import math
+from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from .._lib import invalid_argument
+from .._lib import Fp8, Granularity, SourceType, invalid_argument
 from ..plan import Table
+from ..quant import Quantization
 from ..tensor import TensorLike, device_index, dtype_code, dtype_name
-from .layout import new_table, strip_wrappers
+from .layout import ParamLayout, new_table, strip_wrappers
 from .recorder import Recording
 
 log = logging.getLogger("refit.integrations.receiver")
@@ -31,12 +39,87 @@ def _dtype(value: Any) -> str:
     return str(value).rsplit(".", 1)[-1]
 
 
+# What a quantized need reads (the checkpoint tensor's dtype) and writes (the codes' dtype).
+_SOURCES = {"bfloat16": SourceType.BF16, "float16": SourceType.F16, "float32": SourceType.F32}
+_SOURCE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+_TARGETS = {Fp8.E4M3FN: "float8_e4m3fn", Fp8.E5M2: "float8_e5m2"}
+
+
+@dataclasses.dataclass(frozen=True)
+class QuantizedParam:
+    """A parameter served as FP8 codes of its recorded (high-precision) layout, quantized by refit:
+    `scales` names the parameter holding its float32 scale grid (row-major, one scale per block of
+    `quantization`, a Granularity.BLOCK quantization)."""
+
+    scales: str
+    quantization: Quantization
+
+    @property
+    def block(self) -> Tuple[int, int]:
+        return self.quantization.block_shape(0, 0)
+
+    @property
+    def codes_dtype(self) -> str:
+        return _TARGETS[self.quantization.target]
+
+    def grid(self, shape: Tuple[int, ...]) -> Tuple[int, int]:
+        return self.quantization.scale_grid(shape[0], shape[1])
+
+
+def unfit_boxes(layout: ParamLayout, block: Tuple[int, int], checkpoint: Mapping[str, Any]) -> Optional[str]:
+    """Why the recorded boxes of a 2-D parameter cannot each be one quantized need (None when they
+    can): every box must be a row-major rectangle of the parameter that starts on a block boundary
+    and ends on one (or at the parameter's edge), so that no block mixes two boxes, and the boxes
+    must cover every element (a block with an element no box writes would be scaled differently).
+    `checkpoint`: name -> TensorSpec, whose dtype must be one quantizing reads."""
+    if len(layout.shape) != 2:
+        return f"{layout.name} is {len(layout.shape)}-dimensional, not a matrix"
+    rows, cols = layout.shape
+    block_rows, block_cols = block
+    covered = 0
+    for piece in layout.pieces:
+        if len(piece.extent) != 2 or tuple(piece.strides) != (cols, 1):
+            return f"{piece.tensor} lands in {layout.name} with strides {list(piece.strides)}, not as rows of it"
+        if _dtype(checkpoint[piece.tensor].dtype) not in _SOURCES:
+            return f"{piece.tensor} is {_dtype(checkpoint[piece.tensor].dtype)}, which refit does not quantize"
+        row, col = divmod(piece.at, cols)
+        end_row, end_col = row + piece.extent[0], col + piece.extent[1]
+        if row % block_rows or col % block_cols:
+            return f"{piece.tensor} starts at row {row}, column {col} of {layout.name}, inside a {block_rows} x {block_cols} block"
+        if (end_row % block_rows and end_row != rows) or (end_col % block_cols and end_col != cols):
+            return f"{piece.tensor} ends at row {end_row}, column {end_col} of {layout.name}, inside a block another box shares"
+        covered += piece.numel
+    if covered != math.prod(layout.shape):
+        return f"{layout.name}: boxes cover {covered} of {math.prod(layout.shape)} elements"
+    return None
+
+
 class RecordedReceiver:
     """Needs of one engine process, from the recording of its loader."""
 
-    def __init__(self, recording: Recording, reloaded: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(
+        self,
+        recording: Recording,
+        reloaded: Optional[Mapping[str, str]] = None,
+        quantized: Optional[Mapping[str, QuantizedParam]] = None,
+        added: Collection[str] = (),
+    ) -> None:
+        """`reloaded`: parameter -> why the engine's reload path writes it; `quantized`: parameter
+        -> how refit quantizes its boxes (see the module); `added`: parameters the engine creates
+        after the recorded load (post-processing), which the live model may hold unrecorded."""
         self.recording = recording
         reloaded = dict(reloaded or {})
+        self.quantized: Dict[str, QuantizedParam] = dict(quantized or {})
+        recorded = {layout.name: layout for layout in recording.layouts}
+        for name, spec in self.quantized.items():
+            if name not in recorded or name in reloaded:
+                raise invalid_argument(f"{name} is quantized but {'reloaded' if name in reloaded else 'receives no recorded boxes'}")
+            if spec.quantization.granularity != Granularity.BLOCK:
+                raise invalid_argument(f"{name}: quantized parameters take Granularity.BLOCK, not {spec.quantization.granularity!r}")
+            why = unfit_boxes(recorded[name], spec.block, recording.checkpoint)
+            if why is not None:
+                raise invalid_argument(f"{name} cannot be quantized box by box: {why}")
+        self.added = set(added) | {spec.scales for spec in self.quantized.values()}
         self.reload: Dict[str, str] = {}
         """Checkpoint tensor -> why it goes through the engine's reload path."""
         for layout in recording.layouts:
@@ -47,21 +130,25 @@ class RecordedReceiver:
             hit = [p for p in params if p in reloaded]
             if hit:
                 self.reload.setdefault(name, reloaded[hit[0]])
-        self.layouts = [layout for layout in recording.layouts if layout.name not in reloaded]
+        kept = [layout for layout in recording.layouts if layout.name not in reloaded]
+        self.layouts = [layout for layout in kept if layout.name not in self.quantized]
+        self.quantized_layouts = [layout for layout in kept if layout.name in self.quantized]
         self.staged = {name: why for name, why in recording.staged.items() if name not in self.reload}
         self.paths: Dict[str, str] = {layout.name: "boxes" for layout in self.layouts}
+        for name, spec in self.quantized.items():
+            self.paths[name] = self.paths[spec.scales] = "quantized"
         for name in self.staged:
             for param in recording.staged_params.get(name, ()):
                 self.paths[param] = "loader"
         for param in reloaded:
-            if param in recording.params:
+            if param in recording.params or param in self.added:
                 self.paths[param] = "reload"
 
     def _params(self, named_parameters: Mapping[str, TensorLike] | Iterable[Tuple[str, TensorLike]]) -> Dict[str, TensorLike]:
         items = named_parameters.items() if isinstance(named_parameters, Mapping) else named_parameters
         live = {strip_wrappers(name): tensor for name, tensor in items}
         recorded = self.recording.params
-        only_live = sorted(set(live) - set(recorded))
+        only_live = sorted(set(live) - set(recorded) - self.added)
         only_recorded = sorted(set(recorded) - set(live))
         if only_live or only_recorded:
             raise invalid_argument(
@@ -82,7 +169,23 @@ class RecordedReceiver:
                 f"{len(changed)} parameters changed shape, strides or dtype since the loader was recorded "
                 f"(post-processed after loading?), e.g. {changed[:3]}"
             )
+        missing = sorted(spec.scales for spec in self.quantized.values() if spec.scales not in live)
+        if missing:
+            raise invalid_argument(f"{len(missing)} scale parameters of quantized parameters are missing, e.g. {missing[:3]}")
+        for layout in self.quantized_layouts:
+            self._check_quantized(layout, live[layout.name], live[self.quantized[layout.name].scales])
         return live
+
+    def _check_quantized(self, layout: ParamLayout, codes: TensorLike, scales: TensorLike) -> None:
+        """The live codes and scales are what the quantized needs write: codes of the recorded
+        shape, row-major, in the quantization's FP8 type; float32 scales, one per block, row-major."""
+        spec = self.quantized[layout.name]
+        grid = spec.grid(layout.shape)
+        for tensor, name, shape, dtype in ((codes, layout.name, layout.shape, spec.codes_dtype), (scales, spec.scales, grid, "float32")):
+            got = (tuple(int(n) for n in tensor.shape), tuple(int(s) for s in tensor.stride()), dtype_name(tensor))
+            want = (tuple(shape), (int(shape[1]), 1), dtype)
+            if got != want:
+                raise invalid_argument(f"{name} is {list(got[0])}/{list(got[1])}/{got[2]}; quantized needs write {list(want[0])}/{list(want[1])}/{want[2]}")
 
     def staging_buffers(self, allocate: Callable[[Tuple[int, ...], Any], TensorLike]) -> Dict[str, TensorLike]:
         """A buffer per staged checkpoint tensor (for the loader or the reload path):
@@ -110,10 +213,10 @@ class RecordedReceiver:
         specs = self.recording.checkpoint
         indices: Dict[str, int] = {}
 
-        def index(name: str, tensor: TensorLike) -> int:
+        def index(name: str, element_size: int) -> int:
             if name not in indices:
                 spec = specs[name]
-                indices[name] = table.add_tensor(name, spec.shape, tensor.element_size(), dtype_code(_dtype(spec.dtype)))
+                indices[name] = table.add_tensor(name, spec.shape, element_size, dtype_code(_dtype(spec.dtype)))
             return indices[name]
 
         added = 0
@@ -121,7 +224,23 @@ class RecordedReceiver:
             tensor = live[layout.name]
             base, es, dev = tensor.data_ptr(), tensor.element_size(), device_index(tensor, device)
             for piece in layout.pieces:
-                table.add_need(index(piece.tensor, tensor), process, dev, base + piece.at * es, piece.offset, piece.extent, piece.strides)
+                table.add_need(index(piece.tensor, es), process, dev, base + piece.at * es, piece.offset, piece.extent, piece.strides)
+                added += 1
+        for layout in self.quantized_layouts:
+            spec = self.quantized[layout.name]
+            codes, scales = live[layout.name], live[spec.scales]
+            dev = device_index(codes, device)
+            (block_rows, block_cols), grid_cols, cols = spec.block, spec.grid(layout.shape)[1], layout.shape[1]
+            for piece in layout.pieces:
+                row, col = divmod(piece.at, cols)
+                source = specs[piece.tensor]
+                # Codes are one byte: element and byte strides agree. The box's scales start at
+                # its first block's place in the grid.
+                first_scale = (row // block_rows) * grid_cols + col // block_cols
+                table.add_quantized_need(
+                    index(piece.tensor, _SOURCE_SIZES[_dtype(source.dtype)]), process, dev, codes.data_ptr() + piece.at, piece.offset, piece.extent,
+                    (cols, 1), spec.quantization, _SOURCES[_dtype(source.dtype)], scales.data_ptr() + 4 * first_scale, grid_cols,
+                )
                 added += 1
         whole = self._whole()
         if whole:
@@ -135,7 +254,7 @@ class RecordedReceiver:
                 if tuple(int(n) for n in buffer.shape) != spec.shape or dtype_name(buffer) != _dtype(spec.dtype):
                     raise invalid_argument(f"staging buffer of {name} is {list(buffer.shape)} {dtype_name(buffer)}; the checkpoint has {list(spec.shape)} {_dtype(spec.dtype)}")
                 strides = tuple(int(s) for s in buffer.stride())
-                table.add_need(index(name, buffer), process, device_index(buffer, device), buffer.data_ptr(), (0,) * len(spec.shape), spec.shape, strides)
+                table.add_need(index(name, buffer.element_size()), process, device_index(buffer, device), buffer.data_ptr(), (0,) * len(spec.shape), spec.shape, strides)
                 added += 1
         return added
 

@@ -234,6 +234,10 @@ class _Mode:
         self.staged_params: Dict[str, set] = {}
         self.params_written_by_staged: set = set()
         self._tracked: set = set()
+        # Every tensor whose storage is a key here stays alive while recording: a freed storage's
+        # address can come back as a new tensor's (vLLM's online quantization allocates and frees
+        # inside load_weights), which would then be taken for the checkpoint copy it no longer is.
+        self._alive: List[Any] = []
 
     # What a tensor is: a view of a root, of a dense copy (resolved to its source when it maps),
     # or something computed from checkpoint tensors.
@@ -261,12 +265,16 @@ class _Mode:
         self.roots[key] = _Root("checkpoint", name, 0, shape)
         self._tracked.add(key)
 
+    def keep_alive(self, tensor: Any) -> None:
+        self._alive.append(tensor)
+
     def remember_copy(self, tensor: Any, source: _View) -> None:
         key = _storage_key(tensor)
         if key not in self.roots:
             self.dense[key] = _Dense(_view_of(tensor, key), source)
             self.tainted.pop(key, None)
             self._tracked.add(key)
+            self.keep_alive(tensor)
 
     def taint(self, tensor: Any, names: Iterable[str], why: str) -> None:
         key = _storage_key(tensor)
@@ -274,6 +282,7 @@ class _Mode:
             self.tainted[key] = (frozenset(names), why)
             self.dense.pop(key, None)
             self._tracked.add(key)
+            self.keep_alive(tensor)
 
     def sources(self, values: Iterable[Any]) -> Tuple[set, List[str]]:
         names: set = set()
@@ -457,6 +466,7 @@ def record(
     keep: List[Any] = []  # the stand-ins stay alive, so no storage key is reused while recording
     for name, tensor in params:
         state.roots[_storage_key(tensor)] = _Root("param", name, int(tensor.storage_offset()), tuple(tensor.shape))
+        state.keep_alive(tensor.detach())  # its storage, even where the loader rebinds the parameter's data
     order = list(specs.values())
     for spec in order:
         tensor = torch.empty(spec.shape, dtype=spec.dtype, device="meta")

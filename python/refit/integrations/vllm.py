@@ -18,8 +18,23 @@ staging, and after the refit `install_staged` hands them to vLLM's own layerwise
 (vllm/model_executor/model_loader/reload: `initialize_layerwise_reload` puts the layers back in
 checkpoint format on meta, the model's `load_weights` fills fresh checkpoint-format parameters,
 the layer's post-processing runs, and the result is copied into the live parameters' storage,
-which keeps their addresses). `paths` (parameter -> "boxes" / "loader" / "reload") and one log line
-say which path each parameter took.
+which keeps their addresses). `paths` (parameter -> "boxes" / "loader" / "reload" / "quantized")
+and one log line say which path each parameter took.
+
+Engines that quantize BF16 checkpoints online (`quantization="fp8_per_block"`: vLLM's
+Fp8PerBlockOnlineLinearMethod) run that post-processing inside `load_weights`, as soon as a layer
+has all of its elements, so the meta copy is compared with the recording as well (parameters that
+changed or appeared while loading count as post-processed). Such a layer is quantized by refit
+during the refit instead, when the meta run shows that what it serves is exactly the block
+quantizer's output: `online_block_layers` watches vLLM's own call of `per_block_cast_to_fp8`
+(its block size and `use_ue8m0` choose the quantization: Arithmetic.DEEPGEMM, or
+DEEPGEMM_UE8M0 when vLLM asked for power-of-two scales) and accepts the layer only when the live
+`weight` is that call's codes ([N, K] row-major, the BF16 weight's shape) and `weight_scale_inv`
+its scale grid (float32, [ceil(N / 128), ceil(K / 128)] row-major), neither rewritten afterwards
+(a GEMM kernel that re-lays or re-scales them, as vLLM's DeepGEMM path does, keeps the reload
+path), and every recorded box fills whole blocks (receiver.unfit_boxes). Each box then becomes a
+quantized need writing FP8 codes into the live weight at its rows and its scales into
+`weight_scale_inv` (`paths` "quantized" for both), in place: the parameters keep their addresses.
 
 One adjustment to vLLM's reload: its unquantized MoE method runs the expert backend's own
 post-processing (the CPU backend's padding and prepacking) only on the first load (`moe_kernel` not
@@ -46,7 +61,8 @@ from .._lib import RefitError, Status, invalid_argument
 from ..plan import Plan, Table
 from ..tensor import TensorLike
 from .layout import ModelShape, ParamLayout, add_params, new_table
-from .receiver import RecordedReceiver
+from ..quant import Arithmetic, Fp8, Granularity, Quantization
+from .receiver import QuantizedParam, RecordedReceiver, unfit_boxes
 from .recorder import Recording, record
 from .vllm_rules import VllmRanks, local_experts, stage_layers, vllm_layouts
 
@@ -60,6 +76,7 @@ __all__ = [
     "layerwise_reload",
     "checkpoint_of",
     "local_experts",
+    "online_block_layers",
     "post_processed",
     "reload_params",
     "stage_layers",
@@ -185,6 +202,181 @@ def post_processed(model: Any, vllm_config: Any) -> Dict[str, str]:
     return changed
 
 
+def changed_since_recorded(recording: Recording, model: Any) -> Dict[str, str]:
+    """Parameters of `model` (the meta copy, after the recorded load) that differ from the
+    recording's (shape, strides, dtype) or that the recording did not have: vLLM's online
+    quantization post-processes a layer inside `load_weights`."""
+    why = "post-processed while loading (vLLM's online processing)"
+    now = {name: (tuple(p.shape), tuple(p.stride()), p.dtype) for name, p in model.named_parameters()}
+    before = {name: (info.shape, info.strides, info.dtype) for name, info in recording.params.items()}
+    return {name: why for name in set(now) | set(before) if now.get(name) != before.get(name)}
+
+
+@dataclasses.dataclass
+class BlockQuantizerCall:
+    """What vLLM's online block method did to one layer: the arguments it passed to
+    `per_block_cast_to_fp8` (defaults filled in), the storages of the codes and scales it got
+    back, and whether anything wrote into those afterwards."""
+
+    arguments: Dict[str, Any]
+    outputs: Tuple[Any, Any]
+    rewritten: bool = False
+
+
+@contextlib.contextmanager
+def _block_quantizer_calls() -> Iterator[Dict[int, BlockQuantizerCall]]:
+    """While open, vLLM's Fp8PerBlockOnlineLinearMethod.process_weights_after_loading runs as
+    usual, but its call of `per_block_cast_to_fp8` is seen (per layer, keyed by id(layer)), and so
+    is any later write into the codes or scales it returned. vLLM's own functions do the work;
+    they are only wrapped, and put back on exit (vLLM runs the method inside the meta copy's
+    `load_weights`, or in post_processed when the recording came from the cache)."""
+    import inspect
+
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    calls: Dict[int, BlockQuantizerCall] = {}
+    try:
+        from vllm.model_executor.layers.quantization.online import fp8 as online  # type: ignore[import-not-found]
+        from vllm.utils import deep_gemm  # type: ignore[import-not-found]
+    except ImportError:  # a vLLM without the online block method: no layer is quantized by refit
+        yield calls
+        return
+
+    layers: List[Any] = []
+    method = online.Fp8PerBlockOnlineLinearMethod
+    process = method.process_weights_after_loading
+    # The method calls the name its module imported; DeepGEMM's module holds the function itself.
+    quantizers = [(module, module.per_block_cast_to_fp8) for module in (online, deep_gemm)]
+
+    def storage(tensor: Any) -> int:
+        return int(tensor.untyped_storage()._cdata)
+
+    class Rewrites(TorchDispatchMode):
+        """Flags an in-place write into the current layer's codes or scales (a copy of a view onto
+        itself, as replace_parameter makes of an unchanged tensor, is none)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            call = calls.get(id(layers[-1])) if layers else None
+            if call is not None:
+                watched = {storage(t) for t in call.outputs}
+                for argument, value in zip(func._schema.arguments, args):
+                    if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
+                        source = args[1] if len(args) > 1 else None
+                        onto_itself = (
+                            func is torch.ops.aten.copy_.default
+                            and isinstance(source, torch.Tensor)
+                            and storage(source) == storage(value)
+                            and (source.storage_offset(), source.stride(), source.shape) == (value.storage_offset(), value.stride(), value.shape)
+                        )
+                        if storage(value) in watched and not onto_itself:
+                            call.rewritten = True
+            return func(*args, **(kwargs or {}))
+
+    def seen(quantize: Any) -> Any:
+        signature = inspect.signature(quantize)
+
+        def seen_quantize(*args: Any, **kwargs: Any) -> Any:
+            codes, scales = result = quantize(*args, **kwargs)
+            if layers and id(layers[-1]) not in calls:
+                # The innermost call is recorded (it returns first): what DeepGEMM's quantizer was
+                # asked for, even where another function stands between it and the method.
+                bound = signature.bind(*args, **kwargs)
+                bound.apply_defaults()
+                arguments = {name: value for name, value in bound.arguments.items() if not isinstance(value, torch.Tensor)}
+                calls[id(layers[-1])] = BlockQuantizerCall(arguments, (codes, scales))
+            return result
+
+        return seen_quantize
+
+    def seen_process(self: Any, layer: Any) -> Any:
+        layers.append(layer)
+        try:
+            with Rewrites():
+                return process(self, layer)
+        finally:
+            layers.pop()
+
+    method.process_weights_after_loading = seen_process
+    for module, quantize in quantizers:
+        module.per_block_cast_to_fp8 = seen(quantize)
+    try:
+        yield calls
+    finally:
+        method.process_weights_after_loading = process
+        for module, quantize in quantizers:
+            module.per_block_cast_to_fp8 = quantize
+
+
+_FP8_TARGETS = {"float8_e4m3fn": Fp8.E4M3FN, "float8_e5m2": Fp8.E5M2}
+
+
+def online_block_layers(
+    model: Any, recording: Recording, post: Mapping[str, str], calls: Mapping[int, BlockQuantizerCall]
+) -> Tuple[Dict[str, QuantizedParam], Dict[str, str]]:
+    """Of the meta copy's layers quantized online in blocks (calls: _block_quantizer_calls), those
+    refit quantizes during the refit (see the module): weight -> QuantizedParam, and layer -> why
+    not for the others, which keep the reload path."""
+    quantized: Dict[str, QuantizedParam] = {}
+    refused: Dict[str, str] = {}
+    layouts = {layout.name: layout for layout in recording.layouts}
+    staged_params = {param for params in recording.staged_params.values() for param in params}
+    for prefix, module in model.named_modules():
+        call = calls.get(id(module))
+        if call is None:
+            continue
+        weight, scales = f"{prefix}.weight", f"{prefix}.weight_scale_inv"
+        spec, why = _block_quantized_param(module, call, layouts.get(weight), recording)
+        others = sorted(n for n in post if n.rsplit(".", 1)[0] == prefix and n not in (weight, scales))
+        if why is None and others:
+            why = f"its post-processing also changes {others}"
+        if why is None and weight in staged_params:
+            why = f"{weight} also takes checkpoint tensors the loader transforms"
+        if why is None:
+            assert spec is not None
+            quantized[weight] = spec
+        else:
+            refused[prefix] = why
+    return quantized, refused
+
+
+def _block_quantized_param(
+    module: Any, call: BlockQuantizerCall, layout: Optional[ParamLayout], recording: Recording
+) -> Tuple[Optional[QuantizedParam], Optional[str]]:
+    """The QuantizedParam of one online block-quantized layer, or why it cannot be one."""
+    import torch
+
+    weight, scales = getattr(module, "weight", None), getattr(module, "weight_scale_inv", None)
+    if layout is None or weight is None or scales is None:
+        return None, "no recorded boxes land in its weight, or it has no weight_scale_inv"
+    if call.rewritten:
+        return None, "its codes or scales are rewritten after quantizing (the GEMM kernel's post-processing)"
+
+    def same(tensor: Any, output: Any) -> bool:
+        return int(tensor.untyped_storage()._cdata) == int(output.untyped_storage()._cdata) and (
+            tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
+        ) == (output.storage_offset(), tuple(output.shape), tuple(output.stride()), output.dtype)
+
+    if not (same(weight, call.outputs[0]) and same(scales, call.outputs[1])):
+        return None, "it serves other tensors than the quantizer's codes and scales (re-laid by the GEMM kernel)"
+    target = _FP8_TARGETS.get(str(weight.dtype).rsplit(".", 1)[-1])
+    block = tuple(int(n) for n in call.arguments.get("block_size") or ())
+    if target is None or len(block) != 2:
+        return None, f"codes of {weight.dtype} or block {list(block)} are not one refit quantizes"
+    arithmetic = Arithmetic.DEEPGEMM_UE8M0 if call.arguments.get("use_ue8m0") else Arithmetic.DEEPGEMM
+    spec = QuantizedParam(f"{layout.name.rsplit('.', 1)[0]}.weight_scale_inv", Quantization(target, Granularity.BLOCK, block, arithmetic))
+    rows, cols = layout.shape
+    want = ((rows, cols), (cols, 1), spec.grid(layout.shape), (spec.grid(layout.shape)[1], 1))
+    got = (tuple(weight.shape), tuple(weight.stride()), tuple(scales.shape), tuple(scales.stride()))
+    if got != want or scales.dtype != torch.float32:
+        return None, (
+            f"codes {list(got[0])}/{list(got[1])} and {scales.dtype} scales {list(got[2])}/{list(got[3])} "
+            "are not row-major as quantized needs write them"
+        )
+    why = unfit_boxes(layout, block, recording.checkpoint)
+    return (spec, None) if why is None else (None, why)
+
+
 def checkpoint_of(vllm_config: Any) -> Checkpoint:
     """The checkpoint's names, shapes and dtypes: the safetensors headers of the model folder when
     it is on disk, else what transformers writes for the Hugging Face config (its model built on the
@@ -262,15 +454,28 @@ class VllmReceiver:
     made elsewhere; `VllmReceiver(model_shape, ranks)` uses the hand-written rules, for processes
     without torch or vLLM (vllm_rules.py)."""
 
-    def __init__(self, model: Union[ModelShape, Recording], ranks: Optional[VllmRanks] = None, post: Optional[Mapping[str, str]] = None) -> None:
+    def __init__(
+        self,
+        model: Union[ModelShape, Recording],
+        ranks: Optional[VllmRanks] = None,
+        post: Optional[Mapping[str, str]] = None,
+        quantized: Optional[Mapping[str, QuantizedParam]] = None,
+        added: Sequence[str] = (),
+    ) -> None:
+        """`post`: parameters the engine post-processes (post_processed); `quantized`: weights refit
+        quantizes, whose layers leave the reload path (online_block_layers); `added`: parameters
+        the post-processing creates (the live model holds them, the recording does not)."""
         self.post_processed: Dict[str, str] = dict(post or {})
+        self.quantized: Dict[str, QuantizedParam] = dict(quantized or {})
         self.paths: Dict[str, str] = {}
         self.reload_layers: List[str] = []
         if isinstance(model, Recording):
             self.recording: Optional[Recording] = model
-            reloaded = reload_params(self.post_processed, model.params)
+            layers = {name.rsplit(".", 1)[0] for name in self.quantized}
+            to_reload = {name: why for name, why in self.post_processed.items() if name.rsplit(".", 1)[0] not in layers}
+            reloaded = reload_params(to_reload, [*model.params, *added])
             self.reload_layers = sorted({name.rsplit(".", 1)[0] for name in reloaded})
-            self.recorded: Optional[RecordedReceiver] = RecordedReceiver(model, reloaded)
+            self.recorded: Optional[RecordedReceiver] = RecordedReceiver(model, reloaded, self.quantized, added)
             self.layouts: List[ParamLayout] = self.recorded.layouts
             self.staged: Dict[str, str] = dict(self.recorded.staged)
             self.reload: Dict[str, str] = dict(self.recorded.reload)
@@ -285,18 +490,36 @@ class VllmReceiver:
             self.layouts = vllm_layouts(model, ranks)
 
     @classmethod
-    def from_engine(cls, vllm_config: Any, checkpoint: Optional[Checkpoint] = None) -> VllmReceiver:
-        """Records this worker's needs from its own model class and loader (see the module)."""
+    def from_engine(cls, vllm_config: Any, checkpoint: Optional[Checkpoint] = None, quantize: bool = True) -> VllmReceiver:
+        """Records this worker's needs from its own model class and loader (see the module).
+        `quantize`: layers vLLM quantizes online in blocks are quantized by refit during the refit
+        where they can be (else, and with False, they take vLLM's reload path)."""
         meta = build_meta_model(vllm_config)
         specs = checkpoint if checkpoint is not None else checkpoint_of(vllm_config)
-        with _building(vllm_config):
-            recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=engine_ranks())
-        return cls(recording, post=post_processed(meta, vllm_config))
+        with _block_quantizer_calls() as calls:
+            with _building(vllm_config):
+                recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=engine_ranks())
+            post = post_processed(meta, vllm_config)
+        for name, why in changed_since_recorded(recording, meta).items():
+            post.setdefault(name, why)
+        added = sorted(name for name, _ in meta.named_parameters() if name not in recording.params)
+        quantized: Dict[str, QuantizedParam] = {}
+        if quantize:
+            quantized, refused = online_block_layers(meta, recording, post, calls)
+            for layer, why in sorted(refused.items()):
+                log.info("refit: %s keeps vLLM's reload path: %s", layer, why)
+        return cls(recording, post=post, quantized=quantized, added=added)
 
     def summary(self) -> str:
         """Which path the parameters take: boxes, the loader from staging, or the engine's reload."""
-        counts = {path: sum(1 for p in self.paths.values() if p == path) for path in ("boxes", "loader", "reload")}
+        counts = {path: sum(1 for p in self.paths.values() if p == path) for path in ("boxes", "loader", "reload", "quantized")}
         text = f"{counts['boxes']} parameters receive boxes, {counts['loader']} go through the loader from staging"
+        if self.quantized:
+            arithmetic = sorted({spec.quantization.arithmetic.name for spec in self.quantized.values()})
+            text += (
+                f", {counts['quantized']} in {len(self.quantized)} layers are quantized by refit during the refit "
+                f"(FP8 codes and scales, {'/'.join(arithmetic)})"
+            )
         if self.reload:
             reasons = sorted(set(self.reload.values()))
             text += (
@@ -397,6 +620,7 @@ class RefitWorkerExtension:
         device: Optional[int] = None,
         backend: int = 0,
         checkpoint: Optional[Sequence[Tuple[str, Sequence[int], str]]] = None,
+        quantize: bool = True,
     ) -> bytes:
         """This worker's needs as an encoded Table (see the class docstring), recorded from its own
         model's loader (VllmReceiver.from_engine) with the ranks and expert placement the engine
@@ -404,7 +628,11 @@ class RefitWorkerExtension:
         (default: the model folder's safetensors headers, else the Hugging Face config's).
         `model` and `ranks` (ModelShape / VllmRanks fields) select the hand-written rules instead,
         for workers without torch (tests). `device` and `backend` (a refit.Backend) are for
-        parameters in host memory standing in for a GPU (tests); by default the worker's CUDA device."""
+        parameters in host memory standing in for a GPU (tests); by default the worker's CUDA device.
+        `quantize`: layers vLLM quantizes online in blocks are quantized by refit during the refit
+        (False: they take vLLM's reload path; see VllmReceiver.from_engine). Their quantized needs
+        have no staging: a trainer whose offers split a 128 x 128 block is refused at planning
+        (UNSUPPORTED, naming the tensor); pass False for such a trainer."""
         state = self._refit()
         if model is not None or ranks is not None:
             if model is None:
@@ -412,7 +640,7 @@ class RefitWorkerExtension:
             shape = ModelShape.from_hf_config(model) if "num_hidden_layers" in model else ModelShape(**model)
             receiver = VllmReceiver(shape, VllmRanks(**(ranks or {})))
         else:
-            receiver = VllmReceiver.from_engine(self._refit_config(), _checkpoint_specs(checkpoint))
+            receiver = VllmReceiver.from_engine(self._refit_config(), _checkpoint_specs(checkpoint), quantize)
         staging: Dict[str, Any] = {}
         if receiver.staged or receiver.reload:
             import torch
@@ -506,8 +734,9 @@ class RefitWorkerExtension:
         """Tells the executor about every parameter whose storage moved since refit_needs (vLLM's
         sleep mode frees and reallocates the weights); returns how many moved. Where the executor
         cannot follow a move (RefitError PLAN_STALE: the plan joined that parameter's bytes with a
-        neighbour's into one strided segment), the plan is dropped and this worker's needs are
-        encoded again at the new addresses: the next refit_receive plans again."""
+        neighbour's into one strided segment; UNSUPPORTED: quantized needs write it), the plan is
+        dropped and this worker's needs are encoded again at the new addresses: the next
+        refit_receive plans again."""
         state = self._refit()
         if "executor" not in state:
             return 0
@@ -521,7 +750,8 @@ class RefitWorkerExtension:
                     try:
                         state["executor"].rebind(device, old, new, state["sizes"][name])
                     except RefitError as error:
-                        if error.status != Status.PLAN_STALE:
+                        # UNSUPPORTED: quantized needs read or write the range (refit_table_add_quantized_need).
+                        if error.status not in (Status.PLAN_STALE, Status.UNSUPPORTED):
                             raise
                         stale = True
                 moved += 1

@@ -54,14 +54,15 @@ def _world() -> None:
         ps.ensure_model_parallel_initialized(1, 1)
 
 
-def hf_folder(family: str, hf_config: Any) -> str:
+def hf_folder(family: str, hf_config: Any, dtype: torch.dtype = torch.float32) -> str:
     """A folder with the tiny config and the checkpoint transformers itself writes for it
-    (save_pretrained of the Hugging Face model: the names and shapes vLLM's loader reads)."""
+    (save_pretrained of the Hugging Face model: the names and shapes vLLM's loader reads), its
+    tensors of `dtype`."""
     import transformers
 
     folder = tempfile.mkdtemp(prefix=f"refit-{family}-")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
     model.save_pretrained(folder)
     return folder
 

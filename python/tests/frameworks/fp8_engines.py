@@ -1,0 +1,121 @@
+"""Shared by the FP8 refit tests: a vLLM 0.33 engine that quantizes BF16 weights online
+(`quantization="fp8_per_block"`), built on CPU for one rank with vLLM's own loader and
+post-processing, a trainer's BF16 checkpoints, and the element-by-element comparison of what refit
+installed with what vLLM's own fresh load serves.
+
+The GEMM kernel is test_vllm_fp8_online's stand-in (this CPU lacks the AMX that vLLM's CPU FP8
+kernels need): kernel selection returns CutlassFp8BlockScaledMMKernel, whose weight post-processing
+is vLLM's own; `use_kernel(cls)` selects another class for the engines built after it (the tests
+of layouts a kernel re-lays)."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Dict, List, Tuple
+
+import torch
+
+import refit
+import vllm_harness as harness
+from compare import offers
+from refit.integrations import RefitWorkerExtension
+
+
+def use_kernel(kernel: Any) -> Any:
+    """Kernel selection for FP8 layers returns `kernel` from now on; returns the selection it
+    replaced (pass it back to restore)."""
+    from vllm.model_executor.kernels import linear as kernels
+
+    before = kernels.choose_scaled_mm_linear_kernel
+    kernels.choose_scaled_mm_linear_kernel = kernel if not isinstance(kernel, type) else (lambda **_: kernel)
+    return before
+
+
+def cutlass_kernel() -> Any:
+    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFp8BlockScaledMMKernel
+
+    return CutlassFp8BlockScaledMMKernel
+
+
+def bf16_checkpoints(folder: str, count: int, seed: int = 5) -> List[Dict[str, torch.Tensor]]:
+    """`count` different BF16 checkpoints with the folder's names and shapes, each drawn anew (a
+    trainer's step). Rows span 2^-24 to 2^4, so that blocks' scales differ widely and the first
+    blocks' amax lies below DeepGEMM's 1e-4 floor (an arithmetic without it scales them otherwise)."""
+    generator = torch.Generator().manual_seed(seed)
+    out = []
+    for _ in range(count):
+        ckpt = {}
+        for name, (shape, _) in harness.checkpoint_specs(folder).items():
+            t = torch.randn(shape, generator=generator)
+            if len(shape) == 2:
+                t = t * torch.logspace(-24, 4, shape[0], base=2)[:, None]
+            ckpt[name] = t.to(torch.bfloat16)
+        out.append(ckpt)
+    return out
+
+
+def served(config: Any, ckpt: Dict[str, torch.Tensor]) -> torch.nn.Module:
+    """What vLLM serves from `ckpt` on the current rank: its model class, load_weights (which
+    quantizes the FP8 layers online), then process_weights_after_loading."""
+    from vllm.model_executor.model_loader.utils import process_weights_after_loading
+
+    model = harness.build(config, "cpu")
+    model.load_weights(iter(ckpt.items()))
+    process_weights_after_loading(model, config.model_config, torch.device("cpu"))
+    return model
+
+
+def publisher_table(ckpt: Dict[str, torch.Tensor]) -> bytes:
+    """The trainer's offers of whole checkpoint tensors from host memory (one publishing rank,
+    device 0), encoded."""
+    with refit.Table() as table:
+        offers(table, ckpt, 0)
+        return table.encode()
+
+
+class Worker(RefitWorkerExtension):
+    """What vLLM's worker gives the extension: vllm_config and model_runner.model."""
+
+    def __init__(self, config: Any, model: Any) -> None:
+        self.vllm_config = config
+        self.model_runner = type("Runner", (), {"model": model})()
+
+
+@dataclasses.dataclass
+class Compared:
+    codes: int = 0  # FP8 codes compared (bytes)
+    scales: int = 0  # float32 scales compared (bit patterns)
+    other: int = 0  # elements of the other parameters
+    mismatches: List[str] = dataclasses.field(default_factory=list)
+
+
+def compare(expected: torch.nn.Module, got: torch.nn.Module) -> Compared:
+    """Every parameter of `got` against `expected`, bit for bit: FP8 codes as bytes, float32 scales
+    as their bit patterns, the rest by value (BF16 embeddings, norms, lm_head)."""
+    out = Compared()
+    want, have = dict(expected.named_parameters()), dict(got.named_parameters())
+    if set(want) != set(have):
+        out.mismatches.append(f"parameter names differ: {sorted(set(want) ^ set(have))}")
+    for name in sorted(set(want) & set(have)):
+        w, h = want[name].detach(), have[name].detach()
+        if (w.shape, w.dtype, w.stride()) != (h.shape, h.dtype, h.stride()):
+            out.mismatches.append(f"{name}: {tuple(h.shape)}/{h.dtype}/{h.stride()}, vLLM {tuple(w.shape)}/{w.dtype}/{w.stride()}")
+            continue
+        if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+            bad, out.codes = int((w.view(torch.uint8) != h.view(torch.uint8)).sum()), out.codes + w.numel()
+        elif name.endswith("weight_scale_inv"):
+            bad, out.scales = int((w.view(torch.int32) != h.view(torch.int32)).sum()), out.scales + w.numel()
+        else:
+            bad, out.other = int((w != h).sum()), out.other + w.numel()
+        if bad:
+            out.mismatches.append(f"{name}: {bad} of {w.numel()} differ")
+    return out
+
+
+def fp8_layers(model: torch.nn.Module) -> List[str]:
+    """The layers vLLM quantizes online in blocks."""
+    return [name for name, m in model.named_modules() if type(getattr(m, "quant_method", None)).__name__ == "Fp8PerBlockOnlineLinearMethod"]
+
+
+def addresses(model: torch.nn.Module) -> Dict[str, Tuple[int, int]]:
+    return {name: (p.data_ptr(), p.untyped_storage().nbytes()) for name, p in model.named_parameters()}
