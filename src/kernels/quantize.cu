@@ -28,22 +28,20 @@
 //
 // Occupancy: the memory system needs tens of KiB of loads in flight per SM, which here means tiles in
 // flight (each holds its loads until its reduction). Two entry points: refit_quantize keeps
-// QUANT_CACHE vectors per thread (a 128 x 128 block of 16-bit elements whole; per-tensor slabs; rows
-// mode's several rows) in shared memory, where they arrive without occupying registers (cp.async),
-// at QUANT_WIDE_MIN_BLOCKS blocks per SM; refit_quantize_narrow keeps QUANT_NARROW_CACHE in
-// registers at QUANT_NARROW_MIN_BLOCKS (other scale blocks of at most 4 vectors per thread, and
-// group mode), where shared memory measured no faster (benches/probes/quant_occupancy_probe.py).
+// QUANT_CACHE vectors per thread (a 128 x 128 block of 16-bit elements whole; per-tensor slabs) in
+// shared memory, where they arrive without occupying registers (cp.async), at QUANT_WIDE_MIN_BLOCKS
+// blocks per SM; refit_quantize_narrow keeps QUANT_NARROW_CACHE in registers at
+// QUANT_NARROW_MIN_BLOCKS (scale blocks of at most 4 vectors per thread, such as a row of 8192 bf16,
+// and group mode), where shared memory measured no faster (benches/probes/quant_occupancy_probe.py).
 // The host lays the narrow jobs' tiles out first and launches each entry point over its own tiles.
 // Instructions matter as much as bytes in flight: a 128 x 128 bf16 block is about 21 instructions
-// per element in the general loops below, so a tile that is exactly the cache takes a path without
-// their row and partial-vector bookkeeping.
+// per element in the general loops below, so a tile that is exactly the cache (a 128 x 128 block
+// at the wide entry point, a row of 8192 bf16 at the narrow one) takes a path without their row
+// and partial-vector bookkeeping.
 // - MODE_GROUP: for one-row blocks of at most 32 vectors (MX, short rows, 1 x n blocks): each
 //   scale block is taken by a group of 2^group_shift lanes of a warp (one vector per lane), reduced
 //   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups. A job
 //   that is one flat array of whole groups counts its vectors instead (quantize_flat_groups).
-// - MODE_ROWS: for scale blocks that are whole rows of a multiple of 32 whole vectors, at least two
-//   to the wide cache (a row of 8192 bf16 is half of it): a tile is block_rows such rows, each
-//   reduced to its own scale (quantize_rows).
 
 typedef unsigned long long u64;
 typedef unsigned int u32;
@@ -72,7 +70,6 @@ typedef unsigned short u16;
 #define SCALE_TENSOR 2u
 #define MODE_BLOCK 0u
 #define MODE_GROUP 1u
-#define MODE_ROWS 2u
 
 struct QuantDesc {
     u64 src, dst, scales;
@@ -83,7 +80,7 @@ struct QuantDesc {
     u64 first_tile;    // tiles of the descriptors before this one
     u64 grid_cols;     // scale blocks per grid row (MODE_BLOCK per-tensor: 1)
     u64 blocks;        // scale blocks (per tensor: slabs)
-    u32 block_rows, block_cols;  // MODE_ROWS: block_rows is the rows of a tile
+    u32 block_rows, block_cols;
     u32 source, target, scale_kind, mode;
     u32 group_shift;
     u32 min_amax;       // f32 bits: the floor under a block's amax before its fp32 scale
@@ -518,16 +515,22 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     Vec registers[SHARED ? 1u : CACHE];
     Vec* mine = SHARED ? cache + t : registers;
 
-    // A tile that is exactly the cache: whole vectors, each thread's CACHE of them a fixed number of
-    // rows apart (a 128 x 128 block of 16-bit elements at CACHE 8). It then needs none of the row and
-    // partial-vector bookkeeping below, which costs more instructions than quantizing it. (Rows that
-    // fill the cache take rows mode: quantize_rows.)
-    const bool whole = vector_step == 0 && cols % VE == 0 && rows == CACHE * row_step;
+    // A tile that is exactly the cache: whole vectors, each thread's CACHE of them a fixed distance
+    // apart, a fixed number of rows (a 128 x 128 block of 16-bit elements at CACHE 8) or, at the
+    // narrow entry point, QUANT_THREADS vectors along one row (a row of 8192 bf16 at CACHE 4). None
+    // then needs the row and partial-vector bookkeeping below, which costs more instructions than
+    // quantizing it. (Rows at the wide entry point measured the 128 x 128 blocks 3-4% slower there.)
+    constexpr bool ALONG_A_ROW = !SHARED;
+    // (Each entry point's condition is written as it was measured: the compiled code of both is
+    // sensitive to its form, and a rewrite of one changed its register allocation.)
+    const bool whole = ALONG_A_ROW ? cols % VE == 0 && (vector_step == 0 ? rows == CACHE * row_step
+                                                                          : rows == 1 && per_row == CACHE * QUANT_THREADS)
+                                   : vector_step == 0 && cols % VE == 0 && rows == CACHE * row_step;
     const u32 first_row = t / per_row, first_col = (t % per_row) * VE;
     u32 amax = 0;
     if (whole) {
         const unsigned char* p = src + first_row * src_row_bytes + first_col * SIZE;
-        const u64 step = row_step * src_row_bytes;
+        const u64 step = row_step * src_row_bytes + (ALONG_A_ROW ? vector_step * VE * SIZE : 0u);
 #pragma unroll
         for (u32 k = 0; k < CACHE; ++k) load_cached<SHARED>(mine + k * STRIDE, p + k * step);
         wait_cached<SHARED>();
@@ -600,7 +603,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     }
     if (whole) {
         unsigned char* out = dst + first_row * d.dst_stride + first_col;
-        const u64 dstep = row_step * d.dst_stride;
+        const u64 dstep = row_step * d.dst_stride + (ALONG_A_ROW ? vector_step * VE : 0u);
         if (scale.by_product) {
             store_cached_as<SRC, CACHE, STRIDE, true, true>(mine, scale, d.target, out, dstep);
         } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
@@ -726,97 +729,10 @@ __device__ void quantize_groups(const QuantDesc& d, u64 tile) {
     }
 }
 
-// MODE_ROWS (the wide entry point only): rows [tile * block_rows, ...) of a job whose scale blocks
-// are whole rows of per_row = cols / VE vectors, per_row a multiple of 32, block_rows of them filling
-// the cache. One row to a tile held half the loads in flight per SM that a 128 x 128 block of bf16
-// holds, and ran at 0.77 of the memory bound against the blocks' 0.91. The tile's vectors, row after
-// row, are thread t's k-th at k * QUANT_THREADS + t, so the 32 vectors of a warp's slot (a unit) lie
-// in one row, and row r's units are r * per_row / 32 onwards: each warp writes its units' amax, the
-// thread of each row's number reduces the row's units and stores its scale, and every thread computes
-// the scale of each row it holds once (a warp's rows change together). Positions advance by a fixed
-// step, as in quantize_block: one division per thread, not one per vector.
-template <u32 SRC, u32 CACHE>
-__device__ void quantize_rows(const QuantDesc& d, u64 tile, Vec* cache) {
-    constexpr u32 UNITS = CACHE * QUANT_THREADS / 32u;
-    __shared__ u32 unit_amax[UNITS];
-    __shared__ u32 row_amax[UNITS];  // a row is at least one unit
-    constexpr u32 VE = Elements<SRC>::per_vector;
-    constexpr u32 SIZE = Elements<SRC>::size;
-    const u32 per_row = (u32)(d.cols / VE);
-    const u64 r0 = tile * d.block_rows;
-    const u32 rows = (u32)(d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows);
-    const u32 t = threadIdx.x;
-    const u32 row_step = QUANT_THREADS / per_row, vector_step = QUANT_THREADS % per_row;
-    const u32 first_row = t / per_row, first_v = t - first_row * per_row;
-    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src) + r0 * d.src_stride * SIZE;
-    unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst) + r0 * d.dst_stride;
-    const u64 src_row_bytes = d.src_stride * SIZE;
-    Vec* mine = cache + t;
-    u32 r = first_row, v = first_v;
-#pragma unroll
-    for (u32 k = 0; k < CACHE; ++k) {
-        if (r < rows) load_cached<true>(mine + k * QUANT_THREADS, src + r * src_row_bytes + (u64)v * VE * SIZE);
-        r += row_step;
-        v += vector_step;
-        if (v >= per_row) {
-            v -= per_row;
-            ++r;
-        }
-    }
-    wait_cached<true>();
-    r = first_row;
-    v = first_v;
-#pragma unroll
-    for (u32 k = 0; k < CACHE; ++k) {
-        // A unit is all in or all out (r is the same across the warp), and units past the rows are
-        // never read.
-        const u32 m = warp_max(r < rows ? vector_amax<SRC>(mine[k * QUANT_THREADS], VE) : 0u, 32);
-        if (t % 32 == 0) unit_amax[k * QUANT_WARPS + t / 32] = m;
-        r += row_step;
-        v += vector_step;
-        if (v >= per_row) {
-            v -= per_row;
-            ++r;
-        }
-    }
-    __syncthreads();
-    if (t < rows) {
-        const u32 units = per_row / 32, first = t * units;
-        u32 amax = 0;
-#pragma unroll 8
-        for (u32 u = 0; u < units; ++u) amax = unit_amax[first + u] > amax ? unit_amax[first + u] : amax;
-        row_amax[t] = amax;
-        store_scale(d, r0 + t, 0, block_scale(d, amax).stored);
-    }
-    __syncthreads();
-    r = first_row;
-    v = first_v;
-    u32 scale_row = ~0u;
-    Scale scale = {};
-#pragma unroll
-    for (u32 k = 0; k < CACHE; ++k) {
-        if (r < rows) {
-            if (r != scale_row) {
-                scale = block_scale(d, row_amax[r]);
-                scale_row = r;
-            }
-            store_codes<SRC>(mine[k * QUANT_THREADS], VE, scale, d.target, dst + r * d.dst_stride + v * VE);
-        }
-        r += row_step;
-        v += vector_step;
-        if (v >= per_row) {
-            v -= per_row;
-            ++r;
-        }
-    }
-}
-
 template <u32 SRC, u32 CACHE, bool SHARED>
 __device__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, u32* job_amax, Vec* cache) {
     if (d.mode == MODE_GROUP) {
         if (phase != 1) quantize_groups<SRC>(d, tile);
-    } else if (d.mode == MODE_ROWS) {
-        if (SHARED && phase != 1) quantize_rows<SRC, CACHE>(d, tile, cache);
     } else if (phase != 1 || d.scale_kind == SCALE_TENSOR) {
         quantize_block<SRC, CACHE, SHARED>(d, job, tile, phase, job_amax, cache);
     }

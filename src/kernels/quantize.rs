@@ -57,7 +57,6 @@ pub struct QuantDesc {
     pub first_tile: u64,
     pub grid_cols: u64,
     pub blocks: u64,
-    /// The scale block's rows; in rows mode, the rows of a tile.
     pub block_rows: u32,
     pub block_cols: u32,
     pub source: u32,
@@ -76,7 +75,6 @@ pub struct QuantDesc {
 
 const MODE_BLOCK: u32 = 0;
 const MODE_GROUP: u32 = 1;
-const MODE_ROWS: u32 = 2;
 const SCALE_F32: u32 = 0;
 const SCALE_E8M0: u32 = 1;
 const SCALE_TENSOR: u32 = 2;
@@ -140,8 +138,7 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
         let vectors_per_thread = u64::from(desc.block_rows)
             * u64::from(desc.block_cols).min(job.cols).div_ceil(job.vector_elements());
         let vectors_per_thread = vectors_per_thread.div_ceil(u64::from(THREADS));
-        let fits_narrow =
-            desc.scale_kind != SCALE_TENSOR && desc.mode != MODE_ROWS && vectors_per_thread <= NARROW_CACHE;
+        let fits_narrow = desc.scale_kind != SCALE_TENSOR && vectors_per_thread <= NARROW_CACHE;
         if desc.mode == MODE_GROUP || fits_narrow {
             narrow.push((desc, tiles));
         } else {
@@ -241,22 +238,11 @@ fn describe(job: &QuantJob) -> (QuantDesc, u64) {
             ScaleKind::E8m0 => SCALE_E8M0,
         };
         let per_row = block_cols.min(job.cols).div_ceil(vector);
-        let rows_per_tile = u64::from(THREADS) * CACHE / per_row;
         if block_rows == 1 && per_row <= 32 {
             desc.mode = MODE_GROUP;
             desc.group_shift = per_row.next_power_of_two().trailing_zeros();
             let groups = u64::from(THREADS >> desc.group_shift);
             tiles = desc.blocks.div_ceil(groups * GROUP_ROUNDS);
-        } else if block_rows == 1
-            && grid_cols == 1
-            && job.cols % vector == 0
-            && per_row % 32 == 0
-            && rows_per_tile >= 2
-        {
-            // Whole rows of whole warps' vectors, two or more to the wide cache: several to a tile.
-            desc.mode = MODE_ROWS;
-            desc.block_rows = rows_per_tile as u32;
-            tiles = job.rows.div_ceil(rows_per_tile);
         } else {
             desc.mode = MODE_BLOCK;
             tiles = desc.blocks;
@@ -676,38 +662,31 @@ mod tests {
         let block = job(0, Granularity::Block { rows: 128, cols: 128 }, 65536, 8192);
         let mx = job(1, Granularity::Mx, 65536, 8192);
         let row_short = job(2, Granularity::Row, 10, 200);
-        let row_long = job(3, Granularity::Row, 11, 8192);
+        let row_long = job(3, Granularity::Row, 10, 8192);
         let tensor = job(4, Granularity::Tensor, 1000, 8192);
         let row_wider = job(5, Granularity::Row, 3, 8200);
-        let row_expert = job(6, Granularity::Row, 100, 768);
-        let l = layout(&[block, mx, row_short, row_long, tensor, row_wider, row_expert]).unwrap();
+        let l = layout(&[block, mx, row_short, row_long, tensor, row_wider]).unwrap();
         let modes: Vec<(u64, u32, u32, u64)> =
             l.descs.iter().map(|d| (d.cols, d.mode, d.group_shift, d.first_tile)).collect();
         // The narrow entry point's jobs first, in the order given: MX (4 lanes per block, 64 groups x
-        // 4 rounds per tile), rows of 25 vectors (32 lanes). Then the wide one's: 512 x 64 blocks of
-        // 8 vectors per thread, rows of 1024 vectors (two to a tile), per tensor (slabs of 2 rows of
-        // 1024 vectors), rows of 1025 vectors (not whole warps': one to a tile), rows of 96 vectors
-        // (21 to a tile).
+        // 4 rounds per tile), rows of 25 vectors (32 lanes), rows of 1024 vectors (4 per thread: one
+        // block each). Then the wide one's: 512 x 64 blocks of 8 vectors per thread, per tensor
+        // (slabs of 2 rows of 1024 vectors), rows of 1025 vectors (5 per thread).
         let mx_tiles = 65536 * 256 / 256;
-        let narrow_tiles = mx_tiles + 1;
-        let wide = [32768, 6, 500, 3, 5];
-        let firsts: Vec<u64> =
-            (0..=wide.len()).map(|k| narrow_tiles + wide[..k].iter().sum::<u64>()).collect();
+        let narrow_tiles = mx_tiles + 1 + 10;
         assert_eq!(
             modes,
             vec![
                 (8192, MODE_GROUP, 2, 0),
                 (200, MODE_GROUP, 5, mx_tiles),
-                (8192, MODE_BLOCK, 0, firsts[0]),
-                (8192, MODE_ROWS, 0, firsts[1]),
-                (8192, MODE_BLOCK, 0, firsts[2]),
-                (8200, MODE_BLOCK, 0, firsts[3]),
-                (768, MODE_ROWS, 0, firsts[4]),
+                (8192, MODE_BLOCK, 0, mx_tiles + 1),
+                (8192, MODE_BLOCK, 0, narrow_tiles),
+                (8192, MODE_BLOCK, 0, narrow_tiles + 32768),
+                (8200, MODE_BLOCK, 0, narrow_tiles + 32768 + 500),
             ]
         );
-        let tile_rows: Vec<u32> = l.descs[3..].iter().map(|d| d.block_rows).collect();
-        assert_eq!(tile_rows, [2, 2, 1, 21]);
-        assert_eq!((l.narrow_tiles, l.tiles), (narrow_tiles, firsts[5]));
+        assert_eq!(l.descs[4].block_rows, 2);
+        assert_eq!((l.narrow_tiles, l.tiles), (narrow_tiles, narrow_tiles + 32768 + 500 + 3));
         assert!(l.per_tensor);
         // The index: an entry per 256 tiles and one past the end, each the job of its first tile.
         let chunks = l.tiles.div_ceil(256) as usize;
@@ -722,13 +701,13 @@ mod tests {
                 "{c}"
             );
         }
-        assert_eq!(l.index[chunks], 6, "past the end: the last job");
-        assert_eq!(l.to_bytes().len(), 7 * 128 + (chunks + 1) * 4);
+        assert_eq!(l.index[chunks], 5, "past the end: the last job");
+        assert_eq!(l.to_bytes().len(), 6 * 128 + (chunks + 1) * 4);
         // A batch of wide jobs only, and one of narrow jobs only.
         let wide_only = layout(&[block]).unwrap();
         assert_eq!((wide_only.narrow_tiles, wide_only.tiles), (0, 32768));
-        let narrow_only = layout(&[row_short]).unwrap();
-        assert_eq!((narrow_only.narrow_tiles, narrow_only.tiles), (1, 1));
+        let narrow_only = layout(&[row_long]).unwrap();
+        assert_eq!((narrow_only.narrow_tiles, narrow_only.tiles), (10, 10));
     }
 
     #[test]
