@@ -50,15 +50,17 @@ BACKEND_NAME = "refit"
 # --- where the tables come from --------------------------------------------------------------------
 
 
-def engine_receiver(model: Any, vllm_config: Any) -> Tuple[Any, Dict[str, Any]]:
+def engine_receiver(model: Any, vllm_config: Any, quantize: bool = True) -> Tuple[Any, Dict[str, Any]]:
     """This worker's receiver, recorded from its own model class and loader
     (VllmReceiver.from_engine), and a staging buffer, beside the parameters, for every checkpoint
-    tensor it receives whole (the loader transforms it, or the layer is post-processed)."""
+    tensor it receives whole (the loader transforms it, or the layer is post-processed).
+    `quantize`: layers vLLM quantizes online in blocks are quantized by refit during the refit
+    (False: they take vLLM's reload path, as a trainer whose shards split a block needs)."""
     import torch
 
     from .vllm import VllmReceiver
 
-    receiver = VllmReceiver.from_engine(vllm_config)
+    receiver = VllmReceiver.from_engine(vllm_config, quantize=quantize)
     staging: Dict[str, Any] = {}
     if receiver.staged or receiver.reload:
         params = list(model.parameters())
@@ -106,6 +108,9 @@ class RefitInitInfo(_InitInfoBase):
     arm: int = 0
     staging_memory_limit: int = 0
     timeout_ms: int = 600_000
+    quantize_online_fp8: bool = True
+    """Layers vLLM quantizes online (`quantization="fp8_per_block"`) get FP8 codes and scales
+    quantized by refit during the refit; False sends their BF16 through vLLM's reload instead."""
 
 
 @dataclasses.dataclass
@@ -140,6 +145,7 @@ class RefitWeightTransferEngine(_WorkerBase):
         self.installed: Dict[str, int] = {}
         """How many staged checkpoint tensors the last commit handed to the loader / the reload."""
         self.update = InFlight()
+        self._quantize = True
 
     def _current_table(self) -> Table:
         """This worker's needs at its parameters' current addresses (built again only when an
@@ -150,7 +156,7 @@ class RefitWeightTransferEngine(_WorkerBase):
                 self._table.close()
             host = self.link is not None and self.link.backend == Backend.HOST
             if self.receiver is None:
-                self.receiver, self._staging = engine_receiver(self.model, self.vllm_config)
+                self.receiver, self._staging = engine_receiver(self.model, self.vllm_config, self._quantize)
             self._table = receiver_table(self.receiver, self.model, self._staging, self.link.rank, 0 if host else None)  # type: ignore[union-attr]
             self._addresses = addresses
         return self._table
@@ -164,6 +170,7 @@ class RefitWeightTransferEngine(_WorkerBase):
             staging_memory_limit=init_info.staging_memory_limit,
             timeout_ms=init_info.timeout_ms,
         )
+        self._quantize = init_info.quantize_online_fp8
         rank = init_info.rank_offset + worker_index(self.vllm_config)
         device = 0 if backend == Backend.HOST else int(getattr(self.device, "index", 0) or 0)
         self.link = Link(bytes.fromhex(init_info.comm_id), init_info.nranks, rank, device, backend, options)
@@ -242,6 +249,8 @@ class RefitTrainerInitInfo(_TrainerInitBase):
     arm: int = 0
     staging_memory_limit: int = 0
     timeout_ms: int = 600_000
+    quantize_online_fp8: bool = True
+    """Passed to every worker (RefitInitInfo.quantize_online_fp8)."""
     comm_id: Optional[str] = None
     """The communicator id (hex) for trainers of several ranks that share it themselves; by
     default rank 0 makes it and broadcasts it over torch.distributed."""
@@ -304,6 +313,7 @@ class RefitTrainerEngine(_TrainerBase):
                 arm=options.arm,
                 staging_memory_limit=options.staging_memory_limit,
                 timeout_ms=options.timeout_ms,
+                quantize_online_fp8=init_info.quantize_online_fp8,
             )
             # The workers join the communicator and plan while this rank does: concurrently.
             payload = {f.name: getattr(worker_info, f.name) for f in dataclasses.fields(worker_info)}

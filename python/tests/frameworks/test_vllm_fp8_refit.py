@@ -111,28 +111,41 @@ class QuantizedRefitTest(unittest.TestCase):
             with self.subTest(rank=rank):
                 self.check_worker(harness.Parallel(2), rank)
 
-    def test_weight_transfer_backends_receiver_quantizes_too(self) -> None:
+    def backend_refit(self, quantize: bool) -> refit.RunStats:
         """The backend's own receiver and table (vllm_backend.engine_receiver / receiver_table),
         planned with the trainer's offers in one process, run on the host backend with the
-        backend's all-or-nothing commit: nothing live changes at the run, all of it at the commit."""
+        backend's all-or-nothing commit: nothing live changes at the run, all of it after the
+        commit (and, without quantizing, vLLM's reload of the staged BF16)."""
         from refit.integrations.vllm_backend import engine_receiver, receiver_table
 
         parallel = harness.Parallel(2)
         config = harness.engine_config(self.folder, parallel, "bfloat16", "fp8_per_block")
         with harness.as_rank(config, parallel, 1, 0):
             engine = fp8.served(config, self.initial)
-            receiver, staging = engine_receiver(engine, config)
-            self.assertEqual(staging, {})
-            self.assertEqual(sum(1 for path in receiver.paths.values() if path == "quantized"), 16)
+            receiver, staging = engine_receiver(engine, config, quantize)
+            quantized = sum(1 for path in receiver.paths.values() if path == "quantized")
+            self.assertEqual(quantized, 16 if quantize else 0)
+            self.assertEqual(staging == {}, quantize)
             with refit.Table.decode(fp8.publisher_table(self.update)) as offers, receiver_table(receiver, engine, staging, 0, 1) as needs:
                 with refit.Plan.build([offers, needs]) as plan, refit.Group([0, 1], refit.Backend.HOST) as group:
                     with plan.executor(group, 0, commit=refit.Commit.STAGED) as executor:
                         ran = executor.run()
                         self.assertEqual(fp8.compare(fp8.served(config, self.initial), engine).mismatches, [])
                         executor.commit()
-            self.assertEqual(receiver.install_staged(engine, staging, config.model_config), {"loader": 0, "reload": 0})
-            self.assertEqual(ran.quantized_elements, (1024 * 256 + 256 * 512) * 2)  # TP 2: half of each layer
+            installed = receiver.install_staged(engine, staging, config.model_config)
+            self.assertEqual(installed["reload"] > 0, not quantize, installed)
             self.assertEqual(fp8.compare(fp8.served(config, self.update), engine).mismatches, [])
+        return ran
+
+    def test_weight_transfer_backends_receiver_quantizes_too(self) -> None:
+        ran = self.backend_refit(quantize=True)
+        self.assertEqual(ran.quantized_elements, (1024 * 256 + 256 * 512) * 2)  # TP 2: half of each layer
+
+    def test_weight_transfer_backend_can_leave_quantizing_to_vllm(self) -> None:
+        """What a worker does under RefitInitInfo.quantize_online_fp8=False (the trainer's init
+        info passes its own on): the FP8 layers' BF16 arrives in staging and vLLM's reload
+        quantizes it."""
+        self.assertEqual(self.backend_refit(quantize=False).quantized_elements, 0)
 
 
 class QuantizedBoxesTest(unittest.TestCase):
