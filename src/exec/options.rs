@@ -35,7 +35,8 @@ impl Arm {
     ///   runs from 64 MiB (0.930 of one large copy through the executor against the kernel's 0.921,
     ///   same run). Shares of shorter runs lost to the kernel alone in the executor (0.1 of 4 MiB
     ///   runs 0.879, 0.2 of 16 MiB runs 0.903), though a probe timing both streams from a common
-    ///   start found them faster (benches/probes/split_copy_probe.py; docs/decisions.md).
+    ///   start found them faster (benches/probes/split_copy_probe.py), and still lost with every
+    ///   copy issued in one batch call (docs/decisions.md).
     pub const fn engine_share_permille(kind: RouteKind, len: u64) -> u64 {
         const MIB: u64 = 1 << 20;
         match kind {
