@@ -17,6 +17,10 @@
   24 tensors per worker per update); every element equals vLLM's load_weights +
   process_weights_after_loading, the live storage stays where it was, and the second update re-plans
   nothing. (The prepack kernel itself is test_vllm_postprocess's stand-in.)
+- A vLLM engine that serves FP8 from BF16 (`quantization="fp8_per_block"`, TP 2; the GEMM kernel
+  test_vllm_fp8_online's stand-in) updated from a BF16 trainer in its own process: the trainer's
+  executor quantizes (its offers hold whole 128 x 128 blocks), so FP8 codes and scales cross, and
+  every code, scale and element equals vLLM's own load of the same weights, after every update.
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
   reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
   trainer (it exits after the workers started receiving) each leave every worker's weights as they
@@ -56,15 +60,22 @@ def tiny_qwen3_moe() -> Any:
     return qwen3_moe()
 
 
-def save_checkpoint(hf_config: Any = None) -> str:
-    """A folder with the checkpoint transformers writes for `hf_config` (default: the tiny Qwen3)."""
+def save_checkpoint(hf_config: Any = None, dtype: str = "float32") -> str:
+    """A folder with the checkpoint transformers writes for `hf_config` (default: the tiny Qwen3).
+    In bfloat16, each matrix's rows are scaled from 2^-24 to 2^4, so that FP8 blocks' scales
+    differ widely."""
     import torch
     import transformers
 
     hf_config = hf_config if hf_config is not None else tiny_qwen3()
     folder = tempfile.mkdtemp(prefix="refit-vllm-backend-")
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=torch.float32)
+    model = transformers.AutoModelForCausalLM.from_config(hf_config, dtype=getattr(torch, dtype))
+    if dtype == "bfloat16":
+        with torch.no_grad():
+            for p in model.parameters():
+                if p.dim() == 2:
+                    p.mul_(torch.logspace(-24, 4, p.shape[0], base=2)[:, None].to(p.dtype))
     model.save_pretrained(folder)
     return folder
 
@@ -97,7 +108,7 @@ class StandInVerifyMismatch:
         return getattr(self._executor, name)
 
 
-def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = False) -> None:
+def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = False, fp8: bool = False) -> None:
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     import sys
 
@@ -111,7 +122,13 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = F
     from refit.integrations.vllm_backend import register
 
     register()
-    config = vllm_ranks.engine_config(folder, 2, ep=moe, dtype="float32")
+    if fp8:
+        from test_vllm_fp8_online import install_kernel_stand_in
+
+        install_kernel_stand_in()  # this CPU lacks the AMX vLLM's FP8 kernels need
+        config = vllm_ranks.engine_config(folder, 2, dtype="bfloat16", quantization="fp8_per_block")
+    else:
+        config = vllm_ranks.engine_config(folder, 2, ep=moe, dtype="float32")
     ckpt = checkpoint(folder)
     if moe:
         from test_vllm_postprocess import install_prepack_stand_in
@@ -130,8 +147,12 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = F
         engine = WeightTransferEngineFactory.create_engine(WeightTransferConfig(backend="refit"), config, torch.device("cpu"), model)
         snapshot: Dict[str, Any] = {}
 
+        def bits(tensor: Any) -> Any:
+            """FP8 codes as bytes (torch compares no float8 tensors on CPU); the rest as they are."""
+            return tensor.view(torch.uint8) if tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2) else tensor
+
         def differing(expected: Dict[str, Any]) -> List[str]:
-            return [n for n, p in model.named_parameters() if not torch.equal(p.detach(), expected[n])]
+            return [n for n, p in model.named_parameters() if not torch.equal(bits(p.detach()), bits(expected[n]))]
 
         def handle(kind: str, arg: Any) -> Any:
             if kind == "init":
@@ -237,7 +258,12 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
         from refit.integrations.vllm_backend import RefitTrainerInitInfo, register
 
         register()
-        if scenario == "moe":
+        if scenario == "fp8":
+            # A BF16 trainer holding whole tensors: its process quantizes, FP8 crosses.
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+            source = ModuleSource(model)
+            tensors = list(model.parameters())
+        elif scenario == "moe":
             # The checkpoint's own tensors through HfPublisher (transformers' in-memory Qwen3-MoE
             # fuses the experts under other names than its checkpoint's).
             weights = checkpoint(folder)
@@ -281,6 +307,14 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
             engine.send_weights()
             out["after_move"] = client.call("loaded", 3)
             out["plans_after_move"] = client.call("plans") + [engine.link.plans_built]
+        elif scenario == "fp8":
+            out["quantized_by_trainer"] = [engine.last_stats.quantized_elements]
+            out["paths"] = client.call("paths")
+            bump()
+            engine.send_weights()
+            out["second"] = client.call("loaded", 1)
+            out["quantized_by_trainer"].append(engine.last_stats.quantized_elements)
+            out["plans"] = client.call("plans") + [engine.link.plans_built]
         elif scenario == "moe":
             out["paths"] = client.call("paths")
             out["installed_first"] = client.call("installed")
@@ -326,18 +360,23 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
 class VllmBackendTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
+        from test_vllm_fp8_online import qwen3_config
+
         cls.folder = save_checkpoint()
         cls.moe_folder = save_checkpoint(tiny_qwen3_moe())
+        config = qwen3_config()
+        config.architectures = ["Qwen3ForCausalLM"]
+        cls.fp8_folder = save_checkpoint(config, "bfloat16")
 
     def run_scenario(self, scenario: str):
-        moe = scenario == "moe"
-        folder = self.moe_folder if moe else self.folder
+        moe, fp8 = scenario == "moe", scenario == "fp8"
+        folder = self.moe_folder if moe else self.fp8_folder if fp8 else self.folder
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
         control = [context.Pipe() for _ in range(2)]
         checks = [context.Pipe() for _ in range(2)]
         workers = [
-            context.Process(target=worker_main, args=(rank, folder, control[rank][1], checks[rank][1], moe))
+            context.Process(target=worker_main, args=(rank, folder, control[rank][1], checks[rank][1], moe, fp8))
             for rank in range(2)
         ]
         trainer = context.Process(target=trainer_main, args=(scenario, folder, [c[0] for c in control], results))
@@ -410,6 +449,22 @@ class VllmBackendTest(unittest.TestCase):
         self.assertTrue(all(out["moved"]))
         self.assertEqual(out["after_move"], [[], []], "weights that moved did not get the update")
         self.assertEqual(out["plans_after_move"], [2, 2, 2])
+
+    def test_an_fp8_engine_gets_codes_and_scales_quantized_by_the_trainers_process(self):
+        out, _ = self.run_scenario("fp8")
+        self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
+        self.assertEqual(out["second"], [[], []])
+        layers = ["qkv_proj", "o_proj", "gate_up_proj", "down_proj"]
+        for paths in out["paths"]:
+            quantized = paths.get("quantized", [])
+            # Both decoder layers' four FP8 layers: codes and scales each.
+            self.assertEqual(len(quantized), 2 * len(layers) * 2, paths)
+            self.assertNotIn("reload", paths)
+        # Each worker's half of every FP8 layer (256 x 256 of q, 128 x 256 of k and v, ...), both
+        # workers, quantized by the trainer in each update: only codes and scales crossed.
+        per_layer = 1024 * 256 + 256 * 512 + 1024 * 256 + 256 * 512
+        self.assertEqual(out["quantized_by_trainer"], [2 * per_layer] * 2)
+        self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
 
     def test_qwen3_moe_post_processed_experts_go_through_vllms_reload(self):
         out, _ = self.run_scenario("moe")
