@@ -1,5 +1,6 @@
 /* refit_quantize_batch on the host backend (CI has no GPU): every FP8 code and scale equals the
  * header's arithmetic computed here from its text (amax, scale = max(amax, 1e-10) / 448 or MX's 2^e,
+ * DEEPGEMM's and DEEPGEMM_UE8M0's floor, reciprocal and power-of-two scales,
  * the nearest FP8 value of x / scale found by search over all codes, ties to even, saturating); every
  * bad argument has its status and message, and a refused batch writes nothing. */
 #include <math.h>
@@ -142,25 +143,34 @@ done:
   CHECK(to_bits(scales[3]) == to_bits(1e-10f / 448.0f));
 
   /* The same blocks under REFIT_ARITHMETIC_DEEPGEMM: the amax floored at 1e-4 (the zero block's
-   * scale tells it from the default's), each quotient the product by the scale's f32 reciprocal. */
-  job.arithmetic = REFIT_ARITHMETIC_DEEPGEMM;
-  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
-  for (int i = 0; i < 2; i++) {
-    for (int j = 0; j < 2; j++) {
-      float a = block_amax(i, j);
-      float scale = (a > 1e-4f ? a : 1e-4f) / 448.0f;
-      float reciprocal = 1.0f / scale;
-      CHECK(to_bits(scales[i * 2 + j]) == to_bits(scale));
-      for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
-        for (int c = j * 128; c < COLS && c < (j + 1) * 128; c++) {
-          float x = element(r, c);
-          uint8_t want = isinf(scale) ? cast(x / scale) : cast(x * reciprocal);
-          CHECK(codes[r * STRIDE + c] == want);
+   * scale tells it from the default's), each quotient the product by the scale's f32 reciprocal;
+   * under _DEEPGEMM_UE8M0 each finite scale first rounded up to a power of two (its exponent field,
+   * plus one when a mantissa bit is set, clamped to 1..254). */
+  const uint32_t reciprocal_arithmetics[2] = {REFIT_ARITHMETIC_DEEPGEMM, REFIT_ARITHMETIC_DEEPGEMM_UE8M0};
+  for (int k = 0; k < 2; k++) {
+    job.arithmetic = reciprocal_arithmetics[k];
+    CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
+    for (int i = 0; i < 2; i++) {
+      for (int j = 0; j < 2; j++) {
+        float a = block_amax(i, j);
+        float scale = (a > 1e-4f ? a : 1e-4f) / 448.0f;
+        if (job.arithmetic == REFIT_ARITHMETIC_DEEPGEMM_UE8M0 && !isinf(scale)) {
+          uint32_t bits = to_bits(scale), field = (bits >> 23) + ((bits & 0x7fffffu) != 0);
+          scale = from_bits((field < 1 ? 1 : field > 254 ? 254 : field) << 23);
+        }
+        float reciprocal = 1.0f / scale;
+        CHECK(to_bits(scales[i * 2 + j]) == to_bits(scale));
+        for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
+          for (int c = j * 128; c < COLS && c < (j + 1) * 128; c++) {
+            float x = element(r, c);
+            uint8_t want = isinf(scale) ? cast(x / scale) : cast(x * reciprocal);
+            CHECK(codes[r * STRIDE + c] == want);
+          }
         }
       }
     }
   }
-  CHECK(to_bits(scales[3]) == to_bits(1e-4f / 448.0f));
+  CHECK(to_bits(scales[3]) == to_bits(pow2(-22))); /* UE8M0: 1e-4 / 448 = 2.2e-7 rounds up to 2^-22 */
   job.arithmetic = REFIT_ARITHMETIC_DIVIDE;
 
   /* MXFP8 over the same rows: e8m0 = floor(log2(amax)) - 8 + 127 per 32 elements. */

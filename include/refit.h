@@ -91,8 +91,8 @@
 /**
  * Executor arm: one copy-engine copy per contiguous run, handed to the driver in batches
  * (cuMemcpyBatchAsync where the driver has it). Uses no SMs (NVLink peer copies overlap compute
- * freely); each copy costs the engine microseconds, so short runs move slowly (about 1 GB/s in
- * runs of 4 KiB on one H200).
+ * freely); each copy costs the engine a fixed time, so short runs move far below memory bandwidth
+ * (benches/gpu_sweep.rs measures each arm at every run size).
  */
 #define REFIT_ARM_COPY_ENGINE 2
 

@@ -106,7 +106,10 @@ class QuantizeJob:
         return s
 
 
-_TORCH_SOURCES = {"torch.bfloat16": SourceType.BF16, "torch.float16": SourceType.F16, "torch.float32": SourceType.F32}
+# The source type of each element type quantizing reads (torch's names, as refit.tensor.dtype_name
+# gives them), and its bytes per element.
+SOURCE_TYPES = {"bfloat16": SourceType.BF16, "float16": SourceType.F16, "float32": SourceType.F32}
+SOURCE_SIZES = {SourceType.BF16: 2, SourceType.F16: 2, SourceType.F32: 4}
 
 
 def tensor_job(source, destination, scales, quantization: Quantization = Quantization()) -> QuantizeJob:
@@ -117,7 +120,7 @@ def tensor_job(source, destination, scales, quantization: Quantization = Quantiz
         raise invalid_argument(
             f"source is {tuple(source.shape)} and destination {tuple(destination.shape)}; both must be the same 2-D shape"
         )
-    kind = _TORCH_SOURCES.get(str(source.dtype))
+    kind = SOURCE_TYPES.get(str(source.dtype).rsplit(".", 1)[-1])
     if kind is None:
         raise invalid_argument(f"source dtype is {source.dtype}; expected bfloat16, float16 or float32")
     if destination.element_size() != 1:

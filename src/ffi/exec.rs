@@ -31,8 +31,8 @@ pub const REFIT_ARM_AUTO: u32 = 0;
 pub const REFIT_ARM_KERNEL: u32 = 1;
 /// Executor arm: one copy-engine copy per contiguous run, handed to the driver in batches
 /// (cuMemcpyBatchAsync where the driver has it). Uses no SMs (NVLink peer copies overlap compute
-/// freely); each copy costs the engine microseconds, so short runs move slowly (about 1 GB/s in
-/// runs of 4 KiB on one H200).
+/// freely); each copy costs the engine a fixed time, so short runs move far below memory bandwidth
+/// (benches/gpu_sweep.rs measures each arm at every run size).
 pub const REFIT_ARM_COPY_ENGINE: u32 = 2;
 /// refit_run_stats.arm only: the call moved no bytes of that route kind.
 pub const REFIT_ARM_NONE: u32 = 3;

@@ -2,13 +2,13 @@
 //!
 //! Runs are handed to the driver in batches, up to [`RUNS_PER_CALL`] in one `cuMemcpyBatchAsync` (the
 //! `_v2` entry point of CUDA 13 drivers), instead of one `cuMemcpyAsync` each: one driver call per
-//! batch instead of per run. Small runs stay slow either way, on the engine's side: at 4 KiB runs
-//! both move about 1 GB/s (docs/measurements.md, gpu_sweep), which is why AUTO gives them to the
-//! kernel. A single run, a driver without that entry point, and a batch the driver
-//! refuses with CUDA_ERROR_INVALID_VALUE are queued run by run instead. The last is how a run that
-//! spans two adjacent allocations arrives: the planner coalesces by address and separate allocations
-//! can meet, which a kernel does not mind but cuMemcpy does, so such a run is split where an
-//! allocation ends.
+//! batch instead of per run. Small runs stay slow either way: the engine's own time per copy, not
+//! the driver call, bounds them (benches/gpu_sweep.rs measures the arm beside a per-run loop at
+//! every run size), which is why AUTO gives them to the kernel. A single run, a driver without that
+//! entry point, and a batch the driver refuses with CUDA_ERROR_INVALID_VALUE are queued run by run
+//! instead. The last is how a run that spans two adjacent allocations arrives: the planner coalesces
+//! by address and separate allocations can meet, which a kernel does not mind but cuMemcpy does, so
+//! such a run is split where an allocation ends.
 //!
 //! A batch's copies run in no particular order among themselves (the driver's rule), as the batched
 //! copy kernel's runs do: no run of one call may read bytes another writes. That is also why queuing
@@ -81,14 +81,15 @@ impl EngineCopies {
             1 => self.queue_each(),
             _ if !batch_entry_point() => self.queue_each(),
             n => {
-                let mut first = 0usize;
+                // The one attribute applies from the batch's first copy on.
+                let mut attribute_starts = [0usize];
                 let code = sys::cuMemcpyBatchAsync_v2(
                     self.dsts.as_mut_ptr(),
                     self.srcs.as_mut_ptr(),
                     self.sizes.as_mut_ptr(),
                     n,
                     &mut self.attributes,
-                    &mut first,
+                    attribute_starts.as_mut_ptr(),
                     1,
                     self.stream,
                 );

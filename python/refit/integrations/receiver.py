@@ -25,9 +25,9 @@ import logging
 import math
 from typing import Any, Callable, Collection, Dict, Iterable, List, Mapping, Optional, Tuple
 
-from .._lib import Fp8, Granularity, SourceType, invalid_argument
+from .._lib import Fp8, Granularity, invalid_argument
 from ..plan import Table
-from ..quant import Quantization
+from ..quant import SOURCE_SIZES, SOURCE_TYPES, Quantization
 from ..tensor import TensorLike, device_index, dtype_code, dtype_name
 from .layout import ParamLayout, new_table, strip_wrappers
 from .recorder import Recording
@@ -39,9 +39,7 @@ def _dtype(value: Any) -> str:
     return str(value).rsplit(".", 1)[-1]
 
 
-# What a quantized need reads (the checkpoint tensor's dtype) and writes (the codes' dtype).
-_SOURCES = {"bfloat16": SourceType.BF16, "float16": SourceType.F16, "float32": SourceType.F32}
-_SOURCE_SIZES = {"bfloat16": 2, "float16": 2, "float32": 4}
+# What a quantized need writes: the codes' dtype.
 _TARGETS = {Fp8.E4M3FN: "float8_e4m3fn", Fp8.E5M2: "float8_e5m2"}
 
 
@@ -80,7 +78,7 @@ def unfit_boxes(layout: ParamLayout, block: Tuple[int, int], checkpoint: Mapping
     for piece in layout.pieces:
         if len(piece.extent) != 2 or tuple(piece.strides) != (cols, 1):
             return f"{piece.tensor} lands in {layout.name} with strides {list(piece.strides)}, not as rows of it"
-        if _dtype(checkpoint[piece.tensor].dtype) not in _SOURCES:
+        if _dtype(checkpoint[piece.tensor].dtype) not in SOURCE_TYPES:
             return f"{piece.tensor} is {_dtype(checkpoint[piece.tensor].dtype)}, which refit does not quantize"
         row, col = divmod(piece.at, cols)
         end_row, end_col = row + piece.extent[0], col + piece.extent[1]
@@ -233,13 +231,13 @@ class RecordedReceiver:
             (block_rows, block_cols), grid_cols, cols = spec.block, spec.grid(layout.shape)[1], layout.shape[1]
             for piece in layout.pieces:
                 row, col = divmod(piece.at, cols)
-                source = specs[piece.tensor]
+                kind = SOURCE_TYPES[_dtype(specs[piece.tensor].dtype)]
                 # Codes are one byte: element and byte strides agree. The box's scales start at
                 # its first block's place in the grid.
                 first_scale = (row // block_rows) * grid_cols + col // block_cols
                 table.add_quantized_need(
-                    index(piece.tensor, _SOURCE_SIZES[_dtype(source.dtype)]), process, dev, codes.data_ptr() + piece.at, piece.offset, piece.extent,
-                    (cols, 1), spec.quantization, _SOURCES[_dtype(source.dtype)], scales.data_ptr() + 4 * first_scale, grid_cols,
+                    index(piece.tensor, SOURCE_SIZES[kind]), process, dev, codes.data_ptr() + piece.at, piece.offset, piece.extent,
+                    (cols, 1), spec.quantization, kind, scales.data_ptr() + 4 * first_scale, grid_cols,
                 )
                 added += 1
         whole = self._whole()

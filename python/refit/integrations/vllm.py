@@ -55,7 +55,7 @@ import json
 import logging
 import os
 import struct
-from typing import Any, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Mapping, Optional, Sequence, Tuple, Union
 
 from .._lib import RefitError, Status, invalid_argument
 from ..plan import Plan, Table
@@ -63,7 +63,7 @@ from ..tensor import TensorLike
 from .layout import ModelShape, ParamLayout, add_params, new_table
 from ..quant import Arithmetic, Fp8, Granularity, Quantization
 from .receiver import QuantizedParam, RecordedReceiver, unfit_boxes
-from .recorder import Recording, record
+from .recorder import Recording, _storage_key, record
 from .vllm_rules import VllmRanks, local_experts, stage_layers, vllm_layouts
 
 log = logging.getLogger("refit.integrations.vllm")
@@ -142,41 +142,43 @@ def forget_pp_layers(model: Any) -> None:
         cache.pop(id(module), None)
 
 
+def _same_view(a: Any, b: Any) -> bool:
+    """Whether `b` is a tensor viewing the same elements of the same storage as `a`, as the same
+    dtype."""
+    import torch
+
+    return isinstance(b, torch.Tensor) and _storage_key(a) == _storage_key(b) and (
+        a.storage_offset(), tuple(a.stride()), tuple(a.shape), a.dtype
+    ) == (b.storage_offset(), tuple(b.stride()), tuple(b.shape), b.dtype)
+
+
+def _write_watch(on_write: Callable[[int], None]) -> Any:
+    """A torch dispatch mode that calls `on_write(storage key)` for every tensor an op writes in
+    place. A copy of a view onto itself is no write: replace_parameter makes one of an unchanged
+    tensor, and the unquantized MoE method copies back a padding that did not pad."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class WriteWatch(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            onto_itself = func is torch.ops.aten.copy_.default and len(args) > 1 and _same_view(args[0], args[1])
+            for argument, value in zip(func._schema.arguments, args):
+                written = argument.alias_info is not None and argument.alias_info.is_write
+                if written and isinstance(value, torch.Tensor) and not onto_itself:
+                    on_write(_storage_key(value))
+            return func(*args, **(kwargs or {}))
+
+    return WriteWatch()
+
+
 def post_processed(model: Any, vllm_config: Any) -> Dict[str, str]:
     """Parameters (full names) that the engine's own post-processing changes: each layer's
     `quant_method.process_weights_after_loading` run on the meta copy `model`; a parameter it
     replaces, reshapes, re-strides or writes in place counts, and so does every parameter of a
     layer whose post-processing cannot run on the meta device."""
-    import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     def snapshot(module: Any) -> Dict[str, Tuple[int, Tuple[int, ...], Tuple[int, ...]]]:
-        return {
-            n: (int(p.untyped_storage()._cdata), tuple(p.shape), tuple(p.stride()))
-            for n, p in module.named_parameters(recurse=False)
-        }
-
-    class Writes(TorchDispatchMode):
-        def __init__(self, watched: Dict[int, str]) -> None:
-            super().__init__()
-            self.watched, self.written = watched, set()
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            for argument, value in zip(func._schema.arguments, args):
-                if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
-                    name = self.watched.get(int(value.untyped_storage()._cdata))
-                    if name is not None and not (func is torch.ops.aten.copy_.default and same_view(value, args[1])):
-                        self.written.add(name)
-            return func(*args, **(kwargs or {}))
-
-    def same_view(dst: Any, src: Any) -> bool:
-        """A copy of a view onto itself (the unquantized MoE method copies back a padding that did
-        not pad): no change."""
-        return (
-            isinstance(src, torch.Tensor)
-            and int(src.untyped_storage()._cdata) == int(dst.untyped_storage()._cdata)
-            and (src.storage_offset(), src.stride(), src.shape, src.dtype) == (dst.storage_offset(), dst.stride(), dst.shape, dst.dtype)
-        )
+        return {n: (_storage_key(p), tuple(p.shape), tuple(p.stride())) for n, p in module.named_parameters(recurse=False)}
 
     changed: Dict[str, str] = {}
     with _building(vllm_config):
@@ -187,9 +189,9 @@ def post_processed(model: Any, vllm_config: Any) -> Dict[str, str]:
                 continue
             before = snapshot(module)
             what = f"{type(method).__name__}.process_weights_after_loading"
-            watch = Writes({key: name for name, (key, _, _) in before.items()})
+            written: set = set()  # storage keys written in place
             try:
-                with watch:
+                with _write_watch(written.add):
                     process(module)
             except Exception as error:  # cannot run on meta: treated as changing every parameter
                 for name in before:
@@ -197,7 +199,7 @@ def post_processed(model: Any, vllm_config: Any) -> Dict[str, str]:
                 continue
             after = snapshot(module)
             for name in set(before) | set(after):
-                if before.get(name) != after.get(name) or name in watch.written:
+                if before.get(name) != after.get(name) or (name in before and before[name][0] in written):
                     changed[f"{prefix}.{name}"] = what
     return changed
 
@@ -233,7 +235,6 @@ def _block_quantizer_calls() -> Iterator[Dict[int, BlockQuantizerCall]]:
     import inspect
 
     import torch
-    from torch.utils._python_dispatch import TorchDispatchMode
 
     calls: Dict[int, BlockQuantizerCall] = {}
     try:
@@ -249,29 +250,11 @@ def _block_quantizer_calls() -> Iterator[Dict[int, BlockQuantizerCall]]:
     # The method calls the name its module imported; DeepGEMM's module holds the function itself.
     quantizers = [(module, module.per_block_cast_to_fp8) for module in (online, deep_gemm)]
 
-    def storage(tensor: Any) -> int:
-        return int(tensor.untyped_storage()._cdata)
-
-    class Rewrites(TorchDispatchMode):
-        """Flags an in-place write into the current layer's codes or scales (a copy of a view onto
-        itself, as replace_parameter makes of an unchanged tensor, is none)."""
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
-            call = calls.get(id(layers[-1])) if layers else None
-            if call is not None:
-                watched = {storage(t) for t in call.outputs}
-                for argument, value in zip(func._schema.arguments, args):
-                    if argument.alias_info is not None and argument.alias_info.is_write and isinstance(value, torch.Tensor):
-                        source = args[1] if len(args) > 1 else None
-                        onto_itself = (
-                            func is torch.ops.aten.copy_.default
-                            and isinstance(source, torch.Tensor)
-                            and storage(source) == storage(value)
-                            and (source.storage_offset(), source.stride(), source.shape) == (value.storage_offset(), value.stride(), value.shape)
-                        )
-                        if storage(value) in watched and not onto_itself:
-                            call.rewritten = True
-            return func(*args, **(kwargs or {}))
+    def rewrite(key: int) -> None:
+        """A write into the current layer's codes or scales after its quantizer returned them."""
+        call = calls.get(id(layers[-1])) if layers else None
+        if call is not None and key in {_storage_key(t) for t in call.outputs}:
+            call.rewritten = True
 
     def seen(quantize: Any) -> Any:
         signature = inspect.signature(quantize)
@@ -292,7 +275,7 @@ def _block_quantizer_calls() -> Iterator[Dict[int, BlockQuantizerCall]]:
     def seen_process(self: Any, layer: Any) -> Any:
         layers.append(layer)
         try:
-            with Rewrites():
+            with _write_watch(rewrite):
                 return process(self, layer)
         finally:
             layers.pop()
@@ -352,12 +335,7 @@ def _block_quantized_param(
     if call.rewritten:
         return None, "its codes or scales are rewritten after quantizing (the GEMM kernel's post-processing)"
 
-    def same(tensor: Any, output: Any) -> bool:
-        return int(tensor.untyped_storage()._cdata) == int(output.untyped_storage()._cdata) and (
-            tensor.storage_offset(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype
-        ) == (output.storage_offset(), tuple(output.shape), tuple(output.stride()), output.dtype)
-
-    if not (same(weight, call.outputs[0]) and same(scales, call.outputs[1])):
+    if not (_same_view(weight, call.outputs[0]) and _same_view(scales, call.outputs[1])):
         return None, "it serves other tensors than the quantizer's codes and scales (re-laid by the GEMM kernel)"
     target = _FP8_TARGETS.get(str(weight.dtype).rsplit(".", 1)[-1])
     block = tuple(int(n) for n in call.arguments.get("block_size") or ())

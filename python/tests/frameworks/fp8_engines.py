@@ -3,8 +3,8 @@
 post-processing, a trainer's BF16 checkpoints, and the element-by-element comparison of what refit
 installed with what vLLM's own fresh load serves.
 
-The GEMM kernel is test_vllm_fp8_online's stand-in (this CPU lacks the AMX that vLLM's CPU FP8
-kernels need): kernel selection returns CutlassFp8BlockScaledMMKernel, whose weight post-processing
+The GEMM kernel is a stand-in (this CPU lacks the AMX that vLLM's CPU FP8 kernels need): with
+`use_kernel(cutlass_kernel())` kernel selection returns CutlassFp8BlockScaledMMKernel, whose weight post-processing
 is vLLM's own; `use_kernel(cls)` selects another class for the engines built after it (the tests
 of layouts a kernel re-lays)."""
 
@@ -19,6 +19,16 @@ import refit
 import vllm_harness as harness
 from compare import offers
 from refit.integrations import RefitWorkerExtension
+
+
+def qwen3_config() -> Any:
+    """A Qwen3 whose FP8 layers' shards hold whole 128 x 128 blocks: head_dim 128 and 2 kv heads, so
+    q, k and v shards of 256 / 128 rows at TP 1 / 2, as in real models."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=160, head_dim=128,
+                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+                       tie_word_embeddings=False)
 
 
 def use_kernel(kernel: Any) -> Any:

@@ -18,7 +18,7 @@
   process_weights_after_loading, the live storage stays where it was, and the second update re-plans
   nothing. (The prepack kernel itself is test_vllm_postprocess's stand-in.)
 - A vLLM engine that serves FP8 from BF16 (`quantization="fp8_per_block"`, TP 2; the GEMM kernel
-  test_vllm_fp8_online's stand-in) updated from a BF16 trainer in its own process: the trainer's
+  fp8_engines' stand-in) updated from a BF16 trainer in its own process: the trainer's
   executor quantizes (its offers hold whole 128 x 128 blocks), so FP8 codes and scales cross, and
   every code, scale and element equals vLLM's own load of the same weights, after every update.
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
@@ -123,9 +123,9 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = F
 
     register()
     if fp8:
-        from test_vllm_fp8_online import install_kernel_stand_in
+        import fp8_engines
 
-        install_kernel_stand_in()  # this CPU lacks the AMX vLLM's FP8 kernels need
+        fp8_engines.use_kernel(fp8_engines.cutlass_kernel())  # this CPU lacks the AMX vLLM's FP8 kernels need
         config = vllm_ranks.engine_config(folder, 2, dtype="bfloat16", quantization="fp8_per_block")
     else:
         config = vllm_ranks.engine_config(folder, 2, ep=moe, dtype="float32")
@@ -360,7 +360,7 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
 class VllmBackendTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        from test_vllm_fp8_online import qwen3_config
+        from fp8_engines import qwen3_config
 
         cls.folder = save_checkpoint()
         cls.moe_folder = save_checkpoint(tiny_qwen3_moe())

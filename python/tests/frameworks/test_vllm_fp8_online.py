@@ -24,6 +24,7 @@ from typing import Dict, List, Tuple
 
 import torch
 
+import fp8_engines as fp8
 import refit
 import vllm_harness as harness
 from refit import Arithmetic, Backend, Fp8, Granularity, Group, Quantization, QuantizeJob, SourceType
@@ -31,32 +32,10 @@ from refit import Arithmetic, Backend, Fp8, Granularity, Group, Quantization, Qu
 BLOCK = 128
 
 
-def install_kernel_stand_in() -> None:
-    """Kernel selection for FP8 layers returns the CUTLASS block-scaled kernel (see the module)."""
-    from vllm.model_executor.kernels import linear as kernels
-    from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFp8BlockScaledMMKernel
-
-    kernels.choose_scaled_mm_linear_kernel = lambda **_: CutlassFp8BlockScaledMMKernel
-
-
-def qwen3_config():
-    from transformers import Qwen3Config
-
-    # head_dim 128 and 2 kv heads: q, k and v shards of 256 / 128 rows at TP 1 / 2, as in real models.
-    return Qwen3Config(hidden_size=256, intermediate_size=512, num_hidden_layers=2, vocab_size=160, head_dim=128,
-                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
-                       tie_word_embeddings=False)
-
-
 def loaded(config, parallel: harness.Parallel, rank: int, checkpoint: Dict[str, torch.Tensor]):
     """Rank `rank`'s model with the checkpoint loaded and post-processed by vLLM's own loader."""
-    from vllm.model_executor.model_loader.utils import process_weights_after_loading
-
     with harness.as_rank(config, parallel, rank, 0):
-        model = harness.build(config, "cpu")
-        model.load_weights(iter(checkpoint.items()))
-        process_weights_after_loading(model, config.model_config, torch.device("cpu"))
-    return model
+        return fp8.served(config, checkpoint)
 
 
 # The checkpoint tensors fused into each layer, in the order of its output rows.
@@ -66,8 +45,8 @@ FUSED = {"qkv_proj": ["q_proj", "k_proj", "v_proj"], "gate_up_proj": ["gate_proj
 class VllmFp8OnlineTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
-        install_kernel_stand_in()
-        cls.folder = harness.hf_folder("qwen3-fp8", qwen3_config())
+        cls.kernel = fp8.use_kernel(fp8.cutlass_kernel())
+        cls.folder = harness.hf_folder("qwen3-fp8", fp8.qwen3_config())
         generator = torch.Generator().manual_seed(5)
         specs = harness.checkpoint_specs(cls.folder)
         # Weights over several binades per row block, so that blocks' scales differ widely.
@@ -82,6 +61,7 @@ class VllmFp8OnlineTest(unittest.TestCase):
     @classmethod
     def tearDownClass(cls):
         cls.group.close()
+        fp8.use_kernel(cls.kernel)
 
     def quantize_rows(self, pieces: List[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
         """Codes and scales of the matrix `pieces` stack to, each piece quantized alone into its rows

@@ -11,7 +11,7 @@ lm_head), equals what vLLM's own fresh load + process_weights_after_loading of t
 serves; the parameters keep their storage; nothing is staged in BF16 and vLLM's reload path does
 not run. At tensor-parallel sizes 1 and 2 (gloo stand-in groups, vllm_harness).
 
-The GEMM kernel is test_vllm_fp8_online's stand-in (fp8_engines); everything else is vLLM's.
+The GEMM kernel is fp8_engines' stand-in; everything else is vLLM's.
 """
 
 from __future__ import annotations
@@ -28,7 +28,6 @@ from refit import Arithmetic, Fp8, Granularity, Quantization
 from refit.integrations.layout import ParamLayout, Piece
 from refit.integrations.receiver import QuantizedParam, RecordedReceiver, unfit_boxes
 from refit.integrations.recorder import ParamInfo, Recording, TensorSpec
-from test_vllm_fp8_online import qwen3_config
 
 # Per decoder layer: q, k, v, o, gate, up and down each land in an FP8 layer as one box.
 BOXES_PER_LAYER = 7
@@ -40,7 +39,7 @@ class QuantizedRefitTest(unittest.TestCase):
         cls.kernel = fp8.use_kernel(fp8.cutlass_kernel())
         # The checkpoint on disk is BF16, as the trainer offers it: the receiver reads its names,
         # shapes and dtypes from the folder's safetensors headers (checkpoint_of).
-        cls.folder = harness.hf_folder("qwen3-fp8-refit", qwen3_config(), torch.bfloat16)
+        cls.folder = harness.hf_folder("qwen3-fp8-refit", fp8.qwen3_config(), torch.bfloat16)
         cls.initial, cls.update = fp8.bf16_checkpoints(cls.folder, 2)
 
     @classmethod

@@ -31,7 +31,6 @@ import fp8_engines as fp8
 import refit
 import vllm_harness as harness
 from refit import Arithmetic
-from test_vllm_fp8_online import qwen3_config
 
 
 def column_major_scales_kernel() -> Any:
@@ -60,7 +59,7 @@ def rescaled_scales_kernel() -> Any:
 class Fp8PathsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls) -> None:
-        cls.folder = harness.hf_folder("qwen3-fp8-paths", qwen3_config(), torch.bfloat16)
+        cls.folder = harness.hf_folder("qwen3-fp8-paths", fp8.qwen3_config(), torch.bfloat16)
         cls.initial, cls.update = fp8.bf16_checkpoints(cls.folder, 2, seed=11)
 
     def setUp(self) -> None:
