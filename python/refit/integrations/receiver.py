@@ -11,8 +11,9 @@ reload path turns those into the live parameters (`reloaded_tensors(staging)` ha
 Parameters the engine serves quantized (`quantized`: parameter -> QuantizedParam) receive their
 recorded boxes as quantized needs: refit quantizes each box during the refit into the live codes at
 its rows, and its scales into the scale parameter the QuantizedParam names (a row-major grid of one
-scale per block). Every box must start on a block boundary of the parameter and fill its blocks
-alone (`unfit_boxes` says why not): a block of two checkpoint tensors is no one need's box.
+scale per block, or per row). Every box must start on a block boundary of the parameter and fill its
+blocks alone (`unfit_boxes` says why not): a block of two checkpoint tensors is no one need's box,
+and a per-row scale is that of the whole row.
 `paths` says, per parameter, which path it takes: "boxes", "loader", "reload" or "quantized".
 The other live parameters must be the ones recorded (names, shapes, strides, dtypes): a model that
 changed since is refused, never written blindly.
@@ -46,15 +47,18 @@ _TARGETS = {Fp8.E4M3FN: "float8_e4m3fn", Fp8.E5M2: "float8_e5m2"}
 @dataclasses.dataclass(frozen=True)
 class QuantizedParam:
     """A parameter served as FP8 codes of its recorded (high-precision) layout, quantized by refit:
-    `scales` names the parameter holding its float32 scale grid (row-major, one scale per block of
-    `quantization`, a Granularity.BLOCK quantization)."""
+    `scales` names the parameter holding its float32 scales, a row-major grid of one scale per
+    block (Granularity.BLOCK) or per row (Granularity.ROW: [rows, 1]) of `quantization`.
+    `transposed`: the live codes are the transpose of row-major codes of the recorded shape (a
+    [cols, rows] view with strides (1, cols), as vLLM's per-channel online FP8 serves them)."""
 
     scales: str
     quantization: Quantization
+    transposed: bool = False
 
-    @property
-    def block(self) -> Tuple[int, int]:
-        return self.quantization.block_shape(0, 0)
+    def block(self, shape: Tuple[int, ...]) -> Tuple[int, int]:
+        """The elements sharing one scale in a parameter of `shape`."""
+        return self.quantization.block_shape(shape[0], shape[1])
 
     @property
     def codes_dtype(self) -> str:
@@ -62,6 +66,22 @@ class QuantizedParam:
 
     def grid(self, shape: Tuple[int, ...]) -> Tuple[int, int]:
         return self.quantization.scale_grid(shape[0], shape[1])
+
+    def unfit_live(self, layout: ParamLayout, codes: TensorLike, scales: TensorLike) -> Optional[str]:
+        """Why the live `codes` and `scales` are not what the quantized needs write (None when they
+        are): codes of the recorded shape (or its transpose), row-major, in the quantization's FP8
+        type; float32 scales of the grid, row-major."""
+        rows, cols = layout.shape
+        grid = self.grid(layout.shape)
+        codes_want = ((cols, rows), (1, cols)) if self.transposed else ((rows, cols), (cols, 1))
+        for tensor, name, (shape, strides), dtype in (
+            (codes, layout.name, codes_want, self.codes_dtype),
+            (scales, self.scales, (grid, (grid[1], 1)), "float32"),
+        ):
+            got = (tuple(int(n) for n in tensor.shape), tuple(int(s) for s in tensor.stride()), dtype_name(tensor))
+            if got != (tuple(shape), tuple(strides), dtype):
+                return f"{name} is {list(got[0])}/{list(got[1])}/{got[2]}; quantized needs write {list(shape)}/{list(strides)}/{dtype}"
+        return None
 
 
 def unfit_boxes(layout: ParamLayout, block: Tuple[int, int], checkpoint: Mapping[str, Any]) -> Optional[str]:
@@ -112,9 +132,11 @@ class RecordedReceiver:
         for name, spec in self.quantized.items():
             if name not in recorded or name in reloaded:
                 raise invalid_argument(f"{name} is quantized but {'reloaded' if name in reloaded else 'receives no recorded boxes'}")
-            if spec.quantization.granularity != Granularity.BLOCK:
-                raise invalid_argument(f"{name}: quantized parameters take Granularity.BLOCK, not {spec.quantization.granularity!r}")
-            why = unfit_boxes(recorded[name], spec.block, recording.checkpoint)
+            if spec.quantization.granularity not in (Granularity.BLOCK, Granularity.ROW):
+                raise invalid_argument(f"{name}: quantized parameters take Granularity.BLOCK or ROW, not {spec.quantization.granularity!r}")
+            if len(recorded[name].shape) != 2:
+                raise invalid_argument(f"{name} is {len(recorded[name].shape)}-dimensional; quantized parameters are matrices")
+            why = unfit_boxes(recorded[name], spec.block(recorded[name].shape), recording.checkpoint)
             if why is not None:
                 raise invalid_argument(f"{name} cannot be quantized box by box: {why}")
         self.added = set(added) | {spec.scales for spec in self.quantized.values()}
@@ -175,15 +197,10 @@ class RecordedReceiver:
         return live
 
     def _check_quantized(self, layout: ParamLayout, codes: TensorLike, scales: TensorLike) -> None:
-        """The live codes and scales are what the quantized needs write: codes of the recorded
-        shape, row-major, in the quantization's FP8 type; float32 scales, one per block, row-major."""
-        spec = self.quantized[layout.name]
-        grid = spec.grid(layout.shape)
-        for tensor, name, shape, dtype in ((codes, layout.name, layout.shape, spec.codes_dtype), (scales, spec.scales, grid, "float32")):
-            got = (tuple(int(n) for n in tensor.shape), tuple(int(s) for s in tensor.stride()), dtype_name(tensor))
-            want = (tuple(shape), (int(shape[1]), 1), dtype)
-            if got != want:
-                raise invalid_argument(f"{name} is {list(got[0])}/{list(got[1])}/{got[2]}; quantized needs write {list(want[0])}/{list(want[1])}/{want[2]}")
+        """The live codes and scales are what the quantized needs write (QuantizedParam.unfit_live)."""
+        why = self.quantized[layout.name].unfit_live(layout, codes, scales)
+        if why is not None:
+            raise invalid_argument(why)
 
     def staging_buffers(self, allocate: Callable[[Tuple[int, ...], Any], TensorLike]) -> Dict[str, TensorLike]:
         """A buffer per staged checkpoint tensor (for the loader or the reload path):
@@ -228,11 +245,12 @@ class RecordedReceiver:
             spec = self.quantized[layout.name]
             codes, scales = live[layout.name], live[spec.scales]
             dev = device_index(codes, device)
-            (block_rows, block_cols), grid_cols, cols = spec.block, spec.grid(layout.shape)[1], layout.shape[1]
+            (block_rows, block_cols), grid_cols, cols = spec.block(layout.shape), spec.grid(layout.shape)[1], layout.shape[1]
             for piece in layout.pieces:
                 row, col = divmod(piece.at, cols)
                 kind = SOURCE_TYPES[_dtype(specs[piece.tensor].dtype)]
-                # Codes are one byte: element and byte strides agree. The box's scales start at
+                # Codes are one byte: element and byte strides agree; a transposed view's storage
+                # holds them row-major from its data_ptr all the same. The box's scales start at
                 # its first block's place in the grid.
                 first_scale = (row // block_rows) * grid_cols + col // block_cols
                 table.add_quantized_need(

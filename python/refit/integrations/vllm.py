@@ -21,20 +21,26 @@ the layer's post-processing runs, and the result is copied into the live paramet
 which keeps their addresses). `paths` (parameter -> "boxes" / "loader" / "reload" / "quantized")
 and one log line say which path each parameter took.
 
-Engines that quantize BF16 checkpoints online (`quantization="fp8_per_block"`: vLLM's
-Fp8PerBlockOnlineLinearMethod) run that post-processing inside `load_weights`, as soon as a layer
-has all of its elements, so the meta copy is compared with the recording as well (parameters that
-changed or appeared while loading count as post-processed). Such a layer is quantized by refit
-during the refit instead, when the meta run shows that what it serves is exactly the block
-quantizer's output: `online_block_layers` watches vLLM's own call of `per_block_cast_to_fp8`
-(its block size and `use_ue8m0` choose the quantization: Arithmetic.DEEPGEMM, or
-DEEPGEMM_UE8M0 when vLLM asked for power-of-two scales) and accepts the layer only when the live
-`weight` is that call's codes ([N, K] row-major, the BF16 weight's shape) and `weight_scale_inv`
-its scale grid (float32, [ceil(N / 128), ceil(K / 128)] row-major), neither rewritten afterwards
-(a GEMM kernel that re-lays or re-scales them, as vLLM's DeepGEMM path does, keeps the reload
-path), and every recorded box fills whole blocks (receiver.unfit_boxes). Each box then becomes a
-quantized need writing FP8 codes into the live weight at its rows and its scales into
-`weight_scale_inv` (`paths` "quantized" for both), in place: the parameters keep their addresses.
+Engines that quantize BF16 checkpoints online (`quantization="fp8_per_block"` and
+`"fp8_per_channel"`: vLLM's Fp8PerBlockOnlineLinearMethod and Fp8PtpcOnlineLinearMethod) run that
+post-processing inside `load_weights`, as soon as a layer has all of its elements, so the meta copy
+is compared with the recording as well (parameters that changed or appeared while loading count as
+post-processed). Such a layer is quantized by refit during the refit instead, when the meta run
+shows that what it serves is exactly its quantizer's output (`online_quantized_layers`):
+- blocks: vLLM's own call of `per_block_cast_to_fp8` is watched (its block size and `use_ue8m0`
+  choose Arithmetic.DEEPGEMM, or DEEPGEMM_UE8M0 when vLLM asked for power-of-two scales); the live
+  `weight` must be that call's codes ([N, K] row-major, the BF16 weight's shape) and
+  `weight_scale_inv` its scale grid (float32, [ceil(N / 128), ceil(K / 128)] row-major);
+- per channel: vLLM's own call of `_fp8_quant_per_channel` is watched (Arithmetic.VLLM_CHANNEL,
+  Granularity.ROW); the live `weight` must be the transpose of its [N, K] row-major codes and
+  `weight_scale` the [N, 1] float32 scales it was given, and the layer's amax must not have been
+  reduced across the tensor-parallel ranks (vLLM does that for row-parallel layers at TP > 1: a row's
+  scale then depends on other ranks' columns, which no box of this rank holds);
+and neither may be rewritten afterwards (a GEMM kernel that re-lays or re-scales them, as vLLM's
+DeepGEMM path does, keeps the reload path), and every recorded box must fill whole blocks or rows
+(receiver.unfit_boxes). Each box then becomes a quantized need writing FP8 codes into the live
+weight at its rows and its scales into the scale parameter (`paths` "quantized" for both), in
+place: the parameters keep their addresses.
 
 One adjustment to vLLM's reload: its unquantized MoE method runs the expert backend's own
 post-processing (the CPU backend's padding and prepacking) only on the first load (`moe_kernel` not
@@ -76,7 +82,7 @@ __all__ = [
     "layerwise_reload",
     "checkpoint_of",
     "local_experts",
-    "online_block_layers",
+    "online_quantized_layers",
     "post_processed",
     "reload_params",
     "stage_layers",
@@ -215,40 +221,51 @@ def changed_since_recorded(recording: Recording, model: Any) -> Dict[str, str]:
 
 
 @dataclasses.dataclass
-class BlockQuantizerCall:
-    """What vLLM's online block method did to one layer: the arguments it passed to
-    `per_block_cast_to_fp8` (defaults filled in), the storages of the codes and scales it got
-    back, and whether anything wrote into those afterwards."""
+class OnlineQuantizerCall:
+    """What one of vLLM's online FP8 linear methods did to one layer: its quantizer's non-tensor
+    arguments (defaults filled in), the codes and scales it served from, whether anything wrote
+    into those afterwards, and whether the layer's amax was reduced across the tensor-parallel
+    ranks (amax_for_tp_weight_quant with is_sharded; then no rank's boxes hold its scales)."""
 
+    method: str  # "block" (per_block_cast_to_fp8) or "channel" (_fp8_quant_per_channel)
     arguments: Dict[str, Any]
     outputs: Tuple[Any, Any]
     rewritten: bool = False
+    reduced: bool = False
 
 
 @contextlib.contextmanager
-def _block_quantizer_calls() -> Iterator[Dict[int, BlockQuantizerCall]]:
-    """While open, vLLM's Fp8PerBlockOnlineLinearMethod.process_weights_after_loading runs as
-    usual, but its call of `per_block_cast_to_fp8` is seen (per layer, keyed by id(layer)), and so
-    is any later write into the codes or scales it returned. vLLM's own functions do the work;
-    they are only wrapped, and put back on exit (vLLM runs the method inside the meta copy's
-    `load_weights`, or in post_processed when the recording came from the cache)."""
+def _online_quantizer_calls() -> Iterator[Dict[int, OnlineQuantizerCall]]:
+    """While open, vLLM's online FP8 linear methods (Fp8PerBlockOnlineLinearMethod,
+    Fp8PtpcOnlineLinearMethod) post-process layers as usual, but their quantizer calls are seen
+    (per layer, keyed by id(layer)): `per_block_cast_to_fp8`'s codes and scales, or
+    `_fp8_quant_per_channel`'s codes and the scales it was given; so is any later write into those,
+    and whether the layer's amax went through amax_for_tp_weight_quant sharded. vLLM's own
+    functions do the work; they are only wrapped, and put back on exit (vLLM runs the methods
+    inside the meta copy's `load_weights`, or in post_processed when the recording came from the
+    cache). On meta tensors the amax is not all-reduced: it holds no values, and the other ranks'
+    meta copies do not take part."""
     import inspect
 
     import torch
 
-    calls: Dict[int, BlockQuantizerCall] = {}
+    calls: Dict[int, OnlineQuantizerCall] = {}
     try:
         from vllm.model_executor.layers.quantization.online import fp8 as online  # type: ignore[import-not-found]
         from vllm.utils import deep_gemm  # type: ignore[import-not-found]
-    except ImportError:  # a vLLM without the online block method: no layer is quantized by refit
+    except ImportError:  # a vLLM without the online methods: no layer is quantized by refit
         yield calls
         return
 
     layers: List[Any] = []
-    method = online.Fp8PerBlockOnlineLinearMethod
-    process = method.process_weights_after_loading
-    # The method calls the name its module imported; DeepGEMM's module holds the function itself.
-    quantizers = [(module, module.per_block_cast_to_fp8) for module in (online, deep_gemm)]
+    reduced: set = set()  # id(layer) of layers whose amax was reduced across TP ranks
+    methods = [getattr(online, name) for name in ("Fp8PerBlockOnlineLinearMethod", "Fp8PtpcOnlineLinearMethod") if hasattr(online, name)]
+    processes = [(method, method.process_weights_after_loading) for method in methods]
+    # The block method calls the name its module imported; DeepGEMM's module holds the function itself.
+    wrapped = [(module, "per_block_cast_to_fp8") for module in (online, deep_gemm)] + [
+        (online, name) for name in ("_fp8_quant_per_channel", "amax_for_tp_weight_quant") if hasattr(online, name)
+    ]
+    originals = [(module, name, getattr(module, name)) for module, name in wrapped]
 
     def rewrite(key: int) -> None:
         """A write into the current layer's codes or scales after its quantizer returned them."""
@@ -256,7 +273,7 @@ def _block_quantizer_calls() -> Iterator[Dict[int, BlockQuantizerCall]]:
         if call is not None and key in {_storage_key(t) for t in call.outputs}:
             call.rewritten = True
 
-    def seen(quantize: Any) -> Any:
+    def seen_block(quantize: Any) -> Any:
         signature = inspect.signature(quantize)
 
         def seen_quantize(*args: Any, **kwargs: Any) -> Any:
@@ -267,39 +284,67 @@ def _block_quantizer_calls() -> Iterator[Dict[int, BlockQuantizerCall]]:
                 bound = signature.bind(*args, **kwargs)
                 bound.apply_defaults()
                 arguments = {name: value for name, value in bound.arguments.items() if not isinstance(value, torch.Tensor)}
-                calls[id(layers[-1])] = BlockQuantizerCall(arguments, (codes, scales))
+                calls[id(layers[-1])] = OnlineQuantizerCall("block", arguments, (codes, scales))
             return result
 
         return seen_quantize
 
-    def seen_process(self: Any, layer: Any) -> Any:
-        layers.append(layer)
-        try:
-            with _write_watch(rewrite):
-                return process(self, layer)
-        finally:
-            layers.pop()
+    def seen_channel(quantize: Any) -> Any:
+        def seen_quantize(weight: Any, scale: Any) -> Any:
+            codes = quantize(weight, scale)
+            if layers and id(layers[-1]) not in calls:
+                calls[id(layers[-1])] = OnlineQuantizerCall("channel", {}, (codes, scale))
+            return codes
 
-    method.process_weights_after_loading = seen_process
-    for module, quantize in quantizers:
-        module.per_block_cast_to_fp8 = seen(quantize)
+        return seen_quantize
+
+    def seen_reduction(reduce: Any) -> Any:
+        def seen_reduce(amax: Any, is_sharded: bool) -> Any:
+            if layers and is_sharded:
+                reduced.add(id(layers[-1]))
+            return amax if amax.is_meta else reduce(amax, is_sharded)
+
+        return seen_reduce
+
+    def seen_process(process: Any) -> Any:
+        def seen(self: Any, layer: Any) -> Any:
+            layers.append(layer)
+            try:
+                with _write_watch(rewrite):
+                    return process(self, layer)
+            finally:
+                layers.pop()
+                call = calls.get(id(layer))
+                if call is not None and id(layer) in reduced:
+                    call.reduced = True
+
+        return seen
+
+    wrappers = {"per_block_cast_to_fp8": seen_block, "_fp8_quant_per_channel": seen_channel, "amax_for_tp_weight_quant": seen_reduction}
+    for method, process in processes:
+        method.process_weights_after_loading = seen_process(process)
+    for module, name, function in originals:
+        setattr(module, name, wrappers[name](function))
     try:
         yield calls
     finally:
-        method.process_weights_after_loading = process
-        for module, quantize in quantizers:
-            module.per_block_cast_to_fp8 = quantize
+        for method, process in processes:
+            method.process_weights_after_loading = process
+        for module, name, function in originals:
+            setattr(module, name, function)
 
 
 _FP8_TARGETS = {"float8_e4m3fn": Fp8.E4M3FN, "float8_e5m2": Fp8.E5M2}
+# The scale parameter each online method serves beside the codes.
+_SCALE_PARAMS = {"block": "weight_scale_inv", "channel": "weight_scale"}
 
 
-def online_block_layers(
-    model: Any, recording: Recording, post: Mapping[str, str], calls: Mapping[int, BlockQuantizerCall]
+def online_quantized_layers(
+    model: Any, recording: Recording, post: Mapping[str, str], calls: Mapping[int, OnlineQuantizerCall]
 ) -> Tuple[Dict[str, QuantizedParam], Dict[str, str]]:
-    """Of the meta copy's layers quantized online in blocks (calls: _block_quantizer_calls), those
-    refit quantizes during the refit (see the module): weight -> QuantizedParam, and layer -> why
-    not for the others, which keep the reload path."""
+    """Of the meta copy's layers quantized online (calls: _online_quantizer_calls), those refit
+    quantizes during the refit (see the module): weight -> QuantizedParam, and layer -> why not for
+    the others, which keep the reload path."""
     quantized: Dict[str, QuantizedParam] = {}
     refused: Dict[str, str] = {}
     layouts = {layout.name: layout for layout in recording.layouts}
@@ -308,8 +353,8 @@ def online_block_layers(
         call = calls.get(id(module))
         if call is None:
             continue
-        weight, scales = f"{prefix}.weight", f"{prefix}.weight_scale_inv"
-        spec, why = _block_quantized_param(module, call, layouts.get(weight), recording)
+        weight, scales = f"{prefix}.weight", f"{prefix}.{_SCALE_PARAMS[call.method]}"
+        spec, why = _online_quantized_param(module, call, layouts.get(weight), recording)
         others = sorted(n for n in post if n.rsplit(".", 1)[0] == prefix and n not in (weight, scales))
         if why is None and others:
             why = f"its post-processing also changes {others}"
@@ -323,35 +368,39 @@ def online_block_layers(
     return quantized, refused
 
 
-def _block_quantized_param(
-    module: Any, call: BlockQuantizerCall, layout: Optional[ParamLayout], recording: Recording
+def _online_quantized_param(
+    module: Any, call: OnlineQuantizerCall, layout: Optional[ParamLayout], recording: Recording
 ) -> Tuple[Optional[QuantizedParam], Optional[str]]:
-    """The QuantizedParam of one online block-quantized layer, or why it cannot be one."""
-    import torch
-
-    weight, scales = getattr(module, "weight", None), getattr(module, "weight_scale_inv", None)
+    """The QuantizedParam of one layer vLLM quantizes online, or why it cannot be one. Block
+    layers serve the quantizer's [N, K] codes and its [ceil(N / B), ceil(K / B)] scale grid;
+    per-channel layers serve the transpose of its [N, K] codes and its [N, 1] scales."""
+    scale_param = _SCALE_PARAMS[call.method]
+    weight, scales = getattr(module, "weight", None), getattr(module, scale_param, None)
     if layout is None or weight is None or scales is None:
-        return None, "no recorded boxes land in its weight, or it has no weight_scale_inv"
+        return None, f"no recorded boxes land in its weight, or it has no {scale_param}"
     if call.rewritten:
         return None, "its codes or scales are rewritten after quantizing (the GEMM kernel's post-processing)"
-
-    if not (_same_view(weight, call.outputs[0]) and _same_view(scales, call.outputs[1])):
+    if call.reduced:
+        return None, "its scales are the amax across the tensor-parallel ranks (a row-parallel layer), which no rank's boxes hold"
+    codes, grid = call.outputs
+    transposed = call.method == "channel"
+    if not (_same_view(weight, codes.t() if transposed else codes) and _same_view(scales, grid)):
         return None, "it serves other tensors than the quantizer's codes and scales (re-laid by the GEMM kernel)"
     target = _FP8_TARGETS.get(str(weight.dtype).rsplit(".", 1)[-1])
-    block = tuple(int(n) for n in call.arguments.get("block_size") or ())
-    if target is None or len(block) != 2:
-        return None, f"codes of {weight.dtype} or block {list(block)} are not one refit quantizes"
-    arithmetic = Arithmetic.DEEPGEMM_UE8M0 if call.arguments.get("use_ue8m0") else Arithmetic.DEEPGEMM
-    spec = QuantizedParam(f"{layout.name.rsplit('.', 1)[0]}.weight_scale_inv", Quantization(target, Granularity.BLOCK, block, arithmetic))
-    rows, cols = layout.shape
-    want = ((rows, cols), (cols, 1), spec.grid(layout.shape), (spec.grid(layout.shape)[1], 1))
-    got = (tuple(weight.shape), tuple(weight.stride()), tuple(scales.shape), tuple(scales.stride()))
-    if got != want or scales.dtype != torch.float32:
-        return None, (
-            f"codes {list(got[0])}/{list(got[1])} and {scales.dtype} scales {list(got[2])}/{list(got[3])} "
-            "are not row-major as quantized needs write them"
-        )
-    why = unfit_boxes(layout, block, recording.checkpoint)
+    if call.method == "block":
+        block = tuple(int(n) for n in call.arguments.get("block_size") or ())
+        if target is None or len(block) != 2:
+            return None, f"codes of {weight.dtype} or block {list(block)} are not one refit quantizes"
+        arithmetic = Arithmetic.DEEPGEMM_UE8M0 if call.arguments.get("use_ue8m0") else Arithmetic.DEEPGEMM
+        quantization = Quantization(target, Granularity.BLOCK, block, arithmetic)
+    else:
+        if target is None:
+            return None, f"codes of {weight.dtype} are not one refit quantizes"
+        quantization = Quantization(target, Granularity.ROW, arithmetic=Arithmetic.VLLM_CHANNEL)
+    spec = QuantizedParam(f"{layout.name.rsplit('.', 1)[0]}.{scale_param}", quantization, transposed)
+    why = spec.unfit_live(layout, weight, scales)
+    if why is None:
+        why = unfit_boxes(layout, spec.block(layout.shape), recording.checkpoint)
     return (spec, None) if why is None else (None, why)
 
 
@@ -441,7 +490,7 @@ class VllmReceiver:
         added: Sequence[str] = (),
     ) -> None:
         """`post`: parameters the engine post-processes (post_processed); `quantized`: weights refit
-        quantizes, whose layers leave the reload path (online_block_layers); `added`: parameters
+        quantizes, whose layers leave the reload path (online_quantized_layers); `added`: parameters
         the post-processing creates (the live model holds them, the recording does not)."""
         self.post_processed: Dict[str, str] = dict(post or {})
         self.quantized: Dict[str, QuantizedParam] = dict(quantized or {})
@@ -470,11 +519,11 @@ class VllmReceiver:
     @classmethod
     def from_engine(cls, vllm_config: Any, checkpoint: Optional[Checkpoint] = None, quantize: bool = True) -> VllmReceiver:
         """Records this worker's needs from its own model class and loader (see the module).
-        `quantize`: layers vLLM quantizes online in blocks are quantized by refit during the refit
+        `quantize`: layers vLLM quantizes online (in blocks, per channel) are quantized by refit during the refit
         where they can be (else, and with False, they take vLLM's reload path)."""
         meta = build_meta_model(vllm_config)
         specs = checkpoint if checkpoint is not None else checkpoint_of(vllm_config)
-        with _block_quantizer_calls() as calls:
+        with _online_quantizer_calls() as calls:
             with _building(vllm_config):
                 recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=engine_ranks())
             post = post_processed(meta, vllm_config)
@@ -483,7 +532,7 @@ class VllmReceiver:
         added = sorted(name for name, _ in meta.named_parameters() if name not in recording.params)
         quantized: Dict[str, QuantizedParam] = {}
         if quantize:
-            quantized, refused = online_block_layers(meta, recording, post, calls)
+            quantized, refused = online_quantized_layers(meta, recording, post, calls)
             for layer, why in sorted(refused.items()):
                 log.info("refit: %s keeps vLLM's reload path: %s", layer, why)
         return cls(recording, post=post, quantized=quantized, added=added)
@@ -607,7 +656,7 @@ class RefitWorkerExtension:
         `model` and `ranks` (ModelShape / VllmRanks fields) select the hand-written rules instead,
         for workers without torch (tests). `device` and `backend` (a refit.Backend) are for
         parameters in host memory standing in for a GPU (tests); by default the worker's CUDA device.
-        `quantize`: layers vLLM quantizes online in blocks are quantized by refit during the refit
+        `quantize`: layers vLLM quantizes online (in blocks, per channel) are quantized by refit during the refit
         (False: they take vLLM's reload path; see VllmReceiver.from_engine). Their quantized needs
         have no staging: a trainer whose offers split a 128 x 128 block is refused at planning
         (UNSUPPORTED, naming the tensor); pass False for such a trainer."""

@@ -54,7 +54,7 @@ def engine_receiver(model: Any, vllm_config: Any, quantize: bool = True) -> Tupl
     """This worker's receiver, recorded from its own model class and loader
     (VllmReceiver.from_engine), and a staging buffer, beside the parameters, for every checkpoint
     tensor it receives whole (the loader transforms it, or the layer is post-processed).
-    `quantize`: layers vLLM quantizes online in blocks are quantized by refit during the refit
+    `quantize`: layers vLLM quantizes online (in blocks, per channel) are quantized by refit during the refit
     (False: they take vLLM's reload path, as a trainer whose shards split a block needs)."""
     import torch
 
@@ -109,7 +109,7 @@ class RefitInitInfo(_InitInfoBase):
     staging_memory_limit: int = 0
     timeout_ms: int = 600_000
     quantize_online_fp8: bool = True
-    """Layers vLLM quantizes online (`quantization="fp8_per_block"`) get FP8 codes and scales
+    """Layers vLLM quantizes online (`quantization="fp8_per_block"`, `"fp8_per_channel"`) get FP8 codes and scales
     quantized by refit during the refit; False sends their BF16 through vLLM's reload instead."""
 
 

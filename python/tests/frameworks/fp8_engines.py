@@ -113,7 +113,7 @@ def compare(expected: torch.nn.Module, got: torch.nn.Module) -> Compared:
             continue
         if w.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
             bad, out.codes = int((w.view(torch.uint8) != h.view(torch.uint8)).sum()), out.codes + w.numel()
-        elif name.endswith("weight_scale_inv"):
+        elif name.endswith(("weight_scale_inv", "weight_scale")):
             bad, out.scales = int((w.view(torch.int32) != h.view(torch.int32)).sum()), out.scales + w.numel()
         else:
             bad, out.other = int((w != h).sum()), out.other + w.numel()
@@ -122,9 +122,13 @@ def compare(expected: torch.nn.Module, got: torch.nn.Module) -> Compared:
     return out
 
 
+# vLLM's online FP8 linear methods: `quantization="fp8_per_block"` and `"fp8_per_channel"`.
+ONLINE_METHODS = ("Fp8PerBlockOnlineLinearMethod", "Fp8PtpcOnlineLinearMethod")
+
+
 def fp8_layers(model: torch.nn.Module) -> List[str]:
-    """The layers vLLM quantizes online in blocks."""
-    return [name for name, m in model.named_modules() if type(getattr(m, "quant_method", None)).__name__ == "Fp8PerBlockOnlineLinearMethod"]
+    """The layers vLLM quantizes online."""
+    return [name for name, m in model.named_modules() if type(getattr(m, "quant_method", None)).__name__ in ONLINE_METHODS]
 
 
 def addresses(model: torch.nn.Module) -> Dict[str, Tuple[int, int]]:

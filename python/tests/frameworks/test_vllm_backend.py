@@ -21,6 +21,10 @@
   fp8_engines' stand-in) updated from a BF16 trainer in its own process: the trainer's
   executor quantizes (its offers hold whole 128 x 128 blocks), so FP8 codes and scales cross, and
   every code, scale and element equals vLLM's own load of the same weights, after every update.
+- The same engine serving per-channel FP8 (`quantization="fp8_per_channel"`, vLLM's own CPU GEMM
+  kernel): the trainer quantizes the rows of the column-parallel layers (one scale per output
+  channel), and the row-parallel ones, whose row amax vLLM takes across the TP ranks, arrive in
+  BF16 for vLLM's reload; every code, scale and element equals vLLM's own load.
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
   reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
   trainer (it exits after the workers started receiving) each leave every worker's weights as they
@@ -42,6 +46,8 @@ PYPROJECT = os.path.join(HERE, "..", "..", "pyproject.toml")
 # on a loaded 2-core machine the last can arrive well after the first. A dead peer is found by its
 # closed connection (ABORTED), not by this timeout, so a generous one costs nothing when all is well.
 TIMEOUT_MS = 120_000
+# The FP8 engines' scenarios: vLLM's quantization of each.
+FP8_SCENARIOS = {"fp8": "fp8_per_block", "fp8_channel": "fp8_per_channel"}
 
 
 def tiny_qwen3() -> Any:
@@ -108,7 +114,7 @@ class StandInVerifyMismatch:
         return getattr(self._executor, name)
 
 
-def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = False, fp8: bool = False) -> None:
+def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = False, quantization: Any = None) -> None:
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     import sys
 
@@ -122,11 +128,12 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = F
     from refit.integrations.vllm_backend import register
 
     register()
-    if fp8:
+    if quantization is not None:
         import fp8_engines
 
-        fp8_engines.use_kernel(fp8_engines.cutlass_kernel())  # this CPU lacks the AMX vLLM's FP8 kernels need
-        config = vllm_ranks.engine_config(folder, 2, dtype="bfloat16", quantization="fp8_per_block")
+        if quantization == "fp8_per_block":
+            fp8_engines.use_kernel(fp8_engines.cutlass_kernel())  # this CPU lacks the AMX vLLM's FP8 block kernels need
+        config = vllm_ranks.engine_config(folder, 2, dtype="bfloat16", quantization=quantization)
     else:
         config = vllm_ranks.engine_config(folder, 2, ep=moe, dtype="float32")
     ckpt = checkpoint(folder)
@@ -258,7 +265,7 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
         from refit.integrations.vllm_backend import RefitTrainerInitInfo, register
 
         register()
-        if scenario == "fp8":
+        if scenario in FP8_SCENARIOS:
             # A BF16 trainer holding whole tensors: its process quantizes, FP8 crosses.
             model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
             source = ModuleSource(model)
@@ -307,7 +314,7 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
             engine.send_weights()
             out["after_move"] = client.call("loaded", 3)
             out["plans_after_move"] = client.call("plans") + [engine.link.plans_built]
-        elif scenario == "fp8":
+        elif scenario in FP8_SCENARIOS:
             out["quantized_by_trainer"] = [engine.last_stats.quantized_elements]
             out["paths"] = client.call("paths")
             bump()
@@ -369,14 +376,14 @@ class VllmBackendTest(unittest.TestCase):
         cls.fp8_folder = save_checkpoint(config, "bfloat16")
 
     def run_scenario(self, scenario: str):
-        moe, fp8 = scenario == "moe", scenario == "fp8"
-        folder = self.moe_folder if moe else self.fp8_folder if fp8 else self.folder
+        moe, quantization = scenario == "moe", FP8_SCENARIOS.get(scenario)
+        folder = self.moe_folder if moe else self.fp8_folder if quantization else self.folder
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
         control = [context.Pipe() for _ in range(2)]
         checks = [context.Pipe() for _ in range(2)]
         workers = [
-            context.Process(target=worker_main, args=(rank, folder, control[rank][1], checks[rank][1], moe, fp8))
+            context.Process(target=worker_main, args=(rank, folder, control[rank][1], checks[rank][1], moe, quantization))
             for rank in range(2)
         ]
         trainer = context.Process(target=trainer_main, args=(scenario, folder, [c[0] for c in control], results))
@@ -464,6 +471,22 @@ class VllmBackendTest(unittest.TestCase):
         # workers, quantized by the trainer in each update: only codes and scales crossed.
         per_layer = 1024 * 256 + 256 * 512 + 1024 * 256 + 256 * 512
         self.assertEqual(out["quantized_by_trainer"], [2 * per_layer] * 2)
+        self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
+
+    def test_a_per_channel_fp8_engine_gets_rows_quantized_by_the_trainers_process(self):
+        out, _ = self.run_scenario("fp8_channel")
+        self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
+        self.assertEqual(out["second"], [[], []])
+        for paths in out["paths"]:
+            # qkv and gate_up (column parallel) are quantized by refit; o_proj and down_proj (row
+            # parallel at TP 2: vLLM takes each row's amax across the ranks) keep vLLM's reload.
+            modules = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+            for path, layers in (("quantized", ("qkv_proj", "gate_up_proj")), ("reload", ("o_proj", "down_proj"))):
+                want = sorted(f"model.layers.{i}.{modules[layer]}.{layer}.{p}" for i in range(2) for layer in layers for p in ("weight", "weight_scale"))
+                self.assertEqual(paths.get(path), want, paths)
+        # Each worker's rows of qkv [1024, 256] and gate_up [1024, 256], both workers, both decoder
+        # layers, quantized by the trainer in each update.
+        self.assertEqual(out["quantized_by_trainer"], [2 * 2 * 1024 * 256] * 2)
         self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
 
     def test_qwen3_moe_post_processed_experts_go_through_vllms_reload(self):

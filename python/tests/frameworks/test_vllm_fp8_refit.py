@@ -11,7 +11,12 @@ lm_head), equals what vLLM's own fresh load + process_weights_after_loading of t
 serves; the parameters keep their storage; nothing is staged in BF16 and vLLM's reload path does
 not run. At tensor-parallel sizes 1 and 2 (gloo stand-in groups, vllm_harness).
 
-The GEMM kernel is fp8_engines' stand-in; everything else is vLLM's.
+The same for an engine serving per-channel FP8 (`quantization="fp8_per_channel"`, vLLM's own CPU
+GEMM kernel): every box becomes a per-row quantized need (Arithmetic.VLLM_CHANNEL) writing the
+transposed codes vLLM serves, except in the row-parallel layers at TP 2, whose row amax vLLM takes
+across the ranks: those keep the reload path, and all of it equals vLLM's fresh load.
+
+The block GEMM kernel is fp8_engines' stand-in; everything else is vLLM's.
 """
 
 from __future__ import annotations
@@ -147,6 +152,65 @@ class QuantizedRefitTest(unittest.TestCase):
         self.assertEqual(self.backend_refit(quantize=False).quantized_elements, 0)
 
 
+class PerChannelRefitTest(unittest.TestCase):
+    """`quantization="fp8_per_channel"` (vLLM's Fp8PtpcOnlineLinearMethod, with its own CPU GEMM
+    kernel): one float32 scale per output channel (Arithmetic.VLLM_CHANNEL) and codes served as the
+    transpose of [N, K] row-major codes. Every box holds whole rows, so refit quantizes it, except
+    where vLLM takes a row's amax across the tensor-parallel ranks (o_proj and down_proj, row
+    parallel, at TP 2): those layers keep the reload path. Everything equals vLLM's fresh load."""
+
+    Q = Quantization(Fp8.E4M3FN, Granularity.ROW, arithmetic=Arithmetic.VLLM_CHANNEL)
+
+    @classmethod
+    def setUpClass(cls) -> None:
+        cls.folder = harness.hf_folder("qwen3-fp8-channel", fp8.qwen3_config(), torch.bfloat16)
+        cls.initial, cls.update = fp8.bf16_checkpoints(cls.folder, 2)
+
+    def check_worker(self, parallel: harness.Parallel, rank: int) -> None:
+        config = harness.engine_config(self.folder, parallel, "bfloat16", "fp8_per_channel")
+        with harness.as_rank(config, parallel, rank, 0):
+            engine = fp8.served(config, self.initial)
+            layers = fp8.fp8_layers(engine)
+            self.assertEqual(len(layers), 8)
+            row_parallel = [layer for layer in layers if layer.endswith(("o_proj", "down_proj"))]
+            by_refit = [layer for layer in layers if parallel.tp == 1 or layer not in row_parallel]
+            before = fp8.addresses(engine)
+            worker = fp8.Worker(config, engine)
+            with self.assertLogs("refit.integrations.vllm", logging.INFO) as logs:
+                worker.refit_needs(0, device=0, backend=refit.Backend.HOST)
+            receiver = worker._refit()["receiver"]
+            quantized = sorted(n for n, path in receiver.paths.items() if path == "quantized")
+            self.assertEqual(quantized, sorted(f"{layer}.{p}" for layer in by_refit for p in ("weight", "weight_scale")))
+            self.assertEqual({(spec.quantization, spec.transposed) for spec in receiver.quantized.values()}, {(self.Q, True)})
+            self.assertEqual(receiver.reload_layers, sorted(set(layers) - set(by_refit)))
+            if parallel.tp > 1:
+                self.assertTrue(any("amax across the tensor-parallel ranks" in line for line in logs.output), logs.output)
+
+            # This rank's rows of qkv [1024, 256] and gate_up [1024, 256]; o_proj and down_proj
+            # [256, 512] split by columns.
+            codes = 2 * (2 * 1024 * 256 + 2 * 256 * 512) // parallel.tp
+            scales = 2 * (2 * 1024 // parallel.tp + 2 * 256)
+            for ckpt in (self.update, self.initial):
+                worker.refit_receive([fp8.publisher_table(ckpt)])
+                compared = fp8.compare(fp8.served(config, ckpt), engine)
+                self.assertEqual(compared.mismatches, [])
+                self.assertEqual((compared.codes, compared.scales), (codes, scales))
+            self.assertEqual(fp8.addresses(engine), before, "the live FP8 storage moved")
+            stats = worker._refit()["plan"].stats
+            # qkv and gate_up, and at TP 1 o_proj and down_proj too.
+            self.assertEqual(stats.quantized_elements, 2 * 2 * 1024 * 256 // parallel.tp + (2 * 2 * 256 * 512 if parallel.tp == 1 else 0))
+            self.assertEqual(stats.quantized_staged_bytes, 0)
+            worker.refit_close()
+
+    def test_tp1_every_layer_is_quantized_by_refit(self) -> None:
+        self.check_worker(harness.Parallel(1), 0)
+
+    def test_tp2_row_parallel_layers_keep_the_reload_path(self) -> None:
+        for rank in range(2):
+            with self.subTest(rank=rank):
+                self.check_worker(harness.Parallel(2), rank)
+
+
 class QuantizedBoxesTest(unittest.TestCase):
     """Which recorded boxes can each be one quantized need (receiver.unfit_boxes), and what the
     receiver refuses, on hand-made recordings (no engine)."""
@@ -191,6 +255,21 @@ class QuantizedBoxesTest(unittest.TestCase):
                 receiver.add_to(table, {**good, name: tensor}, 0, 0)
             self.assertEqual(caught.exception.status, refit.Status.INVALID_ARGUMENT)
             self.assertIn(name, str(caught.exception))
+
+    def test_per_row_codes_served_transposed(self) -> None:
+        """A Granularity.ROW parameter served as vLLM's per-channel method serves it: the live codes
+        are the transpose of row-major [rows, cols] codes, the scales [rows, 1]; boxes hold whole rows."""
+        spec = {"layer.weight": QuantizedParam("layer.weight_scale", Quantization(Fp8.E4M3FN, Granularity.ROW, arithmetic=Arithmetic.VLLM_CHANNEL), True)}
+        receiver = RecordedReceiver(self.recording([Piece("q", (0, 0), (200, 256), 0, (256, 1)), Piece("k", (0, 0), (184, 256), 200 * 256, (256, 1))]), quantized=spec)
+        codes, scales = torch.empty(384, 256, dtype=torch.float8_e4m3fn), torch.empty(384, 1)
+        with refit.Table() as table:
+            self.assertEqual(receiver.add_to(table, {"layer.weight": codes.t(), "layer.weight_scale": scales}, 0, 0), 2)
+        with refit.Table() as table, self.assertRaises(refit.RefitError) as caught:
+            receiver.add_to(table, {"layer.weight": codes, "layer.weight_scale": scales}, 0, 0)
+        self.assertIn("quantized needs write [256, 384]/[1, 256]", str(caught.exception))
+        with self.assertRaises(refit.RefitError) as caught:
+            RecordedReceiver(self.recording([Piece("a", (0, 0), (384, 128), 0, (256, 1)), Piece("b", (0, 0), (384, 128), 128, (256, 1))]), quantized=spec)
+        self.assertIn("a ends at row 384, column 128 of layer.weight, inside a block another box shares", str(caught.exception))
 
 
 if __name__ == "__main__":
