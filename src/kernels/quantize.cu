@@ -37,7 +37,8 @@
 // Instructions matter as much as bytes in flight: a 128 x 128 bf16 block is about 21 instructions
 // per element in the general loops below, so a tile that is exactly the cache (a 128 x 128 block
 // at the wide entry point, a row of 8192 bf16 at the narrow one) takes a path without their row
-// and partial-vector bookkeeping.
+// and partial-vector bookkeeping; a job of such rows skips quantize_block's position arithmetic too
+// (quantize_row: its tile is half a block's, so the fixed part weighs double).
 // - MODE_GROUP: for one-row blocks of at most 32 vectors (MX, short rows, 1 x n blocks): each
 //   scale block is taken by a group of 2^group_shift lanes of a warp (one vector per lane), reduced
 //   with shuffles within the group; a tile is QUANT_GROUP_ROUNDS rounds of the block's groups. A job
@@ -489,6 +490,17 @@ __device__ __forceinline__ void store_cached_as(const Vec* cache, const Scale& s
     }
 }
 
+// The largest of every thread's `amax` in the thread block (every thread gets it).
+__device__ __forceinline__ u32 block_max(u32 amax) {
+    __shared__ u32 warp_amax[QUANT_WARPS];
+    amax = warp_max(amax, 32);
+    if (threadIdx.x % 32 == 0) warp_amax[threadIdx.x / 32] = amax;
+    __syncthreads();
+    amax = 0;
+    for (u32 w = 0; w < QUANT_WARPS; ++w) amax = warp_amax[w] > amax ? warp_amax[w] : amax;
+    return amax;
+}
+
 // MODE_BLOCK: one scale block (or per-tensor slab) `block` of descriptor `job`. Thread t takes
 // vectors t, t + QUANT_THREADS, ... of the block in row-major order; their (row, vector) positions
 // advance by a fixed step, so no division per vector. The first CACHE of them wait until the block's
@@ -497,7 +509,6 @@ __device__ __forceinline__ void store_cached_as(const Vec* cache, const Scale& s
 // registers, so that registers do not bound the tiles in flight per SM; else in registers.
 template <u32 SRC, u32 CACHE, bool SHARED>
 __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase, u32* job_amax, Vec* cache) {
-    __shared__ u32 warp_amax[QUANT_WARPS];
     constexpr u32 VE = Elements<SRC>::per_vector;
     constexpr u32 SIZE = Elements<SRC>::size;
     u64 grid_row, grid_col;
@@ -584,11 +595,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
             ++row;
         }
     }
-    amax = warp_max(amax, 32);
-    if (t % 32 == 0) warp_amax[t / 32] = amax;
-    __syncthreads();
-    amax = 0;
-    for (u32 w = 0; w < QUANT_WARPS; ++w) amax = warp_amax[w] > amax ? warp_amax[w] : amax;
+    amax = block_max(amax);
     if (d.scale_kind == SCALE_TENSOR) {
         if (phase == 1) {
             if (t == 0) atomicMax(job_amax + job, amax);
@@ -729,10 +736,51 @@ __device__ void quantize_groups(const QuantDesc& d, u64 tile) {
     }
 }
 
+// Whether every scale block of `d` is one whole row of exactly CACHE x QUANT_THREADS vectors (per
+// row over rows of 8192 bf16 or f16, 4096 f32, at the narrow entry point): then block b is row b.
+template <u32 SRC, u32 CACHE>
+__device__ __forceinline__ bool whole_rows(const QuantDesc& d) {
+    return d.block_rows == 1 && d.grid_cols == 1 && d.cols == (u64)CACHE * QUANT_THREADS * Elements<SRC>::per_vector;
+}
+
+// Row `row` of a job whose blocks are whole rows (whole_rows): thread t's CACHE vectors are
+// t, t + QUANT_THREADS, ... of the row. A row is the narrow entry point's whole cache, as a
+// 128 x 128 block is the wide one's, but quantize_block would still spend its divisions and
+// position bookkeeping on a tile half the size: here the tile number is the row.
+template <u32 SRC, u32 CACHE>
+__device__ void quantize_row(const QuantDesc& d, u64 row) {
+    constexpr u32 VE = Elements<SRC>::per_vector;
+    constexpr u32 SIZE = Elements<SRC>::size;
+    constexpr u64 STEP = (u64)QUANT_THREADS * VE;  // elements from one of a thread's vectors to the next
+    const u32 t = threadIdx.x;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src) + (row * d.src_stride + t * VE) * SIZE;
+    Vec mine[CACHE];
+#pragma unroll
+    for (u32 k = 0; k < CACHE; ++k) mine[k] = load_vector(src + k * STEP * SIZE);
+    u32 amax = 0;
+#pragma unroll
+    for (u32 k = 0; k < CACHE; ++k) {
+        const u32 m = vector_amax<SRC>(mine[k], VE);
+        amax = m > amax ? m : amax;
+    }
+    const Scale scale = block_scale(d, block_max(amax));
+    if (t == 0) store_scale(d, row, 0, scale.stored);
+    unsigned char* out = reinterpret_cast<unsigned char*>(d.dst) + row * d.dst_stride + t * VE;
+    if (scale.by_product) {
+        store_cached_as<SRC, CACHE, 1, true, true>(mine, scale, d.target, out, STEP);
+    } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
+        store_cached_as<SRC, CACHE, 1, true, false>(mine, scale, d.target, out, STEP);
+    } else {
+        store_cached_as<SRC, CACHE, 1, false, false>(mine, scale, d.target, out, STEP);
+    }
+}
+
 template <u32 SRC, u32 CACHE, bool SHARED>
 __device__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, u32* job_amax, Vec* cache) {
     if (d.mode == MODE_GROUP) {
         if (phase != 1) quantize_groups<SRC>(d, tile);
+    } else if (!SHARED && whole_rows<SRC, CACHE>(d)) {
+        if (phase != 1) quantize_row<SRC, CACHE>(d, tile);  // never per tensor: those are wide
     } else if (phase != 1 || d.scale_kind == SCALE_TENSOR) {
         quantize_block<SRC, CACHE, SHARED>(d, job, tile, phase, job_amax, cache);
     }

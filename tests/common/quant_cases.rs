@@ -220,11 +220,22 @@ pub fn standard_cases(seed: u64, large: bool) -> Vec<Case> {
     let mut rng = Rng::new(seed);
     let mut cases = Vec::new();
     // (rows, columns, padding of every row): 40 x 256 unpadded makes flat group-mode jobs (MX, 1 x 64
-    // blocks and rows as one flat array) of several tiles, 6 x 128 padded the same blocks in rows.
+    // blocks and rows as one flat array) of several tiles, 6 x 128 padded the same blocks in rows;
+    // per row, 4 x 8192 padded (bf16, f16) and 3 x 4096 (f32) are the narrow entry point's whole rows.
     let shapes: &[(u64, u64, u64)] = if large {
-        &[(1, 8, 0), (3, 37, 1), (130, 264, 0), (257, 1000, 1), (64, 20_000, 0), (40, 256, 0), (6, 128, 1)]
+        &[
+            (1, 8, 0),
+            (3, 37, 1),
+            (130, 264, 0),
+            (257, 1000, 1),
+            (64, 20_000, 0),
+            (40, 256, 0),
+            (6, 128, 1),
+            (4, 8192, 8),
+            (3, 4096, 0),
+        ]
     } else {
-        &[(1, 8, 0), (3, 37, 1), (130, 264, 0), (40, 256, 0), (6, 128, 1)]
+        &[(1, 8, 0), (3, 37, 1), (130, 264, 0), (40, 256, 0), (6, 128, 1), (4, 8192, 8), (3, 4096, 0)]
     };
     for target in [Fp8::E4m3fn, Fp8::E5m2] {
         for source in [SourceType::Bf16, SourceType::F16, SourceType::F32] {
