@@ -355,7 +355,10 @@ def _make_mode_class() -> Any:
             kwargs = kwargs or {}
             out = func(*args, **kwargs)
             kind = kind_of(func)
-            if kind == "view" or kind == "fill":
+            if kind == "view":
+                return out
+            if kind == "fill":
+                self.fill(args[0], func.overloadpacket.__name__)
                 return out
             if kind == "copy":
                 self.copy(args[0], args[1])
@@ -400,6 +403,25 @@ def _make_mode_class() -> Any:
             for tensor in outputs:
                 state.taint(tensor, names, why)
             return out
+
+        def fill(self, target: Any, name: str) -> None:
+            """A constant written over (part of) a tensor. A parameter needs nothing recorded (its
+            padding, say), but a checkpoint tensor, or a copy of one, now holds values no box of the
+            checkpoint carries (GPT-OSS's loader zeroes its row-parallel expert bias on every TP rank
+            but the first, then copies it into the parameter): it is staged for the loader."""
+            state = self.state
+            if _storage_key(target) not in state.tracked:
+                return
+            view, _ = state.resolve(target)
+            root = state.roots.get(view.root) if view is not None else None
+            if root is not None and _storage_key(target) in state.roots:
+                if root.kind == "checkpoint":
+                    state.stage([root.name], f"changed in place by {name}")
+                return
+            names, _ = state.sources([target])
+            if view is not None:
+                names.add(state.roots[view.root].name)
+            state.taint(target, names, f"changed in place by {name}")
 
         def copy(self, dst: Any, src: Any) -> None:
             state = self.state

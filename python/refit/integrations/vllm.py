@@ -82,6 +82,7 @@ __all__ = [
     "layerwise_reload",
     "checkpoint_of",
     "local_experts",
+    "meta_only",
     "online_quantized_layers",
     "post_processed",
     "reload_params",
@@ -127,14 +128,42 @@ def _building(vllm_config: Any) -> Iterator[None]:
 
 
 def build_meta_model(vllm_config: Any) -> Any:
-    """The worker's model class built again on the meta device (no memory), for recording."""
+    """The worker's model class built again on the meta device (no memory), for recording: every
+    parameter on meta, those vLLM builds on a real device regardless included (meta_only)."""
     import torch
     from vllm.model_executor.model_loader.utils import initialize_model  # type: ignore[import-not-found]
 
     with _building(vllm_config), torch.device("meta"):
         model = initialize_model(vllm_config=vllm_config)
     forget_pp_layers(model)
+    meta_only(model)
     return model
+
+
+def meta_only(model: Any) -> List[str]:
+    """Puts on the meta device every parameter that building `model` under the meta device left on
+    a real one: layers built with an explicit device (Qwen3-Next's gated delta net builds its
+    RMSNormGated on current_platform.current_device()) and vLLM's Transformers modeling backend
+    (TransformersBase.init_parameters makes every module it did not replace, norms say, on
+    vllm_config.device_config.device). Each becomes a meta Parameter of the same shape, strides,
+    dtype and attributes (weight_loader, ...); one that several modules share (tied) stays shared.
+    Returns the names moved."""
+    import torch
+
+    moved: Dict[int, Any] = {}
+    names: List[str] = []
+    for prefix, module in model.named_modules():
+        for name, param in list(module._parameters.items()):
+            if param is None or param.device.type == "meta":
+                continue
+            if id(param) not in moved:
+                data = torch.empty_strided(param.shape, param.stride(), dtype=param.dtype, device="meta")
+                replacement = torch.nn.Parameter(data, requires_grad=param.requires_grad)
+                replacement.__dict__.update(param.__dict__)
+                moved[id(param)] = replacement
+            module._parameters[name] = moved[id(param)]
+            names.append(f"{prefix}.{name}" if prefix else name)
+    return names
 
 
 def forget_pp_layers(model: Any) -> None:
@@ -289,20 +318,45 @@ def _online_quantizer_calls() -> Iterator[Dict[int, OnlineQuantizerCall]]:
 
         return seen_quantize
 
+    def arguments_of(function: Any) -> Callable[..., Optional[Dict[str, Any]]]:
+        """A call's arguments by name, or None where they do not bind (another vLLM's signature:
+        then nothing is recorded and the layer keeps the reload path)."""
+        try:
+            signature: Optional[inspect.Signature] = inspect.signature(function)
+        except (TypeError, ValueError):
+            signature = None
+
+        def bind(*args: Any, **kwargs: Any) -> Optional[Dict[str, Any]]:
+            try:
+                return dict(signature.bind(*args, **kwargs).arguments) if signature is not None else None
+            except TypeError:
+                return None
+
+        return bind
+
     def seen_channel(quantize: Any) -> Any:
-        def seen_quantize(weight: Any, scale: Any) -> Any:
-            codes = quantize(weight, scale)
-            if layers and id(layers[-1]) not in calls:
+        bind = arguments_of(quantize)
+
+        def seen_quantize(*args: Any, **kwargs: Any) -> Any:
+            codes = quantize(*args, **kwargs)
+            scale = (bind(*args, **kwargs) or {}).get("scale")
+            if layers and id(layers[-1]) not in calls and isinstance(scale, torch.Tensor):
                 calls[id(layers[-1])] = OnlineQuantizerCall("channel", {}, (codes, scale))
             return codes
 
         return seen_quantize
 
     def seen_reduction(reduce: Any) -> Any:
-        def seen_reduce(amax: Any, is_sharded: bool) -> Any:
-            if layers and is_sharded:
-                reduced.add(id(layers[-1]))
-            return amax if amax.is_meta else reduce(amax, is_sharded)
+        bind = arguments_of(reduce)
+
+        def seen_reduce(*args: Any, **kwargs: Any) -> Any:
+            bound = bind(*args, **kwargs) or {}
+            amax = bound.get("amax")
+            if layers and bound.get("is_sharded", True):
+                reduced.add(id(layers[-1]))  # unknown arguments count as reduced: the reload path
+            if isinstance(amax, torch.Tensor) and amax.is_meta:
+                return amax
+            return reduce(*args, **kwargs)
 
         return seen_reduce
 

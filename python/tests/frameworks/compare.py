@@ -100,7 +100,9 @@ def run_rank(
     result = RankResult(tp_rank, pp_rank)
     with harness.as_rank(config, parallel, tp_rank, pp_rank):
         truth = poisoned(harness.build(config, "cpu"))
-        truth.load_weights(iter(ckpt.items()))
+        # Copies: a loader that changes a checkpoint tensor in place (GPT-OSS zeroes a bias on
+        # some ranks) must not change what the publisher offers after it.
+        truth.load_weights((name, tensor.clone()) for name, tensor in ckpt.items())
         meta = harness.build(config, "meta")
         recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=(parallel, tp_rank, pp_rank))
         if tamper is not None:

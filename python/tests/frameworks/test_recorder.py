@@ -37,7 +37,8 @@ def install(test: unittest.TestCase, make: Callable[[str], Dict[str, torch.Tenso
     truth = make("cpu")
     for tensor in truth.values():
         tensor.fill_(POISON)
-    loader_of(truth)(iter(ckpt.items()))
+    # Copies: a loader that changes a checkpoint tensor in place must not change what is offered.
+    loader_of(truth)((name, tensor.clone()) for name, tensor in ckpt.items())
     meta = make("meta")
     recording = record(loader_of(meta), meta, specs, cache=False)
     params = make("cpu")
@@ -176,6 +177,33 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual([layout.name for layout in recording.layouts], ["p_plain"])
         self.assertIn("staged for the engine's loader", recording.summary())
 
+    def test_a_checkpoint_tensor_the_loader_fills_is_staged(self):
+        """GPT-OSS's loader zeroes its row-parallel expert bias on every TP rank but the first, then
+        copies it: the parameter holds zeros, not the checkpoint's elements. The same through a
+        copy of the tensor; a fill of the parameter itself (padding) is no such change."""
+        specs = {"bias": ((4, 2), torch.float32), "copied": ((4, 2), torch.float32), "plain": ((4, 2), torch.float32)}
+        make = lambda device: {name: torch.empty(4, 2, device=device) for name in ("p_bias", "p_copied", "p_plain")}  # noqa: E731
+
+        def loader(params):
+            def load(items):
+                for name, t in items:
+                    if name == "bias":
+                        t.zero_()
+                        params["p_bias"].copy_(t)
+                    elif name == "copied":
+                        c = t.clone()
+                        c[1:].fill_(3.0)
+                        params["p_copied"].copy_(c)
+                    else:
+                        params["p_plain"].fill_(0)
+                        params["p_plain"].copy_(t)
+
+            return load
+
+        recording, _, _ = install(self, make, loader, specs)
+        self.assertEqual(recording.staged, {"bias": "changed in place by zero_", "copied": "changed in place by fill_"})
+        self.assertEqual([layout.name for layout in recording.layouts], ["p_plain"])
+
     def test_recordings_are_cached_per_parameters_checkpoint_and_key(self):
         specs = [TensorSpec("w", (2, 2), torch.float32)]
         params = {"p": torch.empty(2, 2, device="meta")}
@@ -214,7 +242,8 @@ def install_allowing_padding(test, make, loader_of, specs, rows):
     """install(), where the loader's zero-filled padding rows stay POISON on refit's side."""
     ckpt = encoded(specs)
     truth = make("cpu")
-    loader_of(truth)(iter(ckpt.items()))
+    # Copies: a loader that changes a checkpoint tensor in place must not change what is offered.
+    loader_of(truth)((name, tensor.clone()) for name, tensor in ckpt.items())
     meta = make("meta")
     recording = record(loader_of(meta), meta, specs, cache=False)
     params = {name: torch.full_like(t, POISON) for name, t in truth.items()}

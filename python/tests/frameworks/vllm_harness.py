@@ -166,8 +166,9 @@ def as_rank(config: Any, parallel: Parallel, tp_rank: int, pp_rank: int) -> Iter
 
 
 def build(config: Any, device: str) -> torch.nn.Module:
-    """The model vLLM builds for the current rank, on `device` ("cpu" or "meta")."""
-    from refit.integrations.vllm import forget_pp_layers
+    """The model vLLM builds for the current rank, on `device` ("cpu" or "meta": then every
+    parameter is on meta, as refit's build_meta_model makes it)."""
+    from refit.integrations.vllm import forget_pp_layers, meta_only
     from vllm.model_executor.model_loader.utils import initialize_model
 
     config.compilation_config.static_forward_context.clear()
@@ -180,4 +181,6 @@ def build(config: Any, device: str) -> torch.nn.Module:
     finally:
         torch.set_default_dtype(default)
     forget_pp_layers(model)  # vLLM caches by id(model); many models come and go here
+    if device == "meta":
+        meta_only(model)
     return model
