@@ -33,16 +33,27 @@ returns; the weights are as they were, the engine keeps serving them, and the tr
 refusal through refit itself: every process of a round agrees on its outcome before anything is
 committed, so `SglangTrainer.update` raises on the trainer.
 
-The rank's needs come from `receiver_table` (SGLang's Llama / Qwen layers fuse q/k/v and gate/up
-as vLLM's do; the hand-written vLLM layouts serve until recorded layouts replace them). Nothing
-here imports SGLang at import time: its TP rank is read lazily. python/tests/frameworks/
-test_sglang_real.py drives the loader through SGLang 0.5.23's own updater and Qwen3 model on CPU.
+The rank's needs are recorded from SGLang's own loader (`recorded_table`, the default): the rank's
+model class is built again on the meta device as SGLang's loader builds it (same config, the live
+model's quant config, this process's TP / EP groups), its `load_weights` runs over meta stand-ins
+of the checkpoint (the model folder's safetensors headers) under refit's recorder, and every
+element it copies becomes a box of a need at the live parameter's address. Checkpoint tensors the
+loader transforms (DeepSeek-V3's q_a_proj / kv_a_proj_with_mqa, concatenated into one fused
+parameter) are staged whole; after the commit SGLang's own `load_weights` takes them, then SGLang's
+post-load fix-up runs (`model.post_load_weights()`: DeepSeek's MLA w_kc / w_vc, derived from
+kv_b_proj.weight, which SGLang's end_weight_update skips after an update_weights_from_tensor).
+Layers SGLang packed for Intel AMX after loading are refused (see `_amx_packed`).
+`receiver_table` (the hand-written vLLM rules: Llama / Qwen2 without q/k/v biases / Qwen3 /
+Qwen3-MoE only) remains for `attach(model, table_of=receiver_table)`. Nothing here imports SGLang
+at import time: its TP rank is read lazily. python/tests/frameworks/test_sglang_real.py drives the
+loader through SGLang 0.5.23's own updater and Qwen3 model on CPU.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import os
 from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 from .._lib import Backend, invalid_argument
@@ -98,16 +109,145 @@ def _rule_name(name: str) -> str:
     return name
 
 
+class RecordedNeeds:
+    """What `recorded_table` gives the receiver: the Table of needs, the staging buffers of the
+    checkpoint tensors the recording staged, and the RecordedReceiver that hands them to the live
+    model's own `load_weights` after the commit (`install`)."""
+
+    def __init__(self, table: Table, receiver: Any, staging: Dict[str, Any]) -> None:
+        self.table = table
+        self.receiver = receiver
+        self.staging = staging
+
+    def close(self) -> None:
+        self.table.close()
+
+    def install(self, model: Any) -> int:
+        """After the commit wrote the boxes and the staging buffers: SGLang's own loader on the staged
+        tensors (the transforms the recording could not describe as boxes)."""
+        import torch
+
+        with torch.no_grad():
+            return self.receiver.load_staged(model.load_weights, self.staging)
+
+
+def sglang_ranks() -> Tuple[Any, ...]:
+    """This process's place in SGLang's parallel groups (the recording's cache key)."""
+    from sglang.srt.runtime_context import get_parallel  # type: ignore[import-not-found]
+
+    parallel = get_parallel()
+    return tuple((name, getattr(parallel, name, None)) for name in ("tp_size", "tp_rank", "moe_ep_size", "moe_ep_rank", "moe_tp_size", "moe_tp_rank", "attn_tp_size", "attn_tp_rank", "pp_size", "pp_rank"))
+
+
+def build_meta_model(model: Any) -> Tuple[Any, Any]:
+    """The live model's class built again on the meta device, as SGLang's loader builds it
+    (`_initialize_model` under the model's dtype: the same config, the live model's quant config,
+    the parallel state current in this process). Returns (meta model, SGLang ModelConfig)."""
+    import torch
+    from sglang.srt.configs.load_config import LoadConfig  # type: ignore[import-not-found]
+    from sglang.srt.configs.model_config import ModelConfig  # type: ignore[import-not-found]
+    from sglang.srt.model_loader.loader import _get_quantization_config, _initialize_model  # type: ignore[import-not-found]
+    from sglang.srt.model_loader.utils import set_default_torch_dtype  # type: ignore[import-not-found]
+    from sglang.srt.runtime_context import get_server_args  # type: ignore[import-not-found]
+
+    from .vllm import meta_only
+
+    server_args = get_server_args()
+    model_config = ModelConfig.from_server_args(server_args)
+    load_config = LoadConfig(load_format=server_args.load_format, download_dir=server_args.download_dir)
+    missing = object()
+    quant_config = getattr(model, "quant_config", missing)
+    if quant_config is missing:
+        quant_config = _get_quantization_config(model_config, load_config)
+    with set_default_torch_dtype(model_config.dtype), torch.device("meta"):
+        meta = _initialize_model(model_config, load_config, quant_config)
+    if type(meta) is not type(model):
+        raise invalid_argument(f"SGLang builds {type(meta).__name__} for the model path, the engine serves {type(model).__name__}")
+    meta_only(meta)
+    return meta, model_config
+
+
+def checkpoint_specs(model_config: Any) -> Dict[str, Tuple[Tuple[int, ...], Any]]:
+    """The checkpoint's names, shapes and dtypes (the model folder's safetensors headers, else
+    what transformers writes for the config): refit.integrations.vllm.checkpoint_of."""
+    from types import SimpleNamespace
+
+    from .vllm import checkpoint_of
+
+    folder = model_config.model_path
+    if not os.path.isdir(folder):
+        try:
+            from huggingface_hub import snapshot_download  # type: ignore[import-not-found]
+
+            folder = snapshot_download(folder, revision=getattr(model_config, "revision", None), allow_patterns=["*.safetensors"], local_files_only=True)
+        except Exception:  # noqa: BLE001 - fall back on the config's own tensors
+            pass
+    shim = SimpleNamespace(model_config=SimpleNamespace(model=folder, hf_config=model_config.hf_config, dtype=model_config.dtype))
+    return checkpoint_of(shim)
+
+
+def _amx_packed(model: Any) -> List[str]:
+    """Modules SGLang's CPU post-processing packed for AMX (their weights are no longer the loader's
+    layout, and SGLang 0.5.23 cannot restore them)."""
+    return [name for name, module in model.named_modules() if getattr(module, "use_intel_amx_backend", False)]
+
+
+def recorded_table(model: Any, tp: int, tp_rank: int, process: int, device: Optional[int]) -> RecordedNeeds:
+    """The needs of this SGLang rank, recorded from its own loader: `model.load_weights` run on a
+    meta-device copy of the rank's model (build_meta_model) over meta stand-ins of the checkpoint
+    (checkpoint_specs). Tensors the loader transforms are staged whole; `RecordedNeeds.install`
+    hands them to the live model's loader after the commit."""
+    import torch
+    from sglang.srt.model_loader.utils import set_default_torch_dtype  # type: ignore[import-not-found]
+
+    from .receiver import RecordedReceiver
+    from .recorder import record
+
+    del tp, tp_rank  # read from SGLang's parallel state (sglang_ranks), with EP and attention TP
+    packed = _amx_packed(model)
+    if packed:
+        raise invalid_argument(
+            f"{len(packed)} layers are packed for Intel AMX (e.g. {packed[:2]}): refit writes the loader's layout, and SGLang "
+            "0.5.23 packs them again after every weight-update session without unpacking first"
+        )
+    meta, model_config = build_meta_model(model)
+    specs = checkpoint_specs(model_config)
+    with set_default_torch_dtype(model_config.dtype):
+        recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=sglang_ranks())
+    receiver = RecordedReceiver(recording)
+    first = next(iter(model.parameters()))
+    staging = receiver.staging_buffers(lambda shape, dtype: torch.empty(shape, dtype=dtype, device=first.device))
+    if recording.staged:
+        _log.info("refit: SGLang's loader takes %d staged tensors after each commit (%s)", len(recording.staged), "; ".join(sorted(set(recording.staged.values()))))
+    table = receiver.table(model.named_parameters(), process, device, staging)
+    return RecordedNeeds(table, receiver, staging)
+
+
+def post_load(model: Any) -> None:
+    """SGLang's own post-load fix-up (`model.post_load_weights()`: DeepSeek's MLA derives w_kc / w_vc
+    from kv_b_proj.weight). SGLang's end_weight_update skips it after a successful
+    update_weights_from_tensor (it assumes load_weights ran it), and refit's commit writes the
+    parameters without load_weights."""
+    if hasattr(model, "post_load_weights"):
+        from sglang.srt.model_loader.loader import post_load_weights  # type: ignore[import-not-found]
+
+        import torch
+
+        with torch.no_grad():
+            post_load_weights(model)
+
+
 class SglangReceiver:
     """One SGLang TP rank's part (see the module docstring). `tp` is (size, rank), read from SGLang
     when not given; `table_of(model, tp, tp_rank, process, device)` describes the needs."""
 
-    def __init__(self, model: Any, tp: Optional[Tuple[int, int]] = None, table_of: Callable[..., Table] = receiver_table) -> None:
+    def __init__(self, model: Any, tp: Optional[Tuple[int, int]] = None, table_of: Callable[..., Any] = recorded_table) -> None:
         self.model = model
         self.tp = tp
         self.table_of = table_of
         self.link: Optional[Link] = None
         self._table: Optional[Table] = None
+        self._needs: Optional[RecordedNeeds] = None
         self._addresses: Optional[List[Tuple[str, int]]] = None
         self.update = InFlight()
         # Each control message this rank could not carry out, newest last (see the module docstring).
@@ -135,7 +275,9 @@ class SglangReceiver:
             assert link is not None
             tp, tp_rank = self.tp or sglang_tp()
             host = link.backend == Backend.HOST
-            self._table = self.table_of(self.model, tp, tp_rank, link.rank, 0 if host else None)
+            made = self.table_of(self.model, tp, tp_rank, link.rank, 0 if host else None)
+            self._needs = made if isinstance(made, RecordedNeeds) else None
+            self._table = made.table if isinstance(made, RecordedNeeds) else made
             self._addresses = addresses
         return self._table
 
@@ -158,6 +300,10 @@ class SglangReceiver:
     def _commit(self) -> None:
         link = self._need_link()
         self.update.finish(link, None if link.backend == Backend.HOST else _current_stream())
+        # Installed: the staged tensors through SGLang's loader, then its post-load fix-up.
+        if self._needs is not None:
+            self._needs.install(self.model)
+        post_load(self.model)
 
     def _need_link(self) -> Link:
         if self.link is None:
@@ -169,6 +315,7 @@ class SglangReceiver:
         if self._table is not None:
             self._table.close()
             self._table = None
+            self._needs = None
         if self.link is not None:
             self.link.close()
             self.link = None
@@ -183,7 +330,7 @@ def _current_stream() -> Any:
 _receivers: Dict[int, SglangReceiver] = {}
 
 
-def attach(model: Any, tp: Optional[Tuple[int, int]] = None, table_of: Callable[..., Table] = receiver_table) -> SglangReceiver:
+def attach(model: Any, tp: Optional[Tuple[int, int]] = None, table_of: Callable[..., Any] = recorded_table) -> SglangReceiver:
     """The receiver refit_loader uses for `model` (made on the first control message otherwise):
     for a rank whose TP place or layout the caller knows better than SGLang's globals."""
     receiver = _receivers[id(model)] = SglangReceiver(model, tp, table_of)

@@ -44,7 +44,7 @@ def sglang_rank_main(rank: int, folder: str, conn: Any) -> None:
     with vllm_ranks.as_rank(config, rank):
         model = vllm_ranks.build(config, "cpu")
         model.config = config.model_config.hf_config
-        receiver = adapter.attach(model, tp=(2, rank))
+        receiver = adapter.attach(model, tp=(2, rank), table_of=adapter.receiver_table)
         snapshot: Dict[str, Any] = {}
 
         def differing(expected: Dict[str, Any]) -> List[str]:

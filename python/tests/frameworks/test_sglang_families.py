@@ -1,0 +1,264 @@
+"""refit's SGLang adapter on other model families than test_sglang_real's Qwen3, against SGLang
+0.5.23's own code on CPU: SGLang's own model class per TP rank (two gloo processes, SGLang's
+parallel state, expert parallelism where asked), its own weight updater calling refit's loader, and
+the rank's needs recorded from that model's own `load_weights` (refit.integrations.sglang
+recorded_table). The trainer offers the checkpoint's own tensors whole. After each of two updates
+(the second with every weight bumped by 1) every parameter, and every tensor a module derives from
+them and holds as a plain attribute (DeepSeek's MLA w_kc / w_vc, derived by SGLang's
+post_load_weights), equals SGLang's own disk load (DefaultModelLoader.load_weights_and_postprocess)
+of the same checkpoint. One difference is allowed, and counted: the padded vocabulary rows, which
+SGLang's loader zero-fills and refit leaves (the recording reports them; logits are cut to the
+vocabulary and those rows are never looked up).
+
+The families are those the hand-written layout rules got wrong: Qwen3-MoE with expert parallelism
+(the rules laid experts out by TP, and the update wrote wrong expert weights without an error),
+DeepSeek-V3 with expert parallelism (MLA with q LoRA; q_a_proj and kv_a_proj_with_mqa are
+concatenated by SGLang's loader, so staged and handed to it), Phi-3 (a checkpoint with fused
+qkv_proj / gate_up_proj), Gemma 3 (norms the rules did not know), Qwen2 (q/k/v biases).
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import socket
+import unittest
+from typing import Any, Dict, List
+
+import families
+import sglang_driver
+import test_vllm_backend as shared
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TP = 2
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def save(family: str) -> str:
+    """The family's tiny checkpoint (families.py), with what SGLang reads from a real config that
+    transformers 5 no longer writes."""
+    config = families.FAMILIES[family]()
+    if family == "gemma3":
+        config.architectures = ["Gemma3ForCausalLM"]
+    if family.startswith("deepseek"):
+        config.moe_layer_freq = 1
+        config.scoring_func = "sigmoid"
+        # SGLang's CPU rope (get_rope_cpu) takes DeepSeek's YaRN only, as the real V3 has.
+        config.rope_parameters = {
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
+            "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0,
+        }
+    return shared.save_checkpoint(config)
+
+
+def rank_main(rank: int, ep: bool, folder: str, port: int, conn: Any) -> None:
+    import sys
+    from types import SimpleNamespace
+
+    sys.path.insert(0, HERE)
+    os.environ["SGLANG_NCCL_SO_PATH"] = os.path.join(HERE, "no-nccl-on-cpu.so")  # test_sglang_real says why
+    import torch
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
+    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
+    from sglang.srt.managers.tp_worker import TpModelWorker
+    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
+    from sglang.srt.model_loader import get_model
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+    from sglang.srt.runtime_context import SpawnRanks, get_model as model_settings, get_parallel, publish
+    from sglang.srt.server_args import ServerArgs
+
+    from refit.integrations import sglang as adapter
+
+    init_distributed_environment(world_size=TP, rank=rank, local_rank=rank, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}")
+    server_args = ServerArgs(
+        model_path=folder, tp_size=TP, device="cpu", dtype="float32", skip_tokenizer_init=True,
+        custom_weight_loader=[adapter.LOADER], **(dict(ep_size=TP) if ep else {}),
+    )
+    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
+    initialize_model_parallel(backend="gloo")
+    model_config = ModelConfig.from_server_args(server_args)
+
+    def sglang_model(load_format: str) -> Any:
+        return get_model(model_config=model_config, load_config=LoadConfig(load_format=load_format), device_config=DeviceConfig("cpu"))
+
+    model = sglang_model("dummy")
+    updater = WeightUpdater(
+        tp_rank=get_parallel().tp_rank, device="cpu", gpu_id=0, model_config=model_config,
+        custom_weight_loaders=model_settings().custom_weight_loader, get_model=lambda: model,
+        update_model_fields=lambda *args, **kwargs: None, recapture_cuda_graph=lambda: None, get_model_runner=lambda: None,
+    )
+    worker = SimpleNamespace(weight_update_runners=lambda: [("target", SimpleNamespace(weight_updater=updater))])
+    worker.deserialize_own_rank = lambda payloads: TpModelWorker.deserialize_own_rank(worker, payloads)
+    manager = SchedulerWeightUpdaterManager(
+        tp_worker=worker, draft_worker=None, memory_saver_adapter=None, flush_cache=lambda **kwargs: True,
+        is_fully_idle=lambda **kwargs: True, scheduler=SimpleNamespace(record_weight_version_change=lambda **kwargs: None),
+    )
+    ckpt = shared.checkpoint(folder)
+
+    def served(m: Any) -> Dict[str, Any]:
+        """Parameters, and tensors modules hold as plain attributes (derived from parameters)."""
+        out = {n: p.detach() for n, p in m.named_parameters()}
+        for prefix, module in m.named_modules():
+            out.update((f"{prefix}.{k}", v) for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not k.startswith("_"))
+        return out
+
+    def compared(bumps: int) -> Dict[str, Any]:
+        """Against SGLang's own load of the checkpoint after `bumps` bumps: the tensors that differ
+        outside the vocabulary padding, the padding elements that differ, the tensors compared."""
+        weights = dict(ckpt)
+        for _ in range(bumps):
+            weights = {n: t + 1.0 for n, t in weights.items()}
+        reference = sglang_model("dummy")
+        DefaultModelLoader.load_weights_and_postprocess(reference, iter(list(weights.items())), torch.device("cpu"))
+        want, got = served(reference), served(model)
+        padding = adapter._receivers[id(model)]._needs.receiver.recording.padding
+        differing, padded = [], 0
+        for name in sorted(set(want) | set(got)):
+            if name not in want or name not in got or want[name].shape != got[name].shape:
+                differing.append(f"{name}: only one side has it, or shapes differ")
+                continue
+            wrong = got[name] != want[name]
+            # Padding: rows SGLang zero-fills that no checkpoint element lands in.
+            in_padding = int((wrong & (want[name] == 0)).sum()) if name in padding else 0
+            if int(wrong.sum()) > in_padding or in_padding > padding.get(name, 0):
+                differing.append(f"{name}: {int(wrong.sum())} of {wrong.numel()} differ")
+            padded += in_padding
+        return {"differing": differing, "padding": padded, "compared": len(want)}
+
+    while True:
+        try:
+            kind, arg = conn.recv()
+        except EOFError:
+            return
+        try:
+            if kind == "begin":
+                out = manager.begin_weight_update(BeginWeightUpdateReqInput())
+                value: Any = (out.success, out.message)
+            elif kind == "update":
+                out = manager.update_weights_from_tensor(arg)
+                value = (out.success, out.message)
+            elif kind == "end":
+                out = manager.end_weight_update(EndWeightUpdateReqInput())
+                value = (out.success, out.message)
+            elif kind == "compared":
+                value = compared(arg)
+            elif kind == "staged":
+                value = sorted(adapter._receivers[id(model)]._needs.receiver.recording.staged)
+            elif kind == "refusals":
+                value = list(adapter._receivers[id(model)].refusals)
+            elif kind == "exit":
+                return
+            else:
+                raise ValueError(kind)
+            conn.send(("ok", value))
+        except BaseException as error:
+            conn.send(("error", f"{type(error).__name__}: {error}"))
+
+
+def trainer_main(folder: str, conns: List[Any], results: Any) -> None:
+    try:
+        import torch
+        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
+        from sglang.srt.utils import MultiprocessingSerializer
+
+        from refit.integrations.engine_link import LinkOptions
+        from refit.integrations.sglang import SglangTrainer, engine_call
+
+        call = sglang_driver.fan_out(conns)
+
+        class Engine:
+            """sglang.Engine's three weight-update methods, fanned out to the ranks."""
+
+            def begin_weight_update(self) -> Any:
+                return call("begin")[0]
+
+            def update_weights_from_tensor(self, named: List[Any], load_format: str, flush_cache: bool) -> Any:
+                payloads = [MultiprocessingSerializer.serialize(named) for _ in range(TP)]
+                request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format, flush_cache=False)
+                answers = call("update", request)
+                refused = [message for success, message in answers if not success]
+                return (False, "; ".join(refused)) if refused else answers[0]
+
+            def end_weight_update(self) -> Any:
+                return call("end")[0]
+
+        # The checkpoint's own tensors, offered whole: transformers' in-memory MoE models fuse the
+        # experts under other names than their checkpoint's.
+        weights = shared.checkpoint(folder)
+        trainer = SglangTrainer(engine_call(Engine()), weights, num_workers=TP, device_backend="host", options=LinkOptions(timeout_ms=shared.TIMEOUT_MS))
+        out: Dict[str, Any] = {"dummy": call("compared", 0)}
+        trainer.update()
+        out["first"] = call("compared", 0)
+        with torch.no_grad():
+            for tensor in weights.values():
+                tensor.add_(1.0)
+        trainer.update()
+        out["second"] = call("compared", 1)
+        out["staged"] = call("staged")
+        out["refusals"] = call("refusals")
+        results.put(out)
+        trainer.shutdown()
+        for conn in conns:
+            conn.send(("exit", None))
+    except BaseException:
+        import traceback
+
+        results.put({"error": traceback.format_exc()})
+
+
+class SglangFamiliesTest(unittest.TestCase):
+    def run_family(self, family: str, ep: bool = False) -> Dict[str, Any]:
+        folder = save(family)
+        context = multiprocessing.get_context("spawn")
+        results = context.Queue()
+        pipes = [context.Pipe() for _ in range(TP)]
+        port = _free_port()
+        ranks = [context.Process(target=rank_main, args=(r, ep, folder, port, pipes[r][1])) for r in range(TP)]
+        trainer = context.Process(target=trainer_main, args=(folder, [p[0] for p in pipes], results))
+        for process in ranks + [trainer]:
+            process.start()
+        try:
+            out = results.get(timeout=480)
+            self.assertNotIn("error", out, out.get("error"))
+            for process in ranks + [trainer]:
+                process.join(60)
+        finally:
+            for process in ranks + [trainer]:
+                if process.is_alive():
+                    process.kill()
+        # The dummy weights differ from the checkpoint in every parameter, so passing is no accident.
+        for rank in range(TP):
+            self.assertGreater(len(out["dummy"][rank]["differing"]), out["dummy"][rank]["compared"] // 2, out["dummy"][rank])
+            for update in ("first", "second"):
+                self.assertEqual(out[update][rank]["differing"], [], f"{family} rank {rank} after the {update} update")
+        self.assertEqual(out["refusals"], [[]] * TP)
+        return out
+
+    def test_qwen3_moe_with_expert_parallelism(self):
+        self.assertEqual(self.run_family("qwen3_moe", ep=True)["staged"], [[]] * TP)
+
+    def test_deepseek_v3_with_expert_parallelism(self):
+        staged = [f"model.layers.{i}.self_attn.{p}.weight" for i in range(2) for p in ("kv_a_proj_with_mqa", "q_a_proj")]
+        self.assertEqual(self.run_family("deepseek_v3", ep=True)["staged"], [sorted(staged)] * TP)
+
+    def test_phi3_fused_checkpoint_tensors(self):
+        self.assertEqual(self.run_family("phi3")["staged"], [[]] * TP)
+
+    def test_gemma3(self):
+        self.assertEqual(self.run_family("gemma3")["staged"], [[]] * TP)
+
+    def test_qwen2_biases(self):
+        self.assertEqual(self.run_family("qwen2")["staged"], [[]] * TP)
+
+
+if __name__ == "__main__":
+    unittest.main()
