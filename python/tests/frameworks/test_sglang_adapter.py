@@ -18,7 +18,6 @@ load_weights from the same checkpoint.
 from __future__ import annotations
 
 import importlib
-import multiprocessing
 import os
 import unittest
 from typing import Any, Dict, List
@@ -126,23 +125,9 @@ class SglangAdapterTest(unittest.TestCase):
         cls.folder = shared.save_checkpoint()
 
     def run_scenario(self, scenario: str) -> Dict[str, Any]:
-        context = multiprocessing.get_context("spawn")
-        results = context.Queue()
-        pipes = [context.Pipe() for _ in range(2)]
-        ranks = [context.Process(target=sglang_rank_main, args=(r, self.folder, pipes[r][1])) for r in range(2)]
-        trainer = context.Process(target=trainer_main, args=(scenario, self.folder, [p[0] for p in pipes], results))
-        for process in ranks + [trainer]:
-            process.start()
-        try:
-            out = results.get(timeout=300)
-            self.assertNotIn("error", out, out.get("error"))
-            for process in ranks + [trainer]:
-                process.join(60)
-            return out
-        finally:
-            for process in ranks + [trainer]:
-                if process.is_alive():
-                    process.kill()
+        out = sglang_driver.run_processes(2, sglang_rank_main, (self.folder,), trainer_main, (scenario, self.folder), 300)
+        self.assertNotIn("error", out, out.get("error"))
+        return out
 
     def test_updates_through_the_custom_loader_equal_load_weights(self):
         out = self.run_scenario("updates")

@@ -19,9 +19,7 @@ qkv_proj / gate_up_proj), Gemma 3 (norms the rules did not know), Qwen2 (q/k/v b
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
 import unittest
 from typing import Any, Dict, List
 
@@ -31,12 +29,6 @@ import test_vllm_backend as shared
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 TP = 2
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def save(family: str) -> str:
@@ -58,50 +50,15 @@ def save(family: str) -> str:
 
 def rank_main(rank: int, ep: bool, folder: str, port: int, conn: Any) -> None:
     import sys
-    from types import SimpleNamespace
 
     sys.path.insert(0, HERE)
-    os.environ["SGLANG_NCCL_SO_PATH"] = os.path.join(HERE, "no-nccl-on-cpu.so")  # test_sglang_real says why
+    sglang_rank = sglang_driver.sglang_rank(rank, TP, folder, port, ep)  # first: it sets SGLang's environment
     import torch
-    from sglang.srt.configs.device_config import DeviceConfig
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
-    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
-    from sglang.srt.managers.tp_worker import TpModelWorker
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
-    from sglang.srt.model_loader import get_model
     from sglang.srt.model_loader.loader import DefaultModelLoader
-    from sglang.srt.runtime_context import SpawnRanks, get_model as model_settings, get_parallel, publish
-    from sglang.srt.server_args import ServerArgs
 
     from refit.integrations import sglang as adapter
 
-    init_distributed_environment(world_size=TP, rank=rank, local_rank=rank, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}")
-    server_args = ServerArgs(
-        model_path=folder, tp_size=TP, device="cpu", dtype="float32", skip_tokenizer_init=True,
-        custom_weight_loader=[adapter.LOADER], **(dict(ep_size=TP) if ep else {}),
-    )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
-    initialize_model_parallel(backend="gloo")
-    model_config = ModelConfig.from_server_args(server_args)
-
-    def sglang_model(load_format: str) -> Any:
-        return get_model(model_config=model_config, load_config=LoadConfig(load_format=load_format), device_config=DeviceConfig("cpu"))
-
-    model = sglang_model("dummy")
-    updater = WeightUpdater(
-        tp_rank=get_parallel().tp_rank, device="cpu", gpu_id=0, model_config=model_config,
-        custom_weight_loaders=model_settings().custom_weight_loader, get_model=lambda: model,
-        update_model_fields=lambda *args, **kwargs: None, recapture_cuda_graph=lambda: None, get_model_runner=lambda: None,
-    )
-    worker = SimpleNamespace(weight_update_runners=lambda: [("target", SimpleNamespace(weight_updater=updater))])
-    worker.deserialize_own_rank = lambda payloads: TpModelWorker.deserialize_own_rank(worker, payloads)
-    manager = SchedulerWeightUpdaterManager(
-        tp_worker=worker, draft_worker=None, memory_saver_adapter=None, flush_cache=lambda **kwargs: True,
-        is_fully_idle=lambda **kwargs: True, scheduler=SimpleNamespace(record_weight_version_change=lambda **kwargs: None),
-    )
+    model = sglang_rank.model
     ckpt = shared.checkpoint(folder)
 
     def served(m: Any) -> Dict[str, Any]:
@@ -117,7 +74,7 @@ def rank_main(rank: int, ep: bool, folder: str, port: int, conn: Any) -> None:
         weights = dict(ckpt)
         for _ in range(bumps):
             weights = {n: t + 1.0 for n, t in weights.items()}
-        reference = sglang_model("dummy")
+        reference = sglang_rank.build("dummy")
         DefaultModelLoader.load_weights_and_postprocess(reference, iter(list(weights.items())), torch.device("cpu"))
         want, got = served(reference), served(model)
         padding = adapter._receivers[id(model)]._needs.receiver.recording.padding
@@ -140,15 +97,8 @@ def rank_main(rank: int, ep: bool, folder: str, port: int, conn: Any) -> None:
         except EOFError:
             return
         try:
-            if kind == "begin":
-                out = manager.begin_weight_update(BeginWeightUpdateReqInput())
-                value: Any = (out.success, out.message)
-            elif kind == "update":
-                out = manager.update_weights_from_tensor(arg)
-                value = (out.success, out.message)
-            elif kind == "end":
-                out = manager.end_weight_update(EndWeightUpdateReqInput())
-                value = (out.success, out.message)
+            if kind in sglang_driver.WEIGHT_UPDATE_KINDS:
+                value: Any = sglang_driver.weight_update(sglang_rank.manager, kind, arg)
             elif kind == "compared":
                 value = compared(arg)
             elif kind == "staged":
@@ -167,34 +117,16 @@ def rank_main(rank: int, ep: bool, folder: str, port: int, conn: Any) -> None:
 def trainer_main(folder: str, conns: List[Any], results: Any) -> None:
     try:
         import torch
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-        from sglang.srt.utils import MultiprocessingSerializer
 
         from refit.integrations.engine_link import LinkOptions
         from refit.integrations.sglang import SglangTrainer, engine_call
 
         call = sglang_driver.fan_out(conns)
-
-        class Engine:
-            """sglang.Engine's three weight-update methods, fanned out to the ranks."""
-
-            def begin_weight_update(self) -> Any:
-                return call("begin")[0]
-
-            def update_weights_from_tensor(self, named: List[Any], load_format: str, flush_cache: bool) -> Any:
-                payloads = [MultiprocessingSerializer.serialize(named) for _ in range(TP)]
-                request = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format, flush_cache=False)
-                answers = call("update", request)
-                refused = [message for success, message in answers if not success]
-                return (False, "; ".join(refused)) if refused else answers[0]
-
-            def end_weight_update(self) -> Any:
-                return call("end")[0]
-
+        engine = sglang_driver.Engine(call, TP)
         # The checkpoint's own tensors, offered whole: transformers' in-memory MoE models fuse the
         # experts under other names than their checkpoint's.
         weights = shared.checkpoint(folder)
-        trainer = SglangTrainer(engine_call(Engine()), weights, num_workers=TP, device_backend="host", options=LinkOptions(timeout_ms=shared.TIMEOUT_MS))
+        trainer = SglangTrainer(engine_call(engine), weights, num_workers=TP, device_backend="host", options=LinkOptions(timeout_ms=shared.TIMEOUT_MS))
         out: Dict[str, Any] = {"dummy": call("compared", 0)}
         trainer.update()
         out["first"] = call("compared", 0)
@@ -218,23 +150,8 @@ def trainer_main(folder: str, conns: List[Any], results: Any) -> None:
 class SglangFamiliesTest(unittest.TestCase):
     def run_family(self, family: str, ep: bool = False) -> Dict[str, Any]:
         folder = save(family)
-        context = multiprocessing.get_context("spawn")
-        results = context.Queue()
-        pipes = [context.Pipe() for _ in range(TP)]
-        port = _free_port()
-        ranks = [context.Process(target=rank_main, args=(r, ep, folder, port, pipes[r][1])) for r in range(TP)]
-        trainer = context.Process(target=trainer_main, args=(folder, [p[0] for p in pipes], results))
-        for process in ranks + [trainer]:
-            process.start()
-        try:
-            out = results.get(timeout=480)
-            self.assertNotIn("error", out, out.get("error"))
-            for process in ranks + [trainer]:
-                process.join(60)
-        finally:
-            for process in ranks + [trainer]:
-                if process.is_alive():
-                    process.kill()
+        out = sglang_driver.run_processes(TP, rank_main, (ep, folder, sglang_driver.free_port()), trainer_main, (folder,), 480)
+        self.assertNotIn("error", out, out.get("error"))
         # The dummy weights differ from the checkpoint in every parameter, so passing is no accident.
         for rank in range(TP):
             self.assertGreater(len(out["dummy"][rank]["differing"]), out["dummy"][rank]["compared"] // 2, out["dummy"][rank])

@@ -42,9 +42,7 @@ running its groups without a GPU (gloo only).
 
 from __future__ import annotations
 
-import multiprocessing
 import os
-import socket
 import unittest
 from typing import Any, Dict, List
 
@@ -55,76 +53,17 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TP = 2
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def sglang_rank_main(rank: int, folder: str, port: int, conn: Any) -> None:
     import sys
-    from types import SimpleNamespace
 
     sys.path.insert(0, HERE)
-    # torch's CUDA wheel ships libnccl, so SGLang's TP group would open a PyNccl communicator on a
-    # machine without a GPU; a library that does not load is SGLang's own "no GPU here" case.
-    os.environ["SGLANG_NCCL_SO_PATH"] = os.path.join(HERE, "no-nccl-on-cpu.so")
+    sglang_rank = sglang_driver.sglang_rank(rank, TP, folder, port)  # first: it sets SGLang's environment
     import torch
-    from sglang.srt.configs.device_config import DeviceConfig
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.managers.io_struct import BeginWeightUpdateReqInput, EndWeightUpdateReqInput
-    from sglang.srt.managers.scheduler_components.weight_updater import SchedulerWeightUpdaterManager
-    from sglang.srt.managers.tp_worker import TpModelWorker
-    from sglang.srt.model_executor.model_runner_components.weight_updater import WeightUpdater
-    from sglang.srt.model_loader import get_model
     from sglang.srt.model_loader.loader import DefaultModelLoader
-    from sglang.srt.runtime_context import SpawnRanks, get_model as model_settings, get_parallel, publish
-    from sglang.srt.server_args import ServerArgs
 
     from refit.integrations import sglang as adapter
 
-    # What an SGLang scheduler process sets up before it builds its ModelRunner: the world, the
-    # published server args (custom_weight_loader lists refit's loader), the TP groups.
-    init_distributed_environment(
-        world_size=TP, rank=rank, local_rank=rank, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}"
-    )
-    server_args = ServerArgs(
-        model_path=folder, tp_size=TP, device="cpu", dtype="float32", skip_tokenizer_init=True, custom_weight_loader=[adapter.LOADER]
-    )
-    publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
-    initialize_model_parallel(backend="gloo")
-    model_config = ModelConfig.from_server_args(server_args)
-    cpu = torch.device("cpu")
-
-    def sglang_model(load_format: str) -> Any:
-        return get_model(model_config=model_config, load_config=LoadConfig(load_format=load_format), device_config=DeviceConfig("cpu"))
-
-    # The serving model starts from SGLang's dummy weights, so the first update has to move them all.
-    model = sglang_model("dummy")
-    updater = WeightUpdater(  # as ModelRunner.init_weight_updater makes it
-        tp_rank=get_parallel().tp_rank,
-        device="cpu",
-        gpu_id=0,
-        model_config=model_config,
-        custom_weight_loaders=model_settings().custom_weight_loader,
-        get_model=lambda: model,
-        update_model_fields=lambda *args, **kwargs: None,
-        recapture_cuda_graph=lambda: None,
-        get_model_runner=lambda: None,
-    )
-    worker = SimpleNamespace(weight_update_runners=lambda: [("target", SimpleNamespace(weight_updater=updater))])
-    # SGLang's own: each rank deserializes its entry of the per-rank payload list.
-    worker.deserialize_own_rank = lambda payloads: TpModelWorker.deserialize_own_rank(worker, payloads)
-    manager = SchedulerWeightUpdaterManager(
-        tp_worker=worker,
-        draft_worker=None,
-        memory_saver_adapter=None,
-        flush_cache=lambda **kwargs: True,
-        is_fully_idle=lambda **kwargs: True,
-        scheduler=SimpleNamespace(record_weight_version_change=lambda **kwargs: None),
-    )
+    model = sglang_rank.model
     ckpt = shared.checkpoint(folder)
     snapshot: Dict[str, Any] = {}
 
@@ -137,8 +76,8 @@ def sglang_rank_main(rank: int, folder: str, port: int, conn: Any) -> None:
         weights = dict(ckpt)
         for _ in range(bumps):
             weights = {n: t + 1.0 for n, t in weights.items()}
-        reference = sglang_model("dummy")
-        DefaultModelLoader.load_weights_and_postprocess(reference, iter(list(weights.items())), cpu)
+        reference = sglang_rank.build("dummy")
+        DefaultModelLoader.load_weights_and_postprocess(reference, iter(list(weights.items())), torch.device("cpu"))
         return {n: p.detach() for n, p in reference.named_parameters()}
 
     while True:
@@ -147,15 +86,8 @@ def sglang_rank_main(rank: int, folder: str, port: int, conn: Any) -> None:
         except EOFError:
             return
         try:
-            if kind == "begin":
-                out = manager.begin_weight_update(BeginWeightUpdateReqInput())
-                value: Any = (out.success, out.message)
-            elif kind == "update":
-                out = manager.update_weights_from_tensor(arg)
-                value = (out.success, out.message)
-            elif kind == "end":
-                out = manager.end_weight_update(EndWeightUpdateReqInput())
-                value = (out.success, out.message)
+            if kind in sglang_driver.WEIGHT_UPDATE_KINDS:
+                value: Any = sglang_driver.weight_update(sglang_rank.manager, kind, arg)
             elif kind == "describe":
                 value = {
                     "class": type(model).__module__ + "." + type(model).__name__,
@@ -190,42 +122,19 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
     try:
         import torch
         import transformers
-        from sglang.srt.managers.io_struct import UpdateWeightsFromTensorReqInput
-        from sglang.srt.utils import MultiprocessingSerializer
 
         from refit.integrations.engine_link import LinkOptions
         from refit.integrations.sglang import CONTROL_NAME, SglangTrainer, control, engine_call
 
         call = sglang_driver.fan_out(conns)
-
-        def request(named: List[Any], load_format: str) -> Any:
-            # What Engine.update_weights_from_tensor hands the schedulers: one serialized payload per
-            # TP rank.
-            payloads = [MultiprocessingSerializer.serialize(named) for _ in range(TP)]
-            return UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format, flush_cache=False)
-
-        class Engine:
-            """sglang.Engine's three weight-update methods, each fanned out to the ranks (the
-            tokenizer manager's part; an error on a rank, which would end a real scheduler, raises)."""
-
-            def begin_weight_update(self) -> Any:
-                return call("begin")[0]
-
-            def update_weights_from_tensor(self, named: List[Any], load_format: str, flush_cache: bool) -> Any:
-                assert flush_cache is False
-                answers = call("update", request(named, load_format))
-                refused = [message for success, message in answers if not success]
-                return (False, "; ".join(refused)) if refused else answers[0]
-
-            def end_weight_update(self) -> Any:
-                return call("end")[0]
-
         out: Dict[str, Any] = {"describe": call("describe")}
         # SGLang 0.5.23 refuses an update outside a begin/end session (and says why).
-        out["outside_session"] = call("update", request([(CONTROL_NAME, control({"op": "shutdown"}))], "refit.integrations.sglang.refit_loader"))
+        shutdown = [(CONTROL_NAME, control({"op": "shutdown"}))]
+        out["outside_session"] = call("update", sglang_driver.update_request(shutdown, "refit.integrations.sglang.refit_loader", TP))
 
         model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
-        trainer = SglangTrainer(engine_call(Engine()), model, num_workers=TP, device_backend="host", options=LinkOptions(timeout_ms=shared.TIMEOUT_MS))
+        engine = sglang_driver.Engine(call, TP)
+        trainer = SglangTrainer(engine_call(engine), model, num_workers=TP, device_backend="host", options=LinkOptions(timeout_ms=shared.TIMEOUT_MS))
         out["dummy"] = call("loaded", 0)  # before any update: the dummy weights differ from the checkpoint
         trainer.update()
         out["first"] = call("loaded", 0)
@@ -251,24 +160,9 @@ class SglangRealTest(unittest.TestCase):
         cls.folder = shared.save_checkpoint()
 
     def run_scenario(self, scenario: str) -> Dict[str, Any]:
-        context = multiprocessing.get_context("spawn")
-        results = context.Queue()
-        pipes = [context.Pipe() for _ in range(TP)]
-        port = _free_port()
-        ranks = [context.Process(target=sglang_rank_main, args=(r, self.folder, port, pipes[r][1])) for r in range(TP)]
-        trainer = context.Process(target=trainer_main, args=(scenario, self.folder, [p[0] for p in pipes], results))
-        for process in ranks + [trainer]:
-            process.start()
-        try:
-            out = results.get(timeout=480)
-            self.assertNotIn("error", out, out.get("error"))
-            for process in ranks + [trainer]:
-                process.join(60)
-            return out
-        finally:
-            for process in ranks + [trainer]:
-                if process.is_alive():
-                    process.kill()
+        out = sglang_driver.run_processes(TP, sglang_rank_main, (self.folder, sglang_driver.free_port()), trainer_main, (scenario, self.folder), 480)
+        self.assertNotIn("error", out, out.get("error"))
+        return out
 
     def check_sglang_built_the_ranks(self, out: Dict[str, Any]) -> None:
         for rank, described in enumerate(out["describe"]):
