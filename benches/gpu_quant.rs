@@ -160,6 +160,33 @@ fn main() {
         rows.push(Row { name, ms, bytes_per_element });
     }
 
+    // The same tensor as three jobs sharing one per-tensor scale (a fused QKV's q, k and v: half, a
+    // quarter and a quarter of the rows): one amax over all three, so the same codes and scale as
+    // the one per-tensor job above (which ran last), compared whole.
+    let (one_job_codes, one_job_scale) = (download(dst.ptr, elements as usize), download(scales.ptr, 4));
+    ok(
+        "clearing the codes",
+        on(0, || check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(dst.ptr, 0, elements as usize) })),
+    );
+    let whole = job(Granularity::Tensor);
+    let parts: Vec<QuantJob> = [(0, ROWS / 2), (ROWS / 2, ROWS / 4), (3 * ROWS / 4, ROWS / 4)]
+        .into_iter()
+        .map(|(first, rows)| QuantJob {
+            src: src.ptr + first * COLS * 2,
+            dst: dst.ptr + first * COLS,
+            rows,
+            ..whole
+        })
+        .collect();
+    let l = ok("layout", layout(&parts));
+    let ms = time_ms(&stream, 3, 20, || ok("quantize", unsafe { kernel.enqueue(stream.raw, &l) }));
+    stream.sync();
+    assert!(
+        download(dst.ptr, elements as usize) == one_job_codes && download(scales.ptr, 4) == one_job_scale,
+        "three jobs sharing one scale differ from the one per-tensor job"
+    );
+    rows.push(Row { name: "per tensor, 3 jobs sharing one scale", ms, bytes_per_element: 5 });
+
     let executor_rows = through_executor(&src, &dst, &scales, &stream);
 
     println!("\n1 GiB bf16 ({ROWS} x {COLS}) to e4m3; plain copy {copy_ms:.3} ms ({copy_rate:.0} GB/s moved); memory bound of a quantizing copy {bound_ms:.3} ms\n");

@@ -1030,11 +1030,18 @@ typedef struct {
  * row-major, 16-byte aligned with rows a multiple of 16 bytes: where the elements land to be
  * quantized when they cannot be quantized where they are offered.
  *
- * A per-tensor or per-row scale is that of the box's matrix or row, not of the whole tensor's. An
- * engine that scales a sharded weight as part of the whole one differs there: vLLM 0.33's online
- * per-channel weights of a row-parallel layer, and its per-tensor weights of any tensor-parallel
- * layer, take the amax across the tensor-parallel ranks. Blocks (128 x 128 inside a shard) and
- * MXFP8 groups are the same either way.
+ * A per-tensor or per-row scale is that of the box's matrix or row, not of the whole tensor's, but
+ * for per-tensor needs of one process naming the same scale (a matrix's `scales + m *
+ * scale_matrix_stride`): those share it, computed from the amax of all their matrices (a fused QKV
+ * weight with one scale, whose q, k and v are separate tensors: three needs, one scale). They must
+ * be received on one device with one target and arithmetic (INVALID_ARGUMENT at planning, naming
+ * them). They are quantized in place when all of them can be, from one device of the receiver's
+ * process; otherwise every one of them is staged (each then needs staging: UNSUPPORTED naming the
+ * tensor and the needs it shares its scale with). An engine that scales a sharded weight as part
+ * of the whole one across processes differs: vLLM 0.33's online per-channel weights of a
+ * row-parallel layer, and its per-tensor weights of any tensor-parallel layer, take the amax across
+ * the tensor-parallel ranks. Blocks (128 x 128 inside a shard) and MXFP8 groups are the same
+ * either way.
  */
 typedef struct {
   refit_quantization quantization;
@@ -2156,7 +2163,7 @@ refit_status refit_plan_quant_route(const refit_plan *plan,
  * as its codes and scales, also beside staging_limit) and its codes and scales compared with that
  * on the device (VERIFY_MISMATCH names the tensor; refit_run_stats.verified_bytes counts them).
  * refit_executor_create refuses codes or scales that share a byte with another quantized need's
- * (OVERLAP), memory that is not the device's (INVALID_ARGUMENT, as for every address of a plan),
+ * (OVERLAP; but for per-tensor needs sharing one scale, above), memory that is not the device's (INVALID_ARGUMENT, as for every address of a plan),
  * and an in-place path from a device that cannot write the receiver's memory (UNSUPPORTED: no
  * peer access; give the need staging).
  * refit_executor_rebind of a range that quantized needs read or write is UNSUPPORTED and changes
@@ -2216,7 +2223,10 @@ refit_status refit_table_add_quantized_need(refit_table *table,
  *   element gives 0x7f.
  *
  * Per-tensor jobs need the whole matrix's amax first: on CUDA they take a second launch before the
- * quantizing one (every other granularity: one launch for the whole batch). The kernel reads each
+ * quantizing one (every other granularity: one launch for the whole batch). Per-tensor jobs of one
+ * batch naming the same `scales` share that one scale: it is computed from the amax of all their
+ * elements and written once, and every code of theirs is quantized with it (a fused QKV weight
+ * with one scale, from separate q, k and v matrices). They must have one target and arithmetic. The kernel reads each
  * source row in whole aligned 16-byte vectors, so up to 15 bytes past a row's last element (in the
  * same 16 bytes) are read and ignored.
  *
@@ -2237,8 +2247,9 @@ refit_status refit_table_add_quantized_need(refit_table *table,
  * every byte in a live allocation of the rank's device or of a device it accesses directly, so host
  * malloc memory and unmapped addresses are refused; on the host backend nothing in the first page),
  * on the host backend a stream that is not a host stream or is another simulated device's; the
- * message names the job and the field or region), OVERLAP (two destination matrices or
- * scale grids, or a destination and a scale grid, share a byte; the message names them),
+ * message names the job and the field or region; per-tensor jobs sharing a scale with another
+ * target or arithmetic), OVERLAP (two destination matrices or scale grids, or a destination and a
+ * scale grid, share a byte, but for per-tensor jobs sharing one scale; the message names them),
  * UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks; overlap checks over more
  * interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
  * loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs

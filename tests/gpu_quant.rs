@@ -489,6 +489,218 @@ fn quantized_needs_through_an_executor_match_the_reference() {
     }
 }
 
+/// Per-tensor jobs naming one scale, among every other granularity in one batch, on the GPU: one
+/// amax over all of them (several thread blocks each), the scale written once, every code from it.
+#[test]
+#[ignore = "needs a GPU"]
+fn per_tensor_jobs_naming_one_scale_share_it_on_the_gpu() {
+    use quant_cases::{check_shared, shared_scale_cases};
+    use refit::quant::Arithmetic;
+    let kernel = ok("loading the quantize kernel", QuantizeKernel::for_device(0));
+    for (seed, target, arithmetic) in [
+        (5, Fp8::E4m3fn, Arithmetic::DeepGemm),
+        (6, Fp8::E5m2, Arithmetic::Divide),
+        (7, Fp8::E4m3fn, Arithmetic::VllmChannel),
+    ] {
+        let others = standard_cases(seed, false);
+        let shared = shared_scale_cases(seed, target, arithmetic);
+        let other_buffers: Vec<OnDevice> = others.iter().map(upload).collect();
+        let shared_buffers: Vec<OnDevice> = shared.iter().map(upload).collect();
+        let scale = Buffer::new(0, 4);
+        scale.fill(SENTINEL);
+        let mut jobs: Vec<_> = others
+            .iter()
+            .zip(&other_buffers)
+            .map(|(c, b)| c.job(b.src.ptr, b.dst.ptr, b.scales.ptr))
+            .collect();
+        let at = jobs.len() / 2;
+        for (i, (c, b)) in shared.iter().zip(&shared_buffers).enumerate() {
+            jobs.insert(at + 2 * i, c.job(b.src.ptr, b.dst.ptr, scale.ptr));
+        }
+        let stream = Stream::new(0);
+        let l = ok("layout", layout(&jobs));
+        // SAFETY: the jobs name the buffers above, alive until after the synchronization.
+        ok("enqueue", unsafe { kernel.enqueue(stream.raw, &l) });
+        stream.sync();
+        let codes: Vec<Vec<u8>> = shared_buffers.iter().map(|b| b.dst.download()).collect();
+        check_shared(&shared, &codes, &scale.download(), &format!("GPU, {target:?} {arithmetic:?}"));
+        for (c, b) in others.iter().zip(&other_buffers) {
+            let (want_dst, want_scales) = c.expected();
+            assert!(b.dst.download() == want_dst && b.scales.download() == want_scales, "{}", c.name);
+        }
+    }
+}
+
+/// A fused QKV received as per-tensor FP8 with one scale from three tensors q, k and v (256, 128
+/// and 128 rows of 384 bf16) through an executor on one GPU, beside a plain need (so that the jobs
+/// in place ride its copy launch): in place, and staged when q is offered in two pieces; direct and
+/// staged commit, with and without verify. The codes and the scale equal the host reference's
+/// quantization of the whole fused matrix.
+#[test]
+#[ignore = "needs a GPU"]
+fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() {
+    use refit::exec::{CommitMode, ExecOptions, Executor};
+    use refit::plan::{
+        self, Endpoint, Need, Offer, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec,
+    };
+    use refit::quant::{Arithmetic, QuantJob};
+    use refit::transport::host::HostBackend;
+    use refit::transport::Backend;
+
+    const COLS: u64 = 384;
+    const PARTS: [(&str, u64, u64); 3] = [("q", 0, 256), ("k", 256, 128), ("v", 384, 128)];
+    const ROWS: u64 = 512;
+    let mut rng = quant_cases::Rng::new(77);
+    // Each part's magnitudes its own, so that no part alone has the fused scale.
+    let values: Vec<u8> = (0..ROWS * COLS)
+        .flat_map(|i| {
+            let part = (i / COLS >= 256) as u64 + (i / COLS >= 384) as u64;
+            let exponent = 110 + 3 * part + rng.next() % 4;
+            (((exponent << 7) | (rng.next() % 128) | ((rng.next() % 2) << 15)) as u16).to_le_bytes()
+        })
+        .collect();
+    let rows_of = |first: u64, rows: u64| {
+        values[(first * COLS * 2) as usize..((first + rows) * COLS * 2) as usize].to_vec()
+    };
+    let group =
+        ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
+    let here = Endpoint { process: 0, device: 0 };
+    let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::DeepGemm);
+    // The reference: the whole fused matrix, one per-tensor job on the host backend.
+    let whole = {
+        let mut a = Aligned::new(values.len(), 0);
+        a.bytes_mut().copy_from_slice(&values);
+        a
+    };
+    let (want_codes, want_scale) =
+        (Aligned::new((ROWS * COLS) as usize, SENTINEL), Aligned::new(4, SENTINEL));
+    let job = QuantJob {
+        quantization: q,
+        source: SourceType::Bf16,
+        src: whole.addr(),
+        rows: ROWS,
+        cols: COLS,
+        src_stride: COLS,
+        dst: want_codes.addr(),
+        dst_stride: COLS,
+        scales: want_scale.addr(),
+        scale_stride: 1,
+    };
+    // SAFETY: host buffers alive for the call, which completes on return.
+    unsafe { HostBackend::new(1).unwrap().quantize_batch(0, BackendStream::NULL, &[job]) }.unwrap();
+    for (q_cut, path) in [(None, QuantPath::Direct), (Some(100u64), QuantPath::Staged)] {
+        for (commit, verify) in [
+            (CommitMode::Direct, false),
+            (CommitMode::Staged, false),
+            (CommitMode::Direct, true),
+            (CommitMode::Staged, true),
+        ] {
+            let name = format!("q cut {q_cut:?}, {commit:?}, verify {verify}");
+            // The parts' shards: (tensor, first row within it, rows).
+            let mut pieces: Vec<(u32, u64, u64)> = vec![(1, 0, 128), (2, 0, 128)];
+            match q_cut {
+                Some(at) => pieces.extend([(0, 0, at), (0, at, 256 - at)]),
+                None => pieces.push((0, 0, 256)),
+            }
+            let shards: Vec<Buffer> = pieces
+                .iter()
+                .map(|&(t, lo, rows)| {
+                    let buffer = Buffer::new(0, (rows * COLS * 2) as usize);
+                    buffer.upload(&rows_of(PARTS[t as usize].1 + lo, rows));
+                    buffer
+                })
+                .collect();
+            let codes = Buffer::new(0, (ROWS * COLS) as usize);
+            codes.fill(SENTINEL);
+            let scale = Buffer::new(0, 4);
+            scale.fill(SENTINEL);
+            let staging: Vec<Buffer> =
+                PARTS.iter().map(|p| Buffer::new(0, (p.2 * COLS * 2) as usize)).collect();
+            let plain_bytes: Vec<u8> = (0..3u64 << 20).map(|i| (i * 7 + i / 251) as u8).collect();
+            let (plain_src, plain_dst) =
+                (Buffer::new(0, plain_bytes.len()), Buffer::new(0, plain_bytes.len()));
+            plain_src.upload(&plain_bytes);
+            plain_dst.fill(SENTINEL);
+            let plain_region = || Region { offset: vec![0], extent: vec![plain_bytes.len() as u64] };
+            let mut tensors: Vec<TensorSpec> = PARTS
+                .iter()
+                .map(|p| TensorSpec { name: p.0.into(), dtype: 1, elem_size: 2, shape: vec![p.2, COLS] })
+                .collect();
+            tensors.push(TensorSpec {
+                name: "plain".into(),
+                dtype: 0,
+                elem_size: 1,
+                shape: vec![plain_bytes.len() as u64],
+            });
+            let mut offers: Vec<Offer> = pieces
+                .iter()
+                .zip(&shards)
+                .map(|(&(tensor, lo, rows), b)| Offer {
+                    tensor,
+                    owner: here,
+                    addr: b.ptr,
+                    region: Region { offset: vec![lo, 0], extent: vec![rows, COLS] },
+                    strides: None,
+                    digest: None,
+                })
+                .collect();
+            offers.push(Offer {
+                tensor: 3,
+                owner: here,
+                addr: plain_src.ptr,
+                region: plain_region(),
+                strides: None,
+                digest: None,
+            });
+            let quant_needs = PARTS
+                .iter()
+                .enumerate()
+                .map(|(t, &(_, first, rows))| QuantNeed {
+                    tensor: t as u32,
+                    receiver: here,
+                    addr: codes.ptr + first * COLS,
+                    region: Region { offset: vec![0, 0], extent: vec![rows, COLS] },
+                    strides: vec![COLS, 1],
+                    quantization: q,
+                    source: SourceType::Bf16,
+                    scales: scale.ptr,
+                    scale_row_stride: 1,
+                    scale_matrix_stride: 1,
+                    staging: staging[t].ptr,
+                })
+                .collect();
+            let needs = vec![Need {
+                tensor: 3,
+                receiver: here,
+                addr: plain_dst.ptr,
+                region: plain_region(),
+                perm: None,
+                strides: vec![1],
+            }];
+            let table = Table { tensors, offers, needs, quant_needs };
+            let plan = ok("plan", plan::build(&[table], &PlanOptions::default()));
+            assert!(plan.quant_routes().iter().all(|r| r.path == path), "{name}");
+            let options = ExecOptions { commit, verify, ..ExecOptions::default() };
+            let mut executor = ok("executor", Executor::new(&group, &plan, 0, options));
+            // SAFETY: every address of the plan is a buffer above, alive until the checks below.
+            let ran = ok("run", unsafe { executor.run(&group) });
+            let mut quantized = ran.quantized_elements;
+            if commit == CommitMode::Staged {
+                assert!(scale.download() == [SENTINEL; 4], "{name}: a staged run wrote the live scale");
+                // SAFETY: as above.
+                quantized += ok("commit", unsafe { executor.commit(&group) }).quantized_elements;
+            }
+            assert_eq!(quantized, ROWS * COLS, "{name}");
+            assert!(plain_dst.download() == plain_bytes, "{name}: the plain need's bytes");
+            assert_eq!(scale.download(), want_scale.bytes(), "{name}: the shared scale");
+            let got = codes.download();
+            if let Some(at) = (0..got.len()).find(|&i| got[i] != want_codes.bytes()[i]) {
+                panic!("{name}: code {at}: GPU {:#04x}, reference {:#04x}", got[at], want_codes.bytes()[at]);
+            }
+        }
+    }
+}
+
 /// Two processes on GPU 0 (a host-backend communicator for the control plane: NCCL puts no two
 /// ranks on one GPU, so every byte between them goes through CUDA IPC), each offering part of a
 /// 1024 x 768 bf16 matrix and receiving quantized needs that take every path: in place, quantized

@@ -231,3 +231,49 @@ fn launches_of_many_tiles_in_every_mode_match_the_reference() {
         check_batch(std::slice::from_ref(&c));
     }
 }
+
+/// Per-tensor jobs naming one scale, in a batch with every other granularity (so that their
+/// descriptors are reordered, the narrow entry point's first): one amax word for all of them, the
+/// scale written once, every code from the shared scale.
+#[test]
+fn per_tensor_jobs_naming_one_scale_share_one_amax_word() {
+    use quant_cases::{check_shared, shared_scale_cases};
+    use refit::quant::Arithmetic;
+    let others = standard_cases(31, false);
+    let shared = shared_scale_cases(4, Fp8::E4m3fn, Arithmetic::DeepGemm);
+    let other_outputs: Vec<(Aligned, Aligned)> = others
+        .iter()
+        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
+        .collect();
+    let codes: Vec<Aligned> = shared.iter().map(|c| Aligned::new(c.dst_len(), SENTINEL)).collect();
+    let scale = Aligned::new(4, SENTINEL);
+    // The shared jobs between the others: the first of them is not the first descriptor.
+    let mut jobs: Vec<_> = others
+        .iter()
+        .zip(&other_outputs)
+        .map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr()))
+        .collect();
+    let at = jobs.len() / 2;
+    for (i, (c, d)) in shared.iter().zip(&codes).enumerate() {
+        jobs.insert(at + i * 2, c.job(c.data.addr(), d.addr(), scale.addr()));
+    }
+    let l = layout(&jobs).unwrap();
+    let slots: Vec<u32> = l.descs.iter().filter(|d| d.scales == scale.addr()).map(|d| d.amax_slot).collect();
+    assert!(slots.len() == 3 && slots.iter().all(|&s| s == slots[0]), "amax slots {slots:?}");
+    // SAFETY: the descriptors name the buffers above, which outlive the call.
+    unsafe {
+        emulator()(
+            l.to_bytes().as_ptr(),
+            l.descs.len() as u32,
+            l.narrow_tiles,
+            l.tiles,
+            u32::from(l.per_tensor),
+        )
+    };
+    let codes: Vec<Vec<u8>> = codes.iter().map(|d| d.bytes().to_vec()).collect();
+    check_shared(&shared, &codes, scale.bytes(), "emulated kernel");
+    for (c, (dst, scales)) in others.iter().zip(&other_outputs) {
+        let (want_dst, want_scales) = c.expected();
+        assert!(dst.bytes() == want_dst.as_slice() && scales.bytes() == want_scales.as_slice(), "{}", c.name);
+    }
+}

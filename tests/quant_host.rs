@@ -219,3 +219,35 @@ fn a_prepared_batch_writes_the_references_bytes_at_every_launch() {
     assert_eq!(err.status, check_jobs(&[overlapping]).unwrap_err().status, "{}", err.message);
     assert_eq!(backend.prepare_quantize(3, &jobs).err().map(|e| e.status), Some(Status::InvalidDevice));
 }
+
+/// Per-tensor jobs naming one scale share it: the amax of all their elements, every code from it,
+/// for each target and arithmetic; jobs sharing a scale but quantizing differently are refused, and
+/// a per-tensor scale inside another granularity's grid is an overlap as before.
+#[test]
+fn per_tensor_jobs_naming_one_scale_share_its_amax() {
+    use quant_cases::{check_shared, shared_scale_cases};
+    use refit::quant::Arithmetic;
+    let backend = HostBackend::new(1).unwrap();
+    for (seed, target, arithmetic) in [
+        (1, Fp8::E4m3fn, Arithmetic::Divide),
+        (2, Fp8::E5m2, Arithmetic::DeepGemm),
+        (3, Fp8::E4m3fn, Arithmetic::DeepGemmUe8m0),
+    ] {
+        let cases = shared_scale_cases(seed, target, arithmetic);
+        let codes: Vec<Aligned> = cases.iter().map(|c| Aligned::new(c.dst_len(), SENTINEL)).collect();
+        let scale = Aligned::new(4, SENTINEL);
+        let jobs: Vec<QuantJob> =
+            cases.iter().zip(&codes).map(|(c, d)| c.job(c.data.addr(), d.addr(), scale.addr())).collect();
+        // SAFETY: the jobs name the buffers above, alive for the call.
+        unsafe { backend.quantize_batch(0, Stream::NULL, &jobs) }.unwrap();
+        let codes: Vec<Vec<u8>> = codes.iter().map(|d| d.bytes().to_vec()).collect();
+        check_shared(&cases, &codes, scale.bytes(), &format!("host, {target:?} {arithmetic:?}"));
+
+        let mut differing = jobs.clone();
+        differing[2].quantization = differing[2].quantization.with(Arithmetic::VllmChannel);
+        refused(&differing, Status::InvalidArgument, &["jobs[2]", "shares jobs[0]'s per-tensor scale"]);
+        let mut block = jobs.clone();
+        block[1].quantization.granularity = Granularity::Block { rows: 8, cols: 8 };
+        refused(&block, Status::Overlap, &["scales overlap"]);
+    }
+}

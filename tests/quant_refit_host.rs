@@ -658,3 +658,213 @@ fn hostile_quantized_needs_are_refused_not_a_panic() {
         plan::build_with_limits(std::slice::from_ref(&many), &PlanOptions::default(), &limits).unwrap_err();
     assert_eq!(err.status, Status::Unsupported, "{}", err.message);
 }
+
+/// A fused `qkv` received from three tensors q, k and v (32, 16 and 16 rows of 48 bf16) as
+/// per-tensor FP8 with one scale: three needs naming the same scale.
+struct Fused {
+    values: Vec<[u8; 2]>,
+    /// The parts' shards: (tensor, first row, rows, owner) each.
+    parts: Vec<(u32, u64, u64, Endpoint)>,
+    codes: Aligned,
+    scale: Aligned,
+    staging: Vec<Aligned>,
+}
+
+const PARTS: [(&str, u64, u64); 3] = [("q", 0, 32), ("k", 32, 16), ("v", 48, 16)];
+const FUSED_COLS: u64 = 48;
+
+impl Fused {
+    /// `owners[t]`: where tensor t is offered, cut into rows at each of its `cuts`.
+    fn new(seed: u64, owners: [Endpoint; 3], cuts: [Option<u64>; 3]) -> Fused {
+        let mut rng = Rng::new(seed);
+        // Each part's magnitudes its own (q's the smallest, v's the largest), so that no part alone
+        // has the fused matrix's scale.
+        let values = (0..64 * FUSED_COLS)
+            .map(|i| {
+                let part = if i < 32 * FUSED_COLS {
+                    0
+                } else if i < 48 * FUSED_COLS {
+                    1
+                } else {
+                    2
+                };
+                let mantissa = 1.0 + (rng.next() % 128) as f32 / 128.0;
+                let sign = if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
+                bf16(sign * mantissa * 2f32.powi(part * 3 - 4 + (rng.next() % 4) as i32))
+            })
+            .collect();
+        let mut parts = Vec::new();
+        for (t, &(_, _, rows)) in PARTS.iter().enumerate() {
+            match cuts[t] {
+                Some(at) => {
+                    parts.extend([(t as u32, 0, at, owners[t]), (t as u32, at, rows - at, owners[t])])
+                }
+                None => parts.push((t as u32, 0, rows, owners[t])),
+            }
+        }
+        Fused {
+            values,
+            parts,
+            codes: Aligned::new((64 * FUSED_COLS) as usize, SENTINEL),
+            scale: Aligned::new(4, SENTINEL),
+            staging: PARTS
+                .iter()
+                .map(|&(_, _, rows)| Aligned::new((rows * FUSED_COLS * 2) as usize, 0))
+                .collect(),
+        }
+    }
+
+    /// Rows `lo .. lo + rows` of tensor `t`, in a buffer of their own.
+    fn shard(&self, t: u32, lo: u64, rows: u64) -> Aligned {
+        let first = PARTS[t as usize].1 + lo;
+        let mut memory = Aligned::new((rows * FUSED_COLS * 2) as usize, 0);
+        for (i, v) in self.values[(first * FUSED_COLS) as usize..((first + rows) * FUSED_COLS) as usize]
+            .iter()
+            .enumerate()
+        {
+            memory.bytes_mut()[2 * i..2 * i + 2].copy_from_slice(v);
+        }
+        memory
+    }
+
+    /// The table (and the shards it offers, to keep alive), each need with staging or not.
+    fn table(&self, staging: bool, quantization: Quantization) -> (Table, Vec<Aligned>) {
+        let tensors = PARTS
+            .iter()
+            .map(|&(name, _, rows)| TensorSpec {
+                name: name.into(),
+                dtype: 7,
+                elem_size: 2,
+                shape: vec![rows, FUSED_COLS],
+            })
+            .collect();
+        let shards: Vec<Aligned> =
+            self.parts.iter().map(|&(t, lo, rows, _)| self.shard(t, lo, rows)).collect();
+        let offers = self
+            .parts
+            .iter()
+            .zip(&shards)
+            .map(|(&(tensor, lo, rows, owner), memory)| Offer {
+                tensor,
+                owner,
+                addr: memory.addr(),
+                region: Region { offset: vec![lo, 0], extent: vec![rows, FUSED_COLS] },
+                strides: None,
+                digest: None,
+            })
+            .collect();
+        let quant_needs = PARTS
+            .iter()
+            .enumerate()
+            .map(|(t, &(_, first, rows))| QuantNeed {
+                tensor: t as u32,
+                receiver: DEV0,
+                addr: self.codes.addr() + first * FUSED_COLS,
+                region: Region { offset: vec![0, 0], extent: vec![rows, FUSED_COLS] },
+                strides: vec![FUSED_COLS, 1],
+                quantization,
+                source: SourceType::Bf16,
+                scales: self.scale.addr(),
+                scale_row_stride: 1,
+                scale_matrix_stride: 1,
+                staging: if staging { self.staging[t].addr() } else { 0 },
+            })
+            .collect();
+        (Table { tensors, offers, needs: vec![], quant_needs }, shards)
+    }
+
+    /// The reference: the whole fused matrix quantized by one per-tensor job.
+    fn expected(&self, quantization: Quantization) -> (Vec<u8>, Vec<u8>) {
+        let whole = self.shard(0, 0, 64);
+        let (codes, scale) = (Aligned::new(self.codes.bytes().len(), SENTINEL), Aligned::new(4, SENTINEL));
+        let job = QuantJob {
+            quantization,
+            source: SourceType::Bf16,
+            src: whole.addr(),
+            rows: 64,
+            cols: FUSED_COLS,
+            src_stride: FUSED_COLS,
+            dst: codes.addr(),
+            dst_stride: FUSED_COLS,
+            scales: scale.addr(),
+            scale_stride: 1,
+        };
+        // SAFETY: the buffers above outlive the call, which completes on return.
+        unsafe { HostBackend::new(1).unwrap().quantize_batch(0, Stream::NULL, &[job]) }.unwrap();
+        (codes.bytes().to_vec(), scale.bytes().to_vec())
+    }
+}
+
+#[test]
+fn per_tensor_needs_sharing_one_scale_get_the_amax_of_all_of_them() {
+    let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::DeepGemm);
+    // (owners, cuts, path): all on the receiver's device, in place; one part on another device, or
+    // one cut into two offers (a per-tensor block spanning them), so all three are staged.
+    let layouts = [
+        ([DEV0, DEV0, DEV0], [None, None, None], QuantPath::Direct),
+        ([DEV0, DEV1, DEV0], [None, None, None], QuantPath::Staged),
+        ([DEV0, DEV0, DEV0], [Some(8), None, None], QuantPath::Staged),
+    ];
+    for (seed, (owners, cuts, path)) in layouts.into_iter().enumerate() {
+        for commit in [CommitMode::Direct, CommitMode::Staged] {
+            for verify in [false, true] {
+                let fused = Fused::new(seed as u64 + 40, owners, cuts);
+                let (table, _shards) = fused.table(true, q);
+                let plan = build(&table).unwrap();
+                let what = format!("{owners:?} {cuts:?} {commit:?} verify {verify}");
+                assert!(plan.quant_routes().iter().all(|r| r.path == path), "{what}");
+                let group = group();
+                let options = ExecOptions { commit, verify, ..ExecOptions::default() };
+                let mut executor = Executor::new(&group, &plan, 0, options).unwrap();
+                // SAFETY: every address of the plan is a live buffer of this test.
+                let ran = unsafe { executor.run(&group) }.unwrap();
+                let mut quantized = ran.quantized_elements;
+                if commit == CommitMode::Staged {
+                    // SAFETY: as above.
+                    quantized += unsafe { executor.commit(&group) }.unwrap().quantized_elements;
+                }
+                assert_eq!(quantized, 64 * FUSED_COLS, "{what}");
+                let (codes, scale) = fused.expected(q);
+                assert_eq!(fused.scale.bytes(), scale.as_slice(), "{what}: the shared scale");
+                assert!(fused.codes.bytes() == codes.as_slice(), "{what}: codes");
+                // Not vacuous: q alone would have another scale.
+                let (alone, _) = fused.table(true, q);
+                let mut only_q = alone.clone();
+                only_q.quant_needs.truncate(1);
+                only_q.quant_needs[0].scales = fused.staging[2].addr();
+                let plan = build(&only_q).unwrap();
+                let mut executor = Executor::new(&group, &plan, 0, ExecOptions::default()).unwrap();
+                // SAFETY: as above (the scale lands in v's staging, unused here).
+                unsafe { executor.run(&group) }.unwrap();
+                assert_ne!(&fused.staging[2].bytes()[..4], scale.as_slice(), "{what}: q alone");
+            }
+        }
+    }
+}
+
+#[test]
+fn needs_sharing_a_scale_that_cannot_be_quantized_together_are_refused() {
+    let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor);
+    let fused = Fused::new(50, [DEV0, DEV1, DEV0], [None, None, None]);
+    // Staged because k is on another device, but without staging.
+    let (table, _shards) = fused.table(false, q);
+    fails(build(&table), Status::Unsupported, &["'q'", "shares its per-tensor scale", "'k'", "staging"]);
+    // One target and arithmetic, one receiving device.
+    let (mut table, _shards) = fused.table(true, q);
+    table.quant_needs[2].quantization = q.with(Arithmetic::VllmChannel);
+    fails(
+        build(&table),
+        Status::InvalidArgument,
+        &["'q'", "'k'", "'v'", "share a per-tensor scale", "quantization"],
+    );
+    let (mut table, _shards) = fused.table(true, q);
+    table.quant_needs[1].receiver = DEV1;
+    fails(build(&table), Status::InvalidArgument, &["receiving device"]);
+    // A per-tensor scale inside a block need's grid is an overlap, found at creation.
+    let (mut table, _shards) = fused.table(true, q);
+    table.quant_needs[1].quantization = Quantization::new(Fp8::E4m3fn, BLOCK16);
+    table.quant_needs[1].scale_row_stride = 3;
+    table.quant_needs[1].scale_matrix_stride = 3;
+    let plan = build(&table).unwrap();
+    fails(Executor::new(&group(), &plan, 0, ExecOptions::default()), Status::Overlap, &["scales"]);
+}

@@ -182,6 +182,45 @@ class HostQuantizeTest(unittest.TestCase):
                 with self.subTest(q=q):
                     self.run_case(q, rows, cols, stride, bits, scale_stride)
 
+    def test_per_tensor_jobs_naming_one_scale_share_it(self):
+        # A fused QKV with one scale from three jobs (q, k and v rows in buffers of their own): the
+        # codes and the scale equal the header's arithmetic over the fused matrix, which no part alone
+        # reaches (v's magnitudes are the largest).
+        rng = random.Random(9)
+        cols, parts = 40, (24, 8, 8)
+        bits = []
+        for part, rows in enumerate(parts):
+            bits += [((120 + 4 * part + rng.randrange(4)) << 7 | rng.randrange(128)) | rng.choice([0, 0x8000])
+                     for _ in range(rows * cols)]
+        for arithmetic in (Arithmetic.DIVIDE, Arithmetic.DEEPGEMM):
+            q = Quantization(Fp8.E4M3FN, Granularity.TENSOR, None, arithmetic)
+            dst = (ctypes.c_uint8 * (sum(parts) * cols))()
+            scale = (ctypes.c_uint8 * 4)()
+            sources, jobs, first = [], [], 0
+            for rows in parts:
+                part = bits[first * cols:(first + rows) * cols]
+                sources.append((ctypes.c_uint16 * (rows * cols + 8)).from_buffer_copy(
+                    struct.pack(f"<{len(part)}H", *part) + bytes(16)))
+                jobs.append(QuantizeJob(q, SourceType.BF16, ctypes.addressof(sources[-1]), rows, cols, cols,
+                                        ctypes.addressof(dst) + first * cols, cols, ctypes.addressof(scale), 1))
+                first += rows
+            refit.quantize_batch(self.group, 0, jobs)
+            codes, scales = reference(q, bits, sum(parts), cols, cols)
+            self.assertEqual(struct.unpack("<I", bytes(scale))[0], scales[0, 0])
+            self.assertEqual(bytes(dst), bytes(codes[r, c] for r in range(sum(parts)) for c in range(cols)))
+            _, alone = reference(q, bits[:parts[0] * cols], parts[0], cols, cols)
+            self.assertNotEqual(alone[0, 0], scales[0, 0], "q alone would have had the fused scale")
+        # Sharing takes one target and arithmetic.
+        with self.assertRaises(RefitError) as caught:
+            q = Quantization(Fp8.E4M3FN, Granularity.TENSOR)
+            job = QuantizeJob(q, SourceType.BF16, ctypes.addressof(sources[0]), 8, cols, cols, ctypes.addressof(dst),
+                              cols, ctypes.addressof(scale), 1)
+            other = QuantizeJob(Quantization(Fp8.E5M2, Granularity.TENSOR), SourceType.BF16, ctypes.addressof(sources[1]),
+                                8, cols, cols, ctypes.addressof(dst) + 8 * cols, cols, ctypes.addressof(scale), 1)
+            refit.quantize_batch(self.group, 0, [job, other])
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        self.assertIn("jobs[1]: it shares jobs[0]'s per-tensor scale", str(caught.exception))
+
     def test_mxfp8_takes_only_the_default_arithmetic(self):
         q = Quantization(Fp8.E4M3FN, Granularity.MXFP8, None, Arithmetic.DEEPGEMM)
         self.bad(Status.INVALID_ARGUMENT, ["jobs[0]: arithmetic 1 for MXFP8", "REFIT_ARITHMETIC_DIVIDE"], quantization=q,

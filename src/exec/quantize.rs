@@ -15,6 +15,7 @@ use super::sender::Outgoing;
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::plan::{Plan, QuantPath};
+use crate::quant::job::scale_owners;
 use crate::quant::{check_jobs, QuantJob};
 use crate::segment::check::check_destinations;
 use crate::segment::Segment;
@@ -44,6 +45,9 @@ pub(super) type Label = (String, u32);
 /// Which jobs run together: the runner's rank, when, and whether they read their sources in place.
 type Gathering = (usize, When, bool);
 
+/// Jobs gathered under a key, with their labels.
+type Gathered<K> = Vec<(K, Vec<QuantJob>, Vec<Label>)>;
+
 /// The jobs one rank runs at one point of the step.
 pub(super) struct RankJobs {
     pub rank: usize,
@@ -67,8 +71,10 @@ pub(super) struct RankJobs {
 struct Check {
     /// The jobs into scratch, prepared on the rank's device.
     prepared: Box<dyn PreparedQuantize>,
-    /// Segment 2j (codes) and 2j + 1 (scales) of job j: from the scratch to what the job wrote.
+    /// From the scratch to what the jobs wrote: for segment i, [`Check::compared`]`[i]` is 2j for job
+    /// j's codes, 2j + 1 for its scales.
     compare: PreparedVerify,
+    compared: Vec<usize>,
     bytes: u64,
 }
 
@@ -105,7 +111,7 @@ impl Quantizing {
             check_apart(&all, flows)?;
         }
         let routes: Vec<_> = mine.filter(|r| r.path != QuantPath::Sender).collect();
-        let mut gathered: Vec<(Gathering, Vec<QuantJob>, Vec<Label>)> = Vec::new();
+        let mut gathered: Gathered<Gathering> = Vec::new();
         if let Some((rank, sent)) = outgoing {
             let device = group.device(rank)?;
             let ways = [(When::Send, &sent.buffered), (When::Straight, &sent.straight)];
@@ -135,42 +141,47 @@ impl Quantizing {
             check_memory(group.backend().as_ref(), device, &route.name(), &route.jobs, Regions::All)?;
         }
         // Each runner's jobs at each point of the step, in place or not, gathered over the routes,
-        // then prepared.
+        // then prepared. Under staged commit, jobs in place write quantization staging on their
+        // receiver instead, packed per (runner, receiver) so that jobs sharing a scale share it there.
+        let mut to_pack: Gathered<(usize, usize)> = Vec::new();
         for route in routes {
             let runner = rank_of(group, route.runner)?;
             let receiver = rank_of(group, route.receiver)?;
             let in_place = route.path == QuantPath::Direct;
-            let (when, jobs) = match (staged, route.path) {
-                (false, _) => (When::Run, route.jobs.clone()),
-                (true, QuantPath::Staged) => (When::Commit, route.jobs.clone()),
+            let labels = vec![(route.name().into_owned(), route.receiver.device); route.jobs.len()];
+            let when = match (staged, route.path) {
+                (false, _) => When::Run,
+                (true, QuantPath::Staged) => When::Commit,
                 (true, _) => {
-                    let (into, installs) = out.packed(group, receiver, &route.jobs)?;
-                    match out.installs.iter_mut().find(|(rank, _)| *rank == receiver) {
-                        Some((_, list)) => list.extend(installs),
-                        None => out.installs.push((receiver, installs)),
-                    }
-                    (When::Run, into)
+                    gather(&mut to_pack, (runner, receiver), route.jobs.clone(), labels);
+                    continue;
                 }
             };
-            let labels = vec![(route.name().into_owned(), route.receiver.device); jobs.len()];
-            let key = (runner, when, in_place);
-            match gathered.iter_mut().find(|(k, _, _)| *k == key) {
-                Some((_, existing, existing_labels)) => {
-                    existing.extend(jobs);
-                    existing_labels.extend(labels);
-                }
-                None => gathered.push((key, jobs, labels)),
-            }
+            gather(&mut gathered, (runner, when, in_place), route.jobs.clone(), labels);
         }
+        for ((runner, receiver), jobs, labels) in to_pack {
+            let (into, mut installs) = out.packed(group, receiver, &jobs)?;
+            installs.retain(|segment| segment.runs() > 0);
+            match out.installs.iter_mut().find(|(rank, _)| *rank == receiver) {
+                Some((_, list)) => list.extend(installs),
+                None => out.installs.push((receiver, installs)),
+            }
+            gather(&mut gathered, (runner, When::Run, true), into, labels);
+        }
+        check_shared_scales_together(&gathered)?;
         for ((rank, when, in_place), jobs, labels) in gathered {
             let device = group.device(rank)?;
             let check = match verify {
                 true => {
-                    let (scratch_jobs, segments) = out.packed(group, rank, &jobs)?;
+                    let (scratch_jobs, mut segments) = out.packed(group, rank, &jobs)?;
+                    // A shared scale is compared once, in its owner's pair.
+                    let compared: Vec<usize> =
+                        (0..segments.len()).filter(|&i| segments[i].runs() > 0).collect();
+                    segments.retain(|segment| segment.runs() > 0);
                     let bytes = segments.iter().filter_map(Segment::bytes).sum();
                     let compare = PreparedVerify::new(group.backend().as_ref(), device, &segments)?;
                     let prepared = group.backend().prepare_quantize(device, &scratch_jobs)?;
-                    Some(Check { prepared, compare, bytes })
+                    Some(Check { prepared, compare, compared, bytes })
                 }
                 false => None,
             };
@@ -234,11 +245,18 @@ impl Quantizing {
         if staged && when == When::Run {
             return 0;
         }
-        let written = |job: &QuantJob| {
-            let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
-            job.elements() + grid_rows * grid_cols * job.quantization.scale_kind().size()
+        // A shared scale is written once, by its owner.
+        let written = |jobs: &[QuantJob]| -> u64 {
+            let owners = scale_owners(jobs);
+            let scale_bytes = |(index, job): (usize, &QuantJob)| {
+                let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
+                let owned = owners[index] == index;
+                job.elements()
+                    + if owned { grid_rows * grid_cols * job.quantization.scale_kind().size() } else { 0 }
+            };
+            jobs.iter().enumerate().map(scale_bytes).sum()
         };
-        self.ranks.iter().filter(|r| r.when == when).flat_map(|r| &r.jobs).map(written).sum()
+        self.ranks.iter().filter(|r| r.when == when).map(|r| written(&r.jobs)).sum()
     }
 
     /// Elements the jobs that run at `when` quantize.
@@ -285,7 +303,8 @@ impl Quantizing {
             let Some(check) = &r.check else { continue };
             let (stream, device) = (group.stream(r.rank)?, group.device(r.rank)?);
             group.backend().sync_stream(device, stream)?;
-            if let Some(segment) = check.compare.outcome()? {
+            if let Some(differing) = check.compare.outcome()? {
+                let segment = check.compared[differing];
                 let j = segment / 2;
                 let (tensor, receiver) = &r.labels[j];
                 let job = &r.jobs[j];
@@ -305,13 +324,53 @@ impl Quantizing {
     }
 }
 
+/// Appends `jobs` (and their labels) to the gathering of `key`, made when there is none.
+fn gather<K: PartialEq>(
+    gathered: &mut Vec<(K, Vec<QuantJob>, Vec<Label>)>,
+    key: K,
+    jobs: Vec<QuantJob>,
+    labels: Vec<Label>,
+) {
+    match gathered.iter_mut().find(|(k, _, _)| *k == key) {
+        Some((_, existing, existing_labels)) => {
+            existing.extend(jobs);
+            existing_labels.extend(labels);
+        }
+        None => gathered.push((key, jobs, labels)),
+    }
+}
+
+/// Internal unless the jobs sharing each per-tensor scale run in one gathering (one batch, so one
+/// amax): what the planner's routes promise (`plan::quantized`'s ScaleTies).
+fn check_shared_scales_together(gathered: &Gathered<Gathering>) -> Result<()> {
+    let mut batch_of: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    for (index, (_, jobs, labels)) in gathered.iter().enumerate() {
+        let shared = jobs.iter().zip(labels).filter(|(j, _)| {
+            j.quantization.granularity == crate::quant::Granularity::Tensor && j.elements() > 0
+        });
+        for (job, (tensor, _)) in shared {
+            if *batch_of.entry(job.scales).or_insert(index) != index {
+                crate::bail!(
+                    Status::InternalError,
+                    "quantized need of tensor '{tensor}': its per-tensor scale at {:#x} is shared by jobs the plan \
+                     runs apart",
+                    job.scales
+                );
+            }
+        }
+    }
+    Ok(())
+}
+
 /// OVERLAP when codes or scales share a byte with what the plan's copies write in this process (a
 /// plain need's destination, a staged need's staging): the jobs' outputs were checked among
 /// themselves (`check_jobs`), the copies' destinations by the planner.
 fn check_apart(jobs: &[QuantJob], flows: &[RankFlow]) -> Result<()> {
-    let written = jobs.iter().flat_map(|j| {
+    let owners = scale_owners(jobs);
+    let written = jobs.iter().enumerate().flat_map(|(index, j)| {
         let [_, codes, scales] = j.regions();
-        [codes, scales]
+        // A shared scale once, its owner's.
+        [codes, if owners[index] == index { scales } else { Segment::default() }]
     });
     let copied = flows.iter().flat_map(|f| f.segments.iter().copied());
     let all: Vec<Segment> = written.chain(copied).collect();
@@ -361,33 +420,38 @@ fn check_memory(
 
 /// Bytes [`pack`] lays `jobs` out in.
 pub(super) fn packed_size(jobs: &[QuantJob]) -> u64 {
-    jobs.iter().map(|job| packed_places(job).2).sum()
+    let owners = scale_owners(jobs);
+    jobs.iter().enumerate().map(|(index, job)| packed_places(job, owners[index] == index).2).sum()
 }
 
 /// Where one job's codes and scales start in its packed region (codes rows `cols` rounded up to 16
-/// bytes apart, then the scale grid, row after row), and the region's size (a multiple of 16).
-fn packed_places(job: &QuantJob) -> (u64, u64, u64) {
+/// bytes apart, then the scale grid, row after row, unless another job owns the scale it shares),
+/// and the region's size (a multiple of 16).
+fn packed_places(job: &QuantJob, owns_scales: bool) -> (u64, u64, u64) {
     let pitch = job.cols.next_multiple_of(16);
     let codes = (job.rows * pitch).next_multiple_of(16);
     let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
     let scales = (grid_rows * grid_cols * job.quantization.scale_kind().size()).next_multiple_of(16);
-    (pitch, codes, codes + scales)
+    (pitch, codes, codes + if owns_scales { scales } else { 0 })
 }
 
 /// `jobs` pointed at packed buffers from `base` (16-byte aligned): each job's codes, then its scale
-/// grid, every start 16-byte aligned. Also the segments from there into the places the jobs name,
-/// two per job (codes, then scales). A function of the jobs and `base` only, so that two processes
-/// lay the same jobs out alike.
+/// grid, every start 16-byte aligned; jobs sharing a per-tensor scale (`scale_owners`) share its
+/// packed place too, so that they still share it. Also the segments from there into the places the
+/// jobs name, two per job (codes, then scales; a shared scale's only in its owner's pair, the others'
+/// empty). A function of the jobs and `base` only, so that two processes lay the same jobs out alike.
 pub(super) fn pack(jobs: &[QuantJob], base: u64) -> (Vec<QuantJob>, Vec<Segment>) {
+    let owners = scale_owners(jobs);
     let mut at = base;
-    let mut packed = Vec::with_capacity(jobs.len());
+    let mut packed: Vec<QuantJob> = Vec::with_capacity(jobs.len());
     let mut segments = Vec::with_capacity(2 * jobs.len());
-    for job in jobs {
-        let (pitch, codes_size, size) = packed_places(job);
+    for (index, job) in jobs.iter().enumerate() {
+        let owns_scales = owners[index] == index;
+        let (pitch, codes_size, size) = packed_places(job, owns_scales);
         let scale_size = job.quantization.scale_kind().size();
         let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
-        let into =
-            QuantJob { dst: at, dst_stride: pitch, scales: at + codes_size, scale_stride: grid_cols, ..*job };
+        let scales = if owns_scales { at + codes_size } else { packed[owners[index]].scales };
+        let into = QuantJob { dst: at, dst_stride: pitch, scales, scale_stride: grid_cols, ..*job };
         segments.push(Segment {
             src: into.dst,
             dst: job.dst,
@@ -396,13 +460,16 @@ pub(super) fn pack(jobs: &[QuantJob], base: u64) -> (Vec<QuantJob>, Vec<Segment>
             src_stride: [pitch, 0],
             dst_stride: [job.dst_stride, 0],
         });
-        segments.push(Segment {
-            src: into.scales,
-            dst: job.scales,
-            len: grid_cols * scale_size,
-            count: [grid_rows, 1],
-            src_stride: [grid_cols * scale_size, 0],
-            dst_stride: [job.scale_stride * scale_size, 0],
+        segments.push(match owns_scales {
+            true => Segment {
+                src: into.scales,
+                dst: job.scales,
+                len: grid_cols * scale_size,
+                count: [grid_rows, 1],
+                src_stride: [grid_cols * scale_size, 0],
+                dst_stride: [job.scale_stride * scale_size, 0],
+            },
+            false => Segment::default(),
         });
         packed.push(into);
         at += size;

@@ -717,11 +717,18 @@ unsafe fn write_stats(s: &PlanStats, stats: *mut PlanStats) -> Result<()> {
 /// row-major, 16-byte aligned with rows a multiple of 16 bytes: where the elements land to be
 /// quantized when they cannot be quantized where they are offered.
 ///
-/// A per-tensor or per-row scale is that of the box's matrix or row, not of the whole tensor's. An
-/// engine that scales a sharded weight as part of the whole one differs there: vLLM 0.33's online
-/// per-channel weights of a row-parallel layer, and its per-tensor weights of any tensor-parallel
-/// layer, take the amax across the tensor-parallel ranks. Blocks (128 x 128 inside a shard) and
-/// MXFP8 groups are the same either way.
+/// A per-tensor or per-row scale is that of the box's matrix or row, not of the whole tensor's, but
+/// for per-tensor needs of one process naming the same scale (a matrix's `scales + m *
+/// scale_matrix_stride`): those share it, computed from the amax of all their matrices (a fused QKV
+/// weight with one scale, whose q, k and v are separate tensors: three needs, one scale). They must
+/// be received on one device with one target and arithmetic (INVALID_ARGUMENT at planning, naming
+/// them). They are quantized in place when all of them can be, from one device of the receiver's
+/// process; otherwise every one of them is staged (each then needs staging: UNSUPPORTED naming the
+/// tensor and the needs it shares its scale with). An engine that scales a sharded weight as part
+/// of the whole one across processes differs: vLLM 0.33's online per-channel weights of a
+/// row-parallel layer, and its per-tensor weights of any tensor-parallel layer, take the amax across
+/// the tensor-parallel ranks. Blocks (128 x 128 inside a shard) and MXFP8 groups are the same
+/// either way.
 #[repr(C)]
 #[derive(Clone, Copy, Debug)]
 pub struct refit_need_quantization {
@@ -770,7 +777,7 @@ pub struct refit_need_quantization {
 /// as its codes and scales, also beside staging_limit) and its codes and scales compared with that
 /// on the device (VERIFY_MISMATCH names the tensor; refit_run_stats.verified_bytes counts them).
 /// refit_executor_create refuses codes or scales that share a byte with another quantized need's
-/// (OVERLAP), memory that is not the device's (INVALID_ARGUMENT, as for every address of a plan),
+/// (OVERLAP; but for per-tensor needs sharing one scale, above), memory that is not the device's (INVALID_ARGUMENT, as for every address of a plan),
 /// and an in-place path from a device that cannot write the receiver's memory (UNSUPPORTED: no
 /// peer access; give the need staging).
 /// refit_executor_rebind of a range that quantized needs read or write is UNSUPPORTED and changes

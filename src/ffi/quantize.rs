@@ -222,7 +222,10 @@ fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
 ///   element gives 0x7f.
 ///
 /// Per-tensor jobs need the whole matrix's amax first: on CUDA they take a second launch before the
-/// quantizing one (every other granularity: one launch for the whole batch). The kernel reads each
+/// quantizing one (every other granularity: one launch for the whole batch). Per-tensor jobs of one
+/// batch naming the same `scales` share that one scale: it is computed from the amax of all their
+/// elements and written once, and every code of theirs is quantized with it (a fused QKV weight
+/// with one scale, from separate q, k and v matrices). They must have one target and arithmetic. The kernel reads each
 /// source row in whole aligned 16-byte vectors, so up to 15 bytes past a row's last element (in the
 /// same 16 bytes) are read and ignored.
 ///
@@ -243,8 +246,9 @@ fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
 /// every byte in a live allocation of the rank's device or of a device it accesses directly, so host
 /// malloc memory and unmapped addresses are refused; on the host backend nothing in the first page),
 /// on the host backend a stream that is not a host stream or is another simulated device's; the
-/// message names the job and the field or region), OVERLAP (two destination matrices or
-/// scale grids, or a destination and a scale grid, share a byte; the message names them),
+/// message names the job and the field or region; per-tensor jobs sharing a scale with another
+/// target or arithmetic), OVERLAP (two destination matrices or scale grids, or a destination and a
+/// scale grid, share a byte, but for per-tensor jobs sharing one scale; the message names them),
 /// UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks; overlap checks over more
 /// interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
 /// loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs

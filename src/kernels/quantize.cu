@@ -23,7 +23,8 @@
 //   across the block (warp shuffles, then shared memory), compute the scale, and quantize what they
 //   hold (vectors beyond the cache are read again, from L2). Per-tensor jobs run in two launches:
 //   phase 1 reduces each slab and combines the slabs' amax with atomicMax on its bits into the job's
-//   word of `amax` (zeroed by the host); phase 2 quantizes with it. So a per-tensor job reads its
+//   word of `amax` (zeroed by the host; jobs sharing one scale share one word, amax_slot, and each
+//   writes the scale, atomically); phase 2 quantizes with it. So a per-tensor job reads its
 //   source twice: its memory bound is 5 bytes per 16-bit element, not the other granularities' 3.
 //
 // Occupancy: the memory system needs tens of KiB of loads in flight per SM, which here means tiles in
@@ -58,7 +59,7 @@ typedef unsigned short u16;
 #define QUANT_GROUP_ROUNDS 4u
 #define QUANT_INDEX_SHIFT 8u
 #define QUANT_CANONICAL_NAN 0x7fffffffu
-#define QUANT_DESC_BYTES 128u
+#define QUANT_DESC_BYTES 136u
 
 // Codes shared with src/kernels/quantize.rs.
 #define SRC_BF16 0u
@@ -87,6 +88,8 @@ struct QuantDesc {
     u32 min_amax;       // f32 bits: the floor under a block's amax before its fp32 scale
     u32 by_reciprocal;  // 1: quotients are x * RN(1 / scale) (else x / scale)
     u32 pow2_scales;    // 1: each finite fp32 scale rounded up to a power of two (UE8M0)
+    u32 amax_slot;      // per tensor: the amax word of every job sharing this one's scale
+    u32 reserved;
 };
 static_assert(sizeof(QuantDesc) == QUANT_DESC_BYTES, "QuantDesc must match the host's layout");
 
@@ -508,7 +511,7 @@ __device__ __forceinline__ u32 block_max(u32 amax) {
 // thread t's k-th at cache[k * QUANT_THREADS + t]), where they arrive without passing through
 // registers, so that registers do not bound the tiles in flight per SM; else in registers.
 template <u32 SRC, u32 CACHE, bool SHARED>
-__device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase, u32* job_amax, Vec* cache) {
+__device__ void quantize_block(const QuantDesc& d, u32 amax_slot, u64 block, u32 phase, u32* job_amax, Vec* cache) {
     constexpr u32 VE = Elements<SRC>::per_vector;
     constexpr u32 SIZE = Elements<SRC>::size;
     u64 grid_row, grid_col;
@@ -598,15 +601,17 @@ __device__ void quantize_block(const QuantDesc& d, u32 job, u64 block, u32 phase
     amax = block_max(amax);
     if (d.scale_kind == SCALE_TENSOR) {
         if (phase == 1) {
-            if (t == 0) atomicMax(job_amax + job, amax);
+            if (t == 0) atomicMax(job_amax + amax_slot, amax);
             return;
         }
-        amax = *(volatile u32*)(job_amax + job);
+        amax = *(volatile u32*)(job_amax + amax_slot);
     }
     const Scale scale = block_scale(d, amax);
-    if (t == 0 && (d.scale_kind != SCALE_TENSOR || block == 0)) {
-        store_scale(d, d.scale_kind == SCALE_TENSOR ? 0 : grid_row, d.scale_kind == SCALE_TENSOR ? 0 : grid_col,
-                    scale.stored);
+    if (t == 0 && d.scale_kind == SCALE_TENSOR && block == 0) {
+        // Every job sharing this scale writes it, the same bits: atomically, so that they do not race.
+        atomicExch(reinterpret_cast<u32*>(d.scales), scale.stored);
+    } else if (t == 0 && d.scale_kind != SCALE_TENSOR) {
+        store_scale(d, grid_row, grid_col, scale.stored);
     }
     if (whole) {
         unsigned char* out = dst + first_row * d.dst_stride + first_col;
@@ -776,13 +781,13 @@ __device__ void quantize_row(const QuantDesc& d, u64 row) {
 }
 
 template <u32 SRC, u32 CACHE, bool SHARED>
-__device__ void quantize_tile(const QuantDesc& d, u32 job, u64 tile, u32 phase, u32* job_amax, Vec* cache) {
+__device__ void quantize_tile(const QuantDesc& d, u32 amax_slot, u64 tile, u32 phase, u32* job_amax, Vec* cache) {
     if (d.mode == MODE_GROUP) {
         if (phase != 1) quantize_groups<SRC>(d, tile);
     } else if (!SHARED && whole_rows<SRC, CACHE>(d)) {
         if (phase != 1) quantize_row<SRC, CACHE>(d, tile);  // never per tensor: those are wide
     } else if (phase != 1 || d.scale_kind == SCALE_TENSOR) {
-        quantize_block<SRC, CACHE, SHARED>(d, job, tile, phase, job_amax, cache);
+        quantize_block<SRC, CACHE, SHARED>(d, amax_slot, tile, phase, job_amax, cache);
     }
 }
 
@@ -814,9 +819,11 @@ __device__ __forceinline__ void quantize_tiles(const QuantDesc* __restrict__ des
     const u32 lo = job_of(descs, njobs, tile);
     const QuantDesc d = descs[lo];
     const u64 local = tile - d.first_tile;
-    if (d.source == SRC_BF16) quantize_tile<SRC_BF16, CACHE, SHARED>(d, lo, local, phase, job_amax, cache);
-    else if (d.source == SRC_F16) quantize_tile<SRC_F16, CACHE, SHARED>(d, lo, local, phase, job_amax, cache);
-    else quantize_tile<SRC_F32, CACHE, SHARED>(d, lo, local, phase, job_amax, cache);
+    // Per-tensor jobs are the wide entry point's (SHARED) only: the narrow one never reads the slot.
+    const u32 slot = SHARED ? d.amax_slot : lo;
+    if (d.source == SRC_BF16) quantize_tile<SRC_BF16, CACHE, SHARED>(d, slot, local, phase, job_amax, cache);
+    else if (d.source == SRC_F16) quantize_tile<SRC_F16, CACHE, SHARED>(d, slot, local, phase, job_amax, cache);
+    else quantize_tile<SRC_F32, CACHE, SHARED>(d, slot, local, phase, job_amax, cache);
 }
 
 extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_WIDE_MIN_BLOCKS)

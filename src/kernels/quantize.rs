@@ -42,7 +42,7 @@ pub const GROUP_ROUNDS: u64 = 4;
 /// Tiles per entry of a batch's tile index (2^QUANT_INDEX_SHIFT): see [`Layout::index`].
 pub const INDEX_SHIFT: u32 = 8;
 
-/// A job as the kernel reads it (`struct QuantDesc` in the source; 128 bytes).
+/// A job as the kernel reads it (`struct QuantDesc` in the source; 136 bytes).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct QuantDesc {
@@ -71,6 +71,11 @@ pub struct QuantDesc {
     /// 1 where finite fp32 scales round up to powers of two
     /// ([`crate::quant::Arithmetic::power_of_two_scales`]).
     pub pow2_scales: u32,
+    /// Per tensor: the amax word the job reduces into and reads, shared by every job sharing its
+    /// scale ([`crate::quant::job::scale_owners`]: the descriptor of the first of them).
+    pub amax_slot: u32,
+    /// Zero: keeps the descriptor a multiple of 8 bytes, with no padding.
+    pub reserved: u32,
 }
 
 const MODE_BLOCK: u32 = 0;
@@ -108,7 +113,7 @@ impl Layout {
     /// The table the kernel reads: the descriptors, then the tile index (amax words follow it on
     /// the device).
     pub fn to_bytes(&self) -> Vec<u8> {
-        // SAFETY: QuantDesc is plain old data without padding (11 u64 then 10 u32).
+        // SAFETY: QuantDesc is plain old data without padding (11 u64 then 12 u32).
         let descs = unsafe {
             std::slice::from_raw_parts(
                 self.descs.as_ptr().cast::<u8>(),
@@ -132,9 +137,12 @@ impl Layout {
 /// has.
 pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     check_jobs(jobs)?;
+    let owners = crate::quant::job::scale_owners(jobs);
     let (mut narrow, mut wide) = (Vec::new(), Vec::new());
-    for job in jobs.iter().filter(|job| job.elements() > 0) {
-        let (desc, tiles) = describe(job);
+    for (index, job) in jobs.iter().enumerate().filter(|(_, job)| job.elements() > 0) {
+        let (mut desc, tiles) = describe(job);
+        // The job's number for now; its owner's descriptor number below.
+        desc.amax_slot = index as u32;
         let vectors_per_thread = u64::from(desc.block_rows)
             * u64::from(desc.block_cols).min(job.cols).div_ceil(job.vector_elements());
         let vectors_per_thread = vectors_per_thread.div_ceil(u64::from(THREADS));
@@ -147,17 +155,22 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     }
     let mut layout =
         Layout { narrow_tiles: narrow.iter().map(|&(_, tiles)| tiles).sum(), ..Layout::default() };
+    if jobs.len() > u32::MAX as usize {
+        return Err(Error::new(
+            Status::Unsupported,
+            format!("the batch has {} jobs, more than one launch indexes ({})", jobs.len(), u32::MAX),
+        ));
+    }
+    let mut descriptor_of_job = vec![0u32; jobs.len()];
     for (mut desc, tiles) in narrow.into_iter().chain(wide) {
+        descriptor_of_job[desc.amax_slot as usize] = layout.descs.len() as u32;
         desc.first_tile = layout.tiles;
         layout.tiles += tiles;
         layout.per_tensor |= desc.scale_kind == SCALE_TENSOR;
         layout.descs.push(desc);
     }
-    if layout.descs.len() > u32::MAX as usize {
-        return Err(Error::new(
-            Status::Unsupported,
-            format!("the batch has {} jobs, more than one launch indexes ({})", layout.descs.len(), u32::MAX),
-        ));
+    for desc in &mut layout.descs {
+        desc.amax_slot = descriptor_of_job[owners[desc.amax_slot as usize]];
     }
     layout.index = tile_index(&layout.descs, layout.tiles);
     if layout.tiles > i32::MAX as u64 {

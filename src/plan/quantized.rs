@@ -335,6 +335,7 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
             b.1.addr,
         ))
     });
+    let ties = ScaleTies::of(&needs, &sources)?;
     for (number, (spec, q)) in needs.into_iter().enumerate() {
         let g = q.geometry(spec)?;
         hash_need(&mut digest, spec, q);
@@ -342,8 +343,11 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
             continue;
         }
         let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
-        let in_place = direct_pieces(q, &g, offers, Pieces::ReceiversProcess)
-            .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: number }));
+        let in_place = match ties.why_staged(number) {
+            Some(why) => Err(why),
+            None => direct_pieces(q, &g, offers, Pieces::ReceiversProcess)
+                .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: number })),
+        };
         let routes = match in_place {
             Ok(pieces) => direct_routes(spec, q, &g, &pieces, &mut budget)?,
             Err(why) if q.staging == 0 => {
@@ -382,6 +386,98 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
     planned.shadow = shadow.into_table();
     planned.fingerprint = digest.finish();
     Ok(planned)
+}
+
+/// Per-tensor needs of one process naming the same scale: one scale for all of them, from the amax of
+/// all their elements (a fused `qkv` received from separate q, k and v). Their jobs must run in one
+/// batch of one device (`crate::quant::job::scale_owners`), so such needs are quantized in place only
+/// when every one of them is, in the receiver's process and from one device; else all of them are
+/// staged on the receiver.
+struct ScaleTies {
+    /// By need: its set's number (that of its first need), for needs that share a scale.
+    set: Vec<Option<usize>>,
+    /// By set: why its needs are staged (None: they are quantized in place, from one device).
+    staged: HashMap<usize, String>,
+}
+
+impl ScaleTies {
+    fn of(needs: &[(&TensorSpec, &QuantNeed)], sources: &HashMap<&str, Vec<Source>>) -> Result<ScaleTies> {
+        // Union-find over the needs, joined through each scale address.
+        let mut parent: Vec<usize> = (0..needs.len()).collect();
+        fn root(parent: &mut [usize], mut i: usize) -> usize {
+            while parent[i] != i {
+                parent[i] = parent[parent[i]];
+                i = parent[i];
+            }
+            i
+        }
+        let mut first_at: HashMap<(u32, u64), usize> = HashMap::new();
+        for (i, (spec, q)) in needs.iter().enumerate() {
+            if q.quantization.granularity != crate::quant::Granularity::Tensor {
+                continue;
+            }
+            let g = q.geometry(spec)?;
+            if g.whole().is_empty(g.n) {
+                continue;
+            }
+            for m in 0..g.matrices() {
+                let scale =
+                    m.wrapping_mul(q.scale_matrix_stride).wrapping_mul(q.quantization.scale_kind().size());
+                let addr = q.scales.wrapping_add(scale);
+                let j = *first_at.entry((q.receiver.process, addr)).or_insert(i);
+                let (a, b) = (root(&mut parent, i), root(&mut parent, j));
+                parent[a.max(b)] = a.min(b);
+            }
+        }
+        let mut members: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
+        for i in 0..needs.len() {
+            let r = root(&mut parent, i);
+            members.entry(r).or_default().push(i);
+        }
+        let mut ties = ScaleTies { set: vec![None; needs.len()], staged: HashMap::new() };
+        for (first, set) in members.into_iter().filter(|(_, set)| set.len() > 1) {
+            let names: Vec<String> = set.iter().map(|&i| format!("'{}'", needs[i].0.name)).collect();
+            let names = names.join(", ");
+            let (_, lead) = needs[first];
+            for &i in &set {
+                let (spec, q) = needs[i];
+                if q.receiver != lead.receiver || q.quantization != lead.quantization {
+                    return Err(Error::invalid_argument(format!(
+                        "quantized needs of tensors {names} share a per-tensor scale but differ in {}: needs sharing \
+                         a scale are received on one device and take one target and arithmetic (tensor '{}')",
+                        if q.receiver != lead.receiver { "receiving device" } else { "quantization" },
+                        spec.name
+                    )));
+                }
+                ties.set[i] = Some(first);
+            }
+            // Quantized in place when every need's pieces are in the receiver's process on one device.
+            let runners: Vec<Option<Endpoint>> = set
+                .iter()
+                .map(|&i| {
+                    let (spec, q) = needs[i];
+                    let g = q.geometry(spec).ok()?;
+                    let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+                    let pieces = direct_pieces(q, &g, offers, Pieces::ReceiversProcess).ok()?;
+                    let owner = pieces.first()?.owner;
+                    pieces.iter().all(|p| p.owner == owner).then_some(owner)
+                })
+                .collect();
+            if runners.iter().any(|r| r.is_none() || *r != runners[0]) {
+                let why = format!(
+                    "it shares its per-tensor scale with {names}, not all of which can be quantized in place from \
+                     one device of the receiver's process"
+                );
+                ties.staged.insert(first, why);
+            }
+        }
+        Ok(ties)
+    }
+
+    /// Why need `number` is staged for the scale it shares, if it is.
+    fn why_staged(&self, number: usize) -> Option<String> {
+        self.set[number].and_then(|set| self.staged.get(&set).cloned())
+    }
 }
 
 fn hash_need(h: &mut Fnv1a, spec: &TensorSpec, q: &QuantNeed) {

@@ -356,14 +356,59 @@ pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
     Ok(())
 }
 
+/// For each job, the job whose per-tensor scale it takes: the first of `jobs` that is per tensor and
+/// names the same `scales` as it (itself when none comes before it; every job that is not per
+/// tensor, or has no elements, is its own). Jobs sharing a scale share one amax, that of all their
+/// elements: a per-tensor scale is the scale of everything that writes it (one scale for a fused
+/// `qkv` whose q, k and v arrive as separate jobs). The first job of each such set writes the scale.
+pub fn scale_owners(jobs: &[QuantJob]) -> Vec<usize> {
+    let mut first: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    jobs.iter()
+        .enumerate()
+        .map(|(index, job)| match job.quantization.granularity == Granularity::Tensor && job.elements() > 0 {
+            true => *first.entry(job.scales).or_insert(index),
+            false => index,
+        })
+        .collect()
+}
+
 /// Checks every job ([`check_job`]) and that no byte is written twice: no destination matrix or scale
-/// grid overlaps another or itself (`Overlap`, naming the jobs). Sources are only read; a source that
-/// overlaps a destination is the caller's error (what is read is then undefined).
+/// grid overlaps another or itself (`Overlap`, naming the jobs), but for per-tensor jobs naming the
+/// same scale ([`scale_owners`]), which must quantize alike (target and arithmetic;
+/// `InvalidArgument` otherwise). Sources are only read; a source that overlaps a destination is the
+/// caller's error (what is read is then undefined).
 pub fn check_jobs(jobs: &[QuantJob]) -> Result<()> {
     for (index, job) in jobs.iter().enumerate() {
         check_job(index, job)?;
     }
-    let written: Vec<Segment> = jobs.iter().flat_map(QuantJob::written).collect();
+    let owners = scale_owners(jobs);
+    for (index, &owner) in owners.iter().enumerate() {
+        let (job, first) = (&jobs[index], &jobs[owner]);
+        if job.quantization != first.quantization {
+            return Err(invalid(
+                index,
+                format!(
+                    "it shares jobs[{owner}]'s per-tensor scale at {:#x} but quantizes differently (target {:?}, \
+                     arithmetic {} against {:?}, {}): jobs sharing a scale take one target and arithmetic",
+                    job.scales,
+                    job.quantization.target,
+                    job.quantization.arithmetic.code(),
+                    first.quantization.target,
+                    first.quantization.arithmetic.code()
+                ),
+            ));
+        }
+    }
+    // A shared scale is written once (by its owner): only the owner's scale segment is checked.
+    let written: Vec<Segment> = jobs
+        .iter()
+        .zip(&owners)
+        .enumerate()
+        .flat_map(|(index, (job, &owner))| {
+            let [matrix, scales] = job.written();
+            [matrix, if owner == index { scales } else { Segment::default() }]
+        })
+        .collect();
     check_destinations(&written).map_err(|err| {
         if err.status != Status::Overlap {
             return err;

@@ -124,6 +124,17 @@ impl SourceMatrix<'_> {
     }
 }
 
+/// The amax of every element of `source`, as f32 bits ([`magnitude_bits`]; NaN propagates).
+pub fn amax_of(source: &SourceMatrix) -> u32 {
+    let mut amax = 0u32;
+    for r in 0..source.rows {
+        for c in 0..source.cols {
+            amax = amax.max(magnitude_bits(source.get(r, c)));
+        }
+    }
+    amax
+}
+
 /// Quantizes `source` into `dst` (element (r, c) at `r * dst_stride + c`) and `scales` (scale (i, j)
 /// at `(i * scale_stride + j) * size(scale)`, f32 little-endian or e8m0 bytes). Bytes of `dst` and
 /// `scales` outside those positions are left alone. The slices must hold every position (panics
@@ -136,6 +147,21 @@ pub fn quantize(
     scales: &mut [u8],
     scale_stride: u64,
 ) {
+    quantize_with(quantization, source, dst, dst_stride, Some(scales), scale_stride, None);
+}
+
+/// [`quantize`], with a per-tensor scale shared with other matrices: `tensor_amax` (f32 bits), when
+/// given, is the amax of all of them (this one's included), and `scales` None leaves the scale to
+/// the one that writes it. Other granularities ignore `tensor_amax`.
+pub fn quantize_with(
+    quantization: super::job::Quantization,
+    source: &SourceMatrix,
+    dst: &mut [u8],
+    dst_stride: u64,
+    mut scales: Option<&mut [u8]>,
+    scale_stride: u64,
+    tensor_amax: Option<u32>,
+) {
     let (rows, cols) = (source.rows, source.cols);
     if rows == 0 || cols == 0 {
         return;
@@ -143,16 +169,20 @@ pub fn quantize(
     let (block_rows, block_cols) = quantization.block_shape(rows, cols);
     let (grid_rows, grid_cols) = quantization.scale_grid(rows, cols);
     let kind = quantization.scale_kind();
+    let given = tensor_amax.filter(|_| quantization.granularity == super::Granularity::Tensor);
     for i in 0..grid_rows {
         for j in 0..grid_cols {
             let row_range = i * block_rows..((i + 1) * block_rows).min(rows);
             let col_range = j * block_cols..((j + 1) * block_cols).min(cols);
-            let mut amax = 0u32;
-            for r in row_range.clone() {
-                for c in col_range.clone() {
-                    amax = amax.max(magnitude_bits(source.get(r, c)));
+            let amax = given.unwrap_or_else(|| {
+                let mut amax = 0u32;
+                for r in row_range.clone() {
+                    for c in col_range.clone() {
+                        amax = amax.max(magnitude_bits(source.get(r, c)));
+                    }
                 }
-            }
+                amax
+            });
             let scale = block_scale(quantization.target, kind, quantization.arithmetic, amax);
             for r in row_range.clone() {
                 for c in col_range.clone() {
@@ -160,6 +190,7 @@ pub fn quantize(
                     dst[(r * dst_stride + c) as usize] = code;
                 }
             }
+            let Some(scales) = scales.as_deref_mut() else { continue };
             let at = ((i * scale_stride + j) * kind.size()) as usize;
             match kind {
                 ScaleKind::F32 => scales[at..at + 4].copy_from_slice(&scale.stored.to_le_bytes()),
@@ -169,37 +200,75 @@ pub fn quantize(
     }
 }
 
-/// Runs `job` over host memory: the host backend's quantizing copy.
+/// The source matrix `job` reads, over host memory.
+///
+/// # Safety
+/// The job has passed [`super::job::check_jobs`] and its source rows are host memory valid for `'a`.
+pub unsafe fn host_source<'a>(job: &QuantJob) -> SourceMatrix<'a> {
+    let size = job.source.size();
+    let src_len =
+        if job.elements() == 0 { 0 } else { (job.rows - 1) * job.src_stride * size + job.cols * size };
+    // SAFETY: the caller's promise; the length is what check_jobs found to fit.
+    let bytes = unsafe { std::slice::from_raw_parts(job.src as usize as *const u8, src_len as usize) };
+    SourceMatrix { bytes, source: job.source, rows: job.rows, cols: job.cols, stride: job.src_stride }
+}
+
+/// A per-tensor scale `job` shares with other jobs ([`super::job::scale_owners`]): the amax of all
+/// of them, and whether this job writes the scale (its owner does).
+#[derive(Clone, Copy, Debug)]
+pub struct SharedScale {
+    pub amax: u32,
+    pub writes: bool,
+}
+
+/// Runs `job` over host memory: the host backend's quantizing copy. `shared` is its per-tensor
+/// scale's, when other jobs share it.
 ///
 /// # Safety
 /// The job has passed [`super::job::check_jobs`], and every byte it reads (the source rows, rounded up
 /// to 16 bytes) and writes is host memory valid for the call; no written byte is read.
-pub unsafe fn quantize_host_job(job: &QuantJob) {
+pub unsafe fn quantize_host_job(job: &QuantJob, shared: Option<SharedScale>) {
     if job.elements() == 0 {
         return;
     }
-    let size = job.source.size();
-    let src_len = (job.rows - 1) * job.src_stride * size + job.cols * size;
     let dst_len = (job.rows - 1) * job.dst_stride + job.cols;
     let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
     let scale_bytes = job.quantization.scale_kind().size();
     let scale_len = ((grid_rows - 1) * job.scale_stride + grid_cols) * scale_bytes;
     // SAFETY: the caller's promise; the lengths are those check_jobs found to fit.
-    let (src, dst, scales) = unsafe {
-        (
-            std::slice::from_raw_parts(job.src as usize as *const u8, src_len as usize),
-            std::slice::from_raw_parts_mut(job.dst as usize as *mut u8, dst_len as usize),
-            std::slice::from_raw_parts_mut(job.scales as usize as *mut u8, scale_len as usize),
-        )
+    let (source, dst) = unsafe {
+        (host_source(job), std::slice::from_raw_parts_mut(job.dst as usize as *mut u8, dst_len as usize))
     };
-    let source = SourceMatrix {
-        bytes: src,
-        source: job.source,
-        rows: job.rows,
-        cols: job.cols,
-        stride: job.src_stride,
+    let scales = match shared {
+        Some(SharedScale { writes: false, .. }) => None,
+        // SAFETY: as above; only the owner of a shared scale writes it.
+        _ => Some(unsafe {
+            std::slice::from_raw_parts_mut(job.scales as usize as *mut u8, scale_len as usize)
+        }),
     };
-    quantize(job.quantization, &source, dst, job.dst_stride, scales, job.scale_stride);
+    let amax = shared.map(|s| s.amax);
+    quantize_with(job.quantization, &source, dst, job.dst_stride, scales, job.scale_stride, amax);
+}
+
+/// Each of `jobs`' shared per-tensor scale ([`super::job::scale_owners`]): Some for a job whose scale
+/// another job also names, None for a job whose scale is its own.
+///
+/// # Safety
+/// The jobs have passed [`super::job::check_jobs`] and their source rows are host memory valid for
+/// the call.
+pub unsafe fn shared_scales(jobs: &[QuantJob]) -> Vec<Option<SharedScale>> {
+    let owners = super::job::scale_owners(jobs);
+    let mut members = vec![0usize; jobs.len()];
+    owners.iter().for_each(|&owner| members[owner] += 1);
+    let mut amax = vec![0u32; jobs.len()];
+    for (job, &owner) in jobs.iter().zip(&owners).filter(|(_, &owner)| members[owner] > 1) {
+        // SAFETY: the caller's promise.
+        amax[owner] = amax[owner].max(amax_of(&unsafe { host_source(job) }));
+    }
+    let shared = |(index, &owner): (usize, &usize)| {
+        (members[owner] > 1).then_some(SharedScale { amax: amax[owner], writes: index == owner })
+    };
+    owners.iter().enumerate().map(shared).collect()
 }
 
 /// `job` cut into bands of whole scale-block rows, about `bands` of them (one for a per-tensor job,

@@ -319,18 +319,27 @@ impl PreparedQuantize for HostQuantize {
 unsafe fn quantize_on(queue: &HostStream, jobs: Arc<Vec<crate::quant::QuantJob>>) -> Result<()> {
     // SAFETY: the caller keeps the memory valid until the work has run, which this call waits for.
     queue.enqueue(move || {
+        use crate::quant::reference::{quantize_host_job, row_bands, shared_scales};
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
-        let bands: Vec<_> =
-            jobs.iter().flat_map(|job| crate::quant::reference::row_bands(job, threads as u64)).collect();
+        // SAFETY: the caller keeps the memory valid until the work has run.
+        let shared = unsafe { shared_scales(&jobs) };
+        let bands: Vec<_> = jobs
+            .iter()
+            .zip(shared)
+            .flat_map(|(job, scale)| {
+                row_bands(job, threads as u64).into_iter().map(move |band| (band, scale))
+            })
+            .collect();
         let next = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|scope| {
             for _ in 0..threads.min(bands.len()) {
                 scope.spawn(|| loop {
                     let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some(band) = bands.get(i) else { return };
+                    let Some((band, scale)) = bands.get(i) else { return };
                     // SAFETY: the caller keeps the memory valid until the work has run (waited
-                    // for below); the bands of checked jobs write disjoint bytes.
-                    unsafe { crate::quant::reference::quantize_host_job(band) };
+                    // for below); the bands of checked jobs write disjoint bytes (a shared scale
+                    // only its owner writes).
+                    unsafe { quantize_host_job(band, *scale) };
                 });
             }
         });

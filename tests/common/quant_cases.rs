@@ -276,3 +276,85 @@ pub fn standard_cases(seed: u64, large: bool) -> Vec<Case> {
     let _ = MX_BLOCK;
     cases
 }
+
+/// Per-tensor cases for jobs that share one scale (a fused `qkv` whose parts arrive as separate
+/// jobs): bf16, f32 and f16 matrices of different shapes, one of several slabs (so several thread
+/// blocks reduce it), padded strides, of the target and arithmetic given. The magnitudes differ from
+/// case to case, so that each case alone gets a scale of its own.
+pub fn shared_scale_cases(seed: u64, target: Fp8, arithmetic: Arithmetic) -> Vec<Case> {
+    let mut rng = Rng::new(seed);
+    let shapes = [(SourceType::Bf16, 130, 264, 0), (SourceType::F32, 5, 24, 1), (SourceType::F16, 13, 40, 1)];
+    shapes
+        .iter()
+        .enumerate()
+        .map(|(i, &(source, rows, cols, pad))| {
+            let mut c =
+                case(&mut rng, &format!("shared {i}"), target, Granularity::Tensor, source, rows, cols, pad);
+            c.quantization = c.quantization.with(arithmetic);
+            // Ordinary values scaled by 4^i: each case's amax its own.
+            for r in 0..rows {
+                for col in 0..cols {
+                    let at = ((r * c.src_stride + col) * source.size()) as usize;
+                    let x = element(&mut rng, 2 * i as i32, false);
+                    put(source, &mut c.data.bytes_mut()[at..], x);
+                }
+            }
+            c
+        })
+        .collect()
+}
+
+/// What jobs over `cases` sharing one per-tensor scale write: each case's codes (its destination
+/// buffer, from [`SENTINEL`]) and the one scale, from the amax of every element of all of them,
+/// taken here element by element.
+pub fn expected_shared(cases: &[Case]) -> (Vec<Vec<u8>>, [u8; 4]) {
+    use refit::quant::reference::{block_scale, magnitude_bits, quantize_element};
+    fn matrix(c: &Case) -> SourceMatrix<'_> {
+        SourceMatrix {
+            bytes: c.data.bytes(),
+            source: c.source,
+            rows: c.rows,
+            cols: c.cols,
+            stride: c.src_stride,
+        }
+    }
+    let mut amax = 0u32;
+    for c in cases {
+        let m = matrix(c);
+        for r in 0..c.rows {
+            for col in 0..c.cols {
+                amax = amax.max(magnitude_bits(m.get(r, col)));
+            }
+        }
+    }
+    let q = cases[0].quantization;
+    let scale = block_scale(q.target, q.scale_kind(), q.arithmetic, amax);
+    let codes = cases
+        .iter()
+        .map(|c| {
+            let (m, mut dst) = (matrix(c), vec![SENTINEL; c.dst_len()]);
+            for r in 0..c.rows {
+                for col in 0..c.cols {
+                    dst[(r * c.dst_stride + col) as usize] =
+                        quantize_element(q.target, m.get(r, col), &scale);
+                }
+            }
+            dst
+        })
+        .collect();
+    (codes, scale.stored.to_le_bytes())
+}
+
+/// Checks what jobs over `cases` sharing one per-tensor scale wrote (`codes` by case, `scale`)
+/// against [`expected_shared`], and that the sharing mattered: some case alone gets another scale.
+pub fn check_shared(cases: &[Case], codes: &[Vec<u8>], scale: &[u8], by: &str) {
+    let (want_codes, want_scale) = expected_shared(cases);
+    assert_eq!(scale, want_scale.as_slice(), "{by}: the shared scale");
+    for ((c, got), want) in cases.iter().zip(codes).zip(&want_codes) {
+        if let Some(at) = (0..want.len()).find(|&i| got[i] != want[i]) {
+            let (row, col) = (at as u64 / c.dst_stride, at as u64 % c.dst_stride);
+            panic!("{by}: {}: element ({row}, {col}): {:#04x}, expected {:#04x}", c.name, got[at], want[at]);
+        }
+    }
+    assert!(cases.iter().any(|c| c.expected().1 != want_scale), "every case alone has the shared scale");
+}

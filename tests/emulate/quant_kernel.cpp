@@ -4,11 +4,17 @@
 // phase-2 launch over [narrow_tiles, tiles).
 #include "runtime.hpp"
 
-// atomicMax as the other emulated atomics: only one coroutine runs at a time.
+// atomicMax and atomicExch as the other emulated atomics: only one coroutine runs at a time.
 template <typename T>
 inline T atomicMax(T* p, T v) {
     T old = *p;
     if (v > old) *p = v;
+    return old;
+}
+template <typename T>
+inline T atomicExch(T* p, T v) {
+    T old = *p;
+    *p = v;
     return old;
 }
 
