@@ -360,7 +360,9 @@ pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
 /// names the same `scales` as it (itself when none comes before it; every job that is not per
 /// tensor, or has no elements, is its own). Jobs sharing a scale share one amax, that of all their
 /// elements: a per-tensor scale is the scale of everything that writes it (one scale for a fused
-/// `qkv` whose q, k and v arrive as separate jobs). The first job of each such set writes the scale.
+/// `qkv` whose q, k and v arrive as separate jobs). The first job of each such set owns the scale:
+/// only its scale grid is checked for overlaps, and only it writes the scale where one writer is
+/// wanted (the host reference; the GPU's jobs each write the same bits atomically).
 pub fn scale_owners(jobs: &[QuantJob]) -> Vec<usize> {
     let mut first: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
     jobs.iter()
