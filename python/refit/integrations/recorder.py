@@ -233,6 +233,11 @@ class _Mode:
         self.staged: Dict[str, str] = {}
         self.staged_params: Dict[str, set] = {}
         self.params_written_by_staged: set = set()
+        # Parameter storage -> checkpoint tensors the loader has put there (boxes or staged): a
+        # loader that reads a parameter back after writing it (Mamba2's A = -exp(A_log), computed
+        # on the parameter) computes from those tensors.
+        self.param_sources: Dict[int, set] = {}
+        self.param_keys: Dict[str, int] = {}  # parameter name -> its storage
         self._tracked: set = set()
         # Every tensor whose storage is a key here stays alive while recording: a freed storage's
         # address can come back as a new tensor's (vLLM's online quantization allocates and frees
@@ -284,6 +289,11 @@ class _Mode:
             self._tracked.add(key)
             self.keep_alive(tensor)
 
+    def wrote_param(self, key: int, names: Iterable[str]) -> None:
+        """The loader put (something computed from) `names` into the parameter of storage `key`."""
+        self.param_sources.setdefault(key, set()).update(names)
+        self._tracked.add(key)
+
     def sources(self, values: Iterable[Any]) -> Tuple[set, List[str]]:
         names: set = set()
         reasons: List[str] = []
@@ -291,16 +301,22 @@ class _Mode:
             view, taint = self.resolve(value)
             if view is not None and self.roots[view.root].kind == "checkpoint":
                 names.add(self.roots[view.root].name)
+            elif view is not None and self.param_sources.get(view.root):
+                names |= self.param_sources[view.root]
+                reasons.append(f"read back from {self.roots[view.root].name} after the loader wrote it")
             elif taint is not None:
                 names |= taint[0]
                 reasons.append(taint[1])
         return names, reasons
 
     def stage(self, names: Iterable[str], reason: str, param: Optional[str] = None) -> None:
+        names = list(names)
         for name in names:
             self.staged.setdefault(name, reason)
             if param is not None:
                 self.staged_params.setdefault(name, set()).add(param)
+        if param is not None:
+            self.wrote_param(self.param_keys[param], names)
 
 
 def _make_mode_class() -> Any:
@@ -392,7 +408,9 @@ def _make_mode_class() -> Any:
                 if source is not None:
                     state.remember_copy(outputs[0], source)
                     return out
-            if func is aten._to_copy.default and single and not same_type:
+            if reasons and reasons[0].startswith("read back from"):
+                why = reasons[0]
+            elif func is aten._to_copy.default and single and not same_type:
                 why = "dtype conversion"
             elif reasons:
                 why = reasons[0]
@@ -447,11 +465,16 @@ def _make_mode_class() -> Any:
                     state.params_written_by_staged.add(root.name)
                 return
             source_root = state.roots[source.root]
+            if source_root.kind == "param":  # one parameter's elements copied into another
+                state.stage(state.param_sources.get(source.root, ()), f"read back from {source_root.name} after the loader wrote it", root.name)
+                state.params_written_by_staged.add(root.name)
+                return
             if src.dtype != dst.dtype:
                 state.stage([source_root.name], "dtype conversion", root.name)
                 state.params_written_by_staged.add(root.name)
                 return
             state.copies.append((source_root.name, source, root.name, target))
+            state.wrote_param(target.root, [source_root.name])
 
     return RecordingMode
 
@@ -488,6 +511,7 @@ def record(
     keep: List[Any] = []  # the stand-ins stay alive, so no storage key is reused while recording
     for name, tensor in params:
         state.roots[_storage_key(tensor)] = _Root("param", name, int(tensor.storage_offset()), tuple(tensor.shape))
+        state.param_keys[name] = _storage_key(tensor)
         state.keep_alive(tensor.detach())  # its storage, even where the loader rebinds the parameter's data
     order = list(specs.values())
     for spec in order:

@@ -204,6 +204,35 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual(recording.staged, {"bias": "changed in place by zero_", "copied": "changed in place by fill_"})
         self.assertEqual([layout.name for layout in recording.layouts], ["p_plain"])
 
+
+    def test_a_parameter_read_back_after_the_loader_wrote_it_is_staged(self):
+        """vLLM's Mamba2 loader (MambaMixer2's A: composed_weight_loader) copies A_log's rows into
+        the parameter, then writes -exp(parameter) over it: the parameter does not hold A_log's
+        elements. So for an in-place change of a written parameter, and for one parameter's
+        elements copied into another; a parameter only read (a sum) keeps its boxes."""
+        specs = {name: ((4, 2), torch.float32) for name in ("a_log", "scaled", "first", "plain")}
+        make = lambda device: {name: torch.empty(2, 2, device=device) for name in ("p_a", "p_scaled", "p_first", "p_second", "p_plain")}  # noqa: E731
+
+        def loader(params):
+            def load(items):
+                for name, t in items:
+                    p = params["p_" + {"a_log": "a"}.get(name, name)]
+                    p.copy_(t[2:])  # a box
+                    if name == "a_log":
+                        p.copy_(-torch.exp(p / 1000.0))
+                    elif name == "scaled":
+                        p.mul_(2.0)
+                    elif name == "first":
+                        params["p_second"].copy_(p)
+                    else:
+                        p.sum()
+
+            return load
+
+        recording, _, _ = install(self, make, loader, specs)
+        self.assertEqual(set(recording.staged), {"a_log", "scaled", "first"})
+        self.assertEqual(recording.staged_params["first"], ["p_first", "p_second"])
+        self.assertEqual([layout.name for layout in recording.layouts], ["p_plain"])
     def test_recordings_are_cached_per_parameters_checkpoint_and_key(self):
         specs = [TensorSpec("w", (2, 2), torch.float32)]
         params = {"p": torch.empty(2, 2, device="meta")}
