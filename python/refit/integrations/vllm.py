@@ -129,15 +129,48 @@ def _building(vllm_config: Any) -> Iterator[None]:
 
 def build_meta_model(vllm_config: Any) -> Any:
     """The worker's model class built again on the meta device (no memory), for recording: every
-    parameter on meta, those vLLM builds on a real device regardless included (meta_only)."""
+    parameter on meta, those vLLM builds on a real device regardless included (meta_only).
+
+    A class whose constructor reads values it computes (Bloom's ALiBi slopes, `.tolist()`;
+    Apertus's xIELU, `.item()`) cannot be built under the meta device: it is built again with the
+    tensors it makes from values on the host (_values_on_host), everything else on meta."""
     import torch
     from vllm.model_executor.model_loader.utils import initialize_model  # type: ignore[import-not-found]
 
-    with _building(vllm_config), torch.device("meta"):
-        model = initialize_model(vllm_config=vllm_config)
+    try:
+        with _building(vllm_config), torch.device("meta"):
+            model = initialize_model(vllm_config=vllm_config)
+    except Exception as error:
+        log.info("refit: %s cannot be built on the meta device (%s: %s); built with the values it computes on the host",
+                 vllm_config.model_config.architectures, type(error).__name__, error)
+        with _building(vllm_config), _values_on_host():
+            model = initialize_model(vllm_config=vllm_config)
     forget_pp_layers(model)
     meta_only(model)
     return model
+
+
+@contextlib.contextmanager
+def _values_on_host() -> Iterator[None]:
+    """The meta device for every tensor made without a device, but those made from values (tensor,
+    arange, linspace, ...): what a constructor computes from them (ALiBi slopes, a scalar it reads
+    with item()) stays on the host and readable. A parameter made so is moved by meta_only."""
+    import torch
+    from torch.overrides import TorchFunctionMode
+    from torch.utils._device import _device_constructors
+
+    from_values = {torch.tensor, torch.as_tensor, torch.asarray, torch.arange, torch.range, torch.linspace, torch.logspace, torch.scalar_tensor}
+    on_meta = {f for f in _device_constructors() if f not in from_values}
+
+    class Mode(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            kwargs = dict(kwargs or {})
+            if func in on_meta and kwargs.get("device") is None:
+                kwargs["device"] = "meta"
+            return func(*args, **kwargs)
+
+    with Mode():
+        yield
 
 
 def meta_only(model: Any) -> List[str]:

@@ -2,14 +2,16 @@
 each is tried at. Sizes are small but keep what matters: grouped kv heads (replicated when TP
 exceeds them), biases, tied embeddings, a vocabulary that TP does not divide, MoE with and without
 shared experts and expert groups, dense layers before MoE ones; fused checkpoint tensors (Phi-3,
-GraniteMoE, GPT-2's Conv1D), hybrid attention (Qwen3-Next) and vLLM's Transformers modeling
-backend (OLMo 2, GPT-BigCode)."""
+GraniteMoE, GPT-2's Conv1D, Bloom, Llama 4's experts), hybrid attention (Qwen3-Next), state-space
+layers (Mamba, Mamba2, Jamba, Falcon-H1, Nemotron-H, GraniteMoeHybrid, Zamba2: A computed from
+A_log), constructors that read values (Bloom, Apertus) and vLLM's Transformers modeling backend
+(OLMo 2, GPT-BigCode, GPT-NeoX, Phi, HunYuan MoE)."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List
 
-from vllm_harness import Parallel
+from vllm_harness import HandWritten, Parallel
 
 COMMON = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
@@ -224,6 +226,295 @@ def qwen3_next() -> Any:
     )
 
 
+def bloom() -> Any:
+    from transformers import BloomConfig
+
+    # Fused query_key_value, ALiBi: vLLM's BloomAttention reads its slopes (tolist) when built,
+    # which the meta device cannot give (build_meta_model builds it again, values on the host).
+    return BloomConfig(hidden_size=32, n_head=4, n_layer=2, vocab_size=100)
+
+
+def apertus() -> Any:
+    from transformers import ApertusConfig
+
+    # xIELU activation: parameters and buffers the constructor reads back with item().
+    return ApertusConfig(intermediate_size=64, num_hidden_layers=2, vocab_size=100, **COMMON)
+
+
+def stablelm() -> Any:
+    from transformers import StableLmConfig
+
+    # (qk_layernorm: vLLM's StablelmAttention has no such norms and its loader refuses them.)
+    return StableLmConfig(intermediate_size=64, num_hidden_layers=2, vocab_size=100, use_qkv_bias=True, partial_rotary_factor=0.5, **COMMON)
+
+
+def cohere() -> Any:
+    from transformers import CohereConfig
+
+    # Per-head q/k norms (use_qk_norm), tied embeddings, LayerNorm without bias.
+    return CohereConfig(intermediate_size=64, num_hidden_layers=2, vocab_size=100, use_qk_norm=True, **COMMON)
+
+
+def cohere2() -> Any:
+    from transformers import Cohere2Config
+
+    return Cohere2Config(intermediate_size=64, num_hidden_layers=2, vocab_size=100, sliding_window=64, **COMMON)
+
+
+def exaone4() -> Any:
+    from transformers import Exaone4Config
+
+    return Exaone4Config(intermediate_size=64, num_hidden_layers=2, vocab_size=100, sliding_window=64, **COMMON)
+
+
+def nemotron() -> Any:
+    from transformers import NemotronConfig
+
+    # LayerNorm1p, partial rotary, a plain up/down MLP.
+    return NemotronConfig(intermediate_size=64, num_hidden_layers=2, vocab_size=100, partial_rotary_factor=0.5, **COMMON)
+
+
+def minicpm3() -> Any:
+    from transformers import MiniCPM3Config
+
+    # MLA with q LoRA, muP scales.
+    return MiniCPM3Config(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, intermediate_size=64,
+        num_hidden_layers=2, vocab_size=100, q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8,
+    )
+
+
+def opt() -> Any:
+    from transformers import OPTConfig
+
+    # Learned positions with an offset of 2, biases everywhere.
+    return OPTConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=2, ffn_dim=64, vocab_size=100, word_embed_proj_dim=32, max_position_embeddings=256)
+
+
+def gemma() -> Any:
+    from transformers import GemmaConfig
+
+    return GemmaConfig(intermediate_size=64, num_hidden_layers=2, vocab_size=100, head_dim=8, **COMMON)
+
+
+def gemma3n() -> Any:
+    from transformers import Gemma3nTextConfig
+
+    # AltUp projections, LAuReL, per-layer input embeddings.
+    return Gemma3nTextConfig(
+        intermediate_size=64, num_hidden_layers=2, vocab_size=100, vocab_size_per_layer_input=100, head_dim=8,
+        hidden_size_per_layer_input=8, sliding_window=64, laurel_rank=8, altup_num_inputs=4, num_kv_shared_layers=0,
+        activation_sparsity_pattern=[0.0, 0.0], layer_types=["sliding_attention", "full_attention"], **COMMON,
+    )
+
+
+def ernie45() -> Any:
+    from transformers import Ernie4_5Config
+
+    return Ernie4_5Config(intermediate_size=64, num_hidden_layers=2, vocab_size=100, head_dim=8, **COMMON)
+
+
+def ernie45_moe() -> Any:
+    from transformers import Ernie4_5_MoeConfig
+
+    return Ernie4_5_MoeConfig(
+        intermediate_size=64, moe_intermediate_size=16, moe_num_experts=8, moe_k=2, moe_num_shared_experts=1,
+        moe_layer_start_index=1, num_hidden_layers=2, vocab_size=100, head_dim=8, **COMMON,
+    )
+
+
+def exaone_moe() -> Any:
+    from transformers import ExaoneMoeConfig
+
+    return ExaoneMoeConfig(
+        intermediate_size=64, moe_intermediate_size=16, num_experts=8, num_experts_per_tok=2, num_shared_experts=1,
+        first_k_dense_replace=1, num_hidden_layers=2, vocab_size=100, head_dim=8, n_group=1, topk_group=1, **COMMON,
+    )
+
+
+def llama4() -> Any:
+    from transformers import Llama4TextConfig
+
+    # Experts fused in the checkpoint (gate_up_proj [E, hidden, 2 x inter]); q/k rows permuted
+    # by the loader; under EP the loader reads its expert map (item()), so those tensors are staged.
+    return Llama4TextConfig(
+        intermediate_size=16, intermediate_size_mlp=64, num_hidden_layers=2, vocab_size=100, head_dim=8, num_local_experts=4,
+        num_experts_per_tok=1, interleave_moe_layer_step=1, no_rope_layers=[1, 0], attention_chunk_size=64, **COMMON,
+    )
+
+
+def gpt_neox() -> Any:
+    from transformers import GPTNeoXConfig
+
+    # Transformers modeling backend.
+    return GPTNeoXConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2, vocab_size=100, max_position_embeddings=256)
+
+
+def phi() -> Any:
+    from transformers import PhiConfig
+
+    # Transformers modeling backend; its loader creates lm_head's bias (on a real device).
+    return PhiConfig(hidden_size=32, num_attention_heads=4, intermediate_size=64, num_hidden_layers=2, vocab_size=100,
+                     max_position_embeddings=256, partial_rotary_factor=0.5)
+
+
+def hunyuan_moe() -> Any:
+    from transformers import HunYuanMoEV1Config
+
+    # Transformers modeling backend for MoE.
+    return HunYuanMoEV1Config(intermediate_size=16, num_experts=4, moe_topk=2, num_hidden_layers=2, vocab_size=100, head_dim=8, **COMMON)
+
+
+def lfm2() -> Any:
+    from transformers import Lfm2Config
+
+    # A short convolution layer beside attention.
+    return Lfm2Config(
+        intermediate_size=64, num_hidden_layers=2, vocab_size=100, layer_types=["conv", "full_attention"], block_dim=32, block_ff_dim=64,
+        block_multiple_of=16, block_ffn_dim_multiplier=1.0, block_auto_adjust_ff_dim=False, conv_dim=32, conv_L_cache=3, conv_bias=False, **COMMON,
+    )
+
+
+def lfm2_moe() -> Any:
+    from transformers import Lfm2MoeConfig
+
+    return Lfm2MoeConfig(
+        intermediate_size=64, moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2, num_dense_layers=1, num_hidden_layers=2,
+        vocab_size=100, layer_types=["conv", "full_attention"], **COMMON,
+    )
+
+
+def mamba() -> Any:
+    from transformers import MambaConfig
+
+    return MambaConfig(hidden_size=32, state_size=8, num_hidden_layers=2, vocab_size=100, expand=2, conv_kernel=4)
+
+
+def mamba2() -> Any:
+    from transformers import Mamba2Config
+
+    # Mamba2's loader writes A_log's rows into A, then -exp(A) over them (read back: staged).
+    return Mamba2Config(hidden_size=32, num_heads=8, head_dim=8, n_groups=2, state_size=8, num_hidden_layers=2, vocab_size=100, expand=2, conv_kernel=4)
+
+
+def falcon_h1() -> Any:
+    from transformers import FalconH1Config
+
+    return FalconH1Config(
+        intermediate_size=64, num_hidden_layers=2, vocab_size=100, head_dim=8, mamba_d_ssm=64, mamba_n_heads=8, mamba_d_head=8,
+        mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, **COMMON,
+    )
+
+
+def nemotron_h() -> Any:
+    from transformers import NemotronHConfig
+
+    return NemotronHConfig(
+        intermediate_size=64, num_hidden_layers=3, hybrid_override_pattern="M*-", vocab_size=100, head_dim=8, mamba_num_heads=8,
+        mamba_head_dim=8, n_groups=2, ssm_state_size=8, conv_kernel=4, expand=2, **COMMON,
+    )
+
+
+def granitemoehybrid() -> Any:
+    from transformers import GraniteMoeHybridConfig
+
+    return GraniteMoeHybridConfig(
+        intermediate_size=16, shared_intermediate_size=32, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+        layer_types=["mamba", "attention"], mamba_n_heads=8, mamba_d_head=8, mamba_n_groups=2, mamba_d_state=8, mamba_d_conv=4,
+        mamba_expand=2, vocab_size=100, **COMMON,
+    )
+
+
+def jamba() -> Any:
+    from transformers import JambaConfig
+
+    # Mamba (v1) and attention layers; MoE every second layer.
+    return JambaConfig(
+        intermediate_size=64, num_hidden_layers=2, vocab_size=100, num_experts=4, num_experts_per_tok=2, expert_layer_period=2,
+        expert_layer_offset=1, attn_layer_period=2, attn_layer_offset=1, mamba_d_state=8, mamba_d_conv=4, mamba_expand=2,
+        mamba_dt_rank=4, **COMMON,
+    )
+
+
+def zamba2() -> Any:
+    from transformers import Zamba2Config
+
+    # Mamba2 layers and one shared attention block, applied through per-layer adapters.
+    return Zamba2Config(
+        hidden_size=32, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, intermediate_size=64,
+        num_hidden_layers=2, vocab_size=100, layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=8,
+        mamba_ngroups=2, n_mamba_heads=8, attention_head_dim=16, num_mem_blocks=1,
+    )
+
+
+# Families whose modeling code is on the Hub only (trust_remote_code): their config.json and the
+# tensor names and shapes their code saves, written by hand (vllm_harness.HandWritten).
+
+
+def internlm2() -> Any:
+    # wqkv: q, k and v rows interleaved per kv group in one tensor, split by vLLM's loader.
+    H, I, V, L, nh, nkv, hd = 32, 64, 100, 2, 4, 2, 8
+    t = {"model.tok_embeddings.weight": (V, H), "model.norm.weight": (H,), "output.weight": (V, H)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t.update({
+            p + "attention.wqkv.weight": ((nh + 2 * nkv) * hd, H), p + "attention.wo.weight": (H, nh * hd),
+            p + "feed_forward.w1.weight": (I, H), p + "feed_forward.w3.weight": (I, H), p + "feed_forward.w2.weight": (H, I),
+            p + "attention_norm.weight": (H,), p + "ffn_norm.weight": (H,),
+        })
+    return HandWritten(dict(
+        architectures=["InternLM2ForCausalLM"], model_type="llama", hidden_size=H, intermediate_size=I, num_attention_heads=nh,
+        num_key_value_heads=nkv, num_hidden_layers=L, vocab_size=V, max_position_embeddings=256, rms_norm_eps=1e-6,
+        hidden_act="silu", rope_theta=10000.0, tie_word_embeddings=False, bias=False, torch_dtype="float32",
+    ), t)
+
+
+def chatglm() -> Any:
+    # GLM-4-9B's layout (vLLM's own ChatGLMConfig): fused query_key_value with bias, multi-query
+    # groups, a fused dense_h_to_4h (gate and up).
+    H, F, V, L, nh, groups, kvc = 32, 64, 100, 2, 4, 2, 8
+    t = {"transformer.embedding.word_embeddings.weight": (V, H), "transformer.encoder.final_layernorm.weight": (H,),
+         "transformer.output_layer.weight": (V, H)}
+    for i in range(L):
+        p = f"transformer.encoder.layers.{i}."
+        t.update({
+            p + "input_layernorm.weight": (H,), p + "self_attention.query_key_value.weight": ((nh + 2 * groups) * kvc, H),
+            p + "self_attention.query_key_value.bias": ((nh + 2 * groups) * kvc,), p + "self_attention.dense.weight": (H, nh * kvc),
+            p + "post_attention_layernorm.weight": (H,), p + "mlp.dense_h_to_4h.weight": (2 * F, H), p + "mlp.dense_4h_to_h.weight": (H, F),
+        })
+    return HandWritten(dict(
+        architectures=["ChatGLMModel"], model_type="chatglm", num_layers=L, padded_vocab_size=V, hidden_size=H, ffn_hidden_size=F,
+        kv_channels=kvc, num_attention_heads=nh, multi_query_attention=True, multi_query_group_num=groups, add_qkv_bias=True,
+        add_bias_linear=False, rmsnorm=True, post_layer_norm=True, seq_length=256, original_rope=True,
+        apply_residual_connection_post_layernorm=False, layernorm_epsilon=1e-5, tie_word_embeddings=False, torch_dtype="float32",
+    ), t)
+
+
+def bailing_moe() -> Any:
+    # Ling (Bailing-MoE): fused query_key_value, a dense first layer, routed and shared experts.
+    H, I, MI, V, L, nh, nkv, hd, E, S = 32, 64, 16, 100, 2, 4, 2, 8, 8, 1
+    t = {"model.word_embeddings.weight": (V, H), "model.norm.weight": (H,), "lm_head.weight": (V, H)}
+    for i in range(L):
+        p = f"model.layers.{i}."
+        t.update({
+            p + "input_layernorm.weight": (H,), p + "post_attention_layernorm.weight": (H,),
+            p + "attention.query_key_value.weight": ((nh + 2 * nkv) * hd, H), p + "attention.dense.weight": (H, nh * hd),
+        })
+        if i == 0:
+            t.update({p + "mlp.gate_proj.weight": (I, H), p + "mlp.up_proj.weight": (I, H), p + "mlp.down_proj.weight": (H, I)})
+            continue
+        t[p + "mlp.gate.weight"] = (E, H)
+        for q, n in [(p + f"mlp.experts.{e}.", MI) for e in range(E)] + [(p + "mlp.shared_experts.", MI * S)]:
+            t.update({q + "gate_proj.weight": (n, H), q + "up_proj.weight": (n, H), q + "down_proj.weight": (H, n)})
+    return HandWritten(dict(
+        architectures=["BailingMoeForCausalLM"], model_type="llama", hidden_size=H, intermediate_size=I, moe_intermediate_size=MI,
+        num_attention_heads=nh, num_key_value_heads=nkv, head_dim=hd, num_hidden_layers=L, vocab_size=V, max_position_embeddings=256,
+        rms_norm_eps=1e-6, hidden_act="silu", rope_theta=10000.0, tie_word_embeddings=False, num_experts=E, num_shared_experts=S,
+        num_experts_per_tok=2, first_k_dense_replace=1, norm_topk_prob=True, use_bias=False, use_qkv_bias=False,
+        embedding_dropout=0.0, torch_dtype="float32",
+    ), t)
+
+
 FAMILIES: Dict[str, Callable[[], Any]] = {
     "llama": llama,
     "qwen2": qwen2,
@@ -252,6 +543,36 @@ FAMILIES: Dict[str, Callable[[], Any]] = {
     "falcon_new": falcon_new,
     "starcoder2": starcoder2,
     "qwen3_next": qwen3_next,
+    "bloom": bloom,
+    "apertus": apertus,
+    "stablelm": stablelm,
+    "cohere": cohere,
+    "cohere2": cohere2,
+    "exaone4": exaone4,
+    "nemotron": nemotron,
+    "minicpm3": minicpm3,
+    "opt": opt,
+    "gemma": gemma,
+    "gemma3n": gemma3n,
+    "ernie45": ernie45,
+    "ernie45_moe": ernie45_moe,
+    "exaone_moe": exaone_moe,
+    "llama4": llama4,
+    "gpt_neox": gpt_neox,
+    "phi": phi,
+    "hunyuan_moe": hunyuan_moe,
+    "lfm2": lfm2,
+    "lfm2_moe": lfm2_moe,
+    "mamba": mamba,
+    "mamba2": mamba2,
+    "falcon_h1": falcon_h1,
+    "nemotron_h": nemotron_h,
+    "granitemoehybrid": granitemoehybrid,
+    "jamba": jamba,
+    "zamba2": zamba2,
+    "internlm2": internlm2,
+    "chatglm": chatglm,
+    "bailing_moe": bailing_moe,
 }
 
 # Architectures whose Hugging Face class name is not the one vLLM registers natively (transformers
@@ -287,4 +608,34 @@ MATRIX: Dict[str, List[Parallel]] = {
     "falcon_new": [P(2), P(4)],
     "starcoder2": [P(2), P(1, 2)],
     "qwen3_next": [P(1), P(2), P(1, 2)],
+    "bloom": [P(2), P(1, 2)],
+    "apertus": [P(2)],
+    "stablelm": [P(2)],
+    "cohere": [P(2)],
+    "cohere2": [P(2)],
+    "exaone4": [P(2)],
+    "nemotron": [P(2)],
+    "minicpm3": [P(2)],
+    "opt": [P(2), P(1, 2)],
+    "gemma": [P(2)],
+    "gemma3n": [P(2)],
+    "ernie45": [P(2)],
+    "ernie45_moe": [P(2), P(2, ep=True)],
+    "exaone_moe": [P(2, ep=True)],
+    "llama4": [P(2), P(2, ep=True)],
+    "gpt_neox": [P(2)],
+    "phi": [P(2)],
+    "hunyuan_moe": [P(2, ep=True)],
+    "lfm2": [P(2)],
+    "lfm2_moe": [P(2, ep=True)],
+    "mamba": [P(2)],
+    "mamba2": [P(2)],  # vLLM refuses PP for Mamba2 (no SupportsPP)
+    "falcon_h1": [P(2)],
+    "nemotron_h": [P(2)],
+    "granitemoehybrid": [P(2, ep=True)],
+    "jamba": [P(2), P(2, ep=True)],
+    "zamba2": [P(2)],
+    "internlm2": [P(2), P(4)],
+    "chatglm": [P(2), P(1, 2)],
+    "bailing_moe": [P(2), P(2, ep=True)],
 }

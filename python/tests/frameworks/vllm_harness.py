@@ -54,13 +54,29 @@ def _world() -> None:
         ps.ensure_model_parallel_initialized(1, 1)
 
 
+@dataclasses.dataclass(frozen=True)
+class HandWritten:
+    """A family whose modeling code lives on the Hub (trust_remote_code), not in transformers: its
+    config.json as written, and its checkpoint's tensor names and shapes as that code saves them."""
+
+    config: Dict[str, Any]
+    tensors: Dict[str, Tuple[int, ...]]
+
+
 def hf_folder(family: str, hf_config: Any, dtype: torch.dtype = torch.float32) -> str:
     """A folder with the tiny config and the checkpoint transformers itself writes for it
     (save_pretrained of the Hugging Face model: the names and shapes vLLM's loader reads), its
-    tensors of `dtype`."""
+    tensors of `dtype`; for a HandWritten family, its config and tensors (zeros) as given."""
     import transformers
 
     folder = tempfile.mkdtemp(prefix=f"refit-{family}-")
+    if isinstance(hf_config, HandWritten):
+        from safetensors.torch import save_file
+
+        with open(os.path.join(folder, "config.json"), "w") as handle:
+            json.dump(hf_config.config, handle)
+        save_file({name: torch.zeros(shape, dtype=dtype) for name, shape in hf_config.tensors.items()}, os.path.join(folder, "model.safetensors"))
+        return folder
     torch.manual_seed(0)
     model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
     model.save_pretrained(folder)
@@ -166,11 +182,13 @@ def as_rank(config: Any, parallel: Parallel, tp_rank: int, pp_rank: int) -> Iter
 
 
 def build(config: Any, device: str) -> torch.nn.Module:
-    """The model vLLM builds for the current rank, on `device` ("cpu" or "meta": then every
-    parameter is on meta, as refit's build_meta_model makes it)."""
-    from refit.integrations.vllm import forget_pp_layers, meta_only
+    """The model vLLM builds for the current rank, on `device` ("cpu" or "meta": then refit's own
+    build_meta_model makes it, every parameter on meta)."""
+    from refit.integrations.vllm import build_meta_model, forget_pp_layers
     from vllm.model_executor.model_loader.utils import initialize_model
 
+    if device == "meta":
+        return build_meta_model(config)
     config.compilation_config.static_forward_context.clear()
     # vLLM's loader builds under the model's dtype as torch's default (set_default_torch_dtype).
     default = torch.get_default_dtype()
@@ -181,6 +199,4 @@ def build(config: Any, device: str) -> torch.nn.Module:
     finally:
         torch.set_default_dtype(default)
     forget_pp_layers(model)  # vLLM caches by id(model); many models come and go here
-    if device == "meta":
-        meta_only(model)
     return model
