@@ -23,18 +23,13 @@ fn emulator() -> Launch {
     *LAUNCH.get_or_init(|| unsafe { emulator::load::<Launch>("quant_kernel", c"refit_emulate_quantize") })
 }
 
-/// Runs `cases` as one batch through the emulated kernel and compares each with the reference.
-fn check_batch(cases: &[Case]) {
-    let mut outputs: Vec<(Aligned, Aligned)> = cases
-        .iter()
-        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
-        .collect();
-    let jobs: Vec<_> =
-        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
-    let l = layout(&jobs).unwrap();
+/// Runs the launches of `l` through the emulated kernel (none without tiles).
+///
+/// # Safety
+/// The descriptors name memory that outlives the call, sources padded to whole 16-byte vectors.
+unsafe fn emulate(l: &refit::kernels::quantize::Layout) {
     if l.tiles > 0 {
-        // SAFETY: the descriptors name the buffers above, which outlive the call; the sources are
-        // padded to whole 16-byte vectors.
+        // SAFETY: the caller's promise.
         unsafe {
             emulator()(
                 l.to_bytes().as_ptr(),
@@ -45,6 +40,20 @@ fn check_batch(cases: &[Case]) {
             )
         };
     }
+}
+
+/// Runs `cases` as one batch through the emulated kernel and compares each with the reference.
+fn check_batch(cases: &[Case]) {
+    let mut outputs: Vec<(Aligned, Aligned)> = cases
+        .iter()
+        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
+        .collect();
+    let jobs: Vec<_> =
+        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
+    let l = layout(&jobs).unwrap();
+    // SAFETY: the descriptors name the buffers above, which outlive the call; the sources are
+    // padded to whole 16-byte vectors.
+    unsafe { emulate(&l) };
     for (c, (dst, scales)) in cases.iter().zip(&mut outputs) {
         let (want_dst, want_scales) = c.expected();
         if let Some(at) = (0..want_scales.len()).find(|&i| scales.bytes()[i] != want_scales[i]) {
@@ -261,15 +270,7 @@ fn per_tensor_jobs_naming_one_scale_share_one_amax_word() {
     let slots: Vec<u32> = l.descs.iter().filter(|d| d.scales == scale.addr()).map(|d| d.amax_slot).collect();
     assert!(slots.len() == 3 && slots.iter().all(|&s| s == slots[0]), "amax slots {slots:?}");
     // SAFETY: the descriptors name the buffers above, which outlive the call.
-    unsafe {
-        emulator()(
-            l.to_bytes().as_ptr(),
-            l.descs.len() as u32,
-            l.narrow_tiles,
-            l.tiles,
-            u32::from(l.per_tensor),
-        )
-    };
+    unsafe { emulate(&l) };
     let codes: Vec<Vec<u8>> = codes.iter().map(|d| d.bytes().to_vec()).collect();
     check_shared(&shared, &codes, scale.bytes(), "emulated kernel");
     for (c, (dst, scales)) in others.iter().zip(&other_outputs) {

@@ -715,7 +715,7 @@ mod tests {
             );
         }
         assert_eq!(l.index[chunks], 5, "past the end: the last job");
-        assert_eq!(l.to_bytes().len(), 6 * 128 + (chunks + 1) * 4);
+        assert_eq!(l.to_bytes().len(), 6 * 136 + (chunks + 1) * 4);
         // A batch of wide jobs only, and one of narrow jobs only.
         let wide_only = layout(&[block]).unwrap();
         assert_eq!((wide_only.narrow_tiles, wide_only.tiles), (0, 32768));
