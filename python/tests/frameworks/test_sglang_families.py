@@ -5,8 +5,8 @@ the rank's needs recorded from that model's own `load_weights` (refit.integratio
 recorded_table). The trainer offers the checkpoint's own tensors whole. After each of two updates
 (the second with every weight bumped by 1) every parameter, and every tensor a module derives from
 them and holds as a plain attribute (DeepSeek's MLA w_kc / w_vc, derived by SGLang's
-post_load_weights), equals SGLang's own disk load (DefaultModelLoader.load_weights_and_postprocess)
-of the same checkpoint. One difference is allowed, and counted: the padded vocabulary rows, which
+post_load_weights) or as a buffer (Gemma 2's GemmaRMSNorm.gemma_weight), equals SGLang's own disk
+load (DefaultModelLoader.load_weights_and_postprocess) of the same checkpoint. One difference is allowed, and counted: the padded vocabulary rows, which
 SGLang's loader zero-fills and refit leaves (the recording reports them; logits are cut to the
 vocabulary and those rows are never looked up).
 
@@ -14,7 +14,12 @@ The families are those the hand-written layout rules got wrong: Qwen3-MoE with e
 (the rules laid experts out by TP, and the update wrote wrong expert weights without an error),
 DeepSeek-V3 with expert parallelism (MLA with q LoRA; q_a_proj and kv_a_proj_with_mqa are
 concatenated by SGLang's loader, so staged and handed to it), Phi-3 (a checkpoint with fused
-qkv_proj / gate_up_proj), Gemma 3 (norms the rules did not know), Qwen2 (q/k/v biases).
+qkv_proj / gate_up_proj), Gemma 3 (norms the rules did not know), Qwen2 (q/k/v biases); and those
+most likely to differ from SGLang's load: plain Llama, Qwen2-MoE with expert parallelism (a shared
+expert and its shared_expert_gate beside the routed experts), Gemma 2 (four norms a layer, whose
+weight loader also refreshes a derived buffer: staged), DeepSeek-V2-Lite with expert parallelism
+(MLA without q LoRA: q_proj whole, nothing staged) and GLM-4-MoE with expert parallelism (a dense
+first layer, a shared expert, e_score_correction_bias).
 """
 
 from __future__ import annotations
@@ -37,6 +42,9 @@ def save(family: str) -> str:
     config = families.FAMILIES[family]()
     if family == "gemma3":
         config.architectures = ["Gemma3ForCausalLM"]
+    if family == "gemma2":
+        # Real Gemma 2 configs carry both names; SGLang's Gemma2DecoderLayer reads hidden_act.
+        config.hidden_act = config.hidden_activation
     if family.startswith("deepseek"):
         config.moe_layer_freq = 1
         config.scoring_func = "sigmoid"
@@ -62,8 +70,10 @@ def rank_main(rank: int, ep: bool, folder: str, port: int, conn: Any) -> None:
     ckpt = shared.checkpoint(folder)
 
     def served(m: Any) -> Dict[str, Any]:
-        """Parameters, and tensors modules hold as plain attributes (derived from parameters)."""
+        """Parameters, buffers (Gemma 2's GemmaRMSNorm.gemma_weight, weight + 1, refreshed by its
+        weight loader), and tensors modules hold as plain attributes (derived from parameters)."""
         out = {n: p.detach() for n, p in m.named_parameters()}
+        out.update(m.named_buffers())
         for prefix, module in m.named_modules():
             out.update((f"{prefix}.{k}", v) for k, v in vars(module).items() if isinstance(v, torch.Tensor) and not k.startswith("_"))
         return out
@@ -175,6 +185,25 @@ class SglangFamiliesTest(unittest.TestCase):
 
     def test_qwen2_biases(self):
         self.assertEqual(self.run_family("qwen2")["staged"], [[]] * TP)
+
+    def test_llama(self):
+        self.assertEqual(self.run_family("llama")["staged"], [[]] * TP)
+
+    def test_qwen2_moe_shared_expert_with_expert_parallelism(self):
+        self.assertEqual(self.run_family("qwen2_moe", ep=True)["staged"], [[]] * TP)
+
+    def test_gemma2_norms_staged_for_their_derived_buffer(self):
+        # GemmaRMSNorm's weight loader also refreshes a buffer from the weight (gemma_weight =
+        # weight + 1), which boxes would leave stale: the norms are staged and SGLang's loader takes them.
+        norms = [f"model.layers.{i}.{n}.weight" for i in range(2) for n in
+                 ("input_layernorm", "post_attention_layernorm", "pre_feedforward_layernorm", "post_feedforward_layernorm")]
+        self.assertEqual(self.run_family("gemma2")["staged"], [sorted(norms + ["model.norm.weight"])] * TP)
+
+    def test_deepseek_v2_lite_with_expert_parallelism(self):
+        self.assertEqual(self.run_family("deepseek_v2_lite", ep=True)["staged"], [[]] * TP)
+
+    def test_glm4_moe_with_expert_parallelism(self):
+        self.assertEqual(self.run_family("glm4_moe", ep=True)["staged"], [[]] * TP)
 
 
 if __name__ == "__main__":
