@@ -2,7 +2,8 @@
  * header's arithmetic computed here from its text (amax, scale = max(amax, 1e-10) / 448 or MX's 2^e,
  * DEEPGEMM's and DEEPGEMM_UE8M0's floor, reciprocal and power-of-two scales,
  * the nearest FP8 value of x / scale found by search over all codes, ties to even, saturating); every
- * bad argument has its status and message, and a refused batch writes nothing. */
+ * bad argument has its status and message, and a refused batch writes nothing; per-tensor jobs naming
+ * one scale share it (the amax of both), and sharing with another target is refused. */
 #include <math.h>
 #include <stdint.h>
 
@@ -296,6 +297,49 @@ done:
       break;
     }
   }
+
+  /* Per-tensor jobs naming one scale share it: rows 4..40 and 40..100 as two jobs, one scale from the
+   * amax of both (as a fused QKV from its parts); the codes divided by it. */
+  float shared_scale = 0.0f;
+  source[70 * STRIDE + 5] = 0x4600; /* 8192, above every other element: the second job's */
+  uint32_t amax_first = 0, amax_second = 0, amax_both = 0;
+  for (int r = 4; r < 100; r++) {
+    for (int c = 0; c < COLS; c++) {
+      uint32_t m = to_bits(element(r, c)) & 0x7fffffffu;
+      if (m > amax_both) amax_both = m;
+      if (r < 40 && m > amax_first) amax_first = m;
+      if (r >= 40 && m > amax_second) amax_second = m;
+    }
+  }
+  CHECK(amax_first != amax_second); /* one of the jobs alone would have another scale */
+  refit_quantize_job parts[2] = {job, job};
+  for (int k = 0; k < 2; k++) {
+    int first = k == 0 ? 4 : 40, rows = k == 0 ? 36 : 60;
+    parts[k].quantization.granularity = REFIT_QUANT_TENSOR;
+    parts[k].quantization.block_rows = 0;
+    parts[k].quantization.block_cols = 0;
+    parts[k].src = addr(source + first * STRIDE);
+    parts[k].rows = (uint64_t)rows;
+    parts[k].dst = addr(codes + first * STRIDE);
+    parts[k].scales = addr(&shared_scale);
+    parts[k].scale_row_stride = 1;
+  }
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, parts, 2, 0));
+  float want_scale = from_bits(amax_both) / 448.0f;
+  CHECK(to_bits(shared_scale) == to_bits(want_scale));
+  for (int r = 4; r < 100; r++) {
+    for (int c = 0; c < COLS; c++) {
+      if (codes[r * STRIDE + c] != cast(element(r, c) / want_scale)) {
+        CHECK(0);
+        r = 100;
+        break;
+      }
+    }
+  }
+  /* Sharing takes one target and arithmetic. */
+  parts[1].quantization.target = REFIT_FP8_E5M2;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, parts, 2, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "jobs[1]: it shares jobs[0]'s per-tensor scale") != NULL);
 
   refit_group_destroy(group);
   CHECK_DONE();

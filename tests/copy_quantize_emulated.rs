@@ -11,7 +11,7 @@ mod emulator;
 mod quant_cases;
 
 use quant_cases::random_batch::{self, first_difference, random_batch, rebase, reference, Shape};
-use quant_cases::{case, Aligned, Case, SENTINEL};
+use quant_cases::{case, outputs_and_jobs, Case};
 use refit::kernels::layout::BatchLayout;
 use refit::kernels::quantize::layout;
 use refit::quant::{Fp8, Granularity, SourceType};
@@ -62,12 +62,7 @@ fn run(seed: u64, copy_blocks: u32) {
     let copy = BatchLayout::new(&segments).unwrap();
 
     let cases = quant_cases(seed);
-    let mut outputs: Vec<(Aligned, Aligned)> = cases
-        .iter()
-        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
-        .collect();
-    let jobs: Vec<_> =
-        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
+    let (mut outputs, jobs) = outputs_and_jobs(&cases);
     let quant = layout(&jobs).unwrap();
     assert!(quant.narrow_tiles > 0 && quant.tiles > quant.narrow_tiles && quant.per_tensor);
 

@@ -10,7 +10,7 @@ mod emulator;
 #[path = "common/quant_cases.rs"]
 mod quant_cases;
 
-use quant_cases::{case, standard_cases, Aligned, Case, Rng, SENTINEL};
+use quant_cases::{case, outputs_and_jobs, standard_cases, Aligned, Case, Rng, SENTINEL};
 use refit::kernels::quantize::layout;
 use refit::quant::{Fp8, Granularity, SourceType};
 use std::sync::OnceLock;
@@ -44,12 +44,7 @@ unsafe fn emulate(l: &refit::kernels::quantize::Layout) {
 
 /// Runs `cases` as one batch through the emulated kernel and compares each with the reference.
 fn check_batch(cases: &[Case]) {
-    let mut outputs: Vec<(Aligned, Aligned)> = cases
-        .iter()
-        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
-        .collect();
-    let jobs: Vec<_> =
-        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
+    let (mut outputs, jobs) = outputs_and_jobs(cases);
     let l = layout(&jobs).unwrap();
     // SAFETY: the descriptors name the buffers above, which outlive the call; the sources are
     // padded to whole 16-byte vectors.

@@ -5,22 +5,11 @@
 #[path = "common/quant_cases.rs"]
 mod quant_cases;
 
-use quant_cases::{case, standard_cases, Aligned, Case, Rng, SENTINEL};
+use quant_cases::{case, outputs_and_jobs, standard_cases, Aligned, Case, Rng, SENTINEL};
 use refit::quant::{check_jobs, Fp8, Granularity, QuantJob, SourceType};
 use refit::transport::host::HostBackend;
 use refit::transport::{Backend, Stream};
 use refit::Status;
-
-/// Each case's codes and scales buffers (the sentinel everywhere) and its job writing them.
-fn outputs_and_jobs(cases: &[Case]) -> (Vec<(Aligned, Aligned)>, Vec<QuantJob>) {
-    let outputs: Vec<(Aligned, Aligned)> = cases
-        .iter()
-        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
-        .collect();
-    let jobs =
-        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
-    (outputs, jobs)
-}
 
 fn run(backend: &HostBackend, cases: &[Case]) -> refit::Result<Vec<(Aligned, Aligned)>> {
     let (outputs, jobs) = outputs_and_jobs(cases);

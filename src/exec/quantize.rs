@@ -62,6 +62,8 @@ pub(super) struct RankJobs {
     /// the copies.
     carried: bool,
     labels: Vec<Label>,
+    /// Bytes of codes and scales the jobs write (a shared scale once), counted at creation.
+    written: u64,
     /// With verify: the same jobs into scratch, compared with what the jobs wrote.
     check: Option<Check>,
 }
@@ -186,7 +188,18 @@ impl Quantizing {
                 false => None,
             };
             let prepared = Arc::from(group.backend().prepare_quantize(device, &jobs)?);
-            out.ranks.push(RankJobs { rank, when, jobs, labels, prepared, in_place, carried: false, check });
+            let written = written_bytes(&jobs);
+            out.ranks.push(RankJobs {
+                rank,
+                when,
+                jobs,
+                labels,
+                prepared,
+                in_place,
+                carried: false,
+                written,
+                check,
+            });
         }
         Ok(out)
     }
@@ -245,18 +258,7 @@ impl Quantizing {
         if staged && when == When::Run {
             return 0;
         }
-        // A shared scale is written once, by its owner.
-        let written = |jobs: &[QuantJob]| -> u64 {
-            let owners = scale_owners(jobs);
-            let scale_bytes = |(index, job): (usize, &QuantJob)| {
-                let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
-                let owned = owners[index] == index;
-                job.elements()
-                    + if owned { grid_rows * grid_cols * job.quantization.scale_kind().size() } else { 0 }
-            };
-            jobs.iter().enumerate().map(scale_bytes).sum()
-        };
-        self.ranks.iter().filter(|r| r.when == when).map(|r| written(&r.jobs)).sum()
+        self.ranks.iter().filter(|r| r.when == when).map(|r| r.written).sum()
     }
 
     /// Elements the jobs that run at `when` quantize.
@@ -322,6 +324,18 @@ impl Quantizing {
         }
         Ok(bytes)
     }
+}
+
+/// Bytes of codes and scales `jobs` write: every code, and each scale grid once (a scale jobs share
+/// is written once, by its owner).
+fn written_bytes(jobs: &[QuantJob]) -> u64 {
+    let owners = scale_owners(jobs);
+    let written = |(index, job): (usize, &QuantJob)| {
+        let (grid_rows, grid_cols) = job.quantization.scale_grid(job.rows, job.cols);
+        let scales = grid_rows * grid_cols * job.quantization.scale_kind().size();
+        job.elements() + if owners[index] == index { scales } else { 0 }
+    };
+    jobs.iter().enumerate().map(written).sum()
 }
 
 /// Appends `jobs` (and their labels) to the gathering of `key`, made when there is none.

@@ -98,6 +98,17 @@ impl Case {
     }
 }
 
+/// Each case's codes and scales buffers (the sentinel everywhere) and its job writing them.
+pub fn outputs_and_jobs(cases: &[Case]) -> (Vec<(Aligned, Aligned)>, Vec<QuantJob>) {
+    let outputs: Vec<(Aligned, Aligned)> = cases
+        .iter()
+        .map(|c| (Aligned::new(c.dst_len(), SENTINEL), Aligned::new(c.scale_len(), SENTINEL)))
+        .collect();
+    let jobs =
+        cases.iter().zip(&outputs).map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr())).collect();
+    (outputs, jobs)
+}
+
 /// Encodes f32 `x` as `source` (bf16 and f16 by truncation of an already representable value, or the
 /// nearest for f16), little-endian.
 fn put(source: SourceType, bytes: &mut [u8], x: f32) {
