@@ -657,6 +657,15 @@ fn hostile_quantized_needs_are_refused_not_a_panic() {
     let err =
         plan::build_with_limits(std::slice::from_ref(&many), &PlanOptions::default(), &limits).unwrap_err();
     assert_eq!(err.status, Status::Unsupported, "{}", err.message);
+    // As many per-tensor matrices as 2^40: each has a scale that others could share, and looking
+    // for sharers is bounded by the same limit (found by fuzzing: it went through every matrix).
+    let mut scalars = need(vec![1 << 40, 1, 16], vec![1 << 40, 1, 16], vec![16, 16, 1]);
+    scalars.quant_needs[0].quantization = Quantization::new(Fp8::E4m3fn, Granularity::Tensor);
+    scalars.quant_needs[0].scale_matrix_stride = 1;
+    let err = plan::build_with_limits(std::slice::from_ref(&scalars), &PlanOptions::default(), &limits)
+        .unwrap_err();
+    assert_eq!(err.status, Status::Unsupported, "{}", err.message);
+    assert!(err.message.contains("segment limit"), "{}", err.message);
 }
 
 /// A fused `qkv` received from three tensors q, k and v (32, 16 and 16 rows of 48 bf16) as

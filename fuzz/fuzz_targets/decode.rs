@@ -1,7 +1,7 @@
 //! The table decoder on arbitrary bytes: never a panic; whatever decodes re-encodes to bytes that
 //! decode to the same table, and plans without panicking. Inputs whose first byte is odd get a
-//! valid checksum written over their last 8 bytes first, so that the parser behind the checksum is
-//! explored too.
+//! valid header (version 1, 2 or 3 by the first byte: without and with quantized needs) and
+//! checksum written first, so that the parser behind the checksum is explored too.
 #![no_main]
 
 use libfuzzer_sys::fuzz_target;
@@ -15,7 +15,9 @@ fn fnv(bytes: &[u8]) -> u64 {
 fuzz_target!(|data: &[u8]| {
     let mut bytes = data.to_vec();
     if bytes.first().is_some_and(|b| b & 1 == 1) && bytes.len() >= 13 {
-        bytes[..5].copy_from_slice(b"RFTB\x01");
+        let version = [1u8, 2, 3][usize::from(bytes[0] >> 1) % 3];
+        bytes[..4].copy_from_slice(b"RFTB");
+        bytes[4] = version;
         let end = bytes.len() - 8;
         let sum = fnv(&bytes[..end]);
         bytes[end..].copy_from_slice(&sum.to_le_bytes());

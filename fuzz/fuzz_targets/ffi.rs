@@ -1,10 +1,10 @@
 //! The C ABI driven by arbitrary bytes, as a hostile C caller would drive it on the host backend:
 //! each input is a sequence of calls on a small pool of handles (tables, plans, groups, executors,
-//! prepared copies), with arguments mostly small and sometimes extreme, and with handles that are
-//! live, destroyed, of another type, NULL or made up. Every address the caller names lies in one
-//! arena, and calls that would move bytes run only when every byte they name does: the library
-//! writes where the caller says, so a caller naming memory it does not own is the caller's bug, not
-//! one this target looks for.
+//! prepared copies; quantized needs and quantizing copies among the calls), with arguments mostly
+//! small and sometimes extreme, and with handles that are live, destroyed, of another type, NULL or
+//! made up. Every address the caller names lies in one arena, and calls that would move bytes run
+//! only when every byte they name does: the library writes where the caller says, so a caller
+//! naming memory it does not own is the caller's bug, not one this target looks for.
 //!
 //! Never a crash (the target is built with AddressSanitizer), never REFIT_STATUS_INTERNAL_ERROR (a
 //! panic the boundary caught: a bug), and every failure leaves a message.
@@ -30,13 +30,16 @@ use refit::ffi::group::{
     refit_group_options, refit_group_options_init, refit_group_size, REFIT_BACKEND_HOST,
 };
 use refit::ffi::plan::{
-    refit_plan, refit_plan_build, refit_plan_build_share, refit_plan_destroy, refit_plan_fingerprint,
-    refit_plan_options, refit_plan_options_init, refit_plan_route, refit_plan_route_count,
-    refit_route_info, refit_table, refit_table_add_need, refit_table_add_offer, refit_table_add_tensor,
-    refit_table_create, refit_table_decode, refit_table_destroy, refit_table_encode,
+    refit_need_quantization, refit_plan, refit_plan_build, refit_plan_build_share, refit_plan_destroy,
+    refit_plan_fingerprint, refit_plan_options, refit_plan_options_init, refit_plan_quant_route,
+    refit_plan_quant_route_count, refit_plan_route, refit_plan_route_count, refit_quant_route_info,
+    refit_route_info, refit_table, refit_table_add_need, refit_table_add_offer, refit_table_add_quantized_need,
+    refit_table_add_tensor, refit_table_create, refit_table_decode, refit_table_destroy, refit_table_encode,
 };
+use refit::ffi::quantize::{refit_quantization, refit_quantize_batch, refit_quantize_job};
 use refit::ffi::status::refit_last_error_message;
 use refit::{Segment, Status};
+use std::collections::{HashMap, HashSet};
 use std::ffi::CStr;
 use std::ptr::{null, null_mut};
 
@@ -53,6 +56,20 @@ struct Pool {
     executors: Vec<(*mut refit_executor, bool)>,
     batches: Vec<*mut refit_prepared_copy>,
     destroyed: Vec<usize>,
+    /// By table: what its quantized needs and offers may make a quantizing job touch.
+    facts: HashMap<usize, TableFacts>,
+    /// Plans whose quantizing jobs may touch memory outside the arena (their executors never run).
+    wild: HashSet<usize>,
+}
+
+/// What a table's entries may make a quantizing job touch. The library's plan does not say where
+/// its jobs read and write (refit_quant_route_info gives counts), so the caller's own entries
+/// decide: any quantized need with any offer or quantized need not inside the arena, in the tables
+/// of one plan, keeps that plan's executors from running.
+#[derive(Clone, Copy, Default)]
+struct TableFacts {
+    quantized: bool,
+    outside: bool,
 }
 
 impl Pool {
@@ -175,7 +192,7 @@ fn executor_options(input: &mut Bytes) -> refit_executor_options {
 
 /// Runs one call chosen by the next byte.
 fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
-    let op = input.byte() % 18;
+    let op = input.byte() % 20;
     match op {
         0 => {
             let mut table = null_mut();
@@ -208,7 +225,10 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
             if op == 2 {
                 let digest = input.value(2);
                 let digest_ptr = if input.byte() % 2 == 0 { &digest as *const u64 } else { null() };
-                check(unsafe {
+                // Dense offers are row-major over their box; elements are at most 4 bytes.
+                let dense = dense_strides(&extent);
+                let inside = within(base, addr, &extent, if with_strides { &strides } else { &dense }, 4);
+                let added = check(unsafe {
                     refit_table_add_offer(
                         table,
                         tensor,
@@ -222,6 +242,9 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
                         digest_ptr,
                     )
                 });
+                if added == Status::Success && !inside {
+                    pool.facts.entry(table as usize).or_default().outside = true;
+                }
             } else {
                 let perm: Vec<u32> = (0..ndim as u32).map(|d| (d + u32::from(input.byte() % 2)) % ndim as u32).collect();
                 let perm_ptr = if input.byte() % 2 == 0 { perm.as_ptr() } else { null() };
@@ -260,6 +283,11 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
                 }
             });
             if status == Status::Success {
+                let facts = tables.iter().map(|&t| pool.facts.get(&(t as usize)).copied().unwrap_or_default());
+                let (quantized, outside) = facts.fold((false, false), |(q, o), f| (q || f.quantized, o || f.outside));
+                if quantized && outside {
+                    pool.wild.insert(plan as usize);
+                }
                 pool.plans.push(plan);
             }
         }
@@ -269,6 +297,16 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
             // SAFETY: a valid output slot.
             check(unsafe { refit_plan_fingerprint(plan, &mut fingerprint) });
             plan_in_arena(plan, base);
+            let mut count = 0;
+            // SAFETY: valid output slots; `route.size` says how much to fill.
+            if unsafe { refit_plan_quant_route_count(plan, &mut count) } == Status::Success {
+                for i in 0..count + 1 {
+                    let mut route: refit_quant_route_info = unsafe { std::mem::zeroed() };
+                    route.size = std::mem::size_of::<refit_quant_route_info>() - 8 * usize::from(input.byte() % 2);
+                    let status = check(unsafe { refit_plan_quant_route(plan, i, &mut route) });
+                    assert_eq!(status == Status::Success, i < count, "quantized route {i} of {count}");
+                }
+            }
         }
         7 => {
             let table = pool.pick(input, &pool.tables, base);
@@ -277,6 +315,7 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
             // SAFETY: `buffer` holds its length in bytes.
             let status = check(unsafe { refit_table_encode(table, buffer.as_mut_ptr(), buffer.len(), &mut written) });
             if status == Status::Success {
+                let encoded = buffer[..written].to_vec();
                 // Flip one byte now and then: decoding must refuse it or yield a table.
                 if input.byte() % 2 == 0 && written > 0 {
                     let at = usize::from(input.byte()) % written;
@@ -285,6 +324,11 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
                 let mut decoded = null_mut();
                 // SAFETY: `written` readable bytes; valid output slot.
                 if check(unsafe { refit_table_decode(buffer.as_ptr(), written, &mut decoded) }) == Status::Success {
+                    // A flipped byte may have moved an address anywhere.
+                    let mut facts = pool.facts.get(&(table as usize)).copied().unwrap_or_default();
+                    facts.outside |= buffer[..written] != encoded[..];
+                    facts.quantized = true;
+                    pool.facts.insert(decoded as usize, facts);
                     pool.tables.push(decoded);
                 }
             }
@@ -310,7 +354,7 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
             if status == Status::Success {
                 // The executor checked every address once: none of its plan's is in the first page.
                 assert!(plan_all(plan, |s| !in_first_page(s)), "an executor was made over the first page");
-                pool.executors.push((executor, plan_in_arena(plan, base)));
+                pool.executors.push((executor, plan_in_arena(plan, base) && !pool.wild.contains(&(plan as usize))));
             }
         }
         10 | 11 => {
@@ -382,7 +426,140 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
                 check(refit_group_exit(group, input.value(3) as u32));
             }
         }
+        17 => add_quantized_need(input, pool, base),
+        18 => quantize_batch(input, pool, base),
         _ => destroy_one(input, pool, base),
+    }
+}
+
+/// Row-major element strides of a box of extents `extent`.
+fn dense_strides(extent: &[u64]) -> Vec<u64> {
+    let mut strides = vec![0u64; extent.len()];
+    let mut step = 1u64;
+    for d in (0..extent.len()).rev() {
+        strides[d] = step;
+        step = step.saturating_mul(extent[d]);
+    }
+    strides
+}
+
+/// Whether every element of the box of `extent` at `addr` (element strides `strides`, `size`-byte
+/// elements) lies in the arena; an empty box touches nothing.
+fn within(base: u64, addr: u64, extent: &[u64], strides: &[u64], size: u64) -> bool {
+    if extent.contains(&0) {
+        return true;
+    }
+    let last = extent.iter().zip(strides).try_fold(0u64, |sum, (&e, &s)| (e - 1).checked_mul(s)?.checked_add(sum));
+    let end = last.and_then(|l| l.checked_add(1)?.checked_mul(size)?.checked_add(addr));
+    addr >= base && end.is_some_and(|end| end <= base + ARENA)
+}
+
+/// A quantization of every kind, mostly valid.
+fn quantization(input: &mut Bytes) -> refit_quantization {
+    let granularity = input.value(6) as u32;
+    let (block_rows, block_cols) = match granularity {
+        3 => [(1, 8), (2, 16), (128, 128), (input.value(5) as u32, input.value(20) as u32)][usize::from(input.byte() % 4)],
+        _ if input.byte() % 8 == 0 => (1, 8),
+        _ => (0, 0),
+    };
+    refit_quantization { target: (input.value(3) as u32).wrapping_add(1), granularity, block_rows, block_cols }
+}
+
+/// Adds a quantized need to a table, its codes, scales and staging mostly in the arena.
+fn add_quantized_need(input: &mut Bytes, pool: &mut Pool, base: u64) {
+    let table = pool.pick(input, &pool.tables, base);
+    let (tensor, rank, device) = (input.value(3) as u32, input.value(2) as u32, input.value(3) as u32);
+    let addr = if input.byte() % 16 == 0 { 0 } else { base + input.small(128) * 256 };
+    let ndim = (input.byte() % 4) as usize;
+    let (offset, extent) = (input.list(ndim, 4), input.list(ndim, 9));
+    let strides = if input.byte() % 4 == 0 { input.list(ndim, 64) } else { dense_strides(&extent) };
+    let place = |input: &mut Bytes, align: u64| match input.byte() % 16 {
+        0 => 0,
+        1 => input.value(64),
+        _ => base + input.small(256) * 256 + input.small(16) * align,
+    };
+    let need = refit_need_quantization {
+        quantization: quantization(input),
+        source_type: input.value(4) as u32,
+        arithmetic: input.value(5) as u32,
+        scales: place(input, 4),
+        scale_row_stride: input.value(8),
+        scale_matrix_stride: input.value(64),
+        staging: if input.byte() % 2 == 0 { 0 } else { place(input, 16) },
+    };
+    // Where the need may write: its codes, its scale grids (at most one scale per element and
+    // per row, matrix strides apart) and its staging (at most 4 bytes per element).
+    let (rows, cols) = match ndim {
+        0 => (1, 1),
+        1 => (1, extent[0]),
+        _ => (extent[ndim - 2], extent[ndim - 1]),
+    };
+    let matrices = extent[..ndim.saturating_sub(2)].iter().fold(1u64, |m, &e| m.saturating_mul(e));
+    let grid = [matrices, rows, cols];
+    let grid_strides = [need.scale_matrix_stride, need.scale_row_stride, 1];
+    let volume = extent.iter().fold(1u64, |v, &e| v.saturating_mul(e));
+    let inside = within(base, addr, &extent, &strides, 1)
+        && within(base, need.scales, &grid, &grid_strides, 4)
+        && (need.staging == 0 || within(base, need.staging, &[volume], &[1], 4));
+    let quantization = if input.byte() % 16 == 0 { null() } else { &need as *const refit_need_quantization };
+    let strides_ptr = if input.byte() % 16 == 0 { null() } else { strides.as_ptr() };
+    // SAFETY: every array holds `ndim` values; `quantization` NULL or readable.
+    let status = check(unsafe {
+        refit_table_add_quantized_need(
+            table,
+            tensor,
+            rank,
+            device,
+            addr,
+            offset.as_ptr(),
+            extent.as_ptr(),
+            strides_ptr,
+            ndim,
+            quantization,
+        )
+    });
+    if status == Status::Success {
+        let facts = pool.facts.entry(table as usize).or_default();
+        facts.quantized = true;
+        facts.outside |= !inside;
+    }
+}
+
+/// A quantizing copy of up to three jobs over the arena (some sharing a scale), run only when every
+/// byte they name is in the arena.
+fn quantize_batch(input: &mut Bytes, pool: &mut Pool, base: u64) {
+    let group = pool.pick(input, &pool.groups, base);
+    let shared = base + input.small(64) * 4;
+    let jobs: Vec<refit_quantize_job> = (0..input.byte() % 4)
+        .map(|_| {
+            let (rows, cols) = (input.value(9), input.value(5).saturating_mul(8).saturating_add(input.value(2)));
+            let row = cols.checked_next_multiple_of(8).unwrap_or(u64::MAX);
+            let at = |input: &mut Bytes, align: u64| base + input.small(256) * 256 + input.small(16) * align;
+            refit_quantize_job {
+                quantization: quantization(input),
+                source_type: (input.value(3) as u32).wrapping_add(1),
+                arithmetic: input.value(5) as u32,
+                src: at(input, 16),
+                rows,
+                cols,
+                src_row_stride: row.saturating_add(input.value(3).saturating_mul(8)),
+                dst: at(input, 8),
+                dst_row_stride: row,
+                scales: if input.byte() % 3 == 0 { shared } else { at(input, 4) },
+                scale_row_stride: input.value(8),
+            }
+        })
+        .collect();
+    let inside = jobs.iter().all(|j| {
+        // Sources read whole 16-byte vectors: up to 15 bytes past a row's end (4-byte elements).
+        within(base, j.src, &[j.rows, j.cols.saturating_add(4)], &[j.src_row_stride, 1], 4)
+            && within(base, j.dst, &[j.rows, j.cols], &[j.dst_row_stride, 1], 1)
+            && within(base, j.scales, &[j.rows, j.cols], &[j.scale_row_stride, 1], 4)
+    });
+    if inside {
+        let flags = u32::from(input.byte() % 8 == 0);
+        // SAFETY: `jobs` holds its length; every byte it names is the arena's.
+        check(refit_quantize_batch(group, input.value(3) as u32, null_mut(), jobs.as_ptr(), jobs.len(), flags));
     }
 }
 

@@ -335,7 +335,7 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
             b.1.addr,
         ))
     });
-    let ties = ScaleTies::of(&needs, &sources)?;
+    let ties = ScaleTies::of(&needs, &sources, limits.max_segments)?;
     for (number, (spec, q)) in needs.into_iter().enumerate() {
         let g = q.geometry(spec)?;
         hash_need(&mut digest, spec, q);
@@ -401,7 +401,13 @@ struct ScaleTies {
 }
 
 impl ScaleTies {
-    fn of(needs: &[(&TensorSpec, &QuantNeed)], sources: &HashMap<&str, Vec<Source>>) -> Result<ScaleTies> {
+    /// The ties among `needs`; UNSUPPORTED when their per-tensor matrices (one job each) are more
+    /// than `max_jobs`, which the jobs themselves would be refused for anyway.
+    fn of(
+        needs: &[(&TensorSpec, &QuantNeed)],
+        sources: &HashMap<&str, Vec<Source>>,
+        max_jobs: u64,
+    ) -> Result<ScaleTies> {
         // Union-find over the needs, joined through each scale address.
         let mut parent: Vec<usize> = (0..needs.len()).collect();
         fn root(parent: &mut [usize], mut i: usize) -> usize {
@@ -412,6 +418,7 @@ impl ScaleTies {
             i
         }
         let mut first_at: HashMap<(u32, u64), usize> = HashMap::new();
+        let mut budget = max_jobs;
         for (i, (spec, q)) in needs.iter().enumerate() {
             if q.quantization.granularity != crate::quant::Granularity::Tensor {
                 continue;
@@ -420,6 +427,7 @@ impl ScaleTies {
             if g.whole().is_empty(g.n) {
                 continue;
             }
+            spend(&mut budget, g.matrices())?;
             for m in 0..g.matrices() {
                 let scale =
                     m.wrapping_mul(q.scale_matrix_stride).wrapping_mul(q.quantization.scale_kind().size());
@@ -707,9 +715,7 @@ fn matrix_jobs(
     let (block_rows, block_cols) = q.quantization.block_shape(rows, cols);
     let scale_size = q.quantization.scale_kind().size();
     let count: u64 = bx.ext[..leading].iter().product();
-    *budget = budget.checked_sub(count).ok_or_else(|| {
-        Error::unsupported("quantized needs make more quantization jobs than the planner's segment limit")
-    })?;
+    spend(budget, count)?;
     jobs.try_reserve(count as usize)
         .map_err(|_| Error::new(Status::OutOfMemory, "no memory for the quantization jobs"))?;
     let mut index = vec![0u64; leading];
@@ -746,6 +752,14 @@ fn matrix_jobs(
             index[d] = 0;
         }
     }
+    Ok(())
+}
+
+/// Takes `jobs` from what is left of the planner's segment limit (`budget`).
+fn spend(budget: &mut u64, jobs: u64) -> Result<()> {
+    *budget = budget.checked_sub(jobs).ok_or_else(|| {
+        Error::unsupported("quantized needs make more quantization jobs than the planner's segment limit")
+    })?;
     Ok(())
 }
 

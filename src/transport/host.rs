@@ -332,15 +332,25 @@ unsafe fn quantize_on(queue: &HostStream, jobs: Arc<Vec<crate::quant::QuantJob>>
             .collect();
         let next = std::sync::atomic::AtomicUsize::new(0);
         std::thread::scope(|scope| {
-            for _ in 0..threads.min(bands.len()) {
-                scope.spawn(|| loop {
-                    let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-                    let Some((band, scale)) = bands.get(i) else { return };
-                    // SAFETY: the caller keeps the memory valid until the work has run (waited
-                    // for below); the bands of checked jobs write disjoint bytes (a shared scale
-                    // only its owner writes).
-                    unsafe { quantize_host_job(band, *scale) };
-                });
+            let workers: Vec<_> = (0..threads.min(bands.len()))
+                .map(|_| {
+                    scope.spawn(|| loop {
+                        let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                        let Some((band, scale)) = bands.get(i) else { return };
+                        // SAFETY: the caller keeps the memory valid until the work has run (waited
+                        // for below); the bands of checked jobs write disjoint bytes (a shared
+                        // scale only its owner writes).
+                        unsafe { quantize_host_job(band, *scale) };
+                    })
+                })
+                .collect();
+            // Joined one by one rather than by the scope, whose wait ends when each closure has
+            // returned, before its thread has exited and freed its thread-locals: a leak checker
+            // run just after this call (the fuzz targets') would report those.
+            for worker in workers {
+                if let Err(panic) = worker.join() {
+                    std::panic::resume_unwind(panic);
+                }
             }
         });
     })?;

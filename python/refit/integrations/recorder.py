@@ -10,7 +10,8 @@ none either (a model built on the meta device), under a torch dispatch mode that
   no bookkeeping: the meta tensor it returns carries its storage offset and strides, and its
   storage says which checkpoint tensor or parameter it views;
 - a pure copy into a new tensor (clone, contiguous, a same-dtype `to`) is remembered as a dense
-  copy of the view it read, so later views of it map back onto the checkpoint tensor when they can;
+  copy of the view it read, so later views of it map back onto the checkpoint tensor when they can
+  (one across its dimensions, as reshape leaves a tensor it had to copy, split at them);
 - `copy_` of a checkpoint view into a parameter view is the relation recorded: which box of which
   checkpoint tensor lands where (element offset and strides) in which parameter;
 - anything else that reads a checkpoint tensor (arithmetic, dtype conversion, concatenation into a
@@ -166,6 +167,54 @@ def _compose(dense: _Dense, view: _View) -> Optional[_View]:
     return _View(dense.source.root, offset, tuple(strides), view.shape)
 
 
+def _compose_split(dense: _Dense, view: _View) -> Optional[Tuple[_View, List[Shape]]]:
+    """`view` (of the dense copy's storage) whose dimensions run across the copy's, as reshape
+    leaves a tensor it could not view (a copy, then aten._unsafe_view merging its dimensions): each
+    dimension split into factors that each step within one of the copy's dimensions, then composed
+    as `_compose` does. Returns the refined view of the copy's source and each dimension's factor
+    sizes (outermost first), or None when a dimension does not split so."""
+    layout = dense.layout
+    dims = sorted(((s, n) for s, n in zip(layout.strides, layout.shape) if n > 1), reverse=True)
+    factors: List[Shape] = []
+    sizes: List[int] = []
+    strides: List[int] = []
+    for stride, size in zip(view.strides, view.shape):
+        parts: List[Tuple[int, int]] = []  # (size, stride), innermost first
+        while size > 1:
+            match = [(s, n) for s, n in dims if stride >= s and stride % s == 0]
+            if not match:
+                return None
+            step, extent = match[0]
+            if stride == step and size > extent and size % extent == 0:
+                parts.append((extent, stride))  # a whole dimension of the copy, then the ones outside it
+                size, stride = size // extent, stride * extent
+                continue
+            break
+        parts.append((size, stride))
+        parts.reverse()
+        factors.append(tuple(n for n, _ in parts))
+        sizes.extend(n for n, _ in parts)
+        strides.extend(s for _, s in parts)
+    if len(sizes) == len(view.shape):
+        return None  # nothing split: _compose has said no already
+    composed = _compose(dense, _View(view.root, view.offset, tuple(strides), tuple(sizes)))
+    return None if composed is None else (composed, factors)
+
+
+def _split(view: _View, factors: Sequence[Shape]) -> _View:
+    """`view` with each dimension split into `factors` (sizes, outermost first)."""
+    sizes: List[int] = []
+    strides: List[int] = []
+    for stride, parts in zip(view.strides, factors):
+        inner: List[int] = []
+        for n in reversed(parts):
+            inner.append(stride)
+            stride *= n
+        sizes.extend(parts)
+        strides.extend(reversed(inner))
+    return _View(view.root, view.offset, tuple(strides), tuple(sizes))
+
+
 def _boxes(src: _View, dst: _View, tensor_shape: Shape) -> Optional[List[Tuple[Shape, Shape, Shape, int]]]:
     """The copy of `src` (a view of a row-major checkpoint tensor of `tensor_shape`) into `dst`
     (same shape after broadcasting) as boxes: (offset, extent, destination strides, destination
@@ -259,6 +308,11 @@ class _Mode:
         if key in self.tainted:
             return None, self.tainted[key]
         return None, None
+
+    def resolve_split(self, tensor: Any) -> Optional[Tuple[_View, List[Shape]]]:
+        """A view of a dense copy across its dimensions, split to map (`_compose_split`), or None."""
+        dense = self.dense.get(_storage_key(tensor))
+        return None if dense is None else _compose_split(dense, _view_of(tensor, _storage_key(tensor)))
 
     @property
     def tracked(self) -> set:
@@ -401,6 +455,11 @@ def _make_mode_class() -> Any:
                         state.taint(target, names, reasons[0] if reasons else f"computed by {name}")
                 return out
             outputs = tensors(out if isinstance(out, (list, tuple)) else [out])
+            if outputs and all(_storage_key(o) in {_storage_key(i) for i in inputs} for o in outputs):
+                # A view its schema does not declare (aten._unsafe_view, which reshape returns after
+                # copying a tensor that cannot be viewed): its meta tensor carries offset and strides
+                # into the input's storage, as a declared view's does.
+                return out
             single = len(inputs) == 1 and len(outputs) == 1
             same_type = single and outputs[0].dtype == inputs[0].dtype
             if single and not reasons and (func in pure_copies or (func is aten._to_copy.default and same_type)):
@@ -448,6 +507,10 @@ def _make_mode_class() -> Any:
             target, _ = state.resolve(dst)
             root = state.roots.get(target.root) if target is not None else None
             source, taint = state.resolve(src)
+            split = state.resolve_split(src) if source is None and tuple(src.shape) == tuple(dst.shape) else None
+            if split is not None and root is not None and root.kind == "param":
+                source, taint = split[0], None
+                target = _split(target, split[1])
             if root is None or root.kind != "param":
                 if root is not None and root.kind == "checkpoint":
                     state.stage([root.name], "written by the loader")

@@ -94,6 +94,19 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual((piece.offset, piece.extent), ((0, 2), (4, 3)))
         self.assertEqual(recording.staged, {})
 
+    def test_a_reshape_that_copies_maps_back(self):
+        # reshape of a tensor it cannot view copies it (clone) and views the copy through
+        # aten._unsafe_view (not a view by its schema) across the copy's dimensions: split at them,
+        # the copy's pieces are still boxes of the checkpoint tensor.
+        specs = {"w": ((4, 6), torch.float32)}
+        make = lambda device: {"p": torch.empty(2, 12, device=device)}  # noqa: E731
+        loader = lambda params: lambda items: [params["p"].copy_(t.t().reshape(2, 12)) for _, t in items]  # noqa: E731
+        recording, _, _ = install(self, make, loader, specs)
+        self.assertEqual(recording.staged, {})
+        # p[r, 4i + j] = w[j, 3r + i]: columns 3r..3r+2 of w, transposed, in row r of p.
+        pieces = [(p.offset, p.extent, p.strides, p.at) for p in recording.layouts[0].pieces]
+        self.assertEqual(pieces, [((0, 3 * r), (4, 3), (1, 4), 12 * r) for r in range(2)])
+
     def test_flattened_and_strided_reads(self):
         # A flat parameter taking rows 1..2 of a matrix flattened; every other column of another.
         specs = {"w": ((4, 6), torch.float32), "v": ((4, 6), torch.float32)}
