@@ -11,11 +11,12 @@ none either (a model built on the meta device), under a torch dispatch mode that
   storage says which checkpoint tensor or parameter it views;
 - a pure copy into a new tensor (clone, contiguous, a same-dtype `to`) is remembered as a dense
   copy of the view it read, so later views of it map back onto the checkpoint tensor when they can
-  (one across its dimensions, as reshape leaves a tensor it had to copy, split at them);
+  (one across its dimensions, as reshape leaves a tensor it had to copy, split at them); so is a
+  concatenation (cat, stack) of such views, part by part (a view across parts cut at them);
 - `copy_` of a checkpoint view into a parameter view is the relation recorded: which box of which
   checkpoint tensor lands where (element offset and strides) in which parameter;
-- anything else that reads a checkpoint tensor (arithmetic, dtype conversion, concatenation into a
-  new tensor, quantization, an in-place change, a loader that needs the values) is never guessed:
+- anything else that reads a checkpoint tensor (arithmetic, dtype conversion, concatenation with
+  anything else, quantization, an in-place change, a loader that needs the values) is never guessed:
   that checkpoint tensor is marked staged, with the reason: a receiver takes it whole into staging
   and runs the engine's own loader on it.
 
@@ -108,6 +109,17 @@ class _Dense:
 
     layout: _View
     source: _View
+
+
+@dataclasses.dataclass(frozen=True)
+class _Concat:
+    """A new tensor (`layout`) concatenated along `dim`: part i, rows starts[i] .. starts[i+1] of
+    that dimension, a dense copy of its own source (`parts[i]`, its layout that slab of `layout`)."""
+
+    layout: _View
+    dim: int
+    starts: Shape
+    parts: Tuple[_Dense, ...]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -215,6 +227,40 @@ def _split(view: _View, factors: Sequence[Shape]) -> _View:
     return _View(view.root, view.offset, tuple(strides), tuple(sizes))
 
 
+def _compose_any(dense: _Dense, view: _View) -> Optional[Tuple[_View, Optional[List[Shape]]]]:
+    """`view` as a view of the copy's source: as it is, or split (then with its factors)."""
+    composed = _compose(dense, view)
+    return (composed, None) if composed is not None else _compose_split(dense, view)
+
+
+def _narrow(view: _View, dim: int, start: int, size: int) -> _View:
+    shape = view.shape[:dim] + (size,) + view.shape[dim + 1 :]
+    return _View(view.root, view.offset + start * view.strides[dim], view.strides, shape)
+
+
+def _cut(concat: _Concat, view: _View) -> Optional[List[Tuple[int, int, int]]]:
+    """`view` (of the concatenation's storage) cut at the parts it runs across: (its dimension that
+    steps along the concatenated one, start, size) per piece, or None when it does not run across
+    them as one of its dimensions."""
+    layout = concat.layout
+    rest = view.offset - layout.offset
+    start = [0] * len(layout.shape)
+    for k in sorted(range(len(layout.shape)), key=lambda k: layout.strides[k], reverse=True):
+        start[k], rest = divmod(rest, layout.strides[k])
+    along = [k for k, (s, n) in enumerate(zip(view.strides, view.shape)) if n > 1 and s == layout.strides[concat.dim]]
+    if rest or min(start) < 0 or len(along) != 1:
+        return None
+    k, first = along[0], start[concat.dim]
+    last = first + view.shape[k]
+    if last > layout.shape[concat.dim]:
+        return None
+    bounds = list(concat.starts) + [layout.shape[concat.dim]]
+    return [
+        (k, max(a, first) - first, min(b, last) - max(a, first))
+        for a, b in zip(bounds, bounds[1:]) if min(b, last) > max(a, first)
+    ]
+
+
 def _boxes(src: _View, dst: _View, tensor_shape: Shape) -> Optional[List[Tuple[Shape, Shape, Shape, int]]]:
     """The copy of `src` (a view of a row-major checkpoint tensor of `tensor_shape`) into `dst`
     (same shape after broadcasting) as boxes: (offset, extent, destination strides, destination
@@ -277,6 +323,7 @@ class _Mode:
     def __init__(self) -> None:
         self.roots: Dict[int, _Root] = {}
         self.dense: Dict[int, _Dense] = {}
+        self.concats: Dict[int, _Concat] = {}
         self.tainted: Dict[int, Tuple[frozenset, str]] = {}  # storage -> (checkpoint names, why)
         self.copies: List[Tuple[str, _View, str, _View]] = []  # (tensor, src view, param, dst view)
         self.staged: Dict[str, str] = {}
@@ -305,14 +352,40 @@ class _Mode:
             if view is None:
                 return None, (frozenset([self.roots[dense.source.root].name]), "a view across a copied tensor's dimensions")
             return view, None
+        if key in self.concats:
+            parts = self.concats[key].parts
+            view = next((v for v in (_compose(part, _view_of(tensor, key)) for part in parts) if v is not None), None)
+            if view is None:
+                return None, (frozenset(self.roots[part.source.root].name for part in parts), "concatenation into a new tensor")
+            return view, None
         if key in self.tainted:
             return None, self.tainted[key]
         return None, None
 
-    def resolve_split(self, tensor: Any) -> Optional[Tuple[_View, List[Shape]]]:
-        """A view of a dense copy across its dimensions, split to map (`_compose_split`), or None."""
-        dense = self.dense.get(_storage_key(tensor))
-        return None if dense is None else _compose_split(dense, _view_of(tensor, _storage_key(tensor)))
+    def mapped(self, tensor: Any, target: _View) -> Optional[List[Tuple[_View, _View]]]:
+        """A copy of `tensor` into `target` (same shape) that `resolve` cannot map as one view, as
+        copies of checkpoint views, each with the part of `target` it lands in: a view across a
+        dense copy's dimensions split at them (`_compose_split`), one of a concatenation cut at its
+        parts (`_cut`), each part's piece split so in turn; or None."""
+        key = _storage_key(tensor)
+        view = _view_of(tensor, key)
+        if key in self.dense:
+            split = _compose_split(self.dense[key], view)
+            return None if split is None else [(split[0], _split(target, split[1]))]
+        concat = self.concats.get(key)
+        pieces = _cut(concat, view) if concat is not None else None
+        if pieces is None:
+            return None
+        out = []
+        for dim, start, size in pieces:
+            piece = _narrow(view, dim, start, size)
+            found = next((c for c in (_compose_any(part, piece) for part in concat.parts) if c is not None), None)
+            if found is None:
+                return None
+            source, factors = found
+            into = _narrow(target, dim, start, size)
+            out.append((source, into if factors is None else _split(into, factors)))
+        return out
 
     @property
     def tracked(self) -> set:
@@ -332,14 +405,54 @@ class _Mode:
         if key not in self.roots:
             self.dense[key] = _Dense(_view_of(tensor, key), source)
             self.tainted.pop(key, None)
+            self.concats.pop(key, None)
             self._tracked.add(key)
             self.keep_alive(tensor)
+
+    def remember_concat(self, tensor: Any, inputs: Sequence[Any], dim: int, stacked: bool) -> bool:
+        """`tensor`, the concatenation (or stack) of `inputs` along `dim`, remembered part by part
+        when every input is a view of a checkpoint tensor (or of a copy of one, split to map, as
+        `mapped` does); False (nothing remembered) otherwise."""
+        key = _storage_key(tensor)
+        layout = _view_of(tensor, key)
+        parts: List[_Dense] = []
+        starts: List[int] = []
+        at = 0
+        for value in inputs:
+            if value.numel() == 0:
+                continue  # cat skips empty inputs
+            view, _ = self.resolve(value)
+            found = (view, None) if view is not None else None
+            if found is None and _storage_key(value) in self.dense:
+                found = _compose_split(self.dense[_storage_key(value)], _view_of(value, _storage_key(value)))
+            if found is None or self.roots[found[0].root].kind != "checkpoint" or value.dtype != tensor.dtype:
+                return False
+            source, factors = found
+            size = 1 if stacked else int(value.shape[dim])
+            part = _narrow(layout, dim, at, size)
+            if stacked:  # the new dimension, of size 1, is the source's too
+                at_dim = dim if factors is None else sum(len(f) for f in factors[:dim])
+                strides, shape = source.strides, source.shape
+                source = _View(source.root, source.offset, strides[:at_dim] + (0,) + strides[at_dim:], shape[:at_dim] + (1,) + shape[at_dim:])
+                factors = None if factors is None else factors[:dim] + [(1,)] + factors[dim:]
+            parts.append(_Dense(part if factors is None else _split(part, factors), source))
+            starts.append(at)
+            at += size
+        if not parts:
+            return False
+        self.concats[key] = _Concat(layout, dim, tuple(starts), tuple(parts))
+        self.tainted.pop(key, None)
+        self.dense.pop(key, None)
+        self._tracked.add(key)
+        self.keep_alive(tensor)
+        return True
 
     def taint(self, tensor: Any, names: Iterable[str], why: str) -> None:
         key = _storage_key(tensor)
         if key not in self.roots:
             self.tainted[key] = (frozenset(names), why)
             self.dense.pop(key, None)
+            self.concats.pop(key, None)
             self._tracked.add(key)
             self.keep_alive(tensor)
 
@@ -460,6 +573,10 @@ def _make_mode_class() -> Any:
                 # copying a tensor that cannot be viewed): its meta tensor carries offset and strides
                 # into the input's storage, as a declared view's does.
                 return out
+            if func in (aten.cat.default, aten.stack.default):
+                dim = args[1] if len(args) > 1 else kwargs.get("dim", 0)
+                if state.remember_concat(outputs[0], args[0], dim % outputs[0].dim(), func is aten.stack.default):
+                    return out
             single = len(inputs) == 1 and len(outputs) == 1
             same_type = single and outputs[0].dtype == inputs[0].dtype
             if single and not reasons and (func in pure_copies or (func is aten._to_copy.default and same_type)):
@@ -507,10 +624,9 @@ def _make_mode_class() -> Any:
             target, _ = state.resolve(dst)
             root = state.roots.get(target.root) if target is not None else None
             source, taint = state.resolve(src)
-            split = state.resolve_split(src) if source is None and tuple(src.shape) == tuple(dst.shape) else None
-            if split is not None and root is not None and root.kind == "param":
-                source, taint = split[0], None
-                target = _split(target, split[1])
+            pairs = [(source, target)] if source is not None else None
+            if source is None and root is not None and root.kind == "param" and tuple(src.shape) == tuple(dst.shape):
+                pairs = state.mapped(src, target)
             if root is None or root.kind != "param":
                 if root is not None and root.kind == "checkpoint":
                     state.stage([root.name], "written by the loader")
@@ -522,22 +638,25 @@ def _make_mode_class() -> Any:
                     names, _ = state.sources([src])
                     state.taint(dst, names, taint[1] if taint else "copied into a new tensor")
                 return
-            if source is None:
+            if pairs is None:
                 if taint is not None:
                     state.stage(taint[0], taint[1], root.name)
                     state.params_written_by_staged.add(root.name)
                 return
-            source_root = state.roots[source.root]
-            if source_root.kind == "param":  # one parameter's elements copied into another
-                state.stage(state.param_sources.get(source.root, ()), f"read back from {source_root.name} after the loader wrote it", root.name)
-                state.params_written_by_staged.add(root.name)
-                return
+            for source, _ in pairs:
+                source_root = state.roots[source.root]
+                if source_root.kind == "param":  # one parameter's elements copied into another
+                    state.stage(state.param_sources.get(source.root, ()), f"read back from {source_root.name} after the loader wrote it", root.name)
+                    state.params_written_by_staged.add(root.name)
+                    return
+            names = [state.roots[source.root].name for source, _ in pairs]
             if src.dtype != dst.dtype:
-                state.stage([source_root.name], "dtype conversion", root.name)
+                state.stage(names, "dtype conversion", root.name)
                 state.params_written_by_staged.add(root.name)
                 return
-            state.copies.append((source_root.name, source, root.name, target))
-            state.wrote_param(target.root, [source_root.name])
+            for name, (source, into) in zip(names, pairs):
+                state.copies.append((name, source, root.name, into))
+            state.wrote_param(target.root, names)
 
     return RecordingMode
 

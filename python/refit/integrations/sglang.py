@@ -37,11 +37,12 @@ The rank's needs are recorded from SGLang's own loader (`recorded_table`, the de
 model class is built again on the meta device as SGLang's loader builds it (same config, the live
 model's quant config, this process's TP / EP groups), its `load_weights` runs over meta stand-ins
 of the checkpoint (the model folder's safetensors headers) under refit's recorder, and every
-element it copies becomes a box of a need at the live parameter's address. Checkpoint tensors the
-loader transforms (DeepSeek-V3's q_a_proj / kv_a_proj_with_mqa, concatenated into one fused
-parameter) are staged whole; after the commit SGLang's own `load_weights` takes them, then SGLang's
-post-load fix-up runs (`model.post_load_weights()`: DeepSeek's MLA w_kc / w_vc, derived from
-kv_b_proj.weight, which SGLang's end_weight_update skips after an update_weights_from_tensor).
+element it copies becomes a box of a need at the live parameter's address (DeepSeek-V3's q_a_proj
+and kv_a_proj_with_mqa, which the loader concatenates into one fused parameter, too: part by part).
+Checkpoint tensors the loader transforms (arithmetic, a dtype conversion) are staged whole; after
+the commit SGLang's own `load_weights` takes them, then SGLang's post-load fix-up runs
+(`model.post_load_weights()`: DeepSeek's MLA w_kc / w_vc, derived from kv_b_proj.weight, which
+SGLang's end_weight_update skips after an update_weights_from_tensor).
 Layers SGLang packed for Intel AMX after loading are refused (see `_amx_packed`).
 `receiver_table` (the hand-written vLLM rules: Llama / Qwen2 without q/k/v biases / Qwen3 /
 Qwen3-MoE only) remains for `attach(model, table_of=receiver_table)`. Nothing here imports SGLang

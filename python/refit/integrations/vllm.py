@@ -5,8 +5,9 @@ Nothing here describes a model family. `VllmReceiver.from_engine(vllm_config, ch
 second copy of the worker's model on the meta device (the same class, config and parallel state, so
 the same ranks and expert placement the engine itself uses, never assumed), runs its
 `load_weights` over meta stand-ins of the checkpoint, and turns what landed where into needs.
-Checkpoint tensors the loader transforms (arithmetic, dtype conversion, concatenation) are staged
-whole and handed to the worker's own `load_weights` after the refit.
+Checkpoint tensors the loader transforms (arithmetic, dtype conversion, concatenation with anything
+but other checkpoint views) are staged whole and handed to the worker's own `load_weights` after
+the refit.
 
 Engines that transform weights after loading (`process_weights_after_loading` of a layer's quant
 method or MoE backend: FlashInfer's CUTLASS path swaps w13's halves, its TRT-LLM path re-blocks and

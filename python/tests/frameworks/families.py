@@ -5,13 +5,16 @@ shared experts and expert groups, dense layers before MoE ones; fused checkpoint
 GraniteMoE, GPT-2's Conv1D, Bloom, Llama 4's experts), hybrid attention (Qwen3-Next), state-space
 layers (Mamba, Mamba2, Jamba, Falcon-H1, Nemotron-H, GraniteMoeHybrid, Zamba2: A computed from
 A_log), constructors that read values (Bloom, Apertus) and vLLM's Transformers modeling backend
-(OLMo 2, GPT-BigCode, GPT-NeoX, Phi, HunYuan MoE)."""
+(OLMo 2, GPT-BigCode, GPT-NeoX, Phi, HunYuan MoE); vision-language models (Qwen2/2.5/3-VL, Qwen3-VL-MoE,
+Gemma 3, LLaVA, Mistral 3, Pixtral, Llama 4, GLM-4.1V/4.5V, InternVL, Idefics3, SmolVLM, PaliGemma,
+Kimi-VL): their vision towers sharded by TP or replicated (the encoder data parallel), the Hub's
+checkpoint names and vLLM's mapping of them."""
 
 from __future__ import annotations
 
 from typing import Any, Callable, Dict, List
 
-from vllm_harness import HandWritten, Parallel
+from vllm_harness import HandWritten, ModuleNames, Parallel
 
 COMMON = dict(hidden_size=32, num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
@@ -515,6 +518,249 @@ def bailing_moe() -> Any:
     ), t)
 
 
+# Vision-language families: the image-text class saved as on the Hub (vllm_harness.hf_folder; Kimi-VL
+# and Pixtral's own format written by hand), a language model as above beside a vision tower of 2
+# layers (hidden 32, 4 heads, patches of 4) and its projector. Image and vision token ids lie inside
+# the vocabulary of 160.
+
+TEXT = dict(intermediate_size=64, num_hidden_layers=2, vocab_size=160, **COMMON)
+QWEN_VISION = dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=64, patch_size=4, out_hidden_size=32)
+QWEN_TOKENS = dict(image_token_id=151, video_token_id=152, vision_start_token_id=153, vision_end_token_id=154)
+SIGLIP = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4, vision_use_head=False)
+
+
+def mrope(*section: int, **more: Any) -> Dict[str, Any]:
+    """Multimodal rotary parameters: `section` splits the rotary half of a head (t, h, w)."""
+    return dict(rope_type="default", rope_theta=10000.0, mrope_section=list(section), **more)
+
+
+def qwen2_5_vl() -> Any:
+    from transformers import Qwen2_5_VLConfig
+
+    # The Hub's names are the older ones (model.layers.*, visual.*, lm_head); a Conv3d patch
+    # embedding; fused qkv and separate gate/up (stacked by vLLM) in the vision blocks; a merger MLP.
+    return Qwen2_5_VLConfig(
+        text_config=dict(rope_parameters=mrope(2, 1, 1), **TEXT),
+        vision_config=dict(fullatt_block_indexes=[1], window_size=16, **QWEN_VISION), **QWEN_TOKENS,
+    )
+
+
+def qwen2_5_vl_module_names() -> Any:
+    # Qwen2.5-VL under its transformers module's names (model.language_model.*, model.visual.*,
+    # lm_head), which vLLM's hf_to_vllm_mapper maps as it does the Hub's.
+    return ModuleNames(qwen2_5_vl())
+
+
+def qwen2_vl() -> Any:
+    from transformers import Qwen2VLConfig
+
+    # Tied embeddings (Qwen2-VL-2B); QuickGELU in the vision MLP.
+    return Qwen2VLConfig(
+        text_config=dict(rope_parameters=mrope(2, 1, 1), **TEXT),
+        vision_config=dict(depth=2, embed_dim=32, hidden_size=32, num_heads=4, mlp_ratio=2, patch_size=4),
+        tie_word_embeddings=True, **QWEN_TOKENS,
+    )
+
+
+def qwen3_vl() -> Any:
+    from transformers import Qwen3VLConfig
+
+    # The newer names (model.language_model.*, model.visual.*); learned position embeddings, a
+    # deepstack merger fed from vision layer 0, interleaved mrope.
+    return Qwen3VLConfig(
+        text_config=dict(head_dim=8, rope_parameters=mrope(2, 1, 1, mrope_interleaved=True), **TEXT),
+        vision_config=dict(num_position_embeddings=16, deepstack_visual_indexes=[0], **QWEN_VISION), **QWEN_TOKENS,
+    )
+
+
+def qwen3_vl_moe() -> Any:
+    from transformers import Qwen3VLMoeConfig
+
+    # Experts fused in the checkpoint as the Hub stores them: gate_up_proj [experts, hidden, 2 x
+    # inter], down_proj [experts, inter, hidden] (norm_topk_prob: vLLM reads it, transformers'
+    # config does not declare it).
+    text = dict(TEXT, moe_intermediate_size=8, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True)
+    return Qwen3VLMoeConfig(
+        text_config=dict(head_dim=8, rope_parameters=mrope(2, 1, 1, mrope_interleaved=True), **text),
+        vision_config=dict(num_position_embeddings=16, deepstack_visual_indexes=[0], **QWEN_VISION), **QWEN_TOKENS,
+    )
+
+
+def gemma3_mm() -> Any:
+    from transformers import Gemma3Config
+
+    # SigLIP (vision_tower.vision_model.*, fused into qkv_proj by vLLM), an average-pooling projector
+    # with a bare weight (mm_input_projection_weight), tied embeddings.
+    return Gemma3Config(
+        text_config=dict(head_dim=8, sliding_window=64, **TEXT), vision_config=SIGLIP, mm_tokens_per_image=4,
+        boi_token_index=151, eoi_token_index=152, image_token_index=153,
+    )
+
+
+def llava() -> Any:
+    from transformers import LlavaConfig
+
+    # Llama + CLIP (a class embedding, pre_layrnorm); vLLM builds the vision layers up to the
+    # feature layer (-2) only, so layer 1 of the tower stays unread by both sides.
+    return LlavaConfig(
+        text_config=dict(model_type="llama", **TEXT), image_token_index=151, image_seq_length=16,
+        vision_config=dict(model_type="clip_vision_model", hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                           num_attention_heads=4, image_size=16, patch_size=4, projection_dim=32),
+    )
+
+
+def mistral3() -> Any:
+    from transformers import Mistral3Config
+
+    # Pixtral vision tower (separate q/k/v, gated MLP: stacked by vLLM), a patch merger.
+    return Mistral3Config(
+        text_config=dict(model_type="mistral", head_dim=8, **TEXT), image_token_index=151, tie_word_embeddings=False,
+        vision_config=dict(model_type="pixtral", hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                           head_dim=8, image_size=16, patch_size=4),
+    )
+
+
+def llama4_mm() -> Any:
+    from transformers import Llama4Config
+
+    # Llama 4's text model as llama4() (fused experts) and its vision model: a patch embedding that
+    # is a Linear, q/k/v that vLLM stacks under TP and concatenates itself when the encoder runs
+    # data parallel, a pixel-shuffle adapter.
+    return Llama4Config(
+        text_config=dict(llama4().to_dict(), vocab_size=160),
+        vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, image_size=16, patch_size=4,
+                           vision_output_dim=32, projector_input_dim=32, projector_output_dim=32, pixel_shuffle_ratio=0.5),
+        boi_token_index=151, eoi_token_index=152, image_token_index=153,
+    )
+
+
+GLM_TOKENS = dict(image_token_id=151, video_token_id=152, image_start_token_id=153, image_end_token_id=154, video_start_token_id=155,
+                  video_end_token_id=156)
+GLM_VISION = dict(depth=2, hidden_size=32, num_heads=4, intermediate_size=64, patch_size=4, image_size=16, out_hidden_size=32)
+
+
+def glm4v() -> Any:
+    from transformers import Glm4vConfig
+
+    # GLM-4.1V: a Conv3d patch embedding, a Conv2d downsample, a merger; partial rotary (4 of 8).
+    return Glm4vConfig(
+        text_config=dict(rope_parameters=mrope(1, 1, 0, partial_rotary_factor=0.5), **TEXT), vision_config=GLM_VISION, **GLM_TOKENS,
+    )
+
+
+def glm4v_moe() -> Any:
+    from transformers import Glm4vMoeConfig
+
+    # GLM-4.5V: GLM-4-MoE's text model (a dense first layer, a shared expert) with GLM-4.1V's vision.
+    return Glm4vMoeConfig(
+        text_config=dict(
+            TEXT, moe_intermediate_size=16, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, first_k_dense_replace=1,
+            head_dim=8, use_qk_norm=False, rope_parameters=mrope(1, 1, 0, partial_rotary_factor=0.5),
+        ),
+        vision_config=GLM_VISION, **GLM_TOKENS,
+    )
+
+
+def internvl() -> Any:
+    from transformers import InternVLConfig
+
+    # The Hugging Face format of InternVL 3 (vLLM serves it as InternS1): a Qwen2 language model,
+    # InternViT with a class token, layer scales (lambda_1, lambda_2), an MLP projector.
+    return InternVLConfig(
+        text_config=dict(model_type="qwen2", **TEXT), image_token_id=151, image_seq_length=4,
+        vision_config=dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=16, patch_size=4),
+    )
+
+
+def idefics3() -> Any:
+    from transformers import Idefics3Config
+
+    # A Llama text model under model.text_model, SigLIP under model.vision_model, a pixel-shuffle
+    # connector.
+    return Idefics3Config(text_config=dict(model_type="llama", **TEXT), vision_config=SIGLIP, image_token_id=151, scale_factor=2)
+
+
+def smolvlm() -> Any:
+    from transformers import SmolVLMConfig
+
+    # Idefics3's layout with tied embeddings.
+    return SmolVLMConfig(
+        text_config=dict(model_type="llama", tie_word_embeddings=True, **TEXT), vision_config=SIGLIP, image_token_id=151,
+        scale_factor=2, tie_word_embeddings=True,
+    )
+
+
+def paligemma() -> Any:
+    from transformers import PaliGemmaConfig
+
+    # Gemma with SigLIP and a linear projector; tied embeddings.
+    return PaliGemmaConfig(
+        text_config=dict(model_type="gemma", head_dim=8, **TEXT), vision_config=dict(SIGLIP, projection_dim=32), image_token_index=151,
+        projection_dim=32, hidden_size=32, vocab_size=160,
+    )
+
+
+def kimi_vl() -> Any:
+    # Kimi-VL (modeling code on the Hub; vLLM has its own config class): DeepSeek-V3's text model,
+    # its tensors as transformers writes them under language_model., and MoonViT (fused wqkv, a
+    # Conv2d patch embedding, a 2-D learned position embedding) with a projector over 2 x 2 patches.
+    from transformers import DeepseekV3Config
+
+    from vllm_harness import meta_checkpoint_specs
+
+    H, mlp, patch, pos, merged = 32, 64, 4, 4, 32 * 4
+    text = DeepseekV3Config(**dict(deepseek_v3().to_dict(), vocab_size=160, n_group=1, topk_group=1, q_lora_rank=None))
+    t = {"language_model." + name: shape for name, (shape, _) in meta_checkpoint_specs(text).items()}
+    v, projector = "vision_tower.", "multi_modal_projector."
+    t.update({
+        v + "patch_embed.proj.weight": (H, 3, patch, patch), v + "patch_embed.proj.bias": (H,), v + "patch_embed.pos_emb.weight": (pos, pos, H),
+        v + "encoder.final_layernorm.weight": (H,), v + "encoder.final_layernorm.bias": (H,), projector + "pre_norm.weight": (H,),
+        projector + "pre_norm.bias": (H,), projector + "linear_1.weight": (merged, merged), projector + "linear_1.bias": (merged,),
+        projector + "linear_2.weight": (H, merged), projector + "linear_2.bias": (H,),
+    })
+    for i in range(2):
+        p = f"{v}encoder.blocks.{i}."
+        t.update({
+            p + "norm0.weight": (H,), p + "norm0.bias": (H,), p + "norm1.weight": (H,), p + "norm1.bias": (H,), p + "wqkv.weight": (3 * H, H),
+            p + "wqkv.bias": (3 * H,), p + "wo.weight": (H, H), p + "wo.bias": (H,), p + "mlp.fc0.weight": (mlp, H), p + "mlp.fc0.bias": (mlp,),
+            p + "mlp.fc1.weight": (H, mlp), p + "mlp.fc1.bias": (H,),
+        })
+    return HandWritten(dict(
+        architectures=["KimiVLForConditionalGeneration"], model_type="kimi_vl", media_placeholder_token_id=151, torch_dtype="float32",
+        text_config=text.to_dict(),
+        vision_config=dict(model_type="moonvit", patch_size=patch, init_pos_emb_height=pos, init_pos_emb_width=pos, num_attention_heads=4,
+                           num_hidden_layers=2, hidden_size=H, intermediate_size=mlp, merge_kernel_size=[2, 2]),
+    ), t)
+
+
+def pixtral() -> Any:
+    # Mistral's own format (params.json, consolidated.safetensors; vLLM's Pixtral class), laid out as
+    # Mistral Small 3.1: wq/wk/wv/wo and w1/w2/w3 in the language model (q and k rows permuted by
+    # vLLM's loader for its rotary layout) and in the vision encoder (stacked by vLLM), a patch
+    # merger, a norm before the adapter.
+    H, I, V, L, nh, nkv, hd = 32, 64, 160, 2, 4, 2, 8
+    t = {"tok_embeddings.weight": (V, H), "norm.weight": (H,), "output.weight": (V, H), "vision_encoder.patch_conv.weight": (H, 3, 4, 4),
+         "vision_encoder.ln_pre.weight": (H,), "pre_mm_projector_norm.weight": (H,), "patch_merger.merging_layer.weight": (H, 4 * H),
+         "vision_language_adapter.w_in.weight": (H, H), "vision_language_adapter.w_in.bias": (H,), "vision_language_adapter.w_out.weight": (H, H),
+         "vision_language_adapter.w_out.bias": (H,)}
+    for i in range(L):
+        for p, q, kv in ((f"layers.{i}.", nh * hd, nkv * hd), (f"vision_encoder.transformer.layers.{i}.", H, H)):
+            t.update({
+                p + "attention.wq.weight": (q, H), p + "attention.wk.weight": (kv, H), p + "attention.wv.weight": (kv, H),
+                p + "attention.wo.weight": (H, q), p + "attention_norm.weight": (H,), p + "ffn_norm.weight": (H,),
+                p + "feed_forward.w1.weight": (I, H), p + "feed_forward.w2.weight": (H, I), p + "feed_forward.w3.weight": (I, H),
+            })
+    return HandWritten(dict(
+        dim=H, n_layers=L, head_dim=hd, hidden_dim=I, n_heads=nh, n_kv_heads=nkv, rope_theta=1e6, norm_eps=1e-5, vocab_size=V,
+        max_position_embeddings=256,
+        vision_encoder=dict(
+            hidden_size=H, num_channels=3, image_size=16, patch_size=4, rope_theta=10000.0, intermediate_size=I, num_hidden_layers=L,
+            num_attention_heads=4, image_token_id=151, image_break_token_id=152, image_end_token_id=153, adapter_bias=True,
+            spatial_merge_size=2, add_pre_mm_projector_layer_norm=True, mm_projector_id="patch_merge",
+        ),
+    ), t, ("params.json", "consolidated.safetensors"))
+
+
 FAMILIES: Dict[str, Callable[[], Any]] = {
     "llama": llama,
     "qwen2": qwen2,
@@ -573,6 +819,23 @@ FAMILIES: Dict[str, Callable[[], Any]] = {
     "internlm2": internlm2,
     "chatglm": chatglm,
     "bailing_moe": bailing_moe,
+    "qwen2_5_vl": qwen2_5_vl,
+    "qwen2_5_vl_module_names": qwen2_5_vl_module_names,
+    "qwen2_vl": qwen2_vl,
+    "qwen3_vl": qwen3_vl,
+    "qwen3_vl_moe": qwen3_vl_moe,
+    "gemma3_mm": gemma3_mm,
+    "llava": llava,
+    "mistral3": mistral3,
+    "llama4_mm": llama4_mm,
+    "glm4v": glm4v,
+    "glm4v_moe": glm4v_moe,
+    "internvl": internvl,
+    "idefics3": idefics3,
+    "smolvlm": smolvlm,
+    "paligemma": paligemma,
+    "kimi_vl": kimi_vl,
+    "pixtral": pixtral,
 }
 
 # Architectures whose Hugging Face class name is not the one vLLM registers natively (transformers
@@ -638,4 +901,21 @@ MATRIX: Dict[str, List[Parallel]] = {
     "internlm2": [P(2), P(4)],
     "chatglm": [P(2), P(1, 2)],
     "bailing_moe": [P(2), P(2, ep=True)],
+    "qwen2_5_vl": [P(1), P(2), P(4), P(2, encoder="data"), P(2, 2)],
+    "qwen2_5_vl_module_names": [P(2)],
+    "qwen2_vl": [P(2), P(1, 2)],
+    "qwen3_vl": [P(2), P(2, encoder="data"), P(1, 2)],
+    "qwen3_vl_moe": [P(2), P(2, ep=True), P(4, ep=True, placement="round_robin"), P(2, 2, ep=True)],
+    "gemma3_mm": [P(2), P(1, 2)],
+    "llava": [P(4)],
+    "mistral3": [P(2)],
+    "llama4_mm": [P(2), P(2, ep=True), P(2, encoder="data"), P(1, 2)],
+    "glm4v": [P(2), P(2, encoder="data")],
+    "glm4v_moe": [P(2), P(2, ep=True)],
+    "internvl": [P(2)],  # InternS1 has no data-parallel encoder (vLLM runs it sharded)
+    "idefics3": [P(2)],  # vLLM refuses PP for Idefics3 and SmolVLM
+    "smolvlm": [P(2)],
+    "paligemma": [P(2)],
+    "kimi_vl": [P(2), P(2, ep=True), P(2, encoder="data"), P(1, 2)],
+    "pixtral": [P(2), P(4)],
 }

@@ -1,9 +1,10 @@
 """The recorder on loaders written for the test, each a pattern a real loader uses: a transposed
 destination, heads regrouped through view + transpose (not one box: cut into boxes), a contiguous
-copy of a view read again, vocabulary padding, and what it must never guess (arithmetic, dtype
-conversion, concatenation, a loader that reads values), which goes through staging and the loader
-itself. Each is installed by refit through a plan on the host backend and compared element by
-element with the loader's own result; then a plain Hugging Face module loaded by load_state_dict."""
+copy of a view read again, concatenations of such views, vocabulary padding, and what it must never
+guess (arithmetic, dtype conversion, concatenation with a constant, a loader that reads values),
+which goes through staging and the loader itself. Each is installed by refit through a plan on the
+host backend and compared element by element with the loader's own result; then a plain Hugging
+Face module loaded by load_state_dict."""
 
 from __future__ import annotations
 
@@ -107,6 +108,56 @@ class RecorderTest(unittest.TestCase):
         pieces = [(p.offset, p.extent, p.strides, p.at) for p in recording.layouts[0].pieces]
         self.assertEqual(pieces, [((0, 3 * r), (4, 3), (1, 4), 12 * r) for r in range(2)])
 
+    def test_a_concatenation_of_checkpoint_views_maps_back(self):
+        """Concatenation copies: Llama 4's vision q, k and v concatenated into one tensor when its
+        encoder runs data parallel (mllama4 _consolidate_qkv_weights), then copied whole; Falcon's
+        q, k and v regrouped out of its fused query_key_value by reshape (copies split to map),
+        concatenated again and narrowed (across two of the parts); columns of a concatenation along
+        dim 1; a stack of transposed copies. Each part maps back to boxes of its checkpoint tensor.
+        Concatenated with a constant or with arithmetic, the tensors are still staged."""
+        specs = {
+            "q": ((4, 3), torch.float32), "k": ((2, 3), torch.float32), "v": ((2, 3), torch.float32),
+            "fused": ((16, 3), torch.float32), "a": ((2, 3), torch.float32), "b": ((2, 4), torch.float32),
+            "s0": ((2, 2), torch.float32), "s1": ((2, 2), torch.float32), "padded": ((2, 3), torch.float32),
+            "scaled": ((2, 3), torch.float32),
+        }
+        make = lambda device: {  # noqa: E731
+            "qkv": torch.empty(8, 3, device=device), "shard": torch.empty(6, 3, device=device), "cols": torch.empty(2, 5, device=device),
+            "stacked": torch.empty(2, 4, device=device), "p_padded": torch.empty(4, 3, device=device), "p_scaled": torch.empty(4, 3, device=device),
+        }
+
+        def loader(params):
+            def load(items):
+                t = dict(items)  # a loader that holds tensors back until their group is complete
+                if {"q", "k", "v"} <= set(t):
+                    params["qkv"].copy_(torch.cat([t["q"], t["k"], t["v"]]))
+                if "fused" in t:
+                    grouped = t["fused"].view(2, 4, 2, 3)  # 2 kv groups: 2 q heads, a k and a v head, of 2 rows
+                    q, k, v = (grouped.narrow(1, at, n).reshape(-1, 3) for at, n in ((0, 2), (2, 1), (3, 1)))
+                    params["shard"].copy_(torch.cat([q, k, v]).narrow(0, 4, 6))  # q's group 1, k's group 0
+                if {"a", "b"} <= set(t):
+                    params["cols"].copy_(torch.cat([t["a"], t["b"]], dim=1)[:, 1:6])
+                if {"s0", "s1"} <= set(t):
+                    params["stacked"].copy_(torch.stack([t["s0"].t().reshape(4), t["s1"].t().reshape(4)]))
+                if "padded" in t:
+                    params["p_padded"].copy_(torch.cat([t["padded"], torch.zeros(2, 3, device=t["padded"].device)]))
+                if "scaled" in t:
+                    params["p_scaled"].copy_(torch.cat([t["scaled"], t["scaled"] * 2]))
+
+            return load
+
+        recording, _, _ = install(self, make, loader, specs)
+        self.assertEqual(recording.staged, {"padded": "concatenation into a new tensor", "scaled": "computed by mul"})
+        layouts = {layout.name: [(p.tensor, p.offset, p.extent, p.at) for p in layout.pieces] for layout in recording.layouts}
+        self.assertEqual(layouts["qkv"], [("q", (0, 0), (4, 3), 0), ("k", (0, 0), (2, 3), 12), ("v", (0, 0), (2, 3), 18)])
+        self.assertEqual(layouts["cols"], [("a", (0, 1), (2, 2), 0), ("b", (0, 0), (2, 3), 2)])
+        # stacked[i, 2a + b] = s_i[b, a]: a transposed box of each.
+        stacked = [(p.tensor, p.extent, p.strides, p.at) for p in recording.layouts[3].pieces]
+        self.assertEqual(stacked, [("s0", (2, 2), (1, 2), 0), ("s1", (2, 2), (1, 2), 4)])
+        # Rows 4..9 of [q; k; v]: q's 2 heads of group 1 (fused rows 8..11, in 2 boxes as the split
+        # at q's heads leaves them), then k's head of group 0 (fused rows 4..5).
+        self.assertEqual(layouts["shard"], [("fused", (8, 0), (2, 3), 0), ("fused", (10, 0), (2, 3), 6), ("fused", (4, 0), (2, 3), 12)])
+
     def test_flattened_and_strided_reads(self):
         # A flat parameter taking rows 1..2 of a matrix flattened; every other column of another.
         specs = {"w": ((4, 6), torch.float32), "v": ((4, 6), torch.float32)}
@@ -155,7 +206,7 @@ class RecorderTest(unittest.TestCase):
         make = lambda device: {  # noqa: E731
             "p_scaled": torch.empty(4, device=device),
             "p_half": torch.empty(4, device=device),
-            "p_cat": torch.empty(4, 3, device=device),
+            "p_cat": torch.empty(5, 3, device=device),
             "p_counted": torch.empty(1, device=device),
             "p_plain": torch.empty(4, device=device),
         }
@@ -171,7 +222,7 @@ class RecorderTest(unittest.TestCase):
                     elif name in ("a", "b"):
                         pending[name] = t
                         if len(pending) == 2:
-                            params["p_cat"].copy_(torch.cat([pending["a"], pending["b"]]))
+                            params["p_cat"].copy_(torch.cat([pending["a"], pending["b"], torch.zeros(1, 3, device=t.device)]))
                     elif name == "counted":
                         params["p_counted"].fill_(t.item())
                     else:
@@ -179,7 +230,8 @@ class RecorderTest(unittest.TestCase):
 
             return load
 
-        # a and b are concatenated only when both arrive together: staged, they arrive together.
+        # a and b are concatenated (with a row no checkpoint tensor holds) only when both arrive
+        # together: staged, they arrive together.
         recording, _, _ = install(self, make, loader, specs)
         self.assertEqual(recording.staged["scaled"], "computed by mul")
         self.assertEqual(recording.staged["half"], "dtype conversion")

@@ -25,11 +25,13 @@ REPORT: List[str] = []
 
 def setUpModule() -> None:
     print(f"\nframeworks: {compare.versions()}", file=sys.stderr)
-    # vLLM's CPU wheel has no vllm._C, and NewGELU (GPT-2, GPT-J) binds _C.gelu_new when built;
-    # the activation plays no part in loading, so it is built without the op.
+    # vLLM's CPU wheel has no vllm._C, and NewGELU (GPT-2, GPT-J) and QuickGELU (the vision towers
+    # of Qwen2-VL and CLIP) bind _C.gelu_new and _C.gelu_quick when built; the activation plays no
+    # part in loading, so it is built without the op.
     from vllm.model_executor.layers import activation
 
-    activation.NewGELU.__init__ = lambda self: activation.CustomOp.__init__(self)
+    for op in (activation.NewGELU, activation.QuickGELU):
+        op.__init__ = lambda self: activation.CustomOp.__init__(self)
 
 
 def tearDownModule() -> None:
@@ -78,7 +80,7 @@ class VllmLoaderTest(unittest.TestCase):
             # has expert groups, so round-robin holds; Qwen3-MoE has none and vLLM falls back to
             # linear placement (expert_map_manager.determine_expert_placement_strategy).
             groups, linear = {r: [r, r + 4] for r in range(4)}, {r: [2 * r, 2 * r + 1] for r in range(4)}
-            want = {"deepseek_v2_lite": groups, "deepseek_v3": groups, "qwen3_moe": linear, "qwen2_moe": linear}
+            want = {"deepseek_v2_lite": groups, "deepseek_v3": groups, "qwen3_moe": linear, "qwen2_moe": linear, "qwen3_vl_moe": linear}
             self.assertEqual(experts, want[family], f"{family} {parallel.label()}: experts per rank")
         REPORT.append(
             f"frameworks: {family} {parallel.label()}: experts per TP rank {experts or 'n/a'}; {len(parallel.ranks())} ranks equal vLLM's loader element for "
@@ -87,13 +89,15 @@ class VllmLoaderTest(unittest.TestCase):
 
 
 def experts_of(recording: Recording) -> List[int]:
-    """The checkpoint experts whose weights land on this rank (in the last MoE layer it holds)."""
+    """The checkpoint experts whose weights land on this rank (in the last MoE layer it holds): a
+    tensor per expert, or the experts' rows of a fused one ([experts, ...]: Qwen3-VL-MoE)."""
     found: Dict[int, set] = {}
     for layout in recording.layouts:
         for piece in layout.pieces:
-            match = re.search(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.(\d+)\.", piece.tensor)
+            match = re.search(r"layers\.(\d+)\.(?:mlp|block_sparse_moe|feed_forward)\.experts\.(?:(\d+)\.|(?:gate_up|down)_proj$)", piece.tensor)
             if match:
-                found.setdefault(int(match.group(1)), set()).add(int(match.group(2)))
+                first, count = (int(match.group(2)), 1) if match.group(2) else (piece.offset[0], piece.extent[0])
+                found.setdefault(int(match.group(1)), set()).update(range(first, first + count))
     return sorted(found[max(found)]) if found else []
 
 

@@ -19,6 +19,8 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
 
+import vllm_cpu  # noqa: E402,F401  (vLLM's CPU GEMM dispatch on a CPU with AMX: see the module)
+
 
 @dataclasses.dataclass(frozen=True)
 class Parallel:
@@ -26,6 +28,9 @@ class Parallel:
     pp: int = 1
     ep: bool = False
     placement: str = "linear"
+    # A multimodal model's encoder under TP: "weights" (sharded like the language model) or "data"
+    # (replicated on every TP rank, each encoding its own images: vLLM's mm_encoder_tp_mode).
+    encoder: str = "weights"
 
     def ranks(self) -> List[Tuple[int, int]]:
         """(tp_rank, pp_rank) of every worker, TP fastest."""
@@ -33,7 +38,8 @@ class Parallel:
 
     def label(self) -> str:
         ep = f"_ep_{self.placement}" if self.ep else ""
-        return f"tp{self.tp}_pp{self.pp}{ep}"
+        encoder = f"_encoder_{self.encoder}" if self.encoder != "weights" else ""
+        return f"tp{self.tp}_pp{self.pp}{ep}{encoder}"
 
 
 def _free_port() -> int:
@@ -56,31 +62,70 @@ def _world() -> None:
 
 @dataclasses.dataclass(frozen=True)
 class HandWritten:
-    """A family whose modeling code lives on the Hub (trust_remote_code), not in transformers: its
-    config.json as written, and its checkpoint's tensor names and shapes as that code saves them."""
+    """A family transformers cannot write, its modeling code on the Hub (trust_remote_code) or its
+    format its own: its config as written, and its checkpoint's tensor names and shapes as that
+    code saves them, in `files` (Mistral's format: params.json, consolidated.safetensors)."""
 
     config: Dict[str, Any]
     tensors: Dict[str, Tuple[int, ...]]
+    files: Tuple[str, str] = ("config.json", "model.safetensors")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModuleNames:
+    """A vision-language family saved under the names its transformers module holds its tensors
+    by (model.language_model.*, model.visual.*: its state dict, what a trainer on transformers 5
+    publishes), not the Hub's older ones."""
+
+    config: Any
 
 
 def hf_folder(family: str, hf_config: Any, dtype: torch.dtype = torch.float32) -> str:
     """A folder with the tiny config and the checkpoint transformers itself writes for it
-    (save_pretrained of the Hugging Face model: the names and shapes vLLM's loader reads), its
-    tensors of `dtype`; for a HandWritten family, its config and tensors (zeros) as given."""
+    (save_pretrained of the Hugging Face model: the names and shapes vLLM's loader reads; of its
+    image-text class for a vision-language config, as on the Hub, or ModuleNames), its tensors of
+    `dtype`; for a HandWritten family, its config and tensors (zeros) as given. No processor or
+    tokenizer files: vLLM builds a multimodal model without them (skip_tokenizer_init)."""
     import transformers
 
     folder = tempfile.mkdtemp(prefix=f"refit-{family}-")
     if isinstance(hf_config, HandWritten):
         from safetensors.torch import save_file
 
-        with open(os.path.join(folder, "config.json"), "w") as handle:
+        config_file, weights_file = hf_config.files
+        with open(os.path.join(folder, config_file), "w") as handle:
             json.dump(hf_config.config, handle)
-        save_file({name: torch.zeros(shape, dtype=dtype) for name, shape in hf_config.tensors.items()}, os.path.join(folder, "model.safetensors"))
+        save_file({name: torch.zeros(shape, dtype=dtype) for name, shape in hf_config.tensors.items()}, os.path.join(folder, weights_file))
         return folder
     torch.manual_seed(0)
-    model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
+    if isinstance(hf_config, ModuleNames):
+        model = transformers.AutoModelForImageTextToText.from_config(hf_config.config, dtype=dtype)
+        model._weight_conversions = []  # nothing to revert: the module's own names
+    elif hasattr(hf_config, "vision_config"):  # vision-language: its image-text class, saved as the Hub's
+        model = transformers.AutoModelForImageTextToText.from_config(hf_config, dtype=dtype)
+        model._weight_conversions = _hub_conversions(model)
+    else:
+        model = transformers.AutoModelForCausalLM.from_config(hf_config, torch_dtype=dtype)
     model.save_pretrained(folder)
     return folder
+
+
+def _hub_conversions(model: Any) -> List[Any]:
+    """The weight conversions transformers applies when it loads this model from a Hub checkpoint,
+    which save_pretrained reverts: the checkpoint it writes then has the Hub's names and layouts,
+    as vLLM reads them. A model built from a config saves without two of them: the prefixes its
+    loading drops (CLIP's and SigLIP's `vision_model.`, PrefixChange) and the transposes its
+    loading decides by shape (Qwen3-VL-MoE's fused experts, stored [experts, in, out] on the Hub:
+    Transpose with check_dims, which sees no difference on a model's own tensors)."""
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import Transpose
+
+    conversions = get_model_conversion_mapping(model, add_legacy=False)
+    for conversion in conversions:
+        for op in getattr(conversion, "operations", []):
+            if isinstance(op, Transpose):
+                op.check_dims = False
+    return conversions
 
 
 def config_folder(name: str, hf_config: Any) -> str:
@@ -142,6 +187,8 @@ def engine_config(folder: str, parallel: Parallel, dtype: str = "float32", quant
     kwargs: Dict[str, Any] = {}
     if parallel.ep:
         kwargs.update(enable_expert_parallel=True, expert_placement_strategy=parallel.placement)
+    if parallel.encoder != "weights":
+        kwargs.update(mm_encoder_tp_mode=parallel.encoder)
     args = EngineArgs(
         model=folder,
         tensor_parallel_size=parallel.tp,
