@@ -362,6 +362,15 @@ class _Mode:
             return None, self.tainted[key]
         return None, None
 
+    def view_or_split(self, tensor: Any) -> Optional[Tuple[_View, Optional[List[Shape]]]]:
+        """`tensor` as a view of a root: as `resolve` maps it (factors None), or across a dense
+        copy's dimensions, split at them (`_compose_split`, with its factors); None otherwise."""
+        view, _ = self.resolve(tensor)
+        if view is not None:
+            return view, None
+        dense = self.dense.get(_storage_key(tensor))
+        return None if dense is None else _compose_split(dense, _view_of(tensor, _storage_key(tensor)))
+
     def mapped(self, tensor: Any, target: _View) -> Optional[List[Tuple[_View, _View]]]:
         """A copy of `tensor` into `target` (same shape) that `resolve` cannot map as one view, as
         copies of checkpoint views, each with the part of `target` it lands in: a view across a
@@ -370,8 +379,8 @@ class _Mode:
         key = _storage_key(tensor)
         view = _view_of(tensor, key)
         if key in self.dense:
-            split = _compose_split(self.dense[key], view)
-            return None if split is None else [(split[0], _split(target, split[1]))]
+            found = self.view_or_split(tensor)
+            return None if found is None else [(found[0], target if found[1] is None else _split(target, found[1]))]
         concat = self.concats.get(key)
         pieces = _cut(concat, view) if concat is not None else None
         if pieces is None:
@@ -421,10 +430,7 @@ class _Mode:
         for value in inputs:
             if value.numel() == 0:
                 continue  # cat skips empty inputs
-            view, _ = self.resolve(value)
-            found = (view, None) if view is not None else None
-            if found is None and _storage_key(value) in self.dense:
-                found = _compose_split(self.dense[_storage_key(value)], _view_of(value, _storage_key(value)))
+            found = self.view_or_split(value)
             if found is None or self.roots[found[0].root].kind != "checkpoint" or value.dtype != tensor.dtype:
                 return False
             source, factors = found
