@@ -42,6 +42,28 @@ def use_kernel(kernel: Any) -> Any:
     return before
 
 
+def use_scaled_fp8_quant(quantize: Any) -> Any:
+    """vLLM's `ops.scaled_fp8_quant` is `quantize` from now on; returns the function it replaced
+    (pass it back to restore)."""
+    from vllm import _custom_ops as ops
+
+    before = ops.scaled_fp8_quant
+    ops.scaled_fp8_quant = quantize
+    return before
+
+
+def static_scaled_fp8_quant(input: torch.Tensor, scale: Any = None, *args: Any, **kwargs: Any) -> Any:
+    """A stand-in for `ops.scaled_fp8_quant` with a given per-tensor scale, which vLLM's per-tensor
+    online FP8 (`quantization="fp8_per_tensor"`, Fp8PerTensorOnlineLinearMethod) calls and whose
+    CUDA op (torch.ops._C.static_scaled_fp8_quant) vLLM's CPU wheel lacks: each element times the
+    f32 reciprocal of the scale, clamped to +-448, cast to e4m3, as its static kernel computes. The
+    fresh loads the tests compare with use it too: the tests check refit's path, not this arithmetic."""
+    if scale is None or scale.numel() != 1:
+        raise NotImplementedError("the stand-in quantizes with a given per-tensor scale only")
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    return (input.float() * (1.0 / scale.float())).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), scale
+
+
 def cutlass_kernel() -> Any:
     from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFp8BlockScaledMMKernel
 

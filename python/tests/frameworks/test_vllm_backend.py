@@ -4,7 +4,8 @@
   python/pyproject.toml declares, then its factories.
 - A trainer process (a tiny Hugging Face Qwen3, vLLM's own ModuleSource over it, offered by
   DTensorPublisher where its parameters lie) updates two worker processes, each holding the model vLLM builds for its TP rank (TP 2)
-  and the worker engine vLLM's factory made; the workers are driven through a stand-in of vLLM's
+  and the worker engine vLLM's factory made (the two workers are vLLM's TP group, over gloo: what
+  vLLM reduces across TP ranks while loading is reduced between them); the workers are driven through a stand-in of vLLM's
   control plane (pipes: one process per worker, as vLLM's collective_rpc). Every element equals
   what vLLM's own load_weights gives from the same checkpoint, after every update; between the
   staged receive and finish_weight_update the live weights are still the old ones; the second
@@ -25,6 +26,10 @@
   kernel): the trainer quantizes the rows of the column-parallel layers (one scale per output
   channel), and the row-parallel ones, whose row amax vLLM takes across the TP ranks, arrive in
   BF16 for vLLM's reload; every code, scale and element equals vLLM's own load.
+- The same engine serving per-tensor FP8 (`quantization="fp8_per_tensor"`; the quantizing CUDA op
+  fp8_engines' stand-in): each layer's one scale comes from an amax vLLM reduces across the TP
+  ranks, so every FP8 layer takes vLLM's reload and its scales are equal on both workers; every
+  code, scale and element equals vLLM's own load.
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
   reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
   trainer (it exits after the workers started receiving) each leave every worker's weights as they
@@ -47,7 +52,7 @@ PYPROJECT = os.path.join(HERE, "..", "..", "pyproject.toml")
 # closed connection (ABORTED), not by this timeout, so a generous one costs nothing when all is well.
 TIMEOUT_MS = 120_000
 # The FP8 engines' scenarios: vLLM's quantization of each.
-FP8_SCENARIOS = {"fp8": "fp8_per_block", "fp8_channel": "fp8_per_channel"}
+FP8_SCENARIOS = {"fp8": "fp8_per_block", "fp8_channel": "fp8_per_channel", "fp8_tensor": "fp8_per_tensor"}
 
 
 def tiny_qwen3() -> Any:
@@ -114,7 +119,7 @@ class StandInVerifyMismatch:
         return getattr(self._executor, name)
 
 
-def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = False, quantization: Any = None) -> None:
+def worker_main(rank: int, folder: str, control: Any, checks: Any, tp_port: int, moe: bool = False, quantization: Any = None) -> None:
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     import sys
 
@@ -128,11 +133,16 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = F
     from refit.integrations.vllm_backend import register
 
     register()
+    # The two workers form vLLM's TP group over gloo: what vLLM reduces across TP ranks (an FP8
+    # layer's amax, when it loads and when it reloads) is reduced between them.
+    vllm_ranks.join_tp_world(rank, 2, tp_port)
     if quantization is not None:
         import fp8_engines
 
         if quantization == "fp8_per_block":
             fp8_engines.use_kernel(fp8_engines.cutlass_kernel())  # this CPU lacks the AMX vLLM's FP8 block kernels need
+        if quantization == "fp8_per_tensor":
+            fp8_engines.use_scaled_fp8_quant(fp8_engines.static_scaled_fp8_quant)  # a CUDA op the CPU wheel lacks
         config = vllm_ranks.engine_config(folder, 2, dtype="bfloat16", quantization=quantization)
     else:
         config = vllm_ranks.engine_config(folder, 2, ep=moe, dtype="float32")
@@ -191,6 +201,8 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = F
             if kind == "paths":
                 paths = engine.receiver.paths
                 return {path: sorted(n for n, p in paths.items() if p == path) for path in set(paths.values())}
+            if kind == "scales":
+                return {n: p.detach().float().tolist() for n, p in model.named_parameters() if n.endswith(".weight_scale")}
             if kind == "installed":
                 return dict(engine.installed)
             if kind == "addresses":
@@ -214,6 +226,7 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any, moe: bool = F
                     continue
                 if message[0] == "exit":
                     engine.shutdown()
+                    vllm_ranks.leave_tp_world()
                     return
                 try:
                     conn.send(("ok", handle(*message)))
@@ -317,6 +330,7 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
         elif scenario in FP8_SCENARIOS:
             out["quantized_by_trainer"] = [engine.last_stats.quantized_elements]
             out["paths"] = client.call("paths")
+            out["scales"] = client.call("scales")
             bump()
             engine.send_weights()
             out["second"] = client.call("loaded", 1)
@@ -376,14 +390,17 @@ class VllmBackendTest(unittest.TestCase):
         cls.fp8_folder = save_checkpoint(config, "bfloat16")
 
     def run_scenario(self, scenario: str):
+        import vllm_ranks
+
         moe, quantization = scenario == "moe", FP8_SCENARIOS.get(scenario)
         folder = self.moe_folder if moe else self.fp8_folder if quantization else self.folder
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
         control = [context.Pipe() for _ in range(2)]
         checks = [context.Pipe() for _ in range(2)]
+        tp_port = vllm_ranks.free_port()
         workers = [
-            context.Process(target=worker_main, args=(rank, folder, control[rank][1], checks[rank][1], moe, quantization))
+            context.Process(target=worker_main, args=(rank, folder, control[rank][1], checks[rank][1], tp_port, moe, quantization))
             for rank in range(2)
         ]
         trainer = context.Process(target=trainer_main, args=(scenario, folder, [c[0] for c in control], results))
@@ -487,6 +504,25 @@ class VllmBackendTest(unittest.TestCase):
         # Each worker's rows of qkv [1024, 256] and gate_up [1024, 256], both workers, both decoder
         # layers, quantized by the trainer in each update.
         self.assertEqual(out["quantized_by_trainer"], [2 * 2 * 1024 * 256] * 2)
+        self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
+
+    def test_a_per_tensor_fp8_engine_reloads_with_the_amax_taken_across_ranks(self):
+        out, _ = self.run_scenario("fp8_tensor")
+        self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
+        self.assertEqual(out["second"], [[], []])
+        modules = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+        want = sorted(f"model.layers.{i}.{module}.{layer}.{p}" for i in range(2) for layer, module in modules.items()
+                      for p in ("weight", "weight_scale"))
+        for paths in out["paths"]:
+            # One scale per layer over all TP ranks' shards (vLLM reduces the amax across them): no
+            # rank's boxes hold it, so every FP8 layer keeps vLLM's reload, and BF16 crosses.
+            self.assertEqual(paths.get("reload"), want, paths)
+            self.assertNotIn("quantized", paths)
+        self.assertEqual(out["quantized_by_trainer"], [0, 0])
+        # The scales after the first update: one per layer, the same on both workers.
+        first, second = out["scales"]
+        self.assertEqual(sorted(first), [n for n in want if n.endswith("weight_scale")])
+        self.assertEqual(first, second)
         self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
 
     def test_qwen3_moe_post_processed_experts_go_through_vllms_reload(self):

@@ -7,6 +7,9 @@ host backend, TP 1).
   copy's own post-processing run saw nothing: before, the receiver took them for plain boxes and
   refused the live model (8 unrecorded `weight_scale_inv`). With refit's quantizing off, they take
   vLLM's layerwise reload, exactly.
+- A per-tensor engine (`quantization="fp8_per_tensor"`: one scale over each layer's whole weight,
+  its CUDA quantizer fp8_engines' stand-in): no checkpoint tensor's box holds that amax, so every FP8
+  layer takes vLLM's layerwise reload, exactly, whether or not refit quantizes.
 - Kernel stand-ins whose weight post-processing changes what the quantizer returned keep the
   reload path: one re-lays the scales column-major (as DeepGEMM's kernels want theirs MN-major),
   one rescales them in place after quantizing.
@@ -72,12 +75,13 @@ class Fp8PathsTest(unittest.TestCase):
     def tearDown(self) -> None:
         fp8.use_kernel(self.kernel)
 
-    def refit(self, folder: str, initial: Dict[str, torch.Tensor], update: Dict[str, torch.Tensor], quantize: bool = True) -> Any:
+    def refit(self, folder: str, initial: Dict[str, torch.Tensor], update: Dict[str, torch.Tensor], quantize: bool = True,
+              quantization: str = "fp8_per_block") -> Any:
         """Refits an engine served from `initial` to `update` through the worker extension; checks
         that it then serves what vLLM serves from `update`, in the same storage. Returns the
         receiver and the log lines of its recording."""
         parallel = harness.Parallel(1)
-        config = harness.engine_config(folder, parallel, "bfloat16", "fp8_per_block")
+        config = harness.engine_config(folder, parallel, "bfloat16", quantization)
         with harness.as_rank(config, parallel, 0, 0):
             engine = fp8.served(config, initial)
             before = fp8.addresses(engine)
@@ -97,7 +101,7 @@ class Fp8PathsTest(unittest.TestCase):
     def layers_by_path(self, receiver: Any) -> Dict[str, List[str]]:
         out: Dict[str, List[str]] = {}
         for name, path in receiver.paths.items():
-            if name.endswith(".weight_scale_inv"):
+            if name.endswith((".weight_scale_inv", ".weight_scale")):
                 out.setdefault(path, []).append(name.rsplit(".", 1)[0])
         return {path: sorted(layers) for path, layers in out.items()}
 
@@ -107,6 +111,19 @@ class Fp8PathsTest(unittest.TestCase):
         self.assertEqual(receiver.quantized, {})
         self.assertTrue(any("16 in 8 layers go through vLLM's layerwise reload" in line for line in logs), logs)
         self.assertIn("post-processed while loading", " ".join(receiver.reload.values()))
+
+    def test_per_tensor_layers_take_vllms_reload_exactly(self) -> None:
+        # One scale over each layer's whole weight (fused q, k and v together): no checkpoint
+        # tensor's box holds its amax, so these layers load through vLLM's reload whether or not
+        # refit quantizes. vLLM's own kernel selection (its CPU per-tensor kernel), not the block one.
+        fp8.use_kernel(self.kernel)
+        self.addCleanup(fp8.use_scaled_fp8_quant, fp8.use_scaled_fp8_quant(fp8.static_scaled_fp8_quant))
+        receiver, logs = self.refit(self.folder, self.initial, self.update, quantization="fp8_per_tensor")
+        self.assertEqual(self.layers_by_path(receiver), {"reload": sorted(
+            f"model.layers.{i}.{layer}" for i in range(2)
+            for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))})
+        self.assertEqual(receiver.quantized, {})
+        self.assertTrue(any("16 in 8 layers go through vLLM's layerwise reload" in line for line in logs), logs)
 
     def test_scales_re_laid_by_the_kernel_keep_the_reload_path(self) -> None:
         fp8.use_kernel(column_major_scales_kernel())

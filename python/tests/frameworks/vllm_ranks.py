@@ -1,8 +1,10 @@
 """vLLM 0.33's own model classes built for one rank at a time in one process, on CPU or the meta
 device: a Hugging Face config saved to a folder, the VllmConfig EngineArgs makes from it, a gloo
 world of one process, and vLLM's TP / PP / EP group coordinators standing in for the rank being
-built. Used by the transfer-bytes bench and the backend tests (the layouts suite has its own
-harness of the same kind; this one stays small and only serves these two)."""
+built; or, for a rank that runs in its own process beside the others (join_tp_world), vLLM's real
+TP group over gloo, so that what vLLM reduces across the ranks (an FP8 layer's amax) is reduced.
+Used by the transfer-bytes bench and the backend tests (the layouts suite has its own harness of
+the same kind; this one stays small and only serves these two)."""
 
 from __future__ import annotations
 
@@ -22,27 +24,57 @@ import vllm_cpu  # noqa: E402,F401  (vLLM's CPU GEMM dispatch on a CPU with AMX:
 Specs = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
 
 
+# Whether this process joined a world of several (join_tp_world): then world() makes none.
+_joined = False
+
+
 @functools.lru_cache(maxsize=None)
 def world() -> None:
     """A one-process gloo world with vLLM's groups (the EP group too: made under a config without
-    a model)."""
+    a model), unless this process joined a world of several."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
+    if _joined:
+        return
     with set_current_vllm_config(VllmConfig()):
         ps.init_distributed_environment(
-            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{_free_port()}", local_rank=0, backend="gloo"
+            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", local_rank=0, backend="gloo"
         )
         # Made already by another module of the suite (vllm_harness): its groups serve here too (a
         # second call would ask torch about a world group another test may have destroyed since).
         if not ps.model_parallel_is_initialized():
             ps.ensure_model_parallel_initialized(1, 1)
+
+
+def join_tp_world(rank: int, size: int, port: int) -> None:
+    """This process is TP rank `rank` of `size` processes that each call this with the same `port`
+    (a gloo world of them all, TP across all of them): vLLM's collectives over the TP group then
+    reach the other processes. Call it before as_rank, which then finds the groups as they are."""
+    from vllm.config import VllmConfig, set_current_vllm_config
+    from vllm.distributed import parallel_state as ps
+
+    with set_current_vllm_config(VllmConfig()):
+        ps.init_distributed_environment(
+            world_size=size, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"
+        )
+        ps.ensure_model_parallel_initialized(size, 1)
+    global _joined
+    _joined = True
+
+
+def leave_tp_world() -> None:
+    """Takes down what join_tp_world made (vLLM's groups, their shared-memory queues, the world)."""
+    from vllm.distributed import parallel_state as ps
+
+    ps.destroy_model_parallel()
+    ps.destroy_distributed_environment()
 
 
 def config_folder(hf_config: Any) -> str:
