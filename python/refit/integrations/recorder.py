@@ -714,7 +714,10 @@ def record(
             position += 1
             yield order[position - 1].name, keep[position - 1]
 
-    with RecordingMode(state):
+    # Functions the loader runs under torch.compile (vLLM's per_block_cast_to_fp8, in its online
+    # FP8 processing) run eagerly here: compiled, dynamo traced this mode's own bookkeeping, guarded
+    # on its sets of storages and recompiled at every call until its limit, warning with each set.
+    with torch.compiler.set_stance("force_eager"), RecordingMode(state):
         while position < len(order):
             try:
                 loader(stand_ins())

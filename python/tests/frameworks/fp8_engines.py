@@ -64,6 +64,40 @@ def static_scaled_fp8_quant(input: torch.Tensor, scale: Any = None, *args: Any, 
     return (input.float() * (1.0 / scale.float())).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), scale
 
 
+def use_triton_moe_backend() -> Any:
+    """vLLM's online FP8 MoE methods take the Triton backend from now on (they find no FP8 MoE
+    backend on CPU and raise "Unsupported FP8 MoE backend: NONE"): the backend whose weights keep
+    the layout the quantizer gave them (no load-time shuffle), as on an H100 or H200 without
+    DeepGEMM. Its kernel is not built (it needs Triton; nothing here runs it). Returns a function
+    that puts both back."""
+    from vllm.model_executor.layers.fused_moe.oracle import fp8 as oracle
+    from vllm.model_executor.layers.quantization.online import fp8 as online
+
+    select, make = online.select_fp8_moe_backend, oracle.make_fp8_moe_kernel
+
+    def triton(**_: Any) -> Any:
+        return oracle.Fp8MoeBackend.TRITON, object  # experts class: only checked to be set
+
+    def no_kernel(**_: Any) -> Any:
+        return None
+
+    online.select_fp8_moe_backend, oracle.make_fp8_moe_kernel = triton, no_kernel
+
+    def restore() -> None:
+        online.select_fp8_moe_backend, oracle.make_fp8_moe_kernel = select, make
+
+    return restore
+
+
+def qwen3_moe_config() -> Any:
+    """A Qwen3-MoE whose FP8 layers' shards hold whole 128 x 128 blocks (8 experts of 256 x 256)."""
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(hidden_size=256, intermediate_size=512, moe_intermediate_size=256, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=128, num_experts=8,
+                          num_experts_per_tok=2, vocab_size=160, max_position_embeddings=256, tie_word_embeddings=False)
+
+
 def cutlass_kernel() -> Any:
     from vllm.model_executor.kernels.linear.scaled_mm.cutlass import CutlassFp8BlockScaledMMKernel
 

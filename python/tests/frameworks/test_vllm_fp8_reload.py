@@ -59,6 +59,13 @@ def rescaled_scales_kernel() -> Any:
     return RescaledScales
 
 
+def dynamo_frames() -> int:
+    """Frames torch.compile has traced in this process so far."""
+    from torch._dynamo.utils import counters
+
+    return counters["frames"]["total"]
+
+
 class Fp8PathsTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls) -> None:
@@ -86,8 +93,11 @@ class Fp8PathsTest(unittest.TestCase):
             engine = fp8.served(config, initial)
             before = fp8.addresses(engine)
             worker = fp8.Worker(config, engine)
+            frames = dynamo_frames()
             with self.assertLogs("refit.integrations.vllm", logging.INFO) as logs:
                 worker.refit_needs(0, device=0, backend=refit.Backend.HOST, quantize=quantize)
+            # vLLM's compiled per_block_cast_to_fp8 runs in the recording: eagerly, not traced.
+            self.assertEqual(dynamo_frames(), frames, "the recording ran under torch.compile")
             receiver = worker._refit()["receiver"]
             worker.refit_receive([fp8.publisher_table(update)])
             compared = fp8.compare(fp8.served(config, update), engine)
@@ -124,6 +134,20 @@ class Fp8PathsTest(unittest.TestCase):
             for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))})
         self.assertEqual(receiver.quantized, {})
         self.assertTrue(any("16 in 8 layers go through vLLM's layerwise reload" in line for line in logs), logs)
+
+    def test_moe_experts_take_vllms_reload_exactly(self) -> None:
+        # vLLM quantizes each expert's w13 and w2 in blocks inside its MoE method's processing (the
+        # fused experts of a layer, one weight): they take its reload; attention and the router
+        # gate are quantized by refit.
+        self.addCleanup(fp8.use_triton_moe_backend())
+        folder = harness.hf_folder("qwen3-moe-fp8", fp8.qwen3_moe_config(), torch.bfloat16)
+        initial, update = fp8.bf16_checkpoints(folder, 2, seed=17)
+        receiver, logs = self.refit(folder, initial, update)
+        experts = {name: path for name, path in receiver.paths.items() if ".experts." in name}
+        self.assertEqual(experts, {f"model.layers.{i}.mlp.experts.routed_experts.{w}_{p}": "reload" for i in range(2)
+                                   for w in ("w13", "w2") for p in ("weight", "weight_scale_inv")})
+        self.assertEqual(self.layers_by_path(receiver), {"quantized": sorted(
+            f"model.layers.{i}.{layer}" for i in range(2) for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate"))})
 
     def test_scales_re_laid_by_the_kernel_keep_the_reload_path(self) -> None:
         fp8.use_kernel(column_major_scales_kernel())
