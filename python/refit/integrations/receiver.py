@@ -6,8 +6,11 @@ staged, one need of the whole tensor into a staging buffer (`staging_buffers` al
 after the refit ran, `load_staged(loader, staging)` hands those buffers to the engine's own loader.
 
 Parameters the engine transforms after loading (`reloaded`: parameter -> why) get no boxes: every
-checkpoint tensor that lands in one of them is staged whole too (`reload`), and the engine's own
-reload path turns those into the live parameters (`reloaded_tensors(staging)` hands them over).
+checkpoint tensor that lands in one of them is staged too (`reload`), and the engine's own reload
+path turns those into the live parameters (`reloaded_tensors(staging)` hands them over). Such a
+tensor's staging buffer has its whole shape, but where the recording shows the loader reading only
+boxes of it, all into reloaded parameters (a tensor-parallel share), only those boxes are delivered
+into it (`reload_boxes`): the loader reads nothing else of it. Others are delivered whole.
 Parameters the engine serves quantized (`quantized`: parameter -> QuantizedParam) receive their
 recorded boxes as quantized needs: refit quantizes each box during the refit into the live codes at
 its rows, and its scales into the scale parameter the QuantizedParam names (a row-major grid of one
@@ -112,6 +115,42 @@ def unfit_boxes(layout: ParamLayout, block: Tuple[int, int], checkpoint: Mapping
     return None
 
 
+# Past this many distinct boxes of one reloaded tensor, it is delivered whole (checking that they
+# are disjoint compares every pair).
+MAX_RELOAD_BOXES = 64
+
+
+def _reload_boxes(recording: Recording, reload: Mapping[str, str], reloaded: Mapping[str, str]) -> Dict[str, List[Tuple[Tuple[int, ...], Tuple[int, ...]]]]:
+    """Reloaded checkpoint tensor -> its distinct recorded boxes, for those the reload path reads in
+    part only: not staged by the recording (nothing computed from it), every box of it landing in a
+    reloaded parameter (none in a parameter of another path, which the reload's load would overwrite
+    from the rest of the buffer), the boxes disjoint and not the whole tensor."""
+    boxes: Dict[str, set] = {}
+    elsewhere = set()
+    for layout in recording.layouts:
+        for piece in layout.pieces:
+            if layout.name in reloaded:
+                boxes.setdefault(piece.tensor, set()).add((tuple(piece.offset), tuple(piece.extent)))
+            else:
+                elsewhere.add(piece.tensor)
+    out = {}
+    for name in reload:
+        distinct = sorted(boxes.get(name, ()))
+        if name in recording.staged or name in elsewhere or not distinct or len(distinct) > MAX_RELOAD_BOXES:
+            continue
+        if sum(math.prod(extent) for _, extent in distinct) >= math.prod(recording.checkpoint[name].shape):
+            continue  # all of it (disjoint boxes that many elements cover it): one need, whole
+        if any(_meet(a, b) for i, a in enumerate(distinct) for b in distinct[i + 1:]):
+            continue
+        out[name] = distinct
+    return out
+
+
+def _meet(a: Tuple[Tuple[int, ...], Tuple[int, ...]], b: Tuple[Tuple[int, ...], Tuple[int, ...]]) -> bool:
+    """Whether boxes a and b ((offset, extent) each) share an element."""
+    return all(oa < ob + eb and ob < oa + ea for oa, ea, ob, eb in zip(a[0], a[1], b[0], b[1]))
+
+
 class RecordedReceiver:
     """Needs of one engine process, from the recording of its loader."""
 
@@ -154,6 +193,9 @@ class RecordedReceiver:
         self.layouts = [layout for layout in kept if layout.name not in self.quantized]
         self.quantized_layouts = [layout for layout in kept if layout.name in self.quantized]
         self.staged = {name: why for name, why in recording.staged.items() if name not in self.reload}
+        self.reload_boxes = _reload_boxes(recording, self.reload, reloaded)
+        """Reloaded checkpoint tensor -> the boxes (offset, extent) delivered into its staging
+        buffer, where not the whole tensor."""
         self.paths: Dict[str, str] = {layout.name: "boxes" for layout in self.layouts}
         for name, spec in self.quantized.items():
             self.paths[name] = self.paths[spec.scales] = "quantized"
@@ -203,14 +245,14 @@ class RecordedReceiver:
             raise invalid_argument(why)
 
     def staging_buffers(self, allocate: Callable[[Tuple[int, ...], Any], TensorLike]) -> Dict[str, TensorLike]:
-        """A buffer per staged checkpoint tensor (for the loader or the reload path):
+        """A buffer of its whole shape per staged checkpoint tensor (for the loader or the reload path):
         `allocate(shape, dtype)` makes it (e.g. `lambda shape, dtype: torch.empty(shape,
         dtype=dtype, device=device)`)."""
         specs = self.recording.checkpoint
-        return {name: allocate(specs[name].shape, specs[name].dtype) for name in self._whole()}
+        return {name: allocate(specs[name].shape, specs[name].dtype) for name in self._staged_tensors()}
 
-    def _whole(self) -> List[str]:
-        """Every checkpoint tensor delivered whole into staging."""
+    def _staged_tensors(self) -> List[str]:
+        """Every checkpoint tensor delivered into staging (whole, or its `reload_boxes`)."""
         return list(self.staged) + [name for name in self.reload if name not in self.staged]
 
     def add_to(
@@ -222,8 +264,8 @@ class RecordedReceiver:
         staging: Optional[Mapping[str, TensorLike]] = None,
     ) -> int:
         """Adds every recorded box as a need of `process` at the live parameters' addresses, and
-        every staged tensor whole into `staging` (required when the recording staged any). Returns
-        the number of needs added."""
+        every staged tensor into `staging` (required when the recording staged any): whole, or its
+        `reload_boxes` at their places in it. Returns the number of needs added."""
         live = self._params(named_parameters)
         specs = self.recording.checkpoint
         indices: Dict[str, int] = {}
@@ -258,7 +300,7 @@ class RecordedReceiver:
                     (cols, 1), spec.quantization, kind, scales.data_ptr() + 4 * first_scale, grid_cols,
                 )
                 added += 1
-        whole = self._whole()
+        whole = self._staged_tensors()
         if whole:
             missing = sorted(set(whole) - set(staging or {}))
             if missing:
@@ -270,8 +312,11 @@ class RecordedReceiver:
                 if tuple(int(n) for n in buffer.shape) != spec.shape or dtype_name(buffer) != _dtype(spec.dtype):
                     raise invalid_argument(f"staging buffer of {name} is {list(buffer.shape)} {dtype_name(buffer)}; the checkpoint has {list(spec.shape)} {_dtype(spec.dtype)}")
                 strides = tuple(int(s) for s in buffer.stride())
-                table.add_need(index(name, buffer.element_size()), process, device_index(buffer, device), buffer.data_ptr(), (0,) * len(spec.shape), spec.shape, strides)
-                added += 1
+                tensor, dev, es = index(name, buffer.element_size()), device_index(buffer, device), buffer.element_size()
+                for offset, extent in self.reload_boxes.get(name, [((0,) * len(spec.shape), spec.shape)]):
+                    at = buffer.data_ptr() + es * sum(o * st for o, st in zip(offset, strides))
+                    table.add_need(tensor, process, dev, at, offset, extent, strides)
+                    added += 1
         return added
 
     def table(

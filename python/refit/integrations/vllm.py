@@ -14,8 +14,9 @@ method or MoE backend: FlashInfer's CUTLASS path swaps w13's halves, its TRT-LLM
 pads, the CPU backend pads and prepacks) would have their live parameters corrupted by
 checkpoint-layout bytes. `post_processed` runs the engine's own post-processing on the meta copy and
 names every parameter it changes (or could not run on, which counts as changed). Every parameter of
-such a layer takes the reload path: the checkpoint tensors that land in them arrive whole in
-staging, and after the refit `install_staged` hands them to vLLM's own layerwise reload
+such a layer takes the reload path: the checkpoint tensors that land in them arrive in staging
+(whole-shaped buffers holding what the loader reads of them: only the rank's boxes, a tensor-parallel
+share, where the recording shows it reads nothing else; RecordedReceiver.reload_boxes), and after the refit `install_staged` hands them to vLLM's own layerwise reload
 (vllm/model_executor/model_loader/reload: `initialize_layerwise_reload` puts the layers back in
 checkpoint format on meta, the model's `load_weights` fills fresh checkpoint-format parameters,
 the layer's post-processing runs, and the result is copied into the live parameters' storage,
@@ -637,9 +638,12 @@ class VllmReceiver:
             )
         if self.reload:
             reasons = sorted(set(self.reload.values()))
+            assert self.recorded is not None
+            parts = len(self.recorded.reload_boxes)
+            staged = f"{parts} of them only the boxes the loader reads" if parts else "whole"
             text += (
                 f", {counts['reload']} in {len(self.reload_layers)} layers go through vLLM's layerwise reload "
-                f"({len(self.reload)} checkpoint tensors staged whole; {'; '.join(reasons)})"
+                f"({len(self.reload)} checkpoint tensors staged, {staged}; {'; '.join(reasons)})"
             )
         else:
             text += ", 0 through vLLM's layerwise reload"

@@ -24,7 +24,8 @@ which blocks the engine (paused) until the bytes are in; a failure there may lea
 
 The tables: a worker's needs are recorded once from its own model's loader (`engine_receiver`:
 VllmReceiver.from_engine); checkpoint tensors the loader transforms, and those of layers vLLM
-post-processes after loading, arrive whole in staging buffers and are installed after the commit by
+post-processes after loading, arrive in staging buffers (whole, or for the reload only the boxes
+vLLM's loader reads of them: the worker's TP share) and are installed after the commit by
 the engine's loader and vLLM's layerwise reload (`VllmReceiver.install_staged`). The trainer's
 offers come from its own description (`publisher_table`): a vLLM `ModuleSource` or DTensor model
 through DTensorPublisher (the live shards, no gather: an update with unchanged storage plans

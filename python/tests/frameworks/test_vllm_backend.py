@@ -28,8 +28,9 @@
   BF16 for vLLM's reload; every code, scale and element equals vLLM's own load.
 - The same engine serving per-tensor FP8 (`quantization="fp8_per_tensor"`; the quantizing CUDA op
   fp8_engines' stand-in): each layer's one scale comes from an amax vLLM reduces across the TP
-  ranks, so every FP8 layer takes vLLM's reload and its scales are equal on both workers; every
-  code, scale and element equals vLLM's own load.
+  ranks, so every FP8 layer takes vLLM's reload and its scales are equal on both workers; each
+  worker receives only its TP share of those layers' BF16 tensors (the bytes sent are the
+  checkpoint's once, plus the replicated norms); every code, scale and element equals vLLM's own load.
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
   reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
   trainer (it exits after the workers started receiving) each leave every worker's weights as they
@@ -328,6 +329,12 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
             out["after_move"] = client.call("loaded", 3)
             out["plans_after_move"] = client.call("plans") + [engine.link.plans_built]
         elif scenario in FP8_SCENARIOS:
+            import refit
+
+            # What crossed to the workers, and the checkpoint's bytes (replicated norms: each worker's own).
+            out["sent"] = engine.last_stats.bytes_of(refit.RouteKind.REMOTE)
+            out["checkpoint_bytes"] = sum(p.numel() * p.element_size() for p in tensors)
+            out["norm_bytes"] = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
             out["quantized_by_trainer"] = [engine.last_stats.quantized_elements]
             out["paths"] = client.call("paths")
             out["scales"] = client.call("scales")
@@ -519,6 +526,10 @@ class VllmBackendTest(unittest.TestCase):
             self.assertEqual(paths.get("reload"), want, paths)
             self.assertNotIn("quantized", paths)
         self.assertEqual(out["quantized_by_trainer"], [0, 0])
+        # Each worker's reload reads its TP share of each FP8 layer's checkpoint tensors, and only
+        # that share crossed into its (whole-shaped) staging: the checkpoint once, the norms
+        # (replicated) once more.
+        self.assertEqual(out["sent"], out["checkpoint_bytes"] + out["norm_bytes"])
         # The scales after the first update: one per layer, the same on both workers.
         first, second = out["scales"]
         self.assertEqual(sorted(first), [n for n in want if n.endswith("weight_scale")])
