@@ -18,7 +18,11 @@ none either (a model built on the meta device), under a torch dispatch mode that
 - anything else that reads a checkpoint tensor (arithmetic, dtype conversion, concatenation with
   anything else, quantization, an in-place change, a loader that needs the values) is never guessed:
   that checkpoint tensor is marked staged, with the reason: a receiver takes it whole into staging
-  and runs the engine's own loader on it.
+  and runs the engine's own loader on it;
+- a loader that needs a tensor's values raises on its meta stand-in (item(), tolist()): that tensor
+  is staged, and the loader is given it once more, alone and holding zeros, so that the parameters
+  it writes then (a fill with the value read, a copy) are known as the staged tensor's (SGLang's
+  default_weight_loader fills a one-element parameter with `loaded_weight.item()`).
 
 Nothing here knows a model family. The result (`Recording`) lists every parameter's pieces as
 `layout.ParamLayout`s (a piece may carry destination strides of its own, e.g. a transposed
@@ -43,6 +47,9 @@ log = logging.getLogger("refit.integrations.recorder")
 # A copy that is not one box is cut into boxes along its outer dimensions; past this many boxes
 # for one copy the tensor is staged instead (a gather the planner would move element by element).
 MAX_BOXES_PER_COPY = 4096
+# A checkpoint tensor the loader raised on (it read its values) is given to the loader once more,
+# alone and holding zeros, to learn which parameters it writes; not past this many elements.
+MAX_PROBE_ELEMENTS = 1 << 22
 
 
 @dataclasses.dataclass(frozen=True)
@@ -334,6 +341,9 @@ class _Mode:
         # on the parameter) computes from those tensors.
         self.param_sources: Dict[int, set] = {}
         self.param_keys: Dict[str, int] = {}  # parameter name -> its storage
+        # The checkpoint tensor given to the loader alone, with values (see `_probe`): every
+        # parameter written meanwhile is that staged tensor's.
+        self.probing: Optional[str] = None
         self._tracked: set = set()
         # Every tensor whose storage is a key here stays alive while recording: a freed storage's
         # address can come back as a new tensor's (vLLM's online quantization allocates and frees
@@ -482,6 +492,19 @@ class _Mode:
                 reasons.append(taint[1])
         return names, reasons
 
+    def probed_write(self, target: Any) -> bool:
+        """While probing, a write into a parameter (any part of it) is the probed tensor's: True
+        when `target` is a view of a parameter and it was so attributed."""
+        if self.probing is None:
+            return False
+        view, _ = self.resolve(target)
+        root = self.roots.get(view.root) if view is not None else None
+        if root is None or root.kind != "param":
+            return False
+        self.stage([self.probing], "the loader reads its values", root.name)
+        self.params_written_by_staged.add(root.name)
+        return True
+
     def stage(self, names: Iterable[str], reason: str, param: Optional[str] = None) -> None:
         names = list(names)
         for name in names:
@@ -553,6 +576,9 @@ def _make_mode_class() -> Any:
                 self.copy(args[0], args[1])
                 return out
             state = self.state
+            if kind != "other" and state.probing is not None:
+                for target in (args[i] for i in kind[1] if i < len(args) and isinstance(args[i], Tensor)):
+                    state.probed_write(target)
             inputs = tensors(args)
             if kwargs:
                 inputs += tensors(kwargs.values())
@@ -610,7 +636,7 @@ def _make_mode_class() -> Any:
             checkpoint carries (GPT-OSS's loader zeroes its row-parallel expert bias on every TP rank
             but the first, then copies it into the parameter): it is staged for the loader."""
             state = self.state
-            if _storage_key(target) not in state.tracked:
+            if state.probed_write(target) or _storage_key(target) not in state.tracked:
                 return
             view, _ = state.resolve(target)
             root = state.roots.get(view.root) if view is not None else None
@@ -626,6 +652,7 @@ def _make_mode_class() -> Any:
         def copy(self, dst: Any, src: Any) -> None:
             state = self.state
             if _storage_key(src) not in state.tracked:
+                state.probed_write(dst)  # a tensor made from values read (while probing)
                 return  # nothing from the checkpoint (a parameter filled from a constant tensor)
             target, _ = state.resolve(dst)
             root = state.roots.get(target.root) if target is not None else None
@@ -722,13 +749,35 @@ def record(
             try:
                 loader(stand_ins())
             except Exception as error:  # e.g. the loader reads values a stand-in does not hold
-                failed = order[position - 1].name
-                state.stage([failed], f"the loader raised {type(error).__name__}: {str(error)[:80]}")
+                failed = order[position - 1]
+                state.stage([failed.name], f"the loader raised {type(error).__name__}: {str(error)[:80]}")
+                _probe(loader, state, failed)
     recording = _finish(state, infos, specs, [name for name, _ in params])
     log.info("%s", recording.summary())
     if cache:
         _CACHE[cache_key] = recording
     return recording
+
+
+def _probe(loader: Loader, state: _Mode, spec: TensorSpec) -> None:
+    """Gives the loader `spec`'s tensor once more, alone and holding zeros (it raised on the meta
+    stand-in: it reads the values), so that the parameters it writes are known as that staged
+    tensor's (`_Mode.probed_write`; a copy of the tensor itself is recorded as usual, then dropped
+    with the staged tensor). Whatever the loader raises now is left: those parameters stay unknown."""
+    import torch
+
+    if math.prod(spec.shape) > MAX_PROBE_ELEMENTS:
+        return
+    values = torch.zeros(spec.shape, dtype=spec.dtype)
+    state.track_checkpoint(values, spec.name, spec.shape)
+    state.keep_alive(values)
+    state.probing = spec.name
+    try:
+        loader(iter([(spec.name, values)]))
+    except Exception:  # noqa: BLE001 - the loader may need more than zeros; nothing more is learnt
+        pass
+    finally:
+        state.probing = None
 
 
 def _specs(checkpoint: Sequence[TensorSpec] | Mapping[str, Tuple[Shape, Any]]) -> Dict[str, TensorSpec]:

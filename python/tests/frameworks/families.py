@@ -450,6 +450,18 @@ def zamba2() -> Any:
     )
 
 
+def gpt_oss() -> Any:
+    from transformers import GptOssConfig
+
+    # Unquantized (a bf16 checkpoint's layout, no mxfp4): q/k/v and o with biases, attention sinks
+    # per head, experts fused in the checkpoint with biases (gate_up_proj [E, hidden, 2 x inter],
+    # gate and up interleaved), sliding and full attention layers. Only SGLang's test builds it (not in MATRIX).
+    return GptOssConfig(
+        intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=100, head_dim=8,
+        sliding_window=64, layer_types=["sliding_attention", "full_attention"], **COMMON,
+    )
+
+
 # Families whose modeling code is on the Hub only (trust_remote_code): their config.json and the
 # tensor names and shapes their code saves, written by hand (vllm_harness.HandWritten).
 
@@ -816,6 +828,7 @@ FAMILIES: Dict[str, Callable[[], Any]] = {
     "granitemoehybrid": granitemoehybrid,
     "jamba": jamba,
     "zamba2": zamba2,
+    "gpt_oss": gpt_oss,
     "internlm2": internlm2,
     "chatglm": chatglm,
     "bailing_moe": bailing_moe,

@@ -44,12 +44,13 @@ def run_processes(ranks: int, rank_main: Callable[..., None], rank_args: Tuple[A
                 process.kill()
 
 
-def sglang_rank(rank: int, tp: int, folder: str, port: int, ep: bool = False) -> SimpleNamespace:
+def sglang_rank(rank: int, tp: int, folder: str, port: int, ep: bool = False, **server_args: Any) -> SimpleNamespace:
     """SGLang's TP rank `rank` of `tp` as its scheduler process sets it up before it builds its
     ModelRunner: the gloo world, the published server args (custom_weight_loader lists refit's
     loader; expert parallelism over the TP ranks with `ep`), the parallel groups, then the model from
     SGLang's dummy weights (so the first update has to move them all), the ModelRunner's
-    WeightUpdater and the scheduler's SchedulerWeightUpdaterManager over it. Returns
+    WeightUpdater and the scheduler's SchedulerWeightUpdaterManager over it. `server_args`: more
+    ServerArgs fields, as a launch would set them (enable_multimodal). Returns
     (model, manager, model_config, build: load_format -> another model as SGLang's loader builds it)."""
     # torch's CUDA wheel ships libnccl, so SGLang's TP group would open a PyNccl communicator on a
     # machine without a GPU; a library that does not load is SGLang's own "no GPU here" case.
@@ -70,7 +71,7 @@ def sglang_rank(rank: int, tp: int, folder: str, port: int, ep: bool = False) ->
     init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo", distributed_init_method=f"tcp://127.0.0.1:{port}")
     server_args = ServerArgs(
         model_path=folder, tp_size=tp, device="cpu", dtype="float32", skip_tokenizer_init=True,
-        custom_weight_loader=[adapter.LOADER], **(dict(ep_size=tp) if ep else {}),
+        custom_weight_loader=[adapter.LOADER], **(dict(ep_size=tp) if ep else {}), **server_args,
     )
     publish(server_args, role="scheduler", ranks=SpawnRanks(world_rank=rank))
     initialize_model_parallel(backend="gloo")

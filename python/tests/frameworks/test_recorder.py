@@ -242,6 +242,61 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual([layout.name for layout in recording.layouts], ["p_plain"])
         self.assertIn("staged for the engine's loader", recording.summary())
 
+    def test_a_tensor_whose_values_the_loader_reads_is_staged_for_the_parameters_it_writes(self):
+        """SGLang's default_weight_loader fills a one-element parameter with `loaded_weight.item()`
+        (Apertus's xIELU alpha_p / alpha_n): the meta stand-in cannot give the value, the loader
+        raises, and the tensor is staged. The loader, given it once more alone with values, tells
+        which parameter it reaches: the tensor's staged parameter, not an unwritten one. So for a
+        tensor built from the values read and copied in, and for an in-place write; one whose
+        loader raises before writing anything stays unattributed (its parameter unwritten)."""
+        specs = {name: ((1,), torch.float32) for name in ("filled", "rebuilt", "added", "refused")}
+        specs["plain"] = ((4,), torch.float32)
+        make = lambda device: {f"p_{name}": torch.empty(specs[name][0], device=device) for name in specs}  # noqa: E731
+
+        def loader(params):
+            def load(items):
+                for name, t in items:
+                    p = params["p_" + name]
+                    if name == "filled":
+                        p.fill_(t.item())
+                    elif name == "rebuilt":
+                        p.copy_(torch.tensor([t.item() * 2.0]))
+                    elif name == "added":
+                        p.add_(t.item())
+                    elif name == "refused":
+                        if t.item() == 0.0:
+                            raise ValueError("a zero scale")
+                        p.fill_(t.item())
+                    else:
+                        p.copy_(t)
+
+            return load
+
+        ckpt = encoded(specs)
+        meta = make("meta")
+        recording = record(loader(meta), meta, specs, cache=False)
+        self.assertEqual(sorted(recording.staged), ["added", "filled", "rebuilt", "refused"])
+        self.assertIn("the loader raised", recording.staged["filled"])
+        self.assertEqual(recording.staged_params, {"added": ["p_added"], "filled": ["p_filled"], "rebuilt": ["p_rebuilt"]})
+        self.assertEqual(recording.unwritten, ["p_refused"])
+        self.assertEqual([layout.name for layout in recording.layouts], ["p_plain"])
+        # Installed: the staged tensors through the loader, the rest as boxes.
+        truth, params = make("cpu"), make("cpu")
+        for tensors in (truth, params):
+            for tensor in tensors.values():
+                tensor.fill_(0.0)
+        loader(truth)((name, tensor.clone()) for name, tensor in ckpt.items())
+        receiver = RecordedReceiver(recording)
+        staging = receiver.staging_buffers(lambda shape, dtype: torch.full(shape, POISON).to(dtype))
+        with refit.Table() as publisher, receiver.table(params, 0, device=1, staging=staging) as needs:
+            offers(publisher, ckpt, 0)
+            with refit.Plan.build([publisher, needs]) as plan, refit.Group([0, 1], refit.Backend.HOST) as group:
+                for route in plan.routes():
+                    group.copy_batch(route.dst_device, route.segments)
+        receiver.load_staged(loader(params), staging)
+        for name in truth:
+            self.assertTrue(torch.equal(truth[name], params[name]), f"{name}: refit {params[name]} loader {truth[name]}")
+
     def test_a_checkpoint_tensor_the_loader_fills_is_staged(self):
         """GPT-OSS's loader zeroes its row-parallel expert bias on every TP rank but the first, then
         copies it: the parameter holds zeros, not the checkpoint's elements. The same through a

@@ -23,6 +23,31 @@ weight loader also refreshes a derived buffer: staged), DeepSeek-V2-Lite with ex
 (MLA without q LoRA: q_proj whole, nothing staged) and GLM-4-MoE with expert parallelism (a dense
 first layer, a shared expert, e_score_correction_bias).
 
+More families, each for what its loader does differently: Mixtral with expert parallelism
+(block_sparse_moe's per-expert w1 / w2 / w3), InternLM2 (a checkpoint wqkv interleaving q, k and v
+per kv group, which the loader views per group, splits and reshapes, a copy, before cutting each
+rank's q / k / v from it), GraniteMoE with expert parallelism (experts fused in the checkpoint:
+input_linear [E, 2 x inter, hidden], chunked into gate and up), Cohere (per-head q / k norm weights
+of shape [heads, head_dim], sharded by head; LayerNorms without bias; tied embeddings), StableLM
+(LayerNorms with biases, q / k / v biases, partial rotary), GPT-2 (Conv1D weights stored transposed,
+a fused c_attn split into q / k / v, learned positions, biases everywhere), ChatGLM (GLM-4's fused
+query_key_value with bias and fused dense_h_to_4h, multi-query groups), OLMo 2 (q / k norms over
+all heads, replicated while q / k are sharded), Llama 4 (Llama4ForConditionalGeneration as
+published, with expert parallelism and multimodal on: experts fused in the checkpoint
+[E, hidden, 2 x inter], a shared expert; the vision tower's q / k / v stacked with biases, its
+adapter and projector),
+GPT-OSS (unquantized: q / k / v / o biases, attention sinks, experts fused with biases; its sinks
+are kept in bf16 by SGLang, a dtype conversion staged, and its loader zeroes the row-parallel
+expert down bias in place on every TP rank but the first, staged there), PhiMoE with expert
+parallelism (the Hub's PhiMoEForCausalLM; LayerNorms with biases, a vocab-parallel lm_head bias),
+Apertus (xIELU's one-element parameters and buffers, which SGLang's loader fills with
+`loaded_weight.item()`: staged, and known as reached because the recorder gives the loader that
+tensor once more with values), GPT-BigCode (multi-query: one kv head replicated inside each rank's
+fused c_attn) and ERNIE 4.5 MoE with expert parallelism (a dense first layer, shared experts,
+e_score_correction_bias). Qwen3 is test_sglang_real's model. Every test asserts exactly what is
+staged and what no checkpoint element reaches (unwritten: nothing, but the vision position
+embeddings below).
+
 Vision-language families, as SGLang serves them (its image-text class, the vision tower sharded by
 TP like the language model), from the checkpoint transformers 5 writes: Qwen2.5-VL (a fused
 checkpoint qkv in the vision blocks, split into q / k / v per rank; gate/up stacked with biases; a
@@ -33,14 +58,38 @@ with biases, its position embeddings vocab-parallel, the projector's bare mm_inp
 Nothing is staged. SGLang 0.5.23 builds no LLaVA with a CLIP tower (llava-hf's layout):
 LlavaForConditionalGeneration resolves CLIPVisionModel, which SGLang does not register, to its
 Transformers backend, which raises "AttributeError: 'Conv2d' object has no attribute 'num_embeddings'".
+
+Not covered, with what SGLang 0.5.23 does on CPU:
+- MiniCPM3: its load_weights derives w_kc / w_vc from kv_b_proj and then deletes kv_b_proj, so no
+  second load can run (SGLang's own update_weights_from_tensor included): "KeyError:
+  'model.layers.0.self_attn.kv_b_proj.weight'".
+- EXAONE 4 (sliding window): ServerArgs refuses the CPU's attention backend: "AssertionError: One of
+  the attention backends in ['fa3', 'triton', 'trtllm_mha'] is required for Exaone4ForCausalLM,
+  but got intel_amx".
+- OLMoE with grouped kv heads (families.py's config; OLMoE as released has as many kv heads as
+  query heads): SGLang sizes k_norm for all heads: "AssertionError: Attempted to load weight
+  (torch.Size([16])) into parameter (torch.Size([32]))".
+- GPT-OSS with expert parallelism: the unquantized fused-expert loader copies the checkpoint's
+  tensor of all 4 experts into a rank's 2: "RuntimeError: The size of tensor a (2) must match the size of tensor b (4) at
+  non-singleton dimension 0" (FusedMoE._load_w2); covered at TP 2 above.
+- Qwen3-Next: ServerArgs refuses its Mamba radix cache on CPU ("AssertionError: extra_buffer
+  requires platform support for Mamba cache state snapshots"); with the radix cache disabled (and
+  full_attention_interval, which transformers 5 no longer writes, set), its gated delta-net layer
+  calls torch.cuda.current_device() when built: "RuntimeError: Found no NVIDIA driver on your
+  system".
+- EXAONE-MoE: as EXAONE 4 ("... is required for ExaoneMoeForCausalLM, but got intel_amx").
+- Llama 4 text-only (Llama4ForCausalLM): its load_weights (LlamaForCausalLM's) has no mapping for
+  the fused experts ("Parameter model.layers.0.feed_forward.experts.gate_up_proj not found in
+  params_dict", the experts left as built); covered as Llama4ForConditionalGeneration above.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import unittest
-from typing import Any, Dict, List
+from typing import Any, Dict, List, Optional
 
 import families
 import sglang_driver
@@ -56,13 +105,31 @@ def save(family: str) -> str:
     transformers 5 no longer writes. A vision-language family's is its image-text class's, saved as
     the Hub has it (vllm_harness.hf_folder: Qwen2-VL / Qwen2.5-VL model.layers.*, visual.*, lm_head;
     Qwen3-VL model.language_model.*, model.visual.*; Gemma 3 language_model.model.*,
-    vision_tower.vision_model.*, multi_modal_projector.*)."""
+    vision_tower.vision_model.*, multi_modal_projector.*; Llama 4 with the index of a sharded
+    checkpoint). The architecture as the Hub's config names it (families.ARCHITECTURES: PhiMoE);
+    a family written by hand (families.HandWritten: InternLM2, ChatGLM) with random values."""
     config = families.FAMILIES[family]()
     if hasattr(config, "vision_config"):
         if family == "qwen2_vl":
             # Real Qwen2-VL configs carry it; SGLang's Qwen2VisionTransformer reads it (transformers 5: in_channels).
             config.vision_config.in_chans = config.vision_config.in_channels
-        return vllm_harness.hf_folder(family, config)
+        folder = vllm_harness.hf_folder(family, config)
+        if family == "llama4_mm":
+            # The Hub's Llama 4 is sharded, with an index: SGLang builds its vision tower only when the
+            # index names vision tensors (Llama4ForConditionalGeneration._has_vision_weights).
+            from safetensors import safe_open
+
+            with safe_open(os.path.join(folder, "model.safetensors"), "pt") as handle:
+                names = list(handle.keys())
+            with open(os.path.join(folder, "model.safetensors.index.json"), "w") as handle:
+                json.dump({"metadata": {}, "weight_map": {name: "model.safetensors" for name in names}}, handle)
+        return folder
+    if isinstance(config, vllm_harness.HandWritten):
+        return hand_written(family, config)
+    if family == "phimoe":
+        # SGLang's PhiMoE builds lm_head with a bias whatever the config says: the checkpoint
+        # carries one, so that it is checked (a vocab-parallel bias, padded).
+        config.lm_head_bias = True
     if family == "gemma3":
         config.architectures = ["Gemma3ForCausalLM"]
     if family == "gemma2":
@@ -76,14 +143,35 @@ def save(family: str) -> str:
             "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "beta_fast": 32, "beta_slow": 1,
             "mscale": 0.707, "mscale_all_dim": 0.707, "rope_theta": 10000.0,
         }
-    return shared.save_checkpoint(config)
+    folder = shared.save_checkpoint(config)
+    if family in families.ARCHITECTURES:  # as the Hub's config names it (save_pretrained writes its class's)
+        path = os.path.join(folder, "config.json")
+        with open(path) as handle:
+            written = json.load(handle)
+        written["architectures"] = [families.ARCHITECTURES[family]]
+        with open(path, "w") as handle:
+            json.dump(written, handle)
+    return folder
 
 
-def rank_main(rank: int, ep: bool, folder: str, port: int, conn: Any) -> None:
+def hand_written(family: str, config: Any) -> str:
+    """A family whose modeling code is on the Hub: its config and tensors as that code saves them
+    (families.py), with random values (vllm_harness writes zeros, which would hide a misplaced row)."""
+    import torch
+    from safetensors.torch import save_file
+
+    folder = vllm_harness.hf_folder(family, config)
+    generator = torch.Generator().manual_seed(0)
+    tensors = {name: torch.randn(shape, generator=generator) for name, shape in config.tensors.items()}
+    save_file(tensors, os.path.join(folder, config.files[1]))
+    return folder
+
+
+def rank_main(rank: int, ep: bool, server_args: Dict[str, Any], folder: str, port: int, conn: Any) -> None:
     import sys
 
     sys.path.insert(0, HERE)
-    sglang_rank = sglang_driver.sglang_rank(rank, TP, folder, port, ep)  # first: it sets SGLang's environment
+    sglang_rank = sglang_driver.sglang_rank(rank, TP, folder, port, ep, **server_args)  # first: it sets SGLang's environment
     import torch
     from sglang.srt.model_loader.loader import DefaultModelLoader
 
@@ -189,9 +277,12 @@ def trainer_main(folder: str, conns: List[Any], results: Any) -> None:
 
 
 class SglangFamiliesTest(unittest.TestCase):
-    def run_family(self, family: str, ep: bool = False) -> Dict[str, Any]:
+    def run_family(self, family: str, ep: bool = False, unwritten: Optional[List[List[str]]] = None, **server_args: Any) -> Dict[str, Any]:
+        """SGLang's model of `family` at TP 2 (EP 2 with `ep`; `server_args` as launched) updated
+        twice; every tensor equal to SGLang's own load, nothing refused, exactly `unwritten` (per
+        rank; none by default) reached by no checkpoint element. Returns what the ranks reported."""
         folder = save(family)
-        out = sglang_driver.run_processes(TP, rank_main, (ep, folder, sglang_driver.free_port()), trainer_main, (folder,), 480)
+        out = sglang_driver.run_processes(TP, rank_main, (ep, server_args, folder, sglang_driver.free_port()), trainer_main, (folder,), 480)
         self.assertNotIn("error", out, out.get("error"))
         # The dummy weights differ from the checkpoint in every parameter, so passing is no accident.
         for rank in range(TP):
@@ -199,6 +290,7 @@ class SglangFamiliesTest(unittest.TestCase):
             for update in ("first", "second"):
                 self.assertEqual(out[update][rank]["differing"], [], f"{family} rank {rank} after the {update} update")
         self.assertEqual(out["refusals"], [[]] * TP)
+        self.assertEqual(out["unwritten"], unwritten if unwritten is not None else [[]] * TP)
         return out
 
     def test_qwen3_moe_with_expert_parallelism(self):
@@ -237,10 +329,62 @@ class SglangFamiliesTest(unittest.TestCase):
     def test_glm4_moe_with_expert_parallelism(self):
         self.assertEqual(self.run_family("glm4_moe", ep=True)["staged"], [[]] * TP)
 
+    def test_mixtral_with_expert_parallelism(self):
+        self.assertEqual(self.run_family("mixtral", ep=True)["staged"], [[]] * TP)
+
+    def test_internlm2_interleaved_wqkv(self):
+        # wqkv viewed per kv group, split, and each part reshaped (a copy: not a view of the
+        # checkpoint tensor) before the q / k / v shards are cut from it: recorded through the copy.
+        self.assertEqual(self.run_family("internlm2")["staged"], [[]] * TP)
+
+    def test_granitemoe_fused_experts_with_expert_parallelism(self):
+        self.assertEqual(self.run_family("granitemoe", ep=True)["staged"], [[]] * TP)
+
+    def test_cohere_per_head_norms(self):
+        self.assertEqual(self.run_family("cohere")["staged"], [[]] * TP)
+
+    def test_stablelm_layernorm_biases(self):
+        self.assertEqual(self.run_family("stablelm")["staged"], [[]] * TP)
+
+    def test_gpt2_conv1d(self):
+        self.assertEqual(self.run_family("gpt2")["staged"], [[]] * TP)
+
+    def test_chatglm_fused_query_key_value(self):
+        self.assertEqual(self.run_family("chatglm")["staged"], [[]] * TP)
+
+    def test_olmo2_full_width_qk_norms(self):
+        self.assertEqual(self.run_family("olmo2")["staged"], [[]] * TP)
+
+    def test_llama4_multimodal_with_expert_parallelism(self):
+        self.assertEqual(self.run_family("llama4_mm", ep=True, enable_multimodal=True)["staged"], [[]] * TP)
+
+    def test_phimoe_with_expert_parallelism(self):
+        self.assertEqual(self.run_family("phimoe", ep=True)["staged"], [[]] * TP)
+
+    def test_apertus_xielu_scalars_staged(self):
+        # xIELU's one-element alpha_p / alpha_n (parameters) and beta / eps (buffers SGLang's loader
+        # adds to its params_dict): SGLang's default_weight_loader fills each with
+        # loaded_weight.item(), a value the recording cannot read: staged, and reached (not unwritten).
+        scalars = [f"model.layers.{i}.mlp.act_fn.{n}" for i in range(2) for n in ("alpha_p", "alpha_n", "beta", "eps")]
+        self.assertEqual(self.run_family("apertus")["staged"], [sorted(scalars)] * TP)
+
+    def test_gpt_bigcode_multi_query(self):
+        self.assertEqual(self.run_family("gpt_bigcode")["staged"], [[]] * TP)
+
+    def test_ernie45_moe_with_expert_parallelism(self):
+        self.assertEqual(self.run_family("ernie45_moe", ep=True)["staged"], [[]] * TP)
+
+    def test_gpt_oss_sinks_and_expert_biases(self):
+        # SGLang keeps the attention sinks in bf16 whatever the model's dtype (a float32 checkpoint
+        # here: a dtype conversion, staged); its loader zeroes the row-parallel expert down bias on
+        # every TP rank but the first, in place (rank 1's down_proj_bias: staged).
+        sinks = [f"model.layers.{i}.self_attn.sinks" for i in range(2)]
+        biases = [f"model.layers.{i}.mlp.experts.down_proj_bias" for i in range(2)]
+        self.assertEqual(self.run_family("gpt_oss")["staged"], [sorted(sinks), sorted(sinks + biases)])
+
     def run_vl_family(self, family: str, unwritten_on_rank_1: List[str]) -> None:
-        out = self.run_family(family)
+        out = self.run_family(family, unwritten=[[], unwritten_on_rank_1])
         self.assertEqual(out["staged"], [[]] * TP)
-        self.assertEqual(out["unwritten"], [[], unwritten_on_rank_1])
 
     def test_qwen2_5_vl(self):
         self.run_vl_family("qwen2_5_vl", [])
