@@ -130,7 +130,8 @@ def run_rank(
         written = {layout.name for layout in recording.layouts} | {p for ps in recording.staged_params.values() for p in ps}
         if any(why.startswith("the loader raised") for why in recording.staged.values()):
             # Where the loader raised on a stand-in (it read values: Llama 4's expert map under EP),
-            # the recording cannot say which parameters that tensor reaches; the engine's loader,
+            # the recording may not know every parameter that tensor reaches (the recorder's probe
+            # with zeros learns them only where the loader runs on zeros); the engine's loader,
             # run on it from staging, writes them (and may create one: the Transformers backend's
             # lm_head bias).
             written |= {name for name, param in engine.named_parameters() if before.get(name, True) and not bool((param == POISON).all())}
