@@ -9,7 +9,7 @@ Face module loaded by load_state_dict."""
 from __future__ import annotations
 
 import unittest
-from typing import Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import torch
 
@@ -34,17 +34,22 @@ def encoded(specs: Specs) -> Dict[str, torch.Tensor]:
 
 def install(test: unittest.TestCase, make: Callable[[str], Dict[str, torch.Tensor]], loader_of, specs: Specs):
     """(recording, the loader's parameters, refit's parameters)."""
-    ckpt = encoded(specs)
-    truth = make("cpu")
-    for tensor in truth.values():
-        tensor.fill_(POISON)
-    # Copies: a loader that changes a checkpoint tensor in place must not change what is offered.
-    loader_of(truth)((name, tensor.clone()) for name, tensor in ckpt.items())
     meta = make("meta")
     recording = record(loader_of(meta), meta, specs, cache=False)
-    params = make("cpu")
-    for tensor in params.values():
-        tensor.fill_(POISON)
+    truth, params = install_recorded(test, recording, make, loader_of, encoded(specs), POISON)
+    return recording, truth, params
+
+
+def install_recorded(test: unittest.TestCase, recording: Any, make: Callable[[str], Dict[str, torch.Tensor]], loader_of,
+                     ckpt: Dict[str, torch.Tensor], fill: float) -> Tuple[Dict[str, torch.Tensor], Dict[str, torch.Tensor]]:
+    """The loader's parameters and refit's (boxes, then the loader on the staged tensors), both
+    starting from `fill`, asserted equal."""
+    truth, params = make("cpu"), make("cpu")
+    for tensors in (truth, params):
+        for tensor in tensors.values():
+            tensor.fill_(fill)
+    # Copies: a loader that changes a checkpoint tensor in place must not change what is offered.
+    loader_of(truth)((name, tensor.clone()) for name, tensor in ckpt.items())
     receiver = RecordedReceiver(recording)
     staging = receiver.staging_buffers(lambda shape, dtype: torch.full(shape, POISON).to(dtype))
     with refit.Table() as publisher, receiver.table(params, 0, device=1, staging=staging) as needs:
@@ -55,7 +60,7 @@ def install(test: unittest.TestCase, make: Callable[[str], Dict[str, torch.Tenso
     receiver.load_staged(loader_of(params), staging)
     for name in truth:
         test.assertTrue(torch.equal(truth[name], params[name]), f"{name}: refit {params[name]} loader {truth[name]}")
-    return recording, truth, params
+    return truth, params
 
 
 class RecorderTest(unittest.TestCase):
@@ -280,22 +285,9 @@ class RecorderTest(unittest.TestCase):
         self.assertEqual(recording.staged_params, {"added": ["p_added"], "filled": ["p_filled"], "rebuilt": ["p_rebuilt"]})
         self.assertEqual(recording.unwritten, ["p_refused"])
         self.assertEqual([layout.name for layout in recording.layouts], ["p_plain"])
-        # Installed: the staged tensors through the loader, the rest as boxes.
-        truth, params = make("cpu"), make("cpu")
-        for tensors in (truth, params):
-            for tensor in tensors.values():
-                tensor.fill_(0.0)
-        loader(truth)((name, tensor.clone()) for name, tensor in ckpt.items())
-        receiver = RecordedReceiver(recording)
-        staging = receiver.staging_buffers(lambda shape, dtype: torch.full(shape, POISON).to(dtype))
-        with refit.Table() as publisher, receiver.table(params, 0, device=1, staging=staging) as needs:
-            offers(publisher, ckpt, 0)
-            with refit.Plan.build([publisher, needs]) as plan, refit.Group([0, 1], refit.Backend.HOST) as group:
-                for route in plan.routes():
-                    group.copy_batch(route.dst_device, route.segments)
-        receiver.load_staged(loader(params), staging)
-        for name in truth:
-            self.assertTrue(torch.equal(truth[name], params[name]), f"{name}: refit {params[name]} loader {truth[name]}")
+        # Installed: the staged tensors through the loader, the rest as boxes (from zeros: one
+        # loader adds to what the parameter holds).
+        install_recorded(self, recording, make, loader, ckpt, 0.0)
 
     def test_a_checkpoint_tensor_the_loader_fills_is_staged(self):
         """GPT-OSS's loader zeroes its row-parallel expert bias on every TP rank but the first, then
