@@ -302,9 +302,12 @@ fn step(input: &mut Bytes, pool: &mut Pool, base: u64) {
             if unsafe { refit_plan_quant_route_count(plan, &mut count) } == Status::Success {
                 for i in 0..count + 1 {
                     let mut route: refit_quant_route_info = unsafe { std::mem::zeroed() };
-                    route.size = std::mem::size_of::<refit_quant_route_info>() - 8 * usize::from(input.byte() % 2);
+                    let full = std::mem::size_of::<refit_quant_route_info>();
+                    route.size = full - 8 * usize::from(input.byte() % 2);
+                    // A size other than the struct's is refused (INVALID_ARGUMENT), as an index past the count is.
+                    let fits = route.size == full;
                     let status = check(unsafe { refit_plan_quant_route(plan, i, &mut route) });
-                    assert_eq!(status == Status::Success, i < count, "quantized route {i} of {count}");
+                    assert_eq!(status == Status::Success, i < count && fits, "quantized route {i} of {count}, fitting size {fits}");
                 }
             }
         }
