@@ -34,29 +34,9 @@ def free_port() -> int:
 _joined = False
 
 
-@functools.lru_cache(maxsize=None)
-def world() -> None:
-    """A one-process gloo world with vLLM's groups (the EP group too: made under a config without
-    a model), unless this process joined a world of several."""
-    from vllm.config import VllmConfig, set_current_vllm_config
-    from vllm.distributed import parallel_state as ps
-
-    if _joined:
-        return
-    with set_current_vllm_config(VllmConfig()):
-        ps.init_distributed_environment(
-            world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{free_port()}", local_rank=0, backend="gloo"
-        )
-        # Made already by another module of the suite (vllm_harness): its groups serve here too (a
-        # second call would ask torch about a world group another test may have destroyed since).
-        if not ps.model_parallel_is_initialized():
-            ps.ensure_model_parallel_initialized(1, 1)
-
-
-def join_tp_world(rank: int, size: int, port: int) -> None:
-    """This process is TP rank `rank` of `size` processes that each call this with the same `port`
-    (a gloo world of them all, TP across all of them): vLLM's collectives over the TP group then
-    reach the other processes. Call it before as_rank, which then finds the groups as they are."""
+def _gloo_world(size: int, rank: int, port: int) -> None:
+    """vLLM's world of `size` gloo processes, this one `rank`, and its groups: TP across all of them
+    (the EP group too: made under a config without a model)."""
     from vllm.config import VllmConfig, set_current_vllm_config
     from vllm.distributed import parallel_state as ps
 
@@ -64,8 +44,25 @@ def join_tp_world(rank: int, size: int, port: int) -> None:
         ps.init_distributed_environment(
             world_size=size, rank=rank, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=rank, backend="gloo"
         )
-        ps.ensure_model_parallel_initialized(size, 1)
+        # Made already by another module of the suite (vllm_harness): its groups serve here too (a
+        # second call would ask torch about a world group another test may have destroyed since).
+        if not ps.model_parallel_is_initialized():
+            ps.ensure_model_parallel_initialized(size, 1)
+
+
+@functools.lru_cache(maxsize=None)
+def world() -> None:
+    """A one-process gloo world with vLLM's groups, unless this process joined a world of several."""
+    if not _joined:
+        _gloo_world(1, 0, free_port())
+
+
+def join_tp_world(rank: int, size: int, port: int) -> None:
+    """This process is TP rank `rank` of `size` processes that each call this with the same `port`
+    (a gloo world of them all, TP across all of them): vLLM's collectives over the TP group then
+    reach the other processes. Call it before as_rank, which then finds the groups as they are."""
     global _joined
+    _gloo_world(size, rank, port)
     _joined = True
 
 
