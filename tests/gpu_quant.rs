@@ -501,6 +501,7 @@ fn per_tensor_jobs_naming_one_scale_share_it_on_the_gpu() {
         (5, Fp8::E4m3fn, Arithmetic::DeepGemm),
         (6, Fp8::E5m2, Arithmetic::Divide),
         (7, Fp8::E4m3fn, Arithmetic::VllmChannel),
+        (8, Fp8::E4m3fn, Arithmetic::VllmTensor),
     ] {
         let others = standard_cases(seed, false);
         let shared = shared_scale_cases(seed, target, arithmetic);

@@ -1,4 +1,4 @@
-//! Dev aid, not a CI test: compiles the batched copy kernel with NVRTC for sm_90 without a GPU and
+//! Dev aid, not a CI test: compiles the kernels (batched copy, digest, quantize) with NVRTC for sm_90 without a GPU and
 //! prints ptxas's resource report. Run with libnvrtc available, e.g.
 //! `REFIT_NVRTC_LIBRARY=/path/to/libnvrtc.so.13 cargo test --test kernel_compiles -- --ignored --nocapture`.
 
@@ -35,4 +35,19 @@ fn digest_kernel_compiles_for_hopper() {
     assert!(text.contains(".entry refit_digest("), "PTX names the kernel");
     assert!(text.contains(".entry refit_digest_many("), "PTX names the many-range kernel");
     assert!(text.contains("ld.global.v2.u64") || text.contains("ld.global.nc.v2.u64"), "16-byte loads");
+}
+
+#[test]
+#[ignore = "needs libnvrtc (set REFIT_NVRTC_LIBRARY)"]
+fn quantize_module_compiles_for_hopper() {
+    let source = refit::kernels::quantize::module_source();
+    let cubin = nvrtc::compile(&source, "copy_quantize.cu", 9, 0, Output::Cubin, &["-Xptxas=-v"])
+        .expect("CUBIN for sm_90");
+    println!("CUBIN {} bytes\n{}", cubin.image.len(), cubin.log);
+    let ptx =
+        nvrtc::compile(&source, "copy_quantize.cu", 9, 0, Output::Ptx, &[]).expect("PTX for compute_90");
+    let text = String::from_utf8_lossy(&ptx.image);
+    for entry in ["refit_quantize", "refit_quantize_narrow", "refit_copy_quantize"] {
+        assert!(text.contains(&format!(".entry {entry}(")), "PTX names {entry}");
+    }
 }

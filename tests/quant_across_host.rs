@@ -137,3 +137,167 @@ fn quantized_needs_across_processes_through_staging_match_the_reference() {
         |rank, size, id| refit_across(rank, size, id, false),
     );
 }
+
+/// A fused weight with one per-tensor scale (vLLM's per-tensor FP8 `qkv_proj` at TP 1) received by
+/// two engine processes from a trainer process that offers q, k and v as separate tensors: the three
+/// needs of each receiver share its scale, and the trainer quantizes all of them on the sender path
+/// (one device holds every piece), with the amax of the whole fused matrix. Both receivers keep their
+/// codes and scale at one same virtual address, so that the sender's buffer must keep the two
+/// receivers' shared scales apart. Every code and the scale equal the reference's over the fused
+/// matrix, through IPC writes and the staged exchange, under both commits and with verify.
+fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
+    use refit::plan::{Offer, QuantNeed, QuantPath, Region, TensorSpec};
+    use refit::quant::{Arithmetic, Fp8, Granularity, QuantJob, Quantization, SourceType};
+    use refit::transport::host::HostBackend;
+    use refit::transport::{Backend, Stream};
+
+    const COLS: u64 = 64;
+    const PARTS: [(&str, u64); 3] = [("q", 32), ("k", 16), ("v", 16)];
+    const ROWS: u64 = 64;
+    // Where both receivers map their codes (and the scale after them): one address in each process.
+    const FIXED: usize = 0x5a5a_0000_0000;
+    let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::VllmTensor);
+    // Element (r, c) of the fused matrix: v's rows the largest, so no part alone has the fused amax.
+    let element = |r: u64, c: u64| -> [u8; 2] {
+        let h = (r * 7919 + c * 104729).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
+        let exponent = 118 + r / 16;
+        (((h & 0x8000) | (exponent << 7) | (h & 0x7f)) as u16).to_le_bytes()
+    };
+    let fused: Vec<u8> = (0..ROWS).flat_map(|r| (0..COLS).flat_map(move |c| element(r, c))).collect();
+
+    let group = Group::new(&[0], GroupOptions { backend: BackendChoice::Host, host_devices: 0 }).unwrap();
+    let options = CommOptions { timeout: Duration::from_secs(30), ipc, ..CommOptions::default() };
+    let comm = Arc::new(Communicator::create(id, size, rank, 0, options).unwrap());
+    let here = Endpoint { process: rank as u32, device: 0 };
+    let tensors: Vec<TensorSpec> = PARTS
+        .iter()
+        .map(|&(name, rows)| TensorSpec {
+            name: name.into(),
+            dtype: 1,
+            elem_size: 2,
+            shape: vec![rows, COLS],
+        })
+        .collect();
+    let mut source = Aligned::new(fused.len(), 0);
+    source.bytes_mut().copy_from_slice(&fused);
+    let first_rows: Vec<u64> =
+        PARTS.iter().scan(0, |at, &(_, rows)| Some(std::mem::replace(at, *at + rows))).collect();
+    let (mut offers, mut quant_needs) = (Vec::new(), Vec::new());
+    let received = if rank == 0 {
+        for (tensor, (&(_, rows), &first)) in PARTS.iter().zip(&first_rows).enumerate() {
+            offers.push(Offer {
+                tensor: tensor as u32,
+                owner: here,
+                addr: source.addr() + first * COLS * 2,
+                region: Region { offset: vec![0, 0], extent: vec![rows, COLS] },
+                strides: None,
+                digest: None,
+            });
+        }
+        None
+    } else {
+        // SAFETY: a fresh anonymous mapping at an address nothing else here uses (refused, not
+        // replaced, if something does).
+        let at = unsafe {
+            libc::mmap(
+                FIXED as *mut libc::c_void,
+                4096 * 2,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_FIXED_NOREPLACE,
+                -1,
+                0,
+            )
+        };
+        assert_eq!(at as usize, FIXED, "rank {rank}: mapping the fixed address");
+        let (codes, scale) = (FIXED as u64, (FIXED + 4096) as u64);
+        for (tensor, (&(_, rows), &first)) in PARTS.iter().zip(&first_rows).enumerate() {
+            quant_needs.push(QuantNeed {
+                tensor: tensor as u32,
+                receiver: here,
+                addr: codes + first * COLS,
+                region: Region { offset: vec![0, 0], extent: vec![rows, COLS] },
+                strides: vec![COLS, 1],
+                quantization: q,
+                source: SourceType::Bf16,
+                scales: scale,
+                scale_row_stride: 1,
+                scale_matrix_stride: 1,
+                staging: 0,
+            });
+        }
+        // SAFETY: the mapping above, alive to the end of the process.
+        Some(unsafe {
+            (
+                std::slice::from_raw_parts_mut(codes as *mut u8, (ROWS * COLS) as usize),
+                &mut *(scale as *mut [u8; 4]),
+            )
+        })
+    };
+    let table = Table { tensors, offers, needs: vec![], quant_needs };
+    let share = build_plan(&comm, &table, &PlanOptions::default()).unwrap();
+    assert!(
+        share.quant_routes().iter().all(|r| r.path == QuantPath::Sender && r.runner.process == 0),
+        "rank {rank}"
+    );
+    assert_eq!(share.quant_routes().len(), if rank == 0 { 6 } else { 3 }, "rank {rank}");
+
+    // The reference: one per-tensor job over the fused matrix.
+    let (want_codes, want_scale) = (Aligned::new((ROWS * COLS) as usize, 0), Aligned::new(4, 0));
+    let job = QuantJob {
+        quantization: q,
+        source: SourceType::Bf16,
+        src: source.addr(),
+        rows: ROWS,
+        cols: COLS,
+        src_stride: COLS,
+        dst: want_codes.addr(),
+        dst_stride: COLS,
+        scales: want_scale.addr(),
+        scale_stride: 1,
+    };
+    // SAFETY: the buffers above outlive the call, which completes on return.
+    unsafe { HostBackend::new(1).unwrap().quantize_batch(0, Stream::NULL, &[job]) }.unwrap();
+
+    let mut received = received;
+    let cases = [(CommitMode::Direct, false), (CommitMode::Staged, false), (CommitMode::Direct, true)];
+    for (commit, verify) in cases {
+        let options = ExecOptions { commit, verify, ..ExecOptions::default() };
+        let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
+        let at = format!("rank {rank} ipc {ipc} {commit:?} verify {verify}");
+        if let Some((codes, scale)) = received.as_mut() {
+            codes.fill(SENTINEL);
+            scale.fill(SENTINEL);
+        }
+        // SAFETY: every buffer of the plan lives until the calls return.
+        unsafe { executor.run(&group) }.unwrap();
+        if commit == CommitMode::Staged {
+            // SAFETY: as above.
+            unsafe { executor.commit(&group) }.unwrap();
+        }
+        if let Some((codes, scale)) = received.as_ref() {
+            assert_eq!(&scale[..], want_scale.bytes(), "{at}: the shared scale");
+            assert!(*codes == want_codes.bytes(), "{at}: codes differ from the reference");
+        }
+        comm.allgather_bytes(b"next").unwrap();
+    }
+}
+
+#[test]
+fn a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_ipc() {
+    in_processes(
+        "a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_ipc",
+        BackendKind::Host,
+        &[End::Done; 3],
+        |rank, size, id| fused_per_tensor_across(rank, size, id, true),
+    );
+}
+
+#[test]
+fn a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_staging() {
+    in_processes(
+        "a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_staging",
+        BackendKind::Host,
+        &[End::Done; 3],
+        |rank, size, id| fused_per_tensor_across(rank, size, id, false),
+    );
+}

@@ -12,7 +12,7 @@ mod quant_cases;
 
 use quant_cases::{case, outputs_and_jobs, standard_cases, Aligned, Case, Rng, SENTINEL};
 use refit::kernels::quantize::layout;
-use refit::quant::{Fp8, Granularity, SourceType};
+use refit::quant::{Arithmetic, Fp8, Granularity, SourceType};
 use std::sync::OnceLock;
 
 type Launch = unsafe extern "C" fn(*const u8, u32, u64, u64, u32);
@@ -196,6 +196,50 @@ fn a_nan_or_an_infinity_takes_its_block_as_documented() {
     assert_eq!(dst[8], 0x00, "1.5 / inf is +0");
     assert!(dst[32..].iter().enumerate().all(|(i, &b)| b == if i == 16 + 5 { 0x80 } else { 0 }));
     check_batch(std::slice::from_ref(&c));
+}
+
+/// The floorless arithmetic (vLLM's per tensor) where a scale's reciprocal is +inf: an all-zero
+/// block (scale 0) and a block whose amax is a bf16 subnormal (its scale's reciprocal overflows),
+/// whose codes are products by +inf, NaN for the zeros, +FP8_MAX under this arithmetic; beside a
+/// NaN block and an infinite one. Every code and scale as the reference's, on each entry point.
+#[test]
+fn the_floorless_arithmetic_takes_infinite_reciprocals_as_documented() {
+    let mut rng = Rng::new(3);
+    let mut cases = Vec::new();
+    for granularity in [
+        Granularity::Block { rows: 2, cols: 8 },
+        Granularity::Row,
+        Granularity::Block { rows: 128, cols: 128 },
+    ] {
+        let mut c = case(&mut rng, "floorless", Fp8::E4m3fn, granularity, SourceType::Bf16, 8, 16, 0);
+        c.quantization = c.quantization.with(Arithmetic::VllmTensor);
+        let bytes = c.data.bytes_mut();
+        let set = |bytes: &mut [u8], r: usize, col: usize, bits: u16| {
+            bytes[(r * 16 + col) * 2..(r * 16 + col) * 2 + 2].copy_from_slice(&bits.to_le_bytes());
+        };
+        // Rows 0-1: zeros (and a -0.0); rows 2-3: subnormals; rows 4-5: a NaN; rows 6-7: an infinity.
+        for r in 0..8 {
+            for col in 0..16 {
+                let bits = match r / 2 {
+                    0 => 0,
+                    1 => 1 + (col as u16 % 3),
+                    _ => 0x3fc0, // 1.5
+                };
+                set(bytes, r, col, bits);
+            }
+        }
+        set(bytes, 1, 4, 0x8000);
+        set(bytes, 3, 9, 0x8002);
+        set(bytes, 4, 2, 0x7fc0);
+        set(bytes, 7, 11, 0xff80);
+        let (dst, _) = c.expected();
+        if granularity == (Granularity::Block { rows: 2, cols: 8 }) {
+            assert!(dst[..32].iter().all(|&b| b == 0x7e), "zeros over scale 0: {:?}", &dst[..32]);
+            assert!(dst[32..64].iter().all(|&b| b & 0x7f == 0x7e), "subnormals over +inf reciprocals");
+        }
+        cases.push(c);
+    }
+    check_batch(&cases);
 }
 
 #[test]

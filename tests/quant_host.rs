@@ -221,6 +221,7 @@ fn per_tensor_jobs_naming_one_scale_share_its_amax() {
         (1, Fp8::E4m3fn, Arithmetic::Divide),
         (2, Fp8::E5m2, Arithmetic::DeepGemm),
         (3, Fp8::E4m3fn, Arithmetic::DeepGemmUe8m0),
+        (4, Fp8::E4m3fn, Arithmetic::VllmTensor),
     ] {
         let cases = shared_scale_cases(seed, target, arithmetic);
         let codes: Vec<Aligned> = cases.iter().map(|c| Aligned::new(c.dst_len(), SENTINEL)).collect();

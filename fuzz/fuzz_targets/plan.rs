@@ -81,8 +81,13 @@ fn quant_need(input: &mut Bytes, tensors: &[TensorSpec]) -> QuantNeed {
         4 => Granularity::Block { rows: 1 + input.small(3) as u32, cols: 8 * (1 + input.small(2) as u32) },
         _ => Granularity::Block { rows: input.value(4) as u32, cols: input.value(17) as u32 },
     };
-    let arithmetic = [Arithmetic::Divide, Arithmetic::DeepGemm, Arithmetic::VllmChannel, Arithmetic::DeepGemmUe8m0]
-        [usize::from(input.byte() % 4)];
+    let arithmetic = [
+        Arithmetic::Divide,
+        Arithmetic::DeepGemm,
+        Arithmetic::VllmChannel,
+        Arithmetic::DeepGemmUe8m0,
+        Arithmetic::VllmTensor,
+    ][usize::from(input.byte() % 5)];
     let target = if input.byte() % 2 == 0 { Fp8::E4m3fn } else { Fp8::E5m2 };
     QuantNeed {
         tensor,

@@ -321,6 +321,7 @@ class Arithmetic(enum.IntEnum):
     DEEPGEMM = 1  # max(amax, 1e-4) / MAX, x * (1 / s): per_block_cast_to_fp8, vLLM's online blocks
     VLLM_CHANNEL = 2  # max(amax, 2^-9) / MAX, x / s: vLLM's online per-channel weights
     DEEPGEMM_UE8M0 = 3  # DEEPGEMM with scales rounded up to powers of two (UE8M0, Blackwell)
+    VLLM_TENSOR = 4  # amax / MAX (no floor), x * (1 / s), NaN to +MAX: vLLM's online per-tensor weights
 
 
 class SourceType(enum.IntEnum):

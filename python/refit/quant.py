@@ -34,8 +34,8 @@ MX_BLOCK = 32
 class Quantization:
     """A target FP8 format and a granularity; `block` (rows, cols) only for Granularity.BLOCK (None
     there means 128 x 128); `arithmetic` how fp32 scales and quotients are computed (Arithmetic:
-    DEEPGEMM for vLLM's online block quantization, VLLM_CHANNEL for its online per-channel weights;
-    MXFP8 takes DIVIDE only)."""
+    DEEPGEMM for vLLM's online block quantization, VLLM_CHANNEL for its online per-channel weights,
+    VLLM_TENSOR for its online per-tensor weights; MXFP8 takes DIVIDE only)."""
 
     target: Fp8 = Fp8.E4M3FN
     granularity: Granularity = Granularity.BLOCK

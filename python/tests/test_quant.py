@@ -46,9 +46,20 @@ def fp8_value(target, code):
 MAX = {Fp8.E4M3FN: 448.0, Fp8.E5M2: 57344.0}
 # Each arithmetic's floor under the amax, and whether a quotient is the product by the f32 reciprocal.
 FLOOR = {Arithmetic.DIVIDE: f32(1e-10), Arithmetic.DEEPGEMM: f32(1e-4), Arithmetic.VLLM_CHANNEL: 2.0**-9,
-         Arithmetic.DEEPGEMM_UE8M0: f32(1e-4)}
+         Arithmetic.DEEPGEMM_UE8M0: f32(1e-4), Arithmetic.VLLM_TENSOR: 0.0}
 BY_RECIPROCAL = {Arithmetic.DIVIDE: False, Arithmetic.DEEPGEMM: True, Arithmetic.VLLM_CHANNEL: False,
-                 Arithmetic.DEEPGEMM_UE8M0: True}
+                 Arithmetic.DEEPGEMM_UE8M0: True, Arithmetic.VLLM_TENSOR: True}
+# The arithmetic whose NaN quotients give +FP8_MAX (vLLM's fminf / fmaxf clamp), not 0x7f.
+NAN_TO_MAX = {Arithmetic.VLLM_TENSOR}
+F32_MAX = (2.0 - 2.0**-23) * 2.0**127
+
+
+def f32_reciprocal(divisor):
+    """1 / divisor rounded to f32: +inf for 0 and where it rounds past the largest f32."""
+    if divisor == 0:
+        return math.inf
+    r = 1.0 / divisor
+    return math.inf if r >= F32_MAX + 2.0**103 else f32(r)
 MAX_CODE = {Fp8.E4M3FN: 0x7E, Fp8.E5M2: 0x7B}
 POSITIVE = {t: [fp8_value(t, c) for c in range(MAX_CODE[t] + 1)] for t in MAX}
 
@@ -98,10 +109,12 @@ def reference(q, bits, rows, cols, stride):
                 if math.isnan(divisor) or (math.isinf(x) and math.isinf(divisor)):
                     quotient = math.nan
                 elif BY_RECIPROCAL[q.arithmetic] and not math.isinf(divisor):
-                    quotient = f32(x * f32(1.0 / divisor))
+                    product = x * f32_reciprocal(divisor)  # 0 * inf is NaN
+                    quotient = product if math.isnan(product) or math.isinf(product) else f32(product)
                 else:
                     quotient = f32(x / divisor)
-                codes[r, c] = cast(q.target, quotient)
+                nan_to_max = math.isnan(quotient) and q.arithmetic in NAN_TO_MAX
+                codes[r, c] = MAX_CODE[q.target] if nan_to_max else cast(q.target, quotient)
     return codes, scales
 
 
@@ -173,6 +186,7 @@ class HostQuantizeTest(unittest.TestCase):
             exponent = 100 + 3 * (r % 10)
             bits += [(exponent << 7 | rng.randrange(128)) | rng.choice([0, 0x8000]) for _ in range(stride)]
         bits[5] = 0x7F80
+        bits[-2 * stride:] = [rng.choice([0, 0x8000]) for _ in range(2 * stride)]  # zero blocks
         for arithmetic in Arithmetic:
             for q, scale_stride in (
                 (Quantization(Fp8.E4M3FN, Granularity.BLOCK, (4, 32), arithmetic), 2),
@@ -483,7 +497,7 @@ class QuantizedNeedTest(unittest.TestCase):
         table = refit.Table()
         tensor = table.add_tensor("w", [self.ROWS, self.COLS], 2)
         for q, words in ((Quantization(Fp8.E4M3FN, Granularity.MXFP8, None, Arithmetic.DEEPGEMM), "arithmetic 1 for MXFP8"),
-                         (Quantization(Fp8.E4M3FN, Granularity.ROW, None, 4), "quantization->arithmetic is 4")):
+                         (Quantization(Fp8.E4M3FN, Granularity.ROW, None, 5), "quantization->arithmetic is 5")):
             with self.subTest(q=q), self.assertRaises(RefitError) as caught:
                 table.add_quantized_need(tensor, 0, 0, 1 << 20, [0, 0], [self.ROWS, self.COLS], [self.COLS, 1], q,
                                          SourceType.BF16, 1 << 24, 1, self.ROWS * 2, 0)

@@ -214,7 +214,8 @@ impl Quantizing {
         jobs: &[QuantJob],
     ) -> Result<(Vec<QuantJob>, Vec<Segment>)> {
         let device = group.device(rank)?;
-        let allocation = allocate_packed(group.backend().as_ref(), device, jobs, "quantization staging")?;
+        let allocation =
+            allocate_packed(group.backend().as_ref(), device, packed_size(jobs), "quantization staging")?;
         self.staging.push((device, allocation));
         Ok(pack(jobs, allocation.next_multiple_of(16)))
     }
@@ -491,15 +492,10 @@ pub(super) fn pack(jobs: &[QuantJob], base: u64) -> (Vec<QuantJob>, Vec<Segment>
     (packed, segments)
 }
 
-/// Device memory on `device` for [`pack`]ing `jobs` (16 bytes more, for the alignment), named
-/// `what` in errors.
-pub(super) fn allocate_packed(
-    backend: &dyn Backend,
-    device: i32,
-    jobs: &[QuantJob],
-    what: &str,
-) -> Result<u64> {
-    let bytes = usize::try_from(packed_size(jobs) + 16)
+/// Device memory on `device` for [`pack`]ing jobs of `size` bytes ([`packed_size`]; 16 bytes more,
+/// for the alignment), named `what` in errors.
+pub(super) fn allocate_packed(backend: &dyn Backend, device: i32, size: u64, what: &str) -> Result<u64> {
+    let bytes = usize::try_from(size.saturating_add(16))
         .map_err(|_| Error::new(Status::OutOfMemory, format!("{what} larger than the address space")))?;
     backend
         .alloc(device, bytes)

@@ -13,7 +13,7 @@
 //! order of the plan's quantized routes: both ends lay them out from the same jobs ([`pack`]), so a
 //! receiver knows where each arrives without being told how it was sent.
 
-use super::quantize::{allocate_packed, pack, Label};
+use super::quantize::{allocate_packed, pack, packed_size, Label};
 use crate::bail;
 use crate::error::{Result, Status};
 use crate::plan::{Endpoint, Plan, QuantPath, QuantRoute};
@@ -73,11 +73,12 @@ pub(super) fn outgoing(plan: &Plan, here: Endpoint) -> Result<BTreeMap<usize, Pl
 }
 
 /// By sending process: the segments of the codes and scales other processes quantize for `here`
-/// (the communicator's device of its process), as their senders lay them out but for the sources.
-/// UNSUPPORTED for such a need on another device: bytes between processes arrive at the
-/// communicator's.
+/// (the communicator's device of its process), as their senders lay them out but for the sources:
+/// all of one sender's jobs for this process packed together, in plan order, as [`outgoing`] gathers
+/// them there (jobs sharing a per-tensor scale share its place). UNSUPPORTED for such a need on
+/// another device: bytes between processes arrive at the communicator's.
 pub(super) fn incoming(plan: &Plan, here: Endpoint) -> Result<BTreeMap<usize, Vec<Segment>>> {
-    let mut out: BTreeMap<usize, Vec<Segment>> = BTreeMap::new();
+    let mut jobs: BTreeMap<usize, Vec<QuantJob>> = BTreeMap::new();
     let routes = plan.quant_routes().iter().filter(|r| {
         r.path == QuantPath::Sender && r.receiver.process == here.process && r.runner.process != here.process
     });
@@ -93,10 +94,9 @@ pub(super) fn incoming(plan: &Plan, here: Endpoint) -> Result<BTreeMap<usize, Ve
                 here.device
             );
         }
-        let (_, segments) = pack(&route.jobs, ELSEWHERE);
-        out.entry(route.runner.process as usize).or_default().extend(segments);
+        jobs.entry(route.runner.process as usize).or_default().extend_from_slice(&route.jobs);
     }
-    Ok(out)
+    Ok(jobs.into_iter().map(|(sender, jobs)| (sender, pack(&jobs, ELSEWHERE).1)).collect())
 }
 
 /// `planned`'s jobs writing straight into the peer's memory opened through CUDA IPC: each job's
@@ -137,22 +137,29 @@ pub(super) struct Outgoing {
 
 impl Outgoing {
     /// Lays `planned` (the jobs of the receivers that take them buffered, in order) out in a send
-    /// buffer allocated on `device`; returns the segments from there into the receivers' codes and
-    /// scales, two per job, in the same order.
+    /// buffer allocated on `device`, each receiver's jobs packed apart (scale addresses of two
+    /// processes may be equal numbers: only one receiver's jobs may share a scale); returns the
+    /// segments from there into the receivers' codes and scales, two per job, in the same order.
     pub fn buffer(
         &mut self,
         backend: &Arc<dyn Backend>,
         device: i32,
         planned: &[&Planned],
     ) -> Result<Vec<Segment>> {
-        let jobs: Vec<QuantJob> = planned.iter().flat_map(|p| p.jobs.iter().copied()).collect();
-        if jobs.is_empty() {
+        if planned.iter().all(|p| p.jobs.is_empty()) {
             return Ok(Vec::new());
         }
+        let size = planned.iter().map(|p| packed_size(&p.jobs)).fold(0, u64::saturating_add);
         let allocation =
-            allocate_packed(backend.as_ref(), device, &jobs, "the buffer of codes and scales sent")?;
+            allocate_packed(backend.as_ref(), device, size, "the buffer of codes and scales sent")?;
         self.buffer = Some((Arc::clone(backend), device, allocation));
-        let (into, segments) = pack(&jobs, allocation.next_multiple_of(16));
+        let (mut at, mut into, mut segments) = (allocation.next_multiple_of(16), Vec::new(), Vec::new());
+        for p in planned {
+            let (jobs, from) = pack(&p.jobs, at);
+            at += packed_size(&p.jobs);
+            into.extend(jobs);
+            segments.extend(from);
+        }
         let labels = planned.iter().flat_map(|p| p.labels.iter().cloned()).collect();
         self.buffered = Planned { jobs: into, labels };
         Ok(segments)

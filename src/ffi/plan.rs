@@ -722,9 +722,10 @@ unsafe fn write_stats(s: &PlanStats, stats: *mut PlanStats) -> Result<()> {
 /// scale_matrix_stride`): those share it, computed from the amax of all their matrices (a fused QKV
 /// weight with one scale, whose q, k and v are separate tensors: three needs, one scale). They must
 /// be received on one device with one target and arithmetic (INVALID_ARGUMENT at planning, naming
-/// them). They are quantized in place when all of them can be, from one device of the receiver's
-/// process; otherwise every one of them is staged (each then needs staging: UNSUPPORTED naming the
-/// tensor and the needs it shares its scale with). An engine that scales a sharded weight as part
+/// them). They are quantized in place when all of them can be, from one device: of the receiver's
+/// process, else of one sending process (which quantizes them in one batch and sends the codes and
+/// the one scale); otherwise every one of them is staged (each then needs staging: UNSUPPORTED
+/// naming the tensor and the needs it shares its scale with). An engine that scales a sharded weight as part
 /// of the whole one across processes differs: vLLM 0.33's online per-channel weights of a
 /// row-parallel layer, and its per-tensor weights of any tensor-parallel layer, take the amax across
 /// the tensor-parallel ranks. Blocks (128 x 128 inside a shard) and MXFP8 groups are the same

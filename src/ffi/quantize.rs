@@ -48,6 +48,10 @@ pub const REFIT_ARITHMETIC_VLLM_CHANNEL: u32 = 2;
 /// 2^127, still fp32): DeepGEMM's UE8M0 scales (ceil_to_ue8m0), which vLLM and SGLang use with
 /// DeepGEMM on Blackwell and DeepSeek-V3.1's checkpoints carry.
 pub const REFIT_ARITHMETIC_DEEPGEMM_UE8M0: u32 = 3;
+/// scale = amax / FP8_MAX (no floor), quotient x * RN(1 / scale), a NaN quotient to +FP8_MAX: vLLM
+/// 0.33's online per-tensor FP8 weights (static_scaled_fp8_quant, whose fminf / fmaxf clamp takes a
+/// NaN to +MAX). An all-zero block gets scale 0 and codes +FP8_MAX, which dequantize to 0.
+pub const REFIT_ARITHMETIC_VLLM_TENSOR: u32 = 4;
 
 /// refit_quantize_job.source_type: bfloat16.
 pub const REFIT_SOURCE_BF16: u32 = 1;
@@ -112,8 +116,8 @@ pub(crate) fn quantization(
 ) -> Result<Quantization> {
     let Some(arithmetic) = Arithmetic::from_code(arithmetic) else {
         return Err(Error::invalid_argument(format!(
-            "{arithmetic_field} is {arithmetic}; expected REFIT_ARITHMETIC_DIVIDE (0), _DEEPGEMM (1), _VLLM_CHANNEL (2) \
-             or _DEEPGEMM_UE8M0 (3)"
+            "{arithmetic_field} is {arithmetic}; expected REFIT_ARITHMETIC_DIVIDE (0), _DEEPGEMM (1), _VLLM_CHANNEL (2), \
+             _DEEPGEMM_UE8M0 (3) or _VLLM_TENSOR (4)"
         )));
     };
     if let Some(quantization) =
@@ -200,26 +204,31 @@ fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
 ///   |x|, +inf if an element is infinite, NaN if an element is NaN (NaN propagates, as torch's amax).
 /// - fp32 scale = max(amax, FLOOR) / FP8_MAX in f32 (IEEE division, nearest even), FP8_MAX = 448
 ///   (E4M3FN) or 57344 (E5M2), FLOOR the job's arithmetic's: 1e-10f (REFIT_ARITHMETIC_DIVIDE),
-///   1e-4f (_DEEPGEMM, _DEEPGEMM_UE8M0) or 2^-9 (_VLLM_CHANNEL), so an all-zero block gets scale
-///   FLOOR / FP8_MAX. Under _DEEPGEMM_UE8M0 a finite scale is then rounded up to a power of two:
-///   its exponent field plus one when a mantissa bit is set, clamped to 1..254 (2^-126 .. 2^127).
-///   A block holding a NaN gets the scale 0x7fffffff (NaN); one holding an infinity (and no NaN)
-///   gets +inf.
+///   1e-4f (_DEEPGEMM, _DEEPGEMM_UE8M0), 2^-9 (_VLLM_CHANNEL) or none (_VLLM_TENSOR), so an all-zero
+///   block gets scale FLOOR / FP8_MAX (0 under _VLLM_TENSOR). Under _DEEPGEMM_UE8M0 a finite scale
+///   is then rounded up to a power of two: its exponent field plus one when a mantissa bit is set,
+///   clamped to 1..254 (2^-126 .. 2^127). A block holding a NaN gets the scale 0x7fffffff (NaN); one
+///   holding an infinity (and no NaN) gets +inf.
 /// - MXFP8 (OCP MX v1.0): e = floor(log2(amax)) - 8 (E4M3FN) or - 15 (E5M2), clamped to -127..127,
 ///   scale byte e + 127 (e8m0), divisor 2^e; an all-zero block gets byte 0; a block holding a NaN or
 ///   an infinity gets 0xff (NaN).
 /// - Each code: the f32 quotient rounded to the nearest FP8 value, ties to even, saturating: finite
-///   or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a NaN quotient gives 0x7f, and the sign
-///   of zero is kept (-0.0 gives 0x80). The quotient is x / scale (IEEE division, nearest even;
-///   MXFP8, _DIVIDE, _VLLM_CHANNEL) or, under _DEEPGEMM and _DEEPGEMM_UE8M0, x * r with r = 1 /
-///   scale in f32 (two roundings; a scale of +inf or NaN gives the same as the division). So _DIVIDE is
-///   `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)` with vLLM's per-token-group eps, _DEEPGEMM
-///   is `(x * (1.0 / s)).to(torch.float8_e4m3fn)` of DeepGEMM's per_block_cast_to_fp8 (vLLM 0.33's
-///   online block quantization), _DEEPGEMM_UE8M0 the same with `use_ue8m0=True` (and SGLang's
-///   per_block_cast_to_fp8), and _VLLM_CHANNEL vLLM 0.33's online per-channel weights, each equal
-///   byte for byte on finite inputs (tested against vLLM's and SGLang's own functions). In a block whose scale is +inf,
-///   finite elements give +-0 and infinite ones NaN (0x7f); in a block whose scale is NaN, every
-///   element gives 0x7f.
+///   or infinite quotients beyond +-FP8_MAX give +-FP8_MAX, a NaN quotient gives 0x7f (+FP8_MAX
+///   under _VLLM_TENSOR: 0x7e E4M3FN, 0x7b E5M2), and the sign of zero is kept (-0.0 gives 0x80).
+///   The quotient is x / scale (IEEE division, nearest even; MXFP8, _DIVIDE, _VLLM_CHANNEL) or,
+///   under _DEEPGEMM, _DEEPGEMM_UE8M0 and _VLLM_TENSOR, x * r with r = 1 / scale in f32 (two
+///   roundings; a scale of +inf or NaN gives the same as the division; a scale of 0, or one whose
+///   reciprocal overflows, gives r = +inf). So _DIVIDE is `clamp(x / s, -MAX, MAX).to(torch.float8_e4m3fn)`
+///   with vLLM's per-token-group eps, _DEEPGEMM is `(x * (1.0 / s)).to(torch.float8_e4m3fn)` of
+///   DeepGEMM's per_block_cast_to_fp8 (vLLM 0.33's online block quantization), _DEEPGEMM_UE8M0 the
+///   same with `use_ue8m0=True` (and SGLang's per_block_cast_to_fp8), _VLLM_CHANNEL vLLM 0.33's
+///   online per-channel weights, each equal byte for byte on finite inputs (tested against vLLM's
+///   and SGLang's own functions), and _VLLM_TENSOR vLLM 0.33's online per-tensor weights
+///   (`fmaxf(-MAX, fminf(x * r, MAX))` of its static_scaled_fp8_quant kernel, which takes a NaN to
+///   +MAX), equal to that kernel's arithmetic on every input. In a block whose scale is +inf, finite
+///   elements give +-0 and infinite ones NaN (0x7f; +FP8_MAX under _VLLM_TENSOR); in a block whose
+///   scale is NaN, every element gives 0x7f (+FP8_MAX under _VLLM_TENSOR); under _VLLM_TENSOR an
+///   all-zero block's codes are +FP8_MAX (0 * r = NaN), which dequantize to 0 with its scale 0.
 ///
 /// Per-tensor jobs need the whole matrix's amax first: on CUDA they take a second launch before the
 /// quantizing one (every other granularity: one launch for the whole batch). Per-tensor jobs of one

@@ -3,7 +3,8 @@
 // the batch's jobs need (see Occupancy; per-tensor jobs add a phase: see below). The arithmetic is src/quant/mod.rs's, bit for bit: amax as the maximum of the
 // f32 bit patterns of |x| (NaN propagates), fp32 scale = max(amax, the job's floor) / FP8_MAX or
 // MX's 2^e, each element the f32 quotient (the IEEE x / scale, or under the reciprocal arithmetic
-// x * RN(1 / scale)) cast to FP8 with round-to-nearest-even and saturation, NaN to 0x7f. (The IEEE
+// x * RN(1 / scale)) cast to FP8 with round-to-nearest-even and saturation, NaN to 0x7f (or to
+// +FP8_MAX under the arithmetic that clamps with fminf / fmaxf: QuantDesc::nan_code). (The IEEE
 // quotient comes from the block's reciprocal, exactly where it matters: see quotient below.)
 //
 // Compiled at run time by NVRTC (no headers), and built as host C++ by tests/emulate to check it
@@ -89,7 +90,7 @@ struct QuantDesc {
     u32 by_reciprocal;  // 1: quotients are x * RN(1 / scale) (else x / scale)
     u32 pow2_scales;    // 1: each finite fp32 scale rounded up to a power of two (UE8M0)
     u32 amax_slot;      // per tensor: the amax word of every job sharing this one's scale
-    u32 reserved;
+    u32 nan_code;       // the code a NaN quotient takes: 0x7f, or +FP8_MAX's (the clamping arithmetic)
 };
 static_assert(sizeof(QuantDesc) == QUANT_DESC_BYTES, "QuantDesc must match the host's layout");
 
@@ -152,6 +153,7 @@ struct Scale {
     // (so the product is x / divisor), and finite scales under the reciprocal arithmetic, which
     // defines it so.
     bool by_product;
+    bool nan_to_max;  // a NaN quotient takes +FP8_MAX's code, not 0x7f (QuantDesc::nan_code)
 };
 
 __device__ __forceinline__ float from_bits(u32 b) {
@@ -234,10 +236,10 @@ struct Elements {
 };
 
 // The saturating round-to-nearest-even cast of an f32 (given by its bits) to FP8, in integer
-// arithmetic: the mirror of Fp8::encode in src/quant/fp8.rs.
-__device__ __forceinline__ u32 encode_software(u32 bits, u32 target) {
+// arithmetic: the mirror of Fp8::encode in src/quant/fp8.rs, a NaN giving `nan_code`.
+__device__ __forceinline__ u32 encode_software(u32 bits, u32 target, u32 nan_code) {
     const u32 magnitude = bits & 0x7fffffffu;
-    if (magnitude > 0x7f800000u) return 0x7fu;
+    if (magnitude > 0x7f800000u) return nan_code;
     const u32 sign = (bits >> 24) & 0x80u;
     const bool e4m3 = target == FP8_E4M3;
     if (magnitude >= (e4m3 ? 0x43e00000u : 0x47600000u)) return sign | (e4m3 ? 0x7eu : 0x7bu);
@@ -258,11 +260,11 @@ __device__ __forceinline__ u32 encode_software(u32 bits, u32 target) {
 
 // Two quotients to two codes (a in the low byte). On sm_89 and later the hardware's saturating
 // conversion (round to nearest even, +-inf and out-of-range values to +-max, sign of zero kept) takes
-// the finite and infinite ones; NaN quotients, which it need not encode as 0x7f, take 0x7f here.
-// FINITE: the block's scale is finite, so every quotient is (its elements are finite: an infinite
-// or NaN element makes the amax, and so the scale, infinite or NaN), and no NaN check is needed.
-template <bool FINITE>
+// the finite and infinite ones; NaN quotients, which it need not encode as 0x7f, take 0x7f here
+// (+FP8_MAX's code under NAN_MAX). FINITE: no quotient is NaN (exact_divisor), and no check is needed.
+template <bool FINITE, bool NAN_MAX = false>
 __device__ __forceinline__ u32 encode_pair(float a, float b, u32 target) {
+    const u32 nan_code = NAN_MAX ? (target == FP8_E4M3 ? 0x7eu : 0x7bu) : 0x7fu;
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned short pair;
     if (target == FP8_E4M3) {
@@ -272,12 +274,12 @@ __device__ __forceinline__ u32 encode_pair(float a, float b, u32 target) {
     }
     u32 codes = pair;
     if (!FINITE) {
-        if ((to_bits(a) & 0x7fffffffu) > 0x7f800000u) codes = (codes & 0xff00u) | 0x7fu;
-        if ((to_bits(b) & 0x7fffffffu) > 0x7f800000u) codes = (codes & 0x00ffu) | 0x7f00u;
+        if ((to_bits(a) & 0x7fffffffu) > 0x7f800000u) codes = (codes & 0xff00u) | nan_code;
+        if ((to_bits(b) & 0x7fffffffu) > 0x7f800000u) codes = (codes & 0x00ffu) | (nan_code << 8);
     }
     return codes;
 #else
-    return encode_software(to_bits(a), target) | (encode_software(to_bits(b), target) << 8);
+    return encode_software(to_bits(a), target, nan_code) | (encode_software(to_bits(b), target, nan_code) << 8);
 #endif
 }
 
@@ -340,7 +342,21 @@ __device__ __forceinline__ Scale block_scale(const QuantDesc& d, u32 amax_bits) 
                       : d.by_reciprocal != 0 && (to_bits(s.divisor) & 0x7fffffffu) < 0x7f800000u;
     // 2^e's reciprocal is 2^-e, a normal or subnormal f32 for every e in [-127, 127].
     s.reciprocal = mx && s.by_product ? power_of_two(127 - (int)s.stored) : 1.0f / s.divisor;
+    if (s.by_product && (to_bits(s.reciprocal) & 0x7fffffffu) >= 0x7f800000u) {
+        // The floorless arithmetic's scale of 0, or one whose reciprocal overflows: every quotient
+        // is x * inf, which equals x / 0 for every x (+-inf, NaN for +-0), so the block divides by
+        // 0 instead, on the path that looks for NaN quotients. The stored scale stays.
+        s.by_product = false;
+        s.divisor = 0.0f;
+    }
+    s.nan_to_max = d.nan_code != 0x7fu;
     return s;
+}
+
+// Whether a block's quotients come from its reciprocal as IEEE quotients (quotient below): a
+// finite divisor other than 0, so that every quotient is finite and none is NaN.
+__device__ __forceinline__ bool exact_divisor(const Scale& s) {
+    return (to_bits(s.divisor) & 0x7fffffffu) - 1u < 0x7f7fffffu;
 }
 
 __device__ __forceinline__ float fma_rn(float a, float b, float c) {
@@ -399,10 +415,12 @@ __device__ __forceinline__ u32 vector_amax(const Vec& v, u32 count) {
 }
 
 // Quantizes the first `count` elements of a vector and stores their codes at `out`.
-// FINITE: the scale is finite, the quotients come from its reciprocal ([quotient]); otherwise
-// (+inf or NaN) they are IEEE divisions, as the arithmetic defines them. PRODUCT: a quotient is one
+// FINITE: the divisor is finite and not 0 (exact_divisor), the quotients come from its reciprocal
+// ([quotient]), and none is NaN; otherwise (+inf, NaN or 0) they are IEEE divisions, as the
+// arithmetic defines them, and NaN quotients take 0x7f, or +FP8_MAX's code under NAN_MAX
+// (Scale::nan_to_max, chosen per block as FINITE is). PRODUCT: a quotient is one
 // product by the reciprocal (Scale::by_product), sign of zero included.
-template <u32 SRC, bool FINITE, bool PRODUCT = false>
+template <u32 SRC, bool FINITE, bool PRODUCT = false, bool NAN_MAX = false>
 __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Scale& scale, u32 target,
                                                unsigned char* out) {
     constexpr u32 n = Elements<SRC>::per_vector;
@@ -416,7 +434,8 @@ __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Sc
     }
 #pragma unroll
     for (u32 e = 0; e < n; e += 4) {
-        codes[e / 4] = encode_pair<FINITE>(q[e], q[e + 1], target) | (encode_pair<FINITE>(q[e + 2], q[e + 3], target) << 16);
+        codes[e / 4] = encode_pair<FINITE, NAN_MAX>(q[e], q[e + 1], target) |
+                       (encode_pair<FINITE, NAN_MAX>(q[e + 2], q[e + 3], target) << 16);
     }
     if (count == n) {
         if (n == 8) {
@@ -437,8 +456,10 @@ template <u32 SRC>
 __device__ __forceinline__ void store_codes(const Vec& v, u32 count, const Scale& scale, u32 target, unsigned char* out) {
     if (scale.by_product) {
         store_codes_as<SRC, true, true>(v, count, scale, target, out);
-    } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
+    } else if (exact_divisor(scale)) {
         store_codes_as<SRC, true>(v, count, scale, target, out);
+    } else if (scale.nan_to_max) {
+        store_codes_as<SRC, false, false, true>(v, count, scale, target, out);
     } else {
         store_codes_as<SRC, false>(v, count, scale, target, out);
     }
@@ -476,19 +497,19 @@ __device__ __forceinline__ void grid_position(const QuantDesc& d, u64 block, u64
 // Stores the codes of a thread's CACHE cached vectors (STRIDE slots apart), all whole, `dstep` bytes
 // apart from `out`, with the scale's case chosen once for all of them (and the target a constant in
 // each loop).
-template <u32 SRC, u32 CACHE, u32 STRIDE, bool FINITE, bool PRODUCT>
+template <u32 SRC, u32 CACHE, u32 STRIDE, bool FINITE, bool PRODUCT, bool NAN_MAX = false>
 __device__ __forceinline__ void store_cached_as(const Vec* cache, const Scale& scale, u32 target, unsigned char* out,
                                                 u64 dstep) {
     constexpr u32 VE = Elements<SRC>::per_vector;
     if (target == FP8_E4M3) {
 #pragma unroll
         for (u32 k = 0; k < CACHE; ++k) {
-            store_codes_as<SRC, FINITE, PRODUCT>(cache[k * STRIDE], VE, scale, FP8_E4M3, out + k * dstep);
+            store_codes_as<SRC, FINITE, PRODUCT, NAN_MAX>(cache[k * STRIDE], VE, scale, FP8_E4M3, out + k * dstep);
         }
     } else {
 #pragma unroll
         for (u32 k = 0; k < CACHE; ++k) {
-            store_codes_as<SRC, FINITE, PRODUCT>(cache[k * STRIDE], VE, scale, FP8_E5M2, out + k * dstep);
+            store_codes_as<SRC, FINITE, PRODUCT, NAN_MAX>(cache[k * STRIDE], VE, scale, FP8_E5M2, out + k * dstep);
         }
     }
 }
@@ -618,8 +639,10 @@ __device__ void quantize_block(const QuantDesc& d, u32 amax_slot, u64 block, u32
         const u64 dstep = row_step * d.dst_stride + (ALONG_A_ROW ? vector_step * VE : 0u);
         if (scale.by_product) {
             store_cached_as<SRC, CACHE, STRIDE, true, true>(mine, scale, d.target, out, dstep);
-        } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
+        } else if (exact_divisor(scale)) {
             store_cached_as<SRC, CACHE, STRIDE, true, false>(mine, scale, d.target, out, dstep);
+        } else if (scale.nan_to_max) {
+            store_cached_as<SRC, CACHE, STRIDE, false, false, true>(mine, scale, d.target, out, dstep);
         } else {
             store_cached_as<SRC, CACHE, STRIDE, false, false>(mine, scale, d.target, out, dstep);
         }
@@ -773,8 +796,10 @@ __device__ void quantize_row(const QuantDesc& d, u64 row) {
     unsigned char* out = reinterpret_cast<unsigned char*>(d.dst) + row * d.dst_stride + t * VE;
     if (scale.by_product) {
         store_cached_as<SRC, CACHE, 1, true, true>(mine, scale, d.target, out, STEP);
-    } else if ((to_bits(scale.divisor) & 0x7fffffffu) < 0x7f800000u) {
+    } else if (exact_divisor(scale)) {
         store_cached_as<SRC, CACHE, 1, true, false>(mine, scale, d.target, out, STEP);
+    } else if (scale.nan_to_max) {
+        store_cached_as<SRC, CACHE, 1, false, false, true>(mine, scale, d.target, out, STEP);
     } else {
         store_cached_as<SRC, CACHE, 1, false, false>(mine, scale, d.target, out, STEP);
     }

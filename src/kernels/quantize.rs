@@ -74,8 +74,9 @@ pub struct QuantDesc {
     /// Per tensor: the amax word the job reduces into and reads, shared by every job sharing its
     /// scale ([`crate::quant::job::scale_owners`]: the descriptor of the first of them).
     pub amax_slot: u32,
-    /// Zero: keeps the descriptor a multiple of 8 bytes, with no padding.
-    pub reserved: u32,
+    /// The code a NaN quotient takes: 0x7f, or the target's +FP8_MAX code where the arithmetic
+    /// says so ([`crate::quant::Arithmetic::nan_to_max`]).
+    pub nan_code: u32,
 }
 
 const MODE_BLOCK: u32 = 0;
@@ -228,6 +229,7 @@ fn describe(job: &QuantJob) -> (QuantDesc, u64) {
         min_amax: q.arithmetic.min_amax().to_bits(),
         by_reciprocal: u32::from(q.arithmetic.by_reciprocal()),
         pow2_scales: u32::from(q.arithmetic.power_of_two_scales()),
+        nan_code: u32::from(if q.arithmetic.nan_to_max() { q.target.max_code() } else { Fp8::NAN }),
         ..QuantDesc::default()
     };
     let tiles;

@@ -343,8 +343,9 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
             continue;
         }
         let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
-        let in_place = match ties.why_staged(number) {
-            Some(why) => Err(why),
+        let in_place = match ties.tied(number) {
+            Some(Err(why)) => Err(why),
+            Some(Ok(from)) => direct_pieces(q, &g, offers, from),
             None => direct_pieces(q, &g, offers, Pieces::ReceiversProcess)
                 .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: number })),
         };
@@ -391,12 +392,16 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
 /// Per-tensor needs of one process naming the same scale: one scale for all of them, from the amax of
 /// all their elements (a fused `qkv` received from separate q, k and v). Their jobs must run in one
 /// batch of one device (`crate::quant::job::scale_owners`), so such needs are quantized in place only
-/// when every one of them is, in the receiver's process and from one device; else all of them are
-/// staged on the receiver.
+/// when every one of them is, from one device: of the receiver's process (direct), else of one
+/// other process (the sender path, whose jobs for one receiving process run as one batch); else all
+/// of them are staged on the receiver.
 struct ScaleTies {
     /// By need: its set's number (that of its first need), for needs that share a scale.
     set: Vec<Option<usize>>,
-    /// By set: why its needs are staged (None: they are quantized in place, from one device).
+    /// By set: the offers every need of the set takes its pieces from, where one device holds them
+    /// all.
+    pieces: HashMap<usize, Pieces>,
+    /// By set: why its needs are staged (where no one device holds all their pieces).
     staged: HashMap<usize, String>,
 }
 
@@ -442,7 +447,8 @@ impl ScaleTies {
             let r = root(&mut parent, i);
             members.entry(r).or_default().push(i);
         }
-        let mut ties = ScaleTies { set: vec![None; needs.len()], staged: HashMap::new() };
+        let mut ties =
+            ScaleTies { set: vec![None; needs.len()], pieces: HashMap::new(), staged: HashMap::new() };
         for (first, set) in members.into_iter().filter(|(_, set)| set.len() > 1) {
             let names: Vec<String> = set.iter().map(|&i| format!("'{}'", needs[i].0.name)).collect();
             let names = names.join(", ");
@@ -459,32 +465,47 @@ impl ScaleTies {
                 }
                 ties.set[i] = Some(first);
             }
-            // Quantized in place when every need's pieces are in the receiver's process on one device.
-            let runners: Vec<Option<Endpoint>> = set
-                .iter()
-                .map(|&i| {
-                    let (spec, q) = needs[i];
-                    let g = q.geometry(spec).ok()?;
-                    let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
-                    let pieces = direct_pieces(q, &g, offers, Pieces::ReceiversProcess).ok()?;
-                    let owner = pieces.first()?.owner;
-                    pieces.iter().all(|p| p.owner == owner).then_some(owner)
-                })
-                .collect();
-            if runners.iter().any(|r| r.is_none() || *r != runners[0]) {
-                let why = format!(
-                    "it shares its per-tensor scale with {names}, not all of which can be quantized in place from \
-                     one device of the receiver's process"
-                );
-                ties.staged.insert(first, why);
+            // Quantized in place when one device holds every need's pieces: preferably in the
+            // receiver's process, else in one other (one turn for all, so that replicas are chosen
+            // alike).
+            let one_device = |from: Pieces| {
+                let runners: Vec<Option<Endpoint>> = set
+                    .iter()
+                    .map(|&i| {
+                        let (spec, q) = needs[i];
+                        let g = q.geometry(spec).ok()?;
+                        let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+                        let pieces = direct_pieces(q, &g, offers, from).ok()?;
+                        let owner = pieces.first()?.owner;
+                        pieces.iter().all(|p| p.owner == owner).then_some(owner)
+                    })
+                    .collect();
+                runners.iter().all(|r| r.is_some() && *r == runners[0])
+            };
+            match [Pieces::ReceiversProcess, Pieces::AnyProcess { turn: first }]
+                .into_iter()
+                .find(|&p| one_device(p))
+            {
+                Some(from) => {
+                    ties.pieces.insert(first, from);
+                }
+                None => {
+                    let why = format!(
+                        "it shares its per-tensor scale with {names}, not all of which can be quantized in place \
+                         from one device"
+                    );
+                    ties.staged.insert(first, why);
+                }
             }
         }
         Ok(ties)
     }
 
-    /// Why need `number` is staged for the scale it shares, if it is.
-    fn why_staged(&self, number: usize) -> Option<String> {
-        self.set[number].and_then(|set| self.staged.get(&set).cloned())
+    /// For need `number`, if it shares a scale: the offers it takes its pieces from, or why it is
+    /// staged.
+    fn tied(&self, number: usize) -> Option<std::result::Result<Pieces, String>> {
+        let set = self.set[number]?;
+        Some(self.pieces.get(&set).copied().ok_or_else(|| self.staged[&set].clone()))
     }
 }
 

@@ -31,10 +31,11 @@ pub const BLOCK_COLS_MULTIPLE: u32 = 8;
 pub const MAX_BLOCK_ELEMENTS: u64 = 1 << 24;
 
 /// How a block's fp32 scale and its elements' quotients are computed. The quantizers users compare
-/// with agree on the amax, the cast and the saturation, and differ in two places only: the floor
-/// under the amax that a scale is computed from, and whether a quotient is one IEEE division or the
-/// product by the scale's rounded reciprocal. Each variant is one such pair, named after who uses
-/// it (`super` has the arithmetic; [`Arithmetic::min_amax`], [`Arithmetic::by_reciprocal`]).
+/// with agree on the amax, the cast and the saturation of finite quotients, and differ in three
+/// places only: the floor under the amax that a scale is computed from, whether a quotient is one
+/// IEEE division or the product by the scale's rounded reciprocal, and what a NaN quotient becomes.
+/// Each variant is one such choice, named after who uses it (`super` has the arithmetic;
+/// [`Arithmetic::min_amax`], [`Arithmetic::by_reciprocal`], [`Arithmetic::nan_to_max`]).
 /// MX scales are powers of two, where both quotients agree and no floor applies: MX takes
 /// [`Arithmetic::Divide`] only.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq, Hash)]
@@ -53,6 +54,11 @@ pub enum Arithmetic {
     /// 2^127, stored as fp32): DeepGEMM's UE8M0 scales (`ceil_to_ue8m0`), with which vLLM and SGLang
     /// quantize for DeepGEMM on Blackwell, and which DeepSeek-V3.1's checkpoints carry.
     DeepGemmUe8m0,
+    /// scale = amax / FP8_MAX (no floor), quotient x * RN(1 / scale), a NaN quotient to +FP8_MAX:
+    /// vLLM 0.33's online per-tensor weights (`static_scaled_fp8_quant`, whose clamp
+    /// `fmaxf(-MAX, fminf(q, MAX))` takes a NaN to +MAX). An all-zero block gets scale 0 and every
+    /// code +FP8_MAX (0 * inf is NaN), which dequantizes to 0.
+    VllmTensor,
 }
 
 impl Arithmetic {
@@ -62,12 +68,18 @@ impl Arithmetic {
             Arithmetic::Divide => 1e-10,
             Arithmetic::DeepGemm | Arithmetic::DeepGemmUe8m0 => 1e-4,
             Arithmetic::VllmChannel => 1.0 / 512.0,
+            Arithmetic::VllmTensor => 0.0,
         }
     }
 
     /// Whether a quotient is x * RN(1 / scale) (else the IEEE quotient x / scale).
     pub fn by_reciprocal(self) -> bool {
-        matches!(self, Arithmetic::DeepGemm | Arithmetic::DeepGemmUe8m0)
+        matches!(self, Arithmetic::DeepGemm | Arithmetic::DeepGemmUe8m0 | Arithmetic::VllmTensor)
+    }
+
+    /// Whether a NaN quotient encodes as +FP8_MAX (else as the NaN code 0x7f).
+    pub fn nan_to_max(self) -> bool {
+        matches!(self, Arithmetic::VllmTensor)
     }
 
     /// Whether each finite fp32 scale is rounded up to a power of two.
@@ -82,13 +94,20 @@ impl Arithmetic {
             Arithmetic::DeepGemm => 1,
             Arithmetic::VllmChannel => 2,
             Arithmetic::DeepGemmUe8m0 => 3,
+            Arithmetic::VllmTensor => 4,
         }
     }
 
     pub fn from_code(code: u32) -> Option<Arithmetic> {
-        [Arithmetic::Divide, Arithmetic::DeepGemm, Arithmetic::VllmChannel, Arithmetic::DeepGemmUe8m0]
-            .into_iter()
-            .find(|a| a.code() == code)
+        [
+            Arithmetic::Divide,
+            Arithmetic::DeepGemm,
+            Arithmetic::VllmChannel,
+            Arithmetic::DeepGemmUe8m0,
+            Arithmetic::VllmTensor,
+        ]
+        .into_iter()
+        .find(|a| a.code() == code)
     }
 }
 

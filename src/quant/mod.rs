@@ -14,9 +14,11 @@
 //! - fp32 scales (per tensor, row, block): scale = max(amax, FLOOR) / FP8_MAX, one IEEE f32
 //!   division rounded to nearest even; FP8_MAX = 448 (e4m3fn) or 57344 (e5m2). FLOOR is the
 //!   quantization's arithmetic's ([`Arithmetic`]): 1e-10 (as f32; vLLM's `per_token_group_quant_fp8`
-//!   default `eps`, the default), 1e-4 (DeepGEMM's `per_block_cast_to_fp8`) or 2^-9 (vLLM's online
-//!   per-channel weights, whose floor 1 / (FP8_MAX * 512) is on the scale: the same f32). So an
-//!   all-zero block gets scale f32(FLOOR) / FP8_MAX and codes 0x00 (0x80 for -0.0). Under
+//!   default `eps`, the default), 1e-4 (DeepGEMM's `per_block_cast_to_fp8`), 2^-9 (vLLM's online
+//!   per-channel weights, whose floor 1 / (FP8_MAX * 512) is on the scale: the same f32) or 0
+//!   (vLLM's online per-tensor weights). So an all-zero block gets scale f32(FLOOR) / FP8_MAX and
+//!   codes 0x00 (0x80 for -0.0), or under [`Arithmetic::VllmTensor`] scale 0 and codes +FP8_MAX
+//!   (below). Under
 //!   [`Arithmetic::DeepGemmUe8m0`] a finite scale is then rounded up to a power of two
 //!   ([`reference::ceil_to_power_of_two`]).
 //!   A block with a NaN gets the scale NaN (bits 0x7fffffff); a block with an infinity (and no NaN)
@@ -26,14 +28,17 @@
 //!   gets e = -127 (byte 0). A block with a NaN or an infinity gets the byte 0xff (NaN).
 //! - Each element: q = encode(quotient), the quotient x / divisor (one IEEE f32 division rounded
 //!   to nearest even; divisor = the fp32 scale or 2^e) or, under [`Arithmetic::DeepGemm`],
-//!   and [`Arithmetic::DeepGemmUe8m0`], x * RN(1 / scale) (two roundings, as DeepGEMM's
-//!   `x * (1.0 / sf)`), and encode the saturating
+//!   [`Arithmetic::DeepGemmUe8m0`] and [`Arithmetic::VllmTensor`], x * RN(1 / scale) (two
+//!   roundings, as DeepGEMM's `x * (1.0 / sf)`; a scale of 0 or one whose reciprocal overflows
+//!   multiplies by +inf), and encode the saturating
 //!   round-to-nearest-even cast ([`fp8::Fp8::encode`]): finite quotients beyond +-FP8_MAX saturate to
-//!   +-FP8_MAX (so do infinite ones), a NaN quotient gives 0x7f. Below FP8_MAX this equals torch's
+//!   +-FP8_MAX (so do infinite ones), a NaN quotient gives 0x7f, or +FP8_MAX under
+//!   [`Arithmetic::VllmTensor`] (vLLM's `fmaxf(-MAX, fminf(q, MAX))` drops the NaN). Below FP8_MAX this equals torch's
 //!   `.to(torch.float8_e4m3fn / float8_e5m2)` of the f32 quotient: `clamp(x / s, -MAX,
 //!   MAX).to(fp8)` of vLLM's quantizers, `(x * (1.0 / s)).to(fp8)` of DeepGEMM's.
 //! - Consequences: in a block with an infinity (scale +inf), finite elements give +-0 and the
-//!   infinities NaN (inf / inf); in a block with a NaN every element gives 0x7f.
+//!   infinities NaN (inf / inf); in a block with a NaN every element gives 0x7f (each of those NaN
+//!   codes +FP8_MAX under [`Arithmetic::VllmTensor`]).
 //!
 //! The GPU kernel (`kernels/quantize.cu`) gets the same codes: for a finite scale it computes the
 //! quotient from the block's correctly rounded reciprocal with two exact-remainder corrections, which

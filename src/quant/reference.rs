@@ -26,6 +26,8 @@ pub struct BlockScale {
     pub divisor: f32,
     /// Quotients are x * RN(1 / divisor) rather than x / divisor ([`Arithmetic::by_reciprocal`]).
     pub by_reciprocal: bool,
+    /// A NaN quotient encodes as +FP8_MAX rather than NaN ([`Arithmetic::nan_to_max`]).
+    pub nan_to_max: bool,
 }
 
 impl BlockScale {
@@ -45,27 +47,33 @@ pub fn block_scale(target: Fp8, kind: ScaleKind, arithmetic: Arithmetic, amax_bi
     let amax = f32::from_bits(amax_bits);
     match kind {
         ScaleKind::F32 => {
-            let by_reciprocal = arithmetic.by_reciprocal();
+            let (by_reciprocal, nan_to_max) = (arithmetic.by_reciprocal(), arithmetic.nan_to_max());
             if amax.is_nan() {
                 let nan = f32::from_bits(CANONICAL_NAN);
-                return BlockScale { stored: CANONICAL_NAN, divisor: nan, by_reciprocal };
+                return BlockScale { stored: CANONICAL_NAN, divisor: nan, by_reciprocal, nan_to_max };
             }
             let mut scale = amax.max(arithmetic.min_amax()) / target.max();
             if arithmetic.power_of_two_scales() && scale.is_finite() {
                 scale = ceil_to_power_of_two(scale);
             }
-            BlockScale { stored: scale.to_bits(), divisor: scale, by_reciprocal }
+            BlockScale { stored: scale.to_bits(), divisor: scale, by_reciprocal, nan_to_max }
         }
         ScaleKind::E8m0 => {
             if !amax.is_finite() {
                 let divisor = f32::from_bits(CANONICAL_NAN);
-                return BlockScale { stored: u32::from(E8M0_NAN), divisor, by_reciprocal: false };
+                return BlockScale {
+                    stored: u32::from(E8M0_NAN),
+                    divisor,
+                    by_reciprocal: false,
+                    nan_to_max: false,
+                };
             }
             let exponent = (floor_log2(amax_bits) - target.max_exponent()).clamp(-127, 127);
             BlockScale {
                 stored: (exponent + 127) as u32,
                 divisor: power_of_two(exponent),
                 by_reciprocal: false,
+                nan_to_max: false,
             }
         }
     }
@@ -102,9 +110,14 @@ pub fn power_of_two(e: i32) -> f32 {
 }
 
 /// The code of element `x` of a block with `scale`: its f32 quotient ([`BlockScale::quotient`]),
-/// encoded with saturation ([`Fp8::encode`]).
+/// encoded with saturation ([`Fp8::encode`]), a NaN quotient as +FP8_MAX where the arithmetic says
+/// so ([`BlockScale::nan_to_max`]).
 pub fn quantize_element(target: Fp8, x: f32, scale: &BlockScale) -> u8 {
-    target.encode(scale.quotient(x))
+    let quotient = scale.quotient(x);
+    if quotient.is_nan() && scale.nan_to_max {
+        return target.max_code();
+    }
+    target.encode(quotient)
 }
 
 /// A source matrix in host memory: `bytes` holds element (r, c) at `(r * stride + c) * size`.
@@ -383,6 +396,54 @@ mod tests {
         assert_eq!(floor_log2(3.0f32.to_bits()), 1);
         for e in -149..=127 {
             assert_eq!(power_of_two(e), 2f64.powi(e) as f32, "{e}");
+        }
+    }
+
+    #[test]
+    fn vllm_tensor_arithmetic_is_vllms_static_kernel_specials_included() {
+        // vLLM's static per-tensor kernel, as its source computes: scale = amax / 448 with no floor,
+        // r = 1.0f / scale, q = x * r, then fmaxf(-448, fminf(q, 448)) (C's fminf / fmaxf return
+        // the operand that is not NaN, here written out), cast to e4m3 with saturation.
+        fn vllm(x: f32, amax: f32) -> u8 {
+            let r = 1.0f32 / (amax / 448.0);
+            let q = x * r;
+            let low = if q.is_nan() { 448.0 } else { q.min(448.0) };
+            Fp8::E4m3fn.encode(low.max(-448.0))
+        }
+        let scale =
+            |amax: f32| block_scale(Fp8::E4m3fn, ScaleKind::F32, Arithmetic::VllmTensor, amax.to_bits());
+        let tiny = f32::from_bits(0x0001_0000); // a bf16 subnormal: its scale's reciprocal overflows
+        for amax in [3.0f32, 1.078125, 448.0, 1e-30, tiny, 0.0, f32::INFINITY] {
+            let s = scale(amax);
+            assert_eq!(s.stored, (amax / 448.0).to_bits(), "amax {amax}: no floor");
+            for x in [0.0f32, -0.0, 1.0, -1.5, amax, -amax, amax / 3.0, f32::INFINITY, f32::NEG_INFINITY] {
+                let x = if x.is_infinite() && amax.is_finite() { amax } else { x };
+                assert_eq!(quantize_element(Fp8::E4m3fn, x, &s), vllm(x, amax), "x {x}, amax {amax}");
+            }
+        }
+        // Where the others give NaN codes this gives +448: an all-zero block (scale 0, codes
+        // 0 * inf), an infinity over an infinite scale, every element of a NaN block.
+        assert_eq!(quantize_element(Fp8::E4m3fn, -0.0, &scale(0.0)), 0x7e);
+        assert_eq!(quantize_element(Fp8::E4m3fn, f32::INFINITY, &scale(f32::INFINITY)), 0x7e);
+        assert_eq!(quantize_element(Fp8::E4m3fn, 1.0, &scale(f32::INFINITY)), 0x00);
+        let nan = scale(f32::NAN);
+        assert_eq!((nan.stored, quantize_element(Fp8::E4m3fn, 1.0, &nan)), (CANONICAL_NAN, 0x7e));
+        assert_eq!(
+            quantize_element(
+                Fp8::E5m2,
+                0.0,
+                &block_scale(Fp8::E5m2, ScaleKind::F32, Arithmetic::VllmTensor, 0)
+            ),
+            0x7b
+        );
+        // A finite block quantizes as DeepGEMM's reciprocal does.
+        let deepgemm = block_scale(Fp8::E4m3fn, ScaleKind::F32, Arithmetic::DeepGemm, 3f32.to_bits());
+        for bits in (0u32..0x4040).step_by(7) {
+            let x = f32::from_bits(bits << 16);
+            assert_eq!(
+                quantize_element(Fp8::E4m3fn, x, &scale(3.0)),
+                quantize_element(Fp8::E4m3fn, x, &deepgemm)
+            );
         }
     }
 

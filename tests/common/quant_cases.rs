@@ -265,9 +265,11 @@ pub fn standard_cases(seed: u64, large: bool) -> Vec<Case> {
         }
     }
     // The other arithmetics of fp32 scales, where they part from the default: their floors under
-    // the small amaxes (block rows centred on exponents down to 2^-20) and the reciprocal's two
-    // roundings.
-    for arithmetic in [Arithmetic::DeepGemm, Arithmetic::VllmChannel, Arithmetic::DeepGemmUe8m0] {
+    // the small amaxes (block rows centred on exponents down to 2^-20), the reciprocal's two
+    // roundings, and (VllmTensor) no floor, NaN quotients to +FP8_MAX in all-zero and special blocks.
+    for arithmetic in
+        [Arithmetic::DeepGemm, Arithmetic::VllmChannel, Arithmetic::DeepGemmUe8m0, Arithmetic::VllmTensor]
+    {
         for source in [SourceType::Bf16, SourceType::F32] {
             for granularity in [
                 Granularity::Tensor,

@@ -51,7 +51,8 @@ _TARGETS = {Fp8.E4M3FN: "float8_e4m3fn", Fp8.E5M2: "float8_e5m2"}
 class QuantizedParam:
     """A parameter served as FP8 codes of its recorded (high-precision) layout, quantized by refit:
     `scales` names the parameter holding its float32 scales, a row-major grid of one scale per
-    block (Granularity.BLOCK) or per row (Granularity.ROW: [rows, 1]) of `quantization`.
+    block (Granularity.BLOCK) or per row (Granularity.ROW: [rows, 1]) of `quantization`, or its one
+    scale (Granularity.TENSOR: any tensor of one element).
     `transposed`: the live codes are the transpose of row-major codes of the recorded shape (a
     [cols, rows] view with strides (1, cols), as vLLM's per-channel online FP8 serves them)."""
 
@@ -77,9 +78,12 @@ class QuantizedParam:
         rows, cols = layout.shape
         grid = self.grid(layout.shape)
         codes_want = ((cols, rows), (1, cols)) if self.transposed else ((rows, cols), (cols, 1))
+        scales_want = (grid, (grid[1], 1))
+        if self.quantization.granularity == Granularity.TENSOR and math.prod(int(n) for n in scales.shape) == 1:
+            scales_want = (tuple(int(n) for n in scales.shape), tuple(int(s) for s in scales.stride()))
         for tensor, name, (shape, strides), dtype in (
             (codes, layout.name, codes_want, self.codes_dtype),
-            (scales, self.scales, (grid, (grid[1], 1)), "float32"),
+            (scales, self.scales, scales_want, "float32"),
         ):
             got = (tuple(int(n) for n in tensor.shape), tuple(int(s) for s in tensor.stride()), dtype_name(tensor))
             if got != (tuple(shape), tuple(strides), dtype):
@@ -87,12 +91,14 @@ class QuantizedParam:
         return None
 
 
-def unfit_boxes(layout: ParamLayout, block: Tuple[int, int], checkpoint: Mapping[str, Any]) -> Optional[str]:
+def unfit_boxes(layout: ParamLayout, block: Tuple[int, int], checkpoint: Mapping[str, Any], one_scale: bool = False) -> Optional[str]:
     """Why the recorded boxes of a 2-D parameter cannot each be one quantized need (None when they
     can): every box must be a row-major rectangle of the parameter that starts on a block boundary
     and ends on one (or at the parameter's edge), so that no block mixes two boxes, and the boxes
     must cover every element (a block with an element no box writes would be scaled differently).
-    `checkpoint`: name -> TensorSpec, whose dtype must be one quantizing reads."""
+    `one_scale`: the parameter has one scale, which its boxes' needs share (per tensor: needs naming
+    one scale take the amax of all of them), so boxes may end anywhere. `checkpoint`: name ->
+    TensorSpec, whose dtype must be one quantizing reads."""
     if len(layout.shape) != 2:
         return f"{layout.name} is {len(layout.shape)}-dimensional, not a matrix"
     rows, cols = layout.shape
@@ -105,9 +111,9 @@ def unfit_boxes(layout: ParamLayout, block: Tuple[int, int], checkpoint: Mapping
             return f"{piece.tensor} is {_dtype(checkpoint[piece.tensor].dtype)}, which refit does not quantize"
         row, col = divmod(piece.at, cols)
         end_row, end_col = row + piece.extent[0], col + piece.extent[1]
-        if row % block_rows or col % block_cols:
+        if not one_scale and (row % block_rows or col % block_cols):
             return f"{piece.tensor} starts at row {row}, column {col} of {layout.name}, inside a {block_rows} x {block_cols} block"
-        if (end_row % block_rows and end_row != rows) or (end_col % block_cols and end_col != cols):
+        if not one_scale and ((end_row % block_rows and end_row != rows) or (end_col % block_cols and end_col != cols)):
             return f"{piece.tensor} ends at row {end_row}, column {end_col} of {layout.name}, inside a block another box shares"
         covered += piece.numel
     if covered != math.prod(layout.shape):
@@ -171,11 +177,12 @@ class RecordedReceiver:
         for name, spec in self.quantized.items():
             if name not in recorded or name in reloaded:
                 raise invalid_argument(f"{name} is quantized but {'reloaded' if name in reloaded else 'receives no recorded boxes'}")
-            if spec.quantization.granularity not in (Granularity.BLOCK, Granularity.ROW):
-                raise invalid_argument(f"{name}: quantized parameters take Granularity.BLOCK or ROW, not {spec.quantization.granularity!r}")
+            if spec.quantization.granularity not in (Granularity.BLOCK, Granularity.ROW, Granularity.TENSOR):
+                raise invalid_argument(f"{name}: quantized parameters take Granularity.BLOCK, ROW or TENSOR, not {spec.quantization.granularity!r}")
             if len(recorded[name].shape) != 2:
                 raise invalid_argument(f"{name} is {len(recorded[name].shape)}-dimensional; quantized parameters are matrices")
-            why = unfit_boxes(recorded[name], spec.block(recorded[name].shape), recording.checkpoint)
+            one_scale = spec.quantization.granularity == Granularity.TENSOR
+            why = unfit_boxes(recorded[name], spec.block(recorded[name].shape), recording.checkpoint, one_scale=one_scale)
             if why is not None:
                 raise invalid_argument(f"{name} cannot be quantized box by box: {why}")
         self.added = set(added) | {spec.scales for spec in self.quantized.values()}

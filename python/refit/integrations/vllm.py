@@ -23,8 +23,9 @@ the layer's post-processing runs, and the result is copied into the live paramet
 which keeps their addresses). `paths` (parameter -> "boxes" / "loader" / "reload" / "quantized")
 and one log line say which path each parameter took.
 
-Engines that quantize BF16 checkpoints online (`quantization="fp8_per_block"` and
-`"fp8_per_channel"`: vLLM's Fp8PerBlockOnlineLinearMethod and Fp8PtpcOnlineLinearMethod) run that
+Engines that quantize BF16 checkpoints online (`quantization="fp8_per_block"`, `"fp8_per_channel"`
+and `"fp8_per_tensor"`: vLLM's Fp8PerBlockOnlineLinearMethod, Fp8PtpcOnlineLinearMethod and
+Fp8PerTensorOnlineLinearMethod) run that
 post-processing inside `load_weights`, as soon as a layer has all of its elements, so the meta copy
 is compared with the recording as well (parameters that changed or appeared while loading count as
 post-processed). Such a layer is quantized by refit during the refit instead, when the meta run
@@ -38,9 +39,15 @@ shows that what it serves is exactly its quantizer's output (`online_quantized_l
   `weight_scale` the [N, 1] float32 scales it was given, and the layer's amax must not have been
   reduced across the tensor-parallel ranks (vLLM does that for row-parallel layers at TP > 1: a row's
   scale then depends on other ranks' columns, which no box of this rank holds);
+- per tensor: vLLM's own call of `scaled_fp8_quant` with the layer's scale is watched
+  (Arithmetic.VLLM_TENSOR, Granularity.TENSOR); the live `weight` must be the transpose of its
+  [N, K] codes and `weight_scale` the one scale it was given, and the amax must not have been
+  reduced across the tensor-parallel ranks (vLLM reduces it for every sharded layer at TP > 1); the
+  layer's boxes then share that one scale (each box's need names it, and the plan takes the amax
+  over all of them);
 and neither may be rewritten afterwards (a GEMM kernel that re-lays or re-scales them, as vLLM's
 DeepGEMM path does, keeps the reload path), and every recorded box must fill whole blocks or rows
-(receiver.unfit_boxes). Each box then becomes a quantized need writing FP8 codes into the live
+(receiver.unfit_boxes; per tensor, the boxes must cover the weight). Each box then becomes a quantized need writing FP8 codes into the live
 weight at its rows and its scales into the scale parameter (`paths` "quantized" for both), in
 place: the parameters keep their addresses.
 
@@ -291,7 +298,7 @@ class OnlineQuantizerCall:
     into those afterwards, and whether the layer's amax was reduced across the tensor-parallel
     ranks (amax_for_tp_weight_quant with is_sharded; then no rank's boxes hold its scales)."""
 
-    method: str  # "block" (per_block_cast_to_fp8) or "channel" (_fp8_quant_per_channel)
+    method: str  # "block" (per_block_cast_to_fp8), "channel" (_fp8_quant_per_channel) or "tensor" (scaled_fp8_quant)
     arguments: Dict[str, Any]
     outputs: Tuple[Any, Any]
     rewritten: bool = False
@@ -301,20 +308,23 @@ class OnlineQuantizerCall:
 @contextlib.contextmanager
 def _online_quantizer_calls() -> Iterator[Dict[int, OnlineQuantizerCall]]:
     """While open, vLLM's online FP8 linear methods (Fp8PerBlockOnlineLinearMethod,
-    Fp8PtpcOnlineLinearMethod) post-process layers as usual, but their quantizer calls are seen
-    (per layer, keyed by id(layer)): `per_block_cast_to_fp8`'s codes and scales, or
-    `_fp8_quant_per_channel`'s codes and the scales it was given; so is any later write into those,
+    Fp8PtpcOnlineLinearMethod, Fp8PerTensorOnlineLinearMethod) post-process layers as usual, but
+    their quantizer calls are seen (per layer, keyed by id(layer)): `per_block_cast_to_fp8`'s codes
+    and scales, `_fp8_quant_per_channel`'s codes and the scales it was given, or the codes of
+    `scaled_fp8_quant` with the per-tensor scale it was given; so is any later write into those,
     and whether the layer's amax went through amax_for_tp_weight_quant sharded. vLLM's own
     functions do the work; they are only wrapped, and put back on exit (vLLM runs the methods
     inside the meta copy's `load_weights`, or in post_processed when the recording came from the
     cache). On meta tensors the amax is not all-reduced: it holds no values, and the other ranks'
-    meta copies do not take part."""
+    meta copies do not take part; and `scaled_fp8_quant` returns an empty meta tensor of its codes
+    without calling its CUDA op."""
     import inspect
 
     import torch
 
     calls: Dict[int, OnlineQuantizerCall] = {}
     try:
+        from vllm import _custom_ops as ops  # type: ignore[import-not-found]
         from vllm.model_executor.layers.quantization.online import fp8 as online  # type: ignore[import-not-found]
         from vllm.utils import deep_gemm  # type: ignore[import-not-found]
     except ImportError:  # a vLLM without the online methods: no layer is quantized by refit
@@ -322,13 +332,16 @@ def _online_quantizer_calls() -> Iterator[Dict[int, OnlineQuantizerCall]]:
         return
 
     layers: List[Any] = []
+    per_tensor: List[bool] = []  # beside layers: whether its method is the per-tensor one
     reduced: set = set()  # id(layer) of layers whose amax was reduced across TP ranks
-    methods = [getattr(online, name) for name in ("Fp8PerBlockOnlineLinearMethod", "Fp8PtpcOnlineLinearMethod") if hasattr(online, name)]
+    names = ("Fp8PerBlockOnlineLinearMethod", "Fp8PtpcOnlineLinearMethod", "Fp8PerTensorOnlineLinearMethod")
+    methods = [getattr(online, name) for name in names if hasattr(online, name)]
     processes = [(method, method.process_weights_after_loading) for method in methods]
-    # The block method calls the name its module imported; DeepGEMM's module holds the function itself.
+    # The block method calls the name its module imported; DeepGEMM's module holds the function
+    # itself. The per-tensor method calls scaled_fp8_quant through the custom ops module.
     wrapped = [(module, "per_block_cast_to_fp8") for module in (online, deep_gemm)] + [
         (online, name) for name in ("_fp8_quant_per_channel", "amax_for_tp_weight_quant") if hasattr(online, name)
-    ]
+    ] + [(ops, "scaled_fp8_quant")]
     originals = [(module, name, getattr(module, name)) for module, name in wrapped]
 
     def rewrite(key: int) -> None:
@@ -381,6 +394,25 @@ def _online_quantizer_calls() -> Iterator[Dict[int, OnlineQuantizerCall]]:
 
         return seen_quantize
 
+    def seen_tensor(quantize: Any) -> Any:
+        bind = arguments_of(quantize)
+
+        def seen_quantize(*args: Any, **kwargs: Any) -> Any:
+            bound = bind(*args, **kwargs) or {}
+            weight, scale = bound.get("input"), bound.get("scale")
+            given = isinstance(scale, torch.Tensor) and scale.numel() == 1 and isinstance(weight, torch.Tensor)
+            if given and weight.is_meta and set(bound) <= {"input", "scale"}:
+                from vllm.platforms import current_platform  # type: ignore[import-not-found]
+
+                result = (torch.empty(weight.shape, dtype=current_platform.fp8_dtype(), device="meta"), scale)
+            else:
+                result = quantize(*args, **kwargs)
+            if given and layers and per_tensor[-1] and id(layers[-1]) not in calls:
+                calls[id(layers[-1])] = OnlineQuantizerCall("tensor", {}, (result[0], scale))
+            return result
+
+        return seen_quantize
+
     def seen_reduction(reduce: Any) -> Any:
         bind = arguments_of(reduce)
 
@@ -395,23 +427,26 @@ def _online_quantizer_calls() -> Iterator[Dict[int, OnlineQuantizerCall]]:
 
         return seen_reduce
 
-    def seen_process(process: Any) -> Any:
+    def seen_process(method: Any, process: Any) -> Any:
         def seen(self: Any, layer: Any) -> Any:
             layers.append(layer)
+            per_tensor.append(method.__name__ == "Fp8PerTensorOnlineLinearMethod")
             try:
                 with _write_watch(rewrite):
                     return process(self, layer)
             finally:
                 layers.pop()
+                per_tensor.pop()
                 call = calls.get(id(layer))
                 if call is not None and id(layer) in reduced:
                     call.reduced = True
 
         return seen
 
-    wrappers = {"per_block_cast_to_fp8": seen_block, "_fp8_quant_per_channel": seen_channel, "amax_for_tp_weight_quant": seen_reduction}
+    wrappers = {"per_block_cast_to_fp8": seen_block, "_fp8_quant_per_channel": seen_channel,
+                "amax_for_tp_weight_quant": seen_reduction, "scaled_fp8_quant": seen_tensor}
     for method, process in processes:
-        method.process_weights_after_loading = seen_process(process)
+        method.process_weights_after_loading = seen_process(method, process)
     for module, name, function in originals:
         setattr(module, name, wrappers[name](function))
     try:
@@ -425,7 +460,7 @@ def _online_quantizer_calls() -> Iterator[Dict[int, OnlineQuantizerCall]]:
 
 _FP8_TARGETS = {"float8_e4m3fn": Fp8.E4M3FN, "float8_e5m2": Fp8.E5M2}
 # The scale parameter each online method serves beside the codes.
-_SCALE_PARAMS = {"block": "weight_scale_inv", "channel": "weight_scale"}
+_SCALE_PARAMS = {"block": "weight_scale_inv", "channel": "weight_scale", "tensor": "weight_scale"}
 
 
 def online_quantized_layers(
@@ -462,7 +497,9 @@ def _online_quantized_param(
 ) -> Tuple[Optional[QuantizedParam], Optional[str]]:
     """The QuantizedParam of one layer vLLM quantizes online, or why it cannot be one. Block
     layers serve the quantizer's [N, K] codes and its [ceil(N / B), ceil(K / B)] scale grid;
-    per-channel layers serve the transpose of its [N, K] codes and its [N, 1] scales."""
+    per-channel layers serve the transpose of its [N, K] codes and its [N, 1] scales; per-tensor
+    layers the transpose of its [N, K] codes and its one scale, which all of the layer's boxes share
+    (their needs name one scale: the plan takes the amax of all of them)."""
     scale_param = _SCALE_PARAMS[call.method]
     weight, scales = getattr(module, "weight", None), getattr(module, scale_param, None)
     if layout is None or weight is None or scales is None:
@@ -470,9 +507,12 @@ def _online_quantized_param(
     if call.rewritten:
         return None, "its codes or scales are rewritten after quantizing (the GEMM kernel's post-processing)"
     if call.reduced:
-        return None, "its scales are the amax across the tensor-parallel ranks (a row-parallel layer), which no rank's boxes hold"
+        return None, (
+            "its scales are the amax across the tensor-parallel ranks (a row-parallel per-channel layer, or a "
+            "sharded per-tensor one), which no rank's boxes hold"
+        )
     codes, grid = call.outputs
-    transposed = call.method == "channel"
+    transposed = call.method in ("channel", "tensor")
     if not (_same_view(weight, codes.t() if transposed else codes) and _same_view(scales, grid)):
         return None, "it serves other tensors than the quantizer's codes and scales (re-laid by the GEMM kernel)"
     target = _FP8_TARGETS.get(str(weight.dtype).rsplit(".", 1)[-1])
@@ -482,14 +522,17 @@ def _online_quantized_param(
             return None, f"codes of {weight.dtype} or block {list(block)} are not one refit quantizes"
         arithmetic = Arithmetic.DEEPGEMM_UE8M0 if call.arguments.get("use_ue8m0") else Arithmetic.DEEPGEMM
         quantization = Quantization(target, Granularity.BLOCK, block, arithmetic)
-    else:
-        if target is None:
-            return None, f"codes of {weight.dtype} are not one refit quantizes"
+    elif target is None:
+        return None, f"codes of {weight.dtype} are not one refit quantizes"
+    elif call.method == "channel":
         quantization = Quantization(target, Granularity.ROW, arithmetic=Arithmetic.VLLM_CHANNEL)
+    else:
+        quantization = Quantization(target, Granularity.TENSOR, arithmetic=Arithmetic.VLLM_TENSOR)
     spec = QuantizedParam(f"{layout.name.rsplit('.', 1)[0]}.{scale_param}", quantization, transposed)
     why = spec.unfit_live(layout, weight, scales)
     if why is None:
-        why = unfit_boxes(layout, spec.block(layout.shape), recording.checkpoint)
+        one_scale = quantization.granularity == Granularity.TENSOR
+        why = unfit_boxes(layout, spec.block(layout.shape), recording.checkpoint, one_scale=one_scale)
     return (spec, None) if why is None else (None, why)
 
 

@@ -56,12 +56,15 @@ def static_scaled_fp8_quant(input: torch.Tensor, scale: Any = None, *args: Any, 
     """A stand-in for `ops.scaled_fp8_quant` with a given per-tensor scale, which vLLM's per-tensor
     online FP8 (`quantization="fp8_per_tensor"`, Fp8PerTensorOnlineLinearMethod) calls and whose
     CUDA op (torch.ops._C.static_scaled_fp8_quant) vLLM's CPU wheel lacks: each element times the
-    f32 reciprocal of the scale, clamped to +-448, cast to e4m3, as its static kernel computes. The
-    fresh loads the tests compare with use it too: the tests check refit's path, not this arithmetic."""
+    f32 reciprocal of the scale, clamped to +-448 as its kernel's fmaxf(-448, fminf(q, 448)) does (a
+    NaN product becomes +448), cast to e4m3. The fresh loads the tests compare with use it too, and
+    test_vllm_quantizers compares refit's REFIT_ARITHMETIC_VLLM_TENSOR with it."""
     if scale is None or scale.numel() != 1:
         raise NotImplementedError("the stand-in quantizes with a given per-tensor scale only")
     fp8_max = torch.finfo(torch.float8_e4m3fn).max
-    return (input.float() * (1.0 / scale.float())).clamp(-fp8_max, fp8_max).to(torch.float8_e4m3fn), scale
+    product = input.float() * (1.0 / scale.float())
+    clamped = torch.where(product.isnan(), fp8_max, product).clamp(-fp8_max, fp8_max)
+    return clamped.to(torch.float8_e4m3fn), scale
 
 
 def use_triton_moe_backend() -> Any:

@@ -8,8 +8,9 @@ host backend, TP 1).
   refused the live model (8 unrecorded `weight_scale_inv`). With refit's quantizing off, they take
   vLLM's layerwise reload, exactly.
 - A per-tensor engine (`quantization="fp8_per_tensor"`: one scale over each layer's whole weight,
-  its CUDA quantizer fp8_engines' stand-in): no checkpoint tensor's box holds that amax, so every FP8
-  layer takes vLLM's layerwise reload, exactly, whether or not refit quantizes.
+  its CUDA quantizer fp8_engines' stand-in) at TP 1: every FP8 layer's boxes become per-tensor needs
+  sharing the layer's one scale, quantized by refit exactly (and with refit's quantizing off, vLLM's
+  layerwise reload, exactly).
 - Kernel stand-ins whose weight post-processing changes what the quantizer returned keep the
   reload path: one re-lays the scales column-major (as DeepGEMM's kernels want theirs MN-major),
   one rescales them in place after quantizing.
@@ -122,16 +123,22 @@ class Fp8PathsTest(unittest.TestCase):
         self.assertTrue(any("16 in 8 layers go through vLLM's layerwise reload" in line for line in logs), logs)
         self.assertIn("post-processed while loading", " ".join(receiver.reload.values()))
 
-    def test_per_tensor_layers_take_vllms_reload_exactly(self) -> None:
-        # One scale over each layer's whole weight (fused q, k and v together): no checkpoint
-        # tensor's box holds its amax, so these layers load through vLLM's reload whether or not
-        # refit quantizes. vLLM's own kernel selection (its CPU per-tensor kernel), not the block one.
+    def test_per_tensor_layers_are_quantized_by_refit_at_tp_1_exactly(self) -> None:
+        # One scale over each layer's whole weight (q, k and v together in qkv_proj, gate and up in
+        # gate_up_proj): at TP 1 vLLM reduces no amax across ranks, so each checkpoint box becomes a
+        # per-tensor need naming the layer's one scale (Arithmetic.VLLM_TENSOR), and the plan takes
+        # the amax of all of them. vLLM's own kernel selection (its CPU per-tensor kernel). With
+        # refit's quantizing off, the same layers take vLLM's reload; both serve vLLM's own load.
         fp8.use_kernel(self.kernel)
         self.addCleanup(fp8.use_scaled_fp8_quant, fp8.use_scaled_fp8_quant(fp8.static_scaled_fp8_quant))
+        layers = sorted(f"model.layers.{i}.{layer}" for i in range(2)
+                        for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))
         receiver, logs = self.refit(self.folder, self.initial, self.update, quantization="fp8_per_tensor")
-        self.assertEqual(self.layers_by_path(receiver), {"reload": sorted(
-            f"model.layers.{i}.{layer}" for i in range(2)
-            for layer in ("self_attn.qkv_proj", "self_attn.o_proj", "mlp.gate_up_proj", "mlp.down_proj"))})
+        self.assertEqual(self.layers_by_path(receiver), {"quantized": layers})
+        self.assertEqual({spec.quantization.granularity for spec in receiver.quantized.values()}, {refit.Granularity.TENSOR})
+        self.assertEqual({spec.quantization.arithmetic for spec in receiver.quantized.values()}, {Arithmetic.VLLM_TENSOR})
+        receiver, logs = self.refit(self.folder, self.initial, self.update, quantize=False, quantization="fp8_per_tensor")
+        self.assertEqual(self.layers_by_path(receiver), {"reload": layers})
         self.assertEqual(receiver.quantized, {})
         self.assertTrue(any("16 in 8 layers go through vLLM's layerwise reload" in line for line in logs), logs)
 

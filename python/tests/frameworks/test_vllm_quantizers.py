@@ -10,9 +10,11 @@ round the block scales up to powers of two (UE8M0: REFIT_ARITHMETIC_DEEPGEMM_UE8
 weights spanning many binades (some rows far below the floors, one block all zero), and refit's host
 backend quantizes the same bytes with REFIT_ARITHMETIC_DEEPGEMM and _VLLM_CHANNEL: every code and
 scale must be equal. The default arithmetic on the same weights must differ from both, or these
-cases would not tell the arithmetics apart. (Per-tensor online weights go through vLLM's compiled
-`scaled_fp8_quant`, which its wheel does not ship for CPU: not run here. The GPU kernel equals the
-host backend on every case, `tests/gpu_quant.rs`.)
+cases would not tell the arithmetics apart. Per-tensor online weights (REFIT_ARITHMETIC_VLLM_TENSOR)
+take their scale from vLLM's own `weight_amax` and `_fp8_scale` here, and their codes from its
+compiled `static_scaled_fp8_quant`, which vLLM's CPU wheel does not ship: fp8_engines' stand-in of its
+kernel's arithmetic (times the f32 reciprocal, fmaxf / fminf clamp) takes its place, zero, infinite
+and NaN weights included. The GPU kernel equals the host backend on every case, `tests/gpu_quant.rs`.
 """
 
 from __future__ import annotations
@@ -103,6 +105,26 @@ class VllmQuantizersTest(unittest.TestCase):
                 self.assert_same_bytes(self.refit_quantize(w, row), (want_codes, want_scales))
                 divide = Quantization(Fp8.E4M3FN, Granularity.ROW, None, Arithmetic.DIVIDE)
                 self.assertGreater(self.count_differences(self.refit_quantize(w, divide), (want_codes, want_scales)), 0)
+
+    def test_vllm_tensor_arithmetic_equals_vllms_online_per_tensor_weights(self):
+        # Fp8PerTensorOnlineLinearMethod.process_weights_after_loading of an unsharded weight: its
+        # amax and scale by vLLM's functions, its codes by the stand-in of its CUDA op.
+        import fp8_engines
+
+        zeros = torch.zeros(128, 256, dtype=torch.bfloat16)
+        specials = weights(256, 512, 7)
+        specials[3, 5], specials[9, 1] = float("inf"), float("-inf")
+        tensor = Quantization(Fp8.E4M3FN, Granularity.TENSOR, None, Arithmetic.VLLM_TENSOR)
+        for name, w in (("ordinary", weights(512, 1024, 6)), ("ordinary", weights(300, 200, 8)), ("zeros", zeros),
+                        ("infinities", specials)):
+            scale = online._fp8_scale(weight_amax(w).reshape(1))
+            want_codes, _ = fp8_engines.static_scaled_fp8_quant(w, scale)
+            with self.subTest(weights=name, shape=tuple(w.shape)):
+                self.assert_same_bytes(self.refit_quantize(w, tensor), (want_codes, scale.reshape(1, 1)))
+        deepgemm = Quantization(Fp8.E4M3FN, Granularity.TENSOR, None, Arithmetic.DEEPGEMM)
+        scale = online._fp8_scale(weight_amax(zeros).reshape(1))
+        self.assertGreater(self.count_differences(self.refit_quantize(zeros, deepgemm),
+                                                  (fp8_engines.static_scaled_fp8_quant(zeros, scale)[0], scale.reshape(1, 1))), 0)
 
 
 if __name__ == "__main__":
