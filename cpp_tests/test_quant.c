@@ -9,6 +9,13 @@
 
 #include "check.h"
 
+/* vLLM's fmaxf(-448, fminf(q, 448)) written out (C's fminf returns the operand that is not NaN, so a
+ * NaN q gives 448). */
+static float vllm_clamp(float q) {
+  if (q != q) return 448.0f;
+  return q > 448.0f ? 448.0f : q < -448.0f ? -448.0f : q;
+}
+
 static uint64_t addr(const void *p) { return (uint64_t)(uintptr_t)p; }
 
 /* 2^e exactly (no libm: the C tests link only librefit). */
@@ -172,6 +179,27 @@ done:
     }
   }
   CHECK(to_bits(scales[3]) == to_bits(pow2(-22))); /* UE8M0: 1e-4 / 448 = 2.2e-7 rounds up to 2^-22 */
+
+  /* REFIT_ARITHMETIC_VLLM_TENSOR (vLLM's online per-tensor weights, here over the same blocks): the
+   * amax not floored, each quotient the product by the scale's f32 reciprocal, then vLLM's clamp
+   * fmaxf(-448, fminf(q, 448)), which takes a NaN to +448: the zero block (scale 0, 0 * inf) is all
+   * 0x7e, and so is the infinity over its block's infinite scale (inf * 0). */
+  job.arithmetic = REFIT_ARITHMETIC_VLLM_TENSOR;
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
+  for (int i = 0; i < 2; i++) {
+    for (int j = 0; j < 2; j++) {
+      float scale = block_amax(i, j) / 448.0f, reciprocal = 1.0f / scale;
+      CHECK(to_bits(scales[i * 2 + j]) == to_bits(scale));
+      for (int r = i * 128; r < ROWS && r < (i + 1) * 128; r++) {
+        for (int c = j * 128; c < COLS && c < (j + 1) * 128; c++) {
+          CHECK(codes[r * STRIDE + c] == cast(vllm_clamp(element(r, c) * reciprocal)));
+        }
+      }
+    }
+  }
+  CHECK(to_bits(scales[3]) == 0);
+  CHECK(codes[129 * STRIDE + 129] == 0x7e && codes[129 * STRIDE + 130] == 0x7e);
+  CHECK(codes[3 * STRIDE + 133] == 0x7e);
   job.arithmetic = REFIT_ARITHMETIC_DIVIDE;
 
   /* MXFP8 over the same rows: e8m0 = floor(log2(amax)) - 8 + 127 per 32 elements. */
@@ -246,12 +274,16 @@ done:
   CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(refit_last_error_message(), "source_type is 0") != NULL);
   bad = job;
-  bad.arithmetic = 7;
+  bad.arithmetic = 5; /* one past REFIT_ARITHMETIC_VLLM_TENSOR */
   CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
-  CHECK(strstr(refit_last_error_message(), "jobs[0].arithmetic is 7") != NULL);
+  CHECK(strstr(refit_last_error_message(), "jobs[0].arithmetic is 5") != NULL);
+  CHECK(strstr(refit_last_error_message(), "_VLLM_TENSOR (4)") != NULL);
   bad = job;
   bad.quantization.granularity = REFIT_QUANT_MXFP8;
   bad.arithmetic = REFIT_ARITHMETIC_DEEPGEMM;
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "MXFP8") != NULL);
+  bad.arithmetic = REFIT_ARITHMETIC_VLLM_TENSOR;
   CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(refit_last_error_message(), "MXFP8") != NULL);
   bad = job;

@@ -544,9 +544,7 @@ fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() 
     use refit::plan::{
         self, Endpoint, Need, Offer, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec,
     };
-    use refit::quant::{Arithmetic, QuantJob};
-    use refit::transport::host::HostBackend;
-    use refit::transport::Backend;
+    use refit::quant::Arithmetic;
 
     const COLS: u64 = 384;
     const PARTS: [(&str, u64, u64); 3] = [("q", 0, 256), ("k", 256, 128), ("v", 384, 128)];
@@ -567,28 +565,8 @@ fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() 
         ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
     let here = Endpoint { process: 0, device: 0 };
     let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::DeepGemm);
-    // The reference: the whole fused matrix, one per-tensor job on the host backend.
-    let whole = {
-        let mut a = Aligned::new(values.len(), 0);
-        a.bytes_mut().copy_from_slice(&values);
-        a
-    };
-    let (want_codes, want_scale) =
-        (Aligned::new((ROWS * COLS) as usize, SENTINEL), Aligned::new(4, SENTINEL));
-    let job = QuantJob {
-        quantization: q,
-        source: SourceType::Bf16,
-        src: whole.addr(),
-        rows: ROWS,
-        cols: COLS,
-        src_stride: COLS,
-        dst: want_codes.addr(),
-        dst_stride: COLS,
-        scales: want_scale.addr(),
-        scale_stride: 1,
-    };
-    // SAFETY: host buffers alive for the call, which completes on return.
-    unsafe { HostBackend::new(1).unwrap().quantize_batch(0, BackendStream::NULL, &[job]) }.unwrap();
+    // The reference: the whole fused matrix quantized at once.
+    let (want_codes, want_scale) = quant_cases::reference_bf16(q, &values, ROWS, COLS);
     for (q_cut, path) in [(None, QuantPath::Direct), (Some(100u64), QuantPath::Staged)] {
         for (commit, verify) in [
             (CommitMode::Direct, false),
@@ -693,10 +671,10 @@ fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() 
             }
             assert_eq!(quantized, ROWS * COLS, "{name}");
             assert!(plain_dst.download() == plain_bytes, "{name}: the plain need's bytes");
-            assert_eq!(scale.download(), want_scale.bytes(), "{name}: the shared scale");
+            assert_eq!(scale.download(), want_scale, "{name}: the shared scale");
             let got = codes.download();
-            if let Some(at) = (0..got.len()).find(|&i| got[i] != want_codes.bytes()[i]) {
-                panic!("{name}: code {at}: GPU {:#04x}, reference {:#04x}", got[at], want_codes.bytes()[at]);
+            if let Some(at) = (0..got.len()).find(|&i| got[i] != want_codes[i]) {
+                panic!("{name}: code {at}: GPU {:#04x}, reference {:#04x}", got[at], want_codes[at]);
             }
         }
     }

@@ -147,9 +147,7 @@ fn quantized_needs_across_processes_through_staging_match_the_reference() {
 /// matrix, through IPC writes and the staged exchange, under both commits and with verify.
 fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
     use refit::plan::{Offer, QuantNeed, QuantPath, Region, TensorSpec};
-    use refit::quant::{Arithmetic, Fp8, Granularity, QuantJob, Quantization, SourceType};
-    use refit::transport::host::HostBackend;
-    use refit::transport::{Backend, Stream};
+    use refit::quant::{Arithmetic, Fp8, Granularity, Quantization, SourceType};
 
     const COLS: u64 = 64;
     const PARTS: [(&str, u64); 3] = [("q", 32), ("k", 16), ("v", 16)];
@@ -241,22 +239,8 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
     );
     assert_eq!(share.quant_routes().len(), if rank == 0 { 6 } else { 3 }, "rank {rank}");
 
-    // The reference: one per-tensor job over the fused matrix.
-    let (want_codes, want_scale) = (Aligned::new((ROWS * COLS) as usize, 0), Aligned::new(4, 0));
-    let job = QuantJob {
-        quantization: q,
-        source: SourceType::Bf16,
-        src: source.addr(),
-        rows: ROWS,
-        cols: COLS,
-        src_stride: COLS,
-        dst: want_codes.addr(),
-        dst_stride: COLS,
-        scales: want_scale.addr(),
-        scale_stride: 1,
-    };
-    // SAFETY: the buffers above outlive the call, which completes on return.
-    unsafe { HostBackend::new(1).unwrap().quantize_batch(0, Stream::NULL, &[job]) }.unwrap();
+    // The reference: the fused matrix quantized whole.
+    let (want_codes, want_scale) = quant_cases::reference_bf16(q, &fused, ROWS, COLS);
 
     let mut received = received;
     let cases = [(CommitMode::Direct, false), (CommitMode::Staged, false), (CommitMode::Direct, true)];
@@ -275,8 +259,8 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
             unsafe { executor.commit(&group) }.unwrap();
         }
         if let Some((codes, scale)) = received.as_ref() {
-            assert_eq!(&scale[..], want_scale.bytes(), "{at}: the shared scale");
-            assert!(*codes == want_codes.bytes(), "{at}: codes differ from the reference");
+            assert_eq!(&scale[..], want_scale.as_slice(), "{at}: the shared scale");
+            assert!(*codes == want_codes.as_slice(), "{at}: codes differ from the reference");
         }
         comm.allgather_bytes(b"next").unwrap();
     }

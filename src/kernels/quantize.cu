@@ -153,7 +153,6 @@ struct Scale {
     // (so the product is x / divisor), and finite scales under the reciprocal arithmetic, which
     // defines it so.
     bool by_product;
-    bool nan_to_max;  // a NaN quotient takes +FP8_MAX's code, not 0x7f (QuantDesc::nan_code)
 };
 
 __device__ __forceinline__ float from_bits(u32 b) {
@@ -260,11 +259,10 @@ __device__ __forceinline__ u32 encode_software(u32 bits, u32 target, u32 nan_cod
 
 // Two quotients to two codes (a in the low byte). On sm_89 and later the hardware's saturating
 // conversion (round to nearest even, +-inf and out-of-range values to +-max, sign of zero kept) takes
-// the finite and infinite ones; NaN quotients, which it need not encode as 0x7f, take 0x7f here
-// (+FP8_MAX's code under NAN_MAX). FINITE: no quotient is NaN (exact_divisor), and no check is needed.
-template <bool FINITE, bool NAN_MAX = false>
-__device__ __forceinline__ u32 encode_pair(float a, float b, u32 target) {
-    const u32 nan_code = NAN_MAX ? (target == FP8_E4M3 ? 0x7eu : 0x7bu) : 0x7fu;
+// the finite and infinite ones; NaN quotients, which it need not encode as 0x7f, take `nan_code`
+// here. FINITE: no quotient is NaN (exact_divisor), and no check is needed.
+template <bool FINITE>
+__device__ __forceinline__ u32 encode_pair(float a, float b, u32 target, u32 nan_code) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 890
     unsigned short pair;
     if (target == FP8_E4M3) {
@@ -349,7 +347,6 @@ __device__ __forceinline__ Scale block_scale(const QuantDesc& d, u32 amax_bits) 
         s.by_product = false;
         s.divisor = 0.0f;
     }
-    s.nan_to_max = d.nan_code != 0x7fu;
     return s;
 }
 
@@ -417,12 +414,11 @@ __device__ __forceinline__ u32 vector_amax(const Vec& v, u32 count) {
 // Quantizes the first `count` elements of a vector and stores their codes at `out`.
 // FINITE: the divisor is finite and not 0 (exact_divisor), the quotients come from its reciprocal
 // ([quotient]), and none is NaN; otherwise (+inf, NaN or 0) they are IEEE divisions, as the
-// arithmetic defines them, and NaN quotients take 0x7f, or +FP8_MAX's code under NAN_MAX
-// (Scale::nan_to_max, chosen per block as FINITE is). PRODUCT: a quotient is one
-// product by the reciprocal (Scale::by_product), sign of zero included.
-template <u32 SRC, bool FINITE, bool PRODUCT = false, bool NAN_MAX = false>
+// arithmetic defines them, and NaN quotients take `nan_code` (store_codes_checked). PRODUCT: a
+// quotient is one product by the reciprocal (Scale::by_product), sign of zero included.
+template <u32 SRC, bool FINITE, bool PRODUCT = false>
 __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Scale& scale, u32 target,
-                                               unsigned char* out) {
+                                               unsigned char* out, u32 nan_code = 0x7fu) {
     constexpr u32 n = Elements<SRC>::per_vector;
     u32 codes[n / 4];
     float q[n];
@@ -434,8 +430,8 @@ __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Sc
     }
 #pragma unroll
     for (u32 e = 0; e < n; e += 4) {
-        codes[e / 4] = encode_pair<FINITE, NAN_MAX>(q[e], q[e + 1], target) |
-                       (encode_pair<FINITE, NAN_MAX>(q[e + 2], q[e + 3], target) << 16);
+        codes[e / 4] = encode_pair<FINITE>(q[e], q[e + 1], target, nan_code) |
+                       (encode_pair<FINITE>(q[e + 2], q[e + 3], target, nan_code) << 16);
     }
     if (count == n) {
         if (n == 8) {
@@ -451,17 +447,29 @@ __device__ __forceinline__ void store_codes_as(const Vec& v, u32 count, const Sc
     }
 }
 
-// Quantizes the first `count` elements of a vector with `scale` and stores their codes at `out`.
+// The codes of a vector of a block whose quotients may be NaN (not exact_divisor: a block holding
+// an infinity or a NaN, or under the floorless arithmetic an all-zero or subnormal one), each NaN
+// quotient taking d's nan_code. Such blocks are rare, so this is out of line: the common paths
+// keep their registers, and the kernel one copy of it per source type.
 template <u32 SRC>
-__device__ __forceinline__ void store_codes(const Vec& v, u32 count, const Scale& scale, u32 target, unsigned char* out) {
+__device__ __noinline__ void store_codes_checked(Vec v, u32 count, float divisor, u32 target, u32 nan_code,
+                                                 unsigned char* out) {
+    Scale scale;
+    scale.divisor = divisor;
+    store_codes_as<SRC, false>(v, count, scale, target, out, nan_code);
+}
+
+// Quantizes the first `count` elements of a vector with `scale` (a block of d) and stores their
+// codes at `out`.
+template <u32 SRC>
+__device__ __forceinline__ void store_codes(const QuantDesc& d, const Vec& v, u32 count, const Scale& scale,
+                                            unsigned char* out) {
     if (scale.by_product) {
-        store_codes_as<SRC, true, true>(v, count, scale, target, out);
+        store_codes_as<SRC, true, true>(v, count, scale, d.target, out);
     } else if (exact_divisor(scale)) {
-        store_codes_as<SRC, true>(v, count, scale, target, out);
-    } else if (scale.nan_to_max) {
-        store_codes_as<SRC, false, false, true>(v, count, scale, target, out);
+        store_codes_as<SRC, true>(v, count, scale, d.target, out);
     } else {
-        store_codes_as<SRC, false>(v, count, scale, target, out);
+        store_codes_checked<SRC>(v, count, scale.divisor, d.target, d.nan_code, out);
     }
 }
 
@@ -497,19 +505,35 @@ __device__ __forceinline__ void grid_position(const QuantDesc& d, u64 block, u64
 // Stores the codes of a thread's CACHE cached vectors (STRIDE slots apart), all whole, `dstep` bytes
 // apart from `out`, with the scale's case chosen once for all of them (and the target a constant in
 // each loop).
-template <u32 SRC, u32 CACHE, u32 STRIDE, bool FINITE, bool PRODUCT, bool NAN_MAX = false>
+template <u32 SRC, u32 CACHE, u32 STRIDE, bool PRODUCT>
 __device__ __forceinline__ void store_cached_as(const Vec* cache, const Scale& scale, u32 target, unsigned char* out,
                                                 u64 dstep) {
     constexpr u32 VE = Elements<SRC>::per_vector;
     if (target == FP8_E4M3) {
 #pragma unroll
         for (u32 k = 0; k < CACHE; ++k) {
-            store_codes_as<SRC, FINITE, PRODUCT, NAN_MAX>(cache[k * STRIDE], VE, scale, FP8_E4M3, out + k * dstep);
+            store_codes_as<SRC, true, PRODUCT>(cache[k * STRIDE], VE, scale, FP8_E4M3, out + k * dstep);
         }
     } else {
 #pragma unroll
         for (u32 k = 0; k < CACHE; ++k) {
-            store_codes_as<SRC, FINITE, PRODUCT, NAN_MAX>(cache[k * STRIDE], VE, scale, FP8_E5M2, out + k * dstep);
+            store_codes_as<SRC, true, PRODUCT>(cache[k * STRIDE], VE, scale, FP8_E5M2, out + k * dstep);
+        }
+    }
+}
+
+// As store_cached_as, for any scale of a block of d: its case chosen once.
+template <u32 SRC, u32 CACHE, u32 STRIDE>
+__device__ __forceinline__ void store_cached(const QuantDesc& d, const Vec* cache, const Scale& scale, unsigned char* out,
+                                             u64 dstep) {
+    if (scale.by_product) {
+        store_cached_as<SRC, CACHE, STRIDE, true>(cache, scale, d.target, out, dstep);
+    } else if (exact_divisor(scale)) {
+        store_cached_as<SRC, CACHE, STRIDE, false>(cache, scale, d.target, out, dstep);
+    } else {
+        for (u32 k = 0; k < CACHE; ++k) {
+            store_codes_checked<SRC>(cache[k * STRIDE], Elements<SRC>::per_vector, scale.divisor, d.target, d.nan_code,
+                                     out + k * dstep);
         }
     }
 }
@@ -637,15 +661,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 amax_slot, u64 block, u32
     if (whole) {
         unsigned char* out = dst + first_row * d.dst_stride + first_col;
         const u64 dstep = row_step * d.dst_stride + (ALONG_A_ROW ? vector_step * VE : 0u);
-        if (scale.by_product) {
-            store_cached_as<SRC, CACHE, STRIDE, true, true>(mine, scale, d.target, out, dstep);
-        } else if (exact_divisor(scale)) {
-            store_cached_as<SRC, CACHE, STRIDE, true, false>(mine, scale, d.target, out, dstep);
-        } else if (scale.nan_to_max) {
-            store_cached_as<SRC, CACHE, STRIDE, false, false, true>(mine, scale, d.target, out, dstep);
-        } else {
-            store_cached_as<SRC, CACHE, STRIDE, false, false>(mine, scale, d.target, out, dstep);
-        }
+        store_cached<SRC, CACHE, STRIDE>(d, mine, scale, out, dstep);
         return;
     }
     row = first_row;
@@ -653,8 +669,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 amax_slot, u64 block, u32
 #pragma unroll
     for (u32 k = 0; k < CACHE; ++k) {
         if (row < rows) {
-            store_codes<SRC>(mine[k * STRIDE], cols - v * VE < VE ? cols - v * VE : VE, scale, d.target,
-                             dst + row * d.dst_stride + v * VE);
+            store_codes<SRC>(d, mine[k * STRIDE], cols - v * VE < VE ? cols - v * VE : VE, scale, dst + row * d.dst_stride + v * VE);
         }
         row += row_step;
         v += vector_step;
@@ -665,7 +680,7 @@ __device__ void quantize_block(const QuantDesc& d, u32 amax_slot, u64 block, u32
     }
     for (row = rest_row, v = rest_v; row < rows;) {
         const Vec x = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
-        store_codes<SRC>(x, cols - v * VE < VE ? cols - v * VE : VE, scale, d.target, dst + row * d.dst_stride + v * VE);
+        store_codes<SRC>(d, x, cols - v * VE < VE ? cols - v * VE : VE, scale, dst + row * d.dst_stride + v * VE);
         row += row_step;
         v += vector_step;
         if (v >= per_row) {
@@ -709,7 +724,7 @@ __device__ void quantize_flat_groups(const QuantDesc& d, u64 tile) {
         if (v < vectors) {
             const Scale scale = block_scale(d, amax);
             if ((threadIdx.x & (lanes - 1u)) == 0) store_scale(d, 0, v >> d.group_shift, scale.stored);
-            store_codes<SRC>(x[round], VE, scale, d.target, dst + v * VE);
+            store_codes<SRC>(d, x[round], VE, scale, dst + v * VE);
         }
     }
 }
@@ -758,7 +773,7 @@ __device__ void quantize_groups(const QuantDesc& d, u64 tile) {
             if (lane == 0) store_scale(d, row[round], col[round], scale.stored);
             if (count[round] > 0) {
                 const u64 c = col[round] * d.block_cols + (u64)lane * VE;
-                store_codes<SRC>(x[round], count[round], scale, d.target, dst + row[round] * d.dst_stride + c);
+                store_codes<SRC>(d, x[round], count[round], scale, dst + row[round] * d.dst_stride + c);
             }
         }
     }
@@ -794,15 +809,7 @@ __device__ void quantize_row(const QuantDesc& d, u64 row) {
     const Scale scale = block_scale(d, block_max(amax));
     if (t == 0) store_scale(d, row, 0, scale.stored);
     unsigned char* out = reinterpret_cast<unsigned char*>(d.dst) + row * d.dst_stride + t * VE;
-    if (scale.by_product) {
-        store_cached_as<SRC, CACHE, 1, true, true>(mine, scale, d.target, out, STEP);
-    } else if (exact_divisor(scale)) {
-        store_cached_as<SRC, CACHE, 1, true, false>(mine, scale, d.target, out, STEP);
-    } else if (scale.nan_to_max) {
-        store_cached_as<SRC, CACHE, 1, false, false, true>(mine, scale, d.target, out, STEP);
-    } else {
-        store_cached_as<SRC, CACHE, 1, false, false>(mine, scale, d.target, out, STEP);
-    }
+    store_cached<SRC, CACHE, 1>(d, mine, scale, out, STEP);
 }
 
 template <u32 SRC, u32 CACHE, bool SHARED>

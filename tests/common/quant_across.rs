@@ -16,11 +16,8 @@
 
 #![allow(dead_code)]
 
-use super::quant_cases::Aligned;
 use refit::plan::{Endpoint, Offer, QuantNeed, QuantPath, Region, TensorSpec};
-use refit::quant::{Arithmetic, Fp8, Granularity, QuantJob, Quantization, SourceType};
-use refit::transport::host::HostBackend;
-use refit::transport::{Backend, Stream};
+use refit::quant::{Arithmetic, Fp8, Granularity, Quantization, SourceType};
 
 pub struct Across {
     pub rows: u64,
@@ -203,27 +200,6 @@ impl Across {
 
     /// A need's codes and scales as the reference quantizer makes them over its whole box.
     pub fn reference(&self, w: &Wanted) -> (Vec<u8>, Vec<u8>) {
-        let (codes_len, scales_len, _) = self.sizes(w);
-        let source_bytes = self.rows_of(w.lo, w.rows);
-        let mut source = Aligned::new(source_bytes.len(), 0);
-        source.bytes_mut().copy_from_slice(&source_bytes);
-        let (codes, scales) = (Aligned::new(codes_len, 0), Aligned::new(scales_len, 0));
-        let (_, grid_cols) = w.q.scale_grid(w.rows, self.cols);
-        let job = QuantJob {
-            quantization: w.q,
-            source: SourceType::Bf16,
-            src: source.addr(),
-            rows: w.rows,
-            cols: self.cols,
-            src_stride: self.cols,
-            dst: codes.addr(),
-            dst_stride: self.cols,
-            scales: scales.addr(),
-            scale_stride: grid_cols,
-        };
-        let host = HostBackend::new(1).unwrap();
-        // SAFETY: the buffers above outlive the call, which completes on return.
-        unsafe { host.quantize_batch(0, Stream::NULL, &[job]) }.unwrap();
-        (codes.bytes().to_vec(), scales.bytes().to_vec())
+        super::quant_cases::reference_bf16(w.q, &self.rows_of(w.lo, w.rows), w.rows, self.cols)
     }
 }

@@ -163,6 +163,17 @@ fn element(rng: &mut Rng, center: i32, special: bool) -> f32 {
     }
 }
 
+/// The reference quantizer over a whole row-major bf16 matrix (`rows` x `cols`, its bytes
+/// `bf16`): its codes, row-major, and its scale grid, row-major.
+pub fn reference_bf16(quantization: Quantization, bf16: &[u8], rows: u64, cols: u64) -> (Vec<u8>, Vec<u8>) {
+    let (grid_rows, grid_cols) = quantization.scale_grid(rows, cols);
+    let mut codes = vec![0u8; (rows * cols) as usize];
+    let mut scales = vec![0u8; (grid_rows * grid_cols * quantization.scale_kind().size()) as usize];
+    let source = SourceMatrix { bytes: bf16, source: SourceType::Bf16, rows, cols, stride: cols };
+    quantize(quantization, &source, &mut codes, cols, &mut scales, grid_cols);
+    (codes, scales)
+}
+
 /// A case with random data: `kind` picks the scenario of each block row (0: ordinary, 1: all zero,
 /// 2: with specials, 3: amax exactly 448 so that ties stay ties).
 #[allow(clippy::too_many_arguments)]
