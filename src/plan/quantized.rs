@@ -399,10 +399,8 @@ struct ScaleTies {
     /// By need: its set's number (that of its first need), for needs that share a scale.
     set: Vec<Option<usize>>,
     /// By set: the offers every need of the set takes its pieces from, where one device holds them
-    /// all.
-    pieces: HashMap<usize, Pieces>,
-    /// By set: why its needs are staged (where no one device holds all their pieces).
-    staged: HashMap<usize, String>,
+    /// all; else why its needs are staged.
+    decided: HashMap<usize, std::result::Result<Pieces, String>>,
 }
 
 impl ScaleTies {
@@ -447,8 +445,7 @@ impl ScaleTies {
             let r = root(&mut parent, i);
             members.entry(r).or_default().push(i);
         }
-        let mut ties =
-            ScaleTies { set: vec![None; needs.len()], pieces: HashMap::new(), staged: HashMap::new() };
+        let mut ties = ScaleTies { set: vec![None; needs.len()], decided: HashMap::new() };
         for (first, set) in members.into_iter().filter(|(_, set)| set.len() > 1) {
             let names: Vec<String> = set.iter().map(|&i| format!("'{}'", needs[i].0.name)).collect();
             let names = names.join(", ");
@@ -482,21 +479,16 @@ impl ScaleTies {
                     .collect();
                 runners.iter().all(|r| r.is_some() && *r == runners[0])
             };
-            match [Pieces::ReceiversProcess, Pieces::AnyProcess { turn: first }]
+            let from = [Pieces::ReceiversProcess, Pieces::AnyProcess { turn: first }]
                 .into_iter()
-                .find(|&p| one_device(p))
-            {
-                Some(from) => {
-                    ties.pieces.insert(first, from);
-                }
-                None => {
-                    let why = format!(
-                        "it shares its per-tensor scale with {names}, not all of which can be quantized in place \
-                         from one device"
-                    );
-                    ties.staged.insert(first, why);
-                }
-            }
+                .find(|&p| one_device(p));
+            let decided = from.ok_or_else(|| {
+                format!(
+                    "it shares its per-tensor scale with {names}, not all of which can be quantized in place from \
+                     one device"
+                )
+            });
+            ties.decided.insert(first, decided);
         }
         Ok(ties)
     }
@@ -504,8 +496,7 @@ impl ScaleTies {
     /// For need `number`, if it shares a scale: the offers it takes its pieces from, or why it is
     /// staged.
     fn tied(&self, number: usize) -> Option<std::result::Result<Pieces, String>> {
-        let set = self.set[number]?;
-        Some(self.pieces.get(&set).copied().ok_or_else(|| self.staged[&set].clone()))
+        self.set[number].and_then(|set| self.decided.get(&set).cloned())
     }
 }
 
