@@ -31,6 +31,8 @@
   ranks, so every FP8 layer takes vLLM's reload and its scales are equal on both workers; each
   worker receives only its TP share of those layers' BF16 tensors (the bytes sent are the
   checkpoint's once, plus the replicated norms); every code, scale and element equals vLLM's own load.
+  At TP 1 (one worker) no amax is reduced: each layer's boxes share its one scale and the trainer's
+  process quantizes them, so FP8 codes and one scale per layer cross.
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
   reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
   trainer (it exits after the workers started receiving) each leave every worker's weights as they
@@ -53,7 +55,8 @@ PYPROJECT = os.path.join(HERE, "..", "..", "pyproject.toml")
 # closed connection (ABORTED), not by this timeout, so a generous one costs nothing when all is well.
 TIMEOUT_MS = 120_000
 # The FP8 engines' scenarios: vLLM's quantization of each.
-FP8_SCENARIOS = {"fp8": "fp8_per_block", "fp8_channel": "fp8_per_channel", "fp8_tensor": "fp8_per_tensor"}
+FP8_SCENARIOS = {"fp8": "fp8_per_block", "fp8_channel": "fp8_per_channel", "fp8_tensor": "fp8_per_tensor",
+                 "fp8_tensor_tp1": "fp8_per_tensor"}
 
 
 def tiny_qwen3() -> Any:
@@ -120,7 +123,8 @@ class StandInVerifyMismatch:
         return getattr(self._executor, name)
 
 
-def worker_main(rank: int, folder: str, control: Any, checks: Any, tp_port: int, moe: bool = False, quantization: Any = None) -> None:
+def worker_main(rank: int, size: int, folder: str, control: Any, checks: Any, tp_port: int, moe: bool = False,
+                quantization: Any = None) -> None:
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     import sys
 
@@ -134,9 +138,9 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any, tp_port: int,
     from refit.integrations.vllm_backend import register
 
     register()
-    # The two workers form vLLM's TP group over gloo: what vLLM reduces across TP ranks (an FP8
-    # layer's amax, when it loads and when it reloads) is reduced between them.
-    vllm_ranks.join_tp_world(rank, 2, tp_port)
+    # The workers form vLLM's TP group over gloo: what vLLM reduces across TP ranks (an FP8 layer's
+    # amax, when it loads and when it reloads) is reduced between them.
+    vllm_ranks.join_tp_world(rank, size, tp_port)
     if quantization is not None:
         import fp8_engines
 
@@ -144,9 +148,9 @@ def worker_main(rank: int, folder: str, control: Any, checks: Any, tp_port: int,
             fp8_engines.use_kernel(fp8_engines.cutlass_kernel())  # this CPU lacks the AMX vLLM's FP8 block kernels need
         if quantization == "fp8_per_tensor":
             fp8_engines.use_scaled_fp8_quant(fp8_engines.static_scaled_fp8_quant)  # a CUDA op the CPU wheel lacks
-        config = vllm_ranks.engine_config(folder, 2, dtype="bfloat16", quantization=quantization)
+        config = vllm_ranks.engine_config(folder, size, dtype="bfloat16", quantization=quantization)
     else:
-        config = vllm_ranks.engine_config(folder, 2, ep=moe, dtype="float32")
+        config = vllm_ranks.engine_config(folder, size, ep=moe, dtype="float32")
     ckpt = checkpoint(folder)
     if moe:
         from test_vllm_postprocess import install_prepack_stand_in
@@ -295,7 +299,7 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
             source = ModuleSource(model)
             tensors = list(model.parameters())
         client = PipeClient(conns)
-        info = RefitTrainerInitInfo(rank=0, num_workers=2, device_backend="host", timeout_ms=TIMEOUT_MS)
+        info = RefitTrainerInitInfo(rank=0, num_workers=len(conns), device_backend="host", timeout_ms=TIMEOUT_MS)
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
         out: Dict[str, Any] = {"engines": client.call("engine")}
         engine.send_weights()
@@ -335,6 +339,7 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
             out["sent"] = engine.last_stats.bytes_of(refit.RouteKind.REMOTE)
             out["checkpoint_bytes"] = sum(p.numel() * p.element_size() for p in tensors)
             out["norm_bytes"] = sum(p.numel() * p.element_size() for n, p in model.named_parameters() if "norm" in n)
+            out["projection_elements"] = sum(p.numel() for n, p in model.named_parameters() if n.endswith("_proj.weight"))
             out["quantized_by_trainer"] = [engine.last_stats.quantized_elements]
             out["paths"] = client.call("paths")
             out["scales"] = client.call("scales")
@@ -396,19 +401,21 @@ class VllmBackendTest(unittest.TestCase):
         config.architectures = ["Qwen3ForCausalLM"]
         cls.fp8_folder = save_checkpoint(config, "bfloat16")
 
-    def run_scenario(self, scenario: str):
+    def run_scenario(self, scenario: str, size: int = 2):
+        """Runs `scenario` with the trainer in its own process and `size` vLLM workers (one TP group)."""
         import vllm_ranks
 
         moe, quantization = scenario == "moe", FP8_SCENARIOS.get(scenario)
         folder = self.moe_folder if moe else self.fp8_folder if quantization else self.folder
         context = multiprocessing.get_context("spawn")
         results = context.Queue()
-        control = [context.Pipe() for _ in range(2)]
-        checks = [context.Pipe() for _ in range(2)]
+        control = [context.Pipe() for _ in range(size)]
+        checks = [context.Pipe() for _ in range(size)]
         tp_port = vllm_ranks.free_port()
         workers = [
-            context.Process(target=worker_main, args=(rank, folder, control[rank][1], checks[rank][1], tp_port, moe, quantization))
-            for rank in range(2)
+            context.Process(target=worker_main,
+                            args=(rank, size, folder, control[rank][1], checks[rank][1], tp_port, moe, quantization))
+            for rank in range(size)
         ]
         trainer = context.Process(target=trainer_main, args=(scenario, folder, [c[0] for c in control], results))
         for process in workers + [trainer]:
@@ -420,7 +427,7 @@ class VllmBackendTest(unittest.TestCase):
             after = None
             if scenario == "killed":
                 after = {}
-                for rank in range(2):
+                for rank in range(size):
                     conn = checks[rank][0]
                     conn.send(("finish", None))
                     after.setdefault("finish", []).append(conn.recv())
@@ -535,6 +542,25 @@ class VllmBackendTest(unittest.TestCase):
         self.assertEqual(sorted(first), [n for n in want if n.endswith("weight_scale")])
         self.assertEqual(first, second)
         self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
+
+    def test_a_per_tensor_fp8_engine_at_tp_1_gets_codes_quantized_by_the_trainers_process(self):
+        out, _ = self.run_scenario("fp8_tensor_tp1", size=1)
+        self.assertEqual(out["first"], [[]], "codes, scales or elements differ from vLLM's own load")
+        self.assertEqual(out["second"], [[]])
+        modules = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+        want = sorted(f"model.layers.{i}.{module}.{layer}.{p}" for i in range(2) for layer, module in modules.items()
+                      for p in ("weight", "weight_scale"))
+        (paths,) = out["paths"]
+        # At TP 1 vLLM reduces no amax across ranks: each layer's boxes (q, k and v; gate and up)
+        # share its one scale, and the trainer's process quantizes all of them (one device holds
+        # every piece), so FP8 crosses, and one scale per layer.
+        self.assertEqual(paths.get("quantized"), want, paths)
+        self.assertNotIn("reload", paths)
+        self.assertEqual(out["quantized_by_trainer"], [out["projection_elements"]] * 2)
+        # Sent: the checkpoint less one byte of every projection element (codes instead of bf16),
+        # and 8 scales of 4 bytes.
+        self.assertEqual(out["sent"], out["checkpoint_bytes"] - out["projection_elements"] + 8 * 4)
+        self.assertEqual(out["plans"], [1, 1], "a round with the same tables planned again")
 
     def test_qwen3_moe_post_processed_experts_go_through_vllms_reload(self):
         out, _ = self.run_scenario("moe")
