@@ -118,6 +118,7 @@ fn main() {
             dst_stride: COLS,
             scales: scales.ptr,
             scale_stride: grid_cols,
+            amax_key: 0,
         }
     };
     let mut rows = Vec::new();
@@ -315,6 +316,7 @@ fn through_executor(src: &Buffer, dst: &Buffer, scales: &Buffer, stream: &Stream
             offers: vec![],
             needs: vec![],
             quant_needs: vec![],
+            shared_amax: Vec::new(),
         };
         if with_plain {
             table.tensors.push(TensorSpec {

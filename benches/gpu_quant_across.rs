@@ -113,7 +113,13 @@ fn refit_one_way(
     let rank = comm.rank();
     let here = Endpoint { process: rank as u32, device: 0 };
     let spec = TensorSpec { name: "w".into(), dtype: 1, elem_size: 2, shape: vec![rows, COLS] };
-    let mut table = Table { tensors: vec![spec], offers: vec![], needs: vec![], quant_needs: vec![] };
+    let mut table = Table {
+        tensors: vec![spec],
+        offers: vec![],
+        needs: vec![],
+        quant_needs: vec![],
+        shared_amax: vec![],
+    };
     let (mut codes, mut scales) = (0, 0);
     if let Some(src) = source {
         let cuts: &[(u64, u64)] = if way == Way::Staged { &[(0, 64), (64, rows - 64)] } else { &[(0, rows)] };
@@ -223,6 +229,7 @@ fn child(rank: usize, id: &CommId, rows: u64, steps: usize) {
             dst_stride: COLS,
             scales,
             scale_stride: grid_cols,
+            amax_key: 0,
         };
         // SAFETY: our buffers, sized for the job.
         unsafe { device.backend.quantize_batch(0, Stream::NULL, &[job]) }

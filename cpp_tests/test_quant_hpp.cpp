@@ -107,5 +107,19 @@ int main() {
     CHECK(e.message().find("'w'") != std::string::npos);
   }
   CHECK(threw);
+
+  // refit::Table::share_amax: a key reaches the table (it travels with its encoding, which grows by
+  // the entry), and key 0 throws INVALID_ARGUMENT.
+  std::size_t before = elsewhere.encode().size();
+  elsewhere.share_amax(0, addr(planned.data()) + 128 * 128, 42);
+  CHECK(elsewhere.encode().size() > before);
+  threw = false;
+  try {
+    elsewhere.share_amax(0, addr(planned.data()), 0);
+  } catch (const refit::Error &e) {
+    threw = true;
+    CHECK(e.status() == REFIT_STATUS_INVALID_ARGUMENT);
+  }
+  CHECK(threw);
   CHECK_DONE();
 }

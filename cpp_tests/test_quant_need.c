@@ -5,7 +5,10 @@
  * default arithmetic. Every code and scale equals refit_quantize_batch's over the whole matrix
  * (which test_quant.c checks against the header's arithmetic). The same shards in
  * another process take the sender path, which needs a communicator. Then every bad argument
- * of refit_table_add_quantized_need gets its status and message. */
+ * of refit_table_add_quantized_need gets its status and message. Last, the tensor's rows split between
+ * devices 0 and 1 as two per-tensor needs, each with its own scale, both given one amax key
+ * (refit_table_share_amax): both scales are the whole tensor's, and the calls' bad arguments are
+ * refused. */
 #include <stdint.h>
 
 #include "check.h"
@@ -175,6 +178,99 @@ static void refused(refit_table *table, uint32_t t, const refit_need_quantizatio
   }
 }
 
+/* Per-tensor needs of rows [0, SPLIT) on device 0 and [SPLIT, ROWS) on device 1, the whole tensor
+ * offered on device 1, their two scales given one amax key: both scales and every code equal
+ * refit_quantize_batch's over the whole tensor (whose amax lies in device 1's rows only). */
+#define SPLIT 64
+static uint8_t split_want_codes[ROWS * COLS] __attribute__((aligned(16)));
+static float split_scales[2][4] __attribute__((aligned(16)));
+
+static void per_tensor_job(refit_quantize_job *job, const uint16_t *src, uint64_t rows, uint8_t *dst, float *scale) {
+  memset(job, 0, sizeof *job);
+  job->quantization.target = REFIT_FP8_E4M3FN;
+  job->quantization.granularity = REFIT_QUANT_TENSOR;
+  job->arithmetic = REFIT_ARITHMETIC_VLLM_TENSOR;
+  job->source_type = REFIT_SOURCE_BF16;
+  job->src = addr(src);
+  job->rows = rows;
+  job->cols = COLS;
+  job->src_row_stride = COLS;
+  job->dst = addr(dst);
+  job->dst_row_stride = COLS;
+  job->scales = addr(scale);
+  job->scale_row_stride = 1;
+}
+
+static void shared_amax(refit_group *group) {
+  memcpy(top, tensor, sizeof tensor);
+  top[(ROWS - 1) * COLS + 3] = (uint16_t)(134 << 7); /* 2^7, above every other element */
+  refit_quantize_job job;
+  float whole_scale = 0, top_scale = 0;
+  per_tensor_job(&job, top, ROWS, split_want_codes, &whole_scale);
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
+  per_tensor_job(&job, top, SPLIT, want_codes, &top_scale);
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
+  CHECK(top_scale != whole_scale); /* not vacuous: device 0's rows alone have another scale */
+
+  refit_table *table = NULL;
+  uint32_t t = 0;
+  CHECK_OK(refit_table_create(&table));
+  CHECK_OK(refit_table_add_tensor(table, "w", 1, 2, shape, 2, &t));
+  CHECK_OK(refit_table_add_offer(table, t, 0, 1, addr(top), origin, shape, NULL, 2, NULL));
+  memset(codes, 0xab, sizeof codes);
+  memset(split_scales, 0xab, sizeof split_scales);
+  for (uint32_t device = 0; device < 2; device++) {
+    refit_need_quantization q;
+    memset(&q, 0, sizeof q);
+    q.quantization.target = REFIT_FP8_E4M3FN;
+    q.quantization.granularity = REFIT_QUANT_TENSOR;
+    q.arithmetic = REFIT_ARITHMETIC_VLLM_TENSOR;
+    q.source_type = REFIT_SOURCE_BF16;
+    q.scales = addr(split_scales[device]);
+    q.scale_row_stride = 1;
+    const uint64_t lo[2] = {device ? SPLIT : 0, 0}, extent[2] = {device ? ROWS - SPLIT : SPLIT, COLS};
+    CHECK_OK(refit_table_add_quantized_need(table, t, 0, device, addr(codes + lo[0] * COLS), lo, extent,
+                                            code_strides, 2, &q));
+    CHECK_OK(refit_table_share_amax(table, 0, addr(split_scales[device]), 0x5ca1e));
+  }
+  /* Giving a scale its key again is accepted; another key, key 0 and a NULL table are refused. */
+  CHECK_OK(refit_table_share_amax(table, 0, addr(split_scales[0]), 0x5ca1e));
+  CHECK_STATUS(refit_table_share_amax(table, 0, addr(split_scales[0]), 7), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "already shares its amax under key") != NULL);
+  CHECK_STATUS(refit_table_share_amax(table, 0, addr(split_scales[1]) + 8, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "key 0") != NULL);
+  CHECK_STATUS(refit_table_share_amax(NULL, 0, addr(split_scales[0]), 1), REFIT_STATUS_NULL_ARGUMENT);
+
+  refit_plan *plan = NULL;
+  const refit_table *tables[1] = {table};
+  CHECK_OK(refit_plan_build(tables, 1, NULL, &plan));
+  size_t routes = 0;
+  CHECK_OK(refit_plan_quant_route_count(plan, &routes));
+  CHECK(routes == 2);
+  for (size_t i = 0; i < routes; i++) {
+    refit_quant_route_info info;
+    info.size = sizeof info;
+    CHECK_OK(refit_plan_quant_route(plan, i, &info));
+    CHECK(info.path == REFIT_PATH_IN_PLACE && info.runner_device == 1);
+  }
+  refit_executor *executor = NULL;
+  CHECK_OK(refit_executor_create(plan, group, 0, NULL, &executor));
+  CHECK_OK(refit_executor_run(executor, group, NULL));
+  CHECK(memcmp(&split_scales[0][0], &whole_scale, 4) == 0);
+  CHECK(memcmp(&split_scales[1][0], &whole_scale, 4) == 0);
+  CHECK(memcmp(codes, split_want_codes, sizeof codes) == 0);
+  refit_executor_destroy(executor);
+  refit_plan_destroy(plan);
+
+  /* A key on a scale that no need writes is refused at planning. */
+  CHECK_OK(refit_table_share_amax(table, 0, addr(split_scales[1]) + 8, 9));
+  plan = (refit_plan *)0x1;
+  CHECK_STATUS(refit_plan_build(tables, 1, NULL, &plan), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "no per-tensor quantized need") != NULL);
+  CHECK(plan == (refit_plan *)0x1);
+  refit_table_destroy(table);
+}
+
 int main(void) {
   const int32_t devices[2] = {0, 1};
   refit_group *group = check_host_group(devices, 2);
@@ -197,6 +293,7 @@ int main(void) {
   refit_cut_at(group, 65, REFIT_COMMIT_STAGED, 1, REFIT_ARITHMETIC_DEEPGEMM_UE8M0);
   for (int i = 0; i < 4; i++) CHECK(want_scales[i] != divide_scales[i]);
   sender_path(group);
+  shared_amax(group);
 
   /* Bad arguments: each refused with its status, naming what is wrong; the table takes nothing. */
   refit_table *table = NULL;

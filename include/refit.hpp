@@ -433,6 +433,12 @@ class Table {
                                          strides.data(), offset.size(), &quantization));
   }
 
+  /// refit_table_share_amax: the per-tensor scale at `scale` of process `rank` takes one value with
+  /// every scale any table gives `key` (nonzero), from the amax of all the needs writing any of them.
+  void share_amax(uint32_t rank, uint64_t scale, uint64_t key) {
+    check(refit_table_share_amax(live(), rank, scale, key));
+  }
+
   /// refit_table_encode: the table's versioned wire encoding.
   std::vector<uint8_t> encode() const {
     std::size_t size = 0;

@@ -388,7 +388,8 @@ fn table_of(rank: u32) -> Table {
     ];
     let region = |offset: Vec<u64>, extent: Vec<u64>| Region { offset, extent };
     let base = 0x10_0000 * (u64::from(rank) + 1);
-    let mut table = Table { tensors, offers: vec![], needs: vec![], quant_needs: Vec::new() };
+    let mut table =
+        Table { tensors, offers: vec![], needs: vec![], quant_needs: Vec::new(), shared_amax: Vec::new() };
     if rank < 2 {
         let owner = Endpoint { process: rank, device: 0 };
         table.offers.push(Offer {
@@ -549,7 +550,13 @@ fn process_of(rank: u32) -> Process {
         TensorSpec { name: "b".into(), dtype: 1, elem_size: 4, shape: vec![COLS] },
     ];
     let mut p = Process {
-        table: Table { tensors, offers: vec![], needs: vec![], quant_needs: Vec::new() },
+        table: Table {
+            tensors,
+            offers: vec![],
+            needs: vec![],
+            quant_needs: Vec::new(),
+            shared_amax: Vec::new(),
+        },
         buffers: vec![],
         expected: vec![],
     };

@@ -571,6 +571,7 @@ fn rows_plan(src: u64, dst: u64, to: u32, (rows, len, pitch): (u64, u64, u64)) -
             strides: vec![pitch, 1],
         }],
         quant_needs: Vec::new(),
+        shared_amax: Vec::new(),
     };
     plan::build(&[table], &PlanOptions::default()).unwrap()
 }

@@ -485,6 +485,7 @@ fn whole_tensor_plan(src: u64, dst: u64, len: u64) -> Plan {
             strides: vec![1],
         }],
         quant_needs: Vec::new(),
+        shared_amax: Vec::new(),
     };
     plan::build(&[table], &PlanOptions::default()).unwrap()
 }

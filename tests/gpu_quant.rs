@@ -424,6 +424,7 @@ fn quantized_needs_through_an_executor_match_the_reference() {
                     scale_matrix_stride: grid_rows * grid_cols,
                     staging: staging.ptr,
                 }],
+                shared_amax: vec![],
             };
             let plan = ok("plan", plan::build(&[table], &PlanOptions::default()));
             assert!(plan.quant_routes().iter().all(|r| r.path == path), "{name}");
@@ -464,6 +465,7 @@ fn quantized_needs_through_an_executor_match_the_reference() {
                     dst_stride: cols,
                     scales: want_scales.addr() + m * grid_rows * grid_cols * scale_size,
                     scale_stride: grid_cols,
+                    amax_key: 0,
                 })
                 .collect();
             let host = HostBackend::new(1).unwrap();
@@ -525,6 +527,27 @@ fn per_tensor_jobs_naming_one_scale_share_it_on_the_gpu() {
         stream.sync();
         let codes: Vec<Vec<u8>> = shared_buffers.iter().map(|b| b.dst.download()).collect();
         check_shared(&shared, &codes, &scale.download(), &format!("GPU, {target:?} {arithmetic:?}"));
+        // Two scales joined through an amax key: both take the one amax.
+        let (a, b) = (Buffer::new(0, 4), Buffer::new(0, 4));
+        a.fill(SENTINEL);
+        b.fill(SENTINEL);
+        let keyed_buffers: Vec<OnDevice> = shared.iter().map(upload).collect();
+        let mut keyed: Vec<_> =
+            shared.iter().zip(&keyed_buffers).map(|(c, k)| c.job(k.src.ptr, k.dst.ptr, 0)).collect();
+        quant_cases::key_jobs(&mut keyed, a.ptr, b.ptr);
+        let l = ok("layout", layout(&keyed));
+        // SAFETY: the jobs name the buffers above, alive until after the synchronization.
+        ok("enqueue", unsafe { kernel.enqueue(stream.raw, &l) });
+        stream.sync();
+        let codes: Vec<Vec<u8>> = keyed_buffers.iter().map(|k| k.dst.download()).collect();
+        for scale in [&a, &b] {
+            check_shared(
+                &shared,
+                &codes,
+                &scale.download(),
+                &format!("GPU, keyed, {target:?} {arithmetic:?}"),
+            );
+        }
         for (c, b) in others.iter().zip(&other_buffers) {
             let (want_dst, want_scales) = c.expected();
             assert!(b.dst.download() == want_dst && b.scales.download() == want_scales, "{}", c.name);
@@ -656,7 +679,7 @@ fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() 
                 perm: None,
                 strides: vec![1],
             }];
-            let table = Table { tensors, offers, needs, quant_needs };
+            let table = Table { tensors, offers, needs, quant_needs, shared_amax: vec![] };
             let plan = ok("plan", plan::build(&[table], &PlanOptions::default()));
             assert!(plan.quant_routes().iter().all(|r| r.path == path), "{name}");
             let options = ExecOptions { commit, verify, ..ExecOptions::default() };
@@ -729,6 +752,7 @@ fn quantized_needs_across_two_processes_on_one_gpu_match_the_reference() {
             offers: vec![across.offer(here, source.ptr)],
             needs: vec![],
             quant_needs: needs.collect(),
+            shared_amax: vec![],
         };
         let share = ok("a share", build_plan(&comm, &table, &PlanOptions::default()));
         let mut planned: Vec<_> =

@@ -41,6 +41,7 @@ fn simple() -> Table {
         offers: vec![offer(0, 0, 0x1000, &[0, 0], &[4, 8])],
         needs: vec![need(0, 1, 0x8000, &[0, 0], &[4, 8], &[8, 1])],
         quant_needs: Vec::new(),
+        shared_amax: Vec::new(),
     }
 }
 
@@ -193,6 +194,7 @@ fn overlapping_offers_are_read_once() {
         offers: vec![offer(0, 0, 0x100, &[0], &[6]), offer(0, 1, 0x200, &[4], &[6])],
         needs: vec![need(0, 2, 0x900, &[0], &[10], &[1])],
         quant_needs: Vec::new(),
+        shared_amax: Vec::new(),
     };
     for policy in [OwnerPolicy::First, OwnerPolicy::Local, OwnerPolicy::Balanced] {
         let p = build(std::slice::from_ref(&t), &PlanOptions { policy, coalesce: true }).unwrap();
@@ -217,6 +219,7 @@ fn transposed_destination_with_a_permutation() {
         offers: vec![offer(0, 0, 0x100, &[0, 0], &[2, 3])],
         needs: vec![Need { perm: Some(vec![1, 0]), ..need(0, 1, 0x900, &[0, 0], &[2, 3], &[2, 1]) }],
         quant_needs: Vec::new(),
+        shared_amax: Vec::new(),
     };
     let p = plan(std::slice::from_ref(&t)).unwrap();
     let mut map = vec![];
@@ -246,6 +249,7 @@ fn limits_turn_pathological_tables_into_statuses() {
             ..need(0, 1, 0x90000, &[0, 0, 0], &[64, 64, 2], &[4096, 64, 1])
         }],
         quant_needs: Vec::new(),
+        shared_amax: Vec::new(),
     };
     let options = PlanOptions::default();
     assert!(build_with_limits(std::slice::from_ref(&t), &options, &Limits::default()).is_ok());
@@ -300,6 +304,7 @@ fn needs_whose_bounding_box_overflows_the_address_space_still_overlap() {
             need(0, 1, 0x9000, &[4, 0], &[1, 1], &[1 << 62, 1 << 62]),
         ],
         quant_needs: Vec::new(),
+        shared_amax: Vec::new(),
     };
     fails(&[t], Status::Overlap, &["0x9000", "'w'"]);
 }

@@ -45,6 +45,7 @@ fn reversed_8d(needs: u64) -> Table {
             })
             .collect(),
         quant_needs: Vec::new(),
+        shared_amax: Vec::new(),
     }
 }
 

@@ -360,6 +360,7 @@ fn shuffled(tables: &[Table], rng: &mut Rng) -> Vec<Table> {
                 offers: t.offers.clone(),
                 needs: t.needs.clone(),
                 quant_needs: Vec::new(),
+                shared_amax: Vec::new(),
             };
             table.offers.iter_mut().for_each(|o| o.tensor = new_index[o.tensor as usize]);
             table.needs.iter_mut().for_each(|n| n.tensor = new_index[n.tensor as usize]);
@@ -494,6 +495,7 @@ fn balanced_serves_single_replica_demand_first() {
             offers: vec![offer(0, 0, 0x100), offer(0, 1, 0x200), offer(1, 1, 0x300)],
             needs: vec![need(0, 0x1000), need(1, 0x2000)],
             quant_needs: Vec::new(),
+            shared_amax: Vec::new(),
         };
         let plan = build(&[table], &PlanOptions { policy: OwnerPolicy::Balanced, coalesce: true }).unwrap();
         let mut served = BTreeMap::new();

@@ -1,7 +1,9 @@
 //! The table wire format: random tables survive a round trip exactly; truncated, corrupted and
 //! hostile bytes give a status (never a panic, never a huge allocation).
 
-use refit::plan::wire::{decode, encode, VERSION, VERSION_QUANTIZED, VERSION_QUANTIZED_DIVIDE_ONLY};
+use refit::plan::wire::{
+    decode, encode, VERSION, VERSION_QUANTIZED, VERSION_QUANTIZED_DIVIDE_ONLY, VERSION_SHARED_AMAX,
+};
 use refit::plan::{Endpoint, Need, Offer, Region, Table, TensorSpec};
 use refit::Status;
 
@@ -101,7 +103,8 @@ fn every_truncation_and_every_bit_flip_is_rejected() {
                 let err = decode(&bad).unwrap_err();
                 // A flipped version byte names another format, or (a version read here) fails the
                 // checksum.
-                let known = [VERSION, VERSION_QUANTIZED_DIVIDE_ONLY, VERSION_QUANTIZED].contains(&bad[4]);
+                let known = [VERSION, VERSION_QUANTIZED_DIVIDE_ONLY, VERSION_QUANTIZED, VERSION_SHARED_AMAX]
+                    .contains(&bad[4]);
                 let expected = if i == 4 && !known { Status::VersionMismatch } else { Status::DecodeError };
                 assert_eq!(err.status, expected, "byte {i} bit {bit}: {err}");
             }
@@ -152,13 +155,43 @@ fn hostile_payloads_with_valid_checksums_are_rejected() {
 #[test]
 fn other_versions_and_foreign_bytes_are_named() {
     let mut bytes = encode(&Table::default());
-    // Versions 1, 2 and 3 (tables with quantized needs) are read; the next is another format.
-    bytes[4] = VERSION_QUANTIZED + 1;
+    // Versions 1, 2, 3 (tables with quantized needs) and 4 (with amax keys) are read; the next is
+    // another format.
+    bytes[4] = VERSION_SHARED_AMAX + 1;
     let err = decode(&bytes).unwrap_err();
     assert_eq!(err.status, Status::VersionMismatch);
-    assert!(err.message.contains(&format!("version {}", VERSION_QUANTIZED + 1)));
+    assert!(err.message.contains(&format!("version {}", VERSION_SHARED_AMAX + 1)));
     let err = decode(b"GIF89a.........").unwrap_err();
     assert_eq!(err.status, Status::DecodeError);
     assert!(err.message.contains("not a refit table"));
     assert_eq!(decode(&[]).unwrap_err().status, Status::DecodeError);
+}
+
+#[test]
+fn amax_keys_survive_the_wire_and_hostile_counts_are_refused() {
+    use refit::plan::SharedAmax;
+    let table = Table {
+        shared_amax: vec![
+            SharedAmax { process: 3, scale: 0x7f00_0000_1000, key: u64::MAX },
+            SharedAmax { process: 0, scale: 4, key: 1 },
+        ],
+        ..Table::default()
+    };
+    let bytes = encode(&table);
+    assert_eq!(bytes[4], VERSION_SHARED_AMAX);
+    assert_eq!(decode(&bytes).unwrap(), table);
+    for len in 0..bytes.len() {
+        assert!(decode(&bytes[..len]).is_err(), "{len} bytes decoded");
+    }
+    // Version 4 with a count of entries far beyond the bytes that follow (checksum valid).
+    let mut hostile = framed(&[0, 0, 0, 0, 0xff, 0xff, 0xff, 0xff, 0x0f]);
+    hostile[4] = VERSION_SHARED_AMAX;
+    let len = hostile.len();
+    let sum = hostile[..len - 8]
+        .iter()
+        .fold(0xcbf2_9ce4_8422_2325u64, |h, &b| (h ^ u64::from(b)).wrapping_mul(0x100_0000_01b3));
+    hostile[len - 8..].copy_from_slice(&sum.to_le_bytes());
+    let err = decode(&hostile).unwrap_err();
+    assert_eq!(err.status, Status::DecodeError, "{err}");
+    assert!(err.message.contains("shared amax entries"), "{err}");
 }

@@ -75,6 +75,7 @@ fn refit_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
         offers: vec![across.offer(here, source.addr())],
         needs: vec![],
         quant_needs: received.iter().map(need).collect(),
+        shared_amax: vec![],
     };
     let share = build_plan(&comm, &table, &PlanOptions::default()).unwrap();
     let mut planned: Vec<_> =
@@ -138,15 +139,23 @@ fn quantized_needs_across_processes_through_staging_match_the_reference() {
     );
 }
 
-/// A fused weight with one per-tensor scale (vLLM's per-tensor FP8 `qkv_proj` at TP 1) received by
-/// two engine processes from a trainer process that offers q, k and v as separate tensors: the three
-/// needs of each receiver share its scale, and the trainer quantizes all of them on the sender path
-/// (one device holds every piece), with the amax of the whole fused matrix. Both receivers keep their
-/// codes and scale at one same virtual address, so that the sender's buffer must keep the two
-/// receivers' shared scales apart. Every code and the scale equal the reference's over the fused
-/// matrix, through IPC writes and the staged exchange, under both commits and with verify.
-fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
-    use refit::plan::{Offer, QuantNeed, QuantPath, Region, TensorSpec};
+/// A fused weight with one per-tensor scale received by two engine processes from a trainer process
+/// that offers q, k and v as separate tensors, quantized by the trainer on the sender path (one
+/// device holds every piece) with the amax of the whole fused matrix.
+///
+/// - `sharded` false (vLLM's per-tensor FP8 `qkv_proj` at TP 1, replicated): each receiver gets the
+///   whole of q, k and v; its three needs share its scale.
+/// - `sharded` true (the same layer at TP 2): each receiver gets half the rows of each of q, k and v
+///   (the first engine the first halves) and keeps its own copy of the scale, which both give one
+///   amax key: every code and both scales come from the amax of the whole fused matrix, which lies
+///   in the second engine's half only.
+///
+/// Both receivers keep their codes and scale at one same virtual address, so that the sender's
+/// buffer must keep the two receivers' scales apart. Every code and the scale equal the reference's
+/// over the fused matrix (the receiver's rows of it), through IPC writes and the staged exchange,
+/// under both commits and with verify.
+fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool, sharded: bool) {
+    use refit::plan::{Offer, QuantNeed, QuantPath, Region, SharedAmax, TensorSpec};
     use refit::quant::{Arithmetic, Fp8, Granularity, Quantization, SourceType};
 
     const COLS: u64 = 64;
@@ -154,11 +163,14 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
     const ROWS: u64 = 64;
     // Where both receivers map their codes (and the scale after them): one address in each process.
     const FIXED: usize = 0x5a5a_0000_0000;
+    const KEY: u64 = 0x9e37_79b9;
     let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::VllmTensor);
-    // Element (r, c) of the fused matrix: v's rows the largest, so no part alone has the fused amax.
+    // Element (r, c) of the fused matrix: the magnitude grows every 8 rows, so v's rows are the
+    // largest (no part alone has the fused amax) and the last 8 of them (the second engine's half of
+    // v when sharded) larger still.
     let element = |r: u64, c: u64| -> [u8; 2] {
         let h = (r * 7919 + c * 104729).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 40;
-        let exponent = 118 + r / 16;
+        let exponent = 118 + r / 8;
         (((h & 0x8000) | (exponent << 7) | (h & 0x7f)) as u16).to_le_bytes()
     };
     let fused: Vec<u8> = (0..ROWS).flat_map(|r| (0..COLS).flat_map(move |c| element(r, c))).collect();
@@ -180,7 +192,22 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
     source.bytes_mut().copy_from_slice(&fused);
     let first_rows: Vec<u64> =
         PARTS.iter().scan(0, |at, &(_, rows)| Some(std::mem::replace(at, *at + rows))).collect();
-    let (mut offers, mut quant_needs) = (Vec::new(), Vec::new());
+    // The rows of each part this receiver gets: (first row within the part, rows).
+    let share = |rows: u64| match (sharded, rank) {
+        (false, _) => (0, rows),
+        (true, 1) => (0, rows / 2),
+        (true, _) => (rows / 2, rows / 2),
+    };
+    // The fused matrix's rows this receiver holds, in its order.
+    let held: Vec<u64> = PARTS
+        .iter()
+        .zip(&first_rows)
+        .flat_map(|(&(_, rows), &first)| {
+            let (lo, count) = share(rows);
+            first + lo..first + lo + count
+        })
+        .collect();
+    let (mut offers, mut quant_needs, mut shared_amax) = (Vec::new(), Vec::new(), Vec::new());
     let received = if rank == 0 {
         for (tensor, (&(_, rows), &first)) in PARTS.iter().zip(&first_rows).enumerate() {
             offers.push(Offer {
@@ -208,12 +235,14 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
         };
         assert_eq!(at as usize, FIXED, "rank {rank}: mapping the fixed address");
         let (codes, scale) = (FIXED as u64, (FIXED + 4096) as u64);
-        for (tensor, (&(_, rows), &first)) in PARTS.iter().zip(&first_rows).enumerate() {
+        let mut at = codes;
+        for (tensor, &(_, rows)) in PARTS.iter().enumerate() {
+            let (lo, count) = share(rows);
             quant_needs.push(QuantNeed {
                 tensor: tensor as u32,
                 receiver: here,
-                addr: codes + first * COLS,
-                region: Region { offset: vec![0, 0], extent: vec![rows, COLS] },
+                addr: at,
+                region: Region { offset: vec![lo, 0], extent: vec![count, COLS] },
                 strides: vec![COLS, 1],
                 quantization: q,
                 source: SourceType::Bf16,
@@ -222,16 +251,20 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
                 scale_matrix_stride: 1,
                 staging: 0,
             });
+            at += count * COLS;
+        }
+        if sharded {
+            shared_amax.push(SharedAmax { process: rank as u32, scale, key: KEY });
         }
         // SAFETY: the mapping above, alive to the end of the process.
         Some(unsafe {
             (
-                std::slice::from_raw_parts_mut(codes as *mut u8, (ROWS * COLS) as usize),
+                std::slice::from_raw_parts_mut(codes as *mut u8, held.len() * COLS as usize),
                 &mut *(scale as *mut [u8; 4]),
             )
         })
     };
-    let table = Table { tensors, offers, needs: vec![], quant_needs };
+    let table = Table { tensors, offers, needs: vec![], quant_needs, shared_amax };
     let share = build_plan(&comm, &table, &PlanOptions::default()).unwrap();
     assert!(
         share.quant_routes().iter().all(|r| r.path == QuantPath::Sender && r.runner.process == 0),
@@ -239,15 +272,30 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
     );
     assert_eq!(share.quant_routes().len(), if rank == 0 { 6 } else { 3 }, "rank {rank}");
 
-    // The reference: the fused matrix quantized whole.
-    let (want_codes, want_scale) = quant_cases::reference_bf16(q, &fused, ROWS, COLS);
+    // The reference: the fused matrix quantized whole; this receiver's rows of its codes.
+    let (fused_codes, want_scale) = quant_cases::reference_bf16(q, &fused, ROWS, COLS);
+    let want_codes: Vec<u8> = held
+        .iter()
+        .flat_map(|&r| &fused_codes[(r * COLS) as usize..((r + 1) * COLS) as usize])
+        .copied()
+        .collect();
+    if sharded && rank == 1 {
+        // The check can fail: this receiver's rows alone have another scale.
+        let mine: Vec<u8> = held
+            .iter()
+            .flat_map(|&r| &fused[(r * COLS * 2) as usize..((r + 1) * COLS * 2) as usize])
+            .copied()
+            .collect();
+        let (_, alone) = quant_cases::reference_bf16(q, &mine, held.len() as u64, COLS);
+        assert_ne!(alone, want_scale, "the first engine's rows alone have the fused amax");
+    }
 
     let mut received = received;
     let cases = [(CommitMode::Direct, false), (CommitMode::Staged, false), (CommitMode::Direct, true)];
     for (commit, verify) in cases {
         let options = ExecOptions { commit, verify, ..ExecOptions::default() };
         let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
-        let at = format!("rank {rank} ipc {ipc} {commit:?} verify {verify}");
+        let at = format!("rank {rank} ipc {ipc} sharded {sharded} {commit:?} verify {verify}");
         if let Some((codes, scale)) = received.as_mut() {
             codes.fill(SENTINEL);
             scale.fill(SENTINEL);
@@ -272,7 +320,7 @@ fn a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_i
         "a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_ipc",
         BackendKind::Host,
         &[End::Done; 3],
-        |rank, size, id| fused_per_tensor_across(rank, size, id, true),
+        |rank, size, id| fused_per_tensor_across(rank, size, id, true, false),
     );
 }
 
@@ -282,6 +330,26 @@ fn a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_s
         "a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_staging",
         BackendKind::Host,
         &[End::Done; 3],
-        |rank, size, id| fused_per_tensor_across(rank, size, id, false),
+        |rank, size, id| fused_per_tensor_across(rank, size, id, false, false),
+    );
+}
+
+#[test]
+fn a_per_tensor_weight_sharded_over_two_engines_takes_one_amax_through_ipc() {
+    in_processes(
+        "a_per_tensor_weight_sharded_over_two_engines_takes_one_amax_through_ipc",
+        BackendKind::Host,
+        &[End::Done; 3],
+        |rank, size, id| fused_per_tensor_across(rank, size, id, true, true),
+    );
+}
+
+#[test]
+fn a_per_tensor_weight_sharded_over_two_engines_takes_one_amax_through_staging() {
+    in_processes(
+        "a_per_tensor_weight_sharded_over_two_engines_takes_one_amax_through_staging",
+        BackendKind::Host,
+        &[End::Done; 3],
+        |rank, size, id| fused_per_tensor_across(rank, size, id, false, true),
     );
 }

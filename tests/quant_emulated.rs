@@ -312,6 +312,33 @@ fn per_tensor_jobs_naming_one_scale_share_one_amax_word() {
     unsafe { emulate(&l) };
     let codes: Vec<Vec<u8>> = codes.iter().map(|d| d.bytes().to_vec()).collect();
     check_shared(&shared, &codes, scale.bytes(), "emulated kernel");
+    // Two scales joined through an amax key: one amax word, both scales the same value.
+    let keyed_codes: Vec<Aligned> = shared.iter().map(|c| Aligned::new(c.dst_len(), SENTINEL)).collect();
+    let (a, b) = (Aligned::new(4, SENTINEL), Aligned::new(4, SENTINEL));
+    let mut keyed: Vec<refit::quant::QuantJob> =
+        shared.iter().zip(&keyed_codes).map(|(c, d)| c.job(c.data.addr(), d.addr(), 0)).collect();
+    quant_cases::key_jobs(&mut keyed, a.addr(), b.addr());
+    let mut jobs: Vec<_> = others
+        .iter()
+        .zip(&other_outputs)
+        .map(|(c, (d, s))| c.job(c.data.addr(), d.addr(), s.addr()))
+        .collect();
+    for (i, job) in keyed.into_iter().enumerate() {
+        jobs.insert(at + i * 2, job);
+    }
+    let l = layout(&jobs).unwrap();
+    let keyed_slots: Vec<u32> =
+        l.descs.iter().filter(|d| [a.addr(), b.addr()].contains(&d.scales)).map(|d| d.amax_slot).collect();
+    assert!(
+        keyed_slots.len() == 3 && keyed_slots.iter().all(|&s| s == keyed_slots[0]),
+        "amax slots {keyed_slots:?}"
+    );
+    // SAFETY: the descriptors name the buffers above, which outlive the call.
+    unsafe { emulate(&l) };
+    let got: Vec<Vec<u8>> = keyed_codes.iter().map(|d| d.bytes().to_vec()).collect();
+    for scale in [&a, &b] {
+        check_shared(&shared, &got, scale.bytes(), "emulated kernel, keyed");
+    }
     for (c, (dst, scales)) in others.iter().zip(&other_outputs) {
         let (want_dst, want_scales) = c.expected();
         assert!(dst.bytes() == want_dst.as_slice() && scales.bytes() == want_scales.as_slice(), "{}", c.name);

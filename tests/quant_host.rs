@@ -84,6 +84,7 @@ fn base_job() -> QuantJob {
         dst_stride: 256,
         scales: 0x200000,
         scale_stride: 2,
+        amax_key: 0,
     }
 }
 
@@ -232,6 +233,25 @@ fn per_tensor_jobs_naming_one_scale_share_its_amax() {
         unsafe { backend.quantize_batch(0, Stream::NULL, &jobs) }.unwrap();
         let codes: Vec<Vec<u8>> = codes.iter().map(|d| d.bytes().to_vec()).collect();
         check_shared(&cases, &codes, scale.bytes(), &format!("host, {target:?} {arithmetic:?}"));
+
+        // Two scales joined through an amax key take the same value.
+        let (keyed_codes, a, b) = (
+            cases.iter().map(|c| Aligned::new(c.dst_len(), SENTINEL)).collect::<Vec<_>>(),
+            Aligned::new(4, SENTINEL),
+            Aligned::new(4, SENTINEL),
+        );
+        let mut keyed: Vec<QuantJob> =
+            cases.iter().zip(&keyed_codes).map(|(c, d)| c.job(c.data.addr(), d.addr(), 0)).collect();
+        quant_cases::key_jobs(&mut keyed, a.addr(), b.addr());
+        // SAFETY: the jobs name the buffers above, alive for the call.
+        unsafe { backend.quantize_batch(0, Stream::NULL, &keyed) }.unwrap();
+        let got: Vec<Vec<u8>> = keyed_codes.iter().map(|d| d.bytes().to_vec()).collect();
+        for scale in [&a, &b] {
+            check_shared(&cases, &got, scale.bytes(), &format!("host, keyed, {target:?} {arithmetic:?}"));
+        }
+        let mut differing = keyed.clone();
+        differing[2].quantization = differing[2].quantization.with(Arithmetic::VllmChannel);
+        refused(&differing, Status::InvalidArgument, &["jobs[2]", "per-tensor amax (amax key"]);
 
         let mut differing = jobs.clone();
         differing[2].quantization = differing[2].quantization.with(Arithmetic::VllmChannel);

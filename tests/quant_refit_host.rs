@@ -11,7 +11,8 @@ use quant_cases::{Aligned, Rng};
 use refit::exec::{CommitMode, ExecOptions, Executor};
 use refit::group::{BackendChoice, Group, GroupOptions};
 use refit::plan::{
-    self, wire, Endpoint, Offer, Plan, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec,
+    self, wire, Endpoint, Offer, Plan, PlanOptions, QuantNeed, QuantPath, Region, SharedAmax, Table,
+    TensorSpec,
 };
 use refit::quant::{Arithmetic, Fp8, Granularity, QuantJob, Quantization, SourceType};
 use refit::transport::host::HostBackend;
@@ -142,6 +143,7 @@ impl Received {
                 dst_stride: self.pitch,
                 scales: scales.addr() + m * self.grid.0 * self.grid.1 * scale_size,
                 scale_stride: self.grid.1,
+                amax_key: 0,
             })
             .collect();
         let backend = HostBackend::new(1).unwrap();
@@ -203,6 +205,7 @@ fn table(shards: &[(Shard, Endpoint)], needs: &[(&Received, Endpoint)]) -> Table
         offers: shards.iter().map(|(s, owner)| offer(s, *owner)).collect(),
         needs: vec![],
         quant_needs: needs.iter().map(|(r, e)| r.need(0, *e)).collect(),
+        shared_amax: vec![],
     }
 }
 
@@ -629,6 +632,7 @@ fn hostile_quantized_needs_are_refused_not_a_panic() {
             scale_matrix_stride: u64::MAX / 2,
             staging: 0,
         }],
+        shared_amax: vec![],
     };
     let cases = [
         // More dimensions than a box may have.
@@ -779,7 +783,7 @@ impl Fused {
                 staging: if staging { self.staging[t].addr() } else { 0 },
             })
             .collect();
-        (Table { tensors, offers, needs: vec![], quant_needs }, shards)
+        (Table { tensors, offers, needs: vec![], quant_needs, shared_amax: vec![] }, shards)
     }
 
     /// The reference: the whole fused matrix quantized by one per-tensor job.
@@ -797,6 +801,7 @@ impl Fused {
             dst_stride: FUSED_COLS,
             scales: scale.addr(),
             scale_stride: 1,
+            amax_key: 0,
         };
         // SAFETY: the buffers above outlive the call, which completes on return.
         unsafe { HostBackend::new(1).unwrap().quantize_batch(0, Stream::NULL, &[job]) }.unwrap();
@@ -857,14 +862,14 @@ fn needs_sharing_a_scale_that_cannot_be_quantized_together_are_refused() {
     let fused = Fused::new(50, [DEV0, DEV1, DEV0], [None, None, None]);
     // Staged because k is on another device, but without staging.
     let (table, _shards) = fused.table(false, q);
-    fails(build(&table), Status::Unsupported, &["'q'", "shares its per-tensor scale", "'k'", "staging"]);
+    fails(build(&table), Status::Unsupported, &["'q'", "shares its per-tensor amax", "'k'", "staging"]);
     // One target and arithmetic, one receiving device.
     let (mut table, _shards) = fused.table(true, q);
     table.quant_needs[2].quantization = q.with(Arithmetic::VllmChannel);
     fails(
         build(&table),
         Status::InvalidArgument,
-        &["'q'", "'k'", "'v'", "share a per-tensor scale", "quantization"],
+        &["'q'", "'k'", "'v'", "share a per-tensor amax", "quantization"],
     );
     let (mut table, _shards) = fused.table(true, q);
     table.quant_needs[1].receiver = DEV1;
@@ -876,4 +881,187 @@ fn needs_sharing_a_scale_that_cannot_be_quantized_together_are_refused() {
     table.quant_needs[1].scale_matrix_stride = 3;
     let plan = build(&table).unwrap();
     fails(Executor::new(&group(), &plan, 0, ExecOptions::default()), Status::Overlap, &["scales"]);
+}
+
+/// One per-tensor weight sharded by rows over two receiving devices, each with its own scale, the
+/// two scales given one amax key (vLLM's per-tensor weights at TP 2, in one process): offered whole
+/// on `owner`, and (with `cut`) in two offers on the two devices.
+struct Sharded {
+    values: Vec<u8>,
+    whole: Aligned,
+    halves: [Aligned; 2],
+    codes: [Aligned; 2],
+    scales: [Aligned; 2],
+    staging: [Aligned; 2],
+}
+
+const SHARDED: (u64, u64) = (64, 48);
+const AMAX_KEY: u64 = 0x51ab_cdef;
+
+impl Sharded {
+    fn new(seed: u64) -> Sharded {
+        let (rows, cols) = SHARDED;
+        let mut rng = Rng::new(seed);
+        // The second half's magnitudes are larger: its amax alone is the weight's.
+        let values: Vec<u8> = (0..rows * cols)
+            .flat_map(|i| {
+                let exponent = (rng.next() % 8) as i32 - 4 + if i >= rows * cols / 2 { 3 } else { 0 };
+                let mantissa = 1.0 + (rng.next() % 128) as f32 / 128.0;
+                let sign = if rng.next() % 2 == 0 { 1.0 } else { -1.0 };
+                bf16(sign * mantissa * 2f32.powi(exponent))
+            })
+            .collect();
+        let buffer = |bytes: &[u8]| {
+            let mut memory = Aligned::new(bytes.len(), 0);
+            memory.bytes_mut().copy_from_slice(bytes);
+            memory
+        };
+        let half = values.len() / 2;
+        Sharded {
+            whole: buffer(&values),
+            halves: [buffer(&values[..half]), buffer(&values[half..])],
+            codes: [0, 1].map(|_| Aligned::new((rows / 2 * cols) as usize, SENTINEL)),
+            scales: [0, 1].map(|_| Aligned::new(4, SENTINEL)),
+            staging: [0, 1].map(|_| Aligned::new((rows / 2 * cols * 2) as usize, 0)),
+            values,
+        }
+    }
+
+    /// The table: offered whole on `owner` (or in halves on DEV0 and DEV1 when `cut`), one need per
+    /// device for its half, each quantized as `quantizations` says, the scales keyed alike when
+    /// `keyed`.
+    fn table(&self, owner: Endpoint, cut: bool, quantizations: [Quantization; 2], keyed: bool) -> Table {
+        let (rows, cols) = SHARDED;
+        let offer = |addr: u64, owner: Endpoint, lo: u64, count: u64| Offer {
+            tensor: 0,
+            owner,
+            addr,
+            region: Region { offset: vec![lo, 0], extent: vec![count, cols] },
+            strides: None,
+            digest: None,
+        };
+        let offers = match cut {
+            false => vec![offer(self.whole.addr(), owner, 0, rows)],
+            true => vec![
+                offer(self.halves[0].addr(), DEV0, 0, rows / 2),
+                offer(self.halves[1].addr(), DEV1, rows / 2, rows / 2),
+            ],
+        };
+        let quant_needs = [DEV0, DEV1]
+            .iter()
+            .enumerate()
+            .map(|(k, &receiver)| QuantNeed {
+                tensor: 0,
+                receiver,
+                addr: self.codes[k].addr(),
+                region: Region { offset: vec![k as u64 * rows / 2, 0], extent: vec![rows / 2, cols] },
+                strides: vec![cols, 1],
+                quantization: quantizations[k],
+                source: SourceType::Bf16,
+                scales: self.scales[k].addr(),
+                scale_row_stride: 1,
+                scale_matrix_stride: 1,
+                staging: self.staging[k].addr(),
+            })
+            .collect();
+        let shared_amax = match keyed {
+            true => (0..2)
+                .map(|k| SharedAmax { process: 0, scale: self.scales[k].addr(), key: AMAX_KEY })
+                .collect(),
+            false => vec![],
+        };
+        Table {
+            tensors: vec![TensorSpec { name: "w".into(), dtype: 7, elem_size: 2, shape: vec![rows, cols] }],
+            offers,
+            needs: vec![],
+            quant_needs,
+            shared_amax,
+        }
+    }
+}
+
+#[test]
+fn per_tensor_shards_on_two_devices_sharing_an_amax_key_get_the_whole_weights_scale() {
+    let (rows, cols) = SHARDED;
+    let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::VllmTensor);
+    for (seed, owner) in [DEV0, DEV1].into_iter().enumerate() {
+        for commit in [CommitMode::Direct, CommitMode::Staged] {
+            for verify in [false, true] {
+                let what = format!("offered on {owner:?} {commit:?} verify {verify}");
+                let sharded = Sharded::new(seed as u64 + 70);
+                let plan = build(&sharded.table(owner, false, [q, q], true)).unwrap();
+                let routes = plan.quant_routes();
+                assert!(routes.iter().all(|r| r.path == QuantPath::Direct && r.runner == owner), "{what}");
+                let (want_codes, want_scale) = quant_cases::reference_bf16(q, &sharded.values, rows, cols);
+                let half = want_codes.len() / 2;
+                let group = group();
+                let mut executor =
+                    Executor::new(&group, &plan, 0, ExecOptions { commit, verify, ..ExecOptions::default() })
+                        .unwrap();
+                // SAFETY: every address of the plan is a live buffer of this test.
+                unsafe { executor.run(&group) }.unwrap();
+                if commit == CommitMode::Staged {
+                    // SAFETY: as above.
+                    unsafe { executor.commit(&group) }.unwrap();
+                }
+                for k in 0..2 {
+                    assert_eq!(sharded.scales[k].bytes(), want_scale.as_slice(), "{what}: scale {k}");
+                    let want = &want_codes[k * half..(k + 1) * half];
+                    assert!(sharded.codes[k].bytes() == want, "{what}: codes of half {k}");
+                }
+            }
+        }
+    }
+    // Not vacuous: without the key the first half takes its own amax.
+    let sharded = Sharded::new(70);
+    execute(&build(&sharded.table(DEV0, false, [q, q], false)).unwrap(), CommitMode::Direct).unwrap();
+    let (_, whole_scale) = quant_cases::reference_bf16(q, &sharded.values, rows, cols);
+    assert_ne!(sharded.scales[0].bytes(), whole_scale.as_slice(), "the first half alone");
+    // The key survives the wire, and the plan is the same.
+    let table = sharded.table(DEV1, false, [q, q], true);
+    let decoded = wire::decode(&wire::encode(&table)).unwrap();
+    assert_eq!(decoded, table);
+    assert_eq!(wire::encode(&table)[4], wire::VERSION_SHARED_AMAX);
+    assert_eq!(build(&decoded).unwrap().quant_routes(), build(&table).unwrap().quant_routes());
+    let unkeyed = sharded.table(DEV1, false, [q, q], false);
+    assert_eq!(wire::encode(&unkeyed)[4], wire::VERSION_QUANTIZED, "no key: written as before keys");
+}
+
+#[test]
+fn shards_sharing_an_amax_that_cannot_be_quantized_together_are_refused() {
+    let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::VllmTensor);
+    let sharded = Sharded::new(80);
+    // Each half offered on its own receiver: no one device holds both, and staging on each receiver
+    // would give each its own amax, so even with staging this is refused.
+    fails(
+        build(&sharded.table(DEV0, true, [q, q], true)),
+        Status::Unsupported,
+        &["'w'", "amax", "one device", "staging on each receiver"],
+    );
+    // Without the key, the same table plans: each half in place on its own device.
+    let plan = build(&sharded.table(DEV0, true, [q, q], false)).unwrap();
+    assert!(plan.quant_routes().iter().all(|r| r.path == QuantPath::Direct && r.runner == r.receiver));
+    // One target and arithmetic.
+    fails(
+        build(&sharded.table(DEV0, false, [q, q.with(Arithmetic::Divide)], true)),
+        Status::InvalidArgument,
+        &["'w'", "share a per-tensor amax", "quantization"],
+    );
+    // A key on a scale that no need writes.
+    let mut table = sharded.table(DEV0, false, [q, q], true);
+    table.shared_amax.push(SharedAmax { process: 0, scale: sharded.staging[0].addr(), key: 3 });
+    fails(build(&table), Status::InvalidArgument, &["no per-tensor quantized need", "key 3"]);
+    // Two tables giving one scale two keys.
+    let table = sharded.table(DEV0, false, [q, q], true);
+    let mut other = Table::default();
+    other.shared_amax.push(SharedAmax { process: 0, scale: sharded.scales[0].addr(), key: AMAX_KEY + 1 });
+    fails(plan::build(&[table, other], &PlanOptions::default()), Status::InvalidArgument, &["two keys"]);
+    // Key 0, and a second key for one scale, are refused as they are added.
+    let mut builder = refit::plan::TableBuilder::new();
+    let place = |key| SharedAmax { process: 0, scale: 0x1000, key };
+    fails(builder.share_amax(place(0)), Status::InvalidArgument, &["key 0"]);
+    builder.share_amax(place(5)).unwrap();
+    builder.share_amax(place(5)).unwrap();
+    fails(builder.share_amax(place(6)), Status::InvalidArgument, &["under key 5, not 6"]);
+    assert_eq!(builder.table().shared_amax.len(), 1);
 }

@@ -31,7 +31,13 @@ fn one_element_offers() -> Table {
             digest: None,
         })
         .collect();
-    Table { tensors: vec![spec("x", &[COUNT])], offers, needs: Vec::new(), quant_needs: Vec::new() }
+    Table {
+        tensors: vec![spec("x", &[COUNT])],
+        offers,
+        needs: Vec::new(),
+        quant_needs: Vec::new(),
+        shared_amax: Vec::new(),
+    }
 }
 
 fn need(element: u64, extent: u64, receiver: u32, addr: u64) -> Need {
@@ -69,7 +75,13 @@ fn combs(side: u64) -> Table {
             digest: None,
         });
     }
-    Table { tensors: vec![spec("w", &[side, side])], offers, needs: Vec::new(), quant_needs: Vec::new() }
+    Table {
+        tensors: vec![spec("w", &[side, side])],
+        offers,
+        needs: Vec::new(),
+        quant_needs: Vec::new(),
+        shared_amax: Vec::new(),
+    }
 }
 
 /// Times `f` `samples` times; returns the minimum in milliseconds and the last result.

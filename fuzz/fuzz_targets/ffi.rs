@@ -35,6 +35,7 @@ use refit::ffi::plan::{
     refit_plan_quant_route_count, refit_plan_route, refit_plan_route_count, refit_quant_route_info,
     refit_route_info, refit_table, refit_table_add_need, refit_table_add_offer, refit_table_add_quantized_need,
     refit_table_add_tensor, refit_table_create, refit_table_decode, refit_table_destroy, refit_table_encode,
+    refit_table_share_amax,
 };
 use refit::ffi::quantize::{refit_quantization, refit_quantize_batch, refit_quantize_job};
 use refit::ffi::status::refit_last_error_message;
@@ -525,6 +526,11 @@ fn add_quantized_need(input: &mut Bytes, pool: &mut Pool, base: u64) {
         let facts = pool.facts.entry(table as usize).or_default();
         facts.quantized = true;
         facts.outside |= !inside;
+    }
+    // An amax key on this need's scale (or on an address in the arena), key 0 sometimes (refused).
+    if input.byte() % 2 == 0 {
+        let scale = if input.byte() % 4 == 0 { base + input.small(256) * 4 } else { need.scales };
+        check(refit_table_share_amax(table, rank, scale, input.value(2)));
     }
 }
 

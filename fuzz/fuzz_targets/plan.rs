@@ -14,7 +14,7 @@ use bytes::Bytes;
 use libfuzzer_sys::fuzz_target;
 use refit::plan::{
     build_with_limits, Endpoint, Limits, Need, Offer, OwnerPolicy, Plan, PlanOptions, QuantNeed, QuantPath, Region,
-    Table, TensorSpec,
+    SharedAmax, Table, TensorSpec,
 };
 use refit::quant::{Arithmetic, Fp8, Granularity, Quantization, SourceType};
 use refit::Status;
@@ -54,6 +54,16 @@ fn table(input: &mut Bytes) -> Table {
     for _ in 0..input.byte() % 4 {
         let q = quant_need(input, &t.tensors);
         t.quant_needs.push(q);
+    }
+    // Amax keys, mostly on a quantized need's scale (of any table: keys join across tables), some
+    // elsewhere, some 0 (refused).
+    for _ in 0..input.byte() % 3 {
+        let scale = match t.quant_needs.get(usize::from(input.byte() % 4)) {
+            Some(q) if input.byte() % 4 != 0 => q.scales,
+            _ => input.value(4).saturating_add(0x100).saturating_mul(4096),
+        };
+        let process = u32::from(input.byte() % 3);
+        t.shared_amax.push(SharedAmax { process, scale, key: u64::from(input.byte() % 3) });
     }
     t
 }
@@ -242,4 +252,12 @@ fn check_quantized(tables: &[Table], plan: &Plan) {
     }
     assert!(codes == wanted_codes, "codes written are not the needs' codes");
     assert!(scales == wanted_scales, "scales written are not the needs' scales");
+    // Jobs sharing an amax key run in one batch: one runner, all sent or none.
+    let mut batches: std::collections::HashMap<u64, (Endpoint, bool)> = std::collections::HashMap::new();
+    for route in plan.quant_routes() {
+        for job in route.jobs.iter().filter(|j| j.amax_key != 0) {
+            let batch = (route.runner, route.path == QuantPath::Sender);
+            assert_eq!(*batches.entry(job.amax_key).or_insert(batch), batch, "an amax key's jobs in two batches");
+        }
+    }
 }

@@ -568,6 +568,7 @@ FUNCTIONS = {
         status_t,
         [_handle, c_uint32, c_uint32, c_uint32, c_uint64, _u64p, _u64p, _u64p, c_size_t, POINTER(NeedQuantizationStruct)],
     ),
+    "refit_table_share_amax": (status_t, [_handle, c_uint32, c_uint64, c_uint64]),
     "refit_table_encoded_size": (status_t, [_handle, POINTER(c_size_t)]),
     "refit_table_encode": (status_t, [_handle, POINTER(c_uint8), c_size_t, POINTER(c_size_t)]),
     "refit_table_decode": (status_t, [POINTER(c_uint8), c_size_t, POINTER(_handle)]),

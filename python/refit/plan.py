@@ -183,6 +183,19 @@ class Table(Handle):
         with self._borrow(exclusive=True) as handle:
             check(lib.refit_table_add_quantized_need(handle, *arguments))
 
+    def share_amax(self, rank: int, scale: int, key: int) -> None:
+        """refit_table_share_amax: the per-tensor scale at `scale` of process `rank` takes one value
+        with every scale any table gives the nonzero `key`, from the amax of all the quantized needs
+        writing any of them (a weight's shards on several receivers, each with its own copy of the
+        scale, as vLLM's per-tensor weights at tensor parallelism above 1)."""
+        arguments = (
+            check_range(rank, 32, "rank"),
+            check_range(scale, 64, "scale"),
+            check_range(key, 64, "key"),
+        )
+        with self._borrow(exclusive=True) as handle:
+            check(lib.refit_table_share_amax(handle, *arguments))
+
     def encode(self) -> bytes:
         """The table's versioned, checksummed wire encoding, as bytes."""
         size = c_size_t()

@@ -553,6 +553,48 @@ class QuantizedNeedTest(unittest.TestCase):
         self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
         self.assertIn("contiguous", str(caught.exception))
 
+    def test_shards_on_two_devices_sharing_an_amax_key_take_the_whole_matrix_scale(self):
+        # Matrix 0 of the tensor, its rows split between devices 0 and 1 (each with its own scale,
+        # both keyed alike), quantized per tensor from the whole matrix offered on device 1.
+        q = Quantization(Fp8.E4M3FN, Granularity.TENSOR, None, Arithmetic.VLLM_TENSOR)
+        rows, cols, half = self.ROWS, self.COLS, self.ROWS // 2
+        # Finite values, the second half's binades above the first's: its amax is the matrix's.
+        rng = random.Random(5)
+        bits = [(rng.randrange(100, 120) + (10 if i >= half * cols else 0)) << 7 | rng.randrange(128)
+                | rng.choice([0, 0x8000]) for i in range(rows * cols)]
+        for keyed in (True, False):
+            table = refit.Table()
+            tensor = table.add_tensor("w", [rows, cols], 2)
+            addr = self.buffer(2 * rows * cols)
+            ctypes.memmove(addr, struct.pack(f"<{rows * cols}H", *bits), 2 * rows * cols)
+            table.add_offer(tensor, 0, 1, addr, [0, 0], [rows, cols])
+            codes = [self.buffer(half * cols, 0xAB) for _ in range(2)]
+            scales = [self.buffer(4, 0xAB) for _ in range(2)]
+            for device in (0, 1):
+                table.add_quantized_need(tensor, 0, device, codes[device], [device * half, 0], [half, cols], [cols, 1],
+                                         q, SourceType.BF16, scales[device], 1)
+                if keyed:
+                    table.share_amax(0, scales[device], 0xC0FFEE)
+            plan = refit.Plan.build([table])
+            self.assertEqual({(r.path, r.runner_device) for r in plan.quant_routes()}, {(refit.QuantPath.IN_PLACE, 1)})
+            plan.executor(self.group, 0).run()
+            want_codes, want_scales = reference(q, bits, rows, cols, cols)
+            for device in (0, 1):
+                got = struct.unpack("<I", ctypes.string_at(scales[device], 4))[0]
+                if keyed:
+                    self.assertEqual(got, want_scales[(0, 0)], device)
+                    got_codes = ctypes.string_at(codes[device], half * cols)
+                    for r in range(half):
+                        for c in range(cols):
+                            self.assertEqual(got_codes[r * cols + c], want_codes[(device * half + r, c)], (device, r, c))
+                elif device == 0:
+                    # Not vacuous: alone, a half has another scale here.
+                    self.assertNotEqual(got, want_scales[(0, 0)])
+        with self.assertRaises(RefitError) as caught:
+            refit.Table().share_amax(0, 1 << 20, 0)
+        self.assertEqual(caught.exception.status, Status.INVALID_ARGUMENT)
+        self.assertIn("key 0", str(caught.exception))
+
 
 class HostArray:
     """A ctypes buffer described as a tensor (what refit.tensor reads), on simulated device 0."""

@@ -355,22 +355,26 @@ fn gather<K: PartialEq>(
     }
 }
 
-/// Internal unless the jobs sharing each per-tensor scale run in one gathering (one batch, so one
-/// amax): what the planner's routes promise (`plan::quantized`'s ScaleTies).
+/// Internal unless the jobs sharing each per-tensor amax (a scale, or a key) run in one gathering
+/// (one batch, so one amax): what the planner's routes promise (`plan::quantized`'s ScaleTies).
 fn check_shared_scales_together(gathered: &Gathered<Gathering>) -> Result<()> {
-    let mut batch_of: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    let mut batch_of: std::collections::HashMap<(bool, u64), usize> = std::collections::HashMap::new();
     for (index, (_, jobs, labels)) in gathered.iter().enumerate() {
         let shared = jobs.iter().zip(labels).filter(|(j, _)| {
             j.quantization.granularity == crate::quant::Granularity::Tensor && j.elements() > 0
         });
         for (job, (tensor, _)) in shared {
-            if *batch_of.entry(job.scales).or_insert(index) != index {
-                crate::bail!(
-                    Status::InternalError,
-                    "quantized need of tensor '{tensor}': its per-tensor scale at {:#x} is shared by jobs the plan \
-                     runs apart",
-                    job.scales
-                );
+            let keys = [Some((false, job.scales)), (job.amax_key != 0).then_some((true, job.amax_key))];
+            for key in keys.into_iter().flatten() {
+                if *batch_of.entry(key).or_insert(index) != index {
+                    crate::bail!(
+                        Status::InternalError,
+                        "quantized need of tensor '{tensor}': its per-tensor amax (scale at {:#x}, key {}) is shared by \
+                         jobs the plan runs apart",
+                        job.scales,
+                        job.amax_key
+                    );
+                }
             }
         }
     }

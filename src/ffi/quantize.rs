@@ -173,6 +173,7 @@ fn job(index: usize, c: &refit_quantize_job) -> Result<QuantJob> {
         dst_stride: c.dst_row_stride,
         scales: c.scales,
         scale_stride: c.scale_row_stride,
+        amax_key: 0,
     })
 }
 

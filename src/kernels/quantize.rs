@@ -72,7 +72,7 @@ pub struct QuantDesc {
     /// ([`crate::quant::Arithmetic::power_of_two_scales`]).
     pub pow2_scales: u32,
     /// Per tensor: the amax word the job reduces into and reads, shared by every job sharing its
-    /// scale ([`crate::quant::job::scale_owners`]: the descriptor of the first of them).
+    /// amax ([`crate::quant::job::amax_owners`]: the descriptor of the first of them).
     pub amax_slot: u32,
     /// The code a NaN quotient takes: 0x7f, or the target's +FP8_MAX code where the arithmetic
     /// says so ([`crate::quant::Arithmetic::nan_to_max`]).
@@ -138,7 +138,7 @@ impl Layout {
 /// has.
 pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     check_jobs(jobs)?;
-    let owners = crate::quant::job::scale_owners(jobs);
+    let owners = crate::quant::job::amax_owners(jobs);
     let (mut narrow, mut wide) = (Vec::new(), Vec::new());
     for (index, job) in jobs.iter().enumerate().filter(|(_, job)| job.elements() > 0) {
         let (mut desc, tiles) = describe(job);
@@ -669,6 +669,7 @@ mod tests {
             dst_stride: cols.next_multiple_of(8),
             scales: base + (1 << 43),
             scale_stride: grid_cols,
+            amax_key: 0,
         }
     }
 

@@ -11,6 +11,8 @@ pub struct TableBuilder {
     table: Table,
     /// Index in `table.tensors` of the first description of each name.
     by_name: HashMap<String, u32>,
+    /// The key of each (process, scale) in `table.shared_amax`.
+    amax_keys: HashMap<(u32, u64), u64>,
 }
 
 impl TableBuilder {
@@ -70,6 +72,38 @@ impl TableBuilder {
         Ok(())
     }
 
+    /// Adds a per-tensor scale to the set that shares one amax under its key (key 0 is refused:
+    /// INVALID_ARGUMENT). Naming a scale twice is accepted when the key is the same.
+    pub fn share_amax(&mut self, shared: super::quantized::SharedAmax) -> Result<()> {
+        if shared.key == 0 {
+            return Err(Error::invalid_argument(format!(
+                "scale at {:#x} of process {}: amax key 0 means none; give a nonzero key",
+                shared.scale, shared.process
+            )));
+        }
+        if shared.scale == 0 {
+            return Err(Error::invalid_argument(format!(
+                "a scale at address 0 of process {} (amax key {})",
+                shared.process, shared.key
+            )));
+        }
+        match self.amax_keys.get(&(shared.process, shared.scale)) {
+            Some(&key) if key == shared.key => return Ok(()),
+            Some(&key) => {
+                return Err(Error::invalid_argument(format!(
+                    "scale at {:#x} of process {} already shares its amax under key {key}, not {}",
+                    shared.scale, shared.process, shared.key
+                )))
+            }
+            None => {}
+        }
+        self.table.shared_amax.try_reserve(1).map_err(|_| out_of_memory("shared amax"))?;
+        self.amax_keys.try_reserve(1).map_err(|_| out_of_memory("shared amax"))?;
+        self.amax_keys.insert((shared.process, shared.scale), shared.key);
+        self.table.shared_amax.push(shared);
+        Ok(())
+    }
+
     fn tensor(&self, index: u32) -> Result<&TensorSpec> {
         self.table.tensors.get(index as usize).ok_or_else(|| {
             Error::invalid_argument(format!(
@@ -87,7 +121,8 @@ impl From<Table> for TableBuilder {
         for (i, spec) in table.tensors.iter().enumerate() {
             by_name.entry(spec.name.clone()).or_insert(i as u32);
         }
-        TableBuilder { table, by_name }
+        let amax_keys = table.shared_amax.iter().map(|s| ((s.process, s.scale), s.key)).collect();
+        TableBuilder { table, by_name, amax_keys }
     }
 }
 

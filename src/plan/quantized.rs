@@ -58,6 +58,18 @@ pub struct QuantNeed {
     pub staging: u64,
 }
 
+/// A per-tensor scale of process `process` at `scale` (a quantized need's `scales + m *
+/// scale_matrix_stride` scales) that takes one amax with every scale any table names under `key`:
+/// the amax of all the needs writing any of them, across receivers and processes. vLLM's per-tensor
+/// weights of a tensor-parallel layer are so: each rank holds a shard and its own copy of the one
+/// scale, computed from the whole weight.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct SharedAmax {
+    pub process: u32,
+    pub scale: u64,
+    pub key: u64,
+}
+
 /// Which path a quantized need takes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, PartialOrd, Ord)]
 pub enum QuantPath {
@@ -205,6 +217,7 @@ impl QuantNeed {
             dst_stride: 0,
             scales: 4,
             scale_stride: 0,
+            amax_key: 0,
         };
         check_job(0, &probe).map_err(|e| invalid(e.message.trim_start_matches("jobs[0]: ").to_string()))?;
         if g.whole().is_empty(n) {
@@ -335,7 +348,8 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
             b.1.addr,
         ))
     });
-    let ties = ScaleTies::of(&needs, &sources, limits.max_segments)?;
+    let keys = amax_keys(tables, &mut digest)?;
+    let ties = ScaleTies::of(&needs, &sources, &keys, limits.max_segments)?;
     for (number, (spec, q)) in needs.into_iter().enumerate() {
         let g = q.geometry(spec)?;
         hash_need(&mut digest, spec, q);
@@ -343,14 +357,26 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
             continue;
         }
         let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+        let amax_key = ties.key(number);
         let in_place = match ties.tied(number) {
-            Some(Err(why)) => Err(why),
+            Some(Err(Refusal { why, stageable: false })) => {
+                return Err(Error::new(
+                    Status::Unsupported,
+                    format!(
+                        "quantized need of tensor '{}' on process {} device {}: {why}; needs sharing an amax across \
+                         receiving devices are quantized in place from one device or not at all (staging on each \
+                         receiver would give each its own amax)",
+                        spec.name, q.receiver.process, q.receiver.device
+                    ),
+                ))
+            }
+            Some(Err(Refusal { why, .. })) => Err(why),
             Some(Ok(from)) => direct_pieces(q, &g, offers, from),
             None => direct_pieces(q, &g, offers, Pieces::ReceiversProcess)
                 .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: number })),
         };
         let routes = match in_place {
-            Ok(pieces) => direct_routes(spec, q, &g, &pieces, &mut budget)?,
+            Ok(pieces) => direct_routes(spec, q, &g, &pieces, amax_key, &mut budget)?,
             Err(why) if q.staging == 0 => {
                 return Err(Error::new(
                     Status::Unsupported,
@@ -376,7 +402,7 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
                         strides: row_major(g.n, &g.ext)[..g.n].to_vec(),
                     })
                 })?;
-                vec![staged_route(spec, q, &g, &mut budget)?]
+                vec![staged_route(spec, q, &g, amax_key, &mut budget)?]
             }
         };
         let kept = routes
@@ -389,29 +415,70 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
     Ok(planned)
 }
 
-/// Per-tensor needs of one process naming the same scale: one scale for all of them, from the amax of
-/// all their elements (a fused `qkv` received from separate q, k and v). Their jobs must run in one
-/// batch of one device (`crate::quant::job::scale_owners`), so such needs are quantized in place only
-/// when every one of them is, from one device: of the receiver's process (direct), else of one
-/// other process (the sender path, whose jobs for one receiving process run as one batch); else all
-/// of them are staged on the receiver.
+/// Every table's shared amax entries by (process, scale), their keys hashed into `digest`;
+/// INVALID_ARGUMENT when tables give one scale two keys, or give key 0.
+fn amax_keys(tables: &[&Table], digest: &mut Fnv1a) -> Result<HashMap<(u32, u64), u64>> {
+    let mut keys: HashMap<(u32, u64), u64> = HashMap::new();
+    let mut entries: Vec<&SharedAmax> = tables.iter().flat_map(|t| &t.shared_amax).collect();
+    entries.sort_by_key(|s| (s.process, s.scale, s.key));
+    for s in entries {
+        if s.key == 0 {
+            return Err(Error::invalid_argument(format!(
+                "scale at {:#x} of process {} shares its amax under key 0, which means none",
+                s.scale, s.process
+            )));
+        }
+        match keys.insert((s.process, s.scale), s.key) {
+            Some(other) if other != s.key => {
+                return Err(Error::invalid_argument(format!(
+                    "scale at {:#x} of process {} shares its amax under two keys, {other} and {}",
+                    s.scale, s.process, s.key
+                )))
+            }
+            Some(_) => {}
+            None => [u64::from(s.process), s.scale, s.key].into_iter().for_each(|v| digest.u64(v)),
+        }
+    }
+    Ok(keys)
+}
+
+/// Per-tensor needs whose matrices share one amax: those of one process naming the same scale (a
+/// fused `qkv` received from separate q, k and v: one scale), and those whose scales share a key
+/// ([`SharedAmax`]: the shards of one weight on several receivers, each with its own copy of the
+/// scale). Their jobs must run in one batch of one device (`crate::quant::job::amax_owners`), so such
+/// needs are quantized in place only when every one of them is, from one device: of the receivers'
+/// process (direct), else of one other process (the sender path, which quantizes them in one batch),
+/// never some direct and some sent; else, where they are received on one device, all of them are
+/// staged there, and otherwise planning fails (UNSUPPORTED).
 struct ScaleTies {
-    /// By need: its set's number (that of its first need), for needs that share a scale.
+    /// By need: its set's number (that of its first need), for needs that share an amax.
     set: Vec<Option<usize>>,
     /// By set: the offers every need of the set takes its pieces from, where one device holds them
-    /// all; else why its needs are staged.
-    decided: HashMap<usize, std::result::Result<Pieces, String>>,
+    /// all; else why not.
+    decided: HashMap<usize, std::result::Result<Pieces, Refusal>>,
+}
+
+/// Why the needs sharing an amax are not quantized in place, and whether they may be staged instead
+/// (they are received on one device).
+#[derive(Clone, Debug)]
+struct Refusal {
+    why: String,
+    stageable: bool,
 }
 
 impl ScaleTies {
-    /// The ties among `needs`; UNSUPPORTED when their per-tensor matrices (one job each) are more
-    /// than `max_jobs`, which the jobs themselves would be refused for anyway.
+    /// The ties among `needs` (`keys`: the shared amax entries of every table); UNSUPPORTED when their
+    /// per-tensor matrices (one job each) are more than `max_jobs`, which the jobs themselves would be
+    /// refused for anyway; INVALID_ARGUMENT when needs sharing an amax quantize differently, when needs
+    /// naming one scale are received on different devices, or when a key names a scale no per-tensor
+    /// need writes.
     fn of(
         needs: &[(&TensorSpec, &QuantNeed)],
         sources: &HashMap<&str, Vec<Source>>,
+        keys: &HashMap<(u32, u64), u64>,
         max_jobs: u64,
     ) -> Result<ScaleTies> {
-        // Union-find over the needs, joined through each scale address.
+        // Union-find over the needs, joined through each scale address and each key.
         let mut parent: Vec<usize> = (0..needs.len()).collect();
         fn root(parent: &mut [usize], mut i: usize) -> usize {
             while parent[i] != i {
@@ -421,6 +488,7 @@ impl ScaleTies {
             i
         }
         let mut first_at: HashMap<(u32, u64), usize> = HashMap::new();
+        let mut first_with: HashMap<u64, usize> = HashMap::new();
         let mut budget = max_jobs;
         for (i, (spec, q)) in needs.iter().enumerate() {
             if q.quantization.granularity != crate::quant::Granularity::Tensor {
@@ -435,10 +503,31 @@ impl ScaleTies {
                 let scale =
                     m.wrapping_mul(q.scale_matrix_stride).wrapping_mul(q.quantization.scale_kind().size());
                 let addr = q.scales.wrapping_add(scale);
-                let j = *first_at.entry((q.receiver.process, addr)).or_insert(i);
-                let (a, b) = (root(&mut parent, i), root(&mut parent, j));
-                parent[a.max(b)] = a.min(b);
+                let place = (q.receiver.process, addr);
+                let j = *first_at.entry(place).or_insert(i);
+                if needs[j].1.receiver != q.receiver {
+                    return Err(Error::invalid_argument(format!(
+                        "quantized needs of tensors '{}' and '{}' name one per-tensor scale at {addr:#x} of process {} \
+                         but differ in receiving device ({} and {}): needs naming one scale are received on one device \
+                         (give each device its own scale, and one amax key to all of them)",
+                        needs[j].0.name, spec.name, q.receiver.process, needs[j].1.receiver.device, q.receiver.device
+                    )));
+                }
+                let mut joined = vec![j];
+                if let Some(&key) = keys.get(&place) {
+                    joined.push(*first_with.entry(key).or_insert(i));
+                }
+                for j in joined {
+                    let (a, b) = (root(&mut parent, i), root(&mut parent, j));
+                    parent[a.max(b)] = a.min(b);
+                }
             }
+        }
+        if let Some(((process, scale), key)) = keys.iter().find(|(place, _)| !first_at.contains_key(place)) {
+            return Err(Error::invalid_argument(format!(
+                "scale at {scale:#x} of process {process} shares its amax under key {key}, but no per-tensor quantized \
+                 need with elements writes a scale there"
+            )));
         }
         let mut members: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
         for i in 0..needs.len() {
@@ -452,20 +541,20 @@ impl ScaleTies {
             let (_, lead) = needs[first];
             for &i in &set {
                 let (spec, q) = needs[i];
-                if q.receiver != lead.receiver || q.quantization != lead.quantization {
+                if q.quantization != lead.quantization {
                     return Err(Error::invalid_argument(format!(
-                        "quantized needs of tensors {names} share a per-tensor scale but differ in {}: needs sharing \
-                         a scale are received on one device and take one target and arithmetic (tensor '{}')",
-                        if q.receiver != lead.receiver { "receiving device" } else { "quantization" },
+                        "quantized needs of tensors {names} share a per-tensor amax but differ in quantization: needs \
+                         sharing an amax take one target and arithmetic (tensor '{}')",
                         spec.name
                     )));
                 }
                 ties.set[i] = Some(first);
             }
+            let one_receiver = set.iter().all(|&i| needs[i].1.receiver == lead.receiver);
             // Quantized in place when one device holds every need's pieces: preferably in the
-            // receiver's process, else in one other (one turn for all, so that replicas are chosen
-            // alike).
-            let one_device = |from: Pieces| {
+            // receivers' process, else in one other (one turn for all, so that replicas are chosen
+            // alike); never direct for some and sent for others, which run as two batches.
+            let runner = |from: Pieces| {
                 let runners: Vec<Option<Endpoint>> = set
                     .iter()
                     .map(|&i| {
@@ -477,26 +566,34 @@ impl ScaleTies {
                         pieces.iter().all(|p| p.owner == owner).then_some(owner)
                     })
                     .collect();
-                runners.iter().all(|r| r.is_some() && *r == runners[0])
+                let runner = runners[0].filter(|_| runners.iter().all(|r| *r == runners[0]))?;
+                let direct = set.iter().filter(|&&i| needs[i].1.receiver.process == runner.process).count();
+                (direct == 0 || direct == set.len()).then_some(runner)
             };
             let from = [Pieces::ReceiversProcess, Pieces::AnyProcess { turn: first }]
                 .into_iter()
-                .find(|&p| one_device(p));
-            let decided = from.ok_or_else(|| {
-                format!(
-                    "it shares its per-tensor scale with {names}, not all of which can be quantized in place from \
-                     one device"
-                )
+                .find(|&p| runner(p).is_some());
+            let decided = from.ok_or_else(|| Refusal {
+                why: format!(
+                    "it shares its per-tensor amax with {names}, not all of which can be quantized in place from one \
+                     device (of a process that receives all of them or none)"
+                ),
+                stageable: one_receiver,
             });
             ties.decided.insert(first, decided);
         }
         Ok(ties)
     }
 
-    /// For need `number`, if it shares a scale: the offers it takes its pieces from, or why it is
-    /// staged.
-    fn tied(&self, number: usize) -> Option<std::result::Result<Pieces, String>> {
+    /// For need `number`, if it shares an amax: the offers it takes its pieces from, or why not.
+    fn tied(&self, number: usize) -> Option<std::result::Result<Pieces, Refusal>> {
         self.set[number].and_then(|set| self.decided.get(&set).cloned())
+    }
+
+    /// The amax key of need `number`'s jobs: one per set of needs sharing an amax, the same in every
+    /// process's plan (0: the need shares none).
+    fn key(&self, number: usize) -> u64 {
+        self.set[number].map_or(0, |first| first as u64 + 1)
     }
 }
 
@@ -635,13 +732,14 @@ fn direct_routes(
     q: &QuantNeed,
     g: &Geometry,
     pieces: &[Source],
+    amax_key: u64,
     budget: &mut u64,
 ) -> Result<Vec<QuantRoute>> {
     let mut by_runner: BTreeMap<Endpoint, Vec<QuantJob>> = BTreeMap::new();
     for p in pieces {
         let jobs = by_runner.entry(p.owner).or_default();
         let (row_dim, _) = g.matrix_dims();
-        matrix_jobs(q, g, &p.bx, budget, jobs, |at| {
+        matrix_jobs(q, g, &p.bx, amax_key, budget, jobs, |at| {
             (offer_address(p, g, at), row_dim.map_or(0, |d| p.strides[d]))
         })?;
     }
@@ -672,11 +770,17 @@ fn offer_address(p: &Source, g: &Geometry, at: &Dims) -> u64 {
 }
 
 /// The staged path's route: one job per matrix, reading the staging buffer.
-fn staged_route(spec: &TensorSpec, q: &QuantNeed, g: &Geometry, budget: &mut u64) -> Result<QuantRoute> {
+fn staged_route(
+    spec: &TensorSpec,
+    q: &QuantNeed,
+    g: &Geometry,
+    amax_key: u64,
+    budget: &mut u64,
+) -> Result<QuantRoute> {
     let strides = row_major(g.n, &g.ext);
     let mut jobs = Vec::new();
     let (row_dim, _) = g.matrix_dims();
-    matrix_jobs(q, g, &g.whole(), budget, &mut jobs, |at| {
+    matrix_jobs(q, g, &g.whole(), amax_key, budget, &mut jobs, |at| {
         let mut elements = 0u64;
         for d in 0..g.n {
             elements += (at[d] - g.lo[d]) * strides[d];
@@ -711,12 +815,13 @@ fn check(spec: &TensorSpec, jobs: &[QuantJob], path: &str) -> Result<()> {
 }
 
 /// Appends one job per matrix of `bx` (a part of the need's box whose rows and columns start on
-/// block boundaries). `source(at)`: the source address of element `at` and the source row stride
-/// in elements.
+/// block boundaries), each with `amax_key`. `source(at)`: the source address of element `at` and
+/// the source row stride in elements.
 fn matrix_jobs(
     q: &QuantNeed,
     g: &Geometry,
     bx: &Boxed,
+    amax_key: u64,
     budget: &mut u64,
     jobs: &mut Vec<QuantJob>,
     source: impl Fn(&Dims) -> (u64, u64),
@@ -754,6 +859,7 @@ fn matrix_jobs(
             dst_stride: row_dim.map_or(0, |d| g.strides[d]),
             scales: q.scales + scale * scale_size,
             scale_stride: q.scale_row_stride,
+            amax_key,
         });
         // Next index, last leading dimension fastest.
         for d in (0..leading).rev() {

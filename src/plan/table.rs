@@ -86,6 +86,9 @@ pub struct Table {
     pub needs: Vec<Need>,
     /// Needs that receive FP8 codes and scales (`super::quantized`).
     pub quant_needs: Vec<super::quantized::QuantNeed>,
+    /// Per-tensor scales that share one amax with every scale of the same key, in any table
+    /// (`super::quantized::SharedAmax`).
+    pub shared_amax: Vec<super::quantized::SharedAmax>,
 }
 
 /// A box and its element strides, resolved against the tensor: one value per tensor dimension

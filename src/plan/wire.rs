@@ -16,12 +16,15 @@
 //!   granularity, block rows, block columns, source type, scales, scale row stride, scale matrix
 //!   stride, staging. A table without quantized needs is written as version 1, byte for byte as
 //!   before them.
+//! - version 3: as version 2, each quantized need's arithmetic after its block columns.
+//! - version 4 only, after the quantized needs: the shared amax entries (`super::quantized::SharedAmax`),
+//!   each: process, scale, key. A table without them is written as version 3 (or 1).
 //!
 //! Each list is preceded by its length. Decoding checks every length against the bytes that are
 //! left before allocating, so hostile input costs at most memory proportional to its own size.
 
 use super::digest::fnv1a;
-use super::quantized::QuantNeed;
+use super::quantized::{QuantNeed, SharedAmax};
 use super::table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};
 use crate::bail;
 use crate::error::{Error, Result, Status};
@@ -37,6 +40,10 @@ pub const VERSION: u8 = 1;
 ///
 /// cbindgen:ignore
 pub const VERSION_QUANTIZED: u8 = 3;
+/// The version of tables with shared amax entries (read as well as the others).
+///
+/// cbindgen:ignore
+pub const VERSION_SHARED_AMAX: u8 = 4;
 /// Tables with quantized needs written before needs had an arithmetic (read as the default one).
 ///
 /// cbindgen:ignore
@@ -46,7 +53,14 @@ const CHECKSUM: usize = 8;
 
 /// Encodes one table. Never fails: every table has an encoding (validation happens when planning).
 pub fn encode(table: &Table) -> Vec<u8> {
-    encode_as(table, if table.quant_needs.is_empty() { VERSION } else { VERSION_QUANTIZED })
+    let version = if !table.shared_amax.is_empty() {
+        VERSION_SHARED_AMAX
+    } else if !table.quant_needs.is_empty() {
+        VERSION_QUANTIZED
+    } else {
+        VERSION
+    };
+    encode_as(table, version)
 }
 
 /// [`encode`] in format `version`: [`VERSION_QUANTIZED_DIVIDE_ONLY`] leaves the arithmetic out (the
@@ -92,7 +106,7 @@ fn encode_as(table: &Table, version: u8) -> Vec<u8> {
         }
         put_list(&mut out, &nd.strides);
     }
-    if !table.quant_needs.is_empty() {
+    if version != VERSION {
         put(&mut out, table.quant_needs.len() as u64);
         for q in &table.quant_needs {
             put(&mut out, q.tensor.into());
@@ -101,12 +115,20 @@ fn encode_as(table: &Table, version: u8) -> Vec<u8> {
             put_region(&mut out, &q.region);
             put_list(&mut out, &q.strides);
             let codes = q.quantization.codes();
-            let written = if version == VERSION_QUANTIZED { &codes[..] } else { &codes[..4] };
+            let written = if version == VERSION_QUANTIZED_DIVIDE_ONLY { &codes[..4] } else { &codes[..] };
             for &code in written {
                 put(&mut out, code.into());
             }
             put(&mut out, q.source.code().into());
             for v in [q.scales, q.scale_row_stride, q.scale_matrix_stride, q.staging] {
+                put(&mut out, v);
+            }
+        }
+    }
+    if version == VERSION_SHARED_AMAX {
+        put(&mut out, table.shared_amax.len() as u64);
+        for s in &table.shared_amax {
+            for v in [u64::from(s.process), s.scale, s.key] {
                 put(&mut out, v);
             }
         }
@@ -126,11 +148,11 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
             bytes.len()
         );
     }
-    if ![VERSION, VERSION_QUANTIZED_DIVIDE_ONLY, VERSION_QUANTIZED].contains(&bytes[4]) {
+    if ![VERSION, VERSION_QUANTIZED_DIVIDE_ONLY, VERSION_QUANTIZED, VERSION_SHARED_AMAX].contains(&bytes[4]) {
         bail!(
             Status::VersionMismatch,
-            "table format version {} (this library reads versions {VERSION}, {VERSION_QUANTIZED_DIVIDE_ONLY} and \
-             {VERSION_QUANTIZED})",
+            "table format version {} (this library reads versions {VERSION}, {VERSION_QUANTIZED_DIVIDE_ONLY}, \
+             {VERSION_QUANTIZED} and {VERSION_SHARED_AMAX})",
             bytes[4]
         );
     }
@@ -214,7 +236,7 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
                 r.u32("granularity")?,
                 r.u32("block rows")?,
                 r.u32("block columns")?,
-                if bytes[4] == VERSION_QUANTIZED { r.u32("arithmetic")? } else { 0 },
+                if bytes[4] == VERSION_QUANTIZED_DIVIDE_ONLY { 0 } else { r.u32("arithmetic")? },
             ];
             let quantization = Quantization::from_codes(codes).ok_or_else(|| {
                 Error::new(Status::DecodeError, format!("no quantization has the numbers {codes:?}"))
@@ -239,10 +261,20 @@ pub fn decode(bytes: &[u8]) -> Result<Table> {
             });
         }
     }
+    let mut shared_amax = Vec::new();
+    if bytes[4] == VERSION_SHARED_AMAX {
+        let count = r.count("shared amax entries", 3)?;
+        shared_amax.reserve(count);
+        for _ in 0..count {
+            let process = r.u32("process")?;
+            let (scale, key) = (r.varint()?, r.varint()?);
+            shared_amax.push(SharedAmax { process, scale, key });
+        }
+    }
     if r.at != body.len() {
         bail!(Status::DecodeError, "{} bytes follow the table", body.len() - r.at);
     }
-    Ok(Table { tensors, offers, needs, quant_needs })
+    Ok(Table { tensors, offers, needs, quant_needs, shared_amax })
 }
 
 fn checksum(bytes: &[u8]) -> u64 {

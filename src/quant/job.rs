@@ -5,6 +5,7 @@
 use super::fp8::{Fp8, SourceType};
 use crate::error::{Error, Result, Status};
 use crate::segment::{check::check_destinations, Segment};
+use std::collections::HashMap;
 
 /// Which elements share one scale.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
@@ -196,6 +197,10 @@ pub struct QuantJob {
     pub scales: u64,
     /// Scales from one scale-grid row to the next.
     pub scale_stride: u64,
+    /// Per tensor: jobs naming the same nonzero key share one amax (that of all their elements) as
+    /// jobs naming the same `scales` do, each writing it to its own scale: one value for the shards
+    /// of a weight that several receivers hold, each with its own copy of the scale. 0: none.
+    pub amax_key: u64,
 }
 
 impl QuantJob {
@@ -375,43 +380,76 @@ pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
     Ok(())
 }
 
-/// For each job, the job whose per-tensor scale it takes: the first of `jobs` that is per tensor and
-/// names the same `scales` as it (itself when none comes before it; every job that is not per
-/// tensor, or has no elements, is its own). Jobs sharing a scale share one amax, that of all their
-/// elements: a per-tensor scale is the scale of everything that writes it (one scale for a fused
-/// `qkv` whose q, k and v arrive as separate jobs). The first job of each such set owns the scale:
-/// only its scale grid is checked for overlaps, and only it writes the scale where one writer is
-/// wanted (the host reference; the GPU's jobs each write the same bits atomically).
+/// For each job, the job whose per-tensor scale it writes: the first of `jobs` that is per tensor
+/// and names the same `scales` as it (itself when none comes before it; every job that is not per
+/// tensor, or has no elements, is its own). That first job owns the scale: only its scale grid is
+/// checked for overlaps, and only it writes the scale where one writer is wanted (the host
+/// reference; the GPU's jobs each write the same bits atomically). Jobs sharing a scale share its
+/// amax too ([`amax_owners`]).
 pub fn scale_owners(jobs: &[QuantJob]) -> Vec<usize> {
-    let mut first: std::collections::HashMap<u64, usize> = std::collections::HashMap::new();
+    let mut first: HashMap<u64, usize> = HashMap::new();
     jobs.iter()
         .enumerate()
-        .map(|(index, job)| match job.quantization.granularity == Granularity::Tensor && job.elements() > 0 {
+        .map(|(index, job)| match shares_amax(job) {
             true => *first.entry(job.scales).or_insert(index),
             false => index,
         })
         .collect()
 }
 
+/// For each job, the first job of those it shares one per-tensor amax with: the jobs joined through
+/// a common `scales` or a common nonzero `amax_key`, transitively (every job that is not per tensor,
+/// or has no elements, is its own). Their scale is that of all their elements: one scale for a fused
+/// `qkv` whose q, k and v arrive as separate jobs, one value for the scales of a weight's shards.
+pub fn amax_owners(jobs: &[QuantJob]) -> Vec<usize> {
+    let mut owner: Vec<usize> = (0..jobs.len()).collect();
+    fn root(owner: &mut [usize], mut i: usize) -> usize {
+        while owner[i] != i {
+            owner[i] = owner[owner[i]];
+            i = owner[i];
+        }
+        i
+    }
+    let (mut by_scale, mut by_key) = (HashMap::new(), HashMap::new());
+    for (index, job) in jobs.iter().enumerate().filter(|(_, job)| shares_amax(job)) {
+        let mut joined = vec![*by_scale.entry(job.scales).or_insert(index)];
+        if job.amax_key != 0 {
+            joined.push(*by_key.entry(job.amax_key).or_insert(index));
+        }
+        for other in joined {
+            let (a, b) = (root(&mut owner, index), root(&mut owner, other));
+            owner[a.max(b)] = a.min(b);
+        }
+    }
+    (0..jobs.len()).map(|index| root(&mut owner, index)).collect()
+}
+
+/// Whether a job's scale may be shared: per tensor, with elements.
+fn shares_amax(job: &QuantJob) -> bool {
+    job.quantization.granularity == Granularity::Tensor && job.elements() > 0
+}
+
 /// Checks every job ([`check_job`]) and that no byte is written twice: no destination matrix or scale
 /// grid overlaps another or itself (`Overlap`, naming the jobs), but for per-tensor jobs naming the
-/// same scale ([`scale_owners`]), which must quantize alike (target and arithmetic;
-/// `InvalidArgument` otherwise). Sources are only read; a source that overlaps a destination is the
+/// same scale ([`scale_owners`]). Jobs sharing an amax ([`amax_owners`]) must quantize alike (target
+/// and arithmetic; `InvalidArgument` otherwise). Sources are only read; a source that overlaps a destination is the
 /// caller's error (what is read is then undefined).
 pub fn check_jobs(jobs: &[QuantJob]) -> Result<()> {
     for (index, job) in jobs.iter().enumerate() {
         check_job(index, job)?;
     }
-    let owners = scale_owners(jobs);
-    for (index, &owner) in owners.iter().enumerate() {
+    for (index, &owner) in amax_owners(jobs).iter().enumerate() {
         let (job, first) = (&jobs[index], &jobs[owner]);
         if job.quantization != first.quantization {
+            let shared = match job.scales == first.scales {
+                true => format!("per-tensor scale at {:#x}", job.scales),
+                false => format!("per-tensor amax (amax key {})", job.amax_key),
+            };
             return Err(invalid(
                 index,
                 format!(
-                    "it shares jobs[{owner}]'s per-tensor scale at {:#x} but quantizes differently (target {:?}, \
-                     arithmetic {} against {:?}, {}): jobs sharing a scale take one target and arithmetic",
-                    job.scales,
+                    "it shares jobs[{owner}]'s {shared} but quantizes differently (target {:?}, arithmetic {} against \
+                     {:?}, {}): jobs sharing an amax take one target and arithmetic",
                     job.quantization.target,
                     job.quantization.arithmetic.code(),
                     first.quantization.target,
@@ -421,6 +459,7 @@ pub fn check_jobs(jobs: &[QuantJob]) -> Result<()> {
         }
     }
     // A shared scale is written once (by its owner): only the owner's scale segment is checked.
+    let owners = scale_owners(jobs);
     let written: Vec<Segment> = jobs
         .iter()
         .zip(&owners)

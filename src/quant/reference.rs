@@ -226,8 +226,8 @@ pub unsafe fn host_source<'a>(job: &QuantJob) -> SourceMatrix<'a> {
     SourceMatrix { bytes, source: job.source, rows: job.rows, cols: job.cols, stride: job.src_stride }
 }
 
-/// A per-tensor scale `job` shares with other jobs ([`super::job::scale_owners`]): the amax of all
-/// of them, and whether this job writes the scale (its owner does).
+/// A per-tensor amax `job` shares with other jobs ([`super::job::amax_owners`]): the amax of all of
+/// them, and whether this job writes its scale (the first job naming that scale does).
 #[derive(Clone, Copy, Debug)]
 pub struct SharedScale {
     pub amax: u32,
@@ -263,25 +263,26 @@ pub unsafe fn quantize_host_job(job: &QuantJob, shared: Option<SharedScale>) {
     quantize_with(job.quantization, &source, dst, job.dst_stride, scales, job.scale_stride, amax);
 }
 
-/// Each of `jobs`' shared per-tensor scale ([`super::job::scale_owners`]): Some for a job whose scale
-/// another job also names, None for a job whose scale is its own.
+/// Each of `jobs`' shared per-tensor scale: Some for a job that shares its amax with another
+/// ([`super::job::amax_owners`]), with whether it writes its scale ([`super::job::scale_owners`]: the
+/// first job naming that scale does); None for a job whose scale is its own.
 ///
 /// # Safety
 /// The jobs have passed [`super::job::check_jobs`] and their source rows are host memory valid for
 /// the call.
 pub unsafe fn shared_scales(jobs: &[QuantJob]) -> Vec<Option<SharedScale>> {
-    let owners = super::job::scale_owners(jobs);
+    let (amax_owners, writers) = (super::job::amax_owners(jobs), super::job::scale_owners(jobs));
     let mut members = vec![0usize; jobs.len()];
-    owners.iter().for_each(|&owner| members[owner] += 1);
+    amax_owners.iter().for_each(|&owner| members[owner] += 1);
     let mut amax = vec![0u32; jobs.len()];
-    for (job, &owner) in jobs.iter().zip(&owners).filter(|(_, &owner)| members[owner] > 1) {
+    for (job, &owner) in jobs.iter().zip(&amax_owners).filter(|(_, &owner)| members[owner] > 1) {
         // SAFETY: the caller's promise.
         amax[owner] = amax[owner].max(amax_of(&unsafe { host_source(job) }));
     }
     let shared = |(index, &owner): (usize, &usize)| {
-        (members[owner] > 1).then_some(SharedScale { amax: amax[owner], writes: index == owner })
+        (members[owner] > 1).then_some(SharedScale { amax: amax[owner], writes: writers[index] == index })
     };
-    owners.iter().enumerate().map(shared).collect()
+    amax_owners.iter().enumerate().map(shared).collect()
 }
 
 /// `job` cut into bands of whole scale-block rows, about `bands` of them (one for a per-tensor job,

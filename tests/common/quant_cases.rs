@@ -79,6 +79,7 @@ impl Case {
             dst_stride: self.dst_stride,
             scales,
             scale_stride: self.scale_stride,
+            amax_key: 0,
         }
     }
 
@@ -381,4 +382,15 @@ pub fn check_shared(cases: &[Case], codes: &[Vec<u8>], scale: &[u8], by: &str) {
         }
     }
     assert!(cases.iter().any(|c| c.expected().1 != want_scale), "every case alone has the shared scale");
+}
+
+/// Makes jobs over [`shared_scale_cases`] share one per-tensor amax without one scale: the first
+/// writes `scale_a`, the second `scale_a` too and gives an amax key, the rest write `scale_b` and
+/// give the same key (joined to the first through the second). Both scales must then hold
+/// [`expected_shared`]'s (check with [`check_shared`] on each).
+pub fn key_jobs(jobs: &mut [QuantJob], scale_a: u64, scale_b: u64) {
+    for (i, job) in jobs.iter_mut().enumerate() {
+        job.amax_key = if i == 0 { 0 } else { 0x006b_6579 };
+        job.scales = if i < 2 { scale_a } else { scale_b };
+    }
 }

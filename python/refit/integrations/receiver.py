@@ -54,11 +54,16 @@ class QuantizedParam:
     block (Granularity.BLOCK) or per row (Granularity.ROW: [rows, 1]) of `quantization`, or its one
     scale (Granularity.TENSOR: any tensor of one element).
     `transposed`: the live codes are the transpose of row-major codes of the recorded shape (a
-    [cols, rows] view with strides (1, cols), as vLLM's per-channel online FP8 serves them)."""
+    [cols, rows] view with strides (1, cols), as vLLM's per-channel online FP8 serves them).
+    `amax_key` (per tensor; 0: none): the one scale is the whole parameter's across every receiver
+    holding a share of it (vLLM's per-tensor weights at TP above 1, whose amax it reduces across the
+    ranks): each receiver gives its copy of the scale this key (Table.share_amax), which every
+    receiver derives alike from the parameter's name (amax_key)."""
 
     scales: str
     quantization: Quantization
     transposed: bool = False
+    amax_key: int = 0
 
     def block(self, shape: Tuple[int, ...]) -> Tuple[int, int]:
         """The elements sharing one scale in a parameter of `shape`."""
@@ -89,6 +94,15 @@ class QuantizedParam:
             if got != (tuple(shape), tuple(strides), dtype):
                 return f"{name} is {list(got[0])}/{list(got[1])}/{got[2]}; quantized needs write {list(shape)}/{list(strides)}/{dtype}"
         return None
+
+
+def amax_key(name: str) -> int:
+    """A nonzero 64-bit key every process derives alike from a parameter's name (FNV-1a; Python's
+    own hash differs between processes)."""
+    key = 0xCBF29CE484222325
+    for byte in name.encode():
+        key = ((key ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
+    return key or 1
 
 
 def unfit_boxes(layout: ParamLayout, block: Tuple[int, int], checkpoint: Mapping[str, Any], one_scale: bool = False) -> Optional[str]:
@@ -307,6 +321,8 @@ class RecordedReceiver:
                     (cols, 1), spec.quantization, kind, scales.data_ptr() + 4 * first_scale, grid_cols,
                 )
                 added += 1
+            if spec.amax_key:
+                table.share_amax(process, scales.data_ptr(), spec.amax_key)
         whole = self._staged_tensors()
         if whole:
             missing = sorted(set(whole) - set(staging or {}))

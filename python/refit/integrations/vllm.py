@@ -41,10 +41,12 @@ shows that what it serves is exactly its quantizer's output (`online_quantized_l
   scale then depends on other ranks' columns, which no box of this rank holds);
 - per tensor: vLLM's own call of `scaled_fp8_quant` with the layer's scale is watched
   (Arithmetic.VLLM_TENSOR, Granularity.TENSOR); the live `weight` must be the transpose of its
-  [N, K] codes and `weight_scale` the one scale it was given, and the amax must not have been
-  reduced across the tensor-parallel ranks (vLLM reduces it for every sharded layer at TP > 1); the
-  layer's boxes then share that one scale (each box's need names it, and the plan takes the amax
-  over all of them);
+  [N, K] codes and `weight_scale` the one scale it was given; the layer's boxes then share that
+  one scale (each box's need names it, and the plan takes the amax over all of them). Where vLLM
+  reduces the amax across the tensor-parallel ranks (every sharded layer at TP > 1), each rank's
+  copy of the scale also takes one amax key derived from its name (receiver.amax_key,
+  Table.share_amax), so the plan takes the amax over every rank's boxes: one device must then hold
+  all of them (a trainer process offering whole tensors), else planning fails;
 and neither may be rewritten afterwards (a GEMM kernel that re-lays or re-scales them, as vLLM's
 DeepGEMM path does, keeps the reload path), and every recorded box must fill whole blocks or rows
 (receiver.unfit_boxes; per tensor, the boxes must cover the weight). Each box then becomes a quantized need writing FP8 codes into the live
@@ -77,7 +79,7 @@ from ..plan import Plan, Table
 from ..tensor import TensorLike
 from .layout import ModelShape, ParamLayout, add_params, new_table
 from ..quant import Arithmetic, Fp8, Granularity, Quantization
-from .receiver import QuantizedParam, RecordedReceiver, unfit_boxes
+from .receiver import QuantizedParam, RecordedReceiver, amax_key, unfit_boxes
 from .recorder import Recording, _storage_key, record
 from .vllm_rules import VllmRanks, local_experts, stage_layers, vllm_layouts
 
@@ -506,10 +508,10 @@ def _online_quantized_param(
         return None, f"no recorded boxes land in its weight, or it has no {scale_param}"
     if call.rewritten:
         return None, "its codes or scales are rewritten after quantizing (the GEMM kernel's post-processing)"
-    if call.reduced:
+    if call.reduced and call.method != "tensor":
         return None, (
-            "its scales are the amax across the tensor-parallel ranks (a row-parallel per-channel layer, or a "
-            "sharded per-tensor one), which no rank's boxes hold"
+            "its scales are each row's amax across the tensor-parallel ranks (a row-parallel per-channel layer), "
+            "which no rank's boxes hold"
         )
     codes, grid = call.outputs
     transposed = call.method in ("channel", "tensor")
@@ -528,7 +530,11 @@ def _online_quantized_param(
         quantization = Quantization(target, Granularity.ROW, arithmetic=Arithmetic.VLLM_CHANNEL)
     else:
         quantization = Quantization(target, Granularity.TENSOR, arithmetic=Arithmetic.VLLM_TENSOR)
-    spec = QuantizedParam(f"{layout.name.rsplit('.', 1)[0]}.{scale_param}", quantization, transposed)
+    scale_name = f"{layout.name.rsplit('.', 1)[0]}.{scale_param}"
+    # A sharded per-tensor layer's one scale is the whole weight's (vLLM reduces its amax across the
+    # tensor-parallel ranks): every rank's copy of it shares one amax key.
+    key = amax_key(scale_name) if call.reduced else 0
+    spec = QuantizedParam(scale_name, quantization, transposed, key)
     why = spec.unfit_live(layout, weight, scales)
     if why is None:
         one_scale = quantization.granularity == Granularity.TENSOR
@@ -791,10 +797,11 @@ class RefitWorkerExtension:
         `model` and `ranks` (ModelShape / VllmRanks fields) select the hand-written rules instead,
         for workers without torch (tests). `device` and `backend` (a refit.Backend) are for
         parameters in host memory standing in for a GPU (tests); by default the worker's CUDA device.
-        `quantize`: layers vLLM quantizes online (in blocks, per channel) are quantized by refit during the refit
-        (False: they take vLLM's reload path; see VllmReceiver.from_engine). Their quantized needs
-        have no staging: a trainer whose offers split a 128 x 128 block is refused at planning
-        (UNSUPPORTED, naming the tensor); pass False for such a trainer."""
+        `quantize`: layers vLLM quantizes online (in blocks, per channel, per tensor) are quantized by refit
+        during the refit (False: they take vLLM's reload path; see VllmReceiver.from_engine). Their quantized
+        needs have no staging: a trainer whose offers split a 128 x 128 block, or at TP > 1 per tensor one
+        whose shards of a layer no one device holds all of, is refused at planning (UNSUPPORTED, naming the
+        tensor); pass False for such a trainer."""
         state = self._refit()
         if model is not None or ranks is not None:
             if model is None:

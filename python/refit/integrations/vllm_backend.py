@@ -55,8 +55,9 @@ def engine_receiver(model: Any, vllm_config: Any, quantize: bool = True) -> Tupl
     """This worker's receiver, recorded from its own model class and loader
     (VllmReceiver.from_engine), and a staging buffer, beside the parameters, for every checkpoint
     tensor it receives whole (the loader transforms it, or the layer is post-processed).
-    `quantize`: layers vLLM quantizes online (in blocks, per channel) are quantized by refit during the refit
-    (False: they take vLLM's reload path, as a trainer whose shards split a block needs)."""
+    `quantize`: layers vLLM quantizes online (in blocks, per channel, per tensor) are quantized by refit during
+    the refit (False: they take vLLM's reload path, as a trainer whose shards split a block needs, or at TP > 1
+    per tensor one whose shards of a layer no one device holds all of)."""
     import torch
 
     from .vllm import VllmReceiver
@@ -110,8 +111,10 @@ class RefitInitInfo(_InitInfoBase):
     staging_memory_limit: int = 0
     timeout_ms: int = 600_000
     quantize_online_fp8: bool = True
-    """Layers vLLM quantizes online (`quantization="fp8_per_block"`, `"fp8_per_channel"`) get FP8 codes and scales
-    quantized by refit during the refit; False sends their BF16 through vLLM's reload instead."""
+    """Layers vLLM quantizes online (`quantization="fp8_per_block"`, `"fp8_per_channel"`, `"fp8_per_tensor"`) get
+    FP8 codes and scales quantized by refit during the refit; False sends their BF16 through vLLM's reload instead
+    (what a trainer needs whose offers split a 128 x 128 block, or, at TP > 1 per tensor, whose shards of one layer
+    no one device holds all of: planning refuses those with UNSUPPORTED naming the tensor)."""
 
 
 @dataclasses.dataclass

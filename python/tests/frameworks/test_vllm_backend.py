@@ -28,11 +28,11 @@
   BF16 for vLLM's reload; every code, scale and element equals vLLM's own load.
 - The same engine serving per-tensor FP8 (`quantization="fp8_per_tensor"`; the quantizing CUDA op
   fp8_engines' stand-in): each layer's one scale comes from an amax vLLM reduces across the TP
-  ranks, so every FP8 layer takes vLLM's reload and its scales are equal on both workers; each
-  worker receives only its TP share of those layers' BF16 tensors (the bytes sent are the
-  checkpoint's once, plus the replicated norms); every code, scale and element equals vLLM's own load.
-  At TP 1 (one worker) no amax is reduced: each layer's boxes share its one scale and the trainer's
-  process quantizes them, so FP8 codes and one scale per layer cross.
+  ranks, so each worker gives its copy of the scale one amax key with the other's, and the
+  trainer's process (which holds every shard) quantizes both workers' boxes of a layer in one batch:
+  FP8 codes and each worker's scale cross (the bytes sent are asserted), the scales are equal on
+  both workers, and every code, scale and element equals vLLM's own load. At TP 1 (one worker) no
+  amax is reduced: each layer's boxes share its one scale, quantized by the trainer's process too.
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
   reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
   trainer (it exits after the workers started receiving) each leave every worker's weights as they
@@ -520,7 +520,7 @@ class VllmBackendTest(unittest.TestCase):
         self.assertEqual(out["quantized_by_trainer"], [2 * 2 * 1024 * 256] * 2)
         self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
 
-    def test_a_per_tensor_fp8_engine_reloads_with_the_amax_taken_across_ranks(self):
+    def test_a_per_tensor_fp8_engine_at_tp_2_gets_codes_quantized_with_the_amax_across_ranks(self):
         out, _ = self.run_scenario("fp8_tensor")
         self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
         self.assertEqual(out["second"], [[], []])
@@ -528,15 +528,16 @@ class VllmBackendTest(unittest.TestCase):
         want = sorted(f"model.layers.{i}.{module}.{layer}.{p}" for i in range(2) for layer, module in modules.items()
                       for p in ("weight", "weight_scale"))
         for paths in out["paths"]:
-            # One scale per layer over all TP ranks' shards (vLLM reduces the amax across them): no
-            # rank's boxes hold it, so every FP8 layer keeps vLLM's reload, and BF16 crosses.
-            self.assertEqual(paths.get("reload"), want, paths)
-            self.assertNotIn("quantized", paths)
-        self.assertEqual(out["quantized_by_trainer"], [0, 0])
-        # Each worker's reload reads its TP share of each FP8 layer's checkpoint tensors, and only
-        # that share crossed into its (whole-shaped) staging: the checkpoint once, the norms
-        # (replicated) once more.
-        self.assertEqual(out["sent"], out["checkpoint_bytes"] + out["norm_bytes"])
+            # One scale per layer over both TP ranks' shards (vLLM reduces the amax across them):
+            # each worker's copy of it shares one amax key with the other's, and the trainer's
+            # process, holding every shard, quantizes both workers' boxes of a layer in one batch.
+            self.assertEqual(paths.get("quantized"), want, paths)
+            self.assertNotIn("reload", paths)
+        self.assertEqual(out["quantized_by_trainer"], [out["projection_elements"]] * 2)
+        # Sent: the checkpoint less one byte of every projection element (codes instead of bf16),
+        # the norms (replicated) once more, and 8 scales of 4 bytes per worker.
+        want_sent = out["checkpoint_bytes"] - out["projection_elements"] + out["norm_bytes"] + 2 * 8 * 4
+        self.assertEqual(out["sent"], want_sent)
         # The scales after the first update: one per layer, the same on both workers.
         first, second = out["scales"]
         self.assertEqual(sorted(first), [n for n in want if n.endswith("weight_scale")])
