@@ -862,7 +862,7 @@ fn needs_sharing_a_scale_that_cannot_be_quantized_together_are_refused() {
     let fused = Fused::new(50, [DEV0, DEV1, DEV0], [None, None, None]);
     // Staged because k is on another device, but without staging.
     let (table, _shards) = fused.table(false, q);
-    fails(build(&table), Status::Unsupported, &["'q'", "shares its per-tensor amax", "'k'", "staging"]);
+    fails(build(&table), Status::Unsupported, &["'q'", "sharing its per-tensor amax", "'k'", "staging"]);
     // One target and arithmetic, one receiving device.
     let (mut table, _shards) = fused.table(true, q);
     table.quant_needs[2].quantization = q.with(Arithmetic::VllmChannel);

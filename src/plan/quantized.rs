@@ -536,7 +536,9 @@ impl ScaleTies {
         }
         let mut ties = ScaleTies { set: vec![None; needs.len()], decided: HashMap::new() };
         for (first, set) in members.into_iter().filter(|(_, set)| set.len() > 1) {
-            let names: Vec<String> = set.iter().map(|&i| format!("'{}'", needs[i].0.name)).collect();
+            let mut names: Vec<String> = set.iter().map(|&i| format!("'{}'", needs[i].0.name)).collect();
+            names.sort_unstable();
+            names.dedup();
             let names = names.join(", ");
             let (_, lead) = needs[first];
             for &i in &set {
@@ -575,8 +577,9 @@ impl ScaleTies {
                 .find(|&p| runner(p).is_some());
             let decided = from.ok_or_else(|| Refusal {
                 why: format!(
-                    "it shares its per-tensor amax with {names}, not all of which can be quantized in place from one \
-                     device (of a process that receives all of them or none)"
+                    "the {} needs sharing its per-tensor amax (of tensors {names}) cannot all be quantized in place \
+                     from one device (of a process that receives all of them or none)",
+                    set.len()
                 ),
                 stageable: one_receiver,
             });

@@ -96,9 +96,26 @@ class LinkOptions:
     timeout_ms: int = 600_000
 
 
+# How the planner refuses needs sharing an amax key that no one device can quantize in one batch
+# (src/plan/quantized.rs). Every process plans from the same tables, so every process's plan fails
+# alike, and every process plans once more (Link.prepare).
+AMAX_REFUSED = "needs sharing an amax across receiving devices"
+
+
+def amax_refused(error: BaseException) -> bool:
+    """Whether `error` is the planner's refusal of a shared amax (AMAX_REFUSED)."""
+    return isinstance(error, RefitError) and error.status == Status.UNSUPPORTED and AMAX_REFUSED in str(error)
+
+
 class Link:
     """One process's part of a refit between processes: its communicator rank, and the plan and
-    executor kept from round to round while no process's table changed."""
+    executor kept from round to round while no process's table changed.
+
+    `without_shared_amax` (an engine adapter's; None on a trainer): this process's table with no
+    amax keys (the layers whose scales shared one take the engine's own path instead), planned with
+    when every process's plan refused a shared amax that no one device of the trainer can quantize
+    (its shards of such a layer lie on several devices): every process then plans once more, the
+    trainer with its table as it was."""
 
     def __init__(self, comm_id: bytes, nranks: int, rank: int, device: int, backend: int, options: LinkOptions) -> None:
         from ..group import Group
@@ -121,6 +138,7 @@ class Link:
         self.staged = True
         self.digests: Optional[List[bytes]] = None
         self.plans_built = 0
+        self.without_shared_amax: Optional[Callable[[], Table]] = None
 
     def _allgather(self, record: bytes) -> List[bytes]:
         """Every rank's 8-byte `record`, in rank order (also a barrier)."""
@@ -145,12 +163,20 @@ class Link:
     def prepare(self, table: Table) -> bool:
         """Agrees with every process on the tables (collective); re-plans when any changed.
         Returns True when it re-planned."""
-        digest = hashlib.blake2b(table.encode(), digest_size=8).digest()
-        digests = self._allgather(digest)
+        digests = self._allgather(hashlib.blake2b(table.encode(), digest_size=8).digest())
         if digests == self.digests and self.executor is not None:
             return False
         self._drop()
-        self.plan = self.comm.build_plan(table)
+        try:
+            self.plan = self.comm.build_plan(table)
+        except RefitError as error:
+            if not amax_refused(error):
+                raise
+            log.warning("refit: %s; planning again with those layers on the engine's own path", error)
+            if self.without_shared_amax is not None:
+                table = self.without_shared_amax()
+            digests = self._allgather(hashlib.blake2b(table.encode(), digest_size=8).digest())
+            self.plan = self.comm.build_plan(table)
         stats = self.plan.receiver_stats(self.rank, self.device)
         limit = self.options.staging_memory_limit
         fits = limit == 0 or stats.needed_bytes <= limit

@@ -46,7 +46,8 @@ shows that what it serves is exactly its quantizer's output (`online_quantized_l
   reduces the amax across the tensor-parallel ranks (every sharded layer at TP > 1), each rank's
   copy of the scale also takes one amax key derived from its name (receiver.amax_key,
   Table.share_amax), so the plan takes the amax over every rank's boxes: one device must then hold
-  all of them (a trainer process offering whole tensors), else planning fails;
+  all of them (a trainer process offering whole tensors), else planning fails (the weight-transfer
+  backend then plans again with such layers on the reload path: from_engine's `share_amax`);
 and neither may be rewritten afterwards (a GEMM kernel that re-lays or re-scales them, as vLLM's
 DeepGEMM path does, keeps the reload path), and every recorded box must fill whole blocks or rows
 (receiver.unfit_boxes; per tensor, the boxes must cover the weight). Each box then becomes a quantized need writing FP8 codes into the live
@@ -466,11 +467,16 @@ _SCALE_PARAMS = {"block": "weight_scale_inv", "channel": "weight_scale", "tensor
 
 
 def online_quantized_layers(
-    model: Any, recording: Recording, post: Mapping[str, str], calls: Mapping[int, OnlineQuantizerCall]
+    model: Any,
+    recording: Recording,
+    post: Mapping[str, str],
+    calls: Mapping[int, OnlineQuantizerCall],
+    share_amax: bool = True,
 ) -> Tuple[Dict[str, QuantizedParam], Dict[str, str]]:
     """Of the meta copy's layers quantized online (calls: _online_quantizer_calls), those refit
     quantizes during the refit (see the module): weight -> QuantizedParam, and layer -> why not for
-    the others, which keep the reload path."""
+    the others, which keep the reload path (with `share_amax` False, also the per-tensor layers whose
+    amax vLLM reduces across the tensor-parallel ranks)."""
     quantized: Dict[str, QuantizedParam] = {}
     refused: Dict[str, str] = {}
     layouts = {layout.name: layout for layout in recording.layouts}
@@ -480,7 +486,7 @@ def online_quantized_layers(
         if call is None:
             continue
         weight, scales = f"{prefix}.weight", f"{prefix}.{_SCALE_PARAMS[call.method]}"
-        spec, why = _online_quantized_param(module, call, layouts.get(weight), recording)
+        spec, why = _online_quantized_param(module, call, layouts.get(weight), recording, share_amax)
         others = sorted(n for n in post if n.rsplit(".", 1)[0] == prefix and n not in (weight, scales))
         if why is None and others:
             why = f"its post-processing also changes {others}"
@@ -495,7 +501,7 @@ def online_quantized_layers(
 
 
 def _online_quantized_param(
-    module: Any, call: OnlineQuantizerCall, layout: Optional[ParamLayout], recording: Recording
+    module: Any, call: OnlineQuantizerCall, layout: Optional[ParamLayout], recording: Recording, share_amax: bool = True
 ) -> Tuple[Optional[QuantizedParam], Optional[str]]:
     """The QuantizedParam of one layer vLLM quantizes online, or why it cannot be one. Block
     layers serve the quantizer's [N, K] codes and its [ceil(N / B), ceil(K / B)] scale grid;
@@ -513,6 +519,8 @@ def _online_quantized_param(
             "its scales are each row's amax across the tensor-parallel ranks (a row-parallel per-channel layer), "
             "which no rank's boxes hold"
         )
+    if call.reduced and not share_amax:
+        return None, "its one scale is the amax across the tensor-parallel ranks, which this receiver does not share"
     codes, grid = call.outputs
     transposed = call.method in ("channel", "tensor")
     if not (_same_view(weight, codes.t() if transposed else codes) and _same_view(scales, grid)):
@@ -655,10 +663,15 @@ class VllmReceiver:
             self.layouts = vllm_layouts(model, ranks)
 
     @classmethod
-    def from_engine(cls, vllm_config: Any, checkpoint: Optional[Checkpoint] = None, quantize: bool = True) -> VllmReceiver:
+    def from_engine(
+        cls, vllm_config: Any, checkpoint: Optional[Checkpoint] = None, quantize: bool = True, share_amax: bool = True
+    ) -> VllmReceiver:
         """Records this worker's needs from its own model class and loader (see the module).
-        `quantize`: layers vLLM quantizes online (in blocks, per channel) are quantized by refit during the refit
-        where they can be (else, and with False, they take vLLM's reload path)."""
+        `quantize`: layers vLLM quantizes online (in blocks, per channel, per tensor) are quantized by refit during
+        the refit where they can be (else, and with False, they take vLLM's reload path). `share_amax` False keeps
+        the per-tensor layers whose amax vLLM reduces across the tensor-parallel ranks on the reload path too
+        (their quantized needs share an amax key, which a plan refuses when no one device of the trainer holds
+        every rank's shards of a layer)."""
         meta = build_meta_model(vllm_config)
         specs = checkpoint if checkpoint is not None else checkpoint_of(vllm_config)
         with _online_quantizer_calls() as calls:
@@ -670,7 +683,7 @@ class VllmReceiver:
         added = sorted(name for name, _ in meta.named_parameters() if name not in recording.params)
         quantized: Dict[str, QuantizedParam] = {}
         if quantize:
-            quantized, refused = online_quantized_layers(meta, recording, post, calls)
+            quantized, refused = online_quantized_layers(meta, recording, post, calls, share_amax)
             for layer, why in sorted(refused.items()):
                 log.info("refit: %s keeps vLLM's reload path: %s", layer, why)
         return cls(recording, post=post, quantized=quantized, added=added)
@@ -789,6 +802,7 @@ class RefitWorkerExtension:
         backend: int = 0,
         checkpoint: Optional[Sequence[Tuple[str, Sequence[int], str]]] = None,
         quantize: bool = True,
+        share_amax: bool = True,
     ) -> bytes:
         """This worker's needs as an encoded Table (see the class docstring), recorded from its own
         model's loader (VllmReceiver.from_engine) with the ranks and expert placement the engine
@@ -801,7 +815,9 @@ class RefitWorkerExtension:
         during the refit (False: they take vLLM's reload path; see VllmReceiver.from_engine). Their quantized
         needs have no staging: a trainer whose offers split a 128 x 128 block, or at TP > 1 per tensor one
         whose shards of a layer no one device holds all of, is refused at planning (UNSUPPORTED, naming the
-        tensor); pass False for such a trainer."""
+        tensor); pass False for such a trainer, or for the second case `share_amax` False (per-tensor
+        layers whose amax vLLM reduces across the ranks then take the reload path alone; the
+        weight-transfer backend does so by itself)."""
         state = self._refit()
         if model is not None or ranks is not None:
             if model is None:
@@ -809,7 +825,7 @@ class RefitWorkerExtension:
             shape = ModelShape.from_hf_config(model) if "num_hidden_layers" in model else ModelShape(**model)
             receiver = VllmReceiver(shape, VllmRanks(**(ranks or {})))
         else:
-            receiver = VllmReceiver.from_engine(self._refit_config(), _checkpoint_specs(checkpoint), quantize)
+            receiver = VllmReceiver.from_engine(self._refit_config(), _checkpoint_specs(checkpoint), quantize, share_amax)
         staging: Dict[str, Any] = {}
         if receiver.staged or receiver.reload:
             import torch

@@ -21,6 +21,9 @@ moved the worker's weights) re-plans on every process at once, since executors a
 cannot rebind. When the bytes a worker would stage exceed `staging_memory_limit`, the backend logs
 it and every process falls back to direct runs: the worker then receives inside `receive_weights`,
 which blocks the engine (paused) until the bytes are in; a failure there may leave a part of them.
+A plan that refuses the amax the workers' per-tensor FP8 layers share across TP ranks (no one device
+of the trainer holds every shard of such a layer) is refused alike on every process, and every
+process plans once more, the workers' tables recorded again with those layers on vLLM's reload.
 
 The tables: a worker's needs are recorded once from its own model's loader (`engine_receiver`:
 VllmReceiver.from_engine); checkpoint tensors the loader transforms, and those of layers vLLM
@@ -51,18 +54,21 @@ BACKEND_NAME = "refit"
 # --- where the tables come from --------------------------------------------------------------------
 
 
-def engine_receiver(model: Any, vllm_config: Any, quantize: bool = True) -> Tuple[Any, Dict[str, Any]]:
+def engine_receiver(
+    model: Any, vllm_config: Any, quantize: bool = True, share_amax: bool = True
+) -> Tuple[Any, Dict[str, Any]]:
     """This worker's receiver, recorded from its own model class and loader
     (VllmReceiver.from_engine), and a staging buffer, beside the parameters, for every checkpoint
     tensor it receives whole (the loader transforms it, or the layer is post-processed).
     `quantize`: layers vLLM quantizes online (in blocks, per channel, per tensor) are quantized by refit during
-    the refit (False: they take vLLM's reload path, as a trainer whose shards split a block needs, or at TP > 1
-    per tensor one whose shards of a layer no one device holds all of)."""
+    the refit (False: they take vLLM's reload path, as a trainer whose shards split a block needs). `share_amax`
+    False: the per-tensor layers whose amax vLLM reduces across the ranks take the reload path
+    (VllmReceiver.from_engine), as the worker does after a plan refused their shared amax."""
     import torch
 
     from .vllm import VllmReceiver
 
-    receiver = VllmReceiver.from_engine(vllm_config, quantize=quantize)
+    receiver = VllmReceiver.from_engine(vllm_config, quantize=quantize, share_amax=share_amax)
     staging: Dict[str, Any] = {}
     if receiver.staged or receiver.reload:
         params = list(model.parameters())
@@ -113,8 +119,9 @@ class RefitInitInfo(_InitInfoBase):
     quantize_online_fp8: bool = True
     """Layers vLLM quantizes online (`quantization="fp8_per_block"`, `"fp8_per_channel"`, `"fp8_per_tensor"`) get
     FP8 codes and scales quantized by refit during the refit; False sends their BF16 through vLLM's reload instead
-    (what a trainer needs whose offers split a 128 x 128 block, or, at TP > 1 per tensor, whose shards of one layer
-    no one device holds all of: planning refuses those with UNSUPPORTED naming the tensor)."""
+    (what a trainer needs whose offers split a 128 x 128 block: planning refuses those with UNSUPPORTED naming the
+    tensor). Per-tensor layers at TP > 1 whose shards no one device of the trainer holds all of fall back to the
+    reload by themselves: every process plans once more (Link.prepare)."""
 
 
 @dataclasses.dataclass
@@ -150,6 +157,7 @@ class RefitWeightTransferEngine(_WorkerBase):
         """How many staged checkpoint tensors the last commit handed to the loader / the reload."""
         self.update = InFlight()
         self._quantize = True
+        self._share_amax = True
 
     def _current_table(self) -> Table:
         """This worker's needs at its parameters' current addresses (built again only when an
@@ -160,7 +168,9 @@ class RefitWeightTransferEngine(_WorkerBase):
                 self._table.close()
             host = self.link is not None and self.link.backend == Backend.HOST
             if self.receiver is None:
-                self.receiver, self._staging = engine_receiver(self.model, self.vllm_config, self._quantize)
+                self.receiver, self._staging = engine_receiver(
+                    self.model, self.vllm_config, self._quantize, self._share_amax
+                )
             self._table = receiver_table(self.receiver, self.model, self._staging, self.link.rank, 0 if host else None)  # type: ignore[union-attr]
             self._addresses = addresses
         return self._table
@@ -178,7 +188,19 @@ class RefitWeightTransferEngine(_WorkerBase):
         rank = init_info.rank_offset + worker_index(self.vllm_config)
         device = 0 if backend == Backend.HOST else int(getattr(self.device, "index", 0) or 0)
         self.link = Link(bytes.fromhex(init_info.comm_id), init_info.nranks, rank, device, backend, options)
+        self.link.without_shared_amax = self._without_shared_amax
         self.link.prepare(self._current_table())
+
+    def _without_shared_amax(self) -> Table:
+        """This worker's table recorded again with the per-tensor layers whose amax vLLM reduces
+        across the ranks on the reload path: what Link.prepare plans with after every process's plan
+        refused their shared amax (the trainer's shards of such a layer lie on several devices)."""
+        self._share_amax = False
+        self.receiver = None
+        if self._table is not None:
+            self._table.close()
+            self._table = None
+        return self._current_table()
 
     def start_weight_update(self) -> None:
         """Returns at once; the bytes move from receive_weights on."""

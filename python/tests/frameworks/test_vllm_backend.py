@@ -56,7 +56,7 @@ PYPROJECT = os.path.join(HERE, "..", "..", "pyproject.toml")
 TIMEOUT_MS = 120_000
 # The FP8 engines' scenarios: vLLM's quantization of each.
 FP8_SCENARIOS = {"fp8": "fp8_per_block", "fp8_channel": "fp8_per_channel", "fp8_tensor": "fp8_per_tensor",
-                 "fp8_tensor_tp1": "fp8_per_tensor"}
+                 "fp8_tensor_tp1": "fp8_per_tensor", "fp8_tensor_split": "fp8_per_tensor"}
 
 
 def tiny_qwen3() -> Any:
@@ -271,7 +271,64 @@ class PipeClient:
         self.call("finish")
 
 
-def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> None:  # noqa: C901
+class HalfSource:
+    """A trainer rank holding half of every projection weight (rank r: rows [r N/2, (r + 1) N/2)), as
+    a row-sharded trainer does, and (rank 0 only) every other tensor whole: no one device holds a
+    layer's every row."""
+
+    def __init__(self, model: Any, rank: int) -> None:
+        self.model, self.rank = model, rank
+
+    def tensors(self) -> List[Any]:
+        from refit.integrations.offers import Offer
+
+        out = []
+        for name, p in self.model.named_parameters():
+            shape = tuple(int(n) for n in p.shape)
+            if name.endswith("_proj.weight"):
+                half = shape[0] // 2
+                out.append((name, Offer(name, shape, (self.rank * half, 0), p.detach()[self.rank * half:(self.rank + 1) * half])))
+            elif self.rank == 0:
+                out.append((name, Offer(name, shape, (0,) * len(shape), p.detach())))
+        return out
+
+    def refit_table(self, tensors: List[Any], process: int, device: Any) -> Any:
+        from refit.integrations.layout import new_table
+        from refit.integrations.offers import add_offers
+
+        return new_table(lambda table: add_offers(table, [offer for _, offer in tensors], process, device))
+
+
+def second_trainer_main(folder: str, comm_ids: Any, results: Any) -> None:
+    """Trainer rank 1 of the split scenario: the other half of every projection, two updates in step
+    with rank 0 (which drives the workers)."""
+    os.environ["VLLM_TARGET_DEVICE"] = "cpu"
+    try:
+        import torch
+        import transformers
+        from vllm.distributed.weight_transfer.factory import WeightTransferTrainerFactory
+
+        from refit.integrations.vllm_backend import RefitTrainerInitInfo, register
+
+        register()
+        model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+        info = RefitTrainerInitInfo(rank=1, num_workers=2, num_trainer_ranks=2, device_backend="host",
+                                    timeout_ms=TIMEOUT_MS, comm_id=comm_ids.get(timeout=300))
+        engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=HalfSource(model, 1))
+        for _ in range(2):
+            engine.send_weights()
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(1.0)
+        results.put({"plans": engine.link.plans_built})
+        engine.shutdown()
+    except BaseException as error:
+        import traceback
+
+        results.put({"error": traceback.format_exc() or repr(error)})
+
+
+def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any, comm_ids: Any = None) -> None:  # noqa: C901
     os.environ["VLLM_TARGET_DEVICE"] = "cpu"
     try:
         import torch
@@ -283,7 +340,18 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
         from refit.integrations.vllm_backend import RefitTrainerInitInfo, register
 
         register()
-        if scenario in FP8_SCENARIOS:
+        trainers, comm_id = 1, None
+        if scenario == "fp8_tensor_split":
+            # Rank 0 of two trainer ranks, each holding half of every projection.
+            from refit.integrations.engine_link import resolved_backend
+            from refit.comm import unique_id
+
+            model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+            source = HalfSource(model, 0)
+            tensors = list(model.parameters())
+            trainers, comm_id = 2, unique_id(resolved_backend("host")).hex()
+            comm_ids.put(comm_id)
+        elif scenario in FP8_SCENARIOS:
             # A BF16 trainer holding whole tensors: its process quantizes, FP8 crosses.
             model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
             source = ModuleSource(model)
@@ -299,7 +367,8 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
             source = ModuleSource(model)
             tensors = list(model.parameters())
         client = PipeClient(conns)
-        info = RefitTrainerInitInfo(rank=0, num_workers=len(conns), device_backend="host", timeout_ms=TIMEOUT_MS)
+        info = RefitTrainerInitInfo(rank=0, num_workers=len(conns), num_trainer_ranks=trainers, device_backend="host",
+                                    timeout_ms=TIMEOUT_MS, comm_id=comm_id)
         engine = WeightTransferTrainerFactory.trainer_init(info, client=client, source=source)
         out: Dict[str, Any] = {"engines": client.call("engine")}
         engine.send_weights()
@@ -390,6 +459,13 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any) -> 
         results.put({"error": traceback.format_exc() or repr(error)})
 
 
+def fp8_layer_params() -> List[str]:
+    """The weight and scale of both decoder layers' four FP8 layers, sorted."""
+    modules = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
+    return sorted(f"model.layers.{i}.{module}.{layer}.{p}" for i in range(2) for layer, module in modules.items()
+                  for p in ("weight", "weight_scale"))
+
+
 class VllmBackendTest(unittest.TestCase):
     @classmethod
     def setUpClass(cls):
@@ -417,13 +493,23 @@ class VllmBackendTest(unittest.TestCase):
                             args=(rank, size, folder, control[rank][1], checks[rank][1], tp_port, moe, quantization))
             for rank in range(size)
         ]
-        trainer = context.Process(target=trainer_main, args=(scenario, folder, [c[0] for c in control], results))
-        for process in workers + [trainer]:
+        comm_ids = context.Queue()
+        trainer = context.Process(target=trainer_main,
+                                  args=(scenario, folder, [c[0] for c in control], results, comm_ids))
+        trainers = [trainer]
+        if scenario == "fp8_tensor_split":
+            second = context.Queue()
+            trainers.append(context.Process(target=second_trainer_main, args=(folder, comm_ids, second)))
+        for process in workers + trainers:
             process.start()
         try:
             out = results.get(timeout=300)
             self.assertNotIn("error", out, out.get("error"))
-            trainer.join(120)
+            if len(trainers) > 1:
+                out["second_trainer"] = second.get(timeout=120)
+                self.assertNotIn("error", out["second_trainer"], out["second_trainer"].get("error"))
+            for process in trainers:
+                process.join(120)
             after = None
             if scenario == "killed":
                 after = {}
@@ -440,7 +526,7 @@ class VllmBackendTest(unittest.TestCase):
                 process.join(60)
             return out, after
         finally:
-            for process in workers + [trainer]:
+            for process in workers + trainers:
                 if process.is_alive():
                     process.kill()
 
@@ -524,9 +610,7 @@ class VllmBackendTest(unittest.TestCase):
         out, _ = self.run_scenario("fp8_tensor")
         self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
         self.assertEqual(out["second"], [[], []])
-        modules = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
-        want = sorted(f"model.layers.{i}.{module}.{layer}.{p}" for i in range(2) for layer, module in modules.items()
-                      for p in ("weight", "weight_scale"))
+        want = fp8_layer_params()
         for paths in out["paths"]:
             # One scale per layer over both TP ranks' shards (vLLM reduces the amax across them):
             # each worker's copy of it shares one amax key with the other's, and the trainer's
@@ -544,13 +628,26 @@ class VllmBackendTest(unittest.TestCase):
         self.assertEqual(first, second)
         self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
 
+    def test_a_per_tensor_fp8_engine_whose_layers_no_trainer_device_holds_whole_falls_back_to_the_reload(self):
+        out, _ = self.run_scenario("fp8_tensor_split")
+        self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
+        self.assertEqual(out["second"], [[], []])
+        want = fp8_layer_params()
+        for paths in out["paths"]:
+            # Two trainer ranks each hold half of every projection: no one device can quantize a
+            # layer's every shard in one batch, every process's first plan refuses the shared amax,
+            # and every process plans again with the workers' per-tensor layers on vLLM's reload.
+            self.assertEqual(paths.get("reload"), want, paths)
+            self.assertNotIn("quantized", paths)
+        self.assertEqual(out["quantized_by_trainer"], [0, 0])
+        self.assertEqual(out["plans"], [1, 1, 1], "the fallback plans once; a round with the same tables plans nothing")
+        self.assertEqual(out["second_trainer"]["plans"], 1)
+
     def test_a_per_tensor_fp8_engine_at_tp_1_gets_codes_quantized_by_the_trainers_process(self):
         out, _ = self.run_scenario("fp8_tensor_tp1", size=1)
         self.assertEqual(out["first"], [[]], "codes, scales or elements differ from vLLM's own load")
         self.assertEqual(out["second"], [[]])
-        modules = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
-        want = sorted(f"model.layers.{i}.{module}.{layer}.{p}" for i in range(2) for layer, module in modules.items()
-                      for p in ("weight", "weight_scale"))
+        want = fp8_layer_params()
         (paths,) = out["paths"]
         # At TP 1 vLLM reduces no amax across ranks: each layer's boxes (q, k and v; gate and up)
         # share its one scale, and the trainer's process quantizes all of them (one device holds
