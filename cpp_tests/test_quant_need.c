@@ -266,7 +266,7 @@ static void shared_amax(refit_group *group) {
   CHECK_OK(refit_table_share_amax(table, 0, addr(split_scales[1]) + 8, 9));
   plan = (refit_plan *)0x1;
   CHECK_STATUS(refit_plan_build(tables, 1, NULL, &plan), REFIT_STATUS_INVALID_ARGUMENT);
-  CHECK(strstr(refit_last_error_message(), "no per-tensor quantized need") != NULL);
+  CHECK(strstr(refit_last_error_message(), "no quantized need with elements") != NULL);
   CHECK(plan == (refit_plan *)0x1);
   refit_table_destroy(table);
 }

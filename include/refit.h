@@ -1048,9 +1048,9 @@ typedef struct {
  * naming the tensor and the needs it shares its scale with). Per-tensor scales on several
  * receivers that hold one value (a weight's shards, each receiver with its own copy of the scale:
  * vLLM 0.33's per-tensor weights of a tensor-parallel layer) share their amax through a key
- * (refit_table_share_amax). vLLM 0.33's online per-channel weights of a row-parallel layer also take
- * their amax across the tensor-parallel ranks, which no call here expresses: a per-row need's scales
- * are its own rows'. Blocks (128 x 128 inside a shard) and MXFP8 groups are the same either way.
+ * (refit_table_share_amax), and so do per-row scales of a weight's column shards (vLLM 0.33's
+ * online per-channel weights of a row-parallel layer, whose rows take their amax across the
+ * tensor-parallel ranks). Blocks (128 x 128 inside a shard) and MXFP8 groups need neither.
  */
 typedef struct {
   refit_quantization quantization;
@@ -2200,24 +2200,30 @@ refit_status refit_table_add_quantized_need(refit_table *table,
                                             const refit_need_quantization *quantization);
 
 /**
- * Gives the per-tensor scale at `scale` of process `rank` (a quantized need's `scales + m *
- * scale_matrix_stride` scales) the amax key `key`: every per-tensor scale that any process's table
- * gives the same key takes one value, computed from the amax of all the quantized needs that write
- * any of those scales, each of which is written with it. This is how one weight's shards on several
- * receivers share one scale, each receiver holding its own copy: vLLM 0.33's per-tensor weights of a
- * tensor-parallel layer, whose amax it reduces across the ranks (each rank calls this for its scale,
- * with a key all ranks derive from the layer's name). Needs naming one scale in one process share it
- * without a key.
+ * Gives the scales starting at `scale` of process `rank` the amax key `key` (nonzero): a
+ * per-tensor scale (a quantized need's `scales + m * scale_matrix_stride` scales), or the per-row
+ * scales of a 2-dimensional per-row need (its `scales`). Every per-tensor scale that any process's
+ * table gives the same key takes one value, computed from the amax of all the quantized needs that
+ * write any of those scales; per-row needs given one key (which must hold the same rows of their
+ * tensors) take each row's amax over all of them, each writing its own scales. This is how one
+ * weight's shards on several receivers share their scales, each receiver holding its own copy:
+ * vLLM 0.33's per-tensor weights of a tensor-parallel layer (its amax reduced across the ranks),
+ * and its per-channel weights of a row-parallel layer (each row's amax reduced across the ranks);
+ * each rank calls this for its scales with a key all ranks derive from the layer's name. Needs
+ * naming one per-tensor scale in one process share it without a key. A key only one need takes
+ * changes nothing: every need sharing a key must be in the tables a plan is built from.
  *
  * Such needs are quantized in place only, in one batch: one device must hold the pieces of all of
  * them (one offer per quantization block, as refit_table_add_quantized_need's in place and sender
- * paths take), in a process that receives all of them (in place) or none (the sender path: it
- * quantizes them in one batch and sends each receiver its codes and its copy of the scale). Where
- * the needs sharing a key are received on one device they are otherwise staged there; where they
- * are received on several, planning fails with UNSUPPORTED naming the tensor (staging on each
- * receiver would give each its own amax). Planning also refuses (INVALID_ARGUMENT) needs sharing an
- * amax that quantize differently, a scale given two keys by different tables, and a key on a scale
- * that no per-tensor quantized need with elements writes.
+ * paths take; per row, one offer per need), in a process that receives all of them (in place) or
+ * none (the sender path: it quantizes them in one batch and sends each receiver its codes and its
+ * scales). Where the needs sharing a key are received on one device they are otherwise staged
+ * there; where they are received on several, planning fails with UNSUPPORTED naming the tensor
+ * (staging on each receiver would give each its own amax). Planning also refuses
+ * (INVALID_ARGUMENT) needs sharing an amax that quantize differently, per-row needs sharing a key
+ * over other rows or with more than one matrix, a scale given two keys by different tables, and a
+ * key on a place where no quantized need with elements writes a per-tensor scale or starts its
+ * per-row scales.
  *
  * Changes the table (see refit_table for threads). Giving a scale the key it has is accepted.
  * Errors: NULL_ARGUMENT (table), INVALID_ARGUMENT (key 0, scale 0, a scale this table already gave

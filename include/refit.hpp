@@ -433,8 +433,9 @@ class Table {
                                          strides.data(), offset.size(), &quantization));
   }
 
-  /// refit_table_share_amax: the per-tensor scale at `scale` of process `rank` takes one value with
-  /// every scale any table gives `key` (nonzero), from the amax of all the needs writing any of them.
+  /// refit_table_share_amax: the scales starting at `scale` of process `rank` share their amax with
+  /// every scale any table gives `key` (nonzero): per tensor, the amax of all the needs writing any
+  /// of them; per row, each row's amax over all of them.
   void share_amax(uint32_t rank, uint64_t scale, uint64_t key) {
     check(refit_table_share_amax(live(), rank, scale, key));
   }

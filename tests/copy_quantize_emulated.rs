@@ -64,7 +64,7 @@ fn run(seed: u64, copy_blocks: u32) {
     let cases = quant_cases(seed);
     let (mut outputs, jobs) = outputs_and_jobs(&cases);
     let quant = layout(&jobs).unwrap();
-    assert!(quant.narrow_tiles > 0 && quant.tiles > quant.narrow_tiles && quant.per_tensor);
+    assert!(quant.narrow_tiles > 0 && quant.tiles > quant.narrow_tiles && quant.two_phase());
 
     // SAFETY: both layouts name the live buffers above (sources padded to whole 16-byte vectors), with
     // the copy's sentinel descriptor after its segments.
@@ -80,7 +80,7 @@ fn run(seed: u64, copy_blocks: u32) {
             quant.descs.len() as u32,
             quant.narrow_tiles,
             quant.tiles,
-            u32::from(quant.per_tensor),
+            quant.amax_words,
         )
     };
     if let Some((at, g, w)) = first_difference(&got, &want) {

@@ -817,3 +817,42 @@ fn quantized_needs_across_two_processes_on_one_gpu_match_the_reference() {
         }
     });
 }
+
+/// A row-parallel weight's column shards as three per-row jobs sharing each row's amax through one
+/// key, on the GPU: two phases, every row's scale the whole row's on every shard (the codes too),
+/// for each target and arithmetic.
+#[test]
+#[ignore = "needs a GPU"]
+fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax_on_the_gpu() {
+    use quant_cases::RowShards;
+    use refit::quant::Arithmetic;
+    let kernel = ok("loading the quantize kernel", QuantizeKernel::for_device(0));
+    for (seed, target, arithmetic) in [
+        (11, Fp8::E4m3fn, Arithmetic::VllmChannel),
+        (12, Fp8::E5m2, Arithmetic::Divide),
+        (13, Fp8::E4m3fn, Arithmetic::DeepGemm),
+    ] {
+        let shards = RowShards::new(seed, target, arithmetic);
+        let src = Buffer::new(0, shards.whole.src_len());
+        src.upload(shards.whole.data.bytes());
+        let outputs: Vec<(Buffer, Buffer)> = (0..shards.shards.len())
+            .map(|k| {
+                let (codes, scales) = shards.lens(k);
+                let (d, s) = (Buffer::new(0, codes), Buffer::new(0, scales));
+                d.fill(SENTINEL);
+                s.fill(SENTINEL);
+                (d, s)
+            })
+            .collect();
+        let jobs: Vec<_> =
+            outputs.iter().enumerate().map(|(k, (d, s))| shards.job(k, src.ptr, d.ptr, s.ptr)).collect();
+        let stream = Stream::new(0);
+        let l = ok("layout", layout(&jobs));
+        // SAFETY: the jobs name the buffers above, alive until after the synchronization.
+        ok("enqueue", unsafe { kernel.enqueue(stream.raw, &l) });
+        stream.sync();
+        for (k, (d, s)) in outputs.iter().enumerate() {
+            shards.check(k, &d.download(), &s.download(), &format!("GPU, {target:?} {arithmetic:?}"));
+        }
+    }
+}

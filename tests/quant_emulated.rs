@@ -31,13 +31,7 @@ unsafe fn emulate(l: &refit::kernels::quantize::Layout) {
     if l.tiles > 0 {
         // SAFETY: the caller's promise.
         unsafe {
-            emulator()(
-                l.to_bytes().as_ptr(),
-                l.descs.len() as u32,
-                l.narrow_tiles,
-                l.tiles,
-                u32::from(l.per_tensor),
-            )
+            emulator()(l.to_bytes().as_ptr(), l.descs.len() as u32, l.narrow_tiles, l.tiles, l.amax_words)
         };
     }
 }
@@ -338,6 +332,41 @@ fn per_tensor_jobs_naming_one_scale_share_one_amax_word() {
     let got: Vec<Vec<u8>> = keyed_codes.iter().map(|d| d.bytes().to_vec()).collect();
     for scale in [&a, &b] {
         check_shared(&shared, &got, scale.bytes(), "emulated kernel, keyed");
+    }
+    for (c, (dst, scales)) in others.iter().zip(&other_outputs) {
+        let (want_dst, want_scales) = c.expected();
+        assert!(dst.bytes() == want_dst.as_slice() && scales.bytes() == want_scales.as_slice(), "{}", c.name);
+    }
+}
+
+/// A row-parallel weight's column shards as three per-row jobs sharing each row's amax, between
+/// other jobs: two phases on the wide entry point, each set's words one per row, every row's scale
+/// the whole row's on every shard.
+#[test]
+fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax() {
+    use quant_cases::RowShards;
+    use refit::quant::Arithmetic;
+    let others = standard_cases(33, false);
+    let (other_outputs, mut jobs) = outputs_and_jobs(&others);
+    let shards = RowShards::new(5, Fp8::E4m3fn, Arithmetic::VllmChannel);
+    let outputs = shards.outputs();
+    let at = jobs.len() / 2;
+    for (k, (d, s)) in outputs.iter().enumerate() {
+        jobs.insert(at + 2 * k, shards.job(k, shards.whole.data.addr(), d.addr(), s.addr()));
+    }
+    let l = layout(&jobs).unwrap();
+    let slots: Vec<u32> = l
+        .descs
+        .iter()
+        .filter(|d| outputs.iter().any(|(_, s)| s.addr() == d.scales))
+        .map(|d| d.amax_slot)
+        .collect();
+    assert!(slots.len() == 3 && slots.iter().all(|&s| s == slots[0]), "amax slots {slots:?}");
+    assert!(l.amax_words >= 100, "one word per row: {}", l.amax_words);
+    // SAFETY: the descriptors name the buffers above, which outlive the call.
+    unsafe { emulate(&l) };
+    for (k, (codes, scales)) in outputs.iter().enumerate() {
+        shards.check(k, codes.bytes(), scales.bytes(), "emulated kernel");
     }
     for (c, (dst, scales)) in others.iter().zip(&other_outputs) {
         let (want_dst, want_scales) = c.expected();

@@ -261,3 +261,35 @@ fn per_tensor_jobs_naming_one_scale_share_its_amax() {
         refused(&block, Status::Overlap, &["scales overlap"]);
     }
 }
+
+/// A row-parallel weight's column shards quantized per row by three jobs with their own codes and
+/// scales, one amax key: every row's scale is the whole row's, on every shard, for each target and
+/// arithmetic; jobs sharing per-row amaxes with other rows or another quantization are refused.
+#[test]
+fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax() {
+    use quant_cases::RowShards;
+    use refit::quant::Arithmetic;
+    let backend = HostBackend::new(1).unwrap();
+    for (seed, target, arithmetic) in [
+        (1, Fp8::E4m3fn, Arithmetic::VllmChannel),
+        (2, Fp8::E5m2, Arithmetic::Divide),
+        (3, Fp8::E4m3fn, Arithmetic::DeepGemm),
+    ] {
+        let shards = RowShards::new(seed, target, arithmetic);
+        let outputs = shards.outputs();
+        let src = shards.whole.data.addr();
+        let jobs: Vec<QuantJob> =
+            outputs.iter().enumerate().map(|(k, (d, s))| shards.job(k, src, d.addr(), s.addr())).collect();
+        // SAFETY: the jobs name the buffers above, alive for the call.
+        unsafe { backend.quantize_batch(0, Stream::NULL, &jobs) }.unwrap();
+        for (k, (codes, scales)) in outputs.iter().enumerate() {
+            shards.check(k, codes.bytes(), scales.bytes(), &format!("host, {target:?} {arithmetic:?}"));
+        }
+        let mut fewer_rows = jobs.clone();
+        fewer_rows[1].rows -= 1;
+        refused(&fewer_rows, Status::InvalidArgument, &["jobs[1]", "per-row amaxes", "99 rows, not 100"]);
+        let mut other = jobs.clone();
+        other[2].quantization = other[2].quantization.with(Arithmetic::VllmTensor);
+        refused(&other, Status::InvalidArgument, &["jobs[2]", "per-row amaxes (amax key", "quantization"]);
+    }
+}

@@ -862,7 +862,7 @@ fn needs_sharing_a_scale_that_cannot_be_quantized_together_are_refused() {
     let fused = Fused::new(50, [DEV0, DEV1, DEV0], [None, None, None]);
     // Staged because k is on another device, but without staging.
     let (table, _shards) = fused.table(false, q);
-    fails(build(&table), Status::Unsupported, &["'q'", "sharing its per-tensor amax", "'k'", "staging"]);
+    fails(build(&table), Status::Unsupported, &["'q'", "sharing its amax", "'k'", "staging"]);
     // One target and arithmetic, one receiving device.
     let (mut table, _shards) = fused.table(true, q);
     table.quant_needs[2].quantization = q.with(Arithmetic::VllmChannel);
@@ -1050,7 +1050,7 @@ fn shards_sharing_an_amax_that_cannot_be_quantized_together_are_refused() {
     // A key on a scale that no need writes.
     let mut table = sharded.table(DEV0, false, [q, q], true);
     table.shared_amax.push(SharedAmax { process: 0, scale: sharded.staging[0].addr(), key: 3 });
-    fails(build(&table), Status::InvalidArgument, &["no per-tensor quantized need", "key 3"]);
+    fails(build(&table), Status::InvalidArgument, &["no quantized need", "key 3"]);
     // Two tables giving one scale two keys.
     let table = sharded.table(DEV0, false, [q, q], true);
     let mut other = Table::default();
@@ -1064,4 +1064,108 @@ fn shards_sharing_an_amax_that_cannot_be_quantized_together_are_refused() {
     builder.share_amax(place(5)).unwrap();
     fails(builder.share_amax(place(6)), Status::InvalidArgument, &["under key 5, not 6"]);
     assert_eq!(builder.table().shared_amax.len(), 1);
+}
+
+/// A row-parallel weight (quant_cases::RowShards: 100 x 200 bf16) received as three column shards
+/// on two devices, per row, each with its own scales, all given one amax key (vLLM's per-channel
+/// row-parallel weights at TP > 1): offered whole on one device, every row's scale is the whole
+/// row's on every shard, under both commits and with verify. Offered in column shards on the
+/// receivers themselves, no one device holds them: refused, even with staging.
+#[test]
+fn per_row_shards_sharing_an_amax_key_get_the_whole_rows_scales() {
+    use quant_cases::RowShards;
+    let shards = RowShards::new(90, Fp8::E4m3fn, Arithmetic::VllmChannel);
+    let w = &shards.whole;
+    let receivers = [DEV0, DEV1, DEV0];
+    let outputs: Vec<(Aligned, Aligned, Aligned)> = (0..3)
+        .map(|k| {
+            let (codes, scales) = shards.lens(k);
+            (Aligned::new(codes, SENTINEL), Aligned::new(scales, SENTINEL), Aligned::new(codes * 2, 0))
+        })
+        .collect();
+    let table = |owners: &[(Endpoint, u64, u64)], keyed: bool| {
+        let offers = owners
+            .iter()
+            .map(|&(owner, c0, width)| Offer {
+                tensor: 0,
+                owner,
+                addr: w.data.addr() + c0 * 2,
+                region: Region { offset: vec![0, c0], extent: vec![w.rows, width] },
+                strides: Some(vec![w.src_stride, 1]),
+                digest: None,
+            })
+            .collect();
+        let quant_needs = (0..3)
+            .map(|k| {
+                let (c0, width) = shards.shards[k];
+                QuantNeed {
+                    tensor: 0,
+                    receiver: receivers[k],
+                    addr: outputs[k].0.addr(),
+                    region: Region { offset: vec![0, c0], extent: vec![w.rows, width] },
+                    strides: vec![width, 1],
+                    quantization: w.quantization,
+                    source: SourceType::Bf16,
+                    scales: outputs[k].1.addr(),
+                    scale_row_stride: 1,
+                    scale_matrix_stride: 0,
+                    staging: outputs[k].2.addr(),
+                }
+            })
+            .collect();
+        let shared_amax = match keyed {
+            true => (0..3).map(|k| SharedAmax { process: 0, scale: outputs[k].1.addr(), key: 7 }).collect(),
+            false => vec![],
+        };
+        Table {
+            tensors: vec![TensorSpec {
+                name: "o".into(),
+                dtype: 7,
+                elem_size: 2,
+                shape: vec![w.rows, w.cols],
+            }],
+            offers,
+            needs: vec![],
+            quant_needs,
+            shared_amax,
+        }
+    };
+    for commit in [CommitMode::Direct, CommitMode::Staged] {
+        for verify in [false, true] {
+            let what = format!("{commit:?} verify {verify}");
+            let plan = build(&table(&[(DEV1, 0, w.cols)], true)).unwrap();
+            assert!(
+                plan.quant_routes().iter().all(|r| r.path == QuantPath::Direct && r.runner == DEV1),
+                "{what}"
+            );
+            let group = group();
+            let mut executor =
+                Executor::new(&group, &plan, 0, ExecOptions { commit, verify, ..ExecOptions::default() })
+                    .unwrap();
+            for (k, (codes, scales, _)) in outputs.iter().enumerate() {
+                let (codes_len, scales_len) = shards.lens(k);
+                // SAFETY: the buffers above, of these lengths (no reference to them is alive here).
+                unsafe {
+                    std::ptr::write_bytes(codes.addr() as *mut u8, SENTINEL, codes_len);
+                    std::ptr::write_bytes(scales.addr() as *mut u8, SENTINEL, scales_len);
+                }
+            }
+            // SAFETY: every address of the plan is a live buffer of this test.
+            unsafe { executor.run(&group) }.unwrap();
+            if commit == CommitMode::Staged {
+                // SAFETY: as above.
+                unsafe { executor.commit(&group) }.unwrap();
+            }
+            for (k, (codes, scales, _)) in outputs.iter().enumerate() {
+                shards.check(k, codes.bytes(), scales.bytes(), &what);
+            }
+        }
+    }
+    // Each shard offered on its own receiver's device: no one device quantizes the set in one batch.
+    let by_receiver: Vec<(Endpoint, u64, u64)> =
+        (0..3).map(|k| (receivers[k], shards.shards[k].0, shards.shards[k].1)).collect();
+    fails(build(&table(&by_receiver, true)), Status::Unsupported, &["'o'", "staging on each receiver"]);
+    // Without the key, each shard's rows take their own amaxes, in place on their own device.
+    let plan = build(&table(&by_receiver, false)).unwrap();
+    assert!(plan.quant_routes().iter().all(|r| r.runner == r.receiver && r.path == QuantPath::Direct));
 }

@@ -184,10 +184,12 @@ class Table(Handle):
             check(lib.refit_table_add_quantized_need(handle, *arguments))
 
     def share_amax(self, rank: int, scale: int, key: int) -> None:
-        """refit_table_share_amax: the per-tensor scale at `scale` of process `rank` takes one value
-        with every scale any table gives the nonzero `key`, from the amax of all the quantized needs
-        writing any of them (a weight's shards on several receivers, each with its own copy of the
-        scale, as vLLM's per-tensor weights at tensor parallelism above 1)."""
+        """refit_table_share_amax: the scales starting at `scale` of process `rank` share their amax
+        with every scale any table gives the nonzero `key`: a per-tensor scale takes the amax of all
+        the quantized needs writing any of them; per-row needs (the same rows of their tensors) take
+        each row's amax over all of them (a weight's shards on several receivers, each with its own
+        copy of the scales, as vLLM's per-tensor and row-parallel per-channel weights at tensor
+        parallelism above 1)."""
         arguments = (
             check_range(rank, 32, "rank"),
             check_range(scale, 64, "scale"),

@@ -27,6 +27,9 @@
 //   word of `amax` (zeroed by the host; jobs sharing one scale share one word, amax_slot, and each
 //   writes the scale, atomically); phase 2 quantizes with it. So a per-tensor job reads its
 //   source twice: its memory bound is 5 bytes per 16-bit element, not the other granularities' 3.
+//   Per-row jobs that share each row's amax with other jobs (a row-parallel weight's column shards,
+//   one job per receiver: SCALE_ROWS_SHARED) take the same two phases, a tile per row, row r's
+//   word at amax_slot + r, each job writing its own scales.
 //
 // Occupancy: the memory system needs tens of KiB of loads in flight per SM, which here means tiles in
 // flight (each holds its loads until its reduction). Two entry points: refit_quantize keeps
@@ -71,6 +74,7 @@ typedef unsigned short u16;
 #define SCALE_F32 0u
 #define SCALE_E8M0 1u
 #define SCALE_TENSOR 2u
+#define SCALE_ROWS_SHARED 3u  // f32 per-row scales whose amax jobs share: row r's word is amax_slot + r
 #define MODE_BLOCK 0u
 #define MODE_GROUP 1u
 
@@ -644,12 +648,15 @@ __device__ void quantize_block(const QuantDesc& d, u32 amax_slot, u64 block, u32
         }
     }
     amax = block_max(amax);
-    if (d.scale_kind == SCALE_TENSOR) {
+    if (d.scale_kind >= SCALE_TENSOR) {
+        // Two phases: the amax of every job sharing it, then the quantization with it. (A shared
+        // row's tile is its row, `block`, which stays live for the scale's store below anyway.)
+        u32* word = job_amax + amax_slot + (d.scale_kind == SCALE_ROWS_SHARED ? (u32)block : 0u);
         if (phase == 1) {
-            if (t == 0) atomicMax(job_amax + amax_slot, amax);
+            if (t == 0) atomicMax(word, amax);
             return;
         }
-        amax = *(volatile u32*)(job_amax + amax_slot);
+        amax = *(volatile u32*)word;
     }
     const Scale scale = block_scale(d, amax);
     if (t == 0 && d.scale_kind == SCALE_TENSOR && block == 0) {
@@ -818,7 +825,7 @@ __device__ void quantize_tile(const QuantDesc& d, u32 amax_slot, u64 tile, u32 p
         if (phase != 1) quantize_groups<SRC>(d, tile);
     } else if (!SHARED && whole_rows<SRC, CACHE>(d)) {
         if (phase != 1) quantize_row<SRC, CACHE>(d, tile);  // never per tensor: those are wide
-    } else if (phase != 1 || d.scale_kind == SCALE_TENSOR) {
+    } else if (phase != 1 || d.scale_kind >= SCALE_TENSOR) {
         quantize_block<SRC, CACHE, SHARED>(d, amax_slot, tile, phase, job_amax, cache);
     }
 }

@@ -72,7 +72,8 @@ pub struct QuantDesc {
     /// ([`crate::quant::Arithmetic::power_of_two_scales`]).
     pub pow2_scales: u32,
     /// Per tensor: the amax word the job reduces into and reads, shared by every job sharing its
-    /// amax ([`crate::quant::job::amax_owners`]: the descriptor of the first of them).
+    /// amax ([`crate::quant::job::amax_owners`]: that of the first of them); per row with a shared
+    /// amax, the first of its rows' words (row r's is amax_slot + r).
     pub amax_slot: u32,
     /// The code a NaN quotient takes: 0x7f, or the target's +FP8_MAX code where the arithmetic
     /// says so ([`crate::quant::Arithmetic::nan_to_max`]).
@@ -84,6 +85,7 @@ const MODE_GROUP: u32 = 1;
 const SCALE_F32: u32 = 0;
 const SCALE_E8M0: u32 = 1;
 const SCALE_TENSOR: u32 = 2;
+const SCALE_ROWS_SHARED: u32 = 3;
 
 /// The descriptors of a batch and its tiles (one thread block each). The narrow entry point's jobs
 /// come first: it takes tiles [0, narrow_tiles), the wide one [narrow_tiles, tiles).
@@ -97,18 +99,21 @@ pub struct Layout {
     pub index: Vec<u32>,
     pub tiles: u64,
     pub narrow_tiles: u64,
-    /// Whether a job is per tensor (then phase 1 runs first; per-tensor jobs are wide).
-    pub per_tensor: bool,
+    /// The amax words the two-phase jobs reduce into (per tensor: one per set of jobs sharing it;
+    /// per row with a shared amax: one per row of each set), after the table; 0: no job takes two
+    /// phases (then phase 1 does not run; two-phase jobs are wide).
+    pub amax_words: u32,
 }
 
 impl Layout {
-    /// Bytes of the amax words per-tensor jobs need after the descriptors (one per descriptor).
+    /// Bytes of the amax words after the table ([`Layout::amax_words`]).
     pub fn amax_bytes(&self) -> usize {
-        if self.per_tensor {
-            self.descs.len() * 4
-        } else {
-            0
-        }
+        self.amax_words as usize * 4
+    }
+
+    /// Whether phase 1 runs (a job is per tensor, or per row with a shared amax).
+    pub fn two_phase(&self) -> bool {
+        self.amax_words > 0
     }
 
     /// The table the kernel reads: the descriptors, then the tile index (amax words follow it on
@@ -147,7 +152,7 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
         let vectors_per_thread = u64::from(desc.block_rows)
             * u64::from(desc.block_cols).min(job.cols).div_ceil(job.vector_elements());
         let vectors_per_thread = vectors_per_thread.div_ceil(u64::from(THREADS));
-        let fits_narrow = desc.scale_kind != SCALE_TENSOR && vectors_per_thread <= NARROW_CACHE;
+        let fits_narrow = desc.scale_kind < SCALE_TENSOR && vectors_per_thread <= NARROW_CACHE;
         if desc.mode == MODE_GROUP || fits_narrow {
             narrow.push((desc, tiles));
         } else {
@@ -162,17 +167,32 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
             format!("the batch has {} jobs, more than one launch indexes ({})", jobs.len(), u32::MAX),
         ));
     }
-    let mut descriptor_of_job = vec![0u32; jobs.len()];
+    // Each set of jobs sharing an amax gets its words (one, or one per row) at its first job's.
+    let mut words_of_job: Vec<Option<u32>> = vec![None; jobs.len()];
+    let mut words = 0u64;
     for (mut desc, tiles) in narrow.into_iter().chain(wide) {
-        descriptor_of_job[desc.amax_slot as usize] = layout.descs.len() as u32;
+        let job = desc.amax_slot as usize;
+        if desc.scale_kind >= SCALE_TENSOR && owners[job] == job {
+            words_of_job[job] = Some(words as u32);
+            words += if desc.scale_kind == SCALE_ROWS_SHARED { jobs[job].rows } else { 1 };
+            if words > u64::from(u32::MAX) {
+                return Err(Error::new(
+                    Status::Unsupported,
+                    format!("the batch's shared amaxes need {words} words, more than one launch indexes"),
+                ));
+            }
+        }
         desc.first_tile = layout.tiles;
         layout.tiles += tiles;
-        layout.per_tensor |= desc.scale_kind == SCALE_TENSOR;
         layout.descs.push(desc);
     }
     for desc in &mut layout.descs {
-        desc.amax_slot = descriptor_of_job[owners[desc.amax_slot as usize]];
+        desc.amax_slot = match desc.scale_kind >= SCALE_TENSOR {
+            true => words_of_job[owners[desc.amax_slot as usize]].expect("every set's first job has words"),
+            false => 0,
+        };
     }
+    layout.amax_words = words as u32;
     layout.index = tile_index(&layout.descs, layout.tiles);
     if layout.tiles > i32::MAX as u64 {
         return Err(Error::new(
@@ -233,7 +253,16 @@ fn describe(job: &QuantJob) -> (QuantDesc, u64) {
         ..QuantDesc::default()
     };
     let tiles;
-    if q.granularity == Granularity::Tensor {
+    if q.granularity == Granularity::Row && job.amax_key != 0 {
+        // Each row's amax shared with other jobs: a tile per row, two phases.
+        desc.block_rows = 1;
+        desc.block_cols = job.cols as u32;
+        desc.grid_cols = 1;
+        desc.blocks = job.rows;
+        desc.scale_kind = SCALE_ROWS_SHARED;
+        desc.mode = MODE_BLOCK;
+        tiles = job.rows;
+    } else if q.granularity == Granularity::Tensor {
         // Slabs of whole rows, as many as the wide entry point's cache holds.
         let per_row = job.cols.div_ceil(vector);
         let slab = (u64::from(THREADS) * CACHE / per_row).clamp(1, job.rows);
@@ -380,9 +409,10 @@ impl QuantizeKernel {
     /// As for [`QuantizeKernel::launches`].
     unsafe fn first_phase(&self, stream: sys::CUstream, table: u64, layout: &Layout) -> Result<u64> {
         let amax = amax_words(table, layout);
-        if layout.per_tensor {
+        if layout.two_phase() {
             // SAFETY: the amax words lie in the table (the caller's promise).
-            check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(amax, 0, layout.descs.len(), stream) })?;
+            let words = layout.amax_words as usize;
+            check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(amax, 0, words, stream) })?;
             self.launch(stream, table, layout, (self.wide, layout.narrow_tiles..layout.tiles), 1, amax)?;
         }
         Ok(amax)
@@ -471,7 +501,7 @@ impl QuantizeKernel {
 /// The address of a batch's amax words at `table` (after its descriptors and tile index); 0 without
 /// per-tensor jobs.
 fn amax_words(table: u64, layout: &Layout) -> u64 {
-    if layout.per_tensor {
+    if layout.two_phase() {
         table + layout.table_len() as u64
     } else {
         0
@@ -703,7 +733,7 @@ mod tests {
         );
         assert_eq!(l.descs[4].block_rows, 2);
         assert_eq!((l.narrow_tiles, l.tiles), (narrow_tiles, narrow_tiles + 32768 + 500 + 3));
-        assert!(l.per_tensor);
+        assert!(l.two_phase());
         // The index: an entry per 256 tiles and one past the end, each the job of its first tile.
         let chunks = l.tiles.div_ceil(256) as usize;
         assert_eq!(l.index.len(), chunks + 1);
@@ -729,7 +759,7 @@ mod tests {
     #[test]
     fn empty_jobs_get_no_descriptor() {
         let l = layout(&[job(0, Granularity::Row, 0, 64), job(1, Granularity::Mx, 7, 0)]).unwrap();
-        assert_eq!((l.descs.len(), l.tiles, l.narrow_tiles, l.per_tensor), (0, 0, 0, false));
+        assert_eq!((l.descs.len(), l.tiles, l.narrow_tiles, l.amax_words), (0, 0, 0, 0));
         assert!(l.index.is_empty() && l.to_bytes().is_empty());
     }
 }

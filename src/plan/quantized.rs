@@ -26,7 +26,7 @@ use super::stats::PlanStats;
 use super::table::{Endpoint, Need, Region, Table, TensorSpec, MAX_DIMS};
 use crate::error::{Error, Result, Status};
 use crate::quant::job::check_job;
-use crate::quant::{QuantJob, Quantization, SourceType};
+use crate::quant::{Granularity, QuantJob, Quantization, SourceType};
 use std::collections::{BTreeMap, HashMap};
 
 /// A need for FP8: `region` of tensor `tensor` quantized to `quantization` into FP8 codes at `addr`
@@ -490,12 +490,31 @@ impl ScaleTies {
         let mut first_at: HashMap<(u32, u64), usize> = HashMap::new();
         let mut first_with: HashMap<u64, usize> = HashMap::new();
         let mut budget = max_jobs;
+        let mut keyed_rows: HashMap<(u32, u64), usize> = HashMap::new();
         for (i, (spec, q)) in needs.iter().enumerate() {
-            if q.quantization.granularity != crate::quant::Granularity::Tensor {
+            let g = match q.quantization.granularity {
+                Granularity::Tensor | Granularity::Row => q.geometry(spec)?,
+                _ => continue,
+            };
+            if g.whole().is_empty(g.n) {
                 continue;
             }
-            let g = q.geometry(spec)?;
-            if g.whole().is_empty(g.n) {
+            if q.quantization.granularity == Granularity::Row {
+                // Per-row scales are the need's own, unless a key shares each row's amax.
+                let place = (q.receiver.process, q.scales);
+                let Some(&key) = keys.get(&place) else { continue };
+                if g.matrices() != 1 {
+                    return Err(Error::invalid_argument(format!(
+                        "quantized need of tensor '{}': its per-row scales share amaxes under key {key}, but its box \
+                         holds {} matrices; needs sharing per-row amaxes are one matrix each",
+                        spec.name,
+                        g.matrices()
+                    )));
+                }
+                keyed_rows.insert(place, i);
+                let j = *first_with.entry(key).or_insert(i);
+                let (a, b) = (root(&mut parent, i), root(&mut parent, j));
+                parent[a.max(b)] = a.min(b);
                 continue;
             }
             spend(&mut budget, g.matrices())?;
@@ -523,10 +542,11 @@ impl ScaleTies {
                 }
             }
         }
-        if let Some(((process, scale), key)) = keys.iter().find(|(place, _)| !first_at.contains_key(place)) {
+        let unknown = |place: &&(u32, u64)| !first_at.contains_key(place) && !keyed_rows.contains_key(place);
+        if let Some(((process, scale), key)) = keys.iter().find(|(place, _)| unknown(place)) {
             return Err(Error::invalid_argument(format!(
-                "scale at {scale:#x} of process {process} shares its amax under key {key}, but no per-tensor quantized \
-                 need with elements writes a scale there"
+                "scale at {scale:#x} of process {process} shares its amax under key {key}, but no quantized need with \
+                 elements writes a per-tensor scale there, nor starts its per-row scales there"
             )));
         }
         let mut members: BTreeMap<usize, Vec<usize>> = BTreeMap::new();
@@ -546,8 +566,22 @@ impl ScaleTies {
                 if q.quantization != lead.quantization {
                     return Err(Error::invalid_argument(format!(
                         "quantized needs of tensors {names} share a per-tensor amax but differ in quantization: needs \
-                         sharing an amax take one target and arithmetic (tensor '{}')",
+                         sharing an amax take one target, granularity and arithmetic (tensor '{}')",
                         spec.name
+                    )));
+                }
+                // The box's rows in the tensor (a box of fewer than 2 dimensions is one row).
+                let rows = |q: &QuantNeed| match q.region.offset.len() {
+                    n if n >= 2 => (q.region.offset.get(n - 2).copied(), q.region.extent.get(n - 2).copied()),
+                    _ => (None, None),
+                };
+                if q.quantization.granularity == Granularity::Row && rows(q) != rows(lead) {
+                    return Err(Error::invalid_argument(format!(
+                        "quantized needs of tensors {names} share per-row amaxes but not their rows (tensor '{}': rows \
+                         {:?} against {:?}): needs sharing per-row amaxes hold the same rows of their tensors",
+                        spec.name,
+                        rows(q),
+                        rows(lead)
                     )));
                 }
                 ties.set[i] = Some(first);
@@ -565,7 +599,10 @@ impl ScaleTies {
                         let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
                         let pieces = direct_pieces(q, &g, offers, from).ok()?;
                         let owner = pieces.first()?.owner;
-                        pieces.iter().all(|p| p.owner == owner).then_some(owner)
+                        // A per-row set's jobs index its rows' amaxes from their first row: one
+                        // job (one piece) per need.
+                        let one_job = q.quantization.granularity != Granularity::Row || pieces.len() == 1;
+                        (one_job && pieces.iter().all(|p| p.owner == owner)).then_some(owner)
                     })
                     .collect();
                 let runner = runners[0].filter(|_| runners.iter().all(|r| *r == runners[0]))?;
@@ -577,8 +614,8 @@ impl ScaleTies {
                 .find(|&p| runner(p).is_some());
             let decided = from.ok_or_else(|| Refusal {
                 why: format!(
-                    "the {} needs sharing its per-tensor amax (of tensors {names}) cannot all be quantized in place \
-                     from one device (of a process that receives all of them or none)",
+                    "the {} needs sharing its amax (of tensors {names}) cannot all be quantized in place from one \
+                     device (of a process that receives all of them or none; per row, each need from one offer)",
                     set.len()
                 ),
                 stageable: one_receiver,

@@ -199,7 +199,9 @@ pub struct QuantJob {
     pub scale_stride: u64,
     /// Per tensor: jobs naming the same nonzero key share one amax (that of all their elements) as
     /// jobs naming the same `scales` do, each writing it to its own scale: one value for the shards
-    /// of a weight that several receivers hold, each with its own copy of the scale. 0: none.
+    /// of a weight that several receivers hold, each with its own copy of the scale. Per row: jobs
+    /// naming the same nonzero key (and having the same rows) share each row's amax, each writing
+    /// its own scales: a row-parallel weight's column shards. Other granularities ignore it. 0: none.
     pub amax_key: u64,
 }
 
@@ -397,10 +399,12 @@ pub fn scale_owners(jobs: &[QuantJob]) -> Vec<usize> {
         .collect()
 }
 
-/// For each job, the first job of those it shares one per-tensor amax with: the jobs joined through
-/// a common `scales` or a common nonzero `amax_key`, transitively (every job that is not per tensor,
-/// or has no elements, is its own). Their scale is that of all their elements: one scale for a fused
-/// `qkv` whose q, k and v arrive as separate jobs, one value for the scales of a weight's shards.
+/// For each job, the first job of those it shares its amax with: per-tensor jobs joined through a
+/// common `scales` or a common nonzero `amax_key`, per-row jobs through a common nonzero `amax_key`
+/// (row r of each takes the amax of row r of all), transitively (every other job, or one with no
+/// elements, is its own). A per-tensor scale is that of all their elements: one scale for a fused
+/// `qkv` whose q, k and v arrive as separate jobs, one value for the scales of a weight's shards; a
+/// per-row scale is that of the whole row, whose column shards several jobs quantize.
 pub fn amax_owners(jobs: &[QuantJob]) -> Vec<usize> {
     let mut owner: Vec<usize> = (0..jobs.len()).collect();
     fn root(owner: &mut [usize], mut i: usize) -> usize {
@@ -411,9 +415,13 @@ pub fn amax_owners(jobs: &[QuantJob]) -> Vec<usize> {
         i
     }
     let (mut by_scale, mut by_key) = (HashMap::new(), HashMap::new());
-    for (index, job) in jobs.iter().enumerate().filter(|(_, job)| shares_amax(job)) {
-        let mut joined = vec![*by_scale.entry(job.scales).or_insert(index)];
-        if job.amax_key != 0 {
+    for (index, job) in jobs.iter().enumerate().filter(|(_, job)| job.elements() > 0) {
+        let mut joined = Vec::with_capacity(2);
+        if shares_amax(job) {
+            joined.push(*by_scale.entry(job.scales).or_insert(index));
+        }
+        let keyed = matches!(job.quantization.granularity, Granularity::Tensor | Granularity::Row);
+        if keyed && job.amax_key != 0 {
             joined.push(*by_key.entry(job.amax_key).or_insert(index));
         }
         for other in joined {
@@ -424,7 +432,7 @@ pub fn amax_owners(jobs: &[QuantJob]) -> Vec<usize> {
     (0..jobs.len()).map(|index| root(&mut owner, index)).collect()
 }
 
-/// Whether a job's scale may be shared: per tensor, with elements.
+/// Whether jobs naming a job's scale share it: per tensor, with elements.
 fn shares_amax(job: &QuantJob) -> bool {
     job.quantization.granularity == Granularity::Tensor && job.elements() > 0
 }
@@ -441,19 +449,32 @@ pub fn check_jobs(jobs: &[QuantJob]) -> Result<()> {
     for (index, &owner) in amax_owners(jobs).iter().enumerate() {
         let (job, first) = (&jobs[index], &jobs[owner]);
         if job.quantization != first.quantization {
-            let shared = match job.scales == first.scales {
-                true => format!("per-tensor scale at {:#x}", job.scales),
-                false => format!("per-tensor amax (amax key {})", job.amax_key),
+            let shared = match (job.scales == first.scales, first.quantization.granularity) {
+                (true, _) => format!("per-tensor scale at {:#x}", job.scales),
+                (false, Granularity::Row) => format!("per-row amaxes (amax key {})", job.amax_key),
+                (false, _) => format!("per-tensor amax (amax key {})", job.amax_key),
             };
             return Err(invalid(
                 index,
                 format!(
-                    "it shares jobs[{owner}]'s {shared} but quantizes differently (target {:?}, arithmetic {} against \
-                     {:?}, {}): jobs sharing an amax take one target and arithmetic",
+                    "it shares jobs[{owner}]'s {shared} but quantizes differently (target {:?}, granularity {:?}, \
+                     arithmetic {} against {:?}, {:?}, {}): jobs sharing an amax take one quantization",
                     job.quantization.target,
+                    job.quantization.granularity,
                     job.quantization.arithmetic.code(),
                     first.quantization.target,
+                    first.quantization.granularity,
                     first.quantization.arithmetic.code()
+                ),
+            ));
+        }
+        if job.quantization.granularity == Granularity::Row && job.rows != first.rows {
+            return Err(invalid(
+                index,
+                format!(
+                    "it shares jobs[{owner}]'s per-row amaxes (amax key {}) but has {} rows, not {}: jobs sharing \
+                     per-row amaxes have the same rows",
+                    job.amax_key, job.rows, first.rows
                 ),
             ));
         }

@@ -173,7 +173,7 @@ pub fn quantize_with(
     dst_stride: u64,
     mut scales: Option<&mut [u8]>,
     scale_stride: u64,
-    tensor_amax: Option<u32>,
+    shared_amax: Option<&[u32]>,
 ) {
     let (rows, cols) = (source.rows, source.cols);
     if rows == 0 || cols == 0 {
@@ -182,12 +182,17 @@ pub fn quantize_with(
     let (block_rows, block_cols) = quantization.block_shape(rows, cols);
     let (grid_rows, grid_cols) = quantization.scale_grid(rows, cols);
     let kind = quantization.scale_kind();
-    let given = tensor_amax.filter(|_| quantization.granularity == super::Granularity::Tensor);
+    // A shared amax: the one of a per-tensor scale, or each row's of per-row scales.
+    let given = |i: u64| match quantization.granularity {
+        super::Granularity::Tensor => shared_amax.and_then(|a| a.first().copied()),
+        super::Granularity::Row => shared_amax.and_then(|a| a.get(i as usize).copied()),
+        _ => None,
+    };
     for i in 0..grid_rows {
         for j in 0..grid_cols {
             let row_range = i * block_rows..((i + 1) * block_rows).min(rows);
             let col_range = j * block_cols..((j + 1) * block_cols).min(cols);
-            let amax = given.unwrap_or_else(|| {
+            let amax = given(i).unwrap_or_else(|| {
                 let mut amax = 0u32;
                 for r in row_range.clone() {
                     for c in col_range.clone() {
@@ -226,21 +231,22 @@ pub unsafe fn host_source<'a>(job: &QuantJob) -> SourceMatrix<'a> {
     SourceMatrix { bytes, source: job.source, rows: job.rows, cols: job.cols, stride: job.src_stride }
 }
 
-/// A per-tensor amax `job` shares with other jobs ([`super::job::amax_owners`]): the amax of all of
-/// them, and whether this job writes its scale (the first job naming that scale does).
-#[derive(Clone, Copy, Debug)]
+/// The amax `job` shares with other jobs ([`super::job::amax_owners`]): per tensor, the amax of all
+/// of them (one value); per row, each row's amax over all of them. And whether this job writes its
+/// scale (the first job naming a per-tensor scale does; every per-row job writes its own).
+#[derive(Clone, Debug)]
 pub struct SharedScale {
-    pub amax: u32,
+    pub amax: std::sync::Arc<[u32]>,
     pub writes: bool,
 }
 
-/// Runs `job` over host memory: the host backend's quantizing copy. `shared` is its per-tensor
-/// scale's, when other jobs share it.
+/// Runs `job` over host memory: the host backend's quantizing copy. `shared` is its amax's, when
+/// other jobs share it.
 ///
 /// # Safety
 /// The job has passed [`super::job::check_jobs`], and every byte it reads (the source rows, rounded up
 /// to 16 bytes) and writes is host memory valid for the call; no written byte is read.
-pub unsafe fn quantize_host_job(job: &QuantJob, shared: Option<SharedScale>) {
+pub unsafe fn quantize_host_job(job: &QuantJob, shared: Option<&SharedScale>) {
     if job.elements() == 0 {
         return;
     }
@@ -259,13 +265,13 @@ pub unsafe fn quantize_host_job(job: &QuantJob, shared: Option<SharedScale>) {
             std::slice::from_raw_parts_mut(job.scales as usize as *mut u8, scale_len as usize)
         }),
     };
-    let amax = shared.map(|s| s.amax);
+    let amax = shared.map(|s| &s.amax[..]);
     quantize_with(job.quantization, &source, dst, job.dst_stride, scales, job.scale_stride, amax);
 }
 
-/// Each of `jobs`' shared per-tensor scale: Some for a job that shares its amax with another
-/// ([`super::job::amax_owners`]), with whether it writes its scale ([`super::job::scale_owners`]: the
-/// first job naming that scale does); None for a job whose scale is its own.
+/// Each of `jobs`' shared amax: Some for a job that shares its amax with another
+/// ([`super::job::amax_owners`]), with whether it writes its scale ([`super::job::scale_owners`]);
+/// None for a job whose amax is its own.
 ///
 /// # Safety
 /// The jobs have passed [`super::job::check_jobs`] and their source rows are host memory valid for
@@ -274,15 +280,30 @@ pub unsafe fn shared_scales(jobs: &[QuantJob]) -> Vec<Option<SharedScale>> {
     let (amax_owners, writers) = (super::job::amax_owners(jobs), super::job::scale_owners(jobs));
     let mut members = vec![0usize; jobs.len()];
     amax_owners.iter().for_each(|&owner| members[owner] += 1);
-    let mut amax = vec![0u32; jobs.len()];
+    let mut amax: Vec<Vec<u32>> = vec![Vec::new(); jobs.len()];
     for (job, &owner) in jobs.iter().zip(&amax_owners).filter(|(_, &owner)| members[owner] > 1) {
         // SAFETY: the caller's promise.
-        amax[owner] = amax[owner].max(amax_of(&unsafe { host_source(job) }));
+        let source = unsafe { host_source(job) };
+        // One value per tensor, one per row (check_jobs found every job of a per-row set alike).
+        let values: Vec<u32> = match job.quantization.granularity {
+            super::Granularity::Row => (0..job.rows).map(|r| row_amax(&source, r)).collect(),
+            _ => vec![amax_of(&source)],
+        };
+        let into = &mut amax[owner];
+        into.resize(values.len(), 0);
+        into.iter_mut().zip(values).for_each(|(a, v)| *a = (*a).max(v));
     }
+    let amax: Vec<std::sync::Arc<[u32]>> = amax.into_iter().map(Into::into).collect();
     let shared = |(index, &owner): (usize, &usize)| {
-        (members[owner] > 1).then_some(SharedScale { amax: amax[owner], writes: writers[index] == index })
+        let writes = writers[index] == index;
+        (members[owner] > 1).then(|| SharedScale { amax: std::sync::Arc::clone(&amax[owner]), writes })
     };
     amax_owners.iter().enumerate().map(shared).collect()
+}
+
+/// The amax of row `r` of `source` (as [`amax_of`] over one row).
+fn row_amax(source: &SourceMatrix, r: u64) -> u32 {
+    (0..source.cols).map(|c| magnitude_bits(source.get(r, c))).max().unwrap_or(0)
 }
 
 /// `job` cut into bands of whole scale-block rows, about `bands` of them (one for a per-tensor job,
@@ -291,7 +312,14 @@ pub unsafe fn shared_scales(jobs: &[QuantJob]) -> Vec<Option<SharedScale>> {
 pub fn row_bands(job: &QuantJob, bands: u64) -> Vec<QuantJob> {
     let (block_rows, _) = job.quantization.block_shape(job.rows, job.cols);
     let grid_rows = job.quantization.scale_grid(job.rows, job.cols).0;
-    if matches!(job.quantization.granularity, super::Granularity::Tensor) || grid_rows < 2 || bands < 2 {
+    // A per-tensor job's one scale needs the whole matrix; a job sharing its rows' amaxes indexes
+    // them from its first row.
+    let shares_rows = job.quantization.granularity == super::Granularity::Row && job.amax_key != 0;
+    if matches!(job.quantization.granularity, super::Granularity::Tensor)
+        || shares_rows
+        || grid_rows < 2
+        || bands < 2
+    {
         return vec![*job];
     }
     let per_band = grid_rows.div_ceil(bands) * block_rows;

@@ -327,7 +327,7 @@ unsafe fn quantize_on(queue: &HostStream, jobs: Arc<Vec<crate::quant::QuantJob>>
             .iter()
             .zip(shared)
             .flat_map(|(job, scale)| {
-                row_bands(job, threads as u64).into_iter().map(move |band| (band, scale))
+                row_bands(job, threads as u64).into_iter().map(move |band| (band, scale.clone()))
             })
             .collect();
         let next = std::sync::atomic::AtomicUsize::new(0);
@@ -340,7 +340,7 @@ unsafe fn quantize_on(queue: &HostStream, jobs: Arc<Vec<crate::quant::QuantJob>>
                         // SAFETY: the caller keeps the memory valid until the work has run (waited
                         // for below); the bands of checked jobs write disjoint bytes (a shared
                         // scale only its owner writes).
-                        unsafe { quantize_host_job(band, *scale) };
+                        unsafe { quantize_host_job(band, scale.as_ref()) };
                     })
                 })
                 .collect();

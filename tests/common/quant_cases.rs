@@ -394,3 +394,97 @@ pub fn key_jobs(jobs: &mut [QuantJob], scale_a: u64, scale_b: u64) {
         job.scales = if i < 2 { scale_a } else { scale_b };
     }
 }
+
+/// A row-parallel weight's column shards, each quantized per row by its own job with its own codes
+/// and scales, the jobs sharing each row's amax through one amax key: the whole matrix (bf16, rows
+/// in every scenario, the magnitudes of each shard's columns scaled apart so that no shard alone has
+/// a row's amax, 100 x 200 padded) and the shards' first columns and widths (multiples of 8, so that
+/// every shard's rows start on 16 bytes; the last ends inside a vector).
+pub struct RowShards {
+    pub whole: Case,
+    pub shards: Vec<(u64, u64)>,
+}
+
+pub const ROW_SHARDS_KEY: u64 = 0x726f_7773;
+
+impl RowShards {
+    pub fn new(seed: u64, target: Fp8, arithmetic: Arithmetic) -> RowShards {
+        let mut rng = Rng::new(seed);
+        let mut whole = case(&mut rng, "row shards", target, Granularity::Row, SourceType::Bf16, 100, 200, 1);
+        whole.quantization = whole.quantization.with(arithmetic);
+        let shards = vec![(0, 64), (64, 96), (160, 40)];
+        // Each shard's columns scaled by 4^k, rows alternating which shard is largest.
+        for r in 0..whole.rows {
+            for (k, &(c0, width)) in shards.iter().enumerate() {
+                let scale = 4f32.powi(((k as u64 + r) % 3) as i32);
+                for c in c0..c0 + width {
+                    let at = ((r * whole.src_stride + c) * 2) as usize;
+                    let bytes = &mut whole.data.bytes_mut()[at..at + 2];
+                    let x = f32::from_bits(u32::from(u16::from_le_bytes([bytes[0], bytes[1]])) << 16) * scale;
+                    put(SourceType::Bf16, bytes, x);
+                }
+            }
+        }
+        RowShards { whole, shards }
+    }
+
+    /// Shard k's job: its columns of the whole matrix, codes at `dst` (rows `width` apart), scales
+    /// at `scales` (one per row), `src` the whole matrix's address (its uploaded copy on a GPU).
+    pub fn job(&self, k: usize, src: u64, dst: u64, scales: u64) -> QuantJob {
+        let (c0, width) = self.shards[k];
+        QuantJob {
+            src: src + c0 * 2,
+            cols: width,
+            dst,
+            dst_stride: width,
+            scales,
+            scale_stride: 1,
+            amax_key: ROW_SHARDS_KEY,
+            ..self.whole.job(src, dst, scales)
+        }
+    }
+
+    /// Each shard's codes and scales buffers in host memory (the sentinel everywhere).
+    pub fn outputs(&self) -> Vec<(Aligned, Aligned)> {
+        (0..self.shards.len())
+            .map(|k| {
+                let (codes, scales) = self.lens(k);
+                (Aligned::new(codes, SENTINEL), Aligned::new(scales, SENTINEL))
+            })
+            .collect()
+    }
+
+    /// Bytes of shard k's codes and of its scales.
+    pub fn lens(&self, k: usize) -> (usize, usize) {
+        ((self.whole.rows * self.shards[k].1) as usize, (self.whole.rows * 4) as usize)
+    }
+
+    /// Checks what shard k's job wrote against the reference over the whole matrix (its columns of
+    /// the codes; every row's scale), and that sharing mattered: the shard alone has other scales.
+    pub fn check(&self, k: usize, codes: &[u8], scales: &[u8], by: &str) {
+        let (want_codes, want_scales) = self.whole.expected();
+        let (c0, width) = self.shards[k];
+        for r in 0..self.whole.rows {
+            let want = &want_codes[(r * self.whole.dst_stride + c0) as usize..][..width as usize];
+            let got = &codes[(r * width) as usize..][..width as usize];
+            assert!(got == want, "{by}: shard {k} row {r}: codes differ from the whole matrix's");
+            let want_scale = &want_scales[(r * self.whole.scale_stride * 4) as usize..][..4];
+            assert_eq!(&scales[(r * 4) as usize..][..4], want_scale, "{by}: shard {k} row {r}: scale");
+        }
+        // Not vacuous: some row of the shard alone has another scale.
+        let w = &self.whole;
+        let source = SourceMatrix {
+            bytes: &w.data.bytes()[(c0 * 2) as usize..],
+            source: w.source,
+            rows: w.rows,
+            cols: width,
+            stride: w.src_stride,
+        };
+        let (mut alone_codes, mut alone_scales) =
+            (vec![0u8; (w.rows * width) as usize], vec![0u8; (w.rows * 4) as usize]);
+        quantize(w.quantization, &source, &mut alone_codes, width, &mut alone_scales, 1);
+        let differs = (0..w.rows as usize)
+            .any(|r| alone_scales[4 * r..4 * r + 4] != want_scales[r * 4 * w.scale_stride as usize..][..4]);
+        assert!(differs, "{by}: shard {k} alone has every whole row's scale");
+    }
+}

@@ -25,11 +25,11 @@ inline T atomicExch(T* p, T v) {
 
 extern "C" void refit_emulate_copy_quantize(const void* copy, u64 nseg, u64 ntiles, u32 tile_shift, u32 group_shift,
                                             u32 copy_blocks, const void* quant, u32 njobs, u64 narrow_tiles,
-                                            u64 tiles, u32 per_tensor) {
-    std::vector<u32> amax(njobs, 0u);  // the words the host zeroes
+                                            u64 tiles, u32 amax_words) {
+    std::vector<u32> amax(amax_words, 0u);  // the words the host zeroes
     const Desc* c = static_cast<const Desc*>(copy);
     const QuantDesc* q = static_cast<const QuantDesc*>(quant);
-    if (per_tensor) {
+    if (amax_words) {
         emu::launch((unsigned)(tiles - narrow_tiles), QUANT_THREADS,
                     [&] { refit_quantize(q, njobs, narrow_tiles, 1, amax.data()); });
     }

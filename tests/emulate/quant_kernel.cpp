@@ -21,15 +21,15 @@ inline T atomicExch(T* p, T v) {
 #include "../../src/kernels/quantize.cu"
 
 // Runs the launches.
-extern "C" void refit_emulate_quantize(const void* descs, u32 njobs, u64 narrow_tiles, u64 tiles, u32 per_tensor) {
-    std::vector<u32> amax(njobs, 0u);  // the words the host zeroes
+extern "C" void refit_emulate_quantize(const void* descs, u32 njobs, u64 narrow_tiles, u64 tiles, u32 amax_words) {
+    std::vector<u32> amax(amax_words, 0u);  // the words the host zeroes
     const QuantDesc* d = static_cast<const QuantDesc*>(descs);
     if (narrow_tiles > 0) {
         emu::launch((unsigned)narrow_tiles, QUANT_THREADS, [&] { refit_quantize_narrow(d, njobs, 0, 2, amax.data()); });
     }
     const unsigned wide = (unsigned)(tiles - narrow_tiles);
     if (wide > 0) {
-        if (per_tensor) emu::launch(wide, QUANT_THREADS, [&] { refit_quantize(d, njobs, narrow_tiles, 1, amax.data()); });
+        if (amax_words) emu::launch(wide, QUANT_THREADS, [&] { refit_quantize(d, njobs, narrow_tiles, 1, amax.data()); });
         emu::launch(wide, QUANT_THREADS, [&] { refit_quantize(d, njobs, narrow_tiles, 2, amax.data()); });
     }
 }

@@ -55,15 +55,16 @@ class QuantizedParam:
     scale (Granularity.TENSOR: any tensor of one element).
     `transposed`: the live codes are the transpose of row-major codes of the recorded shape (a
     [cols, rows] view with strides (1, cols), as vLLM's per-channel online FP8 serves them).
-    `amax_key` (per tensor; 0: none): the one scale is the whole parameter's across every receiver
-    holding a share of it (vLLM's per-tensor weights at TP above 1, whose amax it reduces across the
-    ranks): each receiver gives its copy of the scale this key (Table.share_amax), which every
-    receiver derives alike from the parameter's name (amax_key)."""
+    `shared_amax`: the scales are the whole parameter's across every receiver holding a share of it
+    (vLLM reduces their amax across the tensor-parallel ranks: per tensor, the one scale of any
+    sharded layer; per channel, each row's scale of a row-parallel layer): each receiver gives its
+    scales an amax key (Table.share_amax) that every receiver derives alike (amax_key: from the
+    scale parameter's name, and per row from the box's first row)."""
 
     scales: str
     quantization: Quantization
     transposed: bool = False
-    amax_key: int = 0
+    shared_amax: bool = False
 
     def block(self, shape: Tuple[int, ...]) -> Tuple[int, int]:
         """The elements sharing one scale in a parameter of `shape`."""
@@ -97,8 +98,8 @@ class QuantizedParam:
 
 
 def amax_key(name: str) -> int:
-    """A nonzero 64-bit key every process derives alike from a parameter's name (FNV-1a; Python's
-    own hash differs between processes)."""
+    """A nonzero 64-bit key every process derives alike from a name (FNV-1a; Python's own hash
+    differs between processes)."""
     key = 0xCBF29CE484222325
     for byte in name.encode():
         key = ((key ^ byte) * 0x100000001B3) & 0xFFFFFFFFFFFFFFFF
@@ -321,8 +322,10 @@ class RecordedReceiver:
                     (cols, 1), spec.quantization, kind, scales.data_ptr() + 4 * first_scale, grid_cols,
                 )
                 added += 1
-            if spec.amax_key:
-                table.share_amax(process, scales.data_ptr(), spec.amax_key)
+                if spec.shared_amax:
+                    per_row = spec.quantization.granularity == Granularity.ROW
+                    key = amax_key(f"{spec.scales}@{row}" if per_row else spec.scales)
+                    table.share_amax(process, scales.data_ptr() + 4 * first_scale, key)
         whole = self._staged_tensors()
         if whole:
             missing = sorted(set(whole) - set(staging or {}))

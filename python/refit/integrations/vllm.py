@@ -36,18 +36,18 @@ shows that what it serves is exactly its quantizer's output (`online_quantized_l
   `weight_scale_inv` its scale grid (float32, [ceil(N / 128), ceil(K / 128)] row-major);
 - per channel: vLLM's own call of `_fp8_quant_per_channel` is watched (Arithmetic.VLLM_CHANNEL,
   Granularity.ROW); the live `weight` must be the transpose of its [N, K] row-major codes and
-  `weight_scale` the [N, 1] float32 scales it was given, and the layer's amax must not have been
-  reduced across the tensor-parallel ranks (vLLM does that for row-parallel layers at TP > 1: a row's
-  scale then depends on other ranks' columns, which no box of this rank holds);
+  `weight_scale` the [N, 1] float32 scales it was given;
 - per tensor: vLLM's own call of `scaled_fp8_quant` with the layer's scale is watched
   (Arithmetic.VLLM_TENSOR, Granularity.TENSOR); the live `weight` must be the transpose of its
   [N, K] codes and `weight_scale` the one scale it was given; the layer's boxes then share that
-  one scale (each box's need names it, and the plan takes the amax over all of them). Where vLLM
-  reduces the amax across the tensor-parallel ranks (every sharded layer at TP > 1), each rank's
-  copy of the scale also takes one amax key derived from its name (receiver.amax_key,
-  Table.share_amax), so the plan takes the amax over every rank's boxes: one device must then hold
-  all of them (a trainer process offering whole tensors), else planning fails (the weight-transfer
-  backend then plans again with such layers on the reload path: from_engine's `share_amax`);
+  one scale (each box's need names it, and the plan takes the amax over all of them);
+where vLLM reduces the amax across the tensor-parallel ranks (at TP > 1: per tensor, every sharded
+layer; per channel, the row-parallel layers, a row's scale then depending on other ranks'
+columns), each rank's scales also take amax keys (QuantizedParam.shared_amax: one per layer, per
+row of a box for per-channel scales; receiver.amax_key, Table.share_amax), so the plan takes the
+amax over every rank's boxes: one device must then hold all of them (a trainer process offering
+whole tensors), else planning fails (the weight-transfer backend then plans again with such layers
+on the reload path: from_engine's `share_amax`);
 and neither may be rewritten afterwards (a GEMM kernel that re-lays or re-scales them, as vLLM's
 DeepGEMM path does, keeps the reload path), and every recorded box must fill whole blocks or rows
 (receiver.unfit_boxes; per tensor, the boxes must cover the weight). Each box then becomes a quantized need writing FP8 codes into the live
@@ -80,7 +80,7 @@ from ..plan import Plan, Table
 from ..tensor import TensorLike
 from .layout import ModelShape, ParamLayout, add_params, new_table
 from ..quant import Arithmetic, Fp8, Granularity, Quantization
-from .receiver import QuantizedParam, RecordedReceiver, amax_key, unfit_boxes
+from .receiver import QuantizedParam, RecordedReceiver, unfit_boxes
 from .recorder import Recording, _storage_key, record
 from .vllm_rules import VllmRanks, local_experts, stage_layers, vllm_layouts
 
@@ -514,13 +514,8 @@ def _online_quantized_param(
         return None, f"no recorded boxes land in its weight, or it has no {scale_param}"
     if call.rewritten:
         return None, "its codes or scales are rewritten after quantizing (the GEMM kernel's post-processing)"
-    if call.reduced and call.method != "tensor":
-        return None, (
-            "its scales are each row's amax across the tensor-parallel ranks (a row-parallel per-channel layer), "
-            "which no rank's boxes hold"
-        )
     if call.reduced and not share_amax:
-        return None, "its one scale is the amax across the tensor-parallel ranks, which this receiver does not share"
+        return None, "its scales are amaxes across the tensor-parallel ranks, which this receiver does not share"
     codes, grid = call.outputs
     transposed = call.method in ("channel", "tensor")
     if not (_same_view(weight, codes.t() if transposed else codes) and _same_view(scales, grid)):
@@ -538,11 +533,10 @@ def _online_quantized_param(
         quantization = Quantization(target, Granularity.ROW, arithmetic=Arithmetic.VLLM_CHANNEL)
     else:
         quantization = Quantization(target, Granularity.TENSOR, arithmetic=Arithmetic.VLLM_TENSOR)
-    scale_name = f"{layout.name.rsplit('.', 1)[0]}.{scale_param}"
-    # A sharded per-tensor layer's one scale is the whole weight's (vLLM reduces its amax across the
-    # tensor-parallel ranks): every rank's copy of it shares one amax key.
-    key = amax_key(scale_name) if call.reduced else 0
-    spec = QuantizedParam(scale_name, quantization, transposed, key)
+    # Scales whose amax vLLM reduces across the tensor-parallel ranks (a sharded per-tensor layer's
+    # one scale, a row-parallel per-channel layer's rows) are the whole weight's: every rank's copy
+    # shares one amax key.
+    spec = QuantizedParam(f"{layout.name.rsplit('.', 1)[0]}.{scale_param}", quantization, transposed, call.reduced)
     why = spec.unfit_live(layout, weight, scales)
     if why is None:
         one_scale = quantization.granularity == Granularity.TENSOR

@@ -23,9 +23,10 @@
   executor quantizes (its offers hold whole 128 x 128 blocks), so FP8 codes and scales cross, and
   every code, scale and element equals vLLM's own load of the same weights, after every update.
 - The same engine serving per-channel FP8 (`quantization="fp8_per_channel"`, vLLM's own CPU GEMM
-  kernel): the trainer quantizes the rows of the column-parallel layers (one scale per output
-  channel), and the row-parallel ones, whose row amax vLLM takes across the TP ranks, arrive in
-  BF16 for vLLM's reload; every code, scale and element equals vLLM's own load.
+  kernel): the trainer quantizes the rows of every FP8 layer (one scale per output channel); the
+  row-parallel ones, whose row amax vLLM takes across the TP ranks, share each row's amax between
+  the workers through amax keys; every code, scale and element equals vLLM's own load, and the
+  bytes sent are asserted.
 - The same engine serving per-tensor FP8 (`quantization="fp8_per_tensor"`; the quantizing CUDA op
   fp8_engines' stand-in): each layer's one scale comes from an amax vLLM reduces across the TP
   ranks, so each worker gives its copy of the scale one amax key with the other's, and the
@@ -595,15 +596,21 @@ class VllmBackendTest(unittest.TestCase):
         self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
         self.assertEqual(out["second"], [[], []])
         for paths in out["paths"]:
-            # qkv and gate_up (column parallel) are quantized by refit; o_proj and down_proj (row
-            # parallel at TP 2: vLLM takes each row's amax across the ranks) keep vLLM's reload.
-            modules = {"qkv_proj": "self_attn", "o_proj": "self_attn", "gate_up_proj": "mlp", "down_proj": "mlp"}
-            for path, layers in (("quantized", ("qkv_proj", "gate_up_proj")), ("reload", ("o_proj", "down_proj"))):
-                want = sorted(f"model.layers.{i}.{modules[layer]}.{layer}.{p}" for i in range(2) for layer in layers for p in ("weight", "weight_scale"))
-                self.assertEqual(paths.get(path), want, paths)
-        # Each worker's rows of qkv [1024, 256] and gate_up [1024, 256], both workers, both decoder
-        # layers, quantized by the trainer in each update.
-        self.assertEqual(out["quantized_by_trainer"], [2 * 2 * 1024 * 256] * 2)
+            # Every FP8 layer is quantized by refit: qkv and gate_up (column parallel) by rows;
+            # o_proj and down_proj (row parallel at TP 2: vLLM takes each row's amax across the
+            # ranks) by rows whose amax both workers' needs share through amax keys, the trainer's
+            # process quantizing both workers' column shards of a layer in one batch.
+            self.assertEqual(paths.get("quantized"), fp8_layer_params(), paths)
+            self.assertNotIn("reload", paths)
+        # Each worker's share of every projection, both workers, quantized by the trainer in each
+        # update: every projection element once.
+        self.assertEqual(out["quantized_by_trainer"], [out["projection_elements"]] * 2)
+        # Sent: the checkpoint less one byte of every projection element, the norms (replicated)
+        # once more, and each worker's per-row scales: qkv and gate_up's rows (1024 each, split),
+        # o_proj and down_proj's (256 each, on both workers), in both decoder layers.
+        scales = 2 * 4 * (2 * 1024 + 2 * 2 * 256)
+        want_sent = out["checkpoint_bytes"] - out["projection_elements"] + out["norm_bytes"] + scales
+        self.assertEqual(out["sent"], want_sent)
         self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
 
     def test_a_per_tensor_fp8_engine_at_tp_2_gets_codes_quantized_with_the_amax_across_ranks(self):

@@ -13,8 +13,10 @@ not run. At tensor-parallel sizes 1 and 2 (gloo stand-in groups, vllm_harness).
 
 The same for an engine serving per-channel FP8 (`quantization="fp8_per_channel"`, vLLM's own CPU
 GEMM kernel): every box becomes a per-row quantized need (Arithmetic.VLLM_CHANNEL) writing the
-transposed codes vLLM serves, except in the row-parallel layers at TP 2, whose row amax vLLM takes
-across the ranks: those keep the reload path, and all of it equals vLLM's fresh load.
+transposed codes vLLM serves; in the row-parallel layers at TP 2, whose row amax vLLM takes across
+the ranks, each rank's scales share amax keys (one per row), which a plan over every rank's table
+ties (this harness plans one rank at a time, as its stand-in groups reduce nothing;
+test_vllm_backend compares with a real TP group's load), and all of it equals vLLM's fresh load.
 
 The block GEMM kernel is fp8_engines' stand-in; everything else is vLLM's.
 """
@@ -173,18 +175,21 @@ class PerChannelRefitTest(unittest.TestCase):
             layers = fp8.fp8_layers(engine)
             self.assertEqual(len(layers), 8)
             row_parallel = [layer for layer in layers if layer.endswith(("o_proj", "down_proj"))]
-            by_refit = [layer for layer in layers if parallel.tp == 1 or layer not in row_parallel]
             before = fp8.addresses(engine)
             worker = fp8.Worker(config, engine)
-            with self.assertLogs("refit.integrations.vllm", logging.INFO) as logs:
-                worker.refit_needs(0, device=0, backend=refit.Backend.HOST)
+            worker.refit_needs(0, device=0, backend=refit.Backend.HOST)
             receiver = worker._refit()["receiver"]
             quantized = sorted(n for n, path in receiver.paths.items() if path == "quantized")
-            self.assertEqual(quantized, sorted(f"{layer}.{p}" for layer in by_refit for p in ("weight", "weight_scale")))
+            self.assertEqual(quantized, sorted(f"{layer}.{p}" for layer in layers for p in ("weight", "weight_scale")))
             self.assertEqual({(spec.quantization, spec.transposed) for spec in receiver.quantized.values()}, {(self.Q, True)})
-            self.assertEqual(receiver.reload_layers, sorted(set(layers) - set(by_refit)))
-            if parallel.tp > 1:
-                self.assertTrue(any("amax across the tensor-parallel ranks" in line for line in logs.output), logs.output)
+            self.assertEqual(receiver.reload_layers, [])
+            # At TP 2 the row-parallel layers' rows take their amax across the ranks: their scales
+            # share amax keys (one per layer and row), which a plan over every rank's table ties
+            # (test_vllm_backend checks the values against a real TP group's load).
+            shared = sorted(name.rsplit(".", 1)[0] for name, spec in receiver.quantized.items() if spec.shared_amax)
+            self.assertEqual(shared, sorted(row_parallel) if parallel.tp > 1 else [])
+            keys = refit.Table.decode(worker._refit_encode_needs()).encode()
+            self.assertEqual(keys[4], 4 if parallel.tp > 1 else 3, "the table's format: with amax keys at TP 2 only")
 
             # This rank's rows of qkv [1024, 256] and gate_up [1024, 256]; o_proj and down_proj
             # [256, 512] split by columns.
@@ -197,15 +202,15 @@ class PerChannelRefitTest(unittest.TestCase):
                 self.assertEqual((compared.codes, compared.scales), (codes, scales))
             self.assertEqual(fp8.addresses(engine), before, "the live FP8 storage moved")
             stats = worker._refit()["plan"].stats
-            # qkv and gate_up, and at TP 1 o_proj and down_proj too.
-            self.assertEqual(stats.quantized_elements, 2 * 2 * 1024 * 256 // parallel.tp + (2 * 2 * 256 * 512 if parallel.tp == 1 else 0))
+            # Every FP8 layer: this rank's rows of qkv and gate_up, its columns of o_proj and down_proj.
+            self.assertEqual(stats.quantized_elements, codes)
             self.assertEqual(stats.quantized_staged_bytes, 0)
             worker.refit_close()
 
     def test_tp1_every_layer_is_quantized_by_refit(self) -> None:
         self.check_worker(harness.Parallel(1), 0)
 
-    def test_tp2_row_parallel_layers_keep_the_reload_path(self) -> None:
+    def test_tp2_row_parallel_layers_share_each_rows_amax_across_ranks(self) -> None:
         for rank in range(2):
             with self.subTest(rank=rank):
                 self.check_worker(harness.Parallel(2), rank)
