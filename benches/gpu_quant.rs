@@ -188,6 +188,48 @@ fn main() {
     );
     rows.push(Row { name: "per tensor, 3 jobs sharing one scale", ms, bytes_per_element: 5 });
 
+    // The same tensor as two column halves quantized per row by two jobs with their own scales,
+    // sharing each row's amax through one key (a row-parallel weight on two receivers): two phases,
+    // the same codes as one per-row job over whole rows, and both halves' scales its scales.
+    let per_row = job(Granularity::Row);
+    let one_row_job = [per_row];
+    let l = ok("layout", layout(&one_row_job));
+    ok("quantize", unsafe { kernel.enqueue(stream.raw, &l) });
+    stream.sync();
+    let (whole_rows_codes, whole_rows_scales) =
+        (download(dst.ptr, elements as usize), download(scales.ptr, (ROWS * 4) as usize));
+    ok(
+        "clearing the codes",
+        on(0, || check("cuMemsetD8", unsafe { sys::cuMemsetD8_v2(dst.ptr, 0, elements as usize) })),
+    );
+    let halves: Vec<QuantJob> = (0..2u64)
+        .map(|k| QuantJob {
+            src: src.ptr + k * COLS,
+            cols: COLS / 2,
+            dst: dst.ptr + k * COLS / 2,
+            scales: scales.ptr + k * ROWS * 4,
+            scale_stride: 1,
+            amax_key: 1,
+            ..per_row
+        })
+        .collect();
+    let l = ok("layout", layout(&halves));
+    let ms = time_ms(&stream, 3, 20, || ok("quantize", unsafe { kernel.enqueue(stream.raw, &l) }));
+    stream.sync();
+    assert!(
+        download(dst.ptr, elements as usize) == whole_rows_codes,
+        "two halves sharing row amaxes: codes differ"
+    );
+    for k in 0..2 {
+        let got = download(scales.ptr + k * ROWS * 4, (ROWS * 4) as usize);
+        assert!(got == whole_rows_scales, "two halves sharing row amaxes: half {k}'s scales differ");
+    }
+    rows.push(Row {
+        name: "per row, 2 column halves sharing each row's amax (2 launches)",
+        ms,
+        bytes_per_element: 5,
+    });
+
     let executor_rows = through_executor(&src, &dst, &scales, &stream);
 
     println!("\n1 GiB bf16 ({ROWS} x {COLS}) to e4m3; plain copy {copy_ms:.3} ms ({copy_rate:.0} GB/s moved); memory bound of a quantizing copy {bound_ms:.3} ms\n");
