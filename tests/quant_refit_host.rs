@@ -527,10 +527,11 @@ fn tables_with_quantized_needs_survive_the_wire_and_plan_alike() {
     let mut other = t.clone();
     other.quant_needs[0].scale_matrix_stride += 1;
     assert_ne!(build(&other).unwrap().inputs_fingerprint(), a.inputs_fingerprint());
-    // The arithmetic travels with the need, and is part of the inputs too.
-    let mut deepgemm = t.clone();
-    deepgemm.quant_needs[0].quantization =
-        Quantization::new(Fp8::E4m3fn, Granularity::Row).with(Arithmetic::DeepGemm);
+    // The arithmetic travels with the need, and is part of the inputs too (a need with buffers of
+    // its own: another granularity's scales would run past the MX need's).
+    let row = Quantization::new(Fp8::E4m3fn, Granularity::Row).with(Arithmetic::DeepGemm);
+    let row_received = Received::new([0; 3], SHAPE, row, true);
+    let deepgemm = table(&shards, &[(&row_received, DEV0)]);
     let back = wire::decode(&wire::encode(&deepgemm)).unwrap();
     assert_eq!(back.quant_needs[0].quantization.arithmetic, Arithmetic::DeepGemm);
     let mut divide = deepgemm.clone();
