@@ -3,7 +3,8 @@
 //! the library compiles it (tests/emulate/copy_quantize_kernel.cpp) and run on the CPU over descriptors
 //! laid out by the library's own `kernels::layout` and `kernels::quantize::layout`: every copied byte
 //! equal to a plain copy's, every code and scale equal to the Rust reference, for any number of copying
-//! blocks in front of the quantizing tiles.
+//! blocks in front of the quantizing tiles, and per-row jobs sharing each row's amax quantized by the
+//! launches around it.
 
 #[path = "common/emulator.rs"]
 mod emulator;
@@ -11,13 +12,14 @@ mod emulator;
 mod quant_cases;
 
 use quant_cases::random_batch::{self, first_difference, random_batch, rebase, reference, Shape};
-use quant_cases::{case, outputs_and_jobs, Case};
+use quant_cases::{case, outputs_and_jobs, Case, RowShards};
 use refit::kernels::layout::BatchLayout;
 use refit::kernels::quantize::layout;
-use refit::quant::{Fp8, Granularity, SourceType};
+use refit::quant::{Arithmetic, Fp8, Granularity, SourceType};
 use std::sync::OnceLock;
 
-type Launch = unsafe extern "C" fn(*const u8, u64, u64, u32, u32, u32, *const u8, u32, u64, u64, u32);
+type Launch =
+    unsafe extern "C" fn(*const u8, u64, u64, u32, u32, u32, *const u8, u32, u64, u64, u64, u32, bool);
 
 fn emulator() -> Launch {
     static LAUNCH: OnceLock<Launch> = OnceLock::new();
@@ -62,9 +64,15 @@ fn run(seed: u64, copy_blocks: u32) {
     let copy = BatchLayout::new(&segments).unwrap();
 
     let cases = quant_cases(seed);
-    let (mut outputs, jobs) = outputs_and_jobs(&cases);
+    let (mut outputs, mut jobs) = outputs_and_jobs(&cases);
+    let shards = RowShards::new(seed, Fp8::E4m3fn, Arithmetic::VllmChannel);
+    let shard_outputs = shards.outputs();
+    for (k, (d, s)) in shard_outputs.iter().enumerate() {
+        jobs.push(shards.job(k, shards.whole.data.addr(), d.addr(), s.addr()));
+    }
     let quant = layout(&jobs).unwrap();
-    assert!(quant.narrow_tiles > 0 && quant.tiles > quant.narrow_tiles && quant.two_phase());
+    assert!(quant.narrow_tiles > 0 && quant.wide_tiles().end > quant.narrow_tiles && quant.two_phase());
+    assert!(!quant.rows_tiles().is_empty() && quant.tensor_phase());
 
     // SAFETY: both layouts name the live buffers above (sources padded to whole 16-byte vectors), with
     // the copy's sentinel descriptor after its segments.
@@ -79,8 +87,10 @@ fn run(seed: u64, copy_blocks: u32) {
             quant.to_bytes().as_ptr(),
             quant.descs.len() as u32,
             quant.narrow_tiles,
+            quant.rows_tiles,
             quant.tiles,
             quant.amax_words,
+            quant.tensor_phase(),
         )
     };
     if let Some((at, g, w)) = first_difference(&got, &want) {
@@ -98,6 +108,9 @@ fn run(seed: u64, copy_blocks: u32) {
             "seed {seed}, {copy_blocks} copying blocks: {} codes",
             c.name
         );
+    }
+    for (k, (codes, scales)) in shard_outputs.iter().enumerate() {
+        shards.check(k, codes.bytes(), scales.bytes(), &format!("seed {seed}, {copy_blocks} copying blocks"));
     }
 }
 

@@ -168,6 +168,7 @@ fn the_kernel_compiles_for_hopper_and_ampere() {
         }
         assert!(text.contains(".entry refit_quantize("), "PTX names the kernel");
         assert!(text.contains(".entry refit_quantize_narrow("), "PTX names the narrow entry point");
+        assert!(text.contains(".entry refit_quantize_rows("), "PTX names the shared rows' entry point");
         assert!(text.contains(".entry refit_copy_quantize("), "PTX names the entry point that also copies");
         assert!(text.contains("ld.global.v4.u32") || text.contains("ld.global.nc.v4.u32"), "16-byte loads");
         assert_eq!(text.contains("e4m3x2"), major >= 9, "the hardware conversion on sm_89 and later only");
@@ -818,9 +819,9 @@ fn quantized_needs_across_two_processes_on_one_gpu_match_the_reference() {
     });
 }
 
-/// A row-parallel weight's column shards as three per-row jobs sharing each row's amax through one
-/// key, on the GPU: two phases, every row's scale the whole row's on every shard (the codes too),
-/// for each target and arithmetic.
+/// A row-parallel weight's column shards as per-row jobs sharing each row's amax through one key, on
+/// the GPU: two phases, every row's scale the whole row's on every shard (the codes too), for each
+/// target and arithmetic, in both of RowShards' geometries.
 #[test]
 #[ignore = "needs a GPU"]
 fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax_on_the_gpu() {
@@ -832,27 +833,30 @@ fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax_on_the_gpu() {
         (12, Fp8::E5m2, Arithmetic::Divide),
         (13, Fp8::E4m3fn, Arithmetic::DeepGemm),
     ] {
-        let shards = RowShards::new(seed, target, arithmetic);
-        let src = Buffer::new(0, shards.whole.src_len());
-        src.upload(shards.whole.data.bytes());
-        let outputs: Vec<(Buffer, Buffer)> = (0..shards.shards.len())
-            .map(|k| {
-                let (codes, scales) = shards.lens(k);
-                let (d, s) = (Buffer::new(0, codes), Buffer::new(0, scales));
-                d.fill(SENTINEL);
-                s.fill(SENTINEL);
-                (d, s)
-            })
-            .collect();
-        let jobs: Vec<_> =
-            outputs.iter().enumerate().map(|(k, (d, s))| shards.job(k, src.ptr, d.ptr, s.ptr)).collect();
-        let stream = Stream::new(0);
-        let l = ok("layout", layout(&jobs));
-        // SAFETY: the jobs name the buffers above, alive until after the synchronization.
-        ok("enqueue", unsafe { kernel.enqueue(stream.raw, &l) });
-        stream.sync();
-        for (k, (d, s)) in outputs.iter().enumerate() {
-            shards.check(k, &d.download(), &s.download(), &format!("GPU, {target:?} {arithmetic:?}"));
+        for shards in
+            [RowShards::new(seed, target, arithmetic), RowShards::wide(seed + 10, target, arithmetic)]
+        {
+            let src = Buffer::new(0, shards.whole.src_len());
+            src.upload(shards.whole.data.bytes());
+            let outputs: Vec<(Buffer, Buffer)> = (0..shards.shards.len())
+                .map(|k| {
+                    let (codes, scales) = shards.lens(k);
+                    let (d, s) = (Buffer::new(0, codes), Buffer::new(0, scales));
+                    d.fill(SENTINEL);
+                    s.fill(SENTINEL);
+                    (d, s)
+                })
+                .collect();
+            let jobs: Vec<_> =
+                outputs.iter().enumerate().map(|(k, (d, s))| shards.job(k, src.ptr, d.ptr, s.ptr)).collect();
+            let stream = Stream::new(0);
+            let l = ok("layout", layout(&jobs));
+            // SAFETY: the jobs name the buffers above, alive until after the synchronization.
+            ok("enqueue", unsafe { kernel.enqueue(stream.raw, &l) });
+            stream.sync();
+            for (k, (d, s)) in outputs.iter().enumerate() {
+                shards.check(k, &d.download(), &s.download(), &format!("GPU, {target:?} {arithmetic:?}"));
+            }
         }
     }
 }

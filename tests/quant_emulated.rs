@@ -15,7 +15,7 @@ use refit::kernels::quantize::layout;
 use refit::quant::{Arithmetic, Fp8, Granularity, SourceType};
 use std::sync::OnceLock;
 
-type Launch = unsafe extern "C" fn(*const u8, u32, u64, u64, u32);
+type Launch = unsafe extern "C" fn(*const u8, u32, u64, u64, u64, u32, bool);
 
 fn emulator() -> Launch {
     static LAUNCH: OnceLock<Launch> = OnceLock::new();
@@ -31,7 +31,15 @@ unsafe fn emulate(l: &refit::kernels::quantize::Layout) {
     if l.tiles > 0 {
         // SAFETY: the caller's promise.
         unsafe {
-            emulator()(l.to_bytes().as_ptr(), l.descs.len() as u32, l.narrow_tiles, l.tiles, l.amax_words)
+            emulator()(
+                l.to_bytes().as_ptr(),
+                l.descs.len() as u32,
+                l.narrow_tiles,
+                l.rows_tiles,
+                l.tiles,
+                l.amax_words,
+                l.tensor_phase(),
+            )
         };
     }
 }
@@ -339,30 +347,43 @@ fn per_tensor_jobs_naming_one_scale_share_one_amax_word() {
     }
 }
 
-/// A row-parallel weight's column shards as three per-row jobs sharing each row's amax, between
-/// other jobs: two phases on the wide entry point, each set's words one per row, every row's scale
-/// the whole row's on every shard.
+/// A row-parallel weight's column shards as per-row jobs sharing each row's amax, between other
+/// jobs: two phases on the wide entry point over slabs of whole rows, each set's words one per row,
+/// every row's scale the whole row's on every shard. Two geometries: short rows whose warps span
+/// rows, and rows of whole warps' vectors, many to a slab and one longer than a slab's cache.
 #[test]
 fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax() {
     use quant_cases::RowShards;
     use refit::quant::Arithmetic;
-    let others = standard_cases(33, false);
-    let (other_outputs, mut jobs) = outputs_and_jobs(&others);
     let shards = RowShards::new(5, Fp8::E4m3fn, Arithmetic::VllmChannel);
+    shared_rows_between_other_jobs(shards, standard_cases(33, false), &[100, 100, 100]);
+    // (Alone: the emulator takes a minute over the standard cases.)
+    shared_rows_between_other_jobs(
+        RowShards::wide(6, Fp8::E5m2, Arithmetic::Divide),
+        Vec::new(),
+        &[8, 10, 1, 10],
+    );
+}
+
+/// `shards` laid out between the jobs of `others`: each shard's slab rows as `slab_rows` says, then
+/// the emulated kernel's output checked.
+fn shared_rows_between_other_jobs(shards: quant_cases::RowShards, others: Vec<Case>, slab_rows: &[u32]) {
+    let (other_outputs, mut jobs) = outputs_and_jobs(&others);
     let outputs = shards.outputs();
     let at = jobs.len() / 2;
     for (k, (d, s)) in outputs.iter().enumerate() {
-        jobs.insert(at + 2 * k, shards.job(k, shards.whole.data.addr(), d.addr(), s.addr()));
+        jobs.insert(
+            (at + 2 * k).min(jobs.len()),
+            shards.job(k, shards.whole.data.addr(), d.addr(), s.addr()),
+        );
     }
     let l = layout(&jobs).unwrap();
-    let slots: Vec<u32> = l
-        .descs
-        .iter()
-        .filter(|d| outputs.iter().any(|(_, s)| s.addr() == d.scales))
-        .map(|d| d.amax_slot)
-        .collect();
-    assert!(slots.len() == 3 && slots.iter().all(|&s| s == slots[0]), "amax slots {slots:?}");
-    assert!(l.amax_words >= 100, "one word per row: {}", l.amax_words);
+    let mine: Vec<_> =
+        outputs.iter().map(|(_, s)| l.descs.iter().find(|d| d.scales == s.addr()).unwrap()).collect();
+    assert!(mine.iter().all(|d| d.amax_slot == mine[0].amax_slot), "amax slots differ");
+    let slabs: Vec<u32> = mine.iter().map(|d| d.block_rows).collect();
+    assert_eq!(slabs, slab_rows, "rows to a slab");
+    assert!(l.amax_words as u64 >= shards.whole.rows, "one word per row: {}", l.amax_words);
     // SAFETY: the descriptors name the buffers above, which outlive the call.
     unsafe { emulate(&l) };
     for (k, (codes, scales)) in outputs.iter().enumerate() {

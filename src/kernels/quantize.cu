@@ -28,8 +28,8 @@
 //   writes the scale, atomically); phase 2 quantizes with it. So a per-tensor job reads its
 //   source twice: its memory bound is 5 bytes per 16-bit element, not the other granularities' 3.
 //   Per-row jobs that share each row's amax with other jobs (a row-parallel weight's column shards,
-//   one job per receiver: SCALE_ROWS_SHARED) take the same two phases, a tile per row, row r's
-//   word at amax_slot + r, each job writing its own scales.
+//   one job per receiver: SCALE_ROWS_SHARED) take the same two phases over slabs of whole rows
+//   (quantize_shared_rows), row r's word at amax_slot + r, each job writing its own scales.
 //
 // Occupancy: the memory system needs tens of KiB of loads in flight per SM, which here means tiles in
 // flight (each holds its loads until its reduction). Two entry points: refit_quantize keeps
@@ -38,7 +38,8 @@
 // blocks per SM; refit_quantize_narrow keeps QUANT_NARROW_CACHE in registers at
 // QUANT_NARROW_MIN_BLOCKS (scale blocks of at most 4 vectors per thread, such as a row of 8192 bf16,
 // and group mode), where shared memory measured no faster (benches/probes/quant_occupancy_probe.py).
-// The host lays the narrow jobs' tiles out first and launches each entry point over its own tiles.
+// The host lays the narrow jobs' tiles out first, the shared rows' (refit_quantize_rows) last, and
+// launches each entry point over its own tiles.
 // Instructions matter as much as bytes in flight: a 128 x 128 bf16 block is about 21 instructions
 // per element in the general loops below, so a tile that is exactly the cache (a 128 x 128 block
 // at the wide entry point, a row of 8192 bf16 at the narrow one) takes a path without their row
@@ -86,7 +87,7 @@ struct QuantDesc {
     u64 scale_stride;  // scales
     u64 first_tile;    // tiles of the descriptors before this one
     u64 grid_cols;     // scale blocks per grid row (MODE_BLOCK per-tensor: 1)
-    u64 blocks;        // scale blocks (per tensor: slabs)
+    u64 blocks;        // scale blocks (two-phase jobs: slabs of whole rows)
     u32 block_rows, block_cols;
     u32 source, target, scale_kind, mode;
     u32 group_shift;
@@ -648,10 +649,9 @@ __device__ void quantize_block(const QuantDesc& d, u32 amax_slot, u64 block, u32
         }
     }
     amax = block_max(amax);
-    if (d.scale_kind >= SCALE_TENSOR) {
-        // Two phases: the amax of every job sharing it, then the quantization with it. (A shared
-        // row's tile is its row, `block`, which stays live for the scale's store below anyway.)
-        u32* word = job_amax + amax_slot + (d.scale_kind == SCALE_ROWS_SHARED ? (u32)block : 0u);
+    if (d.scale_kind == SCALE_TENSOR) {
+        // Two phases: the amax of every job sharing it, then the quantization with it.
+        u32* word = job_amax + amax_slot;
         if (phase == 1) {
             if (t == 0) atomicMax(word, amax);
             return;
@@ -819,13 +819,110 @@ __device__ void quantize_row(const QuantDesc& d, u64 row) {
     store_cached<SRC, CACHE, 1>(d, mine, scale, out, STEP);
 }
 
+// The amax `a` of a thread's vectors of row `row` of a shared-rows slab into that row's word. Where
+// a round's vectors of a warp lie in one row (`warp_rows`: rows a whole number of warps' vectors),
+// the warp reduces first and one lane folds it in; else each lane does. A zero amax changes no word.
+__device__ __forceinline__ void fold_row_amax(u32* words, u32 row, u32 a, bool warp_rows) {
+    if (warp_rows) {
+        a = warp_max(a, 32);
+        if (threadIdx.x % 32 != 0) return;
+    }
+    if (a != 0) atomicMax(words + row, a);
+}
+
+// SCALE_ROWS_SHARED: slab `slab` of d.block_rows whole rows (as many as the cache holds), each row's
+// amax shared with the other jobs of its set through its word, amax_slot + the row. Phase 1 folds
+// the slab's vectors into their rows' words; phase 2 quantizes each row with its word, the thread
+// holding a row's first vector writing its scale. No block-wide reduction: a row's amax is whole only
+// across the set's jobs, so the words are its only meeting place. Thread t takes vectors t,
+// t + QUANT_THREADS, ... of the slab in row-major order, advanced by a fixed step as in
+// quantize_block; a thread's consecutive vectors of one row are folded as one.
+template <u32 SRC, u32 CACHE, bool SHARED>
+__device__ void quantize_shared_rows(const QuantDesc& d, u32 amax_slot, u64 slab, u32 phase, u32* job_amax,
+                                     Vec* cache) {
+    constexpr u32 VE = Elements<SRC>::per_vector;
+    constexpr u32 SIZE = Elements<SRC>::size;
+    constexpr u32 STRIDE = SHARED ? QUANT_THREADS : 1u;
+    const u64 r0 = slab * d.block_rows;
+    const u32 rows = (u32)(d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows);
+    const u32 cols = (u32)d.cols;
+    const u32 per_row = (cols + VE - 1) / VE;
+    const u32 t = threadIdx.x;
+    const u32 row_step = QUANT_THREADS / per_row, vector_step = QUANT_THREADS % per_row;
+    const bool warp_rows = per_row % 32 == 0;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src) + r0 * d.src_stride * SIZE;
+    unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst) + r0 * d.dst_stride;
+    const u64 src_row_bytes = d.src_stride * SIZE;
+    u32* words = job_amax + amax_slot + r0;
+    Vec registers[SHARED ? 1u : CACHE];
+    Vec* mine = SHARED ? cache + t : registers;
+
+    u32 row = t / per_row, v = t % per_row;
+    const auto advance = [&]() {
+        row += row_step;
+        v += vector_step;
+        if (v >= per_row) {
+            v -= per_row;
+            ++row;
+        }
+    };
+    const auto count = [&]() { return cols - v * VE < VE ? cols - v * VE : VE; };
+    const auto at = [&]() { return src + row * src_row_bytes + (u64)v * VE * SIZE; };
+#pragma unroll
+    for (u32 k = 0; k < CACHE; ++k) {
+        if (row < rows) load_cached<SHARED>(mine + k * STRIDE, at());
+        advance();
+    }
+    wait_cached<SHARED>();
+    const u32 rest_row = row, rest_v = v;  // the first vector not cached (rows longer than the cache)
+    row = t / per_row;
+    v = t % per_row;
+    if (phase == 1) {
+        // Under warp_rows a round's row is its warp's, so every test of `row` agrees across the warp.
+        u32 run = 0, run_row = row;
+        const auto fold = [&](const Vec& x) {
+            if (row != run_row) {
+                fold_row_amax(words, run_row, run, warp_rows);
+                run = 0;
+                run_row = row;
+            }
+            const u32 m = vector_amax<SRC>(x, count());
+            run = m > run ? m : run;
+        };
+#pragma unroll
+        for (u32 k = 0; k < CACHE; ++k) {
+            if (row < rows) fold(mine[k * STRIDE]);
+            advance();
+        }
+        for (row = rest_row, v = rest_v; row < rows; advance()) fold(load_vector(at()));
+        if (run_row < rows) fold_row_amax(words, run_row, run, warp_rows);
+        return;
+    }
+    Scale scale = {};
+    u32 scale_row = ~0u;
+    const auto store = [&](const Vec& x) {
+        if (row != scale_row) {
+            scale = block_scale(d, *(volatile u32*)(words + row));
+            scale_row = row;
+        }
+        if (v == 0) store_scale(d, r0 + row, 0, scale.stored);
+        store_codes<SRC>(d, x, count(), scale, dst + row * d.dst_stride + v * VE);
+    };
+#pragma unroll
+    for (u32 k = 0; k < CACHE; ++k) {
+        if (row < rows) store(mine[k * STRIDE]);
+        advance();
+    }
+    for (row = rest_row, v = rest_v; row < rows; advance()) store(load_vector(at()));
+}
+
 template <u32 SRC, u32 CACHE, bool SHARED>
 __device__ void quantize_tile(const QuantDesc& d, u32 amax_slot, u64 tile, u32 phase, u32* job_amax, Vec* cache) {
     if (d.mode == MODE_GROUP) {
         if (phase != 1) quantize_groups<SRC>(d, tile);
     } else if (!SHARED && whole_rows<SRC, CACHE>(d)) {
         if (phase != 1) quantize_row<SRC, CACHE>(d, tile);  // never per tensor: those are wide
-    } else if (phase != 1 || d.scale_kind >= SCALE_TENSOR) {
+    } else if (phase != 1 || d.scale_kind == SCALE_TENSOR) {
         quantize_block<SRC, CACHE, SHARED>(d, amax_slot, tile, phase, job_amax, cache);
     }
 }
@@ -875,4 +972,19 @@ extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_NARROW_MIN_BLO
     refit_quantize_narrow(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase,
                           u32* job_amax) {
     quantize_tiles<QUANT_NARROW_CACHE, false>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, nullptr);
+}
+
+// Per-row jobs sharing each row's amax (SCALE_ROWS_SHARED), after the wide ones: quantize_shared_rows
+// with the wide entry point's cache. An entry point of their own: inlined into refit_quantize, their
+// code moved its register allocation (ptxas: 32 to 188 bytes of spill stores) and took its 128 x 128
+// blocks 6% slower on one H200; out of line, its copy of the descriptor went to local memory.
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_WIDE_MIN_BLOCKS)
+    refit_quantize_rows(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase, u32* job_amax) {
+    __shared__ Vec cache[QUANT_CACHE * QUANT_THREADS];
+    const u64 tile = first_tile + blockIdx.x;
+    const QuantDesc d = descs[job_of(descs, njobs, tile)];
+    const u64 slab = tile - d.first_tile;
+    if (d.source == SRC_BF16) quantize_shared_rows<SRC_BF16, QUANT_CACHE, true>(d, d.amax_slot, slab, phase, job_amax, cache);
+    else if (d.source == SRC_F16) quantize_shared_rows<SRC_F16, QUANT_CACHE, true>(d, d.amax_slot, slab, phase, job_amax, cache);
+    else quantize_shared_rows<SRC_F32, QUANT_CACHE, true>(d, d.amax_slot, slab, phase, job_amax, cache);
 }

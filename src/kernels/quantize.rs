@@ -1,7 +1,7 @@
 //! The quantizing copy kernel (`quantize.cu`) on a CUDA device: a batch of [`QuantJob`]s quantized to
-//! FP8 with their scales in one launch of each of its two entry points the batch needs (a third when
-//! a job is per tensor), bit for bit as [`crate::quant::reference`]; or, riding a copy stage, in the
-//! same launch as the batched copy ([`PreparedQuantize::launch_with_copy`], `copy_quantize.cu`).
+//! FP8 with their scales in one launch of each of its entry points the batch needs (two for those
+//! whose jobs share amaxes), bit for bit as [`crate::quant::reference`]; or, riding a copy stage, in
+//! the same launch as the batched copy ([`PreparedQuantize::launch_with_copy`], `copy_quantize.cu`).
 
 use super::module;
 use crate::error::{Error, Result, Status};
@@ -20,6 +20,7 @@ pub const SOURCE: &str = include_str!("quantize.cu");
 pub const COPY_QUANTIZE_SOURCE: &str = include_str!("copy_quantize.cu");
 const KERNEL_NAME: &std::ffi::CStr = c"refit_quantize";
 const NARROW_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_narrow";
+const ROWS_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_rows";
 const COPY_KERNEL_NAME: &std::ffi::CStr = c"refit_copy_quantize";
 /// Threads per block (QUANT_THREADS in the source).
 pub const THREADS: u32 = 256;
@@ -88,7 +89,8 @@ const SCALE_TENSOR: u32 = 2;
 const SCALE_ROWS_SHARED: u32 = 3;
 
 /// The descriptors of a batch and its tiles (one thread block each). The narrow entry point's jobs
-/// come first: it takes tiles [0, narrow_tiles), the wide one [narrow_tiles, tiles).
+/// come first: it takes tiles [0, narrow_tiles), the wide one [narrow_tiles, tiles - rows_tiles),
+/// refit_quantize_rows (per-row jobs sharing each row's amax) the last rows_tiles.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Layout {
     pub descs: Vec<QuantDesc>,
@@ -99,6 +101,7 @@ pub struct Layout {
     pub index: Vec<u32>,
     pub tiles: u64,
     pub narrow_tiles: u64,
+    pub rows_tiles: u64,
     /// The amax words the two-phase jobs reduce into (per tensor: one per set of jobs sharing it;
     /// per row with a shared amax: one per row of each set), after the table; 0: no job takes two
     /// phases (then phase 1 does not run; two-phase jobs are wide).
@@ -114,6 +117,21 @@ impl Layout {
     /// Whether phase 1 runs (a job is per tensor, or per row with a shared amax).
     pub fn two_phase(&self) -> bool {
         self.amax_words > 0
+    }
+
+    /// The wide entry point's tiles.
+    pub fn wide_tiles(&self) -> std::ops::Range<u64> {
+        self.narrow_tiles..self.tiles - self.rows_tiles
+    }
+
+    /// refit_quantize_rows's tiles (per-row jobs sharing each row's amax).
+    pub fn rows_tiles(&self) -> std::ops::Range<u64> {
+        self.tiles - self.rows_tiles..self.tiles
+    }
+
+    /// Whether a wide job is per tensor (so that the wide entry point's phase 1 runs).
+    pub fn tensor_phase(&self) -> bool {
+        self.descs.iter().any(|d| d.scale_kind == SCALE_TENSOR)
     }
 
     /// The table the kernel reads: the descriptors, then the tile index (amax words follow it on
@@ -144,7 +162,7 @@ impl Layout {
 pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     check_jobs(jobs)?;
     let owners = crate::quant::job::amax_owners(jobs);
-    let (mut narrow, mut wide) = (Vec::new(), Vec::new());
+    let (mut narrow, mut wide, mut rows) = (Vec::new(), Vec::new(), Vec::new());
     for (index, job) in jobs.iter().enumerate().filter(|(_, job)| job.elements() > 0) {
         let (mut desc, tiles) = describe(job);
         // The job's number for now; its owner's descriptor number below.
@@ -153,14 +171,19 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
             * u64::from(desc.block_cols).min(job.cols).div_ceil(job.vector_elements());
         let vectors_per_thread = vectors_per_thread.div_ceil(u64::from(THREADS));
         let fits_narrow = desc.scale_kind < SCALE_TENSOR && vectors_per_thread <= NARROW_CACHE;
-        if desc.mode == MODE_GROUP || fits_narrow {
+        if desc.scale_kind == SCALE_ROWS_SHARED {
+            rows.push((desc, tiles));
+        } else if desc.mode == MODE_GROUP || fits_narrow {
             narrow.push((desc, tiles));
         } else {
             wide.push((desc, tiles));
         }
     }
-    let mut layout =
-        Layout { narrow_tiles: narrow.iter().map(|&(_, tiles)| tiles).sum(), ..Layout::default() };
+    let mut layout = Layout {
+        narrow_tiles: narrow.iter().map(|&(_, tiles)| tiles).sum(),
+        rows_tiles: rows.iter().map(|&(_, tiles)| tiles).sum(),
+        ..Layout::default()
+    };
     if jobs.len() > u32::MAX as usize {
         return Err(Error::new(
             Status::Unsupported,
@@ -170,7 +193,7 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     // Each set of jobs sharing an amax gets its words (one, or one per row) at its first job's.
     let mut words_of_job: Vec<Option<u32>> = vec![None; jobs.len()];
     let mut words = 0u64;
-    for (mut desc, tiles) in narrow.into_iter().chain(wide) {
+    for (mut desc, tiles) in narrow.into_iter().chain(wide).chain(rows) {
         let job = desc.amax_slot as usize;
         if desc.scale_kind >= SCALE_TENSOR && owners[job] == job {
             words_of_job[job] = Some(words as u32);
@@ -253,24 +276,18 @@ fn describe(job: &QuantJob) -> (QuantDesc, u64) {
         ..QuantDesc::default()
     };
     let tiles;
-    if q.granularity == Granularity::Row && job.amax_key != 0 {
-        // Each row's amax shared with other jobs: a tile per row, two phases.
-        desc.block_rows = 1;
-        desc.block_cols = job.cols as u32;
-        desc.grid_cols = 1;
-        desc.blocks = job.rows;
-        desc.scale_kind = SCALE_ROWS_SHARED;
-        desc.mode = MODE_BLOCK;
-        tiles = job.rows;
-    } else if q.granularity == Granularity::Tensor {
-        // Slabs of whole rows, as many as the wide entry point's cache holds.
+    let shared_rows = q.granularity == Granularity::Row && job.amax_key != 0;
+    if shared_rows || q.granularity == Granularity::Tensor {
+        // Two phases over slabs of whole rows, as many as the wide entry point's cache holds: per
+        // tensor, each slab one scale block; per row with each row's amax shared with other jobs,
+        // each row its own.
         let per_row = job.cols.div_ceil(vector);
         let slab = (u64::from(THREADS) * CACHE / per_row).clamp(1, job.rows);
         desc.block_rows = slab as u32;
         desc.block_cols = job.cols as u32;
         desc.grid_cols = 1;
         desc.blocks = job.rows.div_ceil(slab);
-        desc.scale_kind = SCALE_TENSOR;
+        desc.scale_kind = if shared_rows { SCALE_ROWS_SHARED } else { SCALE_TENSOR };
         desc.mode = MODE_BLOCK;
         tiles = desc.blocks;
     } else {
@@ -306,9 +323,10 @@ pub fn module_source() -> String {
 pub struct QuantizeKernel {
     device: i32,
     context: sys::CUcontext,
-    /// refit_quantize (wide), refit_quantize_narrow and refit_copy_quantize.
+    /// refit_quantize (wide), refit_quantize_narrow, refit_quantize_rows and refit_copy_quantize.
     wide: sys::CUfunction,
     narrow: sys::CUfunction,
+    rows: sys::CUfunction,
     copying: sys::CUfunction,
     /// How the kernel was built, for logs and bench output.
     pub build: String,
@@ -331,9 +349,11 @@ impl QuantizeKernel {
         let loaded = module::load(device, &module_source(), "copy_quantize.cu")?;
         let wide = module::function(loaded.module, KERNEL_NAME)?;
         let narrow = module::function(loaded.module, NARROW_KERNEL_NAME)?;
+        let rows = module::function(loaded.module, ROWS_KERNEL_NAME)?;
         let copying = module::function(loaded.module, COPY_KERNEL_NAME)?;
         // Their wide tiles keep their vectors in shared memory (32 KiB a block).
         loaded.prefer_shared_memory(wide)?;
+        loaded.prefer_shared_memory(rows)?;
         loaded.prefer_shared_memory(copying)?;
         let (wide_per_sm, narrow_per_sm, copying_per_sm) = (
             loaded.blocks_per_sm(wide, THREADS)?,
@@ -346,7 +366,7 @@ impl QuantizeKernel {
         );
         log::info!("quantize kernel on device {device}: {build}");
         let kernel =
-            Arc::new(QuantizeKernel { device, context: loaded.context, wide, narrow, copying, build });
+            Arc::new(QuantizeKernel { device, context: loaded.context, wide, narrow, rows, copying, build });
         map.insert(device, kernel.clone());
         Ok(kernel)
     }
@@ -387,10 +407,11 @@ impl QuantizeKernel {
         result.and(freed)
     }
 
-    /// Queues the launches of a batch whose table ([`Layout::to_bytes`]; then, for per-tensor jobs,
-    /// one amax word per descriptor) is at `table` on the device: the narrow entry point over its tiles, for per-tensor
-    /// jobs the zeroing of the amax words and the wide entry point's phase-1 launch, its phase-2
-    /// launch. Nothing else, so a prepared batch may be captured into a graph.
+    /// Queues the launches of a batch whose table ([`Layout::to_bytes`], then its amax words) is at
+    /// `table` on the device: the narrow entry point over its tiles, the phase-1 launches of jobs
+    /// sharing amaxes ([`QuantizeKernel::first_phase`]), then the wide entry point's and
+    /// refit_quantize_rows's phase-2 launches. Nothing else, so a prepared batch may be captured
+    /// into a graph.
     ///
     /// # Safety
     /// As for [`QuantizeKernel::enqueue`]; `table` holds `layout` as described until the work has run.
@@ -399,11 +420,13 @@ impl QuantizeKernel {
         self.launch(stream, table, layout, narrow, 2, amax_words(table, layout))?;
         // SAFETY: the caller's promises.
         let amax = unsafe { self.first_phase(stream, table, layout) }?;
-        self.launch(stream, table, layout, (self.wide, layout.narrow_tiles..layout.tiles), 2, amax)
+        self.launch(stream, table, layout, (self.wide, layout.wide_tiles()), 2, amax)?;
+        self.launch(stream, table, layout, (self.rows, layout.rows_tiles()), 2, amax)
     }
 
-    /// For per-tensor jobs, the zeroing of their amax words and the wide entry point's phase-1
-    /// launch; nothing otherwise. Returns the amax words' address (0 without per-tensor jobs).
+    /// For jobs sharing amaxes, the zeroing of their words and the phase-1 launches: the wide entry
+    /// point's for per-tensor jobs, refit_quantize_rows's for per-row ones; nothing otherwise.
+    /// Returns the amax words' address (0 without such jobs).
     ///
     /// # Safety
     /// As for [`QuantizeKernel::launches`].
@@ -413,14 +436,17 @@ impl QuantizeKernel {
             // SAFETY: the amax words lie in the table (the caller's promise).
             let words = layout.amax_words as usize;
             check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(amax, 0, words, stream) })?;
-            self.launch(stream, table, layout, (self.wide, layout.narrow_tiles..layout.tiles), 1, amax)?;
+            if layout.tensor_phase() {
+                self.launch(stream, table, layout, (self.wide, layout.wide_tiles()), 1, amax)?;
+            }
+            self.launch(stream, table, layout, (self.rows, layout.rows_tiles()), 1, amax)?;
         }
         Ok(amax)
     }
 
     /// One launch of refit_copy_quantize: `copy` (a plain copy's launch, of this kernel's device)
-    /// in its first blocks, then every phase-2 tile of the batch at `table`. Per-tensor jobs' phase 1
-    /// is queued before it.
+    /// in its first blocks, then the phase-2 tiles of the batch at `table` of both block entry points.
+    /// Phase 1 of jobs sharing amaxes is queued before it, and refit_quantize_rows's phase 2 after.
     ///
     /// # Safety
     /// As for [`QuantizeKernel::launches`], and for the copy's launch: its descriptors and the memory
@@ -432,13 +458,14 @@ impl QuantizeKernel {
         layout: &Layout,
         copy: &super::batched_copy::Launch,
     ) -> Result<()> {
-        let blocks = u32::try_from(u64::from(copy.blocks) + layout.tiles)
+        let riding = layout.tiles - layout.rows_tiles;
+        let blocks = u32::try_from(u64::from(copy.blocks) + riding)
             .ok()
             .filter(|&blocks| blocks <= i32::MAX as u32)
             .ok_or_else(|| {
                 Error::new(
                     Status::Unsupported,
-                    format!("{} quantizing tiles are too many for one launch", layout.tiles),
+                    format!("{riding} quantizing tiles are too many for one launch"),
                 )
             })?;
         // SAFETY: the caller's promises.
@@ -467,7 +494,8 @@ impl QuantizeKernel {
         ];
         // SAFETY: the parameters match refit_copy_quantize's signature; the caller's promises cover
         // the memory both parts name.
-        unsafe { module::launch(self.copying, blocks, THREADS, stream, &mut params) }
+        unsafe { module::launch(self.copying, blocks, THREADS, stream, &mut params) }?;
+        self.launch(stream, table, layout, (self.rows, layout.rows_tiles()), 2, amax)
     }
 
     /// One launch of `function` (an entry point) over `tiles`; nothing when they are none.
@@ -754,6 +782,24 @@ mod tests {
         assert_eq!((wide_only.narrow_tiles, wide_only.tiles), (0, 32768));
         let narrow_only = layout(&[row_long]).unwrap();
         assert_eq!((narrow_only.narrow_tiles, narrow_only.tiles), (10, 10));
+    }
+
+    #[test]
+    fn per_row_jobs_sharing_amaxes_take_slabs_of_their_own_entry_point_last() {
+        let shared = |slot, cols| QuantJob { amax_key: 7, ..job(slot, Granularity::Row, 1000, cols) };
+        let block = job(1, Granularity::Block { rows: 128, cols: 128 }, 256, 256);
+        let row_long = job(2, Granularity::Row, 10, 8192);
+        let l = layout(&[shared(0, 4096), block, row_long, shared(3, 4096)]).unwrap();
+        // Narrow: 10 rows; wide: 2 x 2 blocks; rows: 1000 rows of 512 vectors, 4 to a slab, twice.
+        assert_eq!((l.narrow_tiles, l.wide_tiles(), l.rows_tiles()), (10, 10..14, 14..514));
+        let rows: Vec<(u64, u32, u32, u64)> =
+            l.descs[2..].iter().map(|d| (d.first_tile, d.block_rows, d.scale_kind, d.blocks)).collect();
+        assert_eq!(rows, vec![(14, 4, SCALE_ROWS_SHARED, 250), (264, 4, SCALE_ROWS_SHARED, 250)]);
+        assert_eq!((l.descs[2].amax_slot, l.descs[3].amax_slot, l.amax_words), (0, 0, 1000));
+        assert!(l.two_phase() && !l.tensor_phase());
+        // Rows longer than the cache: a slab of one row.
+        let long = layout(&[shared(0, 20_000)]).unwrap();
+        assert_eq!((long.rows_tiles(), long.descs[0].block_rows), (0..1000, 1));
     }
 
     #[test]

@@ -408,15 +408,43 @@ pub struct RowShards {
 pub const ROW_SHARDS_KEY: u64 = 0x726f_7773;
 
 impl RowShards {
+    /// 100 x 200 as shards of 64, 96 and 40 columns: rows of 8, 12 and 5 vectors, many to a slab,
+    /// a warp's vectors over several rows.
     pub fn new(seed: u64, target: Fp8, arithmetic: Arithmetic) -> RowShards {
+        RowShards::with(seed, target, arithmetic, 100, vec![(0, 64), (64, 96), (160, 40)])
+    }
+
+    /// 10 x 18,968 as shards of 2,048, 256, 16,640 and 24 columns: rows of whole warps' vectors
+    /// (a row per round of the thread block, 8 rows to a slab of the wide entry point's cache, so
+    /// two slabs; a row per warp and round), a row longer than the cache (2,080 vectors: a slab of
+    /// one row, the rest read again), and a shard of 3 vectors.
+    pub fn wide(seed: u64, target: Fp8, arithmetic: Arithmetic) -> RowShards {
+        RowShards::with(
+            seed,
+            target,
+            arithmetic,
+            10,
+            vec![(0, 2048), (2048, 256), (2304, 16_640), (18_944, 24)],
+        )
+    }
+
+    /// `rows` rows cut into `shards` (first column, width), which cover the columns in order.
+    pub fn with(
+        seed: u64,
+        target: Fp8,
+        arithmetic: Arithmetic,
+        rows: u64,
+        shards: Vec<(u64, u64)>,
+    ) -> RowShards {
         let mut rng = Rng::new(seed);
-        let mut whole = case(&mut rng, "row shards", target, Granularity::Row, SourceType::Bf16, 100, 200, 1);
+        let cols = shards.last().map_or(0, |&(c0, width)| c0 + width);
+        let mut whole =
+            case(&mut rng, "row shards", target, Granularity::Row, SourceType::Bf16, rows, cols, 1);
         whole.quantization = whole.quantization.with(arithmetic);
-        let shards = vec![(0, 64), (64, 96), (160, 40)];
         // Each shard's columns scaled by 4^k, rows alternating which shard is largest.
         for r in 0..whole.rows {
             for (k, &(c0, width)) in shards.iter().enumerate() {
-                let scale = 4f32.powi(((k as u64 + r) % 3) as i32);
+                let scale = 4f32.powi(((k as u64 + r) % shards.len() as u64) as i32);
                 for c in c0..c0 + width {
                     let at = ((r * whole.src_stride + c) * 2) as usize;
                     let bytes = &mut whole.data.bytes_mut()[at..at + 2];
