@@ -704,6 +704,126 @@ fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() 
     }
 }
 
+/// A row-parallel weight's column shards received per row with one amax key through an executor on
+/// one GPU, beside a plain need (so that the shared rows' second phase follows the launch that
+/// copies), offered whole: both of RowShards' geometries, direct and staged commit, with and without
+/// verify. Every row's scale is the whole row's on every shard, the codes too.
+#[test]
+#[ignore = "needs a GPU"]
+fn per_row_needs_sharing_an_amax_key_through_an_executor_match_the_reference() {
+    use quant_cases::RowShards;
+    use refit::exec::{CommitMode, ExecOptions, Executor};
+    use refit::plan::{
+        self, Endpoint, Need, Offer, PlanOptions, QuantNeed, QuantPath, Region, SharedAmax, Table, TensorSpec,
+    };
+    use refit::quant::Arithmetic;
+
+    let group =
+        ok("a CUDA group", Group::new(&[0], GroupOptions { backend: BackendChoice::Cuda, host_devices: 0 }));
+    let here = Endpoint { process: 0, device: 0 };
+    for shards in [
+        RowShards::new(21, Fp8::E4m3fn, Arithmetic::VllmChannel),
+        RowShards::wide(22, Fp8::E4m3fn, Arithmetic::Divide),
+    ] {
+        let w = &shards.whole;
+        let src = Buffer::new(0, w.src_len());
+        src.upload(w.data.bytes());
+        let outputs: Vec<(Buffer, Buffer, Buffer)> = (0..shards.shards.len())
+            .map(|k| {
+                let (codes, scales) = shards.lens(k);
+                (Buffer::new(0, codes), Buffer::new(0, scales), Buffer::new(0, codes * 2))
+            })
+            .collect();
+        let plain_bytes: Vec<u8> = (0..1u64 << 20).map(|i| (i * 13 + i / 509) as u8).collect();
+        let (plain_src, plain_dst) = (Buffer::new(0, plain_bytes.len()), Buffer::new(0, plain_bytes.len()));
+        plain_src.upload(&plain_bytes);
+        let plain_region = || Region { offset: vec![0], extent: vec![plain_bytes.len() as u64] };
+        let quant_needs = (0..shards.shards.len())
+            .map(|k| {
+                let (c0, width) = shards.shards[k];
+                QuantNeed {
+                    tensor: 0,
+                    receiver: here,
+                    addr: outputs[k].0.ptr,
+                    region: Region { offset: vec![0, c0], extent: vec![w.rows, width] },
+                    strides: vec![width, 1],
+                    quantization: w.quantization,
+                    source: SourceType::Bf16,
+                    scales: outputs[k].1.ptr,
+                    scale_row_stride: 1,
+                    scale_matrix_stride: 0,
+                    staging: outputs[k].2.ptr,
+                }
+            })
+            .collect();
+        let table = Table {
+            tensors: vec![
+                TensorSpec { name: "o".into(), dtype: 7, elem_size: 2, shape: vec![w.rows, w.cols] },
+                TensorSpec {
+                    name: "plain".into(),
+                    dtype: 0,
+                    elem_size: 1,
+                    shape: vec![plain_bytes.len() as u64],
+                },
+            ],
+            offers: vec![
+                Offer {
+                    tensor: 0,
+                    owner: here,
+                    addr: src.ptr,
+                    region: Region { offset: vec![0, 0], extent: vec![w.rows, w.cols] },
+                    strides: Some(vec![w.src_stride, 1]),
+                    digest: None,
+                },
+                Offer {
+                    tensor: 1,
+                    owner: here,
+                    addr: plain_src.ptr,
+                    region: plain_region(),
+                    strides: None,
+                    digest: None,
+                },
+            ],
+            needs: vec![Need {
+                tensor: 1,
+                receiver: here,
+                addr: plain_dst.ptr,
+                region: plain_region(),
+                perm: None,
+                strides: vec![1],
+            }],
+            quant_needs,
+            shared_amax: outputs.iter().map(|o| SharedAmax { process: 0, scale: o.1.ptr, key: 7 }).collect(),
+        };
+        let plan = ok("plan", plan::build(&[table], &PlanOptions::default()));
+        assert!(plan.quant_routes().iter().all(|r| r.path == QuantPath::Direct));
+        for commit in [CommitMode::Direct, CommitMode::Staged] {
+            for verify in [false, true] {
+                let name = format!("{} columns, {commit:?}, verify {verify}", w.cols);
+                for (codes, scales, _) in &outputs {
+                    codes.fill(SENTINEL);
+                    scales.fill(SENTINEL);
+                }
+                plain_dst.fill(SENTINEL);
+                let options = ExecOptions { commit, verify, ..ExecOptions::default() };
+                let mut executor = ok("executor", Executor::new(&group, &plan, 0, options));
+                // SAFETY: every address of the plan is a buffer above, alive until the checks below.
+                let ran = ok("run", unsafe { executor.run(&group) });
+                let mut quantized = ran.quantized_elements;
+                if commit == CommitMode::Staged {
+                    // SAFETY: as above.
+                    quantized += ok("commit", unsafe { executor.commit(&group) }).quantized_elements;
+                }
+                assert_eq!(quantized, w.rows * w.cols, "{name}");
+                assert!(plain_dst.download() == plain_bytes, "{name}: the plain need's bytes");
+                for (k, (codes, scales, _)) in outputs.iter().enumerate() {
+                    shards.check(k, &codes.download(), &scales.download(), &name);
+                }
+            }
+        }
+    }
+}
+
 /// Two processes on GPU 0 (a host-backend communicator for the control plane: NCCL puts no two
 /// ranks on one GPU, so every byte between them goes through CUDA IPC), each offering part of a
 /// 1024 x 768 bf16 matrix and receiving quantized needs that take every path: in place, quantized
