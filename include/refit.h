@@ -2290,7 +2290,7 @@ refit_status refit_table_share_amax(refit_table *table,
  * size, flags not 0, count too large, an unknown target, granularity or source type,
  * REFIT_QUANT_NONE, a block shape with a 0, block columns not a multiple of 8 or a block of more
  * than 2^24 elements, a block shape given for another granularity, an unknown arithmetic or one
- * MXFP8 does not take, a row stride
+ * MXFP8 does not take, a matrix of more than 2^38 rows or 2^32 - 16 columns, a row stride
  * below the row, a zero address for a job with elements, misaligned rows or scales, a range past the
  * end of the address space, memory that is not the device's (as refit_copy_batch checks it: on CUDA
  * every byte in a live allocation of the rank's device or of a device it accesses directly, so host

@@ -118,6 +118,8 @@ fn bad_jobs_are_refused_with_what_is_wrong() {
     );
     refused(&[with(&|j| j.dst_stride = 100)], Status::InvalidArgument, &["dst_row_stride 100"]);
     refused(&[with(&|j| j.scale_stride = 1)], Status::InvalidArgument, &["scale_row_stride 1", "2 scales"]);
+    refused(&[with(&|j| j.cols = (1 << 32) - 15)], Status::InvalidArgument, &["x 4294967281 is too large"]);
+    refused(&[with(&|j| j.rows = 1 << 39)], Status::InvalidArgument, &["549755813888 x 256 is too large"]);
     refused(&[with(&|j| j.src = 0)], Status::InvalidArgument, &["src is 0"]);
     refused(&[with(&|j| j.scales = 0)], Status::InvalidArgument, &["scales is 0"]);
     refused(&[with(&|j| j.src = 0x10008)], Status::InvalidArgument, &["misaligned source rows"]);

@@ -309,8 +309,12 @@ pub fn check_job(index: usize, job: &QuantJob) -> Result<()> {
     if job.elements() == 0 {
         return Ok(());
     }
-    if job.rows > u64::from(u32::MAX) * 64 || job.cols > u64::from(u32::MAX) {
-        return Err(invalid(index, format!("{} x {} is too large", job.rows, job.cols)));
+    // The kernel counts a row's elements and vectors in 32 bits, its last vector's padding included.
+    if job.rows > u64::from(u32::MAX) * 64 || job.cols > u64::from(u32::MAX - 15) {
+        return Err(invalid(
+            index,
+            format!("{} x {} is too large (rows up to 2^38, columns up to 2^32 - 16)", job.rows, job.cols),
+        ));
     }
     let size = job.source.size();
     if job.rows > 1 && job.src_stride < job.cols {
