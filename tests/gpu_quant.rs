@@ -556,6 +556,48 @@ fn per_tensor_jobs_naming_one_scale_share_it_on_the_gpu() {
     }
 }
 
+/// A plain need of bytes beside quantized ones on GPU 0, so that their in-place jobs ride its copy
+/// launch: its source filled with a pattern, its destination with SENTINEL.
+struct PlainNeed {
+    bytes: Vec<u8>,
+    src: Buffer,
+    dst: Buffer,
+}
+
+impl PlainNeed {
+    fn new(len: u64, step: u64) -> PlainNeed {
+        let bytes: Vec<u8> = (0..len).map(|i| (i * step + i / 251) as u8).collect();
+        let (src, dst) = (Buffer::new(0, bytes.len()), Buffer::new(0, bytes.len()));
+        src.upload(&bytes);
+        dst.fill(SENTINEL);
+        PlainNeed { bytes, src, dst }
+    }
+
+    fn spec(&self) -> refit::plan::TensorSpec {
+        let shape = vec![self.bytes.len() as u64];
+        refit::plan::TensorSpec { name: "plain".into(), dtype: 0, elem_size: 1, shape }
+    }
+
+    fn region(&self) -> refit::plan::Region {
+        refit::plan::Region { offset: vec![0], extent: vec![self.bytes.len() as u64] }
+    }
+
+    fn offer(&self, tensor: u32, owner: refit::plan::Endpoint) -> refit::plan::Offer {
+        let (addr, region) = (self.src.ptr, self.region());
+        refit::plan::Offer { tensor, owner, addr, region, strides: None, digest: None }
+    }
+
+    fn need(&self, tensor: u32, receiver: refit::plan::Endpoint) -> refit::plan::Need {
+        let (addr, region) = (self.dst.ptr, self.region());
+        refit::plan::Need { tensor, receiver, addr, region, perm: None, strides: vec![1] }
+    }
+
+    /// Panics unless the destination holds the source's bytes.
+    fn check(&self, name: &str) {
+        assert!(self.dst.download() == self.bytes, "{name}: the plain need's bytes");
+    }
+}
+
 /// A fused QKV received as per-tensor FP8 with one scale from three tensors q, k and v (256, 128
 /// and 128 rows of 384 bf16) through an executor on one GPU, beside a plain need (so that the jobs
 /// in place ride its copy launch): in place, and staged when q is offered in two pieces; direct and
@@ -565,9 +607,7 @@ fn per_tensor_jobs_naming_one_scale_share_it_on_the_gpu() {
 #[ignore = "needs a GPU"]
 fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() {
     use refit::exec::{CommitMode, ExecOptions, Executor};
-    use refit::plan::{
-        self, Endpoint, Need, Offer, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec,
-    };
+    use refit::plan::{self, Endpoint, Offer, PlanOptions, QuantNeed, QuantPath, Region, Table, TensorSpec};
     use refit::quant::Arithmetic;
 
     const COLS: u64 = 384;
@@ -619,22 +659,12 @@ fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() 
             scale.fill(SENTINEL);
             let staging: Vec<Buffer> =
                 PARTS.iter().map(|p| Buffer::new(0, (p.2 * COLS * 2) as usize)).collect();
-            let plain_bytes: Vec<u8> = (0..3u64 << 20).map(|i| (i * 7 + i / 251) as u8).collect();
-            let (plain_src, plain_dst) =
-                (Buffer::new(0, plain_bytes.len()), Buffer::new(0, plain_bytes.len()));
-            plain_src.upload(&plain_bytes);
-            plain_dst.fill(SENTINEL);
-            let plain_region = || Region { offset: vec![0], extent: vec![plain_bytes.len() as u64] };
+            let plain = PlainNeed::new(3 << 20, 7);
             let mut tensors: Vec<TensorSpec> = PARTS
                 .iter()
                 .map(|p| TensorSpec { name: p.0.into(), dtype: 1, elem_size: 2, shape: vec![p.2, COLS] })
                 .collect();
-            tensors.push(TensorSpec {
-                name: "plain".into(),
-                dtype: 0,
-                elem_size: 1,
-                shape: vec![plain_bytes.len() as u64],
-            });
+            tensors.push(plain.spec());
             let mut offers: Vec<Offer> = pieces
                 .iter()
                 .zip(&shards)
@@ -647,14 +677,7 @@ fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() 
                     digest: None,
                 })
                 .collect();
-            offers.push(Offer {
-                tensor: 3,
-                owner: here,
-                addr: plain_src.ptr,
-                region: plain_region(),
-                strides: None,
-                digest: None,
-            });
+            offers.push(plain.offer(3, here));
             let quant_needs = PARTS
                 .iter()
                 .enumerate()
@@ -672,14 +695,7 @@ fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() 
                     staging: staging[t].ptr,
                 })
                 .collect();
-            let needs = vec![Need {
-                tensor: 3,
-                receiver: here,
-                addr: plain_dst.ptr,
-                region: plain_region(),
-                perm: None,
-                strides: vec![1],
-            }];
+            let needs = vec![plain.need(3, here)];
             let table = Table { tensors, offers, needs, quant_needs, shared_amax: vec![] };
             let plan = ok("plan", plan::build(&[table], &PlanOptions::default()));
             assert!(plan.quant_routes().iter().all(|r| r.path == path), "{name}");
@@ -694,7 +710,7 @@ fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() 
                 quantized += ok("commit", unsafe { executor.commit(&group) }).quantized_elements;
             }
             assert_eq!(quantized, ROWS * COLS, "{name}");
-            assert!(plain_dst.download() == plain_bytes, "{name}: the plain need's bytes");
+            plain.check(&name);
             assert_eq!(scale.download(), want_scale, "{name}: the shared scale");
             let got = codes.download();
             if let Some(at) = (0..got.len()).find(|&i| got[i] != want_codes[i]) {
@@ -714,7 +730,7 @@ fn per_row_needs_sharing_an_amax_key_through_an_executor_match_the_reference() {
     use quant_cases::RowShards;
     use refit::exec::{CommitMode, ExecOptions, Executor};
     use refit::plan::{
-        self, Endpoint, Need, Offer, PlanOptions, QuantNeed, QuantPath, Region, SharedAmax, Table, TensorSpec,
+        self, Endpoint, Offer, PlanOptions, QuantNeed, QuantPath, Region, SharedAmax, Table, TensorSpec,
     };
     use refit::quant::Arithmetic;
 
@@ -734,10 +750,7 @@ fn per_row_needs_sharing_an_amax_key_through_an_executor_match_the_reference() {
                 (Buffer::new(0, codes), Buffer::new(0, scales), Buffer::new(0, codes * 2))
             })
             .collect();
-        let plain_bytes: Vec<u8> = (0..1u64 << 20).map(|i| (i * 13 + i / 509) as u8).collect();
-        let (plain_src, plain_dst) = (Buffer::new(0, plain_bytes.len()), Buffer::new(0, plain_bytes.len()));
-        plain_src.upload(&plain_bytes);
-        let plain_region = || Region { offset: vec![0], extent: vec![plain_bytes.len() as u64] };
+        let plain = PlainNeed::new(1 << 20, 13);
         let quant_needs = (0..shards.shards.len())
             .map(|k| {
                 let (c0, width) = shards.shards[k];
@@ -759,12 +772,7 @@ fn per_row_needs_sharing_an_amax_key_through_an_executor_match_the_reference() {
         let table = Table {
             tensors: vec![
                 TensorSpec { name: "o".into(), dtype: 7, elem_size: 2, shape: vec![w.rows, w.cols] },
-                TensorSpec {
-                    name: "plain".into(),
-                    dtype: 0,
-                    elem_size: 1,
-                    shape: vec![plain_bytes.len() as u64],
-                },
+                plain.spec(),
             ],
             offers: vec![
                 Offer {
@@ -775,23 +783,9 @@ fn per_row_needs_sharing_an_amax_key_through_an_executor_match_the_reference() {
                     strides: Some(vec![w.src_stride, 1]),
                     digest: None,
                 },
-                Offer {
-                    tensor: 1,
-                    owner: here,
-                    addr: plain_src.ptr,
-                    region: plain_region(),
-                    strides: None,
-                    digest: None,
-                },
+                plain.offer(1, here),
             ],
-            needs: vec![Need {
-                tensor: 1,
-                receiver: here,
-                addr: plain_dst.ptr,
-                region: plain_region(),
-                perm: None,
-                strides: vec![1],
-            }],
+            needs: vec![plain.need(1, here)],
             quant_needs,
             shared_amax: outputs.iter().map(|o| SharedAmax { process: 0, scale: o.1.ptr, key: 7 }).collect(),
         };
@@ -804,7 +798,7 @@ fn per_row_needs_sharing_an_amax_key_through_an_executor_match_the_reference() {
                     codes.fill(SENTINEL);
                     scales.fill(SENTINEL);
                 }
-                plain_dst.fill(SENTINEL);
+                plain.dst.fill(SENTINEL);
                 let options = ExecOptions { commit, verify, ..ExecOptions::default() };
                 let mut executor = ok("executor", Executor::new(&group, &plan, 0, options));
                 // SAFETY: every address of the plan is a buffer above, alive until the checks below.
@@ -815,7 +809,7 @@ fn per_row_needs_sharing_an_amax_key_through_an_executor_match_the_reference() {
                     quantized += ok("commit", unsafe { executor.commit(&group) }).quantized_elements;
                 }
                 assert_eq!(quantized, w.rows * w.cols, "{name}");
-                assert!(plain_dst.download() == plain_bytes, "{name}: the plain need's bytes");
+                plain.check(&name);
                 for (k, (codes, scales, _)) in outputs.iter().enumerate() {
                     shards.check(k, &codes.download(), &scales.download(), &name);
                 }
