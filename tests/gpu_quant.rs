@@ -935,7 +935,7 @@ fn quantized_needs_across_two_processes_on_one_gpu_match_the_reference() {
 
 /// A row-parallel weight's column shards as per-row jobs sharing each row's amax through one key, on
 /// the GPU: two phases, every row's scale the whole row's on every shard (the codes too), for each
-/// target and arithmetic, in both of RowShards' geometries.
+/// target and arithmetic, in each of RowShards' geometries (bf16 and f32).
 #[test]
 #[ignore = "needs a GPU"]
 fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax_on_the_gpu() {
@@ -947,9 +947,11 @@ fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax_on_the_gpu() {
         (12, Fp8::E5m2, Arithmetic::Divide),
         (13, Fp8::E4m3fn, Arithmetic::DeepGemm),
     ] {
-        for shards in
-            [RowShards::new(seed, target, arithmetic), RowShards::wide(seed + 10, target, arithmetic)]
-        {
+        for shards in [
+            RowShards::new(seed, target, arithmetic),
+            RowShards::wide(seed + 10, target, arithmetic),
+            RowShards::f32(seed + 20, target, arithmetic),
+        ] {
             let src = Buffer::new(0, shards.whole.src_len());
             src.upload(shards.whole.data.bytes());
             let outputs: Vec<(Buffer, Buffer)> = (0..shards.shards.len())

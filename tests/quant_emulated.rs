@@ -349,8 +349,8 @@ fn per_tensor_jobs_naming_one_scale_share_one_amax_word() {
 
 /// A row-parallel weight's column shards as per-row jobs sharing each row's amax, between other
 /// jobs: two phases on the wide entry point over slabs of whole rows, each set's words one per row,
-/// every row's scale the whole row's on every shard. Two geometries: short rows whose warps span
-/// rows, and rows of whole warps' vectors, many to a slab and one longer than a slab's cache.
+/// every row's scale the whole row's on every shard. Three geometries: short rows whose warps span
+/// rows; rows of whole warps' vectors, many to a slab and one longer than a slab's cache; f32 rows.
 #[test]
 fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax() {
     use quant_cases::RowShards;
@@ -358,11 +358,12 @@ fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax() {
     let shards = RowShards::new(5, Fp8::E4m3fn, Arithmetic::VllmChannel);
     shared_rows_between_other_jobs(shards, standard_cases(33, false), &[100, 100, 100]);
     // (Alone: the emulator takes a minute over the standard cases.)
-    shared_rows_between_other_jobs(
+    let (wide, f32) = (
         RowShards::wide(6, Fp8::E5m2, Arithmetic::Divide),
-        Vec::new(),
-        &[8, 10, 1, 10],
+        RowShards::f32(7, Fp8::E4m3fn, Arithmetic::DeepGemm),
     );
+    shared_rows_between_other_jobs(wide, Vec::new(), &[8, 10, 1, 10]);
+    shared_rows_between_other_jobs(f32, Vec::new(), &[6, 6]);
 }
 
 /// `shards` laid out between the jobs of `others`: each shard's slab rows as `slab_rows` says, then

@@ -411,7 +411,7 @@ impl RowShards {
     /// 100 x 200 as shards of 64, 96 and 40 columns: rows of 8, 12 and 5 vectors, many to a slab,
     /// a warp's vectors over several rows.
     pub fn new(seed: u64, target: Fp8, arithmetic: Arithmetic) -> RowShards {
-        RowShards::with(seed, target, arithmetic, 100, vec![(0, 64), (64, 96), (160, 40)])
+        RowShards::with(seed, target, arithmetic, SourceType::Bf16, 100, vec![(0, 64), (64, 96), (160, 40)])
     }
 
     /// 10 x 18,968 as shards of 2,048, 256, 16,640 and 24 columns: rows of whole warps' vectors
@@ -419,37 +419,44 @@ impl RowShards {
     /// two slabs; a row per warp and round), a row longer than the cache (2,080 vectors: a slab of
     /// one row, the rest read again), and a shard of 3 vectors.
     pub fn wide(seed: u64, target: Fp8, arithmetic: Arithmetic) -> RowShards {
-        RowShards::with(
-            seed,
-            target,
-            arithmetic,
-            10,
-            vec![(0, 2048), (2048, 256), (2304, 16_640), (18_944, 24)],
-        )
+        let shards = vec![(0, 2048), (2048, 256), (2304, 16_640), (18_944, 24)];
+        RowShards::with(seed, target, arithmetic, SourceType::Bf16, 10, shards)
     }
 
-    /// `rows` rows cut into `shards` (first column, width), which cover the columns in order.
+    /// 6 x 1,060 f32 as shards of 1,024 and 36 columns: rows of 256 vectors of 4 elements (a warp's
+    /// round in one row, the slab all 6 rows) and of 9 vectors.
+    pub fn f32(seed: u64, target: Fp8, arithmetic: Arithmetic) -> RowShards {
+        RowShards::with(seed, target, arithmetic, SourceType::F32, 6, vec![(0, 1024), (1024, 36)])
+    }
+
+    /// `rows` rows of `source` (bf16 or f32) cut into `shards` (first column, width), which cover the
+    /// columns in order.
     pub fn with(
         seed: u64,
         target: Fp8,
         arithmetic: Arithmetic,
+        source: SourceType,
         rows: u64,
         shards: Vec<(u64, u64)>,
     ) -> RowShards {
+        assert!(source != SourceType::F16, "RowShards scales bf16 or f32 elements");
         let mut rng = Rng::new(seed);
         let cols = shards.last().map_or(0, |&(c0, width)| c0 + width);
-        let mut whole =
-            case(&mut rng, "row shards", target, Granularity::Row, SourceType::Bf16, rows, cols, 1);
+        let mut whole = case(&mut rng, "row shards", target, Granularity::Row, source, rows, cols, 1);
         whole.quantization = whole.quantization.with(arithmetic);
         // Each shard's columns scaled by 4^k, rows alternating which shard is largest.
         for r in 0..whole.rows {
             for (k, &(c0, width)) in shards.iter().enumerate() {
                 let scale = 4f32.powi(((k as u64 + r) % shards.len() as u64) as i32);
                 for c in c0..c0 + width {
-                    let at = ((r * whole.src_stride + c) * 2) as usize;
-                    let bytes = &mut whole.data.bytes_mut()[at..at + 2];
-                    let x = f32::from_bits(u32::from(u16::from_le_bytes([bytes[0], bytes[1]])) << 16) * scale;
-                    put(SourceType::Bf16, bytes, x);
+                    let size = source.size();
+                    let at = ((r * whole.src_stride + c) * size) as usize;
+                    let bytes = &mut whole.data.bytes_mut()[at..at + size as usize];
+                    let x = match source {
+                        SourceType::F32 => f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]),
+                        _ => f32::from_bits(u32::from(u16::from_le_bytes([bytes[0], bytes[1]])) << 16),
+                    };
+                    put(source, bytes, x * scale);
                 }
             }
         }
@@ -461,7 +468,7 @@ impl RowShards {
     pub fn job(&self, k: usize, src: u64, dst: u64, scales: u64) -> QuantJob {
         let (c0, width) = self.shards[k];
         QuantJob {
-            src: src + c0 * 2,
+            src: src + c0 * self.whole.source.size(),
             cols: width,
             dst,
             dst_stride: width,
@@ -502,7 +509,7 @@ impl RowShards {
         // Not vacuous: some row of the shard alone has another scale.
         let w = &self.whole;
         let source = SourceMatrix {
-            bytes: &w.data.bytes()[(c0 * 2) as usize..],
+            bytes: &w.data.bytes()[(c0 * w.source.size()) as usize..],
             source: w.source,
             rows: w.rows,
             cols: width,
