@@ -252,6 +252,10 @@ done:
   CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(refit_last_error_message(), "jobs[0].quantization.target is 9") != NULL);
   bad = job;
+  bad.cols = 4294967281u; /* 2^32 - 15: a row's vectors no longer count in 32 bits */
+  CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
+  CHECK(strstr(refit_last_error_message(), "x 4294967281 is too large") != NULL);
+  bad = job;
   bad.quantization.granularity = REFIT_QUANT_NONE;
   CHECK_STATUS(refit_quantize_batch(group, 0, NULL, &bad, 1, 0), REFIT_STATUS_INVALID_ARGUMENT);
   CHECK(strstr(refit_last_error_message(), "REFIT_QUANT_NONE") != NULL);

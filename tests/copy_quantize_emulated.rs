@@ -71,8 +71,8 @@ fn run(seed: u64, copy_blocks: u32) {
         jobs.push(shards.job(k, shards.whole.data.addr(), d.addr(), s.addr()));
     }
     let quant = layout(&jobs).unwrap();
-    assert!(quant.narrow_tiles > 0 && quant.wide_tiles().end > quant.narrow_tiles && quant.two_phase());
-    assert!(!quant.rows_tiles().is_empty() && quant.tensor_phase());
+    assert!(quant.narrow_tiles > 0 && quant.wide_range().end > quant.narrow_tiles && quant.two_phase());
+    assert!(!quant.rows_range().is_empty() && quant.tensor_phase);
 
     // SAFETY: both layouts name the live buffers above (sources padded to whole 16-byte vectors), with
     // the copy's sentinel descriptor after its segments.
@@ -90,7 +90,7 @@ fn run(seed: u64, copy_blocks: u32) {
             quant.rows_tiles,
             quant.tiles,
             quant.amax_words,
-            quant.tensor_phase(),
+            quant.tensor_phase,
         )
     };
     if let Some((at, g, w)) = first_difference(&got, &want) {

@@ -44,6 +44,10 @@ fn quantize_module_compiles_for_hopper() {
     let cubin = nvrtc::compile(&source, "copy_quantize.cu", 9, 0, Output::Cubin, &["-Xptxas=-v"])
         .expect("CUBIN for sm_90");
     println!("CUBIN {} bytes\n{}", cubin.image.len(), cubin.log);
+    // To compare two builds' code: REFIT_QUANT_CUBIN=path writes the image there.
+    if let Ok(path) = std::env::var("REFIT_QUANT_CUBIN") {
+        std::fs::write(path, &cubin.image).expect("writing the CUBIN");
+    }
     let ptx =
         nvrtc::compile(&source, "copy_quantize.cu", 9, 0, Output::Ptx, &[]).expect("PTX for compute_90");
     let text = String::from_utf8_lossy(&ptx.image);

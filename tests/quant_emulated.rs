@@ -38,7 +38,7 @@ unsafe fn emulate(l: &refit::kernels::quantize::Layout) {
                 l.rows_tiles,
                 l.tiles,
                 l.amax_words,
-                l.tensor_phase(),
+                l.tensor_phase,
             )
         };
     }

@@ -268,6 +268,8 @@ class HostQuantizeTest(unittest.TestCase):
         self.bad(Status.INVALID_ARGUMENT, ["only Granularity.BLOCK"],
                  quantization=Quantization(granularity=Granularity.ROW, block=(1, 8)))
         self.bad(Status.INVALID_ARGUMENT, ["source_type is 9"], source_type=9)
+        self.bad(Status.INVALID_ARGUMENT, ["x 4294967281 is too large", "columns up to 2^32 - 16"],
+                 cols=(1 << 32) - 15, src_row_stride=1 << 32, dst_row_stride=1 << 32)
         self.bad(Status.INVALID_ARGUMENT, ["misaligned source rows"], src=(1 << 20) + 8)
         self.bad(Status.INVALID_ARGUMENT, ["dst_row_stride 200 is below cols 256"], dst_row_stride=200)
         self.bad(Status.INVALID_ARGUMENT, ["scale_row_stride 1"], scale_row_stride=1)

@@ -831,18 +831,18 @@ __device__ __forceinline__ void fold_row_amax(u32* words, u32 row, u32 a, bool w
 }
 
 // SCALE_ROWS_SHARED: slab `slab` of d.block_rows whole rows (as many as the cache holds), each row's
-// amax shared with the other jobs of its set through its word, amax_slot + the row. Phase 1 folds
+// amax shared with the other jobs of its set through its word, d.amax_slot + the row. Phase 1 folds
 // the slab's vectors into their rows' words; phase 2 quantizes each row with its word, the thread
 // holding a row's first vector writing its scale. No block-wide reduction: a row's amax is whole only
 // across the set's jobs, so the words are its only meeting place. Thread t takes vectors t,
 // t + QUANT_THREADS, ... of the slab in row-major order, advanced by a fixed step as in
-// quantize_block; a thread's consecutive vectors of one row are folded as one.
-template <u32 SRC, u32 CACHE, bool SHARED>
-__device__ void quantize_shared_rows(const QuantDesc& d, u32 amax_slot, u64 slab, u32 phase, u32* job_amax,
-                                     Vec* cache) {
+// quantize_block, the first QUANT_CACHE of them through the shared-memory cache (thread t's k-th at
+// cache[k * QUANT_THREADS + t]) and the rest (rows longer than the cache) read where they lie; a
+// thread's consecutive vectors of one row are folded as one.
+template <u32 SRC>
+__device__ void quantize_shared_rows(const QuantDesc& d, u64 slab, u32 phase, u32* job_amax, Vec* cache) {
     constexpr u32 VE = Elements<SRC>::per_vector;
     constexpr u32 SIZE = Elements<SRC>::size;
-    constexpr u32 STRIDE = SHARED ? QUANT_THREADS : 1u;
     const u64 r0 = slab * d.block_rows;
     const u32 rows = (u32)(d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows);
     const u32 cols = (u32)d.cols;
@@ -853,9 +853,8 @@ __device__ void quantize_shared_rows(const QuantDesc& d, u32 amax_slot, u64 slab
     const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src) + r0 * d.src_stride * SIZE;
     unsigned char* dst = reinterpret_cast<unsigned char*>(d.dst) + r0 * d.dst_stride;
     const u64 src_row_bytes = d.src_stride * SIZE;
-    u32* words = job_amax + amax_slot + r0;
-    Vec registers[SHARED ? 1u : CACHE];
-    Vec* mine = SHARED ? cache + t : registers;
+    u32* words = job_amax + d.amax_slot + r0;
+    Vec* mine = cache + t;
 
     u32 row = t / per_row, v = t % per_row;
     const auto advance = [&]() {
@@ -869,11 +868,11 @@ __device__ void quantize_shared_rows(const QuantDesc& d, u32 amax_slot, u64 slab
     const auto count = [&]() { return cols - v * VE < VE ? cols - v * VE : VE; };
     const auto at = [&]() { return src + row * src_row_bytes + (u64)v * VE * SIZE; };
 #pragma unroll
-    for (u32 k = 0; k < CACHE; ++k) {
-        if (row < rows) load_cached<SHARED>(mine + k * STRIDE, at());
+    for (u32 k = 0; k < QUANT_CACHE; ++k) {
+        if (row < rows) load_cached<true>(mine + k * QUANT_THREADS, at());
         advance();
     }
-    wait_cached<SHARED>();
+    wait_cached<true>();
     const u32 rest_row = row, rest_v = v;  // the first vector not cached (rows longer than the cache)
     row = t / per_row;
     v = t % per_row;
@@ -890,8 +889,8 @@ __device__ void quantize_shared_rows(const QuantDesc& d, u32 amax_slot, u64 slab
             run = m > run ? m : run;
         };
 #pragma unroll
-        for (u32 k = 0; k < CACHE; ++k) {
-            if (row < rows) fold(mine[k * STRIDE]);
+        for (u32 k = 0; k < QUANT_CACHE; ++k) {
+            if (row < rows) fold(mine[k * QUANT_THREADS]);
             advance();
         }
         for (row = rest_row, v = rest_v; row < rows; advance()) fold(load_vector(at()));
@@ -909,8 +908,8 @@ __device__ void quantize_shared_rows(const QuantDesc& d, u32 amax_slot, u64 slab
         store_codes<SRC>(d, x, count(), scale, dst + row * d.dst_stride + v * VE);
     };
 #pragma unroll
-    for (u32 k = 0; k < CACHE; ++k) {
-        if (row < rows) store(mine[k * STRIDE]);
+    for (u32 k = 0; k < QUANT_CACHE; ++k) {
+        if (row < rows) store(mine[k * QUANT_THREADS]);
         advance();
     }
     for (row = rest_row, v = rest_v; row < rows; advance()) store(load_vector(at()));
@@ -984,7 +983,7 @@ extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_WIDE_MIN_BLOCK
     const u64 tile = first_tile + blockIdx.x;
     const QuantDesc d = descs[job_of(descs, njobs, tile)];
     const u64 slab = tile - d.first_tile;
-    if (d.source == SRC_BF16) quantize_shared_rows<SRC_BF16, QUANT_CACHE, true>(d, d.amax_slot, slab, phase, job_amax, cache);
-    else if (d.source == SRC_F16) quantize_shared_rows<SRC_F16, QUANT_CACHE, true>(d, d.amax_slot, slab, phase, job_amax, cache);
-    else quantize_shared_rows<SRC_F32, QUANT_CACHE, true>(d, d.amax_slot, slab, phase, job_amax, cache);
+    if (d.source == SRC_BF16) quantize_shared_rows<SRC_BF16>(d, slab, phase, job_amax, cache);
+    else if (d.source == SRC_F16) quantize_shared_rows<SRC_F16>(d, slab, phase, job_amax, cache);
+    else quantize_shared_rows<SRC_F32>(d, slab, phase, job_amax, cache);
 }

@@ -102,6 +102,8 @@ pub struct Layout {
     pub tiles: u64,
     pub narrow_tiles: u64,
     pub rows_tiles: u64,
+    /// Whether a (wide) job is per tensor, so that the wide entry point's phase 1 runs.
+    pub tensor_phase: bool,
     /// The amax words the two-phase jobs reduce into (per tensor: one per set of jobs sharing it;
     /// per row with a shared amax: one per row of each set), after the table; 0: no job takes two
     /// phases (then phase 1 does not run; two-phase jobs are wide).
@@ -120,18 +122,13 @@ impl Layout {
     }
 
     /// The wide entry point's tiles.
-    pub fn wide_tiles(&self) -> std::ops::Range<u64> {
+    pub fn wide_range(&self) -> std::ops::Range<u64> {
         self.narrow_tiles..self.tiles - self.rows_tiles
     }
 
     /// refit_quantize_rows's tiles (per-row jobs sharing each row's amax).
-    pub fn rows_tiles(&self) -> std::ops::Range<u64> {
+    pub fn rows_range(&self) -> std::ops::Range<u64> {
         self.tiles - self.rows_tiles..self.tiles
-    }
-
-    /// Whether a wide job is per tensor (so that the wide entry point's phase 1 runs).
-    pub fn tensor_phase(&self) -> bool {
-        self.descs.iter().any(|d| d.scale_kind == SCALE_TENSOR)
     }
 
     /// The table the kernel reads: the descriptors, then the tile index (amax words follow it on
@@ -182,6 +179,7 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     let mut layout = Layout {
         narrow_tiles: narrow.iter().map(|&(_, tiles)| tiles).sum(),
         rows_tiles: rows.iter().map(|&(_, tiles)| tiles).sum(),
+        tensor_phase: wide.iter().any(|(desc, _)| desc.scale_kind == SCALE_TENSOR),
         ..Layout::default()
     };
     if jobs.len() > u32::MAX as usize {
@@ -420,8 +418,8 @@ impl QuantizeKernel {
         self.launch(stream, table, layout, narrow, 2, amax_words(table, layout))?;
         // SAFETY: the caller's promises.
         let amax = unsafe { self.first_phase(stream, table, layout) }?;
-        self.launch(stream, table, layout, (self.wide, layout.wide_tiles()), 2, amax)?;
-        self.launch(stream, table, layout, (self.rows, layout.rows_tiles()), 2, amax)
+        self.launch(stream, table, layout, (self.wide, layout.wide_range()), 2, amax)?;
+        self.launch(stream, table, layout, (self.rows, layout.rows_range()), 2, amax)
     }
 
     /// For jobs sharing amaxes, the zeroing of their words and the phase-1 launches: the wide entry
@@ -436,10 +434,10 @@ impl QuantizeKernel {
             // SAFETY: the amax words lie in the table (the caller's promise).
             let words = layout.amax_words as usize;
             check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(amax, 0, words, stream) })?;
-            if layout.tensor_phase() {
-                self.launch(stream, table, layout, (self.wide, layout.wide_tiles()), 1, amax)?;
+            if layout.tensor_phase {
+                self.launch(stream, table, layout, (self.wide, layout.wide_range()), 1, amax)?;
             }
-            self.launch(stream, table, layout, (self.rows, layout.rows_tiles()), 1, amax)?;
+            self.launch(stream, table, layout, (self.rows, layout.rows_range()), 1, amax)?;
         }
         Ok(amax)
     }
@@ -495,7 +493,7 @@ impl QuantizeKernel {
         // SAFETY: the parameters match refit_copy_quantize's signature; the caller's promises cover
         // the memory both parts name.
         unsafe { module::launch(self.copying, blocks, THREADS, stream, &mut params) }?;
-        self.launch(stream, table, layout, (self.rows, layout.rows_tiles()), 2, amax)
+        self.launch(stream, table, layout, (self.rows, layout.rows_range()), 2, amax)
     }
 
     /// One launch of `function` (an entry point) over `tiles`; nothing when they are none.
@@ -761,7 +759,7 @@ mod tests {
         );
         assert_eq!(l.descs[4].block_rows, 2);
         assert_eq!((l.narrow_tiles, l.tiles), (narrow_tiles, narrow_tiles + 32768 + 500 + 3));
-        assert!(l.two_phase());
+        assert!(l.two_phase() && l.tensor_phase);
         // The index: an entry per 256 tiles and one past the end, each the job of its first tile.
         let chunks = l.tiles.div_ceil(256) as usize;
         assert_eq!(l.index.len(), chunks + 1);
@@ -791,15 +789,15 @@ mod tests {
         let row_long = job(2, Granularity::Row, 10, 8192);
         let l = layout(&[shared(0, 4096), block, row_long, shared(3, 4096)]).unwrap();
         // Narrow: 10 rows; wide: 2 x 2 blocks; rows: 1000 rows of 512 vectors, 4 to a slab, twice.
-        assert_eq!((l.narrow_tiles, l.wide_tiles(), l.rows_tiles()), (10, 10..14, 14..514));
+        assert_eq!((l.narrow_tiles, l.wide_range(), l.rows_range()), (10, 10..14, 14..514));
         let rows: Vec<(u64, u32, u32, u64)> =
             l.descs[2..].iter().map(|d| (d.first_tile, d.block_rows, d.scale_kind, d.blocks)).collect();
         assert_eq!(rows, vec![(14, 4, SCALE_ROWS_SHARED, 250), (264, 4, SCALE_ROWS_SHARED, 250)]);
         assert_eq!((l.descs[2].amax_slot, l.descs[3].amax_slot, l.amax_words), (0, 0, 1000));
-        assert!(l.two_phase() && !l.tensor_phase());
+        assert!(l.two_phase() && !l.tensor_phase);
         // Rows longer than the cache: a slab of one row.
         let long = layout(&[shared(0, 20_000)]).unwrap();
-        assert_eq!((long.rows_tiles(), long.descs[0].block_rows), (0..1000, 1));
+        assert_eq!((long.rows_range(), long.descs[0].block_rows), (0..1000, 1));
     }
 
     #[test]

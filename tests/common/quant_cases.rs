@@ -429,8 +429,8 @@ impl RowShards {
         RowShards::with(seed, target, arithmetic, SourceType::F32, 6, vec![(0, 1024), (1024, 36)])
     }
 
-    /// `rows` rows of `source` (bf16 or f32) cut into `shards` (first column, width), which cover the
-    /// columns in order.
+    /// `rows` rows of `source` cut into `shards` (first column, width), which cover the columns in
+    /// order.
     pub fn with(
         seed: u64,
         target: Fp8,
@@ -439,7 +439,6 @@ impl RowShards {
         rows: u64,
         shards: Vec<(u64, u64)>,
     ) -> RowShards {
-        assert!(source != SourceType::F16, "RowShards scales bf16 or f32 elements");
         let mut rng = Rng::new(seed);
         let cols = shards.last().map_or(0, |&(c0, width)| c0 + width);
         let mut whole = case(&mut rng, "row shards", target, Granularity::Row, source, rows, cols, 1);
@@ -452,11 +451,7 @@ impl RowShards {
                     let size = source.size();
                     let at = ((r * whole.src_stride + c) * size) as usize;
                     let bytes = &mut whole.data.bytes_mut()[at..at + size as usize];
-                    let x = match source {
-                        SourceType::F32 => f32::from_le_bytes([bytes[0], bytes[1], bytes[2], bytes[3]]),
-                        _ => f32::from_bits(u32::from(u16::from_le_bytes([bytes[0], bytes[1]])) << 16),
-                    };
-                    put(source, bytes, x * scale);
+                    put(source, bytes, source.decode(bytes) * scale);
                 }
             }
         }
