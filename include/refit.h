@@ -1382,8 +1382,9 @@ refit_status refit_plan_build_across(refit_comm *comm,
  * the host backend, a range in the first page (below 4096) is refused alike.
  *
  * Stream ordering (CUDA): queued on `stream`; returns without waiting for the copy. The descriptors
- * are uploaded stream-ordered (no host sync); this call must not be captured into a CUDA graph (use a
- * prepared batch). Host backend: complete on return.
+ * are uploaded stream-ordered (no host sync) into memory that later calls reuse, so a stream being
+ * captured into a CUDA graph is refused (UNSUPPORTED, nothing queued: capture refit_copy_batch_launch).
+ * Host backend: complete on return.
  *
  * Thread-safety: may be called from any thread, including rank callbacks, concurrently with other
  * copies. No source may overlap a destination.
@@ -1393,7 +1394,7 @@ refit_status refit_plan_build_across(refit_comm *comm,
  * address, memory that is not the device's (above), on the host backend a stream that is not a host stream or is another simulated
  * device's), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte; a segment that surely
  * writes a byte twice, with or without it), UNSUPPORTED (checked mode over more interleaved runs
- * than it visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
+ * than it visits; a stream under graph capture), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
  * loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
  */
 refit_status refit_copy_batch(const refit_group *group,
@@ -2280,8 +2281,9 @@ refit_status refit_table_share_amax(refit_table *table,
  * same 16 bytes) are read and ignored.
  *
  * Stream ordering (CUDA): queued on `stream` after the work queued on it before; returns without
- * waiting. The descriptors are uploaded stream-ordered (no host sync); this call must not be captured
- * into a CUDA graph. Host backend: complete on return.
+ * waiting. The descriptors are uploaded stream-ordered (no host sync) into memory that later calls
+ * reuse, so a stream being captured into a CUDA graph is refused (UNSUPPORTED, nothing queued).
+ * Host backend: complete on return.
  *
  * Thread-safety: may be called from any thread, concurrently with other calls. No source may overlap
  * a destination or scales (what is read is then undefined).
@@ -2299,7 +2301,8 @@ refit_status refit_table_share_amax(refit_table *table,
  * message names the job and the field or region; per-tensor jobs sharing a scale with another
  * target or arithmetic), OVERLAP (two destination matrices or scale grids, or a destination and a
  * scale grid, share a byte, but for per-tensor jobs sharing one scale; the message names them),
- * UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks; overlap checks over more
+ * UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks or a stream under graph
+ * capture; overlap checks over more
  * interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
  * loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs
  * are refused.

@@ -381,6 +381,90 @@ fn one_shot_and_prepared_install_identical_bytes() {
     case.verify("prepared");
 }
 
+/// One-shot calls upload their descriptors into reusable slots (`kernels::upload`): queued back to
+/// back behind a long copy, more calls are in flight than there are slots (the rest allocate their
+/// tables), one table is larger than a slot, and a second round reuses the slots the first left
+/// idle. Every call must copy by its own descriptors.
+#[test]
+#[ignore = "needs a GPU"]
+fn one_shot_calls_in_flight_at_once_each_read_their_own_descriptors() {
+    let mut rng = Rng::new(16);
+    let small =
+        Shape { segments: 40, max_len: 65536, strided_percent: 30, misaligned: true, src_len: 1 << 20 };
+    // About 100,000 descriptors: a table above the largest slot.
+    let large =
+        Shape { segments: 100_000, max_len: 512, strided_percent: 10, misaligned: true, src_len: 8 << 20 };
+    let calls = 3 * refit::kernels::UPLOAD_SLOTS;
+    let mut cases: Vec<Case> = (0..calls)
+        .map(|k| {
+            let shape = if k == calls - 1 { large } else { small };
+            let batch = random_batch(&mut rng, shape);
+            Case::new(&mut rng, batch, 0, 0)
+        })
+        .collect();
+    let stream = Stream::new(0);
+    let busy = (Buffer::new(0, 1 << 30), Buffer::new(0, 1 << 30));
+    for round in 0..2 {
+        // About 4 ms of copying ahead of the calls, so that they queue while it runs.
+        for _ in 0..8 {
+            on(0, || {
+                ok(
+                    "cuMemcpyDtoDAsync",
+                    check("cuMemcpyDtoDAsync", unsafe {
+                        sys::cuMemcpyDtoDAsync_v2(busy.1.ptr, busy.0.ptr, 1 << 30, stream.raw)
+                    }),
+                )
+            });
+        }
+        for case in &cases {
+            ok("copy_segments", copy(0, stream.raw, &case.segments, round == 1));
+        }
+        stream.sync();
+        for (k, case) in cases.iter_mut().enumerate() {
+            case.verify(&format!("round {round}, call {k}"));
+            case.refresh(&mut rng);
+        }
+    }
+}
+
+/// A one-shot copy on a stream under graph capture is refused (its descriptors' memory is reused
+/// by later calls), queuing nothing: the capture goes on and ends with an empty graph.
+#[test]
+#[ignore = "needs a GPU"]
+fn a_one_shot_copy_under_graph_capture_is_refused_and_the_capture_goes_on() {
+    let mut rng = Rng::new(17);
+    let shape =
+        Shape { segments: 20, max_len: 4096, strided_percent: 0, misaligned: false, src_len: 1 << 20 };
+    let batch = random_batch(&mut rng, shape);
+    let case = Case::new(&mut rng, batch, 0, 0);
+    let stream = Stream::new(0);
+    let mut graph = std::ptr::null_mut();
+    on(0, || {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        ok(
+            "cuStreamBeginCapture",
+            check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream.raw, mode) }),
+        );
+        let refused = copy(0, stream.raw, &case.segments, false);
+        let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.raw, &mut graph) });
+        let err = refused.expect_err("a one-shot copy under graph capture");
+        assert_eq!(err.status, Status::Unsupported, "{err}");
+        ok("cuStreamEndCapture after the refusal", ended);
+        let mut nodes = 0usize;
+        ok(
+            "cuGraphGetNodes",
+            check("cuGraphGetNodes", unsafe {
+                sys::cuGraphGetNodes(graph, std::ptr::null_mut(), &mut nodes)
+            }),
+        );
+        assert_eq!(nodes, 0, "the refused call queued work into the graph");
+        ok("cuGraphDestroy", check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(graph) }));
+    });
+    ok("copy_segments", copy(0, stream.raw, &case.segments, false));
+    stream.sync();
+    case.verify("the same copy after the capture");
+}
+
 fn two_gpus() {
     let n = cuda::device_count();
     assert!(n >= 2, "peer tests need 2 GPUs, found {n} (gpu/run.sh skips *_two_gpus on one GPU)");

@@ -17,10 +17,12 @@ mod quant_across;
 mod quant_cases;
 
 use cuda::{ok, Buffer, Stream};
+use cudarc::driver::sys;
 use quant_cases::{standard_cases, Aligned, Case, SENTINEL};
 use refit::group::{BackendChoice, Group, GroupOptions};
 use refit::kernels::quantize::{layout, QuantizeKernel};
 use refit::quant::{Fp8, Granularity, Quantization, SourceType};
+use refit::transport::driver::check;
 use refit::transport::Stream as BackendStream;
 use refit::Status;
 
@@ -52,7 +54,12 @@ fn check_on_gpu(cases: &[Case]) {
     // SAFETY: the jobs name the buffers above, alive until after the synchronization.
     ok("enqueue", unsafe { kernel.enqueue(stream.raw, &l) });
     stream.sync();
-    for (c, b) in cases.iter().zip(&buffers) {
+    compare_with_reference(cases, &buffers);
+}
+
+/// Every code and scale of `cases`, quantized into `buffers`, against the reference.
+fn compare_with_reference(cases: &[Case], buffers: &[OnDevice]) {
+    for (c, b) in cases.iter().zip(buffers) {
         let (want_dst, want_scales) = c.expected();
         let (dst, scales) = (b.dst.download(), b.scales.download());
         if let Some(at) = (0..want_scales.len()).find(|&i| scales[i] != want_scales[i]) {
@@ -84,6 +91,67 @@ fn every_case_matches_the_reference_one_job_at_a_time() {
 #[ignore = "needs a GPU"]
 fn every_case_matches_the_reference_in_one_batch() {
     check_on_gpu(&standard_cases(22, true));
+}
+
+/// Each case a one-shot batch of its own, queued back to back behind a long copy without waiting:
+/// more batches in flight than upload slots (`kernels::upload`; the rest allocate their tables), per
+/// tensor ones zeroing their amax words after the table, and a second round reusing the slots. Then
+/// a stream under graph capture is refused, and the capture goes on.
+#[test]
+#[ignore = "needs a GPU"]
+fn one_shot_batches_in_flight_at_once_each_read_their_own_table() {
+    let kernel = ok("loading the quantize kernel", QuantizeKernel::for_device(0));
+    let stream = Stream::new(0);
+    let cases = standard_cases(23, true);
+    assert!(cases.len() > refit::kernels::UPLOAD_SLOTS, "{} cases", cases.len());
+    let busy = (Buffer::new(0, 1 << 30), Buffer::new(0, 1 << 30));
+    for round in 0..2 {
+        let buffers: Vec<OnDevice> = cases.iter().map(upload).collect();
+        let layouts: Vec<_> = cases
+            .iter()
+            .zip(&buffers)
+            .map(|(c, b)| ok("layout", layout(&[c.job(b.src.ptr, b.dst.ptr, b.scales.ptr)])))
+            .collect();
+        // About 4 ms of copying ahead of the batches, so that they queue while it runs.
+        for _ in 0..8 {
+            cuda::on(0, || {
+                ok(
+                    "cuMemcpyDtoDAsync",
+                    check("cuMemcpyDtoDAsync", unsafe {
+                        sys::cuMemcpyDtoDAsync_v2(busy.1.ptr, busy.0.ptr, 1 << 30, stream.raw)
+                    }),
+                )
+            });
+        }
+        for l in &layouts {
+            // SAFETY: the jobs name the buffers above, alive until after the synchronization.
+            ok("enqueue", unsafe { kernel.enqueue(stream.raw, l) });
+        }
+        stream.sync();
+        compare_with_reference(&cases, &buffers);
+        println!(
+            "round {round}: {} one-shot batches queued at once, every code and scale as the reference",
+            cases.len()
+        );
+    }
+    let buffers = upload(&cases[0]);
+    let l = ok("layout", layout(&[cases[0].job(buffers.src.ptr, buffers.dst.ptr, buffers.scales.ptr)]));
+    let mut graph = std::ptr::null_mut();
+    cuda::on(0, || {
+        let mode = sys::CUstreamCaptureMode::CU_STREAM_CAPTURE_MODE_THREAD_LOCAL;
+        ok(
+            "cuStreamBeginCapture",
+            check("cuStreamBeginCapture", unsafe { sys::cuStreamBeginCapture_v2(stream.raw, mode) }),
+        );
+        // SAFETY: as above.
+        let refused = unsafe { kernel.enqueue(stream.raw, &l) };
+        let ended = check("cuStreamEndCapture", unsafe { sys::cuStreamEndCapture(stream.raw, &mut graph) });
+        let err = refused.expect_err("a one-shot batch under graph capture");
+        assert_eq!(err.status, Status::Unsupported, "{err}");
+        assert!(err.message.contains("CUDA graph"), "{err}");
+        ok("cuStreamEndCapture after the refusal", ended);
+        ok("cuGraphDestroy", check("cuGraphDestroy", unsafe { sys::cuGraphDestroy(graph) }));
+    });
 }
 
 #[test]

@@ -71,8 +71,9 @@ fn check_memory(group: &Group, device: i32, segments: &[Segment]) -> Result<()> 
 /// the host backend, a range in the first page (below 4096) is refused alike.
 ///
 /// Stream ordering (CUDA): queued on `stream`; returns without waiting for the copy. The descriptors
-/// are uploaded stream-ordered (no host sync); this call must not be captured into a CUDA graph (use a
-/// prepared batch). Host backend: complete on return.
+/// are uploaded stream-ordered (no host sync) into memory that later calls reuse, so a stream being
+/// captured into a CUDA graph is refused (UNSUPPORTED, nothing queued: capture refit_copy_batch_launch).
+/// Host backend: complete on return.
 ///
 /// Thread-safety: may be called from any thread, including rank callbacks, concurrently with other
 /// copies. No source may overlap a destination.
@@ -82,7 +83,7 @@ fn check_memory(group: &Group, device: i32, segments: &[Segment]) -> Result<()> 
 /// address, memory that is not the device's (above), on the host backend a stream that is not a host stream or is another simulated
 /// device's), OVERLAP (REFIT_COPY_CHECKED and two destination runs share a byte; a segment that surely
 /// writes a byte twice, with or without it), UNSUPPORTED (checked mode over more interleaved runs
-/// than it visits), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
+/// than it visits; a stream under graph capture), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
 /// loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY.
 #[no_mangle]
 pub extern "C" fn refit_copy_batch(

@@ -240,8 +240,9 @@ fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
 /// same 16 bytes) are read and ignored.
 ///
 /// Stream ordering (CUDA): queued on `stream` after the work queued on it before; returns without
-/// waiting. The descriptors are uploaded stream-ordered (no host sync); this call must not be captured
-/// into a CUDA graph. Host backend: complete on return.
+/// waiting. The descriptors are uploaded stream-ordered (no host sync) into memory that later calls
+/// reuse, so a stream being captured into a CUDA graph is refused (UNSUPPORTED, nothing queued).
+/// Host backend: complete on return.
 ///
 /// Thread-safety: may be called from any thread, concurrently with other calls. No source may overlap
 /// a destination or scales (what is read is then undefined).
@@ -259,7 +260,8 @@ fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
 /// message names the job and the field or region; per-tensor jobs sharing a scale with another
 /// target or arithmetic), OVERLAP (two destination matrices or scale grids, or a destination and a
 /// scale grid, share a byte, but for per-tensor jobs sharing one scale; the message names them),
-/// UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks; overlap checks over more
+/// UNSUPPORTED (on CUDA a batch needing more than 2^31 - 1 thread blocks or a stream under graph
+/// capture; overlap checks over more
 /// interleaved rows than they visit), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or
 /// loaded at first use on the device), CUDA_ERROR, OUT_OF_MEMORY. Nothing is written when the jobs
 /// are refused.

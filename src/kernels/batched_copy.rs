@@ -5,6 +5,7 @@ use super::device_memory::DeviceMemory;
 use super::layout::{BatchLayout, DeviceSegment};
 use super::module;
 use super::rendezvous::RankRendezvous;
+use super::upload::UploadSlots;
 use crate::error::{Result, Status};
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::Segment;
@@ -50,6 +51,8 @@ pub struct BatchedCopy {
     compare_max_blocks: u32,
     /// How the kernel was built, for logs and bench output.
     pub build: String,
+    /// Where one-shot copies ([`copy_segments`]) upload their descriptors.
+    uploads: UploadSlots,
 }
 
 // SAFETY: the context and function handles are process-wide driver objects, usable from any thread.
@@ -102,6 +105,7 @@ impl BatchedCopy {
             max_blocks,
             compare_max_blocks,
             build,
+            uploads: UploadSlots::new(loaded.context),
         })
     }
 
@@ -266,10 +270,10 @@ fn prepare(segments: &[Segment], checked: bool, tile_shift: Option<u32>) -> Resu
 /// with peer access enabled from this device, on a peer (UVA). Asynchronous: returns once the work is
 /// enqueued; the bytes are copied when the stream reaches it.
 ///
-/// Descriptors travel without a host sync: a stream-ordered allocation (`cuMemAllocAsync` from the
-/// device's default pool), an asynchronous upload from pageable memory (the driver stages it before
-/// returning, so nothing here must outlive the call), the launch, then `cuMemFreeAsync`. Because of the
-/// pageable upload, this call must not be captured into a CUDA graph: capture a [`PreparedBatch`].
+/// Descriptors travel without a host sync, through a reusable upload slot (`upload`): written into
+/// its page-locked image, copied to its device memory, read by the launch, and the slot free again
+/// once the launch has run. Refused (`Unsupported`) on a stream being captured into a CUDA graph,
+/// which would keep reading a slot that later calls rewrite: capture a [`PreparedBatch`].
 ///
 /// `checked`: reject the batch with `Overlap` when two destination runs share a byte. Unchecked, such a
 /// batch is the caller's error: which write wins is undefined. Sources overlapping destinations are
@@ -295,22 +299,12 @@ pub unsafe fn copy_segments(
     }
     let kernel = BatchedCopy::for_device(device)?;
     let blocks = kernel.grid_for(layout.tiles)?;
-    // SAFETY: a retained primary context.
-    let _current = unsafe { CurrentContext::enter(kernel.context) }?;
-    let bytes = layout.as_bytes();
-    let mut table: sys::CUdeviceptr = 0;
-    // SAFETY: valid output slot; the stream belongs to the current context.
-    check("cuMemAllocAsync", unsafe { sys::cuMemAllocAsync(&mut table, bytes.len(), stream) })?;
-    // SAFETY: `bytes` is valid for its length; pageable memory is staged before the call returns.
-    let mut result = check("cuMemcpyHtoDAsync", unsafe {
-        sys::cuMemcpyHtoDAsync_v2(table, bytes.as_ptr().cast(), bytes.len(), stream)
-    });
-    if result.is_ok() {
-        result = kernel.enqueue(stream, &Launch::new(&layout, table, blocks));
+    // SAFETY: the caller's promises; the launch reads the table within its bytes.
+    unsafe {
+        kernel.uploads.with_table(stream, layout.as_bytes(), 0, |table| {
+            kernel.enqueue(stream, &Launch::new(&layout, table, blocks))
+        })
     }
-    // SAFETY: allocated above on this stream; freed after the launch in stream order.
-    let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
-    result.and(freed)
 }
 
 /// What a verify of a prepared batch shares with it (see [`PreparedBatch::parts`]).

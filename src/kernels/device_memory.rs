@@ -1,5 +1,6 @@
 //! Memory the kernels' host code owns: device allocations freed on drop ([`DeviceMemory`]) and one
-//! page-locked host word that a stream copies a result into ([`PinnedWord`]).
+//! page-locked host word that a stream copies a result into ([`PinnedWord`]), and page-locked host
+//! bytes that a stream copies from ([`PinnedBytes`]).
 
 use crate::error::Result;
 use crate::transport::driver::{check, CurrentContext};
@@ -97,6 +98,40 @@ impl Drop for PinnedWord {
             .and_then(|_current| check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(self.ptr.cast()) }));
         if let Err(err) = freed {
             log::warn!("freeing a page-locked result word: {err}");
+        }
+    }
+}
+
+/// `len` bytes of page-locked host memory, freed on drop: the source of asynchronous host-to-device
+/// copies that neither stage through the driver's buffers nor wait for the stream.
+pub(crate) struct PinnedBytes {
+    context: sys::CUcontext,
+    pub ptr: *mut u8,
+    pub len: usize,
+}
+
+// SAFETY: page-locked host memory of a retained primary context; its owner serializes the writes.
+unsafe impl Send for PinnedBytes {}
+unsafe impl Sync for PinnedBytes {}
+
+impl PinnedBytes {
+    pub fn new(context: sys::CUcontext, len: usize) -> Result<PinnedBytes> {
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(context) }?;
+        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
+        // SAFETY: valid output slot; `len` (at least 1) bytes of page-locked memory for this context.
+        check("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut ptr, len.max(1), 0) })?;
+        Ok(PinnedBytes { context, ptr: ptr.cast(), len })
+    }
+}
+
+impl Drop for PinnedBytes {
+    fn drop(&mut self) {
+        // SAFETY: a retained primary context; the allocation is freed once.
+        let freed = unsafe { CurrentContext::enter(self.context) }
+            .and_then(|_current| check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(self.ptr.cast()) }));
+        if let Err(err) = freed {
+            log::warn!("freeing page-locked upload bytes: {err}");
         }
     }
 }

@@ -15,7 +15,8 @@
 //!   prepared batch records).
 //! - `quantize.cu` and [`quantize`]: the quantizing copy (bf16 to FP8 with scales, `crate::quant`).
 //! - [`rendezvous`]: the device-memory flags through which a group's synchronized launches meet.
-//! - `device_memory`: device allocations and a page-locked result word owned by the kernels' host code.
+//! - `device_memory`: device allocations and page-locked host memory owned by the kernels' host code.
+//! - `upload`: the reusable slots one-shot launches upload their tables into.
 //!
 //! The transport's backends launch these; the kernels use only the transport's driver and loader
 //! files (`transport::driver`, `transport::nvrtc`), never the backends.
@@ -29,6 +30,9 @@ pub mod layout;
 pub(crate) mod module;
 pub mod quantize;
 pub mod rendezvous;
+pub(crate) mod upload;
 pub mod verify;
 
 pub use batched_copy::{copy_segments, BatchedCopy, PreparedBatch};
+/// Upload slots per device and kernel for one-shot calls (tests queue more calls than this).
+pub use upload::MAX_SLOTS as UPLOAD_SLOTS;

@@ -4,6 +4,7 @@
 //! the same launch as the batched copy ([`PreparedQuantize::launch_with_copy`], `copy_quantize.cu`).
 
 use super::module;
+use super::upload::UploadSlots;
 use crate::error::{Error, Result, Status};
 use crate::quant::job::{check_jobs, Granularity, QuantJob, ScaleKind};
 use crate::quant::{Fp8, SourceType};
@@ -328,6 +329,8 @@ pub struct QuantizeKernel {
     copying: sys::CUfunction,
     /// How the kernel was built, for logs and bench output.
     pub build: String,
+    /// Where one-shot batches ([`QuantizeKernel::enqueue`]) upload their tables.
+    uploads: UploadSlots,
 }
 
 // SAFETY: process-wide driver handles.
@@ -363,17 +366,25 @@ impl QuantizeKernel {
             loaded.build
         );
         log::info!("quantize kernel on device {device}: {build}");
-        let kernel =
-            Arc::new(QuantizeKernel { device, context: loaded.context, wide, narrow, rows, copying, build });
+        let kernel = Arc::new(QuantizeKernel {
+            device,
+            context: loaded.context,
+            wide,
+            narrow,
+            rows,
+            copying,
+            build,
+            uploads: UploadSlots::new(loaded.context),
+        });
         map.insert(device, kernel.clone());
         Ok(kernel)
     }
 
-    /// Queues the quantization of a batch laid out by [`layout`] on `stream`: its table uploaded stream-ordered
-    /// (`cuMemAllocAsync`, an asynchronous copy from pageable memory that the driver stages before
-    /// returning), the launches ([`QuantizeKernel::launches`]), then the frees. Asynchronous; must
-    /// not be captured into a CUDA graph (the pageable upload). An empty layout queues nothing.
-    /// Errors: CudaError / OutOfMemory from the driver.
+    /// Queues the quantization of a batch laid out by [`layout`] on `stream`: its table uploaded
+    /// stream-ordered through a reusable upload slot (`upload`), then the launches
+    /// ([`QuantizeKernel::launches`]). Asynchronous; refused (`Unsupported`) on a stream being
+    /// captured into a CUDA graph. An empty layout queues nothing. Errors: CudaError / OutOfMemory
+    /// from the driver.
     ///
     /// # Safety
     /// `stream` is NULL or a live stream of this kernel's device; every laid-out job's source is device memory
@@ -383,26 +394,13 @@ impl QuantizeKernel {
         if layout.tiles == 0 {
             return Ok(());
         }
-        // SAFETY: a retained primary context.
-        let _current = unsafe { CurrentContext::enter(self.context) }?;
-        let bytes = layout.to_bytes();
-        let mut table: sys::CUdeviceptr = 0;
-        // SAFETY: valid output slot; the stream belongs to the current context (the caller's promise).
-        check("cuMemAllocAsync", unsafe {
-            sys::cuMemAllocAsync(&mut table, bytes.len() + layout.amax_bytes(), stream)
-        })?;
-        // SAFETY: `bytes` is valid for its length; pageable memory is staged before the call returns.
-        let mut result = check("cuMemcpyHtoDAsync", unsafe {
-            sys::cuMemcpyHtoDAsync_v2(table, bytes.as_ptr().cast(), bytes.len(), stream)
-        });
-        if result.is_ok() {
-            // SAFETY: the table holds the layout's descriptors, then its amax words; the caller's
-            // promises cover the jobs.
-            result = unsafe { self.launches(stream, table, layout) };
+        // SAFETY: the table holds the layout's descriptors, then room for its amax words; the
+        // caller's promises cover the jobs.
+        unsafe {
+            self.uploads.with_table(stream, &layout.to_bytes(), layout.amax_bytes(), |table| {
+                self.launches(stream, table, layout)
+            })
         }
-        // SAFETY: allocated above on this stream; freed after the launches in stream order.
-        let freed = check("cuMemFreeAsync", unsafe { sys::cuMemFreeAsync(table, stream) });
-        result.and(freed)
     }
 
     /// Queues the launches of a batch whose table ([`Layout::to_bytes`], then its amax words) is at
