@@ -357,6 +357,20 @@ int main(void) {
     refit_executor *unlimited = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_STAGED, 0);
     CHECK_OK(refit_executor_get_info(unlimited, &info));
     CHECK(info.slices == 1 && info.staging_bytes >= sizeof half + sizeof whole_t);
+    CHECK(info.quantization_bytes == 0 && info.landing_bytes == 0); /* no quantized need, one process */
+    /* A caller built against the header before quantization_bytes passes the shorter struct (a heap
+     * block of exactly that size: a write past it is a bug valgrind sees) and gets its fields. */
+    const size_t info_before = offsetof(refit_executor_info, quantization_bytes);
+    refit_executor_info *short_info = malloc(info_before);
+    CHECK(short_info != NULL);
+    short_info->size = info_before;
+    CHECK_OK(refit_executor_get_info(unlimited, short_info));
+    CHECK(short_info->size == info_before && short_info->slices == 1 &&
+          short_info->staging_bytes == info.staging_bytes);
+    short_info->size = info_before + 8;
+    CHECK_STATUS(refit_executor_get_info(unlimited, short_info), REFIT_STATUS_INVALID_ARGUMENT);
+    CHECK(strstr(refit_last_error_message(), "info.size") != NULL);
+    free(short_info);
     refit_executor_destroy(unlimited);
     refit_executor *sliced = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_STAGED, 4096);
     CHECK_OK(refit_executor_get_info(sliced, &info));

@@ -124,6 +124,17 @@ static void refit_cut_at(refit_group *group, uint64_t cut, uint32_t commit, int 
   options.verify = true;
   refit_executor *executor = NULL;
   CHECK_OK(refit_executor_create(plan, group, 0, &options, &executor));
+  /* Memory beside staging_limit: the verify's scratch (every job quantized once more) and, staged
+   * commit in place, the codes and scales staged until the commit; each job's region is its codes,
+   * rows 16-byte aligned, then its scales, each part padded to 16 bytes. */
+  refit_executor_info held;
+  held.size = sizeof held;
+  CHECK_OK(refit_executor_get_info(executor, &held));
+  const uint64_t copies = 1 + (commit == REFIT_COMMIT_STAGED && !staged_path);
+  const uint64_t codes_and_scales = sizeof codes + sizeof scales;
+  CHECK(held.quantization_bytes >= copies * codes_and_scales);
+  CHECK(held.quantization_bytes <= copies * (ROWS * ((COLS + 15) / 16 * 16) + sizeof scales + 32 * info.jobs));
+  CHECK(held.landing_bytes == 0);
   refit_run_stats run;
   run.size = sizeof run;
   CHECK_OK(refit_executor_run(executor, group, &run));

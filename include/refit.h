@@ -764,7 +764,8 @@ typedef struct {
 
 /**
  * What an executor was prepared to do, known from its creation (refit_executor_get_info). Set `size`
- * to sizeof(refit_executor_info) first.
+ * to sizeof(refit_executor_info) first (callers built against the struct before
+ * `quantization_bytes` may pass its size then, 32, and get the fields up to `address_check_ns`).
  */
 typedef struct {
   /**
@@ -786,6 +787,18 @@ typedef struct {
    * device the plan names (see refit_executor_create).
    */
   uint64_t address_check_ns;
+  /**
+   * Device memory held for quantized needs, bytes summed over devices, beside staging_limit: their
+   * staging under REFIT_COMMIT_STAGED (the codes and scales quantized at the run, installed by the
+   * commit), with verify the scratch each job is quantized into a second time, and the buffer of
+   * codes and scales this process quantizes for others where they cross through staging.
+   */
+  uint64_t quantization_bytes;
+  /**
+   * Device memory that bytes from other processes land in under REFIT_COMMIT_STAGED (installed
+   * by the commit), beside staging_limit; 0 otherwise.
+   */
+  uint64_t landing_bytes;
 } refit_executor_info;
 
 /**
@@ -1570,12 +1583,12 @@ refit_status refit_executor_create(const refit_plan *plan,
  * logged once. refit_run_stats reports the bytes and peers of each way.
  *
  * With REFIT_COMMIT_STAGED, bytes from other processes land in device memory of this process (as
- * many bytes as it receives, beside staging_limit) and are installed by the commit, which first
- * waits for them and refuses (INVALID_STATE) when a peer failed meanwhile: live buffers are then
- * unchanged. verify checks the bytes written through IPC (by the writer, through the opened
- * memory) and the bytes through staging end to end (the sender digests its sources, the receiver
- * what landed; at most 0.1% of the payload in digests travels over the communicator in one more
- * meeting per run); the receiver's run reports a difference (VERIFY_MISMATCH naming the sending
+ * many bytes as it receives, beside staging_limit: refit_executor_info.landing_bytes) and are
+ * installed by the commit, which first waits for them and refuses (INVALID_STATE) when a peer
+ * failed meanwhile: live buffers are then unchanged. verify checks the bytes written through IPC
+ * (by the writer, through the opened memory) and the bytes through staging end to end (the sender
+ * digests its sources, the receiver what landed; at most 0.1% of the payload in digests travels
+ * over the communicator in one more meeting per run); the receiver's run reports a difference (VERIFY_MISMATCH naming the sending
  * process). Processes that exchange bytes through staging must all ask for verify or all not
  * (every process's create fails with INVALID_ARGUMENT otherwise). An executor with routes between
  * processes cannot rebind (UNSUPPORTED: buffers that moved need new IPC handles, so create the
@@ -1660,7 +1673,8 @@ refit_status refit_executor_stats(refit_executor *executor, refit_run_stats *sta
 
 /**
  * Writes what `executor` was prepared to do to `*info` (set info->size first): the slices a run
- * takes, the staging it holds, and what its creation spent checking addresses. Not ordered with
+ * takes, the device memory it holds (staging under staging_limit, and beside it quantization and
+ * landing buffers), and what its creation spent checking addresses. Not ordered with
  * any stream; does not wait.
  *
  * Errors: NULL_ARGUMENT (executor, info), INVALID_ARGUMENT (info->size, a handle that is not a live
@@ -2170,7 +2184,8 @@ refit_status refit_plan_quant_route(const refit_plan *plan,
  * allocates, as many bytes as the in-place codes and scales, beside staging_limit.
  * refit_run_stats.quantized_elements counts what each call quantized. With
  * refit_executor_options.verify, each job is quantized a second time into scratch (as many bytes
- * as its codes and scales, also beside staging_limit) and its codes and scales compared with that
+ * as its codes and scales, also beside staging_limit; refit_executor_info.quantization_bytes sums
+ * these buffers, the sender's included) and its codes and scales compared with that
  * on the device (VERIFY_MISMATCH names the tensor; refit_run_stats.verified_bytes counts them).
  * refit_executor_create refuses codes or scales that share a byte with another quantized need's
  * (OVERLAP; but for per-tensor needs sharing one scale, above), memory that is not the device's (INVALID_ARGUMENT, as for every address of a plan),

@@ -85,11 +85,27 @@ fn refit_across(rank: usize, size: usize, id: &CommId, ipc: bool) {
     assert_eq!(share.stats().quantized_sent_bytes, across.sent_bf16(rank), "rank {rank}");
     let references: Vec<_> = received.iter().map(|r| across.reference(&r.wanted)).collect();
     let cases = [(CommitMode::Direct, false), (CommitMode::Staged, false), (CommitMode::Direct, true)];
+    let mut plain_held: Option<u64> = None;
     for (commit, verify) in cases {
         let options = ExecOptions { commit, verify, ..ExecOptions::default() };
         let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
         // The host backend's IPC writes with process_vm_writev: the sender quantizes into its buffer.
         assert_eq!(executor.remote_totals().unwrap().quantized_straight_bytes, 0, "rank {rank}");
+        // Memory beside staging_limit: that buffer (the codes and scales sent, rows and scales
+        // padded to 16 bytes), with verify the scratch of a second quantization too, and under
+        // staged commit the landing of what the other process sends.
+        let held = executor.quantization_bytes();
+        assert!(held >= across.quantized_crossing(1 - rank), "rank {rank} {commit:?}: {held} bytes");
+        match verify {
+            false => plain_held = Some(held.max(plain_held.unwrap_or(0))),
+            true => assert!(held > plain_held.unwrap_or(u64::MAX), "rank {rank}: {held} bytes with verify"),
+        }
+        let landing = if commit == CommitMode::Staged { across.crossing(rank) } else { 0 };
+        let landed = executor.landing_bytes();
+        assert!(
+            (landing..=landing + 1024).contains(&landed),
+            "rank {rank} {commit:?}: {landed} landing bytes"
+        );
         for step in 0..2 {
             let at = format!("rank {rank} ipc {ipc} {commit:?} verify {verify} step {step}");
             received.iter_mut().for_each(Received::poison);

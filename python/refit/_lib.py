@@ -431,6 +431,8 @@ class ExecutorInfoStruct(ctypes.Structure):
         ("slices", c_uint32),
         ("staging_bytes", c_uint64),
         ("address_check_ns", c_uint64),
+        ("quantization_bytes", c_uint64),
+        ("landing_bytes", c_uint64),
     ]
 
 

@@ -80,11 +80,16 @@ class ExecutorInfo:
     `slices`: slices every run takes (more than 1 only when staged above staging_limit: the run then
     installs all but the last before the commit). `staging_bytes`: staging held on the receiving
     devices. `address_check_ns`: host time the creation spent checking every address it reads or
-    writes against the device's memory."""
+    writes against the device's memory. Beside staging_limit: `quantization_bytes`, device memory
+    held for quantized needs (their staging under staged commit, the verify's scratch, the buffer of
+    codes and scales quantized for other processes); `landing_bytes`, where bytes from other
+    processes land under staged commit."""
 
     slices: int
     staging_bytes: int
     address_check_ns: int
+    quantization_bytes: int
+    landing_bytes: int
 
 
 class Executor(Handle):
@@ -179,13 +184,15 @@ class Executor(Handle):
         return RunStats.from_struct(raw)
 
     def info(self) -> ExecutorInfo:
-        """What the executor was prepared to do (refit_executor_get_info): its slices per run, its
-        staging and the time its creation spent checking addresses. Does not wait."""
+        """What the executor was prepared to do (refit_executor_get_info): its slices per run, the
+        device memory it holds and the time its creation spent checking addresses. Does not wait."""
         raw = ExecutorInfoStruct()
         raw.size = ctypes.sizeof(raw)
         with self._borrow(exclusive=True) as handle:
             check(lib.refit_executor_get_info(handle, byref(raw)))
-        return ExecutorInfo(raw.slices, raw.staging_bytes, raw.address_check_ns)
+        return ExecutorInfo(
+            raw.slices, raw.staging_bytes, raw.address_check_ns, raw.quantization_bytes, raw.landing_bytes
+        )
 
     def rebind(self, device: int, old_base: int, new_base: int, length: int) -> None:
         """Tells the executor that the `length` bytes at `old_base` on `device` now live at

@@ -467,6 +467,15 @@ class QuantizedNeedTest(unittest.TestCase):
         runners = {r.runner_device for r in routes}
         self.assertEqual(runners, {0} if staging else {0, 1})
         executor = plan.executor(self.group, 0, commit=commit)
+        # Memory held beside staging_limit: codes and scales quantized in place are staged until the
+        # commit (each job's region padded to 16 bytes), and verify quantizes every job once more.
+        codes_and_scales = matrices * rows * cols + matrices * grid_rows * grid_cols * q.scale_size
+        staged_in_place = commit == refit.Commit.STAGED and not staging
+        for verify, copies in ((False, int(staged_in_place)), (True, int(staged_in_place) + 1)):
+            info = (plan.executor(self.group, 0, commit=commit, verify=True) if verify else executor).info()
+            self.assertGreaterEqual(info.quantization_bytes, copies * codes_and_scales, (verify, info))
+            self.assertLessEqual(info.quantization_bytes, copies * (codes_and_scales + 1024), (verify, info))
+            self.assertEqual(info.landing_bytes, 0)
         ran = executor.run()
         done = ran.quantized_elements + (executor.commit().quantized_elements if commit == refit.Commit.STAGED else 0)
         self.assertEqual(done, matrices * rows * cols)

@@ -708,6 +708,20 @@ impl Executor {
         self.staging_bytes
     }
 
+    /// Device memory held for quantized needs beside staging_limit, summed over devices: their
+    /// staging under staged commit, the verify's scratch, and the send buffer of codes and scales
+    /// quantized for other processes.
+    pub fn quantization_bytes(&self) -> u64 {
+        let sent = self.remote.as_ref().map_or(0, |r| r.outgoing().buffer_bytes);
+        self.quantizing.staging_bytes + sent
+    }
+
+    /// Device memory that bytes from other processes land in under staged commit (beside
+    /// staging_limit; 0 otherwise).
+    pub fn landing_bytes(&self) -> u64 {
+        self.remote.as_ref().map_or(0, |r| r.landing_bytes())
+    }
+
     /// Host time the creation spent checking the plan's addresses (see `addresses`).
     pub fn address_check_ns(&self) -> u64 {
         self.address_check_ns

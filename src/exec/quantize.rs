@@ -88,6 +88,8 @@ pub(super) struct Quantizing {
     pub installs: Vec<(usize, Vec<Segment>)>,
     /// (device, allocation) of each quantization staging buffer.
     pub staging: Vec<(i32, u64)>,
+    /// Bytes of those buffers (quantization staging and the verify's scratch), summed.
+    pub staging_bytes: u64,
 }
 
 impl Quantizing {
@@ -214,9 +216,10 @@ impl Quantizing {
         jobs: &[QuantJob],
     ) -> Result<(Vec<QuantJob>, Vec<Segment>)> {
         let device = group.device(rank)?;
-        let allocation =
-            allocate_packed(group.backend().as_ref(), device, packed_size(jobs), "quantization staging")?;
+        let size = packed_size(jobs);
+        let allocation = allocate_packed(group.backend().as_ref(), device, size, "quantization staging")?;
         self.staging.push((device, allocation));
+        self.staging_bytes += size;
         Ok(pack(jobs, allocation.next_multiple_of(16)))
     }
 

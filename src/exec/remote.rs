@@ -110,6 +110,8 @@ pub(crate) struct Remote {
     /// Staged commit: where bytes from other processes land (held for its drop), and the installs
     /// from there.
     _landing: Option<LandingBuffer>,
+    /// Bytes of the landing buffer.
+    landing_bytes: u64,
     installs: Vec<Segment>,
     /// Some pair of the communicator uses IPC: every run meets the other processes twice.
     handshake: bool,
@@ -456,6 +458,7 @@ impl Remote {
             exchange,
             outgoing,
             _opened_for_straight: opened_for_straight,
+            landing_bytes: if landing.is_some() { received } else { 0 },
             _landing: landing,
             installs,
             handshake,
@@ -475,6 +478,11 @@ impl Remote {
     /// What this process quantizes for others.
     pub fn outgoing(&self) -> &Outgoing {
         &self.outgoing
+    }
+
+    /// Bytes of the buffer that bytes from other processes land in (staged commit; else 0).
+    pub fn landing_bytes(&self) -> u64 {
+        self.landing_bytes
     }
 
     /// The installs from the landing buffer into the live buffers (staged commit).

@@ -133,6 +133,8 @@ pub(super) struct Outgoing {
     pub straight: Planned,
     /// The send buffer, freed on drop (its owner drops it after the routes reading it drained).
     buffer: Option<(Arc<dyn Backend>, i32, u64)>,
+    /// Its bytes.
+    pub buffer_bytes: u64,
 }
 
 impl Outgoing {
@@ -153,6 +155,7 @@ impl Outgoing {
         let allocation =
             allocate_packed(backend.as_ref(), device, size, "the buffer of codes and scales sent")?;
         self.buffer = Some((Arc::clone(backend), device, allocation));
+        self.buffer_bytes = size;
         let (mut at, mut into, mut segments) = (allocation.next_multiple_of(16), Vec::new(), Vec::new());
         for p in planned {
             let (jobs, from) = pack(&p.jobs, at);

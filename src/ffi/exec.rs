@@ -12,7 +12,7 @@ use super::comm::refit_comm;
 use super::group::refit_group;
 use super::handles::{destroy, live, publish};
 use super::plan::refit_plan;
-use super::{boundary, check_bool, in_use, options_in, out, sized_out, OptionsStruct};
+use super::{boundary, check_bool, in_use, options_in, out, sized_out, write_versioned, OptionsStruct};
 use crate::error::{Error, Result, Status};
 use crate::exec::{Arm, CommitMode, ExecOptions, Executor, RunStats};
 use crate::sync::try_lock;
@@ -109,7 +109,8 @@ pub struct refit_executor_options {
 }
 
 /// What an executor was prepared to do, known from its creation (refit_executor_get_info). Set `size`
-/// to sizeof(refit_executor_info) first.
+/// to sizeof(refit_executor_info) first (callers built against the struct before
+/// `quantization_bytes` may pass its size then, 32, and get the fields up to `address_check_ns`).
 #[repr(C)]
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct refit_executor_info {
@@ -124,7 +125,18 @@ pub struct refit_executor_info {
     /// Host time the creation spent checking that every address it reads or writes is memory of the
     /// device the plan names (see refit_executor_create).
     pub address_check_ns: u64,
+    /// Device memory held for quantized needs, bytes summed over devices, beside staging_limit: their
+    /// staging under REFIT_COMMIT_STAGED (the codes and scales quantized at the run, installed by the
+    /// commit), with verify the scratch each job is quantized into a second time, and the buffer of
+    /// codes and scales this process quantizes for others where they cross through staging.
+    pub quantization_bytes: u64,
+    /// Device memory that bytes from other processes land in under REFIT_COMMIT_STAGED (installed
+    /// by the commit), beside staging_limit; 0 otherwise.
+    pub landing_bytes: u64,
 }
+
+/// sizeof(refit_executor_info) before `quantization_bytes` and `landing_bytes`, still accepted.
+const INFO_BEFORE_QUANTIZATION_BYTES: usize = std::mem::offset_of!(refit_executor_info, quantization_bytes);
 
 fn defaults() -> refit_executor_options {
     refit_executor_options {
@@ -288,12 +300,12 @@ pub extern "C" fn refit_executor_create(
 /// logged once. refit_run_stats reports the bytes and peers of each way.
 ///
 /// With REFIT_COMMIT_STAGED, bytes from other processes land in device memory of this process (as
-/// many bytes as it receives, beside staging_limit) and are installed by the commit, which first
-/// waits for them and refuses (INVALID_STATE) when a peer failed meanwhile: live buffers are then
-/// unchanged. verify checks the bytes written through IPC (by the writer, through the opened
-/// memory) and the bytes through staging end to end (the sender digests its sources, the receiver
-/// what landed; at most 0.1% of the payload in digests travels over the communicator in one more
-/// meeting per run); the receiver's run reports a difference (VERIFY_MISMATCH naming the sending
+/// many bytes as it receives, beside staging_limit: refit_executor_info.landing_bytes) and are
+/// installed by the commit, which first waits for them and refuses (INVALID_STATE) when a peer
+/// failed meanwhile: live buffers are then unchanged. verify checks the bytes written through IPC
+/// (by the writer, through the opened memory) and the bytes through staging end to end (the sender
+/// digests its sources, the receiver what landed; at most 0.1% of the payload in digests travels
+/// over the communicator in one more meeting per run); the receiver's run reports a difference (VERIFY_MISMATCH naming the sending
 /// process). Processes that exchange bytes through staging must all ask for verify or all not
 /// (every process's create fails with INVALID_ARGUMENT otherwise). An executor with routes between
 /// processes cannot rebind (UNSUPPORTED: buffers that moved need new IPC handles, so create the
@@ -435,7 +447,8 @@ pub extern "C" fn refit_executor_stats(executor: *mut refit_executor, stats: *mu
 }
 
 /// Writes what `executor` was prepared to do to `*info` (set info->size first): the slices a run
-/// takes, the staging it holds, and what its creation spent checking addresses. Not ordered with
+/// takes, the device memory it holds (staging under staging_limit, and beside it quantization and
+/// landing buffers), and what its creation spent checking addresses. Not ordered with
 /// any stream; does not wait.
 ///
 /// Errors: NULL_ARGUMENT (executor, info), INVALID_ARGUMENT (info->size, a handle that is not a live
@@ -448,16 +461,17 @@ pub extern "C" fn refit_executor_get_info(
 ) -> Status {
     boundary("refit_executor_get_info", || {
         let executor = live(executor, "executor")?;
-        // SAFETY: info writable with its size first (the caller's promise).
-        let slot = unsafe { sized_out(info, "info") }?;
         let executor = executor.take()?;
-        slot.write(refit_executor_info {
+        let filled = refit_executor_info {
             size: std::mem::size_of::<refit_executor_info>(),
             slices: u32::try_from(executor.slices()).unwrap_or(u32::MAX),
             staging_bytes: executor.staging_bytes(),
             address_check_ns: executor.address_check_ns(),
-        });
-        Ok(())
+            quantization_bytes: executor.quantization_bytes(),
+            landing_bytes: executor.landing_bytes(),
+        };
+        // SAFETY: info writable with its size first, as many bytes as it says (the caller's promise).
+        unsafe { write_versioned(info, "info", &[INFO_BEFORE_QUANTIZATION_BYTES], filled) }
     })
 }
 

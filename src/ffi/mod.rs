@@ -100,6 +100,38 @@ pub(crate) unsafe fn sized_out<'a, T>(ptr: *mut T, what: &str) -> Result<&'a mut
     Ok(slot)
 }
 
+/// Writes `value` into a caller's output struct whose leading `size` field says which version of T
+/// the caller was built against: sizeof(T), or one of `older` (prefixes of T, earlier versions of
+/// the struct), which get the fields they hold. INVALID_ARGUMENT for any other size, NULL_ARGUMENT
+/// for NULL; nothing is written then. `value`'s own size field is set to the caller's.
+///
+/// # Safety
+/// A non-NULL `ptr` points to at least `size` writable bytes, the first a `usize` `size`, initialized.
+pub(crate) unsafe fn write_versioned<T: Copy>(
+    ptr: *mut T,
+    what: &str,
+    older: &[usize],
+    mut value: T,
+) -> Result<()> {
+    if ptr.is_null() {
+        return Err(Error::new(Status::NullArgument, format!("{what} is NULL")));
+    }
+    // No reference to a T: an older caller's struct is shorter.
+    let size = std::ptr::read(ptr.cast::<usize>());
+    let full = std::mem::size_of::<T>();
+    if size != full && !older.contains(&size) {
+        return Err(Error::invalid_argument(format!(
+            "{what}.size is {size}; set it to sizeof the struct ({full}{}) before the call",
+            older.iter().map(|s| format!(", or {s} as an earlier version")).collect::<String>()
+        )));
+    }
+    // SAFETY: T's first field is its size (the callers' structs are all so).
+    std::ptr::write((&mut value as *mut T).cast::<usize>(), size);
+    // SAFETY: `size` bytes are writable at `ptr` (the caller's promise) and `size` <= sizeof(T).
+    std::ptr::copy_nonoverlapping((&value as *const T).cast::<u8>(), ptr.cast::<u8>(), size);
+    Ok(())
+}
+
 /// A caller array of `len` elements. NULL is accepted only when `len` is 0.
 ///
 /// # Safety

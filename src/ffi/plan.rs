@@ -776,7 +776,8 @@ pub struct refit_need_quantization {
 /// allocates, as many bytes as the in-place codes and scales, beside staging_limit.
 /// refit_run_stats.quantized_elements counts what each call quantized. With
 /// refit_executor_options.verify, each job is quantized a second time into scratch (as many bytes
-/// as its codes and scales, also beside staging_limit) and its codes and scales compared with that
+/// as its codes and scales, also beside staging_limit; refit_executor_info.quantization_bytes sums
+/// these buffers, the sender's included) and its codes and scales compared with that
 /// on the device (VERIFY_MISMATCH names the tensor; refit_run_stats.verified_bytes counts them).
 /// refit_executor_create refuses codes or scales that share a byte with another quantized need's
 /// (OVERLAP; but for per-tensor needs sharing one scale, above), memory that is not the device's (INVALID_ARGUMENT, as for every address of a plan),
