@@ -15,7 +15,7 @@ use refit::kernels::quantize::layout;
 use refit::quant::{Arithmetic, Fp8, Granularity, SourceType};
 use std::sync::OnceLock;
 
-type Launch = unsafe extern "C" fn(*const u8, u32, u64, u64, u64, u32, bool);
+type Launch = unsafe extern "C" fn(*const u8, u32, u64, u64, u64, u64, u32, bool);
 
 fn emulator() -> Launch {
     static LAUNCH: OnceLock<Launch> = OnceLock::new();
@@ -34,6 +34,7 @@ unsafe fn emulate(l: &refit::kernels::quantize::Layout) {
             emulator()(
                 l.to_bytes().as_ptr(),
                 l.descs.len() as u32,
+                l.group_tiles,
                 l.narrow_tiles,
                 l.rows_tiles,
                 l.tiles,

@@ -36,10 +36,12 @@
 // QUANT_CACHE vectors per thread (a 128 x 128 block of 16-bit elements whole; per-tensor slabs) in
 // shared memory, where they arrive without occupying registers (cp.async), at QUANT_WIDE_MIN_BLOCKS
 // blocks per SM; refit_quantize_narrow keeps QUANT_NARROW_CACHE in registers at
-// QUANT_NARROW_MIN_BLOCKS (scale blocks of at most 4 vectors per thread, such as a row of 8192 bf16,
-// and group mode), where shared memory measured no faster (benches/probes/quant_occupancy_probe.py).
-// The host lays the narrow jobs' tiles out first, the shared rows' (refit_quantize_rows) last, and
-// launches each entry point over its own tiles.
+// QUANT_NARROW_MIN_BLOCKS (scale blocks of at most 4 vectors per thread, such as a row of 8192 bf16),
+// where shared memory measured no faster (benches/probes/quant_occupancy_probe.py); group mode
+// (below) has an entry point of its own, refit_quantize_groups, at QUANT_GROUP_MIN_BLOCKS (one
+// vector per round in registers: more blocks per SM are more loads in flight). The host lays the
+// group-mode tiles out first, then the other narrow ones, the wide ones, and the shared rows'
+// (refit_quantize_rows) last, and launches each entry point over its own tiles.
 // Instructions matter as much as bytes in flight: a 128 x 128 bf16 block is about 21 instructions
 // per element in the general loops below, so a tile that is exactly the cache (a 128 x 128 block
 // at the wide entry point, a row of 8192 bf16 at the narrow one) takes a path without their row
@@ -62,6 +64,7 @@ typedef unsigned short u16;
 #define QUANT_NARROW_CACHE 4u
 #define QUANT_NARROW_MIN_BLOCKS 4u
 #define QUANT_GROUP_ROUNDS 4u
+#define QUANT_GROUP_MIN_BLOCKS 6u
 #define QUANT_INDEX_SHIFT 8u
 #define QUANT_CANONICAL_NAN 0x7fffffffu
 #define QUANT_DESC_BYTES 136u
@@ -971,6 +974,20 @@ extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_NARROW_MIN_BLO
     refit_quantize_narrow(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase,
                           u32* job_amax) {
     quantize_tiles<QUANT_NARROW_CACHE, false>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, nullptr);
+}
+
+// Group-mode jobs (MX, short rows, 1 x n blocks), the first tiles of a batch: quantize_groups,
+// reading the descriptor where it lies, at QUANT_GROUP_MIN_BLOCKS blocks per SM. An entry point of
+// their own: inside the narrow one they shared its 64 registers and its copy of the descriptor, and
+// ran slower (docs/decisions.md, "Group mode on an entry point of its own"). The signature is the
+// others' (group mode has one phase).
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_GROUP_MIN_BLOCKS)
+    refit_quantize_groups(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32, u32*) {
+    const u64 tile = first_tile + blockIdx.x;
+    const QuantDesc& d = descs[job_of(descs, njobs, tile)];
+    if (d.source == SRC_BF16) quantize_groups<SRC_BF16>(d, tile - d.first_tile);
+    else if (d.source == SRC_F16) quantize_groups<SRC_F16>(d, tile - d.first_tile);
+    else quantize_groups<SRC_F32>(d, tile - d.first_tile);
 }
 
 // Per-row jobs sharing each row's amax (SCALE_ROWS_SHARED), after the wide ones: quantize_shared_rows

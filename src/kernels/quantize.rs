@@ -22,6 +22,7 @@ pub const COPY_QUANTIZE_SOURCE: &str = include_str!("copy_quantize.cu");
 const KERNEL_NAME: &std::ffi::CStr = c"refit_quantize";
 const NARROW_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_narrow";
 const ROWS_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_rows";
+const GROUPS_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_groups";
 const COPY_KERNEL_NAME: &std::ffi::CStr = c"refit_copy_quantize";
 /// Threads per block (QUANT_THREADS in the source).
 pub const THREADS: u32 = 256;
@@ -41,6 +42,8 @@ pub const NARROW_CACHE: u64 = 4;
 pub const NARROW_MIN_BLOCKS_PER_SM: u32 = 4;
 /// Rounds of blocks per tile in group mode (QUANT_GROUP_ROUNDS).
 pub const GROUP_ROUNDS: u64 = 4;
+/// Blocks per SM of refit_quantize_groups, the group-mode entry point (QUANT_GROUP_MIN_BLOCKS).
+pub const GROUP_MIN_BLOCKS_PER_SM: u32 = 6;
 /// Tiles per entry of a batch's tile index (2^QUANT_INDEX_SHIFT): see [`Layout::index`].
 pub const INDEX_SHIFT: u32 = 8;
 
@@ -89,9 +92,11 @@ const SCALE_E8M0: u32 = 1;
 const SCALE_TENSOR: u32 = 2;
 const SCALE_ROWS_SHARED: u32 = 3;
 
-/// The descriptors of a batch and its tiles (one thread block each). The narrow entry point's jobs
-/// come first: it takes tiles [0, narrow_tiles), the wide one [narrow_tiles, tiles - rows_tiles),
-/// refit_quantize_rows (per-row jobs sharing each row's amax) the last rows_tiles.
+/// The descriptors of a batch and its tiles (one thread block each). Group-mode jobs come first
+/// (refit_quantize_groups takes tiles [0, group_tiles)), then the narrow entry point's other jobs
+/// ([group_tiles, narrow_tiles)); the wide one takes [narrow_tiles, tiles - rows_tiles),
+/// refit_quantize_rows (per-row jobs sharing each row's amax) the last rows_tiles. The launch that
+/// also copies takes every narrow tile, group mode included, through its narrow code.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Layout {
     pub descs: Vec<QuantDesc>,
@@ -101,6 +106,7 @@ pub struct Layout {
     /// (a step's thousands of tensors would cost a dozen dependent loads per tile).
     pub index: Vec<u32>,
     pub tiles: u64,
+    pub group_tiles: u64,
     pub narrow_tiles: u64,
     pub rows_tiles: u64,
     /// Whether a (wide) job is per tensor, so that the wide entry point's phase 1 runs.
@@ -120,6 +126,16 @@ impl Layout {
     /// Whether phase 1 runs (a job is per tensor, or per row with a shared amax).
     pub fn two_phase(&self) -> bool {
         self.amax_words > 0
+    }
+
+    /// refit_quantize_groups's tiles (group-mode jobs).
+    pub fn groups_range(&self) -> std::ops::Range<u64> {
+        0..self.group_tiles
+    }
+
+    /// The narrow entry point's tiles, but for group mode's.
+    pub fn narrow_range(&self) -> std::ops::Range<u64> {
+        self.group_tiles..self.narrow_tiles
     }
 
     /// The wide entry point's tiles.
@@ -160,7 +176,7 @@ impl Layout {
 pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     check_jobs(jobs)?;
     let owners = crate::quant::job::amax_owners(jobs);
-    let (mut narrow, mut wide, mut rows) = (Vec::new(), Vec::new(), Vec::new());
+    let (mut groups, mut narrow, mut wide, mut rows) = (Vec::new(), Vec::new(), Vec::new(), Vec::new());
     for (index, job) in jobs.iter().enumerate().filter(|(_, job)| job.elements() > 0) {
         let (mut desc, tiles) = describe(job);
         // The job's number for now; its owner's descriptor number below.
@@ -171,14 +187,17 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
         let fits_narrow = desc.scale_kind < SCALE_TENSOR && vectors_per_thread <= NARROW_CACHE;
         if desc.scale_kind == SCALE_ROWS_SHARED {
             rows.push((desc, tiles));
-        } else if desc.mode == MODE_GROUP || fits_narrow {
+        } else if desc.mode == MODE_GROUP {
+            groups.push((desc, tiles));
+        } else if fits_narrow {
             narrow.push((desc, tiles));
         } else {
             wide.push((desc, tiles));
         }
     }
     let mut layout = Layout {
-        narrow_tiles: narrow.iter().map(|&(_, tiles)| tiles).sum(),
+        group_tiles: groups.iter().map(|&(_, tiles)| tiles).sum(),
+        narrow_tiles: groups.iter().chain(&narrow).map(|&(_, tiles)| tiles).sum(),
         rows_tiles: rows.iter().map(|&(_, tiles)| tiles).sum(),
         tensor_phase: wide.iter().any(|(desc, _)| desc.scale_kind == SCALE_TENSOR),
         ..Layout::default()
@@ -192,7 +211,7 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
     // Each set of jobs sharing an amax gets its words (one, or one per row) at its first job's.
     let mut words_of_job: Vec<Option<u32>> = vec![None; jobs.len()];
     let mut words = 0u64;
-    for (mut desc, tiles) in narrow.into_iter().chain(wide).chain(rows) {
+    for (mut desc, tiles) in groups.into_iter().chain(narrow).chain(wide).chain(rows) {
         let job = desc.amax_slot as usize;
         if desc.scale_kind >= SCALE_TENSOR && owners[job] == job {
             words_of_job[job] = Some(words as u32);
@@ -322,9 +341,11 @@ pub fn module_source() -> String {
 pub struct QuantizeKernel {
     device: i32,
     context: sys::CUcontext,
-    /// refit_quantize (wide), refit_quantize_narrow, refit_quantize_rows and refit_copy_quantize.
+    /// refit_quantize (wide), refit_quantize_narrow, refit_quantize_groups, refit_quantize_rows and
+    /// refit_copy_quantize.
     wide: sys::CUfunction,
     narrow: sys::CUfunction,
+    groups: sys::CUfunction,
     rows: sys::CUfunction,
     copying: sys::CUfunction,
     /// How the kernel was built, for logs and bench output.
@@ -351,18 +372,20 @@ impl QuantizeKernel {
         let wide = module::function(loaded.module, KERNEL_NAME)?;
         let narrow = module::function(loaded.module, NARROW_KERNEL_NAME)?;
         let rows = module::function(loaded.module, ROWS_KERNEL_NAME)?;
+        let groups = module::function(loaded.module, GROUPS_KERNEL_NAME)?;
         let copying = module::function(loaded.module, COPY_KERNEL_NAME)?;
         // Their wide tiles keep their vectors in shared memory (32 KiB a block).
         loaded.prefer_shared_memory(wide)?;
         loaded.prefer_shared_memory(rows)?;
         loaded.prefer_shared_memory(copying)?;
-        let (wide_per_sm, narrow_per_sm, copying_per_sm) = (
+        let (wide_per_sm, narrow_per_sm, groups_per_sm, copying_per_sm) = (
             loaded.blocks_per_sm(wide, THREADS)?,
             loaded.blocks_per_sm(narrow, THREADS)?,
+            loaded.blocks_per_sm(groups, THREADS)?,
             loaded.blocks_per_sm(copying, THREADS)?,
         );
         let build = format!(
-            "{} x {wide_per_sm} (narrow: {narrow_per_sm}, with a copy: {copying_per_sm}) blocks of {THREADS}",
+            "{} x {wide_per_sm} (narrow: {narrow_per_sm}, group mode: {groups_per_sm}, with a copy: {copying_per_sm}) blocks of {THREADS}",
             loaded.build
         );
         log::info!("quantize kernel on device {device}: {build}");
@@ -371,6 +394,7 @@ impl QuantizeKernel {
             context: loaded.context,
             wide,
             narrow,
+            groups,
             rows,
             copying,
             build,
@@ -412,8 +436,9 @@ impl QuantizeKernel {
     /// # Safety
     /// As for [`QuantizeKernel::enqueue`]; `table` holds `layout` as described until the work has run.
     unsafe fn launches(&self, stream: sys::CUstream, table: u64, layout: &Layout) -> Result<()> {
-        let narrow = (self.narrow, 0..layout.narrow_tiles);
-        self.launch(stream, table, layout, narrow, 2, amax_words(table, layout))?;
+        let first = amax_words(table, layout);
+        self.launch(stream, table, layout, (self.groups, layout.groups_range()), 2, first)?;
+        self.launch(stream, table, layout, (self.narrow, layout.narrow_range()), 2, first)?;
         // SAFETY: the caller's promises.
         let amax = unsafe { self.first_phase(stream, table, layout) }?;
         self.launch(stream, table, layout, (self.wide, layout.wide_range()), 2, amax)?;
@@ -643,6 +668,7 @@ mod tests {
             format!("#define QUANT_WIDE_MIN_BLOCKS {WIDE_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_WITH_COPY_MIN_BLOCKS {WITH_COPY_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_GROUP_ROUNDS {GROUP_ROUNDS}u"),
+            format!("#define QUANT_GROUP_MIN_BLOCKS {GROUP_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_NARROW_CACHE {NARROW_CACHE}u"),
             format!("#define QUANT_NARROW_MIN_BLOCKS {NARROW_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_INDEX_SHIFT {INDEX_SHIFT}u"),
@@ -738,9 +764,9 @@ mod tests {
         let l = layout(&[block, mx, row_short, row_long, tensor, row_wider]).unwrap();
         let modes: Vec<(u64, u32, u32, u64)> =
             l.descs.iter().map(|d| (d.cols, d.mode, d.group_shift, d.first_tile)).collect();
-        // The narrow entry point's jobs first, in the order given: MX (4 lanes per block, 64 groups x
-        // 4 rounds per tile), rows of 25 vectors (32 lanes), rows of 1024 vectors (4 per thread: one
-        // block each). Then the wide one's: 512 x 64 blocks of 8 vectors per thread, per tensor
+        // Group mode's jobs first, in the order given: MX (4 lanes per block, 64 groups x 4 rounds
+        // per tile), rows of 25 vectors (32 lanes); then the narrow entry point's rows of 1024
+        // vectors (4 per thread: one block each). Then the wide one's: 512 x 64 blocks of 8 vectors per thread, per tensor
         // (slabs of 2 rows of 1024 vectors), rows of 1025 vectors (5 per thread).
         let mx_tiles = 65536 * 256 / 256;
         let narrow_tiles = mx_tiles + 1 + 10;
@@ -757,6 +783,12 @@ mod tests {
         );
         assert_eq!(l.descs[4].block_rows, 2);
         assert_eq!((l.narrow_tiles, l.tiles), (narrow_tiles, narrow_tiles + 32768 + 500 + 3));
+        assert_eq!((l.groups_range(), l.narrow_range()), (0..mx_tiles + 1, mx_tiles + 1..narrow_tiles));
+        // Group-mode jobs go before the narrow entry point's whatever the order given.
+        let swapped = layout(&[row_long, block, mx]).unwrap();
+        let order: Vec<(u64, u32)> = swapped.descs.iter().map(|d| (d.first_tile, d.mode)).collect();
+        assert_eq!(order, vec![(0, MODE_GROUP), (mx_tiles, MODE_BLOCK), (mx_tiles + 10, MODE_BLOCK)]);
+        assert_eq!((swapped.group_tiles, swapped.narrow_tiles), (mx_tiles, mx_tiles + 10));
         assert!(l.two_phase() && l.tensor_phase);
         // The index: an entry per 256 tiles and one past the end, each the job of its first tile.
         let chunks = l.tiles.div_ceil(256) as usize;
