@@ -65,6 +65,7 @@ typedef unsigned short u16;
 #define QUANT_NARROW_MIN_BLOCKS 4u
 #define QUANT_GROUP_ROUNDS 4u
 #define QUANT_GROUP_MIN_BLOCKS 6u
+#define QUANT_ROWS_MIN_BLOCKS 5u
 #define QUANT_INDEX_SHIFT 8u
 #define QUANT_CANONICAL_NAN 0x7fffffffu
 #define QUANT_DESC_BYTES 136u
@@ -993,8 +994,9 @@ extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_GROUP_MIN_BLOC
 // Per-row jobs sharing each row's amax (SCALE_ROWS_SHARED), after the wide ones: quantize_shared_rows
 // with the wide entry point's cache. An entry point of their own: inlined into refit_quantize, their
 // code moved its register allocation (ptxas: 32 to 188 bytes of spill stores) and took its 128 x 128
-// blocks 6% slower on one H200; out of line, its copy of the descriptor went to local memory.
-extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_WIDE_MIN_BLOCKS)
+// blocks 6% slower on one H200; out of line, its copy of the descriptor went to local memory. At
+// QUANT_ROWS_MIN_BLOCKS, one block per SM more than the wide entry point (docs/decisions.md).
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_ROWS_MIN_BLOCKS)
     refit_quantize_rows(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase, u32* job_amax) {
     __shared__ Vec cache[QUANT_CACHE * QUANT_THREADS];
     const u64 tile = first_tile + blockIdx.x;

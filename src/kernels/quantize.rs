@@ -44,6 +44,9 @@ pub const NARROW_MIN_BLOCKS_PER_SM: u32 = 4;
 pub const GROUP_ROUNDS: u64 = 4;
 /// Blocks per SM of refit_quantize_groups, the group-mode entry point (QUANT_GROUP_MIN_BLOCKS).
 pub const GROUP_MIN_BLOCKS_PER_SM: u32 = 6;
+/// Blocks per SM of refit_quantize_rows, per-row jobs sharing each row's amax
+/// (QUANT_ROWS_MIN_BLOCKS): the wide entry point's cache at one block more per SM.
+pub const ROWS_MIN_BLOCKS_PER_SM: u32 = 5;
 /// Tiles per entry of a batch's tile index (2^QUANT_INDEX_SHIFT): see [`Layout::index`].
 pub const INDEX_SHIFT: u32 = 8;
 
@@ -378,14 +381,15 @@ impl QuantizeKernel {
         loaded.prefer_shared_memory(wide)?;
         loaded.prefer_shared_memory(rows)?;
         loaded.prefer_shared_memory(copying)?;
-        let (wide_per_sm, narrow_per_sm, groups_per_sm, copying_per_sm) = (
+        let (wide_per_sm, narrow_per_sm, groups_per_sm, rows_per_sm, copying_per_sm) = (
             loaded.blocks_per_sm(wide, THREADS)?,
             loaded.blocks_per_sm(narrow, THREADS)?,
             loaded.blocks_per_sm(groups, THREADS)?,
+            loaded.blocks_per_sm(rows, THREADS)?,
             loaded.blocks_per_sm(copying, THREADS)?,
         );
         let build = format!(
-            "{} x {wide_per_sm} (narrow: {narrow_per_sm}, group mode: {groups_per_sm}, with a copy: {copying_per_sm}) blocks of {THREADS}",
+            "{} x {wide_per_sm} (narrow: {narrow_per_sm}, group mode: {groups_per_sm}, shared rows: {rows_per_sm}, with a copy: {copying_per_sm}) blocks of {THREADS}",
             loaded.build
         );
         log::info!("quantize kernel on device {device}: {build}");
@@ -669,6 +673,7 @@ mod tests {
             format!("#define QUANT_WITH_COPY_MIN_BLOCKS {WITH_COPY_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_GROUP_ROUNDS {GROUP_ROUNDS}u"),
             format!("#define QUANT_GROUP_MIN_BLOCKS {GROUP_MIN_BLOCKS_PER_SM}u"),
+            format!("#define QUANT_ROWS_MIN_BLOCKS {ROWS_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_NARROW_CACHE {NARROW_CACHE}u"),
             format!("#define QUANT_NARROW_MIN_BLOCKS {NARROW_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_INDEX_SHIFT {INDEX_SHIFT}u"),
