@@ -406,16 +406,7 @@ fn one_shot_calls_in_flight_at_once_each_read_their_own_descriptors() {
     let busy = (Buffer::new(0, 1 << 30), Buffer::new(0, 1 << 30));
     for round in 0..2 {
         // About 4 ms of copying ahead of the calls, so that they queue while it runs.
-        for _ in 0..8 {
-            on(0, || {
-                ok(
-                    "cuMemcpyDtoDAsync",
-                    check("cuMemcpyDtoDAsync", unsafe {
-                        sys::cuMemcpyDtoDAsync_v2(busy.1.ptr, busy.0.ptr, 1 << 30, stream.raw)
-                    }),
-                )
-            });
-        }
+        stream.occupy(&busy.0, &busy.1, 8);
         for case in &cases {
             ok("copy_segments", copy(0, stream.raw, &case.segments, round == 1));
         }

@@ -113,16 +113,7 @@ fn one_shot_batches_in_flight_at_once_each_read_their_own_table() {
             .map(|(c, b)| ok("layout", layout(&[c.job(b.src.ptr, b.dst.ptr, b.scales.ptr)])))
             .collect();
         // About 4 ms of copying ahead of the batches, so that they queue while it runs.
-        for _ in 0..8 {
-            cuda::on(0, || {
-                ok(
-                    "cuMemcpyDtoDAsync",
-                    check("cuMemcpyDtoDAsync", unsafe {
-                        sys::cuMemcpyDtoDAsync_v2(busy.1.ptr, busy.0.ptr, 1 << 30, stream.raw)
-                    }),
-                )
-            });
-        }
+        stream.occupy(&busy.0, &busy.1, 8);
         for l in &layouts {
             // SAFETY: the jobs name the buffers above, alive until after the synchronization.
             ok("enqueue", unsafe { kernel.enqueue(stream.raw, l) });

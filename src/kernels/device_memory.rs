@@ -55,55 +55,34 @@ impl Drop for DeviceMemory {
 /// One page-locked host word, the destination of an asynchronous device-to-host copy: read it only
 /// after the stream that copies into it has been synchronized.
 pub(crate) struct PinnedWord {
-    context: sys::CUcontext,
-    ptr: *mut u64,
+    bytes: PinnedBytes,
 }
-
-// SAFETY: page-locked host memory, read and written with volatile accesses.
-unsafe impl Send for PinnedWord {}
-unsafe impl Sync for PinnedWord {}
 
 impl PinnedWord {
     pub fn new(context: sys::CUcontext, value: u64) -> Result<PinnedWord> {
-        // SAFETY: a retained primary context.
-        let _current = unsafe { CurrentContext::enter(context) }?;
-        let mut ptr: *mut std::ffi::c_void = std::ptr::null_mut();
-        // SAFETY: valid output slot; 8 bytes of page-locked memory for this context.
-        check("cuMemHostAlloc", unsafe { sys::cuMemHostAlloc(&mut ptr, 8, 0) })?;
-        let word = PinnedWord { context, ptr: ptr.cast() };
+        let word = PinnedWord { bytes: PinnedBytes::new(context, 8)? };
         word.set(value);
         Ok(word)
     }
 
     /// The host address, for cuMemcpyDtoHAsync.
     pub fn as_host_ptr(&self) -> *mut std::ffi::c_void {
-        self.ptr.cast()
+        self.bytes.ptr.cast()
     }
 
     pub fn get(&self) -> u64 {
-        // SAFETY: a live, aligned allocation of 8 bytes.
-        unsafe { std::ptr::read_volatile(self.ptr) }
+        // SAFETY: a live allocation of 8 bytes, page-aligned (cuMemHostAlloc).
+        unsafe { std::ptr::read_volatile(self.bytes.ptr.cast::<u64>()) }
     }
 
     pub fn set(&self, value: u64) {
         // SAFETY: as in get.
-        unsafe { std::ptr::write_volatile(self.ptr, value) }
+        unsafe { std::ptr::write_volatile(self.bytes.ptr.cast::<u64>(), value) }
     }
 }
 
-impl Drop for PinnedWord {
-    fn drop(&mut self) {
-        // SAFETY: a retained primary context; the allocation is freed once.
-        let freed = unsafe { CurrentContext::enter(self.context) }
-            .and_then(|_current| check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(self.ptr.cast()) }));
-        if let Err(err) = freed {
-            log::warn!("freeing a page-locked result word: {err}");
-        }
-    }
-}
-
-/// `len` bytes of page-locked host memory, freed on drop: the source of asynchronous host-to-device
-/// copies that neither stage through the driver's buffers nor wait for the stream.
+/// `len` bytes of page-locked host memory, freed on drop: the end of asynchronous copies between
+/// host and device that neither stage through the driver's buffers nor wait for the stream.
 pub(crate) struct PinnedBytes {
     context: sys::CUcontext,
     pub ptr: *mut u8,
@@ -131,7 +110,7 @@ impl Drop for PinnedBytes {
         let freed = unsafe { CurrentContext::enter(self.context) }
             .and_then(|_current| check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(self.ptr.cast()) }));
         if let Err(err) = freed {
-            log::warn!("freeing page-locked upload bytes: {err}");
+            log::warn!("freeing page-locked host memory: {err}");
         }
     }
 }
