@@ -369,7 +369,8 @@ int main(void) {
           short_info->staging_bytes == info.staging_bytes);
     short_info->size = info_before + 8;
     CHECK_STATUS(refit_executor_get_info(unlimited, short_info), REFIT_STATUS_INVALID_ARGUMENT);
-    CHECK(strstr(refit_last_error_message(), "info.size") != NULL);
+    CHECK(strstr(refit_last_error_message(), "info.size is 40") != NULL);
+    CHECK(strstr(refit_last_error_message(), "or 32 as an earlier version") != NULL);
     free(short_info);
     refit_executor_destroy(unlimited);
     refit_executor *sliced = make(plan, group, REFIT_ARM_AUTO, false, REFIT_COMMIT_STAGED, 4096);

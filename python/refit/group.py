@@ -280,8 +280,9 @@ class Group(Handle):
         device when torch uses CUDA, else its legacy default stream), in one kernel launch
         (refit_copy_batch). Addresses are on that device or a peer it reaches directly. `checked`
         refuses destinations written twice (RefitError OVERLAP, nothing copied). CUDA: queued on
-        the stream, returns without waiting; host backend: complete on return. Any thread, also
-        rank callbacks."""
+        the stream, returns without waiting; a stream being captured into a CUDA graph is RefitError
+        UNSUPPORTED, nothing queued (capture a PreparedCopy's launch() instead); host backend:
+        complete on return. Any thread, also rank callbacks."""
         copy_batch(self, rank, segments, stream, checked)
 
     def prepare_copy(self, rank: int, segments: Iterable[SegmentLike], checked: bool = False) -> PreparedCopy:

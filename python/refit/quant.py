@@ -153,9 +153,10 @@ def tensor_job(source, destination, scales, quantization: Quantization = Quantiz
 def quantize_batch(group: Group, rank: int, jobs: Iterable[QuantizeJob], stream: object = None) -> None:
     """refit_quantize_batch: quantizes every job on `stream`, a stream of `rank`'s device (any form
     refit takes; None: torch's current stream of that device when torch uses CUDA, else its legacy
-    default stream). CUDA: queued, not waited for; host backend: complete on return. Raises
-    RefitError with the library's status and message for a bad job (the message names jobs[i] and
-    the field)."""
+    default stream). CUDA: queued, not waited for (a stream being captured into a CUDA graph is
+    RefitError UNSUPPORTED, nothing queued); host backend: complete on return. Raises RefitError
+    with the library's status and message for a bad job (the message names jobs[i] and the
+    field)."""
     structs = [job.struct() for job in jobs]
     array = (QuantizeJobStruct * len(structs))(*structs)
     rank = check_range(rank, 32, "rank")

@@ -712,7 +712,7 @@ impl Executor {
     /// staging under staged commit, the verify's scratch, and the send buffer of codes and scales
     /// quantized for other processes.
     pub fn quantization_bytes(&self) -> u64 {
-        let sent = self.remote.as_ref().map_or(0, |r| r.outgoing().buffer_bytes);
+        let sent = self.remote.as_ref().map_or(0, |r| r.outgoing().buffer_bytes());
         self.quantizing.staging_bytes + sent
     }
 

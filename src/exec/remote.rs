@@ -109,9 +109,7 @@ pub(crate) struct Remote {
     _opened_for_straight: Vec<Arc<ipc::Opened>>,
     /// Staged commit: where bytes from other processes land (held for its drop), and the installs
     /// from there.
-    _landing: Option<LandingBuffer>,
-    /// Bytes of the landing buffer.
-    landing_bytes: u64,
+    landing: Option<LandingBuffer>,
     installs: Vec<Segment>,
     /// Some pair of the communicator uses IPC: every run meets the other processes twice.
     handshake: bool,
@@ -133,6 +131,8 @@ struct LandingBuffer {
     backend: Arc<dyn Backend>,
     device: i32,
     allocation: u64,
+    /// The bytes that land (the allocation holds 16 more, for alignment).
+    bytes: u64,
 }
 
 impl Drop for LandingBuffer {
@@ -256,7 +256,7 @@ impl Remote {
             let size = usize::try_from(received + 16)
                 .map_err(|_| Error::new(Status::OutOfMemory, "landing larger than the address space"))?;
             let allocation = backend.alloc(device, size)?;
-            Some(LandingBuffer { backend: Arc::clone(&backend), device, allocation })
+            Some(LandingBuffer { backend: Arc::clone(&backend), device, allocation, bytes: received })
         } else {
             None
         };
@@ -458,8 +458,7 @@ impl Remote {
             exchange,
             outgoing,
             _opened_for_straight: opened_for_straight,
-            landing_bytes: if landing.is_some() { received } else { 0 },
-            _landing: landing,
+            landing,
             installs,
             handshake,
             records,
@@ -482,7 +481,7 @@ impl Remote {
 
     /// Bytes of the buffer that bytes from other processes land in (staged commit; else 0).
     pub fn landing_bytes(&self) -> u64 {
-        self.landing_bytes
+        self.landing.as_ref().map_or(0, |l| l.bytes)
     }
 
     /// The installs from the landing buffer into the live buffers (staged commit).

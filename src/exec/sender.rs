@@ -131,13 +131,17 @@ pub(super) struct Outgoing {
     pub buffered: Planned,
     /// Jobs into receivers' memory through CUDA IPC (run with the IPC writes).
     pub straight: Planned,
-    /// The send buffer, freed on drop (its owner drops it after the routes reading it drained).
-    buffer: Option<(Arc<dyn Backend>, i32, u64)>,
-    /// Its bytes.
-    pub buffer_bytes: u64,
+    /// The send buffer (backend, device, allocation, bytes used), freed on drop (its owner drops
+    /// it after the routes reading it drained).
+    buffer: Option<(Arc<dyn Backend>, i32, u64, u64)>,
 }
 
 impl Outgoing {
+    /// Bytes of the send buffer (0 without one).
+    pub fn buffer_bytes(&self) -> u64 {
+        self.buffer.as_ref().map_or(0, |buffer| buffer.3)
+    }
+
     /// Lays `planned` (the jobs of the receivers that take them buffered, in order) out in a send
     /// buffer allocated on `device`, each receiver's jobs packed apart (scale addresses of two
     /// processes may be equal numbers: only one receiver's jobs may share a scale); returns the
@@ -154,8 +158,7 @@ impl Outgoing {
         let size = planned.iter().map(|p| packed_size(&p.jobs)).fold(0, u64::saturating_add);
         let allocation =
             allocate_packed(backend.as_ref(), device, size, "the buffer of codes and scales sent")?;
-        self.buffer = Some((Arc::clone(backend), device, allocation));
-        self.buffer_bytes = size;
+        self.buffer = Some((Arc::clone(backend), device, allocation, size));
         let (mut at, mut into, mut segments) = (allocation.next_multiple_of(16), Vec::new(), Vec::new());
         for p in planned {
             let (jobs, from) = pack(&p.jobs, at);
@@ -171,7 +174,7 @@ impl Outgoing {
 
 impl Drop for Outgoing {
     fn drop(&mut self) {
-        if let Some((backend, device, allocation)) = self.buffer.take() {
+        if let Some((backend, device, allocation, _)) = self.buffer.take() {
             // SAFETY: ours; the work reading and writing it has drained.
             if let Err(err) = unsafe { backend.free(device, allocation) } {
                 log::warn!("freeing the buffer of codes and scales sent: {err}");
