@@ -771,8 +771,9 @@ mod tests {
             l.descs.iter().map(|d| (d.cols, d.mode, d.group_shift, d.first_tile)).collect();
         // Group mode's jobs first, in the order given: MX (4 lanes per block, 64 groups x 4 rounds
         // per tile), rows of 25 vectors (32 lanes); then the narrow entry point's rows of 1024
-        // vectors (4 per thread: one block each). Then the wide one's: 512 x 64 blocks of 8 vectors per thread, per tensor
-        // (slabs of 2 rows of 1024 vectors), rows of 1025 vectors (5 per thread).
+        // vectors (4 per thread: one block each). Then the wide one's: 512 x 64 blocks of 8 vectors
+        // per thread, per tensor (slabs of 2 rows of 1024 vectors), rows of 1025 vectors (5 per
+        // thread).
         let mx_tiles = 65536 * 256 / 256;
         let narrow_tiles = mx_tiles + 1 + 10;
         assert_eq!(
