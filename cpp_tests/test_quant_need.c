@@ -114,6 +114,8 @@ static void refit_cut_at(refit_group *group, uint64_t cut, uint32_t commit, int 
   CHECK(info.runner_device == (staged_path ? 1u : 0u));
   CHECK(info.elements == ROWS * COLS && info.source_bytes == 2 * ROWS * COLS && info.need == 0);
   CHECK(info.jobs == (staged_path ? 1u : 2u));
+  /* Blocks share no amax: nothing to exchange (test_quant.py's shards on two devices do). */
+  CHECK(info.amax_exchanged == 0);
   CHECK_STATUS(refit_plan_quant_route(plan, 1, &info), REFIT_STATUS_NOT_FOUND);
   info.size = 8;
   CHECK_STATUS(refit_plan_quant_route(plan, 0, &info), REFIT_STATUS_INVALID_ARGUMENT);

@@ -7,6 +7,8 @@
 //! and two processes on one GPU refitting each other with every quantized path
 //! (tests/common/quant_across.rs), the sender's codes and scales written through CUDA IPC.
 
+#[path = "common/amax_exchange.rs"]
+mod amax_exchange;
 #[path = "common/cuda.rs"]
 mod cuda;
 #[path = "common/processes.rs"]
@@ -659,8 +661,8 @@ impl PlainNeed {
 
 /// A fused QKV received as per-tensor FP8 with one scale from three tensors q, k and v (256, 128
 /// and 128 rows of 384 bf16) through an executor on one GPU, beside a plain need (so that the jobs
-/// in place ride its copy launch): in place, and staged when q is offered in two pieces; direct and
-/// staged commit, with and without verify. The codes and the scale equal the host reference's
+/// in place ride its copy launch): in place, also when q is offered in two pieces (two jobs of one
+/// batch naming the scale); direct and staged commit, with and without verify. The codes and the scale equal the host reference's
 /// quantization of the whole fused matrix.
 #[test]
 #[ignore = "needs a GPU"]
@@ -690,7 +692,7 @@ fn per_tensor_needs_sharing_one_scale_through_an_executor_match_the_reference() 
     let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::DeepGemm);
     // The reference: the whole fused matrix quantized at once.
     let (want_codes, want_scale) = quant_cases::reference_bf16(q, &values, ROWS, COLS);
-    for (q_cut, path) in [(None, QuantPath::Direct), (Some(100u64), QuantPath::Staged)] {
+    for (q_cut, path) in [(None, QuantPath::Direct), (Some(100u64), QuantPath::Direct)] {
         for (commit, verify) in [
             (CommitMode::Direct, false),
             (CommitMode::Staged, false),
@@ -1034,4 +1036,43 @@ fn per_row_jobs_sharing_an_amax_key_take_each_whole_rows_amax_on_the_gpu() {
             }
         }
     }
+}
+
+impl amax_exchange::Memory for Buffer {
+    fn new(len: usize) -> Buffer {
+        Buffer::new(0, len)
+    }
+
+    fn addr(&self) -> u64 {
+        self.ptr
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        self.upload(bytes);
+    }
+
+    fn read(&self) -> Vec<u8> {
+        self.download()
+    }
+}
+
+/// tests/common/amax_exchange.rs on GPU 0: two trainer processes, each holding a column half of two
+/// weights, quantize them for two engine processes whose scales take amaxes across both (per tensor,
+/// and per row of a row-parallel weight): the trainers exchange their amaxes at every run (phase 1
+/// alone on the GPU, read back, exchanged, then seeded into the quantizing launches). Codes and
+/// scales cross through CUDA IPC (a host-backend communicator for the control plane).
+#[test]
+#[ignore = "needs a GPU"]
+fn trainers_on_one_gpu_exchange_amaxes_and_match_the_reference() {
+    use processes::{in_processes, End};
+    use refit::transport::BackendKind;
+
+    in_processes(
+        "trainers_on_one_gpu_exchange_amaxes_and_match_the_reference",
+        BackendKind::Host,
+        &[End::Done; amax_exchange::PROCESSES],
+        |rank, size, id| {
+            amax_exchange::trainers_exchange_amaxes::<Buffer>(rank, size, id, BackendChoice::Cuda, true)
+        },
+    );
 }

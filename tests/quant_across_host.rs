@@ -5,6 +5,8 @@
 //! on its own, and the bytes received from the other process are counted: codes and scales where
 //! the sender quantizes, bf16 only for the staged need.
 
+#[path = "common/amax_exchange.rs"]
+mod amax_exchange;
 #[path = "common/processes.rs"]
 mod processes;
 #[path = "common/quant_across.rs"]
@@ -166,11 +168,16 @@ fn quantized_needs_across_processes_through_staging_match_the_reference() {
 ///   amax key: every code and both scales come from the amax of the whole fused matrix, which lies
 ///   in the second engine's half only.
 ///
+/// `trainers` processes offer the fused matrix (ranks below it; the engines are the two after): one
+/// the whole of it, or each the same share of every part's rows (a tensor-parallel trainer). With
+/// two, each engine's share comes from one trainer; with four, from two. No trainer then holds the
+/// whole weight, so the trainers exchange their amaxes at every run.
+///
 /// Both receivers keep their codes and scale at one same virtual address, so that the sender's
 /// buffer must keep the two receivers' scales apart. Every code and the scale equal the reference's
 /// over the fused matrix (the receiver's rows of it), through IPC writes and the staged exchange,
 /// under both commits and with verify.
-fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool, sharded: bool) {
+fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool, sharded: bool, trainers: usize) {
     use refit::plan::{Offer, QuantNeed, QuantPath, Region, SharedAmax, TensorSpec};
     use refit::quant::{Arithmetic, Fp8, Granularity, Quantization, SourceType};
 
@@ -209,9 +216,9 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool, sha
     let first_rows: Vec<u64> =
         PARTS.iter().scan(0, |at, &(_, rows)| Some(std::mem::replace(at, *at + rows))).collect();
     // The rows of each part this receiver gets: (first row within the part, rows).
-    let share = |rows: u64| match (sharded, rank) {
+    let share = |rows: u64| match (sharded, rank - trainers) {
         (false, _) => (0, rows),
-        (true, 1) => (0, rows / 2),
+        (true, 0) => (0, rows / 2),
         (true, _) => (rows / 2, rows / 2),
     };
     // The fused matrix's rows this receiver holds, in its order.
@@ -224,13 +231,15 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool, sha
         })
         .collect();
     let (mut offers, mut quant_needs, mut shared_amax) = (Vec::new(), Vec::new(), Vec::new());
-    let received = if rank == 0 {
+    let received = if rank < trainers {
         for (tensor, (&(_, rows), &first)) in PARTS.iter().zip(&first_rows).enumerate() {
+            let mine = rows / trainers as u64;
+            let lo = mine * rank as u64;
             offers.push(Offer {
                 tensor: tensor as u32,
                 owner: here,
-                addr: source.addr() + first * COLS * 2,
-                region: Region { offset: vec![0, 0], extent: vec![rows, COLS] },
+                addr: source.addr() + (first + lo) * COLS * 2,
+                region: Region { offset: vec![lo, 0], extent: vec![mine, COLS] },
                 strides: None,
                 digest: None,
             });
@@ -283,10 +292,20 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool, sha
     let table = Table { tensors, offers, needs: vec![], quant_needs, shared_amax };
     let share = build_plan(&comm, &table, &PlanOptions::default()).unwrap();
     assert!(
-        share.quant_routes().iter().all(|r| r.path == QuantPath::Sender && r.runner.process == 0),
+        share
+            .quant_routes()
+            .iter()
+            .all(|r| r.path == QuantPath::Sender && (r.runner.process as usize) < trainers),
         "rank {rank}"
     );
-    assert_eq!(share.quant_routes().len(), if rank == 0 { 6 } else { 3 }, "rank {rank}");
+    let routes = match (rank < trainers, trainers) {
+        (true, 1) => 6,
+        (true, _) => 3,
+        (false, t) => 3 * (t / 2).max(1),
+    };
+    assert_eq!(share.quant_routes().len(), routes, "rank {rank}");
+    // The trainers exchange amaxes only when none holds the whole weight.
+    assert_eq!(share.amax_exchange().is_empty(), trainers == 1, "rank {rank}");
 
     // The reference: the fused matrix quantized whole; this receiver's rows of its codes.
     let (fused_codes, want_scale) = quant_cases::reference_bf16(q, &fused, ROWS, COLS);
@@ -295,7 +314,7 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool, sha
         .flat_map(|&r| &fused_codes[(r * COLS) as usize..((r + 1) * COLS) as usize])
         .copied()
         .collect();
-    if sharded && rank == 1 {
+    if sharded && rank == trainers {
         // The check can fail: this receiver's rows alone have another scale.
         let mine: Vec<u8> = held
             .iter()
@@ -311,7 +330,8 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool, sha
     for (commit, verify) in cases {
         let options = ExecOptions { commit, verify, ..ExecOptions::default() };
         let mut executor = Executor::new_across(&group, &share, Arc::clone(&comm), options).unwrap();
-        let at = format!("rank {rank} ipc {ipc} sharded {sharded} {commit:?} verify {verify}");
+        let at =
+            format!("rank {rank} ipc {ipc} sharded {sharded} trainers {trainers} {commit:?} verify {verify}");
         if let Some((codes, scale)) = received.as_mut() {
             codes.fill(SENTINEL);
             scale.fill(SENTINEL);
@@ -336,7 +356,7 @@ fn a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_i
         "a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_ipc",
         BackendKind::Host,
         &[End::Done; 3],
-        |rank, size, id| fused_per_tensor_across(rank, size, id, true, false),
+        |rank, size, id| fused_per_tensor_across(rank, size, id, true, false, 1),
     );
 }
 
@@ -346,7 +366,7 @@ fn a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_s
         "a_fused_per_tensor_weight_is_quantized_by_its_sender_with_one_scale_through_staging",
         BackendKind::Host,
         &[End::Done; 3],
-        |rank, size, id| fused_per_tensor_across(rank, size, id, false, false),
+        |rank, size, id| fused_per_tensor_across(rank, size, id, false, false, 1),
     );
 }
 
@@ -356,7 +376,7 @@ fn a_per_tensor_weight_sharded_over_two_engines_takes_one_amax_through_ipc() {
         "a_per_tensor_weight_sharded_over_two_engines_takes_one_amax_through_ipc",
         BackendKind::Host,
         &[End::Done; 3],
-        |rank, size, id| fused_per_tensor_across(rank, size, id, true, true),
+        |rank, size, id| fused_per_tensor_across(rank, size, id, true, true, 1),
     );
 }
 
@@ -366,6 +386,68 @@ fn a_per_tensor_weight_sharded_over_two_engines_takes_one_amax_through_staging()
         "a_per_tensor_weight_sharded_over_two_engines_takes_one_amax_through_staging",
         BackendKind::Host,
         &[End::Done; 3],
-        |rank, size, id| fused_per_tensor_across(rank, size, id, false, true),
+        |rank, size, id| fused_per_tensor_across(rank, size, id, false, true, 1),
+    );
+}
+
+#[test]
+fn a_per_tensor_weight_sharded_over_two_trainers_and_two_engines_takes_one_amax_through_ipc() {
+    in_processes(
+        "a_per_tensor_weight_sharded_over_two_trainers_and_two_engines_takes_one_amax_through_ipc",
+        BackendKind::Host,
+        &[End::Done; 4],
+        |rank, size, id| fused_per_tensor_across(rank, size, id, true, true, 2),
+    );
+}
+
+#[test]
+fn a_per_tensor_weight_sharded_over_four_trainers_and_two_engines_takes_one_amax_through_staging() {
+    in_processes(
+        "a_per_tensor_weight_sharded_over_four_trainers_and_two_engines_takes_one_amax_through_staging",
+        BackendKind::Host,
+        &[End::Done; 6],
+        |rank, size, id| fused_per_tensor_across(rank, size, id, false, true, 4),
+    );
+}
+
+impl amax_exchange::Memory for Aligned {
+    fn new(len: usize) -> Aligned {
+        Aligned::new(len, 0)
+    }
+
+    fn addr(&self) -> u64 {
+        Aligned::addr(self)
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        self.bytes_mut().copy_from_slice(bytes);
+    }
+
+    fn read(&self) -> Vec<u8> {
+        self.bytes().to_vec()
+    }
+}
+
+#[test]
+fn trainers_holding_column_halves_exchange_amaxes_through_ipc() {
+    in_processes(
+        "trainers_holding_column_halves_exchange_amaxes_through_ipc",
+        BackendKind::Host,
+        &[End::Done; amax_exchange::PROCESSES],
+        |rank, size, id| {
+            amax_exchange::trainers_exchange_amaxes::<Aligned>(rank, size, id, BackendChoice::Host, true)
+        },
+    );
+}
+
+#[test]
+fn trainers_holding_column_halves_exchange_amaxes_through_staging() {
+    in_processes(
+        "trainers_holding_column_halves_exchange_amaxes_through_staging",
+        BackendKind::Host,
+        &[End::Done; amax_exchange::PROCESSES],
+        |rank, size, id| {
+            amax_exchange::trainers_exchange_amaxes::<Aligned>(rank, size, id, BackendChoice::Host, false)
+        },
     );
 }

@@ -813,21 +813,25 @@ impl Fused {
 #[test]
 fn per_tensor_needs_sharing_one_scale_get_the_amax_of_all_of_them() {
     let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::DeepGemm);
-    // (owners, cuts, path): all on the receiver's device, in place; one part on another device, or
-    // one cut into two offers (a per-tensor block spanning them), so all three are staged.
+    // (owners, cuts, staging, path, exchanged): all on the receiver's device, in place, also with
+    // one part cut into two offers (jobs of one batch sharing the scale); one part on another
+    // device: all three staged on the receiver, or without staging each part in place on its own
+    // device, the devices exchanging the amax.
     let layouts = [
-        ([DEV0, DEV0, DEV0], [None, None, None], QuantPath::Direct),
-        ([DEV0, DEV1, DEV0], [None, None, None], QuantPath::Staged),
-        ([DEV0, DEV0, DEV0], [Some(8), None, None], QuantPath::Staged),
+        ([DEV0, DEV0, DEV0], [None, None, None], true, QuantPath::Direct, false),
+        ([DEV0, DEV0, DEV0], [Some(8), None, None], true, QuantPath::Direct, false),
+        ([DEV0, DEV1, DEV0], [None, None, None], true, QuantPath::Staged, false),
+        ([DEV0, DEV1, DEV0], [None, None, None], false, QuantPath::Direct, true),
     ];
-    for (seed, (owners, cuts, path)) in layouts.into_iter().enumerate() {
+    for (seed, (owners, cuts, staging, path, exchanged)) in layouts.into_iter().enumerate() {
         for commit in [CommitMode::Direct, CommitMode::Staged] {
             for verify in [false, true] {
                 let fused = Fused::new(seed as u64 + 40, owners, cuts);
-                let (table, _shards) = fused.table(true, q);
+                let (table, _shards) = fused.table(staging, q);
                 let plan = build(&table).unwrap();
-                let what = format!("{owners:?} {cuts:?} {commit:?} verify {verify}");
+                let what = format!("{owners:?} {cuts:?} staging {staging} {commit:?} verify {verify}");
                 assert!(plan.quant_routes().iter().all(|r| r.path == path), "{what}");
+                assert_eq!(plan.amax_exchange().is_empty(), !exchanged, "{what}");
                 let group = group();
                 let options = ExecOptions { commit, verify, ..ExecOptions::default() };
                 let mut executor = Executor::new(&group, &plan, 0, options).unwrap();
@@ -861,9 +865,6 @@ fn per_tensor_needs_sharing_one_scale_get_the_amax_of_all_of_them() {
 fn needs_sharing_a_scale_that_cannot_be_quantized_together_are_refused() {
     let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor);
     let fused = Fused::new(50, [DEV0, DEV1, DEV0], [None, None, None]);
-    // Staged because k is on another device, but without staging.
-    let (table, _shards) = fused.table(false, q);
-    fails(build(&table), Status::Unsupported, &["'q'", "sharing its amax", "'k'", "staging"]);
     // One target and arithmetic, one receiving device.
     let (mut table, _shards) = fused.table(true, q);
     table.quant_needs[2].quantization = q.with(Arithmetic::VllmChannel);
@@ -1029,16 +1030,44 @@ fn per_tensor_shards_on_two_devices_sharing_an_amax_key_get_the_whole_weights_sc
 }
 
 #[test]
-fn shards_sharing_an_amax_that_cannot_be_quantized_together_are_refused() {
+fn shards_sharing_an_amax_across_devices_exchange_it_and_bad_keys_are_refused() {
     let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::VllmTensor);
     let sharded = Sharded::new(80);
-    // Each half offered on its own receiver: no one device holds both, and staging on each receiver
-    // would give each its own amax, so even with staging this is refused.
-    fails(
-        build(&sharded.table(DEV0, true, [q, q], true)),
-        Status::Unsupported,
-        &["'w'", "amax", "one device", "staging on each receiver"],
-    );
+    // Each half offered on its own receiver: no one device holds both (and staging on each receiver
+    // would give each its own amax), so each device quantizes its half and the two exchange the
+    // amax at every run: both scales are the whole weight's.
+    let (rows, cols) = SHARDED;
+    let plan = build(&sharded.table(DEV0, true, [q, q], true)).unwrap();
+    assert!(plan.quant_routes().iter().all(|r| r.path == QuantPath::Direct && r.runner == r.receiver));
+    assert_eq!(plan.amax_exchange().keys.len(), 1);
+    let (want_codes, want_scale) = quant_cases::reference_bf16(q, &sharded.values, rows, cols);
+    for commit in [CommitMode::Direct, CommitMode::Staged] {
+        for verify in [false, true] {
+            let what = format!("offered in halves {commit:?} verify {verify}");
+            sharded
+                .scales
+                .iter()
+                .for_each(|s| unsafe { std::ptr::write_bytes(s.addr() as *mut u8, SENTINEL, 4) });
+            let group = group();
+            let mut executor =
+                Executor::new(&group, &plan, 0, ExecOptions { commit, verify, ..ExecOptions::default() })
+                    .unwrap();
+            // SAFETY: every address of the plan is a live buffer of this test.
+            unsafe { executor.run(&group) }.unwrap();
+            if commit == CommitMode::Staged {
+                // SAFETY: as above.
+                unsafe { executor.commit(&group) }.unwrap();
+            }
+            let half = want_codes.len() / 2;
+            for k in 0..2 {
+                assert_eq!(sharded.scales[k].bytes(), want_scale.as_slice(), "{what}: scale {k}");
+                assert!(
+                    sharded.codes[k].bytes() == &want_codes[k * half..(k + 1) * half],
+                    "{what}: codes {k}"
+                );
+            }
+        }
+    }
     // Without the key, the same table plans: each half in place on its own device.
     let plan = build(&sharded.table(DEV0, true, [q, q], false)).unwrap();
     assert!(plan.quant_routes().iter().all(|r| r.path == QuantPath::Direct && r.runner == r.receiver));
@@ -1071,7 +1100,9 @@ fn shards_sharing_an_amax_that_cannot_be_quantized_together_are_refused() {
 /// on two devices, per row, each with its own scales, all given one amax key (vLLM's per-channel
 /// row-parallel weights at TP > 1): offered whole on one device, every row's scale is the whole
 /// row's on every shard, under both commits and with verify. Offered in column shards on the
-/// receivers themselves, no one device holds them: refused, even with staging.
+/// receivers themselves, no one device holds them: each quantizes its own and the devices exchange
+/// the rows' amaxes, with the same results. Offered in row halves (each need then on two devices):
+/// refused, even with staging.
 #[test]
 fn per_row_shards_sharing_an_amax_key_get_the_whole_rows_scales() {
     use quant_cases::RowShards;
@@ -1131,41 +1162,66 @@ fn per_row_shards_sharing_an_amax_key_get_the_whole_rows_scales() {
             shared_amax,
         }
     };
-    for commit in [CommitMode::Direct, CommitMode::Staged] {
-        for verify in [false, true] {
-            let what = format!("{commit:?} verify {verify}");
-            let plan = build(&table(&[(DEV1, 0, w.cols)], true)).unwrap();
-            assert!(
-                plan.quant_routes().iter().all(|r| r.path == QuantPath::Direct && r.runner == DEV1),
-                "{what}"
-            );
-            let group = group();
-            let mut executor =
-                Executor::new(&group, &plan, 0, ExecOptions { commit, verify, ..ExecOptions::default() })
-                    .unwrap();
-            for (k, (codes, scales, _)) in outputs.iter().enumerate() {
-                let (codes_len, scales_len) = shards.lens(k);
-                // SAFETY: the buffers above, of these lengths (no reference to them is alive here).
-                unsafe {
-                    std::ptr::write_bytes(codes.addr() as *mut u8, SENTINEL, codes_len);
-                    std::ptr::write_bytes(scales.addr() as *mut u8, SENTINEL, scales_len);
+    let runs = |plan: &Plan, what: &str| {
+        for commit in [CommitMode::Direct, CommitMode::Staged] {
+            for verify in [false, true] {
+                let what = format!("{what} {commit:?} verify {verify}");
+                let group = group();
+                let mut executor =
+                    Executor::new(&group, plan, 0, ExecOptions { commit, verify, ..ExecOptions::default() })
+                        .unwrap();
+                for (k, (codes, scales, _)) in outputs.iter().enumerate() {
+                    let (codes_len, scales_len) = shards.lens(k);
+                    // SAFETY: the buffers above, of these lengths (no reference to them is alive here).
+                    unsafe {
+                        std::ptr::write_bytes(codes.addr() as *mut u8, SENTINEL, codes_len);
+                        std::ptr::write_bytes(scales.addr() as *mut u8, SENTINEL, scales_len);
+                    }
+                }
+                // SAFETY: every address of the plan is a live buffer of this test.
+                unsafe { executor.run(&group) }.unwrap();
+                if commit == CommitMode::Staged {
+                    // SAFETY: as above.
+                    unsafe { executor.commit(&group) }.unwrap();
+                }
+                for (k, (codes, scales, _)) in outputs.iter().enumerate() {
+                    shards.check(k, codes.bytes(), scales.bytes(), &what);
                 }
             }
-            // SAFETY: every address of the plan is a live buffer of this test.
-            unsafe { executor.run(&group) }.unwrap();
-            if commit == CommitMode::Staged {
-                // SAFETY: as above.
-                unsafe { executor.commit(&group) }.unwrap();
-            }
-            for (k, (codes, scales, _)) in outputs.iter().enumerate() {
-                shards.check(k, codes.bytes(), scales.bytes(), &what);
-            }
         }
-    }
-    // Each shard offered on its own receiver's device: no one device quantizes the set in one batch.
+    };
+    let plan = build(&table(&[(DEV1, 0, w.cols)], true)).unwrap();
+    assert!(plan.quant_routes().iter().all(|r| r.path == QuantPath::Direct && r.runner == DEV1));
+    assert!(plan.amax_exchange().is_empty(), "one device quantizes the set in one batch");
+    runs(&plan, "offered whole");
+    // Each shard offered on its own receiver's device: no one device holds the set, so each
+    // quantizes its own in place, the two devices exchanging every row's amax at each run.
     let by_receiver: Vec<(Endpoint, u64, u64)> =
         (0..3).map(|k| (receivers[k], shards.shards[k].0, shards.shards[k].1)).collect();
-    fails(build(&table(&by_receiver, true)), Status::Unsupported, &["'o'", "staging on each receiver"]);
+    let plan = build(&table(&by_receiver, true)).unwrap();
+    assert!(plan.quant_routes().iter().all(|r| r.runner == r.receiver && r.path == QuantPath::Direct));
+    assert_eq!(plan.amax_exchange().keys.len(), 1);
+    runs(&plan, "offered by column shard");
+    // Offered in row halves on the two devices, each need's box lies on both: a row's jobs would
+    // start at different rows of the box, which the exchange of per-row amaxes does not take.
+    let mut by_rows = table(&by_receiver, true);
+    let half = w.rows / 2;
+    by_rows.offers = [(DEV0, 0), (DEV1, half)]
+        .iter()
+        .map(|&(owner, r0)| Offer {
+            tensor: 0,
+            owner,
+            addr: w.data.addr() + r0 * w.src_stride * 2,
+            region: Region { offset: vec![r0, 0], extent: vec![half, w.cols] },
+            strides: Some(vec![w.src_stride, 1]),
+            digest: None,
+        })
+        .collect();
+    fails(
+        build(&by_rows),
+        Status::Unsupported,
+        &["'o'", "per row, from one offer", "staging on each receiver"],
+    );
     // Without the key, each shard's rows take their own amaxes, in place on their own device.
     let plan = build(&table(&by_receiver, false)).unwrap();
     assert!(plan.quant_routes().iter().all(|r| r.runner == r.receiver && r.path == QuantPath::Direct));

@@ -386,7 +386,7 @@ class QuantRouteInfo(ctypes.Structure):
         ("runner_rank", c_uint32),
         ("runner_device", c_uint32),
         ("path", c_uint32),
-        ("reserved", c_uint32),
+        ("amax_exchanged", c_uint32),
         ("need", c_uint64),
         ("jobs", c_uint64),
         ("elements", c_uint64),

@@ -244,7 +244,8 @@ class QuantRoute:
     """The quantization one device runs for one quantized need (refit_quant_route_info): the path
     the need took, the device that quantizes (a source's, in place or in the sending process; the
     receiver's, staged), and how much. A need quantized where it is offered on several devices has
-    one per device, sharing `need`."""
+    one per device, sharing `need`. `amax_exchanged`: its jobs share an amax with other devices'
+    jobs, which the executors exchange at every run (Table.share_amax)."""
 
     tensor: str
     receiver_rank: int
@@ -256,6 +257,7 @@ class QuantRoute:
     jobs: int
     elements: int
     source_bytes: int
+    amax_exchanged: bool = False
 
 
 PlanStats = dataclasses.make_dataclass(
@@ -401,6 +403,7 @@ class Plan(Handle):
                         info.jobs,
                         info.elements,
                         info.source_bytes,
+                        bool(info.amax_exchanged),
                     )
                 )
         return out

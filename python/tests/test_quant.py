@@ -566,19 +566,25 @@ class QuantizedNeedTest(unittest.TestCase):
 
     def test_shards_on_two_devices_sharing_an_amax_key_take_the_whole_matrix_scale(self):
         # Matrix 0 of the tensor, its rows split between devices 0 and 1 (each with its own scale,
-        # both keyed alike), quantized per tensor from the whole matrix offered on device 1.
+        # both keyed alike), quantized per tensor from the whole matrix offered on device 1; or
+        # offered in the same halves on the two devices, each quantizing its own with the amax
+        # exchanged between them.
         q = Quantization(Fp8.E4M3FN, Granularity.TENSOR, None, Arithmetic.VLLM_TENSOR)
         rows, cols, half = self.ROWS, self.COLS, self.ROWS // 2
         # Finite values, the second half's binades above the first's: its amax is the matrix's.
         rng = random.Random(5)
         bits = [(rng.randrange(100, 120) + (10 if i >= half * cols else 0)) << 7 | rng.randrange(128)
                 | rng.choice([0, 0x8000]) for i in range(rows * cols)]
-        for keyed in (True, False):
+        for keyed, split in ((True, False), (False, False), (True, True)):
             table = refit.Table()
             tensor = table.add_tensor("w", [rows, cols], 2)
             addr = self.buffer(2 * rows * cols)
             ctypes.memmove(addr, struct.pack(f"<{rows * cols}H", *bits), 2 * rows * cols)
-            table.add_offer(tensor, 0, 1, addr, [0, 0], [rows, cols])
+            if split:
+                for device in (0, 1):
+                    table.add_offer(tensor, 0, device, addr + 2 * device * half * cols, [device * half, 0], [half, cols])
+            else:
+                table.add_offer(tensor, 0, 1, addr, [0, 0], [rows, cols])
             codes = [self.buffer(half * cols, 0xAB) for _ in range(2)]
             scales = [self.buffer(4, 0xAB) for _ in range(2)]
             for device in (0, 1):
@@ -587,7 +593,10 @@ class QuantizedNeedTest(unittest.TestCase):
                 if keyed:
                     table.share_amax(0, scales[device], 0xC0FFEE)
             plan = refit.Plan.build([table])
-            self.assertEqual({(r.path, r.runner_device) for r in plan.quant_routes()}, {(refit.QuantPath.IN_PLACE, 1)})
+            runners = {0, 1} if split else {1}
+            self.assertEqual({(r.path, r.runner_device) for r in plan.quant_routes()},
+                             {(refit.QuantPath.IN_PLACE, d) for d in runners})
+            self.assertEqual({r.amax_exchanged for r in plan.quant_routes()}, {split})
             plan.executor(self.group, 0).run()
             want_codes, want_scales = reference(q, bits, rows, cols, cols)
             for device in (0, 1):

@@ -215,6 +215,9 @@ pub struct Executor {
     staging_bytes: u64,
     /// The plan's quantization jobs for this process's receivers.
     quantizing: Quantizing,
+    /// The amax keys whose jobs' devices agree on their amaxes at every run
+    /// ([`crate::plan::AmaxExchange`]); empty: none.
+    amax_keys: Vec<u64>,
 }
 
 /// What the routes between processes ask of the rest of an executor's step.
@@ -446,6 +449,7 @@ impl Executor {
             address_check_ns: 0,
             staging_bytes: 0,
             quantizing: Quantizing::default(),
+            amax_keys: Vec::new(),
         };
         let mut lists = match options.commit {
             CommitMode::Direct => vec![executor.direct_lists(flows)],
@@ -460,6 +464,17 @@ impl Executor {
             last.installs.entry(rank).or_default().extend_from_slice(installs);
         }
         let staged = options.commit == CommitMode::Staged;
+        let exchange = plan.amax_exchange();
+        if let Some(other) = exchange.processes.iter().find(|&&p| p != process).filter(|_| remote.is_none()) {
+            crate::bail!(
+                Status::Unsupported,
+                "the plan's quantized needs share amaxes between devices of processes {} and {other}, which \
+                 exchange them at every run: create the executor with a communicator \
+                 (refit_executor_create_across)",
+                process
+            );
+        }
+        executor.amax_keys = exchange.keys.clone();
         let outgoing = remote.map(|r| (r.rank, r.outgoing));
         let mut quantizing =
             Quantizing::new(group, plan, process, (staged, options.verify), flows, outgoing)?;
@@ -864,6 +879,13 @@ impl Executor {
     fn queue_run(&self, group: &Group, log: &mut CallLog) -> Result<()> {
         let staged = self.options.commit == CommitMode::Staged;
         let last = self.slices.len().saturating_sub(1);
+        if !self.amax_keys.is_empty() {
+            // The sources as the caller left them, on every rank, before their amaxes are taken.
+            group.mark_pending_join();
+            group.join_if_pending()?;
+            let comm = self.remote.as_ref().map(Remote::comm);
+            log.waiting(|| self.quantizing.exchange_amaxes(group, &self.amax_keys, comm))?;
+        }
         if self.slices.is_empty() {
             if let Some(remote) = &self.remote {
                 group.mark_pending_join();

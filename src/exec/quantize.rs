@@ -14,12 +14,13 @@ use super::flows::{rank_of, RankFlow};
 use super::sender::Outgoing;
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
-use crate::plan::{Plan, QuantPath};
-use crate::quant::job::scale_owners;
+use crate::plan::{AmaxExchange, Plan, QuantPath};
+use crate::quant::job::{exchanges_amax, merge_amaxes, scale_owners, Amaxes};
 use crate::quant::{check_jobs, QuantJob};
 use crate::segment::check::check_destinations;
 use crate::segment::Segment;
 use crate::transport::access::first_unusable;
+use crate::transport::comm::Communicator;
 use crate::transport::verify::PreparedVerify;
 use crate::transport::{Backend, PreparedQuantize, Stream};
 use std::sync::Arc;
@@ -172,7 +173,7 @@ impl Quantizing {
             }
             gather(&mut gathered, (runner, When::Run, true), into, labels);
         }
-        check_shared_scales_together(&gathered)?;
+        check_shared_scales_together(&gathered, plan.amax_exchange())?;
         for ((rank, when, in_place), jobs, labels) in gathered {
             let device = group.device(rank)?;
             let check = match verify {
@@ -295,6 +296,36 @@ impl Quantizing {
         Ok(())
     }
 
+    /// Agrees with every device quantizing jobs of the amax keys `keys` (sorted) on their amaxes,
+    /// before this run's quantizing: each of this process's ranks reduces its jobs' elements (waited
+    /// for), the processes of `comm` exchange what they found (a collective call: every process
+    /// makes it, with or without such jobs), and every batch of those jobs, and its verify, starts
+    /// from the maximum.
+    pub fn exchange_amaxes(&self, group: &Group, keys: &[u64], comm: Option<&Communicator>) -> Result<()> {
+        let takes = |r: &&RankJobs| r.when != When::Commit && r.jobs.iter().any(|j| exchanges_amax(j, keys));
+        let mut amaxes = Amaxes::new();
+        for r in self.ranks.iter().filter(takes) {
+            // SAFETY: the sources are live (the caller's promise on the plan's memory); waited for.
+            let found = unsafe { r.prepared.partial_amaxes(group.stream(r.rank)?, keys) }?;
+            merge_amaxes(&mut amaxes, &found);
+        }
+        if let Some(comm) = comm {
+            for (peer, bytes) in comm.allgather_bytes(&encode_amaxes(&amaxes))?.iter().enumerate() {
+                let theirs = decode_amaxes(bytes).map_err(|why| {
+                    Error::new(Status::InternalError, format!("process {peer} sent its amaxes {why}"))
+                })?;
+                merge_amaxes(&mut amaxes, &theirs);
+            }
+        }
+        for r in self.ranks.iter().filter(takes) {
+            r.prepared.seed_amaxes(&amaxes)?;
+            if let Some(check) = &r.check {
+                check.prepared.seed_amaxes(&amaxes)?;
+            }
+        }
+        Ok(())
+    }
+
     /// Bytes of codes and scales the verify of the jobs at `when` compares (0 without verify).
     pub fn checked_bytes(&self, when: When) -> u64 {
         self.ranks.iter().filter(|r| r.when == when).filter_map(|r| r.check.as_ref()).map(|c| c.bytes).sum()
@@ -358,13 +389,45 @@ fn gather<K: PartialEq>(
     }
 }
 
+/// Amaxes as one process sends them to the others: per entry its key and row (u64) and bits (u32),
+/// little-endian.
+fn encode_amaxes(amaxes: &Amaxes) -> Vec<u8> {
+    let mut entries: Vec<_> = amaxes.iter().collect();
+    entries.sort_unstable();
+    let mut out = Vec::with_capacity(entries.len() * AMAX_ENTRY);
+    for (&(key, row), &bits) in entries {
+        out.extend_from_slice(&key.to_le_bytes());
+        out.extend_from_slice(&row.to_le_bytes());
+        out.extend_from_slice(&bits.to_le_bytes());
+    }
+    out
+}
+
+const AMAX_ENTRY: usize = 20;
+
+fn decode_amaxes(bytes: &[u8]) -> std::result::Result<Amaxes, String> {
+    if bytes.len() % AMAX_ENTRY != 0 {
+        return Err(format!("in {} bytes, not a multiple of {AMAX_ENTRY}", bytes.len()));
+    }
+    let word = |b: &[u8]| u64::from_le_bytes(b.try_into().expect("8 bytes"));
+    let mut out = Amaxes::new();
+    for entry in bytes.chunks_exact(AMAX_ENTRY) {
+        let bits = u32::from_le_bytes(entry[16..].try_into().expect("4 bytes"));
+        merge_amaxes(&mut out, &Amaxes::from([((word(&entry[..8]), word(&entry[8..16])), bits)]));
+    }
+    Ok(out)
+}
+
 /// Internal unless the jobs sharing each per-tensor amax (a scale, or a key) run in one gathering
-/// (one batch, so one amax): what the planner's routes promise (`plan::quantized`'s ScaleTies).
-fn check_shared_scales_together(gathered: &Gathered<Gathering>) -> Result<()> {
+/// (one batch, so one amax), but for those whose amax `exchange` covers: what the planner's routes
+/// promise (`plan::quantized`'s ScaleTies).
+fn check_shared_scales_together(gathered: &Gathered<Gathering>, exchange: &AmaxExchange) -> Result<()> {
     let mut batch_of: std::collections::HashMap<(bool, u64), usize> = std::collections::HashMap::new();
     for (index, (_, jobs, labels)) in gathered.iter().enumerate() {
         let shared = jobs.iter().zip(labels).filter(|(j, _)| {
-            j.quantization.granularity == crate::quant::Granularity::Tensor && j.elements() > 0
+            j.quantization.granularity == crate::quant::Granularity::Tensor
+                && j.elements() > 0
+                && !exchange.covers(j.amax_key)
         });
         for (job, (tensor, _)) in shared {
             let keys = [Some((false, job.scales)), (job.amax_key != 0).then_some((true, job.amax_key))];

@@ -474,6 +474,11 @@ impl Remote {
         self.rank
     }
 
+    /// The communicator the routes run over.
+    pub fn comm(&self) -> &Communicator {
+        &self.comm
+    }
+
     /// What this process quantizes for others.
     pub fn outgoing(&self) -> &Outgoing {
         &self.outgoing

@@ -141,7 +141,9 @@ pub struct refit_quant_route_info {
     pub runner_device: u32,
     /// REFIT_PATH_IN_PLACE, REFIT_PATH_STAGED or REFIT_PATH_SENDER.
     pub path: u32,
-    pub reserved: u32,
+    /// 1 when the jobs share an amax with jobs of other devices, which the executors exchange at
+    /// every run (refit_table_share_amax); else 0.
+    pub amax_exchanged: u32,
     /// The need's number among the plan's quantized needs (ordered by receiver, tensor, box): the
     /// routes of one need share it.
     pub need: u64,
@@ -625,7 +627,7 @@ pub unsafe extern "C" fn refit_plan_quant_route(
                 plan::QuantPath::Staged => REFIT_PATH_STAGED,
                 plan::QuantPath::Sender => REFIT_PATH_SENDER,
             },
-            reserved: 0,
+            amax_exchanged: u32::from(r.jobs.iter().any(|j| plan.plan.amax_exchange().covers(j.amax_key))),
             need: r.need as u64,
             jobs: r.jobs.len() as u64,
             elements: r.elements(),
@@ -724,8 +726,11 @@ unsafe fn write_stats(s: &PlanStats, stats: *mut PlanStats) -> Result<()> {
 /// be received on one device with one target and arithmetic (INVALID_ARGUMENT at planning, naming
 /// them). They are quantized in place when all of them can be, from one device: of the receiver's
 /// process, else of one sending process (which quantizes them in one batch and sends the codes and
-/// the one scale); otherwise every one of them is staged (each then needs staging: UNSUPPORTED
-/// naming the tensor and the needs it shares its scale with). Per-tensor scales on several
+/// the one scale); otherwise every one of them is staged, and without staging each is quantized in
+/// place on its own device with the amax exchanged between the devices (refit_table_share_amax
+/// says how; a need none of this can meet: UNSUPPORTED naming the tensor and the needs it shares
+/// its scale with). A per-tensor need of one matrix may take it from several offers, whose jobs
+/// share its scale. Per-tensor scales on several
 /// receivers that hold one value (a weight's shards, each receiver with its own copy of the scale:
 /// vLLM 0.33's per-tensor weights of a tensor-parallel layer) share their amax through a key
 /// (refit_table_share_amax), and so do per-row scales of a weight's column shards (vLLM 0.33's
@@ -855,13 +860,22 @@ pub unsafe extern "C" fn refit_table_add_quantized_need(
 /// naming one per-tensor scale in one process share it without a key. A key only one need takes
 /// changes nothing: every need sharing a key must be in the tables a plan is built from.
 ///
-/// Such needs are quantized in place only, in one batch: one device must hold the pieces of all of
-/// them (one offer per quantization block, as refit_table_add_quantized_need's in place and sender
-/// paths take; per row, one offer per need), in a process that receives all of them (in place) or
-/// none (the sender path: it quantizes them in one batch and sends each receiver its codes and its
-/// scales). Where the needs sharing a key are received on one device they are otherwise staged
-/// there; where they are received on several, planning fails with UNSUPPORTED naming the tensor
-/// (staging on each receiver would give each its own amax). Planning also refuses
+/// Such needs are quantized in place only. Where one device holds the pieces of all of them (one
+/// offer per quantization block, as refit_table_add_quantized_need's in place and sender paths
+/// take; per row, one offer per need), in a process that receives all of them (in place) or none
+/// (the sender path), it quantizes them in one batch and sends each receiver its codes and its
+/// scales. Otherwise, where they are received on one device and each has staging, they are staged
+/// there. Otherwise, where each can be quantized in place on its own (a per-tensor need from any
+/// offers holding its matrix; a per-row need from one offer), each is, on the devices holding its
+/// pieces (a tensor-parallel trainer's shards), and those devices agree on the amax at every run:
+/// each reduces its jobs' elements (the quantizing kernel's first phase alone, waited for), the
+/// executors exchange what they found through their communicator (a collective of every process of
+/// the executor's communicator, at the start of refit_executor_run: the run waits for the caller's
+/// work on the sources there), and every job quantizes with the maximum (refit_plan_stats and
+/// refit_run_stats count these needs as any). Such a plan's executors need a communicator where
+/// those devices lie in several processes (refit_executor_create_across; refit_executor_create
+/// refuses with UNSUPPORTED). Otherwise planning fails with UNSUPPORTED naming the tensor (staging
+/// on each receiver would give each its own amax). Planning also refuses
 /// (INVALID_ARGUMENT) needs sharing an amax that quantize differently, per-row needs sharing a key
 /// over other rows or with more than one matrix, a scale given two keys by different tables, and a
 /// key on a place where no quantized need with elements writes a per-tensor scale or starts its

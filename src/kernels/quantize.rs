@@ -6,7 +6,7 @@
 use super::module;
 use super::upload::UploadSlots;
 use crate::error::{Error, Result, Status};
-use crate::quant::job::{check_jobs, Granularity, QuantJob, ScaleKind};
+use crate::quant::job::{check_jobs, Amaxes, Granularity, QuantJob, ScaleKind};
 use crate::quant::{Fp8, SourceType};
 use crate::sync::lock;
 use crate::transport::driver::{check, CurrentContext};
@@ -118,6 +118,9 @@ pub struct Layout {
     /// per row with a shared amax: one per row of each set), after the table; 0: no job takes two
     /// phases (then phase 1 does not run; two-phase jobs are wide).
     pub amax_words: u32,
+    /// The amax word of each (key, row) that keyed jobs take (`QuantJob::amax_key`; row 0 per
+    /// tensor), sorted: where amaxes exchanged between devices are read and seeded.
+    pub keyed_words: Vec<((u64, u64), u32)>,
 }
 
 impl Layout {
@@ -237,6 +240,17 @@ pub fn layout(jobs: &[QuantJob]) -> Result<Layout> {
         };
     }
     layout.amax_words = words as u32;
+    let keyed = jobs.iter().enumerate().filter(|(_, job)| job.amax_key != 0);
+    let mut keyed_words: Vec<((u64, u64), u32)> = keyed
+        .filter_map(|(index, job)| Some((job, words_of_job[owners[index]]?)))
+        .flat_map(|(job, word)| {
+            let rows = if job.quantization.granularity == Granularity::Row { job.rows } else { 1 };
+            (0..rows).map(move |row| ((job.amax_key, row), word + row as u32))
+        })
+        .collect();
+    keyed_words.sort_unstable();
+    keyed_words.dedup();
+    layout.keyed_words = keyed_words;
     layout.index = tile_index(&layout.descs, layout.tiles);
     if layout.tiles > i32::MAX as u64 {
         return Err(Error::new(
@@ -426,7 +440,7 @@ impl QuantizeKernel {
         // caller's promises cover the jobs.
         unsafe {
             self.uploads.with_table(stream, &layout.to_bytes(), layout.amax_bytes(), |table| {
-                self.launches(stream, table, layout)
+                self.launches(stream, table, layout, None)
             })
         }
     }
@@ -439,28 +453,51 @@ impl QuantizeKernel {
     ///
     /// # Safety
     /// As for [`QuantizeKernel::enqueue`]; `table` holds `layout` as described until the work has run.
-    unsafe fn launches(&self, stream: sys::CUstream, table: u64, layout: &Layout) -> Result<()> {
+    unsafe fn launches(
+        &self,
+        stream: sys::CUstream,
+        table: u64,
+        layout: &Layout,
+        seed: Option<&Seed>,
+    ) -> Result<()> {
         let first = amax_words(table, layout);
         self.launch(stream, table, layout, (self.groups, layout.groups_range()), 2, first)?;
         self.launch(stream, table, layout, (self.narrow, layout.narrow_range()), 2, first)?;
         // SAFETY: the caller's promises.
-        let amax = unsafe { self.first_phase(stream, table, layout) }?;
+        let amax = unsafe { self.first_phase(stream, table, layout, seed) }?;
         self.launch(stream, table, layout, (self.wide, layout.wide_range()), 2, amax)?;
         self.launch(stream, table, layout, (self.rows, layout.rows_range()), 2, amax)
     }
 
-    /// For jobs sharing amaxes, the zeroing of their words and the phase-1 launches: the wide entry
-    /// point's for per-tensor jobs, refit_quantize_rows's for per-row ones; nothing otherwise.
-    /// Returns the amax words' address (0 without such jobs).
+    /// For jobs sharing amaxes, the zeroing of their words (or their upload from `seed`) and the
+    /// phase-1 launches: the wide entry point's for per-tensor jobs, refit_quantize_rows's for per-row
+    /// ones; nothing otherwise, nor where `seed` holds every word. Returns the amax words' address (0
+    /// without such jobs).
     ///
     /// # Safety
-    /// As for [`QuantizeKernel::launches`].
-    unsafe fn first_phase(&self, stream: sys::CUstream, table: u64, layout: &Layout) -> Result<u64> {
+    /// As for [`QuantizeKernel::launches`]; `seed` was made for `layout`.
+    unsafe fn first_phase(
+        &self,
+        stream: sys::CUstream,
+        table: u64,
+        layout: &Layout,
+        seed: Option<&Seed>,
+    ) -> Result<u64> {
         let amax = amax_words(table, layout);
         if layout.two_phase() {
-            // SAFETY: the amax words lie in the table (the caller's promise).
+            // SAFETY: the amax words lie in the table (the caller's promise). A copy from pageable
+            // memory returns once the driver holds the bytes, so the seed may change after it.
             let words = layout.amax_words as usize;
-            check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(amax, 0, words, stream) })?;
+            match seed {
+                Some(seed) => check("cuMemcpyHtoDAsync", unsafe {
+                    sys::cuMemcpyHtoDAsync_v2(amax, seed.words.as_ptr().cast(), words * 4, stream)
+                })?,
+                None => check("cuMemsetD32Async", unsafe { sys::cuMemsetD32Async(amax, 0, words, stream) })?,
+            }
+            if seed.is_some_and(|seed| seed.complete) {
+                // Every amax is already the whole set's, over every device's jobs.
+                return Ok(amax);
+            }
             if layout.tensor_phase {
                 self.launch(stream, table, layout, (self.wide, layout.wide_range()), 1, amax)?;
             }
@@ -482,6 +519,7 @@ impl QuantizeKernel {
         table: u64,
         layout: &Layout,
         copy: &super::batched_copy::Launch,
+        seed: Option<&Seed>,
     ) -> Result<()> {
         let riding = layout.tiles - layout.rows_tiles;
         let blocks = u32::try_from(u64::from(copy.blocks) + riding)
@@ -494,7 +532,7 @@ impl QuantizeKernel {
                 )
             })?;
         // SAFETY: the caller's promises.
-        let amax = unsafe { self.first_phase(stream, table, layout) }?;
+        let amax = unsafe { self.first_phase(stream, table, layout, seed) }?;
         let super::batched_copy::Launch {
             mut descriptors,
             mut segments,
@@ -568,6 +606,18 @@ pub struct PreparedQuantize {
     layout: Layout,
     /// The descriptors, then the amax words (`cuMemAlloc`, freed on drop); 0 for an empty batch.
     table: sys::CUdeviceptr,
+    /// What launches start the amax words from instead of zeros
+    /// ([`crate::transport::PreparedQuantize::seed_amaxes`]).
+    seed: Mutex<Option<Seed>>,
+}
+
+/// Amax words a prepared batch's launches start from: amaxes exchanged between devices.
+struct Seed {
+    /// One per amax word of the layout; 0 where nothing was exchanged.
+    words: Vec<u32>,
+    /// Every word holds an exchanged amax (the whole set's, every device's jobs included), so that
+    /// phase 1 has nothing to add and is skipped.
+    complete: bool,
 }
 
 // SAFETY: a device allocation and process-wide driver handles.
@@ -579,7 +629,7 @@ impl PreparedQuantize {
     pub fn new(device: i32, jobs: &[QuantJob]) -> Result<PreparedQuantize> {
         let layout = layout(jobs)?;
         let kernel = QuantizeKernel::for_device(device)?;
-        let mut prepared = PreparedQuantize { kernel, layout, table: 0 };
+        let mut prepared = PreparedQuantize { kernel, layout, table: 0, seed: Mutex::default() };
         if prepared.layout.tiles == 0 {
             return Ok(prepared);
         }
@@ -625,7 +675,11 @@ impl PreparedQuantize {
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
         // SAFETY: the table holds the layout until drop; the caller's promises cover the rest.
-        unsafe { self.kernel.launch_with_copy(stream, self.table, &self.layout, &parts.launch) }
+        let seed = lock(&self.seed);
+        // SAFETY: the table holds the layout until drop; the caller's promises cover the rest.
+        unsafe {
+            self.kernel.launch_with_copy(stream, self.table, &self.layout, &parts.launch, seed.as_ref())
+        }
     }
 }
 
@@ -641,7 +695,51 @@ impl crate::transport::PreparedQuantize for PreparedQuantize {
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
         // SAFETY: the table holds the layout until drop; the caller's promises cover the jobs.
-        unsafe { self.kernel.launches(stream.as_ptr().cast(), self.table, &self.layout) }
+        let seed = lock(&self.seed);
+        // SAFETY: the table holds the layout until drop; the caller's promises cover the jobs.
+        unsafe { self.kernel.launches(stream.as_ptr().cast(), self.table, &self.layout, seed.as_ref()) }
+    }
+
+    unsafe fn partial_amaxes(&self, stream: crate::transport::Stream, keys: &[u64]) -> Result<Amaxes> {
+        let wanted: Vec<((u64, u64), u32)> = self
+            .layout
+            .keyed_words
+            .iter()
+            .copied()
+            .filter(|((key, _), _)| keys.binary_search(key).is_ok())
+            .collect();
+        if wanted.is_empty() {
+            return Ok(Amaxes::new());
+        }
+        let stream: sys::CUstream = stream.as_ptr().cast();
+        // SAFETY: a retained primary context.
+        let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
+        let mut words = vec![0u32; self.layout.amax_words as usize];
+        // SAFETY: the table holds the layout and its amax words until drop; the caller's promise
+        // covers the sources; the words are read back before `words` goes.
+        unsafe {
+            let amax = self.kernel.first_phase(stream, self.table, &self.layout, None)?;
+            check(
+                "cuMemcpyDtoHAsync",
+                sys::cuMemcpyDtoHAsync_v2(words.as_mut_ptr().cast(), amax, words.len() * 4, stream),
+            )?;
+            check("cuStreamSynchronize", sys::cuStreamSynchronize(stream))?;
+        }
+        Ok(wanted.into_iter().map(|(place, word)| (place, words[word as usize])).collect())
+    }
+
+    fn seed_amaxes(&self, amaxes: &Amaxes) -> Result<()> {
+        let mut words = vec![0u32; self.layout.amax_words as usize];
+        let mut seeded = vec![false; words.len()];
+        for (place, word) in &self.layout.keyed_words {
+            if let Some(&bits) = amaxes.get(place) {
+                words[*word as usize] = bits;
+                seeded[*word as usize] = true;
+            }
+        }
+        let complete = seeded.iter().all(|&s| s);
+        *lock(&self.seed) = seeded.contains(&true).then_some(Seed { words, complete });
+        Ok(())
     }
 }
 

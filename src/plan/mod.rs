@@ -41,7 +41,7 @@ pub use builder::TableBuilder;
 pub use destinations::{Destinations, Located};
 pub use options::{Limits, OwnerPolicy, PlanOptions};
 pub use planner::{build, build_from, build_share, build_with_limits};
-pub use quantized::{QuantNeed, QuantPath, QuantRoute, SharedAmax};
+pub use quantized::{AmaxExchange, QuantNeed, QuantPath, QuantRoute, SharedAmax};
 pub use routes::{Plan, Route, RouteKind};
 pub use stats::{PlanStats, SIZE_BUCKETS};
 pub use table::{Endpoint, Need, Offer, Region, Table, TensorSpec, MAX_DIMS};

@@ -117,6 +117,7 @@ fn build_part(
         destinations,
         share: process,
         quant: quantized.routes,
+        amax_exchange: quantized.exchange,
     })
 }
 

@@ -307,6 +307,33 @@ pub(crate) struct Planned {
     pub routes: Vec<QuantRoute>,
     /// A digest of every quantized need (0 when there is none), for the inputs' fingerprint.
     pub fingerprint: u64,
+    /// The amaxes exchanged at every run (sets of needs sharing an amax whose jobs run on several
+    /// devices): the same in every process's plan.
+    pub exchange: AmaxExchange,
+}
+
+/// Amaxes that the devices quantizing a set of needs sharing them must agree on before they
+/// quantize: each device reduces its own jobs' elements (phase 1), the executors exchange those
+/// partial amaxes (through the communicator between processes), and every device quantizes with
+/// their maximum. Planned where no one device holds every piece of such a set: a sharded trainer's
+/// shards of a weight that an engine scales per tensor (or per row, row-parallel) across its ranks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct AmaxExchange {
+    /// The jobs' amax keys ([`QuantJob::amax_key`]) of the exchanged sets, sorted.
+    pub keys: Vec<u64>,
+    /// The processes whose devices run jobs of those sets, sorted.
+    pub processes: Vec<u32>,
+}
+
+impl AmaxExchange {
+    pub fn is_empty(&self) -> bool {
+        self.keys.is_empty()
+    }
+
+    /// Whether jobs with `key` take the exchanged amax.
+    pub fn covers(&self, key: u64) -> bool {
+        key != 0 && self.keys.binary_search(&key).is_ok()
+    }
 }
 
 /// Plans the quantized needs of `tables` (every process's: the staged path adds needs that every
@@ -358,22 +385,26 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
         }
         let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
         let amax_key = ties.key(number);
+        let own_pieces = |q: &QuantNeed, g: &Geometry| {
+            direct_pieces(q, g, offers, Pieces::ReceiversProcess)
+                .or_else(|_| direct_pieces(q, g, offers, Pieces::AnyProcess { turn: number }))
+        };
         let in_place = match ties.tied(number) {
             Some(Err(Refusal { why, stageable: false })) => {
                 return Err(Error::new(
                     Status::Unsupported,
                     format!(
                         "quantized need of tensor '{}' on process {} device {}: {why}; needs sharing an amax across \
-                         receiving devices are quantized in place from one device or not at all (staging on each \
+                         receiving devices are quantized in place (from one device, or each need from offers of \
+                         its own with the amax exchanged; per row, from one offer) or not at all (staging on each \
                          receiver would give each its own amax)",
                         spec.name, q.receiver.process, q.receiver.device
                     ),
                 ))
             }
             Some(Err(Refusal { why, .. })) => Err(why),
-            Some(Ok(from)) => direct_pieces(q, &g, offers, from),
-            None => direct_pieces(q, &g, offers, Pieces::ReceiversProcess)
-                .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: number })),
+            Some(Ok(Tie::From(from))) => direct_pieces(q, &g, offers, from),
+            Some(Ok(Tie::Exchanged)) | None => own_pieces(q, &g),
         };
         let routes = match in_place {
             Ok(pieces) => direct_routes(spec, q, &g, &pieces, amax_key, &mut budget)?,
@@ -405,6 +436,10 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
                 vec![staged_route(spec, q, &g, amax_key, &mut budget)?]
             }
         };
+        if ties.exchanged(number) {
+            planned.exchange.keys.push(amax_key);
+            planned.exchange.processes.extend(routes.iter().map(|r| r.runner.process));
+        }
         let kept = routes
             .into_iter()
             .filter(|r| process.is_none_or(|p| p == r.receiver.process || p == r.runner.process));
@@ -412,6 +447,11 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
     }
     planned.shadow = shadow.into_table();
     planned.fingerprint = digest.finish();
+    let exchange = &mut planned.exchange;
+    exchange.keys.sort_unstable();
+    exchange.keys.dedup();
+    exchange.processes.sort_unstable();
+    exchange.processes.dedup();
     Ok(planned)
 }
 
@@ -445,17 +485,28 @@ fn amax_keys(tables: &[&Table], digest: &mut Fnv1a) -> Result<HashMap<(u32, u64)
 /// Per-tensor needs whose matrices share one amax: those of one process naming the same scale (a
 /// fused `qkv` received from separate q, k and v: one scale), and those whose scales share a key
 /// ([`SharedAmax`]: the shards of one weight on several receivers, each with its own copy of the
-/// scale). Their jobs must run in one batch of one device (`crate::quant::job::amax_owners`), so such
-/// needs are quantized in place only when every one of them is, from one device: of the receivers'
-/// process (direct), else of one other process (the sender path, which quantizes them in one batch),
-/// never some direct and some sent; else, where they are received on one device, all of them are
-/// staged there, and otherwise planning fails (UNSUPPORTED).
+/// scale). Jobs in one batch of one device share an amax by themselves
+/// (`crate::quant::job::amax_owners`), so such needs are quantized in place from one device when
+/// every one of them can be: of the receivers' process (direct), else of one other process (the
+/// sender path, which quantizes them in one batch), never some direct and some sent. Else, where
+/// they are received on one device and each has staging, all of them are staged there. Else, where
+/// each can be quantized in place on its own (per row: from one offer), each is, and the devices
+/// running them exchange their amaxes at every run ([`AmaxExchange`]). Otherwise planning fails
+/// (UNSUPPORTED).
 struct ScaleTies {
     /// By need: its set's number (that of its first need), for needs that share an amax.
     set: Vec<Option<usize>>,
-    /// By set: the offers every need of the set takes its pieces from, where one device holds them
-    /// all; else why not.
-    decided: HashMap<usize, std::result::Result<Pieces, Refusal>>,
+    /// By set: where its needs take their pieces from; else why not in place.
+    decided: HashMap<usize, std::result::Result<Tie, Refusal>>,
+}
+
+/// Where the needs of a set sharing an amax take their pieces from.
+#[derive(Clone, Copy, Debug)]
+enum Tie {
+    /// All from the offers of one device, which quantizes them in one batch.
+    From(Pieces),
+    /// Each its own (as a need sharing nothing), the amax exchanged between the devices.
+    Exchanged,
 }
 
 /// Why the needs sharing an amax are not quantized in place, and whether they may be staged instead
@@ -554,8 +605,20 @@ impl ScaleTies {
             let r = root(&mut parent, i);
             members.entry(r).or_default().push(i);
         }
+        // A per-tensor need alone is a set when a matrix of it lies on several devices.
+        let apart = |i: usize| {
+            let (spec, q) = needs[i];
+            if q.quantization.granularity != Granularity::Tensor {
+                return false;
+            }
+            let Ok(g) = q.geometry(spec) else { return false };
+            let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+            direct_pieces(q, &g, offers, Pieces::ReceiversProcess)
+                .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: i }))
+                .is_ok_and(|pieces| splits_a_matrix(&g, &pieces))
+        };
         let mut ties = ScaleTies { set: vec![None; needs.len()], decided: HashMap::new() };
-        for (first, set) in members.into_iter().filter(|(_, set)| set.len() > 1) {
+        for (first, set) in members.into_iter().filter(|(_, set)| set.len() > 1 || apart(set[0])) {
             let mut names: Vec<String> = set.iter().map(|&i| format!("'{}'", needs[i].0.name)).collect();
             names.sort_unstable();
             names.dedup();
@@ -612,22 +675,44 @@ impl ScaleTies {
             let from = [Pieces::ReceiversProcess, Pieces::AnyProcess { turn: first }]
                 .into_iter()
                 .find(|&p| runner(p).is_some());
-            let decided = from.ok_or_else(|| Refusal {
-                why: format!(
+            let why = || {
+                format!(
                     "the {} needs sharing its amax (of tensors {names}) cannot all be quantized in place from one \
                      device (of a process that receives all of them or none; per row, each need from one offer)",
                     set.len()
-                ),
-                stageable: one_receiver,
-            });
+                )
+            };
+            // Each need on its own, as plan() takes it: its receiver's offers, else any process's.
+            let exchangeable = || {
+                set.iter().all(|&i| {
+                    let (spec, q) = needs[i];
+                    let Ok(g) = q.geometry(spec) else { return false };
+                    let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+                    let pieces = direct_pieces(q, &g, offers, Pieces::ReceiversProcess)
+                        .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: i }));
+                    pieces.is_ok_and(|p| q.quantization.granularity != Granularity::Row || p.len() == 1)
+                })
+            };
+            let stageable = one_receiver && set.iter().all(|&i| needs[i].1.staging != 0);
+            let decided = match from {
+                Some(from) => Ok(Tie::From(from)),
+                None if stageable => Err(Refusal { why: why(), stageable }),
+                None if exchangeable() => Ok(Tie::Exchanged),
+                None => Err(Refusal { why: why(), stageable: one_receiver }),
+            };
             ties.decided.insert(first, decided);
         }
         Ok(ties)
     }
 
-    /// For need `number`, if it shares an amax: the offers it takes its pieces from, or why not.
-    fn tied(&self, number: usize) -> Option<std::result::Result<Pieces, Refusal>> {
+    /// For need `number`, if it shares an amax: where it takes its pieces from, or why not in place.
+    fn tied(&self, number: usize) -> Option<std::result::Result<Tie, Refusal>> {
         self.set[number].and_then(|set| self.decided.get(&set).cloned())
+    }
+
+    /// Whether need `number`'s set exchanges its amax between devices.
+    fn exchanged(&self, number: usize) -> bool {
+        matches!(self.tied(number), Some(Ok(Tie::Exchanged)))
     }
 
     /// The amax key of need `number`'s jobs: one per set of needs sharing an amax, the same in every
@@ -635,6 +720,22 @@ impl ScaleTies {
     fn key(&self, number: usize) -> u64 {
         self.set[number].map_or(0, |first| first as u64 + 1)
     }
+}
+
+/// Whether two of `pieces` on different devices hold parts of one matrix of the box (their ranges
+/// meet in every dimension before the rows and columns).
+fn splits_a_matrix(g: &Geometry, pieces: &[Source]) -> bool {
+    if pieces.iter().all(|p| p.owner == pieces[0].owner) {
+        return false;
+    }
+    let (row_dim, col_dim) = g.matrix_dims();
+    let leading: Vec<usize> = (0..g.n).filter(|&d| Some(d) != row_dim && Some(d) != col_dim).collect();
+    let meet = |a: &Source, b: &Source| {
+        leading
+            .iter()
+            .all(|&d| a.bx.lo[d] < b.bx.lo[d] + b.bx.ext[d] && b.bx.lo[d] < a.bx.lo[d] + a.bx.ext[d])
+    };
+    pieces.iter().enumerate().any(|(i, a)| pieces[i + 1..].iter().any(|b| a.owner != b.owner && meet(a, b)))
 }
 
 fn hash_need(h: &mut Fnv1a, spec: &TensorSpec, q: &QuantNeed) {
@@ -747,9 +848,13 @@ fn direct_pieces(
     let (rows, cols) = g.rows_cols();
     let (block_rows, block_cols) = q.quantization.block_shape(rows, cols);
     let (row_dim, col_dim) = g.matrix_dims();
+    // A per-tensor box of one matrix may lie across offers: their jobs share its scale, hence its
+    // amax (in one batch, or exchanged between devices: ScaleTies). Of several matrices, each lies
+    // in one offer (the need's jobs take one amax key, which would join the matrices).
+    let whole_blocks = q.quantization.granularity != Granularity::Tensor || g.matrices() != 1;
     for p in &pieces {
         for (dim, block, what) in [(row_dim, block_rows, "row"), (col_dim, block_cols, "column")] {
-            let Some(d) = dim else { continue };
+            let Some(d) = dim.filter(|_| whole_blocks) else { continue };
             let (start, end) = (p.bx.lo[d] - g.lo[d], p.bx.lo[d] + p.bx.ext[d] - g.lo[d]);
             if start % block != 0 || (end != g.ext[d] && end % block != 0) {
                 return Err(format!(

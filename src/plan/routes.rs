@@ -2,7 +2,7 @@
 
 use super::destinations::Destinations;
 use super::digest::Fnv1a;
-use super::quantized::QuantRoute;
+use super::quantized::{AmaxExchange, QuantRoute};
 use super::stats::PlanStats;
 use super::table::Endpoint;
 use crate::segment::Segment;
@@ -55,6 +55,9 @@ pub struct Plan {
     /// The quantization jobs of quantized needs (of its process's receivers, for a share), sorted by
     /// receiver, tensor and runner.
     pub(crate) quant: Vec<QuantRoute>,
+    /// The amaxes the devices quantizing sets of needs sharing one exchange at every run (the same
+    /// in every process's plan).
+    pub(crate) amax_exchange: AmaxExchange,
 }
 
 impl Plan {
@@ -126,6 +129,12 @@ impl Plan {
     /// device runs which jobs, reading the sources in place or the need's staging.
     pub fn quant_routes(&self) -> &[QuantRoute] {
         &self.quant
+    }
+
+    /// The amaxes exchanged at every run between the devices quantizing sets of needs that share
+    /// one ([`AmaxExchange`]; empty: none).
+    pub fn amax_exchange(&self) -> &AmaxExchange {
+        &self.amax_exchange
     }
 }
 

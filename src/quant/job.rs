@@ -436,6 +436,29 @@ pub fn amax_owners(jobs: &[QuantJob]) -> Vec<usize> {
     (0..jobs.len()).map(|index| root(&mut owner, index)).collect()
 }
 
+/// Amaxes shared under keys, by (key, row): f32 magnitude bits (the maximum of the bit patterns of
+/// |x|, as [`super::reference::amax_of`]) of the elements of the jobs naming
+/// [`QuantJob::amax_key`] `key`: per tensor row 0, the whole matrices'; per row, row `row` of
+/// theirs (jobs sharing per-row amaxes have the same rows). What devices quantizing parts of one
+/// set exchange ([`crate::plan::AmaxExchange`]).
+pub type Amaxes = HashMap<(u64, u64), u32>;
+
+/// Merges `from` into `into`, keeping each entry's maximum (a NaN's bits above any number's).
+pub fn merge_amaxes(into: &mut Amaxes, from: &Amaxes) {
+    for (&place, &bits) in from {
+        let entry = into.entry(place).or_insert(bits);
+        *entry = (*entry).max(bits);
+    }
+}
+
+/// Whether `job` takes a keyed amax that `keys` (sorted) lists: per tensor, or per row with a key.
+pub fn exchanges_amax(job: &QuantJob, keys: &[u64]) -> bool {
+    matches!(job.quantization.granularity, Granularity::Tensor | Granularity::Row)
+        && job.amax_key != 0
+        && job.elements() > 0
+        && keys.binary_search(&job.amax_key).is_ok()
+}
+
 /// Whether jobs naming a job's scale share it: per tensor, with elements.
 fn shares_amax(job: &QuantJob) -> bool {
     job.quantization.granularity == Granularity::Tensor && job.elements() > 0

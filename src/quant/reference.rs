@@ -282,13 +282,9 @@ pub unsafe fn shared_scales(jobs: &[QuantJob]) -> Vec<Option<SharedScale>> {
     amax_owners.iter().for_each(|&owner| members[owner] += 1);
     let mut amax: Vec<Vec<u32>> = vec![Vec::new(); jobs.len()];
     for (job, &owner) in jobs.iter().zip(&amax_owners).filter(|(_, &owner)| members[owner] > 1) {
-        // SAFETY: the caller's promise.
-        let source = unsafe { host_source(job) };
         // One value per tensor, one per row (check_jobs found every job of a per-row set alike).
-        let values: Vec<u32> = match job.quantization.granularity {
-            super::Granularity::Row => (0..job.rows).map(|r| row_amax(&source, r)).collect(),
-            _ => vec![amax_of(&source)],
-        };
+        // SAFETY: the caller's promise.
+        let values = unsafe { own_amaxes(job) };
         let into = &mut amax[owner];
         into.resize(values.len(), 0);
         into.iter_mut().zip(values).for_each(|(a, v)| *a = (*a).max(v));
@@ -299,6 +295,70 @@ pub unsafe fn shared_scales(jobs: &[QuantJob]) -> Vec<Option<SharedScale>> {
         (members[owner] > 1).then(|| SharedScale { amax: std::sync::Arc::clone(&amax[owner]), writes })
     };
     amax_owners.iter().enumerate().map(shared).collect()
+}
+
+/// The amaxes of the jobs whose key `keys` (sorted) lists ([`super::job::exchanges_amax`]), over
+/// their own elements: what the host backend's phase 1 reduces.
+///
+/// # Safety
+/// As for [`shared_scales`].
+pub unsafe fn keyed_amaxes(jobs: &[QuantJob], keys: &[u64]) -> super::job::Amaxes {
+    let mut out = super::job::Amaxes::new();
+    for job in jobs.iter().filter(|job| super::job::exchanges_amax(job, keys)) {
+        // SAFETY: the caller's promise.
+        let values = unsafe { own_amaxes(job) };
+        let mine =
+            values.into_iter().enumerate().map(|(row, bits)| ((job.amax_key, row as u64), bits)).collect();
+        super::job::merge_amaxes(&mut out, &mine);
+    }
+    out
+}
+
+/// [`shared_scales`], where a job whose key `seed` holds (exchanged between devices) takes the
+/// maximum of its set's amax and the seed's: per tensor `(key, 0)`, per row `(key, row)`. Such a
+/// job shares its amax even when no other job of the batch does.
+///
+/// # Safety
+/// As for [`shared_scales`].
+pub unsafe fn seeded_scales(jobs: &[QuantJob], seed: &super::job::Amaxes) -> Vec<Option<SharedScale>> {
+    // SAFETY: the caller's promise.
+    let mut shared = unsafe { shared_scales(jobs) };
+    if seed.is_empty() {
+        return shared;
+    }
+    let writers = super::job::scale_owners(jobs);
+    for (index, job) in jobs.iter().enumerate() {
+        let keyed =
+            matches!(job.quantization.granularity, super::Granularity::Tensor | super::Granularity::Row);
+        if !keyed || job.amax_key == 0 || job.elements() == 0 {
+            continue;
+        }
+        let (set, writes) = match &shared[index] {
+            Some(s) => (s.amax.to_vec(), s.writes),
+            // SAFETY: the caller's promise.
+            None => (unsafe { own_amaxes(job) }, writers[index] == index),
+        };
+        let amax: Vec<u32> = set
+            .iter()
+            .enumerate()
+            .map(|(row, &bits)| bits.max(seed.get(&(job.amax_key, row as u64)).copied().unwrap_or(0)))
+            .collect();
+        shared[index] = Some(SharedScale { amax: amax.into(), writes });
+    }
+    shared
+}
+
+/// A job's amax over its own elements: one value per tensor, one per row.
+///
+/// # Safety
+/// As for [`shared_scales`].
+unsafe fn own_amaxes(job: &QuantJob) -> Vec<u32> {
+    // SAFETY: the caller's promise.
+    let source = unsafe { host_source(job) };
+    match job.quantization.granularity {
+        super::Granularity::Row => (0..job.rows).map(|r| row_amax(&source, r)).collect(),
+        _ => vec![amax_of(&source)],
+    }
 }
 
 /// The amax of row `r` of `source` (as [`amax_of`] over one row).

@@ -26,6 +26,7 @@ use super::{
 use crate::error::{try_to_vec, Error, Result, Status};
 use crate::kernels::digest::{check_range, check_ranges};
 use crate::kernels::gf64;
+use crate::quant::job::Amaxes;
 use crate::segment::check::{check_destinations, validate};
 use crate::segment::{Segment, Side};
 use crate::sync::{lock, wait};
@@ -300,13 +301,35 @@ impl Drop for HostBackend {
 struct HostQuantize {
     default_stream: Stream,
     jobs: Arc<Vec<crate::quant::QuantJob>>,
+    /// The amaxes launches start keyed jobs from ([`PreparedQuantize::seed_amaxes`]).
+    seed: Mutex<Arc<Amaxes>>,
 }
 
 impl PreparedQuantize for HostQuantize {
     unsafe fn launch(&self, stream: Stream) -> Result<()> {
         let queue = stream_for(self.default_stream, stream)?;
+        let seed = Arc::clone(&lock(&self.seed));
         // SAFETY: the caller's promise.
-        unsafe { quantize_on(&queue, Arc::clone(&self.jobs)) }
+        unsafe { quantize_on(&queue, Arc::clone(&self.jobs), seed) }
+    }
+
+    unsafe fn partial_amaxes(&self, stream: Stream, keys: &[u64]) -> Result<Amaxes> {
+        let queue = stream_for(self.default_stream, stream)?;
+        let (jobs, keys) = (Arc::clone(&self.jobs), keys.to_vec());
+        let result = Arc::new(Mutex::new(None));
+        let slot = Arc::clone(&result);
+        // SAFETY: the caller keeps the sources valid until the work has run, which is waited for.
+        queue.enqueue(move || {
+            *lock(&slot) = Some(unsafe { crate::quant::reference::keyed_amaxes(&jobs, &keys) });
+        })?;
+        queue.synchronize()?;
+        let amaxes = lock(&result).take();
+        amaxes.ok_or_else(|| Error::invalid_state("the host stream stopped before it reduced the amaxes"))
+    }
+
+    fn seed_amaxes(&self, amaxes: &Amaxes) -> Result<()> {
+        *lock(&self.seed) = Arc::new(amaxes.clone());
+        Ok(())
     }
 }
 
@@ -316,13 +339,17 @@ impl PreparedQuantize for HostQuantize {
 ///
 /// # Safety
 /// As for [`Backend::quantize_batch`].
-unsafe fn quantize_on(queue: &HostStream, jobs: Arc<Vec<crate::quant::QuantJob>>) -> Result<()> {
+unsafe fn quantize_on(
+    queue: &HostStream,
+    jobs: Arc<Vec<crate::quant::QuantJob>>,
+    seed: Arc<Amaxes>,
+) -> Result<()> {
     // SAFETY: the caller keeps the memory valid until the work has run, which this call waits for.
     queue.enqueue(move || {
-        use crate::quant::reference::{quantize_host_job, row_bands, shared_scales};
+        use crate::quant::reference::{quantize_host_job, row_bands, seeded_scales};
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         // SAFETY: the caller keeps the memory valid until the work has run.
-        let shared = unsafe { shared_scales(&jobs) };
+        let shared = unsafe { seeded_scales(&jobs, &seed) };
         let bands: Vec<_> = jobs
             .iter()
             .zip(shared)
@@ -553,7 +580,7 @@ impl Backend for HostBackend {
     ) -> Result<Box<dyn PreparedQuantize>> {
         let default_stream = self.default_streams[self.index(device)?];
         crate::quant::check_jobs(jobs)?;
-        Ok(Box::new(HostQuantize { default_stream, jobs: Arc::new(jobs.to_vec()) }))
+        Ok(Box::new(HostQuantize { default_stream, jobs: Arc::new(jobs.to_vec()), seed: Mutex::default() }))
     }
 
     fn alloc(&self, device: i32, bytes: usize) -> Result<u64> {

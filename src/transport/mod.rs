@@ -328,6 +328,20 @@ pub trait PreparedQuantize: Send + Sync {
     /// # Safety
     /// As for [`Backend::quantize_batch`], at every launch.
     unsafe fn launch(&self, stream: Stream) -> Result<()>;
+
+    /// The amaxes of the jobs whose key `keys` (sorted) lists, over their own elements only (a
+    /// launch's first phase alone, writing no code or scale): queued on `stream` and waited for.
+    /// Empty without such jobs. What the devices quantizing one set of needs exchange
+    /// ([`crate::plan::AmaxExchange`]).
+    ///
+    /// # Safety
+    /// The jobs' sources are readable until the call returns.
+    unsafe fn partial_amaxes(&self, stream: Stream, keys: &[u64]) -> Result<crate::quant::job::Amaxes>;
+
+    /// Sets the amaxes that later launches start keyed jobs from, replacing the last ones: a job
+    /// whose key `amaxes` holds takes the maximum of that and its own elements' amax (per row, row by
+    /// row). Launches already queued are unaffected.
+    fn seed_amaxes(&self, amaxes: &crate::quant::job::Amaxes) -> Result<()>;
 }
 
 /// Source digests prepared by [`Backend::prepare_digest_record`].

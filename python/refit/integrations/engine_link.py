@@ -96,8 +96,8 @@ class LinkOptions:
     timeout_ms: int = 600_000
 
 
-# How the planner refuses needs sharing an amax key that no one device can quantize in one batch
-# (src/plan/quantized.rs). Every process plans from the same tables, so every process's plan fails
+# How the planner refuses needs sharing an amax key that neither one device in one batch nor the
+# devices holding them with the amax exchanged can quantize (src/plan/quantized.rs). Every process plans from the same tables, so every process's plan fails
 # alike, and every process plans once more (Link.prepare).
 AMAX_REFUSED = "needs sharing an amax across receiving devices"
 
@@ -113,8 +113,8 @@ class Link:
 
     `without_shared_amax` (an engine adapter's; None on a trainer): this process's table with no
     amax keys (the layers whose scales shared one take the engine's own path instead), planned with
-    when every process's plan refused a shared amax that no one device of the trainer can quantize
-    (its shards of such a layer lie on several devices): every process then plans once more, the
+    when every process's plan refused a shared amax that the trainer's devices cannot quantize (per
+    row, a box of such a layer lying on two of its offers): every process then plans once more, the
     trainer with its table as it was."""
 
     def __init__(self, comm_id: bytes, nranks: int, rank: int, device: int, backend: int, options: LinkOptions) -> None:

@@ -45,9 +45,11 @@ where vLLM reduces the amax across the tensor-parallel ranks (at TP > 1: per ten
 layer; per channel, the row-parallel layers, a row's scale then depending on other ranks'
 columns), each rank's scales also take amax keys (QuantizedParam.shared_amax: one per layer, per
 row of a box for per-channel scales; receiver.amax_key, Table.share_amax), so the plan takes the
-amax over every rank's boxes: one device must then hold all of them (a trainer process offering
-whole tensors), else planning fails (the weight-transfer backend then plans again with such layers
-on the reload path: from_engine's `share_amax`);
+amax over every rank's boxes: quantized in one batch where one device holds all of them (a trainer
+process offering whole tensors), else by the devices holding them, which exchange the amax at every
+run (a tensor-parallel trainer; per channel, each box from one of its offers), else planning fails
+(the weight-transfer backend then plans again with such layers on the reload path: from_engine's
+`share_amax`);
 and neither may be rewritten afterwards (a GEMM kernel that re-lays or re-scales them, as vLLM's
 DeepGEMM path does, keeps the reload path), and every recorded box must fill whole blocks or rows
 (receiver.unfit_boxes; per tensor, the boxes must cover the weight). Each box then becomes a quantized need writing FP8 codes into the live

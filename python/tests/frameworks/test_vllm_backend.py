@@ -34,6 +34,9 @@
   FP8 codes and each worker's scale cross (the bytes sent are asserted), the scales are equal on
   both workers, and every code, scale and element equals vLLM's own load. At TP 1 (one worker) no
   amax is reduced: each layer's boxes share its one scale, quantized by the trainer's process too.
+  With two trainer ranks each holding half of every projection's rows, each trainer quantizes its
+  rows and the two exchange every layer's amax at each update. Per channel, the row-parallel layers
+  whose rows then lie on both trainers fall back to vLLM's reload (the others stay quantized).
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
   reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
   trainer (it exits after the workers started receiving) each leave every worker's weights as they
@@ -57,7 +60,8 @@ PYPROJECT = os.path.join(HERE, "..", "..", "pyproject.toml")
 TIMEOUT_MS = 120_000
 # The FP8 engines' scenarios: vLLM's quantization of each.
 FP8_SCENARIOS = {"fp8": "fp8_per_block", "fp8_channel": "fp8_per_channel", "fp8_tensor": "fp8_per_tensor",
-                 "fp8_tensor_tp1": "fp8_per_tensor", "fp8_tensor_split": "fp8_per_tensor"}
+                 "fp8_tensor_tp1": "fp8_per_tensor", "fp8_tensor_split": "fp8_per_tensor",
+                 "fp8_channel_split": "fp8_per_channel"}
 
 
 def tiny_qwen3() -> Any:
@@ -316,12 +320,14 @@ def second_trainer_main(folder: str, comm_ids: Any, results: Any) -> None:
         info = RefitTrainerInitInfo(rank=1, num_workers=2, num_trainer_ranks=2, device_backend="host",
                                     timeout_ms=TIMEOUT_MS, comm_id=comm_ids.get(timeout=300))
         engine = WeightTransferTrainerFactory.trainer_init(info, client=None, source=HalfSource(model, 1))
+        quantized = []
         for _ in range(2):
             engine.send_weights()
+            quantized.append(engine.last_stats.quantized_elements)
             with torch.no_grad():
                 for p in model.parameters():
                     p.add_(1.0)
-        results.put({"plans": engine.link.plans_built})
+        results.put({"plans": engine.link.plans_built, "quantized": quantized})
         engine.shutdown()
     except BaseException as error:
         import traceback
@@ -342,7 +348,7 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any, com
 
         register()
         trainers, comm_id = 1, None
-        if scenario == "fp8_tensor_split":
+        if scenario.endswith("_split"):
             # Rank 0 of two trainer ranks, each holding half of every projection.
             from refit.integrations.engine_link import resolved_backend
             from refit.comm import unique_id
@@ -498,7 +504,7 @@ class VllmBackendTest(unittest.TestCase):
         trainer = context.Process(target=trainer_main,
                                   args=(scenario, folder, [c[0] for c in control], results, comm_ids))
         trainers = [trainer]
-        if scenario == "fp8_tensor_split":
+        if scenario.endswith("_split"):
             second = context.Queue()
             trainers.append(context.Process(target=second_trainer_main, args=(folder, comm_ids, second)))
         for process in workers + trainers:
@@ -635,18 +641,44 @@ class VllmBackendTest(unittest.TestCase):
         self.assertEqual(first, second)
         self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
 
-    def test_a_per_tensor_fp8_engine_whose_layers_no_trainer_device_holds_whole_falls_back_to_the_reload(self):
+    def test_a_per_tensor_fp8_engine_whose_layers_no_trainer_device_holds_whole_gets_them_quantized_by_both(self):
         out, _ = self.run_scenario("fp8_tensor_split")
         self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
         self.assertEqual(out["second"], [[], []])
         want = fp8_layer_params()
         for paths in out["paths"]:
-            # Two trainer ranks each hold half of every projection: no one device can quantize a
-            # layer's every shard in one batch, every process's first plan refuses the shared amax,
-            # and every process plans again with the workers' per-tensor layers on vLLM's reload.
-            self.assertEqual(paths.get("reload"), want, paths)
-            self.assertNotIn("quantized", paths)
-        self.assertEqual(out["quantized_by_trainer"], [0, 0])
+            # Two trainer ranks each hold half of every projection's rows: no one device holds a
+            # layer's every shard, so each trainer quantizes its rows of every worker's boxes (qkv and
+            # gate_up from one trainer each, o_proj and down_proj from both), the two exchanging each
+            # layer's amax at every update.
+            self.assertEqual(paths.get("quantized"), want, paths)
+            self.assertNotIn("reload", paths)
+        half = out["projection_elements"] // 2
+        self.assertEqual(out["quantized_by_trainer"], [half, half])
+        self.assertEqual(out["second_trainer"]["quantized"], [half, half])
+        first, second = out["scales"]
+        self.assertEqual(sorted(first), [n for n in want if n.endswith("weight_scale")])
+        self.assertEqual(first, second)
+        self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
+        self.assertEqual(out["second_trainer"]["plans"], 1)
+
+    def test_a_per_channel_fp8_engine_whose_row_parallel_rows_lie_on_two_trainers_falls_back_to_the_reload(self):
+        out, _ = self.run_scenario("fp8_channel_split")
+        self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
+        self.assertEqual(out["second"], [[], []])
+        column = [n for n in fp8_layer_params() if ".qkv_proj." in n or ".gate_up_proj." in n]
+        row = [n for n in fp8_layer_params() if ".o_proj.weight" in n or ".down_proj.weight" in n]
+        for paths in out["paths"]:
+            # o_proj and down_proj share each row's amax across the workers, and each worker's box of
+            # them (every row, half the columns) lies on both trainers, half the rows each: a row's
+            # jobs would start at different rows of the box, which the exchange of per-row amaxes
+            # does not take. Every process plans again with those layers on vLLM's reload; qkv and
+            # gate_up (rows of their own) stay quantized by the trainers.
+            self.assertEqual(paths.get("quantized"), column, paths)
+            self.assertTrue(set(row) <= set(paths.get("reload", [])), paths)
+        quantized = out["quantized_by_trainer"]
+        self.assertEqual(quantized, out["second_trainer"]["quantized"])
+        self.assertTrue(0 < quantized[0] < out["projection_elements"] // 2, quantized)
         self.assertEqual(out["plans"], [1, 1, 1], "the fallback plans once; a round with the same tables plans nothing")
         self.assertEqual(out["second_trainer"]["plans"], 1)
 
