@@ -2242,8 +2242,9 @@ refit_status refit_table_add_quantized_need(refit_table *table,
  * (the sender path), it quantizes them in one batch and sends each receiver its codes and its
  * scales. Otherwise, where they are received on one device and each has staging, they are staged
  * there. Otherwise, where each can be quantized in place on its own (a per-tensor need from any
- * offers holding its matrix; a per-row need from one offer), each is, on the devices holding its
- * pieces (a tensor-parallel trainer's shards), and those devices agree on the amax at every run:
+ * offers holding its matrix; per-row needs from offers that cut every need's rows into the same
+ * bands), each is, on the devices holding its pieces (a tensor-parallel trainer's shards), and
+ * those devices agree on the amax (per row, each row's) at every run:
  * each reduces its jobs' elements (the quantizing kernel's first phase alone, waited for), the
  * executors exchange what they found through their communicator (a collective of every process of
  * the executor's communicator, at the start of refit_executor_run: the run waits for the caller's

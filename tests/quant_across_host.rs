@@ -216,7 +216,7 @@ fn fused_per_tensor_across(rank: usize, size: usize, id: &CommId, ipc: bool, sha
     let first_rows: Vec<u64> =
         PARTS.iter().scan(0, |at, &(_, rows)| Some(std::mem::replace(at, *at + rows))).collect();
     // The rows of each part this receiver gets: (first row within the part, rows).
-    let share = |rows: u64| match (sharded, rank - trainers) {
+    let share = |rows: u64| match (sharded, rank.saturating_sub(trainers)) {
         (false, _) => (0, rows),
         (true, 0) => (0, rows / 2),
         (true, _) => (rows / 2, rows / 2),

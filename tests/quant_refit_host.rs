@@ -1101,8 +1101,9 @@ fn shards_sharing_an_amax_across_devices_exchange_it_and_bad_keys_are_refused() 
 /// row-parallel weights at TP > 1): offered whole on one device, every row's scale is the whole
 /// row's on every shard, under both commits and with verify. Offered in column shards on the
 /// receivers themselves, no one device holds them: each quantizes its own and the devices exchange
-/// the rows' amaxes, with the same results. Offered in row halves (each need then on two devices):
-/// refused, even with staging.
+/// the rows' amaxes, with the same results; so too offered in row halves (each need then on two
+/// devices, in the same bands of rows). Offered in bands that differ between needs: refused, even
+/// with staging.
 #[test]
 fn per_row_shards_sharing_an_amax_key_get_the_whole_rows_scales() {
     use quant_cases::RowShards;
@@ -1202,27 +1203,65 @@ fn per_row_shards_sharing_an_amax_key_get_the_whole_rows_scales() {
     assert!(plan.quant_routes().iter().all(|r| r.runner == r.receiver && r.path == QuantPath::Direct));
     assert_eq!(plan.amax_exchange().keys.len(), 1);
     runs(&plan, "offered by column shard");
-    // Offered in row halves on the two devices, each need's box lies on both: a row's jobs would
-    // start at different rows of the box, which the exchange of per-row amaxes does not take.
+    // Offered in row halves on the two devices, each need's box lies on both, in the same two bands
+    // of rows in every need: each band's jobs share its rows' amaxes under a key of its own,
+    // exchanged between the devices.
     let mut by_rows = table(&by_receiver, true);
     let half = w.rows / 2;
-    by_rows.offers = [(DEV0, 0), (DEV1, half)]
-        .iter()
-        .map(|&(owner, r0)| Offer {
-            tensor: 0,
-            owner,
-            addr: w.data.addr() + r0 * w.src_stride * 2,
-            region: Region { offset: vec![r0, 0], extent: vec![half, w.cols] },
-            strides: Some(vec![w.src_stride, 1]),
-            digest: None,
+    let offer = |owner: Endpoint, (r0, rows): (u64, u64), (c0, cols): (u64, u64)| Offer {
+        tensor: 0,
+        owner,
+        addr: w.data.addr() + (r0 * w.src_stride + c0) * 2,
+        region: Region { offset: vec![r0, c0], extent: vec![rows, cols] },
+        strides: Some(vec![w.src_stride, 1]),
+        digest: None,
+    };
+    by_rows.offers =
+        vec![offer(DEV0, (0, half), (0, w.cols)), offer(DEV1, (half, w.rows - half), (0, w.cols))];
+    let plan = build(&by_rows).unwrap();
+    assert_eq!(plan.amax_exchange().keys.len(), 2, "one key per band of rows");
+    runs(&plan, "offered in row halves");
+    // Bands that differ between needs (each column shard's rows cut at another row): a row would
+    // take its amax under two keys. Refused, even with staging.
+    let mut skewed = table(&by_receiver, true);
+    skewed.offers = (0..3)
+        .flat_map(|k| {
+            let (c0, width) = shards.shards[k];
+            let cut = 30 + 10 * k as u64;
+            [offer(DEV0, (0, cut), (c0, width)), offer(DEV1, (cut, w.rows - cut), (c0, width))]
         })
         .collect();
-    fails(
-        build(&by_rows),
-        Status::Unsupported,
-        &["'o'", "per row, from one offer", "staging on each receiver"],
-    );
+    fails(build(&skewed), Status::Unsupported, &["'o'", "bands of rows", "staging on each receiver"]);
     // Without the key, each shard's rows take their own amaxes, in place on their own device.
     let plan = build(&table(&by_receiver, false)).unwrap();
     assert!(plan.quant_routes().iter().all(|r| r.runner == r.receiver && r.path == QuantPath::Direct));
+}
+
+/// A per-tensor need of two matrices (experts 0 and 1, each its own scale) on device 0, and a need
+/// of matrix 1 alone on device 1 whose scale shares an amax key with the first need's matrix 1: one
+/// set of needs, but two of matrices. Matrix 0 keeps its own amax (its scale is not the set's), and
+/// both copies of matrix 1's scale take matrix 1's.
+#[test]
+fn a_key_on_one_matrix_of_a_need_shares_that_matrixs_amax_only() {
+    let values = tensor_values(21);
+    let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor);
+    let shards = [(Shard::new(&values, [0; 3], SHAPE), DEV0)];
+    let both = Received::new([0; 3], SHAPE, q, false);
+    let second = Received::new([1, 0, 0], [1, SHAPE[1], SHAPE[2]], q, false);
+    let mut t = table(&shards, &[(&both, DEV0), (&second, DEV1)]);
+    t.shared_amax = vec![
+        SharedAmax { process: 0, scale: both.scales.addr() + 4, key: 9 },
+        SharedAmax { process: 0, scale: second.scales.addr(), key: 9 },
+    ];
+    let plan = build(&t).unwrap();
+    let keys: Vec<Vec<u64>> =
+        plan.quant_routes().iter().map(|r| r.jobs.iter().map(|j| j.amax_key).collect()).collect();
+    assert_eq!(keys.len(), 2, "{keys:?}");
+    assert_ne!(keys[0][0], keys[0][1], "the need's two matrices take different keys: {keys:?}");
+    assert!(keys[1] == [keys[0][1]], "matrix 1 shares its key with the other need: {keys:?}");
+    for commit in [CommitMode::Direct, CommitMode::Staged] {
+        execute(&plan, commit).unwrap();
+        assert!(both.differences(&values).is_empty(), "{commit:?}: {:?}", both.differences(&values));
+        assert!(second.differences(&values).is_empty(), "{commit:?}: {:?}", second.differences(&values));
+    }
 }

@@ -384,7 +384,7 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
             continue;
         }
         let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
-        let amax_key = ties.key(number);
+        let amax_key = |m: u64, r0: u64| ties.key(number, m, r0);
         let own_pieces = |q: &QuantNeed, g: &Geometry| {
             direct_pieces(q, g, offers, Pieces::ReceiversProcess)
                 .or_else(|_| direct_pieces(q, g, offers, Pieces::AnyProcess { turn: number }))
@@ -395,9 +395,9 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
                     Status::Unsupported,
                     format!(
                         "quantized need of tensor '{}' on process {} device {}: {why}; needs sharing an amax across \
-                         receiving devices are quantized in place (from one device, or each need from offers of \
-                         its own with the amax exchanged; per row, from one offer) or not at all (staging on each \
-                         receiver would give each its own amax)",
+                         receiving devices are quantized in place (from one device, or each need where it is \
+                         offered with the amax exchanged) or not at all (staging on each receiver would give each \
+                         its own amax)",
                         spec.name, q.receiver.process, q.receiver.device
                     ),
                 ))
@@ -407,7 +407,7 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
             Some(Ok(Tie::Exchanged)) | None => own_pieces(q, &g),
         };
         let routes = match in_place {
-            Ok(pieces) => direct_routes(spec, q, &g, &pieces, amax_key, &mut budget)?,
+            Ok(pieces) => direct_routes(spec, q, &g, &pieces, &amax_key, &mut budget)?,
             Err(why) if q.staging == 0 => {
                 return Err(Error::new(
                     Status::Unsupported,
@@ -433,11 +433,11 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
                         strides: row_major(g.n, &g.ext)[..g.n].to_vec(),
                     })
                 })?;
-                vec![staged_route(spec, q, &g, amax_key, &mut budget)?]
+                vec![staged_route(spec, q, &g, &amax_key, &mut budget)?]
             }
         };
         if ties.exchanged(number) {
-            planned.exchange.keys.push(amax_key);
+            planned.exchange.keys.extend(routes.iter().flat_map(|r| &r.jobs).map(|j| j.amax_key));
             planned.exchange.processes.extend(routes.iter().map(|r| r.runner.process));
         }
         let kept = routes
@@ -490,14 +490,21 @@ fn amax_keys(tables: &[&Table], digest: &mut Fnv1a) -> Result<HashMap<(u32, u64)
 /// every one of them can be: of the receivers' process (direct), else of one other process (the
 /// sender path, which quantizes them in one batch), never some direct and some sent. Else, where
 /// they are received on one device and each has staging, all of them are staged there. Else, where
-/// each can be quantized in place on its own (per row: from one offer), each is, and the devices
-/// running them exchange their amaxes at every run ([`AmaxExchange`]). Otherwise planning fails
-/// (UNSUPPORTED).
+/// each can be quantized in place on its own (per row: its pieces in bands of rows that every need
+/// of the set cuts alike), each is, and the devices running them exchange their amaxes at every run
+/// ([`AmaxExchange`]). Otherwise planning fails (UNSUPPORTED). Jobs take one amax key per set of
+/// matrices sharing a scale or a key (per tensor) or per band of rows of the set (per row).
 struct ScaleTies {
     /// By need: its set's number (that of its first need), for needs that share an amax.
     set: Vec<Option<usize>>,
     /// By set: where its needs take their pieces from; else why not in place.
     decided: HashMap<usize, std::result::Result<Tie, Refusal>>,
+    /// The amax key of each matrix (need, matrix) of a per-tensor need in a set: one per set of
+    /// matrices sharing a scale or a key, so that a need's other matrices keep their own amaxes.
+    matrix_keys: HashMap<(usize, u64), u64>,
+    /// The amax key of each band of rows (set, first row of the band in the box) of the per-row
+    /// needs in a set: one per band of pieces, which hold the same rows in every need of the set.
+    row_keys: HashMap<(usize, u64), u64>,
 }
 
 /// Where the needs of a set sharing an amax take their pieces from.
@@ -542,6 +549,11 @@ impl ScaleTies {
         let mut first_with: HashMap<u64, usize> = HashMap::new();
         let mut budget = max_jobs;
         let mut keyed_rows: HashMap<(u32, u64), usize> = HashMap::new();
+        // Matrices of per-tensor needs, joined the same way: (need, matrix) per node.
+        let mut matrices: Vec<(usize, u64)> = Vec::new();
+        let mut matrix_parent: Vec<usize> = Vec::new();
+        let (mut matrix_at, mut matrix_with): (HashMap<(u32, u64), usize>, HashMap<u64, usize>) =
+            (HashMap::new(), HashMap::new());
         for (i, (spec, q)) in needs.iter().enumerate() {
             let g = match q.quantization.granularity {
                 Granularity::Tensor | Granularity::Row => q.geometry(spec)?,
@@ -584,12 +596,21 @@ impl ScaleTies {
                     )));
                 }
                 let mut joined = vec![j];
+                let node = matrices.len();
+                matrices.push((i, m));
+                matrix_parent.push(node);
+                let mut joined_matrices = vec![*matrix_at.entry(place).or_insert(node)];
                 if let Some(&key) = keys.get(&place) {
                     joined.push(*first_with.entry(key).or_insert(i));
+                    joined_matrices.push(*matrix_with.entry(key).or_insert(node));
                 }
                 for j in joined {
                     let (a, b) = (root(&mut parent, i), root(&mut parent, j));
                     parent[a.max(b)] = a.min(b);
+                }
+                for other in joined_matrices {
+                    let (a, b) = (root(&mut matrix_parent, node), root(&mut matrix_parent, other));
+                    matrix_parent[a.max(b)] = a.min(b);
                 }
             }
         }
@@ -617,7 +638,22 @@ impl ScaleTies {
                 .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: i }))
                 .is_ok_and(|pieces| splits_a_matrix(&g, &pieces))
         };
-        let mut ties = ScaleTies { set: vec![None; needs.len()], decided: HashMap::new() };
+        let mut ties = ScaleTies {
+            set: vec![None; needs.len()],
+            decided: HashMap::new(),
+            matrix_keys: HashMap::new(),
+            row_keys: HashMap::new(),
+        };
+        // Keys count up from 1 in an order every process's plan shares: matrices first, then bands.
+        let mut next_key = 1u64;
+        let mut key_of_root: HashMap<usize, u64> = HashMap::new();
+        for (node, &matrix) in matrices.iter().enumerate() {
+            let key = *key_of_root.entry(root(&mut matrix_parent, node)).or_insert_with(|| {
+                next_key += 1;
+                next_key - 1
+            });
+            ties.matrix_keys.insert(matrix, key);
+        }
         for (first, set) in members.into_iter().filter(|(_, set)| set.len() > 1 || apart(set[0])) {
             let mut names: Vec<String> = set.iter().map(|&i| format!("'{}'", needs[i].0.name)).collect();
             names.sort_unstable();
@@ -678,20 +714,31 @@ impl ScaleTies {
             let why = || {
                 format!(
                     "the {} needs sharing its amax (of tensors {names}) cannot all be quantized in place from one \
-                     device (of a process that receives all of them or none; per row, each need from one offer)",
+                     device (of a process that receives all of them or none; per row, each need from one offer), \
+                     nor each where it is offered (per row, in bands of rows alike in every need)",
                     set.len()
                 )
             };
             // Each need on its own, as plan() takes it: its receiver's offers, else any process's.
+            // Per row, the pieces' bands of rows (first row in the box, rows) alike in every need
+            // or apart, so that a band's jobs share their rows' amaxes under one key.
             let exchangeable = || {
-                set.iter().all(|&i| {
+                let mut bands: Vec<(u64, u64)> = Vec::new();
+                let all = set.iter().all(|&i| {
                     let (spec, q) = needs[i];
                     let Ok(g) = q.geometry(spec) else { return false };
                     let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
                     let pieces = direct_pieces(q, &g, offers, Pieces::ReceiversProcess)
                         .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: i }));
-                    pieces.is_ok_and(|p| q.quantization.granularity != Granularity::Row || p.len() == 1)
-                })
+                    let Ok(pieces) = pieces else { return false };
+                    if q.quantization.granularity == Granularity::Row {
+                        bands.extend(pieces.iter().map(|p| band_of(&g, &p.bx)));
+                    }
+                    true
+                });
+                bands.sort_unstable();
+                bands.dedup();
+                all && bands.windows(2).all(|w| w[0].0 + w[0].1 <= w[1].0)
             };
             let stageable = one_receiver && set.iter().all(|&i| needs[i].1.staging != 0);
             let decided = match from {
@@ -700,6 +747,30 @@ impl ScaleTies {
                 None if exchangeable() => Ok(Tie::Exchanged),
                 None => Err(Refusal { why: why(), stageable: one_receiver }),
             };
+            if lead.quantization.granularity == Granularity::Row {
+                // The bands of rows the set's jobs take, as plan() will cut them: one piece per
+                // need from one device, the whole box staged, or each need's own pieces.
+                let mut bands: Vec<u64> = Vec::new();
+                for &i in &set {
+                    let (spec, q) = needs[i];
+                    let g = q.geometry(spec)?;
+                    let offers = sources.get(spec.name.as_str()).map(Vec::as_slice).unwrap_or(&[]);
+                    let pieces = match decided {
+                        Ok(Tie::From(from)) => direct_pieces(q, &g, offers, from),
+                        Ok(Tie::Exchanged) => direct_pieces(q, &g, offers, Pieces::ReceiversProcess)
+                            .or_else(|_| direct_pieces(q, &g, offers, Pieces::AnyProcess { turn: i })),
+                        Err(_) => Ok(Vec::new()),
+                    };
+                    bands.extend(pieces.unwrap_or_default().iter().map(|p| band_of(&g, &p.bx).0));
+                }
+                bands.push(0);
+                bands.sort_unstable();
+                bands.dedup();
+                for band in bands {
+                    ties.row_keys.insert((first, band), next_key);
+                    next_key += 1;
+                }
+            }
             ties.decided.insert(first, decided);
         }
         Ok(ties)
@@ -715,11 +786,25 @@ impl ScaleTies {
         matches!(self.tied(number), Some(Ok(Tie::Exchanged)))
     }
 
-    /// The amax key of need `number`'s jobs: one per set of needs sharing an amax, the same in every
-    /// process's plan (0: the need shares none).
-    fn key(&self, number: usize) -> u64 {
-        self.set[number].map_or(0, |first| first as u64 + 1)
+    /// The amax key of need `number`'s job of matrix `m` whose rows start at row `r0` of the box:
+    /// per tensor, its matrix's; per row, its band's; the same in every process's plan (0: the need
+    /// shares none).
+    fn key(&self, number: usize, m: u64, r0: u64) -> Result<u64> {
+        let Some(set) = self.set[number] else { return Ok(0) };
+        let key = self.matrix_keys.get(&(number, m)).or_else(|| self.row_keys.get(&(set, r0)));
+        key.copied().ok_or_else(|| {
+            Error::new(
+                Status::InternalError,
+                format!("quantized need {number}: no amax key for matrix {m} row {r0}"),
+            )
+        })
     }
+}
+
+/// The band of rows `bx` holds in the box of `g`: its first row in the box and its rows.
+fn band_of(g: &Geometry, bx: &Boxed) -> (u64, u64) {
+    let (row_dim, _) = g.matrix_dims();
+    row_dim.map_or((0, 1), |d| (bx.lo[d] - g.lo[d], bx.ext[d]))
 }
 
 /// Whether two of `pieces` on different devices hold parts of one matrix of the box (their ranges
@@ -877,7 +962,7 @@ fn direct_routes(
     q: &QuantNeed,
     g: &Geometry,
     pieces: &[Source],
-    amax_key: u64,
+    amax_key: &AmaxKeyOf,
     budget: &mut u64,
 ) -> Result<Vec<QuantRoute>> {
     let mut by_runner: BTreeMap<Endpoint, Vec<QuantJob>> = BTreeMap::new();
@@ -919,7 +1004,7 @@ fn staged_route(
     spec: &TensorSpec,
     q: &QuantNeed,
     g: &Geometry,
-    amax_key: u64,
+    amax_key: &AmaxKeyOf,
     budget: &mut u64,
 ) -> Result<QuantRoute> {
     let strides = row_major(g.n, &g.ext);
@@ -959,14 +1044,18 @@ fn check(spec: &TensorSpec, jobs: &[QuantJob], path: &str) -> Result<()> {
     })
 }
 
+/// A job's amax key ([`QuantJob::amax_key`]) from its matrix's number in the need's box and its
+/// first row in the box ([`ScaleTies::key`]).
+type AmaxKeyOf<'a> = dyn Fn(u64, u64) -> Result<u64> + 'a;
+
 /// Appends one job per matrix of `bx` (a part of the need's box whose rows and columns start on
-/// block boundaries), each with `amax_key`. `source(at)`: the source address of element `at` and
-/// the source row stride in elements.
+/// block boundaries), each with its `amax_key`. `source(at)`: the source address of element `at`
+/// and the source row stride in elements.
 fn matrix_jobs(
     q: &QuantNeed,
     g: &Geometry,
     bx: &Boxed,
-    amax_key: u64,
+    amax_key: &AmaxKeyOf,
     budget: &mut u64,
     jobs: &mut Vec<QuantJob>,
     source: impl Fn(&Dims) -> (u64, u64),
@@ -1004,7 +1093,7 @@ fn matrix_jobs(
             dst_stride: row_dim.map_or(0, |d| g.strides[d]),
             scales: q.scales + scale * scale_size,
             scale_stride: q.scale_row_stride,
-            amax_key,
+            amax_key: amax_key(m, r0)?,
         });
         // Next index, last leading dimension fastest.
         for d in (0..leading).rev() {

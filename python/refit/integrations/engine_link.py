@@ -113,8 +113,8 @@ class Link:
 
     `without_shared_amax` (an engine adapter's; None on a trainer): this process's table with no
     amax keys (the layers whose scales shared one take the engine's own path instead), planned with
-    when every process's plan refused a shared amax that the trainer's devices cannot quantize (per
-    row, a box of such a layer lying on two of its offers): every process then plans once more, the
+    when every process's plan refused a shared amax that the trainer's devices cannot quantize (its
+    weights stored so that no kernel reads them in place): every process then plans once more, the
     trainer with its table as it was."""
 
     def __init__(self, comm_id: bytes, nranks: int, rank: int, device: int, backend: int, options: LinkOptions) -> None:

@@ -47,7 +47,7 @@ columns), each rank's scales also take amax keys (QuantizedParam.shared_amax: on
 row of a box for per-channel scales; receiver.amax_key, Table.share_amax), so the plan takes the
 amax over every rank's boxes: quantized in one batch where one device holds all of them (a trainer
 process offering whole tensors), else by the devices holding them, which exchange the amax at every
-run (a tensor-parallel trainer; per channel, each box from one of its offers), else planning fails
+run (a tensor-parallel trainer), else planning fails
 (the weight-transfer backend then plans again with such layers on the reload path: from_engine's
 `share_amax`);
 and neither may be rewritten afterwards (a GEMM kernel that re-lays or re-scales them, as vLLM's

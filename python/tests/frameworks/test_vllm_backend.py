@@ -35,8 +35,9 @@
   both workers, and every code, scale and element equals vLLM's own load. At TP 1 (one worker) no
   amax is reduced: each layer's boxes share its one scale, quantized by the trainer's process too.
   With two trainer ranks each holding half of every projection's rows, each trainer quantizes its
-  rows and the two exchange every layer's amax at each update. Per channel, the row-parallel layers
-  whose rows then lie on both trainers fall back to vLLM's reload (the others stay quantized).
+  rows and the two exchange every layer's amax (per channel, its rows' amaxes) at each update. A
+  trainer storing its projections column-major (no kernel reads them in place) falls back to vLLM's
+  reload for the per-tensor layers.
 - A verify mismatch (a stand-in: worker 0's real executor step runs and stages its bytes, then
   reports VERIFY_MISMATCH, since refit's verify cannot be made to fail from Python) and a killed
   trainer (it exits after the workers started receiving) each leave every worker's weights as they
@@ -61,7 +62,7 @@ TIMEOUT_MS = 120_000
 # The FP8 engines' scenarios: vLLM's quantization of each.
 FP8_SCENARIOS = {"fp8": "fp8_per_block", "fp8_channel": "fp8_per_channel", "fp8_tensor": "fp8_per_tensor",
                  "fp8_tensor_tp1": "fp8_per_tensor", "fp8_tensor_split": "fp8_per_tensor",
-                 "fp8_channel_split": "fp8_per_channel"}
+                 "fp8_channel_split": "fp8_per_channel", "fp8_tensor_column_major": "fp8_per_tensor"}
 
 
 def tiny_qwen3() -> Any:
@@ -361,6 +362,12 @@ def trainer_main(scenario: str, folder: str, conns: List[Any], results: Any, com
         elif scenario in FP8_SCENARIOS:
             # A BF16 trainer holding whole tensors: its process quantizes, FP8 crosses.
             model = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16)
+            if scenario == "fp8_tensor_column_major":
+                # Its projections stored column-major (strides (1, rows)): no quantizing kernel
+                # reads them in place, which needs contiguous rows.
+                for name, p in model.named_parameters():
+                    if name.endswith("_proj.weight"):
+                        p.data = p.data.t().contiguous().t()
             source = ModuleSource(model)
             tensors = list(model.parameters())
         elif scenario == "moe":
@@ -662,25 +669,37 @@ class VllmBackendTest(unittest.TestCase):
         self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
         self.assertEqual(out["second_trainer"]["plans"], 1)
 
-    def test_a_per_channel_fp8_engine_whose_row_parallel_rows_lie_on_two_trainers_falls_back_to_the_reload(self):
+    def test_a_per_channel_fp8_engine_whose_layers_no_trainer_device_holds_whole_gets_them_quantized_by_both(self):
         out, _ = self.run_scenario("fp8_channel_split")
         self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
         self.assertEqual(out["second"], [[], []])
-        column = [n for n in fp8_layer_params() if ".qkv_proj." in n or ".gate_up_proj." in n]
-        row = [n for n in fp8_layer_params() if ".o_proj.weight" in n or ".down_proj.weight" in n]
         for paths in out["paths"]:
             # o_proj and down_proj share each row's amax across the workers, and each worker's box of
-            # them (every row, half the columns) lies on both trainers, half the rows each: a row's
-            # jobs would start at different rows of the box, which the exchange of per-row amaxes
-            # does not take. Every process plans again with those layers on vLLM's reload; qkv and
-            # gate_up (rows of their own) stay quantized by the trainers.
-            self.assertEqual(paths.get("quantized"), column, paths)
-            self.assertTrue(set(row) <= set(paths.get("reload", [])), paths)
-        quantized = out["quantized_by_trainer"]
-        self.assertEqual(quantized, out["second_trainer"]["quantized"])
-        self.assertTrue(0 < quantized[0] < out["projection_elements"] // 2, quantized)
-        self.assertEqual(out["plans"], [1, 1, 1], "the fallback plans once; a round with the same tables plans nothing")
+            # them (every row, half the columns) lies on both trainers, half the rows each: each
+            # trainer quantizes its band of rows of both boxes, the two exchanging those rows' amaxes
+            # at every update. qkv and gate_up (rows of their own) come from one trainer each.
+            self.assertEqual(paths.get("quantized"), fp8_layer_params(), paths)
+            self.assertNotIn("reload", paths)
+        half = out["projection_elements"] // 2
+        self.assertEqual(out["quantized_by_trainer"], [half, half])
+        self.assertEqual(out["second_trainer"]["quantized"], [half, half])
+        self.assertEqual(out["plans"], [1, 1, 1], "a round with the same tables planned again")
         self.assertEqual(out["second_trainer"]["plans"], 1)
+
+    def test_a_per_tensor_fp8_engine_whose_trainer_stores_weights_column_major_falls_back_to_the_reload(self):
+        out, _ = self.run_scenario("fp8_tensor_column_major")
+        self.assertEqual(out["first"], [[], []], "codes, scales or elements differ from vLLM's own load")
+        self.assertEqual(out["second"], [[], []])
+        want = fp8_layer_params()
+        for paths in out["paths"]:
+            # The trainer's projections are column-major: no kernel quantizes them in place, and
+            # staging each worker's box would give each worker its own amax. Every process's first
+            # plan refuses the shared amax alike, and every process plans again with the workers'
+            # per-tensor layers on vLLM's reload (the BF16 gathered from the column-major storage).
+            self.assertEqual(paths.get("reload"), want, paths)
+            self.assertNotIn("quantized", paths)
+        self.assertEqual(out["quantized_by_trainer"], [0, 0])
+        self.assertEqual(out["plans"], [1, 1, 1], "the fallback plans once; a round with the same tables plans nothing")
 
     def test_a_per_tensor_fp8_engine_at_tp_1_gets_codes_quantized_by_the_trainers_process(self):
         out, _ = self.run_scenario("fp8_tensor_tp1", size=1)
