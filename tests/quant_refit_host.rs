@@ -213,6 +213,19 @@ fn build(table: &Table) -> refit::Result<Plan> {
     plan::build(std::slice::from_ref(table), &PlanOptions::default())
 }
 
+/// One step of `plan` by a fresh executor of process 0: the run, then the commit when staged.
+fn step(plan: &Plan, commit: CommitMode, verify: bool) {
+    let group = group();
+    let options = ExecOptions { commit, verify, ..ExecOptions::default() };
+    let mut executor = Executor::new(&group, plan, 0, options).unwrap();
+    // SAFETY: every address of the plan is a live buffer of the caller's.
+    unsafe { executor.run(&group) }.unwrap();
+    if commit == CommitMode::Staged {
+        // SAFETY: as above.
+        unsafe { executor.commit(&group) }.unwrap();
+    }
+}
+
 fn execute(plan: &Plan, commit: CommitMode) -> refit::Result<()> {
     let group = group();
     let mut executor = Executor::new(&group, plan, 0, ExecOptions { commit, ..ExecOptions::default() })?;
@@ -996,16 +1009,7 @@ fn per_tensor_shards_on_two_devices_sharing_an_amax_key_get_the_whole_weights_sc
                 assert!(routes.iter().all(|r| r.path == QuantPath::Direct && r.runner == owner), "{what}");
                 let (want_codes, want_scale) = quant_cases::reference_bf16(q, &sharded.values, rows, cols);
                 let half = want_codes.len() / 2;
-                let group = group();
-                let mut executor =
-                    Executor::new(&group, &plan, 0, ExecOptions { commit, verify, ..ExecOptions::default() })
-                        .unwrap();
-                // SAFETY: every address of the plan is a live buffer of this test.
-                unsafe { executor.run(&group) }.unwrap();
-                if commit == CommitMode::Staged {
-                    // SAFETY: as above.
-                    unsafe { executor.commit(&group) }.unwrap();
-                }
+                step(&plan, commit, verify);
                 for k in 0..2 {
                     assert_eq!(sharded.scales[k].bytes(), want_scale.as_slice(), "{what}: scale {k}");
                     let want = &want_codes[k * half..(k + 1) * half];
@@ -1044,20 +1048,11 @@ fn shards_sharing_an_amax_across_devices_exchange_it_and_bad_keys_are_refused() 
     for commit in [CommitMode::Direct, CommitMode::Staged] {
         for verify in [false, true] {
             let what = format!("offered in halves {commit:?} verify {verify}");
-            sharded
-                .scales
-                .iter()
-                .for_each(|s| unsafe { std::ptr::write_bytes(s.addr() as *mut u8, SENTINEL, 4) });
-            let group = group();
-            let mut executor =
-                Executor::new(&group, &plan, 0, ExecOptions { commit, verify, ..ExecOptions::default() })
-                    .unwrap();
-            // SAFETY: every address of the plan is a live buffer of this test.
-            unsafe { executor.run(&group) }.unwrap();
-            if commit == CommitMode::Staged {
-                // SAFETY: as above.
-                unsafe { executor.commit(&group) }.unwrap();
+            for scale in &sharded.scales {
+                // SAFETY: a 4-byte buffer of this test, no reference to it alive here.
+                unsafe { std::ptr::write_bytes(scale.addr() as *mut u8, SENTINEL, 4) };
             }
+            step(&plan, commit, verify);
             let half = want_codes.len() / 2;
             for k in 0..2 {
                 assert_eq!(sharded.scales[k].bytes(), want_scale.as_slice(), "{what}: scale {k}");
@@ -1167,10 +1162,6 @@ fn per_row_shards_sharing_an_amax_key_get_the_whole_rows_scales() {
         for commit in [CommitMode::Direct, CommitMode::Staged] {
             for verify in [false, true] {
                 let what = format!("{what} {commit:?} verify {verify}");
-                let group = group();
-                let mut executor =
-                    Executor::new(&group, plan, 0, ExecOptions { commit, verify, ..ExecOptions::default() })
-                        .unwrap();
                 for (k, (codes, scales, _)) in outputs.iter().enumerate() {
                     let (codes_len, scales_len) = shards.lens(k);
                     // SAFETY: the buffers above, of these lengths (no reference to them is alive here).
@@ -1179,12 +1170,7 @@ fn per_row_shards_sharing_an_amax_key_get_the_whole_rows_scales() {
                         std::ptr::write_bytes(scales.addr() as *mut u8, SENTINEL, scales_len);
                     }
                 }
-                // SAFETY: every address of the plan is a live buffer of this test.
-                unsafe { executor.run(&group) }.unwrap();
-                if commit == CommitMode::Staged {
-                    // SAFETY: as above.
-                    unsafe { executor.commit(&group) }.unwrap();
-                }
+                step(plan, commit, verify);
                 for (k, (codes, scales, _)) in outputs.iter().enumerate() {
                     shards.check(k, codes.bytes(), scales.bytes(), &what);
                 }

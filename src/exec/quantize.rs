@@ -302,25 +302,43 @@ impl Quantizing {
     /// makes it, with or without such jobs), and every batch of those jobs, and its verify, starts
     /// from the maximum.
     pub fn exchange_amaxes(&self, group: &Group, keys: &[u64], comm: Option<&Communicator>) -> Result<()> {
-        let takes = |r: &&RankJobs| r.when != When::Commit && r.jobs.iter().any(|j| exchanges_amax(j, keys));
-        let mut amaxes = Amaxes::new();
-        for r in self.ranks.iter().filter(takes) {
+        let mine = self.exchanging(keys).try_fold(Amaxes::new(), |mut amaxes, r| {
             // SAFETY: the sources are live (the caller's promise on the plan's memory); waited for.
             let found = unsafe { r.prepared.partial_amaxes(group.stream(r.rank)?, keys) }?;
             merge_amaxes(&mut amaxes, &found);
-        }
-        if let Some(comm) = comm {
-            for (peer, bytes) in comm.allgather_bytes(&encode_amaxes(&amaxes))?.iter().enumerate() {
-                let theirs = decode_amaxes(bytes).map_err(|why| {
-                    Error::new(Status::InternalError, format!("process {peer} sent its amaxes {why}"))
-                })?;
-                merge_amaxes(&mut amaxes, &theirs);
+            Ok::<_, Error>(amaxes)
+        });
+        let Some(comm) = comm else { return self.seed(&mine?, keys) };
+        // Meet even after a failure here (sending FAILED_AMAXES), so that the peers do not wait.
+        let sent = mine.as_ref().map_or_else(|_| FAILED_AMAXES.to_vec(), encode_amaxes);
+        let all = comm.allgather_bytes(&sent)?;
+        let mut amaxes = mine?;
+        for (peer, bytes) in all.iter().enumerate() {
+            if bytes.as_slice() == FAILED_AMAXES {
+                crate::bail!(
+                    Status::Aborted,
+                    "process {peer} failed before it sent the amaxes it quantizes with"
+                );
             }
+            let theirs = decode_amaxes(bytes).map_err(|why| {
+                Error::new(Status::InternalError, format!("process {peer} sent its amaxes {why}"))
+            })?;
+            merge_amaxes(&mut amaxes, &theirs);
         }
-        for r in self.ranks.iter().filter(takes) {
-            r.prepared.seed_amaxes(&amaxes)?;
+        self.seed(&amaxes, keys)
+    }
+
+    /// The batches holding jobs of `keys` (none runs at the commit: such jobs read sources in place).
+    fn exchanging<'a>(&'a self, keys: &'a [u64]) -> impl Iterator<Item = &'a RankJobs> + 'a {
+        self.ranks.iter().filter(|r| r.when != When::Commit && r.jobs.iter().any(|j| exchanges_amax(j, keys)))
+    }
+
+    /// Seeds every batch holding jobs of `keys` (and its verify) with `amaxes`.
+    fn seed(&self, amaxes: &Amaxes, keys: &[u64]) -> Result<()> {
+        for r in self.exchanging(keys) {
+            r.prepared.seed_amaxes(amaxes)?;
             if let Some(check) = &r.check {
-                check.prepared.seed_amaxes(&amaxes)?;
+                check.prepared.seed_amaxes(amaxes)?;
             }
         }
         Ok(())
@@ -404,6 +422,9 @@ fn encode_amaxes(amaxes: &Amaxes) -> Vec<u8> {
 }
 
 const AMAX_ENTRY: usize = 20;
+
+/// What a process sends in place of its amaxes when it could not take them (no whole entry).
+const FAILED_AMAXES: &[u8] = b"failed";
 
 fn decode_amaxes(bytes: &[u8]) -> std::result::Result<Amaxes, String> {
     if bytes.len() % AMAX_ENTRY != 0 {
@@ -570,4 +591,23 @@ pub(super) fn allocate_packed(backend: &dyn Backend, device: i32, size: u64, wha
     backend
         .alloc(device, bytes)
         .map_err(|e| e.context(format!("allocating {bytes} bytes of {what} on device {device}")))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn amaxes_cross_processes_whole_and_a_failure_is_no_entry() {
+        let amaxes = Amaxes::from([((7, 0), 0x4380_0000), ((7, 1), 0x7fc0_0000), ((u64::MAX, u64::MAX), 0)]);
+        let bytes = encode_amaxes(&amaxes);
+        assert_eq!(bytes.len(), 3 * AMAX_ENTRY);
+        assert_eq!(decode_amaxes(&bytes).unwrap(), amaxes);
+        assert_eq!(decode_amaxes(&[]).unwrap(), Amaxes::new());
+        assert!(decode_amaxes(&bytes[1..]).unwrap_err().contains("not a multiple of 20"));
+        assert!(decode_amaxes(FAILED_AMAXES).is_err(), "the failure marker is no list of entries");
+        // Entries repeated (by a hostile peer) merge to their maximum, a NaN's bits above numbers'.
+        let twice = [encode_amaxes(&Amaxes::from([((7, 1), 1)])), bytes].concat();
+        assert_eq!(decode_amaxes(&twice).unwrap()[&(7, 1)], 0x7fc0_0000);
+    }
 }

@@ -448,8 +448,8 @@ impl QuantizeKernel {
     /// Queues the launches of a batch whose table ([`Layout::to_bytes`], then its amax words) is at
     /// `table` on the device: the narrow entry point over its tiles, the phase-1 launches of jobs
     /// sharing amaxes ([`QuantizeKernel::first_phase`]), then the wide entry point's and
-    /// refit_quantize_rows's phase-2 launches. Nothing else, so a prepared batch may be captured
-    /// into a graph.
+    /// refit_quantize_rows's phase-2 launches. Nothing else (but the upload of a `seed`), so a
+    /// prepared batch without one may be captured into a graph.
     ///
     /// # Safety
     /// As for [`QuantizeKernel::enqueue`]; `table` holds `layout` as described until the work has run.
@@ -714,6 +714,11 @@ impl crate::transport::PreparedQuantize for PreparedQuantize {
         let stream: sys::CUstream = stream.as_ptr().cast();
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(self.kernel.context) }?;
+        super::upload::refuse_capture(
+            stream,
+            "a run that exchanges amaxes between devices waits mid-run for each device's own, which a CUDA \
+             graph cannot capture",
+        )?;
         let mut words = vec![0u32; self.layout.amax_words as usize];
         // SAFETY: the table holds the layout and its amax words until drop; the caller's promise
         // covers the sources; the words are read back before `words` goes.

@@ -107,7 +107,11 @@ impl UploadSlots {
         let bytes = table.len() + extra;
         // SAFETY: a retained primary context.
         let _current = unsafe { CurrentContext::enter(self.context) }?;
-        refuse_capture(stream)?;
+        refuse_capture(
+            stream,
+            "a one-shot call cannot be captured into a CUDA graph: its descriptors are uploaded into memory \
+             that later calls reuse (capture a prepared batch: refit_copy_batch_launch)",
+        )?;
         let Some(slot) = self.take(bytes)? else {
             // SAFETY: the caller's promises.
             return unsafe { allocated_table(stream, table, extra, launch) };
@@ -153,18 +157,14 @@ impl UploadSlots {
     }
 }
 
-/// Unsupported when `stream` is being captured into a CUDA graph (queuing nothing, so that the
-/// capture goes on).
-fn refuse_capture(stream: sys::CUstream) -> Result<()> {
+/// Unsupported, saying `why`, when `stream` is being captured into a CUDA graph (queuing nothing,
+/// so that the capture goes on).
+pub(super) fn refuse_capture(stream: sys::CUstream, why: &str) -> Result<()> {
     let mut capturing = sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE;
     // SAFETY: valid output slot; a live stream of the current context (the caller's promise).
     check("cuStreamIsCapturing", unsafe { sys::cuStreamIsCapturing(stream, &mut capturing) })?;
     if capturing != sys::CUstreamCaptureStatus::CU_STREAM_CAPTURE_STATUS_NONE {
-        return Err(Error::new(
-            Status::Unsupported,
-            "a one-shot call cannot be captured into a CUDA graph: its descriptors are uploaded into memory \
-             that later calls reuse (capture a prepared batch: refit_copy_batch_launch)",
-        ));
+        return Err(Error::new(Status::Unsupported, why));
     }
     Ok(())
 }
