@@ -1251,3 +1251,25 @@ fn a_key_on_one_matrix_of_a_need_shares_that_matrixs_amax_only() {
         assert!(second.differences(&values).is_empty(), "{commit:?}: {:?}", second.differences(&values));
     }
 }
+
+/// The halves of Sharded in two processes, each quantizing its own in place (a colocated trainer
+/// and engine per process): their amax is exchanged between the processes, so an executor made
+/// without a communicator is refused, naming what to do instead.
+#[test]
+fn an_exchange_between_processes_needs_an_executor_with_a_communicator() {
+    let q = Quantization::new(Fp8::E4m3fn, Granularity::Tensor).with(Arithmetic::VllmTensor);
+    let sharded = Sharded::new(81);
+    let mut table = sharded.table(DEV0, true, [q, q], true);
+    let other = Endpoint { process: 1, device: 0 };
+    table.offers[1].owner = other;
+    table.quant_needs[1].receiver = other;
+    table.shared_amax[1].process = 1;
+    let plan = build(&table).unwrap();
+    assert_eq!(plan.amax_exchange().processes, vec![0, 1]);
+    assert!(plan.quant_routes().iter().all(|r| r.amax_exchanged && r.path == QuantPath::Direct));
+    fails(
+        Executor::new(&group(), &plan, 0, ExecOptions::default()),
+        Status::Unsupported,
+        &["processes 0 and 1", "exchange", "refit_executor_create_across"],
+    );
+}

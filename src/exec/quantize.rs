@@ -67,6 +67,8 @@ pub(super) struct RankJobs {
     written: u64,
     /// With verify: the same jobs into scratch, compared with what the jobs wrote.
     check: Option<Check>,
+    /// Some job shares an amax exchanged between devices at every run ([`AmaxExchange`]).
+    exchanges: bool,
 }
 
 /// The verify of one rank's jobs: each job quantized again into scratch of the rank's device, then
@@ -192,6 +194,8 @@ impl Quantizing {
             };
             let prepared = Arc::from(group.backend().prepare_quantize(device, &jobs)?);
             let written = written_bytes(&jobs);
+            let exchanges =
+                when != When::Commit && jobs.iter().any(|j| exchanges_amax(j, &plan.amax_exchange().keys));
             out.ranks.push(RankJobs {
                 rank,
                 when,
@@ -202,6 +206,7 @@ impl Quantizing {
                 carried: false,
                 written,
                 check,
+                exchanges,
             });
         }
         Ok(out)
@@ -302,13 +307,13 @@ impl Quantizing {
     /// makes it, with or without such jobs), and every batch of those jobs, and its verify, starts
     /// from the maximum.
     pub fn exchange_amaxes(&self, group: &Group, keys: &[u64], comm: Option<&Communicator>) -> Result<()> {
-        let mine = self.exchanging(keys).try_fold(Amaxes::new(), |mut amaxes, r| {
+        let mine = self.exchanging().try_fold(Amaxes::new(), |mut amaxes, r| {
             // SAFETY: the sources are live (the caller's promise on the plan's memory); waited for.
             let found = unsafe { r.prepared.partial_amaxes(group.stream(r.rank)?, keys) }?;
             merge_amaxes(&mut amaxes, &found);
             Ok::<_, Error>(amaxes)
         });
-        let Some(comm) = comm else { return self.seed(&mine?, keys) };
+        let Some(comm) = comm else { return self.seed(&mine?) };
         // Meet even after a failure here (sending FAILED_AMAXES), so that the peers do not wait.
         let sent = mine.as_ref().map_or_else(|_| FAILED_AMAXES.to_vec(), encode_amaxes);
         let all = comm.allgather_bytes(&sent)?;
@@ -325,17 +330,18 @@ impl Quantizing {
             })?;
             merge_amaxes(&mut amaxes, &theirs);
         }
-        self.seed(&amaxes, keys)
+        self.seed(&amaxes)
     }
 
-    /// The batches holding jobs of `keys` (none runs at the commit: such jobs read sources in place).
-    fn exchanging<'a>(&'a self, keys: &'a [u64]) -> impl Iterator<Item = &'a RankJobs> + 'a {
-        self.ranks.iter().filter(|r| r.when != When::Commit && r.jobs.iter().any(|j| exchanges_amax(j, keys)))
+    /// The batches holding jobs whose amax is exchanged (none runs at the commit: such jobs read
+    /// sources in place).
+    fn exchanging(&self) -> impl Iterator<Item = &RankJobs> {
+        self.ranks.iter().filter(|r| r.exchanges)
     }
 
-    /// Seeds every batch holding jobs of `keys` (and its verify) with `amaxes`.
-    fn seed(&self, amaxes: &Amaxes, keys: &[u64]) -> Result<()> {
-        for r in self.exchanging(keys) {
+    /// Seeds every batch holding jobs whose amax is exchanged (and its verify) with `amaxes`.
+    fn seed(&self, amaxes: &Amaxes) -> Result<()> {
+        for r in self.exchanging() {
             r.prepared.seed_amaxes(amaxes)?;
             if let Some(check) = &r.check {
                 check.prepared.seed_amaxes(amaxes)?;

@@ -627,7 +627,7 @@ pub unsafe extern "C" fn refit_plan_quant_route(
                 plan::QuantPath::Staged => REFIT_PATH_STAGED,
                 plan::QuantPath::Sender => REFIT_PATH_SENDER,
             },
-            amax_exchanged: u32::from(r.jobs.iter().any(|j| plan.plan.amax_exchange().covers(j.amax_key))),
+            amax_exchanged: u32::from(r.amax_exchanged),
             need: r.need as u64,
             jobs: r.jobs.len() as u64,
             elements: r.elements(),

@@ -98,6 +98,8 @@ pub struct QuantRoute {
     pub runner: Endpoint,
     pub path: QuantPath,
     pub jobs: Vec<QuantJob>,
+    /// The jobs share an amax with jobs of other devices, exchanged at every run ([`AmaxExchange`]).
+    pub amax_exchanged: bool,
 }
 
 impl QuantRoute {
@@ -443,7 +445,8 @@ pub(crate) fn plan(tables: &[&Table], process: Option<u32>, limits: &Limits) -> 
         let kept = routes
             .into_iter()
             .filter(|r| process.is_none_or(|p| p == r.receiver.process || p == r.runner.process));
-        planned.routes.extend(kept.map(|r| QuantRoute { need: number, ..r }));
+        let amax_exchanged = ties.exchanged(number);
+        planned.routes.extend(kept.map(|r| QuantRoute { need: number, amax_exchanged, ..r }));
     }
     planned.shadow = shadow.into_table();
     planned.fingerprint = digest.finish();
@@ -988,6 +991,7 @@ fn direct_routes(
                     QuantPath::Sender
                 },
                 jobs,
+                amax_exchanged: false,
             })
         })
         .collect()
@@ -1025,6 +1029,7 @@ fn staged_route(
         runner: q.receiver,
         path: QuantPath::Staged,
         jobs,
+        amax_exchanged: false,
     })
 }
 
