@@ -15,8 +15,9 @@ torch.compile already runs near the bound, 5x would need less time than moving t
 
 Each figure is the CUDA-event median over repetitions of 10 back-to-back calls (so that host-side
 launch overhead is hidden behind queued work the same way for every contender), divided by 10.
-refit's codes and scales are compared with torch eager's (scales divided by a tensor, as refit divides,
-since torch divides by a Python scalar as a multiplication by its reciprocal). Writes
+refit's codes and scales, per block and per tensor, are compared with torch eager's (scales divided by
+a tensor, as refit divides, since torch divides by a Python scalar as a multiplication by its
+reciprocal). Writes
 $REFIT_BENCH_RESULTS/quant_peer.json and prints a markdown table.
 """
 
@@ -93,7 +94,6 @@ def main():
 
         # refit against torch eager with exact divisions.
         torch.cuda.synchronize()
-        mismatched = -1
         if granularity == Granularity.BLOCK:
             blocks = x.view(ROWS // BLOCK, BLOCK, COLS // BLOCK, BLOCK).float()
             amax = blocks.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-10)
@@ -101,6 +101,13 @@ def main():
             want = (blocks / want_scales).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8).view(ROWS, COLS)
             mismatched = int((out != want).sum().item()) + int(
                 (scales.view(torch.int32) != want_scales.view(ROWS // BLOCK, COLS // BLOCK).view(torch.int32)).sum().item()
+            )
+        else:
+            amax = x.abs().amax().float().clamp_min(1e-10)
+            want_scale = amax / torch.full_like(amax, 448.0)
+            want = (x.float() / want_scale).clamp(-448.0, 448.0).to(torch.float8_e4m3fn).view(torch.uint8)
+            mismatched = int((out != want).sum().item()) + int(
+                (scales.view(torch.int32).view(-1) != want_scale.view(1).view(torch.int32)).sum().item()
             )
         job_bound_ms = tensor_bound_ms if granularity == Granularity.TENSOR else bound_ms
         results.append(

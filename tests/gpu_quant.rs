@@ -230,6 +230,7 @@ fn the_kernel_compiles_for_hopper_and_ampere() {
         assert!(text.contains(".entry refit_quantize("), "PTX names the kernel");
         assert!(text.contains(".entry refit_quantize_narrow("), "PTX names the narrow entry point");
         assert!(text.contains(".entry refit_quantize_rows("), "PTX names the shared rows' entry point");
+        assert!(text.contains(".entry refit_quantize_amax("), "PTX names per-tensor jobs' first phase");
         assert!(text.contains(".entry refit_copy_quantize("), "PTX names the entry point that also copies");
         assert!(text.contains("ld.global.v4.u32") || text.contains("ld.global.nc.v4.u32"), "16-byte loads");
         assert_eq!(text.contains("e4m3x2"), major >= 9, "the hardware conversion on sm_89 and later only");

@@ -51,7 +51,13 @@ fn quantize_module_compiles_for_hopper() {
     let ptx =
         nvrtc::compile(&source, "copy_quantize.cu", 9, 0, Output::Ptx, &[]).expect("PTX for compute_90");
     let text = String::from_utf8_lossy(&ptx.image);
-    for entry in ["refit_quantize", "refit_quantize_narrow", "refit_quantize_rows", "refit_copy_quantize"] {
+    for entry in [
+        "refit_quantize",
+        "refit_quantize_narrow",
+        "refit_quantize_rows",
+        "refit_quantize_amax",
+        "refit_copy_quantize",
+    ] {
         assert!(text.contains(&format!(".entry {entry}(")), "PTX names {entry}");
     }
 }

@@ -349,7 +349,7 @@ fn per_tensor_jobs_naming_one_scale_share_one_amax_word() {
 }
 
 /// A row-parallel weight's column shards as per-row jobs sharing each row's amax, between other
-/// jobs: two phases on the wide entry point over slabs of whole rows, each set's words one per row,
+/// jobs: two phases on their own entry point over slabs of whole rows, each set's words one per row,
 /// every row's scale the whole row's on every shard. Three geometries: short rows whose warps span
 /// rows; rows of whole warps' vectors, many to a slab and one longer than a slab's cache; f32 rows.
 #[test]

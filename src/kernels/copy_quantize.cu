@@ -20,8 +20,8 @@ extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_WITH_COPY_MIN_
     __shared__ Vec cache[QUANT_CACHE * QUANT_THREADS];  // the wide tiles' cache (quantize.cu)
     const u32 block = blockIdx.x - copy_blocks;
     if (block < narrow_tiles) {
-        quantize_tiles<QUANT_NARROW_CACHE, false>(quant, njobs, 0, 2, job_amax, block, nullptr);
+        quantize_tiles<QUANT_NARROW_CACHE, false>(quant, njobs, 0, job_amax, block, nullptr);
     } else {
-        quantize_tiles<QUANT_CACHE, true>(quant, njobs, narrow_tiles, 2, job_amax, block - (u32)narrow_tiles, cache);
+        quantize_tiles<QUANT_CACHE, true>(quant, njobs, narrow_tiles, job_amax, block - (u32)narrow_tiles, cache);
     }
 }

@@ -18,14 +18,16 @@
 // (8 bf16 / f16 or 4 f32), which the host has checked row starts allow; a row's last vector may
 // extend up to 15 bytes past its last element, within its aligned 16 bytes, and those bytes are
 // ignored. Two modes:
-// - MODE_BLOCK: a tile is one scale block (per-tensor jobs: a slab of whole rows). The block's
+// - MODE_BLOCK: a tile is one scale block (per-tensor jobs: a tile of 16 vectors by 128 rows, or a
+//   slab of whole rows where rows are narrower). The block's
 //   threads read its vectors, each keeping the first CACHE (see Occupancy; all CACHE loads issued
 //   before the first is used, so that many are in flight per thread), reduce the amax
 //   across the block (warp shuffles, then shared memory), compute the scale, and quantize what they
-//   hold (vectors beyond the cache are read again, from L2). Per-tensor jobs run in two launches:
-//   phase 1 reduces each slab and combines the slabs' amax with atomicMax on its bits into the job's
-//   word of `amax` (zeroed by the host; jobs sharing one scale share one word, amax_slot, and each
-//   writes the scale, atomically); phase 2 quantizes with it. So a per-tensor job reads its
+//   hold (vectors beyond the cache are read again, from L2). Per-tensor jobs take two launches:
+//   phase 1 (refit_quantize_amax, a pass that only reads) reduces each tile and combines the tiles'
+//   amax with atomicMax on its bits into the job's word of `amax` (zeroed by the host; jobs sharing
+//   one scale share one word, amax_slot, and each writes the scale, atomically); phase 2 quantizes
+//   with it. So a per-tensor job reads its
 //   source twice: its memory bound is 5 bytes per 16-bit element, not the other granularities' 3.
 //   Per-row jobs that share each row's amax with other jobs (a row-parallel weight's column shards,
 //   one job per receiver: SCALE_ROWS_SHARED) take the same two phases over slabs of whole rows
@@ -66,6 +68,9 @@ typedef unsigned short u16;
 #define QUANT_GROUP_ROUNDS 4u
 #define QUANT_GROUP_MIN_BLOCKS 6u
 #define QUANT_ROWS_MIN_BLOCKS 5u
+#define QUANT_AMAX_LOADS 4u
+#define QUANT_AMAX_MIN_BLOCKS 6u
+#define QUANT_AMAX_TILES 8u
 #define QUANT_INDEX_SHIFT 8u
 #define QUANT_CANONICAL_NAN 0x7fffffffu
 #define QUANT_DESC_BYTES 136u
@@ -565,7 +570,7 @@ __device__ __forceinline__ u32 block_max(u32 amax) {
 // thread t's k-th at cache[k * QUANT_THREADS + t]), where they arrive without passing through
 // registers, so that registers do not bound the tiles in flight per SM; else in registers.
 template <u32 SRC, u32 CACHE, bool SHARED>
-__device__ void quantize_block(const QuantDesc& d, u32 amax_slot, u64 block, u32 phase, u32* job_amax, Vec* cache) {
+__device__ void quantize_block(const QuantDesc& d, u32 amax_slot, u64 block, const u32* job_amax, Vec* cache) {
     constexpr u32 VE = Elements<SRC>::per_vector;
     constexpr u32 SIZE = Elements<SRC>::size;
     u64 grid_row, grid_col;
@@ -653,15 +658,8 @@ __device__ void quantize_block(const QuantDesc& d, u32 amax_slot, u64 block, u32
         }
     }
     amax = block_max(amax);
-    if (d.scale_kind == SCALE_TENSOR) {
-        // Two phases: the amax of every job sharing it, then the quantization with it.
-        u32* word = job_amax + amax_slot;
-        if (phase == 1) {
-            if (t == 0) atomicMax(word, amax);
-            return;
-        }
-        amax = *(volatile u32*)word;
-    }
+    // Per tensor: the amax of every job sharing it, which phase 1 (refit_quantize_amax) reduced.
+    if (d.scale_kind == SCALE_TENSOR) amax = job_amax[amax_slot];
     const Scale scale = block_scale(d, amax);
     if (t == 0 && d.scale_kind == SCALE_TENSOR && block == 0) {
         // Every job sharing this scale writes it, the same bits: atomically, so that they do not race.
@@ -919,14 +917,72 @@ __device__ void quantize_shared_rows(const QuantDesc& d, u64 slab, u32 phase, u3
     for (row = rest_row, v = rest_v; row < rows; advance()) store(load_vector(at()));
 }
 
+// The amax of this thread's vectors of a rectangle of a per-tensor job (phase 1:
+// refit_quantize_amax), rows [r0, r0 + rows) by elements [c0, c0 + cols), folded into `amax`: the
+// block's threads take its vectors in row-major order, in rounds of QUANT_AMAX_LOADS vectors per
+// thread, each round's loads issued before any is used.
+template <u32 SRC>
+__device__ __forceinline__ u32 rectangle_amax(const QuantDesc& d, u64 r0, u32 rows, u64 c0, u32 cols, u32 amax) {
+    constexpr u32 VE = Elements<SRC>::per_vector;
+    constexpr u32 SIZE = Elements<SRC>::size;
+    const u32 per_row = (cols + VE - 1) / VE;
+    const u32 row_step = QUANT_THREADS / per_row, vector_step = QUANT_THREADS % per_row;
+    const unsigned char* src = reinterpret_cast<const unsigned char*>(d.src) + (r0 * d.src_stride + c0) * SIZE;
+    const u64 src_row_bytes = d.src_stride * SIZE;
+    u32 row = threadIdx.x / per_row, v = threadIdx.x % per_row;
+    while (row < rows) {
+        Vec x[QUANT_AMAX_LOADS];
+        u32 count[QUANT_AMAX_LOADS];
+#pragma unroll
+        for (u32 k = 0; k < QUANT_AMAX_LOADS; ++k) {
+            count[k] = 0;
+            if (row < rows) {
+                x[k] = load_vector(src + row * src_row_bytes + (u64)v * VE * SIZE);
+                count[k] = cols - v * VE < VE ? cols - v * VE : VE;
+            }
+            row += row_step;
+            v += vector_step;
+            if (v >= per_row) {
+                v -= per_row;
+                ++row;
+            }
+        }
+#pragma unroll
+        for (u32 k = 0; k < QUANT_AMAX_LOADS; ++k) {
+            const u32 m = count[k] > 0 ? vector_amax<SRC>(x[k], count[k]) : 0u;
+            amax = m > amax ? m : amax;
+        }
+    }
+    return amax;
+}
+
+// The amax of a per-tensor job's tiles [tile, end) (of this thread) folded into `amax`: the tiles of
+// each grid row as one rectangle, so that a warp's loads read consecutive bytes of a row across
+// tiles (a tile's row is 256 bytes).
+template <u32 SRC>
+__device__ __forceinline__ u32 tiles_amax(const QuantDesc& d, u64 tile, u64 end, u32 amax) {
+    for (tile -= d.first_tile, end -= d.first_tile; tile < end;) {
+        u64 grid_row, grid_col;
+        grid_position(d, tile, grid_row, grid_col);
+        const u64 across = end - tile < d.grid_cols - grid_col ? end - tile : d.grid_cols - grid_col;
+        const u64 r0 = grid_row * d.block_rows, c0 = grid_col * d.block_cols;
+        const u64 width = across * d.block_cols;
+        const u32 rows = (u32)(d.rows - r0 < d.block_rows ? d.rows - r0 : d.block_rows);
+        const u32 cols = (u32)(d.cols - c0 < width ? d.cols - c0 : width);
+        amax = rectangle_amax<SRC>(d, r0, rows, c0, cols, amax);
+        tile += across;
+    }
+    return amax;
+}
+
 template <u32 SRC, u32 CACHE, bool SHARED>
-__device__ void quantize_tile(const QuantDesc& d, u32 amax_slot, u64 tile, u32 phase, u32* job_amax, Vec* cache) {
+__device__ void quantize_tile(const QuantDesc& d, u32 amax_slot, u64 tile, const u32* job_amax, Vec* cache) {
     if (d.mode == MODE_GROUP) {
-        if (phase != 1) quantize_groups<SRC>(d, tile);
+        quantize_groups<SRC>(d, tile);
     } else if (!SHARED && whole_rows<SRC, CACHE>(d)) {
-        if (phase != 1) quantize_row<SRC, CACHE>(d, tile);  // never per tensor: those are wide
-    } else if (phase != 1 || d.scale_kind == SCALE_TENSOR) {
-        quantize_block<SRC, CACHE, SHARED>(d, amax_slot, tile, phase, job_amax, cache);
+        quantize_row<SRC, CACHE>(d, tile);  // never per tensor: those are wide
+    } else {
+        quantize_block<SRC, CACHE, SHARED>(d, amax_slot, tile, job_amax, cache);
     }
 }
 
@@ -948,33 +1004,59 @@ __device__ __forceinline__ u32 job_of(const QuantDesc* __restrict__ descs, u32 n
 
 // One tile per thread block: tile first_tile + block of the `njobs` descriptors, for quantizing thread
 // block `block` (of a launch's own grid, or counted after a launch's copying blocks:
-// copy_quantize.cu); `cache` as for quantize_block. Phase 1 (launched only when a job is per
-// tensor): the per-tensor jobs' amax into job_amax (zeroed by the host), the other tiles return at
-// once. Phase 2: every job quantized, per-tensor ones with phase 1's amax.
+// copy_quantize.cu); `cache` as for quantize_block. Per-tensor jobs take their amax from job_amax,
+// which refit_quantize_amax has reduced (phase 1).
 template <u32 CACHE, bool SHARED>
 __device__ __forceinline__ void quantize_tiles(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile,
-                                               u32 phase, u32* job_amax, u32 block, Vec* cache) {
+                                               const u32* job_amax, u32 block, Vec* cache) {
     const u64 tile = first_tile + block;
     const u32 lo = job_of(descs, njobs, tile);
     const QuantDesc d = descs[lo];
     const u64 local = tile - d.first_tile;
     // Per-tensor jobs are the wide entry point's (SHARED) only: the narrow one never reads the slot.
     const u32 slot = SHARED ? d.amax_slot : lo;
-    if (d.source == SRC_BF16) quantize_tile<SRC_BF16, CACHE, SHARED>(d, slot, local, phase, job_amax, cache);
-    else if (d.source == SRC_F16) quantize_tile<SRC_F16, CACHE, SHARED>(d, slot, local, phase, job_amax, cache);
-    else quantize_tile<SRC_F32, CACHE, SHARED>(d, slot, local, phase, job_amax, cache);
+    if (d.source == SRC_BF16) quantize_tile<SRC_BF16, CACHE, SHARED>(d, slot, local, job_amax, cache);
+    else if (d.source == SRC_F16) quantize_tile<SRC_F16, CACHE, SHARED>(d, slot, local, job_amax, cache);
+    else quantize_tile<SRC_F32, CACHE, SHARED>(d, slot, local, job_amax, cache);
 }
 
+// The entry points share one signature (descriptors, jobs, first tile, phase, amax words); those
+// with one phase ignore `phase`.
 extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_WIDE_MIN_BLOCKS)
-    refit_quantize(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase, u32* job_amax) {
+    refit_quantize(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32, u32* job_amax) {
     __shared__ Vec cache[QUANT_CACHE * QUANT_THREADS];
-    quantize_tiles<QUANT_CACHE, true>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, cache);
+    quantize_tiles<QUANT_CACHE, true>(descs, njobs, first_tile, job_amax, blockIdx.x, cache);
 }
 
 extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_NARROW_MIN_BLOCKS)
-    refit_quantize_narrow(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32 phase,
-                          u32* job_amax) {
-    quantize_tiles<QUANT_NARROW_CACHE, false>(descs, njobs, first_tile, phase, job_amax, blockIdx.x, nullptr);
+    refit_quantize_narrow(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u32, u32* job_amax) {
+    quantize_tiles<QUANT_NARROW_CACHE, false>(descs, njobs, first_tile, job_amax, blockIdx.x, nullptr);
+}
+
+// Phase 1 of per-tensor jobs, over the wide entry point's tiles [first_tile, end_tile): each block
+// takes QUANT_AMAX_TILES consecutive tiles, skipping those of other jobs, and folds each job's amax
+// into its word with atomicMax on its bits (the words zeroed or seeded by the host), once per job it
+// meets. Nothing is kept for a second use, so the vectors pass through registers and a block holds
+// no cache; a block's tiles share its descriptor lookups and its reductions, which one block per
+// tile would repeat for every 32 KiB read.
+extern "C" __global__ void __launch_bounds__(QUANT_THREADS, QUANT_AMAX_MIN_BLOCKS)
+    refit_quantize_amax(const QuantDesc* __restrict__ descs, u32 njobs, u64 first_tile, u64 end_tile, u32* job_amax) {
+    u64 tile = first_tile + (u64)blockIdx.x * QUANT_AMAX_TILES;
+    const u64 stop = tile + QUANT_AMAX_TILES < end_tile ? tile + QUANT_AMAX_TILES : end_tile;
+    for (u32 job = job_of(descs, njobs, tile); tile < stop; ++job) {
+        const QuantDesc& d = descs[job];
+        const u64 end = d.first_tile + d.blocks < stop ? d.first_tile + d.blocks : stop;  // wide jobs: a tile per block
+        if (d.scale_kind == SCALE_TENSOR) {
+            u32 amax = 0;
+            if (d.source == SRC_BF16) amax = tiles_amax<SRC_BF16>(d, tile, end, amax);
+            else if (d.source == SRC_F16) amax = tiles_amax<SRC_F16>(d, tile, end, amax);
+            else amax = tiles_amax<SRC_F32>(d, tile, end, amax);
+            amax = block_max(amax);
+            if (threadIdx.x == 0 && amax != 0) atomicMax(job_amax + d.amax_slot, amax);
+            __syncthreads();  // block_max's shared words are read by all before the next job's writes
+        }
+        tile = end;
+    }
 }
 
 // Group-mode jobs (MX, short rows, 1 x n blocks), the first tiles of a batch: quantize_groups,

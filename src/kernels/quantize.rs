@@ -24,6 +24,7 @@ const NARROW_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_narrow";
 const ROWS_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_rows";
 const GROUPS_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_groups";
 const COPY_KERNEL_NAME: &std::ffi::CStr = c"refit_copy_quantize";
+const AMAX_KERNEL_NAME: &std::ffi::CStr = c"refit_quantize_amax";
 /// Threads per block (QUANT_THREADS in the source).
 pub const THREADS: u32 = 256;
 /// Vectors a thread keeps in block mode, in shared memory (QUANT_CACHE).
@@ -40,6 +41,13 @@ pub const WITH_COPY_MIN_BLOCKS_PER_SM: u32 = 3;
 /// mode, where more tiles in flight beat a cache that would sit unused.
 pub const NARROW_CACHE: u64 = 4;
 pub const NARROW_MIN_BLOCKS_PER_SM: u32 = 4;
+/// Vectors each thread of refit_quantize_amax (per-tensor jobs' phase 1) loads before using them
+/// (QUANT_AMAX_LOADS), and its blocks per SM (QUANT_AMAX_MIN_BLOCKS): nothing is kept in shared
+/// memory, so twice the wide entry point's.
+pub const AMAX_LOADS: u64 = 4;
+pub const AMAX_MIN_BLOCKS_PER_SM: u32 = 6;
+/// Consecutive tiles each block of refit_quantize_amax takes (QUANT_AMAX_TILES).
+pub const AMAX_TILES: u64 = 8;
 /// Rounds of blocks per tile in group mode (QUANT_GROUP_ROUNDS).
 pub const GROUP_ROUNDS: u64 = 4;
 /// Blocks per SM of refit_quantize_groups, the group-mode entry point (QUANT_GROUP_MIN_BLOCKS).
@@ -47,6 +55,9 @@ pub const GROUP_MIN_BLOCKS_PER_SM: u32 = 6;
 /// Blocks per SM of refit_quantize_rows, per-row jobs sharing each row's amax
 /// (QUANT_ROWS_MIN_BLOCKS): the wide entry point's cache at one block more per SM.
 pub const ROWS_MIN_BLOCKS_PER_SM: u32 = 5;
+/// The width in vectors of a per-tensor job's tiles (rows at least that wide): THREADS / 16 rows
+/// of them per pass of a block's threads, CACHE passes per tile.
+pub const TENSOR_TILE_VECTORS: u64 = 16;
 /// Tiles per entry of a batch's tile index (2^QUANT_INDEX_SHIFT): see [`Layout::index`].
 pub const INDEX_SHIFT: u32 = 8;
 
@@ -312,11 +323,25 @@ fn describe(job: &QuantJob) -> (QuantDesc, u64) {
     };
     let tiles;
     let shared_rows = q.granularity == Granularity::Row && job.amax_key != 0;
-    if shared_rows || q.granularity == Granularity::Tensor {
+    let per_row = job.cols.div_ceil(vector);
+    if q.granularity == Granularity::Tensor && per_row >= TENSOR_TILE_VECTORS {
+        // Two phases over tiles of TENSOR_TILE_VECTORS vectors by as many rows as the wide entry
+        // point's cache holds: the shape of a 128 x 128 bf16 block, which takes the kernel's path
+        // without row and partial-vector bookkeeping wherever the tile lies whole in the matrix
+        // (slabs of whole rows never do: a row of 8192 bf16 is 1024 vectors, more than a block's
+        // threads). One scale for the job: the tiles are not scale blocks.
+        let tile_rows = u64::from(THREADS) * CACHE / TENSOR_TILE_VECTORS;
+        desc.block_rows = tile_rows as u32;
+        desc.block_cols = (TENSOR_TILE_VECTORS * vector) as u32;
+        desc.grid_cols = per_row.div_ceil(TENSOR_TILE_VECTORS);
+        desc.blocks = job.rows.div_ceil(tile_rows) * desc.grid_cols;
+        desc.scale_kind = SCALE_TENSOR;
+        desc.mode = MODE_BLOCK;
+        tiles = desc.blocks;
+    } else if shared_rows || q.granularity == Granularity::Tensor {
         // Two phases over slabs of whole rows, as many as the wide entry point's cache holds: per
-        // tensor, each slab one scale block; per row with each row's amax shared with other jobs,
-        // each row its own.
-        let per_row = job.cols.div_ceil(vector);
+        // tensor (rows narrower than TENSOR_TILE_VECTORS), each slab a tile; per row with each
+        // row's amax shared with other jobs, each row its own.
         let slab = (u64::from(THREADS) * CACHE / per_row).clamp(1, job.rows);
         desc.block_rows = slab as u32;
         desc.block_cols = job.cols as u32;
@@ -358,12 +383,13 @@ pub fn module_source() -> String {
 pub struct QuantizeKernel {
     device: i32,
     context: sys::CUcontext,
-    /// refit_quantize (wide), refit_quantize_narrow, refit_quantize_groups, refit_quantize_rows and
-    /// refit_copy_quantize.
+    /// refit_quantize (wide), refit_quantize_narrow, refit_quantize_groups, refit_quantize_rows,
+    /// refit_quantize_amax (per-tensor jobs' phase 1) and refit_copy_quantize.
     wide: sys::CUfunction,
     narrow: sys::CUfunction,
     groups: sys::CUfunction,
     rows: sys::CUfunction,
+    amax: sys::CUfunction,
     copying: sys::CUfunction,
     /// How the kernel was built, for logs and bench output.
     pub build: String,
@@ -391,19 +417,21 @@ impl QuantizeKernel {
         let rows = module::function(loaded.module, ROWS_KERNEL_NAME)?;
         let groups = module::function(loaded.module, GROUPS_KERNEL_NAME)?;
         let copying = module::function(loaded.module, COPY_KERNEL_NAME)?;
+        let amax = module::function(loaded.module, AMAX_KERNEL_NAME)?;
         // Their wide tiles keep their vectors in shared memory (32 KiB a block).
         loaded.prefer_shared_memory(wide)?;
         loaded.prefer_shared_memory(rows)?;
         loaded.prefer_shared_memory(copying)?;
-        let (wide_per_sm, narrow_per_sm, groups_per_sm, rows_per_sm, copying_per_sm) = (
+        let (wide_per_sm, narrow_per_sm, groups_per_sm, rows_per_sm, amax_per_sm, copying_per_sm) = (
             loaded.blocks_per_sm(wide, THREADS)?,
             loaded.blocks_per_sm(narrow, THREADS)?,
             loaded.blocks_per_sm(groups, THREADS)?,
             loaded.blocks_per_sm(rows, THREADS)?,
+            loaded.blocks_per_sm(amax, THREADS)?,
             loaded.blocks_per_sm(copying, THREADS)?,
         );
         let build = format!(
-            "{} x {wide_per_sm} (narrow: {narrow_per_sm}, group mode: {groups_per_sm}, shared rows: {rows_per_sm}, with a copy: {copying_per_sm}) blocks of {THREADS}",
+            "{} x {wide_per_sm} (narrow: {narrow_per_sm}, group mode: {groups_per_sm}, shared rows: {rows_per_sm}, per-tensor amax: {amax_per_sm}, with a copy: {copying_per_sm}) blocks of {THREADS}",
             loaded.build
         );
         log::info!("quantize kernel on device {device}: {build}");
@@ -414,6 +442,7 @@ impl QuantizeKernel {
             narrow,
             groups,
             rows,
+            amax,
             copying,
             build,
             uploads: UploadSlots::new(loaded.context),
@@ -470,8 +499,8 @@ impl QuantizeKernel {
     }
 
     /// For jobs sharing amaxes, the zeroing of their words (or their upload from `seed`) and the
-    /// phase-1 launches: the wide entry point's for per-tensor jobs, refit_quantize_rows's for per-row
-    /// ones; nothing otherwise, nor where `seed` holds every word. Returns the amax words' address (0
+    /// phase-1 launches: refit_quantize_amax over the wide entry point's tiles for per-tensor jobs,
+    /// refit_quantize_rows's for per-row ones; nothing otherwise, nor where `seed` holds every word. Returns the amax words' address (0
     /// without such jobs).
     ///
     /// # Safety
@@ -499,7 +528,7 @@ impl QuantizeKernel {
                 return Ok(amax);
             }
             if layout.tensor_phase {
-                self.launch(stream, table, layout, (self.wide, layout.wide_range()), 1, amax)?;
+                self.launch_amax(stream, table, layout, amax)?;
             }
             self.launch(stream, table, layout, (self.rows, layout.rows_range()), 1, amax)?;
         }
@@ -559,6 +588,28 @@ impl QuantizeKernel {
         // the memory both parts name.
         unsafe { module::launch(self.copying, blocks, THREADS, stream, &mut params) }?;
         self.launch(stream, table, layout, (self.rows, layout.rows_range()), 2, amax)
+    }
+
+    /// refit_quantize_amax over the wide entry point's tiles, AMAX_TILES to a block, reducing
+    /// per-tensor jobs' amaxes into the words at `amax`.
+    fn launch_amax(&self, stream: sys::CUstream, table: u64, layout: &Layout, amax: u64) -> Result<()> {
+        let tiles = layout.wide_range();
+        if tiles.is_empty() {
+            return Ok(());
+        }
+        let (mut descs, mut njobs, mut first_tile, mut end_tile, mut amax) =
+            (table, layout.descs.len() as u32, tiles.start, tiles.end, amax);
+        let mut params: [*mut c_void; 5] = [
+            (&mut descs as *mut u64).cast(),
+            (&mut njobs as *mut u32).cast(),
+            (&mut first_tile as *mut u64).cast(),
+            (&mut end_tile as *mut u64).cast(),
+            (&mut amax as *mut u64).cast(),
+        ];
+        let blocks = (tiles.end - tiles.start).div_ceil(AMAX_TILES) as u32;
+        // SAFETY: the parameters match refit_quantize_amax's signature; the caller's promises cover
+        // the sources the jobs name, and the table holds the descriptors, tile index and amax words.
+        unsafe { module::launch(self.amax, blocks, THREADS, stream, &mut params) }
     }
 
     /// One launch of `function` (an entry point) over `tiles`; nothing when they are none.
@@ -779,6 +830,9 @@ mod tests {
             format!("#define QUANT_ROWS_MIN_BLOCKS {ROWS_MIN_BLOCKS_PER_SM}u"),
             format!("#define QUANT_NARROW_CACHE {NARROW_CACHE}u"),
             format!("#define QUANT_NARROW_MIN_BLOCKS {NARROW_MIN_BLOCKS_PER_SM}u"),
+            format!("#define QUANT_AMAX_LOADS {AMAX_LOADS}u"),
+            format!("#define QUANT_AMAX_MIN_BLOCKS {AMAX_MIN_BLOCKS_PER_SM}u"),
+            format!("#define QUANT_AMAX_TILES {AMAX_TILES}u"),
             format!("#define QUANT_INDEX_SHIFT {INDEX_SHIFT}u"),
             format!("#define QUANT_DESC_BYTES {}u", std::mem::size_of::<QuantDesc>()),
             format!("#define QUANT_CANONICAL_NAN {:#x}u", crate::quant::reference::CANONICAL_NAN),
@@ -875,8 +929,8 @@ mod tests {
         // Group mode's jobs first, in the order given: MX (4 lanes per block, 64 groups x 4 rounds
         // per tile), rows of 25 vectors (32 lanes); then the narrow entry point's rows of 1024
         // vectors (4 per thread: one block each). Then the wide one's: 512 x 64 blocks of 8 vectors
-        // per thread, per tensor (slabs of 2 rows of 1024 vectors), rows of 1025 vectors (5 per
-        // thread).
+        // per thread, per tensor (8 x 64 tiles of 128 rows of 16 vectors, the last 104 rows
+        // tall), rows of 1025 vectors (5 per thread).
         let mx_tiles = 65536 * 256 / 256;
         let narrow_tiles = mx_tiles + 1 + 10;
         assert_eq!(
@@ -887,11 +941,17 @@ mod tests {
                 (8192, MODE_BLOCK, 0, mx_tiles + 1),
                 (8192, MODE_BLOCK, 0, narrow_tiles),
                 (8192, MODE_BLOCK, 0, narrow_tiles + 32768),
-                (8200, MODE_BLOCK, 0, narrow_tiles + 32768 + 500),
+                (8200, MODE_BLOCK, 0, narrow_tiles + 32768 + 512),
             ]
         );
-        assert_eq!(l.descs[4].block_rows, 2);
-        assert_eq!((l.narrow_tiles, l.tiles), (narrow_tiles, narrow_tiles + 32768 + 500 + 3));
+        let tensor_tiles =
+            (l.descs[4].block_rows, l.descs[4].block_cols, l.descs[4].grid_cols, l.descs[4].blocks);
+        assert_eq!(tensor_tiles, (128, 128, 64, 512));
+        assert_eq!((l.narrow_tiles, l.tiles), (narrow_tiles, narrow_tiles + 32768 + 512 + 3));
+        // Rows narrower than a tile: per-tensor slabs of whole rows (2048 / 15 = 136 rows of 15 vectors).
+        let narrow_tensor = layout(&[job(0, Granularity::Tensor, 1000, 120)]).unwrap();
+        let slabs = (narrow_tensor.descs[0].block_rows, narrow_tensor.descs[0].blocks);
+        assert_eq!(slabs, (136, 8));
         assert_eq!((l.groups_range(), l.narrow_range()), (0..mx_tiles + 1, mx_tiles + 1..narrow_tiles));
         // Group-mode jobs go before the narrow entry point's whatever the order given.
         let swapped = layout(&[row_long, block, mx]).unwrap();

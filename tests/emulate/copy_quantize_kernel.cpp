@@ -32,8 +32,8 @@ extern "C" void refit_emulate_copy_quantize(const void* copy, u64 nseg, u64 ntil
     const QuantDesc* q = static_cast<const QuantDesc*>(quant);
     const unsigned riding = (unsigned)(tiles - rows_tiles), rows = (unsigned)rows_tiles;
     if (tensor_phase && riding > narrow_tiles) {
-        emu::launch(riding - (unsigned)narrow_tiles, QUANT_THREADS,
-                    [&] { refit_quantize(q, njobs, narrow_tiles, 1, amax.data()); });
+        emu::launch((riding - (unsigned)narrow_tiles + QUANT_AMAX_TILES - 1) / QUANT_AMAX_TILES, QUANT_THREADS,
+                    [&] { refit_quantize_amax(q, njobs, narrow_tiles, riding, amax.data()); });
     }
     if (rows > 0) emu::launch(rows, QUANT_THREADS, [&] { refit_quantize_rows(q, njobs, riding, 1, amax.data()); });
     emu::launch(copy_blocks + riding, QUANT_THREADS, [&] {

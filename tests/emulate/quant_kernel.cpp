@@ -1,7 +1,7 @@
 // Builds src/kernels/quantize.cu as plain host C++ and runs its launches on the CPU (see runtime.hpp),
 // for tests/quant_emulated.rs, as src/kernels/quantize.rs queues them: the group-mode entry point
-// over tiles [0, group_tiles), the narrow one over [group_tiles, narrow_tiles); the phase-1 launches of jobs sharing amaxes (the wide entry point's over
-// [narrow_tiles, tiles - rows_tiles) when a job is per tensor, refit_quantize_rows's over the last
+// over tiles [0, group_tiles), the narrow one over [group_tiles, narrow_tiles); the phase-1 launches of jobs sharing amaxes (refit_quantize_amax over the wide entry
+// point's tiles [narrow_tiles, tiles - rows_tiles) when a job is per tensor, refit_quantize_rows's over the last
 // rows_tiles); then both of those entry points' phase-2 launches.
 #include "runtime.hpp"
 
@@ -36,7 +36,8 @@ extern "C" void refit_emulate_quantize(const void* descs, u32 njobs, u64 group_t
     const unsigned wide = (unsigned)(tiles - rows_tiles - narrow_tiles), rows = (unsigned)rows_tiles;
     const u64 rows_first = tiles - rows_tiles;
     if (wide > 0 && tensor_phase) {
-        emu::launch(wide, QUANT_THREADS, [&] { refit_quantize(d, njobs, narrow_tiles, 1, amax.data()); });
+        emu::launch((wide + QUANT_AMAX_TILES - 1) / QUANT_AMAX_TILES, QUANT_THREADS,
+                    [&] { refit_quantize_amax(d, njobs, narrow_tiles, narrow_tiles + wide, amax.data()); });
     }
     if (rows > 0) emu::launch(rows, QUANT_THREADS, [&] { refit_quantize_rows(d, njobs, rows_first, 1, amax.data()); });
     if (wide > 0) emu::launch(wide, QUANT_THREADS, [&] { refit_quantize(d, njobs, narrow_tiles, 2, amax.data()); });
