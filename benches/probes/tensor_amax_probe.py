@@ -16,6 +16,8 @@ import statistics
 import subprocess
 import sys
 
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
 ROWS, COLS = 65536, 8192
 
 
@@ -25,26 +27,13 @@ def measure():
     from torch.profiler import ProfilerActivity, profile
 
     import refit
+    from quant_peer import timed  # benches/quant_peer.py: CUDA-event medians of 10 back-to-back calls
     from refit import Fp8, Granularity, Group, Quantization
 
     torch.manual_seed(29)
     x = torch.randn(ROWS, COLS, device="cuda").to(torch.bfloat16)
     out = torch.empty(ROWS, COLS, dtype=torch.uint8, device="cuda")
     scales = torch.empty((1, 1), dtype=torch.float32, device="cuda")
-
-    def timed(fn, reps=15):
-        fn()
-        torch.cuda.synchronize()
-        times = []
-        for _ in range(reps):
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(10):
-                fn()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 10)
-        return statistics.median(times)
 
     copy = torch.empty_like(x)
     copy_ms = timed(lambda: copy.copy_(x))
