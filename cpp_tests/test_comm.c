@@ -112,17 +112,20 @@ static void allgather_uneven(refit_comm *comm, uint32_t rank) {
 
 /* Rank `rank`'s table: ranks 0 and 1 publish replicas of "w" (4 x 8 floats), rank 2 receives its
  * column halves into two buffers. Addresses are numbers only here: planning reads no memory. */
+/* Memory for table_of's offers and needs: an executor checks that its own addresses are memory. */
+static float offered[2][32], needed[32];
+
 static refit_table *table_of(uint32_t rank) {
   refit_table *table = NULL;
   CHECK_OK(refit_table_create(&table));
   const uint64_t shape[2] = {4, 8}, zero[2] = {0, 0}, extent[2] = {4, 4}, strides[2] = {4, 1};
   uint32_t t = 9;
   CHECK_OK(refit_table_add_tensor(table, "w", 1, 4, shape, 2, &t));
-  if (rank < 2) CHECK_OK(refit_table_add_offer(table, t, rank, 0, 0x100000 * (rank + 1), zero, shape, NULL, 2, NULL));
+  if (rank < 2) CHECK_OK(refit_table_add_offer(table, t, rank, 0, addr(offered[rank]), zero, shape, NULL, 2, NULL));
   if (rank == 2)
     for (uint64_t half = 0; half < 2; half++) {
       const uint64_t offset[2] = {0, 4 * half};
-      CHECK_OK(refit_table_add_need(table, t, 2, 0, 0x900000 + 64 * half, offset, extent, NULL, strides, 2));
+      CHECK_OK(refit_table_add_need(table, t, 2, 0, addr(needed) + 64 * half, offset, extent, NULL, strides, 2));
     }
   return table;
 }

@@ -7,8 +7,10 @@
  * several threads at once, and handles used after their destroy, destroyed twice, cast to another
  * handle type or made up. Every refusal must carry its own status and a message naming the
  * argument; what succeeds must move the right bytes. */
+#define _DEFAULT_SOURCE /* MAP_ANONYMOUS under -std=c11 */
 #include <pthread.h>
 #include <sched.h>
+#include <sys/mman.h>
 #include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
@@ -81,6 +83,7 @@ static void batch_outlives_its_group(void);
 static void stale_foreign_and_made_up_handles(void);
 static void a_group_destroyed_from_another_groups_callback(void);
 static void a_stream_of_another_device(void);
+static void memory_that_is_not_the_callers(void);
 
 int main(void) {
   last_error_on_a_fresh_thread_is_empty();
@@ -102,6 +105,7 @@ int main(void) {
   stale_foreign_and_made_up_handles();
   a_group_destroyed_from_another_groups_callback();
   a_stream_of_another_device();
+  memory_that_is_not_the_callers();
   CHECK_DONE();
 }
 
@@ -778,7 +782,10 @@ static int32_t step_from_callback(uint32_t rank, void *stream, void *user_data) 
   struct from_callback *call = (struct from_callback *)user_data;
   (void)stream;
   call->run[rank] = refit_executor_run(call->executor, call->group, NULL);
-  call->named[rank] = strstr(refit_last_error_message(), "rank callback") != NULL;
+  /* Both ranks call at once: one may find the executor held by the other's call, and be refused
+   * for that (also INVALID_STATE) before reaching the callback's own refusal. */
+  const char *message = refit_last_error_message();
+  call->named[rank] = strstr(message, "rank callback") != NULL || strstr(message, "in use") != NULL;
   call->commit[rank] = refit_executor_commit(call->executor, call->group, NULL);
   return 0;
 }
@@ -1284,4 +1291,104 @@ static void a_stream_of_another_device(void) {
   CHECK(memcmp(from, to, sizeof from) == 0);
   CHECK_OK(refit_host_stream_destroy(mine));
   refit_group_destroy(group);
+}
+
+/* ---- addresses that are no memory of the caller ------------------------------------------------ */
+
+/* Every call that reads or writes caller memory on the host backend, given an address of memory
+ * unmapped since (a freed buffer), of a guard page, or of read-only memory to write: each is
+ * INVALID_ARGUMENT naming the argument and why, and nothing faults. The same calls over the
+ * caller's own memory then succeed. */
+static void memory_that_is_not_the_callers(void) {
+  const size_t page = 4096;
+  unsigned char *pages = mmap(NULL, 3 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(pages != MAP_FAILED);
+  memset(pages, 7, 3 * page);
+  CHECK(mprotect(pages + page, page, PROT_NONE) == 0);
+  CHECK(mprotect(pages + 2 * page, page, PROT_READ) == 0);
+  const uint64_t guard = addr(pages + page), read_only = addr(pages + 2 * page);
+  unsigned char *freed = mmap(NULL, page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+  CHECK(freed != MAP_FAILED);
+  CHECK(munmap(freed, page) == 0);
+  const uint64_t gone = addr(freed);
+  static uint32_t mine[64], other[64];
+  refit_group *group = host_group(1);
+
+  /* One copy per bad side; a run that starts in good memory and runs into the guard page. */
+  refit_segment copy = {.src = gone, .dst = addr(other), .len = 16, .count = {1, 1}};
+  CHECK_FAILS(refit_copy_batch(group, 0, NULL, &copy, 1, 0), REFIT_STATUS_INVALID_ARGUMENT, "is not mapped");
+  copy.src = guard - 8;
+  CHECK_FAILS(refit_copy_batch(group, 0, NULL, &copy, 1, 0), REFIT_STATUS_INVALID_ARGUMENT,
+              "without read permission");
+  copy.src = addr(mine);
+  copy.dst = read_only;
+  CHECK_FAILS(refit_copy_batch(group, 0, NULL, &copy, 1, 0), REFIT_STATUS_INVALID_ARGUMENT, "read-only");
+  refit_prepared_copy *prepared = NULL;
+  CHECK_FAILS(refit_copy_batch_prepare(group, 0, &copy, 1, 0, &prepared), REFIT_STATUS_INVALID_ARGUMENT,
+              "its destination");
+  CHECK(prepared == NULL);
+  copy.src = read_only; /* read-only memory may be read */
+  copy.dst = addr(other);
+  CHECK_OK(refit_copy_batch(group, 0, NULL, &copy, 1, 0));
+  CHECK(other[0] == 0x07070707u);
+
+  /* Digests read: unmapped and guard pages are refused, read-only memory is read. */
+  uint64_t digest = 0;
+  CHECK_FAILS(refit_digest(group, 0, gone, 8, NULL, &digest), REFIT_STATUS_INVALID_ARGUMENT, "the range");
+  const uint64_t addrs[3] = {addr(mine), read_only, guard}, lens[3] = {8, 8, 8};
+  uint64_t digests[3] = {0, 0, 0};
+  CHECK_FAILS(refit_digest_many(group, 0, addrs, lens, 3, NULL, digests), REFIT_STATUS_INVALID_ARGUMENT,
+              "range 2");
+  CHECK(digests[0] == 0);
+  CHECK_OK(refit_digest_many(group, 0, addrs, lens, 2, NULL, digests));
+  CHECK_OK(refit_digest(group, 0, read_only, 8, NULL, &digest));
+  CHECK(digest == digests[1]);
+
+  /* The allgather reads its send buffer and writes its receive buffer. */
+  size_t count = 16;
+  uint64_t send = gone, recv = addr(other);
+  CHECK_FAILS(refit_allgather(group, &send, &recv, &count, REFIT_ALLGATHER_AUTO, NULL),
+              REFIT_STATUS_INVALID_ARGUMENT, "send[0]");
+  send = addr(mine);
+  recv = read_only;
+  CHECK_FAILS(refit_allgather(group, &send, &recv, &count, REFIT_ALLGATHER_HOST, NULL),
+              REFIT_STATUS_INVALID_ARGUMENT, "recv[0]");
+  refit_comm *comm = host_comm();
+  CHECK_FAILS(refit_comm_allgather(comm, addr(mine), guard, &count, NULL), REFIT_STATUS_INVALID_ARGUMENT,
+              "recv[0]");
+  CHECK_OK(refit_comm_allgather(comm, addr(mine), addr(other), &count, NULL));
+  refit_comm_destroy(comm);
+
+  /* An executor checks every address once, at creation. */
+  refit_executor *executor = NULL;
+  refit_plan *plan = copy_plan((const uint32_t *)(uintptr_t)gone, other, 16, 0);
+  CHECK_FAILS(refit_executor_create(plan, group, 0, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+              "its source");
+  CHECK(executor == NULL);
+  refit_plan_destroy(plan);
+  plan = copy_plan(mine, (uint32_t *)(uintptr_t)read_only, 16, 0);
+  CHECK_FAILS(refit_executor_create(plan, group, 0, NULL, &executor), REFIT_STATUS_INVALID_ARGUMENT,
+              "read-only");
+  refit_plan_destroy(plan);
+
+  /* The quantizing copy: its codes written into a guard page. */
+  static uint16_t bf16[16 * 16];
+  static float scale;
+  refit_quantize_job job;
+  memset(&job, 0, sizeof job);
+  job.quantization.target = REFIT_FP8_E4M3FN;
+  job.quantization.granularity = REFIT_QUANT_TENSOR;
+  job.source_type = REFIT_SOURCE_BF16;
+  job.src = addr(bf16);
+  job.rows = 16;
+  job.cols = 16;
+  job.src_row_stride = 16;
+  job.dst = guard;
+  job.dst_row_stride = 16;
+  job.scales = addr(&scale);
+  CHECK_FAILS(refit_quantize_batch(group, 0, NULL, &job, 1, 0), REFIT_STATUS_INVALID_ARGUMENT,
+              "without read permission");
+
+  refit_group_destroy(group);
+  CHECK(munmap(pages, 3 * page) == 0);
 }

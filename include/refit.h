@@ -1127,7 +1127,9 @@ extern "C" {
  * device address `send[r]` (on its device); `recv[r]` is a buffer of sum(counts) bytes on rank r's
  * device that receives rank p's block at offset counts[0] + ... + counts[p-1]. Counts may differ and may
  * be 0. In place: `send[r] == recv[r] + offset of r`. `algo` is a REFIT_ALLGATHER_*; `picked`, if not
- * NULL, receives the algorithm that ran.
+ * NULL, receives the algorithm that ran. Every call first checks that each buffer is memory its
+ * rank's device can use (on CUDA one driver query per allocation; on the host backend one read of
+ * the process's mappings), so that a bad address is a status rather than a fault in a copy.
  *
  * AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
  * access (there PEER moves more than NCCL's allgather from 1 MiB per rank and takes less host time
@@ -1153,7 +1155,9 @@ extern "C" {
  * Thread-safety: as the group's; not from a rank callback (use refit_group_allgather_rank there).
  *
  * Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
- * overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
+ * overflowing sizes, a buffer that is not memory its rank's device can use, checked as
+ * refit_copy_batch checks segments, send buffers read and receive buffers written: the message
+ * names send[r] or recv[r]), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
  * receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
  * CUDA_ERROR, INVALID_STATE (called from a rank callback), OUT_OF_MEMORY.
  */
@@ -1341,8 +1345,11 @@ refit_status refit_comm_backend(const refit_comm *comm, uint32_t *backend);
  * match, which NCCL leaves undefined (it typically ends in TIMEOUT).
  *
  * Thread-safety: as the communicator's. Errors: NULL_ARGUMENT (comm, counts, a NULL buffer with bytes
- * to move), INVALID_ARGUMENT (overflowing sizes), OVERLAP (send overlapping recv other than in
- * place), TIMEOUT, ABORTED, NCCL_ERROR, CUDA_ERROR.
+ * to move), INVALID_ARGUMENT (overflowing sizes; `send` or `recv` not memory of the communicator's
+ * device, checked as refit_copy_batch checks a source and a destination, the message naming
+ * send[rank] or recv[rank]), OVERLAP (send overlapping recv other than in place), TIMEOUT, ABORTED,
+ * NCCL_ERROR, CUDA_ERROR. A call refused for its own arguments meets no peer: the peers' calls wait
+ * for it until their timeout.
  */
 refit_status refit_comm_allgather(refit_comm *comm,
                                   uint64_t send,
@@ -1399,7 +1406,10 @@ refit_status refit_plan_build_across(refit_comm *comm,
  * live allocation of the rank's device or of a device it accesses directly (a range may run from
  * one allocation into the next where they meet); host memory from malloc, page-locked host memory
  * and unmapped or freed addresses are INVALID_ARGUMENT naming the segment, side and address. On
- * the host backend, a range in the first page (below 4096) is refused alike.
+ * the host backend every byte must lie in memory the process has mapped (its mappings read from
+ * /proc/self/maps at each check), readable for a source and writable for a destination: unmapped
+ * and freed addresses, guard pages, read-only memory written and the first page (below 4096) are
+ * refused alike.
  *
  * Stream ordering (CUDA): queued on `stream`; returns without waiting for the copy. The descriptors
  * are uploaded stream-ordered (no host sync) into memory that later calls reuse, so a stream being
@@ -1485,11 +1495,13 @@ void refit_copy_batch_destroy(refit_prepared_copy *batch);
  * Thread-safety: may be called from any thread, concurrently with other calls.
  *
  * Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size; with len >
- * 0: addr 0, len above 2^60, or a range running past the end of the 64-bit address space or into its
- * last 16 bytes; on the host backend a stream that is not a host stream or is another simulated
- * device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
- * first use on the device), CUDA_ERROR (e.g. a stream of another device, an address the device
- * cannot read). `*digest` is written only on success.
+ * 0: addr 0, len above 2^60, a range running past the end of the 64-bit address space or into its
+ * last 16 bytes, or memory the device cannot read, checked as refit_copy_batch checks a source: on
+ * CUDA every byte in a live allocation of the device or of a peer it accesses directly, on the host
+ * backend in readable memory the process has mapped; on the host backend a stream that is not a
+ * host stream or is another simulated device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel
+ * could not be compiled or loaded at first use on the device), CUDA_ERROR (e.g. a stream of another
+ * device). `*digest` is written only on success.
  */
 refit_status refit_digest(const refit_group *group,
                           uint32_t rank,
@@ -1504,6 +1516,8 @@ refit_status refit_digest(const refit_group *group,
  * and writes the digest of the `lens[i]` bytes at device address `addrs[i]` to `digests[i]`: each
  * equals what refit_digest gives for that range. For publishers that digest every shard they offer.
  * Ranges may overlap, repeat, and have any length and alignment; 0 bytes digest to 1 at any address.
+ * Every call first checks that the ranges are memory the device reads (host work per range and per
+ * allocation touched, as refit_copy_batch's check).
  *
  * Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
  * stream to reach it and returns, so the bytes may be changed once it has returned. CUDA: the list
@@ -1519,10 +1533,11 @@ refit_status refit_digest(const refit_group *group,
  *
  * Errors: NULL_ARGUMENT (group; addrs, lens or digests NULL with `count` > 0), INVALID_ARGUMENT
  * (rank not below the group size; a range with address 0 and a nonzero length, longer than 2^60
- * bytes, or running past the end of the 64-bit address space, named by its index; more than
- * 2^32 - 1 ranges; on the host backend a stream that is not a host stream or is another simulated
- * device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (as refit_digest), CUDA_ERROR (e.g. a stream
- * of another device, an address the device cannot read). `digests` is written only on success.
+ * bytes, running past the end of the 64-bit address space, or over memory the device cannot read
+ * (as refit_digest checks it), named by its index; more than 2^32 - 1 ranges; on the host backend
+ * a stream that is not a host stream or is another simulated device's), NVRTC_UNAVAILABLE /
+ * KERNEL_LOAD_FAILED (as refit_digest), CUDA_ERROR (e.g. a stream of another device). `digests`
+ * is written only on success.
  */
 refit_status refit_digest_many(const refit_group *group,
                                uint32_t rank,
@@ -1553,8 +1568,8 @@ refit_status refit_executor_options_init(refit_executor_options *options);
  * run from one allocation into the next where they meet); host memory from malloc, page-locked
  * host memory, another device's memory, freed or unmapped addresses are INVALID_ARGUMENT, the
  * message naming the tensor, its box, the range and the address found wanting. On the host
- * backend, a range in the first page (below 4096) or past the end of the address space is refused
- * alike. The host time spent is refit_executor_get_info's address_check_ns. Planning checks no
+ * backend, ranges are checked as refit_copy_batch checks them (memory the process has mapped,
+ * readable, and writable where written), and none may run past the end of the address space. The host time spent is refit_executor_get_info's address_check_ns. Planning checks no
  * address.
  *
  * Thread-safety: as the group's calls (the thread driving the group); the plan may be shared.
@@ -2328,7 +2343,8 @@ refit_status refit_table_share_amax(refit_table *table,
  * below the row, a zero address for a job with elements, misaligned rows or scales, a range past the
  * end of the address space, memory that is not the device's (as refit_copy_batch checks it: on CUDA
  * every byte in a live allocation of the rank's device or of a device it accesses directly, so host
- * malloc memory and unmapped addresses are refused; on the host backend nothing in the first page),
+ * malloc memory and unmapped addresses are refused; on the host backend memory the process has
+ * mapped, readable, and writable where written),
  * on the host backend a stream that is not a host stream or is another simulated device's; the
  * message names the job and the field or region; per-tensor jobs sharing a scale with another
  * target or arithmetic), OVERLAP (two destination matrices or scale grids, or a destination and a

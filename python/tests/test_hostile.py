@@ -388,3 +388,69 @@ class LifetimeTest(HostileTest):
 
 if __name__ == "__main__":
     unittest.main()
+
+
+class ForeignMemoryTest(HostileTest):
+    """Addresses that are no memory of the caller on the host backend (unmapped since, a guard page,
+    read-only memory written): each call that would read or write them raises INVALID_ARGUMENT
+    naming the argument, in a subprocess so that a fault is reported as one."""
+
+    def test_unmapped_guard_and_read_only_memory_are_refused(self):
+        lines = isolated(
+            self,
+            """
+            import mmap
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.mmap.restype = ctypes.c_void_p
+            libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+            libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            libc.mprotect.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+            page = mmap.PAGESIZE
+            flags = mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS
+            base = libc.mmap(None, 3 * page, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+            guard, read_only = base + page, base + 2 * page
+            assert libc.mprotect(guard, page, 0) == 0
+            assert libc.mprotect(read_only, page, mmap.PROT_READ) == 0
+            gone = libc.mmap(None, page, mmap.PROT_READ | mmap.PROT_WRITE, flags, -1, 0)
+            assert libc.munmap(gone, page) == 0
+
+            group = Group([0], backend=Backend.HOST)
+            def plan(src, dst):
+                table = Table()
+                w = table.add_tensor("w", (16,), 1)
+                table.add_offer(w, 0, 0, src, (0,), (16,))
+                table.add_need(w, 0, 0, dst, (0,), (16,), (1,))
+                return Plan.build([table])
+            with Communicator(unique_id(Backend.HOST), 1, 0, 0) as comm:
+                calls = [
+                    lambda: group.copy_batch(0, [(gone, DST, 16)]),
+                    lambda: group.copy_batch(0, [(guard - 8, DST, 16)]),
+                    lambda: group.copy_batch(0, [(SRC, read_only, 16)]),
+                    lambda: group.prepare_copy(0, [(SRC, guard, 16)]),
+                    lambda: group.digest(0, gone, 8),
+                    lambda: group.digest_many(0, [(SRC, 8), (guard, 8)]),
+                    lambda: group.allgather([gone], [DST], [16]),
+                    lambda: group.allgather([SRC], [read_only], [16]),
+                    lambda: comm.allgather(SRC, guard, [16]),
+                    lambda: plan(gone, DST).executor(group, 0),
+                    lambda: plan(SRC, read_only).executor(group, 0),
+                ]
+                for call in calls:
+                    refused(call)
+                # Read-only memory may be read.
+                group.copy_batch(0, [(read_only, DST, 16)])
+                print("read", group.digest(0, read_only, 8) == group.digest(0, DST, 8))
+            """,
+        )
+        expected = [
+            "segment 0: its source", "segment 0: its source", "segment 0: its destination",
+            "segment 0: its destination", "the range", "range 1", "send[0]", "recv[0]", "recv[0]",
+            "its source", "its destination",
+        ]
+        self.assertEqual(len(lines), len(expected) + 1, lines)
+        whys = ("is not mapped", "without read permission", "read-only")
+        for line, fragment in zip(lines, expected):
+            self.assertTrue(line.startswith("INVALID_ARGUMENT "), line)
+            self.assertIn(fragment, line)
+            self.assertTrue(any(why in line for why in whys), line)
+        self.assertEqual(lines[-1], "read True")

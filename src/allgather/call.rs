@@ -5,6 +5,7 @@ use crate::bail;
 use crate::error::{Error, Result, Status};
 use crate::group::Group;
 use crate::segment::Segment;
+use crate::transport::MemoryRange;
 
 /// Block offsets and total size, after checking every argument against the group.
 pub(super) struct BlockLayout {
@@ -82,6 +83,23 @@ pub(super) fn check_rank_buffers(
         );
     }
     Ok(())
+}
+
+/// A rank's buffers as the memory its device must be able to use: the send buffer read (`count`
+/// bytes), the receive buffer written (`total`). Peers' memory is accepted where the device
+/// reaches it directly (a rank's own buffers are usually its device's).
+pub(super) fn rank_memory(device: i32, send: u64, recv: u64, count: u64, total: u64) -> [MemoryRange; 2] {
+    [
+        MemoryRange { device, addr: send, len: count, peers: true, written: false },
+        MemoryRange { device, addr: recv, len: total, peers: true, written: true },
+    ]
+}
+
+/// The name of range `index` of [`rank_memory`]'s ranges laid end to end, rank after rank from
+/// `first_rank`.
+pub(super) fn buffer_name(index: usize, first_rank: usize) -> String {
+    let side = if index % 2 == 0 { "send" } else { "recv" };
+    format!("{side}[{}]", first_rank + index / 2)
 }
 
 pub(super) fn check_counts(group: &Group, counts: &[usize]) -> Result<BlockLayout> {

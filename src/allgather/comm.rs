@@ -3,10 +3,11 @@
 //! process. Equal counts are one `ncclAllGather`; uneven ones are grouped sends and receives of
 //! exactly each rank's block (no padding) plus the copy of this rank's own block.
 
-use super::call::{check_rank_buffers, layout};
+use super::call::{buffer_name, check_rank_buffers, layout, rank_memory};
 use crate::bail;
 use crate::error::{Result, Status};
 use crate::segment::Segment;
+use crate::transport::access::check_buffers_of;
 use crate::transport::comm::{Agreement, Communicator};
 use crate::transport::mesh::Message;
 use crate::transport::Stream;
@@ -34,6 +35,8 @@ pub unsafe fn allgather(
     }
     let layout = layout(counts)?;
     check_rank_buffers(rank, send, recv, counts[rank] as u64, &layout)?;
+    let memory = rank_memory(comm.device(), send, recv, counts[rank] as u64, layout.total);
+    check_buffers_of(comm.kind(), &memory, |i| buffer_name(i, rank))?;
     comm.check()?;
     // Ranks compare their counts before any byte moves (the host backend; NCCL's calls must match):
     // so even calls that move nothing take part.

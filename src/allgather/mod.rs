@@ -31,16 +31,17 @@ use crate::error::{try_reserve, try_vec, Error, Result, Status};
 use crate::group::Group;
 use crate::segment::Segment;
 use crate::sync::lock;
+use crate::transport::access::check_buffers;
 use crate::transport::driver::CurrentContext;
 use crate::transport::nccl::{nccl, Communicators};
-use crate::transport::{Backend, BackendKind, Stream};
+use crate::transport::{Backend, BackendKind, MemoryRange, Stream};
 
 mod call;
 pub mod comm;
 pub mod peer;
 mod state;
 
-use call::{check_counts, check_rank_buffers, ranges_overlap, BlockLayout, Gather};
+use call::{buffer_name, check_counts, check_rank_buffers, ranges_overlap, rank_memory, BlockLayout, Gather};
 
 use state::{AllgatherState, Published};
 
@@ -123,6 +124,11 @@ pub unsafe fn allgather(
             }
         }
     }
+    let devices = group.devices();
+    let memory: Vec<MemoryRange> = (0..n)
+        .flat_map(|r| rank_memory(devices[r], send[r], recv[r], counts[r] as u64, layout.total))
+        .collect();
+    check_buffers(group.backend().as_ref(), &memory, |i| buffer_name(i, 0))?;
     let algorithm = choose(group, requested)?;
     if layout.total == 0 {
         return Ok(algorithm);
@@ -265,6 +271,8 @@ pub unsafe fn allgather_rank(
     group.check_rank_thread(rank)?;
     let layout = check_counts(group, counts)?;
     check_rank_buffers(rank, send, recv, counts[rank] as u64, &layout)?;
+    let memory = rank_memory(group.devices()[rank], send, recv, counts[rank] as u64, layout.total);
+    check_buffers(group.backend().as_ref(), &memory, |i| buffer_name(i, rank))?;
     let algorithm = choose(group, requested)?;
     let state = state::state(group)?;
     if algorithm == Algorithm::Nccl {

@@ -37,7 +37,9 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// device address `send[r]` (on its device); `recv[r]` is a buffer of sum(counts) bytes on rank r's
 /// device that receives rank p's block at offset counts[0] + ... + counts[p-1]. Counts may differ and may
 /// be 0. In place: `send[r] == recv[r] + offset of r`. `algo` is a REFIT_ALLGATHER_*; `picked`, if not
-/// NULL, receives the algorithm that ran.
+/// NULL, receives the algorithm that ran. Every call first checks that each buffer is memory its
+/// rank's device can use (on CUDA one driver query per allocation; on the host backend one read of
+/// the process's mappings), so that a bad address is a status rather than a fault in a copy.
 ///
 /// AUTO picks PEER on the host backend, for one rank, and when every pair of ranks has direct peer
 /// access (there PEER moves more than NCCL's allgather from 1 MiB per rank and takes less host time
@@ -63,7 +65,9 @@ fn write_pick(picked: *mut u32, algorithm: Algorithm) {
 /// Thread-safety: as the group's; not from a rank callback (use refit_group_allgather_rank there).
 ///
 /// Errors: NULL_ARGUMENT (group, arrays, a NULL buffer with a non-zero size), INVALID_ARGUMENT (algo,
-/// overflowing sizes), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
+/// overflowing sizes, a buffer that is not memory its rank's device can use, checked as
+/// refit_copy_batch checks segments, send buffers read and receive buffers written: the message
+/// names send[r] or recv[r]), OVERLAP (a send buffer overlapping its receive buffer other than in place, or two
 /// receive buffers overlapping), UNSUPPORTED (NCCL on the host backend), NCCL_UNAVAILABLE, NCCL_ERROR,
 /// CUDA_ERROR, INVALID_STATE (called from a rank callback), OUT_OF_MEMORY.
 #[no_mangle]

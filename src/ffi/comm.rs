@@ -319,8 +319,11 @@ pub extern "C" fn refit_comm_backend(comm: *const refit_comm, backend: *mut u32)
 /// match, which NCCL leaves undefined (it typically ends in TIMEOUT).
 ///
 /// Thread-safety: as the communicator's. Errors: NULL_ARGUMENT (comm, counts, a NULL buffer with bytes
-/// to move), INVALID_ARGUMENT (overflowing sizes), OVERLAP (send overlapping recv other than in
-/// place), TIMEOUT, ABORTED, NCCL_ERROR, CUDA_ERROR.
+/// to move), INVALID_ARGUMENT (overflowing sizes; `send` or `recv` not memory of the communicator's
+/// device, checked as refit_copy_batch checks a source and a destination, the message naming
+/// send[rank] or recv[rank]), OVERLAP (send overlapping recv other than in place), TIMEOUT, ABORTED,
+/// NCCL_ERROR, CUDA_ERROR. A call refused for its own arguments meets no peer: the peers' calls wait
+/// for it until their timeout.
 #[no_mangle]
 pub extern "C" fn refit_comm_allgather(
     comm: *mut refit_comm,

@@ -68,7 +68,10 @@ fn check_memory(group: &Group, device: i32, segments: &[Segment]) -> Result<()> 
 /// live allocation of the rank's device or of a device it accesses directly (a range may run from
 /// one allocation into the next where they meet); host memory from malloc, page-locked host memory
 /// and unmapped or freed addresses are INVALID_ARGUMENT naming the segment, side and address. On
-/// the host backend, a range in the first page (below 4096) is refused alike.
+/// the host backend every byte must lie in memory the process has mapped (its mappings read from
+/// /proc/self/maps at each check), readable for a source and writable for a destination: unmapped
+/// and freed addresses, guard pages, read-only memory written and the first page (below 4096) are
+/// refused alike.
 ///
 /// Stream ordering (CUDA): queued on `stream`; returns without waiting for the copy. The descriptors
 /// are uploaded stream-ordered (no host sync) into memory that later calls reuse, so a stream being

@@ -6,10 +6,29 @@
 
 use super::handles::live;
 use super::{boundary, out, slice};
-use crate::error::{Error, Status};
+use crate::error::{Error, Result, Status};
 use crate::ffi::group::refit_group;
-use crate::transport::{ByteRange, Stream};
+use crate::group::Group;
+use crate::kernels::digest::{check_range, check_ranges};
+use crate::transport::access::check_buffers;
+use crate::transport::{ByteRange, MemoryRange, Stream};
 use std::ffi::c_void;
+
+/// INVALID_ARGUMENT naming the first of `ranges` that is not memory `device` reads (on CUDA its own
+/// or a peer's it accesses directly; on the host backend readable memory of the process): a digest
+/// over anything else would fault.
+fn check_readable(
+    group: &Group,
+    device: i32,
+    ranges: &[ByteRange],
+    name: impl Fn(usize) -> String,
+) -> Result<()> {
+    let ranges: Vec<MemoryRange> = ranges
+        .iter()
+        .map(|r| MemoryRange { device, addr: r.addr, len: r.len, peers: true, written: false })
+        .collect();
+    check_buffers(group.backend().as_ref(), &ranges, name)
+}
 
 /// Computes the refit digest of the `len` bytes at device address `addr` on `rank`'s device, on
 /// `stream` (a stream of that device; NULL: its legacy default stream), and writes it to `*digest`.
@@ -37,11 +56,13 @@ use std::ffi::c_void;
 /// Thread-safety: may be called from any thread, concurrently with other calls.
 ///
 /// Errors: NULL_ARGUMENT (group, digest), INVALID_ARGUMENT (rank not below the group size; with len >
-/// 0: addr 0, len above 2^60, or a range running past the end of the 64-bit address space or into its
-/// last 16 bytes; on the host backend a stream that is not a host stream or is another simulated
-/// device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel could not be compiled or loaded at
-/// first use on the device), CUDA_ERROR (e.g. a stream of another device, an address the device
-/// cannot read). `*digest` is written only on success.
+/// 0: addr 0, len above 2^60, a range running past the end of the 64-bit address space or into its
+/// last 16 bytes, or memory the device cannot read, checked as refit_copy_batch checks a source: on
+/// CUDA every byte in a live allocation of the device or of a peer it accesses directly, on the host
+/// backend in readable memory the process has mapped; on the host backend a stream that is not a
+/// host stream or is another simulated device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (the kernel
+/// could not be compiled or loaded at first use on the device), CUDA_ERROR (e.g. a stream of another
+/// device). `*digest` is written only on success.
 #[no_mangle]
 pub extern "C" fn refit_digest(
     group: *const refit_group,
@@ -56,7 +77,9 @@ pub extern "C" fn refit_digest(
         let handle = live(group, "group")?;
         let group = &handle.group;
         let device = group.device(rank as usize)?;
-        // SAFETY: the caller's promise on the range and the stream, documented above.
+        check_range(addr, len)?;
+        check_readable(group, device, &[ByteRange { addr, len }], |_| "the range".into())?;
+        // SAFETY: the range was checked to be memory the device reads; the stream is the caller's.
         let value = unsafe { group.backend().digest(device, Stream::from_ptr(stream), addr, len) }?;
         slot.write(value);
         Ok(())
@@ -68,6 +91,8 @@ pub extern "C" fn refit_digest(
 /// and writes the digest of the `lens[i]` bytes at device address `addrs[i]` to `digests[i]`: each
 /// equals what refit_digest gives for that range. For publishers that digest every shard they offer.
 /// Ranges may overlap, repeat, and have any length and alignment; 0 bytes digest to 1 at any address.
+/// Every call first checks that the ranges are memory the device reads (host work per range and per
+/// allocation touched, as refit_copy_batch's check).
 ///
 /// Stream ordering: queued on `stream` after the work queued on it before; the call waits for that
 /// stream to reach it and returns, so the bytes may be changed once it has returned. CUDA: the list
@@ -83,10 +108,11 @@ pub extern "C" fn refit_digest(
 ///
 /// Errors: NULL_ARGUMENT (group; addrs, lens or digests NULL with `count` > 0), INVALID_ARGUMENT
 /// (rank not below the group size; a range with address 0 and a nonzero length, longer than 2^60
-/// bytes, or running past the end of the 64-bit address space, named by its index; more than
-/// 2^32 - 1 ranges; on the host backend a stream that is not a host stream or is another simulated
-/// device's), NVRTC_UNAVAILABLE / KERNEL_LOAD_FAILED (as refit_digest), CUDA_ERROR (e.g. a stream
-/// of another device, an address the device cannot read). `digests` is written only on success.
+/// bytes, running past the end of the 64-bit address space, or over memory the device cannot read
+/// (as refit_digest checks it), named by its index; more than 2^32 - 1 ranges; on the host backend
+/// a stream that is not a host stream or is another simulated device's), NVRTC_UNAVAILABLE /
+/// KERNEL_LOAD_FAILED (as refit_digest), CUDA_ERROR (e.g. a stream of another device). `digests`
+/// is written only on success.
 #[no_mangle]
 pub extern "C" fn refit_digest_many(
     group: *const refit_group,
@@ -111,7 +137,9 @@ pub extern "C" fn refit_digest_many(
         }
         let ranges: Vec<ByteRange> =
             addrs.iter().zip(lens).map(|(&addr, &len)| ByteRange { addr, len }).collect();
-        // SAFETY: the caller's promise on the ranges and the stream, documented above.
+        check_ranges(&ranges)?;
+        check_readable(group, device, &ranges, |i| format!("range {i}"))?;
+        // SAFETY: the ranges were checked to be memory the device reads; the stream is the caller's.
         let values = unsafe { group.backend().digest_many(device, Stream::from_ptr(stream), &ranges) }?;
         // SAFETY: `digests` holds `count` writable words (the caller's promise); one value per range.
         unsafe { std::ptr::copy_nonoverlapping(values.as_ptr(), digests, count) };

@@ -252,8 +252,8 @@ pub extern "C" fn refit_executor_options_init(options: *mut refit_executor_optio
 /// run from one allocation into the next where they meet); host memory from malloc, page-locked
 /// host memory, another device's memory, freed or unmapped addresses are INVALID_ARGUMENT, the
 /// message naming the tensor, its box, the range and the address found wanting. On the host
-/// backend, a range in the first page (below 4096) or past the end of the address space is refused
-/// alike. The host time spent is refit_executor_get_info's address_check_ns. Planning checks no
+/// backend, ranges are checked as refit_copy_batch checks them (memory the process has mapped,
+/// readable, and writable where written), and none may run past the end of the address space. The host time spent is refit_executor_get_info's address_check_ns. Planning checks no
 /// address.
 ///
 /// Thread-safety: as the group's calls (the thread driving the group); the plan may be shared.

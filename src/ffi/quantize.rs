@@ -255,7 +255,8 @@ fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
 /// below the row, a zero address for a job with elements, misaligned rows or scales, a range past the
 /// end of the address space, memory that is not the device's (as refit_copy_batch checks it: on CUDA
 /// every byte in a live allocation of the rank's device or of a device it accesses directly, so host
-/// malloc memory and unmapped addresses are refused; on the host backend nothing in the first page),
+/// malloc memory and unmapped addresses are refused; on the host backend memory the process has
+/// mapped, readable, and writable where written),
 /// on the host backend a stream that is not a host stream or is another simulated device's; the
 /// message names the job and the field or region; per-tensor jobs sharing a scale with another
 /// target or arithmetic), OVERLAP (two destination matrices or scale grids, or a destination and a

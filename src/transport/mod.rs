@@ -34,6 +34,7 @@ pub mod host;
 pub mod host_copy;
 pub mod host_verify;
 pub mod ipc;
+pub mod mappings;
 pub mod mesh;
 pub mod nccl;
 pub mod nvrtc;
@@ -44,16 +45,16 @@ use crate::error::{Error, Result, Status};
 pub use crate::kernels::digest::ByteRange;
 use crate::segment::Segment;
 
-/// The index of ordinal `device` among the `count` devices of a backend (`what` names them in the
-/// message), or `InvalidDevice`.
-/// `len` bytes at `addr` that a copy will read or write, which must be memory of `device` (or, with
-/// `peers`, of a device `device` can access directly): what [`Backend::inaccessible`] checks.
+/// `len` bytes at `addr` that a call will read (and, when `written`, write), which must be memory of
+/// `device` (or, with `peers`, of a device `device` can access directly): what
+/// [`Backend::inaccessible`] checks.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct MemoryRange {
     pub device: i32,
     pub addr: u64,
     pub len: u64,
     pub peers: bool,
+    pub written: bool,
 }
 
 /// A range [`Backend::inaccessible`] refused: its index, the first address found wanting, and why.
@@ -64,6 +65,8 @@ pub struct Refusal {
     pub why: String,
 }
 
+/// The index of ordinal `device` among the `count` devices of a backend (`what` names them in the
+/// message), or `InvalidDevice`.
 pub(crate) fn device_index(device: i32, count: usize, what: &str) -> Result<usize> {
     usize::try_from(device).ok().filter(|&index| index < count).ok_or_else(|| {
         Error::new(Status::InvalidDevice, format!("device {device} is not one of the {count} {what}"))
@@ -243,7 +246,9 @@ pub trait Backend: Send + Sync {
     /// (malloc), page-locked host memory, another device's memory and unmapped addresses are refused.
     /// The ranges are visited in address order and each allocation is asked about once: host work
     /// O(n log n) in the ranges plus one driver query per allocation they touch. Host backend: a range
-    /// in the first page (below 4096, where no allocation lies) or past the end of the address space.
+    /// past the end of the address space, in the first page (below 4096), or not within the process's
+    /// mappings (`/proc/self/maps`, read once per call) that allow reading it, and writing it where
+    /// `written`: unmapped and freed memory, guard pages, read-only memory written.
     /// Errors are the driver's (a context that cannot be made current), never a refusal.
     fn inaccessible(&self, ranges: &[MemoryRange]) -> Result<Vec<Refusal>>;
 
