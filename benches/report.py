@@ -670,8 +670,10 @@ def split_copy_probe(d):
         f"one `cudaMemcpyAsync` of the whole payload ({num(d['one_copy_gbps'], 0)} GB/s), same run",
     )
     out += table(
-        ["run", "copy-engine share of the bytes", "GB/s", "vs one cudaMemcpy", "byte-exact"],
-        [[size(r["run_bytes"]), num(r["engine_share"], 1), num(r["gbps"], 0), num(r["vs_one_copy"], 3), r["exact"]]
+        ["variant", "run", "copy-engine share of the bytes", "GB/s", "vs one cudaMemcpy", "byte-exact"],
+        [[r.get("variant", "one segment, streams gated"), size(r["run_bytes"]),
+          "AUTO's" if r["engine_share"] is None else num(r["engine_share"], 1), num(r["gbps"], 0),
+          num(r["vs_one_copy"], 3), r["exact"]]
          for r in d["rows"]],
     )
     return out
