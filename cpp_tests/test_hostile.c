@@ -1303,7 +1303,7 @@ static void memory_that_is_not_the_callers(void) {
   const size_t page = 4096;
   unsigned char *pages = mmap(NULL, 3 * page, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
   CHECK(pages != MAP_FAILED);
-  memset(pages, 7, 3 * page);
+  memset(pages, 0x3f, 3 * page); /* bf16 0x3f3f, about 0.75, for the quantizing copy */
   CHECK(mprotect(pages + page, page, PROT_NONE) == 0);
   CHECK(mprotect(pages + 2 * page, page, PROT_READ) == 0);
   const uint64_t guard = addr(pages + page), read_only = addr(pages + 2 * page);
@@ -1330,7 +1330,7 @@ static void memory_that_is_not_the_callers(void) {
   copy.src = read_only; /* read-only memory may be read */
   copy.dst = addr(other);
   CHECK_OK(refit_copy_batch(group, 0, NULL, &copy, 1, 0));
-  CHECK(other[0] == 0x07070707u);
+  CHECK(other[0] == 0x3f3f3f3fu);
 
   /* Digests read: unmapped and guard pages are refused, read-only memory is read. */
   uint64_t digest = 0;
@@ -1388,6 +1388,16 @@ static void memory_that_is_not_the_callers(void) {
   job.scales = addr(&scale);
   CHECK_FAILS(refit_quantize_batch(group, 0, NULL, &job, 1, 0), REFIT_STATUS_INVALID_ARGUMENT,
               "without read permission");
+  /* Its source may be read-only memory (it is only read); its codes may not be. */
+  static uint8_t codes[16 * 16];
+  job.src = read_only;
+  job.dst = addr(codes);
+  CHECK_OK(refit_quantize_batch(group, 0, NULL, &job, 1, 0));
+  CHECK(codes[0] != 0 && scale > 0.0f);
+  job.src = addr(bf16);
+  job.dst = read_only;
+  CHECK_FAILS(refit_quantize_batch(group, 0, NULL, &job, 1, 0), REFIT_STATUS_INVALID_ARGUMENT,
+              "its destination");
 
   refit_group_destroy(group);
   CHECK(munmap(pages, 3 * page) == 0);
