@@ -7,6 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Tuple
 
+from ._args import items, wrong_type
 from ._handle import borrow
 from ._lib import (
     Arithmetic,
@@ -116,6 +117,13 @@ def tensor_job(source, destination, scales, quantization: Quantization = Quantiz
     """The job quantizing a 2-D tensor `source` (bf16, f16 or f32; rows may be strided, elements
     contiguous) into `destination` (a 2-D tensor of one byte per element: uint8 or float8) with
     `scales` (2-D: the scale grid, or 1-D contiguous) as torch lays them out."""
+    from .tensor import tensor_like
+
+    if not isinstance(quantization, Quantization):
+        raise wrong_type("quantization", quantization, "a refit.quant.Quantization")
+    matrix = ("shape", "dtype", "data_ptr", "element_size", "stride")
+    source, destination = tensor_like(source, "source", matrix), tensor_like(destination, "destination", matrix)
+    scales = tensor_like(scales, "scales", (*matrix, "numel"))
     if len(source.shape) != 2 or tuple(destination.shape) != tuple(source.shape):
         raise invalid_argument(
             f"source is {tuple(source.shape)} and destination {tuple(destination.shape)}; both must be the same 2-D shape"
@@ -157,7 +165,11 @@ def quantize_batch(group: Group, rank: int, jobs: Iterable[QuantizeJob], stream:
     RefitError UNSUPPORTED, nothing queued); host backend: complete on return. Raises RefitError
     with the library's status and message for a bad job (the message names jobs[i] and the
     field)."""
-    structs = [job.struct() for job in jobs]
+    structs = []
+    for index, job in enumerate(items(jobs, "jobs")):
+        if not isinstance(job, QuantizeJob):
+            raise wrong_type(f"jobs[{index}]", job, "a refit.quant.QuantizeJob (see tensor_job)")
+        structs.append(job.struct())
     array = (QuantizeJobStruct * len(structs))(*structs)
     rank = check_range(rank, 32, "rank")
     with borrow(group, "group", "group") as handle:

@@ -11,7 +11,7 @@ from typing import Any, Optional, Protocol, Sequence, Tuple
 
 Shape = Tuple[int, ...]
 
-from ._args import integer, integers
+from ._args import integer, integers, wrong_type
 from ._lib import invalid_argument
 from .plan import Table
 
@@ -50,6 +50,19 @@ class TensorLike(Protocol):
     def element_size(self) -> int: ...
 
     def stride(self) -> Sequence[int]: ...
+
+
+TENSOR_PARTS = ("shape", "dtype", "device", "data_ptr", "element_size", "stride")
+
+
+def tensor_like(value: Any, what: str, parts: Sequence[str] = TENSOR_PARTS) -> TensorLike:
+    """`value` when it has the `parts` of a tensor a helper reads (by default TensorLike's;
+    torch.Tensor has them all), else RefitError INVALID_ARGUMENT (an ArgumentTypeError) naming
+    `what` and the parts missing."""
+    missing = [part for part in parts if not hasattr(value, part)]
+    if missing:
+        raise wrong_type(what, value, f"a tensor (torch.Tensor, or an object with {', '.join(missing)})")
+    return value
 
 
 def dtype_name(tensor: TensorLike) -> str:
@@ -118,7 +131,7 @@ def add_tensor_offer(
     `shape` (default: the tensor's own shape, i.e. the whole tensor), held by `rank` on the tensor's
     device. Reads the address, strides, element size and dtype from the tensor; returns the tensor
     index in `table`. A non-contiguous view (a slice, a transpose) is offered with its strides."""
-    full, at, extent = _box(tensor, shape, offset)
+    full, at, extent = _box(tensor_like(tensor, "tensor"), shape, offset)
     index = table.add_tensor(name, full, tensor.element_size(), dtype_code(dtype_name(tensor)))
     strides = _ints(tensor.stride(), "tensor.stride()")
     table.add_offer(index, rank, device_index(tensor, device), tensor.data_ptr(), at, extent, strides, digest)
@@ -137,7 +150,7 @@ def add_tensor_need(
     """Asks for the box at `offset` of the global tensor `name` of `shape` (defaults as in
     add_tensor_offer) to be written into `tensor` (any strides, e.g. a slice of a fused parameter)
     on `rank`. Returns the tensor index in `table`."""
-    full, at, extent = _box(tensor, shape, offset)
+    full, at, extent = _box(tensor_like(tensor, "tensor"), shape, offset)
     index = table.add_tensor(name, full, tensor.element_size(), dtype_code(dtype_name(tensor)))
     strides = _ints(tensor.stride(), "tensor.stride()")
     table.add_need(index, rank, device_index(tensor, device), tensor.data_ptr(), at, extent, strides)
@@ -176,6 +189,8 @@ def add_tensor_quantized_need(
     if source_dtype not in SOURCE_DTYPES:
         raise invalid_argument(f"source_dtype {source_dtype!r}: one of {', '.join(SOURCE_DTYPES)}")
     source_code, source_size = SOURCE_DTYPES[source_dtype]
+    codes, scales = tensor_like(codes, "codes"), tensor_like(scales, "scales")
+    staging = None if staging is None else tensor_like(staging, "staging")
     if codes.element_size() != 1:
         raise invalid_argument(f"codes has {codes.element_size()}-byte elements ({codes.dtype}); FP8 codes take 1")
     full, at, extent = _box(codes, shape, offset)

@@ -318,6 +318,23 @@ class WrongTypeTest(HostileTest):
                 lambda: add_tensor_offer(table, "w", FakeTensor("meta"), 0, device=0), "neither in host memory"
             )
 
+    def test_what_is_not_a_tensor_or_a_job_is_named(self):
+        tensor = FakeTensor()
+        with Table() as table, host_group((0,)) as group:
+            for call, named in (
+                (lambda: add_tensor_offer(table, "w", 5, 0, device=0), "tensor must be a tensor"),
+                (lambda: add_tensor_need(table, "w", "x", 0, device=0), "tensor must be a tensor"),
+                (lambda: refit.tensor.add_tensor_quantized_need(table, "w", tensor, None, 0, refit.Quantization(),
+                                                                device=0), "scales must be a tensor"),
+                (lambda: refit.tensor_job([1], tensor, tensor), "source must be a tensor"),
+                (lambda: refit.tensor_job(tensor, tensor, tensor, "block"), "quantization must be"),
+                (lambda: refit.quantize_batch(group, 0, [None]), "jobs[0] must be a refit.quant.QuantizeJob"),
+                (lambda: refit.quantize_batch(group, 0, 7), "jobs must be a sequence"),
+            ):
+                with self.subTest(named):
+                    error = self.assert_invalid(call, named)
+                    self.assertIsInstance(error, TypeError)
+
     def test_non_sequences_are_named(self):
         with host_group() as group, Table() as table:
             w = table.add_tensor("w", (4,), 4)
