@@ -158,12 +158,19 @@ fn bad_jobs_are_refused_with_what_is_wrong() {
         j.scale_stride = 1;
     });
     assert!(check_jobs(&[left, right]).is_ok());
-    // Empty jobs are never checked beyond their block shape.
+    // Empty jobs are never checked beyond their block shape, nor their strides multiplied (the
+    // fuzzer's input: a scale stride whose bytes overflow, on a job of no rows).
     assert!(check_jobs(&[with(&|j| {
         j.rows = 0;
         j.src = 0;
     })])
     .is_ok());
+    let no_columns = with(&|j| {
+        j.cols = 0;
+        j.scale_stride = u64::MAX;
+        j.dst_stride = u64::MAX;
+    });
+    assert!(check_jobs(&[no_columns, base_job()]).is_ok());
 }
 
 #[test]

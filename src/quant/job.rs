@@ -241,6 +241,11 @@ impl QuantJob {
     /// The destination matrix and the scale grid as two segments (their destination sides; the source
     /// sides repeat them), for the overlap check.
     fn written(&self) -> [Segment; 2] {
+        // A job of no elements has its strides unchecked (nothing is read or written through them),
+        // so they are not multiplied here.
+        if self.elements() == 0 {
+            return [Segment::default(), Segment::default()];
+        }
         let (grid_rows, grid_cols) = self.quantization.scale_grid(self.rows, self.cols);
         let scale_bytes = self.quantization.scale_kind().size();
         let matrix = Segment {
@@ -259,9 +264,6 @@ impl QuantJob {
             src_stride: [self.scale_stride * scale_bytes, 0],
             dst_stride: [self.scale_stride * scale_bytes, 0],
         };
-        if self.elements() == 0 {
-            return [Segment::default(), Segment::default()];
-        }
         [matrix, scales]
     }
 }
