@@ -238,7 +238,9 @@ class Group(Handle):
         """Gathers every rank's block into every rank's receive buffer in rank order
         (refit_allgather): rank r sends `counts[r]` bytes at `send_ptrs[r]`; `recv_ptrs[r]` holds
         sum(counts) bytes. Pointers are ints (host addresses on the host backend). Queued in the
-        open scope, else complete on return. Returns the Algorithm that ran."""
+        open scope, else complete on return. Returns the Algorithm that ran. A buffer that is not
+        memory its rank's device can use (checked as copy_batch checks segments) is RefitError
+        INVALID_ARGUMENT naming send[r] or recv[r]; nothing moves."""
         send = u64_array(send_ptrs, "send_ptrs")
         recv = u64_array(recv_ptrs, "recv_ptrs")
         sizes = self._counts(counts)
@@ -278,7 +280,10 @@ class Group(Handle):
         """Copies `segments` (Segments, e.g. a plan Route's, or (src, dst, len) tuples) on `stream`,
         a stream of `rank`'s device in any form refit takes (None: torch's current stream of that
         device when torch uses CUDA, else its legacy default stream), in one kernel launch
-        (refit_copy_batch). Addresses are on that device or a peer it reaches directly. `checked`
+        (refit_copy_batch). Addresses are on that device or a peer it reaches directly; every
+        call checks them first (on the host backend against the process's own mappings: readable
+        sources, writable destinations), and any other memory is RefitError INVALID_ARGUMENT
+        naming the segment, side and address, nothing copied. `checked`
         refuses destinations written twice (RefitError OVERLAP, nothing copied). CUDA: queued on
         the stream, returns without waiting; a stream being captured into a CUDA graph is RefitError
         UNSUPPORTED, nothing queued (capture a PreparedCopy's launch() instead); host backend:
@@ -297,7 +302,8 @@ class Group(Handle):
         computed on `stream` (None: torch's current stream of that device when torch uses CUDA, else
         its legacy default stream) after the work queued there; waits for it (refit_digest: the
         header defines the digest and what it detects). 0 bytes digest to 1 at any address. The
-        value to pass as refit_table_add_offer's digest. Any thread."""
+        value to pass as refit_table_add_offer's digest. Memory the device cannot read is RefitError
+        INVALID_ARGUMENT (checked as copy_batch checks a source). Any thread."""
         return digest(self, rank, addr, length, stream)
 
     def digest_many(self, rank: int, ranges: Sequence[Tuple[int, int]], stream: object = None) -> list[int]:
