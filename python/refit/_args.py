@@ -164,3 +164,16 @@ def stream_value(stream: object = None, device: Optional[int] = None, host: bool
         stream,
         "a stream: an int (CUstream), a torch or CuPy stream, an object with __cuda_stream__, a HostStream, or None",
     )
+
+
+TENSOR_PARTS = ("shape", "dtype", "device", "data_ptr", "element_size", "stride")
+
+
+def tensor_like(value: Any, what: str, parts: Sequence[str] = TENSOR_PARTS) -> Any:
+    """`value` when it has the `parts` of a tensor a helper reads (by default TensorLike's;
+    torch.Tensor has them all), else RefitError INVALID_ARGUMENT (an ArgumentTypeError) naming
+    `what` and the parts missing."""
+    missing = [part for part in parts if not hasattr(value, part)]
+    if missing:
+        raise wrong_type(what, value, f"a tensor (torch.Tensor, or an object with {', '.join(missing)})")
+    return value

@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Iterable, Optional, Tuple
 
-from ._args import items, wrong_type
+from ._args import items, tensor_like, wrong_type
 from ._handle import borrow
 from ._lib import (
     Arithmetic,
@@ -117,8 +117,6 @@ def tensor_job(source, destination, scales, quantization: Quantization = Quantiz
     """The job quantizing a 2-D tensor `source` (bf16, f16 or f32; rows may be strided, elements
     contiguous) into `destination` (a 2-D tensor of one byte per element: uint8 or float8) with
     `scales` (2-D: the scale grid, or 1-D contiguous) as torch lays them out."""
-    from .tensor import tensor_like
-
     if not isinstance(quantization, Quantization):
         raise wrong_type("quantization", quantization, "a refit.quant.Quantization")
     matrix = ("shape", "dtype", "data_ptr", "element_size", "stride")

@@ -11,7 +11,7 @@ from typing import Any, Optional, Protocol, Sequence, Tuple
 
 Shape = Tuple[int, ...]
 
-from ._args import integer, integers, wrong_type
+from ._args import integer, integers, tensor_like
 from ._lib import invalid_argument
 from .plan import Table
 
@@ -50,19 +50,6 @@ class TensorLike(Protocol):
     def element_size(self) -> int: ...
 
     def stride(self) -> Sequence[int]: ...
-
-
-TENSOR_PARTS = ("shape", "dtype", "device", "data_ptr", "element_size", "stride")
-
-
-def tensor_like(value: Any, what: str, parts: Sequence[str] = TENSOR_PARTS) -> TensorLike:
-    """`value` when it has the `parts` of a tensor a helper reads (by default TensorLike's;
-    torch.Tensor has them all), else RefitError INVALID_ARGUMENT (an ArgumentTypeError) naming
-    `what` and the parts missing."""
-    missing = [part for part in parts if not hasattr(value, part)]
-    if missing:
-        raise wrong_type(what, value, f"a tensor (torch.Tensor, or an object with {', '.join(missing)})")
-    return value
 
 
 def dtype_name(tensor: TensorLike) -> str:

@@ -517,8 +517,7 @@ fn check_memory(
 ) -> Result<()> {
     let per_job = if what == Regions::All { 3 } else { 1 };
     let regions: Vec<Segment> = jobs.iter().flat_map(|j| j.regions().into_iter().take(per_job)).collect();
-    // A job's source region is read (its source side checked), its codes and scales written.
-    let owners = |i| if i % per_job == 0 { (Some(device), None) } else { (None, Some(device)) };
+    let owners = |i| QuantJob::region_owners(i, per_job, device);
     let Some(bad) = first_unusable(backend, &regions, owners, true)? else { return Ok(()) };
     let what = ["source", "codes", "scales"][bad.segment % per_job];
     let (addr, len) = bad.range;

@@ -182,8 +182,7 @@ fn job(index: usize, c: &refit_quantize_job) -> Result<QuantJob> {
 /// unmapped address must be refused here, not fault in the kernel and end the process's context.
 fn check_memory(group: &Group, device: i32, jobs: &[QuantJob]) -> Result<()> {
     let regions: Vec<_> = jobs.iter().flat_map(QuantJob::regions).collect();
-    // A job's source region is read (its source side checked), its destination and scales written.
-    let owners = |i| if i % 3 == 0 { (Some(device), None) } else { (None, Some(device)) };
+    let owners = |i| QuantJob::region_owners(i, 3, device);
     let Some(bad) = first_unusable(group.backend().as_ref(), &regions, owners, true)? else { return Ok(()) };
     let what = ["source", "destination", "scales"][bad.segment % 3];
     let (addr, len) = bad.range;

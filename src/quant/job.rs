@@ -215,6 +215,18 @@ impl QuantJob {
         16 / self.source.size()
     }
 
+    /// The sides of region `index` of [`QuantJob::regions`] (regions of several jobs laid end to
+    /// end, or the first `per_job` of each) that must be memory of `device`, as
+    /// `transport::access::Owners`: the source matrix is read (its source side), the destination and
+    /// the scales written (their destination sides).
+    pub fn region_owners(index: usize, per_job: usize, device: i32) -> (Option<i32>, Option<i32>) {
+        if index % per_job == 0 {
+            (Some(device), None)
+        } else {
+            (None, Some(device))
+        }
+    }
+
     /// The memory the job touches as three segments, each the same region on both sides: the source
     /// matrix as the kernel reads it (whole 16-byte vectors per row), the destination matrix and the
     /// scale grid. Empty segments for a job of no elements. For the check that the memory is the
