@@ -27,7 +27,7 @@ none either (a model built on the meta device), under a torch dispatch mode that
 Nothing here knows a model family. The result (`Recording`) lists every parameter's pieces as
 `layout.ParamLayout`s (a piece may carry destination strides of its own, e.g. a transposed
 parameter) and the staged tensors; `record` caches it per (parameters' names, shapes, strides,
-dtypes; checkpoint; caller's key, e.g. the ranks).
+dtypes; checkpoint; the loader's class; caller's key, e.g. the ranks and the engine's configuration).
 """
 
 from __future__ import annotations
@@ -706,8 +706,10 @@ def record(
 ) -> Recording:
     """Runs `loader` over meta stand-ins of `checkpoint` (TensorSpecs, or name -> (shape, dtype)) and
     records where every element lands in `named_parameters` (the model's parameters and persistent
-    buffers, on the meta device, as the loader sees them). `key` joins the cache key (e.g. the
-    ranks: two ranks with the same parameter shapes may place different boxes)."""
+    buffers, on the meta device, as the loader sees them). `key` joins the cache key: whatever else
+    the loader's placement depends on (the ranks, since two ranks with the same parameter shapes may
+    place different boxes; the engine's configuration, since two models alike in shapes may place
+    experts differently). The loader's own class (a bound method's owner) is part of the key too."""
     import torch
 
     specs = _specs(checkpoint)
@@ -715,7 +717,10 @@ def record(
     infos = {
         name: ParamInfo(tuple(int(n) for n in t.shape), tuple(int(s) for s in t.stride()), t.dtype) for name, t in params
     }
-    cache_key = (tuple(sorted(infos.items(), key=lambda item: item[0])), tuple(specs.items()), key)
+    owner = type(getattr(loader, "__self__", loader))
+    cache_key = (
+        tuple(sorted(infos.items(), key=lambda item: item[0])), tuple(specs.items()), f"{owner.__module__}.{owner.__qualname__}", key,
+    )
     if cache and cache_key in _CACHE:
         return _CACHE[cache_key]
     not_meta = [name for name, t in params if t.device.type != "meta"]

@@ -133,11 +133,21 @@ class RecordedNeeds:
 
 
 def sglang_ranks() -> Tuple[Any, ...]:
-    """This process's place in SGLang's parallel groups (the recording's cache key)."""
+    """This process's place in SGLang's parallel groups (part of the recording's cache key)."""
     from sglang.srt.runtime_context import get_parallel  # type: ignore[import-not-found]
 
     parallel = get_parallel()
     return tuple((name, getattr(parallel, name, None)) for name in ("tp_size", "tp_rank", "moe_ep_size", "moe_ep_rank", "moe_tp_size", "moe_tp_rank", "attn_tp_size", "attn_tp_rank", "pp_size", "pp_rank"))
+
+
+def recording_key(model_config: Any) -> Tuple[Any, ...]:
+    """What this rank's recording depends on besides its parameters' shapes and the checkpoint (the
+    recorder's cache key): its place in SGLang's groups, the model's Hugging Face config and the
+    server's arguments (expert placement, MoE backend, quantization), so that two models alike in
+    every shape but loaded apart never share a recording."""
+    from sglang.srt.runtime_context import get_server_args  # type: ignore[import-not-found]
+
+    return sglang_ranks(), model_config.hf_config.to_json_string(use_diff=False), repr(get_server_args())
 
 
 def build_meta_model(model: Any) -> Tuple[Any, Any]:
@@ -214,7 +224,7 @@ def recorded_table(model: Any, tp: int, tp_rank: int, process: int, device: Opti
     meta, model_config = build_meta_model(model)
     specs = checkpoint_specs(model_config)
     with set_default_torch_dtype(model_config.dtype):
-        recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=sglang_ranks())
+        recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=recording_key(model_config))
     receiver = RecordedReceiver(recording)
     first = next(iter(model.parameters()))
     staging = receiver.staging_buffers(lambda shape, dtype: torch.empty(shape, dtype=dtype, device=first.device))

@@ -109,7 +109,7 @@ Checkpoint = Dict[str, Tuple[Tuple[int, ...], Any]]
 
 def engine_ranks() -> Tuple[Tuple[str, int, int], ...]:
     """This process's (group, size, rank) in each of vLLM's parallel groups, read from the engine;
-    part of the recording's cache key."""
+    part of the recording's cache key (`recording_key`)."""
     from vllm.distributed import parallel_state as ps  # type: ignore[import-not-found]
 
     out = []
@@ -118,6 +118,23 @@ def engine_ranks() -> Tuple[Tuple[str, int, int], ...]:
         if group is not None:
             out.append((name, int(group.world_size), int(group.rank_in_group)))
     return tuple(out)
+
+
+def recording_key(vllm_config: Any) -> Tuple[Any, ...]:
+    """What this worker's recording depends on besides its parameters' shapes and the checkpoint
+    (the recorder's cache key): its place in vLLM's groups, and the engine's configuration: vLLM's
+    own hash of it, and what that hash leaves out but the loader reads (the Hugging Face config, which
+    hf_overrides may change; the encoder's TP mode). Two models alike in every shape but placing
+    experts apart (DeepSeek-V3.2 with expert groups, GLM-5 without: round-robin against linear) must
+    not share a recording."""
+    model_config = vllm_config.model_config
+    multimodal = getattr(model_config, "multimodal_config", None)
+    return (
+        engine_ranks(),
+        vllm_config.compute_hash(),
+        model_config.hf_config.to_json_string(use_diff=False),
+        getattr(multimodal, "mm_encoder_tp_mode", None),
+    )
 
 
 @contextlib.contextmanager
@@ -672,7 +689,7 @@ class VllmReceiver:
         specs = checkpoint if checkpoint is not None else checkpoint_of(vllm_config)
         with _online_quantizer_calls() as calls:
             with _building(vllm_config):
-                recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=engine_ranks())
+                recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=recording_key(vllm_config))
             post = post_processed(meta, vllm_config)
         for name, why in changed_since_recorded(recording, meta).items():
             post.setdefault(name, why)

@@ -17,6 +17,7 @@ import refit
 import vllm_harness as harness
 from refit.integrations.receiver import RecordedReceiver
 from refit.integrations.recorder import Recording, record
+from refit.integrations.vllm import recording_key
 from refit.tensor import dtype_code, dtype_name
 
 POISON = -7.0  # no checkpoint element (all are >= 1) and not 0, which loaders write into padding
@@ -104,7 +105,9 @@ def run_rank(
         # some ranks) must not change what the publisher offers after it.
         truth.load_weights((name, tensor.clone()) for name, tensor in ckpt.items())
         meta = harness.build(config, "meta")
-        recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=(parallel, tp_rank, pp_rank))
+        # The engine's own key (its ranks and configuration): families alike in every shape but
+        # placing experts apart (DeepSeek-V3.2 and GLM-5 at TP 4 round-robin) share no recording.
+        recording = record(meta.load_weights, list(meta.named_parameters()), specs, key=recording_key(config))
         if tamper is not None:
             recording = tamper(recording)
         result.recording, result.staged = recording, dict(recording.staged)

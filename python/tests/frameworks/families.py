@@ -8,7 +8,9 @@ A_log), constructors that read values (Bloom, Apertus) and vLLM's Transformers m
 (OLMo 2, GPT-BigCode, GPT-NeoX, Phi, HunYuan MoE); vision-language models (Qwen2/2.5/3-VL, Qwen3-VL-MoE,
 Gemma 3, LLaVA, Mistral 3, Pixtral, Llama 4, GLM-4.1V/4.5V, InternVL, Idefics3, SmolVLM, PaliGemma,
 Kimi-VL): their vision towers sharded by TP or replicated (the encoder data parallel), the Hub's
-checkpoint names and vLLM's mapping of them."""
+checkpoint names and vLLM's mapping of them; and the families of 2026: Qwen3.5 and Qwen3.5-MoE (gated
+delta net hybrids; text only and multimodal as the Hub ships them), DeepSeek-V3.2 and GLM-5 (the sparse-attention indexer; alike in every shape, but
+placing experts apart), GLM-4.7-Flash, Gemma 4 (dense, MoE, multimodal), MiniMax-M2, Ministral 3, Command A MoE and AFMoE."""
 
 from __future__ import annotations
 
@@ -773,6 +775,157 @@ def pixtral() -> Any:
     ), t, ("params.json", "consolidated.safetensors"))
 
 
+def qwen3_5() -> Any:
+    from transformers import Qwen3_5TextConfig
+
+    # Qwen3.5: gated delta net layers (fused in_proj_qkvz and in_proj_ba) beside full attention
+    # with a gated q_proj, dense MLP.
+    return Qwen3_5TextConfig(
+        intermediate_size=64, num_hidden_layers=4, vocab_size=100, head_dim=8, linear_num_value_heads=4,
+        linear_num_key_heads=2, linear_key_head_dim=8, linear_value_head_dim=8, layer_types=HYBRID, **COMMON,
+    )
+
+
+def qwen3_5_moe() -> Any:
+    from transformers import Qwen3_5MoeTextConfig
+
+    # Qwen3.5's MoE: the hybrid layers above, 8 experts and a gated shared expert, no expert groups.
+    return Qwen3_5MoeTextConfig(
+        moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2,
+        num_hidden_layers=4, vocab_size=100, head_dim=8, linear_num_value_heads=4, linear_num_key_heads=2,
+        linear_key_head_dim=8, linear_value_head_dim=8, layer_types=HYBRID, **COMMON,
+    )
+
+
+def deepseek_v32() -> Any:
+    from transformers import DeepseekV32Config
+
+    # DeepSeek-V3's shapes with the sparse-attention indexer (wq_b, wk, k_norm, weights_proj) in
+    # every layer; expert groups, so round-robin expert placement holds.
+    return DeepseekV32Config(**SPARSE_MLA, n_group=2, topk_group=1)
+
+
+def glm_moe_dsa() -> Any:
+    from transformers import GlmMoeDsaConfig
+
+    # GLM-5: the same tensors as DeepSeek-V3.2, but one expert group, so vLLM places experts linearly
+    # where round-robin is asked: a recording must not be shared between the two.
+    return GlmMoeDsaConfig(**SPARSE_MLA)
+
+
+def glm4_moe_lite() -> Any:
+    from transformers import Glm4MoeLiteConfig
+
+    # GLM-4.7-Flash: MLA with q LoRA and MoE under GLM's names.
+    return Glm4MoeLiteConfig(**{k: v for k, v in SPARSE_MLA.items() if not k.startswith(("index_", "layer_types"))})
+
+
+def gemma4() -> Any:
+    from transformers import Gemma4TextConfig
+
+    # Per-layer input embeddings, sliding and full attention layers.
+    return Gemma4TextConfig(
+        intermediate_size=64, num_hidden_layers=2, vocab_size=100, vocab_size_per_layer_input=100, head_dim=8,
+        hidden_size_per_layer_input=8, sliding_window=64, layer_types=["sliding_attention", "full_attention"], **COMMON,
+    )
+
+
+def gemma4_moe() -> Any:
+    from transformers import Gemma4TextConfig
+
+    # Gemma 4's MoE block beside its dense MLP, keys shared with values (attention_k_eq_v).
+    return Gemma4TextConfig(**dict(gemma4().to_dict(), enable_moe_block=True, num_experts=4, top_k_experts=2, moe_intermediate_size=16, attention_k_eq_v=True))
+
+
+def qwen3_5_text(**more: Any) -> Dict[str, Any]:
+    """Qwen3.5's text model inside its multimodal checkpoints (rotary over the whole head here, so
+    that the M-RoPE sections fill it)."""
+    text = dict(
+        TEXT, num_hidden_layers=4, linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8, layer_types=HYBRID, **more,
+    )
+    return dict(head_dim=8, rope_parameters=mrope(2, 1, 1, mrope_interleaved=True, partial_rotary_factor=1.0), **text)
+
+
+def qwen3_5_vl() -> Any:
+    from transformers import Qwen3_5Config
+
+    # Qwen3.5 as the Hub ships it: multimodal (model.language_model.*, model.visual.*).
+    return Qwen3_5Config(text_config=qwen3_5_text(), vision_config=dict(num_position_embeddings=16, **QWEN_VISION), **QWEN_TOKENS)
+
+
+def qwen3_5_moe_vl() -> Any:
+    from transformers import Qwen3_5MoeConfig
+
+    text = qwen3_5_text(moe_intermediate_size=16, shared_expert_intermediate_size=16, num_experts=8, num_experts_per_tok=2)
+    return Qwen3_5MoeConfig(text_config=text, vision_config=dict(num_position_embeddings=16, **QWEN_VISION), **QWEN_TOKENS)
+
+
+def gemma4_mm() -> Any:
+    from transformers import Gemma4Config
+
+    # Gemma 4's vision encoder (its own, pooled 2 x 2) and its embedder into the text model.
+    text = dict(
+        head_dim=8, sliding_window=64, vocab_size_per_layer_input=160, hidden_size_per_layer_input=8,
+        layer_types=["sliding_attention", "full_attention"], **TEXT,
+    )
+    vision = dict(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4,
+        head_dim=8, patch_size=4, position_embedding_size=64, pooling_kernel_size=2,
+    )
+    return Gemma4Config(text_config=text, vision_config=vision)
+
+
+def minimax_m2() -> Any:
+    from transformers import MiniMaxM2Config
+
+    # q and k norms over all heads (sharded by TP with the heads), sigmoid routing with a bias.
+    return MiniMaxM2Config(
+        intermediate_size=16, num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2, vocab_size=100,
+        head_dim=8, rotary_dim=4, scoring_func="sigmoid", use_routing_bias=True, **COMMON,
+    )
+
+
+def ministral3() -> Any:
+    from transformers import Ministral3Config
+
+    return Ministral3Config(intermediate_size=64, num_hidden_layers=2, vocab_size=100, head_dim=8, **COMMON)
+
+
+def cohere2_moe() -> Any:
+    from transformers import Cohere2MoeConfig
+
+    return Cohere2MoeConfig(
+        intermediate_size=16, num_hidden_layers=2, vocab_size=100, head_dim=8, num_experts=4, num_experts_per_tok=2,
+        sliding_window=64, layer_types=["sliding_attention", "full_attention"], **COMMON,
+    )
+
+
+def afmoe() -> Any:
+    from transformers import AfmoeConfig
+
+    # A dense first layer, shared experts, sigmoid routing normalised.
+    return AfmoeConfig(
+        intermediate_size=64, moe_intermediate_size=16, num_hidden_layers=2, num_dense_layers=1, vocab_size=100,
+        head_dim=8, num_experts=8, num_experts_per_tok=2, num_shared_experts=1, n_group=1, topk_group=1,
+        sliding_window=64, score_func="sigmoid", route_norm=True, layer_types=["sliding_attention", "full_attention"],
+        **COMMON,
+    )
+
+
+HYBRID = ["linear_attention", "full_attention", "linear_attention", "full_attention"]
+
+# DeepSeek-V3.2's and GLM-5's tiny shapes: MLA with q LoRA, the indexer, a dense first layer, 8 routed
+# experts and a shared one (noaux_tc routing, with its e_score_correction_bias).
+SPARSE_MLA = dict(
+    hidden_size=32, num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=256, intermediate_size=64,
+    moe_intermediate_size=16, num_hidden_layers=3, first_k_dense_replace=1, vocab_size=100, q_lora_rank=16,
+    kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=8, n_routed_experts=8, n_shared_experts=1,
+    num_experts_per_tok=2, topk_method="noaux_tc", index_topk=8, index_head_dim=8, index_n_heads=2,
+    layer_types=["indexed_attention"] * 3,
+)
+
+
 FAMILIES: Dict[str, Callable[[], Any]] = {
     "llama": llama,
     "qwen2": qwen2,
@@ -849,6 +1002,20 @@ FAMILIES: Dict[str, Callable[[], Any]] = {
     "paligemma": paligemma,
     "kimi_vl": kimi_vl,
     "pixtral": pixtral,
+    "qwen3_5": qwen3_5,
+    "qwen3_5_moe": qwen3_5_moe,
+    "deepseek_v32": deepseek_v32,
+    "glm_moe_dsa": glm_moe_dsa,
+    "glm4_moe_lite": glm4_moe_lite,
+    "gemma4": gemma4,
+    "gemma4_moe": gemma4_moe,
+    "qwen3_5_vl": qwen3_5_vl,
+    "qwen3_5_moe_vl": qwen3_5_moe_vl,
+    "gemma4_mm": gemma4_mm,
+    "minimax_m2": minimax_m2,
+    "ministral3": ministral3,
+    "cohere2_moe": cohere2_moe,
+    "afmoe": afmoe,
 }
 
 # Architectures whose Hugging Face class name is not the one vLLM registers natively (transformers
@@ -931,4 +1098,18 @@ MATRIX: Dict[str, List[Parallel]] = {
     "paligemma": [P(2)],
     "kimi_vl": [P(2), P(2, ep=True), P(2, encoder="data"), P(1, 2)],
     "pixtral": [P(2), P(4)],
+    "qwen3_5": [P(1), P(4), P(2, 2)],
+    "qwen3_5_moe": [P(1), P(2, ep=True), P(4, ep=True, placement="round_robin"), P(2, 2, ep=True)],
+    "deepseek_v32": [P(1), P(2, ep=True), P(4, ep=True, placement="round_robin"), P(1, 2)],
+    "glm_moe_dsa": [P(2), P(4, ep=True, placement="round_robin")],
+    "glm4_moe_lite": [P(1), P(2, ep=True), P(1, 2)],
+    "gemma4": [P(1), P(4), P(2, 2)],
+    "gemma4_moe": [P(2, ep=True), P(1, 2)],
+    "qwen3_5_vl": [P(2), P(2, encoder="data"), P(1, 2)],
+    "qwen3_5_moe_vl": [P(2, ep=True), P(4)],
+    "gemma4_mm": [P(2), P(1, 2)],
+    "minimax_m2": [P(2), P(2, ep=True), P(1, 2)],
+    "ministral3": [P(2)],
+    "cohere2_moe": [P(2), P(2, ep=True)],
+    "afmoe": [P(2), P(2, ep=True)],
 }

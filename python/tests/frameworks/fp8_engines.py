@@ -16,7 +16,7 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 import refit
-import vllm_cpu  # noqa: F401  (vLLM's CPU GEMM dispatch on a CPU with AMX: see the module)
+import vllm_cpu  # noqa: F401  (vLLM's CPU platform as the suite runs it: see the module)
 import vllm_harness as harness
 from compare import offers
 from refit.integrations import RefitWorkerExtension

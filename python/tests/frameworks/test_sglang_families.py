@@ -44,7 +44,9 @@ Apertus (xIELU's one-element parameters and buffers, which SGLang's loader fills
 `loaded_weight.item()`: staged, and known as reached because the recorder gives the loader that
 tensor once more with values), GPT-BigCode (multi-query: one kv head replicated inside each rank's
 fused c_attn) and ERNIE 4.5 MoE with expert parallelism (a dense first layer, shared experts,
-e_score_correction_bias). Qwen3 is test_sglang_real's model. Every test asserts exactly what is
+e_score_correction_bias), GLM-4.7-Flash with expert parallelism (MLA with q LoRA under GLM's
+names), MiniMax-M2 with expert parallelism (q / k norms over all heads, sharded with them; a routing
+bias) and Ministral 3. Qwen3 is test_sglang_real's model. Every test asserts exactly what is
 staged and what no checkpoint element reaches (unwritten: nothing, but the vision position
 embeddings below).
 
@@ -78,6 +80,12 @@ Not covered, with what SGLang 0.5.23 does on CPU:
   calls torch.cuda.current_device() when built: "RuntimeError: Found no NVIDIA driver on your
   system".
 - EXAONE-MoE: as EXAONE 4 ("... is required for ExaoneMoeForCausalLM, but got intel_amx").
+- Qwen3.5 and Qwen3.5-MoE: as Qwen3-Next ("AssertionError: extra_buffer requires platform support
+  for Mamba cache state snapshots").
+- DeepSeek-V3.2: its sparse attention (NSA) backend calls CUDA when built: "RuntimeError: Found no
+  NVIDIA driver on your system".
+- Gemma 4: SGLang reads a global head_dim that transformers 5.20 keeps per layer:
+  "AmbiguousGlobalPerLayerAttributeError: 'head_dim' is a per-layer attribute and may vary across layers".
 - Llama 4 text-only (Llama4ForCausalLM): its load_weights (LlamaForCausalLM's) has no mapping for
   the fused experts ("Parameter model.layers.0.feed_forward.experts.gate_up_proj not found in
   params_dict", the experts left as built); covered as Llama4ForConditionalGeneration above.
@@ -381,6 +389,16 @@ class SglangFamiliesTest(unittest.TestCase):
         sinks = [f"model.layers.{i}.self_attn.sinks" for i in range(2)]
         biases = [f"model.layers.{i}.mlp.experts.down_proj_bias" for i in range(2)]
         self.assertEqual(self.run_family("gpt_oss")["staged"], [sorted(sinks), sorted(sinks + biases)])
+
+    def test_glm4_moe_lite_mla_with_expert_parallelism(self):
+        # GLM-4.7-Flash: MLA with q LoRA under GLM's names, fused like DeepSeek-V3's, nothing staged.
+        self.assertEqual(self.run_family("glm4_moe_lite", ep=True)["staged"], [[]] * TP)
+
+    def test_minimax_m2_full_width_qk_norms_with_expert_parallelism(self):
+        self.assertEqual(self.run_family("minimax_m2", ep=True)["staged"], [[]] * TP)
+
+    def test_ministral3(self):
+        self.assertEqual(self.run_family("ministral3")["staged"], [[]] * TP)
 
     def run_vl_family(self, family: str, unwritten_on_rank_1: List[str]) -> None:
         out = self.run_family(family, unwritten=[[], unwritten_on_rank_1])

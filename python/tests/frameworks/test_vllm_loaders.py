@@ -80,7 +80,10 @@ class VllmLoaderTest(unittest.TestCase):
             # has expert groups, so round-robin holds; Qwen3-MoE has none and vLLM falls back to
             # linear placement (expert_map_manager.determine_expert_placement_strategy).
             groups, linear = {r: [r, r + 4] for r in range(4)}, {r: [2 * r, 2 * r + 1] for r in range(4)}
-            want = {"deepseek_v2_lite": groups, "deepseek_v3": groups, "qwen3_moe": linear, "qwen2_moe": linear, "qwen3_vl_moe": linear}
+            want = {
+                "deepseek_v2_lite": groups, "deepseek_v3": groups, "deepseek_v32": groups, "glm_moe_dsa": linear,
+                "qwen3_moe": linear, "qwen2_moe": linear, "qwen3_vl_moe": linear, "qwen3_5_moe": linear,
+            }
             self.assertEqual(experts, want[family], f"{family} {parallel.label()}: experts per rank")
         REPORT.append(
             f"frameworks: {family} {parallel.label()}: experts per TP rank {experts or 'n/a'}; {len(parallel.ranks())} ranks equal vLLM's loader element for "
@@ -136,6 +139,32 @@ class StaleStageCacheTest(unittest.TestCase):
         stale, fresh = recordings
         self.assertNotEqual(stale.staged, {})  # the loader failed on stage 1's own tensors
         self.assertEqual(fresh.staged, {})
+
+
+class RecordingKeyTest(unittest.TestCase):
+    """DeepSeek-V3.2 and GLM-5 are alike in every parameter and checkpoint tensor here, but vLLM
+    places GLM-5's experts linearly where round-robin is asked (it has one expert group): recorded
+    under the engine's key (refit.integrations.vllm.recording_key), rank 0 of TP 4 gets experts 0 and 4
+    of the one, 0 and 1 of the other, never one cached recording for both."""
+
+    def test_models_alike_in_shapes_but_placing_experts_apart_share_no_recording(self) -> None:
+        from refit.integrations.recorder import record
+        from refit.integrations.vllm import recording_key
+
+        parallel = harness.Parallel(4, ep=True, placement="round_robin")
+        found = {}
+        for family in ("deepseek_v32", "glm_moe_dsa"):
+            folder, specs, _ = checkpoint(family)
+            config = harness.engine_config(folder, parallel)
+            with harness.as_rank(config, parallel, 0, 0):
+                model = harness.build(config, "meta")
+                shapes = {name: tuple(p.shape) for name, p in model.named_parameters()}
+                found[family] = (shapes, specs, record(model.load_weights, list(model.named_parameters()), specs, key=recording_key(config)))
+        (v32_shapes, v32_specs, v32), (glm_shapes, glm_specs, glm) = found["deepseek_v32"], found["glm_moe_dsa"]
+        self.assertEqual(v32_shapes, glm_shapes)  # what makes the case: only the configuration differs
+        self.assertEqual(v32_specs, glm_specs)
+        self.assertEqual(experts_of(v32), [0, 4])
+        self.assertEqual(experts_of(glm), [0, 1])
 
 
 class SwappedLayoutTest(unittest.TestCase):

@@ -19,7 +19,7 @@ os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 
 import torch  # noqa: E402
 
-import vllm_cpu  # noqa: E402,F401  (vLLM's CPU GEMM dispatch on a CPU with AMX: see the module)
+import vllm_cpu  # noqa: E402,F401  (vLLM's CPU platform as the suite runs it: see the module)
 
 Specs = Dict[str, Tuple[Tuple[int, ...], torch.dtype]]
 
