@@ -10,7 +10,19 @@ Gemma 3, LLaVA, Mistral 3, Pixtral, Llama 4, GLM-4.1V/4.5V, InternVL, Idefics3, 
 Kimi-VL): their vision towers sharded by TP or replicated (the encoder data parallel), the Hub's
 checkpoint names and vLLM's mapping of them; and the families of 2026: Qwen3.5 and Qwen3.5-MoE (gated
 delta net hybrids; text only and multimodal as the Hub ships them), DeepSeek-V3.2 and GLM-5 (the sparse-attention indexer; alike in every shape, but
-placing experts apart), GLM-4.7-Flash, Gemma 4 (dense, MoE, multimodal), MiniMax-M2, Ministral 3, Command A MoE and AFMoE."""
+placing experts apart), GLM-4.7-Flash, Gemma 4 (dense, MoE, multimodal), MiniMax-M2, Ministral 3, Command A MoE and AFMoE.
+
+Not covered, with what vLLM 0.33 does with the checkpoint transformers 5.20 writes, on CPU:
+- Kimi Linear: the config is refused: "--mamba-block-size can only be set with --enable-prefix-caching".
+- OLMo Hybrid: its gated delta net layer sets Triton's allocator when built, and the CPU has no
+  Triton: "AttributeError: module 'triton' has no attribute 'set_allocator'".
+- DBRX: vLLM's own loader fails on the fused experts: "KeyError: 'blocks.0.ffn.experts.w13_weight'".
+- LongCat-Flash: transformers writes its zero experts as experts with weights, which vLLM's loader
+  does not map: "KeyError: 'layers.0.mlp.experts.8.gate_proj.weight'".
+- MiMo-V2-Flash: vLLM reads the Hub config's own fields (swa_num_attention_heads, hybrid_layer_pattern,
+  layernorm_epsilon), which transformers' config does not keep.
+- DeepSeek-V4: vLLM loads the Hub's own tensor names, not transformers': "KeyError: 'hc_head.hc_base'"
+  (a hand-written checkpoint, as for InternLM2, would be needed)."""
 
 from __future__ import annotations
 
