@@ -37,9 +37,16 @@ def timed(streams, issue, reps=5, gate_cycles=40_000_000):
     """Median seconds of one `issue()` batch, the slowest of `streams` ((device, stream) pairs):
     each stream first runs a spin kernel of `gate_cycles`, so that the host has queued the whole
     batch before the GPUs start; CUDA events around the batch; one warm-up batch."""
+    return timed_spans(streams, issue, reps, gate_cycles)["slowest"]
+
+
+def timed_spans(streams, issue, reps=5, gate_cycles=40_000_000):
+    """`timed`'s batch, medians of: `slowest`, the longest of the streams each timed from its own
+    start; `wall`, from the earliest start to the latest end (streams of one device); and
+    `start_spread`, seconds between the first and the last stream's start."""
     starts = [None] * len(streams)
     ends = [None] * len(streams)
-    samples = []
+    samples, walls, spreads = [], [], []
     for rep in range(reps + 1):
         for k, (dev, s) in enumerate(streams):
             with cp.cuda.Device(dev):
@@ -55,9 +62,15 @@ def timed(streams, issue, reps=5, gate_cycles=40_000_000):
         for k in range(len(streams)):
             ends[k].synchronize()
             worst = max(worst, cp.cuda.get_elapsed_time(starts[k], ends[k]) / 1e3)
+        one_device = len({dev for dev, _ in streams}) == 1
         if rep:
             samples.append(worst)
-    return statistics.median(samples)
+            if one_device:
+                elapsed = cp.cuda.get_elapsed_time
+                walls.append(max(elapsed(s, e) for s in starts for e in ends) / 1e3)
+                spreads.append(max(elapsed(s, t) for s in starts for t in starts) / 1e3)
+    median = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+    return {"slowest": median(samples), "wall": median(walls), "start_spread": median(spreads)}
 
 
 def median_ms(fn, reps=7):

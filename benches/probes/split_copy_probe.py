@@ -11,7 +11,8 @@ with a kernel and the rest with one `cudaMemcpyAsync` per run, f from 0 (the ker
 - `one segment, streams gated`: the first form. The probe's own build of refit's kernel copies its
   bytes as one segment (64 KiB tiles) on stream A; the copy engine works on stream B; each stream is
   held by a spin kernel until the host has queued everything, and each is timed from its own start,
-  the slower one counting.
+  the slower one counting; its `wall span` row times the same batch from the earlier stream's start
+  to the later one's end (with the spread of the two starts).
 - `per-run segments, streams gated`: the same timing, but the executor's work: run i lands at run
   n-1-i of the destination (as gpu_sweep's `contiguous` shape), and the kernel is refit's own
   prepared copy (refit_copy_batch_prepare: its tile size and grid) of one segment per run.
@@ -33,7 +34,7 @@ import torch
 from cupy.cuda import runtime as rt
 
 import refit
-from probe_util import print_table, refit_source, timed, write_results
+from probe_util import print_table, refit_source, timed, timed_spans, write_results
 
 GIB = 1 << 30
 MIB = 1 << 20
@@ -93,10 +94,17 @@ def split_rows(buffers, group, sms, whole):
     rows = []
 
     def record(variant, run, share, seconds, reversed_rows):
-        rows.append({"variant": variant, "run_bytes": run, "engine_share": share, "seconds": seconds,
-                     "gbps": PAYLOAD / seconds / 1e9, "vs_one_copy": whole / seconds,
-                     "exact": buffers.exact(run, reversed_rows)})
-        print(rows[-1], flush=True)
+        exact = buffers.exact(run, reversed_rows)
+        # Gated variants: the slower stream from its own start, and the wall span from the earlier
+        # start to the later end (the streams' spins need not end together).
+        spans = seconds if isinstance(seconds, dict) else {"slowest": seconds}
+        for name, key in ((variant, "slowest"), (variant + ", wall span", "wall")):
+            if spans.get(key) is None:
+                continue
+            rows.append({"variant": name, "run_bytes": run, "engine_share": share, "seconds": spans[key],
+                         "gbps": PAYLOAD / spans[key] / 1e9, "vs_one_copy": whole / spans[key], "exact": exact,
+                         "start_spread_s": spans.get("start_spread")})
+            print(rows[-1], flush=True)
 
     for run in RUNS:
         n = PAYLOAD // run
@@ -114,7 +122,7 @@ def split_rows(buffers, group, sms, whole):
             buffers.dst.zero_()
             torch.cuda.synchronize()
             record("one segment, streams gated", run, share,
-                   timed([(0, a), (0, b)], gated_one, gate_cycles=GATE), False)
+                   timed_spans([(0, a), (0, b)], gated_one, gate_cycles=GATE), False)
 
             # The executor's work: reversed runs, refit's prepared copy of one segment per run.
             reversed_runs = buffers.runs(run, True)
@@ -129,7 +137,7 @@ def split_rows(buffers, group, sms, whole):
             buffers.dst.zero_()
             torch.cuda.synchronize()
             record("per-run segments, streams gated", run, share,
-                   timed([(0, a), (0, b)], gated_per_run, gate_cycles=GATE), True)
+                   timed_spans([(0, a), (0, b)], gated_per_run, gate_cycles=GATE), True)
 
             forked, joined = cp.cuda.Event(disable_timing=True), cp.cuda.Event(disable_timing=True)
 
