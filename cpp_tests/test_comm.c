@@ -259,9 +259,10 @@ static void rank_main(const refit_comm_id *id, const refit_comm_id *staged_id, u
   executor_across(staged, rank, false);
   refit_comm_destroy(staged);
   refit_comm *comm = join(id, rank, true);
-  /* Formed: each rank's name is held, so a claim of another process's rank is refused at once. */
-  if (rank == 0) refused_at_once(id, 2, "already taken");
   allgather_uneven(comm, rank);
+  /* Every rank took part, so every rank has registered with the id's root: the id is spent, and a
+   * claim of another process's rank is refused at once. */
+  if (rank == 0) refused_at_once(id, 2, "the id is spent");
   /* ... and a correct allgather follows a refused one on the same communicator. */
   other_counts(comm, rank);
   allgather_uneven(comm, rank);

@@ -258,9 +258,10 @@ fn wait_for(path: &std::path::Path) {
 }
 
 /// Ranks 0 and 1 form a communicator; a third process then claims each of their ranks and is refused
-/// with INVALID_ARGUMENT at once (not at its 30 s timeout); the communicator works on. Once both
-/// have destroyed it, its id joins nothing: every rank, in the third process and in theirs, is
-/// refused at once.
+/// with INVALID_ARGUMENT at once (not at its 30 s timeout): the id is spent; the communicator works
+/// on. Once both have destroyed it, its id joins nothing: every rank, in the third process and in
+/// theirs, is refused at once, the same way, also while they claim their own ranks again (a refused
+/// join holds no rank's name).
 #[test]
 fn a_rank_claimed_after_the_communicator_formed_is_refused_at_once() {
     in_processes(
@@ -280,7 +281,7 @@ fn a_rank_claimed_after_the_communicator_formed_is_refused_at_once() {
                 wait_for(&marker(id, "formed-1"));
                 for claimed in [0, 1] {
                     let err = refused_at_once(claimed);
-                    assert!(err.message.contains("already taken"), "{err}");
+                    assert!(err.message.contains("the id is spent"), "{err}");
                 }
                 std::fs::write(marker(id, "claimed"), b"").unwrap();
                 wait_for(&marker(id, "destroyed-0"));

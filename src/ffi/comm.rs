@@ -157,15 +157,15 @@ pub extern "C" fn refit_comm_get_unique_id(backend: u32, id: *mut refit_comm_id)
 /// the calling thread's current CUDA context is left as it was.
 ///
 /// Identity: an id forms one communicator. A process that claims a rank another process holds, while
-/// the communicator forms or after it formed, gets INVALID_ARGUMENT at once (on the host backend every
-/// rank holds its rank's name until it destroys the communicator); when two processes claim one rank
-/// together, whichever takes it first joins and the other gets INVALID_ARGUMENT, and the communicator
-/// of the others forms. On the host backend a join with an id whose secret is not its rendezvous's,
-/// or with a spent id (its communicator formed, also when it was destroyed since; or its maker
-/// exited), is INVALID_ARGUMENT at once; where a process holds the rendezvous's socket but nothing
-/// answers (the maker forked, then exited), TIMEOUT. On CUDA, NCCL's root checks its magic and
-/// ends once every rank has joined: a spent id fails as NCCL reports it (NCCL_ERROR, or TIMEOUT
-/// where nothing answers).
+/// the communicator forms or after it formed, gets INVALID_ARGUMENT at once (on the host backend,
+/// while it forms, every rank holds its rank's name; once it formed, the id is spent); when two
+/// processes claim one rank together, whichever takes it first joins and the other gets
+/// INVALID_ARGUMENT, and the communicator of the others forms. On the host backend a join with an
+/// id whose secret is not its rendezvous's, or with a spent id (its communicator formed, also when
+/// it was destroyed since; or its maker exited), is INVALID_ARGUMENT at once; where a process holds
+/// the rendezvous's socket but nothing answers (the maker forked, then exited), TIMEOUT. On CUDA,
+/// NCCL's root checks its magic and ends once every rank has joined: a spent id fails as NCCL
+/// reports it (NCCL_ERROR, or TIMEOUT where nothing answers).
 ///
 /// Errors: NULL_ARGUMENT (id, comm), INVALID_ARGUMENT (an id not made by refit_comm_get_unique_id or
 /// with any byte changed, nranks 0 or above 2^31 - 1, rank not below nranks, bad options (size,

@@ -134,13 +134,16 @@ pub(super) struct HostLink {
 }
 
 impl HostLink {
-    /// Takes rank `rank`'s name (a taken rank fails here, at once), asks the id's root whether it may
-    /// join (a spent id or one with another secret fails here, at once), meets the other ranks, and
-    /// registers with the root (the last rank to do so spends the id).
+    /// Asks the id's root whether it may join (a spent id or one with another secret fails here, at
+    /// once), takes rank `rank`'s name (a rank taken by a communicator forming fails here, at once),
+    /// meets the other ranks, and registers with the root (the last rank to do so spends the id).
+    /// The root is asked first so that a join refused for a spent id never holds a rank's name, not
+    /// even for a moment: another process claiming that rank then meets the same refusal, not a name
+    /// the refused join held.
     pub fn create(key: &MeshKey, rank: usize, size: usize, timeout: Duration) -> Result<HostLink> {
         let deadline = Deadline::after(timeout);
-        let listening = Mesh::listen(key, rank, size)?;
         root::ask(key, rank, size, Ask::Check, deadline)?;
+        let listening = Mesh::listen(key, rank, size)?;
         let mesh = listening.join(deadline)?;
         root::ask(key, rank, size, Ask::Register, deadline)?;
         let default_stream = create_host_stream()?;

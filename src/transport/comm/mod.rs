@@ -13,8 +13,9 @@
 //! Identity: an id carries a check of all its bytes (a changed byte is refused before anything
 //! else) and a random secret every join is checked against: NCCL's magic, checked by NCCL's root; on
 //! the host link the secret half of the mesh key, checked by the id's root ([`root`], in the process
-//! that made the id, which also makes the id good for one communicator) and by every peer. Each host
-//! rank holds its rank's socket name until it is destroyed, so a second claim of a rank fails at once.
+//! that made the id, which also makes the id good for one communicator) and by every peer. A claim
+//! of a rank fails at once: once the communicator formed, at the root (the id is spent); while it
+//! forms, at the rank's socket name, which each host rank holds until it is destroyed.
 //!
 //! Every call either completes or fails with a status within the communicator's timeout: TIMEOUT when
 //! a peer did not take part in time, ABORTED when a peer exited or aborted. The first failure is kept
@@ -618,6 +619,30 @@ mod tests {
         assert_eq!(err.status, Status::InvalidArgument, "{err}");
         assert!(err.message.contains("the id is spent"), "{err}");
         assert!(started.elapsed() < Duration::from_secs(5), "refused at once");
+    }
+
+    /// A join refused for a spent id holds no rank's name, not even for a moment: two threads that
+    /// claim the same rank of a spent id over and over are each refused as spent every time, never
+    /// as "already taken" by the other's refused join.
+    #[test]
+    fn joins_refused_for_a_spent_id_hold_no_rank() {
+        let id = Communicator::unique_id(BackendKind::Host).unwrap();
+        let options = CommOptions { timeout: Duration::from_secs(20), ..CommOptions::default() };
+        drop(Communicator::create(&id, 1, 0, 0, options).unwrap());
+        let claimants: Vec<_> = (0..2)
+            .map(|_| {
+                std::thread::spawn(move || {
+                    for _ in 0..300 {
+                        let err = Communicator::create(&id, 1, 0, 0, options).err().unwrap();
+                        assert_eq!(err.status, Status::InvalidArgument, "{err}");
+                        assert!(err.message.contains("the id is spent"), "{err}");
+                    }
+                })
+            })
+            .collect();
+        for claimant in claimants {
+            claimant.join().unwrap();
+        }
     }
 
     /// The exchange NCCL communicators make before a call (`agree`, which the host link does not

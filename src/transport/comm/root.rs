@@ -101,6 +101,14 @@ fn serve(listener: &UnixListener, key: &MeshKey) {
     }
 }
 
+/// The refusal of a join whose id's root no longer answers.
+fn spent() -> Error {
+    Error::invalid_argument(
+        "the id is spent: its communicator has formed (an id forms one communicator; make a new one with \
+         refit_comm_get_unique_id), or the process that made it exited before every rank joined",
+    )
+}
+
 /// Asks the id's root `ask` for this process as `rank` of `size`.
 /// Errors: INVALID_ARGUMENT (the id is spent, or its maker exited; the rank registered before; the
 /// id's secret is not the root's), TIMEOUT (the root did not answer in time), ABORTED.
@@ -108,19 +116,20 @@ pub(super) fn ask(key: &MeshKey, rank: usize, size: usize, ask: Ask, deadline: D
     let stream = match UnixStream::connect_addr(&key.address(PLACE)?) {
         Ok(stream) => stream,
         // The root listens from the moment the id exists: refused means it is gone.
-        Err(e) if matches!(e.kind(), ErrorKind::ConnectionRefused | ErrorKind::NotFound) => bail!(
-            Status::InvalidArgument,
-            "the id is spent: its communicator has formed (an id forms one communicator; make a new one \
-             with refit_comm_get_unique_id), or the process that made it exited before every rank joined"
-        ),
+        Err(e) if matches!(e.kind(), ErrorKind::ConnectionRefused | ErrorKind::NotFound) => {
+            return Err(spent())
+        }
         Err(e) => return Err(io_error("connect")(e)),
     };
     stream.set_nonblocking(true).map_err(io_error("set_nonblocking"))?;
     let mut question = hello_bytes(key, rank, size);
     question.push(ask as u8);
-    write_all(&stream, &question, deadline, "the question to the id's root")?;
     let mut answer = [0u8; 1];
-    read_exact(&stream, &mut answer, deadline, "the answer of the id's root (the process that made the id)")?;
+    write_all(&stream, &question, deadline, "the question to the id's root")
+        .and_then(|()| read_exact(&stream, &mut answer, deadline, "the answer of the id's root"))
+        // A connection the root had not yet accepted when the last rank registered is reset when
+        // it stops listening (as one is when its process exits): the id was spent meanwhile.
+        .map_err(|e| if e.status == Status::Aborted { spent() } else { e })?;
     match answer[0] {
         ACCEPTED => Ok(()),
         WRONG_KEY => bail!(
