@@ -6,11 +6,12 @@ run."""
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import socket
 from types import SimpleNamespace
 from typing import Any, Callable, Dict, List, Sequence, Tuple
+
+import fork_server
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 
@@ -21,12 +22,25 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+# The SGLang modules a rank imports (sglang_rank, the families' rank_main), imported by the fork server.
+SGLANG_MODULES = (
+    "sglang.srt.distributed.parallel_state",
+    "sglang.srt.managers.scheduler_components.weight_updater",
+    "sglang.srt.managers.tp_worker",
+    "sglang.srt.model_executor.model_runner_components.weight_updater",
+    "sglang.srt.model_loader.loader",
+    "sglang.srt.server_args",
+    "refit.integrations.sglang",
+)
+
+
 def run_processes(ranks: int, rank_main: Callable[..., None], rank_args: Tuple[Any, ...], trainer_main: Callable[..., None],
                   trainer_args: Tuple[Any, ...], timeout: float) -> Dict[str, Any]:
     """Starts `ranks` rank processes, `rank_main(rank, *rank_args, conn)`, and the trainer,
     `trainer_main(*trainer_args, conns, results)`; returns what the trainer put in `results`
-    (processes still running after it are killed)."""
-    context = multiprocessing.get_context("spawn")
+    (processes still running after it are killed). They are forked from a server that has imported
+    SGLang and the targets' modules (fork_server)."""
+    context = fork_server.context(SGLANG_MODULES, rank_main, trainer_main)
     results = context.Queue()
     pipes = [context.Pipe() for _ in range(ranks)]
     processes = [context.Process(target=rank_main, args=(r, *rank_args, pipes[r][1])) for r in range(ranks)]

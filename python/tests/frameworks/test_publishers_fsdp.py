@@ -7,7 +7,6 @@ the host backend and compared element by element with the unsharded tensors."""
 
 from __future__ import annotations
 
-import multiprocessing
 import sys
 import unittest
 
@@ -24,6 +23,7 @@ except ImportError as error:  # the plain `cargo test` run has no torch
     torch = None
     MISSING = f"torch is not installed ({error})"
 
+import fork_server
 import refit
 from refit.integrations.dtensor import DTensorPublisher
 from refit.integrations.hf import HfPublisher
@@ -115,11 +115,11 @@ class RealDTensorTest(unittest.TestCase):
         self.check_world((2, 3), placements, full)
 
     def test_fsdp2_fully_shard_with_hsdp_and_uneven_shards(self):
-        # One spawned process per rank: FSDP2 interns its DTensor specs, so the ranks of a fake
+        # One process per rank: FSDP2 interns its DTensor specs, so the ranks of a fake
         # world cannot share one process (a later rank's parameters would carry the first rank's
         # mesh coordinate).
         full = {name: t.detach().clone() for name, t in fsdp_model().state_dict().items()}
-        context = multiprocessing.get_context("spawn")
+        context = fork_server.context(("torch.distributed.fsdp",), fsdp_rank_offers)
         for mesh_shape in ((2, 3),):
             world = 1
             for n in mesh_shape:

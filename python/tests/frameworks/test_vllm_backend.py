@@ -46,19 +46,30 @@
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import tempfile
 import unittest
 from multiprocessing.connection import wait
 from typing import Any, Dict, List
 
+import fork_server
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 PYPROJECT = os.path.join(HERE, "..", "..", "pyproject.toml")
-# The processes of a test each import vLLM (seconds of CPU each) before they join the communicator;
-# on a loaded 2-core machine the last can arrive well after the first. A dead peer is found by its
+# The processes of a test each build a vLLM model before they join the communicator; on a loaded
+# 2-core machine the last can arrive well after the first. A dead peer is found by its
 # closed connection (ABORTED), not by this timeout, so a generous one costs nothing when all is well.
 TIMEOUT_MS = 120_000
+# The vLLM modules a worker or trainer imports, imported once by the fork server its processes come
+# from (fork_server).
+VLLM_MODULES = (
+    "transformers",
+    "vllm.config",
+    "vllm.distributed.weight_transfer.factory",
+    "vllm.model_executor.model_loader.utils",
+    "vllm_ranks",
+    "refit.integrations.vllm_backend",
+)
 # The FP8 engines' scenarios: vLLM's quantization of each.
 FP8_SCENARIOS = {"fp8": "fp8_per_block", "fp8_channel": "fp8_per_channel", "fp8_tensor": "fp8_per_tensor",
                  "fp8_tensor_tp1": "fp8_per_tensor", "fp8_tensor_split": "fp8_per_tensor",
@@ -497,7 +508,7 @@ class VllmBackendTest(unittest.TestCase):
 
         moe, quantization = scenario == "moe", FP8_SCENARIOS.get(scenario)
         folder = self.moe_folder if moe else self.fp8_folder if quantization else self.folder
-        context = multiprocessing.get_context("spawn")
+        context = fork_server.context(VLLM_MODULES, worker_main, trainer_main, second_trainer_main)
         results = context.Queue()
         control = [context.Pipe() for _ in range(size)]
         checks = [context.Pipe() for _ in range(size)]
