@@ -251,10 +251,10 @@ impl Mesh {
         Mesh::listen(key, rank, size)?.join(deadline)
     }
 
-    /// Takes rank `rank`'s name in the mesh of `key`, without waiting for anyone.
-    /// Errors: INVALID_ARGUMENT (rank not below size; more ranks than a process may open files; the
-    /// rank is taken by another process, of a mesh forming or formed).
-    pub fn listen(key: &MeshKey, rank: usize, size: usize) -> Result<Listening> {
+    /// Whether rank `rank` of `size` could ever join a mesh, asked of nothing but the arguments and
+    /// this process's limits (so that a join can refuse them before it asks anyone anything).
+    /// Errors: INVALID_ARGUMENT (rank not below size; more ranks than a process may open files).
+    pub fn check_ranks(rank: usize, size: usize) -> Result<()> {
         if size == 0 || rank >= size || size > u32::MAX as usize {
             bail!(Status::InvalidArgument, "rank {rank} of {size}: the rank must be below the size");
         }
@@ -268,6 +268,14 @@ impl Mesh {
                  open at most {files} files (RLIMIT_NOFILE)"
             );
         }
+        Ok(())
+    }
+
+    /// Takes rank `rank`'s name in the mesh of `key`, without waiting for anyone.
+    /// Errors: INVALID_ARGUMENT ([`Mesh::check_ranks`]; the rank is taken by another process, of a
+    /// mesh forming or formed).
+    pub fn listen(key: &MeshKey, rank: usize, size: usize) -> Result<Listening> {
+        Mesh::check_ranks(rank, size)?;
         let listener = UnixListener::bind_addr(&key.address(rank)?).map_err(|e| {
             if e.kind() == ErrorKind::AddrInUse {
                 Error::invalid_argument(format!(

@@ -134,16 +134,23 @@ pub(super) struct HostLink {
 }
 
 impl HostLink {
-    /// Asks the id's root whether it may join (a spent id or one with another secret fails here, at
-    /// once), takes rank `rank`'s name (a rank taken by a communicator forming fails here, at once),
-    /// meets the other ranks, and registers with the root (the last rank to do so spends the id).
-    /// The root is asked first so that a join refused for a spent id never holds a rank's name, not
-    /// even for a moment: another process claiming that rank then meets the same refusal, not a name
-    /// the refused join held.
+    /// Checks the ranks against this process's limits, asks the id's root whether it may join (a
+    /// spent id or one with another secret fails here, at once), takes rank `rank`'s name (a rank
+    /// held by a communicator forming or formed fails here, at once), asks the root again, meets the
+    /// other ranks, and registers with the root (the last rank to do so spends the id).
+    ///
+    /// The root is asked before the name is taken so that a join refused for a spent id never holds
+    /// a rank's name, not even for a moment (another process claiming that rank meanwhile would be
+    /// told it is taken). It is asked again once the name is held because a name is free again once
+    /// its communicator is destroyed: a join that passed the first question while that communicator
+    /// formed, and took the name after it was destroyed, is refused there, at once, instead of
+    /// waiting its whole timeout for peers that have gone.
     pub fn create(key: &MeshKey, rank: usize, size: usize, timeout: Duration) -> Result<HostLink> {
         let deadline = Deadline::after(timeout);
+        Mesh::check_ranks(rank, size)?;
         root::ask(key, rank, size, Ask::Check, deadline)?;
         let listening = Mesh::listen(key, rank, size)?;
+        root::ask(key, rank, size, Ask::Check, deadline)?;
         let mesh = listening.join(deadline)?;
         root::ask(key, rank, size, Ask::Register, deadline)?;
         let default_stream = create_host_stream()?;

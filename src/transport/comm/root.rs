@@ -2,10 +2,10 @@
 //! only, as NCCL's bootstrap root does for its ids.
 //!
 //! [`open`] runs in the process that makes the id: a thread listens on `refit-mesh/<token>/root`.
-//! A joining rank asks it twice ([`ask`]): before meeting its peers, whether it may ([`Ask::Check`]:
-//! the process holds the id's secret, and the id is not spent), so that a stale or stray process is
-//! refused at once instead of waiting for peers that never come; and once the ranks have met
-//! ([`Ask::Register`]), to be counted. Once every rank of the communicator is registered the root
+//! A joining rank asks it before meeting its peers whether it may ([`Ask::Check`]: the process holds
+//! the id's secret, and the id is not spent; asked before and again after taking the rank's name,
+//! see `HostLink::create`), so that a stale or stray process is refused at once instead of waiting
+//! for peers that never come; and once the ranks have met ([`Ask::Register`]), to be counted. Once every rank of the communicator is registered the root
 //! stops listening, for every process that may hold a copy of its socket (a `fork` after the id was
 //! made): the id is spent, and a later join with it (a stale process, or the same processes after
 //! destroying the communicator) is refused at once. A join that failed before its ranks met spends
