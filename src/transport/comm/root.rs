@@ -5,12 +5,12 @@
 //! A joining rank asks it before meeting its peers whether it may ([`Ask::Check`]: the process holds
 //! the id's secret, and the id is not spent; asked before and again after taking the rank's name,
 //! see `HostLink::create`), so that a stale or stray process is refused at once instead of waiting
-//! for peers that never come; and once the ranks have met ([`Ask::Register`]), to be counted. Once every rank of the communicator is registered the root
-//! stops listening, for every process that may hold a copy of its socket (a `fork` after the id was
-//! made): the id is spent, and a later join with it (a stale process, or the same processes after
-//! destroying the communicator) is refused at once. A join that failed before its ranks met spends
-//! nothing. Where no process answers at all (the maker forked, then exited), a join waits its
-//! timeout.
+//! for peers that never come; and once the ranks have met ([`Ask::Register`]), to be counted. Once
+//! every rank of the communicator is registered the root stops listening, for every process that
+//! may hold a copy of its socket (a `fork` after the id was made): the id is spent, and a later join
+//! with it (a stale process, or the same processes after destroying the communicator) is refused at
+//! once. A join that failed before its ranks met spends nothing. Where no process answers at all
+//! (the maker forked, then exited), a join waits its timeout.
 //!
 //! Ranks meet each other over the mesh ([`super::super::mesh`]), whose hellos carry the secret too.
 
@@ -110,8 +110,9 @@ fn spent() -> Error {
 }
 
 /// Asks the id's root `ask` for this process as `rank` of `size`.
-/// Errors: INVALID_ARGUMENT (the id is spent, or its maker exited; the rank registered before; the
-/// id's secret is not the root's), TIMEOUT (the root did not answer in time), ABORTED.
+/// Errors: INVALID_ARGUMENT (the id is spent, or its maker exited, also where the root closed the
+/// connection unanswered as it stopped listening; the rank registered before; the id's secret is not
+/// the root's), TIMEOUT (the root did not answer in time).
 pub(super) fn ask(key: &MeshKey, rank: usize, size: usize, ask: Ask, deadline: Deadline) -> Result<()> {
     let stream = match UnixStream::connect_addr(&key.address(PLACE)?) {
         Ok(stream) => stream,
